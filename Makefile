@@ -1,0 +1,24 @@
+# make run: set up .venv and run the main example; make test: set up .venv and run the tests.
+PY := .venv/bin/python
+VENV_STAMP := .venv/.fedhop-installed
+
+$(VENV_STAMP): pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(VENV_STAMP)
+
+.PHONY: venv run test test-all bench
+venv: $(VENV_STAMP)
+
+run: $(VENV_STAMP)
+	.venv/bin/fedhop run examples/fedavg_digits.toml
+
+test: $(VENV_STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(VENV_STAMP)
+	FEDHOP_SLOW=1 $(PY) -m pytest -q
+
+bench: $(VENV_STAMP)
+	.venv/bin/fedhop bench transport

@@ -1,0 +1,73 @@
+"""`python -m client --parent HOST:PORT --clients 0-9 [--node-id ID] [--listen HOST:PORT]`
+
+Starts one client process hosting the given logical clients; it registers with its parent
+(the server, or an edge), serves training calls and exits when the parent shuts it down.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from common.ledger import Ledger
+from common.transport.grpc import GrpcEndpoint
+from client.runtime import ClientProcess
+
+
+def parse_ids(text: str) -> list[int]:
+    """'0-9', '1,3,5' or '0-4,10-12' -> sorted unique ids."""
+    ids: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            if int(hi) < int(lo):
+                raise ValueError(f"--clients: bad range '{part}'")
+            ids.update(range(int(lo), int(hi) + 1))
+        else:
+            ids.add(int(part))
+    if not ids:
+        raise ValueError("--clients: no client ids given")
+    return sorted(ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m client", description=__doc__)
+    ap.add_argument("--parent", required=True, help="address of the server or edge to register with")
+    ap.add_argument("--clients", required=True, help="logical client ids, e.g. 0-9 or 1,3,5")
+    ap.add_argument("--node-id", default=f"client-proc{os.getpid()}")
+    ap.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve on (port 0 = any free)")
+    ap.add_argument("--ledger-dir", default="", help="write this process's ledger records here (JSONL)")
+    ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--chunk-bytes", type=int, default=4 << 20)
+    ap.add_argument("--max-message-bytes", type=int, default=64 << 20)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node_id} %(levelname)s %(message)s")
+    torch.set_num_threads(args.threads)
+    sink = Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None
+    ledger = Ledger(sink)
+    endpoint = GrpcEndpoint(args.node_id, ledger, token=args.token, chunk_bytes=args.chunk_bytes,
+                            max_message_bytes=args.max_message_bytes)
+    proc = ClientProcess(endpoint, args.parent, parse_ids(args.clients), bind=args.listen)
+    logging.info("serving at %s, registering with %s", proc.address, args.parent)
+    try:
+        proc.register()
+    except Exception as exc:
+        logging.error("%s", exc)
+        endpoint.stop()
+        return 2
+    proc.wait()
+    endpoint.stop(grace=0.5)
+    logging.info("shut down by parent")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""A client process: hosts one or many logical clients and runs their local solvers.
+
+Each logical client has its own id, data partition, persistent state (kept here across rounds)
+and RNG stream (derived from the run seed, the client id and the round, so a result does not
+depend on which process hosts the client or in what order clients train).  One process trains
+one logical client at a time: the process's cores go to that client's tensor ops.
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+import torch
+
+from common.algorithms import build_algorithm
+from common.algorithms.base import ClientContext, Payload, finite_or_raise
+from common.codec import PayloadError
+from common.config import Config, client_local_steps
+from common.rng import torch_stream
+from common.tasks import build_task
+from common.transport.base import HandlerError, Request
+
+
+def client_node(cid: int) -> str:
+    return f"client-{cid}"
+
+
+def parse_client_id(node_id: str) -> int:
+    role, _, num = node_id.partition("-")
+    if role != "client" or not num.isdigit():
+        raise HandlerError("UNKNOWN_CLIENT", f"'{node_id}' is not a logical client id")
+    return int(num)
+
+
+class ClientHost:
+    """The logical clients of one process and the handler that serves their calls."""
+
+    def __init__(self, cfg: Config, node_id: str, client_ids: list[int], run_id: str) -> None:
+        self.cfg = cfg
+        self.node_id = node_id
+        self.run_id = run_id
+        self.client_ids = sorted(client_ids)
+        self.task = build_task(cfg)
+        self.algorithm = build_algorithm(cfg)
+        self.model = self.task.build_model()
+        self.states: dict[int, dict[str, torch.Tensor]] = {cid: {} for cid in self.client_ids}
+        self.last_round: dict[int, int] = {}
+        self._train_lock = threading.Lock()
+        self.shutdown_event = threading.Event()
+        for cid in self.client_ids:
+            if not 0 <= cid < self.task.num_clients:
+                raise ValueError(f"client id {cid} out of range: the task has {self.task.num_clients} clients")
+
+    def num_samples(self, cid: int) -> int:
+        return self.task.client_data(cid).num_samples
+
+    # ------------------------------------------------------------------ handler
+    def handle(self, request: Request) -> Payload:
+        env = request.envelope
+        if self.run_id and env.run_id != self.run_id:
+            raise HandlerError("WRONG_RUN", f"message for run '{env.run_id}', this process serves '{self.run_id}'")
+        if env.method == "train":
+            return self.train(parse_client_id(env.dst), int(env.round), request.payload)
+        if env.method == "shutdown":
+            self.shutdown_event.set()
+            return Payload(scalars={"clients": len(self.client_ids)})
+        if env.method == "ping":
+            return Payload()
+        raise HandlerError("UNKNOWN_METHOD", f"{self.node_id} does not serve '{env.method}'")
+
+    def train(self, cid: int, round: int, message: Payload) -> Payload:
+        if cid not in self.states:
+            raise HandlerError("UNKNOWN_CLIENT", f"client {cid} is not hosted by {self.node_id}")
+        try:
+            finite_or_raise(message, f"round {round} message to client {cid}")
+        except ValueError as exc:
+            raise PayloadError("NON_FINITE", str(exc)) from None
+        with self._train_lock:
+            ctx = ClientContext(
+                client_id=cid, task=self.task, model=self.model, num_samples=self.num_samples(cid),
+                generator=torch_stream(self.cfg.run.seed, "client", cid, "round", round),
+                round=round, local_steps=client_local_steps(self.cfg, cid),
+                local_epochs=self.cfg.algorithm.local_epochs, state=self.states[cid])
+            reply = self.algorithm.client_update(ctx, message)
+            self.last_round[cid] = round
+        return reply
+
+    def describe(self) -> str:
+        return json.dumps({"node": self.node_id, "clients": self.client_ids})

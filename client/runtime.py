@@ -1,0 +1,63 @@
+"""Start-up of a client process: serve, register with the parent, build the host, wait."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from common.config import parse_config
+from common.transport.base import CallFailed, Endpoint, Request
+from common.transport.base import HandlerError
+from common.wire import fedhop_pb2 as pb
+from client.host import ClientHost
+
+log = logging.getLogger("fedhop.client")
+
+
+class ClientProcess:
+    """One client OS process (or, in unit tests, one in-memory stand-in for it)."""
+
+    def __init__(self, endpoint: Endpoint, parent: str, client_ids: list[int], bind: str = "127.0.0.1:0") -> None:
+        self.endpoint = endpoint
+        self.parent = parent
+        self.client_ids = client_ids
+        self.host: ClientHost | None = None
+        self._ready = threading.Event()
+        self.address = endpoint.serve(self._handle, bind)
+
+    def _handle(self, request: Request):
+        # the parent may call as soon as it has accepted our registration, while we are still
+        # building the task from the config it sent: wait for that, briefly
+        if not self._ready.wait(120.0) or self.host is None:
+            raise HandlerError("NOT_READY", f"{self.endpoint.node_id} has not finished registering")
+        return self.host.handle(request)
+
+    def register(self, timeout: float = 60.0, attempts: int = 30) -> None:
+        req = pb.RegisterRequest(node_id=self.endpoint.node_id, role="client", address=self.address,
+                                 token=self.endpoint.token,
+                                 clients=[pb.LogicalClient(client_id=c) for c in self.client_ids])
+        delay = 0.2
+        for attempt in range(attempts):
+            try:
+                reply = self.endpoint.register(self.parent, req, timeout)
+                break
+            except CallFailed as exc:
+                if attempt == attempts - 1:
+                    raise
+                log.warning("register with %s failed (%s); retrying in %.1fs", self.parent, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        if not reply.accepted:
+            raise RuntimeError(f"{self.endpoint.node_id}: registration refused by {self.parent}: {reply.message}")
+        cfg = parse_config(reply.config_toml)
+        self.endpoint.run_id = reply.run_id
+        self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
+        torch.set_num_threads(cfg.run.torch_threads)
+        self.host = ClientHost(cfg, self.endpoint.node_id, self.client_ids, reply.run_id)
+        self._ready.set()
+
+    def wait(self, idle_timeout: float | None = None) -> None:
+        assert self.host is not None
+        self.host.shutdown_event.wait(idle_timeout)

@@ -1,0 +1,45 @@
+"""Algorithm registry.
+
+Every module in this package that defines algorithms lists them in a module-level
+`REGISTER = [ClassA, ClassB]`; each class's `name` is its config name.  Modules are found by
+scanning the package, so adding an algorithm touches no shared file.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from functools import lru_cache
+
+_NOT_ALGORITHMS = {"base", "local"}
+
+
+@lru_cache(maxsize=1)
+def registry() -> dict[str, type]:
+    found: dict[str, type] = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name in _NOT_ALGORITHMS or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for cls in getattr(module, "REGISTER", []):
+            if cls.name in found and found[cls.name] is not cls:
+                raise RuntimeError(f"algorithm name '{cls.name}' registered twice "
+                                   f"({found[cls.name].__module__} and {cls.__module__})")
+            found[cls.name] = cls
+    return found
+
+
+def algorithm_class(name: str):
+    """The Algorithm subclass registered under `name`, with a clear error for unknown names."""
+    algos = registry()
+    if name not in algos:
+        raise KeyError(f"algorithm.name: unknown algorithm '{name}' (allowed: {', '.join(sorted(algos))})")
+    return algos[name]
+
+
+def build_algorithm(cfg):
+    """The configured algorithm with its validated hyper-parameters (`cfg` is a Config)."""
+    cls = algorithm_class(cfg.algorithm.name)
+    params = getattr(cfg.algorithm, "params", None)
+    if params is None:
+        params = cls.Params(**cfg.algorithm.options)
+    return cls(cfg.algorithm, params)

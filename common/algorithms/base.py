@@ -1,0 +1,234 @@
+"""The algorithm interface shared by every role and every transport.
+
+An algorithm says *what* each party computes and *what it sends*; transports move the
+`Payload`s it returns and count their bytes (DESIGN.md section 4). The same object is used
+by the server (state, broadcast, server step), by edges (partial aggregation) and by the
+client processes (local solver), so one module reads top to bottom beside its paper.
+
+Flow of one star round (hierarchical rounds insert `aggregate` at the edges):
+
+    msg   = algo.broadcast(state, round)                         # server -> each sampled client
+    reply = algo.client_update(ctx, msg)                         # on the client
+    part  = algo.aggregate([(cid, reply), ...])                  # server (or edge) reduces replies
+    algo.server_update(state, part, round)                       # server step, mutates state
+
+`aggregate` must be associative over disjoint groups of clients (a reduction of an
+edge's partial results gives the same numbers as reducing all the clients at once) so
+edges can pre-aggregate.  The default reduction follows `reply_reduce`: named tensors and
+scalars combined by weighted sum, sum, max or min, with the total weight carried along.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from common.tasks import Task
+
+Scalar = float | int | bool | str
+ReduceOp = Literal["wsum", "sum", "max", "min"]
+
+WEIGHT_KEY = "weight"      # scalar every reply carries: the client's aggregation weight
+COUNT_KEY = "num_results"  # scalar added by `aggregate`: how many client results are inside
+
+
+@dataclass
+class Payload:
+    """What one message carries: named tensors and typed scalars (DESIGN.md section 3)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
+
+    def tensor_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass
+class ServerState:
+    """Everything the server side of an algorithm keeps between rounds.
+
+    `params` is the global model; `extra` holds algorithm state tensors (optimizer moments,
+    control variates, dual sums) and `scalars` holds counters.  Checkpoints save all three.
+    """
+
+    params: dict[str, torch.Tensor]
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
+
+
+@dataclass
+class ClientContext:
+    """One logical client as its local solver sees it.
+
+    `state` persists across rounds in the client process (SCAFFOLD's control variate,
+    FedDyn's gradient memory); `generator` is the client's own seeded RNG stream for
+    minibatch sampling; `local_steps` is this client's step budget this round (0: use
+    epochs).
+    """
+
+    client_id: int
+    task: "Task"
+    model: torch.nn.Module
+    num_samples: int
+    generator: torch.Generator
+    round: int
+    local_steps: int
+    local_epochs: int
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    info: dict[str, Scalar] = field(default_factory=dict)  # extra per-round facts (e.g. straggler flag)
+
+
+@dataclass
+class AlgorithmParams:
+    """Base for an algorithm's own hyper-parameters ([algorithm] keys beyond the common ones)."""
+
+
+class Algorithm(ABC):
+    """Base class. Subclasses set `name`, `Params` and implement `client_update`."""
+
+    name: str = "base"
+    Params: type[AlgorithmParams] = AlgorithmParams
+    # how reply fields combine across clients; keys absent here default to "wsum" for
+    # tensors and "wsum" for float scalars.
+    reply_reduce: Mapping[str, ReduceOp] = {}
+
+    def __init__(self, cfg: Any, params: AlgorithmParams | None = None) -> None:
+        """`cfg` is the validated `[algorithm]` section (common.config.AlgorithmConfig)."""
+        self.cfg = cfg
+        self.params = params if params is not None else self.Params()
+
+    # ------------------------------------------------------------------ server side
+    def init_state(self, params: dict[str, torch.Tensor]) -> ServerState:
+        return ServerState(params={k: v.detach().clone() for k, v in params.items()})
+
+    def broadcast(self, state: ServerState, round: int) -> Payload:
+        """What every sampled client receives at the start of a round (default: the model)."""
+        return Payload(tensors=dict(state.params))
+
+    def reply_spec(self, state: ServerState) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Names, dtypes and shapes every client reply must carry (default: one delta per
+        parameter).  The server rejects a reply that does not match before using it."""
+        return {name: (t.dtype, tuple(t.shape)) for name, t in state.params.items()}
+
+    @abstractmethod
+    def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
+        """Run the local solver; return the reply (must include scalar `weight`)."""
+
+    def aggregate(self, replies: Iterable[tuple[int, Payload]]) -> Payload:
+        """Reduce replies (sorted by client or edge id by the caller) into one partial result."""
+        return reduce_payloads([p for _, p in replies], self.reply_reduce)
+
+    @abstractmethod
+    def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
+        """Apply the server step for this round, mutating `state`."""
+
+    # ------------------------------------------------------------------ edge side (hierarchical)
+    def edge_step(self, message: Payload, partial: Payload) -> Payload:
+        """An edge's intermediate aggregation (HierFAVG, kappa2 > 1): the edge model moves by
+        the weighted mean of its clients' deltas, w_e <- w_e + sum_i p_i Delta_i.  Algorithms
+        whose replies are not parameter deltas override this and `edge_partial`."""
+        tensors = dict(message.tensors)
+        for name, t in message.tensors.items():
+            if name in partial.tensors:
+                tensors[name] = t + weighted_mean(partial, name)
+        return Payload(tensors=tensors, scalars=dict(message.scalars))
+
+    def edge_partial(self, start: Payload, current: Payload, last: Payload) -> Payload:
+        """What an edge returns after kappa2 > 1 iterations: its total model change
+        (current + its last iteration's mean delta - start), as a partial aggregate of weight
+        W_e (the weight of its last iteration's clients)."""
+        weight = float(last.scalars[WEIGHT_KEY])
+        tensors = {name: (current.tensors[name] + weighted_mean(last, name) - start.tensors[name]) * weight
+                   for name in last.tensors if name in start.tensors}
+        scalars = {k: v for k, v in last.scalars.items()}
+        return Payload(tensors=tensors, scalars=scalars)
+
+    # ------------------------------------------------------------------ helpers
+    def client_weight(self, ctx: ClientContext) -> float:
+        """Aggregation weight: the sample count, or 1 under `weighting = "uniform"`."""
+        if getattr(self.cfg, "weighting", "samples") == "uniform":
+            return 1.0
+        return float(ctx.num_samples)
+
+
+def reduce_payloads(payloads: list[Payload], ops: Mapping[str, ReduceOp]) -> Payload:
+    """Combine payloads field by field, in the given order (fixed order = reproducible bits).
+
+    A `wsum` field of the result is sum_i weight_i * field_i, where weight_i is the payload's
+    `weight` scalar.  Payloads that are themselves partial results (they carry `num_results`)
+    are already weighted, so they are summed, not weighted again.  Result carries the summed
+    `weight` and `num_results`.
+    """
+    if not payloads:
+        raise ValueError("cannot aggregate an empty list of replies")
+    out = Payload()
+    total_weight = 0.0
+    count = 0
+    for p in payloads:
+        if WEIGHT_KEY not in p.scalars:
+            raise ValueError(f"reply lacks the '{WEIGHT_KEY}' scalar")
+        w = float(p.scalars[WEIGHT_KEY])
+        is_partial = COUNT_KEY in p.scalars
+        total_weight += w
+        count += int(p.scalars[COUNT_KEY]) if is_partial else 1
+        for name, t in p.tensors.items():
+            op = ops.get(name, "wsum")
+            term = t if (op != "wsum" or is_partial) else t * w
+            if name not in out.tensors:
+                out.tensors[name] = term.clone() if term is t else term
+            elif op in ("wsum", "sum"):
+                out.tensors[name] += term
+            elif op == "max":
+                torch.maximum(out.tensors[name], term, out=out.tensors[name])
+            elif op == "min":
+                torch.minimum(out.tensors[name], term, out=out.tensors[name])
+            else:  # pragma: no cover - guarded by ReduceOp
+                raise ValueError(f"unknown reduce op {op!r} for {name!r}")
+        for name, v in p.scalars.items():
+            if name in (WEIGHT_KEY, COUNT_KEY):
+                continue
+            if isinstance(v, (str, bool)):
+                out.scalars.setdefault(name, v)
+                continue
+            op = ops.get(name, "wsum")
+            term = v if (op != "wsum" or is_partial) else v * w
+            if name not in out.scalars:
+                out.scalars[name] = term
+            elif op in ("wsum", "sum"):
+                out.scalars[name] += term
+            elif op == "max":
+                out.scalars[name] = max(out.scalars[name], term)
+            elif op == "min":
+                out.scalars[name] = min(out.scalars[name], term)
+    out.scalars[WEIGHT_KEY] = total_weight
+    out.scalars[COUNT_KEY] = count
+    return out
+
+
+def weighted_mean(aggregate: Payload, name: str) -> torch.Tensor:
+    """sum_i w_i x_i / sum_i w_i for a `wsum` field of an aggregate."""
+    return aggregate.tensors[name] / float(aggregate.scalars[WEIGHT_KEY])
+
+
+def params_dataclass_from(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    """Build an algorithm's Params dataclass from config keys, naming any bad key."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in fields:
+            raise KeyError(f"{where}: unknown key '{key}' (allowed: {', '.join(sorted(fields)) or 'none'})")
+    return cls(**values)
+
+
+def finite_or_raise(payload: Payload, who: str) -> None:
+    """Reject NaN/Inf in any float tensor or scalar (DESIGN.md section 3)."""
+    for name, t in payload.tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{who}: tensor '{name}' holds NaN or Inf")
+    for name, v in payload.scalars.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{who}: scalar '{name}' is {v}")

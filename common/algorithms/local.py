@@ -1,0 +1,72 @@
+"""Local solvers shared by the algorithms: plain minibatch SGD with optional gradient hooks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from common.algorithms.base import ClientContext
+from common.sampling import local_batches
+
+GradHook = Callable[[str, torch.nn.Parameter, torch.Tensor], torch.Tensor]
+
+
+def get_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's trainable parameters by name (detached views)."""
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def set_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Copy `params` into the model's parameters (names and shapes must match)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            src = params[name]
+            if src.shape != p.shape:
+                raise ValueError(f"parameter '{name}': got shape {tuple(src.shape)}, model has {tuple(p.shape)}")
+            p.copy_(src)
+
+
+@dataclass
+class LocalStats:
+    steps: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    last_loss: float = float("nan")
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.steps if self.steps else float("nan")
+
+
+def local_sgd(ctx: ClientContext, lr: float, batch_size: int, weight_decay: float = 0.0,
+              grad_hook: GradHook | None = None, lr_at: Callable[[int], float] | None = None) -> LocalStats:
+    """Run this round's minibatch SGD steps on `ctx.model` in place.
+
+    `grad_hook(name, param, grad)` may return a modified gradient (FedProx's proximal term,
+    SCAFFOLD's correction); `lr_at(k)` gives the step size of local step k (default `lr`).
+    """
+    data = ctx.task.client_data(ctx.client_id)
+    stats = LocalStats()
+    params = [(n, p) for n, p in ctx.model.named_parameters() if p.requires_grad]
+    for k, idx in enumerate(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs,
+                                          ctx.generator)):
+        batch = tuple(t[idx] for t in data.tensors)
+        ctx.model.zero_grad(set_to_none=True)
+        loss = ctx.task.loss(ctx.model, batch, ctx.generator)
+        loss.backward()
+        step = lr_at(k) if lr_at is not None else lr
+        with torch.no_grad():
+            for name, p in params:
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                if weight_decay:
+                    g = g + weight_decay * p
+                if grad_hook is not None:
+                    g = grad_hook(name, p, g)
+                p.add_(g, alpha=-step)
+        value = float(loss.detach())
+        stats.steps += 1
+        stats.samples += int(idx.numel())
+        stats.loss_sum += value
+        stats.last_loss = value
+    return stats

@@ -1,0 +1,336 @@
+"""Tensor codec: Payload <-> a header Envelope plus raw little-endian data frames.
+
+Wire format (proto/fedhop.proto): a stream of `Frame` messages.  The first carries the
+`Envelope` (tensor specs, scalars, routing); the rest carry the tensors' bytes, concatenated
+in spec order and cut into chunks of at most `chunk_bytes`.
+
+Copies, the cost that dominates on this machine (shared/research/limits.md):
+- encode: tensor memory -> frame bytes is one copy per byte (`bytes.join` over memoryviews
+  of the tensors); the frame is a valid protobuf `Frame{data}` message built by hand (tag
+  0x12, varint length, bytes), so no second serialisation pass is made;
+- decode: each data frame is copied once into one preallocated buffer; every tensor is then a
+  zero-copy view of that buffer (a tensor whose offset is misaligned for its dtype is copied).
+
+Everything received is validated before use: declared sizes against the limit before any
+allocation, dtype names, nbytes = prod(shape) * itemsize, total bytes, frame order.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from common.algorithms.base import Payload, Scalar
+from common.wire import fedhop_pb2 as pb
+
+if sys.byteorder != "little":  # pragma: no cover
+    raise RuntimeError("fedhop's wire format is little-endian; this host is big-endian")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "complex64": torch.complex64, "complex128": torch.complex128,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        DTYPES[_name] = getattr(torch, _name)
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+_TAG_HEADER = 0x0A  # Frame field 1 (header), wire type 2
+_TAG_DATA = 0x12    # Frame field 2 (data), wire type 2
+DEFAULT_CHUNK = 4 * 1024 * 1024
+FRAME_OVERHEAD = 5  # gRPC length-prefixed message framing, per message
+
+
+class PayloadError(ValueError):
+    """A received payload is malformed; `code` names the failure class for the ledger/events."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.detail = message
+
+
+# ----------------------------------------------------------------------------- varints
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise PayloadError("MALFORMED_FRAME", "truncated or overlong varint in frame header")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+# ----------------------------------------------------------------------------- scalars
+def scalar_to_pb(value: Scalar, out: pb.Scalar) -> None:
+    if isinstance(value, bool):
+        out.b = value
+    elif isinstance(value, int):
+        out.i = value
+    elif isinstance(value, float):
+        out.f = value
+    elif isinstance(value, str):
+        out.s = value
+    else:
+        raise TypeError(f"scalar of unsupported type {type(value).__name__}")
+
+
+def scalar_from_pb(s: pb.Scalar) -> Scalar:
+    kind = s.WhichOneof("value")
+    if kind is None:
+        raise PayloadError("MALFORMED_SCALAR", "scalar with no value")
+    return getattr(s, kind)
+
+
+# ----------------------------------------------------------------------------- encode
+def tensor_bytes_view(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a flat memoryview (copies only if it is not contiguous)."""
+    flat = t.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+@dataclass
+class Encoded:
+    """The frames of one message, and their sizes for the ledger."""
+
+    frames: list[bytes]
+    envelope: pb.Envelope
+    tensor_bytes: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+    def with_header(self, envelope: pb.Envelope) -> "Encoded":
+        """The same data frames under another header (one model sent to many clients is cut
+        into frames once).  Tensor specs, scalars and data size are copied from this message."""
+        envelope.tensors.extend(self.envelope.tensors)
+        for k, v in self.envelope.scalars.items():
+            envelope.scalars[k].CopyFrom(v)
+        envelope.data_bytes = self.envelope.data_bytes
+        head = envelope.SerializeToString()
+        frames = [bytes([_TAG_HEADER]) + _varint(len(head)) + head, *self.frames[1:]]
+        return Encoded(frames=frames, envelope=envelope, tensor_bytes=self.tensor_bytes)
+
+    @property
+    def framed_bytes(self) -> int:
+        return self.payload_bytes + FRAME_OVERHEAD * len(self.frames)
+
+
+def make_envelope(*, run_id: str, round: int, src: str, dst: str, method: str, step: int = 0,
+                  token: str = "", msg_id: str | None = None) -> pb.Envelope:
+    return pb.Envelope(run_id=run_id, round=round, step=step, src=src, dst=dst, method=method,
+                       msg_id=msg_id or uuid.uuid4().hex, token=token)
+
+
+def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_CHUNK) -> Encoded:
+    """Fill `envelope` with the payload's specs and scalars and cut the data into frames."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    views: list[memoryview] = []
+    total = 0
+    del envelope.tensors[:]
+    for name, t in payload.tensors.items():
+        if t.dtype not in DTYPE_NAMES:
+            raise TypeError(f"tensor '{name}': dtype {t.dtype} is not supported by the codec")
+        view = tensor_bytes_view(t)
+        envelope.tensors.add(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape),
+                             nbytes=len(view))
+        views.append(view)
+        total += len(view)
+    envelope.scalars.clear()
+    for name, value in payload.scalars.items():
+        scalar_to_pb(value, envelope.scalars[name])
+    envelope.data_bytes = total
+    head = envelope.SerializeToString()
+    frames = [bytes([_TAG_HEADER]) + _varint(len(head)) + head]
+    frames.extend(_data_frames(views, total, chunk_bytes))
+    return Encoded(frames=frames, envelope=envelope, tensor_bytes=total)
+
+
+def _data_frames(views: list[memoryview], total: int, chunk_bytes: int) -> Iterator[bytes]:
+    pieces: list[memoryview] = []
+    filled = 0
+    for view in views:
+        pos = 0
+        while pos < len(view):
+            take = min(chunk_bytes - filled, len(view) - pos)
+            pieces.append(view[pos:pos + take])
+            pos += take
+            filled += take
+            if filled == chunk_bytes:
+                yield b"".join([bytes([_TAG_DATA]), _varint(filled), *pieces])
+                pieces, filled = [], 0
+    if filled:
+        yield b"".join([bytes([_TAG_DATA]), _varint(filled), *pieces])
+
+
+# ----------------------------------------------------------------------------- decode
+@dataclass
+class Decoded:
+    envelope: pb.Envelope
+    payload: Payload
+    payload_bytes: int
+    frames: int
+    tensor_bytes: int
+
+    @property
+    def framed_bytes(self) -> int:
+        return self.payload_bytes + FRAME_OVERHEAD * self.frames
+
+
+@dataclass
+class FrameDecoder:
+    """Consumes the frames of one message in order; `finish()` returns the decoded message."""
+
+    max_payload_bytes: int = 1 << 31
+    envelope: pb.Envelope | None = None
+    _buffer: np.ndarray | None = None
+    _filled: int = 0
+    _payload_bytes: int = 0
+    _frames: int = 0
+    _specs: list = field(default_factory=list)
+
+    def feed(self, frame: bytes) -> None:
+        self._frames += 1
+        self._payload_bytes += len(frame)
+        mv = memoryview(frame)
+        if len(mv) == 0:
+            raise PayloadError("MALFORMED_FRAME", "empty frame")
+        tag = mv[0]
+        length, start = _read_varint(mv, 1)
+        if start + length != len(mv):
+            raise PayloadError("MALFORMED_FRAME",
+                               f"frame declares {length} bytes but carries {len(mv) - start}")
+        if tag == _TAG_HEADER:
+            if self.envelope is not None:
+                raise PayloadError("MALFORMED_FRAME", "second header frame in one message")
+            env = pb.Envelope()
+            try:
+                env.ParseFromString(mv[start:])
+            except Exception as exc:  # protobuf's DecodeError
+                raise PayloadError("MALFORMED_HEADER", f"cannot parse envelope: {exc}") from None
+            self._start(env)
+        elif tag == _TAG_DATA:
+            if self.envelope is None:
+                raise PayloadError("MALFORMED_FRAME", "data frame before the header frame")
+            if self._filled + length > self.envelope.data_bytes:
+                raise PayloadError("SIZE_MISMATCH",
+                                   f"data frames exceed the declared {self.envelope.data_bytes} bytes")
+            assert self._buffer is not None
+            self._buffer[self._filled:self._filled + length] = np.frombuffer(
+                frame, dtype=np.uint8, count=length, offset=start)
+            self._filled += length
+        else:
+            raise PayloadError("MALFORMED_FRAME", f"unknown frame tag 0x{tag:02x}")
+
+    def _start(self, env: pb.Envelope) -> None:
+        declared = int(env.data_bytes)
+        if declared > self.max_payload_bytes:
+            raise PayloadError("TOO_LARGE", f"message declares {declared} data bytes; the limit is "
+                                            f"{self.max_payload_bytes}")
+        total = 0
+        for spec in env.tensors:
+            if spec.dtype not in DTYPES:
+                raise PayloadError("BAD_DTYPE", f"tensor '{spec.name}': unknown dtype '{spec.dtype}' "
+                                                f"(allowed: {', '.join(DTYPES)})")
+            if any(d < 0 for d in spec.shape):
+                raise PayloadError("BAD_SHAPE", f"tensor '{spec.name}': negative dimension in {list(spec.shape)}")
+            itemsize = torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
+            expect = math.prod(spec.shape) * itemsize
+            if expect != spec.nbytes:
+                raise PayloadError("SIZE_MISMATCH",
+                                   f"tensor '{spec.name}': shape {list(spec.shape)} of {spec.dtype} is "
+                                   f"{expect} bytes but {spec.nbytes} are declared")
+            total += expect
+        if total != declared:
+            raise PayloadError("SIZE_MISMATCH", f"tensor specs add up to {total} bytes but the message "
+                                                f"declares {declared}")
+        names = [s.name for s in env.tensors]
+        if len(set(names)) != len(names):
+            raise PayloadError("BAD_NAME", "duplicate tensor names in one message")
+        self.envelope = env
+        self._buffer = np.empty(declared, dtype=np.uint8)
+
+    def finish(self) -> Decoded:
+        if self.envelope is None:
+            raise PayloadError("MALFORMED_FRAME", "message ended before its header frame")
+        env = self.envelope
+        if self._filled != env.data_bytes:
+            raise PayloadError("SIZE_MISMATCH", f"message ended after {self._filled} of "
+                                                f"{env.data_bytes} declared data bytes")
+        assert self._buffer is not None
+        base = torch.from_numpy(self._buffer)
+        tensors: dict[str, torch.Tensor] = {}
+        offset = 0
+        for spec in env.tensors:
+            dtype = DTYPES[spec.dtype]
+            n = int(spec.nbytes)
+            raw = base[offset:offset + n]
+            if n == 0:
+                t = torch.empty(tuple(spec.shape), dtype=dtype)
+            else:
+                itemsize = torch.empty((), dtype=dtype).element_size()
+                if offset % itemsize:
+                    raw = raw.clone()  # misaligned for this dtype: one copy
+                t = raw.view(dtype).reshape(tuple(spec.shape))
+            tensors[spec.name] = t
+            offset += n
+        scalars = {k: scalar_from_pb(v) for k, v in env.scalars.items()}
+        return Decoded(envelope=env, payload=Payload(tensors=tensors, scalars=scalars),
+                       payload_bytes=self._payload_bytes, frames=self._frames,
+                       tensor_bytes=int(env.data_bytes))
+
+
+def decode_frames(frames: Iterable[bytes], max_payload_bytes: int = 1 << 31) -> Decoded:
+    dec = FrameDecoder(max_payload_bytes=max_payload_bytes)
+    for f in frames:
+        dec.feed(f)
+    return dec.finish()
+
+
+# ----------------------------------------------------------------------------- expectations
+def check_tensors(payload: Payload, expected: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                  who: str, allow_extra: bool = False) -> None:
+    """Reject a payload whose tensor names, dtypes or shapes differ from `expected`."""
+    missing = [n for n in expected if n not in payload.tensors]
+    if missing:
+        raise PayloadError("BAD_NAME", f"{who}: missing tensors {missing}")
+    if not allow_extra:
+        extra = [n for n in payload.tensors if n not in expected]
+        if extra:
+            raise PayloadError("BAD_NAME", f"{who}: unexpected tensors {extra}")
+    for name, (dtype, shape) in expected.items():
+        t = payload.tensors[name]
+        if t.dtype != dtype:
+            raise PayloadError("BAD_DTYPE", f"{who}: tensor '{name}' is {t.dtype}, expected {dtype}")
+        if tuple(t.shape) != tuple(shape):
+            raise PayloadError("BAD_SHAPE", f"{who}: tensor '{name}' has shape {tuple(t.shape)}, "
+                                            f"expected {tuple(shape)}")

@@ -1,0 +1,129 @@
+"""Models: plain torch.nn modules with stable parameter names and seeded initialisation.
+
+`build_model` constructs a model inside `torch.random.fork_rng()` after `torch.manual_seed`, so
+the same seed gives the same initial parameters in every process and the caller's global RNG
+is left untouched.  Parameter names (state_dict keys) are fixed by the attribute names below;
+the wire format and checkpoints rely on them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+MODEL_KINDS = ("linear", "logreg", "mlp", "cnn")
+
+
+class LogReg(nn.Module):
+    """Multinomial logistic regression: one affine map to the logits (input is flattened)."""
+
+    def __init__(self, in_features: int, n_classes: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_features, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.flatten(1))
+
+
+class MLP(nn.Module):
+    """Fully connected ReLU network; parameters `layers.<i>.{weight,bias}` and `out.*`."""
+
+    def __init__(self, in_features: int, hidden: Sequence[int], n_classes: int) -> None:
+        super().__init__()
+        widths = [int(in_features), *[int(h) for h in hidden]]
+        if any(w < 1 for w in widths[1:]):
+            raise ValueError(f"model.hidden widths must be >= 1, got {list(hidden)}")
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.out = nn.Linear(widths[-1], n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.flatten(1)
+        for layer in self.layers:
+            h = F.relu(layer(h))
+        return self.out(h)
+
+
+class CNN(nn.Module):
+    """LeNet-style: conv5x5 -> ReLU -> maxpool2 -> conv5x5 -> ReLU -> maxpool2 -> FC -> ReLU -> FC.
+
+    Both convolutions use padding 2 so the spatial size is kept by the convolutions and only
+    halved by the pools: 8x8 digits -> 4x4 -> 2x2, 28x28 MNIST -> 14x14 -> 7x7.
+    """
+
+    def __init__(self, in_channels: int, image_hw: tuple[int, int] | int, n_classes: int,
+                 channels: tuple[int, int] = (6, 16), fc: int = 120) -> None:
+        super().__init__()
+        h, w = (image_hw, image_hw) if isinstance(image_hw, int) else image_hw
+        if h < 4 or w < 4:
+            raise ValueError(f"CNN needs images of at least 4x4, got {h}x{w}")
+        self.conv1 = nn.Conv2d(in_channels, channels[0], kernel_size=5, padding=2)
+        self.conv2 = nn.Conv2d(channels[0], channels[1], kernel_size=5, padding=2)
+        flat = channels[1] * (h // 2 // 2) * (w // 2 // 2)
+        self.fc1 = nn.Linear(flat, fc)
+        self.fc2 = nn.Linear(fc, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        h = F.max_pool2d(F.relu(self.conv2(h)), 2)
+        return self.fc2(F.relu(self.fc1(h.flatten(1))))
+
+
+class Linear(nn.Module):
+    """Linear regression y = W x (+ b); with d_out == 1 the output is squeezed to (N,)."""
+
+    def __init__(self, d_in: int, d_out: int = 1, bias: bool = True) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d_in, d_out, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x.flatten(1))
+        return out.squeeze(1) if out.shape[1] == 1 else out
+
+
+def zero_(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+def build_model(kind: str, input_shape: Sequence[int], n_outputs: int,
+                hidden: Sequence[int] = (64,), init: str = "default", seed: int = 0,
+                *, bias: bool = True, task: str = "classification") -> nn.Module:
+    """A fresh model of `kind` for inputs of shape `input_shape` (without the batch dim).
+
+    kind: "logreg" | "mlp" | "cnn" (classifiers with `n_outputs` logits), or "linear" (a
+    regression model for `task == "regression"`, the same affine map as logreg otherwise).
+    init: "default" (torch's initialisation under `seed`) or "zeros".
+    """
+    shape = tuple(int(s) for s in input_shape)
+    if not shape or any(s < 1 for s in shape):
+        raise ValueError(f"input_shape must be non-empty with positive sizes, got {tuple(input_shape)}")
+    if init not in ("default", "zeros"):
+        raise ValueError(f"model.init = {init!r} is not allowed (allowed: default, zeros)")
+    features = math.prod(shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        if kind == "logreg":
+            model: nn.Module = LogReg(features, n_outputs)
+        elif kind == "linear":
+            model = Linear(features, n_outputs, bias) if task == "regression" else LogReg(features, n_outputs)
+        elif kind == "mlp":
+            model = MLP(features, list(hidden), n_outputs)
+        elif kind == "cnn":
+            if len(shape) != 3:
+                raise ValueError(f"model.kind = 'cnn' needs image inputs (channels, height, width), "
+                                 f"got input shape {shape}")
+            model = CNN(shape[0], (shape[1], shape[2]), n_outputs)
+        else:
+            raise ValueError(f"model.kind = {kind!r} is not allowed (allowed: {', '.join(MODEL_KINDS)})")
+    if init == "zeros":
+        zero_(model)
+    return model
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,34 @@
+"""Named, seeded random streams (DESIGN.md section 8).
+
+Every random choice draws from a stream named after what it decides ("sampling",
+"partition", "client/17/batches", "stragglers", ...), derived from the run seed. Streams are
+independent of each other and of process start order, so adding a new random decision never
+shifts an existing one.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+
+def _seed_sequence(seed: int, names: tuple[str | int, ...]) -> np.random.SeedSequence:
+    words = [int(seed) & 0xFFFFFFFF] + [zlib.crc32(str(n).encode()) for n in names]
+    return np.random.SeedSequence(words)
+
+
+def stream_seed(seed: int, *names: str | int) -> int:
+    """A 63-bit integer seed for the stream `names` under run seed `seed`."""
+    state = _seed_sequence(seed, names).generate_state(2, dtype=np.uint32)
+    return int((int(state[0]) << 31) ^ int(state[1])) & ((1 << 63) - 1)
+
+
+def numpy_stream(seed: int, *names: str | int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(_seed_sequence(seed, names)))
+
+
+def torch_stream(seed: int, *names: str | int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(stream_seed(seed, *names))
+    return g

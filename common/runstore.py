@@ -1,0 +1,353 @@
+"""The run store: one SQLite file, `run.db`, per run directory (DESIGN.md section 6).
+
+Tables: `runs` (one row per run), `rounds` (one row per round, metrics as JSON), `messages`
+(every ledger record, both sides of each message) and `events` (failures, rejections, timeouts,
+hand-offs, skips).  `messages` has UNIQUE(msg_id, role), so inserting the same records again --
+a resumed run, a re-merge of a child's JSONL ledger -- changes nothing.
+
+Byte totals count each message once: the sender's record, or the receiver's where the sender's
+is missing (a sender killed before its ledger reached the server).  A run.db holds one run (a
+resumed run keeps its run_id), so the read methods do not filter by run_id.
+
+One connection, guarded by a lock, serves every thread; WAL mode lets a reader (`fedhop report`
+on a live run) read while the server writes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time as _time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from common.ledger import BYTE_FIELDS, LedgerRecord, read_jsonl
+
+_MESSAGE_COLUMNS: tuple[str, ...] = tuple(LedgerRecord.__dataclass_fields__)
+_SQL_TYPE = {"int": "INTEGER", "float": "REAL", "str": "TEXT"}
+
+_SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS runs(
+        run_id TEXT PRIMARY KEY, name TEXT, algorithm TEXT, topology TEXT, transport TEXT,
+        config_toml TEXT, started REAL, finished REAL, status TEXT)""",
+    """CREATE TABLE IF NOT EXISTS rounds(
+        run_id TEXT NOT NULL, round INTEGER NOT NULL, participants TEXT, sampled TEXT, failures TEXT,
+        metrics_json TEXT, wall_seconds REAL, sim_seconds REAL, started REAL, finished REAL,
+        PRIMARY KEY(run_id, round))""",
+    "CREATE TABLE IF NOT EXISTS messages(" + ", ".join(
+        f"{name} {_SQL_TYPE[f.type]}{' NOT NULL' if name == 'msg_id' else ''}"
+        for name, f in LedgerRecord.__dataclass_fields__.items()) + ", UNIQUE(msg_id, role))",
+    "CREATE INDEX IF NOT EXISTS messages_round ON messages(round)",
+    """CREATE TABLE IF NOT EXISTS events(
+        id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT, round INTEGER, time REAL, kind TEXT NOT NULL,
+        node TEXT, detail TEXT)""",
+    "CREATE INDEX IF NOT EXISTS events_kind ON events(kind)",
+]
+
+# Each message once: every sender record, plus receiver records whose sender record is missing.
+_ONCE = """WITH once AS (
+    SELECT * FROM messages WHERE role = 'sender'
+    UNION ALL
+    SELECT * FROM messages AS r WHERE r.role = 'receiver' AND NOT EXISTS (
+        SELECT 1 FROM messages AS s WHERE s.msg_id = r.msg_id AND s.role = 'sender'))
+"""
+_SUMS = "SUM(tensor_bytes), SUM(payload_bytes), SUM(framed_bytes), COUNT(*)"
+_AGREE_FIELDS: tuple[str, ...] = ("tensor_bytes", "payload_bytes", "framed_bytes", "src", "dst", "link")
+
+
+def _totals(row: Iterable[Any]) -> dict[str, int]:
+    vals = list(row)
+    return {k: int(v or 0) for k, v in zip((*BYTE_FIELDS, "messages"), vals)}
+
+
+def _zero() -> dict[str, int]:
+    return {k: 0 for k in (*BYTE_FIELDS, "messages")}
+
+
+def _json_default(obj: Any) -> Any:
+    """numpy / torch scalars and arrays in metrics or participant lists."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"run store: cannot store {type(obj).__name__} as JSON")
+
+
+def _dumps(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, default=_json_default)
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+@dataclass
+class AgreementReport:
+    """Do the sender's and receiver's records of each message agree? (DESIGN.md section 5)
+
+    `lost` lists messages whose sender recorded them as lost (no receiver record is expected);
+    they do not make the report fail.
+    """
+
+    matched: int = 0
+    sender_only: list[str] = field(default_factory=list)
+    receiver_only: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    mismatch_fields: dict[str, list[str]] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)
+    ok: bool = True
+
+    def summary(self) -> str:
+        head = "sender and receiver records agree" if self.ok else "sender and receiver records DISAGREE"
+        parts = [f"{self.matched} matched", f"{len(self.mismatched)} mismatched",
+                 f"{len(self.sender_only)} sender-only", f"{len(self.receiver_only)} receiver-only",
+                 f"{len(self.lost)} lost"]
+        return f"{head}: " + ", ".join(parts)
+
+
+class RunStore:
+    """SQLite run store over `path` (a `run.db` file, or a run directory holding one).
+
+    `create=False` opens an existing file for reading without creating tables (what the report
+    does); reads of a table the file lacks return nothing.
+    """
+
+    def __init__(self, path: str | os.PathLike, run_id: str | None = None, create: bool = True) -> None:
+        p = Path(path)
+        if p.is_dir():
+            p = p / "run.db"
+        if not create and not p.exists():
+            raise FileNotFoundError(f"run store: no run database at {p}")
+        if create:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        self.path = p
+        self._lock = threading.RLock()
+        self._conn = sqlite3.connect(str(p), check_same_thread=False, isolation_level=None, timeout=30.0)
+        with self._lock:
+            self._conn.execute("PRAGMA busy_timeout = 30000")
+            if create:
+                self._conn.execute("PRAGMA journal_mode = WAL")
+                self._conn.execute("PRAGMA synchronous = NORMAL")
+                for stmt in _SCHEMA:
+                    self._conn.execute(stmt)
+            self._tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        self.run_id = run_id if run_id is not None else self._only_run_id()
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _only_run_id(self) -> str | None:
+        if "runs" not in self._tables:
+            return None
+        rows = self._query("SELECT run_id FROM runs ORDER BY started DESC LIMIT 1")
+        return rows[0][0] if rows else None
+
+    def _query(self, sql: str, params: Iterable[Any] = ()) -> list[tuple]:
+        with self._lock:
+            return self._conn.execute(sql, tuple(params)).fetchall()
+
+    def _dicts(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            cur = self._conn.execute(sql, tuple(params))
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    def _exec(self, sql: str, params: Iterable[Any] = ()) -> None:
+        with self._lock:
+            self._conn.execute(sql, tuple(params))
+
+    def _has(self, table: str) -> bool:
+        return table in self._tables
+
+    def _need_run_id(self, run_id: str | None) -> str:
+        rid = run_id if run_id is not None else self.run_id
+        if rid is None:
+            raise ValueError("run store: no run_id; call start_run(run_id=...) first or pass run_id=")
+        return rid
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> "RunStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writing ----------------------------------------------------------------------
+    def start_run(self, run_id: str, name: str = "", algorithm: str = "", topology: str = "",
+                  transport: str = "", config_toml: str = "", started: float | None = None) -> None:
+        """Create the run's row, or mark an existing one (a resumed run) running again."""
+        self.run_id = run_id
+        self._exec(
+            """INSERT INTO runs(run_id, name, algorithm, topology, transport, config_toml, started, finished, status)
+               VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 'running')
+               ON CONFLICT(run_id) DO UPDATE SET status = 'running', finished = NULL""",
+            (run_id, name, algorithm, topology, transport, config_toml, _time.time() if started is None else started))
+
+    def finish_run(self, status: str, finished: float | None = None, run_id: str | None = None) -> None:
+        if not status:
+            raise ValueError("run store: finish_run status must be non-empty (e.g. 'completed', 'failed')")
+        self._exec("UPDATE runs SET status = ?, finished = ? WHERE run_id = ?",
+                   (status, _time.time() if finished is None else finished, self._need_run_id(run_id)))
+
+    def add_round(self, round: int, *, participants: Any = None, sampled: Any = None, failures: Any = None,
+                  metrics: dict[str, Any] | None = None, wall_seconds: float | None = None,
+                  sim_seconds: float | None = None, started: float | None = None, finished: float | None = None,
+                  run_id: str | None = None) -> None:
+        """Store (or, for a re-run round after a resume, replace) one round's row.
+
+        `participants`, `sampled`, `failures` are stored as JSON (lists of client ids, or counts).
+        """
+        self._exec(
+            """INSERT OR REPLACE INTO rounds(run_id, round, participants, sampled, failures, metrics_json,
+                                             wall_seconds, sim_seconds, started, finished)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+            (self._need_run_id(run_id), int(round), _dumps(participants), _dumps(sampled), _dumps(failures),
+             _dumps(metrics or {}), wall_seconds, sim_seconds, started, finished))
+
+    def add_event(self, kind: str, *, node: str = "", detail: Any = "", round: int | None = None,
+                  time: float | None = None, run_id: str | None = None) -> None:
+        """Record an event (client_failed, rejected_payload, timeout, handoff, skip, ...)."""
+        if not kind:
+            raise ValueError("run store: event kind must be non-empty")
+        text = detail if isinstance(detail, str) else _dumps(detail)
+        self._exec("INSERT INTO events(run_id, round, time, kind, node, detail) VALUES (?, ?, ?, ?, ?, ?)",
+                   (run_id if run_id is not None else self.run_id, round,
+                    _time.time() if time is None else time, kind, node, text))
+
+    def insert_records(self, records: Iterable[LedgerRecord | dict[str, Any]]) -> int:
+        """Insert ledger records; ones already stored (same msg_id and role) are skipped.
+
+        Returns the number of rows actually inserted.  A record without a msg_id gets a stable
+        one derived from its content, so inserting it again is still a no-op.
+        """
+        rows = []
+        for rec in records:
+            d = rec.to_dict() if isinstance(rec, LedgerRecord) else LedgerRecord.from_dict(rec).to_dict()
+            if not d["msg_id"]:
+                digest = hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:20]
+                d["msg_id"] = f"anon-{digest}"
+            rows.append(tuple(d[c] for c in _MESSAGE_COLUMNS))
+        if not rows:
+            return 0
+        sql = (f"INSERT OR IGNORE INTO messages({', '.join(_MESSAGE_COLUMNS)}) "
+               f"VALUES ({', '.join('?' for _ in _MESSAGE_COLUMNS)})")
+        with self._lock:
+            before = self._conn.total_changes
+            self._conn.execute("BEGIN")
+            try:
+                self._conn.executemany(sql, rows)
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            return self._conn.total_changes - before
+
+    def insert_jsonl(self, path: str | os.PathLike) -> int:
+        """Merge a process's JSONL ledger file (torn last line skipped with a warning)."""
+        return self.insert_records(read_jsonl(path))
+
+    # -- reading ----------------------------------------------------------------------
+    def run(self) -> dict[str, Any] | None:
+        """The run's row (the one named by run_id, else the latest started)."""
+        if not self._has("runs"):
+            return None
+        if self.run_id is not None:
+            rows = self._dicts("SELECT * FROM runs WHERE run_id = ?", (self.run_id,))
+        else:
+            rows = self._dicts("SELECT * FROM runs ORDER BY started DESC LIMIT 1")
+        return rows[0] if rows else None
+
+    def rounds(self) -> list[dict[str, Any]]:
+        """Round rows in round order; JSON columns decoded, metrics also as `metrics` (a dict)."""
+        if not self._has("rounds"):
+            return []
+        out = self._dicts("SELECT * FROM rounds ORDER BY round, run_id")
+        for row in out:
+            for col in ("participants", "sampled", "failures"):
+                row[col] = _loads(row[col])
+            row["metrics"] = _loads(row["metrics_json"]) or {}
+        return out
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        if not self._has("events"):
+            return []
+        if kind is None:
+            return self._dicts("SELECT * FROM events ORDER BY id")
+        return self._dicts("SELECT * FROM events WHERE kind = ? ORDER BY id", (kind,))
+
+    def messages(self) -> list[dict[str, Any]]:
+        """Every stored record (both sides of each message)."""
+        if not self._has("messages"):
+            return []
+        return self._dicts("SELECT * FROM messages ORDER BY wall_time, msg_id, role")
+
+    def bytes_by_link(self) -> dict[str, dict[str, int]]:
+        """{link: {tensor_bytes, payload_bytes, framed_bytes, messages}} plus key "total"; each message once."""
+        out: dict[str, dict[str, int]] = {}
+        total = _zero()
+        if self._has("messages"):
+            for link, *sums in self._query(_ONCE + f"SELECT link, {_SUMS} FROM once GROUP BY link ORDER BY link"):
+                out[link] = _totals(sums)
+                for k in total:
+                    total[k] += out[link][k]
+        out["total"] = total
+        return out
+
+    def bytes_by_link_direction(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{link: {direction: {tensor_bytes, payload_bytes, framed_bytes, messages}}}; each message once."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        if self._has("messages"):
+            sql = _ONCE + f"SELECT link, direction, {_SUMS} FROM once GROUP BY link, direction ORDER BY link, direction"
+            for link, direction, *sums in self._query(sql):
+                out.setdefault(link, {})[direction] = _totals(sums)
+        return out
+
+    def bytes_per_round(self) -> dict[int, dict[str, int]]:
+        """{round: {tensor_bytes, payload_bytes, framed_bytes, messages}} for rounds with traffic."""
+        if not self._has("messages"):
+            return {}
+        sql = _ONCE + f"SELECT round, {_SUMS} FROM once GROUP BY round ORDER BY round"
+        return {int(r): _totals(sums) for r, *sums in self._query(sql)}
+
+    def cumulative_bytes_by_round(self) -> dict[int, dict[str, int]]:
+        """{round: bytes of every message with round <= this one}, over rounds with traffic or a rounds row."""
+        per = self.bytes_per_round()
+        rounds = sorted(set(per) | {int(r["round"]) for r in self.rounds()})
+        out: dict[int, dict[str, int]] = {}
+        acc = _zero()
+        for r in rounds:
+            for k, v in per.get(r, {}).items():
+                acc[k] += v
+            out[r] = dict(acc)
+        return out
+
+    def check_agreement(self) -> AgreementReport:
+        """Compare each message's sender and receiver records (DESIGN.md section 5)."""
+        rep = AgreementReport()
+        if not self._has("messages"):
+            return rep
+        cols = ", ".join(f"s.{c}, r.{c}" for c in _AGREE_FIELDS)
+        pairs = self._query(
+            f"SELECT s.msg_id, {cols} FROM messages AS s JOIN messages AS r "
+            "ON s.msg_id = r.msg_id AND s.role = 'sender' AND r.role = 'receiver' ORDER BY s.msg_id")
+        for msg_id, *vals in pairs:
+            diff = [name for i, name in enumerate(_AGREE_FIELDS) if vals[2 * i] != vals[2 * i + 1]]
+            if diff:
+                rep.mismatched.append(msg_id)
+                rep.mismatch_fields[msg_id] = diff
+            else:
+                rep.matched += 1
+        lonely = self._query(
+            "SELECT m.msg_id, m.role, m.status FROM messages AS m WHERE NOT EXISTS ("
+            "SELECT 1 FROM messages AS o WHERE o.msg_id = m.msg_id AND o.role != m.role) ORDER BY m.msg_id")
+        for msg_id, role, status in lonely:
+            if role == "sender":
+                (rep.lost if status == "lost" else rep.sender_only).append(msg_id)
+            else:
+                rep.receiver_only.append(msg_id)
+        rep.ok = not (rep.mismatched or rep.sender_only or rep.receiver_only)
+        return rep

@@ -1,0 +1,38 @@
+"""Minibatch index streams for local solvers."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+
+def local_batches(num_samples: int, batch_size: int, steps: int, epochs: int,
+                  generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Index tensors for one round of local work.
+
+    `steps > 0`: exactly `steps` minibatches, reshuffling at each pass over the data.
+    `steps == 0`: `epochs` full passes (the last batch of a pass may be smaller).
+    `batch_size == 0` (or larger than the data) means full batch.
+    """
+    if num_samples <= 0:
+        return
+    bs = num_samples if batch_size <= 0 else min(batch_size, num_samples)
+    if steps > 0:
+        produced = 0
+        while produced < steps:
+            perm = torch.randperm(num_samples, generator=generator)
+            for start in range(0, num_samples - bs + 1, bs):  # full batches only in step mode
+                yield perm[start:start + bs]
+                produced += 1
+                if produced == steps:
+                    return
+    else:
+        for _ in range(epochs):
+            perm = torch.randperm(num_samples, generator=generator)
+            for start in range(0, num_samples, bs):
+                yield perm[start:start + bs]
+
+
+def steps_per_epoch(num_samples: int, batch_size: int) -> int:
+    bs = num_samples if batch_size <= 0 else min(batch_size, num_samples)
+    return -(-num_samples // bs)

@@ -1,0 +1,311 @@
+"""Task registry: `build_task(cfg)` turns a validated config into a `Task`.
+
+Every process (server, edges, client hosts) calls `build_task` on the same resolved config and
+gets the same task: data loading, the train/test split, the partition and the model's initial
+parameters are all functions of the config and its seed (DESIGN.md section 8).  Build the task
+once per process and share it between the logical clients it hosts.
+
+Random streams used here: "data/split" (train/test split), "partition" (client partition),
+"model/init" (initial parameters), "data/<dataset>/..." (synthetic data).
+
+Data sets register with `register_dataset(name, builder, params_class)`.  A data set not
+registered below is looked up as the module `common.tasks.<name>`, which must call
+`register_dataset` when imported (how lasso, lowrank and minimax_quadratic plug in).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from common import datasets, partition
+from common.rng import numpy_stream, stream_seed
+from common.tasks.base import ClientData, Task
+from common.tasks.classification import ArrayTask, ClassificationTask, ModelSpec, RegressionTask
+from common.tasks.logreg import LogRegParams, LogRegTask
+from common.tasks.quadratic import QuadraticParams, QuadraticTask, generate_problem
+
+__all__ = [
+    "Task", "ClientData", "ArrayTask", "ClassificationTask", "RegressionTask", "QuadraticTask",
+    "LogRegTask", "ModelSpec", "NpzParams", "QuadraticParams", "LogRegParams", "DATASET_PARAMS",
+    "build_task", "register_dataset", "dataset_params_class", "dataset_params", "params_from_options",
+]
+
+#: Dirichlet resampling budget used by build_task (each try costs ~0.2 ms on digits).
+DIRICHLET_MAX_TRIES = 10_000
+
+
+@dataclass
+class NpzParams:
+    """[data] keys of dataset = "npz" (the user's own federated data)."""
+
+    path: str = ""                 # relative paths are looked up in data.data_dir, then the cwd
+    task: str = field(default="classification", metadata={"choices": ("classification", "regression")})
+    standardize: bool = False      # user data is used as given unless asked
+    bias: bool = True              # regression: fit an intercept
+
+
+Builder = Callable[[Any, Any], Task]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    build: Builder
+    params: type | None
+
+
+_REGISTRY: dict[str, _Entry] = {}
+#: dataset name -> dataclass of its dataset-specific [data] keys (None: it takes none).
+DATASET_PARAMS: dict[str, type | None] = {}
+_LAZY_MODULES = {"minimax_quadratic": ("common.tasks.minimax_quadratic", "common.tasks.minimax"),
+                 # minimax digits tasks (issue 8): registered by common/tasks/minimax.py
+                 "robust_digits": ("common.tasks.minimax",), "fair_digits": ("common.tasks.minimax",),
+                 # composite-optimization tasks (issue 6): registered by common/tasks/sparse.py
+                 "lasso": ("common.tasks.sparse",), "lowrank": ("common.tasks.sparse",)}
+
+
+def register_dataset(name: str, build: Builder, params: type | None = None) -> None:
+    """Register `build(cfg, params) -> Task` for `[data] dataset = name`."""
+    _REGISTRY[name] = _Entry(build, params)
+    DATASET_PARAMS[name] = params
+
+
+def _entry(name: str) -> _Entry:
+    if name not in _REGISTRY:
+        for module in _LAZY_MODULES.get(name, (f"common.tasks.{name}",)):
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as exc:
+                if exc.name != module:
+                    raise
+            if name in _REGISTRY:
+                break
+    if name not in _REGISTRY:
+        raise ValueError(f"data.dataset = {name!r} is not available (available: {', '.join(sorted(_REGISTRY))})")
+    return _REGISTRY[name]
+
+
+def dataset_params_class(name: str) -> type | None:
+    """The dataclass of `name`'s extra [data] keys, or None when it takes none."""
+    return _entry(name).params
+
+
+# ---------------------------------------------------------------------------- params
+def _check_value(where: str, f: dataclasses.Field, hint: Any, value: Any) -> Any:
+    origin = typing.get_origin(hint) or hint
+    if origin is bool:
+        ok = isinstance(value, bool)
+    elif origin is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif origin is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif origin is str:
+        ok = isinstance(value, str)
+    elif origin is list:
+        ok = isinstance(value, (list, tuple))
+        value = list(value) if ok else value
+    else:
+        ok = True
+    if not ok:
+        raise ValueError(f"{where}.{f.name} = {value!r}: expected {getattr(origin, '__name__', hint)}")
+    rules = f.metadata
+    if "choices" in rules and value not in rules["choices"]:
+        raise ValueError(f"{where}.{f.name} = {value!r} is not allowed (allowed: {', '.join(map(str, rules['choices']))})")
+    if "min" in rules and value < rules["min"]:
+        raise ValueError(f"{where}.{f.name} = {value!r}: must be >= {rules['min']}")
+    if "min_exclusive" in rules and value <= rules["min_exclusive"]:
+        raise ValueError(f"{where}.{f.name} = {value!r}: must be > {rules['min_exclusive']}")
+    if "max" in rules and value > rules["max"]:
+        raise ValueError(f"{where}.{f.name} = {value!r}: must be <= {rules['max']}")
+    return value
+
+
+def params_from_options(cls: type, options: dict, where: str = "data") -> Any:
+    """Build `cls` from a dict of config keys; names the key, the value and what is allowed."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in options.items():
+        if key not in fields:
+            raise ValueError(f"{where}: unknown key '{key}' (allowed: {', '.join(sorted(fields))})")
+        values[key] = _check_value(where, fields[key], hints[key], value)
+    return cls(**values)
+
+
+def dataset_params(cfg: Any) -> Any:
+    """The data set's Params: `cfg.data.params` when the config loader set it, else built
+    from `cfg.data.options`."""
+    name = cfg.data.dataset
+    cls = dataset_params_class(name)
+    given = getattr(cfg.data, "params", None)
+    if cls is None:
+        extra = given if isinstance(given, dict) else dict(getattr(cfg.data, "options", {}) or {})
+        if extra:
+            raise ValueError(f"data: dataset '{name}' takes no extra keys, got {', '.join(sorted(extra))}")
+        return None
+    if isinstance(given, cls):
+        return given
+    if isinstance(given, dict):
+        return params_from_options(cls, given, f"data ({name})")
+    return params_from_options(cls, dict(getattr(cfg.data, "options", {}) or {}), f"data ({name})")
+
+
+# ---------------------------------------------------------------------------- shared steps
+def model_spec(cfg: Any, input_shape: tuple[int, ...], n_outputs: int, bias: bool = True) -> ModelSpec:
+    return ModelSpec(kind=cfg.model.kind, input_shape=tuple(int(s) for s in input_shape),
+                     n_outputs=int(n_outputs), hidden=tuple(int(h) for h in cfg.model.hidden),
+                     init=cfg.model.init, seed=stream_seed(cfg.run.seed, "model/init"), bias=bias)
+
+
+def make_partition(cfg: Any, labels: np.ndarray) -> list[np.ndarray]:
+    """Split training indices among `clients.count` clients per `[data] partition`."""
+    rng = numpy_stream(cfg.run.seed, "partition")
+    k, d = int(cfg.clients.count), cfg.data
+    if d.partition == "iid":
+        if len(labels) < k:
+            raise ValueError(f"clients.count = {k} exceeds the {len(labels)} training samples")
+        return partition.iid(len(labels), k, rng)
+    if d.partition == "dirichlet":
+        return partition.dirichlet(labels, k, d.alpha, rng, min_size=d.min_size, max_tries=DIRICHLET_MAX_TRIES)
+    if d.partition == "shards":
+        return partition.shards(labels, k, d.shards_per_client, rng)
+    raise ValueError(f"data.partition = {d.partition!r} is not allowed (allowed: iid, dirichlet, shards)")
+
+
+def standardize(x_train: np.ndarray, *others: np.ndarray) -> list[np.ndarray]:
+    """(x - mean) / std per feature with mean/std from the training split only (std 0 -> 1)."""
+    mean = x_train.mean(0, dtype=np.float64)
+    std = x_train.std(0, dtype=np.float64)
+    std[std == 0] = 1.0
+    return [((a - mean) / std).astype(np.float32) for a in (x_train, *others)]
+
+
+def _split(cfg: Any, x: np.ndarray, y: np.ndarray):
+    return datasets.train_test_split(x, y, cfg.data.test_fraction, numpy_stream(cfg.run.seed, "data/split"))
+
+
+def _classification(cfg: Any, name: str, x_tr, y_tr, x_te, y_te, n_classes: int) -> ClassificationTask:
+    parts = make_partition(cfg, y_tr)
+    spec = model_spec(cfg, x_tr.shape[1:], n_classes)
+    return ClassificationTask(x_tr, y_tr, parts, spec, x_te, y_te, name=name, n_classes=n_classes)
+
+
+# ---------------------------------------------------------------------------- builders
+def _build_tabular(loader: Callable[[], tuple[np.ndarray, np.ndarray]], name: str,
+                   image_hw: tuple[int, int] | None) -> Builder:
+    def build(cfg: Any, _params: Any) -> Task:
+        x, y = loader()
+        x_tr, y_tr, x_te, y_te = _split(cfg, x, y)
+        if cfg.data.standardize:
+            x_tr, x_te = standardize(x_tr, x_te)
+        if cfg.model.kind == "cnn":
+            if image_hw is None:
+                raise ValueError(f"model.kind = 'cnn' needs image data; dataset '{name}' is tabular "
+                                 f"(allowed: linear, logreg, mlp)")
+            x_tr, x_te = (a.reshape(-1, 1, *image_hw) for a in (x_tr, x_te))
+        return _classification(cfg, name, x_tr, y_tr, x_te, y_te, int(y.max()) + 1)
+    return build
+
+
+def _build_mnist(cfg: Any, _params: Any) -> Task:
+    data = datasets.load_mnist(cfg.data.data_dir)
+    if data.x_test is not None:
+        x_tr, y_tr, x_te, y_te = data.x, data.y, data.x_test, data.y_test
+    else:
+        x_tr, y_tr, x_te, y_te = _split(cfg, data.x, data.y)
+    task = _classification(cfg, "mnist", x_tr, y_tr, x_te, y_te, 10)
+    task.source = data.source
+    return task
+
+
+def _build_quadratic(cfg: Any, p: QuadraticParams) -> Task:
+    centers, curvatures = p.centers, p.curvatures
+    if not centers:
+        centers, curvatures = generate_problem(p, int(cfg.clients.count), numpy_stream(cfg.run.seed, "data/quadratic"))
+    task = QuadraticTask(centers, curvatures, p.sizes, p.noise, p.w0, p.dtype)
+    if task.num_clients != cfg.clients.count:
+        raise ValueError(f"data.centers has {task.num_clients} rows (clients) but clients.count = "
+                         f"{cfg.clients.count}; they must match")
+    return task
+
+
+def _build_logreg(cfg: Any, p: LogRegParams) -> Task:
+    return LogRegTask(p, int(cfg.clients.count), cfg.data.test_fraction, cfg.run.seed,
+                      cfg.model.kind, tuple(cfg.model.hidden), cfg.model.init)
+
+
+def _resolve(path: str, data_dir: str) -> Path:
+    p = Path(path)
+    if p.is_absolute():
+        candidates = [p]
+    else:
+        candidates = [Path(data_dir) / p, p]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise FileNotFoundError(f"data.path = {path!r}: no such file (looked at {', '.join(map(str, candidates))})")
+
+
+def _build_npz(cfg: Any, p: NpzParams) -> Task:
+    if not p.path:
+        raise ValueError("data.path: dataset 'npz' needs the path of an .npz file (keys x_0, y_0, x_1, y_1, ...)")
+    data = datasets.load_npz(_resolve(p.path, cfg.data.data_dir))
+    n = len(data.xs)
+    if n != cfg.clients.count:
+        raise ValueError(f"{data.path} holds {n} clients (x_0..x_{n - 1}) but clients.count = "
+                         f"{cfg.clients.count}; they must match")
+    shapes = {x.shape[1:] for x in data.xs} | ({data.x_test.shape[1:]} if data.x_test is not None else set())
+    if len(shapes) != 1:
+        raise ValueError(f"{data.path}: every x_<i> (and x_test) needs the same feature shape, got {sorted(shapes)}")
+    feature_shape = shapes.pop() or (1,)
+    x_tr = np.concatenate([x.reshape(len(x), *feature_shape) for x in data.xs]).astype(np.float32)
+    y_tr = np.concatenate(data.ys)
+    x_te = None if data.x_test is None else data.x_test.reshape(len(data.x_test), *feature_shape).astype(np.float32)
+    y_te = data.y_test
+    offsets = np.cumsum([0] + [len(x) for x in data.xs])
+    parts = [np.arange(offsets[i], offsets[i + 1], dtype=np.int64) for i in range(n)]
+    if p.standardize:
+        flat = [x_tr.reshape(len(x_tr), -1)] + ([x_te.reshape(len(x_te), -1)] if x_te is not None else [])
+        scaled = standardize(*flat)
+        x_tr = scaled[0].reshape(x_tr.shape)
+        x_te = scaled[1].reshape(x_te.shape) if x_te is not None else None
+    if p.task == "classification":
+        labels = [y_tr] + ([y_te] if y_te is not None else [])
+        for a in labels:
+            if a.ndim != 1 or (a.dtype.kind not in "iub" and not np.all(a == np.round(a))):
+                raise ValueError(f"{data.path}: classification labels must be 1-D integers")
+        y_tr = y_tr.astype(np.int64)
+        y_te = None if y_te is None else y_te.astype(np.int64)
+        n_classes = int(max(int(a.max()) for a in labels if a.size)) + 1
+        spec = model_spec(cfg, feature_shape, n_classes)
+        return ClassificationTask(x_tr, y_tr, parts, spec, x_te, y_te, name="npz", n_classes=n_classes)
+    y_tr = y_tr.astype(np.float32)
+    y_te = None if y_te is None else y_te.astype(np.float32)
+    n_out = 1 if y_tr.ndim == 1 else int(np.prod(y_tr.shape[1:]))
+    if cfg.model.kind not in ("linear", "mlp"):
+        raise ValueError(f"model.kind = {cfg.model.kind!r}: regression data allows linear, mlp")
+    spec = model_spec(cfg, feature_shape, n_out, bias=p.bias)
+    task = RegressionTask(x_tr, y_tr, parts, spec, x_te, y_te, name="npz", w_true=data.w_true)
+    if data.w_true is not None:
+        task.distance_to_opt(task.build_model())  # fails early on a w_true of the wrong size
+    return task
+
+
+register_dataset("digits", _build_tabular(datasets.load_digits, "digits", (8, 8)))
+register_dataset("breast_cancer", _build_tabular(datasets.load_breast_cancer, "breast_cancer", None))
+register_dataset("mnist", _build_mnist)
+register_dataset("quadratic", _build_quadratic, QuadraticParams)
+register_dataset("logreg", _build_logreg, LogRegParams)
+register_dataset("npz", _build_npz, NpzParams)
+
+
+def build_task(cfg: Any) -> Task:
+    """The task for `cfg` (a `common.config_schema.Config`); same config -> same task."""
+    entry = _entry(cfg.data.dataset)
+    return entry.build(cfg, dataset_params(cfg))

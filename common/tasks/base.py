@@ -1,0 +1,72 @@
+"""The task interface: what a federated problem gives the algorithms.
+
+A task owns the per-client data (already partitioned), the model factory, the loss a local
+solver minimises and the evaluation the server runs.  Every process builds the same task from
+the same resolved config, so data never travels on the wire.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ClientData:
+    """One logical client's local data.
+
+    `tensors` are aligned along dim 0 (e.g. `(x, y)`); `num_samples` is the client's weight
+    in the objective (for synthetic tasks it may come from the config's `sizes` rather than
+    from `len(x)`).
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    num_samples: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.tensors[0].shape[0]) if self.tensors else 0
+
+
+class Task(ABC):
+    """A federated problem. Concrete tasks live in `common.tasks`."""
+
+    #: "classification" | "regression" | "quadratic" | "minimax"
+    kind: str = "classification"
+
+    @property
+    @abstractmethod
+    def num_clients(self) -> int: ...
+
+    @abstractmethod
+    def build_model(self) -> torch.nn.Module:
+        """A fresh model with the run's seeded initialisation (same on every process)."""
+
+    @abstractmethod
+    def client_data(self, client_id: int) -> ClientData: ...
+
+    @abstractmethod
+    def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
+             generator: torch.Generator | None = None) -> torch.Tensor:
+        """Mean loss of `model` on `batch` (a tuple sliced from `ClientData.tensors`).
+
+        Tasks with gradient noise draw it from `generator` (the client's stream).
+        """
+
+    @abstractmethod
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Held-out metrics and task metrics (test_accuracy, test_loss, objective,
+        distance_to_opt, support_f1, rank, ...)."""
+
+    def train_loss(self, model: torch.nn.Module) -> float:
+        """Sample-weighted mean training loss over every client's data."""
+        total, weight = 0.0, 0
+        with torch.no_grad():
+            for cid in range(self.num_clients):
+                data = self.client_data(cid)
+                if data.rows == 0:
+                    continue
+                total += float(self.loss(model, data.tensors)) * data.num_samples
+                weight += data.num_samples
+        return total / max(weight, 1)

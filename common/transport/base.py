@@ -1,0 +1,197 @@
+"""The transport interface the roles use (DESIGN.md sections 2 and 3).
+
+A process owns one `Endpoint`: it serves incoming calls through a `Handler` and makes outgoing
+calls with `call`.  Every message in either direction is recorded in the process's ledger by
+the endpoint itself, so the roles and the algorithms never count bytes by hand.  Two
+implementations share this contract: gRPC (real sockets, `common.transport.grpc`) and an
+in-memory one for unit tests (`common.transport.inmemory`) that runs the same codec, so both
+give the same bits and the same byte counts.
+"""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+from common.algorithms.base import Payload
+from common.codec import Decoded, Encoded, PayloadError, decode_frames, encode, make_envelope
+from common.ledger import Ledger, link_for
+from common.wire import fedhop_pb2 as pb
+
+
+class RemoteError(RuntimeError):
+    """The peer answered with an error (it rejected our message or failed to handle it)."""
+
+    def __init__(self, code: str, message: str, peer: str = "") -> None:
+        super().__init__(f"{peer or 'peer'} replied {code}: {message}")
+        self.code = code
+        self.detail = message
+        self.peer = peer
+
+
+class CallFailed(RuntimeError):
+    """The call did not complete: peer unreachable, deadline exceeded, connection dropped."""
+
+    def __init__(self, code: str, message: str, peer: str = "") -> None:
+        super().__init__(f"call to {peer or 'peer'} failed ({code}): {message}")
+        self.code = code
+        self.detail = message
+        self.peer = peer
+
+
+@dataclass
+class Request:
+    """An incoming call as a handler sees it."""
+
+    envelope: pb.Envelope
+    payload: Payload
+
+
+# A handler returns the reply payload, or raises PayloadError / HandlerError for a typed error reply.
+Handler = Callable[[Request], Payload]
+
+
+class HandlerError(RuntimeError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.detail = message
+
+
+def role_of(node_id: str) -> str:
+    """'server' | 'edge' | 'client' from a node id such as 'edge-2' or 'client-17'."""
+    return node_id.split("-", 1)[0] if node_id != "server" else "server"
+
+
+def direction_of(src: str, dst: str) -> str:
+    order = {"server": 0, "edge": 1, "client": 2}
+    a, b = order.get(role_of(src), 3), order.get(role_of(dst), 3)
+    if a == b:
+        return "peer"
+    return "down" if a < b else "up"
+
+
+class Endpoint(ABC):
+    """One process's transport endpoint."""
+
+    def __init__(self, node_id: str, ledger: Ledger, run_id: str = "", token: str = "",
+                 chunk_bytes: int = 4 << 20, max_payload_bytes: int = 1 << 31) -> None:
+        self.node_id = node_id
+        self.ledger = ledger
+        self.run_id = run_id
+        self.token = token
+        self.chunk_bytes = chunk_bytes
+        self.max_payload_bytes = max_payload_bytes
+
+    # -- outgoing -------------------------------------------------------------------
+    def prepare(self, payload: Payload) -> Encoded:
+        """Cut a payload into frames once (send it to many peers with `call(..., prepared=)`)."""
+        return encode(payload, pb.Envelope(), self.chunk_bytes)
+
+    def call(self, address: str, dst: str, method: str, payload: Payload | None = None, *,
+             round: int, step: int = 0, timeout: float, prepared: Encoded | None = None,
+             link: str | None = None) -> Payload:
+        """Send `payload` to node `dst` at `address`, wait for its reply, record both messages."""
+        env = make_envelope(run_id=self.run_id, round=round, step=step, src=self.node_id, dst=dst,
+                            method=method, token=self.token)
+        if prepared is None:
+            prepared = encode(payload if payload is not None else Payload(), pb.Envelope(), self.chunk_bytes)
+        request = prepared.with_header(env)
+        link = link or link_for(role_of(self.node_id), role_of(dst))
+        started = time.perf_counter()
+        try:
+            decoded, sent_seconds = self._exchange(address, request, timeout)
+        except CallFailed as exc:
+            self._record(request.envelope, request, "sender", link, time.perf_counter() - started,
+                         status="lost", error=str(exc))
+            raise
+        self._record(request.envelope, request, "sender", link, sent_seconds)
+        env_r = decoded.envelope
+        self._record(env_r, decoded, "receiver", link, time.perf_counter() - started - sent_seconds,
+                     status="rejected" if env_r.HasField("error") else "ok",
+                     error=env_r.error.message if env_r.HasField("error") else "")
+        if env_r.HasField("error"):
+            raise RemoteError(env_r.error.code, env_r.error.message, dst)
+        return decoded.payload
+
+    def register(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:
+        """Unary Register call to a parent, counted as two `control` messages."""
+        if not request.msg_id:
+            request.msg_id = f"register-{request.node_id}-{time.time_ns()}"
+        msg_id = request.msg_id
+        started = time.perf_counter()
+        reply = self._register_rpc(address, request, timeout)
+        seconds = time.perf_counter() - started
+        parent = reply.node_id or "parent"
+        self.record_control("register", request.node_id, parent, request.ByteSize(), "sender", seconds,
+                            msg_id, reply.run_id)
+        self.record_control("register.reply", parent, request.node_id, reply.ByteSize(), "receiver",
+                            seconds, msg_id + ".reply", reply.run_id)
+        return reply
+
+    def record_control(self, method: str, src: str, dst: str, size: int, role: str, seconds: float,
+                       msg_id: str, run_id: str) -> None:
+        self.ledger.record(run_id=run_id, round=0, step=0, src=src, dst=dst, link="control",
+                           direction="control", method=method, tensor_bytes=0, payload_bytes=size,
+                           framed_bytes=size + 5, seconds=seconds, recorder=self.node_id, role=role,
+                           msg_id=msg_id, status="ok", wall_time=time.time(), error="")
+
+    @abstractmethod
+    def _register_rpc(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply: ...
+
+    @abstractmethod
+    def _exchange(self, address: str, request: Encoded, timeout: float) -> tuple[Decoded, float]:
+        """Move the request frames, return the decoded reply and the seconds spent sending."""
+
+    # -- incoming -------------------------------------------------------------------
+    def serve_frames(self, frames, handler: Handler) -> list[bytes]:
+        """Decode an incoming message, run the handler, encode the reply (shared by transports)."""
+        started = time.perf_counter()
+        try:
+            decoded = decode_frames(frames, self.max_payload_bytes)
+        except PayloadError as exc:
+            return self._error_reply(None, exc.code, exc.detail).frames
+        env = decoded.envelope
+        link = link_for(role_of(env.src), role_of(env.dst)) if env.src and env.dst else "control"
+        recv_seconds = time.perf_counter() - started
+        try:
+            reply_payload = handler(Request(env, decoded.payload))
+            reply = encode(reply_payload, self._reply_envelope(env), self.chunk_bytes)
+            status, error = "ok", ""
+        except (PayloadError, HandlerError) as exc:
+            reply = self._error_reply(env, exc.code, exc.detail)
+            status, error = "rejected", str(exc)
+        except Exception as exc:  # a bug or a failed local computation: typed reply, never a crash
+            reply = self._error_reply(env, "HANDLER_FAILED", f"{type(exc).__name__}: {exc}")
+            status, error = "rejected", str(exc)
+        self._record(env, decoded, "receiver", link, recv_seconds, status=status, error=error)
+        self._record(reply.envelope, reply, "sender", link, 0.0)
+        return reply.frames
+
+    def _reply_envelope(self, env: pb.Envelope) -> pb.Envelope:
+        return make_envelope(run_id=env.run_id, round=env.round, step=env.step, src=env.dst or self.node_id,
+                             dst=env.src, method=env.method + ".reply", token=self.token)
+
+    def _error_reply(self, env: pb.Envelope | None, code: str, message: str) -> Encoded:
+        out = (self._reply_envelope(env) if env is not None else
+               make_envelope(run_id=self.run_id, round=0, src=self.node_id, dst="", method="error"))
+        out.error.code = code
+        out.error.message = message
+        return encode(Payload(), out, self.chunk_bytes)
+
+    def _record(self, env: pb.Envelope, msg: Encoded | Decoded, role: str, link: str, seconds: float,
+                status: str = "ok", error: str = "") -> None:
+        self.ledger.record(run_id=env.run_id, round=env.round, step=env.step, src=env.src, dst=env.dst,
+                           link=link, direction=direction_of(env.src, env.dst) if link != "control" else "control",
+                           method=env.method, tensor_bytes=msg.tensor_bytes, payload_bytes=msg.payload_bytes,
+                           framed_bytes=msg.framed_bytes, seconds=seconds, recorder=self.node_id, role=role,
+                           msg_id=env.msg_id, status=status, wall_time=time.time(), error=error)
+
+    # -- lifecycle ------------------------------------------------------------------
+    @abstractmethod
+    def serve(self, handler: Handler, bind: str) -> str:
+        """Start serving; return the address peers use to reach this endpoint."""
+
+    @abstractmethod
+    def stop(self) -> None: ...

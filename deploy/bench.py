@@ -1,0 +1,218 @@
+"""`fedhop bench transport`: figures for the transport and the framework's own overhead.
+
+    fedhop bench transport [--sizes 1,10,100] [--repeats 5] [--rounds 20] [--tiny]
+
+Prints, for each model size, the throughput of sending it over fedhop's gRPC transport
+(encode + stream + decode, two processes on loopback) beside a plain TCP socket moving the
+same bytes in the same run, and the ratio; the codec's encode and decode speed; and the wall
+time of a FedAvg round with 10 clients and a tiny model over real processes.  Ratios measured
+in one run are what count on a noisy machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MB = 1_000_000
+
+
+# ----------------------------------------------------------------------------- raw TCP
+def _tcp_receiver(port_q: "mp.Queue", nbytes: int, repeats: int) -> None:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    for _ in range(repeats):
+        got = 0
+        while got < nbytes:
+            n = conn.recv_into(view[got:], nbytes - got)
+            if n == 0:
+                return
+            got += n
+        conn.sendall(b"k")
+    conn.close()
+
+
+def bench_tcp(nbytes: int, repeats: int) -> list[float]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_tcp_receiver, args=(q, nbytes, repeats + 1))
+    p.start()
+    port = q.get(timeout=60)
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    data = memoryview(np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32)).cast("B")
+    times = []
+    for i in range(repeats + 1):
+        t = time.perf_counter()
+        s.sendall(data)
+        s.recv(1)
+        if i:  # first transfer warms up
+            times.append(time.perf_counter() - t)
+    s.close()
+    p.join(10)
+    return times
+
+
+# ----------------------------------------------------------------------------- gRPC
+def _grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", max_message: int) -> None:
+    from common.algorithms.base import Payload
+    from common.ledger import Ledger
+    from common.transport.grpc import GrpcEndpoint
+
+    ep = GrpcEndpoint("client-0", Ledger(), max_message_bytes=max_message)
+    address = ep.serve(lambda req: Payload(scalars={"n": len(req.payload.tensors)}), "127.0.0.1:0")
+    addr_q.put(address)
+    stop_q.get()
+    ep.stop()
+
+
+def bench_grpc(nbytes: int, repeats: int, chunk: int) -> tuple[list[float], int]:
+    from common.algorithms.base import Payload
+    from common.ledger import Ledger
+    from common.transport.grpc import GrpcEndpoint
+
+    ctx = mp.get_context("spawn")
+    addr_q, stop_q = ctx.Queue(), ctx.Queue()
+    max_message = max(64 << 20, chunk + (1 << 20))
+    p = ctx.Process(target=_grpc_receiver, args=(addr_q, stop_q, max_message))
+    p.start()
+    address = addr_q.get(timeout=60)
+    ledger = Ledger()
+    ep = GrpcEndpoint("server", ledger, chunk_bytes=chunk, max_message_bytes=max_message)
+    model = Payload(tensors={"w": torch.from_numpy(
+        np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32))})
+    times = []
+    for i in range(repeats + 1):
+        t = time.perf_counter()
+        ep.call(address, "client-0", "train", model, round=i, timeout=120)  # encode + send + decode
+        if i:
+            times.append(time.perf_counter() - t)
+    framed = ledger.records()[-2].framed_bytes
+    ep.stop()
+    stop_q.put(1)
+    p.join(10)
+    return times, framed
+
+
+# ----------------------------------------------------------------------------- codec
+def bench_codec(nbytes: int, repeats: int, chunk: int) -> tuple[float, float]:
+    from common.algorithms.base import Payload
+    from common.codec import decode_frames, encode
+    from common.wire import fedhop_pb2 as pb
+
+    payload = Payload(tensors={"w": torch.randn(nbytes // 4)})
+    enc_t, dec_t = [], []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        enc = encode(payload, pb.Envelope(), chunk)
+        t1 = time.perf_counter()
+        decode_frames(enc.frames)
+        t2 = time.perf_counter()
+        if i:
+            enc_t.append(t1 - t0)
+            dec_t.append(t2 - t1)
+    return nbytes / statistics.median(enc_t) / 1e9, nbytes / statistics.median(dec_t) / 1e9
+
+
+# ----------------------------------------------------------------------------- a FedAvg round
+ROUND_CONFIG = """
+[run]
+name = "bench-round"
+rounds = {rounds}
+eval_every = 0
+[algorithm]
+name = "fedavg"
+lr = 0.1
+local_steps = 1
+batch_size = 0
+[data]
+dataset = "quadratic"
+dim = 10
+[model]
+init = "zeros"
+[clients]
+count = 10
+per_round = 10
+processes = {processes}
+"""
+
+
+def bench_round(rounds: int, processes: int) -> dict:
+    from common.runstore import RunStore
+    from deploy.launcher import run_local
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "round.toml"
+        cfg.write_text(ROUND_CONFIG.format(rounds=rounds, processes=processes))
+        t = time.perf_counter()
+        code = run_local(str(cfg), [], str(Path(tmp) / "run"), quiet=True)
+        total = time.perf_counter() - t
+        if code != 0:
+            raise RuntimeError("the FedAvg round benchmark run failed")
+        walls = [r["wall_seconds"] for r in RunStore(Path(tmp) / "run" / "run.db", create=False).rounds()]
+    steady = walls[1:] if len(walls) > 1 else walls
+    return {"rounds": rounds, "processes": processes, "round_ms_median": 1000 * statistics.median(steady),
+            "round_ms_min": 1000 * min(steady), "run_seconds_total": total}
+
+
+def transport(args: argparse.Namespace) -> dict:
+    sizes = [int(s) for s in args.sizes.split(",")]
+    out = {"sizes_mb": sizes, "rows": []}
+    print(f"{'size':>8} {'TCP MB/s':>10} {'gRPC MB/s':>10} {'ratio':>7} {'framed/payload':>15}")
+    for size in sizes:
+        nbytes = size * MB // 4 * 4
+        tcp = statistics.median(bench_tcp(nbytes, args.repeats))
+        grpc_times, framed = bench_grpc(nbytes, args.repeats, args.chunk)
+        g = statistics.median(grpc_times)
+        row = {"size_mb": size, "tcp_mb_s": nbytes / tcp / MB, "grpc_mb_s": nbytes / g / MB,
+               "ratio": tcp / g, "framed_bytes": framed}
+        out["rows"].append(row)
+        print(f"{size:>6}MB {row['tcp_mb_s']:>10.0f} {row['grpc_mb_s']:>10.0f} {row['ratio']:>7.2f} "
+              f"{framed / nbytes:>15.5f}")
+    enc, dec = bench_codec(max(sizes) * MB // 4 * 4, args.repeats, args.chunk)
+    out["codec"] = {"encode_gb_s": enc, "decode_gb_s": dec, "size_mb": max(sizes)}
+    print(f"codec ({max(sizes)} MB): encode {enc:.2f} GB/s, decode {dec:.2f} GB/s")
+    rnd = bench_round(args.rounds, 2)
+    out["fedavg_round"] = rnd
+    print(f"FedAvg round, 10 clients, tiny model, 2 client processes: median {rnd['round_ms_median']:.1f} ms "
+          f"(min {rnd['round_ms_min']:.1f} ms) over {args.rounds - 1} steady rounds")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fedhop bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["transport"])
+    ap.add_argument("--sizes", default="1,10,100", help="model sizes in MB, comma-separated")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--chunk", type=int, default=4 << 20)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--tiny", action="store_true", help="a seconds-long smoke version (for tests)")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.sizes, args.repeats, args.rounds = "1", 1, 3
+    figures = transport(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The `fedhop` command: run, report, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="fedhop", description="federated learning with real processes and exact byte accounting")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an experiment: server and client processes on this machine")
+    run.add_argument("config", nargs="?", help="experiment TOML file")
+    run.add_argument("--out", help="run directory (default runs/NAME-TIMESTAMP)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override a config key (repeatable)")
+    run.add_argument("--quiet", action="store_true", help="no progress display")
+
+    sub.add_parser("report", help="compare runs: table and plots", add_help=False)
+    sub.add_parser("bench", help="benchmarks that print their figures", add_help=False)
+
+    if argv and argv[0] in ("report", "bench"):
+        if argv[0] == "report":
+            from deploy.report import main as report_main
+            return report_main(argv[1:])
+        from deploy.bench import main as bench_main
+        return bench_main(argv[1:])
+
+    args = ap.parse_args(argv)
+    if args.command == "run":
+        if not args.config:
+            ap.error("run: a CONFIG file is required")
+        from deploy.launcher import run_local
+        return run_local(args.config, args.overrides, args.out, quiet=args.quiet)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

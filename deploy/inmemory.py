@@ -1,0 +1,62 @@
+"""Run a whole experiment in one process over the in-memory transport (unit tests only).
+
+The server and the client processes are the same classes a real run uses; only the endpoint
+differs, so the final model and the ledger's byte counts equal those of a gRPC run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import threading
+
+from client.runtime import ClientProcess
+from common.topology import cluster_assignment
+from edge.runtime import EdgeProcess
+from common.config import Config
+from common.ledger import Ledger
+from common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
+from deploy.launcher import client_blocks
+from server.coordinator import Coordinator
+
+
+def run_inmemory(cfg: Config, run_dir: str | Path) -> tuple[dict, Coordinator]:
+    """Run `cfg` to completion in this process; return the summary and the coordinator."""
+    run_dir = Path(run_dir)
+    torch.set_num_threads(cfg.run.torch_threads)
+    net = InMemoryNetwork()
+    ledger = Ledger(run_dir / "ledger" / "server.jsonl", keep_drained=False)
+    server_ep = InMemoryEndpoint(net, "server", ledger, chunk_bytes=cfg.transport.chunk_bytes)
+    coordinator = Coordinator(cfg, run_dir, server_ep, ledger)
+    address = server_ep.serve(lambda req: None, register_handler=coordinator.handle_register)
+    procs: list = []
+    layout = [(address, ids) for ids in client_blocks(cfg.clients.count, cfg.clients.processes)]
+    edge_threads = []
+    if cfg.topology.kind == "hierarchical":
+        layout = []
+        clusters = cluster_assignment(cfg)
+        per_edge = max(1, cfg.clients.processes // len(clusters))
+        for e, cluster in enumerate(clusters):
+            node = f"edge-{e}"
+            edge = EdgeProcess(InMemoryEndpoint(net, node, Ledger(run_dir / "ledger" / f"{node}.jsonl"),
+                                                chunk_bytes=cfg.transport.chunk_bytes), address)
+            thread = threading.Thread(target=edge.start, kwargs={"client_timeout": 30.0}, daemon=True)
+            thread.start()
+            edge_threads.append(thread)
+            procs.append(edge)
+            layout += [(edge.address, [cluster[i] for i in block]) for block in client_blocks(len(cluster), per_edge)]
+    for p, (parent, ids) in enumerate(layout):
+        node = f"client-proc{p}"
+        ep = InMemoryEndpoint(net, node, Ledger(run_dir / "ledger" / f"{node}.jsonl"),
+                              chunk_bytes=cfg.transport.chunk_bytes)
+        proc = ClientProcess(ep, parent, ids)
+        proc.register()
+        procs.append(proc)
+    for thread in edge_threads:
+        thread.join(60.0)
+    summary = coordinator.run(register_timeout=10.0)
+    for proc in procs:
+        proc.endpoint.ledger.close()
+        proc.endpoint.stop()
+    return summary, coordinator

@@ -1,0 +1,310 @@
+"""`fedhop run`: start every process of a run on this machine, show progress, clean up.
+
+The server and each client process are separate OS processes on free loopback ports.  Their
+output goes to `RUN_DIR/logs/<node>.log`.  Children die with the launcher (PR_SET_PDEATHSIG
+on Linux) and are terminated on success, failure or Ctrl-C, so nothing is left behind.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import Config, config_to_toml, load_config
+from common.topology import cluster_assignment
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def client_blocks(count: int, processes: int) -> list[list[int]]:
+    """Logical clients 0..count-1 split into `processes` contiguous, near-equal blocks."""
+    processes = max(1, min(processes, count))
+    base, extra = divmod(count, processes)
+    out, start = [], 0
+    for p in range(processes):
+        size = base + (1 if p < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def id_spec(ids: list[int]) -> str:
+    """[0,1,2,5] -> '0-2,5' for the client command line."""
+    parts, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(f"{ids[i]}-{ids[j]}" if j > i else str(ids[i]))
+        i = j + 1
+    return ",".join(parts)
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class LocalRun:
+    """The processes of one run on this machine."""
+
+    cfg: Config
+    run_dir: Path
+    children: list[Child] = field(default_factory=list)
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+
+    def spawn(self, name: str, argv: list[str]) -> Child:
+        log = self.run_dir / "logs" / f"{name}.log"
+        env = dict(os.environ, FEDHOP_TOKEN=self.token, PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])))
+        fh = open(log, "ab")
+        proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                cwd=REPO_ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        fh.close()
+        child = Child(name, proc, log)
+        self.children.append(child)
+        return child
+
+    def start(self, overrides: list[str]) -> Child:
+        """Start the server, wait for its address, start the client processes."""
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "ledger").mkdir(parents=True, exist_ok=True)
+        cfg_path = self.run_dir / "config.toml"
+        cfg_path.write_text(config_to_toml(self.cfg))
+        port_file = self.run_dir / "server.address"
+        port_file.unlink(missing_ok=True)
+        host = self.cfg.transport.host
+        server = self.spawn("server", ["server", "--config", str(cfg_path), "--run-dir", str(self.run_dir),
+                                       "--listen", f"{host}:0", "--port-file", str(port_file)])
+        address = self._wait_for_address(server, port_file)
+        for p, (parent, ids) in enumerate(self.client_layout(address)):
+            self.spawn(f"client-proc{p}", ["client", "--parent", parent, "--clients", id_spec(ids),
+                                           "--node-id", f"client-proc{p}", "--listen", f"{host}:0",
+                                           "--ledger-dir", str(self.run_dir / "ledger"),
+                                           "--max-message-bytes", str(self.cfg.transport.max_message_bytes),
+                                           "--threads", str(self.cfg.run.torch_threads)])
+        return server
+
+    def client_layout(self, server_address: str) -> list[tuple[str, list[int]]]:
+        """(parent address, client ids) per client process.  Star: blocks of all clients under
+        the server.  Hierarchical: start the edges, then split each edge's cluster over its share
+        of `clients.processes` (at least one process per edge)."""
+        cfg = self.cfg
+        if cfg.topology.kind != "hierarchical":
+            return [(server_address, ids) for ids in client_blocks(cfg.clients.count, cfg.clients.processes)]
+        clusters = cluster_assignment(cfg)
+        edges = []
+        for e in range(len(clusters)):
+            port_file = self.run_dir / f"edge-{e}.address"
+            port_file.unlink(missing_ok=True)
+            child = self.spawn(f"edge-{e}", ["edge", "--parent", server_address, "--node-id", f"edge-{e}",
+                                             "--listen", f"{cfg.transport.host}:0", "--port-file", str(port_file),
+                                             "--ledger-dir", str(self.run_dir / "ledger"),
+                                             "--max-message-bytes", str(cfg.transport.max_message_bytes)])
+            edges.append((child, port_file))
+        per_edge = max(1, cfg.clients.processes // len(clusters))
+        layout = []
+        for (child, port_file), cluster in zip(edges, clusters):
+            address = self._wait_for_address(child, port_file)
+            for block in client_blocks(len(cluster), per_edge):
+                layout.append((address, [cluster[i] for i in block]))
+        return layout
+
+    @staticmethod
+    def _wait_for_address(server: Child, port_file: Path, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if port_file.exists():
+                return port_file.read_text().strip()
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"{server.name} exited with status {server.proc.returncode} before serving; "
+                                   f"last log lines:\n{tail(server.log)}")
+            time.sleep(0.05)
+        raise RuntimeError(f"{server.name} did not start serving within {timeout:.0f}s; see {server.log}")
+
+    def stop_all(self, grace: float = 5.0) -> None:
+        """Terminate every child still running; kill those that do not exit within `grace`."""
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.proc.terminate()
+        deadline = time.monotonic() + grace
+        for c in self.children:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                c.proc.wait(left)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def read_progress(db: Path, after: int) -> list[dict]:
+    """Rounds recorded in run.db after round `after` (read-only; the server may be writing)."""
+    if not db.exists():
+        return []
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
+        try:
+            rows = con.execute("SELECT round, participants, sampled, failures, metrics_json FROM rounds "
+                               "WHERE round > ? ORDER BY round", (after,)).fetchall()
+            total = con.execute("SELECT COALESCE(SUM(framed_bytes), 0) FROM messages WHERE role = 'sender'").fetchone()[0]
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return []
+    return [{"round": r[0], "participants": r[1], "sampled": r[2], "failures": r[3],
+             "metrics": json.loads(r[4] or "{}"), "bytes": total} for r in rows]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+class Progress:
+    """A tqdm bar on a terminal; one short line per `every` rounds otherwise."""
+
+    def __init__(self, total: int, start: int = 0) -> None:
+        self.tty = sys.stderr.isatty()
+        self.total = total
+        self.every = max(1, total // 10)
+        self.bar = None
+        if self.tty:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=start, unit="round", dynamic_ncols=True)
+
+    def update(self, row: dict) -> None:
+        m = row["metrics"]
+        acc = m.get("test_accuracy", m.get("objective"))
+        label = "acc" if "test_accuracy" in m else "obj"
+        fields = {"ok": f"{row['participants']}/{row['sampled']}", "bytes": human_bytes(row["bytes"])}
+        if row["failures"]:
+            fields["fail"] = row["failures"]
+        if acc is not None:
+            fields[label] = f"{acc:.4f}"
+        if self.bar is not None:
+            self.bar.update(row["round"] - self.bar.n)
+            self.bar.set_postfix(fields)
+        elif row["round"] % self.every == 0 or row["round"] == self.total:
+            print(f"round {row['round']}/{self.total} " + " ".join(f"{k}={v}" for k, v in fields.items()),
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def final_table(run_dir: Path) -> str:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lines = [f"run {summary['run_id']}: {summary['status']}"
+             + (f" ({summary['error']})" if summary.get("error") else ""),
+             f"  algorithm {summary['algorithm']}, topology {summary['topology']}, transport {summary['transport']}",
+             f"  rounds {summary['rounds_completed']}/{summary['rounds_planned']}, wall {summary['wall_seconds']:.1f}s, "
+             f"parameters {summary['num_parameters']}, failures {summary['failures']}"]
+    final = summary.get("final", {})
+    if final:
+        lines.append("  final: " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))
+    try:
+        from common.runstore import RunStore
+        by_dir = RunStore(run_dir / "run.db", create=False).bytes_by_link_direction()
+    except Exception:  # the table is a courtesy; summary.json has the numbers
+        by_dir = {}
+    lines.append(f"  {'link':<14}{'direction':<10}{'messages':>10}{'tensor bytes':>16}{'framed bytes':>16}")
+    for link, direction, row in ((l, d, r) for l, per in sorted(by_dir.items()) for d, r in sorted(per.items())):
+        lines.append(f"  {link:<14}{direction:<10}{row['messages']:>10}{human_bytes(row['tensor_bytes']):>16}"
+                     f"{human_bytes(row['framed_bytes']):>16}")
+    total = summary["bytes"].get("total") or {}
+    if total:
+        lines.append(f"  {'total':<24}{total.get('messages', 0):>10}{human_bytes(total.get('tensor_bytes', 0)):>16}"
+                     f"{human_bytes(total.get('framed_bytes', 0)):>16}")
+    agreement = summary.get("ledger_agreement", {})
+    lines.append(f"  ledger: sender and receiver records agree: {agreement.get('ok')} "
+                 f"(matched {agreement.get('matched')}, sender only {agreement.get('sender_only')}, "
+                 f"receiver only {agreement.get('receiver_only')}, mismatched {agreement.get('mismatched')})")
+    lines.append(f"  run directory: {run_dir}")
+    return "\n".join(lines)
+
+
+def default_run_dir(cfg: Config) -> Path:
+    return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool = False) -> int:
+    """`fedhop run`: returns the exit status (0 completed, 1 failed, 2 bad config, 130 interrupted)."""
+    from common.config import ConfigError
+    try:
+        cfg = load_config(config_path, overrides)
+    except (ConfigError, OSError) as exc:
+        print(f"fedhop run: {exc}", file=sys.stderr)
+        return 2
+    run_dir = Path(out) if out else default_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.transport.kind != "grpc":
+        print(f"fedhop run: transport.kind = '{cfg.transport.kind}' is not available for process runs "
+              f"(allowed here: grpc)", file=sys.stderr)
+        return 2
+    run = LocalRun(cfg, run_dir)
+    progress = None
+    try:
+        server = run.start(overrides=[])
+        progress = Progress(cfg.run.rounds) if not quiet else None
+        last = -1
+        while server.proc.poll() is None:
+            for row in read_progress(run_dir / "run.db", last):
+                last = row["round"]
+                if progress:
+                    progress.update(row)
+            for c in run.children[1:]:
+                if c.proc.poll() is not None and c.proc.returncode not in (0, None):
+                    pass  # a client died: the server notices at its next call and records it
+            time.sleep(0.2)
+        for row in read_progress(run_dir / "run.db", last):
+            if progress:
+                progress.update(row)
+        status = server.proc.returncode
+    except KeyboardInterrupt:
+        print("\nfedhop run: interrupted; stopping every process", file=sys.stderr)
+        run.stop_all()
+        return 130
+    except RuntimeError as exc:
+        print(f"fedhop run: {exc}", file=sys.stderr)
+        run.stop_all()
+        return 1
+    finally:
+        if progress:
+            progress.close()
+    run.stop_all()
+    if (run_dir / "summary.json").exists():
+        print(final_table(run_dir))
+    else:
+        print(f"fedhop run: the server exited with status {status} and wrote no summary; last log lines:\n"
+              f"{tail(run.children[0].log)}", file=sys.stderr)
+    return 0 if status == 0 else 1

@@ -1,0 +1,492 @@
+"""`fedhop report RUN_DIR [RUN_DIR ...]`: compare runs (DESIGN.md section 6).
+
+Reads each run directory's `summary.json` and `run.db`, prints an aligned table (also written
+as `report.md`, and the raw numbers as `report.json`) and writes PNG plots:
+
+- `metric_vs_round.png`        the metric against the round,
+- `metric_vs_bytes.png`        the metric against cumulative bytes (log x),
+- `bytes_by_link.png`          stacked bars of bytes per link per run,
+- `metric_vs_sim_time.png`     the metric against simulated time, when the rounds table has it.
+
+Conventions.  Round r in the rounds table means r rounds completed (round 0, where present, is
+the model before training), so "rounds to target" is the first recorded round whose metric
+meets the target, and "bytes to target" is the bytes of every message with round <= r (each
+message counted once, see `RunStore`).  `rounds.sim_seconds` is the simulated duration of that
+round; the simulated-time plot uses its running sum.  For metrics where lower is better (losses,
+objectives, distances, errors) the target is met at metric <= target, otherwise at >= target.
+
+Missing data (no run.db, no rounds, no messages) gives a note, never a crash.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sqlite3
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from common.ledger import BYTE_FIELDS, LINKS
+from common.runstore import AgreementReport, RunStore
+
+LOWER_IS_BETTER_TOKENS: tuple[str, ...] = ("loss", "objective", "distance", "error", "gap", "regret", "norm",
+                                           "subopt", "mse", "rmse")
+BYTES_KINDS: dict[str, str] = {"tensor": "tensor_bytes", "payload": "payload_bytes", "framed": "framed_bytes"}
+
+
+def lower_is_better(metric: str) -> bool:
+    """Objective-like metrics (losses, objectives, distances, errors): smaller is better."""
+    name = metric.lower()
+    return any(tok in name for tok in LOWER_IS_BETTER_TOKENS)
+
+
+def meets(value: float, target: float, metric: str) -> bool:
+    if value is None or not math.isfinite(value):
+        return False
+    return value <= target if lower_is_better(metric) else value >= target
+
+
+def human_bytes(n: float | None) -> str:
+    """Decimal (SI) units: 1 kB = 1000 B."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000.0
+    return f"{n:.2f} PB"  # unreachable
+
+
+def _num(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x)
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and (x != x):
+        return "nan"
+    if float(x).is_integer() and abs(x) < 1e15:
+        return str(int(x))
+    return f"{x:.4g}"
+
+
+@dataclass
+class RunData:
+    """Everything the report reads from one run directory."""
+
+    run_dir: Path
+    name: str
+    summary: dict[str, Any] = field(default_factory=dict)
+    run_row: dict[str, Any] = field(default_factory=dict)
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    cumulative: dict[int, dict[str, int]] = field(default_factory=dict)
+    by_link: dict[str, dict[str, int]] = field(default_factory=dict)  # no "total" key
+    agreement: AgreementReport | None = None
+    has_messages: bool = False
+
+    def field_(self, key: str) -> Any:
+        return self.summary.get(key, self.run_row.get(key))
+
+    def curve(self, metric: str) -> list[tuple[int, float]]:
+        out = []
+        for row in self.rounds:
+            v = _num(row.get("metrics", {}).get(metric))
+            if v is not None:
+                out.append((int(row["round"]), v))
+        return out
+
+    def sim_curve(self, metric: str) -> list[tuple[float, float]]:
+        out, clock = [], 0.0
+        for row in self.rounds:
+            sim = _num(row.get("sim_seconds"))
+            if sim is None:
+                continue
+            clock += sim
+            v = _num(row.get("metrics", {}).get(metric))
+            if v is not None:
+                out.append((clock, v))
+        return out
+
+    def has_sim_time(self) -> bool:
+        return any(_num(r.get("sim_seconds")) is not None for r in self.rounds)
+
+    def metric_names(self) -> set[str]:
+        names = {k for r in self.rounds for k, v in r.get("metrics", {}).items() if _num(v) is not None}
+        final = self.summary.get("final") or {}
+        return names | {k for k, v in final.items() if _num(v) is not None}
+
+    def total(self, kind: str) -> int | None:
+        if not self.by_link:
+            return None
+        return sum(int(v.get(kind, 0)) for v in self.by_link.values())
+
+    def bytes_upto(self, round_: int, kind: str) -> int | None:
+        if not self.has_messages:
+            return None
+        if round_ in self.cumulative:
+            return self.cumulative[round_][kind]
+        below = [r for r in self.cumulative if r <= round_]
+        return self.cumulative[max(below)][kind] if below else 0
+
+
+@dataclass
+class RunRow:
+    name: str
+    run_dir: str
+    algorithm: str
+    topology: str
+    transport: str
+    status: str
+    rounds: int | None
+    final: float | None
+    total_bytes: dict[str, int | None]
+    by_link: dict[str, int]
+    wall_seconds: float | None
+    rounds_to_target: int | None = None
+    bytes_to_target: int | None = None
+    ledger: str = "-"
+
+
+@dataclass
+class ReportResult:
+    out_dir: Path
+    metric: str | None
+    target: float | None
+    bytes_kind: str
+    rows: list[RunRow]
+    table: str
+    markdown: str
+    plots: list[Path]
+    notes: list[str]
+
+
+# -- reading ------------------------------------------------------------------------------
+def load_run(run_dir: Path, notes: list[str]) -> RunData | None:
+    """Read one run directory; None (with a note) when it holds neither summary.json nor run.db."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        notes.append(f"{run_dir}: not a directory, skipped")
+        return None
+    data = RunData(run_dir=run_dir, name=run_dir.name)
+    summary_path, db_path = run_dir / "summary.json", run_dir / "run.db"
+    if summary_path.exists():
+        try:
+            loaded = json.loads(summary_path.read_text(encoding="utf-8"))
+            if isinstance(loaded, dict):
+                data.summary = loaded
+            else:
+                notes.append(f"{summary_path}: not a JSON object, ignored")
+        except (OSError, ValueError) as exc:
+            notes.append(f"{summary_path}: unreadable ({exc}), ignored")
+    else:
+        notes.append(f"{run_dir}: no summary.json")
+    if db_path.exists():
+        try:
+            with RunStore(db_path, create=False) as store:
+                data.run_row = store.run() or {}
+                data.rounds = store.rounds()
+                links = store.bytes_by_link()
+                total = links.pop("total")
+                data.has_messages = total["messages"] > 0
+                if data.has_messages:
+                    data.cumulative = store.cumulative_bytes_by_round()
+                    data.agreement = store.check_agreement()
+                db_links = links
+        except (sqlite3.DatabaseError, ValueError) as exc:
+            notes.append(f"{db_path}: unreadable ({exc}), ignored")
+            db_links = {}
+    else:
+        notes.append(f"{run_dir}: no run.db (no per-round curves, no cumulative bytes)")
+        db_links = {}
+    if not data.summary and not db_path.exists():
+        notes.append(f"{run_dir}: neither summary.json nor run.db, skipped")
+        return None
+    if not data.rounds and db_path.exists():
+        notes.append(f"{run_dir}: run.db has no rounds")
+    data.name = str(data.summary.get("name") or data.run_row.get("name") or run_dir.name)
+    data.by_link = _summary_links(data.summary, notes, run_dir) or db_links
+    if data.by_link and db_links and data.by_link != db_links:
+        notes.append(f"{run_dir}: summary.json and run.db byte counts differ; the table uses summary.json")
+    return data
+
+
+def _summary_links(summary: dict[str, Any], notes: list[str], run_dir: Path) -> dict[str, dict[str, int]]:
+    by_link = (summary.get("bytes") or {}).get("by_link") if isinstance(summary.get("bytes"), dict) else None
+    if not isinstance(by_link, dict):
+        return {}
+    out = {}
+    for link, row in by_link.items():
+        if link == "total" or not isinstance(row, dict):
+            continue
+        out[link] = {k: int(row.get(k, 0) or 0) for k in (*BYTE_FIELDS, "messages")}
+    total = summary["bytes"].get("total")
+    if isinstance(total, dict):
+        for k in BYTE_FIELDS:
+            if k in total and int(total[k]) != sum(r[k] for r in out.values()):
+                notes.append(f"{run_dir}: summary.json bytes.total.{k} differs from the sum of bytes.by_link")
+    return out
+
+
+def choose_metric(runs: Sequence[RunData], notes: list[str]) -> str | None:
+    names = set().union(*(r.metric_names() for r in runs)) if runs else set()
+    for preferred in ("test_accuracy", "objective"):
+        if preferred in names:
+            return preferred
+    if names:
+        pick = sorted(names)[0]
+        notes.append(f"no test_accuracy or objective in any run; using metric {pick!r}")
+        return pick
+    notes.append("no metric recorded in any run; no metric columns or curves")
+    return None
+
+
+# -- table --------------------------------------------------------------------------------
+def make_row(run: RunData, metric: str | None, target: float | None, kind: str, notes: list[str]) -> RunRow:
+    final = None
+    if metric is not None:
+        final = _num((run.summary.get("final") or {}).get(metric))
+        curve = run.curve(metric)
+        if final is None and curve:
+            final = curve[-1][1]
+    rounds = run.summary.get("rounds_completed")
+    if rounds is None and run.rounds:
+        rounds = max(int(r["round"]) for r in run.rounds)
+    row = RunRow(
+        name=run.name, run_dir=str(run.run_dir), algorithm=str(run.field_("algorithm") or "-"),
+        topology=str(run.field_("topology") or "-"), transport=str(run.field_("transport") or "-"),
+        status=str(run.field_("status") or "-"), rounds=int(rounds) if rounds is not None else None,
+        final=final, total_bytes={k: run.total(k) for k in BYTE_FIELDS},
+        by_link={link: int(v.get(kind, 0)) for link, v in sorted(run.by_link.items())},
+        wall_seconds=_num(run.summary.get("wall_seconds")))
+    if run.agreement is not None:
+        row.ledger = "agree" if run.agreement.ok else "DISAGREE"
+    if target is not None and metric is not None:
+        hit = next((r for r, v in run.curve(metric) if meets(v, target, metric)), None)
+        row.rounds_to_target = hit
+        if hit is not None:
+            row.bytes_to_target = run.bytes_upto(hit, kind)
+            if row.bytes_to_target is None:
+                notes.append(f"{run.name}: no messages in run.db, bytes to target unknown")
+        elif run.curve(metric):
+            notes.append(f"{run.name}: never reached {metric} {'<=' if lower_is_better(metric) else '>='} {target}")
+    return row
+
+
+def table_cells(rows: Sequence[RunRow], metric: str | None, target: float | None,
+                kind: str) -> tuple[list[str], list[list[str]]]:
+    short = kind.replace("_bytes", "")
+    header = ["run", "algorithm", "topology", "rounds"]
+    if metric is not None:
+        header.append(f"final {metric}")
+    header += ["tensor bytes", "framed bytes", f"{short} bytes by link", "wall s", "ledger"]
+    if target is not None and metric is not None:
+        header += ["rounds to target", f"{short} bytes to target"]
+    body = []
+    for r in rows:
+        cells = [r.name, r.algorithm, r.topology, _fmt(r.rounds)]
+        if metric is not None:
+            cells.append(_fmt(r.final))
+        links = "; ".join(f"{link} {human_bytes(b)}" for link, b in r.by_link.items()) or "-"
+        cells += [human_bytes(r.total_bytes["tensor_bytes"]), human_bytes(r.total_bytes["framed_bytes"]), links,
+                  "-" if r.wall_seconds is None else f"{r.wall_seconds:.1f}", r.ledger]
+        if target is not None and metric is not None:
+            cells += [_fmt(r.rounds_to_target), human_bytes(r.bytes_to_target)]
+        body.append(cells)
+    return header, body
+
+
+def render_text(header: list[str], body: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
+    numeric = [all(_looks_numeric(row[i]) for row in body) and bool(body) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(cells, widths, numeric)).rstrip()
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in body])
+
+
+def render_markdown(header: list[str], body: list[list[str]]) -> str:
+    esc = [[c.replace("|", "\\|") for c in row] for row in [header, *body]]
+    lines = ["| " + " | ".join(esc[0]) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in esc[1:]]
+    return "\n".join(lines)
+
+
+def _looks_numeric(cell: str) -> bool:
+    head = cell.split(" ")[0]
+    try:
+        float(head)
+        return True
+    except ValueError:
+        return cell == "-"
+
+
+# -- plots --------------------------------------------------------------------------------
+def _figure():
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+
+    fig = Figure(figsize=(7, 4.5), dpi=100)
+    return fig, fig.add_subplot(1, 1, 1)
+
+
+def _save(fig, path: Path, plots: list[Path]) -> None:
+    fig.tight_layout()
+    fig.savefig(path, format="png")  # a Figure without pyplot renders PNG with the Agg canvas
+    plots.append(path)
+
+
+def _link_color(link: str, i: int) -> str:
+    """The same link gets the same colour in every report."""
+    return f"C{LINKS.index(link)}" if link in LINKS else f"C{(len(LINKS) + i) % 10}"
+
+
+def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None, kind: str, out: Path,
+               notes: list[str]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    plots: list[Path] = []
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    short = kind.replace("_bytes", "")
+    if metric is not None:
+        curves = [(run, run.curve(metric), c) for run, c in zip(runs, colors)]
+        if any(cv for _, cv, _ in curves):
+            fig, ax = _figure()
+            for run, cv, c in curves:
+                if cv:
+                    ax.plot([r for r, _ in cv], [v for _, v in cv], marker="o", markersize=3, color=c, label=run.name)
+            if target is not None:
+                ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}")
+            ax.set_xlabel("round")
+            ax.set_ylabel(metric)
+            ax.set_title(f"{metric} against rounds")
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+            _save(fig, out / "metric_vs_round.png", plots)
+        else:
+            notes.append(f"no run has per-round {metric}; metric_vs_round.png not written")
+
+        fig, ax = _figure()
+        drawn = False
+        for run, cv, c in curves:
+            pts = [(run.bytes_upto(r, kind), v) for r, v in cv]
+            pts = [(b, v) for b, v in pts if b is not None and b > 0]
+            if pts:
+                ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", markersize=3, color=c, label=run.name)
+                drawn = True
+            elif cv:
+                notes.append(f"{run.name}: no message bytes per round; left out of metric_vs_bytes.png")
+        if drawn:
+            if target is not None:
+                ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}")
+            ax.set_xscale("log")
+            ax.set_xlabel(f"cumulative {short} bytes")
+            ax.set_ylabel(metric)
+            ax.set_title(f"{metric} against cumulative {short} bytes")
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3, which="both")
+            _save(fig, out / "metric_vs_bytes.png", plots)
+
+        sim = [(run, run.sim_curve(metric), c) for run, c in zip(runs, colors) if run.has_sim_time()]
+        if any(cv for _, cv, _ in sim):
+            fig, ax = _figure()
+            for run, cv, c in sim:
+                if cv:
+                    ax.plot([t for t, _ in cv], [v for _, v in cv], marker="o", markersize=3, color=c, label=run.name)
+            ax.set_xlabel("simulated time (s)")
+            ax.set_ylabel(metric)
+            ax.set_title(f"{metric} against simulated time")
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+            _save(fig, out / "metric_vs_sim_time.png", plots)
+
+    links = sorted({link for run in runs for link in run.by_link})
+    if links:
+        fig, ax = _figure()
+        names = [run.name for run in runs]
+        bottom = [0.0] * len(runs)
+        for i, link in enumerate(links):
+            vals = [float(run.by_link.get(link, {}).get(kind, 0)) for run in runs]
+            ax.bar(names, vals, bottom=bottom, label=link, color=_link_color(link, i))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_ylabel(f"{short} bytes")
+        ax.set_title(f"{short} bytes per link")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.tick_params(axis="x", labelrotation=20)
+        _save(fig, out / "bytes_by_link.png", plots)
+    else:
+        notes.append("no byte counts in any run; bytes_by_link.png not written")
+    return plots
+
+
+# -- entry points -------------------------------------------------------------------------
+def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: float | None = None,
+                 metric: str | None = None, bytes_kind: str = "tensor_bytes") -> ReportResult:
+    """Read the runs, write report.md, report.json and the plots into `out_dir`, return the result."""
+    if bytes_kind not in BYTE_FIELDS:
+        raise ValueError(f"report: bytes_kind={bytes_kind!r}; allowed: {', '.join(BYTE_FIELDS)}")
+    notes: list[str] = []
+    runs = [r for r in (load_run(Path(d), notes) for d in run_dirs) if r is not None]
+    seen: dict[str, int] = {}
+    for run in runs:
+        seen[run.name] = seen.get(run.name, 0) + 1
+    for run in runs:  # two runs of the same config: tell them apart by directory
+        if seen[run.name] > 1:
+            run.name = f"{run.name} [{run.run_dir.name}]"
+    if metric is None:
+        metric = choose_metric(runs, notes)
+    elif runs and not any(metric in r.metric_names() for r in runs):
+        notes.append(f"metric {metric!r} is recorded in none of the runs")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [make_row(run, metric, target, bytes_kind, notes) for run in runs]
+    header, body = table_cells(rows, metric, target, bytes_kind)
+    table = render_text(header, body)
+    agreement = [f"{run.name}: {run.agreement.summary()}" for run in runs if run.agreement is not None]
+    md = ["# fedhop report", "", render_markdown(header, body), ""]
+    if agreement:
+        md += ["## Ledger agreement", "", *[f"- {a}" for a in agreement], ""]
+    plots = make_plots(runs, metric, target, bytes_kind, out, notes) if runs else []
+    if plots:
+        md += ["## Plots", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
+    if notes:
+        md += ["## Notes", "", *[f"- {n}" for n in notes], ""]
+    (out / "report.md").write_text("\n".join(md), encoding="utf-8")
+    (out / "report.json").write_text(json.dumps(
+        {"metric": metric, "target": target, "bytes_kind": bytes_kind, "runs": [asdict(r) for r in rows],
+         "agreement": agreement, "notes": notes}, indent=2), encoding="utf-8")
+    return ReportResult(out_dir=out, metric=metric, target=target, bytes_kind=bytes_kind, rows=rows,
+                        table=table if agreement == [] else table + "\n\n" + "\n".join(agreement),
+                        markdown="\n".join(md), plots=plots, notes=notes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fedhop report", description="Compare fedhop runs: table and plots.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--out", default="report", help="directory for report.md, report.json and PNGs")
+    parser.add_argument("--target-accuracy", "--target", dest="target", type=float, default=None,
+                        help="target value of the metric (>= for accuracy-like, <= for loss/objective-like)")
+    parser.add_argument("--metric", default=None, help="metric name (default: test_accuracy, else objective)")
+    parser.add_argument("--bytes", dest="bytes_kind", choices=sorted(BYTES_KINDS), default="tensor",
+                        help="byte count for the by-link, to-target and cumulative columns and plots")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    result = build_report(args.run_dirs, args.out, target=args.target, metric=args.metric,
+                          bytes_kind=BYTES_KINDS[args.bytes_kind])
+    print(result.table)
+    for note in result.notes:
+        print(f"note: {note}")
+    if not result.rows:
+        print("fedhop report: none of the run directories could be read", file=sys.stderr)
+        return 1
+    print(f"wrote {result.out_dir / 'report.md'}" + "".join(f", {p.name}" for p in result.plots))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

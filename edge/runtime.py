@@ -1,0 +1,70 @@
+"""Start-up of an edge process: serve, register with the server, wait for the cluster's
+clients, announce them to the server, then serve rounds until shut down."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from common.config import parse_config
+from common.transport.base import CallFailed, Endpoint, HandlerError, Request
+from common.wire import fedhop_pb2 as pb
+from edge.aggregator import EdgeAggregator
+
+log = logging.getLogger("fedhop.edge")
+
+
+class EdgeProcess:
+    def __init__(self, endpoint: Endpoint, parent: str, bind: str = "127.0.0.1:0") -> None:
+        self.endpoint = endpoint
+        self.parent = parent
+        self.aggregator: EdgeAggregator | None = None
+        self._ready = threading.Event()
+        self.address = endpoint.serve(self._handle, bind, register_handler=self._register)
+
+    def _handle(self, request: Request):
+        if self.aggregator is None:
+            raise HandlerError("NOT_READY", f"{self.endpoint.node_id} has not finished registering")
+        return self.aggregator.handle(request)
+
+    def _register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
+        # a client may arrive before this edge has its config from the server: hold it briefly
+        if not self._ready.wait(60.0) or self.aggregator is None:
+            return pb.RegisterReply(accepted=False, message=f"{self.endpoint.node_id} is not registered with "
+                                                            f"the server; cannot accept clients yet")
+        return self.aggregator.handle_register(req)
+
+    def _register_with_parent(self, clients: list[int], timeout: float, attempts: int = 30) -> pb.RegisterReply:
+        req = pb.RegisterRequest(node_id=self.endpoint.node_id, role="edge", address=self.address,
+                                 token=self.endpoint.token, run_id=self.endpoint.run_id,
+                                 clients=[pb.LogicalClient(client_id=c) for c in clients])
+        delay = 0.2
+        for attempt in range(attempts):
+            try:
+                reply = self.endpoint.register(self.parent, req, timeout)
+                break
+            except CallFailed as exc:
+                if attempt == attempts - 1:
+                    raise
+                log.warning("register with %s failed (%s); retrying in %.1fs", self.parent, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        if not reply.accepted:
+            raise RuntimeError(f"{self.endpoint.node_id}: registration refused by {self.parent}: {reply.message}")
+        return reply
+
+    def start(self, client_timeout: float = 120.0) -> None:
+        reply = self._register_with_parent([], timeout=60.0)
+        cfg = parse_config(reply.config_toml)
+        self.endpoint.run_id = reply.run_id
+        self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
+        self.aggregator = EdgeAggregator(cfg, self.endpoint, reply.run_id, reply.config_toml)
+        self._ready.set()
+        if not self.aggregator.wait_for_clients(client_timeout):
+            missing = sorted(set(self.aggregator.cluster) - set(self.aggregator.client_home))
+            raise RuntimeError(f"{self.endpoint.node_id}: clients {missing[:10]} never registered")
+        self._register_with_parent(self.aggregator.cluster, timeout=60.0)
+
+    def wait(self, timeout: float | None = None) -> None:
+        assert self.aggregator is not None
+        self.aggregator.shutdown_event.wait(timeout)

@@ -1,0 +1,334 @@
+"""The server: owns the run (registration, round loop, sampling, server step, evaluation,
+run directory).  Transport-agnostic: it talks to its children through an `Endpoint`, so the
+same code runs over gRPC and, in unit tests, in memory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from common.algorithms import build_algorithm
+from common.algorithms.base import Payload, ServerState, finite_or_raise
+from common.algorithms.local import get_params, set_params
+from common.codec import PayloadError, check_tensors
+from common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
+from common.ledger import Ledger
+from common.rng import numpy_stream
+from common.runstore import RunStore
+from common.tasks import build_task
+from common.transport.base import CallFailed, Endpoint, RemoteError
+from common.wire import fedhop_pb2 as pb
+
+log = logging.getLogger("fedhop.server")
+
+
+@dataclass
+class ChildNode:
+    """A registered child process (client process or edge)."""
+
+    node_id: str
+    role: str
+    address: str
+    clients: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RoundResult:
+    round: int
+    sampled: list[int]
+    participants: list[int]
+    failures: dict[int, str]
+    metrics: dict[str, float]
+    wall_seconds: float
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (too few results, registration timed out, ...)."""
+
+
+def client_node(cid: int) -> str:
+    return f"client-{cid}"
+
+
+class Coordinator:
+    def __init__(self, cfg: Config, run_dir: Path, endpoint: Endpoint, ledger: Ledger,
+                 on_round: Callable[[RoundResult], None] | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.endpoint = endpoint
+        self.ledger = ledger
+        self.on_round = on_round
+        self.run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:8]}"
+        endpoint.run_id = self.run_id
+        self.task = build_task(cfg)
+        self.algorithm = build_algorithm(cfg)
+        self.model = self.task.build_model()
+        self.state: ServerState = self.algorithm.init_state(get_params(self.model))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.store = RunStore(self.run_dir / "run.db")
+        self.children: dict[str, ChildNode] = {}
+        self.client_home: dict[int, ChildNode] = {}
+        self._registered = threading.Condition()
+        self.rounds_completed = 0
+        self.failures_total = 0
+        self.history: list[RoundResult] = []
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="server-call")
+        self.config_toml = config_to_toml(cfg)
+
+    # ------------------------------------------------------------------ registration
+    def handle_register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
+        """Register handler: a child announces its node id, address and logical clients."""
+        self.endpoint.record_control("register", req.node_id, "server", req.ByteSize(), "receiver", 0.0,
+                                     req.msg_id, self.run_id)
+        token = getattr(self.endpoint, "token", "")
+        if token and req.token != token:
+            self.store.add_event("register_refused", node=req.node_id, detail="wrong token", round=0)
+            reply = pb.RegisterReply(accepted=False, message="registration refused: wrong token")
+        else:
+            bad = [c.client_id for c in req.clients if c.client_id >= self.cfg.clients.count]
+            if bad:
+                reply = pb.RegisterReply(accepted=False, message=f"client ids {bad} out of range "
+                                                                 f"(clients.count = {self.cfg.clients.count})")
+            else:
+                node = ChildNode(req.node_id, req.role, req.address, sorted(c.client_id for c in req.clients))
+                with self._registered:
+                    self.children[req.node_id] = node
+                    for cid in node.clients:
+                        self.client_home[cid] = node
+                    self._registered.notify_all()
+                self.store.add_event("registered", node=req.node_id, round=0,
+                                     detail=f"{req.role} at {req.address} hosting {len(node.clients)} clients")
+                reply = pb.RegisterReply(accepted=True, run_id=self.run_id, config_toml=self.config_toml)
+        reply.node_id = "server"
+        self.endpoint.record_control("register.reply", "server", req.node_id, reply.ByteSize(), "sender", 0.0,
+                                     req.msg_id + ".reply", self.run_id)
+        return reply
+
+    def wait_for_clients(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        need = set(range(self.cfg.clients.count))
+        with self._registered:
+            while not need <= set(self.client_home):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(need - set(self.client_home))
+                    raise RunFailed(f"registration timed out after {timeout:.0f}s: {len(missing)} logical "
+                                    f"clients never registered (first: {missing[:10]})")
+                self._registered.wait(min(left, 0.5))
+
+    # ------------------------------------------------------------------ rounds
+    def sample(self, round: int) -> list[int]:
+        """Seeded sampling without replacement: stream ("sampling", round)."""
+        count = self.cfg.clients.count
+        size = resolve_clients_per_round(self.cfg)
+        rng = numpy_stream(self.cfg.run.seed, "sampling", round)
+        return sorted(int(c) for c in rng.choice(count, size=size, replace=False))
+
+    def _train_one(self, cid: int, round: int, prepared) -> Payload:
+        node = self.client_home[cid]
+        reply = self.endpoint.call(node.address, client_node(cid), "train", round=round,
+                                   timeout=self.cfg.run.call_timeout, prepared=prepared)
+        who = f"round {round} reply of client {cid}"
+        check_tensors(reply, self.algorithm.reply_spec(self.state), who, allow_extra=True)
+        try:
+            finite_or_raise(reply, who)
+        except ValueError as exc:
+            raise PayloadError("NON_FINITE", str(exc)) from None
+        if "weight" not in reply.scalars:
+            raise PayloadError("MISSING_SCALAR", f"{who} lacks the 'weight' scalar")
+        return reply
+
+    def run_round(self, round: int) -> RoundResult:
+        started = time.perf_counter()
+        sampled = self.sample(round)
+        message = self.algorithm.broadcast(self.state, round)
+        if self.cfg.topology.kind == "hierarchical":
+            results, failures = self._dispatch_edges(round, sampled, message)
+        else:
+            results, failures = self._dispatch_clients(round, sampled, message)
+        for cid, why in sorted(failures.items()):
+            kind = "rejected_payload" if any(k in why for k in ("BAD_", "NON_FINITE", "SIZE_", "MALFORMED")) \
+                else "client_failed"
+            self.store.add_event(kind, node=client_node(cid), detail=why, round=round)
+            log.warning("round %d: client %d left out: %s", round, cid, why)
+        participants = sorted(set(sampled) - set(failures))
+        needed = max(resolve_min_results(self.cfg, len(sampled)), 1)
+        if len(participants) < needed or not results:
+            raise RunFailed(f"round {round}: only {len(participants)} of {len(sampled)} sampled clients returned a "
+                            f"result; run.min_results requires {needed}")
+        aggregate = self.algorithm.aggregate(sorted(results.items()))
+        self.algorithm.server_update(self.state, aggregate, round)
+        metrics = self._round_metrics(round, aggregate)
+        result = RoundResult(round, sampled, participants, failures, metrics, time.perf_counter() - started)
+        self._record_round(result)
+        return result
+
+    def _gather(self, calls: dict, timeout: float) -> tuple[dict, dict]:
+        """Wait for submitted calls until `timeout`; split results from failures."""
+        _, pending = wait(calls.values(), timeout=timeout)
+        results, failures = {}, {}
+        for key, fut in calls.items():
+            if fut in pending:
+                failures[key] = f"timeout: no result within run.round_timeout={self.cfg.run.round_timeout}s"
+                continue
+            try:
+                results[key] = fut.result()
+            except (CallFailed, RemoteError, PayloadError) as exc:
+                failures[key] = str(exc)
+        return results, failures
+
+    def _dispatch_clients(self, round: int, sampled: list[int], message: Payload):
+        """Star: the message to every sampled client, one reply each."""
+        prepared = self.endpoint.prepare(message)
+        calls = {cid: self._pool.submit(self._train_one, cid, round, prepared) for cid in sampled}
+        return self._gather(calls, self.cfg.run.round_timeout)
+
+    def _dispatch_edges(self, round: int, sampled: list[int], message: Payload):
+        """Hierarchical: one call per edge with sampled clients; each returns a partial aggregate."""
+        by_edge: dict[str, list[int]] = {}
+        for cid in sampled:
+            by_edge.setdefault(self.client_home[cid].node_id, []).append(cid)
+        calls = {}
+        for node_id, cids in sorted(by_edge.items()):
+            payload = Payload(tensors=message.tensors,
+                              scalars={**message.scalars, "edge_clients": ",".join(map(str, cids))})
+            calls[node_id] = self._pool.submit(self._edge_round, node_id, round, payload)
+        partials, edge_failures = self._gather(calls, self.cfg.run.round_timeout * 2)
+        failures: dict[int, str] = {}
+        for node_id, why in edge_failures.items():
+            self.store.add_event("edge_failed", node=node_id, detail=why, round=round)
+            for cid in by_edge[node_id]:
+                failures[cid] = f"edge {node_id} failed: {why}"
+        results = {}
+        for node_id, partial in partials.items():
+            lost = json.loads(str(partial.scalars.pop("failures_json", "{}")))
+            failures.update({int(c): f"at {node_id}: {why}" for c, why in lost.items()})
+            results[self.edge_order(node_id)] = partial
+        return results, failures
+
+    @staticmethod
+    def edge_order(node_id: str) -> int:
+        return int(node_id.split("-")[1])
+
+    def _edge_round(self, node_id: str, round: int, payload: Payload) -> Payload:
+        node = self.children[node_id]
+        partial = self.endpoint.call(node.address, node_id, "edge_round", payload, round=round,
+                                     timeout=self.cfg.run.round_timeout * 2)
+        who = f"round {round} partial of {node_id}"
+        check_tensors(partial, self.algorithm.reply_spec(self.state), who, allow_extra=True)
+        try:
+            finite_or_raise(partial, who)
+        except ValueError as exc:
+            raise PayloadError("NON_FINITE", str(exc)) from None
+        return partial
+
+    def _round_metrics(self, round: int, aggregate: Payload) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        weight = float(aggregate.scalars.get("weight", 0.0)) or 1.0
+        if "train_loss" in aggregate.scalars:
+            metrics["client_train_loss"] = float(aggregate.scalars["train_loss"]) / weight
+        every = self.cfg.run.eval_every
+        last = round == self.cfg.run.rounds
+        if last or (every and round % every == 0):
+            metrics.update(self.evaluate())
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        set_params(self.model, self.state.params)
+        with torch.no_grad():
+            return {k: float(v) for k, v in self.task.evaluate(self.model).items()}
+
+    def _record_round(self, result: RoundResult) -> None:
+        self.rounds_completed = result.round
+        self.failures_total += len(result.failures)
+        self.history.append(result)
+        self.store.insert_records(self.ledger.drain())
+        self.store.add_round(result.round, participants=len(result.participants),
+                             sampled=len(result.sampled), failures=len(result.failures),
+                             metrics=result.metrics, wall_seconds=result.wall_seconds)
+        log.info("round %d: %d/%d results, %s", result.round, len(result.participants), len(result.sampled),
+                 ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()))
+        if self.on_round is not None:
+            self.on_round(result)
+
+    # ------------------------------------------------------------------ whole run
+    def run(self, register_timeout: float = 120.0) -> dict:
+        started = time.perf_counter()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(self.config_toml)
+        self.store.start_run(run_id=self.run_id, name=self.cfg.run.name, algorithm=self.cfg.algorithm.name,
+                             topology=self.cfg.topology.kind, transport=self.cfg.transport.kind,
+                             config_toml=self.config_toml)
+        status, error = "completed", ""
+        try:
+            self.wait_for_clients(register_timeout)
+            for r in range(self.rounds_completed + 1, self.cfg.run.rounds + 1):  # rounds are 1-based
+                self.run_round(r)
+        except RunFailed as exc:
+            status, error = "failed", str(exc)
+            self.store.add_event("run_failed", node="server", detail=error, round=self.rounds_completed)
+            log.error("run failed: %s", error)
+        finally:
+            self.shutdown_children()
+        summary = self.finalize(status, error, time.perf_counter() - started)
+        return summary
+
+    def shutdown_children(self) -> None:
+        for node in list(self.children.values()):
+            try:
+                self.endpoint.call(node.address, node.node_id, "shutdown", Payload(), round=self.rounds_completed,
+                                   timeout=5.0)
+            except (CallFailed, RemoteError) as exc:
+                self.store.add_event("shutdown_failed", node=node.node_id, detail=str(exc), round=self.rounds_completed)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def merge_ledgers(self) -> None:
+        """Insert every process's ledger file (run_dir/ledger/*.jsonl) into run.db (idempotent)."""
+        self.store.insert_records(self.ledger.drain())
+        for path in sorted((self.run_dir / "ledger").glob("*.jsonl")):
+            self.store.insert_records(Ledger.read_jsonl(path))
+
+    def finalize(self, status: str, error: str, wall_seconds: float) -> dict:
+        self.merge_ledgers()
+        final = self.evaluate() if self.rounds_completed else {}
+        if "train_loss" not in final:
+            set_params(self.model, self.state.params)
+            final["train_loss"] = float(self.task.train_loss(self.model))
+        save_file({k: v.contiguous() for k, v in self.state.params.items()}, str(self.run_dir / "model.safetensors"))
+        by_link = self.store.bytes_by_link()
+        agreement = self.store.check_agreement()
+        summary = {
+            "status": status,
+            "error": error,
+            "run_id": self.run_id,
+            "name": self.cfg.run.name,
+            "algorithm": self.cfg.algorithm.name,
+            "topology": self.cfg.topology.kind,
+            "transport": self.cfg.transport.kind,
+            "rounds_completed": self.rounds_completed,
+            "rounds_planned": self.cfg.run.rounds,
+            "final": final,
+            "bytes": {"total": by_link.pop("total", None), "by_link": by_link},
+            "ledger_agreement": {"ok": agreement.ok, "matched": agreement.matched,
+                                 "sender_only": len(agreement.sender_only),
+                                 "receiver_only": len(agreement.receiver_only),
+                                 "mismatched": len(agreement.mismatched)},
+            "failures": self.failures_total,
+            "wall_seconds": wall_seconds,
+            "num_parameters": int(sum(t.numel() for t in self.state.params.values())),
+            "num_clients": self.cfg.clients.count,
+            "clients_per_round": resolve_clients_per_round(self.cfg),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        self.store.finish_run(status)
+        return summary

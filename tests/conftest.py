@@ -1,0 +1,21 @@
+"""Shared test set-up: slow tests run only with FEDHOP_SLOW=1; repo root on sys.path."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("FEDHOP_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow test: set FEDHOP_SLOW=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

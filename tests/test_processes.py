@@ -1,0 +1,100 @@
+"""Real OS processes on loopback: `fedhop run` equals the in-memory run, survives a killed
+client, and leaves no process behind."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.config import load_config, parse_config
+from common.runstore import RunStore
+from deploy.inmemory import run_inmemory
+from deploy.launcher import LocalRun, read_progress, run_local
+from tests.helpers import quadratic_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RNG = np.random.default_rng(3)
+CENTERS = RNG.normal(0, 2, size=(8, 6))
+CURV = RNG.uniform(0.5, 2.0, size=(8, 6))
+SIZES = [5, 9, 13, 3, 7, 11, 2, 8]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_processes_equal_inmemory_bit_for_bit_and_twice(tmp_path):
+    text = quadratic_config(CENTERS, CURV, SIZES, rounds=4, per_round=3, processes=3, local_steps=3)
+    cfg_file = tmp_path / "quad.toml"
+    cfg_file.write_text(text)
+    _, coord = run_inmemory(parse_config(text), tmp_path / "mem")
+    models = []
+    for name in ("p1", "p2"):
+        assert run_local(str(cfg_file), [], str(tmp_path / name), quiet=True) == 0
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["transport"] == "grpc"
+        models.append(load_file(str(tmp_path / name / "model.safetensors"))["w"])
+        store = RunStore(tmp_path / name / "run.db")
+        assert store.check_agreement().ok
+        for r, row in store.bytes_per_round().items():
+            if r >= 1:
+                assert row["tensor_bytes"] == 2 * 3 * 4 * CENTERS.shape[1]
+    assert torch.equal(models[0], coord.state.params["w"])
+    assert torch.equal(models[0], models[1])
+
+
+def test_killed_client_process_run_completes(tmp_path):
+    cfg = load_config(ROOT / "examples" / "fedavg_digits.toml",
+                      ["run.rounds=8", "clients.processes=3", "algorithm.local_epochs=4", "run.eval_every=0"])
+    run = LocalRun(cfg, tmp_path)
+    server = run.start([])
+    victim = run.children[2]  # client-proc1
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not read_progress(tmp_path / "run.db", 1):
+            time.sleep(0.05)
+        assert read_progress(tmp_path / "run.db", 1), "round 2 never finished"
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=240)
+    finally:
+        run.stop_all()
+    assert server.proc.returncode == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 8
+    assert summary["failures"] > 0
+    store = RunStore(tmp_path / "run.db")
+    failed = store.events("client_failed")
+    victim_clients = set(range(17, 34))  # client-proc1 hosts clients 17..33 of 50 over 3 processes
+    assert failed and all(int(e["node"].split("-")[1]) in victim_clients for e in failed)
+    for child in run.children:
+        assert not _alive(child.proc.pid), f"{child.name} left behind"
+
+
+def test_digits_example_reaches_090(tmp_path):
+    code = run_local(str(ROOT / "examples" / "fedavg_digits.toml"), [], str(tmp_path), quiet=True)
+    assert code == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final"]["test_accuracy"] >= 0.90, summary["final"]
+    assert summary["rounds_completed"] == 30
+
+
+def test_bad_config_key_exits_2_with_message(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[run]\nroundz = 3\n')
+    assert run_local(str(bad), [], str(tmp_path / "r"), quiet=True) == 2
+    assert "run.roundz" in capsys.readouterr().err

@@ -1,0 +1,176 @@
+"""`fedhop report` on hand-made run directories (summary.json + run.db written through RunStore)."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from common.ledger import LedgerRecord
+from common.runstore import RunStore
+from deploy.report import build_report, human_bytes, lower_is_better, main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def msg(msg_id: str, round_: int, src: str, dst: str, link: str, direction: str, tensor: int, payload: int,
+        framed: int, role: str) -> LedgerRecord:
+    return LedgerRecord(run_id="r", round=round_, step=0, src=src, dst=dst, link=link, direction=direction,
+                        method="train", tensor_bytes=tensor, payload_bytes=payload, framed_bytes=framed,
+                        seconds=0.0, recorder=src if role == "sender" else dst, role=role, msg_id=msg_id,
+                        status="ok", wall_time=float(round_))
+
+
+def exchange(msg_id: str, round_: int, child: str, parent: str, link: str, tensor: int = 1000,
+             payload: int = 1100, framed: int = 1105) -> list[LedgerRecord]:
+    """A down message and its up reply, each recorded by both ends."""
+    out = []
+    for suffix, src, dst, direction in (("", parent, child, "down"), (".reply", child, parent, "up")):
+        for role in ("sender", "receiver"):
+            out.append(msg(msg_id + suffix, round_, src, dst, link, direction, tensor, payload, framed, role))
+    return out
+
+
+def write_run(run_dir: Path, *, name: str, algorithm: str, topology: str, metrics: list[dict],
+              records: list[LedgerRecord], sim: list[float] | None = None, final: dict | None = None) -> dict:
+    run_dir.mkdir(parents=True)
+    store = RunStore(run_dir / "run.db")
+    store.start_run(f"run-{name}", name=name, algorithm=algorithm, topology=topology, transport="grpc")
+    for i, m in enumerate(metrics, start=1):
+        store.add_round(i, participants=[0, 1], sampled=[0, 1], failures=[], metrics=m, wall_seconds=0.5,
+                        sim_seconds=None if sim is None else sim[i - 1])
+    store.insert_records(records)
+    by_link = store.bytes_by_link()
+    total = by_link.pop("total")
+    store.finish_run("completed")
+    store.close()
+    summary = {"status": "completed", "algorithm": algorithm, "topology": topology, "transport": "grpc",
+               "rounds_completed": len(metrics), "final": final or metrics[-1],
+               "bytes": {"total": total, "by_link": by_link}, "wall_seconds": 12.5, "num_parameters": 250}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    return summary
+
+
+@pytest.fixture()
+def runs(tmp_path):
+    # Run A, star: 5 rounds, one server<->client exchange per round (2 messages x 1000 tensor bytes),
+    # plus a round-0 registration.  Accuracy first reaches 0.6 at round 3 (then dips: first hit counts).
+    acc_a = [0.2, 0.45, 0.61, 0.58, 0.7]
+    rec_a = [r for k in range(1, 6) for r in exchange(f"a{k}", k, "client-1", "server", "client-server")]
+    rec_a += [msg("reg", 0, "client-1", "server", "control", "control", 0, 50, 55, role)
+              for role in ("sender", "receiver")]
+    a = write_run(tmp_path / "a", name="fedavg-star", algorithm="fedavg", topology="star",
+                  metrics=[{"test_accuracy": v, "test_loss": 1 - v} for v in acc_a], records=rec_a)
+    # Run B, hierarchical: 4 rounds, per round one client-edge exchange (500 tensor bytes each way) and
+    # one edge-server exchange (1000 each way).  Never reaches 0.6.  Its objective falls below 1.0 at round 4.
+    acc_b = [0.1, 0.3, 0.5, 0.55]
+    obj_b = [5.0, 3.0, 1.5, 0.9]
+    rec_b = []
+    for k in range(1, 5):
+        rec_b += exchange(f"b{k}e", k, "client-1", "edge-0", "client-edge", tensor=500, payload=560, framed=565)
+        rec_b += exchange(f"b{k}s", k, "edge-0", "server", "edge-server")
+    b = write_run(tmp_path / "b", name="hier-edges", algorithm="fedavg", topology="hierarchical",
+                  metrics=[{"test_accuracy": x, "objective": o} for x, o in zip(acc_b, obj_b)], records=rec_b,
+                  sim=[2.0, 2.0, 3.0, 3.0])
+    return tmp_path, a, b
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path.name} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def row_line(table: str, name: str) -> str:
+    lines = [ln for ln in table.splitlines() if ln.startswith(name + " ")]
+    assert len(lines) == 1, table
+    return lines[0]
+
+
+def test_table_totals_and_rounds_to_target(runs):
+    tmp, a, b = runs
+    res = build_report([tmp / "a", tmp / "b"], tmp / "out", target=0.6)
+    assert res.metric == "test_accuracy"
+    ra, rb = res.rows
+    # Hand totals.  A: 10 messages x 1000 tensor bytes, framed 10 x 1105 + 55 (registration).
+    assert ra.total_bytes == {"tensor_bytes": 10_000, "payload_bytes": 11_050, "framed_bytes": 11_105}
+    # B: per round 2 x 500 + 2 x 1000 tensor bytes, 2 x 565 + 2 x 1105 framed; 4 rounds.
+    assert rb.total_bytes == {"tensor_bytes": 12_000, "payload_bytes": 13_280, "framed_bytes": 13_360}
+    assert rb.by_link == {"client-edge": 4_000, "edge-server": 8_000}
+    assert (ra.rounds_to_target, ra.bytes_to_target) == (3, 6_000)  # rounds 1..3: 3 x 2000 tensor bytes
+    assert (rb.rounds_to_target, rb.bytes_to_target) == (None, None)
+    assert ra.final == 0.7 and rb.final == 0.55 and ra.rounds == 5
+    assert ra.ledger == rb.ledger == "agree"
+
+    line_a, line_b = row_line(res.table, "fedavg-star"), row_line(res.table, "hier-edges")
+    assert "10.00 kB" in line_a and "11.11 kB" in line_a and "6.00 kB" in line_a
+    assert "star" in line_a and "0.7" in line_a
+    assert "12.00 kB" in line_b and "client-edge 4.00 kB; edge-server 8.00 kB" in line_b
+    assert any("hier-edges: never reached test_accuracy >= 0.6" in n for n in res.notes)
+
+    md = (tmp / "out" / "report.md").read_text()
+    assert "| fedavg-star | fedavg | star | 5 |" in md and "| hier-edges |" in md
+    raw = json.loads((tmp / "out" / "report.json").read_text())
+    assert raw["runs"][0]["bytes_to_target"] == 6_000 and raw["runs"][1]["total_bytes"]["framed_bytes"] == 13_360
+
+    header = res.table.splitlines()[0]  # aligned: every row starts its rounds column where the header does
+    col = header.index("rounds")
+    assert line_a[col:col + 6].strip() == "5" and line_b[col:col + 6].strip() == "4"
+
+
+def test_objective_target_means_at_most(runs):
+    tmp, _, _ = runs
+    assert lower_is_better("objective") and lower_is_better("test_loss") and not lower_is_better("test_accuracy")
+    res = build_report([tmp / "b"], tmp / "out-obj", target=1.0, metric="objective")
+    (row,) = res.rows
+    assert row.rounds_to_target == 4  # 5, 3, 1.5, 0.9: first <= 1.0 at round 4
+    assert row.bytes_to_target == 12_000
+    res = build_report([tmp / "b"], tmp / "out-obj2", target=2.0, metric="objective")
+    assert res.rows[0].rounds_to_target == 3 and res.rows[0].bytes_to_target == 9_000
+
+
+def test_plots_are_valid_pngs(runs):
+    tmp, _, _ = runs
+    res = build_report([tmp / "a", tmp / "b"], tmp / "out", target=0.6)
+    names = sorted(p.name for p in res.plots)
+    assert names == ["bytes_by_link.png", "metric_vs_bytes.png", "metric_vs_round.png", "metric_vs_sim_time.png"]
+    for p in res.plots:
+        assert p.parent == tmp / "out" and p.exists()
+        assert png_size(p) == (700, 450)
+        assert p.stat().st_size > 10_000  # a drawn chart, not an empty canvas
+    # Without sim_seconds in any run there is no simulated-time plot.
+    res = build_report([tmp / "a"], tmp / "out-a")
+    assert "metric_vs_sim_time.png" not in [p.name for p in res.plots]
+
+
+def test_missing_data_gives_notes_not_crashes(runs, tmp_path):
+    tmp, a, _ = runs
+    only_summary = tmp / "only-summary"
+    only_summary.mkdir()
+    (only_summary / "summary.json").write_text(json.dumps({**a, "name": "lonely"}))
+    no_rounds = tmp / "no-rounds"
+    RunStore(no_rounds / "run.db").start_run("x", name="empty-db")
+    res = build_report([tmp / "a", only_summary, no_rounds, tmp / "does-not-exist"], tmp / "out-missing",
+                       target=0.6)
+    assert [r.name for r in res.rows] == ["fedavg-star", "lonely", "empty-db"]
+    lonely = res.rows[1]
+    assert lonely.total_bytes["tensor_bytes"] == 10_000  # from summary.json alone
+    assert lonely.final == 0.7 and lonely.rounds_to_target is None
+    assert res.rows[2].total_bytes["tensor_bytes"] is None
+    joined = "\n".join(res.notes)
+    assert "no run.db" in joined and "run.db has no rounds" in joined and "does-not-exist" in joined
+    assert (tmp / "out-missing" / "metric_vs_round.png").exists()
+
+
+def test_cli_main(runs, capsys):
+    tmp, _, _ = runs
+    assert main([str(tmp / "a"), str(tmp / "b"), "--out", str(tmp / "cli"), "--target-accuracy", "0.6",
+                 "--bytes", "framed"]) == 0
+    out = capsys.readouterr().out
+    assert "fedavg-star" in out and "hier-edges" in out and "framed bytes to target" in out
+    # framed bytes through round 3 of run A: registration 55 + 3 rounds x 2 x 1105 = 6685
+    assert human_bytes(6_685) == "6.68 kB" and "6.68 kB" in row_line(out, "fedavg-star")
+    assert (tmp / "cli" / "report.md").exists()
+    assert main([str(tmp / "nothing-here"), "--out", str(tmp / "cli2")]) == 1
