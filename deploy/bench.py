@@ -161,7 +161,7 @@ def bench_round(rounds: int, processes: int) -> dict:
         cfg = Path(tmp) / "round.toml"
         cfg.write_text(ROUND_CONFIG.format(rounds=rounds, processes=processes))
         t = time.perf_counter()
-        code = run_local(str(cfg), [], str(Path(tmp) / "run"), quiet=True)
+        code = run_local(str(cfg), [], str(Path(tmp) / "run"), quiet=True, show_table=False)
         total = time.perf_counter() - t
         if code != 0:
             raise RuntimeError("the FedAvg round benchmark run failed")

@@ -164,7 +164,8 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 def read_progress(db: Path, after: int) -> list[dict]:
-    """Rounds recorded in run.db after round `after` (read-only; the server may be writing)."""
+    """Rounds recorded in run.db after round `after`, each with the framed bytes sent up to and
+    including it (read-only; the server may be writing)."""
     if not db.exists():
         return []
     try:
@@ -172,13 +173,18 @@ def read_progress(db: Path, after: int) -> list[dict]:
         try:
             rows = con.execute("SELECT round, participants, sampled, failures, metrics_json FROM rounds "
                                "WHERE round > ? ORDER BY round", (after,)).fetchall()
-            total = con.execute("SELECT COALESCE(SUM(framed_bytes), 0) FROM messages WHERE role = 'sender'").fetchone()[0]
+            per_round = dict(con.execute("SELECT round, SUM(framed_bytes) FROM messages WHERE role = 'sender' "
+                                         "GROUP BY round").fetchall())
         finally:
             con.close()
     except sqlite3.Error:
         return []
-    return [{"round": r[0], "participants": r[1], "sampled": r[2], "failures": r[3],
-             "metrics": json.loads(r[4] or "{}"), "bytes": total} for r in rows]
+    out = []
+    for r in rows:
+        cumulative = sum(b for rnd, b in per_round.items() if rnd <= r[0])
+        out.append({"round": r[0], "participants": r[1], "sampled": r[2], "failures": r[3],
+                    "metrics": json.loads(r[4] or "{}"), "bytes": cumulative})
+    return out
 
 
 def human_bytes(n: float) -> str:
@@ -257,7 +263,8 @@ def default_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool = False) -> int:
+def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool = False,
+              show_table: bool = True) -> int:
     """`fedhop run`: returns the exit status (0 completed, 1 failed, 2 bad config, 130 interrupted)."""
     from common.config import ConfigError
     try:
@@ -303,7 +310,8 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
             progress.close()
     run.stop_all()
     if (run_dir / "summary.json").exists():
-        print(final_table(run_dir))
+        if show_table:
+            print(final_table(run_dir))
     else:
         print(f"fedhop run: the server exited with status {status} and wrote no summary; last log lines:\n"
               f"{tail(run.children[0].log)}", file=sys.stderr)
