@@ -86,7 +86,7 @@ class ModelConfig:
 @dataclass
 class ClientsConfig:
     count: int = _f(10, min=1)
-    per_round: int | float = _f(10, min=0)    # int: number sampled; float in (0, 1]: fraction
+    per_round: int | float = _f(1.0, min=0)   # int: number sampled; float in (0, 1]: fraction (default: all)
     processes: int = _f(2, min=1)
     straggler_fraction: float = _f(0.0, min=0.0, max=1.0)
     options: dict = _f(factory=dict)
