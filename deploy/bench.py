@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deploy.malloc import reexec_with_tuned_malloc
+
 MB = 1_000_000
 
 
@@ -205,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="a seconds-long smoke version (for tests)")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="measure with glibc's default malloc settings (deploy/malloc.py explains the tuning)")
     args = ap.parse_args(argv)
+    if not args.default_malloc and not args.tiny:
+        reexec_with_tuned_malloc()  # the figures are for the settings fedhop's processes run with
     if args.tiny:
         args.sizes, args.repeats, args.rounds = "1", 1, 3
     figures = transport(args)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from common.config import Config, config_to_toml, load_config
 from common.topology import cluster_assignment
+from deploy.malloc import tuned_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +75,7 @@ class LocalRun:
 
     def spawn(self, name: str, argv: list[str]) -> Child:
         log = self.run_dir / "logs" / f"{name}.log"
-        env = dict(os.environ, FEDHOP_TOKEN=self.token, PYTHONUNBUFFERED="1",
+        env = dict(tuned_env(), FEDHOP_TOKEN=self.token, PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])))
         fh = open(log, "ab")
         proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=fh, stderr=subprocess.STDOUT, env=env,

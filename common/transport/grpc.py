@@ -30,6 +30,8 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.lookahead_bytes", 64 << 20),
+        ("grpc.http2.max_frame_size", 16 << 20),
     ]
 
 
