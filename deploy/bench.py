@@ -1,6 +1,7 @@
 """`fedhop bench transport`: figures for the transport and the framework's own overhead.
 
     fedhop bench transport [--sizes 1,10,100] [--repeats 5] [--rounds 20] [--tiny]
+    fedhop bench compute | scale | growth [--tiny]      (deploy/bench_system.py)
 
 Prints, for each model size, the throughput of sending it over fedhop's gRPC transport
 (encode + stream + decode, two processes on loopback) beside a plain TCP socket moving the
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deploy import bench_system
 from deploy.malloc import reexec_with_tuned_malloc
 
 MB = 1_000_000
@@ -200,21 +202,29 @@ def transport(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fedhop bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["transport"])
+    ap.add_argument("what", choices=["transport", "compute", "scale", "growth"])
     ap.add_argument("--sizes", default="1,10,100", help="model sizes in MB, comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=4 << 20)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="a seconds-long smoke version (for tests)")
     ap.add_argument("--json", help="also write the figures here")
+    bench_system.add_arguments(ap)
     ap.add_argument("--default-malloc", action="store_true",
                     help="measure with glibc's default malloc settings (deploy/malloc.py explains the tuning)")
     args = ap.parse_args(argv)
     if not args.default_malloc and not args.tiny:
         reexec_with_tuned_malloc()  # the figures are for the settings fedhop's processes run with
-    if args.tiny:
-        args.sizes, args.repeats, args.rounds = "1", 1, 3
-    figures = transport(args)
+    if args.what != "transport":
+        runner = {"compute": bench_system.bench_compute, "scale": bench_system.bench_scale,
+                  "growth": bench_system.bench_growth}[args.what]
+        if args.what == "compute" and args.rounds == 20 and not args.tiny:
+            args.rounds = 10
+        figures = runner(args)
+    else:
+        if args.tiny:
+            args.sizes, args.repeats, args.rounds = "1", 1, 3
+        figures = transport(args)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0

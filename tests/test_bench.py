@@ -16,3 +16,22 @@ def test_bench_transport_tiny(tmp_path, capsys):
     assert 1_000_000 < row["framed_bytes"] < 1_000_000 + 2_000
     assert figures["codec"]["encode_gb_s"] > 0 and figures["fedavg_round"]["round_ms_median"] > 0
     assert "FedAvg round" in capsys.readouterr().out
+
+
+def test_bench_growth_tiny_fits_the_byte_law(tmp_path):
+    out = tmp_path / "growth.json"
+    assert main(["growth", "--tiny", "--json", str(out)]) == 0
+    fits = json.loads(out.read_text())["fits"]
+    # FedAvg moves the model down and the delta up: 2 * S * 4 bytes per parameter, S = 5 here
+    assert abs(fits["bytes_per_param"] - 40.0) < 1e-6
+    assert abs(fits["bytes_per_client"] - 2 * 4 * 100_000) < 1e-3
+
+
+def test_bench_compute_and_scale_tiny(tmp_path):
+    out = tmp_path / "c.json"
+    assert main(["compute", "--tiny", "--json", str(out)]) == 0
+    c = json.loads(out.read_text())
+    assert c["loop_seconds"] > 0 and c["fedhop_round_seconds"] > 0
+    assert main(["scale", "--tiny", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["per_round"] for r in rows] == [10, 50] and all(r["client_process_rss_mb"] > 0 for r in rows)

@@ -1,0 +1,243 @@
+"""System benchmarks: compute overhead, scale to many logical clients, cost growth.
+
+    fedhop bench compute   # a FedAvg run on the digits CNN vs a single-process loop of the same SGD steps
+    fedhop bench scale     # 1,000 logical clients in a few processes: memory and round time vs sampled clients
+    fedhop bench growth    # bytes and time per round against model size and client count, with fitted slopes
+
+Each prints its figures; `--tiny` runs a seconds-long version (the tests use it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from common.algorithms import build_algorithm
+from common.algorithms.base import ClientContext
+from common.algorithms.local import get_params, set_params
+from common.config import client_local_steps, parse_config
+from common.rng import numpy_stream, torch_stream
+from common.runstore import RunStore
+from common.tasks import build_task
+from deploy.launcher import LocalRun, run_local
+
+
+def _run(config_text: str, out: Path) -> tuple[dict, list[dict]]:
+    cfg_file = out.with_suffix(".toml")
+    cfg_file.write_text(config_text)
+    code = run_local(str(cfg_file), [], str(out), quiet=True, show_table=False)
+    if code != 0:
+        raise RuntimeError(f"benchmark run failed (exit {code}); see {out}/logs")
+    summary = json.loads((out / "summary.json").read_text())
+    return summary, RunStore(out / "run.db", create=False).rounds()
+
+
+# ----------------------------------------------------------------------------- compute overhead
+COMPUTE_CONFIG = """
+[run]
+name = "bench-compute"
+rounds = {rounds}
+eval_every = 0
+torch_threads = 1
+[algorithm]
+name = "fedavg"
+lr = 0.05
+local_epochs = 1
+batch_size = 16
+[data]
+dataset = "digits"
+partition = "iid"
+[model]
+kind = "cnn"
+[clients]
+count = 50
+per_round = 10
+processes = 2
+"""
+
+
+def single_process_loop(config_text: str) -> float:
+    """The same SGD steps on the same data in one process, no framework: seconds."""
+    cfg = parse_config(config_text)
+    torch.set_num_threads(2)  # one process may use both cores
+    task = build_task(cfg)
+    algorithm = build_algorithm(cfg)
+    model = task.build_model()
+    state = algorithm.init_state(get_params(model))
+    started = time.perf_counter()
+    for r in range(1, cfg.run.rounds + 1):
+        rng = numpy_stream(cfg.run.seed, "sampling", r)
+        sampled = sorted(int(c) for c in rng.choice(cfg.clients.count, size=cfg.clients.per_round, replace=False))
+        replies = []
+        for cid in sampled:
+            set_params(model, state.params)
+            ctx = ClientContext(client_id=cid, task=task, model=model, num_samples=task.client_data(cid).num_samples,
+                                generator=torch_stream(cfg.run.seed, "client", cid, "round", r), round=r,
+                                local_steps=client_local_steps(cfg, cid), local_epochs=cfg.algorithm.local_epochs)
+            replies.append((cid, algorithm.client_update(ctx, algorithm.broadcast(state, r))))
+        algorithm.server_update(state, algorithm.aggregate(replies), r)
+    return time.perf_counter() - started
+
+
+def bench_compute(args: argparse.Namespace) -> dict:
+    rounds = 3 if args.tiny else args.rounds
+    text = COMPUTE_CONFIG.format(rounds=rounds)
+    loop = single_process_loop(text)
+    with tempfile.TemporaryDirectory() as tmp:
+        summary, rows = _run(text, Path(tmp) / "run")
+    framework_rounds = sum(r["wall_seconds"] for r in rows)
+    out = {"rounds": rounds, "loop_seconds": loop, "fedhop_round_seconds": framework_rounds,
+           "fedhop_wall_seconds": summary["wall_seconds"], "ratio_rounds": framework_rounds / loop,
+           "ratio_wall": summary["wall_seconds"] / loop, "num_parameters": summary["num_parameters"]}
+    print(f"digits CNN ({out['num_parameters']} parameters), 10 clients/round, {rounds} rounds:")
+    print(f"  single-process loop (2 threads)       {loop:8.2f} s")
+    print(f"  fedhop rounds (2 client processes)    {framework_rounds:8.2f} s   ratio {out['ratio_rounds']:.2f}")
+    print(f"  fedhop whole run incl. start-up       {summary['wall_seconds']:8.2f} s   ratio {out['ratio_wall']:.2f}")
+    return out
+
+
+# ----------------------------------------------------------------------------- scale
+SCALE_CONFIG = """
+[run]
+name = "bench-scale"
+rounds = {rounds}
+eval_every = 0
+round_timeout = 600.0
+call_timeout = 300.0
+[algorithm]
+name = "fedavg"
+lr = 0.05
+local_steps = 1
+batch_size = 16
+[data]
+dataset = "logreg"
+partition = "iid"
+[model]
+kind = "logreg"
+[clients]
+count = {count}
+per_round = {per_round}
+processes = {processes}
+"""
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        return psutil.Process(pid).memory_info().rss / 1e6
+    except psutil.Error:
+        return float("nan")
+
+
+def bench_scale(args: argparse.Namespace) -> dict:
+    count = 100 if args.tiny else args.clients
+    processes = 2 if args.tiny else args.processes
+    samples = [10, 50] if args.tiny else [10, 100, 500]
+    rounds = 2 if args.tiny else args.rounds
+    results = []
+    for per_round in samples:
+        text = SCALE_CONFIG.format(rounds=rounds, count=count, per_round=per_round, processes=processes)
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = parse_config(text)
+            run = LocalRun(cfg, Path(tmp))
+            server = run.start([])
+            peak: dict[str, float] = {}
+            while server.proc.poll() is None:
+                for child in run.children:
+                    peak[child.name] = max(peak.get(child.name, 0.0), _rss_mb(child.proc.pid))
+                time.sleep(0.2)
+            run.stop_all()
+            if server.proc.returncode != 0:
+                raise RuntimeError(f"scale run failed; see {tmp}/logs")
+            rows = RunStore(Path(tmp) / "run.db", create=False).rounds()
+        walls = [r["wall_seconds"] for r in rows]
+        client_rss = [v for k, v in peak.items() if k.startswith("client")]
+        row = {"clients": count, "processes": processes, "per_round": per_round,
+               "round_seconds_median": statistics.median(walls[1:] or walls),
+               "server_rss_mb": peak.get("server"), "client_process_rss_mb": statistics.mean(client_rss),
+               "rss_per_logical_client_mb": sum(client_rss) / count}
+        results.append(row)
+        print(f"{count} clients in {processes} processes, {per_round:>4} sampled: round "
+              f"{row['round_seconds_median']:.3f} s, server {row['server_rss_mb']:.0f} MB, "
+              f"client process {row['client_process_rss_mb']:.0f} MB, {row['rss_per_logical_client_mb']:.2f} MB "
+              f"per logical client (process RSS / clients hosted)")
+    return {"rows": results}
+
+
+# ----------------------------------------------------------------------------- growth
+GROWTH_CONFIG = """
+[run]
+name = "bench-growth"
+rounds = {rounds}
+eval_every = 0
+[algorithm]
+name = "fedavg"
+lr = 0.1
+local_steps = 1
+batch_size = 0
+[data]
+dataset = "quadratic"
+dim = {dim}
+[model]
+init = "zeros"
+[clients]
+count = {clients}
+per_round = {clients}
+processes = 2
+"""
+
+
+def _fit(x: list[float], y: list[float]) -> tuple[float, float, float]:
+    """Least-squares line y = a x + b and its R^2."""
+    a, b = np.polyfit(np.asarray(x, float), np.asarray(y, float), 1)
+    pred = a * np.asarray(x) + b
+    ss_res = float(np.sum((np.asarray(y) - pred) ** 2))
+    ss_tot = float(np.sum((np.asarray(y) - np.mean(y)) ** 2)) or 1.0
+    return float(a), float(b), 1.0 - ss_res / ss_tot
+
+
+def bench_growth(args: argparse.Namespace) -> dict:
+    dims = [1_000, 100_000, 1_000_000] if args.tiny else [10_000, 250_000, 1_000_000, 2_500_000, 5_000_000]
+    client_counts = [2, 4] if args.tiny else [2, 5, 10, 20]
+    rounds = 2 if args.tiny else 4
+    out = {"by_dim": [], "by_clients": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for d in dims:
+            summary, rows = _run(GROWTH_CONFIG.format(rounds=rounds, dim=d, clients=5), Path(tmp) / f"d{d}")
+            per_round = summary["bytes"]["by_link"]["client-server"]["tensor_bytes"] / rounds
+            t = statistics.median(r["wall_seconds"] for r in rows[1:] or rows)
+            out["by_dim"].append({"dim": d, "tensor_bytes_per_round": per_round, "round_seconds": t})
+        for n in client_counts:
+            summary, rows = _run(GROWTH_CONFIG.format(rounds=rounds, dim=100_000, clients=n), Path(tmp) / f"n{n}")
+            per_round = summary["bytes"]["by_link"]["client-server"]["tensor_bytes"] / rounds
+            t = statistics.median(r["wall_seconds"] for r in rows[1:] or rows)
+            out["by_clients"].append({"clients": n, "tensor_bytes_per_round": per_round, "round_seconds": t})
+    a, b, r2 = _fit([r["dim"] for r in out["by_dim"]], [r["tensor_bytes_per_round"] for r in out["by_dim"]])
+    ta, tb, tr2 = _fit([r["dim"] for r in out["by_dim"]], [r["round_seconds"] for r in out["by_dim"]])
+    ca, cb, cr2 = _fit([r["clients"] for r in out["by_clients"]], [r["tensor_bytes_per_round"] for r in out["by_clients"]])
+    cta, ctb, ctr2 = _fit([r["clients"] for r in out["by_clients"]], [r["round_seconds"] for r in out["by_clients"]])
+    out["fits"] = {"bytes_per_param": a, "bytes_per_param_r2": r2, "seconds_per_mparam": ta * 1e6,
+                   "seconds_per_param_r2": tr2, "bytes_per_client": ca, "bytes_per_client_r2": cr2,
+                   "seconds_per_client": cta, "seconds_per_client_r2": ctr2}
+    print("per round, 5 clients, FedAvg, against model size d:")
+    for r in out["by_dim"]:
+        print(f"  d={r['dim']:>9}: {r['tensor_bytes_per_round']:>14.0f} tensor bytes, {r['round_seconds']:.3f} s")
+    print(f"  fit: {a:.3f} bytes per parameter (expected 2*5*4 = 40; R^2 {r2:.4f}); "
+          f"{ta * 1e6:.4f} s per million parameters (R^2 {tr2:.3f})")
+    print("per round, d=100,000, against sampled clients S:")
+    for r in out["by_clients"]:
+        print(f"  S={r['clients']:>3}: {r['tensor_bytes_per_round']:>12.0f} tensor bytes, {r['round_seconds']:.3f} s")
+    print(f"  fit: {ca:.0f} bytes per client (expected 2*4*d = 800000; R^2 {cr2:.4f}); "
+          f"{cta * 1000:.2f} ms per client (R^2 {ctr2:.3f})")
+    return out
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--clients", type=int, default=1000, help="scale: logical clients")
+    ap.add_argument("--processes", type=int, default=4, help="scale: client processes")
