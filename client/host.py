@@ -16,6 +16,7 @@ from common.algorithms import build_algorithm
 from common.algorithms.base import ClientContext, Payload, finite_or_raise
 from common.codec import PayloadError
 from common.config import Config, client_local_steps
+from common.ledger import Ledger
 from common.rng import torch_stream
 from common.tasks import build_task
 from common.transport.base import HandlerError, Request
@@ -35,8 +36,11 @@ def parse_client_id(node_id: str) -> int:
 class ClientHost:
     """The logical clients of one process and the handler that serves their calls."""
 
-    def __init__(self, cfg: Config, node_id: str, client_ids: list[int], run_id: str) -> None:
+    def __init__(self, cfg: Config, node_id: str, client_ids: list[int], run_id: str,
+                 ledger: Ledger | None = None) -> None:
         self.cfg = cfg
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.torch_worker = None  # created on the first torch_* call (transport.kind = "torch")
         self.node_id = node_id
         self.run_id = run_id
         self.client_ids = sorted(client_ids)
@@ -66,6 +70,11 @@ class ClientHost:
             return Payload(scalars={"clients": len(self.client_ids)})
         if env.method == "ping":
             return Payload()
+        if env.method.startswith("torch_"):
+            if self.torch_worker is None:
+                from client.torch_worker import TorchWorker
+                self.torch_worker = TorchWorker(self)
+            return self.torch_worker.handle(env.method, int(env.round), request.payload)
         raise HandlerError("UNKNOWN_METHOD", f"{self.node_id} does not serve '{env.method}'")
 
     def train(self, cid: int, round: int, message: Payload) -> Payload:

@@ -55,7 +55,7 @@ class ClientProcess:
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
         torch.set_num_threads(cfg.run.torch_threads)
-        self.host = ClientHost(cfg, self.endpoint.node_id, self.client_ids, reply.run_id)
+        self.host = ClientHost(cfg, self.endpoint.node_id, self.client_ids, reply.run_id, self.endpoint.ledger)
         self._ready.set()
 
     def wait(self, idle_timeout: float | None = None) -> None:

@@ -335,7 +335,14 @@ def _register_defaults() -> None:
         from common.topology import topology_params_class
         return topology_params_class(kind)
 
+    def transport_params(kind: str):
+        if kind == "torch":
+            from common.transport.torchdist import TorchParams
+            return TorchParams
+        return None
+
     register_options_schema("algorithm", "name", algorithm_params)
+    register_options_schema("transport", "kind", transport_params)
     register_options_schema("data", "dataset", dataset_params)
     register_options_schema("topology", "kind", topology_params)
 

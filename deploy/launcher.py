@@ -275,9 +275,9 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
         return 2
     run_dir = Path(out) if out else default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.transport.kind != "grpc":
-        print(f"fedhop run: transport.kind = '{cfg.transport.kind}' is not available for process runs "
-              f"(allowed here: grpc)", file=sys.stderr)
+    if cfg.transport.kind == "inmemory":
+        print("fedhop run: transport.kind = 'inmemory' is for unit tests (deploy/inmemory.py); "
+              "process runs use grpc or torch", file=sys.stderr)
         return 2
     run = LocalRun(cfg, run_dir)
     progress = None

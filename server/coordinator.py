@@ -84,6 +84,7 @@ class Coordinator:
         self.history: list[RoundResult] = []
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="server-call")
         self.config_toml = config_to_toml(cfg)
+        self.torch_rounds = None  # set up after registration when transport.kind = "torch"
 
     # ------------------------------------------------------------------ registration
     def handle_register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
@@ -152,7 +153,9 @@ class Coordinator:
         started = time.perf_counter()
         sampled = self.sample(round)
         message = self.algorithm.broadcast(self.state, round)
-        if self.cfg.topology.kind == "hierarchical":
+        if self.torch_rounds is not None:
+            results, failures = self._dispatch_torch(round, sampled, message)
+        elif self.cfg.topology.kind == "hierarchical":
             results, failures = self._dispatch_edges(round, sampled, message)
         else:
             results, failures = self._dispatch_clients(round, sampled, message)
@@ -172,6 +175,14 @@ class Coordinator:
         result = RoundResult(round, sampled, participants, failures, metrics, time.perf_counter() - started)
         self._record_round(result)
         return result
+
+    def _dispatch_torch(self, round: int, sampled: list[int], message: Payload):
+        """transport.kind = "torch": tensors as collectives (server/torch_rounds.py)."""
+        from server.torch_rounds import CollectiveFailed
+        try:
+            return self.torch_rounds.dispatch(round, sampled, message)
+        except CollectiveFailed as exc:
+            raise RunFailed(str(exc)) from None
 
     def _gather(self, calls: dict, timeout: float) -> tuple[dict, dict]:
         """Wait for submitted calls until `timeout`; split results from failures."""
@@ -272,6 +283,12 @@ class Coordinator:
         status, error = "completed", ""
         try:
             self.wait_for_clients(register_timeout)
+            if self.cfg.transport.kind == "torch":
+                from server.torch_rounds import TorchRounds
+                try:
+                    self.torch_rounds = TorchRounds(self)
+                except (RuntimeError, ValueError) as exc:
+                    raise RunFailed(str(exc)) from None
             for r in range(self.rounds_completed + 1, self.cfg.run.rounds + 1):  # rounds are 1-based
                 self.run_round(r)
         except RunFailed as exc:

@@ -1,0 +1,84 @@
+"""A client process's side of the torch.distributed data plane (common/transport/torchdist.py).
+
+Control calls arrive over gRPC (`torch_init`, `torch_round`, `torch_reduce`); the tensors move
+as collectives.  The process pre-aggregates its own sampled logical clients with the
+algorithm's `aggregate`, as an edge would, and contributes one partial to the reduce.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from common.algorithms.base import Payload
+from common.codec import DTYPE_NAMES, DTYPES, PayloadError
+from common.transport.base import CallFailed, HandlerError, RemoteError
+from common.transport.torchdist import Collectives, TorchParams, specs_from_json
+
+IDENTITY = {"wsum": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
+
+
+class TorchWorker:
+    def __init__(self, host) -> None:
+        self.host = host
+        self.coll: Collectives | None = None
+        self.partial: Payload | None = None
+
+    def handle(self, method: str, round: int, payload: Payload) -> Payload:
+        if method == "torch_init":
+            return self.init(payload)
+        if self.coll is None:
+            raise HandlerError("NOT_READY", "torch_init has not been called")
+        if method == "torch_round":
+            return self.round(round, payload)
+        if method == "torch_reduce":
+            return self.reduce(round, payload)
+        raise HandlerError("UNKNOWN_METHOD", method)
+
+    def init(self, payload: Payload) -> Payload:
+        s = payload.scalars
+        params = TorchParams(backend=str(s["backend"]), timeout=float(s["timeout"]))
+        self.coll = Collectives(self.host.node_id, int(s["rank"]), int(s["world_size"]), self.host.ledger, params,
+                                self.host.run_id)
+        self.coll.init(str(s["master"]))
+        return Payload(scalars={"rank": self.coll.rank})
+
+    def round(self, round: int, payload: Payload) -> Payload:
+        assert self.coll is not None
+        scalars = dict(payload.scalars)
+        clients = [int(c) for c in str(scalars.pop("clients", "")).split(",") if c]
+        specs = specs_from_json(str(scalars.pop("specs")))
+        empties = [torch.empty(shape, dtype=dtype) for _, dtype, shape in specs]
+        received = self.coll.broadcast(empties, round, peers=[self.host.node_id])
+        message = Payload(tensors={name: t.cpu() for (name, _, _), t in zip(specs, received)}, scalars=scalars)
+        replies, failures = {}, {}
+        for cid in clients:
+            try:
+                replies[cid] = self.host.train(cid, round, message)
+            except (PayloadError, HandlerError, ValueError, RuntimeError) as exc:
+                failures[cid] = str(exc)
+        self.partial = self.host.algorithm.aggregate(sorted(replies.items())) if replies else None
+        out = {"failures_json": json.dumps({str(c): why for c, why in failures.items()})}
+        if self.partial is not None:
+            ops = self.host.algorithm.reply_reduce
+            out["layout"] = json.dumps([[n, DTYPE_NAMES[t.dtype], list(t.shape), ops.get(n, "wsum")]
+                                        for n, t in self.partial.tensors.items()])
+            out.update({k: v for k, v in self.partial.scalars.items()})
+        return Payload(scalars=out)
+
+    def reduce(self, round: int, payload: Payload) -> Payload:
+        assert self.coll is not None
+        layout = json.loads(str(payload.scalars["layout"]))
+        groups: dict[str, list[torch.Tensor]] = {}
+        for name, dtype, shape, op in layout:
+            if self.partial is not None and name in self.partial.tensors:
+                t = self.partial.tensors[name].contiguous().clone()
+            else:
+                t = torch.full(tuple(shape), IDENTITY[op], dtype=DTYPES[dtype])
+            groups.setdefault(op, []).append(t)
+        self.coll.reduce(sorted(groups.items()), round, peers=[self.host.node_id])
+        self.partial = None
+        return Payload()
+
+
+__all__ = ["TorchWorker", "CallFailed", "RemoteError"]

@@ -1,0 +1,137 @@
+"""torch.distributed data plane: model broadcasts and result reductions as collectives.
+
+With `[transport] kind = "torch"` the control messages (registration, the round's sampled
+clients, failures, scalars) stay on gRPC, while the tensors travel as collectives over one
+process group: the server is rank 0, client process k (in node-id order) is rank k + 1.
+
+Per round (star):
+  1. the server broadcasts every tensor of the algorithm's broadcast message (`dist.broadcast`,
+     src 0) to every client process;
+  2. each client process trains its sampled logical clients and reduces their replies locally
+     with the algorithm's own `aggregate` (exactly as an edge pre-aggregates);
+  3. after a control round-trip that agrees on the tensor layout, the partial aggregates are
+     summed into rank 0 (`dist.reduce`, SUM; MAX/MIN for fields that reduce that way).
+
+Ledger: each collective is recorded per participating rank as a message between the server
+and that rank: `tensor_bytes` is the tensor data the rank receives (broadcast) or contributes
+(reduce); `payload_bytes` and `framed_bytes` are that size times the collective's algorithm
+factor (`ALGO_FACTOR`, the bytes per rank gloo's algorithm moves relative to the buffer); the
+method names the collective.  The summation order differs from the gRPC path (per process,
+then across processes), so results equal gRPC's within float rounding, not bit for bit.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from common.codec import DTYPE_NAMES, DTYPES
+from common.ledger import Ledger
+
+# bytes a rank moves per byte of buffer: a broadcast delivers the buffer once to each
+# non-root rank; a reduce to one root sends each non-root rank's buffer once.
+ALGO_FACTOR = {"broadcast": 1.0, "reduce": 1.0}
+
+REDUCE_OPS = {"wsum": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+              "min": dist.ReduceOp.MIN}
+
+
+@dataclass
+class TorchParams:
+    """[transport] keys of kind = "torch"."""
+
+    backend: str = field(default="gloo", metadata={"choices": ("gloo", "nccl")})
+    timeout: float = field(default=120.0, metadata={"min_exclusive": 0.0})   # seconds for init and each collective
+    master_port: int = field(default=0, metadata={"min": 0, "max": 65535})    # 0: a free port
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def specs_of(tensors: dict[str, torch.Tensor]) -> list[list]:
+    return [[name, DTYPE_NAMES[t.dtype], list(t.shape)] for name, t in tensors.items()]
+
+
+def specs_to_json(specs: list[list]) -> str:
+    return json.dumps(specs)
+
+
+def specs_from_json(text: str) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    out = []
+    for name, dtype, shape in json.loads(text):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype '{dtype}' for tensor '{name}'")
+        out.append((str(name), DTYPES[dtype], tuple(int(d) for d in shape)))
+    return out
+
+
+class Collectives:
+    """One process's membership of the run's process group, with ledger records."""
+
+    def __init__(self, node_id: str, rank: int, world_size: int, ledger: Ledger, params: TorchParams,
+                 run_id: str) -> None:
+        self.node_id = node_id
+        self.rank = rank
+        self.world_size = world_size
+        self.ledger = ledger
+        self.params = params
+        self.run_id = run_id
+        self.device = torch.device("cuda", 0) if params.backend == "nccl" else torch.device("cpu")
+
+    def init(self, master: str) -> None:
+        dist.init_process_group(self.params.backend, init_method=f"tcp://{master}", rank=self.rank,
+                                world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=self.params.timeout))
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -------------------------------------------------------------------------- collectives
+    def broadcast(self, tensors: list[torch.Tensor], round: int, peers: list[str]) -> list[torch.Tensor]:
+        """Broadcast from rank 0; returns the tensors (received ones on non-root ranks)."""
+        started = time.perf_counter()
+        out = []
+        for t in tensors:
+            buf = t.to(self.device).contiguous()
+            dist.broadcast(buf, src=0)
+            out.append(buf)
+        self._record("broadcast", round, sum(t.numel() * t.element_size() for t in tensors),
+                     time.perf_counter() - started, peers, downward=True)
+        return out
+
+    def reduce(self, groups: list[tuple[str, list[torch.Tensor]]], round: int, peers: list[str]) -> None:
+        """In-place reduce into rank 0, one call per tensor, with each group's op."""
+        started = time.perf_counter()
+        nbytes = 0
+        for op, tensors in groups:
+            for t in tensors:
+                dist.reduce(t, dst=0, op=REDUCE_OPS[op])
+                nbytes += t.numel() * t.element_size()
+        self._record("reduce", round, nbytes, time.perf_counter() - started, peers, downward=False)
+
+    def _record(self, method: str, round: int, nbytes: int, seconds: float, peers: list[str], downward: bool) -> None:
+        """Rank 0 records the sender (broadcast) or receiver (reduce) side for every peer; a
+        client rank records its own side; both use the same msg_id."""
+        moved = int(round_bytes(nbytes * ALGO_FACTOR[method]))
+        for peer in peers:
+            src, dst = ("server", peer) if downward else (peer, "server")
+            i_am_src = (self.node_id == src)
+            self.ledger.record(run_id=self.run_id, round=round, step=0, src=src, dst=dst, link="client-server",
+                               direction="down" if downward else "up", method=f"torch.{method}",
+                               tensor_bytes=nbytes, payload_bytes=moved, framed_bytes=moved, seconds=seconds,
+                               recorder=self.node_id, role="sender" if i_am_src else "receiver",
+                               msg_id=f"{self.run_id}-r{round}-{method}-{peer}", status="ok",
+                               wall_time=time.time(), error="")
+
+
+def round_bytes(x: float) -> int:
+    return int(x + 0.5)
