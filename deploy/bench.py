@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="a seconds-long smoke version (for tests)")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--kind", choices=["grpc", "torch"], default="grpc",
+                    help="transport: grpc = raw throughput vs TCP; torch = FedAvg rounds over gRPC and gloo side by side")
     bench_system.add_arguments(ap)
     ap.add_argument("--default-malloc", action="store_true",
                     help="measure with glibc's default malloc settings (deploy/malloc.py explains the tuning)")
@@ -221,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "compute" and args.rounds == 20 and not args.tiny:
             args.rounds = 10
         figures = runner(args)
+    elif args.kind == "torch":
+        figures = bench_system.bench_kinds(args)
     else:
         if args.tiny:
             args.sizes, args.repeats, args.rounds = "1", 1, 3

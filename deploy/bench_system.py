@@ -241,3 +241,54 @@ def bench_growth(args: argparse.Namespace) -> dict:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--clients", type=int, default=1000, help="scale: logical clients")
     ap.add_argument("--processes", type=int, default=4, help="scale: client processes")
+
+
+# ----------------------------------------------------------------------------- gRPC vs torch.distributed
+KIND_CONFIG = """
+[run]
+name = "bench-kind"
+rounds = {rounds}
+eval_every = 0
+round_timeout = 600.0
+call_timeout = 600.0
+[algorithm]
+name = "fedavg"
+lr = 0.1
+local_steps = 1
+batch_size = 0
+[data]
+dataset = "quadratic"
+dim = {dim}
+[model]
+init = "zeros"
+[clients]
+count = {clients}
+per_round = {clients}
+processes = {clients}
+[transport]
+kind = "{kind}"
+max_message_bytes = 134217728
+"""
+
+
+def bench_kinds(args: argparse.Namespace) -> dict:
+    """Round time and throughput of FedAvg rounds over gRPC and over torch.distributed (gloo)."""
+    sizes = [1] if args.tiny else [int(s) for s in args.sizes.split(",")]
+    client_counts = [2] if args.tiny else [4, 8]
+    rounds = 2 if args.tiny else 4
+    rows = []
+    print(f"{'model':>7} {'clients':>8} {'kind':>6} {'round s':>9} {'MB/s':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in sizes:
+            dim = size * 1_000_000 // 4
+            for n in client_counts:
+                for kind in ("grpc", "torch"):
+                    summary, rounds_rows = _run(KIND_CONFIG.format(rounds=rounds, dim=dim, clients=n, kind=kind),
+                                                Path(tmp) / f"{kind}-{size}-{n}")
+                    t = statistics.median(r["wall_seconds"] for r in rounds_rows[1:] or rounds_rows)
+                    per_round = summary["bytes"]["by_link"]["client-server"]["tensor_bytes"] / rounds
+                    row = {"size_mb": size, "clients": n, "kind": kind, "round_seconds": t,
+                           "tensor_mb_per_s": per_round / t / 1e6}
+                    rows.append(row)
+                    print(f"{size:>5}MB {n:>8} {kind:>6} {t:>9.3f} {row['tensor_mb_per_s']:>9.0f}")
+    return {"rows": rows}

@@ -35,3 +35,10 @@ def test_bench_compute_and_scale_tiny(tmp_path):
     assert main(["scale", "--tiny", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["per_round"] for r in rows] == [10, 50] and all(r["client_process_rss_mb"] > 0 for r in rows)
+
+
+def test_bench_transport_torch_tiny(tmp_path):
+    out = tmp_path / "k.json"
+    assert main(["transport", "--kind", "torch", "--tiny", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kind"] for r in rows} == {"grpc", "torch"} and all(r["round_seconds"] > 0 for r in rows)
