@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import torch
 
 from common.algorithms import build_algorithm
-from common.algorithms.base import ClientContext, Payload, finite_or_raise
+from common.algorithms.base import COMPUTE_KEY, ClientContext, Payload, finite_or_raise
 from common.codec import PayloadError
 from common.config import Config, client_local_steps
 from common.ledger import Ledger
@@ -90,7 +91,9 @@ class ClientHost:
                 generator=torch_stream(self.cfg.run.seed, "client", cid, "round", round),
                 round=round, local_steps=client_local_steps(self.cfg, cid),
                 local_epochs=self.cfg.algorithm.local_epochs, state=self.states[cid])
+            started = time.perf_counter()
             reply = self.algorithm.client_update(ctx, message)
+            reply.scalars[COMPUTE_KEY] = time.perf_counter() - started
             self.last_round[cid] = round
         return reply
 

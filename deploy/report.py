@@ -6,7 +6,8 @@ as `report.md`, and the raw numbers as `report.json`) and writes PNG plots:
 - `metric_vs_round.png`        the metric against the round,
 - `metric_vs_bytes.png`        the metric against cumulative bytes (log x),
 - `bytes_by_link.png`          stacked bars of bytes per link per run,
-- `metric_vs_sim_time.png`     the metric against simulated time, when the rounds table has it.
+- `metric_vs_sim_time.png`     the metric against simulated time, when the rounds table has it,
+- `round_time_breakdown.png`   mean seconds per round in compute, communication, aggregation, evaluation.
 
 Conventions.  Round r in the rounds table means r rounds completed (round 0, where present, is
 the model before training), so "rounds to target" is the first recorded round whose metric
@@ -406,6 +407,8 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
             ax.grid(alpha=0.3)
             _save(fig, out / "metric_vs_sim_time.png", plots)
 
+    plot_time_breakdown(runs, out, plots)
+
     links = sorted({link for run in runs for link in run.by_link})
     if links:
         fig, ax = _figure()
@@ -423,6 +426,34 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
     else:
         notes.append("no byte counts in any run; bytes_by_link.png not written")
     return plots
+
+
+TIME_PARTS = ("time_compute", "time_communication", "time_aggregation", "time_evaluation")
+
+
+def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path]) -> None:
+    """Stacked bars of the mean seconds per round spent in each part (rounds table metrics)."""
+    means = []
+    for run in runs:
+        rows = [r.get("metrics") or {} for r in run.rounds]
+        rows = [m for m in rows if all(k in m for k in TIME_PARTS)]
+        means.append([sum(m[k] for m in rows) / len(rows) for k in TIME_PARTS] if rows else None)
+    if not any(means):
+        return
+    fig, ax = _figure()
+    names = [run.name for run, m in zip(runs, means) if m]
+    values = [m for m in means if m]
+    bottom = [0.0] * len(values)
+    for i, part in enumerate(TIME_PARTS):
+        vals = [v[i] for v in values]
+        label = {"time_communication": "communication + waiting"}.get(part, part.removeprefix("time_"))
+        ax.bar(names, vals, bottom=bottom, label=label, color=f"C{i}")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("seconds per round (mean)")
+    ax.set_title("round-time breakdown")
+    ax.legend(fontsize=8)
+    ax.tick_params(axis="x", labelrotation=20)
+    _save(fig, out / "round_time_breakdown.png", plots)
 
 
 # -- entry points -------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from common.algorithms import build_algorithm
-from common.algorithms.base import Payload, ServerState, finite_or_raise
+from common.algorithms.base import COMPUTE_KEY, Payload, ServerState, finite_or_raise
 from common.algorithms.local import get_params, set_params
 from common.codec import PayloadError, check_tensors
 from common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
@@ -153,6 +153,7 @@ class Coordinator:
         started = time.perf_counter()
         sampled = self.sample(round)
         message = self.algorithm.broadcast(self.state, round)
+        dispatched = time.perf_counter()
         if self.torch_rounds is not None:
             results, failures = self._dispatch_torch(round, sampled, message)
         elif self.cfg.topology.kind == "hierarchical":
@@ -169,9 +170,18 @@ class Coordinator:
         if len(participants) < needed or not results:
             raise RunFailed(f"round {round}: only {len(participants)} of {len(sampled)} sampled clients returned a "
                             f"result; run.min_results requires {needed}")
+        collected = time.perf_counter()
         aggregate = self.algorithm.aggregate(sorted(results.items()))
         self.algorithm.server_update(self.state, aggregate, round)
+        aggregated = time.perf_counter()
         metrics = self._round_metrics(round, aggregate)
+        # round-time breakdown (fedhop report plots it): the slowest client's local solver time,
+        # the rest of the wait for results (communication, queueing), aggregation, evaluation
+        compute = float(aggregate.scalars.get(COMPUTE_KEY, 0.0))
+        metrics.update({"time_compute": compute,
+                        "time_communication": max(collected - dispatched - compute, 0.0),
+                        "time_aggregation": aggregated - collected + (dispatched - started),
+                        "time_evaluation": time.perf_counter() - aggregated})
         result = RoundResult(round, sampled, participants, failures, metrics, time.perf_counter() - started)
         self._record_round(result)
         return result

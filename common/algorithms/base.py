@@ -35,6 +35,7 @@ ReduceOp = Literal["wsum", "sum", "max", "min"]
 
 WEIGHT_KEY = "weight"      # scalar every reply carries: the client's aggregation weight
 COUNT_KEY = "num_results"  # scalar added by `aggregate`: how many client results are inside
+COMPUTE_KEY = "compute_seconds"  # scalar the client host adds: local solver time (reduced by max)
 
 
 @dataclass
@@ -195,7 +196,7 @@ def reduce_payloads(payloads: list[Payload], ops: Mapping[str, ReduceOp]) -> Pay
             if isinstance(v, (str, bool)):
                 out.scalars.setdefault(name, v)
                 continue
-            op = ops.get(name, "wsum")
+            op = ops.get(name, "max" if name == COMPUTE_KEY else "wsum")
             term = v if (op != "wsum" or is_partial) else v * w
             if name not in out.scalars:
                 out.scalars[name] = term
