@@ -114,7 +114,10 @@ class Collectives:
         nbytes = 0
         for op, tensors in groups:
             for t in tensors:
-                dist.reduce(t, dst=0, op=REDUCE_OPS[op])
+                buf = t.to(self.device)  # NCCL reduces CUDA tensors; gloo works on the CPU tensor itself
+                dist.reduce(buf, dst=0, op=REDUCE_OPS[op])
+                if buf is not t and self.rank == 0:
+                    t.copy_(buf.cpu())
                 nbytes += t.numel() * t.element_size()
         self._record("reduce", round, nbytes, time.perf_counter() - started, peers, downward=False)
 
