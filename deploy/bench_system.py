@@ -268,6 +268,7 @@ processes = {clients}
 [transport]
 kind = "{kind}"
 max_message_bytes = 134217728
+{transport_extra}
 """
 
 
@@ -283,7 +284,8 @@ def bench_kinds(args: argparse.Namespace) -> dict:
             dim = size * 1_000_000 // 4
             for n in client_counts:
                 for kind in ("grpc", "torch"):
-                    summary, rounds_rows = _run(KIND_CONFIG.format(rounds=rounds, dim=dim, clients=n, kind=kind),
+                    summary, rounds_rows = _run(KIND_CONFIG.format(rounds=rounds, dim=dim, clients=n, kind=kind,
+                                                                      transport_extra="timeout = 900.0" if kind == "torch" else ""),
                                                 Path(tmp) / f"{kind}-{size}-{n}")
                     t = statistics.median(r["wall_seconds"] for r in rounds_rows[1:] or rounds_rows)
                     per_round = summary["bytes"]["by_link"]["client-server"]["tensor_bytes"] / rounds

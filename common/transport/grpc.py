@@ -22,8 +22,13 @@ EXCHANGE = "/fedhop.Fedhop/Exchange"
 REGISTER = "/fedhop.Fedhop/Register"
 
 
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
+def grpc_options(max_message_bytes: int, server: bool = False) -> list[tuple[str, int]]:
+    """Channel and server options.  Clients ping every 30 s so a dead peer is noticed during
+    a long call; servers accept pings that often (their default minimum is 5 minutes, after
+    which they answer GOAWAY "too_many_pings" and cut long calls)."""
+    extra = [("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+             ("grpc.http2.min_time_between_pings_ms", 10_000)] if server else []
+    return extra + [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
@@ -112,7 +117,7 @@ class GrpcEndpoint(Endpoint):
                 response_serializer=pb.RegisterReply.SerializeToString),
         }
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers),
-                             options=grpc_options(self.max_message_bytes))
+                             options=grpc_options(self.max_message_bytes, server=True))
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("fedhop.Fedhop", handlers),))
         port = server.add_insecure_port(bind)
         if port == 0:
