@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 
 from common.ledger import Ledger
+from common.liveness import HeartbeatSender
+from common.security import SecurityError, add_security_args, credentials_from_args
 from common.transport.grpc import GrpcEndpoint
 from client.runtime import ClientProcess
 
@@ -48,23 +50,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--chunk-bytes", type=int, default=4 << 20)
     ap.add_argument("--max-message-bytes", type=int, default=64 << 20)
+    add_security_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node_id} %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
     sink = Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None
     ledger = Ledger(sink)
-    endpoint = GrpcEndpoint(args.node_id, ledger, token=args.token, chunk_bytes=args.chunk_bytes,
-                            max_message_bytes=args.max_message_bytes)
+    try:
+        creds = credentials_from_args(args, [args.parent, args.listen])
+    except SecurityError as exc:
+        logging.error("%s", exc)
+        return 2
+    endpoint = GrpcEndpoint(args.node_id, ledger, token="", chunk_bytes=args.chunk_bytes,
+                            max_message_bytes=args.max_message_bytes, credentials=creds)
     proc = ClientProcess(endpoint, args.parent, parse_ids(args.clients), bind=args.listen)
     logging.info("serving at %s, registering with %s", proc.address, args.parent)
     try:
         proc.register()
     except Exception as exc:
-        logging.error("%s", exc)
+        logging.error("%s", exc, exc_info=not isinstance(exc, RuntimeError))   # a bug: with its traceback
         endpoint.stop()
         return 2
+    sec = proc.host.cfg.security
+    gave_up: list[str] = []
+
+    def give_up(why: str) -> None:
+        gave_up.append(why)
+        proc.host.shutdown_event.set()
+
+    beats = HeartbeatSender(endpoint, args.parent, interval=sec.heartbeat_interval, parent_timeout=sec.parent_timeout,
+                            reregister=proc.reregister, on_give_up=give_up).start()
     proc.wait()
+    beats.stop()
     endpoint.stop(grace=0.5)
+    if gave_up:
+        logging.error("exiting: %s", gave_up[0])
+        return 3
     logging.info("shut down by parent")
     return 0
 

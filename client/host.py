@@ -15,8 +15,10 @@ import torch
 
 from common.algorithms import build_algorithm
 from common.algorithms.base import COMPUTE_KEY, ClientContext, Payload, finite_or_raise
+from common.checkpoint import STATE_GET, STATE_SET, states_from_payload, states_to_payload
 from common.codec import PayloadError
 from common.config import Config, client_local_steps
+from common.devices import apply_straggler_plan
 from common.ledger import Ledger
 from common.rng import torch_stream
 from common.tasks import build_task
@@ -71,6 +73,8 @@ class ClientHost:
             return Payload(scalars={"clients": len(self.client_ids)})
         if env.method == "ping":
             return Payload()
+        if env.method in (STATE_GET, STATE_SET):   # checkpoints and resume (common/checkpoint.py)
+            return self.client_state(env.method, request.payload)
         if env.method.startswith("torch_"):
             if self.torch_worker is None:
                 from client.torch_worker import TorchWorker
@@ -91,11 +95,25 @@ class ClientHost:
                 generator=torch_stream(self.cfg.run.seed, "client", cid, "round", round),
                 round=round, local_steps=client_local_steps(self.cfg, cid),
                 local_epochs=self.cfg.algorithm.local_epochs, state=self.states[cid])
+            apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/devices.py)
             started = time.perf_counter()
             reply = self.algorithm.client_update(ctx, message)
             reply.scalars[COMPUTE_KEY] = time.perf_counter() - started
             self.last_round[cid] = round
         return reply
+
+    def client_state(self, method: str, payload: Payload) -> Payload:
+        """state_get: every hosted client's persistent state; state_set: replace it (resume)."""
+        with self._train_lock:
+            if method == STATE_GET:
+                return states_to_payload(self.states)
+            try:
+                loaded = states_from_payload(payload, allowed=set(self.client_ids))
+            except ValueError as exc:
+                raise PayloadError("BAD_NAME", str(exc)) from None
+            for cid, state in loaded.items():
+                self.states[cid] = state
+            return Payload(scalars={"clients": len(loaded)})
 
     def describe(self) -> str:
         return json.dumps({"node": self.node_id, "clients": self.client_ids})

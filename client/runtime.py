@@ -12,6 +12,7 @@ from common.transport.base import CallFailed, Endpoint, Request
 from common.transport.base import HandlerError
 from common.wire import fedhop_pb2 as pb
 from client.host import ClientHost
+from common.liveness import register_with_backoff
 
 log = logging.getLogger("fedhop.client")
 
@@ -34,29 +35,36 @@ class ClientProcess:
             raise HandlerError("NOT_READY", f"{self.endpoint.node_id} has not finished registering")
         return self.host.handle(request)
 
-    def register(self, timeout: float = 60.0, attempts: int = 30) -> None:
-        req = pb.RegisterRequest(node_id=self.endpoint.node_id, role="client", address=self.address,
-                                 token=self.endpoint.token,
-                                 clients=[pb.LogicalClient(client_id=c) for c in self.client_ids])
-        delay = 0.2
-        for attempt in range(attempts):
-            try:
-                reply = self.endpoint.register(self.parent, req, timeout)
-                break
-            except CallFailed as exc:
-                if attempt == attempts - 1:
-                    raise
-                log.warning("register with %s failed (%s); retrying in %.1fs", self.parent, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+    def _request(self) -> pb.RegisterRequest:
+        return pb.RegisterRequest(node_id=self.endpoint.node_id, role="client", address=self.address,
+                                  token=self.endpoint.token, run_id=self.endpoint.run_id,
+                                  clients=[pb.LogicalClient(client_id=c) for c in self.client_ids])
+
+    def register(self, timeout: float = 60.0, deadline_s: float = 120.0) -> None:
+        """Register with the parent, retrying with full-jitter backoff (common/liveness.py)."""
+        req = self._request()
+        tls = getattr(getattr(self.endpoint, "credentials", None), "tls", None) is not None
+        reply = register_with_backoff(self.endpoint, self.parent, req, deadline_s=deadline_s,
+                                      call_timeout=min(timeout, 10.0), tls=tls)
         if not reply.accepted:
             raise RuntimeError(f"{self.endpoint.node_id}: registration refused by {self.parent}: {reply.message}")
         cfg = parse_config(reply.config_toml)
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
         torch.set_num_threads(cfg.run.torch_threads)
+        self.endpoint.checksum = cfg.security.checksum
         self.host = ClientHost(cfg, self.endpoint.node_id, self.client_ids, reply.run_id, self.endpoint.ledger)
         self._ready.set()
+
+    def reregister(self, timeout: float = 10.0) -> None:
+        """Register again after the parent forgot us (marked dead, or restarted), keeping the
+        hosted clients' state; a parent now serving another run is an error."""
+        reply = self.endpoint.register(self.parent, self._request(), timeout)
+        if not reply.accepted:
+            raise RuntimeError(f"{self.endpoint.node_id}: re-registration refused by {self.parent}: {reply.message}")
+        if reply.run_id != self.endpoint.run_id:
+            raise RuntimeError(f"{self.endpoint.node_id}: {self.parent} now serves run '{reply.run_id}', "
+                               f"not '{self.endpoint.run_id}'")
 
     def wait(self, idle_timeout: float | None = None) -> None:
         assert self.host is not None

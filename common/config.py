@@ -10,7 +10,9 @@ the chosen algorithm / data set / topology validates them against its own params
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
+import re
 import tomllib
 import types
 import typing
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.config_schema import (AlgorithmConfig, ClientsConfig, Config, DataConfig, ModelConfig, RunConfig,
-                                  TopologyConfig, TransportConfig)
+                                  SecurityConfig, TopologyConfig, TransportConfig)
 
 
 class ConfigError(ValueError):
@@ -26,14 +28,35 @@ class ConfigError(ValueError):
 
 
 SECTIONS: dict[str, type] = {"run": RunConfig, "topology": TopologyConfig, "algorithm": AlgorithmConfig, "data": DataConfig,
-            "model": ModelConfig, "clients": ClientsConfig, "transport": TransportConfig}
+            "model": ModelConfig, "clients": ClientsConfig, "transport": TransportConfig,
+            "security": SecurityConfig}
 
 _OPTION_SCHEMAS: dict[str, tuple[str, Callable[[str], type | None]]] = {}
 
 
 def register_options_schema(section: str, chooser_key: str, lookup: Callable[[str], type | None]) -> None:
-    """`lookup(choice)` gives the params dataclass for the extra keys of `section`."""
+    """`lookup(choice)` gives the params dataclass for the extra keys of `section`.
+
+    `lookup` is called at validation time (so registries can import lazily) with the value of
+    `section.chooser_key`; it returns a dataclass type, or None when that choice takes no extra
+    keys, and raises KeyError/ValueError for an unknown choice.  A later registration for the
+    same section replaces the earlier one.
+    """
+    cls = SECTIONS.get(section)
+    if cls is None:
+        raise ValueError(f"register_options_schema: unknown config section '{section}' "
+                         f"(allowed: {', '.join(SECTIONS)})")
+    names = {f.name for f in dataclasses.fields(cls)}
+    if "options" not in names:
+        raise ValueError(f"register_options_schema: section '{section}' has no options field "
+                         f"(sections with one: {', '.join(n for n, c in SECTIONS.items() if _has_options(c))})")
+    if chooser_key not in names or chooser_key == "options":
+        raise ValueError(f"register_options_schema: '{section}.{chooser_key}' is not a key of [{section}]")
     _OPTION_SCHEMAS[section] = (chooser_key, lookup)
+
+
+def _has_options(cls: type) -> bool:
+    return any(f.name == "options" for f in dataclasses.fields(cls))
 
 
 # ----------------------------------------------------------------------------- value checks
@@ -41,18 +64,40 @@ def _type_name(v: Any) -> str:
     return type(v).__name__
 
 
-def _allowed_types(annotation: Any) -> tuple[type, ...]:
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    """`int | list[int]` -> (int, list[int]); a plain annotation -> (annotation,)."""
     if isinstance(annotation, str):
         annotation = eval_annotation(annotation)
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        out: tuple[type, ...] = ()
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        out: tuple[Any, ...] = ()
         for arg in typing.get_args(annotation):
-            out += _allowed_types(arg)
+            out += _union_members(arg)
         return out
-    if origin is not None:
-        return (origin,)
-    return (annotation,) if isinstance(annotation, type) else (object,)
+    return (annotation,)
+
+
+def _allowed_types(annotation: Any) -> tuple[type, ...]:
+    out: tuple[type, ...] = ()
+    for member in _union_members(annotation):
+        origin = typing.get_origin(member)
+        if member is typing.Any:
+            out += (object,)
+        elif origin is typing.Literal:
+            out += tuple(type(a) for a in typing.get_args(member))
+        elif origin is not None:
+            out += (origin,) if isinstance(origin, type) else (object,)
+        else:
+            out += (member,) if isinstance(member, type) else (object,)
+    return out
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    """Field name -> resolved annotation (string annotations resolved in the class's module)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # an annotation that does not resolve: fall back to the simple names
+        hints = {}
+    return {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(cls)}
 
 
 _ANNOTATIONS = {"None": type(None), "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
@@ -88,11 +133,15 @@ def check_value(key: str, value: Any, annotation: Any, rules: typing.Mapping[str
                     value = float(value)
             elif t in (str, list, dict) and isinstance(value, t):
                 ok = True
+            elif t is tuple and isinstance(value, list):  # TOML has arrays only
+                ok, value = True, tuple(value)
             if ok:
                 break
         if not ok:
-            expected = " or ".join("a " + t.__name__ for t in allowed)
+            expected = " or ".join(("an " if t.__name__[0] in "aeiou" else "a ") + t.__name__ for t in allowed)
             raise ConfigError(f"config key '{key}': got {value!r} ({_type_name(value)}), expected {expected}")
+        if isinstance(value, list):
+            value = _check_list_items(key, value, annotation)
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"config key '{key}': got {value!r}, must be a finite number")
     if "choices" in rules and value not in rules["choices"]:
@@ -107,9 +156,19 @@ def check_value(key: str, value: Any, annotation: Any, rules: typing.Mapping[str
     return value
 
 
+def _check_list_items(key: str, value: list, annotation: Any) -> list:
+    """Check the items of a list against `list[T]` (a bare `list` leaves them unchecked)."""
+    item_types = [typing.get_args(m)[0] for m in _union_members(annotation)
+                  if typing.get_origin(m) is list and typing.get_args(m)]
+    if len(item_types) != 1:
+        return value
+    return [check_value(f"{key}[{i}]", item, item_types[0], {}) for i, item in enumerate(value)]
+
+
 def build_dataclass(cls: type, values: dict[str, Any], where: str, allow_extra: bool = False) -> tuple[Any, dict]:
     """Instantiate `cls` from `values` with every field checked; returns (instance, extra keys)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    types_ = _field_types(cls)
     kwargs, extra = {}, {}
     for key, value in values.items():
         if key not in fields or key in ("options", "params"):
@@ -119,15 +178,26 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str, allow_extra: 
             allowed = ", ".join(sorted(k for k in fields if k not in ("options", "params"))) or "none"
             raise ConfigError(f"unknown config key '{where}.{key}' = {value!r} (allowed: {allowed})")
         f = fields[key]
-        kwargs[key] = check_value(f"{where}.{key}", value, f.type, f.metadata)
+        kwargs[key] = check_value(f"{where}.{key}", value, types_[key], f.metadata)
+    missing = [f.name for f in fields.values() if f.name not in kwargs and f.init
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"config key '{where}.{missing[0]}' is required (missing: "
+                          f"{', '.join(where + '.' + m for m in missing)})")
     try:
         return cls(**kwargs), extra
-    except TypeError as exc:  # pragma: no cover - every field has a default
+    except (TypeError, ValueError) as exc:  # a __post_init__ check of the dataclass itself
         raise ConfigError(f"[{where}]: {exc}") from None
 
 
 # ----------------------------------------------------------------------------- parsing
 def _parse_override(item: str) -> tuple[list[str], Any]:
+    """`section.key=value` -> (["section", "key"], value).
+
+    The value is read as a TOML value (`5`, `0.1`, `true`, `[8, 4]`, `"x"`); text that is not
+    one is taken as a bare string (`algorithm.name=fedprox`).  A schema field typed `str` takes
+    the text as given even when it would read as another TOML value (`run.name=2024`).
+    """
     if "=" not in item:
         raise ConfigError(f"override '{item}': expected SECTION.KEY=VALUE")
     path, raw = item.split("=", 1)
@@ -136,9 +206,14 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override '{item}': the key must be SECTION.KEY")
     raw = raw.strip()
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
+        parsed = tomllib.loads(f"v = {raw}")
     except tomllib.TOMLDecodeError:
-        value = raw  # a bare string such as algorithm.name=fedprox
+        return keys, raw  # a bare string such as algorithm.name=fedprox
+    value = parsed.get("v", raw) if len(parsed) == 1 else raw
+    if not isinstance(value, str) and len(keys) == 2 and keys[0] in SECTIONS:
+        annotation = _field_types(SECTIONS[keys[0]]).get(keys[1])
+        if annotation is not None and _allowed_types(annotation) == (str,):
+            value = raw
     return keys, value
 
 
@@ -177,13 +252,17 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Confi
 def config_from_dict(data: dict) -> Config:
     unknown = [k for k in data if k not in SECTIONS]
     if unknown:
-        raise ConfigError(f"unknown config section '[{unknown[0]}]' (allowed: {', '.join(SECTIONS)})")
+        key = unknown[0]
+        if not isinstance(data[key], dict):
+            raise ConfigError(f"config key '{key}' = {data[key]!r} is outside any section; keys belong in a "
+                              f"section (allowed: {', '.join(SECTIONS)})")
+        raise ConfigError(f"unknown config section '[{key}]' (allowed: {', '.join(SECTIONS)})")
     sections = {}
     for name, cls in SECTIONS.items():
         raw = data.get(name, {})
         if not isinstance(raw, dict):
             raise ConfigError(f"config key '{name}' must be a section ([{name}]), got {raw!r}")
-        has_options = any(f.name == "options" for f in dataclasses.fields(cls))
+        has_options = _has_options(cls)
         obj, extra = build_dataclass(cls, raw, name, allow_extra=has_options)
         if has_options:
             obj.options = extra
@@ -203,18 +282,21 @@ def _validate_options(cfg: Config) -> None:
         except (KeyError, ValueError, ImportError) as exc:
             msg = exc.args[0] if exc.args else str(exc)
             raise ConfigError(f"config key '{section}.{chooser}': {msg}") from None
+        common = ", ".join(f.name for f in dataclasses.fields(obj) if f.name != "options")
         if cls is None:
             if obj.options:
                 key = next(iter(obj.options))
-                raise ConfigError(f"unknown config key '{section}.{key}' ({section}.{chooser} = '{choice}' "
-                                  f"takes no extra keys)")
+                raise ConfigError(f"unknown config key '{section}.{key}' = {obj.options[key]!r} "
+                                  f"({section}.{chooser} = '{choice}' takes no extra keys; "
+                                  f"common [{section}] keys: {common})")
             obj.params = None
             continue
         fields = {f.name for f in dataclasses.fields(cls)}
         for key in obj.options:
             if key not in fields:
-                raise ConfigError(f"unknown config key '{section}.{key}' for {section}.{chooser} = '{choice}' "
-                                  f"(its own keys: {', '.join(sorted(fields)) or 'none'})")
+                raise ConfigError(f"unknown config key '{section}.{key}' = {obj.options[key]!r} for "
+                                  f"{section}.{chooser} = '{choice}' (its own keys: "
+                                  f"{', '.join(sorted(fields)) or 'none'}; common [{section}] keys: {common})")
         params, _ = build_dataclass(cls, obj.options, section)
         obj.params = params
     for name in SECTIONS:
@@ -238,9 +320,22 @@ def _cross_checks(cfg: Config) -> None:
     mr = cfg.run.min_results
     if isinstance(mr, float) and not 0 < mr <= 1:
         raise ConfigError(f"config key 'run.min_results': got {mr}, a fraction must be in (0, 1]")
+    sec = cfg.security
+    if sec.heartbeat_timeout <= sec.heartbeat_interval:
+        raise ConfigError(f"config key 'security.heartbeat_timeout': got {sec.heartbeat_timeout}, must exceed "
+                          f"security.heartbeat_interval = {sec.heartbeat_interval}")
+    if sec.mtls and not sec.certs_dir:
+        raise ConfigError("config key 'security.mtls': true needs security.certs_dir (make one with "
+                          "`fedhop certs DIR --nodes ...`)")
+    if sec.backoff_cap < sec.backoff_base:
+        raise ConfigError(f"config key 'security.backoff_cap': got {sec.backoff_cap}, must be >= "
+                          f"security.backoff_base = {sec.backoff_base}")
+    hidden = cfg.model.hidden
+    if not all(_is_int(h) and h >= 1 for h in hidden):
+        raise ConfigError(f"config key 'model.hidden': got {hidden!r}, must be a list of ints >= 1")
     steps = cfg.algorithm.local_steps
     if isinstance(steps, list):
-        if len(steps) != count or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
+        if len(steps) != count or not all(_is_int(s) and s >= 0 for s in steps):
             raise ConfigError(f"config key 'algorithm.local_steps': a list must hold clients.count = {count} "
                               f"non-negative ints, got {steps!r}")
     elif steps < 0:
@@ -254,13 +349,21 @@ def _cross_checks(cfg: Config) -> None:
         if len(groups) != topo.edges:
             raise ConfigError(f"config key 'topology.assignment': {len(groups)} client lists for "
                               f"topology.edges = {topo.edges}")
-        flat = [c for g in groups for c in (g if isinstance(g, list) else [g])]
+        for e, group in enumerate(groups):
+            if not isinstance(group, list) or not all(_is_int(c) for c in group):
+                raise ConfigError(f"config key 'topology.assignment': entry {e} must be a list of client ids, "
+                                  f"got {group!r}")
+        flat = [c for g in groups for c in g]
         if sorted(flat) != list(range(count)):
             raise ConfigError(f"config key 'topology.assignment': must list each client id 0..{count - 1} exactly "
                               f"once, got {groups!r}")
     elif topo.assignment not in ("blocks", "shuffled"):
         raise ConfigError(f"config key 'topology.assignment': got {topo.assignment!r}, allowed: blocks, shuffled, "
                           f"or a list of client-id lists")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -294,7 +397,9 @@ def _toml_value(v: Any, key: str = "") -> str:
             raise ConfigError(f"config key '{key}': {v} cannot be written to TOML")
         return repr(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
+        return _toml_string(v)
+    if isinstance(v, (datetime.datetime, datetime.date, datetime.time)):
+        return v.isoformat()
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x, key) for x in v) + "]"
     if isinstance(v, dict):
@@ -302,8 +407,25 @@ def _toml_value(v: Any, key: str = "") -> str:
     raise ConfigError(f"config key '{key}': cannot write a {_type_name(v)} to TOML")
 
 
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_string(s: str) -> str:
+    """A TOML basic string: quotes, backslashes and every control character escaped."""
+    out = []
+    for ch in s:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 def _toml_key(k: str) -> str:
-    return k if k.replace("_", "").replace("-", "").isalnum() else _toml_value(k)
+    return k if _BARE_KEY.fullmatch(k) else _toml_string(k)
 
 
 def config_to_toml(cfg: Config) -> str:
@@ -345,6 +467,12 @@ def _register_defaults() -> None:
     register_options_schema("transport", "kind", transport_params)
     register_options_schema("data", "dataset", dataset_params)
     register_options_schema("topology", "kind", topology_params)
+
+    def clients_params(_count: int):  # one schema whatever the choice: device and straggler keys
+        from common.devices import devices_params_class
+        return devices_params_class()
+
+    register_options_schema("clients", "count", clients_params)
 
 
 _register_defaults()

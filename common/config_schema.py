@@ -102,6 +102,23 @@ class TransportConfig:
 
 
 @dataclass
+class SecurityConfig:
+    """Channels, node credentials, liveness and input policy (docs/faults.md, common/security.py)."""
+
+    insecure: bool = False                     # plaintext gRPC off loopback needs this set explicitly
+    certs_dir: str = ""                        # TLS: a directory made by `fedhop certs` (ca.pem, NODE.pem, NODE.key)
+    mtls: bool = False                         # mutual TLS: the node identity is its certificate's common name
+    checksum: bool = True                      # CRC-32 of every message's tensor bytes, verified by the receiver
+    heartbeat_interval: float = _f(1.0, min_exclusive=0.0)   # seconds between a child's heartbeats
+    heartbeat_timeout: float = _f(5.0, min_exclusive=0.0)    # silence after which a parent marks a child dead
+    parent_timeout: float = _f(60.0, min_exclusive=0.0)      # a child gives up (exits) after this long unheard
+    backoff_base: float = _f(0.2, min_exclusive=0.0)         # re-registration: full-jitter exponential backoff
+    backoff_cap: float = _f(5.0, min_exclusive=0.0)
+    nan_policy: str = _f("reject", choices=("reject", "fail"))   # NaN/Inf in a result: drop it, or fail the run
+    keep_checkpoints: int = _f(2, min=1)       # newest checkpoints kept in RUN_DIR/checkpoints
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
@@ -110,3 +127,4 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     clients: ClientsConfig = field(default_factory=ClientsConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)

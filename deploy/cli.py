@@ -1,4 +1,4 @@
-"""The `fedhop` command: run, report, bench."""
+"""The `fedhop` command: run, report, bench, launch, netsim."""
 from __future__ import annotations
 
 import argparse
@@ -16,10 +16,24 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override a config key (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress display")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its newest checkpoint")
 
     sub.add_parser("report", help="compare runs: table and plots", add_help=False)
+    sub.add_parser("certs", help="make a cluster CA, per-node certificates and the cluster secret", add_help=False)
     sub.add_parser("bench", help="benchmarks that print their figures", add_help=False)
+    sub.add_parser("launch", help="start a run's roles on the machines of a hosts file (ssh)", add_help=False)
+    sub.add_parser("netsim", help="run on emulated hosts (network namespaces): wire bytes, shaped links",
+                   add_help=False)
 
+    if argv and argv[0] == "launch":
+        from deploy.hosts import main as launch_main
+        return launch_main(argv[1:])
+    if argv and argv[0] == "netsim":
+        from deploy.netsim import main as netsim_main
+        return netsim_main(argv[1:])
+    if argv and argv[0] == "certs":
+        from deploy.certs import main as certs_main
+        return certs_main(argv[1:])
     if argv and argv[0] in ("report", "bench"):
         if argv[0] == "report":
             from deploy.report import main as report_main
@@ -29,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = ap.parse_args(argv)
     if args.command == "run":
+        if args.resume:
+            if args.config or args.overrides:
+                ap.error("run --resume RUN_DIR takes no CONFIG or --set: the run's own config.toml is used")
+            from deploy.launcher import resume_local
+            return resume_local(args.resume, quiet=args.quiet)
         if not args.config:
             ap.error("run: a CONFIG file is required")
         from deploy.launcher import run_local

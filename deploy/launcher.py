@@ -85,8 +85,15 @@ class LocalRun:
         self.children.append(child)
         return child
 
-    def start(self, overrides: list[str]) -> Child:
-        """Start the server, wait for its address, start the client processes."""
+    def security_args(self) -> list[str]:
+        """The client and edge flags that match the config's [security] section."""
+        sec = self.cfg.security
+        out = ["--certs-dir", str(Path(sec.certs_dir).resolve())] if sec.certs_dir else []
+        return out + (["--mtls"] if sec.mtls else []) + (["--insecure"] if sec.insecure else [])
+
+    def start(self, overrides: list[str], resume: bool = False) -> Child:
+        """Start the server (continuing from its checkpoint with `resume`), wait for its
+        address, start the client processes."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "ledger").mkdir(parents=True, exist_ok=True)
         cfg_path = self.run_dir / "config.toml"
@@ -95,14 +102,15 @@ class LocalRun:
         port_file.unlink(missing_ok=True)
         host = self.cfg.transport.host
         server = self.spawn("server", ["server", "--config", str(cfg_path), "--run-dir", str(self.run_dir),
-                                       "--listen", f"{host}:0", "--port-file", str(port_file)])
+                                       "--listen", f"{host}:0", "--port-file", str(port_file)]
+                            + (["--resume"] if resume else []))
         address = self._wait_for_address(server, port_file)
         for p, (parent, ids) in enumerate(self.client_layout(address)):
             self.spawn(f"client-proc{p}", ["client", "--parent", parent, "--clients", id_spec(ids),
                                            "--node-id", f"client-proc{p}", "--listen", f"{host}:0",
                                            "--ledger-dir", str(self.run_dir / "ledger"),
                                            "--max-message-bytes", str(self.cfg.transport.max_message_bytes),
-                                           "--threads", str(self.cfg.run.torch_threads)])
+                                           "--threads", str(self.cfg.run.torch_threads)] + self.security_args())
         return server
 
     def client_layout(self, server_address: str) -> list[tuple[str, list[int]]]:
@@ -120,7 +128,8 @@ class LocalRun:
             child = self.spawn(f"edge-{e}", ["edge", "--parent", server_address, "--node-id", f"edge-{e}",
                                              "--listen", f"{cfg.transport.host}:0", "--port-file", str(port_file),
                                              "--ledger-dir", str(self.run_dir / "ledger"),
-                                             "--max-message-bytes", str(cfg.transport.max_message_bytes)])
+                                             "--max-message-bytes", str(cfg.transport.max_message_bytes)]
+                               + self.security_args())
             edges.append((child, port_file))
         per_edge = max(1, cfg.clients.processes // len(clusters))
         layout = []
@@ -264,8 +273,38 @@ def default_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def loopback_plaintext_note(cfg: Config) -> str | None:
+    """`fedhop run` on loopback without TLS sets security.insecure = true, and says so."""
+    from common.security import is_loopback
+    sec = cfg.security
+    if sec.certs_dir or sec.insecure or not is_loopback(cfg.transport.host):
+        return None
+    sec.insecure = True
+    return ("fedhop run: plaintext gRPC on loopback (security.insecure = true); set security.certs_dir to a "
+            "`fedhop certs` directory for TLS")
+
+
+def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True) -> int:
+    """`fedhop run --resume RUN_DIR`: restart the server from its newest checkpoint and fresh
+    client processes; the same exit codes as `run_local`."""
+    from common.checkpoint import CheckpointError, latest_checkpoint
+    d = Path(run_dir)
+    if not (d / "config.toml").exists():
+        print(f"fedhop run --resume: {d} holds no config.toml; is it a run directory?", file=sys.stderr)
+        return 2
+    try:
+        ckpt = latest_checkpoint(d)
+    except CheckpointError as exc:
+        print(f"fedhop run --resume: {exc}", file=sys.stderr)
+        return 2
+    if not quiet:
+        print(f"fedhop run: resuming {d} after round {ckpt.round}", file=sys.stderr)
+    return run_local(str(d / "config.toml"), [], str(d), quiet=quiet, show_table=show_table, resume=True,
+                     start_round=ckpt.round)
+
+
 def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool = False,
-              show_table: bool = True) -> int:
+              show_table: bool = True, resume: bool = False, start_round: int = 0) -> int:
     """`fedhop run`: returns the exit status (0 completed, 1 failed, 2 bad config, 130 interrupted)."""
     from common.config import ConfigError
     try:
@@ -279,12 +318,15 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
         print("fedhop run: transport.kind = 'inmemory' is for unit tests (deploy/inmemory.py); "
               "process runs use grpc or torch", file=sys.stderr)
         return 2
+    note = loopback_plaintext_note(cfg)
+    if note and not quiet:
+        print(note, file=sys.stderr)
     run = LocalRun(cfg, run_dir)
     progress = None
     try:
-        server = run.start(overrides=[])
-        progress = Progress(cfg.run.rounds) if not quiet else None
-        last = -1
+        server = run.start(overrides=[], resume=resume)
+        progress = Progress(cfg.run.rounds, start=start_round) if not quiet else None
+        last = start_round if resume else -1
         while server.proc.poll() is None:
             for row in read_progress(run_dir / "run.db", last):
                 last = row["round"]
@@ -316,4 +358,6 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
     else:
         print(f"fedhop run: the server exited with status {status} and wrote no summary; last log lines:\n"
               f"{tail(run.children[0].log)}", file=sys.stderr)
+        if (run_dir / "checkpoints").is_dir():
+            print(f"fedhop run: continue it with `fedhop run --resume {run_dir}`", file=sys.stderr)
     return 0 if status == 0 else 1

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from common.ledger import Ledger
+from common.liveness import HeartbeatSender, LivenessMonitor
+from common.security import SecurityError, add_security_args, credentials_from_args
 from common.transport.grpc import GrpcEndpoint
 from edge.runtime import EdgeProcess
 
@@ -28,11 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ledger-dir", default="")
     ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))
     ap.add_argument("--max-message-bytes", type=int, default=64 << 20)
+    add_security_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node_id} %(levelname)s %(message)s")
     torch.set_num_threads(1)
     sink = Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None
-    endpoint = GrpcEndpoint(args.node_id, Ledger(sink), token=args.token, max_message_bytes=args.max_message_bytes)
+    try:
+        creds = credentials_from_args(args, [args.parent, args.listen])
+    except SecurityError as exc:
+        logging.error("%s", exc)
+        return 2
+    endpoint = GrpcEndpoint(args.node_id, Ledger(sink), token="", max_message_bytes=args.max_message_bytes,
+                            credentials=creds)
+    # watches this edge's client processes; intervals are set from the run's config once it arrives
+    monitor = LivenessMonitor(endpoint, interval=1.0, timeout=5.0,
+                              on_event=lambda kind, node, detail: logging.warning("%s: %s", kind, detail))
     proc = EdgeProcess(endpoint, args.parent, bind=args.listen)
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
@@ -45,8 +57,26 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         endpoint.stop()
         return 2
+    sec = proc.aggregator.cfg.security
+    endpoint.checksum = sec.checksum
+    monitor.interval, monitor.timeout = sec.heartbeat_interval, sec.heartbeat_timeout
+    monitor.start()
+    gave_up: list[str] = []
+
+    def give_up(why: str) -> None:
+        gave_up.append(why)
+        proc.aggregator.shutdown_event.set()
+
+    beats = HeartbeatSender(endpoint, args.parent, interval=sec.heartbeat_interval, parent_timeout=sec.parent_timeout,
+                            reregister=lambda: proc._register_with_parent(proc.aggregator.cluster, timeout=10.0),
+                            on_give_up=give_up).start()
     proc.wait()
+    beats.stop()
+    monitor.stop()
     endpoint.stop(grace=0.5)
+    if gave_up:
+        logging.error("exiting: %s", gave_up[0])
+        return 3
     return 0
 
 

@@ -18,7 +18,9 @@ from common.algorithms import build_algorithm
 from common.algorithms.base import Payload, finite_or_raise
 from common.algorithms.local import get_params
 from common.tasks import build_task
+from common.checkpoint import STATE_GET, STATE_SET, forward_client_state
 from common.codec import PayloadError, check_tensors
+from common.validation import validate_reply
 from common.config import Config
 from common.topology import cluster_assignment, edge_index, topology_params
 from common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError, Request
@@ -79,6 +81,9 @@ class EdgeAggregator:
             raise HandlerError("WRONG_RUN", f"message for run '{env.run_id}', this edge serves '{self.run_id}'")
         if env.method == "edge_round":
             return self.edge_round(int(env.round), request.payload)
+        if env.method in (STATE_GET, STATE_SET):   # checkpoints: the cluster's client states (common/checkpoint.py)
+            return forward_client_state(self.endpoint, dict(self.processes), dict(self.client_home), env.method,
+                                        int(env.round), request.payload, self.cfg.run.call_timeout)
         if env.method == "shutdown":
             self.shutdown_clients(int(env.round))
             self.shutdown_event.set()
@@ -135,12 +140,7 @@ class EdgeAggregator:
         _, address = self.client_home[cid]
         reply = self.endpoint.call(address, f"client-{cid}", "train", round=round, step=step,
                                    timeout=self.cfg.run.call_timeout, prepared=prepared)
-        who = f"round {round} reply of client {cid}"
-        check_tensors(reply, self.algorithm.reply_spec(self.model_state), who, allow_extra=True)
-        try:
-            finite_or_raise(reply, who)
-        except ValueError as exc:
-            raise PayloadError("NON_FINITE", str(exc)) from None
+        validate_reply(reply, self.algorithm.reply_spec(self.model_state), f"round {round} reply of client {cid}")
         return reply
 
     def shutdown_clients(self, round: int) -> None:

@@ -10,6 +10,7 @@ from common.config import parse_config
 from common.transport.base import CallFailed, Endpoint, HandlerError, Request
 from common.wire import fedhop_pb2 as pb
 from edge.aggregator import EdgeAggregator
+from common.liveness import register_with_backoff
 
 log = logging.getLogger("fedhop.edge")
 
@@ -38,17 +39,9 @@ class EdgeProcess:
         req = pb.RegisterRequest(node_id=self.endpoint.node_id, role="edge", address=self.address,
                                  token=self.endpoint.token, run_id=self.endpoint.run_id,
                                  clients=[pb.LogicalClient(client_id=c) for c in clients])
-        delay = 0.2
-        for attempt in range(attempts):
-            try:
-                reply = self.endpoint.register(self.parent, req, timeout)
-                break
-            except CallFailed as exc:
-                if attempt == attempts - 1:
-                    raise
-                log.warning("register with %s failed (%s); retrying in %.1fs", self.parent, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        tls = getattr(getattr(self.endpoint, "credentials", None), "tls", None) is not None
+        reply = register_with_backoff(self.endpoint, self.parent, req, deadline_s=attempts * 4.0,
+                                      call_timeout=min(timeout, 10.0), tls=tls)   # full-jitter backoff
         if not reply.accepted:
             raise RuntimeError(f"{self.endpoint.node_id}: registration refused by {self.parent}: {reply.message}")
         return reply

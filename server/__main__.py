@@ -1,8 +1,12 @@
-"""`python -m server --config CONFIG.toml --run-dir DIR [--listen HOST:PORT] [--port-file F]`
+"""`python -m server --config CONFIG.toml --run-dir DIR [--listen HOST:PORT] [--port-file F] [--resume]`
 
 Starts the server process of one run: it serves registrations and results, drives the rounds,
-and writes the run directory (config.toml, run.db, summary.json, model.safetensors).
-Exit status: 0 when the run completed, 1 when it failed, 2 on a bad config.
+and writes the run directory (config.toml, run.db, summary.json, model.safetensors, checkpoints).
+`--resume` continues the run in DIR from its newest checkpoint (server/resilience.py).
+Security (common/security.py): TLS when security.certs_dir is set (mutual TLS with
+security.mtls); every call's node credential is checked; plaintext on a non-loopback address
+needs security.insecure = true (or FEDHOP_INSECURE=1).
+Exit status: 0 when the run completed, 1 when it failed, 2 on a bad config or a security refusal.
 """
 from __future__ import annotations
 
@@ -14,10 +18,14 @@ from pathlib import Path
 
 import torch
 
+from common.checkpoint import CheckpointError
 from common.config import ConfigError, load_config
 from common.ledger import Ledger
+from common.liveness import LivenessMonitor
+from common.security import NodeCredentials, SecurityError, plaintext_refusal
 from common.transport.grpc import GrpcEndpoint
 from server.coordinator import Coordinator
+from server.resilience import Checkpointer, resume
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))
     ap.add_argument("--register-timeout", type=float, default=120.0)
+    ap.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(levelname)s %(message)s")
     try:
@@ -39,10 +48,49 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger().setLevel(cfg.run.log_level.upper())
     torch.set_num_threads(cfg.run.torch_threads)
     run_dir = Path(args.run_dir)
+    sec = cfg.security
+    insecure = sec.insecure or os.environ.get("FEDHOP_INSECURE", "") in ("1", "true", "yes")
+    refusal = plaintext_refusal([args.listen], insecure, tls=bool(sec.certs_dir))
+    if refusal:
+        logging.error("refusing to start: %s", refusal)
+        return 2
+    try:
+        creds = NodeCredentials.from_options("server", sec.certs_dir, sec.mtls, env_secret=args.token)
+    except SecurityError as exc:
+        logging.error("%s", exc)
+        return 2
+    if not sec.certs_dir:
+        logging.warning("plaintext gRPC on %s (%s)", args.listen,
+                        "security.insecure = true" if insecure else "loopback only")
     ledger = Ledger(run_dir / "ledger" / "server.jsonl", keep_drained=False)
-    endpoint = GrpcEndpoint("server", ledger, token=args.token, chunk_bytes=cfg.transport.chunk_bytes,
-                            max_message_bytes=cfg.transport.max_message_bytes, workers=32)
+    holder: dict = {}
+
+    def refused(node: str, method: str, reason: str, peer: str) -> None:
+        coord = holder.get("coordinator")
+        if coord is not None:
+            coord.store.add_event("auth_refused", node=node or "?", round=coord.rounds_completed,
+                                  detail=f"{method} from {peer}: {reason}")
+
+    endpoint = GrpcEndpoint("server", ledger, token="", chunk_bytes=cfg.transport.chunk_bytes,
+                            max_message_bytes=cfg.transport.max_message_bytes, workers=32,
+                            credentials=creds, on_refused=refused)
+    endpoint.checksum = sec.checksum
     coordinator = Coordinator(cfg, run_dir, endpoint, ledger)
+    holder["coordinator"] = coordinator
+    checkpointer = Checkpointer(coordinator)
+    if args.resume:
+        try:
+            resume(coordinator, checkpointer)
+        except CheckpointError as exc:
+            logging.error("cannot resume: %s", exc)
+            return 2
+    monitor = LivenessMonitor(endpoint, sec.heartbeat_interval, sec.heartbeat_timeout,
+                              on_event=lambda kind, node, detail: coordinator.store.add_event(
+                                  kind, node=node, detail=detail, round=coordinator.rounds_completed + 1))
+    coordinator.summary_hooks.append(lambda: {"liveness": monitor.summary(),
+                                              "checkpoints": [{"round": r, "seconds": s}
+                                                              for r, s in checkpointer.written]})
+    monitor.start()
     address = endpoint.serve(lambda req: _no_calls(), args.listen, register_handler=coordinator.handle_register)
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
@@ -50,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(args.port_file)
     logging.info("run %s: serving at %s", coordinator.run_id, address)
     summary = coordinator.run(register_timeout=args.register_timeout)
+    monitor.stop()
     endpoint.stop()
     logging.info("run %s %s after %d rounds", coordinator.run_id, summary["status"], summary["rounds_completed"])
     return 0 if summary["status"] == "completed" else 1

@@ -27,6 +27,9 @@ from common.rng import numpy_stream
 from common.runstore import RunStore
 from common.tasks import build_task
 from common.transport.base import CallFailed, Endpoint, RemoteError
+from common.validation import consistent_results, rejection_code, validate_reply
+from server.resilience import fault_summary
+from common.vclock import RoundClock
 from common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.server")
@@ -50,6 +53,7 @@ class RoundResult:
     failures: dict[int, str]
     metrics: dict[str, float]
     wall_seconds: float
+    sim_seconds: float | None = None   # virtual-clock duration (common/vclock.py); None where not simulated
 
 
 class RunFailed(RuntimeError):
@@ -74,6 +78,7 @@ class Coordinator:
         self.algorithm = build_algorithm(cfg)
         self.model = self.task.build_model()
         self.state: ServerState = self.algorithm.init_state(get_params(self.model))
+        self.clock = RoundClock(cfg, self.task)  # stragglers, device profiles, virtual clock (common/vclock.py)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.store = RunStore(self.run_dir / "run.db")
         self.children: dict[str, ChildNode] = {}
@@ -85,6 +90,8 @@ class Coordinator:
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="server-call")
         self.config_toml = config_to_toml(cfg)
         self.torch_rounds = None  # set up after registration when transport.kind = "torch"
+        self.on_ready: Callable[[], None] | None = None   # after registration (resume: restore client states)
+        self.summary_hooks: list[Callable[[], dict]] = [lambda: fault_summary(self.store)]  # summary.json sections
 
     # ------------------------------------------------------------------ registration
     def handle_register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
@@ -131,7 +138,7 @@ class Coordinator:
     def sample(self, round: int) -> list[int]:
         """Seeded sampling without replacement: stream ("sampling", round)."""
         count = self.cfg.clients.count
-        size = resolve_clients_per_round(self.cfg)
+        size = self.clock.sample_size(resolve_clients_per_round(self.cfg))  # over-commitment: ceil(c * S)
         rng = numpy_stream(self.cfg.run.seed, "sampling", round)
         return sorted(int(c) for c in rng.choice(count, size=size, replace=False))
 
@@ -139,20 +146,13 @@ class Coordinator:
         node = self.client_home[cid]
         reply = self.endpoint.call(node.address, client_node(cid), "train", round=round,
                                    timeout=self.cfg.run.call_timeout, prepared=prepared)
-        who = f"round {round} reply of client {cid}"
-        check_tensors(reply, self.algorithm.reply_spec(self.state), who, allow_extra=True)
-        try:
-            finite_or_raise(reply, who)
-        except ValueError as exc:
-            raise PayloadError("NON_FINITE", str(exc)) from None
-        if "weight" not in reply.scalars:
-            raise PayloadError("MISSING_SCALAR", f"{who} lacks the 'weight' scalar")
+        validate_reply(reply, self.algorithm.reply_spec(self.state), f"round {round} reply of client {cid}")
         return reply
 
     def run_round(self, round: int) -> RoundResult:
         started = time.perf_counter()
         sampled = self.sample(round)
-        message = self.algorithm.broadcast(self.state, round)
+        message = self.clock.begin_round(round, sampled, self.algorithm.broadcast(self.state, round))
         dispatched = time.perf_counter()
         if self.torch_rounds is not None:
             results, failures = self._dispatch_torch(round, sampled, message)
@@ -160,12 +160,24 @@ class Coordinator:
             results, failures = self._dispatch_edges(round, sampled, message)
         else:
             results, failures = self._dispatch_clients(round, sampled, message)
+        results, inconsistent = consistent_results(results)
+        failures.update(inconsistent)
         for cid, why in sorted(failures.items()):
-            kind = "rejected_payload" if any(k in why for k in ("BAD_", "NON_FINITE", "SIZE_", "MALFORMED")) \
-                else "client_failed"
-            self.store.add_event(kind, node=client_node(cid), detail=why, round=round)
+            code = rejection_code(why)   # typed rejections (common/validation.py), the rest: lost or failed
+            kind = "rejected_payload" if code else "client_failed"
+            self.store.add_event(kind, node=client_node(cid), detail=f"{code}: {why}" if code else why, round=round)
             log.warning("round %d: client %d left out: %s", round, cid, why)
-        participants = sorted(set(sampled) - set(failures))
+        non_finite = [cid for cid, why in failures.items() if rejection_code(why) == "NON_FINITE"]
+        if non_finite and self.cfg.security.nan_policy == "fail":
+            raise RunFailed(f"round {round}: NaN/Inf in the results of clients {sorted(non_finite)[:10]} and "
+                            f"security.nan_policy = 'fail'")
+        settled = self.clock.settle(round, message, results, self.ledger.records(),
+                                    star=self.cfg.topology.kind == "star")   # deadline / over-commit cuts
+        for cid, why in sorted(settled.cut.items()):
+            self.store.add_event("deadline_missed" if why.startswith("deadline") else "overcommit_dropped",
+                                 node=client_node(cid), detail=why, round=round)
+        self.clock.emulate(settled.sim_seconds, time.perf_counter() - dispatched)
+        participants = sorted(set(sampled) - set(failures) - set(settled.cut))
         needed = max(resolve_min_results(self.cfg, len(sampled)), 1)
         if len(participants) < needed or not results:
             raise RunFailed(f"round {round}: only {len(participants)} of {len(sampled)} sampled clients returned a "
@@ -182,7 +194,9 @@ class Coordinator:
                         "time_communication": max(collected - dispatched - compute, 0.0),
                         "time_aggregation": aggregated - collected + (dispatched - started),
                         "time_evaluation": time.perf_counter() - aggregated})
-        result = RoundResult(round, sampled, participants, failures, metrics, time.perf_counter() - started)
+        metrics.update(settled.metrics)
+        result = RoundResult(round, sampled, participants, failures, metrics, time.perf_counter() - started,
+                             settled.sim_seconds)
         self._record_round(result)
         return result
 
@@ -245,12 +259,7 @@ class Coordinator:
         node = self.children[node_id]
         partial = self.endpoint.call(node.address, node_id, "edge_round", payload, round=round,
                                      timeout=self.cfg.run.round_timeout * 2)
-        who = f"round {round} partial of {node_id}"
-        check_tensors(partial, self.algorithm.reply_spec(self.state), who, allow_extra=True)
-        try:
-            finite_or_raise(partial, who)
-        except ValueError as exc:
-            raise PayloadError("NON_FINITE", str(exc)) from None
+        validate_reply(partial, self.algorithm.reply_spec(self.state), f"round {round} partial of {node_id}")
         return partial
 
     def _round_metrics(self, round: int, aggregate: Payload) -> dict[str, float]:
@@ -276,7 +285,8 @@ class Coordinator:
         self.store.insert_records(self.ledger.drain())
         self.store.add_round(result.round, participants=len(result.participants),
                              sampled=len(result.sampled), failures=len(result.failures),
-                             metrics=result.metrics, wall_seconds=result.wall_seconds)
+                             metrics=result.metrics, wall_seconds=result.wall_seconds,
+                             sim_seconds=result.sim_seconds)
         log.info("round %d: %d/%d results, %s", result.round, len(result.participants), len(result.sampled),
                  ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()))
         if self.on_round is not None:
@@ -293,6 +303,8 @@ class Coordinator:
         status, error = "completed", ""
         try:
             self.wait_for_clients(register_timeout)
+            if self.on_ready is not None:
+                self.on_ready()
             if self.cfg.transport.kind == "torch":
                 from server.torch_rounds import TorchRounds
                 try:
@@ -356,6 +368,8 @@ class Coordinator:
             "num_clients": self.cfg.clients.count,
             "clients_per_round": resolve_clients_per_round(self.cfg),
         }
+        for hook in self.summary_hooks:
+            summary.update(hook())
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         self.store.finish_run(status)
         return summary

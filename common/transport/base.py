@@ -72,6 +72,25 @@ def direction_of(src: str, dst: str) -> str:
     return "down" if a < b else "up"
 
 
+def reply_problem(reply: pb.Envelope, request: pb.Envelope) -> tuple[str, str] | None:
+    """(code, message) when a reply's envelope does not answer `request`: another run, another
+    round (a replayed old result), another sender or method.  An error reply the callee made
+    for a request it could not decode (method "error") carries no routing and is not checked."""
+    if reply.HasField("error") and reply.method == "error":
+        return None
+    who = f"reply to {request.method} (round {request.round}) from {request.dst}"
+    if request.run_id and reply.run_id != request.run_id:
+        return "WRONG_RUN", f"{who} is for run '{reply.run_id}', not '{request.run_id}'"
+    if reply.round != request.round or reply.step != request.step:
+        return "STALE_ROUND", f"{who} is for round {reply.round} step {reply.step}, not round {request.round} " \
+                              f"step {request.step}"
+    if reply.src != request.dst:
+        return "WRONG_SENDER", f"{who} says it comes from '{reply.src}'"
+    if reply.method != request.method + ".reply":
+        return "BAD_METHOD", f"{who} is a '{reply.method}' message"
+    return None
+
+
 class Endpoint(ABC):
     """One process's transport endpoint."""
 
@@ -83,11 +102,13 @@ class Endpoint(ABC):
         self.token = token
         self.chunk_bytes = chunk_bytes
         self.max_payload_bytes = max_payload_bytes
+        self.checksum = True    # CRC-32 of the tensor bytes in every message sent (security.checksum)
+        self.liveness = None    # a parent's LivenessMonitor (common/liveness.py): heartbeats, registrations
 
     # -- outgoing -------------------------------------------------------------------
     def prepare(self, payload: Payload) -> Encoded:
         """Cut a payload into frames once (send it to many peers with `call(..., prepared=)`)."""
-        return encode(payload, pb.Envelope(), self.chunk_bytes)
+        return encode(payload, pb.Envelope(), self.chunk_bytes, self.checksum)
 
     def call(self, address: str, dst: str, method: str, payload: Payload | None = None, *,
              round: int, step: int = 0, timeout: float, prepared: Encoded | None = None,
@@ -96,7 +117,8 @@ class Endpoint(ABC):
         env = make_envelope(run_id=self.run_id, round=round, step=step, src=self.node_id, dst=dst,
                             method=method, token=self.token)
         if prepared is None:
-            prepared = encode(payload if payload is not None else Payload(), pb.Envelope(), self.chunk_bytes)
+            prepared = encode(payload if payload is not None else Payload(), pb.Envelope(), self.chunk_bytes,
+                              self.checksum)
         request = prepared.with_header(env)
         link = link or link_for(role_of(self.node_id), role_of(dst))
         started = time.perf_counter()
@@ -106,11 +128,21 @@ class Endpoint(ABC):
             self._record(request.envelope, request, "sender", link, time.perf_counter() - started,
                          status="lost", error=str(exc))
             raise
+        except PayloadError as exc:   # the reply could not be decoded (corrupt, truncated, hostile)
+            # the request arrived; its reply did not: the loss is recorded on the request's record
+            # (the reply's msg_id is the request's + ".reply", so a consistency check can pair them)
+            self._record(request.envelope, request, "sender", link, time.perf_counter() - started,
+                         error=f"reply rejected: {exc}")
+            raise PayloadError(exc.code, f"reply of {dst} to {method} (round {round}): {exc.detail}") from None
         self._record(request.envelope, request, "sender", link, sent_seconds)
         env_r = decoded.envelope
+        problem = reply_problem(env_r, request.envelope)
+        error = (f"{problem[0]}: {problem[1]}" if problem else
+                 f"{env_r.error.code}: {env_r.error.message}" if env_r.HasField("error") else "")
         self._record(env_r, decoded, "receiver", link, time.perf_counter() - started - sent_seconds,
-                     status="rejected" if env_r.HasField("error") else "ok",
-                     error=env_r.error.message if env_r.HasField("error") else "")
+                     status="rejected" if problem or env_r.HasField("error") else "ok", error=error)
+        if problem:
+            raise PayloadError(*problem)
         if env_r.HasField("error"):
             raise RemoteError(env_r.error.code, env_r.error.message, dst)
         return decoded.payload
@@ -137,6 +169,21 @@ class Endpoint(ABC):
                            framed_bytes=size + 5, seconds=seconds, recorder=self.node_id, role=role,
                            msg_id=msg_id, status="ok", wall_time=time.time(), error="")
 
+    def heartbeat(self, address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
+        """A child's liveness beacon to its parent (common/liveness.py), counted as two `control` messages."""
+        raise CallFailed("UNIMPLEMENTED", f"{type(self).__name__} carries no heartbeats", address)
+
+    def handle_registration(self, register_handler, request: pb.RegisterRequest) -> pb.RegisterReply:
+        """Run the role's Register handler; tell the liveness monitor about accepted children."""
+        if self.liveness is not None:
+            refusal = self.liveness.check_registration(request)
+            if refusal is not None:
+                return pb.RegisterReply(accepted=False, message=refusal, node_id=self.node_id)
+        reply = register_handler(request)
+        if reply.accepted and self.liveness is not None:
+            self.liveness.registered(request)
+        return reply
+
     @abstractmethod
     def _register_rpc(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply: ...
 
@@ -157,7 +204,7 @@ class Endpoint(ABC):
         recv_seconds = time.perf_counter() - started
         try:
             reply_payload = handler(Request(env, decoded.payload))
-            reply = encode(reply_payload, self._reply_envelope(env), self.chunk_bytes)
+            reply = encode(reply_payload, self._reply_envelope(env), self.chunk_bytes, self.checksum)
             status, error = "ok", ""
         except (PayloadError, HandlerError) as exc:
             reply = self._error_reply(env, exc.code, exc.detail)
@@ -171,14 +218,15 @@ class Endpoint(ABC):
 
     def _reply_envelope(self, env: pb.Envelope) -> pb.Envelope:
         return make_envelope(run_id=env.run_id, round=env.round, step=env.step, src=env.dst or self.node_id,
-                             dst=env.src, method=env.method + ".reply", token=self.token)
+                             dst=env.src, method=env.method + ".reply", token=self.token,
+                             msg_id=f"{env.msg_id}.reply" if env.msg_id else None)
 
     def _error_reply(self, env: pb.Envelope | None, code: str, message: str) -> Encoded:
         out = (self._reply_envelope(env) if env is not None else
                make_envelope(run_id=self.run_id, round=0, src=self.node_id, dst="", method="error"))
         out.error.code = code
         out.error.message = message
-        return encode(Payload(), out, self.chunk_bytes)
+        return encode(Payload(), out, self.chunk_bytes, self.checksum)
 
     def _record(self, env: pb.Envelope, msg: Encoded | Decoded, role: str, link: str, seconds: float,
                 status: str = "ok", error: str = "") -> None:

@@ -3,6 +3,12 @@
 The frames are already valid protobuf `Frame` messages (common/codec.py builds them), so the
 stream uses identity (de)serializers: gRPC moves our bytes without another protobuf pass.
 Message-size limits are set on both the server and every channel; every call has a deadline.
+
+Security (common/security.py): with `credentials` holding TLS files the server port and every
+channel use TLS (mutual TLS when `credentials.mtls`); every call carries the node credential in
+metadata and every served call passes `AuthInterceptor` first.  Liveness (common/liveness.py):
+`Heartbeat` calls go to `self.liveness`; `mark_dead(address)` cancels the calls in flight to a
+dead child and makes later ones fail at once (NODE_DEAD) until it registers again.
 """
 from __future__ import annotations
 
@@ -15,11 +21,13 @@ import grpc
 from common.algorithms.base import Payload
 from common.codec import Decoded, Encoded, FrameDecoder, PayloadError
 from common.ledger import Ledger
+from common.security import CLUSTER_NAME, AuthInterceptor, NodeCredentials, RefusedHook
 from common.transport.base import CallFailed, Endpoint, Handler
 from common.wire import fedhop_pb2 as pb
 
 EXCHANGE = "/fedhop.Fedhop/Exchange"
 REGISTER = "/fedhop.Fedhop/Register"
+HEARTBEAT = "/fedhop.Fedhop/Heartbeat"
 
 
 def grpc_options(max_message_bytes: int, server: bool = False) -> list[tuple[str, int]]:
@@ -43,11 +51,23 @@ def grpc_options(max_message_bytes: int, server: bool = False) -> list[tuple[str
 RegisterHandler = "Callable[[pb.RegisterRequest], pb.RegisterReply]"
 
 
+def heartbeat_msg_id(request: pb.HeartbeatRequest) -> str:
+    """Both ends name a heartbeat alike, so the ledger pairs its sender and receiver records."""
+    return f"heartbeat-{request.node_id}-{request.sent_at:.6f}-{request.seq}"
+
+
 class GrpcEndpoint(Endpoint):
     def __init__(self, node_id: str, ledger: Ledger, run_id: str = "", token: str = "",
                  chunk_bytes: int = 4 << 20, max_payload_bytes: int = 1 << 31,
-                 max_message_bytes: int = 64 << 20, workers: int = 16) -> None:
+                 max_message_bytes: int = 64 << 20, workers: int = 16,
+                 credentials: NodeCredentials | None = None, on_refused: RefusedHook | None = None) -> None:
         super().__init__(node_id, ledger, run_id, token, chunk_bytes, max_payload_bytes)
+        self.credentials = credentials
+        self.on_refused = on_refused
+        self.interceptor: AuthInterceptor | None = None
+        self.peer_names: dict[str, str] = {}      # address -> node id to verify in its TLS certificate
+        self._inflight: dict[str, set] = {}       # address -> gRPC calls in flight (cancelled when it dies)
+        self._dead: dict[str, str] = {}           # address -> why it was marked dead
         if max_message_bytes < chunk_bytes + 1024:
             raise ValueError(f"transport.max_message_bytes ({max_message_bytes}) must exceed "
                              f"transport.chunk_bytes ({chunk_bytes}) plus the frame header")
@@ -63,9 +83,53 @@ class GrpcEndpoint(Endpoint):
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = grpc.insecure_channel(address, options=grpc_options(self.max_message_bytes))
+                # reconnect soon after a peer comes back (gRPC's default backoff grows to 120 s)
+                options = grpc_options(self.max_message_bytes) + [("grpc.initial_reconnect_backoff_ms", 200),
+                                                                  ("grpc.min_reconnect_backoff_ms", 200),
+                                                                  ("grpc.max_reconnect_backoff_ms", 2000)]
+                tls = self.credentials.channel_credentials() if self.credentials is not None else None
+                if tls is None:
+                    ch = grpc.insecure_channel(address, options=options)
+                else:  # verify the peer's certificate names the node we expect (or any cluster node)
+                    name = self.peer_names.get(address, CLUSTER_NAME)
+                    ch = grpc.secure_channel(address, tls, options=options + [("grpc.ssl_target_name_override", name)])
                 self._channels[address] = ch
             return ch
+
+    def _metadata(self):
+        return self.credentials.metadata() if self.credentials is not None else None
+
+    # -- liveness -------------------------------------------------------------------
+    def mark_dead(self, address: str, reason: str) -> int:
+        """Cancel the calls in flight to `address`; later calls fail at once until `mark_alive`."""
+        with self._lock:
+            self._dead[address] = reason
+            calls = list(self._inflight.get(address, ()))
+        for call in calls:
+            call.cancel()
+        return len(calls)
+
+    def mark_alive(self, address: str) -> None:
+        with self._lock:
+            self._dead.pop(address, None)
+
+    def heartbeat(self, address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
+        stub = self.channel(address).unary_unary(
+            HEARTBEAT, request_serializer=pb.HeartbeatRequest.SerializeToString,
+            response_deserializer=pb.HeartbeatReply.FromString)
+        started = time.perf_counter()
+        try:
+            reply = stub(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata())
+        except grpc.RpcError as exc:
+            raise CallFailed(exc.code().name, exc.details() or "", address) from None
+        seconds = time.perf_counter() - started
+        msg_id = heartbeat_msg_id(request)     # control messages, like registration: every byte is counted
+        parent = reply.node_id or "parent"
+        self.record_control("heartbeat", request.node_id, parent, request.ByteSize(), "sender", seconds, msg_id,
+                            request.run_id)
+        self.record_control("heartbeat.reply", parent, request.node_id, reply.ByteSize(), "receiver", seconds,
+                            msg_id + ".reply", request.run_id)
+        return reply
 
     def _exchange(self, address: str, request: Encoded, timeout: float) -> tuple[Decoded, float]:
         stub = self.channel(address).stream_stream(EXCHANGE, request_serializer=None,
@@ -78,21 +142,36 @@ class GrpcEndpoint(Endpoint):
             sent[0] = time.perf_counter() - started
 
         decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes)
+        with self._lock:
+            dead = self._dead.get(address)
+        if dead is not None:
+            raise CallFailed("NODE_DEAD", dead, request.envelope.dst)
+        call = stub(frames(), timeout=timeout, wait_for_ready=False, metadata=self._metadata())
+        with self._lock:
+            self._inflight.setdefault(address, set()).add(call)
         try:
-            for frame in stub(frames(), timeout=timeout, wait_for_ready=False):
+            for frame in call:
                 decoder.feed(frame)
             return decoder.finish(), sent[0]
         except grpc.RpcError as exc:
+            with self._lock:
+                dead = self._dead.get(address)
+            if dead is not None and exc.code() == grpc.StatusCode.CANCELLED:
+                raise CallFailed("NODE_DEAD", dead, request.envelope.dst) from None
             raise CallFailed(exc.code().name, exc.details() or "", request.envelope.dst) from None
-        except PayloadError as exc:
-            raise CallFailed("BAD_REPLY", str(exc), request.envelope.dst) from None
+        except PayloadError:   # a malformed or corrupted reply: typed, the caller records the rejection
+            call.cancel()
+            raise
+        finally:
+            with self._lock:
+                self._inflight.get(address, set()).discard(call)
 
     def _register_rpc(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:
         stub = self.channel(address).unary_unary(
             REGISTER, request_serializer=pb.RegisterRequest.SerializeToString,
             response_deserializer=pb.RegisterReply.FromString)
         try:
-            return stub(request, timeout=timeout, wait_for_ready=True)
+            return stub(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata())
         except grpc.RpcError as exc:
             raise CallFailed(exc.code().name, exc.details() or "", address) from None
 
@@ -108,18 +187,50 @@ class GrpcEndpoint(Endpoint):
         def register(request: pb.RegisterRequest, context) -> pb.RegisterReply:
             if register_handler is None:
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{endpoint.node_id} accepts no registrations")
-            return register_handler(request)
+            reply = endpoint.handle_registration(register_handler, request)
+            if reply.accepted:
+                # with TLS, channels verify the child's certificate names it.  A channel opened
+                # before this first registration (the round may start the moment the last child
+                # is accepted) verifies the cluster name and stays; only a different node now
+                # at a known address needs a new channel.
+                with endpoint._lock:
+                    known = endpoint.peer_names.get(request.address)
+                    endpoint.peer_names[request.address] = request.node_id
+                    stale = endpoint._channels.pop(request.address, None) \
+                        if known is not None and known != request.node_id else None
+                if stale is not None:
+                    stale.close()
+            return reply
+
+        def heartbeat(request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+            if endpoint.liveness is None:
+                context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{endpoint.node_id} takes no heartbeats")
+            reply = endpoint.liveness.beat(request)
+            msg_id = heartbeat_msg_id(request)
+            endpoint.record_control("heartbeat", request.node_id, endpoint.node_id, request.ByteSize(), "receiver",
+                                    0.0, msg_id, request.run_id)
+            endpoint.record_control("heartbeat.reply", endpoint.node_id, request.node_id, reply.ByteSize(),
+                                    "sender", 0.0, msg_id + ".reply", request.run_id)
+            return reply
 
         handlers = {
             "Exchange": grpc.stream_stream_rpc_method_handler(exchange),
             "Register": grpc.unary_unary_rpc_method_handler(
                 register, request_deserializer=pb.RegisterRequest.FromString,
                 response_serializer=pb.RegisterReply.SerializeToString),
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(
+                heartbeat, request_deserializer=pb.HeartbeatRequest.FromString,
+                response_serializer=pb.HeartbeatReply.SerializeToString),
         }
+        interceptors = []
+        if self.credentials is not None and self.credentials.checks_calls:
+            self.interceptor = AuthInterceptor(self.credentials, self.on_refused)
+            interceptors.append(self.interceptor)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers),
-                             options=grpc_options(self.max_message_bytes, server=True))
+                             options=grpc_options(self.max_message_bytes, server=True), interceptors=interceptors)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("fedhop.Fedhop", handlers),))
-        port = server.add_insecure_port(bind)
+        server_creds = self.credentials.server_credentials() if self.credentials is not None else None
+        port = server.add_secure_port(bind, server_creds) if server_creds is not None else server.add_insecure_port(bind)
         if port == 0:
             raise OSError(f"cannot bind gRPC server to {bind}")
         server.start()

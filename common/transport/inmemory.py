@@ -55,10 +55,16 @@ class InMemoryEndpoint(Endpoint):
         return decode_frames(reply_frames, self.max_payload_bytes), sent
 
     def _register_rpc(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:
-        _, _, register_handler = self.network.lookup(address)
+        target, _, register_handler = self.network.lookup(address)
         if register_handler is None:
             raise CallFailed("UNIMPLEMENTED", "peer accepts no registrations", address)
-        return register_handler(pb.RegisterRequest.FromString(request.SerializeToString()))
+        return target.handle_registration(register_handler, pb.RegisterRequest.FromString(request.SerializeToString()))
+
+    def heartbeat(self, address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
+        target, _, _ = self.network.lookup(address)
+        if target.liveness is None:
+            raise CallFailed("UNIMPLEMENTED", "peer takes no heartbeats", address)
+        return target.liveness.beat(pb.HeartbeatRequest.FromString(request.SerializeToString()))
 
     def serve(self, handler: Handler, bind: str = "", register_handler=None) -> str:
         self.address = self.network.attach(self, handler, register_handler)

@@ -39,7 +39,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("run_id", "round", "step", "src", "dst", "method", "msg_id", "tensors", "scalars", "data_bytes", "error", "token")
+    __slots__ = ("run_id", "round", "step", "src", "dst", "method", "msg_id", "tensors", "scalars", "data_bytes", "error", "token", "data_crc32")
     class ScalarsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class Envelope(_message.Message):
     DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_CRC32_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     step: int
@@ -71,7 +72,8 @@ class Envelope(_message.Message):
     data_bytes: int
     error: Error
     token: str
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., method: _Optional[str] = ..., msg_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., scalars: _Optional[_Mapping[str, Scalar]] = ..., data_bytes: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., token: _Optional[str] = ...) -> None: ...
+    data_crc32: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., method: _Optional[str] = ..., msg_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., scalars: _Optional[_Mapping[str, Scalar]] = ..., data_bytes: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., token: _Optional[str] = ..., data_crc32: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("header", "data")
@@ -120,3 +122,25 @@ class RegisterReply(_message.Message):
     message: str
     node_id: str
     def __init__(self, accepted: _Optional[bool] = ..., run_id: _Optional[str] = ..., config_toml: _Optional[str] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "run_id", "seq", "sent_at")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    run_id: str
+    seq: int
+    sent_at: float
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known", "node_id", "message")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    node_id: str
+    message: str
+    def __init__(self, known: _Optional[bool] = ..., node_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...

@@ -39,6 +39,11 @@ class FedhopStub:
                 request_serializer=fedhop__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=fedhop__pb2.RegisterReply.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/fedhop.Fedhop/Heartbeat',
+                request_serializer=fedhop__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=fedhop__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
         self.Exchange = channel.stream_stream(
                 '/fedhop.Fedhop/Exchange',
                 request_serializer=fedhop__pb2.Frame.SerializeToString,
@@ -50,6 +55,12 @@ class FedhopServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,6 +79,11 @@ def add_FedhopServicer_to_server(servicer, server):
                     servicer.Register,
                     request_deserializer=fedhop__pb2.RegisterRequest.FromString,
                     response_serializer=fedhop__pb2.RegisterReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=fedhop__pb2.HeartbeatRequest.FromString,
+                    response_serializer=fedhop__pb2.HeartbeatReply.SerializeToString,
             ),
             'Exchange': grpc.stream_stream_rpc_method_handler(
                     servicer.Exchange,
@@ -102,6 +118,33 @@ class Fedhop:
             '/fedhop.Fedhop/Register',
             fedhop__pb2.RegisterRequest.SerializeToString,
             fedhop__pb2.RegisterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedhop.Fedhop/Heartbeat',
+            fedhop__pb2.HeartbeatRequest.SerializeToString,
+            fedhop__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,329 @@
+"""Liveness: heartbeats from children, dead-node detection at parents, re-registration with
+exponential backoff and full jitter (docs/faults.md).
+
+- A child (client process, edge) runs a `HeartbeatSender`: one `Heartbeat` call to its parent
+  every `security.heartbeat_interval` seconds.  When the parent answers `known = false` (it marked
+  the child dead, or it restarted) the child registers again; when the parent stays unreachable
+  for `security.parent_timeout` seconds the child gives up and exits, so a dead server never
+  leaves its children running.
+- A parent (server, edge) runs a `LivenessMonitor`: it remembers every registered child, and a
+  child silent for `security.heartbeat_timeout` seconds after a heartbeat is marked dead (a child
+  starts beating once it is ready to train, so slow start-up is not taken for death): the calls in flight to
+  it are cancelled at once (they fail with NODE_DEAD instead of running into the round timeout),
+  later calls fail without touching the network, and an event is reported.  The round goes on
+  with the results it has (run.min_results decides).  A dead child comes back by registering.
+- `Backoff`: delay before retry k is uniform(0, min(cap, base * 2**k)) ("full jitter", the AWS
+  architecture blog's "Exponential Backoff And Jitter"; Flower's RetryInvoker default), drawn
+  from the named stream ("backoff", node id) so runs stay reproducible.
+
+Heartbeats are not ledger messages: a sender killed between the parent's receipt and its own
+ledger write would leave a receiver-only record; their count and bytes are in summary.json's
+`liveness` section instead.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from common.rng import numpy_stream
+from common.security import host_of
+from common.transport.base import CallFailed
+from common.wire import fedhop_pb2 as pb
+
+log = logging.getLogger("fedhop.liveness")
+
+FATAL_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED", "UNIMPLEMENTED")
+EventHook = Callable[[str, str, str], None]   # (kind, node, detail)
+
+
+class Backoff:
+    """Full-jitter exponential backoff: delay(k) ~ U(0, min(cap, base * 2**k))."""
+
+    def __init__(self, base: float = 0.2, cap: float = 5.0, name: str = "node", seed: int = 0) -> None:
+        if base <= 0 or cap < base:
+            raise ValueError(f"backoff: need 0 < base <= cap, got base={base}, cap={cap}")
+        self.base, self.cap = base, cap
+        self._rng = numpy_stream(seed, "backoff", name)
+
+    def ceiling(self, attempt: int) -> float:
+        return min(self.cap, self.base * 2.0 ** min(attempt, 60))
+
+    def delay(self, attempt: int) -> float:
+        return float(self._rng.uniform(0.0, self.ceiling(attempt)))
+
+
+# ----------------------------------------------------------------------------- registration
+def connection_hint(address: str, exc: CallFailed, tls: bool) -> str:
+    """A sentence on the likely cause of a failed call to `address` (plaintext vs TLS, refused)."""
+    detail = (exc.detail or "").lower()
+    if exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        return (f"{address} refused this node's credential ({exc.detail}); check the cluster secret "
+                f"(FEDHOP_TOKEN / cluster.secret) or the node certificate")
+    if tls and any(k in detail for k in ("ssl", "handshake", "tls", "certificate")):
+        return (f"the TLS handshake with {address} failed ({exc.detail}): the parent may serve plaintext "
+                f"(then run every process with security.insecure = true), or its certificate is not from this "
+                f"cluster's CA")
+    if not tls and exc.code == "UNAVAILABLE" and _port_open(address):
+        return (f"{address} accepts TCP connections but not plaintext gRPC: it most likely serves TLS. Give this "
+                f"process the cluster certificates (--certs-dir DIR from `fedhop certs`), or run every process "
+                f"with security.insecure = true on a trusted network")
+    return f"cannot reach {address} ({exc.code}: {exc.detail})"
+
+
+def _port_open(address: str, timeout: float = 1.0) -> bool:
+    try:
+        port = int(address.rsplit(":", 1)[1])
+        with socket.create_connection((host_of(address), port), timeout=timeout):
+            return True
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def register_with_backoff(endpoint, parent: str, request: pb.RegisterRequest, *, deadline_s: float = 60.0,
+                          backoff: Backoff | None = None, call_timeout: float = 10.0,
+                          tls: bool = False) -> pb.RegisterReply:
+    """Register with `parent`, retrying unreachable parents with full-jitter backoff until
+    `deadline_s`; a refused credential fails at once.  Raises RuntimeError with a clear message."""
+    backoff = backoff or Backoff(name=request.node_id)
+    start = time.monotonic()
+    attempt = mismatches = 0
+    while True:
+        try:
+            return endpoint.register(parent, request, call_timeout)
+        except CallFailed as exc:
+            hint = connection_hint(parent, exc, tls)
+            if exc.code in FATAL_CODES:
+                raise RuntimeError(f"{request.node_id}: registration refused: {hint}") from None
+            # plaintext against TLS (or the reverse) does not heal by waiting: stop after 3 tries
+            mismatches = mismatches + 1 if ("TLS" in hint and "cannot reach" not in hint) else 0
+            if mismatches >= 3:
+                raise RuntimeError(f"{request.node_id}: cannot register with {parent}: {hint}") from None
+            left = deadline_s - (time.monotonic() - start)
+            if left <= 0:
+                raise RuntimeError(f"{request.node_id}: could not register with {parent} within {deadline_s:.0f}s: "
+                                   f"{hint}") from None
+            delay = min(backoff.delay(attempt), left)
+            log.warning("register with %s failed (%s); retry %d in %.2fs", parent, exc.code, attempt + 1, delay)
+            time.sleep(delay)
+            attempt += 1
+
+
+# ----------------------------------------------------------------------------- the child side
+class HeartbeatSender:
+    """A child's heartbeat loop (a daemon thread); see the module docstring."""
+
+    def __init__(self, endpoint, parent: str, *, interval: float, parent_timeout: float,
+                 reregister: Callable[[], None], on_give_up: Callable[[str], None],
+                 backoff: Backoff | None = None) -> None:
+        self.endpoint = endpoint
+        self.parent = parent
+        self.interval = interval
+        self.parent_timeout = parent_timeout
+        self.reregister = reregister
+        self.on_give_up = on_give_up
+        self.backoff = backoff or Backoff(name=endpoint.node_id)
+        self.sent = 0
+        self.reregistrations = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"heartbeat-{endpoint.node_id}")
+
+    def start(self) -> "HeartbeatSender":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _beat(self) -> bool:
+        """One heartbeat; True when the parent knows us (False: re-register)."""
+        self.sent += 1
+        req = pb.HeartbeatRequest(node_id=self.endpoint.node_id, run_id=self.endpoint.run_id, seq=self.sent,
+                                  sent_at=time.time())
+        reply = self.endpoint.heartbeat(self.parent, req, timeout=max(self.interval, 1.0))
+        return reply.known
+
+    def _run(self) -> None:
+        last_ok = time.monotonic()
+        attempt = 0
+        while not self._stop.wait(self.interval if attempt == 0 else self.backoff.delay(attempt)):
+            try:
+                known = self._beat()
+                if not known:
+                    log.warning("%s does not know %s any more: registering again", self.parent, self.endpoint.node_id)
+                    self.reregister()
+                    self.reregistrations += 1
+                last_ok = time.monotonic()
+                attempt = 0
+            except CallFailed as exc:
+                silent = time.monotonic() - last_ok
+                if exc.code in FATAL_CODES or silent > self.parent_timeout:
+                    why = (f"parent {self.parent} unreachable for {silent:.1f}s (security.parent_timeout = "
+                           f"{self.parent_timeout}s): {exc.code} {exc.detail}") if exc.code not in FATAL_CODES \
+                        else f"parent {self.parent} refused us: {exc.code} {exc.detail}"
+                    log.error("giving up: %s", why)
+                    self.on_give_up(why)
+                    return
+                attempt += 1
+            except RuntimeError as exc:   # re-registration refused
+                log.error("giving up: %s", exc)
+                self.on_give_up(str(exc))
+                return
+
+
+# ----------------------------------------------------------------------------- the parent side
+@dataclass
+class ChildLiveness:
+    node_id: str
+    address: str
+    clients: list[int]
+    last_seen: float | None          # None until its first heartbeat (a child beats once it is ready)
+    dead: bool = False
+    dead_since: float | None = None
+    beats: int = 0
+
+
+@dataclass
+class LivenessStats:
+    heartbeats_received: int = 0
+    heartbeat_bytes: int = 0          # serialized request + reply, plus 5 bytes gRPC framing each
+    unknown_heartbeats: int = 0
+    marked_dead: int = 0
+    detection_seconds: list[float] = field(default_factory=list)   # silence at the moment of marking
+    reregistrations: int = 0
+
+
+class LivenessMonitor:
+    """A parent's view of its children (module docstring).  `clock` is injectable for tests."""
+
+    def __init__(self, endpoint, interval: float, timeout: float, on_event: EventHook | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if timeout <= interval:
+            raise ValueError(f"heartbeat timeout ({timeout}) must exceed the interval ({interval})")
+        self.endpoint = endpoint
+        self.interval = interval
+        self.timeout = timeout
+        self.on_event = on_event
+        self.clock = clock
+        self.children: dict[str, ChildLiveness] = {}
+        self.stats = LivenessStats()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        endpoint.liveness = self
+
+    # -- registrations ------------------------------------------------------------------
+    def check_registration(self, req: pb.RegisterRequest) -> str | None:
+        """A refusal (DUPLICATE_CLIENT) when the request claims logical clients that a live other
+        node hosts, or names one client twice; None otherwise."""
+        ids = [c.client_id for c in req.clients]
+        twice = sorted({c for c in ids if ids.count(c) > 1})
+        if twice:
+            return f"DUPLICATE_CLIENT: client ids {twice[:10]} listed twice by {req.node_id}"
+        with self._lock:
+            for child in self.children.values():
+                if child.node_id == req.node_id or child.dead:
+                    continue
+                taken = sorted(set(ids) & set(child.clients))
+                if taken:
+                    return (f"DUPLICATE_CLIENT: clients {taken[:10]} are hosted by live node {child.node_id}; "
+                            f"{req.node_id} may take them only after that node is marked dead")
+        return None
+
+    def registered(self, req: pb.RegisterRequest) -> None:
+        with self._lock:
+            old = self.children.get(req.node_id)
+            if old is not None and old.dead:
+                self.stats.reregistrations += 1
+            # clients that move to this node leave their old (dead) host
+            moved = {c.client_id for c in req.clients}
+            for child in self.children.values():
+                if child.node_id != req.node_id and moved & set(child.clients):
+                    child.clients = [c for c in child.clients if c not in moved]
+            self.children[req.node_id] = ChildLiveness(req.node_id, req.address, sorted(moved) or
+                                                       (old.clients if old is not None else []), None)
+        mark_alive = getattr(self.endpoint, "mark_alive", None)
+        if mark_alive is not None:
+            mark_alive(req.address)
+        if old is not None and old.dead:
+            self._event("node_returned", req.node_id, f"registered again at {req.address}")
+
+    # -- heartbeats ------------------------------------------------------------------------
+    def beat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        now = self.clock()
+        with self._lock:
+            child = self.children.get(req.node_id)
+            known = child is not None and not child.dead
+            if known:
+                child.last_seen = now
+                child.beats += 1
+            else:
+                self.stats.unknown_heartbeats += 1
+            reply = pb.HeartbeatReply(known=known, node_id=self.endpoint.node_id,
+                                      message="" if known else "unknown or dead node: register again")
+            self.stats.heartbeats_received += 1
+            self.stats.heartbeat_bytes += req.ByteSize() + reply.ByteSize() + 10
+        return reply
+
+    # -- detection -------------------------------------------------------------------------
+    def check(self) -> list[str]:
+        """Mark every child silent for longer than the timeout dead; returns their node ids."""
+        now = self.clock()
+        newly: list[ChildLiveness] = []
+        with self._lock:
+            for child in self.children.values():
+                if not child.dead and child.last_seen is not None and now - child.last_seen > self.timeout:
+                    child.dead, child.dead_since = True, now
+                    self.stats.marked_dead += 1
+                    self.stats.detection_seconds.append(now - child.last_seen)
+                    newly.append(child)
+        for child in newly:
+            silence = now - (child.last_seen or now)
+            reason = (f"node {child.node_id} marked dead: no heartbeat for {silence:.2f}s "
+                      f"(security.heartbeat_timeout = {self.timeout}s)")
+            cancelled = 0
+            mark_dead = getattr(self.endpoint, "mark_dead", None)
+            if mark_dead is not None:
+                cancelled = mark_dead(child.address, reason)
+            log.warning("%s; %d calls in flight cancelled", reason, cancelled)
+            self._event("node_dead", child.node_id, f"{reason}; {cancelled} calls in flight cancelled")
+        return [c.node_id for c in newly]
+
+    def is_dead(self, node_id: str) -> bool:
+        with self._lock:
+            child = self.children.get(node_id)
+            return child is not None and child.dead
+
+    def _event(self, kind: str, node: str, detail: str) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(kind, node, detail)
+            except Exception:
+                log.exception("liveness event hook failed")
+
+    # -- thread ----------------------------------------------------------------------------
+    def start(self) -> "LivenessMonitor":
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"liveness-{self.endpoint.node_id}")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        period = min(self.interval, self.timeout / 4)
+        while not self._stop.wait(period):
+            self.check()
+
+    def summary(self) -> dict:
+        s = self.stats
+        det = s.detection_seconds
+        return {"heartbeat_interval": self.interval, "heartbeat_timeout": self.timeout,
+                "heartbeats_received": s.heartbeats_received, "heartbeat_bytes": s.heartbeat_bytes,
+                "unknown_heartbeats": s.unknown_heartbeats, "marked_dead": s.marked_dead,
+                "reregistrations": s.reregistrations,
+                "detection_seconds_max": max(det) if det else None,
+                "detection_seconds_mean": sum(det) / len(det) if det else None}

@@ -1,0 +1,408 @@
+"""Cluster certificates, node credentials and the per-call check every gRPC server runs.
+
+Two kinds of node credential (docs/faults.md, "Security"):
+
+- **certificate identity** (`security.mtls = true`): every node holds a certificate signed by the
+  cluster CA (`fedhop certs DIR --nodes ...`) whose common name is its node id; the TLS handshake
+  proves the peer holds the key, and `AuthInterceptor` takes the identity from the peer
+  certificate (`context.auth_context()`).  A certificate from another CA fails the handshake.
+- **signed token** (the default): `node_token(secret, node_id)` = HMAC-SHA256 of the node id under
+  the cluster secret (`DIR/cluster.secret`, or the launcher's per-run `FEDHOP_TOKEN`).  It travels
+  in gRPC metadata (`fedhop-node`, `fedhop-auth`), never on a command line, and under TLS never in
+  clear.  Every holder of the secret can mint any node's token, so per-node identity that
+  survives a leaked node is what mTLS is for.
+
+Either way the claimed identity must equal the node the message speaks for: a Register's and a
+Heartbeat's `node_id`, an Exchange's envelope `src`.  A refused call is answered UNAUTHENTICATED
+or PERMISSION_DENIED, logged, and reported through `on_refused` (the server records an
+`auth_refused` event in run.db), so a refused node cannot register, send results or be sent the
+model.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import hmac
+import ipaddress
+import itertools
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import grpc
+
+log = logging.getLogger("fedhop.security")
+
+CA_CERT, CA_KEY, SECRET_FILE = "ca.pem", "ca.key", "cluster.secret"
+CLUSTER_NAME = "fedhop-node"          # a SAN every node certificate carries (peer id unknown: CA membership)
+META_NODE, META_AUTH = "fedhop-node", "fedhop-auth"
+_TOKEN_CONTEXT = b"fedhop-node-token-v1:"
+
+
+class SecurityError(RuntimeError):
+    """Bad or missing credentials, or a channel policy violation; the message says what to do."""
+
+
+# ----------------------------------------------------------------------------- addresses
+def host_of(address: str) -> str:
+    """'127.0.0.1:7000' -> '127.0.0.1'; '[::1]:7000' -> '::1'; 'mem:x:1' -> 'mem:x'."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host.strip("[]")
+
+
+def is_loopback(address: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost (plaintext there never leaves the machine)."""
+    host = host_of(address)
+    if host in ("localhost", "") or host.startswith("mem"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def plaintext_refusal(addresses: Iterable[str], insecure: bool, tls: bool) -> str | None:
+    """Why a plaintext process must not start (None when it may): plaintext off loopback needs
+    an explicit `security.insecure = true` (docs/faults.md)."""
+    if tls or insecure:
+        return None
+    remote = [a for a in addresses if a and not is_loopback(a)]
+    if not remote:
+        return None
+    return (f"plaintext gRPC to or on a non-loopback address ({', '.join(remote)}) needs an explicit "
+            f"security.insecure = true (or --insecure); for TLS make certificates with "
+            f"`fedhop certs DIR --nodes ...` and set security.certs_dir = DIR (processes: --certs-dir DIR)")
+
+
+# ----------------------------------------------------------------------------- certificates
+def _x509():
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    except ImportError as exc:  # pragma: no cover - a dependency of the project
+        raise SecurityError("making certificates needs the 'cryptography' package (pip install cryptography)") from exc
+    return x509, hashes, serialization, ec, NameOID, ExtendedKeyUsageOID
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write a key file readable by its owner only (mode 0600), atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def _write_public(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def make_ca(days: int = 365, name: str = "fedhop cluster CA") -> tuple[bytes, bytes]:
+    """A new CA: (key PEM, certificate PEM), EC P-256."""
+    x509, hashes, serialization, ec, NameOID, _ = _x509()
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    return (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()),
+            cert.public_bytes(serialization.Encoding.PEM))
+
+
+def make_node_cert(ca_key_pem: bytes, ca_cert_pem: bytes, node_id: str, hosts: Iterable[str] = (),
+                   days: int = 365) -> tuple[bytes, bytes]:
+    """A node certificate signed by the CA: CN = node id; SANs = node id, `fedhop-node`, localhost,
+    127.0.0.1, ::1 and `hosts` (names or IP addresses the node is reached at).  Usable as a TLS
+    server and as a TLS client certificate (mutual TLS)."""
+    x509, hashes, serialization, ec, NameOID, EKU = _x509()
+    check_node_id(node_id)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list = [x509.DNSName(node_id), x509.DNSName(CLUSTER_NAME), x509.DNSName("localhost"),
+                   x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.IPAddress(ipaddress.ip_address("::1"))]
+    for h in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([EKU.SERVER_AUTH, EKU.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()),
+            cert.public_bytes(serialization.Encoding.PEM))
+
+
+def check_node_id(node_id: str) -> None:
+    """Node ids become DNS names in certificates: letters, digits and '-', 1..63 characters."""
+    ok = 0 < len(node_id) <= 63 and all(c.isalnum() or c == "-" for c in node_id) and node_id[0] != "-"
+    if not ok:
+        raise SecurityError(f"node id {node_id!r} cannot be a certificate name: use letters, digits and '-' "
+                            f"(e.g. server, edge-0, client-proc3)")
+
+
+def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Iterable[str] = (),
+                  days: int = 365) -> list[Path]:
+    """Make (or extend) a cluster directory: ca.pem/ca.key (reused when present), NODE.pem/NODE.key
+    per node, cluster.secret (reused when present).  Keys are written mode 0600.  Returns the
+    files written."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    written = []
+    if (d / CA_KEY).exists() and (d / CA_CERT).exists():
+        ca_key, ca_cert = (d / CA_KEY).read_bytes(), (d / CA_CERT).read_bytes()
+    else:
+        ca_key, ca_cert = make_ca(days)
+        _write_private(d / CA_KEY, ca_key)
+        _write_public(d / CA_CERT, ca_cert)
+        written += [d / CA_CERT, d / CA_KEY]
+    if not (d / SECRET_FILE).exists():
+        _write_private(d / SECRET_FILE, secrets.token_hex(32).encode() + b"\n")
+        written.append(d / SECRET_FILE)
+    hosts = list(hosts)
+    for node in nodes:
+        key, cert = make_node_cert(ca_key, ca_cert, node, hosts, days)
+        _write_private(d / f"{node}.key", key)
+        _write_public(d / f"{node}.pem", cert)
+        written += [d / f"{node}.pem", d / f"{node}.key"]
+    return written
+
+
+# ----------------------------------------------------------------------------- tokens
+def node_token(secret: bytes, node_id: str) -> str:
+    """HMAC-SHA256(secret, context || node id), hex: the node's signed token."""
+    return hmac.new(secret, _TOKEN_CONTEXT + node_id.encode(), hashlib.sha256).hexdigest()
+
+
+def verify_token(secret: bytes, node_id: str, token: str) -> bool:
+    return bool(secret) and hmac.compare_digest(node_token(secret, node_id), token or "")
+
+
+def read_secret(certs_dir: str | os.PathLike | None, env_secret: str = "") -> bytes:
+    """The cluster secret: DIR/cluster.secret when present, else the launcher's per-run token."""
+    if certs_dir:
+        p = Path(certs_dir) / SECRET_FILE
+        if p.exists():
+            return p.read_bytes().strip()
+    return env_secret.encode()
+
+
+# ----------------------------------------------------------------------------- credentials
+@dataclass
+class TlsFiles:
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+
+def load_tls(certs_dir: str | os.PathLike, node_id: str) -> TlsFiles:
+    d = Path(certs_dir)
+    missing = [str(d / n) for n in (CA_CERT, f"{node_id}.pem", f"{node_id}.key") if not (d / n).exists()]
+    if missing:
+        raise SecurityError(f"TLS for node '{node_id}': missing {', '.join(missing)}; make them with "
+                            f"`fedhop certs {d} --nodes {node_id}` (the CA in {d} is reused)")
+    return TlsFiles((d / CA_CERT).read_bytes(), (d / f"{node_id}.pem").read_bytes(), (d / f"{node_id}.key").read_bytes())
+
+
+@dataclass
+class NodeCredentials:
+    """What one process presents and checks: its node id, the cluster secret (tokens), TLS files."""
+
+    node_id: str
+    secret: bytes = b""
+    tls: TlsFiles | None = None
+    mtls: bool = False
+
+    @classmethod
+    def from_options(cls, node_id: str, certs_dir: str = "", mtls: bool = False, env_secret: str = "") -> "NodeCredentials":
+        if mtls and not certs_dir:
+            raise SecurityError("mutual TLS needs a certificate directory (security.certs_dir / --certs-dir)")
+        tls = load_tls(certs_dir, node_id) if certs_dir else None
+        return cls(node_id, read_secret(certs_dir, env_secret), tls, mtls)
+
+    @property
+    def checks_calls(self) -> bool:
+        return self.mtls or bool(self.secret)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        meta = [(META_NODE, self.node_id)]
+        if self.secret:
+            meta.append((META_AUTH, node_token(self.secret, self.node_id)))
+        return tuple(meta)
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        if self.tls is None:
+            return None
+        return grpc.ssl_server_credentials([(self.tls.key, self.tls.cert)],
+                                           root_certificates=self.tls.ca if self.mtls else None,
+                                           require_client_auth=self.mtls)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if self.tls is None:
+            return None
+        # the node certificate is always offered: a server that asks for it (mutual TLS) gets it
+        return grpc.ssl_channel_credentials(self.tls.ca, self.tls.key, self.tls.cert)
+
+
+# ----------------------------------------------------------------------------- the server check
+class AuthRefused(Exception):
+    def __init__(self, status: grpc.StatusCode, message: str, claimed: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.claimed = claimed
+
+
+def peer_identity(context: grpc.ServicerContext) -> str | None:
+    """The verified common name of the peer's certificate (mutual TLS), or None."""
+    try:
+        auth = context.auth_context()
+    except Exception:  # pragma: no cover - in-process fakes
+        return None
+    names = auth.get("x509_common_name") or []
+    return names[0].decode() if names else None
+
+
+def authenticate(creds: NodeCredentials, metadata: dict[str, str], context: grpc.ServicerContext) -> str:
+    """The caller's verified node id, or AuthRefused."""
+    claimed = metadata.get(META_NODE, "")
+    if creds.mtls:
+        cn = peer_identity(context)
+        if cn is None:
+            raise AuthRefused(grpc.StatusCode.UNAUTHENTICATED, "no verified client certificate (mutual TLS)", claimed)
+        if claimed and claimed != cn:
+            raise AuthRefused(grpc.StatusCode.PERMISSION_DENIED,
+                              f"certificate is for '{cn}' but the call claims to come from '{claimed}'", claimed)
+        return cn
+    if creds.secret:
+        if not claimed:
+            raise AuthRefused(grpc.StatusCode.UNAUTHENTICATED, "no node credential (fedhop-node metadata)", claimed)
+        if not verify_token(creds.secret, claimed, metadata.get(META_AUTH, "")):
+            raise AuthRefused(grpc.StatusCode.UNAUTHENTICATED,
+                              f"bad or missing signed token for node '{claimed}'", claimed)
+        return claimed
+    return claimed  # no credential policy (in-process tests): identity as claimed
+
+
+RefusedHook = Callable[[str, str, str, str], None]   # (claimed node, method, reason, peer address)
+
+
+def _envelope_src(frame: bytes) -> str | None:
+    from common.wire import fedhop_pb2 as pb
+    try:
+        f = pb.Frame.FromString(frame)
+    except Exception:
+        return None
+    return f.header.src if f.HasField("header") else None
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Checks the node credential of every call before the handler runs (module docstring).
+
+    The identity must also match who the message speaks for: Register / Heartbeat `node_id`
+    (checked by `claims_for`) and the Exchange envelope's `src` (checked on the first frame).
+    """
+
+    def __init__(self, creds: NodeCredentials, on_refused: RefusedHook | None = None) -> None:
+        self.creds = creds
+        self.on_refused = on_refused
+        self.refused = 0
+
+    def _refuse(self, context, method: str, exc: AuthRefused) -> None:
+        self.refused += 1
+        log.warning("refused %s from %s (claims '%s'): %s", method, context.peer(), exc.claimed, exc)
+        if self.on_refused is not None:
+            try:
+                self.on_refused(exc.claimed, method, str(exc), context.peer())
+            except Exception:  # a broken hook must not open the door
+                log.exception("on_refused hook failed")
+        context.abort(exc.status, f"node credential refused: {exc}")
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        metadata = {k: v for k, v in (handler_call_details.invocation_metadata or ()) if isinstance(v, str)}
+        creds, refuse = self.creds, self._refuse
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            def unary(request, context):
+                try:
+                    identity = authenticate(creds, metadata, context)
+                    speaks_for = getattr(request, "node_id", None)
+                    if creds.checks_calls and speaks_for is not None and speaks_for != identity:
+                        raise AuthRefused(grpc.StatusCode.PERMISSION_DENIED,
+                                          f"credential of '{identity}' used for node '{speaks_for}'", speaks_for)
+                except AuthRefused as exc:
+                    refuse(context, method, exc)
+                return inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
+                                                       response_serializer=handler.response_serializer)
+        if handler.stream_stream is not None:
+            inner_s = handler.stream_stream
+
+            def stream(request_iterator, context):
+                try:
+                    identity = authenticate(creds, metadata, context)
+                except AuthRefused as exc:
+                    refuse(context, method, exc)
+                it = iter(request_iterator)
+                first = next(it, None)
+                if first is not None and creds.checks_calls:
+                    src = _envelope_src(first)
+                    if src is not None and src != identity:
+                        refuse(context, method, AuthRefused(
+                            grpc.StatusCode.PERMISSION_DENIED,
+                            f"credential of '{identity}' used for a message from '{src}'", src))
+                chained = itertools.chain([first], it) if first is not None else it
+                yield from inner_s(chained, context)
+
+            return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
+                                                         response_serializer=handler.response_serializer)
+        return handler
+
+
+# ----------------------------------------------------------------------------- role command lines
+
+def add_security_args(ap: argparse.ArgumentParser) -> None:
+    """--certs-dir / --insecure (also FEDHOP_CERTS_DIR, FEDHOP_INSECURE=1, FEDHOP_MTLS=1)."""
+    ap.add_argument("--certs-dir", default=os.environ.get("FEDHOP_CERTS_DIR", ""),
+                    help="TLS: the cluster directory from `fedhop certs` (ca.pem, NODE.pem, NODE.key)")
+    ap.add_argument("--mtls", action="store_true", default=os.environ.get("FEDHOP_MTLS", "") == "1",
+                    help="mutual TLS: require a cluster certificate from callers")
+    ap.add_argument("--insecure", action="store_true", default=os.environ.get("FEDHOP_INSECURE", "") in ("1", "true"),
+                    help="allow plaintext gRPC to or on non-loopback addresses")
+
+
+def credentials_from_args(args, addresses: list[str]) -> NodeCredentials:
+    """This process's credentials; plaintext off loopback without --insecure is refused."""
+    refusal = plaintext_refusal(addresses, args.insecure, tls=bool(args.certs_dir))
+    if refusal:
+        raise SecurityError(f"refusing to start: {refusal}")
+    return NodeCredentials.from_options(args.node_id, args.certs_dir, args.mtls, env_secret=args.token)
+

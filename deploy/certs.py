@@ -1,0 +1,91 @@
+"""`fedhop certs DIR --nodes server,edge-0,client-proc0,... [--config EXP.toml] [--hosts H,...] [--days N]`
+
+Makes (or extends) a cluster directory for TLS and node credentials (common/security.py):
+
+    DIR/ca.pem, DIR/ca.key          the cluster CA (reused when DIR already has one)
+    DIR/NODE.pem, DIR/NODE.key      one certificate per node, CN = node id, usable for mutual TLS
+    DIR/cluster.secret              the secret that signs node tokens (reused when present)
+
+Keys are written mode 0600.  `--config EXP.toml` adds the node ids `fedhop run` and
+`fedhop launch` give that experiment's processes (server, edge-E, client-procP).  `--hosts`
+adds host names or IP addresses to every certificate (peers are otherwise verified by node id).
+Then set `security.certs_dir = "DIR"` (and `security.mtls = true` for mutual TLS); copy to each
+machine only ca.pem and its own NODE.pem / NODE.key (plus cluster.secret for token auth).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def expand_nodes(spec: str) -> list[str]:
+    """'server,edge-0..2,client-proc0..3' -> the node ids ('a..b' ranges over trailing numbers)."""
+    out: list[str] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        if ".." in part:
+            head, hi = part.split("..", 1)
+            stem = head.rstrip("0123456789")
+            lo = head[len(stem):]
+            if not lo or not hi.isdigit() or int(hi) < int(lo):
+                raise ValueError(f"--nodes: bad range '{part}' (write e.g. client-proc0..3)")
+            out += [f"{stem}{i}" for i in range(int(lo), int(hi) + 1)]
+        else:
+            out.append(part)
+    return out
+
+
+def nodes_for_config(path: str) -> list[str]:
+    """The node ids the launchers give an experiment's processes."""
+    from common.config import load_config
+    from common.topology import cluster_assignment
+    cfg = load_config(path)
+    nodes = ["server"]
+    if cfg.topology.kind == "hierarchical":
+        clusters = cluster_assignment(cfg)
+        per_edge = max(1, cfg.clients.processes // len(clusters))
+        nodes += [f"edge-{e}" for e in range(len(clusters))]
+        procs = sum(min(per_edge, len(c)) for c in clusters)
+    else:
+        nodes += [f"edge-{e}" for e in range(cfg.topology.edges)]
+        procs = min(cfg.clients.processes, cfg.clients.count)
+    nodes += [f"client-proc{p}" for p in range(procs)]
+    return nodes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fedhop certs", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", help="cluster directory (created if missing)")
+    ap.add_argument("--nodes", default="", help="node ids, comma-separated; ranges as client-proc0..7")
+    ap.add_argument("--config", default="", help="add the node ids of this experiment's processes")
+    ap.add_argument("--hosts", default="", help="extra host names / IPs for every certificate, comma-separated")
+    ap.add_argument("--days", type=int, default=365)
+    args = ap.parse_args(argv)
+    from common.security import SecurityError, write_cluster
+    try:
+        nodes = expand_nodes(args.nodes)
+        if args.config:
+            nodes += [n for n in nodes_for_config(args.config) if n not in nodes]
+    except (ValueError, OSError) as exc:
+        print(f"fedhop certs: {exc}", file=sys.stderr)
+        return 2
+    if not nodes:
+        print("fedhop certs: name the nodes with --nodes (e.g. server,client-proc0..3) or --config EXP.toml",
+              file=sys.stderr)
+        return 2
+    try:
+        written = write_cluster(args.dir, nodes, [h for h in args.hosts.split(",") if h.strip()], args.days)
+    except SecurityError as exc:
+        print(f"fedhop certs: {exc}", file=sys.stderr)
+        return 2
+    print(f"fedhop certs: {len(nodes)} node certificates in {Path(args.dir)} ({len(written)} files written): "
+          f"{', '.join(nodes)}")
+    print(f'  set security.certs_dir = "{Path(args.dir)}" (security.mtls = true for mutual TLS)')
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

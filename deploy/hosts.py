@@ -1,0 +1,628 @@
+"""`fedhop launch HOSTS.toml CONFIG`: start a run's roles on the machines a hosts file lists.
+
+Every role is one process started through a *remote command template* (ssh by default): the
+launcher writes the run's token (and, for the server, the resolved config) to the process's
+standard input, streams its output back into `OUT/logs/<node>.log` (and the terminal), waits
+for the server to finish, gathers the remote run directories into `OUT`, merges every
+process's ledger into `OUT/run.db` and stops everything on failure or Ctrl-C.
+
+The template is split like a shell command line, `{host}` is replaced by the host's `target`
+(default: its name) and the role's shell command is either put where the token `{command}`
+stands (one argument: what ssh wants, since it hands a single string to the remote shell) or,
+without `{command}`, appended as `sh -c COMMAND` (what `ip netns exec {host}` wants).
+
+Hosts file (see examples/hosts.toml)::
+
+    [launch]
+    remote = "ssh -o BatchMode=yes {host} {command}"
+    workdir = "~/fedhop"            # the repository checkout on every host
+    python = ".venv/bin/python"     # relative to workdir, or absolute
+    run_root = "runs"               # remote run directories: <run_root>/<run name>
+
+    [[host]]
+    name = "alpha"
+    address = "192.168.1.10"        # where the other hosts reach it; its processes bind here
+    target = "alice@192.168.1.10"   # what {host} becomes (default: name)
+    server = true
+    clients = 20                    # logical clients hosted here: a count, "0-19" or a list
+    client_processes = 1            # client processes per parent (server or edge) on this host
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import secrets
+import shlex
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from common.config import Config, ConfigError, config_to_toml, load_config
+from common.topology import cluster_assignment
+from deploy.malloc import TUNED_MALLOC_ENV
+
+DEFAULT_REMOTE = "ssh -o BatchMode=yes {host} {command}"
+EDGE_KINDS = ("hierarchical", "sequential")   # topologies whose clients register with an edge
+
+
+class HostsError(ValueError):
+    """The hosts file is invalid, or does not fit the experiment config."""
+
+
+# ----------------------------------------------------------------------------- hosts file
+@dataclass
+class HostSpec:
+    """One machine of the hosts file."""
+
+    name: str
+    address: str
+    target: str = ""
+    server: bool = False
+    server_listen: str = ""                      # bind address of the server (default: address)
+    server_port: int = 7000
+    edges: list[int] = field(default_factory=list)
+    edge_port: int = 7100                         # edge i on this host listens on edge_port + i
+    clients: Any = 0                              # count, "0-9,12" or [ids]
+    client_processes: int = 1
+    client_port: int = 7200                       # client process j on this host: client_port + j
+    workdir: str = ""                             # per-host override of [launch] workdir
+    python: str = ""                              # per-host override of [launch] python
+    env: dict = field(default_factory=dict)       # extra environment of this host's processes
+    bandwidth: str = ""                           # fedhop netsim only: rate of this host's link
+
+    @property
+    def remote_name(self) -> str:
+        return self.target or self.name
+
+
+@dataclass
+class HostsFile:
+    hosts: list[HostSpec]
+    remote: str = DEFAULT_REMOTE
+    workdir: str = "."
+    python: str = ".venv/bin/python"
+    run_root: str = "runs"
+    stop_grace: float = 10.0
+    start_timeout: float = 180.0
+
+    def workdir_of(self, host: HostSpec) -> str:
+        return host.workdir or self.workdir
+
+    def python_of(self, host: HostSpec) -> str:
+        return host.python or self.python
+
+
+_LAUNCH_KEYS = {"remote": str, "workdir": str, "python": str, "run_root": str, "stop_grace": (int, float),
+                "start_timeout": (int, float)}
+_HOST_TYPES: dict[str, Any] = {"name": str, "address": str, "target": str, "server": bool, "server_listen": str,
+                               "server_port": int, "edges": list, "edge_port": int, "clients": (int, str, list),
+                               "client_processes": int, "client_port": int, "workdir": str, "python": str,
+                               "env": dict, "bandwidth": str}
+
+
+def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
+    """Validate a parsed hosts file; errors name the key, the value and what is allowed."""
+    unknown = sorted(set(data) - {"launch", "host"})
+    if unknown:
+        raise HostsError(f"{where}: unknown section '{unknown[0]}' (allowed: [launch], [[host]])")
+    launch = data.get("launch", {})
+    kwargs: dict[str, Any] = {}
+    for key, value in launch.items():
+        if key not in _LAUNCH_KEYS:
+            raise HostsError(f"{where}: unknown key 'launch.{key}' (allowed: {', '.join(_LAUNCH_KEYS)})")
+        if not isinstance(value, _LAUNCH_KEYS[key]) or isinstance(value, bool):
+            raise HostsError(f"{where}: launch.{key} = {value!r} has the wrong type")
+        kwargs[key] = value
+    raw_hosts = data.get("host", [])
+    if not isinstance(raw_hosts, list) or not raw_hosts:
+        raise HostsError(f"{where}: no [[host]] entries")
+    hosts = []
+    for i, raw in enumerate(raw_hosts):
+        for key, value in raw.items():
+            if key not in _HOST_TYPES:
+                raise HostsError(f"{where}: unknown key 'host[{i}].{key}' (allowed: {', '.join(_HOST_TYPES)})")
+            want = _HOST_TYPES[key]
+            if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
+                raise HostsError(f"{where}: host[{i}].{key} = {value!r} has the wrong type")
+        for key in ("name", "address"):
+            if not raw.get(key):
+                raise HostsError(f"{where}: host[{i}] needs '{key}'")
+        host = HostSpec(**raw)
+        if host.client_processes < 1:
+            raise HostsError(f"{where}: host '{host.name}': client_processes = {host.client_processes}, must be >= 1")
+        for key in ("server_port", "edge_port", "client_port"):
+            if not 0 < getattr(host, key) < 65536:
+                raise HostsError(f"{where}: host '{host.name}': {key} = {getattr(host, key)} is not a TCP port")
+        hosts.append(host)
+    names = [h.name for h in hosts]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise HostsError(f"{where}: host name '{dup[0]}' appears more than once")
+    if "{host}" not in kwargs.get("remote", DEFAULT_REMOTE):
+        raise HostsError(f"{where}: launch.remote = {kwargs['remote']!r} must contain {{host}}")
+    return HostsFile(hosts=hosts, **kwargs)
+
+
+def load_hosts(path: str | os.PathLike) -> HostsFile:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise HostsError(f"cannot read hosts file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise HostsError(f"{path}: not valid TOML: {exc}") from None
+    return hosts_from_dict(data, str(path))
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclass
+class Role:
+    """One process of the run, on one host."""
+
+    node_id: str          # "server", "edge-<e>", "client-proc<k>"
+    kind: str             # server | edge | client
+    host: HostSpec
+    port: int
+    parent: str = ""      # address of the server or edge it registers with
+    clients: list[int] = field(default_factory=list)
+    edge: int | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host.address}:{self.port}"
+
+
+def parse_id_list(value: Any, count: int, where: str) -> list[int]:
+    """'0-9,12' or [0, 1, 2] -> sorted ids, each checked against clients.count."""
+    if isinstance(value, list):
+        ids = value
+    else:
+        ids = []
+        for part in str(value).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            lo, _, hi = part.partition("-")
+            try:
+                ids.extend(range(int(lo), int(hi or lo) + 1))
+            except ValueError:
+                raise HostsError(f"{where}: bad client id range '{part}' (use e.g. \"0-9,12\")") from None
+    out = sorted(set(int(i) for i in ids))
+    bad = [i for i in out if not 0 <= i < count]
+    if bad:
+        raise HostsError(f"{where}: client ids {bad[:5]} outside 0..{count - 1} (clients.count = {count})")
+    return out
+
+
+def process_layout(cfg: Config) -> list[tuple[int | None, list[int]]]:
+    """(edge or None, logical client ids) per client process, as `fedhop run` lays them out:
+    star: `clients.processes` contiguous blocks; edge topologies: each edge's cluster split
+    into max(1, processes // edges) blocks."""
+    from deploy.launcher import client_blocks
+    if cfg.topology.kind not in EDGE_KINDS:
+        return [(None, ids) for ids in client_blocks(cfg.clients.count, cfg.clients.processes)]
+    clusters = cluster_assignment(cfg)
+    per_edge = max(1, cfg.clients.processes // len(clusters))
+    return [(e, [cluster[i] for i in block]) for e, cluster in enumerate(clusters)
+            for block in client_blocks(len(cluster), per_edge)]
+
+
+def plan_roles(hf: HostsFile, cfg: Config) -> list[Role]:
+    """The processes of the run: which role on which host, its port and its parent."""
+    from deploy.launcher import client_blocks
+    servers = [h for h in hf.hosts if h.server]
+    if len(servers) != 1:
+        raise HostsError(f"hosts file: exactly one host must have server = true, found {len(servers)}")
+    server = servers[0]
+    roles = [Role("server", "server", server, server.server_port)]
+    server_addr = roles[0].address
+    uses_edges = cfg.topology.kind in EDGE_KINDS
+    edge_roles: dict[int, Role] = {}
+    for h in hf.hosts:
+        for i, e in enumerate(h.edges):
+            if not uses_edges:
+                raise HostsError(f"hosts file: host '{h.name}' lists edges {h.edges} but topology.kind = "
+                                 f"'{cfg.topology.kind}' has no edge servers")
+            if not isinstance(e, int) or not 0 <= e < cfg.topology.edges:
+                raise HostsError(f"hosts file: host '{h.name}': edge {e!r} is not in 0..{cfg.topology.edges - 1} "
+                                 f"(topology.edges = {cfg.topology.edges})")
+            if e in edge_roles:
+                raise HostsError(f"hosts file: edge {e} is on both '{edge_roles[e].host.name}' and '{h.name}'")
+            edge_roles[e] = Role(f"edge-{e}", "edge", h, h.edge_port + i, parent=server_addr, edge=e)
+    if uses_edges:
+        missing = sorted(set(range(cfg.topology.edges)) - set(edge_roles))
+        if missing:
+            raise HostsError(f"hosts file: edges {missing} are on no host (topology.edges = {cfg.topology.edges})")
+    roles.extend(edge_roles[e] for e in sorted(edge_roles))
+
+    count = cfg.clients.count
+    edge_of = {}
+    if uses_edges:
+        edge_of = {c: e for e, cluster in enumerate(cluster_assignment(cfg)) for c in cluster}
+    # the order in which counted hosts take clients: cluster by cluster, so a host tends to hold whole clusters
+    pool = sorted(range(count), key=lambda c: (edge_of.get(c, 0), c))
+    explicit = {h.name: parse_id_list(h.clients, count, f"hosts file: host '{h.name}'.clients")
+                for h in hf.hosts if isinstance(h.clients, (str, list))}
+    taken = [c for ids in explicit.values() for c in ids]
+    if len(taken) != len(set(taken)):
+        dup = sorted({c for c in taken if taken.count(c) > 1})
+        raise HostsError(f"hosts file: client ids {dup[:5]} are listed on more than one host")
+    pool = [c for c in pool if c not in set(taken)]
+    per_host: dict[str, list[int]] = {}
+    for h in hf.hosts:
+        if h.name in explicit:
+            per_host[h.name] = explicit[h.name]
+        else:
+            n = int(h.clients)
+            if n < 0:
+                raise HostsError(f"hosts file: host '{h.name}': clients = {n} must be >= 0")
+            per_host[h.name], pool = sorted(pool[:n]), pool[n:]
+    placed = sum(len(v) for v in per_host.values())
+    if placed != count or pool:
+        raise HostsError(f"hosts file: the hosts hold {placed} logical clients in all but clients.count = {count}; "
+                         f"every client must be on exactly one host")
+    k = 0
+    for h in hf.hosts:
+        groups: dict[int | None, list[int]] = {}
+        for c in per_host[h.name]:
+            groups.setdefault(edge_of.get(c) if uses_edges else None, []).append(c)
+        j = 0
+        for e in sorted(groups, key=lambda x: -1 if x is None else x):
+            parent = server_addr if e is None else edge_roles[e].address
+            for block in client_blocks(len(groups[e]), h.client_processes):
+                ids = [groups[e][i] for i in block]
+                roles.append(Role(f"client-proc{k}", "client", h, h.client_port + j, parent=parent,
+                                  clients=ids, edge=e))
+                k += 1
+                j += 1
+    ports: dict[tuple[str, int], str] = {}
+    for r in roles:
+        key = (r.host.name, r.port)
+        if key in ports:
+            raise HostsError(f"hosts file: {r.node_id} and {ports[key]} both use port {r.port} on '{r.host.name}'")
+        ports[key] = r.node_id
+    return roles
+
+
+# ----------------------------------------------------------------------------- remote commands
+def shell_path(path: str) -> str:
+    """Quote a path for sh, keeping a leading ~/ expandable."""
+    if path == "~":
+        return "~"
+    if path.startswith("~/"):
+        return "~/" + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
+def remote_argv(template: str, host: str, command: str) -> list[str]:
+    """The local argv that runs the shell `command` on `host` through the template."""
+    argv = []
+    placed = False
+    for token in shlex.split(template):
+        if token == "{command}":
+            argv.append(command)
+            placed = True
+        else:
+            argv.append(token.replace("{host}", host))
+    if not placed:
+        argv += ["sh", "-c", command]
+    return argv
+
+
+def run_path(hf: HostsFile, run_name: str) -> str:
+    """The run directory on every host (absolute, or relative to the host's workdir)."""
+    return f"{hf.run_root.rstrip('/')}/{run_name}"
+
+
+def role_argv(role: Role, cfg: Config, run: str) -> list[str]:
+    """`python -m <role> ...` arguments (paths relative to the workdir unless absolute)."""
+    mm = str(cfg.transport.max_message_bytes)
+    sec = cfg.security   # children check their channels before the config reaches them
+    security = (["--certs-dir", sec.certs_dir] if sec.certs_dir else []) + (["--mtls"] if sec.mtls else []) \
+        + (["--insecure"] if sec.insecure else [])
+    if role.kind == "server":
+        listen = role.host.server_listen or role.host.address
+        return ["server", "--config", f"{run}/config.toml", "--run-dir", run, "--listen", f"{listen}:{role.port}"]
+    if role.kind == "edge":
+        return ["edge", "--parent", role.parent, "--node-id", role.node_id, "--listen", role.address,
+                "--ledger-dir", f"{run}/ledger", "--max-message-bytes", mm] + security
+    from deploy.launcher import id_spec
+    return ["client", "--parent", role.parent, "--clients", id_spec(role.clients), "--node-id", role.node_id,
+            "--listen", role.address, "--ledger-dir", f"{run}/ledger", "--max-message-bytes", mm,
+            "--threads", str(cfg.run.torch_threads)] + security
+
+
+def role_command(hf: HostsFile, role: Role, cfg: Config, run: str) -> str:
+    """The remote shell command of a role.  The token arrives on the first line of standard input
+    (never on a command line, where `ps` would show it); the server's config follows it."""
+    host = role.host
+    q = shell_path
+    env = {"PYTHONUNBUFFERED": "1", **TUNED_MALLOC_ENV, **{str(k): str(v) for k, v in host.env.items()}}
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    steps = [f"cd {q(hf.workdir_of(host))}",
+             f"mkdir -p {q(run)}/ledger {q(run)}/pids",
+             f"echo $$ > {q(run)}/pids/{role.node_id}.pid",
+             "IFS= read -r FEDHOP_TOKEN",
+             f"export FEDHOP_TOKEN {exports}"]
+    if role.kind == "server":
+        steps.append(f"cat > {q(run)}/config.toml")
+    argv = " ".join(shlex.quote(a) for a in role_argv(role, cfg, run))
+    steps.append(f"exec {q(hf.python_of(host))} -m {argv}")
+    return " && ".join(steps)
+
+
+def kill_command(hf: HostsFile, role: Role, run: str) -> str:
+    """SIGTERM the role's process if the pid file still names it (checked against its command line)."""
+    pidfile = f"{shell_path(run)}/pids/{role.node_id}.pid"
+    marker = shlex.quote(role.node_id if role.kind != "server" else "--run-dir")
+    return (f"cd {shell_path(hf.workdir_of(role.host))} && p=$(cat {pidfile} 2>/dev/null) && "
+            f"grep -qaF -- {marker} /proc/$p/cmdline 2>/dev/null && kill -TERM $p; true")
+
+
+# ----------------------------------------------------------------------------- the launch
+@dataclass
+class Started:
+    role: Role
+    proc: subprocess.Popen
+    log: Path
+    serving: threading.Event = field(default_factory=threading.Event)
+    reader: threading.Thread | None = None
+
+
+class Launch:
+    """The processes of one run across hosts (also what `fedhop netsim` drives)."""
+
+    def __init__(self, hf: HostsFile, cfg: Config, out: Path, roles: list[Role] | None = None,
+                 echo: Callable[[str], None] | None = None, remote_run: str | None = None,
+                 keep_going: bool = False, shared_fs: bool = False) -> None:
+        self.hf = hf
+        self.cfg = cfg
+        self.out = Path(out)
+        self.roles = roles if roles is not None else plan_roles(hf, cfg)
+        self.echo = echo
+        self.run = remote_run if remote_run is not None else run_path(hf, self.out.name)
+        self.keep_going = keep_going
+        self.shared_fs = shared_fs   # every host writes straight into OUT (emulated hosts): nothing to gather
+        self.token = secrets.token_hex(16)
+        self.started: list[Started] = []
+        self._echo_lock = threading.Lock()
+
+    # -- processes ------------------------------------------------------------------
+    def _spawn(self, role: Role) -> Started:
+        cmd = role_command(self.hf, role, self.cfg, self.run)
+        argv = remote_argv(self.hf.remote, role.host.remote_name, cmd)
+        log = self.out / "logs" / f"{role.node_id}.log"
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        stdin = self.token + "\n"
+        if role.kind == "server":
+            stdin += config_to_toml(self.cfg)
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(stdin.encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        st = Started(role, proc, log)
+        st.reader = threading.Thread(target=self._pump, args=(st,), daemon=True, name=f"log-{role.node_id}")
+        st.reader.start()
+        self.started.append(st)
+        return st
+
+    def _pump(self, st: Started) -> None:
+        prefix = f"[{st.role.host.name} {st.role.node_id}] "
+        assert st.proc.stdout is not None
+        with open(st.log, "ab") as fh:
+            for raw in iter(st.proc.stdout.readline, b""):
+                fh.write(raw)
+                fh.flush()
+                line = raw.decode(errors="replace").rstrip("\n")
+                if "serving at" in line:
+                    st.serving.set()
+                if self.echo is not None:
+                    with self._echo_lock:
+                        self.echo(prefix + line)
+
+    def _wait_serving(self, group: list[Started]) -> None:
+        deadline = time.monotonic() + self.hf.start_timeout
+        for st in group:
+            while not st.serving.wait(0.1):
+                if st.proc.poll() is not None:
+                    raise RuntimeError(f"{st.role.node_id} on {st.role.host.name} exited with status "
+                                       f"{st.proc.returncode} before serving; see {st.log}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{st.role.node_id} on {st.role.host.name} did not start serving within "
+                                       f"{self.hf.start_timeout:.0f}s; see {st.log}")
+
+    def start(self) -> Started:
+        """Server first, then the edges once it serves, then the client processes."""
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        (self.out / "config.toml").write_text(config_to_toml(self.cfg))
+        server = self._spawn(self.roles[0])
+        self._wait_serving([server])
+        edges = [self._spawn(r) for r in self.roles if r.kind == "edge"]
+        self._wait_serving(edges)
+        for r in self.roles:
+            if r.kind == "client":
+                self._spawn(r)
+        return server
+
+    def wait(self, server: Started) -> int:
+        """Wait for the server; a child failing first stops the run (unless keep_going)."""
+        while server.proc.poll() is None:
+            for st in self.started[1:]:
+                rc = st.proc.poll()
+                if rc not in (None, 0) and not self.keep_going:
+                    raise RuntimeError(f"{st.role.node_id} on {st.role.host.name} exited with status {rc}; "
+                                       f"last log lines:\n{_tail(st.log)}")
+            time.sleep(0.2)
+        deadline = time.monotonic() + self.hf.stop_grace
+        for st in self.started[1:]:
+            try:
+                st.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return server.proc.returncode
+
+    def stop(self) -> None:
+        """SIGTERM every role still running on its host, then end the local template processes."""
+        alive = [st for st in self.started if st.proc.poll() is None]
+        kills = []
+        for st in alive:
+            argv = remote_argv(self.hf.remote, st.role.host.remote_name, kill_command(self.hf, st.role, self.run))
+            kills.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, start_new_session=True))
+        for k in kills:
+            try:
+                k.wait(15)
+            except subprocess.TimeoutExpired:
+                k.kill()
+        deadline = time.monotonic() + 5.0
+        for st in alive:
+            try:
+                st.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                st.proc.terminate()
+                try:
+                    st.proc.wait(3)
+                except subprocess.TimeoutExpired:
+                    st.proc.kill()
+                    st.proc.wait()
+        for st in self.started:
+            if st.reader is not None:
+                st.reader.join(2)
+
+    # -- results --------------------------------------------------------------------
+    def gather(self) -> list[str]:
+        """Copy every host's run directory into OUT (tar through the template); returns problems."""
+        problems: list[str] = []
+        if self.shared_fs:
+            return problems
+        seen = set()
+        for st in sorted(self.started, key=lambda s: s.role.kind == "server"):  # the server's copy last
+            host = st.role.host
+            key = (host.remote_name, self.hf.workdir_of(host))
+            if key in seen:
+                continue
+            seen.add(key)
+            cmd = f"cd {shell_path(self.hf.workdir_of(host))} && tar -C {shell_path(self.run)} -cf - ."
+            argv = remote_argv(self.hf.remote, host.remote_name, cmd)
+            try:
+                res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=600)
+            except subprocess.TimeoutExpired:
+                problems.append(f"{host.name}: gathering timed out")
+                continue
+            if res.returncode != 0:
+                problems.append(f"{host.name}: tar exited {res.returncode}: {res.stderr.decode(errors='replace')[-300:]}")
+                continue
+            with tarfile.open(fileobj=io.BytesIO(res.stdout), mode="r:") as tar:
+                members = [m for m in tar.getmembers() if not m.name.lstrip("./").startswith("logs")]
+                tar.extractall(self.out, members=members, filter="data")
+        return problems
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def refresh_summary(run_dir: Path) -> dict | None:
+    """Merge every ledger file in RUN_DIR/ledger into run.db and rewrite summary.json's byte totals and
+    sender/receiver agreement: on several machines the server sees only its own ledger at the end."""
+    from common.ledger import read_jsonl
+    from common.runstore import RunStore
+    summary_path = run_dir / "summary.json"
+    db = run_dir / "run.db"
+    if not summary_path.exists() or not db.exists():
+        return None
+    store = RunStore(db, create=False)
+    try:
+        for path in sorted((run_dir / "ledger").glob("*.jsonl")):
+            store.insert_records(read_jsonl(path))
+        by_link = store.bytes_by_link()
+        agreement = store.check_agreement()
+    finally:
+        store.close()
+    summary = json.loads(summary_path.read_text())
+    summary["bytes"] = {"total": by_link.pop("total", None), "by_link": by_link}
+    summary["ledger_agreement"] = {"ok": agreement.ok, "matched": agreement.matched,
+                                   "sender_only": len(agreement.sender_only),
+                                   "receiver_only": len(agreement.receiver_only),
+                                   "mismatched": len(agreement.mismatched)}
+    summary_path.write_text(json.dumps(summary, indent=2, default=float))
+    return summary
+
+
+def run_launch(hf: HostsFile, cfg: Config, out: Path, *, quiet: bool = False, keep_going: bool = False,
+               remote_run: str | None = None, roles: list[Role] | None = None, show_table: bool = True,
+               shared_fs: bool = False) -> int:
+    """Start, wait, gather, stop: the exit status (0 completed, 1 failed, 130 interrupted)."""
+    echo = None if quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    launch = Launch(hf, cfg, out, roles=roles, echo=echo, remote_run=remote_run, keep_going=keep_going,
+                    shared_fs=shared_fs)
+    status = 1
+    try:
+        server = launch.start()
+        status = 0 if launch.wait(server) == 0 else 1
+    except KeyboardInterrupt:
+        print("\nfedhop launch: interrupted; stopping every process", file=sys.stderr)
+        status = 130
+    except RuntimeError as exc:
+        print(f"fedhop launch: {exc}", file=sys.stderr)
+        status = 1
+    finally:
+        launch.stop()
+    for problem in launch.gather():
+        print(f"fedhop launch: gathering: {problem}", file=sys.stderr)
+    if refresh_summary(out) is None:
+        print(f"fedhop launch: no summary.json in {out}; see {out / 'logs'}", file=sys.stderr)
+        return status or 1
+    if show_table:
+        from deploy.launcher import final_table
+        print(final_table(out))
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fedhop launch", description="start a run's roles on the hosts of a hosts file")
+    ap.add_argument("hosts", help="hosts TOML file (see examples/hosts.toml)")
+    ap.add_argument("config", help="experiment TOML file")
+    ap.add_argument("--out", help="local run directory (default runs/NAME-TIMESTAMP)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--remote", help="remote command template (overrides launch.remote), e.g. 'ip netns exec {host}'")
+    ap.add_argument("--quiet", action="store_true", help="do not echo the processes' output")
+    ap.add_argument("--keep-going", action="store_true", help="do not stop the run when a client or edge exits with an error")
+    ap.add_argument("--dry-run", action="store_true", help="print the command of every process and exit")
+    args = ap.parse_args(argv)
+    try:
+        hf = load_hosts(args.hosts)
+        if args.remote:
+            hf.remote = args.remote
+        cfg = load_config(args.config, args.overrides)
+        roles = plan_roles(hf, cfg)
+    except (HostsError, ConfigError, OSError) as exc:
+        print(f"fedhop launch: {exc}", file=sys.stderr)
+        return 2
+    from deploy.launcher import default_run_dir
+    out = Path(args.out) if args.out else default_run_dir(cfg)
+    if args.dry_run:
+        run = run_path(hf, out.name)
+        for r in roles:
+            print(f"# {r.node_id} on {r.host.name} ({r.address})" + (f" clients {r.clients}" if r.clients else ""))
+            print(shlex.join(remote_argv(hf.remote, r.host.remote_name, role_command(hf, r, cfg, run))))
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    return run_launch(hf, cfg, out, quiet=args.quiet, keep_going=args.keep_going, roles=roles)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""`python -m deploy.role server|edge|client|health ...`: what each docker compose service runs.
+
+It turns the environment of a container (the experiment, the shared run volume, the token) into
+the command line of `python -m server|edge|client` and execs it, so the process a compose
+service runs is the same one `fedhop run` and `fedhop launch` start.
+
+Environment (docker-compose.yml sets it):
+
+- `FEDHOP_CONFIG`: the experiment file (baked into the image under /app/examples, or mounted).
+- `FEDHOP_SET`: config overrides, `section.key=value` separated by spaces (shell quoting).
+- `FEDHOP_RUNS`: the run volume (default /runs).  The server makes `RUNS/<run name>` and writes its
+  name to `RUNS/current`; the others wait for that file and write their ledgers there.
+- `FEDHOP_RUN_NAME`: the run directory's name (default `<run.name>-<UTC time>`).
+- `FEDHOP_TOKEN`: the shared registration token; when empty the server draws one and leaves it
+  in `RUN/.token` (mode 0600) on the volume, which only this project's containers mount.
+- `FEDHOP_CLIENT_PROCESSES`: how many client replicas share the logical clients, or `auto`
+  (the default): the replicas announce themselves in `RUN/replicas/`, and once no new one has
+  appeared for `FEDHOP_SETTLE` seconds (default 3) the first to notice fixes the count in
+  `RUN/replicas.count`.  So `docker compose up --scale client=8` needs nothing else.
+
+A client replica claims a slot (`RUN/slots/<k>`, created with O_EXCL, holding the replica's
+identity so a restarted container gets its slot back), hosts the k-th block of logical clients
+of the same layout `fedhop run` uses, registers with the server or with `edge-<e>` (found by
+service name), and advertises the address of its interface on the route to the server.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import secrets
+import shlex
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("fedhop.role")
+
+
+def env(name: str, default: str = "") -> str:
+    return os.environ.get(name, "") or default
+
+
+def overrides() -> list[str]:
+    return shlex.split(env("FEDHOP_SET"))
+
+
+def load_cfg(extra: list[str] | None = None):
+    from common.config import load_config
+    return load_config(env("FEDHOP_CONFIG", "/app/examples/fedavg_digits.toml"), overrides() + (extra or []))
+
+
+def runs_root() -> Path:
+    return Path(env("FEDHOP_RUNS", "/runs"))
+
+
+def wait_for_run(timeout: float = 300.0) -> Path:
+    """The current run directory, once the server has announced it."""
+    current = runs_root() / "current"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            name = current.read_text().strip()
+        except OSError:
+            name = ""
+        if name and (runs_root() / name).is_dir():
+            return runs_root() / name
+        time.sleep(0.2)
+    raise SystemExit(f"deploy.role: no run announced in {current} after {timeout:.0f}s (is the server up?)")
+
+
+def token_for(run_dir: Path, timeout: float = 60.0) -> str:
+    if env("FEDHOP_TOKEN"):
+        return env("FEDHOP_TOKEN")
+    path = run_dir / ".token"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            text = path.read_text().strip()
+            if text:
+                return text
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"deploy.role: FEDHOP_TOKEN is empty and {path} did not appear")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise SystemExit(f"deploy.role: address {address!r} must be HOST:PORT")
+    return host, int(port)
+
+
+def local_ip_towards(address: str, timeout: float = 120.0) -> str:
+    """This machine's address on the route to `address` (a UDP connect sends nothing)."""
+    host, port = split_address(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            family, _, _, _, sockaddr = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(sockaddr)
+                return s.getsockname()[0]
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"deploy.role: cannot find a route to {address}: {exc}") from None
+            time.sleep(0.5)
+
+
+def _exec(role: str, args: list[str], token: str) -> None:
+    from deploy.malloc import tuned_env
+    child_env = tuned_env()
+    child_env["FEDHOP_TOKEN"] = token
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    argv = [sys.executable, "-m", role, *args]
+    log.info("exec %s", " ".join(shlex.quote(a) for a in argv))
+    sys.stdout.flush()
+    os.execve(sys.executable, argv, child_env)
+
+
+def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def processes_override() -> list[str]:
+    n = env("FEDHOP_CLIENT_PROCESSES", "auto")
+    return [f"clients.processes={int(n)}"] if n.isdigit() and int(n) > 0 else []
+
+
+# ----------------------------------------------------------------------------- roles
+def cmd_server(a: argparse.Namespace) -> None:
+    cfg = load_cfg(processes_override())   # fail here, with the key named, before announcing a run
+    root = runs_root()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "current").unlink(missing_ok=True)
+    name = env("FEDHOP_RUN_NAME", f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise SystemExit(f"deploy.role: FEDHOP_RUN_NAME={name!r}: use letters, digits, '.', '_' and '-'")
+    run_dir = root / name
+    (run_dir / "ledger").mkdir(parents=True, exist_ok=True)
+    for stale in ("slots", "replicas"):   # a reused FEDHOP_RUN_NAME starts with no claims
+        shutil.rmtree(run_dir / stale, ignore_errors=True)
+    (run_dir / "replicas.count").unlink(missing_ok=True)
+    token = env("FEDHOP_TOKEN")
+    if not token:
+        token = secrets.token_hex(16)
+        _write_atomic(run_dir / ".token", token + "\n", 0o600)
+    _write_atomic(root / "current", name + "\n")
+    log.info("run directory %s", run_dir)
+    args = ["--config", env("FEDHOP_CONFIG", "/app/examples/fedavg_digits.toml"), "--run-dir", str(run_dir),
+            "--listen", a.listen]
+    for o in overrides() + processes_override() + security_overrides():
+        args += ["--set", o]
+    _exec("server", args, token)
+
+
+def security_overrides() -> list[str]:
+    """The server's [security] keys from FEDHOP_INSECURE / FEDHOP_CERTS_DIR / FEDHOP_MTLS, the
+    variables the edge and client processes read (common/security.py add_security_args)."""
+    out = []
+    if env("FEDHOP_INSECURE") in ("1", "true"):
+        out.append("security.insecure=true")
+    if env("FEDHOP_CERTS_DIR"):
+        out.append(f"security.certs_dir={json.dumps(env('FEDHOP_CERTS_DIR'))}")
+    if env("FEDHOP_MTLS") == "1":
+        out.append("security.mtls=true")
+    return out
+
+
+def cmd_edge(a: argparse.Namespace) -> None:
+    cfg = load_cfg()
+    run_dir = wait_for_run()
+    token = token_for(run_dir)
+    _exec("edge", ["--parent", a.parent, "--node-id", a.node_id, "--listen", a.listen,
+                   "--ledger-dir", str(run_dir / "ledger"),
+                   "--max-message-bytes", str(cfg.transport.max_message_bytes)], token)
+
+
+def _identity(ip: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", f"{socket.gethostname()}-{ip}")
+
+
+def replica_count(run_dir: Path, me: str, settle: float, timeout: float = 300.0) -> int:
+    """FEDHOP_CLIENT_PROCESSES, or the number of replicas that announced themselves (see module doc)."""
+    fixed = env("FEDHOP_CLIENT_PROCESSES", "auto")
+    if fixed.isdigit() and int(fixed) > 0:
+        return int(fixed)
+    if fixed != "auto":
+        raise SystemExit(f"deploy.role: FEDHOP_CLIENT_PROCESSES={fixed!r}: a positive number or 'auto'")
+    here = run_dir / "replicas"
+    here.mkdir(exist_ok=True)
+    (here / me).touch()
+    count_file = run_dir / "replicas.count"
+    tmp = run_dir / f".replicas.count.{me}"
+    seen, since = -1, time.monotonic()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return int(count_file.read_text())
+        except (OSError, ValueError):
+            pass
+        n = len(list(here.iterdir()))
+        if n != seen:
+            seen, since = n, time.monotonic()
+        elif time.monotonic() - since >= settle:
+            try:
+                tmp.write_text(str(n))
+                os.link(tmp, count_file)   # atomic, and fails if another replica fixed the count first
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink(missing_ok=True)
+            continue
+        time.sleep(0.2)
+    raise SystemExit("deploy.role: the client replicas did not settle on a count")
+
+
+def claim_slot(slots: Path, me: str, n: int) -> int | None:
+    """Slot k in 0..n-1 for this replica: its own from before a restart, else the first free one."""
+    slots.mkdir(exist_ok=True)
+    for k in range(n):
+        try:
+            if (slots / str(k)).read_text().strip() == me:
+                return k
+        except OSError:
+            pass
+    for k in range(n):
+        try:
+            fd = os.open(slots / str(k), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "w") as fh:
+            fh.write(me + "\n")
+        return k
+    return None
+
+
+def cmd_client(a: argparse.Namespace) -> None:
+    from deploy.hosts import process_layout
+    from deploy.launcher import id_spec
+    run_dir = wait_for_run()
+    token = token_for(run_dir)
+    ip = local_ip_towards(a.server)
+    me = _identity(ip)
+    n = replica_count(run_dir, me, float(env("FEDHOP_SETTLE", "3")))
+    cfg = load_cfg([f"clients.processes={n}"])
+    layout = process_layout(cfg)
+    slot = claim_slot(run_dir / "slots", me, len(layout))
+    if slot is None:
+        log.warning("all %d client slots of this run are taken (clients.processes = %d, layout %d processes); "
+                    "this replica hosts nothing and waits for the run to end", len(layout), n, len(layout))
+        while not (run_dir / "summary.json").exists():
+            time.sleep(1.0)
+        return
+    edge, ids = layout[slot]
+    parent = a.server if edge is None else a.edge.format(edge=edge)
+    log.info("replica %s: slot %d of %d, clients %s, parent %s", me, slot, len(layout), id_spec(ids), parent)
+    _exec("client", ["--parent", parent, "--clients", id_spec(ids), "--node-id", f"client-proc{slot}",
+                     "--listen", f"{ip}:{a.port}", "--ledger-dir", str(run_dir / "ledger"),
+                     "--max-message-bytes", str(cfg.transport.max_message_bytes),
+                     "--threads", str(cfg.run.torch_threads)], token)
+
+
+def cmd_health(a: argparse.Namespace) -> None:
+    """Exit 0 when something accepts TCP connections at the address (the healthcheck)."""
+    host, port = split_address(a.address)
+    try:
+        with socket.create_connection((host, port), timeout=a.timeout):
+            pass
+    except OSError as exc:
+        print(f"unhealthy: {a.address}: {exc}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m deploy.role", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="role", required=True)
+    s = sub.add_parser("server")
+    s.add_argument("--listen", default="0.0.0.0:7000")
+    e = sub.add_parser("edge")
+    e.add_argument("--node-id", required=True, help="edge-<n>")
+    e.add_argument("--parent", default="server:7000")
+    e.add_argument("--listen", required=True, help="HOST:PORT others reach it on, e.g. its service name edge-0:7100")
+    c = sub.add_parser("client")
+    c.add_argument("--server", default="server:7000")
+    c.add_argument("--edge", default="edge-{edge}:7100", help="address of edge e: a template with {edge}")
+    c.add_argument("--port", type=int, default=7200)
+    h = sub.add_parser("health")
+    h.add_argument("address")
+    h.add_argument("--timeout", type=float, default=2.0)
+    a = ap.parse_args(argv)
+    if a.role != "health":
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s role-{a.role} %(levelname)s %(message)s")
+    {"server": cmd_server, "edge": cmd_edge, "client": cmd_client, "health": cmd_health}[a.role](a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

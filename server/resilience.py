@@ -1,0 +1,237 @@
+"""The server's side of reliability: checkpoints, resume, and the fault section of summary.json.
+
+    ckpt = Checkpointer(coordinator)        # writes run.checkpoint_every checkpoints (common/checkpoint.py)
+    resume(coordinator)                     # before serving: continue from the newest checkpoint
+
+Checkpoint after round r (r % checkpoint_every == 0, and after the last round): the server pulls
+every client process's persistent client state (`state_get`, through the edges in the
+hierarchical topology) and writes one atomic file with the model, the algorithm's server state,
+the client states, RNG states and the ledger position.
+
+Resume: the coordinator takes the checkpoint's run id, model, state, round and failure count; the
+run store keeps every row, but the messages and events of rounds after the checkpoint -- the
+attempt the killed server did not finish -- are marked (messages: status 'lost', error
+'aborted: ...'; events: kind 'aborted:KIND') and their round rows removed, so those rounds are
+stored once, as re-run.  When the new client processes have registered, `on_ready` pushes the
+saved client states to them (`state_set`), and the rounds go on from r + 1 with the same
+sampling and minibatch streams, so the final model equals an uninterrupted run's bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.algorithms.base import Payload
+from common.checkpoint import (STATE_GET, STATE_SET, Checkpoint, CheckpointError, capture_rng, config_digest,
+                               latest_checkpoint, restore_rng, save_checkpoint, states_from_payload,
+                               states_to_payload)
+from common.transport.base import CallFailed, RemoteError
+from common.validation import rejection_code
+
+if TYPE_CHECKING:  # pragma: no cover
+    from server.coordinator import Coordinator, RoundResult
+
+log = logging.getLogger("fedhop.server")
+
+
+def _ledger_position(coord: "Coordinator") -> dict[str, int]:
+    rows = coord.store._query("SELECT COUNT(*) FROM messages")
+    events = coord.store._query("SELECT COUNT(*) FROM events")
+    return {"messages": int(rows[0][0]), "events": int(events[0][0])}
+
+
+class Checkpointer:
+    """Writes checkpoints after rounds (as the coordinator's `on_round` hook) and pushes the
+    restored client states after a resume (as its `on_ready` hook)."""
+
+    def __init__(self, coord: "Coordinator", every: int | None = None, keep: int | None = None) -> None:
+        self.coord = coord
+        self.every = coord.cfg.run.checkpoint_every if every is None else every
+        self.keep = coord.cfg.security.keep_checkpoints if keep is None else keep
+        self.client_states: dict[int, dict[str, torch.Tensor]] = {}   # last pulled (or restored)
+        self.restored: Checkpoint | None = None
+        self.written: list[tuple[int, float]] = []                     # (round, seconds to write)
+        self._chain = coord.on_round
+        coord.on_round = self.after_round
+        coord.on_ready = self.on_ready
+
+    # -- writing ---------------------------------------------------------------------
+    def after_round(self, result: "RoundResult") -> None:
+        r = result.round
+        if self.every and (r % self.every == 0 or r == self.coord.cfg.run.rounds):
+            self.save(r)
+        if self._chain is not None:
+            self._chain(result)
+
+    def save(self, round: int) -> None:
+        coord = self.coord
+        started = time.perf_counter()
+        self.client_states.update(self.pull_client_states(round))
+        torch_rng, numpy_rng = capture_rng()
+        coord.store.insert_records(coord.ledger.drain())
+        ckpt = Checkpoint(round=round, run_id=coord.run_id, params=coord.state.params, extra=coord.state.extra,
+                          scalars=dict(coord.state.scalars), client_states=self.client_states,
+                          torch_rng=torch_rng, numpy_rng=numpy_rng, failures_total=coord.failures_total,
+                          ledger=_ledger_position(coord), config_sha256=config_digest(coord.config_toml),
+                          info={"algorithm": coord.cfg.algorithm.name, "wall_time": time.time()})
+        path = save_checkpoint(coord.run_dir, ckpt, keep=self.keep)
+        seconds = time.perf_counter() - started
+        self.written.append((round, seconds))
+        coord.store.add_event("checkpoint", node="server", round=round,
+                              detail=f"{path.name}: {len(self.client_states)} client states, {seconds:.3f}s")
+
+    def _children_hosting(self) -> list:
+        """The children that host logical clients (client processes, or edges)."""
+        return sorted(self.coord.children.values(), key=lambda n: n.node_id)
+
+    def pull_client_states(self, round: int) -> dict[int, dict[str, torch.Tensor]]:
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for node in self._children_hosting():
+            if not node.clients and node.role != "edge":
+                continue
+            try:
+                reply = self.coord.endpoint.call(node.address, node.node_id, STATE_GET, Payload(), round=round,
+                                                 timeout=self.coord.cfg.run.call_timeout)
+                out.update(states_from_payload(reply, allowed=set(node.clients) if node.clients else None))
+            except (CallFailed, RemoteError, ValueError) as exc:   # a dead child: its last saved state stays
+                self.coord.store.add_event("checkpoint_partial", node=node.node_id, round=round,
+                                           detail=f"client state not saved: {exc}")
+        return out
+
+    # -- resume ----------------------------------------------------------------------
+    def on_ready(self) -> None:
+        """After registration: give the (fresh) client processes their saved states."""
+        if self.restored is None or not self.restored.client_states:
+            return
+        round = self.restored.round
+        states = self.restored.client_states
+        for node in self._children_hosting():
+            mine = {c: states[c] for c in node.clients if c in states}
+            if not mine:
+                continue
+            try:
+                self.coord.endpoint.call(node.address, node.node_id, STATE_SET, states_to_payload(mine),
+                                         round=round, timeout=self.coord.cfg.run.call_timeout)
+            except (CallFailed, RemoteError) as exc:
+                self.coord.store.add_event("restore_failed", node=node.node_id, round=round,
+                                           detail=f"client states not restored: {exc}")
+                log.error("resume: client states of %s not restored: %s", node.node_id, exc)
+
+
+def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
+    """Continue `coord`'s run from the newest checkpoint in its run directory (module docstring)."""
+    ckpt = latest_checkpoint(coord.run_dir)
+    if ckpt.config_sha256 and ckpt.config_sha256 != config_digest(coord.config_toml):
+        raise CheckpointError(f"checkpoint of round {ckpt.round} was written under another config than "
+                              f"{coord.run_dir / 'config.toml'}; resume needs the run's own config")
+    missing = sorted(set(coord.state.params) ^ set(ckpt.params))
+    if missing:
+        raise CheckpointError(f"checkpoint model tensors differ from the config's model: {missing[:10]}")
+    coord.run_id = ckpt.run_id
+    coord.endpoint.run_id = ckpt.run_id
+    coord.state.params = {k: v.clone() for k, v in ckpt.params.items()}
+    coord.state.extra = {k: v.clone() for k, v in ckpt.extra.items()}
+    coord.state.scalars = dict(ckpt.scalars)
+    coord.rounds_completed = ckpt.round
+    coord.failures_total = ckpt.failures_total
+    restore_rng(ckpt)
+    checkpointer.restored = ckpt
+    checkpointer.client_states = {c: dict(s) for c, s in ckpt.client_states.items()}
+    # the killed attempt's records: merge what its processes wrote, then mark the unfinished rounds
+    store = coord.store
+    store.run_id = ckpt.run_id
+    coord.merge_ledgers()
+    r = ckpt.round
+    aborted = store._query("SELECT COUNT(*), COALESCE(SUM(framed_bytes), 0) FROM messages WHERE round > ? "
+                           "AND role = 'sender'", (r,))[0]
+    store._exec("UPDATE messages SET status = 'lost', error = 'aborted: server stopped before round ' || round || "
+                "' finished; re-run after resume from round ' || ? WHERE round > ? AND error NOT LIKE 'aborted:%'",
+                (r, r))
+    store._exec("UPDATE events SET kind = 'aborted:' || kind WHERE round > ? AND kind NOT LIKE 'aborted:%'", (r,))
+    store._exec("DELETE FROM rounds WHERE round > ?", (r,))
+    store.add_event("resumed", node="server", round=r,
+                    detail=json.dumps({"from_round": r, "aborted_messages": int(aborted[0]),
+                                       "aborted_framed_bytes": int(aborted[1]), "run_id": ckpt.run_id,
+                                       "client_states": len(ckpt.client_states)}))
+    log.info("resuming run %s after round %d (%d client states)", ckpt.run_id, r, len(ckpt.client_states))
+    return ckpt
+
+
+LOSS_EVENTS = ("node_dead", "client_failed", "edge_failed", "rejected_payload", "aborted:client_failed",
+               "aborted:edge_failed", "aborted:node_dead", "aborted:rejected_payload")
+
+
+def ledger_consistency(store) -> dict:
+    """Is the ledger consistent after faults?  Every received message has its sender's record, or
+    the loss is recorded; every sent message has its receiver's record, or the loss is recorded.
+
+    A lone record counts as an *explained loss* when
+    - it is a sender record with status 'lost' (the sender saw the call fail);
+    - it is a reply ('ID.reply') whose request 'ID' is recorded lost or with an error (the caller
+      saw the reply fail: dropped, corrupt, cut off; common/transport/base.py);
+    - it is a request whose receiver process is recorded dead or failed in that round
+      (its ledger died with it), or a message of a round the server aborted (resume);
+    - it is a receiver record (a heartbeat, a result) from a node recorded dead or failed, or
+      a message from a sender without a ledger (a hostile client: its rejection is recorded).
+    Anything else is `unexplained`; `mismatched` pairs disagree on bytes, ends or link.
+    `ok` = no unexplained lone record and no mismatch (what the fault tests assert)."""
+    rep = store.check_agreement()
+    lone = store._dicts("SELECT m.* FROM messages AS m WHERE NOT EXISTS (SELECT 1 FROM messages AS o "
+                        "WHERE o.msg_id = m.msg_id AND o.role != m.role)")
+    by_id = {(r["msg_id"], r["role"]): r for r in store._dicts("SELECT msg_id, role, status, error FROM messages")}
+    failed_nodes: dict[int, set[str]] = {}
+    for e in store.events():
+        if e["kind"] in LOSS_EVENTS or e["kind"].startswith("aborted:"):
+            failed_nodes.setdefault(int(e["round"] or 0), set()).add(e["node"])
+    ever_failed = set().union(*failed_nodes.values()) if failed_nodes else set()
+    recorders = {r[0] for r in store._query("SELECT DISTINCT recorder FROM messages")}
+    explained, unexplained = [], []
+    for m in lone:
+        why = None
+        err = m["error"] or ""
+        if m["role"] == "sender" and m["status"] == "lost":
+            why = "sender recorded the loss"
+        elif err.startswith("aborted:"):
+            why = "round aborted by a server restart"
+        elif m["msg_id"].endswith(".reply"):
+            req = by_id.get((m["msg_id"][:-len(".reply")], "sender"))
+            if req is not None and (req["status"] != "ok" or req["error"]):
+                why = "the caller recorded the reply's loss"
+        if why is None and m["role"] == "sender" and (m["dst"] in failed_nodes.get(int(m["round"]), set())
+                                                      or m["dst"] in ever_failed and m["link"] == "control"):
+            why = "receiver recorded dead or failed"
+        if why is None and m["role"] == "receiver" and (m["src"] in ever_failed or m["src"] not in recorders
+                                                        and not _hosted_by_recorder(m["src"], recorders)):
+            why = "sender recorded dead or failed, or keeps no ledger"
+        (explained if why else unexplained).append({"msg_id": m["msg_id"], "role": m["role"], "method": m["method"],
+                                                    "round": m["round"], "src": m["src"], "dst": m["dst"],
+                                                    "why": why or ""})
+    return {"ok": not unexplained and not rep.mismatched, "matched": rep.matched,
+            "mismatched": len(rep.mismatched), "lost_explained": len(explained),
+            "unexplained": len(unexplained), "unexplained_first": unexplained[:5]}
+
+
+def _hosted_by_recorder(node: str, recorders: set[str]) -> bool:
+    """Logical clients ('client-7') are recorded by their process ('client-proc1'): a logical
+    sender counts as ledgered when some client process recorded messages."""
+    return node.startswith("client-") and any(r.startswith("client-proc") for r in recorders)
+
+
+def fault_summary(store) -> dict:
+    """summary.json's `faults` section: events by kind, rejections by typed code, resumes."""
+    events = store.events()
+    kinds = Counter(e["kind"] for e in events)
+    rejections: Counter = Counter()
+    for e in events:
+        if e["kind"] in ("rejected_payload", "auth_refused", "register_refused"):
+            rejections[rejection_code(e["detail"] or "") or e["kind"].upper()] += 1
+    resumes = [json.loads(e["detail"]) for e in events if e["kind"] == "resumed"]
+    return {"faults": {"events": dict(sorted(kinds.items())), "rejections": dict(sorted(rejections.items())),
+                       "resumes": resumes, "restarts": len(resumes),
+                       "nodes_dead": kinds.get("node_dead", 0), "auth_refused": kinds.get("auth_refused", 0),
+                       "ledger": ledger_consistency(store)}}

@@ -1,0 +1,340 @@
+"""`fedhop launch`: hosts files, the plan of roles, remote commands, and real launches through a
+remote command template: local shells (no root needed) and `ip netns exec {host}` on four
+emulated hosts (root)."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.config import parse_config
+from common.runstore import RunStore
+from deploy.hosts import (HostsError, hosts_from_dict, plan_roles, remote_argv, role_command, kill_command,
+                          process_layout, load_hosts)
+from deploy.inmemory import run_inmemory
+from tests.helpers import quadratic_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RNG = np.random.default_rng(11)
+CENTERS = RNG.normal(0, 2, size=(6, 5))
+CURV = RNG.uniform(0.5, 2.0, size=(6, 5))
+SIZES = [4, 7, 3, 9, 5, 6]
+HIER = 'kind = "hierarchical"\nedges = 2'
+
+
+def cfg_text(topology: str = "", rounds: int = 3, processes: int = 2) -> str:
+    return quadratic_config(CENTERS, CURV, SIZES, rounds=rounds, per_round=4, processes=processes, local_steps=3,
+                            topology=topology, name="launch")
+
+
+def hosts(*entries: dict, **launch) -> dict:
+    return {"launch": launch, "host": list(entries)}
+
+
+# ----------------------------------------------------------------------------- hosts file and plan
+def test_plan_star_allocates_counts_in_host_order_with_ports_and_parents():
+    cfg = parse_config(cfg_text())
+    hf = hosts_from_dict(hosts({"name": "a", "address": "10.0.0.1", "server": True, "clients": 2},
+                               {"name": "b", "address": "10.0.0.2", "clients": 4, "client_processes": 2,
+                                "client_port": 8000}))
+    roles = plan_roles(hf, cfg)
+    assert [(r.node_id, r.host.name, r.port) for r in roles] == [
+        ("server", "a", 7000), ("client-proc0", "a", 7200), ("client-proc1", "b", 8000), ("client-proc2", "b", 8001)]
+    assert [r.clients for r in roles[1:]] == [[0, 1], [2, 3], [4, 5]]
+    assert all(r.parent == "10.0.0.1:7000" for r in roles[1:])
+
+
+def test_plan_hierarchical_parents_are_the_cluster_edges():
+    cfg = parse_config(cfg_text(HIER))
+    hf = hosts_from_dict(hosts({"name": "s", "address": "10.0.0.1", "server": True},
+                               {"name": "e", "address": "10.0.0.2", "edges": [1, 0], "clients": "0,4"},
+                               {"name": "c", "address": "10.0.0.3", "clients": 4}))
+    roles = {r.node_id: r for r in plan_roles(hf, cfg)}
+    assert roles["edge-1"].address == "10.0.0.2:7100" and roles["edge-0"].address == "10.0.0.2:7101"
+    clusters = [[0, 1, 2], [3, 4, 5]]                      # blocks of 6 clients over 2 edges
+    for r in roles.values():
+        if r.kind == "client":
+            assert all(c in clusters[r.edge] for c in r.clients)
+            assert r.parent == roles[f"edge-{r.edge}"].address
+    placed = sorted(c for r in roles.values() for c in r.clients)
+    assert placed == list(range(6))
+    on_e = sorted(c for r in roles.values() if r.kind == "client" and r.host.name == "e" for c in r.clients)
+    assert on_e == [0, 4]
+
+
+@pytest.mark.parametrize("data, cfg_topology, needle", [
+    (hosts({"name": "a", "address": "x", "server": True, "clients": 5}), "", "clients.count = 6"),
+    (hosts({"name": "a", "address": "x", "clients": 6}), "", "exactly one host"),
+    (hosts({"name": "a", "address": "x", "server": True, "clients": 6, "colour": "red"}), "", "host[0].colour"),
+    (hosts({"name": "a", "address": "x", "server": True, "clients": 6, "edges": [0]}), "", "no edge servers"),
+    (hosts({"name": "a", "address": "x", "server": True, "clients": 6, "edges": [0]}), HIER, "edges [1]"),
+    (hosts({"name": "a", "address": "x", "server": True, "clients": "0-5", "client_port": 7000}), "", "port 7000"),
+    (hosts({"name": "a", "address": "x", "server": True, "clients": "0-9"}), "", "outside 0..5"),
+    ({"launch": {"remote": "ssh box"}, "host": [{"name": "a", "address": "x", "server": True, "clients": 6}]},
+     "", "{host}"),
+])
+def test_bad_hosts_files_are_refused_naming_the_problem(data, cfg_topology, needle):
+    cfg = parse_config(cfg_text(cfg_topology))
+    with pytest.raises(HostsError) as info:
+        plan_roles(hosts_from_dict(data), cfg)
+    assert needle in str(info.value)
+
+
+def test_example_hosts_file_fits_the_digits_example():
+    from common.config import load_config
+    hf = load_hosts(ROOT / "examples" / "hosts.toml")
+    roles = plan_roles(hf, load_config(ROOT / "examples" / "fedavg_digits.toml"))
+    assert sorted(c for r in roles for c in r.clients) == list(range(50))
+    assert {r.host.name for r in roles} == {h.name for h in hf.hosts}
+
+
+def test_remote_argv_places_the_command_as_one_argument_or_as_sh_c():
+    cmd = "cd ~/fedhop && exec python -m server --listen 'a b'"
+    assert remote_argv("ssh -p 2222 {host} {command}", "u@h", cmd) == ["ssh", "-p", "2222", "u@h", cmd]
+    assert remote_argv("ip netns exec {host}", "ns1", cmd) == ["ip", "netns", "exec", "ns1", "sh", "-c", cmd]
+
+
+def test_role_command_keeps_the_token_off_the_command_line_and_quotes_paths():
+    cfg = parse_config(cfg_text())
+    hf = hosts_from_dict(hosts({"name": "a", "address": "10.0.0.1", "server": True, "clients": 6,
+                                "env": {"GLOO_SOCKET_IFNAME": "eth 0"}}, workdir="~/my repo", run_root="runs"))
+    server, client = plan_roles(hf, cfg)[:2]
+    cmd = role_command(hf, server, cfg, "runs/x")
+    assert cmd.startswith("cd ~/'my repo' && ") and "IFS= read -r FEDHOP_TOKEN" in cmd
+    assert "cat > runs/x/config.toml" in cmd and "GLOO_SOCKET_IFNAME='eth 0'" in cmd
+    assert "read -r" in role_command(hf, client, cfg, "runs/x")
+    assert "cat >" not in role_command(hf, client, cfg, "runs/x")
+    assert "client-proc0" in kill_command(hf, client, "runs/x")
+    # the shell parses it back into the python argv we planned
+    tail = cmd.split("exec ", 1)[1]
+    assert shlex.split(tail)[:3] == [".venv/bin/python", "-m", "server"]
+
+
+def test_process_layout_matches_fedhop_run():
+    cfg = parse_config(cfg_text(HIER, processes=4))
+    assert process_layout(cfg) == [(0, [0, 1]), (0, [2]), (1, [3, 4]), (1, [5])]
+    assert process_layout(parse_config(cfg_text(processes=4))) == [(None, [0, 1]), (None, [2, 3]),
+                                                                   (None, [4]), (None, [5])]
+
+
+# ----------------------------------------------------------------------------- real launches
+def _write_hosts(path: Path, body: str) -> Path:
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _launch(hosts_file: Path, cfg_file: Path, out: Path, *extra: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", "launch", str(hosts_file), str(cfg_file), "--out",
+                           str(out), "--quiet", *extra], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _no_process_mentions(marker: str) -> bool:
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    return False
+            except OSError:
+                pass
+    return True
+
+
+LOCAL_TEMPLATE = "env FEDHOP_HOST={host} sh -c {command}"   # "remote" = a local shell: no root, no ssh
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_launch_through_a_local_template_completes_and_gathers(tmp_path):
+    cfg_file = tmp_path / "exp.toml"
+    cfg_file.write_text(cfg_text())
+    work_a, work_b = tmp_path / "hostA", tmp_path / "hostB"     # two "machines": separate run directories
+    work_a.mkdir(), work_b.mkdir()
+    p_server, p_a, p_b = _free_ports(3)
+    hf = _write_hosts(tmp_path / "hosts.toml", f"""
+        [launch]
+        remote = "{LOCAL_TEMPLATE}"
+        python = "{sys.executable}"
+        run_root = "runs"
+        [[host]]
+        name = "a"
+        address = "127.0.0.1"
+        workdir = "{work_a}"
+        server = true
+        server_port = {p_server}
+        clients = 2
+        client_port = {p_a}
+        [[host]]
+        name = "b"
+        address = "127.0.0.1"
+        workdir = "{work_b}"
+        clients = 4
+        client_port = {p_b}
+    """)
+    out = tmp_path / "out"
+    res = _launch(hf, cfg_file, out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 3
+    # host b's ledger was only on host b until gathered: now merged, both sides of every message
+    assert sorted(p.name for p in (out / "ledger").glob("*.jsonl")) == [
+        "client-proc0.jsonl", "client-proc1.jsonl", "server.jsonl"]
+    assert not (work_a / "runs" / "out" / "ledger" / "client-proc1.jsonl").exists()
+    remote_summary = json.loads((work_a / "runs" / "out" / "summary.json").read_text())
+    assert remote_summary["ledger_agreement"]["ok"] is False   # the server alone saw only its own side
+    assert summary["ledger_agreement"]["ok"] is True
+    assert RunStore(out / "run.db").check_agreement().ok
+    _, coord = run_inmemory(parse_config(cfg_text()), tmp_path / "mem")
+    assert torch.equal(load_file(str(out / "model.safetensors"))["w"], coord.state.params["w"])
+    assert (out / "logs" / "client-proc1.log").read_text().count("shut down by parent") == 1
+
+
+def test_launch_stops_everything_when_a_role_fails(tmp_path):
+    cfg_file = tmp_path / "exp.toml"
+    cfg_file.write_text(cfg_text(rounds=50))
+    marker = f"fh-launch-fail-{os.getpid()}"
+    run_root = tmp_path / marker
+    ports = _free_ports(3)
+    hf = _write_hosts(tmp_path / "hosts.toml", f"""
+        [launch]
+        remote = "{LOCAL_TEMPLATE}"
+        python = "{sys.executable}"
+        workdir = "{ROOT}"
+        run_root = "{run_root}"
+        stop_grace = 2
+        [[host]]
+        name = "a"
+        address = "127.0.0.1"
+        server = true
+        server_port = {ports[0]}
+        clients = 3
+        client_port = {ports[1]}
+        [[host]]
+        name = "broken"
+        address = "127.0.0.1"
+        python = "/nonexistent/python"
+        clients = 3
+        client_port = {ports[2]}
+    """)
+    started = time.monotonic()
+    res = _launch(hf, cfg_file, tmp_path / "out", timeout=120)
+    assert res.returncode == 1
+    assert "client-proc1 on broken exited with status 127" in res.stderr
+    assert time.monotonic() - started < 60          # did not wait for the server's registration timeout
+    assert _no_process_mentions(marker), "a role survived the failed launch"
+
+
+# ----------------------------------------------------------------------------- emulated hosts (root)
+def _netns_reason() -> str | None:
+    from deploy.netsim import netns_unavailable
+    return netns_unavailable()
+
+
+@pytest.mark.netns
+def test_launch_hierarchical_on_four_emulated_hosts_with_ip_netns_exec(tmp_path):
+    reason = _netns_reason()
+    if reason:
+        pytest.skip(f"needs network namespaces: {reason}")
+    from deploy.netsim import EmulatedNetwork, cleanup_stale
+    cleanup_stale()
+    text = cfg_text(HIER, processes=4) + "\n[security]\ninsecure = true   # emulated hosts: plaintext, explicitly\n"
+    cfg_file = tmp_path / "exp.toml"
+    cfg_file.write_text(text)
+    out = tmp_path / "out"
+    with EmulatedNetwork() as net:
+        hs = [net.add_host(n) for n in ("alpha", "beta", "gamma", "delta")]
+        net.finalize()
+        works = []
+        for h in hs:
+            works.append(tmp_path / h.name)
+            works[-1].mkdir()
+        body = f"""
+            [launch]
+            remote = "ssh -o BatchMode=yes {{host}} {{command}}"
+            python = "{sys.executable}"
+            run_root = "runs"
+        """
+        layout = [("server = true\nclients = 1", 0), ("edges = [0]\nclients = 2", 1),
+                  ("edges = [1]\nclients = 1", 2), ("clients = 2\nclient_processes = 2", 3)]
+        for (roles, i) in layout:
+            h = hs[i]
+            body += (f'[[host]]\nname = "{h.name}"\ntarget = "{h.netns}"\naddress = "{h.address}"\n'
+                     f'workdir = "{works[i]}"\n{roles}\n')
+        hf = tmp_path / "hosts.toml"
+        hf.write_text(textwrap.dedent(body))
+        res = _launch(hf, cfg_file, out, "--remote", "ip netns exec {host}")
+        assert res.returncode == 0, res.stderr[-3000:]
+        for h in hs:   # nothing left running on any emulated host
+            assert subprocess.run(["ip", "netns", "pids", h.netns], capture_output=True, text=True).stdout == ""
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["topology"] == "hierarchical"
+    assert summary["ledger_agreement"]["ok"] is True
+    assert set(summary["bytes"]["by_link"]) == {"client-edge", "edge-server", "control"}
+    # every process registered from its own emulated host's address
+    events = RunStore(out / "run.db").events("registered")
+    assert {e["node"]: e["detail"].split(" at ")[1].split(":")[0] for e in events} == {
+        "edge-0": hs[1].address, "edge-1": hs[2].address}
+    serving = set()                     # client processes ran on all four hosts
+    for log in (out / "logs").glob("client-proc*.log"):
+        serving |= {line.split("serving at ")[1].split(":")[0] for line in log.read_text().splitlines()
+                    if "serving at" in line}
+    assert serving == {h.address for h in hs}
+    _, coord = run_inmemory(parse_config(text), tmp_path / "mem")
+    assert torch.equal(load_file(str(out / "model.safetensors"))["w"], coord.state.params["w"])
+
+
+def test_launch_ctrl_c_stops_every_role(tmp_path):
+    cfg_file = tmp_path / "exp.toml"
+    cfg_file.write_text(cfg_text(rounds=100_000))
+    marker = f"fh-launch-int-{os.getpid()}"
+    p_server, p_a = _free_ports(2)
+    hf = _write_hosts(tmp_path / "hosts.toml", f"""
+        [launch]
+        remote = "{LOCAL_TEMPLATE}"
+        python = "{sys.executable}"
+        workdir = "{ROOT}"
+        run_root = "{tmp_path / marker}"
+        [[host]]
+        name = "a"
+        address = "127.0.0.1"
+        server = true
+        server_port = {p_server}
+        clients = 6
+        client_port = {p_a}
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "launch", str(hf), str(cfg_file), "--out",
+                             str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
+    deadline = time.monotonic() + 60
+    seen = ""
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:           # wait until rounds are running
+        line = proc.stdout.readline()
+        seen += line
+        if "round 2:" in line:
+            break
+    assert "round 2:" in seen, seen[-2000:]
+    proc.send_signal(2)                            # Ctrl-C
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (seen + rest)[-2000:]
+    assert "interrupted; stopping every process" in rest
+    assert _no_process_mentions(marker)
