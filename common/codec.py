@@ -13,21 +13,22 @@ Copies, the cost that dominates on this machine (shared/research/limits.md):
 
 Everything received is validated before use: declared sizes against the limit before any
 allocation, dtype names, nbytes = prod(shape) * itemsize, total bytes, frame order, and the
-CRC-32 of the data bytes when the sender put one in the envelope (`encode(..., checksum=True)`,
+XXH3-64 checksum of the data bytes when the sender put one in the envelope (`encode(..., checksum=True)`,
 the default): plaintext TCP has no end-to-end integrity check above the hop, so a corrupted
-tensor byte would otherwise decode as a valid, wrong number.
+tensor byte would otherwise decode as a valid, wrong number.  The checksum is XXH3-64 (the
+`xxhash` package, ~25 GB/s here; zlib's CRC-32 runs at ~5.5 GB/s and halved the codec's speed).
 """
 from __future__ import annotations
 
 import math
 import sys
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
+import xxhash
 
 from common.algorithms.base import Payload, Scalar
 from common.wire import fedhop_pb2 as pb
@@ -139,10 +140,10 @@ class Encoded:
         for k, v in self.envelope.scalars.items():
             envelope.scalars[k].CopyFrom(v)
         envelope.data_bytes = self.envelope.data_bytes
-        if self.envelope.HasField("data_crc32"):
-            envelope.data_crc32 = self.envelope.data_crc32
+        if self.envelope.HasField("data_xxh3"):
+            envelope.data_xxh3 = self.envelope.data_xxh3
         else:
-            envelope.ClearField("data_crc32")
+            envelope.ClearField("data_xxh3")
         head = envelope.SerializeToString()
         frames = [bytes([_TAG_HEADER]) + _varint(len(head)) + head, *self.frames[1:]]
         return Encoded(frames=frames, envelope=envelope, tensor_bytes=self.tensor_bytes)
@@ -162,12 +163,12 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
            checksum: bool = True) -> Encoded:
     """Fill `envelope` with the payload's specs and scalars and cut the data into frames.
 
-    `checksum`: put the CRC-32 of the data bytes in the envelope (the receiver verifies it)."""
+    `checksum`: put the XXH3-64 of the data bytes in the envelope (the receiver verifies it)."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     views: list[memoryview] = []
     total = 0
-    crc = 0
+    digest = xxhash.xxh3_64() if checksum else None
     del envelope.tensors[:]
     for name, t in payload.tensors.items():
         if t.dtype not in DTYPE_NAMES:
@@ -177,16 +178,16 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
                              nbytes=len(view))
         views.append(view)
         total += len(view)
-        if checksum:
-            crc = zlib.crc32(view, crc)
+        if digest is not None:
+            digest.update(view)
     envelope.scalars.clear()
     for name, value in payload.scalars.items():
         scalar_to_pb(value, envelope.scalars[name])
     envelope.data_bytes = total
-    if checksum:
-        envelope.data_crc32 = crc
+    if digest is not None:
+        envelope.data_xxh3 = digest.intdigest()
     else:
-        envelope.ClearField("data_crc32")
+        envelope.ClearField("data_xxh3")
     head = envelope.SerializeToString()
     frames = [bytes([_TAG_HEADER]) + _varint(len(head)) + head]
     frames.extend(_data_frames(views, total, chunk_bytes))
@@ -305,11 +306,11 @@ class FrameDecoder:
             raise PayloadError("SIZE_MISMATCH", f"message ended after {self._filled} of "
                                                 f"{env.data_bytes} declared data bytes")
         assert self._buffer is not None
-        if env.HasField("data_crc32"):
-            crc = zlib.crc32(memoryview(self._buffer)) if self._filled else 0
-            if crc != env.data_crc32:
-                raise PayloadError("CHECKSUM_MISMATCH", f"data bytes have CRC-32 {crc:08x}, the sender's envelope "
-                                                        f"says {env.data_crc32:08x}: corrupted in transit")
+        if env.HasField("data_xxh3"):
+            digest = xxhash.xxh3_64_intdigest(memoryview(self._buffer))   # the buffer holds exactly data_bytes
+            if digest != env.data_xxh3:
+                raise PayloadError("CHECKSUM_MISMATCH", f"data bytes have XXH3-64 {digest:016x}, the sender's "
+                                                        f"envelope says {env.data_xxh3:016x}: corrupted in transit")
         base = torch.from_numpy(self._buffer)
         tensors: dict[str, torch.Tensor] = {}
         offset = 0

@@ -108,7 +108,7 @@ class SecurityConfig:
     insecure: bool = False                     # plaintext gRPC off loopback needs this set explicitly
     certs_dir: str = ""                        # TLS: a directory made by `fedhop certs` (ca.pem, NODE.pem, NODE.key)
     mtls: bool = False                         # mutual TLS: the node identity is its certificate's common name
-    checksum: bool = True                      # CRC-32 of every message's tensor bytes, verified by the receiver
+    checksum: bool = True                      # XXH3-64 of every message's tensor bytes, verified by the receiver
     heartbeat_interval: float = _f(1.0, min_exclusive=0.0)   # seconds between a child's heartbeats
     heartbeat_timeout: float = _f(5.0, min_exclusive=0.0)    # silence after which a parent marks a child dead
     parent_timeout: float = _f(60.0, min_exclusive=0.0)      # a child gives up (exits) after this long unheard

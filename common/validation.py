@@ -4,7 +4,7 @@ Where each check happens (docs/faults.md, "Hostile and corrupted inputs"):
 
 - the codec (common/codec.py), while decoding: frame order, declared sizes against the limit
   before any allocation (TOO_LARGE), dtype names (BAD_DTYPE), nbytes = prod(shape) * itemsize
-  and totals (SIZE_MISMATCH), duplicate names (BAD_NAME), the data CRC-32 (CHECKSUM_MISMATCH);
+  and totals (SIZE_MISMATCH), duplicate names (BAD_NAME), the data checksum, XXH3-64 (CHECKSUM_MISMATCH);
 - the endpoint (`common.transport.base.reply_problem`): the reply answers the call: same run
   (WRONG_RUN), same round and step (STALE_ROUND: a replayed old result), from the node called
   (WRONG_SENDER), the right method (BAD_METHOD);

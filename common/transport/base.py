@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from common.algorithms.base import Payload
-from common.codec import Decoded, Encoded, PayloadError, decode_frames, encode, make_envelope
+from common.codec import Decoded, Encoded, FrameDecoder, PayloadError, decode_frames, encode, make_envelope
 from common.ledger import Ledger, link_for
 from common.wire import fedhop_pb2 as pb
 
@@ -102,7 +102,7 @@ class Endpoint(ABC):
         self.token = token
         self.chunk_bytes = chunk_bytes
         self.max_payload_bytes = max_payload_bytes
-        self.checksum = True    # CRC-32 of the tensor bytes in every message sent (security.checksum)
+        self.checksum = True    # XXH3-64 of the tensor bytes in every message sent (security.checksum)
         self.liveness = None    # a parent's LivenessMonitor (common/liveness.py): heartbeats, registrations
 
     # -- outgoing -------------------------------------------------------------------
@@ -139,8 +139,12 @@ class Endpoint(ABC):
         problem = reply_problem(env_r, request.envelope)
         error = (f"{problem[0]}: {problem[1]}" if problem else
                  f"{env_r.error.code}: {env_r.error.message}" if env_r.HasField("error") else "")
+        expected_id = f"{request.envelope.msg_id}.reply"
+        if problem and env_r.msg_id != expected_id:   # a replayed or forged reply: record it as the reply due
+            error += f" (the reply claims msg_id '{env_r.msg_id}')"
         self._record(env_r, decoded, "receiver", link, time.perf_counter() - started - sent_seconds,
-                     status="rejected" if problem or env_r.HasField("error") else "ok", error=error)
+                     status="rejected" if problem or env_r.HasField("error") else "ok", error=error,
+                     msg_id=expected_id if problem else None)
         if problem:
             raise PayloadError(*problem)
         if env_r.HasField("error"):
@@ -195,10 +199,25 @@ class Endpoint(ABC):
     def serve_frames(self, frames, handler: Handler) -> list[bytes]:
         """Decode an incoming message, run the handler, encode the reply (shared by transports)."""
         started = time.perf_counter()
+        decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes)
         try:
-            decoded = decode_frames(frames, self.max_payload_bytes)
+            for frame in frames:
+                decoder.feed(frame)
+            decoded = decoder.finish()
         except PayloadError as exc:
-            return self._error_reply(None, exc.code, exc.detail).frames
+            env = decoder.envelope
+            if env is None:   # not even a header: an unrouted error reply
+                return self._error_reply(None, exc.code, exc.detail).frames
+            # the header arrived (the data was corrupt or short): record the rejected message and
+            # answer with a routed typed error, so both ledgers pair the request and its reply
+            link = link_for(role_of(env.src), role_of(env.dst)) if env.src and env.dst else "control"
+            seen = Decoded(envelope=env, payload=Payload(), payload_bytes=decoder._payload_bytes,
+                           frames=decoder._frames, tensor_bytes=int(env.data_bytes))
+            reply = self._error_reply(env, exc.code, exc.detail)
+            self._record(env, seen, "receiver", link, time.perf_counter() - started, status="rejected",
+                         error=str(exc))
+            self._record(reply.envelope, reply, "sender", link, 0.0)
+            return reply.frames
         env = decoded.envelope
         link = link_for(role_of(env.src), role_of(env.dst)) if env.src and env.dst else "control"
         recv_seconds = time.perf_counter() - started
@@ -229,12 +248,12 @@ class Endpoint(ABC):
         return encode(Payload(), out, self.chunk_bytes, self.checksum)
 
     def _record(self, env: pb.Envelope, msg: Encoded | Decoded, role: str, link: str, seconds: float,
-                status: str = "ok", error: str = "") -> None:
+                status: str = "ok", error: str = "", msg_id: str | None = None) -> None:
         self.ledger.record(run_id=env.run_id, round=env.round, step=env.step, src=env.src, dst=env.dst,
                            link=link, direction=direction_of(env.src, env.dst) if link != "control" else "control",
                            method=env.method, tensor_bytes=msg.tensor_bytes, payload_bytes=msg.payload_bytes,
                            framed_bytes=msg.framed_bytes, seconds=seconds, recorder=self.node_id, role=role,
-                           msg_id=env.msg_id, status=status, wall_time=time.time(), error=error)
+                           msg_id=msg_id or env.msg_id, status=status, wall_time=time.time(), error=error)
 
     # -- lifecycle ------------------------------------------------------------------
     @abstractmethod

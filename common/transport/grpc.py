@@ -158,6 +158,10 @@ class GrpcEndpoint(Endpoint):
                 dead = self._dead.get(address)
             if dead is not None and exc.code() == grpc.StatusCode.CANCELLED:
                 raise CallFailed("NODE_DEAD", dead, request.envelope.dst) from None
+            if decoder.envelope is not None:   # the reply began and was cut off: say how much arrived
+                raise CallFailed("TRUNCATED", f"reply cut off after {decoder._filled} of "
+                                              f"{decoder.envelope.data_bytes} data bytes ({exc.code().name}: "
+                                              f"{exc.details() or ''})", request.envelope.dst) from None
             raise CallFailed(exc.code().name, exc.details() or "", request.envelope.dst) from None
         except PayloadError:   # a malformed or corrupted reply: typed, the caller records the rejection
             call.cancel()
@@ -181,8 +185,9 @@ class GrpcEndpoint(Endpoint):
         endpoint = self
 
         def exchange(request_iterator, context):
-            frames = list(request_iterator)
-            yield from endpoint.serve_frames(frames, handler)
+            # decode each frame as it arrives: the copy into the message buffer overlaps the
+            # transfer of the next frame, and a received frame is freed once copied
+            yield from endpoint.serve_frames(request_iterator, handler)
 
         def register(request: pb.RegisterRequest, context) -> pb.RegisterReply:
             if register_handler is None:

@@ -39,7 +39,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("run_id", "round", "step", "src", "dst", "method", "msg_id", "tensors", "scalars", "data_bytes", "error", "token", "data_crc32")
+    __slots__ = ("run_id", "round", "step", "src", "dst", "method", "msg_id", "tensors", "scalars", "data_bytes", "error", "token", "data_xxh3")
     class ScalarsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,7 +59,7 @@ class Envelope(_message.Message):
     DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
-    DATA_CRC32_FIELD_NUMBER: _ClassVar[int]
+    DATA_XXH3_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     step: int
@@ -72,8 +72,8 @@ class Envelope(_message.Message):
     data_bytes: int
     error: Error
     token: str
-    data_crc32: int
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., method: _Optional[str] = ..., msg_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., scalars: _Optional[_Mapping[str, Scalar]] = ..., data_bytes: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., token: _Optional[str] = ..., data_crc32: _Optional[int] = ...) -> None: ...
+    data_xxh3: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., method: _Optional[str] = ..., msg_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., scalars: _Optional[_Mapping[str, Scalar]] = ..., data_bytes: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., token: _Optional[str] = ..., data_xxh3: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("header", "data")
