@@ -185,6 +185,7 @@ class Coordinator:
         collected = time.perf_counter()
         aggregate = self.algorithm.aggregate(sorted(results.items()))
         self.algorithm.server_update(self.state, aggregate, round)
+        self.algorithm.note_participants(self.state, round, participants)
         aggregated = time.perf_counter()
         metrics = self._round_metrics(round, aggregate)
         # round-time breakdown (fedhop report plots it): the slowest client's local solver time,
@@ -204,7 +205,7 @@ class Coordinator:
         """transport.kind = "torch": tensors as collectives (server/torch_rounds.py)."""
         from server.torch_rounds import CollectiveFailed
         try:
-            return self.torch_rounds.dispatch(round, sampled, message)
+            return self.torch_rounds.dispatch(round, sampled, self.group_message(message, round, sampled))
         except CollectiveFailed as exc:
             raise RunFailed(str(exc)) from None
 
@@ -223,10 +224,22 @@ class Coordinator:
         return results, failures
 
     def _dispatch_clients(self, round: int, sampled: list[int], message: Payload):
-        """Star: the message to every sampled client, one reply each."""
-        prepared = self.endpoint.prepare(message)
-        calls = {cid: self._pool.submit(self._train_one, cid, round, prepared) for cid in sampled}
+        """Star: the message to every sampled client, one reply each.  Each distinct message
+        (the shared one, or a client's own variant: Algorithm.client_message) is encoded once."""
+        prepared: dict[int, tuple[Payload, object]] = {}   # id(message) -> (message kept alive, frames)
+        calls = {}
+        for cid in sampled:
+            own = self.algorithm.client_message(self.state, message, round, cid)
+            if id(own) not in prepared:
+                prepared[id(own)] = (own, self.endpoint.prepare(own))
+            calls[cid] = self._pool.submit(self._train_one, cid, round, prepared[id(own)][1])
         return self._gather(calls, self.cfg.run.round_timeout)
+
+    def group_message(self, message: Payload, round: int, cids: list[int]) -> Payload:
+        """One message for a group of clients (an edge's, a collective's): the largest of their
+        variants (variants extend the shared message, Algorithm.client_message)."""
+        variants = {id(m): m for m in (self.algorithm.client_message(self.state, message, round, c) for c in cids)}
+        return max(variants.values(), key=lambda m: (len(m.tensors), len(m.scalars)), default=message)
 
     def _dispatch_edges(self, round: int, sampled: list[int], message: Payload):
         """Hierarchical: one call per edge with sampled clients; each returns a partial aggregate."""
@@ -235,8 +248,9 @@ class Coordinator:
             by_edge.setdefault(self.client_home[cid].node_id, []).append(cid)
         calls = {}
         for node_id, cids in sorted(by_edge.items()):
-            payload = Payload(tensors=message.tensors,
-                              scalars={**message.scalars, "edge_clients": ",".join(map(str, cids))})
+            shared = self.group_message(message, round, cids)
+            payload = Payload(tensors=shared.tensors,
+                              scalars={**shared.scalars, "edge_clients": ",".join(map(str, cids))})
             calls[node_id] = self._pool.submit(self._edge_round, node_id, round, payload)
         partials, edge_failures = self._gather(calls, self.cfg.run.round_timeout * 2)
         failures: dict[int, str] = {}

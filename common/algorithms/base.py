@@ -111,6 +111,18 @@ class Algorithm(ABC):
         """What every sampled client receives at the start of a round (default: the model)."""
         return Payload(tensors=dict(state.params))
 
+    def client_message(self, state: ServerState, message: Payload, round: int, client: int) -> Payload:
+        """What sampled `client` receives this round: the shared `message` (default), or an
+        extension of it (more tensors or scalars) for this client only, e.g. a cached snapshot
+        the client lacks.  The coordinator encodes each distinct object once; where one message
+        serves a group (an edge's clients, a collective broadcast) it sends the group's largest
+        variant, so a variant must be a superset of `message`."""
+        return message
+
+    def note_participants(self, state: ServerState, round: int, participants: list[int]) -> None:
+        """After the server step: the clients whose results entered this round (they surely
+        received its messages).  Default: nothing to remember."""
+
     def reply_spec(self, state: ServerState) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Names, dtypes and shapes every client reply must carry (default: one delta per
         parameter).  The server rejects a reply that does not match before using it."""

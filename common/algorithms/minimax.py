@@ -240,7 +240,9 @@ class MinimaxAlgorithm(Algorithm):
             x_names, _ = split_names(params)
             for n in x_names:
                 state.extra[SNAPSHOT_PREFIX + n] = state.params[n].clone()
-            state.scalars.update(snapshot_version=0, snapshot_all_fresh=False)
+            # snapshot_held: client id -> the snapshot version it surely holds (it returned a
+            # result in a round that gave it that version); JSON-friendly for checkpoints
+            state.scalars.update(snapshot_version=0, snapshot_held={})
         return state
 
     def broadcast(self, state: ServerState, round: int) -> Payload:
@@ -250,13 +252,31 @@ class MinimaxAlgorithm(Algorithm):
             scalars["snapshot_version"] = int(state.scalars["snapshot_version"])
             if (round - 1) % self.params.snapshot_period == 0:
                 scalars["snapshot_is_model"] = True      # xhat = x^(t): costs no extra tensor bytes
-            elif not state.scalars.get("snapshot_all_fresh", False):
-                # some client may hold an older snapshot: one shared message, so it goes to every
-                # sampled client (the coordinator sends the same broadcast to all of them)
-                for n, t in state.extra.items():
-                    if n.startswith(SNAPSHOT_PREFIX):
-                        tensors[n] = t
+        self._with_snapshot = None
         return Payload(tensors=tensors, scalars=scalars)
+
+    def client_message(self, state: ServerState, message: Payload, round: int, client: int) -> Payload:
+        """SGDA+ on a non-refresh round: xhat goes only to the clients whose cached snapshot is
+        stale (digest 2.3, part 2); one extended message, built once per round, serves them all."""
+        if not self.plus or message.scalars.get("snapshot_is_model", False):
+            return message
+        version = int(message.scalars["snapshot_version"])
+        if state.scalars["snapshot_held"].get(str(client)) == version:
+            return message
+        cached = getattr(self, "_with_snapshot", None)
+        if cached is None or cached[0] is not message:
+            extra = {n: t for n, t in state.extra.items() if n.startswith(SNAPSHOT_PREFIX)}
+            cached = (message, Payload(tensors={**message.tensors, **extra}, scalars=message.scalars))
+            self._with_snapshot = cached
+        return cached[1]
+
+    def note_participants(self, state: ServerState, round: int, participants: list[int]) -> None:
+        """Every client whose result entered round `round` holds that round's snapshot version."""
+        if self.plus:
+            held = state.scalars["snapshot_held"]
+            for cid in participants:
+                held[str(cid)] = self._sent_version
+            state.scalars["snapshot_held"] = held
 
     def reply_spec(self, state: ServerState) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         spec = super().reply_spec(state)
@@ -296,15 +316,11 @@ class MinimaxAlgorithm(Algorithm):
             self._advance_snapshot(state, aggregate, round, x_names)
 
     def _advance_snapshot(self, state: ServerState, aggregate: Payload, round: int, x_names: list[str]) -> None:
-        period = self.params.snapshot_period
-        if (round - 1) % period == 0:   # this round refreshed: did every client get it?
-            n = int(aggregate.scalars.get("num_clients", 0))
-            state.scalars["snapshot_all_fresh"] = n > 0 and int(aggregate.scalars[COUNT_KEY]) >= n
-        if round % period == 0:         # next round t = round starts snapshot s + 1: xhat = x^(t)
+        self._sent_version = int(state.scalars["snapshot_version"])   # what this round's clients now hold
+        if round % self.params.snapshot_period == 0:   # round t = round + 1 starts snapshot s + 1: xhat = x^(t)
             for name in x_names:
                 state.extra[SNAPSHOT_PREFIX + name] = state.params[name].clone()
             state.scalars["snapshot_version"] = int(state.scalars["snapshot_version"]) + 1
-            state.scalars["snapshot_all_fresh"] = False
 
     # ================================================================== edges
     def edge_step(self, message: Payload, partial: Payload) -> Payload:

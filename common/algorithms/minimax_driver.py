@@ -53,8 +53,10 @@ def simulate(algorithm: Algorithm, task: Task, rounds: int, *, per_round: int | 
                                 generator=torch_stream(seed, "client", cid, "round", r), round=r,
                                 local_steps=steps_of(local_steps, cid), local_epochs=local_epochs,
                                 state=client_states[cid])
-            replies.append((cid, algorithm.client_update(ctx, message)))
+            own = algorithm.client_message(state, message, r, cid)   # as the coordinator addresses it
+            replies.append((cid, algorithm.client_update(ctx, own)))
         algorithm.server_update(state, algorithm.aggregate(replies), r)
+        algorithm.note_participants(state, r, sampled)
         if on_round is not None:
             on_round(r, state, sampled)
     return state
