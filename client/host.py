@@ -17,6 +17,7 @@ from common.algorithms import build_algorithm
 from common.algorithms.base import COMPUTE_KEY, ClientContext, Payload, finite_or_raise
 from common.checkpoint import STATE_GET, STATE_SET, states_from_payload, states_to_payload
 from common.codec import PayloadError
+from common.compress import compress_upload
 from common.config import Config, client_local_steps
 from common.devices import apply_straggler_plan
 from common.ledger import Ledger
@@ -67,7 +68,9 @@ class ClientHost:
         if self.run_id and env.run_id != self.run_id:
             raise HandlerError("WRONG_RUN", f"message for run '{env.run_id}', this process serves '{self.run_id}'")
         if env.method == "train":
-            return self.train(parse_client_id(env.dst), int(env.round), request.payload)
+            cid, step = parse_client_id(env.dst), int(env.step)
+            reply = self.train(cid, int(env.round), request.payload, step)
+            return compress_upload(self.cfg, reply, env.dst, int(env.round), step)   # QSGD (common/compress.py)
         if env.method == "shutdown":
             self.shutdown_event.set()
             return Payload(scalars={"clients": len(self.client_ids)})
@@ -82,7 +85,7 @@ class ClientHost:
             return self.torch_worker.handle(env.method, int(env.round), request.payload)
         raise HandlerError("UNKNOWN_METHOD", f"{self.node_id} does not serve '{env.method}'")
 
-    def train(self, cid: int, round: int, message: Payload) -> Payload:
+    def train(self, cid: int, round: int, message: Payload, step: int = 0) -> Payload:
         if cid not in self.states:
             raise HandlerError("UNKNOWN_CLIENT", f"client {cid} is not hosted by {self.node_id}")
         try:
@@ -92,7 +95,9 @@ class ClientHost:
         with self._train_lock:
             ctx = ClientContext(
                 client_id=cid, task=self.task, model=self.model, num_samples=self.num_samples(cid),
-                generator=torch_stream(self.cfg.run.seed, "client", cid, "round", round),
+                # step > 0: a later call of the same round (an edge iteration, a Fed-CHS step, a chain hop)
+                generator=(torch_stream(self.cfg.run.seed, "client", cid, "round", round) if step == 0 else
+                           torch_stream(self.cfg.run.seed, "client", cid, "round", round, "step", step)),
                 round=round, local_steps=client_local_steps(self.cfg, cid),
                 local_epochs=self.cfg.algorithm.local_epochs, state=self.states[cid])
             apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/devices.py)

@@ -58,6 +58,8 @@ class AlgorithmConfig:
     reg: float = _f(0.0, min=0.0)
     weighting: str = _f("samples", choices=("samples", "uniform"))
     weight_decay: float = _f(0.0, min=0.0)
+    compress: str = _f("none", choices=("none", "qsgd"))   # upload compressor (common/compress.py)
+    qsgd_levels: int = _f(15, min=1, max=1 << 20)          # QSGD s (levels per sign)
     options: dict = _f(factory=dict)           # algorithm-specific hyper-parameters
 
 

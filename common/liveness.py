@@ -63,10 +63,12 @@ def connection_hint(address: str, exc: CallFailed, tls: bool) -> str:
     if exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
         return (f"{address} refused this node's credential ({exc.detail}); check the cluster secret "
                 f"(FEDHOP_TOKEN / cluster.secret) or the node certificate")
-    if tls and any(k in detail for k in ("ssl", "handshake", "tls", "certificate")):
+    if tls and (any(k in detail for k in ("ssl", "handshake", "tls", "certificate"))
+                or exc.code == "UNAVAILABLE" and "socket closed" in detail and _port_open(address)):
+        # a server that wants a client certificate (mutual TLS) just closes the socket on us
         return (f"the TLS handshake with {address} failed ({exc.detail}): the parent may serve plaintext "
-                f"(then run every process with security.insecure = true), or its certificate is not from this "
-                f"cluster's CA")
+                f"(then run every process with security.insecure = true), it requires a client certificate from "
+                f"this cluster's CA (mutual TLS), or its certificate is not from this cluster's CA")
     if not tls and exc.code == "UNAVAILABLE" and _port_open(address):
         return (f"{address} accepts TCP connections but not plaintext gRPC: it most likely serves TLS. Give this "
                 f"process the cluster certificates (--certs-dir DIR from `fedhop certs`), or run every process "

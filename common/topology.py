@@ -26,9 +26,39 @@ class HierarchicalParams:
     edges_per_round: int = field(default=0, metadata={"min": 0})  # 0 = every edge; else a seeded sample
 
 
+@dataclass
+class SequentialParams:
+    """Fed-CHS (Yan et al., Algorithm 1; docs/topologies.md): edges on a graph pass one model.
+
+    `graph`: "ring", "random" (a seeded connected graph with degrees <= `max_degree`, stream
+    "topology/graph"), or explicit adjacency lists [[1, 4], [0, 2], ...] (undirected).
+    `start`: the first edge m(0), an id or "random" (uniform, stream "topology/start").
+    `steps_per_round`: K, the edge's aggregations per round.  `count_start`: false = the paper's
+    literal pseudocode (c(m(0)) stays 0 until the walk returns), true = the start edge counts
+    its first visit.
+    """
+
+    graph: str | list = "ring"
+    max_degree: int = field(default=3, metadata={"min": 1})
+    start: int | str = "random"
+    steps_per_round: int = field(default=20, metadata={"min": 1})
+    count_start: bool = False
+
+
+@dataclass
+class ChainParams:
+    """Weighted random-walk gradient descent over clients (the paper's WRWGD baseline; docs/topologies.md):
+    the server walks the model over `hops_per_round` clients per round, each drawn with probability
+    D_j / D_A (stream "chain", round), one `algorithm.local_steps` update per visit."""
+
+    hops_per_round: int = field(default=10, metadata={"min": 1})
+
+
 TOPOLOGY_PARAMS: dict[str, type | None] = {
     "star": StarParams,
     "hierarchical": HierarchicalParams,
+    "sequential": SequentialParams,
+    "chain": ChainParams,
 }
 
 
@@ -81,3 +111,95 @@ def cluster_assignment(cfg: Any) -> list[list[int]]:
         out.append(sorted(ids[start:start + size]))
         start += size
     return out
+
+
+# ----------------------------------------------------------------------------- sequential (Fed-CHS)
+def _connected(adj: list[list[int]]) -> bool:
+    seen, todo = {0}, [0]
+    while todo:
+        for v in adj[todo.pop()]:
+            if v not in seen:
+                seen.add(v)
+                todo.append(v)
+    return len(seen) == len(adj)
+
+
+def random_graph(num: int, max_degree: int, seed: int) -> list[list[int]]:
+    """A seeded connected graph on `num` nodes with every degree <= `max_degree`.
+
+    A random spanning tree first (nodes in a seeded order, each joined to a uniformly drawn
+    earlier node that still has a free degree), then every other pair in a seeded order is
+    joined with probability 1/2 while both ends have a free degree (stream "topology/graph").
+    """
+    if num == 1:
+        return [[]]
+    if max_degree < 2 and num > 2:
+        raise ValueError(f"topology.max_degree: got {max_degree}, a connected graph on {num} edges needs >= 2")
+    rng = numpy_stream(seed, "topology/graph")
+    order = [int(v) for v in rng.permutation(num)]
+    adj: list[set[int]] = [set() for _ in range(num)]
+    for i, v in enumerate(order[1:], start=1):
+        free = [u for u in order[:i] if len(adj[u]) < max_degree]
+        u = free[int(rng.integers(len(free)))]
+        adj[u].add(v)
+        adj[v].add(u)
+    pairs = [(a, b) for a in range(num) for b in range(a + 1, num) if b not in adj[a]]
+    for j in rng.permutation(len(pairs)):
+        a, b = pairs[int(j)]
+        if len(adj[a]) < max_degree and len(adj[b]) < max_degree and rng.random() < 0.5:
+            adj[a].add(b)
+            adj[b].add(a)
+    return [sorted(n) for n in adj]
+
+
+def edge_graph(cfg: Any) -> list[list[int]]:
+    """The edge graph of a sequential run as sorted adjacency lists (validated)."""
+    params = topology_params(cfg)
+    num = cfg.topology.edges
+    spec = params.graph
+    if isinstance(spec, list):
+        if len(spec) != num:
+            raise ValueError(f"topology.graph: {len(spec)} adjacency lists for topology.edges = {num}")
+        adj = []
+        for e, row in enumerate(spec):
+            if not isinstance(row, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
+                raise ValueError(f"topology.graph: entry {e} must be a list of edge ids, got {row!r}")
+            bad = [v for v in row if not 0 <= v < num or v == e]
+            if bad:
+                raise ValueError(f"topology.graph: entry {e} lists {bad}; neighbours are other edge ids 0..{num - 1}")
+            adj.append(sorted(set(row)))
+        for e, row in enumerate(adj):
+            for v in row:
+                if e not in adj[v]:
+                    raise ValueError(f"topology.graph: not symmetric, {v} is in entry {e} but {e} is not in entry {v}")
+    elif spec == "ring":
+        adj = [sorted({(e - 1) % num, (e + 1) % num} - {e}) for e in range(num)]
+    elif spec == "random":
+        adj = random_graph(num, params.max_degree, cfg.run.seed)
+    else:
+        raise ValueError(f"topology.graph: got {spec!r}, allowed: \"ring\", \"random\" or adjacency lists [[1, 2], ...]")
+    if not _connected(adj):
+        raise ValueError(f"topology.graph: the edge graph {adj} is not connected")
+    return adj
+
+
+def start_edge(cfg: Any) -> int:
+    """m(0): `topology.start` as given, or uniform from the stream "topology/start"."""
+    start = topology_params(cfg).start
+    num = cfg.topology.edges
+    if start == "random":
+        return int(numpy_stream(cfg.run.seed, "topology/start").integers(num))
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < num:
+        raise ValueError(f"topology.start: got {start!r}, allowed: \"random\" or an edge id 0..{num - 1}")
+    return start
+
+
+def next_edge_order(candidates: dict[int, tuple[int, int]]) -> list[int]:
+    """Fed-CHS's selection rule as a ranking (Algorithm 1, "selection of next passing cluster"):
+    least visit count c(m') first, then the largest cluster data size D_{A,m'}, then the smallest
+    id (the paper leaves that tie open).  `candidates`: edge id -> (visits, data size).  The
+    first entry is m(t+1); the rest are the fall-backs, in the same order, when it does not answer."""
+    return sorted(candidates, key=lambda e: (candidates[e][0], -candidates[e][1], e))
+
+
+SEQ_METRIC_PREFIX = "metric:"   # scalars of a Fed-CHS round reply that are the edge's evaluation of the model

@@ -6,6 +6,7 @@ differs, so the final model and the ledger's byte counts equal those of a gRPC r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -21,8 +22,12 @@ from deploy.launcher import client_blocks
 from server.coordinator import Coordinator
 
 
-def run_inmemory(cfg: Config, run_dir: str | Path) -> tuple[dict, Coordinator]:
-    """Run `cfg` to completion in this process; return the summary and the coordinator."""
+def run_inmemory(cfg: Config, run_dir: str | Path,
+                 before_run: Callable[[InMemoryNetwork, list, Coordinator], None] | None = None
+                 ) -> tuple[dict, Coordinator]:
+    """Run `cfg` to completion in this process; return the summary and the coordinator.
+    `before_run(network, processes, coordinator)` runs once every process has registered
+    (fault tests: stop an edge's endpoint to make it unreachable)."""
     run_dir = Path(run_dir)
     torch.set_num_threads(cfg.run.torch_threads)
     net = InMemoryNetwork()
@@ -33,7 +38,7 @@ def run_inmemory(cfg: Config, run_dir: str | Path) -> tuple[dict, Coordinator]:
     procs: list = []
     layout = [(address, ids) for ids in client_blocks(cfg.clients.count, cfg.clients.processes)]
     edge_threads = []
-    if cfg.topology.kind == "hierarchical":
+    if cfg.topology.kind in ("hierarchical", "sequential"):
         layout = []
         clusters = cluster_assignment(cfg)
         per_edge = max(1, cfg.clients.processes // len(clusters))
@@ -55,6 +60,8 @@ def run_inmemory(cfg: Config, run_dir: str | Path) -> tuple[dict, Coordinator]:
         procs.append(proc)
     for thread in edge_threads:
         thread.join(60.0)
+    if before_run is not None:
+        before_run(net, procs, coordinator)
     summary = coordinator.run(register_timeout=10.0)
     for proc in procs:
         proc.endpoint.ledger.close()

@@ -118,7 +118,7 @@ class LocalRun:
         the server.  Hierarchical: start the edges, then split each edge's cluster over its share
         of `clients.processes` (at least one process per edge)."""
         cfg = self.cfg
-        if cfg.topology.kind != "hierarchical":
+        if cfg.topology.kind not in ("hierarchical", "sequential"):   # sequential: Fed-CHS edges (edge/sequential.py)
             return [(server_address, ids) for ids in client_blocks(cfg.clients.count, cfg.clients.processes)]
         clusters = cluster_assignment(cfg)
         edges = []

@@ -20,6 +20,7 @@ from common.algorithms.local import get_params
 from common.tasks import build_task
 from common.checkpoint import STATE_GET, STATE_SET, forward_client_state
 from common.codec import PayloadError, check_tensors
+from common.compress import compress_upload, decompress_upload
 from common.validation import validate_reply
 from common.config import Config
 from common.topology import cluster_assignment, edge_index, topology_params
@@ -117,7 +118,7 @@ class EdgeAggregator:
         if kappa2 > 1:
             partial = self.algorithm.edge_partial(start, message, partial)
         partial.scalars["failures_json"] = json.dumps({str(c): why for c, why in sorted(failures.items())})
-        return partial
+        return compress_upload(self.cfg, partial, self.endpoint.node_id, round, 0)   # QSGD uploads (common/compress.py)
 
     def _collect(self, clients: list[int], round: int, step: int, message: Payload):
         prepared = self.endpoint.prepare(message)
@@ -140,6 +141,7 @@ class EdgeAggregator:
         _, address = self.client_home[cid]
         reply = self.endpoint.call(address, f"client-{cid}", "train", round=round, step=step,
                                    timeout=self.cfg.run.call_timeout, prepared=prepared)
+        reply = decompress_upload(self.cfg, reply, self.algorithm.reply_spec(self.model_state))   # QSGD
         validate_reply(reply, self.algorithm.reply_spec(self.model_state), f"round {round} reply of client {cid}")
         return reply
 

@@ -10,6 +10,7 @@ from common.config import parse_config
 from common.transport.base import CallFailed, Endpoint, HandlerError, Request
 from common.wire import fedhop_pb2 as pb
 from edge.aggregator import EdgeAggregator
+from edge.sequential import METHODS as SEQUENTIAL_METHODS, SequentialEdge
 from common.liveness import register_with_backoff
 
 log = logging.getLogger("fedhop.edge")
@@ -20,12 +21,15 @@ class EdgeProcess:
         self.endpoint = endpoint
         self.parent = parent
         self.aggregator: EdgeAggregator | None = None
+        self.sequential = None   # edge/sequential.py (Fed-CHS) when topology.kind = "sequential"
         self._ready = threading.Event()
         self.address = endpoint.serve(self._handle, bind, register_handler=self._register)
 
     def _handle(self, request: Request):
         if self.aggregator is None:
             raise HandlerError("NOT_READY", f"{self.endpoint.node_id} has not finished registering")
+        if self.sequential is not None and request.envelope.method in SEQUENTIAL_METHODS:
+            return self.sequential.handle(request)
         return self.aggregator.handle(request)
 
     def _register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
@@ -51,7 +55,10 @@ class EdgeProcess:
         cfg = parse_config(reply.config_toml)
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
-        self.aggregator = EdgeAggregator(cfg, self.endpoint, reply.run_id, reply.config_toml)
+        aggregator = EdgeAggregator(cfg, self.endpoint, reply.run_id, reply.config_toml)
+        if cfg.topology.kind == "sequential":
+            self.sequential = SequentialEdge(aggregator)
+        self.aggregator = aggregator
         self._ready.set()
         if not self.aggregator.wait_for_clients(client_timeout):
             missing = sorted(set(self.aggregator.cluster) - set(self.aggregator.client_home))

@@ -21,6 +21,7 @@ from common.algorithms import build_algorithm
 from common.algorithms.base import COMPUTE_KEY, Payload, ServerState, finite_or_raise
 from common.algorithms.local import get_params, set_params
 from common.codec import PayloadError, check_tensors
+from common.compress import decompress_upload
 from common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
 from common.ledger import Ledger
 from common.rng import numpy_stream
@@ -146,10 +147,13 @@ class Coordinator:
         node = self.client_home[cid]
         reply = self.endpoint.call(node.address, client_node(cid), "train", round=round,
                                    timeout=self.cfg.run.call_timeout, prepared=prepared)
+        reply = decompress_upload(self.cfg, reply, self.algorithm.reply_spec(self.state))   # QSGD (common/compress.py)
         validate_reply(reply, self.algorithm.reply_spec(self.state), f"round {round} reply of client {cid}")
         return reply
 
     def run_round(self, round: int) -> RoundResult:
+        if self.cfg.topology.kind in ("sequential", "chain"):   # driven rounds: server/sequential.py, server/chain.py
+            return self.topology_driver().run_round(round)
         started = time.perf_counter()
         sampled = self.sample(round)
         message = self.clock.begin_round(round, sampled, self.algorithm.broadcast(self.state, round))
@@ -265,6 +269,14 @@ class Coordinator:
             results[self.edge_order(node_id)] = partial
         return results, failures
 
+    def topology_driver(self):
+        """The round driver of the sequential (Fed-CHS) and chain topologies, made on first use."""
+        driver = getattr(self, "_topology_driver", None)
+        if driver is None:
+            from server.sequential import make_driver
+            driver = self._topology_driver = make_driver(self)
+        return driver
+
     @staticmethod
     def edge_order(node_id: str) -> int:
         return int(node_id.split("-")[1])
@@ -273,6 +285,7 @@ class Coordinator:
         node = self.children[node_id]
         partial = self.endpoint.call(node.address, node_id, "edge_round", payload, round=round,
                                      timeout=self.cfg.run.round_timeout * 2)
+        partial = decompress_upload(self.cfg, partial, self.algorithm.reply_spec(self.state))   # QSGD
         validate_reply(partial, self.algorithm.reply_spec(self.state), f"round {round} partial of {node_id}")
         return partial
 

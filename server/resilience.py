@@ -171,13 +171,16 @@ def ledger_consistency(store) -> dict:
     the loss is recorded; every sent message has its receiver's record, or the loss is recorded.
 
     A lone record counts as an *explained loss* when
-    - it is a sender record with status 'lost' (the sender saw the call fail);
+    - it is a sender record with status 'lost' (the sender saw the call fail), or a receiver
+      record with status 'rejected' (a forged, replayed or corrupt message, its code recorded);
     - it is a reply ('ID.reply') whose request 'ID' is recorded lost or with an error (the caller
       saw the reply fail: dropped, corrupt, cut off; common/transport/base.py);
     - it is a request whose receiver process is recorded dead or failed in that round
       (its ledger died with it), or a message of a round the server aborted (resume);
-    - it is a receiver record (a heartbeat, a result) from a node recorded dead or failed, or
-      a message from a sender without a ledger (a hostile client: its rejection is recorded).
+    - it is a receiver record (a heartbeat, a result) from a node recorded dead or failed, from a
+      process whose ledger ends before it (killed between sending and recording), or from a
+      sender without a ledger (a hostile client: its rejection is recorded); or a sender record
+      to a node that keeps no ledger.
     Anything else is `unexplained`; `mismatched` pairs disagree on bytes, ends or link.
     `ok` = no unexplained lone record and no mismatch (what the fault tests assert)."""
     rep = store.check_agreement()
@@ -189,13 +192,20 @@ def ledger_consistency(store) -> dict:
         if e["kind"] in LOSS_EVENTS or e["kind"].startswith("aborted:"):
             failed_nodes.setdefault(int(e["round"] or 0), set()).add(e["node"])
     ever_failed = set().union(*failed_nodes.values()) if failed_nodes else set()
-    recorders = {r[0] for r in store._query("SELECT DISTINCT recorder FROM messages")}
+    last_record = dict(store._query("SELECT recorder, MAX(wall_time) FROM messages GROUP BY recorder"))
+    recorders = set(last_record)
+    # logical nodes ('client-7') are recorded by their process: they keep a ledger when some
+    # record names them as the recording end
+    recorders |= {r[0] for r in store._query("SELECT DISTINCT src FROM messages WHERE role = 'sender' UNION "
+                                             "SELECT DISTINCT dst FROM messages WHERE role = 'receiver'")}
     explained, unexplained = [], []
     for m in lone:
         why = None
         err = m["error"] or ""
         if m["role"] == "sender" and m["status"] == "lost":
             why = "sender recorded the loss"
+        elif m["role"] == "receiver" and m["status"] == "rejected":
+            why = "receiver rejected it with a typed error"
         elif err.startswith("aborted:"):
             why = "round aborted by a server restart"
         elif m["msg_id"].endswith(".reply"):
@@ -205,21 +215,30 @@ def ledger_consistency(store) -> dict:
         if why is None and m["role"] == "sender" and (m["dst"] in failed_nodes.get(int(m["round"]), set())
                                                       or m["dst"] in ever_failed and m["link"] == "control"):
             why = "receiver recorded dead or failed"
-        if why is None and m["role"] == "receiver" and (m["src"] in ever_failed or m["src"] not in recorders
-                                                        and not _hosted_by_recorder(m["src"], recorders)):
+        if why is None and m["role"] == "receiver" and (m["src"] in ever_failed or not _ledgered(m["src"], recorders)):
             why = "sender recorded dead or failed, or keeps no ledger"
+        if why is None and m["role"] == "sender" and not _ledgered(m["dst"], recorders):
+            why = "receiver keeps no ledger"
+        if why is None and m["role"] == "receiver" and m["src"] in recorders \
+                and last_record[m["src"]] <= m["wall_time"]:
+            why = "sender stopped (killed) before recording it"
         (explained if why else unexplained).append({"msg_id": m["msg_id"], "role": m["role"], "method": m["method"],
                                                     "round": m["round"], "src": m["src"], "dst": m["dst"],
                                                     "why": why or ""})
-    return {"ok": not unexplained and not rep.mismatched, "matched": rep.matched,
-            "mismatched": len(rep.mismatched), "lost_explained": len(explained),
+    # a pair that disagrees on bytes because the message was cut off on the way (one side
+    # recorded it lost or rejected) is a recorded partial loss, not an accounting error
+    partial = [m for m in rep.mismatched
+               if any(by_id.get((m, role), {}).get("status", "ok") != "ok" for role in ("sender", "receiver"))]
+    mismatched = [m for m in rep.mismatched if m not in partial]
+    return {"ok": not unexplained and not mismatched, "matched": rep.matched,
+            "mismatched": len(mismatched), "partial_losses": len(partial), "lost_explained": len(explained),
             "unexplained": len(unexplained), "unexplained_first": unexplained[:5]}
 
 
-def _hosted_by_recorder(node: str, recorders: set[str]) -> bool:
-    """Logical clients ('client-7') are recorded by their process ('client-proc1'): a logical
-    sender counts as ledgered when some client process recorded messages."""
-    return node.startswith("client-") and any(r.startswith("client-proc") for r in recorders)
+def _ledgered(node: str, recorders: set[str]) -> bool:
+    """Does `node` keep a ledger that reached run.db (it appears as the recording end of some
+    record)?  A hostile or foreign client does not."""
+    return node in recorders
 
 
 def fault_summary(store) -> dict:

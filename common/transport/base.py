@@ -64,6 +64,18 @@ def role_of(node_id: str) -> str:
     return node_id.split("-", 1)[0] if node_id != "server" else "server"
 
 
+CONTROL_METHOD_PREFIX = "control."
+
+
+def message_link(src: str, dst: str, method: str) -> str:
+    """The ledger link of a call: `control` for a method named control.* (a Fed-CHS neighbour
+    query: bookkeeping the papers do not count), otherwise by the two nodes' roles.  Both ends
+    apply the same rule, so the sender's and receiver's records agree."""
+    if method.startswith(CONTROL_METHOD_PREFIX):
+        return "control"
+    return link_for(role_of(src), role_of(dst))
+
+
 def direction_of(src: str, dst: str) -> str:
     order = {"server": 0, "edge": 1, "client": 2}
     a, b = order.get(role_of(src), 3), order.get(role_of(dst), 3)
@@ -120,7 +132,7 @@ class Endpoint(ABC):
             prepared = encode(payload if payload is not None else Payload(), pb.Envelope(), self.chunk_bytes,
                               self.checksum)
         request = prepared.with_header(env)
-        link = link or link_for(role_of(self.node_id), role_of(dst))
+        link = link or message_link(self.node_id, dst, method)
         started = time.perf_counter()
         try:
             decoded, sent_seconds = self._exchange(address, request, timeout)
@@ -210,7 +222,7 @@ class Endpoint(ABC):
                 return self._error_reply(None, exc.code, exc.detail).frames
             # the header arrived (the data was corrupt or short): record the rejected message and
             # answer with a routed typed error, so both ledgers pair the request and its reply
-            link = link_for(role_of(env.src), role_of(env.dst)) if env.src and env.dst else "control"
+            link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
             seen = Decoded(envelope=env, payload=Payload(), payload_bytes=decoder._payload_bytes,
                            frames=decoder._frames, tensor_bytes=int(env.data_bytes))
             reply = self._error_reply(env, exc.code, exc.detail)
@@ -219,7 +231,7 @@ class Endpoint(ABC):
             self._record(reply.envelope, reply, "sender", link, 0.0)
             return reply.frames
         env = decoded.envelope
-        link = link_for(role_of(env.src), role_of(env.dst)) if env.src and env.dst else "control"
+        link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
         recv_seconds = time.perf_counter() - started
         try:
             reply_payload = handler(Request(env, decoded.payload))

@@ -1,0 +1,109 @@
+"""Fed-CHS (Yan et al., "Sequential Federated Learning in Hierarchical Architecture on Non-IID
+Datasets"; digest shared/research/seed-004.md section 2): the client side and the edge step.
+
+Runs only on `topology.kind = "sequential"` (edge/sequential.py drives the rounds).  In round t
+the active edge m(t) makes K steps; at step k it broadcasts w_k to every client of its cluster and
+
+- E = 1 (`local_iters`, the paper's theory and Table 1): each client returns one minibatch
+  gradient g_n = grad f(w_k, xi_{n,k}) and the edge steps
+      w_{k+1} = w_k - eta_k * sum_n gamma_n g_n,   gamma_n = D_n / D_{A,m}        (Eq. 5)
+- E > 1 (Sec. 5.3, Fig. 2; the reply is not specified by the paper, digest 2.3): each client
+  runs E SGD steps from w_k with the step sizes the edge sends (tensor `lr_steps`, E float32)
+  and returns Delta_n = w_n^(E) - w_k; the edge steps w_{k+1} = w_k + sum_n gamma_n Delta_n.
+
+Step sizes are indexed by the local iteration j = k E + e of the round, J = K E in all:
+`lr_schedule = "inv_sqrt"`: eta_j = lr / (J sqrt(j + 1)) (Appendix B.1 with lr = 1 = 1/L),
+`"constant"`: eta_j = lr.  For E = 1 the client needs no step size, so a round moves exactly
+(2 K N_m + 1) model-sized tensors (digest 2.5).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from common.algorithms.base import (Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
+                                    weighted_mean)
+from common.algorithms.local import local_sgd, get_params, set_params
+from common.sampling import local_batches
+
+LR_STEPS = "lr_steps"
+
+
+@dataclass
+class FedCHSParams(AlgorithmParams):
+    local_iters: int = field(default=1, metadata={"min": 1})   # E: local iterations per client-edge interaction
+
+
+def step_sizes(lr: float, schedule: str, total: int) -> list[float]:
+    """eta_j for j = 0..total-1 (the schedule restarts every round)."""
+    if schedule == "inv_sqrt":
+        return [lr / (total * math.sqrt(j + 1)) for j in range(total)]
+    if schedule == "constant":
+        return [lr] * total
+    raise ValueError(f"algorithm.lr_schedule: got {schedule!r}, allowed for fedchs: constant, inv_sqrt")
+
+
+class FedCHS(Algorithm):
+    name = "fedchs"
+    Params = FedCHSParams
+
+    # ------------------------------------------------------------------ edge side
+    def round_step_sizes(self, steps_per_round: int) -> list[float]:
+        return step_sizes(self.cfg.lr, self.cfg.lr_schedule, steps_per_round * self.params.local_iters)
+
+    def step_message(self, params: dict[str, torch.Tensor], k: int, etas: list[float]) -> Payload:
+        """The broadcast of intra-round step k: w_k, plus the E step sizes when E > 1."""
+        tensors = dict(params)
+        E = self.params.local_iters
+        if E > 1:
+            tensors[LR_STEPS] = torch.tensor(etas[k * E:(k + 1) * E], dtype=torch.float32)
+        return Payload(tensors=tensors)
+
+    def cluster_step(self, params: dict[str, torch.Tensor], aggregate: Payload, k: int,
+                     etas: list[float]) -> dict[str, torch.Tensor]:
+        """w_{k+1} from w_k and the reduced replies (Eq. 5, or the delta form for E > 1)."""
+        out = {}
+        for name, w in params.items():
+            mean = weighted_mean(aggregate, name)
+            out[name] = (w - etas[k] * mean) if self.params.local_iters == 1 else (w + mean)
+        return out
+
+    # ------------------------------------------------------------------ client side
+    def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
+        model_tensors = {n: t for n, t in message.tensors.items() if n != LR_STEPS}
+        set_params(ctx.model, model_tensors)
+        E = self.params.local_iters
+        if E == 1:
+            data = ctx.task.client_data(ctx.client_id)
+            idx = next(iter(local_batches(data.rows, self.cfg.batch_size, 1, 0, ctx.generator)))
+            ctx.model.zero_grad(set_to_none=True)
+            loss = ctx.task.loss(ctx.model, tuple(t[idx] for t in data.tensors), ctx.generator)
+            loss.backward()
+            grads = {}
+            for name, p in ctx.model.named_parameters():
+                g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                if self.cfg.weight_decay:
+                    g = g + self.cfg.weight_decay * p.detach()
+                grads[name] = g
+            return Payload(tensors=grads, scalars={"weight": self.client_weight(ctx), "train_loss": float(loss.detach()),
+                                                   "local_steps": 1})
+        etas = message.tensors.get(LR_STEPS)
+        if etas is None or etas.numel() != E:
+            raise ValueError(f"fedchs: with local_iters = {E} the message must carry '{LR_STEPS}' of {E} step sizes")
+        ctx.local_steps = E
+        stats = local_sgd(ctx, self.cfg.lr, self.cfg.batch_size, self.cfg.weight_decay,
+                          lr_at=lambda j: float(etas[j]))
+        local = get_params(ctx.model)
+        delta = {name: local[name] - model_tensors[name] for name in model_tensors}
+        return Payload(tensors=delta, scalars={"weight": self.client_weight(ctx), "train_loss": stats.mean_loss,
+                                               "local_steps": stats.steps})
+
+    # ------------------------------------------------------------------ server side: none
+    def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
+        raise RuntimeError("fedchs has no server step: it runs only with topology.kind = \"sequential\", "
+                           "where the edges step the model (edge/sequential.py)")
+
+
+REGISTER = [FedCHS]

@@ -1,0 +1,71 @@
+"""FedNova (Wang, Liu, Liang, Joshi and Poor 2020, "Tackling the Objective Inconsistency Problem in
+Heterogeneous Federated Optimization"), with plain local SGD (a_i = [1, ..., 1], ||a_i||_1 = tau_i).
+
+Clients may take different numbers of local steps tau_i (a list `algorithm.local_steps`, one
+entry per client; local epochs over unequal data; stragglers).  FedAvg then converges to a
+stationary point of sum_i p_i tau_i f_i / sum_j p_j tau_j (objective inconsistency, Theorem 1);
+FedNova normalises each client's update by its step count (Eq. 6-7):
+
+    d_i      = (x_i - x_t) / tau_i                     (normalised update, sent by client i)
+    d        = sum_i p_i d_i
+    tau_eff  = sum_i p_i tau_i
+    x_{t+1}  = x_t + eta_g tau_eff d                   (eta_g = server_lr, 1 in the paper)
+
+Client i replies d_i (under the parameter names: the same d numbers as FedAvg) and tau_i as a
+0-dim float32 tensor `nova_tau` (4 bytes: the server's step uses it), both reduced by weighted
+sum, so sum_i w_i tau_i / sum_i w_i = tau_eff.  p_i = w_i / sum_{j in S} w_j follows
+`algorithm.weighting` (samples: the paper's p_i = n_i / n over the participants).  No server
+state.
+
+Hierarchical (documented rule): edges reduce the replies by weighted sums exactly as a star
+server would, so the server's step equals the star run's.  HierFAVG kappa2 > 1 is not supported
+(the edge would need the normalised step of several iterations); `edge_step` raises.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.algorithms.base import (WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
+                                    weighted_mean)
+from common.algorithms.local import get_params, local_sgd, set_params
+
+TAU_KEY = "nova_tau"
+
+
+@dataclass
+class FedNovaParams(AlgorithmParams):
+    pass
+
+
+class FedNova(Algorithm):
+    name = "fednova"
+    Params = FedNovaParams
+
+    def reply_spec(self, state: ServerState) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        spec = super().reply_spec(state)
+        spec[TAU_KEY] = (torch.float32, ())
+        return spec
+
+    def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
+        set_params(ctx.model, message.tensors)
+        stats = local_sgd(ctx, self.cfg.lr, self.cfg.batch_size, self.cfg.weight_decay)
+        local = get_params(ctx.model)
+        tau = stats.steps
+        tensors = {name: (local[name] - message.tensors[name]) / max(tau, 1) for name in message.tensors}  # d_i
+        tensors[TAU_KEY] = torch.tensor(float(tau), dtype=torch.float32)
+        return Payload(tensors=tensors, scalars={WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats.mean_loss,
+                                                 "local_steps": tau})
+
+    def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
+        tau_eff = float(aggregate.tensors[TAU_KEY]) / float(aggregate.scalars[WEIGHT_KEY])
+        state.scalars["fednova_tau_eff"] = tau_eff
+        for name, x in state.params.items():
+            x.add_(weighted_mean(aggregate, name), alpha=self.cfg.server_lr * tau_eff)   # x + eta_g tau_eff d
+
+    def edge_step(self, message: Payload, partial: Payload) -> Payload:
+        raise ValueError("fednova: hierarchical topology with kappa2 > 1 is not supported; use kappa2 = 1")
+
+
+REGISTER = [FedNova]

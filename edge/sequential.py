@@ -1,0 +1,199 @@
+"""Fed-CHS at one edge (Yan et al., Algorithm 1; digest shared/research/seed-004.md section 2).
+
+The edges sit on a graph and pass one model token; the server never holds it.  The methods:
+
+- `seq_round` (server -> the edge holding the token, round t, no tensors): run the round's K
+  steps with this edge's clients (each a broadcast of w_k and one reply per client, reduced
+  data-weighted, then `FedCHS.cluster_step`), evaluate the model when the server asks, pick
+  the next edge and hand the model to it.  The reply carries the round's metrics, the chosen
+  edge and the skipped ones, and, in the last round only, the final model.  The first call
+  (`start`) makes this edge m(0): it builds w^0 from the run's seeded initialisation, as every
+  process can.
+- `control.seq_query` (edge -> neighbour, a `control` message): the neighbour's visit count
+  c(m') and cluster data size D_{A,m'}.
+- `seq_handoff` (edge -> next edge, link edge-edge): the model w^{t+1}; the receiver counts
+  the visit, c(m(t+1)) += 1, and holds the token for round t + 1.
+
+Next edge: `common.topology.next_edge_order` over the neighbours that answered the query
+(least visits, largest D_A, smallest id).  If the chosen edge does not take the hand-off the
+token goes to the next one in that order; every neighbour passed over is reported to the
+server (which records a `handoff_skipped` event).  If no neighbour takes it the edge keeps
+the token and runs the next round itself (counted as a visit).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from concurrent.futures import wait
+
+import torch
+
+from common.algorithms.base import Payload
+from common.algorithms.fedchs import FedCHS
+from common.algorithms.local import get_params, set_params
+from common.codec import PayloadError, check_tensors
+from common.compress import decompress_upload
+from common.tasks import build_task
+from common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_index, edge_node, next_edge_order,
+                             topology_params)
+from common.transport.base import CallFailed, HandlerError, RemoteError, Request
+from common.validation import validate_reply
+
+log = logging.getLogger("fedhop.edge")
+
+METHODS = frozenset({"seq_round", "seq_handoff", "control.seq_query"})
+
+
+class SequentialEdge:
+    def __init__(self, aggregator) -> None:
+        self.agg = aggregator
+        self.cfg = aggregator.cfg
+        self.endpoint = aggregator.endpoint
+        self.index = aggregator.index
+        if not isinstance(aggregator.algorithm, FedCHS):
+            raise ValueError(f"topology.kind = 'sequential' needs algorithm.name = 'fedchs', "
+                             f"got '{self.cfg.algorithm.name}'")
+        self.algorithm: FedCHS = aggregator.algorithm
+        self.params = topology_params(self.cfg)
+        self.neighbours = edge_graph(self.cfg)[self.index]
+        self.task = build_task(self.cfg)
+        self.model = self.task.build_model()
+        self.spec = self.algorithm.reply_spec(aggregator.model_state)
+        self.data_size = sum(self.task.client_data(c).num_samples for c in aggregator.cluster)   # D_{A,m}
+        self.visits = 0                                   # c(m)
+        self.token: dict[str, torch.Tensor] | None = None
+        self.token_round = 0                              # the round the held token is for
+        self.etas = self.algorithm.round_step_sizes(self.params.steps_per_round)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, request: Request) -> Payload:
+        env = request.envelope
+        if env.run_id != self.agg.run_id:
+            raise HandlerError("WRONG_RUN", f"message for run '{env.run_id}', this edge serves '{self.agg.run_id}'")
+        if env.method == "control.seq_query":
+            with self._lock:
+                return Payload(scalars={"visits": self.visits, "data_size": self.data_size})
+        if env.method == "seq_handoff":
+            return self.take_handoff(env.src, int(env.round), request.payload)
+        return self.run_round(int(env.round), request.payload)
+
+    def take_handoff(self, src: str, round: int, payload: Payload) -> Payload:
+        try:
+            sender = edge_index(src)
+        except ValueError:
+            sender = -1
+        if sender not in self.neighbours:
+            raise HandlerError("NOT_NEIGHBOUR", f"{src} is not a neighbour of {self.endpoint.node_id} "
+                                                f"(neighbours: {self.neighbours})")
+        check_tensors(payload, self.spec, f"hand-off from {src}")
+        if not all(bool(torch.isfinite(t).all()) for t in payload.tensors.values()):
+            raise PayloadError("NON_FINITE", f"hand-off from {src} holds NaN or Inf")
+        with self._lock:
+            self.token = {k: v.clone() for k, v in payload.tensors.items()}
+            self.token_round = round + 1
+            self.visits += 1                              # c(m(t+1)) += 1
+            return Payload(scalars={"visits": self.visits})
+
+    # ------------------------------------------------------------------ one round
+    def run_round(self, round: int, message: Payload) -> Payload:
+        sc = message.scalars
+        with self._lock:
+            if sc.get("start", False):
+                self.token = {k: v.clone() for k, v in get_params(self.task.build_model()).items()}   # w^0
+                self.token_round = round
+                if self.params.count_start:
+                    self.visits += 1
+            if self.token is None or self.token_round != round:
+                raise HandlerError("NO_TOKEN", f"{self.endpoint.node_id} holds no model for round {round}")
+            w = self.token
+            self.token = None
+        failures: dict[int, str] = {}
+        loss_sum, weight_sum = 0.0, 0.0
+        for k in range(self.params.steps_per_round):
+            replies, failed = self._collect(round, k, self.algorithm.step_message(w, k, self.etas))
+            failures.update({c: f"step {k}: {why}" for c, why in failed.items()})
+            if not replies:
+                raise HandlerError("NO_RESULTS", f"no client of {self.endpoint.node_id} answered step {k} of round "
+                                                 f"{round}: {failed}")
+            agg = self.algorithm.aggregate(sorted(replies.items()))
+            w = self.algorithm.cluster_step(w, agg, k, self.etas)
+            if "train_loss" in agg.scalars:
+                loss_sum += float(agg.scalars["train_loss"])
+                weight_sum += float(agg.scalars["weight"])
+        out = Payload(scalars={"edge": self.index, "failures_json": json.dumps({str(c): v for c, v in
+                                                                                sorted(failures.items())})})
+        if weight_sum:
+            out.scalars["client_train_loss"] = loss_sum / weight_sum
+        if sc.get("evaluate", False):
+            set_params(self.model, w)
+            with torch.no_grad():
+                for name, value in self.task.evaluate(self.model).items():
+                    if math.isfinite(float(value)):
+                        out.scalars[SEQ_METRIC_PREFIX + name] = float(value)
+        if sc.get("last", False):
+            out.tensors = dict(w)          # the final model: the only model that reaches the server
+            out.scalars["next_edge"] = -1
+            return out
+        peers = json.loads(str(sc.get("peers", "{}")))
+        nxt, skipped, answers = self._hand_off(round, w, {int(e): a for e, a in peers.items()})
+        out.scalars.update({"next_edge": nxt, "skipped_json": json.dumps(skipped),
+                            "neighbours_json": json.dumps({str(e): v for e, v in sorted(answers.items())})})
+        return out
+
+    def _collect(self, round: int, step: int, message: Payload):
+        prepared = self.endpoint.prepare(message)
+        futures = {c: self.agg._pool.submit(self._train_one, c, round, step, prepared) for c in self.agg.cluster}
+        _, pending = wait(futures.values(), timeout=self.cfg.run.round_timeout)
+        replies, failures = {}, {}
+        for c, fut in futures.items():
+            if fut in pending:
+                failures[c] = f"timeout at {self.endpoint.node_id}"
+                continue
+            try:
+                replies[c] = fut.result()
+            except (CallFailed, RemoteError, PayloadError, HandlerError) as exc:
+                failures[c] = str(exc)
+        return replies, failures
+
+    def _train_one(self, cid: int, round: int, step: int, prepared) -> Payload:
+        if cid not in self.agg.client_home:
+            raise HandlerError("UNKNOWN_CLIENT", f"client {cid} never registered with {self.endpoint.node_id}")
+        _, address = self.agg.client_home[cid]
+        reply = self.endpoint.call(address, f"client-{cid}", "train", round=round, step=step,
+                                   timeout=self.cfg.run.call_timeout, prepared=prepared)
+        reply = decompress_upload(self.cfg, reply, self.spec)
+        validate_reply(reply, self.spec, f"round {round} step {step} reply of client {cid}")
+        return reply
+
+    # ------------------------------------------------------------------ selection and hand-off
+    def _hand_off(self, round: int, w: dict[str, torch.Tensor], peers: dict[int, str]):
+        """Query the neighbours (control), rank them, hand the model to the first that takes it.
+        Returns (next edge, [[edge, why], ...] passed over, {edge: [visits, data size]})."""
+        timeout = self.cfg.run.call_timeout
+        answers: dict[int, tuple[int, int]] = {}
+        skipped: list[list] = []
+        for e in self.neighbours:
+            if e not in peers:
+                skipped.append([e, "not registered with the server"])
+                continue
+            try:
+                r = self.endpoint.call(peers[e], edge_node(e), "control.seq_query", Payload(), round=round,
+                                       timeout=timeout)
+                answers[e] = (int(r.scalars["visits"]), int(r.scalars["data_size"]))
+            except (CallFailed, RemoteError, PayloadError, KeyError, ValueError) as exc:
+                skipped.append([e, f"no answer to the neighbour query: {exc}"])
+        for e in next_edge_order(answers):
+            try:
+                self.endpoint.call(peers[e], edge_node(e), "seq_handoff", Payload(tensors=w), round=round,
+                                   timeout=timeout)
+                return e, skipped, answers
+            except (CallFailed, RemoteError, PayloadError) as exc:
+                skipped.append([e, f"hand-off failed: {exc}"])
+        log.warning("round %d: no neighbour took the model; %s keeps it", round, self.endpoint.node_id)
+        with self._lock:
+            self.token, self.token_round = w, round + 1
+            self.visits += 1
+        return self.index, skipped, answers

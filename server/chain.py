@@ -1,0 +1,90 @@
+"""The chain topology: weighted random-walk gradient descent over clients (Ayache & El
+Rouayheb 2019, the Fed-CHS paper's WRWGD baseline; digest seed-004 section 3.4).
+
+One model walks over the clients.  The next client is drawn with probability D_j / D_A (a
+Metropolis-Hastings walk on the complete client graph whose stationary law is the data
+share; with proposals drawn from that law every move is accepted), so the expected update is
+the gradient of F = sum_j (D_j / D_A) f_j and no importance weight is needed.  At each visit
+the client runs `algorithm.local_steps` local steps from the model (one gradient step with
+local_steps = 1) and the model moves by the client's update (`server_update` on a single
+reply: w <- w + server_lr * Delta_j for FedAvg).
+
+The server drives the walk: it sends the model to the visited client and takes the updated
+model back, so a hop costs 2 model transfers on the client-server link (the paper counts 1 Q per
+hop for a direct client-to-client pass; docs/topologies.md).  A round is `hops_per_round`
+visits drawn from the stream ("chain", round); a client that fails is passed over.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+
+from common.algorithms.base import Payload
+from common.codec import PayloadError
+from common.compress import decompress_upload
+from common.rng import numpy_stream
+from common.topology import topology_params
+from common.transport.base import CallFailed, RemoteError
+from common.validation import validate_reply
+
+
+class ChainDriver:
+    def __init__(self, coord) -> None:
+        from server.coordinator import RunFailed
+        self.RunFailed = RunFailed
+        self.coord = coord
+        cfg = coord.cfg
+        if cfg.transport.kind == "torch":
+            raise RunFailed("topology.kind = 'chain' runs over transport.kind = 'grpc'")
+        self.hops = topology_params(cfg).hops_per_round
+        sizes = np.array([coord.task.client_data(c).num_samples for c in range(cfg.clients.count)], dtype=float)
+        self.p = sizes / sizes.sum()
+        self.walk: list[int] = []
+        coord.summary_hooks.append(self.summary)
+
+    def summary(self) -> dict:
+        visits = Counter(self.walk)
+        return {"client_walk": list(self.walk), "client_walk_length": len(self.walk),
+                "client_visits": [visits.get(c, 0) for c in range(self.coord.cfg.clients.count)]}
+
+    def draw(self, round: int) -> list[int]:
+        """This round's visited clients: i.i.d. draws j ~ D_j / D_A from the stream ("chain", round)."""
+        rng = numpy_stream(self.coord.cfg.run.seed, "chain", round)
+        return [int(c) for c in rng.choice(len(self.p), size=self.hops, p=self.p)]
+
+    def run_round(self, round: int):
+        from server.coordinator import RoundResult, client_node
+        coord, cfg = self.coord, self.coord.cfg
+        algo = coord.algorithm
+        started = time.perf_counter()
+        visits = self.draw(round)
+        failures: dict[int, str] = {}
+        loss_sum, done = 0.0, []
+        for hop, cid in enumerate(visits):
+            node = coord.client_home.get(cid)
+            try:
+                if node is None:
+                    raise CallFailed("UNAVAILABLE", f"client {cid} is not registered")
+                reply = coord.endpoint.call(node.address, client_node(cid), "train", algo.broadcast(coord.state, round),
+                                            round=round, step=hop, timeout=cfg.run.call_timeout)
+                spec = algo.reply_spec(coord.state)
+                reply = decompress_upload(cfg, reply, spec)
+                validate_reply(reply, spec, f"round {round} hop {hop} reply of client {cid}")
+            except (CallFailed, RemoteError, PayloadError) as exc:
+                failures[cid] = str(exc)
+                coord.store.add_event("client_failed", node=client_node(cid), detail=f"hop {hop}: {exc}", round=round)
+                continue
+            algo.server_update(coord.state, algo.aggregate([(cid, reply)]), round)
+            loss_sum += float(reply.scalars.get("train_loss", 0.0))
+            done.append(cid)
+            self.walk.append(cid)
+        if not done:
+            raise self.RunFailed(f"round {round}: none of the {len(visits)} visited clients answered")
+        metrics = coord._round_metrics(round, Payload(scalars={"weight": 1.0, "train_loss": loss_sum / len(done)}))
+        metrics["hops"] = float(len(done))
+        result = RoundResult(round, sorted(set(visits)), sorted(set(done)), failures, metrics,
+                             time.perf_counter() - started)
+        coord._record_round(result)
+        return result

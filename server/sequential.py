@@ -1,0 +1,121 @@
+"""The server's side of the sequential topology (Fed-CHS; edge/sequential.py is the edges' side).
+
+The server is only the control plane here (DESIGN.md section 2): each round it sends the
+token's round call `seq_round` (no tensors; the first one is the start token) to the edge that
+holds the model, and the reply brings the round's metrics (computed by that edge on the model
+it holds: the task's held-out evaluation, every `run.eval_every` rounds), the next edge and the
+neighbours passed over.  Only in the last round does the reply carry a model: the final one,
+which the server stores and evaluates.  Every hand-off and every skip is an event in run.db;
+summary.json gets `edge_sequence`, `edge_graph`, `edge_data_sizes` and `edge_visits`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import torch
+
+from common.algorithms.base import Payload
+from common.codec import PayloadError, check_tensors
+from common.topology import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, edge_node, start_edge
+from common.transport.base import CallFailed, RemoteError
+
+
+def make_driver(coord):
+    """The round driver of `coord.cfg.topology.kind` ("sequential" or "chain")."""
+    if coord.cfg.topology.kind == "chain":
+        from server.chain import ChainDriver
+        return ChainDriver(coord)
+    return SequentialDriver(coord)
+
+
+class SequentialDriver:
+    def __init__(self, coord) -> None:
+        from server.coordinator import RunFailed   # (imported here: coordinator imports this module lazily)
+        self.RunFailed = RunFailed
+        self.coord = coord
+        cfg = coord.cfg
+        if cfg.algorithm.name != "fedchs":
+            raise RunFailed(f"topology.kind = 'sequential' needs algorithm.name = 'fedchs', got "
+                            f"'{cfg.algorithm.name}'")
+        if cfg.transport.kind == "torch":
+            raise RunFailed("topology.kind = 'sequential' runs over transport.kind = 'grpc' (the hand-off is a "
+                            "gRPC call between edges)")
+        try:
+            self.graph = edge_graph(cfg)
+            self.start = start_edge(cfg)
+        except ValueError as exc:
+            raise RunFailed(str(exc)) from None
+        self.clusters = cluster_assignment(cfg)
+        self.data_sizes = [sum(coord.task.client_data(c).num_samples for c in cluster) for cluster in self.clusters]
+        self.holder = self.start
+        self.sequence: list[int] = []
+        self.skips = 0
+        coord.summary_hooks.append(self.summary)
+
+    def summary(self) -> dict:
+        visits = Counter(self.sequence)
+        return {"edge_sequence": list(self.sequence), "edge_graph": self.graph, "edge_data_sizes": self.data_sizes,
+                "edge_start": self.start, "edge_visits": [visits.get(e, 0) for e in range(len(self.graph))],
+                "handoff_skips": self.skips}
+
+    def run_round(self, round: int):
+        from server.coordinator import RoundResult
+        coord, cfg = self.coord, self.coord.cfg
+        started = time.perf_counter()
+        if round != len(self.sequence) + 1:
+            raise self.RunFailed(f"round {round}: the sequential topology cannot resume mid-run (the model lives "
+                                 f"on the edges)")
+        holder = self.holder
+        node = coord.children.get(edge_node(holder))
+        if node is None:
+            raise self.RunFailed(f"round {round}: {edge_node(holder)}, which holds the model, never registered")
+        peers = {str(e): coord.children[edge_node(e)].address for e in self.graph[holder]
+                 if edge_node(e) in coord.children}
+        last = round == cfg.run.rounds
+        every = cfg.run.eval_every
+        message = Payload(scalars={"start": round == 1, "last": last,
+                                   "evaluate": last or bool(every and round % every == 0),
+                                   "peers": json.dumps(peers)})
+        try:
+            reply = coord.endpoint.call(node.address, node.node_id, "seq_round", message, round=round,
+                                        timeout=cfg.run.round_timeout * 2)
+        except (CallFailed, RemoteError, PayloadError) as exc:
+            coord.store.add_event("edge_failed", node=node.node_id, detail=str(exc), round=round)
+            raise self.RunFailed(f"round {round}: {node.node_id}, which holds the model, failed: {exc}") from None
+        if last:
+            spec = {k: (v.dtype, tuple(v.shape)) for k, v in coord.state.params.items()}
+            try:
+                check_tensors(reply, spec, f"final model from {node.node_id}")
+            except PayloadError as exc:
+                raise self.RunFailed(str(exc)) from None
+            if not all(bool(torch.isfinite(t).all()) for t in reply.tensors.values()):
+                raise self.RunFailed(f"the final model from {node.node_id} holds NaN or Inf")
+            coord.state.params = {k: reply.tensors[k].clone() for k in spec}
+        elif reply.tensors:
+            raise self.RunFailed(f"round {round}: {node.node_id} sent model tensors to the server before the last round")
+        cluster = self.clusters[holder]
+        failures = {int(c): why for c, why in json.loads(str(reply.scalars.get("failures_json", "{}"))).items()}
+        for cid, why in sorted(failures.items()):
+            coord.store.add_event("client_failed", node=f"client-{cid}", detail=f"at {node.node_id}: {why}", round=round)
+        nxt = int(reply.scalars.get("next_edge", -1))
+        for e, why in json.loads(str(reply.scalars.get("skipped_json", "[]"))):
+            self.skips += 1
+            coord.store.add_event("handoff_skipped", node=edge_node(int(e)), round=round,
+                                  detail=f"{node.node_id} passed over {edge_node(int(e))}: {why}")
+        if not last:
+            coord.store.add_event("handoff", node=node.node_id, round=round,
+                                  detail=json.dumps({"from": holder, "to": nxt,
+                                                     "neighbours": json.loads(str(reply.scalars.get("neighbours_json", "{}")))}))
+        metrics = {k[len(SEQ_METRIC_PREFIX):]: float(v) for k, v in reply.scalars.items()
+                   if k.startswith(SEQ_METRIC_PREFIX)}
+        if "client_train_loss" in reply.scalars:
+            metrics["client_train_loss"] = float(reply.scalars["client_train_loss"])
+        metrics["edge"] = float(holder)
+        self.sequence.append(holder)
+        self.holder = nxt
+        participants = sorted(set(cluster) - set(failures))
+        result = RoundResult(round, list(cluster), participants, failures, metrics, time.perf_counter() - started)
+        coord._record_round(result)
+        return result

@@ -1,0 +1,152 @@
+"""Helpers for the process-level fault tests and benchmarks/fault_table.py: a quadratic problem
+whose rounds take about a second (so a kill lands in the middle of one), process liveness
+checks, waiting for rounds, and the run.db checks every fault scenario shares."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common.runstore import RunStore
+from deploy.launcher import read_progress
+from server.resilience import ledger_consistency
+from tests.helpers import quadratic_config
+
+RNG = np.random.default_rng(17)
+CENTERS = RNG.normal(0, 2, size=(8, 4))
+CURV = RNG.uniform(0.5, 2.0, size=(8, 4))
+SIZES = [5, 9, 13, 3, 7, 11, 2, 8]
+STEPS, LR = 3000, 0.01          # ~0.3 s of local work per client: rounds of about a second
+
+# fast liveness: heartbeats every 0.25 s, dead after 1.5 s of silence, children give up after 3 s
+FAST_LIVENESS = ["security.heartbeat_interval=0.25", "security.heartbeat_timeout=1.5", "security.parent_timeout=3.0",
+                 "security.insecure=true", "run.min_results=1", "run.call_timeout=20.0", "run.round_timeout=30.0",
+                 "run.eval_every=0"]
+
+
+def slow_quadratic(rounds: int, *, processes: int = 4, topology: str = "", algorithm: str = "fedavg",
+                   extra_algorithm: str = "", name: str = "faults") -> str:
+    return quadratic_config(CENTERS, CURV, SIZES, rounds=rounds, local_steps=STEPS, lr=LR, processes=processes,
+                            topology=topology, algorithm=algorithm, extra_algorithm=extra_algorithm, name=name)
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for_round(run_dir: Path, round: int, timeout: float = 120.0) -> float:
+    """Block until run.db records `round`; returns the time it appeared (time.monotonic)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if read_progress(run_dir / "run.db", round - 1):
+            return time.monotonic()
+        time.sleep(0.02)
+    raise AssertionError(f"round {round} never finished in {run_dir}")
+
+
+def wait_dead(pids: list[int], timeout: float) -> float:
+    """Seconds until every pid is gone; AssertionError if some outlive `timeout`."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if not any(alive(p) for p in pids):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"processes left behind: {[p for p in pids if alive(p)]}")
+
+
+def failed_by_round(store: RunStore) -> dict[int, set[int]]:
+    """{round: logical clients whose result was not used} from the events of the final attempt."""
+    out: dict[int, set[int]] = {}
+    for e in store.events():
+        if e["kind"] in ("client_failed", "rejected_payload") and e["node"].startswith("client-"):
+            out.setdefault(int(e["round"]), set()).add(int(e["node"].split("-")[1]))
+    return out
+
+
+def reference_model(rounds: int, left_out: dict[int, set[int]]) -> np.ndarray:
+    from tests.cluster import fedavg_reference
+    return fedavg_reference(CENTERS, CURV, SIZES, rounds, STEPS, LR, left_out)
+
+
+def check_run_db(run_dir: Path, rounds: int) -> dict:
+    """What every fault scenario must leave: summary completed, each round stored exactly once,
+    the summary's failure count equal to the failures stored per round and to the failure events,
+    and a consistent ledger.  Returns the summary."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == rounds, summary.get("error")
+    store = RunStore(run_dir / "run.db")
+    got = [r["round"] for r in store.rounds()]
+    assert got == list(range(1, rounds + 1)), got                      # nothing lost, nothing twice
+    per_round = sum(int(r["failures"] or 0) for r in store.rounds())
+    events = sum(len(v) for v in failed_by_round(store).values())
+    assert summary["failures"] == per_round == events, (summary["failures"], per_round, events)
+    consistency = ledger_consistency(store)
+    assert consistency["ok"], consistency
+    # every used result appears once: one accepted train reply per participant and round
+    ok_replies = store._query("SELECT round, COUNT(*) FROM messages WHERE role = 'receiver' AND method = 'train.reply' "
+                              "AND status = 'ok' AND error NOT LIKE 'aborted:%' GROUP BY round")
+    participants = {r["round"]: r["participants"] for r in store.rounds()}
+    if summary["topology"] == "star":
+        assert dict(ok_replies) == {r: int(p) for r, p in participants.items()}, (ok_replies, participants)
+    return summary
+
+
+def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, processes: int = 4) -> dict:
+    """Run `rounds` rounds with `kills` client processes killed (-9) at seeded random moments and
+    each restarted (same node id, same clients) a seeded random moment later.  Returns what was
+    done: kills, restarts, times, and how many restarts came before the server had noticed."""
+    from common.config import load_config
+    from common.rng import numpy_stream
+    from deploy.launcher import LocalRun, client_blocks, id_spec
+
+    cfg_file = tmp_path / "soak.toml"
+    cfg_file.write_text(slow_quadratic(rounds, processes=processes, name="soak"))
+    run = LocalRun(load_config(cfg_file, FAST_LIVENESS), tmp_path / "run")
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    server = run.start([])
+    address = (run.run_dir / "server.address").read_text().strip()
+    blocks = client_blocks(run.cfg.clients.count, run.cfg.clients.processes)
+    rng = numpy_stream(seed, "soak")
+    done = {"kills": 0, "restarts": 0, "restarted_before_detection": 0, "events": []}
+    try:
+        wait_for_round(run.run_dir, 1)
+        current = {c.name: c for c in run.children if c.name.startswith("client-proc")}
+        for _ in range(kills):
+            time.sleep(float(rng.uniform(0.5, 2.5)))
+            if server.proc.poll() is not None:
+                break
+            name = sorted(current)[int(rng.integers(len(current)))]
+            os.kill(current[name].proc.pid, signal.SIGKILL)
+            current[name].proc.wait()
+            done["kills"] += 1
+            down = float(rng.uniform(0.2, 2.5))
+            time.sleep(down)
+            p = int(name.removeprefix("client-proc"))
+            current[name] = run.spawn(name, ["client", "--parent", address, "--clients", id_spec(blocks[p]),
+                                             "--node-id", name, "--listen", f"{run.cfg.transport.host}:0",
+                                             "--ledger-dir", str(run.run_dir / "ledger")] + run.security_args())
+            done["restarts"] += 1
+            done["restarted_before_detection"] += down < 1.5     # security.heartbeat_timeout in FAST_LIVENESS
+            done["events"].append((name, round(down, 2)))
+        assert server.proc.wait(timeout=300) == 0, tail_log(run)
+        wait_dead([c.proc.pid for c in run.children], timeout=15)
+    finally:
+        run.stop_all()
+    return done
+
+
+def tail_log(run) -> str:
+    from deploy.launcher import tail
+    return tail(run.children[0].log, 30)
