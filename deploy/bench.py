@@ -2,6 +2,7 @@
 
     fedhop bench transport [--sizes 1,10,100] [--repeats 5] [--rounds 20] [--tiny]
     fedhop bench compute | scale | growth [--tiny]      (deploy/bench_system.py)
+    fedhop bench flower [--rounds 20] [--flwr-python PY] (benchmarks/flower_compare.py)
 
 Prints, for each model size, the throughput of sending it over fedhop's gRPC transport
 (encode + stream + decode, two processes on loopback) beside a plain TCP socket moving the
@@ -200,6 +201,11 @@ def transport(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "flower":   # framework overhead against Flower: benchmarks/flower_compare.py
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from benchmarks.flower_compare import main as flower_main
+        return flower_main(argv[1:])
     ap = argparse.ArgumentParser(prog="fedhop bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["transport", "compute", "scale", "growth"])
