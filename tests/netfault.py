@@ -7,7 +7,7 @@ framing, which keeps the injected fault the one the test means:
 
 - mode "corrupt": with probability `p` per large DATA frame (>= `min_data` bytes), flip one bit
   of the frame's last byte.  gRPC DATA frames carry our codec frames, and the last byte of a
-  large one is tensor data, so the receiver's CRC-32 check must answer CHECKSUM_MISMATCH.
+  large one is tensor data, so the receiver's XXH3-64 check must answer CHECKSUM_MISMATCH.
 - mode "drop": with probability `p` per large DATA frame, forward only the first half of the
   frame, then close both sockets: the message is truncated and the connection dropped.
 

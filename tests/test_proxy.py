@@ -86,7 +86,7 @@ def test_corruption_goes_undetected_without_the_checksum_so_the_crc_matters(tmp_
     try:
         cluster.add_client("client-proc0", [0, 1])
         cluster.add_client("client-proc1", BEHIND, advertise=behind_proxy)
-        assert not cluster.clients[1].endpoint.checksum        # the config turned the CRC off everywhere
+        assert not cluster.clients[1].endpoint.checksum        # the config turned the checksum off everywhere
         summary = cluster.run()
     finally:
         cluster.close()
