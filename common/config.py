@@ -360,6 +360,14 @@ def _cross_checks(cfg: Config) -> None:
     elif topo.assignment not in ("blocks", "shuffled"):
         raise ConfigError(f"config key 'topology.assignment': got {topo.assignment!r}, allowed: blocks, shuffled, "
                           f"or a list of client-id lists")
+    if topo.kind == "hierarchical":
+        from common.algorithms import registry   # local: the algorithms import this module
+        from common.topology import topology_params
+        kappa2 = getattr(topology_params(cfg), "kappa2", 1)
+        algorithm = registry().get(cfg.algorithm.name)
+        if kappa2 > 1 and algorithm is not None and not algorithm.edge_iterations:
+            raise ConfigError(f"config key 'topology.kappa2': got {kappa2}, but algorithm '{cfg.algorithm.name}' "
+                              f"defines no edge step between server rounds; use kappa2 = 1")
 
 
 def _is_int(v: Any) -> bool:

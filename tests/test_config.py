@@ -394,3 +394,16 @@ def test_writer_rejects_unwritable_values():
     cfg.data.options["thing"] = object()
     with pytest.raises(ConfigError, match="data.thing"):
         config_to_toml(cfg)
+
+
+@pytest.mark.parametrize("name, refused", [("scaffold", True), ("fednova", True), ("fedmid", True),
+                                           ("local_sgda", True), ("fedavg", False), ("fedadam", False)])
+def test_kappa2_above_one_is_refused_at_load_for_algorithms_without_an_edge_step(name, refused):
+    text = (f'[algorithm]\nname = "{name}"\n[topology]\nkind = "hierarchical"\nedges = 2\nkappa2 = 2\n'
+            f'[clients]\ncount = 10\n')
+    if refused:
+        with pytest.raises(ConfigError, match=f"topology.kappa2.*'{name}'"):
+            parse_config(text)
+    else:
+        assert parse_config(text).topology.params.kappa2 == 2
+    assert parse_config(text.replace("kappa2 = 2", "kappa2 = 1")).topology.params.kappa2 == 1

@@ -97,6 +97,9 @@ class Algorithm(ABC):
     # how reply fields combine across clients; keys absent here default to "wsum" for
     # tensors and "wsum" for float scalars.
     reply_reduce: Mapping[str, ReduceOp] = {}
+    # whether an edge may step its model between server rounds (hierarchical kappa2 > 1, via
+    # edge_step); the config loader refuses kappa2 > 1 for an algorithm that sets this False
+    edge_iterations: bool = True
 
     def __init__(self, cfg: Any, params: AlgorithmParams | None = None) -> None:
         """`cfg` is the validated `[algorithm]` section (common.config.AlgorithmConfig)."""

@@ -267,6 +267,8 @@ class CompositeAlgorithm(Algorithm):
         for n, t in state.params.items():
             t.copy_(w[n])
 
+    edge_iterations = False   # kappa2 > 1 is refused when the config is loaded
+
     def edge_step(self, message: Payload, partial: Payload) -> Payload:
         raise ValueError(f"{self.name}: hierarchical rounds with kappa2 > 1 are not supported (an edge-level "
                          f"prox step is not defined by the papers); use kappa2 = 1, where edges only "

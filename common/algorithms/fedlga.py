@@ -282,6 +282,8 @@ class FedLGA(Algorithm):
         for name, w in state.params.items():
             w.add_(total[name] / total_weight, alpha=self.cfg.server_lr)
 
+    edge_iterations = False   # kappa2 > 1 is refused when the config is loaded
+
     def edge_step(self, message: Payload, partial: Payload) -> Payload:
         raise NotImplementedError("fedlga: edge iterations (topology kappa2 > 1) are not supported; "
                                   "use kappa2 = 1 (edges forward stragglers' deltas, seed-002.md 3.4)")

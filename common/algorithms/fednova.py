@@ -64,6 +64,8 @@ class FedNova(Algorithm):
         for name, x in state.params.items():
             x.add_(weighted_mean(aggregate, name), alpha=self.cfg.server_lr * tau_eff)   # x + eta_g tau_eff d
 
+    edge_iterations = False   # kappa2 > 1 is refused when the config is loaded
+
     def edge_step(self, message: Payload, partial: Payload) -> Payload:
         raise ValueError("fednova: hierarchical topology with kappa2 > 1 is not supported; use kappa2 = 1")
 

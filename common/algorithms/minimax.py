@@ -323,6 +323,8 @@ class MinimaxAlgorithm(Algorithm):
             state.scalars["snapshot_version"] = int(state.scalars["snapshot_version"]) + 1
 
     # ================================================================== edges
+    edge_iterations = False   # kappa2 > 1 is refused when the config is loaded
+
     def edge_step(self, message: Payload, partial: Payload) -> Payload:
         raise ValueError(f"{self.name}: hierarchical runs need topology kappa2 = 1 (edges forward one weighted "
                          f"sum per round; an intermediate edge step is not defined for this algorithm)")

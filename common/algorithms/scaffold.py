@@ -128,6 +128,8 @@ class Scaffold(Algorithm):
         return self._total_weight[key]
 
     # ------------------------------------------------------------------ edge side
+    edge_iterations = False   # kappa2 > 1 is refused when the config is loaded
+
     def edge_step(self, message: Payload, partial: Payload) -> Payload:
         raise ValueError("scaffold: hierarchical topology with kappa2 > 1 is not supported (a client's Delta c "
                          "over several edge iterations is not an edge partial aggregate); use kappa2 = 1")
