@@ -1,8 +1,10 @@
 """A client process's side of the torch.distributed data plane (common/transport/torchdist.py).
 
-Control calls arrive over gRPC (`torch_init`, `torch_round`, `torch_reduce`); the tensors move
-as collectives.  The process pre-aggregates its own sampled logical clients with the
-algorithm's `aggregate`, as an edge would, and contributes one partial to the reduce.
+Control calls arrive over gRPC (`torch_init`, `torch_round`, `torch_reduce`) from the server
+(star) or from this process's edge (hierarchical: the collectives run in the edge's cluster
+group, rooted at the edge, once per edge iteration); the tensors move as collectives.  The
+process pre-aggregates its own sampled logical clients with the algorithm's `aggregate`, as
+an edge would, and contributes one partial to the reduce.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 from common.algorithms.base import Payload
 from common.codec import DTYPE_NAMES, DTYPES, PayloadError
 from common.transport.base import CallFailed, HandlerError, RemoteError
-from common.transport.torchdist import Collectives, TorchParams, specs_from_json
+from common.transport.torchdist import STEP_KEY, Collectives, TorchParams, build_groups, specs_from_json
 
 IDENTITY = {"wsum": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
@@ -41,6 +43,10 @@ class TorchWorker:
         self.coll = Collectives(self.host.node_id, int(s["rank"]), int(s["world_size"]), self.host.ledger, params,
                                 self.host.run_id)
         self.coll.init(str(s["master"]))
+        if "groups_json" in s:   # hierarchical: collectives in this process's edge cluster, rooted at the edge
+            groups = build_groups(json.loads(str(s["groups_json"])), params.timeout)
+            self.coll = self.coll.scoped(groups[int(s["group_index"])], int(s["root_rank"]), str(s["root_node"]),
+                                         "client-edge")
         return Payload(scalars={"rank": self.coll.rank})
 
     def round(self, round: int, payload: Payload) -> Payload:
@@ -48,13 +54,14 @@ class TorchWorker:
         scalars = dict(payload.scalars)
         clients = [int(c) for c in str(scalars.pop("clients", "")).split(",") if c]
         specs = specs_from_json(str(scalars.pop("specs")))
+        step = int(scalars.pop(STEP_KEY, 0))   # hierarchical: the edge iteration (as the gRPC path's call step)
         empties = [torch.empty(shape, dtype=dtype) for _, dtype, shape in specs]
-        received = self.coll.broadcast(empties, round, peers=[self.host.node_id])
+        received = self.coll.broadcast(empties, round, peers=[self.host.node_id], step=step)
         message = Payload(tensors={name: t.cpu() for (name, _, _), t in zip(specs, received)}, scalars=scalars)
         replies, failures = {}, {}
         for cid in clients:
             try:
-                replies[cid] = self.host.train(cid, round, message)
+                replies[cid] = self.host.train(cid, round, message, step)
             except (PayloadError, HandlerError, ValueError, RuntimeError) as exc:
                 failures[cid] = str(exc)
         self.partial = self.host.algorithm.aggregate(sorted(replies.items())) if replies else None
@@ -76,7 +83,8 @@ class TorchWorker:
             else:
                 t = torch.full(tuple(shape), IDENTITY[op], dtype=DTYPES[dtype])
             groups.setdefault(op, []).append(t)
-        self.coll.reduce(sorted(groups.items()), round, peers=[self.host.node_id])
+        self.coll.reduce(sorted(groups.items()), round, peers=[self.host.node_id],
+                         step=int(payload.scalars.get(STEP_KEY, 0)))
         self.partial = None
         return Payload()
 

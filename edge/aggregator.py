@@ -82,6 +82,9 @@ class EdgeAggregator:
             raise HandlerError("WRONG_RUN", f"message for run '{env.run_id}', this edge serves '{self.run_id}'")
         if env.method == "edge_round":
             return self.edge_round(int(env.round), request.payload)
+        if env.method.startswith("torch_"):   # transport.kind = "torch" (edge/torch_edge.py)
+            from edge.torch_edge import torch_edge_of
+            return torch_edge_of(self).handle(env.method, int(env.round), request.payload)
         if env.method in (STATE_GET, STATE_SET):   # checkpoints: the cluster's client states (common/checkpoint.py)
             return forward_client_state(self.endpoint, dict(self.processes), dict(self.client_home), env.method,
                                         int(env.round), request.payload, self.cfg.run.call_timeout)

@@ -3,7 +3,8 @@
 Star topology: rank 0 is the server, client process k (sorted by node id) is rank k + 1.
 Each round costs one broadcast of the algorithm's message to every client process and one
 reduce of their partial aggregates; the sampled clients, the tensor layout, failures and the
-partials' scalars travel as gRPC control messages.
+partials' scalars travel as gRPC control messages.  Hierarchical topology: `HierTorchRounds`
+below (server + edges in a top group, one group per edge cluster; edge side edge/torch_edge.py).
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch
 from common.algorithms.base import Payload, reduce_payloads
 from common.codec import DTYPES, PayloadError
 from common.transport.base import CallFailed, RemoteError
-from common.transport.torchdist import Collectives, TorchParams, free_port, specs_of, specs_to_json
+from common.transport.torchdist import (Collectives, TorchParams, buffers_by_name, build_groups, free_port,
+                                        reduce_buffers, specs_of, specs_to_json)
+from common.validation import validate_reply
 
 log = logging.getLogger("fedhop.server")
 
@@ -26,8 +29,12 @@ class TorchRounds:
     def __init__(self, coordinator) -> None:
         self.c = coordinator
         cfg = coordinator.cfg
+        self.hier: HierTorchRounds | None = None
+        if cfg.topology.kind == "hierarchical":
+            self.hier = HierTorchRounds(coordinator)
+            return
         if cfg.topology.kind != "star":
-            raise ValueError(f"transport.kind = 'torch' supports topology.kind = 'star' so far, "
+            raise ValueError(f"transport.kind = 'torch' supports topology.kind = 'star' or 'hierarchical', "
                              f"not '{cfg.topology.kind}'")
         self.params = getattr(cfg.transport, "params", None) or TorchParams()
         self.procs = sorted((n for n in coordinator.children.values() if n.role == "client"),
@@ -49,6 +56,8 @@ class TorchRounds:
         log.info("torch.distributed %s group of %d ranks at %s", self.params.backend, len(self.procs) + 1, master)
 
     def dispatch(self, round: int, sampled: list[int], message: Payload):
+        if self.hier is not None:
+            return self.hier.dispatch(round, sampled, message)
         c = self.c
         by_proc = {p: [] for p in self.peers}
         for cid in sampled:
@@ -104,4 +113,119 @@ class CollectiveFailed(RuntimeError):
     pass
 
 
-__all__ = ["TorchRounds", "CollectiveFailed", "CallFailed", "RemoteError"]
+class HierTorchRounds:
+    """Hierarchical topology (HierFAVG) over torch.distributed; the edge side is edge/torch_edge.py.
+
+    World: rank 0 the server, ranks 1..E the edges (by edge index), then each edge's client
+    processes (edge order, then node id).  Groups, created in this order on every rank: the top
+    group [0, 1..E], then the cluster group [edge, its processes] of each edge.  A round: the
+    message is broadcast over the top group to every edge; each edge with sampled clients runs
+    kappa2 iterations of broadcast / train / reduce in its cluster group; the edges' partials
+    are reduced into the server over the top group.  Edges without sampled clients receive the
+    broadcast (a collective reaches the whole group) and add the reduce ops' identities.
+    """
+
+    def __init__(self, coordinator) -> None:
+        self.c = c = coordinator
+        compress = getattr(c.cfg.algorithm, "compress", "none")
+        if compress != "none":   # uploads are reduced as raw float sums here, never QSGD-coded
+            raise ValueError(f"algorithm.compress = '{compress}' is not supported with transport.kind = 'torch' "
+                             f"and topology.kind = 'hierarchical' (allowed: 'none'); use transport.kind = 'grpc'")
+        self.params = getattr(c.cfg.transport, "params", None) or TorchParams()
+        self.edges = sorted((n for n in c.children.values() if n.role == "edge"),
+                            key=lambda n: c.edge_order(n.node_id))
+        self.peers = [e.node_id for e in self.edges]
+        asked = {e.node_id: c._pool.submit(c.endpoint.call, e.address, e.node_id, "torch_procs", Payload(),
+                                           round=0, timeout=self.params.timeout) for e in self.edges}
+        answers, failed = c._gather(asked, self.params.timeout)
+        if failed:
+            raise RuntimeError(f"torch.distributed set-up failed: edges did not list their client processes: {failed}")
+        procs = {e: [p for p in str(answers[e].scalars["processes"]).split(",") if p] for e in self.peers}
+        self.layout = hier_layout(self.peers, procs)
+        world = len(self.layout["ranks"]) + 1
+        host = c.cfg.transport.host
+        master = f"{host}:{self.params.master_port or free_port(host)}"
+        coll = Collectives("server", 0, world, c.ledger, self.params, c.run_id)
+        calls = {e.node_id: c._pool.submit(
+            c.endpoint.call, e.address, e.node_id, "torch_init",
+            Payload(scalars={"world_size": world, "master": master, "backend": self.params.backend,
+                             "timeout": self.params.timeout, "layout_json": json.dumps(self.layout)}),
+            round=0, timeout=self.params.timeout + 10.0) for e in self.edges}
+        coll.init(master)
+        handles = build_groups(self.layout["groups"], self.params.timeout)
+        _, failed = c._gather(calls, self.params.timeout + 10.0)
+        if failed:
+            raise RuntimeError(f"torch.distributed set-up failed: {failed}")
+        self.top = coll.scoped(handles[0], 0, "server", "edge-server")
+        log.info("torch.distributed %s world of %d ranks at %s: groups %s", self.params.backend, world, master,
+                 self.layout["groups"])
+
+    def dispatch(self, round: int, sampled: list[int], message: Payload):
+        c = self.c
+        timeout = c.cfg.run.round_timeout * 2   # as the gRPC path's edge_round calls
+        by_edge: dict[str, list[int]] = {e: [] for e in self.peers}
+        for cid in sampled:
+            by_edge[c.client_home[cid].node_id].append(cid)
+        specs = specs_to_json(specs_of(message.tensors))
+        control = {e.node_id: c._pool.submit(
+            c.endpoint.call, e.address, e.node_id, "torch_edge_round",
+            Payload(scalars={**message.scalars, "edge_clients": ",".join(map(str, by_edge[e.node_id])),
+                             "specs": specs}), round=round, timeout=timeout) for e in self.edges}
+        try:
+            self.top.broadcast(list(message.tensors.values()), round, self.peers)
+        except RuntimeError as exc:
+            raise CollectiveFailed(f"round {round}: broadcast to the edges failed: {exc}") from None
+        replies, failed = c._gather(control, timeout)
+        if failed:
+            raise CollectiveFailed(f"round {round}: edges {sorted(failed)} did not finish the round "
+                                   f"({next(iter(failed.values()))}); a collective needs every rank")
+        failures: dict[int, str] = {}
+        layouts, scalar_parts = {}, []
+        for node, reply in sorted(replies.items(), key=lambda kv: c.edge_order(kv[0])):
+            s = dict(reply.scalars)
+            lost = json.loads(str(s.pop("failures_json", "{}")))
+            failures.update({int(k): f"at {node}: {v}" for k, v in lost.items()})
+            if "layout" in s:
+                layouts[node] = s.pop("layout")
+                scalar_parts.append(Payload(scalars=s))
+        if not layouts:
+            return {}, failures
+        layout_text = next(iter(layouts.values()))
+        if any(text != layout_text for text in layouts.values()):
+            raise CollectiveFailed(f"round {round}: LAYOUT_MISMATCH: edges report different tensors")
+        layout = json.loads(layout_text)
+        reduce_calls = {e.node_id: c._pool.submit(c.endpoint.call, e.address, e.node_id, "torch_edge_reduce",
+                                                  Payload(scalars={"layout": layout_text}), round=round,
+                                                  timeout=c.cfg.run.round_timeout) for e in self.edges}
+        buffers = reduce_buffers(layout, None)
+        try:
+            self.top.reduce(buffers, round, self.peers)
+        except RuntimeError as exc:
+            raise CollectiveFailed(f"round {round}: reduce from the edges failed: {exc}") from None
+        _, failed = c._gather(reduce_calls, c.cfg.run.round_timeout)
+        if failed:
+            raise CollectiveFailed(f"round {round}: reduce control failed: {failed}")
+        partial = reduce_payloads(scalar_parts, c.algorithm.reply_reduce)
+        partial.tensors = buffers_by_name(layout, buffers)
+        try:
+            validate_reply(partial, c.algorithm.reply_spec(c.state), f"round {round} reduced partial of the edges")
+        except PayloadError as exc:
+            raise CollectiveFailed(str(exc)) from None
+        return {0: partial}, failures
+
+
+def hier_layout(edges: list[str], procs: dict[str, list[str]]) -> dict:
+    """Ranks and groups of the hierarchical world (module docstring of HierTorchRounds):
+    {"ranks": node -> rank (the server, rank 0, left out), "groups": [top, cluster of edge 0, ...],
+    "clusters": edge -> its group's index}."""
+    ranks = {e: i + 1 for i, e in enumerate(edges)}
+    for e in edges:
+        for p in sorted(procs[e]):
+            if p in ranks:
+                raise ValueError(f"client process {p} is listed by two edges")
+            ranks[p] = len(ranks) + 1
+    groups = [[0] + [ranks[e] for e in edges]] + [[ranks[e]] + [ranks[p] for p in sorted(procs[e])] for e in edges]
+    return {"ranks": ranks, "groups": groups, "clusters": {e: i + 1 for i, e in enumerate(edges)}}
+
+
+__all__ = ["TorchRounds", "HierTorchRounds", "hier_layout", "CollectiveFailed", "CallFailed", "RemoteError"]

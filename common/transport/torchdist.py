@@ -18,9 +18,15 @@ and that rank: `tensor_bytes` is the tensor data the rank receives (broadcast) o
 factor (`ALGO_FACTOR`, the bytes per rank gloo's algorithm moves relative to the buffer); the
 method names the collective.  The summation order differs from the gRPC path (per process,
 then across processes), so results equal gRPC's within float rounding, not bit for bit.
+
+Hierarchical topology (docs/torch_transport.md): the same collectives run in process groups
+(`build_groups`; `Collectives.scoped` picks the group, its root and the ledger link): a top
+group of the server and the edges (link edge-server) and one group per edge cluster (link
+client-edge, rooted at the edge).
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import socket
@@ -85,6 +91,19 @@ class Collectives:
         self.params = params
         self.run_id = run_id
         self.device = torch.device("cuda", 0) if params.backend == "nccl" else torch.device("cpu")
+        # the group the collectives run in (None: the whole world), its root's global rank and
+        # node id, and the ledger link; star: the world, rooted at the server (rank 0)
+        self.group = None
+        self.root = 0
+        self.root_node = "server"
+        self.link = "client-server"
+
+    def scoped(self, group, root: int, root_node: str, link: str) -> "Collectives":
+        """The same membership, with collectives in `group` rooted at global rank `root`
+        (hierarchical: the top group rooted at the server, a cluster group rooted at its edge)."""
+        view = copy.copy(self)
+        view.group, view.root, view.root_node, view.link = group, root, root_node, link
+        return view
 
     def init(self, master: str) -> None:
         dist.init_process_group(self.params.backend, init_method=f"tcp://{master}", rank=self.rank,
@@ -96,45 +115,88 @@ class Collectives:
             dist.destroy_process_group()
 
     # -------------------------------------------------------------------------- collectives
-    def broadcast(self, tensors: list[torch.Tensor], round: int, peers: list[str]) -> list[torch.Tensor]:
-        """Broadcast from rank 0; returns the tensors (received ones on non-root ranks)."""
+    def broadcast(self, tensors: list[torch.Tensor], round: int, peers: list[str], step: int = 0) -> list[torch.Tensor]:
+        """Broadcast from the root (star: rank 0); returns the tensors (received ones on non-root ranks)."""
         started = time.perf_counter()
         out = []
         for t in tensors:
             buf = t.to(self.device).contiguous()
-            dist.broadcast(buf, src=0)
+            dist.broadcast(buf, src=self.root, group=self.group)
             out.append(buf)
         self._record("broadcast", round, sum(t.numel() * t.element_size() for t in tensors),
-                     time.perf_counter() - started, peers, downward=True)
+                     time.perf_counter() - started, peers, downward=True, step=step)
         return out
 
-    def reduce(self, groups: list[tuple[str, list[torch.Tensor]]], round: int, peers: list[str]) -> None:
-        """In-place reduce into rank 0, one call per tensor, with each group's op."""
+    def reduce(self, groups: list[tuple[str, list[torch.Tensor]]], round: int, peers: list[str],
+               step: int = 0) -> None:
+        """In-place reduce into the root (star: rank 0), one call per tensor, with each group's op."""
         started = time.perf_counter()
         nbytes = 0
         for op, tensors in groups:
             for t in tensors:
                 buf = t.to(self.device)  # NCCL reduces CUDA tensors; gloo works on the CPU tensor itself
-                dist.reduce(buf, dst=0, op=REDUCE_OPS[op])
-                if buf is not t and self.rank == 0:
+                dist.reduce(buf, dst=self.root, op=REDUCE_OPS[op], group=self.group)
+                if buf is not t and self.rank == self.root:
                     t.copy_(buf.cpu())
                 nbytes += t.numel() * t.element_size()
-        self._record("reduce", round, nbytes, time.perf_counter() - started, peers, downward=False)
+        self._record("reduce", round, nbytes, time.perf_counter() - started, peers, downward=False, step=step)
 
-    def _record(self, method: str, round: int, nbytes: int, seconds: float, peers: list[str], downward: bool) -> None:
-        """Rank 0 records the sender (broadcast) or receiver (reduce) side for every peer; a
-        client rank records its own side; both use the same msg_id."""
+    def _record(self, method: str, round: int, nbytes: int, seconds: float, peers: list[str], downward: bool,
+                step: int = 0) -> None:
+        """The root records the sender (broadcast) or receiver (reduce) side for every peer; a
+        non-root rank records its own side; both use the same msg_id (`step`: an edge iteration)."""
         moved = int(round_bytes(nbytes * ALGO_FACTOR[method]))
+        tag = f"-s{step}" if step else ""
         for peer in peers:
-            src, dst = ("server", peer) if downward else (peer, "server")
+            src, dst = (self.root_node, peer) if downward else (peer, self.root_node)
             i_am_src = (self.node_id == src)
-            self.ledger.record(run_id=self.run_id, round=round, step=0, src=src, dst=dst, link="client-server",
+            self.ledger.record(run_id=self.run_id, round=round, step=step, src=src, dst=dst, link=self.link,
                                direction="down" if downward else "up", method=f"torch.{method}",
                                tensor_bytes=nbytes, payload_bytes=moved, framed_bytes=moved, seconds=seconds,
                                recorder=self.node_id, role="sender" if i_am_src else "receiver",
-                               msg_id=f"{self.run_id}-r{round}-{method}-{peer}", status="ok",
+                               msg_id=f"{self.run_id}-r{round}{tag}-{method}-{peer}", status="ok",
                                wall_time=time.time(), error="")
 
 
 def round_bytes(x: float) -> int:
     return int(x + 0.5)
+
+
+# ----------------------------------------------------------------------------- hierarchical
+STEP_KEY = "torch_step"   # control scalar: the edge iteration (0..kappa2-1) a client-edge collective belongs to
+IDENTITY = {"wsum": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
+
+
+def build_groups(groups: list[list[int]], timeout: float) -> list:
+    """Create the hierarchical topology's process groups (server/torch_rounds.py): every rank of
+    the world calls this with the same list, in the same order (`new_group` is collective over
+    the world); returns one handle per group (a non-member gets a handle it must not use)."""
+    return [dist.new_group(ranks=sorted(ranks), timeout=datetime.timedelta(seconds=timeout)) for ranks in groups]
+
+
+def layout_of(tensors: dict[str, torch.Tensor], ops) -> str:
+    """JSON [[name, dtype, shape, reduce op], ...] of a partial aggregate's tensors."""
+    return json.dumps([[n, DTYPE_NAMES[t.dtype], list(t.shape), ops.get(n, "wsum")] for n, t in tensors.items()])
+
+
+def reduce_buffers(layout: list, tensors: dict[str, torch.Tensor] | None) -> list[tuple[str, list[torch.Tensor]]]:
+    """The buffers one rank contributes to a reduce of `layout`, grouped by op in sorted op order
+    (the order every rank of the group uses): copies of its own tensors, or the op's identity
+    where it has none.  On the root the same buffers receive the result."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for name, dtype, shape, op in layout:
+        if tensors is not None and name in tensors:
+            t = tensors[name].contiguous().clone()
+        else:
+            t = torch.full(tuple(shape), IDENTITY[op], dtype=DTYPES[dtype])
+        groups.setdefault(op, []).append(t)
+    return sorted(groups.items())
+
+
+def buffers_by_name(layout: list, buffers: list[tuple[str, list[torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Inverse of `reduce_buffers`: name -> reduced tensor, in layout order."""
+    queues = {op: list(ts) for op, ts in buffers}
+    out = {}
+    for name, _, _, op in layout:
+        out[name] = queues[op].pop(0)
+    return out

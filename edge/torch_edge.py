@@ -1,0 +1,221 @@
+"""An edge's side of the torch.distributed data plane, hierarchical topology (HierFAVG).
+
+World layout (made by server/torch_rounds.py, the same on every rank): rank 0 is the server,
+ranks 1..E the edges (by edge index), then each edge's client processes (edge order, then node
+id).  Groups, created in this order on every rank: the top group {server, every edge}, then one
+cluster group {edge e, its client processes} per edge.
+
+One round at this edge (same steps as the gRPC path, edge/aggregator.py `edge_round`):
+  1. receive the server's message over the top group (`torch_edge_round`: the broadcast);
+  2. for k = 0..kappa2-1: broadcast the current edge model over the cluster group, let the
+     client processes train their sampled clients (control `torch_round` with step k), reduce
+     their partial aggregates into this edge (`torch_reduce`), and apply the algorithm's
+     `edge_step` between iterations;
+  3. after kappa2 > 1 iterations, `edge_partial`; reduce the partial into the server over the
+     top group (`torch_edge_reduce`).
+Control (sampled clients, tensor layouts, failures, scalars) stays on gRPC.  A collective needs
+every rank of its group, so a client process that fails or does not answer fails this edge's
+round (a HandlerError the server turns into a failed run), within the collective timeout.
+"""
+from __future__ import annotations
+
+import json
+from concurrent.futures import wait
+
+import torch
+
+from common.algorithms.base import Payload, reduce_payloads
+from common.codec import PayloadError
+from common.transport.base import CallFailed, HandlerError, RemoteError
+from common.transport.torchdist import (STEP_KEY, Collectives, TorchParams, buffers_by_name, build_groups,
+                                        layout_of, reduce_buffers, specs_from_json, specs_of, specs_to_json)
+
+METHODS = ("torch_procs", "torch_init", "torch_edge_round", "torch_edge_reduce")
+
+
+def torch_edge_of(aggregator) -> "TorchEdge":
+    """The aggregator's TorchEdge, made on the first torch_* call (transport.kind = "torch")."""
+    edge = getattr(aggregator, "_torch_edge", None)
+    if edge is None:
+        edge = aggregator._torch_edge = TorchEdge(aggregator)
+    return edge
+
+
+class TorchEdge:
+    def __init__(self, aggregator) -> None:
+        self.agg = aggregator
+        self.node_id: str = aggregator.endpoint.node_id
+        self.top: Collectives | None = None       # server + edges, rooted at the server
+        self.cluster: Collectives | None = None   # this edge + its client processes, rooted here
+        self.procs: list[str] = []                # this cluster's client processes, in rank order
+        self.partial: Payload | None = None
+
+    def handle(self, method: str, round: int, payload: Payload) -> Payload:
+        if method == "torch_procs":
+            return Payload(scalars={"processes": ",".join(sorted(self.agg.processes))})
+        if method == "torch_init":
+            return self.init(payload)
+        if self.top is None:
+            raise HandlerError("NOT_READY", f"{self.node_id}: torch_init has not been called")
+        if method == "torch_edge_round":
+            return self.round(round, payload)
+        if method == "torch_edge_reduce":
+            return self.reduce(round, payload)
+        raise HandlerError("UNKNOWN_METHOD", f"{self.node_id} does not serve '{method}'")
+
+    # ------------------------------------------------------------------ set-up
+    def init(self, payload: Payload) -> Payload:
+        """Join the world, forward each client process its rank, create every group."""
+        s = payload.scalars
+        params = TorchParams(backend=str(s["backend"]), timeout=float(s["timeout"]))
+        layout = json.loads(str(s["layout_json"]))
+        ranks: dict[str, int] = layout["ranks"]
+        groups: list[list[int]] = layout["groups"]
+        mine = int(layout["clusters"][self.node_id])
+        self.procs = sorted((p for p in ranks if p in self.agg.processes), key=lambda p: ranks[p])
+        if sorted(self.procs) != sorted(self.agg.processes):
+            raise HandlerError("BAD_LAYOUT", f"{self.node_id}: the server's layout lists {self.procs}, this edge "
+                                             f"serves {sorted(self.agg.processes)}")
+        world = int(s["world_size"])
+        common = {"world_size": world, "master": str(s["master"]), "backend": params.backend,
+                  "timeout": params.timeout, "groups_json": json.dumps(groups), "group_index": mine,
+                  "root_rank": ranks[self.node_id], "root_node": self.node_id}
+        calls = {p: self.agg._pool.submit(self.agg.endpoint.call, self.agg.processes[p], p, "torch_init",
+                                          Payload(scalars={**common, "rank": ranks[p]}), round=0,
+                                          timeout=params.timeout)
+                 for p in self.procs}
+        coll = Collectives(self.node_id, ranks[self.node_id], world, self.agg.endpoint.ledger, params,
+                           self.agg.run_id)
+        try:
+            coll.init(str(s["master"]))
+            handles = build_groups(groups, params.timeout)
+        except RuntimeError as exc:
+            raise HandlerError("COLLECTIVE_FAILED", f"{self.node_id}: torch.distributed set-up failed: {exc}") from None
+        _, failed = self._gather(calls, params.timeout + 5.0)
+        if failed:
+            raise HandlerError("COLLECTIVE_FAILED", f"{self.node_id}: client processes {sorted(failed)} did not "
+                                                    f"join torch.distributed ({next(iter(failed.values()))})")
+        self.top = coll.scoped(handles[0], 0, "server", "edge-server")
+        self.cluster = coll.scoped(handles[mine], ranks[self.node_id], self.node_id, "client-edge")
+        return Payload(scalars={"rank": coll.rank})
+
+    # ------------------------------------------------------------------ rounds
+    def round(self, round: int, payload: Payload) -> Payload:
+        """Steps 1-2 of the module docstring; returns failures, the partial's layout and scalars."""
+        assert self.top is not None
+        scalars = dict(payload.scalars)
+        sampled = [int(c) for c in str(scalars.pop("edge_clients", "")).split(",") if c]
+        stray = [c for c in sampled if c not in self.agg.cluster]
+        specs = specs_from_json(str(scalars.pop("specs")))
+        received = self._collective(lambda: self.top.broadcast(
+            [torch.empty(shape, dtype=dtype) for _, dtype, shape in specs], round, peers=[self.node_id]),
+            f"round {round}: broadcast from the server")
+        if stray:
+            raise HandlerError("UNKNOWN_CLIENT", f"clients {stray} are not in {self.node_id}'s cluster")
+        message = Payload(tensors={name: t.cpu() for (name, _, _), t in zip(specs, received)}, scalars=scalars)
+        start, failures, partial = message, {}, None
+        kappa2 = getattr(self.agg.params, "kappa2", 1)
+        for k in range(kappa2):   # HierFAVG (Liu et al. 2020, Algorithm 1): kappa2 edge aggregations
+            live = [c for c in sampled if c not in failures]
+            if not live:
+                break
+            part, failed = self._iteration(round, k, live, message)
+            failures.update(failed)
+            if part is None:
+                break
+            partial = part
+            if k < kappa2 - 1:
+                message = self.agg.algorithm.edge_step(message, partial)
+        if partial is not None and kappa2 > 1:
+            partial = self.agg.algorithm.edge_partial(start, message, partial)
+        self.partial = partial
+        out: dict = {"failures_json": json.dumps({str(c): why for c, why in sorted(failures.items())})}
+        if partial is not None:
+            out["layout"] = layout_of(partial.tensors, self.agg.algorithm.reply_reduce)
+            out.update(partial.scalars)
+        return Payload(scalars=out)
+
+    def _iteration(self, round: int, step: int, clients: list[int], message: Payload):
+        """One edge iteration over the cluster group: broadcast, train, reduce into this edge."""
+        assert self.cluster is not None
+        ep, timeout = self.agg.endpoint, self.agg.cfg.run.round_timeout
+        by_proc: dict[str, list[int]] = {p: [] for p in self.procs}
+        for cid in clients:
+            by_proc[self.agg.client_home[cid][0]].append(cid)
+        specs = specs_to_json(specs_of(message.tensors))
+        control = {p: self.agg._pool.submit(
+            ep.call, self.agg.processes[p], p, "torch_round",
+            Payload(scalars={**message.scalars, "clients": ",".join(map(str, by_proc[p])), "specs": specs,
+                             STEP_KEY: step}), round=round, step=step, timeout=timeout) for p in self.procs}
+        where = f"round {round} edge iteration {step}"
+        self._collective(lambda: self.cluster.broadcast(list(message.tensors.values()), round, self.procs, step),
+                         f"{where}: broadcast to client processes", control)
+        replies, failed = self._gather(control, timeout)
+        if failed:
+            raise HandlerError("COLLECTIVE_FAILED", f"{self.node_id}: client processes {sorted(failed)} did not finish "
+                                                    f"{where} ({next(iter(failed.values()))}); a collective needs "
+                                                    f"every rank")
+        failures: dict[int, str] = {}
+        layouts, scalar_parts = {}, []
+        for node, reply in sorted(replies.items()):
+            s = dict(reply.scalars)
+            failures.update({int(c): why for c, why in json.loads(str(s.pop("failures_json", "{}"))).items()})
+            if "layout" in s:
+                layouts[node] = s.pop("layout")
+                scalar_parts.append(Payload(scalars=s))
+        if not layouts:
+            return None, failures
+        layout_text = next(iter(layouts.values()))
+        if any(text != layout_text for text in layouts.values()):
+            raise PayloadError("LAYOUT_MISMATCH", f"{self.node_id} {where}: client processes report different tensors")
+        layout = json.loads(layout_text)
+        reduce_calls = {p: self.agg._pool.submit(ep.call, self.agg.processes[p], p, "torch_reduce",
+                                                 Payload(scalars={"layout": layout_text, STEP_KEY: step}),
+                                                 round=round, step=step, timeout=timeout) for p in self.procs}
+        buffers = reduce_buffers(layout, None)
+        self._collective(lambda: self.cluster.reduce(buffers, round, self.procs, step),
+                         f"{where}: reduce from client processes", reduce_calls)
+        _, failed = self._gather(reduce_calls, timeout)
+        if failed:
+            raise HandlerError("COLLECTIVE_FAILED", f"{self.node_id}: {where}: reduce control failed: {failed}")
+        partial = reduce_payloads(scalar_parts, self.agg.algorithm.reply_reduce)
+        partial.tensors = buffers_by_name(layout, buffers)
+        return partial, failures
+
+    def reduce(self, round: int, payload: Payload) -> Payload:
+        """Step 3: this edge's partial (or the ops' identities) into the server over the top group."""
+        assert self.top is not None
+        layout = json.loads(str(payload.scalars["layout"]))
+        buffers = reduce_buffers(layout, self.partial.tensors if self.partial is not None else None)
+        self.partial = None
+        self._collective(lambda: self.top.reduce(buffers, round, peers=[self.node_id]),
+                         f"round {round}: reduce to the server")
+        return Payload()
+
+    # ------------------------------------------------------------------ helpers
+    def _collective(self, fn, what: str, control: dict | None = None):
+        """Run one collective; on failure (gloo: a peer gone, or the collective timeout) name the
+        client processes whose control call of the same step failed too (a dead rank)."""
+        try:
+            return fn()
+        except RuntimeError as exc:
+            _, failed = self._gather(control or {}, 2.0, pending_ok=True)
+            dead = f"; client processes {sorted(failed)} failed: {next(iter(failed.values()))}" if failed else ""
+            raise HandlerError("COLLECTIVE_FAILED", f"{self.node_id}: {what} failed: {exc}{dead}") from None
+
+    @staticmethod
+    def _gather(calls: dict, timeout: float, pending_ok: bool = False) -> tuple[dict, dict]:
+        """Results and failures of control calls after at most `timeout` seconds (a call still
+        pending is a failure unless `pending_ok`)."""
+        _, pending = wait(calls.values(), timeout=timeout)
+        results, failures = {}, {}
+        for key, fut in calls.items():
+            if fut in pending:
+                if not pending_ok:
+                    failures[key] = f"no answer within {timeout:g}s"
+                continue
+            try:
+                results[key] = fut.result()
+            except (CallFailed, RemoteError, PayloadError, HandlerError) as exc:
+                failures[key] = str(exc)
+        return results, failures

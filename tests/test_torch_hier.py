@@ -1,0 +1,138 @@
+"""transport.kind = "torch" with topology.kind = "hierarchical" (HierFAVG over process groups):
+the same final model as gRPC, the analytic tensor bytes per link and round, a dead rank fails
+the run (server/torch_rounds.py HierTorchRounds, edge/torch_edge.py, client/torch_worker.py).
+
+Byte count per round (d parameters of 4 bytes, fedavg: the reply is one delta of d floats;
+E edges, P_e client processes under edge e, kappa2 edge iterations; every edge here has sampled
+clients, see `_run`, and no client fails):
+  edge-server, torch.broadcast: one message to each edge over the top group   E * 4d
+  edge-server, torch.reduce:    one partial from each edge                     E * 4d
+  client-edge, torch.broadcast: each edge to each of its processes, kappa2 x   kappa2 * sum_e P_e * 4d
+  client-edge, torch.reduce:    each process to its edge, kappa2 x             kappa2 * sum_e P_e * 4d
+counted once per (collective, non-root rank) on the sender's record.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.config import parse_config
+from common.runstore import RunStore
+from deploy.launcher import LocalRun, read_progress, run_local
+from server.torch_rounds import hier_layout
+from tests.helpers import quadratic_config
+
+RNG = np.random.default_rng(11)
+CENTERS = RNG.normal(0, 2, size=(8, 6))
+CURV = RNG.uniform(0.5, 2.0, size=(8, 6))
+SIZES = [5, 9, 13, 3, 7, 11, 2, 8]
+D = CENTERS.shape[1]
+EDGES, KAPPA2, ROUNDS = 2, 2, 3
+
+
+def _text(kind: str, processes: int, per_round: int, rounds: int = ROUNDS, extra: str = "") -> str:
+    topology = f'kind = "hierarchical"\nedges = {EDGES}\nkappa2 = {KAPPA2}'
+    text = quadratic_config(CENTERS, CURV, SIZES, rounds=rounds, per_round=per_round, processes=processes,
+                            topology=topology, local_steps=3)
+    return text.replace('kind = "grpc"', f'kind = "{kind}"{extra}')
+
+
+def _run(tmp_path: Path, kind: str, processes: int, per_round: int):
+    """8 clients in 2 clusters of 4; per_round >= 5 samples at least one client of each cluster."""
+    cfg = tmp_path / f"{kind}.toml"
+    cfg.write_text(_text(kind, processes, per_round))
+    assert run_local(str(cfg), [], str(tmp_path / kind), quiet=True, show_table=False) == 0
+    return load_file(str(tmp_path / kind / "model.safetensors"))["w"], tmp_path / kind
+
+
+def _check_bytes(run_dir: Path, processes: int) -> None:
+    store = RunStore(run_dir / "run.db")
+    rows = [m for m in store.messages() if m["method"].startswith("torch.") and m["role"] == "sender"]
+    b = 4 * D
+    want = {("edge-server", "torch.broadcast"): EDGES * b, ("edge-server", "torch.reduce"): EDGES * b,
+            ("client-edge", "torch.broadcast"): KAPPA2 * processes * b,
+            ("client-edge", "torch.reduce"): KAPPA2 * processes * b}
+    for r in range(1, ROUNDS + 1):
+        got = {key: 0 for key in want}
+        for m in rows:
+            if m["round"] == r:
+                got[(m["link"], m["method"])] += m["tensor_bytes"]
+        assert got == want, f"round {r}"
+    assert store.check_agreement().ok   # every collective recorded by both ends with the same bytes
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["transport"] == "torch"
+    assert summary["bytes"]["by_link"]["edge-server"]["tensor_bytes"] == ROUNDS * 2 * EDGES * b
+    assert summary["bytes"]["by_link"]["client-edge"]["tensor_bytes"] == ROUNDS * 2 * KAPPA2 * processes * b
+
+
+def test_layout_ranks_and_groups():
+    layout = hier_layout(["edge-0", "edge-1"], {"edge-0": ["client-proc1", "client-proc0"], "edge-1": ["client-proc2"]})
+    assert layout["ranks"] == {"edge-0": 1, "edge-1": 2, "client-proc0": 3, "client-proc1": 4, "client-proc2": 5}
+    assert layout["groups"] == [[0, 1, 2], [1, 3, 4], [2, 5]]
+    assert layout["clusters"] == {"edge-0": 1, "edge-1": 2}
+
+
+def test_hier_torch_equals_grpc_bit_for_bit_one_process_per_edge(tmp_path):
+    """Bit for bit: with one client process per edge that process aggregates its sampled clients
+    in the same (sorted) order as the gRPC edge, and each reduce adds one partial to the
+    identity 0 (cluster: edge + 1 process; top: server + 2 edges), which is exact in any order."""
+    grpc_model, _ = _run(tmp_path, "grpc", processes=2, per_round=6)
+    torch_model, run_dir = _run(tmp_path, "torch", processes=2, per_round=6)
+    assert torch.equal(torch_model, grpc_model)
+    assert not torch.equal(torch_model, torch.zeros_like(torch_model))
+    _check_bytes(run_dir, processes=2)
+
+
+def test_hier_torch_equals_grpc_within_rounding_two_processes_per_edge(tmp_path):
+    """Two processes per edge, every client sampled (4 per edge, 2 per process): the torch path
+    sums (c0 + c1) + (c2 + c3) where the gRPC edge sums ((c0 + c1) + c2) + c3, so the results
+    agree within float32 rounding (rtol = atol = 1e-6), not necessarily bit for bit."""
+    grpc_model, _ = _run(tmp_path, "grpc", processes=4, per_round=8)
+    torch_model, run_dir = _run(tmp_path, "torch", processes=4, per_round=8)
+    assert torch.allclose(torch_model, grpc_model, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(torch_model, torch.zeros_like(torch_model))
+    _check_bytes(run_dir, processes=4)
+
+
+def test_killed_client_process_fails_the_run_with_a_clear_message(tmp_path):
+    rounds = 2000
+    cfg = parse_config(_text("torch", processes=2, per_round=8, rounds=rounds, extra="\ntimeout = 15.0")
+                       .replace("round_timeout = 60.0", "round_timeout = 20.0").replace("eval_every = 1",
+                                                                                          "eval_every = 0"))
+    run = LocalRun(cfg, tmp_path)
+    server = run.start([])
+    started = None
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not read_progress(tmp_path / "run.db", 1):
+            time.sleep(0.05)
+        assert read_progress(tmp_path / "run.db", 1), "round 2 never finished"
+        victim = next(c for c in run.children if c.name == "client-proc1")   # edge-1's only process
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        started = time.monotonic()
+        server.proc.wait(timeout=90)
+    finally:
+        run.stop_all()
+    assert server.proc.returncode == 1
+    assert time.monotonic() - started < 60   # bounded by the collective / round timeouts, never a hang
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds_completed"] < rounds
+    assert "edge-1" in summary["error"] and "client-proc1" in summary["error"], summary["error"]
+
+
+def test_qsgd_uploads_are_refused_on_the_torch_hierarchical_path():
+    """The collectives reduce raw float sums: a QSGD config would silently differ from gRPC, so it is refused."""
+    from types import SimpleNamespace
+
+    from server.torch_rounds import HierTorchRounds
+    coordinator = SimpleNamespace(cfg=SimpleNamespace(algorithm=SimpleNamespace(compress="qsgd")))
+    with pytest.raises(ValueError, match="algorithm.compress = 'qsgd'"):
+        HierTorchRounds(coordinator)
