@@ -123,9 +123,11 @@ class EdgeAggregator:
         partial.scalars["failures_json"] = json.dumps({str(c): why for c, why in sorted(failures.items())})
         return compress_upload(self.cfg, partial, self.endpoint.node_id, round, 0)   # QSGD uploads (common/compress.py)
 
-    def _collect(self, clients: list[int], round: int, step: int, message: Payload):
+    def _collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None):
+        """Send `message` to `clients` (one encoding), gather replies checked against `spec`
+        (default: the algorithm's reply spec for this edge's model) and failures."""
         prepared = self.endpoint.prepare(message)
-        futures = {c: self._pool.submit(self._train_one, c, round, step, prepared) for c in clients}
+        futures = {c: self._pool.submit(self._train_one, c, round, step, prepared, spec) for c in clients}
         _, pending = wait(futures.values(), timeout=self.cfg.run.round_timeout)
         replies, failures = {}, {}
         for c, fut in futures.items():
@@ -138,14 +140,15 @@ class EdgeAggregator:
                 failures[c] = str(exc)
         return replies, failures
 
-    def _train_one(self, cid: int, round: int, step: int, prepared) -> Payload:
+    def _train_one(self, cid: int, round: int, step: int, prepared, spec=None) -> Payload:
         if cid not in self.client_home:
             raise HandlerError("UNKNOWN_CLIENT", f"client {cid} never registered with {self.endpoint.node_id}")
         _, address = self.client_home[cid]
         reply = self.endpoint.call(address, f"client-{cid}", "train", round=round, step=step,
                                    timeout=self.cfg.run.call_timeout, prepared=prepared)
-        reply = decompress_upload(self.cfg, reply, self.algorithm.reply_spec(self.model_state))   # QSGD
-        validate_reply(reply, self.algorithm.reply_spec(self.model_state), f"round {round} reply of client {cid}")
+        spec = spec if spec is not None else self.algorithm.reply_spec(self.model_state)
+        reply = decompress_upload(self.cfg, reply, spec)   # QSGD
+        validate_reply(reply, spec, f"round {round} step {step} reply of client {cid}")
         return reply
 
     def shutdown_clients(self, round: int) -> None:

@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import threading
-from concurrent.futures import wait
 
 import torch
 
@@ -34,12 +33,10 @@ from common.algorithms.base import Payload
 from common.algorithms.fedchs import FedCHS
 from common.algorithms.local import get_params, set_params
 from common.codec import PayloadError, check_tensors
-from common.compress import decompress_upload
 from common.tasks import build_task
 from common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_index, edge_node, next_edge_order,
                              topology_params)
 from common.transport.base import CallFailed, HandlerError, RemoteError, Request
-from common.validation import validate_reply
 
 log = logging.getLogger("fedhop.edge")
 
@@ -144,29 +141,7 @@ class SequentialEdge:
         return out
 
     def _collect(self, round: int, step: int, message: Payload):
-        prepared = self.endpoint.prepare(message)
-        futures = {c: self.agg._pool.submit(self._train_one, c, round, step, prepared) for c in self.agg.cluster}
-        _, pending = wait(futures.values(), timeout=self.cfg.run.round_timeout)
-        replies, failures = {}, {}
-        for c, fut in futures.items():
-            if fut in pending:
-                failures[c] = f"timeout at {self.endpoint.node_id}"
-                continue
-            try:
-                replies[c] = fut.result()
-            except (CallFailed, RemoteError, PayloadError, HandlerError) as exc:
-                failures[c] = str(exc)
-        return replies, failures
-
-    def _train_one(self, cid: int, round: int, step: int, prepared) -> Payload:
-        if cid not in self.agg.client_home:
-            raise HandlerError("UNKNOWN_CLIENT", f"client {cid} never registered with {self.endpoint.node_id}")
-        _, address = self.agg.client_home[cid]
-        reply = self.endpoint.call(address, f"client-{cid}", "train", round=round, step=step,
-                                   timeout=self.cfg.run.call_timeout, prepared=prepared)
-        reply = decompress_upload(self.cfg, reply, self.spec)
-        validate_reply(reply, self.spec, f"round {round} step {step} reply of client {cid}")
-        return reply
+        return self.agg._collect(self.agg.cluster, round, step, message, spec=self.spec)
 
     # ------------------------------------------------------------------ selection and hand-off
     def _hand_off(self, round: int, w: dict[str, torch.Tensor], peers: dict[int, str]):
