@@ -133,6 +133,10 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
             done["kills"] += 1
             down = float(rng.uniform(0.2, 2.5))
             time.sleep(down)
+            if server.proc.poll() is not None or read_progress(run.run_dir / "run.db", rounds - 2):
+                # the run is ending: a process started now may find no server to register with
+                # and would wait out its registration deadline (fedhop run stops such processes)
+                break
             p = int(name.removeprefix("client-proc"))
             current[name] = run.spawn(name, ["client", "--parent", address, "--clients", id_spec(blocks[p]),
                                              "--node-id", name, "--listen", f"{run.cfg.transport.host}:0",
@@ -141,7 +145,7 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
             done["restarted_before_detection"] += down < 1.5     # security.heartbeat_timeout in FAST_LIVENESS
             done["events"].append((name, round(down, 2)))
         assert server.proc.wait(timeout=300) == 0, tail_log(run)
-        wait_dead([c.proc.pid for c in run.children], timeout=15)
+        wait_dead([c.proc.pid for c in run.children], timeout=30)
     finally:
         run.stop_all()
     return done
