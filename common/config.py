@@ -360,6 +360,15 @@ def _cross_checks(cfg: Config) -> None:
     elif topo.assignment not in ("blocks", "shuffled"):
         raise ConfigError(f"config key 'topology.assignment': got {topo.assignment!r}, allowed: blocks, shuffled, "
                           f"or a list of client-id lists")
+    if cfg.transport.kind == "torch":
+        compress = getattr(cfg.algorithm, "compress", "none")
+        if compress != "none":   # collectives reduce raw float sums; a QSGD-coded upload cannot be summed
+            raise ConfigError(f"config key 'algorithm.compress': got '{compress}', but transport.kind = 'torch' "
+                              f"reduces uploads as raw float sums (allowed with torch: 'none'); use "
+                              f"transport.kind = 'grpc' for QSGD")
+        if topo.kind == "chain":
+            raise ConfigError("config key 'transport.kind': 'torch' does not run topology.kind = 'chain' (the "
+                              "walk's per-client model exchange is a gRPC call); use transport.kind = 'grpc'")
     if topo.kind == "hierarchical":
         from common.algorithms import registry   # local: the algorithms import this module
         from common.topology import topology_params

@@ -14,6 +14,15 @@ The edges sit on a graph and pass one model token; the server never holds it.  T
 - `seq_handoff` (edge -> next edge, link edge-edge): the model w^{t+1}; the receiver counts
   the visit, c(m(t+1)) += 1, and holds the token for round t + 1.
 
+- `seq_final` (server -> the last round's edge; transport.kind = "torch" only): send the final
+  model to the server as a point-to-point `dist.send`.
+
+With `[transport] kind = "torch"` (docs/torch_transport.md) the tensors travel as
+torch.distributed operations and the gRPC calls above carry only control: each step's
+broadcast and reduce run in this edge's cluster group (edge/torch_edge.py `_iteration`), the
+hand-off is a `dist.send` to the next edge's rank (the `seq_handoff` call tells it to post the
+matching `dist.recv`), and the final model is a `dist.send` to the server (rank 0).
+
 Next edge: `common.topology.next_edge_order` over the neighbours that answered the query
 (least visits, largest D_A, smallest id).  If the chosen edge does not take the hand-off the
 token goes to the next one in that order; every neighbour passed over is reported to the
@@ -26,6 +35,7 @@ import json
 import logging
 import math
 import threading
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -37,10 +47,11 @@ from common.tasks import build_task
 from common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_index, edge_node, next_edge_order,
                              topology_params)
 from common.transport.base import CallFailed, HandlerError, RemoteError, Request
+from common.validation import validate_reply
 
 log = logging.getLogger("fedhop.edge")
 
-METHODS = frozenset({"seq_round", "seq_handoff", "control.seq_query"})
+METHODS = frozenset({"seq_round", "seq_handoff", "seq_final", "control.seq_query"})
 
 
 class SequentialEdge:
@@ -62,6 +73,7 @@ class SequentialEdge:
         self.visits = 0                                   # c(m)
         self.token: dict[str, torch.Tensor] | None = None
         self.token_round = 0                              # the round the held token is for
+        self.final: dict[str, torch.Tensor] | None = None   # torch: the final model until `seq_final`
         self.etas = self.algorithm.round_step_sizes(self.params.steps_per_round)
         self._lock = threading.Lock()
 
@@ -75,13 +87,36 @@ class SequentialEdge:
                 return Payload(scalars={"visits": self.visits, "data_size": self.data_size})
         if env.method == "seq_handoff":
             return self.take_handoff(env.src, int(env.round), request.payload)
+        if env.method == "seq_final":
+            return self.send_final(int(env.round))
         return self.run_round(int(env.round), request.payload)
+
+    @property
+    def torch(self):
+        """edge/torch_edge.py's TorchEdge when transport.kind = "torch" (set up by `torch_init`)."""
+        if self.cfg.transport.kind != "torch":
+            return None
+        from edge.torch_edge import torch_edge_of
+        edge = torch_edge_of(self.agg)
+        if edge.world is None:
+            raise HandlerError("NOT_READY", f"{self.endpoint.node_id}: torch_init has not been called")
+        return edge
 
     def take_handoff(self, src: str, round: int, payload: Payload) -> Payload:
         try:
             sender = edge_index(src)
         except ValueError:
             sender = -1
+        if self.torch is not None:   # the model arrives as dist.recv from the sender's rank, drained before any check
+            if src not in self.torch.ranks:
+                raise HandlerError("NOT_NEIGHBOUR", f"{src} has no rank in the torch.distributed world")
+            try:
+                tensors = self.torch.world.recv([(k, dtype, shape) for k, (dtype, shape) in self.spec.items()],
+                                                self.torch.ranks[src], src, round, "edge-edge")
+            except RuntimeError as exc:
+                raise HandlerError("COLLECTIVE_FAILED", f"{self.endpoint.node_id}: hand-off from {src} failed: "
+                                                        f"{exc}") from None
+            payload = Payload(tensors=tensors)
         if sender not in self.neighbours:
             raise HandlerError("NOT_NEIGHBOUR", f"{src} is not a neighbour of {self.endpoint.node_id} "
                                                 f"(neighbours: {self.neighbours})")
@@ -110,12 +145,11 @@ class SequentialEdge:
         failures: dict[int, str] = {}
         loss_sum, weight_sum = 0.0, 0.0
         for k in range(self.params.steps_per_round):
-            replies, failed = self._collect(round, k, self.algorithm.step_message(w, k, self.etas))
+            agg, failed = self._step(round, k, self.algorithm.step_message(w, k, self.etas))
             failures.update({c: f"step {k}: {why}" for c, why in failed.items()})
-            if not replies:
+            if agg is None:
                 raise HandlerError("NO_RESULTS", f"no client of {self.endpoint.node_id} answered step {k} of round "
                                                  f"{round}: {failed}")
-            agg = self.algorithm.aggregate(sorted(replies.items()))
             w = self.algorithm.cluster_step(w, agg, k, self.etas)
             if "train_loss" in agg.scalars:
                 loss_sum += float(agg.scalars["train_loss"])
@@ -131,8 +165,11 @@ class SequentialEdge:
                     if math.isfinite(float(value)):
                         out.scalars[SEQ_METRIC_PREFIX + name] = float(value)
         if sc.get("last", False):
-            out.tensors = dict(w)          # the final model: the only model that reaches the server
             out.scalars["next_edge"] = -1
+            if self.torch is not None:     # the server fetches it with `seq_final` (a dist.send)
+                self.final = dict(w)
+            else:
+                out.tensors = dict(w)      # the final model: the only model that reaches the server
             return out
         peers = json.loads(str(sc.get("peers", "{}")))
         nxt, skipped, answers = self._hand_off(round, w, {int(e): a for e, a in peers.items()})
@@ -140,8 +177,51 @@ class SequentialEdge:
                             "neighbours_json": json.dumps({str(e): v for e, v in sorted(answers.items())})})
         return out
 
-    def _collect(self, round: int, step: int, message: Payload):
-        return self.agg._collect(self.agg.cluster, round, step, message, spec=self.spec)
+    def _step(self, round: int, step: int, message: Payload) -> tuple[Payload | None, dict[int, str]]:
+        """One intra-round step: the cluster's replies to `message`, reduced data-weighted (None
+        when no client answered), and the clients that failed."""
+        if self.torch is not None:   # broadcast and reduce in the cluster group
+            partial, failed = self.torch._iteration(round, step, list(self.agg.cluster), message)
+            if partial is not None:
+                validate_reply(partial, self.spec, f"round {round} step {step} reduced partial of "
+                                                   f"{self.endpoint.node_id}'s client processes")
+            return partial, failed
+        replies, failed = self.agg._collect(self.agg.cluster, round, step, message, spec=self.spec)
+        return (self.algorithm.aggregate(sorted(replies.items())) if replies else None), failed
+
+    def send_final(self, round: int) -> Payload:
+        """transport.kind = "torch": the final model to the server (rank 0) as a dist.send."""
+        final = self.final
+        if final is None:
+            raise HandlerError("NO_TOKEN", f"{self.endpoint.node_id} holds no final model for round {round}")
+        try:
+            self.torch.world.send([final[k] for k in self.spec], 0, "server", round, "edge-server")
+        except RuntimeError as exc:
+            raise HandlerError("COLLECTIVE_FAILED", f"{self.endpoint.node_id}: sending the final model failed: "
+                                                    f"{exc}") from None
+        self.final = None
+        return Payload()
+
+    def _send_model(self, round: int, peer: int, address: str, w: dict[str, torch.Tensor]) -> None:
+        """Hand the model to edge `peer`: a gRPC call with the tensors, or (torch) a control call
+        that makes the peer post its receives, beside this edge's dist.send."""
+        timeout = self.cfg.run.call_timeout
+        if self.torch is None:
+            self.endpoint.call(address, edge_node(peer), "seq_handoff", Payload(tensors=w), round=round,
+                               timeout=timeout)
+            return
+        call = self.agg._pool.submit(self.endpoint.call, address, edge_node(peer), "seq_handoff", Payload(),
+                                     round=round, timeout=timeout)
+        try:
+            self.torch.world.send([w[k] for k in self.spec], self.torch.ranks[edge_node(peer)], edge_node(peer),
+                                  round, "edge-edge")
+        except RuntimeError as exc:
+            raise CallFailed("COLLECTIVE_FAILED", f"dist.send failed: {exc}", edge_node(peer)) from None
+        try:
+            call.result(timeout=timeout)
+        except FutureTimeout:
+            raise CallFailed("DEADLINE_EXCEEDED", f"no hand-off confirmation within {timeout:g}s",
+                             edge_node(peer)) from None
 
     # ------------------------------------------------------------------ selection and hand-off
     def _hand_off(self, round: int, w: dict[str, torch.Tensor], peers: dict[int, str]):
@@ -162,8 +242,7 @@ class SequentialEdge:
                 skipped.append([e, f"no answer to the neighbour query: {exc}"])
         for e in next_edge_order(answers):
             try:
-                self.endpoint.call(peers[e], edge_node(e), "seq_handoff", Payload(tensors=w), round=round,
-                                   timeout=timeout)
+                self._send_model(round, e, peers[e], w)
                 return e, skipped, answers
             except (CallFailed, RemoteError, PayloadError) as exc:
                 skipped.append([e, f"hand-off failed: {exc}"])

@@ -49,6 +49,8 @@ class TorchEdge:
         self.cluster: Collectives | None = None   # this edge + its client processes, rooted here
         self.procs: list[str] = []                # this cluster's client processes, in rank order
         self.partial: Payload | None = None
+        self.world: Collectives | None = None     # the whole world (point-to-point sends of Fed-CHS)
+        self.ranks: dict[str, int] = {}           # node id -> global rank (the server is 0)
 
     def handle(self, method: str, round: int, payload: Payload) -> Payload:
         if method == "torch_procs":
@@ -95,6 +97,7 @@ class TorchEdge:
         if failed:
             raise HandlerError("COLLECTIVE_FAILED", f"{self.node_id}: client processes {sorted(failed)} did not "
                                                     f"join torch.distributed ({next(iter(failed.values()))})")
+        self.world, self.ranks = coll, {**ranks, "server": 0}
         self.top = coll.scoped(handles[0], 0, "server", "edge-server")
         self.cluster = coll.scoped(handles[mine], ranks[self.node_id], self.node_id, "client-edge")
         return Payload(scalars={"rank": coll.rank})

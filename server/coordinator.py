@@ -332,8 +332,8 @@ class Coordinator:
             self.wait_for_clients(register_timeout)
             if self.on_ready is not None:
                 self.on_ready()
-            if self.cfg.transport.kind == "torch":
-                from server.torch_rounds import TorchRounds
+            if self.cfg.transport.kind == "torch" and self.cfg.topology.kind in ("star", "hierarchical"):
+                from server.torch_rounds import TorchRounds   # sequential: server/sequential.py joins the world
                 try:
                     self.torch_rounds = TorchRounds(self)
                 except (RuntimeError, ValueError) as exc:

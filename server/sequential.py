@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -39,9 +40,14 @@ class SequentialDriver:
         if cfg.algorithm.name != "fedchs":
             raise RunFailed(f"topology.kind = 'sequential' needs algorithm.name = 'fedchs', got "
                             f"'{cfg.algorithm.name}'")
+        self.world = None     # transport.kind = "torch": the server's membership of the edges' world
         if cfg.transport.kind == "torch":
-            raise RunFailed("topology.kind = 'sequential' runs over transport.kind = 'grpc' (the hand-off is a "
-                            "gRPC call between edges)")
+            from server.torch_rounds import EdgeWorld
+            from common.transport.torchdist import TorchParams
+            try:
+                self.world = EdgeWorld(coord, getattr(cfg.transport, "params", None) or TorchParams())
+            except (RuntimeError, ValueError) as exc:
+                raise RunFailed(str(exc)) from None
         try:
             self.graph = edge_graph(cfg)
             self.start = start_edge(cfg)
@@ -53,6 +59,24 @@ class SequentialDriver:
         self.sequence: list[int] = []
         self.skips = 0
         coord.summary_hooks.append(self.summary)
+
+    def _receive_final(self, node, round: int, spec: dict) -> dict[str, torch.Tensor]:
+        """transport.kind = "torch": the final model travels from the holder edge to the server
+        as a point-to-point `dist.send` (link edge-server): the control call `seq_final` makes the
+        edge send while the server posts the matching receives."""
+        rank = self.world.layout["ranks"][node.node_id]
+        call = self.coord._pool.submit(self.coord.endpoint.call, node.address, node.node_id, "seq_final", Payload(),
+                                       round=round, timeout=self.coord.cfg.run.round_timeout)
+        try:
+            tensors = self.world.coll.recv([(k, dtype, shape) for k, (dtype, shape) in spec.items()], rank,
+                                           node.node_id, round, "edge-server")
+        except RuntimeError as exc:
+            raise self.RunFailed(f"round {round}: the final model from {node.node_id} did not arrive: {exc}") from None
+        try:
+            call.result(timeout=self.coord.cfg.run.round_timeout)
+        except (CallFailed, RemoteError, PayloadError, FutureTimeout) as exc:
+            raise self.RunFailed(f"round {round}: {node.node_id} failed to send the final model: {exc}") from None
+        return tensors
 
     def summary(self) -> dict:
         visits = Counter(self.sequence)
@@ -87,6 +111,8 @@ class SequentialDriver:
         if last:
             spec = {k: (v.dtype, tuple(v.shape)) for k, v in coord.state.params.items()}
             try:
+                if self.world is not None:
+                    reply.tensors = self._receive_final(node, round, spec)
                 check_tensors(reply, spec, f"final model from {node.node_id}")
             except PayloadError as exc:
                 raise self.RunFailed(str(exc)) from None

@@ -132,33 +132,9 @@ class HierTorchRounds:
             raise ValueError(f"algorithm.compress = '{compress}' is not supported with transport.kind = 'torch' "
                              f"and topology.kind = 'hierarchical' (allowed: 'none'); use transport.kind = 'grpc'")
         self.params = getattr(c.cfg.transport, "params", None) or TorchParams()
-        self.edges = sorted((n for n in c.children.values() if n.role == "edge"),
-                            key=lambda n: c.edge_order(n.node_id))
-        self.peers = [e.node_id for e in self.edges]
-        asked = {e.node_id: c._pool.submit(c.endpoint.call, e.address, e.node_id, "torch_procs", Payload(),
-                                           round=0, timeout=self.params.timeout) for e in self.edges}
-        answers, failed = c._gather(asked, self.params.timeout)
-        if failed:
-            raise RuntimeError(f"torch.distributed set-up failed: edges did not list their client processes: {failed}")
-        procs = {e: [p for p in str(answers[e].scalars["processes"]).split(",") if p] for e in self.peers}
-        self.layout = hier_layout(self.peers, procs)
-        world = len(self.layout["ranks"]) + 1
-        host = c.cfg.transport.host
-        master = f"{host}:{self.params.master_port or free_port(host)}"
-        coll = Collectives("server", 0, world, c.ledger, self.params, c.run_id)
-        calls = {e.node_id: c._pool.submit(
-            c.endpoint.call, e.address, e.node_id, "torch_init",
-            Payload(scalars={"world_size": world, "master": master, "backend": self.params.backend,
-                             "timeout": self.params.timeout, "layout_json": json.dumps(self.layout)}),
-            round=0, timeout=self.params.timeout + 10.0) for e in self.edges}
-        coll.init(master)
-        handles = build_groups(self.layout["groups"], self.params.timeout)
-        _, failed = c._gather(calls, self.params.timeout + 10.0)
-        if failed:
-            raise RuntimeError(f"torch.distributed set-up failed: {failed}")
-        self.top = coll.scoped(handles[0], 0, "server", "edge-server")
-        log.info("torch.distributed %s world of %d ranks at %s: groups %s", self.params.backend, world, master,
-                 self.layout["groups"])
+        world = EdgeWorld(c, self.params)
+        self.edges, self.peers, self.layout = world.edges, world.peers, world.layout
+        self.top = world.coll.scoped(world.handles[0], 0, "server", "edge-server")
 
     def dispatch(self, round: int, sampled: list[int], message: Payload):
         c = self.c
@@ -214,6 +190,41 @@ class HierTorchRounds:
         return {0: partial}, failures
 
 
+class EdgeWorld:
+    """The server's set-up of a world of the server, the edges and their client processes
+    (hierarchical and sequential topologies): ask each edge for its client processes
+    (`torch_procs`), compute the ranks and groups (`hier_layout`), send `torch_init` to every
+    edge (which forwards it to its processes), join through the TCP store on transport.host and
+    create the groups.  `coll` is the server's membership of the whole world (rank 0)."""
+
+    def __init__(self, c, params: TorchParams) -> None:
+        self.edges = sorted((n for n in c.children.values() if n.role == "edge"), key=lambda n: c.edge_order(n.node_id))
+        self.peers = [e.node_id for e in self.edges]
+        asked = {e.node_id: c._pool.submit(c.endpoint.call, e.address, e.node_id, "torch_procs", Payload(),
+                                           round=0, timeout=params.timeout) for e in self.edges}
+        answers, failed = c._gather(asked, params.timeout)
+        if failed:
+            raise RuntimeError(f"torch.distributed set-up failed: edges did not list their client processes: {failed}")
+        procs = {e: [p for p in str(answers[e].scalars["processes"]).split(",") if p] for e in self.peers}
+        self.layout = hier_layout(self.peers, procs)
+        world = len(self.layout["ranks"]) + 1
+        host = c.cfg.transport.host
+        master = f"{host}:{params.master_port or free_port(host)}"
+        self.coll = Collectives("server", 0, world, c.ledger, params, c.run_id)
+        calls = {e.node_id: c._pool.submit(
+            c.endpoint.call, e.address, e.node_id, "torch_init",
+            Payload(scalars={"world_size": world, "master": master, "backend": params.backend,
+                             "timeout": params.timeout, "layout_json": json.dumps(self.layout)}),
+            round=0, timeout=params.timeout + 10.0) for e in self.edges}
+        self.coll.init(master)
+        self.handles = build_groups(self.layout["groups"], params.timeout)
+        _, failed = c._gather(calls, params.timeout + 10.0)
+        if failed:
+            raise RuntimeError(f"torch.distributed set-up failed: {failed}")
+        log.info("torch.distributed %s world of %d ranks at %s: groups %s", params.backend, world, master,
+                 self.layout["groups"])
+
+
 def hier_layout(edges: list[str], procs: dict[str, list[str]]) -> dict:
     """Ranks and groups of the hierarchical world (module docstring of HierTorchRounds):
     {"ranks": node -> rank (the server, rank 0, left out), "groups": [top, cluster of edge 0, ...],
@@ -228,4 +239,4 @@ def hier_layout(edges: list[str], procs: dict[str, list[str]]) -> dict:
     return {"ranks": ranks, "groups": groups, "clusters": {e: i + 1 for i, e in enumerate(edges)}}
 
 
-__all__ = ["TorchRounds", "HierTorchRounds", "hier_layout", "CollectiveFailed", "CallFailed", "RemoteError"]
+__all__ = ["TorchRounds", "HierTorchRounds", "EdgeWorld", "hier_layout", "CollectiveFailed", "CallFailed", "RemoteError"]

@@ -128,11 +128,13 @@ def test_killed_client_process_fails_the_run_with_a_clear_message(tmp_path):
     assert "edge-1" in summary["error"] and "client-proc1" in summary["error"], summary["error"]
 
 
-def test_qsgd_uploads_are_refused_on_the_torch_hierarchical_path():
-    """The collectives reduce raw float sums: a QSGD config would silently differ from gRPC, so it is refused."""
-    from types import SimpleNamespace
-
-    from server.torch_rounds import HierTorchRounds
-    coordinator = SimpleNamespace(cfg=SimpleNamespace(algorithm=SimpleNamespace(compress="qsgd")))
-    with pytest.raises(ValueError, match="algorithm.compress = 'qsgd'"):
-        HierTorchRounds(coordinator)
+@pytest.mark.parametrize("topology", ["star", "hierarchical"])
+def test_qsgd_uploads_are_refused_with_the_torch_transport_at_load(topology):
+    """The collectives reduce raw float sums: a QSGD config would silently differ from gRPC, so
+    the config loader refuses it, naming the key, on every topology (the gRPC config loads)."""
+    from common.config import ConfigError
+    topo = 'kind = "star"' if topology == "star" else f'kind = "hierarchical"\nedges = {EDGES}'
+    text = quadratic_config(CENTERS, CURV, SIZES, topology=topo, extra_algorithm='compress = "qsgd"')
+    assert parse_config(text).algorithm.compress == "qsgd"
+    with pytest.raises(ConfigError, match="algorithm.compress.*transport.kind = 'torch'"):
+        parse_config(text.replace('kind = "grpc"', 'kind = "torch"'))

@@ -38,10 +38,11 @@ import torch.distributed as dist
 
 from common.codec import DTYPE_NAMES, DTYPES
 from common.ledger import Ledger
+from common.transport.base import direction_of
 
 # bytes a rank moves per byte of buffer: a broadcast delivers the buffer once to each
 # non-root rank; a reduce to one root sends each non-root rank's buffer once.
-ALGO_FACTOR = {"broadcast": 1.0, "reduce": 1.0}
+ALGO_FACTOR = {"broadcast": 1.0, "reduce": 1.0, "send": 1.0}
 
 REDUCE_OPS = {"wsum": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
               "min": dist.ReduceOp.MIN}
@@ -156,6 +157,40 @@ class Collectives:
                                recorder=self.node_id, role="sender" if i_am_src else "receiver",
                                msg_id=f"{self.run_id}-r{round}{tag}-{method}-{peer}", status="ok",
                                wall_time=time.time(), error="")
+
+
+    # ------------------------------------------------------------------ point to point
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, dst_node: str, round: int, link: str) -> None:
+        """`dist.send` of each tensor to global rank `dst_rank` (Fed-CHS: the model hand-off to the
+        next edge, link edge-edge, or the final model to the server); the receiver must post
+        `recv` with the same shapes, in the same order."""
+        started = time.perf_counter()
+        for t in tensors:
+            dist.send(t.to(self.device).contiguous(), dst=dst_rank)
+        self._record_p2p(round, sum(t.numel() * t.element_size() for t in tensors), time.perf_counter() - started,
+                         src=self.node_id, dst=dst_node, link=link)
+
+    def recv(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], src_rank: int, src_node: str, round: int,
+             link: str) -> dict[str, torch.Tensor]:
+        """The other end of `send`: one `dist.recv` per (name, dtype, shape), into fresh CPU tensors."""
+        started = time.perf_counter()
+        out = {}
+        for name, dtype, shape in specs:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(buf, src=src_rank)
+            out[name] = buf.cpu()
+        self._record_p2p(round, sum(t.numel() * t.element_size() for t in out.values()), time.perf_counter() - started,
+                         src=src_node, dst=self.node_id, link=link)
+        return out
+
+    def _record_p2p(self, round: int, nbytes: int, seconds: float, src: str, dst: str, link: str) -> None:
+        moved = round_bytes(nbytes * ALGO_FACTOR["send"])
+        self.ledger.record(run_id=self.run_id, round=round, step=0, src=src, dst=dst, link=link,
+                           direction=direction_of(src, dst), method="torch.send",
+                           tensor_bytes=nbytes, payload_bytes=moved, framed_bytes=moved, seconds=seconds,
+                           recorder=self.node_id, role="sender" if self.node_id == src else "receiver",
+                           msg_id=f"{self.run_id}-r{round}-send-{src}-{dst}", status="ok", wall_time=time.time(),
+                           error="")
 
 
 def round_bytes(x: float) -> int:

@@ -1,0 +1,165 @@
+"""transport.kind = "torch" beyond FedAvg: FedExP and SCAFFOLD on the star, Fed-CHS (sequential
+topology: cluster collectives, point-to-point hand-offs between edges, the final model sent to
+the server), each against the same config over gRPC, with the tensor bytes of every operation
+against the analytic count (server/sequential.py, edge/sequential.py, common/transport/torchdist.py).
+
+Equality, and why:
+- bit for bit where every reduce adds one partial to the identity 0 (one client process per
+  star or per edge cluster): that process aggregates its clients in the same sorted order as
+  the gRPC server or edge, and 0 + x = x exactly;
+- within float32 rounding (rtol = atol = 1e-6) with several processes, whose partials are summed
+  in another order than the gRPC aggregator's client-by-client sum.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.config import ConfigError, parse_config
+from common.runstore import RunStore
+from deploy.launcher import LocalRun, read_progress, run_local
+from tests.helpers import quadratic_config
+from tests.test_fedchs import ASSIGN, D, GRAPH, fedchs_config, rule_sequence, SIZES as CHS_SIZES
+
+RNG = np.random.default_rng(23)
+CENTERS = RNG.normal(0, 2, size=(8, 6))
+CURV = RNG.uniform(0.5, 2.0, size=(8, 6))
+SIZES = [5, 9, 13, 3, 7, 11, 2, 8]
+
+
+def _run(tmp_path: Path, name: str, text: str, kind: str) -> tuple[torch.Tensor, Path]:
+    cfg = tmp_path / f"{name}-{kind}.toml"
+    cfg.write_text(text.replace('kind = "grpc"', f'kind = "{kind}"'))
+    out = tmp_path / f"{name}-{kind}"
+    assert run_local(str(cfg), [], str(out), quiet=True, show_table=False) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["transport"] == kind
+    return load_file(str(out / "model.safetensors"))["w"], out
+
+
+def _sender_bytes(run_dir: Path) -> Counter:
+    """(round, link, method) -> tensor bytes on the sender's records of torch operations."""
+    out: Counter = Counter()
+    for m in RunStore(run_dir / "run.db").messages():
+        if m["method"].startswith("torch.") and m["role"] == "sender":
+            out[(m["round"], m["link"], m["method"])] += m["tensor_bytes"]
+    return out
+
+
+# ----------------------------------------------------------------------------- star: FedExP, SCAFFOLD
+@pytest.mark.parametrize("algorithm", ["fedexp", "scaffold"])
+@pytest.mark.parametrize("processes", [1, 3])
+def test_star_algorithms_over_torch_equal_grpc(tmp_path, algorithm, processes):
+    rounds, d = 3, CENTERS.shape[1]
+    text = quadratic_config(CENTERS, CURV, SIZES, rounds=rounds, per_round=5, processes=processes,
+                            algorithm=algorithm)
+    grpc_model, _ = _run(tmp_path, algorithm, text, "grpc")
+    torch_model, run_dir = _run(tmp_path, algorithm, text, "torch")
+    assert not torch.equal(torch_model, torch.zeros_like(torch_model))
+    if processes == 1:
+        assert torch.equal(torch_model, grpc_model)
+    else:
+        assert torch.allclose(torch_model, grpc_model, rtol=1e-6, atol=1e-6)
+    # the broadcast carries the model (and SCAFFOLD's server control variate c); each process
+    # reduces one partial of the reply tensors (a delta; SCAFFOLD adds the control delta)
+    tensors = 2 if algorithm == "scaffold" else 1
+    got = _sender_bytes(run_dir)
+    for r in range(1, rounds + 1):
+        assert got[(r, "client-server", "torch.broadcast")] == processes * tensors * 4 * d, r
+        reduced = got[(r, "client-server", "torch.reduce")]
+        assert reduced >= processes * tensors * 4 * d, r   # + 0-dim scalars such as FedExP's norm sum
+        assert reduced - processes * tensors * 4 * d < processes * 4 * 4, r
+    assert RunStore(run_dir / "run.db").check_agreement().ok
+
+
+# ----------------------------------------------------------------------------- Fed-CHS
+def _fedchs_bytes_check(run_dir: Path, K: int, rounds: int, procs_per_edge: int) -> None:
+    """Per round t at edge m(t): K broadcasts of w_k (4d bytes) and K reduces of the gradient
+    (4d bytes) to and from each of its P client processes, one hand-off of w (4d) to the next edge,
+    and in the last round the final model (4d) to the server instead of a hand-off."""
+    got = _sender_bytes(run_dir)
+    b = 4 * D
+    for t in range(1, rounds + 1):
+        want = {(t, "client-edge", "torch.broadcast"): K * procs_per_edge * b,
+                (t, "client-edge", "torch.reduce"): K * procs_per_edge * b,
+                (t, "edge-edge" if t < rounds else "edge-server", "torch.send"): b}
+        assert {k: v for k, v in got.items() if k[0] == t} == want, t
+    store = RunStore(run_dir / "run.db")
+    assert store.check_agreement().ok
+    # no gRPC message carries a tensor: control only
+    assert all(m["tensor_bytes"] == 0 for m in store.messages() if not m["method"].startswith("torch."))
+
+
+def test_fedchs_over_torch_equals_grpc_bit_for_bit_one_process_per_edge(tmp_path):
+    K, rounds = 3, 6
+    text = fedchs_config(rounds=rounds, K=K, processes=len(ASSIGN))
+    grpc_model, grpc_dir = _run(tmp_path, "fedchs", text, "grpc")
+    torch_model, run_dir = _run(tmp_path, "fedchs", text, "torch")
+    assert torch.equal(torch_model, grpc_model)
+    assert not torch.equal(torch_model, torch.zeros_like(torch_model))
+    data = [sum(CHS_SIZES[c] for c in group) for group in ASSIGN]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["edge_sequence"] == rule_sequence(GRAPH, data, 0, rounds)
+    assert summary["edge_sequence"] == json.loads((grpc_dir / "summary.json").read_text())["edge_sequence"]
+    _fedchs_bytes_check(run_dir, K, rounds, procs_per_edge=1)
+
+
+def test_fedchs_over_torch_within_rounding_two_processes_per_edge_and_delta_form(tmp_path):
+    """Two processes per edge (an edge with one client has an idle process that adds the
+    identity), E = 2 local iterations (the broadcast also carries the E step sizes)."""
+    K, rounds, E = 2, 5, 2
+    text = fedchs_config(rounds=rounds, K=K, processes=2 * len(ASSIGN), local_iters=E, schedule="constant",
+                         lr=0.3)
+    grpc_model, _ = _run(tmp_path, "fedchs2", text, "grpc")
+    torch_model, run_dir = _run(tmp_path, "fedchs2", text, "torch")
+    assert torch.allclose(torch_model, grpc_model, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(torch_model, torch.zeros_like(torch_model))
+    got = _sender_bytes(run_dir)
+    b = 4 * D
+    for t in range(1, rounds + 1):
+        assert got[(t, "client-edge", "torch.broadcast")] == K * 2 * (b + 4 * E), t   # w_k + E step sizes
+        assert got[(t, "client-edge", "torch.reduce")] == K * 2 * b, t
+    assert RunStore(run_dir / "run.db").check_agreement().ok
+
+
+def test_fedchs_over_torch_killed_client_process_fails_the_run_clearly(tmp_path):
+    rounds = 3000
+    text = fedchs_config(rounds=rounds, K=2, processes=len(ASSIGN), eval_every=0)
+    text = (text.replace('kind = "grpc"', 'kind = "torch"\ntimeout = 15.0')
+            .replace("round_timeout = 60.0", "round_timeout = 20.0"))
+    run = LocalRun(parse_config(text), tmp_path)
+    server = run.start([])
+    started = None
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not read_progress(tmp_path / "run.db", 2):
+            time.sleep(0.05)
+        assert read_progress(tmp_path / "run.db", 2), "round 3 never finished"
+        for child in run.children:
+            if child.name.startswith("client-proc"):
+                os.kill(child.proc.pid, signal.SIGKILL)     # every cluster loses its only process
+        started = time.monotonic()
+        server.proc.wait(timeout=90)
+    finally:
+        run.stop_all()
+    assert server.proc.returncode == 1
+    assert time.monotonic() - started < 60   # bounded by the collective / round timeouts, never a hang
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds_completed"] < rounds
+    assert "holds the model, failed" in summary["error"] and "client-proc" in summary["error"], summary["error"]
+
+
+def test_chain_over_torch_is_refused_at_load():
+    text = quadratic_config(CENTERS, CURV, SIZES, topology='kind = "chain"')
+    assert parse_config(text).topology.kind == "chain"
+    with pytest.raises(ConfigError, match="transport.kind.*chain"):
+        parse_config(text.replace('kind = "grpc"', 'kind = "torch"'))
