@@ -4,7 +4,9 @@ Control calls arrive over gRPC (`torch_init`, `torch_round`, `torch_reduce`) fro
 (star) or from this process's edge (hierarchical: the collectives run in the edge's cluster
 group, rooted at the edge, once per edge iteration); the tensors move as collectives.  The
 process pre-aggregates its own sampled logical clients with the algorithm's `aggregate`, as
-an edge would, and contributes one partial to the reduce.
+an edge would, and contributes one partial to the reduce.  A client's reply holding NaN or Inf
+is left out of that partial and reported as a NON_FINITE failure (the server's
+`security.nan_policy` applies to it as on the gRPC path).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import json
 
 import torch
 
-from common.algorithms.base import Payload
+from common.algorithms.base import Payload, finite_or_raise
 from common.codec import DTYPE_NAMES, DTYPES, PayloadError
 from common.transport.base import CallFailed, HandlerError, RemoteError
 from common.transport.torchdist import STEP_KEY, Collectives, TorchParams, build_groups, specs_from_json
@@ -61,7 +63,12 @@ class TorchWorker:
         replies, failures = {}, {}
         for cid in clients:
             try:
-                replies[cid] = self.host.train(cid, round, message, step)
+                reply = self.host.train(cid, round, message, step)
+                try:   # as the gRPC receiver would: a NaN reply leaves its client out, not the whole sum
+                    finite_or_raise(reply, f"round {round} reply of client {cid}")
+                except ValueError as exc:
+                    raise PayloadError("NON_FINITE", str(exc)) from None
+                replies[cid] = reply
             except (PayloadError, HandlerError, ValueError, RuntimeError) as exc:
                 failures[cid] = str(exc)
         self.partial = self.host.algorithm.aggregate(sorted(replies.items())) if replies else None

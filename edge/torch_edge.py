@@ -27,8 +27,9 @@ import torch
 from common.algorithms.base import Payload, reduce_payloads
 from common.codec import PayloadError
 from common.transport.base import CallFailed, HandlerError, RemoteError
-from common.transport.torchdist import (STEP_KEY, Collectives, TorchParams, buffers_by_name, build_groups,
-                                        layout_of, reduce_buffers, specs_from_json, specs_of, specs_to_json)
+from common.transport.torchdist import (STEP_KEY, Collectives, LayoutMismatch, TorchParams, buffers_by_name,
+                                        build_groups, layout_of, merge_layouts, reduce_buffers, specs_from_json,
+                                        specs_of, specs_to_json)
 
 METHODS = ("torch_procs", "torch_init", "torch_edge_round", "torch_edge_reduce")
 
@@ -168,10 +169,11 @@ class TorchEdge:
                 scalar_parts.append(Payload(scalars=s))
         if not layouts:
             return None, failures
-        layout_text = next(iter(layouts.values()))
-        if any(text != layout_text for text in layouts.values()):
-            raise PayloadError("LAYOUT_MISMATCH", f"{self.node_id} {where}: client processes report different tensors")
-        layout = json.loads(layout_text)
+        try:
+            layout = merge_layouts(layouts, f"{self.node_id} {where}: client processes")
+        except LayoutMismatch as exc:
+            raise HandlerError("LAYOUT_MISMATCH", str(exc)) from None
+        layout_text = json.dumps(layout)
         reduce_calls = {p: self.agg._pool.submit(ep.call, self.agg.processes[p], p, "torch_reduce",
                                                  Payload(scalars={"layout": layout_text, STEP_KEY: step}),
                                                  round=round, step=step, timeout=timeout) for p in self.procs}

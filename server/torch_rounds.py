@@ -16,8 +16,8 @@ import torch
 from common.algorithms.base import Payload, reduce_payloads
 from common.codec import DTYPES, PayloadError
 from common.transport.base import CallFailed, RemoteError
-from common.transport.torchdist import (Collectives, TorchParams, buffers_by_name, build_groups, free_port,
-                                        reduce_buffers, specs_of, specs_to_json)
+from common.transport.torchdist import (Collectives, LayoutMismatch, TorchParams, buffers_by_name, build_groups,
+                                        free_port, merge_layouts, reduce_buffers, specs_of, specs_to_json)
 from common.validation import validate_reply
 
 log = logging.getLogger("fedhop.server")
@@ -85,10 +85,11 @@ class TorchRounds:
                 scalar_parts.append(Payload(scalars=s))
         if not layouts:
             return {}, failures
-        layout_text = next(iter(layouts.values()))
-        if any(text != layout_text for text in layouts.values()):
-            raise PayloadError("LAYOUT_MISMATCH", f"round {round}: client processes report different tensors")
-        layout = json.loads(layout_text)
+        try:
+            layout = merge_layouts(layouts, f"round {round}: client processes")
+        except LayoutMismatch as exc:
+            raise CollectiveFailed(f"LAYOUT_MISMATCH: {exc}") from None
+        layout_text = json.dumps(layout)
         reduce_calls = {p.node_id: c._pool.submit(c.endpoint.call, p.address, p.node_id, "torch_reduce",
                                                   Payload(scalars={"layout": layout_text}), round=round,
                                                   timeout=c.cfg.run.round_timeout) for p in self.procs}
@@ -106,6 +107,11 @@ class TorchRounds:
         partial = reduce_payloads(scalar_parts, c.algorithm.reply_reduce)
         partial.tensors = {name: t for items in groups.values() for name, t in items}
         partial.tensors = {name: partial.tensors[name] for name, *_ in layout}
+        try:
+            validate_reply(partial, c.algorithm.reply_spec(c.state), f"round {round} reduced partial of the "
+                                                                      f"client processes")
+        except PayloadError as exc:
+            raise CollectiveFailed(str(exc)) from None
         return {0: partial}, failures
 
 
@@ -166,10 +172,11 @@ class HierTorchRounds:
                 scalar_parts.append(Payload(scalars=s))
         if not layouts:
             return {}, failures
-        layout_text = next(iter(layouts.values()))
-        if any(text != layout_text for text in layouts.values()):
-            raise CollectiveFailed(f"round {round}: LAYOUT_MISMATCH: edges report different tensors")
-        layout = json.loads(layout_text)
+        try:
+            layout = merge_layouts(layouts, f"round {round}: edges")
+        except LayoutMismatch as exc:
+            raise CollectiveFailed(f"LAYOUT_MISMATCH: {exc}") from None
+        layout_text = json.dumps(layout)
         reduce_calls = {e.node_id: c._pool.submit(c.endpoint.call, e.address, e.node_id, "torch_edge_reduce",
                                                   Payload(scalars={"layout": layout_text}), round=round,
                                                   timeout=c.cfg.run.round_timeout) for e in self.edges}

@@ -163,3 +163,60 @@ def test_chain_over_torch_is_refused_at_load():
     assert parse_config(text).topology.kind == "chain"
     with pytest.raises(ConfigError, match="transport.kind.*chain"):
         parse_config(text.replace('kind = "grpc"', 'kind = "torch"'))
+
+
+# ----------------------------------------------------------------------------- per-client tensors, NaN replies
+def test_fedlga_straggler_tensors_travel_as_a_gather_by_reduce(tmp_path):
+    """FedLGA keeps each straggler's delta apart under a per-client name, so the client processes'
+    partials hold different tensors: the reduce runs over the union of their layouts, each name
+    contributed by its one owner and as 0 by the rest (common/transport/torchdist.py
+    `merge_layouts`); the final model equals gRPC's within float32 rounding."""
+    from tests.test_fedlga import DIGITS
+    text = DIGITS.format(algo="fedlga", rho=0.5, extra="").replace('kind = "inmemory"', 'kind = "grpc"')
+    outs = {}
+    for kind in ("grpc", "torch"):
+        cfg = tmp_path / f"{kind}.toml"
+        cfg.write_text(text.replace('kind = "grpc"', f'kind = "{kind}"'))
+        assert run_local(str(cfg), [], str(tmp_path / kind), quiet=True, show_table=False) == 0
+        outs[kind] = load_file(str(tmp_path / kind / "model.safetensors"))
+    for name, t in outs["grpc"].items():
+        assert torch.allclose(outs["torch"][name], t, rtol=1e-5, atol=1e-6), name
+    # the stragglers' tensors were in the reduce: more than one model of reply bytes per process
+    n = sum(t.numel() for t in outs["grpc"].values())
+    reduced = [m["tensor_bytes"] for m in RunStore(tmp_path / "torch" / "run.db").messages()
+               if m["method"] == "torch.reduce" and m["role"] == "sender"]
+    assert max(reduced) > 4 * n
+
+
+def test_merge_layouts_unions_names_and_names_a_conflict():
+    from common.transport.torchdist import LayoutMismatch, merge_layouts
+    a = json.dumps([["w", "float32", [3], "wsum"], ["s.1.w", "float32", [3], "wsum"]])
+    b = json.dumps([["w", "float32", [3], "wsum"], ["s.4.w", "float32", [3], "wsum"]])
+    assert [e[0] for e in merge_layouts({"p1": b, "p0": a}, "here")] == ["w", "s.1.w", "s.4.w"]
+    c = json.dumps([["w", "float32", [4], "wsum"]])
+    with pytest.raises(LayoutMismatch, match=r"tensor 'w' is .*\[3\].* at p0 but .*\[4\].* at p2"):
+        merge_layouts({"p0": a, "p2": c}, "here")
+
+
+def test_worker_leaves_a_nan_reply_out_of_its_partial():
+    """client/torch_worker.py: a client whose reply holds NaN is a NON_FINITE failure (the
+    server's nan_policy applies), the other clients' replies form the partial."""
+    from types import SimpleNamespace
+
+    from common.algorithms.base import Payload
+    from common.algorithms.fedavg import FedAvg
+    from client.torch_worker import TorchWorker
+
+    def train(cid, round, message, step):
+        w = message.tensors["w"] + cid
+        if cid == 2:
+            w[0] = float("nan")
+        return Payload(tensors={"w": w}, scalars={"weight": 1.0})
+
+    host = SimpleNamespace(node_id="client-proc0", train=train, algorithm=FedAvg(SimpleNamespace()))
+    worker = TorchWorker(host)
+    worker.coll = SimpleNamespace(broadcast=lambda empties, round, peers, step: [torch.zeros(3)])
+    out = worker.round(1, Payload(scalars={"clients": "1,2,3", "specs": json.dumps([["w", "float32", [3]]])}))
+    failures = json.loads(out.scalars["failures_json"])
+    assert list(failures) == ["2"] and failures["2"].startswith("NON_FINITE")
+    assert torch.equal(worker.partial.tensors["w"], torch.full((3,), 4.0))   # 1 + 3, weights 1

@@ -214,6 +214,31 @@ def layout_of(tensors: dict[str, torch.Tensor], ops) -> str:
     return json.dumps([[n, DTYPE_NAMES[t.dtype], list(t.shape), ops.get(n, "wsum")] for n, t in tensors.items()])
 
 
+def merge_layouts(layouts: dict[str, str], where: str) -> list:
+    """The layout every rank of a reduce uses: the union of the ranks' partial layouts (JSON
+    texts from `layout_of`, keyed by node id), in first-seen order over the sorted node ids.
+
+    A tensor held by only some ranks (FedLGA's per-client straggler deltas, named by client id)
+    is contributed by the others as the op's identity (`reduce_buffers`), so the root receives it
+    exactly (x + 0 = x): a gather by reduce, whose cost the ledger counts (every rank sends the
+    whole union).  The same name with another dtype, shape or op is a LAYOUT_MISMATCH."""
+    merged: dict[str, list] = {}
+    owner: dict[str, str] = {}
+    for node in sorted(layouts):
+        for entry in json.loads(layouts[node]):
+            name = entry[0]
+            if name in merged and merged[name] != entry:
+                raise LayoutMismatch(f"{where}: tensor '{name}' is {merged[name][1:]} at {owner[name]} but "
+                                     f"{entry[1:]} at {node} ([dtype, shape, reduce op])")
+            merged.setdefault(name, entry)
+            owner.setdefault(name, node)
+    return list(merged.values())
+
+
+class LayoutMismatch(ValueError):
+    """Ranks report the same tensor name with another dtype, shape or reduce op."""
+
+
 def reduce_buffers(layout: list, tensors: dict[str, torch.Tensor] | None) -> list[tuple[str, list[torch.Tensor]]]:
     """The buffers one rank contributes to a reduce of `layout`, grouped by op in sorted op order
     (the order every rank of the group uses): copies of its own tensors, or the op's identity
