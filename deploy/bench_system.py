@@ -255,6 +255,8 @@ def bench_growth(args: argparse.Namespace) -> dict:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--clients", type=int, default=1000, help="scale: logical clients")
     ap.add_argument("--processes", type=int, default=4, help="scale: client processes")
+    ap.add_argument("--kind-clients", default="4,8",
+                    help="transport --kind torch: client counts (one process each), comma-separated")
 
 
 # ----------------------------------------------------------------------------- gRPC vs torch.distributed
@@ -289,7 +291,7 @@ max_message_bytes = 134217728
 def bench_kinds(args: argparse.Namespace) -> dict:
     """Round time and throughput of FedAvg rounds over gRPC and over torch.distributed (gloo)."""
     sizes = [1] if args.tiny else [int(s) for s in args.sizes.split(",")]
-    client_counts = [2] if args.tiny else [4, 8]
+    client_counts = [2] if args.tiny else [int(n) for n in args.kind_clients.split(",")]
     rounds = 2 if args.tiny else 4
     rows = []
     print(f"{'model':>7} {'clients':>8} {'kind':>6} {'round s':>9} {'MB/s':>9}")

@@ -7,7 +7,8 @@ as `report.md`, and the raw numbers as `report.json`) and writes PNG plots:
 - `metric_vs_bytes.png`        the metric against cumulative bytes (log x),
 - `bytes_by_link.png`          stacked bars of bytes per link per run,
 - `metric_vs_sim_time.png`     the metric against simulated time, when the rounds table has it,
-- `round_time_breakdown.png`   mean seconds per round in compute, communication, aggregation, evaluation.
+- `round_time_breakdown.png`   mean seconds per round in compute, communication, waiting, aggregation,
+                                 evaluation (server/coordinator.py `time_breakdown`).
 
 Conventions.  Round r in the rounds table means r rounds completed (round 0, where present, is
 the model before training), so "rounds to target" is the first recorded round whose metric
@@ -428,7 +429,8 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
     return plots
 
 
-TIME_PARTS = ("time_compute", "time_communication", "time_aggregation", "time_evaluation")
+TIME_PARTS = ("time_compute", "time_communication", "time_waiting", "time_aggregation", "time_evaluation")
+OPTIONAL_PARTS = ("time_waiting",)   # absent in runs recorded before it existed: counted as 0
 
 
 def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path]) -> None:
@@ -436,8 +438,8 @@ def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path]) -
     means = []
     for run in runs:
         rows = [r.get("metrics") or {} for r in run.rounds]
-        rows = [m for m in rows if all(k in m for k in TIME_PARTS)]
-        means.append([sum(m[k] for m in rows) / len(rows) for k in TIME_PARTS] if rows else None)
+        rows = [m for m in rows if all(k in m for k in TIME_PARTS if k not in OPTIONAL_PARTS)]
+        means.append([sum(m.get(k, 0.0) for m in rows) / len(rows) for k in TIME_PARTS] if rows else None)
     if not any(means):
         return
     fig, ax = _figure()
@@ -446,7 +448,7 @@ def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path]) -
     bottom = [0.0] * len(values)
     for i, part in enumerate(TIME_PARTS):
         vals = [v[i] for v in values]
-        label = {"time_communication": "communication + waiting"}.get(part, part.removeprefix("time_"))
+        label = part.removeprefix("time_")
         ax.bar(names, vals, bottom=bottom, label=label, color=f"C{i}")
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("seconds per round (mean)")

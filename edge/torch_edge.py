@@ -28,8 +28,8 @@ from common.algorithms.base import Payload, reduce_payloads
 from common.codec import PayloadError
 from common.transport.base import CallFailed, HandlerError, RemoteError
 from common.transport.torchdist import (STEP_KEY, Collectives, LayoutMismatch, TorchParams, buffers_by_name,
-                                        build_groups, layout_of, merge_layouts, reduce_buffers, specs_from_json,
-                                        specs_of, specs_to_json)
+                                        build_groups, init_watching, layout_of, merge_layouts, reduce_buffers,
+                                        specs_from_json, specs_of, specs_to_json)
 
 METHODS = ("torch_procs", "torch_init", "torch_edge_round", "torch_edge_reduce")
 
@@ -90,10 +90,11 @@ class TorchEdge:
         coll = Collectives(self.node_id, ranks[self.node_id], world, self.agg.endpoint.ledger, params,
                            self.agg.run_id)
         try:
-            coll.init(str(s["master"]))
+            init_watching(coll, str(s["master"]), calls, f"{self.node_id}: torch.distributed set-up failed")
             handles = build_groups(groups, params.timeout)
         except RuntimeError as exc:
-            raise HandlerError("COLLECTIVE_FAILED", f"{self.node_id}: torch.distributed set-up failed: {exc}") from None
+            raise HandlerError("COLLECTIVE_FAILED", str(exc) if self.node_id in str(exc) else
+                               f"{self.node_id}: torch.distributed set-up failed: {exc}") from None
         _, failed = self._gather(calls, params.timeout + 5.0)
         if failed:
             raise HandlerError("COLLECTIVE_FAILED", f"{self.node_id}: client processes {sorted(failed)} did not "

@@ -57,6 +57,22 @@ class RoundResult:
     sim_seconds: float | None = None   # virtual-clock duration (common/vclock.py); None where not simulated
 
 
+def time_breakdown(wait: float, compute: float, arrivals: dict[int, float], dispatched: float,
+                   results: dict[int, Payload]) -> dict[str, float]:
+    """Split the server's wait for results (`wait` seconds) into the round-time breakdown that
+    `fedhop report` plots: compute (the slowest local solver, `compute`), communication (the
+    smallest round trip minus that client's own solver time: what moving the message and the
+    reply costs when nothing queues) and waiting (the rest: stragglers, queueing behind other
+    clients' transfers and processes).  Without per-client arrivals (hierarchical, torch) the
+    rest of the wait is reported as communication and waiting is 0."""
+    trips = [arrivals[c] - dispatched - float(p.scalars.get(COMPUTE_KEY, 0.0))
+             for c, p in results.items() if c in arrivals]
+    communication = max(min(trips), 0.0) if trips else max(wait - compute, 0.0)
+    communication = min(communication, max(wait - compute, 0.0))
+    return {"time_compute": compute, "time_communication": communication,
+            "time_waiting": max(wait - compute - communication, 0.0)}
+
+
 class RunFailed(RuntimeError):
     """The run cannot go on (too few results, registration timed out, ...)."""
 
@@ -91,6 +107,7 @@ class Coordinator:
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="server-call")
         self.config_toml = config_to_toml(cfg)
         self.torch_rounds = None  # set up after registration when transport.kind = "torch"
+        self._arrivals: dict[tuple[int, int], float] = {}   # (round, client id) -> when its reply arrived
         self.on_ready: Callable[[], None] | None = None   # after registration (resume: restore client states)
         self.summary_hooks: list[Callable[[], dict]] = [lambda: fault_summary(self.store)]  # summary.json sections
 
@@ -147,6 +164,7 @@ class Coordinator:
         node = self.client_home[cid]
         reply = self.endpoint.call(node.address, client_node(cid), "train", round=round,
                                    timeout=self.cfg.run.call_timeout, prepared=prepared)
+        self._arrivals[(round, cid)] = time.perf_counter()   # the round-time breakdown's per-client round trip
         reply = decompress_upload(self.cfg, reply, self.algorithm.reply_spec(self.state))   # QSGD (common/compress.py)
         validate_reply(reply, self.algorithm.reply_spec(self.state), f"round {round} reply of client {cid}")
         return reply
@@ -156,6 +174,7 @@ class Coordinator:
             return self.topology_driver().run_round(round)
         started = time.perf_counter()
         sampled = self.sample(round)
+        self._arrivals = {}
         message = self.clock.begin_round(round, sampled, self.algorithm.broadcast(self.state, round))
         dispatched = time.perf_counter()
         if self.torch_rounds is not None:
@@ -192,12 +211,10 @@ class Coordinator:
         self.algorithm.note_participants(self.state, round, participants)
         aggregated = time.perf_counter()
         metrics = self._round_metrics(round, aggregate)
-        # round-time breakdown (fedhop report plots it): the slowest client's local solver time,
-        # the rest of the wait for results (communication, queueing), aggregation, evaluation
         compute = float(aggregate.scalars.get(COMPUTE_KEY, 0.0))
-        metrics.update({"time_compute": compute,
-                        "time_communication": max(collected - dispatched - compute, 0.0),
-                        "time_aggregation": aggregated - collected + (dispatched - started),
+        arrivals = {c: t for (r, c), t in list(self._arrivals.items()) if r == round}
+        metrics.update(time_breakdown(collected - dispatched, compute, arrivals, dispatched, results))
+        metrics.update({"time_aggregation": aggregated - collected + (dispatched - started),
                         "time_evaluation": time.perf_counter() - aggregated})
         metrics.update(settled.metrics)
         result = RoundResult(round, sampled, participants, failures, metrics, time.perf_counter() - started,

@@ -17,7 +17,7 @@ from common.algorithms.base import Payload, reduce_payloads
 from common.codec import DTYPES, PayloadError
 from common.transport.base import CallFailed, RemoteError
 from common.transport.torchdist import (Collectives, LayoutMismatch, TorchParams, buffers_by_name, build_groups,
-                                        free_port, merge_layouts, reduce_buffers, specs_of, specs_to_json)
+                                        free_port, init_watching, merge_layouts, reduce_buffers, specs_of, specs_to_json)
 from common.validation import validate_reply
 
 log = logging.getLogger("fedhop.server")
@@ -49,7 +49,7 @@ class TorchRounds:
             Payload(scalars={"rank": i + 1, "world_size": len(self.procs) + 1, "master": master,
                              "backend": self.params.backend, "timeout": self.params.timeout}),
             round=0, timeout=self.params.timeout) for i, p in enumerate(self.procs)}
-        self.coll.init(master)
+        init_watching(self.coll, master, calls, "torch.distributed set-up failed")
         _, failed = coordinator._gather(calls, self.params.timeout)
         if failed:
             raise RuntimeError(f"torch.distributed set-up failed: {failed}")
@@ -223,7 +223,7 @@ class EdgeWorld:
             Payload(scalars={"world_size": world, "master": master, "backend": params.backend,
                              "timeout": params.timeout, "layout_json": json.dumps(self.layout)}),
             round=0, timeout=params.timeout + 10.0) for e in self.edges}
-        self.coll.init(master)
+        init_watching(self.coll, master, calls, "torch.distributed set-up failed")
         self.handles = build_groups(self.layout["groups"], params.timeout)
         _, failed = c._gather(calls, params.timeout + 10.0)
         if failed:

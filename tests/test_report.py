@@ -174,3 +174,22 @@ def test_cli_main(runs, capsys):
     assert human_bytes(6_685) == "6.68 kB" and "6.68 kB" in row_line(out, "fedavg-star")
     assert (tmp / "cli" / "report.md").exists()
     assert main([str(tmp / "nothing-here"), "--out", str(tmp / "cli2")]) == 1
+
+
+def test_round_time_breakdown_splits_the_wait():
+    """server/coordinator.py `time_breakdown`: compute = the slowest solver, communication = the
+    smallest round trip less its own solver time, waiting = the rest of the wait."""
+    from common.algorithms.base import COMPUTE_KEY, Payload
+    from server.coordinator import time_breakdown
+    t0 = 100.0
+    results = {1: Payload(scalars={COMPUTE_KEY: 0.2}), 2: Payload(scalars={COMPUTE_KEY: 0.5}),
+               3: Payload(scalars={COMPUTE_KEY: 0.05})}
+    arrivals = {1: t0 + 0.3, 2: t0 + 1.0, 3: t0 + 0.4}   # round trips less compute: 0.1, 0.5, 0.35
+    parts = time_breakdown(1.0, 0.5, arrivals, t0, results)
+    assert parts["time_compute"] == 0.5
+    assert abs(parts["time_communication"] - 0.1) < 1e-12
+    assert abs(parts["time_waiting"] - 0.4) < 1e-12
+    assert abs(sum(parts.values()) - 1.0) < 1e-12
+    # without per-client arrivals (hierarchical, torch): the rest of the wait is communication
+    assert time_breakdown(1.0, 0.5, {}, t0, {0: Payload()}) == {"time_compute": 0.5, "time_communication": 0.5,
+                                                                "time_waiting": 0.0}

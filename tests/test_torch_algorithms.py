@@ -220,3 +220,27 @@ def test_worker_leaves_a_nan_reply_out_of_its_partial():
     failures = json.loads(out.scalars["failures_json"])
     assert list(failures) == ["2"] and failures["2"].startswith("NON_FINITE")
     assert torch.equal(worker.partial.tensors["w"], torch.full((3,), 4.0))   # 1 + 3, weights 1
+
+
+def test_set_up_fails_at_once_when_a_rank_dies_before_joining():
+    """common/transport/torchdist.py `init_watching`: the join would wait out the store's timeout
+    for a dead rank; the failed control call that asked that rank to join ends the set-up at
+    once, naming the node (the join here blocks until released, as the real one would)."""
+    import threading
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from common.transport.torchdist import init_watching
+    release = threading.Event()
+    coll = SimpleNamespace(node_id="server", init=lambda master: release.wait(30))
+    alive, dead = Future(), Future()
+    dead.set_exception(ConnectionError("connection refused"))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="set-up failed: client-proc1 did not join torch.distributed: "
+                                           "connection refused"):
+        init_watching(coll, "127.0.0.1:1", {"client-proc0": alive, "client-proc1": dead}, "set-up failed")
+    assert time.monotonic() - started < 5
+    release.set()
+    # every rank joins: no error
+    init_watching(SimpleNamespace(node_id="server", init=lambda master: None), "127.0.0.1:1",
+                  {"client-proc0": alive}, "set-up failed")

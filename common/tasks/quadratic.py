@@ -104,7 +104,7 @@ class QuadraticTask(Task):
         self.noise = float(noise)
         self.w0 = torch.tensor(w_init, dtype=self.dtype)
         # closed-form optimum and optimal value, in float64
-        self._a64, self._c64 = torch.tensor(a), torch.tensor(c)
+        self._a64, self._c64 = torch.from_numpy(a), torch.from_numpy(c)   # float64 views, no copies
         self._w_star = torch.tensor((p @ (c * a)) / denom)
         self._f_star = self._objective64(self._w_star)
 

@@ -30,6 +30,7 @@ import copy
 import datetime
 import json
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -191,6 +192,30 @@ class Collectives:
                            recorder=self.node_id, role="sender" if self.node_id == src else "receiver",
                            msg_id=f"{self.run_id}-r{round}-send-{src}-{dst}", status="ok", wall_time=time.time(),
                            error="")
+
+
+def init_watching(coll: "Collectives", master: str, calls: dict, what: str) -> None:
+    """Join the world (`coll.init`) while watching the control calls that asked the other ranks
+    to join (node id -> future): if one of them fails, because a process died or refused, the
+    set-up fails at once and names it, instead of waiting out the store's timeout for a rank
+    that will never come.  (The join left blocked in its daemon thread ends with the process.)"""
+    outcome: dict[str, BaseException] = {}
+
+    def join() -> None:
+        try:
+            coll.init(master)
+        except BaseException as exc:   # re-raised below, in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=join, daemon=True, name=f"torch-init-{coll.node_id}")
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.05)
+        for node, fut in sorted(calls.items()):
+            if fut.done() and fut.exception() is not None:
+                raise RuntimeError(f"{what}: {node} did not join torch.distributed: {fut.exception()}")
+    if "error" in outcome:
+        raise RuntimeError(f"{what}: {outcome['error']}")
 
 
 def round_bytes(x: float) -> int:
