@@ -244,3 +244,33 @@ def test_set_up_fails_at_once_when_a_rank_dies_before_joining():
     # every rank joins: no error
     init_watching(SimpleNamespace(node_id="server", init=lambda master: None), "127.0.0.1:1",
                   {"client-proc0": alive}, "set-up failed")
+
+
+def test_fedchs_over_torch_passes_over_a_killed_edge(tmp_path):
+    """Edge 3 is killed (SIGKILL) after round 1, while edge 1 runs round 2 and would hand the model
+    to it (least visited, then the larger cluster): the neighbour query fails, the rule passes
+    edge 3 over, and the run completes over the world's other ranks (a dead rank breaks only the
+    operations that need it)."""
+    rounds, dead = 6, 3
+    text = fedchs_config(rounds=rounds, K=150, processes=len(ASSIGN), eval_every=0)
+    text = text.replace('kind = "grpc"', 'kind = "torch"\ntimeout = 20.0').replace("call_timeout = 30.0",
+                                                                                   "call_timeout = 5.0")
+    run = LocalRun(parse_config(text), tmp_path)
+    server = run.start([])
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not read_progress(tmp_path / "run.db", 0):   # rounds after 0
+            time.sleep(0.02)
+        assert read_progress(tmp_path / "run.db", 0), "round 1 never finished"
+        assert not read_progress(tmp_path / "run.db", 1), "round 2 finished before the kill: make rounds longer"
+        os.kill(next(c for c in run.children if c.name == f"edge-{dead}").proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=120)
+    finally:
+        run.stop_all()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed", summary["error"]
+    data = [sum(CHS_SIZES[c] for c in group) for group in ASSIGN]
+    assert summary["edge_sequence"] == rule_sequence(GRAPH, data, 0, rounds, dead={dead})
+    assert rule_sequence(GRAPH, data, 0, rounds)[:3] == [0, 1, dead]   # alive, edge 3 would hold round 3
+    skips = RunStore(tmp_path / "run.db").events("handoff_skipped")
+    assert skips and all(e["node"] == f"edge-{dead}" for e in skips)
