@@ -46,6 +46,7 @@ for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
         DTYPES[_name] = getattr(torch, _name)
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
 
 _TAG_HEADER = 0x0A  # Frame field 1 (header), wire type 2
 _TAG_DATA = 0x12    # Frame field 2 (data), wire type 2
@@ -282,7 +283,7 @@ class FrameDecoder:
                                                 f"(allowed: {', '.join(DTYPES)})")
             if any(d < 0 for d in spec.shape):
                 raise PayloadError("BAD_SHAPE", f"tensor '{spec.name}': negative dimension in {list(spec.shape)}")
-            itemsize = torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
+            itemsize = ITEMSIZE[spec.dtype]
             expect = math.prod(spec.shape) * itemsize
             if expect != spec.nbytes:
                 raise PayloadError("SIZE_MISMATCH",
@@ -321,7 +322,7 @@ class FrameDecoder:
             if n == 0:
                 t = torch.empty(tuple(spec.shape), dtype=dtype)
             else:
-                itemsize = torch.empty((), dtype=dtype).element_size()
+                itemsize = ITEMSIZE[spec.dtype]
                 if offset % itemsize:
                     raw = raw.clone()  # misaligned for this dtype: one copy
                 t = raw.view(dtype).reshape(tuple(spec.shape))

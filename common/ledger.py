@@ -16,7 +16,7 @@ import os
 import threading
 import time
 import warnings
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -82,7 +82,9 @@ class LedgerRecord:
                 raise ValueError(f"ledger record: {name}={getattr(self, name)!r} must be >= 0")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # the fields are flat values: a plain read, not dataclasses.asdict's recursive deep copy
+        # (this runs for every message on every process)
+        return {name: getattr(self, name) for name in _FIELD_NAMES}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LedgerRecord":
@@ -225,3 +227,4 @@ def bytes_by_link(records: Iterable[LedgerRecord]) -> dict[str, dict[str, int]]:
         total["messages"] += 1
     out["total"] = total
     return out
+
