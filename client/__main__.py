@@ -1,4 +1,4 @@
-"""`python -m client --parent HOST:PORT --clients 0-9 [--node-id ID] [--listen HOST:PORT]`
+"""`python -m client --parent HOST:PORT | --parent-file PATH --clients 0-9 [--node-id ID] [--listen HOST:PORT]`
 
 Starts one client process hosting the given logical clients; it registers with its parent
 (the server, or an edge), serves training calls and exits when the parent shuts it down.
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from common.ledger import Ledger
-from common.liveness import HeartbeatSender
+from common.liveness import HeartbeatSender, add_parent_args, resolve_parent
 from common.security import SecurityError, add_security_args, credentials_from_args
 from common.transport.grpc import GrpcEndpoint
 from client.runtime import ClientProcess
@@ -41,7 +41,7 @@ def parse_ids(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m client", description=__doc__)
-    ap.add_argument("--parent", required=True, help="address of the server or edge to register with")
+    add_parent_args(ap, "server or edge")
     ap.add_argument("--clients", required=True, help="logical client ids, e.g. 0-9 or 1,3,5")
     ap.add_argument("--node-id", default=f"client-proc{os.getpid()}")
     ap.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve on (port 0 = any free)")
@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     add_security_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node_id} %(levelname)s %(message)s")
+    try:
+        args.parent = resolve_parent(args)
+    except (TimeoutError, ValueError) as exc:
+        logging.error("%s", exc)
+        return 2
     torch.set_num_threads(args.threads)
     sink = Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None
     ledger = Ledger(sink)

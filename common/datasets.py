@@ -135,9 +135,38 @@ def train_test_split(x: np.ndarray, y: np.ndarray, test_fraction: float, rng: np
 
 
 # ---------------------------------------------------------------------------- bundled data
+def _sklearn_data_file(name: str) -> Path | None:
+    """A data file that scikit-learn ships in sklearn/datasets/data, found without importing
+    scikit-learn (its import costs about a second per process, which every client process paid
+    in its first round); None if that layout is not there."""
+    import importlib.util
+    spec = importlib.util.find_spec("sklearn")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(root) / "datasets" / "data" / name
+        if path.is_file():
+            return path
+    return None
+
+
+def _read_labelled_csv(path: Path, header: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of features with the integer label last (scikit-learn's bundled CSV layout; with
+    `header`, a first line "n_samples,n_features,class names..." that the row count must match)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        first = f.readline().split(",") if header else None
+        data = np.loadtxt(f, delimiter=",", dtype=np.float64, ndmin=2)
+    if first is not None and (int(first[0]), int(first[1]) + 1) != data.shape:
+        raise ValueError(f"{path}: the header says {first[0]} rows of {first[1]} features, the file holds "
+                         f"{data.shape}")
+    return data[:, :-1].astype(np.float32), data[:, -1].astype(np.int64)
+
+
 @functools.lru_cache(maxsize=None)
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's 8x8 digits: x (1797, 64) float32 in [0, 16], y (1797,) int64 in 0..9."""
+    path = _sklearn_data_file("digits.csv.gz")
+    if path is not None:
+        return _frozen(*_read_labelled_csv(path, header=False))
     from sklearn.datasets import load_digits as _load
 
     d = _load()
@@ -147,6 +176,9 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
 @functools.lru_cache(maxsize=None)
 def load_breast_cancer() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's Wisconsin breast cancer: x (569, 30) float32, y (569,) int64 in {0, 1}."""
+    path = _sklearn_data_file("breast_cancer.csv")
+    if path is not None:
+        return _frozen(*_read_labelled_csv(path, header=True))
     from sklearn.datasets import load_breast_cancer as _load
 
     d = _load()

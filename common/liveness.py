@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from common.rng import numpy_stream
@@ -83,6 +84,35 @@ def _port_open(address: str, timeout: float = 1.0) -> bool:
             return True
     except (OSError, ValueError, IndexError):
         return False
+
+
+def add_parent_args(ap, what: str) -> None:
+    """--parent HOST:PORT, or --parent-file PATH: a file the parent writes its address to once it
+    serves (the local launcher starts every process at once, so their imports overlap)."""
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--parent", help=f"address of the {what} to register with")
+    group.add_argument("--parent-file", help=f"read the {what}'s address from this file, waiting for it to appear")
+
+
+def resolve_parent(args, timeout: float = 120.0) -> str:
+    """The parent's address from --parent, or from --parent-file once the parent has written it
+    (the writer replaces the file atomically, so a present file is complete)."""
+    if args.parent:
+        return args.parent
+    path = Path(args.parent_file)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            text = ""
+        if text:
+            host, _, port = text.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--parent-file {path}: expected HOST:PORT, found {text!r}")
+            return text
+        time.sleep(0.02)
+    raise TimeoutError(f"--parent-file {path}: no parent address within {timeout:.0f}s (did the parent start?)")
 
 
 def register_with_backoff(endpoint, parent: str, request: pb.RegisterRequest, *, deadline_s: float = 60.0,

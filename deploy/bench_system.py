@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -89,6 +91,24 @@ def single_process_loop(config_text: str) -> float:
     return time.perf_counter() - started, per_round
 
 
+def fresh_process_seconds(config_text: str, tmp: Path) -> tuple[float, float]:
+    """Both sides as a user runs them, each timed from process start to exit: a fresh Python
+    process running `single_process_loop` (its imports, data loading and model included) and
+    `fedhop run` (every process's start-up, registration and shutdown included)."""
+    cfg = tmp / "fresh.toml"
+    cfg.write_text(config_text)
+    root = str(Path(__file__).resolve().parents[1])
+    loop_code = (f"import sys; sys.path.insert(0, {root!r}); from deploy.bench_system import single_process_loop; "
+                 f"single_process_loop(open({str(cfg)!r}).read())")
+    out = []
+    for argv in ([sys.executable, "-c", loop_code],
+                 [sys.executable, "-m", "deploy.cli", "run", str(cfg), "--out", str(tmp / "fresh-run"), "--quiet"]):
+        started = time.perf_counter()
+        subprocess.run(argv, check=True, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out.append(time.perf_counter() - started)
+    return out[0], out[1]
+
+
 def bench_compute(args: argparse.Namespace) -> dict:
     """Target 3 of issue 11: fedhop's FedAvg rounds against one process doing the same SGD steps
     (10 clients of the digits CNN, 135 samples each, `epochs` local epochs of batch 16: about
@@ -100,6 +120,7 @@ def bench_compute(args: argparse.Namespace) -> dict:
     loop, loop_rounds = single_process_loop(text)
     with tempfile.TemporaryDirectory() as tmp:
         summary, rows = _run(text, Path(tmp) / "run")
+        fresh_loop, fresh_fedhop = fresh_process_seconds(text, Path(tmp))
     framework_rounds = sum(r["wall_seconds"] for r in rows)
     steady_fedhop = sum(r["wall_seconds"] for r in rows[1:])
     steady_loop = sum(loop_rounds[1:])
@@ -107,13 +128,17 @@ def bench_compute(args: argparse.Namespace) -> dict:
            "fedhop_wall_seconds": summary["wall_seconds"], "ratio_rounds": framework_rounds / loop,
            "steady_loop_seconds": steady_loop, "steady_fedhop_seconds": steady_fedhop,
            "ratio_steady": steady_fedhop / steady_loop,
-           "ratio_wall": summary["wall_seconds"] / loop, "num_parameters": summary["num_parameters"]}
+           "ratio_wall": summary["wall_seconds"] / loop, "num_parameters": summary["num_parameters"],
+           "fresh_loop_seconds": fresh_loop, "fresh_fedhop_seconds": fresh_fedhop,
+           "ratio_fresh": fresh_fedhop / fresh_loop}
     print(f"digits CNN ({out['num_parameters']} parameters), 10 clients/round, {epochs} local epochs, {rounds} rounds:")
     print(f"  single-process loop (2 threads)           {loop:8.2f} s   rounds 2..: {steady_loop:.2f} s")
     print(f"  fedhop rounds (2 client processes)        {framework_rounds:8.2f} s   rounds 2..: {steady_fedhop:.2f} s")
     print(f"  ratio, rounds 2.. (steady state)          {out['ratio_steady']:8.2f}")
     print(f"  ratio, all rounds                         {out['ratio_rounds']:8.2f}")
-    print(f"  ratio, whole run incl. process start-up   {out['ratio_wall']:8.2f}")
+    print(f"  ratio, whole run incl. process start-up   {out['ratio_wall']:8.2f}   (against the loop's rounds)")
+    print(f"  both as fresh processes, start to exit    {fresh_loop:8.2f} s loop, {fresh_fedhop:.2f} s fedhop: "
+          f"ratio {out['ratio_fresh']:.2f}")
     return out
 
 

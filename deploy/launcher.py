@@ -92,8 +92,10 @@ class LocalRun:
         return out + (["--mtls"] if sec.mtls else []) + (["--insecure"] if sec.insecure else [])
 
     def start(self, overrides: list[str], resume: bool = False) -> Child:
-        """Start the server (continuing from its checkpoint with `resume`), wait for its
-        address, start the client processes."""
+        """Start the server (continuing from its checkpoint with `resume`), the edges and the
+        client processes all at once, so their start-up (imports, above all torch's) overlaps:
+        each child reads its parent's address from the file the parent writes once it serves
+        (`--parent-file`).  Returns once the server serves."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "ledger").mkdir(parents=True, exist_ok=True)
         cfg_path = self.run_dir / "config.toml"
@@ -104,39 +106,35 @@ class LocalRun:
         server = self.spawn("server", ["server", "--config", str(cfg_path), "--run-dir", str(self.run_dir),
                                        "--listen", f"{host}:0", "--port-file", str(port_file)]
                             + (["--resume"] if resume else []))
-        address = self._wait_for_address(server, port_file)
-        for p, (parent, ids) in enumerate(self.client_layout(address)):
-            self.spawn(f"client-proc{p}", ["client", "--parent", parent, "--clients", id_spec(ids),
+        for p, (parent_file, ids) in enumerate(self.client_layout(port_file)):
+            self.spawn(f"client-proc{p}", ["client", "--parent-file", str(parent_file), "--clients", id_spec(ids),
                                            "--node-id", f"client-proc{p}", "--listen", f"{host}:0",
                                            "--ledger-dir", str(self.run_dir / "ledger"),
                                            "--max-message-bytes", str(self.cfg.transport.max_message_bytes),
                                            "--threads", str(self.cfg.run.torch_threads)] + self.security_args())
+        self._wait_for_address(server, port_file)
         return server
 
-    def client_layout(self, server_address: str) -> list[tuple[str, list[int]]]:
-        """(parent address, client ids) per client process.  Star: blocks of all clients under
-        the server.  Hierarchical: start the edges, then split each edge's cluster over its share
-        of `clients.processes` (at least one process per edge)."""
+    def client_layout(self, server_file: Path) -> list[tuple[Path, list[int]]]:
+        """(parent's address file, client ids) per client process.  Star: blocks of all clients
+        under the server.  Hierarchical and sequential: start the edges, then split each edge's
+        cluster over its share of `clients.processes` (at least one process per edge)."""
         cfg = self.cfg
         if cfg.topology.kind not in ("hierarchical", "sequential"):   # sequential: Fed-CHS edges (edge/sequential.py)
-            return [(server_address, ids) for ids in client_blocks(cfg.clients.count, cfg.clients.processes)]
+            return [(server_file, ids) for ids in client_blocks(cfg.clients.count, cfg.clients.processes)]
         clusters = cluster_assignment(cfg)
-        edges = []
-        for e in range(len(clusters)):
-            port_file = self.run_dir / f"edge-{e}.address"
-            port_file.unlink(missing_ok=True)
-            child = self.spawn(f"edge-{e}", ["edge", "--parent", server_address, "--node-id", f"edge-{e}",
-                                             "--listen", f"{cfg.transport.host}:0", "--port-file", str(port_file),
-                                             "--ledger-dir", str(self.run_dir / "ledger"),
-                                             "--max-message-bytes", str(cfg.transport.max_message_bytes)]
-                               + self.security_args())
-            edges.append((child, port_file))
         per_edge = max(1, cfg.clients.processes // len(clusters))
         layout = []
-        for (child, port_file), cluster in zip(edges, clusters):
-            address = self._wait_for_address(child, port_file)
+        for e, cluster in enumerate(clusters):
+            port_file = self.run_dir / f"edge-{e}.address"
+            port_file.unlink(missing_ok=True)
+            self.spawn(f"edge-{e}", ["edge", "--parent-file", str(server_file), "--node-id", f"edge-{e}",
+                                     "--listen", f"{cfg.transport.host}:0", "--port-file", str(port_file),
+                                     "--ledger-dir", str(self.run_dir / "ledger"),
+                                     "--max-message-bytes", str(cfg.transport.max_message_bytes)]
+                       + self.security_args())
             for block in client_blocks(len(cluster), per_edge):
-                layout.append((address, [cluster[i] for i in block]))
+                layout.append((port_file, [cluster[i] for i in block]))
         return layout
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""`python -m edge --parent HOST:PORT --node-id edge-N [--listen HOST:PORT]`
+"""`python -m edge --parent HOST:PORT | --parent-file PATH --node-id edge-N [--listen HOST:PORT]`
 
 Starts one edge server: it registers with the server, accepts its cluster's client processes
 (which register with it), aggregates their results each round and answers the server with
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from common.ledger import Ledger
-from common.liveness import HeartbeatSender, LivenessMonitor
+from common.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
 from common.security import SecurityError, add_security_args, credentials_from_args
 from common.transport.grpc import GrpcEndpoint
 from edge.runtime import EdgeProcess
@@ -23,7 +23,7 @@ from edge.runtime import EdgeProcess
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m edge", description=__doc__)
-    ap.add_argument("--parent", required=True, help="address of the server")
+    add_parent_args(ap, "server")
     ap.add_argument("--node-id", required=True, help="edge-<n>: n selects the cluster in the topology config")
     ap.add_argument("--listen", default="127.0.0.1:0")
     ap.add_argument("--port-file", default="", help="write the bound address here once serving")
@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     add_security_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node_id} %(levelname)s %(message)s")
+    try:
+        args.parent = resolve_parent(args)
+    except (TimeoutError, ValueError) as exc:
+        logging.error("%s", exc)
+        return 2
     torch.set_num_threads(1)
     sink = Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None
     try:

@@ -22,6 +22,34 @@ def test_bundled_loaders_shapes_and_dtypes() -> None:
         x[0, 0] = 1.0
 
 
+def test_bundled_csv_reader_equals_sklearn_loaders() -> None:
+    """digits and breast cancer are read from scikit-learn's data files without importing it
+    (the import cost each client process a second): the same arrays as its loaders."""
+    from sklearn.datasets import load_breast_cancer, load_digits
+    for ours, theirs, name in ((D.load_digits, load_digits, "digits.csv.gz"),
+                               (D.load_breast_cancer, load_breast_cancer, "breast_cancer.csv")):
+        assert D._sklearn_data_file(name) is not None, name
+        x, y = ours()
+        ref = theirs()
+        assert np.array_equal(x, ref.data.astype(np.float32)) and x.dtype == np.float32
+        assert np.array_equal(y, ref.target) and y.dtype == np.int64
+
+
+def test_bundled_csv_header_must_match_the_rows(tmp_path: Path) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text("3,2,a,b\n1.0,2.0,0\n3.0,4.0,1\n")
+    with pytest.raises(ValueError, match="header says 3 rows of 2 features"):
+        D._read_labelled_csv(path, header=True)
+    x, y = D._read_labelled_csv(_write(tmp_path / "ok.csv.gz"), header=False)
+    assert x.tolist() == [[1.0, 2.0], [3.0, 4.0]] and y.tolist() == [0, 1]
+
+
+def _write(path: Path) -> Path:
+    with gzip.open(path, "wt") as f:
+        f.write("1,2,0\n3,4,1\n")
+    return path
+
+
 @pytest.mark.parametrize("suffix", ["", ".gz"])
 @pytest.mark.parametrize("array", [
     np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28),
