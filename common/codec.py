@@ -129,6 +129,7 @@ class Encoded:
     frames: list[bytes]
     envelope: pb.Envelope
     tensor_bytes: int
+    framing: int | None = None   # gRPC framing bytes when sent bundled (`bundle_framing`); None: streamed
 
     @property
     def payload_bytes(self) -> int:
@@ -151,7 +152,19 @@ class Encoded:
 
     @property
     def framed_bytes(self) -> int:
-        return self.payload_bytes + FRAME_OVERHEAD * len(self.frames)
+        overhead = self.framing if self.framing is not None else FRAME_OVERHEAD * len(self.frames)
+        return self.payload_bytes + overhead
+
+
+def bundle_framing(frame_lengths) -> int:
+    """The bytes a `FrameBundle` (one unary request of whole frames) adds to its frames on the
+    wire: gRPC's 5-byte prefix once, and each frame's field tag and length varint."""
+    return FRAME_OVERHEAD + sum(1 + len(_varint(n)) for n in frame_lengths)
+
+
+def bundle_bytes(frames: list[bytes]) -> bytes:
+    """`FrameBundle(frames=frames)` serialized: field 1 (tag 0x0A), a length varint, the frame."""
+    return b"".join(part for f in frames for part in (b"\x0a", _varint(len(f)), f))
 
 
 def make_envelope(*, run_id: str, round: int, src: str, dst: str, method: str, step: int = 0,
@@ -220,10 +233,11 @@ class Decoded:
     payload_bytes: int
     frames: int
     tensor_bytes: int
+    framing: int | None = None   # as Encoded.framing: set when the message arrived bundled
 
     @property
     def framed_bytes(self) -> int:
-        return self.payload_bytes + FRAME_OVERHEAD * self.frames
+        return self.payload_bytes + (self.framing if self.framing is not None else FRAME_OVERHEAD * self.frames)
 
 
 @dataclass

@@ -317,11 +317,21 @@ def _envelope_src(frame: bytes) -> str | None:
     return f.header.src if f.HasField("header") else None
 
 
+def _bundle_src(bundle: bytes) -> str | None:
+    """The envelope `src` of a Call's FrameBundle (its first frame), or None if unreadable."""
+    from common.wire import fedhop_pb2 as pb
+    try:
+        frames = pb.FrameBundle.FromString(bundle).frames
+    except Exception:
+        return None
+    return _envelope_src(frames[0]) if frames else None
+
+
 class AuthInterceptor(grpc.ServerInterceptor):
     """Checks the node credential of every call before the handler runs (module docstring).
 
     The identity must also match who the message speaks for: Register / Heartbeat `node_id`
-    (checked by `claims_for`) and the Exchange envelope's `src` (checked on the first frame).
+    (checked by `claims_for`) and the Exchange or Call envelope's `src` (checked on the first frame).
     """
 
     def __init__(self, creds: NodeCredentials, on_refused: RefusedHook | None = None) -> None:
@@ -363,6 +373,24 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
                                                        response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:   # Call: one FrameBundle (common/transport/grpc.py)
+            inner_us = handler.unary_stream
+
+            def unary_stream(request, context):
+                try:
+                    identity = authenticate(creds, metadata, context)
+                except AuthRefused as exc:
+                    refuse(context, method, exc)
+                if creds.checks_calls:
+                    src = _bundle_src(request)
+                    if src is not None and src != identity:
+                        refuse(context, method, AuthRefused(
+                            grpc.StatusCode.PERMISSION_DENIED,
+                            f"credential of '{identity}' used for a message from '{src}'", src))
+                yield from inner_us(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=handler.request_deserializer,
+                                                        response_serializer=handler.response_serializer)
         if handler.stream_stream is not None:
             inner_s = handler.stream_stream
 

@@ -62,7 +62,9 @@ class HostileClient:
         self.calls = 0
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("fedhop.Fedhop", {
-            "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange)}),))
+            "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange),
+            "Call": grpc.unary_stream_rpc_method_handler(   # a small request, bundled (common/transport/grpc.py)
+                lambda bundle, context: self._exchange(iter(pb.FrameBundle.FromString(bundle).frames), context))}),))
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         self.server, self.address = server, f"127.0.0.1:{port}"

@@ -208,8 +208,9 @@ class Endpoint(ABC):
         """Move the request frames, return the decoded reply and the seconds spent sending."""
 
     # -- incoming -------------------------------------------------------------------
-    def serve_frames(self, frames, handler: Handler) -> list[bytes]:
-        """Decode an incoming message, run the handler, encode the reply (shared by transports)."""
+    def serve_frames(self, frames, handler: Handler, framing: int | None = None) -> list[bytes]:
+        """Decode an incoming message, run the handler, encode the reply (shared by transports).
+        `framing`: the request's gRPC framing bytes when it arrived bundled (codec.bundle_framing)."""
         started = time.perf_counter()
         decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes)
         try:
@@ -224,12 +225,13 @@ class Endpoint(ABC):
             # answer with a routed typed error, so both ledgers pair the request and its reply
             link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
             seen = Decoded(envelope=env, payload=Payload(), payload_bytes=decoder._payload_bytes,
-                           frames=decoder._frames, tensor_bytes=int(env.data_bytes))
+                           frames=decoder._frames, tensor_bytes=int(env.data_bytes), framing=framing)
             reply = self._error_reply(env, exc.code, exc.detail)
             self._record(env, seen, "receiver", link, time.perf_counter() - started, status="rejected",
                          error=str(exc))
             self._record(reply.envelope, reply, "sender", link, 0.0)
             return reply.frames
+        decoded.framing = framing
         env = decoded.envelope
         link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
         recv_seconds = time.perf_counter() - started

@@ -83,6 +83,12 @@ class Frame(_message.Message):
     data: bytes
     def __init__(self, header: _Optional[_Union[Envelope, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class FrameBundle(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, frames: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class LogicalClient(_message.Message):
     __slots__ = ("client_id", "num_samples")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]

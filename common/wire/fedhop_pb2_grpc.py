@@ -49,6 +49,11 @@ class FedhopStub:
                 request_serializer=fedhop__pb2.Frame.SerializeToString,
                 response_deserializer=fedhop__pb2.Frame.FromString,
                 _registered_method=True)
+        self.Call = channel.unary_stream(
+                '/fedhop.Fedhop/Call',
+                request_serializer=fedhop__pb2.FrameBundle.SerializeToString,
+                response_deserializer=fedhop__pb2.Frame.FromString,
+                _registered_method=True)
 
 
 class FedhopServicer:
@@ -72,6 +77,13 @@ class FedhopServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Call(self, request, context):
+        """a message of at most one chunk; the reply streams
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FedhopServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -88,6 +100,11 @@ def add_FedhopServicer_to_server(servicer, server):
             'Exchange': grpc.stream_stream_rpc_method_handler(
                     servicer.Exchange,
                     request_deserializer=fedhop__pb2.Frame.FromString,
+                    response_serializer=fedhop__pb2.Frame.SerializeToString,
+            ),
+            'Call': grpc.unary_stream_rpc_method_handler(
+                    servicer.Call,
+                    request_deserializer=fedhop__pb2.FrameBundle.FromString,
                     response_serializer=fedhop__pb2.Frame.SerializeToString,
             ),
     }
@@ -171,6 +188,33 @@ class Fedhop:
             target,
             '/fedhop.Fedhop/Exchange',
             fedhop__pb2.Frame.SerializeToString,
+            fedhop__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Call(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fedhop.Fedhop/Call',
+            fedhop__pb2.FrameBundle.SerializeToString,
             fedhop__pb2.Frame.FromString,
             options,
             channel_credentials,
