@@ -8,7 +8,8 @@ as `report.md`, and the raw numbers as `report.json`) and writes PNG plots:
 - `bytes_by_link.png`          stacked bars of bytes per link per run,
 - `metric_vs_sim_time.png`     the metric against simulated time, when the rounds table has it,
 - `round_time_breakdown.png`   mean seconds per round in compute, communication, waiting, aggregation,
-                                 evaluation (server/coordinator.py `time_breakdown`).
+                                 evaluation (server/coordinator.py `time_breakdown`);
+- with `--tensorboard DIR`, TensorBoard event files, one directory per run (deploy/tensorboard.py).
 
 Conventions.  Round r in the rounds table means r rounds completed (round 0, where present, is
 the model before training), so "rounds to target" is the first recorded round whose metric
@@ -460,8 +461,10 @@ def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path]) -
 
 # -- entry points -------------------------------------------------------------------------
 def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: float | None = None,
-                 metric: str | None = None, bytes_kind: str = "tensor_bytes") -> ReportResult:
-    """Read the runs, write report.md, report.json and the plots into `out_dir`, return the result."""
+                 metric: str | None = None, bytes_kind: str = "tensor_bytes",
+                 tensorboard: str | Path | None = None) -> ReportResult:
+    """Read the runs, write report.md, report.json and the plots into `out_dir`, return the result.
+    With `tensorboard`, also event files there, one directory per run (deploy/tensorboard.py)."""
     if bytes_kind not in BYTE_FIELDS:
         raise ValueError(f"report: bytes_kind={bytes_kind!r}; allowed: {', '.join(BYTE_FIELDS)}")
     notes: list[str] = []
@@ -488,6 +491,10 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
     plots = make_plots(runs, metric, target, bytes_kind, out, notes) if runs else []
     if plots:
         md += ["## Plots", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
+    if tensorboard is not None and runs:
+        from deploy.tensorboard import write_events
+        dirs = write_events(runs, Path(tensorboard), bytes_kind)
+        md += ["## TensorBoard", "", f"`tensorboard --logdir {tensorboard}`: {len(dirs)} runs", ""]
     if notes:
         md += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     (out / "report.md").write_text("\n".join(md), encoding="utf-8")
@@ -508,9 +515,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--metric", default=None, help="metric name (default: test_accuracy, else objective)")
     parser.add_argument("--bytes", dest="bytes_kind", choices=sorted(BYTES_KINDS), default="tensor",
                         help="byte count for the by-link, to-target and cumulative columns and plots")
+    parser.add_argument("--tensorboard", metavar="DIR", default=None,
+                        help="also write TensorBoard event files here, one directory per run "
+                             "(needs the tensorboard package: pip install 'fedhop[tensorboard]')")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    result = build_report(args.run_dirs, args.out, target=args.target, metric=args.metric,
-                          bytes_kind=BYTES_KINDS[args.bytes_kind])
+    try:
+        result = build_report(args.run_dirs, args.out, target=args.target, metric=args.metric,
+                              bytes_kind=BYTES_KINDS[args.bytes_kind], tensorboard=args.tensorboard)
+    except RuntimeError as exc:
+        print(f"fedhop report: {exc}", file=sys.stderr)
+        return 2
     print(result.table)
     for note in result.notes:
         print(f"note: {note}")

@@ -193,3 +193,39 @@ def test_round_time_breakdown_splits_the_wait():
     # without per-client arrivals (hierarchical, torch): the rest of the wait is communication
     assert time_breakdown(1.0, 0.5, {}, t0, {0: Payload()}) == {"time_compute": 0.5, "time_communication": 0.5,
                                                                 "time_waiting": 0.0}
+
+
+def test_tensorboard_event_files_hold_the_runs_scalars(runs):
+    """`fedhop report --tensorboard DIR` (deploy/tensorboard.py): read back with TensorBoard's own
+    reader, each run's directory holds its metrics per round, the cumulative bytes per round
+    (from run.db, independent of the writer) and the simulated clock where the run has one."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tmp, a, b = runs
+    assert main([str(tmp / "a"), str(tmp / "b"), "--out", str(tmp / "rep"), "--tensorboard", str(tmp / "tb")]) == 0
+    assert sorted(p.name for p in (tmp / "tb").iterdir()) == ["fedavg-star", "hier-edges"]
+
+    def scalars(run: str) -> dict[str, list[tuple[int, float]]]:
+        acc = EventAccumulator(str(tmp / "tb" / run))
+        acc.Reload()
+        return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+    sa, sb = scalars("fedavg-star"), scalars("hier-edges")
+    assert [s for s, _ in sa["metrics/test_accuracy"]] == [1, 2, 3, 4, 5]
+    assert [v for _, v in sa["metrics/test_accuracy"]] == pytest.approx([0.2, 0.45, 0.61, 0.58, 0.7])
+    # run A: per round one exchange of 1000 tensor bytes each way, counted once (sender side)
+    assert sa["bytes/cumulative_tensor_bytes"] == [(k, 2000.0 * k) for k in range(1, 6)]
+    assert "time/sim_seconds" not in sa and [v for _, v in sa["time/round_wall_seconds"]] == [0.5] * 5
+    # run B: 2 x 500 client-edge + 2 x 1000 edge-server per round; its virtual clock 2, 2, 3, 3 s
+    assert sb["bytes/cumulative_tensor_bytes"] == [(k, 3000.0 * k) for k in range(1, 5)]
+    assert sb["time/cumulative_sim_seconds"] == [(1, 2.0), (2, 4.0), (3, 7.0), (4, 10.0)]
+    assert [v for _, v in sb["metrics/objective"]] == pytest.approx([5.0, 3.0, 1.5, 0.9])
+
+
+def test_tensorboard_without_the_package_is_a_clear_error(runs, monkeypatch, capsys):
+    import sys
+    tmp, _, _ = runs
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)   # import fails as if not installed
+    assert main([str(tmp / "a"), "--out", str(tmp / "rep2"), "--tensorboard", str(tmp / "tb2")]) == 2
+    assert "pip install 'fedhop[tensorboard]'" in capsys.readouterr().err
+    assert not (tmp / "tb2").exists()
