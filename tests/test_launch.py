@@ -338,3 +338,21 @@ def test_launch_ctrl_c_stops_every_role(tmp_path):
     assert proc.returncode == 130, (seen + rest)[-2000:]
     assert "interrupted; stopping every process" in rest
     assert _no_process_mentions(marker)
+
+
+def test_parent_address_from_a_file_written_later_or_malformed(tmp_path):
+    """`--parent-file` (common/liveness.py `resolve_parent`): the child waits for the file its
+    parent writes once serving; a file that is not HOST:PORT, or none in time, is a clear error."""
+    import threading
+    from types import SimpleNamespace
+
+    from common.liveness import resolve_parent
+    path = tmp_path / "server.address"
+    threading.Timer(0.3, lambda: path.write_text("127.0.0.1:4567")).start()
+    assert resolve_parent(SimpleNamespace(parent=None, parent_file=str(path)), timeout=10) == "127.0.0.1:4567"
+    assert resolve_parent(SimpleNamespace(parent="10.0.0.2:50051", parent_file=None)) == "10.0.0.2:50051"
+    path.write_text("not an address")
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        resolve_parent(SimpleNamespace(parent=None, parent_file=str(path)), timeout=1)
+    with pytest.raises(TimeoutError, match="no parent address within 0s"):
+        resolve_parent(SimpleNamespace(parent=None, parent_file=str(tmp_path / "never")), timeout=0.2)
