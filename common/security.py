@@ -373,6 +373,13 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
                                                        response_serializer=handler.response_serializer)
+        def speaks_for_caller(context, identity: str, src: str | None) -> None:
+            """With per-call checks, a message's envelope `src` must be the authenticated caller."""
+            if creds.checks_calls and src is not None and src != identity:
+                refuse(context, method, AuthRefused(
+                    grpc.StatusCode.PERMISSION_DENIED, f"credential of '{identity}' used for a message from '{src}'",
+                    src))
+
         if handler.unary_stream is not None:   # Call: one FrameBundle (common/transport/grpc.py)
             inner_us = handler.unary_stream
 
@@ -381,12 +388,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
                     identity = authenticate(creds, metadata, context)
                 except AuthRefused as exc:
                     refuse(context, method, exc)
-                if creds.checks_calls:
-                    src = _bundle_src(request)
-                    if src is not None and src != identity:
-                        refuse(context, method, AuthRefused(
-                            grpc.StatusCode.PERMISSION_DENIED,
-                            f"credential of '{identity}' used for a message from '{src}'", src))
+                speaks_for_caller(context, identity, _bundle_src(request) if creds.checks_calls else None)
                 yield from inner_us(request, context)
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=handler.request_deserializer,
@@ -401,12 +403,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
                     refuse(context, method, exc)
                 it = iter(request_iterator)
                 first = next(it, None)
-                if first is not None and creds.checks_calls:
-                    src = _envelope_src(first)
-                    if src is not None and src != identity:
-                        refuse(context, method, AuthRefused(
-                            grpc.StatusCode.PERMISSION_DENIED,
-                            f"credential of '{identity}' used for a message from '{src}'", src))
+                if first is not None:
+                    speaks_for_caller(context, identity, _envelope_src(first) if creds.checks_calls else None)
                 chained = itertools.chain([first], it) if first is not None else it
                 yield from inner_s(chained, context)
 

@@ -192,3 +192,31 @@ def test_plaintext_off_loopback_needs_insecure(tmp_path):
     out = subprocess.run([sys.executable, "-m", "client", "--parent", "10.255.0.1:7000", "--clients", "0",
                           "--node-id", "client-proc0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "security.insecure = true" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("numel", [10, 40_000], ids=["bundled-call", "exchange-stream"])
+def test_a_message_speaking_for_another_node_is_refused_on_both_call_shapes(numel):
+    """A valid credential of client-procY on a message whose envelope says it comes from the
+    server: refused with PERMISSION_DENIED before the handler runs, whether the request went
+    bundled (`Call`, at most one chunk) or streamed (`Exchange`); an honest message passes."""
+    import torch
+    from common.algorithms.base import Payload
+    secret = b"cluster-secret-for-this-test"
+    handled = []
+    callee = GrpcEndpoint("client-proc0", Ledger(), chunk_bytes=64 << 10, max_message_bytes=1 << 20,
+                          credentials=NodeCredentials("client-proc0", secret=secret))
+    address = callee.serve(lambda req: handled.append(req.envelope.src) or Payload(), "127.0.0.1:0")
+    caller = GrpcEndpoint("client-procY", Ledger(), chunk_bytes=64 << 10, max_message_bytes=1 << 20,
+                          credentials=NodeCredentials("client-procY", secret=secret))
+    payload = Payload(tensors={"w": torch.zeros(numel)})
+    try:
+        caller.call(address, "client-proc0", "ping", payload, round=1, timeout=10)   # honest: passes
+        caller.node_id = "server"                                                   # now it lies
+        with pytest.raises(CallFailed) as refused:
+            caller.call(address, "client-proc0", "train", payload, round=1, timeout=10)
+    finally:
+        caller.stop()
+        callee.stop()
+    assert refused.value.code == "PERMISSION_DENIED"
+    assert "credential of 'client-procY' used for a message from 'server'" in str(refused.value)
+    assert handled == ["client-procY"]
