@@ -56,6 +56,23 @@ def wait_for_round(run_dir: Path, round: int, timeout: float = 120.0) -> float:
     raise AssertionError(f"round {round} never finished in {run_dir}")
 
 
+def kill_after_round(run, round: int, victims, timeout: float = 90.0) -> tuple[int, float]:
+    """Start `run` (a LocalRun), wait until run.db records `round`, SIGKILL the children whose
+    names `victims(name)` selects, and wait for the server to exit; returns its exit status and
+    the seconds it took after the kill.  Every process is stopped on the way out."""
+    server = run.start([])
+    try:
+        wait_for_round(run.run_dir, round, timeout)
+        for child in run.children:
+            if victims(child.name):
+                os.kill(child.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        server.proc.wait(timeout=timeout)
+        return server.proc.returncode, time.monotonic() - killed
+    finally:
+        run.stop_all()
+
+
 def wait_dead(pids: list[int], timeout: float) -> float:
     """Seconds until every pid is gone; AssertionError if some outlive `timeout`."""
     start = time.monotonic()

@@ -4,7 +4,6 @@ built from the honest clients' results."""
 from __future__ import annotations
 
 import math
-import threading
 from concurrent import futures
 
 import grpc

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from common.config import ConfigError, parse_config
 from common.runstore import RunStore
 from deploy.launcher import LocalRun, read_progress, run_local
+from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
 from tests.test_fedchs import ASSIGN, D, GRAPH, fedchs_config, rule_sequence, SIZES as CHS_SIZES
 
@@ -136,23 +137,10 @@ def test_fedchs_over_torch_killed_client_process_fails_the_run_clearly(tmp_path)
     text = fedchs_config(rounds=rounds, K=2, processes=len(ASSIGN), eval_every=0)
     text = (text.replace('kind = "grpc"', 'kind = "torch"\ntimeout = 15.0')
             .replace("round_timeout = 60.0", "round_timeout = 20.0"))
-    run = LocalRun(parse_config(text), tmp_path)
-    server = run.start([])
-    started = None
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not read_progress(tmp_path / "run.db", 2):
-            time.sleep(0.05)
-        assert read_progress(tmp_path / "run.db", 2), "round 3 never finished"
-        for child in run.children:
-            if child.name.startswith("client-proc"):
-                os.kill(child.proc.pid, signal.SIGKILL)     # every cluster loses its only process
-        started = time.monotonic()
-        server.proc.wait(timeout=90)
-    finally:
-        run.stop_all()
-    assert server.proc.returncode == 1
-    assert time.monotonic() - started < 60   # bounded by the collective / round timeouts, never a hang
+    status, seconds = kill_after_round(LocalRun(parse_config(text), tmp_path), 3,
+                                       lambda name: name.startswith("client-proc"))   # every cluster's only process
+    assert status == 1
+    assert seconds < 60   # bounded by the collective / round timeouts, never a hang
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["rounds_completed"] < rounds
     assert "holds the model, failed" in summary["error"] and "client-proc" in summary["error"], summary["error"]

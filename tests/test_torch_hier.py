@@ -14,9 +14,6 @@ counted once per (collective, non-root rank) on the sender's record.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +23,9 @@ from safetensors.torch import load_file
 
 from common.config import parse_config
 from common.runstore import RunStore
-from deploy.launcher import LocalRun, read_progress, run_local
+from deploy.launcher import LocalRun, run_local
 from server.torch_rounds import hier_layout
+from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(11)
@@ -107,22 +105,10 @@ def test_killed_client_process_fails_the_run_with_a_clear_message(tmp_path):
     cfg = parse_config(_text("torch", processes=2, per_round=8, rounds=rounds, extra="\ntimeout = 15.0")
                        .replace("round_timeout = 60.0", "round_timeout = 20.0").replace("eval_every = 1",
                                                                                           "eval_every = 0"))
-    run = LocalRun(cfg, tmp_path)
-    server = run.start([])
-    started = None
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not read_progress(tmp_path / "run.db", 1):
-            time.sleep(0.05)
-        assert read_progress(tmp_path / "run.db", 1), "round 2 never finished"
-        victim = next(c for c in run.children if c.name == "client-proc1")   # edge-1's only process
-        os.kill(victim.proc.pid, signal.SIGKILL)
-        started = time.monotonic()
-        server.proc.wait(timeout=90)
-    finally:
-        run.stop_all()
-    assert server.proc.returncode == 1
-    assert time.monotonic() - started < 60   # bounded by the collective / round timeouts, never a hang
+    status, seconds = kill_after_round(LocalRun(cfg, tmp_path), 2,
+                                       lambda name: name == "client-proc1")   # edge-1's only process
+    assert status == 1
+    assert seconds < 60   # bounded by the collective / round timeouts, never a hang
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["rounds_completed"] < rounds
     assert "edge-1" in summary["error"] and "client-proc1" in summary["error"], summary["error"]

@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +10,8 @@ from safetensors.torch import load_file
 
 from common.config import load_config
 from common.runstore import RunStore
-from deploy.launcher import LocalRun, read_progress, run_local
+from deploy.launcher import LocalRun, run_local
+from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,21 +54,9 @@ def test_killed_rank_fails_the_run_with_a_clear_message(tmp_path):
     cfg = load_config(ROOT / "examples" / "fedavg_digits.toml",
                       ["run.rounds=30", "clients.processes=2", "algorithm.local_epochs=3", "run.eval_every=0",
                        'transport.kind="torch"', "transport.timeout=15.0", "run.round_timeout=20.0"])
-    run = LocalRun(cfg, tmp_path)
-    server = run.start([])
-    started = None
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not read_progress(tmp_path / "run.db", 1):
-            time.sleep(0.05)
-        assert read_progress(tmp_path / "run.db", 1), "round 2 never finished"
-        os.kill(run.children[2].proc.pid, signal.SIGKILL)
-        started = time.monotonic()
-        server.proc.wait(timeout=120)
-    finally:
-        run.stop_all()
-    assert server.proc.returncode == 1
-    assert time.monotonic() - started < 100  # the collective timeout, not a hang
+    status, seconds = kill_after_round(LocalRun(cfg, tmp_path), 2, lambda name: name == "client-proc1", timeout=120)
+    assert status == 1
+    assert seconds < 100  # the collective timeout, not a hang
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["rounds_completed"] < 30
     assert "client-proc1" in summary["error"] or "failed" in summary["error"]

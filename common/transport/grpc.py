@@ -23,7 +23,6 @@ from concurrent import futures
 
 import grpc
 
-from common.algorithms.base import Payload
 from common.codec import Decoded, Encoded, FrameDecoder, PayloadError, bundle_bytes, bundle_framing
 from common.ledger import Ledger
 from common.security import CLUSTER_NAME, AuthInterceptor, NodeCredentials, RefusedHook
