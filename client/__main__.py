@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     beats = HeartbeatSender(endpoint, args.parent, interval=sec.heartbeat_interval, parent_timeout=sec.parent_timeout,
                             reregister=proc.reregister, on_give_up=give_up).start()
+    proc.host.before_shutdown.append(lambda: beats.stop(wait=True))
     proc.wait()
     beats.stop()
     endpoint.stop(grace=0.5)

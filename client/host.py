@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Callable
 import time
 
 import torch
@@ -55,6 +56,7 @@ class ClientHost:
         self.last_round: dict[int, int] = {}
         self._train_lock = threading.Lock()
         self.shutdown_event = threading.Event()
+        self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
         for cid in self.client_ids:
             if not 0 <= cid < self.task.num_clients:
                 raise ValueError(f"client id {cid} out of range: the task has {self.task.num_clients} clients")
@@ -72,6 +74,8 @@ class ClientHost:
             reply = self.train(cid, int(env.round), request.payload, step)
             return compress_upload(self.cfg, reply, env.dst, int(env.round), step)   # QSGD (common/compress.py)
         if env.method == "shutdown":
+            for hook in self.before_shutdown:   # e.g. stop heartbeats, before the parent merges the ledgers
+                hook()
             self.shutdown_event.set()
             return Payload(scalars={"clients": len(self.client_ids)})
         if env.method == "ping":

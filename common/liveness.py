@@ -167,8 +167,13 @@ class HeartbeatSender:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = False) -> None:
+        """Stop beating; with `wait`, also let a heartbeat in flight finish first (a child told
+        to shut down does this before it replies, so that every heartbeat is on its parent's
+        ledger before the run's ledgers are merged)."""
         self._stop.set()
+        if wait and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=max(self.interval, 1.0) + 1.0)
 
     def _beat(self) -> bool:
         """One heartbeat; True when the parent knows us (False: re-register)."""

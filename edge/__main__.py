@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     beats = HeartbeatSender(endpoint, args.parent, interval=sec.heartbeat_interval, parent_timeout=sec.parent_timeout,
                             reregister=lambda: proc._register_with_parent(proc.aggregator.cluster, timeout=10.0),
                             on_give_up=give_up).start()
+    proc.aggregator.before_shutdown.append(lambda: beats.stop(wait=True))
     proc.wait()
     beats.stop()
     monitor.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from typing import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from common.algorithms import build_algorithm
@@ -46,6 +47,7 @@ class EdgeAggregator:
         self.processes: dict[str, str] = {}                # process node id -> address
         self._cond = threading.Condition()
         self.shutdown_event = threading.Event()
+        self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"{endpoint.node_id}-call")
 
     # ------------------------------------------------------------------ registration of clients
@@ -90,6 +92,8 @@ class EdgeAggregator:
                                         int(env.round), request.payload, self.cfg.run.call_timeout)
         if env.method == "shutdown":
             self.shutdown_clients(int(env.round))
+            for hook in self.before_shutdown:   # e.g. stop heartbeats, before the server merges the ledgers
+                hook()
             self.shutdown_event.set()
             return Payload(scalars={"clients": len(self.cluster)})
         raise HandlerError("UNKNOWN_METHOD", f"{self.endpoint.node_id} does not serve '{env.method}'")

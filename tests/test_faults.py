@@ -170,3 +170,31 @@ def test_ledger_consistency_flags_an_unexplained_lone_record(tmp_path):
     store._exec("UPDATE messages SET status = 'lost' WHERE msg_id = 'b'")
     rep = ledger_consistency(store)
     assert rep["ok"] and rep["lost_explained"] == 1 and rep["matched"] == 1
+
+
+def test_heartbeats_stop_before_the_shutdown_reply_with_the_one_in_flight_finished():
+    """A child told to shut down stops its heartbeats first (HeartbeatSender.stop(wait=True)),
+    letting a beat in flight complete: no heartbeat reaches the parent after the shutdown reply,
+    when the parent may already have merged the run's ledgers (a beat then was on the wire but
+    on no ledger in run.db)."""
+    import threading
+    from types import SimpleNamespace
+
+    from common.liveness import HeartbeatSender
+    started, finished = threading.Event(), []
+
+    def heartbeat(parent, request, timeout):
+        started.set()
+        time.sleep(0.3)                       # the beat in flight when shutdown arrives
+        finished.append(request.seq)
+        return SimpleNamespace(known=True)
+
+    endpoint = SimpleNamespace(node_id="client-proc0", run_id="r", heartbeat=heartbeat)
+    beats = HeartbeatSender(endpoint, "server", interval=0.05, parent_timeout=5.0, reregister=lambda: None,
+                            on_give_up=lambda why: None).start()
+    assert started.wait(5.0)
+    beats.stop(wait=True)
+    done = list(finished)
+    assert done == [1]                         # the beat in flight was let finish, before stop returned
+    time.sleep(0.2)
+    assert finished == done                    # and none followed
