@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from common.addresses import host_of
 from common.rng import numpy_stream
-from common.security import host_of
 from common.transport.base import CallFailed
 from common.wire import fedhop_pb2 as pb
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import zlib
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where a torch stream is drawn: the launcher needs only numpy
+    import torch
 
 
 def _seed_sequence(seed: int, names: tuple[str | int, ...]) -> np.random.SeedSequence:
@@ -28,7 +32,9 @@ def numpy_stream(seed: int, *names: str | int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(_seed_sequence(seed, names)))
 
 
-def torch_stream(seed: int, *names: str | int) -> torch.Generator:
+def torch_stream(seed: int, *names: str | int) -> "torch.Generator":
+    import torch
+
     g = torch.Generator()
     g.manual_seed(stream_seed(seed, *names))
     return g

@@ -35,6 +35,8 @@ from typing import Callable, Iterable
 
 import grpc
 
+from common.addresses import plaintext_refusal
+
 log = logging.getLogger("fedhop.security")
 
 CA_CERT, CA_KEY, SECRET_FILE = "ca.pem", "ca.key", "cluster.secret"
@@ -48,36 +50,6 @@ class SecurityError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- addresses
-def host_of(address: str) -> str:
-    """'127.0.0.1:7000' -> '127.0.0.1'; '[::1]:7000' -> '::1'; 'mem:x:1' -> 'mem:x'."""
-    host = address.rsplit(":", 1)[0] if ":" in address else address
-    return host.strip("[]")
-
-
-def is_loopback(address: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and localhost (plaintext there never leaves the machine)."""
-    host = host_of(address)
-    if host in ("localhost", "") or host.startswith("mem"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def plaintext_refusal(addresses: Iterable[str], insecure: bool, tls: bool) -> str | None:
-    """Why a plaintext process must not start (None when it may): plaintext off loopback needs
-    an explicit `security.insecure = true` (docs/faults.md)."""
-    if tls or insecure:
-        return None
-    remote = [a for a in addresses if a and not is_loopback(a)]
-    if not remote:
-        return None
-    return (f"plaintext gRPC to or on a non-loopback address ({', '.join(remote)}) needs an explicit "
-            f"security.insecure = true (or --insecure); for TLS make certificates with "
-            f"`fedhop certs DIR --nodes ...` and set security.certs_dir = DIR (processes: --certs-dir DIR)")
-
-
 # ----------------------------------------------------------------------------- certificates
 def _x509():
     try:

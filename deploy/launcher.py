@@ -20,6 +20,7 @@ from pathlib import Path
 
 from common.config import Config, config_to_toml, load_config
 from common.topology import cluster_assignment
+from deploy.forkstart import ForkedProcess, fork_allowed, fork_module
 from deploy.malloc import tuned_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,7 @@ def id_spec(ids: list[int]) -> str:
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     log: Path
 
 
@@ -77,10 +78,12 @@ class LocalRun:
         log = self.run_dir / "logs" / f"{name}.log"
         env = dict(tuned_env(), FEDHOP_TOKEN=self.token, PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])))
-        fh = open(log, "ab")
-        proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                cwd=REPO_ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        fh.close()
+        if fork_allowed():   # start-up without re-importing torch (deploy/forkstart.py)
+            proc = fork_module(argv[0], argv[1:], env, log, REPO_ROOT)
+        else:
+            with open(log, "ab") as fh:
+                proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                        cwd=REPO_ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         child = Child(name, proc, log)
         self.children.append(child)
         return child
@@ -273,7 +276,7 @@ def default_run_dir(cfg: Config) -> Path:
 
 def loopback_plaintext_note(cfg: Config) -> str | None:
     """`fedhop run` on loopback without TLS sets security.insecure = true, and says so."""
-    from common.security import is_loopback
+    from common.addresses import is_loopback
     sec = cfg.security
     if sec.certs_dir or sec.insecure or not is_loopback(cfg.transport.host):
         return None
@@ -331,9 +334,11 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
                 if progress:
                     progress.update(row)
             for c in run.children[1:]:
-                if c.proc.poll() is not None and c.proc.returncode not in (0, None):
-                    pass  # a client died: the server notices at its next call and records it
-            time.sleep(0.2)
+                c.proc.poll()   # reap a child that exited; a dead client is the server's to notice and record
+            try:
+                server.proc.wait(0.2)   # returns as soon as the server exits
+            except subprocess.TimeoutExpired:
+                pass
         for row in read_progress(run_dir / "run.db", last):
             if progress:
                 progress.update(row)

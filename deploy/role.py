@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.procexit import exit_now
+
 log = logging.getLogger("fedhop.role")
 
 
@@ -305,4 +307,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())   # records are on disk; skip the slow interpreter teardown

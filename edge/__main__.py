@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from pathlib import Path
 
 import torch
 
 from common.ledger import Ledger
 from common.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
+from common.procexit import exit_now
 from common.security import SecurityError, add_security_args, credentials_from_args
 from common.transport.grpc import GrpcEndpoint
 from edge.runtime import EdgeProcess
@@ -87,4 +87,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())   # records are on disk; skip the slow interpreter teardown

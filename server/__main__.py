@@ -13,16 +13,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from pathlib import Path
 
 import torch
 
+from common.addresses import plaintext_refusal
 from common.checkpoint import CheckpointError
 from common.config import ConfigError, load_config
 from common.ledger import Ledger
 from common.liveness import LivenessMonitor
-from common.security import NodeCredentials, SecurityError, plaintext_refusal
+from common.procexit import exit_now
+from common.security import NodeCredentials, SecurityError
 from common.transport.grpc import GrpcEndpoint
 from server.coordinator import Coordinator
 from server.resilience import Checkpointer, resume
@@ -110,4 +111,4 @@ def _no_calls():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())   # records are on disk; skip the slow interpreter teardown

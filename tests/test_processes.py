@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,29 @@ def test_processes_equal_inmemory_bit_for_bit_and_twice(tmp_path):
                 assert row["tensor_bytes"] == 2 * 3 * 4 * CENTERS.shape[1]
     assert torch.equal(models[0], coord.state.params["w"])
     assert torch.equal(models[0], models[1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the launcher forks on Linux only")
+def test_cli_forked_children_equal_execed_children_bit_for_bit(tmp_path):
+    """`fedhop run` forks its children (deploy/forkstart.py) unless FEDHOP_START=exec; both give
+    the same model, and every child says how it was started."""
+    text = quadratic_config(CENTERS, CURV, SIZES, rounds=3, per_round=4, processes=2, local_steps=2)
+    cfg_file = tmp_path / "quad.toml"
+    cfg_file.write_text(text)
+    models = {}
+    for start in ("fork", "exec"):
+        out = tmp_path / start
+        env = dict(os.environ, FEDHOP_START=start)
+        done = subprocess.run([sys.executable, "-m", "deploy.cli", "run", str(cfg_file), "--out", str(out), "--quiet"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        logs = {p.stem: p.read_text() for p in (out / "logs").glob("*.log")}
+        assert set(logs) == {"server", "client-proc0", "client-proc1"}
+        for name, log in logs.items():
+            assert ("forked from the launcher" in log) == (start == "fork"), name
+        assert RunStore(out / "run.db").check_agreement().ok
+        models[start] = load_file(str(out / "model.safetensors"))["w"]
+    assert torch.equal(models["fork"], models["exec"])
 
 
 def test_killed_client_process_run_completes(tmp_path):

@@ -1,0 +1,41 @@
+"""Leaving a process quickly once its work is done.
+
+A process that has imported torch spends 0.3 to 0.7 s in interpreter finalization at exit
+(measured here: `python -c "import torch"` against the same with `os._exit(0)`), and a gRPC
+server's worker threads are joined first. Every record a fedhop process keeps is already on
+disk when its main returns: run.db commits per transaction, ledger files flush per record,
+summaries and models are written and closed. So the process entry points flush what is left
+(atexit handlers, logging, stdio) and leave with `os._exit`.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+
+
+def exit_now(code: int | None) -> None:
+    """Run atexit handlers, flush logs and stdio, then end the process with `code` (None: 0)."""
+    status = 0 if code is None else int(code)
+    try:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(status)
+
+
+def exit_code(exc: SystemExit) -> int:
+    """The status `sys.exit(x)` asks for: None is 0, an int is itself, anything else is printed
+    to stderr and is 1 (as the interpreter does)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1

@@ -1,0 +1,158 @@
+"""Starting the processes of a local run by `os.fork()` from the launcher.
+
+`fedhop run` has imported torch before it starts anything (validating the config imports the
+algorithms). A child made with `python -m server` imports it again: on this 2-core machine the
+server and two client processes importing torch at once take about 2.5 s before the first
+round. A forked child already has those modules, so it starts in a few milliseconds. It is
+still its own OS process: its own address space, sockets, gRPC server, log file and exit
+status; only the already-imported Python modules come from the launcher.
+
+The child is made to look like `python -m MODULE ARGS` started with `env` in `cwd`: stdout and
+stderr go to the log file, the environment is replaced, glibc's malloc is tuned the way the
+environment variables would tune a fresh process (`deploy/malloc.py`; glibc reads those only at
+start), inherited atexit handlers and logging handlers are dropped, and it dies with its parent.
+
+Forking is only safe while the launcher runs no gRPC (gRPC's threads and polling state do not
+survive a fork), so `fork_allowed()` says no once grpc is imported; callers then start the
+process with exec as before. `FEDHOP_START=exec` asks for exec always.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from common.procexit import exit_code, exit_now
+from deploy.malloc import TUNED_MALLOC_ENV
+
+# glibc's mallopt parameters for the environment variables in TUNED_MALLOC_ENV (malloc.h)
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3}
+
+
+def fork_allowed() -> bool:
+    """True where this process may fork its run's children: Linux, no gRPC in this process, and
+    FEDHOP_START is not 'exec'."""
+    return (sys.platform == "linux" and "grpc" not in sys.modules
+            and os.environ.get("FEDHOP_START", "fork") != "exec")
+
+
+class ForkedProcess:
+    """A forked child, with the `subprocess.Popen` calls the launcher and tests use (pid,
+    returncode, poll, wait, send_signal, terminate, kill)."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:   # reaped by someone else: its status is gone
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.005)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_module(module: str, args: list[str], env: dict[str, str], log: Path, cwd: Path) -> ForkedProcess:
+    """`python -m module *args` as a forked child writing stdout and stderr to `log`."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        return ForkedProcess(pid, [sys.executable, "-m", module, *args])
+    code = 1
+    try:   # the child: never returns into the launcher's code
+        code = _run_child(module, args, env, log, cwd, parent)
+    except SystemExit as exc:
+        code = exit_code(exc)
+    except BaseException:   # noqa: BLE001 - a child's crash is reported in its log, as Python would
+        traceback.print_exc()
+        code = 1
+    finally:
+        exit_now(code)
+    return None  # unreachable
+
+
+def _run_child(module: str, args: list[str], env: dict[str, str], log: Path, cwd: Path, parent: int) -> int:
+    _die_with(parent)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    print(f"fedhop: `python -m {module}` forked from the launcher (pid {parent})", file=sys.stderr)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    tune_malloc(env)
+    atexit._clear()   # the launcher's handlers (temporary directories, ...) are not this process's
+    logging.root.handlers.clear()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+    sys.path.insert(0, str(cwd))
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
+def _die_with(parent: int) -> None:
+    """SIGTERM this process when the launcher dies (PR_SET_PDEATHSIG), as exec'd children are."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+    if os.getppid() != parent:   # the launcher died before the prctl took effect
+        exit_now(1)
+
+
+def tune_malloc(env: dict[str, str]) -> dict[str, bool]:
+    """mallopt() the TUNED_MALLOC_ENV settings that `env` holds, as glibc would from the
+    environment at process start. Returns {variable: accepted by glibc}; a refusal is printed."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return {}
+    accepted = {}
+    for key in TUNED_MALLOC_ENV:
+        value = env.get(key, "")
+        if value.isdigit():
+            accepted[key] = libc.mallopt(_MALLOPT[key], min(int(value), 2**31 - 1)) == 1   # takes a C int
+            if not accepted[key]:
+                print(f"fedhop: glibc refused {key}={value}", file=sys.stderr)
+    return accepted
