@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
 import numpy as np
@@ -250,7 +250,7 @@ class FrameDecoder:
     _filled: int = 0
     _payload_bytes: int = 0
     _frames: int = 0
-    _specs: list = field(default_factory=list)
+    _digest: "xxhash.xxh3_64 | None" = None
 
     def feed(self, frame: bytes) -> None:
         self._frames += 1
@@ -281,6 +281,8 @@ class FrameDecoder:
             assert self._buffer is not None
             self._buffer[self._filled:self._filled + length] = np.frombuffer(
                 frame, dtype=np.uint8, count=length, offset=start)
+            if self._digest is not None:   # while the frame is still in cache, not in a second pass at the end
+                self._digest.update(mv[start:])
             self._filled += length
         else:
             raise PayloadError("MALFORMED_FRAME", f"unknown frame tag 0x{tag:02x}")
@@ -312,6 +314,7 @@ class FrameDecoder:
             raise PayloadError("BAD_NAME", "duplicate tensor names in one message")
         self.envelope = env
         self._buffer = np.empty(declared, dtype=np.uint8)
+        self._digest = xxhash.xxh3_64() if env.HasField("data_xxh3") else None
 
     def finish(self) -> Decoded:
         if self.envelope is None:
@@ -322,7 +325,7 @@ class FrameDecoder:
                                                 f"{env.data_bytes} declared data bytes")
         assert self._buffer is not None
         if env.HasField("data_xxh3"):
-            digest = xxhash.xxh3_64_intdigest(memoryview(self._buffer))   # the buffer holds exactly data_bytes
+            digest = self._digest.intdigest()   # over every data byte, frame by frame (`feed`)
             if digest != env.data_xxh3:
                 raise PayloadError("CHECKSUM_MISMATCH", f"data bytes have XXH3-64 {digest:016x}, the sender's "
                                                         f"envelope says {env.data_xxh3:016x}: corrupted in transit")

@@ -6,7 +6,8 @@
 
 Prints, for each model size, the throughput of sending it over fedhop's gRPC transport
 (encode + stream + decode, two processes on loopback) beside a plain TCP socket moving the
-same bytes in the same run, and the ratio; the codec's encode and decode speed; and the wall
+same bytes in the same run, and the ratio; beside them grpcio alone moving pre-cut chunks in
+the same call shape (`bench_grpc_bare`), the ceiling for any transport built on grpcio; the codec's encode and decode speed; and the wall
 time of a FedAvg round with 10 clients and a tiny model over real processes.  Ratios measured
 in one run are what count on a noisy machine.
 """
@@ -17,7 +18,6 @@ import json
 import multiprocessing as mp
 import socket
 import statistics
-import struct
 import sys
 import tempfile
 import time
@@ -115,6 +115,66 @@ def bench_grpc(nbytes: int, repeats: int, chunk: int) -> tuple[list[float], int]
     return times, framed
 
 
+# ----------------------------------------------------------------------------- bare grpcio
+BARE_UPLOAD = "/bench.Bare/Upload"
+
+
+def _bare_grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", nbytes: int, max_message: int) -> None:
+    import grpc
+    from concurrent import futures
+
+    from common.transport.grpc import grpc_options
+
+    buf = np.empty(nbytes, dtype=np.uint8)   # preallocated once, as the TCP receiver's
+
+    def upload(chunks, context):
+        filled = 0
+        for chunk in chunks:
+            buf[filled:filled + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+            filled += len(chunk)
+        yield filled.to_bytes(8, "little")
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=grpc_options(max_message, server=True))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "bench.Bare", {"Upload": grpc.stream_stream_rpc_method_handler(upload)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    addr_q.put(f"127.0.0.1:{port}")
+    stop_q.get()
+    server.stop(0)
+
+
+def bench_grpc_bare(nbytes: int, repeats: int, chunk: int) -> list[float]:
+    """grpcio alone, as a ceiling for any transport built on it: the same call shape and options
+    as fedhop's `Exchange` (bidirectional stream, identity serializers), the bytes cut into
+    chunks before timing, received into a preallocated buffer; no codec, checksum or ledger."""
+    import grpc
+
+    from common.transport.grpc import grpc_options
+
+    ctx = mp.get_context("spawn")
+    addr_q, stop_q = ctx.Queue(), ctx.Queue()
+    max_message = max(64 << 20, chunk + (1 << 20))
+    p = ctx.Process(target=_bare_grpc_receiver, args=(addr_q, stop_q, nbytes, max_message))
+    p.start()
+    channel = grpc.insecure_channel(addr_q.get(timeout=60), options=grpc_options(max_message))
+    upload = channel.stream_stream(BARE_UPLOAD, request_serializer=None, response_deserializer=None)
+    view = memoryview(np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32)).cast("B")
+    chunks = [bytes(view[o:o + chunk]) for o in range(0, nbytes, chunk)]
+    times = []
+    for i in range(repeats + 1):
+        t = time.perf_counter()
+        (ack,) = list(upload(iter(chunks), timeout=120))
+        if i:
+            times.append(time.perf_counter() - t)
+    if int.from_bytes(ack, "little") != nbytes:
+        raise RuntimeError(f"bare gRPC receiver got {int.from_bytes(ack, 'little')} of {nbytes} bytes")
+    channel.close()
+    stop_q.put(1)
+    p.join(10)
+    return times
+
+
 # ----------------------------------------------------------------------------- codec
 def bench_codec(nbytes: int, repeats: int, chunk: int) -> tuple[float, float]:
     from common.algorithms.base import Payload
@@ -179,17 +239,21 @@ def bench_round(rounds: int, processes: int) -> dict:
 def transport(args: argparse.Namespace) -> dict:
     sizes = [int(s) for s in args.sizes.split(",")]
     out = {"sizes_mb": sizes, "rows": []}
-    print(f"{'size':>8} {'TCP MB/s':>10} {'gRPC MB/s':>10} {'ratio':>7} {'framed/payload':>15}")
+    print(f"{'size':>8} {'TCP MB/s':>10} {'gRPC MB/s':>10} {'ratio':>7} {'framed/payload':>15} "
+          f"{'bare grpcio MB/s':>17} {'bare/TCP':>9} {'gRPC/bare':>10}")
     for size in sizes:
         nbytes = size * MB // 4 * 4
         tcp = statistics.median(bench_tcp(nbytes, args.repeats))
         grpc_times, framed = bench_grpc(nbytes, args.repeats, args.chunk)
         g = statistics.median(grpc_times)
+        bare = statistics.median(bench_grpc_bare(nbytes, args.repeats, args.chunk))
         row = {"size_mb": size, "tcp_mb_s": nbytes / tcp / MB, "grpc_mb_s": nbytes / g / MB,
-               "ratio": tcp / g, "framed_bytes": framed}
+               "ratio": tcp / g, "framed_bytes": framed, "bare_grpc_mb_s": nbytes / bare / MB,
+               "bare_ratio": tcp / bare, "grpc_over_bare": bare / g}
         out["rows"].append(row)
         print(f"{size:>6}MB {row['tcp_mb_s']:>10.0f} {row['grpc_mb_s']:>10.0f} {row['ratio']:>7.2f} "
-              f"{framed / nbytes:>15.5f}")
+              f"{framed / nbytes:>15.5f} {row['bare_grpc_mb_s']:>17.0f} {row['bare_ratio']:>9.2f} "
+              f"{row['grpc_over_bare']:>10.2f}")
     enc, dec = bench_codec(max(sizes) * MB // 4 * 4, args.repeats, args.chunk)
     out["codec"] = {"encode_gb_s": enc, "decode_gb_s": dec, "size_mb": max(sizes)}
     print(f"codec ({max(sizes)} MB): encode {enc:.2f} GB/s, decode {dec:.2f} GB/s")

@@ -11,7 +11,8 @@ def test_bench_transport_tiny(tmp_path, capsys):
     assert main(["transport", "--tiny", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     row = figures["rows"][0]
-    assert row["size_mb"] == 1 and row["tcp_mb_s"] > 0 and row["grpc_mb_s"] > 0
+    assert row["size_mb"] == 1 and row["tcp_mb_s"] > 0 and row["grpc_mb_s"] > 0 and row["bare_grpc_mb_s"] > 0
+    assert abs(row["grpc_over_bare"] - row["grpc_mb_s"] / row["bare_grpc_mb_s"]) < 1e-9
     # the ledger's framed bytes for the 1 MB model: data + header frame + 5 bytes per frame
     assert 1_000_000 < row["framed_bytes"] < 1_000_000 + 2_000
     assert figures["codec"]["encode_gb_s"] > 0 and figures["fedavg_round"]["round_ms_median"] > 0
