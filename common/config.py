@@ -373,6 +373,11 @@ def _cross_checks(cfg: Config) -> None:
         from common.algorithms import registry   # local: the algorithms import this module
         from common.topology import topology_params
         kappa2 = getattr(topology_params(cfg), "kappa2", 1)
+        edges_per_round = getattr(topology_params(cfg), "edges_per_round", 0)
+        edges = len(topo.assignment) if isinstance(topo.assignment, list) else topo.edges
+        if edges_per_round > edges:
+            raise ConfigError(f"config key 'topology.edges_per_round': got {edges_per_round}, but the run has "
+                              f"{edges} edges (0 = every edge)")
         algorithm = registry().get(cfg.algorithm.name)
         if kappa2 > 1 and algorithm is not None and not algorithm.edge_iterations:
             raise ConfigError(f"config key 'topology.kappa2': got {kappa2}, but algorithm '{cfg.algorithm.name}' "

@@ -23,7 +23,9 @@ class HierarchicalParams:
     edge aggregations; the server aggregates every `kappa2` edge aggregations."""
 
     kappa2: int = field(default=1, metadata={"min": 1})
-    edges_per_round: int = field(default=0, metadata={"min": 0})  # 0 = every edge; else a seeded sample
+    # 0: every edge takes part. k > 0: each round k edges are drawn (`round_edges`) and the
+    # round's clients are sampled among theirs (partial participation of edge servers)
+    edges_per_round: int = field(default=0, metadata={"min": 0})
 
 
 @dataclass
@@ -111,6 +113,27 @@ def cluster_assignment(cfg: Any) -> list[list[int]]:
         out.append(sorted(ids[start:start + size]))
         start += size
     return out
+
+
+def round_edges(cfg: Any, round: int) -> list[int] | None:
+    """The edges taking part in `round` of a hierarchical run: None (all) when
+    `topology.edges_per_round` is 0, else that many edges drawn uniformly without replacement
+    from the stream ("edges", round), sorted."""
+    per_round = getattr(topology_params(cfg), "edges_per_round", 0)
+    if cfg.topology.kind != "hierarchical" or per_round == 0:
+        return None
+    edges = len(cluster_assignment(cfg))
+    drawn = numpy_stream(cfg.run.seed, "edges", round).choice(edges, size=min(per_round, edges), replace=False)
+    return sorted(int(e) for e in drawn)
+
+
+def sampling_pool(cfg: Any, round: int) -> list[int]:
+    """The client ids a round samples from: every client, or those of the round's edges."""
+    edges = round_edges(cfg, round)
+    if edges is None:
+        return list(range(cfg.clients.count))
+    clusters = cluster_assignment(cfg)
+    return sorted(c for e in edges for c in clusters[e])
 
 
 # ----------------------------------------------------------------------------- sequential (Fed-CHS)

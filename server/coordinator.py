@@ -27,6 +27,7 @@ from common.ledger import Ledger
 from common.rng import numpy_stream
 from common.runstore import RunStore
 from common.tasks import build_task
+from common.topology import sampling_pool
 from common.transport.base import CallFailed, Endpoint, RemoteError
 from common.validation import consistent_results, rejection_code, validate_reply
 from server.resilience import fault_summary
@@ -154,11 +155,12 @@ class Coordinator:
 
     # ------------------------------------------------------------------ rounds
     def sample(self, round: int) -> list[int]:
-        """Seeded sampling without replacement: stream ("sampling", round)."""
-        count = self.cfg.clients.count
-        size = self.clock.sample_size(resolve_clients_per_round(self.cfg))  # over-commitment: ceil(c * S)
+        """Seeded sampling without replacement: stream ("sampling", round), over every client or,
+        with topology.edges_per_round > 0, over the clients of the round's edges (at most all of them)."""
+        pool = sampling_pool(self.cfg, round)
+        size = min(len(pool), self.clock.sample_size(resolve_clients_per_round(self.cfg)))  # over-commitment: ceil(c * S)
         rng = numpy_stream(self.cfg.run.seed, "sampling", round)
-        return sorted(int(c) for c in rng.choice(count, size=size, replace=False))
+        return sorted(pool[int(i)] for i in rng.choice(len(pool), size=size, replace=False))
 
     def _train_one(self, cid: int, round: int, prepared) -> Payload:
         node = self.client_home[cid]
