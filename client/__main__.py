@@ -21,28 +21,27 @@ from client.runtime import ClientProcess
 
 
 def parse_ids(text: str) -> list[int]:
-    """'0-9', '1,3,5' or '0-4,10-12' -> sorted unique ids."""
+    """'0-9', '1,3,5' or '0-4,10-12' -> sorted unique ids (argparse type: a bad spec is a usage error)."""
     ids: set[int] = set()
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            if int(hi) < int(lo):
-                raise ValueError(f"--clients: bad range '{part}'")
-            ids.update(range(int(lo), int(hi) + 1))
-        else:
-            ids.add(int(part))
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise argparse.ArgumentTypeError(f"bad client id or range '{part}' (expected e.g. 0-9 or 1,3,5)")
+        if hi and int(hi) < int(lo):
+            raise argparse.ArgumentTypeError(f"bad range '{part}': its end is below its start")
+        ids.update(range(int(lo), int(hi or lo) + 1))
     if not ids:
-        raise ValueError("--clients: no client ids given")
+        raise argparse.ArgumentTypeError("no client ids given")
     return sorted(ids)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m client", description=__doc__)
     add_parent_args(ap, "server or edge")
-    ap.add_argument("--clients", required=True, help="logical client ids, e.g. 0-9 or 1,3,5")
+    ap.add_argument("--clients", required=True, type=parse_ids, help="logical client ids, e.g. 0-9 or 1,3,5")
     ap.add_argument("--node-id", default=f"client-proc{os.getpid()}")
     ap.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve on (port 0 = any free)")
     ap.add_argument("--ledger-dir", default="", help="write this process's ledger records here (JSONL)")
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     endpoint = GrpcEndpoint(args.node_id, ledger, token="", chunk_bytes=args.chunk_bytes,
                             max_message_bytes=args.max_message_bytes, credentials=creds)
-    proc = ClientProcess(endpoint, args.parent, parse_ids(args.clients), bind=args.listen)
+    proc = ClientProcess(endpoint, args.parent, args.clients, bind=args.listen)
     logging.info("serving at %s, registering with %s", proc.address, args.parent)
     try:
         proc.register()

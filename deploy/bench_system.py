@@ -167,11 +167,15 @@ processes = {processes}
 """
 
 
-def _rss_mb(pid: int) -> float:
+def _memory_mb(pid: int) -> tuple[float, float]:
+    """(RSS, USS) in MB. RSS counts pages shared with other processes: a forked child shares
+    the launcher's torch (deploy/forkstart.py). USS counts only the process's own pages, what
+    its exit would free."""
     try:
-        return psutil.Process(pid).memory_info().rss / 1e6
+        info = psutil.Process(pid).memory_full_info()
+        return info.rss / 1e6, info.uss / 1e6
     except psutil.Error:
-        return float("nan")
+        return float("nan"), float("nan")
 
 
 def bench_scale(args: argparse.Namespace) -> dict:
@@ -187,9 +191,12 @@ def bench_scale(args: argparse.Namespace) -> dict:
             run = LocalRun(cfg, Path(tmp))
             server = run.start([])
             peak: dict[str, float] = {}
+            peak_uss: dict[str, float] = {}
             while server.proc.poll() is None:
                 for child in run.children:
-                    peak[child.name] = max(peak.get(child.name, 0.0), _rss_mb(child.proc.pid))
+                    rss, uss = _memory_mb(child.proc.pid)
+                    peak[child.name] = max(peak.get(child.name, 0.0), rss)
+                    peak_uss[child.name] = max(peak_uss.get(child.name, 0.0), uss)
                 time.sleep(0.2)
             run.stop_all()
             if server.proc.returncode != 0:
@@ -197,15 +204,19 @@ def bench_scale(args: argparse.Namespace) -> dict:
             rows = RunStore(Path(tmp) / "run.db", create=False).rounds()
         walls = [r["wall_seconds"] for r in rows]
         client_rss = [v for k, v in peak.items() if k.startswith("client")]
+        client_uss = [v for k, v in peak_uss.items() if k.startswith("client")]
         row = {"clients": count, "processes": processes, "per_round": per_round,
                "round_seconds_median": statistics.median(walls[1:] or walls),
                "server_rss_mb": peak.get("server"), "client_process_rss_mb": statistics.mean(client_rss),
-               "rss_per_logical_client_mb": sum(client_rss) / count}
+               "rss_per_logical_client_mb": sum(client_rss) / count,
+               "server_uss_mb": peak_uss.get("server"), "client_process_uss_mb": statistics.mean(client_uss),
+               "uss_per_logical_client_mb": sum(client_uss) / count}
         results.append(row)
         print(f"{count} clients in {processes} processes, {per_round:>4} sampled: round "
-              f"{row['round_seconds_median']:.3f} s, server {row['server_rss_mb']:.0f} MB, "
-              f"client process {row['client_process_rss_mb']:.0f} MB, {row['rss_per_logical_client_mb']:.2f} MB "
-              f"per logical client (process RSS / clients hosted)")
+              f"{row['round_seconds_median']:.3f} s, server {row['server_rss_mb']:.0f} MB RSS / "
+              f"{row['server_uss_mb']:.0f} MB USS, client process {row['client_process_rss_mb']:.0f} MB RSS / "
+              f"{row['client_process_uss_mb']:.0f} MB USS, per logical client {row['rss_per_logical_client_mb']:.2f} MB "
+              f"RSS / {row['uss_per_logical_client_mb']:.2f} MB USS (process memory / clients hosted)")
     return {"rows": results}
 
 

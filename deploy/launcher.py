@@ -174,6 +174,31 @@ def tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
+def registration_complete(db: Path) -> bool:
+    """Whether the server has recorded that every logical client registered (read-only)."""
+    if not db.exists():
+        return False
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
+        try:
+            return con.execute("SELECT 1 FROM events WHERE kind = 'registration_complete' LIMIT 1").fetchone() \
+                is not None
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return False
+
+
+def check_children_started(run: "LocalRun") -> None:
+    """Raise when an edge or client process has exited with an error before registration
+    completed: the server would otherwise wait out its registration timeout (120 s)."""
+    for c in run.children[1:]:
+        code = c.proc.poll()
+        if code not in (None, 0):
+            raise RuntimeError(f"{c.name} exited with status {code} before every process had registered; "
+                               f"last log lines of {c.log}:\n{tail(c.log)}")
+
+
 def read_progress(db: Path, after: int) -> list[dict]:
     """Rounds recorded in run.db after round `after`, each with the framed bytes sent up to and
     including it (read-only; the server may be writing)."""
@@ -328,7 +353,12 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
         server = run.start(overrides=[], resume=resume)
         progress = Progress(cfg.run.rounds, start=start_round) if not quiet else None
         last = start_round if resume else -1
+        registered = False
         while server.proc.poll() is None:
+            if not registered:   # a child that dies before registration completes dooms the run: say so now
+                registered = registration_complete(run_dir / "run.db")
+                if not registered:
+                    check_children_started(run)
             for row in read_progress(run_dir / "run.db", last):
                 last = row["round"]
                 if progress:

@@ -152,6 +152,10 @@ class Coordinator:
                     raise RunFailed(f"registration timed out after {timeout:.0f}s: {len(missing)} logical "
                                     f"clients never registered (first: {missing[:10]})")
                 self._registered.wait(min(left, 0.5))
+            nodes = len({node.node_id for node in self.client_home.values()})
+        # the launcher watches for this: a child that dies before it can only be a failed start
+        self.store.add_event("registration_complete", node="server", round=0,
+                             detail=f"{len(need)} logical clients in {nodes} processes")
 
     # ------------------------------------------------------------------ rounds
     def sample(self, round: int) -> list[int]:

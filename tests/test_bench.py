@@ -36,6 +36,7 @@ def test_bench_compute_and_scale_tiny(tmp_path):
     assert main(["scale", "--tiny", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["per_round"] for r in rows] == [10, 50] and all(r["client_process_rss_mb"] > 0 for r in rows)
+    assert all(0 < r["client_process_uss_mb"] <= r["client_process_rss_mb"] for r in rows)   # own pages within all pages
 
 
 def test_bench_transport_torch_tiny(tmp_path):

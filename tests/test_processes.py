@@ -122,3 +122,27 @@ def test_bad_config_key_exits_2_with_message(tmp_path, capsys):
     bad.write_text('[run]\nroundz = 3\n')
     assert run_local(str(bad), [], str(tmp_path / "r"), quiet=True) == 2
     assert "run.roundz" in capsys.readouterr().err
+
+
+def test_child_that_fails_to_start_fails_the_run_at_once(tmp_path, monkeypatch, capsys):
+    """A client process that exits before registering dooms the run; `fedhop run` says which one
+    and why (its log tail) instead of waiting out the server's registration timeout."""
+    text = quadratic_config(CENTERS, CURV, SIZES, rounds=3, per_round=4, processes=2, local_steps=2)
+    cfg_file = tmp_path / "quad.toml"
+    cfg_file.write_text(text)
+    spawn = LocalRun.spawn
+
+    def broken_spawn(self, name, argv):
+        if name == "client-proc1":   # an id spec the client's argument parser refuses: exit status 2
+            argv = [a if a != "4-7" else "4-seven" for a in argv]
+        return spawn(self, name, argv)
+
+    monkeypatch.setattr(LocalRun, "spawn", broken_spawn)
+    started = time.monotonic()
+    assert run_local(str(cfg_file), [], str(tmp_path / "run"), quiet=True, show_table=False) == 1
+    err = capsys.readouterr().err
+    assert "client-proc1 exited with status 2 before every process had registered" in err
+    assert "4-seven" in err          # the child's own error, from its log
+    assert time.monotonic() - started < 60   # well inside the server's 120 s registration timeout
+    events = RunStore(tmp_path / "run" / "run.db").events("registration_complete")
+    assert events == []
