@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import torch
 
 from common.config import parse_config
-from common.transport.base import CallFailed, Endpoint, Request
+from common.transport.base import Endpoint, Request
 from common.transport.base import HandlerError
 from common.wire import fedhop_pb2 as pb
 from client.host import ClientHost

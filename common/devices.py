@@ -34,8 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
-
 from common.rng import numpy_stream
 
 PLAN_KEY = "straggler_plan"           # broadcast scalar: JSON {"cid": work units this round}

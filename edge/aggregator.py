@@ -16,11 +16,11 @@ from typing import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from common.algorithms import build_algorithm
-from common.algorithms.base import Payload, finite_or_raise
+from common.algorithms.base import Payload
 from common.algorithms.local import get_params
 from common.tasks import build_task
 from common.checkpoint import STATE_GET, STATE_SET, forward_client_state
-from common.codec import PayloadError, check_tensors
+from common.codec import PayloadError
 from common.compress import compress_upload, decompress_upload
 from common.validation import validate_reply
 from common.config import Config

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from common.config import parse_config
-from common.transport.base import CallFailed, Endpoint, HandlerError, Request
+from common.transport.base import Endpoint, HandlerError, Request
 from common.wire import fedhop_pb2 as pb
 from edge.aggregator import EdgeAggregator
 from edge.sequential import METHODS as SEQUENTIAL_METHODS, SequentialEdge

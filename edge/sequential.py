@@ -6,7 +6,7 @@ The edges sit on a graph and pass one model token; the server never holds it.  T
   steps with this edge's clients (each a broadcast of w_k and one reply per client, reduced
   data-weighted, then `FedCHS.cluster_step`), evaluate the model when the server asks, pick
   the next edge and hand the model to it.  The reply carries the round's metrics, the chosen
-  edge and the skipped ones, and, in the last round only, the final model.  The first call
+  edge and the skipped ones, and, in the last round (and checkpoint rounds), the model.  The first call
   (`start`) makes this edge m(0): it builds w^0 from the run's seeded initialisation, as every
   process can.
 - `control.seq_query` (edge -> neighbour, a `control` message): the neighbour's visit count
@@ -16,6 +16,10 @@ The edges sit on a graph and pass one model token; the server never holds it.  T
 
 - `seq_final` (server -> the last round's edge; transport.kind = "torch" only): send the final
   model to the server as a point-to-point `dist.send`.
+- Checkpoints (docs/topologies.md): `seq_round` with `checkpoint` makes the holder also send the
+  round's model to the server (in the reply, or kept for `seq_final` over torch); after a resume
+  `control.seq_restore` (server only) sets this edge's visit count, and `seq_round` with `resume`
+  brings the checkpoint's model (in the message, or as a dist.send from the server).
 
 With `[transport] kind = "torch"` (docs/torch_transport.md) the tensors travel as
 torch.distributed operations and the gRPC calls above carry only control: each step's
@@ -51,7 +55,7 @@ from common.validation import validate_reply
 
 log = logging.getLogger("fedhop.edge")
 
-METHODS = frozenset({"seq_round", "seq_handoff", "seq_final", "control.seq_query"})
+METHODS = frozenset({"seq_round", "seq_handoff", "seq_final", "control.seq_query", "control.seq_restore"})
 
 
 class SequentialEdge:
@@ -85,6 +89,15 @@ class SequentialEdge:
         if env.method == "control.seq_query":
             with self._lock:
                 return Payload(scalars={"visits": self.visits, "data_size": self.data_size})
+        if env.method == "control.seq_restore":   # a resumed run: the visit count at its checkpoint
+            if env.src != "server":
+                raise HandlerError("NOT_ALLOWED", f"{env.src} may not restore {self.endpoint.node_id}'s visit count")
+            visits = request.payload.scalars.get("visits")
+            if not isinstance(visits, int) or isinstance(visits, bool) or visits < 0:
+                raise HandlerError("BAD_REQUEST", f"control.seq_restore needs a visit count >= 0, got {visits!r}")
+            with self._lock:
+                self.visits = visits
+                return Payload(scalars={"visits": self.visits})
         if env.method == "seq_handoff":
             return self.take_handoff(env.src, int(env.round), request.payload)
         if env.method == "seq_final":
@@ -132,8 +145,11 @@ class SequentialEdge:
     # ------------------------------------------------------------------ one round
     def run_round(self, round: int, message: Payload) -> Payload:
         sc = message.scalars
+        resumed = self._resumed_model(round, message) if sc.get("resume", False) else None
         with self._lock:
-            if sc.get("start", False):
+            if resumed is not None:   # the checkpoint's model; its visit was counted before the checkpoint
+                self.token, self.token_round = resumed, round
+            elif sc.get("start", False):
                 self.token = {k: v.clone() for k, v in get_params(self.task.build_model()).items()}   # w^0
                 self.token_round = round
                 if self.params.count_start:
@@ -164,18 +180,37 @@ class SequentialEdge:
                 for name, value in self.task.evaluate(self.model).items():
                     if math.isfinite(float(value)):
                         out.scalars[SEQ_METRIC_PREFIX + name] = float(value)
-        if sc.get("last", False):
-            out.scalars["next_edge"] = -1
+        if sc.get("last", False) or sc.get("checkpoint", False):
+            # the final model, or the model a checkpoint after this round saves: the only models
+            # that reach the server
             if self.torch is not None:     # the server fetches it with `seq_final` (a dist.send)
                 self.final = dict(w)
             else:
-                out.tensors = dict(w)      # the final model: the only model that reaches the server
+                out.tensors = dict(w)
+        if sc.get("last", False):
+            out.scalars["next_edge"] = -1
             return out
         peers = json.loads(str(sc.get("peers", "{}")))
         nxt, skipped, answers = self._hand_off(round, w, {int(e): a for e, a in peers.items()})
         out.scalars.update({"next_edge": nxt, "skipped_json": json.dumps(skipped),
                             "neighbours_json": json.dumps({str(e): v for e, v in sorted(answers.items())})})
         return out
+
+    def _resumed_model(self, round: int, message: Payload) -> dict[str, torch.Tensor]:
+        """The model a resumed run's first round starts from: in the `seq_round` message, or
+        (torch) a dist.send from the server that this edge receives here."""
+        payload = message
+        if self.torch is not None:
+            try:
+                payload = Payload(tensors=self.torch.world.recv(
+                    [(k, dtype, shape) for k, (dtype, shape) in self.spec.items()], 0, "server", round, "edge-server"))
+            except RuntimeError as exc:
+                raise HandlerError("COLLECTIVE_FAILED", f"{self.endpoint.node_id}: the resumed model from the server "
+                                                        f"did not arrive: {exc}") from None
+        check_tensors(payload, self.spec, f"resumed model for round {round}")
+        if not all(bool(torch.isfinite(t).all()) for t in payload.tensors.values()):
+            raise PayloadError("NON_FINITE", f"the resumed model for round {round} holds NaN or Inf")
+        return {k: v.clone() for k, v in payload.tensors.items()}
 
     def _step(self, round: int, step: int, message: Payload) -> tuple[Payload | None, dict[int, str]]:
         """One intra-round step: the cluster's replies to `message`, reduced data-weighted (None

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import save_file
 
 from common.algorithms import build_algorithm
-from common.algorithms.base import COMPUTE_KEY, Payload, ServerState, finite_or_raise
+from common.algorithms.base import COMPUTE_KEY, Payload, ServerState
 from common.algorithms.local import get_params, set_params
-from common.codec import PayloadError, check_tensors
+from common.codec import PayloadError
 from common.compress import decompress_upload
 from common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
 from common.ledger import Ledger
@@ -110,6 +110,7 @@ class Coordinator:
         self.torch_rounds = None  # set up after registration when transport.kind = "torch"
         self._arrivals: dict[tuple[int, int], float] = {}   # (round, client id) -> when its reply arrived
         self.on_ready: Callable[[], None] | None = None   # after registration (resume: restore client states)
+        self.restored_topology: dict | None = None          # resume: the walk of a sequential run (server/sequential.py)
         self.summary_hooks: list[Callable[[], dict]] = [lambda: fault_summary(self.store)]  # summary.json sections
 
     # ------------------------------------------------------------------ registration

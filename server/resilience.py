@@ -74,11 +74,15 @@ class Checkpointer:
         self.client_states.update(self.pull_client_states(round))
         torch_rng, numpy_rng = capture_rng()
         coord.store.insert_records(coord.ledger.drain())
+        info = {"algorithm": coord.cfg.algorithm.name, "wall_time": time.time()}
+        driver = getattr(coord, "_topology_driver", None)   # sequential: the walk (server/sequential.py)
+        if driver is not None and hasattr(driver, "checkpoint_state"):
+            info["topology"] = driver.checkpoint_state()
         ckpt = Checkpoint(round=round, run_id=coord.run_id, params=coord.state.params, extra=coord.state.extra,
                           scalars=dict(coord.state.scalars), client_states=self.client_states,
                           torch_rng=torch_rng, numpy_rng=numpy_rng, failures_total=coord.failures_total,
                           ledger=_ledger_position(coord), config_sha256=config_digest(coord.config_toml),
-                          info={"algorithm": coord.cfg.algorithm.name, "wall_time": time.time()})
+                          info=info)
         path = save_checkpoint(coord.run_dir, ckpt, keep=self.keep)
         seconds = time.perf_counter() - started
         self.written.append((round, seconds))
@@ -132,6 +136,10 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     missing = sorted(set(coord.state.params) ^ set(ckpt.params))
     if missing:
         raise CheckpointError(f"checkpoint model tensors differ from the config's model: {missing[:10]}")
+    if coord.cfg.topology.kind == "sequential" and "topology" not in ckpt.info:
+        raise CheckpointError(f"checkpoint of round {ckpt.round} holds no state of the sequential topology's walk "
+                              f"(written by a fedhop that could not resume Fed-CHS)")
+    coord.restored_topology = ckpt.info.get("topology")   # the topology driver takes it (server/sequential.py)
     coord.run_id = ckpt.run_id
     coord.endpoint.run_id = ckpt.run_id
     coord.state.params = {k: v.clone() for k, v in ckpt.params.items()}

@@ -5,7 +5,9 @@ token's round call `seq_round` (no tensors; the first one is the start token) to
 holds the model, and the reply brings the round's metrics (computed by that edge on the model
 it holds: the task's held-out evaluation, every `run.eval_every` rounds), the next edge and the
 neighbours passed over.  Only in the last round does the reply carry a model: the final one,
-which the server stores and evaluates.  Every hand-off and every skip is an event in run.db;
+which the server stores and evaluates; and in a round that a checkpoint follows, so that the
+checkpoint holds the model (with the walk: `checkpoint_state`; `--resume` continues it,
+docs/topologies.md).  Every hand-off and every skip is an event in run.db;
 summary.json gets `edge_sequence`, `edge_graph`, `edge_data_sizes` and `edge_visits`.
 """
 from __future__ import annotations
@@ -58,7 +60,80 @@ class SequentialDriver:
         self.holder = self.start
         self.sequence: list[int] = []
         self.skips = 0
+        self.visits: list[int | None] = []   # c(m) of every edge at the last checkpoint (None: no answer)
+        self.resuming = False                # the next round starts from the checkpoint's model
+        restored = getattr(coord, "restored_topology", None)
+        if restored is not None:
+            self.restore(restored)
         coord.summary_hooks.append(self.summary)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_due(self, round: int) -> bool:
+        """Whether a checkpoint follows `round` (server/resilience.py), so that this round's
+        holder must send its model to the server (the last round's model comes anyway)."""
+        every = self.coord.cfg.run.checkpoint_every
+        return bool(every) and round % every == 0 and round != self.coord.cfg.run.rounds
+
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint saves of the walk (beside the model, which the server now holds)."""
+        return {"kind": "sequential", "holder": self.holder, "sequence": list(self.sequence),
+                "skips": self.skips, "visits": list(self.visits)}
+
+    def restore(self, state: dict) -> None:
+        # visits are pulled at every checkpoint before the last round; a last round's checkpoint
+        # may hold none, and leaves no round to run
+        if state.get("kind") != "sequential" or len(state.get("visits", [])) not in (0, len(self.graph)):
+            raise self.RunFailed(f"the checkpoint's topology state does not fit this run's {len(self.graph)} edges: "
+                                 f"{state}")
+        self.holder, self.sequence, self.skips = int(state["holder"]), list(state["sequence"]), int(state["skips"])
+        self.visits = list(state["visits"])
+        self.resuming = True
+
+    def _pull_visits(self, round: int) -> list[int | None]:
+        """Every edge's visit count c(m), asked with `control.seq_query` (a dead edge: None)."""
+        out: list[int | None] = []
+        for e in range(len(self.graph)):
+            node = self.coord.children.get(edge_node(e))
+            try:
+                reply = self.coord.endpoint.call(node.address, node.node_id, "control.seq_query", Payload(),
+                                                 round=round, timeout=self.coord.cfg.run.call_timeout)
+                out.append(int(reply.scalars["visits"]))
+            except (AttributeError, CallFailed, RemoteError, PayloadError, KeyError, ValueError):
+                out.append(None)
+        return out
+
+    def _restore_visits(self, round: int) -> None:
+        """A resumed run: give every (fresh) edge its visit count from the checkpoint."""
+        for e, visits in enumerate(self.visits):
+            node = self.coord.children.get(edge_node(e))
+            if node is None or visits is None:
+                continue
+            try:
+                self.coord.endpoint.call(node.address, node.node_id, "control.seq_restore",
+                                         Payload(scalars={"visits": int(visits)}), round=round,
+                                         timeout=self.coord.cfg.run.call_timeout)
+            except (CallFailed, RemoteError, PayloadError) as exc:
+                self.coord.store.add_event("restore_failed", node=node.node_id, round=round,
+                                           detail=f"visit count not restored: {exc}")
+
+    def _call_round(self, node, round: int, message: Payload) -> Payload:
+        """`seq_round` to the holder. A resumed run's first round carries the checkpoint's model:
+        in the message, or (torch) as a dist.send beside the call."""
+        timeout = self.coord.cfg.run.round_timeout * 2
+        if not (self.resuming and self.world is not None):
+            return self.coord.endpoint.call(node.address, node.node_id, "seq_round", message, round=round,
+                                            timeout=timeout)
+        call = self.coord._pool.submit(self.coord.endpoint.call, node.address, node.node_id, "seq_round",
+                                       Payload(scalars=message.scalars), round=round, timeout=timeout)
+        try:
+            self.world.coll.send(list(message.tensors.values()), self.world.layout["ranks"][node.node_id],
+                                 node.node_id, round, "edge-server")
+        except RuntimeError as exc:
+            raise CallFailed("COLLECTIVE_FAILED", f"sending the resumed model failed: {exc}", node.node_id) from None
+        try:
+            return call.result(timeout=timeout)
+        except FutureTimeout:
+            raise CallFailed("DEADLINE_EXCEEDED", f"no answer within {timeout:g}s", node.node_id) from None
 
     def _receive_final(self, node, round: int, spec: dict) -> dict[str, torch.Tensor]:
         """transport.kind = "torch": the final model travels from the holder edge to the server
@@ -98,29 +173,36 @@ class SequentialDriver:
         peers = {str(e): coord.children[edge_node(e)].address for e in self.graph[holder]
                  if edge_node(e) in coord.children}
         last = round == cfg.run.rounds
+        due = self.checkpoint_due(round)
         every = cfg.run.eval_every
-        message = Payload(scalars={"start": round == 1, "last": last,
+        message = Payload(scalars={"start": round == 1 and not self.resuming, "resume": self.resuming,
+                                   "last": last, "checkpoint": due,
                                    "evaluate": last or bool(every and round % every == 0),
                                    "peers": json.dumps(peers)})
+        if self.resuming:
+            self._restore_visits(round)
+            message.tensors = {k: v.clone() for k, v in coord.state.params.items()}
         try:
-            reply = coord.endpoint.call(node.address, node.node_id, "seq_round", message, round=round,
-                                        timeout=cfg.run.round_timeout * 2)
+            reply = self._call_round(node, round, message)
         except (CallFailed, RemoteError, PayloadError) as exc:
             coord.store.add_event("edge_failed", node=node.node_id, detail=str(exc), round=round)
             raise self.RunFailed(f"round {round}: {node.node_id}, which holds the model, failed: {exc}") from None
-        if last:
+        self.resuming = False
+        if last or due:   # the final model, or the one the checkpoint after this round saves
             spec = {k: (v.dtype, tuple(v.shape)) for k, v in coord.state.params.items()}
+            what = "final model" if last else f"round {round} model for the checkpoint"
             try:
                 if self.world is not None:
                     reply.tensors = self._receive_final(node, round, spec)
-                check_tensors(reply, spec, f"final model from {node.node_id}")
+                check_tensors(reply, spec, f"{what} from {node.node_id}")
             except PayloadError as exc:
                 raise self.RunFailed(str(exc)) from None
             if not all(bool(torch.isfinite(t).all()) for t in reply.tensors.values()):
-                raise self.RunFailed(f"the final model from {node.node_id} holds NaN or Inf")
+                raise self.RunFailed(f"the {what} from {node.node_id} holds NaN or Inf")
             coord.state.params = {k: reply.tensors[k].clone() for k in spec}
         elif reply.tensors:
-            raise self.RunFailed(f"round {round}: {node.node_id} sent model tensors to the server before the last round")
+            raise self.RunFailed(f"round {round}: {node.node_id} sent model tensors to the server, which asked "
+                                 f"for none (only the last round and checkpoint rounds carry the model)")
         cluster = self.clusters[holder]
         failures = {int(c): why for c, why in json.loads(str(reply.scalars.get("failures_json", "{}"))).items()}
         for cid, why in sorted(failures.items()):
@@ -141,6 +223,8 @@ class SequentialDriver:
         metrics["edge"] = float(holder)
         self.sequence.append(holder)
         self.holder = nxt
+        if due:
+            self.visits = self._pull_visits(round)
         participants = sorted(set(cluster) - set(failures))
         result = RoundResult(round, list(cluster), participants, failures, metrics, time.perf_counter() - started)
         coord._record_round(result)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from common.config import load_config
 from common.runstore import RunStore
 from deploy.launcher import LocalRun, resume_local, run_local
-from tests.faultkit import (FAST_LIVENESS, alive, check_run_db, failed_by_round, reference_model, slow_quadratic,
+from tests.faultkit import (FAST_LIVENESS, check_run_db, failed_by_round, reference_model, slow_quadratic,
                             wait_dead, wait_for_round)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from common.config import ConfigError, parse_config
 from deploy.inmemory import run_inmemory

@@ -6,12 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from deploy.forkstart import ForkedProcess, fork_allowed, tune_malloc
+from deploy.forkstart import ForkedProcess, tune_malloc
 from deploy.malloc import TUNED_MALLOC_ENV
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,7 +5,6 @@ FedAvg over the results that arrived intact (no corrupted byte got in)."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from common.config import parse_config
 from common.validation import rejection_code

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from common.algorithms.base import Payload
-from common.codec import Decoded, Encoded, FrameDecoder, PayloadError, decode_frames, encode, make_envelope
+from common.codec import Decoded, Encoded, FrameDecoder, PayloadError, encode, make_envelope
 from common.ledger import Ledger, link_for
 from common.wire import fedhop_pb2 as pb
 
