@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = ap.parse_args(argv)
     if args.command == "run":
+        from deploy.forkstart import allow_fork
+        allow_fork()   # this process validates the config and starts children, nothing more
         if args.resume:
             if args.config or args.overrides:
                 ap.error("run --resume RUN_DIR takes no CONFIG or --set: the run's own config.toml is used")

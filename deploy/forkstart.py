@@ -12,9 +12,13 @@ stderr go to the log file, the environment is replaced, glibc's malloc is tuned 
 environment variables would tune a fresh process (`deploy/malloc.py`; glibc reads those only at
 start), inherited atexit handlers and logging handlers are dropped, and it dies with its parent.
 
-Forking is only safe while the launcher runs no gRPC (gRPC's threads and polling state do not
-survive a fork), so `fork_allowed()` says no once grpc is imported; callers then start the
-process with exec as before. `FEDHOP_START=exec` asks for exec always.
+Forking is safe only from a process that has run no torch computation and no gRPC: a child
+of a process that used torch's OpenMP thread pool hangs in its first parallel operation
+(measured here), and gRPC's threads and polling state do not survive a fork. So a process
+opts in with `allow_fork()`: `fedhop run` does, before it loads anything, because it only
+validates the config and starts its children. Everywhere else (a test, a benchmark, a user's
+script calling the launcher) children are exec'd as before, and so are they once grpc is
+imported. `FEDHOP_START=exec` asks for exec always.
 """
 from __future__ import annotations
 
@@ -37,10 +41,20 @@ from deploy.malloc import TUNED_MALLOC_ENV
 _MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3}
 
 
+_OPTED_IN = False
+
+
+def allow_fork() -> None:
+    """Declare that this process runs no torch computation and no gRPC before it starts its
+    run's children, so it may fork them (module docstring). `fedhop run` calls it."""
+    global _OPTED_IN
+    _OPTED_IN = True
+
+
 def fork_allowed() -> bool:
-    """True where this process may fork its run's children: Linux, no gRPC in this process, and
-    FEDHOP_START is not 'exec'."""
-    return (sys.platform == "linux" and "grpc" not in sys.modules
+    """True where this process may fork its run's children: it opted in (`allow_fork`), runs
+    on Linux, has not imported grpc, and FEDHOP_START is not 'exec'."""
+    return (_OPTED_IN and sys.platform == "linux" and "grpc" not in sys.modules
             and os.environ.get("FEDHOP_START", "fork") != "exec")
 
 

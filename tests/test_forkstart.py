@@ -35,8 +35,10 @@ LAUNCHER = '''
 import atexit, json, os, signal, subprocess, sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-from deploy.forkstart import fork_allowed, fork_module
+from deploy.forkstart import allow_fork, fork_allowed, fork_module
 tmp = Path({tmp!r})
+assert not fork_allowed()   # not without opting in
+allow_fork()
 os.environ["PARENT_ONLY"] = "launcher"
 atexit.register(lambda: (tmp / "parent-atexit-ran").write_text(str(os.getpid())))
 assert fork_allowed()
@@ -89,8 +91,8 @@ def test_forked_child_is_its_own_process_and_leaves_the_launchers_state_alone(tm
 
 @pytest.mark.parametrize("setting, expected", [("", True), ("exec", False)])
 def test_fork_is_refused_once_grpc_is_imported_or_exec_is_asked_for(setting: str, expected: bool) -> None:
-    code = ("import sys; sys.path.insert(0, %r); from deploy.forkstart import fork_allowed; a = fork_allowed(); "
-            "import grpc; print(a, fork_allowed())" % str(REPO))
+    code = ("import sys; sys.path.insert(0, %r); from deploy.forkstart import allow_fork, fork_allowed; "
+            "allow_fork(); a = fork_allowed(); import grpc; print(a, fork_allowed())" % str(REPO))
     env = dict(os.environ, FEDHOP_START=setting)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
