@@ -102,14 +102,16 @@ class ForkedProcess:
 
 def fork_module(module: str, args: list[str], env: dict[str, str], log: Path, cwd: Path) -> ForkedProcess:
     """`python -m module *args` as a forked child writing stdout and stderr to `log`."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+    _flush_parent_output()
     parent = os.getpid()
     pid = os.fork()
     if pid:
         return ForkedProcess(pid, [sys.executable, "-m", module, *args])
+    # the child: never returns into the launcher's code, and never runs the launcher's atexit
+    # handlers (temporary directories, ...), however it ends
+    atexit._clear()
     code = 1
-    try:   # the child: never returns into the launcher's code
+    try:
         code = _run_child(module, args, env, log, cwd, parent)
     except SystemExit as exc:
         code = exit_code(exc)
@@ -134,8 +136,7 @@ def _run_child(module: str, args: list[str], env: dict[str, str], log: Path, cwd
     os.environ.clear()
     os.environ.update(env)
     tune_malloc(env)
-    atexit._clear()   # the launcher's handlers (temporary directories, ...) are not this process's
-    logging.root.handlers.clear()
+    logging.root.handlers.clear()   # the module's own logging set-up applies, as in a fresh process
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
@@ -143,6 +144,18 @@ def _run_child(module: str, args: list[str], env: dict[str, str], log: Path, cwd
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
+
+
+def _flush_parent_output() -> None:
+    """Empty the launcher's output buffers before forking, so that the child, which inherits
+    them, cannot write them a second time when it flushes its own on exit."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            handler.flush()
 
 
 def _die_with(parent: int) -> None:
