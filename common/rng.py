@@ -8,7 +8,6 @@ shifts an existing one.
 from __future__ import annotations
 
 import zlib
-
 from typing import TYPE_CHECKING
 
 import numpy as np

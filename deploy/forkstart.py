@@ -158,12 +158,17 @@ def _flush_parent_output() -> None:
             handler.flush()
 
 
-def _die_with(parent: int) -> None:
-    """SIGTERM this process when the launcher dies (PR_SET_PDEATHSIG), as exec'd children are."""
+def die_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux PR_SET_PDEATHSIG). Exec'd children run
+    it between fork and exec (`preexec_fn`), forked ones first thing."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
     except OSError:
         pass
+
+
+def _die_with(parent: int) -> None:
+    die_with_parent()
     if os.getppid() != parent:   # the launcher died before the prctl took effect
         exit_now(1)
 

@@ -6,11 +6,9 @@ on Linux) and are terminated on success, failure or Ctrl-C, so nothing is left b
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -20,18 +18,10 @@ from pathlib import Path
 
 from common.config import Config, config_to_toml, load_config
 from common.topology import cluster_assignment
-from deploy.forkstart import ForkedProcess, fork_allowed, fork_module
+from deploy.forkstart import ForkedProcess, die_with_parent, fork_allowed, fork_module
 from deploy.malloc import tuned_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def client_blocks(count: int, processes: int) -> list[list[int]]:
@@ -83,7 +73,7 @@ class LocalRun:
         else:
             with open(log, "ab") as fh:
                 proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                        cwd=REPO_ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                        cwd=REPO_ROOT, preexec_fn=die_with_parent if sys.platform == "linux" else None)
         child = Child(name, proc, log)
         self.children.append(child)
         return child

@@ -66,7 +66,8 @@ print(json.dumps(out))
 def test_forked_child_is_its_own_process_and_leaves_the_launchers_state_alone(tmp_path: Path) -> None:
     (tmp_path / "probe.py").write_text(PROBE)
     script = LAUNCHER.format(repo=str(REPO), tmp=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "FEDHOP_START"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     probe = json.loads((tmp_path / "probe.json").read_text())
