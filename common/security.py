@@ -345,6 +345,13 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
                                                        response_serializer=handler.response_serializer)
+        def caller(context) -> str:
+            """The authenticated node of this call (a refused credential aborts it)."""
+            try:
+                return authenticate(creds, metadata, context)
+            except AuthRefused as exc:
+                refuse(context, method, exc)   # aborts: context.abort raises
+
         def speaks_for_caller(context, identity: str, src: str | None) -> None:
             """With per-call checks, a message's envelope `src` must be the authenticated caller."""
             if creds.checks_calls and src is not None and src != identity:
@@ -356,10 +363,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
             inner_us = handler.unary_stream
 
             def unary_stream(request, context):
-                try:
-                    identity = authenticate(creds, metadata, context)
-                except AuthRefused as exc:
-                    refuse(context, method, exc)
+                identity = caller(context)
                 speaks_for_caller(context, identity, _bundle_src(request) if creds.checks_calls else None)
                 yield from inner_us(request, context)
 
@@ -369,10 +373,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
             inner_s = handler.stream_stream
 
             def stream(request_iterator, context):
-                try:
-                    identity = authenticate(creds, metadata, context)
-                except AuthRefused as exc:
-                    refuse(context, method, exc)
+                identity = caller(context)
                 it = iter(request_iterator)
                 first = next(it, None)
                 if first is not None:
