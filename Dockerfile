@@ -37,7 +37,7 @@ COPY edge ./edge
 COPY server ./server
 COPY deploy ./deploy
 COPY examples ./examples
-RUN pip install . && python -c "import torch, grpc, common.wire.fedhop_pb2"
+RUN pip install . && python -c "import torch, grpc, fedhop.common.wire.fedhop_pb2"
 
 # an unprivileged user owns the run volume (a new named volume takes the ownership of /runs)
 RUN useradd --create-home --uid 10001 fedhop && mkdir -p /runs && chown fedhop:fedhop /runs
@@ -45,4 +45,4 @@ USER fedhop
 VOLUME ["/runs"]
 EXPOSE 7000 7100 7200
 
-CMD ["python", "-m", "deploy.role", "server", "--listen", "0.0.0.0:7000"]
+CMD ["python", "-m", "fedhop.deploy.role", "server", "--listen", "0.0.0.0:7000"]

@@ -27,18 +27,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import torch
+from safetensors.torch import load_file
 
-from common.algorithms import build_algorithm  # noqa: E402
-from common.algorithms.base import ClientContext, ServerState  # noqa: E402
-from common.algorithms.local import get_params, set_params  # noqa: E402
-from common.config import Config, client_local_steps, config_from_dict, resolve_clients_per_round  # noqa: E402
-from common.rng import numpy_stream, torch_stream  # noqa: E402
-from common.tasks import build_task  # noqa: E402
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.base import ClientContext, ServerState
+from fedhop.common.algorithms.local import get_params, set_params
+from fedhop.common.config import Config, client_local_steps, config_from_dict, resolve_clients_per_round
+from fedhop.common.rng import numpy_stream, torch_stream
+from fedhop.common.tasks import build_task
 
 METHODS = ("fedmid", "fedda", "fast_fedda", "c_fedda", "mc_fedda")
 #: [algorithm] keys shared by all methods of a comparison (taken from the example file)
@@ -154,8 +152,8 @@ def run_direct(cfg: Config, on_round: Callable[[int, dict[str, float]], None] | 
 
 def run_framework(cfg: Config, run_dir: Path) -> tuple[dict, list[dict[str, float]], dict[str, Any]]:
     """One full in-process run; returns (summary, per-round metrics, bytes by link and direction)."""
-    from common.runstore import RunStore
-    from deploy.inmemory import run_inmemory
+    from fedhop.common.runstore import RunStore
+    from fedhop.deploy.inmemory import run_inmemory
 
     summary, coord = run_inmemory(cfg, run_dir)
     history = [{"round": h.round, **h.metrics} for h in coord.history]
@@ -214,7 +212,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def report_plots(task: str, run_dirs: list[Path], out: Path) -> None:
-    from deploy.report import build_report
+    from fedhop.deploy.report import build_report
 
     metrics = {"lasso": ("distance_to_opt", "support_f1", "exact_zeros_off_support"),
                "lowrank": ("distance_to_opt", "rank"), "digits": ("test_accuracy",)}[task]

@@ -57,8 +57,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 TOKEN_VAR = "FEDHOP_FLOWER_BENCH"
 CLIENTS = 10
@@ -94,8 +92,8 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 def run_fedhop(rounds: int, params: int, processes: int) -> dict[str, Any]:
     """FedAvg over gRPC with real processes; per-round wall times from run.db."""
-    from common.runstore import RunStore
-    from deploy.launcher import run_local
+    from fedhop.common.runstore import RunStore
+    from fedhop.deploy.launcher import run_local
 
     with tempfile.TemporaryDirectory(prefix="fedhop-flwr-cmp-") as tmp:
         cfg = Path(tmp) / "round.toml"

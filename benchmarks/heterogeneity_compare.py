@@ -27,13 +27,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from common.algorithms import registry  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.runstore import RunStore  # noqa: E402
-from deploy.inmemory import run_inmemory  # noqa: E402
+from fedhop.common.algorithms import registry
+from fedhop.common.config import load_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.inmemory import run_inmemory
 
 EXAMPLE = ROOT / "examples" / "stragglers_digits.toml"
 
@@ -160,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     first = [r["run_dir"] for r in results if r["seed"] == args.seeds[0]]
     if first:
-        from deploy.report import build_report
+        from fedhop.deploy.report import build_report
         build_report(first, out / "report", target=args.target)
     return 0
 

@@ -19,11 +19,11 @@ import time
 import numpy as np
 import torch
 
-from common.algorithms import build_algorithm
-from common.algorithms.local import set_params
-from common.algorithms.minimax_driver import simulate
-from common.config import parse_config, resolve_clients_per_round
-from common.tasks import build_task
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.local import set_params
+from fedhop.common.algorithms.minimax_driver import simulate
+from fedhop.common.config import parse_config, resolve_clients_per_round
+from fedhop.common.tasks import build_task
 
 
 def run_config(text: str, on_round=None):

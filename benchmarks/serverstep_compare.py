@@ -36,15 +36,13 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from common.algorithms import registry  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.partition import dirichlet  # noqa: E402
-from common.rng import numpy_stream  # noqa: E402
-from common.runstore import RunStore  # noqa: E402
-from deploy.inmemory import run_inmemory  # noqa: E402
+from fedhop.common.algorithms import registry
+from fedhop.common.config import load_config
+from fedhop.common.partition import dirichlet
+from fedhop.common.rng import numpy_stream
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.inmemory import run_inmemory
 
 EXAMPLE = ROOT / "examples" / "compare_serverstep.toml"
 
@@ -195,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "figures.json").write_text(json.dumps({"args": vars(args), "results": results, "notes": notes},
                                                  indent=2, default=str))
     print(text)
-    from deploy.report import build_report
+    from fedhop.deploy.report import build_report
     for task in args.tasks:
         first = [r["run_dir"] for r in results if r["task"] == task and r["seed"] == args.seeds[0]]
         if first:

@@ -1,4 +1,4 @@
-"""`python -m client --parent HOST:PORT | --parent-file PATH --clients 0-9 [--node-id ID] [--listen HOST:PORT]`
+"""`python -m fedhop.client --parent HOST:PORT | --parent-file PATH --clients 0-9 [--node-id ID] [--listen HOST:PORT]`
 
 Starts one client process hosting the given logical clients; it registers with its parent
 (the server, or an edge), serves training calls and exits when the parent shuts it down.
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from common.ledger import Ledger
-from common.liveness import HeartbeatSender, add_parent_args, resolve_parent
-from common.procexit import exit_now
-from common.security import SecurityError, add_security_args, credentials_from_args
-from common.transport.grpc import GrpcEndpoint
-from client.runtime import ClientProcess
+from fedhop.common.ledger import Ledger
+from fedhop.common.liveness import HeartbeatSender, add_parent_args, resolve_parent
+from fedhop.common.procexit import exit_now
+from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
+from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.client.runtime import ClientProcess
 
 
 def parse_ids(text: str) -> list[int]:
@@ -39,7 +39,7 @@ def parse_ids(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m client", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m fedhop.client", description=__doc__)
     add_parent_args(ap, "server or edge")
     ap.add_argument("--clients", required=True, type=parse_ids, help="logical client ids, e.g. 0-9 or 1,3,5")
     ap.add_argument("--node-id", default=f"client-proc{os.getpid()}")

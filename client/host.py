@@ -14,17 +14,17 @@ import time
 
 import torch
 
-from common.algorithms import build_algorithm
-from common.algorithms.base import COMPUTE_KEY, ClientContext, Payload, finite_or_raise
-from common.checkpoint import STATE_GET, STATE_SET, states_from_payload, states_to_payload
-from common.codec import PayloadError
-from common.compress import compress_upload
-from common.config import Config, client_local_steps
-from common.devices import apply_straggler_plan
-from common.ledger import Ledger
-from common.rng import torch_stream
-from common.tasks import build_task
-from common.transport.base import HandlerError, Request
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.base import COMPUTE_KEY, ClientContext, Payload, finite_or_raise
+from fedhop.common.checkpoint import STATE_GET, STATE_SET, states_from_payload, states_to_payload
+from fedhop.common.codec import PayloadError
+from fedhop.common.compress import compress_upload
+from fedhop.common.config import Config, client_local_steps
+from fedhop.common.devices import apply_straggler_plan
+from fedhop.common.ledger import Ledger
+from fedhop.common.rng import torch_stream
+from fedhop.common.tasks import build_task
+from fedhop.common.transport.base import HandlerError, Request
 
 
 def client_node(cid: int) -> str:
@@ -84,7 +84,7 @@ class ClientHost:
             return self.client_state(env.method, request.payload)
         if env.method.startswith("torch_"):
             if self.torch_worker is None:
-                from client.torch_worker import TorchWorker
+                from fedhop.client.torch_worker import TorchWorker
                 self.torch_worker = TorchWorker(self)
             return self.torch_worker.handle(env.method, int(env.round), request.payload)
         raise HandlerError("UNKNOWN_METHOD", f"{self.node_id} does not serve '{env.method}'")

@@ -6,12 +6,12 @@ import threading
 
 import torch
 
-from common.config import parse_config
-from common.transport.base import Endpoint, Request
-from common.transport.base import HandlerError
-from common.wire import fedhop_pb2 as pb
-from client.host import ClientHost
-from common.liveness import register_with_backoff
+from fedhop.common.config import parse_config
+from fedhop.common.transport.base import Endpoint, Request
+from fedhop.common.transport.base import HandlerError
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.client.host import ClientHost
+from fedhop.common.liveness import register_with_backoff
 
 log = logging.getLogger("fedhop.client")
 

@@ -14,10 +14,10 @@ import json
 
 import torch
 
-from common.algorithms.base import Payload, finite_or_raise
-from common.codec import DTYPE_NAMES, DTYPES, PayloadError
-from common.transport.base import CallFailed, HandlerError, RemoteError
-from common.transport.torchdist import STEP_KEY, Collectives, TorchParams, build_groups, specs_from_json
+from fedhop.common.algorithms.base import Payload, finite_or_raise
+from fedhop.common.codec import DTYPE_NAMES, DTYPES, PayloadError
+from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
+from fedhop.common.transport.torchdist import STEP_KEY, Collectives, TorchParams, build_groups, specs_from_json
 
 IDENTITY = {"wsum": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
 

@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from common.algorithms.base import Payload
+from fedhop.common.algorithms.base import Payload
 
 FORMAT = 1
 DIRNAME = "checkpoints"

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import xxhash
 
-from common.algorithms.base import Payload, Scalar
-from common.wire import fedhop_pb2 as pb
+from fedhop.common.algorithms.base import Payload, Scalar
+from fedhop.common.wire import fedhop_pb2 as pb
 
 if sys.byteorder != "little":  # pragma: no cover
     raise RuntimeError("fedhop's wire format is little-endian; this host is big-endian")

@@ -33,9 +33,9 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from common.algorithms.base import Payload
-from common.codec import PayloadError
-from common.rng import torch_stream
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.codec import PayloadError
+from fedhop.common.rng import torch_stream
 
 CODE_PREFIX = "qsgd:"
 NORM_PREFIX = "qsgd_norm:"

@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from common.config_schema import (AlgorithmConfig, ClientsConfig, Config, DataConfig, ModelConfig, RunConfig,
+from fedhop.common.config_schema import (AlgorithmConfig, ClientsConfig, Config, DataConfig, ModelConfig, RunConfig,
                                   SecurityConfig, TopologyConfig, TransportConfig)
 
 
@@ -370,8 +370,8 @@ def _cross_checks(cfg: Config) -> None:
             raise ConfigError("config key 'transport.kind': 'torch' does not run topology.kind = 'chain' (the "
                               "walk's per-client model exchange is a gRPC call); use transport.kind = 'grpc'")
     if topo.kind == "hierarchical":
-        from common.algorithms import registry   # local: the algorithms import this module
-        from common.topology import topology_params
+        from fedhop.common.algorithms import registry   # local: the algorithms import this module
+        from fedhop.common.topology import topology_params
         kappa2 = getattr(topology_params(cfg), "kappa2", 1)
         edges_per_round = getattr(topology_params(cfg), "edges_per_round", 0)
         edges = len(topo.assignment) if isinstance(topo.assignment, list) else topo.edges
@@ -468,20 +468,20 @@ def config_to_toml(cfg: Config) -> str:
 
 def _register_defaults() -> None:
     def algorithm_params(name: str):
-        from common.algorithms import algorithm_class
+        from fedhop.common.algorithms import algorithm_class
         return algorithm_class(name).Params
 
     def dataset_params(name: str):
-        from common.tasks import dataset_params_class
+        from fedhop.common.tasks import dataset_params_class
         return dataset_params_class(name)
 
     def topology_params(kind: str):
-        from common.topology import topology_params_class
+        from fedhop.common.topology import topology_params_class
         return topology_params_class(kind)
 
     def transport_params(kind: str):
         if kind == "torch":
-            from common.transport.torchdist import TorchParams
+            from fedhop.common.transport.torchdist import TorchParams
             return TorchParams
         return None
 
@@ -491,7 +491,7 @@ def _register_defaults() -> None:
     register_options_schema("topology", "kind", topology_params)
 
     def clients_params(_count: int):  # one schema whatever the choice: device and straggler keys
-        from common.devices import devices_params_class
+        from fedhop.common.devices import devices_params_class
         return devices_params_class()
 
     register_options_schema("clients", "count", clients_params)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from common.rng import numpy_stream
+from fedhop.common.rng import numpy_stream
 
 PLAN_KEY = "straggler_plan"           # broadcast scalar: JSON {"cid": work units this round}
 ATTRIBUTES = ("slowdown", "uplink_mbps", "downlink_mbps")
@@ -291,7 +291,7 @@ def apply_straggler_plan(ctx: Any, message: Any) -> None:
     raw = message.scalars.get(PLAN_KEY)   # read, not popped: one message may serve several clients
     if raw is None:
         return
-    from common.codec import PayloadError  # local import: codec imports the algorithm base
+    from fedhop.common.codec import PayloadError  # local import: codec imports the algorithm base
     try:
         plan = json.loads(str(raw))
         if not isinstance(plan, dict):

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from common.addresses import host_of
-from common.rng import numpy_stream
-from common.transport.base import CallFailed
-from common.wire import fedhop_pb2 as pb
+from fedhop.common.addresses import host_of
+from fedhop.common.rng import numpy_stream
+from fedhop.common.transport.base import CallFailed
+from fedhop.common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.liveness")
 

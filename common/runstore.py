@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from common.ledger import BYTE_FIELDS, LedgerRecord, read_jsonl
+from fedhop.common.ledger import BYTE_FIELDS, LedgerRecord, read_jsonl
 
 _MESSAGE_COLUMNS: tuple[str, ...] = tuple(LedgerRecord.__dataclass_fields__)
 _SQL_TYPE = {"int": "INTEGER", "float": "REAL", "str": "TEXT"}

@@ -35,7 +35,7 @@ from typing import Callable, Iterable
 
 import grpc
 
-from common.addresses import plaintext_refusal
+from fedhop.common.addresses import plaintext_refusal
 
 log = logging.getLogger("fedhop.security")
 
@@ -281,7 +281,7 @@ RefusedHook = Callable[[str, str, str, str], None]   # (claimed node, method, re
 
 
 def _envelope_src(frame: bytes) -> str | None:
-    from common.wire import fedhop_pb2 as pb
+    from fedhop.common.wire import fedhop_pb2 as pb
     try:
         f = pb.Frame.FromString(frame)
     except Exception:
@@ -291,7 +291,7 @@ def _envelope_src(frame: bytes) -> str | None:
 
 def _bundle_src(bundle: bytes) -> str | None:
     """The envelope `src` of a Call's FrameBundle (its first frame), or None if unreadable."""
-    from common.wire import fedhop_pb2 as pb
+    from fedhop.common.wire import fedhop_pb2 as pb
     try:
         frames = pb.FrameBundle.FromString(bundle).frames
     except Exception:

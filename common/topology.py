@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.rng import numpy_stream
+from fedhop.common.rng import numpy_stream
 
 
 @dataclass

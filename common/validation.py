@@ -27,8 +27,8 @@ from typing import Mapping
 
 import torch
 
-from common.algorithms.base import WEIGHT_KEY, Payload
-from common.codec import PayloadError, check_tensors
+from fedhop.common.algorithms.base import WEIGHT_KEY, Payload
+from fedhop.common.codec import PayloadError, check_tensors
 
 REJECTION_CODES: frozenset[str] = frozenset({
     "BAD_NAME", "BAD_DTYPE", "BAD_SHAPE", "BAD_EXTRA", "NON_FINITE", "SIZE_MISMATCH", "TOO_LARGE",

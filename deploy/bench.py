@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deploy import bench_system
-from deploy.malloc import reexec_with_tuned_malloc
+from fedhop.deploy import bench_system
+from fedhop.deploy.malloc import reexec_with_tuned_malloc
 
 MB = 1_000_000
 
@@ -76,9 +76,9 @@ def bench_tcp(nbytes: int, repeats: int) -> list[float]:
 
 # ----------------------------------------------------------------------------- gRPC
 def _grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", max_message: int) -> None:
-    from common.algorithms.base import Payload
-    from common.ledger import Ledger
-    from common.transport.grpc import GrpcEndpoint
+    from fedhop.common.algorithms.base import Payload
+    from fedhop.common.ledger import Ledger
+    from fedhop.common.transport.grpc import GrpcEndpoint
 
     ep = GrpcEndpoint("client-0", Ledger(), max_message_bytes=max_message)
     address = ep.serve(lambda req: Payload(scalars={"n": len(req.payload.tensors)}), "127.0.0.1:0")
@@ -88,9 +88,9 @@ def _grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", max_message: int) -> 
 
 
 def bench_grpc(nbytes: int, repeats: int, chunk: int) -> tuple[list[float], int]:
-    from common.algorithms.base import Payload
-    from common.ledger import Ledger
-    from common.transport.grpc import GrpcEndpoint
+    from fedhop.common.algorithms.base import Payload
+    from fedhop.common.ledger import Ledger
+    from fedhop.common.transport.grpc import GrpcEndpoint
 
     ctx = mp.get_context("spawn")
     addr_q, stop_q = ctx.Queue(), ctx.Queue()
@@ -123,7 +123,7 @@ def _bare_grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", nbytes: int, max
     import grpc
     from concurrent import futures
 
-    from common.transport.grpc import grpc_options
+    from fedhop.common.transport.grpc import grpc_options
 
     buf = np.empty(nbytes, dtype=np.uint8)   # preallocated once, as the TCP receiver's
 
@@ -150,7 +150,7 @@ def bench_grpc_bare(nbytes: int, repeats: int, chunk: int) -> list[float]:
     chunks before timing, received into a preallocated buffer; no codec, checksum or ledger."""
     import grpc
 
-    from common.transport.grpc import grpc_options
+    from fedhop.common.transport.grpc import grpc_options
 
     ctx = mp.get_context("spawn")
     addr_q, stop_q = ctx.Queue(), ctx.Queue()
@@ -177,9 +177,9 @@ def bench_grpc_bare(nbytes: int, repeats: int, chunk: int) -> list[float]:
 
 # ----------------------------------------------------------------------------- codec
 def bench_codec(nbytes: int, repeats: int, chunk: int) -> tuple[float, float]:
-    from common.algorithms.base import Payload
-    from common.codec import decode_frames, encode
-    from common.wire import fedhop_pb2 as pb
+    from fedhop.common.algorithms.base import Payload
+    from fedhop.common.codec import decode_frames, encode
+    from fedhop.common.wire import fedhop_pb2 as pb
 
     payload = Payload(tensors={"w": torch.randn(nbytes // 4)})
     enc_t, dec_t = [], []
@@ -219,8 +219,8 @@ processes = {processes}
 
 
 def bench_round(rounds: int, processes: int) -> dict:
-    from common.runstore import RunStore
-    from deploy.launcher import run_local
+    from fedhop.common.runstore import RunStore
+    from fedhop.deploy.launcher import run_local
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "round.toml"
@@ -267,9 +267,9 @@ def transport(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "flower":   # framework overhead against Flower: benchmarks/flower_compare.py
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from benchmarks.flower_compare import main as flower_main
-        return flower_main(argv[1:])
+        import runpy
+        script = Path(__file__).resolve().parents[1] / "benchmarks" / "flower_compare.py"
+        return runpy.run_path(str(script), run_name="fedhop_bench_flower")["main"](argv[1:])
     ap = argparse.ArgumentParser(prog="fedhop bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["transport", "compute", "scale", "growth"])

@@ -21,14 +21,14 @@ import numpy as np
 import psutil
 import torch
 
-from common.algorithms import build_algorithm
-from common.algorithms.base import ClientContext
-from common.algorithms.local import get_params, set_params
-from common.config import client_local_steps, parse_config
-from common.rng import numpy_stream, torch_stream
-from common.runstore import RunStore
-from common.tasks import build_task
-from deploy.launcher import LocalRun, run_local
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.base import ClientContext
+from fedhop.common.algorithms.local import get_params, set_params
+from fedhop.common.config import client_local_steps, parse_config
+from fedhop.common.rng import numpy_stream, torch_stream
+from fedhop.common.runstore import RunStore
+from fedhop.common.tasks import build_task
+from fedhop.deploy.launcher import LocalRun, run_local
 
 
 def _run(config_text: str, out: Path) -> tuple[dict, list[dict]]:
@@ -98,11 +98,11 @@ def fresh_process_seconds(config_text: str, tmp: Path) -> tuple[float, float]:
     cfg = tmp / "fresh.toml"
     cfg.write_text(config_text)
     root = str(Path(__file__).resolve().parents[1])
-    loop_code = (f"import sys; sys.path.insert(0, {root!r}); from deploy.bench_system import single_process_loop; "
+    loop_code = ("from fedhop.deploy.bench_system import single_process_loop; "
                  f"single_process_loop(open({str(cfg)!r}).read())")
     out = []
     for argv in ([sys.executable, "-c", loop_code],
-                 [sys.executable, "-m", "deploy.cli", "run", str(cfg), "--out", str(tmp / "fresh-run"), "--quiet"]):
+                 [sys.executable, "-m", "fedhop.deploy.cli", "run", str(cfg), "--out", str(tmp / "fresh-run"), "--quiet"]):
         started = time.perf_counter()
         subprocess.run(argv, check=True, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         out.append(time.perf_counter() - started)

@@ -39,8 +39,8 @@ def expand_nodes(spec: str) -> list[str]:
 
 def nodes_for_config(path: str) -> list[str]:
     """The node ids the launchers give an experiment's processes."""
-    from common.config import load_config
-    from common.topology import cluster_assignment
+    from fedhop.common.config import load_config
+    from fedhop.common.topology import cluster_assignment
     cfg = load_config(path)
     nodes = ["server"]
     if cfg.topology.kind == "hierarchical":
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", default="", help="extra host names / IPs for every certificate, comma-separated")
     ap.add_argument("--days", type=int, default=365)
     args = ap.parse_args(argv)
-    from common.security import SecurityError, write_cluster
+    from fedhop.common.security import SecurityError, write_cluster
     try:
         nodes = expand_nodes(args.nodes)
         if args.config:

@@ -26,33 +26,33 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
 
     if argv and argv[0] == "launch":
-        from deploy.hosts import main as launch_main
+        from fedhop.deploy.hosts import main as launch_main
         return launch_main(argv[1:])
     if argv and argv[0] == "netsim":
-        from deploy.netsim import main as netsim_main
+        from fedhop.deploy.netsim import main as netsim_main
         return netsim_main(argv[1:])
     if argv and argv[0] == "certs":
-        from deploy.certs import main as certs_main
+        from fedhop.deploy.certs import main as certs_main
         return certs_main(argv[1:])
     if argv and argv[0] in ("report", "bench"):
         if argv[0] == "report":
-            from deploy.report import main as report_main
+            from fedhop.deploy.report import main as report_main
             return report_main(argv[1:])
-        from deploy.bench import main as bench_main
+        from fedhop.deploy.bench import main as bench_main
         return bench_main(argv[1:])
 
     args = ap.parse_args(argv)
     if args.command == "run":
-        from deploy.forkstart import allow_fork
+        from fedhop.deploy.forkstart import allow_fork
         allow_fork()   # this process validates the config and starts children, nothing more
         if args.resume:
             if args.config or args.overrides:
                 ap.error("run --resume RUN_DIR takes no CONFIG or --set: the run's own config.toml is used")
-            from deploy.launcher import resume_local
+            from fedhop.deploy.launcher import resume_local
             return resume_local(args.resume, quiet=args.quiet)
         if not args.config:
             ap.error("run: a CONFIG file is required")
-        from deploy.launcher import run_local
+        from fedhop.deploy.launcher import run_local
         return run_local(args.config, args.overrides, args.out, quiet=args.quiet)
     return 2
 
@@ -63,7 +63,7 @@ def entry() -> None:
     argv = sys.argv[1:]
     code = main(argv)
     if argv and argv[0] == "run":
-        from common.procexit import exit_now
+        from fedhop.common.procexit import exit_now
         exit_now(code)
     sys.exit(code)
 

@@ -15,7 +15,7 @@ inside its namespace, service_completed_successfully), `deploy.replicas` and sca
 `--exit-code-from`-like wait on one service, after which the rest get `stop_grace` to finish.
 Not emulated: images, resource limits, published ports, init.
 
-    python -m deploy.compose_run [-f docker-compose.yml] [--profile P] [--scale client=3] \
+    python -m fedhop.deploy.compose_run [-f docker-compose.yml] [--profile P] [--scale client=3] \
         [--env KEY=VALUE] [--exit-code-from server] --work DIR
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.netsim import EmulatedNetwork, NetsimError, cleanup_stale, netns_unavailable
+from fedhop.deploy.netsim import EmulatedNetwork, NetsimError, cleanup_stale, netns_unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -349,7 +349,7 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deploy.compose_run", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m fedhop.deploy.compose_run", description=__doc__.split("\n\n")[0])
     ap.add_argument("-f", "--file", action="append", default=[], help="compose file (default docker-compose.yml)")
     ap.add_argument("--profile", action="append", default=[])
     ap.add_argument("--scale", action="append", default=[], metavar="SERVICE=N")

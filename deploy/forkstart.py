@@ -1,7 +1,7 @@
 """Starting the processes of a local run by `os.fork()` from the launcher.
 
 `fedhop run` has imported torch before it starts anything (validating the config imports the
-algorithms). A child made with `python -m server` imports it again: on this 2-core machine the
+algorithms). A child made with `python -m fedhop.server` imports it again: on this 2-core machine the
 server and two client processes importing torch at once take about 2.5 s before the first
 round. A forked child already has those modules, so it starts in a few milliseconds. It is
 still its own OS process: its own address space, sockets, gRPC server, log file and exit
@@ -34,8 +34,8 @@ import time
 import traceback
 from pathlib import Path
 
-from common.procexit import exit_code, exit_now
-from deploy.malloc import TUNED_MALLOC_ENV
+from fedhop.common.procexit import exit_code, exit_now
+from fedhop.deploy.malloc import TUNED_MALLOC_ENV
 
 # glibc's mallopt parameters for the environment variables in TUNED_MALLOC_ENV (malloc.h)
 _MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3}
@@ -140,7 +140,6 @@ def _run_child(module: str, args: list[str], env: dict[str, str], log: Path, cwd
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
-    sys.path.insert(0, str(cwd))
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0

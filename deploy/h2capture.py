@@ -1,4 +1,4 @@
-"""`python -m deploy.h2capture --iface eth0 --out FILE`: what the bytes on a link are made of.
+"""`python -m fedhop.deploy.h2capture --iface eth0 --out FILE`: what the bytes on a link are made of.
 
 A packet socket (AF_PACKET, root) on one interface sees every TCP segment the host sends and
 receives.  Each connection's two byte streams are reassembled by sequence number and parsed
@@ -160,7 +160,7 @@ def summarize(streams: dict, stats: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deploy.h2capture", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m fedhop.deploy.h2capture", description=__doc__.split("\n\n")[0])
     ap.add_argument("--iface", default="eth0")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)

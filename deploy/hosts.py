@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from common.config import Config, ConfigError, config_to_toml, load_config
-from common.topology import cluster_assignment
-from deploy.malloc import TUNED_MALLOC_ENV
+from fedhop.common.config import Config, ConfigError, config_to_toml, load_config
+from fedhop.common.topology import cluster_assignment
+from fedhop.deploy.malloc import TUNED_MALLOC_ENV
 
 DEFAULT_REMOTE = "ssh -o BatchMode=yes {host} {command}"
 EDGE_KINDS = ("hierarchical", "sequential")   # topologies whose clients register with an edge
@@ -205,7 +205,7 @@ def process_layout(cfg: Config) -> list[tuple[int | None, list[int]]]:
     """(edge or None, logical client ids) per client process, as `fedhop run` lays them out:
     star: `clients.processes` contiguous blocks; edge topologies: each edge's cluster split
     into max(1, processes // edges) blocks."""
-    from deploy.launcher import client_blocks
+    from fedhop.deploy.launcher import client_blocks
     if cfg.topology.kind not in EDGE_KINDS:
         return [(None, ids) for ids in client_blocks(cfg.clients.count, cfg.clients.processes)]
     clusters = cluster_assignment(cfg)
@@ -216,7 +216,7 @@ def process_layout(cfg: Config) -> list[tuple[int | None, list[int]]]:
 
 def plan_roles(hf: HostsFile, cfg: Config) -> list[Role]:
     """The processes of the run: which role on which host, its port and its parent."""
-    from deploy.launcher import client_blocks
+    from fedhop.deploy.launcher import client_blocks
     servers = [h for h in hf.hosts if h.server]
     if len(servers) != 1:
         raise HostsError(f"hosts file: exactly one host must have server = true, found {len(servers)}")
@@ -333,7 +333,7 @@ def role_argv(role: Role, cfg: Config, run: str) -> list[str]:
     if role.kind == "edge":
         return ["edge", "--parent", role.parent, "--node-id", role.node_id, "--listen", role.address,
                 "--ledger-dir", f"{run}/ledger", "--max-message-bytes", mm] + security
-    from deploy.launcher import id_spec
+    from fedhop.deploy.launcher import id_spec
     return ["client", "--parent", role.parent, "--clients", id_spec(role.clients), "--node-id", role.node_id,
             "--listen", role.address, "--ledger-dir", f"{run}/ledger", "--max-message-bytes", mm,
             "--threads", str(cfg.run.torch_threads)] + security
@@ -354,7 +354,7 @@ def role_command(hf: HostsFile, role: Role, cfg: Config, run: str) -> str:
     if role.kind == "server":
         steps.append(f"cat > {q(run)}/config.toml")
     argv = " ".join(shlex.quote(a) for a in role_argv(role, cfg, run))
-    steps.append(f"exec {q(hf.python_of(host))} -m {argv}")
+    steps.append(f"exec {q(hf.python_of(host))} -m fedhop.{argv}")
     return " && ".join(steps)
 
 
@@ -538,8 +538,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 def refresh_summary(run_dir: Path) -> dict | None:
     """Merge every ledger file in RUN_DIR/ledger into run.db and rewrite summary.json's byte totals and
     sender/receiver agreement: on several machines the server sees only its own ledger at the end."""
-    from common.ledger import read_jsonl
-    from common.runstore import RunStore
+    from fedhop.common.ledger import read_jsonl
+    from fedhop.common.runstore import RunStore
     summary_path = run_dir / "summary.json"
     db = run_dir / "run.db"
     if not summary_path.exists() or not db.exists():
@@ -587,7 +587,7 @@ def run_launch(hf: HostsFile, cfg: Config, out: Path, *, quiet: bool = False, ke
         print(f"fedhop launch: no summary.json in {out}; see {out / 'logs'}", file=sys.stderr)
         return status or 1
     if show_table:
-        from deploy.launcher import final_table
+        from fedhop.deploy.launcher import final_table
         print(final_table(out))
     return status
 
@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     except (HostsError, ConfigError, OSError) as exc:
         print(f"fedhop launch: {exc}", file=sys.stderr)
         return 2
-    from deploy.launcher import default_run_dir
+    from fedhop.deploy.launcher import default_run_dir
     out = Path(args.out) if args.out else default_run_dir(cfg)
     if args.dry_run:
         run = run_path(hf, out.name)

@@ -12,14 +12,14 @@ import torch
 
 import threading
 
-from client.runtime import ClientProcess
-from common.topology import cluster_assignment
-from edge.runtime import EdgeProcess
-from common.config import Config
-from common.ledger import Ledger
-from common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
-from deploy.launcher import client_blocks
-from server.coordinator import Coordinator
+from fedhop.client.runtime import ClientProcess
+from fedhop.common.topology import cluster_assignment
+from fedhop.edge.runtime import EdgeProcess
+from fedhop.common.config import Config
+from fedhop.common.ledger import Ledger
+from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
+from fedhop.deploy.launcher import client_blocks
+from fedhop.server.coordinator import Coordinator
 
 
 def run_inmemory(cfg: Config, run_dir: str | Path,

@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import Config, config_to_toml, load_config
-from common.topology import cluster_assignment
-from deploy.forkstart import ForkedProcess, die_with_parent, fork_allowed, fork_module
-from deploy.malloc import tuned_env
+from fedhop.common.config import Config, config_to_toml, load_config
+from fedhop.common.topology import cluster_assignment
+from fedhop.deploy.forkstart import ForkedProcess, die_with_parent, fork_allowed, fork_module
+from fedhop.deploy.malloc import tuned_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,13 +66,13 @@ class LocalRun:
 
     def spawn(self, name: str, argv: list[str]) -> Child:
         log = self.run_dir / "logs" / f"{name}.log"
-        env = dict(tuned_env(), FEDHOP_TOKEN=self.token, PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])))
+        env = dict(tuned_env(), FEDHOP_TOKEN=self.token, PYTHONUNBUFFERED="1")
+        module = f"fedhop.{argv[0]}"
         if fork_allowed():   # start-up without re-importing torch (deploy/forkstart.py)
-            proc = fork_module(argv[0], argv[1:], env, log, REPO_ROOT)
+            proc = fork_module(module, argv[1:], env, log, REPO_ROOT)
         else:
             with open(log, "ab") as fh:
-                proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=fh, stderr=subprocess.STDOUT, env=env,
+                proc = subprocess.Popen([sys.executable, "-m", module, *argv[1:]], stdout=fh, stderr=subprocess.STDOUT, env=env,
                                         cwd=REPO_ROOT, preexec_fn=die_with_parent if sys.platform == "linux" else None)
         child = Child(name, proc, log)
         self.children.append(child)
@@ -265,7 +265,7 @@ def final_table(run_dir: Path) -> str:
     if final:
         lines.append("  final: " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))
     try:
-        from common.runstore import RunStore
+        from fedhop.common.runstore import RunStore
         by_dir = RunStore(run_dir / "run.db", create=False).bytes_by_link_direction()
     except Exception:  # the table is a courtesy; summary.json has the numbers
         by_dir = {}
@@ -291,7 +291,7 @@ def default_run_dir(cfg: Config) -> Path:
 
 def loopback_plaintext_note(cfg: Config) -> str | None:
     """`fedhop run` on loopback without TLS sets security.insecure = true, and says so."""
-    from common.addresses import is_loopback
+    from fedhop.common.addresses import is_loopback
     sec = cfg.security
     if sec.certs_dir or sec.insecure or not is_loopback(cfg.transport.host):
         return None
@@ -303,7 +303,7 @@ def loopback_plaintext_note(cfg: Config) -> str | None:
 def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True) -> int:
     """`fedhop run --resume RUN_DIR`: restart the server from its newest checkpoint and fresh
     client processes; the same exit codes as `run_local`."""
-    from common.checkpoint import CheckpointError, latest_checkpoint
+    from fedhop.common.checkpoint import CheckpointError, latest_checkpoint
     d = Path(run_dir)
     if not (d / "config.toml").exists():
         print(f"fedhop run --resume: {d} holds no config.toml; is it a run directory?", file=sys.stderr)
@@ -322,7 +322,7 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True) -> 
 def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool = False,
               show_table: bool = True, resume: bool = False, start_round: int = 0) -> int:
     """`fedhop run`: returns the exit status (0 completed, 1 failed, 2 bad config, 130 interrupted)."""
-    from common.config import ConfigError
+    from fedhop.common.config import ConfigError
     try:
         cfg = load_config(config_path, overrides)
     except (ConfigError, OSError) as exc:

@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from common.config import Config, ConfigError, load_config
-from deploy.hosts import EDGE_KINDS, HostsError, HostsFile, HostSpec, Role, load_hosts, plan_roles, process_layout, \
+from fedhop.common.config import Config, ConfigError, load_config
+from fedhop.deploy.hosts import EDGE_KINDS, HostsError, HostsFile, HostSpec, Role, load_hosts, plan_roles, process_layout, \
     run_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -328,7 +328,7 @@ def host_kind(h: HostSpec) -> str:
 
 def default_hosts(cfg: Config) -> HostsFile:
     """One emulated host per process, laid out as `fedhop run` lays out processes."""
-    from deploy.launcher import id_spec
+    from fedhop.deploy.launcher import id_spec
     hosts = [HostSpec("server", address="", server=True)]
     if cfg.topology.kind in EDGE_KINDS:
         hosts += [HostSpec(f"edge-{e}", address="", edges=[e]) for e in range(cfg.topology.edges)]
@@ -376,7 +376,7 @@ def physical_link(src: str, dst: str) -> str:
 
 def ledger_messages(run_dir: Path) -> list[dict]:
     """Each message once (the sender's record, else the receiver's) from run.db."""
-    from common.runstore import RunStore
+    from fedhop.common.runstore import RunStore
     store = RunStore(run_dir / "run.db", create=False)
     try:
         rows = store.messages()
@@ -456,7 +456,7 @@ def round_times(run_dir: Path, roles: list[Role], rates: dict[str, int | None]) 
     seconds where the run recorded them.  Prediction: for each rate-limited host, the framed bytes
     that crossed its link in the round, plus one 66-byte header per 1448-byte segment (the token
     bucket counts frames), over its rate; the slowest such host sets the round."""
-    from common.runstore import RunStore
+    from fedhop.common.runstore import RunStore
     where = node_hosts(roles)
     per_round: dict[int, dict[str, int]] = {}
     for m in ledger_messages(run_dir):
@@ -483,7 +483,7 @@ def round_times(run_dir: Path, roles: list[Role], rates: dict[str, int | None]) 
 
 
 def format_report(report: dict) -> str:
-    from deploy.launcher import human_bytes
+    from fedhop.deploy.launcher import human_bytes
     lines = ["  kernel counters per emulated host (TCP payload = frame bytes - 66 B x packets):",
              f"  {'host':<12}{'rate':>10}{'sent':>12}{'received':>12}{'ledger sent':>14}{'ledger recv':>14}"
              f"{'retrans':>9}{'ledger/kernel':>15}"]
@@ -537,7 +537,7 @@ class Capture:
     def __init__(self, net: EmulatedNetwork, host: str, out: Path) -> None:
         self.host = host
         self.path = out / f"capture-{host}.json"
-        self.proc = subprocess.Popen(net.exec_prefix(host) + [sys.executable, "-m", "deploy.h2capture", "--iface",
+        self.proc = subprocess.Popen(net.exec_prefix(host) + [sys.executable, "-m", "fedhop.deploy.h2capture", "--iface",
                                                               IFNAME, "--out", str(self.path)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
         assert self.proc.stdout is not None
@@ -654,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, HostsError, ValueError, OSError) as exc:
         print(f"fedhop netsim: {exc}", file=sys.stderr)
         return 2
-    from deploy.launcher import default_run_dir
+    from fedhop.deploy.launcher import default_run_dir
     out = Path(args.out) if args.out else default_run_dir(cfg)
     started = time.monotonic()
     try:

@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.ledger import BYTE_FIELDS, LINKS
-from common.runstore import AgreementReport, RunStore
+from fedhop.common.ledger import BYTE_FIELDS, LINKS
+from fedhop.common.runstore import AgreementReport, RunStore
 
 LOWER_IS_BETTER_TOKENS: tuple[str, ...] = ("loss", "objective", "distance", "error", "gap", "regret", "norm",
                                            "subopt", "mse", "rmse")
@@ -492,7 +492,7 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
     if plots:
         md += ["## Plots", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
     if tensorboard is not None and runs:
-        from deploy.tensorboard import write_events
+        from fedhop.deploy.tensorboard import write_events
         dirs = write_events(runs, Path(tensorboard), bytes_kind)
         md += ["## TensorBoard", "", f"`tensorboard --logdir {tensorboard}`: {len(dirs)} runs", ""]
     if notes:

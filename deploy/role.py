@@ -1,7 +1,7 @@
-"""`python -m deploy.role server|edge|client|health ...`: what each docker compose service runs.
+"""`python -m fedhop.deploy.role server|edge|client|health ...`: what each docker compose service runs.
 
 It turns the environment of a container (the experiment, the shared run volume, the token) into
-the command line of `python -m server|edge|client` and execs it, so the process a compose
+the command line of `python -m fedhop.server|edge|client` and execs it, so the process a compose
 service runs is the same one `fedhop run` and `fedhop launch` start.
 
 Environment (docker-compose.yml sets it):
@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.procexit import exit_now
+from fedhop.common.procexit import exit_now
 
 log = logging.getLogger("fedhop.role")
 
@@ -52,7 +52,7 @@ def overrides() -> list[str]:
 
 
 def load_cfg(extra: list[str] | None = None):
-    from common.config import load_config
+    from fedhop.common.config import load_config
     return load_config(env("FEDHOP_CONFIG", "/app/examples/fedavg_digits.toml"), overrides() + (extra or []))
 
 
@@ -115,11 +115,11 @@ def local_ip_towards(address: str, timeout: float = 120.0) -> str:
 
 
 def _exec(role: str, args: list[str], token: str) -> None:
-    from deploy.malloc import tuned_env
+    from fedhop.deploy.malloc import tuned_env
     child_env = tuned_env()
     child_env["FEDHOP_TOKEN"] = token
     child_env.setdefault("PYTHONUNBUFFERED", "1")
-    argv = [sys.executable, "-m", role, *args]
+    argv = [sys.executable, "-m", f"fedhop.{role}", *args]
     log.info("exec %s", " ".join(shlex.quote(a) for a in argv))
     sys.stdout.flush()
     os.execve(sys.executable, argv, child_env)
@@ -247,8 +247,8 @@ def claim_slot(slots: Path, me: str, n: int) -> int | None:
 
 
 def cmd_client(a: argparse.Namespace) -> None:
-    from deploy.hosts import process_layout
-    from deploy.launcher import id_spec
+    from fedhop.deploy.hosts import process_layout
+    from fedhop.deploy.launcher import id_spec
     run_dir = wait_for_run()
     token = token_for(run_dir)
     ip = local_ip_towards(a.server)
@@ -284,7 +284,7 @@ def cmd_health(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deploy.role", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m fedhop.deploy.role", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="role", required=True)
     s = sub.add_parser("server")
     s.add_argument("--listen", default="0.0.0.0:7000")

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from deploy.report import RunData, _num
+from fedhop.deploy.report import RunData, _num
 
 
 def run_dir_name(name: str) -> str:

@@ -1,4 +1,4 @@
-"""`python -m edge --parent HOST:PORT | --parent-file PATH --node-id edge-N [--listen HOST:PORT]`
+"""`python -m fedhop.edge --parent HOST:PORT | --parent-file PATH --node-id edge-N [--listen HOST:PORT]`
 
 Starts one edge server: it registers with the server, accepts its cluster's client processes
 (which register with it), aggregates their results each round and answers the server with
@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch
 
-from common.ledger import Ledger
-from common.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
-from common.procexit import exit_now
-from common.security import SecurityError, add_security_args, credentials_from_args
-from common.transport.grpc import GrpcEndpoint
-from edge.runtime import EdgeProcess
+from fedhop.common.ledger import Ledger
+from fedhop.common.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
+from fedhop.common.procexit import exit_now
+from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
+from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.edge.runtime import EdgeProcess
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m edge", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m fedhop.edge", description=__doc__)
     add_parent_args(ap, "server")
     ap.add_argument("--node-id", required=True, help="edge-<n>: n selects the cluster in the topology config")
     ap.add_argument("--listen", default="127.0.0.1:0")

@@ -15,18 +15,18 @@ import threading
 from typing import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from common.algorithms import build_algorithm
-from common.algorithms.base import Payload
-from common.algorithms.local import get_params
-from common.tasks import build_task
-from common.checkpoint import STATE_GET, STATE_SET, forward_client_state
-from common.codec import PayloadError
-from common.compress import compress_upload, decompress_upload
-from common.validation import validate_reply
-from common.config import Config
-from common.topology import cluster_assignment, edge_index, topology_params
-from common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError, Request
-from common.wire import fedhop_pb2 as pb
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.algorithms.local import get_params
+from fedhop.common.tasks import build_task
+from fedhop.common.checkpoint import STATE_GET, STATE_SET, forward_client_state
+from fedhop.common.codec import PayloadError
+from fedhop.common.compress import compress_upload, decompress_upload
+from fedhop.common.validation import validate_reply
+from fedhop.common.config import Config
+from fedhop.common.topology import cluster_assignment, edge_index, topology_params
+from fedhop.common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError, Request
+from fedhop.common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.edge")
 
@@ -85,7 +85,7 @@ class EdgeAggregator:
         if env.method == "edge_round":
             return self.edge_round(int(env.round), request.payload)
         if env.method.startswith("torch_"):   # transport.kind = "torch" (edge/torch_edge.py)
-            from edge.torch_edge import torch_edge_of
+            from fedhop.edge.torch_edge import torch_edge_of
             return torch_edge_of(self).handle(env.method, int(env.round), request.payload)
         if env.method in (STATE_GET, STATE_SET):   # checkpoints: the cluster's client states (common/checkpoint.py)
             return forward_client_state(self.endpoint, dict(self.processes), dict(self.client_home), env.method,

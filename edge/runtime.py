@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 
-from common.config import parse_config
-from common.transport.base import Endpoint, HandlerError, Request
-from common.wire import fedhop_pb2 as pb
-from edge.aggregator import EdgeAggregator
-from edge.sequential import METHODS as SEQUENTIAL_METHODS, SequentialEdge
-from common.liveness import register_with_backoff
+from fedhop.common.config import parse_config
+from fedhop.common.transport.base import Endpoint, HandlerError, Request
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.edge.aggregator import EdgeAggregator
+from fedhop.edge.sequential import METHODS as SEQUENTIAL_METHODS, SequentialEdge
+from fedhop.common.liveness import register_with_backoff
 
 log = logging.getLogger("fedhop.edge")
 

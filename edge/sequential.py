@@ -43,15 +43,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from common.algorithms.base import Payload
-from common.algorithms.fedchs import FedCHS
-from common.algorithms.local import get_params, set_params
-from common.codec import PayloadError, check_tensors
-from common.tasks import build_task
-from common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_index, edge_node, next_edge_order,
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.algorithms.fedchs import FedCHS
+from fedhop.common.algorithms.local import get_params, set_params
+from fedhop.common.codec import PayloadError, check_tensors
+from fedhop.common.tasks import build_task
+from fedhop.common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_index, edge_node, next_edge_order,
                              topology_params)
-from common.transport.base import CallFailed, HandlerError, RemoteError, Request
-from common.validation import validate_reply
+from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
+from fedhop.common.validation import validate_reply
 
 log = logging.getLogger("fedhop.edge")
 
@@ -109,7 +109,7 @@ class SequentialEdge:
         """edge/torch_edge.py's TorchEdge when transport.kind = "torch" (set up by `torch_init`)."""
         if self.cfg.transport.kind != "torch":
             return None
-        from edge.torch_edge import torch_edge_of
+        from fedhop.edge.torch_edge import torch_edge_of
         edge = torch_edge_of(self.agg)
         if edge.world is None:
             raise HandlerError("NOT_READY", f"{self.endpoint.node_id}: torch_init has not been called")

@@ -24,10 +24,10 @@ from concurrent.futures import wait
 
 import torch
 
-from common.algorithms.base import Payload, reduce_payloads
-from common.codec import PayloadError
-from common.transport.base import CallFailed, HandlerError, RemoteError
-from common.transport.torchdist import (STEP_KEY, Collectives, LayoutMismatch, TorchParams, buffers_by_name,
+from fedhop.common.algorithms.base import Payload, reduce_payloads
+from fedhop.common.codec import PayloadError
+from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
+from fedhop.common.transport.torchdist import (STEP_KEY, Collectives, LayoutMismatch, TorchParams, buffers_by_name,
                                         build_groups, init_watching, layout_of, merge_layouts, reduce_buffers,
                                         specs_from_json, specs_of, specs_to_json)
 

@@ -1,4 +1,4 @@
-"""`python -m server --config CONFIG.toml --run-dir DIR [--listen HOST:PORT] [--port-file F] [--resume]`
+"""`python -m fedhop.server --config CONFIG.toml --run-dir DIR [--listen HOST:PORT] [--port-file F] [--resume]`
 
 Starts the server process of one run: it serves registrations and results, drives the rounds,
 and writes the run directory (config.toml, run.db, summary.json, model.safetensors, checkpoints).
@@ -17,20 +17,20 @@ from pathlib import Path
 
 import torch
 
-from common.addresses import plaintext_refusal
-from common.checkpoint import CheckpointError
-from common.config import ConfigError, load_config
-from common.ledger import Ledger
-from common.liveness import LivenessMonitor
-from common.procexit import exit_now
-from common.security import NodeCredentials, SecurityError
-from common.transport.grpc import GrpcEndpoint
-from server.coordinator import Coordinator
-from server.resilience import Checkpointer, resume
+from fedhop.common.addresses import plaintext_refusal
+from fedhop.common.checkpoint import CheckpointError
+from fedhop.common.config import ConfigError, load_config
+from fedhop.common.ledger import Ledger
+from fedhop.common.liveness import LivenessMonitor
+from fedhop.common.procexit import exit_now
+from fedhop.common.security import NodeCredentials, SecurityError
+from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.server.coordinator import Coordinator
+from fedhop.server.resilience import Checkpointer, resume
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m fedhop.server", description=__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--listen", default="127.0.0.1:0")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _no_calls():
-    from common.transport.base import HandlerError
+    from fedhop.common.transport.base import HandlerError
     raise HandlerError("UNKNOWN_METHOD", "the server accepts no Exchange calls in this topology")
 
 

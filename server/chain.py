@@ -21,18 +21,18 @@ from collections import Counter
 
 import numpy as np
 
-from common.algorithms.base import Payload
-from common.codec import PayloadError
-from common.compress import decompress_upload
-from common.rng import numpy_stream
-from common.topology import topology_params
-from common.transport.base import CallFailed, RemoteError
-from common.validation import validate_reply
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.codec import PayloadError
+from fedhop.common.compress import decompress_upload
+from fedhop.common.rng import numpy_stream
+from fedhop.common.topology import topology_params
+from fedhop.common.transport.base import CallFailed, RemoteError
+from fedhop.common.validation import validate_reply
 
 
 class ChainDriver:
     def __init__(self, coord) -> None:
-        from server.coordinator import RunFailed
+        from fedhop.server.coordinator import RunFailed
         self.RunFailed = RunFailed
         self.coord = coord
         cfg = coord.cfg
@@ -55,7 +55,7 @@ class ChainDriver:
         return [int(c) for c in rng.choice(len(self.p), size=self.hops, p=self.p)]
 
     def run_round(self, round: int):
-        from server.coordinator import RoundResult, client_node
+        from fedhop.server.coordinator import RoundResult, client_node
         coord, cfg = self.coord, self.coord.cfg
         algo = coord.algorithm
         started = time.perf_counter()

@@ -17,22 +17,22 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from common.algorithms import build_algorithm
-from common.algorithms.base import COMPUTE_KEY, Payload, ServerState
-from common.algorithms.local import get_params, set_params
-from common.codec import PayloadError
-from common.compress import decompress_upload
-from common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
-from common.ledger import Ledger
-from common.rng import numpy_stream
-from common.runstore import RunStore
-from common.tasks import build_task
-from common.topology import sampling_pool
-from common.transport.base import CallFailed, Endpoint, RemoteError
-from common.validation import consistent_results, rejection_code, validate_reply
-from server.resilience import fault_summary
-from common.vclock import RoundClock
-from common.wire import fedhop_pb2 as pb
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.base import COMPUTE_KEY, Payload, ServerState
+from fedhop.common.algorithms.local import get_params, set_params
+from fedhop.common.codec import PayloadError
+from fedhop.common.compress import decompress_upload
+from fedhop.common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
+from fedhop.common.ledger import Ledger
+from fedhop.common.rng import numpy_stream
+from fedhop.common.runstore import RunStore
+from fedhop.common.tasks import build_task
+from fedhop.common.topology import sampling_pool
+from fedhop.common.transport.base import CallFailed, Endpoint, RemoteError
+from fedhop.common.validation import consistent_results, rejection_code, validate_reply
+from fedhop.server.resilience import fault_summary
+from fedhop.common.vclock import RoundClock
+from fedhop.common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.server")
 
@@ -231,7 +231,7 @@ class Coordinator:
 
     def _dispatch_torch(self, round: int, sampled: list[int], message: Payload):
         """transport.kind = "torch": tensors as collectives (server/torch_rounds.py)."""
-        from server.torch_rounds import CollectiveFailed
+        from fedhop.server.torch_rounds import CollectiveFailed
         try:
             return self.torch_rounds.dispatch(round, sampled, self.group_message(message, round, sampled))
         except CollectiveFailed as exc:
@@ -297,7 +297,7 @@ class Coordinator:
         """The round driver of the sequential (Fed-CHS) and chain topologies, made on first use."""
         driver = getattr(self, "_topology_driver", None)
         if driver is None:
-            from server.sequential import make_driver
+            from fedhop.server.sequential import make_driver
             driver = self._topology_driver = make_driver(self)
         return driver
 
@@ -357,7 +357,7 @@ class Coordinator:
             if self.on_ready is not None:
                 self.on_ready()
             if self.cfg.transport.kind == "torch" and self.cfg.topology.kind in ("star", "hierarchical"):
-                from server.torch_rounds import TorchRounds   # sequential: server/sequential.py joins the world
+                from fedhop.server.torch_rounds import TorchRounds   # sequential: server/sequential.py joins the world
                 try:
                     self.torch_rounds = TorchRounds(self)
                 except (RuntimeError, ValueError) as exc:

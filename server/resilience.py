@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.algorithms.base import Payload
-from common.checkpoint import (STATE_GET, STATE_SET, Checkpoint, CheckpointError, capture_rng, config_digest,
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.checkpoint import (STATE_GET, STATE_SET, Checkpoint, CheckpointError, capture_rng, config_digest,
                                latest_checkpoint, restore_rng, save_checkpoint, states_from_payload,
                                states_to_payload)
-from common.transport.base import CallFailed, RemoteError
-from common.validation import rejection_code
+from fedhop.common.transport.base import CallFailed, RemoteError
+from fedhop.common.validation import rejection_code
 
 if TYPE_CHECKING:  # pragma: no cover
-    from server.coordinator import Coordinator, RoundResult
+    from fedhop.server.coordinator import Coordinator, RoundResult
 
 log = logging.getLogger("fedhop.server")
 

@@ -19,23 +19,23 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from common.algorithms.base import Payload
-from common.codec import PayloadError, check_tensors
-from common.topology import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, edge_node, start_edge
-from common.transport.base import CallFailed, RemoteError
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.codec import PayloadError, check_tensors
+from fedhop.common.topology import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, edge_node, start_edge
+from fedhop.common.transport.base import CallFailed, RemoteError
 
 
 def make_driver(coord):
     """The round driver of `coord.cfg.topology.kind` ("sequential" or "chain")."""
     if coord.cfg.topology.kind == "chain":
-        from server.chain import ChainDriver
+        from fedhop.server.chain import ChainDriver
         return ChainDriver(coord)
     return SequentialDriver(coord)
 
 
 class SequentialDriver:
     def __init__(self, coord) -> None:
-        from server.coordinator import RunFailed   # (imported here: coordinator imports this module lazily)
+        from fedhop.server.coordinator import RunFailed   # (imported here: coordinator imports this module lazily)
         self.RunFailed = RunFailed
         self.coord = coord
         cfg = coord.cfg
@@ -44,8 +44,8 @@ class SequentialDriver:
                             f"'{cfg.algorithm.name}'")
         self.world = None     # transport.kind = "torch": the server's membership of the edges' world
         if cfg.transport.kind == "torch":
-            from server.torch_rounds import EdgeWorld
-            from common.transport.torchdist import TorchParams
+            from fedhop.server.torch_rounds import EdgeWorld
+            from fedhop.common.transport.torchdist import TorchParams
             try:
                 self.world = EdgeWorld(coord, getattr(cfg.transport, "params", None) or TorchParams())
             except (RuntimeError, ValueError) as exc:
@@ -160,7 +160,7 @@ class SequentialDriver:
                 "handoff_skips": self.skips}
 
     def run_round(self, round: int):
-        from server.coordinator import RoundResult
+        from fedhop.server.coordinator import RoundResult
         coord, cfg = self.coord, self.coord.cfg
         started = time.perf_counter()
         if round != len(self.sequence) + 1:

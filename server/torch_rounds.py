@@ -13,12 +13,12 @@ import logging
 
 import torch
 
-from common.algorithms.base import Payload, reduce_payloads
-from common.codec import DTYPES, PayloadError
-from common.transport.base import CallFailed, RemoteError
-from common.transport.torchdist import (Collectives, LayoutMismatch, TorchParams, buffers_by_name, build_groups,
+from fedhop.common.algorithms.base import Payload, reduce_payloads
+from fedhop.common.codec import DTYPES, PayloadError
+from fedhop.common.transport.base import CallFailed, RemoteError
+from fedhop.common.transport.torchdist import (Collectives, LayoutMismatch, TorchParams, buffers_by_name, build_groups,
                                         free_port, init_watching, merge_layouts, reduce_buffers, specs_of, specs_to_json)
-from common.validation import validate_reply
+from fedhop.common.validation import validate_reply
 
 log = logging.getLogger("fedhop.server")
 

@@ -1,6 +1,6 @@
 """An in-process cluster over real gRPC sockets on loopback, for fault and hostile-input tests.
 
-The server (Coordinator + LivenessMonitor + Checkpointer, as `python -m server` wires them) and
+The server (Coordinator + LivenessMonitor + Checkpointer, as `python -m fedhop.server` wires them) and
 honest client processes (ClientProcess) run as threads of the test process; their endpoints are
 real `GrpcEndpoint`s, so every byte goes through sockets, the codec and the interceptors.  A test
 can put a proxy in front of a client (its advertised address) or add a hostile client.
@@ -13,16 +13,16 @@ from typing import Callable
 
 import numpy as np
 
-from client.runtime import ClientProcess
-from common.config import Config
-from common.ledger import Ledger
-from common.liveness import HeartbeatSender, LivenessMonitor
-from common.runstore import RunStore
-from common.security import NodeCredentials
-from common.transport.base import HandlerError
-from common.transport.grpc import GrpcEndpoint
-from server.coordinator import Coordinator
-from server.resilience import Checkpointer
+from fedhop.client.runtime import ClientProcess
+from fedhop.common.config import Config
+from fedhop.common.ledger import Ledger
+from fedhop.common.liveness import HeartbeatSender, LivenessMonitor
+from fedhop.common.runstore import RunStore
+from fedhop.common.security import NodeCredentials
+from fedhop.common.transport.base import HandlerError
+from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.server.coordinator import Coordinator
+from fedhop.server.resilience import Checkpointer
 
 
 def _no_calls(_req):

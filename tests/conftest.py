@@ -1,4 +1,5 @@
-"""Shared test set-up: slow tests run only with FEDHOP_SLOW=1; repo root on sys.path."""
+"""Shared test set-up: slow tests run only with FEDHOP_SLOW=1 (pyproject's pythonpath puts the repo
+root on sys.path, so tests import `tests.helpers`; fedhop itself is the installed package)."""
 from __future__ import annotations
 
 import os
@@ -7,9 +8,6 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def pytest_collection_modifyitems(config, items):

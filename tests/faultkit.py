@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from common.runstore import RunStore
-from deploy.launcher import read_progress
-from server.resilience import ledger_consistency
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.launcher import read_progress
+from fedhop.server.resilience import ledger_consistency
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(17)
@@ -124,9 +124,9 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
     """Run `rounds` rounds with `kills` client processes killed (-9) at seeded random moments and
     each restarted (same node id, same clients) a seeded random moment later.  Returns what was
     done: kills, restarts, times, and how many restarts came before the server had noticed."""
-    from common.config import load_config
-    from common.rng import numpy_stream
-    from deploy.launcher import LocalRun, client_blocks, id_spec
+    from fedhop.common.config import load_config
+    from fedhop.common.rng import numpy_stream
+    from fedhop.deploy.launcher import LocalRun, client_blocks, id_spec
 
     cfg_file = tmp_path / "soak.toml"
     cfg_file.write_text(slow_quadratic(rounds, processes=processes, name="soak"))
@@ -169,5 +169,5 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
 
 
 def tail_log(run) -> str:
-    from deploy.launcher import tail
+    from fedhop.deploy.launcher import tail
     return tail(run.children[0].log, 30)

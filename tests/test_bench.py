@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from deploy.bench import main
+from fedhop.deploy.bench import main
 
 
 def test_bench_transport_tiny(tmp_path, capsys):

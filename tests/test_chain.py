@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.config import parse_config
-from common.rng import numpy_stream
-from common.runstore import RunStore
-from deploy.inmemory import run_inmemory
+from fedhop.common.config import parse_config
+from fedhop.common.rng import numpy_stream
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(21)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.algorithms.base import Payload
-from common.codec import (DTYPES, FRAME_OVERHEAD, PayloadError, check_tensors, decode_frames, encode,
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.codec import (DTYPES, FRAME_OVERHEAD, PayloadError, check_tensors, decode_frames, encode,
                           make_envelope)
-from common.wire import fedhop_pb2 as pb
+from fedhop.common.wire import fedhop_pb2 as pb
 
 
 def env(**kw):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 import subprocess
 from pathlib import Path
 
@@ -13,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.config import parse_config
-from common.runstore import RunStore
-from deploy.cli import main as cli_main
-from deploy.compose_run import compose_binary, compose_config, start_order, _seconds
-from deploy.inmemory import run_inmemory
-from deploy.netsim import netns_unavailable
+from fedhop.common.config import parse_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.cli import main as cli_main
+from fedhop.deploy.compose_run import compose_binary, compose_config, start_order, _seconds
+from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.netsim import netns_unavailable
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +77,7 @@ def test_resolved_project_wires_health_restart_volume_and_scaling():
     assert svc["client"]["deploy"]["replicas"] == 5
     assert svc["server"]["restart"] == "no" and svc["client"]["restart"].startswith("on-failure")
     for name in ("server", "edge-0", "edge-1"):
-        assert svc[name]["healthcheck"]["test"][:5] == ["CMD", "python", "-m", "deploy.role", "health"]
+        assert svc[name]["healthcheck"]["test"][:5] == ["CMD", "python", "-m", "fedhop.deploy.role", "health"]
     assert svc["client"]["depends_on"]["server"]["condition"] == "service_healthy"
     assert svc["edge-0"]["depends_on"]["server"]["condition"] == "service_healthy"
     for s in svc.values():
@@ -108,9 +109,10 @@ def test_dockerfile_copies_every_package_the_project_installs():
     text = (ROOT / "Dockerfile").read_text()
     copied = set(re.findall(r"^COPY (\S+) \./", text, flags=re.M))
     pyproject = (ROOT / "pyproject.toml").read_text()
-    packages = re.search(r"include = \[([^\]]*)\]", pyproject).group(1)
-    for pkg in re.findall(r'"(\w+)\*"', packages):
-        assert pkg in copied, f"Dockerfile does not COPY {pkg}"
+    package_dirs = tomllib.loads(pyproject)["tool"]["setuptools"]["package-dir"]
+    assert package_dirs, "pyproject.toml maps no fedhop.* package to a folder"
+    for folder in package_dirs.values():
+        assert folder in copied, f"Dockerfile does not COPY {folder}"
     for src in copied:
         assert (ROOT / src).exists(), src
     assert "torch==${TORCH_VERSION}" in text and "ARG TORCH_VERSION=2.13.0" in text
@@ -126,7 +128,7 @@ needs_netns = pytest.mark.skipif(NETNS_REASON is not None, reason=f"needs networ
 
 def _run_compose(tmp_path: Path, topology: str, scale: int, profiles: list[str],
                  env_extra: dict[str, str] | None = None) -> tuple[Path, object]:
-    from deploy.compose_run import run_compose
+    from fedhop.deploy.compose_run import run_compose
     text = quadratic_config(CENTERS, CURV, SIZES, rounds=3, per_round=4, processes=2, local_steps=2,
                             topology=topology, name="compose")
     cfg_dir = tmp_path / "config"

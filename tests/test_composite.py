@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from benchmarks.composite_compare import METHODS, first_round, method_config, run_direct
-from common.algorithms import build_algorithm
-from common.algorithms.composite import WeightSchedule, regularized_kinds
-from common.config import parse_config
-from common.rng import torch_stream
-from common.runstore import RunStore
-from common.sampling import local_batches
-from common.tasks import build_task
-from deploy.inmemory import run_inmemory
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.composite import WeightSchedule, regularized_kinds
+from fedhop.common.config import parse_config
+from fedhop.common.rng import torch_stream
+from fedhop.common.runstore import RunStore
+from fedhop.common.sampling import local_batches
+from fedhop.common.tasks import build_task
+from fedhop.deploy.inmemory import run_inmemory
 
 
 # ---------------------------------------------------------------------------- configs

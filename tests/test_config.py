@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-import common.config as config_module
-from common.config import (ConfigError, client_local_steps, config_to_toml, load_config, parse_config,
+import fedhop.common.config as config_module
+from fedhop.common.config import (ConfigError, client_local_steps, config_to_toml, load_config, parse_config,
                            register_options_schema, resolve_clients_per_round, resolve_min_results)
-from common.config_schema import Config
+from fedhop.common.config_schema import Config
 
 
 # ----------------------------------------------------------------------------- a dummy algorithm schema
@@ -319,8 +319,8 @@ def test_register_options_schema_rejects_bad_sections(monkeypatch):
 
 
 def test_fedavg_takes_no_algorithm_specific_keys():
-    pytest.importorskip("common.algorithms.fedavg")
-    from common.algorithms import registry
+    pytest.importorskip("fedhop.common.algorithms.fedavg")
+    from fedhop.common.algorithms import registry
     fields = [f.name for f in dataclasses.fields(registry()["fedavg"].Params)]
     for name in ("mu", "lr"):
         assert name not in fields

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import (ConfigError, client_local_steps, config_to_toml, load_config, parse_config,
+from fedhop.common.config import (ConfigError, client_local_steps, config_to_toml, load_config, parse_config,
                            resolve_clients_per_round, resolve_min_results)
 
 

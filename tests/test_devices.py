@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from common.algorithms.base import Payload
-from common.codec import PayloadError
-from common.config import ConfigError, config_to_toml, parse_config
-from common.devices import (PLAN_KEY, DevicesParams, apply_straggler_plan, device_profiles, draw_stragglers,
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.codec import PayloadError
+from fedhop.common.config import ConfigError, config_to_toml, parse_config
+from fedhop.common.devices import (PLAN_KEY, DevicesParams, apply_straggler_plan, device_profiles, draw_stragglers,
                             plan_to_scalar, straggler_count)
-from deploy.inmemory import run_inmemory
+from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(3)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.config import ConfigError, parse_config
-from common.rng import numpy_stream
-from common.runstore import RunStore
-from deploy.inmemory import run_inmemory
-from deploy.launcher import run_local
+from fedhop.common.config import ConfigError, parse_config
+from fedhop.common.rng import numpy_stream
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launcher import run_local
 from tests.helpers import numpy_fedavg_round, quadratic_config
 
 RNG = np.random.default_rng(5)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from common.config import load_config
-from common.runstore import RunStore
-from deploy.launcher import LocalRun, resume_local, run_local
+from fedhop.common.config import load_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.launcher import LocalRun, resume_local, run_local
 from tests.faultkit import (FAST_LIVENESS, check_run_db, failed_by_round, reference_model, slow_quadratic,
                             wait_dead, wait_for_round)
 
@@ -154,7 +154,7 @@ def test_soak_clients_killed_and_restarted_at_seeded_random_times(tmp_path, roun
 def test_ledger_consistency_flags_an_unexplained_lone_record(tmp_path):
     """The check the fault tests rely on can fail: a sent message without its receiver's record
     and without a recorded loss is unexplained; recording the loss explains it."""
-    from server.resilience import ledger_consistency
+    from fedhop.server.resilience import ledger_consistency
     store = RunStore(tmp_path / "run.db")
     store.start_run(run_id="r", name="r")
     base = dict(run_id="r", round=1, step=0, link="client-server", direction="down", method="train",
@@ -180,7 +180,7 @@ def test_heartbeats_stop_before_the_shutdown_reply_with_the_one_in_flight_finish
     import threading
     from types import SimpleNamespace
 
-    from common.liveness import HeartbeatSender
+    from fedhop.common.liveness import HeartbeatSender
     started, finished = threading.Event(), []
 
     def heartbeat(parent, request, timeout):

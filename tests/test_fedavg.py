@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import parse_config
-from common.runstore import RunStore
-from deploy.inmemory import run_inmemory
+from fedhop.common.config import parse_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import numpy_fedavg_round, quadratic_config
 
 RNG = np.random.default_rng(42)
@@ -57,7 +57,7 @@ def test_ledger_tensor_bytes_per_round_and_agreement(tmp_path):
 
 
 def test_nan_reply_is_rejected_and_recorded(tmp_path, monkeypatch):
-    from common.algorithms.fedavg import FedAvg
+    from fedhop.common.algorithms.fedavg import FedAvg
     original = FedAvg.client_update
 
     def poisoned(self, ctx, message):

@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.config import ConfigError, load_config, parse_config
-from common.runstore import RunStore
-from common.topology import edge_graph, random_graph
-from deploy.inmemory import run_inmemory
-from deploy.launcher import LocalRun, read_progress, run_local
+from fedhop.common.config import ConfigError, load_config, parse_config
+from fedhop.common.runstore import RunStore
+from fedhop.common.topology import edge_graph, random_graph
+from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launcher import LocalRun, read_progress, run_local
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(11)
@@ -225,7 +225,7 @@ def test_unreachable_neighbour_is_skipped_by_the_rule_and_recorded(tmp_path):
 
 def test_refused_handoff_goes_to_the_next_candidate(tmp_path):
     """Edge 1 answers the query but refuses the model: edge 0 hands it to the runner-up, 3."""
-    from common.transport.base import HandlerError
+    from fedhop.common.transport.base import HandlerError
 
     def refuse(net, procs, coord):
         edge1 = next(p for p in procs if getattr(p.endpoint, "node_id", "") == "edge-1")

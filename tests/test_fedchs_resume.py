@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from common.runstore import RunStore
-from deploy.launcher import resume_local, run_local
+from fedhop.common.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.launcher import resume_local, run_local
 from tests.test_fedchs import ASSIGN, CENTERS, D, GRAPH, SIZES, closed_form, etas, fedchs_config
 
 K, LR, ROUNDS = 3, 1.0, 6

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.config import ConfigError, parse_config
-from deploy.inmemory import run_inmemory
+from fedhop.common.config import ConfigError, parse_config
+from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(8)

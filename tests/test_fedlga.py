@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from common.algorithms import build_algorithm
-from common.algorithms.base import ClientContext, Payload, ServerState
-from common.algorithms.fedlga import GRAD_PREFIX, TAU_KEY, lga_estimate
-from common.config import parse_config
-from common.rng import torch_stream
-from common.runstore import RunStore
-from common.tasks import build_task
-from deploy.inmemory import run_inmemory
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.base import ClientContext, Payload, ServerState
+from fedhop.common.algorithms.fedlga import GRAD_PREFIX, TAU_KEY, lga_estimate
+from fedhop.common.config import parse_config
+from fedhop.common.rng import torch_stream
+from fedhop.common.runstore import RunStore
+from fedhop.common.tasks import build_task
+from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,10 +160,9 @@ def test_lga_estimate_matches_rank_one_formula_per_straggler():
 
 MEMORY_SCRIPT = r"""
 import resource, sys, torch
-sys.path.insert(0, sys.argv[1])
-from common.algorithms import build_algorithm
-from common.algorithms.base import Payload, ServerState
-from common.config import parse_config
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.base import Payload, ServerState
+from fedhop.common.config import parse_config
 n = int(sys.argv[2])
 cfg = parse_config('[algorithm]\nname = "fedlga"\nlr = 0.01\nlga_grad_source = "' + sys.argv[3] + '"')
 algo = build_algorithm(cfg)
@@ -224,8 +223,8 @@ def test_client_last_grad_costs_one_model_of_uplink_per_straggler(tmp_path):
 
 
 def test_reply_validation_admits_only_fedlga_optional_tensors():
-    from common.codec import PayloadError
-    from common.validation import validate_reply
+    from fedhop.common.codec import PayloadError
+    from fedhop.common.validation import validate_reply
     algo = _algo("client_last_grad")
     state = ServerState(params={"w": torch.zeros(3)})
     spec = algo.reply_spec(state)

@@ -8,19 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from common.algorithms import build_algorithm
-from common.algorithms.base import ClientContext, Payload, ServerState, reduce_payloads
-from common.algorithms.fedli import (LOSS_KEY, STEP_KEY, FedLiLS, FedLiLSParams, FedLiLU, FedLiLUParams,
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.base import ClientContext, Payload, ServerState, reduce_payloads
+from fedhop.common.algorithms.fedli import (LOSS_KEY, STEP_KEY, FedLiLS, FedLiLSParams, FedLiLU, FedLiLUParams,
                                      armijo_sgd, dfw_gamma)
-from common.algorithms.local import get_params, set_params
-from common.config import ConfigError, parse_config
-from common.rng import torch_stream
-from common.runstore import RunStore
-from common.tasks import build_task
-from common.tasks.base import ClientData, Task
-from common.tasks.quadratic import VectorModel
-from common.wire import fedhop_pb2 as pb
-from deploy.inmemory import run_inmemory
+from fedhop.common.algorithms.local import get_params, set_params
+from fedhop.common.config import ConfigError, parse_config
+from fedhop.common.rng import torch_stream
+from fedhop.common.runstore import RunStore
+from fedhop.common.tasks import build_task
+from fedhop.common.tasks.base import ClientData, Task
+from fedhop.common.tasks.quadratic import VectorModel
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 

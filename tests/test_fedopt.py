@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from common.algorithms import build_algorithm
-from common.algorithms.base import Payload
-from common.config import ConfigError, parse_config
-from common.runstore import RunStore
-from deploy.inmemory import run_inmemory
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.config import ConfigError, parse_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(11)

@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.config import parse_config
-from common.runstore import RunStore
-from deploy.hosts import (HostsError, hosts_from_dict, plan_roles, remote_argv, role_command, kill_command,
+from fedhop.common.config import parse_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.hosts import (HostsError, hosts_from_dict, plan_roles, remote_argv, role_command, kill_command,
                           process_layout, load_hosts)
-from deploy.inmemory import run_inmemory
+from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def test_bad_hosts_files_are_refused_naming_the_problem(data, cfg_topology, need
 
 
 def test_example_hosts_file_fits_the_digits_example():
-    from common.config import load_config
+    from fedhop.common.config import load_config
     hf = load_hosts(ROOT / "examples" / "hosts.toml")
     roles = plan_roles(hf, load_config(ROOT / "examples" / "fedavg_digits.toml"))
     assert sorted(c for r in roles for c in r.clients) == list(range(50))
@@ -99,7 +99,7 @@ def test_example_hosts_file_fits_the_digits_example():
 
 
 def test_remote_argv_places_the_command_as_one_argument_or_as_sh_c():
-    cmd = "cd ~/fedhop && exec python -m server --listen 'a b'"
+    cmd = "cd ~/fedhop && exec python -m fedhop.server --listen 'a b'"
     assert remote_argv("ssh -p 2222 {host} {command}", "u@h", cmd) == ["ssh", "-p", "2222", "u@h", cmd]
     assert remote_argv("ip netns exec {host}", "ns1", cmd) == ["ip", "netns", "exec", "ns1", "sh", "-c", cmd]
 
@@ -117,7 +117,7 @@ def test_role_command_keeps_the_token_off_the_command_line_and_quotes_paths():
     assert "client-proc0" in kill_command(hf, client, "runs/x")
     # the shell parses it back into the python argv we planned
     tail = cmd.split("exec ", 1)[1]
-    assert shlex.split(tail)[:3] == [".venv/bin/python", "-m", "server"]
+    assert shlex.split(tail)[:3] == [".venv/bin/python", "-m", "fedhop.server"]
 
 
 def test_process_layout_matches_fedhop_run():
@@ -134,7 +134,7 @@ def _write_hosts(path: Path, body: str) -> Path:
 
 
 def _launch(hosts_file: Path, cfg_file: Path, out: Path, *extra: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deploy.cli", "launch", str(hosts_file), str(cfg_file), "--out",
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "launch", str(hosts_file), str(cfg_file), "--out",
                            str(out), "--quiet", *extra], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -245,7 +245,7 @@ def test_launch_stops_everything_when_a_role_fails(tmp_path):
 
 # ----------------------------------------------------------------------------- emulated hosts (root)
 def _netns_reason() -> str | None:
-    from deploy.netsim import netns_unavailable
+    from fedhop.deploy.netsim import netns_unavailable
     return netns_unavailable()
 
 
@@ -254,7 +254,7 @@ def test_launch_hierarchical_on_four_emulated_hosts_with_ip_netns_exec(tmp_path)
     reason = _netns_reason()
     if reason:
         pytest.skip(f"needs network namespaces: {reason}")
-    from deploy.netsim import EmulatedNetwork, cleanup_stale
+    from fedhop.deploy.netsim import EmulatedNetwork, cleanup_stale
     cleanup_stale()
     text = cfg_text(HIER, processes=4) + "\n[security]\ninsecure = true   # emulated hosts: plaintext, explicitly\n"
     cfg_file = tmp_path / "exp.toml"
@@ -321,7 +321,7 @@ def test_launch_ctrl_c_stops_every_role(tmp_path):
         clients = 6
         client_port = {p_a}
     """)
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "launch", str(hf), str(cfg_file), "--out",
+    proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "launch", str(hf), str(cfg_file), "--out",
                              str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT)
     deadline = time.monotonic() + 60
@@ -346,7 +346,7 @@ def test_parent_address_from_a_file_written_later_or_malformed(tmp_path):
     import threading
     from types import SimpleNamespace
 
-    from common.liveness import resolve_parent
+    from fedhop.common.liveness import resolve_parent
     path = tmp_path / "server.address"
     threading.Timer(0.3, lambda: path.write_text("127.0.0.1:4567")).start()
     assert resolve_parent(SimpleNamespace(parent=None, parent_file=str(path)), timeout=10) == "127.0.0.1:4567"

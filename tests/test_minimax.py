@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from common.algorithms.base import ClientContext
-from common.algorithms.minimax import (FedNormSGDA, FedNormSGDAPlus, LocalSGDA, LocalSGDAPlus, MinimaxParams,
+from fedhop.common.algorithms.base import ClientContext
+from fedhop.common.algorithms.minimax import (FedNormSGDA, FedNormSGDAPlus, LocalSGDA, LocalSGDAPlus, MinimaxParams,
                                        split_names)
-from common.algorithms.minimax_driver import simulate
-from common.algorithms.minimax_local import a_norm, local_sgda, momentum_coefficients
-from common.config_schema import AlgorithmConfig
-from common.rng import torch_stream
-from common.tasks.minimax import MinimaxQuadraticTask, saddle_point
+from fedhop.common.algorithms.minimax_driver import simulate
+from fedhop.common.algorithms.minimax_local import a_norm, local_sgda, momentum_coefficients
+from fedhop.common.config_schema import AlgorithmConfig
+from fedhop.common.rng import torch_stream
+from fedhop.common.tasks.minimax import MinimaxQuadraticTask, saddle_point
 
 # the two-client problem of the digest, section 5.1 (Figure 1's tau = (2, 5))
 A2, C2, U2, V2, B2, TAU2 = [1.0, 1.0], [1.0, 1.0], [[-2.0], [2.0]], [[1.0], [3.0]], 0.5, [2, 5]
@@ -316,8 +316,8 @@ kind = "inmemory"
 
 
 def run(tmp_path, name: str, text: str):
-    from common.config import parse_config
-    from deploy.inmemory import run_inmemory
+    from fedhop.common.config import parse_config
+    from fedhop.deploy.inmemory import run_inmemory
     summary, coord = run_inmemory(parse_config(text), tmp_path / name)
     assert summary["status"] == "completed", summary.get("error")
     return summary, coord
@@ -341,9 +341,9 @@ def test_fed_norm_code_path_reproduces_local_sgda(tmp_path, solver):
 
 
 def test_driver_matches_inmemory_run_bit_for_bit(tmp_path):
-    from common.algorithms import build_algorithm
-    from common.config import parse_config
-    from common.tasks import build_task
+    from fedhop.common.algorithms import build_algorithm
+    from fedhop.common.config import parse_config
+    from fedhop.common.tasks import build_task
     text = mm_toml("fed_norm_sgda_plus", rounds=6, per_round=2, noise=0.5, dtype="float32",
                    extra="snapshot_period = 2")
     _, coord = run(tmp_path, "run", text)
@@ -356,7 +356,7 @@ def test_driver_matches_inmemory_run_bit_for_bit(tmp_path):
 
 
 def reply_and_message_bytes(run_dir):
-    from common.runstore import RunStore
+    from fedhop.common.runstore import RunStore
     store = RunStore(run_dir / "run.db")
     up, down = {}, {}
     for m in store.messages():
@@ -385,7 +385,7 @@ def test_ledger_normalisation_costs_at_most_one_scalar(tmp_path):
 
 def sent_bytes_by_client(run_dir, method: str) -> dict[int, dict[int, int]]:
     """round -> {client id -> tensor bytes of the server's `method` message to it}."""
-    from common.runstore import RunStore
+    from fedhop.common.runstore import RunStore
     out: dict[int, dict[int, int]] = {}
     for m in RunStore(run_dir / "run.db").messages():
         if m["role"] == "sender" and m["method"] == method:
@@ -482,7 +482,7 @@ def test_fair_digits_keeps_y_on_the_simplex_and_reports_worst_class(tmp_path):
     assert float(y.min()) >= 0 and abs(float(y.sum()) - 1) < 1e-5
     assert float((y - 0.1).abs().max()) > 1e-3          # it moved off the uniform start
     task, model = coord.task, coord.model
-    from common.algorithms.local import set_params
+    from fedhop.common.algorithms.local import set_params
     set_params(model, coord.state.params)
     with torch.no_grad():
         pred = model(task.x_test).argmax(1)
@@ -492,8 +492,8 @@ def test_fair_digits_keeps_y_on_the_simplex_and_reports_worst_class(tmp_path):
 
 
 def test_fair_loss_gradient_in_y_is_class_losses_minus_lambda_y():
-    from common.config import parse_config
-    from common.tasks import build_task
+    from fedhop.common.config import parse_config
+    from fedhop.common.tasks import build_task
     task = build_task(parse_config(digits_toml("fair_digits", "fed_norm_sgda", data_extra="lam = 0.3")))
     model = task.build_model()
     data = task.client_data(0)
@@ -518,11 +518,11 @@ def test_robust_digits_keeps_the_perturbation_in_the_ball(tmp_path):
 
 
 def test_config_errors_name_the_key(tmp_path):
-    from common.config import ConfigError, parse_config
+    from fedhop.common.config import ConfigError, parse_config
     with pytest.raises(ConfigError, match="tau_eff"):
         parse_config(mm_toml("fed_norm_sgda", extra='tau_eff = "median"'))
     with pytest.raises(ConfigError, match="snapshot_perid"):
         parse_config(mm_toml("fed_norm_sgda_plus", extra="snapshot_perid = 2"))
-    from common.tasks import build_task
+    from fedhop.common.tasks import build_task
     with pytest.raises(ValueError, match="data.sizes: expected 4 positive integers"):
         build_task(parse_config(mm_toml("local_sgda").replace("sizes = [1, 2, 3, 4]", "sizes = [1, 2, 3]")))

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from common.config import parse_config
-from common.ledger import LedgerRecord
-from common.runstore import RunStore
-from deploy.hosts import HostsError, HostSpec, HostsFile, Role
-from deploy.netsim import (FRAME_OVERHEAD, MSS, IfCounters, default_hosts, host_rates, netns_unavailable, parse_rate,
+from fedhop.common.config import parse_config
+from fedhop.common.ledger import LedgerRecord
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.hosts import HostsError, HostSpec, HostsFile, Role
+from fedhop.deploy.netsim import (FRAME_OVERHEAD, MSS, IfCounters, default_hosts, host_rates, netns_unavailable, parse_rate,
                            physical_link, wire_report)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ MODEL_DIM = 2_621_440            # 10 MiB of float32: the model the wire-byte te
 
 
 def _netsim_cli(cfg_file: Path, out: Path, *extra: str) -> dict:
-    res = subprocess.run([sys.executable, "-m", "deploy.cli", "netsim", str(cfg_file), "--out", str(out), *extra],
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "netsim", str(cfg_file), "--out", str(out), *extra],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "ledger/kernel" in res.stdout
@@ -184,7 +184,7 @@ def test_wire_bytes_fedavg_star_10mb_model(tmp_path):
 @needs_netns
 @pytest.mark.netns
 def test_wire_bytes_hierfavg_10mb_model(tmp_path):
-    from deploy.netsim import run_netsim
+    from fedhop.deploy.netsim import run_netsim
     cfg = parse_config(quad_toml(MODEL_DIM, topology="hierarchical", edges=2, name="wire-hier"))
     res = run_netsim(cfg, tmp_path / "run")
     assert res.status == 0
@@ -207,7 +207,7 @@ def test_round_time_follows_bytes_over_bandwidth(tmp_path):
     least 90% of the predicted wire time (the shaping binds), and the fastest of them is within
     10% of the prediction + 40 ms (process and codec time): the model explains the round once
     the machine's noise is taken out."""
-    from deploy.netsim import run_netsim
+    from fedhop.deploy.netsim import run_netsim
     dim = 262_144                                    # 1 MiB model: ~0.44 s per round at 40 Mbit/s
     # the virtual clock (common/vclock.py) gets the same links: 40 Mbit/s each way, no compute time
     text = quad_toml(dim, count=2, processes=2, rounds=5, name="shaped").replace(
@@ -241,7 +241,7 @@ def test_round_time_follows_bytes_over_bandwidth(tmp_path):
 @needs_netns
 @pytest.mark.netns
 def test_namespaces_are_cleaned_up_and_stale_ones_removed():
-    from deploy.netsim import EmulatedNetwork, cleanup_stale
+    from fedhop.deploy.netsim import EmulatedNetwork, cleanup_stale
     stale = "fh-999999999-0-sw"                          # no such pid: left by a dead run
     subprocess.run(["ip", "netns", "add", stale], check=True)
     assert stale in cleanup_stale()

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common import partition as P
-from common.datasets import load_digits
-from common.rng import numpy_stream
+from fedhop.common import partition as P
+from fedhop.common.datasets import load_digits
+from fedhop.common.rng import numpy_stream
 
 LABELS = load_digits()[1]
 N_CLASSES = 10

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.config import load_config, parse_config
-from common.runstore import RunStore
-from deploy.inmemory import run_inmemory
-from deploy.launcher import LocalRun, read_progress, run_local
+from fedhop.common.config import load_config, parse_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launcher import LocalRun, read_progress, run_local
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def test_cli_forked_children_equal_execed_children_bit_for_bit(tmp_path):
     for start in ("fork", "exec"):
         out = tmp_path / start
         env = dict(os.environ, FEDHOP_START=start)
-        done = subprocess.run([sys.executable, "-m", "deploy.cli", "run", str(cfg_file), "--out", str(out), "--quiet"],
+        done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", str(cfg_file), "--out", str(out), "--quiet"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         logs = {p.stem: p.read_text() for p in (out / "logs").glob("*.log")}

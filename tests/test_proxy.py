@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.config import parse_config
-from common.validation import rejection_code
-from server.resilience import ledger_consistency
+from fedhop.common.config import parse_config
+from fedhop.common.validation import rejection_code
+from fedhop.server.resilience import ledger_consistency
 from tests.cluster import Cluster, failed_clients_by_round, fedavg_reference
 from tests.helpers import quadratic_config
 from tests.netfault import FaultProxy

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from common.compress import (bits_per_element, compress_payload, decompress_payload, encoded_bytes, pack_codes,
+from fedhop.common.compress import (bits_per_element, compress_payload, decompress_payload, encoded_bytes, pack_codes,
                              unpack_codes)
-from common.algorithms.base import Payload
-from common.config import parse_config
-from common.runstore import RunStore
-from deploy.inmemory import run_inmemory
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.config import parse_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 
@@ -108,7 +108,7 @@ def test_ledger_records_the_encoded_size(tmp_path, topology, up_links):
 
 
 def test_compress_key_is_validated():
-    from common.config import ConfigError
+    from fedhop.common.config import ConfigError
     with pytest.raises(ConfigError, match="algorithm.compress"):
         parse_config(_quad('kind = "star"').replace('compress = "qsgd"', 'compress = "topk"'))
     with pytest.raises(ConfigError, match="algorithm.qsgd_levels"):

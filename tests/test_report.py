@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from common.ledger import LedgerRecord
-from common.runstore import RunStore
-from deploy.report import build_report, human_bytes, lower_is_better, main
+from fedhop.common.ledger import LedgerRecord
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.report import build_report, human_bytes, lower_is_better, main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -179,8 +179,8 @@ def test_cli_main(runs, capsys):
 def test_round_time_breakdown_splits_the_wait():
     """server/coordinator.py `time_breakdown`: compute = the slowest solver, communication = the
     smallest round trip less its own solver time, waiting = the rest of the wait."""
-    from common.algorithms.base import COMPUTE_KEY, Payload
-    from server.coordinator import time_breakdown
+    from fedhop.common.algorithms.base import COMPUTE_KEY, Payload
+    from fedhop.server.coordinator import time_breakdown
     t0 = 100.0
     results = {1: Payload(scalars={COMPUTE_KEY: 0.2}), 2: Payload(scalars={COMPUTE_KEY: 0.5}),
                3: Payload(scalars={COMPUTE_KEY: 0.05})}

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.algorithms import build_algorithm
-from common.algorithms.base import Payload
-from common.config import parse_config
-from common.runstore import RunStore
-from deploy.inmemory import run_inmemory
-from common.checkpoint import list_checkpoints, load_checkpoint
-from deploy.launcher import resume_local, run_local
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.config import parse_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.inmemory import run_inmemory
+from fedhop.common.checkpoint import list_checkpoints, load_checkpoint
+from fedhop.deploy.launcher import resume_local, run_local
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(4)

@@ -23,15 +23,15 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from safetensors.torch import load_file
 
-from client.runtime import ClientProcess
-from common.config import parse_config
-from common.ledger import Ledger
-from common.security import NodeCredentials, TlsFiles, write_cluster
-from common.transport.base import CallFailed
-from common.transport.grpc import GrpcEndpoint
-from common.wire import fedhop_pb2 as pb
-from deploy.cli import main as fedhop
-from deploy.launcher import run_local
+from fedhop.client.runtime import ClientProcess
+from fedhop.common.config import parse_config
+from fedhop.common.ledger import Ledger
+from fedhop.common.security import NodeCredentials, TlsFiles, write_cluster
+from fedhop.common.transport.base import CallFailed
+from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.deploy.cli import main as fedhop
+from fedhop.deploy.launcher import run_local
 from tests.cluster import Cluster, fedavg_reference
 from tests.helpers import quadratic_config
 
@@ -177,7 +177,7 @@ def test_plaintext_client_process_against_a_tls_server_stops_with_a_clear_messag
     cluster = Cluster(cfg, tmp_path / "run", creds=lambda node: NodeCredentials.from_options(node, str(certs)))
     try:
         env = dict(os.environ, PYTHONPATH=str(ROOT), FEDHOP_TOKEN="")
-        out = subprocess.run([sys.executable, "-m", "client", "--parent", cluster.address, "--clients", "0-1",
+        out = subprocess.run([sys.executable, "-m", "fedhop.client", "--parent", cluster.address, "--clients", "0-1",
                               "--node-id", "client-proc0"], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=60)
     finally:
@@ -189,7 +189,7 @@ def test_plaintext_client_process_against_a_tls_server_stops_with_a_clear_messag
 
 def test_plaintext_off_loopback_needs_insecure(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), FEDHOP_INSECURE="0")
-    out = subprocess.run([sys.executable, "-m", "client", "--parent", "10.255.0.1:7000", "--clients", "0",
+    out = subprocess.run([sys.executable, "-m", "fedhop.client", "--parent", "10.255.0.1:7000", "--clients", "0",
                           "--node-id", "client-proc0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "security.insecure = true" in out.stderr, out.stderr[-2000:]
 
@@ -200,7 +200,7 @@ def test_a_message_speaking_for_another_node_is_refused_on_both_call_shapes(nume
     server: refused with PERMISSION_DENIED before the handler runs, whether the request went
     bundled (`Call`, at most one chunk) or streamed (`Exchange`); an honest message passes."""
     import torch
-    from common.algorithms.base import Payload
+    from fedhop.common.algorithms.base import Payload
     secret = b"cluster-secret-for-this-test"
     handled = []
     callee = GrpcEndpoint("client-proc0", Ledger(), chunk_bytes=64 << 10, max_message_bytes=1 << 20,

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from common.config_schema import Config
-from common.models import CNN, build_model
-from common.rng import torch_stream
-from common.tasks import (DATASET_PARAMS, LogRegParams, NpzParams, QuadraticParams, Task, build_task,
+from fedhop.common.config_schema import Config
+from fedhop.common.models import CNN, build_model
+from fedhop.common.rng import torch_stream
+from fedhop.common.tasks import (DATASET_PARAMS, LogRegParams, NpzParams, QuadraticParams, Task, build_task,
                           dataset_params_class, params_from_options)
-from common.tasks.quadratic import QuadraticTask
+from fedhop.common.tasks.quadratic import QuadraticTask
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -168,8 +168,8 @@ def test_two_builds_give_identical_data_and_init(case: str) -> None:
 
 
 def test_task_identical_in_a_separate_process() -> None:
-    code = ("import sys; sys.path.insert(0, '.'); from tests.test_tasks import _case_cfg, _fingerprint; "
-            "from common.tasks import build_task; "
+    code = ("import sys; from tests.test_tasks import _case_cfg, _fingerprint; "
+            "from fedhop.common.tasks import build_task; "
             "print(' '.join(_fingerprint(build_task(_case_cfg(c))) for c in sys.argv[1:]))")
     cases = ["digits-dirichlet-mlp", "logreg-synthetic"]
     out = subprocess.run([sys.executable, "-c", code, *cases], cwd=REPO, capture_output=True, text=True,
@@ -217,7 +217,7 @@ def test_evaluate_and_train_loss_agree_with_direct_computation() -> None:
 
 
 def test_mnist_task_uses_idx_test_files(tmp_path: Path) -> None:
-    from common.datasets import write_idx
+    from fedhop.common.datasets import write_idx
 
     rng = np.random.default_rng(0)
     write_idx(tmp_path / "train-images-idx3-ubyte", rng.integers(0, 256, (200, 28, 28), dtype=np.uint8))

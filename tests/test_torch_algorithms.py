@@ -24,9 +24,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.config import ConfigError, parse_config
-from common.runstore import RunStore
-from deploy.launcher import LocalRun, read_progress, run_local
+from fedhop.common.config import ConfigError, parse_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.launcher import LocalRun, read_progress, run_local
 from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
 from tests.test_fedchs import ASSIGN, D, GRAPH, fedchs_config, rule_sequence, SIZES as CHS_SIZES
@@ -177,7 +177,7 @@ def test_fedlga_straggler_tensors_travel_as_a_gather_by_reduce(tmp_path):
 
 
 def test_merge_layouts_unions_names_and_names_a_conflict():
-    from common.transport.torchdist import LayoutMismatch, merge_layouts
+    from fedhop.common.transport.torchdist import LayoutMismatch, merge_layouts
     a = json.dumps([["w", "float32", [3], "wsum"], ["s.1.w", "float32", [3], "wsum"]])
     b = json.dumps([["w", "float32", [3], "wsum"], ["s.4.w", "float32", [3], "wsum"]])
     assert [e[0] for e in merge_layouts({"p1": b, "p0": a}, "here")] == ["w", "s.1.w", "s.4.w"]
@@ -191,9 +191,9 @@ def test_worker_leaves_a_nan_reply_out_of_its_partial():
     server's nan_policy applies), the other clients' replies form the partial."""
     from types import SimpleNamespace
 
-    from common.algorithms.base import Payload
-    from common.algorithms.fedavg import FedAvg
-    from client.torch_worker import TorchWorker
+    from fedhop.common.algorithms.base import Payload
+    from fedhop.common.algorithms.fedavg import FedAvg
+    from fedhop.client.torch_worker import TorchWorker
 
     def train(cid, round, message, step):
         w = message.tensors["w"] + cid
@@ -218,7 +218,7 @@ def test_set_up_fails_at_once_when_a_rank_dies_before_joining():
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from common.transport.torchdist import init_watching
+    from fedhop.common.transport.torchdist import init_watching
     release = threading.Event()
     coll = SimpleNamespace(node_id="server", init=lambda master: release.wait(30))
     alive, dead = Future(), Future()

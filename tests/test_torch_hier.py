@@ -21,10 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.config import parse_config
-from common.runstore import RunStore
-from deploy.launcher import LocalRun, run_local
-from server.torch_rounds import hier_layout
+from fedhop.common.config import parse_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.launcher import LocalRun, run_local
+from fedhop.server.torch_rounds import hier_layout
 from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
 
@@ -118,7 +118,7 @@ def test_killed_client_process_fails_the_run_with_a_clear_message(tmp_path):
 def test_qsgd_uploads_are_refused_with_the_torch_transport_at_load(topology):
     """The collectives reduce raw float sums: a QSGD config would silently differ from gRPC, so
     the config loader refuses it, naming the key, on every topology (the gRPC config loads)."""
-    from common.config import ConfigError
+    from fedhop.common.config import ConfigError
     topo = 'kind = "star"' if topology == "star" else f'kind = "hierarchical"\nedges = {EDGES}'
     text = quadratic_config(CENTERS, CURV, SIZES, topology=topo, extra_algorithm='compress = "qsgd"')
     assert parse_config(text).algorithm.compress == "qsgd"

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from common.config import load_config
-from common.runstore import RunStore
-from deploy.launcher import LocalRun, run_local
+from fedhop.common.config import load_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.launcher import LocalRun, run_local
 from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
 

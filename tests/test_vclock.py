@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.config import parse_config
-from common.devices import DeviceProfile, DevicesParams, device_profiles
-from common.runstore import RunStore
-from common.vclock import client_timing, settle, transfer_seconds
-from deploy.inmemory import run_inmemory
+from fedhop.common.config import parse_config
+from fedhop.common.devices import DeviceProfile, DevicesParams, device_profiles
+from fedhop.common.runstore import RunStore
+from fedhop.common.vclock import client_timing, settle, transfer_seconds
+from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import numpy_fedavg_round, quadratic_config
 
 

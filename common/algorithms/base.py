@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from common.tasks import Task
+    from fedhop.common.tasks import Task
 
 Scalar = float | int | bool | str
 ReduceOp = Literal["wsum", "sum", "max", "min"]

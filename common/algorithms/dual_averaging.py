@@ -56,11 +56,11 @@ from typing import Any
 
 import torch
 
-from common.algorithms.base import AlgorithmParams, ClientContext, Payload, ServerState
-from common.algorithms.composite import (F64, GAMMA_CONVENTIONS, WEIGHT_SCHEDULES, CompositeAlgorithm,
+from fedhop.common.algorithms.base import AlgorithmParams, ClientContext, Payload, ServerState
+from fedhop.common.algorithms.composite import (F64, GAMMA_CONVENTIONS, WEIGHT_SCHEDULES, CompositeAlgorithm,
                                          LocalResult, Tensors, WeightSchedule, axpy, check_fields, prefixed,
                                          to64, unprefixed, wire_field)
-from common.prox import dual_averaging_prox
+from fedhop.common.prox import dual_averaging_prox
 
 
 @dataclass

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.algorithms.base import (Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
+from fedhop.common.algorithms.base import (Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
                                     weighted_mean)
-from common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 
 
 @dataclass

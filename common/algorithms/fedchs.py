@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.algorithms.base import (Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
+from fedhop.common.algorithms.base import (Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
                                     weighted_mean)
-from common.algorithms.local import local_sgd, get_params, set_params
-from common.sampling import local_batches
+from fedhop.common.algorithms.local import local_sgd, get_params, set_params
+from fedhop.common.sampling import local_batches
 
 LR_STEPS = "lr_steps"
 

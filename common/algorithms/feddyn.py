@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.algorithms.base import (COUNT_KEY, WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload,
+from fedhop.common.algorithms.base import (COUNT_KEY, WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload,
                                     ServerState, weighted_mean)
-from common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 
 STATE_PREFIX = "feddyn_grad."     # client state: grad L_i per parameter
 H_PREFIX = "feddyn_h."            # server state: h per parameter

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.algorithms.base import (WEIGHT_KEY, AlgorithmParams, ClientContext, Payload, ServerState,
+from fedhop.common.algorithms.base import (WEIGHT_KEY, AlgorithmParams, ClientContext, Payload, ServerState,
                                     weighted_mean)
-from common.algorithms.fedavg import FedAvg
-from common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.algorithms.fedavg import FedAvg
+from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 
 NORM_KEY = "delta_sq_norm"
 X_PREFIX = "fedexp_x."

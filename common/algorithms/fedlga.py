@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.algorithms.base import (COUNT_KEY, WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload,
+from fedhop.common.algorithms.base import (COUNT_KEY, WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload,
                                     ServerState, reduce_payloads, weighted_mean)
-from common.algorithms.local import get_params, local_sgd, set_params
-from common.sampling import local_batches
+from fedhop.common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.sampling import local_batches
 
 log = logging.getLogger("fedhop.fedlga")
 

@@ -47,10 +47,10 @@ from typing import Callable
 
 import torch
 
-from common.algorithms.base import (WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
+from fedhop.common.algorithms.base import (WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
                                     weighted_mean)
-from common.algorithms.local import get_params, local_sgd, set_params
-from common.sampling import local_batches
+from fedhop.common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.sampling import local_batches
 
 STEP_KEY = "step_size"    # FedLi-LS: eta^i_{t,K}, 0-dim float32 tensor, reduced by max
 LOSS_KEY = "loss"         # FedLi-LU: f^i_{t,K}, 0-dim float32 tensor, reduced by weighted sum

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.algorithms.base import AlgorithmParams, Payload, ServerState, weighted_mean
-from common.algorithms.fedavg import FedAvg
+from fedhop.common.algorithms.base import AlgorithmParams, Payload, ServerState, weighted_mean
+from fedhop.common.algorithms.fedavg import FedAvg
 
 M_PREFIX = "fedopt_m."
 V_PREFIX = "fedopt_v."

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.algorithms.base import WEIGHT_KEY, AlgorithmParams, ClientContext, Payload
-from common.algorithms.fedavg import FedAvg
-from common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.algorithms.base import WEIGHT_KEY, AlgorithmParams, ClientContext, Payload
+from fedhop.common.algorithms.fedavg import FedAvg
+from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 
 
 @dataclass

@@ -6,8 +6,8 @@ from typing import Callable
 
 import torch
 
-from common.algorithms.base import ClientContext
-from common.sampling import local_batches
+from fedhop.common.algorithms.base import ClientContext
+from fedhop.common.sampling import local_batches
 
 GradHook = Callable[[str, torch.nn.Parameter, torch.Tensor], torch.Tensor]
 

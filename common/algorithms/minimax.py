@@ -52,12 +52,12 @@ from typing import Any, Iterable
 
 import torch
 
-from common.algorithms.base import (COUNT_KEY, WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload,
+from fedhop.common.algorithms.base import (COUNT_KEY, WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload,
                                     ServerState)
-from common.algorithms.local import get_params, set_params
-from common.algorithms.minimax_local import local_sgda
-from common.projections import NO_CONSTRAINT, Constraint
-from common.rng import numpy_stream
+from fedhop.common.algorithms.local import get_params, set_params
+from fedhop.common.algorithms.minimax_local import local_sgda
+from fedhop.common.projections import NO_CONSTRAINT, Constraint
+from fedhop.common.rng import numpy_stream
 
 SNAPSHOT_PREFIX = "snapshot."
 A_NORM_KEY = "pa_norm"

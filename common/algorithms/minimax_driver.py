@@ -12,10 +12,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from common.algorithms.base import Algorithm, ClientContext, ServerState
-from common.algorithms.local import get_params
-from common.rng import numpy_stream, torch_stream
-from common.tasks.base import Task
+from fedhop.common.algorithms.base import Algorithm, ClientContext, ServerState
+from fedhop.common.algorithms.local import get_params
+from fedhop.common.rng import numpy_stream, torch_stream
+from fedhop.common.tasks.base import Task
 
 RoundHook = Callable[[int, ServerState, list[int]], None]
 

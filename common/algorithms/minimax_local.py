@@ -20,9 +20,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-from common.algorithms.base import ClientContext
-from common.projections import NO_CONSTRAINT, Constraint
-from common.sampling import local_batches
+from fedhop.common.algorithms.base import ClientContext
+from fedhop.common.projections import NO_CONSTRAINT, Constraint
+from fedhop.common.sampling import local_batches
 
 
 def momentum_coefficients(rho: float, steps: int) -> list[float]:

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.algorithms.base import (WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
+from fedhop.common.algorithms.base import (WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
                                     weighted_mean)
-from common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 
 C_PREFIX = "scaffold_c."       # server control variate, in the broadcast and in state.extra
 DC_PREFIX = "scaffold_dc."     # Delta c_i in the reply

@@ -23,12 +23,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from common import datasets, partition
-from common.rng import numpy_stream, stream_seed
-from common.tasks.base import ClientData, Task
-from common.tasks.classification import ArrayTask, ClassificationTask, ModelSpec, RegressionTask
-from common.tasks.logreg import LogRegParams, LogRegTask
-from common.tasks.quadratic import QuadraticParams, QuadraticTask, generate_problem
+from fedhop.common import datasets, partition
+from fedhop.common.rng import numpy_stream, stream_seed
+from fedhop.common.tasks.base import ClientData, Task
+from fedhop.common.tasks.classification import ArrayTask, ClassificationTask, ModelSpec, RegressionTask
+from fedhop.common.tasks.logreg import LogRegParams, LogRegTask
+from fedhop.common.tasks.quadratic import QuadraticParams, QuadraticTask, generate_problem
 
 __all__ = [
     "Task", "ClientData", "ArrayTask", "ClassificationTask", "RegressionTask", "QuadraticTask",
@@ -62,11 +62,11 @@ class _Entry:
 _REGISTRY: dict[str, _Entry] = {}
 #: dataset name -> dataclass of its dataset-specific [data] keys (None: it takes none).
 DATASET_PARAMS: dict[str, type | None] = {}
-_LAZY_MODULES = {"minimax_quadratic": ("common.tasks.minimax_quadratic", "common.tasks.minimax"),
+_LAZY_MODULES = {"minimax_quadratic": ("fedhop.common.tasks.minimax_quadratic", "fedhop.common.tasks.minimax"),
                  # minimax digits tasks (issue 8): registered by common/tasks/minimax.py
-                 "robust_digits": ("common.tasks.minimax",), "fair_digits": ("common.tasks.minimax",),
+                 "robust_digits": ("fedhop.common.tasks.minimax",), "fair_digits": ("fedhop.common.tasks.minimax",),
                  # composite-optimization tasks (issue 6): registered by common/tasks/sparse.py
-                 "lasso": ("common.tasks.sparse",), "lowrank": ("common.tasks.sparse",)}
+                 "lasso": ("fedhop.common.tasks.sparse",), "lowrank": ("fedhop.common.tasks.sparse",)}
 
 
 def register_dataset(name: str, build: Builder, params: type | None = None) -> None:

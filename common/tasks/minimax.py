@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import datasets
-from common.algorithms.minimax import is_max_param  # noqa: F401  (the max-part naming rule, re-exported)
-from common.projections import NO_CONSTRAINT, Constraint
-from common.rng import numpy_stream
-from common.tasks import make_partition, model_spec, register_dataset, standardize
-from common.tasks.base import ClientData, Task
-from common.tasks.classification import ClassificationTask, ModelSpec
+from fedhop.common import datasets
+from fedhop.common.algorithms.minimax import is_max_param  # noqa: F401  (the max-part naming rule, re-exported)
+from fedhop.common.projections import NO_CONSTRAINT, Constraint
+from fedhop.common.rng import numpy_stream
+from fedhop.common.tasks import make_partition, model_spec, register_dataset, standardize
+from fedhop.common.tasks.base import ClientData, Task
+from fedhop.common.tasks.classification import ClassificationTask, ModelSpec
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -283,7 +283,7 @@ class ClassWeighted(nn.Module):
 
 
 def _net(spec: ModelSpec) -> nn.Module:
-    from common.models import build_model
+    from fedhop.common.models import build_model
     return build_model(spec.kind, spec.input_shape, spec.n_outputs, spec.hidden, spec.init, spec.seed,
                        bias=spec.bias, task="classification")
 

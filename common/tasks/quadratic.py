@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from common.tasks.base import ClientData, Task
+from fedhop.common.tasks.base import ClientData, Task
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.rng import numpy_stream
-from common.tasks.base import ClientData, Task
-from common.tasks.quadratic import VectorModel
+from fedhop.common.rng import numpy_stream
+from fedhop.common.tasks.base import ClientData, Task
+from fedhop.common.tasks.quadratic import VectorModel
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -290,7 +290,7 @@ def build_lowrank(cfg: Any, p: LowRankParams) -> Task:
 
 
 def _register() -> None:
-    from common.tasks import register_dataset  # the registry imports this module lazily
+    from fedhop.common.tasks import register_dataset  # the registry imports this module lazily
     register_dataset("lasso", build_lasso, LassoParams)
     register_dataset("lowrank", build_lowrank, LowRankParams)
 

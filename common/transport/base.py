@@ -14,10 +14,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
-from common.algorithms.base import Payload
-from common.codec import Decoded, Encoded, FrameDecoder, PayloadError, encode, make_envelope
-from common.ledger import Ledger, link_for
-from common.wire import fedhop_pb2 as pb
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.codec import Decoded, Encoded, FrameDecoder, PayloadError, encode, make_envelope
+from fedhop.common.ledger import Ledger, link_for
+from fedhop.common.wire import fedhop_pb2 as pb
 
 
 class RemoteError(RuntimeError):

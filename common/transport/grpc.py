@@ -23,11 +23,11 @@ from concurrent import futures
 
 import grpc
 
-from common.codec import Decoded, Encoded, FrameDecoder, PayloadError, bundle_bytes, bundle_framing
-from common.ledger import Ledger
-from common.security import CLUSTER_NAME, AuthInterceptor, NodeCredentials, RefusedHook
-from common.transport.base import CallFailed, Endpoint, Handler
-from common.wire import fedhop_pb2 as pb
+from fedhop.common.codec import Decoded, Encoded, FrameDecoder, PayloadError, bundle_bytes, bundle_framing
+from fedhop.common.ledger import Ledger
+from fedhop.common.security import CLUSTER_NAME, AuthInterceptor, NodeCredentials, RefusedHook
+from fedhop.common.transport.base import CallFailed, Endpoint, Handler
+from fedhop.common.wire import fedhop_pb2 as pb
 
 EXCHANGE = "/fedhop.Fedhop/Exchange"
 CALL = "/fedhop.Fedhop/Call"            # a request of at most one chunk, bundled (proto FrameBundle)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import threading
 import time
 
-from common.codec import Decoded, Encoded, decode_frames
-from common.ledger import Ledger
-from common.transport.base import CallFailed, Endpoint, Handler
-from common.wire import fedhop_pb2 as pb
+from fedhop.common.codec import Decoded, Encoded, decode_frames
+from fedhop.common.ledger import Ledger
+from fedhop.common.transport.base import CallFailed, Endpoint, Handler
+from fedhop.common.wire import fedhop_pb2 as pb
 
 
 class InMemoryNetwork:

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from common.codec import DTYPE_NAMES, DTYPES
-from common.ledger import Ledger
-from common.transport.base import direction_of
+from fedhop.common.codec import DTYPE_NAMES, DTYPES
+from fedhop.common.ledger import Ledger
+from fedhop.common.transport.base import direction_of
 
 # bytes a rank moves per byte of buffer: a broadcast delivers the buffer once to each
 # non-root rank; a reduce to one root sends each non-root rank's buffer once.

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from common.wire import fedhop_pb2 as fedhop__pb2
+from fedhop.common.wire import fedhop_pb2 as fedhop__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,7 +1,7 @@
 """Regenerate the committed protobuf/gRPC modules from proto/fedhop.proto.
 
-    python -m common.wire.generate            # rewrite common/wire/fedhop_pb2*.py
-    python -m common.wire.generate OUT_DIR    # write them elsewhere (the freshness test does this)
+    python -m fedhop.common.wire.generate   # rewrite common/wire/fedhop_pb2*.py
+    python -m fedhop.common.wire.generate OUT_DIR    # write them elsewhere (the freshness test does this)
 
 Needs the `dev` extra (grpcio-tools).  grpc_tools emits `import fedhop_pb2`, which only works
 with the output folder on sys.path, so the import is rewritten to the package path.
@@ -28,7 +28,7 @@ def generate(out_dir: Path) -> list[Path]:
     grpc_file = out_dir / "fedhop_pb2_grpc.py"
     text = grpc_file.read_text()
     grpc_file.write_text(text.replace("import fedhop_pb2 as fedhop__pb2",
-                                      "from common.wire import fedhop_pb2 as fedhop__pb2"))
+                                      "from fedhop.common.wire import fedhop_pb2 as fedhop__pb2"))
     return [out_dir / f for f in FILES]
 
 

@@ -36,13 +36,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from common.config import load_config, parse_config  # noqa: E402
-from common.runstore import RunStore  # noqa: E402
-from deploy.launcher import LocalRun, read_progress, resume_local, run_local  # noqa: E402
-from server.resilience import ledger_consistency  # noqa: E402
-from tests.faultkit import (FAST_LIVENESS, failed_by_round, slow_quadratic, soak, wait_dead,  # noqa: E402
+from fedhop.common.config import load_config, parse_config
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.launcher import LocalRun, read_progress, resume_local, run_local
+from fedhop.server.resilience import ledger_consistency
+from tests.faultkit import (FAST_LIVENESS, failed_by_round, slow_quadratic, soak, wait_dead,
                             wait_for_round)
 
 
@@ -108,7 +107,7 @@ def scenario_kill_server(base: Path, rounds: int) -> dict:
         gone = wait_dead(clients, timeout=30)
     finally:
         run.stop_all()
-    from common.checkpoint import latest_checkpoint
+    from fedhop.common.checkpoint import latest_checkpoint
     ckpt_round = latest_checkpoint(run.run_dir).round
     started = time.monotonic()
     first = {}
