@@ -46,6 +46,8 @@ class ClientHost:
         self.cfg = cfg
         self.ledger = ledger if ledger is not None else Ledger()
         self.torch_worker = None  # created on the first torch_* call (transport.kind = "torch")
+        self.fabric = None        # this process's sending side (client/runtime.py sets it): WRWGD hand-offs
+        self._walk = None
         self.node_id = node_id
         self.run_id = run_id
         self.client_ids = sorted(client_ids)
@@ -60,6 +62,14 @@ class ClientHost:
         for cid in self.client_ids:
             if not 0 <= cid < self.task.num_clients:
                 raise ValueError(f"client id {cid} out of range: the task has {self.task.num_clients} clients")
+
+    @property
+    def walk(self):
+        """The chain topology's state in this process (client/walk.py), made on first use."""
+        if self._walk is None:
+            from fedhop.client.walk import WalkHost
+            self._walk = WalkHost(self)
+        return self._walk
 
     def num_samples(self, cid: int) -> int:
         return self.task.client_data(cid).num_samples
@@ -80,6 +90,10 @@ class ClientHost:
             return Payload(scalars={"clients": len(self.client_ids)})
         if env.method == "ping":
             return Payload()
+        if env.method == "walk_visit":     # the chain topology (WRWGD, client/walk.py)
+            return self.walk.visit(env.dst, int(env.round), int(env.step), request.payload)
+        if env.method == "walk_handoff":
+            return self.walk.take_handoff(env.src, env.dst, request.payload)
         if env.method in (STATE_GET, STATE_SET):   # checkpoints and resume (common/checkpoint.py)
             return self.client_state(env.method, request.payload)
         if env.method.startswith("torch_"):

@@ -9,6 +9,7 @@ import torch
 from fedhop.common.config import parse_config
 from fedhop.common.transport.base import Endpoint, Request
 from fedhop.common.transport.base import HandlerError
+from fedhop.common.transport.fabric import Fabric
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.client.host import ClientHost
 from fedhop.common.liveness import register_with_backoff
@@ -53,6 +54,7 @@ class ClientProcess:
         torch.set_num_threads(cfg.run.torch_threads)
         self.endpoint.checksum = cfg.security.checksum
         self.host = ClientHost(cfg, self.endpoint.node_id, self.client_ids, reply.run_id, self.endpoint.ledger)
+        self.host.fabric = Fabric(self.endpoint, max_workers=4)
         self._ready.set()
 
     def reregister(self, timeout: float = 10.0) -> None:

@@ -34,6 +34,10 @@ SECTIONS: dict[str, type] = {"run": RunConfig, "topology": TopologyConfig, "algo
 _OPTION_SCHEMAS: dict[str, tuple[str, Callable[[str], type | None]]] = {}
 
 
+# algorithms whose client reply is a model update Delta the WRWGD walk can apply (common/walk.py)
+WALK_ALGORITHMS = ("fedavg", "fedprox")
+
+
 def register_options_schema(section: str, chooser_key: str, lookup: Callable[[str], type | None]) -> None:
     """`lookup(choice)` gives the params dataclass for the extra keys of `section`.
 
@@ -366,9 +370,20 @@ def _cross_checks(cfg: Config) -> None:
             raise ConfigError(f"config key 'algorithm.compress': got '{compress}', but transport.kind = 'torch' "
                               f"reduces uploads as raw float sums (allowed with torch: 'none'); use "
                               f"transport.kind = 'grpc' for QSGD")
-        if topo.kind == "chain":
-            raise ConfigError("config key 'transport.kind': 'torch' does not run topology.kind = 'chain' (the "
+        if topo.kind in ("chain", "relay"):
+            raise ConfigError(f"config key 'transport.kind': 'torch' does not run topology.kind = '{topo.kind}' (the "
                               "walk's per-client model exchange is a gRPC call); use transport.kind = 'grpc'")
+    if topo.kind == "chain" and cfg.algorithm.name not in WALK_ALGORITHMS:
+        raise ConfigError(f"config key 'algorithm.name': got '{cfg.algorithm.name}', but topology.kind = 'chain' "
+                          f"(WRWGD) steps the walking model by the visited client's local update (allowed: "
+                          f"{', '.join(WALK_ALGORITHMS)})")
+    if topo.kind == "chain":
+        from fedhop.common.walk import WalkRule   # local: the walk's rule reads the validated topology params
+        try:
+            WalkRule.from_config(cfg, [1] * cfg.clients.count)   # the graph and the weights' lengths
+        except ValueError as exc:
+            key, _, why = str(exc).partition(": ")
+            raise ConfigError(f"config key '{key}': {why}") from None
     if topo.kind == "hierarchical":
         from fedhop.common.algorithms import registry   # local: the algorithms import this module
         from fedhop.common.topology import topology_params

@@ -279,6 +279,26 @@ class RunStore:
             return self._dicts("SELECT * FROM events ORDER BY id")
         return self._dicts("SELECT * FROM events WHERE kind = ? ORDER BY id", (kind,))
 
+    def row_counts(self) -> dict[str, int]:
+        """How many message and event rows the store holds (a checkpoint's ledger position)."""
+        return {"messages": int(self._query("SELECT COUNT(*) FROM messages")[0][0]),
+                "events": int(self._query("SELECT COUNT(*) FROM events")[0][0])}
+
+    def abort_after(self, round: int) -> tuple[int, int]:
+        """A resume from the checkpoint of `round`: the later rounds of the stopped attempt are
+        marked, not deleted (messages 'lost' with an 'aborted:' error, events kinds prefixed
+        'aborted:'), and their round rows removed.  Returns the aborted messages' count and framed
+        bytes (sender side)."""
+        count, framed = self._query("SELECT COUNT(*), COALESCE(SUM(framed_bytes), 0) FROM messages WHERE round > ? "
+                                    "AND role = 'sender'", (round,))[0]
+        self._exec("UPDATE messages SET status = 'lost', error = 'aborted: server stopped before round ' || round || "
+                   "' finished; re-run after resume from round ' || ? WHERE round > ? AND error NOT LIKE 'aborted:%'",
+                   (round, round))
+        self._exec("UPDATE events SET kind = 'aborted:' || kind WHERE round > ? AND kind NOT LIKE 'aborted:%'",
+                   (round,))
+        self._exec("DELETE FROM rounds WHERE round > ?", (round,))
+        return int(count), int(framed)
+
     def messages(self) -> list[dict[str, Any]]:
         """Every stored record (both sides of each message)."""
         if not self._has("messages"):

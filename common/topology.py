@@ -49,9 +49,27 @@ class SequentialParams:
 
 @dataclass
 class ChainParams:
-    """Weighted random-walk gradient descent over clients (the paper's WRWGD baseline; docs/topologies.md):
-    the server walks the model over `hops_per_round` clients per round, each drawn with probability
-    D_j / D_A (stream "chain", round), one `algorithm.local_steps` update per visit."""
+    """WRWGD: one model walks a graph of clients, handed client to client (common/walk.py).
+
+    `graph`: "random" (seeded, connected, degrees <= `max_degree`), "ring", "complete", or
+    adjacency lists.  `stationary`: the walk's law pi ("data", "uniform" or per-client weights
+    such as smoothness constants L_i).  `objective`: the weights p of F = sum p_i f_i
+    ("uniform", the paper's 1/N, or "data").  `start`: the first client, an id or "random".
+    `hops_per_round`: visits per round; each runs `algorithm.local_steps` local steps.
+    """
+
+    graph: str | list = "random"
+    max_degree: int = field(default=3, metadata={"min": 1})
+    stationary: str | list = "data"
+    objective: str | list = "uniform"
+    start: int | str = "random"
+    hops_per_round: int = field(default=10, metadata={"min": 1})
+
+
+@dataclass
+class RelayParams:
+    """A data-weighted random walk relayed through the server (server/relay.py): `hops_per_round`
+    clients per round, each drawn with probability D_j / D_A (stream "chain", round)."""
 
     hops_per_round: int = field(default=10, metadata={"min": 1})
 
@@ -61,6 +79,7 @@ TOPOLOGY_PARAMS: dict[str, type | None] = {
     "hierarchical": HierarchicalParams,
     "sequential": SequentialParams,
     "chain": ChainParams,
+    "relay": RelayParams,
 }
 
 
@@ -147,18 +166,18 @@ def _connected(adj: list[list[int]]) -> bool:
     return len(seen) == len(adj)
 
 
-def random_graph(num: int, max_degree: int, seed: int) -> list[list[int]]:
+def random_graph(num: int, max_degree: int, seed: int, stream: str = "topology/graph") -> list[list[int]]:
     """A seeded connected graph on `num` nodes with every degree <= `max_degree`.
 
     A random spanning tree first (nodes in a seeded order, each joined to a uniformly drawn
     earlier node that still has a free degree), then every other pair in a seeded order is
-    joined with probability 1/2 while both ends have a free degree (stream "topology/graph").
+    joined with probability 1/2 while both ends have a free degree (stream `stream`).
     """
     if num == 1:
         return [[]]
     if max_degree < 2 and num > 2:
         raise ValueError(f"topology.max_degree: got {max_degree}, a connected graph on {num} edges needs >= 2")
-    rng = numpy_stream(seed, "topology/graph")
+    rng = numpy_stream(seed, stream)
     order = [int(v) for v in rng.permutation(num)]
     adj: list[set[int]] = [set() for _ in range(num)]
     for i, v in enumerate(order[1:], start=1):
@@ -175,6 +194,28 @@ def random_graph(num: int, max_degree: int, seed: int) -> list[list[int]]:
     return [sorted(n) for n in adj]
 
 
+def check_graph(spec: list, num: int, key: str, what: str) -> list[list[int]]:
+    """Adjacency lists validated: one list of other node ids 0..num-1 per node, symmetric,
+    connected; returned sorted."""
+    if len(spec) != num:
+        raise ValueError(f"{key}: {len(spec)} adjacency lists for {num} nodes")
+    adj = []
+    for e, row in enumerate(spec):
+        if not isinstance(row, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
+            raise ValueError(f"{key}: entry {e} must be a list of {what}, got {row!r}")
+        bad = [v for v in row if not 0 <= v < num or v == e]
+        if bad:
+            raise ValueError(f"{key}: entry {e} lists {bad}; neighbours are other {what} 0..{num - 1}")
+        adj.append(sorted(set(row)))
+    for e, row in enumerate(adj):
+        for v in row:
+            if e not in adj[v]:
+                raise ValueError(f"{key}: not symmetric, {v} is in entry {e} but {e} is not in entry {v}")
+    if not _connected(adj):
+        raise ValueError(f"{key}: the graph {adj} is not connected")
+    return adj
+
+
 def edge_graph(cfg: Any) -> list[list[int]]:
     """The edge graph of a sequential run as sorted adjacency lists (validated)."""
     params = topology_params(cfg)
@@ -183,19 +224,8 @@ def edge_graph(cfg: Any) -> list[list[int]]:
     if isinstance(spec, list):
         if len(spec) != num:
             raise ValueError(f"topology.graph: {len(spec)} adjacency lists for topology.edges = {num}")
-        adj = []
-        for e, row in enumerate(spec):
-            if not isinstance(row, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
-                raise ValueError(f"topology.graph: entry {e} must be a list of edge ids, got {row!r}")
-            bad = [v for v in row if not 0 <= v < num or v == e]
-            if bad:
-                raise ValueError(f"topology.graph: entry {e} lists {bad}; neighbours are other edge ids 0..{num - 1}")
-            adj.append(sorted(set(row)))
-        for e, row in enumerate(adj):
-            for v in row:
-                if e not in adj[v]:
-                    raise ValueError(f"topology.graph: not symmetric, {v} is in entry {e} but {e} is not in entry {v}")
-    elif spec == "ring":
+        return check_graph(spec, num, "topology.graph", "edge ids")
+    if spec == "ring":
         adj = [sorted({(e - 1) % num, (e + 1) % num} - {e}) for e in range(num)]
     elif spec == "random":
         adj = random_graph(num, params.max_degree, cfg.run.seed)

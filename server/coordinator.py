@@ -1,6 +1,9 @@
-"""The server: owns the run (registration, round loop, sampling, server step, evaluation,
-run directory).  Transport-agnostic: it talks to its children through an `Endpoint`, so the
-same code runs over gRPC and, in unit tests, in memory.
+"""The server: owns the run (registration, the round loop, sampling, aggregation and the server
+step, evaluation, the run directory).  What a round is belongs to the topology's driver
+(server/driver.py: star and hierarchical in server/sampled.py, sequential in
+server/sequential.py, chain and relay in server/chain.py); the Coordinator is the drivers'
+`DriverContext`.  It sends only through its fabric (common/transport/fabric.py), so the same
+code runs over gRPC, torch.distributed and, in unit tests, in memory.
 """
 from __future__ import annotations
 
@@ -9,8 +12,6 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -20,8 +21,6 @@ from safetensors.torch import save_file
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import COMPUTE_KEY, Payload, ServerState
 from fedhop.common.algorithms.local import get_params, set_params
-from fedhop.common.codec import PayloadError
-from fedhop.common.compress import decompress_upload
 from fedhop.common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
 from fedhop.common.ledger import Ledger
 from fedhop.common.rng import numpy_stream
@@ -29,33 +28,16 @@ from fedhop.common.runstore import RunStore
 from fedhop.common.tasks import build_task
 from fedhop.common.topology import sampling_pool
 from fedhop.common.transport.base import CallFailed, Endpoint, RemoteError
-from fedhop.common.validation import consistent_results, rejection_code, validate_reply
-from fedhop.server.resilience import fault_summary
+from fedhop.common.transport.fabric import Fabric
+from fedhop.common.validation import consistent_results, rejection_code
 from fedhop.common.vclock import RoundClock
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.server.driver import ChildNode, RoundResult, RunFailed, TopologyDriver, client_node, make_driver
+from fedhop.server.resilience import fault_summary
+
+__all__ = ["Coordinator", "ChildNode", "RoundResult", "RunFailed", "client_node", "time_breakdown"]
 
 log = logging.getLogger("fedhop.server")
-
-
-@dataclass
-class ChildNode:
-    """A registered child process (client process or edge)."""
-
-    node_id: str
-    role: str
-    address: str
-    clients: list[int] = field(default_factory=list)
-
-
-@dataclass
-class RoundResult:
-    round: int
-    sampled: list[int]
-    participants: list[int]
-    failures: dict[int, str]
-    metrics: dict[str, float]
-    wall_seconds: float
-    sim_seconds: float | None = None   # virtual-clock duration (common/vclock.py); None where not simulated
 
 
 def time_breakdown(wait: float, compute: float, arrivals: dict[int, float], dispatched: float,
@@ -74,14 +56,6 @@ def time_breakdown(wait: float, compute: float, arrivals: dict[int, float], disp
             "time_waiting": max(wait - compute - communication, 0.0)}
 
 
-class RunFailed(RuntimeError):
-    """The run cannot go on (too few results, registration timed out, ...)."""
-
-
-def client_node(cid: int) -> str:
-    return f"client-{cid}"
-
-
 class Coordinator:
     def __init__(self, cfg: Config, run_dir: Path, endpoint: Endpoint, ledger: Ledger,
                  on_round: Callable[[RoundResult], None] | None = None) -> None:
@@ -89,7 +63,8 @@ class Coordinator:
         self.run_dir = Path(run_dir)
         self.endpoint = endpoint
         self.ledger = ledger
-        self.on_round = on_round
+        # after every recorded round (the progress line, checkpoints: server/resilience.py)
+        self.round_listeners: list[Callable[[RoundResult], None]] = [on_round] if on_round is not None else []
         self.run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:8]}"
         endpoint.run_id = self.run_id
         self.task = build_task(cfg)
@@ -105,12 +80,11 @@ class Coordinator:
         self.rounds_completed = 0
         self.failures_total = 0
         self.history: list[RoundResult] = []
-        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="server-call")
+        self.fabric = Fabric(endpoint)
         self.config_toml = config_to_toml(cfg)
-        self.torch_rounds = None  # set up after registration when transport.kind = "torch"
-        self._arrivals: dict[tuple[int, int], float] = {}   # (round, client id) -> when its reply arrived
-        self.on_ready: Callable[[], None] | None = None   # after registration (resume: restore client states)
-        self.restored_topology: dict | None = None          # resume: the walk of a sequential run (server/sequential.py)
+        self.driver: TopologyDriver | None = None   # the topology's rounds, made after registration (server/driver.py)
+        self.ready_listeners: list[Callable[[], None]] = []   # after registration (resume: restore client states)
+        self.restored_topology: dict | None = None          # resume: the driver's checkpoint state (e.g. the walk)
         self.summary_hooks: list[Callable[[], dict]] = [lambda: fault_summary(self.store)]  # summary.json sections
 
     # ------------------------------------------------------------------ registration
@@ -167,29 +141,20 @@ class Coordinator:
         rng = numpy_stream(self.cfg.run.seed, "sampling", round)
         return sorted(pool[int(i)] for i in rng.choice(len(pool), size=size, replace=False))
 
-    def _train_one(self, cid: int, round: int, prepared) -> Payload:
-        node = self.client_home[cid]
-        reply = self.endpoint.call(node.address, client_node(cid), "train", round=round,
-                                   timeout=self.cfg.run.call_timeout, prepared=prepared)
-        self._arrivals[(round, cid)] = time.perf_counter()   # the round-time breakdown's per-client round trip
-        reply = decompress_upload(self.cfg, reply, self.algorithm.reply_spec(self.state))   # QSGD (common/compress.py)
-        validate_reply(reply, self.algorithm.reply_spec(self.state), f"round {round} reply of client {cid}")
-        return reply
+    def client_message(self, message: Payload, round: int, cid: int) -> Payload:
+        """Client `cid`'s message this round: the shared one or its own variant (Algorithm.client_message)."""
+        return self.algorithm.client_message(self.state, message, round, cid)
 
     def run_round(self, round: int) -> RoundResult:
-        if self.cfg.topology.kind in ("sequential", "chain"):   # driven rounds: server/sequential.py, server/chain.py
-            return self.topology_driver().run_round(round)
-        started = time.perf_counter()
-        sampled = self.sample(round)
-        self._arrivals = {}
-        message = self.clock.begin_round(round, sampled, self.algorithm.broadcast(self.state, round))
-        dispatched = time.perf_counter()
-        if self.torch_rounds is not None:
-            results, failures = self._dispatch_torch(round, sampled, message)
-        elif self.cfg.topology.kind == "hierarchical":
-            results, failures = self._dispatch_edges(round, sampled, message)
-        else:
-            results, failures = self._dispatch_clients(round, sampled, message)
+        return self.driver.run_round(round)
+
+    def complete_round(self, round: int, sampled: list[int], results: dict[int, Payload], failures: dict[int, str],
+                       message: Payload, started: float, dispatched: float, arrivals: dict[int, float],
+                       per_client: bool = True) -> RoundResult:
+        """The end of a round of sampled clients (any topology's driver): record the failures,
+        settle the virtual clock, check min_results, aggregate, take the server step, evaluate
+        and record the round.  `per_client`: `results` holds one reply per client (not edge
+        partials), so the virtual clock can cut single clients."""
         results, inconsistent = consistent_results(results)
         failures.update(inconsistent)
         for cid, why in sorted(failures.items()):
@@ -202,7 +167,7 @@ class Coordinator:
             raise RunFailed(f"round {round}: NaN/Inf in the results of clients {sorted(non_finite)[:10]} and "
                             f"security.nan_policy = 'fail'")
         settled = self.clock.settle(round, message, results, self.ledger.records(),
-                                    star=self.cfg.topology.kind == "star")   # deadline / over-commit cuts
+                                    star=per_client)   # deadline / over-commit cuts
         for cid, why in sorted(settled.cut.items()):
             self.store.add_event("deadline_missed" if why.startswith("deadline") else "overcommit_dropped",
                                  node=client_node(cid), detail=why, round=round)
@@ -217,51 +182,16 @@ class Coordinator:
         self.algorithm.server_update(self.state, aggregate, round)
         self.algorithm.note_participants(self.state, round, participants)
         aggregated = time.perf_counter()
-        metrics = self._round_metrics(round, aggregate)
+        metrics = self.round_metrics(round, aggregate)
         compute = float(aggregate.scalars.get(COMPUTE_KEY, 0.0))
-        arrivals = {c: t for (r, c), t in list(self._arrivals.items()) if r == round}
         metrics.update(time_breakdown(collected - dispatched, compute, arrivals, dispatched, results))
         metrics.update({"time_aggregation": aggregated - collected + (dispatched - started),
                         "time_evaluation": time.perf_counter() - aggregated})
         metrics.update(settled.metrics)
         result = RoundResult(round, sampled, participants, failures, metrics, time.perf_counter() - started,
                              settled.sim_seconds)
-        self._record_round(result)
+        self.record_round(result)
         return result
-
-    def _dispatch_torch(self, round: int, sampled: list[int], message: Payload):
-        """transport.kind = "torch": tensors as collectives (server/torch_rounds.py)."""
-        from fedhop.server.torch_rounds import CollectiveFailed
-        try:
-            return self.torch_rounds.dispatch(round, sampled, self.group_message(message, round, sampled))
-        except CollectiveFailed as exc:
-            raise RunFailed(str(exc)) from None
-
-    def _gather(self, calls: dict, timeout: float) -> tuple[dict, dict]:
-        """Wait for submitted calls until `timeout`; split results from failures."""
-        _, pending = wait(calls.values(), timeout=timeout)
-        results, failures = {}, {}
-        for key, fut in calls.items():
-            if fut in pending:
-                failures[key] = f"timeout: no result within run.round_timeout={self.cfg.run.round_timeout}s"
-                continue
-            try:
-                results[key] = fut.result()
-            except (CallFailed, RemoteError, PayloadError) as exc:
-                failures[key] = str(exc)
-        return results, failures
-
-    def _dispatch_clients(self, round: int, sampled: list[int], message: Payload):
-        """Star: the message to every sampled client, one reply each.  Each distinct message
-        (the shared one, or a client's own variant: Algorithm.client_message) is encoded once."""
-        prepared: dict[int, tuple[Payload, object]] = {}   # id(message) -> (message kept alive, frames)
-        calls = {}
-        for cid in sampled:
-            own = self.algorithm.client_message(self.state, message, round, cid)
-            if id(own) not in prepared:
-                prepared[id(own)] = (own, self.endpoint.prepare(own))
-            calls[cid] = self._pool.submit(self._train_one, cid, round, prepared[id(own)][1])
-        return self._gather(calls, self.cfg.run.round_timeout)
 
     def group_message(self, message: Payload, round: int, cids: list[int]) -> Payload:
         """One message for a group of clients (an edge's, a collective's): the largest of their
@@ -269,51 +199,7 @@ class Coordinator:
         variants = {id(m): m for m in (self.algorithm.client_message(self.state, message, round, c) for c in cids)}
         return max(variants.values(), key=lambda m: (len(m.tensors), len(m.scalars)), default=message)
 
-    def _dispatch_edges(self, round: int, sampled: list[int], message: Payload):
-        """Hierarchical: one call per edge with sampled clients; each returns a partial aggregate."""
-        by_edge: dict[str, list[int]] = {}
-        for cid in sampled:
-            by_edge.setdefault(self.client_home[cid].node_id, []).append(cid)
-        calls = {}
-        for node_id, cids in sorted(by_edge.items()):
-            shared = self.group_message(message, round, cids)
-            payload = Payload(tensors=shared.tensors,
-                              scalars={**shared.scalars, "edge_clients": ",".join(map(str, cids))})
-            calls[node_id] = self._pool.submit(self._edge_round, node_id, round, payload)
-        partials, edge_failures = self._gather(calls, self.cfg.run.round_timeout * 2)
-        failures: dict[int, str] = {}
-        for node_id, why in edge_failures.items():
-            self.store.add_event("edge_failed", node=node_id, detail=why, round=round)
-            for cid in by_edge[node_id]:
-                failures[cid] = f"edge {node_id} failed: {why}"
-        results = {}
-        for node_id, partial in partials.items():
-            lost = json.loads(str(partial.scalars.pop("failures_json", "{}")))
-            failures.update({int(c): f"at {node_id}: {why}" for c, why in lost.items()})
-            results[self.edge_order(node_id)] = partial
-        return results, failures
-
-    def topology_driver(self):
-        """The round driver of the sequential (Fed-CHS) and chain topologies, made on first use."""
-        driver = getattr(self, "_topology_driver", None)
-        if driver is None:
-            from fedhop.server.sequential import make_driver
-            driver = self._topology_driver = make_driver(self)
-        return driver
-
-    @staticmethod
-    def edge_order(node_id: str) -> int:
-        return int(node_id.split("-")[1])
-
-    def _edge_round(self, node_id: str, round: int, payload: Payload) -> Payload:
-        node = self.children[node_id]
-        partial = self.endpoint.call(node.address, node_id, "edge_round", payload, round=round,
-                                     timeout=self.cfg.run.round_timeout * 2)
-        partial = decompress_upload(self.cfg, partial, self.algorithm.reply_spec(self.state))   # QSGD
-        validate_reply(partial, self.algorithm.reply_spec(self.state), f"round {round} partial of {node_id}")
-        return partial
-
-    def _round_metrics(self, round: int, aggregate: Payload) -> dict[str, float]:
+    def round_metrics(self, round: int, aggregate: Payload) -> dict[str, float]:
         metrics: dict[str, float] = {}
         weight = float(aggregate.scalars.get("weight", 0.0)) or 1.0
         if "train_loss" in aggregate.scalars:
@@ -329,7 +215,7 @@ class Coordinator:
         with torch.no_grad():
             return {k: float(v) for k, v in self.task.evaluate(self.model).items()}
 
-    def _record_round(self, result: RoundResult) -> None:
+    def record_round(self, result: RoundResult) -> None:
         self.rounds_completed = result.round
         self.failures_total += len(result.failures)
         self.history.append(result)
@@ -340,8 +226,8 @@ class Coordinator:
                              sim_seconds=result.sim_seconds)
         log.info("round %d: %d/%d results, %s", result.round, len(result.participants), len(result.sampled),
                  ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()))
-        if self.on_round is not None:
-            self.on_round(result)
+        for listener in self.round_listeners:
+            listener(result)
 
     # ------------------------------------------------------------------ whole run
     def run(self, register_timeout: float = 120.0) -> dict:
@@ -354,14 +240,10 @@ class Coordinator:
         status, error = "completed", ""
         try:
             self.wait_for_clients(register_timeout)
-            if self.on_ready is not None:
-                self.on_ready()
-            if self.cfg.transport.kind == "torch" and self.cfg.topology.kind in ("star", "hierarchical"):
-                from fedhop.server.torch_rounds import TorchRounds   # sequential: server/sequential.py joins the world
-                try:
-                    self.torch_rounds = TorchRounds(self)
-                except (RuntimeError, ValueError) as exc:
-                    raise RunFailed(str(exc)) from None
+            for listener in self.ready_listeners:
+                listener()
+            self.driver = make_driver(self)
+            self.driver.start()
             for r in range(self.rounds_completed + 1, self.cfg.run.rounds + 1):  # rounds are 1-based
                 self.run_round(r)
         except RunFailed as exc:
@@ -376,11 +258,11 @@ class Coordinator:
     def shutdown_children(self) -> None:
         for node in list(self.children.values()):
             try:
-                self.endpoint.call(node.address, node.node_id, "shutdown", Payload(), round=self.rounds_completed,
-                                   timeout=5.0)
+                self.fabric.call(node.address, node.node_id, "shutdown", Payload(), round=self.rounds_completed,
+                                 timeout=5.0)
             except (CallFailed, RemoteError) as exc:
                 self.store.add_event("shutdown_failed", node=node.node_id, detail=str(exc), round=self.rounds_completed)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.fabric.close()
 
     def merge_ledgers(self) -> None:
         """Insert every process's ledger file (run_dir/ledger/*.jsonl) into run.db (idempotent)."""
@@ -419,6 +301,8 @@ class Coordinator:
             "num_clients": self.cfg.clients.count,
             "clients_per_round": resolve_clients_per_round(self.cfg),
         }
+        if self.driver is not None:
+            summary.update(self.driver.summary())
         for hook in self.summary_hooks:
             summary.update(hook())
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

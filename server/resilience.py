@@ -32,6 +32,7 @@ from fedhop.common.checkpoint import (STATE_GET, STATE_SET, Checkpoint, Checkpoi
                                states_to_payload)
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.validation import rejection_code
+from fedhop.server.driver import driver_class
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhop.server.coordinator import Coordinator, RoundResult
@@ -39,15 +40,9 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("fedhop.server")
 
 
-def _ledger_position(coord: "Coordinator") -> dict[str, int]:
-    rows = coord.store._query("SELECT COUNT(*) FROM messages")
-    events = coord.store._query("SELECT COUNT(*) FROM events")
-    return {"messages": int(rows[0][0]), "events": int(events[0][0])}
-
-
 class Checkpointer:
-    """Writes checkpoints after rounds (as the coordinator's `on_round` hook) and pushes the
-    restored client states after a resume (as its `on_ready` hook)."""
+    """Writes checkpoints after rounds (a round listener of the coordinator) and pushes the
+    restored client states after a resume (a ready listener)."""
 
     def __init__(self, coord: "Coordinator", every: int | None = None, keep: int | None = None) -> None:
         self.coord = coord
@@ -56,17 +51,14 @@ class Checkpointer:
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}   # last pulled (or restored)
         self.restored: Checkpoint | None = None
         self.written: list[tuple[int, float]] = []                     # (round, seconds to write)
-        self._chain = coord.on_round
-        coord.on_round = self.after_round
-        coord.on_ready = self.on_ready
+        coord.round_listeners.insert(0, self.after_round)   # the checkpoint is written before others hear of the round
+        coord.ready_listeners.append(self.on_ready)
 
     # -- writing ---------------------------------------------------------------------
     def after_round(self, result: "RoundResult") -> None:
         r = result.round
         if self.every and (r % self.every == 0 or r == self.coord.cfg.run.rounds):
             self.save(r)
-        if self._chain is not None:
-            self._chain(result)
 
     def save(self, round: int) -> None:
         coord = self.coord
@@ -75,13 +67,13 @@ class Checkpointer:
         torch_rng, numpy_rng = capture_rng()
         coord.store.insert_records(coord.ledger.drain())
         info = {"algorithm": coord.cfg.algorithm.name, "wall_time": time.time()}
-        driver = getattr(coord, "_topology_driver", None)   # sequential: the walk (server/sequential.py)
-        if driver is not None and hasattr(driver, "checkpoint_state"):
-            info["topology"] = driver.checkpoint_state()
+        topology = coord.driver.checkpoint_state() if coord.driver is not None else None
+        if topology is not None:   # e.g. a walk's holder and sequence (server/sequential.py, server/walk.py)
+            info["topology"] = topology
         ckpt = Checkpoint(round=round, run_id=coord.run_id, params=coord.state.params, extra=coord.state.extra,
                           scalars=dict(coord.state.scalars), client_states=self.client_states,
                           torch_rng=torch_rng, numpy_rng=numpy_rng, failures_total=coord.failures_total,
-                          ledger=_ledger_position(coord), config_sha256=config_digest(coord.config_toml),
+                          ledger=coord.store.row_counts(), config_sha256=config_digest(coord.config_toml),
                           info=info)
         path = save_checkpoint(coord.run_dir, ckpt, keep=self.keep)
         seconds = time.perf_counter() - started
@@ -136,10 +128,10 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     missing = sorted(set(coord.state.params) ^ set(ckpt.params))
     if missing:
         raise CheckpointError(f"checkpoint model tensors differ from the config's model: {missing[:10]}")
-    if coord.cfg.topology.kind == "sequential" and "topology" not in ckpt.info:
-        raise CheckpointError(f"checkpoint of round {ckpt.round} holds no state of the sequential topology's walk "
-                              f"(written by a fedhop that could not resume Fed-CHS)")
-    coord.restored_topology = ckpt.info.get("topology")   # the topology driver takes it (server/sequential.py)
+    if driver_class(coord.cfg.topology.kind).checkpoint_needs_state and "topology" not in ckpt.info:
+        raise CheckpointError(f"checkpoint of round {ckpt.round} holds no state of the {coord.cfg.topology.kind} "
+                              f"topology's walk (written by a fedhop that could not resume it)")
+    coord.restored_topology = ckpt.info.get("topology")   # the topology driver takes it (TopologyDriver.restore)
     coord.run_id = ckpt.run_id
     coord.endpoint.run_id = ckpt.run_id
     coord.state.params = {k: v.clone() for k, v in ckpt.params.items()}
@@ -155,13 +147,7 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     store.run_id = ckpt.run_id
     coord.merge_ledgers()
     r = ckpt.round
-    aborted = store._query("SELECT COUNT(*), COALESCE(SUM(framed_bytes), 0) FROM messages WHERE round > ? "
-                           "AND role = 'sender'", (r,))[0]
-    store._exec("UPDATE messages SET status = 'lost', error = 'aborted: server stopped before round ' || round || "
-                "' finished; re-run after resume from round ' || ? WHERE round > ? AND error NOT LIKE 'aborted:%'",
-                (r, r))
-    store._exec("UPDATE events SET kind = 'aborted:' || kind WHERE round > ? AND kind NOT LIKE 'aborted:%'", (r,))
-    store._exec("DELETE FROM rounds WHERE round > ?", (r,))
+    aborted = store.abort_after(r)
     store.add_event("resumed", node="server", round=r,
                     detail=json.dumps({"from_round": r, "aborted_messages": int(aborted[0]),
                                        "aborted_framed_bytes": int(aborted[1]), "run_id": ckpt.run_id,

@@ -23,20 +23,16 @@ from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import PayloadError, check_tensors
 from fedhop.common.topology import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, edge_node, start_edge
 from fedhop.common.transport.base import CallFailed, RemoteError
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
 
 
-def make_driver(coord):
-    """The round driver of `coord.cfg.topology.kind` ("sequential" or "chain")."""
-    if coord.cfg.topology.kind == "chain":
-        from fedhop.server.chain import ChainDriver
-        return ChainDriver(coord)
-    return SequentialDriver(coord)
+@register_driver("sequential")
+class SequentialDriver(TopologyDriver):
+    checkpoint_needs_state = True
+    RunFailed = RunFailed
 
-
-class SequentialDriver:
-    def __init__(self, coord) -> None:
-        from fedhop.server.coordinator import RunFailed   # (imported here: coordinator imports this module lazily)
-        self.RunFailed = RunFailed
+    def __init__(self, coord: DriverContext) -> None:
+        super().__init__(coord)
         self.coord = coord
         cfg = coord.cfg
         if cfg.algorithm.name != "fedchs":
@@ -52,28 +48,22 @@ class SequentialDriver:
                 raise RunFailed(str(exc)) from None
         try:
             self.graph = edge_graph(cfg)
-            self.start = start_edge(cfg)
+            self.start_edge = start_edge(cfg)
         except ValueError as exc:
             raise RunFailed(str(exc)) from None
         self.clusters = cluster_assignment(cfg)
         self.data_sizes = [sum(coord.task.client_data(c).num_samples for c in cluster) for cluster in self.clusters]
-        self.holder = self.start
+        self.holder = self.start_edge
         self.sequence: list[int] = []
         self.skips = 0
         self.visits: list[int | None] = []   # c(m) of every edge at the last checkpoint (None: no answer)
         self.resuming = False                # the next round starts from the checkpoint's model
-        restored = getattr(coord, "restored_topology", None)
-        if restored is not None:
-            self.restore(restored)
-        coord.summary_hooks.append(self.summary)
+        if coord.restored_topology is not None:
+            self.restore(coord.restored_topology)
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_due(self, round: int) -> bool:
-        """Whether a checkpoint follows `round` (server/resilience.py), so that this round's
-        holder must send its model to the server (the last round's model comes anyway)."""
-        every = self.coord.cfg.run.checkpoint_every
-        return bool(every) and round % every == 0 and round != self.coord.cfg.run.rounds
-
+    # checkpoint_due (TopologyDriver): a checkpoint follows the round, so that round's holder must
+    # send its model to the server (the last round's model comes anyway)
     def checkpoint_state(self) -> dict:
         """What a checkpoint saves of the walk (beside the model, which the server now holds)."""
         return {"kind": "sequential", "holder": self.holder, "sequence": list(self.sequence),
@@ -95,7 +85,7 @@ class SequentialDriver:
         for e in range(len(self.graph)):
             node = self.coord.children.get(edge_node(e))
             try:
-                reply = self.coord.endpoint.call(node.address, node.node_id, "control.seq_query", Payload(),
+                reply = self.coord.fabric.call(node.address, node.node_id, "control.seq_query", Payload(),
                                                  round=round, timeout=self.coord.cfg.run.call_timeout)
                 out.append(int(reply.scalars["visits"]))
             except (AttributeError, CallFailed, RemoteError, PayloadError, KeyError, ValueError):
@@ -109,7 +99,7 @@ class SequentialDriver:
             if node is None or visits is None:
                 continue
             try:
-                self.coord.endpoint.call(node.address, node.node_id, "control.seq_restore",
+                self.coord.fabric.call(node.address, node.node_id, "control.seq_restore",
                                          Payload(scalars={"visits": int(visits)}), round=round,
                                          timeout=self.coord.cfg.run.call_timeout)
             except (CallFailed, RemoteError, PayloadError) as exc:
@@ -121,9 +111,9 @@ class SequentialDriver:
         in the message, or (torch) as a dist.send beside the call."""
         timeout = self.coord.cfg.run.round_timeout * 2
         if not (self.resuming and self.world is not None):
-            return self.coord.endpoint.call(node.address, node.node_id, "seq_round", message, round=round,
+            return self.coord.fabric.call(node.address, node.node_id, "seq_round", message, round=round,
                                             timeout=timeout)
-        call = self.coord._pool.submit(self.coord.endpoint.call, node.address, node.node_id, "seq_round",
+        call = self.coord.fabric.submit(self.coord.fabric.call, node.address, node.node_id, "seq_round",
                                        Payload(scalars=message.scalars), round=round, timeout=timeout)
         try:
             self.world.coll.send(list(message.tensors.values()), self.world.layout["ranks"][node.node_id],
@@ -140,7 +130,7 @@ class SequentialDriver:
         as a point-to-point `dist.send` (link edge-server): the control call `seq_final` makes the
         edge send while the server posts the matching receives."""
         rank = self.world.layout["ranks"][node.node_id]
-        call = self.coord._pool.submit(self.coord.endpoint.call, node.address, node.node_id, "seq_final", Payload(),
+        call = self.coord.fabric.submit(self.coord.fabric.call, node.address, node.node_id, "seq_final", Payload(),
                                        round=round, timeout=self.coord.cfg.run.round_timeout)
         try:
             tensors = self.world.coll.recv([(k, dtype, shape) for k, (dtype, shape) in spec.items()], rank,
@@ -156,11 +146,10 @@ class SequentialDriver:
     def summary(self) -> dict:
         visits = Counter(self.sequence)
         return {"edge_sequence": list(self.sequence), "edge_graph": self.graph, "edge_data_sizes": self.data_sizes,
-                "edge_start": self.start, "edge_visits": [visits.get(e, 0) for e in range(len(self.graph))],
+                "edge_start": self.start_edge, "edge_visits": [visits.get(e, 0) for e in range(len(self.graph))],
                 "handoff_skips": self.skips}
 
-    def run_round(self, round: int):
-        from fedhop.server.coordinator import RoundResult
+    def run_round(self, round: int) -> RoundResult:
         coord, cfg = self.coord, self.coord.cfg
         started = time.perf_counter()
         if round != len(self.sequence) + 1:
@@ -227,5 +216,5 @@ class SequentialDriver:
             self.visits = self._pull_visits(round)
         participants = sorted(set(cluster) - set(failures))
         result = RoundResult(round, list(cluster), participants, failures, metrics, time.perf_counter() - started)
-        coord._record_round(result)
+        coord.record_round(result)
         return result

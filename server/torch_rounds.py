@@ -18,24 +18,25 @@ from fedhop.common.codec import DTYPES, PayloadError
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.torchdist import (Collectives, LayoutMismatch, TorchParams, buffers_by_name, build_groups,
                                         free_port, init_watching, merge_layouts, reduce_buffers, specs_of, specs_to_json)
+from fedhop.common.topology import edge_index
+from fedhop.common.transport.fabric import gather
 from fedhop.common.validation import validate_reply
+from fedhop.server.driver import DriverContext, RunFailed
+from fedhop.server.sampled import DataPlane
 
 log = logging.getLogger("fedhop.server")
 
+NO_ANSWER = "timeout: no answer in time"
 IDENTITY = {"wsum": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
 
-class TorchRounds:
-    def __init__(self, coordinator) -> None:
+class TorchRounds(DataPlane):
+    """Star topology over collectives (module docstring): the star driver's torch data plane."""
+
+    def __init__(self, coordinator: DriverContext) -> None:
+        super().__init__(coordinator)
         self.c = coordinator
         cfg = coordinator.cfg
-        self.hier: HierTorchRounds | None = None
-        if cfg.topology.kind == "hierarchical":
-            self.hier = HierTorchRounds(coordinator)
-            return
-        if cfg.topology.kind != "star":
-            raise ValueError(f"transport.kind = 'torch' supports topology.kind = 'star' or 'hierarchical', "
-                             f"not '{cfg.topology.kind}'")
         self.params = getattr(cfg.transport, "params", None) or TorchParams()
         self.procs = sorted((n for n in coordinator.children.values() if n.role == "client"),
                             key=lambda n: n.node_id)
@@ -44,26 +45,25 @@ class TorchRounds:
         master = f"{host}:{self.params.master_port or free_port(host)}"
         self.coll = Collectives("server", 0, len(self.procs) + 1, coordinator.ledger, self.params,
                                 coordinator.run_id)
-        calls = {p.node_id: coordinator._pool.submit(
-            coordinator.endpoint.call, p.address, p.node_id, "torch_init",
+        calls = {p.node_id: coordinator.fabric.submit(
+            coordinator.fabric.call, p.address, p.node_id, "torch_init",
             Payload(scalars={"rank": i + 1, "world_size": len(self.procs) + 1, "master": master,
                              "backend": self.params.backend, "timeout": self.params.timeout}),
             round=0, timeout=self.params.timeout) for i, p in enumerate(self.procs)}
         init_watching(self.coll, master, calls, "torch.distributed set-up failed")
-        _, failed = coordinator._gather(calls, self.params.timeout)
+        _, failed = gather(calls, self.params.timeout, NO_ANSWER)
         if failed:
             raise RuntimeError(f"torch.distributed set-up failed: {failed}")
         log.info("torch.distributed %s group of %d ranks at %s", self.params.backend, len(self.procs) + 1, master)
 
-    def dispatch(self, round: int, sampled: list[int], message: Payload):
-        if self.hier is not None:
-            return self.hier.dispatch(round, sampled, message)
+    def dispatch(self, round: int, sampled: list[int], message: Payload, arrivals: dict[int, float]):
         c = self.c
+        message = c.group_message(message, round, sampled)
         by_proc = {p: [] for p in self.peers}
         for cid in sampled:
             by_proc[c.client_home[cid].node_id].append(cid)
-        control = {p.node_id: c._pool.submit(
-            c.endpoint.call, p.address, p.node_id, "torch_round",
+        control = {p.node_id: c.fabric.submit(
+            c.fabric.call, p.address, p.node_id, "torch_round",
             Payload(scalars={**message.scalars, "clients": ",".join(map(str, by_proc[p.node_id])),
                              "specs": specs_to_json(specs_of(message.tensors))}),
             round=round, timeout=c.cfg.run.round_timeout) for p in self.procs}
@@ -71,7 +71,7 @@ class TorchRounds:
             self.coll.broadcast(list(message.tensors.values()), round, self.peers)
         except RuntimeError as exc:
             raise CollectiveFailed(f"round {round}: broadcast failed: {exc}") from None
-        replies, failed = c._gather(control, c.cfg.run.round_timeout)
+        replies, failed = gather(control, c.cfg.run.round_timeout, NO_ANSWER)
         if failed:
             raise CollectiveFailed(f"round {round}: client processes {sorted(failed)} did not finish the round "
                                    f"({next(iter(failed.values()))}); a collective needs every rank")
@@ -90,7 +90,7 @@ class TorchRounds:
         except LayoutMismatch as exc:
             raise CollectiveFailed(f"LAYOUT_MISMATCH: {exc}") from None
         layout_text = json.dumps(layout)
-        reduce_calls = {p.node_id: c._pool.submit(c.endpoint.call, p.address, p.node_id, "torch_reduce",
+        reduce_calls = {p.node_id: c.fabric.submit(c.fabric.call, p.address, p.node_id, "torch_reduce",
                                                   Payload(scalars={"layout": layout_text}), round=round,
                                                   timeout=c.cfg.run.round_timeout) for p in self.procs}
         groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
@@ -101,7 +101,7 @@ class TorchRounds:
                              self.peers)
         except RuntimeError as exc:
             raise CollectiveFailed(f"round {round}: reduce failed: {exc}") from None
-        _, failed = c._gather(reduce_calls, c.cfg.run.round_timeout)
+        _, failed = gather(reduce_calls, c.cfg.run.round_timeout, NO_ANSWER)
         if failed:
             raise CollectiveFailed(f"round {round}: reduce control failed: {failed}")
         partial = reduce_payloads(scalar_parts, c.algorithm.reply_reduce)
@@ -115,11 +115,11 @@ class TorchRounds:
         return {0: partial}, failures
 
 
-class CollectiveFailed(RuntimeError):
+class CollectiveFailed(RunFailed):
     pass
 
 
-class HierTorchRounds:
+class HierTorchRounds(DataPlane):
     """Hierarchical topology (HierFAVG) over torch.distributed; the edge side is edge/torch_edge.py.
 
     World: rank 0 the server, ranks 1..E the edges (by edge index), then each edge's client
@@ -131,7 +131,10 @@ class HierTorchRounds:
     broadcast (a collective reaches the whole group) and add the reduce ops' identities.
     """
 
-    def __init__(self, coordinator) -> None:
+    per_client = False
+
+    def __init__(self, coordinator: DriverContext) -> None:
+        super().__init__(coordinator)
         self.c = c = coordinator
         compress = getattr(c.cfg.algorithm, "compress", "none")
         if compress != "none":   # uploads are reduced as raw float sums here, never QSGD-coded
@@ -142,28 +145,29 @@ class HierTorchRounds:
         self.edges, self.peers, self.layout = world.edges, world.peers, world.layout
         self.top = world.coll.scoped(world.handles[0], 0, "server", "edge-server")
 
-    def dispatch(self, round: int, sampled: list[int], message: Payload):
+    def dispatch(self, round: int, sampled: list[int], message: Payload, arrivals: dict[int, float]):
         c = self.c
+        message = c.group_message(message, round, sampled)
         timeout = c.cfg.run.round_timeout * 2   # as the gRPC path's edge_round calls
         by_edge: dict[str, list[int]] = {e: [] for e in self.peers}
         for cid in sampled:
             by_edge[c.client_home[cid].node_id].append(cid)
         specs = specs_to_json(specs_of(message.tensors))
-        control = {e.node_id: c._pool.submit(
-            c.endpoint.call, e.address, e.node_id, "torch_edge_round",
+        control = {e.node_id: c.fabric.submit(
+            c.fabric.call, e.address, e.node_id, "torch_edge_round",
             Payload(scalars={**message.scalars, "edge_clients": ",".join(map(str, by_edge[e.node_id])),
                              "specs": specs}), round=round, timeout=timeout) for e in self.edges}
         try:
             self.top.broadcast(list(message.tensors.values()), round, self.peers)
         except RuntimeError as exc:
             raise CollectiveFailed(f"round {round}: broadcast to the edges failed: {exc}") from None
-        replies, failed = c._gather(control, timeout)
+        replies, failed = gather(control, timeout, NO_ANSWER)
         if failed:
             raise CollectiveFailed(f"round {round}: edges {sorted(failed)} did not finish the round "
                                    f"({next(iter(failed.values()))}); a collective needs every rank")
         failures: dict[int, str] = {}
         layouts, scalar_parts = {}, []
-        for node, reply in sorted(replies.items(), key=lambda kv: c.edge_order(kv[0])):
+        for node, reply in sorted(replies.items(), key=lambda kv: edge_index(kv[0])):
             s = dict(reply.scalars)
             lost = json.loads(str(s.pop("failures_json", "{}")))
             failures.update({int(k): f"at {node}: {v}" for k, v in lost.items()})
@@ -177,7 +181,7 @@ class HierTorchRounds:
         except LayoutMismatch as exc:
             raise CollectiveFailed(f"LAYOUT_MISMATCH: {exc}") from None
         layout_text = json.dumps(layout)
-        reduce_calls = {e.node_id: c._pool.submit(c.endpoint.call, e.address, e.node_id, "torch_edge_reduce",
+        reduce_calls = {e.node_id: c.fabric.submit(c.fabric.call, e.address, e.node_id, "torch_edge_reduce",
                                                   Payload(scalars={"layout": layout_text}), round=round,
                                                   timeout=c.cfg.run.round_timeout) for e in self.edges}
         buffers = reduce_buffers(layout, None)
@@ -185,7 +189,7 @@ class HierTorchRounds:
             self.top.reduce(buffers, round, self.peers)
         except RuntimeError as exc:
             raise CollectiveFailed(f"round {round}: reduce from the edges failed: {exc}") from None
-        _, failed = c._gather(reduce_calls, c.cfg.run.round_timeout)
+        _, failed = gather(reduce_calls, c.cfg.run.round_timeout, NO_ANSWER)
         if failed:
             raise CollectiveFailed(f"round {round}: reduce control failed: {failed}")
         partial = reduce_payloads(scalar_parts, c.algorithm.reply_reduce)
@@ -205,11 +209,11 @@ class EdgeWorld:
     create the groups.  `coll` is the server's membership of the whole world (rank 0)."""
 
     def __init__(self, c, params: TorchParams) -> None:
-        self.edges = sorted((n for n in c.children.values() if n.role == "edge"), key=lambda n: c.edge_order(n.node_id))
+        self.edges = sorted((n for n in c.children.values() if n.role == "edge"), key=lambda n: edge_index(n.node_id))
         self.peers = [e.node_id for e in self.edges]
-        asked = {e.node_id: c._pool.submit(c.endpoint.call, e.address, e.node_id, "torch_procs", Payload(),
+        asked = {e.node_id: c.fabric.submit(c.fabric.call, e.address, e.node_id, "torch_procs", Payload(),
                                            round=0, timeout=params.timeout) for e in self.edges}
-        answers, failed = c._gather(asked, params.timeout)
+        answers, failed = gather(asked, params.timeout, NO_ANSWER)
         if failed:
             raise RuntimeError(f"torch.distributed set-up failed: edges did not list their client processes: {failed}")
         procs = {e: [p for p in str(answers[e].scalars["processes"]).split(",") if p] for e in self.peers}
@@ -218,14 +222,14 @@ class EdgeWorld:
         host = c.cfg.transport.host
         master = f"{host}:{params.master_port or free_port(host)}"
         self.coll = Collectives("server", 0, world, c.ledger, params, c.run_id)
-        calls = {e.node_id: c._pool.submit(
-            c.endpoint.call, e.address, e.node_id, "torch_init",
+        calls = {e.node_id: c.fabric.submit(
+            c.fabric.call, e.address, e.node_id, "torch_init",
             Payload(scalars={"world_size": world, "master": master, "backend": params.backend,
                              "timeout": params.timeout, "layout_json": json.dumps(self.layout)}),
             round=0, timeout=params.timeout + 10.0) for e in self.edges}
         init_watching(self.coll, master, calls, "torch.distributed set-up failed")
         self.handles = build_groups(self.layout["groups"], params.timeout)
-        _, failed = c._gather(calls, params.timeout + 10.0)
+        _, failed = gather(calls, params.timeout + 10.0, NO_ANSWER)
         if failed:
             raise RuntimeError(f"torch.distributed set-up failed: {failed}")
         log.info("torch.distributed %s world of %d ranks at %s: groups %s", params.backend, world, master,

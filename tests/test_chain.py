@@ -1,47 +1,171 @@
-"""The chain topology (server/chain.py): a weighted random walk of one model over the clients,
-one gradient step per visit, checked against the seeded draws and a numpy replay."""
+"""The chain topology: WRWGD, one model walking a graph of clients and handed client to client
+(common/walk.py, server/walk.py, client/walk.py).
+
+Checked against an independent numpy walk on graphs the code was not written for: the
+Metropolis-Hastings transition rule, the sequence of visited clients, the importance-weighted
+K-step update (the final model), and the bytes per link from the formula: 4d per move on the
+client-client link, 4d once on client-server (the final model), no model through the server
+on the way."""
 from __future__ import annotations
 
-import numpy as np
+import json
 
-from fedhop.common.config import parse_config
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.rng import numpy_stream
 from fedhop.common.runstore import RunStore
+from fedhop.common.walk import WalkRule, client_graph
 from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launcher import resume_local, run_local
 from tests.helpers import quadratic_config
 
-RNG = np.random.default_rng(21)
-CENTERS = RNG.normal(0, 2, size=(6, 5))
-CURV = RNG.uniform(0.5, 1.5, size=(6, 5))
-SIZES = [1, 8, 3, 12, 5, 2]
+RNG = np.random.default_rng(33)
+N, D = 7, 4
+CENTERS = RNG.normal(0, 2, size=(N, D))
+CURV = RNG.uniform(0.4, 1.6, size=(N, D))
+SIZES = [3, 9, 1, 6, 4, 12, 2]
+# a held-out graph: a 7-cycle with two chords, degrees 2..3
+GRAPH = [[1, 6], [0, 2, 4], [1, 3], [2, 4, 6], [1, 3, 5], [4, 6], [0, 3, 5]]
 
 
-def chain_config(rounds=5, hops=7, lr=0.3, seed=4) -> str:
-    return quadratic_config(CENTERS, CURV, SIZES, rounds=rounds, local_steps=1, lr=lr, processes=2, seed=seed,
-                            topology=f'kind = "chain"\nhops_per_round = {hops}')
+def walk_config(rounds=4, hops=5, lr=0.2, K=2, seed=8, start=3, stationary='"data"', objective='"uniform"',
+                graph=GRAPH, processes=3, checkpoint_every=0) -> str:
+    topology = (f'kind = "chain"\ngraph = {json.dumps(graph) if isinstance(graph, list) else json.dumps(graph)}\n'
+                f'start = {start}\nhops_per_round = {hops}\nstationary = {stationary}\nobjective = {objective}')
+    text = quadratic_config(CENTERS, CURV, SIZES, rounds=rounds, local_steps=K, lr=lr, processes=processes,
+                            seed=seed, topology=topology, name="walk")
+    return text.replace("eval_every = 1", f"eval_every = 1\ncheckpoint_every = {checkpoint_every}")
 
 
-def test_walk_follows_seeded_data_weighted_draws_and_gd_replay(tmp_path):
-    rounds, hops, lr, seed = 5, 7, 0.3, 4
-    summary, coord = run_inmemory(parse_config(chain_config(rounds, hops, lr, seed)), tmp_path)
-    assert summary["status"] == "completed", summary["error"]
-    p = np.asarray(SIZES, dtype=float) / sum(SIZES)
-    expected_walk = [int(c) for r in range(1, rounds + 1)
-                     for c in numpy_stream(seed, "chain", r).choice(len(SIZES), size=hops, p=p)]
-    assert summary["client_walk"] == expected_walk
-    w = np.zeros(CENTERS.shape[1])
-    for j in expected_walk:                       # one full-batch gradient step per visit
-        w = w - lr * CURV[j] * (w - CENTERS[j])
-    np.testing.assert_allclose(coord.state.params["w"].double().numpy(), w, rtol=0, atol=1e-5)
+# ----------------------------------------------------------------------------- the independent numpy walk
+def mh_matrix(graph, pi):
+    n = len(graph)
+    P = np.zeros((n, n))
+    for i in range(n):
+        for j in graph[i]:
+            a = (pi[j] / len(graph[j])) / (pi[i] / len(graph[i]))
+            P[i, j] = min(1.0, a) / len(graph[i])
+        P[i, i] = 1.0 - P[i].sum()
+    return P
 
 
-def test_each_hop_moves_the_model_twice_through_the_server(tmp_path):
-    rounds, hops = 3, 4
-    summary, _ = run_inmemory(parse_config(chain_config(rounds, hops)), tmp_path)
-    store = RunStore(tmp_path / "run.db")
-    d = CENTERS.shape[1]
+def numpy_walk(rounds, hops, lr, K, seed, start, pi, p, graph=GRAPH):
+    """(visited clients, final model, moves) of WRWGD on the quadratic task, computed here."""
+    P = mh_matrix(graph, pi)
+    w = np.zeros(D)
+    holder, visited, moves = start, [], 0
     for r in range(1, rounds + 1):
-        assert store.bytes_per_round()[r]["tensor_bytes"] == hops * 2 * 4 * d
-    assert set(summary["bytes"]["by_link"]) <= {"client-server", "control"}
+        for h in range(hops):
+            i = holder
+            visited.append(i)
+            local = w.copy()
+            for _ in range(K):                             # K full-batch gradient steps of f_i
+                local = local - lr * CURV[i] * (local - CENTERS[i])
+            w = w + (p[i] / pi[i]) * (local - w)           # importance weight p_i / pi_i
+            if r == rounds and h == hops - 1:
+                break
+            u = numpy_stream(seed, "walk", r, h).random()
+            order = [i] + sorted(graph[i])
+            cum = np.cumsum([P[i, c] for c in order])
+            holder = order[min(int(np.searchsorted(cum, u, side="right")), len(order) - 1)]
+            moves += holder != i
+    return visited, w, moves
+
+
+def test_metropolis_hastings_rule_has_the_target_law_on_random_graphs():
+    for seed, n, max_degree in ((0, 12, 3), (5, 30, 4), (9, 8, 2)):
+        graph = client_graph("random", n, max_degree, seed)
+        assert max(len(row) for row in graph) <= max_degree
+        sizes = np.random.default_rng(seed).integers(1, 50, size=n)
+        cfg = parse_config(quadratic_config(np.zeros((n, 2)), np.ones((n, 2)), sizes.tolist(), seed=seed,
+                                            topology=f'kind = "chain"\nmax_degree = {max_degree}'))
+        rule = WalkRule.from_config(cfg, sizes.tolist())
+        assert rule.graph == graph
+        pi = sizes / sizes.sum()
+        np.testing.assert_allclose(rule.P, mh_matrix(graph, pi), atol=1e-12)
+        np.testing.assert_allclose(pi @ rule.P, pi, atol=1e-12)        # stationary law
+        np.testing.assert_allclose(rule.P.sum(axis=1), 1.0, atol=1e-12)
+        np.testing.assert_allclose(pi[:, None] * rule.P, (pi[:, None] * rule.P).T, atol=1e-12)   # reversible
+
+
+@pytest.mark.parametrize("stationary, objective", [('"data"', '"uniform"'), ('"uniform"', '"data"'),
+                                                   ("[1.0, 2.0, 0.5, 3.0, 1.0, 2.0, 4.0]", '"uniform"')])
+def test_walk_and_model_equal_the_numpy_walk(tmp_path, stationary, objective):
+    rounds, hops, lr, K, seed, start = 4, 5, 0.2, 2, 8, 3
+    cfg = parse_config(walk_config(rounds, hops, lr, K, seed, start, stationary, objective))
+    summary, coord = run_inmemory(cfg, tmp_path)
+    assert summary["status"] == "completed", summary["error"]
+    sizes = np.asarray(SIZES, dtype=float)
+    weights = {'"data"': sizes / sizes.sum(), '"uniform"': np.full(N, 1 / N)}
+    pi = weights.get(stationary)
+    if pi is None:
+        raw = np.asarray(json.loads(stationary))
+        pi = raw / raw.sum()
+    visited, w, moves = numpy_walk(rounds, hops, lr, K, seed, start, pi, weights[objective])
+    assert summary["client_walk"] == visited
+    assert summary["walk_moves"] == moves
+    np.testing.assert_allclose(coord.state.params["w"].double().numpy(), w, rtol=0, atol=2e-5)
+
+
+def test_bytes_per_link_follow_the_formula_and_the_model_moves_peer_to_peer(tmp_path):
+    rounds, hops = 3, 6
+    cfg = parse_config(walk_config(rounds, hops))
+    summary, _ = run_inmemory(cfg, tmp_path)
+    assert summary["status"] == "completed", summary["error"]
+    moves = summary["walk_moves"]
+    assert moves > 0
+    by_link = summary["bytes"]["by_link"]
+    assert by_link["client-client"]["tensor_bytes"] == 4 * D * moves          # one model per move
+    assert by_link["client-client"]["messages"] == 2 * moves                 # each hand-off and its empty ack
+    assert by_link["client-server"]["tensor_bytes"] == 4 * D                  # the final model, once
+    store = RunStore(tmp_path / "run.db")
+    handoffs = [r for r in store.messages() if r["method"] == "walk_handoff" and r["role"] == "sender"]
+    assert all(r["link"] == "client-client" and r["src"] != r["dst"] for r in handoffs)
     assert store.check_agreement().ok
 
+
+def test_real_processes_give_the_same_walk_model_and_bytes(tmp_path):
+    """Separate OS processes over gRPC: the walk, model and bytes equal the in-memory run's."""
+    text = walk_config(rounds=3, hops=4, processes=3)
+    mem, coord = run_inmemory(parse_config(text), tmp_path / "mem")
+    cfg_file = tmp_path / "walk.toml"
+    cfg_file.write_text(text)
+    assert run_local(str(cfg_file), [], str(tmp_path / "run"), quiet=True, show_table=False) == 0
+    real = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert real["client_walk"] == mem["client_walk"] and real["walk_moves"] == mem["walk_moves"]
+    model = load_file(str(tmp_path / "run" / "model.safetensors"))["w"]
+    assert model.equal(coord.state.params["w"])
+    for link in ("client-client", "client-server"):
+        assert real["bytes"]["by_link"][link]["tensor_bytes"] == mem["bytes"]["by_link"][link]["tensor_bytes"]
+    assert real["ledger_agreement"]["ok"]
+
+
+def test_resume_from_a_checkpoint_equals_the_uninterrupted_walk(tmp_path):
+    text = walk_config(rounds=6, hops=3, checkpoint_every=2)
+    cfg_file = tmp_path / "walk.toml"
+    cfg_file.write_text(text)
+    run_dir = tmp_path / "run"
+    assert run_local(str(cfg_file), [], str(run_dir), quiet=True, show_table=False) == 0
+    full = json.loads((run_dir / "summary.json").read_text())
+    uninterrupted = load_file(str(run_dir / "model.safetensors"))["w"]
+    checkpoints = sorted((run_dir / "checkpoints").glob("round-*.safetensors"))
+    assert checkpoints[-1].name == "round-000006.safetensors"
+    checkpoints[-1].unlink()                       # continue from round 4 with fresh processes
+    assert resume_local(str(run_dir), quiet=True, show_table=False) == 0
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["status"] == "completed", resumed.get("error")
+    assert resumed["client_walk"] == full["client_walk"]
+    assert load_file(str(run_dir / "model.safetensors"))["w"].equal(uninterrupted)
+
+
+def test_chain_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="algorithm.name"):
+        parse_config(walk_config().replace('name = "fedavg"', 'name = "scaffold"'))
+    bad_graph = [[1], [0], [3], [2], [5], [4], []]   # not connected
+    with pytest.raises(ConfigError, match="topology.graph"):
+        parse_config(walk_config(graph=bad_graph))
+    with pytest.raises(ConfigError, match="topology.stationary"):
+        parse_config(walk_config(stationary="[1.0, 2.0]"))

@@ -1,5 +1,6 @@
-"""The chain topology: weighted random-walk gradient descent over clients (Ayache & El
-Rouayheb 2019, the Fed-CHS paper's WRWGD baseline; digest seed-004 section 3.4).
+"""The relay topology: a data-weighted random walk over the clients, relayed through the server
+(the server-driven form of random-walk SGD; the peer-to-peer WRWGD of the Fed-CHS paper is the
+`chain` topology, server/walk.py).
 
 One model walks over the clients.  The next client is drawn with probability D_j / D_A (a
 Metropolis-Hastings walk on the complete client graph whose stationary law is the data
@@ -10,8 +11,9 @@ local_steps = 1) and the model moves by the client's update (`server_update` on 
 reply: w <- w + server_lr * Delta_j for FedAvg).
 
 The server drives the walk: it sends the model to the visited client and takes the updated
-model back, so a hop costs 2 model transfers on the client-server link (the paper counts 1 Q per
-hop for a direct client-to-client pass; docs/topologies.md).  A round is `hops_per_round`
+model back, so a hop costs 2 model transfers on the client-server link (the peer-to-peer walk,
+`chain`, costs 1 on the client-client link; docs/topologies.md).  Useful where clients cannot
+reach each other (NAT, firewalls) but the walk's sampling is wanted.  A round is `hops_per_round`
 visits drawn from the stream ("chain", round); a client that fails is passed over.
 """
 from __future__ import annotations
@@ -28,21 +30,19 @@ from fedhop.common.rng import numpy_stream
 from fedhop.common.topology import topology_params
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.validation import validate_reply
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
 
 
-class ChainDriver:
-    def __init__(self, coord) -> None:
-        from fedhop.server.coordinator import RunFailed
-        self.RunFailed = RunFailed
+@register_driver("relay")
+class RelayDriver(TopologyDriver):
+    def __init__(self, coord: DriverContext) -> None:
+        super().__init__(coord)
         self.coord = coord
         cfg = coord.cfg
-        if cfg.transport.kind == "torch":
-            raise RunFailed("topology.kind = 'chain' runs over transport.kind = 'grpc'")
         self.hops = topology_params(cfg).hops_per_round
         sizes = np.array([coord.task.client_data(c).num_samples for c in range(cfg.clients.count)], dtype=float)
         self.p = sizes / sizes.sum()
         self.walk: list[int] = []
-        coord.summary_hooks.append(self.summary)
 
     def summary(self) -> dict:
         visits = Counter(self.walk)
@@ -54,8 +54,7 @@ class ChainDriver:
         rng = numpy_stream(self.coord.cfg.run.seed, "chain", round)
         return [int(c) for c in rng.choice(len(self.p), size=self.hops, p=self.p)]
 
-    def run_round(self, round: int):
-        from fedhop.server.coordinator import RoundResult, client_node
+    def run_round(self, round: int) -> RoundResult:
         coord, cfg = self.coord, self.coord.cfg
         algo = coord.algorithm
         started = time.perf_counter()
@@ -67,7 +66,7 @@ class ChainDriver:
             try:
                 if node is None:
                     raise CallFailed("UNAVAILABLE", f"client {cid} is not registered")
-                reply = coord.endpoint.call(node.address, client_node(cid), "train", algo.broadcast(coord.state, round),
+                reply = coord.fabric.call(node.address, client_node(cid), "train", algo.broadcast(coord.state, round),
                                             round=round, step=hop, timeout=cfg.run.call_timeout)
                 spec = algo.reply_spec(coord.state)
                 reply = decompress_upload(cfg, reply, spec)
@@ -81,10 +80,10 @@ class ChainDriver:
             done.append(cid)
             self.walk.append(cid)
         if not done:
-            raise self.RunFailed(f"round {round}: none of the {len(visits)} visited clients answered")
-        metrics = coord._round_metrics(round, Payload(scalars={"weight": 1.0, "train_loss": loss_sum / len(done)}))
+            raise RunFailed(f"round {round}: none of the {len(visits)} visited clients answered")
+        metrics = coord.round_metrics(round, Payload(scalars={"weight": 1.0, "train_loss": loss_sum / len(done)}))
         metrics["hops"] = float(len(done))
         result = RoundResult(round, sorted(set(visits)), sorted(set(done)), failures, metrics,
                              time.perf_counter() - started)
-        coord._record_round(result)
+        coord.record_round(result)
         return result

@@ -1,0 +1,127 @@
+"""The clients' side of the chain topology (WRWGD; common/walk.py has the rule, server/walk.py
+the server's control plane).
+
+A client process holds the walking model while one of its logical clients is the holder.
+`walk_visit` (from the server, no tensors except on resume): run the holder's local steps from
+the model, take the importance-weighted step w <- w + (p_i / pi_i) Delta_i, draw the next
+client and hand the model to it with `walk_handoff` (link client-client), then answer with the
+next holder.  `walk_handoff` (from a graph neighbour): the model, checked against the model's
+spec, kept for the next visit.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.algorithms.local import get_params, set_params
+from fedhop.common.codec import PayloadError, check_tensors
+from fedhop.common.topology import SEQ_METRIC_PREFIX
+from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
+from fedhop.common.walk import WalkRule
+
+if TYPE_CHECKING:
+    from fedhop.client.host import ClientHost
+
+PEER_PREFIX = "peer:"
+
+
+def client_id_of(node_id: str) -> int:
+    role, _, num = node_id.partition("-")
+    return int(num) if role == "client" and num.isdigit() else -1
+
+
+class WalkHost:
+    """The walk's state in one client process: the model, when a hosted client holds it."""
+
+    def __init__(self, host: ClientHost) -> None:
+        self.host = host
+        cfg = host.cfg
+        sizes = [host.task.client_data(c).num_samples for c in range(cfg.clients.count)]
+        self.rule = WalkRule.from_config(cfg, sizes)
+        params = get_params(host.task.build_model())   # the run's seeded initial model, as the server builds it
+        self.spec = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
+        self.initial = params
+        self.model: dict[str, torch.Tensor] | None = None
+        self.holder: int | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ walk_handoff
+    def take_handoff(self, src: str, dst: str, payload: Payload) -> Payload:
+        """The model from the client `payload.scalars["from"]` (hosted by the calling process `src`)."""
+        sender, receiver = payload.scalars.get("from", -1), client_id_of(dst)
+        if receiver not in self.host.client_ids:
+            raise HandlerError("UNKNOWN_CLIENT", f"client {receiver} is not hosted by {self.host.node_id}")
+        if isinstance(sender, bool) or sender not in self.rule.graph[receiver]:
+            raise HandlerError("NOT_NEIGHBOUR", f"client {sender!r} (from {src}) is not a neighbour of client "
+                                                f"{receiver} in the walk's graph (neighbours: {self.rule.graph[receiver]})")
+        self._check_model(payload, f"hand-off from {src}")
+        with self._lock:
+            self.model = {k: v.clone() for k, v in payload.tensors.items()}
+            self.holder = receiver
+        return Payload()
+
+    # ------------------------------------------------------------------ walk_visit
+    def visit(self, dst: str, round: int, hop: int, message: Payload) -> Payload:
+        client = client_id_of(dst)
+        if client not in self.host.client_ids:
+            raise HandlerError("UNKNOWN_CLIENT", f"client {client} is not hosted by {self.host.node_id}")
+        scalars = message.scalars
+        with self._lock:
+            if bool(scalars.get("resume")):
+                self._check_model(message, f"round {round} resumed model")
+                self.model, self.holder = {k: v.clone() for k, v in message.tensors.items()}, client
+            elif bool(scalars.get("start")):
+                self.model, self.holder = {k: v.clone() for k, v in self.initial.items()}, client
+            if self.holder != client or self.model is None:
+                raise HandlerError("NOT_HOLDER", f"client {client} does not hold the walk's model (holder here: "
+                                                 f"{self.holder})")
+            model = self.model
+        update = self.host.train(client, round, Payload(tensors=model), hop)
+        scale = self.rule.scale(client)
+        stepped = {k: model[k] + scale * update.tensors[k] for k in model}   # w <- w + (p_i / pi_i) Delta_i
+        reply = Payload(scalars={"train_loss": float(update.scalars.get("train_loss", 0.0)), "skipped": -1})
+        if bool(scalars.get("evaluate")):
+            set_params(self.host.model, stepped)
+            with torch.no_grad():
+                for name, value in self.host.task.evaluate(self.host.model).items():
+                    reply.scalars[SEQ_METRIC_PREFIX + name] = float(value)
+        if bool(scalars.get("return_model")):
+            reply.tensors = {k: v.clone() for k, v in stepped.items()}
+        nxt = client
+        if not bool(scalars.get("final")):
+            nxt = self._hand_off(client, round, hop, stepped, scalars, reply)
+        with self._lock:
+            if nxt == client:
+                self.model = stepped
+            elif self.holder == client:   # handed on: another client (perhaps of this process) holds it now
+                if self.model is model:
+                    self.model, self.holder = None, None
+        reply.scalars["next"] = nxt
+        return reply
+
+    def _hand_off(self, client: int, round: int, hop: int, model: dict[str, torch.Tensor], scalars: dict,
+                  reply: Payload) -> int:
+        """Draw the next client and pass the model to it; a failed pass keeps the model here."""
+        nxt = self.rule.next_client(client, round, hop)
+        if nxt == client:
+            return client
+        address = scalars.get(f"{PEER_PREFIX}{nxt}")
+        if not isinstance(address, str) or not address:
+            reply.scalars.update(skipped=nxt, skip_reason=f"no address for client {nxt}")
+            return client
+        try:
+            self.host.fabric.call(address, f"client-{nxt}", "walk_handoff",
+                                  Payload(tensors=model, scalars={"from": client}), round=round, step=hop,
+                                  timeout=self.host.cfg.run.call_timeout)
+        except (CallFailed, RemoteError, PayloadError) as exc:
+            reply.scalars.update(skipped=nxt, skip_reason=str(exc))
+            return client
+        return nxt
+
+    def _check_model(self, payload: Payload, who: str) -> None:
+        check_tensors(payload, self.spec, who)
+        if not all(bool(torch.isfinite(t).all()) for t in payload.tensors.values()):
+            raise PayloadError("NON_FINITE", f"{who} holds NaN or Inf")

@@ -1,0 +1,139 @@
+"""The fabric: the one interface through which a role sends (shared/DESIGN.md section 2).
+
+A role never calls `Endpoint.call` in a loop, keeps a thread pool or applies payload checks by
+hand: it says what goes where and gets back results and failures.
+
+- `send_and_receive(requests, timeout)`: fan-out with gather.  Every request is sent at once
+  (each distinct message encoded once), the replies run through the request's inbound
+  pipeline, and the call returns `(results, failures)` keyed as the requests are: a peer that
+  fails, answers with an error, sends a reply the pipeline rejects or misses the deadline is a
+  failure with its reason, never an exception.
+- `call`: one request, one reply (control calls, a hand-off to a peer); failures raise.
+- `submit`: a call in the background (a control call that must overlap a collective).
+
+The payload pipeline lives at this seam.  `ReplyPipeline` (inbound) undoes upload compression
+and validates the reply against the algorithm's spec; `upload` (outbound) compresses what a
+child sends up.  The ledger is recorded by the endpoint underneath, for every message.
+
+The transport underneath is the endpoint's (gRPC, or in memory for unit tests); the
+torch.distributed data plane adds its collectives beside it (common/transport/torchdist.py)
+and uses this fabric for its control calls.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Mapping
+
+import torch
+
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.codec import Encoded, PayloadError
+from fedhop.common.compress import compress_upload, decompress_upload
+from fedhop.common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError
+from fedhop.common.validation import validate_reply
+
+Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+# what makes a request fail without failing the caller: every typed outcome of a call
+CALL_ERRORS = (CallFailed, RemoteError, PayloadError, HandlerError)
+
+
+@dataclass(frozen=True)
+class ReplyPipeline:
+    """Inbound processors for a reply: QSGD decompression (common/compress.py), then the
+    algorithm's reply spec (names, dtypes, shapes, finiteness, the weight; common/validation.py)."""
+
+    cfg: Any
+    spec: Spec
+
+    def __call__(self, reply: Payload, who: str) -> Payload:
+        reply = decompress_upload(self.cfg, reply, self.spec)
+        validate_reply(reply, self.spec, who)
+        return reply
+
+
+def upload(cfg: Any, payload: Payload, sender: str, round: int, step: int = 0) -> Payload:
+    """The outbound processor of a child's reply to its parent: QSGD when configured."""
+    return compress_upload(cfg, payload, sender, round, step)
+
+
+@dataclass
+class Send:
+    """One request of a fan-out.  `message` is shared by identity: requests that carry the same
+    Payload object are encoded once.  `inbound` checks the reply (None: taken as it comes);
+    `who` names the reply in rejections."""
+
+    key: Hashable
+    address: str
+    dst: str
+    method: str
+    message: Payload = field(default_factory=Payload)
+    step: int = 0
+    inbound: Callable[[Payload, str], Payload] | None = None
+    who: str = ""
+    on_reply: Callable[[Hashable], None] | None = None   # e.g. the arrival time of a reply
+
+
+class Fabric:
+    """A role's sending side over its endpoint."""
+
+    def __init__(self, endpoint: Endpoint, max_workers: int = 64) -> None:
+        self.endpoint = endpoint
+        self.node_id = endpoint.node_id
+        self._workers = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{endpoint.node_id}-call")
+
+    # ------------------------------------------------------------------ one call
+    def call(self, address: str, dst: str, method: str, message: Payload | None = None, *, round: int,
+             step: int = 0, timeout: float, prepared: Encoded | None = None) -> Payload:
+        """One request and its reply; raises CallFailed / RemoteError / PayloadError."""
+        return self.endpoint.call(address, dst, method, message, round=round, step=step, timeout=timeout,
+                                  prepared=prepared)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Run `fn` on the fabric's workers (a call that overlaps a collective or another call)."""
+        return self._workers.submit(fn, *args, **kwargs)
+
+    # ------------------------------------------------------------------ fan-out with gather
+    def send_and_receive(self, requests: list[Send], *, round: int, timeout: float, call_timeout: float,
+                         timeout_reason: str = "") -> tuple[dict[Hashable, Payload], dict[Hashable, str]]:
+        """Send every request at once and wait up to `timeout` for all replies.  Returns the
+        replies that passed their inbound pipeline and, for every other request, why not."""
+        encoded: dict[int, tuple[Payload, Encoded]] = {}   # id(message) -> (message kept alive, frames)
+        calls: dict[Hashable, Future] = {}
+        for req in requests:
+            if id(req.message) not in encoded:
+                encoded[id(req.message)] = (req.message, self.endpoint.prepare(req.message))
+            calls[req.key] = self._workers.submit(self._exchange, req, round, call_timeout,
+                                                  encoded[id(req.message)][1])
+        return gather(calls, timeout, timeout_reason or f"timeout: no result within {timeout:g}s")
+
+    def _exchange(self, req: Send, round: int, call_timeout: float, prepared: Encoded) -> Payload:
+        reply = self.endpoint.call(req.address, req.dst, req.method, round=round, step=req.step,
+                                   timeout=call_timeout, prepared=prepared)
+        if req.on_reply is not None:
+            req.on_reply(req.key)
+        if req.inbound is not None:
+            reply = req.inbound(reply, req.who or f"round {round} reply of {req.dst}")
+        return reply
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+
+def gather(calls: Mapping[Hashable, Future], timeout: float, timeout_reason: str,
+           pending_ok: bool = False) -> tuple[dict[Hashable, Any], dict[Hashable, str]]:
+    """Wait for `calls` until `timeout`; split results from failures (a call still running at the
+    deadline fails with `timeout_reason`, or is left out of both with `pending_ok`)."""
+    _, pending = wait(list(calls.values()), timeout=timeout)
+    results: dict[Hashable, Any] = {}
+    failures: dict[Hashable, str] = {}
+    for key, fut in calls.items():
+        if fut in pending:
+            if not pending_ok:
+                failures[key] = timeout_reason
+            continue
+        try:
+            results[key] = fut.result()
+        except CALL_ERRORS as exc:
+            failures[key] = str(exc)
+    return results, failures

@@ -1,0 +1,141 @@
+"""Topology drivers: what a round is, per `topology.kind` (shared/DESIGN.md section 2).
+
+The Coordinator (server/coordinator.py) owns registration, the round loop and finalising; a
+driver owns one topology's round protocol, its checkpoint state and resume, and the part of
+summary.json that describes its walk.  Drivers are registered by kind, as algorithms are:
+
+    @register_driver("star")
+    class StarDriver(TopologyDriver): ...
+
+A driver sees the run only through `DriverContext`, the public face of the Coordinator, and
+sends only through the context's fabric (common/transport/fabric.py).  Adding a topology is one
+module under server/ that registers its driver (and, where it starts other processes than the
+default, its process plan).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from fedhop.common.algorithms.base import Algorithm, Payload, ServerState
+    from fedhop.common.config import Config
+    from fedhop.common.ledger import Ledger
+    from fedhop.common.runstore import RunStore
+    from fedhop.common.transport.fabric import Fabric
+    from fedhop.common.vclock import RoundClock
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (too few results, registration timed out, ...)."""
+
+
+@dataclass
+class ChildNode:
+    """A registered child process (client process or edge)."""
+
+    node_id: str
+    role: str
+    address: str
+    clients: list[int]
+
+
+@dataclass
+class RoundResult:
+    round: int
+    sampled: list[int]
+    participants: list[int]
+    failures: dict[int, str]
+    metrics: dict[str, float]
+    wall_seconds: float
+    sim_seconds: float | None = None   # virtual-clock duration (common/vclock.py); None where not simulated
+
+
+def client_node(cid: int) -> str:
+    return f"client-{cid}"
+
+
+class DriverContext(Protocol):
+    """What a driver may use of the run (the Coordinator implements it)."""
+
+    cfg: Config
+    task: Any
+    algorithm: Algorithm
+    state: ServerState
+    store: RunStore
+    ledger: Ledger
+    fabric: Fabric
+    clock: RoundClock
+    run_id: str
+    children: dict[str, ChildNode]
+    client_home: dict[int, ChildNode]
+    restored_topology: dict | None
+    summary_hooks: list[Callable[[], dict]]
+
+    def sample(self, round: int) -> list[int]: ...
+    def group_message(self, message: Payload, round: int, cids: list[int]) -> Payload: ...
+    def client_message(self, message: Payload, round: int, cid: int) -> Payload: ...
+    def complete_round(self, round: int, sampled: list[int], results: dict[int, Payload], failures: dict[int, str],
+                       message: Payload, started: float, dispatched: float, arrivals: dict[int, float],
+                       per_client: bool = True) -> RoundResult: ...
+    def round_metrics(self, round: int, aggregate: Payload) -> dict[str, float]: ...
+    def record_round(self, result: RoundResult) -> None: ...
+
+
+class TopologyDriver:
+    """One topology's rounds.  `start` runs once after every child registered (and after a
+    resume restored the server's state); `run_round` runs each round and records it through
+    `ctx.record_round`; `checkpoint_state`/`restore` carry what the topology must keep across a
+    resume beyond the model; `summary` adds the topology's keys to summary.json."""
+
+    kind: ClassVar[str] = ""
+    checkpoint_needs_state: ClassVar[bool] = False   # a resume needs `checkpoint_state` (the model lives elsewhere)
+
+    def __init__(self, ctx: DriverContext) -> None:
+        self.ctx = ctx
+
+    def start(self) -> None:
+        """After registration: set up what rounds need (a torch.distributed world, ...)."""
+
+    def run_round(self, round: int) -> RoundResult:
+        raise NotImplementedError
+
+    def checkpoint_state(self) -> dict | None:
+        """What a checkpoint must keep of the topology (None: nothing beyond the model)."""
+        return None
+
+    def restore(self, state: dict) -> None:
+        raise RunFailed(f"topology.kind = '{self.kind}' keeps no state in checkpoints, got {state}")
+
+    def checkpoint_due(self, round: int) -> bool:
+        """Whether a checkpoint follows `round` (server/resilience.py saves it)."""
+        every = self.ctx.cfg.run.checkpoint_every
+        return bool(every) and round % every == 0 and round != self.ctx.cfg.run.rounds
+
+    def summary(self) -> dict:
+        return {}
+
+
+DRIVERS: dict[str, type[TopologyDriver]] = {}
+
+
+def register_driver(kind: str) -> Callable[[type[TopologyDriver]], type[TopologyDriver]]:
+    def add(cls: type[TopologyDriver]) -> type[TopologyDriver]:
+        if kind in DRIVERS:
+            raise ValueError(f"topology driver '{kind}' registered twice")
+        cls.kind = kind
+        DRIVERS[kind] = cls
+        return cls
+    return add
+
+
+def driver_class(kind: str) -> type[TopologyDriver]:
+    """The driver registered for `kind` (the built-in drivers register on import)."""
+    import fedhop.server.topologies  # noqa: F401  (registers star, hierarchical, sequential, chain, relay)
+    if kind not in DRIVERS:
+        raise RunFailed(f"topology.kind = '{kind}' has no driver (known: {', '.join(sorted(DRIVERS))})")
+    return DRIVERS[kind]
+
+
+def make_driver(ctx: DriverContext) -> TopologyDriver:
+    return driver_class(ctx.cfg.topology.kind)(ctx)

@@ -1,0 +1,148 @@
+"""The star and hierarchical topologies: rounds of sampled clients (FedAvg's round, HierFAVG's).
+
+A round samples clients, sends them the algorithm's message, gathers their results (or, in the
+hierarchical topology, one partial aggregate per edge) and completes the round in the
+Coordinator (aggregation, server step, metrics).  How the message reaches the clients is the
+round's data plane, chosen by `transport.kind` from the driver's `planes`:
+
+- gRPC (and the in-memory test transport): a fan-out through the fabric, to the sampled
+  clients (star) or to the edges of the sampled clients (hierarchical, edge/aggregator.py);
+- torch.distributed: one broadcast and one reduce per round over collectives
+  (server/torch_rounds.py).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, ClassVar
+
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.topology import edge_index
+from fedhop.common.transport.fabric import ReplyPipeline, Send
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
+
+
+class DataPlane:
+    """How one round's message reaches the sampled clients and their results come back.
+    `per_client`: the results are one reply per client (not partial aggregates)."""
+
+    per_client: bool = True
+
+    def __init__(self, ctx: DriverContext) -> None:
+        self.ctx = ctx
+
+    def dispatch(self, round: int, sampled: list[int], message: Payload,
+                 arrivals: dict[int, float]) -> tuple[dict[int, Payload], dict[int, str]]:
+        """Results keyed by client id (or by a partial's index), failures by client id."""
+        raise NotImplementedError
+
+
+class ClientFanout(DataPlane):
+    """Star over the fabric: each sampled client gets its message (its own variant where the
+    algorithm has one, Algorithm.client_message; each distinct message is encoded once)."""
+
+    def dispatch(self, round, sampled, message, arrivals):
+        ctx = self.ctx
+        check = ReplyPipeline(ctx.cfg, ctx.algorithm.reply_spec(ctx.state))
+        requests = [Send(cid, ctx.client_home[cid].address, client_node(cid), "train",
+                         ctx.client_message(message, round, cid), inbound=check,
+                         who=f"round {round} reply of client {cid}",
+                         on_reply=lambda c: arrivals.__setitem__(c, time.perf_counter()))
+                    for cid in sampled]
+        timeout = ctx.cfg.run.round_timeout
+        return ctx.fabric.send_and_receive(requests, round=round, timeout=timeout, call_timeout=ctx.cfg.run.call_timeout,
+                                           timeout_reason=f"timeout: no result within run.round_timeout={timeout}s")
+
+
+class EdgeFanout(DataPlane):
+    """Hierarchical over the fabric: one `edge_round` call per edge with sampled clients, each
+    answered by the edge's partial aggregate and the failures among its clients."""
+
+    per_client = False
+
+    def dispatch(self, round, sampled, message, arrivals):
+        ctx = self.ctx
+        by_edge: dict[str, list[int]] = {}
+        for cid in sampled:
+            by_edge.setdefault(ctx.client_home[cid].node_id, []).append(cid)
+        check = ReplyPipeline(ctx.cfg, ctx.algorithm.reply_spec(ctx.state))
+        requests = []
+        for node_id, cids in sorted(by_edge.items()):
+            shared = ctx.group_message(message, round, cids)
+            payload = Payload(tensors=shared.tensors,
+                              scalars={**shared.scalars, "edge_clients": ",".join(map(str, cids))})
+            requests.append(Send(node_id, ctx.children[node_id].address, node_id, "edge_round", payload,
+                                 inbound=check, who=f"round {round} partial of {node_id}"))
+        timeout = ctx.cfg.run.round_timeout * 2
+        partials, edge_failures = ctx.fabric.send_and_receive(
+            requests, round=round, timeout=timeout, call_timeout=timeout,
+            timeout_reason=f"timeout: no result within run.round_timeout={ctx.cfg.run.round_timeout}s")
+        failures: dict[int, str] = {}
+        for node_id, why in edge_failures.items():
+            ctx.store.add_event("edge_failed", node=node_id, detail=why, round=round)
+            for cid in by_edge[node_id]:
+                failures[cid] = f"edge {node_id} failed: {why}"
+        results = {}
+        for node_id, partial in partials.items():
+            lost = partial_failures(partial)
+            failures.update({c: f"at {node_id}: {why}" for c, why in lost.items()})
+            results[edge_index(node_id)] = partial
+        return results, failures
+
+
+def partial_failures(partial: Payload) -> dict[int, str]:
+    """The failures among an edge's clients that its partial reports (and takes out of it)."""
+    import json
+    lost = json.loads(str(partial.scalars.pop("failures_json", "{}")))
+    return {int(c): why for c, why in lost.items()}
+
+
+class SampledRoundDriver(TopologyDriver):
+    """A round of sampled clients; `planes` maps transport.kind to the round's data plane."""
+
+    planes: ClassVar[dict[str, Callable[[DriverContext], DataPlane]]] = {}
+
+    def __init__(self, ctx: DriverContext) -> None:
+        super().__init__(ctx)
+        self.plane: DataPlane | None = None
+
+    def start(self) -> None:
+        kind = self.ctx.cfg.transport.kind
+        if kind not in self.planes:
+            raise RunFailed(f"topology.kind = '{self.kind}' does not run over transport.kind = '{kind}' "
+                            f"(it runs over {', '.join(sorted(self.planes))})")
+        factory = self.planes[kind]
+        try:
+            self.plane = factory(self.ctx)
+        except (RuntimeError, ValueError) as exc:   # a torch.distributed world that could not be set up
+            raise RunFailed(str(exc)) from None
+
+    def run_round(self, round: int) -> RoundResult:
+        ctx = self.ctx
+        started = time.perf_counter()
+        sampled = ctx.sample(round)
+        message = ctx.clock.begin_round(round, sampled, ctx.algorithm.broadcast(ctx.state, round))
+        dispatched = time.perf_counter()
+        arrivals: dict[int, float] = {}
+        results, failures = self.plane.dispatch(round, sampled, message, arrivals)
+        return ctx.complete_round(round, sampled, results, failures, message, started, dispatched, arrivals,
+                                  per_client=self.plane.per_client)
+
+
+def _torch_star(ctx: DriverContext) -> DataPlane:
+    from fedhop.server.torch_rounds import TorchRounds   # imports torch.distributed only where it is used
+    return TorchRounds(ctx)
+
+
+def _torch_hierarchical(ctx: DriverContext) -> DataPlane:
+    from fedhop.server.torch_rounds import HierTorchRounds
+    return HierTorchRounds(ctx)
+
+
+@register_driver("star")
+class StarDriver(SampledRoundDriver):
+    planes = {"grpc": ClientFanout, "inmemory": ClientFanout, "torch": _torch_star}
+
+
+@register_driver("hierarchical")
+class HierarchicalDriver(SampledRoundDriver):
+    planes = {"grpc": EdgeFanout, "inmemory": EdgeFanout, "torch": _torch_hierarchical}

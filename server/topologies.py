@@ -1,0 +1,4 @@
+"""The built-in topology drivers; importing this module registers them (server/driver.py)."""
+from fedhop.server import relay, sampled, sequential, walk  # noqa: F401
+
+__all__ = ["relay", "sampled", "sequential", "walk"]

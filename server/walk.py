@@ -1,0 +1,155 @@
+"""The chain topology: WRWGD, one model walking a graph of clients (common/walk.py has the rule;
+client/walk.py the clients' side).
+
+The model travels client to client: the visited client runs its local steps, draws the next
+client and hands the model to it (`walk_handoff`, link client-client, 4d bytes per move).  The
+server is the control plane only: each hop it sends the holder a `walk_visit` call without
+tensors (the holder's neighbours' addresses and what to do after its update) and the reply
+names the next holder, the visit's training loss and, at evaluation rounds, the holder's
+evaluation of the model.  The model reaches the server only at the end of the run and before
+each checkpoint (the round's last holder returns it in its reply, link client-server).
+
+A round is `topology.hops_per_round` visits.  A hand-off that fails leaves the model with the
+holder (the walk stays; a `handoff_skipped` event).  A holder that fails loses the model and
+fails the run; a checkpoint keeps the walk (holder, visits) and `--resume` hands the
+checkpoint's model to that holder in its first visit.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import torch
+
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.codec import PayloadError, check_tensors
+from fedhop.common.topology import SEQ_METRIC_PREFIX, topology_params
+from fedhop.common.transport.base import CallFailed, RemoteError
+from fedhop.common.walk import WalkRule, start_client
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
+
+PEER_PREFIX = "peer:"   # walk_visit scalars "peer:<client id>" = the address of that neighbour's process
+
+
+@register_driver("chain")
+class WalkDriver(TopologyDriver):
+    checkpoint_needs_state = True
+    def __init__(self, ctx: DriverContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.cfg
+        sizes = [ctx.task.client_data(c).num_samples for c in range(cfg.clients.count)]
+        try:
+            self.rule = WalkRule.from_config(cfg, sizes)
+            self.holder = start_client(topology_params(cfg).start, cfg.clients.count, cfg.run.seed)
+        except ValueError as exc:
+            raise RunFailed(str(exc)) from None
+        self.hops = topology_params(cfg).hops_per_round
+        self.walk: list[int] = []      # the client of every visit, in order
+        self.moves = 0                 # hand-offs that moved the model to another client
+        self.skips = 0
+        self.resuming = False
+        if ctx.restored_topology is not None:
+            self.restore(ctx.restored_topology)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_state(self) -> dict:
+        return {"kind": "chain", "holder": self.holder, "walk": list(self.walk), "moves": self.moves,
+                "skips": self.skips}
+
+    def restore(self, state: dict) -> None:
+        if state.get("kind") != "chain" or not 0 <= int(state.get("holder", -1)) < self.ctx.cfg.clients.count:
+            raise RunFailed(f"the checkpoint's topology state is not a walk of this run's clients: {state}")
+        self.holder, self.walk = int(state["holder"]), [int(c) for c in state["walk"]]
+        self.moves, self.skips = int(state["moves"]), int(state["skips"])
+        self.resuming = True
+
+    def summary(self) -> dict:
+        visits = Counter(self.walk)
+        return {"client_walk": list(self.walk), "client_walk_length": len(self.walk), "walk_moves": self.moves,
+                "handoff_skips": self.skips, "client_graph": self.rule.graph,
+                "client_visits": [visits.get(c, 0) for c in range(self.ctx.cfg.clients.count)]}
+
+    # ------------------------------------------------------------------ rounds
+    def _visit_message(self, round: int, hop: int) -> Payload:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        last_hop = hop == self.hops - 1
+        final = last_hop and round == cfg.run.rounds
+        every = cfg.run.eval_every
+        scalars: dict = {"start": round == 1 and hop == 0 and not self.resuming, "resume": self.resuming,
+                         "final": final, "return_model": final or (last_hop and self.checkpoint_due(round)),
+                         "evaluate": last_hop and (final or bool(every and round % every == 0))}
+        for peer in self.rule.graph[self.holder]:
+            home = ctx.client_home.get(peer)
+            if home is not None:
+                scalars[f"{PEER_PREFIX}{peer}"] = home.address
+        message = Payload(scalars=scalars)
+        if self.resuming:   # the checkpoint's model goes to its holder (link client-server)
+            message.tensors = {k: v.clone() for k, v in ctx.state.params.items()}
+        return message
+
+    def run_round(self, round: int) -> RoundResult:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        started = time.perf_counter()
+        losses: list[float] = []
+        metrics: dict[str, float] = {}
+        visited: list[int] = []
+        for hop in range(self.hops):
+            holder = self.holder
+            node = ctx.client_home.get(holder)
+            if node is None:
+                raise RunFailed(f"round {round}: client {holder}, which holds the model, is not registered")
+            message = self._visit_message(round, hop)
+            try:
+                reply = ctx.fabric.call(node.address, client_node(holder), "walk_visit", message, round=round, step=hop,
+                                        timeout=cfg.run.round_timeout)
+            except (CallFailed, RemoteError, PayloadError) as exc:
+                ctx.store.add_event("client_failed", node=client_node(holder), detail=f"hop {hop}: {exc}", round=round)
+                raise RunFailed(f"round {round}: client {holder}, which holds the model, failed: {exc}") from None
+            self.resuming = False
+            nxt = self._next_of(reply, holder, round, hop)
+            if bool(message.scalars["return_model"]):
+                self._take_model(reply, holder, round)
+            elif reply.tensors:
+                raise RunFailed(f"round {round}: client {holder} sent model tensors to the server, which asked for "
+                                f"none (only the last hop of the run and of checkpoint rounds returns the model)")
+            visited.append(holder)
+            self.walk.append(holder)
+            losses.append(float(reply.scalars.get("train_loss", 0.0)))
+            metrics.update({k[len(SEQ_METRIC_PREFIX):]: float(v) for k, v in reply.scalars.items()
+                            if k.startswith(SEQ_METRIC_PREFIX)})
+            if nxt != holder:
+                self.moves += 1
+            self.holder = nxt
+        metrics["client_train_loss"] = sum(losses) / len(losses)
+        metrics["hops"] = float(len(visited))
+        result = RoundResult(round, sorted(set(visited)), sorted(set(visited)), {}, metrics,
+                             time.perf_counter() - started)
+        ctx.record_round(result)
+        return result
+
+    def _next_of(self, reply: Payload, holder: int, round: int, hop: int) -> int:
+        """The next holder the reply names (checked against the graph) and its skipped hand-off."""
+        nxt = reply.scalars.get("next")
+        if isinstance(nxt, bool) or not isinstance(nxt, int) or nxt not in self.rule.candidates(holder):
+            raise RunFailed(f"round {round}: client {holder} named {nxt!r} as the next holder, not one of "
+                            f"{self.rule.candidates(holder)}")
+        skipped = reply.scalars.get("skipped", -1)
+        if isinstance(skipped, int) and not isinstance(skipped, bool) and skipped >= 0:
+            self.skips += 1
+            self.ctx.store.add_event("handoff_skipped", node=client_node(skipped), round=round,
+                                     detail=f"hop {hop}: client {holder} kept the model: "
+                                            f"{reply.scalars.get('skip_reason', '')}")
+        return nxt
+
+    def _take_model(self, reply: Payload, holder: int, round: int) -> None:
+        """The model the holder returned (the end of the run, or a checkpoint round): checked
+        against the model's spec and finiteness, then the server's state."""
+        params = self.ctx.state.params
+        spec = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
+        try:
+            check_tensors(reply, spec, f"round {round} model from client {holder}")
+        except PayloadError as exc:
+            raise RunFailed(str(exc)) from None
+        if not all(bool(torch.isfinite(t).all()) for t in reply.tensors.values()):
+            raise RunFailed(f"round {round}: the model from client {holder} holds NaN or Inf")
+        self.ctx.state.params = {k: reply.tensors[k].clone() for k in spec}
