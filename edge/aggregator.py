@@ -13,7 +13,6 @@ import json
 import logging
 import threading
 from typing import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import Payload
@@ -21,11 +20,10 @@ from fedhop.common.algorithms.local import get_params
 from fedhop.common.tasks import build_task
 from fedhop.common.checkpoint import STATE_GET, STATE_SET, forward_client_state
 from fedhop.common.codec import PayloadError
-from fedhop.common.compress import compress_upload, decompress_upload
-from fedhop.common.validation import validate_reply
 from fedhop.common.config import Config
 from fedhop.common.topology import cluster_assignment, edge_index, topology_params
 from fedhop.common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError, Request
+from fedhop.common.transport.fabric import Fabric, ReplyPipeline, Send, upload
 from fedhop.common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.edge")
@@ -48,7 +46,7 @@ class EdgeAggregator:
         self._cond = threading.Condition()
         self.shutdown_event = threading.Event()
         self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
-        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"{endpoint.node_id}-call")
+        self.fabric = Fabric(endpoint, max_workers=32)
 
     # ------------------------------------------------------------------ registration of clients
     def handle_register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
@@ -125,40 +123,30 @@ class EdgeAggregator:
         if kappa2 > 1:
             partial = self.algorithm.edge_partial(start, message, partial)
         partial.scalars["failures_json"] = json.dumps({str(c): why for c, why in sorted(failures.items())})
-        return compress_upload(self.cfg, partial, self.endpoint.node_id, round, 0)   # QSGD uploads (common/compress.py)
+        return upload(self.cfg, partial, self.endpoint.node_id, round, 0)   # QSGD uploads (common/compress.py)
 
     def _collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None):
         """Send `message` to `clients` (one encoding), gather replies checked against `spec`
         (default: the algorithm's reply spec for this edge's model) and failures."""
-        prepared = self.endpoint.prepare(message)
-        futures = {c: self._pool.submit(self._train_one, c, round, step, prepared, spec) for c in clients}
-        _, pending = wait(futures.values(), timeout=self.cfg.run.round_timeout)
-        replies, failures = {}, {}
-        for c, fut in futures.items():
-            if fut in pending:
-                failures[c] = f"timeout at {self.endpoint.node_id}"
+        check = ReplyPipeline(self.cfg, spec if spec is not None else self.algorithm.reply_spec(self.model_state))
+        failures: dict[int, str] = {}
+        requests = []
+        for c in clients:
+            if c not in self.client_home:
+                failures[c] = f"UNKNOWN_CLIENT: client {c} never registered with {self.endpoint.node_id}"
                 continue
-            try:
-                replies[c] = fut.result()
-            except (CallFailed, RemoteError, PayloadError, HandlerError) as exc:
-                failures[c] = str(exc)
+            requests.append(Send(c, self.client_home[c][1], f"client-{c}", "train", message, step=step,
+                                 inbound=check, who=f"round {round} step {step} reply of client {c}"))
+        replies, failed = self.fabric.send_and_receive(requests, round=round, timeout=self.cfg.run.round_timeout,
+                                                       call_timeout=self.cfg.run.call_timeout,
+                                                       timeout_reason=f"timeout at {self.endpoint.node_id}")
+        failures.update(failed)
         return replies, failures
-
-    def _train_one(self, cid: int, round: int, step: int, prepared, spec=None) -> Payload:
-        if cid not in self.client_home:
-            raise HandlerError("UNKNOWN_CLIENT", f"client {cid} never registered with {self.endpoint.node_id}")
-        _, address = self.client_home[cid]
-        reply = self.endpoint.call(address, f"client-{cid}", "train", round=round, step=step,
-                                   timeout=self.cfg.run.call_timeout, prepared=prepared)
-        spec = spec if spec is not None else self.algorithm.reply_spec(self.model_state)
-        reply = decompress_upload(self.cfg, reply, spec)   # QSGD
-        validate_reply(reply, spec, f"round {round} step {step} reply of client {cid}")
-        return reply
 
     def shutdown_clients(self, round: int) -> None:
         for node, address in sorted(self.processes.items()):
             try:
-                self.endpoint.call(address, node, "shutdown", Payload(), round=round, timeout=5.0)
+                self.fabric.call(address, node, "shutdown", Payload(), round=round, timeout=5.0)
             except (CallFailed, RemoteError) as exc:
                 log.warning("shutdown of %s failed: %s", node, exc)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.fabric.close()

@@ -242,10 +242,10 @@ class SequentialEdge:
         that makes the peer post its receives, beside this edge's dist.send."""
         timeout = self.cfg.run.call_timeout
         if self.torch is None:
-            self.endpoint.call(address, edge_node(peer), "seq_handoff", Payload(tensors=w), round=round,
+            self.agg.fabric.call(address, edge_node(peer), "seq_handoff", Payload(tensors=w), round=round,
                                timeout=timeout)
             return
-        call = self.agg._pool.submit(self.endpoint.call, address, edge_node(peer), "seq_handoff", Payload(),
+        call = self.agg.fabric.submit(self.agg.fabric.call, address, edge_node(peer), "seq_handoff", Payload(),
                                      round=round, timeout=timeout)
         try:
             self.torch.world.send([w[k] for k in self.spec], self.torch.ranks[edge_node(peer)], edge_node(peer),
@@ -270,7 +270,7 @@ class SequentialEdge:
                 skipped.append([e, "not registered with the server"])
                 continue
             try:
-                r = self.endpoint.call(peers[e], edge_node(e), "control.seq_query", Payload(), round=round,
+                r = self.agg.fabric.call(peers[e], edge_node(e), "control.seq_query", Payload(), round=round,
                                        timeout=timeout)
                 answers[e] = (int(r.scalars["visits"]), int(r.scalars["data_size"]))
             except (CallFailed, RemoteError, PayloadError, KeyError, ValueError) as exc:

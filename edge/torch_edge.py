@@ -20,13 +20,12 @@ round (a HandlerError the server turns into a failed run), within the collective
 from __future__ import annotations
 
 import json
-from concurrent.futures import wait
 
 import torch
 
 from fedhop.common.algorithms.base import Payload, reduce_payloads
-from fedhop.common.codec import PayloadError
-from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
+from fedhop.common.transport.base import HandlerError
+from fedhop.common.transport.fabric import gather
 from fedhop.common.transport.torchdist import (STEP_KEY, Collectives, LayoutMismatch, TorchParams, buffers_by_name,
                                         build_groups, init_watching, layout_of, merge_layouts, reduce_buffers,
                                         specs_from_json, specs_of, specs_to_json)
@@ -83,7 +82,7 @@ class TorchEdge:
         common = {"world_size": world, "master": str(s["master"]), "backend": params.backend,
                   "timeout": params.timeout, "groups_json": json.dumps(groups), "group_index": mine,
                   "root_rank": ranks[self.node_id], "root_node": self.node_id}
-        calls = {p: self.agg._pool.submit(self.agg.endpoint.call, self.agg.processes[p], p, "torch_init",
+        calls = {p: self.agg.fabric.submit(self.agg.fabric.call, self.agg.processes[p], p, "torch_init",
                                           Payload(scalars={**common, "rank": ranks[p]}), round=0,
                                           timeout=params.timeout)
                  for p in self.procs}
@@ -143,12 +142,12 @@ class TorchEdge:
     def _iteration(self, round: int, step: int, clients: list[int], message: Payload):
         """One edge iteration over the cluster group: broadcast, train, reduce into this edge."""
         assert self.cluster is not None
-        ep, timeout = self.agg.endpoint, self.agg.cfg.run.round_timeout
+        ep, timeout = self.agg.fabric, self.agg.cfg.run.round_timeout
         by_proc: dict[str, list[int]] = {p: [] for p in self.procs}
         for cid in clients:
             by_proc[self.agg.client_home[cid][0]].append(cid)
         specs = specs_to_json(specs_of(message.tensors))
-        control = {p: self.agg._pool.submit(
+        control = {p: self.agg.fabric.submit(
             ep.call, self.agg.processes[p], p, "torch_round",
             Payload(scalars={**message.scalars, "clients": ",".join(map(str, by_proc[p])), "specs": specs,
                              STEP_KEY: step}), round=round, step=step, timeout=timeout) for p in self.procs}
@@ -175,7 +174,7 @@ class TorchEdge:
         except LayoutMismatch as exc:
             raise HandlerError("LAYOUT_MISMATCH", str(exc)) from None
         layout_text = json.dumps(layout)
-        reduce_calls = {p: self.agg._pool.submit(ep.call, self.agg.processes[p], p, "torch_reduce",
+        reduce_calls = {p: self.agg.fabric.submit(ep.call, self.agg.processes[p], p, "torch_reduce",
                                                  Payload(scalars={"layout": layout_text, STEP_KEY: step}),
                                                  round=round, step=step, timeout=timeout) for p in self.procs}
         buffers = reduce_buffers(layout, None)
@@ -213,15 +212,4 @@ class TorchEdge:
     def _gather(calls: dict, timeout: float, pending_ok: bool = False) -> tuple[dict, dict]:
         """Results and failures of control calls after at most `timeout` seconds (a call still
         pending is a failure unless `pending_ok`)."""
-        _, pending = wait(calls.values(), timeout=timeout)
-        results, failures = {}, {}
-        for key, fut in calls.items():
-            if fut in pending:
-                if not pending_ok:
-                    failures[key] = f"no answer within {timeout:g}s"
-                continue
-            try:
-                results[key] = fut.result()
-            except (CallFailed, RemoteError, PayloadError, HandlerError) as exc:
-                failures[key] = str(exc)
-        return results, failures
+        return gather(calls, timeout, f"no answer within {timeout:g}s", pending_ok=pending_ok)
