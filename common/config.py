@@ -38,6 +38,19 @@ _OPTION_SCHEMAS: dict[str, tuple[str, Callable[[str], type | None]]] = {}
 WALK_ALGORITHMS = ("fedavg", "fedprox")
 
 
+def _check_sequential_pairing(cfg: Config) -> None:
+    """A sequential algorithm (its model walks the edges, common/algorithms/base.py) runs only on
+    topology.kind = "sequential" (the sequential driver refuses the other algorithms at start)."""
+    from fedhop.common.algorithms import algorithm_class   # local: the algorithms import this module
+    try:
+        sequential = getattr(algorithm_class(cfg.algorithm.name), "sequential", False)
+    except KeyError:
+        return   # the unknown name is reported where the algorithm's options are checked
+    if sequential and cfg.topology.kind != "sequential":
+        raise ConfigError(f"config key 'topology.kind': got '{cfg.topology.kind}', but algorithm '{cfg.algorithm.name}' "
+                          f"walks one model over the edges and has no server step (allowed: sequential)")
+
+
 def register_options_schema(section: str, chooser_key: str, lookup: Callable[[str], type | None]) -> None:
     """`lookup(choice)` gives the params dataclass for the extra keys of `section`.
 
@@ -377,6 +390,7 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError(f"config key 'algorithm.name': got '{cfg.algorithm.name}', but topology.kind = 'chain' "
                           f"(WRWGD) steps the walking model by the visited client's local update (allowed: "
                           f"{', '.join(WALK_ALGORITHMS)})")
+    _check_sequential_pairing(cfg)
     if topo.kind == "chain":
         from fedhop.common.walk import WalkRule   # local: the walk's rule reads the validated topology params
         try:

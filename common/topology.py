@@ -247,12 +247,4 @@ def start_edge(cfg: Any) -> int:
     return start
 
 
-def next_edge_order(candidates: dict[int, tuple[int, int]]) -> list[int]:
-    """Fed-CHS's selection rule as a ranking (Algorithm 1, "selection of next passing cluster"):
-    least visit count c(m') first, then the largest cluster data size D_{A,m'}, then the smallest
-    id (the paper leaves that tie open).  `candidates`: edge id -> (visits, data size).  The
-    first entry is m(t+1); the rest are the fall-backs, in the same order, when it does not answer."""
-    return sorted(candidates, key=lambda e: (candidates[e][0], -candidates[e][1], e))
-
-
 SEQ_METRIC_PREFIX = "metric:"   # scalars of a Fed-CHS round reply that are the edge's evaluation of the model

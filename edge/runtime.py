@@ -14,6 +14,9 @@ from fedhop.common.liveness import register_with_backoff
 
 log = logging.getLogger("fedhop.edge")
 
+# topology kind -> the handler an edge runs beside its aggregator (the aggregator alone: none)
+EDGE_TOPOLOGY_ROLES = {"sequential": SequentialEdge}
+
 
 class EdgeProcess:
     def __init__(self, endpoint: Endpoint, parent: str, bind: str = "127.0.0.1:0") -> None:
@@ -55,8 +58,9 @@ class EdgeProcess:
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
         aggregator = EdgeAggregator(cfg, self.endpoint, reply.run_id, reply.config_toml)
-        if cfg.topology.kind == "sequential":
-            self.sequential = SequentialEdge(aggregator)
+        topology_role = EDGE_TOPOLOGY_ROLES.get(cfg.topology.kind)   # what this topology adds to an edge
+        if topology_role is not None:
+            self.sequential = topology_role(aggregator)
         self.aggregator = aggregator
         self._ready.set()
         if not self.aggregator.wait_for_clients(client_timeout):

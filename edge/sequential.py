@@ -4,7 +4,7 @@ The edges sit on a graph and pass one model token; the server never holds it.  T
 
 - `seq_round` (server -> the edge holding the token, round t, no tensors): run the round's K
   steps with this edge's clients (each a broadcast of w_k and one reply per client, reduced
-  data-weighted, then `FedCHS.cluster_step`), evaluate the model when the server asks, pick
+  data-weighted, then the step: `FedCHS.cluster_round`), evaluate the model when the server asks, pick
   the next edge and hand the model to it.  The reply carries the round's metrics, the chosen
   edge and the skipped ones, and, in the last round (and checkpoint rounds), the model.  The first call
   (`start`) makes this edge m(0): it builds w^0 from the run's seeded initialisation, as every
@@ -27,7 +27,7 @@ broadcast and reduce run in this edge's cluster group (edge/torch_edge.py `_iter
 hand-off is a `dist.send` to the next edge's rank (the `seq_handoff` call tells it to post the
 matching `dist.recv`), and the final model is a `dist.send` to the server (rank 0).
 
-Next edge: `common.topology.next_edge_order` over the neighbours that answered the query
+Next edge: `FedCHS.next_holder` over the neighbours that answered the query
 (least visits, largest D_A, smallest id).  If the chosen edge does not take the hand-off the
 token goes to the next one in that order; every neighbour passed over is reported to the
 server (which records a `handoff_skipped` event).  If no neighbour takes it the edge keeps
@@ -44,11 +44,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.algorithms.fedchs import FedCHS
+from fedhop.common.algorithms.fedchs import FedCHS, NoClusterReplies, VisitCount
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.codec import PayloadError, check_tensors
 from fedhop.common.tasks import build_task
-from fedhop.common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_index, edge_node, next_edge_order,
+from fedhop.common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_index, edge_node,
                              topology_params)
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
 from fedhop.common.validation import validate_reply
@@ -64,9 +64,6 @@ class SequentialEdge:
         self.cfg = aggregator.cfg
         self.endpoint = aggregator.endpoint
         self.index = aggregator.index
-        if not isinstance(aggregator.algorithm, FedCHS):
-            raise ValueError(f"topology.kind = 'sequential' needs algorithm.name = 'fedchs', "
-                             f"got '{self.cfg.algorithm.name}'")
         self.algorithm: FedCHS = aggregator.algorithm
         self.params = topology_params(self.cfg)
         self.neighbours = edge_graph(self.cfg)[self.index]
@@ -74,11 +71,10 @@ class SequentialEdge:
         self.model = self.task.build_model()
         self.spec = self.algorithm.reply_spec(aggregator.model_state)
         self.data_size = sum(self.task.client_data(c).num_samples for c in aggregator.cluster)   # D_{A,m}
-        self.visits = 0                                   # c(m)
+        self.visits = VisitCount(self.params.count_start)   # c(m)
         self.token: dict[str, torch.Tensor] | None = None
         self.token_round = 0                              # the round the held token is for
         self.final: dict[str, torch.Tensor] | None = None   # torch: the final model until `seq_final`
-        self.etas = self.algorithm.round_step_sizes(self.params.steps_per_round)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ dispatch
@@ -88,7 +84,7 @@ class SequentialEdge:
             raise HandlerError("WRONG_RUN", f"message for run '{env.run_id}', this edge serves '{self.agg.run_id}'")
         if env.method == "control.seq_query":
             with self._lock:
-                return Payload(scalars={"visits": self.visits, "data_size": self.data_size})
+                return Payload(scalars={"visits": self.visits.value, "data_size": self.data_size})
         if env.method == "control.seq_restore":   # a resumed run: the visit count at its checkpoint
             if env.src != "server":
                 raise HandlerError("NOT_ALLOWED", f"{env.src} may not restore {self.endpoint.node_id}'s visit count")
@@ -96,8 +92,8 @@ class SequentialEdge:
             if not isinstance(visits, int) or isinstance(visits, bool) or visits < 0:
                 raise HandlerError("BAD_REQUEST", f"control.seq_restore needs a visit count >= 0, got {visits!r}")
             with self._lock:
-                self.visits = visits
-                return Payload(scalars={"visits": self.visits})
+                self.visits.value = visits
+                return Payload(scalars={"visits": self.visits.value})
         if env.method == "seq_handoff":
             return self.take_handoff(env.src, int(env.round), request.payload)
         if env.method == "seq_final":
@@ -139,8 +135,8 @@ class SequentialEdge:
         with self._lock:
             self.token = {k: v.clone() for k, v in payload.tensors.items()}
             self.token_round = round + 1
-            self.visits += 1                              # c(m(t+1)) += 1
-            return Payload(scalars={"visits": self.visits})
+            self.visits.arrived()                         # c(m(t+1)) += 1
+            return Payload(scalars={"visits": self.visits.value})
 
     # ------------------------------------------------------------------ one round
     def run_round(self, round: int, message: Payload) -> Payload:
@@ -152,28 +148,22 @@ class SequentialEdge:
             elif sc.get("start", False):
                 self.token = {k: v.clone() for k, v in get_params(self.task.build_model()).items()}   # w^0
                 self.token_round = round
-                if self.params.count_start:
-                    self.visits += 1
+                self.visits.started_here()
             if self.token is None or self.token_round != round:
                 raise HandlerError("NO_TOKEN", f"{self.endpoint.node_id} holds no model for round {round}")
             w = self.token
             self.token = None
-        failures: dict[int, str] = {}
-        loss_sum, weight_sum = 0.0, 0.0
-        for k in range(self.params.steps_per_round):
-            agg, failed = self._step(round, k, self.algorithm.step_message(w, k, self.etas))
-            failures.update({c: f"step {k}: {why}" for c, why in failed.items()})
-            if agg is None:
-                raise HandlerError("NO_RESULTS", f"no client of {self.endpoint.node_id} answered step {k} of round "
-                                                 f"{round}: {failed}")
-            w = self.algorithm.cluster_step(w, agg, k, self.etas)
-            if "train_loss" in agg.scalars:
-                loss_sum += float(agg.scalars["train_loss"])
-                weight_sum += float(agg.scalars["weight"])
+        try:
+            done = self.algorithm.cluster_round(w, lambda k, message: self._step(round, k, message),
+                                                self.params.steps_per_round)
+        except NoClusterReplies as exc:
+            raise HandlerError("NO_RESULTS", f"no client of {self.endpoint.node_id} answered step {exc.k} of round "
+                                             f"{round}: {exc.failures}") from None
+        w = done.params
         out = Payload(scalars={"edge": self.index, "failures_json": json.dumps({str(c): v for c, v in
-                                                                                sorted(failures.items())})})
-        if weight_sum:
-            out.scalars["client_train_loss"] = loss_sum / weight_sum
+                                                                                sorted(done.failures.items())})})
+        if done.weight_sum:
+            out.scalars["client_train_loss"] = done.loss_sum / done.weight_sum
         if sc.get("evaluate", False):
             set_params(self.model, w)
             with torch.no_grad():
@@ -275,7 +265,7 @@ class SequentialEdge:
                 answers[e] = (int(r.scalars["visits"]), int(r.scalars["data_size"]))
             except (CallFailed, RemoteError, PayloadError, KeyError, ValueError) as exc:
                 skipped.append([e, f"no answer to the neighbour query: {exc}"])
-        for e in next_edge_order(answers):
+        for e in self.algorithm.next_holder(answers):
             try:
                 self._send_model(round, e, peers[e], w)
                 return e, skipped, answers
@@ -284,5 +274,5 @@ class SequentialEdge:
         log.warning("round %d: no neighbour took the model; %s keeps it", round, self.endpoint.node_id)
         with self._lock:
             self.token, self.token_round = w, round + 1
-            self.visits += 1
+            self.visits.arrived()
         return self.index, skipped, answers

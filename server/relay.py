@@ -25,11 +25,10 @@ import numpy as np
 
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import PayloadError
-from fedhop.common.compress import decompress_upload
 from fedhop.common.rng import numpy_stream
 from fedhop.common.topology import topology_params
 from fedhop.common.transport.base import CallFailed, RemoteError
-from fedhop.common.validation import validate_reply
+from fedhop.common.transport.fabric import ReplyPipeline
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
 
 
@@ -68,9 +67,8 @@ class RelayDriver(TopologyDriver):
                     raise CallFailed("UNAVAILABLE", f"client {cid} is not registered")
                 reply = coord.fabric.call(node.address, client_node(cid), "train", algo.broadcast(coord.state, round),
                                             round=round, step=hop, timeout=cfg.run.call_timeout)
-                spec = algo.reply_spec(coord.state)
-                reply = decompress_upload(cfg, reply, spec)
-                validate_reply(reply, spec, f"round {round} hop {hop} reply of client {cid}")
+                reply = ReplyPipeline(cfg, algo.reply_spec(coord.state))(reply, f"round {round} hop {hop} reply of "
+                                                                              f"client {cid}")
             except (CallFailed, RemoteError, PayloadError) as exc:
                 failures[cid] = str(exc)
                 coord.store.add_event("client_failed", node=client_node(cid), detail=f"hop {hop}: {exc}", round=round)

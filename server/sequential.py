@@ -35,9 +35,9 @@ class SequentialDriver(TopologyDriver):
         super().__init__(coord)
         self.coord = coord
         cfg = coord.cfg
-        if cfg.algorithm.name != "fedchs":
-            raise RunFailed(f"topology.kind = 'sequential' needs algorithm.name = 'fedchs', got "
-                            f"'{cfg.algorithm.name}'")
+        if not getattr(coord.algorithm, "sequential", False):
+            raise RunFailed(f"topology.kind = 'sequential' needs a sequential algorithm (its model walks the edges: "
+                            f"fedchs), got '{cfg.algorithm.name}'")
         self.world = None     # transport.kind = "torch": the server's membership of the edges' world
         if cfg.transport.kind == "torch":
             from fedhop.server.torch_rounds import EdgeWorld

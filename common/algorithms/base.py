@@ -23,7 +23,7 @@ import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping
+from typing import Callable, TYPE_CHECKING, Any, Iterable, Literal, Mapping
 
 import torch
 
@@ -248,3 +248,41 @@ def finite_or_raise(payload: Payload, who: str) -> None:
     for name, v in payload.scalars.items():
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError(f"{who}: scalar '{name}' is {v}")
+
+
+@dataclass
+class ClusterRound:
+    """What one cluster's round of a sequential algorithm produced: the model after it, the
+    clients that failed (id -> why), and the weighted training loss of the replies."""
+
+    params: dict[str, torch.Tensor]
+    failures: dict[int, str]
+    loss_sum: float = 0.0
+    weight_sum: float = 0.0
+
+
+# one intra-round step of a cluster: (step k, message) -> the reduced replies (None: no client
+# answered) and the clients that failed; the edge supplies it over its fabric or collectives
+ClusterStep = Callable[[int, Payload], tuple[Payload | None, dict[int, str]]]
+
+
+class SequentialAlgorithm(Algorithm):
+    """An algorithm whose single model walks a graph of clusters (topology.kind = "sequential"):
+    each round one cluster's edge runs `cluster_round` with its clients and hands the model to
+    the neighbour `next_holder` ranks first.  The model never passes through the server, so
+    there is no server step; the config loader pairs these algorithms with that topology."""
+
+    sequential = True
+
+    @abstractmethod
+    def cluster_round(self, params: dict[str, torch.Tensor], step: ClusterStep, steps: int) -> ClusterRound:
+        """One round at the holding cluster, from the model `params`."""
+
+    @abstractmethod
+    def next_holder(self, candidates: dict[int, tuple[int, int]]) -> list[int]:
+        """The neighbours in the order the model should try them: `candidates` maps a
+        neighbour's id to (its visit count, its cluster's data size)."""
+
+    def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
+        raise RuntimeError(f"{self.name} has no server step: its model walks the edges (topology.kind = "
+                           f"\"sequential\"), and the server only stores the final model")

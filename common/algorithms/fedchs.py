@@ -1,8 +1,11 @@
 """Fed-CHS (Yan et al., "Sequential Federated Learning in Hierarchical Architecture on Non-IID
-Datasets"; digest shared/research/seed-004.md section 2): the client side and the edge step.
+Datasets"; digest shared/research/seed-004.md section 2): Algorithm 1 in one place.
 
-Runs only on `topology.kind = "sequential"` (edge/sequential.py drives the rounds).  In round t
-the active edge m(t) makes K steps; at step k it broadcasts w_k to every client of its cluster and
+Runs only on `topology.kind = "sequential"`; the edges move the messages (edge/sequential.py)
+and the server is the control plane (server/sequential.py).  Algorithm 1, as this module has it:
+
+- the cluster round (`cluster_round`, the inner loop of Algorithm 1): in round t the active
+  edge m(t) makes K steps; at step k it broadcasts w_k to every client of its cluster and
 
 - E = 1 (`local_iters`, the paper's theory and Table 1): each client returns one minibatch
   gradient g_n = grad f(w_k, xi_{n,k}) and the edge steps
@@ -10,6 +13,15 @@ the active edge m(t) makes K steps; at step k it broadcasts w_k to every client 
 - E > 1 (Sec. 5.3, Fig. 2; the reply is not specified by the paper, digest 2.3): each client
   runs E SGD steps from w_k with the step sizes the edge sends (tensor `lr_steps`, E float32)
   and returns Delta_n = w_n^(E) - w_k; the edge steps w_{k+1} = w_k + sum_n gamma_n Delta_n.
+
+- the next cluster (`next_holder`, "selection of next passing cluster"): the neighbour with the
+  least visit count c(m'), then the largest cluster data size D_{A,m'}, then the smallest id
+  (the paper leaves that tie open); the rest of that order are the fall-backs when it does not
+  answer;
+- the visit bookkeeping (`VisitCount`): c(m) += 1 when the model arrives at m; the start edge
+  counts its first visit only with `topology.count_start` (the paper's literal pseudocode
+  leaves c(m(0)) at 0 until the walk returns), and an edge that keeps the model because no
+  neighbour took it counts that as a visit.
 
 Step sizes are indexed by the local iteration j = k E + e of the round, J = K E in all:
 `lr_schedule = "inv_sqrt"`: eta_j = lr / (J sqrt(j + 1)) (Appendix B.1 with lr = 1 = 1/L),
@@ -23,8 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedhop.common.algorithms.base import (Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
-                                    weighted_mean)
+from fedhop.common.algorithms.base import (AlgorithmParams, ClientContext, ClusterRound, ClusterStep, Payload,
+                                           SequentialAlgorithm, weighted_mean)
 from fedhop.common.algorithms.local import local_sgd, get_params, set_params
 from fedhop.common.sampling import local_batches
 
@@ -45,11 +57,48 @@ def step_sizes(lr: float, schedule: str, total: int) -> list[float]:
     raise ValueError(f"algorithm.lr_schedule: got {schedule!r}, allowed for fedchs: constant, inv_sqrt")
 
 
-class FedCHS(Algorithm):
+class VisitCount:
+    """c(m): how often the model came to this edge (Algorithm 1's visit counter)."""
+
+    def __init__(self, count_start: bool) -> None:
+        self.count_start = count_start
+        self.value = 0
+
+    def started_here(self) -> None:
+        """This edge is m(0) and builds w^0."""
+        if self.count_start:
+            self.value += 1
+
+    def arrived(self) -> None:
+        """The model was handed to this edge, or it kept the model for another round."""
+        self.value += 1
+
+
+class FedCHS(SequentialAlgorithm):
     name = "fedchs"
     Params = FedCHSParams
 
     # ------------------------------------------------------------------ edge side
+    def cluster_round(self, params: dict[str, torch.Tensor], step: ClusterStep, steps: int) -> ClusterRound:
+        """Algorithm 1's inner loop at the active edge: K steps of broadcast w_k, reduce the
+        cluster's replies data-weighted (gamma_n = D_n / D_{A,m}), step (Eq. 5)."""
+        etas = self.round_step_sizes(steps)
+        out = ClusterRound(params=params, failures={})
+        for k in range(steps):
+            aggregate, failed = step(k, self.step_message(out.params, k, etas))
+            out.failures.update({c: f"step {k}: {why}" for c, why in failed.items()})
+            if aggregate is None:
+                raise NoClusterReplies(k, failed)
+            out.params = self.cluster_step(out.params, aggregate, k, etas)
+            if "train_loss" in aggregate.scalars:
+                out.loss_sum += float(aggregate.scalars["train_loss"])
+                out.weight_sum += float(aggregate.scalars["weight"])
+        return out
+
+    def next_holder(self, candidates: dict[int, tuple[int, int]]) -> list[int]:
+        """Selection of the next passing cluster: least c(m'), then largest D_{A,m'}, then smallest id."""
+        return sorted(candidates, key=lambda e: (candidates[e][0], -candidates[e][1], e))
+
     def round_step_sizes(self, steps_per_round: int) -> list[float]:
         return step_sizes(self.cfg.lr, self.cfg.lr_schedule, steps_per_round * self.params.local_iters)
 
@@ -100,10 +149,15 @@ class FedCHS(Algorithm):
         return Payload(tensors=delta, scalars={"weight": self.client_weight(ctx), "train_loss": stats.mean_loss,
                                                "local_steps": stats.steps})
 
-    # ------------------------------------------------------------------ server side: none
-    def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
-        raise RuntimeError("fedchs has no server step: it runs only with topology.kind = \"sequential\", "
-                           "where the edges step the model (edge/sequential.py)")
+
+
+class NoClusterReplies(RuntimeError):
+    """No client of the cluster answered step `k` of a cluster round."""
+
+    def __init__(self, k: int, failures: dict[int, str]) -> None:
+        super().__init__(f"no client answered step {k}: {failures}")
+        self.k = k
+        self.failures = failures
 
 
 REGISTER = [FedCHS]
