@@ -21,13 +21,9 @@ import numpy as np
 import psutil
 import torch
 
-from fedhop.common.algorithms import build_algorithm
-from fedhop.common.algorithms.base import ClientContext
-from fedhop.common.algorithms.local import get_params, set_params
-from fedhop.common.config import client_local_steps, parse_config
-from fedhop.common.rng import numpy_stream, torch_stream
+from fedhop.common.config import parse_config
+from fedhop.common.rounds import RoundEngine
 from fedhop.common.runstore import RunStore
-from fedhop.common.tasks import build_task
 from fedhop.deploy.launcher import LocalRun, run_local
 
 
@@ -65,28 +61,17 @@ processes = 2
 """
 
 
-def single_process_loop(config_text: str) -> float:
-    """The same SGD steps on the same data in one process, no framework: seconds."""
+def single_process_loop(config_text: str) -> tuple[float, list[float]]:
+    """The same SGD steps on the same data in one process, no framework: the round engine
+    (common/rounds.py) playing server and clients.  Returns (seconds, seconds per round)."""
     cfg = parse_config(config_text)
     torch.set_num_threads(2)  # one process may use both cores
-    task = build_task(cfg)
-    algorithm = build_algorithm(cfg)
-    model = task.build_model()
-    state = algorithm.init_state(get_params(model))
+    engine = RoundEngine(cfg)
     started = time.perf_counter()
     per_round = []
     for r in range(1, cfg.run.rounds + 1):
         round_started = time.perf_counter()
-        rng = numpy_stream(cfg.run.seed, "sampling", r)
-        sampled = sorted(int(c) for c in rng.choice(cfg.clients.count, size=cfg.clients.per_round, replace=False))
-        replies = []
-        for cid in sampled:
-            set_params(model, state.params)
-            ctx = ClientContext(client_id=cid, task=task, model=model, num_samples=task.client_data(cid).num_samples,
-                                generator=torch_stream(cfg.run.seed, "client", cid, "round", r), round=r,
-                                local_steps=client_local_steps(cfg, cid), local_epochs=cfg.algorithm.local_epochs)
-            replies.append((cid, algorithm.client_update(ctx, algorithm.broadcast(state, r))))
-        algorithm.server_update(state, algorithm.aggregate(replies), r)
+        engine.train_round(r)
         per_round.append(time.perf_counter() - round_started)
     return time.perf_counter() - started, per_round
 
