@@ -216,7 +216,8 @@ def plan_roles(hf: HostsFile, cfg: Config) -> list[Role]:
     server = servers[0]
     roles = [Role("server", "server", server, server.server_port)]
     server_addr = roles[0].address
-    planned_edges = {p.edge: p for p in plan_processes(cfg).edges}
+    base = plan_processes(cfg)
+    planned_edges = {p.edge: p for p in base.edges}
     edge_roles: dict[int, Role] = {}
     for h in hf.hosts:
         for i, e in enumerate(h.edges):
@@ -235,7 +236,7 @@ def plan_roles(hf: HostsFile, cfg: Config) -> list[Role]:
     roles.extend(edge_roles[e] for e in sorted(edge_roles))
 
     count = cfg.clients.count
-    edge_of = {c: p.edge for p in planned_edges.values() for c in p.clients}
+    edge_of = base.edge_of()
     # the order in which counted hosts take clients: cluster by cluster, so a host tends to hold whole clusters
     pool = sorted(range(count), key=lambda c: (edge_of.get(c, 0), c))
     explicit = {h.name: parse_id_list(h.clients, count, f"hosts file: host '{h.name}'.clients")
