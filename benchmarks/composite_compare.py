@@ -12,7 +12,7 @@ examples/<task>_compare.toml with the method's [algorithm] keys from `METHOD_KEY
 script writes every run directory, `<task>-figures.md` / `.json` (rounds to l2 <= 1, final
 errors, F1, exact zeros, rank, bytes per round and in total, uplink and downlink) and one
 `fedhop report` per metric (plots against rounds and against bytes).  `--direct` uses
-`run_direct` instead: the same algorithm objects driven in a tight loop without transport
+`run_direct` instead: the round engine (common/rounds.py) in a tight loop without transport
 (no ledger, so no bytes), which the paper-setting test uses.
 """
 from __future__ import annotations
@@ -31,12 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 import torch
 from safetensors.torch import load_file
 
-from fedhop.common.algorithms import build_algorithm
-from fedhop.common.algorithms.base import ClientContext, ServerState
-from fedhop.common.algorithms.local import get_params, set_params
-from fedhop.common.config import Config, client_local_steps, config_from_dict, resolve_clients_per_round
-from fedhop.common.rng import numpy_stream, torch_stream
-from fedhop.common.tasks import build_task
+from fedhop.common.algorithms.base import ServerState
+from fedhop.common.config import Config, config_from_dict
+from fedhop.common.rounds import RoundEngine
 
 METHODS = ("fedmid", "fedda", "fast_fedda", "c_fedda", "mc_fedda")
 #: [algorithm] keys shared by all methods of a comparison (taken from the example file)
@@ -110,44 +107,23 @@ def method_config(task: str, method: str, seed: int, rounds: int | None = None,
 def run_direct(cfg: Config, on_round: Callable[[int, dict[str, float]], None] | None = None,
                on_state: Callable[[int, Any, ServerState], None] | None = None
                ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
-    """The round loop of `server.coordinator.Coordinator` without transport or ledger: the same
-    sampling stream, broadcast, per-client `client_update` (the client host's generator stream
-    and step count), `aggregate` in client order and `server_update`.  Returns the per-round
-    evaluations (eval_every as configured; the last round always) and the final model.
-    `on_state(round, algorithm, state)` sees the server state after every server step."""
+    """The coordinator's rounds without transport or ledger: the round engine (common/rounds.py)
+    in this process.  Returns the per-round evaluations (eval_every as configured; the last round
+    always) and the final model.  `on_state(round, algorithm, state)` sees the server state after
+    every server step."""
     torch.set_num_threads(cfg.run.torch_threads)
-    task = build_task(cfg)
-    algorithm = build_algorithm(cfg)
-    model = task.build_model()
-    client_model = task.build_model()
-    state = algorithm.init_state(get_params(model))
-    count, size = cfg.clients.count, resolve_clients_per_round(cfg)
-    client_states: dict[int, dict] = {cid: {} for cid in range(count)}
+    engine = RoundEngine(cfg)
     history = []
     for r in range(1, cfg.run.rounds + 1):
-        rng = numpy_stream(cfg.run.seed, "sampling", r)
-        sampled = sorted(int(c) for c in rng.choice(count, size=size, replace=False))
-        message = algorithm.broadcast(state, r)
-        replies = []
-        for cid in sampled:
-            ctx = ClientContext(client_id=cid, task=task, model=client_model,
-                                num_samples=task.client_data(cid).num_samples,
-                                generator=torch_stream(cfg.run.seed, "client", cid, "round", r), round=r,
-                                local_steps=client_local_steps(cfg, cid), local_epochs=cfg.algorithm.local_epochs,
-                                state=client_states[cid])
-            replies.append((cid, algorithm.client_update(ctx, message)))
-        algorithm.server_update(state, algorithm.aggregate(replies), r)
+        engine.train_round(r)
         if on_state is not None:
-            on_state(r, algorithm, state)
-        every = cfg.run.eval_every
-        if r == cfg.run.rounds or (every and r % every == 0):
-            set_params(model, state.params)
-            with torch.no_grad():
-                metrics = {"round": r, **{k: float(v) for k, v in task.evaluate(model).items()}}
+            on_state(r, engine.algorithm, engine.state)
+        if engine.evaluation_due(r):
+            metrics = {"round": r, **engine.evaluate()}
             history.append(metrics)
             if on_round is not None:
                 on_round(r, metrics)
-    return history, {k: v.clone() for k, v in state.params.items()}
+    return history, {k: v.clone() for k, v in engine.state.params.items()}
 
 
 def run_framework(cfg: Config, run_dir: Path) -> tuple[dict, list[dict[str, float]], dict[str, Any]]:

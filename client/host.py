@@ -10,25 +10,19 @@ from __future__ import annotations
 import json
 import threading
 from typing import Callable
-import time
 
 import torch
 
 from fedhop.common.algorithms import build_algorithm
-from fedhop.common.algorithms.base import COMPUTE_KEY, ClientContext, Payload, finite_or_raise
+from fedhop.common.algorithms.base import Payload, finite_or_raise
 from fedhop.common.checkpoint import STATE_GET, STATE_SET, states_from_payload, states_to_payload
 from fedhop.common.codec import PayloadError
 from fedhop.common.compress import compress_upload
-from fedhop.common.config import Config, client_local_steps
-from fedhop.common.devices import apply_straggler_plan
+from fedhop.common.config import Config
 from fedhop.common.ledger import Ledger
-from fedhop.common.rng import torch_stream
+from fedhop.common.rounds import local_update
 from fedhop.common.tasks import build_task
 from fedhop.common.transport.base import HandlerError, Request
-
-
-def client_node(cid: int) -> str:
-    return f"client-{cid}"
 
 
 def parse_client_id(node_id: str) -> int:
@@ -111,17 +105,8 @@ class ClientHost:
         except ValueError as exc:
             raise PayloadError("NON_FINITE", str(exc)) from None
         with self._train_lock:
-            ctx = ClientContext(
-                client_id=cid, task=self.task, model=self.model, num_samples=self.num_samples(cid),
-                # step > 0: a later call of the same round (an edge iteration, a Fed-CHS step, a chain hop)
-                generator=(torch_stream(self.cfg.run.seed, "client", cid, "round", round) if step == 0 else
-                           torch_stream(self.cfg.run.seed, "client", cid, "round", round, "step", step)),
-                round=round, local_steps=client_local_steps(self.cfg, cid),
-                local_epochs=self.cfg.algorithm.local_epochs, state=self.states[cid])
-            apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/devices.py)
-            started = time.perf_counter()
-            reply = self.algorithm.client_update(ctx, message)
-            reply.scalars[COMPUTE_KEY] = time.perf_counter() - started
+            reply = local_update(self.cfg, self.task, self.algorithm, self.model, cid, round, message,
+                                 self.states[cid], step)   # the round engine's client step (common/rounds.py)
             self.last_round[cid] = round
         return reply
 

@@ -20,14 +20,11 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
+from safetensors.torch import load_file
 
-from fedhop.common.algorithms import build_algorithm
-from fedhop.common.algorithms.base import ClientContext
-from fedhop.common.algorithms.local import get_params, set_params
-from fedhop.common.config import client_local_steps, parse_config
-from fedhop.common.rng import numpy_stream, torch_stream
+from fedhop.common.config import parse_config
+from fedhop.common.rounds import RoundEngine
 from fedhop.common.runstore import RunStore
-from fedhop.common.tasks import build_task
 from fedhop.deploy.launcher import LocalRun, run_local
 
 
@@ -65,30 +62,19 @@ processes = 2
 """
 
 
-def single_process_loop(config_text: str) -> float:
-    """The same SGD steps on the same data in one process, no framework: seconds."""
+def single_process_loop(config_text: str) -> tuple[float, list[float], dict[str, torch.Tensor]]:
+    """The same SGD steps on the same data in one process, no framework: the round engine
+    (common/rounds.py) playing server and clients.  Returns (seconds, seconds per round, final model)."""
     cfg = parse_config(config_text)
     torch.set_num_threads(2)  # one process may use both cores
-    task = build_task(cfg)
-    algorithm = build_algorithm(cfg)
-    model = task.build_model()
-    state = algorithm.init_state(get_params(model))
+    engine = RoundEngine(cfg)
     started = time.perf_counter()
     per_round = []
     for r in range(1, cfg.run.rounds + 1):
         round_started = time.perf_counter()
-        rng = numpy_stream(cfg.run.seed, "sampling", r)
-        sampled = sorted(int(c) for c in rng.choice(cfg.clients.count, size=cfg.clients.per_round, replace=False))
-        replies = []
-        for cid in sampled:
-            set_params(model, state.params)
-            ctx = ClientContext(client_id=cid, task=task, model=model, num_samples=task.client_data(cid).num_samples,
-                                generator=torch_stream(cfg.run.seed, "client", cid, "round", r), round=r,
-                                local_steps=client_local_steps(cfg, cid), local_epochs=cfg.algorithm.local_epochs)
-            replies.append((cid, algorithm.client_update(ctx, algorithm.broadcast(state, r))))
-        algorithm.server_update(state, algorithm.aggregate(replies), r)
+        engine.train_round(r)
         per_round.append(time.perf_counter() - round_started)
-    return time.perf_counter() - started, per_round
+    return time.perf_counter() - started, per_round, engine.state.params
 
 
 def fresh_process_seconds(config_text: str, tmp: Path) -> tuple[float, float]:
@@ -117,9 +103,10 @@ def bench_compute(args: argparse.Namespace) -> dict:
     rounds = 3 if args.tiny else args.rounds
     epochs = 1 if args.tiny else 2
     text = COMPUTE_CONFIG.format(rounds=rounds, epochs=epochs)
-    loop, loop_rounds = single_process_loop(text)
+    loop, loop_rounds, loop_model = single_process_loop(text)
     with tempfile.TemporaryDirectory() as tmp:
         summary, rows = _run(text, Path(tmp) / "run")
+        model = load_file(str(Path(tmp) / "run" / "model.safetensors"))
         fresh_loop, fresh_fedhop = fresh_process_seconds(text, Path(tmp))
     framework_rounds = sum(r["wall_seconds"] for r in rows)
     steady_fedhop = sum(r["wall_seconds"] for r in rows[1:])
@@ -130,7 +117,9 @@ def bench_compute(args: argparse.Namespace) -> dict:
            "ratio_steady": steady_fedhop / steady_loop,
            "ratio_wall": summary["wall_seconds"] / loop, "num_parameters": summary["num_parameters"],
            "fresh_loop_seconds": fresh_loop, "fresh_fedhop_seconds": fresh_fedhop,
-           "ratio_fresh": fresh_fedhop / fresh_loop}
+           "ratio_fresh": fresh_fedhop / fresh_loop,
+           # the same steps: equal up to float rounding (the loop's 2 threads sum in another order)
+           "model_max_abs_diff": max(float((model[k] - v).abs().max()) for k, v in loop_model.items())}
     print(f"digits CNN ({out['num_parameters']} parameters), 10 clients/round, {epochs} local epochs, {rounds} rounds:")
     print(f"  single-process loop (2 threads)           {loop:8.2f} s   rounds 2..: {steady_loop:.2f} s")
     print(f"  fedhop rounds (2 client processes)        {framework_rounds:8.2f} s   rounds 2..: {steady_fedhop:.2f} s")
@@ -139,6 +128,7 @@ def bench_compute(args: argparse.Namespace) -> dict:
     print(f"  ratio, whole run incl. process start-up   {out['ratio_wall']:8.2f}   (against the loop's rounds)")
     print(f"  both as fresh processes, start to exit    {fresh_loop:8.2f} s loop, {fresh_fedhop:.2f} s fedhop: "
           f"ratio {out['ratio_fresh']:.2f}")
+    print(f"  final models of the loop and fedhop differ by at most {out['model_max_abs_diff']:.2g}")
     return out
 
 

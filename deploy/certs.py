@@ -6,8 +6,8 @@ Makes (or extends) a cluster directory for TLS and node credentials (common/secu
     DIR/NODE.pem, DIR/NODE.key      one certificate per node, CN = node id, usable for mutual TLS
     DIR/cluster.secret              the secret that signs node tokens (reused when present)
 
-Keys are written mode 0600.  `--config EXP.toml` adds the node ids `fedhop run` and
-`fedhop launch` give that experiment's processes (server, edge-E, client-procP).  `--hosts`
+Keys are written mode 0600.  `--config EXP.toml` adds the node ids of that experiment's
+processes as `fedhop run` starts them (server, edge-E, client-procP: common/plan.py).  `--hosts`
 adds host names or IP addresses to every certificate (peers are otherwise verified by node id).
 Then set `security.certs_dir = "DIR"` (and `security.mtls = true` for mutual TLS); copy to each
 machine only ca.pem and its own NODE.pem / NODE.key (plus cluster.secret for token auth).
@@ -38,21 +38,10 @@ def expand_nodes(spec: str) -> list[str]:
 
 
 def nodes_for_config(path: str) -> list[str]:
-    """The node ids the launchers give an experiment's processes."""
+    """The node ids of an experiment's processes: its process plan (common/plan.py)."""
     from fedhop.common.config import load_config
-    from fedhop.common.topology import cluster_assignment
-    cfg = load_config(path)
-    nodes = ["server"]
-    if cfg.topology.kind == "hierarchical":
-        clusters = cluster_assignment(cfg)
-        per_edge = max(1, cfg.clients.processes // len(clusters))
-        nodes += [f"edge-{e}" for e in range(len(clusters))]
-        procs = sum(min(per_edge, len(c)) for c in clusters)
-    else:
-        nodes += [f"edge-{e}" for e in range(cfg.topology.edges)]
-        procs = min(cfg.clients.processes, cfg.clients.count)
-    nodes += [f"client-proc{p}" for p in range(procs)]
-    return nodes
+    from fedhop.common.plan import plan_processes
+    return plan_processes(load_config(path)).node_ids
 
 
 def main(argv: list[str] | None = None) -> int:

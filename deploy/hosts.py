@@ -46,11 +46,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fedhop.common.config import Config, ConfigError, config_to_toml, load_config
-from fedhop.common.topology import cluster_assignment
+from fedhop.common.plan import Placement, id_spec, plan_processes
 from fedhop.deploy.malloc import TUNED_MALLOC_ENV
 
 DEFAULT_REMOTE = "ssh -o BatchMode=yes {host} {command}"
-EDGE_KINDS = ("hierarchical", "sequential")   # topologies whose clients register with an edge
 
 
 class HostsError(ValueError):
@@ -202,50 +201,42 @@ def parse_id_list(value: Any, count: int, where: str) -> list[int]:
 
 
 def process_layout(cfg: Config) -> list[tuple[int | None, list[int]]]:
-    """(edge or None, logical client ids) per client process, as `fedhop run` lays them out:
-    star: `clients.processes` contiguous blocks; edge topologies: each edge's cluster split
-    into max(1, processes // edges) blocks."""
-    from fedhop.deploy.launcher import client_blocks
-    if cfg.topology.kind not in EDGE_KINDS:
-        return [(None, ids) for ids in client_blocks(cfg.clients.count, cfg.clients.processes)]
-    clusters = cluster_assignment(cfg)
-    per_edge = max(1, cfg.clients.processes // len(clusters))
-    return [(e, [cluster[i] for i in block]) for e, cluster in enumerate(clusters)
-            for block in client_blocks(len(cluster), per_edge)]
+    """(edge or None, logical client ids) per client process of the config's process plan
+    (common/plan.py), as `fedhop run` starts them."""
+    return [(p.edge, list(p.clients)) for p in plan_processes(cfg).clients]
 
 
 def plan_roles(hf: HostsFile, cfg: Config) -> list[Role]:
-    """The processes of the run: which role on which host, its port and its parent."""
-    from fedhop.deploy.launcher import client_blocks
+    """The processes of the run: which role on which host, its port and its parent.  The process
+    plan (common/plan.py) decides the processes; the hosts file places the logical clients on
+    hosts and says how many client processes each parent gets there."""
     servers = [h for h in hf.hosts if h.server]
     if len(servers) != 1:
         raise HostsError(f"hosts file: exactly one host must have server = true, found {len(servers)}")
     server = servers[0]
     roles = [Role("server", "server", server, server.server_port)]
     server_addr = roles[0].address
-    uses_edges = cfg.topology.kind in EDGE_KINDS
+    base = plan_processes(cfg)
+    planned_edges = {p.edge: p for p in base.edges}
     edge_roles: dict[int, Role] = {}
     for h in hf.hosts:
         for i, e in enumerate(h.edges):
-            if not uses_edges:
+            if not planned_edges:
                 raise HostsError(f"hosts file: host '{h.name}' lists edges {h.edges} but topology.kind = "
                                  f"'{cfg.topology.kind}' has no edge servers")
-            if not isinstance(e, int) or not 0 <= e < cfg.topology.edges:
-                raise HostsError(f"hosts file: host '{h.name}': edge {e!r} is not in 0..{cfg.topology.edges - 1} "
+            if not isinstance(e, int) or isinstance(e, bool) or e not in planned_edges:
+                raise HostsError(f"hosts file: host '{h.name}': edge {e!r} is not in 0..{len(planned_edges) - 1} "
                                  f"(topology.edges = {cfg.topology.edges})")
             if e in edge_roles:
                 raise HostsError(f"hosts file: edge {e} is on both '{edge_roles[e].host.name}' and '{h.name}'")
-            edge_roles[e] = Role(f"edge-{e}", "edge", h, h.edge_port + i, parent=server_addr, edge=e)
-    if uses_edges:
-        missing = sorted(set(range(cfg.topology.edges)) - set(edge_roles))
-        if missing:
-            raise HostsError(f"hosts file: edges {missing} are on no host (topology.edges = {cfg.topology.edges})")
+            edge_roles[e] = Role(planned_edges[e].node_id, "edge", h, h.edge_port + i, parent=server_addr, edge=e)
+    missing = sorted(set(planned_edges) - set(edge_roles))
+    if missing:
+        raise HostsError(f"hosts file: edges {missing} are on no host (topology.edges = {cfg.topology.edges})")
     roles.extend(edge_roles[e] for e in sorted(edge_roles))
 
     count = cfg.clients.count
-    edge_of = {}
-    if uses_edges:
-        edge_of = {c: e for e, cluster in enumerate(cluster_assignment(cfg)) for c in cluster}
+    edge_of = base.edge_of()
     # the order in which counted hosts take clients: cluster by cluster, so a host tends to hold whole clusters
     pool = sorted(range(count), key=lambda c: (edge_of.get(c, 0), c))
     explicit = {h.name: parse_id_list(h.clients, count, f"hosts file: host '{h.name}'.clients")
@@ -268,20 +259,14 @@ def plan_roles(hf: HostsFile, cfg: Config) -> list[Role]:
     if placed != count or pool:
         raise HostsError(f"hosts file: the hosts hold {placed} logical clients in all but clients.count = {count}; "
                          f"every client must be on exactly one host")
-    k = 0
-    for h in hf.hosts:
-        groups: dict[int | None, list[int]] = {}
-        for c in per_host[h.name]:
-            groups.setdefault(edge_of.get(c) if uses_edges else None, []).append(c)
-        j = 0
-        for e in sorted(groups, key=lambda x: -1 if x is None else x):
-            parent = server_addr if e is None else edge_roles[e].address
-            for block in client_blocks(len(groups[e]), h.client_processes):
-                ids = [groups[e][i] for i in block]
-                roles.append(Role(f"client-proc{k}", "client", h, h.client_port + j, parent=parent,
-                                  clients=ids, edge=e))
-                k += 1
-                j += 1
+    plan = plan_processes(cfg, [Placement(tuple(per_host[h.name]), h.client_processes) for h in hf.hosts])
+    address = {"server": server_addr, **{r.node_id: r.address for r in roles}}
+    on_host: dict[int, int] = {}   # placement group (host) -> client processes placed there so far
+    for p in plan.clients:
+        h = hf.hosts[p.group]
+        j = on_host[p.group] = on_host.get(p.group, -1) + 1
+        roles.append(Role(p.node_id, "client", h, h.client_port + j, parent=address[p.parent],
+                          clients=list(p.clients), edge=p.edge))
     ports: dict[tuple[str, int], str] = {}
     for r in roles:
         key = (r.host.name, r.port)
@@ -333,7 +318,6 @@ def role_argv(role: Role, cfg: Config, run: str) -> list[str]:
     if role.kind == "edge":
         return ["edge", "--parent", role.parent, "--node-id", role.node_id, "--listen", role.address,
                 "--ledger-dir", f"{run}/ledger", "--max-message-bytes", mm] + security
-    from fedhop.deploy.launcher import id_spec
     return ["client", "--parent", role.parent, "--clients", id_spec(role.clients), "--node-id", role.node_id,
             "--listen", role.address, "--ledger-dir", f"{run}/ledger", "--max-message-bytes", mm,
             "--threads", str(cfg.run.torch_threads)] + security

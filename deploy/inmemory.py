@@ -5,20 +5,18 @@ differs, so the final model and the ledger's byte counts equal those of a gRPC r
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-import threading
-
 from fedhop.client.runtime import ClientProcess
-from fedhop.common.topology import cluster_assignment
 from fedhop.edge.runtime import EdgeProcess
 from fedhop.common.config import Config
 from fedhop.common.ledger import Ledger
+from fedhop.common.plan import plan_processes
 from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
-from fedhop.deploy.launcher import client_blocks
 from fedhop.server.coordinator import Coordinator
 
 
@@ -36,28 +34,22 @@ def run_inmemory(cfg: Config, run_dir: str | Path,
     coordinator = Coordinator(cfg, run_dir, server_ep, ledger)
     address = server_ep.serve(lambda req: None, register_handler=coordinator.handle_register)
     procs: list = []
-    layout = [(address, ids) for ids in client_blocks(cfg.clients.count, cfg.clients.processes)]
+    addresses = {"server": address}
     edge_threads = []
-    if cfg.topology.kind in ("hierarchical", "sequential"):
-        layout = []
-        clusters = cluster_assignment(cfg)
-        per_edge = max(1, cfg.clients.processes // len(clusters))
-        for e, cluster in enumerate(clusters):
-            node = f"edge-{e}"
-            edge = EdgeProcess(InMemoryEndpoint(net, node, Ledger(run_dir / "ledger" / f"{node}.jsonl"),
-                                                chunk_bytes=cfg.transport.chunk_bytes), address)
+    for planned in plan_processes(cfg).processes[1:]:   # the processes a real run starts (common/plan.py)
+        ep = InMemoryEndpoint(net, planned.node_id, Ledger(run_dir / "ledger" / f"{planned.node_id}.jsonl"),
+                              chunk_bytes=cfg.transport.chunk_bytes)
+        if planned.kind == "edge":
+            edge = EdgeProcess(ep, addresses[planned.parent])
             thread = threading.Thread(target=edge.start, kwargs={"client_timeout": 30.0}, daemon=True)
             thread.start()
             edge_threads.append(thread)
             procs.append(edge)
-            layout += [(edge.address, [cluster[i] for i in block]) for block in client_blocks(len(cluster), per_edge)]
-    for p, (parent, ids) in enumerate(layout):
-        node = f"client-proc{p}"
-        ep = InMemoryEndpoint(net, node, Ledger(run_dir / "ledger" / f"{node}.jsonl"),
-                              chunk_bytes=cfg.transport.chunk_bytes)
-        proc = ClientProcess(ep, parent, ids)
-        proc.register()
-        procs.append(proc)
+            addresses[planned.node_id] = edge.address
+        else:
+            proc = ClientProcess(ep, addresses[planned.parent], list(planned.clients))
+            proc.register()
+            procs.append(proc)
     for thread in edge_threads:
         thread.join(60.0)
     if before_run is not None:

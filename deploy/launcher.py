@@ -17,35 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedhop.common.config import Config, config_to_toml, load_config
-from fedhop.common.topology import cluster_assignment
+from fedhop.common.plan import id_spec, plan_processes
 from fedhop.deploy.forkstart import ForkedProcess, die_with_parent, fork_allowed, fork_module
 from fedhop.deploy.malloc import tuned_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def client_blocks(count: int, processes: int) -> list[list[int]]:
-    """Logical clients 0..count-1 split into `processes` contiguous, near-equal blocks."""
-    processes = max(1, min(processes, count))
-    base, extra = divmod(count, processes)
-    out, start = [], 0
-    for p in range(processes):
-        size = base + (1 if p < extra else 0)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
-
-
-def id_spec(ids: list[int]) -> str:
-    """[0,1,2,5] -> '0-2,5' for the client command line."""
-    parts, i = [], 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        parts.append(f"{ids[i]}-{ids[j]}" if j > i else str(ids[i]))
-        i = j + 1
-    return ",".join(parts)
 
 
 @dataclass
@@ -85,10 +61,11 @@ class LocalRun:
         return out + (["--mtls"] if sec.mtls else []) + (["--insecure"] if sec.insecure else [])
 
     def start(self, overrides: list[str], resume: bool = False) -> Child:
-        """Start the server (continuing from its checkpoint with `resume`), the edges and the
-        client processes all at once, so their start-up (imports, above all torch's) overlaps:
-        each child reads its parent's address from the file the parent writes once it serves
-        (`--parent-file`).  Returns once the server serves."""
+        """Start the server (continuing from its checkpoint with `resume`), then the edges and the
+        client processes of the config's process plan (common/plan.py) all at once, so their
+        start-up (imports, above all torch's) overlaps: each child reads its parent's address
+        from the file the parent writes once it serves (`--parent-file`).  Returns once the
+        server serves."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "ledger").mkdir(parents=True, exist_ok=True)
         cfg_path = self.run_dir / "config.toml"
@@ -99,36 +76,25 @@ class LocalRun:
         server = self.spawn("server", ["server", "--config", str(cfg_path), "--run-dir", str(self.run_dir),
                                        "--listen", f"{host}:0", "--port-file", str(port_file)]
                             + (["--resume"] if resume else []))
-        for p, (parent_file, ids) in enumerate(self.client_layout(port_file)):
-            self.spawn(f"client-proc{p}", ["client", "--parent-file", str(parent_file), "--clients", id_spec(ids),
-                                           "--node-id", f"client-proc{p}", "--listen", f"{host}:0",
-                                           "--ledger-dir", str(self.run_dir / "ledger"),
-                                           "--max-message-bytes", str(self.cfg.transport.max_message_bytes),
-                                           "--threads", str(self.cfg.run.torch_threads)] + self.security_args())
+        address_file = {"server": port_file}
+        for proc in plan_processes(self.cfg).processes[1:]:   # the processes this config starts (common/plan.py)
+            parent_file = address_file[proc.parent]
+            if proc.kind == "edge":
+                address_file[proc.node_id] = self.run_dir / f"{proc.node_id}.address"
+                address_file[proc.node_id].unlink(missing_ok=True)
+                self.spawn(proc.node_id, ["edge", "--parent-file", str(parent_file), "--node-id", proc.node_id,
+                                          "--listen", f"{host}:0", "--port-file", str(address_file[proc.node_id]),
+                                          "--ledger-dir", str(self.run_dir / "ledger"),
+                                          "--max-message-bytes", str(self.cfg.transport.max_message_bytes)]
+                           + self.security_args())
+            else:
+                self.spawn(proc.node_id, ["client", "--parent-file", str(parent_file), "--clients", id_spec(proc.clients),
+                                          "--node-id", proc.node_id, "--listen", f"{host}:0",
+                                          "--ledger-dir", str(self.run_dir / "ledger"),
+                                          "--max-message-bytes", str(self.cfg.transport.max_message_bytes),
+                                          "--threads", str(self.cfg.run.torch_threads)] + self.security_args())
         self._wait_for_address(server, port_file)
         return server
-
-    def client_layout(self, server_file: Path) -> list[tuple[Path, list[int]]]:
-        """(parent's address file, client ids) per client process.  Star: blocks of all clients
-        under the server.  Hierarchical and sequential: start the edges, then split each edge's
-        cluster over its share of `clients.processes` (at least one process per edge)."""
-        cfg = self.cfg
-        if cfg.topology.kind not in ("hierarchical", "sequential"):   # sequential: Fed-CHS edges (edge/sequential.py)
-            return [(server_file, ids) for ids in client_blocks(cfg.clients.count, cfg.clients.processes)]
-        clusters = cluster_assignment(cfg)
-        per_edge = max(1, cfg.clients.processes // len(clusters))
-        layout = []
-        for e, cluster in enumerate(clusters):
-            port_file = self.run_dir / f"edge-{e}.address"
-            port_file.unlink(missing_ok=True)
-            self.spawn(f"edge-{e}", ["edge", "--parent-file", str(server_file), "--node-id", f"edge-{e}",
-                                     "--listen", f"{cfg.transport.host}:0", "--port-file", str(port_file),
-                                     "--ledger-dir", str(self.run_dir / "ledger"),
-                                     "--max-message-bytes", str(cfg.transport.max_message_bytes)]
-                       + self.security_args())
-            for block in client_blocks(len(cluster), per_edge):
-                layout.append((port_file, [cluster[i] for i in block]))
-        return layout
 
     @staticmethod
     def _wait_for_address(server: Child, port_file: Path, timeout: float = 120.0) -> str:

@@ -40,8 +40,7 @@ from pathlib import Path
 from typing import Iterable
 
 from fedhop.common.config import Config, ConfigError, load_config
-from fedhop.deploy.hosts import EDGE_KINDS, HostsError, HostsFile, HostSpec, Role, load_hosts, plan_roles, process_layout, \
-    run_launch
+from fedhop.deploy.hosts import HostsError, HostsFile, HostSpec, Role, load_hosts, plan_roles, run_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBNET = "10.213"                 # 10.213.0.0/16, used only inside our namespaces
@@ -327,13 +326,12 @@ def host_kind(h: HostSpec) -> str:
 
 
 def default_hosts(cfg: Config) -> HostsFile:
-    """One emulated host per process, laid out as `fedhop run` lays out processes."""
-    from fedhop.deploy.launcher import id_spec
+    """One emulated host per process of the config's process plan (common/plan.py)."""
+    from fedhop.common.plan import id_spec, plan_processes
+    plan = plan_processes(cfg)
     hosts = [HostSpec("server", address="", server=True)]
-    if cfg.topology.kind in EDGE_KINDS:
-        hosts += [HostSpec(f"edge-{e}", address="", edges=[e]) for e in range(cfg.topology.edges)]
-    hosts += [HostSpec(f"client-{k}", address="", clients=id_spec(ids))
-              for k, (_, ids) in enumerate(process_layout(cfg))]
+    hosts += [HostSpec(e.node_id, address="", edges=[e.edge]) for e in plan.edges]
+    hosts += [HostSpec(f"client-{k}", address="", clients=id_spec(p.clients)) for k, p in enumerate(plan.clients)]
     return HostsFile(hosts=hosts)
 
 

@@ -247,15 +247,14 @@ def claim_slot(slots: Path, me: str, n: int) -> int | None:
 
 
 def cmd_client(a: argparse.Namespace) -> None:
-    from fedhop.deploy.hosts import process_layout
-    from fedhop.deploy.launcher import id_spec
+    from fedhop.common.plan import id_spec, plan_processes
     run_dir = wait_for_run()
     token = token_for(run_dir)
     ip = local_ip_towards(a.server)
     me = _identity(ip)
     n = replica_count(run_dir, me, float(env("FEDHOP_SETTLE", "3")))
     cfg = load_cfg([f"clients.processes={n}"])
-    layout = process_layout(cfg)
+    layout = plan_processes(cfg).clients   # slot k hosts client-proc<k> of the process plan (common/plan.py)
     slot = claim_slot(run_dir / "slots", me, len(layout))
     if slot is None:
         log.warning("all %d client slots of this run are taken (clients.processes = %d, layout %d processes); "
@@ -263,10 +262,11 @@ def cmd_client(a: argparse.Namespace) -> None:
         while not (run_dir / "summary.json").exists():
             time.sleep(1.0)
         return
-    edge, ids = layout[slot]
-    parent = a.server if edge is None else a.edge.format(edge=edge)
-    log.info("replica %s: slot %d of %d, clients %s, parent %s", me, slot, len(layout), id_spec(ids), parent)
-    _exec("client", ["--parent", parent, "--clients", id_spec(ids), "--node-id", f"client-proc{slot}",
+    planned = layout[slot]
+    parent = a.server if planned.edge is None else a.edge.format(edge=planned.edge)
+    ids = id_spec(planned.clients)
+    log.info("replica %s: slot %d of %d, clients %s, parent %s", me, slot, len(layout), ids, parent)
+    _exec("client", ["--parent", parent, "--clients", ids, "--node-id", planned.node_id,
                      "--listen", f"{ip}:{a.port}", "--ledger-dir", str(run_dir / "ledger"),
                      "--max-message-bytes", str(cfg.transport.max_message_bytes),
                      "--threads", str(cfg.run.torch_threads)], token)

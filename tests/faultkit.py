@@ -126,7 +126,8 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
     done: kills, restarts, times, and how many restarts came before the server had noticed."""
     from fedhop.common.config import load_config
     from fedhop.common.rng import numpy_stream
-    from fedhop.deploy.launcher import LocalRun, client_blocks, id_spec
+    from fedhop.common.plan import id_spec, plan_processes
+    from fedhop.deploy.launcher import LocalRun
 
     cfg_file = tmp_path / "soak.toml"
     cfg_file.write_text(slow_quadratic(rounds, processes=processes, name="soak"))
@@ -134,7 +135,7 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
     run.run_dir.mkdir(parents=True, exist_ok=True)
     server = run.start([])
     address = (run.run_dir / "server.address").read_text().strip()
-    blocks = client_blocks(run.cfg.clients.count, run.cfg.clients.processes)
+    hosted = {p.node_id: p.clients for p in plan_processes(run.cfg).clients}
     rng = numpy_stream(seed, "soak")
     done = {"kills": 0, "restarts": 0, "restarted_before_detection": 0, "events": []}
     try:
@@ -154,8 +155,7 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
                 # the run is ending: a process started now may find no server to register with
                 # and would wait out its registration deadline (fedhop run stops such processes)
                 break
-            p = int(name.removeprefix("client-proc"))
-            current[name] = run.spawn(name, ["client", "--parent", address, "--clients", id_spec(blocks[p]),
+            current[name] = run.spawn(name, ["client", "--parent", address, "--clients", id_spec(hosted[name]),
                                              "--node-id", name, "--listen", f"{run.cfg.transport.host}:0",
                                              "--ledger-dir", str(run.run_dir / "ledger")] + run.security_args())
             done["restarts"] += 1

@@ -33,6 +33,7 @@ def test_bench_compute_and_scale_tiny(tmp_path):
     assert main(["compute", "--tiny", "--json", str(out)]) == 0
     c = json.loads(out.read_text())
     assert c["loop_seconds"] > 0 and c["fedhop_round_seconds"] > 0
+    assert c["model_max_abs_diff"] < 1e-6   # the loop does fedhop's SGD steps (float rounding apart)
     assert main(["scale", "--tiny", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["per_round"] for r in rows] == [10, 50] and all(r["client_process_rss_mb"] > 0 for r in rows)

@@ -1,0 +1,64 @@
+"""`fedhop certs --config` makes a certificate for every process `fedhop run` starts (issue 16).
+
+The case that was wrong: topology.kind = "sequential", 5 edges, clients.processes = 2.  The
+launcher starts one client process per edge (5), but certs made client-proc0 and client-proc1
+only, so the TLS run failed with "missing client-proc4.pem".  These tests need nothing but the
+command line and the launcher: the certificate names are checked against the processes whose
+logs a real mutual-TLS run leaves.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fedhop.deploy.cli import main as fedhop
+from fedhop.deploy.launcher import run_local
+from tests.helpers import quadratic_config
+
+RNG = np.random.default_rng(5)
+CENTERS = RNG.normal(0, 2, size=(10, 3))
+SIZES = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7]
+
+
+def seq_text(edges: int = 5, processes: int = 2, rounds: int = 2) -> str:
+    """Fed-CHS on 10 quadratic clients: `edges` edges in blocks, a ring, K = 2 steps per round."""
+    return quadratic_config(CENTERS, np.ones_like(CENTERS), SIZES, rounds=rounds, local_steps=1, lr=1.0,
+                            algorithm="fedchs", processes=processes,
+                            topology=f'kind = "sequential"\nedges = {edges}\ngraph = "ring"\nstart = 0\n'
+                                     f'steps_per_round = 2')
+
+
+def cert_nodes(d: Path) -> set[str]:
+    return {p.stem for p in d.glob("*.pem")} - {"ca"}
+
+
+def test_certs_for_a_sequential_config_cover_every_process_the_launcher_starts(tmp_path, capsys):
+    """The issue-16 case: sequential, 5 edges, clients.processes = 2.  The launcher starts one
+    client process per edge (5), so certs must make client-proc0..4, not client-proc0..1."""
+    cfg_file = tmp_path / "seq.toml"
+    cfg_file.write_text(seq_text(edges=5, processes=2))
+    d = tmp_path / "pki"
+    assert fedhop(["certs", str(d), "--config", str(cfg_file)]) == 0
+    want = {"server", *(f"edge-{e}" for e in range(5)), *(f"client-proc{p}" for p in range(5))}
+    assert cert_nodes(d) == want
+    assert f"{len(want)} node certificates" in capsys.readouterr().out
+
+
+def test_mutual_tls_sequential_run_with_certs_from_the_config_completes(tmp_path):
+    """`fedhop certs --config` then `fedhop run` with mutual TLS, real processes: every process the
+    launcher starts finds its certificate and the run completes."""
+    cfg_file = tmp_path / "seq.toml"
+    cfg_file.write_text(seq_text(edges=5, processes=2, rounds=2))
+    d = tmp_path / "pki"
+    assert fedhop(["certs", str(d), "--config", str(cfg_file)]) == 0
+    run = tmp_path / "run"
+    code = run_local(str(cfg_file), [f'security.certs_dir="{d}"', "security.mtls=true"], str(run), quiet=True,
+                     show_table=False)
+    logs = {p.name: p.read_text()[-400:] for p in (run / "logs").glob("*.log")} if code else {}
+    assert code == 0, logs
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 2
+    assert summary["faults"]["auth_refused"] == 0
+    assert {p.stem for p in (run / "logs").glob("*.log")} == cert_nodes(d)
