@@ -152,7 +152,7 @@ def edge_plan(cfg: Any, placement: Sequence[Placement] | None = None) -> Process
     return build_plan(clusters, placement)
 
 
-for _kind, _fn in (("star", star_plan), ("chain", star_plan), ("hierarchical", edge_plan), ("sequential", edge_plan)):
+for _kind, _fn in (("star", star_plan), ("chain", star_plan), ("relay", star_plan), ("hierarchical", edge_plan), ("sequential", edge_plan)):
     register_plan(_kind, _fn)
 
 

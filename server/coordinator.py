@@ -15,18 +15,14 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-import torch
 from safetensors.torch import save_file
 
-from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import COMPUTE_KEY, Payload, ServerState
-from fedhop.common.algorithms.local import get_params, set_params
+from fedhop.common.algorithms.local import set_params
 from fedhop.common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
 from fedhop.common.ledger import Ledger
-from fedhop.common.rng import numpy_stream
 from fedhop.common.runstore import RunStore
-from fedhop.common.tasks import build_task
-from fedhop.common.topology import sampling_pool
+from fedhop.common.rounds import RoundEngine
 from fedhop.common.transport.base import CallFailed, Endpoint, RemoteError
 from fedhop.common.transport.fabric import Fabric
 from fedhop.common.validation import consistent_results, rejection_code
@@ -67,11 +63,12 @@ class Coordinator:
         self.round_listeners: list[Callable[[RoundResult], None]] = [on_round] if on_round is not None else []
         self.run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:8]}"
         endpoint.run_id = self.run_id
-        self.task = build_task(cfg)
-        self.algorithm = build_algorithm(cfg)
-        self.model = self.task.build_model()
-        self.state: ServerState = self.algorithm.init_state(get_params(self.model))
-        self.clock = RoundClock(cfg, self.task)  # stragglers, device profiles, virtual clock (common/vclock.py)
+        # the round's rules without a transport (common/rounds.py): sampling, aggregation and the
+        # server step, metrics; the same engine plays whole rounds in process for benchmarks
+        self.engine = RoundEngine(cfg)
+        self.task, self.algorithm, self.model = self.engine.task, self.engine.algorithm, self.engine.model
+        self.state: ServerState = self.engine.state
+        self.clock: RoundClock = self.engine.clock   # stragglers, device profiles, virtual clock (common/vclock.py)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.store = RunStore(self.run_dir / "run.db")
         self.children: dict[str, ChildNode] = {}
@@ -134,12 +131,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ rounds
     def sample(self, round: int) -> list[int]:
-        """Seeded sampling without replacement: stream ("sampling", round), over every client or,
-        with topology.edges_per_round > 0, over the clients of the round's edges (at most all of them)."""
-        pool = sampling_pool(self.cfg, round)
-        size = min(len(pool), self.clock.sample_size(resolve_clients_per_round(self.cfg)))  # over-commitment: ceil(c * S)
-        rng = numpy_stream(self.cfg.run.seed, "sampling", round)
-        return sorted(pool[int(i)] for i in rng.choice(len(pool), size=size, replace=False))
+        return self.engine.sample(round)
 
     def client_message(self, message: Payload, round: int, cid: int) -> Payload:
         """Client `cid`'s message this round: the shared one or its own variant (Algorithm.client_message)."""
@@ -178,9 +170,7 @@ class Coordinator:
             raise RunFailed(f"round {round}: only {len(participants)} of {len(sampled)} sampled clients returned a "
                             f"result; run.min_results requires {needed}")
         collected = time.perf_counter()
-        aggregate = self.algorithm.aggregate(sorted(results.items()))
-        self.algorithm.server_update(self.state, aggregate, round)
-        self.algorithm.note_participants(self.state, round, participants)
+        aggregate = self.engine.finish_round(round, results, participants)
         aggregated = time.perf_counter()
         metrics = self.round_metrics(round, aggregate)
         compute = float(aggregate.scalars.get(COMPUTE_KEY, 0.0))
@@ -200,20 +190,10 @@ class Coordinator:
         return max(variants.values(), key=lambda m: (len(m.tensors), len(m.scalars)), default=message)
 
     def round_metrics(self, round: int, aggregate: Payload) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        weight = float(aggregate.scalars.get("weight", 0.0)) or 1.0
-        if "train_loss" in aggregate.scalars:
-            metrics["client_train_loss"] = float(aggregate.scalars["train_loss"]) / weight
-        every = self.cfg.run.eval_every
-        last = round == self.cfg.run.rounds
-        if last or (every and round % every == 0):
-            metrics.update(self.evaluate())
-        return metrics
+        return self.engine.metrics(round, aggregate)
 
     def evaluate(self) -> dict[str, float]:
-        set_params(self.model, self.state.params)
-        with torch.no_grad():
-            return {k: float(v) for k, v in self.task.evaluate(self.model).items()}
+        return self.engine.evaluate()
 
     def record_round(self, result: RoundResult) -> None:
         self.rounds_completed = result.round
