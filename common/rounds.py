@@ -30,14 +30,13 @@ import torch
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import COMPUTE_KEY, Algorithm, ClientContext, Payload, ServerState
 from fedhop.common.algorithms.local import get_params, set_params
-from fedhop.common.compress import compress_upload, decompress_upload
+from fedhop.common.pipeline import ReplyPipeline, upload
 from fedhop.common.config import Config, client_local_steps, resolve_clients_per_round
 from fedhop.common.devices import apply_straggler_plan, devices_params
 from fedhop.common.rng import numpy_stream, torch_stream
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.base import Task
 from fedhop.common.topology import sampling_pool
-from fedhop.common.validation import validate_reply
 from fedhop.common.vclock import RoundClock
 
 RoundHook = Callable[[int, "RoundEngine", list[int], Payload], None]
@@ -106,10 +105,7 @@ class RoundEngine:
     def accept(self, round: int, who: str, reply: Payload) -> Payload:
         """A reply as the server uses it: decoded (QSGD) and validated against the reply spec;
         raises PayloadError naming `who` when it is unusable."""
-        spec = self.algorithm.reply_spec(self.state)
-        reply = decompress_upload(self.cfg, reply, spec)
-        validate_reply(reply, spec, f"round {round} {who}")
-        return reply
+        return ReplyPipeline(self.cfg, self.algorithm.reply_spec(self.state))(reply, f"round {round} {who}")
 
     def finish_round(self, round: int, results: Mapping[int, Payload], participants: list[int]) -> Payload:
         """Aggregate the results in id order, apply the server step and tell the algorithm whose
@@ -163,7 +159,7 @@ class RoundEngine:
         for cid in sampled:
             state = self.client_states.setdefault(cid, {})
             reply = local_update(self.cfg, self.task, self.algorithm, self._client_model, cid, round, own[cid], state)
-            reply = compress_upload(self.cfg, reply, client_node(cid), round, 0)
+            reply = upload(self.cfg, reply, client_node(cid), round, 0)
             results[cid] = self.accept(round, f"reply of client {cid}", reply)
         return sampled, self.finish_round(round, results, sampled)
 

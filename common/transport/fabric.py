@@ -11,9 +11,9 @@ hand: it says what goes where and gets back results and failures.
 - `call`: one request, one reply (control calls, a hand-off to a peer); failures raise.
 - `submit`: a call in the background (a control call that must overlap a collective).
 
-The payload pipeline lives at this seam.  `ReplyPipeline` (inbound) undoes upload compression
-and validates the reply against the algorithm's spec; `upload` (outbound) compresses what a
-child sends up.  The ledger is recorded by the endpoint underneath, for every message.
+The payload pipeline (common/pipeline.py) lives at this seam: a request's `inbound` processor
+(`ReplyPipeline`: upload decompression, then the algorithm's reply spec) runs on its reply
+before the caller sees it.  The ledger is recorded by the endpoint underneath, for every message.
 
 The transport underneath is the endpoint's (gRPC, or in memory for unit tests); the
 torch.distributed data plane adds its collectives beside it (common/transport/torchdist.py)
@@ -25,36 +25,14 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Mapping
 
-import torch
-
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import Encoded, PayloadError
-from fedhop.common.compress import compress_upload, decompress_upload
+from fedhop.common.pipeline import ReplyPipeline, upload
 from fedhop.common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError
-from fedhop.common.validation import validate_reply
 
-Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+__all__ = ["Fabric", "Send", "gather", "ReplyPipeline", "upload", "CALL_ERRORS"]
 # what makes a request fail without failing the caller: every typed outcome of a call
 CALL_ERRORS = (CallFailed, RemoteError, PayloadError, HandlerError)
-
-
-@dataclass(frozen=True)
-class ReplyPipeline:
-    """Inbound processors for a reply: QSGD decompression (common/compress.py), then the
-    algorithm's reply spec (names, dtypes, shapes, finiteness, the weight; common/validation.py)."""
-
-    cfg: Any
-    spec: Spec
-
-    def __call__(self, reply: Payload, who: str) -> Payload:
-        reply = decompress_upload(self.cfg, reply, self.spec)
-        validate_reply(reply, self.spec, who)
-        return reply
-
-
-def upload(cfg: Any, payload: Payload, sender: str, round: int, step: int = 0) -> Payload:
-    """The outbound processor of a child's reply to its parent: QSGD when configured."""
-    return compress_upload(cfg, payload, sender, round, step)
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""The payload pipeline: what happens to a payload between the algorithm and the wire.
+
+- Outbound, `upload`: what a child sends to its parent (a client's reply, an edge's partial),
+  QSGD-coded when `algorithm.compress = "qsgd"` (common/compress.py).
+- Inbound, `ReplyPipeline`: a parent's view of such a reply: decoded, then checked against the
+  algorithm's reply spec (names, dtypes, shapes, finiteness, the weight; common/validation.py).
+
+The fabric applies the inbound side to every reply it gathers (common/transport/fabric.py);
+the in-process round engine applies the same pipeline (common/rounds.py), so both see the same
+bits.  Form and size checks while frames arrive are the codec's (common/codec.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.compress import compress_upload, decompress_upload
+from fedhop.common.validation import validate_reply
+
+Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class ReplyPipeline:
+    """Inbound processors for a reply: QSGD decompression (common/compress.py), then the
+    algorithm's reply spec (names, dtypes, shapes, finiteness, the weight; common/validation.py)."""
+
+    cfg: Any
+    spec: Spec
+
+    def __call__(self, reply: Payload, who: str) -> Payload:
+        reply = decompress_upload(self.cfg, reply, self.spec)
+        validate_reply(reply, self.spec, who)
+        return reply
+
+
+def upload(cfg: Any, payload: Payload, sender: str, round: int, step: int = 0) -> Payload:
+    """The outbound processor of a child's reply to its parent: QSGD when configured."""
+    return compress_upload(cfg, payload, sender, round, step)
