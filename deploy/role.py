@@ -1,8 +1,16 @@
 """`python -m fedhop.deploy.role server|edge|client|health ...`: what each docker compose service runs.
 
 It turns the environment of a container (the experiment, the shared run volume, the token) into
-the command line of `python -m fedhop.server|edge|client` and execs it, so the process a compose
+the command line of `python -m fedhop.server|edge|client` and runs it, so the process a compose
 service runs is the same one `fedhop run` and `fedhop launch` start.
+
+Ending in order: `docker compose up --abort-on-container-exit --exit-code-from server` stops every
+container as soon as the first one exits, so the server's container must be the first.  The role
+waits for its process, passing SIGTERM and SIGINT on while it runs.  The server's role then writes
+the process's exit status to `RUN/server.exit` and exits with it, ignoring a SIGTERM that arrives
+after the process ended.  An edge or client whose process ended with status 0 (the server shut it
+down) stays until `RUN/server.exit` exists (at most `FEDHOP_LINGER` seconds, default 120) or a
+SIGTERM comes; one that failed exits at once, so `restart: on-failure` restarts it.
 
 Environment (docker-compose.yml sets it):
 
@@ -33,7 +41,9 @@ import re
 import secrets
 import shlex
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -114,15 +124,46 @@ def local_ip_towards(address: str, timeout: float = 120.0) -> str:
             time.sleep(0.5)
 
 
-def _exec(role: str, args: list[str], token: str) -> None:
+SERVER_EXIT = "server.exit"
+
+
+def _run(role: str, args: list[str], token: str) -> int:
+    """Run `python -m fedhop.<role> ARGS` and return its exit status, passing SIGTERM and SIGINT on."""
     from fedhop.deploy.malloc import tuned_env
     child_env = tuned_env()
     child_env["FEDHOP_TOKEN"] = token
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     argv = [sys.executable, "-m", f"fedhop.{role}", *args]
-    log.info("exec %s", " ".join(shlex.quote(a) for a in argv))
+    log.info("run %s", " ".join(shlex.quote(a) for a in argv))
     sys.stdout.flush()
-    os.execve(sys.executable, argv, child_env)
+    proc = subprocess.Popen(argv, env=child_env)
+
+    def forward(signum: int, _frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = proc.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)   # the status is decided: a late stop request cannot change it
+    return 128 - code if code < 0 else code  # killed by signal N: 128+N, as a shell reports it
+
+
+def linger_until_server_exits(run_dir: Path, timeout: float) -> None:
+    """Wait (bounded) for the server's role to record its exit status, or for a SIGTERM."""
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    deadline = time.monotonic() + timeout
+    while not stop["now"] and time.monotonic() < deadline and not (run_dir / SERVER_EXIT).exists():
+        time.sleep(0.2)
+
+
+def _run_member(role: str, args: list[str], token: str, run_dir: Path) -> int:
+    code = _run(role, args, token)
+    if code == 0:
+        linger_until_server_exits(run_dir, float(env("FEDHOP_LINGER", "120")))
+    return code
 
 
 def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
@@ -139,7 +180,7 @@ def processes_override() -> list[str]:
 
 
 # ----------------------------------------------------------------------------- roles
-def cmd_server(a: argparse.Namespace) -> None:
+def cmd_server(a: argparse.Namespace) -> int:
     cfg = load_cfg(processes_override())   # fail here, with the key named, before announcing a run
     root = runs_root()
     root.mkdir(parents=True, exist_ok=True)
@@ -151,7 +192,8 @@ def cmd_server(a: argparse.Namespace) -> None:
     (run_dir / "ledger").mkdir(parents=True, exist_ok=True)
     for stale in ("slots", "replicas"):   # a reused FEDHOP_RUN_NAME starts with no claims
         shutil.rmtree(run_dir / stale, ignore_errors=True)
-    (run_dir / "replicas.count").unlink(missing_ok=True)
+    for stale in ("replicas.count", SERVER_EXIT):
+        (run_dir / stale).unlink(missing_ok=True)
     token = env("FEDHOP_TOKEN")
     if not token:
         token = secrets.token_hex(16)
@@ -162,7 +204,9 @@ def cmd_server(a: argparse.Namespace) -> None:
             "--listen", a.listen]
     for o in overrides() + processes_override() + security_overrides():
         args += ["--set", o]
-    _exec("server", args, token)
+    code = _run("server", args, token)
+    _write_atomic(run_dir / SERVER_EXIT, f"{code}\n")
+    return code
 
 
 def security_overrides() -> list[str]:
@@ -178,13 +222,13 @@ def security_overrides() -> list[str]:
     return out
 
 
-def cmd_edge(a: argparse.Namespace) -> None:
+def cmd_edge(a: argparse.Namespace) -> int:
     cfg = load_cfg()
     run_dir = wait_for_run()
     token = token_for(run_dir)
-    _exec("edge", ["--parent", a.parent, "--node-id", a.node_id, "--listen", a.listen,
-                   "--ledger-dir", str(run_dir / "ledger"),
-                   "--max-message-bytes", str(cfg.transport.max_message_bytes)], token)
+    return _run_member("edge", ["--parent", a.parent, "--node-id", a.node_id, "--listen", a.listen,
+                                "--ledger-dir", str(run_dir / "ledger"),
+                                "--max-message-bytes", str(cfg.transport.max_message_bytes)], token, run_dir)
 
 
 def _identity(ip: str) -> str:
@@ -246,7 +290,7 @@ def claim_slot(slots: Path, me: str, n: int) -> int | None:
     return None
 
 
-def cmd_client(a: argparse.Namespace) -> None:
+def cmd_client(a: argparse.Namespace) -> int:
     from fedhop.deploy.hosts import process_layout
     from fedhop.deploy.launcher import id_spec
     run_dir = wait_for_run()
@@ -260,19 +304,18 @@ def cmd_client(a: argparse.Namespace) -> None:
     if slot is None:
         log.warning("all %d client slots of this run are taken (clients.processes = %d, layout %d processes); "
                     "this replica hosts nothing and waits for the run to end", len(layout), n, len(layout))
-        while not (run_dir / "summary.json").exists():
-            time.sleep(1.0)
-        return
+        linger_until_server_exits(run_dir, float("inf"))
+        return 0
     edge, ids = layout[slot]
     parent = a.server if edge is None else a.edge.format(edge=edge)
     log.info("replica %s: slot %d of %d, clients %s, parent %s", me, slot, len(layout), id_spec(ids), parent)
-    _exec("client", ["--parent", parent, "--clients", id_spec(ids), "--node-id", f"client-proc{slot}",
-                     "--listen", f"{ip}:{a.port}", "--ledger-dir", str(run_dir / "ledger"),
-                     "--max-message-bytes", str(cfg.transport.max_message_bytes),
-                     "--threads", str(cfg.run.torch_threads)], token)
+    return _run_member("client", ["--parent", parent, "--clients", id_spec(ids), "--node-id", f"client-proc{slot}",
+                                  "--listen", f"{ip}:{a.port}", "--ledger-dir", str(run_dir / "ledger"),
+                                  "--max-message-bytes", str(cfg.transport.max_message_bytes),
+                                  "--threads", str(cfg.run.torch_threads)], token, run_dir)
 
 
-def cmd_health(a: argparse.Namespace) -> None:
+def cmd_health(a: argparse.Namespace) -> int:
     """Exit 0 when something accepts TCP connections at the address (the healthcheck)."""
     host, port = split_address(a.address)
     try:
@@ -280,7 +323,8 @@ def cmd_health(a: argparse.Namespace) -> None:
             pass
     except OSError as exc:
         print(f"unhealthy: {a.address}: {exc}", file=sys.stderr)
-        raise SystemExit(1)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,8 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.role != "health":
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s role-{a.role} %(levelname)s %(message)s")
-    {"server": cmd_server, "edge": cmd_edge, "client": cmd_client, "health": cmd_health}[a.role](a)
-    return 0
+    return {"server": cmd_server, "edge": cmd_edge, "client": cmd_client, "health": cmd_health}[a.role](a)
 
 
 if __name__ == "__main__":
