@@ -26,6 +26,11 @@ Environment (docker-compose.yml sets it):
   appeared for `FEDHOP_SETTLE` seconds (default 3) the first to notice fixes the count in
   `RUN/replicas.count`.  So `docker compose up --scale client=8` needs nothing else.
 
+Kubernetes (deploy/k8s) sets two more: `FEDHOP_SLOT`, the pod's StatefulSet ordinal, which is
+then the client's slot (with `FEDHOP_CLIENT_PROCESSES` the replica count, nothing is claimed);
+and `FEDHOP_HOLD=1`, which keeps every role's container running once its part of the run is over
+(until SIGTERM), so that a Deployment or StatefulSet does not restart it into a second run.
+
 A client replica claims a slot (`RUN/slots/<k>`, created with O_EXCL, holding the replica's
 identity so a restarted container gets its slot back), hosts the k-th block of logical clients
 of the same layout `fedhop run` uses, registers with the server or with `edge-<e>` (found by
@@ -155,14 +160,31 @@ def linger_until_server_exits(run_dir: Path, timeout: float) -> None:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     deadline = time.monotonic() + timeout
-    while not stop["now"] and time.monotonic() < deadline and not (run_dir / SERVER_EXIT).exists():
+    marker = run_dir / SERVER_EXIT
+    while not stop["now"] and time.monotonic() < deadline and not marker.exists():
         time.sleep(0.2)
+    if marker.exists():
+        log.info("the server's role ended with status %s; leaving", marker.read_text().strip())
+    else:
+        log.warning("leaving before the server's role ended (%s)", "SIGTERM" if stop["now"] else f"{timeout:.0f} s")
 
 
 def _run_member(role: str, args: list[str], token: str, run_dir: Path) -> int:
     code = _run(role, args, token)
     if code == 0:
         linger_until_server_exits(run_dir, float(env("FEDHOP_LINGER", "120")))
+    return hold(code)
+
+
+def hold(code: int) -> int:
+    """With FEDHOP_HOLD=1, stay until SIGTERM or SIGINT before leaving with `code` (see module doc)."""
+    if env("FEDHOP_HOLD") == "1":
+        log.info("part of the run over (status %d); holding until stopped (FEDHOP_HOLD=1)", code)
+        stop = {signal.SIGTERM, signal.SIGINT}
+        for sig in stop:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+        signal.sigwait(stop)
     return code
 
 
@@ -206,7 +228,7 @@ def cmd_server(a: argparse.Namespace) -> int:
         args += ["--set", o]
     code = _run("server", args, token)
     _write_atomic(run_dir / SERVER_EXIT, f"{code}\n")
-    return code
+    return hold(code)
 
 
 def security_overrides() -> list[str]:
@@ -300,12 +322,16 @@ def cmd_client(a: argparse.Namespace) -> int:
     n = replica_count(run_dir, me, float(env("FEDHOP_SETTLE", "3")))
     cfg = load_cfg([f"clients.processes={n}"])
     layout = process_layout(cfg)
-    slot = claim_slot(run_dir / "slots", me, len(layout))
+    fixed_slot = env("FEDHOP_SLOT")
+    if fixed_slot and not (fixed_slot.isdigit() and int(fixed_slot) < len(layout)):
+        raise SystemExit(f"deploy.role: FEDHOP_SLOT={fixed_slot!r}: must be 0..{len(layout) - 1} "
+                         f"(the layout has {len(layout)} client processes)")
+    slot = int(fixed_slot) if fixed_slot else claim_slot(run_dir / "slots", me, len(layout))
     if slot is None:
         log.warning("all %d client slots of this run are taken (clients.processes = %d, layout %d processes); "
                     "this replica hosts nothing and waits for the run to end", len(layout), n, len(layout))
         linger_until_server_exits(run_dir, float("inf"))
-        return 0
+        return hold(0)
     edge, ids = layout[slot]
     parent = a.server if edge is None else a.edge.format(edge=edge)
     log.info("replica %s: slot %d of %d, clients %s, parent %s", me, slot, len(layout), id_spec(ids), parent)

