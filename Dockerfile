@@ -46,6 +46,10 @@ RUN --mount=type=bind,source=wheelhouse,target=/wheels \
     && fedhop-pip-install deps "torch==${TORCH_VERSION}" \
     && python -c "import torch, grpc, numpy, safetensors, xxhash, cryptography"
 
+# The processes run as the unprivileged fedhop (uid 10001); the entrypoint starts as root only to
+# hand it a readable copy of the TLS keys, then drops to it (deploy/docker/entrypoint.sh).
+RUN useradd --create-home --uid 10001 fedhop && mkdir -p /runs && chown fedhop:fedhop /runs
+
 COPY README.md ./
 COPY proto ./proto
 COPY common ./common
@@ -60,9 +64,6 @@ RUN --mount=type=bind,source=wheelhouse,target=/wheels \
     && python -c "import fedhop.common.wire.fedhop_pb2, fedhop.deploy.role" \
     && install -m 0755 deploy/docker/entrypoint.sh /usr/local/bin/fedhop-entrypoint
 
-# The processes run as the unprivileged fedhop (uid 10001); the entrypoint starts as root only to
-# hand it a readable copy of the TLS keys, then drops to it (deploy/docker/entrypoint.sh).
-RUN useradd --create-home --uid 10001 fedhop && mkdir -p /runs && chown fedhop:fedhop /runs
 VOLUME ["/runs"]
 EXPOSE 7000 7100 7200
 ENTRYPOINT ["fedhop-entrypoint"]
