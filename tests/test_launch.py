@@ -208,13 +208,10 @@ def test_launch_through_a_local_template_completes_and_gathers(tmp_path):
     assert (out / "logs" / "client-proc1.log").read_text().count("shut down by parent") == 1
 
 
-def test_launch_stops_everything_when_a_role_fails(tmp_path):
-    cfg_file = tmp_path / "exp.toml"
-    cfg_file.write_text(cfg_text(rounds=50))
-    marker = f"fh-launch-fail-{os.getpid()}"
-    run_root = tmp_path / marker
+def _two_hosts(path: Path, run_root: Path, second: str, second_python: str) -> Path:
+    """Host a (server, 3 clients, this interpreter) and host SECOND (3 clients, SECOND_PYTHON)."""
     ports = _free_ports(3)
-    hf = _write_hosts(tmp_path / "hosts.toml", f"""
+    return _write_hosts(path, f"""
         [launch]
         remote = "{LOCAL_TEMPLATE}"
         python = "{sys.executable}"
@@ -229,12 +226,20 @@ def test_launch_stops_everything_when_a_role_fails(tmp_path):
         clients = 3
         client_port = {ports[1]}
         [[host]]
-        name = "broken"
+        name = "{second}"
         address = "127.0.0.1"
-        python = "/nonexistent/python"
+        python = "{second_python}"
         clients = 3
         client_port = {ports[2]}
     """)
+
+
+def test_launch_stops_everything_when_a_role_fails(tmp_path):
+    cfg_file = tmp_path / "exp.toml"
+    cfg_file.write_text(cfg_text(rounds=50))
+    marker = f"fh-launch-fail-{os.getpid()}"
+    run_root = tmp_path / marker
+    hf = _two_hosts(tmp_path / "hosts.toml", run_root, "broken", "/nonexistent/python")
     started = time.monotonic()
     res = _launch(hf, cfg_file, tmp_path / "out", timeout=120)
     assert res.returncode == 1
@@ -367,27 +372,7 @@ def test_launch_refuses_a_host_with_another_fedhop_version(tmp_path):
     old_python = tmp_path / "old-python"
     old_python.write_text("#!/bin/sh\necho 0.0.9\n")    # answers the version query as an older install would
     old_python.chmod(0o755)
-    ports = _free_ports(3)
-    hf = _write_hosts(tmp_path / "hosts.toml", f"""
-        [launch]
-        remote = "{LOCAL_TEMPLATE}"
-        python = "{sys.executable}"
-        workdir = "{ROOT}"
-        run_root = "{tmp_path / 'remote-runs'}"
-        [[host]]
-        name = "a"
-        address = "127.0.0.1"
-        server = true
-        server_port = {ports[0]}
-        clients = 3
-        client_port = {ports[1]}
-        [[host]]
-        name = "old"
-        address = "127.0.0.1"
-        python = "{old_python}"
-        clients = 3
-        client_port = {ports[2]}
-    """)
+    hf = _two_hosts(tmp_path / "hosts.toml", tmp_path / "remote-runs", "old", str(old_python))
     res = _launch(hf, cfg_file, tmp_path / "out", timeout=120)
     assert res.returncode == 2, res.stderr
     assert f"host 'old' has fedhop 0.0.9 but this launcher is fedhop {launcher_version()}" in res.stderr
