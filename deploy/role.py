@@ -21,6 +21,9 @@ Environment (docker-compose.yml sets it):
 - `FEDHOP_RUN_NAME`: the run directory's name (default `<run.name>-<UTC time>`).
 - `FEDHOP_TOKEN`: the shared registration token; when empty the server draws one and leaves it
   in `RUN/.token` (mode 0600) on the volume, which only this project's containers mount.
+- `FEDHOP_REGISTER_TIMEOUT`: seconds the server waits for every client to register (default 300:
+  containers start after the server is healthy, and each imports torch first, which on a loaded
+  machine took more than the server's own default of 120 s).
 - `FEDHOP_CLIENT_PROCESSES`: how many client replicas share the logical clients, or `auto`
   (the default): the replicas announce themselves in `RUN/replicas/`, and once no new one has
   appeared for `FEDHOP_SETTLE` seconds (default 3) the first to notice fixes the count in
@@ -223,7 +226,7 @@ def cmd_server(a: argparse.Namespace) -> int:
     _write_atomic(root / "current", name + "\n")
     log.info("run directory %s", run_dir)
     args = ["--config", env("FEDHOP_CONFIG", "/app/examples/fedavg_digits.toml"), "--run-dir", str(run_dir),
-            "--listen", a.listen]
+            "--listen", a.listen, "--register-timeout", env("FEDHOP_REGISTER_TIMEOUT", "300")]
     for o in overrides() + processes_override() + security_overrides():
         args += ["--set", o]
     code = _run("server", args, token)
