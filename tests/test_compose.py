@@ -166,9 +166,9 @@ def test_compose_on_a_real_docker_engine(tmp_path):
     env = {**os.environ, "FEDHOP_PYTHON": os.environ.get("FEDHOP_PYTHON", sys.executable)}
     res = subprocess.run(["bash", str(ROOT / "deploy" / "docker" / "engine-test.sh"), str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1440)
-    tail = (res.stdout + res.stderr)[-4000:]
-    print(tail)
+    tail = (res.stderr[-3000:] + res.stdout[-3000:])
     result = json.loads((tmp_path / "results.json").read_text()) if (tmp_path / "results.json").exists() else {}
+    print(json.dumps(result, indent=1) if result else tail)
     assert res.returncode == 0 and result.get("ok"), tail
     rows = {r["scenario"]: r for r in result["scenarios"]}
     assert set(rows) == {"star", "hierarchical", "sequential", "mtls"}

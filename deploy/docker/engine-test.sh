@@ -27,7 +27,8 @@ trap cleanup EXIT
 checkout_before=$(git status --porcelain --untracked-files=all 2>/dev/null || true)
 t0=$(date +%s)
 engine_up
-deploy/docker/build.sh
+deploy/docker/build.sh 2>"$work/build.log" || { tail -40 "$work/build.log" >&2; exit 1; }
+tail -1 "$work/build.log" >&2
 t_build=$(( $(date +%s) - t0 ))
 
 # FEDHOP_ENGINE_SCENARIOS picks some (e.g. "mtls"); all four by default
