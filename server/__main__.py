@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = coordinator.run(register_timeout=args.register_timeout)
     monitor.stop()
     endpoint.stop()
+    coordinator.store.close()   # the last connection: SQLite checkpoints the WAL into run.db and removes it
     logging.info("run %s %s after %d rounds", coordinator.run_id, summary["status"], summary["rounds_completed"])
     return 0 if summary["status"] == "completed" else 1
 

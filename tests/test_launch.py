@@ -208,13 +208,10 @@ def test_launch_through_a_local_template_completes_and_gathers(tmp_path):
     assert (out / "logs" / "client-proc1.log").read_text().count("shut down by parent") == 1
 
 
-def test_launch_stops_everything_when_a_role_fails(tmp_path):
-    cfg_file = tmp_path / "exp.toml"
-    cfg_file.write_text(cfg_text(rounds=50))
-    marker = f"fh-launch-fail-{os.getpid()}"
-    run_root = tmp_path / marker
+def _two_hosts(path: Path, run_root: Path, second: str, second_python: str) -> Path:
+    """Host a (server, 3 clients, this interpreter) and host SECOND (3 clients, SECOND_PYTHON)."""
     ports = _free_ports(3)
-    hf = _write_hosts(tmp_path / "hosts.toml", f"""
+    return _write_hosts(path, f"""
         [launch]
         remote = "{LOCAL_TEMPLATE}"
         python = "{sys.executable}"
@@ -229,12 +226,20 @@ def test_launch_stops_everything_when_a_role_fails(tmp_path):
         clients = 3
         client_port = {ports[1]}
         [[host]]
-        name = "broken"
+        name = "{second}"
         address = "127.0.0.1"
-        python = "/nonexistent/python"
+        python = "{second_python}"
         clients = 3
         client_port = {ports[2]}
     """)
+
+
+def test_launch_stops_everything_when_a_role_fails(tmp_path):
+    cfg_file = tmp_path / "exp.toml"
+    cfg_file.write_text(cfg_text(rounds=50))
+    marker = f"fh-launch-fail-{os.getpid()}"
+    run_root = tmp_path / marker
+    hf = _two_hosts(tmp_path / "hosts.toml", run_root, "broken", "/nonexistent/python")
     started = time.monotonic()
     res = _launch(hf, cfg_file, tmp_path / "out", timeout=120)
     assert res.returncode == 1
@@ -356,3 +361,41 @@ def test_parent_address_from_a_file_written_later_or_malformed(tmp_path):
         resolve_parent(SimpleNamespace(parent=None, parent_file=str(path)), timeout=1)
     with pytest.raises(TimeoutError, match="no parent address within 0s"):
         resolve_parent(SimpleNamespace(parent=None, parent_file=str(tmp_path / "never")), timeout=0.2)
+
+
+# ----------------------------------------------------------------------------- shipping and versions
+def test_launch_refuses_a_host_with_another_fedhop_version(tmp_path):
+    """A host whose python reports another fedhop version: exit 2 naming both versions, nothing started."""
+    from fedhop.deploy.hosts import launcher_version
+    cfg_file = tmp_path / "exp.toml"
+    cfg_file.write_text(cfg_text())
+    old_python = tmp_path / "old-python"
+    old_python.write_text("#!/bin/sh\necho 0.0.9\n")    # answers the version query as an older install would
+    old_python.chmod(0o755)
+    hf = _two_hosts(tmp_path / "hosts.toml", tmp_path / "remote-runs", "old", str(old_python))
+    res = _launch(hf, cfg_file, tmp_path / "out", timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert f"host 'old' has fedhop 0.0.9 but this launcher is fedhop {launcher_version()}" in res.stderr
+    assert "host 'a'" not in res.stderr                     # the matching host passed
+    assert not (tmp_path / "remote-runs").exists()          # no role was started
+
+
+def test_ship_installs_this_checkouts_wheel_into_a_venv_on_the_host(tmp_path):
+    """launch.ship = "wheel": the checkout's wheel is built, copied through the remote template and
+    installed into a venv in the host's workdir; the roles then run that venv's python, whose
+    fedhop is this checkout's code at this launcher's version."""
+    from fedhop.deploy.hosts import check_versions, launcher_version, ship
+    workdir = tmp_path / "host-a"
+    hf = hosts_from_dict(hosts({"name": "a", "address": "127.0.0.1", "server": True, "clients": 6},
+                               remote=LOCAL_TEMPLATE, workdir=str(workdir), ship="wheel", venv="fv",
+                               ship_python=sys.executable, ship_deps=False))
+    ship(hf, tmp_path / "out")
+    assert hf.python == "fv/bin/python" and (workdir / "fv" / "bin" / "python").exists()
+    assert [p.name for p in (workdir / ".fedhop-ship").iterdir()] == [f"fedhop-{launcher_version()}-py3-none-any.whl"]
+    where = subprocess.run([str(workdir / "fv" / "bin" / "python"), "-c",
+                            "import importlib.metadata as m, fedhop.deploy.hosts as h; print(m.version('fedhop')); "
+                            "print(h.__file__)"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    version, path = where.stdout.split()
+    assert version == launcher_version() and Path(path).is_relative_to(workdir / "fv")
+    assert Path(path).read_bytes() == (ROOT / "deploy" / "hosts.py").read_bytes()
+    assert check_versions(hf) == []

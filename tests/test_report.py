@@ -229,3 +229,14 @@ def test_tensorboard_without_the_package_is_a_clear_error(runs, monkeypatch, cap
     assert main([str(tmp / "a"), "--out", str(tmp / "rep2"), "--tensorboard", str(tmp / "tb2")]) == 2
     assert "pip install 'fedhop[tensorboard]'" in capsys.readouterr().err
     assert not (tmp / "tb2").exists()
+
+
+def test_without_matplotlib_the_report_says_so_and_draws_nothing(tmp_path, monkeypatch):
+    """matplotlib is the optional extra `report` (the container image leaves it out)."""
+    import sys
+    from fedhop.deploy.report import make_plots
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # `import matplotlib` raises ImportError
+    notes: list[str] = []
+    assert make_plots([], None, None, "wire_bytes", tmp_path, notes) == []
+    assert notes == ["no plots: matplotlib is not installed (pip install 'fedhop[report]')"]
+    assert list(tmp_path.iterdir()) == []

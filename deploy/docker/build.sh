@@ -1,0 +1,35 @@
+#!/bin/bash
+# deploy/docker/build.sh [TAG]: the image, built with no network (docker build --network none).
+#
+#   1. ./wheelhouse filled from this machine's pip configuration where it holds no wheels yet
+#      (deploy/docker/wheelhouse.sh);
+#   2. the base: $FEDHOP_BASE_IMAGE when set (e.g. python:3.11-slim-bookworm from a registry),
+#      else a Debian bookworm base made with debootstrap (deploy/docker/make-base.sh);
+#   3. the image TAG (default $FEDHOP_IMAGE or fedhop:cpu) with BuildKit: `docker buildx build`
+#      where the CLI has buildx, else a docker 20.10-22 CLI with DOCKER_BUILDKIT=1 (Debian's
+#      docker.io at /usr/bin/docker).
+# Needs a running engine (DOCKER_HOST or the default socket); deploy/docker/up.sh starts one.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+tag=${1:-${FEDHOP_IMAGE:-fedhop:cpu}}
+if ! ls wheelhouse/*.whl >/dev/null 2>&1; then
+    deploy/docker/wheelhouse.sh wheelhouse
+fi
+base=${FEDHOP_BASE_IMAGE:-}
+if [ -z "$base" ]; then
+    base=fedhop-base:bookworm
+    deploy/docker/make-base.sh "$base"
+fi
+if docker buildx version >/dev/null 2>&1; then
+    build=(docker buildx build --load)
+else
+    cli=docker
+    case "$(docker version -f '{{.Client.Version}}' 2>/dev/null)" in 2[3-9].*|[3-9]*) cli=/usr/bin/docker ;; esac
+    case "$("$cli" version -f '{{.Client.Version}}' 2>/dev/null)" in
+        19.*|20.*|21.*|22.*) build=(env DOCKER_BUILDKIT=1 "$cli" build) ;;
+        *) echo "build.sh: BuildKit needed: install the buildx plugin (docker-buildx-plugin / docker-buildx)" >&2; exit 2 ;;
+    esac
+fi
+start=$(date +%s)
+"${build[@]}" --network none --build-arg BASE_IMAGE="$base" -t "$tag" . >&2
+echo "build.sh: $tag built in $(( $(date +%s) - start )) s, $(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1/1e6}')" >&2

@@ -1,0 +1,36 @@
+#!/bin/sh
+# deploy/docker/make-base.sh [TAG]: a Debian bookworm base image with Python 3.11, for machines
+# that reach no container registry (only Debian's package mirror).  Root only.
+#
+# debootstrap (apt-get install debootstrap) makes a minimal root file system with python3 and
+# python3-venv; its tarball is kept in $FEDHOP_CACHE (default /var/cache/fedhop-deploy) so that the
+# next call only imports it; `docker import` turns it into TAG (default fedhop-base:bookworm).
+# Then: docker build --build-arg BASE_IMAGE=fedhop-base:bookworm -t fedhop:cpu .
+set -eu
+tag=${1:-fedhop-base:bookworm}
+cache=${FEDHOP_CACHE:-/var/cache/fedhop-deploy}
+mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+tarball=$cache/bookworm-python3-rootfs.tar
+if docker image inspect "$tag" >/dev/null 2>&1; then
+    echo "make-base: $tag is already there"
+    exit 0
+fi
+if [ ! -s "$tarball" ]; then
+    if ! command -v debootstrap >/dev/null; then
+        echo "make-base: debootstrap is not installed (apt-get install -y debootstrap)" >&2
+        exit 2
+    fi
+    mkdir -p "$cache"
+    root=$(mktemp -d "$cache/rootfs.XXXXXX")
+    trap 'rm -rf "$root"' EXIT
+    debootstrap --variant=minbase --include=python3,python3-venv bookworm "$root" "$mirror" >"$root.log" 2>&1 \
+        || { tail -20 "$root.log" >&2; exit 1; }
+    rm -f "$root.log"
+    # what an image never needs: package lists and caches, documentation, translations
+    rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/* "$root"/var/cache/debconf/*-old \
+           "$root"/usr/share/doc/* "$root"/usr/share/man/* "$root"/usr/share/locale/* "$root"/usr/share/info/*
+    tar -C "$root" --numeric-owner -cf "$tarball.tmp" .
+    mv "$tarball.tmp" "$tarball"
+fi
+docker import --change 'CMD ["/bin/bash"]' "$tarball" "$tag" >/dev/null
+echo "make-base: imported $tag from $tarball"
