@@ -15,6 +15,7 @@ import torch
 from fedhop.common.ledger import Ledger
 from fedhop.common.liveness import HeartbeatSender, add_parent_args, resolve_parent
 from fedhop.common.procexit import exit_now
+from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.client.runtime import ClientProcess
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-message-bytes", type=int, default=64 << 20)
     add_security_args(ap)
     args = ap.parse_args(argv)
+    set_role_title("client", args.node_id, args.clients)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node_id} %(levelname)s %(message)s")
     try:
         args.parent = resolve_parent(args)

@@ -5,9 +5,19 @@ import argparse
 import sys
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml)."""
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+    try:
+        return dist_version("fedhop")
+    except PackageNotFoundError:   # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="fedhop", description="federated learning with real processes and exact byte accounting")
+    ap.add_argument("--version", action="version", version=f"fedhop {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run an experiment: server and client processes on this machine")

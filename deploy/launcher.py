@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedhop.common.config import Config, config_to_toml, load_config
+from fedhop.common.proctitle import id_spec
 from fedhop.common.topology import cluster_assignment
 from fedhop.deploy.forkstart import ForkedProcess, die_with_parent, fork_allowed, fork_module
 from fedhop.deploy.malloc import tuned_env
@@ -34,18 +35,6 @@ def client_blocks(count: int, processes: int) -> list[list[int]]:
         out.append(list(range(start, start + size)))
         start += size
     return out
-
-
-def id_spec(ids: list[int]) -> str:
-    """[0,1,2,5] -> '0-2,5' for the client command line."""
-    parts, i = [], 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        parts.append(f"{ids[i]}-{ids[j]}" if j > i else str(ids[i]))
-        i = j + 1
-    return ",".join(parts)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from fedhop.common.config import ConfigError, load_config
 from fedhop.common.ledger import Ledger
 from fedhop.common.liveness import LivenessMonitor
 from fedhop.common.procexit import exit_now
+from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import NodeCredentials, SecurityError
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.server.coordinator import Coordinator
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger().setLevel(cfg.run.log_level.upper())
     torch.set_num_threads(cfg.run.torch_threads)
     run_dir = Path(args.run_dir)
+    set_role_title("server", run_dir.resolve().name)
     sec = cfg.security
     insecure = sec.insecure or os.environ.get("FEDHOP_INSECURE", "") in ("1", "true", "yes")
     refusal = plaintext_refusal([args.listen], insecure, tls=bool(sec.certs_dir))
@@ -76,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                             max_message_bytes=cfg.transport.max_message_bytes, workers=32,
                             credentials=creds, on_refused=refused)
     endpoint.checksum = sec.checksum
-    coordinator = Coordinator(cfg, run_dir, endpoint, ledger)
+    try:
+        coordinator = Coordinator(cfg, run_dir, endpoint, ledger)
+    except (ValueError, FileNotFoundError) as exc:   # the task cannot be built: missing data, bad shapes
+        logging.error("%s", exc)
+        return 2
     holder["coordinator"] = coordinator
     checkpointer = Checkpointer(coordinator)
     if args.resume:
