@@ -150,8 +150,10 @@ class HeartbeatSender:
 
     def __init__(self, endpoint, parent: str, *, interval: float, parent_timeout: float,
                  reregister: Callable[[], None], on_give_up: Callable[[str], None],
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None,
+                 counts: Callable[[], list[pb.LinkBytes]] | None = None) -> None:
         self.endpoint = endpoint
+        self.counts = counts    # live byte totals to carry (common/livebytes.py)
         self.parent = parent
         self.interval = interval
         self.parent_timeout = parent_timeout
@@ -167,19 +169,25 @@ class HeartbeatSender:
         self._thread.start()
         return self
 
-    def stop(self, wait: bool = False) -> None:
+    def stop(self, wait: bool = False, final: bool = False) -> None:
         """Stop beating; with `wait`, also let a heartbeat in flight finish first (a child told
         to shut down does this before it replies, so that every heartbeat is on its parent's
-        ledger before the run's ledgers are merged)."""
+        ledger before the run's ledgers are merged).  With `final`, then send one last heartbeat
+        carrying the final byte totals, so the parent's live view ends equal to the final table."""
         self._stop.set()
         if wait and self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=max(self.interval, 1.0) + 1.0)
+        if final and self._thread.ident is not None and not self._thread.is_alive():
+            try:
+                self._beat()
+            except CallFailed as exc:
+                log.warning("last heartbeat to %s failed: %s %s", self.parent, exc.code, exc.detail)
 
     def _beat(self) -> bool:
         """One heartbeat; True when the parent knows us (False: re-register)."""
         self.sent += 1
         req = pb.HeartbeatRequest(node_id=self.endpoint.node_id, run_id=self.endpoint.run_id, seq=self.sent,
-                                  sent_at=time.time())
+                                  sent_at=time.time(), bytes=self.counts() if self.counts is not None else ())
         reply = self.endpoint.heartbeat(self.parent, req, timeout=max(self.interval, 1.0))
         return reply.known
 
@@ -247,6 +255,7 @@ class LivenessMonitor:
         self.clock = clock
         self.children: dict[str, ChildLiveness] = {}
         self.stats = LivenessStats()
+        self.on_bytes: Callable[[list[pb.LinkBytes]], None] | None = None   # a heartbeat's live byte totals
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -303,6 +312,11 @@ class LivenessMonitor:
                                       message="" if known else "unknown or dead node: register again")
             self.stats.heartbeats_received += 1
             self.stats.heartbeat_bytes += req.ByteSize() + reply.ByteSize() + 10
+        if req.bytes and self.on_bytes is not None:   # true bytes, whether or not the node is still known
+            try:
+                self.on_bytes(list(req.bytes))
+            except Exception:
+                log.exception("live byte totals from %s not taken", req.node_id)
         return reply
 
     # -- detection -------------------------------------------------------------------------

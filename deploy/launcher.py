@@ -179,8 +179,9 @@ def check_children_started(run: "LocalRun") -> None:
 
 
 def read_progress(db: Path, after: int) -> list[dict]:
-    """Rounds recorded in run.db after round `after`, each with the framed bytes sent up to and
-    including it (read-only; the server may be writing)."""
+    """Rounds recorded in run.db after round `after`, each with `bytes`: the framed bytes of every
+    link so far, from the live view every process reports with its heartbeats (common/livebytes.py;
+    a run.db without one: the records merged so far).  Read-only; the server may be writing."""
     if not db.exists():
         return []
     try:
@@ -188,18 +189,24 @@ def read_progress(db: Path, after: int) -> list[dict]:
         try:
             rows = con.execute("SELECT round, participants, sampled, failures, metrics_json FROM rounds "
                                "WHERE round > ? ORDER BY round", (after,)).fetchall()
-            per_round = dict(con.execute("SELECT round, SUM(framed_bytes) FROM messages WHERE role = 'sender' "
-                                         "GROUP BY round").fetchall())
+            live = con.execute("SELECT name FROM sqlite_master WHERE name = 'live_bytes'").fetchone()
+            total = con.execute("SELECT SUM(framed_bytes) FROM live_bytes" if live else
+                                "SELECT SUM(framed_bytes) FROM messages WHERE role = 'sender'").fetchone()[0]
         finally:
             con.close()
     except sqlite3.Error:
         return []
-    out = []
-    for r in rows:
-        cumulative = sum(b for rnd, b in per_round.items() if rnd <= r[0])
-        out.append({"round": r[0], "participants": r[1], "sampled": r[2], "failures": r[3],
-                    "metrics": json.loads(r[4] or "{}"), "bytes": cumulative})
-    return out
+    return [{"round": r[0], "participants": _count(r[1]), "sampled": _count(r[2]), "failures": _count(r[3]),
+             "metrics": json.loads(r[4] or "{}"), "bytes": int(total or 0)} for r in rows]
+
+
+def _count(value) -> int:
+    """A rounds count column: an INTEGER (schema 2) or JSON text of a count or a list (schema 1)."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    if isinstance(value, list):
+        return len(value)
+    return int(value or 0)
 
 
 def human_bytes(n: float) -> str:
@@ -217,6 +224,7 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self.total = total
         self.every = max(1, total // 10)
+        self.printed: tuple[int, int] | None = None   # (round, bytes) of the last line printed
         self.bar = None
         if self.tty:
             from tqdm import tqdm
@@ -227,14 +235,16 @@ class Progress:
         acc = m.get("test_accuracy", m.get("objective"))
         label = "acc" if "test_accuracy" in m else "obj"
         fields = {"ok": f"{row['participants']}/{row['sampled']}", "bytes": human_bytes(row["bytes"])}
-        if row["failures"]:
+        if row["failures"] > 0:
             fields["fail"] = row["failures"]
         if acc is not None:
             fields[label] = f"{acc:.4f}"
         if self.bar is not None:
             self.bar.update(row["round"] - self.bar.n)
             self.bar.set_postfix(fields)
-        elif row["round"] % self.every == 0 or row["round"] == self.total:
+        elif (row["round"] % self.every == 0 or row["round"] == self.total) and \
+                self.printed != (row["round"], row["bytes"]):
+            self.printed = (row["round"], row["bytes"])
             print(f"round {row['round']}/{self.total} " + " ".join(f"{k}={v}" for k, v in fields.items()),
                   file=sys.stderr, flush=True)
 
@@ -348,7 +358,8 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
                 server.proc.wait(0.2)   # returns as soon as the server exits
             except subprocess.TimeoutExpired:
                 pass
-        for row in read_progress(run_dir / "run.db", last):
+        # the last round again: once the children's last heartbeats are in, its bytes are the final table's
+        for row in read_progress(run_dir / "run.db", max(last - 1, start_round if resume else -1)):
             if progress:
                 progress.update(row)
         status = server.proc.returncode

@@ -21,6 +21,7 @@ from fedhop.common.addresses import plaintext_refusal
 from fedhop.common.checkpoint import CheckpointError
 from fedhop.common.config import ConfigError, load_config
 from fedhop.common.ledger import Ledger
+from fedhop.common.livebytes import LinkCounter, ServerLive
 from fedhop.common.liveness import LivenessMonitor
 from fedhop.common.procexit import exit_now
 from fedhop.common.proctitle import set_role_title
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.warning("plaintext gRPC on %s (%s)", args.listen,
                         "security.insecure = true" if insecure else "loopback only")
     ledger = Ledger(run_dir / "ledger" / "server.jsonl", keep_drained=False)
+    counter = LinkCounter("server")   # the live view of every link's bytes (common/livebytes.py)
+    ledger.observers.append(counter.observe)
     holder: dict = {}
 
     def refused(node: str, method: str, reason: str, peer: str) -> None:
@@ -84,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         return 2
     holder["coordinator"] = coordinator
+    live = ServerLive(coordinator.store, counter)
+    coordinator.on_round = lambda _result: live.flush()
     checkpointer = Checkpointer(coordinator)
     if args.resume:
         try:
@@ -97,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     coordinator.summary_hooks.append(lambda: {"liveness": monitor.summary(),
                                               "checkpoints": [{"round": r, "seconds": s}
                                                               for r, s in checkpointer.written]})
+    monitor.on_bytes = live.report
     monitor.start()
     address = endpoint.serve(lambda req: _no_calls(), args.listen, register_handler=coordinator.handle_register)
     if args.port_file:
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(args.port_file)
     logging.info("run %s: serving at %s", coordinator.run_id, address)
     summary = coordinator.run(register_timeout=args.register_timeout)
+    live.flush()   # the server's own records up to the last shutdown reply: the live view now equals the final table
     monitor.stop()
     endpoint.stop()
     logging.info("run %s %s after %d rounds", coordinator.run_id, summary["status"], summary["rounds_completed"])
