@@ -319,6 +319,11 @@ class RunStore:
         """Merge a process's JSONL ledger file (torn last line skipped with a warning)."""
         return self.insert_records(read_jsonl(path))
 
+    def merge_ledger_dir(self, folder: str | os.PathLike) -> int:
+        """Merge every process's ledger file in `folder` (a run's ledger/*.jsonl); idempotent.
+        Returns the number of records that were not yet in run.db."""
+        return sum(self.insert_jsonl(path) for path in sorted(Path(folder).glob("*.jsonl")))
+
     # -- reading ----------------------------------------------------------------------
     def run(self) -> dict[str, Any] | None:
         """The run's row (the one named by run_id, else the latest started)."""

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("certs", help="make a cluster CA, per-node certificates and the cluster secret", add_help=False)
     sub.add_parser("bench", help="benchmarks that print their figures", add_help=False)
     sub.add_parser("launch", help="start a run's roles on the machines of a hosts file (ssh)", add_help=False)
+    sub.add_parser("merge-ledgers", help="merge an interrupted run's child ledgers into its run.db", add_help=False)
     sub.add_parser("netsim", help="run on emulated hosts (network namespaces): wire bytes, shaped links",
                    add_help=False)
 
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "netsim":
         from fedhop.deploy.netsim import main as netsim_main
         return netsim_main(argv[1:])
+    if argv and argv[0] == "merge-ledgers":
+        from fedhop.deploy.ledgers import main as merge_main
+        return merge_main(argv[1:])
     if argv and argv[0] == "certs":
         from fedhop.deploy.certs import main as certs_main
         return certs_main(argv[1:])

@@ -284,6 +284,21 @@ def final_table(run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def merge_interrupted(run_dir: Path) -> None:
+    """After an interrupt: the children's ledgers into run.db, so the report shows what really
+    crossed the wire (deploy/ledgers.py; `fedhop merge-ledgers` does the same later)."""
+    from fedhop.deploy.ledgers import merge_run
+    if not (run_dir / "run.db").is_file():
+        return
+    try:
+        added, agreement = merge_run(run_dir)
+    except Exception as exc:   # noqa: BLE001 - the run is over either way; say how to retry
+        print(f"fedhop run: could not merge the ledgers ({exc}); run `fedhop merge-ledgers {run_dir}`",
+              file=sys.stderr)
+        return
+    print(f"fedhop run: merged the ledgers of every process ({added} records); {agreement}", file=sys.stderr)
+
+
 def default_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -366,6 +381,7 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
     except KeyboardInterrupt:
         print("\nfedhop run: interrupted; stopping every process", file=sys.stderr)
         run.stop_all()
+        merge_interrupted(run_dir)
         return 130
     except RuntimeError as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
