@@ -105,6 +105,7 @@ class ServerLive:
         nodes = self.reported.report(entries)
         self.store.set_live_bytes(nodes, rows(entries))
 
-    def flush(self) -> None:
-        """Store the server's own totals (after each round, and once the run has ended)."""
-        self.store.set_live_bytes([self.counter.node_id], rows(self.counter.entries()))
+    def flush(self, round: int | None = None) -> None:
+        """Store the server's own totals (after each round, noting the live total in its row, and
+        once the run has ended)."""
+        self.store.set_live_bytes([self.counter.node_id], rows(self.counter.entries()), round)

@@ -31,12 +31,13 @@ _SQL_TYPE = {"int": "INTEGER", "float": "REAL", "str": "TEXT"}
 
 #: run.db's schema version (SQLite's user_version).  1: `rounds` held participants, sampled and
 #: failures as JSON text (so `participants < 5` compared strings); 2: counts in INTEGER columns,
-#: lists (where a caller gave lists) in *_json columns, and the live_bytes table.
+#: lists (where a caller gave lists) in *_json columns, the live_bytes table, and each round's
+#: live_framed_bytes (every link's framed bytes in the live view when the round was recorded).
 SCHEMA_VERSION = 2
 _COUNT_COLUMNS = ("participants", "sampled", "failures")
 _ROUNDS_TABLE = """CREATE TABLE IF NOT EXISTS {name}(
         run_id TEXT NOT NULL, round INTEGER NOT NULL, participants INTEGER, sampled INTEGER, failures INTEGER,
-        participants_json TEXT, sampled_json TEXT, failures_json TEXT,
+        participants_json TEXT, sampled_json TEXT, failures_json TEXT, live_framed_bytes INTEGER,
         metrics_json TEXT, wall_seconds REAL, sim_seconds REAL, started REAL, finished REAL,
         PRIMARY KEY(run_id, round))"""
 
@@ -121,7 +122,7 @@ def migrate(conn: sqlite3.Connection) -> None:
                            "sim_seconds, started, finished FROM rounds").fetchall()
         for run_id, rnd, p, s, f, *rest in old:
             counts = [_count_and_list(_loads(v)) for v in (p, s, f)]
-            conn.execute("INSERT INTO rounds_v2 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            conn.execute("INSERT INTO rounds_v2 VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
                          (run_id, rnd, *(c for c, _ in counts), *(j for _, j in counts), *rest))
         conn.execute("DROP TABLE rounds")
         conn.execute("ALTER TABLE rounds_v2 RENAME TO rounds")
@@ -261,9 +262,10 @@ class RunStore:
             (self._need_run_id(run_id), int(round), *(c for c, _ in counts), *(j for _, j in counts),
              _dumps(metrics or {}), wall_seconds, sim_seconds, started, finished))
 
-    def set_live_bytes(self, nodes: Iterable[str], rows: Iterable[tuple]) -> None:
+    def set_live_bytes(self, nodes: Iterable[str], rows: Iterable[tuple], round: int | None = None) -> None:
         """Replace the live totals of `nodes` with `rows` of (node, link, direction, messages,
-        tensor_bytes, payload_bytes, framed_bytes) (common/livebytes.py)."""
+        tensor_bytes, payload_bytes, framed_bytes) (common/livebytes.py); with `round`, also note
+        the live framed total in that round's row."""
         nodes, rows = list(nodes), list(rows)
         now = _time.time()
         with self._lock:
@@ -272,6 +274,9 @@ class RunStore:
                 self._conn.executemany("DELETE FROM live_bytes WHERE node = ?", [(n,) for n in nodes])
                 self._conn.executemany("INSERT INTO live_bytes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                                        [(*r, now) for r in rows])
+                if round is not None:
+                    self._conn.execute("UPDATE rounds SET live_framed_bytes = (SELECT SUM(framed_bytes) FROM live_bytes) "
+                                       "WHERE round = ?", (int(round),))
                 self._conn.execute("COMMIT")
             except BaseException:
                 self._conn.execute("ROLLBACK")

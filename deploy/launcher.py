@@ -178,18 +178,20 @@ def check_children_started(run: "LocalRun") -> None:
                                f"last log lines of {c.log}:\n{tail(c.log)}")
 
 
-def read_progress(db: Path, after: int) -> list[dict]:
+def read_progress(db: Path, after: int, final: bool = False) -> list[dict]:
     """Rounds recorded in run.db after round `after`, each with `bytes`: the framed bytes of every
-    link so far, from the live view every process reports with its heartbeats (common/livebytes.py;
-    a run.db without one: the records merged so far).  Read-only; the server may be writing."""
+    link up to that round in the live view every process reports with its heartbeats
+    (common/livebytes.py); with `final` (the run has ended), the live view's total now, which
+    equals the final table.  A run.db without a live view: the records merged so far."""
     if not db.exists():
         return []
     try:
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
         try:
-            rows = con.execute("SELECT round, participants, sampled, failures, metrics_json FROM rounds "
-                               "WHERE round > ? ORDER BY round", (after,)).fetchall()
             live = con.execute("SELECT name FROM sqlite_master WHERE name = 'live_bytes'").fetchone()
+            rows = con.execute("SELECT round, participants, sampled, failures, metrics_json, "
+                               f"{'live_framed_bytes' if live else 'NULL'} FROM rounds "
+                               "WHERE round > ? ORDER BY round", (after,)).fetchall()
             total = con.execute("SELECT SUM(framed_bytes) FROM live_bytes" if live else
                                 "SELECT SUM(framed_bytes) FROM messages WHERE role = 'sender'").fetchone()[0]
         finally:
@@ -197,7 +199,8 @@ def read_progress(db: Path, after: int) -> list[dict]:
     except sqlite3.Error:
         return []
     return [{"round": r[0], "participants": _count(r[1]), "sampled": _count(r[2]), "failures": _count(r[3]),
-             "metrics": json.loads(r[4] or "{}"), "bytes": int(total or 0)} for r in rows]
+             "metrics": json.loads(r[4] or "{}"), "bytes": int(total or 0) if final or r[5] is None else r[5]}
+            for r in rows]
 
 
 def _count(value) -> int:
@@ -224,13 +227,14 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self.total = total
         self.every = max(1, total // 10)
-        self.printed: tuple[int, int] | None = None   # (round, bytes) of the last line printed
         self.bar = None
         if self.tty:
             from tqdm import tqdm
             self.bar = tqdm(total=total, initial=start, unit="round", dynamic_ncols=True)
 
-    def update(self, row: dict) -> None:
+    def update(self, row: dict, final: bool = False) -> None:
+        """Show one round; the last round's line waits for `final` (the server has exited and
+        every process's last byte totals are in), so it shows the final table's bytes."""
         m = row["metrics"]
         acc = m.get("test_accuracy", m.get("objective"))
         label = "acc" if "test_accuracy" in m else "obj"
@@ -242,9 +246,8 @@ class Progress:
         if self.bar is not None:
             self.bar.update(row["round"] - self.bar.n)
             self.bar.set_postfix(fields)
-        elif (row["round"] % self.every == 0 or row["round"] == self.total) and \
-                self.printed != (row["round"], row["bytes"]):
-            self.printed = (row["round"], row["bytes"])
+        elif (final and row["round"] == self.total) or \
+                (not final and row["round"] % self.every == 0 and row["round"] != self.total):
             print(f"round {row['round']}/{self.total} " + " ".join(f"{k}={v}" for k, v in fields.items()),
                   file=sys.stderr, flush=True)
 
@@ -374,9 +377,9 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
             except subprocess.TimeoutExpired:
                 pass
         # the last round again: once the children's last heartbeats are in, its bytes are the final table's
-        for row in read_progress(run_dir / "run.db", max(last - 1, start_round if resume else -1)):
+        for row in read_progress(run_dir / "run.db", max(last - 1, start_round if resume else -1), final=True):
             if progress:
-                progress.update(row)
+                progress.update(row, final=True)
         status = server.proc.returncode
     except KeyboardInterrupt:
         print("\nfedhop run: interrupted; stopping every process", file=sys.stderr)

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     holder["coordinator"] = coordinator
     live = ServerLive(coordinator.store, counter)
-    coordinator.on_round = lambda _result: live.flush()
+    coordinator.on_round = lambda result: live.flush(result.round)
     checkpointer = Checkpointer(coordinator)
     if args.resume:
         try:

@@ -82,6 +82,6 @@ def test_live_view_ends_equal_to_the_final_table(tmp_path, topology):
                    "sequential": {"client-edge", "edge-edge"}, "chain": set()}[topology]
     assert model_links <= set(live) and set(live) - {"control"}
     assert live == final
-    last = read_progress(tmp_path / "run" / "run.db", 2)
+    last = read_progress(tmp_path / "run" / "run.db", 2, final=True)
     assert [r["round"] for r in last] == [3] and last[0]["bytes"] == summary["bytes"]["total"]["framed_bytes"]
     assert last[0]["failures"] == 0 and isinstance(last[0]["failures"], int)
