@@ -20,7 +20,7 @@ class FedAvgMParams(AlgorithmParams):
 
 
 class FedAvgM(FedAvg):
-    name = "fedavgm"
+    name = "server_momentum"
     Params = FedAvgMParams
 
     def init_state(self, params: dict[str, torch.Tensor]) -> ServerState:
