@@ -287,6 +287,27 @@ def final_table(run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def start_dashboard(run_dir: Path, port: int):
+    """The live run page, served after the children are forked (they must not inherit its thread)."""
+    from fedhop.deploy.dashboard import serve
+    try:
+        page, url = serve(run_dir, port)
+    except OSError as exc:
+        raise RuntimeError(f"--dashboard: cannot listen on 127.0.0.1:{port}: {exc.strerror}") from None
+    print(f"fedhop run: dashboard at {url}", file=sys.stderr, flush=True)
+    return page
+
+
+def keep_serving(page) -> None:
+    """After the run: the page stays up (showing the finished run) until Ctrl-C."""
+    print("fedhop run: the run has ended; the dashboard stays up until Ctrl-C", file=sys.stderr, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        page.shutdown()
+
+
 def merge_interrupted(run_dir: Path) -> None:
     """After an interrupt: the children's ledgers into run.db, so the report shows what really
     crossed the wire (deploy/ledgers.py; `fedhop merge-ledgers` does the same later)."""
@@ -317,7 +338,7 @@ def loopback_plaintext_note(cfg: Config) -> str | None:
             "`fedhop certs` directory for TLS")
 
 
-def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True) -> int:
+def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True, dashboard: int | None = None) -> int:
     """`fedhop run --resume RUN_DIR`: restart the server from its newest checkpoint and fresh
     client processes; the same exit codes as `run_local`."""
     from fedhop.common.checkpoint import CheckpointError, latest_checkpoint
@@ -333,12 +354,15 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True) -> 
     if not quiet:
         print(f"fedhop run: resuming {d} after round {ckpt.round}", file=sys.stderr)
     return run_local(str(d / "config.toml"), [], str(d), quiet=quiet, show_table=show_table, resume=True,
-                     start_round=ckpt.round)
+                     start_round=ckpt.round, dashboard=dashboard)
 
 
 def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool = False,
-              show_table: bool = True, resume: bool = False, start_round: int = 0) -> int:
-    """`fedhop run`: returns the exit status (0 completed, 1 failed, 2 bad config, 130 interrupted)."""
+              show_table: bool = True, resume: bool = False, start_round: int = 0,
+              dashboard: int | None = None) -> int:
+    """`fedhop run`: returns the exit status (0 completed, 1 failed, 2 bad config, 130 interrupted).
+    With `dashboard` (a port), the live run page is served from this process (deploy/dashboard.py)
+    once the children are started, and stays up after the run until Ctrl-C."""
     from fedhop.common.config import ConfigError
     try:
         cfg = load_config(config_path, overrides)
@@ -355,9 +379,10 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
     if note and not quiet:
         print(note, file=sys.stderr)
     run = LocalRun(cfg, run_dir)
-    progress = None
+    progress = page = None
     try:
         server = run.start(overrides=[], resume=resume)
+        page = start_dashboard(run_dir, dashboard) if dashboard is not None else None
         progress = Progress(cfg.run.rounds, start=start_round) if not quiet else None
         last = start_round if resume else -1
         registered = False
@@ -397,6 +422,8 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
     if (run_dir / "summary.json").exists():
         if show_table:
             print(final_table(run_dir))
+    if page is not None:
+        keep_serving(page)
     else:
         print(f"fedhop run: the server exited with status {status} and wrote no summary; last log lines:\n"
               f"{tail(run.children[0].log)}", file=sys.stderr)
