@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fedhop.common.config import Config, config_to_toml, load_config
 from fedhop.common.proctitle import id_spec
+from fedhop.deploy.report import human_bytes
 from fedhop.common.topology import cluster_assignment
 from fedhop.deploy.forkstart import ForkedProcess, die_with_parent, fork_allowed, fork_module
 from fedhop.deploy.malloc import tuned_env
@@ -210,14 +211,6 @@ def _count(value) -> int:
     if isinstance(value, list):
         return len(value)
     return int(value or 0)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 class Progress:
