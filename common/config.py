@@ -274,11 +274,20 @@ def config_from_dict(data: dict) -> Config:
     return cfg
 
 
+#: built-in data sets whose task defines its model (a factory cannot replace it) or builds it from model.*
+FIXED_MODEL_DATASETS = ("quadratic", "logreg", "lasso", "lowrank", "minimax_quadratic")
+FACTORY_DATASETS = ("digits", "breast_cancer", "mnist", "npz", "robust_digits", "fair_digits")
+
+
 def _check_model_factory(cfg: Config) -> None:
     """Import the user's model factory now, so a bad path is a config error before any process starts."""
     ref = cfg.model.factory
     if not ref:
         return
+    if cfg.data.dataset in FIXED_MODEL_DATASETS:
+        raise ConfigError(f"config key 'model.factory': data.dataset = '{cfg.data.dataset}' defines its own model "
+                          f"(its parameters are the problem's variables); a model factory works with "
+                          f"{', '.join(FACTORY_DATASETS)} and data-set plug-ins")
     from fedhop.common.plugins import PluginError, entry_point_names, load_plugin
     try:
         make = load_plugin(ref, "models")

@@ -4,6 +4,7 @@ package under examples/plugin, installed into a fresh venv, runs over real proce
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -65,6 +66,23 @@ def test_bad_plugin_is_exit_2_before_any_process_starts(tmp_path, capsys, key, v
     assert run_local(str(cfg), [f"{key}={value}"], str(out), quiet=True) == 2
     assert message in capsys.readouterr().err
     assert not (out / "logs").exists()   # no process was started
+
+
+def test_factory_on_a_task_with_its_own_model_is_a_config_error():
+    with pytest.raises(ConfigError, match="data.dataset = 'quadratic' defines its own model"):
+        parse_config('[data]\ndataset = "quadratic"\n[model]\nfactory = "fedhop.common.models:MLP"\n')
+
+
+def linear_net(input_shape, n_outputs, bias=True):
+    """A model factory for the test below."""
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), n_outputs, bias=bias))
+
+
+def test_factory_replaces_model_kind_on_a_built_in_data_set():
+    cfg = parse_config('[data]\ndataset = "digits"\n[model]\nfactory = "tests.test_plugins:linear_net"\n'
+                       'factory_args = {bias = false}\n[clients]\ncount = 4\n')
+    model = build_task(cfg).build_model()   # digits: 64 features, 10 classes, no bias: 640 parameters
+    assert isinstance(model, torch.nn.Sequential) and sum(p.numel() for p in model.parameters()) == 640
 
 
 def test_dataset_plugin_builds_the_task_it_describes(example_on_path):
