@@ -415,11 +415,11 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
     if (run_dir / "summary.json").exists():
         if show_table:
             print(final_table(run_dir))
-    if page is not None:
-        keep_serving(page)
     else:
         print(f"fedhop run: the server exited with status {status} and wrote no summary; last log lines:\n"
               f"{tail(run.children[0].log)}", file=sys.stderr)
         if (run_dir / "checkpoints").is_dir():
             print(f"fedhop run: continue it with `fedhop run --resume {run_dir}`", file=sys.stderr)
+    if page is not None:
+        keep_serving(page)
     return 0 if status == 0 else 1
