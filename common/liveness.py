@@ -32,7 +32,8 @@ from typing import Callable
 
 from fedhop.common.addresses import host_of
 from fedhop.common.rng import numpy_stream
-from fedhop.common.transport.base import CallFailed
+from fedhop.common.livebytes import TIERS
+from fedhop.common.transport.base import CallFailed, role_of
 from fedhop.common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.liveness")
@@ -241,6 +242,14 @@ class LivenessStats:
     reregistrations: int = 0
 
 
+def reports_for(sender: str, node: str, me: str) -> bool:
+    """Whether a heartbeat from `sender` may carry byte totals of `node`: its own, or (an edge
+    relaying) those of a node below it; never this parent's own."""
+    if node == me:
+        return False
+    return node == sender or TIERS.get(role_of(node), -1) > TIERS.get(role_of(sender), 99)
+
+
 class LivenessMonitor:
     """A parent's view of its children (module docstring).  `clock` is injectable for tests."""
 
@@ -313,8 +322,12 @@ class LivenessMonitor:
             self.stats.heartbeats_received += 1
             self.stats.heartbeat_bytes += req.ByteSize() + reply.ByteSize() + 10
         if req.bytes and self.on_bytes is not None:   # true bytes, whether or not the node is still known
+            entries = [e for e in req.bytes if reports_for(req.node_id, e.node_id, self.endpoint.node_id)]
+            if len(entries) < len(req.bytes):
+                log.warning("%s sent byte totals for nodes it may not speak for; %d of %d entries ignored",
+                            req.node_id, len(req.bytes) - len(entries), len(req.bytes))
             try:
-                self.on_bytes(list(req.bytes))
+                self.on_bytes(entries)
             except Exception:
                 log.exception("live byte totals from %s not taken", req.node_id)
         return reply

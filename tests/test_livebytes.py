@@ -85,3 +85,12 @@ def test_live_view_ends_equal_to_the_final_table(tmp_path, topology):
     last = read_progress(tmp_path / "run" / "run.db", 2, final=True)
     assert [r["round"] for r in last] == [3] and last[0]["bytes"] == summary["bytes"]["total"]["framed_bytes"]
     assert last[0]["failures"] == 0 and isinstance(last[0]["failures"], int)
+
+
+def test_a_child_cannot_report_totals_for_its_parent_or_a_peer():
+    from fedhop.common.liveness import reports_for
+    assert reports_for("client-proc0", "client-proc0", "server")
+    assert reports_for("edge-1", "client-proc3", "server")        # an edge relays its clients'
+    assert not reports_for("client-proc0", "server", "server")    # not the parent's own row
+    assert not reports_for("client-proc0", "client-proc1", "server")
+    assert not reports_for("edge-0", "edge-1", "server")
