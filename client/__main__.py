@@ -13,8 +13,10 @@ from pathlib import Path
 import torch
 
 from fedhop.common.ledger import Ledger
+from fedhop.common.livebytes import LinkCounter
 from fedhop.common.liveness import HeartbeatSender, add_parent_args, resolve_parent
 from fedhop.common.procexit import exit_now
+from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.client.runtime import ClientProcess
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-message-bytes", type=int, default=64 << 20)
     add_security_args(ap)
     args = ap.parse_args(argv)
+    set_role_title("client", args.node_id, args.clients)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node_id} %(levelname)s %(message)s")
     try:
         args.parent = resolve_parent(args)
@@ -60,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     sink = Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None
     ledger = Ledger(sink)
+    counter = LinkCounter(args.node_id)   # live byte totals for the server (common/livebytes.py)
+    ledger.observers.append(counter.observe)
     try:
         creds = credentials_from_args(args, [args.parent, args.listen])
     except SecurityError as exc:
@@ -83,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         proc.host.shutdown_event.set()
 
     beats = HeartbeatSender(endpoint, args.parent, interval=sec.heartbeat_interval, parent_timeout=sec.parent_timeout,
-                            reregister=proc.reregister, on_give_up=give_up).start()
-    proc.host.before_shutdown.append(lambda: beats.stop(wait=True))
+                            reregister=proc.reregister, on_give_up=give_up, counts=counter.entries).start()
+    proc.host.before_shutdown.append(lambda: beats.stop(wait=True, final=True))
     proc.wait()
     beats.stop()
     endpoint.stop(grace=0.5)

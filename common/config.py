@@ -285,9 +285,37 @@ def config_from_dict(data: dict) -> Config:
             obj.options = extra
         sections[name] = obj
     cfg = Config(**sections)
+    _check_model_factory(cfg)
     _cross_checks(cfg)
-    _validate_options(cfg)
+    _validate_options(cfg)   # also imports a data-set or algorithm plug-in named by import path or entry point
     return cfg
+
+
+#: built-in data sets whose task defines its model (a factory cannot replace it) or builds it from model.*
+FIXED_MODEL_DATASETS = ("quadratic", "logreg", "lasso", "lowrank", "minimax_quadratic")
+FACTORY_DATASETS = ("digits", "breast_cancer", "mnist", "npz", "robust_digits", "fair_digits")
+
+
+def _check_model_factory(cfg: Config) -> None:
+    """Import the user's model factory now, so a bad path is a config error before any process starts."""
+    ref = cfg.model.factory
+    if not ref:
+        return
+    if cfg.data.dataset in FIXED_MODEL_DATASETS:
+        raise ConfigError(f"config key 'model.factory': data.dataset = '{cfg.data.dataset}' defines its own model "
+                          f"(its parameters are the problem's variables); a model factory works with "
+                          f"{', '.join(FACTORY_DATASETS)} and data-set plug-ins")
+    from fedhop.common.plugins import PluginError, entry_point_names, load_plugin
+    try:
+        make = load_plugin(ref, "models")
+    except PluginError as exc:
+        raise ConfigError(f"config key 'model.factory': {exc}") from None
+    except LookupError:
+        names = ", ".join(entry_point_names("models")) or "none installed"
+        raise ConfigError(f"config key 'model.factory': got {ref!r}, which is neither an import path "
+                          f"'package.module:function' nor an entry point of group 'fedhop.models' ({names})") from None
+    if not callable(make):
+        raise ConfigError(f"config key 'model.factory': {ref!r} is a {type(make).__name__}, not a function")
 
 
 def _validate_options(cfg: Config) -> None:

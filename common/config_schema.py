@@ -65,9 +65,9 @@ class AlgorithmConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = _f("digits", choices=("digits", "breast_cancer", "mnist", "quadratic", "logreg",
-                                         "lasso", "lowrank", "minimax_quadratic", "npz",
-                                         "robust_digits", "fair_digits"))
+    # built in: digits, breast_cancer, mnist, quadratic, logreg, lasso, lowrank, minimax_quadratic, npz,
+    # robust_digits, fair_digits; or a user's plug-in (an import path or a fedhop.datasets entry point)
+    dataset: str = "digits"
     partition: str = _f("dirichlet", choices=("iid", "dirichlet", "shards"))
     alpha: float = _f(0.5, min_exclusive=0.0)
     min_size: int = _f(2, min=0)               # Dirichlet: resample until every client has this many
@@ -83,6 +83,8 @@ class ModelConfig:
     kind: str = _f("mlp", choices=("linear", "logreg", "mlp", "cnn"))
     init: str = _f("default", choices=("default", "zeros"))
     hidden: list = _f(factory=lambda: [64])   # MLP hidden widths
+    factory: str = ""                          # a user's model: "pkg.module:make_net" or a fedhop.models entry point
+    factory_args: dict = _f(factory=dict)     # keyword arguments of the factory
 
 
 @dataclass

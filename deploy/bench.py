@@ -264,6 +264,14 @@ def transport(args: argparse.Namespace) -> dict:
     return out
 
 
+#: every `fedhop bench` subcommand, as its help lists them
+BENCHMARKS = {"transport": "gRPC (or gloo) throughput against TCP, codec speed, FedAvg round time",
+              "compute": "FedAvg rounds against one process doing the same SGD steps",
+              "scale": "round time as logical clients and samples per client grow",
+              "growth": "round time as model size and client count grow",
+              "flower": "framework overhead against Flower (its own flags: fedhop bench flower --help)"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "flower":   # framework overhead against Flower: benchmarks/flower_compare.py
@@ -272,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         return runpy.run_path(str(script), run_name="fedhop_bench_flower")["main"](argv[1:])
     ap = argparse.ArgumentParser(prog="fedhop bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["transport", "compute", "scale", "growth"])
+    ap.add_argument("what", choices=BENCHMARKS, help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
     ap.add_argument("--sizes", default="1,10,100", help="model sizes in MB, comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=4 << 20)

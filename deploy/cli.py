@@ -5,9 +5,19 @@ import argparse
 import sys
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml)."""
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+    try:
+        return dist_version("fedhop")
+    except PackageNotFoundError:   # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="fedhop", description="federated learning with real processes and exact byte accounting")
+    ap.add_argument("--version", action="version", version=f"fedhop {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run an experiment: server and client processes on this machine")
@@ -17,11 +27,15 @@ def main(argv: list[str] | None = None) -> int:
                      help="override a config key (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress display")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its newest checkpoint")
+    run.add_argument("--dashboard", nargs="?", type=int, const=8050, metavar="PORT",
+                     help="serve the live run page on 127.0.0.1:PORT (default 8050; 0: any free port)")
 
     sub.add_parser("report", help="compare runs: table and plots", add_help=False)
     sub.add_parser("certs", help="make a cluster CA, per-node certificates and the cluster secret", add_help=False)
     sub.add_parser("bench", help="benchmarks that print their figures", add_help=False)
     sub.add_parser("launch", help="start a run's roles on the machines of a hosts file (ssh)", add_help=False)
+    sub.add_parser("dashboard", help="serve the live page of a run directory (finished or running)", add_help=False)
+    sub.add_parser("merge-ledgers", help="merge an interrupted run's child ledgers into its run.db", add_help=False)
     sub.add_parser("netsim", help="run on emulated hosts (network namespaces): wire bytes, shaped links",
                    add_help=False)
 
@@ -31,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "netsim":
         from fedhop.deploy.netsim import main as netsim_main
         return netsim_main(argv[1:])
+    if argv and argv[0] == "dashboard":
+        from fedhop.deploy.dashboard import main as dashboard_main
+        return dashboard_main(argv[1:])
+    if argv and argv[0] == "merge-ledgers":
+        from fedhop.deploy.ledgers import main as merge_main
+        return merge_main(argv[1:])
     if argv and argv[0] == "certs":
         from fedhop.deploy.certs import main as certs_main
         return certs_main(argv[1:])
@@ -49,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.config or args.overrides:
                 ap.error("run --resume RUN_DIR takes no CONFIG or --set: the run's own config.toml is used")
             from fedhop.deploy.launcher import resume_local
-            return resume_local(args.resume, quiet=args.quiet)
+            return resume_local(args.resume, quiet=args.quiet, dashboard=args.dashboard)
         if not args.config:
             ap.error("run: a CONFIG file is required")
         from fedhop.deploy.launcher import run_local
-        return run_local(args.config, args.overrides, args.out, quiet=args.quiet)
+        return run_local(args.config, args.overrides, args.out, quiet=args.quiet, dashboard=args.dashboard)
     return 2
 
 

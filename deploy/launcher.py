@@ -7,7 +7,6 @@ on Linux) and are terminated on success, failure or Ctrl-C, so nothing is left b
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sqlite3
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from fedhop.common.config import Config, config_to_toml, load_config
 from fedhop.common.plan import id_spec, plan_processes
+from fedhop.deploy.report import human_bytes
 from fedhop.deploy.forkstart import ForkedProcess, die_with_parent, fork_allowed, fork_module
 from fedhop.deploy.malloc import tuned_env
 
@@ -155,36 +155,38 @@ def check_children_started(run: "LocalRun") -> None:
                                f"last log lines of {c.log}:\n{tail(c.log)}")
 
 
-def read_progress(db: Path, after: int) -> list[dict]:
-    """Rounds recorded in run.db after round `after`, each with the framed bytes sent up to and
-    including it (read-only; the server may be writing)."""
+def read_progress(db: Path, after: int, final: bool = False) -> list[dict]:
+    """Rounds recorded in run.db after round `after`, each with `bytes`: the framed bytes of every
+    link up to that round in the live view every process reports with its heartbeats
+    (common/livebytes.py); with `final` (the run has ended), the live view's total now, which
+    equals the final table.  A run.db without a live view: the records merged so far."""
     if not db.exists():
         return []
     try:
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
         try:
-            rows = con.execute("SELECT round, participants, sampled, failures, metrics_json FROM rounds "
+            live = con.execute("SELECT name FROM sqlite_master WHERE name = 'live_bytes'").fetchone()
+            rows = con.execute("SELECT round, participants, sampled, failures, metrics_json, "
+                               f"{'live_framed_bytes' if live else 'NULL'} FROM rounds "
                                "WHERE round > ? ORDER BY round", (after,)).fetchall()
-            per_round = dict(con.execute("SELECT round, SUM(framed_bytes) FROM messages WHERE role = 'sender' "
-                                         "GROUP BY round").fetchall())
+            total = con.execute("SELECT SUM(framed_bytes) FROM live_bytes" if live else
+                                "SELECT SUM(framed_bytes) FROM messages WHERE role = 'sender'").fetchone()[0]
         finally:
             con.close()
     except sqlite3.Error:
         return []
-    out = []
-    for r in rows:
-        cumulative = sum(b for rnd, b in per_round.items() if rnd <= r[0])
-        out.append({"round": r[0], "participants": r[1], "sampled": r[2], "failures": r[3],
-                    "metrics": json.loads(r[4] or "{}"), "bytes": cumulative})
-    return out
+    return [{"round": r[0], "participants": _count(r[1]), "sampled": _count(r[2]), "failures": _count(r[3]),
+             "metrics": json.loads(r[4] or "{}"), "bytes": int(total or 0) if final or r[5] is None else r[5]}
+            for r in rows]
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
+def _count(value) -> int:
+    """A rounds count column: an INTEGER (schema 2) or JSON text of a count or a list (schema 1)."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    if isinstance(value, list):
+        return len(value)
+    return int(value or 0)
 
 
 class Progress:
@@ -199,19 +201,22 @@ class Progress:
             from tqdm import tqdm
             self.bar = tqdm(total=total, initial=start, unit="round", dynamic_ncols=True)
 
-    def update(self, row: dict) -> None:
+    def update(self, row: dict, final: bool = False) -> None:
+        """Show one round; the last round's line waits for `final` (the server has exited and
+        every process's last byte totals are in), so it shows the final table's bytes."""
         m = row["metrics"]
         acc = m.get("test_accuracy", m.get("objective"))
         label = "acc" if "test_accuracy" in m else "obj"
         fields = {"ok": f"{row['participants']}/{row['sampled']}", "bytes": human_bytes(row["bytes"])}
-        if row["failures"]:
+        if row["failures"] > 0:
             fields["fail"] = row["failures"]
         if acc is not None:
             fields[label] = f"{acc:.4f}"
         if self.bar is not None:
             self.bar.update(row["round"] - self.bar.n)
             self.bar.set_postfix(fields)
-        elif row["round"] % self.every == 0 or row["round"] == self.total:
+        elif (final and row["round"] == self.total) or \
+                (not final and row["round"] % self.every == 0 and row["round"] != self.total):
             print(f"round {row['round']}/{self.total} " + " ".join(f"{k}={v}" for k, v in fields.items()),
                   file=sys.stderr, flush=True)
 
@@ -251,6 +256,42 @@ def final_table(run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def start_dashboard(run_dir: Path, port: int):
+    """The live run page, served after the children are forked (they must not inherit its thread)."""
+    from fedhop.deploy.dashboard import serve
+    try:
+        page, url = serve(run_dir, port)
+    except OSError as exc:
+        raise RuntimeError(f"--dashboard: cannot listen on 127.0.0.1:{port}: {exc.strerror}") from None
+    print(f"fedhop run: dashboard at {url}", file=sys.stderr, flush=True)
+    return page
+
+
+def keep_serving(page) -> None:
+    """After the run: the page stays up (showing the finished run) until Ctrl-C."""
+    print("fedhop run: the run has ended; the dashboard stays up until Ctrl-C", file=sys.stderr, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        page.shutdown()
+
+
+def merge_interrupted(run_dir: Path) -> None:
+    """After an interrupt: the children's ledgers into run.db, so the report shows what really
+    crossed the wire (deploy/ledgers.py; `fedhop merge-ledgers` does the same later)."""
+    from fedhop.deploy.ledgers import merge_run
+    if not (run_dir / "run.db").is_file():
+        return
+    try:
+        added, agreement = merge_run(run_dir)
+    except Exception as exc:   # noqa: BLE001 - the run is over either way; say how to retry
+        print(f"fedhop run: could not merge the ledgers ({exc}); run `fedhop merge-ledgers {run_dir}`",
+              file=sys.stderr)
+        return
+    print(f"fedhop run: merged the ledgers of every process ({added} records); {agreement}", file=sys.stderr)
+
+
 def default_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -266,7 +307,7 @@ def loopback_plaintext_note(cfg: Config) -> str | None:
             "`fedhop certs` directory for TLS")
 
 
-def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True) -> int:
+def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True, dashboard: int | None = None) -> int:
     """`fedhop run --resume RUN_DIR`: restart the server from its newest checkpoint and fresh
     client processes; the same exit codes as `run_local`."""
     from fedhop.common.checkpoint import CheckpointError, latest_checkpoint
@@ -282,12 +323,15 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True) -> 
     if not quiet:
         print(f"fedhop run: resuming {d} after round {ckpt.round}", file=sys.stderr)
     return run_local(str(d / "config.toml"), [], str(d), quiet=quiet, show_table=show_table, resume=True,
-                     start_round=ckpt.round)
+                     start_round=ckpt.round, dashboard=dashboard)
 
 
 def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool = False,
-              show_table: bool = True, resume: bool = False, start_round: int = 0) -> int:
-    """`fedhop run`: returns the exit status (0 completed, 1 failed, 2 bad config, 130 interrupted)."""
+              show_table: bool = True, resume: bool = False, start_round: int = 0,
+              dashboard: int | None = None) -> int:
+    """`fedhop run`: returns the exit status (0 completed, 1 failed, 2 bad config, 130 interrupted).
+    With `dashboard` (a port), the live run page is served from this process (deploy/dashboard.py)
+    once the children are started, and stays up after the run until Ctrl-C."""
     from fedhop.common.config import ConfigError
     try:
         cfg = load_config(config_path, overrides)
@@ -304,9 +348,10 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
     if note and not quiet:
         print(note, file=sys.stderr)
     run = LocalRun(cfg, run_dir)
-    progress = None
+    progress = page = None
     try:
         server = run.start(overrides=[], resume=resume)
+        page = start_dashboard(run_dir, dashboard) if dashboard is not None else None
         progress = Progress(cfg.run.rounds, start=start_round) if not quiet else None
         last = start_round if resume else -1
         registered = False
@@ -325,13 +370,15 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
                 server.proc.wait(0.2)   # returns as soon as the server exits
             except subprocess.TimeoutExpired:
                 pass
-        for row in read_progress(run_dir / "run.db", last):
+        # the last round again: once the children's last heartbeats are in, its bytes are the final table's
+        for row in read_progress(run_dir / "run.db", max(last - 1, start_round if resume else -1), final=True):
             if progress:
-                progress.update(row)
+                progress.update(row, final=True)
         status = server.proc.returncode
     except KeyboardInterrupt:
         print("\nfedhop run: interrupted; stopping every process", file=sys.stderr)
         run.stop_all()
+        merge_interrupted(run_dir)
         return 130
     except RuntimeError as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
@@ -349,4 +396,6 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
               f"{tail(run.children[0].log)}", file=sys.stderr)
         if (run_dir / "checkpoints").is_dir():
             print(f"fedhop run: continue it with `fedhop run --resume {run_dir}`", file=sys.stderr)
+    if page is not None:
+        keep_serving(page)
     return 0 if status == 0 else 1

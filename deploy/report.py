@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sqlite3
 import sys
 from dataclasses import asdict, dataclass, field
@@ -338,8 +339,18 @@ def _figure():
     return fig, fig.add_subplot(1, 1, 1)
 
 
+def _left_out(fig, left: Sequence[tuple[str, str]], notes: list[str], plot: str) -> None:
+    """Say on the plot (and in the notes) which runs it leaves out and why."""
+    if not left:
+        return
+    text = "left out: " + "; ".join(f"{name} ({why})" for name, why in left)
+    fig.text(0.01, 0.005, text, fontsize=7, color="dimgray", wrap=True, va="bottom")
+    fig.subplots_adjust(bottom=0.2)
+    notes.extend(f"{plot}: {name} left out ({why})" for name, why in left)
+
+
 def _save(fig, path: Path, plots: list[Path]) -> None:
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1) if fig.texts else None)
     fig.savefig(path, format="png")  # a Figure without pyplot renders PNG with the Agg canvas
     plots.append(path)
 
@@ -353,9 +364,11 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
                notes: list[str]) -> list[Path]:
     try:
         import matplotlib
+        from matplotlib.ticker import NullFormatter
     except ImportError:   # an optional dependency: the extra `report`
         notes.append("no plots: matplotlib is not installed (pip install 'fedhop[report]')")
         return []
+
     matplotlib.use("Agg", force=False)
     plots: list[Path] = []
     colors = [f"C{i % 10}" for i in range(len(runs))]
@@ -364,6 +377,8 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
         curves = [(run, run.curve(metric), c) for run, c in zip(runs, colors)]
         if any(cv for _, cv, _ in curves):
             fig, ax = _figure()
+            _left_out(fig, [(run.name, f"no per-round {metric}") for run, cv, _ in curves if not cv], notes,
+                      "metric_vs_round.png")
             for run, cv, c in curves:
                 if cv:
                     ax.plot([r for r, _ in cv], [v for _, v in cv], marker="o", markersize=3, color=c, label=run.name)
@@ -380,15 +395,18 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
 
         fig, ax = _figure()
         drawn = False
+        left = []
         for run, cv, c in curves:
             pts = [(run.bytes_upto(r, kind), v) for r, v in cv]
             pts = [(b, v) for b, v in pts if b is not None and b > 0]
             if pts:
                 ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", markersize=3, color=c, label=run.name)
                 drawn = True
-            elif cv:
-                notes.append(f"{run.name}: no message bytes per round; left out of metric_vs_bytes.png")
+            else:
+                left.append((run.name, "no message bytes per round" if cv else f"no per-round {metric}"))
         if drawn:
+            _left_out(fig, left, notes, "metric_vs_bytes.png")
+            ax.xaxis.set_major_formatter(_bytes_formatter())
             if target is not None:
                 ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}")
             ax.set_xscale("log")
@@ -402,6 +420,9 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
         sim = [(run, run.sim_curve(metric), c) for run, c in zip(runs, colors) if run.has_sim_time()]
         if any(cv for _, cv, _ in sim):
             fig, ax = _figure()
+            with_sim = {run.name for run, cv, _ in sim if cv}
+            _left_out(fig, [(run.name, f"its {run.field_('topology') or '?'} rounds record no simulated time")
+                            for run in runs if run.name not in with_sim], notes, "metric_vs_sim_time.png")
             for run, cv, c in sim:
                 if cv:
                     ax.plot([t for t, _ in cv], [v for _, v in cv], marker="o", markersize=3, color=c, label=run.name)
@@ -412,21 +433,33 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
             ax.grid(alpha=0.3)
             _save(fig, out / "metric_vs_sim_time.png", plots)
 
-    plot_time_breakdown(runs, out, plots)
+    plot_time_breakdown(runs, out, plots, notes)
 
     links = sorted({link for run in runs for link in run.by_link})
     if links:
         fig, ax = _figure()
-        names = [run.name for run in runs]
-        bottom = [0.0] * len(runs)
+        positive = [float(v.get(kind, 0)) for run in runs for v in run.by_link.values() if v.get(kind, 0)]
+        width = 0.8 / len(links)   # bars side by side on a log scale, each labelled: a 173 kB link stays visible
         for i, link in enumerate(links):
+            xs = [k + (i - (len(links) - 1) / 2) * width for k in range(len(runs))]
             vals = [float(run.by_link.get(link, {}).get(kind, 0)) for run in runs]
-            ax.bar(names, vals, bottom=bottom, label=link, color=_link_color(link, i))
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_ylabel(f"{short} bytes")
+            bars = ax.bar(xs, [v if v > 0 else float("nan") for v in vals], width, label=link,
+                          color=_link_color(link, i))
+            for bar, v in zip(bars, vals):
+                if v > 0:
+                    ax.annotate(human_bytes(v), (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom",
+                                fontsize=6, rotation=90, xytext=(0, 2), textcoords="offset points")
+        ax.set_yscale("log")
+        if positive:   # every bar rises from well below the smallest one
+            ax.set_ylim(min(positive) / 4, max(positive) * 4)
+        ax.yaxis.set_major_formatter(_bytes_formatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xticks(range(len(runs)), [run.name for run in runs])
+        ax.set_ylabel(f"{short} bytes (log scale)")
         ax.set_title(f"{short} bytes per link")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.tick_params(axis="x", labelrotation=20)
+        _left_out(fig, [(run.name, "no byte counts") for run in runs if not run.by_link], notes, "bytes_by_link.png")
         _save(fig, out / "bytes_by_link.png", plots)
     else:
         notes.append("no byte counts in any run; bytes_by_link.png not written")
@@ -437,7 +470,14 @@ TIME_PARTS = ("time_compute", "time_communication", "time_waiting", "time_aggreg
 OPTIONAL_PARTS = ("time_waiting",)   # absent in runs recorded before it existed: counted as 0
 
 
-def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path]) -> None:
+def _bytes_formatter():
+    """Axis ticks in the table's units (kB, MB), never an offset such as 1e7."""
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda v, _pos: human_bytes(v))
+
+
+def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path], notes: list[str]) -> None:
     """Stacked bars of the mean seconds per round spent in each part (rounds table metrics)."""
     means = []
     for run in runs:
@@ -447,6 +487,8 @@ def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path]) -
     if not any(means):
         return
     fig, ax = _figure()
+    _left_out(fig, [(run.name, f"its {run.field_('topology') or '?'} rounds record no time breakdown")
+                    for run, m in zip(runs, means) if not m], notes, "round_time_breakdown.png")
     names = [run.name for run, m in zip(runs, means) if m]
     values = [m for m in means if m]
     bottom = [0.0] * len(values)
@@ -509,10 +551,17 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
                         markdown="\n".join(md), plots=plots, notes=notes)
 
 
+def default_out(run_dirs: Sequence[str | Path]) -> Path:
+    """`report/` in the folder that holds the run directories (their common parent), not the cwd."""
+    parents = [str(Path(d).resolve().parent) for d in run_dirs]
+    return Path(os.path.commonpath(parents)) / "report"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedhop report", description="Compare fedhop runs: table and plots.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    parser.add_argument("--out", default="report", help="directory for report.md, report.json and PNGs")
+    parser.add_argument("--out", default=None, help="directory for report.md, report.json and PNGs (default: "
+                                                    "report/ beside the run directories)")
     parser.add_argument("--target-accuracy", "--target", dest="target", type=float, default=None,
                         help="target value of the metric (>= for accuracy-like, <= for loss/objective-like)")
     parser.add_argument("--metric", default=None, help="metric name (default: test_accuracy, else objective)")
@@ -523,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(needs the tensorboard package: pip install 'fedhop[tensorboard]')")
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
-        result = build_report(args.run_dirs, args.out, target=args.target, metric=args.metric,
+        result = build_report(args.run_dirs, args.out or default_out(args.run_dirs), target=args.target, metric=args.metric,
                               bytes_kind=BYTES_KINDS[args.bytes_kind], tensorboard=args.tensorboard)
     except RuntimeError as exc:
         print(f"fedhop report: {exc}", file=sys.stderr)

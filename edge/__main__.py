@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 
 from fedhop.common.ledger import Ledger
+from fedhop.common.livebytes import LinkCounter, Reported
 from fedhop.common.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
 from fedhop.common.procexit import exit_now
+from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.edge.runtime import EdgeProcess
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-message-bytes", type=int, default=64 << 20)
     add_security_args(ap)
     args = ap.parse_args(argv)
+    set_role_title("edge", args.node_id)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node_id} %(levelname)s %(message)s")
     try:
         args.parent = resolve_parent(args)
@@ -45,11 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     except SecurityError as exc:
         logging.error("%s", exc)
         return 2
-    endpoint = GrpcEndpoint(args.node_id, Ledger(sink), token="", max_message_bytes=args.max_message_bytes,
+    ledger = Ledger(sink)
+    counter = LinkCounter(args.node_id)   # live byte totals for the server (common/livebytes.py)
+    ledger.observers.append(counter.observe)
+    endpoint = GrpcEndpoint(args.node_id, ledger, token="", max_message_bytes=args.max_message_bytes,
                             credentials=creds)
     # watches this edge's client processes; intervals are set from the run's config once it arrives
     monitor = LivenessMonitor(endpoint, interval=1.0, timeout=5.0,
                               on_event=lambda kind, node, detail: logging.warning("%s: %s", kind, detail))
+    relayed = Reported()   # the live totals this edge's children last sent, passed on with its own
+    monitor.on_bytes = relayed.report
     proc = EdgeProcess(endpoint, args.parent, bind=args.listen)
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
@@ -74,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
     beats = HeartbeatSender(endpoint, args.parent, interval=sec.heartbeat_interval, parent_timeout=sec.parent_timeout,
                             reregister=lambda: proc._register_with_parent(proc.aggregator.cluster, timeout=10.0),
-                            on_give_up=give_up).start()
-    proc.aggregator.before_shutdown.append(lambda: beats.stop(wait=True))
+                            on_give_up=give_up, counts=lambda: counter.entries() + relayed.entries()).start()
+    proc.aggregator.before_shutdown.append(lambda: beats.stop(wait=True, final=True))
     proc.wait()
     beats.stop()
     monitor.stop()

@@ -21,8 +21,10 @@ from fedhop.common.addresses import plaintext_refusal
 from fedhop.common.checkpoint import CheckpointError
 from fedhop.common.config import ConfigError, load_config
 from fedhop.common.ledger import Ledger
+from fedhop.common.livebytes import LinkCounter, ServerLive
 from fedhop.common.liveness import LivenessMonitor
 from fedhop.common.procexit import exit_now
+from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import NodeCredentials, SecurityError
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.server.coordinator import Coordinator
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger().setLevel(cfg.run.log_level.upper())
     torch.set_num_threads(cfg.run.torch_threads)
     run_dir = Path(args.run_dir)
+    set_role_title("server", run_dir.resolve().name)
     sec = cfg.security
     insecure = sec.insecure or os.environ.get("FEDHOP_INSECURE", "") in ("1", "true", "yes")
     refusal = plaintext_refusal([args.listen], insecure, tls=bool(sec.certs_dir))
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.warning("plaintext gRPC on %s (%s)", args.listen,
                         "security.insecure = true" if insecure else "loopback only")
     ledger = Ledger(run_dir / "ledger" / "server.jsonl", keep_drained=False)
+    counter = LinkCounter("server")   # the live view of every link's bytes (common/livebytes.py)
+    ledger.observers.append(counter.observe)
     holder: dict = {}
 
     def refused(node: str, method: str, reason: str, peer: str) -> None:
@@ -76,8 +81,14 @@ def main(argv: list[str] | None = None) -> int:
                             max_message_bytes=cfg.transport.max_message_bytes, workers=32,
                             credentials=creds, on_refused=refused)
     endpoint.checksum = sec.checksum
-    coordinator = Coordinator(cfg, run_dir, endpoint, ledger)
+    try:
+        coordinator = Coordinator(cfg, run_dir, endpoint, ledger)
+    except (ValueError, FileNotFoundError) as exc:   # the task cannot be built: missing data, bad shapes
+        logging.error("%s", exc)
+        return 2
     holder["coordinator"] = coordinator
+    live = ServerLive(coordinator.store, counter)
+    coordinator.on_round = lambda result: live.flush(result.round)
     checkpointer = Checkpointer(coordinator)
     if args.resume:
         try:
@@ -91,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     coordinator.summary_hooks.append(lambda: {"liveness": monitor.summary(),
                                               "checkpoints": [{"round": r, "seconds": s}
                                                               for r, s in checkpointer.written]})
+    monitor.on_bytes = live.report
     monitor.start()
     address = endpoint.serve(lambda req: _no_calls(), args.listen, register_handler=coordinator.handle_register)
     if args.port_file:
@@ -99,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(args.port_file)
     logging.info("run %s: serving at %s", coordinator.run_id, address)
     summary = coordinator.run(register_timeout=args.register_timeout)
+    live.flush()   # the server's own records up to the last shutdown reply: the live view now equals the final table
     monitor.stop()
     endpoint.stop()
     coordinator.store.close()   # the last connection: SQLite checkpoints the WAL into run.db and removes it

@@ -247,8 +247,7 @@ class Coordinator:
     def merge_ledgers(self) -> None:
         """Insert every process's ledger file (run_dir/ledger/*.jsonl) into run.db (idempotent)."""
         self.store.insert_records(self.ledger.drain())
-        for path in sorted((self.run_dir / "ledger").glob("*.jsonl")):
-            self.store.insert_records(Ledger.read_jsonl(path))
+        self.store.merge_ledger_dir(self.run_dir / "ledger")
 
     def finalize(self, status: str, error: str, wall_seconds: float) -> dict:
         self.merge_ledgers()

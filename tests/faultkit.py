@@ -41,7 +41,8 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        # the state follows the command name in parentheses, which may hold spaces ("fedhop client c")
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
 

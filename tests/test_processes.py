@@ -34,7 +34,8 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     try:  # a zombie is dead for our purpose
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        # the state follows the command name in parentheses, which may hold spaces ("fedhop client c")
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
 

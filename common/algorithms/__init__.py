@@ -29,11 +29,23 @@ def registry() -> dict[str, type]:
 
 
 def algorithm_class(name: str):
-    """The Algorithm subclass registered under `name`, with a clear error for unknown names."""
+    """The Algorithm subclass registered under `name` (built in), or a user's plug-in: an import
+    path "pkg.module:Class" or an entry point of group `fedhop.algorithms` (common/plugins.py).
+    Unknown names raise KeyError, plug-ins that do not load PluginError (a ValueError)."""
     algos = registry()
-    if name not in algos:
-        raise KeyError(f"algorithm.name: unknown algorithm '{name}' (allowed: {', '.join(sorted(algos))})")
-    return algos[name]
+    if name in algos:
+        return algos[name]
+    from fedhop.common.algorithms.base import Algorithm
+    from fedhop.common.plugins import PluginError, entry_point_names, load_plugin
+    try:
+        cls = load_plugin(name, "algorithms")
+    except LookupError:
+        allowed = sorted(set(algos) | set(entry_point_names("algorithms")))
+        raise KeyError(f"algorithm.name: unknown algorithm '{name}' (allowed: {', '.join(allowed)}, or an import "
+                       f"path 'package.module:Class')") from None
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise PluginError(f"algorithm.name = {name!r} is not a subclass of fedhop.common.algorithms.base.Algorithm")
+    return cls
 
 
 def build_algorithm(cfg):

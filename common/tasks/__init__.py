@@ -9,8 +9,10 @@ Random streams used here: "data/split" (train/test split), "partition" (client p
 "model/init" (initial parameters), "data/<dataset>/..." (synthetic data).
 
 Data sets register with `register_dataset(name, builder, params_class)`.  A data set not
-registered below is looked up as the module `common.tasks.<name>`, which must call
-`register_dataset` when imported (how lasso, lowrank and minimax_quadratic plug in).
+registered below is looked up as the module `fedhop.common.tasks.<name>`, which must call
+`register_dataset` when imported (how lasso, lowrank and minimax_quadratic plug in), then as a
+user's plug-in: an import path `"pkg.module:load"` or an entry point of group `fedhop.datasets`
+(common/plugins.py; `_build_plugin` below turns its per-client data into a task).
 """
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from fedhop.common import datasets, partition
+from fedhop.common.plugins import DataRequest, FederatedData, PluginError, entry_point_names, is_import_path, load_plugin
 from fedhop.common.rng import numpy_stream, stream_seed
 from fedhop.common.tasks.base import ClientData, Task
 from fedhop.common.tasks.classification import ArrayTask, ClassificationTask, ModelSpec, RegressionTask
@@ -76,8 +80,9 @@ def register_dataset(name: str, build: Builder, params: type | None = None) -> N
 
 
 def _entry(name: str) -> _Entry:
-    if name not in _REGISTRY:
-        for module in _LAZY_MODULES.get(name, (f"common.tasks.{name}",)):
+    if name not in _REGISTRY and not is_import_path(name):
+        modules = _LAZY_MODULES.get(name, (f"fedhop.common.tasks.{name}",) if name.isidentifier() else ())
+        for module in modules:
             try:
                 importlib.import_module(module)
             except ModuleNotFoundError as exc:
@@ -86,7 +91,15 @@ def _entry(name: str) -> _Entry:
             if name in _REGISTRY:
                 break
     if name not in _REGISTRY:
-        raise ValueError(f"data.dataset = {name!r} is not available (available: {', '.join(sorted(_REGISTRY))})")
+        try:
+            load = load_plugin(name, "datasets")   # PluginError (a ValueError) names the path and the cause
+        except LookupError:
+            available = sorted(set(_REGISTRY) | set(_LAZY_MODULES) | set(entry_point_names("datasets")))
+            raise ValueError(f"data.dataset = {name!r} is not available (available: {', '.join(available)}, "
+                             f"or an import path 'package.module:function')") from None
+        if not callable(load):
+            raise PluginError(f"data.dataset = {name!r} is a {type(load).__name__}, not a function")
+        register_dataset(name, _build_plugin(load), getattr(load, "Params", None))
     return _REGISTRY[name]
 
 
@@ -160,7 +173,8 @@ def dataset_params(cfg: Any) -> Any:
 def model_spec(cfg: Any, input_shape: tuple[int, ...], n_outputs: int, bias: bool = True) -> ModelSpec:
     return ModelSpec(kind=cfg.model.kind, input_shape=tuple(int(s) for s in input_shape),
                      n_outputs=int(n_outputs), hidden=tuple(int(h) for h in cfg.model.hidden),
-                     init=cfg.model.init, seed=stream_seed(cfg.run.seed, "model/init"), bias=bias)
+                     init=cfg.model.init, seed=stream_seed(cfg.run.seed, "model/init"), bias=bias,
+                     factory=cfg.model.factory, factory_args=tuple(sorted(cfg.model.factory_args.items())))
 
 
 def make_partition(cfg: Any, labels: np.ndarray) -> list[np.ndarray]:
@@ -295,6 +309,60 @@ def _build_npz(cfg: Any, p: NpzParams) -> Task:
     if data.w_true is not None:
         task.distance_to_opt(task.build_model())  # fails early on a w_true of the wrong size
     return task
+
+
+def _arrays(data: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) tensors from a pair of arrays or a map-style Dataset of (x, y) items."""
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        x, y = (torch.as_tensor(np.asarray(a)) if not isinstance(a, torch.Tensor) else a for a in data)
+    elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        items = [data[i] for i in range(len(data))]
+        if not items:
+            raise ValueError(f"{where}: the Dataset is empty")
+        x = torch.stack([torch.as_tensor(np.asarray(it[0])) for it in items])
+        y = torch.as_tensor(np.asarray([np.asarray(it[1]) for it in items]))
+    else:
+        raise ValueError(f"{where}: expected a pair (x, y) or a torch Dataset of (x, y) items, got {type(data).__name__}")
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"{where}: x has {x.shape[0]} samples but y has {y.shape[0]}")
+    return x.float(), y
+
+
+def _build_plugin(load: Callable[[DataRequest], Any]) -> Builder:
+    """A data-set plug-in's builder: its per-client data becomes one pooled task, each client's
+    samples its own index range (as for npz data)."""
+    def build(cfg: Any, params: Any) -> Task:
+        request = DataRequest(num_clients=int(cfg.clients.count), seed=stream_seed(cfg.run.seed, "data/plugin"),
+                              params=params, data_dir=cfg.data.data_dir)
+        name = cfg.data.dataset
+        out = load(request)
+        if isinstance(out, Task):
+            return out
+        if not isinstance(out, FederatedData):
+            raise ValueError(f"data.dataset = {name!r} returned a {type(out).__name__}; expected FederatedData "
+                             f"(fedhop.common.plugins) or a Task")
+        if len(out.clients) != cfg.clients.count:
+            raise ValueError(f"data.dataset = {name!r} returned {len(out.clients)} clients but clients.count = "
+                             f"{cfg.clients.count}; they must match")
+        pairs = [_arrays(c, f"{name}: client {i}") for i, c in enumerate(out.clients)]
+        shapes = {tuple(x.shape[1:]) for x, _ in pairs}
+        if len(shapes) != 1:
+            raise ValueError(f"{name}: every client's samples need the same shape, got {sorted(shapes)}")
+        x_tr = torch.cat([x for x, _ in pairs])
+        y_tr = torch.cat([y for _, y in pairs])
+        x_te, y_te = _arrays(out.test, f"{name}: test") if out.test is not None else (None, None)
+        offsets = np.cumsum([0] + [len(x) for x, _ in pairs])
+        parts = [np.arange(offsets[i], offsets[i + 1], dtype=np.int64) for i in range(len(pairs))]
+        feature_shape = shapes.pop() or (1,)
+        if out.task == "regression":
+            n_out = 1 if y_tr.ndim == 1 else int(np.prod(y_tr.shape[1:]))
+            return RegressionTask(x_tr, y_tr.float(), parts, model_spec(cfg, feature_shape, n_out), x_te,
+                                  None if y_te is None else y_te.float(), name=name)
+        labels = [y_tr] + ([y_te] if y_te is not None else [])
+        n_classes = out.n_classes or int(max(int(t.max()) for t in labels if t.numel())) + 1
+        return ClassificationTask(x_tr, y_tr.long(), parts, model_spec(cfg, feature_shape, n_classes), x_te,
+                                  None if y_te is None else y_te.long(), name=name, n_classes=n_classes)
+    return build
 
 
 register_dataset("digits", _build_tabular(datasets.load_digits, "digits", (8, 8)))

@@ -8,7 +8,7 @@ once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +31,8 @@ class ModelSpec:
     init: str = "default"
     seed: int = 0
     bias: bool = True
+    factory: str = ""                           # a user's model factory (common/plugins.py); "" = kind
+    factory_args: tuple[tuple[str, Any], ...] = ()
 
 
 def _as_tensor(a: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -73,7 +75,7 @@ class ArrayTask(Task):
     def build_model(self) -> torch.nn.Module:
         s = self.model_spec
         return build_model(s.kind, s.input_shape, s.n_outputs, s.hidden, s.init, s.seed,
-                           bias=s.bias, task=self.kind)
+                           bias=s.bias, task=self.kind, factory=s.factory, factory_args=dict(s.factory_args))
 
     def client_data(self, client_id: int) -> ClientData:
         if not 0 <= client_id < self.num_clients:

@@ -285,7 +285,8 @@ class ClassWeighted(nn.Module):
 def _net(spec: ModelSpec) -> nn.Module:
     from fedhop.common.models import build_model
     return build_model(spec.kind, spec.input_shape, spec.n_outputs, spec.hidden, spec.init, spec.seed,
-                       bias=spec.bias, task="classification")
+                       bias=spec.bias, task="classification", factory=spec.factory,
+                       factory_args=dict(spec.factory_args))
 
 
 @dataclass

@@ -129,17 +129,37 @@ class RegisterReply(_message.Message):
     node_id: str
     def __init__(self, accepted: _Optional[bool] = ..., run_id: _Optional[str] = ..., config_toml: _Optional[str] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
+class LinkBytes(_message.Message):
+    __slots__ = ("node_id", "link", "direction", "messages", "tensor_bytes", "payload_bytes", "framed_bytes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAMED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    link: str
+    direction: str
+    messages: int
+    tensor_bytes: int
+    payload_bytes: int
+    framed_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., link: _Optional[str] = ..., direction: _Optional[str] = ..., messages: _Optional[int] = ..., tensor_bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., framed_bytes: _Optional[int] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "run_id", "seq", "sent_at")
+    __slots__ = ("node_id", "run_id", "seq", "sent_at", "bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     seq: int
     sent_at: float
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ...) -> None: ...
+    bytes: _containers.RepeatedCompositeFieldContainer[LinkBytes]
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., bytes: _Optional[_Iterable[_Union[LinkBytes, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "node_id", "message")

@@ -1,0 +1,105 @@
+"""Plug-ins: a user's own model, data set and algorithm without editing fedhop (issue 18, item 1).
+
+A plug-in is named in the config in one of two ways:
+
+- by import path, `"package.module:attribute"` (`model.factory = "mypkg.models:make_net"`,
+  `data.dataset = "mypkg.data:load"`, `algorithm.name = "mypkg.algos:FedAvgM"`);
+- by a name that the user's installed package registers as an entry point in the group
+  `fedhop.<group>` (`fedhop.models`, `fedhop.datasets`, `fedhop.algorithms`; the topology
+  drivers will use `fedhop.topologies`).
+
+Every role process resolves them the same way: the config loader imports them while it validates
+the config (common/config.py), so a path that does not import is a config error, naming the path
+and the import error, before any process starts, and the server, edges and clients, which each
+parse the same resolved config, import the same objects.  The package must be importable by
+every process: installed in the environment (`pip install -e mypkg/`) or on PYTHONPATH.
+
+What each kind of plug-in is (docs in README, "Bring your own model"):
+
+- model factory: `factory(input_shape: tuple[int, ...], n_outputs: int, **model.factory_args)`
+  returning a `torch.nn.Module`; fedhop calls it under the run's seeded RNG, so every process
+  builds the same initial model.
+- data set: `load(request: DataRequest) -> FederatedData` (per-client arrays, or one torch
+  Dataset per client), or a full `fedhop.common.tasks.Task`; an optional `load.Params`
+  dataclass declares its extra [data] keys.
+- algorithm: a subclass of `fedhop.common.algorithms.base.Algorithm`.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Literal, Sequence
+
+GROUP_PREFIX = "fedhop."
+GROUPS = ("models", "datasets", "algorithms", "topologies")
+
+
+class PluginError(ValueError):
+    """A plug-in named in the config cannot be loaded."""
+
+
+def is_import_path(ref: str) -> bool:
+    return ":" in ref
+
+
+def entry_point_names(group: str) -> list[str]:
+    """The names installed packages register under `fedhop.<group>`."""
+    return sorted({ep.name for ep in entry_points(group=GROUP_PREFIX + group)})
+
+
+def load_plugin(ref: str, group: str) -> Any:
+    """The object named by `ref`: an import path `"pkg.module:attr"` (attr may be dotted), or an
+    entry point of group `fedhop.<group>`.  Raises PluginError naming `ref` and the cause; a
+    bare name that no installed package registers raises LookupError (the caller knows its
+    built-in names and says which are allowed)."""
+    if group not in GROUPS:
+        raise ValueError(f"load_plugin: unknown group '{group}' (allowed: {', '.join(GROUPS)})")
+    if is_import_path(ref):
+        module_name, _, attr = ref.partition(":")
+        if not module_name or not attr:
+            raise PluginError(f"'{ref}' is not an import path of the form 'package.module:attribute'")
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except Exception as exc:   # noqa: BLE001 - any failure of the user's import is reported, not raised
+            raise PluginError(f"cannot import '{ref}': {type(exc).__name__}: {exc}") from None
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise PluginError(f"cannot import '{ref}': module '{module_name}' has no attribute '{attr}'")
+            obj = getattr(obj, part)
+        return obj
+    found = [ep for ep in entry_points(group=GROUP_PREFIX + group) if ep.name == ref]
+    if not found:
+        raise LookupError(ref)
+    try:
+        return found[0].load()
+    except Exception as exc:   # noqa: BLE001
+        raise PluginError(f"cannot load entry point '{ref}' ({found[0].value}) of group "
+                          f"'{GROUP_PREFIX + group}': {type(exc).__name__}: {exc}") from None
+
+
+# ----------------------------------------------------------------------------- data sets
+@dataclass(frozen=True)
+class DataRequest:
+    """What a data-set plug-in is asked for."""
+
+    num_clients: int          # clients.count: return exactly this many client data sets
+    seed: int                 # from the run's seed (stream "data/plugin"): use it for every random choice
+    params: Any               # the plug-in's Params instance built from the extra [data] keys, or None
+    data_dir: str             # data.data_dir, where pre-staged files are looked up
+
+
+@dataclass
+class FederatedData:
+    """A data-set plug-in's answer: one data set per client, and an optional test set.
+
+    Each client's data (and `test`) is either a pair `(x, y)` of arrays or tensors with the
+    samples along the first axis, or a map-style torch Dataset whose items are `(x, y)`; a
+    Dataset is read into memory once when the task is built.  Features keep their shape (a CNN
+    gets (C, H, W) images); the model's `input_shape` is the shape of one sample.
+    """
+
+    clients: Sequence[Any]
+    test: Any = None
+    task: Literal["classification", "regression"] = "classification"
+    n_classes: int | None = None   # classification: default max label + 1

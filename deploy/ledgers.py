@@ -1,0 +1,43 @@
+"""`fedhop merge-ledgers RUN_DIR`: merge the children's ledger files of a run into its run.db.
+
+A run that ends normally merges them itself (server/coordinator.py).  One that was interrupted
+(Ctrl-C, a killed server) leaves run.db with the server's own records only, so its report would
+show every message as one-sided; this merges RUN_DIR/ledger/*.jsonl (idempotent: records already
+in run.db are skipped) and says whether the two sides of each message now agree.  `fedhop run`
+does it itself on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fedhop.common.runstore import RunStore
+
+
+def merge_run(run_dir: Path) -> tuple[int, str]:
+    """Merge `run_dir`'s ledger files into its run.db; (records added, agreement line)."""
+    store = RunStore(run_dir / "run.db")   # opening it for writing also brings an old schema up to date
+    try:
+        added = store.merge_ledger_dir(run_dir / "ledger")
+        return added, store.check_agreement().summary()
+    finally:
+        store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fedhop merge-ledgers", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", help="a run directory (holding run.db and ledger/)")
+    args = ap.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "run.db").is_file() or not (run_dir / "ledger").is_dir():
+        print(f"fedhop merge-ledgers: {run_dir} holds no run.db and ledger/ folder; is it a run directory?",
+              file=sys.stderr)
+        return 2
+    added, agreement = merge_run(run_dir)
+    print(f"fedhop merge-ledgers: {added} records added to {run_dir / 'run.db'}; {agreement}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

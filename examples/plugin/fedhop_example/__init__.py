@@ -1,0 +1,1 @@
+"""An example fedhop plug-in package (see README, "Bring your own model")."""

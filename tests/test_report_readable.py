@@ -1,0 +1,44 @@
+"""Reports a reader can trust (issue 18, item 4): the default output goes beside the runs, every
+plot names the runs it leaves out and why, byte axes use the table's units, and the progress line,
+the report and the live page write bytes in one unit style."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedhop.deploy import launcher, report
+from fedhop.deploy.report import build_report, default_out, human_bytes, main
+from tests.test_report import exchange, runs, write_run   # noqa: F401 - the fixture, and its run writer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_default_output_is_beside_the_runs_not_the_cwd(runs, tmp_path, monkeypatch):
+    tmp, _, _ = runs
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main([str(tmp / "a"), str(tmp / "b")]) == 0
+    assert (tmp / "report" / "report.md").exists() and not (elsewhere / "report").exists()
+    assert default_out([tmp / "a", tmp / "b"]) == (tmp / "report").resolve()
+
+
+def test_plots_name_the_runs_they_leave_out(runs, tmp_path):
+    tmp, _, _ = runs
+    write_run(tmp / "timed", name="timed-star", algorithm="fedavg", topology="star",
+              metrics=[{"test_accuracy": 0.3, "time_compute": 0.1, "time_communication": 0.2, "time_waiting": 0.0,
+                        "time_aggregation": 0.01, "time_evaluation": 0.01}],
+              records=exchange("t1", 1, "client-1", "server", "client-server"), sim=[1.5])
+    res = build_report([tmp / "a", tmp / "b", tmp / "timed"], tmp / "out")
+    notes = "\n".join(res.notes)
+    assert "metric_vs_sim_time.png: fedavg-star left out (its star rounds record no simulated time)" in notes
+    assert "round_time_breakdown.png: fedavg-star left out (its star rounds record no time breakdown)" in notes
+    assert "round_time_breakdown.png: hier-edges left out (its hierarchical rounds record no time breakdown)" in notes
+    assert (tmp / "out" / "metric_vs_sim_time.png").exists() and (tmp / "out" / "round_time_breakdown.png").exists()
+
+
+def test_one_unit_style_and_no_offset_notation():
+    assert launcher.human_bytes is report.human_bytes   # the progress line and the report share one
+    assert human_bytes(173_000) == "173.00 kB" and human_bytes(28_790_000) == "28.79 MB"
+    assert report._bytes_formatter()(1e7, 0) == "10.00 MB"
+    page = (ROOT / "deploy" / "dashboard.html").read_text()
+    assert '["B", "kB", "MB", "GB", "TB"]' in page and '"KB"' not in page

@@ -1,0 +1,107 @@
+"""run.db schema 2 and interrupted runs (issue 18, item 4): round counts are INTEGER columns, an
+old (schema 1) run.db is migrated when opened for writing, and the children's ledgers of an
+interrupted run are merged by `fedhop merge-ledgers` and by `fedhop run` on Ctrl-C."""
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fedhop.common.ledger import Ledger
+from fedhop.common.runstore import SCHEMA_VERSION, RunStore
+from fedhop.deploy.launcher import read_progress
+from fedhop.deploy.ledgers import main as merge_main
+from tests.helpers import quadratic_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the rounds table as schema 1 (the code before issue 18) made it, with rows as its add_round wrote them
+SCHEMA_1_ROUNDS = """CREATE TABLE rounds(
+        run_id TEXT NOT NULL, round INTEGER NOT NULL, participants TEXT, sampled TEXT, failures TEXT,
+        metrics_json TEXT, wall_seconds REAL, sim_seconds REAL, started REAL, finished REAL,
+        PRIMARY KEY(run_id, round))"""
+
+
+def test_counts_are_integers_and_compare_as_numbers(tmp_path):
+    store = RunStore(tmp_path / "run.db")
+    store.start_run("r")
+    for rnd, n in ((1, 10), (2, 9), (3, 40)):
+        store.add_round(rnd, participants=n, sampled=40, failures=40 - n, metrics={})
+    types = {r[1]: r[2] for r in store._query("PRAGMA table_info(rounds)")}
+    assert types["participants"] == types["sampled"] == types["failures"] == "INTEGER"
+    # as TEXT, '9' < '5' is false and '10' < '5' true: the query must compare numbers
+    assert store._query("SELECT round FROM rounds WHERE participants < 10 ORDER BY round") == [(2,)]
+    assert store._query("SELECT typeof(failures) FROM rounds")[0] == ("integer",)
+
+
+def test_schema_1_file_is_migrated_keeping_counts_and_lists(tmp_path):
+    db = tmp_path / "run.db"
+    con = sqlite3.connect(db)
+    con.execute(SCHEMA_1_ROUNDS)
+    con.execute("INSERT INTO rounds VALUES ('r', 1, '3', '4', '1', '{\"test_accuracy\": 0.5}', 1.5, NULL, NULL, NULL)")
+    con.execute("INSERT INTO rounds VALUES ('r', 2, '[3, 1]', '[3, 1, 4]', '[4]', '{}', 1.0, NULL, NULL, NULL)")
+    con.commit()
+    con.close()
+    store = RunStore(db)   # opened for writing: migrated
+    assert store._query("PRAGMA user_version") == [(SCHEMA_VERSION,)]
+    rows = store.rounds()
+    assert [(r["participants"], r["sampled"], r["failures"]) for r in rows] == [(3, 4, 1), ([3, 1], [3, 1, 4], [4])]
+    assert rows[0]["metrics"] == {"test_accuracy": 0.5} and rows[0]["wall_seconds"] == 1.5
+    assert store._query("SELECT round, participants, failures FROM rounds ORDER BY round") == [(1, 3, 1), (2, 2, 1)]
+    store.close()
+    assert RunStore(db)._query("SELECT COUNT(*) FROM rounds") == [(2,)]   # a second open changes nothing
+
+
+def _write_pair(server: Ledger, client: Ledger, i: int) -> None:
+    fields = dict(run_id="r", round=1, step=0, src="client-0", dst="server", link="client-server", direction="up",
+                  method="train.reply", tensor_bytes=40, payload_bytes=80, framed_bytes=85, seconds=0.0,
+                  msg_id=f"m{i}", status="ok")
+    client.record(recorder="client-proc0", role="sender", **fields)
+    server.record(recorder="server", role="receiver", **fields)
+
+
+def test_merge_ledgers_command(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "ledger").mkdir(parents=True)
+    server, client = Ledger(), Ledger(run / "ledger" / "client-proc0.jsonl")
+    for i in range(3):
+        _write_pair(server, client, i)
+    store = RunStore(run / "run.db")
+    store.insert_records(server.records())
+    assert not store.check_agreement().ok   # receiver-only: the children's side is missing
+    assert merge_main([str(run)]) == 0
+    assert "3 records added" in capsys.readouterr().out
+    assert RunStore(run / "run.db").check_agreement().matched == 3
+    assert merge_main([str(tmp_path / "nothing")]) == 2
+
+
+def test_ctrl_c_merges_the_children_ledgers(tmp_path):
+    rng = np.random.default_rng(1)
+    text = quadratic_config(rng.normal(size=(6, 3)), rng.uniform(0.5, 2, size=(6, 3)), [1] * 6, rounds=100000,
+                            processes=2)
+    cfg = tmp_path / "q.toml"
+    cfg.write_text(text)
+    out = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "run", str(cfg), "--out", str(out),
+                                 "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while len(read_progress(out / "run.db", 0)) < 3:
+        assert launcher.poll() is None, launcher.stdout.read()
+        assert time.monotonic() < deadline, "3 rounds did not finish in 120 s"
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGINT)
+    output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, output
+    assert "merged the ledgers of every process" in output
+    store = RunStore(out / "run.db", create=False)
+    recorders = {r[0] for r in store._query("SELECT DISTINCT recorder FROM messages")}
+    assert recorders == {"server", "client-proc0", "client-proc1"}
+    agreement = store.check_agreement()
+    assert agreement.matched > 6 * 3 * 2   # at least 3 rounds of 6 train calls and their replies, both sides
+    # only messages in flight at the interrupt may be one-sided: at most one round's worth
+    assert len(agreement.sender_only) + len(agreement.receiver_only) <= 2 * 6 + 4, agreement.summary()
