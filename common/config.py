@@ -44,8 +44,8 @@ def _check_sequential_pairing(cfg: Config) -> None:
     from fedhop.common.algorithms import algorithm_class   # local: the algorithms import this module
     try:
         sequential = getattr(algorithm_class(cfg.algorithm.name), "sequential", False)
-    except KeyError:
-        return   # the unknown name is reported where the algorithm's options are checked
+    except (KeyError, ValueError):   # an unknown name, a plug-in that does not import
+        return   # reported where the algorithm's options are checked
     if sequential and cfg.topology.kind != "sequential":
         raise ConfigError(f"config key 'topology.kind': got '{cfg.topology.kind}', but algorithm '{cfg.algorithm.name}' "
                           f"walks one model over the edges and has no server step (allowed: sequential)")
