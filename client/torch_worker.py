@@ -28,16 +28,10 @@ class TorchWorker:
         self.coll: Collectives | None = None
         self.partial: Payload | None = None
 
-    def handle(self, method: str, round: int, payload: Payload) -> Payload:
-        if method == "torch_init":
-            return self.init(payload)
+    def ready(self) -> Collectives:
         if self.coll is None:
             raise HandlerError("NOT_READY", "torch_init has not been called")
-        if method == "torch_round":
-            return self.round(round, payload)
-        if method == "torch_reduce":
-            return self.reduce(round, payload)
-        raise HandlerError("UNKNOWN_METHOD", method)
+        return self.coll
 
     def init(self, payload: Payload) -> Payload:
         s = payload.scalars
@@ -52,7 +46,7 @@ class TorchWorker:
         return Payload(scalars={"rank": self.coll.rank})
 
     def round(self, round: int, payload: Payload) -> Payload:
-        assert self.coll is not None
+        self.ready()
         scalars = dict(payload.scalars)
         clients = [int(c) for c in str(scalars.pop("clients", "")).split(",") if c]
         specs = specs_from_json(str(scalars.pop("specs")))
@@ -81,7 +75,7 @@ class TorchWorker:
         return Payload(scalars=out)
 
     def reduce(self, round: int, payload: Payload) -> Payload:
-        assert self.coll is not None
+        self.ready()
         layout = json.loads(str(payload.scalars["layout"]))
         groups: dict[str, list[torch.Tensor]] = {}
         for name, dtype, shape, op in layout:

@@ -36,11 +36,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fedhop.common.algorithms.base import Payload
+from fedhop.common.methods import Method
 
 FORMAT = 1
 DIRNAME = "checkpoints"
 _NAME = re.compile(r"round-(\d{6,})\.safetensors$")
-STATE_GET, STATE_SET = "state_get", "state_set"
+STATE_GET, STATE_SET = Method.STATE_GET, Method.STATE_SET
 
 
 class CheckpointError(RuntimeError):

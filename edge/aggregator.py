@@ -19,20 +19,22 @@ from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.algorithms.local import get_params
 from fedhop.common.tasks import build_task
-from fedhop.common.checkpoint import STATE_GET, STATE_SET, forward_client_state
+from fedhop.common.checkpoint import forward_client_state
 from fedhop.common.codec import PayloadError
 from fedhop.common.compress import compress_upload, decompress_upload
 from fedhop.common.validation import validate_reply
 from fedhop.common.config import Config
 from fedhop.common.topology import cluster_assignment, edge_index, topology_params
+from fedhop.common.methods import Method
 from fedhop.common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError, Request
+from fedhop.common.transport.router import MethodRouter, Peers
 from fedhop.common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.edge")
 
 
 class EdgeAggregator:
-    def __init__(self, cfg: Config, endpoint: Endpoint, run_id: str, config_toml: str) -> None:
+    def __init__(self, cfg: Config, endpoint: Endpoint, run_id: str, config_toml: str, parent: str = "server") -> None:
         self.cfg = cfg
         self.endpoint = endpoint
         self.run_id = run_id
@@ -49,6 +51,7 @@ class EdgeAggregator:
         self.shutdown_event = threading.Event()
         self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"{endpoint.node_id}-call")
+        self.router = self._routes(parent)
 
     # ------------------------------------------------------------------ registration of clients
     def handle_register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
@@ -78,25 +81,47 @@ class EdgeAggregator:
             return self._cond.wait_for(lambda: set(self.cluster) <= set(self.client_home), timeout)
 
     # ------------------------------------------------------------------ calls from the server
+    def _routes(self, parent: str) -> MethodRouter:
+        """The methods every edge serves, each obeyed only from the server (its parent); the
+        sequential topology adds its own (edge/sequential.py)."""
+        router = MethodRouter(self.endpoint.node_id, Peers(parent))
+        router.register_all({
+            Method.EDGE_ROUND: lambda request: self.edge_round(int(request.envelope.round), request.payload),
+            Method.SHUTDOWN: self._shutdown_call,
+            # checkpoints: the cluster's client states (common/checkpoint.py)
+            Method.STATE_GET: self._client_state_call,
+            Method.STATE_SET: self._client_state_call,
+            # transport.kind = "torch" (edge/torch_edge.py)
+            Method.TORCH_PROCS: lambda request: self.torch().processes(),
+            Method.TORCH_INIT: lambda request: self.torch().init(request.payload),
+            Method.TORCH_EDGE_ROUND: lambda request: self.torch().round(int(request.envelope.round), request.payload),
+            Method.TORCH_EDGE_REDUCE: lambda request: self.torch().reduce(int(request.envelope.round),
+                                                                          request.payload),
+        })
+        return router
+
+    def torch(self):
+        """This edge's side of the torch.distributed data plane, made on the first torch_* call."""
+        from fedhop.edge.torch_edge import torch_edge_of
+        return torch_edge_of(self)
+
     def handle(self, request: Request) -> Payload:
         env = request.envelope
         if env.run_id != self.run_id:
             raise HandlerError("WRONG_RUN", f"message for run '{env.run_id}', this edge serves '{self.run_id}'")
-        if env.method == "edge_round":
-            return self.edge_round(int(env.round), request.payload)
-        if env.method.startswith("torch_"):   # transport.kind = "torch" (edge/torch_edge.py)
-            from fedhop.edge.torch_edge import torch_edge_of
-            return torch_edge_of(self).handle(env.method, int(env.round), request.payload)
-        if env.method in (STATE_GET, STATE_SET):   # checkpoints: the cluster's client states (common/checkpoint.py)
-            return forward_client_state(self.endpoint, dict(self.processes), dict(self.client_home), env.method,
-                                        int(env.round), request.payload, self.cfg.run.call_timeout)
-        if env.method == "shutdown":
-            self.shutdown_clients(int(env.round))
-            for hook in self.before_shutdown:   # e.g. stop heartbeats, before the server merges the ledgers
-                hook()
-            self.shutdown_event.set()
-            return Payload(scalars={"clients": len(self.cluster)})
-        raise HandlerError("UNKNOWN_METHOD", f"{self.endpoint.node_id} does not serve '{env.method}'")
+        return self.router.dispatch(request)
+
+    def _client_state_call(self, request: Request) -> Payload:
+        env = request.envelope
+        return forward_client_state(self.endpoint, dict(self.processes), dict(self.client_home), env.method,
+                                    int(env.round), request.payload, self.cfg.run.call_timeout)
+
+    def _shutdown_call(self, request: Request) -> Payload:
+        self.shutdown_clients(int(request.envelope.round))
+        for hook in self.before_shutdown:   # e.g. stop heartbeats, before the server merges the ledgers
+            hook()
+        self.shutdown_event.set()
+        return Payload(scalars={"clients": len(self.cluster)})
 
     def edge_round(self, round: int, message: Payload) -> Payload:
         spec = message.scalars.pop("edge_clients", "")
@@ -148,7 +173,7 @@ class EdgeAggregator:
         if cid not in self.client_home:
             raise HandlerError("UNKNOWN_CLIENT", f"client {cid} never registered with {self.endpoint.node_id}")
         _, address = self.client_home[cid]
-        reply = self.endpoint.call(address, f"client-{cid}", "train", round=round, step=step,
+        reply = self.endpoint.call(address, f"client-{cid}", Method.TRAIN, round=round, step=step,
                                    timeout=self.cfg.run.call_timeout, prepared=prepared)
         spec = spec if spec is not None else self.algorithm.reply_spec(self.model_state)
         reply = decompress_upload(self.cfg, reply, spec)   # QSGD
@@ -158,7 +183,7 @@ class EdgeAggregator:
     def shutdown_clients(self, round: int) -> None:
         for node, address in sorted(self.processes.items()):
             try:
-                self.endpoint.call(address, node, "shutdown", Payload(), round=round, timeout=5.0)
+                self.endpoint.call(address, node, Method.SHUTDOWN, Payload(), round=round, timeout=5.0)
             except (CallFailed, RemoteError) as exc:
                 log.warning("shutdown of %s failed: %s", node, exc)
         self._pool.shutdown(wait=False, cancel_futures=True)

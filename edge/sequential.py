@@ -48,14 +48,13 @@ from fedhop.common.algorithms.fedchs import FedCHS
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.codec import PayloadError, check_tensors
 from fedhop.common.tasks import build_task
-from fedhop.common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_index, edge_node, next_edge_order,
+from fedhop.common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_node, next_edge_order,
                              topology_params)
+from fedhop.common.methods import Method
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
 from fedhop.common.validation import validate_reply
 
 log = logging.getLogger("fedhop.edge")
-
-METHODS = frozenset({"seq_round", "seq_handoff", "seq_final", "control.seq_query", "control.seq_restore"})
 
 
 class SequentialEdge:
@@ -80,29 +79,35 @@ class SequentialEdge:
         self.final: dict[str, torch.Tensor] | None = None   # torch: the final model until `seq_final`
         self.etas = self.algorithm.round_step_sizes(self.params.steps_per_round)
         self._lock = threading.Lock()
+        self._routes()
 
-    # ------------------------------------------------------------------ dispatch
-    def handle(self, request: Request) -> Payload:
-        env = request.envelope
-        if env.run_id != self.agg.run_id:
-            raise HandlerError("WRONG_RUN", f"message for run '{env.run_id}', this edge serves '{self.agg.run_id}'")
-        if env.method == "control.seq_query":
-            with self._lock:
-                return Payload(scalars={"visits": self.visits, "data_size": self.data_size})
-        if env.method == "control.seq_restore":   # a resumed run: the visit count at its checkpoint
-            if env.src != "server":
-                raise HandlerError("NOT_ALLOWED", f"{env.src} may not restore {self.endpoint.node_id}'s visit count")
-            visits = request.payload.scalars.get("visits")
-            if not isinstance(visits, int) or isinstance(visits, bool) or visits < 0:
-                raise HandlerError("BAD_REQUEST", f"control.seq_restore needs a visit count >= 0, got {visits!r}")
-            with self._lock:
-                self.visits = visits
-                return Payload(scalars={"visits": self.visits})
-        if env.method == "seq_handoff":
-            return self.take_handoff(env.src, int(env.round), request.payload)
-        if env.method == "seq_final":
-            return self.send_final(int(env.round))
-        return self.run_round(int(env.round), request.payload)
+    # ------------------------------------------------------------------ methods
+    def _routes(self) -> None:
+        """Add Fed-CHS's methods to the edge's router: hand-offs only from neighbours in the
+        edge graph, the neighbour query from them or the server, the rest from the server."""
+        router = self.agg.router
+        router.set_neighbours(edge_node(e) for e in self.neighbours)
+        router.register_all({
+            Method.SEQ_ROUND: lambda request: self.run_round(int(request.envelope.round), request.payload),
+            Method.SEQ_HANDOFF: lambda request: self.take_handoff(request.envelope.src, int(request.envelope.round),
+                                                                  request.payload),
+            Method.SEQ_FINAL: lambda request: self.send_final(int(request.envelope.round)),
+            Method.SEQ_QUERY: self._query_call,
+            Method.SEQ_RESTORE: self._restore_call,
+        })
+
+    def _query_call(self, request: Request) -> Payload:
+        with self._lock:
+            return Payload(scalars={"visits": self.visits, "data_size": self.data_size})
+
+    def _restore_call(self, request: Request) -> Payload:
+        """A resumed run: the visit count at its checkpoint."""
+        visits = request.payload.scalars.get("visits")
+        if not isinstance(visits, int) or isinstance(visits, bool) or visits < 0:
+            raise HandlerError("BAD_REQUEST", f"control.seq_restore needs a visit count >= 0, got {visits!r}")
+        with self._lock:
+            self.visits = visits
+            return Payload(scalars={"visits": self.visits})
 
     @property
     def torch(self):
@@ -116,10 +121,7 @@ class SequentialEdge:
         return edge
 
     def take_handoff(self, src: str, round: int, payload: Payload) -> Payload:
-        try:
-            sender = edge_index(src)
-        except ValueError:
-            sender = -1
+        # the router let only a neighbour in the edge graph call this (common/methods.py)
         if self.torch is not None:   # the model arrives as dist.recv from the sender's rank, drained before any check
             if src not in self.torch.ranks:
                 raise HandlerError("NOT_NEIGHBOUR", f"{src} has no rank in the torch.distributed world")
@@ -130,9 +132,6 @@ class SequentialEdge:
                 raise HandlerError("COLLECTIVE_FAILED", f"{self.endpoint.node_id}: hand-off from {src} failed: "
                                                         f"{exc}") from None
             payload = Payload(tensors=tensors)
-        if sender not in self.neighbours:
-            raise HandlerError("NOT_NEIGHBOUR", f"{src} is not a neighbour of {self.endpoint.node_id} "
-                                                f"(neighbours: {self.neighbours})")
         check_tensors(payload, self.spec, f"hand-off from {src}")
         if not all(bool(torch.isfinite(t).all()) for t in payload.tensors.values()):
             raise PayloadError("NON_FINITE", f"hand-off from {src} holds NaN or Inf")
@@ -242,10 +241,10 @@ class SequentialEdge:
         that makes the peer post its receives, beside this edge's dist.send."""
         timeout = self.cfg.run.call_timeout
         if self.torch is None:
-            self.endpoint.call(address, edge_node(peer), "seq_handoff", Payload(tensors=w), round=round,
+            self.endpoint.call(address, edge_node(peer), Method.SEQ_HANDOFF, Payload(tensors=w), round=round,
                                timeout=timeout)
             return
-        call = self.agg._pool.submit(self.endpoint.call, address, edge_node(peer), "seq_handoff", Payload(),
+        call = self.agg._pool.submit(self.endpoint.call, address, edge_node(peer), Method.SEQ_HANDOFF, Payload(),
                                      round=round, timeout=timeout)
         try:
             self.torch.world.send([w[k] for k in self.spec], self.torch.ranks[edge_node(peer)], edge_node(peer),
@@ -270,7 +269,7 @@ class SequentialEdge:
                 skipped.append([e, "not registered with the server"])
                 continue
             try:
-                r = self.endpoint.call(peers[e], edge_node(e), "control.seq_query", Payload(), round=round,
+                r = self.endpoint.call(peers[e], edge_node(e), Method.SEQ_QUERY, Payload(), round=round,
                                        timeout=timeout)
                 answers[e] = (int(r.scalars["visits"]), int(r.scalars["data_size"]))
             except (CallFailed, RemoteError, PayloadError, KeyError, ValueError) as exc:

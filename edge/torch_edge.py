@@ -26,12 +26,11 @@ import torch
 
 from fedhop.common.algorithms.base import Payload, reduce_payloads
 from fedhop.common.codec import PayloadError
+from fedhop.common.methods import Method
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
 from fedhop.common.transport.torchdist import (STEP_KEY, Collectives, LayoutMismatch, TorchParams, buffers_by_name,
                                         build_groups, init_watching, layout_of, merge_layouts, reduce_buffers,
                                         specs_from_json, specs_of, specs_to_json)
-
-METHODS = ("torch_procs", "torch_init", "torch_edge_round", "torch_edge_reduce")
 
 
 def torch_edge_of(aggregator) -> "TorchEdge":
@@ -53,18 +52,13 @@ class TorchEdge:
         self.world: Collectives | None = None     # the whole world (point-to-point sends of Fed-CHS)
         self.ranks: dict[str, int] = {}           # node id -> global rank (the server is 0)
 
-    def handle(self, method: str, round: int, payload: Payload) -> Payload:
-        if method == "torch_procs":
-            return Payload(scalars={"processes": ",".join(sorted(self.agg.processes))})
-        if method == "torch_init":
-            return self.init(payload)
+    def processes(self) -> Payload:
+        """This edge's client processes (the server lays out the world from every edge's answer)."""
+        return Payload(scalars={"processes": ",".join(sorted(self.agg.processes))})
+
+    def ready(self) -> None:
         if self.top is None:
             raise HandlerError("NOT_READY", f"{self.node_id}: torch_init has not been called")
-        if method == "torch_edge_round":
-            return self.round(round, payload)
-        if method == "torch_edge_reduce":
-            return self.reduce(round, payload)
-        raise HandlerError("UNKNOWN_METHOD", f"{self.node_id} does not serve '{method}'")
 
     # ------------------------------------------------------------------ set-up
     def init(self, payload: Payload) -> Payload:
@@ -83,7 +77,7 @@ class TorchEdge:
         common = {"world_size": world, "master": str(s["master"]), "backend": params.backend,
                   "timeout": params.timeout, "groups_json": json.dumps(groups), "group_index": mine,
                   "root_rank": ranks[self.node_id], "root_node": self.node_id}
-        calls = {p: self.agg._pool.submit(self.agg.endpoint.call, self.agg.processes[p], p, "torch_init",
+        calls = {p: self.agg._pool.submit(self.agg.endpoint.call, self.agg.processes[p], p, Method.TORCH_INIT,
                                           Payload(scalars={**common, "rank": ranks[p]}), round=0,
                                           timeout=params.timeout)
                  for p in self.procs}
@@ -107,7 +101,7 @@ class TorchEdge:
     # ------------------------------------------------------------------ rounds
     def round(self, round: int, payload: Payload) -> Payload:
         """Steps 1-2 of the module docstring; returns failures, the partial's layout and scalars."""
-        assert self.top is not None
+        self.ready()
         scalars = dict(payload.scalars)
         sampled = [int(c) for c in str(scalars.pop("edge_clients", "")).split(",") if c]
         stray = [c for c in sampled if c not in self.agg.cluster]
@@ -149,7 +143,7 @@ class TorchEdge:
             by_proc[self.agg.client_home[cid][0]].append(cid)
         specs = specs_to_json(specs_of(message.tensors))
         control = {p: self.agg._pool.submit(
-            ep.call, self.agg.processes[p], p, "torch_round",
+            ep.call, self.agg.processes[p], p, Method.TORCH_ROUND,
             Payload(scalars={**message.scalars, "clients": ",".join(map(str, by_proc[p])), "specs": specs,
                              STEP_KEY: step}), round=round, step=step, timeout=timeout) for p in self.procs}
         where = f"round {round} edge iteration {step}"
@@ -175,7 +169,7 @@ class TorchEdge:
         except LayoutMismatch as exc:
             raise HandlerError("LAYOUT_MISMATCH", str(exc)) from None
         layout_text = json.dumps(layout)
-        reduce_calls = {p: self.agg._pool.submit(ep.call, self.agg.processes[p], p, "torch_reduce",
+        reduce_calls = {p: self.agg._pool.submit(ep.call, self.agg.processes[p], p, Method.TORCH_REDUCE,
                                                  Payload(scalars={"layout": layout_text, STEP_KEY: step}),
                                                  round=round, step=step, timeout=timeout) for p in self.procs}
         buffers = reduce_buffers(layout, None)
@@ -190,7 +184,7 @@ class TorchEdge:
 
     def reduce(self, round: int, payload: Payload) -> Payload:
         """Step 3: this edge's partial (or the ops' identities) into the server over the top group."""
-        assert self.top is not None
+        self.ready()
         layout = json.loads(str(payload.scalars["layout"]))
         buffers = reduce_buffers(layout, self.partial.tensors if self.partial is not None else None)
         self.partial = None
