@@ -30,7 +30,7 @@ from fedhop.common.tasks import build_task
 from fedhop.common.topology import sampling_pool
 from fedhop.common.transport.base import CallFailed, Endpoint, RemoteError
 from fedhop.common.validation import consistent_results, rejection_code, validate_reply
-from fedhop.server.resilience import fault_summary
+from fedhop.server.resilience import fault_summary, record_refusals
 from fedhop.common.vclock import RoundClock
 from fedhop.common.wire import fedhop_pb2 as pb
 
@@ -387,6 +387,7 @@ class Coordinator:
         self.store.insert_records(self.ledger.drain())
         for path in sorted((self.run_dir / "ledger").glob("*.jsonl")):
             self.store.insert_records(Ledger.read_jsonl(path))
+        record_refusals(self.store)   # calls a child refused: the caller may not use the method
 
     def finalize(self, status: str, error: str, wall_seconds: float) -> dict:
         self.merge_ledgers()
