@@ -9,7 +9,6 @@ partial aggregate, so the server reduces edges exactly as it would reduce client
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from typing import Callable
@@ -22,6 +21,7 @@ from fedhop.common.tasks import build_task
 from fedhop.common.checkpoint import forward_client_state
 from fedhop.common.codec import PayloadError
 from fedhop.common.compress import compress_upload, decompress_upload
+from fedhop.common.control import control_of, failures_control, without_control
 from fedhop.common.validation import validate_reply
 from fedhop.common.config import Config
 from fedhop.common.topology import cluster_assignment, edge_index, topology_params
@@ -124,10 +124,8 @@ class EdgeAggregator:
         return Payload(scalars={"clients": len(self.cluster)})
 
     def edge_round(self, round: int, message: Payload) -> Payload:
-        spec = message.scalars.pop("edge_clients", "")
-        if not isinstance(spec, str):
-            raise PayloadError("BAD_SCALAR", "edge_clients must be a comma-separated string of client ids")
-        sampled = [int(c) for c in spec.split(",") if c]
+        sampled = list(control_of(message).clients)   # the server's sample in this edge's cluster
+        message = without_control(message)           # what the clients get: the server's tensors and scalars
         stray = [c for c in sampled if c not in self.cluster]
         if stray:
             raise HandlerError("UNKNOWN_CLIENT", f"clients {stray} are not in {self.endpoint.node_id}'s cluster")
@@ -149,7 +147,7 @@ class EdgeAggregator:
                                              f"returned a result: {failures}")
         if kappa2 > 1:
             partial = self.algorithm.edge_partial(start, message, partial)
-        partial.scalars["failures_json"] = json.dumps({str(c): why for c, why in sorted(failures.items())})
+        partial.control = failures_control(failures)
         return compress_upload(self.cfg, partial, self.endpoint.node_id, round, 0)   # QSGD uploads (common/compress.py)
 
     def _collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None):

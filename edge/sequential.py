@@ -35,7 +35,6 @@ the token and runs the next round itself (counted as a visit).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -47,6 +46,8 @@ from fedhop.common.algorithms.base import Payload
 from fedhop.common.algorithms.fedchs import FedCHS
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.codec import PayloadError, check_tensors
+from fedhop.common.control import control_of, failures_control
+from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.tasks import build_task
 from fedhop.common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_node, next_edge_order,
                              topology_params)
@@ -169,8 +170,7 @@ class SequentialEdge:
             if "train_loss" in agg.scalars:
                 loss_sum += float(agg.scalars["train_loss"])
                 weight_sum += float(agg.scalars["weight"])
-        out = Payload(scalars={"edge": self.index, "failures_json": json.dumps({str(c): v for c, v in
-                                                                                sorted(failures.items())})})
+        out = Payload(scalars={"edge": self.index}, control=failures_control(failures))
         if weight_sum:
             out.scalars["client_train_loss"] = loss_sum / weight_sum
         if sc.get("evaluate", False):
@@ -189,10 +189,12 @@ class SequentialEdge:
         if sc.get("last", False):
             out.scalars["next_edge"] = -1
             return out
-        peers = json.loads(str(sc.get("peers", "{}")))
-        nxt, skipped, answers = self._hand_off(round, w, {int(e): a for e, a in peers.items()})
-        out.scalars.update({"next_edge": nxt, "skipped_json": json.dumps(skipped),
-                            "neighbours_json": json.dumps({str(e): v for e, v in sorted(answers.items())})})
+        peers = {int(p.edge): p.address for p in control_of(message).peers}
+        nxt, skipped, answers = self._hand_off(round, w, peers)
+        out.scalars["next_edge"] = nxt
+        out.control.skipped.extend(pb.SkippedEdge(edge=e, reason=why) for e, why in skipped)
+        out.control.neighbours.extend(pb.NeighbourAnswer(edge=e, visits=v, data_size=d)
+                                      for e, (v, d) in sorted(answers.items()))
         return out
 
     def _resumed_model(self, round: int, message: Payload) -> dict[str, torch.Tensor]:
@@ -260,26 +262,26 @@ class SequentialEdge:
     # ------------------------------------------------------------------ selection and hand-off
     def _hand_off(self, round: int, w: dict[str, torch.Tensor], peers: dict[int, str]):
         """Query the neighbours (control), rank them, hand the model to the first that takes it.
-        Returns (next edge, [[edge, why], ...] passed over, {edge: [visits, data size]})."""
+        Returns (next edge, [(edge, why), ...] passed over, {edge: (visits, data size)})."""
         timeout = self.cfg.run.call_timeout
         answers: dict[int, tuple[int, int]] = {}
-        skipped: list[list] = []
+        skipped: list[tuple[int, str]] = []
         for e in self.neighbours:
             if e not in peers:
-                skipped.append([e, "not registered with the server"])
+                skipped.append((e, "not registered with the server"))
                 continue
             try:
                 r = self.endpoint.call(peers[e], edge_node(e), Method.SEQ_QUERY, Payload(), round=round,
                                        timeout=timeout)
                 answers[e] = (int(r.scalars["visits"]), int(r.scalars["data_size"]))
             except (CallFailed, RemoteError, PayloadError, KeyError, ValueError) as exc:
-                skipped.append([e, f"no answer to the neighbour query: {exc}"])
+                skipped.append((e, f"no answer to the neighbour query: {exc}"))
         for e in next_edge_order(answers):
             try:
                 self._send_model(round, e, peers[e], w)
                 return e, skipped, answers
             except (CallFailed, RemoteError, PayloadError) as exc:
-                skipped.append([e, f"hand-off failed: {exc}"])
+                skipped.append((e, f"hand-off failed: {exc}"))
         log.warning("round %d: no neighbour took the model; %s keeps it", round, self.endpoint.node_id)
         with self._lock:
             self.token, self.token_round = w, round + 1

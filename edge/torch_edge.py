@@ -19,18 +19,19 @@ round (a HandlerError the server turns into a failed run), within the collective
 """
 from __future__ import annotations
 
-import json
 from concurrent.futures import wait
 
 import torch
 
 from fedhop.common.algorithms.base import Payload, reduce_payloads
 from fedhop.common.codec import PayloadError
+from fedhop.common.control import control_of, failures_control, failures_of, world_layout
 from fedhop.common.methods import Method
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
+from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.transport.torchdist import (STEP_KEY, Collectives, LayoutMismatch, TorchParams, buffers_by_name,
                                         build_groups, init_watching, layout_of, merge_layouts, reduce_buffers,
-                                        specs_from_json, specs_of, specs_to_json)
+                                        specs_from_pb, specs_of)
 
 
 def torch_edge_of(aggregator) -> "TorchEdge":
@@ -54,7 +55,7 @@ class TorchEdge:
 
     def processes(self) -> Payload:
         """This edge's client processes (the server lays out the world from every edge's answer)."""
-        return Payload(scalars={"processes": ",".join(sorted(self.agg.processes))})
+        return Payload(control=pb.Control(processes=sorted(self.agg.processes)))
 
     def ready(self) -> None:
         if self.top is None:
@@ -65,7 +66,7 @@ class TorchEdge:
         """Join the world, forward each client process its rank, create every group."""
         s = payload.scalars
         params = TorchParams(backend=str(s["backend"]), timeout=float(s["timeout"]))
-        layout = json.loads(str(s["layout_json"]))
+        layout = world_layout(control_of(payload).world)
         ranks: dict[str, int] = layout["ranks"]
         groups: list[list[int]] = layout["groups"]
         mine = int(layout["clusters"][self.node_id])
@@ -75,10 +76,10 @@ class TorchEdge:
                                              f"serves {sorted(self.agg.processes)}")
         world = int(s["world_size"])
         common = {"world_size": world, "master": str(s["master"]), "backend": params.backend,
-                  "timeout": params.timeout, "groups_json": json.dumps(groups), "group_index": mine,
-                  "root_rank": ranks[self.node_id], "root_node": self.node_id}
+                  "timeout": params.timeout, "root_rank": ranks[self.node_id], "root_node": self.node_id}
+        cluster = pb.Control(world=pb.TorchWorld(groups=[pb.RankGroup(ranks=g) for g in groups], group=mine))
         calls = {p: self.agg._pool.submit(self.agg.endpoint.call, self.agg.processes[p], p, Method.TORCH_INIT,
-                                          Payload(scalars={**common, "rank": ranks[p]}), round=0,
+                                          Payload(scalars={**common, "rank": ranks[p]}, control=cluster), round=0,
                                           timeout=params.timeout)
                  for p in self.procs}
         coll = Collectives(self.node_id, ranks[self.node_id], world, self.agg.endpoint.ledger, params,
@@ -103,9 +104,10 @@ class TorchEdge:
         """Steps 1-2 of the module docstring; returns failures, the partial's layout and scalars."""
         self.ready()
         scalars = dict(payload.scalars)
-        sampled = [int(c) for c in str(scalars.pop("edge_clients", "")).split(",") if c]
+        control = control_of(payload)
+        sampled = list(control.clients)
         stray = [c for c in sampled if c not in self.agg.cluster]
-        specs = specs_from_json(str(scalars.pop("specs")))
+        specs = specs_from_pb(control.specs)
         received = self._collective(lambda: self.top.broadcast(
             [torch.empty(shape, dtype=dtype) for _, dtype, shape in specs], round, peers=[self.node_id]),
             f"round {round}: broadcast from the server")
@@ -128,11 +130,11 @@ class TorchEdge:
         if partial is not None and kappa2 > 1:
             partial = self.agg.algorithm.edge_partial(start, message, partial)
         self.partial = partial
-        out: dict = {"failures_json": json.dumps({str(c): why for c, why in sorted(failures.items())})}
+        out = Payload(control=failures_control(failures))
         if partial is not None:
-            out["layout"] = layout_of(partial.tensors, self.agg.algorithm.reply_reduce)
-            out.update(partial.scalars)
-        return Payload(scalars=out)
+            out.control.layout.extend(layout_of(partial.tensors, self.agg.algorithm.reply_reduce))
+            out.scalars.update(partial.scalars)
+        return out
 
     def _iteration(self, round: int, step: int, clients: list[int], message: Payload):
         """One edge iteration over the cluster group: broadcast, train, reduce into this edge."""
@@ -141,11 +143,11 @@ class TorchEdge:
         by_proc: dict[str, list[int]] = {p: [] for p in self.procs}
         for cid in clients:
             by_proc[self.agg.client_home[cid][0]].append(cid)
-        specs = specs_to_json(specs_of(message.tensors))
+        specs = specs_of(message.tensors)
         control = {p: self.agg._pool.submit(
             ep.call, self.agg.processes[p], p, Method.TORCH_ROUND,
-            Payload(scalars={**message.scalars, "clients": ",".join(map(str, by_proc[p])), "specs": specs,
-                             STEP_KEY: step}), round=round, step=step, timeout=timeout) for p in self.procs}
+            Payload(scalars={**message.scalars, STEP_KEY: step}, control=pb.Control(clients=by_proc[p], specs=specs)),
+            round=round, step=step, timeout=timeout) for p in self.procs}
         where = f"round {round} edge iteration {step}"
         self._collective(lambda: self.cluster.broadcast(list(message.tensors.values()), round, self.procs, step),
                          f"{where}: broadcast to client processes", control)
@@ -157,20 +159,18 @@ class TorchEdge:
         failures: dict[int, str] = {}
         layouts, scalar_parts = {}, []
         for node, reply in sorted(replies.items()):
-            s = dict(reply.scalars)
-            failures.update({int(c): why for c, why in json.loads(str(s.pop("failures_json", "{}"))).items()})
-            if "layout" in s:
-                layouts[node] = s.pop("layout")
-                scalar_parts.append(Payload(scalars=s))
+            failures.update(failures_of(reply))
+            if control_of(reply).layout:
+                layouts[node] = control_of(reply).layout
+                scalar_parts.append(Payload(scalars=dict(reply.scalars)))
         if not layouts:
             return None, failures
         try:
             layout = merge_layouts(layouts, f"{self.node_id} {where}: client processes")
         except LayoutMismatch as exc:
             raise HandlerError("LAYOUT_MISMATCH", str(exc)) from None
-        layout_text = json.dumps(layout)
         reduce_calls = {p: self.agg._pool.submit(ep.call, self.agg.processes[p], p, Method.TORCH_REDUCE,
-                                                 Payload(scalars={"layout": layout_text, STEP_KEY: step}),
+                                                 Payload(scalars={STEP_KEY: step}, control=pb.Control(layout=layout)),
                                                  round=round, step=step, timeout=timeout) for p in self.procs}
         buffers = reduce_buffers(layout, None)
         self._collective(lambda: self.cluster.reduce(buffers, round, self.procs, step),
@@ -185,8 +185,7 @@ class TorchEdge:
     def reduce(self, round: int, payload: Payload) -> Payload:
         """Step 3: this edge's partial (or the ops' identities) into the server over the top group."""
         self.ready()
-        layout = json.loads(str(payload.scalars["layout"]))
-        buffers = reduce_buffers(layout, self.partial.tensors if self.partial is not None else None)
+        buffers = reduce_buffers(control_of(payload).layout, self.partial.tensors if self.partial is not None else None)
         self.partial = None
         self._collective(lambda: self.top.reduce(buffers, round, peers=[self.node_id]),
                          f"round {round}: reduce to the server")

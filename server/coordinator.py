@@ -31,6 +31,7 @@ from fedhop.common.topology import sampling_pool
 from fedhop.common.transport.base import CallFailed, Endpoint, RemoteError
 from fedhop.common.validation import consistent_results, rejection_code, validate_reply
 from fedhop.server.resilience import fault_summary, record_refusals
+from fedhop.common.control import failures_of, sampled_clients
 from fedhop.common.vclock import RoundClock
 from fedhop.common.wire import fedhop_pb2 as pb
 
@@ -277,8 +278,7 @@ class Coordinator:
         calls = {}
         for node_id, cids in sorted(by_edge.items()):
             shared = self.group_message(message, round, cids)
-            payload = Payload(tensors=shared.tensors,
-                              scalars={**shared.scalars, "edge_clients": ",".join(map(str, cids))})
+            payload = Payload(tensors=shared.tensors, scalars=shared.scalars, control=sampled_clients(cids))
             calls[node_id] = self._pool.submit(self._edge_round, node_id, round, payload)
         partials, edge_failures = self._gather(calls, self.cfg.run.round_timeout * 2)
         failures: dict[int, str] = {}
@@ -288,8 +288,7 @@ class Coordinator:
                 failures[cid] = f"edge {node_id} failed: {why}"
         results = {}
         for node_id, partial in partials.items():
-            lost = json.loads(str(partial.scalars.pop("failures_json", "{}")))
-            failures.update({int(c): f"at {node_id}: {why}" for c, why in lost.items()})
+            failures.update({c: f"at {node_id}: {why}" for c, why in failures_of(partial).items()})
             results[self.edge_order(node_id)] = partial
         return results, failures
 
