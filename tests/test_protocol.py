@@ -14,7 +14,7 @@ from fedhop.common.codec import make_envelope
 from fedhop.common.config import parse_config
 from fedhop.common.ledger import Ledger
 from fedhop.common.methods import Method, message_link
-from fedhop.common.security import NodeCredentials
+from fedhop.common.security import NodeCredentials, write_cluster
 from fedhop.common.transport.base import HandlerError, RemoteError, Request
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
@@ -121,16 +121,28 @@ def test_each_method_keeps_its_ledger_link():
     assert len({m.value for m in Method}) == len(Method) == 19   # 17 Exchange methods, Register, Heartbeat
 
 
-def test_a_participant_cannot_command_another_client_process_over_grpc(tmp_path):
-    """client-proc1's valid token, used by a hostile process, to call client-proc0's shutdown,
-    train and state_get: each refused NOT_ALLOWED (the interceptor proves the caller is
-    client-proc1; client-proc0 obeys only the server), each a `not_allowed` event in run.db;
-    the run completes and its model is the FedAvg of every client."""
-    secret = b"cluster-secret-for-the-protocol-test"
+@pytest.mark.parametrize("identity", ["token", "mtls"])
+def test_a_participant_cannot_command_another_client_process_over_grpc(tmp_path, identity):
+    """client-proc1's valid credential (its node token, or its certificate under mutual TLS),
+    used by a hostile process, to call client-proc0's shutdown, train and state_get: each
+    refused NOT_ALLOWED (the interceptor proves the caller is client-proc1; client-proc0 obeys
+    only the server), each a `not_allowed` event in run.db; the run completes and its model is
+    the FedAvg of every client."""
+    if identity == "token":
+        secret = b"cluster-secret-for-the-protocol-test"
+
+        def creds(node):
+            return NodeCredentials(node, secret=secret)
+    else:
+        certs = tmp_path / "certs"
+        write_cluster(certs, ["server", "client-proc0", "client-proc1"])
+
+        def creds(node):
+            return NodeCredentials.from_options(node, str(certs), mtls=True)
     cfg = parse_config(quadratic_config(CENTERS, CURV, SIZES, rounds=ROUNDS, local_steps=STEPS, lr=LR,
                                         name="notallowed"), ["run.min_results=1"])
-    cluster = Cluster(cfg, tmp_path, creds=lambda node: NodeCredentials(node, secret=secret))
-    hostile = GrpcEndpoint("client-proc1", Ledger(), credentials=NodeCredentials("client-proc1", secret=secret))
+    cluster = Cluster(cfg, tmp_path / "run", creds=creds)
+    hostile = GrpcEndpoint("client-proc1", Ledger(), credentials=creds("client-proc1"))
     hostile.run_id = cluster.coord.run_id
     codes = {}
     try:
