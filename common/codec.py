@@ -199,7 +199,7 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
     envelope.scalars.clear()
     for name, value in payload.scalars.items():
         scalar_to_pb(value, envelope.scalars[name])
-    if payload.control is not None:
+    if payload.control is not None and payload.control.ByteSize():   # empty control data is no control data
         envelope.control.CopyFrom(payload.control)
     else:
         envelope.ClearField("control")

@@ -165,3 +165,27 @@ def test_a_participant_cannot_command_another_client_process_over_grpc(tmp_path,
     assert summary["faults"]["ledger"]["ok"], summary["faults"]["ledger"]
     np.testing.assert_allclose(cluster.coord.state.params["w"].double().numpy(),
                                fedavg_reference(CENTERS, CURV, SIZES, ROUNDS, STEPS, LR, {}), rtol=1e-5, atol=1e-6)
+
+
+def test_control_data_travels_typed_in_the_envelope_and_is_counted():
+    """The codec carries `Payload.control` in the envelope (also when one encoding is sent under
+    many headers); its bytes are in payload_bytes; empty control data is no field at all."""
+    import torch
+
+    from fedhop.common.codec import decode_frames, encode
+    from fedhop.common.control import failures_control, failures_of
+    from fedhop.common.wire import fedhop_pb2 as pb
+    tensors = {"w": torch.arange(5, dtype=torch.float32)}
+    control = failures_control({4: "timeout at edge-1", 2: "NON_FINITE: w"}, pb.Control(clients=[2, 4, 9]))
+    plain = encode(Payload(tensors=dict(tensors)), pb.Envelope())
+    typed = encode(Payload(tensors=dict(tensors), control=control), pb.Envelope())
+    back = decode_frames(typed.frames).payload
+    assert list(back.control.clients) == [2, 4, 9] and failures_of(back) == {2: "NON_FINITE: w", 4: "timeout at edge-1"}
+    assert torch.equal(back.tensors["w"], tensors["w"]) and back.scalars == {}
+    # the header grows by the serialized Control (field 14: one tag byte and a length varint)
+    assert typed.payload_bytes - plain.payload_bytes == control.ByteSize() + 2
+    empty = encode(Payload(tensors=dict(tensors), control=pb.Control()), pb.Envelope())
+    assert empty.payload_bytes == plain.payload_bytes and decode_frames(empty.frames).payload.control is None
+    header = make_envelope(run_id=RUN, round=1, src="server", dst="edge-1", method="edge_round")
+    resent = decode_frames(typed.with_header(header).frames).payload
+    assert resent.control == control
