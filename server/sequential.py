@@ -126,7 +126,8 @@ class SequentialDriver:
             return self.coord.endpoint.call(node.address, node.node_id, "seq_round", message, round=round,
                                             timeout=timeout)
         call = self.coord._pool.submit(self.coord.endpoint.call, node.address, node.node_id, "seq_round",
-                                       Payload(scalars=message.scalars), round=round, timeout=timeout)
+                                       Payload(scalars=message.scalars, control=message.control), round=round,
+                                       timeout=timeout)
         try:
             self.world.coll.send(list(message.tensors.values()), self.world.layout["ranks"][node.node_id],
                                  node.node_id, round, "edge-server")
