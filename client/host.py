@@ -15,14 +15,16 @@ import torch
 
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import Payload, finite_or_raise
-from fedhop.common.checkpoint import STATE_GET, STATE_SET, states_from_payload, states_to_payload
+from fedhop.common.checkpoint import states_from_payload, states_to_payload
 from fedhop.common.codec import PayloadError
-from fedhop.common.compress import compress_upload
 from fedhop.common.config import Config
 from fedhop.common.ledger import Ledger
+from fedhop.common.pipeline import upload
 from fedhop.common.rounds import local_update
 from fedhop.common.tasks import build_task
+from fedhop.common.methods import Method
 from fedhop.common.transport.base import HandlerError, Request
+from fedhop.common.transport.router import MethodRouter, Peers
 
 
 def parse_client_id(node_id: str) -> int:
@@ -36,8 +38,9 @@ class ClientHost:
     """The logical clients of one process and the handler that serves their calls."""
 
     def __init__(self, cfg: Config, node_id: str, client_ids: list[int], run_id: str,
-                 ledger: Ledger | None = None) -> None:
+                 ledger: Ledger | None = None, parent: str = "server") -> None:
         self.cfg = cfg
+        self.parent = parent   # the node this process registered with: the only one it obeys (but `ping`)
         self.ledger = ledger if ledger is not None else Ledger()
         self.torch_worker = None  # created on the first torch_* call (transport.kind = "torch")
         self.fabric = None        # this process's sending side (client/runtime.py sets it): WRWGD hand-offs
@@ -53,6 +56,7 @@ class ClientHost:
         self._train_lock = threading.Lock()
         self.shutdown_event = threading.Event()
         self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
+        self.router = self._routes()
         for cid in self.client_ids:
             if not 0 <= cid < self.task.num_clients:
                 raise ValueError(f"client id {cid} out of range: the task has {self.task.num_clients} clients")
@@ -69,33 +73,52 @@ class ClientHost:
         return self.task.client_data(cid).num_samples
 
     # ------------------------------------------------------------------ handler
+    def _routes(self) -> MethodRouter:
+        """The methods this process serves; every one obeyed only from its parent but `ping`."""
+        router = MethodRouter(self.node_id, Peers(self.parent))
+        router.register_all({
+            Method.TRAIN: self._train_call,
+            Method.SHUTDOWN: self._shutdown_call,
+            Method.PING: lambda request: Payload(),
+            # the chain topology (WRWGD, client/walk.py)
+            Method.WALK_VISIT: lambda request: self.walk.visit(request.envelope.dst, int(request.envelope.round),
+                                                               int(request.envelope.step), request.payload),
+            Method.WALK_HANDOFF: lambda request: self.walk.take_handoff(request.envelope.src, request.envelope.dst,
+                                                                        request.payload),
+            # checkpoints and resume (common/checkpoint.py)
+            Method.STATE_GET: lambda request: self.client_state(Method.STATE_GET, request.payload),
+            Method.STATE_SET: lambda request: self.client_state(Method.STATE_SET, request.payload),
+            # transport.kind = "torch" (client/torch_worker.py)
+            Method.TORCH_INIT: lambda request: self.torch().init(request.payload),
+            Method.TORCH_ROUND: lambda request: self.torch().round(int(request.envelope.round), request.payload),
+            Method.TORCH_REDUCE: lambda request: self.torch().reduce(int(request.envelope.round), request.payload),
+        })
+        return router
+
     def handle(self, request: Request) -> Payload:
         env = request.envelope
         if self.run_id and env.run_id != self.run_id:
             raise HandlerError("WRONG_RUN", f"message for run '{env.run_id}', this process serves '{self.run_id}'")
-        if env.method == "train":
-            cid, step = parse_client_id(env.dst), int(env.step)
-            reply = self.train(cid, int(env.round), request.payload, step)
-            return compress_upload(self.cfg, reply, env.dst, int(env.round), step)   # QSGD (common/compress.py)
-        if env.method == "shutdown":
-            for hook in self.before_shutdown:   # e.g. stop heartbeats, before the parent merges the ledgers
-                hook()
-            self.shutdown_event.set()
-            return Payload(scalars={"clients": len(self.client_ids)})
-        if env.method == "ping":
-            return Payload()
-        if env.method == "walk_visit":     # the chain topology (WRWGD, client/walk.py)
-            return self.walk.visit(env.dst, int(env.round), int(env.step), request.payload)
-        if env.method == "walk_handoff":
-            return self.walk.take_handoff(env.src, env.dst, request.payload)
-        if env.method in (STATE_GET, STATE_SET):   # checkpoints and resume (common/checkpoint.py)
-            return self.client_state(env.method, request.payload)
-        if env.method.startswith("torch_"):
-            if self.torch_worker is None:
-                from fedhop.client.torch_worker import TorchWorker
-                self.torch_worker = TorchWorker(self)
-            return self.torch_worker.handle(env.method, int(env.round), request.payload)
-        raise HandlerError("UNKNOWN_METHOD", f"{self.node_id} does not serve '{env.method}'")
+        return self.router.dispatch(request)
+
+    def _train_call(self, request: Request) -> Payload:
+        env = request.envelope
+        cid, step = parse_client_id(env.dst), int(env.step)
+        reply = self.train(cid, int(env.round), request.payload, step)
+        return upload(self.cfg, reply, env.dst, int(env.round), step)   # QSGD (common/pipeline.py)
+
+    def _shutdown_call(self, request: Request) -> Payload:
+        for hook in self.before_shutdown:   # e.g. stop heartbeats, before the parent merges the ledgers
+            hook()
+        self.shutdown_event.set()
+        return Payload(scalars={"clients": len(self.client_ids)})
+
+    def torch(self):
+        """This process's side of the torch.distributed data plane, made on the first torch_* call."""
+        if self.torch_worker is None:
+            from fedhop.client.torch_worker import TorchWorker
+            self.torch_worker = TorchWorker(self)
+        return self.torch_worker
 
     def train(self, cid: int, round: int, message: Payload, step: int = 0) -> Payload:
         if cid not in self.states:
@@ -113,7 +136,7 @@ class ClientHost:
     def client_state(self, method: str, payload: Payload) -> Payload:
         """state_get: every hosted client's persistent state; state_set: replace it (resume)."""
         with self._train_lock:
-            if method == STATE_GET:
+            if method == Method.STATE_GET:
                 return states_to_payload(self.states)
             try:
                 loaded = states_from_payload(payload, allowed=set(self.client_ids))

@@ -53,7 +53,9 @@ class ClientProcess:
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
         torch.set_num_threads(cfg.run.torch_threads)
         self.endpoint.checksum = cfg.security.checksum
-        self.host = ClientHost(cfg, self.endpoint.node_id, self.client_ids, reply.run_id, self.endpoint.ledger)
+        # the parent that accepted us is the only node whose train, state and shutdown calls we obey
+        self.host = ClientHost(cfg, self.endpoint.node_id, self.client_ids, reply.run_id, self.endpoint.ledger,
+                               parent=reply.node_id or "server")
         self.host.fabric = Fabric(self.endpoint, max_workers=4)
         self._ready.set()
 

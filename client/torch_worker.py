@@ -10,16 +10,14 @@ is left out of that partial and reported as a NON_FINITE failure (the server's
 """
 from __future__ import annotations
 
-import json
-
 import torch
 
 from fedhop.common.algorithms.base import Payload, finite_or_raise
-from fedhop.common.codec import DTYPE_NAMES, DTYPES, PayloadError
+from fedhop.common.codec import PayloadError
+from fedhop.common.control import control_of, failures_control, world_layout
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
-from fedhop.common.transport.torchdist import STEP_KEY, Collectives, TorchParams, build_groups, specs_from_json
-
-IDENTITY = {"wsum": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
+from fedhop.common.transport.torchdist import (STEP_KEY, Collectives, TorchParams, build_groups, layout_of,
+                                               reduce_buffers, specs_from_pb)
 
 
 class TorchWorker:
@@ -28,16 +26,10 @@ class TorchWorker:
         self.coll: Collectives | None = None
         self.partial: Payload | None = None
 
-    def handle(self, method: str, round: int, payload: Payload) -> Payload:
-        if method == "torch_init":
-            return self.init(payload)
+    def ready(self) -> Collectives:
         if self.coll is None:
             raise HandlerError("NOT_READY", "torch_init has not been called")
-        if method == "torch_round":
-            return self.round(round, payload)
-        if method == "torch_reduce":
-            return self.reduce(round, payload)
-        raise HandlerError("UNKNOWN_METHOD", method)
+        return self.coll
 
     def init(self, payload: Payload) -> Payload:
         s = payload.scalars
@@ -45,17 +37,19 @@ class TorchWorker:
         self.coll = Collectives(self.host.node_id, int(s["rank"]), int(s["world_size"]), self.host.ledger, params,
                                 self.host.run_id)
         self.coll.init(str(s["master"]))
-        if "groups_json" in s:   # hierarchical: collectives in this process's edge cluster, rooted at the edge
-            groups = build_groups(json.loads(str(s["groups_json"])), params.timeout)
-            self.coll = self.coll.scoped(groups[int(s["group_index"])], int(s["root_rank"]), str(s["root_node"]),
+        world = control_of(payload).world
+        if world.groups:   # hierarchical: collectives in this process's edge cluster, rooted at the edge
+            groups = build_groups(world_layout(world)["groups"], params.timeout)
+            self.coll = self.coll.scoped(groups[world.group], int(s["root_rank"]), str(s["root_node"]),
                                          "client-edge")
         return Payload(scalars={"rank": self.coll.rank})
 
     def round(self, round: int, payload: Payload) -> Payload:
-        assert self.coll is not None
+        self.ready()
         scalars = dict(payload.scalars)
-        clients = [int(c) for c in str(scalars.pop("clients", "")).split(",") if c]
-        specs = specs_from_json(str(scalars.pop("specs")))
+        control = control_of(payload)
+        clients = list(control.clients)
+        specs = specs_from_pb(control.specs)
         step = int(scalars.pop(STEP_KEY, 0))   # hierarchical: the edge iteration (as the gRPC path's call step)
         empties = [torch.empty(shape, dtype=dtype) for _, dtype, shape in specs]
         received = self.coll.broadcast(empties, round, peers=[self.host.node_id], step=step)
@@ -72,25 +66,16 @@ class TorchWorker:
             except (PayloadError, HandlerError, ValueError, RuntimeError) as exc:
                 failures[cid] = str(exc)
         self.partial = self.host.algorithm.aggregate(sorted(replies.items())) if replies else None
-        out = {"failures_json": json.dumps({str(c): why for c, why in failures.items()})}
+        out = Payload(control=failures_control(failures))
         if self.partial is not None:
-            ops = self.host.algorithm.reply_reduce
-            out["layout"] = json.dumps([[n, DTYPE_NAMES[t.dtype], list(t.shape), ops.get(n, "wsum")]
-                                        for n, t in self.partial.tensors.items()])
-            out.update({k: v for k, v in self.partial.scalars.items()})
-        return Payload(scalars=out)
+            out.control.layout.extend(layout_of(self.partial.tensors, self.host.algorithm.reply_reduce))
+            out.scalars.update(self.partial.scalars)
+        return out
 
     def reduce(self, round: int, payload: Payload) -> Payload:
-        assert self.coll is not None
-        layout = json.loads(str(payload.scalars["layout"]))
-        groups: dict[str, list[torch.Tensor]] = {}
-        for name, dtype, shape, op in layout:
-            if self.partial is not None and name in self.partial.tensors:
-                t = self.partial.tensors[name].contiguous().clone()
-            else:
-                t = torch.full(tuple(shape), IDENTITY[op], dtype=DTYPES[dtype])
-            groups.setdefault(op, []).append(t)
-        self.coll.reduce(sorted(groups.items()), round, peers=[self.host.node_id],
+        self.ready()
+        buffers = reduce_buffers(control_of(payload).layout, self.partial.tensors if self.partial is not None else None)
+        self.coll.reduce(buffers, round, peers=[self.host.node_id],
                          step=int(payload.scalars.get(STEP_KEY, 0)))
         self.partial = None
         return Payload()

@@ -17,6 +17,8 @@ import torch
 
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.algorithms.local import get_params, set_params
+from fedhop.common.control import control_of
+from fedhop.common.methods import Method
 from fedhop.common.codec import PayloadError, check_tensors
 from fedhop.common.topology import SEQ_METRIC_PREFIX
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
@@ -24,8 +26,6 @@ from fedhop.common.walk import WalkRule
 
 if TYPE_CHECKING:
     from fedhop.client.host import ClientHost
-
-PEER_PREFIX = "peer:"
 
 
 def client_id_of(node_id: str) -> int:
@@ -92,7 +92,8 @@ class WalkHost:
             reply.tensors = {k: v.clone() for k, v in stepped.items()}
         nxt = client
         if not bool(scalars.get("final")):
-            nxt = self._hand_off(client, round, hop, stepped, scalars, reply)
+            peers = {p.client_id: p.address for p in control_of(message).walk_peers}
+            nxt = self._hand_off(client, round, hop, stepped, peers, reply)
         with self._lock:
             if nxt == client:
                 self.model = stepped
@@ -102,18 +103,18 @@ class WalkHost:
         reply.scalars["next"] = nxt
         return reply
 
-    def _hand_off(self, client: int, round: int, hop: int, model: dict[str, torch.Tensor], scalars: dict,
-                  reply: Payload) -> int:
+    def _hand_off(self, client: int, round: int, hop: int, model: dict[str, torch.Tensor],
+                  peers: dict[int, str], reply: Payload) -> int:
         """Draw the next client and pass the model to it; a failed pass keeps the model here."""
         nxt = self.rule.next_client(client, round, hop)
         if nxt == client:
             return client
-        address = scalars.get(f"{PEER_PREFIX}{nxt}")
+        address = peers.get(nxt)
         if not isinstance(address, str) or not address:
             reply.scalars.update(skipped=nxt, skip_reason=f"no address for client {nxt}")
             return client
         try:
-            self.host.fabric.call(address, f"client-{nxt}", "walk_handoff",
+            self.host.fabric.call(address, f"client-{nxt}", Method.WALK_HANDOFF,
                                   Payload(tensors=model, scalars={"from": client}), round=round, step=hop,
                                   timeout=self.host.cfg.run.call_timeout)
         except (CallFailed, RemoteError, PayloadError) as exc:

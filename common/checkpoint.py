@@ -36,11 +36,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fedhop.common.algorithms.base import Payload
+from fedhop.common.control import control_of
+from fedhop.common.methods import Method
+from fedhop.common.wire import fedhop_pb2 as pb
 
 FORMAT = 1
 DIRNAME = "checkpoints"
 _NAME = re.compile(r"round-(\d{6,})\.safetensors$")
-STATE_GET, STATE_SET = "state_get", "state_set"
+STATE_GET, STATE_SET = Method.STATE_GET, Method.STATE_SET
 
 
 class CheckpointError(RuntimeError):
@@ -194,19 +197,16 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Checkpoint:
 
 # ----------------------------------------------------------------------------- client state on the wire
 def states_to_payload(states: dict[int, dict[str, torch.Tensor]]) -> Payload:
-    """Logical clients' persistent states as one payload: tensor 'ID/KEY' per entry; scalar
-    'clients' lists every client id (also those with empty state)."""
+    """Logical clients' persistent states as one payload: tensor 'ID/KEY' per entry; the control
+    data's `clients` lists every client id (also those with empty state)."""
     tensors = {f"{cid}/{key}": t for cid in sorted(states) for key, t in states[cid].items()}
-    return Payload(tensors=tensors, scalars={"clients": ",".join(str(c) for c in sorted(states))})
+    return Payload(tensors=tensors, control=pb.Control(clients=sorted(states)))
 
 
 def states_from_payload(payload: Payload, allowed: set[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """Inverse of `states_to_payload`; tensors are cloned (writable, own storage).  Raises
     ValueError for a name that is not 'ID/KEY' or an id outside `allowed`."""
-    spec = payload.scalars.get("clients", "")
-    if not isinstance(spec, str):
-        raise ValueError("client state payload: scalar 'clients' must be a comma-separated string")
-    out: dict[int, dict[str, torch.Tensor]] = {int(c): {} for c in spec.split(",") if c}
+    out: dict[int, dict[str, torch.Tensor]] = {int(c): {} for c in control_of(payload).clients}
     for name, t in payload.tensors.items():
         cid, sep, key = name.partition("/")
         if not sep or not cid.isdigit() or not key:

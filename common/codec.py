@@ -137,10 +137,12 @@ class Encoded:
 
     def with_header(self, envelope: pb.Envelope) -> "Encoded":
         """The same data frames under another header (one model sent to many clients is cut
-        into frames once).  Tensor specs, scalars and data size are copied from this message."""
+        into frames once).  Tensor specs, scalars, control data and data size are copied from this message."""
         envelope.tensors.extend(self.envelope.tensors)
         for k, v in self.envelope.scalars.items():
             envelope.scalars[k].CopyFrom(v)
+        if self.envelope.HasField("control"):
+            envelope.control.CopyFrom(self.envelope.control)
         envelope.data_bytes = self.envelope.data_bytes
         if self.envelope.HasField("data_xxh3"):
             envelope.data_xxh3 = self.envelope.data_xxh3
@@ -197,6 +199,10 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
     envelope.scalars.clear()
     for name, value in payload.scalars.items():
         scalar_to_pb(value, envelope.scalars[name])
+    if payload.control is not None and payload.control.ByteSize():   # empty control data is no control data
+        envelope.control.CopyFrom(payload.control)
+    else:
+        envelope.ClearField("control")
     envelope.data_bytes = total
     if digest is not None:
         envelope.data_xxh3 = digest.intdigest()
@@ -346,7 +352,8 @@ class FrameDecoder:
             tensors[spec.name] = t
             offset += n
         scalars = {k: scalar_from_pb(v) for k, v in env.scalars.items()}
-        return Decoded(envelope=env, payload=Payload(tensors=tensors, scalars=scalars),
+        control = env.control if env.HasField("control") else None
+        return Decoded(envelope=env, payload=Payload(tensors=tensors, scalars=scalars, control=control),
                        payload_bytes=self._payload_bytes, frames=self._frames,
                        tensor_bytes=int(env.data_bytes))
 

@@ -111,7 +111,7 @@ def compress_payload(payload: Payload, levels: int, generator: torch.Generator) 
         norm, negative, level = quantize(t, levels, generator)
         tensors[NORM_PREFIX + name] = norm.reshape(())
         tensors[CODE_PREFIX + name] = pack_codes(negative, level, levels)
-    return Payload(tensors=tensors, scalars=dict(payload.scalars))
+    return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)
 
 
 def decompress_payload(payload: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
@@ -139,7 +139,7 @@ def decompress_payload(payload: Payload, spec: Mapping[str, tuple[torch.dtype, t
         numel = math.prod(shape)
         negative, level = unpack_codes(t, numel, levels)
         tensors[target] = dequantize(norm, negative, level, levels).to(dtype).reshape(shape)
-    return Payload(tensors=tensors, scalars=dict(payload.scalars))
+    return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)
 
 
 # ----------------------------------------------------------------------------- config hooks

@@ -32,6 +32,7 @@ from typing import Any, Iterable, Mapping
 
 from fedhop.common.algorithms.base import COMPUTE_KEY, Payload
 from fedhop.common.config import Config, ConfigError, client_local_steps, resolve_clients_per_round
+from fedhop.common.methods import Method
 from fedhop.common.devices import (PLAN_KEY, DeviceProfile, DevicesParams, StragglerDraw, device_profiles,
                             devices_params, draw_stragglers, plan_to_scalar)
 from fedhop.common.sampling import steps_per_epoch
@@ -116,9 +117,9 @@ def message_bytes(records: Iterable[Any], round: int, kind: str = "framed") -> d
     for r in records:
         if r.round != round or r.status != "ok":
             continue
-        if r.role == "sender" and r.method == "train" and r.dst.startswith("client-"):
+        if r.role == "sender" and r.method == Method.TRAIN and r.dst.startswith("client-"):
             out.setdefault(int(r.dst.split("-", 1)[1]), [0, 0])[0] += int(getattr(r, column))
-        elif r.role == "receiver" and r.method == "train.reply" and r.src.startswith("client-"):
+        elif r.role == "receiver" and r.method == Method.TRAIN.reply() and r.src.startswith("client-"):
             out.setdefault(int(r.src.split("-", 1)[1]), [0, 0])[1] += int(getattr(r, column))
     return out
 

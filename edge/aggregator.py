@@ -9,7 +9,6 @@ partial aggregate, so the server reduces edges exactly as it would reduce client
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from typing import Callable
@@ -18,19 +17,21 @@ from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.algorithms.local import get_params
 from fedhop.common.tasks import build_task
-from fedhop.common.checkpoint import STATE_GET, STATE_SET, forward_client_state
-from fedhop.common.codec import PayloadError
+from fedhop.common.checkpoint import forward_client_state
+from fedhop.common.control import control_of, failures_control, without_control
 from fedhop.common.config import Config
 from fedhop.common.topology import cluster_assignment, edge_index, topology_params
+from fedhop.common.methods import Method
 from fedhop.common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError, Request
 from fedhop.common.transport.fabric import Fabric, ReplyPipeline, Send, upload
+from fedhop.common.transport.router import MethodRouter, Peers
 from fedhop.common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.edge")
 
 
 class EdgeAggregator:
-    def __init__(self, cfg: Config, endpoint: Endpoint, run_id: str, config_toml: str) -> None:
+    def __init__(self, cfg: Config, endpoint: Endpoint, run_id: str, config_toml: str, parent: str = "server") -> None:
         self.cfg = cfg
         self.endpoint = endpoint
         self.run_id = run_id
@@ -47,6 +48,7 @@ class EdgeAggregator:
         self.shutdown_event = threading.Event()
         self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
         self.fabric = Fabric(endpoint, max_workers=32)
+        self.router = self._routes(parent)
 
     # ------------------------------------------------------------------ registration of clients
     def handle_register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
@@ -76,31 +78,51 @@ class EdgeAggregator:
             return self._cond.wait_for(lambda: set(self.cluster) <= set(self.client_home), timeout)
 
     # ------------------------------------------------------------------ calls from the server
+    def _routes(self, parent: str) -> MethodRouter:
+        """The methods every edge serves, each obeyed only from the server (its parent); the
+        sequential topology adds its own (edge/sequential.py)."""
+        router = MethodRouter(self.endpoint.node_id, Peers(parent))
+        router.register_all({
+            Method.EDGE_ROUND: lambda request: self.edge_round(int(request.envelope.round), request.payload),
+            Method.SHUTDOWN: self._shutdown_call,
+            # checkpoints: the cluster's client states (common/checkpoint.py)
+            Method.STATE_GET: self._client_state_call,
+            Method.STATE_SET: self._client_state_call,
+            # transport.kind = "torch" (edge/torch_edge.py)
+            Method.TORCH_PROCS: lambda request: self.torch().processes(),
+            Method.TORCH_INIT: lambda request: self.torch().init(request.payload),
+            Method.TORCH_EDGE_ROUND: lambda request: self.torch().round(int(request.envelope.round), request.payload),
+            Method.TORCH_EDGE_REDUCE: lambda request: self.torch().reduce(int(request.envelope.round),
+                                                                          request.payload),
+        })
+        return router
+
+    def torch(self):
+        """This edge's side of the torch.distributed data plane, made on the first torch_* call."""
+        from fedhop.edge.torch_edge import torch_edge_of
+        return torch_edge_of(self)
+
     def handle(self, request: Request) -> Payload:
         env = request.envelope
         if env.run_id != self.run_id:
             raise HandlerError("WRONG_RUN", f"message for run '{env.run_id}', this edge serves '{self.run_id}'")
-        if env.method == "edge_round":
-            return self.edge_round(int(env.round), request.payload)
-        if env.method.startswith("torch_"):   # transport.kind = "torch" (edge/torch_edge.py)
-            from fedhop.edge.torch_edge import torch_edge_of
-            return torch_edge_of(self).handle(env.method, int(env.round), request.payload)
-        if env.method in (STATE_GET, STATE_SET):   # checkpoints: the cluster's client states (common/checkpoint.py)
-            return forward_client_state(self.endpoint, dict(self.processes), dict(self.client_home), env.method,
-                                        int(env.round), request.payload, self.cfg.run.call_timeout)
-        if env.method == "shutdown":
-            self.shutdown_clients(int(env.round))
-            for hook in self.before_shutdown:   # e.g. stop heartbeats, before the server merges the ledgers
-                hook()
-            self.shutdown_event.set()
-            return Payload(scalars={"clients": len(self.cluster)})
-        raise HandlerError("UNKNOWN_METHOD", f"{self.endpoint.node_id} does not serve '{env.method}'")
+        return self.router.dispatch(request)
+
+    def _client_state_call(self, request: Request) -> Payload:
+        env = request.envelope
+        return forward_client_state(self.endpoint, dict(self.processes), dict(self.client_home), env.method,
+                                    int(env.round), request.payload, self.cfg.run.call_timeout)
+
+    def _shutdown_call(self, request: Request) -> Payload:
+        self.shutdown_clients(int(request.envelope.round))
+        for hook in self.before_shutdown:   # e.g. stop heartbeats, before the server merges the ledgers
+            hook()
+        self.shutdown_event.set()
+        return Payload(scalars={"clients": len(self.cluster)})
 
     def edge_round(self, round: int, message: Payload) -> Payload:
-        spec = message.scalars.pop("edge_clients", "")
-        if not isinstance(spec, str):
-            raise PayloadError("BAD_SCALAR", "edge_clients must be a comma-separated string of client ids")
-        sampled = [int(c) for c in spec.split(",") if c]
+        sampled = list(control_of(message).clients)   # the server's sample in this edge's cluster
+        message = without_control(message)           # what the clients get: the server's tensors and scalars
         stray = [c for c in sampled if c not in self.cluster]
         if stray:
             raise HandlerError("UNKNOWN_CLIENT", f"clients {stray} are not in {self.endpoint.node_id}'s cluster")
@@ -122,8 +144,8 @@ class EdgeAggregator:
                                              f"returned a result: {failures}")
         if kappa2 > 1:
             partial = self.algorithm.edge_partial(start, message, partial)
-        partial.scalars["failures_json"] = json.dumps({str(c): why for c, why in sorted(failures.items())})
-        return upload(self.cfg, partial, self.endpoint.node_id, round, 0)   # QSGD uploads (common/compress.py)
+        partial.control = failures_control(failures)
+        return upload(self.cfg, partial, self.endpoint.node_id, round, 0)   # QSGD uploads (common/pipeline.py)
 
     def _collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None):
         """Send `message` to `clients` (one encoding), gather replies checked against `spec`
@@ -135,7 +157,7 @@ class EdgeAggregator:
             if c not in self.client_home:
                 failures[c] = f"UNKNOWN_CLIENT: client {c} never registered with {self.endpoint.node_id}"
                 continue
-            requests.append(Send(c, self.client_home[c][1], f"client-{c}", "train", message, step=step,
+            requests.append(Send(c, self.client_home[c][1], f"client-{c}", Method.TRAIN, message, step=step,
                                  inbound=check, who=f"round {round} step {step} reply of client {c}"))
         replies, failed = self.fabric.send_and_receive(requests, round=round, timeout=self.cfg.run.round_timeout,
                                                        call_timeout=self.cfg.run.call_timeout,
@@ -146,7 +168,7 @@ class EdgeAggregator:
     def shutdown_clients(self, round: int) -> None:
         for node, address in sorted(self.processes.items()):
             try:
-                self.fabric.call(address, node, "shutdown", Payload(), round=round, timeout=5.0)
+                self.fabric.call(address, node, Method.SHUTDOWN, Payload(), round=round, timeout=5.0)
             except (CallFailed, RemoteError) as exc:
                 log.warning("shutdown of %s failed: %s", node, exc)
         self.fabric.close()

@@ -9,7 +9,7 @@ from fedhop.common.config import parse_config
 from fedhop.common.transport.base import Endpoint, HandlerError, Request
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.edge.aggregator import EdgeAggregator
-from fedhop.edge.sequential import METHODS as SEQUENTIAL_METHODS, SequentialEdge
+from fedhop.edge.sequential import SequentialEdge
 from fedhop.common.liveness import register_with_backoff
 
 log = logging.getLogger("fedhop.edge")
@@ -30,8 +30,6 @@ class EdgeProcess:
     def _handle(self, request: Request):
         if self.aggregator is None:
             raise HandlerError("NOT_READY", f"{self.endpoint.node_id} has not finished registering")
-        if self.sequential is not None and request.envelope.method in SEQUENTIAL_METHODS:
-            return self.sequential.handle(request)
         return self.aggregator.handle(request)
 
     def _register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
@@ -57,7 +55,7 @@ class EdgeProcess:
         cfg = parse_config(reply.config_toml)
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
-        aggregator = EdgeAggregator(cfg, self.endpoint, reply.run_id, reply.config_toml)
+        aggregator = EdgeAggregator(cfg, self.endpoint, reply.run_id, reply.config_toml, parent=reply.node_id or "server")
         topology_role = EDGE_TOPOLOGY_ROLES.get(cfg.topology.kind)   # what this topology adds to an edge
         if topology_role is not None:
             self.sequential = topology_role(aggregator)

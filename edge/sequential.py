@@ -35,7 +35,6 @@ the token and runs the next round itself (counted as a visit).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -47,15 +46,16 @@ from fedhop.common.algorithms.base import Payload
 from fedhop.common.algorithms.fedchs import FedCHS, NoClusterReplies, VisitCount
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.codec import PayloadError, check_tensors
+from fedhop.common.control import control_of, failures_control
+from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.tasks import build_task
-from fedhop.common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_index, edge_node,
+from fedhop.common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_node,
                              topology_params)
+from fedhop.common.methods import Method
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
 from fedhop.common.validation import validate_reply
 
 log = logging.getLogger("fedhop.edge")
-
-METHODS = frozenset({"seq_round", "seq_handoff", "seq_final", "control.seq_query", "control.seq_restore"})
 
 
 class SequentialEdge:
@@ -76,29 +76,35 @@ class SequentialEdge:
         self.token_round = 0                              # the round the held token is for
         self.final: dict[str, torch.Tensor] | None = None   # torch: the final model until `seq_final`
         self._lock = threading.Lock()
+        self._routes()
 
-    # ------------------------------------------------------------------ dispatch
-    def handle(self, request: Request) -> Payload:
-        env = request.envelope
-        if env.run_id != self.agg.run_id:
-            raise HandlerError("WRONG_RUN", f"message for run '{env.run_id}', this edge serves '{self.agg.run_id}'")
-        if env.method == "control.seq_query":
-            with self._lock:
-                return Payload(scalars={"visits": self.visits.value, "data_size": self.data_size})
-        if env.method == "control.seq_restore":   # a resumed run: the visit count at its checkpoint
-            if env.src != "server":
-                raise HandlerError("NOT_ALLOWED", f"{env.src} may not restore {self.endpoint.node_id}'s visit count")
-            visits = request.payload.scalars.get("visits")
-            if not isinstance(visits, int) or isinstance(visits, bool) or visits < 0:
-                raise HandlerError("BAD_REQUEST", f"control.seq_restore needs a visit count >= 0, got {visits!r}")
-            with self._lock:
-                self.visits.value = visits
-                return Payload(scalars={"visits": self.visits.value})
-        if env.method == "seq_handoff":
-            return self.take_handoff(env.src, int(env.round), request.payload)
-        if env.method == "seq_final":
-            return self.send_final(int(env.round))
-        return self.run_round(int(env.round), request.payload)
+    # ------------------------------------------------------------------ methods
+    def _routes(self) -> None:
+        """Add Fed-CHS's methods to the edge's router: hand-offs only from neighbours in the
+        edge graph, the neighbour query from them or the server, the rest from the server."""
+        router = self.agg.router
+        router.set_neighbours(edge_node(e) for e in self.neighbours)
+        router.register_all({
+            Method.SEQ_ROUND: lambda request: self.run_round(int(request.envelope.round), request.payload),
+            Method.SEQ_HANDOFF: lambda request: self.take_handoff(request.envelope.src, int(request.envelope.round),
+                                                                  request.payload),
+            Method.SEQ_FINAL: lambda request: self.send_final(int(request.envelope.round)),
+            Method.SEQ_QUERY: self._query_call,
+            Method.SEQ_RESTORE: self._restore_call,
+        })
+
+    def _query_call(self, request: Request) -> Payload:
+        with self._lock:
+            return Payload(scalars={"visits": self.visits.value, "data_size": self.data_size})
+
+    def _restore_call(self, request: Request) -> Payload:
+        """A resumed run: the visit count at its checkpoint."""
+        visits = request.payload.scalars.get("visits")
+        if not isinstance(visits, int) or isinstance(visits, bool) or visits < 0:
+            raise HandlerError("BAD_REQUEST", f"control.seq_restore needs a visit count >= 0, got {visits!r}")
+        with self._lock:
+            self.visits.value = visits
+            return Payload(scalars={"visits": self.visits.value})
 
     @property
     def torch(self):
@@ -112,10 +118,7 @@ class SequentialEdge:
         return edge
 
     def take_handoff(self, src: str, round: int, payload: Payload) -> Payload:
-        try:
-            sender = edge_index(src)
-        except ValueError:
-            sender = -1
+        # the router let only a neighbour in the edge graph call this (common/methods.py)
         if self.torch is not None:   # the model arrives as dist.recv from the sender's rank, drained before any check
             if src not in self.torch.ranks:
                 raise HandlerError("NOT_NEIGHBOUR", f"{src} has no rank in the torch.distributed world")
@@ -126,9 +129,6 @@ class SequentialEdge:
                 raise HandlerError("COLLECTIVE_FAILED", f"{self.endpoint.node_id}: hand-off from {src} failed: "
                                                         f"{exc}") from None
             payload = Payload(tensors=tensors)
-        if sender not in self.neighbours:
-            raise HandlerError("NOT_NEIGHBOUR", f"{src} is not a neighbour of {self.endpoint.node_id} "
-                                                f"(neighbours: {self.neighbours})")
         check_tensors(payload, self.spec, f"hand-off from {src}")
         if not all(bool(torch.isfinite(t).all()) for t in payload.tensors.values()):
             raise PayloadError("NON_FINITE", f"hand-off from {src} holds NaN or Inf")
@@ -160,8 +160,7 @@ class SequentialEdge:
             raise HandlerError("NO_RESULTS", f"no client of {self.endpoint.node_id} answered step {exc.k} of round "
                                              f"{round}: {exc.failures}") from None
         w = done.params
-        out = Payload(scalars={"edge": self.index, "failures_json": json.dumps({str(c): v for c, v in
-                                                                                sorted(done.failures.items())})})
+        out = Payload(scalars={"edge": self.index}, control=failures_control(done.failures))
         if done.weight_sum:
             out.scalars["client_train_loss"] = done.loss_sum / done.weight_sum
         if sc.get("evaluate", False):
@@ -180,10 +179,12 @@ class SequentialEdge:
         if sc.get("last", False):
             out.scalars["next_edge"] = -1
             return out
-        peers = json.loads(str(sc.get("peers", "{}")))
-        nxt, skipped, answers = self._hand_off(round, w, {int(e): a for e, a in peers.items()})
-        out.scalars.update({"next_edge": nxt, "skipped_json": json.dumps(skipped),
-                            "neighbours_json": json.dumps({str(e): v for e, v in sorted(answers.items())})})
+        peers = {int(p.edge): p.address for p in control_of(message).peers}
+        nxt, skipped, answers = self._hand_off(round, w, peers)
+        out.scalars["next_edge"] = nxt
+        out.control.skipped.extend(pb.SkippedEdge(edge=e, reason=why) for e, why in skipped)
+        out.control.neighbours.extend(pb.NeighbourAnswer(edge=e, visits=v, data_size=d)
+                                      for e, (v, d) in sorted(answers.items()))
         return out
 
     def _resumed_model(self, round: int, message: Payload) -> dict[str, torch.Tensor]:
@@ -232,10 +233,10 @@ class SequentialEdge:
         that makes the peer post its receives, beside this edge's dist.send."""
         timeout = self.cfg.run.call_timeout
         if self.torch is None:
-            self.agg.fabric.call(address, edge_node(peer), "seq_handoff", Payload(tensors=w), round=round,
+            self.agg.fabric.call(address, edge_node(peer), Method.SEQ_HANDOFF, Payload(tensors=w), round=round,
                                timeout=timeout)
             return
-        call = self.agg.fabric.submit(self.agg.fabric.call, address, edge_node(peer), "seq_handoff", Payload(),
+        call = self.agg.fabric.submit(self.agg.fabric.call, address, edge_node(peer), Method.SEQ_HANDOFF, Payload(),
                                      round=round, timeout=timeout)
         try:
             self.torch.world.send([w[k] for k in self.spec], self.torch.ranks[edge_node(peer)], edge_node(peer),
@@ -251,26 +252,26 @@ class SequentialEdge:
     # ------------------------------------------------------------------ selection and hand-off
     def _hand_off(self, round: int, w: dict[str, torch.Tensor], peers: dict[int, str]):
         """Query the neighbours (control), rank them, hand the model to the first that takes it.
-        Returns (next edge, [[edge, why], ...] passed over, {edge: [visits, data size]})."""
+        Returns (next edge, [(edge, why), ...] passed over, {edge: (visits, data size)})."""
         timeout = self.cfg.run.call_timeout
         answers: dict[int, tuple[int, int]] = {}
-        skipped: list[list] = []
+        skipped: list[tuple[int, str]] = []
         for e in self.neighbours:
             if e not in peers:
-                skipped.append([e, "not registered with the server"])
+                skipped.append((e, "not registered with the server"))
                 continue
             try:
-                r = self.agg.fabric.call(peers[e], edge_node(e), "control.seq_query", Payload(), round=round,
+                r = self.agg.fabric.call(peers[e], edge_node(e), Method.SEQ_QUERY, Payload(), round=round,
                                        timeout=timeout)
                 answers[e] = (int(r.scalars["visits"]), int(r.scalars["data_size"]))
             except (CallFailed, RemoteError, PayloadError, KeyError, ValueError) as exc:
-                skipped.append([e, f"no answer to the neighbour query: {exc}"])
+                skipped.append((e, f"no answer to the neighbour query: {exc}"))
         for e in self.algorithm.next_holder(answers):
             try:
                 self._send_model(round, e, peers[e], w)
                 return e, skipped, answers
             except (CallFailed, RemoteError, PayloadError) as exc:
-                skipped.append([e, f"hand-off failed: {exc}"])
+                skipped.append((e, f"hand-off failed: {exc}"))
         log.warning("round %d: no neighbour took the model; %s keeps it", round, self.endpoint.node_id)
         with self._lock:
             self.token, self.token_round = w, round + 1

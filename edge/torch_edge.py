@@ -19,18 +19,18 @@ round (a HandlerError the server turns into a failed run), within the collective
 """
 from __future__ import annotations
 
-import json
 
 import torch
 
 from fedhop.common.algorithms.base import Payload, reduce_payloads
+from fedhop.common.control import control_of, failures_control, failures_of, world_layout
+from fedhop.common.methods import Method
 from fedhop.common.transport.base import HandlerError
 from fedhop.common.transport.fabric import gather
+from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.transport.torchdist import (STEP_KEY, Collectives, LayoutMismatch, TorchParams, buffers_by_name,
                                         build_groups, init_watching, layout_of, merge_layouts, reduce_buffers,
-                                        specs_from_json, specs_of, specs_to_json)
-
-METHODS = ("torch_procs", "torch_init", "torch_edge_round", "torch_edge_reduce")
+                                        specs_from_pb, specs_of)
 
 
 def torch_edge_of(aggregator) -> "TorchEdge":
@@ -52,25 +52,20 @@ class TorchEdge:
         self.world: Collectives | None = None     # the whole world (point-to-point sends of Fed-CHS)
         self.ranks: dict[str, int] = {}           # node id -> global rank (the server is 0)
 
-    def handle(self, method: str, round: int, payload: Payload) -> Payload:
-        if method == "torch_procs":
-            return Payload(scalars={"processes": ",".join(sorted(self.agg.processes))})
-        if method == "torch_init":
-            return self.init(payload)
+    def processes(self) -> Payload:
+        """This edge's client processes (the server lays out the world from every edge's answer)."""
+        return Payload(control=pb.Control(processes=sorted(self.agg.processes)))
+
+    def ready(self) -> None:
         if self.top is None:
             raise HandlerError("NOT_READY", f"{self.node_id}: torch_init has not been called")
-        if method == "torch_edge_round":
-            return self.round(round, payload)
-        if method == "torch_edge_reduce":
-            return self.reduce(round, payload)
-        raise HandlerError("UNKNOWN_METHOD", f"{self.node_id} does not serve '{method}'")
 
     # ------------------------------------------------------------------ set-up
     def init(self, payload: Payload) -> Payload:
         """Join the world, forward each client process its rank, create every group."""
         s = payload.scalars
         params = TorchParams(backend=str(s["backend"]), timeout=float(s["timeout"]))
-        layout = json.loads(str(s["layout_json"]))
+        layout = world_layout(control_of(payload).world)
         ranks: dict[str, int] = layout["ranks"]
         groups: list[list[int]] = layout["groups"]
         mine = int(layout["clusters"][self.node_id])
@@ -80,10 +75,10 @@ class TorchEdge:
                                              f"serves {sorted(self.agg.processes)}")
         world = int(s["world_size"])
         common = {"world_size": world, "master": str(s["master"]), "backend": params.backend,
-                  "timeout": params.timeout, "groups_json": json.dumps(groups), "group_index": mine,
-                  "root_rank": ranks[self.node_id], "root_node": self.node_id}
-        calls = {p: self.agg.fabric.submit(self.agg.fabric.call, self.agg.processes[p], p, "torch_init",
-                                          Payload(scalars={**common, "rank": ranks[p]}), round=0,
+                  "timeout": params.timeout, "root_rank": ranks[self.node_id], "root_node": self.node_id}
+        cluster = pb.Control(world=pb.TorchWorld(groups=[pb.RankGroup(ranks=g) for g in groups], group=mine))
+        calls = {p: self.agg.fabric.submit(self.agg.fabric.call, self.agg.processes[p], p, Method.TORCH_INIT,
+                                          Payload(scalars={**common, "rank": ranks[p]}, control=cluster), round=0,
                                           timeout=params.timeout)
                  for p in self.procs}
         coll = Collectives(self.node_id, ranks[self.node_id], world, self.agg.endpoint.ledger, params,
@@ -106,11 +101,12 @@ class TorchEdge:
     # ------------------------------------------------------------------ rounds
     def round(self, round: int, payload: Payload) -> Payload:
         """Steps 1-2 of the module docstring; returns failures, the partial's layout and scalars."""
-        assert self.top is not None
+        self.ready()
         scalars = dict(payload.scalars)
-        sampled = [int(c) for c in str(scalars.pop("edge_clients", "")).split(",") if c]
+        control = control_of(payload)
+        sampled = list(control.clients)
         stray = [c for c in sampled if c not in self.agg.cluster]
-        specs = specs_from_json(str(scalars.pop("specs")))
+        specs = specs_from_pb(control.specs)
         received = self._collective(lambda: self.top.broadcast(
             [torch.empty(shape, dtype=dtype) for _, dtype, shape in specs], round, peers=[self.node_id]),
             f"round {round}: broadcast from the server")
@@ -133,11 +129,11 @@ class TorchEdge:
         if partial is not None and kappa2 > 1:
             partial = self.agg.algorithm.edge_partial(start, message, partial)
         self.partial = partial
-        out: dict = {"failures_json": json.dumps({str(c): why for c, why in sorted(failures.items())})}
+        out = Payload(control=failures_control(failures))
         if partial is not None:
-            out["layout"] = layout_of(partial.tensors, self.agg.algorithm.reply_reduce)
-            out.update(partial.scalars)
-        return Payload(scalars=out)
+            out.control.layout.extend(layout_of(partial.tensors, self.agg.algorithm.reply_reduce))
+            out.scalars.update(partial.scalars)
+        return out
 
     def _iteration(self, round: int, step: int, clients: list[int], message: Payload):
         """One edge iteration over the cluster group: broadcast, train, reduce into this edge."""
@@ -146,11 +142,11 @@ class TorchEdge:
         by_proc: dict[str, list[int]] = {p: [] for p in self.procs}
         for cid in clients:
             by_proc[self.agg.client_home[cid][0]].append(cid)
-        specs = specs_to_json(specs_of(message.tensors))
+        specs = specs_of(message.tensors)
         control = {p: self.agg.fabric.submit(
-            ep.call, self.agg.processes[p], p, "torch_round",
-            Payload(scalars={**message.scalars, "clients": ",".join(map(str, by_proc[p])), "specs": specs,
-                             STEP_KEY: step}), round=round, step=step, timeout=timeout) for p in self.procs}
+            ep.call, self.agg.processes[p], p, Method.TORCH_ROUND,
+            Payload(scalars={**message.scalars, STEP_KEY: step}, control=pb.Control(clients=by_proc[p], specs=specs)),
+            round=round, step=step, timeout=timeout) for p in self.procs}
         where = f"round {round} edge iteration {step}"
         self._collective(lambda: self.cluster.broadcast(list(message.tensors.values()), round, self.procs, step),
                          f"{where}: broadcast to client processes", control)
@@ -162,20 +158,18 @@ class TorchEdge:
         failures: dict[int, str] = {}
         layouts, scalar_parts = {}, []
         for node, reply in sorted(replies.items()):
-            s = dict(reply.scalars)
-            failures.update({int(c): why for c, why in json.loads(str(s.pop("failures_json", "{}"))).items()})
-            if "layout" in s:
-                layouts[node] = s.pop("layout")
-                scalar_parts.append(Payload(scalars=s))
+            failures.update(failures_of(reply))
+            if control_of(reply).layout:
+                layouts[node] = control_of(reply).layout
+                scalar_parts.append(Payload(scalars=dict(reply.scalars)))
         if not layouts:
             return None, failures
         try:
             layout = merge_layouts(layouts, f"{self.node_id} {where}: client processes")
         except LayoutMismatch as exc:
             raise HandlerError("LAYOUT_MISMATCH", str(exc)) from None
-        layout_text = json.dumps(layout)
-        reduce_calls = {p: self.agg.fabric.submit(ep.call, self.agg.processes[p], p, "torch_reduce",
-                                                 Payload(scalars={"layout": layout_text, STEP_KEY: step}),
+        reduce_calls = {p: self.agg.fabric.submit(ep.call, self.agg.processes[p], p, Method.TORCH_REDUCE,
+                                                 Payload(scalars={STEP_KEY: step}, control=pb.Control(layout=layout)),
                                                  round=round, step=step, timeout=timeout) for p in self.procs}
         buffers = reduce_buffers(layout, None)
         self._collective(lambda: self.cluster.reduce(buffers, round, self.procs, step),
@@ -189,9 +183,8 @@ class TorchEdge:
 
     def reduce(self, round: int, payload: Payload) -> Payload:
         """Step 3: this edge's partial (or the ops' identities) into the server over the top group."""
-        assert self.top is not None
-        layout = json.loads(str(payload.scalars["layout"]))
-        buffers = reduce_buffers(layout, self.partial.tensors if self.partial is not None else None)
+        self.ready()
+        buffers = reduce_buffers(control_of(payload).layout, self.partial.tensors if self.partial is not None else None)
         self.partial = None
         self._collective(lambda: self.top.reduce(buffers, round, peers=[self.node_id]),
                          f"round {round}: reduce to the server")

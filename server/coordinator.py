@@ -29,7 +29,7 @@ from fedhop.common.validation import consistent_results, rejection_code
 from fedhop.common.vclock import RoundClock
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.server.driver import ChildNode, RoundResult, RunFailed, TopologyDriver, client_node, make_driver
-from fedhop.server.resilience import fault_summary
+from fedhop.server.resilience import fault_summary, record_refusals
 
 __all__ = ["Coordinator", "ChildNode", "RoundResult", "RunFailed", "client_node", "time_breakdown"]
 
@@ -248,6 +248,7 @@ class Coordinator:
         """Insert every process's ledger file (run_dir/ledger/*.jsonl) into run.db (idempotent)."""
         self.store.insert_records(self.ledger.drain())
         self.store.merge_ledger_dir(self.run_dir / "ledger")
+        record_refusals(self.store)   # calls a child refused: the caller may not use the method
 
     def finalize(self, status: str, error: str, wall_seconds: float) -> dict:
         self.merge_ledgers()

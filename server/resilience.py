@@ -168,7 +168,9 @@ def ledger_consistency(store) -> dict:
     - it is a sender record with status 'lost' (the sender saw the call fail), or a receiver
       record with status 'rejected' (a forged, replayed or corrupt message, its code recorded);
     - it is a reply ('ID.reply') whose request 'ID' is recorded lost or with an error (the caller
-      saw the reply fail: dropped, corrupt, cut off; common/transport/base.py);
+      saw the reply fail: dropped, corrupt, cut off; common/transport/base.py), or the sender
+      record of the typed error reply to a request its receiver rejected (a caller that keeps
+      no ledger of its own, such as a participant using another node's credential);
     - it is a request whose receiver process is recorded dead or failed in that round
       (its ledger died with it), or a message of a round the server aborted (resume);
     - it is a receiver record (a heartbeat, a result) from a node recorded dead or failed, from a
@@ -206,6 +208,9 @@ def ledger_consistency(store) -> dict:
             req = by_id.get((m["msg_id"][:-len(".reply")], "sender"))
             if req is not None and (req["status"] != "ok" or req["error"]):
                 why = "the caller recorded the reply's loss"
+            elif m["role"] == "sender" and by_id.get((m["msg_id"][:-len(".reply")], "receiver"), {}).get("status") \
+                    == "rejected":
+                why = "the typed error reply to a request the receiver rejected"
         if why is None and m["role"] == "sender" and (m["dst"] in failed_nodes.get(int(m["round"]), set())
                                                       or m["dst"] in ever_failed and m["link"] == "control"):
             why = "receiver recorded dead or failed"
@@ -235,13 +240,30 @@ def _ledgered(node: str, recorders: set[str]) -> bool:
     return node in recorders
 
 
+def record_refusals(store) -> int:
+    """A `not_allowed` event in run.db for every call that a client or edge process refused
+    because the caller may not use the method (common/transport/router.py): the refusing
+    process recorded it in its ledger as a rejected message; this reads the merged ledgers.
+    Idempotent (one event per refused message).  Returns the number of events added."""
+    done = {e["detail"].rsplit("message ", 1)[-1] for e in store.events("not_allowed")}
+    added = 0
+    for m in store.messages():
+        if m["role"] == "receiver" and m["status"] == "rejected" and (m["error"] or "").startswith("NOT_ALLOWED") \
+                and m["msg_id"] not in done:
+            store.add_event("not_allowed", node=m["src"], round=m["round"],
+                            detail=f"{m['error']}; {m['method']} to {m['dst']} refused by {m['recorder']}, "
+                                   f"message {m['msg_id']}")
+            added += 1
+    return added
+
+
 def fault_summary(store) -> dict:
     """summary.json's `faults` section: events by kind, rejections by typed code, resumes."""
     events = store.events()
     kinds = Counter(e["kind"] for e in events)
     rejections: Counter = Counter()
     for e in events:
-        if e["kind"] in ("rejected_payload", "auth_refused", "register_refused"):
+        if e["kind"] in ("rejected_payload", "auth_refused", "register_refused", "not_allowed"):
             rejections[rejection_code(e["detail"] or "") or e["kind"].upper()] += 1
     resumes = [json.loads(e["detail"]) for e in events if e["kind"] == "resumed"]
     return {"faults": {"events": dict(sorted(kinds.items())), "rejections": dict(sorted(rejections.items())),

@@ -16,6 +16,8 @@ import time
 from typing import Callable, ClassVar
 
 from fedhop.common.algorithms.base import Payload
+from fedhop.common.control import failures_of, sampled_clients
+from fedhop.common.methods import Method
 from fedhop.common.topology import edge_index
 from fedhop.common.transport.fabric import ReplyPipeline, Send
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
@@ -43,7 +45,7 @@ class ClientFanout(DataPlane):
     def dispatch(self, round, sampled, message, arrivals):
         ctx = self.ctx
         check = ReplyPipeline(ctx.cfg, ctx.algorithm.reply_spec(ctx.state))
-        requests = [Send(cid, ctx.client_home[cid].address, client_node(cid), "train",
+        requests = [Send(cid, ctx.client_home[cid].address, client_node(cid), Method.TRAIN,
                          ctx.client_message(message, round, cid), inbound=check,
                          who=f"round {round} reply of client {cid}",
                          on_reply=lambda c: arrivals.__setitem__(c, time.perf_counter()))
@@ -68,9 +70,8 @@ class EdgeFanout(DataPlane):
         requests = []
         for node_id, cids in sorted(by_edge.items()):
             shared = ctx.group_message(message, round, cids)
-            payload = Payload(tensors=shared.tensors,
-                              scalars={**shared.scalars, "edge_clients": ",".join(map(str, cids))})
-            requests.append(Send(node_id, ctx.children[node_id].address, node_id, "edge_round", payload,
+            payload = Payload(tensors=shared.tensors, scalars=shared.scalars, control=sampled_clients(cids))
+            requests.append(Send(node_id, ctx.children[node_id].address, node_id, Method.EDGE_ROUND, payload,
                                  inbound=check, who=f"round {round} partial of {node_id}"))
         timeout = ctx.cfg.run.round_timeout * 2
         partials, edge_failures = ctx.fabric.send_and_receive(
@@ -83,17 +84,9 @@ class EdgeFanout(DataPlane):
                 failures[cid] = f"edge {node_id} failed: {why}"
         results = {}
         for node_id, partial in partials.items():
-            lost = partial_failures(partial)
-            failures.update({c: f"at {node_id}: {why}" for c, why in lost.items()})
+            failures.update({c: f"at {node_id}: {why}" for c, why in failures_of(partial).items()})
             results[edge_index(node_id)] = partial
         return results, failures
-
-
-def partial_failures(partial: Payload) -> dict[int, str]:
-    """The failures among an edge's clients that its partial reports (and takes out of it)."""
-    import json
-    lost = json.loads(str(partial.scalars.pop("failures_json", "{}")))
-    return {int(c): why for c, why in lost.items()}
 
 
 class SampledRoundDriver(TopologyDriver):

@@ -21,6 +21,8 @@ import torch
 
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import PayloadError, check_tensors
+from fedhop.common.control import control_of, failures_of
+from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.topology import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, edge_node, start_edge
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
@@ -114,7 +116,8 @@ class SequentialDriver(TopologyDriver):
             return self.coord.fabric.call(node.address, node.node_id, "seq_round", message, round=round,
                                             timeout=timeout)
         call = self.coord.fabric.submit(self.coord.fabric.call, node.address, node.node_id, "seq_round",
-                                       Payload(scalars=message.scalars), round=round, timeout=timeout)
+                                       Payload(scalars=message.scalars, control=message.control), round=round,
+                                       timeout=timeout)
         try:
             self.world.coll.send(list(message.tensors.values()), self.world.layout["ranks"][node.node_id],
                                  node.node_id, round, "edge-server")
@@ -159,15 +162,15 @@ class SequentialDriver(TopologyDriver):
         node = coord.children.get(edge_node(holder))
         if node is None:
             raise self.RunFailed(f"round {round}: {edge_node(holder)}, which holds the model, never registered")
-        peers = {str(e): coord.children[edge_node(e)].address for e in self.graph[holder]
-                 if edge_node(e) in coord.children}
+        peers = [pb.EdgeAddress(edge=e, address=coord.children[edge_node(e)].address) for e in self.graph[holder]
+                 if edge_node(e) in coord.children]
         last = round == cfg.run.rounds
         due = self.checkpoint_due(round)
         every = cfg.run.eval_every
         message = Payload(scalars={"start": round == 1 and not self.resuming, "resume": self.resuming,
                                    "last": last, "checkpoint": due,
-                                   "evaluate": last or bool(every and round % every == 0),
-                                   "peers": json.dumps(peers)})
+                                   "evaluate": last or bool(every and round % every == 0)},
+                          control=pb.Control(peers=peers))
         if self.resuming:
             self._restore_visits(round)
             message.tensors = {k: v.clone() for k, v in coord.state.params.items()}
@@ -193,18 +196,19 @@ class SequentialDriver(TopologyDriver):
             raise self.RunFailed(f"round {round}: {node.node_id} sent model tensors to the server, which asked "
                                  f"for none (only the last round and checkpoint rounds carry the model)")
         cluster = self.clusters[holder]
-        failures = {int(c): why for c, why in json.loads(str(reply.scalars.get("failures_json", "{}"))).items()}
+        failures = failures_of(reply)
         for cid, why in sorted(failures.items()):
             coord.store.add_event("client_failed", node=f"client-{cid}", detail=f"at {node.node_id}: {why}", round=round)
         nxt = int(reply.scalars.get("next_edge", -1))
-        for e, why in json.loads(str(reply.scalars.get("skipped_json", "[]"))):
+        control = control_of(reply)
+        for skip in control.skipped:
             self.skips += 1
-            coord.store.add_event("handoff_skipped", node=edge_node(int(e)), round=round,
-                                  detail=f"{node.node_id} passed over {edge_node(int(e))}: {why}")
+            coord.store.add_event("handoff_skipped", node=edge_node(skip.edge), round=round,
+                                  detail=f"{node.node_id} passed over {edge_node(skip.edge)}: {skip.reason}")
         if not last:
+            answers = {str(a.edge): [a.visits, a.data_size] for a in sorted(control.neighbours, key=lambda a: a.edge)}
             coord.store.add_event("handoff", node=node.node_id, round=round,
-                                  detail=json.dumps({"from": holder, "to": nxt,
-                                                     "neighbours": json.loads(str(reply.scalars.get("neighbours_json", "{}")))}))
+                                  detail=json.dumps({"from": holder, "to": nxt, "neighbours": answers}))
         metrics = {k[len(SEQ_METRIC_PREFIX):]: float(v) for k, v in reply.scalars.items()
                    if k.startswith(SEQ_METRIC_PREFIX)}
         if "client_train_loss" in reply.scalars:

@@ -8,26 +8,24 @@ below (server + edges in a top group, one group per edge cluster; edge side edge
 """
 from __future__ import annotations
 
-import json
 import logging
 
-import torch
-
 from fedhop.common.algorithms.base import Payload, reduce_payloads
-from fedhop.common.codec import DTYPES, PayloadError
+from fedhop.common.codec import PayloadError
+from fedhop.common.control import control_of, failures_of, torch_world
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.torchdist import (Collectives, LayoutMismatch, TorchParams, buffers_by_name, build_groups,
-                                        free_port, init_watching, merge_layouts, reduce_buffers, specs_of, specs_to_json)
+                                        free_port, init_watching, merge_layouts, reduce_buffers, specs_of)
 from fedhop.common.topology import edge_index
 from fedhop.common.transport.fabric import gather
 from fedhop.common.validation import validate_reply
+from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.server.driver import DriverContext, RunFailed
 from fedhop.server.sampled import DataPlane
 
 log = logging.getLogger("fedhop.server")
 
 NO_ANSWER = "timeout: no answer in time"
-IDENTITY = {"wsum": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
 
 class TorchRounds(DataPlane):
@@ -64,8 +62,8 @@ class TorchRounds(DataPlane):
             by_proc[c.client_home[cid].node_id].append(cid)
         control = {p.node_id: c.fabric.submit(
             c.fabric.call, p.address, p.node_id, "torch_round",
-            Payload(scalars={**message.scalars, "clients": ",".join(map(str, by_proc[p.node_id])),
-                             "specs": specs_to_json(specs_of(message.tensors))}),
+            Payload(scalars=message.scalars,
+                    control=pb.Control(clients=by_proc[p.node_id], specs=specs_of(message.tensors))),
             round=round, timeout=c.cfg.run.round_timeout) for p in self.procs}
         try:
             self.coll.broadcast(list(message.tensors.values()), round, self.peers)
@@ -78,35 +76,29 @@ class TorchRounds(DataPlane):
         failures: dict[int, str] = {}
         layouts, scalar_parts = {}, []
         for node, reply in sorted(replies.items()):
-            s = dict(reply.scalars)
-            failures.update({int(k): v for k, v in json.loads(str(s.pop("failures_json", "{}"))).items()})
-            if "layout" in s:
-                layouts[node] = s.pop("layout")
-                scalar_parts.append(Payload(scalars=s))
+            failures.update(failures_of(reply))
+            if control_of(reply).layout:
+                layouts[node] = control_of(reply).layout
+                scalar_parts.append(Payload(scalars=dict(reply.scalars)))
         if not layouts:
             return {}, failures
         try:
             layout = merge_layouts(layouts, f"round {round}: client processes")
         except LayoutMismatch as exc:
             raise CollectiveFailed(f"LAYOUT_MISMATCH: {exc}") from None
-        layout_text = json.dumps(layout)
         reduce_calls = {p.node_id: c.fabric.submit(c.fabric.call, p.address, p.node_id, "torch_reduce",
-                                                  Payload(scalars={"layout": layout_text}), round=round,
+                                                  Payload(control=pb.Control(layout=layout)), round=round,
                                                   timeout=c.cfg.run.round_timeout) for p in self.procs}
-        groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        for name, dtype, shape, op in layout:
-            groups.setdefault(op, []).append((name, torch.full(tuple(shape), IDENTITY[op], dtype=DTYPES[dtype])))
+        buffers = reduce_buffers(layout, None)
         try:
-            self.coll.reduce([(op, [t for _, t in items]) for op, items in sorted(groups.items())], round,
-                             self.peers)
+            self.coll.reduce(buffers, round, self.peers)
         except RuntimeError as exc:
             raise CollectiveFailed(f"round {round}: reduce failed: {exc}") from None
         _, failed = gather(reduce_calls, c.cfg.run.round_timeout, NO_ANSWER)
         if failed:
             raise CollectiveFailed(f"round {round}: reduce control failed: {failed}")
         partial = reduce_payloads(scalar_parts, c.algorithm.reply_reduce)
-        partial.tensors = {name: t for items in groups.values() for name, t in items}
-        partial.tensors = {name: partial.tensors[name] for name, *_ in layout}
+        partial.tensors = buffers_by_name(layout, buffers)
         try:
             validate_reply(partial, c.algorithm.reply_spec(c.state), f"round {round} reduced partial of the "
                                                                       f"client processes")
@@ -152,11 +144,11 @@ class HierTorchRounds(DataPlane):
         by_edge: dict[str, list[int]] = {e: [] for e in self.peers}
         for cid in sampled:
             by_edge[c.client_home[cid].node_id].append(cid)
-        specs = specs_to_json(specs_of(message.tensors))
+        specs = specs_of(message.tensors)
         control = {e.node_id: c.fabric.submit(
             c.fabric.call, e.address, e.node_id, "torch_edge_round",
-            Payload(scalars={**message.scalars, "edge_clients": ",".join(map(str, by_edge[e.node_id])),
-                             "specs": specs}), round=round, timeout=timeout) for e in self.edges}
+            Payload(scalars=message.scalars, control=pb.Control(clients=by_edge[e.node_id], specs=specs)),
+            round=round, timeout=timeout) for e in self.edges}
         try:
             self.top.broadcast(list(message.tensors.values()), round, self.peers)
         except RuntimeError as exc:
@@ -168,21 +160,18 @@ class HierTorchRounds(DataPlane):
         failures: dict[int, str] = {}
         layouts, scalar_parts = {}, []
         for node, reply in sorted(replies.items(), key=lambda kv: edge_index(kv[0])):
-            s = dict(reply.scalars)
-            lost = json.loads(str(s.pop("failures_json", "{}")))
-            failures.update({int(k): f"at {node}: {v}" for k, v in lost.items()})
-            if "layout" in s:
-                layouts[node] = s.pop("layout")
-                scalar_parts.append(Payload(scalars=s))
+            failures.update({k: f"at {node}: {v}" for k, v in failures_of(reply).items()})
+            if control_of(reply).layout:
+                layouts[node] = control_of(reply).layout
+                scalar_parts.append(Payload(scalars=dict(reply.scalars)))
         if not layouts:
             return {}, failures
         try:
             layout = merge_layouts(layouts, f"round {round}: edges")
         except LayoutMismatch as exc:
             raise CollectiveFailed(f"LAYOUT_MISMATCH: {exc}") from None
-        layout_text = json.dumps(layout)
         reduce_calls = {e.node_id: c.fabric.submit(c.fabric.call, e.address, e.node_id, "torch_edge_reduce",
-                                                  Payload(scalars={"layout": layout_text}), round=round,
+                                                  Payload(control=pb.Control(layout=layout)), round=round,
                                                   timeout=c.cfg.run.round_timeout) for e in self.edges}
         buffers = reduce_buffers(layout, None)
         try:
@@ -216,7 +205,7 @@ class EdgeWorld:
         answers, failed = gather(asked, params.timeout, NO_ANSWER)
         if failed:
             raise RuntimeError(f"torch.distributed set-up failed: edges did not list their client processes: {failed}")
-        procs = {e: [p for p in str(answers[e].scalars["processes"]).split(",") if p] for e in self.peers}
+        procs = {e: list(control_of(answers[e]).processes) for e in self.peers}
         self.layout = hier_layout(self.peers, procs)
         world = len(self.layout["ranks"]) + 1
         host = c.cfg.transport.host
@@ -225,7 +214,7 @@ class EdgeWorld:
         calls = {e.node_id: c.fabric.submit(
             c.fabric.call, e.address, e.node_id, "torch_init",
             Payload(scalars={"world_size": world, "master": master, "backend": params.backend,
-                             "timeout": params.timeout, "layout_json": json.dumps(self.layout)}),
+                             "timeout": params.timeout}, control=pb.Control(world=torch_world(self.layout))),
             round=0, timeout=params.timeout + 10.0) for e in self.edges}
         init_watching(self.coll, master, calls, "torch.distributed set-up failed")
         self.handles = build_groups(self.layout["groups"], params.timeout)

@@ -22,13 +22,13 @@ from collections import Counter
 import torch
 
 from fedhop.common.algorithms.base import Payload
+from fedhop.common.methods import Method
 from fedhop.common.codec import PayloadError, check_tensors
 from fedhop.common.topology import SEQ_METRIC_PREFIX, topology_params
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.walk import WalkRule, start_client
+from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
-
-PEER_PREFIX = "peer:"   # walk_visit scalars "peer:<client id>" = the address of that neighbour's process
 
 
 @register_driver("chain")
@@ -78,11 +78,9 @@ class WalkDriver(TopologyDriver):
         scalars: dict = {"start": round == 1 and hop == 0 and not self.resuming, "resume": self.resuming,
                          "final": final, "return_model": final or (last_hop and self.checkpoint_due(round)),
                          "evaluate": last_hop and (final or bool(every and round % every == 0))}
-        for peer in self.rule.graph[self.holder]:
-            home = ctx.client_home.get(peer)
-            if home is not None:
-                scalars[f"{PEER_PREFIX}{peer}"] = home.address
-        message = Payload(scalars=scalars)
+        peers = [pb.ClientAddress(client_id=peer, address=ctx.client_home[peer].address)
+                 for peer in self.rule.graph[self.holder] if peer in ctx.client_home]
+        message = Payload(scalars=scalars, control=pb.Control(walk_peers=peers))
         if self.resuming:   # the checkpoint's model goes to its holder (link client-server)
             message.tensors = {k: v.clone() for k, v in ctx.state.params.items()}
         return message
@@ -100,7 +98,7 @@ class WalkDriver(TopologyDriver):
                 raise RunFailed(f"round {round}: client {holder}, which holds the model, is not registered")
             message = self._visit_message(round, hop)
             try:
-                reply = ctx.fabric.call(node.address, client_node(holder), "walk_visit", message, round=round, step=hop,
+                reply = ctx.fabric.call(node.address, client_node(holder), Method.WALK_VISIT, message, round=round, step=hop,
                                         timeout=cfg.run.round_timeout)
             except (CallFailed, RemoteError, PayloadError) as exc:
                 ctx.store.add_event("client_failed", node=client_node(holder), detail=f"hop {hop}: {exc}", round=round)

@@ -178,10 +178,14 @@ def test_fedlga_straggler_tensors_travel_as_a_gather_by_reduce(tmp_path):
 
 def test_merge_layouts_unions_names_and_names_a_conflict():
     from fedhop.common.transport.torchdist import LayoutMismatch, merge_layouts
-    a = json.dumps([["w", "float32", [3], "wsum"], ["s.1.w", "float32", [3], "wsum"]])
-    b = json.dumps([["w", "float32", [3], "wsum"], ["s.4.w", "float32", [3], "wsum"]])
-    assert [e[0] for e in merge_layouts({"p1": b, "p0": a}, "here")] == ["w", "s.1.w", "s.4.w"]
-    c = json.dumps([["w", "float32", [4], "wsum"]])
+    from fedhop.common.wire.fedhop_pb2 import ReduceEntry
+
+    def layout(*entries):
+        return [ReduceEntry(name=n, dtype=d, shape=s, op=o) for n, d, s, o in entries]
+    a = layout(("w", "float32", [3], "wsum"), ("s.1.w", "float32", [3], "wsum"))
+    b = layout(("w", "float32", [3], "wsum"), ("s.4.w", "float32", [3], "wsum"))
+    assert [e.name for e in merge_layouts({"p1": b, "p0": a}, "here")] == ["w", "s.1.w", "s.4.w"]
+    c = layout(("w", "float32", [4], "wsum"))
     with pytest.raises(LayoutMismatch, match=r"tensor 'w' is .*\[3\].* at p0 but .*\[4\].* at p2"):
         merge_layouts({"p0": a, "p2": c}, "here")
 
@@ -194,6 +198,8 @@ def test_worker_leaves_a_nan_reply_out_of_its_partial():
     from fedhop.common.algorithms.base import Payload
     from fedhop.common.algorithms.fedavg import FedAvg
     from fedhop.client.torch_worker import TorchWorker
+    from fedhop.common.control import failures_of
+    from fedhop.common.wire.fedhop_pb2 import Control, TensorSpec
 
     def train(cid, round, message, step):
         w = message.tensors["w"] + cid
@@ -204,9 +210,10 @@ def test_worker_leaves_a_nan_reply_out_of_its_partial():
     host = SimpleNamespace(node_id="client-proc0", train=train, algorithm=FedAvg(SimpleNamespace()))
     worker = TorchWorker(host)
     worker.coll = SimpleNamespace(broadcast=lambda empties, round, peers, step: [torch.zeros(3)])
-    out = worker.round(1, Payload(scalars={"clients": "1,2,3", "specs": json.dumps([["w", "float32", [3]]])}))
-    failures = json.loads(out.scalars["failures_json"])
-    assert list(failures) == ["2"] and failures["2"].startswith("NON_FINITE")
+    out = worker.round(1, Payload(control=Control(clients=[1, 2, 3], specs=[TensorSpec(name="w", dtype="float32",
+                                                                                    shape=[3], nbytes=12)])))
+    failures = failures_of(out)
+    assert list(failures) == [2] and failures[2].startswith("NON_FINITE")
     assert torch.equal(worker.partial.tensors["w"], torch.full((3,), 4.0))   # 1 + 3, weights 1
 
 

@@ -29,6 +29,7 @@ import torch
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhop.common.tasks import Task
+    from fedhop.common.wire.fedhop_pb2 import Control
 
 Scalar = float | int | bool | str
 ReduceOp = Literal["wsum", "sum", "max", "min"]
@@ -44,6 +45,9 @@ class Payload:
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     scalars: dict[str, Scalar] = field(default_factory=dict)
+    # the protocol's structured control data (proto/fedhop.proto `Control`, common/control.py),
+    # set by the roles, never by an algorithm; None: the message has none
+    control: "Control | None" = None
 
     def tensor_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())

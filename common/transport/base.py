@@ -16,7 +16,8 @@ from typing import Callable
 
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import Decoded, Encoded, FrameDecoder, PayloadError, encode, make_envelope
-from fedhop.common.ledger import Ledger, link_for
+from fedhop.common.ledger import Ledger
+from fedhop.common.methods import message_link, role_of
 from fedhop.common.wire import fedhop_pb2 as pb
 
 
@@ -57,23 +58,6 @@ class HandlerError(RuntimeError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.detail = message
-
-
-def role_of(node_id: str) -> str:
-    """'server' | 'edge' | 'client' from a node id such as 'edge-2' or 'client-17'."""
-    return node_id.split("-", 1)[0] if node_id != "server" else "server"
-
-
-CONTROL_METHOD_PREFIX = "control."
-
-
-def message_link(src: str, dst: str, method: str) -> str:
-    """The ledger link of a call: `control` for a method named control.* (a Fed-CHS neighbour
-    query: bookkeeping the papers do not count), otherwise by the two nodes' roles.  Both ends
-    apply the same rule, so the sender's and receiver's records agree."""
-    if method.startswith(CONTROL_METHOD_PREFIX):
-        return "control"
-    return link_for(role_of(src), role_of(dst))
 
 
 def direction_of(src: str, dst: str) -> str:

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import copy
 import datetime
-import json
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ import torch.distributed as dist
 from fedhop.common.codec import DTYPE_NAMES, DTYPES
 from fedhop.common.ledger import Ledger
 from fedhop.common.transport.base import direction_of
+from fedhop.common.wire import fedhop_pb2 as pb
 
 # bytes a rank moves per byte of buffer: a broadcast delivers the buffer once to each
 # non-root rank; a reduce to one root sends each non-root rank's buffer once.
@@ -64,20 +65,18 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def specs_of(tensors: dict[str, torch.Tensor]) -> list[list]:
-    return [[name, DTYPE_NAMES[t.dtype], list(t.shape)] for name, t in tensors.items()]
+def specs_of(tensors: dict[str, torch.Tensor]) -> list[pb.TensorSpec]:
+    """The typed specs of a broadcast's tensors (proto `Control.specs`)."""
+    return [pb.TensorSpec(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape),
+                          nbytes=t.numel() * t.element_size()) for name, t in tensors.items()]
 
 
-def specs_to_json(specs: list[list]) -> str:
-    return json.dumps(specs)
-
-
-def specs_from_json(text: str) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def specs_from_pb(specs: Iterable[pb.TensorSpec]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     out = []
-    for name, dtype, shape in json.loads(text):
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype '{dtype}' for tensor '{name}'")
-        out.append((str(name), DTYPES[dtype], tuple(int(d) for d in shape)))
+    for spec in specs:
+        if spec.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype '{spec.dtype}' for tensor '{spec.name}'")
+        out.append((spec.name, DTYPES[spec.dtype], tuple(int(d) for d in spec.shape)))
     return out
 
 
@@ -234,27 +233,32 @@ def build_groups(groups: list[list[int]], timeout: float) -> list:
     return [dist.new_group(ranks=sorted(ranks), timeout=datetime.timedelta(seconds=timeout)) for ranks in groups]
 
 
-def layout_of(tensors: dict[str, torch.Tensor], ops) -> str:
-    """JSON [[name, dtype, shape, reduce op], ...] of a partial aggregate's tensors."""
-    return json.dumps([[n, DTYPE_NAMES[t.dtype], list(t.shape), ops.get(n, "wsum")] for n, t in tensors.items()])
+def layout_of(tensors: dict[str, torch.Tensor], ops) -> list[pb.ReduceEntry]:
+    """The typed layout (name, dtype, shape, reduce op) of a partial aggregate's tensors."""
+    return [pb.ReduceEntry(name=n, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), op=ops.get(n, "wsum"))
+            for n, t in tensors.items()]
 
 
-def merge_layouts(layouts: dict[str, str], where: str) -> list:
-    """The layout every rank of a reduce uses: the union of the ranks' partial layouts (JSON
-    texts from `layout_of`, keyed by node id), in first-seen order over the sorted node ids.
+def _entry_text(e: pb.ReduceEntry) -> str:
+    return f"[{e.dtype!r}, {list(e.shape)}, {e.op!r}]"
+
+
+def merge_layouts(layouts: dict[str, Sequence[pb.ReduceEntry]], where: str) -> list[pb.ReduceEntry]:
+    """The layout every rank of a reduce uses: the union of the ranks' partial layouts (from
+    `layout_of`, keyed by node id), in first-seen order over the sorted node ids.
 
     A tensor held by only some ranks (FedLGA's per-client straggler deltas, named by client id)
     is contributed by the others as the op's identity (`reduce_buffers`), so the root receives it
     exactly (x + 0 = x): a gather by reduce, whose cost the ledger counts (every rank sends the
     whole union).  The same name with another dtype, shape or op is a LAYOUT_MISMATCH."""
-    merged: dict[str, list] = {}
+    merged: dict[str, pb.ReduceEntry] = {}
     owner: dict[str, str] = {}
     for node in sorted(layouts):
-        for entry in json.loads(layouts[node]):
-            name = entry[0]
+        for entry in layouts[node]:
+            name = entry.name
             if name in merged and merged[name] != entry:
-                raise LayoutMismatch(f"{where}: tensor '{name}' is {merged[name][1:]} at {owner[name]} but "
-                                     f"{entry[1:]} at {node} ([dtype, shape, reduce op])")
+                raise LayoutMismatch(f"{where}: tensor '{name}' is {_entry_text(merged[name])} at {owner[name]} but "
+                                     f"{_entry_text(entry)} at {node} ([dtype, shape, reduce op])")
             merged.setdefault(name, entry)
             owner.setdefault(name, node)
     return list(merged.values())
@@ -264,24 +268,24 @@ class LayoutMismatch(ValueError):
     """Ranks report the same tensor name with another dtype, shape or reduce op."""
 
 
-def reduce_buffers(layout: list, tensors: dict[str, torch.Tensor] | None) -> list[tuple[str, list[torch.Tensor]]]:
+def reduce_buffers(layout: Sequence[pb.ReduceEntry], tensors: dict[str, torch.Tensor] | None) -> list[tuple[str, list[torch.Tensor]]]:
     """The buffers one rank contributes to a reduce of `layout`, grouped by op in sorted op order
     (the order every rank of the group uses): copies of its own tensors, or the op's identity
     where it has none.  On the root the same buffers receive the result."""
     groups: dict[str, list[torch.Tensor]] = {}
-    for name, dtype, shape, op in layout:
-        if tensors is not None and name in tensors:
-            t = tensors[name].contiguous().clone()
+    for e in layout:
+        if tensors is not None and e.name in tensors:
+            t = tensors[e.name].contiguous().clone()
         else:
-            t = torch.full(tuple(shape), IDENTITY[op], dtype=DTYPES[dtype])
-        groups.setdefault(op, []).append(t)
+            t = torch.full(tuple(e.shape), IDENTITY[e.op], dtype=DTYPES[e.dtype])
+        groups.setdefault(e.op, []).append(t)
     return sorted(groups.items())
 
 
-def buffers_by_name(layout: list, buffers: list[tuple[str, list[torch.Tensor]]]) -> dict[str, torch.Tensor]:
+def buffers_by_name(layout: Sequence[pb.ReduceEntry], buffers: list[tuple[str, list[torch.Tensor]]]) -> dict[str, torch.Tensor]:
     """Inverse of `reduce_buffers`: name -> reduced tensor, in layout order."""
     queues = {op: list(ts) for op, ts in buffers}
     out = {}
-    for name, _, _, op in layout:
-        out[name] = queues[op].pop(0)
+    for e in layout:
+        out[e.name] = queues[e.op].pop(0)
     return out

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x66\x65\x64hop.proto\x12\x06\x66\x65\x64hop\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"E\n\x06Scalar\x12\x0b\n\x01\x66\x18\x01 \x01(\x01H\x00\x12\x0b\n\x01i\x18\x02 \x01(\x03H\x00\x12\x0b\n\x01\x62\x18\x03 \x01(\x08H\x00\x12\x0b\n\x01s\x18\x04 \x01(\tH\x00\x42\x07\n\x05value\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xed\x02\n\x08\x45nvelope\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\r\x12\x0b\n\x03src\x18\x04 \x01(\t\x12\x0b\n\x03\x64st\x18\x05 \x01(\t\x12\x0e\n\x06method\x18\x06 \x01(\t\x12\x0e\n\x06msg_id\x18\x07 \x01(\t\x12#\n\x07tensors\x18\x08 \x03(\x0b\x32\x12.fedhop.TensorSpec\x12.\n\x07scalars\x18\t \x03(\x0b\x32\x1d.fedhop.Envelope.ScalarsEntry\x12\x12\n\ndata_bytes\x18\n \x01(\x04\x12\x1c\n\x05\x65rror\x18\x0b \x01(\x0b\x32\r.fedhop.Error\x12\r\n\x05token\x18\x0c \x01(\t\x12\x16\n\tdata_xxh3\x18\r \x01(\x06H\x00\x88\x01\x01\x1a>\n\x0cScalarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1d\n\x05value\x18\x02 \x01(\x0b\x32\x0e.fedhop.Scalar:\x02\x38\x01\x42\x0c\n\n_data_xxh3\"C\n\x05\x46rame\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x10.fedhop.EnvelopeH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"\x1d\n\x0b\x46rameBundle\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\"7\n\rLogicalClient\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x04\"\x98\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12&\n\x07\x63lients\x18\x04 \x03(\x0b\x32\x15.fedhop.LogicalClient\x12\r\n\x05token\x18\x05 \x01(\t\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x0e\n\x06msg_id\x18\x07 \x01(\t\"h\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_toml\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\"\x92\x01\n\tLinkBytes\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04link\x18\x02 \x01(\t\x12\x11\n\tdirection\x18\x03 \x01(\t\x12\x10\n\x08messages\x18\x04 \x01(\x04\x12\x14\n\x0ctensor_bytes\x18\x05 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x14\n\x0c\x66ramed_bytes\x18\x07 \x01(\x04\"s\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0f\n\x07sent_at\x18\x04 \x01(\x01\x12 \n\x05\x62ytes\x18\x05 \x03(\x0b\x32\x11.fedhop.LinkBytes\"A\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t2\xdf\x01\n\x06\x46\x65\x64hop\x12:\n\x08Register\x12\x17.fedhop.RegisterRequest\x1a\x15.fedhop.RegisterReply\x12=\n\tHeartbeat\x12\x18.fedhop.HeartbeatRequest\x1a\x16.fedhop.HeartbeatReply\x12,\n\x08\x45xchange\x12\r.fedhop.Frame\x1a\r.fedhop.Frame(\x01\x30\x01\x12,\n\x04\x43\x61ll\x12\x13.fedhop.FrameBundle\x1a\r.fedhop.Frame0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x66\x65\x64hop.proto\x12\x06\x66\x65\x64hop\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"E\n\x06Scalar\x12\x0b\n\x01\x66\x18\x01 \x01(\x01H\x00\x12\x0b\n\x01i\x18\x02 \x01(\x03H\x00\x12\x0b\n\x01\x62\x18\x03 \x01(\x08H\x00\x12\x0b\n\x01s\x18\x04 \x01(\tH\x00\x42\x07\n\x05value\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8f\x03\n\x08\x45nvelope\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\r\x12\x0b\n\x03src\x18\x04 \x01(\t\x12\x0b\n\x03\x64st\x18\x05 \x01(\t\x12\x0e\n\x06method\x18\x06 \x01(\t\x12\x0e\n\x06msg_id\x18\x07 \x01(\t\x12#\n\x07tensors\x18\x08 \x03(\x0b\x32\x12.fedhop.TensorSpec\x12.\n\x07scalars\x18\t \x03(\x0b\x32\x1d.fedhop.Envelope.ScalarsEntry\x12\x12\n\ndata_bytes\x18\n \x01(\x04\x12\x1c\n\x05\x65rror\x18\x0b \x01(\x0b\x32\r.fedhop.Error\x12\r\n\x05token\x18\x0c \x01(\t\x12\x16\n\tdata_xxh3\x18\r \x01(\x06H\x00\x88\x01\x01\x12 \n\x07\x63ontrol\x18\x0e \x01(\x0b\x32\x0f.fedhop.Control\x1a>\n\x0cScalarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1d\n\x05value\x18\x02 \x01(\x0b\x32\x0e.fedhop.Scalar:\x02\x38\x01\x42\x0c\n\n_data_xxh3\"\xe3\x02\n\x07\x43ontrol\x12\x0f\n\x07\x63lients\x18\x01 \x03(\r\x12\'\n\x08\x66\x61ilures\x18\x02 \x03(\x0b\x32\x15.fedhop.ClientFailure\x12#\n\x06layout\x18\x03 \x03(\x0b\x32\x13.fedhop.ReduceEntry\x12!\n\x05specs\x18\x04 \x03(\x0b\x32\x12.fedhop.TensorSpec\x12\"\n\x05peers\x18\x05 \x03(\x0b\x32\x13.fedhop.EdgeAddress\x12$\n\x07skipped\x18\x06 \x03(\x0b\x32\x13.fedhop.SkippedEdge\x12+\n\nneighbours\x18\x07 \x03(\x0b\x32\x17.fedhop.NeighbourAnswer\x12\x11\n\tprocesses\x18\x08 \x03(\t\x12!\n\x05world\x18\t \x01(\x0b\x32\x12.fedhop.TorchWorld\x12)\n\nwalk_peers\x18\n \x03(\x0b\x32\x15.fedhop.ClientAddress\"3\n\rClientAddress\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"2\n\rClientFailure\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"E\n\x0bReduceEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\n\n\x02op\x18\x04 \x01(\t\",\n\x0b\x45\x64geAddress\x12\x0c\n\x04\x65\x64ge\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"+\n\x0bSkippedEdge\x12\x0c\n\x04\x65\x64ge\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"B\n\x0fNeighbourAnswer\x12\x0c\n\x04\x65\x64ge\x18\x01 \x01(\r\x12\x0e\n\x06visits\x18\x02 \x01(\x04\x12\x11\n\tdata_size\x18\x03 \x01(\x04\"\xff\x01\n\nTorchWorld\x12,\n\x05ranks\x18\x01 \x03(\x0b\x32\x1d.fedhop.TorchWorld.RanksEntry\x12!\n\x06groups\x18\x02 \x03(\x0b\x32\x11.fedhop.RankGroup\x12\x32\n\x08\x63lusters\x18\x03 \x03(\x0b\x32 .fedhop.TorchWorld.ClustersEntry\x12\r\n\x05group\x18\x04 \x01(\r\x1a,\n\nRanksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a/\n\rClustersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x1a\n\tRankGroup\x12\r\n\x05ranks\x18\x01 \x03(\r\"C\n\x05\x46rame\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x10.fedhop.EnvelopeH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"\x1d\n\x0b\x46rameBundle\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\"7\n\rLogicalClient\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x04\"\x98\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12&\n\x07\x63lients\x18\x04 \x03(\x0b\x32\x15.fedhop.LogicalClient\x12\r\n\x05token\x18\x05 \x01(\t\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x0e\n\x06msg_id\x18\x07 \x01(\t\"h\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_toml\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\"\x92\x01\n\tLinkBytes\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04link\x18\x02 \x01(\t\x12\x11\n\tdirection\x18\x03 \x01(\t\x12\x10\n\x08messages\x18\x04 \x01(\x04\x12\x14\n\x0ctensor_bytes\x18\x05 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x14\n\x0c\x66ramed_bytes\x18\x07 \x01(\x04\"s\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0f\n\x07sent_at\x18\x04 \x01(\x01\x12 \n\x05\x62ytes\x18\x05 \x03(\x0b\x32\x11.fedhop.LinkBytes\"A\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t2\xdf\x01\n\x06\x46\x65\x64hop\x12:\n\x08Register\x12\x17.fedhop.RegisterRequest\x1a\x15.fedhop.RegisterReply\x12=\n\tHeartbeat\x12\x18.fedhop.HeartbeatRequest\x1a\x16.fedhop.HeartbeatReply\x12,\n\x08\x45xchange\x12\r.fedhop.Frame\x1a\r.fedhop.Frame(\x01\x30\x01\x12,\n\x04\x43\x61ll\x12\x13.fedhop.FrameBundle\x1a\r.fedhop.Frame0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENVELOPE_SCALARSENTRY']._loaded_options = None
   _globals['_ENVELOPE_SCALARSENTRY']._serialized_options = b'8\001'
+  _globals['_TORCHWORLD_RANKSENTRY']._loaded_options = None
+  _globals['_TORCHWORLD_RANKSENTRY']._serialized_options = b'8\001'
+  _globals['_TORCHWORLD_CLUSTERSENTRY']._loaded_options = None
+  _globals['_TORCHWORLD_CLUSTERSENTRY']._serialized_options = b'8\001'
   _globals['_TENSORSPEC']._serialized_start=24
   _globals['_TENSORSPEC']._serialized_end=96
   _globals['_SCALAR']._serialized_start=98
@@ -40,25 +44,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ERROR']._serialized_start=169
   _globals['_ERROR']._serialized_end=207
   _globals['_ENVELOPE']._serialized_start=210
-  _globals['_ENVELOPE']._serialized_end=575
-  _globals['_ENVELOPE_SCALARSENTRY']._serialized_start=499
-  _globals['_ENVELOPE_SCALARSENTRY']._serialized_end=561
-  _globals['_FRAME']._serialized_start=577
-  _globals['_FRAME']._serialized_end=644
-  _globals['_FRAMEBUNDLE']._serialized_start=646
-  _globals['_FRAMEBUNDLE']._serialized_end=675
-  _globals['_LOGICALCLIENT']._serialized_start=677
-  _globals['_LOGICALCLIENT']._serialized_end=732
-  _globals['_REGISTERREQUEST']._serialized_start=735
-  _globals['_REGISTERREQUEST']._serialized_end=887
-  _globals['_REGISTERREPLY']._serialized_start=889
-  _globals['_REGISTERREPLY']._serialized_end=993
-  _globals['_LINKBYTES']._serialized_start=996
-  _globals['_LINKBYTES']._serialized_end=1142
-  _globals['_HEARTBEATREQUEST']._serialized_start=1144
-  _globals['_HEARTBEATREQUEST']._serialized_end=1259
-  _globals['_HEARTBEATREPLY']._serialized_start=1261
-  _globals['_HEARTBEATREPLY']._serialized_end=1326
-  _globals['_FEDHOP']._serialized_start=1329
-  _globals['_FEDHOP']._serialized_end=1552
+  _globals['_ENVELOPE']._serialized_end=609
+  _globals['_ENVELOPE_SCALARSENTRY']._serialized_start=533
+  _globals['_ENVELOPE_SCALARSENTRY']._serialized_end=595
+  _globals['_CONTROL']._serialized_start=612
+  _globals['_CONTROL']._serialized_end=967
+  _globals['_CLIENTADDRESS']._serialized_start=969
+  _globals['_CLIENTADDRESS']._serialized_end=1020
+  _globals['_CLIENTFAILURE']._serialized_start=1022
+  _globals['_CLIENTFAILURE']._serialized_end=1072
+  _globals['_REDUCEENTRY']._serialized_start=1074
+  _globals['_REDUCEENTRY']._serialized_end=1143
+  _globals['_EDGEADDRESS']._serialized_start=1145
+  _globals['_EDGEADDRESS']._serialized_end=1189
+  _globals['_SKIPPEDEDGE']._serialized_start=1191
+  _globals['_SKIPPEDEDGE']._serialized_end=1234
+  _globals['_NEIGHBOURANSWER']._serialized_start=1236
+  _globals['_NEIGHBOURANSWER']._serialized_end=1302
+  _globals['_TORCHWORLD']._serialized_start=1305
+  _globals['_TORCHWORLD']._serialized_end=1560
+  _globals['_TORCHWORLD_RANKSENTRY']._serialized_start=1467
+  _globals['_TORCHWORLD_RANKSENTRY']._serialized_end=1511
+  _globals['_TORCHWORLD_CLUSTERSENTRY']._serialized_start=1513
+  _globals['_TORCHWORLD_CLUSTERSENTRY']._serialized_end=1560
+  _globals['_RANKGROUP']._serialized_start=1562
+  _globals['_RANKGROUP']._serialized_end=1588
+  _globals['_FRAME']._serialized_start=1590
+  _globals['_FRAME']._serialized_end=1657
+  _globals['_FRAMEBUNDLE']._serialized_start=1659
+  _globals['_FRAMEBUNDLE']._serialized_end=1688
+  _globals['_LOGICALCLIENT']._serialized_start=1690
+  _globals['_LOGICALCLIENT']._serialized_end=1745
+  _globals['_REGISTERREQUEST']._serialized_start=1748
+  _globals['_REGISTERREQUEST']._serialized_end=1900
+  _globals['_REGISTERREPLY']._serialized_start=1902
+  _globals['_REGISTERREPLY']._serialized_end=2006
+  _globals['_LINKBYTES']._serialized_start=2009
+  _globals['_LINKBYTES']._serialized_end=2155
+  _globals['_HEARTBEATREQUEST']._serialized_start=2157
+  _globals['_HEARTBEATREQUEST']._serialized_end=2272
+  _globals['_HEARTBEATREPLY']._serialized_start=2274
+  _globals['_HEARTBEATREPLY']._serialized_end=2339
+  _globals['_FEDHOP']._serialized_start=2342
+  _globals['_FEDHOP']._serialized_end=2565
 # @@protoc_insertion_point(module_scope)

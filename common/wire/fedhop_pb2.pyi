@@ -39,7 +39,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("run_id", "round", "step", "src", "dst", "method", "msg_id", "tensors", "scalars", "data_bytes", "error", "token", "data_xxh3")
+    __slots__ = ("run_id", "round", "step", "src", "dst", "method", "msg_id", "tensors", "scalars", "data_bytes", "error", "token", "data_xxh3", "control")
     class ScalarsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class Envelope(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     DATA_XXH3_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     step: int
@@ -73,7 +74,118 @@ class Envelope(_message.Message):
     error: Error
     token: str
     data_xxh3: int
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., method: _Optional[str] = ..., msg_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., scalars: _Optional[_Mapping[str, Scalar]] = ..., data_bytes: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., token: _Optional[str] = ..., data_xxh3: _Optional[int] = ...) -> None: ...
+    control: Control
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., method: _Optional[str] = ..., msg_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., scalars: _Optional[_Mapping[str, Scalar]] = ..., data_bytes: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., token: _Optional[str] = ..., data_xxh3: _Optional[int] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
+
+class Control(_message.Message):
+    __slots__ = ("clients", "failures", "layout", "specs", "peers", "skipped", "neighbours", "processes", "world", "walk_peers")
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SPECS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    WALK_PEERS_FIELD_NUMBER: _ClassVar[int]
+    clients: _containers.RepeatedScalarFieldContainer[int]
+    failures: _containers.RepeatedCompositeFieldContainer[ClientFailure]
+    layout: _containers.RepeatedCompositeFieldContainer[ReduceEntry]
+    specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    peers: _containers.RepeatedCompositeFieldContainer[EdgeAddress]
+    skipped: _containers.RepeatedCompositeFieldContainer[SkippedEdge]
+    neighbours: _containers.RepeatedCompositeFieldContainer[NeighbourAnswer]
+    processes: _containers.RepeatedScalarFieldContainer[str]
+    world: TorchWorld
+    walk_peers: _containers.RepeatedCompositeFieldContainer[ClientAddress]
+    def __init__(self, clients: _Optional[_Iterable[int]] = ..., failures: _Optional[_Iterable[_Union[ClientFailure, _Mapping]]] = ..., layout: _Optional[_Iterable[_Union[ReduceEntry, _Mapping]]] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[EdgeAddress, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedEdge, _Mapping]]] = ..., neighbours: _Optional[_Iterable[_Union[NeighbourAnswer, _Mapping]]] = ..., processes: _Optional[_Iterable[str]] = ..., world: _Optional[_Union[TorchWorld, _Mapping]] = ..., walk_peers: _Optional[_Iterable[_Union[ClientAddress, _Mapping]]] = ...) -> None: ...
+
+class ClientAddress(_message.Message):
+    __slots__ = ("client_id", "address")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    address: str
+    def __init__(self, client_id: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class ClientFailure(_message.Message):
+    __slots__ = ("client_id", "reason")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    reason: str
+    def __init__(self, client_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReduceEntry(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "op")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    op: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., op: _Optional[str] = ...) -> None: ...
+
+class EdgeAddress(_message.Message):
+    __slots__ = ("edge", "address")
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    edge: int
+    address: str
+    def __init__(self, edge: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class SkippedEdge(_message.Message):
+    __slots__ = ("edge", "reason")
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    edge: int
+    reason: str
+    def __init__(self, edge: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class NeighbourAnswer(_message.Message):
+    __slots__ = ("edge", "visits", "data_size")
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    VISITS_FIELD_NUMBER: _ClassVar[int]
+    DATA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    edge: int
+    visits: int
+    data_size: int
+    def __init__(self, edge: _Optional[int] = ..., visits: _Optional[int] = ..., data_size: _Optional[int] = ...) -> None: ...
+
+class TorchWorld(_message.Message):
+    __slots__ = ("ranks", "groups", "clusters", "group")
+    class RanksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ClustersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTERS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.ScalarMap[str, int]
+    groups: _containers.RepeatedCompositeFieldContainer[RankGroup]
+    clusters: _containers.ScalarMap[str, int]
+    group: int
+    def __init__(self, ranks: _Optional[_Mapping[str, int]] = ..., groups: _Optional[_Iterable[_Union[RankGroup, _Mapping]]] = ..., clusters: _Optional[_Mapping[str, int]] = ..., group: _Optional[int] = ...) -> None: ...
+
+class RankGroup(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("header", "data")
