@@ -5,8 +5,8 @@ ledger's `method` column; a reply is the method's value + ".reply").  Each metho
 
 - `callers`: who the receiving process obeys it from, relative to itself: its `PARENT` (the
   node it registered with: the server, or a client process's edge), a `NEIGHBOUR` (an edge
-  adjacent to it in the Fed-CHS graph), a `PEER` (another process of its own role: a client
-  process handing over the WRWGD walk's model), or `ANY` authenticated node.  The caller is the
+  adjacent to it in the Fed-CHS graph), a `PEER` (a process of its own role, itself
+  included: a client process handing over the WRWGD walk's model), or `ANY` authenticated node.  The caller is the
   envelope's `src`, which the gRPC interceptor binds to the call's credential (the node token
   or the mTLS certificate's common name, common/security.py);
 - `link`: the ledger link of its messages when that is fixed ("control": bookkeeping the papers
@@ -29,7 +29,7 @@ REPLY_SUFFIX = ".reply"
 class Caller(StrEnum):
     PARENT = "parent"          # the node this process registered with
     NEIGHBOUR = "neighbour"    # an edge adjacent to this edge in the Fed-CHS graph
-    PEER = "peer"              # another process of this process's role (client process to client process)
+    PEER = "peer"              # a process of this process's role (client process to client process)
     ANY = "any"                # any authenticated node
 
 

@@ -35,7 +35,7 @@ class Peers:
 
     parent: str
     neighbours: frozenset[str] = field(default_factory=frozenset)
-    owner: str = ""   # this process's node id (a PEER is another node of its role)
+    owner: str = ""   # this process's node id (a PEER is a node of its role)
 
     def relations(self, node: str) -> set[Caller]:
         """What `node` is to this process."""
@@ -44,7 +44,7 @@ class Peers:
             out.add(Caller.PARENT)
         if node in self.neighbours:
             out.add(Caller.NEIGHBOUR)
-        if self.owner and node != self.owner and role_of(node) == role_of(self.owner):
+        if self.owner and role_of(node) == role_of(self.owner):   # itself too: it may host the next client
             out.add(Caller.PEER)
         return out
 
