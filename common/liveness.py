@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from fedhop.common.addresses import host_of
+from fedhop.common.admission import EventThrottle, takeover_refusal
 from fedhop.common.rng import numpy_stream
 from fedhop.common.transport.base import CallFailed
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -250,17 +251,23 @@ class LivenessMonitor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._refusals = EventThrottle(self._event, interval=max(10.0, timeout))
         endpoint.liveness = self
 
     # -- registrations ------------------------------------------------------------------
     def check_registration(self, req: pb.RegisterRequest) -> str | None:
-        """A refusal (DUPLICATE_CLIENT) when the request claims logical clients that a live other
-        node hosts, or names one client twice; None otherwise."""
+        """A refusal when the request claims logical clients that a live other node hosts, or names
+        one client twice (DUPLICATE_CLIENT), or a node id that a live child at another address
+        holds (NODE_TAKEN); None otherwise."""
         ids = [c.client_id for c in req.clients]
         twice = sorted({c for c in ids if ids.count(c) > 1})
         if twice:
             return f"DUPLICATE_CLIENT: client ids {twice[:10]} listed twice by {req.node_id}"
         with self._lock:
+            held = self.children.get(req.node_id)
+            taken = takeover_refusal(req.node_id, req.address, held.address if held and not held.dead else None)
+            if taken:
+                return taken
             for child in self.children.values():
                 if child.node_id == req.node_id or child.dead:
                     continue
@@ -269,6 +276,11 @@ class LivenessMonitor:
                     return (f"DUPLICATE_CLIENT: clients {taken[:10]} are hosted by live node {child.node_id}; "
                             f"{req.node_id} may take them only after that node is marked dead")
         return None
+
+    def refused(self, req: pb.RegisterRequest, reason: str) -> None:
+        """A registration refused (here or by the parent's handler): one event per claimed node
+        per interval (common/admission.py)."""
+        self._refusals("register_refused", req.node_id, req.node_id, f"{req.role} at {req.address}: {reason}")
 
     def registered(self, req: pb.RegisterRequest) -> None:
         with self._lock:
@@ -349,6 +361,7 @@ class LivenessMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+        self._refusals.flush()
 
     def _run(self) -> None:
         period = min(self.interval, self.timeout / 4)

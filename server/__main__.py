@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fedhop.common.addresses import plaintext_refusal
+from fedhop.common.admission import EventThrottle, peer_host
 from fedhop.common.checkpoint import CheckpointError
 from fedhop.common.config import ConfigError, load_config
 from fedhop.common.ledger import Ledger
@@ -66,11 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     ledger = Ledger(run_dir / "ledger" / "server.jsonl", keep_drained=False)
     holder: dict = {}
 
-    def refused(node: str, method: str, reason: str, peer: str) -> None:
+    def record(kind: str, node: str, detail: str) -> None:
         coord = holder.get("coordinator")
         if coord is not None:
-            coord.store.add_event("auth_refused", node=node or "?", round=coord.rounds_completed,
-                                  detail=f"{method} from {peer}: {reason}")
+            coord.store.add_event(kind, node=node, round=coord.rounds_completed, detail=detail)
+
+    throttle = EventThrottle(record)   # one auth_refused event per peer host per interval, with a count
+
+    def refused(node: str, method: str, reason: str, peer: str) -> None:
+        throttle("auth_refused", peer_host(peer), node or "?", f"{method} from {peer}: {reason}")
 
     endpoint = GrpcEndpoint("server", ledger, token="", chunk_bytes=cfg.transport.chunk_bytes,
                             max_message_bytes=cfg.transport.max_message_bytes, workers=32,
@@ -98,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(address)
         tmp.replace(args.port_file)
     logging.info("run %s: serving at %s", coordinator.run_id, address)
+    coordinator.summary_hooks.insert(0, lambda: throttle.flush() or {})   # folded refusals land before the summary
     summary = coordinator.run(register_timeout=args.register_timeout)
     monitor.stop()
     endpoint.stop()

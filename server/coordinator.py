@@ -29,7 +29,8 @@ from fedhop.common.runstore import RunStore
 from fedhop.common.tasks import build_task
 from fedhop.common.topology import sampling_pool
 from fedhop.common.transport.base import CallFailed, Endpoint, RemoteError
-from fedhop.common.validation import consistent_results, rejection_code, validate_reply
+from fedhop.common.validation import (ReplyLimiter, consistent_results, finite_step, parse_failures, rejection_code,
+                                      reply_bound, validate_reply)
 from fedhop.server.resilience import fault_summary
 from fedhop.common.vclock import RoundClock
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -112,6 +113,7 @@ class Coordinator:
         self.on_ready: Callable[[], None] | None = None   # after registration (resume: restore client states)
         self.restored_topology: dict | None = None          # resume: the walk of a sequential run (server/sequential.py)
         self.summary_hooks: list[Callable[[], dict]] = [lambda: fault_summary(self.store)]  # summary.json sections
+        self.limiter = ReplyLimiter(self.algorithm, self.task, 2 * cfg.run.round_timeout)   # replies' claims bounded
 
     # ------------------------------------------------------------------ registration
     def handle_register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
@@ -120,13 +122,14 @@ class Coordinator:
                                      req.msg_id, self.run_id)
         token = getattr(self.endpoint, "token", "")
         if token and req.token != token:
-            self.store.add_event("register_refused", node=req.node_id, detail="wrong token", round=0)
             reply = pb.RegisterReply(accepted=False, message="registration refused: wrong token")
+            self._refused(req, reply.message)
         else:
             bad = [c.client_id for c in req.clients if c.client_id >= self.cfg.clients.count]
             if bad:
-                reply = pb.RegisterReply(accepted=False, message=f"client ids {bad} out of range "
+                reply = pb.RegisterReply(accepted=False, message=f"client ids {bad[:10]} out of range "
                                                                  f"(clients.count = {self.cfg.clients.count})")
+                self._refused(req, reply.message)
             else:
                 node = ChildNode(req.node_id, req.role, req.address, sorted(c.client_id for c in req.clients))
                 with self._registered:
@@ -141,6 +144,12 @@ class Coordinator:
         self.endpoint.record_control("register.reply", "server", req.node_id, reply.ByteSize(), "sender", 0.0,
                                      req.msg_id + ".reply", self.run_id)
         return reply
+
+    def _refused(self, req: pb.RegisterRequest, message: str) -> None:
+        """A refused registration's event; where a liveness monitor watches the endpoint it records
+        every refusal itself, one event per node per interval (common/admission.py)."""
+        if getattr(self.endpoint, "liveness", None) is None:
+            self.store.add_event("register_refused", node=req.node_id, detail=message, round=0)
 
     def wait_for_clients(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -169,11 +178,13 @@ class Coordinator:
 
     def _train_one(self, cid: int, round: int, prepared) -> Payload:
         node = self.client_home[cid]
+        spec = self.algorithm.reply_spec(self.state)
         reply = self.endpoint.call(node.address, client_node(cid), "train", round=round,
-                                   timeout=self.cfg.run.call_timeout, prepared=prepared)
+                                   timeout=self.cfg.run.call_timeout, prepared=prepared, expect=reply_bound(spec))
         self._arrivals[(round, cid)] = time.perf_counter()   # the round-time breakdown's per-client round trip
-        reply = decompress_upload(self.cfg, reply, self.algorithm.reply_spec(self.state))   # QSGD (common/compress.py)
-        validate_reply(reply, self.algorithm.reply_spec(self.state), f"round {round} reply of client {cid}")
+        reply = decompress_upload(self.cfg, reply, spec)   # QSGD (common/compress.py)
+        validate_reply(reply, spec, f"round {round} reply of client {cid}", self.algorithm.reply_scalars(),
+                       self.limiter.limits([cid]))
         return reply
 
     def run_round(self, round: int) -> RoundResult:
@@ -213,8 +224,9 @@ class Coordinator:
             raise RunFailed(f"round {round}: only {len(participants)} of {len(sampled)} sampled clients returned a "
                             f"result; run.min_results requires {needed}")
         collected = time.perf_counter()
-        aggregate = self.algorithm.aggregate(sorted(results.items()))
-        self.algorithm.server_update(self.state, aggregate, round)
+        aggregate, blamed = finite_step(self.algorithm, self.state, results, round)   # rolled back if NaN/Inf
+        if blamed:
+            participants = self._left_out(round, blamed, participants, failures)
         self.algorithm.note_participants(self.state, round, participants)
         aggregated = time.perf_counter()
         metrics = self._round_metrics(round, aggregate)
@@ -288,8 +300,8 @@ class Coordinator:
                 failures[cid] = f"edge {node_id} failed: {why}"
         results = {}
         for node_id, partial in partials.items():
-            lost = json.loads(str(partial.scalars.pop("failures_json", "{}")))
-            failures.update({int(c): f"at {node_id}: {why}" for c, why in lost.items()})
+            lost = parse_failures(str(partial.scalars.pop("failures_json", "{}")), node_id)   # validated already
+            failures.update({c: f"at {node_id}: {why}" for c, why in lost.items()})
             results[self.edge_order(node_id)] = partial
         return results, failures
 
@@ -307,11 +319,37 @@ class Coordinator:
 
     def _edge_round(self, node_id: str, round: int, payload: Payload) -> Payload:
         node = self.children[node_id]
+        spec = self.algorithm.reply_spec(self.state)
         partial = self.endpoint.call(node.address, node_id, "edge_round", payload, round=round,
-                                     timeout=self.cfg.run.round_timeout * 2)
-        partial = decompress_upload(self.cfg, partial, self.algorithm.reply_spec(self.state))   # QSGD
-        validate_reply(partial, self.algorithm.reply_spec(self.state), f"round {round} partial of {node_id}")
+                                     timeout=self.cfg.run.round_timeout * 2, expect=reply_bound(spec))
+        partial = decompress_upload(self.cfg, partial, spec)   # QSGD
+        cids = [int(c) for c in str(payload.scalars["edge_clients"]).split(",")]
+        validate_reply(partial, spec, f"round {round} partial of {node_id}", self.algorithm.reply_scalars(),
+                       self.limiter.limits(cids))
         return partial
+
+    def _left_out(self, round: int, blamed: dict[int, str], participants: list[int],
+                  failures: dict[int, str]) -> list[int]:
+        """Results whose contribution made the aggregate or the model non-finite (common/validation.py
+        `finite_step`): recorded as typed rejections, out of the round, or the run fails under
+        security.nan_policy = "fail"."""
+        hierarchical = self.cfg.topology.kind == "hierarchical"   # results keyed by edge order
+
+        def key_of(cid: int) -> int:
+            return self.edge_order(self.client_home[cid].node_id) if hierarchical else cid
+
+        for key, why in sorted(blamed.items()):
+            node = f"edge-{key}" if hierarchical else client_node(key)
+            self.store.add_event("rejected_payload", node=node, detail=why, round=round)
+            log.warning("round %d: %s left out: %s", round, node, why)
+        gone = [c for c in participants if key_of(c) in blamed]
+        failures.update({c: f"NON_FINITE_AGGREGATE: the partial of edge-{key_of(c)} was left out" if hierarchical
+                         else blamed[c] for c in gone})
+        kept = [c for c in participants if c not in gone]
+        if self.cfg.security.nan_policy == "fail" or not kept:
+            raise RunFailed(f"round {round}: {next(iter(blamed.values()))} (security.nan_policy = "
+                            f"'{self.cfg.security.nan_policy}', {len(kept)} results left)")
+        return kept
 
     def _round_metrics(self, round: int, aggregate: Payload) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -374,6 +412,8 @@ class Coordinator:
         return summary
 
     def shutdown_children(self) -> None:
+        if getattr(self.endpoint, "liveness", None) is not None:   # children told to stop are not "dead"
+            self.endpoint.liveness.stop()
         for node in list(self.children.values()):
             try:
                 self.endpoint.call(node.address, node.node_id, "shutdown", Payload(), round=self.rounds_completed,
