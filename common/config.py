@@ -243,6 +243,9 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Confi
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start})") from None
     try:
         return parse_config(text, overrides)
     except ConfigError as exc:
@@ -348,6 +351,13 @@ def _cross_checks(cfg: Config) -> None:
     if topo.kind in ("hierarchical", "sequential") and topo.edges < 1:
         raise ConfigError(f"config key 'topology.edges': got {topo.edges}, must be >= 1 for "
                           f"topology.kind = '{topo.kind}'")
+    if topo.kind in ("hierarchical", "sequential") and topo.edges > count:
+        raise ConfigError(f"config key 'topology.edges': got {topo.edges}, more edges than clients.count = {count} "
+                          f"(an edge without clients)")
+    tr = cfg.transport
+    if tr.max_message_bytes < tr.chunk_bytes + 1024:
+        raise ConfigError(f"config key 'transport.chunk_bytes': got {tr.chunk_bytes}, but a frame must fit in "
+                          f"transport.max_message_bytes = {tr.max_message_bytes} with 1024 bytes of header")
     if isinstance(topo.assignment, list):
         groups = topo.assignment
         if len(groups) != topo.edges:

@@ -300,6 +300,15 @@ def loopback_plaintext_note(cfg: Config) -> str | None:
             "`fedhop certs` directory for TLS")
 
 
+def finished_status(run_dir: Path) -> str | None:
+    """The status in a run directory's summary.json, or None where it has none (or an unreadable one)."""
+    try:
+        status = json.loads((run_dir / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return status if isinstance(status, str) else None
+
+
 def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True) -> int:
     """`fedhop run --resume RUN_DIR`: restart the server from its newest checkpoint and fresh
     client processes; the same exit codes as `run_local`."""
@@ -307,6 +316,11 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True) -> 
     d = Path(run_dir)
     if not (d / "config.toml").exists():
         print(f"fedhop run --resume: {d} holds no config.toml; is it a run directory?", file=sys.stderr)
+        return 2
+    done = finished_status(d)
+    if done == "completed":
+        print(f"fedhop run --resume: the run in {d} is already completed (summary.json); nothing to resume",
+              file=sys.stderr)
         return 2
     try:
         ckpt = latest_checkpoint(d)
@@ -327,6 +341,10 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
         cfg = load_config(config_path, overrides)
     except (ConfigError, OSError) as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
+        return 2
+    if cfg.security.certs_dir and not Path(cfg.security.certs_dir).is_dir():
+        print(f"fedhop run: security.certs_dir = '{cfg.security.certs_dir}' is not a directory; make one with "
+              f"`fedhop certs {cfg.security.certs_dir} --nodes ...`", file=sys.stderr)
         return 2
     run_dir = Path(out) if out else default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

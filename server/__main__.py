@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fedhop.common.addresses import plaintext_refusal
+from fedhop.common.addresses import listen_address, plaintext_refusal
 from fedhop.common.admission import EventThrottle, peer_host
 from fedhop.common.checkpoint import CheckpointError
 from fedhop.common.config import ConfigError, load_config
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedhop.server", description=__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--listen", default="127.0.0.1:0")
+    ap.add_argument("--listen", default="127.0.0.1:0", type=listen_address)
     ap.add_argument("--port-file", default="", help="write the bound address here once serving")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))
@@ -97,7 +97,12 @@ def main(argv: list[str] | None = None) -> int:
                                               "checkpoints": [{"round": r, "seconds": s}
                                                               for r, s in checkpointer.written]})
     monitor.start()
-    address = endpoint.serve(lambda req: _no_calls(), args.listen, register_handler=coordinator.handle_register)
+    try:
+        address = endpoint.serve(lambda req: _no_calls(), args.listen, register_handler=coordinator.handle_register)
+    except (OSError, RuntimeError) as exc:   # grpc: "Failed to bind to address ..."
+        logging.error("cannot serve on --listen %s: %s", args.listen, str(exc).split(";")[0])
+        monitor.stop()
+        return 2
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(address)
