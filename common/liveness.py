@@ -252,6 +252,7 @@ class LivenessMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._refusals = EventThrottle(self._event, interval=max(10.0, timeout))
+        self._last_check: float | None = None
         endpoint.liveness = self
 
     # -- registrations ------------------------------------------------------------------
@@ -319,16 +320,34 @@ class LivenessMonitor:
 
     # -- detection -------------------------------------------------------------------------
     def check(self) -> list[str]:
-        """Mark every child silent for longer than the timeout dead; returns their node ids."""
+        """Mark every child silent for longer than the timeout dead; returns their node ids.
+
+        A gap since the previous check longer than the heartbeat interval plus half the timeout
+        means this process itself was not running (SIGSTOP, a VM pause, a swap storm): the
+        children's silence is then ours, so each is given a fresh timeout (its heartbeats,
+        queued while we were stopped, arrive within it) instead of being declared dead."""
         now = self.clock()
         newly: list[ChildLiveness] = []
         with self._lock:
+            gap = now - self._last_check if self._last_check is not None else 0.0
+            self._last_check = now
+            paused = gap > self.interval + self.timeout / 2
+            if paused:
+                for child in self.children.values():
+                    if not child.dead and child.last_seen is not None:
+                        child.last_seen = max(child.last_seen, now)
             for child in self.children.values():
                 if not child.dead and child.last_seen is not None and now - child.last_seen > self.timeout:
                     child.dead, child.dead_since = True, now
                     self.stats.marked_dead += 1
                     self.stats.detection_seconds.append(now - child.last_seen)
                     newly.append(child)
+        if paused:
+            log.warning("liveness: this process did not run for %.1fs; children get a fresh %.1fs before "
+                        "any is declared dead", gap, self.timeout)
+            self._event("monitor_paused", self.endpoint.node_id,
+                        f"no liveness check for {gap:.1f}s (this process was stopped); every child gets a "
+                        f"fresh security.heartbeat_timeout = {self.timeout}s")
         for child in newly:
             silence = now - (child.last_seen or now)
             reason = (f"node {child.node_id} marked dead: no heartbeat for {silence:.2f}s "
@@ -377,3 +396,20 @@ class LivenessMonitor:
                 "reregistrations": s.reregistrations,
                 "detection_seconds_max": max(det) if det else None,
                 "detection_seconds_mean": sum(det) / len(det) if det else None}
+
+
+def live_pool(pool: list[int], size: int, client_home: dict,
+              monitor: "LivenessMonitor | None") -> tuple[list[int], list[int]]:
+    """The pool a round draws `size` clients from, and the clients left out of it: where fewer
+    than the whole pool are drawn, the clients of nodes the monitor marked dead are left out, so
+    no dead client takes a live one's place (where every client is sampled, a dead one's call
+    fails fast and is recorded as before).  Where every host is dead the pool is kept (the round
+    then fails on run.min_results).  The draw is a function of the seed, the round and this
+    liveness record (the `sampling_excluded` event), so a run is reproducible from its run.db."""
+    if monitor is None or size >= len(pool):
+        return pool, []
+    dead = [c for c in pool if c in client_home and monitor.is_dead(client_home[c].node_id)]
+    if not dead or len(dead) == len(pool):
+        return pool, []
+    gone = set(dead)
+    return [c for c in pool if c not in gone], dead

@@ -24,6 +24,7 @@ from fedhop.common.codec import PayloadError
 from fedhop.common.compress import decompress_upload
 from fedhop.common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
 from fedhop.common.ledger import Ledger
+from fedhop.common.liveness import live_pool
 from fedhop.common.rng import numpy_stream
 from fedhop.common.runstore import RunStore
 from fedhop.common.tasks import build_task
@@ -173,6 +174,11 @@ class Coordinator:
         with topology.edges_per_round > 0, over the clients of the round's edges (at most all of them)."""
         pool = sampling_pool(self.cfg, round)
         size = min(len(pool), self.clock.sample_size(resolve_clients_per_round(self.cfg)))  # over-commitment: ceil(c * S)
+        pool, dead = live_pool(pool, size, self.client_home, getattr(self.endpoint, "liveness", None))
+        if dead:   # no dead node's client drawn in place of a live one (common/liveness.py)
+            self.store.add_event("sampling_excluded", node="server", round=round,
+                                 detail=f"{len(dead)} clients of dead nodes not sampled: {dead[:20]}")
+        size = min(size, len(pool))
         rng = numpy_stream(self.cfg.run.seed, "sampling", round)
         return sorted(pool[int(i)] for i in rng.choice(len(pool), size=size, replace=False))
 
