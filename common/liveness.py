@@ -39,6 +39,7 @@ from fedhop.common.wire import fedhop_pb2 as pb
 log = logging.getLogger("fedhop.liveness")
 
 FATAL_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED", "UNIMPLEMENTED")
+MAX_GRACE = 60.0   # seconds: the most a pause of the parent itself extends its children's timeout
 EventHook = Callable[[str, str, str], None]   # (kind, node, detail)
 
 
@@ -324,8 +325,9 @@ class LivenessMonitor:
 
         A gap since the previous check longer than the heartbeat interval plus half the timeout
         means this process itself was not running (SIGSTOP, a VM pause, a swap storm): the
-        children's silence is then ours, so each is given a fresh timeout (its heartbeats,
-        queued while we were stopped, arrive within it) instead of being declared dead."""
+        children's silence is then ours.  Their heartbeats failed meanwhile and are retried with
+        backoff, so each child gets the timeout plus as long again as the gap (at most
+        MAX_GRACE s) before it can be declared dead."""
         now = self.clock()
         newly: list[ChildLiveness] = []
         with self._lock:
@@ -333,9 +335,10 @@ class LivenessMonitor:
             self._last_check = now
             paused = gap > self.interval + self.timeout / 2
             if paused:
+                grace = min(gap, MAX_GRACE)
                 for child in self.children.values():
                     if not child.dead and child.last_seen is not None:
-                        child.last_seen = max(child.last_seen, now)
+                        child.last_seen = max(child.last_seen, now + grace)
             for child in self.children.values():
                 if not child.dead and child.last_seen is not None and now - child.last_seen > self.timeout:
                     child.dead, child.dead_since = True, now
@@ -343,11 +346,11 @@ class LivenessMonitor:
                     self.stats.detection_seconds.append(now - child.last_seen)
                     newly.append(child)
         if paused:
-            log.warning("liveness: this process did not run for %.1fs; children get a fresh %.1fs before "
-                        "any is declared dead", gap, self.timeout)
+            log.warning("liveness: this process did not run for %.1fs; children get %.1fs before any is "
+                        "declared dead", gap, self.timeout + grace)
             self._event("monitor_paused", self.endpoint.node_id,
-                        f"no liveness check for {gap:.1f}s (this process was stopped); every child gets a "
-                        f"fresh security.heartbeat_timeout = {self.timeout}s")
+                        f"no liveness check for {gap:.1f}s (this process was stopped); every child gets "
+                        f"{self.timeout + grace:.1f}s (heartbeat timeout + the gap) before it can be declared dead")
         for child in newly:
             silence = now - (child.last_seen or now)
             reason = (f"node {child.node_id} marked dead: no heartbeat for {silence:.2f}s "

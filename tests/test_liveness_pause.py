@@ -10,6 +10,7 @@ import signal
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from fedhop.common.liveness import LivenessMonitor, live_pool
@@ -40,10 +41,10 @@ def test_a_paused_parent_gives_its_children_a_fresh_timeout():
     now[0] = 12.5                                   # the parent was stopped for 12 s
     assert mon.check() == []
     assert [e[0] for e in events] == ["monitor_paused"]
-    for t in (13.0, 14.0, 15.0, 16.0, 17.0):        # checks resume at their period; the child stays silent
-        now[0] = t
-        assert mon.check() == []
-    now[0] = 18.0                                   # 5.5 s of silence after the pause: now it is dead
+    for t in np.arange(12.75, 30.0, 0.25):         # checks resume at their period; the child stays silent:
+        now[0] = float(t)                           # timeout 5 s + the 12.5 s gap of grace
+        assert mon.check() == [], t
+    now[0] = 30.25
     assert mon.check() == ["client-proc0"]
 
 
