@@ -69,7 +69,7 @@ class Run:
         py = sys.executable
         self.server = subprocess.Popen(
             [py, "-m", "fedhop.server", "--config", str(cfg_file), "--run-dir", str(self.dir / "run"),
-             "--port-file", str(port_file), "--register-timeout", "60",
+             "--port-file", str(port_file), "--register-timeout", "300",
              "--set", "run.call_timeout=60.0", "--set", "run.round_timeout=90.0", "--set", "run.eval_every=0"],
             env=env, stdout=open(logs / "server.log", "wb"), stderr=subprocess.STDOUT)
         self.peak = 0
