@@ -56,6 +56,32 @@ def wait_for_round(run_dir: Path, round: int, timeout: float = 120.0) -> float:
     raise AssertionError(f"round {round} never finished in {run_dir}")
 
 
+def wait_for_dispatch(run_dir: Path, round: int, timeout: float = 120.0) -> float:
+    """Block until a child has received its work of `round` (a receiver record of that round in
+    a child's ledger file, written and flushed as the message arrives): the round is under way.
+    Returns the time (time.monotonic)."""
+    deadline = time.monotonic() + timeout
+    offsets: dict[Path, int] = {}
+    while time.monotonic() < deadline:
+        for path in sorted((run_dir / "ledger").glob("*.jsonl")):
+            if path.name == "server.jsonl":
+                continue
+            with open(path, "rb") as fh:
+                fh.seek(offsets.get(path, 0))
+                data = fh.read()
+            complete = data[:data.rfind(b"\n") + 1]
+            offsets[path] = offsets.get(path, 0) + len(complete)
+            for line in complete.splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if rec.get("round") == round and rec.get("role") == "receiver" and rec.get("link") != "control":
+                    return time.monotonic()
+        time.sleep(0.02)
+    raise AssertionError(f"no child of {run_dir} received work of round {round}")
+
+
 def kill_after_round(run, round: int, victims, timeout: float = 90.0) -> tuple[int, float]:
     """Start `run` (a LocalRun), wait until run.db records `round`, SIGKILL the children whose
     names `victims(name)` selects, and wait for the server to exit; returns its exit status and
