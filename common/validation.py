@@ -245,7 +245,7 @@ def finite_step(algorithm, state, results: Mapping[int, Payload], round: int
     finite.  Where either would hold NaN/Inf (or the step raises on them) the state is rolled
     back, the result with the largest weighted magnitude is named (NON_FINITE_AGGREGATE) and left
     out, and the step is retried without it.  Returns the aggregate used (None where no result
-    is left) and the named results."""
+    is left) and the named results.  `state` None (an edge): the aggregate only."""
     backup = copy.deepcopy(state)
     kept = dict(results)
     blamed: dict[int, str] = {}
@@ -253,14 +253,14 @@ def finite_step(algorithm, state, results: Mapping[int, Payload], round: int
         try:
             aggregate = algorithm.aggregate(sorted(kept.items()))
             problem = _non_finite(aggregate.tensors, aggregate.scalars, "the aggregate's")
-            if problem is None:
+            if problem is None and state is not None:
                 algorithm.server_update(state, aggregate, round)
                 problem = _non_finite({**state.params, **state.extra}, state.scalars, "the new model's")
         except (ArithmeticError, ValueError, RuntimeError) as exc:
             problem = f"the server step failed ({type(exc).__name__}: {exc})"
         if problem is None:
             return aggregate, blamed
-        for f in dataclasses.fields(state):   # roll back
+        for f in dataclasses.fields(state) if state is not None else ():   # roll back
             setattr(state, f.name, copy.deepcopy(getattr(backup, f.name)))
         worst = max(sorted(kept), key=lambda k: _magnitude(kept[k]))
         blamed[worst] = (f"NON_FINITE_AGGREGATE: round {round}: {problem}; the round was rolled back and the "

@@ -22,7 +22,7 @@ from fedhop.common.tasks import build_task
 from fedhop.common.checkpoint import STATE_GET, STATE_SET, forward_client_state
 from fedhop.common.codec import PayloadError
 from fedhop.common.compress import compress_upload, decompress_upload
-from fedhop.common.validation import validate_reply
+from fedhop.common.validation import ReplyLimiter, finite_step, reply_bound, validate_reply
 from fedhop.common.config import Config
 from fedhop.common.topology import cluster_assignment, edge_index, topology_params
 from fedhop.common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError, Request
@@ -42,7 +42,9 @@ class EdgeAggregator:
         self.algorithm = build_algorithm(cfg)
         self.params = topology_params(cfg)
         # the model's shapes, to validate client replies as the server does
-        self.model_state = self.algorithm.init_state(get_params(build_task(cfg).build_model()))
+        task = build_task(cfg)
+        self.model_state = self.algorithm.init_state(get_params(task.build_model()))
+        self.limiter = ReplyLimiter(self.algorithm, task, 2 * cfg.run.round_timeout)   # clients' claims bounded
         self.client_home: dict[int, tuple[str, str]] = {}  # client id -> (process node id, address)
         self.processes: dict[str, str] = {}                # process node id -> address
         self._cond = threading.Condition()
@@ -116,7 +118,10 @@ class EdgeAggregator:
             failures.update(failed)
             if not replies:
                 break
-            partial = self.algorithm.aggregate(sorted(replies.items()))
+            partial, blamed = finite_step(self.algorithm, None, replies, round)   # NaN/Inf sums: offender out
+            failures.update(blamed)
+            if partial is None:
+                break
             if k < kappa2 - 1:
                 message = self.algorithm.edge_step(message, partial)
         if partial is None:
@@ -148,11 +153,12 @@ class EdgeAggregator:
         if cid not in self.client_home:
             raise HandlerError("UNKNOWN_CLIENT", f"client {cid} never registered with {self.endpoint.node_id}")
         _, address = self.client_home[cid]
-        reply = self.endpoint.call(address, f"client-{cid}", "train", round=round, step=step,
-                                   timeout=self.cfg.run.call_timeout, prepared=prepared)
         spec = spec if spec is not None else self.algorithm.reply_spec(self.model_state)
+        reply = self.endpoint.call(address, f"client-{cid}", "train", round=round, step=step,
+                                   timeout=self.cfg.run.call_timeout, prepared=prepared, expect=reply_bound(spec))
         reply = decompress_upload(self.cfg, reply, spec)   # QSGD
-        validate_reply(reply, spec, f"round {round} step {step} reply of client {cid}")
+        validate_reply(reply, spec, f"round {round} step {step} reply of client {cid}", self.algorithm.reply_scalars(),
+                       self.limiter.limits([cid]))
         return reply
 
     def shutdown_clients(self, round: int) -> None:

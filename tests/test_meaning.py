@@ -108,3 +108,12 @@ def test_finite_step_rolls_back_and_names_only_the_offender():
     expected = np.mean([0.0, 1.0, 2.0])   # the honest weighted mean, equal weights, server_lr 1
     np.testing.assert_allclose(state.params["w"].numpy(), np.full(6, expected), rtol=1e-6)
     assert float(aggregate.scalars[WEIGHT_KEY]) == 6.0
+
+
+def test_an_edge_leaves_out_the_client_whose_values_overflow_its_partial():
+    algo = build_algorithm(_cfg())
+    honest = {c: Payload({"w": torch.full((6,), 1.0)}, {WEIGHT_KEY: 2.0}) for c in range(3)}
+    partial, blamed = finite_step(algo, None, {**honest, 5: Payload({"w": torch.full((6,), 3e38)}, {WEIGHT_KEY: 4.0})},
+                                  round=2)
+    assert list(blamed) == [5]
+    assert float(partial.scalars[WEIGHT_KEY]) == 6.0 and torch.equal(partial.tensors["w"], torch.full((6,), 6.0))
