@@ -58,16 +58,16 @@ CASES = [("num_results_text", "BAD_SCALAR"), ("compute_text", "BAD_SCALAR"), ("w
          ("overflowing_values", "NON_FINITE_AGGREGATE")]
 
 
-def _run(tmp_path, mode: str, hostile_id: int):
+def _run(tmp_path, mode: str, hostile_ids: list[int]):
     cfg = _cfg()
     cluster = Cluster(cfg, tmp_path)
     hostile = MeaningClient(cfg, mode)
-    hostile.host = ClientHost(cfg, "client-procH", [hostile_id], "", Ledger())
-    honest = [c for c in range(4) if c != hostile_id]
+    hostile.host = ClientHost(cfg, "client-procH", hostile_ids, "", Ledger())
+    honest = [c for c in range(4) if c not in hostile_ids]
     try:
-        cluster.add_client("client-proc0", honest[:2])
-        cluster.add_client("client-proc1", honest[2:])
-        assert hostile.register(cluster.address, ids=(hostile_id,)).accepted
+        cluster.add_client("client-proc0", honest[:1])
+        cluster.add_client("client-proc1", honest[1:])
+        assert hostile.register(cluster.address, ids=tuple(hostile_ids)).accepted
         summary = cluster.run()
     finally:
         cluster.close()
@@ -78,7 +78,7 @@ def _run(tmp_path, mode: str, hostile_id: int):
 @pytest.mark.parametrize("mode, code", CASES)
 def test_reply_meaning_is_checked_before_arithmetic(tmp_path, mode, code):
     hostile_id = 3
-    cluster, summary = _run(tmp_path, mode, hostile_id)
+    cluster, summary = _run(tmp_path, mode, [hostile_id])
     assert summary["status"] == "completed" and summary["rounds_completed"] == ROUNDS, summary["error"]
     store = cluster.store()
     rejected = store.events("rejected_payload")
@@ -89,12 +89,13 @@ def test_reply_meaning_is_checked_before_arithmetic(tmp_path, mode, code):
     np.testing.assert_allclose(cluster.coord.state.params["w"].double().numpy(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_text_compute_seconds_from_the_lowest_id_does_not_get_honest_results_rejected(tmp_path):
-    """The hostile process hosts client 0: a per-round majority vote on scalar types would side
-    with it on ties; typed rules per reply reject it alone."""
-    cluster, summary = _run(tmp_path, "compute_text", 0)
-    assert summary["status"] == "completed"
-    assert {e["node"] for e in cluster.store().events("rejected_payload")} == {"client-0"}
+def test_text_compute_seconds_from_the_lowest_ids_does_not_get_honest_results_rejected(tmp_path):
+    """The hostile process hosts clients 0 and 1 of 4: a per-round vote on scalar types ties and
+    sides with the lowest id; typed rules per reply reject the hostile results alone."""
+    cluster, summary = _run(tmp_path, "compute_text", [0, 1])
+    assert summary["status"] == "completed", summary["error"]
+    assert {e["node"] for e in cluster.store().events("rejected_payload")} == {"client-0", "client-1"}
+    assert all(ids == {0, 1} for ids in failed_clients_by_round(cluster.store()).values())
 
 
 def test_finite_step_rolls_back_and_names_only_the_offender():
