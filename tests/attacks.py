@@ -75,7 +75,7 @@ class Run:
         self.peak = 0
         self._stop = threading.Event()
         threading.Thread(target=self._watch_rss, daemon=True).start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300
         while not (port_file.exists() and port_file.read_text().strip()):
             if time.monotonic() > deadline or self.server.poll() is not None:
                 raise RuntimeError(f"server did not start; see {logs / 'server.log'}")
@@ -227,13 +227,15 @@ ATTACKS = {
 
 def run_attack(base: Path, name: str) -> dict:
     attack, mode, want = ATTACKS[name]
-    run = Run(base, name, mode)
+    try:
+        run = Run(base, name, mode)
+    except RuntimeError as exc:   # a run that could not start is a row, not the end of the suite
+        return {"attack": name, "server_exit": None, "status": "-", "model_ok": False, "honest_blamed": "-",
+                "event": "-", "peak_rss_mb": 0.0, "events_total": 0, "error": str(exc)}
     error = ""
     try:
         if attack is not None:
             attack(run)
-        elif mode is None:
-            pass
         if mode is None:   # the hostile process is not part of the run: client 3 must come from somewhere
             run.clients.append(subprocess.Popen(
                 [sys.executable, "-m", "fedhop.client", "--parent", run.address, "--clients", str(HOSTILE),
