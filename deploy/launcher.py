@@ -300,13 +300,16 @@ def loopback_plaintext_note(cfg: Config) -> str | None:
             "`fedhop certs` directory for TLS")
 
 
-def finished_status(run_dir: Path) -> str | None:
-    """The status in a run directory's summary.json, or None where it has none (or an unreadable one)."""
+def finished_rounds(run_dir: Path) -> int | None:
+    """The rounds a completed run's summary.json records, or None (no summary, not completed,
+    unreadable).  Resuming from a checkpoint older than that re-runs the rounds after it."""
     try:
-        status = json.loads((run_dir / "summary.json").read_text()).get("status")
-    except (OSError, ValueError, AttributeError):
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if summary.get("status") != "completed":
+            return None
+        return int(summary.get("rounds_completed"))
+    except (OSError, ValueError, AttributeError, TypeError):
         return None
-    return status if isinstance(status, str) else None
 
 
 def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True) -> int:
@@ -317,15 +320,15 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True) -> 
     if not (d / "config.toml").exists():
         print(f"fedhop run --resume: {d} holds no config.toml; is it a run directory?", file=sys.stderr)
         return 2
-    done = finished_status(d)
-    if done == "completed":
-        print(f"fedhop run --resume: the run in {d} is already completed (summary.json); nothing to resume",
-              file=sys.stderr)
-        return 2
     try:
         ckpt = latest_checkpoint(d)
     except CheckpointError as exc:
         print(f"fedhop run --resume: {exc}", file=sys.stderr)
+        return 2
+    done = finished_rounds(d)
+    if done is not None and ckpt.round >= done:
+        print(f"fedhop run --resume: the run in {d} is already completed (summary.json, {done} rounds); nothing to "
+              f"resume", file=sys.stderr)
         return 2
     if not quiet:
         print(f"fedhop run: resuming {d} after round {ckpt.round}", file=sys.stderr)
