@@ -16,6 +16,7 @@ from fedhop.common.ledger import Ledger
 from fedhop.common.livebytes import LinkCounter
 from fedhop.common.liveness import HeartbeatSender, add_parent_args, resolve_parent
 from fedhop.common.procexit import exit_now
+from fedhop.common.addresses import listen_address
 from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
 from fedhop.common.transport.grpc import GrpcEndpoint
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     add_parent_args(ap, "server or edge")
     ap.add_argument("--clients", required=True, type=parse_ids, help="logical client ids, e.g. 0-9 or 1,3,5")
     ap.add_argument("--node-id", default=f"client-proc{os.getpid()}")
-    ap.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve on (port 0 = any free)")
+    ap.add_argument("--listen", default="127.0.0.1:0", type=listen_address,
+                    help="host:port to serve on (port 0 = any free)")
     ap.add_argument("--ledger-dir", default="", help="write this process's ledger records here (JSONL)")
     ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")

@@ -24,11 +24,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -39,6 +40,8 @@ from fedhop.common.algorithms.base import Payload
 from fedhop.common.control import control_of
 from fedhop.common.methods import Method
 from fedhop.common.wire import fedhop_pb2 as pb
+
+log = logging.getLogger("fedhop.checkpoint")
 
 FORMAT = 1
 DIRNAME = "checkpoints"
@@ -182,14 +185,19 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     return ckpt
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Checkpoint:
-    """The newest readable checkpoint of a run (an unreadable newest one is skipped)."""
+def latest_checkpoint(run_dir: str | os.PathLike,
+                      on_skip: Callable[[str], None] | None = None) -> Checkpoint:
+    """The newest readable checkpoint of a run.  An unreadable newer one (truncated, corrupt) is
+    skipped with a warning, and `on_skip(why)` is told (the server records an event)."""
     errors = []
     for path in reversed(list_checkpoints(run_dir)):
         try:
             return load_checkpoint(path)
         except CheckpointError as exc:
             errors.append(str(exc))
+            log.warning("checkpoint %s skipped: %s", path.name, exc)
+            if on_skip is not None:
+                on_skip(f"{path.name} skipped: {exc}")
     where = checkpoint_dir(run_dir)
     raise CheckpointError(f"no usable checkpoint in {where}" + (f" ({'; '.join(errors)})" if errors else
                           ": the run had run.checkpoint_every = 0, or was killed before its first checkpoint"))

@@ -251,6 +251,7 @@ class FrameDecoder:
     """Consumes the frames of one message in order; `finish()` returns the decoded message."""
 
     max_payload_bytes: int = 1 << 31
+    max_header_bytes: int | None = None   # a caller that knows the reply's shape bounds its header too
     envelope: pb.Envelope | None = None
     _buffer: np.ndarray | None = None
     _filled: int = 0
@@ -270,6 +271,8 @@ class FrameDecoder:
             raise PayloadError("MALFORMED_FRAME",
                                f"frame declares {length} bytes but carries {len(mv) - start}")
         if tag == _TAG_HEADER:
+            if self.max_header_bytes is not None and length > self.max_header_bytes:
+                raise PayloadError("TOO_LARGE", f"header frame of {length} bytes; the limit is {self.max_header_bytes}")
             if self.envelope is not None:
                 raise PayloadError("MALFORMED_FRAME", "second header frame in one message")
             env = pb.Envelope()
@@ -358,8 +361,9 @@ class FrameDecoder:
                        tensor_bytes=int(env.data_bytes))
 
 
-def decode_frames(frames: Iterable[bytes], max_payload_bytes: int = 1 << 31) -> Decoded:
-    dec = FrameDecoder(max_payload_bytes=max_payload_bytes)
+def decode_frames(frames: Iterable[bytes], max_payload_bytes: int = 1 << 31,
+                  max_header_bytes: int | None = None) -> Decoded:
+    dec = FrameDecoder(max_payload_bytes=max_payload_bytes, max_header_bytes=max_header_bytes)
     for f in frames:
         dec.feed(f)
     return dec.finish()

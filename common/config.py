@@ -260,6 +260,9 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Confi
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start})") from None
     try:
         return parse_config(text, overrides)
     except ConfigError as exc:
@@ -365,7 +368,11 @@ def _cross_checks(cfg: Config) -> None:
     mr = cfg.run.min_results
     if isinstance(mr, float) and not 0 < mr <= 1:
         raise ConfigError(f"config key 'run.min_results': got {mr}, a fraction must be in (0, 1]")
+    if _is_int(mr) and mr > resolve_clients_per_round(cfg):
+        raise ConfigError(f"config key 'run.min_results': got {mr}, more than the {resolve_clients_per_round(cfg)} "
+                          f"clients sampled per round (clients.per_round = {per})")
     sec = cfg.security
+    _robust_checks(cfg)
     if sec.heartbeat_timeout <= sec.heartbeat_interval:
         raise ConfigError(f"config key 'security.heartbeat_timeout': got {sec.heartbeat_timeout}, must exceed "
                           f"security.heartbeat_interval = {sec.heartbeat_interval}")
@@ -389,6 +396,13 @@ def _cross_checks(cfg: Config) -> None:
     if topo.kind in ("hierarchical", "sequential") and topo.edges < 1:
         raise ConfigError(f"config key 'topology.edges': got {topo.edges}, must be >= 1 for "
                           f"topology.kind = '{topo.kind}'")
+    if topo.kind in ("hierarchical", "sequential") and topo.edges > count:
+        raise ConfigError(f"config key 'topology.edges': got {topo.edges}, more edges than clients.count = {count} "
+                          f"(an edge without clients)")
+    tr = cfg.transport
+    if tr.max_message_bytes < tr.chunk_bytes + 1024:
+        raise ConfigError(f"config key 'transport.chunk_bytes': got {tr.chunk_bytes}, but a frame must fit in "
+                          f"transport.max_message_bytes = {tr.max_message_bytes} with 1024 bytes of header")
     if isinstance(topo.assignment, list):
         groups = topo.assignment
         if len(groups) != topo.edges:
@@ -439,6 +453,26 @@ def _cross_checks(cfg: Config) -> None:
         if kappa2 > 1 and algorithm is not None and not algorithm.edge_iterations:
             raise ConfigError(f"config key 'topology.kappa2': got {kappa2}, but algorithm '{cfg.algorithm.name}' "
                               f"defines no edge step between server rounds; use kappa2 = 1")
+
+
+def _robust_checks(cfg: Config) -> None:
+    """security.aggregation other than "mean" replaces the algorithm's reduction (common/robust.py):
+    only where that reduction is the default weighted sum and replies are reduced in Python."""
+    rule = cfg.security.aggregation
+    if rule == "mean":
+        return
+    from fedhop.common.algorithms import registry   # local: the algorithms import this module
+    from fedhop.common.algorithms.base import Algorithm
+    if cfg.topology.kind not in ("star", "hierarchical"):
+        raise ConfigError(f"config key 'security.aggregation': '{rule}' works in topology.kind = 'star' or "
+                          f"'hierarchical', got '{cfg.topology.kind}'")
+    if cfg.transport.kind == "torch":
+        raise ConfigError(f"config key 'security.aggregation': '{rule}' needs every update apart, but "
+                          f"transport.kind = 'torch' sums them in a collective; use transport.kind = 'grpc'")
+    cls = registry().get(cfg.algorithm.name)
+    if cls is not None and cls.aggregate is not Algorithm.aggregate:
+        raise ConfigError(f"config key 'security.aggregation': '{rule}' replaces the weighted mean, but algorithm "
+                          f"'{cfg.algorithm.name}' reduces its replies its own way; use 'mean'")
 
 
 def _is_int(v: Any) -> bool:

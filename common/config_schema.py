@@ -120,6 +120,9 @@ class SecurityConfig:
     backoff_cap: float = _f(5.0, min_exclusive=0.0)
     nan_policy: str = _f("reject", choices=("reject", "fail"))   # NaN/Inf in a result: drop it, or fail the run
     keep_checkpoints: int = _f(2, min=1)       # newest checkpoints kept in RUN_DIR/checkpoints
+    aggregation: str = _f("mean", choices=("mean", "median", "trimmed_mean", "krum"))   # common/robust.py
+    trim: float = _f(0.1, min=0.0, max=0.49)   # trimmed_mean: fraction dropped at each end per coordinate
+    krum_f: int = _f(1, min=0)                 # krum: the number of Byzantine updates tolerated
 
 
 @dataclass

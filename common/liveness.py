@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from fedhop.common.addresses import host_of
+from fedhop.common.admission import EventThrottle, takeover_refusal
 from fedhop.common.rng import numpy_stream
 from fedhop.common.livebytes import TIERS
 from fedhop.common.transport.base import CallFailed, role_of
@@ -39,6 +40,7 @@ from fedhop.common.wire import fedhop_pb2 as pb
 log = logging.getLogger("fedhop.liveness")
 
 FATAL_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED", "UNIMPLEMENTED")
+MAX_GRACE = 60.0   # seconds: the most a pause of the parent itself extends its children's timeout
 EventHook = Callable[[str, str, str], None]   # (kind, node, detail)
 
 
@@ -268,17 +270,24 @@ class LivenessMonitor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._refusals = EventThrottle(self._event, interval=max(10.0, timeout))
+        self._last_check: float | None = None
         endpoint.liveness = self
 
     # -- registrations ------------------------------------------------------------------
     def check_registration(self, req: pb.RegisterRequest) -> str | None:
-        """A refusal (DUPLICATE_CLIENT) when the request claims logical clients that a live other
-        node hosts, or names one client twice; None otherwise."""
+        """A refusal when the request claims logical clients that a live other node hosts, or names
+        one client twice (DUPLICATE_CLIENT), or a node id that a live child at another address
+        holds (NODE_TAKEN); None otherwise."""
         ids = [c.client_id for c in req.clients]
         twice = sorted({c for c in ids if ids.count(c) > 1})
         if twice:
             return f"DUPLICATE_CLIENT: client ids {twice[:10]} listed twice by {req.node_id}"
         with self._lock:
+            held = self.children.get(req.node_id)
+            taken = takeover_refusal(req.node_id, req.address, held.address if held and not held.dead else None)
+            if taken:
+                return taken
             for child in self.children.values():
                 if child.node_id == req.node_id or child.dead:
                     continue
@@ -287,6 +296,11 @@ class LivenessMonitor:
                     return (f"DUPLICATE_CLIENT: clients {taken[:10]} are hosted by live node {child.node_id}; "
                             f"{req.node_id} may take them only after that node is marked dead")
         return None
+
+    def refused(self, req: pb.RegisterRequest, reason: str) -> None:
+        """A registration refused (here or by the parent's handler): one event per claimed node
+        per interval (common/admission.py)."""
+        self._refusals("register_refused", req.node_id, req.node_id, f"{req.role} at {req.address}: {reason}")
 
     def registered(self, req: pb.RegisterRequest) -> None:
         with self._lock:
@@ -334,16 +348,36 @@ class LivenessMonitor:
 
     # -- detection -------------------------------------------------------------------------
     def check(self) -> list[str]:
-        """Mark every child silent for longer than the timeout dead; returns their node ids."""
+        """Mark every child silent for longer than the timeout dead; returns their node ids.
+
+        A gap since the previous check longer than the heartbeat interval plus half the timeout
+        means this process itself was not running (SIGSTOP, a VM pause, a swap storm): the
+        children's silence is then ours.  Their heartbeats failed meanwhile and are retried with
+        backoff, so each child gets the timeout plus as long again as the gap (at most
+        MAX_GRACE s) before it can be declared dead."""
         now = self.clock()
         newly: list[ChildLiveness] = []
         with self._lock:
+            gap = now - self._last_check if self._last_check is not None else 0.0
+            self._last_check = now
+            paused = gap > self.interval + self.timeout / 2
+            if paused:
+                grace = min(gap, MAX_GRACE)
+                for child in self.children.values():
+                    if not child.dead and child.last_seen is not None:
+                        child.last_seen = max(child.last_seen, now + grace)
             for child in self.children.values():
                 if not child.dead and child.last_seen is not None and now - child.last_seen > self.timeout:
                     child.dead, child.dead_since = True, now
                     self.stats.marked_dead += 1
                     self.stats.detection_seconds.append(now - child.last_seen)
                     newly.append(child)
+        if paused:
+            log.warning("liveness: this process did not run for %.1fs; children get %.1fs before any is "
+                        "declared dead", gap, self.timeout + grace)
+            self._event("monitor_paused", self.endpoint.node_id,
+                        f"no liveness check for {gap:.1f}s (this process was stopped); every child gets "
+                        f"{self.timeout + grace:.1f}s (heartbeat timeout + the gap) before it can be declared dead")
         for child in newly:
             silence = now - (child.last_seen or now)
             reason = (f"node {child.node_id} marked dead: no heartbeat for {silence:.2f}s "
@@ -376,6 +410,7 @@ class LivenessMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+        self._refusals.flush()
 
     def _run(self) -> None:
         period = min(self.interval, self.timeout / 4)
@@ -391,3 +426,20 @@ class LivenessMonitor:
                 "reregistrations": s.reregistrations,
                 "detection_seconds_max": max(det) if det else None,
                 "detection_seconds_mean": sum(det) / len(det) if det else None}
+
+
+def live_pool(pool: list[int], size: int, client_home: dict,
+              monitor: "LivenessMonitor | None") -> tuple[list[int], list[int]]:
+    """The pool a round draws `size` clients from, and the clients left out of it: where fewer
+    than the whole pool are drawn, the clients of nodes the monitor marked dead are left out, so
+    no dead client takes a live one's place (where every client is sampled, a dead one's call
+    fails fast and is recorded as before).  Where every host is dead the pool is kept (the round
+    then fails on run.min_results).  The draw is a function of the seed, the round and this
+    liveness record (the `sampling_excluded` event), so a run is reproducible from its run.db."""
+    if monitor is None or size >= len(pool):
+        return pool, []
+    dead = [c for c in pool if c in client_home and monitor.is_dead(client_home[c].node_id)]
+    if not dead or len(dead) == len(pool):
+        return pool, []
+    gone = set(dead)
+    return [c for c in pool if c not in gone], dead

@@ -16,24 +16,35 @@ from typing import Any, Mapping
 
 import torch
 
-from fedhop.common.algorithms.base import Payload
+from fedhop.common.algorithms.base import REPLY_SCALARS, Payload, ScalarRule
+from fedhop.common.transport.base import ReplyBound
 from fedhop.common.compress import compress_upload, decompress_upload
-from fedhop.common.validation import validate_reply
+from fedhop.common.validation import ReplyLimits, reply_bound, validate_reply
 
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 @dataclass(frozen=True)
 class ReplyPipeline:
-    """Inbound processors for a reply: QSGD decompression (common/compress.py), then the
-    algorithm's reply spec (names, dtypes, shapes, finiteness, the weight; common/validation.py)."""
+    """Inbound processors for a reply: QSGD decompression (common/compress.py), then validation
+    by form and meaning (common/validation.py): the algorithm's reply spec (names, dtypes,
+    shapes, finiteness), its reply scalars typed and ranged (`scalars`, default the common
+    ones), and the claims the sender may make (`limits`: its weight bounded by what the parent
+    knows of its clients).  `bound` is what the reply may declare, enforced as it arrives."""
 
     cfg: Any
     spec: Spec
+    scalars: Mapping[str, ScalarRule] | None = None
+    limits: ReplyLimits | None = None
+
+    @property
+    def bound(self) -> ReplyBound:
+        return reply_bound(self.spec)
 
     def __call__(self, reply: Payload, who: str) -> Payload:
         reply = decompress_upload(self.cfg, reply, self.spec)
-        validate_reply(reply, self.spec, who)
+        validate_reply(reply, self.spec, who, self.scalars if self.scalars is not None else REPLY_SCALARS,
+                       self.limits)
         return reply
 
 

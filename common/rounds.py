@@ -37,6 +37,7 @@ from fedhop.common.rng import numpy_stream, torch_stream
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.base import Task
 from fedhop.common.topology import sampling_pool
+from fedhop.common.validation import finite_step
 from fedhop.common.vclock import RoundClock
 
 RoundHook = Callable[[int, "RoundEngine", list[int], Payload], None]
@@ -71,6 +72,10 @@ def local_update(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.
     return reply
 
 
+Restrict = Callable[[list[int], int], list[int]]                      # (pool, size) -> the pool to sample from
+LeftOut = Callable[[dict[int, str], list[int]], list[int]]             # (blamed, participants) -> participants
+
+
 class RoundEngine:
     """The server side of a round over (cfg, task, algorithm, state), and an in-process loop that
     plays every client too (`train_round`, `run`)."""
@@ -87,12 +92,16 @@ class RoundEngine:
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ server steps
-    def sample(self, round: int) -> list[int]:
+    def sample(self, round: int, restrict: Restrict | None = None) -> list[int]:
         """Seeded sampling without replacement: stream ("sampling", round), over every client or,
         with topology.edges_per_round > 0, over the clients of the round's edges; ceil(c * S)
-        clients under over-commitment (at most the pool)."""
+        clients under over-commitment (at most the pool).  `restrict(pool, size)` may narrow the
+        pool first (the server leaves out dead nodes' clients, common/liveness.py `live_pool`)."""
         pool = sampling_pool(self.cfg, round)
         size = min(len(pool), self.clock.sample_size(resolve_clients_per_round(self.cfg)))
+        if restrict is not None:
+            pool = restrict(pool, size)
+            size = min(size, len(pool))
         rng = numpy_stream(self.cfg.run.seed, "sampling", round)
         return sorted(pool[int(i)] for i in rng.choice(len(pool), size=size, replace=False))
 
@@ -107,11 +116,18 @@ class RoundEngine:
         raises PayloadError naming `who` when it is unusable."""
         return ReplyPipeline(self.cfg, self.algorithm.reply_spec(self.state))(reply, f"round {round} {who}")
 
-    def finish_round(self, round: int, results: Mapping[int, Payload], participants: list[int]) -> Payload:
+    def finish_round(self, round: int, results: Mapping[int, Payload], participants: list[int],
+                     left_out: LeftOut | None = None) -> Payload:
         """Aggregate the results in id order, apply the server step and tell the algorithm whose
-        results entered; returns the aggregate."""
-        aggregate = self.algorithm.aggregate(sorted(results.items()))
-        self.algorithm.server_update(self.state, aggregate, round)
+        results entered; returns the aggregate.  Where the aggregate or the new model would hold
+        NaN/Inf the step is rolled back and retried without the offending result
+        (common/validation.py `finite_step`); `left_out(blamed, participants)` records them and
+        returns the participants left (default: refuse the round)."""
+        aggregate, blamed = finite_step(self.algorithm, self.state, results, round)
+        if blamed:
+            if left_out is None:
+                raise ValueError(f"round {round}: {next(iter(blamed.values()))}")
+            participants = left_out(blamed, participants)
         self.algorithm.note_participants(self.state, round, participants)
         return aggregate
 

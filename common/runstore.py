@@ -173,6 +173,7 @@ class RunStore:
         if create:
             p.parent.mkdir(parents=True, exist_ok=True)
         self.path = p
+        self.final = False   # set by finish_run: later events of this run are dropped
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(str(p), check_same_thread=False, isolation_level=None, timeout=30.0)
         with self._lock:
@@ -232,6 +233,7 @@ class RunStore:
                   transport: str = "", config_toml: str = "", started: float | None = None) -> None:
         """Create the run's row, or mark an existing one (a resumed run) running again."""
         self.run_id = run_id
+        self.final = False
         self._exec(
             """INSERT INTO runs(run_id, name, algorithm, topology, transport, config_toml, started, finished, status)
                VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 'running')
@@ -243,6 +245,7 @@ class RunStore:
             raise ValueError("run store: finish_run status must be non-empty (e.g. 'completed', 'failed')")
         self._exec("UPDATE runs SET status = ?, finished = ? WHERE run_id = ?",
                    (status, _time.time() if finished is None else finished, self._need_run_id(run_id)))
+        self.final = run_id is None or run_id == self.run_id
 
     def add_round(self, round: int, *, participants: Any = None, sampled: Any = None, failures: Any = None,
                   metrics: dict[str, Any] | None = None, wall_seconds: float | None = None,
@@ -287,6 +290,8 @@ class RunStore:
         """Record an event (client_failed, rejected_payload, timeout, handoff, skip, ...)."""
         if not kind:
             raise ValueError("run store: event kind must be non-empty")
+        if self.final and run_id is None:   # the run's record is final (finish_run): nothing lands after it
+            return
         text = detail if isinstance(detail, str) else _dumps(detail)
         self._exec("INSERT INTO events(run_id, round, time, kind, node, detail) VALUES (?, ?, ?, ?, ?, ?)",
                    (run_id if run_id is not None else self.run_id, round,

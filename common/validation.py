@@ -10,8 +10,15 @@ Where each check happens (docs/faults.md, "Hostile and corrupted inputs"):
   (WRONG_SENDER), the right method (BAD_METHOD);
 - the parent (`validate_reply` here): the algorithm's reply spec, names, dtypes, shapes
   (BAD_NAME / BAD_DTYPE / BAD_SHAPE), extra tensors only as 0-dim floats (BAD_EXTRA), NaN/Inf
-  (NON_FINITE), the weight scalar (MISSING_SCALAR / BAD_SCALAR); and across one round's
-  results, `consistent_results`: a scalar whose type differs from the other results' (BAD_SCALAR);
+  (NON_FINITE), the weight scalar (MISSING_SCALAR / BAD_SCALAR), every scalar typed and ranged
+  by the algorithm's `reply_scalars` (BAD_SCALAR: `num_results = "x"` never reaches `int()`),
+  and, where the parent knows them (`ReplyLimits`), the weight against the most the sender's
+  clients may claim (BAD_WEIGHT), `num_results` against the clients asked, `compute_seconds`
+  against the call's deadline; and across one round's results, `consistent_results`: a scalar
+  whose type differs from the other results' (BAD_SCALAR);
+- the aggregate and the new model (`finite_step`): checked finite before they are kept; a
+  round that would make them NaN/Inf is rolled back and the contributions that did it named
+  (NON_FINITE_AGGREGATE);
 - registration (common/liveness.py): a logical client id claimed by two live nodes
   (DUPLICATE_CLIENT).
 
@@ -20,24 +27,33 @@ code, and counted by code in summary.json (`rejections`).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 import math
 import re
 from collections import Counter
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
-from fedhop.common.algorithms.base import WEIGHT_KEY, Payload
+from fedhop.common.algorithms.base import (COMPUTE_KEY, COUNT_KEY, REPLY_SCALARS, WEIGHT_KEY, Payload,
+                                          ScalarRule)
 from fedhop.common.codec import PayloadError, check_tensors
+from fedhop.common.transport.base import ReplyBound
 
 REJECTION_CODES: frozenset[str] = frozenset({
     "BAD_NAME", "BAD_DTYPE", "BAD_SHAPE", "BAD_EXTRA", "NON_FINITE", "SIZE_MISMATCH", "TOO_LARGE",
     "MALFORMED_FRAME", "MALFORMED_HEADER", "MALFORMED_SCALAR", "CHECKSUM_MISMATCH", "STALE_ROUND",
     "WRONG_RUN", "WRONG_SENDER", "BAD_METHOD", "MISSING_SCALAR", "BAD_SCALAR", "DUPLICATE_CLIENT",
+    "BAD_WEIGHT", "NON_FINITE_AGGREGATE",
 })
 _CODE = re.compile(r"\b([A-Z][A-Z_]{3,})\b")
 MAX_SCALARS = 256
 MAX_NAME = 256
+MAX_TEXT = 1 << 16
+REPLY_SLACK = 64 << 10   # bytes a reply may carry beyond its spec's tensors   # an undeclared text scalar (declared ones: the algorithm's reply_scalars)
 
 
 def rejection_code(text: str) -> str | None:
@@ -52,10 +68,66 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def validate_reply(reply: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], who: str) -> None:
+@dataclass(frozen=True)
+class ReplyLimits:
+    """What the parent knows of one reply before it arrives: the most weight its sender's
+    clients may claim (None: unbounded), how many client results it may hold, and the call's
+    deadline (no client computes longer than the parent waited)."""
+
+    weight: float | None
+    results: int
+    seconds: float
+
+
+def reply_bound(spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> ReplyBound:
+    """The most a reply to a `train` or `edge_round` call may declare: the spec's tensor bytes plus
+    REPLY_SLACK (extra 0-dim values; an undeclared tensor that fits is then named BAD_EXTRA by
+    `validate_reply`); a header of MAX_SCALARS named scalars and tensor specs (a generous 1 KiB
+    each, at least 256 KiB).  Enforced as the reply arrives (codec.FrameDecoder), before the
+    receiver allocates its buffer."""
+    data = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for dtype, shape in spec.values())
+    data += REPLY_SLACK
+    return ReplyBound(data_bytes=data, header_bytes=max(256 << 10, 1024 * (len(spec) + 2 * MAX_SCALARS)))
+
+
+def check_scalar(name: str, v, rule: ScalarRule, who: str) -> None:
+    """BAD_SCALAR unless `v` has the rule's kind and lies within its range."""
+    if rule.kind == "str":
+        ok = isinstance(v, str)
+    elif rule.kind == "int":
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    else:
+        ok = _number(v)
+    if not ok:
+        raise PayloadError("BAD_SCALAR", f"{who}: scalar '{name}' must be {'an' if rule.kind == 'int' else 'a'} "
+                                         f"{rule.kind}, got {type(v).__name__} {str(v)[:40]!r}")
+    if rule.kind != "str" and not math.isfinite(v):
+        raise PayloadError("NON_FINITE", f"{who}: scalar '{name}' is {v}")
+    if (rule.lo is not None and v < rule.lo) or (rule.hi is not None and v > rule.hi):
+        raise PayloadError("BAD_SCALAR", f"{who}: scalar '{name}' = {v} is outside [{rule.lo}, {rule.hi}]")
+
+
+def check_limits(reply: Payload, limits: ReplyLimits, who: str) -> None:
+    """The reply's claims against what the parent knows of its sender (`ReplyLimits`)."""
+    w = float(reply.scalars[WEIGHT_KEY])
+    if limits.weight is not None and w > limits.weight * (1 + 1e-9):
+        raise PayloadError("BAD_WEIGHT", f"{who}: weight {w:.6g} exceeds the {limits.weight:.6g} its clients hold")
+    n = reply.scalars.get(COUNT_KEY, 1)
+    if n > limits.results:
+        raise PayloadError("BAD_SCALAR", f"{who}: '{COUNT_KEY}' = {n} but {limits.results} clients were asked")
+    secs = reply.scalars.get(COMPUTE_KEY, 0.0)
+    if secs > limits.seconds:
+        raise PayloadError("BAD_SCALAR", f"{who}: '{COMPUTE_KEY}' = {secs:.6g} s exceeds the call's "
+                                         f"{limits.seconds:.6g} s deadline")
+
+
+def validate_reply(reply: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], who: str,
+                   scalars: Mapping[str, ScalarRule] = REPLY_SCALARS, limits: ReplyLimits | None = None) -> None:
     """Raise PayloadError unless `reply` is usable: the spec's tensors exactly, extra tensors only
     as 0-dim floats (values such as a norm that travel as tensors), every float finite, a finite
-    non-negative numeric `weight`, a bounded number of scalars with bounded names."""
+    non-negative numeric `weight`, a bounded number of scalars with bounded names, each scalar
+    named in `scalars` of that kind and range (others: as the codec allows, texts bounded), and
+    within `limits`."""
     check_tensors(reply, spec, who, allow_extra=True)
     for name, t in reply.tensors.items():
         if len(name) > MAX_NAME:
@@ -77,6 +149,15 @@ def validate_reply(reply: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[i
     w = reply.scalars[WEIGHT_KEY]
     if not _number(w) or w < 0:
         raise PayloadError("BAD_SCALAR", f"{who}: '{WEIGHT_KEY}' must be a non-negative number, got {w!r}")
+    for name, v in reply.scalars.items():
+        if name in scalars:
+            check_scalar(name, v, scalars[name], who)
+            if name == "failures_json":
+                parse_failures(v, who)
+        elif isinstance(v, str) and len(v) > MAX_TEXT:
+            raise PayloadError("BAD_SCALAR", f"{who}: scalar '{name}' is a text of {len(v)} characters")
+    if limits is not None:
+        check_limits(reply, limits, who)
 
 
 def _kind(v) -> str:
@@ -103,3 +184,86 @@ def consistent_results(results: Mapping[int, Payload]) -> tuple[dict[int, Payloa
         else:
             kept[cid] = results[cid]
     return kept, rejected
+
+
+def parse_failures(text: str, who: str) -> dict[int, str]:
+    """An edge's `failures_json` ({client id: why}) or BAD_SCALAR."""
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("not an object")
+        return {int(c): str(why) for c, why in raw.items()}
+    except (ValueError, TypeError) as exc:
+        raise PayloadError("BAD_SCALAR", f"{who}: 'failures_json' is not a map of client ids: {exc}") from None
+
+
+class ReplyLimiter:
+    """`ReplyLimits` for replies from groups of clients, from what the server knows: each
+    client's sample count from the seeded partition (its own copy of the task), the algorithm's
+    `max_weight`, the call deadline."""
+
+    def __init__(self, algorithm, task, seconds: float) -> None:
+        self.algorithm, self.task, self.seconds = algorithm, task, seconds
+        self._bound: dict[int, float | None] = {}
+
+    def weight_of(self, cid: int) -> float | None:
+        if cid not in self._bound:
+            try:
+                samples = int(self.task.client_data(cid).num_samples)
+            except (IndexError, KeyError, AttributeError, NotImplementedError):
+                samples = None
+            self._bound[cid] = None if samples is None else self.algorithm.max_weight(samples)
+        return self._bound[cid]
+
+    def limits(self, cids: list[int]) -> ReplyLimits:
+        bounds = [self.weight_of(c) for c in cids]
+        weight = None if any(b is None for b in bounds) else float(sum(bounds))
+        return ReplyLimits(weight=weight, results=len(cids), seconds=self.seconds)
+
+
+# ----------------------------------------------------------------------------- the aggregate
+def _non_finite(tensors: Mapping[str, torch.Tensor], scalars: Mapping, what: str) -> str | None:
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"{what} tensor '{name}' holds NaN or Inf"
+    for name, v in scalars.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"{what} scalar '{name}' is {v}"
+    return None
+
+
+def _magnitude(p: Payload) -> float:
+    """The largest absolute value a result adds to a weighted sum (float64: no overflow here)."""
+    w = 1.0 if COUNT_KEY in p.scalars else float(p.scalars.get(WEIGHT_KEY, 1.0))
+    top = max((float(t.detach().double().abs().max()) for t in p.tensors.values() if t.numel()), default=0.0)
+    return top * w
+
+
+def finite_step(algorithm, state, results: Mapping[int, Payload], round: int
+                ) -> tuple[Payload | None, dict[int, str]]:
+    """Aggregate `results` and apply the server step, keeping the aggregate and the new model
+    finite.  Where either would hold NaN/Inf (or the step raises on them) the state is rolled
+    back, the result with the largest weighted magnitude is named (NON_FINITE_AGGREGATE) and left
+    out, and the step is retried without it.  Returns the aggregate used (None where no result
+    is left) and the named results.  `state` None (an edge): the aggregate only."""
+    backup = copy.deepcopy(state)
+    kept = dict(results)
+    blamed: dict[int, str] = {}
+    while kept:
+        try:
+            aggregate = algorithm.aggregate(sorted(kept.items()))
+            problem = _non_finite(aggregate.tensors, aggregate.scalars, "the aggregate's")
+            if problem is None and state is not None:
+                algorithm.server_update(state, aggregate, round)
+                problem = _non_finite({**state.params, **state.extra}, state.scalars, "the new model's")
+        except (ArithmeticError, ValueError, RuntimeError) as exc:
+            problem = f"the server step failed ({type(exc).__name__}: {exc})"
+        if problem is None:
+            return aggregate, blamed
+        for f in dataclasses.fields(state) if state is not None else ():   # roll back
+            setattr(state, f.name, copy.deepcopy(getattr(backup, f.name)))
+        worst = max(sorted(kept), key=lambda k: _magnitude(kept[k]))
+        blamed[worst] = (f"NON_FINITE_AGGREGATE: round {round}: {problem}; the round was rolled back and the "
+                         f"result of {worst} (largest weighted value {_magnitude(kept[worst]):.3g}) left out")
+        del kept[worst]
+    return None, blamed

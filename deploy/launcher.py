@@ -307,6 +307,18 @@ def loopback_plaintext_note(cfg: Config) -> str | None:
             "`fedhop certs` directory for TLS")
 
 
+def finished_rounds(run_dir: Path) -> int | None:
+    """The rounds a completed run's summary.json records, or None (no summary, not completed,
+    unreadable).  Resuming from a checkpoint older than that re-runs the rounds after it."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if summary.get("status") != "completed":
+            return None
+        return int(summary.get("rounds_completed"))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
 def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True, dashboard: int | None = None) -> int:
     """`fedhop run --resume RUN_DIR`: restart the server from its newest checkpoint and fresh
     client processes; the same exit codes as `run_local`."""
@@ -319,6 +331,11 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True, das
         ckpt = latest_checkpoint(d)
     except CheckpointError as exc:
         print(f"fedhop run --resume: {exc}", file=sys.stderr)
+        return 2
+    done = finished_rounds(d)
+    if done is not None and ckpt.round >= done:
+        print(f"fedhop run --resume: the run in {d} is already completed (summary.json, {done} rounds); nothing to "
+              f"resume", file=sys.stderr)
         return 2
     if not quiet:
         print(f"fedhop run: resuming {d} after round {ckpt.round}", file=sys.stderr)
@@ -337,6 +354,10 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
         cfg = load_config(config_path, overrides)
     except (ConfigError, OSError) as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
+        return 2
+    if cfg.security.certs_dir and not Path(cfg.security.certs_dir).is_dir():
+        print(f"fedhop run: security.certs_dir = '{cfg.security.certs_dir}' is not a directory; make one with "
+              f"`fedhop certs {cfg.security.certs_dir} --nodes ...`", file=sys.stderr)
         return 2
     run_dir = Path(out) if out else default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from fedhop.common.ledger import Ledger
 from fedhop.common.livebytes import LinkCounter, Reported
 from fedhop.common.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
 from fedhop.common.procexit import exit_now
+from fedhop.common.addresses import listen_address
 from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
 from fedhop.common.transport.grpc import GrpcEndpoint
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedhop.edge", description=__doc__)
     add_parent_args(ap, "server")
     ap.add_argument("--node-id", required=True, help="edge-<n>: n selects the cluster in the topology config")
-    ap.add_argument("--listen", default="127.0.0.1:0")
+    ap.add_argument("--listen", default="127.0.0.1:0", type=listen_address)
     ap.add_argument("--port-file", default="", help="write the bound address here once serving")
     ap.add_argument("--ledger-dir", default="")
     ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))

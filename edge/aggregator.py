@@ -22,6 +22,7 @@ from fedhop.common.control import control_of, failures_control, without_control
 from fedhop.common.config import Config
 from fedhop.common.topology import cluster_assignment, edge_index, topology_params
 from fedhop.common.methods import Method
+from fedhop.common.validation import ReplyLimiter, finite_step
 from fedhop.common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError, Request
 from fedhop.common.transport.fabric import Fabric, ReplyPipeline, Send, upload
 from fedhop.common.transport.router import MethodRouter, Peers
@@ -41,7 +42,9 @@ class EdgeAggregator:
         self.algorithm = build_algorithm(cfg)
         self.params = topology_params(cfg)
         # the model's shapes, to validate client replies as the server does
-        self.model_state = self.algorithm.init_state(get_params(build_task(cfg).build_model()))
+        task = build_task(cfg)
+        self.model_state = self.algorithm.init_state(get_params(task.build_model()))
+        self.limiter = ReplyLimiter(self.algorithm, task, 2 * cfg.run.round_timeout)   # clients' claims bounded
         self.client_home: dict[int, tuple[str, str]] = {}  # client id -> (process node id, address)
         self.processes: dict[str, str] = {}                # process node id -> address
         self._cond = threading.Condition()
@@ -136,7 +139,10 @@ class EdgeAggregator:
             failures.update(failed)
             if not replies:
                 break
-            partial = self.algorithm.aggregate(sorted(replies.items()))
+            partial, blamed = finite_step(self.algorithm, None, replies, round)   # NaN/Inf sums: offender out
+            failures.update(blamed)
+            if partial is None:
+                break
             if k < kappa2 - 1:
                 message = self.algorithm.edge_step(message, partial)
         if partial is None:
@@ -150,13 +156,15 @@ class EdgeAggregator:
     def _collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None):
         """Send `message` to `clients` (one encoding), gather replies checked against `spec`
         (default: the algorithm's reply spec for this edge's model) and failures."""
-        check = ReplyPipeline(self.cfg, spec if spec is not None else self.algorithm.reply_spec(self.model_state))
+        spec = spec if spec is not None else self.algorithm.reply_spec(self.model_state)
+        rules = self.algorithm.reply_scalars()
         failures: dict[int, str] = {}
         requests = []
         for c in clients:
             if c not in self.client_home:
                 failures[c] = f"UNKNOWN_CLIENT: client {c} never registered with {self.endpoint.node_id}"
                 continue
+            check = ReplyPipeline(self.cfg, spec, rules, self.limiter.limits([c]))
             requests.append(Send(c, self.client_home[c][1], f"client-{c}", Method.TRAIN, message, step=step,
                                  inbound=check, who=f"round {round} step {step} reply of client {c}"))
         replies, failed = self.fabric.send_and_receive(requests, round=round, timeout=self.cfg.run.round_timeout,

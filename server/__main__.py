@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from fedhop.common.addresses import plaintext_refusal
+from fedhop.common.addresses import listen_address, plaintext_refusal
+from fedhop.common.admission import EventThrottle, peer_host
 from fedhop.common.checkpoint import CheckpointError
 from fedhop.common.config import ConfigError, load_config
 from fedhop.common.ledger import Ledger
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedhop.server", description=__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--listen", default="127.0.0.1:0")
+    ap.add_argument("--listen", default="127.0.0.1:0", type=listen_address)
     ap.add_argument("--port-file", default="", help="write the bound address here once serving")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))
@@ -71,11 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     ledger.observers.append(counter.observe)
     holder: dict = {}
 
-    def refused(node: str, method: str, reason: str, peer: str) -> None:
+    def record(kind: str, node: str, detail: str) -> None:
         coord = holder.get("coordinator")
         if coord is not None:
-            coord.store.add_event("auth_refused", node=node or "?", round=coord.rounds_completed,
-                                  detail=f"{method} from {peer}: {reason}")
+            coord.store.add_event(kind, node=node, round=coord.rounds_completed, detail=detail)
+
+    throttle = EventThrottle(record)   # one auth_refused event per peer host per interval, with a count
+
+    def refused(node: str, method: str, reason: str, peer: str) -> None:
+        throttle("auth_refused", peer_host(peer), node or "?", f"{method} from {peer}: {reason}")
 
     endpoint = GrpcEndpoint("server", ledger, token="", chunk_bytes=cfg.transport.chunk_bytes,
                             max_message_bytes=cfg.transport.max_message_bytes, workers=32,
@@ -104,12 +109,18 @@ def main(argv: list[str] | None = None) -> int:
                                                               for r, s in checkpointer.written]})
     monitor.on_bytes = live.report
     monitor.start()
-    address = endpoint.serve(lambda req: _no_calls(), args.listen, register_handler=coordinator.handle_register)
+    try:
+        address = endpoint.serve(lambda req: _no_calls(), args.listen, register_handler=coordinator.handle_register)
+    except (OSError, RuntimeError) as exc:   # grpc: "Failed to bind to address ..."
+        logging.error("cannot serve on --listen %s: %s", args.listen, str(exc).split(";")[0])
+        monitor.stop()
+        return 2
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(address)
         tmp.replace(args.port_file)
     logging.info("run %s: serving at %s", coordinator.run_id, address)
+    coordinator.summary_hooks.insert(0, lambda: throttle.flush() or {})   # folded refusals land before the summary
     summary = coordinator.run(register_timeout=args.register_timeout)
     live.flush()   # the server's own records up to the last shutdown reply: the live view now equals the final table
     monitor.stop()

@@ -25,7 +25,9 @@ from fedhop.common.runstore import RunStore
 from fedhop.common.rounds import RoundEngine
 from fedhop.common.transport.base import CallFailed, Endpoint, RemoteError
 from fedhop.common.transport.fabric import Fabric
-from fedhop.common.validation import consistent_results, rejection_code
+from fedhop.common.liveness import live_pool
+from fedhop.common.topology import edge_index
+from fedhop.common.validation import ReplyLimiter, consistent_results, rejection_code
 from fedhop.common.vclock import RoundClock
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.server.driver import ChildNode, RoundResult, RunFailed, TopologyDriver, client_node, make_driver
@@ -83,6 +85,7 @@ class Coordinator:
         self.ready_listeners: list[Callable[[], None]] = []   # after registration (resume: restore client states)
         self.restored_topology: dict | None = None          # resume: the driver's checkpoint state (e.g. the walk)
         self.summary_hooks: list[Callable[[], dict]] = [lambda: fault_summary(self.store)]  # summary.json sections
+        self.limiter = ReplyLimiter(self.algorithm, self.task, 2 * cfg.run.round_timeout)   # replies' claims bounded
 
     # ------------------------------------------------------------------ registration
     def handle_register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
@@ -91,13 +94,14 @@ class Coordinator:
                                      req.msg_id, self.run_id)
         token = getattr(self.endpoint, "token", "")
         if token and req.token != token:
-            self.store.add_event("register_refused", node=req.node_id, detail="wrong token", round=0)
             reply = pb.RegisterReply(accepted=False, message="registration refused: wrong token")
+            self._refused(req, reply.message)
         else:
             bad = [c.client_id for c in req.clients if c.client_id >= self.cfg.clients.count]
             if bad:
-                reply = pb.RegisterReply(accepted=False, message=f"client ids {bad} out of range "
+                reply = pb.RegisterReply(accepted=False, message=f"client ids {bad[:10]} out of range "
                                                                  f"(clients.count = {self.cfg.clients.count})")
+                self._refused(req, reply.message)
             else:
                 node = ChildNode(req.node_id, req.role, req.address, sorted(c.client_id for c in req.clients))
                 with self._registered:
@@ -112,6 +116,12 @@ class Coordinator:
         self.endpoint.record_control("register.reply", "server", req.node_id, reply.ByteSize(), "sender", 0.0,
                                      req.msg_id + ".reply", self.run_id)
         return reply
+
+    def _refused(self, req: pb.RegisterRequest, message: str) -> None:
+        """A refused registration's event; where a liveness monitor watches the endpoint it records
+        every refusal itself, one event per node per interval (common/admission.py)."""
+        if getattr(self.endpoint, "liveness", None) is None:
+            self.store.add_event("register_refused", node=req.node_id, detail=message, round=0)
 
     def wait_for_clients(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -131,7 +141,14 @@ class Coordinator:
 
     # ------------------------------------------------------------------ rounds
     def sample(self, round: int) -> list[int]:
-        return self.engine.sample(round)
+        """The round's clients (RoundEngine.sample), none of them hosted by a node known dead."""
+        def live_only(pool: list[int], size: int) -> list[int]:
+            pool, dead = live_pool(pool, size, self.client_home, getattr(self.endpoint, "liveness", None))
+            if dead:   # no dead node's client drawn in place of a live one (common/liveness.py)
+                self.store.add_event("sampling_excluded", node="server", round=round,
+                                     detail=f"{len(dead)} clients of dead nodes not sampled: {dead[:20]}")
+            return pool
+        return self.engine.sample(round, restrict=live_only)
 
     def client_message(self, message: Payload, round: int, cid: int) -> Payload:
         """Client `cid`'s message this round: the shared one or its own variant (Algorithm.client_message)."""
@@ -170,7 +187,8 @@ class Coordinator:
             raise RunFailed(f"round {round}: only {len(participants)} of {len(sampled)} sampled clients returned a "
                             f"result; run.min_results requires {needed}")
         collected = time.perf_counter()
-        aggregate = self.engine.finish_round(round, results, participants)
+        aggregate = self.engine.finish_round(   # NaN/Inf: rolled back, the offender left out
+            round, results, participants, lambda blamed, kept: self._left_out(round, blamed, kept, failures, per_client))
         aggregated = time.perf_counter()
         metrics = self.round_metrics(round, aggregate)
         compute = float(aggregate.scalars.get(COMPUTE_KEY, 0.0))
@@ -188,6 +206,27 @@ class Coordinator:
         variants (variants extend the shared message, Algorithm.client_message)."""
         variants = {id(m): m for m in (self.algorithm.client_message(self.state, message, round, c) for c in cids)}
         return max(variants.values(), key=lambda m: (len(m.tensors), len(m.scalars)), default=message)
+
+    def _left_out(self, round: int, blamed: dict[int, str], participants: list[int], failures: dict[int, str],
+                  per_client: bool) -> list[int]:
+        """Results whose contribution made the aggregate or the model non-finite (common/validation.py
+        `finite_step`): recorded as typed rejections, out of the round, or the run fails under
+        security.nan_policy = "fail".  Without `per_client` the results are edges' partials."""
+        def key_of(cid: int) -> int:
+            return cid if per_client else edge_index(self.client_home[cid].node_id)
+
+        for key, why in sorted(blamed.items()):
+            node = client_node(key) if per_client else f"edge-{key}"
+            self.store.add_event("rejected_payload", node=node, detail=why, round=round)
+            log.warning("round %d: %s left out: %s", round, node, why)
+        gone = [c for c in participants if key_of(c) in blamed]
+        failures.update({c: blamed[c] if per_client else
+                         f"NON_FINITE_AGGREGATE: the partial of edge-{key_of(c)} was left out" for c in gone})
+        kept = [c for c in participants if c not in gone]
+        if self.cfg.security.nan_policy == "fail" or not kept:
+            raise RunFailed(f"round {round}: {next(iter(blamed.values()))} (security.nan_policy = "
+                            f"'{self.cfg.security.nan_policy}', {len(kept)} results left)")
+        return kept
 
     def round_metrics(self, round: int, aggregate: Payload) -> dict[str, float]:
         return self.engine.metrics(round, aggregate)
@@ -236,6 +275,8 @@ class Coordinator:
         return summary
 
     def shutdown_children(self) -> None:
+        if getattr(self.endpoint, "liveness", None) is not None:   # children told to stop are not "dead"
+            self.endpoint.liveness.stop()
         for node in list(self.children.values()):
             try:
                 self.fabric.call(node.address, node.node_id, "shutdown", Payload(), round=self.rounds_completed,

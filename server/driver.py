@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from fedhop.common.ledger import Ledger
     from fedhop.common.runstore import RunStore
     from fedhop.common.transport.fabric import Fabric
+    from fedhop.common.validation import ReplyLimiter
     from fedhop.common.vclock import RoundClock
 
 
@@ -71,6 +72,7 @@ class DriverContext(Protocol):
     client_home: dict[int, ChildNode]
     restored_topology: dict | None
     summary_hooks: list[Callable[[], dict]]
+    limiter: ReplyLimiter          # what a reply may claim for its clients (common/validation.py)
 
     def sample(self, round: int) -> list[int]: ...
     def group_message(self, message: Payload, round: int, cids: list[int]) -> Payload: ...

@@ -121,7 +121,8 @@ class Checkpointer:
 
 def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     """Continue `coord`'s run from the newest checkpoint in its run directory (module docstring)."""
-    ckpt = latest_checkpoint(coord.run_dir)
+    skipped: list[str] = []   # unreadable newer checkpoints: events once the run id is known
+    ckpt = latest_checkpoint(coord.run_dir, on_skip=skipped.append)
     if ckpt.config_sha256 and ckpt.config_sha256 != config_digest(coord.config_toml):
         raise CheckpointError(f"checkpoint of round {ckpt.round} was written under another config than "
                               f"{coord.run_dir / 'config.toml'}; resume needs the run's own config")
@@ -152,6 +153,8 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
                     detail=json.dumps({"from_round": r, "aborted_messages": int(aborted[0]),
                                        "aborted_framed_bytes": int(aborted[1]), "run_id": ckpt.run_id,
                                        "client_states": len(ckpt.client_states)}))
+    for why in skipped:
+        store.add_event("checkpoint_skipped", node="server", round=r, detail=why)
     log.info("resuming run %s after round %d (%d client states)", ckpt.run_id, r, len(ckpt.client_states))
     return ckpt
 

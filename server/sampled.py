@@ -44,9 +44,10 @@ class ClientFanout(DataPlane):
 
     def dispatch(self, round, sampled, message, arrivals):
         ctx = self.ctx
-        check = ReplyPipeline(ctx.cfg, ctx.algorithm.reply_spec(ctx.state))
+        spec, rules = ctx.algorithm.reply_spec(ctx.state), ctx.algorithm.reply_scalars()
         requests = [Send(cid, ctx.client_home[cid].address, client_node(cid), Method.TRAIN,
-                         ctx.client_message(message, round, cid), inbound=check,
+                         ctx.client_message(message, round, cid),
+                         inbound=ReplyPipeline(ctx.cfg, spec, rules, ctx.limiter.limits([cid])),
                          who=f"round {round} reply of client {cid}",
                          on_reply=lambda c: arrivals.__setitem__(c, time.perf_counter()))
                     for cid in sampled]
@@ -66,11 +67,12 @@ class EdgeFanout(DataPlane):
         by_edge: dict[str, list[int]] = {}
         for cid in sampled:
             by_edge.setdefault(ctx.client_home[cid].node_id, []).append(cid)
-        check = ReplyPipeline(ctx.cfg, ctx.algorithm.reply_spec(ctx.state))
+        spec, rules = ctx.algorithm.reply_spec(ctx.state), ctx.algorithm.reply_scalars()
         requests = []
         for node_id, cids in sorted(by_edge.items()):
             shared = ctx.group_message(message, round, cids)
             payload = Payload(tensors=shared.tensors, scalars=shared.scalars, control=sampled_clients(cids))
+            check = ReplyPipeline(ctx.cfg, spec, rules, ctx.limiter.limits(cids))   # the edge speaks for its clients
             requests.append(Send(node_id, ctx.children[node_id].address, node_id, Method.EDGE_ROUND, payload,
                                  inbound=check, who=f"round {round} partial of {node_id}"))
         timeout = ctx.cfg.run.round_timeout * 2

@@ -22,9 +22,11 @@ CURV = RNG.uniform(0.5, 2.0, size=(8, 4))
 SIZES = [5, 9, 13, 3, 7, 11, 2, 8]
 STEPS, LR = 3000, 0.01          # ~0.3 s of local work per client: rounds of about a second
 
-# fast liveness: heartbeats every 0.25 s, dead after 1.5 s of silence, children give up after 3 s
+# fast liveness: heartbeats every 0.25 s, dead after 1.5 s of silence, children give up after 3 s;
+# call and round deadlines generous (a dead node fails fast through liveness, not through them), so a
+# loaded machine's slow rounds are not lost results
 FAST_LIVENESS = ["security.heartbeat_interval=0.25", "security.heartbeat_timeout=1.5", "security.parent_timeout=3.0",
-                 "security.insecure=true", "run.min_results=1", "run.call_timeout=20.0", "run.round_timeout=30.0",
+                 "security.insecure=true", "run.min_results=1", "run.call_timeout=120.0", "run.round_timeout=180.0",
                  "run.eval_every=0"]
 
 
@@ -55,6 +57,32 @@ def wait_for_round(run_dir: Path, round: int, timeout: float = 120.0) -> float:
             return time.monotonic()
         time.sleep(0.02)
     raise AssertionError(f"round {round} never finished in {run_dir}")
+
+
+def wait_for_dispatch(run_dir: Path, round: int, timeout: float = 120.0) -> float:
+    """Block until a child has received its work of `round` (a receiver record of that round in
+    a child's ledger file, written and flushed as the message arrives): the round is under way.
+    Returns the time (time.monotonic)."""
+    deadline = time.monotonic() + timeout
+    offsets: dict[Path, int] = {}
+    while time.monotonic() < deadline:
+        for path in sorted((run_dir / "ledger").glob("*.jsonl")):
+            if path.name == "server.jsonl":
+                continue
+            with open(path, "rb") as fh:
+                fh.seek(offsets.get(path, 0))
+                data = fh.read()
+            complete = data[:data.rfind(b"\n") + 1]
+            offsets[path] = offsets.get(path, 0) + len(complete)
+            for line in complete.splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if rec.get("round") == round and rec.get("role") == "receiver" and rec.get("link") != "control":
+                    return time.monotonic()
+        time.sleep(0.02)
+    raise AssertionError(f"no child of {run_dir} received work of round {round}")
 
 
 def kill_after_round(run, round: int, victims, timeout: float = 90.0) -> tuple[int, float]:

@@ -54,4 +54,9 @@ def build_algorithm(cfg):
     params = getattr(cfg.algorithm, "params", None)
     if params is None:
         params = cls.Params(**cfg.algorithm.options)
-    return cls(cfg.algorithm, params)
+    algorithm = cls(cfg.algorithm, params)
+    rule = getattr(getattr(cfg, "security", None), "aggregation", "mean")
+    if rule != "mean":   # Byzantine-robust reduction (common/robust.py), at the server and at every edge
+        from fedhop.common.robust import RobustAggregate
+        algorithm.aggregate = RobustAggregate(algorithm.reply_reduce, rule, cfg.security.trim, cfg.security.krum_f)
+    return algorithm

@@ -39,6 +39,27 @@ COUNT_KEY = "num_results"  # scalar added by `aggregate`: how many client result
 COMPUTE_KEY = "compute_seconds"  # scalar the client host adds: local solver time (reduced by max)
 
 
+@dataclass(frozen=True)
+class ScalarRule:
+    """What one reply scalar must be before any arithmetic touches it (common/validation.py):
+    `kind` "number" (int or float, finite), "int" or "str"; numbers within [lo, hi]."""
+
+    kind: Literal["number", "int", "str"] = "number"
+    lo: float | None = None
+    hi: float | None = None
+
+
+# the scalars every reply may carry; an algorithm adds its own in `reply_scalars`
+REPLY_SCALARS: dict[str, ScalarRule] = {
+    WEIGHT_KEY: ScalarRule("number", 0.0),
+    COUNT_KEY: ScalarRule("int", 1),
+    COMPUTE_KEY: ScalarRule("number", 0.0),
+    "train_loss": ScalarRule("number"),
+    "local_steps": ScalarRule("number", 0.0),   # a partial carries the weighted sum
+    "failures_json": ScalarRule("str"),   # an edge's partial: the clients it lost, {id: why}
+}
+
+
 @dataclass
 class Payload:
     """What one message carries: named tensors and typed scalars (DESIGN.md section 3)."""
@@ -134,6 +155,18 @@ class Algorithm(ABC):
         """Names, dtypes and shapes every client reply must carry (default: one delta per
         parameter).  The server rejects a reply that does not match before using it."""
         return {name: (t.dtype, tuple(t.shape)) for name, t in state.params.items()}
+
+    def reply_scalars(self) -> dict[str, ScalarRule]:
+        """Type and range of each named reply scalar (default: the common ones, REPLY_SCALARS).
+        A scalar not named here must be a finite number."""
+        return REPLY_SCALARS
+
+    def max_weight(self, num_samples: int) -> float | None:
+        """The largest `weight` a client holding `num_samples` samples may send (the bound
+        `client_weight` implies); None: the algorithm's weights have no such bound."""
+        if getattr(self.cfg, "weighting", "samples") == "uniform":
+            return 1.0
+        return float(num_samples)
 
     @abstractmethod
     def client_update(self, ctx: ClientContext, message: Payload) -> Payload:

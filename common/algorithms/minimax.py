@@ -52,8 +52,8 @@ from typing import Any, Iterable
 
 import torch
 
-from fedhop.common.algorithms.base import (COUNT_KEY, WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload,
-                                    ServerState)
+from fedhop.common.algorithms.base import (COUNT_KEY, REPLY_SCALARS, WEIGHT_KEY, Algorithm, AlgorithmParams,
+                                          ClientContext, Payload, ScalarRule, ServerState)
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.algorithms.minimax_local import local_sgda
 from fedhop.common.projections import NO_CONSTRAINT, Constraint
@@ -277,6 +277,14 @@ class MinimaxAlgorithm(Algorithm):
             for cid in participants:
                 held[str(cid)] = self._sent_version
             state.scalars["snapshot_held"] = held
+
+    def reply_scalars(self) -> dict[str, ScalarRule]:
+        return {**REPLY_SCALARS, "pn": ScalarRule("number", 0.0), "num_clients": ScalarRule("int", 1),
+                "max_constraint": ScalarRule("str")}
+
+    def max_weight(self, num_samples: int) -> float | None:
+        """w~_i = p_i n (times ||a||_1 under agg_weights = "p_a"): not bounded by the sample count."""
+        return None
 
     def reply_spec(self, state: ServerState) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         spec = super().reply_spec(state)

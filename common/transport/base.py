@@ -87,6 +87,15 @@ def reply_problem(reply: pb.Envelope, request: pb.Envelope) -> tuple[str, str] |
     return None
 
 
+@dataclass(frozen=True)
+class ReplyBound:
+    """The most a reply may declare: its tensor data and its header frame (common/validation.py
+    `reply_bound` computes it from the algorithm's reply spec)."""
+
+    data_bytes: int
+    header_bytes: int
+
+
 class Endpoint(ABC):
     """One process's transport endpoint."""
 
@@ -108,8 +117,9 @@ class Endpoint(ABC):
 
     def call(self, address: str, dst: str, method: str, payload: Payload | None = None, *,
              round: int, step: int = 0, timeout: float, prepared: Encoded | None = None,
-             link: str | None = None) -> Payload:
-        """Send `payload` to node `dst` at `address`, wait for its reply, record both messages."""
+             link: str | None = None, expect: ReplyBound | None = None) -> Payload:
+        """Send `payload` to node `dst` at `address`, wait for its reply, record both messages.
+        `expect`: the most the reply may declare (data bytes, header bytes), enforced as it arrives."""
         env = make_envelope(run_id=self.run_id, round=round, step=step, src=self.node_id, dst=dst,
                             method=method, token=self.token)
         if prepared is None:
@@ -119,7 +129,7 @@ class Endpoint(ABC):
         link = link or message_link(self.node_id, dst, method)
         started = time.perf_counter()
         try:
-            decoded, sent_seconds = self._exchange(address, request, timeout)
+            decoded, sent_seconds = self._exchange(address, request, timeout, self._decoder(expect))
         except CallFailed as exc:
             self._record(request.envelope, request, "sender", link, time.perf_counter() - started,
                          status="lost", error=str(exc))
@@ -178,8 +188,11 @@ class Endpoint(ABC):
         if self.liveness is not None:
             refusal = self.liveness.check_registration(request)
             if refusal is not None:
+                self.liveness.refused(request, refusal)
                 return pb.RegisterReply(accepted=False, message=refusal, node_id=self.node_id)
         reply = register_handler(request)
+        if not reply.accepted and self.liveness is not None:
+            self.liveness.refused(request, reply.message)
         if reply.accepted and self.liveness is not None:
             self.liveness.registered(request)
         return reply
@@ -187,9 +200,18 @@ class Endpoint(ABC):
     @abstractmethod
     def _register_rpc(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply: ...
 
+    def _decoder(self, expect: ReplyBound | None) -> FrameDecoder:
+        """A decoder for one reply: the endpoint's limit, or the caller's tighter bound."""
+        if expect is None:
+            return FrameDecoder(max_payload_bytes=self.max_payload_bytes)
+        return FrameDecoder(max_payload_bytes=min(expect.data_bytes, self.max_payload_bytes),
+                            max_header_bytes=expect.header_bytes)
+
     @abstractmethod
-    def _exchange(self, address: str, request: Encoded, timeout: float) -> tuple[Decoded, float]:
-        """Move the request frames, return the decoded reply and the seconds spent sending."""
+    def _exchange(self, address: str, request: Encoded, timeout: float,
+                  decoder: FrameDecoder) -> tuple[Decoded, float]:
+        """Move the request frames, feed the reply's frames to `decoder`; return the decoded reply
+        and the seconds spent sending."""
 
     # -- incoming -------------------------------------------------------------------
     def serve_frames(self, frames, handler: Handler, framing: int | None = None) -> list[bytes]:

@@ -47,7 +47,7 @@ class Send:
     method: str
     message: Payload = field(default_factory=Payload)
     step: int = 0
-    inbound: Callable[[Payload, str], Payload] | None = None
+    inbound: Callable[[Payload, str], Payload] | None = None   # a ReplyPipeline also bounds the reply's size
     who: str = ""
     on_reply: Callable[[Hashable], None] | None = None   # e.g. the arrival time of a reply
 
@@ -86,8 +86,9 @@ class Fabric:
         return gather(calls, timeout, timeout_reason or f"timeout: no result within {timeout:g}s")
 
     def _exchange(self, req: Send, round: int, call_timeout: float, prepared: Encoded) -> Payload:
+        bound = getattr(req.inbound, "bound", None)   # what the reply may declare (ReplyPipeline)
         reply = self.endpoint.call(req.address, req.dst, req.method, round=round, step=req.step,
-                                   timeout=call_timeout, prepared=prepared)
+                                   timeout=call_timeout, prepared=prepared, expect=bound)
         if req.on_reply is not None:
             req.on_reply(req.key)
         if req.inbound is not None:

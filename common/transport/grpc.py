@@ -35,15 +35,18 @@ REGISTER = "/fedhop.Fedhop/Register"
 HEARTBEAT = "/fedhop.Fedhop/Heartbeat"
 
 
-def grpc_options(max_message_bytes: int, server: bool = False) -> list[tuple[str, int]]:
+def grpc_options(max_message_bytes: int, server: bool = False,
+                 max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
     """Channel and server options.  Clients ping every 30 s so a dead peer is noticed during
     a long call; servers accept pings that often (their default minimum is 5 minutes, after
-    which they answer GOAWAY "too_many_pings" and cut long calls)."""
+    which they answer GOAWAY "too_many_pings" and cut long calls).  `max_receive_bytes`: a
+    server's bound on one incoming gRPC message, checked against its length prefix before the
+    body is read (before authentication has looked at anything but the metadata)."""
     extra = [("grpc.http2.min_ping_interval_without_data_ms", 10_000),
              ("grpc.http2.min_time_between_pings_ms", 10_000)] if server else []
     return extra + [
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes),
         ("grpc.so_reuseport", 0),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_time_ms", 30_000),
@@ -136,7 +139,8 @@ class GrpcEndpoint(Endpoint):
                             msg_id + ".reply", request.run_id)
         return reply
 
-    def _exchange(self, address: str, request: Encoded, timeout: float) -> tuple[Decoded, float]:
+    def _exchange(self, address: str, request: Encoded, timeout: float,
+                  decoder: FrameDecoder) -> tuple[Decoded, float]:
         started = time.perf_counter()
         sent = [0.0]
         bundled = request.payload_bytes <= self.chunk_bytes
@@ -151,7 +155,6 @@ class GrpcEndpoint(Endpoint):
             yield from request.frames
             sent[0] = time.perf_counter() - started
 
-        decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes)
         with self._lock:
             dead = self._dead.get(address)
         if dead is not None:
@@ -182,6 +185,11 @@ class GrpcEndpoint(Endpoint):
         finally:
             with self._lock:
                 self._inflight.get(address, set()).discard(call)
+
+    def request_bound(self) -> int:
+        """The largest incoming request message: one frame of an Exchange stream, or a Call's bundle
+        of a request no larger than chunk_bytes (common/codec.py), plus 1 MiB for headers."""
+        return min(self.max_message_bytes, self.chunk_bytes + (1 << 20))
 
     def _register_rpc(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:
         stub = self.channel(address).unary_unary(
@@ -253,7 +261,9 @@ class GrpcEndpoint(Endpoint):
             self.interceptor = AuthInterceptor(self.credentials, self.on_refused)
             interceptors.append(self.interceptor)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers),
-                             options=grpc_options(self.max_message_bytes, server=True), interceptors=interceptors)
+                             options=grpc_options(self.max_message_bytes, server=True,
+                                                  max_receive_bytes=self.request_bound()),
+                             interceptors=interceptors)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("fedhop.Fedhop", handlers),))
         server_creds = self.credentials.server_credentials() if self.credentials is not None else None
         port = server.add_secure_port(bind, server_creds) if server_creds is not None else server.add_insecure_port(bind)

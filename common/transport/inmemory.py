@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
-from fedhop.common.codec import Decoded, Encoded, decode_frames
+from fedhop.common.codec import Decoded, Encoded, FrameDecoder
 from fedhop.common.ledger import Ledger
 from fedhop.common.transport.base import CallFailed, Endpoint, Handler
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -47,12 +47,15 @@ class InMemoryEndpoint(Endpoint):
         self.network = network
         self.address = ""
 
-    def _exchange(self, address: str, request: Encoded, timeout: float) -> tuple[Decoded, float]:
+    def _exchange(self, address: str, request: Encoded, timeout: float,
+                  decoder: FrameDecoder) -> tuple[Decoded, float]:
         target, handler, _ = self.network.lookup(address)
         started = time.perf_counter()
         reply_frames = target.serve_frames(list(request.frames), handler)
         sent = time.perf_counter() - started
-        return decode_frames(reply_frames, self.max_payload_bytes), sent
+        for frame in reply_frames:
+            decoder.feed(frame)
+        return decoder.finish(), sent
 
     def _register_rpc(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:
         target, _, register_handler = self.network.lookup(address)

@@ -1,0 +1,320 @@
+"""The attack suite of docs/faults.md ("Attacks"): each attack against a real server process,
+one command:
+
+    .venv/bin/python -m tests.attacks [--only NAME,...] [--json FILE] [--out DIR]
+
+Each attack runs its own small run (the quadratic problem of tests/test_hostile.py: 4 logical
+clients, 3 rounds, token authentication): a server process (`python -m fedhop.server`), two
+honest client processes (`python -m fedhop.client`, clients 0-1 and 2) and the attacker, this
+process, speaking gRPC built from proto/fedhop.proto.  Where the attacker is a participant it
+holds a valid credential for its own node and hosts client 3 (tests/test_hostile.py
+`HostileClient`, which computes the honest reply and then breaks it).
+
+Columns: the server's exit and the run's status (no crash: exit 0, "completed"); the model
+(equal to FedAvg over the honest results, float64 reference: not corrupted); honest clients
+blamed (run.db events naming client 0, 1 or 2); the typed event the attack left; the server's
+peak resident memory (VmHWM, /proc) against the same run without an attack.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+from safetensors.torch import load_file
+
+from fedhop.common.ledger import Ledger
+from fedhop.common.runstore import RunStore
+from fedhop.common.security import NodeCredentials
+from fedhop.common.transport.grpc import GrpcEndpoint, grpc_options
+from fedhop.common.wire import fedhop_pb2 as pb
+from tests.cluster import fedavg_reference
+from tests.helpers import quadratic_config
+from tests.test_hostile import CENTERS, CURV, LR, ROUNDS, SIZES, STEPS
+from tests.test_meaning import MeaningClient
+
+HOSTILE = 3
+SECRET = "attack-suite-cluster-secret"
+HONEST = {"client-proc0": "0,1", "client-proc1": "2"}
+
+
+def _config_text() -> str:
+    return quadratic_config(CENTERS, CURV, SIZES, rounds=ROUNDS, local_steps=STEPS, lr=LR, name="attack")
+
+
+class Run:
+    """A server process and the honest client processes; the attacker joins as it likes."""
+
+    def __init__(self, base: Path, name: str, hostile_mode: str | None) -> None:
+        self.dir = base / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cfg_file = self.dir / "exp.toml"
+        cfg_file.write_text(_config_text())
+        from fedhop.common.config import load_config
+        self.cfg = load_config(cfg_file, ["run.call_timeout=60.0", "run.round_timeout=90.0", "run.eval_every=0"])
+        env = dict(os.environ, FEDHOP_TOKEN=SECRET, PYTHONUNBUFFERED="1")
+        port_file = self.dir / "port"
+        logs = self.dir / "logs"
+        logs.mkdir(exist_ok=True)
+        py = sys.executable
+        self.server = subprocess.Popen(
+            [py, "-m", "fedhop.server", "--config", str(cfg_file), "--run-dir", str(self.dir / "run"),
+             "--port-file", str(port_file), "--register-timeout", "300",
+             "--set", "run.call_timeout=60.0", "--set", "run.round_timeout=90.0", "--set", "run.eval_every=0"],
+            env=env, stdout=open(logs / "server.log", "wb"), stderr=subprocess.STDOUT)
+        self.peak = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch_rss, daemon=True).start()
+        deadline = time.monotonic() + 300
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if time.monotonic() > deadline or self.server.poll() is not None:
+                raise RuntimeError(f"server did not start; see {logs / 'server.log'}")
+            time.sleep(0.05)
+        self.address = port_file.read_text().strip()
+        self.clients = [subprocess.Popen(
+            [py, "-m", "fedhop.client", "--parent", self.address, "--clients", ids, "--node-id", node,
+             "--ledger-dir", str(self.dir / "run" / "ledger")],
+            env=env, stdout=open(logs / f"{node}.log", "wb"), stderr=subprocess.STDOUT) for node, ids in HONEST.items()]
+        self.hostile = MeaningClient(self.cfg, hostile_mode) if hostile_mode else None
+
+    def _watch_rss(self) -> None:
+        status = Path(f"/proc/{self.server.pid}/status")
+        while not self._stop.is_set():
+            try:
+                for line in status.read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        self.peak = max(self.peak, int(line.split()[1]) * 1024)
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    def endpoint(self, node_id: str, secret: str = SECRET) -> GrpcEndpoint:
+        return GrpcEndpoint(node_id, Ledger(), credentials=NodeCredentials(node_id, secret.encode()))
+
+    def register(self, node_id: str, ids, address: str, secret: str = SECRET) -> pb.RegisterReply:
+        ep = self.endpoint(node_id, secret)
+        try:
+            return ep.register(self.address, pb.RegisterRequest(
+                node_id=node_id, role="client", address=address,
+                clients=[pb.LogicalClient(client_id=c) for c in ids]), 10.0)
+        finally:
+            ep.stop()
+
+    def join_hostile(self) -> None:
+        assert self.hostile is not None
+        reply = self.register("client-procH", [HOSTILE], self.hostile.address)
+        if not reply.accepted:
+            raise RuntimeError(f"hostile registration refused: {reply.message}")
+
+    def finish(self, timeout: float = 300.0) -> dict:
+        try:
+            code = self.server.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+            code = -9
+        self._stop.set()
+        for c in self.clients:
+            try:
+                c.wait(30)
+            except subprocess.TimeoutExpired:
+                c.kill()
+        if self.hostile is not None:
+            self.hostile.close()
+        return {"exit": code}
+
+    def kill_all(self) -> None:
+        for p in [self.server, *self.clients]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+
+
+# ----------------------------------------------------------------------------- the attacks
+def _participant(mode: str):
+    def attack(run: Run) -> None:
+        run.join_hostile()
+    attack.hostile_mode = mode
+    return attack
+
+
+def attack_takeover(run: Run) -> None:
+    """A second process registers under the live node id client-proc0 from another address."""
+    _wait_registered(run)
+    reply = run.register("client-proc0", [0, 1], "127.0.0.1:9")
+    assert not reply.accepted, "takeover accepted"
+
+
+def attack_out_of_range(run: Run) -> None:
+    reply = run.register("client-procX", [99], "127.0.0.1:10")
+    assert not reply.accepted
+
+
+def attack_wrong_token_flood(run: Run) -> None:
+    """2,000 registrations with a wrong token, 16 at a time."""
+    def one(i: int) -> None:
+        try:
+            run.register(f"client-procF{i}", [0], "127.0.0.1:11", secret="not-the-secret")
+        except Exception:
+            pass
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(2000)))
+
+
+def attack_unauth_big(run: Run) -> None:
+    """64 unauthenticated 60 MB calls, 32 at a time (on Call, Exchange and Register)."""
+    channel = grpc.insecure_channel(run.address, options=grpc_options(128 << 20))
+    body = b"\x0a" + b"\x00" * (60 << 20)
+    methods = ["/fedhop.Fedhop/Call", "/fedhop.Fedhop/Register"]
+
+    def one(i: int) -> None:
+        try:
+            call = channel.unary_unary(methods[i % 2], request_serializer=None, response_deserializer=None)
+            call(body, timeout=30)
+        except grpc.RpcError:
+            pass
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(one, range(64)))
+    channel.close()
+
+
+def _wait_registered(run: Run, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    db = run.dir / "run" / "run.db"
+    while time.monotonic() < deadline:
+        if db.exists():
+            try:
+                if len(RunStore(db).events("registered")) >= len(HONEST):
+                    return
+            except Exception:
+                pass
+        time.sleep(0.05)
+    raise RuntimeError("honest clients never registered")
+
+
+# name -> (attack, hostile mode or None, the event it must leave, needs the hostile client's results)
+ATTACKS = {
+    "none": (None, None, None),
+    "num_results_text": (_participant("num_results_text"), "num_results_text", "rejected_payload:BAD_SCALAR"),
+    "compute_seconds_text": (_participant("compute_text"), "compute_text", "rejected_payload:BAD_SCALAR"),
+    "weight_1e300": (_participant("weight_1e300"), "weight_1e300", "rejected_payload:BAD_WEIGHT"),
+    "overflowing_values": (_participant("overflowing_values"), "overflowing_values",
+                           "rejected_payload:NON_FINITE_AGGREGATE"),
+    "reply_200MB_declared": (_participant("oversized"), "oversized", "rejected_payload:TOO_LARGE"),
+    "reply_1TiB_declared": (_participant("huge"), "huge", "rejected_payload:TOO_LARGE"),
+    "nan_tensor": (_participant("nan"), "nan", "rejected_payload:NON_FINITE"),
+    "wrong_shape": (_participant("wrong_shape"), "wrong_shape", "rejected_payload:BAD_SHAPE"),
+    "size_lie": (_participant("size_lie"), "size_lie", "rejected_payload:SIZE_MISMATCH"),
+    "bad_checksum": (_participant("bad_checksum"), "bad_checksum", "rejected_payload:CHECKSUM_MISMATCH"),
+    "garbage_frame": (_participant("garbage"), "garbage", "rejected_payload:MALFORMED_FRAME"),
+    "replayed_reply": (_participant("replay"), "replay", "rejected_payload:STALE_ROUND"),
+    "impersonated_sender": (_participant("impersonate"), "impersonate", "rejected_payload:WRONG_SENDER"),
+    "node_id_takeover": (attack_takeover, None, "register_refused:NODE_TAKEN"),
+    "client_id_out_of_range": (attack_out_of_range, None, "register_refused:out of range"),
+    "wrong_token_x2000": (attack_wrong_token_flood, None, "auth_refused:"),
+    "unauth_60MB_x64": (attack_unauth_big, None, None),
+}
+
+
+def run_attack(base: Path, name: str) -> dict:
+    attack, mode, want = ATTACKS[name]
+    try:
+        run = Run(base, name, mode)
+    except RuntimeError as exc:   # a run that could not start is a row, not the end of the suite
+        return {"attack": name, "server_exit": None, "status": "-", "model_ok": False, "honest_blamed": "-",
+                "event": "-", "peak_rss_mb": 0.0, "events_total": 0, "error": str(exc)}
+    error = ""
+    try:
+        if attack is not None:
+            attack(run)
+        if mode is None:   # the hostile process is not part of the run: client 3 must come from somewhere
+            run.clients.append(subprocess.Popen(
+                [sys.executable, "-m", "fedhop.client", "--parent", run.address, "--clients", str(HOSTILE),
+                 "--node-id", "client-proc2", "--ledger-dir", str(run.dir / "run" / "ledger")],
+                env=dict(os.environ, FEDHOP_TOKEN=SECRET), stdout=open(run.dir / "logs" / "client-proc2.log", "wb"),
+                stderr=subprocess.STDOUT))
+        out = run.finish()
+    except Exception as exc:   # an attack that could not be delivered is reported, not hidden
+        error = f"{type(exc).__name__}: {exc}"
+        run.kill_all()
+        out = {"exit": run.server.returncode}
+    return _row(name, run, out, mode, want, error)
+
+
+def _row(name: str, run: Run, out: dict, mode: str | None, want: str | None, error: str) -> dict:
+    run_dir = run.dir / "run"
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    store = RunStore(run_dir / "run.db")
+    events = store.events()
+    honest_blamed = sorted({e["node"] for e in events if e["node"] in ("client-0", "client-1", "client-2")
+                            and e["kind"] in ("rejected_payload", "client_failed")})
+    left_out = {r: {HOSTILE} for r in range(1, ROUNDS + 1)} if mode else {}
+    if mode == "replay":   # the replay is the honest reply in round 1
+        left_out = {r: {HOSTILE} for r in range(2, ROUNDS + 1)}
+    model_ok = False
+    if (run_dir / "model.safetensors").exists():
+        got = load_file(str(run_dir / "model.safetensors"))["w"].double().numpy()
+        ref = fedavg_reference(CENTERS, CURV, SIZES, ROUNDS, STEPS, LR, left_out)
+        model_ok = bool(np.all(np.isfinite(got)) and np.allclose(got, ref, rtol=1e-4, atol=1e-5))
+    event = "-"
+    if want:
+        kind, _, text = want.partition(":")
+        hits = [e for e in events if e["kind"] == kind and text in (e["detail"] or "")]
+        event = f"{kind} {text} x{len(hits)}" if hits else f"MISSING {want}"
+    elif name == "unauth_60MB_x64":
+        event = "RESOURCE_EXHAUSTED at the gRPC length prefix (before authentication; no event)"
+    return {"attack": name, "server_exit": out.get("exit"), "status": summary.get("status", "-"),
+            "model_ok": model_ok, "honest_blamed": ",".join(honest_blamed) or "none", "event": event,
+            "peak_rss_mb": round(run.peak / 2**20, 1), "events_total": len(events), "error": error}
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| attack | server exit / status | model = honest FedAvg | honest clients blamed | typed event "
+            "| server peak RSS | run.db events |\n|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['attack']} | {r['server_exit']} / {r['status']} | {'yes' if r['model_ok'] else 'NO'} "
+                     f"| {r['honest_blamed']} | {r['event']} | {r['peak_rss_mb']} MB | {r['events_total']} |"
+                     + (f" {r['error']}" if r["error"] else ""))
+    return "\n".join(lines)
+
+
+def ok(row: dict) -> bool:
+    return (row["server_exit"] == 0 and row["status"] == "completed" and row["model_ok"]
+            and row["honest_blamed"] == "none" and not row["event"].startswith("MISSING") and not row["error"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.attacks", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated attack names (default: all)")
+    ap.add_argument("--json", default="", help="also write the rows here")
+    ap.add_argument("--out", default="", help="keep the runs here (default: a temporary directory)")
+    args = ap.parse_args(argv)
+    names = [n for n in args.only.split(",") if n] or list(ATTACKS)
+    unknown = [n for n in names if n not in ATTACKS]
+    if unknown:
+        print(f"unknown attack {unknown[0]!r} (known: {', '.join(ATTACKS)})", file=sys.stderr)
+        return 2
+    base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fedhop-attacks-"))
+    rows = []
+    for name in names:
+        row = run_attack(base, name)
+        rows.append(row)
+        print(f"{name}: {'ok' if ok(row) else 'FAILED'} ({row['event']}, {row['peak_rss_mb']} MB)", flush=True)
+    print(markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0 if all(ok(r) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Issue 17, item 6: loopback decided by address; one line and exit 2 for every bad config or
+flag; `fedhop run --resume` of a completed run refused with its summary untouched."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedhop.common.addresses import is_loopback
+from fedhop.deploy.cli import main as fedhop
+from fedhop.server.__main__ import main as server_main
+from tests.helpers import quadratic_config
+
+RNG = np.random.default_rng(5)
+CENTERS, CURV, SIZES = RNG.normal(0, 1, size=(4, 3)), RNG.uniform(0.5, 2, size=(4, 3)), [3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("address,loop", [("memnode.example:7000", False), ("memory.lan:1", False),
+                                          ("mem:client-proc0:3", True), ("127.0.0.2:7000", True),
+                                          ("[::1]:7000", True), ("localhost:1", True), ("10.0.0.7:1", False)])
+def test_loopback_is_decided_by_address_not_by_name_prefix(address, loop):
+    assert is_loopback(address) is loop
+
+
+BAD_CONFIGS = [
+    (b'[run]\nname = "r\xff"\n', "not UTF-8"),
+    (b"[transport]\nchunk_bytes = 2000000\nmax_message_bytes = 1000000\n", "transport.chunk_bytes"),
+    (b'[topology]\nkind = "hierarchical"\nedges = 20\n[clients]\ncount = 4\n', "topology.edges"),
+    (b'[security]\ncerts_dir = "/nonexistent/fedhop-certs"\n', "security.certs_dir"),
+    (b"[clients]\ncount = 10\nper_round = 3\n[run]\nmin_results = 5\n", "run.min_results"),
+]
+
+
+@pytest.mark.parametrize("text,key", BAD_CONFIGS)
+def test_a_bad_config_is_one_line_and_exit_2(tmp_path, capsys, text, key):
+    cfg = tmp_path / "c.toml"
+    cfg.write_bytes(text)
+    assert fedhop(["run", str(cfg), "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert key in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("listen", [":47555", "127.0.0.1:99999", "nohostport"])
+def test_a_bad_listen_flag_exits_2_naming_it(tmp_path, capsys, listen):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(quadratic_config(CENTERS, CURV, SIZES, rounds=1))
+    with pytest.raises(SystemExit) as exc:
+        server_main(["--config", str(cfg), "--run-dir", str(tmp_path / "run"), "--listen", listen])
+    assert exc.value.code == 2
+    assert f"argument --listen: '{listen}' is not HOST:PORT" in capsys.readouterr().err
+
+
+def test_resume_of_a_completed_run_is_refused_and_its_summary_untouched(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(quadratic_config(CENTERS, CURV, SIZES, rounds=2, name="done"))
+    out = tmp_path / "run"
+    assert fedhop(["run", str(cfg), "--out", str(out), "--quiet", "--set", "run.checkpoint_every=1"]) == 0
+    before = (out / "summary.json").read_bytes()
+    assert list((out / "checkpoints").iterdir())   # a checkpoint to resume from exists
+    capsys.readouterr()
+    assert fedhop(["run", "--resume", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already completed" in err and len(err.splitlines()) == 1
+    assert (out / "summary.json").read_bytes() == before

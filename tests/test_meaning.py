@@ -1,0 +1,120 @@
+"""Replies that pass the codec but not their meaning (issue 17, item 1): a scalar of the wrong
+type where arithmetic would use it, a weight no client of the sender could claim, a size the
+reply spec does not allow, finite values whose weighted sum overflows.  Each ends in a typed
+rejection of the hostile client only; the run completes with the honest clients' model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedhop.client.host import ClientHost
+from fedhop.common.ledger import Ledger
+from fedhop.common.algorithms.base import COUNT_KEY, WEIGHT_KEY, Payload
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.codec import encode
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.validation import finite_step
+from tests.cluster import Cluster, failed_clients_by_round, fedavg_reference
+from tests.test_hostile import CENTERS, CURV, LR, ROUNDS, SIZES, STEPS, HostileClient, _cfg, _frame_header
+
+
+class MeaningClient(HostileClient):
+    """Breaks the honest reply's meaning, not its form."""
+
+    MODES = ("num_results_text", "compute_text", "weight_1e300", "weight_x1000", "overflowing_values",
+             "compute_forever", "oversized")
+
+    def corrupt(self, honest: Payload, env: pb.Envelope) -> list[bytes]:
+        if self.mode not in self.MODES:   # the malformed-form attacks of tests/test_hostile.py
+            return super().corrupt(honest, env)
+        t, s = dict(honest.tensors), dict(honest.scalars)
+        mode = self.mode
+        if mode == "num_results_text":
+            s[COUNT_KEY] = "x"
+        elif mode == "compute_text":
+            s["compute_seconds"] = "x"
+        elif mode == "weight_1e300":
+            s[WEIGHT_KEY] = 1e300
+        elif mode == "weight_x1000":
+            s[WEIGHT_KEY] = float(s[WEIGHT_KEY]) * 1000
+        elif mode == "overflowing_values":   # finite, and within its weight bound: the weighted sum is Inf
+            t["w"] = torch.full_like(t["w"], 3e38)
+        elif mode == "compute_forever":
+            s["compute_seconds"] = 1e12
+        frames = encode(Payload(t, s), env).frames
+        if mode == "oversized":   # 200 MB declared: far beyond the 24-byte spec, far below the 2 GiB codec limit
+            env2 = pb.Envelope()
+            env2.CopyFrom(env)
+            env2.data_bytes = 50_000_000 * 4
+            env2.tensors[0].shape[:] = [50_000_000]
+            env2.tensors[0].nbytes = 50_000_000 * 4
+            return [_frame_header(env2), *frames[1:]]
+        return frames
+
+
+CASES = [("num_results_text", "BAD_SCALAR"), ("compute_text", "BAD_SCALAR"), ("weight_1e300", "BAD_WEIGHT"),
+         ("weight_x1000", "BAD_WEIGHT"), ("compute_forever", "BAD_SCALAR"), ("oversized", "TOO_LARGE"),
+         ("overflowing_values", "NON_FINITE_AGGREGATE")]
+
+
+def _run(tmp_path, mode: str, hostile_ids: list[int]):
+    cfg = _cfg()
+    cluster = Cluster(cfg, tmp_path)
+    hostile = MeaningClient(cfg, mode)
+    hostile.host = ClientHost(cfg, "client-procH", hostile_ids, "", Ledger())
+    honest = [c for c in range(4) if c not in hostile_ids]
+    try:
+        cluster.add_client("client-proc0", honest[:1])
+        cluster.add_client("client-proc1", honest[1:])
+        assert hostile.register(cluster.address, ids=tuple(hostile_ids)).accepted
+        summary = cluster.run()
+    finally:
+        cluster.close()
+        hostile.close()
+    return cluster, summary
+
+
+@pytest.mark.parametrize("mode, code", CASES)
+def test_reply_meaning_is_checked_before_arithmetic(tmp_path, mode, code):
+    hostile_id = 3
+    cluster, summary = _run(tmp_path, mode, [hostile_id])
+    assert summary["status"] == "completed" and summary["rounds_completed"] == ROUNDS, summary["error"]
+    store = cluster.store()
+    rejected = store.events("rejected_payload")
+    assert [e["node"] for e in rejected] == [f"client-{hostile_id}"] * ROUNDS, rejected
+    assert all(e["detail"].startswith(code) for e in rejected), [e["detail"] for e in rejected]
+    assert all(ids == {hostile_id} for ids in failed_clients_by_round(store).values())   # no honest client blamed
+    expected = fedavg_reference(CENTERS, CURV, SIZES, ROUNDS, STEPS, LR, {r: {hostile_id} for r in range(1, ROUNDS + 1)})
+    np.testing.assert_allclose(cluster.coord.state.params["w"].double().numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_text_compute_seconds_from_the_lowest_ids_does_not_get_honest_results_rejected(tmp_path):
+    """The hostile process hosts clients 0 and 1 of 4: a per-round vote on scalar types ties and
+    sides with the lowest id; typed rules per reply reject the hostile results alone."""
+    cluster, summary = _run(tmp_path, "compute_text", [0, 1])
+    assert summary["status"] == "completed", summary["error"]
+    assert {e["node"] for e in cluster.store().events("rejected_payload")} == {"client-0", "client-1"}
+    assert all(ids == {0, 1} for ids in failed_clients_by_round(cluster.store()).values())
+
+
+def test_finite_step_rolls_back_and_names_only_the_offender():
+    cfg = _cfg()
+    algo = build_algorithm(cfg)
+    state = algo.init_state({"w": torch.zeros(6)})
+    honest = {c: Payload({"w": torch.full((6,), float(c))}, {WEIGHT_KEY: 2.0}) for c in range(3)}
+    results = {**honest, 7: Payload({"w": torch.full((6,), 3e38)}, {WEIGHT_KEY: 5.0})}
+    aggregate, blamed = finite_step(algo, state, results, round=1)
+    assert list(blamed) == [7] and blamed[7].startswith("NON_FINITE_AGGREGATE")
+    expected = np.mean([0.0, 1.0, 2.0])   # the honest weighted mean, equal weights, server_lr 1
+    np.testing.assert_allclose(state.params["w"].numpy(), np.full(6, expected), rtol=1e-6)
+    assert float(aggregate.scalars[WEIGHT_KEY]) == 6.0
+
+
+def test_an_edge_leaves_out_the_client_whose_values_overflow_its_partial():
+    algo = build_algorithm(_cfg())
+    honest = {c: Payload({"w": torch.full((6,), 1.0)}, {WEIGHT_KEY: 2.0}) for c in range(3)}
+    partial, blamed = finite_step(algo, None, {**honest, 5: Payload({"w": torch.full((6,), 3e38)}, {WEIGHT_KEY: 4.0})},
+                                  round=2)
+    assert list(blamed) == [5]
+    assert float(partial.scalars[WEIGHT_KEY]) == 6.0 and torch.equal(partial.tensors["w"], torch.full((6,), 6.0))
