@@ -297,6 +297,13 @@ class RunStore:
         out["total"] = total
         return out
 
+    def bytes_by_link_upto(self, round: int) -> dict[str, dict[str, int]]:
+        """{link: {tensor_bytes, payload_bytes, framed_bytes, messages}} of the messages with round <= `round`."""
+        if not self._has("messages"):
+            return {}
+        sql = _ONCE + f"SELECT link, {_SUMS} FROM once WHERE round <= ? GROUP BY link ORDER BY link"
+        return {link: _totals(sums) for link, *sums in self._query(sql, (int(round),))}
+
     def bytes_by_link_direction(self) -> dict[str, dict[str, dict[str, int]]]:
         """{link: {direction: {tensor_bytes, payload_bytes, framed_bytes, messages}}}; each message once."""
         out: dict[str, dict[str, dict[str, int]]] = {}
