@@ -325,7 +325,15 @@ class Coordinator:
         return metrics
 
     def evaluate(self) -> dict[str, float]:
+        """The model's metrics, and each of the algorithm's other outputs' as `NAME_METRIC`."""
+        out = self._evaluate(self.state.params)
+        for name, params in self.algorithm.outputs(self.state).items():
+            out.update({f"{name}_{k}": v for k, v in self._evaluate(params).items()})
         set_params(self.model, self.state.params)
+        return out
+
+    def _evaluate(self, params: dict[str, torch.Tensor]) -> dict[str, float]:
+        set_params(self.model, params)
         with torch.no_grad():
             return {k: float(v) for k, v in self.task.evaluate(self.model).items()}
 
@@ -395,6 +403,8 @@ class Coordinator:
             set_params(self.model, self.state.params)
             final["train_loss"] = float(self.task.train_loss(self.model))
         save_file({k: v.contiguous() for k, v in self.state.params.items()}, str(self.run_dir / "model.safetensors"))
+        for name, params in self.algorithm.outputs(self.state).items():
+            save_file({k: v.contiguous() for k, v in params.items()}, str(self.run_dir / f"model-{name}.safetensors"))
         by_link = self.store.bytes_by_link()
         agreement = self.store.check_agreement()
         summary = {
