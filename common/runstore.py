@@ -47,6 +47,17 @@ _SCHEMA = [
     "CREATE INDEX IF NOT EXISTS events_kind ON events(kind)",
 ]
 
+# Columns added after the first schema: (table, column, type), added to older databases on open.
+_ADDED_COLUMNS = [("rounds", "clients_dropped", "INTEGER")]
+
+
+def _add_missing_columns(conn: sqlite3.Connection) -> None:
+    for table, column, sql_type in _ADDED_COLUMNS:
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}")
+
+
 # Each message once: every sender record, plus receiver records whose sender record is missing.
 _ONCE = """WITH once AS (
     SELECT * FROM messages WHERE role = 'sender'
@@ -133,6 +144,7 @@ class RunStore:
                 self._conn.execute("PRAGMA synchronous = NORMAL")
                 for stmt in _SCHEMA:
                     self._conn.execute(stmt)
+                _add_missing_columns(self._conn)
             self._tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         self.run_id = run_id if run_id is not None else self._only_run_id()
 
@@ -196,17 +208,25 @@ class RunStore:
     def add_round(self, round: int, *, participants: Any = None, sampled: Any = None, failures: Any = None,
                   metrics: dict[str, Any] | None = None, wall_seconds: float | None = None,
                   sim_seconds: float | None = None, started: float | None = None, finished: float | None = None,
-                  run_id: str | None = None) -> None:
+                  clients_dropped: int | None = None, run_id: str | None = None) -> None:
         """Store (or, for a re-run round after a resume, replace) one round's row.
 
-        `participants`, `sampled`, `failures` are stored as JSON (lists of client ids, or counts).
+        `participants`, `sampled`, `failures` are stored as JSON (lists of client ids, or counts);
+        `clients_dropped` (INTEGER) counts the sampled clients whose result did not enter the round.
         """
         self._exec(
             """INSERT OR REPLACE INTO rounds(run_id, round, participants, sampled, failures, metrics_json,
-                                             wall_seconds, sim_seconds, started, finished)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                                             wall_seconds, sim_seconds, started, finished, clients_dropped)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
             (self._need_run_id(run_id), int(round), _dumps(participants), _dumps(sampled), _dumps(failures),
-             _dumps(metrics or {}), wall_seconds, sim_seconds, started, finished))
+             _dumps(metrics or {}), wall_seconds, sim_seconds, started, finished,
+             None if clients_dropped is None else int(clients_dropped)))
+
+    def clients_dropped(self) -> int:
+        """Sampled clients dropped over every recorded round (a re-run round counted once)."""
+        if not self._has("rounds"):
+            return 0
+        return int(self._query("SELECT COALESCE(SUM(clients_dropped), 0) FROM rounds")[0][0])
 
     def add_event(self, kind: str, *, node: str = "", detail: Any = "", round: int | None = None,
                   time: float | None = None, run_id: str | None = None) -> None:
