@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fedhop.deploy.report import RunData, build_report, load_run, lower_is_better, meets
-from fedhop.deploy.sweep_spec import Dist, SweepSpec, SweepSpecError, load_spec, toml_value
+from fedhop.deploy.sweep_spec import Dist, SweepSpec, SweepSpecError, check_base_config, load_spec, toml_value
 
 CLASSIFICATION = ("digits", "breast_cancer", "mnist", "npz", "robust_digits", "fair_digits")
 
@@ -321,7 +321,7 @@ class Sweep:
                 self._optuna(algorithm)
 
     def _grid(self, algorithm: str) -> None:
-        settings = grid_settings(self.spec.grid_for(algorithm))
+        settings = grid_settings(self.spec.grid_for(algorithm))[:self.spec.max_settings]
         tasks = {s: self.tasks_for(algorithm, s) for s in settings}
         self.runner.run_all([t for ts in tasks.values() for t in ts], self._on_done)
         for s in settings:
@@ -411,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("spec", metavar="SWEEP.toml")
     ap.add_argument("--out", help="sweep directory (default sweeps/SPEC_NAME); an existing one is resumed")
     ap.add_argument("--parallel", type=int, help="runs at a time (overrides sweep.parallel)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a fixed override of every run, after sweep.set (repeatable)")
+    ap.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], metavar="S,S,...",
+                    help="run these seeds instead of sweep.seeds")
+    ap.add_argument("--max-settings", type=int, metavar="N",
+                    help="the first N settings per algorithm only (grid order, or N trials): a quick check")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -418,11 +424,23 @@ def main(argv: list[str] | None = None) -> int:
     except SweepSpecError as exc:
         print(f"fedhop sweep: {exc}", file=sys.stderr)
         return 2
-    if args.parallel is not None:
-        if args.parallel < 1:
-            print(f"fedhop sweep: --parallel {args.parallel}: must be >= 1", file=sys.stderr)
+    for flag, value in (("--parallel", args.parallel), ("--max-settings", args.max_settings)):
+        if value is not None and value < 1:
+            print(f"fedhop sweep: {flag} {value}: must be >= 1", file=sys.stderr)
             return 2
+    if args.parallel is not None:
         spec.sweep.parallel = args.parallel
+    if args.seeds is not None:
+        spec.sweep.seeds = args.seeds
+    if args.max_settings is not None:
+        spec.sweep.trials = min(spec.sweep.trials, args.max_settings)
+        spec.max_settings = args.max_settings
+    spec.sweep.set = [*spec.sweep.set, *args.overrides]
+    try:
+        check_base_config(spec)
+    except SweepSpecError as exc:
+        print(f"fedhop sweep: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else default_out(spec)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.toml").write_text(Path(args.spec).read_text())

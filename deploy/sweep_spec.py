@@ -101,6 +101,7 @@ class SweepSpec:
     grid: dict[str, list]
     space: dict[str, Dist]
     per_algorithm: dict[str, PerAlgorithm]
+    max_settings: int | None = None   # `--max-settings`: the first N grid settings per algorithm
 
     @property
     def base_config(self) -> Path:
