@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fedhop.deploy.report import RunData, build_report, load_run, lower_is_better, meets
-from fedhop.deploy.sweep_spec import Dist, SweepSpec, SweepSpecError, check_base_config, load_spec, toml_value
+from fedhop.deploy.sweep_spec import CRITERIA, Dist, SweepSpec, SweepSpecError, check_base_config, load_spec, toml_value
 
 CLASSIFICATION = ("digits", "breast_cancer", "mnist", "npz", "robust_digits", "fair_digits")
 
@@ -415,6 +415,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a fixed override of every run, after sweep.set (repeatable)")
     ap.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], metavar="S,S,...",
                     help="run these seeds instead of sweep.seeds")
+    ap.add_argument("--criterion", choices=CRITERIA, help="overrides criterion.kind (finished runs are re-scored, "
+                                                          "not re-run)")
+    ap.add_argument("--metric", help="overrides criterion.metric")
+    ap.add_argument("--target", type=float, help="overrides criterion.target")
     ap.add_argument("--max-settings", type=int, metavar="N",
                     help="the first N settings per algorithm only (grid order, or N trials): a quick check")
     ap.add_argument("--quiet", action="store_true")
@@ -436,6 +440,13 @@ def main(argv: list[str] | None = None) -> int:
         spec.sweep.trials = min(spec.sweep.trials, args.max_settings)
         spec.max_settings = args.max_settings
     spec.sweep.set = [*spec.sweep.set, *args.overrides]
+    for key, value in (("kind", args.criterion), ("metric", args.metric), ("target", args.target)):
+        if value is not None:
+            setattr(spec.criterion, key, value)
+    if spec.criterion.kind != "final" and spec.criterion.target is None:
+        print(f"fedhop sweep: criterion {spec.criterion.kind} needs a target (criterion.target or --target)",
+              file=sys.stderr)
+        return 2
     try:
         check_base_config(spec)
     except SweepSpecError as exc:
