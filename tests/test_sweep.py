@@ -162,3 +162,53 @@ def test_bytes_and_rounds_to_target_criteria(tmp_path):
     assert at("final") == 0.9
     never = Criterion("rounds_to_target", "test_accuracy", 0.95, "busiest", "tensor")
     assert score_run(never, run, 0).value is None
+
+
+def fake_runs(monkeypatch, calls: list):
+    """Runner.run_all writes each task's summary.json itself: accuracy peaks at lr = 0.1."""
+    import math as _m
+
+    from fedhop.deploy.sweep import Runner, finished
+
+    def run_all(self, tasks, on_done):
+        for t in tasks:
+            if finished(t.run_dir):
+                continue
+            calls.append(t.run_dir)
+            lr = dict(t.setting.values)["algorithm.lr"]
+            acc = 0.9 - 0.1 * (_m.log10(lr) + 1) ** 2 + 0.001 * t.seed
+            t.run_dir.mkdir(parents=True, exist_ok=True)
+            (t.run_dir / "summary.json").write_text(json.dumps(
+                {"status": "completed", "final": {"test_accuracy": acc}, "rounds_completed": 2}))
+    monkeypatch.setattr(Runner, "run_all", run_all)
+
+
+@pytest.mark.parametrize("method", ["random", "tpe"])
+def test_optuna_search_replays_on_resume(tmp_path, monkeypatch, method):
+    from fedhop.deploy.sweep import Sweep
+
+    spec_path = tmp_path / "s.toml"
+    spec_path.write_text(f"""
+[sweep]
+config = "{REPO / 'examples' / 'fedavg_digits.toml'}"
+seeds = [0, 1]
+method = "{method}"
+trials = 6
+parallel = 2
+[space]
+"algorithm.lr" = {{ low = 0.001, high = 10.0, log = true }}
+""")
+    calls: list = []
+    fake_runs(monkeypatch, calls)
+    first = Sweep(load_spec(spec_path), tmp_path / "o", quiet=True)
+    first.run()
+    assert len(calls) == 12                                      # 6 trials x 2 seeds
+    settings = [r.overrides for r in first.results["base"]]
+    assert len({tuple(s) for s in settings}) == 6
+    again = Sweep(load_spec(spec_path), tmp_path / "o", quiet=True)
+    again.run()
+    assert len(calls) == 12                                      # the same settings: every run found finished
+    assert [r.overrides for r in again.results["base"]] == settings
+    best = again.best()["base"]
+    by_hand = max(again.results["base"], key=lambda r: statistics.fmean(x.value for x in r.runs))
+    assert best.overrides == by_hand.overrides and best.spread == pytest.approx(0.001 / 2 ** 0.5)
