@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from fedhop.deploy.forkstart import die_with_parent
 from fedhop.deploy.report import RunData, build_report, load_run, lower_is_better, meets
 from fedhop.deploy.sweep_spec import CRITERIA, Dist, SweepSpec, SweepSpecError, check_base_config, load_spec, toml_value
 
@@ -115,7 +116,6 @@ class Runner:
         self.parallel = parallel
         self.quiet = quiet
         self.running: dict[int, tuple[subprocess.Popen, RunTask]] = {}
-        self.started = 0
 
     def command(self, task: RunTask) -> list[str]:
         argv = [sys.executable, "-m", "fedhop.deploy.cli", "run", str(self.base_config), "--out", str(task.run_dir),
@@ -136,26 +136,27 @@ class Runner:
             shutil.rmtree(task.run_dir)
         task.run_dir.mkdir(parents=True)
         log = open(task.run_dir / "launcher.log", "wb")
-        from fedhop.deploy.forkstart import die_with_parent
         # Own session: a terminal's Ctrl-C reaches the sweep only; the sweep stops its children (stop()).
         proc = subprocess.Popen(self.command(task), stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd(),
                                 start_new_session=True, preexec_fn=die_with_parent if sys.platform == "linux" else None)
         log.close()
         self.running[proc.pid] = (proc, task)
-        self.started += 1
         if not self.quiet:
             print(f"sweep: started {task.run_dir}", file=sys.stderr, flush=True)
 
     def _reap(self, on_done: Callable[[RunTask, int], None]) -> None:
-        for pid, (proc, task) in list(self.running.items()):
-            if proc.poll() is not None:
+        """Return once at least one running child has exited (each reported to `on_done`)."""
+        while self.running:
+            done = [(pid, proc, task) for pid, (proc, task) in self.running.items() if proc.poll() is not None]
+            for pid, proc, task in done:
                 del self.running[pid]
                 on_done(task, proc.returncode)
-        if self.running:
+            if done:
+                return
             try:
                 os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)   # block until some child exits
             except ChildProcessError:
-                pass
+                return
 
     def stop(self, grace: float = 20.0) -> None:
         """Ctrl-C for every running run (each stops its own processes), then SIGKILL its group
