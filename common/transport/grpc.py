@@ -11,11 +11,14 @@ Message-size limits are set on both the server and every channel; every call has
 
 Security (common/security.py): with `credentials` holding TLS files the server port and every
 channel use TLS (mutual TLS when `credentials.mtls`); every call carries the node credential in
-metadata and every served call passes `AuthInterceptor` first.  Transient failures: a call that fails UNAVAILABLE before a connection to the peer was established
-(gRPC's "failed to connect to all addresses": the request never reached a transport, so no byte
-of it was delivered) is tried again after a backoff (0.25 s, doubling, at most 2 s) while its
-deadline allows; such attempts put nothing on the wire and leave no ledger record, and
+metadata and every served call passes `AuthInterceptor` first.
+
+Transient failures: a call that fails UNAVAILABLE before a connection to the peer was
+established (gRPC's "failed to connect to all addresses": the request never reached a transport,
+so no byte of it was delivered) is tried again after a backoff (0.25 s, doubling, at most 2 s)
+while its deadline allows; such attempts put nothing on the wire and leave no ledger record, and
 `retries` counts them.  Any other failure (the request may have been delivered) is final.
+
 Liveness (common/liveness.py):
 `Heartbeat` calls go to `self.liveness`; `mark_dead(address)` cancels the calls in flight to a
 dead child and makes later ones fail at once (NODE_DEAD) until it registers again.
