@@ -70,3 +70,29 @@ def test_a_peer_that_never_accepts_fails_within_the_deadline():
         assert len(lost) == 1 and lost[0].status == "lost"   # the call's one outcome, as before
     finally:
         caller.stop()
+
+
+def test_an_address_that_gave_up_fails_at_once_until_a_call_succeeds(callee):
+    """A dead peer costs one retry window, not one per call; once it answers, retries resume."""
+    ep, address, seen = callee
+    proxy = FaultProxy(address, mode="pass", refuse_first=10_000)   # refuses every connection for now
+    caller = GrpcEndpoint("server", Ledger())
+    w = {"w": torch.ones(3)}
+    try:
+        started = time.perf_counter()
+        with pytest.raises(CallFailed):
+            caller.call(proxy.address, "client-0", "train", Payload(tensors=w), round=1, timeout=30)
+        first = time.perf_counter() - started
+        retries = caller.retries
+        assert retries >= 2 and first < 4.0 + 2.0                # the retry window, not the 30 s deadline
+        started = time.perf_counter()
+        with pytest.raises(CallFailed):
+            caller.call(proxy.address, "client-0", "train", Payload(tensors=w), round=2, timeout=30)
+        assert caller.retries == retries and time.perf_counter() - started < 1.0   # no retry now
+        proxy.refuse_first = 0                                   # the peer is back
+        caller.mark_alive(proxy.address)
+        caller.call(proxy.address, "client-0", "train", Payload(tensors=w), round=3, timeout=30)
+        assert seen == [3]
+    finally:
+        caller.stop()
+        proxy.close()

@@ -16,8 +16,10 @@ metadata and every served call passes `AuthInterceptor` first.
 Transient failures: a call that fails UNAVAILABLE before a connection to the peer was
 established (gRPC's "failed to connect to all addresses": the request never reached a transport,
 so no byte of it was delivered) is tried again after a backoff (0.25 s, doubling, at most 2 s)
-while its deadline allows; such attempts put nothing on the wire and leave no ledger record, and
-`retries` counts them.  Any other failure (the request may have been delivered) is final.
+for at most RETRY_WINDOW seconds and within its deadline; such attempts put nothing on the wire
+and leave no ledger record, and `retries` counts them.  An address whose call gave up that way
+gets no retries (it fails at once, as a dead peer should) until a call to it succeeds or it
+registers again.  Any other failure (the request may have been delivered) is final.
 
 Liveness (common/liveness.py):
 `Heartbeat` calls go to `self.liveness`; `mark_dead(address)` cancels the calls in flight to a
@@ -42,6 +44,7 @@ CALL = "/fedhop.Fedhop/Call"            # a request of at most one chunk, bundle
 REGISTER = "/fedhop.Fedhop/Register"
 HEARTBEAT = "/fedhop.Fedhop/Heartbeat"
 RETRY_BACKOFF = (0.25, 2.0)              # first delay and cap of the not-delivered retry, seconds
+RETRY_WINDOW = 4.0                       # seconds a call may spend retrying (and within its deadline)
 
 
 class NotDelivered(CallFailed):
@@ -102,6 +105,7 @@ class GrpcEndpoint(Endpoint):
         self._lock = threading.Lock()
         self.register_handler = None
         self.retries = 0                          # attempts that failed before connecting, then retried
+        self._unreachable: set[str] = set()       # addresses whose last call gave up before connecting
 
     # -- client side ----------------------------------------------------------------
     def channel(self, address: str) -> grpc.Channel:
@@ -137,6 +141,7 @@ class GrpcEndpoint(Endpoint):
     def mark_alive(self, address: str) -> None:
         with self._lock:
             self._dead.pop(address, None)
+            self._unreachable.discard(address)
 
     def heartbeat(self, address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
         stub = self.channel(address).unary_unary(
@@ -160,17 +165,24 @@ class GrpcEndpoint(Endpoint):
         """One call, tried again with backoff while it fails before connecting (module docstring)."""
         started = time.perf_counter()
         deadline = started + timeout
+        give_up = started + min(timeout, RETRY_WINDOW)
         delay, cap = RETRY_BACKOFF
         while True:
             try:
-                return self._attempt(address, request, deadline - time.perf_counter(), started)
+                result = self._attempt(address, request, deadline - time.perf_counter(), started)
             except NotDelivered:
-                if deadline - time.perf_counter() <= delay:
-                    raise
+                with self._lock:
+                    known_unreachable = address in self._unreachable
+                    if known_unreachable or give_up - time.perf_counter() <= delay:
+                        self._unreachable.add(address)
+                        raise
+                    self.retries += 1
+                time.sleep(delay)
+                delay = min(2 * delay, cap)
+                continue
             with self._lock:
-                self.retries += 1
-            time.sleep(delay)
-            delay = min(2 * delay, cap)
+                self._unreachable.discard(address)
+            return result
 
     def _attempt(self, address: str, request: Encoded, timeout: float, started: float) -> tuple[Decoded, float]:
         sent = [0.0]
