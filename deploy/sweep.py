@@ -116,6 +116,9 @@ class Runner:
         self.parallel = parallel
         self.quiet = quiet
         self.running: dict[int, tuple[subprocess.Popen, RunTask]] = {}
+        # Set by the sweep's SIGINT handler: a KeyboardInterrupt raised where Python swallows it
+        # (an at-fork handler while a child is being started) still stops the sweep at the next check.
+        self.interrupted = False
 
     def command(self, task: RunTask) -> list[str]:
         argv = [sys.executable, "-m", "fedhop.deploy.cli", "run", str(self.base_config), "--out", str(task.run_dir),
@@ -128,8 +131,13 @@ class Runner:
         pending = [t for t in tasks if not finished(t.run_dir)]
         while pending or self.running:
             while pending and len(self.running) < self.parallel:
+                self._check_interrupt()
                 self._start(pending.pop(0))
             self._reap(on_done)
+
+    def _check_interrupt(self) -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt
 
     def _start(self, task: RunTask) -> None:
         if task.run_dir.exists():   # stopped mid-run: its records are partial, run it again
@@ -147,16 +155,14 @@ class Runner:
     def _reap(self, on_done: Callable[[RunTask, int], None]) -> None:
         """Return once at least one running child has exited (each reported to `on_done`)."""
         while self.running:
+            self._check_interrupt()
             done = [(pid, proc, task) for pid, (proc, task) in self.running.items() if proc.poll() is not None]
             for pid, proc, task in done:
                 del self.running[pid]
                 on_done(task, proc.returncode)
             if done:
                 return
-            try:
-                os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)   # block until some child exits
-            except ChildProcessError:
-                return
+            time.sleep(0.1)   # runs last seconds to minutes; a short poll keeps Ctrl-C prompt
 
     def stop(self, grace: float = 20.0) -> None:
         """Ctrl-C for every running run (each stops its own processes), then SIGKILL its group
@@ -457,6 +463,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.toml").write_text(Path(args.spec).read_text())
     sweep = Sweep(spec, out, quiet=args.quiet)
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        sweep.runner.interrupted = True
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:   # ignored (a background job): leave it so
+        signal.signal(signal.SIGINT, on_sigint)
     try:
         sweep.run()
     except KeyboardInterrupt:
