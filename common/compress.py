@@ -16,12 +16,18 @@ Encoded form of one float tensor NAME with d elements (what travels and what the
   the last byte is zero-padded.
 
 So one tensor costs 4 + ceil(d * (1 + ceil(log2(s + 1))) / 8) bytes instead of 4 d (32 + d b bits
-before byte padding: the digest's "naive" cost, seed-004 section 3.2).  Decoding gives
+before byte padding: the digest's "naive" cost, seed-004 section 3.2).
+
+Buckets (QSGD Sec. 3.1, "bucketing"; `qsgd_bucket = B` > 0): the flattened tensor is cut into
+n = ceil(d / B) consecutive buckets (the last may be shorter), each quantized with its own norm,
+so the variance bound scales with B instead of d (their Lemma 3.1 with d -> B).  Then
+`qsgd_norm:NAME` is float32 of shape (n,) and one tensor costs 4 n + ceil(d b / 8) bytes.
+B = 0 (the default) is one bucket of the whole tensor with the 0-dim norm above.  Decoding gives
 float32 norm * (level / s) with the sign applied; the receiver takes the shape from the
 algorithm's reply spec.  Only float tensors with at least 2 elements are quantized; 0-dim
 values (a norm, a step size) and integer tensors travel unchanged.
 
-Use: `[algorithm] compress = "qsgd"`, `qsgd_levels = s`.  A client compresses its reply to a
+Use: `[algorithm] compress = "qsgd"`, `qsgd_levels = s`, `qsgd_bucket = B`.  A client compresses its reply to a
 `train` call (client/host.py), an edge its partial aggregate (edge/aggregator.py), each from the
 stream ("qsgd", sender, round, step); the parent decodes before it validates (server, edge).
 """
@@ -48,27 +54,48 @@ def bits_per_element(levels: int) -> int:
     return 1 + math.ceil(math.log2(levels + 1))
 
 
-def encoded_bytes(numel: int, levels: int) -> int:
-    """Bytes of one encoded tensor: 4 (norm) + the packed codes."""
-    return 4 + (numel * bits_per_element(levels) + 7) // 8
+def num_buckets(numel: int, bucket: int) -> int:
+    """n = ceil(d / B) norms; B = 0: one norm for the whole tensor."""
+    return 1 if bucket <= 0 else -(-numel // bucket)
 
 
-def quantize(v: torch.Tensor, levels: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(norm float32 0-dim, negative bool[d], level int64[d]) of Q_s(v) for flattened v."""
+def encoded_bytes(numel: int, levels: int, bucket: int = 0) -> int:
+    """Bytes of one encoded tensor: 4 per bucket norm + the packed codes."""
+    return 4 * num_buckets(numel, bucket) + (numel * bits_per_element(levels) + 7) // 8
+
+
+def _per_element(norms: torch.Tensor, numel: int, bucket: int) -> torch.Tensor:
+    """Each element's bucket norm (float32[d])."""
+    if bucket <= 0:
+        return norms.reshape(()).expand(numel)
+    return norms.repeat_interleave(bucket)[:numel]
+
+
+def quantize(v: torch.Tensor, levels: int, generator: torch.Generator,
+             bucket: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(norms, negative bool[d], level int64[d]) of Q_s(v) for flattened v; norms is float32
+    0-dim (bucket 0) or float32[ceil(d / bucket)], one per bucket."""
     flat = v.detach().reshape(-1).to(torch.float32)
-    norm = torch.linalg.vector_norm(flat)
-    u = torch.rand(flat.numel(), generator=generator, dtype=torch.float32)
-    if float(norm) == 0.0:
-        return norm, torch.zeros(flat.numel(), dtype=torch.bool), torch.zeros(flat.numel(), dtype=torch.int64)
-    r = levels * flat.abs() / norm
+    d = flat.numel()
+    if bucket <= 0:
+        norms = torch.linalg.vector_norm(flat)
+    else:
+        padded = torch.zeros(num_buckets(d, bucket) * bucket, dtype=torch.float32)
+        padded[:d] = flat
+        norms = torch.linalg.vector_norm(padded.reshape(-1, bucket), dim=1)
+    u = torch.rand(d, generator=generator, dtype=torch.float32)
+    norm = _per_element(norms, d, bucket)
+    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+    r = torch.where(norm > 0, levels * flat.abs() / safe, torch.zeros_like(flat))   # a zero bucket: all levels 0
     low = torch.floor(r)
     level = (low + (u < (r - low)).to(low.dtype)).clamp_(0, levels).to(torch.int64)
-    return norm, flat < 0, level
+    return norms, flat < 0, level
 
 
-def dequantize(norm: torch.Tensor, negative: torch.Tensor, level: torch.Tensor, levels: int) -> torch.Tensor:
-    """Q_s(v) from its parts, float32: norm * level / s, negated where the sign bit is set."""
-    out = norm.to(torch.float32) * (level.to(torch.float32) / levels)
+def dequantize(norm: torch.Tensor, negative: torch.Tensor, level: torch.Tensor, levels: int,
+               bucket: int = 0) -> torch.Tensor:
+    """Q_s(v) from its parts, float32: bucket norm * level / s, negated where the sign bit is set."""
+    out = _per_element(norm.to(torch.float32), level.numel(), bucket) * (level.to(torch.float32) / levels)
     return torch.where(negative, -out, out)
 
 
@@ -100,7 +127,7 @@ def _compressible(t: torch.Tensor) -> bool:
     return t.is_floating_point() and t.numel() >= 2
 
 
-def compress_payload(payload: Payload, levels: int, generator: torch.Generator) -> Payload:
+def compress_payload(payload: Payload, levels: int, generator: torch.Generator, bucket: int = 0) -> Payload:
     """Replace every float tensor with >= 2 elements by its QSGD encoding (tensors in name order)."""
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(payload.tensors):
@@ -108,14 +135,14 @@ def compress_payload(payload: Payload, levels: int, generator: torch.Generator) 
         if not _compressible(t):
             tensors[name] = t
             continue
-        norm, negative, level = quantize(t, levels, generator)
-        tensors[NORM_PREFIX + name] = norm.reshape(())
+        norm, negative, level = quantize(t, levels, generator, bucket)
+        tensors[NORM_PREFIX + name] = norm
         tensors[CODE_PREFIX + name] = pack_codes(negative, level, levels)
     return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)
 
 
 def decompress_payload(payload: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                       levels: int) -> Payload:
+                       levels: int, bucket: int = 0) -> Payload:
     """Decode the QSGD tensors of a received payload into the shapes and dtypes of `spec`.
     A payload with no encoded tensors is returned unchanged (the validator then checks it)."""
     if not any(n.startswith(CODE_PREFIX) for n in payload.tensors):
@@ -130,15 +157,17 @@ def decompress_payload(payload: Payload, spec: Mapping[str, tuple[torch.dtype, t
         target = name[len(CODE_PREFIX):]
         if target not in spec:
             raise PayloadError("BAD_NAME", f"QSGD tensor '{name}' encodes '{target}', which the reply spec lacks")
-        norm = payload.tensors.get(NORM_PREFIX + target)
-        if norm is None or norm.dtype != torch.float32 or norm.dim() != 0:
-            raise PayloadError("BAD_NAME", f"QSGD tensor '{name}' comes without a float32 0-dim '{NORM_PREFIX}{target}'")
-        if not bool(torch.isfinite(norm)) or float(norm) < 0:
-            raise PayloadError("NON_FINITE", f"QSGD norm of '{target}' is {float(norm)}")
         dtype, shape = spec[target]
         numel = math.prod(shape)
+        want = () if bucket <= 0 else (num_buckets(numel, bucket),)
+        norm = payload.tensors.get(NORM_PREFIX + target)
+        if norm is None or norm.dtype != torch.float32 or tuple(norm.shape) != want:
+            raise PayloadError("BAD_NAME", f"QSGD tensor '{name}' comes without a float32{list(want)} "
+                                           f"'{NORM_PREFIX}{target}'")
+        if not bool(torch.isfinite(norm).all()) or bool((norm < 0).any()):
+            raise PayloadError("NON_FINITE", f"QSGD norm of '{target}' is not finite and >= 0")
         negative, level = unpack_codes(t, numel, levels)
-        tensors[target] = dequantize(norm, negative, level, levels).to(dtype).reshape(shape)
+        tensors[target] = dequantize(norm, negative, level, levels, bucket).to(dtype).reshape(shape)
     return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)
 
 
@@ -156,7 +185,8 @@ def compress_upload(cfg: Any, payload: Payload, sender: str, round: int, step: i
     levels = upload_levels(cfg)
     if levels is None:
         return payload
-    return compress_payload(payload, levels, torch_stream(cfg.run.seed, "qsgd", sender, round, step))
+    return compress_payload(payload, levels, torch_stream(cfg.run.seed, "qsgd", sender, round, step),
+                            int(cfg.algorithm.qsgd_bucket))
 
 
 def decompress_upload(cfg: Any, payload: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> Payload:
@@ -164,4 +194,4 @@ def decompress_upload(cfg: Any, payload: Payload, spec: Mapping[str, tuple[torch
     levels = upload_levels(cfg)
     if levels is None:
         return payload
-    return decompress_payload(payload, spec, levels)
+    return decompress_payload(payload, spec, levels, int(cfg.algorithm.qsgd_bucket))

@@ -60,6 +60,7 @@ class AlgorithmConfig:
     weight_decay: float = _f(0.0, min=0.0)
     compress: str = _f("none", choices=("none", "qsgd"))   # upload compressor (common/compress.py)
     qsgd_levels: int = _f(15, min=1, max=1 << 20)          # QSGD s (levels per sign)
+    qsgd_bucket: int = _f(0, min=0)                        # QSGD bucket size B (a norm per B elements); 0 = whole tensor
     options: dict = _f(factory=dict)           # algorithm-specific hyper-parameters
 
 

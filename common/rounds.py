@@ -148,7 +148,16 @@ class RoundEngine:
         return round == self.cfg.run.rounds or bool(every and round % every == 0)
 
     def evaluate(self) -> dict[str, float]:
+        """The model's metrics, and each of the algorithm's other outputs' (Algorithm.outputs, e.g.
+        C-FedDA's averaged iterate) as `NAME_METRIC`."""
+        out = self._evaluate(self.state.params)
+        for name, params in self.algorithm.outputs(self.state).items():
+            out.update({f"{name}_{k}": v for k, v in self._evaluate(params).items()})
         set_params(self.model, self.state.params)
+        return out
+
+    def _evaluate(self, params: dict[str, torch.Tensor]) -> dict[str, float]:
+        set_params(self.model, params)
         with torch.no_grad():
             return {k: float(v) for k, v in self.task.evaluate(self.model).items()}
 

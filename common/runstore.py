@@ -60,6 +60,17 @@ _SCHEMA = [
         payload_bytes INTEGER, framed_bytes INTEGER, updated REAL, PRIMARY KEY(node, link, direction))""",
 ]
 
+# Columns added after the first schema: (table, column, type), added to older databases on open.
+_ADDED_COLUMNS = [("rounds", "clients_dropped", "INTEGER")]
+
+
+def _add_missing_columns(conn: sqlite3.Connection) -> None:
+    for table, column, sql_type in _ADDED_COLUMNS:
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}")
+
+
 # Each message once: every sender record, plus receiver records whose sender record is missing.
 _ONCE = """WITH once AS (
     SELECT * FROM messages WHERE role = 'sender'
@@ -184,6 +195,7 @@ class RunStore:
                 migrate(self._conn)
                 for stmt in _SCHEMA:
                     self._conn.execute(stmt)
+                _add_missing_columns(self._conn)
                 self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         self.run_id = run_id if run_id is not None else self._only_run_id()
@@ -250,20 +262,28 @@ class RunStore:
     def add_round(self, round: int, *, participants: Any = None, sampled: Any = None, failures: Any = None,
                   metrics: dict[str, Any] | None = None, wall_seconds: float | None = None,
                   sim_seconds: float | None = None, started: float | None = None, finished: float | None = None,
-                  run_id: str | None = None) -> None:
+                  clients_dropped: int | None = None, run_id: str | None = None) -> None:
         """Store (or, for a re-run round after a resume, replace) one round's row.
 
         `participants`, `sampled`, `failures` are counts or lists of client ids: the count goes in
         an INTEGER column, a list also in its *_json column.
+        `clients_dropped` (INTEGER) counts the sampled clients whose result did not enter the round.
         """
         counts = [_count_and_list(v) for v in (participants, sampled, failures)]
         self._exec(
             """INSERT OR REPLACE INTO rounds(run_id, round, participants, sampled, failures, participants_json,
                                              sampled_json, failures_json, metrics_json,
-                                             wall_seconds, sim_seconds, started, finished)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                                             wall_seconds, sim_seconds, started, finished, clients_dropped)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
             (self._need_run_id(run_id), int(round), *(c for c, _ in counts), *(j for _, j in counts),
-             _dumps(metrics or {}), wall_seconds, sim_seconds, started, finished))
+             _dumps(metrics or {}), wall_seconds, sim_seconds, started, finished,
+             None if clients_dropped is None else int(clients_dropped)))
+
+    def clients_dropped(self) -> int:
+        """Sampled clients dropped over every recorded round (a re-run round counted once)."""
+        if not self._has("rounds"):
+            return 0
+        return int(self._query("SELECT COALESCE(SUM(clients_dropped), 0) FROM rounds")[0][0])
 
     def set_live_bytes(self, nodes: Iterable[str], rows: Iterable[tuple], round: int | None = None) -> None:
         """Replace the live totals of `nodes` with `rows` of (node, link, direction, messages,
@@ -404,6 +424,13 @@ class RunStore:
                     total[k] += out[link][k]
         out["total"] = total
         return out
+
+    def bytes_by_link_upto(self, round: int) -> dict[str, dict[str, int]]:
+        """{link: {tensor_bytes, payload_bytes, framed_bytes, messages}} of the messages with round <= `round`."""
+        if not self._has("messages"):
+            return {}
+        sql = _ONCE + f"SELECT link, {_SUMS} FROM once WHERE round <= ? GROUP BY link ORDER BY link"
+        return {link: _totals(sums) for link, *sums in self._query(sql, (int(round),))}
 
     def bytes_by_link_direction(self) -> dict[str, dict[str, dict[str, int]]]:
         """{link: {direction: {tensor_bytes, payload_bytes, framed_bytes, messages}}}; each message once."""

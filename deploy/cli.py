@@ -1,4 +1,4 @@
-"""The `fedhop` command: run, report, bench, launch, netsim."""
+"""The `fedhop` command: run, sweep, report, bench, launch, netsim."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--dashboard", nargs="?", type=int, const=8050, metavar="PORT",
                      help="serve the live run page on 127.0.0.1:PORT (default 8050; 0: any free port)")
 
+    sub.add_parser("sweep", help="tuned comparisons: a grid or random/TPE search over config keys and seeds",
+                   add_help=False)
     sub.add_parser("report", help="compare runs: table and plots", add_help=False)
     sub.add_parser("certs", help="make a cluster CA, per-node certificates and the cluster secret", add_help=False)
     sub.add_parser("bench", help="benchmarks that print their figures", add_help=False)
@@ -39,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("netsim", help="run on emulated hosts (network namespaces): wire bytes, shaped links",
                    add_help=False)
 
+    if argv and argv[0] == "sweep":
+        from fedhop.deploy.sweep import main as sweep_main
+        return sweep_main(argv[1:])
     if argv and argv[0] == "launch":
         from fedhop.deploy.hosts import main as launch_main
         return launch_main(argv[1:])

@@ -231,7 +231,8 @@ def final_table(run_dir: Path) -> str:
              + (f" ({summary['error']})" if summary.get("error") else ""),
              f"  algorithm {summary['algorithm']}, topology {summary['topology']}, transport {summary['transport']}",
              f"  rounds {summary['rounds_completed']}/{summary['rounds_planned']}, wall {summary['wall_seconds']:.1f}s, "
-             f"parameters {summary['num_parameters']}, failures {summary['failures']}"]
+             f"parameters {summary['num_parameters']}, failures {summary['failures']}, "
+             f"clients dropped {summary.get('clients_dropped', 0)}"]
     final = summary.get("final", {})
     if final:
         lines.append("  final: " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))

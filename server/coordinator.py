@@ -242,7 +242,8 @@ class Coordinator:
         self.store.add_round(result.round, participants=len(result.participants),
                              sampled=len(result.sampled), failures=len(result.failures),
                              metrics=result.metrics, wall_seconds=result.wall_seconds,
-                             sim_seconds=result.sim_seconds)
+                             sim_seconds=result.sim_seconds,
+                             clients_dropped=len(set(result.sampled) - set(result.participants)))
         log.info("round %d: %d/%d results, %s", result.round, len(result.participants), len(result.sampled),
                  ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()))
         for listener in self.round_listeners:
@@ -298,6 +299,8 @@ class Coordinator:
             set_params(self.model, self.state.params)
             final["train_loss"] = float(self.task.train_loss(self.model))
         save_file({k: v.contiguous() for k, v in self.state.params.items()}, str(self.run_dir / "model.safetensors"))
+        for name, params in self.algorithm.outputs(self.state).items():
+            save_file({k: v.contiguous() for k, v in params.items()}, str(self.run_dir / f"model-{name}.safetensors"))
         by_link = self.store.bytes_by_link()
         agreement = self.store.check_agreement()
         summary = {
@@ -317,6 +320,7 @@ class Coordinator:
                                  "receiver_only": len(agreement.receiver_only),
                                  "mismatched": len(agreement.mismatched)},
             "failures": self.failures_total,
+            "clients_dropped": self.store.clients_dropped(),   # sampled clients whose result did not count
             "wall_seconds": wall_seconds,
             "num_parameters": int(sum(t.numel() for t in self.state.params.values())),
             "num_clients": self.cfg.clients.count,

@@ -11,6 +11,9 @@ framing, which keeps the injected fault the one the test means:
 - mode "drop": with probability `p` per large DATA frame, forward only the first half of the
   frame, then close both sockets: the message is truncated and the connection dropped.
 
+`refuse_first = n`: the first n connections are accepted and closed at once, before a byte is
+read (a listener that accepts and then refuses); `refused` counts them.
+
 `directions` picks which way faults go: "down" (from the connecting side: the parent's calls to
 the child) and/or "up" (the child's replies).  Every choice comes from one seeded generator, and
 `events` lists what was done: (direction, kind, frame length).
@@ -27,7 +30,7 @@ DATA = 0x0
 
 class FaultProxy:
     def __init__(self, target: str, mode: str = "corrupt", p: float = 0.3, seed: int = 0,
-                 directions: tuple[str, ...] = ("down", "up"), min_data: int = 1024) -> None:
+                 directions: tuple[str, ...] = ("down", "up"), min_data: int = 1024, refuse_first: int = 0) -> None:
         if mode not in ("corrupt", "drop", "pass"):
             raise ValueError(f"mode must be corrupt, drop or pass, got {mode!r}")
         host, port = target.rsplit(":", 1)
@@ -37,6 +40,7 @@ class FaultProxy:
         self._rng_lock = threading.Lock()
         self.events: list[tuple[str, str, int]] = []
         self.data_frames = 0
+        self.refuse_first, self.refused = refuse_first, 0
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._stop = threading.Event()
@@ -50,6 +54,10 @@ class FaultProxy:
                 down, _ = self._listener.accept()
             except OSError:
                 return
+            if self.refused < self.refuse_first:
+                self.refused += 1
+                down.close()
+                continue
             try:
                 up = socket.create_connection(self.target)
             except OSError:

@@ -151,6 +151,12 @@ class Algorithm(ABC):
         """After the server step: the clients whose results entered this round (they surely
         received its messages).  Default: nothing to remember."""
 
+    def outputs(self, state: ServerState) -> dict[str, dict[str, torch.Tensor]]:
+        """Named candidate outputs besides `state.params` (the model), each evaluated into the
+        metrics as `NAME_METRIC` and saved as `model-NAME.safetensors` (default: none).  C-/MC-FedDA
+        give "last" and "average" (the paper's weighted average of the server iterates)."""
+        return {}
+
     def reply_spec(self, state: ServerState) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Names, dtypes and shapes every client reply must carry (default: one delta per
         parameter).  The server rejects a reply that does not match before using it."""

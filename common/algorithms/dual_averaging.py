@@ -39,6 +39,9 @@ C-FedDA (Algorithm 2), round r = 0..R, one weight alpha_r per round, A_r = sum_{
     uplink: dg (p floats; w~ holds server iterates only)
     server: g += mean dg;  wbar_{r+1} = CProx_r(g - mu E w~_r / 2)  (the model);
             output ŵ = sum_r alpha_r wbar_{r+1} / A_R kept as a running average in extra "avg/*".
+    `output` picks the model (evaluated, checkpointed, saved as model.safetensors): "last" = wbar_R,
+    the authors' code; "average" = ŵ, the output of Algorithm 2 / Theorem 3.1.  Both are evaluated
+    every evaluation round (metrics `last_*` and `average_*`) and saved (model-last/-average.safetensors).
 
 MC-FedDA (Algorithm 3): stages m = 0..M-1 of C-FedDA with lam_m (default 2^{-(M-1-m)} reg, so the
 last stage uses reg = lam_opt), radius eps_m (given, or 108 psi^2 lam_m / mu, Theorem 3.2) and a
@@ -90,6 +93,7 @@ class CFedDAParams(FastFedDAParams):
 
     gamma: float = field(default=600.0, metadata={"min_exclusive": 0.0})
     radius: float = field(default=0.0, metadata={"min": 0.0})   # eps0; 0 = no ball (the experiments)
+    output: str = field(default="last", metadata={"choices": ("last", "average")})   # which one is the model
 
 
 @dataclass
@@ -254,7 +258,12 @@ class CFedDA(FastFedDA):
         ex.update(prefixed("wt", wt))
         ex.update(prefixed("w", w))
         ex.update(prefixed("avg", avg))
-        self.set_model(state, w)
+        self.set_model(state, avg if self.params.output == "average" else w)
+
+    def outputs(self, state: ServerState) -> dict[str, dict[str, torch.Tensor]]:
+        names = list(state.params)
+        return {kind: {n: state.extra[f"{key}/{n}"].to(state.params[n].dtype) for n in names}
+                for kind, key in (("last", "w"), ("average", "avg"))}
 
     # ------------------------------------------------------------------ client
     def stage_w0(self, ctx: ClientContext, message: Payload, names: list[str]) -> Tensors:

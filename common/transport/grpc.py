@@ -11,7 +11,17 @@ Message-size limits are set on both the server and every channel; every call has
 
 Security (common/security.py): with `credentials` holding TLS files the server port and every
 channel use TLS (mutual TLS when `credentials.mtls`); every call carries the node credential in
-metadata and every served call passes `AuthInterceptor` first.  Liveness (common/liveness.py):
+metadata and every served call passes `AuthInterceptor` first.
+
+Transient failures: a call that fails UNAVAILABLE before a connection to the peer was
+established (gRPC's "failed to connect to all addresses": the request never reached a transport,
+so no byte of it was delivered) is tried again after a backoff (0.25 s, doubling, at most 2 s)
+for at most RETRY_WINDOW seconds and within its deadline; such attempts put nothing on the wire
+and leave no ledger record, and `retries` counts them.  An address whose call gave up that way
+gets no retries (it fails at once, as a dead peer should) until a call to it succeeds or it
+registers again.  Any other failure (the request may have been delivered) is final.
+
+Liveness (common/liveness.py):
 `Heartbeat` calls go to `self.liveness`; `mark_dead(address)` cancels the calls in flight to a
 dead child and makes later ones fail at once (NODE_DEAD) until it registers again.
 """
@@ -33,6 +43,18 @@ EXCHANGE = "/fedhop.Fedhop/Exchange"
 CALL = "/fedhop.Fedhop/Call"            # a request of at most one chunk, bundled (proto FrameBundle)
 REGISTER = "/fedhop.Fedhop/Register"
 HEARTBEAT = "/fedhop.Fedhop/Heartbeat"
+RETRY_BACKOFF = (0.25, 2.0)              # first delay and cap of the not-delivered retry, seconds
+RETRY_WINDOW = 4.0                       # seconds a call may spend retrying (and within its deadline)
+
+
+class NotDelivered(CallFailed):
+    """The call failed before a connection to the peer existed: no byte of the request was sent."""
+
+
+def not_delivered(exc: grpc.RpcError) -> bool:
+    """UNAVAILABLE from gRPC's subchannel before any transport carried the call (connection
+    refused, reset or timed out during the TCP or HTTP/2 handshake)."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect to all addresses" in (exc.details() or "")
 
 
 def grpc_options(max_message_bytes: int, server: bool = False,
@@ -85,6 +107,8 @@ class GrpcEndpoint(Endpoint):
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self.register_handler = None
+        self.retries = 0                          # attempts that failed before connecting, then retried
+        self._unreachable: set[str] = set()       # addresses whose last call gave up before connecting
 
     # -- client side ----------------------------------------------------------------
     def channel(self, address: str) -> grpc.Channel:
@@ -120,6 +144,7 @@ class GrpcEndpoint(Endpoint):
     def mark_alive(self, address: str) -> None:
         with self._lock:
             self._dead.pop(address, None)
+            self._unreachable.discard(address)
 
     def heartbeat(self, address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
         stub = self.channel(address).unary_unary(
@@ -141,7 +166,31 @@ class GrpcEndpoint(Endpoint):
 
     def _exchange(self, address: str, request: Encoded, timeout: float,
                   decoder: FrameDecoder) -> tuple[Decoded, float]:
+        """One call, tried again with backoff while it fails before connecting (module docstring);
+        an attempt that never connected fed the decoder nothing, so the next one reuses it."""
         started = time.perf_counter()
+        deadline = started + timeout
+        give_up = started + min(timeout, RETRY_WINDOW)
+        delay, cap = RETRY_BACKOFF
+        while True:
+            try:
+                result = self._attempt(address, request, deadline - time.perf_counter(), started, decoder)
+            except NotDelivered:
+                with self._lock:
+                    known_unreachable = address in self._unreachable
+                    if known_unreachable or give_up - time.perf_counter() <= delay:
+                        self._unreachable.add(address)
+                        raise
+                    self.retries += 1
+                time.sleep(delay)
+                delay = min(2 * delay, cap)
+                continue
+            with self._lock:
+                self._unreachable.discard(address)
+            return result
+
+    def _attempt(self, address: str, request: Encoded, timeout: float, started: float,
+                 decoder: FrameDecoder) -> tuple[Decoded, float]:
         sent = [0.0]
         bundled = request.payload_bytes <= self.chunk_bytes
         if bundled:
@@ -178,7 +227,8 @@ class GrpcEndpoint(Endpoint):
                 raise CallFailed("TRUNCATED", f"reply cut off after {decoder._filled} of "
                                               f"{decoder.envelope.data_bytes} data bytes ({exc.code().name}: "
                                               f"{exc.details() or ''})", request.envelope.dst) from None
-            raise CallFailed(exc.code().name, exc.details() or "", request.envelope.dst) from None
+            failure = NotDelivered if not_delivered(exc) else CallFailed
+            raise failure(exc.code().name, exc.details() or "", request.envelope.dst) from None
         except PayloadError:   # a malformed or corrupted reply: typed, the caller records the rejection
             call.cancel()
             raise
