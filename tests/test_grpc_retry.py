@@ -68,6 +68,7 @@ def test_a_peer_that_never_accepts_fails_within_the_deadline():
         assert caller.retries >= 2 and elapsed < 2.0 + 1.0   # backed off and retried, gave up by the deadline
         lost = [r for r in caller.ledger.records() if r.method == "train"]
         assert len(lost) == 1 and lost[0].status == "lost"   # the call's one outcome, as before
+        assert lost[0].framed_bytes == lost[0].payload_bytes == lost[0].tensor_bytes == 0   # nothing crossed
     finally:
         caller.stop()
 

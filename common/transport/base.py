@@ -21,6 +21,16 @@ from fedhop.common.methods import message_link, role_of
 from fedhop.common.wire import fedhop_pb2 as pb
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    tensor_bytes: int
+    payload_bytes: int
+    framed_bytes: int
+
+
+NOTHING_SENT = _Sizes(0, 0, 0)   # the ledger's sizes of a request that never reached the wire
+
+
 class RemoteError(RuntimeError):
     """The peer answered with an error (it rejected our message or failed to handle it)."""
 
@@ -32,7 +42,10 @@ class RemoteError(RuntimeError):
 
 
 class CallFailed(RuntimeError):
-    """The call did not complete: peer unreachable, deadline exceeded, connection dropped."""
+    """The call did not complete: peer unreachable, deadline exceeded, connection dropped.
+    `delivered` False: it failed before any byte of the request reached the wire (never connected)."""
+
+    delivered = True
 
     def __init__(self, code: str, message: str, peer: str = "") -> None:
         super().__init__(f"call to {peer or 'peer'} failed ({code}): {message}")
@@ -130,9 +143,9 @@ class Endpoint(ABC):
         started = time.perf_counter()
         try:
             decoded, sent_seconds = self._exchange(address, request, timeout, self._decoder(expect))
-        except CallFailed as exc:
-            self._record(request.envelope, request, "sender", link, time.perf_counter() - started,
-                         status="lost", error=str(exc))
+        except CallFailed as exc:   # recorded as lost, with the bytes that reached the wire
+            self._record(request.envelope, request if exc.delivered else NOTHING_SENT, "sender", link,
+                         time.perf_counter() - started, status="lost", error=str(exc))
             raise
         except PayloadError as exc:   # the reply could not be decoded (corrupt, truncated, hostile)
             # the request arrived; its reply did not: the loss is recorded on the request's record

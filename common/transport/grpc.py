@@ -50,6 +50,8 @@ RETRY_WINDOW = 4.0                       # seconds a call may spend retrying (an
 class NotDelivered(CallFailed):
     """The call failed before a connection to the peer existed: no byte of the request was sent."""
 
+    delivered = False
+
 
 def not_delivered(exc: grpc.RpcError) -> bool:
     """UNAVAILABLE from gRPC's subchannel before any transport carried the call (connection
