@@ -22,6 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from fedhop.common.runstore import RunStore
+
 PAGE = Path(__file__).with_name("dashboard.html")
 EVENTS_SHOWN = 30
 
@@ -132,9 +134,28 @@ def snapshot(run_dir: Path) -> dict[str, Any]:
                        "framed_bytes": v[3]} for k, v in sorted(by_key.items())]
     state["graph"] = _graph(cfg, live, pairs)
     if state["status"] not in ("running", "starting") and state["rounds"]:
-        # the run is over and every process's last totals are in: the last round's bytes are the final table's
+        # the run is over: every process's ledger is in run.db, so each round's cumulative bytes come
+        # from the messages themselves (the live figures lag a heartbeat); the last round's equal the
+        # final table's
+        cumulative = _cumulative_framed(run_dir)
+        for r in state["rounds"]:
+            r["bytes"] = cumulative.get(r["round"], r["bytes"])
         state["rounds"][-1]["bytes"] = sum(row["framed_bytes"] for row in state["links"])
     return state
+
+
+def _cumulative_framed(run_dir: Path) -> dict[int, int]:
+    """{round: framed bytes of every message up to that round} of a finished run (run.db's messages)."""
+    try:
+        store = RunStore(run_dir / "run.db", create=False)
+    except (FileNotFoundError, sqlite3.Error):
+        return {}
+    try:
+        return {r: int(v["framed_bytes"]) for r, v in store.cumulative_bytes_by_round().items()}
+    except sqlite3.Error:
+        return {}
+    finally:
+        store.close()
 
 
 def _count(value: Any) -> int:

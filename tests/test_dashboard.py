@@ -113,3 +113,8 @@ def test_dashboard_shows_the_final_tables_bytes_in_headless_chromium(tmp_path):
     assert {d["node"] for tag, d in page.found if tag == "g" and "node" in d} == \
         {"server", "edge-0", "edge-1", "clients@edge-0", "clients@edge-1"}
     assert snapshot(out)["rounds"][-1]["bytes"] == summary["bytes"]["total"]["framed_bytes"]
+    # a finished run's bytes-axis: each round's cumulative framed bytes from run.db's messages
+    per_round = RunStore(out / "run.db", create=False).cumulative_bytes_by_round()
+    shown = [r["bytes"] for r in snapshot(out)["rounds"]]
+    assert shown[:-1] == [per_round[r]["framed_bytes"] for r in range(1, len(shown))]
+    assert shown == sorted(shown) and shown[0] < shown[-1]
