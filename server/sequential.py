@@ -31,7 +31,6 @@ from fedhop.server.driver import DriverContext, RoundResult, RunFailed, Topology
 @register_driver("sequential")
 class SequentialDriver(TopologyDriver):
     checkpoint_needs_state = True
-    RunFailed = RunFailed
 
     def __init__(self, coord: DriverContext) -> None:
         super().__init__(coord)
@@ -75,7 +74,7 @@ class SequentialDriver(TopologyDriver):
         # visits are pulled at every checkpoint before the last round; a last round's checkpoint
         # may hold none, and leaves no round to run
         if state.get("kind") != "sequential" or len(state.get("visits", [])) not in (0, len(self.graph)):
-            raise self.RunFailed(f"the checkpoint's topology state does not fit this run's {len(self.graph)} edges: "
+            raise RunFailed(f"the checkpoint's topology state does not fit this run's {len(self.graph)} edges: "
                                  f"{state}")
         self.holder, self.sequence, self.skips = int(state["holder"]), list(state["sequence"]), int(state["skips"])
         self.visits = list(state["visits"])
@@ -139,11 +138,11 @@ class SequentialDriver(TopologyDriver):
             tensors = self.world.coll.recv([(k, dtype, shape) for k, (dtype, shape) in spec.items()], rank,
                                            node.node_id, round, "edge-server")
         except RuntimeError as exc:
-            raise self.RunFailed(f"round {round}: the final model from {node.node_id} did not arrive: {exc}") from None
+            raise RunFailed(f"round {round}: the final model from {node.node_id} did not arrive: {exc}") from None
         try:
             call.result(timeout=self.coord.cfg.run.round_timeout)
         except (CallFailed, RemoteError, PayloadError, FutureTimeout) as exc:
-            raise self.RunFailed(f"round {round}: {node.node_id} failed to send the final model: {exc}") from None
+            raise RunFailed(f"round {round}: {node.node_id} failed to send the final model: {exc}") from None
         return tensors
 
     def summary(self) -> dict:
@@ -156,12 +155,12 @@ class SequentialDriver(TopologyDriver):
         coord, cfg = self.coord, self.coord.cfg
         started = time.perf_counter()
         if round != len(self.sequence) + 1:
-            raise self.RunFailed(f"round {round}: the sequential topology cannot resume mid-run (the model lives "
+            raise RunFailed(f"round {round}: the sequential topology cannot resume mid-run (the model lives "
                                  f"on the edges)")
         holder = self.holder
         node = coord.children.get(edge_node(holder))
         if node is None:
-            raise self.RunFailed(f"round {round}: {edge_node(holder)}, which holds the model, never registered")
+            raise RunFailed(f"round {round}: {edge_node(holder)}, which holds the model, never registered")
         peers = [pb.EdgeAddress(edge=e, address=coord.children[edge_node(e)].address) for e in self.graph[holder]
                  if edge_node(e) in coord.children]
         last = round == cfg.run.rounds
@@ -178,7 +177,7 @@ class SequentialDriver(TopologyDriver):
             reply = self._call_round(node, round, message)
         except (CallFailed, RemoteError, PayloadError) as exc:
             coord.store.add_event("edge_failed", node=node.node_id, detail=str(exc), round=round)
-            raise self.RunFailed(f"round {round}: {node.node_id}, which holds the model, failed: {exc}") from None
+            raise RunFailed(f"round {round}: {node.node_id}, which holds the model, failed: {exc}") from None
         self.resuming = False
         if last or due:   # the final model, or the one the checkpoint after this round saves
             spec = {k: (v.dtype, tuple(v.shape)) for k, v in coord.state.params.items()}
@@ -188,12 +187,12 @@ class SequentialDriver(TopologyDriver):
                     reply.tensors = self._receive_final(node, round, spec)
                 check_tensors(reply, spec, f"{what} from {node.node_id}")
             except PayloadError as exc:
-                raise self.RunFailed(str(exc)) from None
+                raise RunFailed(str(exc)) from None
             if not all(bool(torch.isfinite(t).all()) for t in reply.tensors.values()):
-                raise self.RunFailed(f"the {what} from {node.node_id} holds NaN or Inf")
+                raise RunFailed(f"the {what} from {node.node_id} holds NaN or Inf")
             coord.state.params = {k: reply.tensors[k].clone() for k in spec}
         elif reply.tensors:
-            raise self.RunFailed(f"round {round}: {node.node_id} sent model tensors to the server, which asked "
+            raise RunFailed(f"round {round}: {node.node_id} sent model tensors to the server, which asked "
                                  f"for none (only the last round and checkpoint rounds carry the model)")
         cluster = self.clusters[holder]
         failures = failures_of(reply)

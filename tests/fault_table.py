@@ -1,6 +1,6 @@
 """The fault-suite table of docs/faults.md: inject each fault into a real run and measure.
 
-    .venv/bin/python benchmarks/fault_table.py [--out DIR] [--rounds 6] [--only NAME,...] [--json FILE]
+    .venv/bin/python -m tests.fault_table [--out DIR] [--rounds 6] [--only NAME,...] [--json FILE]
 
 Scenarios (all on the quadratic problem of tests/faultkit.py, rounds of about a second, fast
 liveness settings: heartbeat every 0.25 s, dead after 1.5 s, children give up after 3 s):
@@ -42,7 +42,7 @@ from fedhop.common.runstore import RunStore
 from fedhop.deploy.launcher import LocalRun, read_progress, resume_local, run_local
 from fedhop.server.resilience import ledger_consistency
 from tests.faultkit import (FAST_LIVENESS, failed_by_round, slow_quadratic, soak, wait_dead,
-                            wait_for_round)
+                            wait_for_dispatch, wait_for_round)
 
 
 def _row(name: str, run_dir: Path, faults: str, expected: str, detect: str = "-", resume: str = "-") -> dict:
@@ -68,7 +68,7 @@ def _kill_child(base: Path, name: str, rounds: int, text: str, victim: str, per_
     run, server = _start(base, name, text)
     try:
         wait_for_round(run.run_dir, 2)
-        time.sleep(0.3)
+        wait_for_dispatch(run.run_dir, 3)   # round 3 is under way: a child has its work
         child = next(c for c in run.children if c.name == victim)
         in_round = len(read_progress(run.run_dir / "run.db", 0)) + 1
         os.kill(child.proc.pid, signal.SIGKILL)
@@ -100,7 +100,7 @@ def scenario_kill_server(base: Path, rounds: int) -> dict:
     run, server = _start(base, "kill-server", slow_quadratic(rounds, processes=2), ["run.checkpoint_every=2"])
     try:
         wait_for_round(run.run_dir, 3)
-        time.sleep(0.3)
+        wait_for_dispatch(run.run_dir, 4)   # round 4 is under way
         in_round = len(read_progress(run.run_dir / "run.db", 0)) + 1
         os.kill(server.proc.pid, signal.SIGKILL)
         clients = [c.proc.pid for c in run.children if c is not server]

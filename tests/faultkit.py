@@ -1,4 +1,4 @@
-"""Helpers for the process-level fault tests and benchmarks/fault_table.py: a quadratic problem
+"""Helpers for the process-level fault tests and tests/fault_table.py: a quadratic problem
 whose rounds take about a second (so a kill lands in the middle of one), process liveness
 checks, waiting for rounds, and the run.db checks every fault scenario shares."""
 from __future__ import annotations
