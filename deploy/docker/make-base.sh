@@ -2,7 +2,7 @@
 # deploy/docker/make-base.sh [TAG]: a Debian bookworm base image with Python 3.11, for machines
 # that reach no container registry (only Debian's package mirror).  Root only.
 #
-# debootstrap (apt-get install debootstrap) makes a minimal root file system with python3 and
+# debootstrap (installed with apt-get where missing) makes a minimal root file system with python3 and
 # python3-venv; its tarball is kept in $FEDHOP_CACHE (default /var/cache/fedhop-deploy) so that the
 # next call only imports it; `docker import` turns it into TAG (default fedhop-base:bookworm).
 # Then: docker build --build-arg BASE_IMAGE=fedhop-base:bookworm -t fedhop:cpu .
@@ -17,8 +17,15 @@ if docker image inspect "$tag" >/dev/null 2>&1; then
 fi
 if [ ! -s "$tarball" ]; then
     if ! command -v debootstrap >/dev/null; then
-        echo "make-base: debootstrap is not installed (apt-get install -y debootstrap)" >&2
-        exit 2
+        if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+            echo "make-base: debootstrap is not installed (apt-get install -y debootstrap)" >&2
+            exit 2
+        fi
+        echo "make-base: apt-get install debootstrap" >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends debootstrap >/dev/null \
+            || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y \
+                 --no-install-recommends debootstrap >/dev/null; } \
+            || { echo "make-base: apt-get install debootstrap failed" >&2; exit 2; }
     fi
     mkdir -p "$cache"
     root=$(mktemp -d "$cache/rootfs.XXXXXX")
