@@ -19,26 +19,23 @@ round (a HandlerError the server turns into a failed run), within the collective
 """
 from __future__ import annotations
 
+from concurrent.futures import FIRST_EXCEPTION, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
 from fedhop.common.algorithms.base import Payload, reduce_payloads
 from fedhop.common.control import control_of, failures_control, failures_of, world_layout
 from fedhop.common.methods import Method
-from fedhop.common.transport.base import HandlerError
+from fedhop.common.topology import edge_node
+from fedhop.common.transport.base import CallFailed, HandlerError
+from fedhop.common.validation import validate_reply
 from fedhop.common.transport.fabric import gather
+from fedhop.common.transport.grpc import RETRY_WINDOW
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.transport.torchdist import (STEP_KEY, Collectives, LayoutMismatch, TorchParams, buffers_by_name,
                                         build_groups, init_watching, layout_of, merge_layouts, reduce_buffers,
                                         specs_from_pb, specs_of)
-
-
-def torch_edge_of(aggregator) -> "TorchEdge":
-    """The aggregator's TorchEdge, made on the first torch_* call (transport.kind = "torch")."""
-    edge = getattr(aggregator, "_torch_edge", None)
-    if edge is None:
-        edge = aggregator._torch_edge = TorchEdge(aggregator)
-    return edge
 
 
 class TorchEdge:
@@ -119,7 +116,7 @@ class TorchEdge:
             live = [c for c in sampled if c not in failures]
             if not live:
                 break
-            part, failed = self._iteration(round, k, live, message)
+            part, failed = self.iteration(round, k, live, message)
             failures.update(failed)
             if part is None:
                 break
@@ -135,7 +132,7 @@ class TorchEdge:
             out.scalars.update(partial.scalars)
         return out
 
-    def _iteration(self, round: int, step: int, clients: list[int], message: Payload):
+    def iteration(self, round: int, step: int, clients: list[int], message: Payload):
         """One edge iteration over the cluster group: broadcast, train, reduce into this edge."""
         assert self.cluster is not None
         ep, timeout = self.agg.fabric, self.agg.cfg.run.round_timeout
@@ -193,11 +190,14 @@ class TorchEdge:
     # ------------------------------------------------------------------ helpers
     def _collective(self, fn, what: str, control: dict | None = None):
         """Run one collective; on failure (gloo: a peer gone, or the collective timeout) name the
-        client processes whose control call of the same step failed too (a dead rank)."""
+        client processes whose control call of the same step failed too (a dead rank). A call to a
+        dead process fails only once its not-delivered retries give up (RETRY_WINDOW), so the wait
+        for those failures outlasts that window."""
         try:
             return fn()
         except RuntimeError as exc:
-            _, failed = self._gather(control or {}, 2.0, pending_ok=True)
+            wait(list((control or {}).values()), timeout=RETRY_WINDOW + 4.0, return_when=FIRST_EXCEPTION)
+            _, failed = self._gather(control or {}, 0.0, pending_ok=True)
             dead = f"; client processes {sorted(failed)} failed: {next(iter(failed.values()))}" if failed else ""
             raise HandlerError("COLLECTIVE_FAILED", f"{self.node_id}: {what} failed: {exc}{dead}") from None
 
@@ -206,3 +206,79 @@ class TorchEdge:
         """Results and failures of control calls after at most `timeout` seconds (a call still
         pending is a failure unless `pending_ok`)."""
         return gather(calls, timeout, f"no answer within {timeout:g}s", pending_ok=pending_ok)
+
+
+class TorchModelPath:
+    """Fed-CHS's model over torch.distributed at an edge (edge/sequential.py `MODEL_PATHS`): each
+    cluster step is a broadcast and a reduce in this edge's cluster group, a hand-off is a
+    `dist.send` to the next edge's rank beside the `seq_handoff` control call (which makes the
+    receiver post the matching `dist.recv`), and the final (or checkpoint) model waits here for
+    `seq_final`, which sends it to the server (rank 0).  Every model received is drained from
+    the wire before it is checked."""
+
+    def __init__(self, edge) -> None:
+        self.edge = edge                                   # edge/sequential.py's SequentialEdge
+        self.final: dict[str, torch.Tensor] | None = None  # the model the server fetches with seq_final
+
+    @property
+    def torch(self) -> TorchEdge:
+        torch_edge = self.edge.agg.torch()
+        if torch_edge.world is None:
+            raise HandlerError("NOT_READY", f"{torch_edge.node_id}: torch_init has not been called")
+        return torch_edge
+
+    def _entries(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        return [(k, dtype, shape) for k, (dtype, shape) in self.edge.spec.items()]
+
+    def cluster_step(self, round: int, step: int, message: Payload) -> tuple[Payload | None, dict[int, str]]:
+        partial, failed = self.torch.iteration(round, step, list(self.edge.agg.cluster), message)
+        if partial is not None:
+            validate_reply(partial, self.edge.spec, f"round {round} step {step} reduced partial of "
+                                                    f"{self.torch.node_id}'s client processes")
+        return partial, failed
+
+    def handoff_model(self, src: str, round: int, payload: Payload) -> dict[str, torch.Tensor]:
+        te = self.torch
+        if src not in te.ranks:
+            raise HandlerError("NOT_NEIGHBOUR", f"{src} has no rank in the torch.distributed world")
+        try:
+            tensors = te.world.recv(self._entries(), te.ranks[src], src, round, "edge-edge")
+        except RuntimeError as exc:
+            raise HandlerError("COLLECTIVE_FAILED", f"{te.node_id}: hand-off from {src} failed: {exc}") from None
+        return self.edge.model_in(Payload(tensors=tensors), f"hand-off from {src}")
+
+    def resumed_model(self, round: int, message: Payload) -> dict[str, torch.Tensor]:
+        te = self.torch
+        try:
+            tensors = te.world.recv(self._entries(), 0, "server", round, "edge-server")
+        except RuntimeError as exc:
+            raise HandlerError("COLLECTIVE_FAILED", f"{te.node_id}: the resumed model from the server did not "
+                                                    f"arrive: {exc}") from None
+        return self.edge.model_in(Payload(tensors=tensors), f"resumed model for round {round}")
+
+    def send_model(self, round: int, peer: int, address: str, w: dict[str, torch.Tensor]) -> None:
+        te, fabric, timeout = self.torch, self.edge.agg.fabric, self.edge.cfg.run.call_timeout
+        node = edge_node(peer)
+        call = fabric.submit(fabric.call, address, node, Method.SEQ_HANDOFF, Payload(), round=round, timeout=timeout)
+        try:
+            te.world.send([w[k] for k in self.edge.spec], te.ranks[node], node, round, "edge-edge")
+        except RuntimeError as exc:
+            raise CallFailed("COLLECTIVE_FAILED", f"dist.send failed: {exc}", node) from None
+        try:
+            call.result(timeout=timeout)
+        except FutureTimeout:
+            raise CallFailed("DEADLINE_EXCEEDED", f"no hand-off confirmation within {timeout:g}s", node) from None
+
+    def final_model(self, w: dict[str, torch.Tensor], reply: Payload) -> None:
+        self.final = dict(w)   # the server fetches it with `seq_final` (a dist.send)
+
+    def send_final(self, round: int) -> Payload:
+        te, final = self.torch, self.final
+        if final is None:
+            raise HandlerError("NO_TOKEN", f"{te.node_id} holds no final model for round {round}")
+        try:
+            te.world.send([final[k] for k in self.edge.spec], 0, "server", round, "edge-server")
+        except RuntimeError as exc:
+            raise HandlerError("COLLECTIVE_FAILED", f"{te.node_id}: sending the final model failed: {exc}") from None
+        self.final = None
+        return Payload()
