@@ -259,6 +259,21 @@ class FrameDecoder:
     _frames: int = 0
     _digest: "xxhash.xxh3_64 | None" = None
 
+    @property
+    def filled(self) -> int:
+        """Tensor data bytes received so far."""
+        return self._filled
+
+    @property
+    def payload_bytes(self) -> int:
+        """Frame bytes fed so far (headers and data)."""
+        return self._payload_bytes
+
+    @property
+    def frames(self) -> int:
+        """Frames fed so far."""
+        return self._frames
+
     def feed(self, frame: bytes) -> None:
         self._frames += 1
         self._payload_bytes += len(frame)

@@ -4,6 +4,10 @@
   QSGD-coded when `algorithm.compress = "qsgd"` (common/compress.py).
 - Inbound, `ReplyPipeline`: a parent's view of such a reply: decoded, then checked against the
   algorithm's reply spec (names, dtypes, shapes, finiteness, the weight; common/validation.py).
+- Inbound, `ModelPipeline`: a whole model that moves between nodes (hand-offs, final and
+  resumed models), checked against the model's spec and for finiteness where it arrives: in
+  the model paths of the sequential and chain topologies (edge/sequential.py, server/sequential.py,
+  client/walk.py, server/walk.py).
 
 The fabric applies the inbound side to every reply it gathers (common/transport/fabric.py);
 the in-process round engine applies the same pipeline (common/rounds.py), so both see the same
@@ -17,6 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from fedhop.common.algorithms.base import REPLY_SCALARS, Payload, ScalarRule
+from fedhop.common.codec import PayloadError, check_tensors
 from fedhop.common.transport.base import ReplyBound
 from fedhop.common.compress import compress_upload, decompress_upload
 from fedhop.common.validation import ReplyLimits, reply_bound, validate_reply
@@ -46,6 +51,22 @@ class ReplyPipeline:
         validate_reply(reply, self.spec, who, self.scalars if self.scalars is not None else REPLY_SCALARS,
                        self.limits)
         return reply
+
+
+@dataclass(frozen=True)
+class ModelPipeline:
+    """The inbound processor of a whole model moving between nodes (a Fed-CHS hand-off, a
+    WRWGD walk step, a final or resumed model): exactly the model's tensor names, dtypes and
+    shapes (`spec`), every value finite.  Returns the model's tensors; raises PayloadError
+    (BAD_NAME, BAD_DTYPE, BAD_SHAPE, NON_FINITE) naming `what`."""
+
+    spec: Spec
+
+    def __call__(self, payload: Payload, what: str) -> dict[str, torch.Tensor]:
+        check_tensors(payload, self.spec, what)
+        if not all(bool(torch.isfinite(t).all()) for t in payload.tensors.values()):
+            raise PayloadError("NON_FINITE", f"{what} holds NaN or Inf")
+        return {name: payload.tensors[name] for name in self.spec}
 
 
 def upload(cfg: Any, payload: Payload, sender: str, round: int, step: int = 0) -> Payload:

@@ -413,6 +413,25 @@ class RunStore:
             return []
         return self._dicts("SELECT * FROM messages ORDER BY wall_time, msg_id, role")
 
+    def lone_messages(self) -> list[dict[str, Any]]:
+        """Ledger records whose other end (sender or receiver) recorded nothing."""
+        return self._dicts("SELECT m.* FROM messages AS m WHERE NOT EXISTS (SELECT 1 FROM messages AS o "
+                           "WHERE o.msg_id = m.msg_id AND o.role != m.role)")
+
+    def message_status(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """(msg_id, role) -> that record's status and error."""
+        return {(r["msg_id"], r["role"]): r for r in self._dicts("SELECT msg_id, role, status, error FROM messages")}
+
+    def last_record_by_recorder(self) -> dict[str, float]:
+        """Each recording process's newest ledger record (wall time)."""
+        return dict(self._query("SELECT recorder, MAX(wall_time) FROM messages GROUP BY recorder"))
+
+    def recording_ends(self) -> set[str]:
+        """Every node named as the recording end of some record (the sender of a sender record,
+        the receiver of a receiver record): logical clients recorded by their process included."""
+        return {r[0] for r in self._query("SELECT DISTINCT src FROM messages WHERE role = 'sender' UNION "
+                                          "SELECT DISTINCT dst FROM messages WHERE role = 'receiver'")}
+
     def bytes_by_link(self) -> dict[str, dict[str, int]]:
         """{link: {tensor_bytes, payload_bytes, framed_bytes, messages}} plus key "total"; each message once."""
         out: dict[str, dict[str, int]] = {}

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.aggregator.shutdown_event.set()
 
     beats = HeartbeatSender(endpoint, args.parent, interval=sec.heartbeat_interval, parent_timeout=sec.parent_timeout,
-                            reregister=lambda: proc._register_with_parent(proc.aggregator.cluster, timeout=10.0),
+                            reregister=lambda: proc.register_with_parent(proc.aggregator.cluster, timeout=10.0),
                             on_give_up=give_up, counts=lambda: counter.entries() + relayed.entries()).start()
     proc.aggregator.before_shutdown.append(lambda: beats.stop(wait=True, final=True))
     proc.wait()

@@ -51,6 +51,7 @@ class EdgeAggregator:
         self.shutdown_event = threading.Event()
         self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
         self.fabric = Fabric(endpoint, max_workers=32)
+        self.torch_edge = None   # this edge's torch.distributed side (edge/torch_edge.py), made on first use
         self.router = self._routes(parent)
 
     # ------------------------------------------------------------------ registration of clients
@@ -102,8 +103,10 @@ class EdgeAggregator:
 
     def torch(self):
         """This edge's side of the torch.distributed data plane, made on the first torch_* call."""
-        from fedhop.edge.torch_edge import torch_edge_of
-        return torch_edge_of(self)
+        if self.torch_edge is None:
+            from fedhop.edge.torch_edge import TorchEdge
+            self.torch_edge = TorchEdge(self)
+        return self.torch_edge
 
     def handle(self, request: Request) -> Payload:
         env = request.envelope
@@ -135,7 +138,7 @@ class EdgeAggregator:
         partial: Payload | None = None
         for k in range(kappa2):
             live = [c for c in sampled if c not in failures]
-            replies, failed = self._collect(live, round, k, message)
+            replies, failed = self.collect(live, round, k, message)
             failures.update(failed)
             if not replies:
                 break
@@ -153,7 +156,7 @@ class EdgeAggregator:
         partial.control = failures_control(failures)
         return upload(self.cfg, partial, self.endpoint.node_id, round, 0)   # QSGD uploads (common/pipeline.py)
 
-    def _collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None):
+    def collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None):
         """Send `message` to `clients` (one encoding), gather replies checked against `spec`
         (default: the algorithm's reply spec for this edge's model) and failures."""
         spec = spec if spec is not None else self.algorithm.reply_spec(self.model_state)

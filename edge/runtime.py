@@ -39,7 +39,7 @@ class EdgeProcess:
                                                             f"the server; cannot accept clients yet")
         return self.aggregator.handle_register(req)
 
-    def _register_with_parent(self, clients: list[int], timeout: float, attempts: int = 30) -> pb.RegisterReply:
+    def register_with_parent(self, clients: list[int], timeout: float, attempts: int = 30) -> pb.RegisterReply:
         req = pb.RegisterRequest(node_id=self.endpoint.node_id, role="edge", address=self.address,
                                  token=self.endpoint.token, run_id=self.endpoint.run_id,
                                  clients=[pb.LogicalClient(client_id=c) for c in clients])
@@ -51,7 +51,7 @@ class EdgeProcess:
         return reply
 
     def start(self, client_timeout: float = 120.0) -> None:
-        reply = self._register_with_parent([], timeout=60.0)
+        reply = self.register_with_parent([], timeout=60.0)
         cfg = parse_config(reply.config_toml)
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
@@ -64,7 +64,7 @@ class EdgeProcess:
         if not self.aggregator.wait_for_clients(client_timeout):
             missing = sorted(set(self.aggregator.cluster) - set(self.aggregator.client_home))
             raise RuntimeError(f"{self.endpoint.node_id}: clients {missing[:10]} never registered")
-        self._register_with_parent(self.aggregator.cluster, timeout=60.0)
+        self.register_with_parent(self.aggregator.cluster, timeout=60.0)
 
     def wait(self, timeout: float | None = None) -> None:
         assert self.aggregator is not None

@@ -23,7 +23,7 @@ The edges sit on a graph and pass one model token; the server never holds it.  T
 
 With `[transport] kind = "torch"` (docs/torch_transport.md) the tensors travel as
 torch.distributed operations and the gRPC calls above carry only control: each step's
-broadcast and reduce run in this edge's cluster group (edge/torch_edge.py `_iteration`), the
+broadcast and reduce run in this edge's cluster group (edge/torch_edge.py `iteration`), the
 hand-off is a `dist.send` to the next edge's rank (the `seq_handoff` call tells it to post the
 matching `dist.recv`), and the final model is a `dist.send` to the server (rank 0).
 
@@ -38,14 +38,13 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.algorithms.fedchs import FedCHS, NoClusterReplies, VisitCount
 from fedhop.common.algorithms.local import get_params, set_params
-from fedhop.common.codec import PayloadError, check_tensors
+from fedhop.common.codec import PayloadError
 from fedhop.common.control import control_of, failures_control
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.tasks import build_task
@@ -53,7 +52,7 @@ from fedhop.common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_node,
                              topology_params)
 from fedhop.common.methods import Method
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
-from fedhop.common.validation import validate_reply
+from fedhop.common.pipeline import ModelPipeline
 
 log = logging.getLogger("fedhop.edge")
 
@@ -74,7 +73,8 @@ class SequentialEdge:
         self.visits = VisitCount(self.params.count_start)   # c(m)
         self.token: dict[str, torch.Tensor] | None = None
         self.token_round = 0                              # the round the held token is for
-        self.final: dict[str, torch.Tensor] | None = None   # torch: the final model until `seq_final`
+        self.model_in = ModelPipeline(self.spec)           # every model that arrives (common/pipeline.py)
+        self.path = model_path(self)                       # how the model moves: MODEL_PATHS
         self._lock = threading.Lock()
         self._routes()
 
@@ -88,7 +88,7 @@ class SequentialEdge:
             Method.SEQ_ROUND: lambda request: self.run_round(int(request.envelope.round), request.payload),
             Method.SEQ_HANDOFF: lambda request: self.take_handoff(request.envelope.src, int(request.envelope.round),
                                                                   request.payload),
-            Method.SEQ_FINAL: lambda request: self.send_final(int(request.envelope.round)),
+            Method.SEQ_FINAL: lambda request: self.path.send_final(int(request.envelope.round)),
             Method.SEQ_QUERY: self._query_call,
             Method.SEQ_RESTORE: self._restore_call,
         })
@@ -106,34 +106,11 @@ class SequentialEdge:
             self.visits.value = visits
             return Payload(scalars={"visits": self.visits.value})
 
-    @property
-    def torch(self):
-        """edge/torch_edge.py's TorchEdge when transport.kind = "torch" (set up by `torch_init`)."""
-        if self.cfg.transport.kind != "torch":
-            return None
-        from fedhop.edge.torch_edge import torch_edge_of
-        edge = torch_edge_of(self.agg)
-        if edge.world is None:
-            raise HandlerError("NOT_READY", f"{self.endpoint.node_id}: torch_init has not been called")
-        return edge
-
     def take_handoff(self, src: str, round: int, payload: Payload) -> Payload:
         # the router let only a neighbour in the edge graph call this (common/methods.py)
-        if self.torch is not None:   # the model arrives as dist.recv from the sender's rank, drained before any check
-            if src not in self.torch.ranks:
-                raise HandlerError("NOT_NEIGHBOUR", f"{src} has no rank in the torch.distributed world")
-            try:
-                tensors = self.torch.world.recv([(k, dtype, shape) for k, (dtype, shape) in self.spec.items()],
-                                                self.torch.ranks[src], src, round, "edge-edge")
-            except RuntimeError as exc:
-                raise HandlerError("COLLECTIVE_FAILED", f"{self.endpoint.node_id}: hand-off from {src} failed: "
-                                                        f"{exc}") from None
-            payload = Payload(tensors=tensors)
-        check_tensors(payload, self.spec, f"hand-off from {src}")
-        if not all(bool(torch.isfinite(t).all()) for t in payload.tensors.values()):
-            raise PayloadError("NON_FINITE", f"hand-off from {src} holds NaN or Inf")
+        model = self.path.handoff_model(src, round, payload)
         with self._lock:
-            self.token = {k: v.clone() for k, v in payload.tensors.items()}
+            self.token = {k: v.clone() for k, v in model.items()}
             self.token_round = round + 1
             self.visits.arrived()                         # c(m(t+1)) += 1
             return Payload(scalars={"visits": self.visits.value})
@@ -141,7 +118,7 @@ class SequentialEdge:
     # ------------------------------------------------------------------ one round
     def run_round(self, round: int, message: Payload) -> Payload:
         sc = message.scalars
-        resumed = self._resumed_model(round, message) if sc.get("resume", False) else None
+        resumed = self.path.resumed_model(round, message) if sc.get("resume", False) else None
         with self._lock:
             if resumed is not None:   # the checkpoint's model; its visit was counted before the checkpoint
                 self.token, self.token_round = resumed, round
@@ -172,10 +149,7 @@ class SequentialEdge:
         if sc.get("last", False) or sc.get("checkpoint", False):
             # the final model, or the model a checkpoint after this round saves: the only models
             # that reach the server
-            if self.torch is not None:     # the server fetches it with `seq_final` (a dist.send)
-                self.final = dict(w)
-            else:
-                out.tensors = dict(w)
+            self.path.final_model(w, out)
         if sc.get("last", False):
             out.scalars["next_edge"] = -1
             return out
@@ -187,67 +161,10 @@ class SequentialEdge:
                                       for e, (v, d) in sorted(answers.items()))
         return out
 
-    def _resumed_model(self, round: int, message: Payload) -> dict[str, torch.Tensor]:
-        """The model a resumed run's first round starts from: in the `seq_round` message, or
-        (torch) a dist.send from the server that this edge receives here."""
-        payload = message
-        if self.torch is not None:
-            try:
-                payload = Payload(tensors=self.torch.world.recv(
-                    [(k, dtype, shape) for k, (dtype, shape) in self.spec.items()], 0, "server", round, "edge-server"))
-            except RuntimeError as exc:
-                raise HandlerError("COLLECTIVE_FAILED", f"{self.endpoint.node_id}: the resumed model from the server "
-                                                        f"did not arrive: {exc}") from None
-        check_tensors(payload, self.spec, f"resumed model for round {round}")
-        if not all(bool(torch.isfinite(t).all()) for t in payload.tensors.values()):
-            raise PayloadError("NON_FINITE", f"the resumed model for round {round} holds NaN or Inf")
-        return {k: v.clone() for k, v in payload.tensors.items()}
-
     def _step(self, round: int, step: int, message: Payload) -> tuple[Payload | None, dict[int, str]]:
         """One intra-round step: the cluster's replies to `message`, reduced data-weighted (None
         when no client answered), and the clients that failed."""
-        if self.torch is not None:   # broadcast and reduce in the cluster group
-            partial, failed = self.torch._iteration(round, step, list(self.agg.cluster), message)
-            if partial is not None:
-                validate_reply(partial, self.spec, f"round {round} step {step} reduced partial of "
-                                                   f"{self.endpoint.node_id}'s client processes")
-            return partial, failed
-        replies, failed = self.agg._collect(self.agg.cluster, round, step, message, spec=self.spec)
-        return (self.algorithm.aggregate(sorted(replies.items())) if replies else None), failed
-
-    def send_final(self, round: int) -> Payload:
-        """transport.kind = "torch": the final model to the server (rank 0) as a dist.send."""
-        final = self.final
-        if final is None:
-            raise HandlerError("NO_TOKEN", f"{self.endpoint.node_id} holds no final model for round {round}")
-        try:
-            self.torch.world.send([final[k] for k in self.spec], 0, "server", round, "edge-server")
-        except RuntimeError as exc:
-            raise HandlerError("COLLECTIVE_FAILED", f"{self.endpoint.node_id}: sending the final model failed: "
-                                                    f"{exc}") from None
-        self.final = None
-        return Payload()
-
-    def _send_model(self, round: int, peer: int, address: str, w: dict[str, torch.Tensor]) -> None:
-        """Hand the model to edge `peer`: a gRPC call with the tensors, or (torch) a control call
-        that makes the peer post its receives, beside this edge's dist.send."""
-        timeout = self.cfg.run.call_timeout
-        if self.torch is None:
-            self.agg.fabric.call(address, edge_node(peer), Method.SEQ_HANDOFF, Payload(tensors=w), round=round,
-                               timeout=timeout)
-            return
-        call = self.agg.fabric.submit(self.agg.fabric.call, address, edge_node(peer), Method.SEQ_HANDOFF, Payload(),
-                                     round=round, timeout=timeout)
-        try:
-            self.torch.world.send([w[k] for k in self.spec], self.torch.ranks[edge_node(peer)], edge_node(peer),
-                                  round, "edge-edge")
-        except RuntimeError as exc:
-            raise CallFailed("COLLECTIVE_FAILED", f"dist.send failed: {exc}", edge_node(peer)) from None
-        try:
-            call.result(timeout=timeout)
-        except FutureTimeout:
-            raise CallFailed("DEADLINE_EXCEEDED", f"no hand-off confirmation within {timeout:g}s",
-                             edge_node(peer)) from None
+        return self.path.cluster_step(round, step, message)
 
     # ------------------------------------------------------------------ selection and hand-off
     def _hand_off(self, round: int, w: dict[str, torch.Tensor], peers: dict[int, str]):
@@ -268,7 +185,7 @@ class SequentialEdge:
                 skipped.append((e, f"no answer to the neighbour query: {exc}"))
         for e in self.algorithm.next_holder(answers):
             try:
-                self._send_model(round, e, peers[e], w)
+                self.path.send_model(round, e, peers[e], w)
                 return e, skipped, answers
             except (CallFailed, RemoteError, PayloadError) as exc:
                 skipped.append((e, f"hand-off failed: {exc}"))
@@ -277,3 +194,51 @@ class SequentialEdge:
             self.token, self.token_round = w, round + 1
             self.visits.arrived()
         return self.index, skipped, answers
+
+
+class GrpcModelPath:
+    """The model inside the gRPC calls (transport.kind = "grpc", and the in-memory test
+    transport): the cluster step is a fan-out through the fabric, the hand-off carries the
+    tensors, the final (or checkpoint) model rides in the `seq_round` reply."""
+
+    def __init__(self, edge: SequentialEdge) -> None:
+        self.edge = edge
+
+    def cluster_step(self, round: int, step: int, message: Payload) -> tuple[Payload | None, dict[int, str]]:
+        agg = self.edge.agg
+        replies, failed = agg.collect(agg.cluster, round, step, message, spec=self.edge.spec)
+        return (self.edge.algorithm.aggregate(sorted(replies.items())) if replies else None), failed
+
+    def handoff_model(self, src: str, round: int, payload: Payload) -> dict[str, torch.Tensor]:
+        return self.edge.model_in(payload, f"hand-off from {src}")
+
+    def resumed_model(self, round: int, message: Payload) -> dict[str, torch.Tensor]:
+        return self.edge.model_in(message, f"resumed model for round {round}")
+
+    def send_model(self, round: int, peer: int, address: str, w: dict[str, torch.Tensor]) -> None:
+        self.edge.agg.fabric.call(address, edge_node(peer), Method.SEQ_HANDOFF, Payload(tensors=w), round=round,
+                                  timeout=self.edge.cfg.run.call_timeout)
+
+    def final_model(self, w: dict[str, torch.Tensor], reply: Payload) -> None:
+        reply.tensors = dict(w)
+
+    def send_final(self, round: int) -> Payload:
+        raise HandlerError("BAD_REQUEST", f"{self.edge.endpoint.node_id}: {Method.SEQ_FINAL.value} is for "
+                                          f"transport.kind = 'torch'; the final model came in the round's reply")
+
+
+def _torch_path(edge: SequentialEdge):
+    from fedhop.edge.torch_edge import TorchModelPath   # imports torch.distributed only where it is used
+    return TorchModelPath(edge)
+
+
+#: transport.kind -> how Fed-CHS's model moves at an edge (the edge-side data planes)
+MODEL_PATHS = {"grpc": GrpcModelPath, "inmemory": GrpcModelPath, "torch": _torch_path}
+
+
+def model_path(edge: SequentialEdge):
+    kind = edge.cfg.transport.kind
+    if kind not in MODEL_PATHS:
+        raise ValueError(f"topology.kind = 'sequential' does not run over transport.kind = '{kind}' "
+                         f"(it runs over {', '.join(sorted(MODEL_PATHS))})")
+    return MODEL_PATHS[kind](edge)

@@ -17,6 +17,7 @@ from typing import Callable
 
 from safetensors.torch import save_file
 
+from fedhop.common.methods import Method
 from fedhop.common.algorithms.base import COMPUTE_KEY, Payload, ServerState
 from fedhop.common.algorithms.local import set_params
 from fedhop.common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
@@ -280,7 +281,7 @@ class Coordinator:
             self.endpoint.liveness.stop()
         for node in list(self.children.values()):
             try:
-                self.fabric.call(node.address, node.node_id, "shutdown", Payload(), round=self.rounds_completed,
+                self.fabric.call(node.address, node.node_id, Method.SHUTDOWN, Payload(), round=self.rounds_completed,
                                  timeout=5.0)
             except (CallFailed, RemoteError) as exc:
                 self.store.add_event("shutdown_failed", node=node.node_id, detail=str(exc), round=self.rounds_completed)

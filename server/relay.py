@@ -23,6 +23,7 @@ from collections import Counter
 
 import numpy as np
 
+from fedhop.common.methods import Method
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import PayloadError
 from fedhop.common.rng import numpy_stream
@@ -65,7 +66,7 @@ class RelayDriver(TopologyDriver):
             try:
                 if node is None:
                     raise CallFailed("UNAVAILABLE", f"client {cid} is not registered")
-                reply = coord.fabric.call(node.address, client_node(cid), "train", algo.broadcast(coord.state, round),
+                reply = coord.fabric.call(node.address, client_node(cid), Method.TRAIN, algo.broadcast(coord.state, round),
                                             round=round, step=hop, timeout=cfg.run.call_timeout)
                 reply = ReplyPipeline(cfg, algo.reply_spec(coord.state))(reply, f"round {round} hop {hop} reply of "
                                                                               f"client {cid}")

@@ -183,20 +183,18 @@ def ledger_consistency(store) -> dict:
     Anything else is `unexplained`; `mismatched` pairs disagree on bytes, ends or link.
     `ok` = no unexplained lone record and no mismatch (what the fault tests assert)."""
     rep = store.check_agreement()
-    lone = store._dicts("SELECT m.* FROM messages AS m WHERE NOT EXISTS (SELECT 1 FROM messages AS o "
-                        "WHERE o.msg_id = m.msg_id AND o.role != m.role)")
-    by_id = {(r["msg_id"], r["role"]): r for r in store._dicts("SELECT msg_id, role, status, error FROM messages")}
+    lone = store.lone_messages()
+    by_id = store.message_status()
     failed_nodes: dict[int, set[str]] = {}
     for e in store.events():
         if e["kind"] in LOSS_EVENTS or e["kind"].startswith("aborted:"):
             failed_nodes.setdefault(int(e["round"] or 0), set()).add(e["node"])
     ever_failed = set().union(*failed_nodes.values()) if failed_nodes else set()
-    last_record = dict(store._query("SELECT recorder, MAX(wall_time) FROM messages GROUP BY recorder"))
+    last_record = store.last_record_by_recorder()
     recorders = set(last_record)
     # logical nodes ('client-7') are recorded by their process: they keep a ledger when some
     # record names them as the recording end
-    recorders |= {r[0] for r in store._query("SELECT DISTINCT src FROM messages WHERE role = 'sender' UNION "
-                                             "SELECT DISTINCT dst FROM messages WHERE role = 'receiver'")}
+    recorders |= store.recording_ends()
     explained, unexplained = [], []
     for m in lone:
         why = None

@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from concurrent.futures import TimeoutError as FutureTimeout
 
-import torch
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.codec import PayloadError, check_tensors
+from fedhop.common.codec import PayloadError
+from fedhop.common.methods import Method
+from fedhop.common.pipeline import ModelPipeline
 from fedhop.common.control import control_of, failures_of
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.topology import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, edge_node, start_edge
@@ -39,14 +39,14 @@ class SequentialDriver(TopologyDriver):
         if not getattr(coord.algorithm, "sequential", False):
             raise RunFailed(f"topology.kind = 'sequential' needs a sequential algorithm (its model walks the edges: "
                             f"fedchs), got '{cfg.algorithm.name}'")
-        self.world = None     # transport.kind = "torch": the server's membership of the edges' world
-        if cfg.transport.kind == "torch":
-            from fedhop.server.torch_rounds import EdgeWorld
-            from fedhop.common.transport.torchdist import TorchParams
-            try:
-                self.world = EdgeWorld(coord, getattr(cfg.transport, "params", None) or TorchParams())
-            except (RuntimeError, ValueError) as exc:
-                raise RunFailed(str(exc)) from None
+        kind = cfg.transport.kind
+        if kind not in MODEL_PATHS:
+            raise RunFailed(f"topology.kind = 'sequential' does not run over transport.kind = '{kind}' "
+                            f"(it runs over {', '.join(sorted(MODEL_PATHS))})")
+        try:
+            self.path = MODEL_PATHS[kind](coord)   # how the model reaches the server and leaves it
+        except (RuntimeError, ValueError) as exc:   # a torch.distributed world that could not be set up
+            raise RunFailed(str(exc)) from None
         try:
             self.graph = edge_graph(cfg)
             self.start_edge = start_edge(cfg)
@@ -86,7 +86,7 @@ class SequentialDriver(TopologyDriver):
         for e in range(len(self.graph)):
             node = self.coord.children.get(edge_node(e))
             try:
-                reply = self.coord.fabric.call(node.address, node.node_id, "control.seq_query", Payload(),
+                reply = self.coord.fabric.call(node.address, node.node_id, Method.SEQ_QUERY, Payload(),
                                                  round=round, timeout=self.coord.cfg.run.call_timeout)
                 out.append(int(reply.scalars["visits"]))
             except (AttributeError, CallFailed, RemoteError, PayloadError, KeyError, ValueError):
@@ -100,50 +100,12 @@ class SequentialDriver(TopologyDriver):
             if node is None or visits is None:
                 continue
             try:
-                self.coord.fabric.call(node.address, node.node_id, "control.seq_restore",
+                self.coord.fabric.call(node.address, node.node_id, Method.SEQ_RESTORE,
                                          Payload(scalars={"visits": int(visits)}), round=round,
                                          timeout=self.coord.cfg.run.call_timeout)
             except (CallFailed, RemoteError, PayloadError) as exc:
                 self.coord.store.add_event("restore_failed", node=node.node_id, round=round,
                                            detail=f"visit count not restored: {exc}")
-
-    def _call_round(self, node, round: int, message: Payload) -> Payload:
-        """`seq_round` to the holder. A resumed run's first round carries the checkpoint's model:
-        in the message, or (torch) as a dist.send beside the call."""
-        timeout = self.coord.cfg.run.round_timeout * 2
-        if not (self.resuming and self.world is not None):
-            return self.coord.fabric.call(node.address, node.node_id, "seq_round", message, round=round,
-                                            timeout=timeout)
-        call = self.coord.fabric.submit(self.coord.fabric.call, node.address, node.node_id, "seq_round",
-                                       Payload(scalars=message.scalars, control=message.control), round=round,
-                                       timeout=timeout)
-        try:
-            self.world.coll.send(list(message.tensors.values()), self.world.layout["ranks"][node.node_id],
-                                 node.node_id, round, "edge-server")
-        except RuntimeError as exc:
-            raise CallFailed("COLLECTIVE_FAILED", f"sending the resumed model failed: {exc}", node.node_id) from None
-        try:
-            return call.result(timeout=timeout)
-        except FutureTimeout:
-            raise CallFailed("DEADLINE_EXCEEDED", f"no answer within {timeout:g}s", node.node_id) from None
-
-    def _receive_final(self, node, round: int, spec: dict) -> dict[str, torch.Tensor]:
-        """transport.kind = "torch": the final model travels from the holder edge to the server
-        as a point-to-point `dist.send` (link edge-server): the control call `seq_final` makes the
-        edge send while the server posts the matching receives."""
-        rank = self.world.layout["ranks"][node.node_id]
-        call = self.coord.fabric.submit(self.coord.fabric.call, node.address, node.node_id, "seq_final", Payload(),
-                                       round=round, timeout=self.coord.cfg.run.round_timeout)
-        try:
-            tensors = self.world.coll.recv([(k, dtype, shape) for k, (dtype, shape) in spec.items()], rank,
-                                           node.node_id, round, "edge-server")
-        except RuntimeError as exc:
-            raise RunFailed(f"round {round}: the final model from {node.node_id} did not arrive: {exc}") from None
-        try:
-            call.result(timeout=self.coord.cfg.run.round_timeout)
-        except (CallFailed, RemoteError, PayloadError, FutureTimeout) as exc:
-            raise RunFailed(f"round {round}: {node.node_id} failed to send the final model: {exc}") from None
-        return tensors
 
     def summary(self) -> dict:
         visits = Counter(self.sequence)
@@ -174,23 +136,20 @@ class SequentialDriver(TopologyDriver):
             self._restore_visits(round)
             message.tensors = {k: v.clone() for k, v in coord.state.params.items()}
         try:
-            reply = self._call_round(node, round, message)
+            reply = self.path.call_round(node, round, message, resumed=self.resuming)
         except (CallFailed, RemoteError, PayloadError) as exc:
             coord.store.add_event("edge_failed", node=node.node_id, detail=str(exc), round=round)
             raise RunFailed(f"round {round}: {node.node_id}, which holds the model, failed: {exc}") from None
         self.resuming = False
         if last or due:   # the final model, or the one the checkpoint after this round saves
-            spec = {k: (v.dtype, tuple(v.shape)) for k, v in coord.state.params.items()}
             what = "final model" if last else f"round {round} model for the checkpoint"
             try:
-                if self.world is not None:
-                    reply.tensors = self._receive_final(node, round, spec)
-                check_tensors(reply, spec, f"{what} from {node.node_id}")
+                spec = {k: (v.dtype, tuple(v.shape)) for k, v in coord.state.params.items()}
+                model = ModelPipeline(spec)(self.path.final_model(node, round, reply, spec),
+                                            f"the {what} from {node.node_id}")
             except PayloadError as exc:
                 raise RunFailed(str(exc)) from None
-            if not all(bool(torch.isfinite(t).all()) for t in reply.tensors.values()):
-                raise RunFailed(f"the {what} from {node.node_id} holds NaN or Inf")
-            coord.state.params = {k: reply.tensors[k].clone() for k in spec}
+            coord.state.params = {k: v.clone() for k, v in model.items()}
         elif reply.tensors:
             raise RunFailed(f"round {round}: {node.node_id} sent model tensors to the server, which asked "
                                  f"for none (only the last round and checkpoint rounds carry the model)")
@@ -221,3 +180,28 @@ class SequentialDriver(TopologyDriver):
         result = RoundResult(round, list(cluster), participants, failures, metrics, time.perf_counter() - started)
         coord.record_round(result)
         return result
+
+
+class GrpcModelPath:
+    """The model inside the gRPC calls (transport.kind = "grpc", and the in-memory test
+    transport): a resumed run's model rides in the first `seq_round` message, the final (or
+    checkpoint) model in the holder's reply."""
+
+    def __init__(self, coord: DriverContext) -> None:
+        self.coord = coord
+
+    def call_round(self, node, round: int, message: Payload, resumed: bool) -> Payload:
+        return self.coord.fabric.call(node.address, node.node_id, Method.SEQ_ROUND, message, round=round,
+                                      timeout=self.coord.cfg.run.round_timeout * 2)
+
+    def final_model(self, node, round: int, reply: Payload, spec) -> Payload:
+        return reply
+
+
+def _torch_path(coord: DriverContext):
+    from fedhop.server.torch_rounds import TorchSequentialPath   # imports torch.distributed only where used
+    return TorchSequentialPath(coord)
+
+
+#: transport.kind -> how Fed-CHS's model reaches the server and leaves it (edge/sequential.py has the edges' side)
+MODEL_PATHS = {"grpc": GrpcModelPath, "inmemory": GrpcModelPath, "torch": _torch_path}

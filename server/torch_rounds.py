@@ -9,9 +9,11 @@ below (server + edges in a top group, one group per edge cluster; edge side edge
 from __future__ import annotations
 
 import logging
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from fedhop.common.algorithms.base import Payload, reduce_payloads
 from fedhop.common.codec import PayloadError
+from fedhop.common.methods import Method
 from fedhop.common.control import control_of, failures_of, torch_world
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.torchdist import (Collectives, LayoutMismatch, TorchParams, buffers_by_name, build_groups,
@@ -44,7 +46,7 @@ class TorchRounds(DataPlane):
         self.coll = Collectives("server", 0, len(self.procs) + 1, coordinator.ledger, self.params,
                                 coordinator.run_id)
         calls = {p.node_id: coordinator.fabric.submit(
-            coordinator.fabric.call, p.address, p.node_id, "torch_init",
+            coordinator.fabric.call, p.address, p.node_id, Method.TORCH_INIT,
             Payload(scalars={"rank": i + 1, "world_size": len(self.procs) + 1, "master": master,
                              "backend": self.params.backend, "timeout": self.params.timeout}),
             round=0, timeout=self.params.timeout) for i, p in enumerate(self.procs)}
@@ -61,7 +63,7 @@ class TorchRounds(DataPlane):
         for cid in sampled:
             by_proc[c.client_home[cid].node_id].append(cid)
         control = {p.node_id: c.fabric.submit(
-            c.fabric.call, p.address, p.node_id, "torch_round",
+            c.fabric.call, p.address, p.node_id, Method.TORCH_ROUND,
             Payload(scalars=message.scalars,
                     control=pb.Control(clients=by_proc[p.node_id], specs=specs_of(message.tensors))),
             round=round, timeout=c.cfg.run.round_timeout) for p in self.procs}
@@ -86,7 +88,7 @@ class TorchRounds(DataPlane):
             layout = merge_layouts(layouts, f"round {round}: client processes")
         except LayoutMismatch as exc:
             raise CollectiveFailed(f"LAYOUT_MISMATCH: {exc}") from None
-        reduce_calls = {p.node_id: c.fabric.submit(c.fabric.call, p.address, p.node_id, "torch_reduce",
+        reduce_calls = {p.node_id: c.fabric.submit(c.fabric.call, p.address, p.node_id, Method.TORCH_REDUCE,
                                                   Payload(control=pb.Control(layout=layout)), round=round,
                                                   timeout=c.cfg.run.round_timeout) for p in self.procs}
         buffers = reduce_buffers(layout, None)
@@ -200,7 +202,7 @@ class EdgeWorld:
     def __init__(self, c, params: TorchParams) -> None:
         self.edges = sorted((n for n in c.children.values() if n.role == "edge"), key=lambda n: edge_index(n.node_id))
         self.peers = [e.node_id for e in self.edges]
-        asked = {e.node_id: c.fabric.submit(c.fabric.call, e.address, e.node_id, "torch_procs", Payload(),
+        asked = {e.node_id: c.fabric.submit(c.fabric.call, e.address, e.node_id, Method.TORCH_PROCS, Payload(),
                                            round=0, timeout=params.timeout) for e in self.edges}
         answers, failed = gather(asked, params.timeout, NO_ANSWER)
         if failed:
@@ -212,7 +214,7 @@ class EdgeWorld:
         master = f"{host}:{params.master_port or free_port(host)}"
         self.coll = Collectives("server", 0, world, c.ledger, params, c.run_id)
         calls = {e.node_id: c.fabric.submit(
-            c.fabric.call, e.address, e.node_id, "torch_init",
+            c.fabric.call, e.address, e.node_id, Method.TORCH_INIT,
             Payload(scalars={"world_size": world, "master": master, "backend": params.backend,
                              "timeout": params.timeout}, control=pb.Control(world=torch_world(self.layout))),
             round=0, timeout=params.timeout + 10.0) for e in self.edges}
@@ -239,4 +241,49 @@ def hier_layout(edges: list[str], procs: dict[str, list[str]]) -> dict:
     return {"ranks": ranks, "groups": groups, "clusters": {e: i + 1 for i, e in enumerate(edges)}}
 
 
-__all__ = ["TorchRounds", "HierTorchRounds", "EdgeWorld", "hier_layout", "CollectiveFailed", "CallFailed", "RemoteError"]
+class TorchSequentialPath:
+    """Fed-CHS's model over torch.distributed at the server (server/sequential.py `MODEL_PATHS`):
+    the server joins the edges' world (`EdgeWorld`); a resumed run's model goes to the holder as
+    a `dist.send` beside the first `seq_round` call, and the final (or checkpoint) model comes
+    back as a `dist.send` from the holder (link edge-server), which the control call `seq_final`
+    asks for while the server posts the matching receives."""
+
+    def __init__(self, coord: DriverContext) -> None:
+        self.coord = coord
+        self.world = EdgeWorld(coord, getattr(coord.cfg.transport, "params", None) or TorchParams())
+
+    def call_round(self, node, round: int, message: Payload, resumed: bool) -> Payload:
+        fabric, timeout = self.coord.fabric, self.coord.cfg.run.round_timeout * 2
+        if not resumed:
+            return fabric.call(node.address, node.node_id, Method.SEQ_ROUND, message, round=round, timeout=timeout)
+        call = fabric.submit(fabric.call, node.address, node.node_id, Method.SEQ_ROUND,
+                             Payload(scalars=message.scalars, control=message.control), round=round, timeout=timeout)
+        try:
+            self.world.coll.send(list(message.tensors.values()), self.world.layout["ranks"][node.node_id],
+                                 node.node_id, round, "edge-server")
+        except RuntimeError as exc:
+            raise CallFailed("COLLECTIVE_FAILED", f"sending the resumed model failed: {exc}", node.node_id) from None
+        try:
+            return call.result(timeout=timeout)
+        except FutureTimeout:
+            raise CallFailed("DEADLINE_EXCEEDED", f"no answer within {timeout:g}s", node.node_id) from None
+
+    def final_model(self, node, round: int, reply: Payload, spec) -> Payload:
+        fabric, timeout = self.coord.fabric, self.coord.cfg.run.round_timeout
+        rank = self.world.layout["ranks"][node.node_id]
+        call = fabric.submit(fabric.call, node.address, node.node_id, Method.SEQ_FINAL, Payload(), round=round,
+                             timeout=timeout)
+        try:
+            tensors = self.world.coll.recv([(k, dtype, shape) for k, (dtype, shape) in spec.items()], rank,
+                                           node.node_id, round, "edge-server")
+        except RuntimeError as exc:
+            raise RunFailed(f"round {round}: the final model from {node.node_id} did not arrive: {exc}") from None
+        try:
+            call.result(timeout=timeout)
+        except (CallFailed, RemoteError, PayloadError, FutureTimeout) as exc:
+            raise RunFailed(f"round {round}: {node.node_id} failed to send the final model: {exc}") from None
+        return Payload(scalars=reply.scalars, tensors=tensors)
+
+
+__all__ = ["TorchRounds", "HierTorchRounds", "EdgeWorld", "TorchSequentialPath", "hier_layout", "CollectiveFailed",
+           "CallFailed", "RemoteError"]

@@ -243,8 +243,8 @@ class Endpoint(ABC):
             # the header arrived (the data was corrupt or short): record the rejected message and
             # answer with a routed typed error, so both ledgers pair the request and its reply
             link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
-            seen = Decoded(envelope=env, payload=Payload(), payload_bytes=decoder._payload_bytes,
-                           frames=decoder._frames, tensor_bytes=int(env.data_bytes), framing=framing)
+            seen = Decoded(envelope=env, payload=Payload(), payload_bytes=decoder.payload_bytes,
+                           frames=decoder.frames, tensor_bytes=int(env.data_bytes), framing=framing)
             reply = self._error_reply(env, exc.code, exc.detail)
             self._record(env, seen, "receiver", link, time.perf_counter() - started, status="rejected",
                          error=str(exc))

@@ -226,7 +226,7 @@ class GrpcEndpoint(Endpoint):
             if dead is not None and exc.code() == grpc.StatusCode.CANCELLED:
                 raise CallFailed("NODE_DEAD", dead, request.envelope.dst) from None
             if decoder.envelope is not None:   # the reply began and was cut off: say how much arrived
-                raise CallFailed("TRUNCATED", f"reply cut off after {decoder._filled} of "
+                raise CallFailed("TRUNCATED", f"reply cut off after {decoder.filled} of "
                                               f"{decoder.envelope.data_bytes} data bytes ({exc.code().name}: "
                                               f"{exc.details() or ''})", request.envelope.dst) from None
             failure = NotDelivered if not_delivered(exc) else CallFailed
@@ -253,9 +253,22 @@ class GrpcEndpoint(Endpoint):
             raise CallFailed(exc.code().name, exc.details() or "", address) from None
 
     # -- server side ----------------------------------------------------------------
+    def _note_peer(self, address: str, node_id: str) -> None:
+        """A child registered from `address`.  With TLS, channels verify that the child's
+        certificate names it.  A channel opened before this first registration (the round may
+        start the moment the last child is accepted) verifies the cluster name and stays; only a
+        different node now at a known address needs a new channel."""
+        with self._lock:
+            known = self.peer_names.get(address)
+            self.peer_names[address] = node_id
+            stale = self._channels.pop(address, None) if known is not None and known != node_id else None
+        if stale is not None:
+            stale.close()
+
     def serve(self, handler: Handler, bind: str, register_handler=None) -> str:
         """Serve Exchange (and Register when `register_handler` is given) on `bind` (host:port)."""
         endpoint = self
+        note_peer = self._note_peer
 
         def exchange(request_iterator, context):
             # decode each frame as it arrives: the copy into the message buffer overlaps the
@@ -274,17 +287,7 @@ class GrpcEndpoint(Endpoint):
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{endpoint.node_id} accepts no registrations")
             reply = endpoint.handle_registration(register_handler, request)
             if reply.accepted:
-                # with TLS, channels verify the child's certificate names it.  A channel opened
-                # before this first registration (the round may start the moment the last child
-                # is accepted) verifies the cluster name and stays; only a different node now
-                # at a known address needs a new channel.
-                with endpoint._lock:
-                    known = endpoint.peer_names.get(request.address)
-                    endpoint.peer_names[request.address] = request.node_id
-                    stale = endpoint._channels.pop(request.address, None) \
-                        if known is not None and known != request.node_id else None
-                if stale is not None:
-                    stale.close()
+                note_peer(request.address, request.node_id)
             return reply
 
         def heartbeat(request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
