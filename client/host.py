@@ -84,7 +84,8 @@ class ClientHost:
             Method.WALK_VISIT: lambda request: self.walk.visit(request.envelope.dst, int(request.envelope.round),
                                                                int(request.envelope.step), request.payload),
             Method.WALK_HANDOFF: lambda request: self.walk.take_handoff(request.envelope.src, request.envelope.dst,
-                                                                        request.payload),
+                                                                        int(request.envelope.round),
+                                                                        int(request.envelope.step), request.payload),
             # checkpoints and resume (common/checkpoint.py)
             Method.STATE_GET: lambda request: self.client_state(Method.STATE_GET, request.payload),
             Method.STATE_SET: lambda request: self.client_state(Method.STATE_SET, request.payload),

@@ -19,7 +19,8 @@ from fedhop.common.algorithms.base import Payload
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.control import control_of
 from fedhop.common.methods import Method
-from fedhop.common.codec import PayloadError, check_tensors
+from fedhop.common.codec import PayloadError
+from fedhop.common.pipeline import ModelPipeline
 from fedhop.common.topology import SEQ_METRIC_PREFIX
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
 from fedhop.common.walk import WalkRule
@@ -43,23 +44,37 @@ class WalkHost:
         self.rule = WalkRule.from_config(cfg, sizes)
         params = get_params(host.task.build_model())   # the run's seeded initial model, as the server builds it
         self.spec = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
+        self.model_in = ModelPipeline(self.spec)   # every model that arrives (common/pipeline.py)
+        self.handoffs: set[tuple[int, int]] = set()   # (round, hop) of the hand-offs taken
         self.initial = params
         self.model: dict[str, torch.Tensor] | None = None
         self.holder: int | None = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ walk_handoff
-    def take_handoff(self, src: str, dst: str, payload: Payload) -> Payload:
-        """The model from the client `payload.scalars["from"]` (hosted by the calling process `src`)."""
+    def take_handoff(self, src: str, dst: str, round: int, hop: int, payload: Payload) -> Payload:
+        """The model from the client `payload.scalars["from"]` (hosted by the calling process `src`)
+        at hop `hop` of `round`.  Accepted only as the walk's rule has it: the sender a neighbour
+        of the receiver in the graph, and the receiver the sender's draw for that hop
+        (`WalkRule.next_client` is a function of the seed, so every process can check it), at
+        most once per hop.  A participant can so hand a model only at the one hop where the
+        walk itself moves to this client from that neighbour."""
         sender, receiver = payload.scalars.get("from", -1), client_id_of(dst)
         if receiver not in self.host.client_ids:
             raise HandlerError("UNKNOWN_CLIENT", f"client {receiver} is not hosted by {self.host.node_id}")
         if isinstance(sender, bool) or sender not in self.rule.graph[receiver]:
             raise HandlerError("NOT_NEIGHBOUR", f"client {sender!r} (from {src}) is not a neighbour of client "
                                                 f"{receiver} in the walk's graph (neighbours: {self.rule.graph[receiver]})")
-        self._check_model(payload, f"hand-off from {src}")
+        if self.rule.next_client(sender, round, hop) != receiver:
+            raise HandlerError("NOT_NEXT", f"the walk does not move from client {sender} to client {receiver} at hop "
+                                           f"{hop} of round {round} (from {src})")
+        model = self.model_in(payload, f"hand-off from {src}")
         with self._lock:
-            self.model = {k: v.clone() for k, v in payload.tensors.items()}
+            if (round, hop) in self.handoffs:
+                raise HandlerError("DUPLICATE", f"a hand-off for hop {hop} of round {round} was already taken "
+                                                f"(this one from {src})")
+            self.handoffs.add((round, hop))
+            self.model = {k: v.clone() for k, v in model.items()}
             self.holder = receiver
         return Payload()
 
@@ -71,8 +86,8 @@ class WalkHost:
         scalars = message.scalars
         with self._lock:
             if bool(scalars.get("resume")):
-                self._check_model(message, f"round {round} resumed model")
-                self.model, self.holder = {k: v.clone() for k, v in message.tensors.items()}, client
+                resumed = self.model_in(message, f"round {round} resumed model")
+                self.model, self.holder = {k: v.clone() for k, v in resumed.items()}, client
             elif bool(scalars.get("start")):
                 self.model, self.holder = {k: v.clone() for k, v in self.initial.items()}, client
             if self.holder != client or self.model is None:
@@ -121,8 +136,3 @@ class WalkHost:
             reply.scalars.update(skipped=nxt, skip_reason=str(exc))
             return client
         return nxt
-
-    def _check_model(self, payload: Payload, who: str) -> None:
-        check_tensors(payload, self.spec, who)
-        if not all(bool(torch.isfinite(t).all()) for t in payload.tensors.values()):
-            raise PayloadError("NON_FINITE", f"{who} holds NaN or Inf")

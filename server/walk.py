@@ -19,11 +19,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-import torch
 
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.methods import Method
-from fedhop.common.codec import PayloadError, check_tensors
+from fedhop.common.codec import PayloadError
+from fedhop.common.pipeline import ModelPipeline
 from fedhop.common.topology import SEQ_METRIC_PREFIX, topology_params
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.walk import WalkRule, start_client
@@ -145,9 +145,7 @@ class WalkDriver(TopologyDriver):
         params = self.ctx.state.params
         spec = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
         try:
-            check_tensors(reply, spec, f"round {round} model from client {holder}")
+            model = ModelPipeline(spec)(reply, f"round {round} model from client {holder}")
         except PayloadError as exc:
             raise RunFailed(str(exc)) from None
-        if not all(bool(torch.isfinite(t).all()) for t in reply.tensors.values()):
-            raise RunFailed(f"round {round}: the model from client {holder} holds NaN or Inf")
-        self.ctx.state.params = {k: reply.tensors[k].clone() for k in spec}
+        self.ctx.state.params = {k: v.clone() for k, v in model.items()}

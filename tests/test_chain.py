@@ -169,3 +169,37 @@ def test_chain_config_errors_name_the_key():
         parse_config(walk_config(graph=bad_graph))
     with pytest.raises(ConfigError, match="topology.stationary"):
         parse_config(walk_config(stationary="[1.0, 2.0]"))
+
+
+def test_a_handoff_is_taken_only_at_the_hop_where_the_walk_moves_there():
+    """walk_handoff from a peer process: the sender must be a graph neighbour and the receiver
+    its draw for that hop (WalkRule.next_client, seeded), once per hop; anything else is refused
+    with a typed error and leaves the walk's state alone."""
+    from fedhop.client.host import ClientHost
+    from fedhop.common.algorithms.base import Payload
+    from fedhop.common.transport.base import HandlerError
+    host = ClientHost(parse_config(walk_config()), "client-proc1", list(range(N)), run_id="")
+    rule = host.walk.rule
+    rnd, sender = 2, 3
+    moves = [(hop, rule.next_client(sender, rnd, hop)) for hop in range(40)]
+    hop, receiver = next((h, c) for h, c in moves if c != sender)
+    other_hop = next(h for h, c in moves if c != receiver)
+    model = Payload(tensors={k: v + 1.0 for k, v in host.walk.initial.items()}, scalars={"from": sender})
+
+    def handoff(h, frm=sender, dst=receiver):
+        payload = Payload(tensors=model.tensors, scalars={"from": frm})
+        return host.walk.take_handoff("client-proc0", f"client-{dst}", rnd, h, payload)
+
+    with pytest.raises(HandlerError) as exc:
+        handoff(other_hop)
+    assert exc.value.code == "NOT_NEXT" and host.walk.holder is None
+    stranger = next(c for c in range(N) if c not in GRAPH[receiver] and c != receiver)
+    with pytest.raises(HandlerError) as exc:
+        handoff(hop, frm=stranger)
+    assert exc.value.code == "NOT_NEIGHBOUR" and host.walk.holder is None
+    handoff(hop)
+    assert host.walk.holder == receiver
+    assert all(bool((host.walk.model[k] == model.tensors[k]).all()) for k in model.tensors)
+    with pytest.raises(HandlerError) as exc:
+        handoff(hop)
+    assert exc.value.code == "DUPLICATE"
