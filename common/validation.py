@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import re
 from collections import Counter
@@ -152,8 +151,6 @@ def validate_reply(reply: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[i
     for name, v in reply.scalars.items():
         if name in scalars:
             check_scalar(name, v, scalars[name], who)
-            if name == "failures_json":
-                parse_failures(v, who)
         elif isinstance(v, str) and len(v) > MAX_TEXT:
             raise PayloadError("BAD_SCALAR", f"{who}: scalar '{name}' is a text of {len(v)} characters")
     if limits is not None:
@@ -184,17 +181,6 @@ def consistent_results(results: Mapping[int, Payload]) -> tuple[dict[int, Payloa
         else:
             kept[cid] = results[cid]
     return kept, rejected
-
-
-def parse_failures(text: str, who: str) -> dict[int, str]:
-    """An edge's `failures_json` ({client id: why}) or BAD_SCALAR."""
-    try:
-        raw = json.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError("not an object")
-        return {int(c): str(why) for c, why in raw.items()}
-    except (ValueError, TypeError) as exc:
-        raise PayloadError("BAD_SCALAR", f"{who}: 'failures_json' is not a map of client ids: {exc}") from None
 
 
 class ReplyLimiter:

@@ -192,3 +192,16 @@ def test_control_data_travels_typed_in_the_envelope_and_is_counted():
     header = make_envelope(run_id=RUN, round=1, src="server", dst="edge-1", method="edge_round")
     resent = decode_frames(typed.with_header(header).frames).payload
     assert resent.control == control
+
+
+def test_the_proto_comment_lists_exactly_the_methods_that_exist():
+    """proto/fedhop.proto's Envelope.method comment names every Exchange method of
+    common/methods.py and nothing else (register and heartbeat are their own RPCs)."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "proto" / "fedhop.proto").read_text()
+    block = text[text.index("// One of common/methods.py's methods:"):text.index("string method = 6;")]
+    listed = set(re.findall(r"\b(?:control\.)?[a-z]+(?:_[a-z]+)+\b|\b(?:train|ping|shutdown)\b",
+                            block.split("; a reply's")[0].split(":", 1)[1].split("(register")[0]))
+    exchanged = {m.value for m in Method} - {"register", "heartbeat"}
+    assert listed == exchanged, (sorted(listed - exchanged), sorted(exchanged - listed))

@@ -56,7 +56,6 @@ REPLY_SCALARS: dict[str, ScalarRule] = {
     COMPUTE_KEY: ScalarRule("number", 0.0),
     "train_loss": ScalarRule("number"),
     "local_steps": ScalarRule("number", 0.0),   # a partial carries the weighted sum
-    "failures_json": ScalarRule("str"),   # an edge's partial: the clients it lost, {id: why}
 }
 
 
