@@ -39,7 +39,7 @@ class RunConfig:
 
 @dataclass
 class TopologyConfig:
-    kind: str = _f("star", choices=("star", "hierarchical", "sequential", "chain", "relay"))
+    kind: str = "star"   # star, hierarchical, sequential, chain, relay, or a plug-in (common/plugins.py), checked on load
     edges: int = _f(0, min=0)
     assignment: str | list = "blocks"          # "blocks" or explicit [[client ids], ...] per edge
     options: dict = _f(factory=dict)           # topology-specific keys (kappa1, graph, steps_per_round, ...)

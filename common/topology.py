@@ -84,7 +84,13 @@ TOPOLOGY_PARAMS: dict[str, type | None] = {
 
 
 def topology_params_class(kind: str) -> type | None:
-    return TOPOLOGY_PARAMS.get(kind)
+    """The params dataclass of a built-in kind, or of a user's topology plug-in (its `Params`,
+    common/plugins.py `load_topology`, which also registers the plug-in's process plan).  Raises
+    KeyError for an unknown kind, PluginError (a ValueError) for a plug-in that does not load."""
+    if kind in TOPOLOGY_PARAMS:
+        return TOPOLOGY_PARAMS[kind]
+    from fedhop.common.plugins import load_topology   # local: a plug-in imports the package
+    return getattr(load_topology(kind), "Params", None)
 
 
 def topology_params(cfg: Any) -> Any:

@@ -10,7 +10,11 @@ summary.json that describes its walk.  Drivers are registered by kind, as algori
 A driver sees the run only through `DriverContext`, the public face of the Coordinator, and
 sends only through the context's fabric (common/transport/fabric.py).  Adding a topology is one
 module under server/ that registers its driver (and, where it starts other processes than the
-default, its process plan).
+default, its process plan).  A user's own topology needs no edit of fedhop: a subclass of
+`TopologyDriver` in the user's package, named by `topology.kind = "pkg.module:DriverClass"` or
+by an entry point of group `fedhop.topologies` (common/plugins.py `load_topology`); its class
+attributes `Params` and `process_plan` stand for what `register_options_schema` and
+`register_plan` do for the built-in kinds (docs/architecture.md, "How to add a topology").
 """
 from __future__ import annotations
 
@@ -92,6 +96,10 @@ class TopologyDriver:
 
     kind: ClassVar[str] = ""
     checkpoint_needs_state: ClassVar[bool] = False   # a resume needs `checkpoint_state` (the model lives elsewhere)
+    # a plug-in's own [topology] keys (a dataclass; None: none) and its processes (None: common/plan.py
+    # `star_plan`); a function (cfg, placement) -> ProcessPlan, e.g. `process_plan = staticmethod(edge_plan)`
+    Params: ClassVar[type | None] = None
+    process_plan: ClassVar[Callable[..., Any] | None] = None
 
     def __init__(self, ctx: DriverContext) -> None:
         self.ctx = ctx
@@ -135,7 +143,14 @@ def driver_class(kind: str) -> type[TopologyDriver]:
     """The driver registered for `kind` (the built-in drivers register on import)."""
     import fedhop.server.topologies  # noqa: F401  (registers star, hierarchical, sequential, chain, relay)
     if kind not in DRIVERS:
-        raise RunFailed(f"topology.kind = '{kind}' has no driver (known: {', '.join(sorted(DRIVERS))})")
+        from fedhop.common.plugins import load_topology   # a user's driver (the config loader loaded it already)
+        try:
+            cls = load_topology(kind)
+        except (KeyError, ValueError) as exc:
+            raise RunFailed(f"topology.kind = '{kind}' has no driver ({exc.args[0] if exc.args else exc})") from None
+        if "kind" not in vars(cls):   # error messages name the kind as the config wrote it
+            cls.kind = kind
+        DRIVERS[kind] = cls
     return DRIVERS[kind]
 
 

@@ -111,10 +111,14 @@ class SampledRoundDriver(TopologyDriver):
         except (RuntimeError, ValueError) as exc:   # a torch.distributed world that could not be set up
             raise RunFailed(str(exc)) from None
 
+    def sample(self, round: int) -> list[int]:
+        """The round's clients, sorted (a subclass may choose them its own way)."""
+        return self.ctx.sample(round)
+
     def run_round(self, round: int) -> RoundResult:
         ctx = self.ctx
         started = time.perf_counter()
-        sampled = ctx.sample(round)
+        sampled = self.sample(round)
         message = ctx.clock.begin_round(round, sampled, ctx.algorithm.broadcast(ctx.state, round))
         dispatched = time.perf_counter()
         arrivals: dict[int, float] = {}

@@ -27,7 +27,7 @@ from fedhop.deploy.launcher import run_local
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "plugin"
 BY_PATH = ["model.factory=fedhop_example.models:small_cnn", "data.dataset=fedhop_example.data:digits_two_labels",
-           "algorithm.name=fedhop_example.algorithms:FedAvgM"]
+           "algorithm.name=fedhop_example.algorithms:FedAvgM", "topology.kind=fedhop_example.topologies:RoundRobinStar"]
 
 
 @pytest.fixture
