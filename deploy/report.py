@@ -1,7 +1,8 @@
 """`fedhop report RUN_DIR [RUN_DIR ...]`: compare runs (DESIGN.md section 6).
 
-Reads each run directory's `summary.json` and `run.db`, prints an aligned table (also written
-as `report.md`, and the raw numbers as `report.json`) and writes PNG plots:
+Reads each run directory's `summary.json` and `run.db`, prints an aligned table that fits
+`TEXT_WIDTH` columns (the full table, with bytes per link, goes to `report.md`, the raw numbers
+to `report.json`) and writes PNG plots:
 
 - `metric_vs_round.png`        the metric against the round,
 - `metric_vs_bytes.png`        the metric against cumulative bytes (log x),
@@ -28,9 +29,10 @@ import math
 import os
 import sqlite3
 import sys
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from fedhop.common.ledger import BYTE_FIELDS, LINKS
 from fedhop.common.runstore import AgreementReport, RunStore
@@ -305,12 +307,51 @@ def table_cells(rows: Sequence[RunRow], metric: str | None, target: float | None
     return header, body
 
 
-def render_text(header: list[str], body: list[list[str]]) -> str:
+TEXT_WIDTH = 100     # the printed report's lines, at most (report.md keeps the wide details)
+MIN_CLIPPED = 8      # a clipped name column keeps at least this many characters
+
+
+def text_tables(rows: Sequence[RunRow], metric: str | None, target: float | None, kind: str) -> str:
+    """The printed table: one block of what each run is and what it cost (bytes per link only in
+    report.md), and with a target a second block of rounds and bytes to it; each fits TEXT_WIDTH,
+    the name columns clipped where needed.  A plug-in named by import path shows its attribute."""
+    short = kind.replace("_bytes", "")
+    header = ["run", "algorithm", "topology", "rounds"] + ([metric] if metric is not None else [])
+    header += [f"{short} bytes", "wall s", "ledger"]
+    body = []
+    for r in rows:
+        cells = [r.name, r.algorithm.rpartition(":")[2], r.topology.rpartition(":")[2], _fmt(r.rounds)]
+        cells += [_fmt(r.final)] if metric is not None else []
+        cells += [human_bytes(r.total_bytes[kind]), "-" if r.wall_seconds is None else f"{r.wall_seconds:.1f}",
+                  r.ledger]
+        body.append(cells)
+    clip = {0, 1, 2} | ({4} if metric is not None else set())
+    blocks = [render_text(header, body, TEXT_WIDTH, clip)]
+    if target is not None and metric is not None:
+        blocks.append(render_text(["run", "rounds to target", f"{short} bytes to target"],
+                                  [[r.name, _fmt(r.rounds_to_target), human_bytes(r.bytes_to_target)] for r in rows],
+                                  TEXT_WIDTH, {0}))
+    return "\n\n".join(blocks)
+
+
+def render_text(header: list[str], body: list[list[str]], max_width: int | None = None,
+                clip: Collection[int] = ()) -> str:
+    """An aligned table; with `max_width`, the widest of the `clip` columns narrowed one character at a
+    time (to MIN_CLIPPED) until a line fits, their longer cells ending in "~"."""
     widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
     numeric = [all(_looks_numeric(row[i]) for row in body) and bool(body) for i in range(len(header))]
+    while max_width is not None and sum(widths) + 2 * (len(widths) - 1) > max_width:
+        widest = max((i for i in clip if widths[i] > MIN_CLIPPED), key=lambda i: widths[i], default=None)
+        if widest is None:
+            break
+        widths[widest] -= 1
+
+    def fit(cell: str, w: int) -> str:
+        return cell if len(cell) <= w else cell[:w - 1] + "~"
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(cells, widths, numeric)).rstrip()
+        return "  ".join(fit(c, w).rjust(w) if n else fit(c, w).ljust(w)
+                         for c, w, n in zip(cells, widths, numeric)).rstrip()
 
     return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in body])
 
@@ -528,7 +569,7 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
     out.mkdir(parents=True, exist_ok=True)
     rows = [make_row(run, metric, target, bytes_kind, notes) for run in runs]
     header, body = table_cells(rows, metric, target, bytes_kind)
-    table = render_text(header, body)
+    table = text_tables(rows, metric, target, bytes_kind)
     agreement = [f"{run.name}: {run.agreement.summary()}" for run in runs if run.agreement is not None]
     md = ["# fedhop report", "", render_markdown(header, body), ""]
     if agreement:
@@ -546,9 +587,18 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
     (out / "report.json").write_text(json.dumps(
         {"metric": metric, "target": target, "bytes_kind": bytes_kind, "runs": [asdict(r) for r in rows],
          "agreement": agreement, "notes": notes}, indent=2), encoding="utf-8")
+    disagree = [f"{run.name}: {run.agreement.summary()}" for run in runs
+                if run.agreement is not None and not run.agreement.ok]   # the agreeing ones: report.md
     return ReportResult(out_dir=out, metric=metric, target=target, bytes_kind=bytes_kind, rows=rows,
-                        table=table if agreement == [] else table + "\n\n" + "\n".join(agreement),
+                        table="\n\n".join([table, *([wrap("\n".join(disagree))] if disagree else [])]),
                         markdown="\n".join(md), plots=plots, notes=notes)
+
+
+def wrap(text: str) -> str:
+    """`text` with every line folded to TEXT_WIDTH, continuation lines indented (a path longer than
+    a line is cut too: the full text is in report.md)."""
+    return "\n".join(textwrap.fill(line, TEXT_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+                     for line in text.splitlines())
 
 
 def default_out(run_dirs: Sequence[str | Path]) -> Path:
@@ -579,11 +629,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(result.table)
     for note in result.notes:
-        print(f"note: {note}")
+        print(wrap(f"note: {note}"))
     if not result.rows:
         print("fedhop report: none of the run directories could be read", file=sys.stderr)
         return 1
-    print(f"wrote {result.out_dir / 'report.md'}" + "".join(f", {p.name}" for p in result.plots))
+    print(wrap(f"wrote {result.out_dir / 'report.md'}" + "".join(f", {p.name}" for p in result.plots)))
     return 0
 
 

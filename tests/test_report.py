@@ -83,8 +83,9 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def row_line(table: str, name: str) -> str:
-    lines = [ln for ln in table.splitlines() if ln.startswith(name + " ")]
+def row_line(table: str, name: str, block: int = 0) -> str:
+    """The line of run `name` in the printed table's `block` (0: the runs, 1: to target)."""
+    lines = [ln for ln in table.split("\n\n")[block].splitlines() if ln.startswith(name + " ")]
     assert len(lines) == 1, table
     return lines[0]
 
@@ -105,13 +106,13 @@ def test_table_totals_and_rounds_to_target(runs):
     assert ra.ledger == rb.ledger == "agree"
 
     line_a, line_b = row_line(res.table, "fedavg-star"), row_line(res.table, "hier-edges")
-    assert "10.00 kB" in line_a and "11.11 kB" in line_a and "6.00 kB" in line_a
-    assert "star" in line_a and "0.7" in line_a
-    assert "12.00 kB" in line_b and "client-edge 4.00 kB; edge-server 8.00 kB" in line_b
+    assert "10.00 kB" in line_a and "star" in line_a and "0.7" in line_a and "12.00 kB" in line_b
+    assert "6.00 kB" in row_line(res.table, "fedavg-star", 1) and "kB" not in row_line(res.table, "hier-edges", 1)
     assert any("hier-edges: never reached test_accuracy >= 0.6" in n for n in res.notes)
 
     md = (tmp / "out" / "report.md").read_text()
     assert "| fedavg-star | fedavg | star | 5 |" in md and "| hier-edges |" in md
+    assert "client-edge 4.00 kB; edge-server 8.00 kB" in md and "11.11 kB" in md   # the wide details
     raw = json.loads((tmp / "out" / "report.json").read_text())
     assert raw["runs"][0]["bytes_to_target"] == 6_000 and raw["runs"][1]["total_bytes"]["framed_bytes"] == 13_360
 
@@ -171,7 +172,7 @@ def test_cli_main(runs, capsys):
     out = capsys.readouterr().out
     assert "fedavg-star" in out and "hier-edges" in out and "framed bytes to target" in out
     # framed bytes through round 3 of run A: registration 55 + 3 rounds x 2 x 1105 = 6685
-    assert human_bytes(6_685) == "6.68 kB" and "6.68 kB" in row_line(out, "fedavg-star")
+    assert human_bytes(6_685) == "6.68 kB" and "6.68 kB" in row_line(out, "fedavg-star", 1)
     assert (tmp / "cli" / "report.md").exists()
     assert main([str(tmp / "nothing-here"), "--out", str(tmp / "cli2")]) == 1
 

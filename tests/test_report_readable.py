@@ -42,3 +42,37 @@ def test_one_unit_style_and_no_offset_notation():
     assert report._bytes_formatter()(1e7, 0) == "10.00 MB"
     page = (ROOT / "deploy" / "dashboard.html").read_text()
     assert '["B", "kB", "MB", "GB", "TB"]' in page and '"KB"' not in page
+
+
+def test_printed_report_of_real_runs_fits_100_columns(tmp_path, capsys):
+    """Real runs of three topologies (up to four links each), long run names and a target: every
+    printed line fits 100 columns; the per-link details and the full names are in report.md."""
+    import numpy as np
+
+    from fedhop.deploy.launcher import run_local
+    from tests.helpers import quadratic_config
+
+    rng = np.random.default_rng(1)
+    centers, curv = rng.normal(0, 2, size=(6, 3)), rng.uniform(0.5, 2.0, size=(6, 3))
+    topologies = {"star": 'kind = "star"', "hierarchical": 'kind = "hierarchical"\nedges = 2',
+                  "sequential": 'kind = "sequential"\nedges = 2\ngraph = "ring"\nsteps_per_round = 2\nstart = 0'}
+    dirs = []
+    for kind, topology in topologies.items():
+        name = f"{kind}-quadratic-six-clients-with-a-long-descriptive-name"
+        text = quadratic_config(centers, curv, [5, 9, 13, 3, 7, 11], rounds=3, per_round=4, local_steps=2,
+                                topology=topology, algorithm="fedchs" if kind == "sequential" else "fedavg", name=name)
+        (tmp_path / f"{kind}.toml").write_text(text)
+        dirs.append(tmp_path / kind)
+        assert run_local(str(tmp_path / f"{kind}.toml"), [], str(dirs[-1]), quiet=True) == 0
+    capsys.readouterr()
+    assert main([str(d) for d in dirs] + ["--target", "100", "--metric", "objective", "--bytes", "framed"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    runs_block, target_block = out.split("\n\n")[:2]
+    assert runs_block.splitlines()[0].split()[:4] == ["run", "algorithm", "topology", "rounds"]
+    assert len(runs_block.splitlines()) == 2 + 3 and target_block.splitlines()[0].split()[:2] == ["run", "rounds"]
+    assert "sequential-quadratic-six-~  fedchs     sequential" in runs_block   # the long name clipped
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "edge-edge" in md and "client-edge" in md and "edge-server" in md   # bytes per link, in full
+    assert all(f"{kind}-quadratic-six-clients-with-a-long-descriptive-name" in md for kind in topologies)
+    assert max(len(line) for line in md.splitlines()) > 100   # the details that did not fit are there
