@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     holder["coordinator"] = coordinator
     live = ServerLive(coordinator.store, counter)
-    coordinator.on_round = lambda result: live.flush(result.round)
+    coordinator.round_listeners.append(lambda result: live.flush(result.round))   # each round's live figure
     checkpointer = Checkpointer(coordinator)
     if args.resume:
         try:

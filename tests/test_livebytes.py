@@ -82,6 +82,15 @@ def test_live_view_ends_equal_to_the_final_table(tmp_path, topology):
                    "sequential": {"client-edge", "edge-edge"}, "chain": set()}[topology]
     assert model_links <= set(live) and set(live) - {"control"}
     assert live == final
+    # each round's row notes the live figure when it was recorded: the server's own counts are in it
+    # (those of its links up to that round), and it only grows
+    figures = [r["live_framed_bytes"] for r in store.rounds()]
+    server_links = {"star": ["client-server"], "hierarchical": ["edge-server"], "sequential": ["edge-server"],
+                    "chain": ["client-server"]}[topology]
+    for r, figure in enumerate(figures, start=1):
+        upto = store.bytes_by_link_upto(r)
+        assert figure >= sum(upto[link]["framed_bytes"] for link in server_links) > 0
+    assert figures == sorted(figures) and figures[-1] <= summary["bytes"]["total"]["framed_bytes"]
     last = read_progress(tmp_path / "run" / "run.db", 2, final=True)
     assert [r["round"] for r in last] == [3] and last[0]["bytes"] == summary["bytes"]["total"]["framed_bytes"]
     assert last[0]["failures"] == 0 and isinstance(last[0]["failures"], int)
