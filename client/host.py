@@ -70,7 +70,7 @@ class ClientHost:
         return self._walk
 
     def num_samples(self, cid: int) -> int:
-        return self.task.client_data(cid).num_samples
+        return self.task.num_samples(cid)
 
     # ------------------------------------------------------------------ handler
     def _routes(self) -> MethodRouter:

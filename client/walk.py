@@ -40,7 +40,7 @@ class WalkHost:
     def __init__(self, host: ClientHost) -> None:
         self.host = host
         cfg = host.cfg
-        sizes = [host.task.client_data(c).num_samples for c in range(cfg.clients.count)]
+        sizes = [host.task.num_samples(c) for c in range(cfg.clients.count)]
         self.rule = WalkRule.from_config(cfg, sizes)
         params = get_params(host.task.build_model())   # the run's seeded initial model, as the server builds it
         self.spec = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}

@@ -22,6 +22,8 @@ ledger write would leave a receiver-only record; their count and bytes are in su
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import logging
 import socket
 import threading
@@ -280,7 +282,7 @@ class LivenessMonitor:
         one client twice (DUPLICATE_CLIENT), or a node id that a live child at another address
         holds (NODE_TAKEN); None otherwise."""
         ids = [c.client_id for c in req.clients]
-        twice = sorted({c for c in ids if ids.count(c) > 1})
+        twice = sorted(c for c, n in Counter(ids).items() if n > 1)
         if twice:
             return f"DUPLICATE_CLIENT: client ids {twice[:10]} listed twice by {req.node_id}"
         with self._lock:
@@ -288,10 +290,11 @@ class LivenessMonitor:
             taken = takeover_refusal(req.node_id, req.address, held.address if held and not held.dead else None)
             if taken:
                 return taken
+            claimed = set(ids)
             for child in self.children.values():
                 if child.node_id == req.node_id or child.dead:
                     continue
-                taken = sorted(set(ids) & set(child.clients))
+                taken = sorted(claimed.intersection(child.clients))
                 if taken:
                     return (f"DUPLICATE_CLIENT: clients {taken[:10]} are hosted by live node {child.node_id}; "
                             f"{req.node_id} may take them only after that node is marked dead")

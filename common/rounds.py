@@ -61,7 +61,7 @@ def local_update(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.
     """One logical client's local solver on `message` (what client/host.py runs for a `train` call):
     its context, the server's straggler plan applied, `client_update`, and the solver's seconds
     in the reply (COMPUTE_KEY).  `state` is the client's persistent state, updated in place."""
-    ctx = ClientContext(client_id=cid, task=task, model=model, num_samples=task.client_data(cid).num_samples,
+    ctx = ClientContext(client_id=cid, task=task, model=model, num_samples=task.num_samples(cid),
                         generator=client_generator(cfg.run.seed, cid, round, step), round=round,
                         local_steps=client_local_steps(cfg, cid), local_epochs=cfg.algorithm.local_epochs,
                         state=state)

@@ -195,7 +195,7 @@ class ReplyLimiter:
     def weight_of(self, cid: int) -> float | None:
         if cid not in self._bound:
             try:
-                samples = int(self.task.client_data(cid).num_samples)
+                samples = int(self.task.num_samples(cid))
             except (IndexError, KeyError, AttributeError, NotImplementedError):
                 samples = None
             self._bound[cid] = None if samples is None else self.algorithm.max_weight(samples)

@@ -267,7 +267,7 @@ def transport(args: argparse.Namespace) -> dict:
 #: every `fedhop bench` subcommand, as its help lists them
 BENCHMARKS = {"transport": "gRPC (or gloo) throughput against TCP, codec speed, FedAvg round time",
               "compute": "FedAvg rounds against one process doing the same SGD steps",
-              "scale": "round time as logical clients and samples per client grow",
+              "scale": "cross-device: registration, round time and memory with 100,000 logical clients",
               "growth": "round time as model size and client count grow",
               "flower": "framework overhead against Flower (its own flags: fedhop bench flower --help)"}
 

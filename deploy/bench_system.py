@@ -1,7 +1,7 @@
 """System benchmarks: compute overhead, scale to many logical clients, cost growth.
 
     fedhop bench compute   # a FedAvg run on the digits CNN vs a single-process loop of the same SGD steps
-    fedhop bench scale     # 1,000 logical clients in a few processes: memory and round time vs sampled clients
+    fedhop bench scale     # 100,000 cross-device clients in 4 processes: registration, round time, memory
     fedhop bench growth    # bytes and time per round against model size and client count, with fitted slopes
 
 Each prints its figures; `--tiny` runs a seconds-long version (the tests use it).
@@ -140,14 +140,15 @@ rounds = {rounds}
 eval_every = 0
 round_timeout = 600.0
 call_timeout = 300.0
+torch_threads = 1
 [algorithm]
 name = "fedavg"
 lr = 0.05
 local_steps = 1
 batch_size = 16
 [data]
-dataset = "logreg"
-partition = "iid"
+dataset = "crossdevice"
+base = "synthetic"
 [model]
 kind = "logreg"
 [clients]
@@ -168,45 +169,68 @@ def _memory_mb(pid: int) -> tuple[float, float]:
         return float("nan"), float("nan")
 
 
+def _registration_seconds(store: RunStore) -> float:
+    """From the server's start of the run to its `registration_complete` event."""
+    run = store.run() or {}
+    done = [e["time"] for e in store.events("registration_complete")]
+    return float(done[0] - run["started"]) if done and run.get("started") else float("nan")
+
+
+def scale_run(count: int, processes: int, per_round: int, rounds: int) -> dict:
+    """One cross-device run (common/tasks/crossdevice.py, a 610-parameter softmax model): the
+    registration time, the round times and every process's peak RSS and USS."""
+    text = SCALE_CONFIG.format(rounds=rounds, count=count, per_round=per_round, processes=processes)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = LocalRun(parse_config(text), Path(tmp))
+        server = run.start([])
+        peak: dict[str, float] = {}
+        peak_uss: dict[str, float] = {}
+        while server.proc.poll() is None:
+            for child in run.children:
+                rss, uss = _memory_mb(child.proc.pid)
+                peak[child.name] = max(peak.get(child.name, 0.0), rss)
+                peak_uss[child.name] = max(peak_uss.get(child.name, 0.0), uss)
+            time.sleep(0.2)
+        run.stop_all()
+        if server.proc.returncode != 0:
+            raise RuntimeError(f"scale run failed; see {tmp}/logs")
+        store = RunStore(Path(tmp) / "run.db", create=False)
+        walls = [r["wall_seconds"] for r in store.rounds()]
+        registration = _registration_seconds(store)
+    steady = walls[1:] or walls   # the first round also warms the processes' caches
+    client_rss = [v for k, v in peak.items() if k.startswith("client")]
+    client_uss = [v for k, v in peak_uss.items() if k.startswith("client")]
+    return {"clients": count, "processes": processes, "per_round": per_round, "rounds": rounds,
+            "registration_seconds": registration,
+            "round_seconds_median": statistics.median(steady), "round_seconds_min": min(steady),
+            "round_seconds_max": max(steady),
+            "server_rss_mb": peak.get("server"), "server_uss_mb": peak_uss.get("server"),
+            "client_process_rss_mb": statistics.mean(client_rss), "client_process_uss_mb": statistics.mean(client_uss),
+            "client_process_rss_mb_max": max(client_rss),
+            "total_rss_mb": sum(peak.values()), "total_uss_mb": sum(peak_uss.values()),
+            "rss_per_logical_client_kb": 1000 * sum(client_rss) / count,
+            "uss_per_logical_client_kb": 1000 * sum(client_uss) / count}
+
+
 def bench_scale(args: argparse.Namespace) -> dict:
-    count = 100 if args.tiny else args.clients
+    """Cross-device scale: `--clients` logical clients in `--processes` client processes,
+    one run per `--sampled` count."""
+    count = 2000 if args.tiny else args.clients
     processes = 2 if args.tiny else args.processes
-    samples = [10, 50] if args.tiny else [10, 100, 500]
-    rounds = 2 if args.tiny else args.rounds
+    samples = [10, 50] if args.tiny else [int(s) for s in str(args.sampled).split(",")]
+    rounds = 3 if args.tiny else args.rounds
     results = []
     for per_round in samples:
-        text = SCALE_CONFIG.format(rounds=rounds, count=count, per_round=per_round, processes=processes)
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = parse_config(text)
-            run = LocalRun(cfg, Path(tmp))
-            server = run.start([])
-            peak: dict[str, float] = {}
-            peak_uss: dict[str, float] = {}
-            while server.proc.poll() is None:
-                for child in run.children:
-                    rss, uss = _memory_mb(child.proc.pid)
-                    peak[child.name] = max(peak.get(child.name, 0.0), rss)
-                    peak_uss[child.name] = max(peak_uss.get(child.name, 0.0), uss)
-                time.sleep(0.2)
-            run.stop_all()
-            if server.proc.returncode != 0:
-                raise RuntimeError(f"scale run failed; see {tmp}/logs")
-            rows = RunStore(Path(tmp) / "run.db", create=False).rounds()
-        walls = [r["wall_seconds"] for r in rows]
-        client_rss = [v for k, v in peak.items() if k.startswith("client")]
-        client_uss = [v for k, v in peak_uss.items() if k.startswith("client")]
-        row = {"clients": count, "processes": processes, "per_round": per_round,
-               "round_seconds_median": statistics.median(walls[1:] or walls),
-               "server_rss_mb": peak.get("server"), "client_process_rss_mb": statistics.mean(client_rss),
-               "rss_per_logical_client_mb": sum(client_rss) / count,
-               "server_uss_mb": peak_uss.get("server"), "client_process_uss_mb": statistics.mean(client_uss),
-               "uss_per_logical_client_mb": sum(client_uss) / count}
+        row = scale_run(count, processes, per_round, rounds)
         results.append(row)
-        print(f"{count} clients in {processes} processes, {per_round:>4} sampled: round "
-              f"{row['round_seconds_median']:.3f} s, server {row['server_rss_mb']:.0f} MB RSS / "
-              f"{row['server_uss_mb']:.0f} MB USS, client process {row['client_process_rss_mb']:.0f} MB RSS / "
-              f"{row['client_process_uss_mb']:.0f} MB USS, per logical client {row['rss_per_logical_client_mb']:.2f} MB "
-              f"RSS / {row['uss_per_logical_client_mb']:.2f} MB USS (process memory / clients hosted)")
+        print(f"{count} clients in {processes} processes, {per_round} sampled: registration "
+              f"{row['registration_seconds']:.2f} s; round median {row['round_seconds_median']:.3f} s "
+              f"(min {row['round_seconds_min']:.3f}, max {row['round_seconds_max']:.3f}, {rounds - 1} rounds after "
+              f"the first); server {row['server_rss_mb']:.0f} MB RSS / {row['server_uss_mb']:.0f} MB USS; client "
+              f"process {row['client_process_rss_mb']:.0f} MB RSS / {row['client_process_uss_mb']:.0f} MB USS; all "
+              f"processes {row['total_rss_mb']:.0f} MB RSS / {row['total_uss_mb']:.0f} MB USS; per logical client "
+              f"{row['rss_per_logical_client_kb']:.2f} kB RSS / {row['uss_per_logical_client_kb']:.2f} kB USS "
+              f"(client processes' memory / clients)")
     return {"rows": results}
 
 
@@ -279,8 +303,10 @@ def bench_growth(args: argparse.Namespace) -> dict:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--clients", type=int, default=1000, help="scale: logical clients")
+    ap.add_argument("--clients", type=int, default=100_000, help="scale: logical clients")
     ap.add_argument("--processes", type=int, default=4, help="scale: client processes")
+    ap.add_argument("--sampled", default="100,1000", help="scale: clients sampled per round, one run each "
+                                                         "(comma-separated)")
     ap.add_argument("--kind-clients", default="4,8",
                     help="transport --kind torch: client counts (one process each), comma-separated")
 

@@ -69,7 +69,7 @@ class SequentialEdge:
         self.task = build_task(self.cfg)
         self.model = self.task.build_model()
         self.spec = self.algorithm.reply_spec(aggregator.model_state)
-        self.data_size = sum(self.task.client_data(c).num_samples for c in aggregator.cluster)   # D_{A,m}
+        self.data_size = sum(self.task.num_samples(c) for c in aggregator.cluster)   # D_{A,m}
         self.visits = VisitCount(self.params.count_start)   # c(m)
         self.token: dict[str, torch.Tensor] | None = None
         self.token_round = 0                              # the round the held token is for

@@ -40,7 +40,7 @@ class RelayDriver(TopologyDriver):
         self.coord = coord
         cfg = coord.cfg
         self.hops = topology_params(cfg).hops_per_round
-        sizes = np.array([coord.task.client_data(c).num_samples for c in range(cfg.clients.count)], dtype=float)
+        sizes = np.array([coord.task.num_samples(c) for c in range(cfg.clients.count)], dtype=float)
         self.p = sizes / sizes.sum()
         self.walk: list[int] = []
 

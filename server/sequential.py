@@ -53,7 +53,7 @@ class SequentialDriver(TopologyDriver):
         except ValueError as exc:
             raise RunFailed(str(exc)) from None
         self.clusters = cluster_assignment(cfg)
-        self.data_sizes = [sum(coord.task.client_data(c).num_samples for c in cluster) for cluster in self.clusters]
+        self.data_sizes = [sum(coord.task.num_samples(c) for c in cluster) for cluster in self.clusters]
         self.holder = self.start_edge
         self.sequence: list[int] = []
         self.skips = 0

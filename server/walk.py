@@ -37,7 +37,7 @@ class WalkDriver(TopologyDriver):
     def __init__(self, ctx: DriverContext) -> None:
         super().__init__(ctx)
         cfg = ctx.cfg
-        sizes = [ctx.task.client_data(c).num_samples for c in range(cfg.clients.count)]
+        sizes = [ctx.task.num_samples(c) for c in range(cfg.clients.count)]
         try:
             self.rule = WalkRule.from_config(cfg, sizes)
             self.holder = start_client(topology_params(cfg).start, cfg.clients.count, cfg.run.seed)

@@ -38,6 +38,10 @@ def test_bench_compute_and_scale_tiny(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["per_round"] for r in rows] == [10, 50] and all(r["client_process_rss_mb"] > 0 for r in rows)
     assert all(0 < r["client_process_uss_mb"] <= r["client_process_rss_mb"] for r in rows)   # own pages within all pages
+    assert all(r["clients"] == 2000 and 0 < r["registration_seconds"] < 60 for r in rows)
+    assert all(r["round_seconds_min"] <= r["round_seconds_median"] <= r["round_seconds_max"] for r in rows)
+    assert all(abs(r["rss_per_logical_client_kb"] * 2000 / 1000 - 2 * r["client_process_rss_mb"]) < 1e-6
+               for r in rows)   # two client processes' memory over 2,000 clients
 
 
 def test_bench_transport_torch_tiny(tmp_path):

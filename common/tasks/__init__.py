@@ -70,7 +70,9 @@ _LAZY_MODULES = {"minimax_quadratic": ("fedhop.common.tasks.minimax_quadratic", 
                  # minimax digits tasks (issue 8): registered by common/tasks/minimax.py
                  "robust_digits": ("fedhop.common.tasks.minimax",), "fair_digits": ("fedhop.common.tasks.minimax",),
                  # composite-optimization tasks (issue 6): registered by common/tasks/sparse.py
-                 "lasso": ("fedhop.common.tasks.sparse",), "lowrank": ("fedhop.common.tasks.sparse",)}
+                 "lasso": ("fedhop.common.tasks.sparse",), "lowrank": ("fedhop.common.tasks.sparse",),
+                 # cross-device clients made on demand: common/tasks/crossdevice.py
+                 "crossdevice": ("fedhop.common.tasks.crossdevice",)}
 
 
 def register_dataset(name: str, build: Builder, params: type | None = None) -> None:

@@ -46,6 +46,11 @@ class Task(ABC):
     @abstractmethod
     def client_data(self, client_id: int) -> ClientData: ...
 
+    def num_samples(self, client_id: int) -> int:
+        """Client `client_id`'s weight in the objective.  Tasks that make clients on demand
+        (common/tasks/crossdevice.py) answer without building the client's data."""
+        return self.client_data(client_id).num_samples
+
     @abstractmethod
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
              generator: torch.Generator | None = None) -> torch.Tensor:
