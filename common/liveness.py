@@ -393,6 +393,11 @@ class LivenessMonitor:
             self._event("node_dead", child.node_id, f"{reason}; {cancelled} calls in flight cancelled")
         return [c.node_id for c in newly]
 
+    def dead_nodes(self) -> set[str]:
+        """The node ids marked dead."""
+        with self._lock:
+            return {node_id for node_id, child in self.children.items() if child.dead}
+
     def is_dead(self, node_id: str) -> bool:
         with self._lock:
             child = self.children.get(node_id)
@@ -441,7 +446,10 @@ def live_pool(pool: list[int], size: int, client_home: dict,
     liveness record (the `sampling_excluded` event), so a run is reproducible from its run.db."""
     if monitor is None or size >= len(pool):
         return pool, []
-    dead = [c for c in pool if c in client_home and monitor.is_dead(client_home[c].node_id)]
+    dead_nodes = monitor.dead_nodes()
+    if not dead_nodes:   # the usual case: one look at the monitor, not one per client of the pool
+        return pool, []
+    dead = [c for c in pool if c in client_home and client_home[c].node_id in dead_nodes]
     if not dead or len(dead) == len(pool):
         return pool, []
     gone = set(dead)

@@ -52,7 +52,8 @@ def local_sgd(ctx: ClientContext, lr: float, batch_size: int, weight_decay: floa
     for k, idx in enumerate(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs,
                                           ctx.generator)):
         batch = tuple(t[idx] for t in data.tensors)
-        ctx.model.zero_grad(set_to_none=True)
+        for _, p in params:   # Module.zero_grad(set_to_none=True) without its walk over the modules
+            p.grad = None
         loss = ctx.task.loss(ctx.model, batch, ctx.generator)
         loss.backward()
         step = lr_at(k) if lr_at is not None else lr
