@@ -164,6 +164,38 @@ def bundle_framing(frame_lengths) -> int:
     return FRAME_OVERHEAD + sum(1 + len(_varint(n)) for n in frame_lengths)
 
 
+def frame_framing(frame_lengths) -> int:
+    """The bytes each frame adds inside a `FrameBundle` (its field tag and length varint): a
+    message's share of a bundle that carries several (a batch); the bundle's 5-byte gRPC prefix
+    is the first message's."""
+    return sum(1 + len(_varint(n)) for n in frame_lengths)
+
+
+def split_bundle(frames: list[bytes]) -> list[list[bytes]]:
+    """The messages of a bundle that carries several (a batch: one call to one process for
+    several logical clients), each a header frame and the data frames its envelope declares.
+    A bundle that does not parse so comes back whole, as one message, for the decoder to reject
+    with its usual typed error."""
+    messages: list[list[bytes]] = []
+    need = 0
+    for frame in frames:
+        try:
+            mv = memoryview(frame)
+            length, start = _read_varint(mv, 1)
+            if mv[0] == _TAG_HEADER and need == 0:
+                need = int(pb.Envelope.FromString(bytes(mv[start:start + length])).data_bytes)
+                messages.append([frame])
+                continue
+            if mv[0] != _TAG_HEADER and 0 < length <= need and messages:
+                need -= length
+                messages[-1].append(frame)
+                continue
+        except Exception:   # a truncated varint or header: not a batch this function can split
+            pass
+        return [frames]
+    return messages if messages and need == 0 else [frames]
+
+
 def bundle_bytes(frames: list[bytes]) -> bytes:
     """`FrameBundle(frames=frames)` serialized: field 1 (tag 0x0A), a length varint, the frame."""
     return b"".join(part for f in frames for part in (b"\x0a", _varint(len(f)), f))
@@ -273,6 +305,11 @@ class FrameDecoder:
     def frames(self) -> int:
         """Frames fed so far."""
         return self._frames
+
+    @property
+    def complete(self) -> bool:
+        """The header and every data byte it declares have arrived."""
+        return self.envelope is not None and self._filled == self.envelope.data_bytes
 
     def feed(self, frame: bytes) -> None:
         self._frames += 1

@@ -32,7 +32,10 @@ class RunConfig:
     checkpoint_every: int = _f(0, min=0)      # 0 = off
     round_timeout: float = _f(120.0, min_exclusive=0.0)   # seconds the server waits for a round's results
     call_timeout: float = _f(60.0, min_exclusive=0.0)     # deadline of one RPC
-    min_results: int | float = _f(1, min=0)   # int: count; float in (0, 1]: fraction of sampled
+    # a round counts when at least this many sampled clients' results arrived, else the run fails:
+    # int: a count (at most clients.per_round; 0 and 1 both mean one result); float in (0, 1]: a
+    # fraction of the clients sampled, rounded up.  Default 1: a round goes on with whatever arrived
+    min_results: int | float = _f(1, min=0)
     log_level: str = _f("info", choices=("debug", "info", "warning", "error"))
     torch_threads: int = _f(1, min=1)         # intra-op threads per process (1 keeps runs bit-reproducible)
 
@@ -103,6 +106,9 @@ class TransportConfig:
     chunk_bytes: int = _f(4 * 1024 * 1024, min=1024)
     max_message_bytes: int = _f(64 * 1024 * 1024, min=1024)   # gRPC max send/receive, both sides
     host: str = "127.0.0.1"
+    # requests to the logical clients of one process share gRPC calls (each still its own message
+    # with its own ledger records; common/transport/grpc.py, Batches): cross-device scale
+    batch: bool = False
     options: dict = _f(factory=dict)
 
 

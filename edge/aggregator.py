@@ -50,7 +50,7 @@ class EdgeAggregator:
         self._cond = threading.Condition()
         self.shutdown_event = threading.Event()
         self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
-        self.fabric = Fabric(endpoint, max_workers=32)
+        self.fabric = Fabric(endpoint, max_workers=32, batch=cfg.transport.batch)
         self.torch_edge = None   # this edge's torch.distributed side (edge/torch_edge.py), made on first use
         self.router = self._routes(parent)
 

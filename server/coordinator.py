@@ -80,7 +80,7 @@ class Coordinator:
         self.rounds_completed = 0
         self.failures_total = 0
         self.history: list[RoundResult] = []
-        self.fabric = Fabric(endpoint)
+        self.fabric = Fabric(endpoint, batch=cfg.transport.batch)
         self.config_toml = config_to_toml(cfg)
         self.driver: TopologyDriver | None = None   # the topology's rounds, made after registration (server/driver.py)
         self.ready_listeners: list[Callable[[], None]] = []   # after registration (resume: restore client states)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import Decoded, Encoded, FrameDecoder, PayloadError, encode, make_envelope
@@ -101,6 +101,16 @@ def reply_problem(reply: pb.Envelope, request: pb.Envelope) -> tuple[str, str] |
 
 
 @dataclass(frozen=True)
+class Batched:
+    """One request of `Endpoint.call_many`: to logical node `dst`, its frames cut once."""
+
+    dst: str
+    method: str
+    prepared: Encoded
+    expect: "ReplyBound | None" = None
+
+
+@dataclass(frozen=True)
 class ReplyBound:
     """The most a reply may declare: its tensor data and its header frame (common/validation.py
     `reply_bound` computes it from the algorithm's reply spec)."""
@@ -154,6 +164,12 @@ class Endpoint(ABC):
                          error=f"reply rejected: {exc}")
             raise PayloadError(exc.code, f"reply of {dst} to {method} (round {round}): {exc.detail}") from None
         self._record(request.envelope, request, "sender", link, sent_seconds)
+        return self._settle(request, decoded, link, time.perf_counter() - started - sent_seconds)
+
+    def _settle(self, request: Encoded, decoded: Decoded, link: str, seconds: float) -> Payload:
+        """Record a call's reply and return its payload; a reply that does not answer the request
+        (PayloadError) or an error reply (RemoteError) raises."""
+        dst = request.envelope.dst
         env_r = decoded.envelope
         problem = reply_problem(env_r, request.envelope)
         error = (f"{problem[0]}: {problem[1]}" if problem else
@@ -161,7 +177,7 @@ class Endpoint(ABC):
         expected_id = f"{request.envelope.msg_id}.reply"
         if problem and env_r.msg_id != expected_id:   # a replayed or forged reply: record it as the reply due
             error += f" (the reply claims msg_id '{env_r.msg_id}')"
-        self._record(env_r, decoded, "receiver", link, time.perf_counter() - started - sent_seconds,
+        self._record(env_r, decoded, "receiver", link, seconds,
                      status="rejected" if problem or env_r.HasField("error") else "ok", error=error,
                      msg_id=expected_id if problem else None)
         if problem:
@@ -169,6 +185,21 @@ class Endpoint(ABC):
         if env_r.HasField("error"):
             raise RemoteError(env_r.error.code, env_r.error.message, dst)
         return decoded.payload
+
+    def call_many(self, address: str, requests: Sequence[Batched], *, round: int, step: int = 0,
+                  timeout: float) -> list[Payload | Exception]:
+        """Several requests to the logical clients of one process at `address`: each its own
+        message (envelope, msg_id, ledger records on both ends), and each result a Payload or the
+        exception its call would have raised (CallFailed, RemoteError, PayloadError).  Here one
+        call each; a transport that can carry several messages in one call overrides it."""
+        out: list[Payload | Exception] = []
+        for req in requests:
+            try:
+                out.append(self.call(address, req.dst, req.method, round=round, step=step, timeout=timeout,
+                                     prepared=req.prepared, expect=req.expect))
+            except (CallFailed, RemoteError, PayloadError) as exc:
+                out.append(exc)
+        return out
 
     def register(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:
         """Unary Register call to a parent, counted as two `control` messages."""

@@ -8,6 +8,10 @@ hand: it says what goes where and gets back results and failures.
   pipeline, and the call returns `(results, failures)` keyed as the requests are: a peer that
   fails, answers with an error, sends a reply the pipeline rejects or misses the deadline is a
   failure with its reason, never an exception.
+  With `batch` (config `transport.batch`), the requests to the logical clients of one process
+  share calls (`Endpoint.call_many`: each still its own message with its own ledger records;
+  common/transport/grpc.py, Batches), at most one chunk of request bytes per call: per-call
+  costs are paid once per process and round instead of once per client.
 - `call`: one request, one reply (control calls, a hand-off to a peer); failures raise.
 - `submit`: a call in the background (a control call that must overlap a collective).
 
@@ -28,7 +32,7 @@ from typing import Any, Callable, Hashable, Mapping
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import Encoded, PayloadError
 from fedhop.common.pipeline import ReplyPipeline, upload
-from fedhop.common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError
+from fedhop.common.transport.base import Batched, CallFailed, Endpoint, HandlerError, RemoteError
 
 __all__ = ["Fabric", "Send", "gather", "ReplyPipeline", "upload", "CALL_ERRORS"]
 # what makes a request fail without failing the caller: every typed outcome of a call
@@ -55,9 +59,10 @@ class Send:
 class Fabric:
     """A role's sending side over its endpoint."""
 
-    def __init__(self, endpoint: Endpoint, max_workers: int = 64) -> None:
+    def __init__(self, endpoint: Endpoint, max_workers: int = 64, batch: bool = False) -> None:
         self.endpoint = endpoint
         self.node_id = endpoint.node_id
+        self.batch = batch   # requests to one process share calls (module docstring)
         self._workers = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{endpoint.node_id}-call")
 
     # ------------------------------------------------------------------ one call
@@ -81,9 +86,56 @@ class Fabric:
         for req in requests:
             if id(req.message) not in encoded:
                 encoded[id(req.message)] = (req.message, self.endpoint.prepare(req.message))
-            calls[req.key] = self._workers.submit(self._exchange, req, round, call_timeout,
-                                                  encoded[id(req.message)][1])
+        if self.batch:
+            for group in self._batches(requests, encoded):
+                futures = {req.key: Future() for req in group}
+                calls.update(futures)
+                self._workers.submit(self._exchange_batch, group, futures, round, timeout, encoded)
+        else:
+            for req in requests:
+                calls[req.key] = self._workers.submit(self._exchange, req, round, call_timeout,
+                                                      encoded[id(req.message)][1])
         return gather(calls, timeout, timeout_reason or f"timeout: no result within {timeout:g}s")
+
+    def _batches(self, requests: list[Send], encoded: dict[int, tuple[Payload, Encoded]]) -> list[list[Send]]:
+        """The requests grouped by process address, in order, each group at most one chunk of
+        request bytes (a larger message goes alone)."""
+        by_address: dict[tuple[str, int], list[list[Send]]] = {}
+        for req in requests:
+            size = encoded[id(req.message)][1].payload_bytes
+            groups = by_address.setdefault((req.address, req.step), [[]])
+            last = groups[-1]
+            if last and sum(encoded[id(r.message)][1].payload_bytes for r in last) + size > self.endpoint.chunk_bytes:
+                groups.append(last := [])
+            last.append(req)
+        return [g for groups in by_address.values() for g in groups]
+
+    def _exchange_batch(self, group: list[Send], futures: dict[Hashable, Future], round: int, timeout: float,
+                        encoded: dict[int, tuple[Payload, Encoded]]) -> None:
+        """One batch (`Endpoint.call_many`); each request's future gets its reply, through its
+        inbound pipeline, or its failure.  The batch's deadline is the round's: its process runs
+        the requests one after another."""
+        batched = [Batched(req.dst, req.method, encoded[id(req.message)][1], getattr(req.inbound, "bound", None))
+                   for req in group]
+        try:
+            replies = self.endpoint.call_many(group[0].address, batched, round=round, step=group[0].step,
+                                              timeout=timeout)
+        except BaseException as exc:   # never leave a future unset
+            for fut in futures.values():
+                fut.set_exception(exc)
+            raise
+        for req, reply in zip(group, replies):
+            fut = futures[req.key]
+            if isinstance(reply, Exception):
+                fut.set_exception(reply)
+                continue
+            if req.on_reply is not None:
+                req.on_reply(req.key)
+            try:
+                fut.set_result(req.inbound(reply, req.who or f"round {round} reply of {req.dst}")
+                               if req.inbound is not None else reply)
+            except CALL_ERRORS as exc:
+                fut.set_exception(exc)
 
     def _exchange(self, req: Send, round: int, call_timeout: float, prepared: Encoded) -> Payload:
         bound = getattr(req.inbound, "bound", None)   # what the reply may declare (ReplyPipeline)

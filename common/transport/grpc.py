@@ -21,6 +21,15 @@ and leave no ledger record, and `retries` counts them.  An address whose call ga
 gets no retries (it fails at once, as a dead peer should) until a call to it succeeds or it
 registers again.  Any other failure (the request may have been delivered) is final.
 
+Batches (`call_many`, used by the fabric with `transport.batch = true`): the requests to several
+logical clients of one process travel in one `Call`, their messages back to back in the bundle
+(each its own header and data frames, envelope and msg_id), and the replies come back in the same
+order on the call's stream.  Every message keeps its ledger records on both ends, with its exact
+tensor and payload bytes; framing is shared so that the messages' framed bytes add up to what the
+call put on the wire: each message counts its own frames' bundle tags and lengths, the first
+message also the bundle's 5-byte gRPC prefix (common/codec.py `frame_framing`), and each reply
+frame its own 5-byte prefix, as a streamed reply always does.
+
 Liveness (common/liveness.py):
 `Heartbeat` calls go to `self.liveness`; `mark_dead(address)` cancels the calls in flight to a
 dead child and makes later ones fail at once (NODE_DEAD) until it registers again.
@@ -30,13 +39,16 @@ from __future__ import annotations
 import threading
 import time
 from concurrent import futures
+from typing import Sequence
 
 import grpc
 
-from fedhop.common.codec import Decoded, Encoded, FrameDecoder, PayloadError, bundle_bytes, bundle_framing
+from fedhop.common.codec import (FRAME_OVERHEAD, Decoded, Encoded, FrameDecoder, PayloadError, bundle_bytes,
+                                 bundle_framing, frame_framing, make_envelope, split_bundle)
 from fedhop.common.ledger import Ledger
 from fedhop.common.security import CLUSTER_NAME, AuthInterceptor, NodeCredentials, RefusedHook
-from fedhop.common.transport.base import CallFailed, Endpoint, Handler
+from fedhop.common.methods import message_link
+from fedhop.common.transport.base import NOTHING_SENT, Batched, CallFailed, Endpoint, Handler, RemoteError
 from fedhop.common.wire import fedhop_pb2 as pb
 
 EXCHANGE = "/fedhop.Fedhop/Exchange"
@@ -252,6 +264,48 @@ class GrpcEndpoint(Endpoint):
         except grpc.RpcError as exc:
             raise CallFailed(exc.code().name, exc.details() or "", address) from None
 
+    def call_many(self, address: str, requests: Sequence[Batched], *, round: int, step: int = 0,
+                  timeout: float) -> list:
+        """Several logical clients' requests to one process in one `Call` (module docstring,
+        Batches); a batch larger than one chunk goes one call each."""
+        if len(requests) < 2 or sum(r.prepared.payload_bytes for r in requests) > self.chunk_bytes:
+            return super().call_many(address, requests, round=round, step=step, timeout=timeout)
+        sent_msgs = []
+        for i, req in enumerate(requests):
+            env = make_envelope(run_id=self.run_id, round=round, step=step, src=self.node_id, dst=req.dst,
+                                method=req.method, token=self.token)
+            msg = req.prepared.with_header(env)
+            msg.framing = frame_framing(len(f) for f in msg.frames) + (FRAME_OVERHEAD if i == 0 else 0)
+            sent_msgs.append(msg)
+        links = [message_link(self.node_id, r.dst, r.method) for r in requests]
+        batch = Encoded(frames=[f for m in sent_msgs for f in m.frames], envelope=sent_msgs[0].envelope,
+                        tensor_bytes=sum(m.tensor_bytes for m in sent_msgs))
+        decoder = BatchDecoder([self._decoder(r.expect) for r in requests])
+        started = time.perf_counter()
+        try:
+            replies, sent_seconds = self._exchange(address, batch, timeout, decoder)
+        except CallFailed as exc:   # nothing of the batch answered: every request lost, as one call would be
+            for msg, link in zip(sent_msgs, links):
+                self._record(msg.envelope, msg if exc.delivered else NOTHING_SENT, "sender", link,
+                             time.perf_counter() - started, status="lost", error=str(exc))
+            return [exc] * len(requests)
+        except PayloadError as exc:   # a reply that could not be decoded ends the batch's stream there
+            replies, sent_seconds = decoder.cut(exc), time.perf_counter() - started
+        seconds = time.perf_counter() - started - sent_seconds
+        out: list = []
+        for msg, link, reply in zip(sent_msgs, links, replies):
+            if isinstance(reply, PayloadError):
+                self._record(msg.envelope, msg, "sender", link, seconds, error=f"reply rejected: {reply}")
+                out.append(PayloadError(reply.code, f"reply of {msg.envelope.dst} to {msg.envelope.method} "
+                                                    f"(round {round}): {reply.detail}"))
+                continue
+            self._record(msg.envelope, msg, "sender", link, sent_seconds)
+            try:
+                out.append(self._settle(msg, reply, link, seconds))
+            except (PayloadError, RemoteError) as exc:
+                out.append(exc)
+        return out
+
     # -- server side ----------------------------------------------------------------
     def _note_peer(self, address: str, node_id: str) -> None:
         """A child registered from `address`.  With TLS, channels verify that the child's
@@ -280,7 +334,13 @@ class GrpcEndpoint(Endpoint):
                 frames = list(pb.FrameBundle.FromString(bundle).frames)
             except Exception:   # protobuf's DecodeError: not a bundle; answered as an unrouted error
                 frames = [b"\xff"]
-            yield from endpoint.serve_frames(frames, handler, framing=bundle_framing(len(f) for f in frames))
+            messages = split_bundle(frames)
+            if len(messages) == 1:
+                yield from endpoint.serve_frames(frames, handler, framing=bundle_framing(len(f) for f in frames))
+                return
+            for i, message in enumerate(messages):   # a batch (module docstring): one message at a time
+                framing = frame_framing(len(f) for f in message) + (FRAME_OVERHEAD if i == 0 else 0)
+                yield from endpoint.serve_frames(message, handler, framing=framing)
 
         def register(request: pb.RegisterRequest, context) -> pb.RegisterReply:
             if register_handler is None:
@@ -337,3 +397,42 @@ class GrpcEndpoint(Endpoint):
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
+
+
+class BatchDecoder:
+    """The replies of a batch (`GrpcEndpoint.call_many`), one decoder each, fed in order from
+    the call's stream.  `finish` returns a Decoded per request, or the PayloadError of a reply
+    that ended short; `envelope` and `filled` describe the reply being received."""
+
+    def __init__(self, decoders: list[FrameDecoder]) -> None:
+        self.decoders = decoders
+        self.done: list[Decoded] = []
+
+    @property
+    def current(self) -> FrameDecoder:
+        return self.decoders[min(len(self.done), len(self.decoders) - 1)]
+
+    @property
+    def envelope(self):
+        return self.current.envelope
+
+    @property
+    def filled(self) -> int:
+        return self.current.filled
+
+    def feed(self, frame: bytes) -> None:
+        if len(self.done) == len(self.decoders):
+            raise PayloadError("MALFORMED_FRAME", f"a frame after the batch's {len(self.decoders)} replies")
+        decoder = self.decoders[len(self.done)]
+        decoder.feed(frame)
+        if decoder.complete:
+            self.done.append(decoder.finish())
+
+    def finish(self) -> list:
+        return self.cut(PayloadError("SIZE_MISMATCH", "the batch's stream ended before this reply"))
+
+    def cut(self, error: PayloadError) -> list:
+        """The replies so far, `error` for the one being received, and for every later one."""
+        rest = len(self.decoders) - len(self.done)
+        later = PayloadError("BATCH_CUT", f"an earlier reply of the batch was rejected ({error.code})")
+        return self.done + ([error] + [later] * (rest - 1) if rest else [])
