@@ -155,6 +155,8 @@ kind = "logreg"
 count = {count}
 per_round = {per_round}
 processes = {processes}
+[transport]
+batch = {batch}
 """
 
 
@@ -176,10 +178,12 @@ def _registration_seconds(store: RunStore) -> float:
     return float(done[0] - run["started"]) if done and run.get("started") else float("nan")
 
 
-def scale_run(count: int, processes: int, per_round: int, rounds: int) -> dict:
-    """One cross-device run (common/tasks/crossdevice.py, a 610-parameter softmax model): the
-    registration time, the round times and every process's peak RSS and USS."""
-    text = SCALE_CONFIG.format(rounds=rounds, count=count, per_round=per_round, processes=processes)
+def scale_run(count: int, processes: int, per_round: int, rounds: int, batch: bool = True) -> dict:
+    """One cross-device run (common/tasks/crossdevice.py, a 610-parameter softmax model; with
+    `batch`, transport.batch): the registration time, the round times and every process's peak
+    RSS and USS."""
+    text = SCALE_CONFIG.format(rounds=rounds, count=count, per_round=per_round, processes=processes,
+                               batch=str(batch).lower())
     with tempfile.TemporaryDirectory() as tmp:
         run = LocalRun(parse_config(text), Path(tmp))
         server = run.start([])
@@ -200,7 +204,7 @@ def scale_run(count: int, processes: int, per_round: int, rounds: int) -> dict:
     steady = walls[1:] or walls   # the first round also warms the processes' caches
     client_rss = [v for k, v in peak.items() if k.startswith("client")]
     client_uss = [v for k, v in peak_uss.items() if k.startswith("client")]
-    return {"clients": count, "processes": processes, "per_round": per_round, "rounds": rounds,
+    return {"clients": count, "processes": processes, "per_round": per_round, "rounds": rounds, "batch": batch,
             "registration_seconds": registration,
             "round_seconds_median": statistics.median(steady), "round_seconds_min": min(steady),
             "round_seconds_max": max(steady),
@@ -220,10 +224,12 @@ def bench_scale(args: argparse.Namespace) -> dict:
     samples = [10, 50] if args.tiny else [int(s) for s in str(args.sampled).split(",")]
     rounds = 3 if args.tiny else args.rounds
     results = []
+    batch = not args.no_batch
     for per_round in samples:
-        row = scale_run(count, processes, per_round, rounds)
+        row = scale_run(count, processes, per_round, rounds, batch)
         results.append(row)
-        print(f"{count} clients in {processes} processes, {per_round} sampled: registration "
+        print(f"{count} clients in {processes} processes, {per_round} sampled{' (batched calls)' if batch else ''}: "
+              f"registration "
               f"{row['registration_seconds']:.2f} s; round median {row['round_seconds_median']:.3f} s "
               f"(min {row['round_seconds_min']:.3f}, max {row['round_seconds_max']:.3f}, {rounds - 1} rounds after "
               f"the first); server {row['server_rss_mb']:.0f} MB RSS / {row['server_uss_mb']:.0f} MB USS; client "
@@ -307,6 +313,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--processes", type=int, default=4, help="scale: client processes")
     ap.add_argument("--sampled", default="100,1000", help="scale: clients sampled per round, one run each "
                                                          "(comma-separated)")
+    ap.add_argument("--no-batch", action="store_true",
+                    help="scale: one gRPC call per sampled client (default: transport.batch, one per process)")
     ap.add_argument("--kind-clients", default="4,8",
                     help="transport --kind torch: client counts (one process each), comma-separated")
 
