@@ -51,7 +51,10 @@ class ClientHost:
         self.task = build_task(cfg)
         self.algorithm = build_algorithm(cfg)
         self.model = self.task.build_model()
-        self.states: dict[int, dict[str, torch.Tensor]] = {cid: {} for cid in self.client_ids}
+        self.hosted = frozenset(self.client_ids)
+        # persistent state (control variates, optimizer moments) of the clients that have some:
+        # a client whose algorithm keeps none costs nothing here between its rounds
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.last_round: dict[int, int] = {}
         self._train_lock = threading.Lock()
         self.shutdown_event = threading.Event()
@@ -122,15 +125,20 @@ class ClientHost:
         return self.torch_worker
 
     def train(self, cid: int, round: int, message: Payload, step: int = 0) -> Payload:
-        if cid not in self.states:
+        if cid not in self.hosted:
             raise HandlerError("UNKNOWN_CLIENT", f"client {cid} is not hosted by {self.node_id}")
         try:
             finite_or_raise(message, f"round {round} message to client {cid}")
         except ValueError as exc:
             raise PayloadError("NON_FINITE", str(exc)) from None
         with self._train_lock:
-            reply = local_update(self.cfg, self.task, self.algorithm, self.model, cid, round, message,
-                                 self.states[cid], step)   # the round engine's client step (common/rounds.py)
+            state = self.states.pop(cid, {})
+            try:
+                reply = local_update(self.cfg, self.task, self.algorithm, self.model, cid, round, message,
+                                     state, step)   # the round engine's client step (common/rounds.py)
+            finally:
+                if state:
+                    self.states[cid] = state
             self.last_round[cid] = round
         return reply
 
@@ -138,13 +146,16 @@ class ClientHost:
         """state_get: every hosted client's persistent state; state_set: replace it (resume)."""
         with self._train_lock:
             if method == Method.STATE_GET:
-                return states_to_payload(self.states)
+                return states_to_payload({cid: self.states.get(cid, {}) for cid in self.client_ids})
             try:
                 loaded = states_from_payload(payload, allowed=set(self.client_ids))
             except ValueError as exc:
                 raise PayloadError("BAD_NAME", str(exc)) from None
             for cid, state in loaded.items():
-                self.states[cid] = state
+                if state:
+                    self.states[cid] = state
+                else:
+                    self.states.pop(cid, None)
             return Payload(scalars={"clients": len(loaded)})
 
     def describe(self) -> str:
