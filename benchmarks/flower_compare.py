@@ -81,6 +81,8 @@ init = "zeros"
 count = {clients}
 per_round = {clients}
 processes = {processes}
+[transport]
+batch = {batch}
 """
 
 
@@ -90,14 +92,16 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median_s": statistics.median(steady), "min_s": min(steady), "max_s": max(steady)}
 
 
-def run_fedhop(rounds: int, params: int, processes: int) -> dict[str, Any]:
-    """FedAvg over gRPC with real processes; per-round wall times from run.db."""
+def run_fedhop(rounds: int, params: int, processes: int, batch: bool = False) -> dict[str, Any]:
+    """FedAvg over gRPC with real processes (with `batch`, transport.batch: one call per client
+    process and round, each client's request still its own message); per-round wall times from run.db."""
     from fedhop.common.runstore import RunStore
     from fedhop.deploy.launcher import run_local
 
     with tempfile.TemporaryDirectory(prefix="fedhop-flwr-cmp-") as tmp:
         cfg = Path(tmp) / "round.toml"
-        cfg.write_text(FEDHOP_CONFIG.format(rounds=rounds, params=params, clients=CLIENTS, processes=processes))
+        cfg.write_text(FEDHOP_CONFIG.format(rounds=rounds, params=params, clients=CLIENTS, processes=processes,
+                                            batch=str(batch).lower()))
         t = time.perf_counter()
         code = run_local(str(cfg), [], str(Path(tmp) / "run"), quiet=True, show_table=False)
         wall = time.perf_counter() - t
@@ -110,7 +114,8 @@ def run_fedhop(rounds: int, params: int, processes: int) -> dict[str, Any]:
     if len(per_round) != rounds or not all(r["participants"] == CLIENTS for r in rows):
         raise RuntimeError(f"fedhop run recorded {len(per_round)} rounds ({rounds} expected) "
                            f"or rounds with fewer than {CLIENTS} participants")
-    return {"system": "fedhop", "mode": f"gRPC, {processes} client processes", "eval": "server-side",
+    mode = f"gRPC, {processes} client processes" + (", batched calls" if batch else "")
+    return {"system": "fedhop", "mode": mode, "eval": "server-side",
             "rounds": rounds, "per_round_s": per_round, **_summary(per_round), "run_wall_s": wall,
             "breakdown_median_s": breakdown}
 
@@ -492,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--params", type=int, default=1000, help="model size (one float32 vector)")
     ap.add_argument("--fedhop-processes", type=int, default=CLIENTS, help="fedhop client processes")
+    ap.add_argument("--batch", action="store_true", help="fedhop with transport.batch (one call per client "
+                                                         "process and round)")
     ap.add_argument("--flwr-python", default=None, help="python of a venv with flwr[simulation] "
                                                         "(default: $FEDHOP_FLWR_PYTHON)")
     ap.add_argument("--modes", default="deployment,simulation", help="Flower modes, comma-separated")
@@ -509,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     evals = [float(x) for x in args.evaluate.split(",")]
 
     print(f"fedhop: FedAvg, {CLIENTS} clients, {args.params} parameters, {args.rounds} rounds ...", flush=True)
-    fedhop = run_fedhop(args.rounds, args.params, args.fedhop_processes)
+    fedhop = run_fedhop(args.rounds, args.params, args.fedhop_processes, args.batch)
     figures: dict[str, Any] = {"clients": CLIENTS, "params": args.params, "rounds": args.rounds,
                                "fedhop": fedhop, "flower": [], "python": sys.version.split()[0]}
     flwr_python = None if args.no_flower else find_flwr_python(args.flwr_python)
