@@ -299,6 +299,23 @@ def _bundle_src(bundle: bytes) -> str | None:
     return _envelope_src(frames[0]) if frames else None
 
 
+def _refused_unread(handler, method: str, exc: AuthRefused, refuse) -> grpc.RpcMethodHandler:
+    """A handler that refuses the call without reading its request: a request-streaming handler,
+    whose behaviour gRPC runs before any message arrives, so an unauthenticated call costs at most
+    what HTTP/2 flow control lets in before the refusal, never a whole message (issue 17, item 3).
+    The refusal goes through `on_refused` like any other (the server aggregates it per peer)."""
+    def refuse_now(request_iterator, context):
+        refuse(context, method, exc)   # aborts: context.abort raises
+
+    def refuse_now_stream(request_iterator, context):
+        refuse(context, method, exc)
+        yield from ()
+
+    if handler.unary_stream is not None or handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(refuse_now_stream, response_serializer=handler.response_serializer)
+    return grpc.stream_unary_rpc_method_handler(refuse_now, response_serializer=handler.response_serializer)
+
+
 class AuthInterceptor(grpc.ServerInterceptor):
     """Checks the node credential of every call before the handler runs (module docstring).
 
@@ -328,6 +345,11 @@ class AuthInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method.rsplit("/", 1)[-1]
         metadata = {k: v for k, v in (handler_call_details.invocation_metadata or ()) if isinstance(v, str)}
         creds, refuse = self.creds, self._refuse
+        if creds.secret and not creds.mtls:   # a token is metadata: refuse before reading any message
+            try:
+                authenticate(creds, metadata, None)
+            except AuthRefused as exc:
+                return _refused_unread(handler, method, exc, refuse)
 
         if handler.unary_unary is not None:
             inner = handler.unary_unary

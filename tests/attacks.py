@@ -10,6 +10,12 @@ process, speaking gRPC built from proto/fedhop.proto.  Where the attacker is a p
 holds a valid credential for its own node and hosts client 3 (tests/test_hostile.py
 `HostileClient`, which computes the honest reply and then breaks it).
 
+Other attackers: a participant that uses its own valid node token (client-proc2's) to command
+another client process (`shutdown`, `train`, `state_get`); a second `fedhop.client` process
+started under the live node id client-proc0; callers with no or a wrong token; and two faults an
+operator meets, the server stopped (SIGSTOP) for longer than the heartbeat timeout and a client
+process killed while clients are sampled (`clients.per_round` below the count).
+
 Columns: the server's exit and the run's status (no crash: exit 0, "completed"); the model
 (equal to FedAvg over the honest results, float64 reference: not corrupted); honest clients
 blamed (run.db events naming client 0, 1 or 2); the typed event the attack left; the server's
@@ -20,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -33,12 +41,15 @@ import grpc
 import numpy as np
 from safetensors.torch import load_file
 
+from fedhop.common.algorithms.base import Payload
 from fedhop.common.ledger import Ledger
 from fedhop.common.runstore import RunStore
 from fedhop.common.security import NodeCredentials
+from fedhop.common.transport.base import RemoteError
 from fedhop.common.transport.grpc import GrpcEndpoint, grpc_options
 from fedhop.common.wire import fedhop_pb2 as pb
 from tests.cluster import fedavg_reference
+from tests.faultkit import wait_for_dispatch
 from tests.helpers import quadratic_config
 from tests.test_hostile import CENTERS, CURV, LR, ROUNDS, SIZES, STEPS
 from tests.test_meaning import MeaningClient
@@ -55,13 +66,16 @@ def _config_text() -> str:
 class Run:
     """A server process and the honest client processes; the attacker joins as it likes."""
 
-    def __init__(self, base: Path, name: str, hostile_mode: str | None) -> None:
+    def __init__(self, base: Path, name: str, hostile_mode: str | None, settings: tuple[str, ...] = ()) -> None:
         self.dir = base / name
         self.dir.mkdir(parents=True, exist_ok=True)
         cfg_file = self.dir / "exp.toml"
         cfg_file.write_text(_config_text())
         from fedhop.common.config import load_config
-        self.cfg = load_config(cfg_file, ["run.call_timeout=60.0", "run.round_timeout=90.0", "run.eval_every=0"])
+        sets = ["run.call_timeout=60.0", "run.round_timeout=90.0", "run.eval_every=0", *settings]
+        self.cfg = load_config(cfg_file, sets)
+        self.third: subprocess.Popen | None = None   # the process of client 3 where the attacker is not it
+        self.note = ""                               # what the attack observed, for the event column
         env = dict(os.environ, FEDHOP_TOKEN=SECRET, PYTHONUNBUFFERED="1")
         port_file = self.dir / "port"
         logs = self.dir / "logs"
@@ -69,8 +83,7 @@ class Run:
         py = sys.executable
         self.server = subprocess.Popen(
             [py, "-m", "fedhop.server", "--config", str(cfg_file), "--run-dir", str(self.dir / "run"),
-             "--port-file", str(port_file), "--register-timeout", "300",
-             "--set", "run.call_timeout=60.0", "--set", "run.round_timeout=90.0", "--set", "run.eval_every=0"],
+             "--port-file", str(port_file), "--register-timeout", "300", *[a for kv in sets for a in ("--set", kv)]],
             env=env, stdout=open(logs / "server.log", "wb"), stderr=subprocess.STDOUT)
         self.peak = 0
         self._stop = threading.Event()
@@ -109,6 +122,15 @@ class Run:
                 clients=[pb.LogicalClient(client_id=c) for c in ids]), 10.0)
         finally:
             ep.stop()
+
+    def start_third(self) -> None:
+        """client-proc2, an honest process hosting client 3 (where the attacker does not)."""
+        self.third = subprocess.Popen(
+            [sys.executable, "-m", "fedhop.client", "--parent", self.address, "--clients", str(HOSTILE),
+             "--node-id", "client-proc2", "--ledger-dir", str(self.dir / "run" / "ledger")],
+            env=dict(os.environ, FEDHOP_TOKEN=SECRET), stdout=open(self.dir / "logs" / "client-proc2.log", "wb"),
+            stderr=subprocess.STDOUT)
+        self.clients.append(self.third)
 
     def join_hostile(self) -> None:
         assert self.hostile is not None
@@ -187,6 +209,93 @@ def attack_unauth_big(run: Run) -> None:
     channel.close()
 
 
+def _peer_command(method: str, dst: str):
+    """A participant (client-proc2's valid token) calls `method` of client-proc0 directly."""
+    def attack(run: Run) -> None:
+        _wait_registered(run)
+        store = RunStore(run.dir / "run" / "run.db")
+        run_id = store.run()["run_id"]
+        victim = next(e["detail"].split(" at ")[1].split(" ")[0] for e in store.events("registered")
+                      if e["node"] == "client-proc0")
+        ep = run.endpoint("client-proc2")
+        ep.run_id = run_id
+        try:
+            ep.call(victim, dst, method, Payload(), round=1, timeout=10.0)
+            raise AssertionError(f"{method} to {dst} obeyed")
+        except RemoteError as exc:
+            run.note = f"answered {exc.code}"
+            assert exc.code == "NOT_ALLOWED", exc
+        finally:
+            ep.stop(grace=0.1)
+    return attack
+
+
+def attack_takeover_process(run: Run) -> None:
+    """A second `fedhop.client` process, with the cluster token, registers as client-proc0
+    (clients 0 and 1) while the real client-proc0 is alive; it must be refused and exit."""
+    _wait_registered(run)
+    second = subprocess.Popen(
+        [sys.executable, "-m", "fedhop.client", "--parent", run.address, "--clients", "0,1",
+         "--node-id", "client-proc0", "--ledger-dir", str(run.dir / "second-ledger")],
+        env=dict(os.environ, FEDHOP_TOKEN=SECRET), stdout=open(run.dir / "logs" / "second-proc0.log", "wb"),
+        stderr=subprocess.STDOUT)
+    try:
+        code = second.wait(120)
+    except subprocess.TimeoutExpired:
+        second.kill()
+        raise AssertionError("the second client-proc0 was not refused (still running after 120 s)")
+    run.note = f"second process exit {code}"
+    assert code != 0, "the second client-proc0 exited 0"
+
+
+PAUSE_SECONDS = 12.0
+
+
+def attack_server_paused(run: Run) -> None:
+    """SIGSTOP the server for 12 s (heartbeat timeout 5 s) once round 2 is dispatched, then SIGCONT."""
+    run.start_third()
+    wait_for_dispatch(run.dir / "run", 2, timeout=120)
+    os.kill(run.server.pid, signal.SIGSTOP)
+    try:
+        con = sqlite3.connect(f"file:{run.dir / 'run' / 'run.db'}?mode=ro", uri=True, timeout=5)
+        done = con.execute("SELECT count(*) FROM rounds").fetchone()[0]
+        con.close()
+        time.sleep(PAUSE_SECONDS)   # the fault itself: the server does not run for 12 s
+    finally:
+        os.kill(run.server.pid, signal.SIGCONT)
+    run.note = f"stopped {PAUSE_SECONDS:g} s after {done} of {run.cfg.run.rounds} rounds"
+    assert done < run.cfg.run.rounds
+
+
+def attack_client_process_killed(run: Run) -> None:
+    """kill -9 client-proc0 (clients 0 and 1) once registered; once the server has marked it dead
+    client-proc2 joins and the rounds start, each sampling 2 of the 4 clients: only live ones may
+    be drawn (a round that drew clients 0 and 1 would get no result and fail the run)."""
+    _wait_registered(run)
+    _wait_heartbeat(run, "client-proc0")   # a child never heard from is not watched yet: it beats first
+    os.kill(run.clients[0].pid, signal.SIGKILL)
+    run.clients[0].wait()
+    store = RunStore(run.dir / "run" / "run.db")
+    deadline = time.monotonic() + 120
+    while not any(e["node"] == "client-proc0" for e in store.events("node_dead")):
+        if time.monotonic() > deadline:
+            raise AssertionError("client-proc0 never marked dead")
+        time.sleep(0.1)
+    run.start_third()
+
+
+def _wait_heartbeat(run: Run, node: str, timeout: float = 60.0) -> None:
+    """Until `node` has a heartbeat answered by the server (its ledger's `heartbeat.reply`,
+    flushed as it is recorded)."""
+    path = run.dir / "run" / "ledger" / f"{node}.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and b'"method":"heartbeat.reply"' in path.read_bytes():
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{node} never had a heartbeat answered")
+
+
 def _wait_registered(run: Run, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     db = run.dir / "run" / "run.db"
@@ -201,7 +310,14 @@ def _wait_registered(run: Run, timeout: float = 60.0) -> None:
     raise RuntimeError("honest clients never registered")
 
 
-# name -> (attack, hostile mode or None, the event it must leave, needs the hostile client's results)
+# name -> (attack, hostile mode or None, the event(s) it must leave as "kind:text in detail"); an attack
+# may carry `settings` (config overrides) and `left_out` ({round: clients}, None: every round's
+# clients from the config)
+attack_client_process_killed.settings = ("run.rounds=8", "clients.per_round=2")
+attack_client_process_killed.left_out = lambda rounds: {r: {0, 1} for r in range(1, rounds + 1)}
+attack_server_paused.settings = ("run.rounds=6",)
+attack_server_paused.forbid = ("node_dead",)   # no child declared dead for the server's own pause
+
 ATTACKS = {
     "none": (None, None, None),
     "num_results_text": (_participant("num_results_text"), "num_results_text", "rejected_payload:BAD_SCALAR"),
@@ -221,14 +337,21 @@ ATTACKS = {
     "node_id_takeover": (attack_takeover, None, "register_refused:NODE_TAKEN"),
     "client_id_out_of_range": (attack_out_of_range, None, "register_refused:out of range"),
     "wrong_token_x2000": (attack_wrong_token_flood, None, "auth_refused:"),
-    "unauth_60MB_x64": (attack_unauth_big, None, None),
+    "unauth_60MB_x64": (attack_unauth_big, None, "auth_refused:no node credential"),
+    "peer_shutdown": (_peer_command("shutdown", "client-proc0"), None, "not_allowed:shutdown to client-proc0"),
+    "peer_train_oracle": (_peer_command("train", "client-0"), None, "not_allowed:train to client-0"),
+    "peer_state_get": (_peer_command("state_get", "client-proc0"), None, "not_allowed:state_get to client-proc0"),
+    "node_id_takeover_process": (attack_takeover_process, None, "register_refused:NODE_TAKEN"),
+    "server_paused_12s": (attack_server_paused, None, "monitor_paused:"),
+    "client_process_killed_sampled": (attack_client_process_killed, None,
+                                      ("node_dead:", "sampling_excluded:clients of dead nodes")),
 }
 
 
 def run_attack(base: Path, name: str) -> dict:
     attack, mode, want = ATTACKS[name]
     try:
-        run = Run(base, name, mode)
+        run = Run(base, name, mode, getattr(attack, "settings", ()))
     except RuntimeError as exc:   # a run that could not start is a row, not the end of the suite
         return {"attack": name, "server_exit": None, "status": "-", "model_ok": False, "honest_blamed": "-",
                 "event": "-", "peak_rss_mb": 0.0, "events_total": 0, "error": str(exc)}
@@ -236,42 +359,48 @@ def run_attack(base: Path, name: str) -> dict:
     try:
         if attack is not None:
             attack(run)
-        if mode is None:   # the hostile process is not part of the run: client 3 must come from somewhere
-            run.clients.append(subprocess.Popen(
-                [sys.executable, "-m", "fedhop.client", "--parent", run.address, "--clients", str(HOSTILE),
-                 "--node-id", "client-proc2", "--ledger-dir", str(run.dir / "run" / "ledger")],
-                env=dict(os.environ, FEDHOP_TOKEN=SECRET), stdout=open(run.dir / "logs" / "client-proc2.log", "wb"),
-                stderr=subprocess.STDOUT))
+        if mode is None and run.third is None:   # the hostile process is not part of the run: client 3 must
+            run.start_third()                       # come from somewhere
         out = run.finish()
     except Exception as exc:   # an attack that could not be delivered is reported, not hidden
         error = f"{type(exc).__name__}: {exc}"
         run.kill_all()
         out = {"exit": run.server.returncode}
-    return _row(name, run, out, mode, want, error)
+    return _row(name, run, out, mode, want, error, getattr(attack, "left_out", None), getattr(attack, "forbid", ()))
 
 
-def _row(name: str, run: Run, out: dict, mode: str | None, want: str | None, error: str) -> dict:
+def _row(name: str, run: Run, out: dict, mode: str | None, want, error: str, left_out_rule=None,
+         forbid: tuple[str, ...] = ()) -> dict:
     run_dir = run.dir / "run"
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     store = RunStore(run_dir / "run.db")
     events = store.events()
     honest_blamed = sorted({e["node"] for e in events if e["node"] in ("client-0", "client-1", "client-2")
                             and e["kind"] in ("rejected_payload", "client_failed")})
-    left_out = {r: {HOSTILE} for r in range(1, ROUNDS + 1)} if mode else {}
+    rounds = run.cfg.run.rounds
+    left_out = {r: {HOSTILE} for r in range(1, rounds + 1)} if mode else {}
     if mode == "replay":   # the replay is the honest reply in round 1
-        left_out = {r: {HOSTILE} for r in range(2, ROUNDS + 1)}
+        left_out = {r: {HOSTILE} for r in range(2, rounds + 1)}
+    if left_out_rule is not None:
+        left_out = left_out_rule(rounds)
     model_ok = False
     if (run_dir / "model.safetensors").exists():
         got = load_file(str(run_dir / "model.safetensors"))["w"].double().numpy()
-        ref = fedavg_reference(CENTERS, CURV, SIZES, ROUNDS, STEPS, LR, left_out)
+        ref = fedavg_reference(CENTERS, CURV, SIZES, rounds, STEPS, LR, left_out)
         model_ok = bool(np.all(np.isfinite(got)) and np.allclose(got, ref, rtol=1e-4, atol=1e-5))
-    event = "-"
-    if want:
-        kind, _, text = want.partition(":")
+    shown = []
+    for one in ((want,) if isinstance(want, str) else want or ()):
+        kind, _, text = one.partition(":")
         hits = [e for e in events if e["kind"] == kind and text in (e["detail"] or "")]
-        event = f"{kind} {text} x{len(hits)}" if hits else f"MISSING {want}"
-    elif name == "unauth_60MB_x64":
-        event = "RESOURCE_EXHAUSTED at the gRPC length prefix (before authentication; no event)"
+        folded = sum(int(n) for e in hits for n in re.findall(r"\(\+(\d+) more from ", e["detail"] or ""))
+        count = f"x{len(hits)}" + (f" for {len(hits) + folded} refusals" if folded else "")
+        shown.append(f"{kind} {text} {count}".replace("  ", " ") if hits else f"MISSING {one}")
+    for kind in forbid:
+        n = sum(e["kind"] == kind for e in events)
+        shown.append(f"UNEXPECTED {kind} x{n}" if n else f"no {kind}")
+    event = "; ".join(shown) or ("- (the baseline: no attack)" if name == "none" else "-")
+    if run.note:
+        event += f" ({run.note})"
     return {"attack": name, "server_exit": out.get("exit"), "status": summary.get("status", "-"),
             "model_ok": model_ok, "honest_blamed": ",".join(honest_blamed) or "none", "event": event,
             "peak_rss_mb": round(run.peak / 2**20, 1), "events_total": len(events), "error": error}
@@ -290,7 +419,8 @@ def markdown(rows: list[dict]) -> str:
 
 def ok(row: dict) -> bool:
     return (row["server_exit"] == 0 and row["status"] == "completed" and row["model_ok"]
-            and row["honest_blamed"] == "none" and not row["event"].startswith("MISSING") and not row["error"])
+            and row["honest_blamed"] == "none" and "MISSING" not in row["event"]
+            and "UNEXPECTED" not in row["event"] and not row["error"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,3 +82,42 @@ def test_a_request_larger_than_a_frame_is_refused_before_it_is_read():
         channel.close()
     finally:
         ep.stop()
+
+
+def test_an_unauthenticated_call_is_refused_unread_and_aggregated_per_peer():
+    """Under node tokens, a call without a valid token is refused from its metadata before its
+    message is read: a 60 MB body (far over the 2 MiB receive bound, which gRPC would answer
+    RESOURCE_EXHAUSTED once it had the length prefix) is answered UNAUTHENTICATED, and the
+    refusals reach `on_refused` with the peer, where the server's EventThrottle folds them into
+    one `auth_refused` event per peer host with a count."""
+    from fedhop.common.security import NodeCredentials
+    events: list[tuple[str, str, str]] = []
+    throttle = EventThrottle(lambda k, n, d: events.append((k, n, d)), interval=3600.0)
+
+    def refused(node: str, method: str, reason: str, peer: str) -> None:
+        throttle("auth_refused", peer_host(peer), node or "?", f"{method} from {peer}: {reason}")
+
+    ep = GrpcEndpoint("server", Ledger(), chunk_bytes=1 << 20, max_message_bytes=64 << 20,
+                      credentials=NodeCredentials("server", b"cluster-secret"), on_refused=refused)
+    address = ep.serve(lambda req: None, "127.0.0.1:0")
+    channel = grpc.insecure_channel(address, options=grpc_options(128 << 20))
+    try:
+        body = b"\x0a" + b"\x00" * (60 << 20)
+        codes = []
+        for method in ("Register", "Call", "Heartbeat", "Register"):
+            call = channel.unary_unary(f"/fedhop.Fedhop/{method}", request_serializer=None,
+                                       response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as exc:
+                call(body, timeout=30)
+            codes.append(exc.value.code())
+        wrong = channel.unary_unary("/fedhop.Fedhop/Register", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as exc:
+            wrong(body, timeout=30, metadata=(("fedhop-node", "client-proc0"), ("fedhop-auth", "forged")))
+        codes.append(exc.value.code())
+    finally:
+        channel.close()
+        ep.stop()
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 5, codes
+    assert len(events) == 1 and events[0][0] == "auth_refused" and "no node credential" in events[0][2]
+    throttle.flush()
+    assert len(events) == 2 and events[1][2].endswith("(+4 more from ipv4:127.0.0.1 within 3600s)"), events

@@ -219,6 +219,14 @@ def test_resolve_min_results(min_results, sampled, expected):
     assert resolve_min_results(cfg, sampled) == expected
 
 
+def test_min_results_defaults_to_one_result_per_round():
+    """The documented default (docs/faults.md section 2, README "Configuration"): a round counts
+    when one sampled client's result arrived, whatever the number sampled."""
+    cfg = parse_config("[clients]\ncount = 10\nper_round = 0.3\n")
+    assert cfg.run.min_results == 1
+    assert [resolve_min_results(cfg, n) for n in (1, 3, 10)] == [1, 1, 1]
+
+
 # ----------------------------------------------------------------------------- overrides
 def test_overrides_typed_quoted_and_bare():
     cfg = parse_config("[run]\nrounds = 3\nname = \"x\"",

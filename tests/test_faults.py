@@ -52,7 +52,10 @@ def test_kill_9_client_process_mid_round(tmp_path):
     left_out = failed_by_round(store)
     assert set().union(*left_out.values()) == {2, 3}                       # only the victim's clients
     assert set(left_out) == set(range(min(left_out), rounds + 1)) and min(left_out) in (2, 3, 4)
-    assert summary["failures"] == 2 * len(left_out)
+    # the round it was killed in may have had one of its two results already (a loaded machine runs
+    # the victim further before the kill lands); every later round lost both
+    assert all(left_out[r] == {2, 3} for r in left_out if r > min(left_out)), left_out
+    assert summary["failures"] == sum(len(ids) for ids in left_out.values())
     assert summary["liveness"]["marked_dead"] == 1                         # noticed by heartbeats, too
     assert 1.5 <= summary["liveness"]["detection_seconds_max"] < 15.0     # a generous bound: holds under load
     np.testing.assert_allclose(_model(run.run_dir), reference_model(rounds, left_out), rtol=1e-4, atol=1e-5)
