@@ -7,7 +7,6 @@ one logical client at a time: the process's cores go to that client's tensor ops
 """
 from __future__ import annotations
 
-import json
 import threading
 from typing import Callable
 
@@ -157,6 +156,3 @@ class ClientHost:
                 else:
                     self.states.pop(cid, None)
             return Payload(scalars={"clients": len(loaded)})
-
-    def describe(self) -> str:
-        return json.dumps({"node": self.node_id, "clients": self.client_ids})
