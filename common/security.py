@@ -282,6 +282,8 @@ RefusedHook = Callable[[str, str, str, str], None]   # (claimed node, method, re
 
 def _envelope_src(frame: bytes) -> str | None:
     from fedhop.common.wire import fedhop_pb2 as pb
+    if not frame or frame[0] != 0x0A:   # not a header frame (Frame field 1): no envelope to read
+        return None
     try:
         f = pb.Frame.FromString(frame)
     except Exception:
@@ -289,14 +291,16 @@ def _envelope_src(frame: bytes) -> str | None:
     return f.header.src if f.HasField("header") else None
 
 
-def _bundle_src(bundle: bytes) -> str | None:
-    """The envelope `src` of a Call's FrameBundle (its first frame), or None if unreadable."""
+def _bundle_srcs(bundle: bytes) -> list[str]:
+    """The envelope `src` of every message in a Call's FrameBundle: a batch carries several
+    (common/transport/grpc.py, Batches), and each must speak for the caller.  An unreadable
+    bundle gives none (the codec then rejects it with a typed error)."""
     from fedhop.common.wire import fedhop_pb2 as pb
     try:
         frames = pb.FrameBundle.FromString(bundle).frames
     except Exception:
-        return None
-    return _envelope_src(frames[0]) if frames else None
+        return []
+    return [src for src in map(_envelope_src, frames) if src is not None]
 
 
 def _refused_unread(handler, method: str, exc: AuthRefused, refuse) -> grpc.RpcMethodHandler:
@@ -386,7 +390,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
             def unary_stream(request, context):
                 identity = caller(context)
-                speaks_for_caller(context, identity, _bundle_src(request) if creds.checks_calls else None)
+                for src in (_bundle_srcs(request) if creds.checks_calls else []):
+                    speaks_for_caller(context, identity, src)
                 yield from inner_us(request, context)
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=handler.request_deserializer,

@@ -141,3 +141,41 @@ def test_batched_run_equals_the_unbatched_run(tmp_path):
     assert all(bool((plain_model[k] == batch_model[k]).all()) for k in plain_model)
     assert batch_rows == plain_rows and len(plain_rows) == 2 * 3 * 30   # requests and replies, per client
     assert batch_payload == plain_payload
+
+
+def test_every_message_of_a_batch_must_speak_for_the_caller():
+    """A participant holding client-proc1's node token sends client-proc0 one bundle: its own
+    `ping`, then a `shutdown` whose envelope claims to come from the server.  The interceptor
+    checks every message's `src` against the token's node (not only the first), so the call is
+    refused PERMISSION_DENIED and client-proc0 never sees the shutdown."""
+    import grpc
+
+    from fedhop.common.codec import encode, make_envelope
+    from fedhop.common.security import NodeCredentials
+    from fedhop.common.transport.grpc import CALL
+    from fedhop.common.wire import fedhop_pb2 as pb
+    secret = b"cluster-secret-for-the-batch-test"
+    seen: list[str] = []
+    victim = GrpcEndpoint("client-proc0", Ledger(), credentials=NodeCredentials("client-proc0", secret=secret))
+    address = victim.serve(lambda r: seen.append(r.envelope.method) or Payload(), "127.0.0.1:0")
+    hostile = NodeCredentials("client-proc1", secret=secret)
+
+    def message(src: str, method: str) -> list[bytes]:
+        env = make_envelope(run_id="", round=1, src=src, dst="client-proc0", method=method)
+        return encode(Payload(), env).frames
+
+    channel = grpc.insecure_channel(address)
+    try:
+        stub = channel.unary_stream(CALL, request_serializer=None, response_deserializer=None)
+        honest = list(stub(bundle_bytes(message("client-proc1", "ping")), timeout=10,
+                           metadata=hostile.metadata()))
+        assert honest and seen == ["ping"]                                   # its own message is served
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub(bundle_bytes(message("client-proc1", "ping") + message("server", "shutdown")), timeout=10,
+                      metadata=hostile.metadata()))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "server" in (refused.value.details() or "")
+        assert seen == ["ping"]                                              # nothing of the forged bundle ran
+    finally:
+        channel.close()
+        victim.stop()
