@@ -151,8 +151,11 @@ def check_run_db(run_dir: Path, rounds: int) -> dict:
 
 def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, processes: int = 4) -> dict:
     """Run `rounds` rounds with `kills` client processes killed (-9) at seeded random moments and
-    each restarted (same node id, same clients) a seeded random moment later.  Returns what was
-    done: kills, restarts, times, and how many restarts came before the server had noticed."""
+    each restarted (same node id, same clients) a seeded random moment later.  The kills fall in
+    the first half of the run, each once a seeded round has finished (then a seeded fraction of a
+    second later), so the rounds left outlast every restart whatever the machine's speed.
+    Returns what was done: kills, restarts, times, and how many restarts came before the server
+    had noticed."""
     from fedhop.common.config import load_config
     from fedhop.common.rng import numpy_stream
     from fedhop.common.plan import id_spec, plan_processes
@@ -167,11 +170,12 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
     hosted = {p.node_id: p.clients for p in plan_processes(run.cfg).clients}
     rng = numpy_stream(seed, "soak")
     done = {"kills": 0, "restarts": 0, "restarted_before_detection": 0, "events": []}
+    kill_rounds = sorted(int(r) for r in rng.choice(np.arange(1, rounds // 2 + 1), size=kills, replace=False))
     try:
-        wait_for_round(run.run_dir, 1)
         current = {c.name: c for c in run.children if c.name.startswith("client-proc")}
-        for _ in range(kills):
-            time.sleep(float(rng.uniform(0.5, 2.5)))
+        for kill_round in kill_rounds:
+            wait_for_round(run.run_dir, kill_round)
+            time.sleep(float(rng.uniform(0.0, 0.5)))
             if server.proc.poll() is not None:
                 break
             name = sorted(current)[int(rng.integers(len(current)))]

@@ -137,7 +137,7 @@ def test_kill_9_server_mid_round_then_resume_equals_uninterrupted_bytes(tmp_path
         np.testing.assert_allclose(_model(tmp_path / "run"), reference_model(rounds, {}), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("rounds, kills", [(12, 3), pytest.param(30, 6, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("rounds, kills", [(20, 3), pytest.param(30, 6, marks=pytest.mark.slow)],
                          ids=["short", "long"])
 def test_soak_clients_killed_and_restarted_at_seeded_random_times(tmp_path, rounds, kills):
     """Many rounds; at seeded random moments a random client process is killed (-9) and, a
