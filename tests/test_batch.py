@@ -153,7 +153,6 @@ def test_every_message_of_a_batch_must_speak_for_the_caller():
     from fedhop.common.codec import encode, make_envelope
     from fedhop.common.security import NodeCredentials
     from fedhop.common.transport.grpc import CALL
-    from fedhop.common.wire import fedhop_pb2 as pb
     secret = b"cluster-secret-for-the-batch-test"
     seen: list[str] = []
     victim = GrpcEndpoint("client-proc0", Ledger(), credentials=NodeCredentials("client-proc0", secret=secret))
