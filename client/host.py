@@ -41,7 +41,7 @@ class ClientHost:
         self.cfg = cfg
         self.parent = parent   # the node this process registered with: the only one it obeys (but `ping`)
         self.ledger = ledger if ledger is not None else Ledger()
-        self.torch_worker = None  # created on the first torch_* call (transport.kind = "torch")
+        self.group_worker = None  # the group data plane's member side, made on the first torch_* call
         self.fabric = None        # this process's sending side (client/runtime.py sets it): WRWGD hand-offs
         self._walk = None
         self.node_id = node_id
@@ -91,10 +91,10 @@ class ClientHost:
             # checkpoints and resume (common/checkpoint.py)
             Method.STATE_GET: lambda request: self.client_state(Method.STATE_GET, request.payload),
             Method.STATE_SET: lambda request: self.client_state(Method.STATE_SET, request.payload),
-            # transport.kind = "torch" (client/torch_worker.py)
-            Method.TORCH_INIT: lambda request: self.torch().init(request.payload),
-            Method.TORCH_ROUND: lambda request: self.torch().round(int(request.envelope.round), request.payload),
-            Method.TORCH_REDUCE: lambda request: self.torch().reduce(int(request.envelope.round), request.payload),
+            # the group data plane (client/group_worker.py)
+            Method.TORCH_INIT: lambda request: self.group().init(request.payload),
+            Method.TORCH_ROUND: lambda request: self.group().round(int(request.envelope.round), request.payload),
+            Method.TORCH_REDUCE: lambda request: self.group().reduce(int(request.envelope.round), request.payload),
         })
         return router
 
@@ -116,12 +116,12 @@ class ClientHost:
         self.shutdown_event.set()
         return Payload(scalars={"clients": len(self.client_ids)})
 
-    def torch(self):
-        """This process's side of the torch.distributed data plane, made on the first torch_* call."""
-        if self.torch_worker is None:
-            from fedhop.client.torch_worker import TorchWorker
-            self.torch_worker = TorchWorker(self)
-        return self.torch_worker
+    def group(self):
+        """This process's side of the group data plane, made on the first torch_* call."""
+        if self.group_worker is None:
+            from fedhop.client.group_worker import GroupWorker
+            self.group_worker = GroupWorker(self)
+        return self.group_worker
 
     def train(self, cid: int, round: int, message: Payload, step: int = 0) -> Payload:
         if cid not in self.hosted:

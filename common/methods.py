@@ -51,7 +51,7 @@ class Method(StrEnum):
         member.rpc = rpc
         return member
 
-    # -- a client process (client/host.py, client/torch_worker.py) ------------------------------
+    # -- a client process (client/host.py, client/group_worker.py) ------------------------------
     TRAIN = "train", {PARENT}                        # local training of one logical client (dst client-ID)
     PING = "ping", {ANY}                             # reachability; no effect
     # -- a client process and an edge -----------------------------------------------------------
@@ -62,7 +62,7 @@ class Method(StrEnum):
     # -- a client process, transport.kind = "torch" ---------------------------------------------
     TORCH_ROUND = "torch_round", {PARENT}            # train sampled clients on the broadcast model
     TORCH_REDUCE = "torch_reduce", {PARENT}          # contribute the partial to the reduce
-    # -- an edge, hierarchical (edge/aggregator.py, edge/torch_edge.py) -------------------------
+    # -- an edge, hierarchical (edge/aggregator.py, edge/group_edge.py) -------------------------
     EDGE_ROUND = "edge_round", {PARENT}              # kappa2 edge iterations with the sampled clients
     TORCH_PROCS = "torch_procs", {PARENT}            # the edge's client processes (world layout)
     TORCH_EDGE_ROUND = "torch_edge_round", {PARENT}  # edge_round with collectives

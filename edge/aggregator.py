@@ -51,7 +51,7 @@ class EdgeAggregator:
         self.shutdown_event = threading.Event()
         self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
         self.fabric = Fabric(endpoint, max_workers=32, batch=cfg.transport.batch)
-        self.torch_edge = None   # this edge's torch.distributed side (edge/torch_edge.py), made on first use
+        self.group_edge = None   # this edge's side of the group data plane (edge/group_edge.py), made on first use
         self.router = self._routes(parent)
 
     # ------------------------------------------------------------------ registration of clients
@@ -92,21 +92,21 @@ class EdgeAggregator:
             # checkpoints: the cluster's client states (common/checkpoint.py)
             Method.STATE_GET: self._client_state_call,
             Method.STATE_SET: self._client_state_call,
-            # transport.kind = "torch" (edge/torch_edge.py)
-            Method.TORCH_PROCS: lambda request: self.torch().processes(),
-            Method.TORCH_INIT: lambda request: self.torch().init(request.payload),
-            Method.TORCH_EDGE_ROUND: lambda request: self.torch().round(int(request.envelope.round), request.payload),
-            Method.TORCH_EDGE_REDUCE: lambda request: self.torch().reduce(int(request.envelope.round),
+            # the group data plane (edge/group_edge.py)
+            Method.TORCH_PROCS: lambda request: self.group().processes(),
+            Method.TORCH_INIT: lambda request: self.group().init(request.payload),
+            Method.TORCH_EDGE_ROUND: lambda request: self.group().round(int(request.envelope.round), request.payload),
+            Method.TORCH_EDGE_REDUCE: lambda request: self.group().reduce(int(request.envelope.round),
                                                                           request.payload),
         })
         return router
 
-    def torch(self):
-        """This edge's side of the torch.distributed data plane, made on the first torch_* call."""
-        if self.torch_edge is None:
-            from fedhop.edge.torch_edge import TorchEdge
-            self.torch_edge = TorchEdge(self)
-        return self.torch_edge
+    def group(self):
+        """This edge's side of the group data plane, made on the first torch_* call."""
+        if self.group_edge is None:
+            from fedhop.edge.group_edge import GroupEdge
+            self.group_edge = GroupEdge(self)
+        return self.group_edge
 
     def handle(self, request: Request) -> Payload:
         env = request.envelope

@@ -23,7 +23,7 @@ The edges sit on a graph and pass one model token; the server never holds it.  T
 
 With `[transport] kind = "torch"` (docs/torch_transport.md) the tensors travel as
 torch.distributed operations and the gRPC calls above carry only control: each step's
-broadcast and reduce run in this edge's cluster group (edge/torch_edge.py `iteration`), the
+broadcast and reduce run in this edge's cluster group (edge/group_edge.py `iteration`), the
 hand-off is a `dist.send` to the next edge's rank (the `seq_handoff` call tells it to post the
 matching `dist.recv`), and the final model is a `dist.send` to the server (rank 0).
 
@@ -47,6 +47,7 @@ from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.codec import PayloadError
 from fedhop.common.control import control_of, failures_control
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.edge.group_edge import GroupModelPath
 from fedhop.common.tasks import build_task
 from fedhop.common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_node,
                              topology_params)
@@ -227,13 +228,8 @@ class GrpcModelPath:
                                           f"transport.kind = 'torch'; the final model came in the round's reply")
 
 
-def _torch_path(edge: SequentialEdge):
-    from fedhop.edge.torch_edge import TorchModelPath   # imports torch.distributed only where it is used
-    return TorchModelPath(edge)
-
-
 #: transport.kind -> how Fed-CHS's model moves at an edge (the edge-side data planes)
-MODEL_PATHS = {"grpc": GrpcModelPath, "inmemory": GrpcModelPath, "torch": _torch_path}
+MODEL_PATHS = {"grpc": GrpcModelPath, "inmemory": GrpcModelPath, "torch": GroupModelPath}
 
 
 def model_path(edge: SequentialEdge):

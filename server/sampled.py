@@ -7,8 +7,8 @@ round's data plane, chosen by `transport.kind` from the driver's `planes`:
 
 - gRPC (and the in-memory test transport): a fan-out through the fabric, to the sampled
   clients (star) or to the edges of the sampled clients (hierarchical, edge/aggregator.py);
-- torch.distributed: one broadcast and one reduce per round over collectives
-  (server/torch_rounds.py).
+- torch.distributed: one group round per round (a broadcast and a reduce over collectives),
+  to the client processes (star) or to the edges (hierarchical) (server/group_rounds.py).
 """
 from __future__ import annotations
 
@@ -127,21 +127,21 @@ class SampledRoundDriver(TopologyDriver):
                                   per_client=self.plane.per_client)
 
 
-def _torch_star(ctx: DriverContext) -> DataPlane:
-    from fedhop.server.torch_rounds import TorchRounds   # imports torch.distributed only where it is used
-    return TorchRounds(ctx)
+def _group_star(ctx: DriverContext) -> DataPlane:
+    from fedhop.server.group_rounds import GroupRounds   # which imports DataPlane from here
+    return GroupRounds(ctx)
 
 
-def _torch_hierarchical(ctx: DriverContext) -> DataPlane:
-    from fedhop.server.torch_rounds import HierTorchRounds
-    return HierTorchRounds(ctx)
+def _group_hierarchical(ctx: DriverContext) -> DataPlane:
+    from fedhop.server.group_rounds import HierGroupRounds
+    return HierGroupRounds(ctx)
 
 
 @register_driver("star")
 class StarDriver(SampledRoundDriver):
-    planes = {"grpc": ClientFanout, "inmemory": ClientFanout, "torch": _torch_star}
+    planes = {"grpc": ClientFanout, "inmemory": ClientFanout, "torch": _group_star}
 
 
 @register_driver("hierarchical")
 class HierarchicalDriver(SampledRoundDriver):
-    planes = {"grpc": EdgeFanout, "inmemory": EdgeFanout, "torch": _torch_hierarchical}
+    planes = {"grpc": EdgeFanout, "inmemory": EdgeFanout, "torch": _group_hierarchical}

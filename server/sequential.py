@@ -26,6 +26,7 @@ from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.topology import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, edge_node, start_edge
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
+from fedhop.server.group_rounds import GroupSequentialPath
 
 
 @register_driver("sequential")
@@ -198,10 +199,5 @@ class GrpcModelPath:
         return reply
 
 
-def _torch_path(coord: DriverContext):
-    from fedhop.server.torch_rounds import TorchSequentialPath   # imports torch.distributed only where used
-    return TorchSequentialPath(coord)
-
-
 #: transport.kind -> how Fed-CHS's model reaches the server and leaves it (edge/sequential.py has the edges' side)
-MODEL_PATHS = {"grpc": GrpcModelPath, "inmemory": GrpcModelPath, "torch": _torch_path}
+MODEL_PATHS = {"grpc": GrpcModelPath, "inmemory": GrpcModelPath, "torch": GroupSequentialPath}

@@ -191,13 +191,14 @@ def test_merge_layouts_unions_names_and_names_a_conflict():
 
 
 def test_worker_leaves_a_nan_reply_out_of_its_partial():
-    """client/torch_worker.py: a client whose reply holds NaN is a NON_FINITE failure (the
+    """client/group_worker.py: a client whose reply holds NaN is a NON_FINITE failure (the
     server's nan_policy applies), the other clients' replies form the partial."""
     from types import SimpleNamespace
 
     from fedhop.common.algorithms.base import Payload
     from fedhop.common.algorithms.fedavg import FedAvg
-    from fedhop.client.torch_worker import TorchWorker
+    from fedhop.client.group_worker import GroupWorker
+    from fedhop.common.transport.torch_groups import CollectiveMember
     from fedhop.common.control import failures_of
     from fedhop.common.wire.fedhop_pb2 import Control, TensorSpec
 
@@ -208,13 +209,14 @@ def test_worker_leaves_a_nan_reply_out_of_its_partial():
         return Payload(tensors={"w": w}, scalars={"weight": 1.0})
 
     host = SimpleNamespace(node_id="client-proc0", train=train, algorithm=FedAvg(SimpleNamespace()))
-    worker = TorchWorker(host)
-    worker.coll = SimpleNamespace(broadcast=lambda empties, round, peers, step: [torch.zeros(3)])
+    worker = GroupWorker(host)
+    worker.member = CollectiveMember(SimpleNamespace(node_id="client-proc0", root_node="server",
+                                                     broadcast=lambda empties, round, peers, step: [torch.zeros(3)]))
     out = worker.round(1, Payload(control=Control(clients=[1, 2, 3], specs=[TensorSpec(name="w", dtype="float32",
                                                                                     shape=[3], nbytes=12)])))
     failures = failures_of(out)
     assert list(failures) == [2] and failures[2].startswith("NON_FINITE")
-    assert torch.equal(worker.partial.tensors["w"], torch.full((3,), 4.0))   # 1 + 3, weights 1
+    assert torch.equal(worker.member.partial.tensors["w"], torch.full((3,), 4.0))   # 1 + 3, weights 1
 
 
 def test_set_up_fails_at_once_when_a_rank_dies_before_joining():

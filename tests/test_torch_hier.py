@@ -1,6 +1,7 @@
 """transport.kind = "torch" with topology.kind = "hierarchical" (HierFAVG over process groups):
 the same final model as gRPC, the analytic tensor bytes per link and round, a dead rank fails
-the run (server/torch_rounds.py HierTorchRounds, edge/torch_edge.py, client/torch_worker.py).
+the run (server/group_rounds.py HierGroupRounds, edge/group_edge.py, client/group_worker.py over
+common/transport/torch_groups.py).
 
 Byte count per round (d parameters of 4 bytes, fedavg: the reply is one delta of d floats;
 E edges, P_e client processes under edge e, kappa2 edge iterations; every edge here has sampled
@@ -24,7 +25,7 @@ from safetensors.torch import load_file
 from fedhop.common.config import parse_config
 from fedhop.common.runstore import RunStore
 from fedhop.deploy.launcher import LocalRun, run_local
-from fedhop.server.torch_rounds import hier_layout
+from fedhop.common.transport.torch_groups import hier_layout
 from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
 

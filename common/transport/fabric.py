@@ -19,9 +19,11 @@ The payload pipeline (common/pipeline.py) lives at this seam: a request's `inbou
 (`ReplyPipeline`: upload decompression, then the algorithm's reply spec) runs on its reply
 before the caller sees it.  The ledger is recorded by the endpoint underneath, for every message.
 
-The transport underneath is the endpoint's (gRPC, or in memory for unit tests); the
-torch.distributed data plane adds its collectives beside it (common/transport/torchdist.py)
-and uses this fabric for its control calls.
+The transport underneath is the endpoint's (gRPC, or in memory for unit tests).  Group
+broadcast and reduce (a root's message to every member of a group, the members' partials
+reduced back) and peer sends are common/transport/groups.py, built on this fabric: as fan-outs
+over gRPC, as collectives beside this fabric's control calls over torch.distributed
+(common/transport/torch_groups.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,213 @@
+"""Group broadcast and reduce: the fabric's collective round (shared/DESIGN.md section 2).
+
+A *group round* is the step that a client process's pre-aggregation, an edge's cluster
+iteration and the torch.distributed data plane share: a root sends one message to every member
+of its group (each member also learns which of its logical clients take part), every member
+works on it and contributes one partial aggregate, and the root receives the partials reduced,
+field by field with the algorithm's reduce ops (`wsum`, `sum`, `max`, `min`), together with the
+clients that failed at each member.
+
+    root:    result = group.round(round, message, clients_by_member, ops=..., timeout=..., where=...)
+    member:  incoming = member.receive(round, payload)          # the message, its clients, its step
+             ... train the clients, aggregate them ...
+             return member.answer(partial, failures, ops)        # the reply to the round's call
+             member.contribute(round, payload)                   # the reduce's call, where the transport has one
+
+A role writes only these calls; which transport carries them is the fabric's:
+
+- `FanoutGroup` / `FanoutMember` (gRPC and the in-memory transport): the message travels in each
+  member's call, the partial in its reply, and the root reduces the partials in member order
+  (`reduce_payloads`).
+- `CollectiveGroup` / `CollectiveMember` (torch.distributed, common/transport/torch_groups.py):
+  the tensors move as one broadcast and one reduce over the group's process group; the
+  clients, tensor specs and layouts, failures and scalars travel as fabric calls beside them.
+
+A failure that stops the round (a member that does not answer, a collective that breaks, ranks
+that disagree on a tensor's layout) raises `GroupFailed`; a client that fails inside a member
+is a failure of that client, never of the round.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from fedhop.common.algorithms.base import Payload, reduce_payloads
+from fedhop.common.control import control_of, failures_control, failures_of
+from fedhop.common.methods import Method
+from fedhop.common.transport.base import HandlerError
+from fedhop.common.transport.fabric import Fabric, Send
+from fedhop.common.wire import fedhop_pb2 as pb
+
+STEP_KEY = "torch_step"   # control scalar: the edge iteration (0..kappa2-1) a cluster round belongs to
+
+
+class GroupFailed(HandlerError):
+    """A group round could not complete; `code` is COLLECTIVE_FAILED or LAYOUT_MISMATCH."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """A member of a group: its node id and where its calls go."""
+
+    node_id: str
+    address: str
+
+
+@dataclass
+class GroupResult:
+    """The reduced partial of a group round (None when no client of any member succeeded) and,
+    per member, its failed clients (client id -> reason)."""
+
+    partial: Payload | None
+    failures: dict[str, dict[int, str]] = field(default_factory=dict)
+
+    def all_failures(self, prefix: bool = False) -> dict[int, str]:
+        """Every member's failed clients; with `prefix`, each reason says which member reported it."""
+        out: dict[int, str] = {}
+        for node, failed in self.failures.items():
+            out.update({c: f"at {node}: {why}" if prefix else why for c, why in failed.items()})
+        return out
+
+
+@dataclass
+class Incoming:
+    """What a member receives in a group round: the message, its clients and the iteration step."""
+
+    message: Payload
+    clients: list[int]
+    step: int
+
+
+@dataclass(frozen=True)
+class GroupMethods:
+    """The methods of a group's round and reduce calls, and what a failure names the members."""
+
+    round: Method
+    reduce: Method
+    noun: str          # "client processes", "edges"
+    stepped: bool      # the calls carry the iteration step (STEP_KEY): an edge's cluster group
+
+
+CLIENT_PROCESSES = GroupMethods(Method.TORCH_ROUND, Method.TORCH_REDUCE, "client processes", stepped=False)
+CLUSTER = GroupMethods(Method.TORCH_ROUND, Method.TORCH_REDUCE, "client processes", stepped=True)
+EDGES = GroupMethods(Method.TORCH_EDGE_ROUND, Method.TORCH_EDGE_REDUCE, "edges", stepped=False)
+
+
+class Group:
+    """The root's side of a group (module docstring)."""
+
+    def __init__(self, fabric: Fabric, members: list[Member], methods: GroupMethods) -> None:
+        self.fabric = fabric
+        self.members = members            # in the order the partials are reduced
+        self.methods = methods
+
+    def _round_payload(self, message: Payload, clients: list[int], step: int, tensors: bool) -> Payload:
+        scalars = {**message.scalars, STEP_KEY: step} if self.methods.stepped else dict(message.scalars)
+        return Payload(tensors=message.tensors if tensors else {}, scalars=scalars,
+                       control=pb.Control(clients=clients))
+
+    def round(self, round: int, message: Payload, clients: Mapping[str, list[int]], *, ops: Mapping[str, str],
+              timeout: float, reduce_timeout: float, where: str, step: int = 0) -> GroupResult:
+        """Send `message` to every member (`clients`: member node id -> its clients in the round)
+        and return the members' partials reduced with `ops`; raises GroupFailed."""
+        raise NotImplementedError
+
+
+class GroupMember:
+    """A member's side of a group (module docstring)."""
+
+    def receive(self, round: int, payload: Payload) -> Incoming:
+        raise NotImplementedError
+
+    def answer(self, partial: Payload | None, failures: Mapping[int, str], ops: Mapping[str, str]) -> Payload:
+        raise NotImplementedError
+
+    def contribute(self, round: int, payload: Payload) -> Payload:
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- over fabric calls
+class FanoutGroup(Group):
+    """A group round as one fabric fan-out: every member's call carries the message, its reply
+    the member's partial; the partials are reduced at the root in member order."""
+
+    def round(self, round, message, clients, *, ops, timeout, reduce_timeout, where, step=0):
+        requests = [Send(m.node_id, m.address, m.node_id, self.methods.round,
+                         self._round_payload(message, list(clients.get(m.node_id, [])), step, tensors=True),
+                         step=step) for m in self.members]
+        replies, failed = self.fabric.send_and_receive(requests, round=round, timeout=timeout, call_timeout=timeout)
+        if failed:
+            node = sorted(failed)[0]
+            raise GroupFailed("COLLECTIVE_FAILED", f"{where}: {self.methods.noun} {sorted(failed)} did not finish "
+                                                   f"the round ({node}: {failed[node]})")
+        failures = {m.node_id: failures_of(replies[m.node_id]) for m in self.members}
+        partials = [Payload(tensors=replies[m.node_id].tensors, scalars=replies[m.node_id].scalars)
+                    for m in self.members if replies[m.node_id].tensors]
+        return GroupResult(reduce_payloads(partials, ops) if partials else None, failures)
+
+
+class FanoutMember(GroupMember):
+    """A member of a `FanoutGroup`: the message is the call's payload; the partial is the reply."""
+
+    def receive(self, round, payload):
+        scalars = dict(payload.scalars)
+        step = int(scalars.pop(STEP_KEY, 0))
+        return Incoming(Payload(tensors=payload.tensors, scalars=scalars), list(control_of(payload).clients), step)
+
+    def answer(self, partial, failures, ops):
+        out = Payload(control=failures_control(failures))
+        if partial is not None:
+            out.tensors, out.scalars = dict(partial.tensors), dict(partial.scalars)
+        return out
+
+    def contribute(self, round, payload):
+        raise GroupFailed("NO_REDUCE", "a fan-out group's partials come in the round's replies")
+
+
+# ----------------------------------------------------------------------------- worlds by transport
+class Worlds:
+    """How a transport sets up groups: the server's star world (a group of the client
+    processes) and edges' world (`top`: a group of the edges; `peers`: point-to-point sends),
+    and each member's side of them, joined on its `torch_init`-style set-up call."""
+
+    def star(self, fabric: Fabric, procs: list[Member], transport, ledger, run_id: str) -> Group:
+        raise NotImplementedError
+
+    def edges(self, fabric: Fabric, edges: list[Member], transport, ledger, run_id: str):
+        raise NotImplementedError
+
+    def member(self, node_id: str, payload: Payload, ledger, run_id: str) -> GroupMember:
+        raise NotImplementedError
+
+    def edge_member(self, fabric: Fabric, node_id: str, payload: Payload, processes: Mapping[str, str], ledger,
+                    run_id: str):
+        raise NotImplementedError
+
+
+class FanoutWorlds(Worlds):
+    """Groups over fabric calls (gRPC, in memory): nothing to join; a group is its members."""
+
+    def star(self, fabric, procs, transport, ledger, run_id):
+        return FanoutGroup(fabric, procs, CLIENT_PROCESSES)
+
+    def member(self, node_id, payload, ledger, run_id):
+        return FanoutMember()
+
+
+# transport.kind -> its Worlds ("module:attribute" is imported on first use: torch only where it runs)
+WORLDS: dict[str, Worlds | str] = {"grpc": FanoutWorlds(), "inmemory": FanoutWorlds(),
+                                   "torch": "fedhop.common.transport.torch_groups:TORCH_WORLDS"}
+
+
+def worlds(kind: str) -> Worlds:
+    """The group set-up of transport `kind` (WORLDS)."""
+    entry = WORLDS[kind]
+    if isinstance(entry, str):
+        module, attr = entry.split(":")
+        entry = WORLDS[kind] = getattr(importlib.import_module(module), attr)
+    return entry
+
+
+__all__ = ["worlds", "Worlds", "WORLDS", "CLIENT_PROCESSES", "CLUSTER", "EDGES", "STEP_KEY", "GroupFailed", "Member", "GroupResult", "Incoming", "GroupMethods", "Group", "GroupMember",
+           "FanoutGroup", "FanoutMember"]

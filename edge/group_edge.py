@@ -1,0 +1,171 @@
+"""An edge's side of the group data plane, hierarchical and sequential topologies (common/transport/groups.py).
+
+The edge belongs to two groups of the transport's world (set up by `torch_init`): the top group
+{server, every edge}, rooted at the server, and its cluster group {this edge, its client
+processes}, rooted here.
+
+One HierFAVG round at this edge (same steps as the per-client fan-out, edge/aggregator.py `edge_round`):
+  1. receive the server's message in the top group (`torch_edge_round`);
+  2. for k = 0..kappa2-1: one cluster round (the current edge model to the client processes,
+     which train their sampled clients; their partials reduced into this edge), then the
+     algorithm's `edge_step` between iterations;
+  3. after kappa2 > 1 iterations, `edge_partial`; contribute the partial to the server's reduce
+     in the top group (`torch_edge_reduce`).
+A group round needs every member, so a client process that fails or does not answer fails this
+edge's round (COLLECTIVE_FAILED, naming the process), which the server turns into a failed run.
+"""
+from __future__ import annotations
+
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from fedhop.common.algorithms.base import Payload
+from fedhop.common.methods import Method
+from fedhop.common.topology import edge_node
+from fedhop.common.transport.base import CallFailed, HandlerError
+from fedhop.common.transport.groups import worlds
+from fedhop.common.validation import validate_reply
+from fedhop.common.wire import fedhop_pb2 as pb
+
+
+class GroupEdge:
+    def __init__(self, aggregator) -> None:
+        self.agg = aggregator
+        self.node_id: str = aggregator.endpoint.node_id
+        self.world = None   # this edge's membership of the world (common/transport/groups.py Worlds.edge_member)
+
+    def processes(self) -> Payload:
+        """This edge's client processes (the server lays out the world from every edge's answer)."""
+        return Payload(control=pb.Control(processes=sorted(self.agg.processes)))
+
+    def ready(self):
+        if self.world is None:
+            raise HandlerError("NOT_READY", f"{self.node_id}: torch_init has not been called")
+        return self.world
+
+    def init(self, payload: Payload) -> Payload:
+        """Join the world: forward each client process its set-up call, create every group."""
+        self.world = worlds(self.agg.cfg.transport.kind).edge_member(
+            self.agg.fabric, self.node_id, payload, self.agg.processes, self.agg.endpoint.ledger, self.agg.run_id)
+        return Payload(scalars={"rank": self.world.rank})
+
+    # ------------------------------------------------------------------ rounds
+    def round(self, round: int, payload: Payload) -> Payload:
+        """Steps 1-2 of the module docstring; the reply holds the failures and the partial's description."""
+        world = self.ready()
+        incoming = world.top.receive(round, payload)
+        sampled = incoming.clients
+        stray = [c for c in sampled if c not in self.agg.cluster]
+        if stray:
+            raise HandlerError("UNKNOWN_CLIENT", f"clients {stray} are not in {self.node_id}'s cluster")
+        message = start = incoming.message
+        failures, partial = {}, None
+        kappa2 = getattr(self.agg.params, "kappa2", 1)
+        for k in range(kappa2):   # HierFAVG (Liu et al. 2020, Algorithm 1): kappa2 edge aggregations
+            live = [c for c in sampled if c not in failures]
+            if not live:
+                break
+            part, failed = self.iteration(round, k, live, message)
+            failures.update(failed)
+            if part is None:
+                break
+            partial = part
+            if k < kappa2 - 1:
+                message = self.agg.algorithm.edge_step(message, partial)
+        if partial is not None and kappa2 > 1:
+            partial = self.agg.algorithm.edge_partial(start, message, partial)
+        return world.top.answer(partial, failures, self.agg.algorithm.reply_reduce)
+
+    def iteration(self, round: int, step: int, clients: list[int], message: Payload):
+        """One cluster round: the message to the client processes, their partials reduced here."""
+        by_proc: dict[str, list[int]] = {}
+        for cid in clients:
+            by_proc.setdefault(self.agg.client_home[cid][0], []).append(cid)
+        result = self.ready().cluster.round(round, message, by_proc, ops=self.agg.algorithm.reply_reduce,
+                                            timeout=self.agg.cfg.run.round_timeout,
+                                            reduce_timeout=self.agg.cfg.run.round_timeout,
+                                            where=f"{self.node_id}: round {round} edge iteration {step}", step=step)
+        return result.partial, result.all_failures()
+
+    def reduce(self, round: int, payload: Payload) -> Payload:
+        """Step 3: this edge's partial (or the ops' identities) into the server's reduce."""
+        return self.ready().top.contribute(round, payload)
+
+
+class GroupModelPath:
+    """Fed-CHS's model by group rounds and peer sends at an edge (edge/sequential.py
+    `MODEL_PATHS`): each cluster step is a group round in this edge's cluster group, a hand-off
+    is a peer send to the next edge beside the `seq_handoff` control call (which makes the
+    receiver post the matching receive), and the final (or checkpoint) model waits here for
+    `seq_final`, which sends it to the server.  Every model received is drained from the wire
+    before it is checked."""
+
+    def __init__(self, edge) -> None:
+        self.edge = edge                                   # edge/sequential.py's SequentialEdge
+        self.final: dict[str, torch.Tensor] | None = None  # the model the server fetches with seq_final
+
+    @property
+    def group_edge(self) -> GroupEdge:
+        group_edge = self.edge.agg.group()
+        group_edge.ready()
+        return group_edge
+
+    def _entries(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        return [(k, dtype, shape) for k, (dtype, shape) in self.edge.spec.items()]
+
+    def cluster_step(self, round: int, step: int, message: Payload) -> tuple[Payload | None, dict[int, str]]:
+        group_edge = self.group_edge
+        partial, failed = group_edge.iteration(round, step, list(self.edge.agg.cluster), message)
+        if partial is not None:
+            validate_reply(partial, self.edge.spec, f"round {round} step {step} reduced partial of "
+                                                    f"{group_edge.node_id}'s client processes")
+        return partial, failed
+
+    def handoff_model(self, src: str, round: int, payload: Payload) -> dict[str, torch.Tensor]:
+        group_edge = self.group_edge
+        peers = group_edge.world.peers
+        if not peers.knows(src):
+            raise HandlerError("NOT_NEIGHBOUR", f"{src} has no rank in the world")
+        try:
+            tensors = peers.recv(self._entries(), src, round, "edge-edge")
+        except RuntimeError as exc:
+            raise HandlerError("COLLECTIVE_FAILED", f"{group_edge.node_id}: hand-off from {src} failed: {exc}") from None
+        return self.edge.model_in(Payload(tensors=tensors), f"hand-off from {src}")
+
+    def resumed_model(self, round: int, message: Payload) -> dict[str, torch.Tensor]:
+        group_edge = self.group_edge
+        try:
+            tensors = group_edge.world.peers.recv(self._entries(), "server", round, "edge-server")
+        except RuntimeError as exc:
+            raise HandlerError("COLLECTIVE_FAILED", f"{group_edge.node_id}: the resumed model from the server did "
+                                                    f"not arrive: {exc}") from None
+        return self.edge.model_in(Payload(tensors=tensors), f"resumed model for round {round}")
+
+    def send_model(self, round: int, peer: int, address: str, w: dict[str, torch.Tensor]) -> None:
+        group_edge, fabric, timeout = self.group_edge, self.edge.agg.fabric, self.edge.cfg.run.call_timeout
+        node = edge_node(peer)
+        call = fabric.submit(fabric.call, address, node, Method.SEQ_HANDOFF, Payload(), round=round, timeout=timeout)
+        try:
+            group_edge.world.peers.send([w[k] for k in self.edge.spec], node, round, "edge-edge")
+        except RuntimeError as exc:
+            raise CallFailed("COLLECTIVE_FAILED", f"peer send failed: {exc}", node) from None
+        try:
+            call.result(timeout=timeout)
+        except FutureTimeout:
+            raise CallFailed("DEADLINE_EXCEEDED", f"no hand-off confirmation within {timeout:g}s", node) from None
+
+    def final_model(self, w: dict[str, torch.Tensor], reply: Payload) -> None:
+        self.final = dict(w)   # the server fetches it with `seq_final` (a peer send)
+
+    def send_final(self, round: int) -> Payload:
+        group_edge, final = self.group_edge, self.final
+        if final is None:
+            raise HandlerError("NO_TOKEN", f"{group_edge.node_id} holds no final model for round {round}")
+        try:
+            group_edge.world.peers.send([final[k] for k in self.edge.spec], "server", round, "edge-server")
+        except RuntimeError as exc:
+            raise HandlerError("COLLECTIVE_FAILED", f"{group_edge.node_id}: sending the final model failed: "
+                                                    f"{exc}") from None
+        self.final = None
+        return Payload()
