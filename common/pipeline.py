@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from fedhop.common.algorithms.base import REPLY_SCALARS, Payload, ScalarRule
+from fedhop.common.algorithms.base import REPLY_SCALARS, Payload, ScalarRule, tensor_finite
 from fedhop.common.codec import PayloadError, check_tensors
 from fedhop.common.transport.base import ReplyBound
 from fedhop.common.compress import compress_upload, decompress_upload
@@ -64,7 +64,7 @@ class ModelPipeline:
 
     def __call__(self, payload: Payload, what: str) -> dict[str, torch.Tensor]:
         check_tensors(payload, self.spec, what)
-        if not all(bool(torch.isfinite(t).all()) for t in payload.tensors.values()):
+        if not all(tensor_finite(t) for t in payload.tensors.values()):
             raise PayloadError("NON_FINITE", f"{what} holds NaN or Inf")
         return {name: payload.tensors[name] for name in self.spec}
 

@@ -38,7 +38,7 @@ from typing import Mapping
 import torch
 
 from fedhop.common.algorithms.base import (COMPUTE_KEY, COUNT_KEY, REPLY_SCALARS, WEIGHT_KEY, Payload,
-                                          ScalarRule)
+                                          ScalarRule, tensor_finite)
 from fedhop.common.codec import PayloadError, check_tensors
 from fedhop.common.transport.base import ReplyBound
 
@@ -84,7 +84,7 @@ def reply_bound(spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> Repl
     `validate_reply`); a header of MAX_SCALARS named scalars and tensor specs (a generous 1 KiB
     each, at least 256 KiB).  Enforced as the reply arrives (codec.FrameDecoder), before the
     receiver allocates its buffer."""
-    data = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for dtype, shape in spec.values())
+    data = sum(math.prod(shape) * dtype.itemsize for dtype, shape in spec.values())
     data += REPLY_SLACK
     return ReplyBound(data_bytes=data, header_bytes=max(256 << 10, 1024 * (len(spec) + 2 * MAX_SCALARS)))
 
@@ -134,7 +134,7 @@ def validate_reply(reply: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[i
         if name not in spec and (t.dim() != 0 or not t.is_floating_point()):
             raise PayloadError("BAD_EXTRA", f"{who}: undeclared tensor '{name}' ({t.dtype}, shape {tuple(t.shape)}); "
                                             f"only 0-dim floats may travel beside the algorithm's reply spec")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not tensor_finite(t):
             raise PayloadError("NON_FINITE", f"{who}: tensor '{name}' holds NaN or Inf")
     if len(reply.scalars) > MAX_SCALARS:
         raise PayloadError("BAD_SCALAR", f"{who}: {len(reply.scalars)} scalars (at most {MAX_SCALARS})")
@@ -210,7 +210,7 @@ class ReplyLimiter:
 # ----------------------------------------------------------------------------- the aggregate
 def _non_finite(tensors: Mapping[str, torch.Tensor], scalars: Mapping, what: str) -> str | None:
     for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not tensor_finite(t):
             return f"{what} tensor '{name}' holds NaN or Inf"
     for name, v in scalars.items():
         if isinstance(v, float) and not math.isfinite(v):

@@ -118,3 +118,23 @@ def test_an_edge_leaves_out_the_client_whose_values_overflow_its_partial():
                                   round=2)
     assert list(blamed) == [5]
     assert float(partial.scalars[WEIGHT_KEY]) == 6.0 and torch.equal(partial.tensors["w"], torch.full((6,), 6.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64])
+def test_tensor_finite_agrees_with_torch_on_random_tensors_and_views(dtype):
+    """common/algorithms/base.py `tensor_finite` (numpy's isfinite on the tensor's memory) gives
+    torch.isfinite's answer on tensors holding NaN, +Inf, -Inf or none, on strided views and on
+    0-dim tensors."""
+    from fedhop.common.algorithms.base import tensor_finite
+    rng = np.random.default_rng(17)
+    for trial in range(60):
+        shape = tuple(int(d) for d in rng.integers(1, 9, size=int(rng.integers(0, 4))))
+        t = torch.from_numpy(np.asarray(rng.normal(size=shape) * 1e3)).to(dtype)
+        if t.is_floating_point() and t.numel() and trial % 4:
+            t.view(-1)[int(rng.integers(t.numel()))] = [float("nan"), float("inf"), float("-inf")][trial % 3]
+        views = [t]
+        if t.dim() >= 2:
+            views += [t.transpose(0, 1), t[:, ::2]]
+        for v in views:
+            expected = bool(torch.isfinite(v).all()) if v.is_floating_point() else True
+            assert tensor_finite(v) is expected, (trial, dtype, tuple(v.shape))
