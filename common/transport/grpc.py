@@ -42,6 +42,7 @@ from concurrent import futures
 from typing import Sequence
 
 import grpc
+import grpc.experimental
 
 from fedhop.common.codec import (FRAME_OVERHEAD, Decoded, Encoded, FrameDecoder, PayloadError, bundle_bytes,
                                  bundle_framing, frame_framing, make_envelope, split_bundle)
@@ -57,6 +58,10 @@ REGISTER = "/fedhop.Fedhop/Register"
 HEARTBEAT = "/fedhop.Fedhop/Heartbeat"
 RETRY_BACKOFF = (0.25, 2.0)              # first delay and cap of the not-delivered retry, seconds
 RETRY_WINDOW = 4.0                       # seconds a call may spend retrying (and within its deadline)
+# A `Call` (unary request, streamed reply) read in the calling thread from its own completion queue:
+# without it grpcio starts a channel spin thread for a call on an idle channel and hands every
+# reply frame over from it (a third of a small call's caller CPU; README, Performance).
+SINGLE_THREADED_CALLS = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
 
 
 class NotDelivered(CallFailed):
@@ -132,7 +137,8 @@ class GrpcEndpoint(Endpoint):
                 # reconnect soon after a peer comes back (gRPC's default backoff grows to 120 s)
                 options = grpc_options(self.max_message_bytes) + [("grpc.initial_reconnect_backoff_ms", 200),
                                                                   ("grpc.min_reconnect_backoff_ms", 200),
-                                                                  ("grpc.max_reconnect_backoff_ms", 2000)]
+                                                                  ("grpc.max_reconnect_backoff_ms", 2000),
+                                                                  SINGLE_THREADED_CALLS]
                 tls = self.credentials.channel_credentials() if self.credentials is not None else None
                 if tls is None:
                     ch = grpc.insecure_channel(address, options=options)
