@@ -61,7 +61,7 @@ RETRY_WINDOW = 4.0                       # seconds a call may spend retrying (an
 # A `Call` (unary request, streamed reply) read in the calling thread from its own completion queue:
 # without it grpcio starts a channel spin thread for a call on an idle channel and hands every
 # reply frame over from it (a third of a small call's caller CPU; README, Performance).
-SINGLE_THREADED_CALLS = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
+CALL_OPTIONS = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 
 
 class NotDelivered(CallFailed):
@@ -137,8 +137,8 @@ class GrpcEndpoint(Endpoint):
                 # reconnect soon after a peer comes back (gRPC's default backoff grows to 120 s)
                 options = grpc_options(self.max_message_bytes) + [("grpc.initial_reconnect_backoff_ms", 200),
                                                                   ("grpc.min_reconnect_backoff_ms", 200),
-                                                                  ("grpc.max_reconnect_backoff_ms", 2000),
-                                                                  SINGLE_THREADED_CALLS]
+                                                                  ("grpc.max_reconnect_backoff_ms", 2000)]
+                options += CALL_OPTIONS
                 tls = self.credentials.channel_credentials() if self.credentials is not None else None
                 if tls is None:
                     ch = grpc.insecure_channel(address, options=options)
