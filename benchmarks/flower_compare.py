@@ -54,7 +54,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ build-backend = "hatchling.build"
 [project]
 name = "fedhopbench"
 version = "1.0.0"
-description = "fedhop's side-by-side round benchmark (benchmarks/flower_compare.py)"
+description = "fedhop's side-by-side benchmarks against Flower (benchmarks/flower_compare.py)"
 license = "Apache-2.0"
 dependencies = ["flwr[simulation]>=1.41.0", "numpy>=2.0"]
 
@@ -144,6 +144,9 @@ serverapp = "fedhopbench.server_app:app"
 clientapp = "fedhopbench.client_app:app"
 
 [tool.flwr.app.config]
+{config}
+"""
+ROUND_APP_CONFIG = """\
 num-server-rounds = 3
 num-params = 1000
 num-clients = 10
@@ -198,19 +201,12 @@ def evaluate(msg: Message, context: Context) -> Message:
                    reply_to=msg)
 '''
 
-APP_SERVER = '''\
+APP_TIMING = '''\
 """FedAvg with time stamps written to a JSONL file (one line per event)."""
 import json
 import time
 
-import numpy as np
-from flwr.app import ArrayRecord, Context, MetricRecord
-from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
-
-from fedhopbench.task import objective
-
-app = ServerApp()
 
 
 class TimedFedAvg(FedAvg):
@@ -218,16 +214,17 @@ class TimedFedAvg(FedAvg):
         super().__init__(**kw)
         self.timing_file = timing_file
 
-    def stamp(self, event, rnd):
+    def stamp(self, event, rnd, **extra):
         with open(self.timing_file, "a") as fh:
-            fh.write(json.dumps({"event": event, "round": rnd, "t": time.time()}) + "\\n")
+            fh.write(json.dumps({"event": event, "round": rnd, "t": time.time(), **extra}) + "\\n")
 
     def configure_train(self, server_round, arrays, config, grid):
         self.stamp("round_start", server_round)
         return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round, replies):
-        self.stamp("train_done", server_round)
+        replies = list(replies)
+        self.stamp("train_done", server_round, replies=sum(1 for m in replies if not m.has_error()))
         out = super().aggregate_train(server_round, replies)
         self.stamp("aggregated", server_round)
         return out
@@ -236,6 +233,18 @@ class TimedFedAvg(FedAvg):
         out = super().aggregate_evaluate(server_round, replies)
         self.stamp("evaluate_done", server_round)
         return out
+'''
+
+APP_SERVER = '''\
+"""FedAvg on the quadratic, a centralised evaluation of the objective every round."""
+import numpy as np
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from fedhopbench.task import objective
+from fedhopbench.timing import TimedFedAvg
+
+app = ServerApp()
 
 
 @app.main()
@@ -258,24 +267,42 @@ def main(grid: Grid, context: Context) -> None:
 '''
 
 
-def write_app(where: Path) -> Path:
+def write_app(where: Path, modules: dict[str, str] | None = None, config: str = ROUND_APP_CONFIG) -> Path:
+    """The Flower app package `fedhopbench` under where/app: `modules` (file stem -> source;
+    default the 10-client round's task, client_app and server_app) beside the timed strategy,
+    whose ServerApp and ClientApp are server_app:app and client_app:app."""
     app = where / "app"
     pkg = app / "fedhopbench"
     pkg.mkdir(parents=True)
-    (app / "pyproject.toml").write_text(APP_PYPROJECT)
+    (app / "pyproject.toml").write_text(APP_PYPROJECT.format(config=config))
     (pkg / "__init__.py").write_text("")
-    (pkg / "task.py").write_text(APP_TASK)
-    (pkg / "client_app.py").write_text(APP_CLIENT)
-    (pkg / "server_app.py").write_text(APP_SERVER)
+    (pkg / "timing.py").write_text(APP_TIMING)
+    for stem, source in (modules or {"task": APP_TASK, "client_app": APP_CLIENT, "server_app": APP_SERVER}).items():
+        (pkg / f"{stem}.py").write_text(source)
     return app
 
 
-def parse_timing(path: Path, rounds: int) -> dict[str, Any]:
-    """Per-round seconds (round_start -> round_end) and the phase split from the stamps."""
+def read_stamps(path: Path) -> tuple[dict[tuple[str, int], float], dict[int, int]]:
+    """The ServerApp's time stamps by (event, round), and the successful train replies by round
+    (both empty when there is no file; a line cut by a killed run is left out)."""
     stamps: dict[tuple[str, int], float] = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
+    replies: dict[int, int] = {}
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
         stamps[(row["event"], int(row["round"]))] = float(row["t"])
+        if "replies" in row:
+            replies[int(row["round"])] = int(row["replies"])
+    return stamps, replies
+
+
+def parse_timing(path: Path, rounds: int) -> dict[str, Any]:
+    """Per-round seconds (round_start -> round_end), the phase split and the train replies per
+    round from the stamps."""
+    stamps, replies = read_stamps(path)
     missing = [r for r in range(1, rounds + 1) if ("round_end", r) not in stamps]
     if missing:
         raise RuntimeError(f"Flower run stopped early: no round_end stamp for rounds {missing[:5]} in {path}")
@@ -284,7 +311,8 @@ def parse_timing(path: Path, rounds: int) -> dict[str, Any]:
     evaluate = [stamps[("evaluate_done", r)] - stamps[("aggregated", r)] for r in range(1, rounds + 1)]
     return {"per_round_s": per_round, **_summary(per_round),
             "train_phase_median_s": _summary(train)["median_s"],
-            "evaluate_phase_median_s": _summary(evaluate)["median_s"]}
+            "evaluate_phase_median_s": _summary(evaluate)["median_s"],
+            "train_replies": [replies.get(r) for r in range(1, rounds + 1)]}
 
 
 # ----------------------------------------------------------------------------- Flower processes
@@ -325,11 +353,13 @@ class FlowerBench:
         self.procs.append(proc)
         return proc
 
-    def write_connections(self) -> None:
-        """$FLWR_HOME/config.toml: `deploy` (our SuperLink) and `local` (flwr run's managed one)."""
+    def write_connections(self, supernodes: int = CLIENTS, actor_cpus: int | None = None) -> None:
+        """$FLWR_HOME/config.toml: `deploy` (our SuperLink) and `local` (flwr run's managed one,
+        `supernodes` simulated nodes; `actor_cpus`: CPUs per ClientApp actor, Flower's default 2)."""
+        resources = "" if actor_cpus is None else f"options.backend.client-resources.num-cpus = {actor_cpus}\n"
         (self.home / "config.toml").write_text(
             '[superlink]\ndefault = "local"\n\n'
-            f'[superlink.local]\naddress = ":local:"\noptions.num-supernodes = {CLIENTS}\n\n'
+            f'[superlink.local]\naddress = ":local:"\noptions.num-supernodes = {supernodes}\n{resources}\n'
             f'[superlink.deploy]\naddress = "127.0.0.1:{self.superlink_port}"\ninsecure = true\n')
 
     def start_deployment(self) -> None:
@@ -351,23 +381,39 @@ class FlowerBench:
         timing = self.work / f"timing-{tag}.jsonl"
         run_config = (f'num-server-rounds={rounds} num-params={params} num-clients={CLIENTS} '
                       f'fraction-evaluate={fraction_evaluate} timing-file="{timing}"')
+        wall = self.run_app(app, connection, tag, run_config, timeout)
+        if not timing.exists():
+            raise RuntimeError(f"flwr run ({tag}) wrote no time stamps; see {self.work}/flwr-run-{tag}.log")
+        return {"rounds": rounds, "fraction_evaluate": fraction_evaluate, **parse_timing(timing, rounds),
+                "run_wall_s": wall}
+
+    def run_app(self, app: Path, connection: str, tag: str, run_config: str, timeout: float,
+                watch: Callable[[], str | None] | None = None) -> float:
+        """`flwr run APP CONNECTION --run-config RUN_CONFIG` to its end; its wall seconds.  Raises
+        RuntimeError when it fails, runs past `timeout` seconds, or `watch()` (called about twice
+        a second) returns a reason to stop; the run's processes are left to `close`."""
+        log = self.work / f"flwr-run-{tag}.log"
         self.log(f"  flwr run {connection} ({tag}) ...")
         t = time.perf_counter()
-        with open(self.work / f"flwr-run-{tag}.log", "wb") as fh:
+        with open(log, "wb") as fh:
             proc = subprocess.Popen([str(self.bin / "flwr"), "run", str(app), connection, "--run-config", run_config,
                                      "--stream"], stdout=fh, stderr=subprocess.STDOUT, env=self.env, cwd=self.work,
                                     start_new_session=True)
             self.procs.append(proc)
-            try:
-                code = proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"flwr run ({tag}) took over {timeout:.0f}s; see {self.work}/flwr-run-{tag}.log")
-        wall = time.perf_counter() - t
-        if code != 0 or not timing.exists():
-            raise RuntimeError(f"flwr run ({tag}) failed (exit {code}):\n"
-                               + (self.work / f"flwr-run-{tag}.log").read_text(errors="replace")[-2000:])
-        return {"rounds": rounds, "fraction_evaluate": fraction_evaluate, **parse_timing(timing, rounds),
-                "run_wall_s": wall}
+            while True:
+                try:
+                    code = proc.wait(0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                reason = watch() if watch is not None else None
+                if reason is None and time.perf_counter() - t > timeout:
+                    reason = f"took over {timeout:.0f}s"
+                if reason:
+                    raise RuntimeError(f"flwr run ({tag}) {reason}; see {log}")
+        if code != 0:
+            raise RuntimeError(f"flwr run ({tag}) failed (exit {code}):\n" + log.read_text(errors="replace")[-2000:])
+        return time.perf_counter() - t
 
     def close(self, grace: float = 10.0) -> list[int]:
         """Stop every live process carrying this benchmark's token (SIGTERM, then SIGKILL)."""
@@ -471,6 +517,199 @@ def run_flower(flwr_python: str, rounds: int, params: int, modes: list[str], eva
                 log(f"warning: Flower processes still alive: {left}")
             info["left_alive"] = left
     return rows, info
+
+
+# ----------------------------------------------------------------------------- cross-device scale
+# `fedhop bench scale --flwr-python PY` (deploy/bench_system.py) runs, beside each fedhop run, this
+# app in Flower's simulation engine: as many simulated SuperNodes as fedhop's logical clients,
+# FedAvg sampling the same number per round, the same 610-parameter softmax model and local work.
+SCALE_APP_CONFIG = """\
+num-server-rounds = 3
+num-clients = 100
+sampled = 10
+lr = 0.05
+batch-size = 16
+local-steps = 1
+seed = 0
+timing-file = "timing.jsonl"
+"""
+
+SCALE_TASK_TAIL = '''
+
+P = SimpleNamespace(**{params!r})
+SEED = {seed}
+COUNT = {count}
+
+
+@functools.lru_cache(maxsize=1)
+def devices():
+    return SyntheticDevices(P, SEED), client_sizes(P, COUNT, SEED)
+
+
+def client_data(k):
+    """Client k's samples, made on demand (fedhop keeps a 64-client cache; sampled clients rarely repeat)."""
+    gen, sizes = devices()
+    return gen.device(k, int(sizes[k]))
+'''
+
+SCALE_CLIENT = '''\
+"""`local-steps` SGD steps of multinomial logistic regression on minibatches of `batch-size`
+(the client's whole data when it holds fewer), in numpy: the local work of fedhop's scale run."""
+import numpy as np
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedhopbench.task import SEED, client_data
+
+app = ClientApp()
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    w, b = msg.content["arrays"].to_numpy_ndarrays()
+    k = int(context.node_config["partition-id"])
+    x, y = client_data(k)
+    cfg = context.run_config
+    bs = min(int(cfg["batch-size"]), len(y))
+    lr = np.float32(cfg["lr"])
+    rng = np.random.default_rng([SEED, k, int(msg.content["config"].get("server-round", 0))])
+    loss = float("nan")
+    for _ in range(int(cfg["local-steps"])):
+        at = rng.permutation(len(y))[:bs]
+        xb, yb, rows = x[at], y[at], np.arange(bs)
+        z = xb @ w.T + b
+        p = np.exp(z - z.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        loss = float(-np.log(p[rows, yb]).mean())
+        p[rows, yb] -= 1.0
+        p /= bs
+        w, b = w - lr * (p.T @ xb), b - lr * p.sum(axis=0)
+    return Message(content=RecordDict({"arrays": ArrayRecord([w.astype(np.float32), b.astype(np.float32)]),
+                                       "metrics": MetricRecord({"train_loss": loss, "num-examples": len(y)})}),
+                   reply_to=msg)
+'''
+
+SCALE_SERVER = '''\
+"""FedAvg sampling `sampled` of `num-clients` nodes a round, no evaluation (fedhop's scale run
+has eval_every = 0): a round is configure_train .. aggregate_train and the (empty) evaluate phase."""
+import numpy as np
+from flwr.app import ArrayRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedhopbench.task import P
+from fedhopbench.timing import TimedFedAvg
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = context.run_config
+    n, s = int(cfg["num-clients"]), int(cfg["sampled"])
+    # fraction s/n gives int(n * s/n) <= s nodes; min_train_nodes makes it exactly s
+    strategy = TimedFedAvg(str(cfg["timing-file"]), fraction_train=s / n, min_train_nodes=s,
+                           fraction_evaluate=0.0, min_available_nodes=n)
+
+    def round_end(rnd, arrays):
+        if rnd > 0:
+            strategy.stamp("round_end", rnd)
+        return None
+
+    initial = ArrayRecord([np.zeros((P.classes, P.dim), np.float32), np.zeros(P.classes, np.float32)])
+    strategy.start(grid=grid, initial_arrays=initial, num_rounds=int(cfg["num-server-rounds"]),
+                   evaluate_fn=round_end)
+'''
+
+
+def scale_app_modules(data_params: dict[str, Any], seed: int, count: int) -> dict[str, str]:
+    """The scale app's modules.  Its task module is fedhop's own generator -- the source of
+    common/rng.py's stream and common/tasks/crossdevice.py's client sizes and Synthetic(alpha,
+    beta) devices, copied in -- so each Flower client holds, bit for bit, the samples of the
+    fedhop client with the same id."""
+    import inspect
+
+    from fedhop.common import rng
+    from fedhop.common.tasks import crossdevice
+
+    head = ('"""Cross-device clients made as fedhop makes them (source copied from fedhop)."""\n'
+            "from __future__ import annotations\n\nimport functools\nimport zlib\nfrom types import SimpleNamespace\n\n"
+            "import numpy as np\n\n\n")
+    body = "\n\n".join(inspect.getsource(f) for f in (rng._seed_sequence, rng.numpy_stream, crossdevice.client_sizes,
+                                                     crossdevice.SyntheticDevices))
+    task = head + body + SCALE_TASK_TAIL.format(params=data_params, seed=seed, count=count)
+    return {"task": task, "client_app": SCALE_CLIENT, "server_app": SCALE_SERVER}
+
+
+class ProcessMemory:
+    """Peak RSS and USS (MB) of every process carrying a benchmark's token, each process's peak
+    kept apart; the run's figure is their sum, as `bench scale` sums fedhop's processes."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.rss: dict[int, float] = {}
+        self.uss: dict[int, float] = {}
+
+    def sample(self) -> float:
+        """Read every live process once; the total RSS now (MB)."""
+        import psutil
+
+        now = 0.0
+        for pid in _pids_with_token(self.token):
+            try:
+                info = psutil.Process(pid).memory_full_info()
+            except psutil.Error:
+                continue
+            now += info.rss / 1e6
+            self.rss[pid] = max(self.rss.get(pid, 0.0), info.rss / 1e6)
+            self.uss[pid] = max(self.uss.get(pid, 0.0), info.uss / 1e6)
+        return now
+
+    def figures(self) -> dict[str, Any]:
+        return {"total_rss_mb": sum(self.rss.values()), "total_uss_mb": sum(self.uss.values()),
+                "processes_seen": len(self.rss)}
+
+
+def run_flower_scale(flwr_python: str, count: int, sampled: int, rounds: int, *, lr: float, batch_size: int,
+                     local_steps: int, seed: int, data_params: dict[str, Any], timeout: float, max_rss_mb: float,
+                     log: Callable[[str], None] = print) -> dict[str, Any]:
+    """One Flower simulation of the cross-device round: `count` simulated SuperNodes (one ClientApp
+    actor per CPU), `sampled` trained a round, `rounds` rounds.  Never raises for Flower's sake: a
+    run that fails, passes `timeout` seconds or `max_rss_mb` of RSS over its processes (then
+    stopped) comes back with ok False, the reason and what it reached (rounds completed, memory)."""
+    out: dict[str, Any] = {"system": "Flower", "clients": count, "per_round": sampled, "rounds": rounds}
+    with tempfile.TemporaryDirectory(prefix="flwr-scale-") as tmp:
+        bench = FlowerBench(flwr_python, Path(tmp), log)
+        memory = ProcessMemory(bench.token)
+        timing = bench.work / "timing-scale.jsonl"
+
+        def watch() -> str | None:
+            rss = memory.sample()
+            if rss > max_rss_mb:
+                return f"was stopped at {rss / 1e3:.1f} GB RSS (limit {max_rss_mb / 1e3:.1f} GB)"
+            return None
+
+        launched = time.time()
+        try:
+            out["versions"] = bench.version()
+            app = write_app(bench.work, scale_app_modules(data_params, seed, count), SCALE_APP_CONFIG)
+            bench.write_connections(supernodes=count, actor_cpus=1)
+            run_config = (f"num-server-rounds={rounds} num-clients={count} sampled={sampled} lr={lr} "
+                          f"batch-size={batch_size} local-steps={local_steps} seed={seed} "
+                          f'timing-file="{timing}"')
+            launched = time.time()
+            out["run_wall_s"] = bench.run_app(app, "local", "scale", run_config, timeout, watch)
+            out.update(parse_timing(timing, rounds), ok=True)
+        except (RuntimeError, OSError) as exc:
+            out.update(ok=False, reason=str(exc).strip().splitlines()[0].split("; see ")[0], detail=str(exc)[-1500:])
+        finally:
+            stamps, _ = read_stamps(timing)
+            out["rounds_completed"] = sum(1 for r in range(1, rounds + 1) if ("round_end", r) in stamps)
+            first = stamps.get(("round_start", 1))
+            out["start_to_first_round_s"] = first - launched if first else None   # Ray, nodes, ServerApp start
+            bench.close()
+            out["left_alive"] = _pids_with_token(bench.token)
+        out.update(memory.figures())
+    return out
 
 
 # ----------------------------------------------------------------------------- report

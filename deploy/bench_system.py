@@ -9,6 +9,8 @@ Each prints its figures; `--tiny` runs a seconds-long version (the tests use it)
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -16,6 +18,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import NoReturn
 
 import numpy as np
 import psutil
@@ -25,6 +29,7 @@ from safetensors.torch import load_file
 from fedhop.common.config import parse_config
 from fedhop.common.rounds import RoundEngine
 from fedhop.common.runstore import RunStore
+from fedhop.common.tasks import dataset_params
 from fedhop.deploy.launcher import LocalRun, run_local
 
 
@@ -178,12 +183,16 @@ def _registration_seconds(store: RunStore) -> float:
     return float(done[0] - run["started"]) if done and run.get("started") else float("nan")
 
 
+def _scale_text(count: int, processes: int, per_round: int, rounds: int, batch: bool) -> str:
+    return SCALE_CONFIG.format(rounds=rounds, count=count, per_round=per_round, processes=processes,
+                               batch=str(batch).lower())
+
+
 def scale_run(count: int, processes: int, per_round: int, rounds: int, batch: bool = True) -> dict:
     """One cross-device run (common/tasks/crossdevice.py, a 610-parameter softmax model; with
     `batch`, transport.batch): the registration time, the round times and every process's peak
     RSS and USS."""
-    text = SCALE_CONFIG.format(rounds=rounds, count=count, per_round=per_round, processes=processes,
-                               batch=str(batch).lower())
+    text = _scale_text(count, processes, per_round, rounds, batch)
     with tempfile.TemporaryDirectory() as tmp:
         run = LocalRun(parse_config(text), Path(tmp))
         server = run.start([])
@@ -216,14 +225,79 @@ def scale_run(count: int, processes: int, per_round: int, rounds: int, batch: bo
             "uss_per_logical_client_kb": 1000 * sum(client_uss) / count}
 
 
+def _flower_compare() -> ModuleType:
+    """benchmarks/flower_compare.py, which is not in the installed package: loaded from the
+    checkout, as `fedhop bench flower` loads it."""
+    name = "fedhop_bench_flower_compare"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / "flower_compare.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise FileNotFoundError(f"no {path}: the Flower side needs fedhop's checkout")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def _bad_flag(message: str) -> NoReturn:
+    print(f"fedhop bench scale: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def flower_scale_row(flwr_python: str, count: int, per_round: int, rounds: int, timeout: float,
+                     max_rss_mb: float) -> dict:
+    """Flower's simulation engine on the scale run's task (benchmarks/flower_compare.py,
+    run_flower_scale): the learning rate, local steps, batch size, seed and data parameters are
+    read from the same config fedhop runs."""
+    cfg = parse_config(_scale_text(count, 1, per_round, rounds, True))
+    return _flower_compare().run_flower_scale(
+        flwr_python, count, per_round, rounds, lr=cfg.algorithm.lr, batch_size=cfg.algorithm.batch_size,
+        local_steps=int(cfg.algorithm.local_steps), seed=cfg.run.seed,
+        data_params=dataclasses.asdict(dataset_params(cfg)), timeout=timeout, max_rss_mb=max_rss_mb,
+        log=lambda line: None)
+
+
+def _flower_line(row: dict, fedhop: dict) -> str:
+    """Flower's figures beside fedhop's row (or how far it got and why it stopped)."""
+    head = f"  Flower {row.get('versions', '').split(' ')[0]} simulation, {row['clients']} SuperNodes, " \
+           f"{row['per_round']} sampled: "
+    start = row.get("start_to_first_round_s")
+    memory = (f"Flower's {row['processes_seen']} processes {row['total_rss_mb']:.0f} MB RSS / "
+              f"{row['total_uss_mb']:.0f} MB USS")
+    if not row["ok"]:
+        return (head + f"did not finish: {row['reason']}; {row['rounds_completed']} of {row['rounds']} rounds done"
+                + (f", start to round 1 {start:.1f} s" if start else "") + f"; {memory}")
+    replies = row["train_replies"]
+    return (head + f"start to round 1 {start:.1f} s; round median {row['median_s']:.3f} s (min {row['min_s']:.3f}, "
+            f"max {row['max_s']:.3f}); {min(replies)}-{max(replies)} clients trained a round; {memory}; "
+            f"Flower / fedhop round time {row['ratio_to_fedhop']:.1f}x")
+
+
 def bench_scale(args: argparse.Namespace) -> dict:
     """Cross-device scale: `--clients` logical clients in `--processes` client processes,
-    one run per `--sampled` count."""
+    one run per `--sampled` count; with `--flwr-python`, a Flower simulation beside each run."""
     count = 2000 if args.tiny else args.clients
     processes = 2 if args.tiny else args.processes
-    samples = [10, 50] if args.tiny else [int(s) for s in str(args.sampled).split(",")]
+    try:
+        samples = [10, 50] if args.tiny else [int(s) for s in str(args.sampled).split(",")]
+    except ValueError:
+        _bad_flag(f"--sampled {args.sampled!r}: give client counts, comma-separated (e.g. 100,1000)")
     rounds = 3 if args.tiny else args.rounds
-    results = []
+    if count < 1 or processes < 1 or rounds < 2:
+        _bad_flag("--clients and --processes must be >= 1 and --rounds >= 2 (round 1 is left out of the medians)")
+    if any(not 1 <= s <= count for s in samples):
+        _bad_flag(f"--sampled {args.sampled}: each must be between 1 and --clients ({count})")
+    if args.flwr_timeout <= 0 or args.flwr_max_gb <= 0:
+        _bad_flag("--flwr-timeout and --flwr-max-gb must be > 0")
+    flwr_python = None
+    if args.flwr_python:
+        flwr_python = _flower_compare().find_flwr_python(args.flwr_python)
+        if flwr_python is None:
+            _bad_flag(f"--flwr-python {args.flwr_python}: not a python that imports flwr")
+    else:
+        print("Flower side skipped: no --flwr-python (the python of a venv with flwr[simulation])")
+    results, flower = [], []
     batch = not args.no_batch
     for per_round in samples:
         row = scale_run(count, processes, per_round, rounds, batch)
@@ -236,8 +310,14 @@ def bench_scale(args: argparse.Namespace) -> dict:
               f"process {row['client_process_rss_mb']:.0f} MB RSS / {row['client_process_uss_mb']:.0f} MB USS; all "
               f"processes {row['total_rss_mb']:.0f} MB RSS / {row['total_uss_mb']:.0f} MB USS; per logical client "
               f"{row['rss_per_logical_client_kb']:.2f} kB RSS / {row['uss_per_logical_client_kb']:.2f} kB USS "
-              f"(client processes' memory / clients)")
-    return {"rows": results}
+              f"(client processes' memory / clients)", flush=True)
+        if flwr_python:
+            fl = flower_scale_row(flwr_python, count, per_round, rounds, args.flwr_timeout, args.flwr_max_gb * 1e3)
+            if fl["ok"]:
+                fl["ratio_to_fedhop"] = fl["median_s"] / row["round_seconds_median"]
+            flower.append(fl)
+            print(_flower_line(fl, row), flush=True)
+    return {"rows": results, "flower": flower}
 
 
 # ----------------------------------------------------------------------------- growth
@@ -315,6 +395,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                                                          "(comma-separated)")
     ap.add_argument("--no-batch", action="store_true",
                     help="scale: one gRPC call per sampled client (default: transport.batch, one per process)")
+    ap.add_argument("--flwr-python", default=None,
+                    help="scale: the python of a venv with flwr[simulation]; runs Flower's simulation engine beside "
+                         "each run (default: no Flower side)")
+    ap.add_argument("--flwr-timeout", type=float, default=900.0,
+                    help="scale: seconds one Flower run may take before it is stopped")
+    ap.add_argument("--flwr-max-gb", type=float, default=10.0,
+                    help="scale: GB of RSS over Flower's processes at which its run is stopped")
     ap.add_argument("--kind-clients", default="4,8",
                     help="transport --kind torch: client counts (one process each), comma-separated")
 

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from fedhop.deploy.bench import main
 
@@ -49,3 +52,32 @@ def test_bench_transport_torch_tiny(tmp_path):
     assert main(["transport", "--kind", "torch", "--tiny", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert {r["kind"] for r in rows} == {"grpc", "torch"} and all(r["round_seconds"] > 0 for r in rows)
+
+
+FLWR_PYTHON = Path("/work/flwr-venv/bin/python")
+
+
+def test_bench_scale_bad_flags_exit_2(capsys):
+    for flags in (["--sampled", "10,x"], ["--sampled", "5000", "--clients", "100"], ["--flwr-python", "/nonexistent"],
+                  ["--rounds", "1"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["scale", "--default-malloc", *flags])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.startswith("fedhop bench scale: error: ")
+
+
+@pytest.mark.skipif(not FLWR_PYTHON.exists(), reason=f"no Flower venv at {FLWR_PYTHON}")
+def test_bench_scale_flower_side_tiny(tmp_path, capsys):
+    """Flower's simulation beside fedhop's scale run: as many SuperNodes as clients, the sampled
+    count trained in every round, its processes all stopped."""
+    out = tmp_path / "s.json"
+    assert main(["scale", "--default-malloc", "--clients", "200", "--processes", "2", "--sampled", "10",
+                 "--rounds", "2", "--flwr-python", str(FLWR_PYTHON), "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    (fedhop,), (flower,) = figures["rows"], figures["flower"]
+    assert fedhop["clients"] == flower["clients"] == 200 and fedhop["per_round"] == flower["per_round"] == 10
+    assert flower["ok"], flower.get("detail")
+    assert flower["rounds_completed"] == 2 and flower["train_replies"] == [10, 10]
+    assert flower["ratio_to_fedhop"] == pytest.approx(flower["median_s"] / fedhop["round_seconds_median"])
+    assert flower["total_rss_mb"] > flower["total_uss_mb"] > 0 and flower["left_alive"] == []
+    assert "Flower / fedhop round time" in capsys.readouterr().out
