@@ -39,3 +39,36 @@ def exit_code(exc: SystemExit) -> int:
         return exc.code
     print(exc.code, file=sys.stderr)
     return 1
+
+
+LAUNCHER_ENV = "FEDHOP_DIE_WITH"   # the pid of the launcher an exec'd child dies with
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux PR_SET_PDEATHSIG)."""
+    if sys.platform != "linux":
+        return
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 15)   # PR_SET_PDEATHSIG, SIGTERM
+    except OSError:
+        pass
+
+
+def die_with(parent: int) -> None:
+    """Die with process `parent`, which started this one; if it is gone already (it died before
+    the prctl took effect), exit now."""
+    die_with_parent()
+    if os.getppid() != parent:
+        exit_now(1)
+
+
+def die_with_launcher() -> None:
+    """The first step of a child a launcher exec'd with LAUNCHER_ENV set (`fedhop run`'s roles, a
+    sweep's runs): die with that launcher.  Done in the child rather than between fork and exec
+    (`preexec_fn`): a `preexec_fn` makes Python fork instead of vfork, and a fork runs gRPC's fork
+    handlers in the child, whose poller then aborts on the fds the exec closes (common/__init__.py)."""
+    parent = os.environ.pop(LAUNCHER_ENV, "")
+    if parent.isdigit():
+        die_with(int(parent))
+

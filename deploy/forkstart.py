@@ -34,7 +34,7 @@ import time
 import traceback
 from pathlib import Path
 
-from fedhop.common.procexit import exit_code, exit_now
+from fedhop.common.procexit import die_with, exit_code, exit_now
 from fedhop.common.proctitle import prepare as prepare_title
 from fedhop.deploy.malloc import TUNED_MALLOC_ENV
 
@@ -125,7 +125,7 @@ def fork_module(module: str, args: list[str], env: dict[str, str], log: Path, cw
 
 
 def _run_child(module: str, args: list[str], env: dict[str, str], log: Path, cwd: Path, parent: int) -> int:
-    _die_with(parent)
+    die_with(parent)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -157,21 +157,6 @@ def _flush_parent_output() -> None:
     for logger in loggers:
         for handler in logger.handlers:
             handler.flush()
-
-
-def die_with_parent() -> None:
-    """SIGTERM this process when its parent dies (Linux PR_SET_PDEATHSIG). Exec'd children run
-    it between fork and exec (`preexec_fn`), forked ones first thing."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-def _die_with(parent: int) -> None:
-    die_with_parent()
-    if os.getppid() != parent:   # the launcher died before the prctl took effect
-        exit_now(1)
 
 
 def tune_malloc(env: dict[str, str]) -> dict[str, bool]:

@@ -7,6 +7,7 @@ on Linux) and are terminated on success, failure or Ctrl-C, so nothing is left b
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sqlite3
 import subprocess
@@ -18,7 +19,8 @@ from pathlib import Path
 from fedhop.common.config import Config, config_to_toml, load_config
 from fedhop.common.plan import id_spec, plan_processes
 from fedhop.deploy.report import human_bytes
-from fedhop.deploy.forkstart import ForkedProcess, die_with_parent, fork_allowed, fork_module
+from fedhop.common.procexit import LAUNCHER_ENV
+from fedhop.deploy.forkstart import ForkedProcess, fork_allowed, fork_module
 from fedhop.deploy.malloc import tuned_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -48,8 +50,9 @@ class LocalRun:
             proc = fork_module(module, argv[1:], env, log, REPO_ROOT)
         else:
             with open(log, "ab") as fh:
-                proc = subprocess.Popen([sys.executable, "-m", module, *argv[1:]], stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                        cwd=REPO_ROOT, preexec_fn=die_with_parent if sys.platform == "linux" else None)
+                # the child dies with this launcher (common/procexit.py die_with_launcher)
+                proc = subprocess.Popen([sys.executable, "-m", module, *argv[1:]], stdout=fh, stderr=subprocess.STDOUT,
+                                        env={**env, LAUNCHER_ENV: str(os.getpid())}, cwd=REPO_ROOT)
         child = Child(name, proc, log)
         self.children.append(child)
         return child

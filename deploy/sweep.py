@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fedhop.deploy.forkstart import die_with_parent
+from fedhop.common.procexit import LAUNCHER_ENV
 from fedhop.deploy.report import RunData, build_report, load_run, lower_is_better, meets
 from fedhop.deploy.sweep_spec import CRITERIA, Dist, SweepSpec, SweepSpecError, check_base_config, load_spec, toml_value
 
@@ -146,7 +146,7 @@ class Runner:
         log = open(task.run_dir / "launcher.log", "wb")
         # Own session: a terminal's Ctrl-C reaches the sweep only; the sweep stops its children (stop()).
         proc = subprocess.Popen(self.command(task), stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd(),
-                                start_new_session=True, preexec_fn=die_with_parent if sys.platform == "linux" else None)
+                                start_new_session=True, env={**os.environ, LAUNCHER_ENV: str(os.getpid())})
         log.close()
         self.running[proc.pid] = (proc, task)
         if not self.quiet:
