@@ -702,8 +702,13 @@ def run_flower_scale(flwr_python: str, count: int, sampled: int, rounds: int, *,
         except (RuntimeError, OSError) as exc:
             out.update(ok=False, reason=str(exc).strip().splitlines()[0].split("; see ")[0], detail=str(exc)[-1500:])
         finally:
-            stamps, _ = read_stamps(timing)
-            out["rounds_completed"] = sum(1 for r in range(1, rounds + 1) if ("round_end", r) in stamps)
+            stamps, replies = read_stamps(timing)
+            done = [r for r in range(1, rounds + 1) if ("round_end", r) in stamps]
+            out["rounds_completed"] = len(done)
+            if not out.get("ok") and done:   # what a stopped run reached: its completed rounds
+                out["per_round_s"] = [stamps[("round_end", r)] - stamps[("round_start", r)] for r in done]
+                out["train_replies"] = [replies.get(r) for r in done]
+                out.update(_summary(out["per_round_s"]))
             first = stamps.get(("round_start", 1))
             out["start_to_first_round_s"] = first - launched if first else None   # Ray, nodes, ServerApp start
             bench.close()

@@ -265,13 +265,18 @@ def _flower_line(row: dict, fedhop: dict) -> str:
     start = row.get("start_to_first_round_s")
     memory = (f"Flower's {row['processes_seen']} processes {row['total_rss_mb']:.0f} MB RSS / "
               f"{row['total_uss_mb']:.0f} MB USS")
+    rounds = ""
+    if "median_s" in row:   # a stopped run's completed rounds too (all of them when it has only round 1)
+        replies = row["train_replies"]
+        rounds = (f"round median {row['median_s']:.3f} s (min {row['min_s']:.3f}, max {row['max_s']:.3f}); "
+                  f"{min(replies)}-{max(replies)} clients trained a round; ")
+    if "ratio_to_fedhop" in row:
+        memory += f"; Flower / fedhop round time {row['ratio_to_fedhop']:.1f}x"
     if not row["ok"]:
-        return (head + f"did not finish: {row['reason']}; {row['rounds_completed']} of {row['rounds']} rounds done"
-                + (f", start to round 1 {start:.1f} s" if start else "") + f"; {memory}")
-    replies = row["train_replies"]
-    return (head + f"start to round 1 {start:.1f} s; round median {row['median_s']:.3f} s (min {row['min_s']:.3f}, "
-            f"max {row['max_s']:.3f}); {min(replies)}-{max(replies)} clients trained a round; {memory}; "
-            f"Flower / fedhop round time {row['ratio_to_fedhop']:.1f}x")
+        head += (f"did not finish: {row['reason']}; {row['rounds_completed']} of {row['rounds']} rounds done"
+                 + (f" (round 1 included: {row['per_round_s'][0]:.1f} s)" if row["rounds_completed"] == 1 else "")
+                 + "; ")
+    return head + (f"start to round 1 {start:.1f} s; " if start else "") + rounds + memory
 
 
 def bench_scale(args: argparse.Namespace) -> dict:
@@ -313,7 +318,7 @@ def bench_scale(args: argparse.Namespace) -> dict:
               f"(client processes' memory / clients)", flush=True)
         if flwr_python:
             fl = flower_scale_row(flwr_python, count, per_round, rounds, args.flwr_timeout, args.flwr_max_gb * 1e3)
-            if fl["ok"]:
+            if "median_s" in fl:
                 fl["ratio_to_fedhop"] = fl["median_s"] / row["round_seconds_median"]
             flower.append(fl)
             print(_flower_line(fl, row), flush=True)
