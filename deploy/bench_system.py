@@ -2,6 +2,7 @@
 
     fedhop bench compute   # a FedAvg run on the digits CNN vs a single-process loop of the same SGD steps
     fedhop bench scale     # 100,000 cross-device clients in 4 processes: registration, round time, memory
+                           # (--flwr-python PY: Flower's simulation engine on the same task beside each run)
     fedhop bench growth    # bytes and time per round against model size and client count, with fitted slopes
 
 Each prints its figures; `--tiny` runs a seconds-long version (the tests use it).
