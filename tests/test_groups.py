@@ -1,5 +1,6 @@
-"""The fabric's group round (common/transport/groups.py) over gRPC: `FanoutGroup` at the root,
-client/group_worker.py over `FanoutMember` at each member, on real loopback sockets.  The reduced
+"""The fabric's group round (common/transport/groups.py) over gRPC (real loopback sockets) and the
+in-memory transport: `FanoutGroup` at the root, client/group_worker.py over `FanoutMember` at
+each member.  The reduced
 partial is checked against an independent numpy computation of the members' weighted sums and
 max fields; failures stay per member; a member that does not serve the round fails the round.
 (The torch.distributed implementation runs in tests/test_torch_transport.py and test_torch_hier.py.)
@@ -20,6 +21,7 @@ from fedhop.common.ledger import Ledger
 from fedhop.common.methods import Method
 from fedhop.common.transport.fabric import Fabric
 from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
 from fedhop.common.transport.groups import (CLIENT_PROCESSES, CLUSTER, FanoutGroup, GroupFailed, Member, STEP_KEY, worlds)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,20 +44,30 @@ def _train(cid: int, round: int, message: Payload, step: int) -> Payload:
                    scalars={"weight": float(cid + 1)})
 
 
+@pytest.fixture(params=["grpc", "inmemory"])
+def transport(request):
+    """How to make an endpoint of the transport under test."""
+    if request.param == "grpc":
+        return request.param, GrpcEndpoint
+    network = InMemoryNetwork()
+    return request.param, lambda node, ledger: InMemoryEndpoint(network, node, ledger)
+
+
 @pytest.fixture()
-def members():
+def members(transport):
+    kind, make_endpoint = transport
     endpoints, out = [], []
     for k in range(3):
         node = f"client-proc{k}"
         ledger = Ledger()
         host = SimpleNamespace(node_id=node, ledger=ledger, run_id="", train=_train, algorithm=_Algorithm(),
-                               cfg=SimpleNamespace(transport=SimpleNamespace(kind="grpc")))
+                               cfg=SimpleNamespace(transport=SimpleNamespace(kind=kind)))
         worker = GroupWorker(host)
         worker.init(Payload(scalars={"rank": k + 1}))
         routes = {Method.TORCH_ROUND.value: lambda r, w=worker: w.round(int(r.envelope.round), r.payload)}
         if k == 2:   # serves no round: its member's calls fail
             routes = {}
-        endpoint = GrpcEndpoint(node, ledger)
+        endpoint = make_endpoint(node, ledger)
         address = endpoint.serve(lambda r, routes=routes: routes[r.envelope.method](r), "127.0.0.1:0")
         endpoints.append(endpoint)
         out.append(Member(node, address))
@@ -64,15 +76,15 @@ def members():
         endpoint.stop()
 
 
-def _root(members):
-    endpoint = GrpcEndpoint("server", Ledger())
+def _root(transport):
+    endpoint = transport[1]("server", Ledger())
     return endpoint, Fabric(endpoint)
 
 
-def test_a_fanout_group_round_reduces_the_members_partials_by_op(members):
-    endpoint, fabric = _root(members)
+def test_a_fanout_group_round_reduces_the_members_partials_by_op(transport, members):
+    endpoint, fabric = _root(transport)
     try:
-        group = worlds("grpc").star(fabric, members[:2], SimpleNamespace(kind="grpc"), Ledger(), "")
+        group = worlds(transport[0]).star(fabric, members[:2], SimpleNamespace(kind=transport[0]), Ledger(), "")
         assert isinstance(group, FanoutGroup)
         w = torch.linspace(-1.0, 1.0, 7)
         clients = {"client-proc0": [1, 2], "client-proc1": [3, FAILING, 8]}
@@ -93,8 +105,8 @@ def test_a_fanout_group_round_reduces_the_members_partials_by_op(members):
     assert list(result.all_failures(prefix=True).values())[0].startswith("at client-proc1: ")
 
 
-def test_a_cluster_group_round_carries_its_step(members):
-    endpoint, fabric = _root(members)
+def test_a_cluster_group_round_carries_its_step(transport, members):
+    endpoint, fabric = _root(transport)
     try:
         cluster = FanoutGroup(fabric, members[:1], CLUSTER)
         assert cluster._round_payload(Payload(scalars={"lr": 1.0}), [1], 3, tensors=False).scalars[STEP_KEY] == 3
@@ -107,8 +119,8 @@ def test_a_cluster_group_round_carries_its_step(members):
     assert torch.equal(result.partial.tensors["w"], torch.full((2,), 5.0 * 4))     # weight 5, w + 4
 
 
-def test_a_member_that_does_not_finish_fails_the_round_and_is_named(members):
-    endpoint, fabric = _root(members)
+def test_a_member_that_does_not_finish_fails_the_round_and_is_named(transport, members):
+    endpoint, fabric = _root(transport)
     try:
         group = FanoutGroup(fabric, members, CLIENT_PROCESSES)
         with pytest.raises(GroupFailed, match=r"round 1: client processes \['client-proc2'\] did not finish"):
