@@ -7,7 +7,9 @@ in spec order and cut into chunks of at most `chunk_bytes`.
 Copies, the cost that dominates on this machine (shared/research/limits.md):
 - encode: tensor memory -> frame bytes is one copy per byte (`bytes.join` over memoryviews
   of the tensors); the frame is a valid protobuf `Frame{data}` message built by hand (tag
-  0x12, varint length, bytes), so no second serialisation pass is made;
+  0x12, varint length, bytes), so no second serialisation pass is made.  The frames are cut at
+  encode time (they are the message's snapshot: a later in-place change of the tensors does not
+  reach them) or, for tensors handed over (`hand_over`), as the send pulls them (`Frames`);
 - decode: each data frame is copied once into one preallocated buffer; every tensor is then a
   zero-copy view of that buffer (a tensor whose offset is misaligned for its dtype is copied).
 
@@ -20,10 +22,15 @@ tensor byte would otherwise decode as a valid, wrong number.  The checksum is XX
 """
 from __future__ import annotations
 
+import bisect
+import collections
 import math
+import threading
 import sys
 import uuid
 from dataclasses import dataclass
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator, Mapping
 
 import numpy as np
@@ -122,22 +129,199 @@ def tensor_bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+class SnapshotChanged(RuntimeError):
+    """A handed-over tensor (`hand_over`) was changed in place while its message was being sent."""
+
+
+class _Cuts:
+    """The data frames of one message over its tensors' bytes (`views`, in spec order): frame k
+    is bytes [k * chunk_bytes, (k + 1) * chunk_bytes) of their concatenation, a hand-built
+    protobuf `Frame{data}` (tag 0x12, length varint, bytes), cut with one copy.  Each frame is cut
+    once, on first use, and kept (a message sent to many peers is cut once); the views are let go
+    once every frame is cut.  Concurrent calls may race to cut the same frame: both cut the same
+    bytes and one is kept.  `guards`: (tensor, version) of handed-over tensors, checked at each
+    cut so that bytes changed in place after encode are never sent."""
+
+    __slots__ = ("views", "ends", "chunk_bytes", "total", "cut", "left", "guards", "lock")
+
+    def __init__(self, views: list[memoryview], chunk_bytes: int, guards: list | None = None) -> None:
+        self.views: list[memoryview] | None = [v for v in views if len(v)]
+        self.ends: list[int] = []
+        total = 0
+        for v in self.views:
+            total += len(v)
+            self.ends.append(total)
+        self.chunk_bytes = chunk_bytes
+        self.total = total
+        self.cut: list[bytes | None] = [None] * -(-total // chunk_bytes)
+        self.left = len(self.cut)
+        self.guards = guards or []
+        self.lock = threading.Lock()
+
+    def _pieces(self, start: int, stop: int) -> list[memoryview]:
+        views = self.views
+        i = bisect.bisect_right(self.ends, start)
+        pieces = []
+        while start < stop:
+            begin = self.ends[i] - len(views[i])
+            take = min(stop, self.ends[i]) - start
+            pieces.append(views[i][start - begin:start - begin + take])
+            start += take
+            i += 1
+        return pieces
+
+    def __getitem__(self, k: int) -> bytes:
+        frame = self.cut[k]
+        if frame is not None:
+            return frame
+        views = self.views
+        if views is None:   # another thread cut the last frame (and let the views go) meanwhile
+            return self.cut[k]
+        for t, version in self.guards:
+            if t._version != version:
+                raise SnapshotChanged("a handed-over tensor was changed in place while its message was being sent")
+        start = k * self.chunk_bytes
+        pieces = self._pieces(start, min(start + self.chunk_bytes, self.total))
+        frame = b"".join([_data_prefix(sum(len(p) for p in pieces)), *pieces])   # the one copy of these bytes
+        with self.lock:
+            if self.cut[k] is None:
+                self.cut[k] = frame
+                self.left -= 1
+                if self.left == 0:
+                    self.views, self.guards = None, []
+            return self.cut[k]
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _cut_pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedhop-cut")
+        return _POOL
+
+
+def hand_over(payload: Payload) -> Payload:
+    """Hand the payload's tensors over to the codec: the caller will not change them in place from
+    now on, so `encode` neither snapshots them nor cuts frames before the send, but cuts each frame
+    from the tensors' own memory as gRPC pulls it, overlapped with the send of the previous one.  A
+    tensor changed in place after all (torch's version counter moved) makes the send fail
+    (`SnapshotChanged`) rather than carry bytes other than those encoded; the receiver's XXH3
+    check covers writes that bypass the counter.  Returns the payload."""
+    for t in payload.tensors.values():
+        t._fedhop_handed_over = t._version
+    return payload
+
+
+class Frames(Sequence):
+    """A message's frames, a read-only sequence of `bytes`: its header frame, then its data frames
+    (`_Cuts`), cut at encode time or, for handed-over tensors, only when pulled: gRPC pulls the
+    next frame of a stream while the previous one is being sent, so that copy overlaps the send.
+    The frames' lengths follow from the chunk layout (`lengths`) and are known without cutting.
+    The bytes are exactly those of an eager cut."""
+
+    __slots__ = ("header", "_cuts", "_count")
+
+    def __init__(self, header: bytes, data: "list[memoryview] | _Cuts", chunk_bytes: int = DEFAULT_CHUNK) -> None:
+        self.header = header
+        self._cuts = data if isinstance(data, _Cuts) else _Cuts(list(data), chunk_bytes)
+        self._count = 1 + len(self._cuts.cut)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._cuts.chunk_bytes
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self._count))]
+        if i < 0:
+            i += self._count
+        if not 0 <= i < self._count:
+            raise IndexError("frame index out of range")
+        return self.header if i == 0 else self._cuts[i - 1]
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self.header
+        cuts = self._cuts
+        for k in range(self._count - 1):
+            yield cuts[k]
+
+    def stream(self, ahead: int = 2) -> Iterator[bytes]:
+        """The frames for a send: data frames not cut yet are cut `ahead` frames in advance by
+        helper threads, so that the copy overlaps the send of the frames before (grpcio pulls the
+        next request message only once the previous one is sent)."""
+        cuts = self._cuts
+        if cuts.left == 0:
+            yield from self
+            return
+        yield self.header
+        pool = _cut_pool()
+        n = self._count - 1
+        pending = collections.deque(pool.submit(cuts.__getitem__, k) for k in range(min(ahead, n)))
+        for k in range(n):
+            frame = pending.popleft().result()
+            if k + ahead < n:
+                pending.append(pool.submit(cuts.__getitem__, k + ahead))
+            yield frame
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (Frames, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __add__(self, other) -> list[bytes]:   # as a list would: frames of several messages, one bundle
+        return [*self, *other]
+
+    def __radd__(self, other) -> list[bytes]:
+        return [*other, *self]
+
+    def lengths(self) -> list[int]:
+        """Every frame's length, from the chunk layout (nothing is cut)."""
+        total, chunk = self._cuts.total, self._cuts.chunk_bytes
+        full, last = divmod(total, chunk)
+        sizes = [chunk] * full + ([last] if last else [])
+        return [len(self.header), *(1 + len(_varint(n)) + n for n in sizes)]
+
+    def with_header(self, header: bytes) -> "Frames":
+        """The same data frames (the same snapshot) under another header frame."""
+        return Frames(header, self._cuts)
+
+
+def frame_lengths(frames: Sequence[bytes]) -> list[int]:
+    """The frames' lengths; lazy `Frames` say them without cutting."""
+    return frames.lengths() if isinstance(frames, Frames) else [len(f) for f in frames]
+
+
 @dataclass
 class Encoded:
-    """The frames of one message, and their sizes for the ledger."""
+    """The frames of one message, and their sizes for the ledger.  `frames` is a `Frames` (data
+    cut lazily from the encode-time snapshot) or, for a message assembled from others' frames (a
+    batch), a list."""
 
-    frames: list[bytes]
+    frames: Sequence[bytes]
     envelope: pb.Envelope
     tensor_bytes: int
     framing: int | None = None   # gRPC framing bytes when sent bundled (`bundle_framing`); None: streamed
 
+    def frame_lengths(self) -> list[int]:
+        return frame_lengths(self.frames)
+
     @property
     def payload_bytes(self) -> int:
-        return sum(len(f) for f in self.frames)
+        return sum(self.frame_lengths())
 
     def with_header(self, envelope: pb.Envelope) -> "Encoded":
-        """The same data frames under another header (one model sent to many clients is cut
-        into frames once).  Tensor specs, scalars, control data and data size are copied from this message."""
+        """The same data frames under another header (one model sent to many clients is snapshot
+        once; its frames are cut per call, as sent).  Tensor specs, scalars, control data and data
+        size are copied from this message."""
         envelope.tensors.extend(self.envelope.tensors)
         for k, v in self.envelope.scalars.items():
             envelope.scalars[k].CopyFrom(v)
@@ -148,8 +332,11 @@ class Encoded:
             envelope.data_xxh3 = self.envelope.data_xxh3
         else:
             envelope.ClearField("data_xxh3")
-        head = envelope.SerializeToString()
-        frames = [bytes([_TAG_HEADER]) + _varint(len(head)) + head, *self.frames[1:]]
+        header = _header_frame(envelope)
+        if isinstance(self.frames, Frames):
+            frames: Sequence[bytes] = self.frames.with_header(header)
+        else:
+            frames = [header, *self.frames[1:]]
         return Encoded(frames=frames, envelope=envelope, tensor_bytes=self.tensor_bytes)
 
     @property
@@ -209,14 +396,21 @@ def make_envelope(*, run_id: str, round: int, src: str, dst: str, method: str, s
 
 def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_CHUNK,
            checksum: bool = True) -> Encoded:
-    """Fill `envelope` with the payload's specs and scalars and cut the data into frames.
+    """Fill `envelope` with the payload's specs and scalars, and make the message's `Frames`.
+
+    The frames carry the values the tensors had at encode time, whatever the caller does to them
+    later while a call is still sending (a message sent to many peers is encoded once and shared,
+    `Encoded.with_header`).  By default the data frames are cut here, from the tensors' memory:
+    the frames are then the snapshot (one copy, as the cut needs anyway), each hashed right after
+    it is cut, while in cache.  Tensors handed over (`hand_over`) need no snapshot: they are
+    hashed here and their frames cut only as the send pulls them (`Frames`).
 
     `checksum`: put the XXH3-64 of the data bytes in the envelope (the receiver verifies it)."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     views: list[memoryview] = []
+    guards: list = []
     total = 0
-    digest = xxhash.xxh3_64() if checksum else None
     del envelope.tensors[:]
     for name, t in payload.tensors.items():
         if t.dtype not in DTYPE_NAMES:
@@ -224,9 +418,21 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
         view = tensor_bytes_view(t)
         envelope.tensors.add(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape),
                              nbytes=len(view))
+        if guards is not None and getattr(t, "_fedhop_handed_over", None) == t._version:
+            guards.append((t, t._version))
+        else:
+            guards = None   # one tensor not handed over: the message is cut (snapshot) now
         views.append(view)
         total += len(view)
-        if digest is not None:
+    digest = xxhash.xxh3_64() if checksum else None
+    cuts = _Cuts(views, chunk_bytes, guards)
+    if guards is None:
+        for k in range(len(cuts.cut)):
+            frame = cuts[k]
+            if digest is not None:
+                digest.update(memoryview(frame)[len(frame) - min(chunk_bytes, total - k * chunk_bytes):])
+    elif digest is not None:
+        for view in views:
             digest.update(view)
     envelope.scalars.clear()
     for name, value in payload.scalars.items():
@@ -240,27 +446,25 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
         envelope.data_xxh3 = digest.intdigest()
     else:
         envelope.ClearField("data_xxh3")
+    return Encoded(frames=Frames(_header_frame(envelope), cuts), envelope=envelope, tensor_bytes=total)
+
+
+def _header_frame(envelope: pb.Envelope) -> bytes:
     head = envelope.SerializeToString()
-    frames = [bytes([_TAG_HEADER]) + _varint(len(head)) + head]
-    frames.extend(_data_frames(views, total, chunk_bytes))
-    return Encoded(frames=frames, envelope=envelope, tensor_bytes=total)
+    return b"".join((bytes([_TAG_HEADER]), _varint(len(head)), head))
 
 
-def _data_frames(views: list[memoryview], total: int, chunk_bytes: int) -> Iterator[bytes]:
-    pieces: list[memoryview] = []
-    filled = 0
-    for view in views:
-        pos = 0
-        while pos < len(view):
-            take = min(chunk_bytes - filled, len(view) - pos)
-            pieces.append(view[pos:pos + take])
-            pos += take
-            filled += take
-            if filled == chunk_bytes:
-                yield b"".join([bytes([_TAG_DATA]), _varint(filled), *pieces])
-                pieces, filled = [], 0
-    if filled:
-        yield b"".join([bytes([_TAG_DATA]), _varint(filled), *pieces])
+_PREFIXES: dict[int, bytes] = {}
+
+
+def _data_prefix(n: int) -> bytes:
+    """A data frame's tag and length varint (cached: every full chunk has the same)."""
+    prefix = _PREFIXES.get(n)
+    if prefix is None:
+        prefix = bytes([_TAG_DATA]) + _varint(n)
+        if len(_PREFIXES) < 64:
+            _PREFIXES[n] = prefix
+    return prefix
 
 
 # ----------------------------------------------------------------------------- decode

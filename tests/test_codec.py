@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.codec import (DTYPES, FRAME_OVERHEAD, PayloadError, check_tensors, decode_frames, encode,
-                          make_envelope)
+from fedhop.common.codec import (DTYPES, FRAME_OVERHEAD, PayloadError, SnapshotChanged, check_tensors,
+                                 decode_frames, encode, hand_over, make_envelope)
 from fedhop.common.wire import fedhop_pb2 as pb
 
 
@@ -127,3 +127,87 @@ def test_check_tensors_names_the_problem():
         check_tensors(p, {"w": (torch.float64, (3,))}, "reply")
     with pytest.raises(PayloadError, match="missing.*'v'"):
         check_tensors(p, {"v": (torch.float32, (3,))}, "reply")
+
+
+# ----------------------------------------------------------------------------- frames, snapshot, hand-over
+def eager_frames(payload: Payload, envelope: pb.Envelope, chunk: int) -> list[bytes]:
+    """The frames as protobuf itself serialises them, cut all at once: the wire bytes that both
+    the default and the lazy (handed-over) frames must reproduce exactly."""
+    data = b"".join(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                    for t in payload.tensors.values())
+    head = pb.Frame(header=envelope).SerializeToString()
+    return [head] + [pb.Frame(data=data[o:o + chunk]).SerializeToString() for o in range(0, len(data), chunk)]
+
+
+def test_frames_are_the_eager_cut_byte_for_byte_whether_cut_now_or_lazily():
+    import random
+    rng = random.Random(21)
+    dtypes = [torch.float32, torch.float16, torch.int8, torch.float64, torch.bool, torch.int64, torch.bfloat16]
+    for trial in range(200):
+        tensors = {}
+        for i in range(rng.randint(0, 5)):
+            t = sample_tensor(rng.choice(dtypes), tuple(rng.randint(0, 9) for _ in range(rng.randint(0, 3))))
+            tensors[f"t{i}"] = t.transpose(0, 1) if t.dim() >= 2 and rng.random() < 0.3 else t   # strided too
+        chunk = rng.choice([1, 3, 5, 8, 64, 200, 4096])
+        checksum = rng.random() < 0.8
+        for handed in (False, True):
+            payload = Payload(tensors={k: v.clone() if handed else v for k, v in tensors.items()}, scalars={"n": trial})
+            if handed:
+                hand_over(payload)
+            enc = encode(payload, env(), chunk_bytes=chunk, checksum=checksum)
+            lengths = enc.frame_lengths()                # from the chunk layout
+            framed = enc.framed_bytes
+            assert all(f is None for f in enc.frames._cuts.cut) == handed or not enc.frames._cuts.cut   # handed over: nothing cut yet
+            want = eager_frames(payload, enc.envelope, chunk)
+            assert list(enc.frames) == want, (trial, handed)
+            assert lengths == [len(f) for f in want] and len(enc.frames) == len(want)
+            assert framed == sum(lengths) + FRAME_OVERHEAD * len(want)
+            assert enc.frames[1:] == want[1:] and enc.frames[-1] == want[-1]
+            resent = enc.with_header(env(dst="client-5"))  # same data frames, another header
+            assert list(resent.frames)[1:] == want[1:] and resent.frames[0] != want[0]
+            assert decode_frames(resent.frames).tensor_bytes == enc.tensor_bytes
+
+
+def test_frames_carry_the_values_at_encode_time_whatever_the_caller_does_later():
+    w = torch.arange(3000, dtype=torch.float32)
+    b = torch.ones(7, 5, dtype=torch.float64).t()              # strided
+    before = {"w": w.clone(), "b": b.clone()}
+    enc = encode(Payload(tensors={"w": w, "b": b}), env(), chunk_bytes=1000)
+    shared = enc.with_header(env(dst="client-5"))
+    frames = iter(enc.frames)
+    first = [next(frames), next(frames)]                        # a call in flight: two frames pulled
+    w.add_(1.0)
+    w[:10] = -5.0
+    b.zero_()
+    for out in (decode_frames(first + list(frames)), decode_frames(shared.frames)):
+        assert out.payload.tensors.keys() == before.keys()
+        for name, t in before.items():
+            assert torch.equal(out.payload.tensors[name], t), name   # checksum verified too
+
+
+def test_a_handed_over_tensor_changed_in_flight_is_never_sent():
+    w = torch.arange(3000, dtype=torch.float32)
+    enc = encode(hand_over(Payload(tensors={"w": w})), env(), chunk_bytes=1000)
+    frames = iter(enc.frames)
+    next(frames), next(frames)
+    w.add_(1.0)                                                 # the caller broke its promise
+    with pytest.raises(SnapshotChanged):
+        next(frames)
+    w.sub_(1.0)                                                 # changed since: a new encode snapshots it
+    again = encode(Payload(tensors={"w": w}), env(), chunk_bytes=1000)
+    assert all(f is not None for f in again.frames._cuts.cut)
+
+
+def test_handed_over_frames_are_cut_as_pulled_once_and_shared():
+    enc = encode(hand_over(Payload(tensors={"w": torch.randn(10_000)})), env(), chunk_bytes=4096)
+    cuts = enc.frames._cuts
+    frames = iter(enc.frames)
+    next(frames)                                                 # the header: nothing cut yet
+    assert cuts.left == len(cuts.cut) == 10
+    next(frames)
+    assert cuts.left == 9
+    again = enc.with_header(env(dst="client-5"))
+    assert again.frames._cuts is cuts                            # one cut for every copy of the message
+    rest = list(again.frames)
+    assert cuts.left == 0 and cuts.views is None                 # all cut: the tensors' memory is let go
+    assert all(a is b for a, b in zip(enc.frames[1:], rest[1:]))

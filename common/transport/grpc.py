@@ -44,7 +44,7 @@ from typing import Sequence
 import grpc
 import grpc.experimental
 
-from fedhop.common.codec import (FRAME_OVERHEAD, Decoded, Encoded, FrameDecoder, PayloadError, bundle_bytes,
+from fedhop.common.codec import (FRAME_OVERHEAD, Decoded, Encoded, FrameDecoder, Frames, PayloadError, bundle_bytes,
                                  bundle_framing, frame_framing, make_envelope, split_bundle)
 from fedhop.common.ledger import Ledger
 from fedhop.common.security import CLUSTER_NAME, AuthInterceptor, NodeCredentials, RefusedHook
@@ -214,14 +214,14 @@ class GrpcEndpoint(Endpoint):
         sent = [0.0]
         bundled = request.payload_bytes <= self.chunk_bytes
         if bundled:
-            request.framing = bundle_framing(len(f) for f in request.frames)
+            request.framing = bundle_framing(request.frame_lengths())
             stub = self.channel(address).unary_stream(CALL, request_serializer=None, response_deserializer=None)
         else:
             stub = self.channel(address).stream_stream(EXCHANGE, request_serializer=None,
                                                        response_deserializer=None)
 
-        def frames():
-            yield from request.frames
+        def frames():   # frames not cut yet are cut ahead of the send, overlapping it (codec.Frames)
+            yield from request.frames.stream() if isinstance(request.frames, Frames) else request.frames
             sent[0] = time.perf_counter() - started
 
         with self._lock:
@@ -281,7 +281,7 @@ class GrpcEndpoint(Endpoint):
             env = make_envelope(run_id=self.run_id, round=round, step=step, src=self.node_id, dst=req.dst,
                                 method=req.method, token=self.token)
             msg = req.prepared.with_header(env)
-            msg.framing = frame_framing(len(f) for f in msg.frames) + (FRAME_OVERHEAD if i == 0 else 0)
+            msg.framing = frame_framing(msg.frame_lengths()) + (FRAME_OVERHEAD if i == 0 else 0)
             sent_msgs.append(msg)
         links = [message_link(self.node_id, r.dst, r.method) for r in requests]
         batch = Encoded(frames=[f for m in sent_msgs for f in m.frames], envelope=sent_msgs[0].envelope,
