@@ -10,6 +10,7 @@ summaries and models are written and closed. So the process entry points flush w
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import sys
@@ -71,4 +72,13 @@ def die_with_launcher() -> None:
     parent = os.environ.pop(LAUNCHER_ENV, "")
     if parent.isdigit():
         die_with(int(parent))
+
+
+def freeze_heap() -> None:
+    """Take every object alive now (the imported modules, torch, the task's data) out of the
+    garbage collector's view (`gc.freeze`): a full collection then walks only what the run
+    allocates since.  A role calls it once its set-up is done.  Without it a 100 MB send spent
+    about 15 ms a call in full collections (docs/performance.md, native profile)."""
+    gc.collect()
+    gc.freeze()
 

@@ -78,10 +78,12 @@ def bench_tcp(nbytes: int, repeats: int) -> list[float]:
 def _grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", max_message: int) -> None:
     from fedhop.common.algorithms.base import Payload
     from fedhop.common.ledger import Ledger
+    from fedhop.common.procexit import freeze_heap
     from fedhop.common.transport.grpc import GrpcEndpoint
 
     ep = GrpcEndpoint("client-0", Ledger(), max_message_bytes=max_message)
     address = ep.serve(lambda req: Payload(scalars={"n": len(req.payload.tensors)}), "127.0.0.1:0")
+    freeze_heap()   # as fedhop's roles do once set up
     addr_q.put(address)
     stop_q.get()
     ep.stop()
@@ -90,6 +92,7 @@ def _grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", max_message: int) -> 
 def bench_grpc(nbytes: int, repeats: int, chunk: int) -> tuple[list[float], int]:
     from fedhop.common.algorithms.base import Payload
     from fedhop.common.ledger import Ledger
+    from fedhop.common.procexit import freeze_heap
     from fedhop.common.transport.grpc import GrpcEndpoint
 
     ctx = mp.get_context("spawn")
@@ -102,6 +105,7 @@ def bench_grpc(nbytes: int, repeats: int, chunk: int) -> tuple[list[float], int]
     ep = GrpcEndpoint("server", ledger, chunk_bytes=chunk, max_message_bytes=max_message)
     model = Payload(tensors={"w": torch.from_numpy(
         np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32))})
+    freeze_heap()   # as fedhop's roles do once set up
     times = []
     for i in range(repeats + 1):
         t = time.perf_counter()

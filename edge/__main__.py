@@ -16,7 +16,7 @@ import torch
 from fedhop.common.ledger import Ledger
 from fedhop.common.livebytes import LinkCounter, Reported
 from fedhop.common.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
-from fedhop.common.procexit import exit_now
+from fedhop.common.procexit import exit_now, freeze_heap
 from fedhop.common.addresses import listen_address
 from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         endpoint.stop()
         return 2
+    freeze_heap()   # set-up done: the collector walks only what the run allocates (common/procexit.py)
     sec = proc.aggregator.cfg.security
     endpoint.checksum = sec.checksum
     monitor.interval, monitor.timeout = sec.heartbeat_interval, sec.heartbeat_timeout

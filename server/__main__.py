@@ -24,7 +24,7 @@ from fedhop.common.config import ConfigError, load_config
 from fedhop.common.ledger import Ledger
 from fedhop.common.livebytes import LinkCounter, ServerLive
 from fedhop.common.liveness import LivenessMonitor
-from fedhop.common.procexit import exit_now
+from fedhop.common.procexit import exit_now, freeze_heap
 from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import NodeCredentials, SecurityError
 from fedhop.common.transport.grpc import GrpcEndpoint
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                                               "checkpoints": [{"round": r, "seconds": s}
                                                               for r, s in checkpointer.written]})
     monitor.on_bytes = live.report
+    freeze_heap()   # set-up done: the collector walks only what the run allocates (common/procexit.py)
     monitor.start()
     try:
         address = endpoint.serve(lambda req: _no_calls(), args.listen, register_handler=coordinator.handle_register)
