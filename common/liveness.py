@@ -225,12 +225,19 @@ class HeartbeatSender:
 
 
 # ----------------------------------------------------------------------------- the parent side
+# seconds a child may take after its registration to send its first heartbeat (it builds its
+# task and model first); one that never beats, killed during its set-up, is dead after this
+# plus the heartbeat timeout
+SETUP_GRACE = 60.0
+
+
 @dataclass
 class ChildLiveness:
     node_id: str
     address: str
     clients: list[int]
     last_seen: float | None          # None until its first heartbeat (a child beats once it is ready)
+    registered_at: float = 0.0       # when it registered: a child that never beats is dead SETUP_GRACE later
     dead: bool = False
     dead_since: float | None = None
     beats: int = 0
@@ -316,7 +323,8 @@ class LivenessMonitor:
                 if child.node_id != req.node_id and moved & set(child.clients):
                     child.clients = [c for c in child.clients if c not in moved]
             self.children[req.node_id] = ChildLiveness(req.node_id, req.address, sorted(moved) or
-                                                       (old.clients if old is not None else []), None)
+                                                       (old.clients if old is not None else []), None,
+                                                       registered_at=self.clock())
         mark_alive = getattr(self.endpoint, "mark_alive", None)
         if mark_alive is not None:
             mark_alive(req.address)
@@ -369,11 +377,13 @@ class LivenessMonitor:
                 for child in self.children.values():
                     if not child.dead and child.last_seen is not None:
                         child.last_seen = max(child.last_seen, now + grace)
+                    elif not child.dead:
+                        child.registered_at = max(child.registered_at, now + grace)
             for child in self.children.values():
-                if not child.dead and child.last_seen is not None and now - child.last_seen > self.timeout:
+                if not child.dead and now - self._heard(child) > self._allowed(child):
                     child.dead, child.dead_since = True, now
                     self.stats.marked_dead += 1
-                    self.stats.detection_seconds.append(now - child.last_seen)
+                    self.stats.detection_seconds.append(now - self._heard(child))
                     newly.append(child)
         if paused:
             log.warning("liveness: this process did not run for %.1fs; children get %.1fs before any is "
@@ -382,9 +392,13 @@ class LivenessMonitor:
                         f"no liveness check for {gap:.1f}s (this process was stopped); every child gets "
                         f"{self.timeout + grace:.1f}s (heartbeat timeout + the gap) before it can be declared dead")
         for child in newly:
-            silence = now - (child.last_seen or now)
-            reason = (f"node {child.node_id} marked dead: no heartbeat for {silence:.2f}s "
-                      f"(security.heartbeat_timeout = {self.timeout}s)")
+            silence = now - self._heard(child)
+            if child.last_seen is None:
+                reason = (f"node {child.node_id} marked dead: no heartbeat in the {silence:.2f}s since it registered "
+                          f"(set-up grace {SETUP_GRACE:g}s + security.heartbeat_timeout = {self.timeout}s)")
+            else:
+                reason = (f"node {child.node_id} marked dead: no heartbeat for {silence:.2f}s "
+                          f"(security.heartbeat_timeout = {self.timeout}s)")
             cancelled = 0
             mark_dead = getattr(self.endpoint, "mark_dead", None)
             if mark_dead is not None:
@@ -392,6 +406,16 @@ class LivenessMonitor:
             log.warning("%s; %d calls in flight cancelled", reason, cancelled)
             self._event("node_dead", child.node_id, f"{reason}; {cancelled} calls in flight cancelled")
         return [c.node_id for c in newly]
+
+    @staticmethod
+    def _heard(child: ChildLiveness) -> float:
+        """When the parent last heard from `child`: its last heartbeat, or its registration."""
+        return child.last_seen if child.last_seen is not None else child.registered_at
+
+    def _allowed(self, child: ChildLiveness) -> float:
+        """How long `child` may stay silent: the heartbeat timeout, plus SETUP_GRACE before its
+        first heartbeat (it beats once its set-up after registration is done)."""
+        return self.timeout if child.last_seen is not None else self.timeout + SETUP_GRACE
 
     def dead_nodes(self) -> set[str]:
         """The node ids marked dead."""

@@ -59,6 +59,30 @@ def test_a_silent_child_of_a_running_parent_is_still_declared_dead():
     assert [e[0] for e in events] == ["node_dead"]
 
 
+def test_a_child_that_registers_and_never_beats_is_declared_dead_after_its_set_up_grace():
+    """A child killed during its set-up (after registering, before its first heartbeat) is
+    declared dead SETUP_GRACE + the heartbeat timeout after it registered, not never; one that
+    beats in time is not."""
+    from fedhop.common.liveness import SETUP_GRACE
+    now = [100.0]
+    events: list = []
+    mon = LivenessMonitor(_Endpoint(), interval=1.0, timeout=5.0, on_event=lambda *e: events.append(e),
+                          clock=lambda: now[0])
+    for node in ("client-proc0", "client-proc1"):
+        mon.registered(pb.RegisterRequest(node_id=node, address=f"h:{node[-1]}",
+                                          clients=[pb.LogicalClient(client_id=int(node[-1]))]))
+    dead = []
+    while not dead:
+        now[0] += 0.25
+        if now[0] >= 110.0:   # proc1 is set up 10 s after registering and beats; proc0 never does
+            mon.beat(pb.HeartbeatRequest(node_id="client-proc1"))
+        dead = mon.check()
+        assert now[0] < 100.0 + SETUP_GRACE + 10.0
+    assert dead == ["client-proc0"]
+    assert 100.0 + SETUP_GRACE + 5.0 < now[0] <= 100.0 + SETUP_GRACE + 5.25
+    assert [e[0] for e in events] == ["node_dead"] and "since it registered" in events[0][2]
+
+
 def test_sampling_pool_leaves_out_dead_nodes_only_when_a_subset_is_drawn():
     home = {c: SimpleNamespace(node_id=f"n{c % 2}") for c in range(6)}
     mon = SimpleNamespace(dead_nodes=lambda: {"n1"})
