@@ -3,7 +3,6 @@ against a by-hand computation from the run directories; spec errors; criteria on
 from __future__ import annotations
 
 import json
-import os
 import signal
 import statistics
 import subprocess
