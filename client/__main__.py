@@ -1,7 +1,8 @@
 """`python -m fedhop.client --parent HOST:PORT | --parent-file PATH --clients 0-9 [--node-id ID] [--listen HOST:PORT]`
 
 Starts one client process hosting the given logical clients; it registers with its parent
-(the server, or an edge), serves training calls and exits when the parent shuts it down.
+(the server, or an edge), serves training calls and exits when the parent shuts it down (0),
+when it gives up on a silent parent (3), or on SIGTERM / SIGINT (143 / 130, logged).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from fedhop.common.ledger import Ledger
 from fedhop.common.livebytes import LinkCounter
 from fedhop.common.liveness import HeartbeatSender, add_parent_args, resolve_parent
-from fedhop.common.procexit import exit_now, freeze_heap
+from fedhop.common.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
 from fedhop.common.addresses import listen_address
 from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
@@ -74,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     endpoint = GrpcEndpoint(args.node_id, ledger, token="", chunk_bytes=args.chunk_bytes,
                             max_message_bytes=args.max_message_bytes, credentials=creds)
-    proc = ClientProcess(endpoint, args.parent, args.clients, bind=args.listen)
+    try:
+        proc = ClientProcess(endpoint, args.parent, args.clients, bind=args.listen)
+    except (OSError, RuntimeError) as exc:   # grpc: "Failed to bind to address ..."
+        logging.error("cannot serve on --listen %s: %s", args.listen, str(exc).split(";")[0])
+        return 2
     logging.info("serving at %s, registering with %s", proc.address, args.parent)
     try:
         proc.register()
@@ -93,7 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     beats = HeartbeatSender(endpoint, args.parent, interval=sec.heartbeat_interval, parent_timeout=sec.parent_timeout,
                             reregister=proc.reregister, on_give_up=give_up, counts=counter.entries).start()
     proc.host.before_shutdown.append(lambda: beats.stop(wait=True, final=True))
-    proc.wait()
+    stop_on_sigterm()   # SIGTERM or Ctrl-C: leave cleanly, with the status a shell reports for it
+    try:
+        proc.wait()
+    except (KeyboardInterrupt, Stopped) as exc:
+        ignore_stops()
+        reason, code = stop_reason(exc)
+        logging.warning("%s: leaving (the parent notices at its next call or heartbeat)", reason)
+        beats.stop()
+        endpoint.stop(grace=0.5)
+        return code
     beats.stop()
     endpoint.stop(grace=0.5)
     if gave_up:

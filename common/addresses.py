@@ -6,6 +6,7 @@ can use it without importing grpc.
 from __future__ import annotations
 
 import ipaddress
+import os
 from typing import Iterable
 
 IN_MEMORY_SCHEME = "mem:"   # common/transport/inmemory.py addresses
@@ -32,17 +33,33 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def plaintext_refusal(addresses: Iterable[str], insecure: bool, tls: bool) -> str | None:
-    """Why a plaintext process must not start (None when it may): plaintext off loopback needs
-    an explicit `security.insecure = true` (docs/faults.md)."""
+INSECURE_ENV = "FEDHOP_INSECURE"   # =1 (or true, yes): the same as --insecure
+
+
+def insecure_from_env() -> bool:
+    """FEDHOP_INSECURE=1 / true / yes: every role's --insecure default."""
+    return os.environ.get(INSECURE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def plaintext_refusal(addresses: Iterable[str], insecure: bool, tls: bool, *, who: str = "process") -> str | None:
+    """Why a plaintext process must not start (None when it may): plaintext off loopback needs an
+    explicit opt-in (docs/faults.md).  The message names the flags and keys of the refusing `who`:
+    "server" (reads its security from the config, and --insecure), "process" (a client or edge:
+    flags only, the config reaches it after registration), "launch" (`fedhop launch`: the config)."""
     if tls or insecure:
         return None
     remote = [a for a in addresses if a and not is_loopback(a)]
     if not remote:
         return None
-    return (f"plaintext gRPC to or on a non-loopback address ({', '.join(remote)}) needs an explicit "
-            f"security.insecure = true (or --insecure); for TLS make certificates with "
-            f"`fedhop certs DIR --nodes ...` and set security.certs_dir = DIR (processes: --certs-dir DIR)")
+    allow, certs = {
+        "server": (f"--insecure (the same as security.insecure = true in the config or "
+                   f"--set security.insecure=true; or {INSECURE_ENV}=1)",
+                   "set security.certs_dir = DIR in the config (or --set security.certs_dir=DIR)"),
+        "launch": ("security.insecure = true in the config (or --set security.insecure=true)",
+                   "set security.certs_dir = DIR in the config (DIR on every host, relative to its workdir)"),
+    }.get(who, (f"--insecure (or {INSECURE_ENV}=1)", "pass --certs-dir DIR"))
+    return (f"plaintext gRPC to or on a non-loopback address ({', '.join(remote)}) needs {allow} on a "
+            f"trusted network; for TLS make certificates with `fedhop certs DIR --nodes ...` and {certs}")
 
 
 def listen_address(text: str) -> str:

@@ -6,6 +6,10 @@ Errors are `ConfigError` and name the key, the bad value and what is allowed.  S
 `options` field (algorithm, data, topology, clients, transport) collect their extra keys there;
 the chosen algorithm / data set / topology validates them against its own params dataclass
 (registered with `register_options_schema`) and the result is stored as `section.params`.
+`options` keeps the keys given with a value other than their default; `config_to_toml` writes
+every key (an optional key whose default is None as a comment), and reading its output back
+gives an equal `Config`.  The reference of every key is generated from these dataclasses:
+docs/config.md and `fedhop config show` (deploy/configref.py).
 """
 from __future__ import annotations
 
@@ -70,6 +74,21 @@ def register_options_schema(section: str, chooser_key: str, lookup: Callable[[st
     if chooser_key not in names or chooser_key == "options":
         raise ValueError(f"register_options_schema: '{section}.{chooser_key}' is not a key of [{section}]")
     _OPTION_SCHEMAS[section] = (chooser_key, lookup)
+
+
+def options_schema(section: str, choice: Any) -> type | None:
+    """The params dataclass of `section`'s extra keys when `section.<chooser>` is `choice` (None: it
+    takes none).  Raises KeyError for a section without an options schema, and what the registered
+    lookup raises for an unknown choice."""
+    if section not in _OPTION_SCHEMAS:
+        raise KeyError(f"config section '{section}' has no choice-dependent keys "
+                       f"(sections with some: {', '.join(_OPTION_SCHEMAS)})")
+    return _OPTION_SCHEMAS[section][1](choice)
+
+
+def options_chooser(section: str) -> str:
+    """The key whose value picks `section`'s options schema (algorithm -> "name", topology -> "kind")."""
+    return _OPTION_SCHEMAS[section][0]
 
 
 def _has_options(cls: type) -> bool:
@@ -347,6 +366,7 @@ def _validate_options(cfg: Config) -> None:
                                   f"{', '.join(sorted(fields)) or 'none'}; common [{section}] keys: {common})")
         params, _ = build_dataclass(cls, obj.options, section)
         obj.params = params
+        obj.options = _without_defaults(cls, obj.options)
     for name in SECTIONS:
         obj = getattr(cfg, name)
         if hasattr(obj, "options") and name not in _OPTION_SCHEMAS:
@@ -355,6 +375,31 @@ def _validate_options(cfg: Config) -> None:
                 allowed = ", ".join(f.name for f in dataclasses.fields(obj) if f.name != "options")
                 raise ConfigError(f"unknown config key '{name}.{key}' = {obj.options[key]!r} (allowed: {allowed})")
             obj.params = None
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    """A dataclass field's default (a fresh one from a factory); `dataclasses.MISSING` when it has none."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _same_toml(a: Any, b: Any) -> bool:
+    """Whether two values are written as the same TOML text (1 and 1.0, 0.0 and -0.0 are not)."""
+    try:
+        return toml_value(a) == toml_value(b)
+    except ConfigError:
+        return False
+
+
+def _without_defaults(cls: type, given: dict) -> dict:
+    """`given` less the keys set to exactly their default: the canonical `options`, so that a
+    config read back from `config_to_toml` (which writes every key) equals the one written."""
+    defaults = {f.name: field_default(f) for f in dataclasses.fields(cls)}
+    return {k: v for k, v in given.items()
+            if k not in defaults or defaults[k] in (None, dataclasses.MISSING) or not _same_toml(v, defaults[k])}
 
 
 def _cross_checks(cfg: Config) -> None:
@@ -500,7 +545,8 @@ def client_local_steps(cfg: Config, client_id: int) -> int:
 
 
 # ----------------------------------------------------------------------------- TOML writer
-def _toml_value(v: Any, key: str = "") -> str:
+def toml_value(v: Any, key: str = "") -> str:
+    """One value as TOML text (`key` names it in the error for a value TOML cannot hold)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int):
@@ -514,9 +560,9 @@ def _toml_value(v: Any, key: str = "") -> str:
     if isinstance(v, (datetime.datetime, datetime.date, datetime.time)):
         return v.isoformat()
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x, key) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x, key) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x, key)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(x, key)}" for k, x in v.items()) + "}"
     raise ConfigError(f"config key '{key}': cannot write a {_type_name(v)} to TOML")
 
 
@@ -541,8 +587,52 @@ def _toml_key(k: str) -> str:
     return k if _BARE_KEY.fullmatch(k) else _toml_string(k)
 
 
+def _option_lines(obj: Any, section: str) -> list[tuple[str, str | None]]:
+    """(key, TOML value) for every choice-dependent key of a section: the options given, then the
+    defaults of the params dataclass's other fields (None: an unset optional key)."""
+    options = getattr(obj, "options", {})
+    params = getattr(obj, "params", None)
+    out: list[tuple[str, str | None]] = []
+    written = {f.name for f in dataclasses.fields(obj)}   # a params field named like a common key: see shadowed_keys
+    if dataclasses.is_dataclass(params):
+        for f in dataclasses.fields(params):
+            if f.name in written:
+                continue
+            if f.name in options:
+                value = options[f.name]
+            else:
+                value = field_default(f)
+                if value is dataclasses.MISSING:
+                    value = getattr(params, f.name)
+            out.append((f.name, None if value is None else toml_value(value, f"{section}.{f.name}")))
+            written.add(f.name)
+    out += [(k, toml_value(v, f"{section}.{k}")) for k, v in options.items() if k not in written]
+    return out
+
+
+def shadowed_keys(section: str, params_cls: type) -> list[str]:
+    """The fields of a params dataclass named like a common key of `section`: the [section] table
+    gives that key to the common field, so these stay at their defaults (data.alpha is the
+    Dirichlet concentration, not logreg's Synthetic alpha)."""
+    common = {f.name for f in dataclasses.fields(SECTIONS[section])}
+    return [f.name for f in dataclasses.fields(params_cls) if f.name in common]
+
+
+def _unset_line(params: Any, key: str) -> str:
+    """`# key: unset`, with the value the params dataclass resolved it to when it did."""
+    value = getattr(params, key)
+    try:
+        return f"# {key}: unset" + ("" if value is None else f" (resolved: {toml_value(value, key)})")
+    except ConfigError:
+        return f"# {key}: unset"
+
+
 def config_to_toml(cfg: Config) -> str:
-    """The resolved config as TOML; `parse_config(config_to_toml(cfg)) == cfg`."""
+    """The resolved config as TOML, every key included; `parse_config(config_to_toml(cfg)) == cfg`.
+
+    A section's choice-dependent keys are its `options` and the defaults of the rest of its params
+    dataclass (module docstring); an optional key left unset (default None) is written as a comment,
+    `# key: unset`, so the file names every key."""
     lines: list[str] = []
     for name in SECTIONS:
         obj = getattr(cfg, name)
@@ -550,9 +640,9 @@ def config_to_toml(cfg: Config) -> str:
         for f in dataclasses.fields(obj):
             if f.name == "options":
                 continue
-            lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name), name + '.' + f.name)}")
-        for k, v in getattr(obj, "options", {}).items():
-            lines.append(f"{_toml_key(k)} = {_toml_value(v, name + '.' + k)}")
+            lines.append(f"{f.name} = {toml_value(getattr(obj, f.name), name + '.' + f.name)}")
+        for key, text in _option_lines(obj, name):
+            lines.append(f"{_toml_key(key)} = {text}" if text is not None else _unset_line(obj.params, key))
         lines.append("")
     return "\n".join(lines)
 

@@ -2,10 +2,12 @@
 
 `common.config.load_config` turns a TOML file into a `Config`, rejecting unknown keys, wrong
 types and out-of-range values with an error that names the key, the value and what is
-allowed.  Field metadata carries the validation rules:
+allowed.  Field metadata carries the validation rules and the key's description:
 
 - `choices`: the allowed values of a string field;
-- `min` / `max`: inclusive numeric bounds (`min_exclusive` for strict lower bounds).
+- `min` / `max`: inclusive numeric bounds (`min_exclusive` for strict lower bounds);
+- `help`: one line for the config reference (docs/config.md, `fedhop config show`;
+  deploy/configref.py generates both from these dataclasses).
 
 Sections whose keys depend on a choice (an algorithm's hyper-parameters, a data set's
 parameters) keep the extra keys in `options`; the chosen algorithm or data set validates them
@@ -17,98 +19,150 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def _f(default: Any = None, *, factory: Any = None, **rules: Any) -> Any:
+def _f(default: Any = None, *, factory: Any = None, help: str = "", **rules: Any) -> Any:
+    """A config field: its default, its description and its validation rules (module docstring)."""
+    metadata = {**rules, "help": help} if help else rules
     if factory is not None:
-        return field(default_factory=factory, metadata=rules)
-    return field(default=default, metadata=rules)
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class RunConfig:
-    name: str = "fedhop-run"
-    seed: int = _f(0, min=0)
-    rounds: int = _f(10, min=1)
-    eval_every: int = _f(1, min=0)            # 0 = evaluate only at the end
-    checkpoint_every: int = _f(0, min=0)      # 0 = off
-    round_timeout: float = _f(120.0, min_exclusive=0.0)   # seconds the server waits for a round's results
-    call_timeout: float = _f(60.0, min_exclusive=0.0)     # deadline of one RPC
-    # a round counts when at least this many sampled clients' results arrived, else the run fails:
-    # int: a count (at most clients.per_round; 0 and 1 both mean one result); float in (0, 1]: a
-    # fraction of the clients sampled, rounded up.  Default 1: a round goes on with whatever arrived
-    min_results: int | float = _f(1, min=0)
-    log_level: str = _f("info", choices=("debug", "info", "warning", "error"))
-    torch_threads: int = _f(1, min=1)         # intra-op threads per process (1 keeps runs bit-reproducible)
+    """The run as a whole: its name, seed, length, evaluation and checkpoints."""
+
+    name: str = _f("fedhop-run", help="the run's name: the default run folder is runs/NAME-TIMESTAMP, and reports "
+                                     "label the run with it")
+    seed: int = _f(0, min=0, help="the one seed every random draw derives from (data, partition, model, sampling); "
+                                  "the same seed and config give the same model bit for bit")
+    rounds: int = _f(10, min=1, help="server rounds")
+    eval_every: int = _f(1, min=0, help="evaluate the model on the test set every this many rounds; 0 = only at "
+                                        "the end")
+    checkpoint_every: int = _f(0, min=0, help="write a checkpoint every this many rounds (fedhop run --resume "
+                                              "continues from the newest); 0 = off")
+    round_timeout: float = _f(120.0, min_exclusive=0.0, help="seconds the server waits for a round's results")
+    call_timeout: float = _f(60.0, min_exclusive=0.0, help="seconds: the deadline of one RPC")
+    min_results: int | float = _f(1, min=0, help=(
+        "a round counts when at least this many sampled clients' results arrived (else run.on_short_round): an int is a "
+        "count (at most clients.per_round; 0 and 1 both mean one result); a float in (0, 1] a fraction of the "
+        "clients sampled, rounded up. Default 1: a round goes on with whatever arrived"))
+    on_short_round: str = _f("retry", choices=("retry", "skip", "fail"), help=(
+        "a round with fewer results than run.min_results (its clients' processes died or did not answer): retry "
+        "(sample it again among the live clients, at most 3 more times, then skip it), skip (leave the model as "
+        "it is and go on to the next round), or fail (the run fails); retried and skipped rounds are run.db "
+        "events. Retry and skip still fail the run once fewer clients than run.min_results are on processes not "
+        "marked dead, or 10 rounds in a row are skipped"))
+    log_level: str = _f("info", choices=("debug", "info", "warning", "error"),
+                        help="log level of every process (their logs are in the run folder)")
+    torch_threads: int = _f(1, min=1, help="intra-op threads per process (1 keeps runs bit-reproducible)")
 
 
 @dataclass
 class TopologyConfig:
-    kind: str = "star"   # star, hierarchical, sequential, chain, relay, or a plug-in (common/plugins.py), checked on load
-    edges: int = _f(0, min=0)
-    assignment: str | list = "blocks"          # "blocks" or explicit [[client ids], ...] per edge
-    options: dict = _f(factory=dict)           # topology-specific keys (kappa1, graph, steps_per_round, ...)
+    """Who talks to whom: a star, edge servers between the server and the clients, or a walk."""
+
+    kind: str = _f("star", help="star (clients under the server), hierarchical (edge servers in between), "
+                                "sequential (one model passed between edges), chain (one model walks the clients), "
+                                "relay (a walk through the server), or a plug-in (common/plugins.py)")
+    edges: int = _f(0, min=0, help="number of edge servers (hierarchical and sequential need at least 1, at most "
+                                   "clients.count)")
+    assignment: str | list = _f("blocks", help="which clients each edge serves: \"blocks\" (consecutive ids), "
+                                              "\"shuffled\" (a seeded shuffle), or explicit [[client ids], ...] "
+                                              "per edge, each client exactly once")
+    options: dict = _f(factory=dict)           # topology-specific keys (kappa2, graph, steps_per_round, ...)
 
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "fedavg"
-    lr: float = _f(0.05, min=0.0)
-    server_lr: float = _f(1.0, min=0.0)
-    local_steps: int | list = 0                # int, or one entry per client; 0 = use local_epochs
-    local_epochs: int = _f(1, min=0)
-    batch_size: int = _f(32, min=0)            # 0 = full batch
-    lr_schedule: str = _f("constant", choices=("constant", "inv_sqrt"))
-    regularizer: str = _f("none", choices=("none", "l1", "nuclear"))
-    reg: float = _f(0.0, min=0.0)
-    weighting: str = _f("samples", choices=("samples", "uniform"))
-    weight_decay: float = _f(0.0, min=0.0)
-    compress: str = _f("none", choices=("none", "qsgd"))   # upload compressor (common/compress.py)
-    qsgd_levels: int = _f(15, min=1, max=1 << 20)          # QSGD s (levels per sign)
-    qsgd_bucket: int = _f(0, min=0)                        # QSGD bucket size B (a norm per B elements); 0 = whole tensor
+    """The federated algorithm and the local training every algorithm shares."""
+
+    name: str = _f("fedavg", help="the algorithm (its own keys are listed under its name below), or a plug-in "
+                                  "\"package.module:Class\"")
+    lr: float = _f(0.05, min=0.0, help="client (local) learning rate")
+    server_lr: float = _f(1.0, min=0.0, help="server learning rate: the step applied to the aggregated update "
+                                             "(1 = plain averaging)")
+    local_steps: int | list = _f(0, help="local SGD steps per round: an int, or one entry per client; 0 = use "
+                                         "local_epochs")
+    local_epochs: int = _f(1, min=0, help="local epochs per round over the client's data (when local_steps = 0)")
+    batch_size: int = _f(32, min=0, help="local minibatch size; 0 = full batch")
+    lr_schedule: str = _f("constant", choices=("constant", "inv_sqrt"),
+                          help="client step size over time: constant, or inv_sqrt (lr / sqrt(step + 1), where "
+                               "the algorithm supports it)")
+    regularizer: str = _f("none", choices=("none", "l1", "nuclear"),
+                          help="composite term R(w) of the composite algorithms (fedmid, fedda, *_fedda): none, "
+                               "l1 norm, or nuclear norm")
+    reg: float = _f(0.0, min=0.0, help="lambda, the weight of the regularizer R(w)")
+    weighting: str = _f("samples", choices=("samples", "uniform"),
+                        help="aggregation weights: a client's number of samples, or uniform (1 per client)")
+    weight_decay: float = _f(0.0, min=0.0, help="L2 weight decay in the clients' local SGD")
+    compress: str = _f("none", choices=("none", "qsgd"), help="upload compressor (common/compress.py)")
+    qsgd_levels: int = _f(15, min=1, max=1 << 20, help="QSGD s (levels per sign)")
+    qsgd_bucket: int = _f(0, min=0, help="QSGD bucket size B (a norm per B elements); 0 = whole tensor")
     options: dict = _f(factory=dict)           # algorithm-specific hyper-parameters
 
 
 @dataclass
 class DataConfig:
-    # built in: digits, breast_cancer, mnist, quadratic, logreg, lasso, lowrank, minimax_quadratic, npz,
-    # robust_digits, fair_digits; or a user's plug-in (an import path or a fedhop.datasets entry point)
-    dataset: str = "digits"
-    partition: str = _f("dirichlet", choices=("iid", "dirichlet", "shards"))
-    alpha: float = _f(0.5, min_exclusive=0.0)
-    min_size: int = _f(2, min=0)               # Dirichlet: resample until every client has this many
-    shards_per_client: int = _f(2, min=1)      # shards: classes per client
-    test_fraction: float = _f(0.25, min_exclusive=0.0, max=0.9)
-    data_dir: str = "data"                     # where pre-staged files (MNIST IDX, npz) are looked up
-    standardize: bool = True
+    """The data set, how it is split between clients, and where its files are."""
+
+    dataset: str = _f("digits", help="the data set (its own keys are listed under its name below), or a plug-in: "
+                                     "an import path \"package.module:function\" or a fedhop.datasets entry point")
+    partition: str = _f("dirichlet", choices=("iid", "dirichlet", "shards"),
+                        help="how samples are split between clients: iid, dirichlet (label skew, alpha), or shards "
+                             "(shards_per_client classes each)")
+    alpha: float = _f(0.5, min_exclusive=0.0, help="Dirichlet concentration of partition = \"dirichlet\" (smaller "
+                                                   "= more skewed)")
+    min_size: int = _f(2, min=0, help="Dirichlet: resample until every client has this many samples")
+    shards_per_client: int = _f(2, min=1, help="shards: classes per client")
+    test_fraction: float = _f(0.25, min_exclusive=0.0, max=0.9, help="share of the data held out as the test set")
+    data_dir: str = _f("data", help="where pre-staged files (MNIST IDX, npz) are looked up")
+    standardize: bool = _f(True, help="scale features to zero mean and unit variance (statistics of the training "
+                                      "split)")
     options: dict = _f(factory=dict)           # data-set-specific keys (centers, curvatures, sizes, ...)
 
 
 @dataclass
 class ModelConfig:
-    kind: str = _f("mlp", choices=("linear", "logreg", "mlp", "cnn"))
-    init: str = _f("default", choices=("default", "zeros"))
-    hidden: list = _f(factory=lambda: [64])   # MLP hidden widths
-    factory: str = ""                          # a user's model: "pkg.module:make_net" or a fedhop.models entry point
-    factory_args: dict = _f(factory=dict)     # keyword arguments of the factory
+    """The model every party trains (data sets with a fixed model, such as quadratic, ignore it)."""
+
+    kind: str = _f("mlp", choices=("linear", "logreg", "mlp", "cnn"),
+                   help="the built-in model: linear (regression), logreg (softmax regression), mlp, or cnn")
+    init: str = _f("default", choices=("default", "zeros"),
+                   help="initial weights: torch's default (seeded), or all zeros")
+    hidden: list = _f(factory=lambda: [64], help="MLP hidden layer widths")
+    factory: str = _f("", help="a user's model: \"pkg.module:make_net\" or a fedhop.models entry point")
+    factory_args: dict = _f(factory=dict, help="keyword arguments of the factory")
 
 
 @dataclass
 class ClientsConfig:
-    count: int = _f(10, min=1)
-    per_round: int | float = _f(1.0, min=0)   # int: number sampled; float in (0, 1]: fraction (default: all)
-    processes: int = _f(2, min=1)
-    straggler_fraction: float = _f(0.0, min=0.0, max=1.0)
+    """How many clients, how many take part each round, and the processes that host them."""
+
+    count: int = _f(10, min=1, help="number of clients")
+    per_round: int | float = _f(1.0, min=0, help="clients sampled per round: an int is a number; a float in "
+                                                 "(0, 1] a fraction (default: all)")
+    processes: int = _f(2, min=1, help="client OS processes; the clients are spread over them")
+    straggler_fraction: float = _f(0.0, min=0.0, max=1.0,
+                                   help="rho: the fraction of each round's sampled clients that do only part of "
+                                        "their local work (docs/heterogeneity.md)")
     options: dict = _f(factory=dict)
 
 
 @dataclass
 class TransportConfig:
-    kind: str = _f("grpc", choices=("grpc", "torch", "inmemory"))
-    chunk_bytes: int = _f(4 * 1024 * 1024, min=1024)
-    max_message_bytes: int = _f(64 * 1024 * 1024, min=1024)   # gRPC max send/receive, both sides
-    host: str = "127.0.0.1"
-    # requests to the logical clients of one process share gRPC calls (each still its own message
-    # with its own ledger records; common/transport/grpc.py, Batches): cross-device scale
-    batch: bool = False
+    """How messages move between processes."""
+
+    kind: str = _f("grpc", choices=("grpc", "torch", "inmemory"),
+                   help="grpc (processes over sockets), torch (torch.distributed collectives, "
+                        "docs/torch_transport.md) or inmemory (one process, for tests)")
+    chunk_bytes: int = _f(4 * 1024 * 1024, min=1024, help="largest frame of a message: bigger messages are "
+                                                           "streamed in chunks of this many bytes")
+    max_message_bytes: int = _f(64 * 1024 * 1024, min=1024, help="gRPC max send/receive, both sides")
+    host: str = _f("127.0.0.1", help="the address the server and edges listen on (off loopback needs TLS or "
+                                     "security.insecure = true)")
+    batch: bool = _f(False, help="requests to the logical clients of one process share gRPC calls (each still its "
+                                 "own message with its own ledger records; common/transport/grpc.py): cross-device "
+                                 "scale")
     options: dict = _f(factory=dict)
 
 
@@ -116,20 +170,27 @@ class TransportConfig:
 class SecurityConfig:
     """Channels, node credentials, liveness and input policy (docs/faults.md, common/security.py)."""
 
-    insecure: bool = False                     # plaintext gRPC off loopback needs this set explicitly
-    certs_dir: str = ""                        # TLS: a directory made by `fedhop certs` (ca.pem, NODE.pem, NODE.key)
-    mtls: bool = False                         # mutual TLS: the node identity is its certificate's common name
-    checksum: bool = True                      # XXH3-64 of every message's tensor bytes, verified by the receiver
-    heartbeat_interval: float = _f(1.0, min_exclusive=0.0)   # seconds between a child's heartbeats
-    heartbeat_timeout: float = _f(5.0, min_exclusive=0.0)    # silence after which a parent marks a child dead
-    parent_timeout: float = _f(60.0, min_exclusive=0.0)      # a child gives up (exits) after this long unheard
-    backoff_base: float = _f(0.2, min_exclusive=0.0)         # re-registration: full-jitter exponential backoff
-    backoff_cap: float = _f(5.0, min_exclusive=0.0)
-    nan_policy: str = _f("reject", choices=("reject", "fail"))   # NaN/Inf in a result: drop it, or fail the run
-    keep_checkpoints: int = _f(2, min=1)       # newest checkpoints kept in RUN_DIR/checkpoints
-    aggregation: str = _f("mean", choices=("mean", "median", "trimmed_mean", "krum"))   # common/robust.py
-    trim: float = _f(0.1, min=0.0, max=0.49)   # trimmed_mean: fraction dropped at each end per coordinate
-    krum_f: int = _f(1, min=0)                 # krum: the number of Byzantine updates tolerated
+    insecure: bool = _f(False, help="plaintext gRPC off loopback needs this set explicitly")
+    certs_dir: str = _f("", help="TLS: a directory made by `fedhop certs` (ca.pem, NODE.pem, NODE.key)")
+    mtls: bool = _f(False, help="mutual TLS: the node identity is its certificate's common name")
+    checksum: bool = _f(True, help="XXH3-64 of every message's tensor bytes, verified by the receiver")
+    heartbeat_interval: float = _f(1.0, min_exclusive=0.0, help="seconds between a child's heartbeats")
+    heartbeat_timeout: float = _f(5.0, min_exclusive=0.0, help="silence after which a parent marks a child dead "
+                                                              "(seconds; more than heartbeat_interval)")
+    parent_timeout: float = _f(60.0, min_exclusive=0.0, help="a child gives up (exits) after this long unheard "
+                                                            "(seconds)")
+    backoff_base: float = _f(0.2, min_exclusive=0.0, help="re-registration: full-jitter exponential backoff, "
+                                                         "first delay (seconds)")
+    backoff_cap: float = _f(5.0, min_exclusive=0.0, help="re-registration: the longest backoff delay (seconds; at "
+                                                        "least backoff_base)")
+    nan_policy: str = _f("reject", choices=("reject", "fail"),
+                         help="NaN/Inf in a result: drop it, or fail the run")
+    keep_checkpoints: int = _f(2, min=1, help="newest checkpoints kept in RUN_DIR/checkpoints")
+    aggregation: str = _f("mean", choices=("mean", "median", "trimmed_mean", "krum"),
+                          help="the server's (and edges') reduction of updates: the weighted mean, or a "
+                               "Byzantine-robust rule (common/robust.py)")
+    trim: float = _f(0.1, min=0.0, max=0.49, help="trimmed_mean: fraction dropped at each end per coordinate")
+    krum_f: int = _f(1, min=0, help="krum: the number of Byzantine updates tolerated")
 
 
 @dataclass

@@ -60,6 +60,19 @@ class DevicesParams:
     ``{dist = "lognormal", median = 10.0, sigma = 0.5}``, ``{dist = "per_client", values = [...]}``.
     A bandwidth of 0 means unlimited (no communication time).  `trace` names a CSV file whose
     columns (any of slowdown, uplink_mbps, downlink_mbps, and optionally client) override them.
+
+    `straggler_mode`: how stragglers' work is cut (docs/heterogeneity.md): "exact" (E - m of E
+        units) or "literal" (E - tau + 1)
+    `compute_time`: a client's simulated compute time: local steps times step_seconds ("steps") or
+        the measured local-solver time ("measured"), times its slowdown
+    `bytes_kind`: which ledger byte count the simulated clock charges: "framed", "payload" or
+        "tensor"
+    `slowdown`: compute time multiplier (1 = the reference device): a number, or a distribution
+        table such as {dist = "lognormal", median = 2.0, sigma = 0.5} (docs/heterogeneity.md)
+    `uplink_mbps`: megabit/s client -> parent, 0 = unlimited: a number or a distribution table (like
+        slowdown)
+    `downlink_mbps`: megabit/s parent -> client, 0 = unlimited: a number or a distribution table
+        (like slowdown)
     """
 
     straggler_mode: str = field(default="exact", metadata={"choices": ("exact", "literal")})

@@ -73,12 +73,13 @@ def connection_hint(address: str, exc: CallFailed, tls: bool) -> str:
                 or exc.code == "UNAVAILABLE" and "socket closed" in detail and _port_open(address)):
         # a server that wants a client certificate (mutual TLS) just closes the socket on us
         return (f"the TLS handshake with {address} failed ({exc.detail}): the parent may serve plaintext "
-                f"(then run every process with security.insecure = true), it requires a client certificate from "
-                f"this cluster's CA (mutual TLS), or its certificate is not from this cluster's CA")
+                f"(then run this process without --certs-dir, with --insecure off loopback), it requires a client "
+                f"certificate from this cluster's CA (mutual TLS), or its certificate is not from this cluster's CA")
     if not tls and exc.code == "UNAVAILABLE" and _port_open(address):
         return (f"{address} accepts TCP connections but not plaintext gRPC: it most likely serves TLS. Give this "
-                f"process the cluster certificates (--certs-dir DIR from `fedhop certs`), or run every process "
-                f"with security.insecure = true on a trusted network")
+                f"process the cluster certificates (--certs-dir DIR from `fedhop certs`), or, on a trusted network, "
+                f"run the parent in plaintext (the server: no security.certs_dir; off loopback every process "
+                f"with --insecure)")
     return f"cannot reach {address} ({exc.code}: {exc.detail})"
 
 
@@ -241,6 +242,8 @@ class ChildLiveness:
     dead: bool = False
     dead_since: float | None = None
     beats: int = 0
+    suspected_at: float | None = None   # a call to it failed then (no heartbeat since): dead a timeout later
+    suspect_reason: str = ""
 
 
 @dataclass
@@ -340,6 +343,7 @@ class LivenessMonitor:
             if known:
                 child.last_seen = now
                 child.beats += 1
+                child.suspected_at = None   # a heartbeat after the failed call: it lives
             else:
                 self.stats.unknown_heartbeats += 1
             reply = pb.HeartbeatReply(known=known, node_id=self.endpoint.node_id,
@@ -379,8 +383,11 @@ class LivenessMonitor:
                         child.last_seen = max(child.last_seen, now + grace)
                     elif not child.dead:
                         child.registered_at = max(child.registered_at, now + grace)
+                    if not child.dead and child.suspected_at is not None:
+                        child.suspected_at = max(child.suspected_at, now + grace)
             for child in self.children.values():
-                if not child.dead and now - self._heard(child) > self._allowed(child):
+                if not child.dead and (now - self._heard(child) > self._allowed(child) or
+                                       child.suspected_at is not None and now - child.suspected_at > self.timeout):
                     child.dead, child.dead_since = True, now
                     self.stats.marked_dead += 1
                     self.stats.detection_seconds.append(now - self._heard(child))
@@ -393,7 +400,11 @@ class LivenessMonitor:
                         f"{self.timeout + grace:.1f}s (heartbeat timeout + the gap) before it can be declared dead")
         for child in newly:
             silence = now - self._heard(child)
-            if child.last_seen is None:
+            if child.suspected_at is not None and now - child.suspected_at > self.timeout:
+                reason = (f"node {child.node_id} marked dead: no heartbeat in the {now - child.suspected_at:.2f}s "
+                          f"since a call to it failed (security.heartbeat_timeout = {self.timeout}s): "
+                          f"{child.suspect_reason}")
+            elif child.last_seen is None:
                 reason = (f"node {child.node_id} marked dead: no heartbeat in the {silence:.2f}s since it registered "
                           f"(set-up grace {SETUP_GRACE:g}s + security.heartbeat_timeout = {self.timeout}s)")
             else:
@@ -421,6 +432,26 @@ class LivenessMonitor:
         """The node ids marked dead."""
         with self._lock:
             return {node_id for node_id, child in self.children.items() if child.dead}
+
+    def suspect(self, node_id: str, reason: str) -> bool:
+        """A call to `node_id` failed as a dead process's calls fail (`unreachable`): until its next
+        heartbeat it is left out of sampling, and it is marked dead when no heartbeat comes within
+        the heartbeat timeout (a process that never beat is judged by its calls, not by the set-up
+        grace).  True when it was not suspect (or dead) already."""
+        now = self.clock()
+        with self._lock:
+            child = self.children.get(node_id)
+            if child is None or child.dead or child.suspected_at is not None:
+                return False
+            child.suspected_at, child.suspect_reason = now, reason
+        log.warning("%s suspect: %s", node_id, reason)
+        return True
+
+    def unavailable_nodes(self) -> set[str]:
+        """The node ids marked dead or suspect: sampling leaves their clients out."""
+        with self._lock:
+            return {node_id for node_id, child in self.children.items()
+                    if child.dead or child.suspected_at is not None}
 
     def is_dead(self, node_id: str) -> bool:
         with self._lock:
@@ -460,21 +491,34 @@ class LivenessMonitor:
                 "detection_seconds_mean": sum(det) / len(det) if det else None}
 
 
-def live_pool(pool: list[int], size: int, client_home: dict,
-              monitor: "LivenessMonitor | None") -> tuple[list[int], list[int]]:
+def live_pool(pool: list[int], size: int, client_home: dict, monitor: "LivenessMonitor | None",
+              unavailable: set[int] | frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
     """The pool a round draws `size` clients from, and the clients left out of it: where fewer
-    than the whole pool are drawn, the clients of nodes the monitor marked dead are left out, so
-    no dead client takes a live one's place (where every client is sampled, a dead one's call
-    fails fast and is recorded as before).  Where every host is dead the pool is kept (the round
-    then fails on run.min_results).  The draw is a function of the seed, the round and this
-    liveness record (the `sampling_excluded` event), so a run is reproducible from its run.db."""
-    if monitor is None or size >= len(pool):
+    than the whole pool are drawn, the clients of nodes the monitor marked dead or suspect, and
+    the `unavailable` clients (those an edge reported dead), are left out, so no dead client
+    takes a live one's place (where every client is sampled, a dead one's call fails fast and is
+    recorded as before).  Where every host is dead the pool is kept (the round is then short:
+    run.on_short_round).  The draw is a function of the seed, the round and this liveness record
+    (the `sampling_excluded` event), so a run is reproducible from its run.db."""
+    if size >= len(pool):
         return pool, []
-    dead_nodes = monitor.dead_nodes()
-    if not dead_nodes:   # the usual case: one look at the monitor, not one per client of the pool
+    dead_nodes = monitor.unavailable_nodes() if monitor is not None else set()
+    if not dead_nodes and not unavailable:   # the usual case: one look, not one per client of the pool
         return pool, []
-    dead = [c for c in pool if c in client_home and client_home[c].node_id in dead_nodes]
+    dead = [c for c in pool if c in unavailable or c in client_home and client_home[c].node_id in dead_nodes]
     if not dead or len(dead) == len(pool):
         return pool, []
     gone = set(dead)
     return [c for c in pool if c not in gone], dead
+
+
+def unreachable(why: str) -> bool:
+    """Whether a failed call's reason (common/transport/fabric.py `gather`: a CallFailed's text, or
+    the round's timeout reason) is how calls to a dead or stopped process fail, as opposed to a
+    refused credential or a reply the peer sent (a live process)."""
+    if why.startswith("timeout"):
+        return True
+    if not why.startswith("call to ") or " failed (" not in why:
+        return False
+    code = why.split(" failed (", 1)[1].split(")", 1)[0]
+    return code not in FATAL_CODES

@@ -12,7 +12,9 @@ Every role process resolves them the same way: the config loader imports them wh
 the config (common/config.py), so a path that does not import is a config error, naming the path
 and the import error, before any process starts, and the server, edges and clients, which each
 parse the same resolved config, import the same objects.  The package must be importable by
-every process: installed in the environment (`pip install -e mypkg/`) or on PYTHONPATH.
+every process: installed in the environment (`pip install -e mypkg/`), on PYTHONPATH, or in a folder
+of the plug-in search path, `FEDHOP_PLUGIN_PATH`, which `fedhop run` sets to the config's folder and
+the working directory (and its children inherit): a package beside the config just works.
 
 What each kind of plug-in is (docs in README, "Bring your own model"):
 
@@ -32,12 +34,18 @@ What each kind of plug-in is (docs in README, "Bring your own model"):
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from types import ModuleType
 from typing import Any, Literal, Sequence
 
 GROUP_PREFIX = "fedhop."
 GROUPS = ("models", "datasets", "algorithms", "topologies")
+PLUGIN_PATH_ENV = "FEDHOP_PLUGIN_PATH"   # folders searched for a plug-in package that is not installed
 
 
 class PluginError(ValueError):
@@ -53,6 +61,41 @@ def entry_point_names(group: str) -> list[str]:
     return sorted({ep.name for ep in entry_points(group=GROUP_PREFIX + group)})
 
 
+def search_path() -> list[str]:
+    """The folders `FEDHOP_PLUGIN_PATH` lists (os.pathsep-separated): `fedhop run` sets it to the
+    config's folder and the working directory, and its children inherit it."""
+    return [p for p in os.environ.get(PLUGIN_PATH_ENV, "").split(os.pathsep) if p]
+
+
+def import_plugin_module(module_name: str) -> ModuleType:
+    """`importlib.import_module(module_name)`; a top-level package that is not installed is then
+    looked for in the plug-in search path, without changing sys.path (DESIGN.md 1).  Its
+    submodules import through the package as usual; a plain module found there that imports a
+    sibling module by a top-level name needs to be a package or installed instead."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.partition(".")[0]
+        if exc.name != top:
+            raise
+        folders = search_path()
+        spec = importlib.machinery.PathFinder.find_spec(top, folders) if folders else None
+        if spec is None or spec.loader is None:
+            where = f"nor in the plug-in search path ({', '.join(folders)})" if folders else \
+                f"and {PLUGIN_PATH_ENV} is empty"
+            raise PluginError(f"ModuleNotFoundError: No module named '{top}': not installed or on PYTHONPATH, "
+                              f"{where}; `fedhop run` looks in the config's folder and the working "
+                              f"directory") from None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[top] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(top, None)
+        raise
+    return importlib.import_module(module_name)
+
+
 def load_plugin(ref: str, group: str) -> Any:
     """The object named by `ref`: an import path `"pkg.module:attr"` (attr may be dotted), or an
     entry point of group `fedhop.<group>`.  Raises PluginError naming `ref` and the cause; a
@@ -65,7 +108,9 @@ def load_plugin(ref: str, group: str) -> Any:
         if not module_name or not attr:
             raise PluginError(f"'{ref}' is not an import path of the form 'package.module:attribute'")
         try:
-            obj: Any = importlib.import_module(module_name)
+            obj: Any = import_plugin_module(module_name)
+        except PluginError as exc:
+            raise PluginError(f"cannot import '{ref}': {exc}") from None
         except Exception as exc:   # noqa: BLE001 - any failure of the user's import is reported, not raised
             raise PluginError(f"cannot import '{ref}': {type(exc).__name__}: {exc}") from None
         for part in attr.split("."):

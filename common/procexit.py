@@ -10,10 +10,14 @@ summaries and models are written and closed. So the process entry points flush w
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
+import signal
 import sys
+import threading
+from typing import Iterator
 
 
 def exit_now(code: int | None) -> None:
@@ -82,3 +86,59 @@ def freeze_heap() -> None:
     gc.collect()
     gc.freeze()
 
+
+
+class Stopped(BaseException):
+    """The process was asked to stop (SIGTERM: `docker compose down`, a Kubernetes eviction, a
+    scheduler's time limit, the launcher after Ctrl-C).  A BaseException, like KeyboardInterrupt,
+    so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+def stop_on_sigterm() -> None:
+    """Raise `Stopped` in the main thread at the first SIGTERM, so the process can record how it
+    ended; a second SIGTERM ends it at once (the signal's default action).  Signal handlers are
+    the main thread's: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Stopped(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+@contextlib.contextmanager
+def signals_restored() -> Iterator[None]:
+    """Put SIGINT's and SIGTERM's handlers back as they were on leaving (the Python API runs
+    `fedhop run` inside a user's process: a notebook's kernel keeps its own handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def ignore_stops() -> None:
+    """Once a stop is being recorded, further SIGINT and SIGTERM wait for it (SIGKILL still ends
+    the process): Ctrl-C reaches the launcher and its children together, and the launcher then
+    asks the server to stop as well."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def stop_reason(exc: BaseException) -> tuple[str, int]:
+    """(how a stop is described, the exit status a shell reports for it: 128 + signal)."""
+    if isinstance(exc, Stopped):
+        return f"stopped by {signal.Signals(exc.signum).name}", 128 + exc.signum
+    return "stopped by SIGINT (Ctrl-C)", 128 + signal.SIGINT

@@ -92,17 +92,20 @@ class RoundEngine:
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ server steps
-    def sample(self, round: int, restrict: Restrict | None = None) -> list[int]:
+    def sample(self, round: int, restrict: Restrict | None = None, attempt: int = 0) -> list[int]:
         """Seeded sampling without replacement: stream ("sampling", round), over every client or,
         with topology.edges_per_round > 0, over the clients of the round's edges; ceil(c * S)
         clients under over-commitment (at most the pool).  `restrict(pool, size)` may narrow the
-        pool first (the server leaves out dead nodes' clients, common/liveness.py `live_pool`)."""
+        pool first (the server leaves out dead nodes' clients, common/liveness.py `live_pool`).
+        `attempt` > 0: the round's retry after a short attempt (run.on_short_round = "retry"),
+        drawn from its own stream ("sampling", round, "attempt", attempt)."""
         pool = sampling_pool(self.cfg, round)
         size = min(len(pool), self.clock.sample_size(resolve_clients_per_round(self.cfg)))
         if restrict is not None:
             pool = restrict(pool, size)
             size = min(size, len(pool))
-        rng = numpy_stream(self.cfg.run.seed, "sampling", round)
+        rng = (numpy_stream(self.cfg.run.seed, "sampling", round) if attempt == 0 else
+               numpy_stream(self.cfg.run.seed, "sampling", round, "attempt", attempt))
         return sorted(pool[int(i)] for i in rng.choice(len(pool), size=size, replace=False))
 
     def messages(self, round: int, sampled: list[int]) -> tuple[Payload, dict[int, Payload]]:

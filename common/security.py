@@ -35,7 +35,7 @@ from typing import Callable, Iterable
 
 import grpc
 
-from fedhop.common.addresses import plaintext_refusal
+from fedhop.common.addresses import insecure_from_env, plaintext_refusal
 
 log = logging.getLogger("fedhop.security")
 
@@ -421,7 +421,7 @@ def add_security_args(ap: argparse.ArgumentParser) -> None:
                     help="TLS: the cluster directory from `fedhop certs` (ca.pem, NODE.pem, NODE.key)")
     ap.add_argument("--mtls", action="store_true", default=os.environ.get("FEDHOP_MTLS", "") == "1",
                     help="mutual TLS: require a cluster certificate from callers")
-    ap.add_argument("--insecure", action="store_true", default=os.environ.get("FEDHOP_INSECURE", "") in ("1", "true"),
+    ap.add_argument("--insecure", action="store_true", default=insecure_from_env(),
                     help="allow plaintext gRPC to or on non-loopback addresses")
 
 

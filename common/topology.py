@@ -20,7 +20,10 @@ class StarParams:
 @dataclass
 class HierarchicalParams:
     """HierFAVG (Liu et al. 2020): clients run kappa1 = `algorithm.local_steps` steps between
-    edge aggregations; the server aggregates every `kappa2` edge aggregations."""
+    edge aggregations; the server aggregates every `kappa2` edge aggregations.
+
+    `kappa2`: edge aggregations per server aggregation (one round)
+    """
 
     kappa2: int = field(default=1, metadata={"min": 1})
     # 0: every edge takes part. k > 0: each round k edges are drawn (`round_edges`) and the
@@ -38,6 +41,8 @@ class SequentialParams:
     `steps_per_round`: K, the edge's aggregations per round.  `count_start`: false = the paper's
     literal pseudocode (c(m(0)) stays 0 until the walk returns), true = the start edge counts
     its first visit.
+
+    `max_degree`: the largest degree of graph = "random"
     """
 
     graph: str | list = "ring"
@@ -56,6 +61,8 @@ class ChainParams:
     such as smoothness constants L_i).  `objective`: the weights p of F = sum p_i f_i
     ("uniform", the paper's 1/N, or "data").  `start`: the first client, an id or "random".
     `hops_per_round`: visits per round; each runs `algorithm.local_steps` local steps.
+
+    `max_degree`: the largest degree of graph = "random"
     """
 
     graph: str | list = "random"
@@ -69,7 +76,10 @@ class ChainParams:
 @dataclass
 class RelayParams:
     """A data-weighted random walk relayed through the server (server/relay.py): `hops_per_round`
-    clients per round, each drawn with probability D_j / D_A (stream "chain", round)."""
+    clients per round, each drawn with probability D_j / D_A (stream "chain", round).
+
+    `hops_per_round`: clients visited per round
+    """
 
     hops_per_round: int = field(default=10, metadata={"min": 1})
 

@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
 
     run = sub.add_parser("run", help="run an experiment: server and client processes on this machine")
     run.add_argument("config", nargs="?", help="experiment TOML file")
-    run.add_argument("--out", help="run directory (default runs/NAME-TIMESTAMP)")
+    run.add_argument("--out", help="run directory, relative to this folder (default runs/NAME-TIMESTAMP, a new "
+                                   "folder for every run); one that holds an earlier run is refused unless --force")
+    run.add_argument("--force", action="store_true", help="with --out: delete the earlier run in that folder first")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override a config key (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress display")
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("launch", help="start a run's roles on the machines of a hosts file (ssh)", add_help=False)
     sub.add_parser("dashboard", help="serve the live page of a run directory (finished or running)", add_help=False)
     sub.add_parser("merge-ledgers", help="merge an interrupted run's child ledgers into its run.db", add_help=False)
+    sub.add_parser("config", help="the config reference: every key, its default and allowed values", add_help=False)
     sub.add_parser("netsim", help="run on emulated hosts (network namespaces): wire bytes, shaped links",
                    add_help=False)
 
@@ -47,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "launch":
         from fedhop.deploy.hosts import main as launch_main
         return launch_main(argv[1:])
+    if argv and argv[0] == "config":
+        from fedhop.deploy.configref import main as config_main
+        return config_main(argv[1:])
     if argv and argv[0] == "netsim":
         from fedhop.deploy.netsim import main as netsim_main
         return netsim_main(argv[1:])
@@ -71,14 +77,18 @@ def main(argv: list[str] | None = None) -> int:
         from fedhop.deploy.forkstart import allow_fork
         allow_fork()   # this process validates the config and starts children, nothing more
         if args.resume:
-            if args.config or args.overrides:
-                ap.error("run --resume RUN_DIR takes no CONFIG or --set: the run's own config.toml is used")
+            if args.config or args.overrides or args.out or args.force:
+                ap.error("run --resume RUN_DIR takes no CONFIG, --set, --out or --force: the run continues in RUN_DIR "
+                         "with its own config.toml")
             from fedhop.deploy.launcher import resume_local
             return resume_local(args.resume, quiet=args.quiet, dashboard=args.dashboard)
         if not args.config:
             ap.error("run: a CONFIG file is required")
+        if args.force and not args.out:
+            ap.error("run --force: only with --out DIR (the default run folder is always new)")
         from fedhop.deploy.launcher import run_local
-        return run_local(args.config, args.overrides, args.out, quiet=args.quiet, dashboard=args.dashboard)
+        return run_local(args.config, args.overrides, args.out, quiet=args.quiet, dashboard=args.dashboard,
+                         force=args.force)
     return 2
 
 

@@ -5,8 +5,10 @@ A standard-library HTTP server (a daemon thread) serves one static page, deploy/
 the run read from run.db: the topology as a graph (server, edges, client groups) with the bytes
 of every link from the live view each process reports with its heartbeats (common/livebytes.py),
 the rounds with their metrics and live byte totals, failures and events.  The page polls the
-snapshot every second; the first one is inlined in the page, so a page that runs no script
-(or a headless dump) already shows the run.
+snapshot every second; the first one is inlined in the page, so the first paint (or a headless
+dump) already shows the run.  The page fits a 1000 px wide window; the graph places each link's
+byte label where its box overlaps no other text, and lists those it cannot place (many edges)
+below the picture.
 
 The server listens on 127.0.0.1 by default: the page shows the run's config and events.
 """

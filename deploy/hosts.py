@@ -41,6 +41,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from fedhop.common.addresses import plaintext_refusal
 from fedhop.common.config import Config, ConfigError, config_to_toml, load_config
 from fedhop.common.plan import Placement, id_spec, plan_processes
 from fedhop.deploy.malloc import TUNED_MALLOC_ENV
@@ -316,6 +318,13 @@ def run_path(hf: HostsFile, run_name: str) -> str:
     return f"{hf.run_root.rstrip('/')}/{run_name}"
 
 
+def bind_address(role: Role) -> str:
+    """The address a role's process binds (the server's server_listen where set)."""
+    if role.kind == "server":
+        return f"{role.host.server_listen or role.host.address}:{role.port}"
+    return role.address
+
+
 def role_argv(role: Role, cfg: Config, run: str) -> list[str]:
     """`python -m <role> ...` arguments (paths relative to the workdir unless absolute)."""
     mm = str(cfg.transport.max_message_bytes)
@@ -323,8 +332,7 @@ def role_argv(role: Role, cfg: Config, run: str) -> list[str]:
     security = (["--certs-dir", sec.certs_dir] if sec.certs_dir else []) + (["--mtls"] if sec.mtls else []) \
         + (["--insecure"] if sec.insecure else [])
     if role.kind == "server":
-        listen = role.host.server_listen or role.host.address
-        return ["server", "--config", f"{run}/config.toml", "--run-dir", run, "--listen", f"{listen}:{role.port}"]
+        return ["server", "--config", f"{run}/config.toml", "--run-dir", run, "--listen", bind_address(role)]
     if role.kind == "edge":
         return ["edge", "--parent", role.parent, "--node-id", role.node_id, "--listen", role.address,
                 "--ledger-dir", f"{run}/ledger", "--max-message-bytes", mm] + security
@@ -368,8 +376,14 @@ def ship_wheels(spec: str, build_dir: Path) -> list[Path]:
     if spec == "wheel":
         root = Path(__file__).resolve().parents[1]
         build_dir.mkdir(parents=True, exist_ok=True)
+        # built from a copy: setuptools writes build/ and *.egg-info beside the sources it builds
+        src = build_dir / "src"
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.copytree(root, src, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "*.egg-info", "runs", "sweeps", "wheelhouse", "__pycache__", ".*_cache"))
         res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(build_dir),
-                              str(root)], capture_output=True, text=True)
+                              str(src)], capture_output=True, text=True)
+        shutil.rmtree(src, ignore_errors=True)
         if res.returncode != 0:
             raise HostsError(f"launch.ship = 'wheel': building the wheel of {root} failed: {res.stderr.strip()[-400:]}")
         return sorted(build_dir.glob("fedhop-*.whl"))
@@ -603,20 +617,68 @@ class Launch:
             if key in seen:
                 continue
             seen.add(key)
-            cmd = f"cd {shell_path(self.hf.workdir_of(host))} && tar -C {shell_path(self.run)} -cf - ."
+            cmd = gather_command(self.hf, host, self.run)
             argv = remote_argv(self.hf.remote, host.remote_name, cmd)
             try:
                 res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=600)
             except subprocess.TimeoutExpired:
                 problems.append(f"{host.name}: gathering timed out")
                 continue
-            if res.returncode != 0:
-                problems.append(f"{host.name}: tar exited {res.returncode}: {res.stderr.decode(errors='replace')[-300:]}")
-                continue
-            with tarfile.open(fileobj=io.BytesIO(res.stdout), mode="r:") as tar:
-                members = [m for m in tar.getmembers() if not m.name.lstrip("./").startswith("logs")]
-                tar.extractall(self.out, members=members, filter="data")
+            problem = unpack_gathered(res.returncode, res.stdout, res.stderr.decode(errors="replace"), self.out)
+            if problem:
+                problems.append(f"{host.name}: {problem}")
         return problems
+
+
+SNAPSHOT = ".gathered"   # the consistent copy of run.db that gathering makes beside it
+SNAPSHOT_CODE = ("import os, sqlite3, sys\n"
+                 "src = os.path.join(sys.argv[1], 'run.db')\n"
+                 "if os.path.exists(src):\n"
+                 "    a = sqlite3.connect(src, timeout=60); b = sqlite3.connect(src + '" + SNAPSHOT + "')\n"
+                 "    a.backup(b); b.close(); a.close()\n")
+
+
+def gather_command(hf: HostsFile, host: HostSpec, run: str) -> str:
+    """The shell command that writes a host's run directory to standard output as a tar.  It first
+    waits (up to `stop_grace` seconds) for the roles whose pid files are there to exit, then copies
+    run.db with SQLite's backup API (a consistent snapshot even while a stopping server still
+    writes: the -wal and -shm files never travel; where the host's python cannot, run.db goes as
+    it is) and tars the rest; tar's exit 1, "file changed as we read it" (a ledger a stopping
+    process still appends to), still yields an archive."""
+    q = shell_path
+    wait = max(1, int(hf.stop_grace * 5))
+    snap = f"{q(run)}/run.db{SNAPSHOT}"
+    tar = f"tar -C {q(run)} -cf -"
+    return (f"cd {q(hf.workdir_of(host))} || exit 2; "
+            f"for f in {q(run)}/pids/*.pid; do p=$(cat \"$f\" 2>/dev/null) || continue; i=0; "
+            f"while [ -n \"$p\" ] && kill -0 \"$p\" 2>/dev/null && [ $i -lt {wait} ]; do "
+            f"sleep 0.2 2>/dev/null || sleep 1; i=$((i+1)); done; done; "
+            f"rm -f {snap}; {q(hf.python_of(host))} -c {shlex.quote(SNAPSHOT_CODE)} {q(run)} >&2; "
+            f"if [ -f {snap} ]; then {tar} --exclude=run.db --exclude=run.db-wal --exclude=run.db-shm "
+            f"--exclude=run.db-journal .; else {tar} --exclude=run.db-shm .; fi; "   # no snapshot: as it is
+            f"rc=$?; rm -f {snap}; exit $rc")
+
+
+def unpack_gathered(returncode: int, archive: bytes, stderr: str, out: Path) -> str | None:
+    """Extract a host's gathered tar into OUT (not its logs: those were streamed), its run.db snapshot
+    as OUT/run.db; the problem, or None.  Exit 1 with an archive is tar's "file changed as we
+    read it": the archive holds every file, some as they were a moment earlier."""
+    if returncode not in (0, 1) or not archive:
+        return f"copying back exited {returncode}: {stderr.strip()[-300:]}"
+    try:
+        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:") as tar:
+            members = [m for m in tar.getmembers() if not m.name.lstrip("./").startswith("logs")]
+            tar.extractall(out, members=members, filter="data")
+    except tarfile.TarError as exc:
+        return f"copying back exited {returncode}, unreadable archive ({exc}): {stderr.strip()[-300:]}"
+    snapshot = out / f"run.db{SNAPSHOT}"
+    if snapshot.exists():
+        for stale in ("run.db-wal", "run.db-shm", "run.db-journal"):
+            (out / stale).unlink(missing_ok=True)
+        snapshot.replace(out / "run.db")
+    if returncode == 1:
+        return f"tar: {stderr.strip()[-300:]} (copied; those files as they were while being read)"
+    return None
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -703,8 +765,16 @@ def main(argv: list[str] | None = None) -> int:
     except (HostsError, ConfigError, OSError) as exc:
         print(f"fedhop launch: {exc}", file=sys.stderr)
         return 2
+    refusal = plaintext_refusal([bind_address(r) for r in roles], cfg.security.insecure,
+                                tls=bool(cfg.security.certs_dir), who="launch")
+    if refusal:   # every role would refuse on its host: say so before starting any
+        print(f"fedhop launch: {refusal}", file=sys.stderr)
+        return 2
     from fedhop.deploy.launcher import default_run_dir
-    out = Path(args.out) if args.out else default_run_dir(cfg)
+    if args.out or not args.dry_run:
+        out = Path(args.out) if args.out else default_run_dir(cfg)
+    else:   # a dry run makes nothing: the name a run folder would have
+        out = Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if hf.ship and not args.dry_run:
         out.mkdir(parents=True, exist_ok=True)
     try:

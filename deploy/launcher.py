@@ -6,24 +6,29 @@ on Linux) and are terminated on success, failure or Ctrl-C, so nothing is left b
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import secrets
+import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from fedhop.common.config import Config, config_to_toml, load_config
 from fedhop.common.plan import id_spec, plan_processes
+from fedhop.common.plugins import PLUGIN_PATH_ENV
 from fedhop.deploy.report import human_bytes
-from fedhop.common.procexit import LAUNCHER_ENV
+from fedhop.common.procexit import (LAUNCHER_ENV, Stopped, ignore_stops, signals_restored, stop_on_sigterm,
+                                    stop_reason)
 from fedhop.deploy.forkstart import ForkedProcess, fork_allowed, fork_module
 from fedhop.deploy.malloc import tuned_env
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -38,8 +43,9 @@ class LocalRun:
     """The processes of one run on this machine."""
 
     cfg: Config
-    run_dir: Path
+    run_dir: Path              # absolute: the children may read it from another working directory
     children: list[Child] = field(default_factory=list)
+    workdir: Path = field(default_factory=Path.cwd)   # the children's working directory: the user's folder
     token: str = field(default_factory=lambda: secrets.token_hex(16))
 
     def spawn(self, name: str, argv: list[str]) -> Child:
@@ -47,12 +53,12 @@ class LocalRun:
         env = dict(tuned_env(), FEDHOP_TOKEN=self.token, PYTHONUNBUFFERED="1")
         module = f"fedhop.{argv[0]}"
         if fork_allowed():   # start-up without re-importing torch (deploy/forkstart.py)
-            proc = fork_module(module, argv[1:], env, log, REPO_ROOT)
+            proc = fork_module(module, argv[1:], env, log, self.workdir)
         else:
             with open(log, "ab") as fh:
                 # the child dies with this launcher (common/procexit.py die_with_launcher)
                 proc = subprocess.Popen([sys.executable, "-m", module, *argv[1:]], stdout=fh, stderr=subprocess.STDOUT,
-                                        env={**env, LAUNCHER_ENV: str(os.getpid())}, cwd=REPO_ROOT)
+                                        env={**env, LAUNCHER_ENV: str(os.getpid())}, cwd=self.workdir)
         child = Child(name, proc, log)
         self.children.append(child)
         return child
@@ -111,8 +117,17 @@ class LocalRun:
             time.sleep(0.05)
         raise RuntimeError(f"{server.name} did not start serving within {timeout:.0f}s; see {server.log}")
 
-    def stop_all(self, grace: float = 5.0) -> None:
-        """Terminate every child still running; kill those that do not exit within `grace`."""
+    def stop_all(self, grace: float = 5.0, server_grace: float = 0.0, server_signal: int = signal.SIGINT) -> None:
+        """Terminate every child still running; kill those that do not exit within `grace`.
+        With `server_grace`, the server is asked first (`server_signal`: the signal that stopped the
+        launcher) and given that long to record the run as stopped and shut its children down itself."""
+        if server_grace and self.children and self.children[0].proc.poll() is None:
+            server = self.children[0].proc
+            server.send_signal(server_signal)
+            try:
+                server.wait(server_grace)
+            except subprocess.TimeoutExpired:
+                pass
         for c in self.children:
             if c.proc.poll() is None:
                 c.proc.terminate()
@@ -124,6 +139,13 @@ class LocalRun:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
+
+    def kill_all(self) -> None:
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.proc.kill()
+        for c in self.children:
+            c.proc.wait()
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -241,7 +263,11 @@ def final_table(run_dir: Path) -> str:
         lines.append("  final: " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))
     try:
         from fedhop.common.runstore import RunStore
-        by_dir = RunStore(run_dir / "run.db", create=False).bytes_by_link_direction()
+        store = RunStore(run_dir / "run.db", create=False)
+        try:
+            by_dir = store.bytes_by_link_direction()
+        finally:
+            store.close()   # the last connection: no -wal/-shm files left beside run.db
     except Exception:  # the table is a courtesy; summary.json has the numbers
         by_dir = {}
     lines.append(f"  {'link':<14}{'direction':<10}{'messages':>10}{'tensor bytes':>16}{'framed bytes':>16}")
@@ -253,9 +279,14 @@ def final_table(run_dir: Path) -> str:
         lines.append(f"  {'total':<24}{total.get('messages', 0):>10}{human_bytes(total.get('tensor_bytes', 0)):>16}"
                      f"{human_bytes(total.get('framed_bytes', 0)):>16}")
     agreement = summary.get("ledger_agreement", {})
-    lines.append(f"  ledger: sender and receiver records agree: {agreement.get('ok')} "
-                 f"(matched {agreement.get('matched')}, sender only {agreement.get('sender_only')}, "
-                 f"receiver only {agreement.get('receiver_only')}, mismatched {agreement.get('mismatched')})")
+    if summary.get("status") == "stopped" and not agreement.get("ok") and not agreement.get("mismatched"):
+        lines.append(f"  ledger: {agreement.get('matched')} messages recorded by both ends; "
+                     f"{agreement.get('sender_only')} sender-only and {agreement.get('receiver_only')} receiver-only "
+                     f"records were in flight when the run stopped (expected after a stop)")
+    else:
+        lines.append(f"  ledger: sender and receiver records agree: {agreement.get('ok')} "
+                     f"(matched {agreement.get('matched')}, sender only {agreement.get('sender_only')}, "
+                     f"receiver only {agreement.get('receiver_only')}, mismatched {agreement.get('mismatched')})")
     lines.append(f"  run directory: {run_dir}")
     return "\n".join(lines)
 
@@ -284,7 +315,7 @@ def keep_serving(page) -> None:
 def merge_interrupted(run_dir: Path) -> None:
     """After an interrupt: the children's ledgers into run.db, so the report shows what really
     crossed the wire (deploy/ledgers.py; `fedhop merge-ledgers` does the same later)."""
-    from fedhop.deploy.ledgers import merge_run
+    from fedhop.deploy.ledgers import merge_run, stopped_agreement
     if not (run_dir / "run.db").is_file():
         return
     try:
@@ -293,11 +324,108 @@ def merge_interrupted(run_dir: Path) -> None:
         print(f"fedhop run: could not merge the ledgers ({exc}); run `fedhop merge-ledgers {run_dir}`",
               file=sys.stderr)
         return
-    print(f"fedhop run: merged the ledgers of every process ({added} records); {agreement}", file=sys.stderr)
+    print(f"fedhop run: merged the ledgers of every process ({added} records); {stopped_agreement(agreement)}",
+          file=sys.stderr)
 
 
-def default_run_dir(cfg: Config) -> Path:
-    return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+class RunDirError(ValueError):
+    """`--out` names a folder a new run cannot use; the message says why and what to do."""
+
+
+# what marks a folder as a run directory (a run writes these first; docs: README "Run folders")
+RUN_MARKERS = ("config.toml", "run.db", "summary.json", "ledger", "checkpoints")
+
+
+def holds_run(folder: Path) -> bool:
+    return any((folder / name).exists() for name in RUN_MARKERS)
+
+
+def claim(folder: Path) -> bool:
+    """Take `folder` for a new run: create its config.toml exclusively, so that of two runs
+    started at once with the same folder exactly one gets it."""
+    try:
+        os.close(os.open(folder / "config.toml", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
+STOP_GRACE = 60.0   # seconds the server has, after Ctrl-C, to record the stopped run and shut its children down
+
+
+def default_run_dir(cfg: Config, parent: Path | None = None) -> Path:
+    """A new folder `runs/NAME-YYYYmmdd-HHMMSS` in the working directory, claimed for this run;
+    runs started in the same second get `-2`, `-3`, ... (mkdir is atomic, so never the same one)."""
+    base = (parent or Path.cwd() / "runs").resolve()
+    base.mkdir(parents=True, exist_ok=True)
+    stamp = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while True:
+        folder = base / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            n += 1
+            continue
+        if claim(folder):
+            return folder
+        n += 1
+
+
+def out_run_dir(out: str, force: bool = False) -> Path:
+    """The absolute run folder named by `--out` (relative to the working directory), claimed for a
+    new run.  A folder that holds an earlier run is refused unless `force` (which deletes it);
+    a non-empty folder that holds no run is always refused: fedhop never deletes a user's files."""
+    folder = Path(out).expanduser().resolve()
+    if folder.exists() and not folder.is_dir():
+        raise RunDirError(f"--out {out}: {folder} exists and is not a directory")
+    if folder.is_dir() and any(folder.iterdir()):
+        if not holds_run(folder):
+            raise RunDirError(f"--out {out}: {folder} is not empty and holds no fedhop run; name a new or empty folder")
+        if not force:
+            raise RunDirError(f"--out {out}: {folder} holds an earlier run; name another folder, continue it with "
+                              f"`fedhop run --resume {out}`, or replace it with --force")
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not claim(folder):
+        raise RunDirError(f"--out {out}: another run started in {folder} at the same time")
+    return folder
+
+
+def absolute_paths(cfg: Config, base: Path) -> None:
+    """Resolve the config's file-system paths against `base` (the folder the user ran fedhop in),
+    so the run folder's config.toml means the same from any working directory (children, resume)."""
+    def absolute(value: str) -> str:
+        path = Path(value).expanduser()
+        return str(path if path.is_absolute() else (base / path).resolve())
+
+    cfg.data.data_dir = absolute(cfg.data.data_dir)
+    if cfg.security.certs_dir:
+        cfg.security.certs_dir = absolute(cfg.security.certs_dir)
+    data_file = cfg.data.options.get("path")
+    # a relative data.path is looked up in data.data_dir, then the working directory (common/tasks)
+    if isinstance(data_file, str) and data_file and not (Path(cfg.data.data_dir) / data_file).exists() \
+            and (base / data_file).exists():
+        cfg.data.options["path"] = absolute(data_file)
+
+
+USER_PLUGIN_PATH = os.environ.get(PLUGIN_PATH_ENV, "")   # as the user started fedhop (the API may run many configs)
+PLUGIN_PATH_FILE = "plugin_path"   # the run's plug-in search path, for --resume from any folder
+
+
+def plugin_search_path(config_path: str | Path) -> list[Path]:
+    """Where a plug-in package that is not installed is looked for: the config's folder, then the
+    working directory (common/plugins.py)."""
+    folders = [Path(config_path).expanduser().resolve().parent, Path.cwd().resolve()]
+    return list(dict.fromkeys(folders))
+
+
+def export_plugin_path(config_path: str | Path) -> None:
+    """Put the plug-in search path in the environment this process and its children read it from,
+    after any folders the user set there."""
+    have = [p for p in USER_PLUGIN_PATH.split(os.pathsep) if p]
+    os.environ[PLUGIN_PATH_ENV] = os.pathsep.join(dict.fromkeys([*have, *map(str, plugin_search_path(config_path))]))
 
 
 def loopback_plaintext_note(cfg: Config) -> str | None:
@@ -327,7 +455,7 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True, das
     """`fedhop run --resume RUN_DIR`: restart the server from its newest checkpoint and fresh
     client processes; the same exit codes as `run_local`."""
     from fedhop.common.checkpoint import CheckpointError, latest_checkpoint
-    d = Path(run_dir)
+    d = Path(run_dir).expanduser().resolve()
     if not (d / "config.toml").exists():
         print(f"fedhop run --resume: {d} holds no config.toml; is it a run directory?", file=sys.stderr)
         return 2
@@ -343,37 +471,68 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True, das
         return 2
     if not quiet:
         print(f"fedhop run: resuming {d} after round {ckpt.round}", file=sys.stderr)
+    saved = (d / PLUGIN_PATH_FILE).read_text().strip() if (d / PLUGIN_PATH_FILE).is_file() else ""
+    os.environ[PLUGIN_PATH_ENV] = saved or str(d)
     return run_local(str(d / "config.toml"), [], str(d), quiet=quiet, show_table=show_table, resume=True,
                      start_round=ckpt.round, dashboard=dashboard)
 
 
 def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool = False,
               show_table: bool = True, resume: bool = False, start_round: int = 0,
-              dashboard: int | None = None) -> int:
-    """`fedhop run`: returns the exit status (0 completed, 1 failed, 2 bad config, 130 interrupted).
+              dashboard: int | None = None, force: bool = False,
+              on_run_dir: Callable[[Path], None] | None = None) -> int:
+    """`fedhop run`, leaving this process's SIGINT and SIGTERM handlers as it found them.
+    `on_run_dir` is told the run folder once it is chosen (the Python API, deploy/api.py)."""
+    with signals_restored():
+        return _run_local(config_path, overrides, out, quiet, show_table, resume, start_round, dashboard, force,
+                          on_run_dir)
+
+
+def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool, show_table: bool,
+               resume: bool, start_round: int, dashboard: int | None, force: bool,
+               on_run_dir: Callable[[Path], None] | None) -> int:
+    """`fedhop run`: returns the exit status (0 completed, 1 failed, 2 bad config or run folder,
+    130 after Ctrl-C, 143 after SIGTERM: the run is then recorded as "stopped").  Paths (the config, `out`, and the config's data_dir, data.path and
+    certs_dir) are relative to the working directory; the run folder records them absolute.
     With `dashboard` (a port), the live run page is served from this process (deploy/dashboard.py)
     once the children are started, and stays up after the run until Ctrl-C."""
     from fedhop.common.config import ConfigError
+    if not resume:
+        export_plugin_path(config_path)
     try:
         cfg = load_config(config_path, overrides)
     except (ConfigError, OSError) as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
         return 2
+    given_certs = cfg.security.certs_dir
+    if not resume:   # a run folder's config.toml is resumed as written (its checkpoints carry its digest)
+        absolute_paths(cfg, Path.cwd())
     if cfg.security.certs_dir and not Path(cfg.security.certs_dir).is_dir():
-        print(f"fedhop run: security.certs_dir = '{cfg.security.certs_dir}' is not a directory; make one with "
-              f"`fedhop certs {cfg.security.certs_dir} --nodes ...`", file=sys.stderr)
+        print(f"fedhop run: security.certs_dir = '{given_certs}' is not a directory ({cfg.security.certs_dir}); "
+              f"make one with `fedhop certs {given_certs} --nodes ...`", file=sys.stderr)
         return 2
-    run_dir = Path(out) if out else default_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.transport.kind == "inmemory":
         print("fedhop run: transport.kind = 'inmemory' is for unit tests (deploy/inmemory.py); "
               "process runs use grpc or torch", file=sys.stderr)
         return 2
+    try:
+        if resume:
+            run_dir = Path(out).resolve()
+        else:
+            run_dir = out_run_dir(out, force) if out else default_run_dir(cfg)
+    except (RunDirError, OSError) as exc:
+        print(f"fedhop run: {exc}", file=sys.stderr)
+        return 2
+    if not resume:
+        (run_dir / PLUGIN_PATH_FILE).write_text(os.environ.get(PLUGIN_PATH_ENV, "") + "\n")
+    if on_run_dir is not None:
+        on_run_dir(run_dir)
     note = loopback_plaintext_note(cfg)
     if note and not quiet:
         print(note, file=sys.stderr)
     run = LocalRun(cfg, run_dir)
     progress = page = None
+    stop_on_sigterm()   # SIGTERM (a scheduler, `timeout`, `kill`) stops the run as Ctrl-C does
     try:
         server = run.start(overrides=[], resume=resume)
         page = start_dashboard(run_dir, dashboard) if dashboard is not None else None
@@ -395,16 +554,36 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
                 server.proc.wait(0.2)   # returns as soon as the server exits
             except subprocess.TimeoutExpired:
                 pass
+        for row in read_progress(run_dir / "run.db", last):   # rounds recorded after the loop's last look
+            last = row["round"]
+            if progress:
+                progress.update(row)
         # the last round again: once the children's last heartbeats are in, its bytes are the final table's
         for row in read_progress(run_dir / "run.db", max(last - 1, start_round if resume else -1), final=True):
             if progress:
                 progress.update(row, final=True)
         status = server.proc.returncode
-    except KeyboardInterrupt:
-        print("\nfedhop run: interrupted; stopping every process", file=sys.stderr)
-        run.stop_all()
+    except (KeyboardInterrupt, Stopped) as exc:
+        ignore_stops()
+        if threading.current_thread() is threading.main_thread():   # a second Ctrl-C: kill every process now
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        reason, code = stop_reason(exc)
+        print(f"\nfedhop run: {reason}; the server records the run as stopped (Ctrl-C again: kill every "
+              "process now)", file=sys.stderr, flush=True)
+        try:
+            run.stop_all(server_grace=STOP_GRACE, server_signal=code - 128)
+        except KeyboardInterrupt:
+            run.kill_all()
+        if progress:
+            progress.close()
+            progress = None
+        # a read-only connection the signal cut off before its `finally` is closed here, so that the
+        # merge's is the last one and SQLite folds the WAL into run.db
+        gc.collect()
         merge_interrupted(run_dir)
-        return 130
+        if show_table and (run_dir / "summary.json").exists():
+            print(final_table(run_dir))
+        return code
     except RuntimeError as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
         run.stop_all()

@@ -42,7 +42,6 @@ from typing import Iterable
 from fedhop.common.config import Config, ConfigError, load_config
 from fedhop.deploy.hosts import HostsError, HostsFile, HostSpec, Role, load_hosts, plan_roles, run_launch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBNET = "10.213"                 # 10.213.0.0/16, used only inside our namespaces
 IFNAME = "eth0"
 FRAME_OVERHEAD = 66               # Ethernet 14 + IPv4 20 + TCP 20 + timestamps option 12 (bytes per packet)
@@ -537,7 +536,7 @@ class Capture:
         self.path = out / f"capture-{host}.json"
         self.proc = subprocess.Popen(net.exec_prefix(host) + [sys.executable, "-m", "fedhop.deploy.h2capture", "--iface",
                                                               IFNAME, "--out", str(self.path)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "capturing" not in line:
@@ -597,7 +596,8 @@ def run_netsim(cfg: Config, out: Path, hf: HostsFile | None = None, bandwidth: d
             eh = net.add_host(h.name, rates[h.name])
             h.address, h.target, h.server_listen = eh.address, eh.netns, ""
         net.finalize()
-        hf.remote, hf.workdir, hf.python = "ip netns exec {host}", str(REPO_ROOT), sys.executable
+        # every emulated host shares this machine's files: the roles run in the user's folder
+        hf.remote, hf.workdir, hf.python = "ip netns exec {host}", str(Path.cwd()), sys.executable
         roles = plan_roles(hf, cfg)
         unknown = sorted(set(capture) - set(net.hosts))
         if unknown:

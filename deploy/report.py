@@ -2,14 +2,17 @@
 
 Reads each run directory's `summary.json` and `run.db`, prints an aligned table that fits
 `TEXT_WIDTH` columns (the full table, with bytes per link, goes to `report.md`, the raw numbers
-to `report.json`) and writes PNG plots:
+to `report.json`) and writes plots at print quality (`--format png|pdf|svg`; PNG at `--dpi`, 300
+by default; 7 x 4.5 in, no text under 9 pt; `.pdf` or `.svg` for `.png` below with `--format`):
 
 - `metric_vs_round.png`        the metric against the round,
 - `metric_vs_bytes.png`        the metric against cumulative bytes (log x),
-- `bytes_by_link.png`          stacked bars of bytes per link per run,
+- `bytes_by_link.png`          bars of bytes per link per run,
 - `metric_vs_sim_time.png`     the metric against simulated time, when the rounds table has it,
 - `round_time_breakdown.png`   mean seconds per round in compute, communication, waiting, aggregation,
                                  evaluation (server/coordinator.py `time_breakdown`);
+- with `--csv FILE_OR_DIR`, the per-round table of every run as CSV (`write_csv`): one row per run
+  and round, every metric, and the cumulative messages and bytes (deploy/runread.py);
 - with `--tensorboard DIR`, TensorBoard event files, one directory per run (deploy/tensorboard.py).
 
 Conventions.  Round r in the rounds table means r rounds completed (round 0, where present, is
@@ -24,6 +27,7 @@ Missing data (no run.db, no rounds, no messages) gives a note, never a crash.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -36,6 +40,7 @@ from typing import Any, Collection, Sequence
 
 from fedhop.common.ledger import BYTE_FIELDS, LINKS
 from fedhop.common.runstore import AgreementReport, RunStore
+from fedhop.deploy import runread
 
 LOWER_IS_BETTER_TOKENS: tuple[str, ...] = ("loss", "objective", "distance", "error", "gap", "regret", "norm",
                                            "subopt", "mse", "rmse")
@@ -170,6 +175,7 @@ class ReportResult:
     markdown: str
     plots: list[Path]
     notes: list[str]
+    csv: Path | None = None
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -373,10 +379,18 @@ def _looks_numeric(cell: str) -> bool:
 
 
 # -- plots --------------------------------------------------------------------------------
+PLOT_FORMATS: tuple[str, ...] = ("png", "pdf", "svg")
+FIGSIZE = (7.0, 4.5)    # inches: a page's text width
+DPI = 300               # PNG pixels per inch: print quality (PDF and SVG are vector)
+FONT_PT = 9             # the smallest text on a plot (annotations, legends, notes), in points
+PLOT_STYLE = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.labelsize": FONT_PT,
+              "ytick.labelsize": FONT_PT, "legend.fontsize": FONT_PT, "svg.fonttype": "none", "pdf.fonttype": 42}
+
+
 def _figure():
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
-    fig = Figure(figsize=(7, 4.5), dpi=100)
+    fig = Figure(figsize=FIGSIZE, dpi=100)   # the saved resolution is `_save`'s dpi
     return fig, fig.add_subplot(1, 1, 1)
 
 
@@ -385,15 +399,21 @@ def _left_out(fig, left: Sequence[tuple[str, str]], notes: list[str], plot: str)
     if not left:
         return
     text = "left out: " + "; ".join(f"{name} ({why})" for name, why in left)
-    fig.text(0.01, 0.005, text, fontsize=7, color="dimgray", wrap=True, va="bottom")
+    fig.text(0.01, 0.005, text, fontsize=FONT_PT, color="dimgray", wrap=True, va="bottom")
     fig.subplots_adjust(bottom=0.2)
     notes.extend(f"{plot}: {name} left out ({why})" for name, why in left)
 
 
-def _save(fig, path: Path, plots: list[Path]) -> None:
-    fig.tight_layout(rect=(0, 0.06, 1, 1) if fig.texts else None)
-    fig.savefig(path, format="png")  # a Figure without pyplot renders PNG with the Agg canvas
+def _save(fig, path: Path, plots: list[Path], dpi: int = DPI) -> None:
+    """Write `fig` in the format its suffix names (Agg for PNG, matplotlib's vector backends for
+    PDF and SVG: a Figure without pyplot picks the canvas by format)."""
+    fig.tight_layout(rect=(0, 0.08, 1, 1) if fig.texts else None)
+    fig.savefig(path, format=path.suffix[1:], dpi=dpi, metadata=_METADATA.get(path.suffix[1:]))
     plots.append(path)
+
+
+# no creation date in PDF and SVG files: the same runs give the same bytes
+_METADATA = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}
 
 
 def _link_color(link: str, i: int) -> str:
@@ -402,16 +422,38 @@ def _link_color(link: str, i: int) -> str:
 
 
 def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None, kind: str, out: Path,
-               notes: list[str]) -> list[Path]:
+               notes: list[str], fmt: str = "png", dpi: int = DPI) -> list[Path]:
+    """Write the plots as `fmt` files (PLOT_FORMATS) into `out`; the paths written."""
+    if fmt not in PLOT_FORMATS:
+        raise ValueError(f"report: format {fmt!r}; allowed: {', '.join(PLOT_FORMATS)}")
     try:
         import matplotlib
-        from matplotlib.ticker import NullFormatter
     except ImportError:   # an optional dependency: the extra `report`
         notes.append("no plots: matplotlib is not installed (pip install 'fedhop[report]')")
         return []
 
     matplotlib.use("Agg", force=False)
     plots: list[Path] = []
+    with matplotlib.rc_context(PLOT_STYLE):
+        _draw(runs, metric, target, kind, out, notes, plots, _Namer(fmt, dpi))
+    return plots
+
+
+@dataclass
+class _Namer:
+    """Each plot's file name in the chosen format, and the dpi it is saved at."""
+
+    fmt: str
+    dpi: int
+
+    def __call__(self, stem: str) -> str:
+        return f"{stem}.{self.fmt}"
+
+
+def _draw(runs: Sequence[RunData], metric: str | None, target: float | None, kind: str, out: Path,
+          notes: list[str], plots: list[Path], name: _Namer) -> None:
+    from matplotlib.ticker import NullFormatter
+
     colors = [f"C{i % 10}" for i in range(len(runs))]
     short = kind.replace("_bytes", "")
     if metric is not None:
@@ -419,7 +461,7 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
         if any(cv for _, cv, _ in curves):
             fig, ax = _figure()
             _left_out(fig, [(run.name, f"no per-round {metric}") for run, cv, _ in curves if not cv], notes,
-                      "metric_vs_round.png")
+                      name("metric_vs_round"))
             for run, cv, c in curves:
                 if cv:
                     ax.plot([r for r, _ in cv], [v for _, v in cv], marker="o", markersize=3, color=c, label=run.name)
@@ -428,11 +470,11 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
             ax.set_xlabel("round")
             ax.set_ylabel(metric)
             ax.set_title(f"{metric} against rounds")
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=FONT_PT)
             ax.grid(alpha=0.3)
-            _save(fig, out / "metric_vs_round.png", plots)
+            _save(fig, out / name("metric_vs_round"), plots, name.dpi)
         else:
-            notes.append(f"no run has per-round {metric}; metric_vs_round.png not written")
+            notes.append(f"no run has per-round {metric}; {name('metric_vs_round')} not written")
 
         fig, ax = _figure()
         drawn = False
@@ -446,35 +488,36 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
             else:
                 left.append((run.name, "no message bytes per round" if cv else f"no per-round {metric}"))
         if drawn:
-            _left_out(fig, left, notes, "metric_vs_bytes.png")
+            _left_out(fig, left, notes, name("metric_vs_bytes"))
+            ax.set_xscale("log")   # first: setting the scale resets the axis' formatters
             ax.xaxis.set_major_formatter(_bytes_formatter())
+            ax.xaxis.set_minor_formatter(_bytes_minor_formatter())
             if target is not None:
                 ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}")
-            ax.set_xscale("log")
             ax.set_xlabel(f"cumulative {short} bytes")
             ax.set_ylabel(metric)
             ax.set_title(f"{metric} against cumulative {short} bytes")
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=FONT_PT)
             ax.grid(alpha=0.3, which="both")
-            _save(fig, out / "metric_vs_bytes.png", plots)
+            _save(fig, out / name("metric_vs_bytes"), plots, name.dpi)
 
         sim = [(run, run.sim_curve(metric), c) for run, c in zip(runs, colors) if run.has_sim_time()]
         if any(cv for _, cv, _ in sim):
             fig, ax = _figure()
             with_sim = {run.name for run, cv, _ in sim if cv}
             _left_out(fig, [(run.name, f"its {run.field_('topology') or '?'} rounds record no simulated time")
-                            for run in runs if run.name not in with_sim], notes, "metric_vs_sim_time.png")
+                            for run in runs if run.name not in with_sim], notes, name("metric_vs_sim_time"))
             for run, cv, c in sim:
                 if cv:
                     ax.plot([t for t, _ in cv], [v for _, v in cv], marker="o", markersize=3, color=c, label=run.name)
             ax.set_xlabel("simulated time (s)")
             ax.set_ylabel(metric)
             ax.set_title(f"{metric} against simulated time")
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=FONT_PT)
             ax.grid(alpha=0.3)
-            _save(fig, out / "metric_vs_sim_time.png", plots)
+            _save(fig, out / name("metric_vs_sim_time"), plots, name.dpi)
 
-    plot_time_breakdown(runs, out, plots, notes)
+    plot_time_breakdown(runs, out, plots, notes, name)
 
     links = sorted({link for run in runs for link in run.by_link})
     if links:
@@ -489,7 +532,7 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
             for bar, v in zip(bars, vals):
                 if v > 0:
                     ax.annotate(human_bytes(v), (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom",
-                                fontsize=6, rotation=90, xytext=(0, 2), textcoords="offset points")
+                                fontsize=FONT_PT, rotation=90, xytext=(0, 2), textcoords="offset points")
         ax.set_yscale("log")
         if positive:   # every bar rises from well below the smallest one
             ax.set_ylim(min(positive) / 4, max(positive) * 4)
@@ -498,13 +541,12 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
         ax.set_xticks(range(len(runs)), [run.name for run in runs])
         ax.set_ylabel(f"{short} bytes (log scale)")
         ax.set_title(f"{short} bytes per link")
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.legend(fontsize=FONT_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.tick_params(axis="x", labelrotation=20)
-        _left_out(fig, [(run.name, "no byte counts") for run in runs if not run.by_link], notes, "bytes_by_link.png")
-        _save(fig, out / "bytes_by_link.png", plots)
+        _left_out(fig, [(run.name, "no byte counts") for run in runs if not run.by_link], notes, name("bytes_by_link"))
+        _save(fig, out / name("bytes_by_link"), plots, name.dpi)
     else:
-        notes.append("no byte counts in any run; bytes_by_link.png not written")
-    return plots
+        notes.append(f"no byte counts in any run; {name('bytes_by_link')} not written")
 
 
 TIME_PARTS = ("time_compute", "time_communication", "time_waiting", "time_aggregation", "time_evaluation")
@@ -518,7 +560,20 @@ def _bytes_formatter():
     return FuncFormatter(lambda v, _pos: human_bytes(v))
 
 
-def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path], notes: list[str]) -> None:
+def _bytes_minor_formatter():
+    """Minor ticks of a log byte axis: labelled where matplotlib's log formatter would label them
+    (a few, when the axis spans less than a decade or two), but in the table's units, not 2x10^2."""
+    from matplotlib.ticker import LogFormatter
+
+    class BytesMinor(LogFormatter):
+        def __call__(self, x, pos=None):
+            return human_bytes(x) if super().__call__(x, pos) else ""
+
+    return BytesMinor(labelOnlyBase=False)
+
+
+def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path], notes: list[str],
+                        name: _Namer = _Namer("png", DPI)) -> None:
     """Stacked bars of the mean seconds per round spent in each part (rounds table metrics)."""
     means = []
     for run in runs:
@@ -529,7 +584,7 @@ def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path], n
         return
     fig, ax = _figure()
     _left_out(fig, [(run.name, f"its {run.field_('topology') or '?'} rounds record no time breakdown")
-                    for run, m in zip(runs, means) if not m], notes, "round_time_breakdown.png")
+                    for run, m in zip(runs, means) if not m], notes, name("round_time_breakdown"))
     names = [run.name for run, m in zip(runs, means) if m]
     values = [m for m in means if m]
     bottom = [0.0] * len(values)
@@ -540,19 +595,24 @@ def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path], n
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("seconds per round (mean)")
     ax.set_title("round-time breakdown")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=FONT_PT)
     ax.tick_params(axis="x", labelrotation=20)
-    _save(fig, out / "round_time_breakdown.png", plots)
+    _save(fig, out / name("round_time_breakdown"), plots, name.dpi)
 
 
 # -- entry points -------------------------------------------------------------------------
 def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: float | None = None,
                  metric: str | None = None, bytes_kind: str = "tensor_bytes",
-                 tensorboard: str | Path | None = None) -> ReportResult:
-    """Read the runs, write report.md, report.json and the plots into `out_dir`, return the result.
-    With `tensorboard`, also event files there, one directory per run (deploy/tensorboard.py)."""
+                 tensorboard: str | Path | None = None, fmt: str = "png", dpi: int = DPI,
+                 csv_out: str | Path | None = None) -> ReportResult:
+    """Read the runs, write report.md, report.json and the plots (`fmt`, PLOT_FORMATS) into
+    `out_dir`, return the result.  With `tensorboard`, also event files there, one directory per
+    run (deploy/tensorboard.py); with `csv_out` (a .csv file, or a folder for rounds.csv), the
+    per-round table of every run (`write_csv`)."""
     if bytes_kind not in BYTE_FIELDS:
         raise ValueError(f"report: bytes_kind={bytes_kind!r}; allowed: {', '.join(BYTE_FIELDS)}")
+    if fmt not in PLOT_FORMATS:
+        raise ValueError(f"report: format {fmt!r}; allowed: {', '.join(PLOT_FORMATS)}")
     notes: list[str] = []
     runs = [r for r in (load_run(Path(d), notes) for d in run_dirs) if r is not None]
     seen: dict[str, int] = {}
@@ -574,9 +634,12 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
     md = ["# fedhop report", "", render_markdown(header, body), ""]
     if agreement:
         md += ["## Ledger agreement", "", *[f"- {a}" for a in agreement], ""]
-    plots = make_plots(runs, metric, target, bytes_kind, out, notes) if runs else []
-    if plots:
-        md += ["## Plots", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
+    plots = make_plots(runs, metric, target, bytes_kind, out, notes, fmt, dpi) if runs else []
+    if plots:   # a PDF is linked, not shown, by Markdown viewers
+        md += ["## Plots", "", *[f"{'' if fmt == 'pdf' else '!'}[{p.stem}]({p.name})" for p in plots], ""]
+    csv_path = write_csv(runs, csv_out, notes) if csv_out is not None else None
+    if csv_path is not None:
+        md += ["## Per-round table", "", f"[{csv_path.name}]({csv_path}): one row per run and round", ""]
     if tensorboard is not None and runs:
         from fedhop.deploy.tensorboard import write_events
         dirs = write_events(runs, Path(tensorboard), bytes_kind)
@@ -591,7 +654,55 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
                 if run.agreement is not None and not run.agreement.ok]   # the agreeing ones: report.md
     return ReportResult(out_dir=out, metric=metric, target=target, bytes_kind=bytes_kind, rows=rows,
                         table="\n\n".join([table, *([wrap("\n".join(disagree))] if disagree else [])]),
-                        markdown="\n".join(md), plots=plots, notes=notes)
+                        markdown="\n".join(md), plots=plots, notes=notes, csv=csv_path)
+
+
+CSV_NAME = "rounds.csv"   # the file `--csv DIR` writes in DIR
+
+
+def csv_target(path: str | Path) -> Path:
+    """`--csv`'s file: the path itself where it ends in .csv, else rounds.csv in that folder."""
+    p = Path(path)
+    return p if p.suffix.lower() == ".csv" else p / CSV_NAME
+
+
+def write_csv(runs: Sequence[RunData], path: str | Path, notes: list[str]) -> Path:
+    """The per-round table of every run (deploy/runread.py `round_rows`: participants, sampled,
+    failures, every metric, cumulative messages and bytes) as one CSV file: columns `run` (the
+    report's name for it) and `run_dir`, then the round columns; a metric a run lacks is empty.
+    Returns the file written."""
+    target = csv_target(path)
+    per_run: list[tuple[RunData, list[dict[str, Any]]]] = []
+    for run in runs:
+        if not (run.run_dir / "run.db").is_file():
+            notes.append(f"{target.name}: {run.name} has no run.db, so no rows")
+            continue
+        try:
+            rows = runread.read_run_db(run.run_dir)[0]
+        except sqlite3.DatabaseError as exc:
+            notes.append(f"{target.name}: {run.name}'s run.db is unreadable ({exc}), so no rows")
+            continue
+        per_run.append((run, rows))
+    columns = ["run", "run_dir", *runread.columns([r for _, rows in per_run for r in rows])]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="raise")
+        writer.writeheader()
+        for run, rows in per_run:
+            for row in rows:
+                writer.writerow({"run": run.name, "run_dir": str(run.run_dir.resolve()),
+                                 **{k: _csv_cell(v) for k, v in row.items()}})
+    return target
+
+
+def _csv_cell(value: Any) -> Any:
+    """A CSV cell: numbers and text as they are (floats in full precision), None empty, lists and
+    dicts as JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return value
 
 
 def wrap(text: str) -> str:
@@ -610,7 +721,7 @@ def default_out(run_dirs: Sequence[str | Path]) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedhop report", description="Compare fedhop runs: table and plots.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    parser.add_argument("--out", default=None, help="directory for report.md, report.json and PNGs (default: "
+    parser.add_argument("--out", default=None, help="directory for report.md, report.json and the plots (default: "
                                                     "report/ beside the run directories)")
     parser.add_argument("--target-accuracy", "--target", dest="target", type=float, default=None,
                         help="target value of the metric (>= for accuracy-like, <= for loss/objective-like)")
@@ -620,12 +731,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tensorboard", metavar="DIR", default=None,
                         help="also write TensorBoard event files here, one directory per run "
                              "(needs the tensorboard package: pip install 'fedhop[tensorboard]')")
+    parser.add_argument("--csv", metavar="FILE_OR_DIR", default=None,
+                        help=f"also write the per-round metrics and cumulative bytes of every run as CSV: this "
+                             f"file (*.csv), or {CSV_NAME} in this folder")
+    parser.add_argument("--format", dest="fmt", choices=PLOT_FORMATS, default="png",
+                        help="plot file format (pdf and svg are vector graphics; default png)")
+    parser.add_argument("--dpi", type=int, default=DPI, help=f"resolution of PNG plots (default {DPI})")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if not 50 <= args.dpi <= 1200:
+        parser.error(f"--dpi {args.dpi}: allowed 50 to 1200")
     try:
         result = build_report(args.run_dirs, args.out or default_out(args.run_dirs), target=args.target, metric=args.metric,
-                              bytes_kind=BYTES_KINDS[args.bytes_kind], tensorboard=args.tensorboard)
+                              bytes_kind=BYTES_KINDS[args.bytes_kind], tensorboard=args.tensorboard, fmt=args.fmt,
+                              dpi=args.dpi, csv_out=args.csv)
     except RuntimeError as exc:
         print(f"fedhop report: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:   # an output path that cannot be written (--out, --csv)
+        print(f"fedhop report: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
     print(result.table)
     for note in result.notes:
@@ -634,6 +757,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("fedhop report: none of the run directories could be read", file=sys.stderr)
         return 1
     print(wrap(f"wrote {result.out_dir / 'report.md'}" + "".join(f", {p.name}" for p in result.plots)))
+    if result.csv is not None:
+        print(wrap(f"wrote {result.csv}"))
     return 0
 
 

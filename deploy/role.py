@@ -27,7 +27,14 @@ Environment (docker-compose.yml sets it):
 - `FEDHOP_CLIENT_PROCESSES`: how many client replicas share the logical clients, or `auto`
   (the default): the replicas announce themselves in `RUN/replicas/`, and once no new one has
   appeared for `FEDHOP_SETTLE` seconds (default 3) the first to notice fixes the count in
-  `RUN/replicas.count`.  So `docker compose up --scale client=8` needs nothing else.
+  `RUN/replicas.count`.  So `docker compose up --scale client=8` needs nothing else.  The server's
+  role waits for that count before it starts the server process with `clients.processes` set to
+  it, so the run's config.toml records the processes that ran.
+- `FEDHOP_REPLICA`: this replica's identity in `RUN/replicas/` and `RUN/slots/` (default
+  `<hostname>-<address>`, unique per container).
+
+Errors in what the environment gives (the config file, its keys, these variables) end the role
+with one line on stderr and exit status 2, as `fedhop run` does.
 
 Kubernetes (deploy/k8s) sets two more: `FEDHOP_SLOT`, the pod's StatefulSet ordinal, which is
 then the client's slot (with `FEDHOP_CLIENT_PROCESSES` the replica count, nothing is claimed);
@@ -37,7 +44,9 @@ and `FEDHOP_HOLD=1`, which keeps every role's container running once its part of
 A client replica claims a slot (`RUN/slots/<k>`, created with O_EXCL, holding the replica's
 identity so a restarted container gets its slot back), hosts the k-th block of logical clients
 of the same layout `fedhop run` uses, registers with the server or with `edge-<e>` (found by
-service name), and advertises the address of its interface on the route to the server.
+service name), and advertises the address of its interface on the route to the server.  It
+starts its process once that parent accepts connections (the clients start with the server's
+container, not after its health check: the server's role may be waiting for their count).
 """
 from __future__ import annotations
 
@@ -61,12 +70,34 @@ from fedhop.common.procexit import exit_now
 log = logging.getLogger("fedhop.role")
 
 
+SERVER_EXIT = "server.exit"
+
+
+class UsageError(Exception):
+    """A bad config or environment variable: one line and exit status 2 (main)."""
+
+
 def env(name: str, default: str = "") -> str:
     return os.environ.get(name, "") or default
 
 
 def overrides() -> list[str]:
-    return shlex.split(env("FEDHOP_SET"))
+    try:
+        return shlex.split(env("FEDHOP_SET"))
+    except ValueError as exc:
+        raise UsageError(f"FEDHOP_SET={env('FEDHOP_SET')!r}: {exc}") from None
+
+
+def seconds(name: str, default: str) -> float:
+    """A duration in seconds from the environment variable `name`."""
+    text = env(name, default)
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageError(f"{name}={text!r}: a number of seconds > 0")
+    return value
 
 
 def load_cfg(extra: list[str] | None = None):
@@ -78,16 +109,37 @@ def runs_root() -> Path:
     return Path(env("FEDHOP_RUNS", "/runs"))
 
 
-def wait_for_run(timeout: float = 300.0) -> Path:
-    """The current run directory, once the server has announced it."""
+def resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, None, socket.AF_INET)
+        return True
+    except OSError:
+        return False
+
+
+def wait_for_run(server: str, timeout: float = 300.0, gone_after: float = 20.0) -> Path:
+    """The current run directory, once the server (HOST:PORT) has announced it.
+
+    Gives up when the server's name has not resolved for `gone_after` seconds: a container that
+    compose started while it was already aborting the run (the server's container stopped, so its
+    name is gone from the network's DNS) leaves at once instead of after `timeout`."""
     current = runs_root() / "current"
+    host, _ = split_address(server)
     deadline = time.monotonic() + timeout
+    last_resolved = time.monotonic()
     while time.monotonic() < deadline:
+        if resolves(host):
+            last_resolved = time.monotonic()
+        elif time.monotonic() - last_resolved > gone_after:
+            raise SystemExit(f"deploy.role: the server {host} does not resolve (for {gone_after:.0f} s) and "
+                             f"announced no run in {current}: leaving")
         try:
             name = current.read_text().strip()
         except OSError:
             name = ""
-        if name and (runs_root() / name).is_dir():
+        # a finished run (its server.exit written) is an earlier run's announcement, left on the
+        # volume: the clients start with the server's container and may read it before it is replaced
+        if name and (runs_root() / name).is_dir() and not (runs_root() / name / SERVER_EXIT).exists():
             return runs_root() / name
         time.sleep(0.2)
     raise SystemExit(f"deploy.role: no run announced in {current} after {timeout:.0f}s (is the server up?)")
@@ -112,7 +164,7 @@ def token_for(run_dir: Path, timeout: float = 60.0) -> str:
 def split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
-        raise SystemExit(f"deploy.role: address {address!r} must be HOST:PORT")
+        raise UsageError(f"address {address!r} must be HOST:PORT")
     return host, int(port)
 
 
@@ -130,9 +182,6 @@ def local_ip_towards(address: str, timeout: float = 120.0) -> str:
             if time.monotonic() > deadline:
                 raise SystemExit(f"deploy.role: cannot find a route to {address}: {exc}") from None
             time.sleep(0.5)
-
-
-SERVER_EXIT = "server.exit"
 
 
 def _run(role: str, args: list[str], token: str) -> int:
@@ -199,20 +248,44 @@ def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
-def processes_override() -> list[str]:
+def fixed_processes() -> int | None:
+    """FEDHOP_CLIENT_PROCESSES as a number, or None for `auto`."""
     n = env("FEDHOP_CLIENT_PROCESSES", "auto")
-    return [f"clients.processes={int(n)}"] if n.isdigit() and int(n) > 0 else []
+    if n == "auto":
+        return None
+    if not (n.isdigit() and int(n) > 0):
+        raise UsageError(f"FEDHOP_CLIENT_PROCESSES={n!r}: a positive number or 'auto'")
+    return int(n)
+
+
+def processes_override() -> list[str]:
+    n = fixed_processes()
+    return [f"clients.processes={n}"] if n is not None else []
+
+
+def wait_for_replica_count(run_dir: Path, timeout: float) -> int:
+    """The count the client replicas fixed in RUN/replicas.count (FEDHOP_CLIENT_PROCESSES=auto)."""
+    count_file = run_dir / "replicas.count"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return int(count_file.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.2)
+    raise SystemExit(f"deploy.role: no client replica announced itself in {run_dir / 'replicas'} within "
+                     f"{timeout:.0f} s (FEDHOP_REGISTER_TIMEOUT)")
 
 
 # ----------------------------------------------------------------------------- roles
 def cmd_server(a: argparse.Namespace) -> int:
     cfg = load_cfg(processes_override())   # fail here, with the key named, before announcing a run
+    register_timeout = seconds("FEDHOP_REGISTER_TIMEOUT", "300")
     root = runs_root()
     root.mkdir(parents=True, exist_ok=True)
     (root / "current").unlink(missing_ok=True)
     name = env("FEDHOP_RUN_NAME", f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-        raise SystemExit(f"deploy.role: FEDHOP_RUN_NAME={name!r}: use letters, digits, '.', '_' and '-'")
+        raise UsageError(f"FEDHOP_RUN_NAME={name!r}: use letters, digits, '.', '_' and '-'")
     run_dir = root / name
     (run_dir / "ledger").mkdir(parents=True, exist_ok=True)
     for stale in ("slots", "replicas"):   # a reused FEDHOP_RUN_NAME starts with no claims
@@ -225,9 +298,15 @@ def cmd_server(a: argparse.Namespace) -> int:
         _write_atomic(run_dir / ".token", token + "\n", 0o600)
     _write_atomic(root / "current", name + "\n")
     log.info("run directory %s", run_dir)
+    processes = processes_override()
+    if not processes:   # auto: the replicas' count, so that config.toml records the processes that ran
+        n = wait_for_replica_count(run_dir, register_timeout)
+        processes = [f"clients.processes={n}"]
+        load_cfg(processes)
+        log.info("%d client replicas: clients.processes = %d", n, n)
     args = ["--config", env("FEDHOP_CONFIG", "/app/examples/fedavg_digits.toml"), "--run-dir", str(run_dir),
-            "--listen", a.listen, "--register-timeout", env("FEDHOP_REGISTER_TIMEOUT", "300")]
-    for o in overrides() + processes_override() + security_overrides():
+            "--listen", a.listen, "--register-timeout", f"{register_timeout:g}"]
+    for o in overrides() + processes + security_overrides():
         args += ["--set", o]
     code = _run("server", args, token)
     _write_atomic(run_dir / SERVER_EXIT, f"{code}\n")
@@ -249,7 +328,7 @@ def security_overrides() -> list[str]:
 
 def cmd_edge(a: argparse.Namespace) -> int:
     cfg = load_cfg()
-    run_dir = wait_for_run()
+    run_dir = wait_for_run(a.parent)
     token = token_for(run_dir)
     return _run_member("edge", ["--parent", a.parent, "--node-id", a.node_id, "--listen", a.listen,
                                 "--ledger-dir", str(run_dir / "ledger"),
@@ -257,16 +336,28 @@ def cmd_edge(a: argparse.Namespace) -> int:
 
 
 def _identity(ip: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", f"{socket.gethostname()}-{ip}")
+    return re.sub(r"[^A-Za-z0-9._-]", "_", env("FEDHOP_REPLICA", f"{socket.gethostname()}-{ip}"))
+
+
+def wait_for_parent(address: str, timeout: float) -> None:
+    """Until something accepts TCP connections at `address` (the server or an edge starting up)."""
+    host, port = split_address(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2.0):
+                return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"deploy.role: {address} accepted no connection within {timeout:.0f} s: {exc}") from None
+            time.sleep(0.5)
 
 
 def replica_count(run_dir: Path, me: str, settle: float, timeout: float = 300.0) -> int:
     """FEDHOP_CLIENT_PROCESSES, or the number of replicas that announced themselves (see module doc)."""
-    fixed = env("FEDHOP_CLIENT_PROCESSES", "auto")
-    if fixed.isdigit() and int(fixed) > 0:
-        return int(fixed)
-    if fixed != "auto":
-        raise SystemExit(f"deploy.role: FEDHOP_CLIENT_PROCESSES={fixed!r}: a positive number or 'auto'")
+    fixed = fixed_processes()
+    if fixed is not None:
+        return fixed
     here = run_dir / "replicas"
     here.mkdir(exist_ok=True)
     (here / me).touch()
@@ -317,16 +408,16 @@ def claim_slot(slots: Path, me: str, n: int) -> int | None:
 
 def cmd_client(a: argparse.Namespace) -> int:
     from fedhop.common.plan import id_spec, plan_processes
-    run_dir = wait_for_run()
+    run_dir = wait_for_run(a.server)
     token = token_for(run_dir)
     ip = local_ip_towards(a.server)
     me = _identity(ip)
-    n = replica_count(run_dir, me, float(env("FEDHOP_SETTLE", "3")))
+    n = replica_count(run_dir, me, seconds("FEDHOP_SETTLE", "3"))
     cfg = load_cfg([f"clients.processes={n}"])
     layout = plan_processes(cfg).clients   # slot k hosts client-proc<k> of the process plan (common/plan.py)
     fixed_slot = env("FEDHOP_SLOT")
     if fixed_slot and not (fixed_slot.isdigit() and int(fixed_slot) < len(layout)):
-        raise SystemExit(f"deploy.role: FEDHOP_SLOT={fixed_slot!r}: must be 0..{len(layout) - 1} "
+        raise UsageError(f"FEDHOP_SLOT={fixed_slot!r}: must be 0..{len(layout) - 1} "
                          f"(the layout has {len(layout)} client processes)")
     slot = int(fixed_slot) if fixed_slot else claim_slot(run_dir / "slots", me, len(layout))
     if slot is None:
@@ -338,6 +429,7 @@ def cmd_client(a: argparse.Namespace) -> int:
     parent = a.server if planned.edge is None else a.edge.format(edge=planned.edge)
     ids = id_spec(planned.clients)
     log.info("replica %s: slot %d of %d, clients %s, parent %s", me, slot, len(layout), ids, parent)
+    wait_for_parent(parent, seconds("FEDHOP_REGISTER_TIMEOUT", "300"))
     return _run_member("client", ["--parent", parent, "--clients", ids, "--node-id", planned.node_id,
                                   "--listen", f"{ip}:{a.port}", "--ledger-dir", str(run_dir / "ledger"),
                                   "--max-message-bytes", str(cfg.transport.max_message_bytes),
@@ -375,7 +467,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.role != "health":
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s role-{a.role} %(levelname)s %(message)s")
-    return {"server": cmd_server, "edge": cmd_edge, "client": cmd_client, "health": cmd_health}[a.role](a)
+    from fedhop.common.config import ConfigError
+    try:
+        return {"server": cmd_server, "edge": cmd_edge, "client": cmd_client, "health": cmd_health}[a.role](a)
+    except (ConfigError, UsageError) as exc:
+        print(f"fedhop.deploy.role {a.role}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -100,12 +101,31 @@ class RunTask:
 
 
 def finished(run_dir: Path) -> bool:
-    """A run directory whose server wrote summary.json (status completed or failed)."""
+    """A run directory whose server wrote summary.json with status completed or failed; a run
+    stopped mid-way (Ctrl-C, SIGTERM: status "stopped") is run again."""
     try:
-        json.loads((run_dir / "summary.json").read_text())
-        return True
-    except (OSError, ValueError):
+        return json.loads((run_dir / "summary.json").read_text()).get("status") in ("completed", "failed")
+    except (OSError, ValueError, AttributeError):
         return False
+
+
+def last_line(log: Path) -> str:
+    """The last non-empty line of a log, for a one-line report."""
+    try:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return f"(no log at {log})"
+    return lines[-1] if lines else f"(empty log {log})"
+
+
+def request_file(run_dir: Path) -> Path:
+    """The request that made `run_dir` (base config digest and overrides): SETTING/seedS.request.json."""
+    return run_dir.with_name(run_dir.name + ".request.json")
+
+
+def launcher_log(run_dir: Path) -> Path:
+    """The output of the `fedhop run` that made `run_dir`: SETTING/seedS.log."""
+    return run_dir.with_name(run_dir.name + ".log")
 
 
 class Runner:
@@ -121,19 +141,38 @@ class Runner:
         self.interrupted = False
 
     def command(self, task: RunTask) -> list[str]:
-        argv = [sys.executable, "-m", "fedhop.deploy.cli", "run", str(self.base_config), "--out", str(task.run_dir),
+        argv = [sys.executable, "-m", "fedhop.deploy.cli", "run", str(self.base_config), "--out",
+                str(task.run_dir.resolve()),
                 "--quiet"]
         for o in task.overrides:
             argv += ["--set", o]
         return argv
 
     def run_all(self, tasks: list[RunTask], on_done: Callable[[RunTask, int], None]) -> None:
-        pending = [t for t in tasks if not finished(t.run_dir)]
+        pending = [t for t in tasks if not (finished(t.run_dir) and self.same_request(t))]
         while pending or self.running:
             while pending and len(self.running) < self.parallel:
                 self._check_interrupt()
                 self._start(pending.pop(0))
             self._reap(on_done)
+
+    def request(self, task: RunTask) -> dict:
+        """What a run is asked to be: its base config's text and its overrides, in order."""
+        return {"base_config": str(self.base_config), "base_config_sha256":
+                hashlib.sha256(self.base_config.read_bytes()).hexdigest(), "overrides": list(task.overrides)}
+
+    def same_request(self, task: RunTask) -> bool:
+        """Whether a finished run was made by the request this sweep would make now; one made
+        with other overrides (another --set, spec or base config) is run again, never reused."""
+        try:
+            recorded = json.loads(request_file(task.run_dir).read_text())
+        except (OSError, ValueError):
+            recorded = None
+        if recorded == self.request(task):
+            return True
+        if not self.quiet:
+            print(f"sweep: {task.run_dir} was made with other settings; running it again", file=sys.stderr, flush=True)
+        return False
 
     def _check_interrupt(self) -> None:
         if self.interrupted:
@@ -142,8 +181,10 @@ class Runner:
     def _start(self, task: RunTask) -> None:
         if task.run_dir.exists():   # stopped mid-run: its records are partial, run it again
             shutil.rmtree(task.run_dir)
-        task.run_dir.mkdir(parents=True)
-        log = open(task.run_dir / "launcher.log", "wb")
+        task.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        # beside the run folder, which `fedhop run --out` creates itself
+        request_file(task.run_dir).write_text(json.dumps(self.request(task), indent=2))
+        log = open(launcher_log(task.run_dir), "wb")
         # Own session: a terminal's Ctrl-C reaches the sweep only; the sweep stops its children (stop()).
         proc = subprocess.Popen(self.command(task), stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd(),
                                 start_new_session=True, env={**os.environ, LAUNCHER_ENV: str(os.getpid())})
@@ -317,7 +358,8 @@ class Sweep:
 
     def _on_done(self, task: RunTask, code: int) -> None:
         if not self.quiet:
-            state = "finished" if finished(task.run_dir) else f"exited {code} without a summary"
+            state = "finished" if finished(task.run_dir) else \
+                f"exited {code} without a summary: {last_line(launcher_log(task.run_dir))}"
             print(f"sweep: {task.run_dir} {state}", file=sys.stderr, flush=True)
 
     def run(self) -> None:
@@ -475,11 +517,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nfedhop sweep: interrupted; stopping the running runs", file=sys.stderr)
         sweep.runner.stop()
-        print(f"fedhop sweep: resume with `fedhop sweep {args.spec} --out {out}`", file=sys.stderr)
+        again = [a for a in (argv if argv is not None else sys.argv[1:])]
+        if "--out" not in again:
+            again += ["--out", str(out)]
+        print(f"fedhop sweep: resume with `fedhop sweep {shlex.join(again)}`", file=sys.stderr)
         return 130
     table, best = sweep.write()
     print(table.read_text())
     print(f"wrote {table}" + (f" and the best settings' report in {best}" if best else ""))
+    broken = [r.run_dir for results in sweep.results.values() for res in results for r in res.runs
+              if not finished(Path(r.run_dir))]
+    if broken:   # a run that diverged still has a summary (status failed); these never got that far
+        print(f"fedhop sweep: {len(broken)} run(s) wrote no summary, e.g. {broken[0]}: "
+              f"{last_line(launcher_log(Path(broken[0])))}", file=sys.stderr)
+        return 1
     return 0
 
 

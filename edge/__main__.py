@@ -2,7 +2,8 @@
 
 Starts one edge server: it registers with the server, accepts its cluster's client processes
 (which register with it), aggregates their results each round and answers the server with
-one partial aggregate.  Exits when the server shuts it down.
+one partial aggregate.  Exits when the server shuts it down (0), when it gives up on a silent
+server (3), or on SIGTERM / SIGINT (143 / 130: it shuts its client processes down first).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from fedhop.common.ledger import Ledger
 from fedhop.common.livebytes import LinkCounter, Reported
 from fedhop.common.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
-from fedhop.common.procexit import exit_now, freeze_heap
+from fedhop.common.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
 from fedhop.common.addresses import listen_address
 from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
@@ -59,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
                               on_event=lambda kind, node, detail: logging.warning("%s: %s", kind, detail))
     relayed = Reported()   # the live totals this edge's children last sent, passed on with its own
     monitor.on_bytes = relayed.report
-    proc = EdgeProcess(endpoint, args.parent, bind=args.listen)
+    try:
+        proc = EdgeProcess(endpoint, args.parent, bind=args.listen)
+    except (OSError, RuntimeError) as exc:   # grpc: "Failed to bind to address ..."
+        logging.error("cannot serve on --listen %s: %s", args.listen, str(exc).split(";")[0])
+        return 2
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(proc.address)
@@ -86,7 +91,18 @@ def main(argv: list[str] | None = None) -> int:
                             reregister=lambda: proc.register_with_parent(proc.aggregator.cluster, timeout=10.0),
                             on_give_up=give_up, counts=lambda: counter.entries() + relayed.entries()).start()
     proc.aggregator.before_shutdown.append(lambda: beats.stop(wait=True, final=True))
-    proc.wait()
+    stop_on_sigterm()   # SIGTERM or Ctrl-C: shut the cluster's client processes down, then leave
+    try:
+        proc.wait()
+    except (KeyboardInterrupt, Stopped) as exc:
+        ignore_stops()
+        reason, code = stop_reason(exc)
+        logging.warning("%s: shutting down the cluster's client processes and leaving", reason)
+        beats.stop()
+        proc.aggregator.shutdown_clients(round=0)
+        monitor.stop()
+        endpoint.stop(grace=0.5)
+        return code
     beats.stop()
     monitor.stop()
     endpoint.stop(grace=0.5)

@@ -20,6 +20,7 @@ from fedhop.common.tasks import build_task
 from fedhop.common.checkpoint import forward_client_state
 from fedhop.common.control import control_of, failures_control, without_control
 from fedhop.common.config import Config
+from fedhop.common.liveness import unreachable
 from fedhop.common.topology import cluster_assignment, edge_index, topology_params
 from fedhop.common.methods import Method
 from fedhop.common.validation import ReplyLimiter, finite_step
@@ -154,6 +155,9 @@ class EdgeAggregator:
         if kappa2 > 1:
             partial = self.algorithm.edge_partial(start, message, partial)
         partial.control = failures_control(failures)
+        gone = self.unavailable_processes()   # reported to the server, which samples around their clients
+        partial.control.clients.extend(sorted(c for c, (node, _) in self.client_home.items() if node in gone))
+        partial.control.processes.extend(sorted(gone))
         return upload(self.cfg, partial, self.endpoint.node_id, round, 0)   # QSGD uploads (common/pipeline.py)
 
     def collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None):
@@ -174,7 +178,26 @@ class EdgeAggregator:
                                                        call_timeout=self.cfg.run.call_timeout,
                                                        timeout_reason=f"timeout at {self.endpoint.node_id}")
         failures.update(failed)
+        self.suspect_failed(failed)
         return replies, failures
+
+    def suspect_failed(self, failed: dict[int, str]) -> None:
+        """Client processes whose calls failed as a dead process's do (common/liveness.py
+        `unreachable`): suspect at once in this edge's liveness monitor, and so reported to the
+        server in the next reply (`edge_round`)."""
+        monitor = getattr(self.endpoint, "liveness", None)
+        if monitor is None:
+            return
+        for c, why in sorted(failed.items()):
+            if c in self.client_home and unreachable(why):
+                monitor.suspect(self.client_home[c][0], why)
+
+    def unavailable_processes(self) -> set[str]:
+        """This cluster's client processes that the liveness monitor marked dead or suspect."""
+        monitor = getattr(self.endpoint, "liveness", None)
+        if monitor is None:
+            return set()
+        return monitor.unavailable_nodes() & set(self.processes)
 
     def shutdown_clients(self, round: int) -> None:
         for node, address in sorted(self.processes.items()):

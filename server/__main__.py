@@ -1,12 +1,14 @@
-"""`python -m fedhop.server --config CONFIG.toml --run-dir DIR [--listen HOST:PORT] [--port-file F] [--resume]`
+"""`python -m fedhop.server --config CONFIG.toml --run-dir DIR [--listen HOST:PORT] [--port-file F] [--resume] [--insecure]`
 
 Starts the server process of one run: it serves registrations and results, drives the rounds,
 and writes the run directory (config.toml, run.db, summary.json, model.safetensors, checkpoints).
 `--resume` continues the run in DIR from its newest checkpoint (server/resilience.py).
 Security (common/security.py): TLS when security.certs_dir is set (mutual TLS with
 security.mtls); every call's node credential is checked; plaintext on a non-loopback address
-needs security.insecure = true (or FEDHOP_INSECURE=1).
-Exit status: 0 when the run completed, 1 when it failed, 2 on a bad config or a security refusal.
+needs --insecure (the same as security.insecure = true; or FEDHOP_INSECURE=1).
+Exit status: 0 when the run completed, 1 when it failed, 2 on a bad config or a security refusal,
+128 + N when signal N stopped it (SIGINT, SIGTERM), after it has recorded the run as "stopped"
+(summary.json, run.db) and told its children to shut down.
 """
 from __future__ import annotations
 
@@ -17,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from fedhop.common.addresses import listen_address, plaintext_refusal
+from fedhop.common.addresses import insecure_from_env, listen_address, plaintext_refusal
 from fedhop.common.admission import EventThrottle, peer_host
 from fedhop.common.checkpoint import CheckpointError
 from fedhop.common.config import ConfigError, load_config
 from fedhop.common.ledger import Ledger
 from fedhop.common.livebytes import LinkCounter, ServerLive
 from fedhop.common.liveness import LivenessMonitor
-from fedhop.common.procexit import exit_now, freeze_heap
+from fedhop.common.procexit import exit_now, freeze_heap, stop_on_sigterm
 from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import NodeCredentials, SecurityError
 from fedhop.common.transport.grpc import GrpcEndpoint
@@ -42,8 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))
     ap.add_argument("--register-timeout", type=float, default=120.0)
     ap.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
+    ap.add_argument("--insecure", action="store_true", default=insecure_from_env(),
+                    help="allow plaintext gRPC on a non-loopback --listen address: the same as "
+                         "--set security.insecure=true (also FEDHOP_INSECURE=1)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(levelname)s %(message)s")
+    if args.insecure:   # recorded in the run's config.toml like the key it stands for
+        args.overrides.append("security.insecure=true")
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, OSError) as exc:
@@ -54,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     set_role_title("server", run_dir.resolve().name)
     sec = cfg.security
-    insecure = sec.insecure or os.environ.get("FEDHOP_INSECURE", "") in ("1", "true", "yes")
-    refusal = plaintext_refusal([args.listen], insecure, tls=bool(sec.certs_dir))
+    insecure = sec.insecure
+    refusal = plaintext_refusal([args.listen], insecure, tls=bool(sec.certs_dir), who="server")
     if refusal:
         logging.error("refusing to start: %s", refusal)
         return 2
@@ -122,12 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(args.port_file)
     logging.info("run %s: serving at %s", coordinator.run_id, address)
     coordinator.summary_hooks.insert(0, lambda: throttle.flush() or {})   # folded refusals land before the summary
+    stop_on_sigterm()   # a stopped run still records how it ended: status "stopped", summary.json, run.db
     summary = coordinator.run(register_timeout=args.register_timeout)
     live.flush()   # the server's own records up to the last shutdown reply: the live view now equals the final table
     monitor.stop()
     endpoint.stop()
     coordinator.store.close()   # the last connection: SQLite checkpoints the WAL into run.db and removes it
     logging.info("run %s %s after %d rounds", coordinator.run_id, summary["status"], summary["rounds_completed"])
+    if summary["status"] == "stopped":
+        return coordinator.stop_status
     return 0 if summary["status"] == "completed" else 1
 
 

@@ -22,11 +22,12 @@ from fedhop.common.algorithms.base import COMPUTE_KEY, Payload, ServerState
 from fedhop.common.algorithms.local import set_params
 from fedhop.common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
 from fedhop.common.ledger import Ledger
+from fedhop.common.procexit import Stopped, ignore_stops, stop_reason
 from fedhop.common.runstore import RunStore
 from fedhop.common.rounds import RoundEngine
 from fedhop.common.transport.base import CallFailed, Endpoint, RemoteError
 from fedhop.common.transport.fabric import Fabric
-from fedhop.common.liveness import live_pool
+from fedhop.common.liveness import live_pool, unreachable
 from fedhop.common.topology import edge_index
 from fedhop.common.validation import ReplyLimiter, consistent_results, rejection_code
 from fedhop.common.vclock import RoundClock
@@ -37,6 +38,16 @@ from fedhop.server.resilience import fault_summary, record_refusals
 __all__ = ["Coordinator", "ChildNode", "RoundResult", "RunFailed", "client_node", "time_breakdown"]
 
 log = logging.getLogger("fedhop.server")
+
+SHORT_ROUND_RETRIES = 3      # run.on_short_round = "retry": attempts after the first, then the round is skipped
+MAX_SKIPPED_IN_A_ROW = 10    # retry and skip: this many skipped rounds in a row fail the run
+
+
+def id_list(ids: list[int], shown: int = 10) -> str:
+    """'[1, 8, 18]', or the first `shown` and the count: '[0, 1, 2, ...] (37 in all)' (shown = 3)."""
+    if len(ids) <= shown:
+        return str(list(ids))
+    return f"[{', '.join(map(str, ids[:shown]))}, ...] ({len(ids)} in all)"
 
 
 def time_breakdown(wait: float, compute: float, arrivals: dict[int, float], dispatched: float,
@@ -78,6 +89,7 @@ class Coordinator:
         self.client_home: dict[int, ChildNode] = {}
         self._registered = threading.Condition()
         self.rounds_completed = 0
+        self.stop_status = 0   # with a "stopped" run: the exit status a shell reports for the signal (128 + N)
         self.failures_total = 0
         self.history: list[RoundResult] = []
         self.fabric = Fabric(endpoint, batch=cfg.transport.batch)
@@ -87,6 +99,9 @@ class Coordinator:
         self.restored_topology: dict | None = None          # resume: the driver's checkpoint state (e.g. the walk)
         self.summary_hooks: list[Callable[[], dict]] = [lambda: fault_summary(self.store)]  # summary.json sections
         self.limiter = ReplyLimiter(self.algorithm, self.task, 2 * cfg.run.round_timeout)   # replies' claims bounded
+        # clients an edge reported dead (their processes failed or stopped beating), by edge node id
+        self.unavailable: dict[str, set[int]] = {}
+        self.skipped_in_a_row = 0
 
     # ------------------------------------------------------------------ registration
     def handle_register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
@@ -105,13 +120,19 @@ class Coordinator:
                 self._refused(req, reply.message)
             else:
                 node = ChildNode(req.node_id, req.role, req.address, sorted(c.client_id for c in req.clients))
+                # an edge registers twice: first with no clients (to fetch the config), then with its
+                # cluster once that cluster's processes have registered with it (from the same address:
+                # a restarted edge has a new one); one event, the second
+                known = self.children.get(req.node_id)
+                config_fetch = req.role == "edge" and not node.clients and (known is None or known.address != req.address)
                 with self._registered:
                     self.children[req.node_id] = node
                     for cid in node.clients:
                         self.client_home[cid] = node
                     self._registered.notify_all()
-                self.store.add_event("registered", node=req.node_id, round=0,
-                                     detail=f"{req.role} at {req.address} hosting {len(node.clients)} clients")
+                if not config_fetch:
+                    self.store.add_event("registered", node=req.node_id, round=0,
+                                         detail=f"{req.role} at {req.address} hosting {len(node.clients)} clients")
                 reply = pb.RegisterReply(accepted=True, run_id=self.run_id, config_toml=self.config_toml)
         reply.node_id = "server"
         self.endpoint.record_control("register.reply", "server", req.node_id, reply.ByteSize(), "sender", 0.0,
@@ -141,15 +162,103 @@ class Coordinator:
                              detail=f"{len(need)} logical clients in {nodes} processes")
 
     # ------------------------------------------------------------------ rounds
-    def sample(self, round: int) -> list[int]:
-        """The round's clients (RoundEngine.sample), none of them hosted by a node known dead."""
+    def sample(self, round: int, attempt: int = 0) -> list[int]:
+        """The round's clients (RoundEngine.sample), none of them hosted by a node known dead or
+        suspect, nor reported dead by its edge; `attempt` > 0: a retry of a short round."""
         def live_only(pool: list[int], size: int) -> list[int]:
-            pool, dead = live_pool(pool, size, self.client_home, getattr(self.endpoint, "liveness", None))
+            pool, dead = live_pool(pool, size, self.client_home, getattr(self.endpoint, "liveness", None),
+                                   self.reported_dead())
             if dead:   # no dead node's client drawn in place of a live one (common/liveness.py)
                 self.store.add_event("sampling_excluded", node="server", round=round,
-                                     detail=f"{len(dead)} clients of dead nodes not sampled: {dead[:20]}")
+                                     detail=f"{len(dead)} clients of dead nodes not sampled: {dead[:20]}"
+                                            + (f" (attempt {attempt})" if attempt else ""))
             return pool
-        return self.engine.sample(round, restrict=live_only)
+        return self.engine.sample(round, restrict=live_only, attempt=attempt)
+
+    def reported_dead(self) -> set[int]:
+        """Clients whose process an edge reported dead in its last reply (only that edge's own)."""
+        out: set[int] = set()
+        for node_id, cids in self.unavailable.items():
+            out.update(c for c in cids if c in self.client_home and self.client_home[c].node_id == node_id)
+        return out
+
+    def note_failures(self, round: int, failures: dict[int, str], per_client: bool) -> None:
+        """Failed calls that look like a dead process (common/liveness.py `unreachable`) make its
+        node suspect at once: sampling leaves its clients out until it beats again, and it is
+        marked dead when it does not within the heartbeat timeout.  Without `per_client` the
+        calls went to edges ("edge X failed: ..."); a client failing under an edge is the edge's
+        to report (`unavailable`)."""
+        monitor = getattr(self.endpoint, "liveness", None)
+        if monitor is None:
+            return
+        for cid, why in sorted(failures.items()):
+            node = self.client_home.get(cid)
+            if node is None:
+                continue
+            if not per_client:
+                prefix = f"edge {node.node_id} failed: "
+                if not why.startswith(prefix):
+                    continue
+                why = why[len(prefix):]
+            if unreachable(why) and monitor.suspect(node.node_id, why):
+                self.store.add_event("node_suspect", node=node.node_id, round=round,
+                                     detail=f"a call failed: {why}; its clients are not sampled until it beats again")
+
+    def live_clients(self, suspects: bool = True) -> list[int]:
+        """Clients whose host is neither dead nor (with `suspects`) suspect, nor reported dead by its edge."""
+        monitor = getattr(self.endpoint, "liveness", None)
+        gone = set() if monitor is None else monitor.unavailable_nodes() if suspects else monitor.dead_nodes()
+        reported = self.reported_dead()
+        return [c for c, node in sorted(self.client_home.items()) if node.node_id not in gone and c not in reported]
+
+    def is_short(self, sampled: list[int], results: dict, failures: dict[int, str]) -> bool:
+        """Whether a round's results (before the virtual clock's cuts) are fewer than run.min_results."""
+        got = len(set(sampled) - set(failures))
+        return not results or got < max(resolve_min_results(self.cfg, len(sampled)), 1)
+
+    def short_round(self, round: int, attempt: int, sampled: list[int], failures: dict[int, str]) -> str:
+        """A short attempt of `round` (`is_short`) under run.on_short_round: "complete" (policy
+        "fail": complete_round fails the run as before), "retry" (its failures recorded, sample it again) or
+        "skip" (the model stays, the round is over).  Raises RunFailed when no client has a live
+        process left, or after MAX_SKIPPED_IN_A_ROW skipped rounds in a row."""
+        policy = self.cfg.run.on_short_round
+        if policy == "fail":
+            return "complete"
+        got = len(set(sampled) - set(failures))
+        needed = max(resolve_min_results(self.cfg, len(sampled)), 1)
+        self.record_failures(round, failures)
+        self.failures_total += len(failures)
+        live = self.live_clients()
+        what = f"only {got} of {len(sampled)} sampled clients returned a result (run.min_results requires {needed})"
+        dead = sorted({self.client_home[c].node_id for c in failures if c in self.client_home})
+        alive = len(self.live_clients(suspects=False))   # a suspect may still beat: only the dead count here
+        if alive < needed:
+            raise RunFailed(f"round {round}: {what}, and only {alive} clients have a live process left")
+        if policy == "retry" and attempt < SHORT_ROUND_RETRIES:
+            self.store.add_event("round_retried", node="server", round=round,
+                                 detail=f"attempt {attempt + 1}: {what}; failed: {id_list(sorted(failures))} on "
+                                        f"{', '.join(dead)}; sampling again among {len(live)} live clients")
+            log.warning("round %d: %s; retrying (attempt %d)", round, what, attempt + 2)
+            return "retry"
+        self.skipped_in_a_row += 1
+        self.store.add_event("round_skipped", node="server", round=round,
+                             detail=f"{what} after {attempt + 1} attempts; failed: {id_list(sorted(failures))} on "
+                                    f"{', '.join(dead)}; the model is unchanged")
+        log.warning("round %d: %s; skipped", round, what)
+        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise RunFailed(f"round {round}: {self.skipped_in_a_row} rounds in a row skipped "
+                            f"(run.on_short_round = '{policy}'); last: {what}")
+        self.rounds_completed = round
+        return "skip"
+
+    def record_failures(self, round: int, failures: dict[int, str]) -> None:
+        """One event per client left out: a typed rejection or a lost or failed call."""
+        for cid, why in sorted(failures.items()):
+            code = rejection_code(why)   # typed rejections (common/validation.py), the rest: lost or failed
+            kind = "rejected_payload" if code else "client_failed"
+            detail = why if not code or why.startswith(f"{code}:") else f"{code}: {why}"   # the code once
+            self.store.add_event(kind, node=client_node(cid), detail=detail, round=round)
+            log.warning("round %d: client %d left out: %s", round, cid, why)
 
     def client_message(self, message: Payload, round: int, cid: int) -> Payload:
         """Client `cid`'s message this round: the shared one or its own variant (Algorithm.client_message)."""
@@ -167,15 +276,11 @@ class Coordinator:
         partials), so the virtual clock can cut single clients."""
         results, inconsistent = consistent_results(results)
         failures.update(inconsistent)
-        for cid, why in sorted(failures.items()):
-            code = rejection_code(why)   # typed rejections (common/validation.py), the rest: lost or failed
-            kind = "rejected_payload" if code else "client_failed"
-            self.store.add_event(kind, node=client_node(cid), detail=f"{code}: {why}" if code else why, round=round)
-            log.warning("round %d: client %d left out: %s", round, cid, why)
-        non_finite = [cid for cid, why in failures.items() if rejection_code(why) == "NON_FINITE"]
+        self.record_failures(round, failures)
+        non_finite = sorted(cid for cid, why in failures.items() if rejection_code(why) == "NON_FINITE")
         if non_finite and self.cfg.security.nan_policy == "fail":
-            raise RunFailed(f"round {round}: NaN/Inf in the results of clients {sorted(non_finite)[:10]} and "
-                            f"security.nan_policy = 'fail'")
+            raise RunFailed(f"round {round}: non-finite values (NaN/Inf) in the results of clients "
+                            f"{id_list(non_finite)} and security.nan_policy = 'fail'")
         settled = self.clock.settle(round, message, results, self.ledger.records(),
                                     star=per_client)   # deadline / over-commit cuts
         for cid, why in sorted(settled.cut.items()):
@@ -185,8 +290,11 @@ class Coordinator:
         participants = sorted(set(sampled) - set(failures) - set(settled.cut))
         needed = max(resolve_min_results(self.cfg, len(sampled)), 1)
         if len(participants) < needed or not results:
-            raise RunFailed(f"round {round}: only {len(participants)} of {len(sampled)} sampled clients returned a "
-                            f"result; run.min_results requires {needed}")
+            diverged = (f"the run diverged: {len(non_finite)} of {len(sampled)} sampled clients replied with "
+                        f"non-finite values (NaN/Inf), clients {id_list(non_finite)} (a lower algorithm.lr may help); "
+                        if non_finite else "")
+            raise RunFailed(f"round {round}: {diverged}only {len(participants)} of {len(sampled)} sampled clients "
+                            f"returned a result; run.min_results requires {needed}")
         collected = time.perf_counter()
         aggregate = self.engine.finish_round(   # NaN/Inf: rolled back, the offender left out
             round, results, participants, lambda blamed, kept: self._left_out(round, blamed, kept, failures, per_client))
@@ -225,7 +333,9 @@ class Coordinator:
                          f"NON_FINITE_AGGREGATE: the partial of edge-{key_of(c)} was left out" for c in gone})
         kept = [c for c in participants if c not in gone]
         if self.cfg.security.nan_policy == "fail" or not kept:
-            raise RunFailed(f"round {round}: {next(iter(blamed.values()))} (security.nan_policy = "
+            raise RunFailed(f"round {round}: non-finite values (NaN/Inf) in the aggregate, blamed on "
+                            f"{'clients' if per_client else 'edges'} {id_list(sorted(blamed))}: "
+                            f"{next(iter(blamed.values()))} (security.nan_policy = "
                             f"'{self.cfg.security.nan_policy}', {len(kept)} results left)")
         return kept
 
@@ -237,6 +347,7 @@ class Coordinator:
 
     def record_round(self, result: RoundResult) -> None:
         self.rounds_completed = result.round
+        self.skipped_in_a_row = 0
         self.failures_total += len(result.failures)
         self.history.append(result)
         self.store.insert_records(self.ledger.drain())
@@ -271,6 +382,12 @@ class Coordinator:
             status, error = "failed", str(exc)
             self.store.add_event("run_failed", node="server", detail=error, round=self.rounds_completed)
             log.error("run failed: %s", error)
+        except (KeyboardInterrupt, Stopped) as exc:   # Ctrl-C, or SIGTERM (common/procexit.py stop_on_sigterm)
+            ignore_stops()
+            reason, self.stop_status = stop_reason(exc)
+            status, error = "stopped", f"{reason} after round {self.rounds_completed}"
+            self.store.add_event("run_stopped", node="server", detail=error, round=self.rounds_completed)
+            log.warning("run %s", error)
         finally:
             self.shutdown_children()
         summary = self.finalize(status, error, time.perf_counter() - started)
@@ -322,6 +439,8 @@ class Coordinator:
                                  "mismatched": len(agreement.mismatched)},
             "failures": self.failures_total,
             "clients_dropped": self.store.clients_dropped(),   # sampled clients whose result did not count
+            "round_retries": len(self.store.events("round_retried")),   # run.on_short_round
+            "rounds_skipped": len(self.store.events("round_skipped")),
             "wall_seconds": wall_seconds,
             "num_parameters": int(sum(t.numel() for t in self.state.params.values())),
             "num_clients": self.cfg.clients.count,

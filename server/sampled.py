@@ -16,7 +16,7 @@ import time
 from typing import Callable, ClassVar
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.control import failures_of, sampled_clients
+from fedhop.common.control import control_of, failures_of, sampled_clients
 from fedhop.common.methods import Method
 from fedhop.common.topology import edge_index
 from fedhop.common.transport.fabric import ReplyPipeline, Send
@@ -84,9 +84,18 @@ class EdgeFanout(DataPlane):
             ctx.store.add_event("edge_failed", node=node_id, detail=why, round=round)
             for cid in by_edge[node_id]:
                 failures[cid] = f"edge {node_id} failed: {why}"
+            if " replied NO_RESULTS:" in why:   # none of its sampled clients answered: avoid them until it says more
+                ctx.unavailable.setdefault(node_id, set()).update(by_edge[node_id])
         results = {}
         for node_id, partial in partials.items():
             failures.update({c: f"at {node_id}: {why}" for c, why in failures_of(partial).items()})
+            control = control_of(partial)
+            reported = set(control.clients)   # its clients whose processes it judges dead (edge/aggregator.py)
+            if reported != ctx.unavailable.get(node_id, set()):
+                ctx.store.add_event("clients_unavailable", node=node_id, round=round,
+                                    detail=f"{len(reported)} clients on dead or suspect processes "
+                                           f"{', '.join(control.processes[:10]) or '-'}: {sorted(reported)[:20]}")
+            ctx.unavailable[node_id] = reported
             results[edge_index(node_id)] = partial
         return results, failures
 
@@ -115,16 +124,33 @@ class SampledRoundDriver(TopologyDriver):
         """The round's clients, sorted (a subclass may choose them its own way)."""
         return self.ctx.sample(round)
 
-    def run_round(self, round: int) -> RoundResult:
+    def resample(self, round: int, attempt: int) -> list[int]:
+        """The clients of retry `attempt` (>= 1) of a short round: a seeded draw of its own among
+        the clients with a live process (Coordinator.sample)."""
+        return self.ctx.sample(round, attempt)
+
+    def run_round(self, round: int) -> RoundResult | None:
+        """The round; an attempt short of run.min_results (its clients' processes died) is
+        retried on a new sample or skipped, by run.on_short_round (Coordinator.short_round):
+        None when skipped."""
         ctx = self.ctx
-        started = time.perf_counter()
-        sampled = self.sample(round)
-        message = ctx.clock.begin_round(round, sampled, ctx.algorithm.broadcast(ctx.state, round))
-        dispatched = time.perf_counter()
-        arrivals: dict[int, float] = {}
-        results, failures = self.plane.dispatch(round, sampled, message, arrivals)
-        return ctx.complete_round(round, sampled, results, failures, message, started, dispatched, arrivals,
-                                  per_client=self.plane.per_client)
+        attempt = 0
+        while True:
+            started = time.perf_counter()
+            sampled = self.sample(round) if attempt == 0 else self.resample(round, attempt)
+            message = ctx.clock.begin_round(round, sampled, ctx.algorithm.broadcast(ctx.state, round))
+            dispatched = time.perf_counter()
+            arrivals: dict[int, float] = {}
+            results, failures = self.plane.dispatch(round, sampled, message, arrivals)
+            ctx.note_failures(round, failures, self.plane.per_client)
+            short = ctx.is_short(sampled, results, failures)
+            action = ctx.short_round(round, attempt, sampled, failures) if short else "complete"
+            if action == "skip":
+                return None
+            if action == "complete":
+                return ctx.complete_round(round, sampled, results, failures, message, started, dispatched,
+                                          arrivals, per_client=self.plane.per_client)
+            attempt += 1
 
 
 def _group_star(ctx: DriverContext) -> DataPlane:

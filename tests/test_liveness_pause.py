@@ -85,11 +85,11 @@ def test_a_child_that_registers_and_never_beats_is_declared_dead_after_its_set_u
 
 def test_sampling_pool_leaves_out_dead_nodes_only_when_a_subset_is_drawn():
     home = {c: SimpleNamespace(node_id=f"n{c % 2}") for c in range(6)}
-    mon = SimpleNamespace(dead_nodes=lambda: {"n1"})
+    mon = SimpleNamespace(unavailable_nodes=lambda: {"n1"})
     assert live_pool(list(range(6)), 3, home, mon) == ([0, 2, 4], [1, 3, 5])
     assert live_pool(list(range(6)), 6, home, mon) == (list(range(6)), [])     # everyone drawn: as before
-    assert live_pool(list(range(6)), 3, home, SimpleNamespace(dead_nodes=set)) == (list(range(6)), [])
-    all_dead = SimpleNamespace(dead_nodes=lambda: {"n0", "n1"})
+    assert live_pool(list(range(6)), 3, home, SimpleNamespace(unavailable_nodes=set)) == (list(range(6)), [])
+    all_dead = SimpleNamespace(unavailable_nodes=lambda: {"n0", "n1"})
     assert live_pool(list(range(6)), 3, home, all_dead) == (list(range(6)), [])
 
 

@@ -38,6 +38,27 @@ def example_on_path(monkeypatch):
         del sys.modules[name]
 
 
+def test_a_package_in_the_plugin_search_path_imports_without_changing_sys_path(tmp_path, monkeypatch):
+    """FEDHOP_PLUGIN_PATH (set by `fedhop run` to the config's folder and the cwd): a package found
+    there imports with its submodules; sys.path is left as it was; a missing one names the path."""
+    pkg = tmp_path / "fh_searchpkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .sub.impl import VALUE\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "impl.py").write_text("VALUE = 41 + 1\n")
+    monkeypatch.setenv("FEDHOP_PLUGIN_PATH", os.pathsep.join([str(tmp_path / "nothing-here"), str(tmp_path)]))
+    before = list(sys.path)
+    try:
+        assert load_plugin("fh_searchpkg.sub.impl:VALUE", "models") == 42
+        assert sys.modules["fh_searchpkg"].__file__ == str(pkg / "__init__.py")
+        assert sys.path == before
+        with pytest.raises(PluginError, match=f"No module named 'fh_nosuch'.*search path .*{tmp_path}"):
+            load_plugin("fh_nosuch:x", "models")
+    finally:
+        for name in [m for m in sys.modules if m.startswith("fh_searchpkg")]:
+            del sys.modules[name]
+
+
 def test_load_plugin_by_import_path_and_its_errors():
     assert load_plugin("fedhop.common.models:MLP", "models").__name__ == "MLP"
     with pytest.raises(PluginError, match=r"cannot import 'nosuchpkg\.models:net': ModuleNotFoundError: No module named 'nosuchpkg'"):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -139,7 +140,7 @@ def test_plots_are_valid_pngs(runs):
     assert names == ["bytes_by_link.png", "metric_vs_bytes.png", "metric_vs_round.png", "metric_vs_sim_time.png"]
     for p in res.plots:
         assert p.parent == tmp / "out" and p.exists()
-        assert png_size(p) == (700, 450)
+        assert png_size(p) == (2100, 1350)   # 7 x 4.5 in at 300 dpi (print quality)
         assert p.stat().st_size > 10_000  # a drawn chart, not an empty canvas
     # Without sim_seconds in any run there is no simulated-time plot.
     res = build_report([tmp / "a"], tmp / "out-a")
@@ -241,3 +242,54 @@ def test_without_matplotlib_the_report_says_so_and_draws_nothing(tmp_path, monke
     assert make_plots([], None, None, "wire_bytes", tmp_path, notes) == []
     assert notes == ["no plots: matplotlib is not installed (pip install 'fedhop[report]')"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_csv_holds_every_run_and_round_with_cumulative_bytes(runs):
+    """`--csv DIR` writes DIR/rounds.csv: one row per run and round, the union of the metrics (a
+    metric a run lacks is empty), and the bytes of every message up to the round (hand totals)."""
+    import csv
+    tmp, _, _ = runs
+    assert main([str(tmp / "a"), str(tmp / "b"), "--out", str(tmp / "rep"), "--csv", str(tmp / "tables")]) == 0
+    with open(tmp / "tables" / "rounds.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["run"], int(r["round"])) for r in rows] == \
+        [("fedavg-star", k) for k in range(1, 6)] + [("hier-edges", k) for k in range(1, 5)]
+    a, b = rows[:5], rows[5:]
+    assert [float(r["test_accuracy"]) for r in a] == [0.2, 0.45, 0.61, 0.58, 0.7]
+    assert [r["objective"] for r in a] == [""] * 5 and [float(r["objective"]) for r in b] == [5.0, 3.0, 1.5, 0.9]
+    assert all((r["participants"], r["sampled"], r["failures"]) == ("2", "2", "0") for r in rows)
+    # A: one exchange of 1000 tensor bytes each way per round; framed 2 x 1105 per round + the round-0
+    # registration (55).  B: 2 x 500 client-edge + 2 x 1000 edge-server per round, framed 2 x 565 + 2 x 1105.
+    assert [int(r["cumulative_tensor_bytes"]) for r in a] == [2000 * k for k in range(1, 6)]
+    assert [int(r["cumulative_framed_bytes"]) for r in a] == [55 + 2210 * k for k in range(1, 6)]
+    assert [int(r["cumulative_messages"]) for r in a] == [1 + 2 * k for k in range(1, 6)]
+    assert [int(r["cumulative_framed_bytes"]) for r in b] == [3340 * k for k in range(1, 5)]
+    assert {Path(r["run_dir"]) for r in b} == {(tmp / "b").resolve()}
+
+
+def svg_font_sizes(path: Path) -> list[float]:
+    text = path.read_text()
+    assert text.count("<text") == len(re.findall(r"font-size: [0-9.]+px", text)) > 0   # every text sized
+    return [float(s) for s in re.findall(r"font-size: ([0-9.]+)px", text)]
+
+
+def test_plots_at_print_quality_in_each_format(runs):
+    """PDF and SVG (vector, text kept as text) and PNG at 300 dpi; no text under 9 pt (an SVG's px
+    are points: matplotlib writes it at 72 units per inch)."""
+    tmp, _, _ = runs
+    svg = build_report([tmp / "a", tmp / "b"], tmp / "svg", target=0.6, fmt="svg")
+    assert sorted(p.name for p in svg.plots) == ["bytes_by_link.svg", "metric_vs_bytes.svg", "metric_vs_round.svg",
+                                                 "metric_vs_sim_time.svg"]
+    for p in svg.plots:
+        assert min(svg_font_sizes(p)) >= 9, p.name
+    # the byte axis' ticks in the table's units (run A: 2 to 10 kB; B: 3 to 12 kB), none as 10^4
+    ticks = re.findall(r">([^<>]+)</text>", (tmp / "svg" / "metric_vs_bytes.svg").read_text())
+    assert "10.00 kB" in ticks and not [t for t in ticks if "10^" in t or "times" in t]
+    assert "![metric_vs_round](metric_vs_round.svg)" in (tmp / "svg" / "report.md").read_text()
+    pdf = build_report([tmp / "a"], tmp / "pdf", fmt="pdf")
+    assert pdf.plots and all(p.suffix == ".pdf" and p.read_bytes()[:5] == b"%PDF-" for p in pdf.plots)
+    assert not list((tmp / "pdf").glob("*.png")) and not list((tmp / "svg").glob("*.png"))
+    assert main([str(tmp / "a"), "--out", str(tmp / "png150"), "--dpi", "150"]) == 0
+    assert png_size(tmp / "png150" / "metric_vs_round.png") == (1050, 675)   # 7 x 4.5 in
+    with pytest.raises(SystemExit):
+        main([str(tmp / "a"), "--format", "jpeg"])

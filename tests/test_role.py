@@ -10,9 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fedhop.common.transport.torchdist import free_port
 from tests.helpers import quadratic_config
@@ -59,3 +61,84 @@ def test_server_role_ends_first_and_a_late_sigterm_keeps_its_status(tmp_path):
     assert (run / "server.exit").read_text() == "0\n"
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     assert (run / "run.db").stat().st_size > 4096 and not (run / "run.db-wal").exists()
+
+
+def _role_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDHOP_")}
+    return {**env, "FEDHOP_RUNS": str(tmp_path / "runs"), "FEDHOP_INSECURE": "1", **extra}
+
+
+@pytest.mark.parametrize("role, extra, named", [
+    ("server", {"FEDHOP_SET": "run.rounds=abc"}, "run.rounds"),
+    ("server", {"FEDHOP_SET": "run.nosuchkey=1"}, "nosuchkey"),
+    ("server", {"FEDHOP_CONFIG": "missing.toml"}, "missing.toml"),
+    ("server", {"FEDHOP_CLIENT_PROCESSES": "many"}, "FEDHOP_CLIENT_PROCESSES"),
+    ("server", {"FEDHOP_RUN_NAME": "a/b"}, "FEDHOP_RUN_NAME"),
+    ("server", {"FEDHOP_SET": "run.rounds='3"}, "FEDHOP_SET"),
+    ("server", {"FEDHOP_REGISTER_TIMEOUT": "soon"}, "FEDHOP_REGISTER_TIMEOUT"),
+    ("edge", {"FEDHOP_SET": "algorithm.lr=fast"}, "algorithm.lr"),
+])
+def test_a_bad_config_or_variable_is_one_line_and_exit_2(tmp_path, role, extra, named):
+    """What a container prints when its environment is wrong: one line naming it, exit 2 (no traceback)."""
+    text = quadratic_config(RNG.normal(0, 2, (2, 3)), RNG.uniform(0.5, 2, (2, 3)), [3, 5], rounds=1, processes=1)
+    (tmp_path / "exp.toml").write_text(text)
+    args = {"server": ["server", "--listen", "127.0.0.1:0"],
+            "edge": ["edge", "--node-id", "edge-0", "--listen", "127.0.0.1:1"]}[role]
+    env = _role_env(tmp_path, **{"FEDHOP_CONFIG": "exp.toml", **extra})
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.role", *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2, res.stderr
+    assert len(lines) == 1 and named in lines[0] and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "runs" / "current").exists()      # nothing announced
+
+
+def test_auto_client_processes_are_counted_before_the_server_starts_and_recorded(tmp_path):
+    """FEDHOP_CLIENT_PROCESSES=auto with 3 client replicas and a config saying 1: the server's role
+    waits for the replicas' count, so config.toml says what ran (3 processes, 3 client ledgers)."""
+    replicas = 3
+    text = quadratic_config(RNG.normal(0, 2, (6, 3)), RNG.uniform(0.5, 2, (6, 3)), [3, 5, 4, 6, 2, 3], rounds=2,
+                            processes=1, local_steps=2, name="auto")
+    (tmp_path / "exp.toml").write_text(text)
+    env = _role_env(tmp_path, FEDHOP_CONFIG=str(tmp_path / "exp.toml"), FEDHOP_RUN_NAME="a",
+                    FEDHOP_CLIENT_PROCESSES="auto", FEDHOP_SETTLE="1")
+    port = free_port("127.0.0.1")
+    role = [sys.executable, "-m", "fedhop.deploy.role"]
+    procs = [subprocess.Popen(role + ["server", "--listen", f"127.0.0.1:{port}"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    # the clients start with the server, as compose starts them now (not after its health check)
+    for k in range(replicas):
+        procs.append(subprocess.Popen(role + ["client", "--server", f"127.0.0.1:{port}",
+                                              "--port", str(free_port("127.0.0.1"))],
+                                      env={**env, "FEDHOP_REPLICA": f"replica-{k}"},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * (replicas + 1), "\n".join(o[-2000:] for o in outs)
+    run = tmp_path / "runs" / "a"
+    recorded = tomllib.loads((run / "config.toml").read_text())
+    assert recorded["clients"]["processes"] == replicas
+    assert int((run / "replicas.count").read_text()) == replicas
+    hosted = {f.stem for f in (run / "ledger").glob("client-proc*.jsonl")}
+    assert hosted == {f"client-proc{k}" for k in range(replicas)}, sorted(hosted)
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_client_whose_server_is_gone_leaves_instead_of_waiting_for_a_run(tmp_path):
+    """Compose can start a client's container while it aborts the run (the server's container
+    already stopped, its name gone from DNS): the role leaves within seconds, not after the 300 s
+    it waits for a run to be announced."""
+    env = _role_env(tmp_path, FEDHOP_CONFIG=str(tmp_path / "exp.toml"))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.role", "client", "--server", "server.invalid:7000"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    elapsed = time.monotonic() - t0
+    assert res.returncode != 0 and "server.invalid does not resolve" in res.stderr, res.stderr
+    assert elapsed < 120, elapsed

@@ -86,7 +86,11 @@ def wire_field() -> Any:
 
 @dataclass
 class BaselineParams(AlgorithmParams):
-    """FedMiD / FedDA: eta_c = [algorithm] lr, eta_s = server_lr; only the wire dtype is their own."""
+    """FedMiD / FedDA: eta_c = [algorithm] lr, eta_s = server_lr; only the wire dtype is their own.
+
+    `wire_dtype`: dtype of the tensors on the wire (float64: the exact float64 sums, twice the
+        bytes)
+    """
 
     wire_dtype: str = wire_field()
 

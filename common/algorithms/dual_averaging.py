@@ -68,7 +68,19 @@ from fedhop.common.prox import dual_averaging_prox
 
 @dataclass
 class FastFedDAParams(AlgorithmParams):
-    """[algorithm] keys of fast_fedda (defaults: the paper's synthetic runs, digest 4.1 and 8)."""
+    """[algorithm] keys of fast_fedda (defaults: the paper's synthetic runs, digest 4.1 and 8).
+
+    `mu`: mu, the strong-convexity weight of the dual-averaging prox
+    `gamma`: gamma, the proximity weight of the prox (read as `gamma_convention` says)
+    `gamma_convention`: how `gamma` is read: "code" (the authors' MATLAB code: gamma_paper = gamma /
+        E for C-/MC-FedDA) or "paper"
+    `weights`: the dual-averaging weights alpha_t: "uniform" (alpha = 1, the authors' code) or
+        "poly2" ((t + a)^2, the theorems)
+    `a`: the offset a of the "poly2" weights (t + a)^2
+
+    `wire_dtype`: dtype of the tensors on the wire (float64: the exact float64 sums, twice the
+        bytes)
+    """
 
     mu: float = field(default=0.1, metadata={"min": 0.0})
     gamma: float = field(default=550.0, metadata={"min_exclusive": 0.0})
@@ -89,7 +101,11 @@ class FastFedDAParams(AlgorithmParams):
 @dataclass
 class CFedDAParams(FastFedDAParams):
     """[algorithm] keys of c_fedda: those of fast_fedda (gamma default 600 in the code's convention,
-    i.e. 60 in the paper's for E = 10) and the constraint radius eps0 around w0."""
+    i.e. 60 in the paper's for E = 10) and the constraint radius eps0 around w0.
+
+    `output`: the model (evaluated, checkpointed, saved): the "last" server iterate (the authors'
+        code) or the weighted "average" (Algorithm 2)
+    """
 
     gamma: float = field(default=600.0, metadata={"min_exclusive": 0.0})
     radius: float = field(default=0.0, metadata={"min": 0.0})   # eps0; 0 = no ball (the experiments)
@@ -98,7 +114,11 @@ class CFedDAParams(FastFedDAParams):
 
 @dataclass
 class MCFedDAParams(CFedDAParams):
-    """[algorithm] keys of mc_fedda (defaults: the Lasso schedule of the authors' code, digest 2.4)."""
+    """[algorithm] keys of mc_fedda (defaults: the Lasso schedule of the authors' code, digest 2.4).
+
+    `warm_start`: the restart point w0 of each stage: the "last" server iterate (the authors' code)
+        or the stage's weighted "average" (the paper)
+    """
 
     stage_rounds: list = field(default_factory=lambda: [250, 250, 1500])   # M entries; the last stage runs on
     stage_reg: list = field(default_factory=list)       # lam_m; empty: reg * 2^-(m - M + 1)

@@ -39,6 +39,11 @@ H_PREFIX = "feddyn_h."            # server state: h per parameter
 
 @dataclass
 class FedDynParams(AlgorithmParams):
+    """[algorithm] keys of feddyn.
+
+    `alpha`: alpha, the weight of the dynamic regularizer (the paper tries 0.1, 0.01, 0.001)
+    """
+
     alpha: float = field(default=0.01, metadata={"min_exclusive": 0.0})   # FedDyn paper: {0.1, 0.01, 0.001}
 
 

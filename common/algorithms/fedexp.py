@@ -43,6 +43,14 @@ X_PREFIX = "fedexp_x."
 
 @dataclass
 class FedExPParams(AlgorithmParams):
+    """[algorithm] keys of fedexp (FedAvg with the adaptive extrapolated server step).
+
+    `eps`: epsilon of the step rule eta_g = max(1, sum p_i ||Delta_i||^2 / (2 (||Delta||^2 + eps)))
+        (Eq. 9)
+    `average_last_two`: evaluate and save (x_{t+1} + x_t) / 2, the paper's reported iterate; clients
+        still receive x_{t+1}
+    """
+
     eps: float = field(default=1e-3, metadata={"min": 0.0})
     average_last_two: bool = False
     max_server_step: float = field(default=0.0, metadata={"min": 0.0})   # > 0: cap eta_g (not in the paper)

@@ -62,6 +62,14 @@ FULL_WEIGHT_KEY = "lga_full_weight"
 
 @dataclass
 class FedLGAParams(AlgorithmParams):
+    """[algorithm] keys of fedlga (local gradient approximation for stragglers).
+
+    `lga_grad_source`: where a straggler's gradient g_i comes from: "delta" (from its update, no
+        extra bytes), "client_last_grad" (sent by the client) or "diag" (diag(g g^T) with the
+        "delta" g)
+    `lga_lambda`: lambda, the scale of the gradient-approximation correction (1.0 = the paper)
+    """
+
     lga_grad_source: str = field(default="delta", metadata={"choices": ("delta", "client_last_grad", "diag")})
     lga_lambda: float = field(default=1.0, metadata={"min": 0.0})
     lga_clip: float = field(default=0.0, metadata={"min": 0.0})        # not in the paper; 0 = off

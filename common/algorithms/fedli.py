@@ -62,7 +62,14 @@ FALLBACK_STEP = 1e-6      # SLS: the step taken when no trial passes within max_
 # ============================================================================ FedLi-LS client
 @dataclass
 class FedLiLSParams(AlgorithmParams):
-    """Armijo constants: the SLS defaults (the paper names them but gives no values, digest 2.2)."""
+    """Armijo constants: the SLS defaults (the paper names them but gives no values, digest 2.2).
+
+    `reset`: the first trial step of each local step: "keep" the last, "max" (eta_max), or "grow"
+        (eta * delta^(b/n), SLS)
+    `max_backtracks`: trials of the line search before it takes a small fallback step
+    `server_step`: the server step eta_g: "unit" (1), "max" (the largest client step, the paper's
+        non-convex heuristic) or "const" (algorithm.server_lr)
+    """
 
     c: float = field(default=0.1, metadata={"min_exclusive": 0.0})           # Armijo constant, < 1
     beta: float = field(default=0.9, metadata={"min_exclusive": 0.0})        # backtracking factor, < 1
@@ -274,7 +281,14 @@ PRESETS: dict[str, dict[str, float | None]] = {
 
 @dataclass
 class FedLiLUParams(AlgorithmParams):
-    """Server DFW constants; a value left out comes from `preset` (digest 2.5, 2.7.3)."""
+    """Server DFW constants; a value left out comes from `preset` (digest 2.5, 2.7.3).
+
+    `preset`: where the unset DFW constants come from: "paper" (eta = server_lr, weight decay 1e-3,
+        no momentum) or "code" (eta 0.01, weight decay 1e-5, momentum 0.9)
+    `eps`: epsilon in the denominator of the DFW step gamma_t
+    `loss_report`: the loss a client reports: the epoch-mean minibatch loss, the last minibatch's,
+        or the full local loss after training ("post_train")
+    """
 
     preset: str = field(default="paper", metadata={"choices": tuple(PRESETS)})
     eta: float | None = field(default=None, metadata={"min_exclusive": 0.0})        # DFW proximal coefficient

@@ -41,6 +41,12 @@ def _check_beta(name: str, value: float) -> None:
 
 @dataclass
 class FedAdamParams(AlgorithmParams):
+    """[algorithm] keys of fedadam and fedyogi (Reddi et al. 2021, Algorithm 2).
+
+    `beta1`: beta_1, the decay of the server's first moment (momentum); must be < 1
+    `beta2`: beta_2, the decay of the server's second moment; must be < 1
+    """
+
     beta1: float = field(default=0.9, metadata={"min": 0.0, "max": 1.0})
     beta2: float = field(default=0.99, metadata={"min": 0.0, "max": 1.0})
     tau: float = field(default=1e-3, metadata={"min_exclusive": 0.0})     # adaptivity (epsilon)
@@ -53,6 +59,13 @@ class FedAdamParams(AlgorithmParams):
 
 @dataclass
 class FedAdagradParams(AlgorithmParams):
+    """[algorithm] keys of fedadagrad (Reddi et al. 2021, Algorithm 2).
+
+    `beta1`: beta_1, the decay of the server's first moment (momentum); must be < 1
+    `tau`: tau, the adaptivity (epsilon) of the server step
+    `v0`: v_{-1}, the initial second moment (paper: >= tau^2)
+    """
+
     beta1: float = field(default=0.9, metadata={"min": 0.0, "max": 1.0})
     tau: float = field(default=1e-3, metadata={"min_exclusive": 0.0})
     v0: float = field(default=1e-6, metadata={"min": 0.0})
@@ -114,6 +127,13 @@ class FedAdam(_AdaptiveServer):
 
 @dataclass
 class FedAvgMParams(AlgorithmParams):
+    """[algorithm] keys of fedavgm (FedAvg with server momentum, Hsu et al. 2019).
+
+    `nesterov`: Nesterov momentum at the server (x + eta (beta m + Delta)) instead of heavy ball
+
+    `momentum`: beta, the server momentum (Hsu et al. try 0.7 to 0.997); must be < 1
+    """
+
     momentum: float = field(default=0.9, metadata={"min": 0.0, "max": 1.0})   # Hsu et al.: beta in {0.7..0.997}
     nesterov: bool = False
 

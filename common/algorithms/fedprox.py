@@ -25,6 +25,11 @@ from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 
 @dataclass
 class FedProxParams(AlgorithmParams):
+    """[algorithm] keys of fedprox.
+
+    `mu`: mu, the weight of the proximal term mu/2 ||w - w_t||^2 in the clients' local objective
+    """
+
     mu: float = field(default=0.01, metadata={"min": 0.0})
 
 

@@ -76,6 +76,31 @@ def split_names(names: Iterable[str]) -> tuple[list[str], list[str]]:
 
 @dataclass
 class MinimaxParams(AlgorithmParams):
+    """[algorithm] keys of the federated minimax algorithms (notation: the module docstring).
+
+    `lr_y`: eta_y^c, the clients' learning rate of y (0 = algorithm.lr)
+    `server_lr_x`: gamma_x^s, the server step of x, when > 0 (0: server_lr times the client lr)
+    `server_lr_y`: gamma_y^s, the server step of y, when > 0 (0: server_lr times the client lr)
+    `solver`: the local solver: "sgd", or "momentum" (heavy ball with coefficient `momentum`)
+    `momentum`: rho, the heavy-ball coefficient of solver = "momentum"
+    `client_momentum`: one rho per client (mixed solvers); empty: `solver` and `momentum` for all
+    `local_draw`: local work drawn at random: "none" (fixed), "round" (every round) or "client"
+        (once per client), uniform on draw_low..draw_high
+    `draw_unit`: what `local_draw` draws: "steps" or "epochs"
+    `draw_low`: the smallest local work `local_draw` draws
+    `draw_high`: the largest local work `local_draw` draws (>= draw_low)
+    `draw_seed`: the seed of local_draw = "client" (stream (draw_seed, "minimax/local_draw", i))
+    `client_epochs`: fixed local epochs per client (one entry each); empty: algorithm.local_epochs
+    `snapshot_period`: S: the "+" variants refresh the snapshot xhat every S rounds
+    `tau_eff`: the server's effective local work tau_eff (Fed-Norm): "sampled" (from the sampled
+        clients), "unbiased", or "fixed" (tau_eff_value)
+    `tau_eff_value`: tau_eff when tau_eff = "fixed"
+    `agg_weights`: client weights: "p" (p_i, Fed-Norm) or "p_a" (p_i ||a_i||_1, Local SGDA's implied
+        weights)
+    `estimator`: the weighted sum divided by the number of sampled clients ("unbiased") or by the
+        sum of their weights ("normalized")
+    """
+
     lr_y: float = field(default=0.0, metadata={"min": 0.0})
     server_lr_x: float = field(default=0.0, metadata={"min": 0.0})
     server_lr_y: float = field(default=0.0, metadata={"min": 0.0})

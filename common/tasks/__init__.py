@@ -46,7 +46,10 @@ DIRICHLET_MAX_TRIES = 10_000
 
 @dataclass
 class NpzParams:
-    """[data] keys of dataset = "npz" (the user's own federated data)."""
+    """[data] keys of dataset = "npz" (the user's own federated data).
+
+    `task`: "classification" (integer labels) or "regression"
+    """
 
     path: str = ""                 # relative paths are looked up in data.data_dir, then the cwd
     task: str = field(default="classification", metadata={"choices": ("classification", "regression")})
@@ -103,6 +106,11 @@ def _entry(name: str) -> _Entry:
             raise PluginError(f"data.dataset = {name!r} is a {type(load).__name__}, not a function")
         register_dataset(name, _build_plugin(load), getattr(load, "Params", None))
     return _REGISTRY[name]
+
+
+def builtin_datasets() -> list[str]:
+    """The names of the built-in data sets (the config reference lists their keys, deploy/configref.py)."""
+    return sorted(set(_REGISTRY) | set(_LAZY_MODULES))
 
 
 def dataset_params_class(name: str) -> type | None:

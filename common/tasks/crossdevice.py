@@ -54,7 +54,13 @@ BUNDLED = {"digits": (datasets.load_digits, (8, 8)), "breast_cancer": (datasets.
 
 @dataclass
 class CrossDeviceParams:
-    """[data] keys of dataset = "crossdevice"."""
+    """[data] keys of dataset = "crossdevice".
+
+    `base`: what a client holds: "synthetic" (FedProx's Synthetic(alpha, beta), made per device) or
+        a partition of a bundled set ("digits", "breast_cancer")
+    `sizes`: the law of the clients' sample counts: "lognormal" or "pareto"
+    `size_min`: the fewest samples a client holds
+    """
 
     base: str = field(default="synthetic", metadata={"choices": ("synthetic", "digits", "breast_cancer")})
     alpha: float = field(default=1.0, metadata={"min": 0.0})      # synthetic: model skew

@@ -26,7 +26,16 @@ from fedhop.common.tasks.classification import ClassificationTask, ModelSpec
 
 @dataclass
 class LogRegParams:
-    """[data] keys of dataset = "logreg"."""
+    """[data] keys of dataset = "logreg".
+
+    `alpha`: Synthetic(alpha, beta): how much the clients' local models differ
+    `beta`: Synthetic(alpha, beta): how much the clients' features differ
+    `dim`: features
+    `classes`: classes
+    `samples_sigma`: sigma of the log-normal client sizes
+    `samples_min`: added to every log-normal client size (the fewest samples a client holds)
+    `iid`: the paper's Synthetic-IID: one W, b ~ N(0, 1) and no feature shift for every client
+    """
 
     alpha: float = field(default=1.0, metadata={"min": 0.0})
     beta: float = field(default=1.0, metadata={"min": 0.0})

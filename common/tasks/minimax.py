@@ -52,6 +52,18 @@ class MinimaxQuadraticParams:
     of per-coordinate curvatures), or leave `u` empty and set `dim` to draw them from the
     "data/minimax_quadratic" stream: u, v ~ N(0, spread^2), a, c ~ U[curvature_low, curvature_high]
     per coordinate.
+
+    `a`: a_i, the x-curvature of f_i(x, y) = a_i/2 ||x - u_i||^2 + b <x, y> - c_i/2 ||y - v_i||^2:
+        one entry per client, a number or per-coordinate list
+    `c`: c_i, the y-curvature of f_i (like `a`)
+    `u`: u_i, the x-center of f_i: one row per client (empty: drawn, see `dim`)
+    `v`: v_i, the y-center of f_i: one row per client
+    `b`: b, the coupling <x, y> of every f_i
+    `dim`: with `u` empty: draw u, v, a, c in this dimension
+    `spread`: drawn centers: u, v ~ N(0, spread^2)
+    `curvature_low`: drawn curvatures: a, c ~ U[curvature_low, curvature_high]
+    `curvature_high`: drawn curvatures: the upper end
+    `dtype`: dtype of the data and the model
     """
 
     a: list = field(default_factory=list)
@@ -292,7 +304,10 @@ def _net(spec: ModelSpec) -> nn.Module:
 @dataclass
 class RobustDigitsParams:
     """[data] keys of dataset = "robust_digits" (pixels in [0, 1]; data.standardize is not used,
-    since the ball's radius is in pixel units)."""
+    since the ball's radius is in pixel units).
+
+    `attack_lr`: evaluation: step size of the projected ascent
+    """
 
     radius: float = field(default=1.0, metadata={"min_exclusive": 0.0})   # ||y||_2 <= radius
     attack_steps: int = field(default=10, metadata={"min": 0})   # evaluation: projected ascent steps

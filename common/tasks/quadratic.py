@@ -28,6 +28,15 @@ class QuadraticParams:
     Give `centers` (one row per client) and optionally `curvatures` (default all ones),
     or leave `centers` empty and set `dim` to draw them: A_ij ~ N(0, spread^2) and
     C_ij ~ U[curvature_low, curvature_high] from the "data/quadratic" stream.
+
+    `centers`: A, the centers: one row per client (empty: drawn, see `dim`)
+    `curvatures`: C, the curvatures: one row per client (empty: all ones, or drawn with `dim`)
+    `noise`: std of additive gradient noise
+    `dim`: with `centers` empty: draw the centers and curvatures in this dimension
+    `spread`: drawn centers: A_ij ~ N(0, spread^2)
+    `curvature_low`: drawn curvatures: C_ij ~ U[curvature_low, curvature_high]
+    `curvature_high`: drawn curvatures: the upper end
+    `dtype`: dtype of the data and the model
     """
 
     centers: list = field(default_factory=list)

@@ -46,7 +46,16 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 @dataclass
 class LassoParams:
-    """[data] keys of dataset = "lasso" (defaults: the paper's setting, digest 4.1)."""
+    """[data] keys of dataset = "lasso" (defaults: the paper's setting, digest 4.1).
+
+    `dim`: p, the number of features
+    `signal`: the value of w*'s nonzero entries
+    `ar`: the AR(1) correlation of the features: Sigma_ij = ar^|i-j|
+    `noise`: std of the label noise eps
+    `support_threshold`: support_f1 counts |w_j| above this as nonzero
+    `init_scale`: w0 = init_scale * N(0, I) under model.init = "default"
+    `dtype`: dtype of the data and the model
+    """
 
     dim: int = field(default=1024, metadata={"min": 1})
     sparsity: int = field(default=512, metadata={"min": 0})     # s: w* = (signal 1_s, 0_{p-s})
@@ -64,7 +73,17 @@ class LassoParams:
 
 @dataclass
 class LowRankParams:
-    """[data] keys of dataset = "lowrank" (defaults: the paper's setting, digest 4.2)."""
+    """[data] keys of dataset = "lowrank" (defaults: the paper's setting, digest 4.2).
+
+    `rows`: rows of W
+    `cols`: columns of W
+    `signal`: the value of W*'s nonzero diagonal entries
+    `samples`: samples per client
+    `sizes`: explicit samples per client (overrides samples)
+    `noise`: std of the label noise eps
+    `init_scale`: W0 = init_scale * N(0, I) under model.init = "default"
+    `dtype`: dtype of the data and the model
+    """
 
     rows: int = field(default=32, metadata={"min": 1})
     cols: int = field(default=32, metadata={"min": 1})

@@ -52,7 +52,10 @@ REDUCE_OPS = {"wsum": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.R
 
 @dataclass
 class TorchParams:
-    """[transport] keys of kind = "torch"."""
+    """[transport] keys of kind = "torch".
+
+    `backend`: the torch.distributed backend: gloo (CPU) or nccl (CUDA)
+    """
 
     backend: str = field(default="gloo", metadata={"choices": ("gloo", "nccl")})
     timeout: float = field(default=120.0, metadata={"min_exclusive": 0.0})   # seconds for init and each collective

@@ -1,8 +1,9 @@
 #!/bin/bash
 # deploy/docker/build.sh [TAG]: the image, built with no network (docker build --network none).
 #
-#   1. ./wheelhouse filled from this machine's pip configuration where it holds no wheels yet
-#      (deploy/docker/wheelhouse.sh);
+#   1. the wheels, from this machine's pip configuration (deploy/docker/wheelhouse.sh) into a cache
+#      outside the checkout ($FEDHOP_WHEELHOUSE, else /var/cache/fedhop-deploy/wheelhouse as root,
+#      else ~/.cache/fedhop/wheelhouse), linked into ./wheelhouse for the build only;
 #   2. the base: $FEDHOP_BASE_IMAGE when set (e.g. python:3.11-slim-bookworm from a registry),
 #      else a Debian bookworm base made with debootstrap (deploy/docker/make-base.sh);
 #   3. the image TAG (default $FEDHOP_IMAGE or fedhop:cpu) with BuildKit: `docker buildx build`
@@ -12,8 +13,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tag=${1:-${FEDHOP_IMAGE:-fedhop:cpu}}
+# The wheels live in a cache outside the checkout; for the build they are hard-linked into
+# ./wheelhouse (the Dockerfile bind-mounts it from the build context) and removed after, so the
+# checkout keeps nothing.  A ./wheelhouse the user filled (`make wheelhouse`) is used as it is.
 if ! ls wheelhouse/*.whl >/dev/null 2>&1; then
-    deploy/docker/wheelhouse.sh wheelhouse
+    if [ -n "${FEDHOP_WHEELHOUSE:-}" ]; then cache=$FEDHOP_WHEELHOUSE
+    elif [ -w /var/cache ]; then cache=/var/cache/fedhop-deploy/wheelhouse
+    else cache=${XDG_CACHE_HOME:-$HOME/.cache}/fedhop/wheelhouse
+    fi
+    ls "$cache"/*.whl >/dev/null 2>&1 || deploy/docker/wheelhouse.sh "$cache"
+    mkdir -p wheelhouse
+    linked=()
+    for w in "$cache"/*.whl; do linked+=("wheelhouse/$(basename "$w")"); done
+    trap 'rm -f "${linked[@]}"' EXIT
+    cp -l "$cache"/*.whl wheelhouse/ 2>/dev/null || cp "$cache"/*.whl wheelhouse/
 fi
 base=${FEDHOP_BASE_IMAGE:-}
 if [ -z "$base" ]; then

