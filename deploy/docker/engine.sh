@@ -1,3 +1,4 @@
+#!/bin/bash
 # deploy/docker/engine.sh: a Docker engine and Docker Compose v2 for the scripts here, and for a
 # shell (`engine.sh start` / `engine.sh stop`).
 #
