@@ -51,7 +51,8 @@ class RunConfig:
         "(sample it again among the live clients, at most 3 more times, then skip it), skip (leave the model as "
         "it is and go on to the next round), or fail (the run fails); retried and skipped rounds are run.db "
         "events. Retry and skip still fail the run once fewer clients than run.min_results are on processes not "
-        "marked dead, or 10 rounds in a row are skipped"))
+        "marked dead, or 10 rounds in a row are skipped; a round short through refused replies (NaN/Inf, a client's "
+        "error) rather than lost processes fails as with fail"))
     log_level: str = _f("info", choices=("debug", "info", "warning", "error"),
                         help="log level of every process (their logs are in the run folder)")
     torch_threads: int = _f(1, min=1, help="intra-op threads per process (1 keeps runs bit-reproducible)")

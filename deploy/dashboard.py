@@ -15,7 +15,9 @@ The server listens on 127.0.0.1 by default: the page shows the run's config and 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import socket
 import sqlite3
 import sys
 import threading
@@ -166,10 +168,32 @@ def _count(value: Any) -> int:
     return len(value) if isinstance(value, list) else int(value or 0)
 
 
+def allowed_host(header: str) -> bool:
+    """Whether a request's Host header names this machine: an IP address, `localhost`, or this
+    machine's own name.  A page of another site whose name was rebound to 127.0.0.1 (DNS
+    rebinding) sends its own name and is refused, so it cannot read the run's state."""
+    name = header.strip().lower()
+    if name.startswith("["):   # [::1]:8050
+        name = name[1:].split("]", 1)[0]
+    elif name.count(":") == 1:
+        name = name.split(":", 1)[0]
+    if not name:
+        return False
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    return name in {"localhost", socket.gethostname().lower(), socket.getfqdn().lower()}
+
+
 class _Handler(BaseHTTPRequestHandler):
     run_dir: Path
 
     def do_GET(self) -> None:   # noqa: N802 - the http.server name
+        if not allowed_host(self.headers.get("Host", "")):
+            self._send(403, "text/plain", b"forbidden: the Host header names another site\n")
+            return
         path = self.path.split("?", 1)[0]
         if path == "/api/state":
             self._send(200, "application/json", json.dumps(snapshot(self.run_dir)).encode())

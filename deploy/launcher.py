@@ -492,8 +492,9 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
                resume: bool, start_round: int, dashboard: int | None, force: bool,
                on_run_dir: Callable[[Path], None] | None) -> int:
     """`fedhop run`: returns the exit status (0 completed, 1 failed, 2 bad config or run folder,
-    130 after Ctrl-C, 143 after SIGTERM: the run is then recorded as "stopped").  Paths (the config, `out`, and the config's data_dir, data.path and
-    certs_dir) are relative to the working directory; the run folder records them absolute.
+    130 after Ctrl-C, 143 after SIGTERM: the run is then recorded as "stopped").  Paths (the
+    config, `out`, and the config's data_dir, data.path and certs_dir) are relative to the
+    working directory; the run folder records them absolute.
     With `dashboard` (a port), the live run page is served from this process (deploy/dashboard.py)
     once the children are started, and stays up after the run until Ctrl-C."""
     from fedhop.common.config import ConfigError

@@ -211,6 +211,17 @@ class Coordinator:
         reported = self.reported_dead()
         return [c for c, node in sorted(self.client_home.items()) if node.node_id not in gone and c not in reported]
 
+    def lost_call(self, cid: int, why: str) -> bool:
+        """Whether client `cid`'s failure is its process being unavailable: the call failed as calls
+        to a dead process fail (directly, or through its edge), or its node is now dead or suspect,
+        or its edge reported its process dead."""
+        text = why.split(" failed: ", 1)[1] if why.startswith("edge ") and " failed: " in why else why
+        if unreachable(text) or cid in self.reported_dead():
+            return True
+        monitor = getattr(self.endpoint, "liveness", None)
+        node = self.client_home.get(cid)
+        return monitor is not None and node is not None and node.node_id in monitor.unavailable_nodes()
+
     def is_short(self, sampled: list[int], results: dict, failures: dict[int, str]) -> bool:
         """Whether a round's results (before the virtual clock's cuts) are fewer than run.min_results."""
         got = len(set(sampled) - set(failures))
@@ -218,14 +229,20 @@ class Coordinator:
 
     def short_round(self, round: int, attempt: int, sampled: list[int], failures: dict[int, str]) -> str:
         """A short attempt of `round` (`is_short`) under run.on_short_round: "complete" (policy
-        "fail": complete_round fails the run as before), "retry" (its failures recorded, sample it again) or
-        "skip" (the model stays, the round is over).  Raises RunFailed when no client has a live
-        process left, or after MAX_SKIPPED_IN_A_ROW skipped rounds in a row."""
+        "fail", or a round short through refused replies: complete_round fails the run as before),
+        "retry" (its failures recorded, sample it again) or "skip" (the model stays, the round is
+        over).  Raises RunFailed when no client has a live process left, or after
+        MAX_SKIPPED_IN_A_ROW skipped rounds in a row."""
         policy = self.cfg.run.on_short_round
-        if policy == "fail":
-            return "complete"
         got = len(set(sampled) - set(failures))
         needed = max(resolve_min_results(self.cfg, len(sampled)), 1)
+        # only calls lost to an unavailable process are worth another sample: a reply that came
+        # back refused (NaN/Inf, a handler's error) is the algorithm's or the participant's doing,
+        # and sampling again would hide a diverging run; so a round short even counting every lost
+        # call as returned fails as before
+        lost = sum(1 for cid, why in failures.items() if self.lost_call(cid, why))
+        if policy == "fail" or got + lost < needed:
+            return "complete"
         self.record_failures(round, failures)
         self.failures_total += len(failures)
         live = self.live_clients()

@@ -125,7 +125,9 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     ckpt = latest_checkpoint(coord.run_dir, on_skip=skipped.append)
     if ckpt.config_sha256 and ckpt.config_sha256 != config_digest(coord.config_toml):
         raise CheckpointError(f"checkpoint of round {ckpt.round} was written under another config than "
-                              f"{coord.run_dir / 'config.toml'}; resume needs the run's own config")
+                              f"{coord.run_dir / 'config.toml'}; resume needs the run's own config, read by the "
+                              f"fedhop version that wrote the checkpoint (the resolved config, every key, is "
+                              f"what its digest covers)")
     missing = sorted(set(coord.state.params) ^ set(ckpt.params))
     if missing:
         raise CheckpointError(f"checkpoint model tensors differ from the config's model: {missing[:10]}")

@@ -228,3 +228,34 @@ def test_dashboard_labels_never_overlap_and_the_page_fits_1000_px(tmp_path):
             assert r["legend"] == [], case
         # nodes: one text each; links: one label or marker each (at most); the link names
         assert r["texts"] >= len(state["graph"]["nodes"]) + len(r["labelled"]), case
+
+
+def test_the_page_refuses_a_host_header_of_another_site(tmp_path):
+    """DNS rebinding: a page of evil.example whose name resolves to 127.0.0.1 reaches the server
+    with `Host: evil.example:PORT` and is refused (403); this machine's names and IPs are served."""
+    import http.client
+    import socket
+
+    from fedhop.deploy.dashboard import allowed_host, serve
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text('[run]\nname = "hosts"\n')
+    server, url = serve(run, 0)
+    port = server.server_address[1]
+    try:
+        def status(host: str) -> int:
+            con = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            try:
+                con.putrequest("GET", "/api/state", skip_host=True)
+                con.putheader("Host", host)
+                con.endheaders()
+                return con.getresponse().status
+            finally:
+                con.close()
+        assert status(f"evil.example:{port}") == 403
+        assert status(f"localhost.evil.example:{port}") == 403
+        assert status(f"127.0.0.1:{port}") != 403 and status(f"localhost:{port}") != 403
+        assert status(f"[::1]:{port}") != 403
+    finally:
+        server.shutdown()
+    assert allowed_host(socket.gethostname()) and allowed_host("10.1.2.3:80") and not allowed_host("")

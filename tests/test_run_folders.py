@@ -208,7 +208,7 @@ def test_a_missing_plugin_names_the_search_path(user_dir):
     (user_dir / "exp.toml").write_text(DIGITS.replace("mymodels:", "nosuchpkg:"))
     res = fedhop(["run", "exp.toml", "--out", "r", "--quiet"], user_dir)
     assert res.returncode == 2
-    assert "no module named 'nosuchpkg'" in res.stderr and str(user_dir) in res.stderr, res.stderr
+    assert "No module named 'nosuchpkg'" in res.stderr and str(user_dir) in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) <= 2, res.stderr
 
 
