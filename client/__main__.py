@@ -13,13 +13,17 @@ from pathlib import Path
 
 import torch
 
+from fedhop.common.torch_device import flag_error
 from fedhop.common.ledger import Ledger
 from fedhop.common.livebytes import LinkCounter
 from fedhop.common.liveness import HeartbeatSender, add_parent_args, resolve_parent
 from fedhop.common.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
 from fedhop.common.addresses import listen_address
 from fedhop.common.proctitle import set_role_title
+from fedhop.common.plugins import allow_list_from, restrict
 from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
+from fedhop.common.admission import RequestGate, model_bytes, request_bounds, throttle_refusal_logs
+from fedhop.common.methods import role_of
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.client.runtime import ClientProcess
 
@@ -42,6 +46,30 @@ def parse_ids(text: str) -> list[int]:
     return sorted(ids)
 
 
+READY_WAIT = 120.0   # seconds a call may wait for this process to finish registering
+
+
+def fair_share(endpoint: GrpcEndpoint, proc: ClientProcess) -> None:
+    """Requests bounded by their method and checked against the caller before their data is read;
+    the parent's calls unlimited, any other caller's few at once (common/admission.py)."""
+    def router():   # a call that arrives while the process registers waits for it, as its handler would
+        proc._ready.wait(READY_WAIT)
+        return proc.host.router if proc.host is not None else None
+
+    known: list = []
+
+    def bounds():
+        if not known and proc.host is not None:   # the model is known once registered
+            known.append(request_bounds(model_bytes(proc.host.model.state_dict()), len(proc.host.client_ids)))
+        return known[0] if known else None
+
+    endpoint.request_gate = RequestGate(router, bounds)
+    # until registered, whoever may become its parent (the server or an edge); then only its parent
+    endpoint.call_slots.privileged = lambda node: (role_of(node) in ("server", "edge") if proc.host is None
+                                                   else node == proc.host.parent)
+    throttle_refusal_logs()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedhop.client", description=__doc__)
     add_parent_args(ap, "server or edge")
@@ -54,8 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--chunk-bytes", type=int, default=4 << 20)
     ap.add_argument("--max-message-bytes", type=int, default=64 << 20)
+    ap.add_argument("--device", default=os.environ.get("FEDHOP_DEVICE", ""),
+                    help="where this process trains: cpu, cuda, cuda:N or auto (default: the config's clients.device; "
+                         "env FEDHOP_DEVICE)")
     add_security_args(ap)
+    ap.add_argument("--allow-plugin", action="append", default=[], metavar="MODULE",
+                    help="a plug-in module (or entry-point name) this process may load when its parent's config "
+                         "names it; repeatable (also FEDHOP_ALLOW_PLUGINS=a,b); any other is refused, never imported")
     args = ap.parse_args(argv)
+    restrict(allow_list_from(args.allow_plugin))   # run only the code this process was started with
     set_role_title("client", args.node_id, args.clients)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node_id} %(levelname)s %(message)s")
     try:
@@ -64,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         return 2
     torch.set_num_threads(args.threads)
+    if flag_error(args.device):   # a device this machine lacks (common/torch_device.py)
+        logging.error("%s", flag_error(args.device))
+        return 2
     sink = Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None
     ledger = Ledger(sink)
     counter = LinkCounter(args.node_id)   # live byte totals for the server (common/livebytes.py)
@@ -73,13 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     except SecurityError as exc:
         logging.error("%s", exc)
         return 2
+    creds.aliases.update(f"client-{c}" for c in args.clients)   # calls to a hosted client name it
     endpoint = GrpcEndpoint(args.node_id, ledger, token="", chunk_bytes=args.chunk_bytes,
                             max_message_bytes=args.max_message_bytes, credentials=creds)
     try:
-        proc = ClientProcess(endpoint, args.parent, args.clients, bind=args.listen)
+        proc = ClientProcess(endpoint, args.parent, args.clients, bind=args.listen, device=args.device)
     except (OSError, RuntimeError) as exc:   # grpc: "Failed to bind to address ..."
         logging.error("cannot serve on --listen %s: %s", args.listen, str(exc).split(";")[0])
         return 2
+    fair_share(endpoint, proc)
     logging.info("serving at %s, registering with %s", proc.address, args.parent)
     try:
         proc.register()

@@ -21,6 +21,7 @@ from fedhop.common.ledger import Ledger
 from fedhop.common.pipeline import upload
 from fedhop.common.rounds import local_update
 from fedhop.common.tasks import build_task
+from fedhop.common.torch_device import place_task, to_host
 from fedhop.common.methods import Method
 from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.transport.router import MethodRouter, Peers
@@ -37,7 +38,7 @@ class ClientHost:
     """The logical clients of one process and the handler that serves their calls."""
 
     def __init__(self, cfg: Config, node_id: str, client_ids: list[int], run_id: str,
-                 ledger: Ledger | None = None, parent: str = "server") -> None:
+                 ledger: Ledger | None = None, parent: str = "server", device: torch.device | None = None) -> None:
         self.cfg = cfg
         self.parent = parent   # the node this process registered with: the only one it obeys (but `ping`)
         self.ledger = ledger if ledger is not None else Ledger()
@@ -47,7 +48,8 @@ class ClientHost:
         self.node_id = node_id
         self.run_id = run_id
         self.client_ids = sorted(client_ids)
-        self.task = build_task(cfg)
+        # the model, the hosted clients' data and their state live on the process's device
+        self.task = place_task(build_task(cfg), device)
         self.algorithm = build_algorithm(cfg)
         self.model = self.task.build_model()
         self.hosted = frozenset(self.client_ids)
@@ -107,7 +109,7 @@ class ClientHost:
     def _train_call(self, request: Request) -> Payload:
         env = request.envelope
         cid, step = parse_client_id(env.dst), int(env.step)
-        reply = self.train(cid, int(env.round), request.payload, step)
+        reply = to_host(self.train(cid, int(env.round), request.payload, step))   # the seam: one copy to the CPU
         return upload(self.cfg, reply, env.dst, int(env.round), step)   # QSGD (common/pipeline.py)
 
     def _shutdown_call(self, request: Request) -> Payload:

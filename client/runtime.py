@@ -6,22 +6,26 @@ import threading
 
 import torch
 
-from fedhop.common.config import parse_config
+from fedhop.common.plugins import parent_config
 from fedhop.common.transport.base import Endpoint, Request
 from fedhop.common.transport.base import HandlerError
 from fedhop.common.transport.fabric import Fabric
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.client.host import ClientHost
 from fedhop.common.liveness import register_with_backoff
+from fedhop.common.torch_device import process_device
 
 log = logging.getLogger("fedhop.client")
+
 
 
 class ClientProcess:
     """One client OS process (or, in unit tests, one in-memory stand-in for it)."""
 
-    def __init__(self, endpoint: Endpoint, parent: str, client_ids: list[int], bind: str = "127.0.0.1:0") -> None:
+    def __init__(self, endpoint: Endpoint, parent: str, client_ids: list[int], bind: str = "127.0.0.1:0",
+                 device: str = "") -> None:
         self.endpoint = endpoint
+        self.device_spec = device   # --device / FEDHOP_DEVICE; "" = the config's clients.device
         self.parent = parent
         self.client_ids = client_ids
         self.host: ClientHost | None = None
@@ -48,14 +52,18 @@ class ClientProcess:
                                       call_timeout=min(timeout, 10.0), tls=tls)
         if not reply.accepted:
             raise RuntimeError(f"{self.endpoint.node_id}: registration refused by {self.parent}: {reply.message}")
-        cfg = parse_config(reply.config_toml)
+        cfg = parent_config(reply.config_toml, self.endpoint.node_id, self.parent)
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
         torch.set_num_threads(cfg.run.torch_threads)
         self.endpoint.checksum = cfg.security.checksum
+        device = process_device(self.device_spec, cfg.clients.device, "clients.device")
+        if device.type != "cpu":
+            self.endpoint.device = device   # received tensors land there (common/torch_device.py)
+        log.info("%s trains on %s", self.endpoint.node_id, device)
         # the parent that accepted us is the only node whose train, state and shutdown calls we obey
         self.host = ClientHost(cfg, self.endpoint.node_id, self.client_ids, reply.run_id, self.endpoint.ledger,
-                               parent=reply.node_id or "server")
+                               parent=reply.node_id or "server", device=device)
         self.host.fabric = Fabric(self.endpoint, max_workers=4)
         self._ready.set()
 

@@ -10,6 +10,7 @@ spec, kept for the next visit.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,11 @@ if TYPE_CHECKING:
     from fedhop.client.host import ClientHost
 
 
+log = logging.getLogger("fedhop.client")
+
+MAX_PENDING_PER_PEER = 2   # hand-offs kept aside per calling process (an honest one has one in flight)
+
+
 def client_id_of(node_id: str) -> int:
     role, _, num = node_id.partition("-")
     return int(num) if role == "client" and num.isdigit() else -1
@@ -45,7 +51,12 @@ class WalkHost:
         params = get_params(host.task.build_model())   # the run's seeded initial model, as the server builds it
         self.spec = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
         self.model_in = ModelPipeline(self.spec)   # every model that arrives (common/pipeline.py)
-        self.handoffs: set[tuple[int, int]] = set()   # (round, hop) of the hand-offs taken
+        self.handoffs: set[tuple] = set()   # (round, hop, sender, process) of the hand-offs used
+        # hand-offs received, kept aside until the server's visit names the one it continues:
+        # (round, hop, sender client, calling process) -> model
+        self.pending: dict[tuple, dict[str, torch.Tensor]] = {}
+        self.hosts: dict[int, str] = {}   # client -> the process hosting it, as the server's visits name it
+        self.latest: tuple[int, int] | None = None   # (round, hop) of the latest visit to this process
         self.initial = params
         self.model: dict[str, torch.Tensor] | None = None
         self.holder: int | None = None
@@ -53,12 +64,17 @@ class WalkHost:
 
     # ------------------------------------------------------------------ walk_handoff
     def take_handoff(self, src: str, dst: str, round: int, hop: int, payload: Payload) -> Payload:
-        """The model from the client `payload.scalars["from"]` (hosted by the calling process `src`)
-        at hop `hop` of `round`.  Accepted only as the walk's rule has it: the sender a neighbour
-        of the receiver in the graph, and the receiver the sender's draw for that hop
-        (`WalkRule.next_client` is a function of the seed, so every process can check it), at
-        most once per hop.  A participant can so hand a model only at the one hop where the
-        walk itself moves to this client from that neighbour."""
+        """The model from the client `payload.scalars["from"]` (hosted by the calling process `src`,
+        the authenticated caller) at hop `hop` of `round`.  Accepted only as the walk's rule has
+        it: the sender a neighbour of the receiver in the graph, the receiver the sender's draw
+        for that hop (`WalkRule.next_client` is a function of the seed, so every process can
+        check it), not a hop before the latest this process has been visited at (STALE_HOP), not
+        from a process that the server named as the host of another client (WRONG_SENDER), and at
+        most once per (hop, sender).  The model is only kept aside: the server's next visit names
+        the hand-off it continues (sender, its round and hop, and the process hosting the sender),
+        and only the hand-off from that process is used, so a participant cannot hand its own
+        model in for a hop, or a client, at which the walk does not move from it, nor displace
+        the real hand-off."""
         sender, receiver = payload.scalars.get("from", -1), client_id_of(dst)
         if receiver not in self.host.client_ids:
             raise HandlerError("UNKNOWN_CLIENT", f"client {receiver} is not hosted by {self.host.node_id}")
@@ -68,15 +84,53 @@ class WalkHost:
         if self.rule.next_client(sender, round, hop) != receiver:
             raise HandlerError("NOT_NEXT", f"the walk does not move from client {sender} to client {receiver} at hop "
                                            f"{hop} of round {round} (from {src})")
-        model = self.model_in(payload, f"hand-off from {src}")
         with self._lock:
-            if (round, hop) in self.handoffs:
-                raise HandlerError("DUPLICATE", f"a hand-off for hop {hop} of round {round} was already taken "
-                                                f"(this one from {src})")
-            self.handoffs.add((round, hop))
-            self.model = {k: v.clone() for k, v in model.items()}
-            self.holder = receiver
+            host_of_sender = self.hosts.get(sender)
+            latest = self.latest
+        if host_of_sender is not None and host_of_sender != src:
+            raise HandlerError("WRONG_SENDER", f"client {sender} is hosted by {host_of_sender}, not by {src}: a "
+                                               f"process hands over only its own clients' model")
+        if latest is not None and (round, hop) < latest:
+            raise HandlerError("STALE_HOP", f"hop {hop} of round {round} is before this process's latest visit "
+                                            f"(round {latest[0]}, hop {latest[1]}); from {src}")
+        model = self.model_in(payload, f"hand-off from {src}")
+        key = (round, hop, sender, src)   # another process's forgery for the same hop cannot displace it
+        with self._lock:
+            if key in self.pending or key in self.handoffs:
+                raise HandlerError("DUPLICATE", f"a hand-off from client {sender} for hop {hop} of round {round} was "
+                                                f"already taken from {src}")
+            mine = sorted(k for k in self.pending if k[3] == src)
+            for old in mine[:max(0, len(mine) - MAX_PENDING_PER_PEER + 1)]:   # bounded per calling process
+                del self.pending[old]
+            self.pending[key] = {k: v.clone() for k, v in model.items()}
         return Payload()
+
+    def _continued(self, client: int, scalars: dict) -> None:
+        """Before a visit: take the model the server says this visit continues (under the lock).
+        `from` == `client`: the model stayed here; otherwise the hand-off kept aside for
+        (from_round, from_hop, from) from the process `from_node`."""
+        sender = scalars.get("from")
+        if sender is None or isinstance(sender, bool) or not isinstance(sender, int):
+            return   # a visit that names no hand-off (the walk's start, a resume)
+        node = scalars.get("from_node")
+        if isinstance(node, str) and node:
+            self.hosts[sender] = node
+        if sender == client:
+            return
+        key = (scalars.get("from_round"), scalars.get("from_hop"), sender, node)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in key[:2]) or not isinstance(node, str):
+            raise HandlerError("BAD_VISIT", f"the visit names the hand-off of client {sender} without its round, "
+                                            f"hop and process ({key})")
+        model = self.pending.pop(key, None)
+        if model is not None:
+            self.model, self.holder = model, client
+            self.handoffs.add(key)
+        else:
+            self.model, self.holder = None, None
+        for stale in [k for k in self.pending if (k[0], k[1]) <= (key[0], key[1])]:   # hops gone by, forgeries
+            log.warning("%s: hand-off of client %s for hop %s of round %s from %s was never the walk's; dropped",
+                        self.host.node_id, stale[2], stale[1], stale[0], stale[3])
+            del self.pending[stale]
 
     # ------------------------------------------------------------------ walk_visit
     def visit(self, dst: str, round: int, hop: int, message: Payload) -> Payload:
@@ -85,11 +139,14 @@ class WalkHost:
             raise HandlerError("UNKNOWN_CLIENT", f"client {client} is not hosted by {self.host.node_id}")
         scalars = message.scalars
         with self._lock:
+            self.latest = max(self.latest or (round, hop), (round, hop))
             if bool(scalars.get("resume")):
                 resumed = self.model_in(message, f"round {round} resumed model")
                 self.model, self.holder = {k: v.clone() for k, v in resumed.items()}, client
             elif bool(scalars.get("start")):
                 self.model, self.holder = {k: v.clone() for k, v in self.initial.items()}, client
+            else:
+                self._continued(client, scalars)
             if self.holder != client or self.model is None:
                 raise HandlerError("NOT_HOLDER", f"client {client} does not hold the walk's model (holder here: "
                                                  f"{self.holder})")
@@ -112,7 +169,7 @@ class WalkHost:
         with self._lock:
             if nxt == client:
                 self.model = stepped
-            elif self.holder == client:   # handed on: another client (perhaps of this process) holds it now
+            elif self.holder == client:   # handed on: the next visit takes it from the hand-off
                 if self.model is model:
                     self.model, self.holder = None, None
         reply.scalars["next"] = nxt

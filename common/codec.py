@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -488,6 +488,10 @@ class FrameDecoder:
 
     max_payload_bytes: int = 1 << 31
     max_header_bytes: int | None = None   # a caller that knows the reply's shape bounds its header too
+    # a server's check of an incoming request's header before any of its data is accepted or
+    # allocated: raises PayloadError (a refused method or caller) or returns the most data bytes
+    # the request's method may carry (common/admission.py `RequestGate`)
+    admit: Callable[[pb.Envelope], int] | None = None
     envelope: pb.Envelope | None = None
     _buffer: np.ndarray | None = None
     _filled: int = 0
@@ -554,6 +558,12 @@ class FrameDecoder:
 
     def _start(self, env: pb.Envelope) -> None:
         declared = int(env.data_bytes)
+        if self.admit is not None:   # the method and caller first: a refused request's data is never read
+            try:
+                self.max_payload_bytes = min(self.max_payload_bytes, self.admit(env))
+            except PayloadError:
+                self.envelope = env   # routed: the refusal is recorded and answered to its sender
+                raise
         if declared > self.max_payload_bytes:
             raise PayloadError("TOO_LARGE", f"message declares {declared} data bytes; the limit is "
                                             f"{self.max_payload_bytes}")

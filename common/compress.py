@@ -166,8 +166,9 @@ def decompress_payload(payload: Payload, spec: Mapping[str, tuple[torch.dtype, t
                                            f"'{NORM_PREFIX}{target}'")
         if not bool(torch.isfinite(norm).all()) or bool((norm < 0).any()):
             raise PayloadError("NON_FINITE", f"QSGD norm of '{target}' is not finite and >= 0")
-        negative, level = unpack_codes(t, numel, levels)
-        tensors[target] = dequantize(norm, negative, level, levels, bucket).to(dtype).reshape(shape)
+        negative, level = unpack_codes(t.cpu(), numel, levels)   # numpy bit unpacking, on the CPU
+        value = dequantize(norm.cpu(), negative, level, levels, bucket).to(dtype).reshape(shape)
+        tensors[target] = value.to(t.device)    # where the message was placed (common/torch_device.py)
     return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)
 
 

@@ -23,8 +23,8 @@ import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from fedhop.common.config_schema import (AlgorithmConfig, ClientsConfig, Config, DataConfig, ModelConfig, RunConfig,
-                                  SecurityConfig, TopologyConfig, TransportConfig)
+from fedhop.common.config_schema import (AlgorithmConfig, ClientsConfig, Config, DataConfig, EdgesConfig, ModelConfig,
+                                  RunConfig, SecurityConfig, TopologyConfig, TransportConfig)
 
 
 class ConfigError(ValueError):
@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 
 
 SECTIONS: dict[str, type] = {"run": RunConfig, "topology": TopologyConfig, "algorithm": AlgorithmConfig, "data": DataConfig,
-            "model": ModelConfig, "clients": ClientsConfig, "transport": TransportConfig,
+            "model": ModelConfig, "clients": ClientsConfig, "edges": EdgesConfig, "transport": TransportConfig,
             "security": SecurityConfig}
 
 _OPTION_SCHEMAS: dict[str, tuple[str, Callable[[str], type | None]]] = {}
@@ -402,6 +402,22 @@ def _without_defaults(cls: type, given: dict) -> dict:
             if k not in defaults or defaults[k] in (None, dataclasses.MISSING) or not _same_toml(v, defaults[k])}
 
 
+def _device_checks(cfg: Config) -> None:
+    """The device keys' syntax (docs/gpus.md); whether the devices exist is checked where the
+    processes start (deploy/launcher.py, each role's start-up: common/torch_device.py)."""
+    from fedhop.common.torch_device import DeviceError, check_gpus, check_spec
+    try:
+        check_spec("run.device", cfg.run.device)
+        check_spec("edges.device", cfg.edges.device)
+        check_spec("clients.device", cfg.clients.device)
+        check_gpus(cfg.clients.gpus)
+    except DeviceError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.clients.gpus and cfg.clients.device == "cpu":
+        raise ConfigError(f"config key 'clients.gpus' = {cfg.clients.gpus}: needs clients.device = \"cuda\" or "
+                          f"\"auto\" (it is \"cpu\")")
+
+
 def _cross_checks(cfg: Config) -> None:
     count = cfg.clients.count
     per = cfg.clients.per_round
@@ -418,6 +434,7 @@ def _cross_checks(cfg: Config) -> None:
                           f"clients sampled per round (clients.per_round = {per})")
     sec = cfg.security
     _robust_checks(cfg)
+    _device_checks(cfg)
     if sec.heartbeat_timeout <= sec.heartbeat_interval:
         raise ConfigError(f"config key 'security.heartbeat_timeout': got {sec.heartbeat_timeout}, must exceed "
                           f"security.heartbeat_interval = {sec.heartbeat_interval}")
@@ -518,6 +535,10 @@ def _robust_checks(cfg: Config) -> None:
     if cls is not None and cls.aggregate is not Algorithm.aggregate:
         raise ConfigError(f"config key 'security.aggregation': '{rule}' replaces the weighted mean, but algorithm "
                           f"'{cfg.algorithm.name}' reduces its replies its own way; use 'mean'")
+    from fedhop.common.robust import config_group_problem   # local: robust imports the algorithms
+    problem = config_group_problem(cfg)   # groups too small for the rule, a trim of 0
+    if problem:
+        raise ConfigError(problem)
 
 
 def _is_int(v: Any) -> bool:

@@ -56,6 +56,8 @@ class RunConfig:
     log_level: str = _f("info", choices=("debug", "info", "warning", "error"),
                         help="log level of every process (their logs are in the run folder)")
     torch_threads: int = _f(1, min=1, help="intra-op threads per process (1 keeps runs bit-reproducible)")
+    device: str = _f("cpu", help="where the server aggregates, steps and evaluates: cpu, cuda, cuda:N, or auto "
+                                 "(CUDA when this machine has it, else cpu); docs/gpus.md")
 
 
 @dataclass
@@ -108,15 +110,20 @@ class DataConfig:
 
     dataset: str = _f("digits", help="the data set (its own keys are listed under its name below), or a plug-in: "
                                      "an import path \"package.module:function\" or a fedhop.datasets entry point")
-    partition: str = _f("dirichlet", choices=("iid", "dirichlet", "shards"),
-                        help="how samples are split between clients: iid, dirichlet (label skew, alpha), or shards "
-                             "(shards_per_client classes each)")
+    partition: str = _f("dirichlet", choices=("iid", "dirichlet", "shards", "natural", "lognormal", "pareto"),
+                        help="how samples are split between clients: iid, dirichlet (label skew, alpha), shards "
+                             "(shards_per_client classes each), natural (one client per writer/speaker: femnist, "
+                             "shakespeare), or lognormal / pareto (quantity skew: size_sigma / pareto_shape)")
     alpha: float = _f(0.5, min_exclusive=0.0, help="Dirichlet concentration of partition = \"dirichlet\" (smaller "
                                                    "= more skewed)")
     min_size: int = _f(2, min=0, help="Dirichlet: resample until every client has this many samples")
     shards_per_client: int = _f(2, min=1, help="shards: classes per client")
+    size_sigma: float = _f(1.0, min_exclusive=0.0, help="partition = \"lognormal\": sigma of the clients' "
+                                                        "LogNormal(0, sigma) size weights")
+    pareto_shape: float = _f(1.5, min_exclusive=0.0, help="partition = \"pareto\": tail index of the clients' "
+                                                         "1 + Lomax(shape) size weights (smaller = heavier)")
     test_fraction: float = _f(0.25, min_exclusive=0.0, max=0.9, help="share of the data held out as the test set")
-    data_dir: str = _f("data", help="where pre-staged files (MNIST IDX, npz) are looked up")
+    data_dir: str = _f("data", help="where pre-staged files (MNIST / Fashion-MNIST IDX, CIFAR binary batches, LEAF JSON, npz) are looked up: docs/datasets.md")
     standardize: bool = _f(True, help="scale features to zero mean and unit variance (statistics of the training "
                                       "split)")
     options: dict = _f(factory=dict)           # data-set-specific keys (centers, curvatures, sizes, ...)
@@ -126,8 +133,12 @@ class DataConfig:
 class ModelConfig:
     """The model every party trains (data sets with a fixed model, such as quadratic, ignore it)."""
 
-    kind: str = _f("mlp", choices=("linear", "logreg", "mlp", "cnn"),
-                   help="the built-in model: linear (regression), logreg (softmax regression), mlp, or cnn")
+    kind: str = _f("mlp", choices=("linear", "logreg", "mlp", "cnn", "mcmahan_cnn", "leaf_cnn", "cifar_cnn",
+                                   "resnet18_gn", "char_lstm"),
+                   help="the built-in model: linear (regression), logreg (softmax regression), mlp, cnn (small "
+                        "LeNet), mcmahan_cnn / leaf_cnn (the 2-conv CNN of McMahan et al. with a 512 / 2048 FC "
+                        "layer), cifar_cnn, resnet18_gn (ResNet-18 with GroupNorm), char_lstm (Shakespeare); "
+                        "docs/datasets.md")
     init: str = _f("default", choices=("default", "zeros"),
                    help="initial weights: torch's default (seeded), or all zeros")
     hidden: list = _f(factory=lambda: [64], help="MLP hidden layer widths")
@@ -143,10 +154,24 @@ class ClientsConfig:
     per_round: int | float = _f(1.0, min=0, help="clients sampled per round: an int is a number; a float in "
                                                  "(0, 1] a fraction (default: all)")
     processes: int = _f(2, min=1, help="client OS processes; the clients are spread over them")
+    device: str = _f("cpu", help="where the client processes train: cpu, cuda (spread over clients.gpus, or over "
+                                 "every visible GPU), cuda:N, or auto (CUDA when present, else cpu); docs/gpus.md")
+    gpus: list = _f(factory=list, help="GPU indices (as CUDA_VISIBLE_DEVICES numbers them) the client processes are "
+                                       "spread over round-robin; empty = every visible GPU")
+    processes_per_gpu: int = _f(0, min=0, help="at most this many client processes per GPU (a run that needs more "
+                                               "is refused before it starts); 0 = no limit")
     straggler_fraction: float = _f(0.0, min=0.0, max=1.0,
                                    help="rho: the fraction of each round's sampled clients that do only part of "
                                         "their local work (docs/heterogeneity.md)")
     options: dict = _f(factory=dict)
+
+
+@dataclass
+class EdgesConfig:
+    """The edge server processes (topology.edges of them, in the hierarchical and sequential topologies)."""
+
+    device: str = _f("cpu", help="where the edges aggregate and step: cpu, cuda, cuda:N, or auto (CUDA when "
+                                 "present, else cpu); docs/gpus.md")
 
 
 @dataclass
@@ -202,5 +227,6 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     clients: ClientsConfig = field(default_factory=ClientsConfig)
+    edges: EdgesConfig = field(default_factory=EdgesConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)

@@ -1,4 +1,6 @@
-"""Data-set loaders: bundled offline data, MNIST IDX files, user npz files, and a split helper.
+"""Data-set loaders: bundled offline data, MNIST / Fashion-MNIST IDX files, user npz files, and a split helper.
+
+CIFAR and LEAF readers: common/cifar.py, common/leaf.py.
 
 Every loader returns float32 features and int64 labels as numpy arrays.  Loaded arrays are
 cached per process (a client process may host 1,000 logical clients that all need the same
@@ -232,8 +234,8 @@ class MnistMissing(FileNotFoundError):
     """No MNIST IDX files where fedhop looks for them."""
 
 
-def _mnist_from_idx(base: Path) -> MnistData | None:
-    for folder in (base, base / "MNIST" / "raw"):
+def _mnist_from_idx(base: Path, torchvision_dir: str = "MNIST") -> MnistData | None:
+    for folder in (base, base / torchvision_dir / "raw"):
         found = {key: _find_idx(folder, stem) for key, stem in MNIST_FILES.items()}
         if found["train_images"] is None or found["train_labels"] is None:
             continue
@@ -264,6 +266,24 @@ def load_mnist(data_dir: str | os.PathLike = "data") -> MnistData:
     """MNIST from IDX files in `data_dir` or `data_dir/MNIST/raw` (torchvision's layout; plain or
     .gz), else `MnistMissing` saying how to get them.  Never a subset in MNIST's place."""
     return _load_mnist_cached(str(Path(data_dir).resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_fashion_cached(data_dir: str) -> MnistData:
+    base = Path(data_dir)
+    data = _mnist_from_idx(base, "FashionMNIST")
+    if data is not None:
+        return data
+    raise MnistMissing(
+        f"Fashion-MNIST: no IDX files in {base} or {base / 'FashionMNIST' / 'raw'} (train-images-idx3-ubyte, "
+        f"train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, plain or .gz); download them from "
+        f"github.com/zalandoresearch/fashion-mnist (docs/datasets.md)")
+
+
+def load_fashion_mnist(data_dir: str | os.PathLike = "data") -> MnistData:
+    """Fashion-MNIST (Xiao et al. 2017): the same IDX layout and file names as MNIST, in `data_dir` or
+    `data_dir/FashionMNIST/raw` (torchvision's layout)."""
+    return _load_fashion_cached(str(Path(data_dir).resolve()))
 
 
 # ---------------------------------------------------------------------------- user data

@@ -193,17 +193,58 @@ def _last_byte(path: Path) -> bytes:
         return fh.read(1)
 
 
+MAX_LINE_BYTES = 1 << 20   # a record is a few hundred bytes; a longer line is skipped unread
+_SQLITE_INT = (1 << 63) - 1   # the largest integer a run.db column holds
+
+
+def bounded_lines(fh: Any, limit: int = MAX_LINE_BYTES, chunk: int = 1 << 16) -> Iterable[tuple[int, bytes | None]]:
+    """(line number, line) of a binary file, read `chunk` bytes at a time; a line longer than
+    `limit` bytes is skipped as it streams past (None in its place), so a crafted file of one
+    huge line never sits in memory."""
+    buf, lineno, over = b"", 0, False
+    while True:
+        block = fh.read(chunk)
+        if not block:
+            break
+        start = 0
+        while True:
+            nl = block.find(b"\n", start)
+            if nl < 0:
+                if not over:
+                    buf += block[start:]
+                    if len(buf) > limit:
+                        buf, over = b"", True
+                break
+            lineno += 1
+            if over or len(buf) + nl - start > limit:
+                yield lineno, None
+            else:
+                yield lineno, buf + block[start:nl]
+            buf, over, start = b"", False, nl + 1
+    if buf or over:
+        yield lineno + 1, None if over else buf
+
+
 def read_jsonl(path: str | os.PathLike) -> list[LedgerRecord]:
-    """Records from a ledger JSONL file; unreadable lines (a torn last line) are skipped with a warning."""
+    """Records from a ledger JSONL file; unreadable lines (a torn last line, a line over
+    MAX_LINE_BYTES, JSON nested too deeply, a count beyond 2^63 - 1) are skipped with a warning."""
     out: list[LedgerRecord] = []
-    with open(path, "r", encoding="utf-8", errors="replace") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for lineno, raw in bounded_lines(fh):
+            if raw is None:
+                warnings.warn(f"{path}:{lineno}: skipping a ledger line over {MAX_LINE_BYTES} bytes", stacklevel=2)
+                continue
+            line = raw.decode("utf-8", errors="replace")
             if not line.strip():
                 continue
             try:
-                out.append(LedgerRecord.from_dict(json.loads(line)))
-            except (ValueError, TypeError, AttributeError) as exc:  # JSONDecodeError is a ValueError
-                warnings.warn(f"{path}:{lineno}: skipping unreadable ledger line ({exc})", stacklevel=2)
+                record = LedgerRecord.from_dict(json.loads(line))
+                if any(abs(getattr(record, k)) > _SQLITE_INT for k, kind in _COERCE.items() if kind is int):
+                    raise ValueError("a count beyond 2^63 - 1")
+                out.append(record)
+            except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+                # JSONDecodeError is a ValueError; RecursionError: JSON nested too deeply
+                warnings.warn(f"{path}:{lineno}: skipping unreadable ledger line ({str(exc)[:200]})", stacklevel=2)
     return out
 
 

@@ -290,7 +290,10 @@ class LivenessMonitor:
     def check_registration(self, req: pb.RegisterRequest) -> str | None:
         """A refusal when the request claims logical clients that a live other node hosts, or names
         one client twice (DUPLICATE_CLIENT), or a node id that a live child at another address
-        holds (NODE_TAKEN); None otherwise."""
+        holds (NODE_TAKEN), or the address of a live child with another node id (ADDRESS_TAKEN:
+        an address is owned by one live node, so a registration there cannot redirect that
+        node's liveness verdict, `mark_dead`, or the name its TLS channel expects); None
+        otherwise."""
         ids = [c.client_id for c in req.clients]
         twice = sorted(c for c, n in Counter(ids).items() if n > 1)
         if twice:
@@ -300,6 +303,12 @@ class LivenessMonitor:
             taken = takeover_refusal(req.node_id, req.address, held.address if held and not held.dead else None)
             if taken:
                 return taken
+            owner = next((c.node_id for c in self.children.values()
+                          if c.address == req.address and c.node_id != req.node_id and not c.dead), None)
+            if owner is not None:
+                return (f"ADDRESS_TAKEN: {req.address} is the address of live node {owner}; {req.node_id} may "
+                        f"register there only after {owner} is marked dead (no heartbeat for "
+                        f"security.heartbeat_timeout)")
             claimed = set(ids)
             for child in self.children.values():
                 if child.node_id == req.node_id or child.dead:
@@ -412,11 +421,17 @@ class LivenessMonitor:
                           f"(security.heartbeat_timeout = {self.timeout}s)")
             cancelled = 0
             mark_dead = getattr(self.endpoint, "mark_dead", None)
-            if mark_dead is not None:
+            if mark_dead is not None and not self._owned_by_other(child):
                 cancelled = mark_dead(child.address, reason)
             log.warning("%s; %d calls in flight cancelled", reason, cancelled)
             self._event("node_dead", child.node_id, f"{reason}; {cancelled} calls in flight cancelled")
         return [c.node_id for c in newly]
+
+    def _owned_by_other(self, child: ChildLiveness) -> bool:
+        """Whether a live node other than `child` holds its address (the address is that node's)."""
+        with self._lock:
+            return any(c.address == child.address and c.node_id != child.node_id and not c.dead
+                       for c in self.children.values())
 
     @staticmethod
     def _heard(child: ChildLiveness) -> float:

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-MODEL_KINDS = ("linear", "logreg", "mlp", "cnn")
+MODEL_KINDS = ("linear", "logreg", "mlp", "cnn", "mcmahan_cnn", "leaf_cnn", "cifar_cnn", "resnet18_gn", "char_lstm")
+#: the 80 characters of LEAF's Shakespeare (models/utils/language_utils.py ALL_LETTERS); index = position
+LEAF_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
 
 
 class LogReg(nn.Module):
@@ -71,6 +73,123 @@ class CNN(nn.Module):
         return self.fc2(F.relu(self.fc1(h.flatten(1))))
 
 
+class TwoConvCNN(nn.Module):
+    """The "CNN" of McMahan et al. (2017, Section 3): conv5x5(32) -> ReLU -> maxpool2 -> conv5x5(64) ->
+    ReLU -> maxpool2 -> FC(fc) -> ReLU -> FC(classes), 'same' padding.
+
+    fc = 512 is the paper's MNIST model: 1,663,370 parameters for 10 classes on 28x28.  LEAF's FEMNIST
+    baseline (Caldas et al. 2018) is the same net with fc = 2048: 6,603,710 parameters for 62 classes.
+    Closed form: 32(25c + 1) + 64(25*32 + 1) + (64 (h/4)(w/4) + 1) fc + (fc + 1) classes.
+    """
+
+    def __init__(self, in_channels: int, image_hw: tuple[int, int], n_classes: int, fc: int = 512) -> None:
+        super().__init__()
+        h, w = image_hw
+        if h < 4 or w < 4:
+            raise ValueError(f"the two-conv CNN needs images of at least 4x4, got {h}x{w}")
+        self.conv1 = nn.Conv2d(in_channels, 32, kernel_size=5, padding=2)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=5, padding=2)
+        self.fc1 = nn.Linear(64 * (h // 4) * (w // 4), fc)
+        self.fc2 = nn.Linear(fc, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        h = F.max_pool2d(F.relu(self.conv2(h)), 2)
+        return self.fc2(F.relu(self.fc1(h.flatten(1))))
+
+
+class CifarCNN(nn.Module):
+    """The CIFAR model of McMahan et al. (2017), from TensorFlow's CIFAR-10 tutorial: conv5x5(64) ->
+    ReLU -> maxpool -> conv5x5(64) -> ReLU -> maxpool -> FC 384 -> FC 192 -> linear(classes), without
+    the tutorial's local response normalisation.  On 32x32 inputs (no 24x24 crop) it has
+    1,756,426 parameters for 10 classes (the paper's ~10^6 is for 24x24 crops).
+    """
+
+    def __init__(self, in_channels: int, image_hw: tuple[int, int], n_classes: int) -> None:
+        super().__init__()
+        h, w = image_hw
+        if h < 4 or w < 4:
+            raise ValueError(f"cifar_cnn needs images of at least 4x4, got {h}x{w}")
+        self.conv1 = nn.Conv2d(in_channels, 64, kernel_size=5, padding=2)
+        self.conv2 = nn.Conv2d(64, 64, kernel_size=5, padding=2)
+        self.fc1 = nn.Linear(64 * (h // 4) * (w // 4), 384)
+        self.fc2 = nn.Linear(384, 192)
+        self.out = nn.Linear(192, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        h = F.max_pool2d(F.relu(self.conv2(h)), 2)
+        return self.out(F.relu(self.fc2(F.relu(self.fc1(h.flatten(1))))))
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block (He et al. 2016) with GroupNorm in place of batch norm."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, groups: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.norm1 = nn.GroupNorm(groups, c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, stride=1, padding=1, bias=False)
+        self.norm2 = nn.GroupNorm(groups, c_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
+                                          nn.GroupNorm(groups, c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.norm1(self.conv1(x)))
+        return F.relu(self.norm2(self.conv2(h)) + self.shortcut(x))
+
+
+class ResNet18GN(nn.Module):
+    """ResNet-18 for small images (3x3 stem, no max-pool: the CIFAR variant) with GroupNorm.
+
+    Batch norm keeps running means and variances that are buffers, not parameters: each client's
+    statistics describe its own skewed label mix, averaging them does not give the statistics of the
+    pooled data, and the model evaluated with averaged statistics misbehaves under non-IID data
+    (Hsieh et al. 2020).  GroupNorm normalises within each sample, so it has no running statistics at
+    all.  `groups` = 2 as in Hsieh et al.  11,173,962 parameters for 10 classes (the same count as
+    the batch-norm model: both norms have one scale and one shift per channel).
+    """
+
+    def __init__(self, in_channels: int, n_classes: int, groups: int = 2) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
+        self.norm = nn.GroupNorm(groups, 64)
+        widths, layers, c_in = (64, 128, 256, 512), [], 64
+        for i, c_out in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            layers.append(nn.Sequential(BasicBlock(c_in, c_out, stride, groups), BasicBlock(c_out, c_out, 1, groups)))
+            c_in = c_out
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers(F.relu(self.norm(self.stem(x))))
+        return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+class CharLSTM(nn.Module):
+    """The Shakespeare model of McMahan et al. (2017): an 8-dimensional character embedding, two LSTM
+    layers of 256 units, and a linear map to the vocabulary's logits, read at the last position
+    (next-character prediction, as in LEAF).  Inputs are character indices (any dtype; cast to int64).
+
+    Parameters (torch keeps two bias vectors per LSTM gate): V*8 + [4*256*(8+256) + 2*4*256]
+    + [4*256*(256+256) + 2*4*256] + 256*V + V = 819,920 for V = 80.  The paper reports 866,578 for
+    its model; no bias convention of this architecture gives that figure (one bias: 817,872).
+    """
+
+    def __init__(self, vocab: int = 80, embed: int = 8, hidden: int = 256, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.lstm = nn.LSTM(embed, hidden, num_layers=layers, batch_first=True)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(self.embed(x.long()))
+        return self.out(h[:, -1])
+
+
 class Linear(nn.Module):
     """Linear regression y = W x (+ b); with d_out == 1 the output is squeezed to (N,)."""
 
@@ -123,6 +242,21 @@ def build_model(kind: str, input_shape: Sequence[int], n_outputs: int,
                 raise ValueError(f"model.kind = 'cnn' needs image inputs (channels, height, width), "
                                  f"got input shape {shape}")
             model = CNN(shape[0], (shape[1], shape[2]), n_outputs)
+        elif kind in ("mcmahan_cnn", "leaf_cnn", "cifar_cnn", "resnet18_gn"):
+            if len(shape) != 3:
+                raise ValueError(f"model.kind = {kind!r} needs image inputs (channels, height, width), "
+                                 f"got input shape {shape}")
+            if kind == "cifar_cnn":
+                model = CifarCNN(shape[0], (shape[1], shape[2]), n_outputs)
+            elif kind == "resnet18_gn":
+                model = ResNet18GN(shape[0], n_outputs)
+            else:
+                model = TwoConvCNN(shape[0], (shape[1], shape[2]), n_outputs, fc=2048 if kind == "leaf_cnn" else 512)
+        elif kind == "char_lstm":
+            if len(shape) != 1:
+                raise ValueError(f"model.kind = 'char_lstm' needs character sequences (length,), got input "
+                                 f"shape {shape}")
+            model = CharLSTM(vocab=n_outputs)
         else:
             raise ValueError(f"model.kind = {kind!r} is not allowed (allowed: {', '.join(MODEL_KINDS)})")
     if init == "zeros":

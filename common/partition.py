@@ -125,3 +125,59 @@ def label_histograms(labels: np.ndarray, parts: list[np.ndarray], n_classes: int
         return np.zeros((0, n_classes), dtype=np.int64)
     return np.stack([np.bincount(labels[np.asarray(p, dtype=np.int64)], minlength=n_classes)[:n_classes]
                      for p in parts]).astype(np.int64)
+
+
+#: every partition by name (`[data] partition`); `natural` needs a data set with natural clients
+PARTITIONS = ("iid", "dirichlet", "shards", "natural", "lognormal", "pareto")
+
+
+def skewed_sizes(n_samples: int, n_clients: int, law: str, rng: np.random.Generator, *,
+                 sigma: float = 1.0, shape: float = 1.5, min_size: int = 1) -> np.ndarray:
+    """Client sizes that sum to `n_samples`, each >= `min_size`, proportional to a heavy-tailed draw.
+
+    law = "lognormal": w_k ~ LogNormal(0, sigma) (FedProx's device sizes, Li et al. 2020);
+    law = "pareto":    w_k ~ 1 + Lomax(shape), a power law of tail index `shape`.
+    Every client first gets `min_size`; the other n - K * min_size samples are shared in
+    proportion to w (floors, then the largest remainders), so sizes sum to n exactly.
+    """
+    _check_clients(n_clients)
+    k, n = int(n_clients), int(n_samples)
+    if min_size * k > n:
+        raise ValueError(f"{law} partition impossible: {k} clients x min_size {min_size} = {k * min_size} > "
+                         f"{n} samples; lower clients.count or data.min_size")
+    if law == "lognormal":
+        w = rng.lognormal(0.0, float(sigma), k)
+    elif law == "pareto":
+        if not shape > 0:
+            raise ValueError(f"pareto shape must be > 0, got {shape}")
+        w = 1.0 + rng.pareto(float(shape), k)
+    else:
+        raise ValueError(f"size law {law!r} is not allowed (allowed: lognormal, pareto)")
+    spare = n - min_size * k
+    quota = w / w.sum() * spare
+    sizes = np.floor(quota).astype(np.int64)
+    short = spare - int(sizes.sum())
+    if short:
+        sizes[np.argsort(-(quota - sizes), kind="stable")[:short]] += 1
+    return sizes + int(min_size)
+
+
+def size_skewed(n_samples: int, n_clients: int, law: str, rng: np.random.Generator, *,
+                sigma: float = 1.0, shape: float = 1.5, min_size: int = 1) -> list[np.ndarray]:
+    """Quantity skew: sizes from `skewed_sizes`, samples assigned uniformly at random (labels
+    stay iid in expectation; only how much each client holds differs)."""
+    sizes = skewed_sizes(n_samples, n_clients, law, rng, sigma=sigma, shape=shape, min_size=min_size)
+    perm = rng.permutation(int(n_samples))
+    return [np.sort(p).astype(np.int64) for p in np.split(perm, np.cumsum(sizes)[:-1])]
+
+
+def natural(groups: np.ndarray) -> list[np.ndarray]:
+    """One client per natural group (writer, speaker): client k holds the samples whose group id
+    is the k-th smallest id.  Deterministic; needs no seed."""
+    groups = np.asarray(groups)
+    if groups.ndim != 1:
+        raise ValueError(f"groups must be 1-D, got shape {groups.shape}")
+    _, inverse = np.unique(groups, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.cumsum(np.bincount(inverse))[:-1]
+    return [np.sort(p).astype(np.int64) for p in np.split(order, bounds)]

@@ -16,6 +16,15 @@ every process: installed in the environment (`pip install -e mypkg/`), on PYTHON
 of the plug-in search path, `FEDHOP_PLUGIN_PATH`, which `fedhop run` sets to the config's folder and
 the working directory (and its children inherit): a package beside the config just works.
 
+A client or edge process runs only the code it was started with (DESIGN.md section 9): its
+command line (`--allow-plugin NAME`, repeatable) or its environment (`FEDHOP_ALLOW_PLUGINS`,
+comma-separated) lists the plug-ins it may load, and `restrict` makes every other one a
+`PluginRefused` before anything is imported or looked up: a config from the parent that names
+another module is refused at registration, never imported.  An allow-list entry is a module or
+package name (`mymodels` allows `mymodels.nets:make`), a whole reference, or an entry-point
+name.  The built-in models, data sets, algorithms and topologies are not plug-ins and are always
+allowed.  `fedhop run` passes each child the plug-ins its own config names (`config_plugins`).
+
 What each kind of plug-in is (docs in README, "Bring your own model"):
 
 - model factory: `factory(input_shape: tuple[int, ...], n_outputs: int, **model.factory_args)`
@@ -46,10 +55,90 @@ from typing import Any, Literal, Sequence
 GROUP_PREFIX = "fedhop."
 GROUPS = ("models", "datasets", "algorithms", "topologies")
 PLUGIN_PATH_ENV = "FEDHOP_PLUGIN_PATH"   # folders searched for a plug-in package that is not installed
+ALLOW_ENV = "FEDHOP_ALLOW_PLUGINS"       # a client's or edge's allow-list (comma-separated)
+NOT_ALLOWED = "PLUGIN_NOT_ALLOWED"
 
 
 class PluginError(ValueError):
     """A plug-in named in the config cannot be loaded."""
+
+
+class PluginRefused(PluginError):
+    """A plug-in that this process was not started with (`restrict`): refused, never imported."""
+
+
+_allowed: frozenset[str] | None = None   # None: every plug-in (the server, the launcher, in-process use)
+
+
+def restrict(names: Sequence[str]) -> None:
+    """From now on load only the plug-ins `names` allows (module docstring); [] allows none."""
+    global _allowed
+    _allowed = frozenset(n.strip() for n in names if n.strip())
+
+
+def unrestricted() -> None:
+    """Lift `restrict` (tests)."""
+    global _allowed
+    _allowed = None
+
+
+def allow_list_from(flags: Sequence[str] | None, env: str | None = None) -> list[str]:
+    """A process's allow-list: its `--allow-plugin` flags (each may be comma-separated) and
+    FEDHOP_ALLOW_PLUGINS."""
+    env = os.environ.get(ALLOW_ENV, "") if env is None else env
+    items = [part for flag in (flags or []) for part in flag.split(",")] + env.split(",")
+    return sorted({i.strip() for i in items if i.strip()})
+
+
+def _module_allowed(module: str, allowed: frozenset[str]) -> bool:
+    return any(module == a or module.startswith(a + ".") for a in allowed if ":" not in a)
+
+
+def check_allowed(ref: str, group: str) -> None:
+    """Raise PluginRefused unless `ref` is on this process's allow-list (no-op when unrestricted).
+    Nothing is imported: an entry point is judged by its name and the module it names."""
+    allowed = _allowed
+    if allowed is None or ref in allowed:
+        return
+    if is_import_path(ref):
+        if _module_allowed(ref.partition(":")[0], allowed):
+            return
+    else:
+        eps = [ep for ep in entry_points(group=GROUP_PREFIX + group) if ep.name == ref]
+        if not eps:
+            return   # not a plug-in at all: the caller reports an unknown name
+        if _module_allowed(eps[0].value.partition(":")[0], allowed):
+            return
+    shown = ", ".join(sorted(allowed)) or "none"
+    raise PluginRefused(f"{NOT_ALLOWED}: the config names plug-in {ref!r} (fedhop.{group}), which this process "
+                        f"was not started with (allowed: {shown}); start it with --allow-plugin "
+                        f"{ref.partition(':')[0] if is_import_path(ref) else ref} or {ALLOW_ENV} to run that code")
+
+
+def parent_config(text: str, node_id: str, parent: str) -> Any:
+    """The run's config as a client's or edge's parent sent it, parsed here.  A config this process
+    cannot use (one naming a plug-in it was not started with: refused by `check_allowed` before
+    any import) is one RuntimeError line; the role then exits with status 2."""
+    from fedhop.common.config import parse_config   # local: the config loader imports this module
+    try:
+        return parse_config(text)
+    except (ValueError, KeyError) as exc:   # ConfigError, PluginError and PluginRefused
+        raise RuntimeError(f"{node_id}: refusing the run's config from {parent}: {exc}") from None
+
+
+def config_plugins(cfg: Any) -> list[str]:
+    """The plug-in references a resolved config names (model factory, data set, algorithm,
+    topology): import paths, and names that no built-in registry knows (entry points).  The
+    launcher passes them to its children as their allow-list."""
+    refs = [(getattr(cfg.model, "factory", "") or "", "models"), (cfg.data.dataset, "datasets"),
+            (cfg.algorithm.name, "algorithms"), (cfg.topology.kind, "topologies")]
+    out = []
+    for ref, group in refs:
+        if not isinstance(ref, str) or not ref:
+            continue
+        if is_import_path(ref) or ref in entry_point_names(group):
+            out.append(ref.partition(":")[0] if is_import_path(ref) else ref)
+    return sorted(set(out))
 
 
 def is_import_path(ref: str) -> bool:
@@ -103,6 +192,7 @@ def load_plugin(ref: str, group: str) -> Any:
     built-in names and says which are allowed)."""
     if group not in GROUPS:
         raise ValueError(f"load_plugin: unknown group '{group}' (allowed: {', '.join(GROUPS)})")
+    check_allowed(ref, group)   # before any import (module docstring)
     if is_import_path(ref):
         module_name, _, attr = ref.partition(":")
         if not module_name or not attr:

@@ -93,7 +93,7 @@ def l1_ball_threshold(a: torch.Tensor, radius: float) -> float:
         return float(a.max())
     s, _ = torch.sort(a.flatten(), descending=True)
     css = torch.cumsum(s, 0)
-    j = torch.arange(1, s.numel() + 1, dtype=s.dtype)
+    j = torch.arange(1, s.numel() + 1, dtype=s.dtype, device=s.device)
     ok = s - (css - radius) / j > 0
     k = int(torch.nonzero(ok).max()) + 1
     return float((css[k - 1] - radius) / k)

@@ -37,6 +37,7 @@ from fedhop.common.rng import numpy_stream, torch_stream
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.base import Task
 from fedhop.common.topology import sampling_pool
+from fedhop.common.torch_device import host_task
 from fedhop.common.validation import finite_step
 from fedhop.common.vclock import RoundClock
 
@@ -87,7 +88,8 @@ class RoundEngine:
         self.algorithm = algorithm if algorithm is not None else build_algorithm(cfg)
         self.model = self.task.build_model()   # the server's copy: initial parameters, evaluation
         self.state = state if state is not None else self.algorithm.init_state(get_params(self.model))
-        self.clock = RoundClock(cfg, self.task)  # stragglers, device profiles, over-commitment (common/vclock.py)
+        # stragglers, device profiles, over-commitment (common/vclock.py): counts read from the CPU task
+        self.clock = RoundClock(cfg, host_task(self.task))
         self._client_model: torch.nn.Module | None = None
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}
 

@@ -36,3 +36,16 @@ def local_batches(num_samples: int, batch_size: int, steps: int, epochs: int,
 def steps_per_epoch(num_samples: int, batch_size: int) -> int:
     bs = num_samples if batch_size <= 0 else min(batch_size, num_samples)
     return -(-num_samples // bs)
+
+
+def batches_on(batches: Iterator[torch.Tensor], device: torch.device) -> Iterator[torch.Tensor]:
+    """`local_batches` with its indices on `device`: each pass's permutation is copied once and
+    its batches are slices of the copy, so a GPU's steps wait for no host copy (the draws, and
+    so the batches, are the CPU's)."""
+    source = moved = None
+    for idx in batches:
+        base = idx._base if idx._base is not None else idx   # the pass's permutation
+        if base is not source:
+            source, moved = base, base.to(device)
+        start = idx.storage_offset() - base.storage_offset()
+        yield moved[start:start + idx.numel()]

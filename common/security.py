@@ -6,11 +6,23 @@ Two kinds of node credential (docs/faults.md, "Security"):
   cluster CA (`fedhop certs DIR --nodes ...`) whose common name is its node id; the TLS handshake
   proves the peer holds the key, and `AuthInterceptor` takes the identity from the peer
   certificate (`context.auth_context()`).  A certificate from another CA fails the handshake.
-- **signed token** (the default): `node_token(secret, node_id)` = HMAC-SHA256 of the node id under
-  the cluster secret (`DIR/cluster.secret`, or the launcher's per-run `FEDHOP_TOKEN`).  It travels
-  in gRPC metadata (`fedhop-node`, `fedhop-auth`), never on a command line, and under TLS never in
-  clear.  Every holder of the secret can mint any node's token, so per-node identity that
-  survives a leaked node is what mTLS is for.
+- **per-node credential** (what `fedhop run` hands each process): an issuer key that only the
+  launcher holds (Ed25519, `TokenAuthority`, new per run) signs each node's own public key and
+  node id; the process gets its private key, that signature and the issuer's public key in
+  `FEDHOP_NODE_CRED` (its environment, never a command line), and no other node's.  Every call
+  carries a token the caller signs for one audience (the node id or logical client it calls)
+  and a few minutes of validity (`SignedIdentity.token`); the callee checks the issuer's
+  signature, the caller's, the audience (its own name; the audience "register" only on Register
+  and Heartbeat, whose callers do not know their parent's id) and the time.  A participant
+  holds no key that signs for another node, and a token it receives names it as the audience,
+  so it can neither mint nor replay another node's identity to a third process: for
+  authorization this is as strong as mutual TLS (docs/faults.md, "Security").
+- **shared-secret token** (`FEDHOP_TOKEN` or `DIR/cluster.secret` alone): `node_token(secret,
+  node_id)` = HMAC-SHA256 of the node id under the cluster secret.  It travels in gRPC metadata
+  (`fedhop-node`, `fedhop-auth`), never on a command line, and under TLS never in clear.  Every
+  holder of the secret can mint any node's token: it admits cluster members, it does not tell
+  them apart.  Deployments across machines that need per-node identity use mTLS, or hand each
+  process its own `FEDHOP_NODE_CRED` from a `TokenAuthority` they keep.
 
 Either way the claimed identity must equal the node the message speaks for: a Register's and a
 Heartbeat's `node_id`, an Exchange's envelope `src`.  A refused call is answered UNAUTHENTICATED
@@ -29,13 +41,17 @@ import itertools
 import logging
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 import grpc
 
 from fedhop.common.addresses import insecure_from_env, plaintext_refusal
+from fedhop.common.nodecred import (CRED_ENV, REGISTER_AUDIENCE, SCOPED_METHODS, SecurityError, SignedIdentity,
+                                    TokenAuthority, check_node_id)
+
+__all__ = ["CRED_ENV", "SignedIdentity", "TokenAuthority", "SecurityError", "check_node_id"]
 
 log = logging.getLogger("fedhop.security")
 
@@ -43,10 +59,6 @@ CA_CERT, CA_KEY, SECRET_FILE = "ca.pem", "ca.key", "cluster.secret"
 CLUSTER_NAME = "fedhop-node"          # a SAN every node certificate carries (peer id unknown: CA membership)
 META_NODE, META_AUTH = "fedhop-node", "fedhop-auth"
 _TOKEN_CONTEXT = b"fedhop-node-token-v1:"
-
-
-class SecurityError(RuntimeError):
-    """Bad or missing credentials, or a channel policy violation; the message says what to do."""
 
 
 # ----------------------------------------------------------------------------- addresses
@@ -127,14 +139,6 @@ def make_node_cert(ca_key_pem: bytes, ca_cert_pem: bytes, node_id: str, hosts: I
             cert.public_bytes(serialization.Encoding.PEM))
 
 
-def check_node_id(node_id: str) -> None:
-    """Node ids become DNS names in certificates: letters, digits and '-', 1..63 characters."""
-    ok = 0 < len(node_id) <= 63 and all(c.isalnum() or c == "-" for c in node_id) and node_id[0] != "-"
-    if not ok:
-        raise SecurityError(f"node id {node_id!r} cannot be a certificate name: use letters, digits and '-' "
-                            f"(e.g. server, edge-0, client-proc3)")
-
-
 def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Iterable[str] = (),
                   days: int = 365) -> list[Path]:
     """Make (or extend) a cluster directory: ca.pem/ca.key (reused when present), NODE.pem/NODE.key
@@ -206,21 +210,38 @@ class NodeCredentials:
     secret: bytes = b""
     tls: TlsFiles | None = None
     mtls: bool = False
+    signed: SignedIdentity | None = None    # a per-node credential: then no shared-secret token is accepted
+    aliases: set[str] = field(default_factory=set)   # other names calls to this process use (its logical clients)
 
     @classmethod
-    def from_options(cls, node_id: str, certs_dir: str = "", mtls: bool = False, env_secret: str = "") -> "NodeCredentials":
+    def from_options(cls, node_id: str, certs_dir: str = "", mtls: bool = False, env_secret: str = "",
+                     env_cred: str | None = None) -> "NodeCredentials":
+        """`env_cred`: the per-node credential (default: the environment's FEDHOP_NODE_CRED)."""
         if mtls and not certs_dir:
             raise SecurityError("mutual TLS needs a certificate directory (security.certs_dir / --certs-dir)")
         tls = load_tls(certs_dir, node_id) if certs_dir else None
+        cred = os.environ.get(CRED_ENV, "") if env_cred is None else env_cred
+        if cred:
+            signed = SignedIdentity.parse(cred)
+            if signed.node_id != node_id:
+                raise SecurityError(f"{CRED_ENV} is the credential of node '{signed.node_id}', not of '{node_id}'")
+            return cls(node_id, b"", tls, mtls, signed)
         return cls(node_id, read_secret(certs_dir, env_secret), tls, mtls)
 
     @property
     def checks_calls(self) -> bool:
-        return self.mtls or bool(self.secret)
+        return self.mtls or bool(self.secret) or self.signed is not None
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
+    def names(self) -> set[str]:
+        """The audiences a call to this process may name: its node id and its aliases."""
+        return {self.node_id, *self.aliases}
+
+    def metadata(self, audience: str = REGISTER_AUDIENCE) -> tuple[tuple[str, str], ...]:
+        """The call's credential metadata; `audience`: the node (or logical client) called."""
         meta = [(META_NODE, self.node_id)]
-        if self.secret:
+        if self.signed is not None:
+            meta.append((META_AUTH, self.signed.token(audience or REGISTER_AUDIENCE)))
+        elif self.secret:
             meta.append((META_AUTH, node_token(self.secret, self.node_id)))
         return tuple(meta)
 
@@ -256,8 +277,10 @@ def peer_identity(context: grpc.ServicerContext) -> str | None:
     return names[0].decode() if names else None
 
 
-def authenticate(creds: NodeCredentials, metadata: dict[str, str], context: grpc.ServicerContext) -> str:
-    """The caller's verified node id, or AuthRefused."""
+def authenticate(creds: NodeCredentials, metadata: dict[str, str], context: grpc.ServicerContext,
+                 method: str = "") -> str:
+    """The caller's verified node id, or AuthRefused.  `method`: the RPC (Register and Heartbeat
+    accept a per-node token for the register audience)."""
     claimed = metadata.get(META_NODE, "")
     if creds.mtls:
         cn = peer_identity(context)
@@ -267,6 +290,14 @@ def authenticate(creds: NodeCredentials, metadata: dict[str, str], context: grpc
             raise AuthRefused(grpc.StatusCode.PERMISSION_DENIED,
                               f"certificate is for '{cn}' but the call claims to come from '{claimed}'", claimed)
         return cn
+    if creds.signed is not None:
+        if not claimed:
+            raise AuthRefused(grpc.StatusCode.UNAUTHENTICATED, "no node credential (fedhop-node metadata)", claimed)
+        why = creds.signed.verify(claimed, metadata.get(META_AUTH, ""), creds.names(), method in SCOPED_METHODS)
+        if why is not None:
+            raise AuthRefused(grpc.StatusCode.UNAUTHENTICATED, f"bad per-node token for node '{claimed}': {why}",
+                              claimed)
+        return claimed
     if creds.secret:
         if not claimed:
             raise AuthRefused(grpc.StatusCode.UNAUTHENTICATED, "no node credential (fedhop-node metadata)", claimed)
@@ -349,9 +380,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method.rsplit("/", 1)[-1]
         metadata = {k: v for k, v in (handler_call_details.invocation_metadata or ()) if isinstance(v, str)}
         creds, refuse = self.creds, self._refuse
-        if creds.secret and not creds.mtls:   # a token is metadata: refuse before reading any message
-            try:
-                authenticate(creds, metadata, None)
+        if (creds.secret or creds.signed is not None) and not creds.mtls:   # a token is metadata: refuse
+            try:                                                                 # before reading any message
+                authenticate(creds, metadata, None, method)
             except AuthRefused as exc:
                 return _refused_unread(handler, method, exc, refuse)
 
@@ -360,7 +391,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
             def unary(request, context):
                 try:
-                    identity = authenticate(creds, metadata, context)
+                    identity = authenticate(creds, metadata, context, method)
                     speaks_for = getattr(request, "node_id", None)
                     if creds.checks_calls and speaks_for is not None and speaks_for != identity:
                         raise AuthRefused(grpc.StatusCode.PERMISSION_DENIED,
@@ -374,7 +405,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         def caller(context) -> str:
             """The authenticated node of this call (a refused credential aborts it)."""
             try:
-                return authenticate(creds, metadata, context)
+                return authenticate(creds, metadata, context, method)
             except AuthRefused as exc:
                 refuse(context, method, exc)   # aborts: context.abort raises
 

@@ -273,6 +273,7 @@ BENCHMARKS = {"transport": "gRPC (or gloo) throughput against TCP, codec speed, 
               "compute": "FedAvg rounds against one process doing the same SGD steps",
               "scale": "cross-device: registration, round time and memory with 100,000 logical clients",
               "growth": "round time as model size and client count grow",
+              "gpu": "one client's local epoch on a GPU in a fedhop client process against plain torch",
               "flower": "framework overhead against Flower (its own flags: fedhop bench flower --help)"}
 
 
@@ -300,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.default_malloc and not args.tiny:
         reexec_with_tuned_malloc()  # the figures are for the settings fedhop's processes run with
     if args.what != "transport":
+        from fedhop.deploy.bench_gpu import bench_gpu
         runner = {"compute": bench_system.bench_compute, "scale": bench_system.bench_scale,
-                  "growth": bench_system.bench_growth}[args.what]
+                  "growth": bench_system.bench_growth, "gpu": bench_gpu}[args.what]
         if args.what == "compute" and args.rounds == 20 and not args.tiny:
             args.rounds = 10
         figures = runner(args)

@@ -1,4 +1,4 @@
-"""The `fedhop` command: run, sweep, report, bench, launch, netsim."""
+"""The `fedhop` command: run, sweep, report, bench, launch, netsim, data."""
 from __future__ import annotations
 
 import argparse
@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("config", help="the config reference: every key, its default and allowed values", add_help=False)
     sub.add_parser("netsim", help="run on emulated hosts (network namespaces): wire bytes, shaped links",
                    add_help=False)
+    sub.add_parser("data", help="look at a config's data: per-client counts, label histograms, a PNG",
+                   add_help=False)
+    sub.add_parser("slurm", help="submit a run as one Slurm batch job (its steps: server, edges, clients)",
+                   add_help=False)
 
     if argv and argv[0] == "sweep":
         from fedhop.deploy.sweep import main as sweep_main
@@ -50,9 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "launch":
         from fedhop.deploy.hosts import main as launch_main
         return launch_main(argv[1:])
+    if argv and argv[0] == "slurm":
+        from fedhop.deploy.slurm import main as slurm_main
+        return slurm_main(argv[1:])
     if argv and argv[0] == "config":
         from fedhop.deploy.configref import main as config_main
         return config_main(argv[1:])
+    if argv and argv[0] == "data":
+        from fedhop.deploy.datashow import main as data_main
+        return data_main(argv[1:])
     if argv and argv[0] == "netsim":
         from fedhop.deploy.netsim import main as netsim_main
         return netsim_main(argv[1:])

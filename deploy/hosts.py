@@ -39,6 +39,7 @@ import argparse
 import io
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -119,6 +120,36 @@ _HOST_TYPES: dict[str, Any] = {"name": str, "address": str, "target": str, "serv
                                "env": dict, "bandwidth": str}
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def target_problem(target: str) -> str | None:
+    """Why `target` cannot be what `{host}` becomes, or None: one that starts with '-' would be read
+    by ssh as an option (`-oProxyCommand=...`), whitespace or a control character would split or
+    end it."""
+    if target.startswith("-"):
+        return "starts with '-' (ssh would read it as an option)"
+    bad = next((c for c in target if c.isspace() or ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        return f"holds whitespace or a control character ({bad!r})"
+    return None
+
+
+def _check_host_strings(host: HostSpec, i: int, where: str) -> None:
+    """The strings of a host that reach a command line: the ssh target and the env names and values
+    (role_command quotes every value; a name cannot be quoted, so it must be a shell name)."""
+    problem = target_problem(host.remote_name)
+    if problem:
+        key = "target" if host.target else "name"
+        raise HostsError(f"{where}: host[{i}].{key} = {host.remote_name!r} {problem}")
+    for key, value in host.env.items():
+        if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
+            raise HostsError(f"{where}: host[{i}].env key {key!r} is not an environment variable name "
+                             f"(letters, digits and '_', not starting with a digit)")
+        if not isinstance(value, (str, int, float, bool)):
+            raise HostsError(f"{where}: host[{i}].env.{key} = {value!r} must be a string or a number")
+
+
 def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
     """Validate a parsed hosts file; errors name the key, the value and what is allowed."""
     unknown = sorted(set(data) - {"launch", "host"})
@@ -147,6 +178,7 @@ def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
             if not raw.get(key):
                 raise HostsError(f"{where}: host[{i}] needs '{key}'")
         host = HostSpec(**raw)
+        _check_host_strings(host, i, where)
         if host.client_processes < 1:
             raise HostsError(f"{where}: host '{host.name}': client_processes = {host.client_processes}, must be >= 1")
         for key in ("server_port", "edge_port", "client_port"):

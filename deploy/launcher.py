@@ -23,7 +23,9 @@ from typing import Callable
 
 from fedhop.common.config import Config, config_to_toml, load_config
 from fedhop.common.plan import id_spec, plan_processes
-from fedhop.common.plugins import PLUGIN_PATH_ENV
+from fedhop.common.torch_device import DeviceError, describe, plan_devices, resolve_config
+from fedhop.common.nodecred import CRED_ENV, TokenAuthority
+from fedhop.common.plugins import ALLOW_ENV, PLUGIN_PATH_ENV, allow_list_from, config_plugins
 from fedhop.deploy.report import human_bytes
 from fedhop.common.procexit import (LAUNCHER_ENV, Stopped, ignore_stops, signals_restored, stop_on_sigterm,
                                     stop_reason)
@@ -47,12 +49,19 @@ class LocalRun:
     children: list[Child] = field(default_factory=list)
     workdir: Path = field(default_factory=Path.cwd)   # the children's working directory: the user's folder
     token: str = field(default_factory=lambda: secrets.token_hex(16))
+    authority: TokenAuthority = field(default_factory=TokenAuthority)   # issues each child's credential
+    credentials: dict[str, str] = field(default_factory=dict)          # node id -> its credential
+    devices: dict[str, str] = field(default_factory=dict)   # node id -> its --device (common/torch_device.py)
 
     def spawn(self, name: str, argv: list[str]) -> Child:
         log = self.run_dir / "logs" / f"{name}.log"
         env = dict(tuned_env(), FEDHOP_TOKEN=self.token, PYTHONUNBUFFERED="1")
+        # the children may load the plug-ins this run's own config names, and no other (common/plugins.py)
+        env[ALLOW_ENV] = ",".join(allow_list_from([*config_plugins(self.cfg)], env.get(ALLOW_ENV, "")))
+        env[CRED_ENV] = self.credential(name)   # this child's own per-node credential (common/security.py)
         module = f"fedhop.{argv[0]}"
-        if fork_allowed():   # start-up without re-importing torch (deploy/forkstart.py)
+        # start-up without re-importing torch (deploy/forkstart.py); CUDA cannot be used in a forked child
+        if fork_allowed() and not any(d.startswith("cuda") for d in self.devices.values()):
             proc = fork_module(module, argv[1:], env, log, self.workdir)
         else:
             with open(log, "ab") as fh:
@@ -62,6 +71,18 @@ class LocalRun:
         child = Child(name, proc, log)
         self.children.append(child)
         return child
+
+    def device_args(self, node_id: str) -> list[str]:
+        """`--device` of one process (the run's device plan), or none: the config's key decides."""
+        return ["--device", self.devices[node_id]] if node_id in self.devices else []
+
+    def credential(self, name: str) -> str:
+        """The per-node credential of child `name`, issued once: `start` issues every planned
+        child's before the first fork (key generation between forks hung forked children), and a
+        restarted child gets its node's again."""
+        if name not in self.credentials:
+            self.credentials[name] = self.authority.issue(name)
+        return self.credentials[name]
 
     def security_args(self) -> list[str]:
         """The client and edge flags that match the config's [security] section."""
@@ -81,10 +102,14 @@ class LocalRun:
         cfg_path.write_text(config_to_toml(self.cfg))
         port_file = self.run_dir / "server.address"
         port_file.unlink(missing_ok=True)
+        for node in ["server", *(p.node_id for p in plan_processes(self.cfg).processes[1:])]:
+            self.credential(node)
         host = self.cfg.transport.host
         server = self.spawn("server", ["server", "--config", str(cfg_path), "--run-dir", str(self.run_dir),
                                        "--listen", f"{host}:0", "--port-file", str(port_file)]
-                            + (["--resume"] if resume else []))
+                            + (["--resume"] if resume else []) + self.device_args("server"))
+        if self.devices:
+            (self.run_dir / "devices.json").write_text(json.dumps(self.devices, indent=1) + "\n")
         address_file = {"server": port_file}
         for proc in plan_processes(self.cfg).processes[1:]:   # the processes this config starts (common/plan.py)
             parent_file = address_file[proc.parent]
@@ -95,13 +120,14 @@ class LocalRun:
                                           "--listen", f"{host}:0", "--port-file", str(address_file[proc.node_id]),
                                           "--ledger-dir", str(self.run_dir / "ledger"),
                                           "--max-message-bytes", str(self.cfg.transport.max_message_bytes)]
-                           + self.security_args())
+                           + self.security_args() + self.device_args(proc.node_id))
             else:
                 self.spawn(proc.node_id, ["client", "--parent-file", str(parent_file), "--clients", id_spec(proc.clients),
                                           "--node-id", proc.node_id, "--listen", f"{host}:0",
                                           "--ledger-dir", str(self.run_dir / "ledger"),
                                           "--max-message-bytes", str(self.cfg.transport.max_message_bytes),
-                                          "--threads", str(self.cfg.run.torch_threads)] + self.security_args())
+                                          "--threads", str(self.cfg.run.torch_threads)] + self.security_args()
+                           + self.device_args(proc.node_id))
         self._wait_for_address(server, port_file)
         return server
 
@@ -508,6 +534,12 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
     given_certs = cfg.security.certs_dir
     if not resume:   # a run folder's config.toml is resumed as written (its checkpoints carry its digest)
         absolute_paths(cfg, Path.cwd())
+    try:   # a missing download: one line naming the file, before any process starts (common/datafiles.py)
+        from fedhop.common.datafiles import check_data_files
+        check_data_files(cfg)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"fedhop run: {exc}", file=sys.stderr)
+        return 2
     if cfg.security.certs_dir and not Path(cfg.security.certs_dir).is_dir():
         print(f"fedhop run: security.certs_dir = '{given_certs}' is not a directory ({cfg.security.certs_dir}); "
               f"make one with `fedhop certs {given_certs} --nodes ...`", file=sys.stderr)
@@ -515,6 +547,14 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
     if cfg.transport.kind == "inmemory":
         print("fedhop run: transport.kind = 'inmemory' is for unit tests (deploy/inmemory.py); "
               "process runs use grpc or torch", file=sys.stderr)
+        return 2
+    asked = any(d != "cpu" for d in (cfg.run.device, cfg.edges.device, cfg.clients.device))
+    try:   # which process computes on which device: checked before anything starts (common/torch_device.py)
+        if not resume:
+            resolve_config(cfg)
+        devices = plan_devices(cfg, plan_processes(cfg))
+    except DeviceError as exc:
+        print(f"fedhop run: {exc}", file=sys.stderr)
         return 2
     try:
         if resume:
@@ -531,7 +571,9 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
     note = loopback_plaintext_note(cfg)
     if note and not quiet:
         print(note, file=sys.stderr)
-    run = LocalRun(cfg, run_dir)
+    run = LocalRun(cfg, run_dir, devices=devices)
+    if not quiet and (asked or any(d != "cpu" for d in devices.values())):
+        print(f"fedhop run: devices: {describe(devices)}", file=sys.stderr)
     progress = page = None
     stop_on_sigterm()   # SIGTERM (a scheduler, `timeout`, `kill`) stops the run as Ctrl-C does
     try:

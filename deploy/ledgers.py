@@ -9,11 +9,12 @@ does it itself on Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import json
+import sqlite3
 import sys
 from pathlib import Path
 
 from fedhop.common.runstore import AgreementReport, RunStore
+from fedhop.deploy.runread import read_summary
 
 
 def merge_run(run_dir: Path) -> tuple[int, AgreementReport]:
@@ -37,10 +38,11 @@ def stopped_agreement(report: AgreementReport) -> str:
 
 
 def ended_early(run_dir: Path) -> bool:
-    """Whether the run did not complete: stopped, failed, or still without a summary."""
+    """Whether the run did not complete: stopped, failed, or without a readable summary (one that
+    is too large, too deeply nested or wrongly typed counts as none: deploy/runread.py)."""
     try:
-        return json.loads((run_dir / "summary.json").read_text()).get("status") != "completed"
-    except (OSError, ValueError, AttributeError):
+        return read_summary(run_dir).get("status") != "completed"
+    except (OSError, ValueError):
         return True
 
 
@@ -53,7 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedhop merge-ledgers: {run_dir} holds no run.db and ledger/ folder; is it a run directory?",
               file=sys.stderr)
         return 2
-    added, agreement = merge_run(run_dir)
+    try:   # ledger lines that are too long, nested or out of range are skipped with a warning (common/ledger.py)
+        added, agreement = merge_run(run_dir)
+    except (sqlite3.Error, ValueError, OverflowError) as exc:   # a run.db that is no run's
+        print(f"fedhop merge-ledgers: {run_dir / 'run.db'}: cannot merge into it ({type(exc).__name__}: "
+              f"{str(exc)[:200]})", file=sys.stderr)
+        return 2
     print(f"fedhop merge-ledgers: {added} records added to {run_dir / 'run.db'}; "
           f"{stopped_agreement(agreement) if ended_early(run_dir) else agreement.summary()}")
     return 0

@@ -188,14 +188,12 @@ def load_run(run_dir: Path, notes: list[str]) -> RunData | None:
     data = RunData(run_dir=run_dir, name=run_dir.name)
     summary_path, db_path = run_dir / "summary.json", run_dir / "run.db"
     if summary_path.exists():
-        try:
-            loaded = json.loads(summary_path.read_text(encoding="utf-8"))
-            if isinstance(loaded, dict):
-                data.summary = loaded
-            else:
-                notes.append(f"{summary_path}: not a JSON object, ignored")
-        except (OSError, ValueError) as exc:
+        try:   # bounded, and checked field by field (deploy/runread.py): a crafted file is a note
+            data.summary = runread.read_summary(run_dir)
+        except OSError as exc:
             notes.append(f"{summary_path}: unreadable ({exc}), ignored")
+        except ValueError as exc:
+            notes.append(f"{exc}; ignored")
     else:
         notes.append(f"{run_dir}: no summary.json")
     if db_path.exists():
@@ -210,8 +208,12 @@ def load_run(run_dir: Path, notes: list[str]) -> RunData | None:
                     data.cumulative = store.cumulative_bytes_by_round()
                     data.agreement = store.check_agreement()
                 db_links = links
-        except (sqlite3.DatabaseError, ValueError) as exc:
-            notes.append(f"{db_path}: unreadable ({exc}), ignored")
+            _check_rounds(data.rounds, data.cumulative, db_links)
+        except (sqlite3.DatabaseError, ValueError, RecursionError, TypeError, OverflowError, AttributeError,
+                KeyError) as exc:   # a crafted file: JSON nested too deeply, text where a number belongs
+            notes.append(f"{db_path}: unreadable ({type(exc).__name__}: {str(exc)[:200]}), ignored")
+            data.run_row, data.rounds, data.cumulative, data.agreement = {}, [], {}, None
+            data.has_messages = False
             db_links = {}
     else:
         notes.append(f"{run_dir}: no run.db (no per-round curves, no cumulative bytes)")
@@ -226,6 +228,23 @@ def load_run(run_dir: Path, notes: list[str]) -> RunData | None:
     if data.by_link and db_links and data.by_link != db_links:
         notes.append(f"{run_dir}: summary.json and run.db byte counts differ; the table uses summary.json")
     return data
+
+
+def _check_rounds(rounds: list[dict[str, Any]], cumulative: dict[int, dict[str, int]],
+                  links: dict[str, dict[str, int]]) -> None:
+    """ValueError where run.db holds what no run writes and the report would compute with: a round
+    that is not a count, metrics that are not an object, byte counts that are not counts."""
+    for row in rounds:
+        if not runread._is_count(row.get("round")):
+            raise ValueError(f"round {str(row.get('round'))[:40]!r} is not a count")
+        if not isinstance(row.get("metrics"), dict):
+            raise ValueError(f"round {row['round']}: metrics_json is not an object")
+        for v in row["metrics"].values():
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 1e300:   # float() would overflow
+                raise ValueError(f"round {row['round']}: a metric of {str(v)[:40]} is out of range")
+    for per in (*cumulative.values(), *links.values()):
+        if not all(runread._is_count(v) for v in per.values()):
+            raise ValueError("a byte count that is not a count below 2^63")
 
 
 def _summary_links(summary: dict[str, Any], notes: list[str], run_dir: Path) -> dict[str, dict[str, int]]:
@@ -679,7 +698,7 @@ def write_csv(runs: Sequence[RunData], path: str | Path, notes: list[str]) -> Pa
             continue
         try:
             rows = runread.read_run_db(run.run_dir)[0]
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, ValueError) as exc:   # ValueError: crafted content (runread)
             notes.append(f"{target.name}: {run.name}'s run.db is unreadable ({exc}), so no rows")
             continue
         per_run.append((run, rows))

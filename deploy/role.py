@@ -10,7 +10,8 @@ waits for its process, passing SIGTERM and SIGINT on while it runs.  The server'
 the process's exit status to `RUN/server.exit` and exits with it, ignoring a SIGTERM that arrives
 after the process ended.  An edge or client whose process ended with status 0 (the server shut it
 down) stays until `RUN/server.exit` exists (at most `FEDHOP_LINGER` seconds, default 120) or a
-SIGTERM comes; one that failed exits at once, so `restart: on-failure` restarts it.
+SIGTERM comes, then exits with the run's status (the one in `RUN/server.exit`; 0 when it never
+appeared); one that failed exits at once with its own status.
 
 Environment (docker-compose.yml sets it):
 
@@ -36,10 +37,11 @@ Environment (docker-compose.yml sets it):
 Errors in what the environment gives (the config file, its keys, these variables) end the role
 with one line on stderr and exit status 2, as `fedhop run` does.
 
-Kubernetes (deploy/k8s) sets two more: `FEDHOP_SLOT`, the pod's StatefulSet ordinal, which is
-then the client's slot (with `FEDHOP_CLIENT_PROCESSES` the replica count, nothing is claimed);
-and `FEDHOP_HOLD=1`, which keeps every role's container running once its part of the run is over
-(until SIGTERM), so that a Deployment or StatefulSet does not restart it into a second run.
+Kubernetes (deploy/k8s) sets `FEDHOP_SLOT`, the client Job's completion index, which is then the
+client's slot (with `FEDHOP_CLIENT_PROCESSES` the number of indexes, nothing is claimed).  There
+every role is a Job's pod, so each role ending with the run's status is what ends the Jobs.
+`FEDHOP_HOLD=1` keeps a role's process running once its part of the run is over (until SIGTERM
+or SIGINT), for a controller that would restart an exited container into a second run.
 
 A client replica claims a slot (`RUN/slots/<k>`, created with O_EXCL, holding the replica's
 identity so a restarted container gets its slot back), hosts the k-th block of logical clients
@@ -207,24 +209,30 @@ def _run(role: str, args: list[str], token: str) -> int:
     return 128 - code if code < 0 else code  # killed by signal N: 128+N, as a shell reports it
 
 
-def linger_until_server_exits(run_dir: Path, timeout: float) -> None:
-    """Wait (bounded) for the server's role to record its exit status, or for a SIGTERM."""
+def linger_until_server_exits(run_dir: Path, timeout: float) -> int:
+    """Wait (bounded) for the server's role to record its exit status, or for a SIGTERM; the
+    run's status: the recorded one, or 0 when none was recorded (this process's part went well)."""
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     deadline = time.monotonic() + timeout
     marker = run_dir / SERVER_EXIT
     while not stop["now"] and time.monotonic() < deadline and not marker.exists():
         time.sleep(0.2)
-    if marker.exists():
-        log.info("the server's role ended with status %s; leaving", marker.read_text().strip())
-    else:
+    try:
+        text = marker.read_text().strip()
+    except OSError:
         log.warning("leaving before the server's role ended (%s)", "SIGTERM" if stop["now"] else f"{timeout:.0f} s")
+        return 0
+    log.info("the server's role ended with status %s; leaving", text)
+    return int(text) if text.lstrip("-").isdigit() else 0
 
 
 def _run_member(role: str, args: list[str], token: str, run_dir: Path) -> int:
+    """An edge's or client's role: its own status when its process failed, else the run's (the
+    server's role's), so that a Kubernetes Job of clients fails when the run failed."""
     code = _run(role, args, token)
     if code == 0:
-        linger_until_server_exits(run_dir, float(env("FEDHOP_LINGER", "120")))
+        code = linger_until_server_exits(run_dir, float(env("FEDHOP_LINGER", "120")))
     return hold(code)
 
 
@@ -423,8 +431,7 @@ def cmd_client(a: argparse.Namespace) -> int:
     if slot is None:
         log.warning("all %d client slots of this run are taken (clients.processes = %d, layout %d processes); "
                     "this replica hosts nothing and waits for the run to end", len(layout), n, len(layout))
-        linger_until_server_exits(run_dir, float("inf"))
-        return hold(0)
+        return hold(linger_until_server_exits(run_dir, float("inf")))
     planned = layout[slot]
     parent = a.server if planned.edge is None else a.edge.format(edge=planned.edge)
     ids = id_spec(planned.clients)

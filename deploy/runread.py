@@ -35,14 +35,79 @@ def connect_ro(db: Path) -> sqlite3.Connection:
     return con
 
 
+MAX_SUMMARY_BYTES = 16 << 20   # a summary is a few kB; a larger file is refused unread
+MAX_COUNT = (1 << 63) - 1       # the largest count a run.db column holds
+
+
+def load_json_file(path: Path, limit: int = MAX_SUMMARY_BYTES) -> Any:
+    """A JSON file of at most `limit` bytes; ValueError naming the file where it is larger, not
+    JSON, nested too deeply for the parser or holds an integer of over 4300 digits."""
+    path = Path(path)
+    with open(path, "rb") as fh:
+        raw = fh.read(limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"{path}: larger than {limit} bytes")
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply") from None
+    except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError, int digits over the limit
+        raise ValueError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT
+
+
+def summary_problem(data: Any) -> str | None:
+    """What is wrong with the fields of a summary.json that readers use, or None: a JSON object;
+    text fields text; `final` an object; counts non-negative integers below 2^63; `bytes.total`
+    and each `bytes.by_link` entry objects of counts."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    for key in ("name", "status", "algorithm", "topology", "transport", "run_id", "error"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            return f"{key} = {str(data[key])[:60]!r} is not text"
+    for key in ("rounds_completed", "rounds_planned", "failures", "num_clients"):
+        if data.get(key) is not None and not _is_count(data[key]):
+            return f"{key} = {str(data[key])[:60]!r} is not a count"
+    if data.get("final") is not None and not isinstance(data["final"], dict):
+        return "final is not an object"
+    wall = data.get("wall_seconds")
+    if wall is not None and (isinstance(wall, bool) or not isinstance(wall, (int, float)) or abs(wall) > 1e300):
+        return f"wall_seconds = {str(wall)[:60]!r} is not a number of seconds"
+    counts = ("messages", *BYTE_FIELDS)
+    b = data.get("bytes")
+    if b is None:
+        return None
+    if not isinstance(b, dict):
+        return "bytes is not an object"
+    rows = [("bytes.total", b.get("total"))] + [
+        (f"bytes.by_link.{link}", row) for link, row in (b.get("by_link") or {}).items()] \
+        if isinstance(b.get("by_link") or {}, dict) else None
+    if rows is None:
+        return "bytes.by_link is not an object"
+    for where, row in rows:
+        if row is None:
+            continue
+        if not isinstance(row, dict):
+            return f"{where} is not an object"
+        for k in counts:
+            if row.get(k) is not None and not _is_count(row[k]):
+                return f"{where}.{k} = {str(row[k])[:60]!r} is not a count"
+    return None
+
+
 def read_summary(run_dir: Path) -> dict[str, Any]:
-    """summary.json as a dict ({} where the run wrote none); ValueError where it is not a JSON object."""
+    """summary.json as a dict ({} where the run wrote none); ValueError naming the file where it is
+    larger than MAX_SUMMARY_BYTES, not JSON, or its fields have the wrong types (`summary_problem`)."""
     path = Path(run_dir) / "summary.json"
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: not a JSON object")
+    data = load_json_file(path)
+    problem = summary_problem(data)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
     return data
 
 
@@ -129,11 +194,16 @@ def round_rows(con: sqlite3.Connection) -> list[dict[str, Any]]:
 
 
 def read_run_db(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, int], dict[str, dict[str, int]]]:
-    """(round rows, ledger total, ledger by link) of `run_dir`/run.db, read-only."""
-    con = connect_ro(Path(run_dir) / "run.db")
+    """(round rows, ledger total, ledger by link) of `run_dir`/run.db, read-only; ValueError naming
+    the file where a column holds what no run writes."""
+    db = Path(run_dir) / "run.db"
+    con = connect_ro(db)
     try:
         rows = round_rows(con)
         total, by_link = ledger_totals(con)
+    except (RecursionError, TypeError, OverflowError, AttributeError, KeyError, ValueError) as exc:
+        # a crafted file: JSON nested too deeply in a column, text where a number belongs
+        raise ValueError(f"{db}: unreadable content ({type(exc).__name__}: {str(exc)[:200]})") from None
     finally:
         con.close()
     return rows, total, by_link

@@ -15,6 +15,13 @@ does (each stops its server and clients) and the sweep exits 130.
 
 A TPE search replays: trials are asked in batches and told in ask order, with the sampler seeded,
 so a resumed TPE sweep asks the same settings again and finds their runs finished.
+
+Bracketing (deploy/bracket.py): a best setting whose value of a swept key is the smallest or
+largest tried (the outer tenth of a random / TPE range) is marked "on the edge" in the table and
+in results.json; with `sweep.extend = N` (`--extend N`) the sweep runs the best setting with that
+key one geometric step further, re-ranks, and repeats, up to N times per algorithm, until every
+best is interior.  The widening is a deterministic function of the finished runs, so a resumed
+sweep makes the same steps and finds their runs finished.
 """
 from __future__ import annotations
 
@@ -37,8 +44,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fedhop.common.procexit import LAUNCHER_ENV
+from fedhop.deploy.bracket import Edge, edges, widen
+from fedhop.deploy.slurm import SlurmArrayRunner, add_slurm_args, options_from
 from fedhop.deploy.report import RunData, build_report, load_run, lower_is_better, meets
-from fedhop.deploy.sweep_spec import CRITERIA, Dist, SweepSpec, SweepSpecError, check_base_config, load_spec, toml_value
+from fedhop.deploy.sweep_spec import (CRITERIA, Dist, SweepSpec, SweepSpecError, check_base_config, load_spec,
+                                      setting_error, toml_value)
 
 CLASSIFICATION = ("digits", "breast_cancer", "mnist", "npz", "robust_digits", "fair_digits")
 
@@ -238,6 +248,8 @@ class SettingResult:
     setting: str
     overrides: list[str]
     runs: list[RunScore] = field(default_factory=list)
+    point: dict[str, Any] = field(default_factory=dict)    # the swept keys' values
+    widened: int = 0          # 0: a point of the grid / search; k: added by the k-th widening past an edge
 
     def values(self) -> list[float]:
         return [r.value for r in self.runs if r.value is not None]
@@ -331,6 +343,8 @@ class Sweep:
         self.criterion = Criterion(c.kind, c.metric or self._default_metric(), c.target, c.link, c.bytes)
         self.runner = Runner(spec.base_config.resolve(), spec.sweep.parallel, quiet)
         self.results: dict[str, list[SettingResult]] = {}
+        self.widenings: dict[str, int] = {}     # algorithm -> widenings run past an edge best
+        self.notes: dict[str, list[str]] = {}   # algorithm -> edges that could not be widened, and why
 
     def _default_metric(self) -> str:
         """test_accuracy for the classification data sets, else objective (as `fedhop report` prefers)."""
@@ -350,8 +364,9 @@ class Sweep:
                         [*overrides, f"run.seed={s}", f"run.name={toml_value(f'{name} seed{s}')}"])
                 for s in self.spec.sweep.seeds]
 
-    def collect(self, algorithm: str, setting: Setting, tasks: list[RunTask]) -> SettingResult:
-        res = SettingResult(algorithm or "base", setting.label(), setting.overrides())
+    def collect(self, algorithm: str, setting: Setting, tasks: list[RunTask], widened: int = 0) -> SettingResult:
+        res = SettingResult(algorithm or "base", setting.label(), setting.overrides(), point=dict(setting.values),
+                            widened=widened)
         res.runs = [score_run(self.criterion, t.run_dir, t.seed) for t in tasks]
         self.results.setdefault(algorithm or "base", []).append(res)
         return res
@@ -368,6 +383,42 @@ class Sweep:
                 self._grid(algorithm)
             else:
                 self._optuna(algorithm)
+            self._bracket(algorithm)
+
+    # -- bracketing -------------------------------------------------------------------------
+    def edges(self, algorithm: str) -> list[Edge]:
+        """The swept keys on whose edge `algorithm`'s best setting lies (none: bracketed)."""
+        ranked = self.ranked(algorithm)
+        if not ranked or ranked[0].mean is None:
+            return []
+        space = self.spec.space_for(algorithm) if self.spec.sweep.method != "grid" else None
+        return edges(ranked[0].point, [r.point for r in ranked], space)
+
+    def _bracket(self, algorithm: str) -> None:
+        """Widen past an edge best, up to sweep.extend times (module docstring)."""
+        key = algorithm or "base"
+        self.widenings[key], self.notes[key] = 0, []
+        for step in range(1, self.spec.sweep.extend + 1):
+            found = self.edges(key)
+            if not found:
+                return
+            best = self.ranked(key)[0]
+            valid = lambda values: setting_error(self.spec, algorithm, Setting.of(values).overrides())  # noqa: E731
+            new, notes = widen(best.point, found, [r.point for r in self.results[key]],
+                               self.spec.sweep.extend_factor, valid)
+            self.notes[key] += notes
+            if not new:
+                return
+            settings = [Setting.of(v) for v in new]
+            tasks = {s: self.tasks_for(algorithm, s) for s in settings}
+            if not self.quiet:
+                print(f"sweep: {key}: best on the edge ({'; '.join(e.describe() for e in found)}); widening "
+                      f"{step}/{self.spec.sweep.extend}: {', '.join(s.label() for s in settings)}",
+                      file=sys.stderr, flush=True)
+            self.runner.run_all([t for ts in tasks.values() for t in ts], self._on_done)
+            for s in settings:
+                self.collect(algorithm, s, tasks[s], widened=step)
+            self.widenings[key] = step
 
     def _grid(self, algorithm: str) -> None:
         settings = grid_settings(self.spec.grid_for(algorithm))[:self.spec.max_settings]
@@ -414,17 +465,34 @@ class Sweep:
         out = [f"# fedhop sweep: {self.spec.path.name}", "",
                f"criterion: {crit.describe()}; mean and sample standard deviation over {n} seeds "
                f"({', '.join(map(str, self.spec.sweep.seeds))}); settings ranked by the seeds with a value, "
-               f"then the mean", ""]
+               f"then the mean; a best setting whose value of a swept key is the smallest or largest tried is "
+               f"marked on the edge (widened past it up to {self.spec.sweep.extend} times: sweep.extend / --extend)",
+               ""]
         for algorithm in self.results:
+            found = self.edges(algorithm)
             out += [f"## {algorithm}", "", f"| rank | setting | criterion mean | spread (sd) | seeds with a value "
                     f"| final {crit.metric} mean | clients dropped |", "|---|---|---|---|---|---|---|"]
             for i, res in enumerate(self.ranked(algorithm), start=1):
                 dropped = sum(r.clients_dropped for r in res.runs)
-                out.append(f"| {i}{' (best)' if i == 1 else ''} | {res.setting} | {_fmt(res.mean)} | "
+                mark = "" if i > 1 else (f" (best, ON THE EDGE: {', '.join(e.key.split('.')[-1] for e in found)})"
+                                         if found else " (best)")
+                label = res.setting + (f" (widened {res.widened})" if res.widened else "")
+                out.append(f"| {i}{mark} | {label} | {_fmt(res.mean)} | "
                            f"{_fmt(res.spread)} | {len(res.values())}/{len(res.runs)} | {_fmt(res.final_mean)} | "
                            f"{dropped} |")
             out.append("")
+            out.append(self._bracket_line(algorithm, found))
+            out.append("")
         return "\n".join(out)
+
+    def _bracket_line(self, algorithm: str, found: list[Edge]) -> str:
+        done = self.widenings.get(algorithm, 0)
+        widened = f" after {done} widening(s)" if done else ""
+        notes = f" (not widened: {'; '.join(self.notes[algorithm])})" if self.notes.get(algorithm) else ""
+        if not found:
+            return f"bracketed{widened}: the best value of every swept key lies inside the values tried{notes}"
+        return (f"**best on the edge**{widened}: {'; '.join(e.describe() for e in found)}; a value beyond it may be "
+                f"better (widen with --extend N){notes}")
 
     def write(self) -> tuple[Path, Path | None]:
         table = self.tables()
@@ -432,7 +500,12 @@ class Sweep:
         (self.out / "results.json").write_text(json.dumps(
             {"criterion": {"description": self.criterion.describe(), **asdict(self.spec.criterion),
                            "metric": self.criterion.metric},
-             "best": {a: asdict(r) | {"mean": r.mean, "spread": r.spread} for a, r in self.best().items()},
+             "best": {a: asdict(r) | {"mean": r.mean, "spread": r.spread, "edges": [e.as_dict() for e in self.edges(a)],
+                                      "interior": not self.edges(a)} for a, r in self.best().items()},
+             "bracketed": {"all_interior": all(not self.edges(a) for a in self.best()),
+                           "extend": self.spec.sweep.extend, "extend_factor": self.spec.sweep.extend_factor,
+                           "widenings": dict(self.widenings),
+                           "not_widened": {a: n for a, n in self.notes.items() if n}},
              "settings": {a: [asdict(r) | {"mean": r.mean, "spread": r.spread} for r in self.ranked(a)]
                           for a in self.results}}, indent=2, default=str))
         best_dirs = [r.run_dir for res in self.best().values() for r in res.runs if finished(Path(r.run_dir))]
@@ -470,7 +543,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, help="overrides criterion.target")
     ap.add_argument("--max-settings", type=int, metavar="N",
                     help="the first N settings per algorithm only (grid order, or N trials): a quick check")
+    ap.add_argument("--extend", type=int, metavar="N",
+                    help="widen a grid past a best setting on its edge up to N times per algorithm (overrides "
+                         "sweep.extend; 0: only mark it)")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--slurm", action="store_true", help="submit the runs as a Slurm job array (deploy/slurm.py)")
+    add_slurm_args(ap)   # the sbatch options of `fedhop slurm` (--partition, --time, ...)
     args = ap.parse_args(argv)
     try:
         spec = load_spec(args.spec)
@@ -481,6 +559,11 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             print(f"fedhop sweep: {flag} {value}: must be >= 1", file=sys.stderr)
             return 2
+    if args.extend is not None:
+        if args.extend < 0:
+            print(f"fedhop sweep: --extend {args.extend}: must be >= 0", file=sys.stderr)
+            return 2
+        spec.sweep.extend = args.extend
     if args.parallel is not None:
         spec.sweep.parallel = args.parallel
     if args.seeds is not None:
@@ -505,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.toml").write_text(Path(args.spec).read_text())
     sweep = Sweep(spec, out, quiet=args.quiet)
+    if args.slurm:
+        sweep.runner = SlurmArrayRunner(sweep.runner, options_from(args))
 
     def on_sigint(signum: int, frame: Any) -> None:
         sweep.runner.interrupted = True

@@ -8,6 +8,8 @@
     trials = 8                                  # random / tpe: settings tried per algorithm
     parallel = 2                                # runs at a time on this machine
     set = ["run.rounds=20"]                     # fixed overrides of every run (as `--set` takes them)
+    extend = 3                                  # widen a grid past an edge best up to 3 times (0: only mark it)
+    extend_factor = 0.0                         # the step past an edge: 0 = the grid's own ratio there
 
     [grid]                                      # grid: dotted key -> list of values
     "algorithm.lr" = [0.03, 0.1, 0.3]
@@ -64,6 +66,8 @@ class SweepSection:
     parallel: int = _f(1, min=1)
     sampler_seed: int = _f(0, min=0)
     set: list[str] = _f(factory=list)
+    extend: int = _f(0, min=0)              # widenings past an edge best per algorithm (deploy/bracket.py)
+    extend_factor: float = _f(0.0, min=0.0)  # > 1: the geometric step past an edge (0: the grid's ratio)
 
 
 @dataclass
@@ -187,6 +191,9 @@ def parse_spec(text: str, path: Path) -> SweepSpec:
     if criterion.link not in ("busiest", "total", *LINKS):
         raise SweepSpecError(f"sweep spec key 'criterion.link': got {criterion.link!r}, allowed: busiest, total, "
                              f"{', '.join(LINKS)}")
+    if 0 < sweep.extend_factor <= 1:
+        raise SweepSpecError(f"sweep spec key 'sweep.extend_factor': got {sweep.extend_factor!r}, expected 0 (the "
+                             f"grid's own ratio) or a factor > 1")
     if not sweep.seeds or len(set(sweep.seeds)) != len(sweep.seeds):
         raise SweepSpecError(f"sweep spec key 'sweep.seeds': got {sweep.seeds!r}, expected distinct seeds")
     per_algorithm = {}
@@ -227,6 +234,17 @@ def check_base_config(spec: SweepSpec) -> None:
         except ConfigError as exc:
             where = f"per_algorithm.{algorithm}" if algorithm else "sweep"
             raise SweepSpecError(f"sweep spec ({where}, base {path.name}): {exc}") from None
+
+
+def setting_error(spec: SweepSpec, algorithm: str, overrides: list[str]) -> str | None:
+    """Why the base config with `algorithm`'s fixed overrides and `overrides` is not a valid config
+    (one line), or None."""
+    try:
+        base = tomllib.loads(spec.base_config.read_text())
+        config_from_dict(apply_overrides(base, [*spec.fixed_overrides(algorithm), *overrides]))
+    except (OSError, tomllib.TOMLDecodeError, ConfigError) as exc:
+        return str(exc)
+    return None
 
 
 def _copy(data: Any) -> Any:

@@ -14,15 +14,43 @@ from pathlib import Path
 
 import torch
 
+from fedhop.common.torch_device import flag_error
 from fedhop.common.ledger import Ledger
 from fedhop.common.livebytes import LinkCounter, Reported
 from fedhop.common.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
 from fedhop.common.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
 from fedhop.common.addresses import listen_address
 from fedhop.common.proctitle import set_role_title
+from fedhop.common.plugins import allow_list_from, restrict
 from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
+from fedhop.common.admission import RequestGate, model_bytes, request_bounds, throttle_refusal_logs
+from fedhop.common.methods import role_of
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.edge.runtime import EdgeProcess
+
+
+READY_WAIT = 120.0   # seconds a call may wait for this process to finish registering
+
+
+def fair_share(endpoint: GrpcEndpoint, proc: EdgeProcess) -> None:
+    """Requests bounded by their method and checked against the caller before their data is read;
+    the server's calls unlimited, a neighbour's few at once (common/admission.py)."""
+    known: list = []
+
+    def router():   # a call that arrives while the edge registers waits for it, as its handler would
+        proc._ready.wait(READY_WAIT)
+        return proc.aggregator.router if proc.aggregator is not None else None
+
+    def bounds():
+        agg = proc.aggregator
+        if not known and agg is not None:   # the model is known once registered
+            known.append(request_bounds(model_bytes(agg.model_state.params), len(agg.cluster)))
+        return known[0] if known else None
+
+    endpoint.request_gate = RequestGate(router, bounds)
+    endpoint.call_slots.privileged = lambda node: (role_of(node) == "server" if proc.aggregator is None
+                                                   else node == proc.aggregator.router.peers.parent)
+    throttle_refusal_logs()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ledger-dir", default="")
     ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))
     ap.add_argument("--max-message-bytes", type=int, default=64 << 20)
+    ap.add_argument("--device", default=os.environ.get("FEDHOP_DEVICE", ""),
+                    help="where this edge aggregates and steps: cpu, cuda, cuda:N or auto (default: the config's "
+                         "edges.device; env FEDHOP_DEVICE)")
     add_security_args(ap)
+    ap.add_argument("--allow-plugin", action="append", default=[], metavar="MODULE",
+                    help="a plug-in module (or entry-point name) this process may load when its parent's config "
+                         "names it; repeatable (also FEDHOP_ALLOW_PLUGINS=a,b); any other is refused, never imported")
     args = ap.parse_args(argv)
+    restrict(allow_list_from(args.allow_plugin))   # run only the code this process was started with
     set_role_title("edge", args.node_id)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node_id} %(levelname)s %(message)s")
     try:
@@ -44,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         return 2
     torch.set_num_threads(1)
+    if flag_error(args.device):   # a device this machine lacks (common/torch_device.py)
+        logging.error("%s", flag_error(args.device))
+        return 2
     sink = Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None
     try:
         creds = credentials_from_args(args, [args.parent, args.listen])
@@ -61,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     relayed = Reported()   # the live totals this edge's children last sent, passed on with its own
     monitor.on_bytes = relayed.report
     try:
-        proc = EdgeProcess(endpoint, args.parent, bind=args.listen)
+        proc = EdgeProcess(endpoint, args.parent, bind=args.listen, device=args.device)
     except (OSError, RuntimeError) as exc:   # grpc: "Failed to bind to address ..."
         logging.error("cannot serve on --listen %s: %s", args.listen, str(exc).split(";")[0])
         return 2
+    fair_share(endpoint, proc)
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(proc.address)

@@ -13,10 +13,13 @@ import logging
 import threading
 from typing import Callable
 
+import torch
+
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.algorithms.local import get_params
 from fedhop.common.tasks import build_task
+from fedhop.common.torch_device import place_task
 from fedhop.common.checkpoint import forward_client_state
 from fedhop.common.control import control_of, failures_control, without_control
 from fedhop.common.config import Config
@@ -33,8 +36,10 @@ log = logging.getLogger("fedhop.edge")
 
 
 class EdgeAggregator:
-    def __init__(self, cfg: Config, endpoint: Endpoint, run_id: str, config_toml: str, parent: str = "server") -> None:
+    def __init__(self, cfg: Config, endpoint: Endpoint, run_id: str, config_toml: str, parent: str = "server",
+                 device: torch.device | None = None) -> None:
         self.cfg = cfg
+        self.device = device if device is not None else torch.device("cpu")   # edges.device
         self.endpoint = endpoint
         self.run_id = run_id
         self.config_toml = config_toml
@@ -43,7 +48,7 @@ class EdgeAggregator:
         self.algorithm = build_algorithm(cfg)
         self.params = topology_params(cfg)
         # the model's shapes, to validate client replies as the server does
-        task = build_task(cfg)
+        task = place_task(build_task(cfg), self.device)
         self.model_state = self.algorithm.init_state(get_params(task.build_model()))
         self.limiter = ReplyLimiter(self.algorithm, task, 2 * cfg.run.round_timeout)   # clients' claims bounded
         self.client_home: dict[int, tuple[str, str]] = {}  # client id -> (process node id, address)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from fedhop.common.config import parse_config
+from fedhop.common.torch_device import process_device
+from fedhop.common.plugins import parent_config
 from fedhop.common.transport.base import Endpoint, HandlerError, Request
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.edge.aggregator import EdgeAggregator
@@ -19,9 +20,10 @@ EDGE_TOPOLOGY_ROLES = {"sequential": SequentialEdge}
 
 
 class EdgeProcess:
-    def __init__(self, endpoint: Endpoint, parent: str, bind: str = "127.0.0.1:0") -> None:
+    def __init__(self, endpoint: Endpoint, parent: str, bind: str = "127.0.0.1:0", device: str = "") -> None:
         self.endpoint = endpoint
         self.parent = parent
+        self.device_spec = device   # --device / FEDHOP_DEVICE; "" = the config's edges.device
         self.aggregator: EdgeAggregator | None = None
         self.sequential = None   # edge/sequential.py (Fed-CHS) when topology.kind = "sequential"
         self._ready = threading.Event()
@@ -52,10 +54,15 @@ class EdgeProcess:
 
     def start(self, client_timeout: float = 120.0) -> None:
         reply = self.register_with_parent([], timeout=60.0)
-        cfg = parse_config(reply.config_toml)
+        cfg = parent_config(reply.config_toml, self.endpoint.node_id, self.parent)   # plug-ins: allow-list
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
-        aggregator = EdgeAggregator(cfg, self.endpoint, reply.run_id, reply.config_toml, parent=reply.node_id or "server")
+        device = process_device(self.device_spec, cfg.edges.device, "edges.device")
+        if device.type != "cpu":
+            self.endpoint.device = device   # received tensors land there (common/torch_device.py)
+        log.info("%s computes on %s", self.endpoint.node_id, device)
+        aggregator = EdgeAggregator(cfg, self.endpoint, reply.run_id, reply.config_toml, parent=reply.node_id or "server",
+                                    device=device)
         topology_role = EDGE_TOPOLOGY_ROLES.get(cfg.topology.kind)   # what this topology adds to an edge
         if topology_role is not None:
             self.sequential = topology_role(aggregator)

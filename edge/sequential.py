@@ -49,6 +49,7 @@ from fedhop.common.control import control_of, failures_control
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.edge.group_edge import GroupModelPath
 from fedhop.common.tasks import build_task
+from fedhop.common.torch_device import place_task
 from fedhop.common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_node,
                              topology_params)
 from fedhop.common.methods import Method
@@ -67,7 +68,7 @@ class SequentialEdge:
         self.algorithm: FedCHS = aggregator.algorithm
         self.params = topology_params(self.cfg)
         self.neighbours = edge_graph(self.cfg)[self.index]
-        self.task = build_task(self.cfg)
+        self.task = place_task(build_task(self.cfg), aggregator.device)
         self.model = self.task.build_model()
         self.spec = self.algorithm.reply_spec(aggregator.model_state)
         self.data_size = sum(self.task.num_samples(c) for c in aggregator.cluster)   # D_{A,m}

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from fedhop.common.torch_device import process_device
 from fedhop.common.addresses import insecure_from_env, listen_address, plaintext_refusal
-from fedhop.common.admission import EventThrottle, peer_host
+from fedhop.common.admission import EventThrottle, RequestGate, peer_host, throttle_refusal_logs
 from fedhop.common.checkpoint import CheckpointError
 from fedhop.common.config import ConfigError, load_config
 from fedhop.common.ledger import Ledger
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))
     ap.add_argument("--register-timeout", type=float, default=120.0)
     ap.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
+    ap.add_argument("--device", default=os.environ.get("FEDHOP_DEVICE", ""),
+                    help="where the server aggregates and steps: cpu, cuda, cuda:N or auto (default: the config's "
+                         "run.device; env FEDHOP_DEVICE)")
     ap.add_argument("--insecure", action="store_true", default=insecure_from_env(),
                     help="allow plaintext gRPC on a non-loopback --listen address: the same as "
                          "--set security.insecure=true (also FEDHOP_INSECURE=1)")
@@ -93,9 +97,17 @@ def main(argv: list[str] | None = None) -> int:
                             max_message_bytes=cfg.transport.max_message_bytes, workers=32,
                             credentials=creds, on_refused=refused)
     endpoint.checksum = sec.checksum
+    # the server serves no Exchange calls: refused on their header, before their data is read
+    endpoint.request_gate = RequestGate(None, on_refused=lambda env, code, reason: throttle(
+        "request_refused", env.src or "?", env.src or "?", f"{code}: {reason}"))
+    endpoint.on_busy = lambda node, method, reason, peer: throttle(   # call_slots: a caller over its share
+        "call_refused", node or peer_host(peer), node or "?", f"{method} from {peer}: {reason}")
+    throttle_refusal_logs()                     # a flood of refused calls is a few log lines
     try:
-        coordinator = Coordinator(cfg, run_dir, endpoint, ledger)
-    except (ValueError, FileNotFoundError) as exc:   # the task cannot be built: missing data, bad shapes
+        device = process_device(args.device, cfg.run.device, "run.device")
+        logging.info("server computes on %s", device)
+        coordinator = Coordinator(cfg, run_dir, endpoint, ledger, device=device)
+    except (ValueError, FileNotFoundError) as exc:   # the task cannot be built: missing data, bad shapes; no such device
         logging.error("%s", exc)
         return 2
     holder["coordinator"] = coordinator

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+import torch
 from safetensors.torch import save_file
 
 from fedhop.common.methods import Method
@@ -24,6 +25,8 @@ from fedhop.common.config import Config, config_to_toml, resolve_clients_per_rou
 from fedhop.common.ledger import Ledger
 from fedhop.common.procexit import Stopped, ignore_stops, stop_reason
 from fedhop.common.runstore import RunStore
+from fedhop.common.tasks import build_task
+from fedhop.common.torch_device import place_task
 from fedhop.common.rounds import RoundEngine
 from fedhop.common.transport.base import CallFailed, Endpoint, RemoteError
 from fedhop.common.transport.fabric import Fabric
@@ -68,8 +71,13 @@ def time_breakdown(wait: float, compute: float, arrivals: dict[int, float], disp
 
 class Coordinator:
     def __init__(self, cfg: Config, run_dir: Path, endpoint: Endpoint, ledger: Ledger,
-                 on_round: Callable[[RoundResult], None] | None = None) -> None:
+                 on_round: Callable[[RoundResult], None] | None = None, device: torch.device | None = None) -> None:
         self.cfg = cfg
+        # where the server's state, aggregation, step and evaluation live (run.device, resolved by
+        # server/__main__.py); received tensors are placed there by the endpoint
+        self.device = device if device is not None else torch.device("cpu")
+        if self.device.type != "cpu":
+            endpoint.device = self.device
         self.run_dir = Path(run_dir)
         self.endpoint = endpoint
         self.ledger = ledger
@@ -79,7 +87,7 @@ class Coordinator:
         endpoint.run_id = self.run_id
         # the round's rules without a transport (common/rounds.py): sampling, aggregation and the
         # server step, metrics; the same engine plays whole rounds in process for benchmarks
-        self.engine = RoundEngine(cfg)
+        self.engine = RoundEngine(cfg, task=place_task(build_task(cfg), self.device))
         self.task, self.algorithm, self.model = self.engine.task, self.engine.algorithm, self.engine.model
         self.state: ServerState = self.engine.state
         self.clock: RoundClock = self.engine.clock   # stragglers, device profiles, virtual clock (common/vclock.py)
@@ -315,6 +323,8 @@ class Coordinator:
         collected = time.perf_counter()
         aggregate = self.engine.finish_round(   # NaN/Inf: rolled back, the offender left out
             round, results, participants, lambda blamed, kept: self._left_out(round, blamed, kept, failures, per_client))
+        for node, detail in getattr(self.algorithm.aggregate, "drain", list)():   # common/robust.py: short groups
+            self.store.add_event("robust_fallback", node=node or "server", detail=detail, round=round)
         aggregated = time.perf_counter()
         metrics = self.round_metrics(round, aggregate)
         compute = float(aggregate.scalars.get(COMPUTE_KEY, 0.0))
@@ -433,9 +443,11 @@ class Coordinator:
         if "train_loss" not in final:
             set_params(self.model, self.state.params)
             final["train_loss"] = float(self.task.train_loss(self.model))
-        save_file({k: v.contiguous() for k, v in self.state.params.items()}, str(self.run_dir / "model.safetensors"))
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state.params.items()},
+                  str(self.run_dir / "model.safetensors"))
         for name, params in self.algorithm.outputs(self.state).items():
-            save_file({k: v.contiguous() for k, v in params.items()}, str(self.run_dir / f"model-{name}.safetensors"))
+            save_file({k: v.detach().cpu().contiguous() for k, v in params.items()},
+                      str(self.run_dir / f"model-{name}.safetensors"))
         by_link = self.store.bytes_by_link()
         agreement = self.store.check_agreement()
         summary = {

@@ -137,8 +137,9 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     coord.restored_topology = ckpt.info.get("topology")   # the topology driver takes it (TopologyDriver.restore)
     coord.run_id = ckpt.run_id
     coord.endpoint.run_id = ckpt.run_id
-    coord.state.params = {k: v.clone() for k, v in ckpt.params.items()}
-    coord.state.extra = {k: v.clone() for k, v in ckpt.extra.items()}
+    device = coord.device   # the server's state lives on run.device (common/torch_device.py)
+    coord.state.params = {k: v.to(device, copy=True) for k, v in ckpt.params.items()}
+    coord.state.extra = {k: v.to(device, copy=True) for k, v in ckpt.extra.items()}
     coord.state.scalars = dict(ckpt.scalars)
     coord.rounds_completed = ckpt.round
     coord.failures_total = ckpt.failures_total

@@ -80,6 +80,9 @@ class WalkDriver(TopologyDriver):
                          "evaluate": last_hop and (final or bool(every and round % every == 0))}
         peers = [pb.ClientAddress(client_id=peer, address=ctx.client_home[peer].address)
                  for peer in self.rule.graph[self.holder] if peer in ctx.client_home]
+        came = getattr(self, "came_from", None)   # the visit names the hand-off it continues (client/walk.py)
+        if came is not None and not self.resuming:
+            scalars.update({"from": came[0], "from_round": came[1], "from_hop": came[2], "from_node": came[3]})
         message = Payload(scalars=scalars, control=pb.Control(walk_peers=peers))
         if self.resuming:   # the checkpoint's model goes to its holder (link client-server)
             message.tensors = {k: v.clone() for k, v in ctx.state.params.items()}
@@ -118,6 +121,7 @@ class WalkDriver(TopologyDriver):
             if nxt != holder:
                 self.moves += 1
             self.holder = nxt
+            self.came_from = (holder, round, hop, node.node_id)
         metrics["client_train_loss"] = sum(losses) / len(losses)
         metrics["hops"] = float(len(visited))
         result = RoundResult(round, sorted(set(visited)), sorted(set(visited)), {}, metrics,

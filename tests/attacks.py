@@ -39,13 +39,14 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import torch
 from safetensors.torch import load_file
 
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.ledger import Ledger
 from fedhop.common.runstore import RunStore
-from fedhop.common.security import NodeCredentials
-from fedhop.common.transport.base import RemoteError
+from fedhop.common.security import CRED_ENV, NodeCredentials, TokenAuthority
+from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.grpc import GrpcEndpoint, grpc_options
 from fedhop.common.wire import fedhop_pb2 as pb
 from tests.cluster import fedavg_reference
@@ -66,7 +67,10 @@ def _config_text() -> str:
 class Run:
     """A server process and the honest client processes; the attacker joins as it likes."""
 
-    def __init__(self, base: Path, name: str, hostile_mode: str | None, settings: tuple[str, ...] = ()) -> None:
+    def __init__(self, base: Path, name: str, hostile_mode: str | None, settings: tuple[str, ...] = (),
+                 per_node: bool = False) -> None:
+        # per_node: every process gets its own credential, as `fedhop run` hands them (common/security.py)
+        self.authority = TokenAuthority() if per_node else None
         self.dir = base / name
         self.dir.mkdir(parents=True, exist_ok=True)
         cfg_file = self.dir / "exp.toml"
@@ -76,6 +80,7 @@ class Run:
         self.cfg = load_config(cfg_file, sets)
         self.third: subprocess.Popen | None = None   # the process of client 3 where the attacker is not it
         self.note = ""                               # what the attack observed, for the event column
+        self.figures: dict = {}                      # what the attack measured (tests/test_bounded_requests.py)
         env = dict(os.environ, FEDHOP_TOKEN=SECRET, PYTHONUNBUFFERED="1")
         port_file = self.dir / "port"
         logs = self.dir / "logs"
@@ -84,7 +89,7 @@ class Run:
         self.server = subprocess.Popen(
             [py, "-m", "fedhop.server", "--config", str(cfg_file), "--run-dir", str(self.dir / "run"),
              "--port-file", str(port_file), "--register-timeout", "300", *[a for kv in sets for a in ("--set", kv)]],
-            env=env, stdout=open(logs / "server.log", "wb"), stderr=subprocess.STDOUT)
+            env=self.env_for("server", env), stdout=open(logs / "server.log", "wb"), stderr=subprocess.STDOUT)
         self.peak = 0
         self._stop = threading.Event()
         threading.Thread(target=self._watch_rss, daemon=True).start()
@@ -97,7 +102,8 @@ class Run:
         self.clients = [subprocess.Popen(
             [py, "-m", "fedhop.client", "--parent", self.address, "--clients", ids, "--node-id", node,
              "--ledger-dir", str(self.dir / "run" / "ledger")],
-            env=env, stdout=open(logs / f"{node}.log", "wb"), stderr=subprocess.STDOUT) for node, ids in HONEST.items()]
+            env=self.env_for(node, env), stdout=open(logs / f"{node}.log", "wb"), stderr=subprocess.STDOUT)
+            for node, ids in HONEST.items()]
         self.hostile = MeaningClient(self.cfg, hostile_mode) if hostile_mode else None
 
     def _watch_rss(self) -> None:
@@ -111,7 +117,16 @@ class Run:
                 return
             time.sleep(0.05)
 
+    def env_for(self, node_id: str, env: dict) -> dict:
+        """`env` plus, with per-node credentials, this node's own (and no other's)."""
+        if self.authority is None:
+            return env
+        return {**env, CRED_ENV: self.authority.issue(node_id)}
+
     def endpoint(self, node_id: str, secret: str = SECRET) -> GrpcEndpoint:
+        if self.authority is not None and secret == SECRET:   # a participant's own per-node credential
+            creds = NodeCredentials.from_options(node_id, env_cred=self.authority.issue(node_id))
+            return GrpcEndpoint(node_id, Ledger(), credentials=creds)
         return GrpcEndpoint(node_id, Ledger(), credentials=NodeCredentials(node_id, secret.encode()))
 
     def register(self, node_id: str, ids, address: str, secret: str = SECRET) -> pb.RegisterReply:
@@ -128,7 +143,8 @@ class Run:
         self.third = subprocess.Popen(
             [sys.executable, "-m", "fedhop.client", "--parent", self.address, "--clients", str(HOSTILE),
              "--node-id", "client-proc2", "--ledger-dir", str(self.dir / "run" / "ledger")],
-            env=dict(os.environ, FEDHOP_TOKEN=SECRET), stdout=open(self.dir / "logs" / "client-proc2.log", "wb"),
+            env=self.env_for("client-proc2", dict(os.environ, FEDHOP_TOKEN=SECRET)),
+            stdout=open(self.dir / "logs" / "client-proc2.log", "wb"),
             stderr=subprocess.STDOUT)
         self.clients.append(self.third)
 
@@ -190,6 +206,120 @@ def attack_wrong_token_flood(run: Run) -> None:
             pass
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(one, range(2000)))
+    lines = sum("refused" in line for line in (run.dir / "logs" / "server.log").read_text(errors="replace").splitlines())
+    run.figures["refusal_log_lines"] = lines
+    run.note = f"{lines} log lines for 2000 refusals"
+    assert lines <= MAX_REFUSAL_LINES, f"{lines} log lines for 2000 refused registrations"
+
+
+MAX_REFUSAL_LINES = 50      # a flood of refusals: one line per template per 10 s window (common/admission.py)
+BIG_REQUEST = 512 << 20     # bytes of tensor data the big request declares and streams
+SLOW_STREAMS = 40
+SETUP_WAIT = 300.0           # seconds the honest processes may take to start on a loaded machine
+
+
+def _hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _big_request(run: Run, address: str, pid: int, dst: str, method: str) -> None:
+    """An insider (client-procH's valid node token) streams one Exchange request declaring
+    BIG_REQUEST bytes of tensor data to `dst` at `address`: it must be refused on its header
+    frame, its data unread (the peak memory of process `pid` grows by a fraction of it at most)."""
+    channel = grpc.insecure_channel(address, options=grpc_options(128 << 20))
+    stub = channel.stream_stream("/fedhop.Fedhop/Exchange", request_serializer=None, response_deserializer=None)
+    metadata = NodeCredentials("client-procH", SECRET.encode()).metadata()
+    env = pb.Envelope(src="client-procH", dst=dst, method=method, msg_id="big-request", data_bytes=BIG_REQUEST)
+    env.tensors.add(name="w", dtype="uint8", shape=[BIG_REQUEST], nbytes=BIG_REQUEST)
+    chunk = 4 << 20
+    block = pb.Frame(data=bytes(chunk)).SerializeToString()
+    sent = [0]
+
+    def frames():
+        yield pb.Frame(header=env).SerializeToString()
+        for _ in range(BIG_REQUEST // chunk):
+            sent[0] += chunk
+            yield block
+    before = _hwm(pid)
+    try:
+        reply = pb.Frame.FromString(next(iter(stub(frames(), timeout=120, metadata=metadata))))
+        code = reply.header.error.code or "answered"
+    except grpc.RpcError as exc:
+        code = exc.code().name
+    finally:
+        channel.close()
+    grown = max(0, _hwm(pid) - before)
+    run.figures.update(peak_growth=grown, sent_before_reply=sent[0], code=code)
+    run.note = f"{code}; {dst}'s peak memory +{grown / 2**20:.0f} MB for a {BIG_REQUEST >> 20} MB {method} request"
+    assert grown < BIG_REQUEST // 4, f"{dst}'s peak memory grew {grown >> 20} MB"
+
+
+def attack_big_request(run: Run) -> None:
+    """A 512 MB `train` request to the server, which serves no Exchange calls (`_big_request`)."""
+    _wait_registered(run, timeout=SETUP_WAIT)
+    _big_request(run, run.address, run.server.pid, "server", "train")
+
+
+def attack_big_ping_client(run: Run) -> None:
+    """A 512 MB `ping` (any participant may ping; it carries no data) to client-proc0 (`_big_request`)."""
+    _wait_registered(run, timeout=SETUP_WAIT)
+    store = RunStore(run.dir / "run" / "run.db")
+    try:
+        victim = next(e["detail"].split(" at ")[1].split(" ")[0] for e in store.events("registered")
+                      if e["node"] == "client-proc0")
+    finally:
+        store.close()
+    _big_request(run, victim, run.clients[0].pid, "client-proc0", "ping")
+
+
+def attack_slow_streams(run: Run) -> None:
+    """An insider (a valid node token) opens 40 Exchange streams to the server and sends nothing on
+    them, from before the last client process registers until round 2 is done (or 3 heartbeat
+    timeouts): heartbeats and registrations must still be answered (no node_dead)."""
+    _wait_registered(run, timeout=SETUP_WAIT)
+    for node in HONEST:   # both honest processes beat: from here on, silence marks them dead
+        _wait_heartbeat(run, node, timeout=SETUP_WAIT)
+    channel = grpc.insecure_channel(run.address, options=grpc_options(128 << 20))
+    stub = channel.stream_stream("/fedhop.Fedhop/Exchange", request_serializer=None, response_deserializer=None)
+    metadata = NodeCredentials("client-procH", SECRET.encode()).metadata()
+    release = threading.Event()
+
+    def idle():
+        release.wait()
+        yield from ()
+    calls = [stub(idle(), timeout=300, metadata=metadata) for _ in range(SLOW_STREAMS)]
+    timeout = run.cfg.security.heartbeat_timeout
+    deadline = time.monotonic() + 3 * timeout
+    run.start_third()
+    db = run.dir / "run" / "run.db"
+    while time.monotonic() < deadline and run.server.poll() is None:
+        if db.exists():
+            store = RunStore(db)
+            try:
+                if len(store.rounds()) >= 2:
+                    break
+            finally:
+                store.close()
+        time.sleep(0.2)
+    held = sum(not c.done() for c in calls)
+    release.set()
+    codes = []
+    for c in calls:
+        try:
+            list(c)
+            codes.append("OK")
+        except grpc.RpcError as exc:
+            codes.append(exc.code().name)
+    channel.close()
+    refused = codes.count("RESOURCE_EXHAUSTED")
+    run.figures.update(streams_held=held, streams_refused=refused)
+    run.note = f"{refused} of {SLOW_STREAMS} streams refused RESOURCE_EXHAUSTED"
+
+
+attack_slow_streams.forbid = ("node_dead",)
 
 
 def attack_unauth_big(run: Run) -> None:
@@ -310,6 +440,132 @@ def _wait_registered(run: Run, timeout: float = 60.0) -> None:
     raise RuntimeError("honest clients never registered")
 
 
+# ----------------------------------------------------------------------------- identity and code (issue 26)
+def _home(run: Run, node: str) -> str:
+    """The address `node` registered from (its `registered` event)."""
+    store = RunStore(run.dir / "run" / "run.db")
+    return next(e["detail"].split(" at ")[1].split(" ")[0] for e in store.events("registered") if e["node"] == node)
+
+
+def attack_address_hijack(run: Run) -> None:
+    """A participant (its own valid credential) registers a new node id with no clients at
+    client-proc0's address, to have the server mark that address dead once it goes silent (or,
+    under TLS, expect its name there): refused, the address belongs to the live client-proc0."""
+    _wait_registered(run, timeout=SETUP_WAIT)
+    reply = run.register("client-procA", [], _home(run, "client-proc0"))
+    run.note = "refused" if not reply.accepted else "ACCEPTED"
+    assert not reply.accepted, "a registration at a live node's address was accepted"
+
+
+def attack_minted_server_token(run: Run) -> None:
+    """A participant holding the run token mints HMAC(run token, "server") and sends client-proc0
+    `state_get` and `shutdown` as the server.  The run hands each process its own per-node
+    credential, as `fedhop run` does: the minted token proves nothing."""
+    _wait_registered(run, timeout=SETUP_WAIT)
+    minted = GrpcEndpoint("server", Ledger(), credentials=NodeCredentials("server", SECRET.encode()))
+    minted.run_id = RunStore(run.dir / "run" / "run.db").run()["run_id"]
+    victim, codes = _home(run, "client-proc0"), []
+    try:
+        for method in ("state_get", "shutdown"):
+            try:
+                minted.call(victim, "client-proc0", method, Payload(), round=1, timeout=10.0)
+                codes.append(f"{method} OBEYED")
+            except (CallFailed, RemoteError) as exc:
+                codes.append(f"{method} {exc.code}")
+    finally:
+        minted.stop(grace=0.1)
+    run.note = ", ".join(codes)
+    assert all(c.endswith("UNAUTHENTICATED") for c in codes), run.note
+
+
+attack_minted_server_token.per_node = True
+
+WALK_SETTINGS = ("topology.kind=chain", "topology.graph=ring", "topology.start=0", "topology.hops_per_round=4")
+
+
+def _walk_reference(cfg) -> np.ndarray:
+    """The walk's final model on the quadratic task, computed here (tests/test_chain.py `numpy_walk`;
+    the draws from fedhop's WalkRule)."""
+    from fedhop.common.topology import topology_params
+    from fedhop.common.walk import WalkRule
+    rule, hops = WalkRule.from_config(cfg, SIZES), topology_params(cfg).hops_per_round
+    w, holder = np.zeros(CENTERS.shape[1]), topology_params(cfg).start
+    for r in range(1, cfg.run.rounds + 1):
+        for h in range(hops):
+            i, local = holder, w.copy()
+            for _ in range(STEPS):
+                local = local - LR * CURV[i] * (local - CENTERS[i])
+            w = w + rule.scale(i) * (local - w)
+            holder = rule.next_client(i, r, h)
+    return w
+
+
+def attack_forged_walk_handoff(run: Run) -> None:
+    """A chain (WRWGD) run; before the walk starts, a participant (its own valid credential, hosting
+    no client) hands client-proc0's clients 0 and 1 a model of its own (every weight 50) for
+    every hop at which the walk could move there from client 3 or 2 (hosted by other
+    processes).  The model must be the walk's own."""
+    _wait_registered(run, timeout=SETUP_WAIT)
+    from fedhop.common.topology import topology_params
+    from fedhop.common.walk import WalkRule
+    rule, hops = WalkRule.from_config(run.cfg, SIZES), topology_params(run.cfg).hops_per_round
+    ep = run.endpoint("client-procH")
+    ep.run_id = RunStore(run.dir / "run" / "run.db").run()["run_id"]
+    victim, taken, refused = _home(run, "client-proc0"), 0, {}
+    forged = {"w": torch.full((CENTERS.shape[1],), 50.0)}
+    try:
+        for r in range(1, run.cfg.run.rounds + 1):
+            for h in range(hops):
+                for sender, receiver in ((3, 0), (2, 1)):
+                    if rule.next_client(sender, r, h) != receiver:
+                        continue
+                    try:
+                        ep.call(victim, f"client-{receiver}", "walk_handoff",
+                                Payload(tensors=forged, scalars={"from": sender}), round=r, step=h, timeout=10.0)
+                        taken += 1
+                    except (CallFailed, RemoteError) as exc:
+                        refused[exc.code] = refused.get(exc.code, 0) + 1
+    finally:
+        ep.stop(grace=0.1)
+    run.note = f"{taken} forged hand-offs kept aside, {sum(refused.values())} refused {refused or ''}".strip()
+    assert taken + sum(refused.values()) > 0, "no hop to forge"
+
+
+attack_forged_walk_handoff.settings = WALK_SETTINGS
+attack_forged_walk_handoff.reference = _walk_reference
+attack_forged_walk_handoff.left_out = lambda rounds: {}
+
+EVIL_PLUGIN = """import os, pathlib
+pathlib.Path(os.environ["FEDHOP_ATTACK_MARK"]).write_text("imported")
+"""
+PLUGIN_CONFIG = """[run]\nname = "evil"\n[data]\ndataset = "digits"\n[model]\nfactory = "evilpkg:make_net"
+[clients]\ncount = 2\n"""
+
+
+def attack_plugin_from_parent(run: Run) -> None:
+    """A hostile parent (this process, serving Register) answers a `fedhop.client` process's
+    registration with a config whose model.factory names a module on the client's plug-in search
+    path, whose import writes a file: the client must refuse the config (exit 2) and import
+    nothing (common/plugins.py `restrict`).  The honest run goes on beside it."""
+    folder = run.dir / "plugins" / "evilpkg"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "__init__.py").write_text(EVIL_PLUGIN)
+    mark = run.dir / "imported"
+    parent = GrpcEndpoint("server", Ledger())
+    address = parent.serve(lambda request: None, "127.0.0.1:0", register_handler=lambda req: pb.RegisterReply(
+        accepted=True, run_id="evil-1", config_toml=PLUGIN_CONFIG, node_id="server"))
+    env = {k: v for k, v in os.environ.items() if k not in ("FEDHOP_TOKEN", "FEDHOP_ALLOW_PLUGINS", CRED_ENV)}
+    env.update(FEDHOP_PLUGIN_PATH=str(run.dir / "plugins"), FEDHOP_ATTACK_MARK=str(mark))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fedhop.client", "--parent", address, "--clients", "0-1",
+                               "--node-id", "client-procV"], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        parent.stop(grace=0.1)
+    said = "PLUGIN_NOT_ALLOWED" if "PLUGIN_NOT_ALLOWED" in proc.stdout + proc.stderr else "no refusal"
+    run.note = f"client exit {proc.returncode}, {said}, {'IMPORTED' if mark.exists() else 'nothing imported'}"
+    assert proc.returncode == 2 and not mark.exists(), run.note
+
+
 # name -> (attack, hostile mode or None, the event(s) it must leave as "kind:text in detail"); an attack
 # may carry `settings` (config overrides) and `left_out` ({round: clients}, None: every round's
 # clients from the config)
@@ -343,6 +599,13 @@ ATTACKS = {
     "peer_state_get": (_peer_command("state_get", "client-proc0"), None, "not_allowed:state_get to client-proc0"),
     "node_id_takeover_process": (attack_takeover_process, None, "register_refused:NODE_TAKEN"),
     "server_paused_12s": (attack_server_paused, None, "monitor_paused:"),
+    "big_request_512MB": (attack_big_request, None, "request_refused:refused on its header"),
+    "big_ping_to_client_512MB": (attack_big_ping_client, None, None),
+    "slow_streams_x40": (attack_slow_streams, None, "call_refused:"),
+    "address_hijack": (attack_address_hijack, None, "register_refused:ADDRESS_TAKEN"),
+    "minted_server_token": (attack_minted_server_token, None, None),
+    "forged_walk_handoff": (attack_forged_walk_handoff, None, None),
+    "plugin_from_parent_config": (attack_plugin_from_parent, None, None),
     "client_process_killed_sampled": (attack_client_process_killed, None,
                                       ("node_dead:", "sampling_excluded:clients of dead nodes")),
 }
@@ -351,7 +614,7 @@ ATTACKS = {
 def run_attack(base: Path, name: str) -> dict:
     attack, mode, want = ATTACKS[name]
     try:
-        run = Run(base, name, mode, getattr(attack, "settings", ()))
+        run = Run(base, name, mode, getattr(attack, "settings", ()), per_node=getattr(attack, "per_node", False))
     except RuntimeError as exc:   # a run that could not start is a row, not the end of the suite
         return {"attack": name, "server_exit": None, "status": "-", "model_ok": False, "honest_blamed": "-",
                 "event": "-", "peak_rss_mb": 0.0, "events_total": 0, "error": str(exc)}
@@ -366,11 +629,12 @@ def run_attack(base: Path, name: str) -> dict:
         error = f"{type(exc).__name__}: {exc}"
         run.kill_all()
         out = {"exit": run.server.returncode}
-    return _row(name, run, out, mode, want, error, getattr(attack, "left_out", None), getattr(attack, "forbid", ()))
+    return _row(name, run, out, mode, want, error, getattr(attack, "left_out", None), getattr(attack, "forbid", ()),
+                getattr(attack, "reference", None))
 
 
 def _row(name: str, run: Run, out: dict, mode: str | None, want, error: str, left_out_rule=None,
-         forbid: tuple[str, ...] = ()) -> dict:
+         forbid: tuple[str, ...] = (), reference=None) -> dict:
     run_dir = run.dir / "run"
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     store = RunStore(run_dir / "run.db")
@@ -386,7 +650,8 @@ def _row(name: str, run: Run, out: dict, mode: str | None, want, error: str, lef
     model_ok = False
     if (run_dir / "model.safetensors").exists():
         got = load_file(str(run_dir / "model.safetensors"))["w"].double().numpy()
-        ref = fedavg_reference(CENTERS, CURV, SIZES, rounds, STEPS, LR, left_out)
+        ref = reference(run.cfg) if reference is not None else fedavg_reference(CENTERS, CURV, SIZES, rounds, STEPS,
+                                                                                LR, left_out)
         model_ok = bool(np.all(np.isfinite(got)) and np.allclose(got, ref, rtol=1e-4, atol=1e-5))
     shown = []
     for one in ((want,) if isinstance(want, str) else want or ()):
@@ -403,7 +668,8 @@ def _row(name: str, run: Run, out: dict, mode: str | None, want, error: str, lef
         event += f" ({run.note})"
     return {"attack": name, "server_exit": out.get("exit"), "status": summary.get("status", "-"),
             "model_ok": model_ok, "honest_blamed": ",".join(honest_blamed) or "none", "event": event,
-            "peak_rss_mb": round(run.peak / 2**20, 1), "events_total": len(events), "error": error}
+            "peak_rss_mb": round(run.peak / 2**20, 1), "events_total": len(events), "error": error,
+            "figures": run.figures}
 
 
 def markdown(rows: list[dict]) -> str:

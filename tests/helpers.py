@@ -85,3 +85,21 @@ def read_db(db: Path, sql: str, args: tuple = (), default=None):
 def max_round(db: Path) -> int:
     """The last round recorded in run.db (0 before the first)."""
     return int(read_db(db, "SELECT MAX(round) FROM rounds", default=0))
+
+
+def data_set_config(dataset: str, partition: str, count: int, *, extra: str = "", kind: str = "mlp",
+                    seed: int = 0) -> str:
+    """TOML text of a run on a file-backed data set under ./data (data_dir = "data")."""
+    return f"""
+[run]
+seed = {seed}
+[data]
+dataset = "{dataset}"
+partition = "{partition}"
+data_dir = "data"
+{extra}
+[model]
+kind = "{kind}"
+[clients]
+count = {count}
+"""

@@ -162,6 +162,8 @@ def test_cuda_overlay_changes_torch_source_and_reserves_gpus():
         (dev,) = s["deploy"]["resources"]["reservations"]["devices"]
         assert dev["capabilities"] == ["gpu"] and dev["driver"] == "nvidia"
         assert dev["device_ids"] == ["0"] and "count" not in dev     # one GPU per container
+        assert s["environment"]["FEDHOP_DEVICE"] == "cuda"            # each role computes on the GPU it reserves
+        assert "FEDHOP_CONFIG" in s["environment"]                     # added to the base's environment
     mapped = compose_config([BASE, CUDA], {"FEDHOP_SERVER_GPU": "2", "FEDHOP_CLIENT_GPU": "GPU-abc"})["services"]
     assert mapped["server"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["2"]
     assert mapped["client"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["GPU-abc"]
@@ -267,3 +269,36 @@ def test_compose_on_a_real_docker_engine(tmp_path):
         pid = started.group(1)
         assert f"engine: stopped dockerd pid {pid}" in res.stderr, res.stderr[-2000:]
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/comm").read_text().strip() != "dockerd"
+
+
+@needs_compose
+def test_each_service_mounts_only_its_own_credentials(tmp_path):
+    """Per-node folders as docs/deployment.md makes them ("Per-node credentials"): the resolved
+    project mounts each service's own folder at /certs, and no client container sees ca.key,
+    the server's or an edge's key."""
+    from fedhop.deploy.certs import main as certs_main
+    nodes = ["server", "edge-0", "edge-1", "client-proc0", "client-proc1"]
+    certs, split = tmp_path / "certs", tmp_path / "certs-nodes"
+    assert certs_main([str(certs), "--nodes", ",".join(nodes)]) == 0
+    shared = ["ca.pem", "cluster.secret"]
+    folders = {n: [*shared, f"{n}.pem", f"{n}.key"] for n in nodes[:3]}
+    folders["clients"] = [*shared] + [f"{n}.{ext}" for n in nodes[3:] for ext in ("pem", "key")]
+    for folder, names in folders.items():
+        (split / folder).mkdir(parents=True)
+        for name in names:
+            shutil.copy(certs / name, split / folder / name)
+    env = {"FEDHOP_CERTS_SRC": str(certs), "FEDHOP_CERTS_SERVER": str(split / "server"),
+           "FEDHOP_CERTS_EDGE0": str(split / "edge-0"), "FEDHOP_CERTS_EDGE1": str(split / "edge-1"),
+           "FEDHOP_CERTS_CLIENT": str(split / "clients")}
+    svc = compose_config([BASE], env, profiles=["hierarchical"])["services"]
+    mounted = {name: Path(next(v["source"] for v in s["volumes"] if v["target"] == "/certs")) for name, s in svc.items()}
+    assert mounted == {"server": split / "server", "edge-0": split / "edge-0", "edge-1": split / "edge-1",
+                       "client": split / "clients"}
+    for name, source in mounted.items():
+        seen = {p.name for p in source.iterdir()}
+        assert "ca.key" not in seen, name
+        own = {"client": set(nodes[3:])}.get(name, {name})
+        assert {p.removesuffix(".key") for p in seen if p.endswith(".key")} == own, name
+    # without the per-node variables, the shared folder (every key) is what each service mounts
+    svc = compose_config([BASE], {"FEDHOP_CERTS_SRC": str(certs)})["services"]
+    assert {Path(next(v["source"] for v in s["volumes"] if v["target"] == "/certs")) for s in svc.values()} == {certs}

@@ -269,9 +269,10 @@ def test_mc_fedda_stages_reset_the_state_and_halve_lambda():
     assert [algo.stage_of(r) for r in range(1, 9)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
     seen = {}
 
-    def look(r, algo, state):
+    def look(r, algo, state):   # the restart runs when the next stage's first round is broadcast
+        msg = algo.broadcast(state, r + 1) if r < 8 else None
         seen[r] = {k: v.clone() for k, v in state.extra.items()}
-        seen[r]["msg"] = algo.broadcast(state, r + 1) if r < 8 else None
+        seen[r]["msg"] = msg
 
     run_direct(cfg, on_state=look)
     for boundary in (3, 5):                                  # after the last round of stages 0 and 1

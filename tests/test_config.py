@@ -137,7 +137,7 @@ def test_range_boundaries_are_inclusive_or_exclusive_as_declared():
 
 def test_bad_choice_lists_the_allowed_values():
     msg = error_of("[data]\npartition = \"foo\"")
-    assert msg == "config key 'data.partition': got 'foo', allowed: iid, dirichlet, shards"
+    assert msg == "config key 'data.partition': got 'foo', allowed: iid, dirichlet, shards, natural, lognormal, pareto"
     msg = error_of("[topology]\nkind = \"ring\"")
     assert "'topology.kind'" in msg and "star, hierarchical, sequential, chain" in msg
 

@@ -313,8 +313,8 @@ def _varint_len(v: int) -> int:
 
 
 def _spec_entry_bytes(name: str) -> int:
-    """Envelope.tensors entry of a 0-dim float32 tensor: TensorSpec{name (2 + len), dtype
-    "float32" (2 + 7), shape [] (0), nbytes 4 (2)} = len + 13, plus field tag and length = len + 15."""
+    """Envelope.tensors entry of a 0-dim float64 tensor: TensorSpec{name (2 + len), dtype
+    "float64" (2 + 7), shape [] (0), nbytes 8 (2)} = len + 13, plus field tag and length = len + 15."""
     return len(name) + 15
 
 
@@ -330,11 +330,11 @@ def _replies(run_dir: Path) -> dict[tuple[int, str], dict]:
             if m["role"] == "sender" and m["method"] == "train.reply" and m["link"] == "client-server"}
 
 
-def test_ledger_four_more_tensor_bytes_per_reply(tmp_path):
+def test_ledger_one_more_scalar_per_reply(tmp_path):
     """Against FedAvg on the same config (same sampling, same local steps): each client reply
-    of FedLi carries exactly 4 more tensor_bytes (one 0-dim float32: the loss for LU, the step
+    of FedLi carries exactly 8 more tensor_bytes (one 0-dim float64: the loss for LU, the step
     size for LS), which is the paper's "one extra word".  The encoded message grows by more:
-    payload_bytes = FedAvg + 4 data bytes + the tensor's spec in the envelope (len(name) + 15
+    payload_bytes = FedAvg + 8 data bytes + the tensor's spec in the envelope (len(name) + 15
     bytes: 19 for "loss", 24 for "step_size"), and for LS also the bookkeeping int scalar
     `ls_forwards` (a map entry of len + 8 bytes for values < 128; not a paper quantity, so
     it is a payload scalar, not a tensor).  framed_bytes grows by the same amount (same number
@@ -348,8 +348,8 @@ def test_ledger_four_more_tensor_bytes_per_reply(tmp_path):
     assert set(base) == set(r_lu) == set(r_ls) and len(base) == 3 * 4
     forwards = {}
     for key, m in base.items():
-        for other, extra in ((r_lu[key], _spec_entry_bytes(LOSS_KEY) + 4), (r_ls[key], _spec_entry_bytes(STEP_KEY) + 4)):
-            assert other["tensor_bytes"] - m["tensor_bytes"] == 4
+        for other, extra in ((r_lu[key], _spec_entry_bytes(LOSS_KEY) + 8), (r_ls[key], _spec_entry_bytes(STEP_KEY) + 8)):
+            assert other["tensor_bytes"] - m["tensor_bytes"] == 8
             diff = other["payload_bytes"] - m["payload_bytes"]
             if other is r_ls[key]:
                 # recover the ls_forwards value's varint width: the only free term of the formula
@@ -361,7 +361,7 @@ def test_ledger_four_more_tensor_bytes_per_reply(tmp_path):
     assert all(v == _int_scalar_entry_bytes("ls_forwards", 10) for v in forwards.values())   # 3 steps, < 128 evals
     # the protobuf library agrees with the hand formulas
     env = pb.Envelope()
-    env.tensors.add(name=STEP_KEY, dtype="float32", shape=[], nbytes=4)
+    env.tensors.add(name=STEP_KEY, dtype="float64", shape=[], nbytes=8)
     assert env.ByteSize() == _spec_entry_bytes(STEP_KEY)
     env = pb.Envelope()
     env.scalars["ls_forwards"].i = 10

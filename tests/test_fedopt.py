@@ -231,7 +231,7 @@ def _fedexp_step(clients: list[tuple[list[float], float]], eps=1e-3, server_lr=1
     replies = []
     for i, (d, wt) in enumerate(clients):
         delta = torch.tensor(d, dtype=torch.float64)
-        replies.append((i, Payload({"w": delta, "delta_sq_norm": (delta @ delta).float()}, {"weight": wt})))
+        replies.append((i, Payload({"w": delta, "delta_sq_norm": delta @ delta}, {"weight": wt})))
     algo.server_update(state, algo.aggregate(replies), 1)
     return state
 
@@ -279,7 +279,7 @@ def test_fedexp_average_of_last_two_iterates():
     for d1, d2 in [([2.0, 1.0], [-2.0, 1.0]), ([1.0, 0.0], [1.0, 0.0])]:
         assert torch.equal(algo.broadcast(state, 1).tensors["w"], torch.tensor(x))    # clients get x_t, not the average
         replies = [(i, Payload({"w": torch.tensor(d, dtype=torch.float64),
-                                "delta_sq_norm": torch.tensor(float(np.dot(d, d)))}, {"weight": 1.0}))
+                                "delta_sq_norm": torch.tensor(float(np.dot(d, d)), dtype=torch.float64)}, {"weight": 1.0}))
                    for i, d in enumerate((d1, d2))]
         algo.server_update(state, algo.aggregate(replies), 1)
         mean = (np.array(d1) + np.array(d2)) / 2
@@ -289,14 +289,15 @@ def test_fedexp_average_of_last_two_iterates():
     np.testing.assert_allclose(state.extra["fedexp_x.w"].numpy(), x, rtol=1e-7)
 
 
-def test_fedexp_reply_carries_four_more_tensor_bytes_than_fedavg(tmp_path):
+def test_fedexp_reply_carries_one_float64_scalar_more_than_fedavg(tmp_path):
+    """||Delta_i||^2 travels as a 0-dim float64 tensor: 8 tensor bytes more per reply."""
     rounds, per_round = 3, 3
     up = {}
     for kind in ("fedavg", "fedexp"):
         _run(tmp_path / kind, kind, rounds=rounds, per_round=per_round)
         up[kind] = RunStore(tmp_path / kind / "run.db").bytes_by_link_direction()["client-server"]["up"]["tensor_bytes"]
     assert up["fedavg"] == rounds * per_round * 4 * CENTERS.shape[1]
-    assert up["fedexp"] - up["fedavg"] == rounds * per_round * 4
+    assert up["fedexp"] - up["fedavg"] == rounds * per_round * 8
 
 
 # ----------------------------------------------------------------------------- config

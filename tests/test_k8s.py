@@ -1,9 +1,13 @@
 """deploy/k8s: every kustomization renders with `kubectl kustomize`, validates against the
-Kubernetes schemas (kubernetes-validate, strict), and wires what the roles need: the client
-StatefulSet's ordinal picks the client block, replicas match the layout, certificates come from a
-Secret readable by uid 10001, every container requests resources, the GPU overlay one GPU each."""
+Kubernetes schemas (kubernetes-validate, strict), and is a run that ends: the server a Job
+(backoffLimit 0, restartPolicy Never), the clients an Indexed Job whose completions and index
+match the config's process plan, the edges an Indexed Job of topology.edges pods; every object
+and pod carries the common label and the built image; every pod meets the "restricted" Pod
+Security Standard; the tls overlay mounts one required Secret per node, named for the pod's own
+node, and node-secrets.sh puts only that node's files in it (no CA key, no other node's key)."""
 from __future__ import annotations
 
+import base64
 import copy
 import shlex
 import shutil
@@ -13,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fedhop.common.config import load_config
-from fedhop.deploy.hosts import process_layout
+from fedhop.common.plan import plan_processes
 
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed (it is in the dev extra)")
 yaml = pytest.importorskip("yaml")
@@ -22,8 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 KUBECTL = shutil.which("kubectl")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed (kubectl kustomize renders)")
-KUSTOMIZATIONS = ["base", "overlays/hierarchical", "overlays/tls", "overlays/gpu"]
+KUSTOMIZATIONS = ["base", "overlays/hierarchical", "overlays/tls", "overlays/gpu", "overlays/rwo"]
 K8S_VERSION = "1.31"
+PART_OF = ("app.kubernetes.io/part-of", "fedhop")
+INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
 
 def render(path: str) -> list[dict]:
@@ -41,75 +47,212 @@ def env_of(docs: list[dict]) -> dict[str, str]:
     return cm["data"]
 
 
-def containers(docs: list[dict]) -> list[dict]:
-    return [c for d in docs if d["kind"] in ("Deployment", "StatefulSet")
-            for c in d["spec"]["template"]["spec"]["containers"]]
+def workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Job", "Deployment", "StatefulSet")]
+
+
+def pod_specs(docs: list[dict]) -> list[dict]:
+    return [d["spec"]["template"]["spec"] for d in workloads(docs)]
+
+
+def restricted_violations(spec: dict) -> list[str]:
+    """What keeps a pod spec from the "restricted" Pod Security Standard (its checks that manifests decide)."""
+    out = []
+    pod = spec.get("securityContext", {})
+    for c in spec["containers"] + spec.get("initContainers", []):
+        sc = c.get("securityContext", {})
+        name = c["name"]
+        if not (sc.get("runAsNonRoot", pod.get("runAsNonRoot")) is True):
+            out.append(f"{name}: runAsNonRoot")
+        if sc.get("runAsUser", pod.get("runAsUser")) == 0:
+            out.append(f"{name}: runAsUser 0")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{name}: allowPrivilegeEscalation")
+        if sc.get("privileged"):
+            out.append(f"{name}: privileged")
+        if sc.get("capabilities", {}).get("drop") != ["ALL"] or set(sc.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{name}: capabilities")
+        seccomp = sc.get("seccompProfile", pod.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{name}: seccompProfile")
+    if spec.get("hostNetwork") or spec.get("hostPID") or spec.get("hostIPC"):
+        out.append("host namespaces")
+    if any("hostPath" in v for v in spec.get("volumes", [])):
+        out.append("hostPath volume")
+    return out
+
+
+def config_of(env: dict[str, str], processes: int):
+    return load_config(str(ROOT / env["FEDHOP_CONFIG"].removeprefix("/app/")),
+                       shlex.split(env["FEDHOP_SET"]) + [f"clients.processes={processes}"])
 
 
 @needs_kubectl
 @pytest.mark.parametrize("path", KUSTOMIZATIONS)
-def test_manifests_render_and_validate_against_the_schemas(path):
+def test_every_overlay_renders_validates_and_is_labelled_built_and_restricted(path):
     docs = render(path)
     for doc in docs:
         kv.validate(doc, K8S_VERSION, strict=True)
     kinds = by_kind(docs)
-    assert ("Deployment", "server") in kinds and ("Service", "server") in kinds
-    assert ("StatefulSet", "client") in kinds and ("PersistentVolumeClaim", "fedhop-runs") in kinds
-    for c in containers(docs):
-        assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"], c["name"]
-        assert {"name": "runs", "mountPath": "/runs"} in c["volumeMounts"]
+    assert ("Job", "server") in kinds and ("Service", "server") in kinds
+    assert ("PersistentVolumeClaim", "fedhop-runs") in kinds and ("Deployment", "results") in kinds
+    assert not [d for d in docs if d["kind"] == "StatefulSet"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"] == ["results"]
+    tag = "fedhop:cuda" if path.endswith("gpu") else "fedhop:cpu"
     for d in docs:
-        if d["kind"] in ("Deployment", "StatefulSet"):
-            spec = d["spec"]["template"]["spec"]
-            assert spec["securityContext"]["runAsUser"] == 10001 and spec["securityContext"]["fsGroup"] == 10001
-            certs = next(v for v in spec["volumes"] if v["name"] == "certs")
-            assert certs["secret"]["secretName"] == "fedhop-certs" and certs["secret"]["defaultMode"] == 0o440
+        assert d["metadata"]["labels"][PART_OF[0]] == PART_OF[1], (d["kind"], d["metadata"]["name"])
+    for w in workloads(docs):
+        assert w["spec"]["template"]["metadata"]["labels"][PART_OF[0]] == PART_OF[1], w["metadata"]["name"]
+        spec = w["spec"]["template"]["spec"]
+        assert restricted_violations(spec) == [], (w["metadata"]["name"], restricted_violations(spec))
+        assert spec["securityContext"]["runAsUser"] == 10001 and spec["securityContext"]["fsGroup"] == 10001
+        for c in spec["containers"]:
+            assert c["image"] == tag, (w["metadata"]["name"], c["image"])
+            assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"], c["name"]
+            assert c["volumeMounts"][0]["name"] == "runs" and c["volumeMounts"][0]["mountPath"] == "/runs"
+        if w["kind"] == "Job":
+            assert w["spec"]["backoffLimit"] == 0 and spec["restartPolicy"] == "Never", w["metadata"]["name"]
+            assert "FEDHOP_HOLD" not in str(spec)
+    assert "FEDHOP_HOLD" not in env_of(docs)   # roles end with the run (deploy/role.py)
+
+
+@needs_kubectl
+def test_the_restricted_check_finds_what_breaks_the_profile():
+    docs = render("base")
+    spec = by_kind(docs)[("Job", "server")]["spec"]["template"]["spec"]
+    assert restricted_violations(spec) == []
+    for edit, needle in ((lambda s: s["securityContext"].pop("seccompProfile") and
+                          s["containers"][0]["securityContext"].pop("seccompProfile"), "seccompProfile"),
+                         (lambda s: s["containers"][0]["securityContext"].update(allowPrivilegeEscalation=True),
+                          "allowPrivilegeEscalation"),
+                         (lambda s: s["containers"][0]["securityContext"].update(capabilities={"drop": ["NET_RAW"]}),
+                          "capabilities"),
+                         (lambda s: s["securityContext"].update(runAsNonRoot=False) or
+                          s["containers"][0]["securityContext"].pop("runAsNonRoot"), "runAsNonRoot")):
+        broken = copy.deepcopy(spec)
+        edit(broken)
+        assert any(needle in v for v in restricted_violations(broken)), needle
 
 
 @needs_kubectl
 def test_the_validator_rejects_a_broken_manifest():
     docs = render("base")
-    broken = copy.deepcopy(by_kind(docs)[("StatefulSet", "client")])
-    broken["spec"]["replicas"] = "two"
+    broken = copy.deepcopy(by_kind(docs)[("Job", "client")])
+    broken["spec"]["completions"] = "two"
     with pytest.raises(kv.ValidationError):
         kv.validate(broken, K8S_VERSION, strict=True)
-    unknown = copy.deepcopy(by_kind(docs)[("Deployment", "server")])
+    unknown = copy.deepcopy(by_kind(docs)[("Job", "server")])
     unknown["spec"]["template"]["spec"]["containers"][0]["gpus"] = 1
     with pytest.raises(kv.ValidationError):
         kv.validate(unknown, K8S_VERSION, strict=True)
 
 
 @needs_kubectl
-@pytest.mark.parametrize("path, statefulsets", [("base", {"client"}), ("overlays/hierarchical", {"client", "edge"})])
-def test_ordinals_pick_the_blocks_of_the_layout(path, statefulsets):
-    """Pod client-K hosts block K: the StatefulSet has one pod per block of the layout the config
-    gives, and each edge pod is one edge of the topology."""
+@pytest.mark.parametrize("path, indexed", [("base", {"client"}), ("overlays/hierarchical", {"client", "edge"}),
+                                           ("overlays/rwo", {"client"}), ("overlays/gpu", {"client"})])
+def test_job_indexes_are_the_process_plan(path, indexed):
+    """Client index K hosts client-procK of the plan: completions = parallelism = the plan's client
+    processes = FEDHOP_CLIENT_PROCESSES; each edge index is one edge of the topology."""
     docs = render(path)
     kinds = by_kind(docs)
     env = env_of(docs)
-    assert {n for k, n in kinds if k == "StatefulSet"} == statefulsets
-    client = kinds[("StatefulSet", "client")]
+    assert {n for k, n in kinds if k == "Job" and kinds[(k, n)]["spec"].get("completionMode") == "Indexed"} == indexed
+    client = kinds[("Job", "client")]
     (c,) = client["spec"]["template"]["spec"]["containers"]
     slot = next(e for e in c["env"] if e["name"] == "FEDHOP_SLOT")
-    assert slot["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
-    cfg = load_config(str(ROOT / env["FEDHOP_CONFIG"].removeprefix("/app/")),
-                      shlex.split(env["FEDHOP_SET"]) + [f"clients.processes={env['FEDHOP_CLIENT_PROCESSES']}"])
-    assert client["spec"]["replicas"] == len(process_layout(cfg)) == int(env["FEDHOP_CLIENT_PROCESSES"])
-    if "edge" in statefulsets:
-        edge = kinds[("StatefulSet", "edge")]
-        assert edge["spec"]["replicas"] == cfg.topology.edges
+    assert slot["valueFrom"]["fieldRef"]["fieldPath"] == INDEX
+    plan = plan_processes(config_of(env, int(env["FEDHOP_CLIENT_PROCESSES"])))
+    n = len(plan.clients)
+    assert client["spec"]["completions"] == client["spec"]["parallelism"] == n == int(env["FEDHOP_CLIENT_PROCESSES"])
+    server = kinds[("Job", "server")]
+    assert "completionMode" not in server["spec"] and server["spec"].get("completions", 1) == 1
+    if "edge" in indexed:
+        edge = kinds[("Job", "edge")]
+        assert edge["spec"]["completions"] == edge["spec"]["parallelism"] == len(plan.edges)
+        spec = edge["spec"]["template"]["spec"]
+        assert spec["subdomain"] == "edge" == kinds[("Service", "edge")]["metadata"]["name"]
         assert kinds[("Service", "edge")]["spec"]["publishNotReadyAddresses"] is True
+        args = spec["containers"][0]["args"]
+        # pod K of Job edge has host name edge-K: edge-K.edge is where the clients look for edge K
+        assert args[args.index("--node-id") + 1] == "edge-$(EDGE_INDEX)"
+        assert args[args.index("--listen") + 1] == "edge-$(EDGE_INDEX).edge:7100"
         assert "edge-{edge}.edge:7100" in c["args"]
-    assert env["FEDHOP_HOLD"] == "1"
+    if path.endswith("rwo"):
+        assert kinds[("PersistentVolumeClaim", "fedhop-runs")]["spec"]["accessModes"] == ["ReadWriteOnce"]
+        for w in workloads(docs):
+            (term,) = w["spec"]["template"]["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            assert term["topologyKey"] == "kubernetes.io/hostname"
+            assert term["labelSelector"]["matchLabels"] == dict([PART_OF])
+    else:
+        assert kinds[("PersistentVolumeClaim", "fedhop-runs")]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def node_of(workload: dict, plan) -> str:
+    """The node id a pod of this workload runs as (tls overlay: the server, or client FEDHOP_SLOT)."""
+    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    if "server" in c["args"]:
+        return "server"
+    slot = next(e for e in c.get("env", []) if e["name"] == "FEDHOP_SLOT")
+    return plan.clients[int(slot["value"])].node_id
 
 
 @needs_kubectl
-def test_tls_overlay_turns_on_mutual_tls_and_gpu_overlay_asks_one_gpu_each():
-    tls = env_of(render("overlays/tls"))
-    assert (tls["FEDHOP_INSECURE"], tls["FEDHOP_CERTS_DIR"], tls["FEDHOP_MTLS"]) == ("0", "/certs", "1")
-    assert env_of(render("base"))["FEDHOP_INSECURE"] == "1"
-    gpu = render("overlays/gpu")
-    for c in containers(gpu):
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["image"] == "fedhop:cuda"
-    for c in containers(render("base")):
-        assert "nvidia.com/gpu" not in c["resources"].get("limits", {}) and c["image"] == "fedhop:cpu"
+def test_tls_pods_mount_only_their_own_required_node_secret(tmp_path):
+    docs = render("overlays/tls")
+    env = env_of(docs)
+    assert (env["FEDHOP_INSECURE"], env["FEDHOP_CERTS_DIR"], env["FEDHOP_MTLS"]) == ("0", "/certs", "1")
+    plan = plan_processes(config_of(env, int(env["FEDHOP_CLIENT_PROCESSES"])))
+    seen = []
+    for w in workloads(docs):
+        if w["metadata"]["name"] == "results":
+            continue
+        spec = w["spec"]["template"]["spec"]
+        secrets = [v["secret"] for v in spec["volumes"] if "secret" in v]
+        node = node_of(w, plan)
+        assert secrets == [{"secretName": f"fedhop-node-{node}", "optional": False, "defaultMode": 0o440}], node
+        assert {"name": "certs", "mountPath": "/certs", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+        seen.append(node)
+    assert sorted(seen) == sorted(plan.node_ids)   # every process of the plan, once
+    for path in ("base", "overlays/hierarchical", "overlays/rwo"):
+        assert not [v for s in pod_specs(render(path)) for v in s["volumes"] if "secret" in v], path
+
+    # the Secrets themselves: node-secrets.sh on a real `fedhop certs` folder
+    from fedhop.deploy.certs import main as certs_main
+    assert certs_main([str(tmp_path / "certs"), "--nodes", ",".join(plan.node_ids)]) == 0
+    res = subprocess.run([str(K8S / "node-secrets.sh"), str(tmp_path / "certs"), *plan.node_ids],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    made = {d["metadata"]["name"]: d["data"] for d in yaml.safe_load_all(res.stdout) if d}
+    assert sorted(made) == sorted(f"fedhop-node-{n}" for n in plan.node_ids)
+    for node in plan.node_ids:
+        data = made[f"fedhop-node-{node}"]
+        assert sorted(data) == sorted(["ca.pem", f"{node}.pem", f"{node}.key", "cluster.secret"]), node
+        assert base64.b64decode(data[f"{node}.key"]) == (tmp_path / "certs" / f"{node}.key").read_bytes()
+    bad = subprocess.run([str(K8S / "node-secrets.sh"), str(tmp_path / "certs"), "edge-7"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "edge-7.pem" in bad.stderr
+
+
+@needs_kubectl
+def test_gpu_overlay_asks_one_gpu_per_server_and_client():
+    kinds = by_kind(render("overlays/gpu"))
+    for name in ("server", "client"):
+        (c,) = kinds[("Job", name)]["spec"]["template"]["spec"]["containers"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for spec in pod_specs(render("base")):
+        assert "nvidia.com/gpu" not in spec["containers"][0]["resources"].get("limits", {})
+
+
+@pytest.mark.parametrize("recorded, expected", [("0\n", 0), ("3\n", 3), (None, 0)])
+def test_a_member_role_leaves_with_the_runs_status(tmp_path, recorded, expected):
+    """What ends a client or edge Job: once its process ended normally, the role exits with the
+    status the server's role recorded in RUN/server.exit (0 when none appeared in time)."""
+    import signal
+    from fedhop.deploy.role import SERVER_EXIT, linger_until_server_exits
+    if recorded is not None:
+        (tmp_path / SERVER_EXIT).write_text(recorded)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert linger_until_server_exits(tmp_path, 0.3) == expected
+    finally:
+        signal.signal(signal.SIGTERM, before)

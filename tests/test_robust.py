@@ -30,10 +30,11 @@ def test_median_matches_numpy(n):
     assert out.scalars[COUNT_KEY] == n
 
 
-@pytest.mark.parametrize("n,trim", [(10, 0.2), (7, 0.1), (9, 0.34)])
+@pytest.mark.parametrize("n,trim", [(10, 0.2), (7, 0.1), (9, 0.34), (3, 0.1)])
 def test_trimmed_mean_matches_numpy(n, trim):
+    """k = floor(trim * n) values dropped at each end, at least one (7 at 0.1: one, not none)."""
     payloads, values, _ = _replies(n, seed=n)
-    k = int(np.floor(trim * n))
+    k = max(1, int(np.floor(trim * n)))
     expected = np.sort(values, axis=0)[k:n - k].mean(axis=0)
     out = robust_reduce(payloads, {}, "trimmed_mean", trim=trim)
     np.testing.assert_allclose(weighted_mean(out, "w").numpy(), expected, rtol=1e-12)

@@ -247,7 +247,7 @@ class CompositeAlgorithm(Algorithm):
         wd = float(getattr(self.cfg, "weight_decay", 0.0) or 0.0)
         grads = {}
         for name, p in ctx.model.named_parameters():
-            g = p.grad.detach().to(F64) if p.grad is not None else torch.zeros(p.shape, dtype=F64)
+            g = p.grad.detach().to(F64) if p.grad is not None else torch.zeros(p.shape, dtype=F64, device=p.device)
             grads[name] = g + wd * w[name] if wd else g
         stats.steps += 1
         stats.loss_sum += float(loss.detach())

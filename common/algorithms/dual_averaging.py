@@ -49,7 +49,11 @@ full restart at each stage: g <- 0, w~ <- 0, counters r <- 0, w0 <- ŵ_m (the la
 by default, as the authors' code; `warm_start = "average"` uses the paper's weighted average).
 The new w0 travels with every broadcast of stages >= 1 (clients sampled later in a stage have
 not seen it; the initial w0 of stage 0 is known to every process).  The last stage runs until
-the run ends.
+the run ends.  The restart happens when the next stage's first round is broadcast, not in the
+server step of the stage's last round: that round's model, its evaluated outputs ("last" = wbar,
+"average" = ŵ_m) and its checkpoint are the stage's own iterates (`state.scalars["mc_fedda_stage"]`
+is the stage the state belongs to, so a run resumed from that checkpoint restarts on its next
+broadcast).
 """
 from __future__ import annotations
 
@@ -64,6 +68,8 @@ from fedhop.common.algorithms.composite import (F64, GAMMA_CONVENTIONS, WEIGHT_S
                                          LocalResult, Tensors, WeightSchedule, axpy, check_fields, prefixed,
                                          to64, unprefixed, wire_field)
 from fedhop.common.prox import dual_averaging_prox
+
+STAGE_KEY = "mc_fedda_stage"   # MC-FedDA: the stage whose sums the server state holds
 
 
 @dataclass
@@ -350,7 +356,24 @@ class MCFedDA(CFedDA):
     def stage_radius(self, m: int) -> float:
         return self.radii[m]
 
+    def init_state(self, params: dict[str, torch.Tensor]) -> ServerState:
+        state = super().init_state(params)
+        state.scalars[STAGE_KEY] = 0
+        return state
+
+    def begin_stage(self, state: ServerState, round: int) -> None:
+        """Restart (Algorithm 3) once per stage, before the first round of a new stage is broadcast.
+        A state without STAGE_KEY (a checkpoint written when the restart ran in the server step) has
+        been restarted already."""
+        m, _ = self.stage_of(round)
+        held = int(state.scalars.get(STAGE_KEY, m))
+        while held < m:
+            self.restart(state)
+            held += 1
+        state.scalars[STAGE_KEY] = m
+
     def broadcast(self, state: ServerState, round: int) -> Payload:
+        self.begin_stage(state, round)
         message = super().broadcast(state, round)
         if message.scalars["stage"] > 0:
             message.tensors.update({f"w0/{n}": state.extra[f"w0/{n}"].to(self.wire) for n in state.params})
@@ -362,10 +385,8 @@ class MCFedDA(CFedDA):
         return unprefixed("w0", message.tensors, names)
 
     def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
+        self.begin_stage(state, round)      # no-op after this round's broadcast
         super().server_update(state, aggregate, round)
-        m, r = self.stage_of(round)
-        if m + 1 < self.num_stages and round == self.bounds[m + 1]:
-            self.restart(state)
 
     def restart(self, state: ServerState) -> None:
         """Stage restart (Algorithm 3): w0 <- ŵ_m, g <- 0, w~ <- 0 (so w~_0 = alpha_0 w0), r <- 0.

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from fedhop.common.algorithms.base import ClientContext
-from fedhop.common.sampling import local_batches
+from fedhop.common.sampling import batches_on, local_batches
 
 GradHook = Callable[[str, torch.nn.Parameter, torch.Tensor], torch.Tensor]
 
@@ -48,9 +48,14 @@ def local_sgd(ctx: ClientContext, lr: float, batch_size: int, weight_decay: floa
     """
     data = ctx.task.client_data(ctx.client_id)
     stats = LocalStats()
+    on_device: list[torch.Tensor] = []   # a GPU's losses, read once after the loop: no sync per step
     params = [(n, p) for n, p in ctx.model.named_parameters() if p.requires_grad]
-    for k, idx in enumerate(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs,
-                                          ctx.generator)):
+    tensors = [p for _, p in params]
+    fused = bool(tensors) and tensors[0].device.type == "cuda" and grad_hook is None and not weight_decay
+    batches = local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator)
+    if data.tensors and data.tensors[0].device.type != "cpu":
+        batches = batches_on(batches, data.tensors[0].device)
+    for k, idx in enumerate(batches):
         batch = tuple(t[idx] for t in data.tensors)
         for _, p in params:   # Module.zero_grad(set_to_none=True) without its walk over the modules
             p.grad = None
@@ -58,16 +63,30 @@ def local_sgd(ctx: ClientContext, lr: float, batch_size: int, weight_decay: floa
         loss.backward()
         step = lr_at(k) if lr_at is not None else lr
         with torch.no_grad():
-            for name, p in params:
+            if fused:   # plain SGD on a GPU: one fused update of every parameter (the same arithmetic)
+                torch._foreach_add_(tensors, [p.grad if p.grad is not None else torch.zeros_like(p) for p in tensors],
+                                    alpha=-step)
+                params_left = ()
+            else:
+                params_left = params
+            for name, p in params_left:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 if weight_decay:
                     g = g + weight_decay * p
                 if grad_hook is not None:
                     g = grad_hook(name, p, g)
                 p.add_(g, alpha=-step)
-        value = float(loss.detach())
         stats.steps += 1
         stats.samples += int(idx.numel())
-        stats.loss_sum += value
-        stats.last_loss = value
+        if loss.device.type == "cpu":
+            value = float(loss.detach())
+            stats.loss_sum += value
+            stats.last_loss = value
+        else:
+            on_device.append(loss.detach())
+    if on_device:
+        values = torch.stack(on_device).double().cpu().tolist()
+        for value in values:
+            stats.loss_sum += value
+        stats.last_loss = values[-1]
     return stats

@@ -15,7 +15,8 @@ Round t (Algorithm 1; t = round - 1, rounds are 1-based in the coordinator):
      Local SGDA(+):     delta_i = (x_i^(t,tau) - x^(t), y_i^(t,tau) - y^(t))
      Fed-Norm-SGDA(+):  g_{x,i} = -delta_{x,i} / (eta_x ||a_i||_1),  g_{y,i} = +delta_{y,i} / (eta_y ||a_i||_1)
                         (the normalised gradient aggregates of Eq. 2) and, when the server needs it,
-                        ONE number: pa_norm = p_i n ||a_i||_1 (a 0-dim float32 tensor, 4 bytes)
+                        ONE number: pa_norm = p_i n ||a_i||_1 (a 0-dim float64 tensor, 8 bytes: it
+                        sets the server step, so it is carried and summed in float64)
   server, unbiased weights w~_i = p_i n / |C| (Eq. 3):
      Local SGDA(+):     x += (gamma_x / eta_x) sum_C w~_i delta_{x,i};  y likewise (gamma = eta: iterate averaging)
      Fed-Norm-SGDA(+):  x -= tau_eff gamma_x sum_C w~_i g_{x,i};       y += tau_eff gamma_y sum_C w~_i g_{y,i}
@@ -193,7 +194,8 @@ class MinimaxAlgorithm(Algorithm):
             for n in y_names:   # g_{y,i} = +delta_y / (eta_y ||a||_1)
                 tensors[n] = delta[n] / (self.lr_y * a) if a > 0 else torch.zeros_like(delta[n])
             if self.sends_a_norm:
-                tensors[A_NORM_KEY] = torch.tensor(pn * a, dtype=torch.float32)
+                like = next(iter(delta.values()))
+                tensors[A_NORM_KEY] = torch.tensor(pn * a, dtype=torch.float64, device=like.device)
             weight = pn * a if p.agg_weights == "p_a" else pn
         else:
             tensors = delta
@@ -314,7 +316,7 @@ class MinimaxAlgorithm(Algorithm):
     def reply_spec(self, state: ServerState) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         spec = super().reply_spec(state)
         if self.sends_a_norm:
-            spec[A_NORM_KEY] = (torch.float32, ())
+            spec[A_NORM_KEY] = (torch.float64, ())
         return spec
 
     def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
@@ -326,8 +328,8 @@ class MinimaxAlgorithm(Algorithm):
             denom = total_w if (p.estimator == "normalized" or p.agg_weights == "p_a") else float(count)
             if p.tau_eff == "fixed":
                 tau = float(p.tau_eff_value)
-            else:   # numerator sum_C p_i n ||a_i||_1: the summed weights under "p_a" (float64), else
-                #     the summed pa_norm tensors (float32 on the wire: relative rounding ~1e-7)
+            else:   # numerator sum_C p_i n ||a_i||_1: the summed weights under "p_a", else the summed
+                #     pa_norm tensors (both float64, on the wire and in the reduction)
                 num = total_w if p.agg_weights == "p_a" else float(aggregate.tensors[A_NORM_KEY])
                 tau = num / (float(aggregate.scalars["pn"]) if p.tau_eff == "sampled" else float(count))
             step_x, step_y = -tau * self.server_lr_x, tau * self.server_lr_y

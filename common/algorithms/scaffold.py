@@ -53,7 +53,7 @@ def total_client_weight(task, uniform: bool) -> float:
     """sum_{j=1..N} w_j: N (uniform weighting) or the total sample count."""
     if uniform:
         return float(task.num_clients)
-    return float(sum(task.client_data(j).num_samples for j in range(task.num_clients)))
+    return float(sum(task.num_samples(j) for j in range(task.num_clients)))   # without loading their data
 
 
 class Scaffold(Algorithm):

@@ -75,7 +75,11 @@ _LAZY_MODULES = {"minimax_quadratic": ("fedhop.common.tasks.minimax_quadratic", 
                  # composite-optimization tasks (issue 6): registered by common/tasks/sparse.py
                  "lasso": ("fedhop.common.tasks.sparse",), "lowrank": ("fedhop.common.tasks.sparse",),
                  # cross-device clients made on demand: common/tasks/crossdevice.py
-                 "crossdevice": ("fedhop.common.tasks.crossdevice",)}
+                 "crossdevice": ("fedhop.common.tasks.crossdevice",),
+                 # the federated benchmarks (issue 29): docs/datasets.md
+                 "femnist": ("fedhop.common.tasks.leaf",), "shakespeare": ("fedhop.common.tasks.leaf",),
+                 "cifar10": ("fedhop.common.tasks.images",), "cifar100": ("fedhop.common.tasks.images",),
+                 "fashion_mnist": ("fedhop.common.tasks.images",)}
 
 
 def register_dataset(name: str, build: Builder, params: type | None = None) -> None:
@@ -199,7 +203,14 @@ def make_partition(cfg: Any, labels: np.ndarray) -> list[np.ndarray]:
         return partition.dirichlet(labels, k, d.alpha, rng, min_size=d.min_size, max_tries=DIRICHLET_MAX_TRIES)
     if d.partition == "shards":
         return partition.shards(labels, k, d.shards_per_client, rng)
-    raise ValueError(f"data.partition = {d.partition!r} is not allowed (allowed: iid, dirichlet, shards)")
+    if d.partition in ("lognormal", "pareto"):
+        return partition.size_skewed(len(labels), k, d.partition, rng, sigma=d.size_sigma, shape=d.pareto_shape,
+                                     min_size=max(1, d.min_size))
+    if d.partition == "natural":
+        raise ValueError(f"data.partition = 'natural': dataset {d.dataset!r} has no natural clients (writers or "
+                         f"speakers); natural needs femnist or shakespeare (allowed here: iid, dirichlet, shards, "
+                         f"lognormal, pareto)")
+    raise ValueError(f"data.partition = {d.partition!r} is not allowed (allowed: {', '.join(partition.PARTITIONS)})")
 
 
 def standardize(x_train: np.ndarray, *others: np.ndarray) -> list[np.ndarray]:
@@ -237,15 +248,19 @@ def _build_tabular(loader: Callable[[], tuple[np.ndarray, np.ndarray]], name: st
     return build
 
 
-def _build_mnist(cfg: Any, _params: Any) -> Task:
-    data = datasets.load_mnist(cfg.data.data_dir)
+def idx_task(cfg: Any, data: Any, name: str) -> Task:
+    """A 10-class task from IDX files (MNIST, Fashion-MNIST): their own test split when present."""
     if data.x_test is not None:
         x_tr, y_tr, x_te, y_te = data.x, data.y, data.x_test, data.y_test
     else:
         x_tr, y_tr, x_te, y_te = _split(cfg, data.x, data.y)
-    task = _classification(cfg, "mnist", x_tr, y_tr, x_te, y_te, 10)
+    task = _classification(cfg, name, x_tr, y_tr, x_te, y_te, 10)
     task.source = data.source
     return task
+
+
+def _build_mnist(cfg: Any, _params: Any) -> Task:
+    return idx_task(cfg, datasets.load_mnist(cfg.data.data_dir), "mnist")
 
 
 def _build_quadratic(cfg: Any, p: QuadraticParams) -> Task:

@@ -115,8 +115,10 @@ class ArrayTask(Task):
         raise NotImplementedError
 
     def _forward(self, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The model's outputs on `x`, in batches moved to the model's device; on the CPU."""
+        device = next(model.parameters()).device if any(True for _ in model.parameters()) else x.device
         with torch.no_grad():
-            return torch.cat([model(x[i:i + EVAL_BATCH]) for i in range(0, x.shape[0], EVAL_BATCH)])
+            return torch.cat([model(x[i:i + EVAL_BATCH].to(device)).cpu() for i in range(0, x.shape[0], EVAL_BATCH)])
 
     def _per_sample(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -128,6 +130,7 @@ class ClassificationTask(ArrayTask):
 
     kind = "classification"
     y_dtype = torch.int64
+    device_evaluation = True    # metrics and train_loss go through _forward
 
     def __init__(self, *args, n_classes: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)

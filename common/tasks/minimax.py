@@ -216,7 +216,7 @@ class MinimaxQuadraticTask(Task):
                  - 0.5 * (c * (y[None] - v).pow(2)).sum(1)).mean()
         if self.noise > 0 and generator is not None:
             # unbiased noise on both gradients: grad_x += noise * xi_x, grad_y += noise * xi_y
-            xi = torch.randn((2, x.numel()), generator=generator, dtype=x.dtype)
+            xi = torch.randn((2, x.numel()), generator=generator, dtype=x.dtype).to(x.device)   # the CPU stream on any device
             value = value + self.noise * (torch.dot(xi[0], x) + torch.dot(xi[1], y))
         return value
 
@@ -317,6 +317,8 @@ class RobustDigitsParams:
 class RobustDigitsTask(ClassificationTask):
     """Universal-perturbation robust training (seed-003 Eq. 8); f_i = mean CE(h_x(a + y), b)."""
 
+    device_evaluation = False   # evaluate reads the CPU test set directly
+
     kind = "minimax"
 
     def __init__(self, *args: Any, radius: float = 1.0, attack_steps: int = 10, attack_lr: float = 0.5,
@@ -332,7 +334,7 @@ class RobustDigitsTask(ClassificationTask):
     def universal_attack(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """A universal perturbation in the ball that raises the test loss of `net`: projected
         gradient ascent from 0, `attack_steps` steps of size attack_lr * radius (normalised)."""
-        delta = torch.zeros(x.shape[1:], dtype=x.dtype)
+        delta = torch.zeros(x.shape[1:], dtype=x.dtype, device=x.device)
         for _ in range(self.attack_steps):
             delta.requires_grad_(True)
             with torch.enable_grad():
@@ -372,6 +374,8 @@ class FairDigitsTask(ClassificationTask):
     """Fair classification (seed-003 Eq. 9): f_i = sum_c y_c F_{i,c}(x) - lam/2 ||y||^2 with
     F_{i,c} the mean cross-entropy of the batch's class-c samples (0 for a class the batch lacks)."""
 
+    device_evaluation = False   # evaluate reads the CPU test set directly
+
     kind = "minimax"
 
     def __init__(self, *args: Any, lam: float = 0.1, **kwargs: Any) -> None:
@@ -385,7 +389,7 @@ class FairDigitsTask(ClassificationTask):
     def class_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """F_c for c = 0..C-1: mean cross-entropy over the rows of class c (0 where none)."""
         per = F.cross_entropy(logits, labels, reduction="none")
-        sums = torch.zeros(self.n_classes, dtype=per.dtype).index_add(0, labels, per)
+        sums = torch.zeros(self.n_classes, dtype=per.dtype, device=per.device).index_add(0, labels, per)
         counts = torch.bincount(labels, minlength=self.n_classes).to(per.dtype)
         return sums / counts.clamp_min(1.0)
 

@@ -141,7 +141,7 @@ class QuadraticTask(Task):
         w = model.w
         value = (0.5 * (c * (w[None, :] - a).pow(2)).sum(1)).mean()
         if self.noise > 0 and generator is not None:
-            xi = torch.randn(w.shape, generator=generator, dtype=w.dtype)
+            xi = torch.randn(w.shape, generator=generator, dtype=w.dtype).to(w.device)   # the CPU stream on any device
             value = value + self.noise * torch.dot(xi, w)
         return value
 

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import Decoded, Encoded, FrameDecoder, PayloadError, encode, make_envelope
+from fedhop.common.torch_device import to_device
 from fedhop.common.ledger import Ledger
 from fedhop.common.methods import message_link, role_of
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -132,6 +133,10 @@ class Endpoint(ABC):
         self.max_payload_bytes = max_payload_bytes
         self.checksum = True    # XXH3-64 of the tensor bytes in every message sent (security.checksum)
         self.liveness = None    # a parent's LivenessMonitor (common/liveness.py): heartbeats, registrations
+        # an incoming request's method, caller and size checked on its header frame, before its data
+        # is read (common/admission.py `RequestGate`); None: only `max_payload_bytes` bounds it
+        self.request_gate: Callable[[pb.Envelope], int] | None = None
+        self.device = None      # where received tensors are placed (common/torch_device.py); None: the CPU
 
     # -- outgoing -------------------------------------------------------------------
     def prepare(self, payload: Payload) -> Encoded:
@@ -184,7 +189,7 @@ class Endpoint(ABC):
             raise PayloadError(*problem)
         if env_r.HasField("error"):
             raise RemoteError(env_r.error.code, env_r.error.message, dst)
-        return decoded.payload
+        return to_device(decoded.payload, self.device)
 
     def call_many(self, address: str, requests: Sequence[Batched], *, round: int, step: int = 0,
                   timeout: float) -> list[Payload | Exception]:
@@ -262,7 +267,7 @@ class Endpoint(ABC):
         """Decode an incoming message, run the handler, encode the reply (shared by transports).
         `framing`: the request's gRPC framing bytes when it arrived bundled (codec.bundle_framing)."""
         started = time.perf_counter()
-        decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes)
+        decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes, admit=self.request_gate)
         try:
             for frame in frames:
                 decoder.feed(frame)
@@ -286,7 +291,7 @@ class Endpoint(ABC):
         link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
         recv_seconds = time.perf_counter() - started
         try:
-            reply_payload = handler(Request(env, decoded.payload))
+            reply_payload = handler(Request(env, to_device(decoded.payload, self.device)))
             reply = encode(reply_payload, self._reply_envelope(env), self.chunk_bytes, self.checksum)
             status, error = "ok", ""
         except (PayloadError, HandlerError) as exc:

@@ -30,6 +30,14 @@ call put on the wire: each message counts its own frames' bundle tags and length
 message also the bundle's 5-byte gRPC prefix (common/codec.py `frame_framing`), and each reply
 frame its own 5-byte prefix, as a streamed reply always does.
 
+Fair share (common/admission.py `CallSlots`, `SlotInterceptor` below): every served call takes
+a slot before its request is read.  Exchange and Call hold at most `workers - RESERVED_WORKERS`
+threads at once, so heartbeats and registrations always find a worker thread, and at most
+`per_peer` from one caller (its authenticated node id) except this process's parent
+(`call_slots.privileged`); with no credentials at all nothing is limited.  A call over a limit
+is refused RESOURCE_EXHAUSTED at once.  Requests are bounded by their method and checked against
+the caller on their header frame before any data is read (`Endpoint.request_gate`).
+
 Liveness (common/liveness.py):
 `Heartbeat` calls go to `self.liveness`; `mark_dead(address)` cancels the calls in flight to a
 dead child and makes later ones fail at once (NODE_DEAD) until it registers again.
@@ -44,10 +52,11 @@ from typing import Sequence
 import grpc
 import grpc.experimental
 
+from fedhop.common.admission import CallSlots
 from fedhop.common.codec import (FRAME_OVERHEAD, Decoded, Encoded, FrameDecoder, Frames, PayloadError, bundle_bytes,
                                  bundle_framing, frame_framing, make_envelope, split_bundle)
 from fedhop.common.ledger import Ledger
-from fedhop.common.security import CLUSTER_NAME, AuthInterceptor, NodeCredentials, RefusedHook
+from fedhop.common.security import CLUSTER_NAME, META_NODE, AuthInterceptor, NodeCredentials, RefusedHook
 from fedhop.common.methods import message_link
 from fedhop.common.transport.base import NOTHING_SENT, Batched, CallFailed, Endpoint, Handler, RemoteError
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -122,6 +131,8 @@ class GrpcEndpoint(Endpoint):
                              f"transport.chunk_bytes ({chunk_bytes}) plus the frame header")
         self.max_message_bytes = max_message_bytes
         self.workers = workers
+        self.call_slots = CallSlots(workers)      # data calls at once, in all and per caller (module docstring)
+        self.on_busy: RefusedHook | None = None   # (caller, method, reason, peer) of a call refused by call_slots
         self._server: grpc.Server | None = None
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
@@ -148,8 +159,10 @@ class GrpcEndpoint(Endpoint):
                 self._channels[address] = ch
             return ch
 
-    def _metadata(self):
-        return self.credentials.metadata() if self.credentials is not None else None
+    def _metadata(self, audience: str = ""):
+        """The call's credential; `audience`: the node or logical client called (per-node tokens
+        are signed for it, common/security.py); "" for Register and Heartbeat."""
+        return self.credentials.metadata(audience) if self.credentials is not None else None
 
     # -- liveness -------------------------------------------------------------------
     def mark_dead(self, address: str, reason: str) -> int:
@@ -229,7 +242,7 @@ class GrpcEndpoint(Endpoint):
         if dead is not None:
             raise CallFailed("NODE_DEAD", dead, request.envelope.dst)
         call = stub(bundle_bytes(request.frames) if bundled else frames(), timeout=timeout, wait_for_ready=False,
-                    metadata=self._metadata())
+                    metadata=self._metadata(request.envelope.dst))
         with self._lock:
             self._inflight.setdefault(address, set()).add(call)
         if bundled:
@@ -381,6 +394,7 @@ class GrpcEndpoint(Endpoint):
         if self.credentials is not None and self.credentials.checks_calls:
             self.interceptor = AuthInterceptor(self.credentials, self.on_refused)
             interceptors.append(self.interceptor)
+        interceptors.insert(0, SlotInterceptor(self.call_slots, lambda *a: self.on_busy and self.on_busy(*a)))   # outermost: before a request is waited for
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers),
                              options=grpc_options(self.max_message_bytes, server=True,
                                                   max_receive_bytes=self.request_bound()),
@@ -403,6 +417,105 @@ class GrpcEndpoint(Endpoint):
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
+
+
+def caller_key(context: grpc.ServicerContext) -> str:
+    """Who a served call comes from, for per-peer accounting: the certificate's node id (mutual
+    TLS), else the node named in the metadata (verified by AuthInterceptor when credentials check
+    calls), else "" (no credentials)."""
+    try:
+        names = context.auth_context().get("x509_common_name") or []
+    except Exception:   # no auth context (plaintext)
+        names = []
+    if names:
+        name = names[0]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    for key, value in context.invocation_metadata() or ():
+        if key == META_NODE and isinstance(value, str) and value:
+            return value
+    return ""   # no credential: unidentified (CallSlots does not limit it)
+
+
+class SlotInterceptor(grpc.ServerInterceptor):
+    """Every served call holds a call slot (module docstring, Fair share) from the moment a worker
+    thread takes it, before its request is read.  gRPC waits for a unary request inside the
+    worker thread, before any handler code runs, so every handler is served here as its
+    stream-request twin (the same bytes on the wire: HTTP/2 does not tell unary from streaming
+    requests) that takes its slot and then reads the one message.  Outermost of the
+    interceptors: it sees the handler AuthInterceptor returns (a refused credential's handler
+    ends at once), and keys the caller by `caller_key` (verified by then: the token is checked
+    from metadata before a handler is returned; mutual TLS names the certificate)."""
+
+    def __init__(self, slots: CallSlots, on_busy: RefusedHook | None = None) -> None:
+        self.slots, self.on_busy = slots, on_busy
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        kind = "control" if method in ("Register", "Heartbeat") else "data"
+        slots, deser, ser, on_busy = self.slots, handler.request_deserializer, handler.response_serializer, self.on_busy
+
+        def take(context) -> str:
+            peer = caller_key(context)
+            refusal = slots.acquire(peer, kind)
+            if refusal is not None:
+                if on_busy is not None:
+                    try:
+                        on_busy(peer, method, refusal, context.peer())
+                    except Exception:   # a broken hook must not keep the thread
+                        pass
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"call refused: {refusal}")
+            return peer
+
+        def one(request_iterator, context):
+            request = next(iter(request_iterator), None)
+            if request is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
+            return request
+
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            def unary(request_iterator, context):
+                peer = take(context)
+                try:
+                    return inner_uu(one(request_iterator, context), context)
+                finally:
+                    slots.release(peer, kind)
+            return grpc.stream_unary_rpc_method_handler(unary, request_deserializer=deser, response_serializer=ser)
+        if handler.stream_unary is not None:
+            inner_su = handler.stream_unary
+
+            def stream_unary(request_iterator, context):
+                peer = take(context)
+                try:
+                    return inner_su(request_iterator, context)
+                finally:
+                    slots.release(peer, kind)
+            return grpc.stream_unary_rpc_method_handler(stream_unary, request_deserializer=deser,
+                                                        response_serializer=ser)
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            def unary_stream(request_iterator, context):
+                peer = take(context)
+                try:
+                    yield from inner_us(one(request_iterator, context), context)
+                finally:
+                    slots.release(peer, kind)
+            return grpc.stream_stream_rpc_method_handler(unary_stream, request_deserializer=deser,
+                                                         response_serializer=ser)
+        inner_ss = handler.stream_stream
+
+        def stream(request_iterator, context):
+            peer = take(context)
+            try:
+                yield from inner_ss(request_iterator, context)
+            finally:
+                slots.release(peer, kind)
+        return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=deser, response_serializer=ser)
 
 
 class BatchDecoder:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from fedhop.common.codec import DTYPE_NAMES, DTYPES
 from fedhop.common.ledger import Ledger
+from fedhop.common.torch_device import collective_device, current
 from fedhop.common.transport.base import direction_of
 from fedhop.common.wire import fedhop_pb2 as pb
 
@@ -94,7 +95,9 @@ class Collectives:
         self.ledger = ledger
         self.params = params
         self.run_id = run_id
-        self.device = torch.device("cuda", 0) if params.backend == "nccl" else torch.device("cpu")
+        # collectives on the process's own GPU under NCCL; results stay on the process's device
+        self.device = collective_device(params.backend)
+        self.home = current()
         # the group the collectives run in (None: the whole world), its root's global rank and
         # node id, and the ledger link; star: the world, rooted at the server (rank 0)
         self.group = None
@@ -126,7 +129,7 @@ class Collectives:
         for t in tensors:
             buf = t.to(self.device).contiguous()
             dist.broadcast(buf, src=self.root, group=self.group)
-            out.append(buf)
+            out.append(buf.to(self.home))
         self._record("broadcast", round, sum(t.numel() * t.element_size() for t in tensors),
                      time.perf_counter() - started, peers, downward=True, step=step)
         return out
@@ -141,7 +144,7 @@ class Collectives:
                 buf = t.to(self.device)  # NCCL reduces CUDA tensors; gloo works on the CPU tensor itself
                 dist.reduce(buf, dst=self.root, op=REDUCE_OPS[op], group=self.group)
                 if buf is not t and self.rank == self.root:
-                    t.copy_(buf.cpu())
+                    t.copy_(buf)
                 nbytes += t.numel() * t.element_size()
         self._record("reduce", round, nbytes, time.perf_counter() - started, peers, downward=False, step=step)
 
@@ -175,13 +178,14 @@ class Collectives:
 
     def recv(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], src_rank: int, src_node: str, round: int,
              link: str) -> dict[str, torch.Tensor]:
-        """The other end of `send`: one `dist.recv` per (name, dtype, shape), into fresh CPU tensors."""
+        """The other end of `send`: one `dist.recv` per (name, dtype, shape), into fresh tensors on
+        the process's device."""
         started = time.perf_counter()
         out = {}
         for name, dtype, shape in specs:
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             dist.recv(buf, src=src_rank)
-            out[name] = buf.cpu()
+            out[name] = buf.to(self.home)
         self._record_p2p(round, sum(t.numel() * t.element_size() for t in out.values()), time.perf_counter() - started,
                          src=src_node, dst=self.node_id, link=link)
         return out

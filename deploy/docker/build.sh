@@ -12,14 +12,24 @@
 # Needs a running engine (DOCKER_HOST or the default socket); deploy/docker/up.sh starts one.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-tag=${1:-${FEDHOP_IMAGE:-fedhop:cpu}}
+# FEDHOP_CUDA=1: the CUDA image (default tag fedhop:cuda), the same way, from a wheelhouse of its own
+# holding torch's CUDA build (TORCH_INDEX_URL, default PyPI) and the NVIDIA runtime wheels
+cuda=${FEDHOP_CUDA:-0}
+if [ "$cuda" = 1 ]; then
+    tag=${1:-${FEDHOP_IMAGE:-fedhop:cuda}}
+    export TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://pypi.org/simple}
+    suffix=-cuda
+else
+    tag=${1:-${FEDHOP_IMAGE:-fedhop:cpu}}
+    suffix=
+fi
 # The wheels live in a cache outside the checkout; for the build they are hard-linked into
 # ./wheelhouse (the Dockerfile bind-mounts it from the build context) and removed after, so the
 # checkout keeps nothing.  A ./wheelhouse the user filled (`make wheelhouse`) is used as it is.
 if ! ls wheelhouse/*.whl >/dev/null 2>&1; then
     if [ -n "${FEDHOP_WHEELHOUSE:-}" ]; then cache=$FEDHOP_WHEELHOUSE
-    elif [ -w /var/cache ]; then cache=/var/cache/fedhop-deploy/wheelhouse
-    else cache=${XDG_CACHE_HOME:-$HOME/.cache}/fedhop/wheelhouse
+    elif [ -w /var/cache ]; then cache=/var/cache/fedhop-deploy/wheelhouse$suffix
+    else cache=${XDG_CACHE_HOME:-$HOME/.cache}/fedhop/wheelhouse$suffix
     fi
     ls "$cache"/*.whl >/dev/null 2>&1 || deploy/docker/wheelhouse.sh "$cache"
     mkdir -p wheelhouse

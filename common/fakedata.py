@@ -1,0 +1,173 @@
+"""Generated files in the real formats of the federated benchmarks (LEAF JSON, CIFAR binary), for
+tests, the examples' CI runs and memory measurements.  Random content, real layouts and sizes.
+
+    python -m fedhop.common.fakedata femnist DIR [--writers N] [--samples MEAN] [--per-file N]
+    python -m fedhop.common.fakedata shakespeare DIR [--roles N] [--samples MEAN]
+    python -m fedhop.common.fakedata cifar10 DIR [--per-batch N]
+    python -m fedhop.common.fakedata rss DIR --writers N --processes P   # per-process memory, natural FEMNIST
+
+FEMNIST sizes follow LEAF's published statistics (Caldas et al. 2018, Table 1: 226.83 samples per
+writer on average, standard deviation 88.94); files hold `per_file` writers each (LEAF's files hold
+about 100); 10% of each writer's samples go to test/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from fedhop.common.cifar import write_cifar
+from fedhop.common.models import LEAF_LETTERS
+
+FEMNIST_MEAN, FEMNIST_STD = 226.83, 88.94
+
+
+def _sizes(rng: np.random.Generator, n: int, mean: float, std: float, low: int = 4) -> np.ndarray:
+    return np.maximum(np.round(rng.normal(mean, std, n)), low).astype(np.int64)
+
+
+def _write_split(folder: Path, name: str, users: list[str], sizes: list[int], rows) -> None:
+    """One LEAF file, written piece by piece (a FEMNIST file is ~80 MB of text)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / name, "w") as fh:
+        fh.write('{"users": ' + json.dumps(users) + ', "num_samples": ' + json.dumps([int(s) for s in sizes])
+                 + ', "user_data": {')
+        for i, (u, n) in enumerate(zip(users, sizes)):
+            xs, ys = rows(u, int(n))
+            fh.write(("" if i == 0 else ", ") + json.dumps(u) + ': {"x": [' + ", ".join(xs) + '], "y": '
+                     + json.dumps(ys) + "}")
+        fh.write("}}")
+
+
+def femnist(folder: str | Path, writers: int = 20, mean: float = FEMNIST_MEAN, std: float = FEMNIST_STD,
+            per_file: int = 100, seed: int = 0) -> None:
+    """LEAF FEMNIST layout: train/ and test/ files of 28x28 images (784 values, 2 decimals), 62 classes."""
+    rng = np.random.default_rng(seed)
+    pool = [", ".join(f"{v:.2f}" for v in rng.random(784)) for _ in range(64)]
+    pool = ["[" + r + "]" for r in pool]
+    sizes = _sizes(rng, writers, mean, std)
+    n_test = np.maximum(sizes // 10, 1)
+    names = [f"f{i:04d}_{i % 97:02d}" for i in range(writers)]
+
+    def rows(_u: str, n: int):
+        return [pool[j] for j in rng.integers(0, len(pool), n)], rng.integers(0, 62, n).tolist()
+
+    base = Path(folder)
+    for f, start in enumerate(range(0, writers, per_file)):
+        block = slice(start, min(start + per_file, writers))
+        _write_split(base / "train", f"all_data_{f}_niid_0_keep_0_train_9.json", names[block],
+                     (sizes - n_test)[block].tolist(), rows)
+        _write_split(base / "test", f"all_data_{f}_niid_0_keep_0_test_9.json", names[block],
+                     n_test[block].tolist(), rows)
+
+
+def shakespeare(folder: str | Path, roles: int = 10, mean: float = 60.0, per_file: int = 50, seed: int = 0) -> None:
+    """LEAF Shakespeare layout: 80-character windows and the next character, per speaking role."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list(LEAF_LETTERS))
+    sizes = _sizes(rng, roles, mean, mean / 2, low=5)
+    n_test = np.maximum(sizes // 10, 1)
+    names = [f"THE_PLAY_ROLE{i}" for i in range(roles)]
+
+    def rows(_u: str, n: int):
+        text = "".join(rng.choice(letters, n + 80))
+        return [json.dumps(text[i:i + 80]) for i in range(n)], [text[i + 80] for i in range(n)]
+
+    base = Path(folder)
+    for f, start in enumerate(range(0, roles, per_file)):
+        block = slice(start, min(start + per_file, roles))
+        _write_split(base / "train", f"all_data_{f}_train.json", names[block], (sizes - n_test)[block].tolist(), rows)
+        _write_split(base / "test", f"all_data_{f}_test.json", names[block], n_test[block].tolist(), rows)
+
+
+def cifar10(folder: str | Path, per_batch: int = 40, n_test: int = 50, seed: int = 0) -> None:
+    """CIFAR-10's binary layout (cifar-10-batches-bin/data_batch_1..5.bin, test_batch.bin): class c's
+    images are noise around a per-class mean colour, so a model can learn them."""
+    rng = np.random.default_rng(seed)
+    colours = rng.integers(30, 225, (10, 3))
+    out = Path(folder) / "cifar-10-batches-bin"
+    out.mkdir(parents=True, exist_ok=True)
+
+    def batch(n: int) -> tuple[np.ndarray, np.ndarray]:
+        labels = rng.integers(0, 10, n)
+        noise = rng.normal(0, 40, (n, 3, 32, 32))
+        return labels, np.clip(colours[labels][:, :, None, None] + noise, 0, 255).astype(np.uint8)
+
+    for i in range(1, 6):
+        write_cifar(out / f"data_batch_{i}.bin", *batch(per_batch))
+    write_cifar(out / "test_batch.bin", *batch(n_test))
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def host(folder: str, clients: int, processes: int, index: int) -> dict:
+    """Do what client process `index` of `processes` does with a LEAF natural partition: build the
+    task, then read every client it hosts (after enough rounds each has been sampled).  Linux only
+    (/proc/self/status)."""
+    import time
+
+    from fedhop.common.config import parse_config
+    from fedhop.common.plan import client_blocks
+    from fedhop.common.tasks import build_task
+    base = Path(folder).resolve()
+    cfg = parse_config(f'[data]\ndataset = "femnist"\npartition = "natural"\ndata_dir = "{base.parent}"\n'
+                       f'path = "{base.name}"\n[model]\nkind = "leaf_cnn"\n[clients]\ncount = {clients}\n'
+                       f'processes = {processes}\n')
+    t0 = time.perf_counter()
+    task = build_task(cfg)
+    index_s, index_rss = time.perf_counter() - t0, _status_kib("VmRSS")
+    mine = client_blocks(clients, processes)[index]
+    samples = sum(task.client_data(c).num_samples for c in mine)
+    return {"process": index, "clients": len(mine), "samples": samples, "index_s": round(index_s, 2),
+            "load_s": round(time.perf_counter() - t0 - index_s, 1), "rss_after_index_mib": index_rss // 1024,
+            "rss_mib": _status_kib("VmRSS") // 1024, "peak_rss_mib": _status_kib("VmHWM") // 1024,
+            "data_mib": samples * 784 * 4 // 2**20}
+
+
+def rss(folder: str, clients: int, processes: int) -> list[dict]:
+    """`processes` client processes at once, each running `host` on its block; their reports."""
+    import subprocess
+    procs = [subprocess.Popen([sys.executable, "-m", "fedhop.common.fakedata", "host", folder, "--writers",
+                               str(clients), "--processes", str(processes), "--index", str(i)],
+                              stdout=subprocess.PIPE, text=True) for i in range(processes)]
+    return [json.loads(p.communicate()[0]) for p in procs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fedhop.common.fakedata", description=__doc__.split("\n")[0])
+    ap.add_argument("kind", choices=("femnist", "shakespeare", "cifar10", "rss", "host"),
+                    help="rss: measure per-process memory of a FEMNIST natural partition in FOLDER over --processes")
+    ap.add_argument("folder")
+    ap.add_argument("--writers", type=int, default=20, help="femnist writers / shakespeare roles")
+    ap.add_argument("--samples", type=float, default=0.0, help="mean samples per writer (0: the kind's default)")
+    ap.add_argument("--per-file", type=int, default=100, help="writers per LEAF file")
+    ap.add_argument("--per-batch", type=int, default=40, help="cifar10: images per training batch file")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--processes", type=int, default=4, help="rss: client processes")
+    ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.kind == "rss":
+        for row in rss(a.folder, a.writers, a.processes):
+            print(json.dumps(row))
+    elif a.kind == "host":
+        print(json.dumps(host(a.folder, a.writers, a.processes, a.index)))
+    elif a.kind == "femnist":
+        femnist(a.folder, a.writers, a.samples or FEMNIST_MEAN, (a.samples or FEMNIST_MEAN) * FEMNIST_STD / FEMNIST_MEAN,
+                a.per_file, a.seed)
+    elif a.kind == "shakespeare":
+        shakespeare(a.folder, a.writers, a.samples or 60.0, a.per_file, a.seed)
+    else:
+        cifar10(a.folder, a.per_batch, seed=a.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The benchmark models: parameter counts against the published figures and closed forms."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedhop.common.models import build_model, num_parameters
+
+
+def conv(c_in: int, c_out: int, k: int, bias: bool = True) -> int:
+    return c_in * c_out * k * k + (c_out if bias else 0)
+
+
+def dense(a: int, b: int) -> int:
+    return a * b + b
+
+
+def two_conv_cnn(classes: int, fc: int, c: int = 1, hw: int = 28) -> int:
+    return conv(c, 32, 5) + conv(32, 64, 5) + dense(64 * (hw // 4) ** 2, fc) + dense(fc, classes)
+
+
+def resnet18(classes: int, c: int = 3) -> int:
+    """He et al.'s ResNet-18 (CIFAR stem): conv3x3 + norm, 4 stages of 2 basic blocks, FC; every
+    norm has a scale and a shift per channel, convolutions have no bias."""
+    total = conv(c, 64, 3, bias=False) + 2 * 64
+    c_in = 64
+    for width in (64, 128, 256, 512):
+        for block in range(2):
+            total += conv(c_in, width, 3, False) + 2 * width + conv(width, width, 3, False) + 2 * width
+            if c_in != width:
+                total += conv(c_in, width, 1, False) + 2 * width
+            c_in = width
+    return total + dense(512, classes)
+
+
+def lstm_layer(i: int, h: int) -> int:
+    return 4 * h * (i + h) + 2 * 4 * h       # torch: two bias vectors per gate
+
+
+def test_mcmahan_cnn_has_the_published_count() -> None:
+    # McMahan et al. 2017: "a total of 1,663,370 parameters" (MNIST, 10 classes)
+    model = build_model("mcmahan_cnn", (1, 28, 28), 10)
+    assert num_parameters(model) == two_conv_cnn(10, 512) == 1_663_370
+
+
+def test_leaf_cnn_has_the_published_femnist_count() -> None:
+    # LEAF's FEMNIST CNN (2048-unit FC, 62 classes): 6,603,710 parameters
+    model = build_model("leaf_cnn", (1, 28, 28), 62)
+    assert num_parameters(model) == two_conv_cnn(62, 2048) == 6_603_710
+    assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 62)
+
+
+def test_resnet18_groupnorm_count_and_no_running_statistics() -> None:
+    model = build_model("resnet18_gn", (3, 32, 32), 10)
+    assert num_parameters(model) == resnet18(10) == 11_173_962
+    # GroupNorm keeps no buffers: every state_dict entry is a trained parameter (what FedAvg averages)
+    assert set(model.state_dict()) == {n for n, _ in model.named_parameters()}
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_cifar_cnn_count() -> None:
+    model = build_model("cifar_cnn", (3, 32, 32), 10)
+    expected = conv(3, 64, 5) + conv(64, 64, 5) + dense(64 * 8 * 8, 384) + dense(384, 192) + dense(192, 10)
+    assert num_parameters(model) == expected == 1_756_426
+
+
+def test_char_lstm_count_and_next_character_logits() -> None:
+    model = build_model("char_lstm", (80,), 80)
+    expected = 80 * 8 + lstm_layer(8, 256) + lstm_layer(256, 256) + dense(256, 80)
+    assert num_parameters(model) == expected == 819_920
+    x = torch.randint(0, 80, (4, 80)).float()          # tasks hand indices as float32
+    assert model(x).shape == (4, 80)
+
+
+@pytest.mark.parametrize("kind,shape", [("leaf_cnn", (80,)), ("char_lstm", (1, 28, 28))])
+def test_wrong_input_shape_is_named(kind: str, shape: tuple) -> None:
+    with pytest.raises(ValueError, match=kind):
+        build_model(kind, shape, 10)
+
+
+def test_same_seed_same_initial_weights() -> None:
+    a, b = (build_model("cifar_cnn", (3, 32, 32), 10, seed=5) for _ in range(2))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
