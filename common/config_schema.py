@@ -113,14 +113,14 @@ class DataConfig:
     partition: str = _f("dirichlet", choices=("iid", "dirichlet", "shards", "natural", "lognormal", "pareto"),
                         help="how samples are split between clients: iid, dirichlet (label skew, alpha), shards "
                              "(shards_per_client classes each), natural (one client per writer/speaker: femnist, "
-                             "shakespeare), or lognormal / pareto (quantity skew: size_sigma / pareto_shape)")
+                             "shakespeare), or lognormal / pareto (quantity skew: skew_sigma / skew_shape)")
     alpha: float = _f(0.5, min_exclusive=0.0, help="Dirichlet concentration of partition = \"dirichlet\" (smaller "
                                                    "= more skewed)")
     min_size: int = _f(2, min=0, help="Dirichlet: resample until every client has this many samples")
     shards_per_client: int = _f(2, min=1, help="shards: classes per client")
-    size_sigma: float = _f(1.0, min_exclusive=0.0, help="partition = \"lognormal\": sigma of the clients' "
+    skew_sigma: float = _f(1.0, min_exclusive=0.0, help="partition = \"lognormal\": sigma of the clients' "
                                                         "LogNormal(0, sigma) size weights")
-    pareto_shape: float = _f(1.5, min_exclusive=0.0, help="partition = \"pareto\": tail index of the clients' "
+    skew_shape: float = _f(1.5, min_exclusive=0.0, help="partition = \"pareto\": tail index of the clients' "
                                                          "1 + Lomax(shape) size weights (smaller = heavier)")
     test_fraction: float = _f(0.25, min_exclusive=0.0, max=0.9, help="share of the data held out as the test set")
     data_dir: str = _f("data", help="where pre-staged files (MNIST / Fashion-MNIST IDX, CIFAR binary batches, LEAF JSON, npz) are looked up: docs/datasets.md")

@@ -59,7 +59,7 @@ count = {count}
 
 
 def test_lognormal_partition_through_the_config_is_seeded() -> None:
-    cfg = parse_config(_digits("lognormal", "size_sigma = 1.5"))
+    cfg = parse_config(_digits("lognormal", "skew_sigma = 1.5"))
     task = build_task(cfg)
     sizes = [len(p) for p in task.parts]
     n = sum(sizes)
@@ -67,7 +67,7 @@ def test_lognormal_partition_through_the_config_is_seeded() -> None:
     w = rng.lognormal(0.0, 1.5, 12)
     expected = cfg.data.min_size + w / w.sum() * (n - 12 * cfg.data.min_size)
     assert np.all(np.abs(np.array(sizes) - expected) < 1.0)
-    assert [len(p) for p in build_task(parse_config(_digits("lognormal", "size_sigma = 1.5"))).parts] == sizes
+    assert [len(p) for p in build_task(parse_config(_digits("lognormal", "skew_sigma = 1.5"))).parts] == sizes
 
 
 def test_natural_on_a_set_without_writers_is_refused() -> None:
@@ -79,3 +79,20 @@ def test_unknown_partition_names_the_choices() -> None:
     from fedhop.common.config import ConfigError
     with pytest.raises(ConfigError, match="pareto"):
         parse_config(_digits("zipf"))
+
+
+def test_no_data_set_key_is_shadowed_by_a_new_common_data_key():
+    """A data set's own [data] key that a common [data] key also names never reaches the data set
+    (the common key takes it).  The clashes below predate this test and are documented as known
+    wrong; any other is a mistake (the partition's skew keys once took crossdevice's size_sigma)."""
+    import dataclasses
+    from fedhop.common.config_schema import DataConfig
+    from fedhop.common.tasks import builtin_datasets, dataset_params_class
+    common = {f.name for f in dataclasses.fields(DataConfig)}
+    known = {("crossdevice", "alpha"), ("logreg", "alpha"), ("npz", "standardize")}
+    clashes = set()
+    for name in builtin_datasets():
+        cls = dataset_params_class(name)
+        if cls is not None:
+            clashes |= {(name, f.name) for f in dataclasses.fields(cls) if f.name in common}
+    assert clashes <= known, sorted(clashes - known)

@@ -204,7 +204,7 @@ def make_partition(cfg: Any, labels: np.ndarray) -> list[np.ndarray]:
     if d.partition == "shards":
         return partition.shards(labels, k, d.shards_per_client, rng)
     if d.partition in ("lognormal", "pareto"):
-        return partition.size_skewed(len(labels), k, d.partition, rng, sigma=d.size_sigma, shape=d.pareto_shape,
+        return partition.size_skewed(len(labels), k, d.partition, rng, sigma=d.skew_sigma, shape=d.skew_shape,
                                      min_size=max(1, d.min_size))
     if d.partition == "natural":
         raise ValueError(f"data.partition = 'natural': dataset {d.dataset!r} has no natural clients (writers or "
