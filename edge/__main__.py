@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         return 2
     torch.set_num_threads(1)
-    if flag_error(args.device):   # a device this machine lacks (common/torch_device.py)
-        logging.error("%s", flag_error(args.device))
+    device_problem = flag_error(args.device)   # a device this machine lacks (common/torch_device.py)
+    if device_problem:
+        logging.error("%s", device_problem)
         return 2
     sink = Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None
     try:

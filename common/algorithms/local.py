@@ -66,16 +66,14 @@ def local_sgd(ctx: ClientContext, lr: float, batch_size: int, weight_decay: floa
             if fused:   # plain SGD on a GPU: one fused update of every parameter (the same arithmetic)
                 torch._foreach_add_(tensors, [p.grad if p.grad is not None else torch.zeros_like(p) for p in tensors],
                                     alpha=-step)
-                params_left = ()
             else:
-                params_left = params
-            for name, p in params_left:
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                if weight_decay:
-                    g = g + weight_decay * p
-                if grad_hook is not None:
-                    g = grad_hook(name, p, g)
-                p.add_(g, alpha=-step)
+                for name, p in params:
+                    g = p.grad if p.grad is not None else torch.zeros_like(p)
+                    if weight_decay:
+                        g = g + weight_decay * p
+                    if grad_hook is not None:
+                        g = grad_hook(name, p, g)
+                    p.add_(g, alpha=-step)
         stats.steps += 1
         stats.samples += int(idx.numel())
         if loss.device.type == "cpu":

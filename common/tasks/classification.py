@@ -116,7 +116,8 @@ class ArrayTask(Task):
 
     def _forward(self, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The model's outputs on `x`, in batches moved to the model's device; on the CPU."""
-        device = next(model.parameters()).device if any(True for _ in model.parameters()) else x.device
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else x.device
         with torch.no_grad():
             return torch.cat([model(x[i:i + EVAL_BATCH].to(device)).cpu() for i in range(0, x.shape[0], EVAL_BATCH)])
 
