@@ -1,4 +1,4 @@
-# make run: set up .venv and run the main example; make test: set up .venv and run the tests.
+# make run: set up .venv and run the main example; make test: set up .venv, lint and type-check (make lint), run the tests.
 # make compose-up: build the image offline and run the compose cluster (deploy/docker/up.sh; the run
 #   stays on the host in runs-compose/<project>/, and the status is the server's);
 # make engine-test: the compose profiles on a real Docker engine, torn down after (root).
@@ -16,13 +16,17 @@ $(VENV_STAMP): pyproject.toml
 	FEDHOP_PYTHON=$(PY) bash deploy/docker/engine.sh compose-setup --venv-only
 	touch $(VENV_STAMP)
 
-.PHONY: venv run test test-all bench wheelhouse image compose-up engine-test
+.PHONY: venv run lint test test-all bench wheelhouse image compose-up engine-test
 venv: $(VENV_STAMP)
 
 run: $(VENV_STAMP)
 	.venv/bin/fedhop run examples/fedavg_digits.toml
 
-test: $(VENV_STAMP)
+lint: $(VENV_STAMP)
+	.venv/bin/ruff check .
+	.ci/typecheck
+
+test: lint
 	$(PY) -m pytest -q
 
 test-all: $(VENV_STAMP)

@@ -75,6 +75,7 @@ def calls(n: int, single_threaded: bool) -> dict:
 def reply_pipeline(repeats: int) -> dict:
     """Microseconds per reply through the inbound pipeline of the digits example's model."""
     import numpy as np
+
     from fedhop.common.algorithms import build_algorithm
     from fedhop.common.algorithms.base import Payload, tensor_finite
     from fedhop.common.algorithms.local import get_params

@@ -26,14 +26,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-
 import torch
 from safetensors.torch import load_file
 
 from fedhop.common.algorithms.base import ServerState
 from fedhop.common.config import Config, config_from_dict
 from fedhop.common.rounds import RoundEngine
+
+ROOT = Path(__file__).resolve().parents[1]
 
 METHODS = ("fedmid", "fedda", "fast_fedda", "c_fedda", "mc_fedda")
 #: [algorithm] keys shared by all methods of a comparison (taken from the example file)

@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from fedhop.common.algorithms import registry
 from fedhop.common.config import load_config
 from fedhop.common.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EXAMPLE = ROOT / "examples" / "stragglers_digits.toml"
 

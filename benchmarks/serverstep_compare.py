@@ -35,14 +35,14 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from fedhop.common.algorithms import registry
 from fedhop.common.config import load_config
 from fedhop.common.partition import dirichlet
 from fedhop.common.rng import numpy_stream
 from fedhop.common.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EXAMPLE = ROOT / "examples" / "compare_serverstep.toml"
 

@@ -13,19 +13,19 @@ from pathlib import Path
 
 import torch
 
-from fedhop.common.torch_device import flag_error
+from fedhop.client.runtime import ClientProcess
+from fedhop.common.addresses import listen_address
+from fedhop.common.admission import RequestGate, model_bytes, request_bounds, throttle_refusal_logs
 from fedhop.common.ledger import Ledger
 from fedhop.common.livebytes import LinkCounter
 from fedhop.common.liveness import HeartbeatSender, add_parent_args, resolve_parent
-from fedhop.common.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
-from fedhop.common.addresses import listen_address
-from fedhop.common.proctitle import set_role_title
-from fedhop.common.plugins import allow_list_from, restrict
-from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
-from fedhop.common.admission import RequestGate, model_bytes, request_bounds, throttle_refusal_logs
 from fedhop.common.methods import role_of
+from fedhop.common.plugins import allow_list_from, restrict
+from fedhop.common.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
+from fedhop.common.proctitle import set_role_title
+from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
+from fedhop.common.torch_device import flag_error
 from fedhop.common.transport.grpc import GrpcEndpoint
-from fedhop.client.runtime import ClientProcess
 
 
 def parse_ids(text: str) -> list[int]:

@@ -11,10 +11,10 @@ it as on the per-client fan-out).
 """
 from __future__ import annotations
 
-from fedhop.common.algorithms.base import Payload, finite_or_raise
 from fedhop.common.codec import PayloadError
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
 from fedhop.common.transport.groups import GroupMember, worlds
+from fedhop.common.wire.message import Payload, finite_or_raise
 
 
 class GroupWorker:

@@ -13,18 +13,19 @@ from typing import Callable
 import torch
 
 from fedhop.common.algorithms import build_algorithm
-from fedhop.common.algorithms.base import Payload, finite_or_raise
 from fedhop.common.checkpoint import states_from_payload, states_to_payload
 from fedhop.common.codec import PayloadError
 from fedhop.common.config import Config
 from fedhop.common.ledger import Ledger
+from fedhop.common.methods import Method
 from fedhop.common.pipeline import upload
 from fedhop.common.rounds import local_update
 from fedhop.common.tasks import build_task
-from fedhop.common.torch_device import place_task, to_host
-from fedhop.common.methods import Method
+from fedhop.common.tasks.placed import place_task
+from fedhop.common.torch_device import to_host
 from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.transport.router import MethodRouter, Peers
+from fedhop.common.wire.message import Payload, finite_or_raise
 
 
 def parse_client_id(node_id: str) -> int:
@@ -73,6 +74,12 @@ class ClientHost:
             self._walk = WalkHost(self)
         return self._walk
 
+    @property
+    def gossip(self):
+        """The gossip topology's state in this process (client/gossip.py), made on first use."""
+        from fedhop.client.gossip import gossip_of
+        return gossip_of(self)
+
     def num_samples(self, cid: int) -> int:
         return self.task.num_samples(cid)
 
@@ -90,6 +97,14 @@ class ClientHost:
             Method.WALK_HANDOFF: lambda request: self.walk.take_handoff(request.envelope.src, request.envelope.dst,
                                                                         int(request.envelope.round),
                                                                         int(request.envelope.step), request.payload),
+            # the gossip topology (D-PSGD, client/gossip.py)
+            Method.GOSSIP_STEP: lambda request: self.gossip.step(request.envelope.dst, int(request.envelope.round),
+                                                                 request.payload),
+            Method.GOSSIP_SEND: lambda request: self.gossip.send(int(request.envelope.round), request.payload),
+            Method.GOSSIP_SHARE: lambda request: self.gossip.take_share(request.envelope.src, request.envelope.dst,
+                                                                        int(request.envelope.round), request.payload),
+            Method.GOSSIP_MIX: lambda request: self.gossip.mix(request.envelope.dst, int(request.envelope.round),
+                                                               request.payload),
             # checkpoints and resume (common/checkpoint.py)
             Method.STATE_GET: lambda request: self.client_state(Method.STATE_GET, request.payload),
             Method.STATE_SET: lambda request: self.client_state(Method.STATE_SET, request.payload),

@@ -6,14 +6,13 @@ import threading
 
 import torch
 
-from fedhop.common.plugins import parent_config
-from fedhop.common.transport.base import Endpoint, Request
-from fedhop.common.transport.base import HandlerError
-from fedhop.common.transport.fabric import Fabric
-from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.client.host import ClientHost
 from fedhop.common.liveness import register_with_backoff
+from fedhop.common.plugins import parent_config, tell_refusal
 from fedhop.common.torch_device import process_device
+from fedhop.common.transport.base import Endpoint, HandlerError, Request
+from fedhop.common.transport.fabric import Fabric
+from fedhop.common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.client")
 
@@ -52,7 +51,11 @@ class ClientProcess:
                                       call_timeout=min(timeout, 10.0), tls=tls)
         if not reply.accepted:
             raise RuntimeError(f"{self.endpoint.node_id}: registration refused by {self.parent}: {reply.message}")
-        cfg = parent_config(reply.config_toml, self.endpoint.node_id, self.parent)
+        try:
+            cfg = parent_config(reply.config_toml, self.endpoint.node_id, self.parent)
+        except RuntimeError as exc:   # e.g. PLUGIN_NOT_ALLOWED: the parent is told before this process leaves
+            tell_refusal(self.endpoint, self.parent, self._request(), reply.run_id, str(exc))
+            raise
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
         torch.set_num_threads(cfg.run.torch_threads)

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.algorithms.local import get_params, set_params
+from fedhop.common.codec import PayloadError
 from fedhop.common.control import control_of
 from fedhop.common.methods import Method
-from fedhop.common.codec import PayloadError
 from fedhop.common.pipeline import ModelPipeline
 from fedhop.common.topology import SEQ_METRIC_PREFIX
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
 from fedhop.common.walk import WalkRule
+from fedhop.common.wire.message import Payload
 
 if TYPE_CHECKING:
     from fedhop.client.host import ClientHost

@@ -141,7 +141,7 @@ class RequestGate:
     def __call__(self, env: "pb.Envelope") -> int:
         from fedhop.common.transport.base import HandlerError, Request
         from fedhop.common.transport.router import NOT_ALLOWED, UNKNOWN_METHOD, allowed
-        from fedhop.common.algorithms.base import Payload
+        from fedhop.common.wire.message import Payload
         method = Method.parse(env.method)
         if self.router is None:
             self.refused += 1

@@ -4,7 +4,9 @@ One checkpoint is one safetensors file, `RUN_DIR/checkpoints/round-NNNNNN.safete
 atomically (temporary file, fsync, rename, fsync of the directory), so a server killed while
 writing leaves the previous checkpoint intact.  It holds
 
-- tensors: the model (`params/NAME`), the algorithm's server state (`extra/NAME`: moments,
+- tensors: the model (`params/NAME`: the parameters the run exchanges; under model.exchange
+  other than "all" the frozen rest under `frozen/NAME`, so a checkpoint holds the whole model),
+  the algorithm's server state (`extra/NAME`: moments,
   control variates, dual sums), every logical client's persistent state (`client/ID/KEY`:
   SCAFFOLD's c_i, FedDyn's gradient memory, ...), the server's torch RNG state (`rng/torch`);
 - metadata (JSON under the key "fedhop"): format, round, run id, the algorithm's scalars, the
@@ -29,17 +31,17 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.control import control_of
 from fedhop.common.methods import Method
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload
 
 log = logging.getLogger("fedhop.checkpoint")
 
@@ -59,6 +61,7 @@ class Checkpoint:
     run_id: str
     params: dict[str, torch.Tensor]
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    frozen: dict[str, torch.Tensor] = field(default_factory=dict)   # parameters not exchanged (model.exchange)
     scalars: dict[str, Any] = field(default_factory=dict)
     client_states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     torch_rng: torch.Tensor | None = None
@@ -93,7 +96,7 @@ def _numpy_state_from_json(d: dict) -> tuple:
 
 
 def capture_rng() -> tuple[torch.Tensor, dict]:
-    return torch.get_rng_state().clone(), _numpy_state_to_json(np.random.get_state())
+    return torch.get_rng_state().clone(), _numpy_state_to_json(cast(tuple, np.random.get_state()))   # numpy stubs: legacy=True gives the tuple
 
 
 def restore_rng(ckpt: Checkpoint) -> None:
@@ -121,7 +124,7 @@ def save_checkpoint(run_dir: str | os.PathLike, ckpt: Checkpoint, keep: int = 2)
     d = checkpoint_dir(run_dir)
     d.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    for prefix, group in (("params", ckpt.params), ("extra", ckpt.extra)):
+    for prefix, group in (("params", ckpt.params), ("extra", ckpt.extra), ("frozen", ckpt.frozen)):
         for name, t in group.items():
             tensors[f"{prefix}/{name}"] = t.detach().cpu().contiguous().clone()
     for cid, state in ckpt.client_states.items():
@@ -177,6 +180,8 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
             ckpt.params[rest] = t
         elif kind == "extra":
             ckpt.extra[rest] = t
+        elif kind == "frozen":
+            ckpt.frozen[rest] = t
         elif kind == "client":
             cid, _, name = rest.partition("/")
             ckpt.client_states.setdefault(int(cid), {})[name] = t
@@ -201,6 +206,21 @@ def latest_checkpoint(run_dir: str | os.PathLike,
     where = checkpoint_dir(run_dir)
     raise CheckpointError(f"no usable checkpoint in {where}" + (f" ({'; '.join(errors)})" if errors else
                           ": the run had run.checkpoint_every = 0, or was killed before its first checkpoint"))
+
+
+def check_frozen(ckpt: Checkpoint, frozen: dict[str, torch.Tensor]) -> None:
+    """Resume: the parameters this run does not exchange (`frozen`, as the config builds them)
+    must be the checkpoint's, name for name and bit for bit: every party rebuilds them from the
+    seeded init or the model factory, never from the checkpoint, so a factory whose pretrained
+    weights changed since would silently train another model."""
+    names = sorted(set(frozen) ^ set(ckpt.frozen))
+    if names:
+        raise CheckpointError(f"checkpoint of round {ckpt.round}: frozen parameters differ from the config's "
+                              f"model.freeze / model.exchange: {names[:10]}")
+    changed = [n for n, t in frozen.items() if not torch.equal(t.detach().cpu(), ckpt.frozen[n])]
+    if changed:
+        raise CheckpointError(f"checkpoint of round {ckpt.round}: frozen parameters {changed[:10]} differ from the "
+                              f"model this config builds (its factory or pretrained weights changed)")
 
 
 # ----------------------------------------------------------------------------- client state on the wire

@@ -12,6 +12,9 @@ Copies, the cost that dominates on this machine (shared/research/limits.md):
   reach them) or, for tensors handed over (`hand_over`), as the send pulls them (`Frames`);
 - decode: each data frame is copied once into one preallocated buffer; every tensor is then a
   zero-copy view of that buffer (a tensor whose offset is misaligned for its dtype is copied).
+  A large buffer whose tensors are all gone is reused by the next message of its size
+  (`RecvBuffers`): a fresh one costs its page faults again on every message, 0.3-0.9 CPU s/GB
+  here, as much as the copy itself (docs/performance.md, "Large models").
 
 Everything received is validated before use: declared sizes against the limit before any
 allocation, dtype names, nbytes = prod(shape) * itemsize, total bytes, frame order, and the
@@ -25,20 +28,21 @@ from __future__ import annotations
 import bisect
 import collections
 import math
-import threading
+import os
 import sys
+import threading
 import uuid
-from dataclasses import dataclass
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 import xxhash
 
-from fedhop.common.algorithms.base import Payload, Scalar
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload, Scalar
 
 if sys.byteorder != "little":  # pragma: no cover
     raise RuntimeError("fedhop's wire format is little-endian; this host is big-endian")
@@ -126,7 +130,7 @@ def tensor_bytes_view(t: torch.Tensor) -> memoryview:
     flat = flat.contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only for Python >= 3.12
 
 
 class SnapshotChanged(RuntimeError):
@@ -160,6 +164,7 @@ class _Cuts:
 
     def _pieces(self, start: int, stop: int) -> list[memoryview]:
         views = self.views
+        assert views is not None   # the caller (`__getitem__`) checked: not every frame is cut
         i = bisect.bisect_right(self.ends, start)
         pieces = []
         while start < stop:
@@ -176,7 +181,7 @@ class _Cuts:
             return frame
         views = self.views
         if views is None:   # another thread cut the last frame (and let the views go) meanwhile
-            return self.cut[k]
+            return self.cut[k]   # type: ignore[return-value]  # views go only once every frame is cut
         for t, version in self.guards:
             if t._version != version:
                 raise SnapshotChanged("a handed-over tensor was changed in place while its message was being sent")
@@ -189,7 +194,7 @@ class _Cuts:
                 self.left -= 1
                 if self.left == 0:
                     self.views, self.guards = None, []
-            return self.cut[k]
+            return self.cut[k]   # type: ignore[return-value]  # set just above (by this thread or another)
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -212,7 +217,7 @@ def hand_over(payload: Payload) -> Payload:
     (`SnapshotChanged`) rather than carry bytes other than those encoded; the receiver's XXH3
     check covers writes that bypass the counter.  Returns the payload."""
     for t in payload.tensors.values():
-        t._fedhop_handed_over = t._version
+        t._fedhop_handed_over = t._version   # type: ignore[attr-defined]  # a marker `encode` reads with getattr
     return payload
 
 
@@ -275,7 +280,7 @@ class Frames(Sequence):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other))
         return NotImplemented
 
-    __hash__ = None
+    __hash__ = None   # type: ignore[assignment]  # unhashable, as a list is
 
     def __add__(self, other) -> list[bytes]:   # as a list would: frames of several messages, one bundle
         return [*self, *other]
@@ -383,7 +388,7 @@ def split_bundle(frames: list[bytes]) -> list[list[bytes]]:
     return messages if messages and need == 0 else [frames]
 
 
-def bundle_bytes(frames: list[bytes]) -> bytes:
+def bundle_bytes(frames: Sequence[bytes]) -> bytes:
     """`FrameBundle(frames=frames)` serialized: field 1 (tag 0x0A), a length varint, the frame."""
     return b"".join(part for f in frames for part in (b"\x0a", _varint(len(f)), f))
 
@@ -409,7 +414,7 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     views: list[memoryview] = []
-    guards: list = []
+    guards: list | None = []
     total = 0
     del envelope.tensors[:]
     for name, t in payload.tensors.items():
@@ -468,6 +473,61 @@ def _data_prefix(n: int) -> bytes:
 
 
 # ----------------------------------------------------------------------------- decode
+class RecvBuffers:
+    """Receive buffers of large messages, each reused once nothing decoded from it is alive.
+
+    A decoded message's tensors are views of its buffer (`FrameDecoder.finish`), so a buffer is
+    free exactly when this pool holds its only reference: torch tensors made from it (views,
+    reshapes) keep the numpy array alive through their storage.  `take(n)` hands out a free
+    buffer of exactly `n` bytes, or a new one that the pool remembers; the pool remembers the
+    `keep` most recent buffers of at least `min_bytes` (smaller ones come from malloc's heap,
+    which reuses freed memory by itself).  A remembered buffer in use is never handed out, and
+    every byte of a reused buffer is overwritten before a tensor sees it (`finish` checks that
+    the frames filled the declared size), so reuse cannot show one message's bytes in another."""
+
+    def __init__(self, keep: int = 2, min_bytes: int = 8 << 20) -> None:
+        self.keep, self.min_bytes = keep, min_bytes
+        self._bufs: collections.deque[np.ndarray] = collections.deque()
+        self._lock = threading.Lock()
+        self.reused = 0   # buffers handed out again (tests, benchmarks)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        if nbytes < self.min_bytes or self.keep <= 0:
+            return np.empty(nbytes, dtype=np.uint8)
+        with self._lock:
+            for i in range(len(self._bufs)):
+                buf = self._bufs[i]
+                # referenced by the deque, `buf` and getrefcount's argument only: nothing else holds it
+                if buf.nbytes == nbytes and sys.getrefcount(buf) == 3:
+                    del self._bufs[i]
+                    self._bufs.append(buf)
+                    self.reused += 1
+                    return buf
+            buf = np.empty(nbytes, dtype=np.uint8)
+            self._bufs.append(buf)
+            while len(self._bufs) > self.keep:
+                self._bufs.popleft()   # forgotten here; freed once its tensors are
+            return buf
+
+    def clear(self) -> None:
+        with self._lock:
+            self._bufs.clear()
+
+
+def _keep_from_env() -> int:
+    """FEDHOP_RECV_BUFFERS: how many large receive buffers a process remembers (default 2; 0
+    turns reuse off, as before it existed: `fedhop bench large` compares the two)."""
+    text = os.environ.get("FEDHOP_RECV_BUFFERS", "2")
+    try:
+        return max(0, int(text))
+    except ValueError:
+        raise ValueError(f"FEDHOP_RECV_BUFFERS={text!r}: expected a whole number of buffers (0 turns reuse off)") from None
+
+
+#: the process's receive buffers (every FrameDecoder that is not given others)
+RECV_BUFFERS = RecvBuffers(keep=_keep_from_env())
+
+
 @dataclass
 class Decoded:
     envelope: pb.Envelope
@@ -492,6 +552,7 @@ class FrameDecoder:
     # allocated: raises PayloadError (a refused method or caller) or returns the most data bytes
     # the request's method may carry (common/admission.py `RequestGate`)
     admit: Callable[[pb.Envelope], int] | None = None
+    buffers: RecvBuffers | None = None    # where the message's buffer comes from (None: RECV_BUFFERS)
     envelope: pb.Envelope | None = None
     _buffer: np.ndarray | None = None
     _filled: int = 0
@@ -588,7 +649,7 @@ class FrameDecoder:
         if len(set(names)) != len(names):
             raise PayloadError("BAD_NAME", "duplicate tensor names in one message")
         self.envelope = env
-        self._buffer = np.empty(declared, dtype=np.uint8)
+        self._buffer = (self.buffers or RECV_BUFFERS).take(declared)
         self._digest = xxhash.xxh3_64() if env.HasField("data_xxh3") else None
 
     def finish(self) -> Decoded:
@@ -600,11 +661,14 @@ class FrameDecoder:
                                                 f"{env.data_bytes} declared data bytes")
         assert self._buffer is not None
         if env.HasField("data_xxh3"):
+            assert self._digest is not None   # made when the header declared data_xxh3
             digest = self._digest.intdigest()   # over every data byte, frame by frame (`feed`)
             if digest != env.data_xxh3:
+                self._buffer = None   # refused: nothing will be made of these bytes
                 raise PayloadError("CHECKSUM_MISMATCH", f"data bytes have XXH3-64 {digest:016x}, the sender's "
                                                         f"envelope says {env.data_xxh3:016x}: corrupted in transit")
         base = torch.from_numpy(self._buffer)
+        self._buffer = None   # the tensors hold it now: it is free for reuse once they are gone
         tensors: dict[str, torch.Tensor] = {}
         offset = 0
         for spec in env.tensors:

@@ -39,9 +39,9 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import PayloadError
 from fedhop.common.rng import torch_stream
+from fedhop.common.wire.message import Payload
 
 CODE_PREFIX = "qsgd:"
 NORM_PREFIX = "qsgd_norm:"

@@ -23,8 +23,18 @@ import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from fedhop.common.config_schema import (AlgorithmConfig, ClientsConfig, Config, DataConfig, EdgesConfig, ModelConfig,
-                                  RunConfig, SecurityConfig, TopologyConfig, TransportConfig)
+from fedhop.common.config_schema import (
+    AlgorithmConfig,
+    ClientsConfig,
+    Config,
+    DataConfig,
+    EdgesConfig,
+    ModelConfig,
+    RunConfig,
+    SecurityConfig,
+    TopologyConfig,
+    TransportConfig,
+)
 
 
 class ConfigError(ValueError):
@@ -45,7 +55,7 @@ WALK_ALGORITHMS = ("fedavg", "fedprox")
 def _check_sequential_pairing(cfg: Config) -> None:
     """A sequential algorithm (its model walks the edges, common/algorithms/base.py) runs only on
     topology.kind = "sequential" (the sequential driver refuses the other algorithms at start)."""
-    from fedhop.common.algorithms import algorithm_class   # local: the algorithms import this module
+    from fedhop.common.algorithms import algorithm_class  # local: the algorithms import this module
     try:
         sequential = getattr(algorithm_class(cfg.algorithm.name), "sequential", False)
     except (KeyError, ValueError):   # an unknown name, a plug-in that does not import
@@ -55,7 +65,7 @@ def _check_sequential_pairing(cfg: Config) -> None:
                           f"walks one model over the edges and has no server step (allowed: sequential)")
 
 
-def register_options_schema(section: str, chooser_key: str, lookup: Callable[[str], type | None]) -> None:
+def register_options_schema(section: str, chooser_key: str, lookup: Callable[[Any], type | None]) -> None:
     """`lookup(choice)` gives the params dataclass for the extra keys of `section`.
 
     `lookup` is called at validation time (so registries can import lazily) with the value of
@@ -308,6 +318,7 @@ def config_from_dict(data: dict) -> Config:
         sections[name] = obj
     cfg = Config(**sections)
     _check_model_factory(cfg)
+    _check_model_exchange(cfg)
     _cross_checks(cfg)
     _validate_options(cfg)   # also imports a data-set or algorithm plug-in named by import path or entry point
     return cfg
@@ -338,6 +349,35 @@ def _check_model_factory(cfg: Config) -> None:
                           f"'package.module:function' nor an entry point of group 'fedhop.models' ({names})") from None
     if not callable(make):
         raise ConfigError(f"config key 'model.factory': {ref!r} is a {type(make).__name__}, not a function")
+
+
+def _check_model_exchange(cfg: Config) -> None:
+    """model.freeze and model.exchange (common/models.py `select_exchange`): their form, the
+    selection plug-in imported now (a client's allow-list applies), and an algorithm that can
+    exchange part of the model.  Whether the patterns name parameters is checked when the model
+    is built (`check_model_selection`, before `fedhop run` starts a process)."""
+    from fedhop.common.models import EXCHANGE_ALGORITHMS, EXCHANGE_CHOICES, load_selector
+    for i, pattern in enumerate(cfg.model.freeze):
+        if not pattern.strip():
+            raise ConfigError(f"config key 'model.freeze[{i}]': got {pattern!r}, expected a glob pattern on "
+                              f"parameter names such as 'conv1.*'")
+    ref = cfg.model.exchange
+    if ref in EXCHANGE_CHOICES:
+        pass
+    elif not ref:
+        raise ConfigError("config key 'model.exchange': got '', allowed: all, trainable, or a plug-in "
+                          "'package.module:select'")
+    else:
+        try:
+            load_selector(ref)
+        except ValueError as exc:   # PluginError, PluginRefused, not a function
+            raise ConfigError(f"config key 'model.exchange': {exc}") from None
+    if ref != "all":
+        from fedhop.common.algorithms import registry  # local: the algorithms import this module
+        name = cfg.algorithm.name
+        if name in registry() and name not in EXCHANGE_ALGORITHMS:
+            raise ConfigError(f"config key 'model.exchange': got {ref!r}, but algorithm.name = '{name}' exchanges "
+                              f"the whole model (a part works with {', '.join(EXCHANGE_ALGORITHMS)})")
 
 
 def _validate_options(cfg: Config) -> None:
@@ -496,14 +536,21 @@ def _cross_checks(cfg: Config) -> None:
                           f"{', '.join(WALK_ALGORITHMS)})")
     _check_sequential_pairing(cfg)
     if topo.kind == "chain":
-        from fedhop.common.walk import WalkRule   # local: the walk's rule reads the validated topology params
+        from fedhop.common.walk import WalkRule  # local: the walk's rule reads the validated topology params
         try:
             WalkRule.from_config(cfg, [1] * cfg.clients.count)   # the graph and the weights' lengths
         except ValueError as exc:
             key, _, why = str(exc).partition(": ")
             raise ConfigError(f"config key '{key}': {why}") from None
+    if topo.kind == "gossip":
+        from fedhop.common.gossip import check_config  # local: the gossip rule reads the validated params
+        try:
+            check_config(cfg)
+        except ValueError as exc:
+            key, _, why = str(exc).partition(": ")
+            raise ConfigError(f"config key '{key}': {why}") from None
     if topo.kind == "hierarchical":
-        from fedhop.common.algorithms import registry   # local: the algorithms import this module
+        from fedhop.common.algorithms import registry  # local: the algorithms import this module
         from fedhop.common.topology import topology_params
         kappa2 = getattr(topology_params(cfg), "kappa2", 1)
         edges_per_round = getattr(topology_params(cfg), "edges_per_round", 0)
@@ -523,7 +570,7 @@ def _robust_checks(cfg: Config) -> None:
     rule = cfg.security.aggregation
     if rule == "mean":
         return
-    from fedhop.common.algorithms import registry   # local: the algorithms import this module
+    from fedhop.common.algorithms import registry  # local: the algorithms import this module
     from fedhop.common.algorithms.base import Algorithm
     if cfg.topology.kind not in ("star", "hierarchical"):
         raise ConfigError(f"config key 'security.aggregation': '{rule}' works in topology.kind = 'star' or "
@@ -535,7 +582,7 @@ def _robust_checks(cfg: Config) -> None:
     if cls is not None and cls.aggregate is not Algorithm.aggregate:
         raise ConfigError(f"config key 'security.aggregation': '{rule}' replaces the weighted mean, but algorithm "
                           f"'{cfg.algorithm.name}' reduces its replies its own way; use 'mean'")
-    from fedhop.common.robust import config_group_problem   # local: robust imports the algorithms
+    from fedhop.common.robust import config_group_problem  # local: robust imports the algorithms
     problem = config_group_problem(cfg)   # groups too small for the rule, a trim of 0
     if problem:
         raise ConfigError(problem)

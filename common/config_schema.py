@@ -66,7 +66,8 @@ class TopologyConfig:
 
     kind: str = _f("star", help="star (clients under the server), hierarchical (edge servers in between), "
                                 "sequential (one model passed between edges), chain (one model walks the clients), "
-                                "relay (a walk through the server), or a plug-in (common/plugins.py)")
+                                "relay (a walk through the server), gossip (clients average with their graph "
+                                "neighbours, D-PSGD), or a plug-in (common/plugins.py)")
     edges: int = _f(0, min=0, help="number of edge servers (hierarchical and sequential need at least 1, at most "
                                    "clients.count)")
     assignment: str | list = _f("blocks", help="which clients each edge serves: \"blocks\" (consecutive ids), "
@@ -112,8 +113,8 @@ class DataConfig:
                                      "an import path \"package.module:function\" or a fedhop.datasets entry point")
     partition: str = _f("dirichlet", choices=("iid", "dirichlet", "shards", "natural", "lognormal", "pareto"),
                         help="how samples are split between clients: iid, dirichlet (label skew, alpha), shards "
-                             "(shards_per_client classes each), natural (one client per writer/speaker: femnist, "
-                             "shakespeare), or lognormal / pareto (quantity skew: skew_sigma / skew_shape)")
+                             "(shards_per_client classes each), natural (one client per writer/speaker/user: "
+                             "femnist, sent140, shakespeare), or lognormal / pareto (quantity skew: skew_sigma / skew_shape)")
     alpha: float = _f(0.5, min_exclusive=0.0, help="Dirichlet concentration of partition = \"dirichlet\" (smaller "
                                                    "= more skewed)")
     min_size: int = _f(2, min=0, help="Dirichlet: resample until every client has this many samples")
@@ -144,6 +145,13 @@ class ModelConfig:
     hidden: list = _f(factory=lambda: [64], help="MLP hidden layer widths")
     factory: str = _f("", help="a user's model: \"pkg.module:make_net\" or a fedhop.models entry point")
     factory_args: dict = _f(factory=dict, help="keyword arguments of the factory")
+    freeze: list[str] = _f(factory=list, help="glob patterns on parameter names (\"conv1.*\", \"layers.0.*\") whose "
+                                              "parameters are frozen: the local solvers leave them as built "
+                                              "(seeded init, factory); a pattern that matches nothing is an error")
+    exchange: str = _f("all", help="which parameters travel and are aggregated: all (every one, frozen ones too), "
+                                   "trainable (those not frozen), or \"pkg.module:select\" (a plug-in "
+                                   "select(name, parameter) -> bool; the rest is frozen); checkpoints and "
+                                   "model.safetensors hold the whole model; docs/architecture.md")
 
 
 @dataclass

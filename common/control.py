@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload
 
 
 def control_of(payload: Payload) -> pb.Control:

@@ -245,7 +245,8 @@ def _mnist_from_idx(base: Path, torchvision_dir: str = "MNIST") -> MnistData | N
         if found["test_images"] is not None and found["test_labels"] is not None:
             x_test = _mnist_images(found["test_images"])
             y_test = _mnist_labels(found["test_labels"], len(x_test))
-        return MnistData(*_frozen(x, y, x_test, y_test), source=f"idx:{folder}")
+        _frozen(x, y, x_test, y_test)
+        return MnistData(x, y, x_test, y_test, source=f"idx:{folder}")
     return None
 
 
@@ -338,7 +339,7 @@ def _load_npz_cached(path: str, mtime_ns: int) -> NpzData:
     x_test, y_test = arrays.get("x_test"), arrays.get("y_test")
     if (x_test is None) != (y_test is None):
         raise ValueError(f"{path}: x_test and y_test must be given together")
-    if x_test is not None and len(x_test) != len(y_test):
+    if x_test is not None and y_test is not None and len(x_test) != len(y_test):
         raise ValueError(f"{path}: x_test has {len(x_test)} rows but y_test has {len(y_test)}")
     w_true = arrays.get("w_true")
     _frozen(*xs, *ys, x_test, y_test, w_true)

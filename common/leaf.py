@@ -33,7 +33,9 @@ class LeafError(ValueError):
 
 
 def _skip_space(buf: Any, pos: int) -> int:
-    return _SPACE.match(buf, pos).end()
+    m = _SPACE.match(buf, pos)
+    assert m is not None   # \s* matches everywhere
+    return m.end()
 
 
 def _value_end(buf: Any, pos: int, path: Path) -> int:
@@ -51,12 +53,12 @@ def _value_end(buf: Any, pos: int, path: Path) -> int:
                     return m.end()
         raise LeafError(f"{path}: unterminated JSON value at byte {pos}")
     if first == b'"':
-        m = _TOKEN.match(buf, pos)
-        if m is None:
+        string = _TOKEN.match(buf, pos)
+        if string is None:
             raise LeafError(f"{path}: unterminated string at byte {pos}")
-        return m.end()
-    m = _SCALAR_END.search(buf, pos)
-    return m.start() if m else len(buf)
+        return string.end()
+    end = _SCALAR_END.search(buf, pos)
+    return end.start() if end else len(buf)
 
 
 def _members(buf: Any, pos: int, path: Path):

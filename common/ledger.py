@@ -18,7 +18,7 @@ import time
 import warnings
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 # "client-client" is an extension of DESIGN.md section 5: the chain topology (sequential FL across
 # clients) passes the model from client to client, and no other link name describes that hop.
@@ -102,7 +102,8 @@ class LedgerRecord:
 
 
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(LedgerRecord))
-_COERCE = {f.name: {"int": int, "float": float, "str": str}[f.type] for f in fields(LedgerRecord)}
+# a field's type is its annotation's text here (`from __future__ import annotations`)
+_COERCE = {f.name: {"int": int, "float": float, "str": str}[cast(str, f.type)] for f in fields(LedgerRecord)}
 
 
 class Ledger:

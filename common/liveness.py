@@ -22,20 +22,19 @@ ledger write would leave a receiver-only record; their count and bytes are in su
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import logging
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from fedhop.common.addresses import host_of
 from fedhop.common.admission import EventThrottle, takeover_refusal
-from fedhop.common.rng import numpy_stream
 from fedhop.common.livebytes import TIERS
+from fedhop.common.rng import numpy_stream
 from fedhop.common.transport.base import CallFailed, role_of
 from fedhop.common.wire import fedhop_pb2 as pb
 
@@ -157,9 +156,11 @@ class HeartbeatSender:
     def __init__(self, endpoint, parent: str, *, interval: float, parent_timeout: float,
                  reregister: Callable[[], None], on_give_up: Callable[[str], None],
                  backoff: Backoff | None = None,
-                 counts: Callable[[], list[pb.LinkBytes]] | None = None) -> None:
+                 counts: Callable[[], list[pb.LinkBytes]] | None = None,
+                 events: "Callable[[], list[pb.NodeEvent]] | None" = None) -> None:
         self.endpoint = endpoint
         self.counts = counts    # live byte totals to carry (common/livebytes.py)
+        self.events = events    # this node's own events for the server's run.db (an edge's refusals)
         self.parent = parent
         self.interval = interval
         self.parent_timeout = parent_timeout
@@ -193,7 +194,8 @@ class HeartbeatSender:
         """One heartbeat; True when the parent knows us (False: re-register)."""
         self.sent += 1
         req = pb.HeartbeatRequest(node_id=self.endpoint.node_id, run_id=self.endpoint.run_id, seq=self.sent,
-                                  sent_at=time.time(), bytes=self.counts() if self.counts is not None else ())
+                                  sent_at=time.time(), bytes=self.counts() if self.counts is not None else (),
+                                  events=self.events() if self.events is not None else ())
         reply = self.endpoint.heartbeat(self.parent, req, timeout=max(self.interval, 1.0))
         return reply.known
 
@@ -279,6 +281,7 @@ class LivenessMonitor:
         self.children: dict[str, ChildLiveness] = {}
         self.stats = LivenessStats()
         self.on_bytes: Callable[[list[pb.LinkBytes]], None] | None = None   # a heartbeat's live byte totals
+        self.on_events: Callable[[str, list[pb.NodeEvent]], None] | None = None   # (sender, its events): known nodes'
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -313,9 +316,9 @@ class LivenessMonitor:
             for child in self.children.values():
                 if child.node_id == req.node_id or child.dead:
                     continue
-                taken = sorted(claimed.intersection(child.clients))
-                if taken:
-                    return (f"DUPLICATE_CLIENT: clients {taken[:10]} are hosted by live node {child.node_id}; "
+                hosted = sorted(claimed.intersection(child.clients))
+                if hosted:
+                    return (f"DUPLICATE_CLIENT: clients {hosted[:10]} are hosted by live node {child.node_id}; "
                             f"{req.node_id} may take them only after that node is marked dead")
         return None
 
@@ -349,7 +352,7 @@ class LivenessMonitor:
         with self._lock:
             child = self.children.get(req.node_id)
             known = child is not None and not child.dead
-            if known:
+            if child is not None and known:
                 child.last_seen = now
                 child.beats += 1
                 child.suspected_at = None   # a heartbeat after the failed call: it lives
@@ -359,6 +362,11 @@ class LivenessMonitor:
                                       message="" if known else "unknown or dead node: register again")
             self.stats.heartbeats_received += 1
             self.stats.heartbeat_bytes += req.ByteSize() + reply.ByteSize() + 10
+        if req.events and known and self.on_events is not None:
+            try:
+                self.on_events(req.node_id, list(req.events))
+            except Exception:
+                log.exception("events from %s not taken", req.node_id)
         if req.bytes and self.on_bytes is not None:   # true bytes, whether or not the node is still known
             entries = [e for e in req.bytes if reports_for(req.node_id, e.node_id, self.endpoint.node_id)]
             if len(entries) < len(req.bytes):

@@ -76,6 +76,11 @@ class Method(StrEnum):
     # -- a client process, chain topology (WRWGD, client/walk.py) --------------------------------
     WALK_VISIT = "walk_visit", {PARENT}              # the holder's visit: local steps, the draw, the hand-off
     WALK_HANDOFF = "walk_handoff", {PEER}            # the walking model to the next client (link client-client)
+    # -- a client process, gossip topology (D-PSGD, client/gossip.py) -----------------------------
+    GOSSIP_STEP = "gossip_step", {PARENT}            # a logical client's local steps from its own model
+    GOSSIP_SEND = "gossip_send", {PARENT}            # the process's post-step models to their graph neighbours
+    GOSSIP_SHARE = "gossip_share", {PEER}            # one post-step model to a neighbour (link client-client)
+    GOSSIP_MIX = "gossip_mix", {PARENT}              # the Metropolis-Hastings average (the model up at evaluations)
     # -- to a parent, each its own unary RPC ----------------------------------------------------
     REGISTER = "register", {ANY}, "control", "Register"      # request.node_id must be the caller
     HEARTBEAT = "heartbeat", {ANY}, "control", "Heartbeat"   # request.node_id must be the caller
@@ -84,7 +89,7 @@ class Method(StrEnum):
     def parse(cls, wire: str) -> "Method | None":
         """The method a wire string names, or None (an unknown or misspelled method)."""
         try:
-            return cls(wire)
+            return cls(wire)  # type: ignore[call-arg]  # a lookup by value; mypy reads it as __new__
         except ValueError:
             return None
 

@@ -20,11 +20,11 @@ from typing import Any, Mapping
 
 import torch
 
-from fedhop.common.algorithms.base import REPLY_SCALARS, Payload, ScalarRule, tensor_finite
 from fedhop.common.codec import PayloadError, check_tensors
-from fedhop.common.transport.base import ReplyBound
 from fedhop.common.compress import compress_upload, decompress_upload
+from fedhop.common.transport.base import ReplyBound
 from fedhop.common.validation import ReplyLimits, reply_bound, validate_reply
+from fedhop.common.wire.message import REPLY_SCALARS, Payload, ScalarRule, tensor_finite
 
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 

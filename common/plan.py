@@ -9,7 +9,7 @@ these processes, so they cannot disagree.
 A topology declares its plan with `register_plan(kind, fn)`; `fn(cfg, placement)` returns a
 `ProcessPlan`.  The built-in ones:
 
-- star, chain: `star_plan`, every client process under the server, the clients split into
+- star, chain, relay, gossip: `star_plan`, every client process under the server, the clients split into
   `clients.processes` contiguous, near-equal blocks;
 - hierarchical, sequential: `edge_plan`, one edge per cluster (`cluster_assignment`), each
   cluster split into max(1, clients.processes // edges) blocks under its edge.
@@ -64,7 +64,11 @@ class ProcessPlan:
 
     def edge_of(self) -> dict[int, int]:
         """Logical client id -> the index of the edge that serves it (empty without edges)."""
-        return {c: e.edge for e in self.edges for c in e.clients}
+        out: dict[int, int] = {}
+        for e in self.edges:
+            assert e.edge is not None   # an edge process always carries its index
+            out.update((c, e.edge) for c in e.clients)
+        return out
 
 
 @dataclass(frozen=True)
@@ -128,11 +132,11 @@ def build_plan(edges: Sequence[Sequence[int]], placement: Sequence[Placement]) -
         by_parent: dict[int | None, list[int]] = {}
         for c in place.clients:
             by_parent.setdefault(edge_of.get(c), []).append(c)
-        for e in sorted(by_parent, key=lambda x: -1 if x is None else x):
-            ids = by_parent[e]
+        for pe in sorted(by_parent, key=lambda x: -1 if x is None else x):   # pe: the parent edge, or None
+            ids = by_parent[pe]
             for block in client_blocks(len(ids), place.per_parent):
-                procs.append(PlannedProcess(f"client-proc{k}", "client", SERVER if e is None else edge_node(e),
-                                            tuple(ids[i] for i in block), edge=e, group=g))
+                procs.append(PlannedProcess(f"client-proc{k}", "client", SERVER if pe is None else edge_node(pe),
+                                            tuple(ids[i] for i in block), edge=pe, group=g))
                 k += 1
     return ProcessPlan(tuple(procs))
 
@@ -152,7 +156,8 @@ def edge_plan(cfg: Any, placement: Sequence[Placement] | None = None) -> Process
     return build_plan(clusters, placement)
 
 
-for _kind, _fn in (("star", star_plan), ("chain", star_plan), ("relay", star_plan), ("hierarchical", edge_plan), ("sequential", edge_plan)):
+for _kind, _fn in (("star", star_plan), ("chain", star_plan), ("relay", star_plan), ("gossip", star_plan),
+                   ("hierarchical", edge_plan), ("sequential", edge_plan)):
     register_plan(_kind, _fn)
 
 

@@ -119,18 +119,33 @@ def parent_config(text: str, node_id: str, parent: str) -> Any:
     """The run's config as a client's or edge's parent sent it, parsed here.  A config this process
     cannot use (one naming a plug-in it was not started with: refused by `check_allowed` before
     any import) is one RuntimeError line; the role then exits with status 2."""
-    from fedhop.common.config import parse_config   # local: the config loader imports this module
+    from fedhop.common.config import parse_config  # local: the config loader imports this module
     try:
         return parse_config(text)
     except (ValueError, KeyError) as exc:   # ConfigError, PluginError and PluginRefused
         raise RuntimeError(f"{node_id}: refusing the run's config from {parent}: {exc}") from None
 
 
+def tell_refusal(endpoint: Any, parent: str, request: Any, run_id: str, reason: str) -> None:
+    """Tell the parent that this process registered but refuses the run's config (`reason`, one
+    line from `parent_config`): a RegisterRequest with `refusal` set and no clients, so the server
+    records it and fails the run at once rather than after its timeouts.  Best effort: the process
+    exits with status 2 whether or not the parent answers."""
+    import logging
+    request.ClearField("clients")
+    request.run_id, request.refusal, request.msg_id = run_id, reason, ""
+    try:
+        endpoint.register(parent, request, 10.0)
+    except Exception as exc:   # the parent is gone or refuses: nothing more this process can do
+        logging.getLogger("fedhop.plugins").warning("could not tell %s of the refusal: %s", parent, exc)
+
+
 def config_plugins(cfg: Any) -> list[str]:
-    """The plug-in references a resolved config names (model factory, data set, algorithm,
-    topology): import paths, and names that no built-in registry knows (entry points).  The
-    launcher passes them to its children as their allow-list."""
-    refs = [(getattr(cfg.model, "factory", "") or "", "models"), (cfg.data.dataset, "datasets"),
+    """The plug-in references a resolved config names (model factory, model.exchange selection,
+    data set, algorithm, topology): import paths, and names that no built-in registry knows
+    (entry points).  The launcher passes them to its children as their allow-list."""
+    refs = [(getattr(cfg.model, "factory", "") or "", "models"), (getattr(cfg.model, "exchange", "") or "", "models"),
+            (cfg.data.dataset, "datasets"),
             (cfg.algorithm.name, "algorithms"), (cfg.topology.kind, "topologies")]
     out = []
     for ref, group in refs:
@@ -234,13 +249,13 @@ def load_topology(ref: str) -> type:
     try:
         cls = load_plugin(ref, "topologies")
     except LookupError:
-        from fedhop.common.topology import TOPOLOGY_PARAMS   # local: the built-in kinds
+        from fedhop.common.topology import TOPOLOGY_PARAMS  # local: the built-in kinds
         names = list(TOPOLOGY_PARAMS) + [n for n in entry_point_names("topologies") if n not in TOPOLOGY_PARAMS]
         raise KeyError(f"unknown topology '{ref}' (allowed: {', '.join(names)}, or an import path "
                        f"'package.module:DriverClass')") from None
     if not (isinstance(cls, type) and any(f"{c.__module__}.{c.__qualname__}" == DRIVER_BASE for c in cls.__mro__)):
         raise PluginError(f"'{ref}' is not a topology driver (a subclass of {DRIVER_BASE})")
-    from fedhop.common.plan import register_plan, star_plan   # local: plan.py imports the topology module
+    from fedhop.common.plan import register_plan, star_plan  # local: plan.py imports the topology module
     register_plan(ref, getattr(cls, "process_plan", None) or star_plan)
     _TOPOLOGIES[ref] = cls
     return cls

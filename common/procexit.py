@@ -17,10 +17,10 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 
-def exit_now(code: int | None) -> None:
+def exit_now(code: int | None) -> NoReturn:
     """Run atexit handlers, flush logs and stdio, then end the process with `code` (None: 0)."""
     status = 0 if code is None else int(code)
     try:

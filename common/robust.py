@@ -47,7 +47,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from fedhop.common.algorithms.base import COUNT_KEY, WEIGHT_KEY, Payload, ReduceOp, reduce_payloads
+from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload, ReduceOp, reduce_payloads
 
 log = logging.getLogger("fedhop.robust")
 
@@ -156,7 +156,9 @@ def short_groups(replies: list[tuple[int, Payload]], rule: str, krum_f: int) -> 
 
 
 class RobustAggregate:
-    """An algorithm's `aggregate` with a robust rule (installed by `build_algorithm`).
+    """An algorithm's `aggregate` with a robust rule (installed by `build_algorithm`).  A rule is
+    a statistic over every reply at once, so an algorithm carrying one does not stream
+    (`Algorithm.streams` is False: the server and the edges collect every reply, as before).
     `fallbacks`: the short groups (`short_groups`) seen since the owner last emptied it (kept to
     the latest 1000)."""
 
@@ -190,7 +192,7 @@ def config_group_problem(cfg: Any) -> str | None:
     if rule == "trimmed_mean" and sec.trim <= 0:
         return ("config key 'security.trim': got 0, a trimmed mean that trims nothing is the mean; use "
                 "security.aggregation = 'mean' or trim > 0")
-    from fedhop.common.config import resolve_clients_per_round   # local: config imports this module's users
+    from fedhop.common.config import resolve_clients_per_round  # local: config imports this module's users
     need = rule_minimum(rule, sec.krum_f)
     sampled = resolve_clients_per_round(cfg)
     why = (f"krum with security.krum_f = {sec.krum_f} needs n > 2f + 2 = {need - 1} updates per group"

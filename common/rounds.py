@@ -23,23 +23,25 @@ cuts of common/vclock.py, failures, and the edge, sequential and chain topologie
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 
 from fedhop.common.algorithms import build_algorithm
-from fedhop.common.algorithms.base import COMPUTE_KEY, Algorithm, ClientContext, Payload, ServerState
+from fedhop.common.algorithms.base import Algorithm, ClientContext, ServerState
 from fedhop.common.algorithms.local import get_params, set_params
-from fedhop.common.pipeline import ReplyPipeline, upload
 from fedhop.common.config import Config, client_local_steps, resolve_clients_per_round
 from fedhop.common.devices import apply_straggler_plan, devices_params
+from fedhop.common.pipeline import ReplyPipeline, upload
 from fedhop.common.rng import numpy_stream, torch_stream
+from fedhop.common.streaming import OrderedFold
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.base import Task
+from fedhop.common.tasks.placed import host_task
 from fedhop.common.topology import sampling_pool
-from fedhop.common.torch_device import host_task
-from fedhop.common.validation import finite_step
+from fedhop.common.validation import finite_step, finite_streamed
 from fedhop.common.vclock import RoundClock
+from fedhop.common.wire.message import COMPUTE_KEY, Payload
 
 RoundHook = Callable[[int, "RoundEngine", list[int], Payload], None]
 
@@ -122,17 +124,27 @@ class RoundEngine:
         return ReplyPipeline(self.cfg, self.algorithm.reply_spec(self.state))(reply, f"round {round} {who}")
 
     def finish_round(self, round: int, results: Mapping[int, Payload], participants: list[int],
-                     left_out: LeftOut | None = None) -> Payload:
+                     left_out: LeftOut | None = None, fold: OrderedFold | None = None) -> Payload | None:
         """Aggregate the results in id order, apply the server step and tell the algorithm whose
         results entered; returns the aggregate.  Where the aggregate or the new model would hold
         NaN/Inf the step is rolled back and retried without the offending result
         (common/validation.py `finite_step`); `left_out(blamed, participants)` records them and
-        returns the participants left (default: refuse the round)."""
-        aggregate, blamed = finite_step(self.algorithm, self.state, results, round)
+        returns the participants left (default: refuse the round).
+        With `fold` the results were folded as they arrived (common/streaming.py; `results` holds
+        their scalars only): its aggregate is used, and where it or the new model is not finite
+        the worst result is named and None is returned: the round does not count
+        (`finite_streamed`)."""
+        if fold is not None:
+            magnitudes = cast("Mapping[int, float]", fold.magnitudes)   # the server folds by client id
+            aggregate, blamed = finite_streamed(self.algorithm, self.state, fold.result(), magnitudes, round)
+        else:
+            aggregate, blamed = finite_step(self.algorithm, self.state, results, round)
         if blamed:
             if left_out is None:
                 raise ValueError(f"round {round}: {next(iter(blamed.values()))}")
             participants = left_out(blamed, participants)
+        if aggregate is None:
+            return None
         self.algorithm.note_participants(self.state, round, participants)
         return aggregate
 
@@ -167,6 +179,16 @@ class RoundEngine:
             return {k: float(v) for k, v in self.task.evaluate(self.model).items()}
 
     # ------------------------------------------------------------------ in-process rounds
+    def streams(self, per_client: bool = True) -> bool:
+        """Whether a round's replies may be folded as they arrive (common/streaming.py) instead
+        of collected: the algorithm's aggregation is the default weighted-sum fold
+        (`Algorithm.streams`), and, for single clients' replies, no deadline or over-commitment
+        cut (common/vclock.py) may drop a result after it arrived."""
+        if not self.algorithm.streams():
+            return False
+        params = devices_params(self.cfg)
+        return not per_client or (params.deadline_seconds <= 0 and params.overcommit <= 1)
+
     def check_local(self) -> None:
         """Refuse what this loop cannot reproduce: cuts that need each message's measured bytes."""
         params = devices_params(self.cfg)
@@ -191,7 +213,7 @@ class RoundEngine:
             reply = local_update(self.cfg, self.task, self.algorithm, self._client_model, cid, round, own[cid], state)
             reply = upload(self.cfg, reply, client_node(cid), round, 0)
             results[cid] = self.accept(round, f"reply of client {cid}", reply)
-        return sampled, self.finish_round(round, results, sampled)
+        return sampled, self.finish_round(round, results, sampled)   # type: ignore[return-value]  # no fold, no left_out: None only with no client sampled
 
     def run(self, rounds: int | None = None, on_round: RoundHook | None = None) -> list[dict[str, Any]]:
         """Rounds 1..`rounds` (default run.rounds) in this process; returns the metrics of every

@@ -22,7 +22,7 @@ import threading
 import time as _time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 from fedhop.common.ledger import BYTE_FIELDS, LedgerRecord, read_jsonl
 
@@ -47,7 +47,7 @@ _SCHEMA = [
         config_toml TEXT, started REAL, finished REAL, status TEXT)""",
     _ROUNDS_TABLE.format(name="rounds"),
     "CREATE TABLE IF NOT EXISTS messages(" + ", ".join(
-        f"{name} {_SQL_TYPE[f.type]}{' NOT NULL' if name == 'msg_id' else ''}"
+        f"{name} {_SQL_TYPE[cast(str, f.type)]}{' NOT NULL' if name == 'msg_id' else ''}"
         for name, f in LedgerRecord.__dataclass_fields__.items()) + ", UNIQUE(msg_id, role))",
     "CREATE INDEX IF NOT EXISTS messages_round ON messages(round)",
     """CREATE TABLE IF NOT EXISTS events(

@@ -42,7 +42,8 @@ def batches_on(batches: Iterator[torch.Tensor], device: torch.device) -> Iterato
     """`local_batches` with its indices on `device`: each pass's permutation is copied once and
     its batches are slices of the copy, so a GPU's steps wait for no host copy (the draws, and
     so the batches, are the CPU's)."""
-    source = moved = None
+    source: torch.Tensor | None = None
+    moved: torch.Tensor   # set by the first batch (its base is never None)
     for idx in batches:
         base = idx._base if idx._base is not None else idx   # the pass's permutation
         if base is not source:

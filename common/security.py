@@ -43,13 +43,20 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NoReturn
 
 import grpc
 
 from fedhop.common.addresses import insecure_from_env, plaintext_refusal
-from fedhop.common.nodecred import (CRED_ENV, REGISTER_AUDIENCE, SCOPED_METHODS, SecurityError, SignedIdentity,
-                                    TokenAuthority, check_node_id)
+from fedhop.common.nodecred import (
+    CRED_ENV,
+    REGISTER_AUDIENCE,
+    SCOPED_METHODS,
+    SecurityError,
+    SignedIdentity,
+    TokenAuthority,
+    check_node_id,
+)
 
 __all__ = ["CRED_ENV", "SignedIdentity", "TokenAuthority", "SecurityError", "check_node_id"]
 
@@ -363,7 +370,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self.on_refused = on_refused
         self.refused = 0
 
-    def _refuse(self, context, method: str, exc: AuthRefused) -> None:
+    def _refuse(self, context, method: str, exc: AuthRefused) -> NoReturn:
         self.refused += 1
         log.warning("refused %s from %s (claims '%s'): %s", method, context.peer(), exc.claimed, exc)
         if self.on_refused is not None:
@@ -372,6 +379,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
             except Exception:  # a broken hook must not open the door
                 log.exception("on_refused hook failed")
         context.abort(exc.status, f"node credential refused: {exc}")
+        raise AssertionError("grpc's context.abort returned")   # it raises; says so to the type checker
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -407,7 +415,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
             try:
                 return authenticate(creds, metadata, context, method)
             except AuthRefused as exc:
-                refuse(context, method, exc)   # aborts: context.abort raises
+                self._refuse(context, method, exc)   # aborts: context.abort raises
 
         def speaks_for_caller(context, identity: str, src: str | None) -> None:
             """With per-call checks, a message's envelope `src` must be the authenticated caller."""

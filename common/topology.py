@@ -7,7 +7,7 @@ are validated by the config loader (`register_options_schema("topology", "kind",
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from fedhop.common.rng import numpy_stream
 
@@ -84,12 +84,27 @@ class RelayParams:
     hops_per_round: int = field(default=10, metadata={"min": 1})
 
 
+@dataclass
+class GossipParams:
+    """D-PSGD gossip learning: clients on a graph mix their models with their neighbours'
+    (Metropolis-Hastings weights) every round (common/gossip.py).
+
+    `gossip_edges`: the graph's undirected edges [[0, 1], [1, 2], ...] between client ids.
+    `gossip_degree`: d > 0 instead: a random d-regular graph from the stream
+    "topology/gossip_graph" of run.seed.  Neither: the ring 0-1-...-(n-1)-0.
+    """
+
+    gossip_edges: list = field(default_factory=list)
+    gossip_degree: int = field(default=0, metadata={"min": 0})
+
+
 TOPOLOGY_PARAMS: dict[str, type | None] = {
     "star": StarParams,
     "hierarchical": HierarchicalParams,
     "sequential": SequentialParams,
     "chain": ChainParams,
     "relay": RelayParams,
+    "gossip": GossipParams,
 }
 
 
@@ -99,7 +114,7 @@ def topology_params_class(kind: str) -> type | None:
     KeyError for an unknown kind, PluginError (a ValueError) for a plug-in that does not load."""
     if kind in TOPOLOGY_PARAMS:
         return TOPOLOGY_PARAMS[kind]
-    from fedhop.common.plugins import load_topology   # local: a plug-in imports the package
+    from fedhop.common.plugins import load_topology  # local: a plug-in imports the package
     return getattr(load_topology(kind), "Params", None)
 
 
@@ -172,7 +187,8 @@ def sampling_pool(cfg: Any, round: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- sequential (Fed-CHS)
-def _connected(adj: list[list[int]]) -> bool:
+def connected(adj: Sequence[Sequence[int]]) -> bool:
+    """Whether the graph given as adjacency lists is connected (a walk from node 0 reaches all)."""
     seen, todo = {0}, [0]
     while todo:
         for v in adj[todo.pop()]:
@@ -227,7 +243,7 @@ def check_graph(spec: list, num: int, key: str, what: str) -> list[list[int]]:
         for v in row:
             if e not in adj[v]:
                 raise ValueError(f"{key}: not symmetric, {v} is in entry {e} but {e} is not in entry {v}")
-    if not _connected(adj):
+    if not connected(adj):
         raise ValueError(f"{key}: the graph {adj} is not connected")
     return adj
 
@@ -247,7 +263,7 @@ def edge_graph(cfg: Any) -> list[list[int]]:
         adj = random_graph(num, params.max_degree, cfg.run.seed)
     else:
         raise ValueError(f"topology.graph: got {spec!r}, allowed: \"ring\", \"random\" or adjacency lists [[1, 2], ...]")
-    if not _connected(adj):
+    if not connected(adj):
         raise ValueError(f"topology.graph: the edge graph {adj} is not connected")
     return adj
 

@@ -33,14 +33,21 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, TypeGuard
 
 import torch
 
-from fedhop.common.algorithms.base import (COMPUTE_KEY, COUNT_KEY, REPLY_SCALARS, WEIGHT_KEY, Payload,
-                                          ScalarRule, tensor_finite)
 from fedhop.common.codec import PayloadError, check_tensors
 from fedhop.common.transport.base import ReplyBound
+from fedhop.common.wire.message import (
+    COMPUTE_KEY,
+    COUNT_KEY,
+    REPLY_SCALARS,
+    WEIGHT_KEY,
+    Payload,
+    ScalarRule,
+    tensor_finite,
+)
 
 REJECTION_CODES: frozenset[str] = frozenset({
     "BAD_NAME", "BAD_DTYPE", "BAD_SHAPE", "BAD_EXTRA", "NON_FINITE", "SIZE_MISMATCH", "TOO_LARGE",
@@ -63,7 +70,7 @@ def rejection_code(text: str) -> str | None:
     return None
 
 
-def _number(v) -> bool:
+def _number(v: object) -> TypeGuard[int | float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -112,10 +119,10 @@ def check_limits(reply: Payload, limits: ReplyLimits, who: str) -> None:
     if limits.weight is not None and w > limits.weight * (1 + 1e-9):
         raise PayloadError("BAD_WEIGHT", f"{who}: weight {w:.6g} exceeds the {limits.weight:.6g} its clients hold")
     n = reply.scalars.get(COUNT_KEY, 1)
-    if n > limits.results:
+    if n > limits.results:   # type: ignore[operator]  # numeric: validate_reply checked REPLY_SCALARS first
         raise PayloadError("BAD_SCALAR", f"{who}: '{COUNT_KEY}' = {n} but {limits.results} clients were asked")
     secs = reply.scalars.get(COMPUTE_KEY, 0.0)
-    if secs > limits.seconds:
+    if secs > limits.seconds:   # type: ignore[operator]  # numeric: validate_reply checked REPLY_SCALARS first
         raise PayloadError("BAD_SCALAR", f"{who}: '{COMPUTE_KEY}' = {secs:.6g} s exceeds the call's "
                                          f"{limits.seconds:.6g} s deadline")
 
@@ -203,7 +210,7 @@ class ReplyLimiter:
 
     def limits(self, cids: list[int]) -> ReplyLimits:
         bounds = [self.weight_of(c) for c in cids]
-        weight = None if any(b is None for b in bounds) else float(sum(bounds))
+        weight = None if any(b is None for b in bounds) else float(sum(bounds))   # type: ignore[arg-type]  # no None: any() above
         return ReplyLimits(weight=weight, results=len(cids), seconds=self.seconds)
 
 
@@ -221,7 +228,9 @@ def _non_finite(tensors: Mapping[str, torch.Tensor], scalars: Mapping, what: str
 def _magnitude(p: Payload) -> float:
     """The largest absolute value a result adds to a weighted sum (float64: no overflow here)."""
     w = 1.0 if COUNT_KEY in p.scalars else float(p.scalars.get(WEIGHT_KEY, 1.0))
-    top = max((float(t.detach().double().abs().max()) for t in p.tensors.values() if t.numel()), default=0.0)
+    top = max((max(abs(float(t.detach().max())), abs(float(t.detach().min())))   # no copy of the reply
+               for t in p.tensors.values() if t.numel()),
+              default=0.0)
     return top * w
 
 
@@ -253,3 +262,31 @@ def finite_step(algorithm, state, results: Mapping[int, Payload], round: int
                          f"result of {worst} (largest weighted value {_magnitude(kept[worst]):.3g}) left out")
         del kept[worst]
     return None, blamed
+
+
+def finite_streamed(algorithm, state, aggregate: Payload | None, magnitudes: Mapping[int, float], round: int
+                    ) -> tuple[Payload | None, dict[int, str]]:
+    """`finite_step` for a round folded as its replies arrived (common/streaming.py): the replies
+    are gone, so a sum or a server step that is not finite cannot be retried without one of them.
+    The state is rolled back, the folded result with the largest weighted magnitude
+    (`magnitudes`, kept while folding: the one `finite_step` would leave out first) is named
+    (NON_FINITE_AGGREGATE), and the aggregate is None: the round does not count (the server
+    skips it, an edge answers without a partial).  `state` None (an edge): the aggregate only."""
+    if aggregate is None:
+        return None, {}
+    backup = copy.deepcopy(state) if state is not None else None
+    try:
+        problem = _non_finite(aggregate.tensors, aggregate.scalars, "the aggregate's")
+        if problem is None and state is not None:
+            algorithm.server_update(state, aggregate, round)
+            problem = _non_finite({**state.params, **state.extra}, state.scalars, "the new model's")
+    except (ArithmeticError, ValueError, RuntimeError) as exc:
+        problem = f"the server step failed ({type(exc).__name__}: {exc})"
+    if problem is None:
+        return aggregate, {}
+    for f in dataclasses.fields(state) if state is not None else ():   # roll back
+        setattr(state, f.name, getattr(backup, f.name))
+    worst = max(sorted(magnitudes), key=lambda k: magnitudes[k])
+    return None, {worst: (f"NON_FINITE_AGGREGATE: round {round}: {problem}; the round was rolled back, the "
+                          f"result of {worst} (largest weighted value {magnitudes[worst]:.3g}) named, and the "
+                          f"round left out (its replies were folded as they arrived)")}

@@ -30,12 +30,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from fedhop.common.algorithms.base import COMPUTE_KEY, Payload
 from fedhop.common.config import Config, ConfigError, client_local_steps, resolve_clients_per_round
+from fedhop.common.devices import (
+    PLAN_KEY,
+    DeviceProfile,
+    DevicesParams,
+    StragglerDraw,
+    device_profiles,
+    devices_params,
+    draw_stragglers,
+    plan_to_scalar,
+)
 from fedhop.common.methods import Method
-from fedhop.common.devices import (PLAN_KEY, DeviceProfile, DevicesParams, StragglerDraw, device_profiles,
-                            devices_params, draw_stragglers, plan_to_scalar)
 from fedhop.common.sampling import steps_per_epoch
+from fedhop.common.wire.message import COMPUTE_KEY, Payload
 
 log = logging.getLogger("fedhop.vclock")
 

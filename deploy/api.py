@@ -97,7 +97,8 @@ def load(run_dir: str | os.PathLike) -> RunResult:
     if not summary and not has_db:
         raise FileNotFoundError(f"fedhop.load: {d} holds neither summary.json nor run.db; is it a run directory?")
     rows: list[dict[str, Any]] = []
-    totals, by_link = runread.zero_totals(), {}
+    totals = runread.zero_totals()
+    by_link: dict[str, dict[str, int]] = {}
     status = str(summary.get("status") or "")
     if has_db:
         rows, totals, by_link = runread.read_run_db(d)
@@ -116,7 +117,7 @@ def _overrides(values: Mapping[str, Any] | Iterable[str] | None) -> list[str]:
     if isinstance(values, str):
         raise ConfigError(f"set={values!r}: give a dict such as {{'run.seed': 1}} or a list of 'SECTION.KEY=VALUE'")
     if isinstance(values, Mapping):
-        from fedhop.common.config import toml_value   # the config's own TOML writer: strings quoted
+        from fedhop.common.config import toml_value  # the config's own TOML writer: strings quoted
         return [f"{key}={toml_value(value, str(key))}" for key, value in values.items()]
     return [str(v) for v in values]
 

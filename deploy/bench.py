@@ -2,6 +2,7 @@
 
     fedhop bench transport [--sizes 1,10,100] [--repeats 5] [--rounds 20] [--tiny]
     fedhop bench compute | scale | growth [--tiny]      (deploy/bench_system.py)
+    fedhop bench large [--sizes 10,100] [--clients 2,4]  (deploy/bench_large.py)
     fedhop bench flower [--rounds 20] [--flwr-python PY] (benchmarks/flower_compare.py)
 
 Prints, for each model size, the throughput of sending it over fedhop's gRPC transport
@@ -76,10 +77,10 @@ def bench_tcp(nbytes: int, repeats: int) -> list[float]:
 
 # ----------------------------------------------------------------------------- gRPC
 def _grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", max_message: int) -> None:
-    from fedhop.common.algorithms.base import Payload
     from fedhop.common.ledger import Ledger
     from fedhop.common.procexit import freeze_heap
     from fedhop.common.transport.grpc import GrpcEndpoint
+    from fedhop.common.wire.message import Payload
 
     ep = GrpcEndpoint("client-0", Ledger(), max_message_bytes=max_message)
     address = ep.serve(lambda req: Payload(scalars={"n": len(req.payload.tensors)}), "127.0.0.1:0")
@@ -89,11 +90,23 @@ def _grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", max_message: int) -> 
     ep.stop()
 
 
-def bench_grpc(nbytes: int, repeats: int, chunk: int) -> tuple[list[float], int]:
-    from fedhop.common.algorithms.base import Payload
+def _cpu_seconds(pid: int | None) -> float:
+    """User plus system CPU seconds of process `pid` so far, every thread (/proc/PID/stat)."""
+    import psutil
+    if pid is None:
+        raise RuntimeError("the benchmark's receiver process has not started")
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def bench_grpc(nbytes: int, repeats: int, chunk: int, cpu: dict | None = None) -> tuple[list[float], int]:
+    """fedhop's endpoint sending `nbytes` to a served endpoint in another process, `repeats`
+    timed calls after one warm-up.  `cpu`, when given, gets the sender's and the receiver's
+    CPU seconds per call (`sender_cpu_s`, `receiver_cpu_s`: means over the timed calls)."""
     from fedhop.common.ledger import Ledger
     from fedhop.common.procexit import freeze_heap
     from fedhop.common.transport.grpc import GrpcEndpoint
+    from fedhop.common.wire.message import Payload
 
     ctx = mp.get_context("spawn")
     addr_q, stop_q = ctx.Queue(), ctx.Queue()
@@ -108,10 +121,15 @@ def bench_grpc(nbytes: int, repeats: int, chunk: int) -> tuple[list[float], int]
     freeze_heap()   # as fedhop's roles do once set up
     times = []
     for i in range(repeats + 1):
+        if i == 1:   # after the warm-up call
+            cpu0, peer0 = time.process_time(), _cpu_seconds(p.pid)
         t = time.perf_counter()
-        ep.call(address, "client-0", "train", model, round=i, timeout=120)  # encode + send + decode
+        ep.call(address, "client-0", "train", model, round=i, timeout=max(120, nbytes / 20e6))  # encode + send + decode
         if i:
             times.append(time.perf_counter() - t)
+    if cpu is not None:
+        cpu["sender_cpu_s"] = (time.process_time() - cpu0) / repeats
+        cpu["receiver_cpu_s"] = (_cpu_seconds(p.pid) - peer0) / repeats
     framed = ledger.records()[-2].framed_bytes
     ep.stop()
     stop_q.put(1)
@@ -124,8 +142,9 @@ BARE_UPLOAD = "/bench.Bare/Upload"
 
 
 def _bare_grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", nbytes: int, max_message: int) -> None:
-    import grpc
     from concurrent import futures
+
+    import grpc
 
     from fedhop.common.transport.grpc import grpc_options
 
@@ -148,10 +167,13 @@ def _bare_grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", nbytes: int, max
     server.stop(0)
 
 
-def bench_grpc_bare(nbytes: int, repeats: int, chunk: int) -> list[float]:
+def bench_grpc_bare(nbytes: int, repeats: int, chunk: int, cpu: dict | None = None,
+                    cut_in_call: bool = False) -> list[float]:
     """grpcio alone, as a ceiling for any transport built on it: the same call shape and options
     as fedhop's `Exchange` (bidirectional stream, identity serializers), the bytes cut into
-    chunks before timing, received into a preallocated buffer; no codec, checksum or ledger."""
+    chunks before timing, received into a preallocated buffer; no codec, checksum or ledger.
+    `cpu`: as `bench_grpc`'s.  `cut_in_call`: each call cuts its chunks (`bytes`, as grpcio
+    requires) from the array as it sends them: the copy any sender of a fresh tensor makes."""
     import grpc
 
     from fedhop.common.transport.grpc import grpc_options
@@ -167,10 +189,16 @@ def bench_grpc_bare(nbytes: int, repeats: int, chunk: int) -> list[float]:
     chunks = [bytes(view[o:o + chunk]) for o in range(0, nbytes, chunk)]
     times = []
     for i in range(repeats + 1):
+        if i == 1:   # after the warm-up call
+            cpu0, peer0 = time.process_time(), _cpu_seconds(p.pid)
         t = time.perf_counter()
-        (ack,) = list(upload(iter(chunks), timeout=120))
+        requests = (bytes(view[o:o + chunk]) for o in range(0, nbytes, chunk)) if cut_in_call else iter(chunks)
+        (ack,) = list(upload(requests, timeout=max(120, nbytes / 20e6)))
         if i:
             times.append(time.perf_counter() - t)
+    if cpu is not None:
+        cpu["sender_cpu_s"] = (time.process_time() - cpu0) / repeats
+        cpu["receiver_cpu_s"] = (_cpu_seconds(p.pid) - peer0) / repeats
     if int.from_bytes(ack, "little") != nbytes:
         raise RuntimeError(f"bare gRPC receiver got {int.from_bytes(ack, 'little')} of {nbytes} bytes")
     channel.close()
@@ -181,9 +209,9 @@ def bench_grpc_bare(nbytes: int, repeats: int, chunk: int) -> list[float]:
 
 # ----------------------------------------------------------------------------- codec
 def bench_codec(nbytes: int, repeats: int, chunk: int) -> tuple[float, float]:
-    from fedhop.common.algorithms.base import Payload
     from fedhop.common.codec import decode_frames, encode
     from fedhop.common.wire import fedhop_pb2 as pb
+    from fedhop.common.wire.message import Payload
 
     payload = Payload(tensors={"w": torch.randn(nbytes // 4)})
     enc_t, dec_t = [], []
@@ -274,11 +302,18 @@ BENCHMARKS = {"transport": "gRPC (or gloo) throughput against TCP, codec speed, 
               "scale": "cross-device: registration, round time and memory with 100,000 logical clients",
               "growth": "round time as model size and client count grow",
               "gpu": "one client's local epoch on a GPU in a fedhop client process against plain torch",
+              "large": "one FedAvg round of a 100 MB-1 GB model: memory, CPU per GB, against bare grpcio "
+                       "(its own flags: fedhop bench large --help)",
               "flower": "framework overhead against Flower (its own flags: fedhop bench flower --help)"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "large":   # a large model's round and transfer: deploy/bench_large.py (its own flags)
+        from fedhop.deploy.bench_large import main as large_main
+        if "--default-malloc" not in argv:
+            reexec_with_tuned_malloc()
+        return large_main([a for a in argv[1:] if a != "--default-malloc"])
     if argv and argv[0] == "flower":   # framework overhead against Flower: benchmarks/flower_compare.py
         import runpy
         script = Path(__file__).resolve().parents[1] / "benchmarks" / "flower_compare.py"

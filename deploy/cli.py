@@ -7,7 +7,8 @@ import sys
 
 def version() -> str:
     """The installed distribution's version (pyproject.toml)."""
-    from importlib.metadata import PackageNotFoundError, version as dist_version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
     try:
         return dist_version("fedhop")
     except PackageNotFoundError:   # run from a checkout that was never installed
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("report", help="compare runs: table and plots", add_help=False)
     sub.add_parser("certs", help="make a cluster CA, per-node certificates and the cluster secret", add_help=False)
+    sub.add_parser("compose", help="per-node credential folders and a compose override (one service per client)",
+                   add_help=False)
     sub.add_parser("bench", help="benchmarks that print their figures", add_help=False)
     sub.add_parser("launch", help="start a run's roles on the machines of a hosts file (ssh)", add_help=False)
     sub.add_parser("dashboard", help="serve the live page of a run directory (finished or running)", add_help=False)
@@ -43,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("config", help="the config reference: every key, its default and allowed values", add_help=False)
     sub.add_parser("netsim", help="run on emulated hosts (network namespaces): wire bytes, shaped links",
                    add_help=False)
-    sub.add_parser("data", help="look at a config's data: per-client counts, label histograms, a PNG",
+    sub.add_parser("data", help="look at a config's data (data show: per-client counts, label histograms, a PNG); "
+                                "data fetch NAME: download a known data set (needs network)",
                    add_help=False)
     sub.add_parser("slurm", help="submit a run as one Slurm batch job (its steps: server, edges, clients)",
                    add_help=False)
@@ -60,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "config":
         from fedhop.deploy.configref import main as config_main
         return config_main(argv[1:])
+    if argv and argv[0] == "data" and argv[1:2] == ["fetch"]:
+        from fedhop.deploy.datafetch import main as fetch_main
+        return fetch_main(argv[2:])
     if argv and argv[0] == "data":
         from fedhop.deploy.datashow import main as data_main
         return data_main(argv[1:])
@@ -72,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "merge-ledgers":
         from fedhop.deploy.ledgers import main as merge_main
         return merge_main(argv[1:])
+    if argv and argv[0] == "compose":
+        from fedhop.deploy.compose import main as compose_main
+        return compose_main(argv[1:])
     if argv and argv[0] == "certs":
         from fedhop.deploy.certs import main as certs_main
         return certs_main(argv[1:])

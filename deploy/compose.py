@@ -50,3 +50,96 @@ def compose_config(files: list[Path], env: dict[str, str] | None = None, profile
     if res.returncode != 0:
         raise RuntimeError(f"compose config failed (exit {res.returncode}): {res.stderr.strip()}")
     return json.loads(res.stdout)
+
+
+# ----------------------------------------------------------------------------- per-node credentials
+CLIENT_TEMPLATE = "client"      # docker-compose.yml's scalable client service, extended per process
+
+
+def node_folders(certs: Path, nodes: list[str], out: Path) -> dict[str, Path]:
+    """OUT/NODE/ holding only ca.pem, NODE.pem and NODE.key (keys 0600) for each node.
+
+    Never ca.key (it mints certificates), never cluster.secret (compose hands the run token through
+    the run folder, and a folder holding the secret would make that node's token differ from the
+    others'), never another node's key.  Raises ValueError naming the first missing file."""
+    from fedhop.common.security import CA_CERT
+    for name in [CA_CERT] + [f"{n}.{ext}" for n in nodes for ext in ("pem", "key")]:
+        if not (certs / name).is_file():
+            raise ValueError(f"{certs / name} is missing (make it with `fedhop certs {certs} --nodes {','.join(nodes)}`)")
+    folders: dict[str, Path] = {}
+    for node in nodes:
+        folder = out / node
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o700)
+        for stale in folder.iterdir():          # a folder made for another run keeps nothing of it
+            stale.unlink()
+        for name, mode in ((CA_CERT, 0o644), (f"{node}.pem", 0o644), (f"{node}.key", 0o600)):
+            fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write((certs / name).read_bytes())
+        folders[node] = folder.resolve()
+    return folders
+
+
+def per_node_override(compose_file: Path, folders: dict[str, Path], clients: int, edges: int) -> dict:
+    """A Compose override: each service mounts its own folder at /certs.
+
+    The scalable `client` service (whose replicas would share one mount) gets 0 replicas; client
+    process k runs as its own service `client-K` (extending `client`), with FEDHOP_SLOT=K and its
+    own folder, so no client container holds another client's key.  Every role is told the count
+    (FEDHOP_CLIENT_PROCESSES), so nothing waits for replicas to settle."""
+    def certs(node: str) -> list[dict]:
+        return [{"type": "bind", "source": str(folders[node]), "target": "/certs", "read_only": True}]
+
+    count = {"FEDHOP_CLIENT_PROCESSES": str(clients)}
+    services: dict[str, dict] = {"server": {"environment": count, "volumes": certs("server")},
+                                 CLIENT_TEMPLATE: {"deploy": {"replicas": 0}}}
+    for e in range(edges):
+        services[f"edge-{e}"] = {"environment": count, "volumes": certs(f"edge-{e}")}
+    for k in range(clients):
+        services[f"client-{k}"] = {
+            "extends": {"file": str(compose_file.resolve()), "service": CLIENT_TEMPLATE},
+            "deploy": {"replicas": 1},
+            "environment": {**count, "FEDHOP_SLOT": str(k)},
+            "volumes": certs(f"client-proc{k}")}
+    return {"services": services}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`fedhop compose CERTS --clients N [--edges E] [--out DIR] [--file docker-compose.yml]`."""
+    import argparse
+    import sys
+    ap = argparse.ArgumentParser(
+        prog="fedhop compose",
+        description="Per-node credentials for docker compose: from a `fedhop certs` folder, one folder per "
+                    "node (ca.pem and that node's own pair only) and an override file that mounts each at its "
+                    "service's /certs, with one service per client process (client-0..N-1).  Then: "
+                    "docker compose -f docker-compose.yml -f DIR/compose.yml up --abort-on-container-exit "
+                    "--exit-code-from server")
+    ap.add_argument("certs", help="the folder `fedhop certs` made (ca.pem, NODE.pem, NODE.key)")
+    ap.add_argument("--clients", type=int, required=True, help="client processes (client-proc0..N-1)")
+    ap.add_argument("--edges", type=int, default=0, help="edges (edge-0..E-1; docker-compose.yml has 2)")
+    ap.add_argument("--out", default="compose-nodes", help="where the per-node folders and compose.yml go "
+                                                           "(default ./compose-nodes)")
+    ap.add_argument("--file", default="docker-compose.yml", help="the base compose file (default ./docker-compose.yml)")
+    args = ap.parse_args(argv)
+    base = Path(args.file)
+    try:
+        if args.clients < 1:
+            raise ValueError(f"--clients {args.clients}: at least 1")
+        if args.edges < 0:
+            raise ValueError(f"--edges {args.edges}: 0 or more")
+        if not base.is_file():
+            raise ValueError(f"--file {base}: no such compose file (run from the fedhop checkout, or name it)")
+        nodes = ["server"] + [f"edge-{e}" for e in range(args.edges)] + [f"client-proc{k}" for k in range(args.clients)]
+        out = Path(args.out)
+        folders = node_folders(Path(args.certs), nodes, out)
+        override = out / "compose.yml"
+        override.write_text("# made by `fedhop compose` (deploy/compose.py): per-node /certs mounts\n"
+                            + json.dumps(per_node_override(base, folders, args.clients, args.edges), indent=2) + "\n")
+    except (ValueError, OSError) as exc:
+        print(f"fedhop compose: {exc}", file=sys.stderr)
+        return 2
+    print(f"fedhop compose: {len(nodes)} node folders and {override} (client services client-0..{args.clients - 1})")
+    print(f"  docker compose -f {base} -f {override} up --abort-on-container-exit --exit-code-from server")
+    return 0

@@ -31,8 +31,17 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
-from fedhop.common.config import (SECTIONS, config_to_toml, eval_annotation, field_default, options_chooser,
-                                  options_schema, parse_config, shadowed_keys, toml_value)
+from fedhop.common.config import (
+    SECTIONS,
+    config_to_toml,
+    eval_annotation,
+    field_default,
+    options_chooser,
+    options_schema,
+    parse_config,
+    shadowed_keys,
+    toml_value,
+)
 
 REGENERATE = "python -m fedhop.deploy.configref --write docs/config.md"
 UNSET = "unset"   # the default of an optional key (None): not written; the code picks its value

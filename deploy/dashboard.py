@@ -76,9 +76,9 @@ def _graph(cfg: dict, live: list[tuple], server_pairs: dict[str, dict[str, int]]
     else:
         nodes.append({"id": "clients", "label": f"clients 0-{count - 1}" if count else "clients", "tier": 2})
         links.append({"a": "server", "b": "clients", "link": "client-server", "bytes": live_sum("server", "client-server")})
-        if kind == "chain":
+        if kind in ("chain", "gossip"):
             links.append({"a": "clients", "b": "clients", "link": "client-client", "bytes": live_sum(None, "client-client"),
-                          "note": "hops between clients"})
+                          "note": "hops between clients" if kind == "chain" else "models to graph neighbours"})
     return {"kind": kind, "nodes": nodes, "links": links}
 
 

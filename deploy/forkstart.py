@@ -81,11 +81,11 @@ class ForkedProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
+        while (code := self.poll()) is None:
+            if timeout is not None and deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(0.005)
-        return self.returncode
+        return code
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -120,8 +120,7 @@ def fork_module(module: str, args: list[str], env: dict[str, str], log: Path, cw
         traceback.print_exc()
         code = 1
     finally:
-        exit_now(code)
-    return None  # unreachable
+        exit_now(code)   # ends the child: fork_module returns only in the parent
 
 
 def _run_child(module: str, args: list[str], env: dict[str, str], log: Path, cwd: Path, parent: int) -> int:

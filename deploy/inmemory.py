@@ -12,11 +12,11 @@ from typing import Callable
 import torch
 
 from fedhop.client.runtime import ClientProcess
-from fedhop.edge.runtime import EdgeProcess
 from fedhop.common.config import Config
 from fedhop.common.ledger import Ledger
 from fedhop.common.plan import plan_processes
 from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
+from fedhop.edge.runtime import EdgeProcess
 from fedhop.server.coordinator import Coordinator
 
 

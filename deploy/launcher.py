@@ -22,15 +22,14 @@ from pathlib import Path
 from typing import Callable
 
 from fedhop.common.config import Config, config_to_toml, load_config
-from fedhop.common.plan import id_spec, plan_processes
-from fedhop.common.torch_device import DeviceError, describe, plan_devices, resolve_config
 from fedhop.common.nodecred import CRED_ENV, TokenAuthority
+from fedhop.common.plan import id_spec, plan_processes
 from fedhop.common.plugins import ALLOW_ENV, PLUGIN_PATH_ENV, allow_list_from, config_plugins
-from fedhop.deploy.report import human_bytes
-from fedhop.common.procexit import (LAUNCHER_ENV, Stopped, ignore_stops, signals_restored, stop_on_sigterm,
-                                    stop_reason)
+from fedhop.common.procexit import LAUNCHER_ENV, Stopped, ignore_stops, signals_restored, stop_on_sigterm, stop_reason
+from fedhop.common.torch_device import DeviceError, describe, plan_devices, resolve_config
 from fedhop.deploy.forkstart import ForkedProcess, fork_allowed, fork_module
 from fedhop.deploy.malloc import tuned_env
+from fedhop.deploy.report import human_bytes
 
 
 @dataclass
@@ -61,6 +60,7 @@ class LocalRun:
         env[CRED_ENV] = self.credential(name)   # this child's own per-node credential (common/security.py)
         module = f"fedhop.{argv[0]}"
         # start-up without re-importing torch (deploy/forkstart.py); CUDA cannot be used in a forked child
+        proc: subprocess.Popen | ForkedProcess
         if fork_allowed() and not any(d.startswith("cuda") for d in self.devices.values()):
             proc = fork_module(module, argv[1:], env, log, self.workdir)
         else:
@@ -112,6 +112,7 @@ class LocalRun:
             (self.run_dir / "devices.json").write_text(json.dumps(self.devices, indent=1) + "\n")
         address_file = {"server": port_file}
         for proc in plan_processes(self.cfg).processes[1:]:   # the processes this config starts (common/plan.py)
+            assert proc.parent is not None   # only the server (processes[0]) has no parent
             parent_file = address_file[proc.parent]
             if proc.kind == "edge":
                 address_file[proc.node_id] = self.run_dir / f"{proc.node_id}.address"
@@ -297,7 +298,7 @@ def final_table(run_dir: Path) -> str:
     except Exception:  # the table is a courtesy; summary.json has the numbers
         by_dir = {}
     lines.append(f"  {'link':<14}{'direction':<10}{'messages':>10}{'tensor bytes':>16}{'framed bytes':>16}")
-    for link, direction, row in ((l, d, r) for l, per in sorted(by_dir.items()) for d, r in sorted(per.items())):
+    for link, direction, row in ((ln, d, r) for ln, per in sorted(by_dir.items()) for d, r in sorted(per.items())):
         lines.append(f"  {link:<14}{direction:<10}{row['messages']:>10}{human_bytes(row['tensor_bytes']):>16}"
                      f"{human_bytes(row['framed_bytes']):>16}")
     total = summary["bytes"].get("total") or {}
@@ -540,6 +541,12 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
     except (FileNotFoundError, ValueError) as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
         return 2
+    try:   # model.freeze / model.exchange name real parameters and leave some to exchange (common/models.py)
+        from fedhop.common.models import check_model_selection
+        check_model_selection(cfg)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"fedhop run: {exc}", file=sys.stderr)
+        return 2
     if cfg.security.certs_dir and not Path(cfg.security.certs_dir).is_dir():
         print(f"fedhop run: security.certs_dir = '{given_certs}' is not a directory ({cfg.security.certs_dir}); "
               f"make one with `fedhop certs {given_certs} --nodes ...`", file=sys.stderr)
@@ -558,6 +565,7 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         return 2
     try:
         if resume:
+            assert out is not None   # resume_local passes the run folder
             run_dir = Path(out).resolve()
         else:
             run_dir = out_run_dir(out, force) if out else default_run_dir(cfg)

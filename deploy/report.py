@@ -36,11 +36,14 @@ import sys
 import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 from fedhop.common.ledger import BYTE_FIELDS, LINKS
 from fedhop.common.runstore import AgreementReport, RunStore
 from fedhop.deploy import runread
+
+if TYPE_CHECKING:   # matplotlib is optional (the extra `report`): imported where a plot is drawn
+    from matplotlib.typing import RcKeyType
 
 LOWER_IS_BETTER_TOKENS: tuple[str, ...] = ("loss", "objective", "distance", "error", "gap", "regret", "norm",
                                            "subopt", "mse", "rmse")
@@ -402,7 +405,7 @@ PLOT_FORMATS: tuple[str, ...] = ("png", "pdf", "svg")
 FIGSIZE = (7.0, 4.5)    # inches: a page's text width
 DPI = 300               # PNG pixels per inch: print quality (PDF and SVG are vector)
 FONT_PT = 9             # the smallest text on a plot (annotations, legends, notes), in points
-PLOT_STYLE = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.labelsize": FONT_PT,
+PLOT_STYLE: dict[RcKeyType, Any] = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.labelsize": FONT_PT,
               "ytick.labelsize": FONT_PT, "legend.fontsize": FONT_PT, "svg.fonttype": "none", "pdf.fonttype": 42}
 
 
@@ -526,9 +529,10 @@ def _draw(runs: Sequence[RunData], metric: str | None, target: float | None, kin
             with_sim = {run.name for run, cv, _ in sim if cv}
             _left_out(fig, [(run.name, f"its {run.field_('topology') or '?'} rounds record no simulated time")
                             for run in runs if run.name not in with_sim], notes, name("metric_vs_sim_time"))
-            for run, cv, c in sim:
-                if cv:
-                    ax.plot([t for t, _ in cv], [v for _, v in cv], marker="o", markersize=3, color=c, label=run.name)
+            for run, sim_cv, c in sim:
+                if sim_cv:
+                    ax.plot([t for t, _ in sim_cv], [v for _, v in sim_cv], marker="o", markersize=3, color=c,
+                            label=run.name)
             ax.set_xlabel("simulated time (s)")
             ax.set_ylabel(metric)
             ax.set_title(f"{metric} against simulated time")

@@ -22,8 +22,16 @@ puts it into its process's environment.  With `security.certs_dir` set, each pro
 folder RUN/creds/NODE (0700) holding only ca.pem, NODE.pem, NODE.key and cluster.secret: no task
 is handed the CA key or another node's key.
 
-GPUs go through Slurm's own options: `--gpus-per-node N` asks `#SBATCH --gpus-per-node=N`; the
-steps share the node's GPUs (`--overlap`) and Slurm sets CUDA_VISIBLE_DEVICES.
+GPUs go through Slurm's own options: `--gpus-per-node N` asks `#SBATCH --gpus-per-node=N` (Slurm's
+gres "gpu", N on every node of the allocation).  Which process computes where is the config's
+device keys (`run.device`, `edges.device`, `clients.device`, `clients.gpus`,
+`clients.processes_per_gpu`) applied per node with N as the node's GPU count: the client processes
+placed on one node go round-robin over its GPUs, as `fedhop run` does on one machine
+(`slurm_devices`).  Each process is given its device (`--device cuda:K`, K an index into the
+step's CUDA_VISIBLE_DEVICES); a step that computes on a GPU is started with `--gres=gpu:N`
+(the node's GPUs, shared with the other steps through `--overlap`, so several processes can use
+one GPU), a CPU step with `--gres=none` (it holds no GPU).  A device key asking for CUDA without
+`--gpus-per-node` is refused before anything is written (exit 2).
 
 `fedhop sweep SPEC --slurm` submits a sweep's runs as one job array (`SlurmArrayRunner`): array
 task i runs `fedhop run` of run i on one node, at most `sweep.parallel` at a time.
@@ -120,6 +128,47 @@ def task_list(cfg, run_dir: Path, nodes: int, creds: bool) -> list[dict]:
     return tasks
 
 
+def slurm_devices(cfg, tasks: list[dict], gpus_per_node: int) -> dict[str, str]:
+    """node id -> device ("cpu" or "cuda:K") of every task: the server on run.device, edges on
+    edges.device, and on each node of the allocation its client processes round-robin over that
+    node's `gpus_per_node` GPUs (common/torch_device.py; NCCL: one GPU per process of the node)."""
+    from fedhop.common.torch_device import DeviceError, client_devices, nccl_devices, resolve
+    out: dict[str, str] = {}
+    per_node: dict[int, list[str]] = {}
+    nccl = cfg.transport.kind == "torch" and cfg.transport.options.get("backend") == "nccl"
+    try:
+        if nccl:
+            for t in tasks:
+                per_node.setdefault(t["node"], []).append(t["node_id"])
+            for ids in per_node.values():
+                out.update(nccl_devices(ids, gpus_per_node))
+            return out
+        for t in tasks:
+            if t["kind"] == "server":
+                out[t["node_id"]] = resolve(cfg.run.device, "run.device", gpus_per_node)
+            elif t["kind"] == "edge":
+                out[t["node_id"]] = resolve(cfg.edges.device, "edges.device", gpus_per_node)
+            else:
+                per_node.setdefault(t["node"], []).append(t["node_id"])
+        for ids in per_node.values():
+            out.update(zip(ids, client_devices(cfg.clients.device, cfg.clients.gpus, cfg.clients.processes_per_gpu,
+                                               len(ids), gpus_per_node)))
+    except DeviceError as exc:
+        raise SlurmError(f"{exc} [under Slurm a node's CUDA devices are the --gpus-per-node {gpus_per_node} "
+                         f"it is given]") from None
+    return out
+
+
+def bind_devices(tasks: list[dict], devices: dict[str, str], gpus_per_node: int) -> None:
+    """Each task's `--device` and the gres its srun step asks for (module docstring)."""
+    if not gpus_per_node:
+        return
+    for t in tasks:
+        device = devices[t["node_id"]]
+        t["argv"] += ["--device", device]
+        t["gres"] = f"gpu:{gpus_per_node}" if device.startswith("cuda") else "none"
+
+
 def node_credentials(certs_dir: Path, node_ids: list[str], run_dir: Path) -> None:
     """RUN/creds/NODE for every node: ca.pem, NODE.pem, NODE.key (and cluster.secret when the
     cluster has one), mode 0600 in a 0700 folder; never ca.key or another node's key."""
@@ -164,19 +213,21 @@ def prepare_run(config: str, overrides: list[str], out: str | None, opts: SlurmO
         raise SlurmError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node >= 0")
     run_dir = Path(out or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}").resolve()
     _check_path(run_dir, "the run directory")
+    creds = bool(cfg.security.certs_dir)
+    devices = slurm_devices(cfg, task_list(cfg, run_dir, opts.nodes, creds), opts.gpus_per_node)   # before writing
     if run_dir.exists() and any(run_dir.iterdir()):
         if not force:
             raise SlurmError(f"--out {run_dir} holds an earlier run (pass --force to replace it)")
         shutil.rmtree(run_dir)
     for sub in ("logs", "ledger", SLURM_DIR):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
-    creds = bool(cfg.security.certs_dir)
     if creds:
         node_credentials(Path(cfg.security.certs_dir).resolve(), plan.node_ids, run_dir)
         cfg.security.certs_dir = str(run_dir / "creds" / "server")   # the server's config names its own folder
     _write_private(run_dir / "config.toml", config_to_toml(cfg))
     _write_private(run_dir / TOKEN_FILE, secrets.token_hex(16) + "\n")
     tasks = task_list(cfg, run_dir, opts.nodes, creds)
+    bind_devices(tasks, devices, opts.gpus_per_node)
     (run_dir / SLURM_DIR / "tasks.json").write_text(json.dumps(tasks, indent=1))
     name = "fedhop-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in cfg.run.name)
     (run_dir / SLURM_DIR / "job.sbatch").write_text(batch_script(run_dir, opts, len(tasks), name, Path.cwd()))
@@ -259,6 +310,15 @@ def registration_done(run_dir: Path) -> bool:
     return registration_complete(run_dir / "run.db")
 
 
+def step_argv(task: dict, host: str, run_dir: Path, python: str) -> list[str]:
+    """The `srun` of one task: one task on its node, sharing the allocation (`--overlap`), its
+    own log, and its GPUs (`--gres`, set by bind_devices when the job has GPUs)."""
+    return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", f"--job-name={task['node_id']}",
+            f"--output={run_dir}/logs/{task['node_id']}.log", "--kill-on-bad-exit=1",
+            *([f"--gres={task['gres']}"] if task.get("gres") else []),
+            python, "-m", "fedhop.deploy.slurm", "_task", str(run_dir), task["node_id"]]
+
+
 def supervise(run_dir: Path) -> int:
     """Start every task as an srun step and return the run's status (module docstring)."""
     tasks = json.loads((run_dir / SLURM_DIR / "tasks.json").read_text())
@@ -280,9 +340,7 @@ def supervise(run_dir: Path) -> int:
     signal.signal(signal.SIGINT, on_signal)
     for t in tasks:
         host = hosts[t["node"] % len(hosts)]
-        argv = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", f"--job-name={t['node_id']}",
-                f"--output={run_dir}/logs/{t['node_id']}.log", "--kill-on-bad-exit=1",
-                python, "-m", "fedhop.deploy.slurm", "_task", str(run_dir), t["node_id"]]
+        argv = step_argv(t, host, run_dir, python)
         note("start " + shlex.join(argv))
         steps[t["node_id"]] = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
     server = steps[tasks[0]["node_id"]]

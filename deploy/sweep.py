@@ -45,10 +45,18 @@ from typing import Any, Callable
 
 from fedhop.common.procexit import LAUNCHER_ENV
 from fedhop.deploy.bracket import Edge, edges, widen
-from fedhop.deploy.slurm import SlurmArrayRunner, add_slurm_args, options_from
 from fedhop.deploy.report import RunData, build_report, load_run, lower_is_better, meets
-from fedhop.deploy.sweep_spec import (CRITERIA, Dist, SweepSpec, SweepSpecError, check_base_config, load_spec,
-                                      setting_error, toml_value)
+from fedhop.deploy.slurm import SlurmArrayRunner, add_slurm_args, options_from
+from fedhop.deploy.sweep_spec import (
+    CRITERIA,
+    Dist,
+    SweepSpec,
+    SweepSpecError,
+    check_base_config,
+    load_spec,
+    setting_error,
+    toml_value,
+)
 
 CLASSIFICATION = ("digits", "breast_cancer", "mnist", "npz", "robust_digits", "fair_digits")
 

@@ -14,20 +14,20 @@ from pathlib import Path
 
 import torch
 
-from fedhop.common.torch_device import flag_error
+from fedhop.common.addresses import listen_address
+from fedhop.common.admission import RequestGate, model_bytes, request_bounds, throttle_refusal_logs
 from fedhop.common.ledger import Ledger
 from fedhop.common.livebytes import LinkCounter, Reported
 from fedhop.common.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
-from fedhop.common.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
-from fedhop.common.addresses import listen_address
-from fedhop.common.proctitle import set_role_title
-from fedhop.common.plugins import allow_list_from, restrict
-from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
-from fedhop.common.admission import RequestGate, model_bytes, request_bounds, throttle_refusal_logs
 from fedhop.common.methods import role_of
+from fedhop.common.plugins import allow_list_from, restrict
+from fedhop.common.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
+from fedhop.common.proctitle import set_role_title
+from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
+from fedhop.common.torch_device import flag_error
 from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.edge.reports import EdgeRefusals, EventOutbox
 from fedhop.edge.runtime import EdgeProcess
-
 
 READY_WAIT = 120.0   # seconds a call may wait for this process to finish registering
 
@@ -92,11 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     ledger = Ledger(sink)
     counter = LinkCounter(args.node_id)   # live byte totals for the server (common/livebytes.py)
     ledger.observers.append(counter.observe)
+    refusals = EdgeRefusals(EventOutbox())   # run.db events at the server, carried by heartbeats (edge/reports.py)
     endpoint = GrpcEndpoint(args.node_id, ledger, token="", max_message_bytes=args.max_message_bytes,
-                            credentials=creds)
+                            credentials=creds, on_refused=refusals.auth_refused)
+    endpoint.on_busy = refusals.call_refused
+
+    def monitor_event(kind: str, node: str, detail: str) -> None:
+        logging.warning("%s: %s", kind, detail)
+        refusals.monitor_event(kind, node, detail)
+
     # watches this edge's client processes; intervals are set from the run's config once it arrives
-    monitor = LivenessMonitor(endpoint, interval=1.0, timeout=5.0,
-                              on_event=lambda kind, node, detail: logging.warning("%s: %s", kind, detail))
+    monitor = LivenessMonitor(endpoint, interval=1.0, timeout=5.0, on_event=monitor_event)
     relayed = Reported()   # the live totals this edge's children last sent, passed on with its own
     monitor.on_bytes = relayed.report
     try:
@@ -129,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
 
     beats = HeartbeatSender(endpoint, args.parent, interval=sec.heartbeat_interval, parent_timeout=sec.parent_timeout,
                             reregister=lambda: proc.register_with_parent(proc.aggregator.cluster, timeout=10.0),
-                            on_give_up=give_up, counts=lambda: counter.entries() + relayed.entries()).start()
-    proc.aggregator.before_shutdown.append(lambda: beats.stop(wait=True, final=True))
+                            on_give_up=give_up, counts=lambda: counter.entries() + relayed.entries(),
+                            events=refusals.outbox.take).start()
+    proc.aggregator.before_shutdown.append(lambda: (refusals.flush(), beats.stop(wait=True, final=True)))
     stop_on_sigterm()   # SIGTERM or Ctrl-C: shut the cluster's client processes down, then leave
     try:
         proc.wait()

@@ -16,21 +16,22 @@ from typing import Callable
 import torch
 
 from fedhop.common.algorithms import build_algorithm
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.algorithms.local import get_params
-from fedhop.common.tasks import build_task
-from fedhop.common.torch_device import place_task
 from fedhop.common.checkpoint import forward_client_state
-from fedhop.common.control import control_of, failures_control, without_control
 from fedhop.common.config import Config
+from fedhop.common.control import control_of, failures_control, without_control
 from fedhop.common.liveness import unreachable
-from fedhop.common.topology import cluster_assignment, edge_index, topology_params
 from fedhop.common.methods import Method
-from fedhop.common.validation import ReplyLimiter, finite_step
+from fedhop.common.streaming import OrderedFold, reply_budget
+from fedhop.common.tasks import build_task
+from fedhop.common.tasks.placed import place_task
+from fedhop.common.topology import cluster_assignment, edge_index, topology_params
 from fedhop.common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError, Request
 from fedhop.common.transport.fabric import Fabric, ReplyPipeline, Send, upload
 from fedhop.common.transport.router import MethodRouter, Peers
+from fedhop.common.validation import ReplyLimiter, finite_step, finite_streamed
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload
 
 log = logging.getLogger("fedhop.edge")
 
@@ -144,11 +145,15 @@ class EdgeAggregator:
         partial: Payload | None = None
         for k in range(kappa2):
             live = [c for c in sampled if c not in failures]
-            replies, failed = self.collect(live, round, k, message)
+            replies, failed = self.collect(live, round, k, message, stream=self.algorithm.streams())
             failures.update(failed)
             if not replies:
                 break
-            partial, blamed = finite_step(self.algorithm, None, replies, round)   # NaN/Inf sums: offender out
+            fold = getattr(replies, "fold", None)   # folded as they arrived (common/streaming.py)
+            if fold is not None:   # a sum that is not finite: the worst named, no partial this time
+                partial, blamed = finite_streamed(self.algorithm, None, fold.result(), fold.magnitudes, round)
+            else:
+                partial, blamed = finite_step(self.algorithm, None, replies, round)   # NaN/Inf sums: offender out
             failures.update(blamed)
             if partial is None:
                 break
@@ -165,9 +170,11 @@ class EdgeAggregator:
         partial.control.processes.extend(sorted(gone))
         return upload(self.cfg, partial, self.endpoint.node_id, round, 0)   # QSGD uploads (common/pipeline.py)
 
-    def collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None):
+    def collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None, stream: bool = False):
         """Send `message` to `clients` (one encoding), gather replies checked against `spec`
-        (default: the algorithm's reply spec for this edge's model) and failures."""
+        (default: the algorithm's reply spec for this edge's model) and failures.  `stream`: fold
+        the replies in client-id order as they arrive (common/streaming.py); the replies are then
+        a StreamedResults of their scalars."""
         spec = spec if spec is not None else self.algorithm.reply_spec(self.model_state)
         rules = self.algorithm.reply_scalars()
         failures: dict[int, str] = {}
@@ -179,9 +186,11 @@ class EdgeAggregator:
             check = ReplyPipeline(self.cfg, spec, rules, self.limiter.limits([c]))
             requests.append(Send(c, self.client_home[c][1], f"client-{c}", Method.TRAIN, message, step=step,
                                  inbound=check, who=f"round {round} step {step} reply of client {c}"))
+        fold = (OrderedFold(sorted(req.key for req in requests), self.algorithm.reply_reduce, reply_budget(spec, 1.0))
+                if stream else None)   # in client-id order, as `finite_step` aggregates
         replies, failed = self.fabric.send_and_receive(requests, round=round, timeout=self.cfg.run.round_timeout,
                                                        call_timeout=self.cfg.run.call_timeout,
-                                                       timeout_reason=f"timeout at {self.endpoint.node_id}")
+                                                       timeout_reason=f"timeout at {self.endpoint.node_id}", fold=fold)
         failures.update(failed)
         self.suspect_failed(failed)
         return replies, failures

@@ -20,13 +20,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.methods import Method
 from fedhop.common.topology import edge_node
 from fedhop.common.transport.base import CallFailed, HandlerError
 from fedhop.common.transport.groups import worlds
 from fedhop.common.validation import validate_reply
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload
 
 
 class GroupEdge:

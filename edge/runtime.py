@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 
+from fedhop.common.liveness import register_with_backoff
+from fedhop.common.plugins import parent_config, tell_refusal
 from fedhop.common.torch_device import process_device
-from fedhop.common.plugins import parent_config
 from fedhop.common.transport.base import Endpoint, HandlerError, Request
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.edge.aggregator import EdgeAggregator
 from fedhop.edge.sequential import SequentialEdge
-from fedhop.common.liveness import register_with_backoff
 
 log = logging.getLogger("fedhop.edge")
 
@@ -35,11 +35,31 @@ class EdgeProcess:
         return self.aggregator.handle(request)
 
     def _register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
+        if req.refusal:   # a client process refuses the run's config: the server fails the run
+            return self._pass_refusal(req)
         # a client may arrive before this edge has its config from the server: hold it briefly
         if not self._ready.wait(60.0) or self.aggregator is None:
             return pb.RegisterReply(accepted=False, message=f"{self.endpoint.node_id} is not registered with "
                                                             f"the server; cannot accept clients yet")
         return self.aggregator.handle_register(req)
+
+    def _pass_refusal(self, req: pb.RegisterRequest) -> pb.RegisterReply:
+        """A child's refusal of the config, passed to the server in this edge's name (the
+        server knows the edge; the refusal text names the client process and the plug-in)."""
+        log.error("%s", req.refusal)
+        known = self.aggregator is not None and any(node == req.node_id
+                                                    for node, _ in list(self.aggregator.client_home.values()))
+        if not known:
+            return pb.RegisterReply(accepted=False, message=f"{req.node_id} is not a registered client process of "
+                                                            f"{self.endpoint.node_id}")
+        relay = pb.RegisterRequest(node_id=self.endpoint.node_id, role="edge", address=self.address,
+                                   token=self.endpoint.token, run_id=self.endpoint.run_id,
+                                   refusal=f"{req.refusal} (via {self.endpoint.node_id})")
+        try:
+            self.endpoint.register(self.parent, relay, 10.0)
+        except Exception as exc:   # the server is gone: the edge's own timeouts end it
+            log.warning("could not pass %s's refusal to %s: %s", req.node_id, self.parent, exc)
+        return pb.RegisterReply(accepted=True, run_id=self.endpoint.run_id, message="refusal passed to the server")
 
     def register_with_parent(self, clients: list[int], timeout: float, attempts: int = 30) -> pb.RegisterReply:
         req = pb.RegisterRequest(node_id=self.endpoint.node_id, role="edge", address=self.address,
@@ -54,7 +74,13 @@ class EdgeProcess:
 
     def start(self, client_timeout: float = 120.0) -> None:
         reply = self.register_with_parent([], timeout=60.0)
-        cfg = parent_config(reply.config_toml, self.endpoint.node_id, self.parent)   # plug-ins: allow-list
+        try:
+            cfg = parent_config(reply.config_toml, self.endpoint.node_id, self.parent)   # plug-ins: allow-list
+        except RuntimeError as exc:   # e.g. PLUGIN_NOT_ALLOWED: the server is told before this edge leaves
+            request = pb.RegisterRequest(node_id=self.endpoint.node_id, role="edge", address=self.address,
+                                         token=self.endpoint.token)
+            tell_refusal(self.endpoint, self.parent, request, reply.run_id, str(exc))
+            raise
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
         device = process_device(self.device_spec, cfg.edges.device, "edges.device")

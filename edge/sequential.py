@@ -41,20 +41,19 @@ import threading
 
 import torch
 
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.algorithms.fedchs import FedCHS, NoClusterReplies, VisitCount
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.codec import PayloadError
 from fedhop.common.control import control_of, failures_control
-from fedhop.common.wire import fedhop_pb2 as pb
-from fedhop.edge.group_edge import GroupModelPath
-from fedhop.common.tasks import build_task
-from fedhop.common.torch_device import place_task
-from fedhop.common.topology import (SEQ_METRIC_PREFIX, edge_graph, edge_node,
-                             topology_params)
 from fedhop.common.methods import Method
-from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
 from fedhop.common.pipeline import ModelPipeline
+from fedhop.common.tasks import build_task
+from fedhop.common.tasks.placed import place_task
+from fedhop.common.topology import SEQ_METRIC_PREFIX, edge_graph, edge_node, topology_params
+from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload
+from fedhop.edge.group_edge import GroupModelPath
 
 log = logging.getLogger("fedhop.edge")
 

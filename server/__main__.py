@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from fedhop.common.torch_device import process_device
 from fedhop.common.addresses import insecure_from_env, listen_address, plaintext_refusal
 from fedhop.common.admission import EventThrottle, RequestGate, peer_host, throttle_refusal_logs
 from fedhop.common.checkpoint import CheckpointError
@@ -30,7 +29,9 @@ from fedhop.common.liveness import LivenessMonitor
 from fedhop.common.procexit import exit_now, freeze_heap, stop_on_sigterm
 from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import NodeCredentials, SecurityError
+from fedhop.common.torch_device import process_device
 from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.server.child_reports import ChildReports
 from fedhop.server.coordinator import Coordinator
 from fedhop.server.resilience import Checkpointer, resume
 
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         return 2
     holder["coordinator"] = coordinator
+    reports = ChildReports(coordinator)   # config refusals and an edge's refusals (server/child_reports.py)
+    reports.install()                     # before serving: a child's refusal of the config fails the run at once
     live = ServerLive(coordinator.store, counter)
     coordinator.round_listeners.append(lambda result: live.flush(result.round))   # each round's live figure
     checkpointer = Checkpointer(coordinator)
@@ -127,10 +130,11 @@ def main(argv: list[str] | None = None) -> int:
                                               "checkpoints": [{"round": r, "seconds": s}
                                                               for r, s in checkpointer.written]})
     monitor.on_bytes = live.report
+    monitor.on_events = reports.events
     freeze_heap()   # set-up done: the collector walks only what the run allocates (common/procexit.py)
     monitor.start()
     try:
-        address = endpoint.serve(lambda req: _no_calls(), args.listen, register_handler=coordinator.handle_register)
+        address = endpoint.serve(lambda req: _no_calls(), args.listen, register_handler=reports.register)
     except (OSError, RuntimeError) as exc:   # grpc: "Failed to bind to address ..."
         logging.error("cannot serve on --listen %s: %s", args.listen, str(exc).split(";")[0])
         monitor.stop()

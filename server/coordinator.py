@@ -18,23 +18,25 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from fedhop.common.methods import Method
-from fedhop.common.algorithms.base import COMPUTE_KEY, Payload, ServerState
-from fedhop.common.algorithms.local import set_params
+from fedhop.common.algorithms.base import ServerState
+from fedhop.common.algorithms.local import set_params, whole_params
 from fedhop.common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
 from fedhop.common.ledger import Ledger
+from fedhop.common.liveness import live_pool, unreachable
+from fedhop.common.methods import Method
 from fedhop.common.procexit import Stopped, ignore_stops, stop_reason
-from fedhop.common.runstore import RunStore
-from fedhop.common.tasks import build_task
-from fedhop.common.torch_device import place_task
 from fedhop.common.rounds import RoundEngine
+from fedhop.common.runstore import RunStore
+from fedhop.common.streaming import RoundMemory
+from fedhop.common.tasks import build_task
+from fedhop.common.tasks.placed import place_task
+from fedhop.common.topology import edge_index
 from fedhop.common.transport.base import CallFailed, Endpoint, RemoteError
 from fedhop.common.transport.fabric import Fabric
-from fedhop.common.liveness import live_pool, unreachable
-from fedhop.common.topology import edge_index
 from fedhop.common.validation import ReplyLimiter, consistent_results, rejection_code
 from fedhop.common.vclock import RoundClock
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import COMPUTE_KEY, Payload
 from fedhop.server.driver import ChildNode, RoundResult, RunFailed, TopologyDriver, client_node, make_driver
 from fedhop.server.resilience import fault_summary, record_refusals
 
@@ -110,6 +112,11 @@ class Coordinator:
         # clients an edge reported dead (their processes failed or stopped beating), by edge node id
         self.unavailable: dict[str, set[int]] = {}
         self.skipped_in_a_row = 0
+        # resident memory over the rounds (summary.json server_memory: what streaming aggregation bounds)
+        self.memory = RoundMemory()
+        self.ready_listeners.append(self.memory.begin)
+        self.round_listeners.append(self.memory.note)
+        self.summary_hooks.append(self.memory.summary)
 
     # ------------------------------------------------------------------ registration
     def handle_register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
@@ -298,7 +305,12 @@ class Coordinator:
         """The end of a round of sampled clients (any topology's driver): record the failures,
         settle the virtual clock, check min_results, aggregate, take the server step, evaluate
         and record the round.  `per_client`: `results` holds one reply per client (not edge
-        partials), so the virtual clock can cut single clients."""
+        partials), so the virtual clock can cut single clients.  `results` a StreamedResults
+        (common/streaming.py): the replies were folded as they arrived and only their scalars
+        are here; where the folded aggregate is not finite the round is skipped (None)."""
+        fold = getattr(results, "fold", None)
+        if fold is not None:
+            self.memory.note_fold(fold)
         results, inconsistent = consistent_results(results)
         failures.update(inconsistent)
         self.record_failures(round, failures)
@@ -322,7 +334,10 @@ class Coordinator:
                             f"returned a result; run.min_results requires {needed}")
         collected = time.perf_counter()
         aggregate = self.engine.finish_round(   # NaN/Inf: rolled back, the offender left out
-            round, results, participants, lambda blamed, kept: self._left_out(round, blamed, kept, failures, per_client))
+            round, results, participants, lambda blamed, kept: self._left_out(round, blamed, kept, failures, per_client),
+            fold=fold)
+        if aggregate is None:   # a folded round whose sum or step was not finite (common/validation.py)
+            return self.skip_streamed(round, failures)
         for node, detail in getattr(self.algorithm.aggregate, "drain", list)():   # common/robust.py: short groups
             self.store.add_event("robust_fallback", node=node or "server", detail=detail, round=round)
         aggregated = time.perf_counter()
@@ -336,6 +351,26 @@ class Coordinator:
                              settled.sim_seconds)
         self.record_round(result)
         return result
+
+    def streams(self, per_client: bool = True) -> bool:
+        """Whether the round's replies are folded as they arrive (RoundEngine.streams)."""
+        return self.engine.streams(per_client)
+
+    def skip_streamed(self, round: int, failures: dict[int, str]) -> None:
+        """A folded round whose aggregate or new model was not finite: the model stays, the
+        round is over (its offender is recorded by `_left_out`), as a skipped short round."""
+        self.failures_total += len(failures)
+        self.skipped_in_a_row += 1
+        self.store.add_event("round_skipped", node="server", round=round,
+                             detail="NON_FINITE_AGGREGATE: the folded aggregate or the new model held NaN/Inf and "
+                                    "the replies were not kept to retry without the worst; the model is unchanged")
+        log.warning("round %d: the folded aggregate was not finite; skipped", round)
+        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise RunFailed(f"round {round}: {self.skipped_in_a_row} rounds in a row skipped; last: the folded "
+                            f"aggregate held NaN/Inf")
+        self.store.insert_records(self.ledger.drain())
+        self.rounds_completed = round
+        return None
 
     def group_message(self, message: Payload, round: int, cids: list[int]) -> Payload:
         """One message for a group of clients (an edge's, a collective's): the largest of their
@@ -443,10 +478,10 @@ class Coordinator:
         if "train_loss" not in final:
             set_params(self.model, self.state.params)
             final["train_loss"] = float(self.task.train_loss(self.model))
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.state.params.items()},
-                  str(self.run_dir / "model.safetensors"))
+        save_file({k: v.detach().cpu().contiguous() for k, v in whole_params(self.model, self.state.params).items()},
+                  str(self.run_dir / "model.safetensors"))   # frozen parameters too (model.exchange)
         for name, params in self.algorithm.outputs(self.state).items():
-            save_file({k: v.detach().cpu().contiguous() for k, v in params.items()},
+            save_file({k: v.detach().cpu().contiguous() for k, v in whole_params(self.model, params).items()},
                       str(self.run_dir / f"model-{name}.safetensors"))
         by_link = self.store.bytes_by_link()
         agreement = self.store.check_agreement()
@@ -471,7 +506,8 @@ class Coordinator:
             "round_retries": len(self.store.events("round_retried")),   # run.on_short_round
             "rounds_skipped": len(self.store.events("round_skipped")),
             "wall_seconds": wall_seconds,
-            "num_parameters": int(sum(t.numel() for t in self.state.params.values())),
+            "num_parameters": int(sum(t.numel() for t in whole_params(self.model, self.state.params).values())),
+            "exchanged_parameters": int(sum(t.numel() for t in self.state.params.values())),   # model.exchange
             "num_clients": self.cfg.clients.count,
             "clients_per_round": resolve_clients_per_round(self.cfg),
         }

@@ -22,13 +22,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from fedhop.common.algorithms.base import Algorithm, Payload, ServerState
+    from pathlib import Path
+
+    from fedhop.common.algorithms.base import Algorithm, ServerState
     from fedhop.common.config import Config
     from fedhop.common.ledger import Ledger
     from fedhop.common.runstore import RunStore
     from fedhop.common.transport.fabric import Fabric
     from fedhop.common.validation import ReplyLimiter
     from fedhop.common.vclock import RoundClock
+    from fedhop.common.wire.message import Payload
 
 
 class RunFailed(RuntimeError):
@@ -79,6 +82,9 @@ class DriverContext(Protocol):
     limiter: ReplyLimiter          # what a reply may claim for its clients (common/validation.py)
 
     unavailable: dict[str, set[int]]   # clients an edge reported dead, by edge node id
+    run_dir: Path                      # where a streaming fold spills replies ahead of their turn
+
+    def streams(self, per_client: bool = True) -> bool: ...   # replies folded as they arrive (common/streaming.py)
 
     def sample(self, round: int, attempt: int = 0) -> list[int]: ...
     def note_failures(self, round: int, failures: dict[int, str], per_client: bool) -> None: ...
@@ -146,9 +152,9 @@ def register_driver(kind: str) -> Callable[[type[TopologyDriver]], type[Topology
 
 def driver_class(kind: str) -> type[TopologyDriver]:
     """The driver registered for `kind` (the built-in drivers register on import)."""
-    import fedhop.server.topologies  # noqa: F401  (registers star, hierarchical, sequential, chain, relay)
+    import fedhop.server.topologies  # noqa: F401  (registers star, hierarchical, sequential, chain, relay, gossip)
     if kind not in DRIVERS:
-        from fedhop.common.plugins import load_topology   # a user's driver (the config loader loaded it already)
+        from fedhop.common.plugins import load_topology  # a user's driver (the config loader loaded it already)
         try:
             cls = load_topology(kind)
         except (KeyError, ValueError) as exc:

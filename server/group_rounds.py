@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import PayloadError
 from fedhop.common.methods import Method
 from fedhop.common.topology import edge_index
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.groups import Group, GroupFailed, Member, worlds
 from fedhop.common.validation import validate_reply
+from fedhop.common.wire.message import Payload
 from fedhop.server.driver import DriverContext, RunFailed
 from fedhop.server.sampled import DataPlane
 

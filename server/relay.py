@@ -23,13 +23,13 @@ from collections import Counter
 
 import numpy as np
 
-from fedhop.common.methods import Method
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import PayloadError
+from fedhop.common.methods import Method
 from fedhop.common.rng import numpy_stream
 from fedhop.common.topology import topology_params
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.fabric import ReplyPipeline
+from fedhop.common.wire.message import Payload
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
 
 

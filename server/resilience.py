@@ -26,12 +26,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedhop.common.algorithms.base import Payload
-from fedhop.common.checkpoint import (STATE_GET, STATE_SET, Checkpoint, CheckpointError, capture_rng, config_digest,
-                               latest_checkpoint, restore_rng, save_checkpoint, states_from_payload,
-                               states_to_payload)
+from fedhop.common.algorithms.local import frozen_params
+from fedhop.common.checkpoint import (
+    STATE_GET,
+    STATE_SET,
+    Checkpoint,
+    CheckpointError,
+    capture_rng,
+    check_frozen,
+    config_digest,
+    latest_checkpoint,
+    restore_rng,
+    save_checkpoint,
+    states_from_payload,
+    states_to_payload,
+)
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.validation import rejection_code
+from fedhop.common.wire.message import Payload
 from fedhop.server.driver import driver_class
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,6 +83,7 @@ class Checkpointer:
         if topology is not None:   # e.g. a walk's holder and sequence (server/sequential.py, server/walk.py)
             info["topology"] = topology
         ckpt = Checkpoint(round=round, run_id=coord.run_id, params=coord.state.params, extra=coord.state.extra,
+                          frozen=frozen_params(coord.model),   # model.exchange: the whole model is saved
                           scalars=dict(coord.state.scalars), client_states=self.client_states,
                           torch_rng=torch_rng, numpy_rng=numpy_rng, failures_total=coord.failures_total,
                           ledger=coord.store.row_counts(), config_sha256=config_digest(coord.config_toml),
@@ -131,6 +144,7 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     missing = sorted(set(coord.state.params) ^ set(ckpt.params))
     if missing:
         raise CheckpointError(f"checkpoint model tensors differ from the config's model: {missing[:10]}")
+    check_frozen(ckpt, frozen_params(coord.model))   # model.exchange: the parameters nobody sends
     if driver_class(coord.cfg.topology.kind).checkpoint_needs_state and "topology" not in ckpt.info:
         raise CheckpointError(f"checkpoint of round {ckpt.round} holds no state of the {coord.cfg.topology.kind} "
                               f"topology's walk (written by a fedhop that could not resume it)")

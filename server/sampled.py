@@ -15,11 +15,12 @@ from __future__ import annotations
 import time
 from typing import Callable, ClassVar
 
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.control import control_of, failures_of, sampled_clients
 from fedhop.common.methods import Method
+from fedhop.common.streaming import OrderedFold, StreamedResults, reply_budget
 from fedhop.common.topology import edge_index
 from fedhop.common.transport.fabric import ReplyPipeline, Send
+from fedhop.common.wire.message import Payload
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
 
 
@@ -53,7 +54,8 @@ class ClientFanout(DataPlane):
                     for cid in sampled]
         timeout = ctx.cfg.run.round_timeout
         return ctx.fabric.send_and_receive(requests, round=round, timeout=timeout, call_timeout=ctx.cfg.run.call_timeout,
-                                           timeout_reason=f"timeout: no result within run.round_timeout={timeout}s")
+                                           timeout_reason=f"timeout: no result within run.round_timeout={timeout}s",
+                                           fold=round_fold(ctx, sampled, spec, per_client=True))
 
 
 class EdgeFanout(DataPlane):
@@ -78,7 +80,8 @@ class EdgeFanout(DataPlane):
         timeout = ctx.cfg.run.round_timeout * 2
         partials, edge_failures = ctx.fabric.send_and_receive(
             requests, round=round, timeout=timeout, call_timeout=timeout,
-            timeout_reason=f"timeout: no result within run.round_timeout={ctx.cfg.run.round_timeout}s")
+            timeout_reason=f"timeout: no result within run.round_timeout={ctx.cfg.run.round_timeout}s",
+            fold=round_fold(ctx, sorted(by_edge, key=edge_index), spec, per_client=False))
         failures: dict[int, str] = {}
         for node_id, why in edge_failures.items():
             ctx.store.add_event("edge_failed", node=node_id, detail=why, round=round)
@@ -86,7 +89,10 @@ class EdgeFanout(DataPlane):
                 failures[cid] = f"edge {node_id} failed: {why}"
             if " replied NO_RESULTS:" in why:   # none of its sampled clients answered: avoid them until it says more
                 ctx.unavailable.setdefault(node_id, set()).update(by_edge[node_id])
-        results = {}
+        results = StreamedResults() if hasattr(partials, "fold") else {}
+        if hasattr(partials, "fold"):   # folded in edge-index order; the round keys partials by index
+            partials.fold.rekey(edge_index)
+            results.fold = partials.fold
         for node_id, partial in partials.items():
             failures.update({c: f"at {node_id}: {why}" for c, why in failures_of(partial).items()})
             control = control_of(partial)
@@ -98,6 +104,15 @@ class EdgeFanout(DataPlane):
             ctx.unavailable[node_id] = reported
             results[edge_index(node_id)] = partial
         return results, failures
+
+
+def round_fold(ctx: DriverContext, keys: list, spec, per_client: bool) -> OrderedFold | None:
+    """The round's streaming fold over `keys` in aggregation order (common/streaming.py), or None
+    where the round collects every reply (Coordinator.streams): replies ahead of their turn are
+    kept in memory up to one reply's bytes, spilled to the run directory beyond."""
+    if not ctx.streams(per_client):
+        return None
+    return OrderedFold(keys, ctx.algorithm.reply_reduce, budget_bytes=reply_budget(spec, 1.0), spill_dir=ctx.run_dir)
 
 
 class SampledRoundDriver(TopologyDriver):
@@ -154,7 +169,7 @@ class SampledRoundDriver(TopologyDriver):
 
 
 def _group_star(ctx: DriverContext) -> DataPlane:
-    from fedhop.server.group_rounds import GroupRounds   # which imports DataPlane from here
+    from fedhop.server.group_rounds import GroupRounds  # which imports DataPlane from here
     return GroupRounds(ctx)
 
 

@@ -16,15 +16,14 @@ import json
 import time
 from collections import Counter
 
-
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import PayloadError
+from fedhop.common.control import control_of, failures_of
 from fedhop.common.methods import Method
 from fedhop.common.pipeline import ModelPipeline
-from fedhop.common.control import control_of, failures_of
-from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.topology import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, edge_node, start_edge
 from fedhop.common.transport.base import CallFailed, RemoteError
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
 from fedhop.server.group_rounds import GroupSequentialPath
 

@@ -19,15 +19,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-
-from fedhop.common.algorithms.base import Payload
-from fedhop.common.methods import Method
 from fedhop.common.codec import PayloadError
+from fedhop.common.methods import Method
 from fedhop.common.pipeline import ModelPipeline
 from fedhop.common.topology import SEQ_METRIC_PREFIX, topology_params
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.walk import WalkRule, start_client
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
 
 

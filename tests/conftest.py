@@ -3,11 +3,8 @@ root on sys.path, so tests import `tests.helpers`; fedhop itself is the installe
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
 
 
 def pytest_collection_modifyitems(config, items):

@@ -35,14 +35,21 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from fedhop.common.config import load_config, parse_config
 from fedhop.common.runstore import RunStore
 from fedhop.deploy.launcher import LocalRun, read_progress, resume_local, run_local
 from fedhop.server.resilience import ledger_consistency
-from tests.faultkit import (FAST_LIVENESS, failed_by_round, slow_quadratic, soak, wait_dead,
-                            wait_for_dispatch, wait_for_round)
+from tests.faultkit import (
+    FAST_LIVENESS,
+    failed_by_round,
+    slow_quadratic,
+    soak,
+    wait_dead,
+    wait_for_dispatch,
+    wait_for_round,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _row(name: str, run_dir: Path, faults: str, expected: str, detect: str = "-", resume: str = "-") -> dict:
@@ -133,9 +140,9 @@ def scenario_kill_server(base: Path, rounds: int) -> dict:
 
 def _proxy(base: Path, name: str, mode: str, p: float, seed: int, rounds: int) -> dict:
     from tests.cluster import Cluster
+    from tests.helpers import quadratic_config
     from tests.netfault import FaultProxy
     from tests.test_proxy import CENTERS, CURV, LR, SIZES, STEPS
-    from tests.helpers import quadratic_config
     cfg = parse_config(quadratic_config(CENTERS, CURV, SIZES, rounds=rounds, local_steps=STEPS, lr=LR, name=name),
                        ["run.min_results=1", "run.call_timeout=10.0", "run.round_timeout=20.0", "run.eval_every=0"])
     cluster = Cluster(cfg, base / name)

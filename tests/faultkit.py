@@ -157,8 +157,8 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
     Returns what was done: kills, restarts, times, and how many restarts came before the server
     had noticed."""
     from fedhop.common.config import load_config
-    from fedhop.common.rng import numpy_stream
     from fedhop.common.plan import id_spec, plan_processes
+    from fedhop.common.rng import numpy_stream
     from fedhop.deploy.launcher import LocalRun
 
     cfg_file = tmp_path / "soak.toml"

@@ -166,8 +166,8 @@ def test_real_runs_widen_a_quadratic_lr_grid(tmp_path):
     base = tmp_path / "quad.toml"
     base.write_text(quadratic_config(centers, curv, [1, 1, 1], rounds=3, local_steps=5, lr=0.1, processes=1))
     spec = tmp_path / "sweep.toml"
-    spec.write_text(f'[sweep]\nconfig = "quad.toml"\nseeds = [0]\nparallel = 2\nextend = 4\n'
-                    f'[grid]\n"algorithm.lr" = [0.05, 0.1]\n[criterion]\nkind = "final"\nmetric = "objective"\n')
+    spec.write_text('[sweep]\nconfig = "quad.toml"\nseeds = [0]\nparallel = 2\nextend = 4\n'
+                    '[grid]\n"algorithm.lr" = [0.05, 0.1]\n[criterion]\nkind = "final"\nmetric = "objective"\n')
     out = tmp_path / "out"
     assert main([str(spec), "--out", str(out), "--quiet"]) == 0
     res = json.loads((out / "results.json").read_text())

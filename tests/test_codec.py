@@ -5,8 +5,17 @@ import pytest
 import torch
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.codec import (DTYPES, FRAME_OVERHEAD, PayloadError, SnapshotChanged, check_tensors,
-                                 decode_frames, encode, hand_over, make_envelope)
+from fedhop.common.codec import (
+    DTYPES,
+    FRAME_OVERHEAD,
+    PayloadError,
+    SnapshotChanged,
+    check_tensors,
+    decode_frames,
+    encode,
+    hand_over,
+    make_envelope,
+)
 from fedhop.common.wire import fedhop_pb2 as pb
 
 

@@ -260,6 +260,12 @@ def test_compose_on_a_real_docker_engine(tmp_path):
     assert rows["star"]["recorded_processes"] == rows["star"]["client_ledgers"] == 3
     assert rows["hierarchical"]["topology"] == "hierarchical" and rows["sequential"]["topology"] == "sequential"
     assert rows["mtls"]["mtls"] is True and result["checkout_unchanged"]
+    # from inside a running client-1 container (per-node folders from `fedhop compose`): its own key
+    # and the CA's certificate, no other node's key, no ca.key, no cluster.secret
+    seen = {Path(p).name for p in rows["mtls"]["client_1_sees"]}
+    assert "client-proc1.key" in seen and "ca.pem" in seen, rows["mtls"]
+    assert not seen & {"ca.key", "cluster.secret", "server.key", "client-proc0.key"}, rows["mtls"]
+    assert {n for n in seen if n.endswith(".key")} == {"client-proc1.key"}, rows["mtls"]
     assert rows["crash"]["exit_status"] != 0 and rows["badconfig"]["exit_status"] == 2
     server_log = (tmp_path / "mtls.log").read_text()
     assert "plaintext" not in server_log and "PermissionError" not in server_log
@@ -272,33 +278,41 @@ def test_compose_on_a_real_docker_engine(tmp_path):
 
 
 @needs_compose
-def test_each_service_mounts_only_its_own_credentials(tmp_path):
-    """Per-node folders as docs/deployment.md makes them ("Per-node credentials"): the resolved
-    project mounts each service's own folder at /certs, and no client container sees ca.key,
-    the server's or an edge's key."""
+def test_each_service_mounts_only_its_own_credentials(tmp_path, monkeypatch):
+    """`fedhop compose` as docs/deployment.md runs it: one folder per node and an override in which
+    each service, every client process a service of its own, mounts only its own folder at /certs:
+    ca.pem and that node's pair, never ca.key, cluster.secret or another node's key."""
     from fedhop.deploy.certs import main as certs_main
-    nodes = ["server", "edge-0", "edge-1", "client-proc0", "client-proc1"]
-    certs, split = tmp_path / "certs", tmp_path / "certs-nodes"
-    assert certs_main([str(certs), "--nodes", ",".join(nodes)]) == 0
-    shared = ["ca.pem", "cluster.secret"]
-    folders = {n: [*shared, f"{n}.pem", f"{n}.key"] for n in nodes[:3]}
-    folders["clients"] = [*shared] + [f"{n}.{ext}" for n in nodes[3:] for ext in ("pem", "key")]
-    for folder, names in folders.items():
-        (split / folder).mkdir(parents=True)
-        for name in names:
-            shutil.copy(certs / name, split / folder / name)
-    env = {"FEDHOP_CERTS_SRC": str(certs), "FEDHOP_CERTS_SERVER": str(split / "server"),
-           "FEDHOP_CERTS_EDGE0": str(split / "edge-0"), "FEDHOP_CERTS_EDGE1": str(split / "edge-1"),
-           "FEDHOP_CERTS_CLIENT": str(split / "clients")}
-    svc = compose_config([BASE], env, profiles=["hierarchical"])["services"]
-    mounted = {name: Path(next(v["source"] for v in s["volumes"] if v["target"] == "/certs")) for name, s in svc.items()}
-    assert mounted == {"server": split / "server", "edge-0": split / "edge-0", "edge-1": split / "edge-1",
-                       "client": split / "clients"}
+    from fedhop.deploy.compose import main as compose_main
+    monkeypatch.chdir(tmp_path)          # the user's relative paths
+    nodes = ["server", "edge-0", "edge-1", "client-proc0", "client-proc1", "client-proc2"]
+    assert certs_main(["certs", "--nodes", ",".join(nodes)]) == 0
+    assert compose_main(["certs", "--clients", "3", "--edges", "2", "--file", str(BASE)]) == 0
+    override = tmp_path / "compose-nodes" / "compose.yml"
+    svc = compose_config([BASE, override], {"FEDHOP_INSECURE": "0", "FEDHOP_MTLS": "1", "FEDHOP_CERTS_DIR": "/certs"},
+                         profiles=["hierarchical"], project_dir=ROOT)["services"]
+    assert svc["client"]["deploy"]["replicas"] == 0     # the scalable service's replicas would share one mount
+    mounted = {name: Path(next(v["source"] for v in s["volumes"] if v["target"] == "/certs"))
+               for name, s in svc.items() if name != "client"}
+    want = {"server": "server", "edge-0": "edge-0", "edge-1": "edge-1",
+            **{f"client-{k}": f"client-proc{k}" for k in range(3)}}
+    assert {n: p.name for n, p in mounted.items()} == want
     for name, source in mounted.items():
-        seen = {p.name for p in source.iterdir()}
-        assert "ca.key" not in seen, name
-        own = {"client": set(nodes[3:])}.get(name, {name})
-        assert {p.removesuffix(".key") for p in seen if p.endswith(".key")} == own, name
-    # without the per-node variables, the shared folder (every key) is what each service mounts
-    svc = compose_config([BASE], {"FEDHOP_CERTS_SRC": str(certs)})["services"]
-    assert {Path(next(v["source"] for v in s["volumes"] if v["target"] == "/certs")) for s in svc.values()} == {certs}
+        node = want[name]
+        assert sorted(p.name for p in source.iterdir()) == sorted(["ca.pem", f"{node}.pem", f"{node}.key"]), name
+        assert (source / f"{node}.key").read_bytes() == (tmp_path / "certs" / f"{node}.key").read_bytes()
+        assert (source / f"{node}.key").stat().st_mode & 0o077 == 0
+        s = svc[name]
+        assert s["environment"]["FEDHOP_CLIENT_PROCESSES"] == "3" and s["environment"]["FEDHOP_MTLS"] == "1"
+        if name.startswith("client-"):            # the client service's command, its own slot
+            assert s["environment"]["FEDHOP_SLOT"] == name.split("-")[1] and s["deploy"]["replicas"] == 1
+            assert s["command"] == svc["client"]["command"] and s["restart"] == "no"
+    # a node whose pair is missing: one line naming the file, exit 2
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "compose", "certs", "--clients", "4",
+                          "--file", str(BASE), "--out", "other"], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120)
+    assert res.returncode == 2 and "client-proc3.pem" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    # FEDHOP_CERTS_SRC alone: the one folder (every key) in every service
+    svc = compose_config([BASE], {"FEDHOP_CERTS_SRC": str(tmp_path / "certs")})["services"]
+    assert {Path(next(v["source"] for v in s["volumes"] if v["target"] == "/certs")) for s in svc.values()} == \
+        {tmp_path / "certs"}

@@ -10,8 +10,16 @@ from dataclasses import dataclass, field
 import pytest
 
 import fedhop.common.config as config_module
-from fedhop.common.config import (ConfigError, client_local_steps, config_to_toml, load_config, parse_config,
-                           register_options_schema, resolve_clients_per_round, resolve_min_results)
+from fedhop.common.config import (
+    ConfigError,
+    client_local_steps,
+    config_to_toml,
+    load_config,
+    parse_config,
+    register_options_schema,
+    resolve_clients_per_round,
+    resolve_min_results,
+)
 from fedhop.common.config_schema import Config
 
 

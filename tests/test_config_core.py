@@ -3,8 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from fedhop.common.config import (ConfigError, client_local_steps, config_to_toml, load_config, parse_config,
-                           resolve_clients_per_round, resolve_min_results)
+from fedhop.common.config import (
+    ConfigError,
+    client_local_steps,
+    config_to_toml,
+    load_config,
+    parse_config,
+    resolve_clients_per_round,
+    resolve_min_results,
+)
 
 
 @pytest.mark.parametrize("text,key", [

@@ -158,10 +158,11 @@ def test_nccl_gives_every_process_its_own_gpu_or_refuses():
 
 def test_a_placed_task_keeps_recent_clients_and_evaluates_like_the_task(monkeypatch):
     from fedhop.common.tasks import build_task
-    monkeypatch.setattr(td, "DEVICE_CLIENTS", 3)
+    from fedhop.common.tasks import placed as tp
+    monkeypatch.setattr(tp, "DEVICE_CLIENTS", 3)
     for text in ('[clients]\ncount = 6\n', '[data]\ndataset = "quadratic"\ndim = 3\n[clients]\ncount = 6\n'):
         inner = build_task(parse_config(text))
-        placed = td.PlacedTask(inner, torch.device("cpu"))   # the CPU standing in for a device
+        placed = tp.PlacedTask(inner, torch.device("cpu"))   # the CPU standing in for a device
         for cid in (0, 1, 2, 3, 1, 4):
             data = placed.client_data(cid)
             assert all(torch.equal(a, b) for a, b in zip(data.tensors, inner.client_data(cid).tensors))
@@ -170,7 +171,7 @@ def test_a_placed_task_keeps_recent_clients_and_evaluates_like_the_task(monkeypa
         assert placed.evaluate(model) == inner.evaluate(model)
         assert placed.train_loss(model) == inner.train_loss(model)
         assert placed.num_clients == inner.num_clients and placed.kind == inner.kind
-    assert td.place_task(inner, torch.device("cpu")) is inner        # on the CPU: the task itself
+    assert tp.place_task(inner, torch.device("cpu")) is inner        # on the CPU: the task itself
 
 
 @pytest.mark.skipif(__import__("shutil").which("kubectl") is None, reason="needs kubectl (kustomize)")

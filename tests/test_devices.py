@@ -11,8 +11,15 @@ import pytest
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import PayloadError
 from fedhop.common.config import ConfigError, config_to_toml, parse_config
-from fedhop.common.devices import (PLAN_KEY, DevicesParams, apply_straggler_plan, device_profiles, draw_stragglers,
-                            plan_to_scalar, straggler_count)
+from fedhop.common.devices import (
+    PLAN_KEY,
+    DevicesParams,
+    apply_straggler_plan,
+    device_profiles,
+    draw_stragglers,
+    plan_to_scalar,
+    straggler_count,
+)
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 

@@ -17,8 +17,16 @@ from safetensors.torch import load_file
 from fedhop.common.config import load_config
 from fedhop.common.runstore import RunStore
 from fedhop.deploy.launcher import LocalRun, resume_local, run_local
-from tests.faultkit import (FAST_LIVENESS, check_run_db, failed_by_round, reference_model, slow_quadratic,
-                            wait_dead, wait_for_dispatch, wait_for_round)
+from tests.faultkit import (
+    FAST_LIVENESS,
+    check_run_db,
+    failed_by_round,
+    reference_model,
+    slow_quadratic,
+    wait_dead,
+    wait_for_dispatch,
+    wait_for_round,
+)
 
 
 def _start(tmp_path, text: str, overrides: list[str]) -> tuple[LocalRun, object]:

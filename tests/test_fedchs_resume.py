@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from fedhop.common.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from fedhop.common.runstore import RunStore
 from fedhop.deploy.launcher import resume_local, run_local
-from tests.test_fedchs import ASSIGN, CENTERS, D, GRAPH, SIZES, closed_form, etas, fedchs_config
+from tests.test_fedchs import ASSIGN, CENTERS, GRAPH, SIZES, D, closed_form, etas, fedchs_config
 
 K, LR, ROUNDS = 3, 1.0, 6
 

@@ -10,8 +10,16 @@ import torch
 
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import ClientContext, Payload, ServerState, reduce_payloads
-from fedhop.common.algorithms.fedli import (LOSS_KEY, STEP_KEY, FedLiLS, FedLiLSParams, FedLiLU, FedLiLUParams,
-                                     armijo_sgd, dfw_gamma)
+from fedhop.common.algorithms.fedli import (
+    LOSS_KEY,
+    STEP_KEY,
+    FedLiLS,
+    FedLiLSParams,
+    FedLiLU,
+    FedLiLUParams,
+    armijo_sgd,
+    dfw_gamma,
+)
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.rng import torch_stream

@@ -63,6 +63,7 @@ TOPOLOGIES = {
                    "algorithm.name=fedchs", "algorithm.lr=0.5", "clients.per_round=1.0"],
     "chain": ["topology.kind=chain", "topology.hops_per_round=4", "algorithm.local_steps=2"],
     "relay": ["topology.kind=relay", "algorithm.local_steps=2"],
+    "gossip": ["topology.kind=gossip", "topology.gossip_degree=2", "run.eval_every=1"],
 }
 ON_GPU = ["run.device=cuda", "edges.device=cuda", "clients.device=cuda"]
 

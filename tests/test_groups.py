@@ -4,11 +4,9 @@ each member.  The reduced
 partial is checked against an independent numpy computation of the members' weighted sums and
 max fields; failures stay per member; a member that does not serve the round fails the round.
 (The torch.distributed implementation runs in tests/test_torch_transport.py and test_torch_hier.py.)
-Also: no role module imports the torch.distributed transport."""
+(That no role imports the torch.distributed transport: tests/test_layers.py.)"""
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,11 +18,10 @@ from fedhop.common.algorithms.base import Payload, reduce_payloads
 from fedhop.common.ledger import Ledger
 from fedhop.common.methods import Method
 from fedhop.common.transport.fabric import Fabric
+from fedhop.common.transport.groups import CLIENT_PROCESSES, CLUSTER, STEP_KEY, FanoutGroup, GroupFailed, Member, worlds
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
-from fedhop.common.transport.groups import (CLIENT_PROCESSES, CLUSTER, FanoutGroup, GroupFailed, Member, STEP_KEY, worlds)
 
-ROOT = Path(__file__).resolve().parents[1]
 OPS = {"top": "max"}
 FAILING = 5   # this client's local work raises
 
@@ -131,11 +128,3 @@ def test_a_member_that_does_not_finish_fails_the_round_and_is_named(transport, m
         fabric.close()
         endpoint.stop()
 
-
-def test_no_role_module_imports_the_torch_transport():
-    """Roles use the fabric's groups; torch.distributed lives under common/transport only."""
-    pattern = re.compile(r"^\s*(from|import)\s+(torch\.distributed|fedhop\.common\.transport\.(torchdist|torch_groups))",
-                         re.M)
-    offenders = [str(p.relative_to(ROOT)) for folder in ("server", "edge", "client")
-                 for p in sorted((ROOT / folder).rglob("*.py")) if pattern.search(p.read_text())]
-    assert not offenders, offenders

@@ -25,8 +25,21 @@ from packaging.requirements import Requirement
 from safetensors.numpy import load_file
 
 from tests.helpers import numpy_fedavg_round, quadratic_config
-from tests.installkit import (ROOT, Installed, explain, fedhop, install, interrupt, left_behind, probe, read_line,
-                              rounds_recorded, start, wait_for, wheel_under_test)
+from tests.installkit import (
+    ROOT,
+    Installed,
+    explain,
+    fedhop,
+    install,
+    interrupt,
+    left_behind,
+    probe,
+    read_line,
+    rounds_recorded,
+    start,
+    wait_for,
+    wheel_under_test,
+)
 
 NAME = "journey"
 ROUNDS = 2

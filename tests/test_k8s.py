@@ -62,7 +62,7 @@ def restricted_violations(spec: dict) -> list[str]:
     for c in spec["containers"] + spec.get("initContainers", []):
         sc = c.get("securityContext", {})
         name = c["name"]
-        if not (sc.get("runAsNonRoot", pod.get("runAsNonRoot")) is True):
+        if sc.get("runAsNonRoot", pod.get("runAsNonRoot")) is not True:
             out.append(f"{name}: runAsNonRoot")
         if sc.get("runAsUser", pod.get("runAsUser")) == 0:
             out.append(f"{name}: runAsUser 0")
@@ -248,6 +248,7 @@ def test_a_member_role_leaves_with_the_runs_status(tmp_path, recorded, expected)
     """What ends a client or edge Job: once its process ended normally, the role exits with the
     status the server's role recorded in RUN/server.exit (0 when none appeared in time)."""
     import signal
+
     from fedhop.deploy.role import SERVER_EXIT, linger_until_server_exits
     if recorded is not None:
         (tmp_path / SERVER_EXIT).write_text(recorded)

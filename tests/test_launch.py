@@ -20,8 +20,16 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import parse_config
 from fedhop.common.runstore import RunStore
-from fedhop.deploy.hosts import (HostsError, hosts_from_dict, plan_roles, remote_argv, role_command, kill_command,
-                          process_layout, load_hosts)
+from fedhop.deploy.hosts import (
+    HostsError,
+    hosts_from_dict,
+    kill_command,
+    load_hosts,
+    plan_roles,
+    process_layout,
+    remote_argv,
+    role_command,
+)
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 

@@ -11,7 +11,6 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 
 from fedhop.common.liveness import LivenessMonitor, live_pool
 from fedhop.common.runstore import RunStore

@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from fedhop.common.addresses import is_loopback, plaintext_refusal
 
 PY = sys.executable
@@ -166,6 +165,7 @@ def test_crossdevice_digits_example_learns(tmp_path):
     """README "Cross-device scale": the digits example learns (a shortened run: 2,000 of its clients,
     5 rounds, in memory) well above the share of the test split's most common class."""
     import numpy as np
+
     from fedhop.common.config import load_config
     from fedhop.deploy.inmemory import run_inmemory
     root = Path(__file__).resolve().parents[1]

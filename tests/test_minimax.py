@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from fedhop.common.algorithms.base import ClientContext
-from fedhop.common.algorithms.minimax import (FedNormSGDA, FedNormSGDAPlus, LocalSGDA, LocalSGDAPlus, MinimaxParams,
-                                       split_names)
+from fedhop.common.algorithms.minimax import (
+    FedNormSGDA,
+    FedNormSGDAPlus,
+    LocalSGDA,
+    LocalSGDAPlus,
+    MinimaxParams,
+    split_names,
+)
 from fedhop.common.algorithms.minimax_driver import simulate
 from fedhop.common.algorithms.minimax_local import a_norm, local_sgda, momentum_coefficients
 from fedhop.common.config_schema import AlgorithmConfig

@@ -14,9 +14,18 @@ import pytest
 from fedhop.common.config import parse_config
 from fedhop.common.ledger import LedgerRecord
 from fedhop.common.runstore import RunStore
-from fedhop.deploy.hosts import HostsError, HostSpec, HostsFile, Role
-from fedhop.deploy.netsim import (FRAME_OVERHEAD, MSS, IfCounters, default_hosts, host_rates, netns_unavailable, parse_rate,
-                           physical_link, wire_report)
+from fedhop.deploy.hosts import HostsError, HostsFile, HostSpec, Role
+from fedhop.deploy.netsim import (
+    FRAME_OVERHEAD,
+    MSS,
+    IfCounters,
+    default_hosts,
+    host_rates,
+    netns_unavailable,
+    parse_rate,
+    physical_link,
+    wire_report,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

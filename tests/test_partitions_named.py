@@ -86,6 +86,7 @@ def test_no_data_set_key_is_shadowed_by_a_new_common_data_key():
     (the common key takes it).  The clashes below predate this test and are documented as known
     wrong; any other is a mistake (the partition's skew keys once took crossdevice's size_sigma)."""
     import dataclasses
+
     from fedhop.common.config_schema import DataConfig
     from fedhop.common.tasks import builtin_datasets, dataset_params_class
     common = {f.name for f in dataclasses.fields(DataConfig)}

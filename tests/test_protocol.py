@@ -33,7 +33,8 @@ ROUNDS, STEPS, LR = 2, 2, 0.1
 RUN = "run-under-test"
 
 CLIENT_METHODS = {"train", "ping", "shutdown", "state_get", "state_set", "torch_init", "torch_round", "torch_reduce",
-                  "walk_visit", "walk_handoff"}
+                  "walk_visit", "walk_handoff", "gossip_step", "gossip_send", "gossip_share", "gossip_mix"}
+PEER_METHODS = ("walk_handoff", "gossip_share")   # client process to client process
 EDGE_METHODS = {"edge_round", "shutdown", "state_get", "state_set", "torch_procs", "torch_init", "torch_edge_round",
                 "torch_edge_reduce"}
 SEQ_METHODS = {"seq_round", "seq_handoff", "seq_final", "control.seq_query", "control.seq_restore"}
@@ -60,11 +61,11 @@ def _edge(sequential: bool):
 # role -> (builder, methods served, allowed(method, caller)), written out here, not read from common/methods.py
 ROLES = {
     "client of the server": (lambda: _client("server"), CLIENT_METHODS,
-                             lambda m, c: (c == "server" and m != "walk_handoff") or m == "ping"
-                             or (m == "walk_handoff" and c.startswith("client-"))),
+                             lambda m, c: (c == "server" and m not in PEER_METHODS) or m == "ping"
+                             or (m in PEER_METHODS and c.startswith("client-"))),
     "client of edge-1": (lambda: _client("edge-1"), CLIENT_METHODS,
-                         lambda m, c: (c == "edge-1" and m != "walk_handoff") or m == "ping"
-                         or (m == "walk_handoff" and c.startswith("client-"))),
+                         lambda m, c: (c == "edge-1" and m not in PEER_METHODS) or m == "ping"
+                         or (m in PEER_METHODS and c.startswith("client-"))),
     "edge, hierarchical": (lambda: _edge(False), EDGE_METHODS, lambda m, c: c == "server"),
     "edge-2, sequential": (lambda: _edge(True), EDGE_METHODS | SEQ_METHODS,
                            lambda m, c: (c == "server" and m != "seq_handoff")
@@ -121,7 +122,7 @@ def test_each_method_keeps_its_ledger_link():
                                                  else by_roles)
     assert {m.value for m in Method if m.link == "control"} == {"control.seq_query", "control.seq_restore",
                                                                 "register", "heartbeat"}
-    assert len({m.value for m in Method}) == len(Method) == 21   # 19 Exchange methods, Register, Heartbeat
+    assert len({m.value for m in Method}) == len(Method) == 25   # 23 Exchange methods, Register, Heartbeat
 
 
 @pytest.mark.parametrize("identity", ["token", "mtls"])

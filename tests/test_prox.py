@@ -6,8 +6,17 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
-from fedhop.common.prox import (constrained_prox, dual_averaging_prox, group_prox, norm_value, project_l1_ball,
-                         project_nuclear_ball, prox, singular_value_threshold, soft_threshold)
+from fedhop.common.prox import (
+    constrained_prox,
+    dual_averaging_prox,
+    group_prox,
+    norm_value,
+    project_l1_ball,
+    project_nuclear_ball,
+    prox,
+    singular_value_threshold,
+    soft_threshold,
+)
 
 T = lambda a: torch.tensor(a, dtype=torch.float64)  # noqa: E731
 

@@ -8,9 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from fedhop.common.compress import (bits_per_element, compress_payload, decompress_payload, encoded_bytes, pack_codes,
-                             unpack_codes)
 from fedhop.common.algorithms.base import Payload
+from fedhop.common.compress import (
+    bits_per_element,
+    compress_payload,
+    decompress_payload,
+    encoded_bytes,
+    pack_codes,
+    unpack_codes,
+)
 from fedhop.common.config import parse_config
 from fedhop.common.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory

@@ -11,8 +11,7 @@ import torch
 
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import PayloadError
-from fedhop.common.compress import (NORM_PREFIX, compress_payload, decompress_payload, encoded_bytes,
-                                    num_buckets)
+from fedhop.common.compress import NORM_PREFIX, compress_payload, decompress_payload, encoded_bytes, num_buckets
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory

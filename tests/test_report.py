@@ -236,6 +236,7 @@ def test_tensorboard_without_the_package_is_a_clear_error(runs, monkeypatch, cap
 def test_without_matplotlib_the_report_says_so_and_draws_nothing(tmp_path, monkeypatch):
     """matplotlib is the optional extra `report` (the container image leaves it out)."""
     import sys
+
     from fedhop.deploy.report import make_plots
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # `import matplotlib` raises ImportError
     notes: list[str] = []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fedhop.deploy import launcher, report
 from fedhop.deploy.report import build_report, default_out, human_bytes, main
-from tests.test_report import exchange, runs, write_run   # noqa: F401 - the fixture, and its run writer
+from tests.test_report import exchange, runs, write_run  # noqa: F401 - the fixture, and its run writer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import max_round, quadratic_config, read_db
+from tests.helpers import max_round, quadratic_config
 
 PY = sys.executable
 CENTERS = [[1.0, -2.0], [3.0, 0.5], [-1.0, 1.0], [0.0, 2.0]]

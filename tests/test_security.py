@@ -201,6 +201,7 @@ def test_a_message_speaking_for_another_node_is_refused_on_both_call_shapes(nume
     server: refused with PERMISSION_DENIED before the handler runs, whether the request went
     bundled (`Call`, at most one chunk) or streamed (`Exchange`); an honest message passes."""
     import torch
+
     from fedhop.common.algorithms.base import Payload
     secret = b"cluster-secret-for-this-test"
     handled = []

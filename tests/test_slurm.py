@@ -26,7 +26,7 @@ SMALL = """
 [run]
 name = "slurm-small"
 seed = 0
-rounds = 2
+rounds = 1
 [topology]
 kind = "star"
 [algorithm]
@@ -128,6 +128,57 @@ def test_each_task_gets_only_its_own_credentials(user, capsys, monkeypatch):
     assert f'certs_dir = "{run}/creds/server"' in (run / "config.toml").read_text()
 
 
+def test_gpus_render_gres_and_bind_each_step_to_its_device(user, capsys, monkeypatch):
+    """--gpus-per-node N: the job asks Slurm's gres (#SBATCH --gpus-per-node=N); on each node the
+    client processes placed there go round-robin over its N GPUs, each step that computes on a GPU
+    asks --gres=gpu:N and is told its --device, a CPU step asks --gres=none.  No GPU is needed:
+    the rendered script, tasks.json and srun lines are checked against the plan."""
+    from fedhop.deploy.slurm import step_argv
+    monkeypatch.chdir(user)
+    sets = ["topology.kind=\"hierarchical\"", "topology.edges=1", "clients.processes=5", "clients.count=10",
+            "clients.per_round=10", "clients.device=\"cuda\"", "edges.device=\"cpu\"", "run.device=\"cuda:1\""]
+    code, script, err = inproc(capsys, "small.toml", "--print", "--out", "g", "--nodes", "2", "--gpus-per-node", "2",
+                               *sum((["--set", s] for s in sets), []))
+    assert code == 0, err
+    assert "#SBATCH --gpus-per-node=2" in script.splitlines() and "#SBATCH --nodes=2" in script.splitlines()
+    run = user / "g"
+    tasks = json.loads((run / "slurm" / "tasks.json").read_text())
+    plan = plan_processes(load_config(str(user / "small.toml"), sets))
+    assert [t["node_id"] for t in tasks] == plan.node_ids
+    seen_on_node: dict[int, int] = {}
+    for t in tasks:
+        device = t["argv"][t["argv"].index("--device") + 1]
+        if t["kind"] == "client":       # the k-th client process of its node: GPU k mod 2 of that node
+            k = seen_on_node.get(t["node"], 0)
+            seen_on_node[t["node"]] = k + 1
+            want = f"cuda:{k % 2}"
+        else:
+            want = {"server": "cuda:1", "edge": "cpu"}[t["kind"]]
+        assert device == want, t
+        srun = step_argv(t, "n0", run, "/py")
+        gres = [a for a in srun if a.startswith("--gres=")]
+        assert gres == (["--gres=gpu:2"] if want.startswith("cuda") else ["--gres=none"]), srun
+        assert srun.index(gres[0]) < srun.index("/py")         # an srun option, not the task's
+    assert sorted(seen_on_node) == [0, 1] and sum(seen_on_node.values()) == 5
+    # clients.gpus picks the GPUs of each node
+    code, _, err = inproc(capsys, "small.toml", "--print", "--out", "g1", "--nodes", "2", "--gpus-per-node", "2",
+                          "--set", "clients.device=\"cuda\"", "--set", "clients.gpus=[1]")
+    assert code == 0, err
+    tasks = json.loads((user / "g1" / "slurm" / "tasks.json").read_text())
+    assert {t["argv"][t["argv"].index("--device") + 1] for t in tasks if t["kind"] == "client"} == {"cuda:1"}
+    assert tasks[0]["gres"] == "none"                                     # the server stays on the CPU
+    # CUDA asked without GPUs, or a GPU the nodes lack: one line, exit 2, nothing written
+    for flags, needle in ((["--set", "clients.device=\"cuda\""], "clients.device"),
+                          (["--gpus-per-node", "1", "--set", "run.device=\"cuda:1\""], "run.device")):
+        code, _, err = inproc(capsys, "small.toml", "--print", "--out", "nogpu", *flags)
+        assert code == 2 and needle in err and "--gpus-per-node" in err and len(err.strip().splitlines()) == 1, err
+        assert not (user / "nogpu").exists()
+    # without --gpus-per-node a CPU run's steps carry no gres and no --device (as before)
+    assert inproc(capsys, "small.toml", "--print", "--out", "cpu")[0] == 0
+    tasks = json.loads((user / "cpu" / "slurm" / "tasks.json").read_text())
+    assert all("gres" not in t and "--device" not in t["argv"] for t in tasks)
+
+
 # ----------------------------------------------------------------------------- on a real Slurm
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory) -> dict:
@@ -184,7 +235,7 @@ def test_star_hierarchical_failure_and_sweep_on_a_real_slurm(user, slurm):
 config = "{user / 'small.toml'}"
 seeds = [0]
 parallel = 2
-set = ["run.rounds=2"]
+set = ["run.rounds=1", "clients.processes=1"]
 [grid]
 "algorithm.lr" = [0.05, 0.2]
 [criterion]

@@ -13,8 +13,16 @@ import torch
 from fedhop.common.config_schema import Config
 from fedhop.common.models import CNN, build_model
 from fedhop.common.rng import torch_stream
-from fedhop.common.tasks import (DATASET_PARAMS, LogRegParams, NpzParams, QuadraticParams, Task, build_task,
-                          dataset_params_class, params_from_options)
+from fedhop.common.tasks import (
+    DATASET_PARAMS,
+    LogRegParams,
+    NpzParams,
+    QuadraticParams,
+    Task,
+    build_task,
+    dataset_params_class,
+    params_from_options,
+)
 from fedhop.common.tasks.quadratic import QuadraticTask
 
 REPO = Path(__file__).resolve().parents[1]

@@ -29,7 +29,8 @@ from fedhop.common.runstore import RunStore
 from fedhop.deploy.launcher import LocalRun, read_progress, run_local
 from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
-from tests.test_fedchs import ASSIGN, D, GRAPH, fedchs_config, rule_sequence, SIZES as CHS_SIZES
+from tests.test_fedchs import ASSIGN, GRAPH, D, fedchs_config, rule_sequence
+from tests.test_fedchs import SIZES as CHS_SIZES
 
 RNG = np.random.default_rng(23)
 CENTERS = RNG.normal(0, 2, size=(8, 6))
@@ -195,11 +196,11 @@ def test_worker_leaves_a_nan_reply_out_of_its_partial():
     server's nan_policy applies), the other clients' replies form the partial."""
     from types import SimpleNamespace
 
+    from fedhop.client.group_worker import GroupWorker
     from fedhop.common.algorithms.base import Payload
     from fedhop.common.algorithms.fedavg import FedAvg
-    from fedhop.client.group_worker import GroupWorker
-    from fedhop.common.transport.torch_groups import CollectiveMember
     from fedhop.common.control import failures_of
+    from fedhop.common.transport.torch_groups import CollectiveMember
     from fedhop.common.wire.fedhop_pb2 import Control, TensorSpec
 
     def train(cid, round, message, step):

@@ -9,13 +9,17 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fedhop.common.algorithms.base import Algorithm
 
 _NOT_ALGORITHMS = {"base", "local"}
 
 
 @lru_cache(maxsize=1)
-def registry() -> dict[str, type]:
-    found: dict[str, type] = {}
+def registry() -> dict[str, type[Algorithm]]:
+    found: dict[str, type[Algorithm]] = {}
     for info in pkgutil.iter_modules(__path__):
         if info.name in _NOT_ALGORITHMS or info.name.startswith("_"):
             continue

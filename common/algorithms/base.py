@@ -20,59 +20,31 @@ scalars combined by weighted sum, sum, max or min, with the total weight carried
 from __future__ import annotations
 
 import dataclasses
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, TYPE_CHECKING, Any, Iterable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-import numpy as np
 import torch
+
+# the message types live in the wire layer (common/wire/message.py); re-exported for the algorithms
+from fedhop.common.wire.message import (  # noqa: F401
+    COMPUTE_KEY,
+    COUNT_KEY,
+    REPLY_SCALARS,
+    WEIGHT_KEY,
+    Payload,
+    ReduceOp,
+    ReplyAccumulator,
+    Scalar,
+    ScalarRule,
+    finite_or_raise,
+    reduce_payloads,
+    tensor_finite,
+    weighted_mean,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhop.common.tasks import Task
-    from fedhop.common.wire.fedhop_pb2 import Control
-
-Scalar = float | int | bool | str
-ReduceOp = Literal["wsum", "sum", "max", "min"]
-
-WEIGHT_KEY = "weight"      # scalar every reply carries: the client's aggregation weight
-COUNT_KEY = "num_results"  # scalar added by `aggregate`: how many client results are inside
-COMPUTE_KEY = "compute_seconds"  # scalar the client host adds: local solver time (reduced by max)
-
-
-@dataclass(frozen=True)
-class ScalarRule:
-    """What one reply scalar must be before any arithmetic touches it (common/validation.py):
-    `kind` "number" (int or float, finite), "int" or "str"; numbers within [lo, hi]."""
-
-    kind: Literal["number", "int", "str"] = "number"
-    lo: float | None = None
-    hi: float | None = None
-
-
-# the scalars every reply may carry; an algorithm adds its own in `reply_scalars`
-REPLY_SCALARS: dict[str, ScalarRule] = {
-    WEIGHT_KEY: ScalarRule("number", 0.0),
-    COUNT_KEY: ScalarRule("int", 1),
-    COMPUTE_KEY: ScalarRule("number", 0.0),
-    "train_loss": ScalarRule("number"),
-    "local_steps": ScalarRule("number", 0.0),   # a partial carries the weighted sum
-}
-
-
-@dataclass
-class Payload:
-    """What one message carries: named tensors and typed scalars (DESIGN.md section 3)."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    scalars: dict[str, Scalar] = field(default_factory=dict)
-    # the protocol's structured control data (proto/fedhop.proto `Control`, common/control.py),
-    # set by the roles, never by an algorithm; None: the message has none
-    control: "Control | None" = None
-
-    def tensor_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
 
 @dataclass
 class ServerState:
@@ -182,6 +154,13 @@ class Algorithm(ABC):
         """Reduce replies (sorted by client or edge id by the caller) into one partial result."""
         return reduce_payloads([p for _, p in replies], self.reply_reduce)
 
+    def streams(self) -> bool:
+        """Whether this algorithm's aggregation is the default weighted-sum fold, so the server and
+        the edges may fold each reply as it arrives (common/streaming.py) instead of holding every
+        reply: False where a subclass overrides `aggregate` or a robust rule replaces it
+        (common/robust.py: the median and Krum need every reply at once)."""
+        return type(self).aggregate is Algorithm.aggregate and "aggregate" not in vars(self)
+
     @abstractmethod
     def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
         """Apply the server step for this round, mutating `state`."""
@@ -215,65 +194,6 @@ class Algorithm(ABC):
         return float(ctx.num_samples)
 
 
-def reduce_payloads(payloads: list[Payload], ops: Mapping[str, ReduceOp]) -> Payload:
-    """Combine payloads field by field, in the given order (fixed order = reproducible bits).
-
-    A `wsum` field of the result is sum_i weight_i * field_i, where weight_i is the payload's
-    `weight` scalar.  Payloads that are themselves partial results (they carry `num_results`)
-    are already weighted, so they are summed, not weighted again.  Result carries the summed
-    `weight` and `num_results`.
-    """
-    if not payloads:
-        raise ValueError("cannot aggregate an empty list of replies")
-    out = Payload()
-    total_weight = 0.0
-    count = 0
-    for p in payloads:
-        if WEIGHT_KEY not in p.scalars:
-            raise ValueError(f"reply lacks the '{WEIGHT_KEY}' scalar")
-        w = float(p.scalars[WEIGHT_KEY])
-        is_partial = COUNT_KEY in p.scalars
-        total_weight += w
-        count += int(p.scalars[COUNT_KEY]) if is_partial else 1
-        for name, t in p.tensors.items():
-            op = ops.get(name, "wsum")
-            term = t if (op != "wsum" or is_partial) else t * w
-            if name not in out.tensors:
-                out.tensors[name] = term.clone() if term is t else term
-            elif op in ("wsum", "sum"):
-                out.tensors[name] += term
-            elif op == "max":
-                torch.maximum(out.tensors[name], term, out=out.tensors[name])
-            elif op == "min":
-                torch.minimum(out.tensors[name], term, out=out.tensors[name])
-            else:  # pragma: no cover - guarded by ReduceOp
-                raise ValueError(f"unknown reduce op {op!r} for {name!r}")
-        for name, v in p.scalars.items():
-            if name in (WEIGHT_KEY, COUNT_KEY):
-                continue
-            if isinstance(v, (str, bool)):
-                out.scalars.setdefault(name, v)
-                continue
-            op = ops.get(name, "max" if name == COMPUTE_KEY else "wsum")
-            term = v if (op != "wsum" or is_partial) else v * w
-            if name not in out.scalars:
-                out.scalars[name] = term
-            elif op in ("wsum", "sum"):
-                out.scalars[name] += term
-            elif op == "max":
-                out.scalars[name] = max(out.scalars[name], term)
-            elif op == "min":
-                out.scalars[name] = min(out.scalars[name], term)
-    out.scalars[WEIGHT_KEY] = total_weight
-    out.scalars[COUNT_KEY] = count
-    return out
-
-
-def weighted_mean(aggregate: Payload, name: str) -> torch.Tensor:
-    """sum_i w_i x_i / sum_i w_i for a `wsum` field of an aggregate."""
-    return aggregate.tensors[name] / float(aggregate.scalars[WEIGHT_KEY])
-
-
 def params_dataclass_from(cls: type, values: Mapping[str, Any], where: str) -> Any:
     """Build an algorithm's Params dataclass from config keys, naming any bad key."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -281,34 +201,6 @@ def params_dataclass_from(cls: type, values: Mapping[str, Any], where: str) -> A
         if key not in fields:
             raise KeyError(f"{where}: unknown key '{key}' (allowed: {', '.join(sorted(fields)) or 'none'})")
     return cls(**values)
-
-
-_NUMPY_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})
-
-
-def tensor_finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf in `t` (a tensor that is not floating point always passes).  A CPU tensor of
-    a dtype numpy has is checked by numpy's isfinite on the same memory: the same answer as
-    `torch.isfinite(t).all()` at a quarter of its cost per small tensor (every reply's tensors
-    pass here; docs/performance.md)."""
-    if not t.is_floating_point():
-        return True
-    if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS:
-        try:
-            return bool(np.isfinite(t.detach().numpy()).all())
-        except RuntimeError:   # a view numpy cannot share (a negative-bit view): torch's own check
-            pass
-    return bool(torch.isfinite(t).all())
-
-
-def finite_or_raise(payload: Payload, who: str) -> None:
-    """Reject NaN/Inf in any float tensor or scalar (DESIGN.md section 3)."""
-    for name, t in payload.tensors.items():
-        if not tensor_finite(t):
-            raise ValueError(f"{who}: tensor '{name}' holds NaN or Inf")
-    for name, v in payload.scalars.items():
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"{who}: scalar '{name}' is {v}")
 
 
 @dataclass

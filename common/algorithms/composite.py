@@ -48,8 +48,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from fedhop.common.algorithms.base import (Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
-                                    weighted_mean)
+from fedhop.common.algorithms.base import Algorithm, AlgorithmParams, ClientContext, Payload, ServerState, weighted_mean
 from fedhop.common.algorithms.local import set_params
 from fedhop.common.prox import group_prox
 from fedhop.common.sampling import local_batches

@@ -64,9 +64,21 @@ from typing import Any
 import torch
 
 from fedhop.common.algorithms.base import AlgorithmParams, ClientContext, Payload, ServerState
-from fedhop.common.algorithms.composite import (F64, GAMMA_CONVENTIONS, WEIGHT_SCHEDULES, CompositeAlgorithm,
-                                         LocalResult, Tensors, WeightSchedule, axpy, check_fields, prefixed,
-                                         to64, unprefixed, wire_field)
+from fedhop.common.algorithms.composite import (
+    F64,
+    GAMMA_CONVENTIONS,
+    WEIGHT_SCHEDULES,
+    CompositeAlgorithm,
+    LocalResult,
+    Tensors,
+    WeightSchedule,
+    axpy,
+    check_fields,
+    prefixed,
+    to64,
+    unprefixed,
+    wire_field,
+)
 from fedhop.common.prox import dual_averaging_prox
 
 STAGE_KEY = "mc_fedda_stage"   # MC-FedDA: the stage whose sums the server state holds
@@ -150,6 +162,7 @@ class MCFedDAParams(CFedDAParams):
 class FastFedDA(CompositeAlgorithm):
     name = "fast_fedda"
     Params = FastFedDAParams
+    params: FastFedDAParams
     #: gamma_paper = gamma_code / round_scale under gamma_convention = "code"
     round_scale_in_code = False
 
@@ -235,6 +248,7 @@ class FastFedDA(CompositeAlgorithm):
 class CFedDA(FastFedDA):
     name = "c_fedda"
     Params = CFedDAParams
+    params: CFedDAParams
     round_scale_in_code = True
 
     # ------------------------------------------------------------------ stage facts (one stage here)
@@ -318,6 +332,7 @@ class CFedDA(FastFedDA):
 class MCFedDA(CFedDA):
     name = "mc_fedda"
     Params = MCFedDAParams
+    params: MCFedDAParams
 
     def __init__(self, cfg: Any, params: Any = None) -> None:
         super().__init__(cfg, params)
@@ -375,7 +390,7 @@ class MCFedDA(CFedDA):
     def broadcast(self, state: ServerState, round: int) -> Payload:
         self.begin_stage(state, round)
         message = super().broadcast(state, round)
-        if message.scalars["stage"] > 0:
+        if int(message.scalars["stage"]) > 0:
             message.tensors.update({f"w0/{n}": state.extra[f"w0/{n}"].to(self.wire) for n in state.params})
         return message
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedhop.common.algorithms.base import (Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
-                                    weighted_mean)
+from fedhop.common.algorithms.base import Algorithm, AlgorithmParams, ClientContext, Payload, ServerState, weighted_mean
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 
 
@@ -21,7 +20,7 @@ class FedAvgParams(AlgorithmParams):
 
 class FedAvg(Algorithm):
     name = "fedavg"
-    Params = FedAvgParams
+    Params: type[AlgorithmParams] = FedAvgParams
 
     def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
         set_params(ctx.model, message.tensors)

@@ -35,9 +35,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedhop.common.algorithms.base import (AlgorithmParams, ClientContext, ClusterRound, ClusterStep, Payload,
-                                           SequentialAlgorithm, weighted_mean)
-from fedhop.common.algorithms.local import local_sgd, get_params, set_params
+from fedhop.common.algorithms.base import (
+    AlgorithmParams,
+    ClientContext,
+    ClusterRound,
+    ClusterStep,
+    Payload,
+    SequentialAlgorithm,
+    weighted_mean,
+)
+from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 from fedhop.common.sampling import local_batches
 
 LR_STEPS = "lr_steps"
@@ -77,6 +84,7 @@ class VisitCount:
 class FedCHS(SequentialAlgorithm):
     name = "fedchs"
     Params = FedCHSParams
+    params: FedCHSParams
 
     # ------------------------------------------------------------------ edge side
     def cluster_round(self, params: dict[str, torch.Tensor], step: ClusterStep, steps: int) -> ClusterRound:

@@ -29,8 +29,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedhop.common.algorithms.base import (COUNT_KEY, WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload,
-                                    ServerState, weighted_mean)
+from fedhop.common.algorithms.base import (
+    COUNT_KEY,
+    WEIGHT_KEY,
+    Algorithm,
+    AlgorithmParams,
+    ClientContext,
+    Payload,
+    ServerState,
+    weighted_mean,
+)
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 
 STATE_PREFIX = "feddyn_grad."     # client state: grad L_i per parameter
@@ -50,6 +58,7 @@ class FedDynParams(AlgorithmParams):
 class FedDyn(Algorithm):
     name = "feddyn"
     Params = FedDynParams
+    params: FedDynParams
     reply_reduce = {"num_clients": "max"}
 
     def client_update(self, ctx: ClientContext, message: Payload) -> Payload:

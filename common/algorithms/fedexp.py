@@ -34,8 +34,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedhop.common.algorithms.base import (WEIGHT_KEY, AlgorithmParams, ClientContext, Payload, ServerState,
-                                    weighted_mean)
+from fedhop.common.algorithms.base import (
+    WEIGHT_KEY,
+    AlgorithmParams,
+    ClientContext,
+    Payload,
+    ServerState,
+    weighted_mean,
+)
 from fedhop.common.algorithms.fedavg import FedAvg
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 
@@ -69,6 +75,7 @@ def fedexp_step(weighted_sq_norms: float, mean_delta_sq_norm: float, eps: float)
 class FedExP(FedAvg):
     name = "fedexp"
     Params = FedExPParams
+    params: FedExPParams
 
     # ------------------------------------------------------------------ server side
     def init_state(self, params: dict[str, torch.Tensor]) -> ServerState:

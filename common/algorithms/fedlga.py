@@ -44,11 +44,21 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import torch
 
-from fedhop.common.algorithms.base import (COUNT_KEY, WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload,
-                                    ServerState, reduce_payloads, weighted_mean)
+from fedhop.common.algorithms.base import (
+    COUNT_KEY,
+    WEIGHT_KEY,
+    Algorithm,
+    AlgorithmParams,
+    ClientContext,
+    Payload,
+    ServerState,
+    reduce_payloads,
+    weighted_mean,
+)
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 from fedhop.common.sampling import local_batches
 
@@ -123,6 +133,7 @@ def add_corrected(total: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]
         for n in delta:
             total[n].add_(delta[n], alpha=weight * (1.0 + coef))
         return abs(coef)
+    assert grad is not None                              # the elif above raised otherwise
     s = _dot(grad, mbar) - _dot(grad, delta)             # client_last_grad: <g, mbar - Delta>
     c_norm = abs(s) * _norm(grad)
     coef = lam * _clip_factor(c_norm, delta_norm, clip) * s
@@ -166,9 +177,16 @@ def _matches(t: torch.Tensor | None, like: torch.Tensor | None) -> bool:
     return t is not None and like is not None and t.dtype == like.dtype and t.shape == like.shape
 
 
+def _all_match(got: dict[str, torch.Tensor | None],
+               like: dict[str, torch.Tensor]) -> TypeGuard[dict[str, torch.Tensor]]:
+    """Whether `got` holds, for every name of `like`, a tensor of its dtype and shape."""
+    return all(_matches(got[n], like[n]) for n in like)
+
+
 class FedLGA(Algorithm):
     name = "fedlga"
     Params = FedLGAParams
+    params: FedLGAParams
     reply_reduce = {FULL_WEIGHT_KEY: "sum"}
 
     def reply_spec(self, state: ServerState) -> ReplySpec:
@@ -261,7 +279,7 @@ class FedLGA(Algorithm):
             prefix = f"{STRAGGLER_PREFIX}{cid}."
             delta = {name: aggregate.tensors.get(prefix + name) for name in state.params}
             weight = aggregate.scalars.get(prefix + "weight")
-            if not all(_matches(delta[n], state.params[n]) for n in state.params) or not isinstance(weight, float):
+            if not _all_match(delta, state.params) or not isinstance(weight, float):
                 log.warning("fedlga round %d: straggler %d's entries are incomplete or misshapen; left out",
                             round, cid)
                 total_weight -= float(weight) if isinstance(weight, (int, float)) else 0.0
@@ -271,13 +289,15 @@ class FedLGA(Algorithm):
                     total[name].add_(delta[name], alpha=weight)
                 continue
             source = self.params.lga_grad_source
-            grad = None
+            grad: dict[str, torch.Tensor] | None = None
             if source == "client_last_grad":
-                grad = {name: aggregate.tensors.get(prefix + GRAD_PREFIX + name) for name in state.params}
-                if not all(_matches(grad[n], state.params[n]) for n in state.params):
+                sent = {name: aggregate.tensors.get(prefix + GRAD_PREFIX + name) for name in state.params}
+                if _all_match(sent, state.params):
+                    grad = sent
+                else:
                     log.warning("fedlga round %d: straggler %d sent no usable gradient; using the delta proxy",
                                 round, cid)
-                    source, grad = "delta", None
+                    source = "delta"
             try:
                 add_corrected(total, delta, mbar, weight, steps=int(aggregate.scalars.get(prefix + "steps", 0)),
                               lr=self.cfg.lr, source=source, lam=self.params.lga_lambda,

@@ -45,12 +45,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TypedDict
 
 import torch
 
-from fedhop.common.algorithms.base import (WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
-                                    weighted_mean)
+from fedhop.common.algorithms.base import (
+    WEIGHT_KEY,
+    Algorithm,
+    AlgorithmParams,
+    ClientContext,
+    Payload,
+    ServerState,
+    weighted_mean,
+)
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 from fedhop.common.sampling import local_batches
 
@@ -245,6 +252,7 @@ class _FedLiBase(Algorithm):
 class FedLiLS(_FedLiBase):
     name = "fedli_ls"
     Params = FedLiLSParams
+    params: FedLiLSParams
     extras = (STEP_KEY,)
     reply_reduce = {STEP_KEY: "max", FORWARDS_KEY: "sum"}
     #: tests may set an observer on an instance to see every line-search step
@@ -278,7 +286,15 @@ class FedLiLS(_FedLiBase):
 
 
 # ============================================================================ FedLi-LU
-PRESETS: dict[str, dict[str, float | None]] = {
+class DFWPreset(TypedDict):
+    """A preset's DFW constants; eta None: algorithm.server_lr."""
+
+    eta: float | None
+    server_weight_decay: float
+    momentum: float
+
+
+PRESETS: dict[str, DFWPreset] = {
     # paper reading (Algorithm 2, App. C: eta_g = 10^0, weight decay 1e-3, no momentum); eta None:
     # algorithm.server_lr (default 1.0)
     "paper": {"eta": None, "server_weight_decay": 1e-3, "momentum": 0.0},
@@ -330,6 +346,7 @@ def dfw_gamma(f_global: float, delta_sq: float, delta_dot_r: float, eta: float, 
 class FedLiLU(_FedLiBase):
     name = "fedli_lu"
     Params = FedLiLUParams
+    params: FedLiLUParams
     extras = (LOSS_KEY,)
     reply_reduce = {LOSS_KEY: "wsum"}
 

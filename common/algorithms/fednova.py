@@ -27,8 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from fedhop.common.algorithms.base import (WEIGHT_KEY, Algorithm, AlgorithmParams, ClientContext, Payload, ServerState,
-                                    weighted_mean)
+from fedhop.common.algorithms.base import (
+    WEIGHT_KEY,
+    Algorithm,
+    AlgorithmParams,
+    ClientContext,
+    Payload,
+    ServerState,
+    weighted_mean,
+)
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 
 TAU_KEY = "nova_tau"

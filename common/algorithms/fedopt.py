@@ -78,7 +78,8 @@ class _AdaptiveServer(FedAvg):
     """FedAvg clients, Algorithm 2 server.  Subclasses define `second_moment`."""
 
     name = "_adaptive"
-    Params = FedAdamParams
+    Params: type[AlgorithmParams] = FedAdamParams
+    params: FedAdamParams | FedAdagradParams
 
     def init_state(self, params: dict[str, torch.Tensor]) -> ServerState:
         state = super().init_state(params)
@@ -104,6 +105,7 @@ class _AdaptiveServer(FedAvg):
 class FedAdagrad(_AdaptiveServer):
     name = "fedadagrad"
     Params = FedAdagradParams
+    params: FedAdagradParams
 
     def second_moment(self, v: torch.Tensor, delta_sq: torch.Tensor) -> None:
         v.add_(delta_sq)                                                   # line 11
@@ -112,6 +114,7 @@ class FedAdagrad(_AdaptiveServer):
 class FedYogi(_AdaptiveServer):
     name = "fedyogi"
     Params = FedAdamParams
+    params: FedAdamParams
 
     def second_moment(self, v: torch.Tensor, delta_sq: torch.Tensor) -> None:
         v.sub_((1.0 - self.params.beta2) * delta_sq * torch.sign(v - delta_sq))   # line 12
@@ -120,6 +123,7 @@ class FedYogi(_AdaptiveServer):
 class FedAdam(_AdaptiveServer):
     name = "fedadam"
     Params = FedAdamParams
+    params: FedAdamParams
 
     def second_moment(self, v: torch.Tensor, delta_sq: torch.Tensor) -> None:
         v.mul_(self.params.beta2).add_(delta_sq, alpha=1.0 - self.params.beta2)   # line 13
@@ -146,6 +150,7 @@ class FedAvgM(FedAvg):
 
     name = "fedavgm"
     Params = FedAvgMParams
+    params: FedAvgMParams
 
     def init_state(self, params: dict[str, torch.Tensor]) -> ServerState:
         state = super().init_state(params)

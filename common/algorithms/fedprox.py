@@ -36,6 +36,7 @@ class FedProxParams(AlgorithmParams):
 class FedProx(FedAvg):
     name = "fedprox"
     Params = FedProxParams
+    params: FedProxParams
 
     def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
         mu = self.params.mu

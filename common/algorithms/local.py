@@ -7,24 +7,52 @@ from typing import Callable
 import torch
 
 from fedhop.common.algorithms.base import ClientContext
+from fedhop.common.models import exchanged_names
 from fedhop.common.sampling import batches_on, local_batches
 
 GradHook = Callable[[str, torch.nn.Parameter, torch.Tensor], torch.Tensor]
 
 
 def get_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's trainable parameters by name (detached views)."""
-    return {name: p.detach() for name, p in model.named_parameters()}
+    """The parameters the model exchanges, by name (detached views): every parameter, or under
+    model.exchange = "trainable" or a selection (common/models.py `select_exchange`) only the
+    selected ones.  Everything that travels or is aggregated starts here, so the server state,
+    the broadcast, the replies, their spec and the clients' state cover the same names."""
+    names = exchanged_names(model)
+    return {name: p.detach() for name, p in model.named_parameters() if names is None or name in names}
 
 
 def set_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
-    """Copy `params` into the model's parameters (names and shapes must match)."""
+    """Copy `params` into the model's exchanged parameters (names and shapes must match); the
+    parameters it does not exchange keep their values."""
+    names = exchanged_names(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if names is not None and name not in names:
+                continue
             src = params[name]
             if src.shape != p.shape:
                 raise ValueError(f"parameter '{name}': got shape {tuple(src.shape)}, model has {tuple(p.shape)}")
             p.copy_(src)
+
+
+def whole_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`params` (the exchanged part) with the parameters `model` does not exchange added from the
+    model itself (the frozen part), in the model's order: what model.safetensors holds.  Under
+    model.exchange = "all", `params` itself."""
+    if exchanged_names(model) is None:
+        return params
+    whole = {name: params[name] if name in params else p.detach() for name, p in model.named_parameters()}
+    whole.update((name, t) for name, t in params.items() if name not in whole)
+    return whole
+
+
+def frozen_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters `model` does not exchange (none under model.exchange = "all")."""
+    names = exchanged_names(model)
+    if names is None:
+        return {}
+    return {name: p.detach() for name, p in model.named_parameters() if name not in names}
 
 
 @dataclass
@@ -50,7 +78,7 @@ def local_sgd(ctx: ClientContext, lr: float, batch_size: int, weight_decay: floa
     stats = LocalStats()
     on_device: list[torch.Tensor] = []   # a GPU's losses, read once after the loop: no sync per step
     params = [(n, p) for n, p in ctx.model.named_parameters() if p.requires_grad]
-    tensors = [p for _, p in params]
+    tensors: list[torch.Tensor] = [p for _, p in params]
     fused = bool(tensors) and tensors[0].device.type == "cuda" and grad_hook is None and not weight_decay
     batches = local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator)
     if data.tensors and data.tensors[0].device.type != "cpu":

@@ -2,7 +2,7 @@
 
 Sharma, Panda & Joshi, "Federated Minimax Optimization with Client Heterogeneity" (digest:
 research/seed-003.md).  Problem: min_x max_y F(x, y) = sum_i p_i f_i(x, y).  The model's
-parameters named `y` / `y.*` are the maximising part (common.tasks.minimax.is_max_param); the
+parameters named `y` / `y.*` are the maximising part (`is_max_param` below); the
 task's `max_constraint` is the set y is projected on.
 
 Round t (Algorithm 1; t = round - 1, rounds are 1-based in the coordinator):
@@ -49,12 +49,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import torch
 
-from fedhop.common.algorithms.base import (COUNT_KEY, REPLY_SCALARS, WEIGHT_KEY, Algorithm, AlgorithmParams,
-                                          ClientContext, Payload, ScalarRule, ServerState)
+from fedhop.common.algorithms.base import (
+    COUNT_KEY,
+    REPLY_SCALARS,
+    WEIGHT_KEY,
+    Algorithm,
+    AlgorithmParams,
+    ClientContext,
+    Payload,
+    ScalarRule,
+    ServerState,
+)
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.algorithms.minimax_local import local_sgda
 from fedhop.common.projections import NO_CONSTRAINT, Constraint
@@ -142,11 +151,19 @@ class MinimaxParams(AlgorithmParams):
                 raise ValueError(f"algorithm.client_epochs[{i}] = {e!r}: must be an integer >= 1")
 
 
+def _held(state: ServerState) -> dict[str, int]:
+    """SGDA+'s client id -> snapshot version map, kept in `state.scalars` (see init_state)."""
+    return cast("dict[str, int]", state.scalars["snapshot_held"])
+
+
 class MinimaxAlgorithm(Algorithm):
     """The shared machinery; subclasses fix `plus` (SGDA+) and `normalized` (Fed-Norm)."""
 
     name = "minimax"
     Params = MinimaxParams
+    params: MinimaxParams
+    _with_snapshot: tuple[Payload, Payload] | None   # (broadcast, broadcast + xhat), SGDA+ only
+    _sent_version: int                                # the snapshot version this round's clients hold
     plus = False
     normalized = False
     reply_reduce = {A_NORM_KEY: "sum", "pn": "sum", "num_clients": "max", "local_steps": "sum"}
@@ -269,7 +286,9 @@ class MinimaxAlgorithm(Algorithm):
                 state.extra[SNAPSHOT_PREFIX + n] = state.params[n].clone()
             # snapshot_held: client id -> the snapshot version it surely holds (it returned a
             # result in a round that gave it that version); JSON-friendly for checkpoints
-            state.scalars.update(snapshot_version=0, snapshot_held={})
+            state.scalars["snapshot_version"] = 0
+            # a JSON dict among the scalars: base.ServerState.scalars is typed narrower than its use
+            state.scalars["snapshot_held"] = {}  # type: ignore[assignment]
         return state
 
     def broadcast(self, state: ServerState, round: int) -> Payload:
@@ -288,7 +307,7 @@ class MinimaxAlgorithm(Algorithm):
         if not self.plus or message.scalars.get("snapshot_is_model", False):
             return message
         version = int(message.scalars["snapshot_version"])
-        if state.scalars["snapshot_held"].get(str(client)) == version:
+        if _held(state).get(str(client)) == version:
             return message
         cached = getattr(self, "_with_snapshot", None)
         if cached is None or cached[0] is not message:
@@ -300,10 +319,10 @@ class MinimaxAlgorithm(Algorithm):
     def note_participants(self, state: ServerState, round: int, participants: list[int]) -> None:
         """Every client whose result entered round `round` holds that round's snapshot version."""
         if self.plus:
-            held = state.scalars["snapshot_held"]
+            held = _held(state)
             for cid in participants:
                 held[str(cid)] = self._sent_version
-            state.scalars["snapshot_held"] = held
+            state.scalars["snapshot_held"] = held  # type: ignore[assignment]  # see init_state
 
     def reply_scalars(self) -> dict[str, ScalarRule]:
         return {**REPLY_SCALARS, "pn": ScalarRule("number", 0.0), "num_clients": ScalarRule("int", 1),

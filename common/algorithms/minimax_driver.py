@@ -9,7 +9,7 @@ quadratic problems.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 from fedhop.common.algorithms.base import Algorithm, ServerState
 from fedhop.common.config_schema import AlgorithmConfig, ClientsConfig, Config, RunConfig
@@ -20,7 +20,7 @@ RoundHook = Callable[[int, ServerState, list[int]], None]
 
 
 def simulate(algorithm: Algorithm, task: Task, rounds: int, *, per_round: int | None = None, seed: int = 0,
-             local_steps: int | Sequence[int] = 0, local_epochs: int = 1,
+             local_steps: int | list[int] | tuple[int, ...] = 0, local_epochs: int = 1,
              on_round: RoundHook | None = None) -> ServerState:
     """Run `rounds` rounds of `algorithm` on `task`; returns the final server state.
 

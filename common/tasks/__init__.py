@@ -27,7 +27,15 @@ import numpy as np
 import torch
 
 from fedhop.common import datasets, partition
-from fedhop.common.plugins import DataRequest, FederatedData, PluginError, entry_point_names, is_import_path, load_plugin
+from fedhop.common.models import with_model_selection
+from fedhop.common.plugins import (
+    DataRequest,
+    FederatedData,
+    PluginError,
+    entry_point_names,
+    is_import_path,
+    load_plugin,
+)
 from fedhop.common.rng import numpy_stream, stream_seed
 from fedhop.common.tasks.base import ClientData, Task
 from fedhop.common.tasks.classification import ArrayTask, ClassificationTask, ModelSpec, RegressionTask
@@ -67,6 +75,7 @@ class _Entry:
 
 
 _REGISTRY: dict[str, _Entry] = {}
+_PLUGINS: set[str] = set()   # the names registered by loading a plug-in (import path or entry point)
 #: dataset name -> dataclass of its dataset-specific [data] keys (None: it takes none).
 DATASET_PARAMS: dict[str, type | None] = {}
 _LAZY_MODULES = {"minimax_quadratic": ("fedhop.common.tasks.minimax_quadratic", "fedhop.common.tasks.minimax"),
@@ -79,7 +88,8 @@ _LAZY_MODULES = {"minimax_quadratic": ("fedhop.common.tasks.minimax_quadratic", 
                  # the federated benchmarks (issue 29): docs/datasets.md
                  "femnist": ("fedhop.common.tasks.leaf",), "shakespeare": ("fedhop.common.tasks.leaf",),
                  "cifar10": ("fedhop.common.tasks.images",), "cifar100": ("fedhop.common.tasks.images",),
-                 "fashion_mnist": ("fedhop.common.tasks.images",)}
+                 "fashion_mnist": ("fedhop.common.tasks.images",), "sent140": ("fedhop.common.tasks.sent140",),
+                 "torchvision": ("fedhop.common.tasks.torchvision",)}
 
 
 def register_dataset(name: str, build: Builder, params: type | None = None) -> None:
@@ -109,12 +119,14 @@ def _entry(name: str) -> _Entry:
         if not callable(load):
             raise PluginError(f"data.dataset = {name!r} is a {type(load).__name__}, not a function")
         register_dataset(name, _build_plugin(load), getattr(load, "Params", None))
+        _PLUGINS.add(name)
     return _REGISTRY[name]
 
 
 def builtin_datasets() -> list[str]:
-    """The names of the built-in data sets (the config reference lists their keys, deploy/configref.py)."""
-    return sorted(set(_REGISTRY) | set(_LAZY_MODULES))
+    """The names of the built-in data sets (the config reference lists their keys, deploy/configref.py):
+    not the plug-ins this process has loaded."""
+    return sorted((set(_REGISTRY) | set(_LAZY_MODULES)) - _PLUGINS)
 
 
 def dataset_params_class(name: str) -> type | None:
@@ -208,8 +220,8 @@ def make_partition(cfg: Any, labels: np.ndarray) -> list[np.ndarray]:
                                      min_size=max(1, d.min_size))
     if d.partition == "natural":
         raise ValueError(f"data.partition = 'natural': dataset {d.dataset!r} has no natural clients (writers or "
-                         f"speakers); natural needs femnist or shakespeare (allowed here: iid, dirichlet, shards, "
-                         f"lognormal, pareto)")
+                         f"speakers); natural needs femnist, shakespeare or sent140 (allowed here: iid, dirichlet, "
+                         f"shards, lognormal, pareto)")
     raise ValueError(f"data.partition = {d.partition!r} is not allowed (allowed: {', '.join(partition.PARTITIONS)})")
 
 
@@ -248,7 +260,7 @@ def _build_tabular(loader: Callable[[], tuple[np.ndarray, np.ndarray]], name: st
     return build
 
 
-def idx_task(cfg: Any, data: Any, name: str) -> Task:
+def idx_task(cfg: Any, data: Any, name: str) -> ClassificationTask:
     """A 10-class task from IDX files (MNIST, Fashion-MNIST): their own test split when present."""
     if data.x_test is not None:
         x_tr, y_tr, x_te, y_te = data.x, data.y, data.x_test, data.y_test
@@ -264,6 +276,8 @@ def _build_mnist(cfg: Any, _params: Any) -> Task:
 
 
 def _build_quadratic(cfg: Any, p: QuadraticParams) -> Task:
+    centers: list | np.ndarray
+    curvatures: list | np.ndarray
     centers, curvatures = p.centers, p.curvatures
     if not centers:
         centers, curvatures = generate_problem(p, int(cfg.clients.count), numpy_stream(cfg.run.seed, "data/quadratic"))
@@ -401,4 +415,4 @@ register_dataset("npz", _build_npz, NpzParams)
 def build_task(cfg: Any) -> Task:
     """The task for `cfg` (a `common.config_schema.Config`); same config -> same task."""
     entry = _entry(cfg.data.dataset)
-    return entry.build(cfg, dataset_params(cfg))
+    return with_model_selection(entry.build(cfg, dataset_params(cfg)), cfg.model)   # model.freeze / model.exchange

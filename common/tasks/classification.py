@@ -104,6 +104,7 @@ class ArrayTask(Task):
         if self.x_test is None or self.x_test.shape[0] == 0:
             idx = torch.cat(self.parts)
             return self.metrics(model, self.x[idx], self.y[idx], prefix="train")
+        assert self.y_test is not None   # __init__ sets x_test and y_test both or neither
         return self.metrics(model, self.x_test, self.y_test, prefix="test")
 
     # ------------------------------------------------------------------ per task kind
@@ -132,6 +133,7 @@ class ClassificationTask(ArrayTask):
     kind = "classification"
     y_dtype = torch.int64
     device_evaluation = True    # metrics and train_loss go through _forward
+    source: str                 # where the data came from ("idx:<folder>"); set by idx_task only
 
     def __init__(self, *args, n_classes: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -186,6 +186,7 @@ class CrossDeviceTask(ClassificationTask):
         return total / max(weight, 1)
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        assert self.x_test is not None and self.y_test is not None   # __init__ always passes a test set
         return self.metrics(model, self.x_test, self.y_test, prefix="test")
 
     def _check_id(self, client_id: int) -> None:
@@ -195,13 +196,13 @@ class CrossDeviceTask(ClassificationTask):
 
 def build(cfg: Any, p: CrossDeviceParams) -> CrossDeviceTask:
     """The task for `[data] dataset = "crossdevice"` (registered in common/tasks/__init__.py)."""
-    from fedhop.common.tasks import _split, model_spec, standardize   # the shared steps of the bundled sets
+    from fedhop.common.tasks import _split, model_spec, standardize  # the shared steps of the bundled sets
     n, seed = int(cfg.clients.count), int(cfg.run.seed)
     if p.base == "synthetic":
         if cfg.model.kind == "cnn":
             raise ValueError("model.kind = 'cnn' needs image data; crossdevice base 'synthetic' allows linear, "
                              "logreg, mlp")
-        devices = SyntheticDevices(p, seed)
+        devices: SyntheticDevices | BundledDevices = SyntheticDevices(p, seed)
         test = [devices.device(n + j, int(s)) for j, s in
                 enumerate(client_sizes(p, n + p.test_clients, seed)[n:])]
         x_te = np.concatenate([x for x, _ in test])

@@ -27,6 +27,8 @@ class CifarTask(ClassificationTask):
     def __init__(self, name: str, train: cifar.CifarRecords, test: cifar.CifarRecords, parts: list[np.ndarray],
                  spec: Any, standardize: bool) -> None:
         self.train_records, self.test_records = train, test
+        self.mean: np.ndarray
+        self.std: np.ndarray
         self.mean, self.std = train.channel_stats() if standardize else (np.zeros(3, np.float32),
                                                                           np.ones(3, np.float32))
         self._loaded: dict[int, ClientData] = {}

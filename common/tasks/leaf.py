@@ -76,8 +76,8 @@ KINDS = {"femnist": LeafKind((1, 28, 28), 62, _femnist), "shakespeare": LeafKind
 class LeafData:
     """The selected users of one LEAF data set: the train index, the test index, the decoder."""
 
-    def __init__(self, name: str, base: Path, fraction: float, seed: int) -> None:
-        self.name, self.kind = name, KINDS[name]
+    def __init__(self, name: str, base: Path, fraction: float, seed: int, kind: LeafKind | None = None) -> None:
+        self.name, self.kind = name, kind if kind is not None else KINDS[name]
         train = leaf.find_split(base, "train")
         if train is None:
             raise FileNotFoundError(f"{name}: no LEAF train folder {base / 'train'} (nor {base / 'data' / 'train'}); "
@@ -201,10 +201,11 @@ def base_folder(cfg: Any, p: LeafParams, default: str) -> Path:
     return under if under.exists() or not given.exists() else given
 
 
-def build(cfg: Any, p: LeafParams) -> ClassificationTask:
+def build(cfg: Any, p: LeafParams, kind: LeafKind | None = None) -> ClassificationTask:
+    """The task of a LEAF data set; `kind` for one not in KINDS (sent140: its input size is a key)."""
     from fedhop.common.tasks import make_partition, model_spec
     name = cfg.data.dataset
-    data = LeafData(name, base_folder(cfg, p, name), p.fraction, int(cfg.run.seed))
+    data = LeafData(name, base_folder(cfg, p, name), p.fraction, int(cfg.run.seed), kind)
     kind = data.kind
     spec = model_spec(cfg, kind.input_shape, kind.n_classes)
     k = int(cfg.clients.count)

@@ -102,7 +102,10 @@ def generate(params: LogRegParams, n_clients: int, test_fraction: float, seed: i
         n_test = min(max(int(round(test_fraction * n_k)), 1), n_k - 1)
         perm = rng.permutation(n_k)
         tr, te = np.sort(perm[n_test:]), np.sort(perm[:n_test])
-        xs_tr.append(x[tr]); ys_tr.append(y[tr]); xs_te.append(x[te]); ys_te.append(y[te])
+        xs_tr.append(x[tr])
+        ys_tr.append(y[tr])
+        xs_te.append(x[te])
+        ys_te.append(y[te])
         parts.append(np.arange(offset, offset + len(tr), dtype=np.int64))
         offset += len(tr)
     return SyntheticData(np.concatenate(xs_tr), np.concatenate(ys_tr), parts,

@@ -25,7 +25,7 @@ Data sets (`[data] dataset = ...`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import numpy as np
 import torch
@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedhop.common import datasets
-from fedhop.common.algorithms.minimax import is_max_param  # noqa: F401  (the max-part naming rule, re-exported)
 from fedhop.common.projections import NO_CONSTRAINT, Constraint
 from fedhop.common.rng import numpy_stream
 from fedhop.common.tasks import make_partition, model_spec, register_dataset, standardize
@@ -116,7 +115,7 @@ def saddle_point(a: np.ndarray, c: np.ndarray, u: np.ndarray, v: np.ndarray, b: 
     return x, y
 
 
-def _per_client_curvature(name: str, value: Sequence, n: int, d: int) -> np.ndarray:
+def _per_client_curvature(name: str, value: Sequence | np.ndarray, n: int, d: int) -> np.ndarray:
     if len(value) == 0:
         return np.ones((n, d))
     if len(value) != n:
@@ -135,7 +134,7 @@ def _per_client_curvature(name: str, value: Sequence, n: int, d: int) -> np.ndar
     return out
 
 
-def _rows(name: str, value: Sequence, n: int | None = None, d: int | None = None) -> np.ndarray:
+def _rows(name: str, value: Sequence | np.ndarray, n: int | None = None, d: int | None = None) -> np.ndarray:
     try:
         arr = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError) as exc:
@@ -156,7 +155,8 @@ class MinimaxQuadraticTask(Task):
     kind = "minimax"
     max_constraint = NO_CONSTRAINT
 
-    def __init__(self, a: Sequence, c: Sequence, u: Sequence, v: Sequence, b: float = 0.5,
+    def __init__(self, a: Sequence | np.ndarray, c: Sequence | np.ndarray, u: Sequence | np.ndarray,
+                 v: Sequence | np.ndarray, b: float = 0.5,
                  sizes: Sequence | None = None, noise: float = 0.0, x0: Sequence | None = None,
                  y0: Sequence | None = None, dtype: str = "float32") -> None:
         uu = _rows("u", u)
@@ -211,7 +211,8 @@ class MinimaxQuadraticTask(Task):
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...],
              generator: torch.Generator | None = None) -> torch.Tensor:
         a, c, u, v = batch
-        x, y = model.x, model.y
+        saddle = cast(SaddleModel, model)
+        x, y = saddle.x, saddle.y
         value = (0.5 * (a * (x[None] - u).pow(2)).sum(1) + self.b * torch.dot(x, y)
                  - 0.5 * (c * (y[None] - v).pow(2)).sum(1)).mean()
         if self.noise > 0 and generator is not None:
@@ -221,7 +222,8 @@ class MinimaxQuadraticTask(Task):
         return value
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        x, y = (t.detach().double().numpy() for t in (model.x, model.y))
+        saddle = cast(SaddleModel, model)
+        x, y = (t.detach().double().numpy() for t in (saddle.x, saddle.y))
         dist = float(np.sqrt(np.sum((x - self._x_star) ** 2) + np.sum((y - self._y_star) ** 2)))
         value = self.objective(x, y)
         return {"distance_to_saddle": dist, "distance_to_opt": dist,
@@ -230,7 +232,8 @@ class MinimaxQuadraticTask(Task):
                 "objective": value, "train_loss": value}
 
     def train_loss(self, model: nn.Module) -> float:
-        return self.objective(model.x.detach().double().numpy(), model.y.detach().double().numpy())
+        saddle = cast(SaddleModel, model)
+        return self.objective(saddle.x.detach().double().numpy(), saddle.y.detach().double().numpy())
 
     # ------------------------------------------------------------------ closed forms
     def saddle(self, weights: Sequence[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -246,6 +249,10 @@ class MinimaxQuadraticTask(Task):
 
 
 def _build_minimax_quadratic(cfg: Any, p: MinimaxQuadraticParams) -> Task:
+    a: list | np.ndarray
+    c: list | np.ndarray
+    u: list | np.ndarray
+    v: list | np.ndarray
     a, c, u, v = p.a, p.c, p.u, p.v
     if len(u) == 0:
         if p.dim < 1:
@@ -292,6 +299,13 @@ class ClassWeighted(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.net(inputs)
+
+
+def _eval_set(task: ClassificationTask) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test set when the task has one, else its training arrays."""
+    if task.x_test is not None and task.y_test is not None:   # ClassificationTask holds both or neither
+        return task.x_test, task.y_test
+    return task.x, task.y
 
 
 def _net(spec: ModelSpec) -> nn.Module:
@@ -346,19 +360,20 @@ class RobustDigitsTask(ClassificationTask):
         return delta.detach()
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        x, y = (self.x_test, self.y_test) if self.x_test is not None else (self.x, self.y)
+        x, y = _eval_set(self)
+        perturbed = cast(PerturbedInput, model)
         with torch.no_grad():
-            clean = model.net(x)
+            clean = perturbed.net(x)
             learned = model(x)
         out = {"test_accuracy": float((clean.argmax(1) == y).double().mean()),
                "test_loss": float(F.cross_entropy(clean, y)),
                "robust_test_accuracy": float((learned.argmax(1) == y).double().mean()),
                "robust_test_loss": float(F.cross_entropy(learned, y)),
-               "perturbation_norm": float(model.y.detach().norm())}
+               "perturbation_norm": float(perturbed.y.detach().norm())}
         if self.attack_steps:
-            delta = self.universal_attack(model.net, x, y)
+            delta = self.universal_attack(perturbed.net, x, y)
             with torch.no_grad():
-                attacked = model.net(x + delta)
+                attacked = perturbed.net(x + delta)
             out["attack_test_accuracy"] = float((attacked.argmax(1) == y).double().mean())
         return out
 
@@ -397,17 +412,18 @@ class FairDigitsTask(ClassificationTask):
              generator: torch.Generator | None = None) -> torch.Tensor:
         inputs, labels = batch[0], batch[1]
         f_c = self.class_losses(model(inputs), labels)
-        return torch.dot(model.y, f_c) - 0.5 * self.lam * model.y.pow(2).sum()
+        y = cast(ClassWeighted, model).y
+        return torch.dot(y, f_c) - 0.5 * self.lam * y.pow(2).sum()
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        x, y = (self.x_test, self.y_test) if self.x_test is not None else (self.x, self.y)
+        x, y = _eval_set(self)
         logits = self._forward(model, x)
         correct = (logits.argmax(1) == y).double()
         per_class_acc = [float(correct[y == k].mean()) for k in range(self.n_classes) if bool((y == k).any())]
         f_c = self.class_losses(logits, y)
         return {"test_accuracy": float(correct.mean()), "test_loss": float(F.cross_entropy(logits, y)),
                 "worst_class_accuracy": min(per_class_acc), "worst_class_loss": float(f_c.max()),
-                "class_weight_max": float(model.y.detach().max())}
+                "class_weight_max": float(cast(ClassWeighted, model).y.detach().max())}
 
 
 def _digits(cfg: Any, scale_unit: bool) -> tuple[np.ndarray, ...]:

@@ -11,7 +11,7 @@ C_i (w - A_i) + noise * xi is unbiased with per-coordinate standard deviation `n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 import torch
@@ -62,7 +62,7 @@ class VectorModel(torch.nn.Module):
         return self.w
 
 
-def _matrix(name: str, value: Sequence, rows: int | None = None, cols: int | None = None) -> np.ndarray:
+def _matrix(name: str, value: Sequence | np.ndarray, rows: int | None = None, cols: int | None = None) -> np.ndarray:
     try:
         arr = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError) as exc:
@@ -80,7 +80,7 @@ def _matrix(name: str, value: Sequence, rows: int | None = None, cols: int | Non
 class QuadraticTask(Task):
     kind = "quadratic"
 
-    def __init__(self, centers: Sequence, curvatures: Sequence | None = None,
+    def __init__(self, centers: Sequence | np.ndarray, curvatures: Sequence | np.ndarray | None = None,
                  sizes: Sequence | None = None, noise: float = 0.0, w0: Sequence | None = None,
                  dtype: str = "float32") -> None:
         a = _matrix("centers", centers)
@@ -138,7 +138,7 @@ class QuadraticTask(Task):
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
              generator: torch.Generator | None = None) -> torch.Tensor:
         a, c = batch[0], batch[1]
-        w = model.w
+        w = cast(VectorModel, model).w
         value = (0.5 * (c * (w[None, :] - a).pow(2)).sum(1)).mean()
         if self.noise > 0 and generator is not None:
             xi = torch.randn(w.shape, generator=generator, dtype=w.dtype).to(w.device)   # the CPU stream on any device
@@ -146,13 +146,13 @@ class QuadraticTask(Task):
         return value
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        w = model.w.detach().double()
+        w = cast(VectorModel, model).w.detach().double()
         f = self._objective64(w)
         return {"objective": f, "train_loss": f, "suboptimality": f - self._f_star,
                 "distance_to_opt": float((w - self._w_star).norm())}
 
     def train_loss(self, model: torch.nn.Module) -> float:
-        return self._objective64(model.w.detach().double())
+        return self._objective64(cast(VectorModel, model).w.detach().double())
 
     # ------------------------------------------------------------------ closed forms
     def optimum(self) -> torch.Tensor:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -236,11 +236,11 @@ class LinearMeasurementTask(Task):
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
              generator: torch.Generator | None = None) -> torch.Tensor:
         x, y = batch[0], batch[1]
-        pred = x.reshape(x.shape[0], -1) @ model.w.reshape(-1)
+        pred = x.reshape(x.shape[0], -1) @ cast(VectorModel, model).w.reshape(-1)
         return 0.5 * (pred - y).pow(2).mean()
 
     def train_loss(self, model: torch.nn.Module) -> float:
-        return 0.5 * self.train_mse(model.w.detach())
+        return 0.5 * self.train_mse(cast(VectorModel, model).w.detach())
 
     def train_mse(self, w: torch.Tensor) -> float:
         with torch.no_grad():
@@ -248,7 +248,7 @@ class LinearMeasurementTask(Task):
             return float(resid.double().pow(2).mean())
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        w_model = model.w.detach()
+        w_model = cast(VectorModel, model).w.detach()
         w = w_model.double()
         diff = w - self.w_star
         mse = self.train_mse(w_model)

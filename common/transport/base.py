@@ -12,14 +12,17 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import Decoded, Encoded, FrameDecoder, PayloadError, encode, make_envelope
-from fedhop.common.torch_device import to_device
 from fedhop.common.ledger import Ledger
 from fedhop.common.methods import message_link, role_of
+from fedhop.common.torch_device import to_device
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload
+
+if TYPE_CHECKING:
+    from fedhop.common.liveness import LivenessMonitor
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ class Endpoint(ABC):
         self.chunk_bytes = chunk_bytes
         self.max_payload_bytes = max_payload_bytes
         self.checksum = True    # XXH3-64 of the tensor bytes in every message sent (security.checksum)
-        self.liveness = None    # a parent's LivenessMonitor (common/liveness.py): heartbeats, registrations
+        self.liveness: LivenessMonitor | None = None    # a parent's LivenessMonitor (common/liveness.py): heartbeats, registrations
         # an incoming request's method, caller and size checked on its header frame, before its data
         # is read (common/admission.py `RequestGate`); None: only `max_payload_bytes` bounds it
         self.request_gate: Callable[[pb.Envelope], int] | None = None
@@ -253,8 +256,10 @@ class Endpoint(ABC):
         """A decoder for one reply: the endpoint's limit, or the caller's tighter bound."""
         if expect is None:
             return FrameDecoder(max_payload_bytes=self.max_payload_bytes)
-        return FrameDecoder(max_payload_bytes=min(expect.data_bytes, self.max_payload_bytes),
-                            max_header_bytes=expect.header_bytes)
+        decoder = FrameDecoder(max_payload_bytes=min(expect.data_bytes, self.max_payload_bytes),
+                               max_header_bytes=expect.header_bytes)
+        decoder.gate = getattr(expect, "gate", None)   # type: ignore[attr-defined]  # read back with getattr (grpc.py); a streaming fold's receive slots (common/streaming.py)
+        return decoder
 
     @abstractmethod
     def _exchange(self, address: str, request: Encoded, timeout: float,
@@ -263,7 +268,7 @@ class Endpoint(ABC):
         and the seconds spent sending."""
 
     # -- incoming -------------------------------------------------------------------
-    def serve_frames(self, frames, handler: Handler, framing: int | None = None) -> list[bytes]:
+    def serve_frames(self, frames, handler: Handler, framing: int | None = None) -> Sequence[bytes]:
         """Decode an incoming message, run the handler, encode the reply (shared by transports).
         `framing`: the request's gRPC framing bytes when it arrived bundled (codec.bundle_framing)."""
         started = time.perf_counter()
@@ -316,7 +321,7 @@ class Endpoint(ABC):
         out.error.message = message
         return encode(Payload(), out, self.chunk_bytes, self.checksum)
 
-    def _record(self, env: pb.Envelope, msg: Encoded | Decoded, role: str, link: str, seconds: float,
+    def _record(self, env: pb.Envelope, msg: Encoded | Decoded | _Sizes, role: str, link: str, seconds: float,
                 status: str = "ok", error: str = "", msg_id: str | None = None) -> None:
         self.ledger.record(run_id=env.run_id, round=env.round, step=env.step, src=env.src, dst=env.dst,
                            link=link, direction=direction_of(env.src, env.dst) if link != "control" else "control",

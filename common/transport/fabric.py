@@ -29,16 +29,20 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, TypeVar
 
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.codec import Encoded, PayloadError
 from fedhop.common.pipeline import ReplyPipeline, upload
-from fedhop.common.transport.base import Batched, CallFailed, Endpoint, HandlerError, RemoteError
+from fedhop.common.transport.base import Batched, CallFailed, Endpoint, HandlerError, RemoteError, ReplyBound
+from fedhop.common.wire.message import Payload
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhop.common.streaming import OrderedFold
 
 __all__ = ["Fabric", "Send", "gather", "ReplyPipeline", "upload", "CALL_ERRORS"]
 # what makes a request fail without failing the caller: every typed outcome of a call
 CALL_ERRORS = (CallFailed, RemoteError, PayloadError, HandlerError)
+K = TypeVar("K", bound=Hashable)   # a fan-out's request keys (`gather`)
 
 
 @dataclass
@@ -80,9 +84,14 @@ class Fabric:
 
     # ------------------------------------------------------------------ fan-out with gather
     def send_and_receive(self, requests: list[Send], *, round: int, timeout: float, call_timeout: float,
-                         timeout_reason: str = "") -> tuple[dict[Hashable, Payload], dict[Hashable, str]]:
+                         timeout_reason: str = "", fold: "OrderedFold | None" = None
+                         ) -> tuple[dict[Hashable, Payload], dict[Hashable, str]]:
         """Send every request at once and wait up to `timeout` for all replies.  Returns the
-        replies that passed their inbound pipeline and, for every other request, why not."""
+        replies that passed their inbound pipeline and, for every other request, why not.
+        With `fold` (common/streaming.py, keyed by the requests' keys) each reply that passed is
+        folded in key order as it arrives and dropped: the results are then a `StreamedResults`
+        of the folded replies' scalars, and a reply the fold refused or that came after the
+        deadline is a failure."""
         encoded: dict[int, tuple[Payload, Encoded]] = {}   # id(message) -> (message kept alive, frames)
         calls: dict[Hashable, Future] = {}
         for req in requests:
@@ -90,14 +99,19 @@ class Fabric:
                 encoded[id(req.message)] = (req.message, self.endpoint.prepare(req.message))
         if self.batch:
             for group in self._batches(requests, encoded):
-                futures = {req.key: Future() for req in group}
+                futures: dict[Hashable, Future] = {req.key: Future() for req in group}
                 calls.update(futures)
-                self._workers.submit(self._exchange_batch, group, futures, round, timeout, encoded)
+                self._workers.submit(self._exchange_batch, group, futures, round, timeout, encoded, fold)
         else:
             for req in requests:
                 calls[req.key] = self._workers.submit(self._exchange, req, round, call_timeout,
-                                                      encoded[id(req.message)][1])
-        return gather(calls, timeout, timeout_reason or f"timeout: no result within {timeout:g}s")
+                                                      encoded[id(req.message)][1], fold)
+        reason = timeout_reason or f"timeout: no result within {timeout:g}s"
+        if fold is None:
+            return gather(calls, timeout, reason)
+        _, failures = gather(calls, timeout, reason)
+        fold.close()   # the deadline: what did not come is skipped, a later reply refused
+        return fold.outcome(failures, reason)
 
     def _batches(self, requests: list[Send], encoded: dict[int, tuple[Payload, Encoded]]) -> list[list[Send]]:
         """The requests grouped by process address, in order, each group at most one chunk of
@@ -113,7 +127,7 @@ class Fabric:
         return [g for groups in by_address.values() for g in groups]
 
     def _exchange_batch(self, group: list[Send], futures: dict[Hashable, Future], round: int, timeout: float,
-                        encoded: dict[int, tuple[Payload, Encoded]]) -> None:
+                        encoded: dict[int, tuple[Payload, Encoded]], fold: "OrderedFold | None" = None) -> None:
         """One batch (`Endpoint.call_many`); each request's future gets its reply, through its
         inbound pipeline, or its failure.  The batch's deadline is the round's: its process runs
         the requests one after another."""
@@ -123,43 +137,74 @@ class Fabric:
             replies = self.endpoint.call_many(group[0].address, batched, round=round, step=group[0].step,
                                               timeout=timeout)
         except BaseException as exc:   # never leave a future unset
-            for fut in futures.values():
-                fut.set_exception(exc)
+            for req in group:
+                if fold is not None:
+                    fold.skip(req.key)
+                futures[req.key].set_exception(exc)
             raise
-        for req, reply in zip(group, replies):
+        replies = list(replies)
+        for i, (req, reply) in enumerate(zip(group, replies)):
+            replies[i] = None   # type: ignore[call-overload]  # folded replies are dropped as they go (not read again)
             fut = futures[req.key]
             if isinstance(reply, Exception):
+                if fold is not None:
+                    fold.skip(req.key)
                 fut.set_exception(reply)
                 continue
             if req.on_reply is not None:
                 req.on_reply(req.key)
             try:
-                fut.set_result(req.inbound(reply, req.who or f"round {round} reply of {req.dst}")
-                               if req.inbound is not None else reply)
+                reply = (req.inbound(reply, req.who or f"round {round} reply of {req.dst}")
+                         if req.inbound is not None else reply)
+                fut.set_result(reply if fold is None else _folded(fold, req.key, reply))
             except CALL_ERRORS as exc:
+                if fold is not None:
+                    fold.skip(req.key)
                 fut.set_exception(exc)
 
-    def _exchange(self, req: Send, round: int, call_timeout: float, prepared: Encoded) -> Payload:
+    def _exchange(self, req: Send, round: int, call_timeout: float, prepared: Encoded,
+                  fold: "OrderedFold | None" = None) -> Payload:
         bound = getattr(req.inbound, "bound", None)   # what the reply may declare (ReplyPipeline)
-        reply = self.endpoint.call(req.address, req.dst, req.method, round=round, step=req.step,
-                                   timeout=call_timeout, prepared=prepared, expect=bound)
-        if req.on_reply is not None:
-            req.on_reply(req.key)
-        if req.inbound is not None:
-            reply = req.inbound(reply, req.who or f"round {round} reply of {req.dst}")
-        return reply
+        if fold is not None and bound is not None and bound.data_bytes > self.endpoint.chunk_bytes:
+            bound = GatedBound(bound.data_bytes, bound.header_bytes, fold)   # large replies a few at a time (OrderedFold.admit)
+        try:
+            reply = self.endpoint.call(req.address, req.dst, req.method, round=round, step=req.step,
+                                       timeout=call_timeout, prepared=prepared, expect=bound)
+            if req.on_reply is not None:
+                req.on_reply(req.key)
+            if req.inbound is not None:
+                reply = req.inbound(reply, req.who or f"round {round} reply of {req.dst}")
+        except BaseException:
+            if fold is not None:
+                fold.skip(req.key)   # the turn moves past it
+            raise
+        return reply if fold is None else _folded(fold, req.key, reply)
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
 
 
-def gather(calls: Mapping[Hashable, Future], timeout: float, timeout_reason: str,
-           pending_ok: bool = False) -> tuple[dict[Hashable, Any], dict[Hashable, str]]:
+@dataclass(frozen=True)
+class GatedBound(ReplyBound):
+    """A reply bound whose transport takes a receive slot of `gate` before reading the reply."""
+
+    gate: Any = None
+
+
+def _folded(fold: "OrderedFold", key: Hashable, reply: Payload) -> Payload:
+    """`reply` offered to `fold`; what the caller keeps of it (its scalars)."""
+    if not fold.offer(key, reply):
+        raise CallFailed("timeout", "the reply came after the round's deadline")
+    return Payload(scalars=dict(reply.scalars), control=reply.control)
+
+
+def gather(calls: Mapping[K, Future], timeout: float, timeout_reason: str,
+           pending_ok: bool = False) -> tuple[dict[K, Any], dict[K, str]]:
     """Wait for `calls` until `timeout`; split results from failures (a call still running at the
     deadline fails with `timeout_reason`, or is left out of both with `pending_ok`)."""
     _, pending = wait(list(calls.values()), timeout=timeout)
-    results: dict[Hashable, Any] = {}
-    failures: dict[Hashable, str] = {}
+    results: dict[K, Any] = {}
+    failures: dict[K, str] = {}
     for key, fut in calls.items():
         if fut in pending:
             if not pending_ok:

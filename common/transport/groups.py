@@ -32,12 +32,12 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from fedhop.common.algorithms.base import Payload, reduce_payloads
 from fedhop.common.control import control_of, failures_control, failures_of
 from fedhop.common.methods import Method
 from fedhop.common.transport.base import HandlerError
 from fedhop.common.transport.fabric import Fabric, Send
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload, reduce_payloads
 
 STEP_KEY = "torch_step"   # control scalar: the edge iteration (0..kappa2-1) a cluster round belongs to
 

@@ -47,17 +47,28 @@ from __future__ import annotations
 import threading
 import time
 from concurrent import futures
-from typing import Sequence
+from typing import Any, Sequence, overload
 
 import grpc
 import grpc.experimental
 
 from fedhop.common.admission import CallSlots
-from fedhop.common.codec import (FRAME_OVERHEAD, Decoded, Encoded, FrameDecoder, Frames, PayloadError, bundle_bytes,
-                                 bundle_framing, frame_framing, make_envelope, split_bundle)
+from fedhop.common.codec import (
+    FRAME_OVERHEAD,
+    Decoded,
+    Encoded,
+    FrameDecoder,
+    Frames,
+    PayloadError,
+    bundle_bytes,
+    bundle_framing,
+    frame_framing,
+    make_envelope,
+    split_bundle,
+)
 from fedhop.common.ledger import Ledger
-from fedhop.common.security import CLUSTER_NAME, META_NODE, AuthInterceptor, NodeCredentials, RefusedHook
 from fedhop.common.methods import message_link
+from fedhop.common.security import CLUSTER_NAME, META_NODE, AuthInterceptor, NodeCredentials, RefusedHook
 from fedhop.common.transport.base import NOTHING_SENT, Batched, CallFailed, Endpoint, Handler, RemoteError
 from fedhop.common.wire import fedhop_pb2 as pb
 
@@ -197,8 +208,16 @@ class GrpcEndpoint(Endpoint):
                             msg_id + ".reply", request.run_id)
         return reply
 
+    @overload
     def _exchange(self, address: str, request: Encoded, timeout: float,
-                  decoder: FrameDecoder) -> tuple[Decoded, float]:
+                  decoder: FrameDecoder) -> tuple[Decoded, float]: ...
+
+    @overload
+    def _exchange(self, address: str, request: Encoded, timeout: float,
+                  decoder: BatchDecoder) -> tuple[list[Decoded | PayloadError], float]: ...
+
+    def _exchange(self, address: str, request: Encoded, timeout: float,
+                  decoder: FrameDecoder | BatchDecoder) -> tuple[Any, float]:
         """One call, tried again with backoff while it fails before connecting (module docstring);
         an attempt that never connected fed the decoder nothing, so the next one reuses it."""
         started = time.perf_counter()
@@ -223,7 +242,7 @@ class GrpcEndpoint(Endpoint):
             return result
 
     def _attempt(self, address: str, request: Encoded, timeout: float, started: float,
-                 decoder: FrameDecoder) -> tuple[Decoded, float]:
+                 decoder: FrameDecoder | BatchDecoder) -> tuple[Any, float]:
         sent = [0.0]
         bundled = request.payload_bytes <= self.chunk_bytes
         if bundled:
@@ -247,8 +266,15 @@ class GrpcEndpoint(Endpoint):
             self._inflight.setdefault(address, set()).add(call)
         if bundled:
             sent[0] = time.perf_counter() - started   # the unary request is handed to gRPC whole
+        gate: Any   # an OrderedFold's receive slots, or None
+        gate, admitted = getattr(decoder, "gate", None), False   # streaming aggregation (common/streaming.py)
         try:
             for frame in call:
+                if gate is not None and not admitted:   # the reply began: wait for a receive slot first
+                    if not (admitted := gate.admit(timeout - (time.perf_counter() - started))):
+                        call.cancel()
+                        raise CallFailed("DEADLINE_EXCEEDED", "no receive slot for the reply in time",
+                                         request.envelope.dst)
                 decoder.feed(frame)
             return decoder.finish(), sent[0]
         except grpc.RpcError as exc:
@@ -266,6 +292,8 @@ class GrpcEndpoint(Endpoint):
             call.cancel()
             raise
         finally:
+            if admitted:
+                gate.received()
             with self._lock:
                 self._inflight.get(address, set()).discard(call)
 
@@ -372,7 +400,7 @@ class GrpcEndpoint(Endpoint):
         def heartbeat(request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
             if endpoint.liveness is None:
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{endpoint.node_id} takes no heartbeats")
-            reply = endpoint.liveness.beat(request)
+            reply = endpoint.liveness.beat(request)   # type: ignore[union-attr]  # not None: context.abort raises
             msg_id = heartbeat_msg_id(request)
             endpoint.record_control("heartbeat", request.node_id, endpoint.node_id, request.ByteSize(), "receiver",
                                     0.0, msg_id, request.run_id)
@@ -547,10 +575,10 @@ class BatchDecoder:
         if decoder.complete:
             self.done.append(decoder.finish())
 
-    def finish(self) -> list:
+    def finish(self) -> list[Decoded | PayloadError]:
         return self.cut(PayloadError("SIZE_MISMATCH", "the batch's stream ended before this reply"))
 
-    def cut(self, error: PayloadError) -> list:
+    def cut(self, error: PayloadError) -> list[Decoded | PayloadError]:
         """The replies so far, `error` for the one being received, and for every later one."""
         rest = len(self.decoders) - len(self.done)
         later = PayloadError("BATCH_CUT", f"an earlier reply of the batch was rejected ({error.code})")

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NoReturn
 
-from fedhop.common.algorithms.base import Payload
 from fedhop.common.methods import Caller, Method, role_of
 from fedhop.common.transport.base import HandlerError, Request
+from fedhop.common.wire.message import Payload
 
 log = logging.getLogger("fedhop.protocol")
 
@@ -93,7 +93,7 @@ class MethodRouter:
                                                f"(parent: {self.peers.parent}), not from '{env.src}'")
         return self._handlers[method](request)
 
-    def _refuse(self, request: Request, code: str, reason: str):
+    def _refuse(self, request: Request, code: str, reason: str) -> NoReturn:
         env = request.envelope
         log.warning("refused %s (round %d) from %s: %s: %s", env.method, env.round, env.src or "?", code, reason)
         if self.on_refused is not None:

@@ -26,18 +26,41 @@ from typing import Callable, Mapping
 
 import torch
 
-from fedhop.common.algorithms.base import Payload, reduce_payloads
 from fedhop.common.control import control_of, failures_control, failures_of, torch_world, world_layout
 from fedhop.common.ledger import Ledger
 from fedhop.common.methods import Method
 from fedhop.common.transport.fabric import Fabric, gather
+from fedhop.common.transport.groups import (
+    CLIENT_PROCESSES,
+    CLUSTER,
+    EDGES,
+    STEP_KEY,
+    Group,
+    GroupFailed,
+    GroupMember,
+    GroupMethods,
+    GroupResult,
+    Incoming,
+    Member,
+    Worlds,
+)
 from fedhop.common.transport.grpc import RETRY_WINDOW
-from fedhop.common.transport.groups import (CLIENT_PROCESSES, CLUSTER, EDGES, STEP_KEY, Group, GroupFailed, GroupMember, GroupMethods, GroupResult, Worlds,
-                                            Incoming, Member)
-from fedhop.common.transport.torchdist import (Collectives, LayoutMismatch, TorchParams, buffers_by_name, build_groups,
-                                               free_port, init_watching, layout_of, merge_layouts, reduce_buffers,
-                                               specs_from_pb, specs_of)
+from fedhop.common.transport.torchdist import (
+    Collectives,
+    LayoutMismatch,
+    TorchParams,
+    buffers_by_name,
+    build_groups,
+    free_port,
+    init_watching,
+    layout_of,
+    merge_layouts,
+    reduce_buffers,
+    specs_from_pb,
+    specs_of,
+)
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload, Scalar, reduce_payloads
 
 NO_ANSWER = "timeout: no answer in time"
 
@@ -276,8 +299,9 @@ class EdgeMembership:
         if sorted(procs) != sorted(processes):
             raise GroupFailed("BAD_LAYOUT", f"{node_id}: the server's layout lists {procs}, this edge serves "
                                             f"{sorted(processes)}")
-        common = {"world_size": int(s["world_size"]), "master": str(s["master"]), "backend": params.backend,
-                  "timeout": params.timeout, "root_rank": ranks[node_id], "root_node": node_id}
+        common: dict[str, Scalar] = {"world_size": int(s["world_size"]), "master": str(s["master"]),
+                                     "backend": params.backend, "timeout": params.timeout,
+                                     "root_rank": ranks[node_id], "root_node": node_id}
         cluster = pb.Control(world=pb.TorchWorld(groups=[pb.RankGroup(ranks=g) for g in layout["groups"]],
                                                  group=mine))
         calls = {p: fabric.submit(fabric.call, processes[p], p, Method.TORCH_INIT,

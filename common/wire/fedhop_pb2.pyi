@@ -1,8 +1,12 @@
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+from typing import Optional as _Optional
+from typing import Union as _Union
+
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from google.protobuf.internal import containers as _containers
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -210,7 +214,7 @@ class LogicalClient(_message.Message):
     def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "role", "address", "clients", "token", "run_id", "msg_id")
+    __slots__ = ("node_id", "role", "address", "clients", "token", "run_id", "msg_id", "refusal")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +222,7 @@ class RegisterRequest(_message.Message):
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MSG_ID_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     address: str
@@ -225,7 +230,8 @@ class RegisterRequest(_message.Message):
     token: str
     run_id: str
     msg_id: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., clients: _Optional[_Iterable[_Union[LogicalClient, _Mapping]]] = ..., token: _Optional[str] = ..., run_id: _Optional[str] = ..., msg_id: _Optional[str] = ...) -> None: ...
+    refusal: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., clients: _Optional[_Iterable[_Union[LogicalClient, _Mapping]]] = ..., token: _Optional[str] = ..., run_id: _Optional[str] = ..., msg_id: _Optional[str] = ..., refusal: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("accepted", "run_id", "config_toml", "message", "node_id")
@@ -260,18 +266,30 @@ class LinkBytes(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., link: _Optional[str] = ..., direction: _Optional[str] = ..., messages: _Optional[int] = ..., tensor_bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., framed_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "run_id", "seq", "sent_at", "bytes")
+    __slots__ = ("node_id", "run_id", "seq", "sent_at", "bytes", "events")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     seq: int
     sent_at: float
     bytes: _containers.RepeatedCompositeFieldContainer[LinkBytes]
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., bytes: _Optional[_Iterable[_Union[LinkBytes, _Mapping]]] = ...) -> None: ...
+    events: _containers.RepeatedCompositeFieldContainer[NodeEvent]
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., bytes: _Optional[_Iterable[_Union[LinkBytes, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[NodeEvent, _Mapping]]] = ...) -> None: ...
+
+class NodeEvent(_message.Message):
+    __slots__ = ("kind", "node", "detail")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    node: str
+    detail: str
+    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "node_id", "message")

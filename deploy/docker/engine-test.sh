@@ -57,6 +57,7 @@ scenario() {
     local runs="$work/runs-$name" project="$prefix-$name" status=0 t=$(date +%s) extra=()
     mkdir -p "$runs/$project" && chown 10001:10001 "$runs/$project"
     [ "$name" = crash ] && extra=(-f docker-compose.yml -f "$work/crash.yml")
+    [ "$name" = mtls ] && extra=(-f docker-compose.yml -f "$work/nodes/compose.yml")
     say "scenario $name: docker compose -p $project up (profile '${profile:-none}', $replicas client replicas)"
     env FEDHOP_RUNS_SRC="$runs" FEDHOP_RUN_NAME="$name" FEDHOP_SETTLE=2 FEDHOP_CLIENT_REPLICAS="$replicas" "$@" \
         docker compose "${extra[@]}" -p "$project" ${profile:+--profile "$profile"} \
@@ -82,11 +83,20 @@ pair() {
         case "$name" in
         star) scenario star "" 0.85 3 FEDHOP_SET="run.rounds=10" FEDHOP_CLIENT_PROCESSES=auto & ;;
         mtls)
+            # per-node credentials (`fedhop compose`): client-0 and client-1 are services of their own,
+            # each mounting ca.pem and its own pair only; then, from inside a client-1 container
+            # (entrypoint run as in the scenario), every key file and CA/secret file it can find
             local certs="$work/certs"
             "$py" -m fedhop.deploy.cli certs "$certs" --nodes server,client-proc0,client-proc1 >/dev/null
-            chown -R 4242:4242 "$certs"
-            scenario mtls "" 0.85 2 FEDHOP_SET="run.rounds=10" FEDHOP_CERTS_SRC="$certs" FEDHOP_CERTS_DIR=/certs \
-                FEDHOP_INSECURE=0 FEDHOP_MTLS=1 &
+            "$py" -m fedhop.deploy.cli compose "$certs" --clients 2 --out "$work/nodes" >/dev/null
+            chown -R 4242:4242 "$certs" "$work/nodes"
+            ( scenario mtls "" 0.85 2 FEDHOP_SET="run.rounds=10" FEDHOP_CERTS_DIR=/certs \
+                FEDHOP_INSECURE=0 FEDHOP_MTLS=1
+              env FEDHOP_RUNS_SRC="$work/runs-mtls" FEDHOP_CERTS_DIR=/certs docker compose \
+                  -f docker-compose.yml -f "$work/nodes/compose.yml" -p "$prefix-mtls" run --rm --no-deps -T \
+                  --user 0 --entrypoint sh client-1 -c 'fedhop-entrypoint true && find / \( -path /proc -o -path /sys -o -path /usr -o -path /opt/fedhop/lib \) -prune -o -type f \( -name "*.key" -o -name "ca.*" -o -name cluster.secret \) -print' \
+                  >"$work/mtls.creds" 2>"$work/mtls.creds.err" || echo "exit $?" >>"$work/mtls.creds.err"
+              compose -p "$prefix-mtls" --profile hierarchical down --remove-orphans >/dev/null 2>&1 || true ) &
             ;;
         hierarchical) scenario hierarchical hierarchical 0.85 2 FEDHOP_CONFIG=/app/examples/hierfavg_digits.toml \
                           FEDHOP_SET="run.rounds=10 topology.edges=2" & ;;
@@ -151,6 +161,13 @@ for name in wanted:
                  and row["recorded_processes"] == row["client_ledgers"] == replicas)   # the config is what ran
     rows.append(row)
 mtls = next((r for r in rows if r["scenario"] == "mtls"), {})
+if mtls:     # what a client container (client-1) holds: its own key and the CA's certificate, nothing else
+    found = sorted(set((work / "mtls.creds").read_text().split())) if (work / "mtls.creds").exists() else []
+    mtls["client_1_sees"] = found
+    names = {p.rsplit("/", 1)[-1] for p in found}
+    mtls["ok"] = (mtls["ok"] and {"/certs/client-proc1.key", "/run/fedhop-certs/client-proc1.key"} <= set(found)
+                  and not names & {"ca.key", "cluster.secret"}
+                  and {n for n in names if n.endswith(".key")} == {"client-proc1.key"})
 result = {"scenarios": rows, "engine_and_build_seconds": build_s, "total_seconds": total_s,
           "checkout_unchanged": clean,
           "ok": all(r["ok"] for r in rows) and [r["scenario"] for r in rows] == wanted

@@ -1,0 +1,176 @@
+"""The clients' side of the gossip topology (D-PSGD; common/gossip.py has the graph and the
+mixing rule, server/gossip.py the server's control plane).
+
+Each hosted client's model x_i lives in this process between rounds (it starts as the run's
+seeded initial model).  A round is three calls from the server, each answered without waiting
+for another process, so no handler thread ever blocks on a peer's handler:
+
+1. `gossip_step` (per logical client): the local steps from x_i; x_i^{1/2} = x_i + Delta_i is kept.
+2. `gossip_send` (once per process): every hosted client's x_i^{1/2} to each of its graph
+   neighbours in a `gossip_share` call (link client-client), one call at a time, so a peer's
+   per-caller call slots are never exceeded; a neighbour hosted in this same process is
+   called over the transport too, so the link carries 2 x 4d x |E| tensor bytes a round
+   whatever the placement.
+3. `gossip_mix` (per logical client): x_i <- W_ii x_i^{1/2} + sum_j W_ij x_j^{1/2}; in an
+   evaluation round the reply carries x_i (link client-server) for the server's consensus average.
+
+`gossip_share` (from a peer process): the sending client must be a neighbour of the receiving
+one and hosted by the calling process (as the server's `gossip_step` named it), the round the
+current one, once per (round, sender, receiver); the model is checked against the model's spec
+and finiteness before it is kept.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedhop.common.algorithms.local import get_params
+from fedhop.common.codec import PayloadError
+from fedhop.common.control import control_of
+from fedhop.common.gossip import SEND_STEP, GossipRule
+from fedhop.common.methods import Method
+from fedhop.common.pipeline import ModelPipeline
+from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
+from fedhop.common.wire.message import Payload
+
+if TYPE_CHECKING:
+    from fedhop.client.host import ClientHost
+
+Model = dict[str, torch.Tensor]
+
+
+_made = threading.Lock()
+
+
+def gossip_of(host: ClientHost) -> "GossipHost":
+    """The process's GossipHost, made once (concurrent first calls share one)."""
+    with _made:
+        state = getattr(host, "_gossip_state", None)
+        if state is None:
+            state = GossipHost(host)
+            host._gossip_state = state
+        return state
+
+
+def client_id_of(node_id: str) -> int:
+    role, _, num = node_id.partition("-")
+    return int(num) if role == "client" and num.isdigit() else -1
+
+
+class GossipHost:
+    """The gossip state of one client process: each hosted client's model, its post-step model
+    of the current round, and the neighbours' post-step models received for it."""
+
+    def __init__(self, host: ClientHost) -> None:
+        self.host = host
+        self.rule = GossipRule.from_config(host.cfg)
+        # the run's seeded initial model, as the server builds it, on the process's device (where the
+        # endpoint also puts every arriving share: common/transport/base.py), as the walk keeps its model
+        initial = get_params(host.task.build_model())
+        self.spec = {k: (v.dtype, tuple(v.shape)) for k, v in initial.items()}
+        self.model_in = ModelPipeline(self.spec)
+        self.models: dict[int, Model] = {c: {k: v.clone() for k, v in initial.items()} for c in host.client_ids}
+        self.half: dict[int, tuple[int, Model]] = {}            # client -> (round, x_i^{1/2})
+        self.inbox: dict[tuple[int, int, int], Model] = {}      # (round, receiver, sender) -> x_sender^{1/2}
+        self.hosts: dict[int, str] = {}   # neighbour client -> the process hosting it, as the server names it
+        self.round = 0
+        self._lock = threading.Lock()
+
+    def _hosted(self, node_id: str) -> int:
+        client = client_id_of(node_id)
+        if client not in self.host.hosted:
+            raise HandlerError("UNKNOWN_CLIENT", f"client {client} is not hosted by {self.host.node_id}")
+        return client
+
+    # ------------------------------------------------------------------ gossip_step
+    def step(self, dst: str, round: int, message: Payload) -> Payload:
+        client = self._hosted(dst)
+        hosts = {}
+        for j in self.rule.graph[client]:
+            node = message.scalars.get(f"host:{j}")
+            if not isinstance(node, str) or not node:
+                raise HandlerError("BAD_STEP", f"round {round}: gossip_step names no process for client {j}, a "
+                                               f"neighbour of client {client}")
+            hosts[j] = node
+        with self._lock:
+            self.round = max(self.round, round)
+            self.hosts.update(hosts)
+            model = self.models[client]
+        update = self.host.train(client, round, Payload(tensors=model), 0)
+        half = {k: model[k] + update.tensors[k] for k in model}   # x_i^{1/2} = x_i + Delta_i
+        with self._lock:
+            self.half[client] = (round, half)
+        return Payload(scalars={"train_loss": float(update.scalars.get("train_loss", 0.0))})
+
+    # ------------------------------------------------------------------ gossip_send
+    def send(self, round: int, message: Payload) -> Payload:
+        peers = {p.client_id: p.address for p in control_of(message).walk_peers}
+        sent = 0
+        for client in self.host.client_ids:
+            with self._lock:
+                got = self.half.get(client)
+            if got is None or got[0] != round:
+                raise HandlerError("NOT_STEPPED", f"client {client} took no local step in round {round}")
+            share = Payload(tensors=got[1], scalars={"from": client})
+            for j in self.rule.graph[client]:
+                address = peers.get(j)
+                if not address:
+                    raise HandlerError("NO_ADDRESS", f"round {round}: no address for client {j}, a neighbour of "
+                                                     f"client {client}")
+                try:
+                    self.host.fabric.call(address, f"client-{j}", Method.GOSSIP_SHARE, share, round=round,
+                                          step=SEND_STEP, timeout=self.host.cfg.run.call_timeout)
+                except (CallFailed, RemoteError, PayloadError) as exc:
+                    raise HandlerError("SHARE_FAILED", f"round {round}: client {client}'s model did not reach "
+                                                       f"client {j}: {exc}") from None
+                sent += 1
+        return Payload(scalars={"shares": sent})
+
+    # ------------------------------------------------------------------ gossip_share
+    def take_share(self, src: str, dst: str, round: int, payload: Payload) -> Payload:
+        receiver = self._hosted(dst)
+        sender = payload.scalars.get("from", -1)
+        if isinstance(sender, bool) or sender not in self.rule.graph[receiver]:
+            raise HandlerError("NOT_NEIGHBOUR", f"client {sender!r} (from {src}) is not a neighbour of client "
+                                                f"{receiver} in the gossip graph ({self.rule.graph[receiver]})")
+        with self._lock:
+            current, host_of_sender = self.round, self.hosts.get(sender)
+        if host_of_sender != src:
+            raise HandlerError("WRONG_SENDER", f"client {sender} is hosted by {host_of_sender}, not by {src}: a "
+                                               f"process shares only its own clients' models")
+        if round != current:
+            raise HandlerError("WRONG_ROUND", f"a share for round {round} from {src}; this process is in round "
+                                              f"{current}")
+        model = self.model_in(payload, f"round {round} model of client {sender} from {src}")
+        key = (round, receiver, sender)
+        with self._lock:
+            if key in self.inbox:
+                raise HandlerError("DUPLICATE", f"client {sender}'s model for client {receiver} in round {round} "
+                                                f"was already taken (from {src})")
+            self.inbox[key] = {k: v.clone() for k, v in model.items()}
+        return Payload()
+
+    # ------------------------------------------------------------------ gossip_mix
+    def mix(self, dst: str, round: int, message: Payload) -> Payload:
+        client = self._hosted(dst)
+        with self._lock:
+            got = self.half.get(client)
+            if got is None or got[0] != round:
+                raise HandlerError("NOT_STEPPED", f"client {client} took no local step in round {round}")
+            missing = [j for j in self.rule.graph[client] if (round, client, j) not in self.inbox]
+            if missing:
+                raise HandlerError("MISSING_SHARE", f"round {round}: client {client} has no model from neighbours "
+                                                    f"{missing}")
+            neighbours = {j: self.inbox.pop((round, client, j)) for j in self.rule.graph[client]}
+            del self.half[client]
+        mixed = self.rule.mix(client, got[1], neighbours)
+        with self._lock:
+            self.models[client] = mixed
+            for stale in [k for k in self.inbox if k[0] < round]:
+                del self.inbox[stale]
+        reply = Payload()
+        if bool(message.scalars.get("return_model")):
+            reply.tensors = {k: v.clone() for k, v in mixed.items()}
+        return reply

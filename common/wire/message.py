@@ -1,0 +1,173 @@
+"""The messages every role, transport and algorithm exchange: `Payload` (named tensors, typed
+scalars, the protocol's control data), the scalars every reply carries, and the reductions over
+payloads (`reduce_payloads`, `ReplyAccumulator`) with the finiteness checks (DESIGN.md section 3).
+
+The wire layer: it imports nothing of fedhop above common/wire, so the codec, the transports and
+the fabric move and check messages without importing an algorithm; the algorithms import these
+types (common/algorithms/base.py re-exports them for an algorithm's convenience).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Mapping
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhop.common.wire.fedhop_pb2 import Control
+
+Scalar = float | int | bool | str
+ReduceOp = Literal["wsum", "sum", "max", "min"]
+
+WEIGHT_KEY = "weight"      # scalar every reply carries: the client's aggregation weight
+COUNT_KEY = "num_results"  # scalar added by `aggregate`: how many client results are inside
+COMPUTE_KEY = "compute_seconds"  # scalar the client host adds: local solver time (reduced by max)
+
+
+@dataclass(frozen=True)
+class ScalarRule:
+    """What one reply scalar must be before any arithmetic touches it (common/validation.py):
+    `kind` "number" (int or float, finite), "int" or "str"; numbers within [lo, hi]."""
+
+    kind: Literal["number", "int", "str"] = "number"
+    lo: float | None = None
+    hi: float | None = None
+
+
+# the scalars every reply may carry; an algorithm adds its own in `reply_scalars`
+REPLY_SCALARS: dict[str, ScalarRule] = {
+    WEIGHT_KEY: ScalarRule("number", 0.0),
+    COUNT_KEY: ScalarRule("int", 1),
+    COMPUTE_KEY: ScalarRule("number", 0.0),
+    "train_loss": ScalarRule("number"),
+    "local_steps": ScalarRule("number", 0.0),   # a partial carries the weighted sum
+}
+
+
+@dataclass
+class Payload:
+    """What one message carries: named tensors and typed scalars (DESIGN.md section 3)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
+    # the protocol's structured control data (proto/fedhop.proto `Control`, common/control.py),
+    # set by the roles, never by an algorithm; None: the message has none
+    control: "Control | None" = None
+
+    def tensor_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class ReplyAccumulator:
+    """The default reduction (`reduce_payloads`) one payload at a time: `add` folds a payload into
+    the running sums with exactly the operations `reduce_payloads` applies to it, so adding the
+    same payloads in the same order gives the same bits (float sums are not associative: the
+    order is the caller's to fix, common/streaming.py folds in id order).  Holds one payload's
+    worth of tensors however many are added."""
+
+    def __init__(self, ops: Mapping[str, ReduceOp]) -> None:
+        self.ops = ops
+        self.out = Payload()
+        self.total_weight = 0.0
+        self.count = 0
+        self.added = 0   # payloads folded
+
+    def add(self, p: Payload) -> None:
+        """Fold `p` in: a `wsum` field adds weight * field, a partial result (it carries
+        `num_results`) adds its already weighted fields."""
+        ops, out = self.ops, self.out
+        if WEIGHT_KEY not in p.scalars:
+            raise ValueError(f"reply lacks the '{WEIGHT_KEY}' scalar")
+        w = float(p.scalars[WEIGHT_KEY])
+        is_partial = COUNT_KEY in p.scalars
+        self.total_weight += w
+        self.count += int(p.scalars[COUNT_KEY]) if is_partial else 1
+        self.added += 1
+        for name, t in p.tensors.items():
+            op = ops.get(name, "wsum")
+            term = t if (op != "wsum" or is_partial) else t * w
+            if name not in out.tensors:
+                out.tensors[name] = term.clone() if term is t else term
+            elif op in ("wsum", "sum"):
+                out.tensors[name] += term
+            elif op == "max":
+                torch.maximum(out.tensors[name], term, out=out.tensors[name])
+            elif op == "min":
+                torch.minimum(out.tensors[name], term, out=out.tensors[name])
+            else:  # pragma: no cover - guarded by ReduceOp
+                raise ValueError(f"unknown reduce op {op!r} for {name!r}")
+        for name, v in p.scalars.items():
+            if name in (WEIGHT_KEY, COUNT_KEY):
+                continue
+            if isinstance(v, (str, bool)):
+                out.scalars.setdefault(name, v)
+                continue
+            op = ops.get(name, "max" if name == COMPUTE_KEY else "wsum")
+            value = v if (op != "wsum" or is_partial) else v * w
+            if name not in out.scalars:
+                out.scalars[name] = value
+            elif op in ("wsum", "sum"):
+                out.scalars[name] += value   # type: ignore[operator]  # numeric: a str scalar is kept by setdefault above
+            elif op == "max":
+                out.scalars[name] = max(out.scalars[name], value)
+            elif op == "min":
+                out.scalars[name] = min(out.scalars[name], value)
+
+    def result(self) -> Payload:
+        """The reduction so far, carrying the summed `weight` and `num_results`."""
+        if not self.added:
+            raise ValueError("cannot aggregate an empty list of replies")
+        self.out.scalars[WEIGHT_KEY] = self.total_weight
+        self.out.scalars[COUNT_KEY] = self.count
+        return self.out
+
+
+def reduce_payloads(payloads: list[Payload], ops: Mapping[str, ReduceOp]) -> Payload:
+    """Combine payloads field by field, in the given order (fixed order = reproducible bits).
+
+    A `wsum` field of the result is sum_i weight_i * field_i, where weight_i is the payload's
+    `weight` scalar.  Payloads that are themselves partial results (they carry `num_results`)
+    are already weighted, so they are summed, not weighted again.  Result carries the summed
+    `weight` and `num_results`.  One `ReplyAccumulator` fold over the list.
+    """
+    if not payloads:
+        raise ValueError("cannot aggregate an empty list of replies")
+    acc = ReplyAccumulator(ops)
+    for p in payloads:
+        acc.add(p)
+    return acc.result()
+
+
+def weighted_mean(aggregate: Payload, name: str) -> torch.Tensor:
+    """sum_i w_i x_i / sum_i w_i for a `wsum` field of an aggregate."""
+    return aggregate.tensors[name] / float(aggregate.scalars[WEIGHT_KEY])
+
+
+_NUMPY_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})
+
+
+def tensor_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in `t` (a tensor that is not floating point always passes).  A CPU tensor of
+    a dtype numpy has is checked by numpy's isfinite on the same memory: the same answer as
+    `torch.isfinite(t).all()` at a quarter of its cost per small tensor (every reply's tensors
+    pass here; docs/performance.md)."""
+    if not t.is_floating_point():
+        return True
+    if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS:
+        try:
+            return bool(np.isfinite(t.detach().numpy()).all())
+        except RuntimeError:   # a view numpy cannot share (a negative-bit view): torch's own check
+            pass
+    return bool(torch.isfinite(t).all())
+
+
+def finite_or_raise(payload: Payload, who: str) -> None:
+    """Reject NaN/Inf in any float tensor or scalar (DESIGN.md section 3)."""
+    for name, t in payload.tensors.items():
+        if not tensor_finite(t):
+            raise ValueError(f"{who}: tensor '{name}' holds NaN or Inf")
+    for name, v in payload.scalars.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{who}: scalar '{name}' is {v}")

@@ -1,0 +1,111 @@
+"""The gossip topology: D-PSGD, every client mixing its model with its graph neighbours' each
+round (common/gossip.py has the graph and the rule, client/gossip.py the clients' side).
+
+The server is the control plane only.  A round is three fan-outs, each a barrier:
+`gossip_step` to every logical client (its local steps), `gossip_send` to every client process
+(its clients' post-step models to their neighbours, peer to peer on the client-client link),
+`gossip_mix` to every logical client (the Metropolis-Hastings average).  None carries a tensor
+from the server.  In evaluation rounds (`run.eval_every`, and the last) the mix replies carry the
+clients' models (link client-server): the server takes their plain mean x_bar as its model,
+evaluates it and records the consensus distance (1/n) sum_i ||x_i - x_bar||^2.
+
+Every client takes part in every round: a client or process that fails fails the run (its
+neighbours cannot mix without it).  The models live in the client processes, so a gossip run
+has no checkpoints (the config loader refuses `run.checkpoint_every`).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from fedhop.common.codec import PayloadError
+from fedhop.common.gossip import MIX_STEP, SEND_STEP, GossipRule
+from fedhop.common.methods import Method
+from fedhop.common.pipeline import ModelPipeline
+from fedhop.common.transport.fabric import Send
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
+
+
+@register_driver("gossip")
+class GossipDriver(TopologyDriver):
+    def __init__(self, ctx: DriverContext) -> None:
+        super().__init__(ctx)
+        try:
+            self.rule = GossipRule.from_config(ctx.cfg)
+        except ValueError as exc:
+            raise RunFailed(str(exc)) from None
+        params = ctx.state.params
+        self.model_in = ModelPipeline({k: (v.dtype, tuple(v.shape)) for k, v in params.items()})
+        self.models: dict[int, dict[str, torch.Tensor]] = {}   # the clients' models of the latest evaluation round
+
+    def summary(self) -> dict:
+        return {"client_graph": self.rule.graph, "gossip_edges": self.rule.edge_count}
+
+    def _fan_out(self, round: int, sends: list[Send], what: str) -> dict:
+        cfg = self.ctx.cfg
+        results, failures = self.ctx.fabric.send_and_receive(sends, round=round, timeout=cfg.run.round_timeout,
+                                                             call_timeout=cfg.run.round_timeout)
+        if failures:
+            key, why = sorted(failures.items(), key=lambda kv: str(kv[0]))[0]
+            node = client_node(key) if isinstance(key, int) else str(key)
+            self.ctx.store.add_event("client_failed", node=node, detail=f"{what}: {why}", round=round)
+            raise RunFailed(f"round {round}: {what} failed at {node}: {why} (gossip needs every client)")
+        return results
+
+    def run_round(self, round: int) -> RoundResult:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        started = time.perf_counter()
+        n = cfg.clients.count
+        missing = [c for c in range(n) if c not in ctx.client_home]
+        if missing:
+            raise RunFailed(f"round {round}: clients {missing} are not registered")
+        home = {c: ctx.client_home[c] for c in range(n)}
+        steps = self._fan_out(round, [Send(c, home[c].address, client_node(c), Method.GOSSIP_STEP,
+                                           self._step_message(c, home)) for c in range(n)], "gossip_step")
+        sends = []
+        for node in sorted({h.node_id: h for h in home.values()}.values(), key=lambda h: h.node_id):
+            near = sorted({j for c in node.clients for j in self.rule.graph[c]})
+            peers = [pb.ClientAddress(client_id=j, address=home[j].address) for j in near]
+            sends.append(Send(node.node_id, node.address, node.node_id, Method.GOSSIP_SEND,
+                              Payload(control=pb.Control(walk_peers=peers)), step=SEND_STEP))
+        self._fan_out(round, sends, "gossip_send")
+        evaluate = self._evaluation_due(round)   # as the round engine's metrics evaluate
+        mix = Payload(scalars={"return_model": evaluate})
+        mixed = self._fan_out(round, [Send(c, home[c].address, client_node(c), Method.GOSSIP_MIX, mix, step=MIX_STEP)
+                                      for c in range(n)], "gossip_mix")
+        losses = sum(float(steps[c].scalars.get("train_loss", 0.0)) for c in range(n))
+        extra: dict[str, float] = {}
+        if evaluate:
+            extra["consensus_distance"] = self._take_models(round, mixed)
+        metrics = ctx.round_metrics(round, Payload(scalars={"train_loss": losses, "weight": float(n)}))
+        metrics.update(extra)
+        result = RoundResult(round, list(range(n)), list(range(n)), {}, metrics, time.perf_counter() - started)
+        ctx.record_round(result)
+        return result
+
+    def _step_message(self, client: int, home: dict) -> Payload:
+        """gossip_step: no tensors; the process hosting each neighbour (`host:<j>`), the only
+        one whose gossip_share for j the client's process will take."""
+        return Payload(scalars={f"host:{j}": home[j].node_id for j in self.rule.graph[client]})
+
+    def _evaluation_due(self, round: int) -> bool:
+        every = self.ctx.cfg.run.eval_every
+        return round == self.ctx.cfg.run.rounds or bool(every and round % every == 0)
+
+    def _take_models(self, round: int, replies: dict) -> float:
+        """The clients' models checked, their mean x_bar as the server's model, and the consensus
+        distance (1/n) sum_i ||x_i - x_bar||^2 (common/gossip.py)."""
+        try:
+            models = {c: self.model_in(replies[c], f"round {round} model of client {c}") for c in sorted(replies)}
+        except PayloadError as exc:
+            raise RunFailed(str(exc)) from None
+        n = len(models)
+        mean = {k: sum(m[k].double() for m in models.values()) / n for k in self.model_in.spec}
+        distance = sum(float(((m[k].double() - mean[k]) ** 2).sum()) for m in models.values() for k in mean) / n
+        params = self.ctx.state.params
+        self.ctx.state.params = {k: mean[k].to(params[k].dtype) for k in params}
+        self.models = {c: {k: v.clone() for k, v in m.items()} for c, m in models.items()}
+        return distance

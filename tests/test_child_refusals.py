@@ -1,0 +1,188 @@
+"""What a child refuses reaches the server's run.db (issue 26: the parent is told).
+
+- A client or edge process that registered and then refuses the run's config (PLUGIN_NOT_ALLOWED:
+  a plug-in it was not started with) tells its parent before it exits 2; the server records a
+  `config_refused` event naming the process and the plug-in and fails the run at once, with that
+  reason, instead of waiting out its registration or round timeouts (server/child_reports.py).
+- An edge's refused registrations are events at the server, carried by its heartbeats
+  (edge/reports.py).
+
+Real server, edge and client processes on loopback, started as compose or Slurm starts them."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedhop.common import plugins
+from fedhop.common.ledger import Ledger
+from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.wire import fedhop_pb2 as pb
+
+PLUGIN = '''
+import torch
+def make_net(input_shape, n_outputs, **kw):
+    return torch.nn.Linear(input_shape[0], n_outputs)
+'''
+CONFIG = """
+[run]
+name = "refusals"
+rounds = {rounds}
+seed = 0
+[topology]
+kind = "{kind}"
+{edges}
+[algorithm]
+name = "fedavg"
+lr = 0.1
+local_epochs = 1
+batch_size = 32
+[data]
+dataset = "digits"
+[model]
+factory = "refpkg:make_net"
+[clients]
+count = 4
+per_round = 4
+[security]
+heartbeat_interval = 0.5
+"""
+REGISTER_TIMEOUT = "600"      # a run that waited for it would outlast every wait below
+
+
+class Run:
+    """The processes of one run, started by hand; killed at the end whatever happened."""
+
+    def __init__(self, tmp: Path, kind: str, rounds: int) -> None:
+        self.tmp = tmp
+        (tmp / "plugins" / "refpkg").mkdir(parents=True)
+        (tmp / "plugins" / "refpkg" / "__init__.py").write_text(PLUGIN)
+        (tmp / "exp.toml").write_text(CONFIG.format(kind=kind, rounds=rounds,
+                                                    edges="edges = 1" if kind == "hierarchical" else ""))
+        self.run_dir = tmp / "run"
+        self.env = {k: v for k, v in os.environ.items()
+                    if k not in ("FEDHOP_TOKEN", plugins.ALLOW_ENV, "FEDHOP_NODE_CRED")}
+        self.env[plugins.PLUGIN_PATH_ENV] = str(tmp / "plugins")
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, role: str, *args: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", f"fedhop.{role}", *args], cwd=self.tmp,
+                                            env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        return self.procs[name]
+
+    def server(self) -> str:
+        self.start("server", "server", "--config", "exp.toml", "--run-dir", "run", "--port-file", "server.address",
+                   "--register-timeout", REGISTER_TIMEOUT)
+        return str(self.tmp / "server.address")
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def events(self, kind: str) -> list[tuple[str, str]]:
+        db = self.run_dir / "run.db"
+        if not db.exists():
+            return []
+        try:
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10) as con:
+                return con.execute("SELECT node, detail FROM events WHERE kind = ?", (kind,)).fetchall()
+        except sqlite3.OperationalError:   # the table is not made yet
+            return []
+
+    def wait_for(self, what, timeout: float = 240.0, name: str = "server"):
+        deadline = time.monotonic() + timeout
+        while True:
+            got = what()
+            if got:
+                return got
+            assert time.monotonic() < deadline and self.procs[name].poll() is None, self.log(name)[-3000:]
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def run_factory(tmp_path):
+    runs: list[Run] = []
+
+    def make(kind: str, rounds: int = 2) -> Run:
+        runs.append(Run(tmp_path, kind, rounds))
+        return runs[-1]
+    yield make
+    for r in runs:
+        r.close()
+
+
+def check_failed_for(run: Run, refuser: str) -> None:
+    """The server exited 1 with the refusal as the run's reason, the refuser 2."""
+    assert run.procs["server"].wait(timeout=240) == 1, run.log("server")[-3000:]
+    assert run.procs[refuser].wait(timeout=60) == 2, run.log(refuser)[-3000:]
+    (event,) = run.events("config_refused")
+    assert event[0] == refuser and "PLUGIN_NOT_ALLOWED" in event[1] and "refpkg:make_net" in event[1], event
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and refuser in summary["error"] and "PLUGIN_NOT_ALLOWED" in summary["error"]
+    assert summary["rounds_completed"] < 2
+    failed = run.events("run_failed")
+    assert len(failed) == 1 and "refpkg:make_net" in failed[0][1]
+
+
+def test_a_client_refusing_the_config_fails_the_run_at_once_with_its_reason(run_factory):
+    run = run_factory("star")
+    server = run.server()
+    run.start("client-proc0", "client", "--parent-file", server, "--clients", "0-1", "--node-id", "client-proc0",
+              "--allow-plugin", "refpkg")
+    run.start("client-proc1", "client", "--parent-file", server, "--clients", "2-3", "--node-id", "client-proc1")
+    check_failed_for(run, "client-proc1")
+
+
+@pytest.mark.slow
+def test_a_client_under_an_edge_refusing_the_config_is_passed_on_by_the_edge(run_factory):
+    run = run_factory("hierarchical")
+    server = run.server()
+    run.start("edge-0", "edge", "--parent-file", server, "--node-id", "edge-0", "--port-file", "edge-0.address",
+              "--allow-plugin", "refpkg")
+    edge = str(run.tmp / "edge-0.address")
+    run.start("client-proc0", "client", "--parent-file", edge, "--clients", "0-1", "--node-id", "client-proc0",
+              "--allow-plugin", "refpkg")
+    run.start("client-proc1", "client", "--parent-file", edge, "--clients", "2-3", "--node-id", "client-proc1")
+    check_failed_for(run, "client-proc1")
+    assert "(via edge-0)" in run.events("config_refused")[0][1]
+
+
+def test_an_edges_refused_registrations_are_events_at_the_server(run_factory):
+    """A registration the edge refuses (a client outside its cluster) becomes a register_refused
+    event in the server's run.db, naming the edge; then SIGTERM ends the run as stopped."""
+    run = run_factory("hierarchical", rounds=100000)
+    server = run.server()
+    run.start("edge-0", "edge", "--parent-file", server, "--node-id", "edge-0", "--port-file", "edge-0.address",
+              "--allow-plugin", "refpkg")
+    edge_file = run.tmp / "edge-0.address"
+    run.start("client-proc0", "client", "--parent-file", str(edge_file), "--clients", "0-3",
+              "--node-id", "client-proc0", "--allow-plugin", "refpkg")
+    run.wait_for(lambda: run.events("registration_complete"))
+    assert run.events("register_refused") == []
+    intruder = GrpcEndpoint("intruder", Ledger())
+    try:
+        reply = intruder.register(edge_file.read_text().strip(), pb.RegisterRequest(
+            node_id="client-proc9", role="client", address="127.0.0.1:1", clients=[pb.LogicalClient(client_id=99)]),
+            timeout=30.0)
+    finally:
+        intruder.stop(grace=0.1)
+    assert not reply.accepted
+    (event,) = run.wait_for(lambda: run.events("register_refused"))
+    assert event[0] == "client-proc9" and event[1].startswith("at edge-0: ") and reply.message in event[1], event
+    run.procs["server"].send_signal(signal.SIGTERM)
+    assert run.procs["server"].wait(timeout=120) == 128 + signal.SIGTERM, run.log("server")[-3000:]
+    assert json.loads((run.run_dir / "summary.json").read_text())["status"] == "stopped"

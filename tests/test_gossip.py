@@ -1,0 +1,243 @@
+"""The gossip topology: D-PSGD, clients mixing their models with their graph neighbours' with
+Metropolis-Hastings weights each round (common/gossip.py, server/gossip.py, client/gossip.py).
+
+Checked against an independent numpy D-PSGD on the quadratic task (closed-form gradients) on a
+held-out graph the code was not written for: every client's model after every round, the
+consensus distance per round, the server's model (the clients' mean), and the bytes per link
+from the formula: 2 x 4d x |E| tensor bytes a round on client-client (every edge both ways),
+n x 4d on client-server in evaluation rounds only, none from the server."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from fedhop.common.config import ConfigError, parse_config
+from fedhop.common.gossip import GossipRule, mh_weights, random_regular_graph
+from fedhop.common.runstore import RunStore
+from fedhop.deploy.cli import main as fedhop
+from fedhop.deploy.inmemory import run_inmemory
+from tests.helpers import quadratic_config
+
+RNG = np.random.default_rng(27)
+N, D = 7, 3
+CENTERS = RNG.normal(0, 2, size=(N, D))
+CURV = RNG.uniform(0.4, 1.6, size=(N, D))
+SIZES = [4, 2, 7, 3, 5, 1, 6]
+# a held-out graph: a path 0-1-...-6 with chords 0-3, 2-5, 1-6 (degrees 1..3, not regular)
+EDGES = [[0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [0, 3], [2, 5], [1, 6]]
+
+
+def gossip_config(rounds=4, K=2, lr=0.15, edges=EDGES, processes=2, eval_every=1, extra="") -> str:
+    topology = f'kind = "gossip"\ngossip_edges = {json.dumps(edges)}\n{extra}'
+    text = quadratic_config(CENTERS, CURV, SIZES, rounds=rounds, local_steps=K, lr=lr, processes=processes,
+                            topology=topology, name="gossip")
+    return text.replace("eval_every = 1", f"eval_every = {eval_every}")
+
+
+# ----------------------------------------------------------------------------- the independent numpy D-PSGD
+def numpy_weights(edges, n):
+    nbrs = [set() for _ in range(n)]
+    for i, j in edges:
+        nbrs[i].add(j)
+        nbrs[j].add(i)
+    W = np.zeros((n, n))
+    for i, j in edges:
+        W[i, j] = W[j, i] = 1.0 / (1 + max(len(nbrs[i]), len(nbrs[j])))
+    W[np.diag_indices(n)] = 1.0 - W.sum(axis=1)
+    return W
+
+
+def numpy_dpsgd(rounds, K, lr, edges=EDGES):
+    """Each round's client models (n x d) and consensus distance: K full-batch gradient steps of
+    f_i(x) = 1/2 sum curv_i (x - c_i)^2 from x_i, then X <- W X^{1/2}."""
+    W = numpy_weights(edges, N)
+    X = np.zeros((N, D))
+    models, distances = [], []
+    for _ in range(rounds):
+        half = X.copy()
+        for _ in range(K):
+            half = half - lr * CURV * (half - CENTERS)
+        X = W @ half
+        models.append(X.copy())
+        distances.append(float(((X - X.mean(axis=0)) ** 2).sum(axis=1).mean()))
+    return models, distances
+
+
+# ----------------------------------------------------------------------------- graphs
+def test_random_regular_graphs_are_reproducible_and_regular_and_weights_are_mh():
+    for n, d, seed in ((10, 3, 0), (12, 4, 5), (9, 2, 7), (16, 5, 3)):
+        graph = random_regular_graph(n, d, seed)
+        assert graph == random_regular_graph(n, d, seed)                  # a function of the seed
+        assert all(len(row) == d and i not in row and len(set(row)) == d for i, row in enumerate(graph))
+        assert all(i in graph[j] for i, row in enumerate(graph) for j in row)   # undirected
+        edges = [[i, j] for i, row in enumerate(graph) for j in row if i < j]
+        assert len(edges) == n * d // 2
+        W = mh_weights(graph)
+        np.testing.assert_allclose(W, numpy_weights(edges, n), atol=1e-15)
+        np.testing.assert_allclose(W, W.T, atol=0)
+        np.testing.assert_allclose(W.sum(axis=1), 1.0, atol=1e-12)        # doubly stochastic
+        assert np.linalg.eigvalsh(W)[-2] < 1 - 1e-9                        # connected: one eigenvalue 1
+    assert len({json.dumps(random_regular_graph(12, 3, s)) for s in range(6)}) > 1
+    cfg = parse_config(quadratic_config(np.zeros((12, 2)), np.ones((12, 2)), [1] * 12, seed=4,
+                                        topology='kind = "gossip"\ngossip_degree = 3'))
+    assert GossipRule.from_config(cfg).graph == random_regular_graph(12, 3, 4)   # seeded from run.seed
+
+
+@pytest.mark.parametrize("extra, key, why", [
+    ("gossip_degree = 3", "topology.gossip_degree", "odd"),                     # 7 * 3 odd
+    ("gossip_degree = 8", "topology.gossip_degree", "< clients.count"),
+])
+def test_impossible_regular_graphs_are_refused(extra, key, why):
+    text = quadratic_config(CENTERS, CURV, SIZES, topology=f'kind = "gossip"\n{extra}')
+    with pytest.raises(ConfigError, match=key) as exc:
+        parse_config(text)
+    assert why in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("edges, why", [
+    ([[0, 1], [1, 2], [3, 4], [4, 5], [5, 6]], "not connected"),
+    (EDGES + [[2, 7]], "out of range"),
+    (EDGES + [[4, 4]], "self-loop"),
+    ([[0, 1, 2]], "not a pair"),
+])
+def test_bad_explicit_graphs_are_refused(edges, why):
+    with pytest.raises(ConfigError, match="topology.gossip_edges") as exc:
+        parse_config(gossip_config(edges=edges))
+    assert why in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_what_gossip_cannot_run_is_refused():
+    with pytest.raises(ConfigError, match="algorithm.name"):
+        parse_config(gossip_config().replace('name = "fedavg"', 'name = "scaffold"'))
+    with pytest.raises(ConfigError, match="run.checkpoint_every"):
+        parse_config(gossip_config().replace("eval_every = 1", "eval_every = 1\ncheckpoint_every = 2"))
+    with pytest.raises(ConfigError, match="gossip_degree"):
+        parse_config(gossip_config(extra="gossip_degree = 2"))    # both keys
+
+
+# ----------------------------------------------------------------------------- runs
+def test_every_client_model_each_round_equals_numpy_dpsgd_and_bytes_follow_the_formula(tmp_path):
+    rounds, K, lr = 4, 2, 0.15
+    cfg = parse_config(gossip_config(rounds, K, lr, processes=3))
+    seen: dict[int, dict[int, np.ndarray]] = {}
+
+    def watch(net, procs, coordinator):
+        coordinator.round_listeners.append(lambda result: seen.__setitem__(
+            result.round, {c: m["w"].double().numpy().copy() for c, m in coordinator.driver.models.items()}))
+
+    summary, coord = run_inmemory(cfg, tmp_path, before_run=watch)
+    assert summary["status"] == "completed", summary["error"]
+    models, distances = numpy_dpsgd(rounds, K, lr)
+    assert sorted(seen) == list(range(1, rounds + 1))
+    for r in range(1, rounds + 1):
+        got = np.stack([seen[r][c] for c in range(N)])
+        np.testing.assert_allclose(got, models[r - 1], rtol=0, atol=2e-5)
+    recorded = [row["metrics"]["consensus_distance"] for row in RunStore(tmp_path / "run.db").rounds()]
+    np.testing.assert_allclose(recorded, distances, rtol=1e-4, atol=1e-9)
+    assert distances[-1] > 0                                         # the clients have not agreed yet
+    np.testing.assert_allclose(coord.state.params["w"].double().numpy(), models[-1].mean(axis=0), atol=2e-5)
+    by_link = summary["bytes"]["by_link"]
+    E, model = len(EDGES), 4 * D
+    assert by_link["client-client"]["tensor_bytes"] == rounds * 2 * model * E    # every edge both ways
+    assert by_link["client-client"]["messages"] == rounds * 2 * (2 * E)          # each share and its ack
+    assert by_link["client-server"]["tensor_bytes"] == rounds * N * model        # the models up, eval rounds
+    store = RunStore(tmp_path / "run.db")
+    down = [r for r in store.messages() if r["src"] == "server" and r["role"] == "sender"]
+    assert down and all(r["tensor_bytes"] == 0 for r in down)                    # no model from the server
+    shares = [r for r in store.messages() if r["method"] == "gossip_share" and r["role"] == "sender"]
+    assert len(shares) == rounds * 2 * E and all(r["link"] == "client-client" for r in shares)
+    assert store.check_agreement().ok
+
+
+def test_models_go_up_only_in_evaluation_rounds(tmp_path):
+    rounds = 5
+    summary, _ = run_inmemory(parse_config(gossip_config(rounds=rounds, eval_every=2)), tmp_path)
+    assert summary["status"] == "completed", summary["error"]
+    evaluated = [2, 4, 5]                                            # every 2nd and the last
+    assert summary["bytes"]["by_link"]["client-server"]["tensor_bytes"] == len(evaluated) * N * 4 * D
+    rows = RunStore(tmp_path / "run.db").rounds()
+    assert [row["round"] for row in rows if "consensus_distance" in row["metrics"]] == evaluated
+
+
+def test_fedhop_run_from_outside_the_repo_in_real_processes(tmp_path):
+    """`fedhop run --set topology.kind=gossip` from a user's folder: 2 client processes over gRPC,
+    the clients split between them; the final model, consensus distances and bytes as computed here."""
+    rounds, K, lr = 3, 2, 0.15
+    text = quadratic_config(CENTERS, CURV, SIZES, rounds=rounds, local_steps=K, lr=lr, processes=2, name="g")
+    (tmp_path / "quad.toml").write_text(text)
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "quad.toml", "--out", "runs/g", "--quiet",
+                           "--set", "topology.kind=gossip", "--set", f"topology.gossip_edges={json.dumps(EDGES)}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / "g"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["topology"] == "gossip"
+    assert summary["ledger_agreement"]["ok"]
+    models, distances = numpy_dpsgd(rounds, K, lr)
+    np.testing.assert_allclose(load_file(str(run / "model.safetensors"))["w"].double().numpy(),
+                               models[-1].mean(axis=0), atol=2e-5)
+    store = RunStore(run / "run.db")
+    np.testing.assert_allclose([row["metrics"]["consensus_distance"] for row in store.rounds()], distances,
+                               rtol=1e-4, atol=1e-9)
+    assert summary["bytes"]["by_link"]["client-client"]["tensor_bytes"] == rounds * 2 * 4 * D * len(EDGES)
+    procs = {r["src"] for r in store.messages() if r["method"] == "gossip_share" and r["role"] == "sender"}
+    assert procs == {"client-proc0", "client-proc1"}                  # both processes sent shares
+
+
+
+def test_a_bad_gossip_graph_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    (tmp_path / "quad.toml").write_text(quadratic_config(CENTERS, CURV, SIZES, name="g"))
+    monkeypatch.chdir(tmp_path)
+    assert fedhop(["run", "quad.toml", "--out", "runs/bad", "--set", "topology.kind=gossip",
+                   "--set", "topology.gossip_degree=3"]) == 2                # 7 clients x degree 3 is odd
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "topology.gossip_degree" in err and "odd" in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_share_is_taken_only_from_a_neighbour_hosted_by_the_calling_process_once_per_round():
+    """gossip_share from a peer process: the sending client a graph neighbour of the receiving one,
+    hosted by the calling process as the server's gossip_step named it, in the current round, once;
+    anything else is refused with a typed error and leaves the inbox alone."""
+    from fedhop.client.host import ClientHost
+    from fedhop.common.algorithms.base import Payload
+    from fedhop.common.transport.base import HandlerError
+    host = ClientHost(parse_config(gossip_config()), "client-proc0", [0, 1, 2], run_id="")
+    gossip = host.gossip
+    receiver = 2                                           # neighbours 1, 3, 5 in EDGES
+    gossip.step("client-2", 1, Payload(scalars={"host:1": "client-proc0", "host:3": "client-proc1",
+                                                "host:5": "client-proc2"}))
+    model = {k: v + 1.0 for k, v in gossip.models[0].items()}
+
+    def share(frm, src, rnd=1):
+        return gossip.take_share(src, f"client-{receiver}", rnd, Payload(tensors=model, scalars={"from": frm}))
+
+    for frm, src, code in ((4, "client-proc1", "NOT_NEIGHBOUR"), (3, "client-proc2", "WRONG_SENDER"),
+                           (3, "client-proc1", "WRONG_ROUND")):
+        with pytest.raises(HandlerError) as exc:
+            share(frm, src, rnd=2 if code == "WRONG_ROUND" else 1)
+        assert exc.value.code == code and not gossip.inbox
+    share(3, "client-proc1")
+    assert gossip.inbox[(1, receiver, 3)]["w"].equal(model["w"])
+    with pytest.raises(HandlerError) as exc:
+        share(3, "client-proc1")
+    assert exc.value.code == "DUPLICATE"
+    with pytest.raises(HandlerError) as exc:               # neighbours 1 and 5 have not shared yet
+        gossip.mix("client-2", 1, Payload())
+    assert exc.value.code == "MISSING_SHARE" and "[1, 5]" in str(exc.value)
+
+
+def test_an_unreachable_client_process_fails_the_run_with_its_reason(tmp_path):
+    """Every client mixes with its neighbours, so a client process that cannot be reached fails
+    the round and the run (the reason names the step and the client), no partial mix."""
+    cfg = parse_config(gossip_config(rounds=3, processes=2))
+    summary, _ = run_inmemory(cfg, tmp_path, before_run=lambda net, procs, coord: procs[1].endpoint.stop())
+    assert summary["status"] == "failed"
+    assert "gossip_step failed at client-" in summary["error"] and "gossip needs every client" in summary["error"]
+    assert summary["rounds_completed"] == 0
+    assert RunStore(tmp_path / "run.db").events("client_failed")
