@@ -27,9 +27,12 @@ What a collect-everything round decides after the last reply must be decided her
   in the replies folded before it is not folded and refused (`rejected`, BAD_SCALAR); the round's
   kinds are those of its lowest folded id (a collected round takes the majority's,
   `consistent_results`; the two agree unless the lowest id is the odd one);
-- NaN/Inf: every reply is finite (validated), so only the sum or the server step can overflow;
-  the fold keeps each folded reply's weighted magnitude (`magnitudes`) so the worst can be
-  named (common/validation.py `finite_streamed`).
+- NaN/Inf: every reply is finite (validated), so only the sum or the server step can overflow.
+  A reply whose addition would make the sum NaN or Inf is left out (`rejected`,
+  NON_FINITE_AGGREGATE; `ReplyAccumulator.add_if_finite` computes the new sums beside the running
+  ones) and the others still count, as a collected round leaves out the result that overflows
+  it.  For a server step that overflows, the fold keeps each folded reply's weighted magnitude
+  (`magnitudes`) so the worst can be named (common/validation.py `finite_streamed`).
 """
 from __future__ import annotations
 
@@ -190,10 +193,13 @@ class OrderedFold:
         if bad is not None:
             self.rejected[key] = f"BAD_SCALAR: result of {key}: {bad}"
             return
+        overflow = self.acc.add_if_finite(reply)
+        if overflow is not None:   # finite values whose sum is not: left out, the others still count
+            self.rejected[key] = f"NON_FINITE_AGGREGATE: result of {key}: {overflow}; it was left out"
+            return
         for name, v in reply.scalars.items():
             self._kinds.setdefault(name, _kind(v))
         self.magnitudes[key] = _magnitude(reply)
-        self.acc.add(reply)
         self.folded.append(key)
         self.stubs[key] = scalars_only(reply)
 

@@ -179,14 +179,13 @@ def test_late_reply_is_refused_and_a_kind_mismatch_is_not_folded(tmp_path):
     assert failures == {2: "timeout", 3: fold.rejected[3]}
 
 
-def test_non_finite_folded_sum_names_the_worst_and_leaves_the_round_out():
-    """Finite replies whose float32 sum overflows: the state is rolled back, the reply of largest
-    weighted magnitude is named NON_FINITE_AGGREGATE, and no aggregate is returned."""
+def test_a_reply_that_overflows_the_folded_sum_is_left_out_and_the_round_goes_on():
+    """Finite replies whose float32 sum overflows: the reply whose addition would make the sum
+    Inf is left out (NON_FINITE_AGGREGATE), the others are folded, and the result is the id-order
+    aggregation of the others, bit for bit (what `finite_step` computes after leaving it out)."""
     cfg = parse_config(config_text("fedavg"))
     engine = RoundEngine(cfg)
-    name, t0 = next(iter(engine.state.params.items()))
-    before = {k: v.clone() for k, v in engine.state.params.items()}
-    big = torch.finfo(torch.float32).max / 2   # each weighted reply finite, their sum not
+    big = torch.finfo(torch.float32).max / 2   # each weighted reply finite, 0 and 1 together not
     replies = {}
     for cid, (scale, w) in enumerate([(0.5, 3.0), (0.9, 2.0), (1e-3, 1.0)]):
         tensors = {k: torch.full_like(v, scale * big) for k, v in engine.state.params.items()}
@@ -195,12 +194,36 @@ def test_non_finite_folded_sum_names_the_worst_and_leaves_the_round_out():
     for cid in (2, 1, 0):
         fold.offer(cid, replies[cid])
     fold.close()
+    assert fold.folded == [0, 2]
+    assert list(fold.rejected) == [1] and fold.rejected[1].startswith("NON_FINITE_AGGREGATE: result of 1:")
+    assert_same_bits(fold.result(), engine.algorithm.aggregate([(0, replies[0]), (2, replies[2])]))
+    before = {k: v.clone() for k, v in engine.state.params.items()}
+    out = engine.finish_round(1, fold.stubs, [0, 2], fold=fold)
+    assert out is not None and float(out.scalars[WEIGHT_KEY]) == 4.0
+    assert all(torch.isfinite(v).all() and not torch.equal(v, before[k]) for k, v in engine.state.params.items())
+
+
+def test_a_server_step_that_overflows_names_the_worst_and_leaves_the_round_out():
+    """A finite sum whose server step is not finite: the replies are gone, so the state is rolled
+    back, the reply of largest weighted magnitude is named NON_FINITE_AGGREGATE and the round
+    does not count (common/validation.py `finite_streamed`)."""
+    cfg = parse_config(config_text("fedavg"))
+    engine = RoundEngine(cfg)
+    near_max = torch.finfo(torch.float32).max * 0.9
+    for v in engine.state.params.values():
+        v.fill_(near_max)
+    before = {k: v.clone() for k, v in engine.state.params.items()}
+    replies = {cid: Payload(tensors={k: torch.full_like(v, scale * near_max) for k, v in engine.state.params.items()},
+                            scalars={WEIGHT_KEY: 1.0}) for cid, scale in enumerate([0.15, 0.25, 0.2])}
+    fold = OrderedFold([0, 1, 2], engine.algorithm.reply_reduce, budget_bytes=0)
+    for cid in (1, 2, 0):
+        fold.offer(cid, replies[cid])
+    fold.close()
+    assert fold.folded == [0, 1, 2] and not fold.rejected
     left = []
     out = engine.finish_round(1, fold.stubs, [0, 1, 2], lambda blamed, kept: left.append(blamed) or kept, fold=fold)
     assert out is None
-    worst = max(replies, key=lambda c: float(replies[c].tensors[name].abs().max()) * replies[c].scalars[WEIGHT_KEY])
-    assert list(left[0]) == [worst] == [1]
-    assert left[0][1].startswith("NON_FINITE_AGGREGATE: round 1:")
+    assert list(left[0]) == [1] and left[0][1].startswith("NON_FINITE_AGGREGATE: round 1:")
     for k, v in engine.state.params.items():
         assert torch.equal(v, before[k])
 

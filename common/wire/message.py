@@ -98,22 +98,68 @@ class ReplyAccumulator:
                 torch.minimum(out.tensors[name], term, out=out.tensors[name])
             else:  # pragma: no cover - guarded by ReduceOp
                 raise ValueError(f"unknown reduce op {op!r} for {name!r}")
+        self._fold_scalars(out.scalars, p, w, is_partial)
+
+    def add_if_finite(self, p: Payload) -> str | None:
+        """`add`, unless `p` would make a running sum NaN or Inf (finite values whose sum
+        overflows): then nothing changes and the reason is returned, so the caller leaves `p` out
+        and goes on with the others, as `finite_step` leaves out a result that overflows the sum.
+        The new sums are computed beside the running ones and swapped in: the same operations on
+        the same values as `add` (the same bits), for one payload's worth of memory while folding."""
+        ops, out = self.ops, self.out
+        if WEIGHT_KEY not in p.scalars:
+            raise ValueError(f"reply lacks the '{WEIGHT_KEY}' scalar")
+        w = float(p.scalars[WEIGHT_KEY])
+        is_partial = COUNT_KEY in p.scalars
+        staged: dict[str, torch.Tensor] = {}
+        for name, t in p.tensors.items():
+            op = ops.get(name, "wsum")
+            term = t if (op != "wsum" or is_partial) else t * w
+            if name not in out.tensors:
+                new = term.clone() if term is t else term
+            elif op in ("wsum", "sum"):
+                new = out.tensors[name] + term
+            elif op == "max":
+                new = torch.maximum(out.tensors[name], term)
+            elif op == "min":
+                new = torch.minimum(out.tensors[name], term)
+            else:  # pragma: no cover - guarded by ReduceOp
+                raise ValueError(f"unknown reduce op {op!r} for {name!r}")
+            if not tensor_finite(new):
+                return f"adding it makes tensor '{name}' of the sum NaN or Inf"
+            staged[name] = new
+        scalars = dict(out.scalars)
+        self._fold_scalars(scalars, p, w, is_partial)
+        for name, v in scalars.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                return f"adding it makes scalar '{name}' of the sum {v}"
+        if not math.isfinite(self.total_weight + w):
+            return "adding it makes the summed weight Inf"
+        out.tensors.update(staged)
+        out.scalars = scalars
+        self.total_weight += w
+        self.count += int(p.scalars[COUNT_KEY]) if is_partial else 1
+        self.added += 1
+        return None
+
+    def _fold_scalars(self, target: dict[str, Scalar], p: Payload, w: float, is_partial: bool) -> None:
+        """Fold `p`'s scalars into `target` (the running scalars, or a copy of them)."""
         for name, v in p.scalars.items():
             if name in (WEIGHT_KEY, COUNT_KEY):
                 continue
             if isinstance(v, (str, bool)):
-                out.scalars.setdefault(name, v)
+                target.setdefault(name, v)
                 continue
-            op = ops.get(name, "max" if name == COMPUTE_KEY else "wsum")
+            op = self.ops.get(name, "max" if name == COMPUTE_KEY else "wsum")
             value = v if (op != "wsum" or is_partial) else v * w
-            if name not in out.scalars:
-                out.scalars[name] = value
+            if name not in target:
+                target[name] = value
             elif op in ("wsum", "sum"):
-                out.scalars[name] += value   # type: ignore[operator]  # numeric: a str scalar is kept by setdefault above
+                target[name] += value   # type: ignore[operator]  # numeric: a str scalar is kept by setdefault above
             elif op == "max":
-                out.scalars[name] = max(out.scalars[name], value)
+                target[name] = max(target[name], value)
             elif op == "min":
-                out.scalars[name] = min(out.scalars[name], value)
+                target[name] = min(target[name], value)
 
     def result(self) -> Payload:
         """The reduction so far, carrying the summed `weight` and `num_results`."""
