@@ -77,7 +77,7 @@ class ReplyAccumulator:
     def add(self, p: Payload) -> None:
         """Fold `p` in: a `wsum` field adds weight * field, a partial result (it carries
         `num_results`) adds its already weighted fields."""
-        ops, out = self.ops, self.out
+        out = self.out
         if WEIGHT_KEY not in p.scalars:
             raise ValueError(f"reply lacks the '{WEIGHT_KEY}' scalar")
         w = float(p.scalars[WEIGHT_KEY])
@@ -86,18 +86,7 @@ class ReplyAccumulator:
         self.count += int(p.scalars[COUNT_KEY]) if is_partial else 1
         self.added += 1
         for name, t in p.tensors.items():
-            op = ops.get(name, "wsum")
-            term = t if (op != "wsum" or is_partial) else t * w
-            if name not in out.tensors:
-                out.tensors[name] = term.clone() if term is t else term
-            elif op in ("wsum", "sum"):
-                out.tensors[name] += term
-            elif op == "max":
-                torch.maximum(out.tensors[name], term, out=out.tensors[name])
-            elif op == "min":
-                torch.minimum(out.tensors[name], term, out=out.tensors[name])
-            else:  # pragma: no cover - guarded by ReduceOp
-                raise ValueError(f"unknown reduce op {op!r} for {name!r}")
+            out.tensors[name] = self._combine(name, t, w, is_partial, in_place=True)
         self._fold_scalars(out.scalars, p, w, is_partial)
 
     def add_if_finite(self, p: Payload) -> str | None:
@@ -106,25 +95,14 @@ class ReplyAccumulator:
         and goes on with the others, as `finite_step` leaves out a result that overflows the sum.
         The new sums are computed beside the running ones and swapped in: the same operations on
         the same values as `add` (the same bits), for one payload's worth of memory while folding."""
-        ops, out = self.ops, self.out
+        out = self.out
         if WEIGHT_KEY not in p.scalars:
             raise ValueError(f"reply lacks the '{WEIGHT_KEY}' scalar")
         w = float(p.scalars[WEIGHT_KEY])
         is_partial = COUNT_KEY in p.scalars
         staged: dict[str, torch.Tensor] = {}
         for name, t in p.tensors.items():
-            op = ops.get(name, "wsum")
-            term = t if (op != "wsum" or is_partial) else t * w
-            if name not in out.tensors:
-                new = term.clone() if term is t else term
-            elif op in ("wsum", "sum"):
-                new = out.tensors[name] + term
-            elif op == "max":
-                new = torch.maximum(out.tensors[name], term)
-            elif op == "min":
-                new = torch.minimum(out.tensors[name], term)
-            else:  # pragma: no cover - guarded by ReduceOp
-                raise ValueError(f"unknown reduce op {op!r} for {name!r}")
+            new = self._combine(name, t, w, is_partial, in_place=False)
             if not tensor_finite(new):
                 return f"adding it makes tensor '{name}' of the sum NaN or Inf"
             staged[name] = new
@@ -141,6 +119,22 @@ class ReplyAccumulator:
         self.count += int(p.scalars[COUNT_KEY]) if is_partial else 1
         self.added += 1
         return None
+
+    def _combine(self, name: str, t: torch.Tensor, w: float, is_partial: bool, in_place: bool) -> torch.Tensor:
+        """The running field `name` with `t` combined in (weighted by `w` for a `wsum` field of a
+        client result): into the running tensor (`in_place`) or into a new one beside it."""
+        op = self.ops.get(name, "wsum")
+        term = t if (op != "wsum" or is_partial) else t * w
+        acc = self.out.tensors.get(name)
+        if acc is None:
+            return term.clone() if term is t else term
+        if op in ("wsum", "sum"):
+            return acc.add_(term) if in_place else acc + term
+        if op == "max":
+            return torch.maximum(acc, term, out=acc) if in_place else torch.maximum(acc, term)
+        if op == "min":
+            return torch.minimum(acc, term, out=acc) if in_place else torch.minimum(acc, term)
+        raise ValueError(f"unknown reduce op {op!r} for {name!r}")  # pragma: no cover - guarded by ReduceOp
 
     def _fold_scalars(self, target: dict[str, Scalar], p: Payload, w: float, is_partial: bool) -> None:
         """Fold `p`'s scalars into `target` (the running scalars, or a copy of them)."""
