@@ -8,7 +8,9 @@ import threading
 import time
 
 CRED_ENV = "FEDHOP_NODE_CRED"     # a process's own per-node credential (SignedIdentity), environment only
-_CRED_PREFIX, _TOKEN_PREFIX = "fhn1", "fht1"
+CRED_SUFFIX = ".cred"             # or DIR/NODE.cred in its certificate folder (`fedhop certs` writes them)
+ISSUER_KEY = "issuer.key"         # the issuer's private key in a cluster folder: like ca.key, never shipped
+_CRED_PREFIX, _TOKEN_PREFIX, _ISSUER_PREFIX = "fhn1", "fht1", "fhi1"
 _CERT_CONTEXT, _CALL_CONTEXT = b"fedhop-node-cert-v1:", b"fedhop-call-v1:"
 REGISTER_AUDIENCE = "register"    # the audience of calls to a parent whose node id the caller does not know yet
 SCOPED_METHODS = frozenset({"Register", "Heartbeat"})   # the only RPCs that accept that audience
@@ -49,6 +51,24 @@ class TokenAuthority:
         self.key = key if key is not None else Ed25519PrivateKey.generate()
         self.public = _raw_public(self.key)
 
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "TokenAuthority":
+        """The issuer saved by `to_bytes` (a cluster folder's issuer.key, security.write_cluster)."""
+        Ed25519PrivateKey, *_ = _ed25519()
+        try:
+            text = data.decode().strip()
+            if not text.startswith(_ISSUER_PREFIX + ":"):
+                raise ValueError("not a fedhop issuer key")
+            return cls(Ed25519PrivateKey.from_private_bytes(bytes.fromhex(text[len(_ISSUER_PREFIX) + 1:])))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise SecurityError(f"issuer key: {exc}") from None
+
+    def to_bytes(self) -> bytes:
+        """The issuer's private key, hex, one line: whoever holds it can issue any node's credential."""
+        from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+        raw = self.key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        return f"{_ISSUER_PREFIX}:{raw.hex()}\n".encode()
+
     def issue(self, node_id: str) -> str:
         """The credential string of `node_id`: a fresh node key, the issuer's signature over its
         public half and the node id, and the issuer's public key."""
@@ -73,7 +93,8 @@ class SignedIdentity:
         self._lock = threading.Lock()
 
     @classmethod
-    def parse(cls, text: str) -> "SignedIdentity":
+    def parse(cls, text: str, source: str = CRED_ENV) -> "SignedIdentity":
+        """`source` names where `text` came from, for the error (the variable, or a .cred file)."""
         Ed25519PrivateKey, *_ = _ed25519()
         parts = text.strip().split(":")
         try:
@@ -83,7 +104,8 @@ class SignedIdentity:
             return cls(node, Ed25519PrivateKey.from_private_bytes(bytes.fromhex(key)), bytes.fromhex(cert),
                        bytes.fromhex(issuer))
         except ValueError as exc:
-            raise SecurityError(f"{CRED_ENV}: {exc} (expected the value `fedhop run` made for this node)") from None
+            raise SecurityError(f"{source}: {exc} (expected a credential `fedhop run` or `fedhop certs` made "
+                                f"for this node)") from None
 
     def token(self, audience: str, now: float | None = None) -> str:
         """A token for calls to `audience`, valid TOKEN_TTL s (reused until a minute before)."""

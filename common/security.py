@@ -9,7 +9,10 @@ Two kinds of node credential (docs/faults.md, "Security"):
 - **per-node credential** (what `fedhop run` hands each process): an issuer key that only the
   launcher holds (Ed25519, `TokenAuthority`, new per run) signs each node's own public key and
   node id; the process gets its private key, that signature and the issuer's public key in
-  `FEDHOP_NODE_CRED` (its environment, never a command line), and no other node's.  Every call
+  `FEDHOP_NODE_CRED` (its environment, never a command line), and no other node's.  Deployments
+  that start each process themselves (compose, Kubernetes, a hosts file, `deploy/role.py`) use
+  `fedhop certs DIR`, which keeps the issuer's key in `DIR/issuer.key` and writes `DIR/NODE.cred`;
+  a process whose certificate folder holds its own `NODE.cred` uses it (the environment wins).  Every call
   carries a token the caller signs for one audience (the node id or logical client it calls)
   and a few minutes of validity (`SignedIdentity.token`); the callee checks the issuer's
   signature, the caller's, the audience (its own name; the audience "register" only on Register
@@ -21,8 +24,7 @@ Two kinds of node credential (docs/faults.md, "Security"):
   node_id)` = HMAC-SHA256 of the node id under the cluster secret.  It travels in gRPC metadata
   (`fedhop-node`, `fedhop-auth`), never on a command line, and under TLS never in clear.  Every
   holder of the secret can mint any node's token: it admits cluster members, it does not tell
-  them apart.  Deployments across machines that need per-node identity use mTLS, or hand each
-  process its own `FEDHOP_NODE_CRED` from a `TokenAuthority` they keep.
+  them apart: it is what a deployment without a certificate folder falls back to.
 
 Either way the claimed identity must equal the node the message speaks for: a Register's and a
 Heartbeat's `node_id`, an Exchange's envelope `src`.  A refused call is answered UNAUTHENTICATED
@@ -50,6 +52,8 @@ import grpc
 from fedhop.common.addresses import insecure_from_env, plaintext_refusal
 from fedhop.common.nodecred import (
     CRED_ENV,
+    CRED_SUFFIX,
+    ISSUER_KEY,
     REGISTER_AUDIENCE,
     SCOPED_METHODS,
     SecurityError,
@@ -149,8 +153,9 @@ def make_node_cert(ca_key_pem: bytes, ca_cert_pem: bytes, node_id: str, hosts: I
 def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Iterable[str] = (),
                   days: int = 365) -> list[Path]:
     """Make (or extend) a cluster directory: ca.pem/ca.key (reused when present), NODE.pem/NODE.key
-    per node, cluster.secret (reused when present).  Keys are written mode 0600.  Returns the
-    files written."""
+    per node, cluster.secret (reused when present), issuer.key (reused when present) and NODE.cred,
+    the node's per-node credential signed by it.  Keys are written mode 0600.  Returns the files
+    written."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     written = []
@@ -164,12 +169,19 @@ def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Ite
     if not (d / SECRET_FILE).exists():
         _write_private(d / SECRET_FILE, secrets.token_hex(32).encode() + b"\n")
         written.append(d / SECRET_FILE)
+    if (d / ISSUER_KEY).exists():
+        authority = TokenAuthority.from_bytes((d / ISSUER_KEY).read_bytes())
+    else:
+        authority = TokenAuthority()
+        _write_private(d / ISSUER_KEY, authority.to_bytes())
+        written.append(d / ISSUER_KEY)
     hosts = list(hosts)
     for node in nodes:
         key, cert = make_node_cert(ca_key, ca_cert, node, hosts, days)
         _write_private(d / f"{node}.key", key)
         _write_public(d / f"{node}.pem", cert)
-        written += [d / f"{node}.pem", d / f"{node}.key"]
+        _write_private(d / f"{node}{CRED_SUFFIX}", authority.issue(node).encode() + b"\n")
+        written += [d / f"{node}.pem", d / f"{node}.key", d / f"{node}{CRED_SUFFIX}"]
     return written
 
 
@@ -227,11 +239,14 @@ class NodeCredentials:
         if mtls and not certs_dir:
             raise SecurityError("mutual TLS needs a certificate directory (security.certs_dir / --certs-dir)")
         tls = load_tls(certs_dir, node_id) if certs_dir else None
-        cred = os.environ.get(CRED_ENV, "") if env_cred is None else env_cred
+        cred, source = (os.environ.get(CRED_ENV, "") if env_cred is None else env_cred), CRED_ENV
+        cred_file = Path(certs_dir) / f"{node_id}{CRED_SUFFIX}" if certs_dir else None
+        if not cred and cred_file is not None and cred_file.is_file():
+            cred, source = cred_file.read_text(), str(cred_file)
         if cred:
-            signed = SignedIdentity.parse(cred)
+            signed = SignedIdentity.parse(cred, source)
             if signed.node_id != node_id:
-                raise SecurityError(f"{CRED_ENV} is the credential of node '{signed.node_id}', not of '{node_id}'")
+                raise SecurityError(f"{source} is the credential of node '{signed.node_id}', not of '{node_id}'")
             return cls(node_id, b"", tls, mtls, signed)
         return cls(node_id, read_secret(certs_dir, env_secret), tls, mtls)
 

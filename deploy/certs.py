@@ -4,13 +4,16 @@ Makes (or extends) a cluster directory for TLS and node credentials (common/secu
 
     DIR/ca.pem, DIR/ca.key          the cluster CA (reused when DIR already has one)
     DIR/NODE.pem, DIR/NODE.key      one certificate per node, CN = node id, usable for mutual TLS
-    DIR/cluster.secret              the secret that signs node tokens (reused when present)
+    DIR/cluster.secret              the shared secret of shared-token deployments (reused when present)
+    DIR/issuer.key                  the key that issues per-node credentials (reused when present)
+    DIR/NODE.cred                   one per-node credential per node, issued by it
 
 Keys are written mode 0600.  `--config EXP.toml` adds the node ids of that experiment's
 processes as `fedhop run` starts them (server, edge-E, client-procP: common/plan.py).  `--hosts`
 adds host names or IP addresses to every certificate (peers are otherwise verified by node id).
 Then set `security.certs_dir = "DIR"` (and `security.mtls = true` for mutual TLS); copy to each
-machine only ca.pem and its own NODE.pem / NODE.key (plus cluster.secret for token auth).
+machine only ca.pem and its own NODE.pem / NODE.key / NODE.cred (a process whose folder holds its
+NODE.cred signs its calls with it and accepts no shared-secret token); ca.key and issuer.key stay here.
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except SecurityError as exc:
         print(f"fedhop certs: {exc}", file=sys.stderr)
         return 2
-    print(f"fedhop certs: {len(nodes)} node certificates in {Path(args.dir)} ({len(written)} files written): "
+    print(f"fedhop certs: {len(nodes)} node certificates and credentials in {Path(args.dir)} ({len(written)} files written): "
           f"{', '.join(nodes)}")
     print(f'  set security.certs_dir = "{Path(args.dir)}" (security.mtls = true for mutual TLS)')
     return 0

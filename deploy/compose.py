@@ -57,15 +57,20 @@ CLIENT_TEMPLATE = "client"      # docker-compose.yml's scalable client service, 
 
 
 def node_folders(certs: Path, nodes: list[str], out: Path) -> dict[str, Path]:
-    """OUT/NODE/ holding only ca.pem, NODE.pem and NODE.key (keys 0600) for each node.
+    """OUT/NODE/ holding only ca.pem, NODE.pem, NODE.key and NODE.cred (keys 0600) for each node.
 
-    Never ca.key (it mints certificates), never cluster.secret (compose hands the run token through
-    the run folder, and a folder holding the secret would make that node's token differ from the
-    others'), never another node's key.  Raises ValueError naming the first missing file."""
+    NODE.cred is the node's per-node credential (common/security.py): with it the node's calls
+    carry tokens only it can sign, so a container cannot speak for another node even in token
+    mode.  Never ca.key or issuer.key (they mint certificates and credentials), never
+    cluster.secret (the shared token, which would let every holder mint any node's token), never
+    another node's files.  Raises ValueError naming the first missing file."""
+    from fedhop.common.nodecred import CRED_SUFFIX
     from fedhop.common.security import CA_CERT
-    for name in [CA_CERT] + [f"{n}.{ext}" for n in nodes for ext in ("pem", "key")]:
+    kinds = ("pem", "key", CRED_SUFFIX.lstrip("."))
+    for name in [CA_CERT] + [f"{n}.{ext}" for n in nodes for ext in kinds]:
         if not (certs / name).is_file():
-            raise ValueError(f"{certs / name} is missing (make it with `fedhop certs {certs} --nodes {','.join(nodes)}`)")
+            raise ValueError(f"{certs / name} is missing (make it with `fedhop certs {certs} --nodes {','.join(nodes)}`; "
+                             f"the CA and issuer in {certs} are reused)")
     folders: dict[str, Path] = {}
     for node in nodes:
         folder = out / node
@@ -73,7 +78,8 @@ def node_folders(certs: Path, nodes: list[str], out: Path) -> dict[str, Path]:
         folder.chmod(0o700)
         for stale in folder.iterdir():          # a folder made for another run keeps nothing of it
             stale.unlink()
-        for name, mode in ((CA_CERT, 0o644), (f"{node}.pem", 0o644), (f"{node}.key", 0o600)):
+        for name, mode in ((CA_CERT, 0o644), (f"{node}.pem", 0o644), (f"{node}.key", 0o600),
+                           (f"{node}{CRED_SUFFIX}", 0o600)):
             fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
             with os.fdopen(fd, "wb") as fh:
                 fh.write((certs / name).read_bytes())
@@ -112,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="fedhop compose",
         description="Per-node credentials for docker compose: from a `fedhop certs` folder, one folder per "
-                    "node (ca.pem and that node's own pair only) and an override file that mounts each at its "
+                    "node (ca.pem and that node's own key pair and credential only) and an override file that mounts each at its "
                     "service's /certs, with one service per client process (client-0..N-1).  Then: "
                     "docker compose -f docker-compose.yml -f DIR/compose.yml up --abort-on-container-exit "
                     "--exit-code-from server")
-    ap.add_argument("certs", help="the folder `fedhop certs` made (ca.pem, NODE.pem, NODE.key)")
+    ap.add_argument("certs", help="the folder `fedhop certs` made (ca.pem, NODE.pem, NODE.key, NODE.cred)")
     ap.add_argument("--clients", type=int, required=True, help="client processes (client-proc0..N-1)")
     ap.add_argument("--edges", type=int, default=0, help="edges (edge-0..E-1; docker-compose.yml has 2)")
     ap.add_argument("--out", default="compose-nodes", help="where the per-node folders and compose.yml go "

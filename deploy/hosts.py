@@ -1,8 +1,9 @@
 """`fedhop launch HOSTS.toml CONFIG`: start a run's roles on the machines a hosts file lists.
 
 Every role is one process started through a *remote command template* (ssh by default): the
-launcher writes the run's token (and, for the server, the resolved config) to the process's
-standard input, streams its output back into `OUT/logs/<node>.log` (and the terminal), waits
+launcher writes the run's token, the role's own per-node credential (the launcher keeps the key
+that issues them, so a role cannot speak for another) and, for the server, the resolved config to
+the process's standard input, streams its output back into `OUT/logs/<node>.log` (and the terminal), waits
 for the server to finish, gathers the remote run directories into `OUT`, merges every
 process's ledger into `OUT/run.db` and stops everything on failure or Ctrl-C.
 
@@ -55,6 +56,7 @@ from typing import Any, Callable
 
 from fedhop.common.addresses import plaintext_refusal
 from fedhop.common.config import Config, ConfigError, config_to_toml, load_config
+from fedhop.common.nodecred import CRED_ENV, TokenAuthority
 from fedhop.common.plan import Placement, id_spec, plan_processes
 from fedhop.deploy.malloc import TUNED_MALLOC_ENV
 
@@ -374,8 +376,9 @@ def role_argv(role: Role, cfg: Config, run: str) -> list[str]:
 
 
 def role_command(hf: HostsFile, role: Role, cfg: Config, run: str) -> str:
-    """The remote shell command of a role.  The token arrives on the first line of standard input
-    (never on a command line, where `ps` would show it); the server's config follows it."""
+    """The remote shell command of a role.  The run token arrives on the first line of standard
+    input and the role's own per-node credential on the second (never on a command line, where
+    `ps` would show them); the server's config follows them."""
     host = role.host
     q = shell_path
     env = {"PYTHONUNBUFFERED": "1", **TUNED_MALLOC_ENV, **{str(k): str(v) for k, v in host.env.items()}}
@@ -384,7 +387,8 @@ def role_command(hf: HostsFile, role: Role, cfg: Config, run: str) -> str:
              f"mkdir -p {q(run)}/ledger {q(run)}/pids",
              f"echo $$ > {q(run)}/pids/{role.node_id}.pid",
              "IFS= read -r FEDHOP_TOKEN",
-             f"export FEDHOP_TOKEN {exports}"]
+             f"IFS= read -r {CRED_ENV}",
+             f"export FEDHOP_TOKEN {CRED_ENV} {exports}"]
     if role.kind == "server":
         steps.append(f"cat > {q(run)}/config.toml")
     argv = " ".join(shlex.quote(a) for a in role_argv(role, cfg, run))
@@ -528,22 +532,26 @@ class Launch:
         self.keep_going = keep_going
         self.shared_fs = shared_fs   # every host writes straight into OUT (emulated hosts): nothing to gather
         self.token = secrets.token_hex(16)
+        self.authority = TokenAuthority()     # issues each role its own credential (common/security.py)
         self.started: list[Started] = []
         self._echo_lock = threading.Lock()
 
     # -- processes ------------------------------------------------------------------
+    def stdin_of(self, role: Role) -> str:
+        """What a role's shell reads first (role_command): the run token, its own credential (the
+        launcher keeps the issuer's key, so no role can sign for another), the server's config."""
+        text = f"{self.token}\n{self.authority.issue(role.node_id)}\n"
+        return text + (config_to_toml(self.cfg) if role.kind == "server" else "")
+
     def _spawn(self, role: Role) -> Started:
         cmd = role_command(self.hf, role, self.cfg, self.run)
         argv = remote_argv(self.hf.remote, role.host.remote_name, cmd)
         log = self.out / "logs" / f"{role.node_id}.log"
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        stdin = self.token + "\n"
-        if role.kind == "server":
-            stdin += config_to_toml(self.cfg)
         try:
             assert proc.stdin is not None
-            proc.stdin.write(stdin.encode())
+            proc.stdin.write(self.stdin_of(role).encode())
             proc.stdin.close()
         except BrokenPipeError:
             pass

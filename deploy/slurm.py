@@ -19,8 +19,8 @@ Nothing secret is on a command line: RUN/.token (the run's shared token) and RUN
 files of mode 0600 in the run directory, which must be on a filesystem every node sees (the
 default runs/NAME-TIMESTAMP under the submitting folder); each step's `_task` reads the token and
 puts it into its process's environment.  With `security.certs_dir` set, each process gets its own
-folder RUN/creds/NODE (0700) holding only ca.pem, NODE.pem, NODE.key and cluster.secret: no task
-is handed the CA key or another node's key.
+folder RUN/creds/NODE (0700) holding only ca.pem, NODE.pem, NODE.key and its own credential
+NODE.cred: no task is handed the CA key, the issuer key or another node's files.
 
 GPUs go through Slurm's own options: `--gpus-per-node N` asks `#SBATCH --gpus-per-node=N` (Slurm's
 gres "gpu", N on every node of the allocation).  Which process computes where is the config's
@@ -170,8 +170,10 @@ def bind_devices(tasks: list[dict], devices: dict[str, str], gpus_per_node: int)
 
 
 def node_credentials(certs_dir: Path, node_ids: list[str], run_dir: Path) -> None:
-    """RUN/creds/NODE for every node: ca.pem, NODE.pem, NODE.key (and cluster.secret when the
-    cluster has one), mode 0600 in a 0700 folder; never ca.key or another node's key."""
+    """RUN/creds/NODE for every node: ca.pem, NODE.pem, NODE.key and NODE.cred (its per-node
+    credential; cluster.secret instead for a folder made before `fedhop certs` wrote them), mode
+    0600 in a 0700 folder; never ca.key, issuer.key or another node's files."""
+    from fedhop.common.nodecred import CRED_SUFFIX
     from fedhop.common.security import CA_CERT, SECRET_FILE
     missing = [str(certs_dir / n) for node in node_ids for n in (CA_CERT, f"{node}.pem", f"{node}.key")
                if not (certs_dir / n).is_file()]
@@ -182,7 +184,9 @@ def node_credentials(certs_dir: Path, node_ids: list[str], run_dir: Path) -> Non
         d = run_dir / "creds" / node
         d.mkdir(parents=True, exist_ok=True)
         d.chmod(0o700)
-        names = [CA_CERT, f"{node}.pem", f"{node}.key"] + ([SECRET_FILE] if (certs_dir / SECRET_FILE).is_file() else [])
+        token = [f"{node}{CRED_SUFFIX}"] if (certs_dir / f"{node}{CRED_SUFFIX}").is_file() else \
+            [SECRET_FILE] if (certs_dir / SECRET_FILE).is_file() else []
+        names = [CA_CERT, f"{node}.pem", f"{node}.key"] + token
         for name in names:
             _write_private(d / name, (certs_dir / name).read_bytes())
     (run_dir / "creds").chmod(0o700)

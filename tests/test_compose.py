@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fedhop.common.nodecred import SignedIdentity
 from fedhop.deploy.compose import compose_binary, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,7 +282,8 @@ def test_compose_on_a_real_docker_engine(tmp_path):
 def test_each_service_mounts_only_its_own_credentials(tmp_path, monkeypatch):
     """`fedhop compose` as docs/deployment.md runs it: one folder per node and an override in which
     each service, every client process a service of its own, mounts only its own folder at /certs:
-    ca.pem and that node's pair, never ca.key, cluster.secret or another node's key."""
+    ca.pem and that node's pair and credential, never ca.key, issuer.key, cluster.secret or another
+    node's files."""
     from fedhop.deploy.certs import main as certs_main
     from fedhop.deploy.compose import main as compose_main
     monkeypatch.chdir(tmp_path)          # the user's relative paths
@@ -299,7 +301,10 @@ def test_each_service_mounts_only_its_own_credentials(tmp_path, monkeypatch):
     assert {n: p.name for n, p in mounted.items()} == want
     for name, source in mounted.items():
         node = want[name]
-        assert sorted(p.name for p in source.iterdir()) == sorted(["ca.pem", f"{node}.pem", f"{node}.key"]), name
+        assert sorted(p.name for p in source.iterdir()) == sorted(["ca.pem", f"{node}.pem", f"{node}.key",
+                                                                   f"{node}.cred"]), name
+        assert SignedIdentity.parse((source / f"{node}.cred").read_text()).node_id == node
+        assert (source / f"{node}.cred").stat().st_mode & 0o077 == 0
         assert (source / f"{node}.key").read_bytes() == (tmp_path / "certs" / f"{node}.key").read_bytes()
         assert (source / f"{node}.key").stat().st_mode & 0o077 == 0
         s = svc[name]

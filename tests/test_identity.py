@@ -245,3 +245,65 @@ def test_a_visit_naming_another_process_does_not_take_a_forged_handoff():
     with pytest.raises(HandlerError) as exc:
         host.walk.visit(f"client-{receiver}", rnd, hop + 1, visit)
     assert exc.value.code == "NOT_HOLDER" and not host.walk.pending
+
+
+# ----------------------------------------------------------------------------- credentials from a folder
+def test_processes_given_a_certs_folder_use_their_own_cred_and_the_shared_secret_mints_nothing(tmp_path):
+    """Deployments that start each process themselves (compose, Kubernetes, hosts, role.py) give it
+    a `fedhop certs` folder: the process signs with its own NODE.cred (issuer.key stays behind), so
+    the folder's cluster.secret and the run token, which every process of such a deployment holds,
+    mint no other node's identity (issue 26, item 3)."""
+    from fedhop.common.security import SECRET_FILE, load_tls, write_cluster
+    from fedhop.deploy.compose import node_folders
+    from fedhop.deploy.launcher import LocalRun, registration_complete
+    certs = tmp_path / "certs"
+    write_cluster(certs, ["server", "client-proc0", "client-proc1"])
+    issuer = TokenAuthority.from_bytes((certs / "issuer.key").read_bytes())
+    for node in ("server", "client-proc0", "client-proc1"):
+        signed = SignedIdentity.parse((certs / f"{node}.cred").read_text())
+        assert signed.node_id == node and signed.issuer == issuer.public
+        assert (certs / f"{node}.cred").stat().st_mode & 0o077 == 0
+    # `fedhop compose` gives each node's folder its own credential and nothing that mints one
+    folders = node_folders(certs, ["server", "client-proc0", "client-proc1"], tmp_path / "nodes")
+    assert sorted(p.name for p in folders["client-proc1"].iterdir()) == [
+        "ca.pem", "client-proc1.cred", "client-proc1.key", "client-proc1.pem"]
+
+    cfg_file = tmp_path / "exp.toml"
+    cfg_file.write_text(quadratic_config(CENTERS, CURV, SIZES, rounds=100000, local_steps=1, name="credfiles")
+                        + f'\n[security]\ncerts_dir = "{certs}"\n')
+    cfg = load_config(cfg_file, ["run.eval_every=0"])
+
+    class FromFolder(LocalRun):      # no FEDHOP_NODE_CRED in the environment: each reads DIR/NODE.cred
+        def credential(self, name: str) -> str:
+            return ""
+
+    run = FromFolder(cfg, (tmp_path / "run").resolve(), workdir=tmp_path)
+    try:
+        server = run.start([])
+        deadline = time.monotonic() + 240
+        while not registration_complete(run.run_dir / "run.db"):
+            assert server.proc.poll() is None and time.monotonic() < deadline, \
+                (server.log.read_text()[-2000:] if server.log.exists() else "no log")
+            time.sleep(0.1)
+        store = RunStore(run.run_dir / "run.db")
+        run_id = store.run()["run_id"]
+        homes = {e["node"]: e["detail"].split(" at ")[1].split(" ")[0] for e in store.events("registered")}
+        victim = homes["client-proc0"]
+        tls = load_tls(certs, "client-proc1")       # a participant's own TLS files
+        participant = SignedIdentity.parse((certs / "client-proc1.cred").read_text())
+        attempts = {
+            "minted from cluster.secret": NodeCredentials("server", secret=(certs / SECRET_FILE).read_bytes().strip(),
+                                                          tls=tls),
+            "minted from the run token": NodeCredentials("server", secret=run.token.encode(), tls=tls),
+            "own credential as the server": NodeCredentials("server", tls=tls, signed=participant),
+        }
+        for what, creds in attempts.items():
+            with pytest.raises(CallFailed) as exc:
+                _call(creds, run_id, victim, "client-proc0", Method.STATE_GET)
+            assert exc.value.code == "UNAUTHENTICATED", (what, exc.value)
+        # the server's own credential from the folder is obeyed: the refusals are the credentials'
+        real = NodeCredentials("server", tls=tls, signed=SignedIdentity.parse((certs / "server.cred").read_text()))
+        assert isinstance(_call(real, run_id, victim, "client-proc0", Method.STATE_GET), Payload)
+        assert all(c.proc.poll() is None for c in run.children)
+    finally:
+        run.stop_all(grace=5.0)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fedhop.common.config import load_config
+from fedhop.common.nodecred import SignedIdentity
 from fedhop.common.plan import plan_processes
 
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed (it is in the dev extra)")
@@ -226,8 +227,15 @@ def test_tls_pods_mount_only_their_own_required_node_secret(tmp_path):
     assert sorted(made) == sorted(f"fedhop-node-{n}" for n in plan.node_ids)
     for node in plan.node_ids:
         data = made[f"fedhop-node-{node}"]
-        assert sorted(data) == sorted(["ca.pem", f"{node}.pem", f"{node}.key", "cluster.secret"]), node
+        assert sorted(data) == sorted(["ca.pem", f"{node}.pem", f"{node}.key", f"{node}.cred"]), node
         assert base64.b64decode(data[f"{node}.key"]) == (tmp_path / "certs" / f"{node}.key").read_bytes()
+        assert SignedIdentity.parse(base64.b64decode(data[f"{node}.cred"]).decode()).node_id == node
+    # a folder made before credentials existed: the shared secret, as before
+    (tmp_path / "certs" / f"{plan.node_ids[0]}.cred").unlink()
+    res = subprocess.run([str(K8S / "node-secrets.sh"), str(tmp_path / "certs"), plan.node_ids[0]],
+                         capture_output=True, text=True, timeout=120)
+    (old_style,) = [d["data"] for d in yaml.safe_load_all(res.stdout) if d]
+    assert "cluster.secret" in old_style and not any(k.endswith(".cred") for k in old_style)
     bad = subprocess.run([str(K8S / "node-secrets.sh"), str(tmp_path / "certs"), "edge-7"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "edge-7.pem" in bad.stderr

@@ -19,9 +19,11 @@ import torch
 from safetensors.torch import load_file
 
 from fedhop.common.config import parse_config
+from fedhop.common.nodecred import SignedIdentity
 from fedhop.common.runstore import RunStore
 from fedhop.deploy.hosts import (
     HostsError,
+    Launch,
     hosts_from_dict,
     kill_command,
     load_hosts,
@@ -120,6 +122,15 @@ def test_role_command_keeps_the_token_off_the_command_line_and_quotes_paths():
     server, client = plan_roles(hf, cfg)[:2]
     cmd = role_command(hf, server, cfg, "runs/x")
     assert cmd.startswith("cd ~/'my repo' && ") and "IFS= read -r FEDHOP_TOKEN" in cmd
+    assert "IFS= read -r FEDHOP_NODE_CRED" in cmd and "export FEDHOP_TOKEN FEDHOP_NODE_CRED " in cmd
+    # standard input: the run token, then the role's own credential from the launcher's issuer
+    launch = Launch(hf, cfg, Path("out"), roles=[server, client])
+    for role in (server, client):
+        token, cred, rest = launch.stdin_of(role).split("\n", 2)
+        signed = SignedIdentity.parse(cred)
+        assert token == launch.token and signed.node_id == role.node_id
+        assert signed.issuer == launch.authority.public
+        assert (rest.startswith("[run]") or "[run]" in rest) if role.kind == "server" else rest == ""
     assert "cat > runs/x/config.toml" in cmd and "GLOO_SOCKET_IFNAME='eth 0'" in cmd
     assert "read -r" in role_command(hf, client, cfg, "runs/x")
     assert "cat >" not in role_command(hf, client, cfg, "runs/x")

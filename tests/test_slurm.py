@@ -118,7 +118,7 @@ def test_each_task_gets_only_its_own_credentials(user, capsys, monkeypatch):
     assert sorted(p.name for p in (run / "creds").iterdir()) == sorted(nodes)
     for node in nodes:
         d = run / "creds" / node
-        assert sorted(p.name for p in d.iterdir()) == sorted(["ca.pem", f"{node}.pem", f"{node}.key", "cluster.secret"])
+        assert sorted(p.name for p in d.iterdir()) == sorted(["ca.pem", f"{node}.pem", f"{node}.key", f"{node}.cred"])
         assert stat.S_IMODE(d.stat().st_mode) == 0o700
         assert (d / f"{node}.key").read_bytes() == (user / "certs" / f"{node}.key").read_bytes()
         assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in d.iterdir())

@@ -94,7 +94,7 @@ pair() {
                 FEDHOP_INSECURE=0 FEDHOP_MTLS=1
               env FEDHOP_RUNS_SRC="$work/runs-mtls" FEDHOP_CERTS_DIR=/certs docker compose \
                   -f docker-compose.yml -f "$work/nodes/compose.yml" -p "$prefix-mtls" run --rm --no-deps -T \
-                  --user 0 --entrypoint sh client-1 -c 'fedhop-entrypoint true && find / \( -path /proc -o -path /sys -o -path /usr -o -path /opt/fedhop/lib \) -prune -o -type f \( -name "*.key" -o -name "ca.*" -o -name cluster.secret \) -print' \
+                  --user 0 --entrypoint sh client-1 -c 'fedhop-entrypoint true && find / \( -path /proc -o -path /sys -o -path /usr -o -path /opt/fedhop/lib \) -prune -o -type f \( -name "*.key" -o -name "*.cred" -o -name "ca.*" -o -name cluster.secret \) -print' \
                   >"$work/mtls.creds" 2>"$work/mtls.creds.err" || echo "exit $?" >>"$work/mtls.creds.err"
               compose -p "$prefix-mtls" --profile hierarchical down --remove-orphans >/dev/null 2>&1 || true ) &
             ;;
@@ -161,13 +161,14 @@ for name in wanted:
                  and row["recorded_processes"] == row["client_ledgers"] == replicas)   # the config is what ran
     rows.append(row)
 mtls = next((r for r in rows if r["scenario"] == "mtls"), {})
-if mtls:     # what a client container (client-1) holds: its own key and the CA's certificate, nothing else
+if mtls:     # what a client container (client-1) holds: its own key and credential and the CA's certificate
     found = sorted(set((work / "mtls.creds").read_text().split())) if (work / "mtls.creds").exists() else []
     mtls["client_1_sees"] = found
     names = {p.rsplit("/", 1)[-1] for p in found}
     mtls["ok"] = (mtls["ok"] and {"/certs/client-proc1.key", "/run/fedhop-certs/client-proc1.key"} <= set(found)
-                  and not names & {"ca.key", "cluster.secret"}
-                  and {n for n in names if n.endswith(".key")} == {"client-proc1.key"})
+                  and not names & {"ca.key", "issuer.key", "cluster.secret"}
+                  and {n for n in names if n.endswith(".key")} == {"client-proc1.key"}
+                  and {n for n in names if n.endswith(".cred")} == {"client-proc1.cred"})
 result = {"scenarios": rows, "engine_and_build_seconds": build_s, "total_seconds": total_s,
           "checkout_unchanged": clean,
           "ok": all(r["ok"] for r in rows) and [r["scenario"] for r in rows] == wanted
