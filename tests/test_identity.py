@@ -93,24 +93,30 @@ def test_a_per_node_token_proves_one_node_to_one_callee():
 
 
 # ----------------------------------------------------------------------------- a real run
+def _started(run) -> tuple[RunStore, dict[str, str]]:
+    """Start `run` (a LocalRun), wait until every client registered; its run.db and each node's address."""
+    from fedhop.deploy.launcher import registration_complete
+    server = run.start([])
+    deadline = time.monotonic() + 240
+    while not registration_complete(run.run_dir / "run.db"):
+        assert server.proc.poll() is None and time.monotonic() < deadline, \
+            (server.log.read_text()[-2000:] if server.log.exists() else "no log")
+        time.sleep(0.1)
+    store = RunStore(run.run_dir / "run.db")
+    return store, {e["node"]: e["detail"].split(" at ")[1].split(" ")[0] for e in store.events("registered")}
+
+
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory):
     """A run started as `fedhop run` starts it (per-node credentials), kept going while attacked."""
-    from fedhop.deploy.launcher import LocalRun, registration_complete
+    from fedhop.deploy.launcher import LocalRun
     base = tmp_path_factory.mktemp("identity")
     cfg_file = base / "exp.toml"
     cfg_file.write_text(quadratic_config(CENTERS, CURV, SIZES, rounds=100000, local_steps=1, name="identity"))
     cfg = load_config(cfg_file, ["run.eval_every=0"])
     run = LocalRun(cfg, (base / "run").resolve(), workdir=base)
     try:
-        server = run.start([])
-        deadline = time.monotonic() + 240
-        while not registration_complete(run.run_dir / "run.db"):
-            assert server.proc.poll() is None and time.monotonic() < deadline, \
-                (server.log.read_text()[-2000:] if server.log.exists() else "no log")
-            time.sleep(0.1)
-        store = RunStore(run.run_dir / "run.db")
-        homes = {e["node"]: e["detail"].split(" at ")[1].split(" ")[0] for e in store.events("registered")}
+        store, homes = _started(run)
         yield run, store, homes
     finally:
         run.stop_all(grace=5.0)
@@ -255,7 +261,7 @@ def test_processes_given_a_certs_folder_use_their_own_cred_and_the_shared_secret
     mint no other node's identity (issue 26, item 3)."""
     from fedhop.common.security import SECRET_FILE, load_tls, write_cluster
     from fedhop.deploy.compose import node_folders
-    from fedhop.deploy.launcher import LocalRun, registration_complete
+    from fedhop.deploy.launcher import LocalRun
     certs = tmp_path / "certs"
     write_cluster(certs, ["server", "client-proc0", "client-proc1"])
     issuer = TokenAuthority.from_bytes((certs / "issuer.key").read_bytes())
@@ -279,15 +285,8 @@ def test_processes_given_a_certs_folder_use_their_own_cred_and_the_shared_secret
 
     run = FromFolder(cfg, (tmp_path / "run").resolve(), workdir=tmp_path)
     try:
-        server = run.start([])
-        deadline = time.monotonic() + 240
-        while not registration_complete(run.run_dir / "run.db"):
-            assert server.proc.poll() is None and time.monotonic() < deadline, \
-                (server.log.read_text()[-2000:] if server.log.exists() else "no log")
-            time.sleep(0.1)
-        store = RunStore(run.run_dir / "run.db")
+        store, homes = _started(run)
         run_id = store.run()["run_id"]
-        homes = {e["node"]: e["detail"].split(" at ")[1].split(" ")[0] for e in store.events("registered")}
         victim = homes["client-proc0"]
         tls = load_tls(certs, "client-proc1")       # a participant's own TLS files
         participant = SignedIdentity.parse((certs / "client-proc1.cred").read_text())
