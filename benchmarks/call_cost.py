@@ -8,7 +8,7 @@
    the same run, with the reply read in the calling thread (fedhop's channels: grpcio's
    SingleThreadedUnaryStream option) and with grpcio's default (a channel spin thread per call on
    an idle channel), so the ratio is measured on the same machine state.
-2. Reply pipeline: a digits-MLP reply through `ReplyPipeline` (decompression, validation by form
+2. Reply pipeline: a digits-MLP reply through `reply_chain` (decompression, validation by form
    and meaning, limits), microseconds per reply, beside `torch.isfinite` against fedhop's
    `tensor_finite` on the same tensors.
 """
@@ -80,7 +80,7 @@ def reply_pipeline(repeats: int) -> dict:
     from fedhop.common.algorithms.base import Payload, tensor_finite
     from fedhop.common.algorithms.local import get_params
     from fedhop.common.config import load_config
-    from fedhop.common.pipeline import ReplyPipeline
+    from fedhop.common.pipeline import reply_chain
     from fedhop.common.tasks import build_task
     from fedhop.common.validation import ReplyLimiter
     cfg = load_config(str(ROOT / "examples" / "fedavg_digits.toml"), [])
@@ -90,7 +90,7 @@ def reply_pipeline(repeats: int) -> dict:
     reply = Payload(tensors={k: torch.randn(shape).to(dtype) for k, (dtype, shape) in spec.items()},
                     scalars={"weight": 10.0, "train_loss": 0.5, "compute_seconds": 0.01})
     limiter = ReplyLimiter(algorithm, task, 60.0)
-    pipeline = ReplyPipeline(cfg, spec, algorithm.reply_scalars(), limiter.limits([1]))
+    pipeline = reply_chain(cfg, spec, "train", algorithm.reply_scalars(), limiter.limits([1]))
 
     def per_call(fn) -> float:
         started = time.perf_counter()

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,12 +21,16 @@ from fedhop.common.ledger import Ledger
 from fedhop.common.livebytes import LinkCounter
 from fedhop.common.liveness import HeartbeatSender, add_parent_args, resolve_parent
 from fedhop.common.methods import role_of
+from fedhop.common.nodeids import client_node, client_proc_node
 from fedhop.common.plugins import allow_list_from, restrict
 from fedhop.common.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
 from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
 from fedhop.common.torch_device import flag_error
-from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.transport.factory import PROCESS_TRANSPORT, make_endpoint
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhop.common.transport.grpc import GrpcEndpoint  # what make_endpoint builds for PROCESS_TRANSPORT
 
 
 def parse_ids(text: str) -> list[int]:
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedhop.client", description=__doc__)
     add_parent_args(ap, "server or edge")
     ap.add_argument("--clients", required=True, type=parse_ids, help="logical client ids, e.g. 0-9 or 1,3,5")
-    ap.add_argument("--node-id", default=f"client-proc{os.getpid()}")
+    ap.add_argument("--node-id", default=client_proc_node(os.getpid()))
     ap.add_argument("--listen", default="127.0.0.1:0", type=listen_address,
                     help="host:port to serve on (port 0 = any free)")
     ap.add_argument("--ledger-dir", default="", help="write this process's ledger records here (JSONL)")
@@ -112,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     except SecurityError as exc:
         logging.error("%s", exc)
         return 2
-    creds.aliases.update(f"client-{c}" for c in args.clients)   # calls to a hosted client name it
-    endpoint = GrpcEndpoint(args.node_id, ledger, token="", chunk_bytes=args.chunk_bytes,
-                            max_message_bytes=args.max_message_bytes, credentials=creds)
+    creds.aliases.update(client_node(c) for c in args.clients)   # calls to a hosted client name it
+    endpoint = make_endpoint(PROCESS_TRANSPORT, args.node_id, ledger, token="", chunk_bytes=args.chunk_bytes,
+                             max_message_bytes=args.max_message_bytes, credentials=creds)
     try:
         proc = ClientProcess(endpoint, args.parent, args.clients, bind=args.listen, device=args.device)
     except (OSError, RuntimeError) as exc:   # grpc: "Failed to bind to address ..."

@@ -31,7 +31,8 @@ from fedhop.common.codec import PayloadError
 from fedhop.common.control import control_of
 from fedhop.common.gossip import SEND_STEP, GossipRule
 from fedhop.common.methods import Method
-from fedhop.common.pipeline import ModelPipeline
+from fedhop.common.nodeids import client_id_of, client_node
+from fedhop.common.pipeline import model_chain
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
 from fedhop.common.wire.message import Payload
 
@@ -54,11 +55,6 @@ def gossip_of(host: ClientHost) -> "GossipHost":
         return state
 
 
-def client_id_of(node_id: str) -> int:
-    role, _, num = node_id.partition("-")
-    return int(num) if role == "client" and num.isdigit() else -1
-
-
 class GossipHost:
     """The gossip state of one client process: each hosted client's model, its post-step model
     of the current round, and the neighbours' post-step models received for it."""
@@ -70,7 +66,7 @@ class GossipHost:
         # endpoint also puts every arriving share: common/transport/base.py), as the walk keeps its model
         initial = get_params(host.task.build_model())
         self.spec = {k: (v.dtype, tuple(v.shape)) for k, v in initial.items()}
-        self.model_in = ModelPipeline(self.spec)
+        self.model_in = model_chain(self.spec, Method.GOSSIP_SHARE)
         self.models: dict[int, Model] = {c: {k: v.clone() for k, v in initial.items()} for c in host.client_ids}
         self.half: dict[int, tuple[int, Model]] = {}            # client -> (round, x_i^{1/2})
         self.inbox: dict[tuple[int, int, int], Model] = {}      # (round, receiver, sender) -> x_sender^{1/2}
@@ -120,7 +116,7 @@ class GossipHost:
                     raise HandlerError("NO_ADDRESS", f"round {round}: no address for client {j}, a neighbour of "
                                                      f"client {client}")
                 try:
-                    self.host.fabric.call(address, f"client-{j}", Method.GOSSIP_SHARE, share, round=round,
+                    self.host.fabric.call(address, client_node(j), Method.GOSSIP_SHARE, share, round=round,
                                           step=SEND_STEP, timeout=self.host.cfg.run.call_timeout)
                 except (CallFailed, RemoteError, PayloadError) as exc:
                     raise HandlerError("SHARE_FAILED", f"round {round}: client {client}'s model did not reach "

@@ -18,10 +18,12 @@ from fedhop.common.codec import PayloadError
 from fedhop.common.config import Config
 from fedhop.common.ledger import Ledger
 from fedhop.common.methods import Method
+from fedhop.common.nodeids import client_id
 from fedhop.common.pipeline import upload
 from fedhop.common.rounds import local_update
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.placed import place_task
+from fedhop.common.topologies import spec_for
 from fedhop.common.torch_device import to_host
 from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.transport.router import MethodRouter, Peers
@@ -29,10 +31,11 @@ from fedhop.common.wire.message import Payload, finite_or_raise
 
 
 def parse_client_id(node_id: str) -> int:
-    role, _, num = node_id.partition("-")
-    if role != "client" or not num.isdigit():
-        raise HandlerError("UNKNOWN_CLIENT", f"'{node_id}' is not a logical client id")
-    return int(num)
+    """The logical client a call names (common/nodeids.py); an id that names none is a typed error reply."""
+    try:
+        return client_id(node_id)
+    except ValueError as exc:
+        raise HandlerError("UNKNOWN_CLIENT", str(exc)) from None
 
 
 class ClientHost:
@@ -91,20 +94,6 @@ class ClientHost:
             Method.TRAIN: self._train_call,
             Method.SHUTDOWN: self._shutdown_call,
             Method.PING: lambda request: Payload(),
-            # the chain topology (WRWGD, client/walk.py)
-            Method.WALK_VISIT: lambda request: self.walk.visit(request.envelope.dst, int(request.envelope.round),
-                                                               int(request.envelope.step), request.payload),
-            Method.WALK_HANDOFF: lambda request: self.walk.take_handoff(request.envelope.src, request.envelope.dst,
-                                                                        int(request.envelope.round),
-                                                                        int(request.envelope.step), request.payload),
-            # the gossip topology (D-PSGD, client/gossip.py)
-            Method.GOSSIP_STEP: lambda request: self.gossip.step(request.envelope.dst, int(request.envelope.round),
-                                                                 request.payload),
-            Method.GOSSIP_SEND: lambda request: self.gossip.send(int(request.envelope.round), request.payload),
-            Method.GOSSIP_SHARE: lambda request: self.gossip.take_share(request.envelope.src, request.envelope.dst,
-                                                                        int(request.envelope.round), request.payload),
-            Method.GOSSIP_MIX: lambda request: self.gossip.mix(request.envelope.dst, int(request.envelope.round),
-                                                               request.payload),
             # checkpoints and resume (common/checkpoint.py)
             Method.STATE_GET: lambda request: self.client_state(Method.STATE_GET, request.payload),
             Method.STATE_SET: lambda request: self.client_state(Method.STATE_SET, request.payload),
@@ -113,6 +102,8 @@ class ClientHost:
             Method.TORCH_ROUND: lambda request: self.group().round(int(request.envelope.round), request.payload),
             Method.TORCH_REDUCE: lambda request: self.group().reduce(int(request.envelope.round), request.payload),
         })
+        for handlers in spec_for(self.cfg.topology.kind).handler_fns():   # the topology's own methods
+            router.register_all(handlers(self))
         return router
 
     def handle(self, request: Request) -> Payload:
@@ -173,3 +164,30 @@ class ClientHost:
                 else:
                     self.states.pop(cid, None)
             return Payload(scalars={"clients": len(loaded)})
+
+
+# ----------------------------------------------------------------------------- topology handlers
+# named by the topologies' specs (common/topologies/, `client_handlers`): a process serves them
+# only in a run of that topology
+def walk_handlers(host: ClientHost) -> dict[Method, Callable[[Request], Payload]]:
+    """The chain topology's methods (WRWGD, client/walk.py)."""
+    return {
+        Method.WALK_VISIT: lambda request: host.walk.visit(request.envelope.dst, int(request.envelope.round),
+                                                           int(request.envelope.step), request.payload),
+        Method.WALK_HANDOFF: lambda request: host.walk.take_handoff(request.envelope.src, request.envelope.dst,
+                                                                    int(request.envelope.round),
+                                                                    int(request.envelope.step), request.payload),
+    }
+
+
+def gossip_handlers(host: ClientHost) -> dict[Method, Callable[[Request], Payload]]:
+    """The gossip topology's methods (D-PSGD, client/gossip.py)."""
+    return {
+        Method.GOSSIP_STEP: lambda request: host.gossip.step(request.envelope.dst, int(request.envelope.round),
+                                                             request.payload),
+        Method.GOSSIP_SEND: lambda request: host.gossip.send(int(request.envelope.round), request.payload),
+        Method.GOSSIP_SHARE: lambda request: host.gossip.take_share(request.envelope.src, request.envelope.dst,
+                                                                    int(request.envelope.round), request.payload),
+        Method.GOSSIP_MIX: lambda request: host.gossip.mix(request.envelope.dst, int(request.envelope.round),
+                                                           request.payload),
+    }

@@ -20,7 +20,8 @@ from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.codec import PayloadError
 from fedhop.common.control import control_of
 from fedhop.common.methods import Method
-from fedhop.common.pipeline import ModelPipeline
+from fedhop.common.nodeids import client_id_of, client_node
+from fedhop.common.pipeline import model_chain
 from fedhop.common.topology import SEQ_METRIC_PREFIX
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
 from fedhop.common.walk import WalkRule
@@ -35,11 +36,6 @@ log = logging.getLogger("fedhop.client")
 MAX_PENDING_PER_PEER = 2   # hand-offs kept aside per calling process (an honest one has one in flight)
 
 
-def client_id_of(node_id: str) -> int:
-    role, _, num = node_id.partition("-")
-    return int(num) if role == "client" and num.isdigit() else -1
-
-
 class WalkHost:
     """The walk's state in one client process: the model, when a hosted client holds it."""
 
@@ -50,7 +46,7 @@ class WalkHost:
         self.rule = WalkRule.from_config(cfg, sizes)
         params = get_params(host.task.build_model())   # the run's seeded initial model, as the server builds it
         self.spec = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
-        self.model_in = ModelPipeline(self.spec)   # every model that arrives (common/pipeline.py)
+        self.model_in = model_chain(self.spec, Method.WALK_HANDOFF)   # every model that arrives (common/pipeline.py)
         self.handoffs: set[tuple] = set()   # (round, hop, sender, process) of the hand-offs used
         # hand-offs received, kept aside until the server's visit names the one it continues:
         # (round, hop, sender client, calling process) -> model
@@ -186,7 +182,7 @@ class WalkHost:
             reply.scalars.update(skipped=nxt, skip_reason=f"no address for client {nxt}")
             return client
         try:
-            self.host.fabric.call(address, f"client-{nxt}", Method.WALK_HANDOFF,
+            self.host.fabric.call(address, client_node(nxt), Method.WALK_HANDOFF,
                                   Payload(tensors=model, scalars={"from": client}), round=round, step=hop,
                                   timeout=self.host.cfg.run.call_timeout)
         except (CallFailed, RemoteError, PayloadError) as exc:

@@ -35,6 +35,7 @@ from fedhop.common.config_schema import (
     TopologyConfig,
     TransportConfig,
 )
+from fedhop.common.topologies import SPECS, TopologySpec, spec_for
 
 
 class ConfigError(ValueError):
@@ -48,21 +49,35 @@ SECTIONS: dict[str, type] = {"run": RunConfig, "topology": TopologyConfig, "algo
 _OPTION_SCHEMAS: dict[str, tuple[str, Callable[[str], type | None]]] = {}
 
 
-# algorithms whose client reply is a model update Delta the WRWGD walk can apply (common/walk.py)
-WALK_ALGORITHMS = ("fedavg", "fedprox")
+def registered_algorithm(name: str) -> Any:
+    """The built-in algorithm class named `name` (an `Algorithm` subclass; None: not built in), for
+    a topology's config check (common/topologies/): only the registries import the algorithms
+    (tests/test_layers.py)."""
+    from fedhop.common.algorithms import registry  # local: the algorithms import this module
+    return registry().get(name)
 
 
-def _check_sequential_pairing(cfg: Config) -> None:
-    """A sequential algorithm (its model walks the edges, common/algorithms/base.py) runs only on
-    topology.kind = "sequential" (the sequential driver refuses the other algorithms at start)."""
+def _topology_spec(cfg: Config) -> TopologySpec | None:
+    """The spec of cfg.topology.kind; None for a kind that is unknown or a plug-in that does not
+    load (the options check after the cross checks reports it, naming the kind)."""
+    try:
+        return spec_for(cfg.topology.kind)
+    except (KeyError, ValueError):
+        return None
+
+
+def _check_sequential_pairing(cfg: Config, spec: TopologySpec | None) -> None:
+    """A sequential algorithm (its model walks the edges, common/algorithms/base.py) runs only on a
+    topology whose spec says `sequential_algorithms` (its driver refuses the other algorithms at start)."""
     from fedhop.common.algorithms import algorithm_class  # local: the algorithms import this module
     try:
         sequential = getattr(algorithm_class(cfg.algorithm.name), "sequential", False)
     except (KeyError, ValueError):   # an unknown name, a plug-in that does not import
         return   # reported where the algorithm's options are checked
-    if sequential and cfg.topology.kind != "sequential":
+    if sequential and not (spec is not None and spec.sequential_algorithms):
+        allowed = ", ".join(k for k, s in SPECS.items() if s.sequential_algorithms)
         raise ConfigError(f"config key 'topology.kind': got '{cfg.topology.kind}', but algorithm '{cfg.algorithm.name}' "
-                          f"walks one model over the edges and has no server step (allowed: sequential)")
+                          f"walks one model over the edges and has no server step (allowed: {allowed})")
 
 
 def register_options_schema(section: str, chooser_key: str, lookup: Callable[[Any], type | None]) -> None:
@@ -495,10 +510,12 @@ def _cross_checks(cfg: Config) -> None:
     elif steps < 0:
         raise ConfigError(f"config key 'algorithm.local_steps': got {steps}, must be >= 0")
     topo = cfg.topology
-    if topo.kind in ("hierarchical", "sequential") and topo.edges < 1:
+    spec = _topology_spec(cfg)
+    edged = spec is not None and spec.edges   # the run has edge processes
+    if edged and topo.edges < 1:
         raise ConfigError(f"config key 'topology.edges': got {topo.edges}, must be >= 1 for "
                           f"topology.kind = '{topo.kind}'")
-    if topo.kind in ("hierarchical", "sequential") and topo.edges > count:
+    if edged and topo.edges > count:
         raise ConfigError(f"config key 'topology.edges': got {topo.edges}, more edges than clients.count = {count} "
                           f"(an edge without clients)")
     tr = cfg.transport
@@ -527,41 +544,13 @@ def _cross_checks(cfg: Config) -> None:
             raise ConfigError(f"config key 'algorithm.compress': got '{compress}', but transport.kind = 'torch' "
                               f"reduces uploads as raw float sums (allowed with torch: 'none'); use "
                               f"transport.kind = 'grpc' for QSGD")
-        if topo.kind in ("chain", "relay"):
-            raise ConfigError(f"config key 'transport.kind': 'torch' does not run topology.kind = '{topo.kind}' (the "
-                              "walk's per-client model exchange is a gRPC call); use transport.kind = 'grpc'")
-    if topo.kind == "chain" and cfg.algorithm.name not in WALK_ALGORITHMS:
-        raise ConfigError(f"config key 'algorithm.name': got '{cfg.algorithm.name}', but topology.kind = 'chain' "
-                          f"(WRWGD) steps the walking model by the visited client's local update (allowed: "
-                          f"{', '.join(WALK_ALGORITHMS)})")
-    _check_sequential_pairing(cfg)
-    if topo.kind == "chain":
-        from fedhop.common.walk import WalkRule  # local: the walk's rule reads the validated topology params
+    if spec is not None and spec.check is not None:   # the kind's own checks (common/topologies/<kind>.py)
         try:
-            WalkRule.from_config(cfg, [1] * cfg.clients.count)   # the graph and the weights' lengths
+            spec.check(cfg)
         except ValueError as exc:
             key, _, why = str(exc).partition(": ")
             raise ConfigError(f"config key '{key}': {why}") from None
-    if topo.kind == "gossip":
-        from fedhop.common.gossip import check_config  # local: the gossip rule reads the validated params
-        try:
-            check_config(cfg)
-        except ValueError as exc:
-            key, _, why = str(exc).partition(": ")
-            raise ConfigError(f"config key '{key}': {why}") from None
-    if topo.kind == "hierarchical":
-        from fedhop.common.algorithms import registry  # local: the algorithms import this module
-        from fedhop.common.topology import topology_params
-        kappa2 = getattr(topology_params(cfg), "kappa2", 1)
-        edges_per_round = getattr(topology_params(cfg), "edges_per_round", 0)
-        edges = len(topo.assignment) if isinstance(topo.assignment, list) else topo.edges
-        if edges_per_round > edges:
-            raise ConfigError(f"config key 'topology.edges_per_round': got {edges_per_round}, but the run has "
-                              f"{edges} edges (0 = every edge)")
-        algorithm = registry().get(cfg.algorithm.name)
-        if kappa2 > 1 and algorithm is not None and not algorithm.edge_iterations:
-            raise ConfigError(f"config key 'topology.kappa2': got {kappa2}, but algorithm '{cfg.algorithm.name}' "
-                              f"defines no edge step between server rounds; use kappa2 = 1")
+    _check_sequential_pairing(cfg, spec)
 
 
 def _robust_checks(cfg: Config) -> None:
@@ -572,9 +561,11 @@ def _robust_checks(cfg: Config) -> None:
         return
     from fedhop.common.algorithms import registry  # local: the algorithms import this module
     from fedhop.common.algorithms.base import Algorithm
-    if cfg.topology.kind not in ("star", "hierarchical"):
-        raise ConfigError(f"config key 'security.aggregation': '{rule}' works in topology.kind = 'star' or "
-                          f"'hierarchical', got '{cfg.topology.kind}'")
+    spec = _topology_spec(cfg)
+    if spec is None or spec.robust is None:   # the spec says how a robust rule groups updates
+        kinds = " or ".join(f"'{k}'" for k, s in SPECS.items() if s.robust is not None)
+        raise ConfigError(f"config key 'security.aggregation': '{rule}' works in topology.kind = {kinds}, "
+                          f"got '{cfg.topology.kind}'")
     if cfg.transport.kind == "torch":
         raise ConfigError(f"config key 'security.aggregation': '{rule}' needs every update apart, but "
                           f"transport.kind = 'torch' sums them in a collective; use transport.kind = 'grpc'")

@@ -1,22 +1,42 @@
-"""The payload pipeline: what happens to a payload between the algorithm and the wire.
+"""The processor chain: what happens to a payload between the algorithm and the wire.
 
-- Outbound, `upload`: what a child sends to its parent (a client's reply, an edge's partial),
-  QSGD-coded when `algorithm.compress = "qsgd"` (common/compress.py).
-- Inbound, `ReplyPipeline`: a parent's view of such a reply: decoded, then checked against the
-  algorithm's reply spec (names, dtypes, shapes, finiteness, the weight; common/validation.py).
-- Inbound, `ModelPipeline`: a whole model that moves between nodes (hand-offs, final and
-  resumed models), checked against the model's spec and for finiteness where it arrives: in
-  the model paths of the sequential and chain topologies (edge/sequential.py, server/sequential.py,
-  client/walk.py, server/walk.py).
+A `ProcessorChain` is an ordered list of processors, each `process(message, ctx) -> message`
+(the `Processor` protocol; `ctx` a `Context` naming the method, the direction, the peer, the
+round and how refusals name the message).  A processor refuses a message by raising
+`PayloadError(code, detail)` (common/codec.py): the fabric turns that into the request's
+failure, as it does for every built-in check.  The roles never assemble a chain: they ask this
+module for the one of a method and direction.
 
-The fabric applies the inbound side to every reply it gathers (common/transport/fabric.py);
-the in-process round engine applies the same pipeline (common/rounds.py), so both see the same
-bits.  Form and size checks while frames arrive are the codec's (common/codec.py).
+- Inbound replies, `reply_chain` (a client's reply, an edge's partial, at the parent; the
+  fabric runs it on every reply it gathers, common/transport/fabric.py):
+  `Decompress` (QSGD, `algorithm.compress = "qsgd"`, common/compress.py), then
+  `ValidateReply` (the algorithm's reply spec: names, dtypes, shapes, finiteness, its reply
+  scalars typed and ranged, the claims the sender may make; common/validation.py), then the
+  user's processors.  A reduced partial of a torch.distributed group (server/group_rounds.py,
+  edge/group_edge.py) goes through `reduced_chain`: the same chain less the decompression
+  (a collective's partial is never QSGD-coded).
+- Inbound whole models, `model_chain` (a Fed-CHS hand-off, a WRWGD walk step, a gossip share,
+  a final or resumed model): `CheckModel` (exactly the model's names, dtypes, shapes, every
+  value finite), then the user's processors.
+- Outbound uploads, `upload` (what a child sends its parent): the user's processors, then
+  `Compress` (QSGD when configured).
+
+The finiteness *policy* (`security.nan_policy`: a refused NaN/Inf reply is left out of the
+round, or fails the run) is `FinitenessPolicy`, which the server applies to the refusals of a
+round once they are all in (server/coordinator.py).
+
+A user's processor is installed for some methods and a direction with `install` (the Python
+API, in every process that should run it); the built-ins come first inbound and last outbound,
+so a user's processor sees the decoded, validated message and the one the algorithm produced.
+Robust aggregation (common/robust.py) acts on the whole round's replies, not per reply: it is
+the aggregation rule, not a processor.  Form and size checks while frames arrive are the
+codec's (common/codec.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+import threading
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Literal, Mapping, Protocol
 
 import torch
 
@@ -27,17 +47,86 @@ from fedhop.common.validation import ReplyLimits, reply_bound, validate_reply
 from fedhop.common.wire.message import REPLY_SCALARS, Payload, ScalarRule, tensor_finite
 
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+Direction = Literal["in", "out"]
+DIRECTIONS: tuple[Direction, ...] = ("in", "out")
+
+__all__ = ["Context", "Processor", "ProcessorChain", "Decompress", "ValidateReply", "CheckModel", "Compress",
+           "FinitenessPolicy", "install", "installed", "reply_chain", "reduced_chain", "model_chain", "upload",
+           "ModelInbound"]
 
 
 @dataclass(frozen=True)
-class ReplyPipeline:
-    """Inbound processors for a reply: QSGD decompression (common/compress.py), then validation
-    by form and meaning (common/validation.py): the algorithm's reply spec (names, dtypes,
-    shapes, finiteness), its reply scalars typed and ranged (`scalars`, default the common
-    ones), and the claims the sender may make (`limits`: its weight bounded by what the parent
-    knows of its clients).  `bound` is what the reply may declare, enforced as it arrives."""
+class Context:
+    """What a processor knows of the message in hand.  `method`: the protocol method that
+    carries it (common/methods.py; the reply's method for a reply); `direction`: "in" (received)
+    or "out" (about to be sent); `peer`: the other end's node id (the sender inbound, the
+    receiver outbound) where known, or ""; `who`: how a refusal names the message
+    ("round 3 reply of client 7")."""
+
+    method: str
+    direction: Direction
+    who: str
+    round: int = 0
+    peer: str = ""
+    step: int = 0
+
+
+class Processor(Protocol):
+    """One stage of a chain: returns the message (the same object or a new one), or raises
+    PayloadError to refuse it."""
+
+    def process(self, message: Payload, ctx: Context) -> Payload: ...
+
+
+@dataclass
+class ProcessorChain:
+    """An ordered list of processors for one method and direction.  Called as the fabric's
+    `inbound` (`chain(message, who)`), it runs every processor in order; `bound` is what a reply
+    may declare (enforced as it arrives), from the first processor that has one."""
+
+    processors: list[Processor]
+    method: str
+    direction: Direction = "in"
+    round: int = 0
+    peer: str = ""
+    step: int = 0
+
+    @property
+    def bound(self) -> ReplyBound | None:
+        for p in self.processors:
+            b = getattr(p, "bound", None)
+            if b is not None:
+                return b
+        return None
+
+    def process(self, message: Payload, ctx: Context) -> Payload:
+        for p in self.processors:
+            message = p.process(message, ctx)
+        return message
+
+    def __call__(self, message: Payload, who: str) -> Payload:
+        return self.process(message, Context(self.method, self.direction, who, self.round, self.peer, self.step))
+
+
+# ----------------------------------------------------------------------------- built-in processors
+@dataclass(frozen=True)
+class Decompress:
+    """Inbound: a QSGD-coded upload decoded against the reply spec (common/compress.py); a
+    payload as it comes when `algorithm.compress` is not "qsgd"."""
 
     cfg: Any
+    spec: Spec
+
+    def process(self, message: Payload, ctx: Context) -> Payload:
+        return decompress_upload(self.cfg, message, self.spec)
+
+
+@dataclass(frozen=True)
+class ValidateReply:
+    """Inbound: a reply validated by form and meaning (common/validation.py `validate_reply`):
+    the algorithm's reply spec (names, dtypes, shapes, finiteness), its reply scalars typed and
+    ranged (`scalars`, default the common ones), the claims the sender may make (`limits`)."""
+
     spec: Spec
     scalars: Mapping[str, ScalarRule] | None = None
     limits: ReplyLimits | None = None
@@ -46,29 +135,144 @@ class ReplyPipeline:
     def bound(self) -> ReplyBound:
         return reply_bound(self.spec)
 
-    def __call__(self, reply: Payload, who: str) -> Payload:
-        reply = decompress_upload(self.cfg, reply, self.spec)
-        validate_reply(reply, self.spec, who, self.scalars if self.scalars is not None else REPLY_SCALARS,
+    def process(self, message: Payload, ctx: Context) -> Payload:
+        validate_reply(message, self.spec, ctx.who, self.scalars if self.scalars is not None else REPLY_SCALARS,
                        self.limits)
-        return reply
+        return message
 
 
 @dataclass(frozen=True)
-class ModelPipeline:
-    """The inbound processor of a whole model moving between nodes (a Fed-CHS hand-off, a
-    WRWGD walk step, a final or resumed model): exactly the model's tensor names, dtypes and
-    shapes (`spec`), every value finite.  Returns the model's tensors; raises PayloadError
-    (BAD_NAME, BAD_DTYPE, BAD_SHAPE, NON_FINITE) naming `what`."""
+class CheckModel:
+    """Inbound: a whole model, exactly the model's tensor names, dtypes and shapes (`spec`),
+    every value finite; raises PayloadError (BAD_NAME, BAD_DTYPE, BAD_SHAPE, NON_FINITE)
+    naming the message.  Returns the model's tensors only (with the message's scalars)."""
 
     spec: Spec
 
-    def __call__(self, payload: Payload, what: str) -> dict[str, torch.Tensor]:
-        check_tensors(payload, self.spec, what)
-        if not all(tensor_finite(t) for t in payload.tensors.values()):
-            raise PayloadError("NON_FINITE", f"{what} holds NaN or Inf")
-        return {name: payload.tensors[name] for name in self.spec}
+    def process(self, message: Payload, ctx: Context) -> Payload:
+        check_tensors(message, self.spec, ctx.who)
+        if not all(tensor_finite(t) for t in message.tensors.values()):
+            raise PayloadError("NON_FINITE", f"{ctx.who} holds NaN or Inf")
+        return Payload(tensors={name: message.tensors[name] for name in self.spec}, scalars=message.scalars,
+                       control=message.control)
 
 
-def upload(cfg: Any, payload: Payload, sender: str, round: int, step: int = 0) -> Payload:
-    """The outbound processor of a child's reply to its parent: QSGD when configured."""
-    return compress_upload(cfg, payload, sender, round, step)
+@dataclass(frozen=True)
+class Compress:
+    """Outbound: a child's upload QSGD-coded when `algorithm.compress = "qsgd"`, drawn from the
+    stream ("qsgd", sender, round, step) (common/compress.py)."""
+
+    cfg: Any
+    sender: str
+
+    def process(self, message: Payload, ctx: Context) -> Payload:
+        return compress_upload(self.cfg, message, self.sender, ctx.round, ctx.step)
+
+
+@dataclass(frozen=True)
+class FinitenessPolicy:
+    """`security.nan_policy` over a round's refusals: "reject" leaves a NaN/Inf reply out of the
+    round (its NON_FINITE refusal is a failure like any other), "fail" fails the run.  The
+    methods return the run's error message, or None where the round goes on."""
+
+    policy: str
+
+    @classmethod
+    def of(cls, cfg: Any) -> "FinitenessPolicy":
+        return cls(cfg.security.nan_policy)
+
+    def refused_replies(self, round: int, non_finite: str) -> str | None:
+        """Replies refused as NON_FINITE (`non_finite`: their client ids, listed)."""
+        if self.policy != "fail":
+            return None
+        return (f"round {round}: non-finite values (NaN/Inf) in the results of clients "
+                f"{non_finite} and security.nan_policy = 'fail'")
+
+    def blamed_aggregate(self, round: int, whose: str, blamed: str, first: str, kept: int) -> str | None:
+        """An aggregate made non-finite by the results `blamed` (of `whose`: clients or edges),
+        `kept` results left without them."""
+        if self.policy != "fail" and kept:
+            return None
+        return (f"round {round}: non-finite values (NaN/Inf) in the aggregate, blamed on {whose} {blamed}: "
+                f"{first} (security.nan_policy = '{self.policy}', {kept} results left)")
+
+
+# ----------------------------------------------------------------------------- the user's processors
+@dataclass(frozen=True)
+class _Installed:
+    processor: Processor
+    methods: frozenset[str] | None   # None: every method
+    direction: Direction
+
+
+_installed: list[_Installed] = []
+_lock = threading.Lock()
+
+
+def install(processor: Processor, *, methods: Iterable[str] | None = None,
+            direction: Direction = "in") -> Callable[[], None]:
+    """Add `processor` to the chains of `methods` (None: every method) in `direction`, after the
+    installed ones; returns the function that removes it.  Install it in every process whose
+    chains should run it (the module docstring)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"install: direction must be one of {', '.join(DIRECTIONS)}, not {direction!r}")
+    if not callable(getattr(processor, "process", None)):
+        raise TypeError(f"install: {processor!r} has no process(message, ctx) method")
+    entry = _Installed(processor, None if methods is None else frozenset(str(m) for m in methods), direction)
+    with _lock:
+        _installed.append(entry)
+
+    def remove() -> None:
+        with _lock:
+            if entry in _installed:
+                _installed.remove(entry)
+    return remove
+
+
+def installed(method: str, direction: Direction) -> list[Processor]:
+    """The user's processors for `method` and `direction`, in installation order."""
+    with _lock:
+        return [e.processor for e in _installed
+                if e.direction == direction and (e.methods is None or str(method) in e.methods)]
+
+
+# ----------------------------------------------------------------------------- the chains
+def reply_chain(cfg: Any, spec: Spec, method: str, scalars: Mapping[str, ScalarRule] | None = None,
+                limits: ReplyLimits | None = None, *, round: int = 0, peer: str = "") -> ProcessorChain:
+    """The inbound chain of a reply to `method`: Decompress, ValidateReply, the user's."""
+    return ProcessorChain([Decompress(cfg, spec), ValidateReply(spec, scalars, limits), *installed(method, "in")],
+                          str(method), "in", round, peer)
+
+
+def reduced_chain(spec: Spec, method: str, *, round: int = 0, peer: str = "") -> ProcessorChain:
+    """The inbound chain of a torch.distributed group's reduced partial (never QSGD-coded):
+    ValidateReply with the common reply scalars, the user's."""
+    return ProcessorChain([ValidateReply(spec), *installed(method, "in")], str(method), "in", round, peer)
+
+
+@dataclass
+class ModelInbound:
+    """The inbound chain of a whole model for `method`, called as `(message, what)`: the model's
+    tensors (a dict in the spec's order)."""
+
+    chain: ProcessorChain
+    spec: Spec
+
+    def __call__(self, message: Payload, what: str, round: int = 0, peer: str = "") -> dict[str, torch.Tensor]:
+        chain = self.chain if (round, peer) == (0, "") else replace(self.chain, round=round, peer=peer)
+        out = chain(message, what)
+        return {name: out.tensors[name] for name in self.spec}
+
+
+def model_chain(spec: Spec, method: str) -> ModelInbound:
+    """The inbound chain of a whole model arriving by `method`: CheckModel, the user's."""
+    return ModelInbound(ProcessorChain([CheckModel(spec), *installed(method, "in")], str(method), "in"), spec)
+
+
+def upload(cfg: Any, payload: Payload, sender: str, round: int, step: int = 0, method: str = "train",
+           peer: str = "") -> Payload:
+    """The outbound chain of a child's reply to its parent (`method`: the call it answers): the
+    user's processors, then Compress."""
+    chain = ProcessorChain([*installed(method, "out"), Compress(cfg, sender)], str(method), "out", round, peer, step)
+    return chain(payload, f"round {round} upload of {sender}")
+

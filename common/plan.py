@@ -6,8 +6,8 @@ with, the logical clients it hosts).  `fedhop run` (deploy/launcher.py), `fedhop
 in-memory cluster (deploy/inmemory.py) and `fedhop certs --config` all start or name exactly
 these processes, so they cannot disagree.
 
-A topology declares its plan with `register_plan(kind, fn)`; `fn(cfg, placement)` returns a
-`ProcessPlan`.  The built-in ones:
+A topology declares its plan in its spec (common/topologies/, `TopologySpec.plan`);
+`fn(cfg, placement)` returns a `ProcessPlan`.  The built-in ones:
 
 - star, chain, relay, gossip: `star_plan`, every client process under the server, the clients split into
   `clients.processes` contiguous, near-equal blocks;
@@ -21,12 +21,13 @@ then edges by index).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from fedhop.common.topology import cluster_assignment, edge_node
-
-SERVER = "server"
+from fedhop.common.nodeids import SERVER, client_proc_node, edge_node
+from fedhop.common.topologies import replace_spec, spec_for
+from fedhop.common.topology import cluster_assignment
 
 
 @dataclass(frozen=True)
@@ -81,23 +82,28 @@ class Placement:
 
 
 PlanFn = Callable[[Any, Sequence[Placement] | None], ProcessPlan]
-_PLANS: dict[str, PlanFn] = {}
 
 
 def register_plan(kind: str, fn: PlanFn) -> None:
-    """Declare the process plan of topology `kind` (a later registration replaces an earlier one)."""
+    """Replace the process plan of topology `kind` (built in or a loaded plug-in) by `fn`: its spec
+    is replaced by one with `plan = fn` (common/topologies `replace_spec`)."""
     if not kind or not isinstance(kind, str):
         raise ValueError(f"register_plan: topology kind must be a non-empty string, got {kind!r}")
-    _PLANS[kind] = fn
+    try:
+        spec = spec_for(kind)
+    except KeyError as exc:
+        raise ValueError(f"register_plan: {exc.args[0] if exc.args else exc}") from None
+    replace_spec(dataclasses.replace(spec, plan=fn))
 
 
 def plan_processes(cfg: Any, placement: Sequence[Placement] | None = None) -> ProcessPlan:
     """The processes `cfg` starts (see the module docstring); `placement` as the hosts file gives it,
     or None for the launcher's own layout.  Checks that every logical client is hosted once."""
-    fn = _PLANS.get(cfg.topology.kind)
-    if fn is None:
+    try:
+        fn = spec_for(cfg.topology.kind).plan_fn()
+    except KeyError as exc:
         raise ValueError(f"topology.kind = '{cfg.topology.kind}' has no process plan "
-                         f"(registered: {', '.join(sorted(_PLANS))})")
+                         f"({exc.args[0] if exc.args else exc})") from None
     plan = fn(cfg, placement)
     hosted = sorted(c for p in plan.clients for c in p.clients)
     if hosted != list(range(cfg.clients.count)):
@@ -135,7 +141,7 @@ def build_plan(edges: Sequence[Sequence[int]], placement: Sequence[Placement]) -
         for pe in sorted(by_parent, key=lambda x: -1 if x is None else x):   # pe: the parent edge, or None
             ids = by_parent[pe]
             for block in client_blocks(len(ids), place.per_parent):
-                procs.append(PlannedProcess(f"client-proc{k}", "client", SERVER if pe is None else edge_node(pe),
+                procs.append(PlannedProcess(client_proc_node(k), "client", SERVER if pe is None else edge_node(pe),
                                             tuple(ids[i] for i in block), edge=pe, group=g))
                 k += 1
     return ProcessPlan(tuple(procs))
@@ -154,11 +160,6 @@ def edge_plan(cfg: Any, placement: Sequence[Placement] | None = None) -> Process
     if placement is None:
         placement = [Placement(tuple(range(cfg.clients.count)), max(1, cfg.clients.processes // len(clusters)))]
     return build_plan(clusters, placement)
-
-
-for _kind, _fn in (("star", star_plan), ("chain", star_plan), ("relay", star_plan), ("gossip", star_plan),
-                   ("hierarchical", edge_plan), ("sequential", edge_plan)):
-    register_plan(_kind, _fn)
 
 
 def id_spec(ids: Sequence[int]) -> str:

@@ -34,11 +34,12 @@ What each kind of plug-in is (docs in README, "Bring your own model"):
   Dataset per client), or a full `fedhop.common.tasks.Task`; an optional `load.Params`
   dataclass declares its extra [data] keys.
 - algorithm: a subclass of `fedhop.common.algorithms.base.Algorithm`.
-- topology driver (`topology.kind`): a subclass of `fedhop.server.driver.TopologyDriver`; its
-  optional `Params` dataclass declares its extra [topology] keys, its optional `process_plan`
-  (cfg, placement) -> ProcessPlan says which processes the run starts (default: the star plan,
-  every client process under the server).  `load_topology` registers that plan; the server
-  registers the driver when it asks for it (server/driver.py `driver_class`).
+- topology (`topology.kind`): a `fedhop.common.topologies.TopologySpec` (its params, config
+  check, process plan, server driver, edge role and client handlers), or, the short form, a
+  subclass of `fedhop.server.driver.TopologyDriver` whose optional `Params` dataclass declares
+  its extra [topology] keys and optional `process_plan` (cfg, placement) -> ProcessPlan says
+  which processes the run starts (default: the star plan, every client process under the
+  server); common/topologies `spec_for` loads it and adapts a driver into a spec.
 """
 from __future__ import annotations
 
@@ -231,34 +232,6 @@ def load_plugin(ref: str, group: str) -> Any:
     except Exception as exc:   # noqa: BLE001
         raise PluginError(f"cannot load entry point '{ref}' ({found[0].value}) of group "
                           f"'{GROUP_PREFIX + group}': {type(exc).__name__}: {exc}") from None
-
-
-# ----------------------------------------------------------------------------- topologies
-DRIVER_BASE = "fedhop.server.driver.TopologyDriver"
-_TOPOLOGIES: dict[str, type] = {}
-
-
-def load_topology(ref: str) -> type:
-    """The topology driver class named by `ref` (import path or entry point of `fedhop.topologies`),
-    with its process plan registered under `ref` (common/plan.py).  Raises KeyError for a bare name
-    that no package registers, PluginError for one that does not load or is not a driver.
-
-    common/ imports no role, so the base class is recognised by its qualified name."""
-    if ref in _TOPOLOGIES:
-        return _TOPOLOGIES[ref]
-    try:
-        cls = load_plugin(ref, "topologies")
-    except LookupError:
-        from fedhop.common.topology import TOPOLOGY_PARAMS  # local: the built-in kinds
-        names = list(TOPOLOGY_PARAMS) + [n for n in entry_point_names("topologies") if n not in TOPOLOGY_PARAMS]
-        raise KeyError(f"unknown topology '{ref}' (allowed: {', '.join(names)}, or an import path "
-                       f"'package.module:DriverClass')") from None
-    if not (isinstance(cls, type) and any(f"{c.__module__}.{c.__qualname__}" == DRIVER_BASE for c in cls.__mro__)):
-        raise PluginError(f"'{ref}' is not a topology driver (a subclass of {DRIVER_BASE})")
-    from fedhop.common.plan import register_plan, star_plan  # local: plan.py imports the topology module
-    register_plan(ref, getattr(cls, "process_plan", None) or star_plan)
-    _TOPOLOGIES[ref] = cls
-    return cls
 
 
 # ----------------------------------------------------------------------------- data sets

@@ -47,6 +47,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from fedhop.common.nodeids import edge_node
+from fedhop.common.topologies import spec_for
 from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload, ReduceOp, reduce_payloads
 
 log = logging.getLogger("fedhop.robust")
@@ -150,7 +152,7 @@ def short_groups(replies: list[tuple[int, Payload]], rule: str, krum_f: int) -> 
     for key, p in replies:
         got = p.scalars.get(COUNT_KEY)
         if isinstance(got, (int, float)) and not isinstance(got, bool) and got < need:
-            out.append((f"edge-{key}", f"{rule} needs {need} updates to outvote one bad update, the edge's "
+            out.append((edge_node(key), f"{rule} needs {need} updates to outvote one bad update, the edge's "
                                        f"group had {int(got)}: coordinate-wise median (of 1 or 2: their mean)"))
     return out
 
@@ -197,12 +199,16 @@ def config_group_problem(cfg: Any) -> str | None:
     sampled = resolve_clients_per_round(cfg)
     why = (f"krum with security.krum_f = {sec.krum_f} needs n > 2f + 2 = {need - 1} updates per group"
            if rule == "krum" else f"{rule} needs at least {need} updates per group to outvote one bad update")
-    if cfg.topology.kind == "star":
+    try:
+        groups = spec_for(cfg.topology.kind).robust   # how the topology groups updates
+    except (KeyError, ValueError):
+        return None
+    if groups == "round":
         if sampled < need:
             return (f"config key 'security.aggregation': {why}, but a round samples {sampled} clients "
                     f"(clients.per_round = {cfg.clients.per_round})")
         return None
-    if cfg.topology.kind != "hierarchical":
+    if groups != "edge":
         return None
     from fedhop.common.topology import cluster_assignment
     try:

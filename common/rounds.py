@@ -32,23 +32,20 @@ from fedhop.common.algorithms.base import Algorithm, ClientContext, ServerState
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.config import Config, client_local_steps, resolve_clients_per_round
 from fedhop.common.devices import apply_straggler_plan, devices_params
-from fedhop.common.pipeline import ReplyPipeline, upload
+from fedhop.common.nodeids import client_node
+from fedhop.common.pipeline import reply_chain, upload
 from fedhop.common.rng import numpy_stream, torch_stream
 from fedhop.common.streaming import OrderedFold
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.base import Task
 from fedhop.common.tasks.placed import host_task
+from fedhop.common.topologies import spec_for
 from fedhop.common.topology import sampling_pool
 from fedhop.common.validation import finite_step, finite_streamed
 from fedhop.common.vclock import RoundClock
 from fedhop.common.wire.message import COMPUTE_KEY, Payload
 
 RoundHook = Callable[[int, "RoundEngine", list[int], Payload], None]
-
-
-def client_node(cid: int) -> str:
-    """The node id of logical client `cid` (the destination of its `train` calls)."""
-    return f"client-{cid}"
 
 
 def client_generator(seed: int, cid: int, round: int, step: int = 0) -> torch.Generator:
@@ -121,7 +118,7 @@ class RoundEngine:
     def accept(self, round: int, who: str, reply: Payload) -> Payload:
         """A reply as the server uses it: decoded (QSGD) and validated against the reply spec;
         raises PayloadError naming `who` when it is unusable."""
-        return ReplyPipeline(self.cfg, self.algorithm.reply_spec(self.state))(reply, f"round {round} {who}")
+        return reply_chain(self.cfg, self.algorithm.reply_spec(self.state), "train", round=round)(reply, f"round {round} {who}")
 
     def finish_round(self, round: int, results: Mapping[int, Payload], participants: list[int],
                      left_out: LeftOut | None = None, fold: OrderedFold | None = None) -> Payload | None:
@@ -195,7 +192,7 @@ class RoundEngine:
         if params.deadline_seconds > 0 or params.overcommit > 1:
             raise ValueError("RoundEngine.train_round: clients.deadline_seconds and clients.overcommit cut results "
                              "by measured message bytes; run such a config over a transport (deploy/inmemory.py)")
-        if self.cfg.topology.kind != "star":
+        if not spec_for(self.cfg.topology.kind).engine_rounds:
             raise ValueError(f"RoundEngine.train_round plays star rounds; topology.kind = '{self.cfg.topology.kind}' "
                              f"has its own round protocol (run it over a transport)")
 

@@ -29,8 +29,8 @@ What a collect-everything round decides after the last reply must be decided her
   `consistent_results`; the two agree unless the lowest id is the odd one);
 - NaN/Inf: every reply is finite (validated), so only the sum or the server step can overflow.
   A reply whose addition would make the sum NaN or Inf is left out (`rejected`,
-  NON_FINITE_AGGREGATE; `ReplyAccumulator.add_if_finite` computes the new sums beside the running
-  ones) and the others still count, as a collected round leaves out the result that overflows
+  NON_FINITE_AGGREGATE; `ReplyAccumulator.add_if_finite` proves it cannot overflow from a bound on
+  each sum, or checks every new element piece by piece before it adds) and the others still count, as a collected round leaves out the result that overflows
   it.  For a server step that overflows, the fold keeps each folded reply's weighted magnitude
   (`magnitudes`) so the worst can be named (common/validation.py `finite_streamed`).
 """
@@ -44,9 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Hashable, Mapping
 
+import numpy as np
 import torch
 
-from fedhop.common.validation import _kind, _magnitude
+from fedhop.common.codec import RECV_BUFFERS
+from fedhop.common.validation import _kind
 from fedhop.common.wire.message import Payload, ReduceOp, ReplyAccumulator
 
 if TYPE_CHECKING:
@@ -199,7 +201,7 @@ class OrderedFold:
             return
         for name, v in reply.scalars.items():
             self._kinds.setdefault(name, _kind(v))
-        self.magnitudes[key] = _magnitude(reply)
+        self.magnitudes[key] = self.acc.last_magnitude   # validation.py `_magnitude`, computed while adding
         self.folded.append(key)
         self.stubs[key] = scalars_only(reply)
 
@@ -236,9 +238,16 @@ class OrderedFold:
         with open(spilled.path, "rb") as f:
             for name, dtype, shape, device in spilled.layout:
                 n = math.prod(shape) * dtype.itemsize
-                raw = bytearray(n)
-                f.readinto(raw)
-                tensors[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).to(device) \
+                # a large tensor into a free receive buffer of its size (no fresh model-sized allocation)
+                raw = RECV_BUFFERS.take(n) if n >= RECV_BUFFERS.min_bytes else np.empty(n, dtype=np.uint8)
+                view = raw.data   # a memoryview of its bytes
+                got = 0
+                while got < n:
+                    k = f.readinto(view[got:])
+                    if not k:
+                        raise OSError(f"spill file {spilled.path}: {n - got} bytes of '{name}' missing")
+                    got += k
+                tensors[name] = torch.from_numpy(raw).view(dtype).reshape(shape).to(device) \
                     if n else torch.empty(shape, dtype=dtype, device=device)
         Path(spilled.path).unlink(missing_ok=True)
         return Payload(tensors=tensors, scalars=spilled.scalars, control=spilled.control)

@@ -1,121 +1,27 @@
 """Topologies as data: which edge serves which clients, and each topology's own keys.
 
 A topology is a `[topology]` config section.  Its common keys are `kind`, `edges` and
-`assignment`; the keys that only one kind has live in that kind's params dataclass below and
-are validated by the config loader (`register_options_schema("topology", "kind", ...)`).
+`assignment`; the keys that only one kind has live in that kind's params dataclass, declared by
+its spec (common/topologies/), and are validated by the config loader
+(`register_options_schema("topology", "kind", ...)`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from fedhop.common.nodeids import edge_index, edge_node  # noqa: F401  # re-exported: the topology's node names
 from fedhop.common.rng import numpy_stream
+from fedhop.common.topologies import SPECS, spec_for
 
-
-@dataclass
-class StarParams:
-    pass
-
-
-@dataclass
-class HierarchicalParams:
-    """HierFAVG (Liu et al. 2020): clients run kappa1 = `algorithm.local_steps` steps between
-    edge aggregations; the server aggregates every `kappa2` edge aggregations.
-
-    `kappa2`: edge aggregations per server aggregation (one round)
-    """
-
-    kappa2: int = field(default=1, metadata={"min": 1})
-    # 0: every edge takes part. k > 0: each round k edges are drawn (`round_edges`) and the
-    # round's clients are sampled among theirs (partial participation of edge servers)
-    edges_per_round: int = field(default=0, metadata={"min": 0})
-
-
-@dataclass
-class SequentialParams:
-    """Fed-CHS (Yan et al., Algorithm 1; docs/topologies.md): edges on a graph pass one model.
-
-    `graph`: "ring", "random" (a seeded connected graph with degrees <= `max_degree`, stream
-    "topology/graph"), or explicit adjacency lists [[1, 4], [0, 2], ...] (undirected).
-    `start`: the first edge m(0), an id or "random" (uniform, stream "topology/start").
-    `steps_per_round`: K, the edge's aggregations per round.  `count_start`: false = the paper's
-    literal pseudocode (c(m(0)) stays 0 until the walk returns), true = the start edge counts
-    its first visit.
-
-    `max_degree`: the largest degree of graph = "random"
-    """
-
-    graph: str | list = "ring"
-    max_degree: int = field(default=3, metadata={"min": 1})
-    start: int | str = "random"
-    steps_per_round: int = field(default=20, metadata={"min": 1})
-    count_start: bool = False
-
-
-@dataclass
-class ChainParams:
-    """WRWGD: one model walks a graph of clients, handed client to client (common/walk.py).
-
-    `graph`: "random" (seeded, connected, degrees <= `max_degree`), "ring", "complete", or
-    adjacency lists.  `stationary`: the walk's law pi ("data", "uniform" or per-client weights
-    such as smoothness constants L_i).  `objective`: the weights p of F = sum p_i f_i
-    ("uniform", the paper's 1/N, or "data").  `start`: the first client, an id or "random".
-    `hops_per_round`: visits per round; each runs `algorithm.local_steps` local steps.
-
-    `max_degree`: the largest degree of graph = "random"
-    """
-
-    graph: str | list = "random"
-    max_degree: int = field(default=3, metadata={"min": 1})
-    stationary: str | list = "data"
-    objective: str | list = "uniform"
-    start: int | str = "random"
-    hops_per_round: int = field(default=10, metadata={"min": 1})
-
-
-@dataclass
-class RelayParams:
-    """A data-weighted random walk relayed through the server (server/relay.py): `hops_per_round`
-    clients per round, each drawn with probability D_j / D_A (stream "chain", round).
-
-    `hops_per_round`: clients visited per round
-    """
-
-    hops_per_round: int = field(default=10, metadata={"min": 1})
-
-
-@dataclass
-class GossipParams:
-    """D-PSGD gossip learning: clients on a graph mix their models with their neighbours'
-    (Metropolis-Hastings weights) every round (common/gossip.py).
-
-    `gossip_edges`: the graph's undirected edges [[0, 1], [1, 2], ...] between client ids.
-    `gossip_degree`: d > 0 instead: a random d-regular graph from the stream
-    "topology/gossip_graph" of run.seed.  Neither: the ring 0-1-...-(n-1)-0.
-    """
-
-    gossip_edges: list = field(default_factory=list)
-    gossip_degree: int = field(default=0, metadata={"min": 0})
-
-
-TOPOLOGY_PARAMS: dict[str, type | None] = {
-    "star": StarParams,
-    "hierarchical": HierarchicalParams,
-    "sequential": SequentialParams,
-    "chain": ChainParams,
-    "relay": RelayParams,
-    "gossip": GossipParams,
-}
+# kind -> its params dataclass (None: no own keys), read from the specs (common/topologies/)
+TOPOLOGY_PARAMS: dict[str, type | None] = {kind: spec.params for kind, spec in SPECS.items()}
 
 
 def topology_params_class(kind: str) -> type | None:
-    """The params dataclass of a built-in kind, or of a user's topology plug-in (its `Params`,
-    common/plugins.py `load_topology`, which also registers the plug-in's process plan).  Raises
-    KeyError for an unknown kind, PluginError (a ValueError) for a plug-in that does not load."""
-    if kind in TOPOLOGY_PARAMS:
-        return TOPOLOGY_PARAMS[kind]
-    from fedhop.common.plugins import load_topology  # local: a plug-in imports the package
-    return getattr(load_topology(kind), "Params", None)
+    """The params dataclass of topology `kind`, built in or a plug-in's (common/topologies
+    `spec_for`).  Raises KeyError for an unknown kind, PluginError (a ValueError) for a plug-in
+    that does not load."""
+    return spec_for(kind).params
 
 
 def topology_params(cfg: Any) -> Any:
@@ -125,17 +31,6 @@ def topology_params(cfg: Any) -> Any:
         return params
     cls = topology_params_class(cfg.topology.kind)
     return cls(**cfg.topology.options) if cls is not None else None
-
-
-def edge_node(edge: int) -> str:
-    return f"edge-{edge}"
-
-
-def edge_index(node_id: str) -> int:
-    role, _, num = node_id.partition("-")
-    if role != "edge" or not num.isdigit():
-        raise ValueError(f"'{node_id}' is not an edge node id (expected edge-<n>)")
-    return int(num)
 
 
 def cluster_assignment(cfg: Any) -> list[list[int]]:
@@ -167,10 +62,10 @@ def cluster_assignment(cfg: Any) -> list[list[int]]:
 
 def round_edges(cfg: Any, round: int) -> list[int] | None:
     """The edges taking part in `round` of a hierarchical run: None (all) when
-    `topology.edges_per_round` is 0, else that many edges drawn uniformly without replacement
-    from the stream ("edges", round), sorted."""
+    `topology.edges_per_round` is 0 or the kind has no such key (only hierarchical has), else
+    that many edges drawn uniformly without replacement from the stream ("edges", round), sorted."""
     per_round = getattr(topology_params(cfg), "edges_per_round", 0)
-    if cfg.topology.kind != "hierarchical" or per_round == 0:
+    if per_round == 0:
         return None
     edges = len(cluster_assignment(cfg))
     drawn = numpy_stream(cfg.run.seed, "edges", round).choice(edges, size=min(per_round, edges), replace=False)

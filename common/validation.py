@@ -264,6 +264,16 @@ def finite_step(algorithm, state, results: Mapping[int, Payload], round: int
     return None, blamed
 
 
+def _checked_step(algorithm):
+    """The algorithm's `server_update_checked` (a server step that checks the new state is finite
+    before it changes it: common/algorithms/fedavg.py), where the class that defines it also
+    defines the `server_update` in use; None otherwise (a subclass with its own step)."""
+    def owner(attr: str):
+        return next((c for c in type(algorithm).__mro__ if attr in vars(c)), None)
+    cls = owner("server_update_checked")
+    return getattr(algorithm, "server_update_checked") if cls is not None and cls is owner("server_update") else None
+
+
 def finite_streamed(algorithm, state, aggregate: Payload | None, magnitudes: Mapping[int, float], round: int
                     ) -> tuple[Payload | None, dict[int, str]]:
     """`finite_step` for a round folded as its replies arrived (common/streaming.py): the replies
@@ -274,17 +284,21 @@ def finite_streamed(algorithm, state, aggregate: Payload | None, magnitudes: Map
     skips it, an edge answers without a partial).  `state` None (an edge): the aggregate only."""
     if aggregate is None:
         return None, {}
-    backup = copy.deepcopy(state) if state is not None else None
+    checked = _checked_step(algorithm) if state is not None else None
+    # the rollback copy of the state, unless the algorithm checks its step before it changes the state
+    backup = copy.deepcopy(state) if state is not None and checked is None else None
     try:
         problem = _non_finite(aggregate.tensors, aggregate.scalars, "the aggregate's")
-        if problem is None and state is not None:
+        if problem is None and checked is not None:
+            problem = checked(state, aggregate, round)   # the state is unchanged where it names a problem
+        elif problem is None and state is not None:
             algorithm.server_update(state, aggregate, round)
             problem = _non_finite({**state.params, **state.extra}, state.scalars, "the new model's")
     except (ArithmeticError, ValueError, RuntimeError) as exc:
         problem = f"the server step failed ({type(exc).__name__}: {exc})"
     if problem is None:
         return aggregate, {}
-    for f in dataclasses.fields(state) if state is not None else ():   # roll back
+    for f in dataclasses.fields(state) if backup is not None else ():   # roll back
         setattr(state, f.name, getattr(backup, f.name))
     worst = max(sorted(magnitudes), key=lambda k: magnitudes[k])
     return None, {worst: (f"NON_FINITE_AGGREGATE: round {round}: {problem}; the round was rolled back, the "

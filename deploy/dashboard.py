@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhop.common.runstore import RunStore
+from fedhop.common.topologies import SPECS
 
 PAGE = Path(__file__).with_name("dashboard.html")
 EVENTS_SHOWN = 30
@@ -62,7 +63,8 @@ def _graph(cfg: dict, live: list[tuple], server_pairs: dict[str, dict[str, int]]
                 out[direction] = out.get(direction, 0) + int(framed)
         return out
 
-    if kind in ("hierarchical", "sequential"):
+    spec = SPECS.get(kind)   # a plug-in kind (not imported here) is drawn as a star
+    if spec is not None and spec.edges:
         edges = int(topo.get("edges", 0)) or len(topo.get("assignment", []) or [])
         for e in range(edges):
             edge = f"edge-{e}"
@@ -70,15 +72,15 @@ def _graph(cfg: dict, live: list[tuple], server_pairs: dict[str, dict[str, int]]
             nodes.append({"id": f"clients@{edge}", "label": "clients", "tier": 2})
             links.append({"a": "server", "b": edge, "link": "edge-server", "bytes": server_pairs.get(edge, {})})
             links.append({"a": edge, "b": f"clients@{edge}", "link": "client-edge", "bytes": live_sum(edge, "client-edge")})
-            if kind == "sequential":
+            if spec.peer_link == "edge-edge":
                 links.append({"a": edge, "b": edge, "link": "edge-edge", "bytes": live_sum(edge, "edge-edge"),
-                              "note": "sent to neighbour edges"})
+                              "note": spec.peer_note})
     else:
         nodes.append({"id": "clients", "label": f"clients 0-{count - 1}" if count else "clients", "tier": 2})
         links.append({"a": "server", "b": "clients", "link": "client-server", "bytes": live_sum("server", "client-server")})
-        if kind in ("chain", "gossip"):
+        if spec is not None and spec.peer_link == "client-client":
             links.append({"a": "clients", "b": "clients", "link": "client-client", "bytes": live_sum(None, "client-client"),
-                          "note": "hops between clients" if kind == "chain" else "models to graph neighbours"})
+                          "note": spec.peer_note})
     return {"kind": kind, "nodes": nodes, "links": links}
 
 

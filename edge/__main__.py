@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,9 +26,12 @@ from fedhop.common.procexit import Stopped, exit_now, freeze_heap, ignore_stops,
 from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
 from fedhop.common.torch_device import flag_error
-from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.transport.factory import PROCESS_TRANSPORT, make_endpoint
 from fedhop.edge.reports import EdgeRefusals, EventOutbox
 from fedhop.edge.runtime import EdgeProcess
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhop.common.transport.grpc import GrpcEndpoint  # what make_endpoint builds for PROCESS_TRANSPORT
 
 READY_WAIT = 120.0   # seconds a call may wait for this process to finish registering
 
@@ -93,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     counter = LinkCounter(args.node_id)   # live byte totals for the server (common/livebytes.py)
     ledger.observers.append(counter.observe)
     refusals = EdgeRefusals(EventOutbox())   # run.db events at the server, carried by heartbeats (edge/reports.py)
-    endpoint = GrpcEndpoint(args.node_id, ledger, token="", max_message_bytes=args.max_message_bytes,
-                            credentials=creds, on_refused=refusals.auth_refused)
+    endpoint = make_endpoint(PROCESS_TRANSPORT, args.node_id, ledger, token="", max_message_bytes=args.max_message_bytes,
+                             credentials=creds, on_refused=refusals.auth_refused)
     endpoint.on_busy = refusals.call_refused
 
     def monitor_event(kind: str, node: str, detail: str) -> None:

@@ -22,18 +22,20 @@ from fedhop.common.config import Config
 from fedhop.common.control import control_of, failures_control, without_control
 from fedhop.common.liveness import unreachable
 from fedhop.common.methods import Method
+from fedhop.common.nodeids import client_node, edge_index
 from fedhop.common.streaming import OrderedFold, reply_budget
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.placed import place_task
-from fedhop.common.topology import cluster_assignment, edge_index, topology_params
-from fedhop.common.transport.base import CallFailed, Endpoint, HandlerError, RemoteError, Request
-from fedhop.common.transport.fabric import Fabric, ReplyPipeline, Send, upload
+from fedhop.common.topology import cluster_assignment, topology_params
+from fedhop.common.transport.base import Endpoint, HandlerError, Request
+from fedhop.common.transport.fabric import Fabric, Send, reply_chain, upload
 from fedhop.common.transport.router import MethodRouter, Peers
 from fedhop.common.validation import ReplyLimiter, finite_step, finite_streamed
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
 
 log = logging.getLogger("fedhop.edge")
+SHUTDOWN_TIMEOUT = 5.0   # seconds a client process may take to answer its shut-down
 
 
 class EdgeAggregator:
@@ -168,7 +170,7 @@ class EdgeAggregator:
         gone = self.unavailable_processes()   # reported to the server, which samples around their clients
         partial.control.clients.extend(sorted(c for c, (node, _) in self.client_home.items() if node in gone))
         partial.control.processes.extend(sorted(gone))
-        return upload(self.cfg, partial, self.endpoint.node_id, round, 0)   # QSGD uploads (common/pipeline.py)
+        return upload(self.cfg, partial, self.endpoint.node_id, round, 0, Method.EDGE_ROUND)   # QSGD (common/pipeline.py)
 
     def collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None, stream: bool = False):
         """Send `message` to `clients` (one encoding), gather replies checked against `spec`
@@ -183,8 +185,8 @@ class EdgeAggregator:
             if c not in self.client_home:
                 failures[c] = f"UNKNOWN_CLIENT: client {c} never registered with {self.endpoint.node_id}"
                 continue
-            check = ReplyPipeline(self.cfg, spec, rules, self.limiter.limits([c]))
-            requests.append(Send(c, self.client_home[c][1], f"client-{c}", Method.TRAIN, message, step=step,
+            check = reply_chain(self.cfg, spec, Method.TRAIN, rules, self.limiter.limits([c]), round=round, peer=client_node(c))
+            requests.append(Send(c, self.client_home[c][1], client_node(c), Method.TRAIN, message, step=step,
                                  inbound=check, who=f"round {round} step {step} reply of client {c}"))
         fold = (OrderedFold(sorted(req.key for req in requests), self.algorithm.reply_reduce, reply_budget(spec, 1.0))
                 if stream else None)   # in client-id order, as `finite_step` aggregates
@@ -214,9 +216,10 @@ class EdgeAggregator:
         return monitor.unavailable_nodes() & set(self.processes)
 
     def shutdown_clients(self, round: int) -> None:
-        for node, address in sorted(self.processes.items()):
-            try:
-                self.fabric.call(address, node, Method.SHUTDOWN, Payload(), round=round, timeout=5.0)
-            except (CallFailed, RemoteError) as exc:
-                log.warning("shutdown of %s failed: %s", node, exc)
+        bye = Payload()
+        _, failures = self.fabric.send_to_all([Send(node, address, node, Method.SHUTDOWN, bye)
+                                               for node, address in sorted(self.processes.items())],
+                                              round=round, call_timeout=SHUTDOWN_TIMEOUT)
+        for node, why in sorted(failures.items()):
+            log.warning("shutdown of %s failed: %s", node, why)
         self.fabric.close()

@@ -21,10 +21,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from fedhop.common.methods import Method
+from fedhop.common.pipeline import reduced_chain
 from fedhop.common.topology import edge_node
 from fedhop.common.transport.base import CallFailed, HandlerError
 from fedhop.common.transport.groups import worlds
-from fedhop.common.validation import validate_reply
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
 
@@ -118,8 +118,8 @@ class GroupModelPath:
         group_edge = self.group_edge
         partial, failed = group_edge.iteration(round, step, list(self.edge.agg.cluster), message)
         if partial is not None:
-            validate_reply(partial, self.edge.spec, f"round {round} step {step} reduced partial of "
-                                                    f"{group_edge.node_id}'s client processes")
+            reduced_chain(self.edge.spec, Method.TORCH_REDUCE, round=round)(
+                partial, f"round {round} step {step} reduced partial of {group_edge.node_id}'s client processes")
         return partial, failed
 
     def handoff_model(self, src: str, round: int, payload: Payload) -> dict[str, torch.Tensor]:

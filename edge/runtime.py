@@ -7,16 +7,13 @@ import threading
 
 from fedhop.common.liveness import register_with_backoff
 from fedhop.common.plugins import parent_config, tell_refusal
+from fedhop.common.topologies import spec_for
 from fedhop.common.torch_device import process_device
 from fedhop.common.transport.base import Endpoint, HandlerError, Request
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.edge.aggregator import EdgeAggregator
-from fedhop.edge.sequential import SequentialEdge
 
 log = logging.getLogger("fedhop.edge")
-
-# topology kind -> the handler an edge runs beside its aggregator (the aggregator alone: none)
-EDGE_TOPOLOGY_ROLES = {"sequential": SequentialEdge}
 
 
 class EdgeProcess:
@@ -25,9 +22,14 @@ class EdgeProcess:
         self.parent = parent
         self.device_spec = device   # --device / FEDHOP_DEVICE; "" = the config's edges.device
         self.aggregator: EdgeAggregator | None = None
-        self.sequential = None   # edge/sequential.py (Fed-CHS) when topology.kind = "sequential"
+        self.topology_role = None   # what the topology's spec adds beside the aggregator (`edge_role`)
         self._ready = threading.Event()
         self.address = endpoint.serve(self._handle, bind, register_handler=self._register)
+
+    @property
+    def sequential(self):
+        """The Fed-CHS role (edge/sequential.py) of a sequential run: this edge's `topology_role`."""
+        return self.topology_role
 
     def _handle(self, request: Request):
         if self.aggregator is None:
@@ -89,9 +91,9 @@ class EdgeProcess:
         log.info("%s computes on %s", self.endpoint.node_id, device)
         aggregator = EdgeAggregator(cfg, self.endpoint, reply.run_id, reply.config_toml, parent=reply.node_id or "server",
                                     device=device)
-        topology_role = EDGE_TOPOLOGY_ROLES.get(cfg.topology.kind)   # what this topology adds to an edge
+        topology_role = spec_for(cfg.topology.kind).edge_role_class()   # e.g. edge/sequential.py (Fed-CHS)
         if topology_role is not None:
-            self.sequential = topology_role(aggregator)
+            self.topology_role = topology_role(aggregator)
         self.aggregator = aggregator
         self._ready.set()
         if not self.aggregator.wait_for_clients(client_timeout):

@@ -46,11 +46,13 @@ from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.codec import PayloadError
 from fedhop.common.control import control_of, failures_control
 from fedhop.common.methods import Method
-from fedhop.common.pipeline import ModelPipeline
+from fedhop.common.nodeids import edge_node
+from fedhop.common.pipeline import model_chain
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.placed import place_task
-from fedhop.common.topology import SEQ_METRIC_PREFIX, edge_graph, edge_node, topology_params
+from fedhop.common.topology import SEQ_METRIC_PREFIX, edge_graph, topology_params
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
+from fedhop.common.transport.fabric import Send
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
 from fedhop.edge.group_edge import GroupModelPath
@@ -74,7 +76,7 @@ class SequentialEdge:
         self.visits = VisitCount(self.params.count_start)   # c(m)
         self.token: dict[str, torch.Tensor] | None = None
         self.token_round = 0                              # the round the held token is for
-        self.model_in = ModelPipeline(self.spec)           # every model that arrives (common/pipeline.py)
+        self.model_in = model_chain(self.spec, Method.SEQ_HANDOFF)   # every model that arrives (common/pipeline.py)
         self.path = model_path(self)                       # how the model moves: MODEL_PATHS
         self._lock = threading.Lock()
         self._routes()
@@ -171,19 +173,23 @@ class SequentialEdge:
     def _hand_off(self, round: int, w: dict[str, torch.Tensor], peers: dict[int, str]):
         """Query the neighbours (control), rank them, hand the model to the first that takes it.
         Returns (next edge, [(edge, why), ...] passed over, {edge: (visits, data size)})."""
-        timeout = self.cfg.run.call_timeout
         answers: dict[int, tuple[int, int]] = {}
         skipped: list[tuple[int, str]] = []
-        for e in self.neighbours:
+        query = Payload()
+        replies, failures = self.agg.fabric.send_to_all(
+            [Send(e, peers[e], edge_node(e), Method.SEQ_QUERY, query) for e in self.neighbours if e in peers],
+            round=round, call_timeout=self.cfg.run.call_timeout)
+        for e in self.neighbours:   # in neighbour order, as the events list the passed-over edges
             if e not in peers:
                 skipped.append((e, "not registered with the server"))
-                continue
-            try:
-                r = self.agg.fabric.call(peers[e], edge_node(e), Method.SEQ_QUERY, Payload(), round=round,
-                                       timeout=timeout)
-                answers[e] = (int(r.scalars["visits"]), int(r.scalars["data_size"]))
-            except (CallFailed, RemoteError, PayloadError, KeyError, ValueError) as exc:
-                skipped.append((e, f"no answer to the neighbour query: {exc}"))
+            elif e in failures:
+                skipped.append((e, f"no answer to the neighbour query: {failures[e]}"))
+            else:
+                try:
+                    answers[e] = (int(replies[e].scalars["visits"]), int(replies[e].scalars["data_size"]))
+                except (KeyError, ValueError) as exc:
+                    skipped.append((e, f"no answer to the neighbour query: {exc}"))
+        # the hand-off stays serial: the next neighbour is tried only when the previous one refused the model
         for e in self.algorithm.next_holder(answers):
             try:
                 self.path.send_model(round, e, peers[e], w)
@@ -197,7 +203,7 @@ class SequentialEdge:
         return self.index, skipped, answers
 
 
-class GrpcModelPath:
+class EdgeInlineModelPath:
     """The model inside the gRPC calls (transport.kind = "grpc", and the in-memory test
     transport): the cluster step is a fan-out through the fabric, the hand-off carries the
     tensors, the final (or checkpoint) model rides in the `seq_round` reply."""
@@ -229,7 +235,7 @@ class GrpcModelPath:
 
 
 #: transport.kind -> how Fed-CHS's model moves at an edge (the edge-side data planes)
-MODEL_PATHS = {"grpc": GrpcModelPath, "inmemory": GrpcModelPath, "torch": GroupModelPath}
+MODEL_PATHS = {"grpc": EdgeInlineModelPath, "inmemory": EdgeInlineModelPath, "torch": GroupModelPath}
 
 
 def model_path(edge: SequentialEdge):

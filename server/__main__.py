@@ -30,7 +30,7 @@ from fedhop.common.procexit import exit_now, freeze_heap, stop_on_sigterm
 from fedhop.common.proctitle import set_role_title
 from fedhop.common.security import NodeCredentials, SecurityError
 from fedhop.common.torch_device import process_device
-from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.transport.factory import make_endpoint
 from fedhop.server.child_reports import ChildReports
 from fedhop.server.coordinator import Coordinator
 from fedhop.server.resilience import Checkpointer, resume
@@ -94,9 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     def refused(node: str, method: str, reason: str, peer: str) -> None:
         throttle("auth_refused", peer_host(peer), node or "?", f"{method} from {peer}: {reason}")
 
-    endpoint = GrpcEndpoint("server", ledger, token="", chunk_bytes=cfg.transport.chunk_bytes,
-                            max_message_bytes=cfg.transport.max_message_bytes, workers=32,
-                            credentials=creds, on_refused=refused)
+    try:
+        endpoint = make_endpoint(cfg.transport.kind, "server", ledger, token="", chunk_bytes=cfg.transport.chunk_bytes,
+                                 max_message_bytes=cfg.transport.max_message_bytes, workers=32,
+                                 credentials=creds, on_refused=refused)
+    except ValueError as exc:   # a kind without a process endpoint (inmemory)
+        logging.error("%s", exc)
+        return 2
     endpoint.checksum = sec.checksum
     # the server serves no Exchange calls: refused on their header, before their data is read
     endpoint.request_gate = RequestGate(None, on_refused=lambda env, code, reason: throttle(

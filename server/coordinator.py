@@ -24,15 +24,16 @@ from fedhop.common.config import Config, config_to_toml, resolve_clients_per_rou
 from fedhop.common.ledger import Ledger
 from fedhop.common.liveness import live_pool, unreachable
 from fedhop.common.methods import Method
+from fedhop.common.nodeids import edge_index, edge_node
+from fedhop.common.pipeline import FinitenessPolicy
 from fedhop.common.procexit import Stopped, ignore_stops, stop_reason
 from fedhop.common.rounds import RoundEngine
 from fedhop.common.runstore import RunStore
 from fedhop.common.streaming import RoundMemory
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.placed import place_task
-from fedhop.common.topology import edge_index
-from fedhop.common.transport.base import CallFailed, Endpoint, RemoteError
-from fedhop.common.transport.fabric import Fabric
+from fedhop.common.transport.base import Endpoint
+from fedhop.common.transport.fabric import Fabric, Send
 from fedhop.common.validation import ReplyLimiter, consistent_results, rejection_code
 from fedhop.common.vclock import RoundClock
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -46,6 +47,7 @@ log = logging.getLogger("fedhop.server")
 
 SHORT_ROUND_RETRIES = 3      # run.on_short_round = "retry": attempts after the first, then the round is skipped
 MAX_SKIPPED_IN_A_ROW = 10    # retry and skip: this many skipped rounds in a row fail the run
+SHUTDOWN_TIMEOUT = 5.0       # seconds a child may take to answer its shut-down
 
 
 def id_list(ids: list[int], shown: int = 10) -> str:
@@ -315,9 +317,9 @@ class Coordinator:
         failures.update(inconsistent)
         self.record_failures(round, failures)
         non_finite = sorted(cid for cid, why in failures.items() if rejection_code(why) == "NON_FINITE")
-        if non_finite and self.cfg.security.nan_policy == "fail":
-            raise RunFailed(f"round {round}: non-finite values (NaN/Inf) in the results of clients "
-                            f"{id_list(non_finite)} and security.nan_policy = 'fail'")
+        refusal = FinitenessPolicy.of(self.cfg).refused_replies(round, id_list(non_finite)) if non_finite else None
+        if refusal:
+            raise RunFailed(refusal)
         settled = self.clock.settle(round, message, results, self.ledger.records(),
                                     star=per_client)   # deadline / over-commit cuts
         for cid, why in sorted(settled.cut.items()):
@@ -387,18 +389,17 @@ class Coordinator:
             return cid if per_client else edge_index(self.client_home[cid].node_id)
 
         for key, why in sorted(blamed.items()):
-            node = client_node(key) if per_client else f"edge-{key}"
+            node = client_node(key) if per_client else edge_node(key)
             self.store.add_event("rejected_payload", node=node, detail=why, round=round)
             log.warning("round %d: %s left out: %s", round, node, why)
         gone = [c for c in participants if key_of(c) in blamed]
         failures.update({c: blamed[c] if per_client else
                          f"NON_FINITE_AGGREGATE: the partial of edge-{key_of(c)} was left out" for c in gone})
         kept = [c for c in participants if c not in gone]
-        if self.cfg.security.nan_policy == "fail" or not kept:
-            raise RunFailed(f"round {round}: non-finite values (NaN/Inf) in the aggregate, blamed on "
-                            f"{'clients' if per_client else 'edges'} {id_list(sorted(blamed))}: "
-                            f"{next(iter(blamed.values()))} (security.nan_policy = "
-                            f"'{self.cfg.security.nan_policy}', {len(kept)} results left)")
+        refusal = FinitenessPolicy.of(self.cfg).blamed_aggregate(
+            round, "clients" if per_client else "edges", id_list(sorted(blamed)), next(iter(blamed.values())), len(kept))
+        if refusal:
+            raise RunFailed(refusal)
         return kept
 
     def round_metrics(self, round: int, aggregate: Payload) -> dict[str, float]:
@@ -458,12 +459,13 @@ class Coordinator:
     def shutdown_children(self) -> None:
         if getattr(self.endpoint, "liveness", None) is not None:   # children told to stop are not "dead"
             self.endpoint.liveness.stop()
-        for node in list(self.children.values()):
-            try:
-                self.fabric.call(node.address, node.node_id, Method.SHUTDOWN, Payload(), round=self.rounds_completed,
-                                 timeout=5.0)
-            except (CallFailed, RemoteError) as exc:
-                self.store.add_event("shutdown_failed", node=node.node_id, detail=str(exc), round=self.rounds_completed)
+        children = list(self.children.values())
+        bye = Payload()
+        _, failures = self.fabric.send_to_all([Send(i, node.address, node.node_id, Method.SHUTDOWN, bye)
+                                               for i, node in enumerate(children)],
+                                              round=self.rounds_completed, call_timeout=SHUTDOWN_TIMEOUT)
+        for i, why in sorted(failures.items()):   # in the children's order, as they registered
+            self.store.add_event("shutdown_failed", node=children[i].node_id, detail=why, round=self.rounds_completed)
         self.fabric.close()
 
     def merge_ledgers(self) -> None:

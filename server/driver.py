@@ -2,24 +2,25 @@
 
 The Coordinator (server/coordinator.py) owns registration, the round loop and finalising; a
 driver owns one topology's round protocol, its checkpoint state and resume, and the part of
-summary.json that describes its walk.  Drivers are registered by kind, as algorithms are:
-
-    @register_driver("star")
-    class StarDriver(TopologyDriver): ...
+summary.json that describes its walk.  Which driver runs a kind is the `driver` of the kind's
+spec (common/topologies/, `driver_class`).
 
 A driver sees the run only through `DriverContext`, the public face of the Coordinator, and
-sends only through the context's fabric (common/transport/fabric.py).  Adding a topology is one
-module under server/ that registers its driver (and, where it starts other processes than the
-default, its process plan).  A user's own topology needs no edit of fedhop: a subclass of
-`TopologyDriver` in the user's package, named by `topology.kind = "pkg.module:DriverClass"` or
-by an entry point of group `fedhop.topologies` (common/plugins.py `load_topology`); its class
-attributes `Params` and `process_plan` stand for what `register_options_schema` and
-`register_plan` do for the built-in kinds (docs/architecture.md, "How to add a topology").
+sends only through the context's fabric (common/transport/fabric.py).  A user's own topology
+needs no edit of fedhop: a `TopologySpec`, or the short form, a subclass of `TopologyDriver` in
+the user's package whose class attributes `Params` and `process_plan` stand for the spec's
+`params` and `plan`, named by `topology.kind = "pkg.module:Name"` or by an entry point of group
+`fedhop.topologies` (common/topologies `load_topology`; docs/architecture.md, "How to add a
+topology").
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
+
+from fedhop.common.nodeids import client_node  # noqa: F401  # re-exported: the drivers' name for a client
+from fedhop.common.topologies import spec_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from fedhop.common.config import Config
     from fedhop.common.ledger import Ledger
     from fedhop.common.runstore import RunStore
+    from fedhop.common.tasks.base import Task
     from fedhop.common.transport.fabric import Fabric
     from fedhop.common.validation import ReplyLimiter
     from fedhop.common.vclock import RoundClock
@@ -59,15 +61,11 @@ class RoundResult:
     sim_seconds: float | None = None   # virtual-clock duration (common/vclock.py); None where not simulated
 
 
-def client_node(cid: int) -> str:
-    return f"client-{cid}"
-
-
 class DriverContext(Protocol):
     """What a driver may use of the run (the Coordinator implements it)."""
 
     cfg: Config
-    task: Any
+    task: Task
     algorithm: Algorithm
     state: ServerState
     store: RunStore
@@ -99,7 +97,7 @@ class DriverContext(Protocol):
     def record_round(self, result: RoundResult) -> None: ...
 
 
-class TopologyDriver:
+class TopologyDriver(ABC):
     """One topology's rounds.  `start` runs once after every child registered (and after a
     resume restored the server's state); `run_round` runs each round and records it through
     `ctx.record_round`; `checkpoint_state`/`restore` carry what the topology must keep across a
@@ -118,8 +116,9 @@ class TopologyDriver:
     def start(self) -> None:
         """After registration: set up what rounds need (a torch.distributed world, ...)."""
 
+    @abstractmethod
     def run_round(self, round: int) -> RoundResult:
-        raise NotImplementedError
+        """Run round `round` and record it (`ctx.record_round`)."""
 
     def checkpoint_state(self) -> dict | None:
         """What a checkpoint must keep of the topology (None: nothing beyond the model)."""
@@ -137,32 +136,25 @@ class TopologyDriver:
         return {}
 
 
-DRIVERS: dict[str, type[TopologyDriver]] = {}
-
-
 def register_driver(kind: str) -> Callable[[type[TopologyDriver]], type[TopologyDriver]]:
+    """Name a built-in driver class by its kind (`cls.kind`, used in its messages).  Which class
+    runs a kind is its spec's `driver` (common/topologies/): this decorator registers nothing."""
     def add(cls: type[TopologyDriver]) -> type[TopologyDriver]:
-        if kind in DRIVERS:
-            raise ValueError(f"topology driver '{kind}' registered twice")
         cls.kind = kind
-        DRIVERS[kind] = cls
         return cls
     return add
 
 
 def driver_class(kind: str) -> type[TopologyDriver]:
-    """The driver registered for `kind` (the built-in drivers register on import)."""
-    import fedhop.server.topologies  # noqa: F401  (registers star, hierarchical, sequential, chain, relay, gossip)
-    if kind not in DRIVERS:
-        from fedhop.common.plugins import load_topology  # a user's driver (the config loader loaded it already)
-        try:
-            cls = load_topology(kind)
-        except (KeyError, ValueError) as exc:
-            raise RunFailed(f"topology.kind = '{kind}' has no driver ({exc.args[0] if exc.args else exc})") from None
-        if "kind" not in vars(cls):   # error messages name the kind as the config wrote it
-            cls.kind = kind
-        DRIVERS[kind] = cls
-    return DRIVERS[kind]
+    """The driver class of topology `kind`: its spec's `driver` (common/topologies `spec_for`;
+    a plug-in's spec was loaded already by the config loader)."""
+    try:
+        cls: type[TopologyDriver] = spec_for(kind).driver_class()
+    except (KeyError, ValueError) as exc:
+        raise RunFailed(f"topology.kind = '{kind}' has no driver ({exc.args[0] if exc.args else exc})") from None
+    if "kind" not in vars(cls):   # error messages name the kind as the config wrote it
+        cls.kind = kind
+    return cls
 
 
 def make_driver(ctx: DriverContext) -> TopologyDriver:

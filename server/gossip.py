@@ -22,7 +22,7 @@ import torch
 from fedhop.common.codec import PayloadError
 from fedhop.common.gossip import MIX_STEP, SEND_STEP, GossipRule
 from fedhop.common.methods import Method
-from fedhop.common.pipeline import ModelPipeline
+from fedhop.common.pipeline import model_chain
 from fedhop.common.transport.fabric import Send
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
@@ -38,7 +38,7 @@ class GossipDriver(TopologyDriver):
         except ValueError as exc:
             raise RunFailed(str(exc)) from None
         params = ctx.state.params
-        self.model_in = ModelPipeline({k: (v.dtype, tuple(v.shape)) for k, v in params.items()})
+        self.model_in = model_chain({k: (v.dtype, tuple(v.shape)) for k, v in params.items()}, Method.GOSSIP_MIX)
         self.models: dict[int, dict[str, torch.Tensor]] = {}   # the clients' models of the latest evaluation round
 
     def summary(self) -> dict:

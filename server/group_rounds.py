@@ -19,10 +19,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from fedhop.common.codec import PayloadError
 from fedhop.common.methods import Method
+from fedhop.common.pipeline import reduced_chain
 from fedhop.common.topology import edge_index
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.groups import Group, GroupFailed, Member, worlds
-from fedhop.common.validation import validate_reply
 from fedhop.common.wire.message import Payload
 from fedhop.server.driver import DriverContext, RunFailed
 from fedhop.server.sampled import DataPlane
@@ -49,6 +49,7 @@ class _GroupPlane(DataPlane):
 
     per_client = False
     what = ""   # the members, in the reduced partial's name
+    reduce_method = Method.TORCH_REDUCE   # the method whose members' partials are reduced
 
     def __init__(self, ctx: DriverContext, group: Group, timeout: float, prefix_failures: bool) -> None:
         super().__init__(ctx)
@@ -71,8 +72,8 @@ class _GroupPlane(DataPlane):
         if result.partial is None:
             return {}, failures
         try:
-            validate_reply(result.partial, ctx.algorithm.reply_spec(ctx.state),
-                           f"round {round} reduced partial of the {self.what}")
+            reduced_chain(ctx.algorithm.reply_spec(ctx.state), self.reduce_method, round=round)(
+                result.partial, f"round {round} reduced partial of the {self.what}")
         except PayloadError as exc:
             raise CollectiveFailed(str(exc)) from None
         return {0: result.partial}, failures
@@ -94,6 +95,7 @@ class HierGroupRounds(_GroupPlane):
     """Hierarchical (HierFAVG): the group of the edges; each edge runs its cluster rounds."""
 
     what = "edges"
+    reduce_method = Method.TORCH_EDGE_REDUCE
 
     def __init__(self, ctx: DriverContext) -> None:
         compress = getattr(ctx.cfg.algorithm, "compress", "none")

@@ -28,7 +28,7 @@ from fedhop.common.methods import Method
 from fedhop.common.rng import numpy_stream
 from fedhop.common.topology import topology_params
 from fedhop.common.transport.base import CallFailed, RemoteError
-from fedhop.common.transport.fabric import ReplyPipeline
+from fedhop.common.transport.fabric import reply_chain
 from fedhop.common.wire.message import Payload
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
 
@@ -68,8 +68,8 @@ class RelayDriver(TopologyDriver):
                     raise CallFailed("UNAVAILABLE", f"client {cid} is not registered")
                 reply = coord.fabric.call(node.address, client_node(cid), Method.TRAIN, algo.broadcast(coord.state, round),
                                             round=round, step=hop, timeout=cfg.run.call_timeout)
-                reply = ReplyPipeline(cfg, algo.reply_spec(coord.state))(reply, f"round {round} hop {hop} reply of "
-                                                                              f"client {cid}")
+                reply = reply_chain(cfg, algo.reply_spec(coord.state), Method.TRAIN, round=round, peer=client_node(cid))(
+                    reply, f"round {round} hop {hop} reply of client {cid}")
             except (CallFailed, RemoteError, PayloadError) as exc:
                 failures[cid] = str(exc)
                 coord.store.add_event("client_failed", node=client_node(cid), detail=f"hop {hop}: {exc}", round=round)

@@ -41,7 +41,7 @@ from fedhop.common.checkpoint import (
     states_from_payload,
     states_to_payload,
 )
-from fedhop.common.transport.base import CallFailed, RemoteError
+from fedhop.common.transport.fabric import Send
 from fedhop.common.validation import rejection_code
 from fedhop.common.wire.message import Payload
 from fedhop.server.driver import driver_class
@@ -100,16 +100,22 @@ class Checkpointer:
 
     def pull_client_states(self, round: int) -> dict[int, dict[str, torch.Tensor]]:
         out: dict[int, dict[str, torch.Tensor]] = {}
-        for node in self._children_hosting():
-            if not node.clients and node.role != "edge":
-                continue
-            try:
-                reply = self.coord.endpoint.call(node.address, node.node_id, STATE_GET, Payload(), round=round,
-                                                 timeout=self.coord.cfg.run.call_timeout)
-                out.update(states_from_payload(reply, allowed=set(node.clients) if node.clients else None))
-            except (CallFailed, RemoteError, ValueError) as exc:   # a dead child: its last saved state stays
+        nodes = [node for node in self._children_hosting() if node.clients or node.role == "edge"]
+        ask = Payload()
+        replies, failures = self.coord.fabric.send_to_all(
+            [Send(node.node_id, node.address, node.node_id, STATE_GET, ask) for node in nodes],
+            round=round, call_timeout=self.coord.cfg.run.call_timeout)
+        for node in nodes:   # merged in node order, as the checkpoint lists them
+            why = failures.get(node.node_id)
+            if why is None:
+                try:
+                    out.update(states_from_payload(replies[node.node_id],
+                                                   allowed=set(node.clients) if node.clients else None))
+                except ValueError as exc:
+                    why = str(exc)
+            if why is not None:   # a dead child: its last saved state stays
                 self.coord.store.add_event("checkpoint_partial", node=node.node_id, round=round,
-                                           detail=f"client state not saved: {exc}")
+                                           detail=f"client state not saved: {why}")
         return out
 
     # -- resume ----------------------------------------------------------------------
@@ -119,17 +125,17 @@ class Checkpointer:
             return
         round = self.restored.round
         states = self.restored.client_states
+        sends = []
         for node in self._children_hosting():
             mine = {c: states[c] for c in node.clients if c in states}
-            if not mine:
-                continue
-            try:
-                self.coord.endpoint.call(node.address, node.node_id, STATE_SET, states_to_payload(mine),
-                                         round=round, timeout=self.coord.cfg.run.call_timeout)
-            except (CallFailed, RemoteError) as exc:
-                self.coord.store.add_event("restore_failed", node=node.node_id, round=round,
-                                           detail=f"client states not restored: {exc}")
-                log.error("resume: client states of %s not restored: %s", node.node_id, exc)
+            if mine:
+                sends.append(Send(node.node_id, node.address, node.node_id, STATE_SET, states_to_payload(mine)))
+        _, failures = self.coord.fabric.send_to_all(sends, round=round, call_timeout=self.coord.cfg.run.call_timeout)
+        for send in sends:   # in node order
+            if send.key in failures:
+                self.coord.store.add_event("restore_failed", node=send.dst, round=round,
+                                           detail=f"client states not restored: {failures[send.key]}")
+                log.error("resume: client states of %s not restored: %s", send.dst, failures[send.key])
 
 
 def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:

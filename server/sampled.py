@@ -13,18 +13,19 @@ round's data plane, chosen by `transport.kind` from the driver's `planes`:
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from typing import Callable, ClassVar
 
 from fedhop.common.control import control_of, failures_of, sampled_clients
 from fedhop.common.methods import Method
 from fedhop.common.streaming import OrderedFold, StreamedResults, reply_budget
 from fedhop.common.topology import edge_index
-from fedhop.common.transport.fabric import ReplyPipeline, Send
+from fedhop.common.transport.fabric import Send, reply_chain
 from fedhop.common.wire.message import Payload
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
 
 
-class DataPlane:
+class DataPlane(ABC):
     """How one round's message reaches the sampled clients and their results come back.
     `per_client`: the results are one reply per client (not partial aggregates)."""
 
@@ -33,10 +34,10 @@ class DataPlane:
     def __init__(self, ctx: DriverContext) -> None:
         self.ctx = ctx
 
+    @abstractmethod
     def dispatch(self, round: int, sampled: list[int], message: Payload,
                  arrivals: dict[int, float]) -> tuple[dict[int, Payload], dict[int, str]]:
         """Results keyed by client id (or by a partial's index), failures by client id."""
-        raise NotImplementedError
 
 
 class ClientFanout(DataPlane):
@@ -48,7 +49,8 @@ class ClientFanout(DataPlane):
         spec, rules = ctx.algorithm.reply_spec(ctx.state), ctx.algorithm.reply_scalars()
         requests = [Send(cid, ctx.client_home[cid].address, client_node(cid), Method.TRAIN,
                          ctx.client_message(message, round, cid),
-                         inbound=ReplyPipeline(ctx.cfg, spec, rules, ctx.limiter.limits([cid])),
+                         inbound=reply_chain(ctx.cfg, spec, Method.TRAIN, rules, ctx.limiter.limits([cid]),
+                                                     round=round, peer=client_node(cid)),
                          who=f"round {round} reply of client {cid}",
                          on_reply=lambda c: arrivals.__setitem__(c, time.perf_counter()))
                     for cid in sampled]
@@ -74,7 +76,8 @@ class EdgeFanout(DataPlane):
         for node_id, cids in sorted(by_edge.items()):
             shared = ctx.group_message(message, round, cids)
             payload = Payload(tensors=shared.tensors, scalars=shared.scalars, control=sampled_clients(cids))
-            check = ReplyPipeline(ctx.cfg, spec, rules, ctx.limiter.limits(cids))   # the edge speaks for its clients
+            check = reply_chain(ctx.cfg, spec, Method.EDGE_ROUND, rules, ctx.limiter.limits(cids),   # the edge speaks for its clients
+                                round=round, peer=node_id)
             requests.append(Send(node_id, ctx.children[node_id].address, node_id, Method.EDGE_ROUND, payload,
                                  inbound=check, who=f"round {round} partial of {node_id}"))
         timeout = ctx.cfg.run.round_timeout * 2

@@ -19,9 +19,11 @@ from collections import Counter
 from fedhop.common.codec import PayloadError
 from fedhop.common.control import control_of, failures_of
 from fedhop.common.methods import Method
-from fedhop.common.pipeline import ModelPipeline
-from fedhop.common.topology import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, edge_node, start_edge
+from fedhop.common.nodeids import client_node, edge_node
+from fedhop.common.pipeline import model_chain
+from fedhop.common.topology import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, start_edge
 from fedhop.common.transport.base import CallFailed, RemoteError
+from fedhop.common.transport.fabric import Send
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
@@ -82,30 +84,32 @@ class SequentialDriver(TopologyDriver):
 
     def _pull_visits(self, round: int) -> list[int | None]:
         """Every edge's visit count c(m), asked with `control.seq_query` (a dead edge: None)."""
+        nodes = {e: self.coord.children.get(edge_node(e)) for e in range(len(self.graph))}
+        query = Payload()
+        replies, _ = self.coord.fabric.send_to_all([Send(e, node.address, node.node_id, Method.SEQ_QUERY, query)
+                                                    for e, node in nodes.items() if node is not None],
+                                                   round=round, call_timeout=self.coord.cfg.run.call_timeout)
         out: list[int | None] = []
-        for e in range(len(self.graph)):
-            node = self.coord.children.get(edge_node(e))
+        for e in nodes:
             try:
-                reply = self.coord.fabric.call(node.address, node.node_id, Method.SEQ_QUERY, Payload(),
-                                                 round=round, timeout=self.coord.cfg.run.call_timeout)
-                out.append(int(reply.scalars["visits"]))
-            except (AttributeError, CallFailed, RemoteError, PayloadError, KeyError, ValueError):
+                out.append(int(replies[e].scalars["visits"]))
+            except (KeyError, ValueError):   # never registered, no answer, or no count in it
                 out.append(None)
         return out
 
     def _restore_visits(self, round: int) -> None:
         """A resumed run: give every (fresh) edge its visit count from the checkpoint."""
+        sends = []
         for e, visits in enumerate(self.visits):
             node = self.coord.children.get(edge_node(e))
-            if node is None or visits is None:
-                continue
-            try:
-                self.coord.fabric.call(node.address, node.node_id, Method.SEQ_RESTORE,
-                                         Payload(scalars={"visits": int(visits)}), round=round,
-                                         timeout=self.coord.cfg.run.call_timeout)
-            except (CallFailed, RemoteError, PayloadError) as exc:
-                self.coord.store.add_event("restore_failed", node=node.node_id, round=round,
-                                           detail=f"visit count not restored: {exc}")
+            if node is not None and visits is not None:
+                sends.append(Send(e, node.address, node.node_id, Method.SEQ_RESTORE,
+                                  Payload(scalars={"visits": int(visits)})))
+        _, failures = self.coord.fabric.send_to_all(sends, round=round, call_timeout=self.coord.cfg.run.call_timeout)
+        for send in sends:   # in edge order, as the calls were listed
+            if send.key in failures:
+                self.coord.store.add_event("restore_failed", node=send.dst, round=round,
+                                           detail=f"visit count not restored: {failures[send.key]}")
 
     def summary(self) -> dict:
         visits = Counter(self.sequence)
@@ -145,8 +149,8 @@ class SequentialDriver(TopologyDriver):
             what = "final model" if last else f"round {round} model for the checkpoint"
             try:
                 spec = {k: (v.dtype, tuple(v.shape)) for k, v in coord.state.params.items()}
-                model = ModelPipeline(spec)(self.path.final_model(node, round, reply, spec),
-                                            f"the {what} from {node.node_id}")
+                model = model_chain(spec, Method.SEQ_ROUND)(self.path.final_model(node, round, reply, spec),
+                                                            f"the {what} from {node.node_id}", round, node.node_id)
             except PayloadError as exc:
                 raise RunFailed(str(exc)) from None
             coord.state.params = {k: v.clone() for k, v in model.items()}
@@ -156,7 +160,7 @@ class SequentialDriver(TopologyDriver):
         cluster = self.clusters[holder]
         failures = failures_of(reply)
         for cid, why in sorted(failures.items()):
-            coord.store.add_event("client_failed", node=f"client-{cid}", detail=f"at {node.node_id}: {why}", round=round)
+            coord.store.add_event("client_failed", node=client_node(cid), detail=f"at {node.node_id}: {why}", round=round)
         nxt = int(reply.scalars.get("next_edge", -1))
         control = control_of(reply)
         for skip in control.skipped:
@@ -182,7 +186,7 @@ class SequentialDriver(TopologyDriver):
         return result
 
 
-class GrpcModelPath:
+class ServerInlineModelPath:
     """The model inside the gRPC calls (transport.kind = "grpc", and the in-memory test
     transport): a resumed run's model rides in the first `seq_round` message, the final (or
     checkpoint) model in the holder's reply."""
@@ -199,4 +203,4 @@ class GrpcModelPath:
 
 
 #: transport.kind -> how Fed-CHS's model reaches the server and leaves it (edge/sequential.py has the edges' side)
-MODEL_PATHS = {"grpc": GrpcModelPath, "inmemory": GrpcModelPath, "torch": GroupSequentialPath}
+MODEL_PATHS = {"grpc": ServerInlineModelPath, "inmemory": ServerInlineModelPath, "torch": GroupSequentialPath}

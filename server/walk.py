@@ -21,7 +21,7 @@ from collections import Counter
 
 from fedhop.common.codec import PayloadError
 from fedhop.common.methods import Method
-from fedhop.common.pipeline import ModelPipeline
+from fedhop.common.pipeline import model_chain
 from fedhop.common.topology import SEQ_METRIC_PREFIX, topology_params
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.walk import WalkRule, start_client
@@ -148,7 +148,8 @@ class WalkDriver(TopologyDriver):
         params = self.ctx.state.params
         spec = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
         try:
-            model = ModelPipeline(spec)(reply, f"round {round} model from client {holder}")
+            model = model_chain(spec, Method.WALK_VISIT)(reply, f"round {round} model from client {holder}", round,
+                                                       client_node(holder))
         except PayloadError as exc:
             raise RunFailed(str(exc)) from None
         self.ctx.state.params = {k: v.clone() for k, v in model.items()}

@@ -32,8 +32,9 @@ SIZES = [3, 5, 7, 9]
 ROUNDS, STEPS, LR = 2, 2, 0.1
 RUN = "run-under-test"
 
-CLIENT_METHODS = {"train", "ping", "shutdown", "state_get", "state_set", "torch_init", "torch_round", "torch_reduce",
-                  "walk_visit", "walk_handoff", "gossip_step", "gossip_send", "gossip_share", "gossip_mix"}
+CLIENT_METHODS = {"train", "ping", "shutdown", "state_get", "state_set", "torch_init", "torch_round", "torch_reduce"}
+WALK_METHODS = {"walk_visit", "walk_handoff"}                                  # only in a chain run
+GOSSIP_METHODS = {"gossip_step", "gossip_send", "gossip_share", "gossip_mix"}  # only in a gossip run
 PEER_METHODS = ("walk_handoff", "gossip_share")   # client process to client process
 EDGE_METHODS = {"edge_round", "shutdown", "state_get", "state_set", "torch_procs", "torch_init", "torch_edge_round",
                 "torch_edge_reduce"}
@@ -41,8 +42,9 @@ SEQ_METHODS = {"seq_round", "seq_handoff", "seq_final", "control.seq_query", "co
 CALLERS = ["server", "edge-0", "edge-1", "edge-2", "edge-3", "client-proc1", "client-7"]
 
 
-def _client(parent: str) -> ClientHost:
-    cfg = parse_config(quadratic_config(CENTERS, CURV, SIZES, rounds=ROUNDS, local_steps=STEPS, lr=LR))
+def _client(parent: str, kind: str = "star") -> ClientHost:
+    cfg = parse_config(quadratic_config(CENTERS, CURV, SIZES, rounds=ROUNDS, local_steps=STEPS, lr=LR,
+                                        topology=f'kind = "{kind}"'))
     return ClientHost(cfg, "client-proc0", [0, 1], RUN, Ledger(), parent=parent)
 
 
@@ -66,6 +68,12 @@ ROLES = {
     "client of edge-1": (lambda: _client("edge-1"), CLIENT_METHODS,
                          lambda m, c: (c == "edge-1" and m not in PEER_METHODS) or m == "ping"
                          or (m in PEER_METHODS and c.startswith("client-"))),
+    "client of the server, chain": (lambda: _client("server", "chain"), CLIENT_METHODS | WALK_METHODS,
+                                    lambda m, c: (c == "server" and m not in PEER_METHODS) or m == "ping"
+                                    or (m in PEER_METHODS and c.startswith("client-"))),
+    "client of the server, gossip": (lambda: _client("server", "gossip"), CLIENT_METHODS | GOSSIP_METHODS,
+                                     lambda m, c: (c == "server" and m not in PEER_METHODS) or m == "ping"
+                                     or (m in PEER_METHODS and c.startswith("client-"))),
     "edge, hierarchical": (lambda: _edge(False), EDGE_METHODS, lambda m, c: c == "server"),
     "edge-2, sequential": (lambda: _edge(True), EDGE_METHODS | SEQ_METHODS,
                            lambda m, c: (c == "server" and m != "seq_handoff")

@@ -7,7 +7,8 @@
 - robust rules (median, Krum) and algorithms with their own `aggregate` collect every reply;
 - real processes: a gRPC run whose rounds were folded equals the engine's collecting run bit for bit;
 - memory (FEDHOP_SLOW): 50 MB x 2 and x 8 clients on 2 client processes; the server's peak RSS
-  growth over its round differs by less than 5 models (collecting: 6 more decoded replies).
+  growth over its round differs by less than 5 models (collecting: 6 more decoded replies), and
+  is under 8.5 models at 8 clients.
 """
 from __future__ import annotations
 
@@ -331,5 +332,7 @@ def test_server_memory_does_not_grow_with_clients(tmp_path, monkeypatch):
     two, eight = memory_run(tmp_path, 50, 2), memory_run(tmp_path, 50, 8)
     print(f"server RSS growth over the round: {two:.2f} models at 2 clients, {eight:.2f} at 8")
     # collecting holds 6 more decoded replies at 8 clients than at 2, besides what gRPC buffers;
-    # measured here: 4.3 -> 6.8 and 5.3 -> 9.0 models
+    # measured here: 4.3 -> 6.8 and 5.3 -> 9.0 models with a model-sized temporary per fold and a
+    # copy of the state for the rollback, 3.8 -> 6.7 without them (tests/test_streaming_memory.py)
     assert eight - two < 5
+    assert eight < 8.5

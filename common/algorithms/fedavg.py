@@ -7,10 +7,15 @@ With eta_g = 1 this is the sample-weighted model average of the original paper.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Iterator
+
+import torch
 
 from fedhop.common.algorithms.base import Algorithm, AlgorithmParams, ClientContext, Payload, ServerState, weighted_mean
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.wire.message import CHUNK, WEIGHT_KEY, _top, tensor_finite
 
 
 @dataclass
@@ -34,4 +39,53 @@ class FedAvg(Algorithm):
     def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
         for name, w in state.params.items():
             w.add_(weighted_mean(aggregate, name), alpha=self.cfg.server_lr)
+
+    def server_update_checked(self, state: ServerState, aggregate: Payload, round: int) -> str | None:
+        """`server_update`, made only where every new parameter is finite; otherwise the state is
+        left as it was and the reason returned (common/validation.py `finite_streamed`: no copy of
+        the state to roll back to).  Where max |w| + eta_g max |sum_i p_i Delta_i| stays below the
+        dtype's largest value no element can overflow; near it every new element is computed
+        piece by piece and checked before any is written.  With eta_g = 1 the step is made piece
+        by piece too, through a small scratch buffer instead of a model-sized weighted mean: the
+        same two elementwise operations, the same bits."""
+        lr, total = self.cfg.server_lr, float(aggregate.scalars[WEIGHT_KEY])
+        for name, w in state.params.items():
+            if not w.is_floating_point():
+                continue
+            agg = aggregate.tensors[name]
+            limit = torch.finfo(w.dtype).max
+            reach = ((_top(w) + abs(lr) * _top(agg) / abs(total)) * (1 + 8 * torch.finfo(w.dtype).eps)
+                     if total else math.inf)
+            if reach <= limit:
+                continue
+            for w_piece, a_piece, scratch in _pieces(w, agg):
+                torch.div(a_piece, total, out=scratch)
+                if not tensor_finite(torch.add(w_piece, scratch, alpha=lr, out=scratch)):
+                    return f"the new model's tensor '{name}' holds NaN or Inf"
+        for name, w in state.params.items():
+            agg = aggregate.tensors[name]
+            if lr != 1.0 or not _piecewise(w, agg):
+                w.add_(weighted_mean(aggregate, name), alpha=lr)
+                continue
+            for w_piece, a_piece, scratch in _pieces(w, agg):   # w += eta_g (sum_i p_i Delta_i) / W
+                w_piece.add_(torch.div(a_piece, total, out=scratch), alpha=lr)
+        return None
+
+
+def _piecewise(w: torch.Tensor, agg: torch.Tensor) -> bool:
+    return (w.numel() > CHUNK and w.shape == agg.shape and w.dtype == agg.dtype and w.device.type == "cpu"
+            and agg.device.type == "cpu" and w.is_contiguous() and agg.is_contiguous())
+
+
+def _pieces(w: torch.Tensor, agg: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(w piece, aggregate piece, scratch piece) over CHUNK-element pieces (whole, for a small or
+    non-contiguous tensor: the scratch is then its size)."""
+    if not _piecewise(w, agg):
+        yield w, agg, torch.empty_like(w)
+        return
+    a, b = w.view(-1), agg.reshape(-1)
+    scratch = torch.empty(CHUNK, dtype=w.dtype)
+    for s in range(0, a.numel(), CHUNK):
+        e = min(s + CHUNK, a.numel())
+        yield a[s:e], b[s:e], scratch[:e - s]
 REGISTER = [FedAvg]

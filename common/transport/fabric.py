@@ -15,8 +15,8 @@ hand: it says what goes where and gets back results and failures.
 - `call`: one request, one reply (control calls, a hand-off to a peer); failures raise.
 - `submit`: a call in the background (a control call that must overlap a collective).
 
-The payload pipeline (common/pipeline.py) lives at this seam: a request's `inbound` processor
-(`ReplyPipeline`: upload decompression, then the algorithm's reply spec) runs on its reply
+The processor chain (common/pipeline.py) lives at this seam: a request's `inbound` chain
+(`reply_chain`: upload decompression, the algorithm's reply spec, the user's processors) runs on its reply
 before the caller sees it.  The ledger is recorded by the endpoint underneath, for every message.
 
 The transport underneath is the endpoint's (gRPC, or in memory for unit tests).  Group
@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, TypeVar
 
 from fedhop.common.codec import Encoded, PayloadError
-from fedhop.common.pipeline import ReplyPipeline, upload
+from fedhop.common.pipeline import reply_chain, upload
 from fedhop.common.transport.base import Batched, CallFailed, Endpoint, HandlerError, RemoteError, ReplyBound
 from fedhop.common.wire.message import Payload
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhop.common.streaming import OrderedFold
 
-__all__ = ["Fabric", "Send", "gather", "ReplyPipeline", "upload", "CALL_ERRORS"]
+__all__ = ["Fabric", "Send", "gather", "reply_chain", "upload", "CALL_ERRORS"]
 # what makes a request fail without failing the caller: every typed outcome of a call
 CALL_ERRORS = (CallFailed, RemoteError, PayloadError, HandlerError)
 K = TypeVar("K", bound=Hashable)   # a fan-out's request keys (`gather`)
@@ -57,13 +57,15 @@ class Send:
     method: str
     message: Payload = field(default_factory=Payload)
     step: int = 0
-    inbound: Callable[[Payload, str], Payload] | None = None   # a ReplyPipeline also bounds the reply's size
+    inbound: Callable[[Payload, str], Payload] | None = None   # a reply_chain also bounds the reply's size
     who: str = ""
     on_reply: Callable[[Hashable], None] | None = None   # e.g. the arrival time of a reply
 
 
 class Fabric:
     """A role's sending side over its endpoint."""
+
+    closed = False   # set by `close`: no more calls on the workers
 
     def __init__(self, endpoint: Endpoint, max_workers: int = 64, batch: bool = False) -> None:
         self.endpoint = endpoint
@@ -112,6 +114,25 @@ class Fabric:
         _, failures = gather(calls, timeout, reason)
         fold.close()   # the deadline: what did not come is skipped, a later reply refused
         return fold.outcome(failures, reason)
+
+    def send_to_all(self, requests: list[Send], *, round: int, call_timeout: float
+                    ) -> tuple[dict[Hashable, Payload], dict[Hashable, str]]:
+        """`send_and_receive` for a control fan-out (a shut-down, a query, a state pull): each call
+        has its own deadline `call_timeout` and the wait covers the one-by-one worst case, so every
+        request is sent (none is left queued at a deadline) and each failure is its call's own error.
+        On a closed fabric (a second shut-down racing the first) the calls go one by one from this thread."""
+        if not self.closed:
+            return self.send_and_receive(requests, round=round, timeout=call_timeout * max(1, len(requests)),
+                                         call_timeout=call_timeout)
+        results: dict[Hashable, Payload] = {}
+        failures: dict[Hashable, str] = {}
+        for req in requests:
+            try:
+                results[req.key] = self.call(req.address, req.dst, req.method, req.message, round=round,
+                                             step=req.step, timeout=call_timeout)
+            except CALL_ERRORS as exc:
+                failures[req.key] = str(exc)
+        return results, failures
 
     def _batches(self, requests: list[Send], encoded: dict[int, tuple[Payload, Encoded]]) -> list[list[Send]]:
         """The requests grouped by process address, in order, each group at most one chunk of
@@ -164,7 +185,7 @@ class Fabric:
 
     def _exchange(self, req: Send, round: int, call_timeout: float, prepared: Encoded,
                   fold: "OrderedFold | None" = None) -> Payload:
-        bound = getattr(req.inbound, "bound", None)   # what the reply may declare (ReplyPipeline)
+        bound = getattr(req.inbound, "bound", None)   # what the reply may declare (reply_chain)
         if fold is not None and bound is not None and bound.data_bytes > self.endpoint.chunk_bytes:
             bound = GatedBound(bound.data_bytes, bound.header_bytes, fold)   # large replies a few at a time (OrderedFold.admit)
         try:
@@ -181,6 +202,7 @@ class Fabric:
         return reply if fold is None else _folded(fold, req.key, reply)
 
     def close(self) -> None:
+        self.closed = True
         self._workers.shutdown(wait=False, cancel_futures=True)
 
 

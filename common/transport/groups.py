@@ -28,7 +28,7 @@ is a failure of that client, never of the round.
 """
 from __future__ import annotations
 
-import importlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -36,6 +36,7 @@ from fedhop.common.control import control_of, failures_control, failures_of
 from fedhop.common.methods import Method
 from fedhop.common.transport.base import HandlerError
 from fedhop.common.transport.fabric import Fabric, Send
+from fedhop.common.transport.factory import worlds_of
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload, reduce_payloads
 
@@ -94,7 +95,7 @@ CLUSTER = GroupMethods(Method.TORCH_ROUND, Method.TORCH_REDUCE, "client processe
 EDGES = GroupMethods(Method.TORCH_EDGE_ROUND, Method.TORCH_EDGE_REDUCE, "edges", stepped=False)
 
 
-class Group:
+class Group(ABC):
     """The root's side of a group (module docstring)."""
 
     def __init__(self, fabric: Fabric, members: list[Member], methods: GroupMethods) -> None:
@@ -107,24 +108,27 @@ class Group:
         return Payload(tensors=message.tensors if tensors else {}, scalars=scalars,
                        control=pb.Control(clients=clients))
 
+    @abstractmethod
     def round(self, round: int, message: Payload, clients: Mapping[str, list[int]], *, ops: Mapping[str, str],
               timeout: float, reduce_timeout: float, where: str, step: int = 0) -> GroupResult:
         """Send `message` to every member (`clients`: member node id -> its clients in the round)
         and return the members' partials reduced with `ops`; raises GroupFailed."""
-        raise NotImplementedError
 
 
-class GroupMember:
+class GroupMember(ABC):
     """A member's side of a group (module docstring)."""
 
+    @abstractmethod
     def receive(self, round: int, payload: Payload) -> Incoming:
-        raise NotImplementedError
+        """The round's message as this member's handler got it: the payload, its clients, its step."""
 
+    @abstractmethod
     def answer(self, partial: Payload | None, failures: Mapping[int, str], ops: Mapping[str, str]) -> Payload:
-        raise NotImplementedError
+        """The reply to the round's call: this member's partial (or what the transport sends instead) and failures."""
 
+    @abstractmethod
     def contribute(self, round: int, payload: Payload) -> Payload:
-        raise NotImplementedError
+        """The reduce's call, where the transport has one (a fan-out's partials ride in the replies)."""
 
 
 # ----------------------------------------------------------------------------- over fabric calls
@@ -166,23 +170,25 @@ class FanoutMember(GroupMember):
 
 
 # ----------------------------------------------------------------------------- worlds by transport
-class Worlds:
+class Worlds(ABC):
     """How a transport sets up groups: the server's star world (a group of the client
     processes) and edges' world (`top`: a group of the edges; `peers`: point-to-point sends),
-    and each member's side of them, joined on its `torch_init`-style set-up call."""
+    and each member's side of them, joined on its `torch_init`-style set-up call.  Every
+    transport has a star world; an edges' world only one whose tensors move outside the calls
+    (the others refuse it: their hierarchical rounds are fan-outs of calls)."""
 
-    def star(self, fabric: Fabric, procs: list[Member], transport, ledger, run_id: str) -> Group:
-        raise NotImplementedError
+    @abstractmethod
+    def star(self, fabric: Fabric, procs: list[Member], transport, ledger, run_id: str) -> Group: ...
+
+    @abstractmethod
+    def member(self, node_id: str, payload: Payload, ledger, run_id: str) -> GroupMember: ...
 
     def edges(self, fabric: Fabric, edges: list[Member], transport, ledger, run_id: str):
-        raise NotImplementedError
-
-    def member(self, node_id: str, payload: Payload, ledger, run_id: str) -> GroupMember:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no edges' world")
 
     def edge_member(self, fabric: Fabric, node_id: str, payload: Payload, processes: Mapping[str, str], ledger,
                     run_id: str):
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no edges' world")
 
 
 class FanoutWorlds(Worlds):
@@ -195,19 +201,13 @@ class FanoutWorlds(Worlds):
         return FanoutMember()
 
 
-# transport.kind -> its Worlds ("module:attribute" is imported on first use: torch only where it runs)
-WORLDS: dict[str, Worlds | str] = {"grpc": FanoutWorlds(), "inmemory": FanoutWorlds(),
-                                   "torch": "fedhop.common.transport.torch_groups:TORCH_WORLDS"}
+FANOUT_WORLDS = FanoutWorlds()
 
 
 def worlds(kind: str) -> Worlds:
-    """The group set-up of transport `kind` (WORLDS)."""
-    entry = WORLDS[kind]
-    if isinstance(entry, str):
-        module, attr = entry.split(":")
-        entry = WORLDS[kind] = getattr(importlib.import_module(module), attr)
-    return entry
+    """The group set-up of transport `kind` (its entry in common/transport/factory.py `TRANSPORTS`)."""
+    return worlds_of(kind)
 
 
-__all__ = ["worlds", "Worlds", "WORLDS", "CLIENT_PROCESSES", "CLUSTER", "EDGES", "STEP_KEY", "GroupFailed", "Member", "GroupResult", "Incoming", "GroupMethods", "Group", "GroupMember",
+__all__ = ["worlds", "Worlds", "FANOUT_WORLDS", "CLIENT_PROCESSES", "CLUSTER", "EDGES", "STEP_KEY", "GroupFailed", "Member", "GroupResult", "Incoming", "GroupMethods", "Group", "GroupMember",
            "FanoutGroup", "FanoutMember"]

@@ -77,3 +77,13 @@ class InMemoryEndpoint(Endpoint):
         if self.address:
             self.network.detach(self.address)
             self.address = ""
+
+
+def network_endpoint(node_id: str, ledger: Ledger, *, network: InMemoryNetwork | None = None,
+                     **options) -> InMemoryEndpoint:
+    """The registry's builder (common/transport/factory.py): an endpoint on `network`, which every
+    endpoint of the run shares; without one there is nothing to reach (a process run uses grpc or torch)."""
+    if network is None:
+        raise ValueError("transport.kind = 'inmemory' runs a whole experiment in one process "
+                         "(deploy/inmemory.py); a process run uses grpc or torch")
+    return InMemoryEndpoint(network, node_id, ledger, **options)

@@ -60,12 +60,26 @@ class Payload:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+#: elements per piece when a large tensor is folded (`ReplyAccumulator`): 4 MB of float32 scratch
+CHUNK = 1 << 20
+
+
+def _top(t: torch.Tensor) -> float:
+    """max |t| as a Python float (two reductions, no copy of `t`); 0 for an empty tensor."""
+    if not t.numel():
+        return 0.0
+    return max(abs(float(t.max())), abs(float(t.min())))
+
+
 class ReplyAccumulator:
     """The default reduction (`reduce_payloads`) one payload at a time: `add` folds a payload into
     the running sums with exactly the operations `reduce_payloads` applies to it, so adding the
     same payloads in the same order gives the same bits (float sums are not associative: the
     order is the caller's to fix, common/streaming.py folds in id order).  Holds one payload's
-    worth of tensors however many are added."""
+    worth of tensors however many are added, and folds a large tensor in CHUNK-element pieces
+    through a small scratch buffer (`scratch`): the weighted term `t * w` of a large reply never
+    exists whole.  The pieces are the same elementwise operations on the same values, so the
+    bits do not depend on the chunking."""
 
     def __init__(self, ops: Mapping[str, ReduceOp]) -> None:
         self.ops = ops
@@ -73,6 +87,11 @@ class ReplyAccumulator:
         self.total_weight = 0.0
         self.count = 0
         self.added = 0   # payloads folded
+        # name -> an upper bound on max |running sum| (float64, rounding included; inf: unknown)
+        self._bound: dict[str, float] = {}
+        # the largest weighted value the last `add_if_finite` added (common/validation.py `_magnitude`)
+        self.last_magnitude = 0.0
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
 
     def add(self, p: Payload) -> None:
         """Fold `p` in: a `wsum` field adds weight * field, a partial result (it carries
@@ -86,26 +105,36 @@ class ReplyAccumulator:
         self.count += int(p.scalars[COUNT_KEY]) if is_partial else 1
         self.added += 1
         for name, t in p.tensors.items():
-            out.tensors[name] = self._combine(name, t, w, is_partial, in_place=True)
+            out.tensors[name] = self._combine(name, t, w, is_partial)
+            self._bound[name] = math.inf   # not tracked here: a later `add_if_finite` checks every element
         self._fold_scalars(out.scalars, p, w, is_partial)
 
     def add_if_finite(self, p: Payload) -> str | None:
         """`add`, unless `p` would make a running sum NaN or Inf (finite values whose sum
         overflows): then nothing changes and the reason is returned, so the caller leaves `p` out
         and goes on with the others, as `finite_step` leaves out a result that overflows the sum.
-        The new sums are computed beside the running ones and swapped in: the same operations on
-        the same values as `add` (the same bits), for one payload's worth of memory while folding."""
+
+        Without a model-sized copy: a running bound on each sum's largest magnitude (the triangle
+        inequality, widened for rounding) shows, for any sum far from its dtype's largest value,
+        that the addition cannot overflow, and it is made in place.  Otherwise the new sums are
+        computed chunk by chunk into the scratch buffer and checked first, then made in place
+        (the same operations on the same values: the same bits as `add`)."""
         out = self.out
         if WEIGHT_KEY not in p.scalars:
             raise ValueError(f"reply lacks the '{WEIGHT_KEY}' scalar")
         w = float(p.scalars[WEIGHT_KEY])
         is_partial = COUNT_KEY in p.scalars
-        staged: dict[str, torch.Tensor] = {}
+        tops = {name: _top(t) for name, t in p.tensors.items()}
+        self.last_magnitude = max(tops.values(), default=0.0) * (1.0 if is_partial else w)
+        bounds: dict[str, float] = {}
         for name, t in p.tensors.items():
-            new = self._combine(name, t, w, is_partial, in_place=False)
-            if not tensor_finite(new):
-                return f"adding it makes tensor '{name}' of the sum NaN or Inf"
-            staged[name] = new
+            bounds[name] = self._next_bound(name, t, tops[name], w, is_partial)
+            if not t.is_floating_point() or bounds[name] <= torch.finfo(t.dtype).max:
+                continue
+            problem = self._check(name, t, w, is_partial)   # near the dtype's limit: every element
+            if problem is not None:
+                return problem
+            bounds[name] = math.inf
         scalars = dict(out.scalars)
         self._fold_scalars(scalars, p, w, is_partial)
         for name, v in scalars.items():
@@ -113,28 +142,91 @@ class ReplyAccumulator:
                 return f"adding it makes scalar '{name}' of the sum {v}"
         if not math.isfinite(self.total_weight + w):
             return "adding it makes the summed weight Inf"
-        out.tensors.update(staged)
+        for name, t in p.tensors.items():
+            out.tensors[name] = self._combine(name, t, w, is_partial)
+        self._bound.update(bounds)
         out.scalars = scalars
         self.total_weight += w
         self.count += int(p.scalars[COUNT_KEY]) if is_partial else 1
         self.added += 1
         return None
 
-    def _combine(self, name: str, t: torch.Tensor, w: float, is_partial: bool, in_place: bool) -> torch.Tensor:
-        """The running field `name` with `t` combined in (weighted by `w` for a `wsum` field of a
-        client result): into the running tensor (`in_place`) or into a new one beside it."""
+    # ------------------------------------------------------------------ the tensor arithmetic
+    def _weighted(self, name: str, is_partial: bool) -> bool:
+        return self.ops.get(name, "wsum") == "wsum" and not is_partial
+
+    def _next_bound(self, name: str, t: torch.Tensor, top: float, w: float, is_partial: bool) -> float:
+        """An upper bound on max |sum| after adding `t` (float64; inf where none is known).  `top`
+        is max |t|; fl(x) <= |x| (1 + eps) for each of the (at most two) roundings, widened to 4 eps."""
+        if not t.is_floating_point() or not math.isfinite(top):
+            return math.inf
         op = self.ops.get(name, "wsum")
-        term = t if (op != "wsum" or is_partial) else t * w
+        term = top * abs(w) if self._weighted(name, is_partial) else top
+        prev = self._bound.get(name, 0.0) if name in self.out.tensors else 0.0
+        grow = 1.0 + 4 * torch.finfo(t.dtype).eps
+        if op in ("max", "min"):
+            return max(prev, term) * grow
+        return (prev + term * grow) * grow
+
+    def _term(self, name: str, t: torch.Tensor, w: float, is_partial: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        """What `t` adds to the running field: weight * t for a `wsum` field of a client result."""
+        if not self._weighted(name, is_partial):
+            return t if out is None else out.copy_(t)
+        return t * w if out is None else torch.mul(t, w, out=out)
+
+    def _op(self, name: str, acc: torch.Tensor, term: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """acc (+, max, min) term into `out` (which may be `acc`: in place)."""
+        op = self.ops.get(name, "wsum")
+        if op in ("wsum", "sum"):
+            return torch.add(acc, term, out=out)
+        if op == "max":
+            return torch.maximum(acc, term, out=out)
+        if op == "min":
+            return torch.minimum(acc, term, out=out)
+        raise ValueError(f"unknown reduce op {op!r} for {name!r}")  # pragma: no cover - guarded by ReduceOp
+
+    def _pieces(self, acc: torch.Tensor, t: torch.Tensor):
+        """(acc piece, t piece, scratch piece) over CHUNK-element pieces of the flat tensors."""
+        a, b = acc.view(-1), t.reshape(-1)
+        scratch = self._scratch.get(t.dtype)
+        if scratch is None:
+            scratch = self._scratch[t.dtype] = torch.empty(CHUNK, dtype=t.dtype)
+        for s in range(0, a.numel(), CHUNK):
+            e = min(s + CHUNK, a.numel())
+            yield a[s:e], b[s:e], scratch[:e - s]
+
+    def _chunked(self, acc: torch.Tensor | None, t: torch.Tensor) -> bool:
+        return (acc is not None and t.numel() > CHUNK and acc.shape == t.shape and acc.dtype == t.dtype
+                and acc.device.type == "cpu" and t.device.type == "cpu" and acc.is_contiguous() and t.is_contiguous())
+
+    def _combine(self, name: str, t: torch.Tensor, w: float, is_partial: bool) -> torch.Tensor:
+        """The running field `name` with `t` combined in (weighted by `w` for a `wsum` field of a
+        client result), in place; a large field piece by piece through the scratch buffer."""
         acc = self.out.tensors.get(name)
         if acc is None:
+            term = self._term(name, t, w, is_partial)
             return term.clone() if term is t else term
-        if op in ("wsum", "sum"):
-            return acc.add_(term) if in_place else acc + term
-        if op == "max":
-            return torch.maximum(acc, term, out=acc) if in_place else torch.maximum(acc, term)
-        if op == "min":
-            return torch.minimum(acc, term, out=acc) if in_place else torch.minimum(acc, term)
-        raise ValueError(f"unknown reduce op {op!r} for {name!r}")  # pragma: no cover - guarded by ReduceOp
+        if not self._chunked(acc, t):
+            return self._op(name, acc, self._term(name, t, w, is_partial), out=acc)
+        weighted = self._weighted(name, is_partial)
+        for a, b, s in self._pieces(acc, t):
+            self._op(name, a, torch.mul(b, w, out=s) if weighted else b, out=a)
+        return acc
+
+    def _check(self, name: str, t: torch.Tensor, w: float, is_partial: bool) -> str | None:
+        """Whether combining `t` into field `name` keeps it finite, computed (not kept) piece by piece."""
+        problem = f"adding it makes tensor '{name}' of the sum NaN or Inf"
+        acc = self.out.tensors.get(name)
+        if acc is None:
+            return None if tensor_finite(self._term(name, t, w, is_partial)) else problem
+        if not self._chunked(acc, t):
+            term = self._term(name, t, w, is_partial)
+            return None if tensor_finite(self._op(name, acc, term, out=torch.empty_like(acc))) else problem
+        for a, b, s in self._pieces(acc, t):
+            self._op(name, a, self._term(name, b, w, is_partial, out=s), out=s)
+            if not tensor_finite(s):
+                return problem
+        return None
 
     def _fold_scalars(self, target: dict[str, Scalar], p: Payload, w: float, is_partial: bool) -> None:
         """Fold `p`'s scalars into `target` (the running scalars, or a copy of them)."""
@@ -195,6 +287,9 @@ def tensor_finite(t: torch.Tensor) -> bool:
     pass here; docs/performance.md)."""
     if not t.is_floating_point():
         return True
+    if t.numel() > CHUNK and t.is_contiguous():   # piece by piece: no mask the size of a large tensor
+        flat = t.detach().view(-1)
+        return all(tensor_finite(flat[s:s + CHUNK]) for s in range(0, flat.numel(), CHUNK))
     if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS:
         try:
             return bool(np.isfinite(t.detach().numpy()).all())

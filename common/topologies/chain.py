@@ -1,0 +1,59 @@
+"""The chain topology (WRWGD): one model walks a graph of clients, handed client to client
+(common/walk.py, server/walk.py, client/walk.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedhop.common.topologies.spec import TopologySpec
+
+# algorithms whose client reply is a model update Delta the WRWGD walk can apply (common/walk.py)
+WALK_ALGORITHMS = ("fedavg", "fedprox")
+
+
+@dataclass
+class ChainParams:
+    """WRWGD: one model walks a graph of clients, handed client to client (common/walk.py).
+
+    `graph`: "random" (seeded, connected, degrees <= `max_degree`), "ring", "complete", or
+    adjacency lists.  `stationary`: the walk's law pi ("data", "uniform" or per-client weights
+    such as smoothness constants L_i).  `objective`: the weights p of F = sum p_i f_i
+    ("uniform", the paper's 1/N, or "data").  `start`: the first client, an id or "random".
+    `hops_per_round`: visits per round; each runs `algorithm.local_steps` local steps.
+
+    `max_degree`: the largest degree of graph = "random"
+    """
+
+    graph: str | list = "random"
+    max_degree: int = field(default=3, metadata={"min": 1})
+    stationary: str | list = "data"
+    objective: str | list = "uniform"
+    start: int | str = "random"
+    hops_per_round: int = field(default=10, metadata={"min": 1})
+
+
+def grpc_walk(cfg: Any) -> None:
+    """A walk hands the model over in per-client calls: no torch collective runs it."""
+    if cfg.transport.kind == "torch":
+        raise ValueError(f"transport.kind: 'torch' does not run topology.kind = '{cfg.topology.kind}' (the walk's "
+                         "per-client model exchange is a gRPC call); use transport.kind = 'grpc'")
+
+
+def check(cfg: Any) -> None:
+    grpc_walk(cfg)
+    if cfg.algorithm.name not in WALK_ALGORITHMS:
+        raise ValueError(f"algorithm.name: got '{cfg.algorithm.name}', but topology.kind = 'chain' (WRWGD) steps the "
+                         f"walking model by the visited client's local update (allowed: {', '.join(WALK_ALGORITHMS)})")
+    from fedhop.common.walk import WalkRule  # local: the walk's rule reads the validated topology params
+    WalkRule.from_config(cfg, [1] * cfg.clients.count)   # the graph and the weights' lengths
+
+
+SPEC = TopologySpec(
+    name="chain",
+    params=ChainParams,
+    check=check,
+    driver="fedhop.server.walk:WalkDriver",
+    client_handlers=("fedhop.client.host:walk_handlers",),
+    peer_link="client-client",
+    peer_note="hops between clients",
+)

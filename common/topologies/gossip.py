@@ -1,0 +1,38 @@
+"""The gossip topology (D-PSGD, Lian et al. 2017): clients on a graph mix their models with their
+neighbours' every round (common/gossip.py, server/gossip.py, client/gossip.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedhop.common.topologies.spec import TopologySpec
+
+
+@dataclass
+class GossipParams:
+    """D-PSGD gossip learning: clients on a graph mix their models with their neighbours'
+    (Metropolis-Hastings weights) every round (common/gossip.py).
+
+    `gossip_edges`: the graph's undirected edges [[0, 1], [1, 2], ...] between client ids.
+    `gossip_degree`: d > 0 instead: a random d-regular graph from the stream
+    "topology/gossip_graph" of run.seed.  Neither: the ring 0-1-...-(n-1)-0.
+    """
+
+    gossip_edges: list = field(default_factory=list)
+    gossip_degree: int = field(default=0, metadata={"min": 0})
+
+
+def check(cfg: Any) -> None:
+    from fedhop.common.gossip import check_config  # local: the gossip rule reads the validated params
+    check_config(cfg)
+
+
+SPEC = TopologySpec(
+    name="gossip",
+    params=GossipParams,
+    check=check,
+    driver="fedhop.server.gossip:GossipDriver",
+    client_handlers=("fedhop.client.host:gossip_handlers",),
+    peer_link="client-client",
+    peer_note="models to graph neighbours",
+)

@@ -1,0 +1,51 @@
+"""The hierarchical topology (HierFAVG, Liu et al. 2020): edges between the server and their
+clusters of clients (server/sampled.py `HierarchicalDriver`, edge/aggregator.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedhop.common.topologies.spec import TopologySpec
+
+
+@dataclass
+class HierarchicalParams:
+    """HierFAVG (Liu et al. 2020): clients run kappa1 = `algorithm.local_steps` steps between
+    edge aggregations; the server aggregates every `kappa2` edge aggregations.
+
+    `kappa2`: edge aggregations per server aggregation (one round)
+    """
+
+    kappa2: int = field(default=1, metadata={"min": 1})
+    # 0: every edge takes part. k > 0: each round k edges are drawn (`round_edges`) and the
+    # round's clients are sampled among theirs (partial participation of edge servers)
+    edges_per_round: int = field(default=0, metadata={"min": 0})
+
+
+def check(cfg: Any) -> None:
+    """edges_per_round within the run's edges; kappa2 > 1 only for an algorithm with an edge step."""
+    from fedhop.common.config import registered_algorithm  # local: the config loader imports the specs
+    from fedhop.common.topology import topology_params
+    params = topology_params(cfg)
+    topo = cfg.topology
+    kappa2 = getattr(params, "kappa2", 1)
+    edges_per_round = getattr(params, "edges_per_round", 0)
+    edges = len(topo.assignment) if isinstance(topo.assignment, list) else topo.edges
+    if edges_per_round > edges:
+        raise ValueError(f"topology.edges_per_round: got {edges_per_round}, but the run has {edges} edges "
+                         f"(0 = every edge)")
+    algorithm = registered_algorithm(cfg.algorithm.name)
+    if kappa2 > 1 and algorithm is not None and not algorithm.edge_iterations:
+        raise ValueError(f"topology.kappa2: got {kappa2}, but algorithm '{cfg.algorithm.name}' defines no edge step "
+                         f"between server rounds; use kappa2 = 1")
+
+
+SPEC = TopologySpec(
+    name="hierarchical",
+    params=HierarchicalParams,
+    check=check,
+    driver="fedhop.server.sampled:HierarchicalDriver",
+    plan="fedhop.common.plan:edge_plan",
+    edges=True,
+    robust="edge",
+)

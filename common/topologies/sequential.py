@@ -1,0 +1,41 @@
+"""The sequential topology (Fed-CHS, Yan et al., Algorithm 1; docs/topologies.md): edges on a
+graph pass one model (server/sequential.py, edge/sequential.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fedhop.common.topologies.spec import TopologySpec
+
+
+@dataclass
+class SequentialParams:
+    """Fed-CHS (Yan et al., Algorithm 1; docs/topologies.md): edges on a graph pass one model.
+
+    `graph`: "ring", "random" (a seeded connected graph with degrees <= `max_degree`, stream
+    "topology/graph"), or explicit adjacency lists [[1, 4], [0, 2], ...] (undirected).
+    `start`: the first edge m(0), an id or "random" (uniform, stream "topology/start").
+    `steps_per_round`: K, the edge's aggregations per round.  `count_start`: false = the paper's
+    literal pseudocode (c(m(0)) stays 0 until the walk returns), true = the start edge counts
+    its first visit.
+
+    `max_degree`: the largest degree of graph = "random"
+    """
+
+    graph: str | list = "ring"
+    max_degree: int = field(default=3, metadata={"min": 1})
+    start: int | str = "random"
+    steps_per_round: int = field(default=20, metadata={"min": 1})
+    count_start: bool = False
+
+
+SPEC = TopologySpec(
+    name="sequential",
+    params=SequentialParams,
+    driver="fedhop.server.sequential:SequentialDriver",
+    plan="fedhop.common.plan:edge_plan",
+    edge_role="fedhop.edge.sequential:SequentialEdge",
+    edges=True,
+    sequential_algorithms=True,
+    peer_link="edge-edge",
+    peer_note="sent to neighbour edges",
+)

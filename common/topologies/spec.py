@@ -1,0 +1,75 @@
+"""`TopologySpec`: everything fedhop knows about one topology kind, in one object.
+
+A topology is a `[topology]` config section whose `kind` names a spec (common/topologies/__init__.py
+`spec_for`).  The spec declares the kind's own config keys (`params`), what the config loader
+refuses for it (`check`), which processes a run starts (`plan`), and the code each role runs for
+it: the server's driver, what an edge adds beside its aggregator, the client handlers.  Role code
+is named by reference, an import path "package.module:attribute" resolved when a role asks for it
+(`resolve`), so common/ imports no role package; a plug-in's spec may hold the objects themselves.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+Ref = Any   # an import path "package.module:attribute", or the object itself (plug-ins)
+
+
+def resolve(ref: Ref) -> Any:
+    """The object an import-path string names (the object itself if `ref` is not a string)."""
+    if not isinstance(ref, str):
+        return ref
+    module, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class TopologySpec:
+    """One topology kind.
+
+    `params`: the dataclass of the kind's own [topology] keys (None: none).  `check(cfg)`: raises
+    ValueError("key: why") for what the kind refuses, after the common checks (the loader turns
+    it into "config key 'key': why").  `plan`: `(cfg, placement) -> ProcessPlan` (common/plan.py).
+    `driver`: the server's `TopologyDriver` subclass.  `edge_role`: a class made as
+    `edge_role(aggregator)` in each edge process beside its aggregator (None: the aggregator
+    alone).  `client_handlers`: functions `(host) -> {method: handler}` whose methods a client
+    process serves beside train, state and ping (client/host.py).
+
+    Data the common code reads instead of branching on the kind: `edges`: the run has edge
+    processes (topology.edges must be 1..clients.count); `robust`: how a robust
+    security.aggregation groups updates ("round": a round's sampled clients, "edge": each
+    edge's clients; None: refused); `engine_rounds`: the in-process RoundEngine can play its
+    rounds (common/rounds.py); `sequential_algorithms`: it runs algorithms whose one model walks
+    the edges (`SequentialAlgorithm`); `peer_link`/`peer_note`: the link between peers the
+    live page draws ("client-client", "edge-edge"; None: none).
+    """
+
+    name: str
+    driver: Ref
+    plan: Ref = "fedhop.common.plan:star_plan"
+    params: type | None = None
+    check: Callable[[Any], None] | None = None
+    edge_role: Ref | None = None
+    client_handlers: tuple[Ref, ...] = ()
+    edges: bool = False
+    robust: Literal["round", "edge"] | None = None
+    engine_rounds: bool = False
+    sequential_algorithms: bool = False
+    peer_link: str | None = None
+    peer_note: str = ""
+
+    def driver_class(self) -> type:
+        return resolve(self.driver)
+
+    def plan_fn(self) -> Callable[..., Any]:
+        return resolve(self.plan)
+
+    def edge_role_class(self) -> type | None:
+        return None if self.edge_role is None else resolve(self.edge_role)
+
+    def handler_fns(self) -> list[Callable[[Any], dict]]:
+        return [resolve(h) for h in self.client_handlers]

@@ -1,0 +1,21 @@
+"""The star topology: every client process under the server, sampled rounds (server/sampled.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedhop.common.topologies.spec import TopologySpec
+
+
+@dataclass
+class StarParams:
+    pass
+
+
+SPEC = TopologySpec(
+    name="star",
+    params=StarParams,
+    driver="fedhop.server.sampled:StarDriver",
+    plan="fedhop.common.plan:star_plan",
+    robust="round",
+    engine_rounds=True,
+)
