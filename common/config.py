@@ -36,6 +36,7 @@ from fedhop.common.config_schema import (
     TransportConfig,
 )
 from fedhop.common.topologies import SPECS, TopologySpec, spec_for
+from fedhop.common.transport.factory import params_of, sums_in_collective
 
 
 class ConfigError(ValueError):
@@ -538,12 +539,12 @@ def _cross_checks(cfg: Config) -> None:
     elif topo.assignment not in ("blocks", "shuffled"):
         raise ConfigError(f"config key 'topology.assignment': got {topo.assignment!r}, allowed: blocks, shuffled, "
                           f"or a list of client-id lists")
-    if cfg.transport.kind == "torch":
+    if sums_in_collective(cfg.transport.kind):
         compress = getattr(cfg.algorithm, "compress", "none")
         if compress != "none":   # collectives reduce raw float sums; a QSGD-coded upload cannot be summed
-            raise ConfigError(f"config key 'algorithm.compress': got '{compress}', but transport.kind = 'torch' "
-                              f"reduces uploads as raw float sums (allowed with torch: 'none'); use "
-                              f"transport.kind = 'grpc' for QSGD")
+            raise ConfigError(f"config key 'algorithm.compress': got '{compress}', but transport.kind = "
+                              f"'{cfg.transport.kind}' reduces uploads as raw float sums in a collective (allowed "
+                              f"there: 'none'); use transport.kind = 'grpc' for QSGD")
     if spec is not None and spec.check is not None:   # the kind's own checks (common/topologies/<kind>.py)
         try:
             spec.check(cfg)
@@ -566,9 +567,10 @@ def _robust_checks(cfg: Config) -> None:
         kinds = " or ".join(f"'{k}'" for k, s in SPECS.items() if s.robust is not None)
         raise ConfigError(f"config key 'security.aggregation': '{rule}' works in topology.kind = {kinds}, "
                           f"got '{cfg.topology.kind}'")
-    if cfg.transport.kind == "torch":
+    if sums_in_collective(cfg.transport.kind):
         raise ConfigError(f"config key 'security.aggregation': '{rule}' needs every update apart, but "
-                          f"transport.kind = 'torch' sums them in a collective; use transport.kind = 'grpc'")
+                          f"transport.kind = '{cfg.transport.kind}' sums them in a collective; use "
+                          f"transport.kind = 'grpc'")
     cls = registry().get(cfg.algorithm.name)
     if cls is not None and cls.aggregate is not Algorithm.aggregate:
         raise ConfigError(f"config key 'security.aggregation': '{rule}' replaces the weighted mean, but algorithm "
@@ -719,14 +721,8 @@ def _register_defaults() -> None:
         from fedhop.common.topology import topology_params_class
         return topology_params_class(kind)
 
-    def transport_params(kind: str):
-        if kind == "torch":
-            from fedhop.common.transport.torchdist import TorchParams
-            return TorchParams
-        return None
-
     register_options_schema("algorithm", "name", algorithm_params)
-    register_options_schema("transport", "kind", transport_params)
+    register_options_schema("transport", "kind", params_of)   # the transport registry
     register_options_schema("data", "dataset", dataset_params)
     register_options_schema("topology", "kind", topology_params)
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedhop.common.transport.factory import TRANSPORTS
+
 
 def _f(default: Any = None, *, factory: Any = None, help: str = "", **rules: Any) -> Any:
     """A config field: its default, its description and its validation rules (module docstring)."""
@@ -186,7 +188,7 @@ class EdgesConfig:
 class TransportConfig:
     """How messages move between processes."""
 
-    kind: str = _f("grpc", choices=("grpc", "torch", "inmemory"),
+    kind: str = _f("grpc", choices=TRANSPORTS.keys(),   # the transport registry (common/transport/factory.py)
                    help="grpc (processes over sockets), torch (torch.distributed collectives, "
                         "docs/torch_transport.md) or inmemory (one process, for tests)")
     chunk_bytes: int = _f(4 * 1024 * 1024, min=1024, help="largest frame of a message: bigger messages are "

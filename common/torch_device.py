@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
+from fedhop.common.transport.factory import own_device_per_process
 from fedhop.common.wire.message import Payload
 
 DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
@@ -200,7 +201,7 @@ def plan_devices(cfg: Any, plan: Any, count: int | None = None) -> dict[str, str
     """node id -> device of every process of `plan` (common/plan.py): the server on run.device,
     every edge on edges.device, the client processes round-robin over their GPUs."""
     count = cuda_count() if count is None else count
-    if cfg.transport.kind == "torch" and cfg.transport.options.get("backend") == "nccl":
+    if own_device_per_process(cfg.transport.kind, cfg.transport.options):
         return nccl_devices(plan.node_ids, count)
     out = {plan.server.node_id: resolve(cfg.run.device, "run.device", count)}
     for edge in plan.edges:

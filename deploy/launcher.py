@@ -27,6 +27,7 @@ from fedhop.common.plan import id_spec, plan_processes
 from fedhop.common.plugins import ALLOW_ENV, PLUGIN_PATH_ENV, allow_list_from, config_plugins
 from fedhop.common.procexit import LAUNCHER_ENV, Stopped, ignore_stops, signals_restored, stop_on_sigterm, stop_reason
 from fedhop.common.torch_device import DeviceError, describe, plan_devices, resolve_config
+from fedhop.common.transport.factory import TRANSPORTS, transport
 from fedhop.deploy.forkstart import ForkedProcess, fork_allowed, fork_module
 from fedhop.deploy.malloc import tuned_env
 from fedhop.deploy.report import human_bytes
@@ -551,9 +552,10 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         print(f"fedhop run: security.certs_dir = '{given_certs}' is not a directory ({cfg.security.certs_dir}); "
               f"make one with `fedhop certs {given_certs} --nodes ...`", file=sys.stderr)
         return 2
-    if cfg.transport.kind == "inmemory":
-        print("fedhop run: transport.kind = 'inmemory' is for unit tests (deploy/inmemory.py); "
-              "process runs use grpc or torch", file=sys.stderr)
+    if transport(cfg.transport.kind).one_process:
+        others = ", ".join(k for k, t in TRANSPORTS.items() if not t.one_process)
+        print(f"fedhop run: transport.kind = '{cfg.transport.kind}' connects endpoints inside one process, for unit "
+              f"tests (deploy/inmemory.py); process runs use {others}", file=sys.stderr)
         return 2
     asked = any(d != "cpu" for d in (cfg.run.device, cfg.edges.device, cfg.clients.device))
     try:   # which process computes on which device: checked before anything starts (common/torch_device.py)

@@ -133,9 +133,10 @@ def slurm_devices(cfg, tasks: list[dict], gpus_per_node: int) -> dict[str, str]:
     edges.device, and on each node of the allocation its client processes round-robin over that
     node's `gpus_per_node` GPUs (common/torch_device.py; NCCL: one GPU per process of the node)."""
     from fedhop.common.torch_device import DeviceError, client_devices, nccl_devices, resolve
+    from fedhop.common.transport.factory import own_device_per_process
     out: dict[str, str] = {}
     per_node: dict[int, list[str]] = {}
-    nccl = cfg.transport.kind == "torch" and cfg.transport.options.get("backend") == "nccl"
+    nccl = own_device_per_process(cfg.transport.kind, cfg.transport.options)
     try:
         if nccl:
             for t in tasks:

@@ -94,3 +94,63 @@ def test_a_server_process_with_the_inmemory_kind_exits_2_with_one_line(tmp_path,
     assert rc == 2
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "inmemory" in errors[0] and "\n" not in errors[0]
+
+
+@dataclasses.dataclass
+class PigeonParams:
+    """[transport] keys of the test's "pigeon" kind."""
+
+    loft: int = dataclasses.field(default=1, metadata={"min": 1})
+    exclusive: bool = False
+
+
+def pigeon_needs_a_device(options: dict) -> bool:
+    return bool(options.get("exclusive"))
+
+
+def test_what_a_transport_declares_reaches_the_config_and_the_device_plan(monkeypatch):
+    """The config checks and the device plan ask the registry, not a kind: a new kind that sums
+    in a collective, takes its own keys and wants a device per process is treated like torch."""
+    from fedhop.common.config import ConfigError, parse_config
+    from fedhop.common.plan import plan_processes
+    from fedhop.common.torch_device import DeviceError, plan_devices
+    monkeypatch.setitem(TRANSPORTS, "pigeon", Transport(
+        "fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.groups:FANOUT_WORLDS",
+        params=f"{__name__}:PigeonParams", sums_in_collective=True, own_device=f"{__name__}:pigeon_needs_a_device"))
+    base = '[clients]\ncount = 4\nprocesses = 2\n[transport]\nkind = "pigeon"\n'
+    cfg = parse_config(base + "loft = 3\n", ["clients.device=cpu"])
+    assert cfg.transport.options["loft"] == 3
+    with pytest.raises(ConfigError, match=r"config key 'transport.loft': got 0, must be >= 1"):
+        parse_config(base + "loft = 0\n")
+    with pytest.raises(ConfigError, match=r"'transport.wings'"):
+        parse_config(base + "wings = 2\n")
+    with pytest.raises(ConfigError, match=r"'algorithm.compress'.*transport.kind = 'pigeon' reduces uploads as raw "
+                                          r"float sums"):
+        parse_config(base + '[algorithm]\nname = "fedavg"\ncompress = "qsgd"\n')
+    with pytest.raises(ConfigError, match=r"'security.aggregation'.*transport.kind = 'pigeon' sums them"):
+        parse_config(base + '[security]\naggregation = "median"\n')
+    plan = plan_processes(cfg)
+    assert set(plan_devices(cfg, plan, count=0).values()) == {"cpu"}   # not exclusive: the device keys apply
+    cfg.transport.options["exclusive"] = True
+    n = len(plan.node_ids)
+    assert [plan_devices(cfg, plan, count=n)[node] for node in plan.node_ids] == [f"cuda:{k}" for k in range(n)]
+    with pytest.raises(DeviceError, match="one GPU per process"):
+        plan_devices(cfg, plan, count=n - 1)
+
+
+def test_fedhop_run_refuses_a_one_process_transport_with_one_line(tmp_path):
+    """`fedhop run` starts processes: a transport that connects endpoints inside one process
+    (the in-memory one) is refused before anything starts, naming the kinds that work."""
+    import subprocess
+    import sys
+    rng = np.random.default_rng(5)
+    (tmp_path / "c.toml").write_text(quadratic_config(rng.normal(size=(3, 2)), rng.uniform(0.5, 2, size=(3, 2)),
+                                                      [2, 3, 4], rounds=1))
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "c.toml", "--out", "r",
+                           "--set", "transport.kind=inmemory"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'inmemory'" in lines[0]
+    assert all(k in lines[0] for k, t in TRANSPORTS.items() if not t.one_process)
+    assert not (tmp_path / "r").exists()   # nothing started, no run folder

@@ -63,6 +63,12 @@ class TorchParams:
     master_port: int = field(default=0, metadata={"min": 0, "max": 65535})    # 0: a free port
 
 
+def rank_per_gpu(options: dict) -> bool:
+    """NCCL runs one rank per GPU, and every process of a torch-transport run is a rank
+    (common/transport/factory.py `Transport.own_device`)."""
+    return options.get("backend") == "nccl"
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
