@@ -146,9 +146,6 @@ class GossipRule:
 
 def check_config(cfg: Any) -> None:
     """What the config loader refuses for topology.kind = "gossip" (ValueError "key: why")."""
-    if cfg.transport.kind != "grpc":
-        raise ValueError(f"transport.kind: got '{cfg.transport.kind}', but gossip exchanges each client's model with "
-                         f"its neighbours in peer calls (allowed: grpc)")
     if cfg.algorithm.name not in GOSSIP_ALGORITHMS:
         raise ValueError(f"algorithm.name: got '{cfg.algorithm.name}', but topology.kind = 'gossip' mixes the models "
                          f"x_i + Delta_i of a local solver whose reply is the update Delta_i (allowed: "

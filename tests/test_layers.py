@@ -119,3 +119,29 @@ def test_a_role_imports_no_other_role(role):
 def test_no_role_imports_the_torch_transport():
     torch_plane = ("torch.distributed", "fedhop.common.transport.torchdist", "fedhop.common.transport.torch_groups")
     assert violations(ROLES, torch_plane) == []
+
+
+def _kind_branches(path: Path) -> list[str]:
+    """Comparisons of a config's `transport.kind` or `topology.kind` (any object's
+    `.transport.kind` / `.topology.kind`) with anything: a choice made by naming a kind."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in (node.left, *node.comparators):
+            if (isinstance(side, ast.Attribute) and side.attr == "kind" and isinstance(side.value, ast.Attribute)
+                    and side.value.attr in ("transport", "topology")):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_kind_choices_live_in_the_specs_and_the_transport_registry():
+    """Issue 27: what depends on the topology or the transport is declared by the topology's spec
+    (common/topologies/) or the transport's registration (common/transport/); nothing else branches
+    on a kind's name."""
+    allowed = (ROOT / "common" / "topologies", ROOT / "common" / "transport")
+    branches = [b for folder in PACKAGES for path in sorted((ROOT / folder).rglob("*.py"))
+                if not any(a in path.parents for a in allowed) for b in _kind_branches(path)]
+    assert branches == []
+    inside = [b for a in allowed for path in sorted(a.rglob("*.py")) for b in _kind_branches(path)]
+    assert inside   # the rule reads what it should: the specs do branch (so the scan is not vacuous)

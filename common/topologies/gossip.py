@@ -23,6 +23,9 @@ class GossipParams:
 
 
 def check(cfg: Any) -> None:
+    if cfg.transport.kind != "grpc":
+        raise ValueError(f"transport.kind: got '{cfg.transport.kind}', but gossip exchanges each client's model with "
+                         f"its neighbours in peer calls (allowed: grpc)")
     from fedhop.common.gossip import check_config  # local: the gossip rule reads the validated params
     check_config(cfg)
 
