@@ -139,7 +139,7 @@ class GossipHost:
         if round != current:
             raise HandlerError("WRONG_ROUND", f"a share for round {round} from {src}; this process is in round "
                                               f"{current}")
-        model = self.model_in(payload, f"round {round} model of client {sender} from {src}")
+        model = self.model_in(payload, f"round {round} model of client {sender} from {src}", round, src)
         key = (round, receiver, sender)
         with self._lock:
             if key in self.inbox:

@@ -52,7 +52,7 @@ class ClientProcess:
         if not reply.accepted:
             raise RuntimeError(f"{self.endpoint.node_id}: registration refused by {self.parent}: {reply.message}")
         try:
-            cfg = parent_config(reply.config_toml, self.endpoint.node_id, self.parent)
+            cfg = parent_config(reply.config_toml, self.endpoint.node_id, self.parent, role="client")
         except RuntimeError as exc:   # e.g. PLUGIN_NOT_ALLOWED: the parent is told before this process leaves
             tell_refusal(self.endpoint, self.parent, self._request(), reply.run_id, str(exc))
             raise

@@ -89,7 +89,7 @@ class WalkHost:
         if latest is not None and (round, hop) < latest:
             raise HandlerError("STALE_HOP", f"hop {hop} of round {round} is before this process's latest visit "
                                             f"(round {latest[0]}, hop {latest[1]}); from {src}")
-        model = self.model_in(payload, f"hand-off from {src}")
+        model = self.model_in(payload, f"hand-off from {src}", round, src)
         key = (round, hop, sender, src)   # another process's forgery for the same hop cannot displace it
         with self._lock:
             if key in self.pending or key in self.handoffs:
@@ -137,7 +137,7 @@ class WalkHost:
         with self._lock:
             self.latest = max(self.latest or (round, hop), (round, hop))
             if bool(scalars.get("resume")):
-                resumed = self.model_in(message, f"round {round} resumed model")
+                resumed = self.model_in(message, f"round {round} resumed model", round)
                 self.model, self.holder = {k: v.clone() for k, v in resumed.items()}, client
             elif bool(scalars.get("start")):
                 self.model, self.holder = {k: v.clone() for k, v in self.initial.items()}, client

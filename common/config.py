@@ -30,6 +30,7 @@ from fedhop.common.config_schema import (
     DataConfig,
     EdgesConfig,
     ModelConfig,
+    ProcessorConfig,
     RunConfig,
     SecurityConfig,
     TopologyConfig,
@@ -315,13 +316,15 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Confi
 
 
 def config_from_dict(data: dict) -> Config:
+    data = dict(data)
+    processors = _processor_tables(data.pop("processors", []))
     unknown = [k for k in data if k not in SECTIONS]
     if unknown:
         key = unknown[0]
         if not isinstance(data[key], dict):
             raise ConfigError(f"config key '{key}' = {data[key]!r} is outside any section; keys belong in a "
                               f"section (allowed: {', '.join(SECTIONS)})")
-        raise ConfigError(f"unknown config section '[{key}]' (allowed: {', '.join(SECTIONS)})")
+        raise ConfigError(f"unknown config section '[{key}]' (allowed: {', '.join(SECTIONS)}, [[processors]])")
     sections = {}
     for name, cls in SECTIONS.items():
         raw = data.get(name, {})
@@ -332,12 +335,39 @@ def config_from_dict(data: dict) -> Config:
         if has_options:
             obj.options = extra
         sections[name] = obj
-    cfg = Config(**sections)
+    cfg = Config(**sections, processors=processors)
     _check_model_factory(cfg)
     _check_model_exchange(cfg)
     _cross_checks(cfg)
     _validate_options(cfg)   # also imports a data-set or algorithm plug-in named by import path or entry point
+    _check_processors(cfg)
     return cfg
+
+
+def _processor_tables(raw: Any) -> list[ProcessorConfig]:
+    """`[[processors]]`: an array of tables, each a `ProcessorConfig` whose other keys are the
+    processor's keyword options."""
+    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
+        raise ConfigError(f"config key 'processors' must be an array of tables ([[processors]] with name = "
+                          f"\"package.module:Class\"), got {raw!r}")
+    out = []
+    for i, table in enumerate(raw):
+        entry, extra = build_dataclass(ProcessorConfig, table, f"processors[{i}]", allow_extra=True)
+        entry.options = extra
+        out.append(entry)
+    return out
+
+
+def _check_processors(cfg: Config) -> None:
+    """Every [[processors]] entry: its methods, roles and reference, the processor imported and
+    constructed with its options now (a client's or edge's allow-list applies, common/plugins.py),
+    so a bad entry is a config error before any process starts."""
+    from fedhop.common.pipeline import build_processor  # local: the chain imports the wire layer and torch
+    for i, entry in enumerate(cfg.processors):
+        try:
+            build_processor(entry, f"processors[{i}]")
+        except ValueError as exc:   # PluginError and PluginRefused too: one line naming the key
+            raise ConfigError(str(exc)) from None
 
 
 #: built-in data sets whose task defines its model (a factory cannot replace it) or builds it from model.*
@@ -704,6 +734,14 @@ def config_to_toml(cfg: Config) -> str:
             lines.append(f"{f.name} = {toml_value(getattr(obj, f.name), name + '.' + f.name)}")
         for key, text in _option_lines(obj, name):
             lines.append(f"{_toml_key(key)} = {text}" if text is not None else _unset_line(obj.params, key))
+        lines.append("")
+    for i, entry in enumerate(cfg.processors):   # arrays of tables come after every table
+        lines.append("[[processors]]")
+        for f in dataclasses.fields(entry):
+            if f.name != "options":
+                lines.append(f"{f.name} = {toml_value(getattr(entry, f.name), f'processors[{i}].{f.name}')}")
+        for key, value in entry.options.items():
+            lines.append(f"{_toml_key(key)} = {toml_value(value, f'processors[{i}].{key}')}")
         lines.append("")
     return "\n".join(lines)
 

@@ -230,6 +230,26 @@ class SecurityConfig:
 
 
 @dataclass
+class ProcessorConfig:
+    """A user's processor in the payload chains (common/pipeline.py): one `[[processors]]` table each,
+    in the order they run.  Its other keys are the processor's keyword options."""
+
+    name: str = _f("", help="the processor (required): \"package.module:Class\" (a module beside the config works) "
+                            "or a fedhop.processors entry point; called with the table's other keys as keyword "
+                            "options, it gives an object with process(message, ctx)")
+    methods: list[str] = _f(factory=list, help="the protocol methods whose messages it sees (common/methods.py: "
+                                               "train, edge_round, torch_reduce, gossip_share, walk_handoff, ...); "
+                                               "empty = every method")
+    direction: str = _f("in", choices=("in", "out"), help="in: messages received (after the built-in decoding and "
+                                                          "validation); out: uploads about to be sent (before "
+                                                          "compression)")
+    roles: list[str] = _f(factory=lambda: ["server", "edge", "client"],
+                          help="the processes that run it: server, edge, client; each must be able to load it (a "
+                               "client or edge only loads plug-ins it was started with)")
+    options: dict = _f(factory=dict)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
@@ -240,3 +260,4 @@ class Config:
     edges: EdgesConfig = field(default_factory=EdgesConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    processors: list[ProcessorConfig] = field(default_factory=list)   # [[processors]], in order

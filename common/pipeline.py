@@ -25,15 +25,24 @@ The finiteness *policy* (`security.nan_policy`: a refused NaN/Inf reply is left 
 round, or fails the run) is `FinitenessPolicy`, which the server applies to the refusals of a
 round once they are all in (server/coordinator.py).
 
-A user's processor is installed for some methods and a direction with `install` (the Python
-API, in every process that should run it); the built-ins come first inbound and last outbound,
-so a user's processor sees the decoded, validated message and the one the algorithm produced.
+A user's processors come from the config, `[[processors]]` tables (docs/config.md): each names
+a processor by plug-in reference (`name = "mypkg.procs:Counter"`, loaded by common/plugins.py,
+so a client or edge loads only what it was started with), the `methods` and `direction` whose
+chains it joins, the `roles` whose processes run it, and its keyword options.  The config loader
+loads and constructs each one (`build_processor`), so a bad entry is a config error before any
+process starts; each role process, once it holds the run's config, calls `configure(cfg, role)`
+(the server's Coordinator, an edge or client process in `parent_config`), which installs fresh
+instances of its role's entries.  `install` is the same from Python, in one process.  The
+built-ins come first inbound and last outbound, so a user's processor sees the decoded,
+validated message and the one the algorithm produced; the config's processors come before the
+ones `install` added, in the config's order.
 Robust aggregation (common/robust.py) acts on the whole round's replies, not per reply: it is
 the aggregation rule, not a processor.  Form and size checks while frames arrive are the
 codec's (common/codec.py).
 """
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Literal, Mapping, Protocol
@@ -49,10 +58,11 @@ from fedhop.common.wire.message import REPLY_SCALARS, Payload, ScalarRule, tenso
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 Direction = Literal["in", "out"]
 DIRECTIONS: tuple[Direction, ...] = ("in", "out")
+ROLES = ("server", "edge", "client")   # the processes a [[processors]] entry may name
 
 __all__ = ["Context", "Processor", "ProcessorChain", "Decompress", "ValidateReply", "CheckModel", "Compress",
-           "FinitenessPolicy", "install", "installed", "reply_chain", "reduced_chain", "model_chain", "upload",
-           "ModelInbound"]
+           "FinitenessPolicy", "install", "installed", "build_processor", "configure", "unconfigure", "reply_chain",
+           "reduced_chain", "model_chain", "upload", "ModelInbound"]
 
 
 @dataclass(frozen=True)
@@ -230,10 +240,120 @@ def install(processor: Processor, *, methods: Iterable[str] | None = None,
 
 
 def installed(method: str, direction: Direction) -> list[Processor]:
-    """The user's processors for `method` and `direction`, in installation order."""
+    """The user's processors for `method` and `direction`: the config's (`configure`), then those
+    `install` added, each in order."""
     with _lock:
-        return [e.processor for e in _installed
+        entries = [e for e, roles in _configured if roles & _configured_roles] + _installed
+        return [e.processor for e in entries
                 if e.direction == direction and (e.methods is None or str(method) in e.methods)]
+
+
+# ----------------------------------------------------------------------------- ... from the config
+_configured: list[tuple[_Installed, frozenset[str]]] = []   # the config's entries and the roles that run them
+_configured_from: tuple[Any, ...] | None = None             # the [[processors]] they were built from
+_configured_roles: set[str] = set()                         # the roles this process plays
+
+
+def _methods() -> tuple[str, ...]:
+    from fedhop.common.methods import Method  # local: the method registry imports the ledger
+    return tuple(m.value for m in Method)
+
+
+def build_processor(entry: Any, key: str = "processors[0]") -> Processor:
+    """The processor of one `[[processors]]` entry (`common.config_schema.ProcessorConfig`, `key`
+    its place for errors): its methods and roles checked, its reference loaded as a plug-in of
+    group `fedhop.processors` (refused unless allowed, common/plugins.py), called with the entry's
+    options (a class or a factory; an object with `process` is taken as it is, without options).
+    Raises ValueError, one line naming the key."""
+    from fedhop.common.plugins import PluginError, entry_point_names, load_plugin  # local: plugins imports config
+    if not entry.name:
+        raise ValueError(f"config key '{key}.name' is required: the processor, \"package.module:Class\"")
+    methods = _methods()
+    for j, method in enumerate(entry.methods):
+        if method not in methods:
+            raise ValueError(f"config key '{key}.methods[{j}]': got {method!r}, allowed: {', '.join(methods)}")
+    if not entry.roles:
+        raise ValueError(f"config key '{key}.roles': got [], a processor no process runs (allowed: "
+                         f"{', '.join(ROLES)})")
+    for j, role in enumerate(entry.roles):
+        if role not in ROLES:
+            raise ValueError(f"config key '{key}.roles[{j}]': got {role!r}, allowed: {', '.join(ROLES)}")
+    if entry.direction not in DIRECTIONS:
+        raise ValueError(f"config key '{key}.direction': got {entry.direction!r}, allowed: {', '.join(DIRECTIONS)}")
+    try:
+        obj = load_plugin(entry.name, "processors")
+    except PluginError as exc:   # PluginRefused too: never imported
+        raise ValueError(f"config key '{key}.name': {exc}") from None
+    except LookupError:
+        names = ", ".join(entry_point_names("processors")) or "none installed"
+        raise ValueError(f"config key '{key}.name': got {entry.name!r}, which is neither an import path "
+                         f"'package.module:Class' nor an entry point of group 'fedhop.processors' ({names})") from None
+    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "process")):
+        _check_options(obj, entry, key)
+        try:
+            processor = obj(**entry.options)
+        except Exception as exc:   # noqa: BLE001 - the user's constructor: reported, not raised
+            raise ValueError(f"config key '{key}': {entry.name}(...) raised {type(exc).__name__}: {exc}") from None
+    elif entry.options:
+        raise ValueError(f"config key '{key}': {entry.name} is an object, not a class or factory, so it takes no "
+                         f"options (given: {', '.join(entry.options)})")
+    else:
+        processor = obj
+    if not callable(getattr(processor, "process", None)):
+        raise ValueError(f"config key '{key}.name': {entry.name} gives a {type(processor).__name__} without a "
+                         f"process(message, ctx) method")
+    return processor
+
+
+def _check_options(make: Callable[..., Any], entry: Any, key: str) -> None:
+    """The entry's options against the signature of the class or factory `make`: an option it
+    does not take is named (a typo), then a missing one."""
+    try:
+        params = inspect.signature(make).parameters
+    except (TypeError, ValueError):   # no signature to check (a builtin): the call says
+        return
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = [k for k in entry.options if k not in named]
+        if unknown:
+            raise ValueError(f"config key '{key}.{unknown[0]}': {entry.name} takes no option {unknown[0]!r} (its "
+                             f"options: {', '.join(named) or 'none'})")
+    try:
+        inspect.signature(make).bind(**entry.options)
+    except TypeError as exc:
+        raise ValueError(f"config key '{key}': {entry.name}: {exc} (options given: "
+                         f"{', '.join(entry.options) or 'none'})") from None
+
+
+def configure(cfg: Any, role: str) -> None:
+    """Run `cfg.processors` of `role` (server, edge or client) in this process's chains (module
+    docstring).  A config with other processors than the last one configured replaces them (fresh
+    instances); the same config for another role adds that role's (every role in one process:
+    deploy/inmemory.py).  Call it before the role builds its chains."""
+    if role not in ROLES:
+        raise ValueError(f"configure: role must be one of {', '.join(ROLES)}, not {role!r}")
+    global _configured_from
+    entries = tuple(cfg.processors)
+    with _lock:
+        same = entries == _configured_from
+    if not same:
+        built = [(_Installed(build_processor(e, f"processors[{i}]"), frozenset(e.methods) or None, e.direction),
+                  frozenset(e.roles)) for i, e in enumerate(entries)]
+    with _lock:
+        if not same:
+            _configured[:] = built
+            _configured_from = entries
+            _configured_roles.clear()
+        _configured_roles.add(role)
+
+
+def unconfigure() -> None:
+    """Remove the config's processors from this process (tests)."""
+    global _configured_from
+    with _lock:
+        _configured.clear()
+        _configured_roles.clear()
+        _configured_from = None
 
 
 # ----------------------------------------------------------------------------- the chains

@@ -6,7 +6,7 @@ A plug-in is named in the config in one of two ways:
   `data.dataset = "mypkg.data:load"`, `algorithm.name = "mypkg.algos:FedAvgM"`);
 - by a name that the user's installed package registers as an entry point in the group
   `fedhop.<group>` (`fedhop.models`, `fedhop.datasets`, `fedhop.algorithms`,
-  `fedhop.topologies`).
+  `fedhop.topologies`, `fedhop.processors`).
 
 Every role process resolves them the same way: the config loader imports them while it validates
 the config (common/config.py), so a path that does not import is a config error, naming the path
@@ -40,6 +40,8 @@ What each kind of plug-in is (docs in README, "Bring your own model"):
   its extra [topology] keys and optional `process_plan` (cfg, placement) -> ProcessPlan says
   which processes the run starts (default: the star plan, every client process under the
   server); common/topologies `spec_for` loads it and adapts a driver into a spec.
+- processor (a `[[processors]]` entry's `name`): a class or factory called with the entry's
+  other keys, giving an object with `process(message, ctx) -> message` (common/pipeline.py).
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ from types import ModuleType
 from typing import Any, Literal, Sequence
 
 GROUP_PREFIX = "fedhop."
-GROUPS = ("models", "datasets", "algorithms", "topologies")
+GROUPS = ("models", "datasets", "algorithms", "topologies", "processors")
 PLUGIN_PATH_ENV = "FEDHOP_PLUGIN_PATH"   # folders searched for a plug-in package that is not installed
 ALLOW_ENV = "FEDHOP_ALLOW_PLUGINS"       # a client's or edge's allow-list (comma-separated)
 NOT_ALLOWED = "PLUGIN_NOT_ALLOWED"
@@ -116,13 +118,18 @@ def check_allowed(ref: str, group: str) -> None:
                         f"{ref.partition(':')[0] if is_import_path(ref) else ref} or {ALLOW_ENV} to run that code")
 
 
-def parent_config(text: str, node_id: str, parent: str) -> Any:
-    """The run's config as a client's or edge's parent sent it, parsed here.  A config this process
-    cannot use (one naming a plug-in it was not started with: refused by `check_allowed` before
-    any import) is one RuntimeError line; the role then exits with status 2."""
+def parent_config(text: str, node_id: str, parent: str, role: str = "") -> Any:
+    """The run's config as a client's or edge's parent sent it, parsed here, and its processors
+    for `role` (edge, client) installed in this process's chains (common/pipeline.py `configure`).
+    A config this process cannot use (one naming a plug-in it was not started with: refused by
+    `check_allowed` before any import) is one RuntimeError line; the role then exits with status 2."""
     from fedhop.common.config import parse_config  # local: the config loader imports this module
+    from fedhop.common.pipeline import configure
     try:
-        return parse_config(text)
+        cfg = parse_config(text)
+        if role:
+            configure(cfg, role)
+        return cfg
     except (ValueError, KeyError) as exc:   # ConfigError, PluginError and PluginRefused
         raise RuntimeError(f"{node_id}: refusing the run's config from {parent}: {exc}") from None
 
@@ -143,11 +150,12 @@ def tell_refusal(endpoint: Any, parent: str, request: Any, run_id: str, reason: 
 
 def config_plugins(cfg: Any) -> list[str]:
     """The plug-in references a resolved config names (model factory, model.exchange selection,
-    data set, algorithm, topology): import paths, and names that no built-in registry knows
-    (entry points).  The launcher passes them to its children as their allow-list."""
+    data set, algorithm, topology, processors): import paths, and names that no built-in registry
+    knows (entry points).  The launcher passes them to its children as their allow-list."""
     refs = [(getattr(cfg.model, "factory", "") or "", "models"), (getattr(cfg.model, "exchange", "") or "", "models"),
             (cfg.data.dataset, "datasets"),
-            (cfg.algorithm.name, "algorithms"), (cfg.topology.kind, "topologies")]
+            (cfg.algorithm.name, "algorithms"), (cfg.topology.kind, "topologies"),
+            *((p.name, "processors") for p in getattr(cfg, "processors", ()))]
     out = []
     for ref, group in refs:
         if not isinstance(ref, str) or not ref:

@@ -381,7 +381,8 @@ config file with every key at its default.
 def markdown() -> str:
     """docs/config.md."""
     lines = [_INTRO.format(regenerate=REGENERATE)]
-    lines.append("Sections: " + ", ".join(f"[`[{s}]`](#{s})" for s in SECTIONS) + ".\n")
+    lines.append("Sections: " + ", ".join(f"[`[{s}]`](#{s})" for s in SECTIONS) + ", and the array of tables "
+                 "[`[[processors]]`](#processors).\n")
     for section in SECTIONS:
         lines.append(f"## [{section}]\n")
         if SECTION_TITLES[section]:
@@ -408,7 +409,38 @@ def markdown() -> str:
                 lines.append(g.summary + "\n")
             lines += _table(g.keys)
             lines.append("")
+    lines += _processors_markdown()
     return "\n".join(lines).rstrip() + "\n"
+
+
+_PROCESSORS = """\
+## [[processors]]
+
+{summary}  A processor is a user's stage in the payload chains (common/pipeline.py;
+docs/architecture.md, "Add a processor"): it sees each message of its methods and direction, after
+the built-in decoding and validation inbound and before compression outbound, and returns it
+(changed or not) or refuses it by raising `PayloadError(code, detail)`, which the run treats as it
+treats a built-in refusal (a refused reply is left out of its round and recorded in run.db).  The
+entries are loaded, checked and constructed when the config loads; every process that reads the
+config imports them, so a client or edge process must be started with each one on its allow-list
+(`--allow-plugin MODULE`; `fedhop run` passes its children the ones its config names).
+
+```toml
+[[processors]]
+name = "myprocs:Count"        # myprocs.py beside the config
+methods = ["train"]
+direction = "in"
+roles = ["server"]
+path = "counts.txt"           # an option: Count(path="counts.txt")
+```
+"""
+
+
+def _processors_markdown() -> list[str]:
+    """The `[[processors]]` tables: an array of tables after the sections."""
+    from fedhop.common.config_schema import ProcessorConfig
+    return [_PROCESSORS.format(summary=summary_of(ProcessorConfig)), *_table(dataclass_keys("processors",
+                                                                                          ProcessorConfig)), ""]
 
 
 # ----------------------------------------------------------------------------- terminal

@@ -77,7 +77,7 @@ class EdgeProcess:
     def start(self, client_timeout: float = 120.0) -> None:
         reply = self.register_with_parent([], timeout=60.0)
         try:
-            cfg = parent_config(reply.config_toml, self.endpoint.node_id, self.parent)   # plug-ins: allow-list
+            cfg = parent_config(reply.config_toml, self.endpoint.node_id, self.parent, role="edge")   # allow-list
         except RuntimeError as exc:   # e.g. PLUGIN_NOT_ALLOWED: the server is told before this edge leaves
             request = pb.RegisterRequest(node_id=self.endpoint.node_id, role="edge", address=self.address,
                                          token=self.endpoint.token)

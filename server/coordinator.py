@@ -25,7 +25,7 @@ from fedhop.common.ledger import Ledger
 from fedhop.common.liveness import live_pool, unreachable
 from fedhop.common.methods import Method
 from fedhop.common.nodeids import edge_index, edge_node
-from fedhop.common.pipeline import FinitenessPolicy
+from fedhop.common.pipeline import FinitenessPolicy, configure
 from fedhop.common.procexit import Stopped, ignore_stops, stop_reason
 from fedhop.common.rounds import RoundEngine
 from fedhop.common.runstore import RunStore
@@ -77,6 +77,7 @@ class Coordinator:
     def __init__(self, cfg: Config, run_dir: Path, endpoint: Endpoint, ledger: Ledger,
                  on_round: Callable[[RoundResult], None] | None = None, device: torch.device | None = None) -> None:
         self.cfg = cfg
+        configure(cfg, "server")   # the config's [[processors]] for the server, before any chain is built
         # where the server's state, aggregation, step and evaluation live (run.device, resolved by
         # server/__main__.py); received tensors are placed there by the endpoint
         self.device = device if device is not None else torch.device("cpu")

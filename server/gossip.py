@@ -99,7 +99,8 @@ class GossipDriver(TopologyDriver):
         """The clients' models checked, their mean x_bar as the server's model, and the consensus
         distance (1/n) sum_i ||x_i - x_bar||^2 (common/gossip.py)."""
         try:
-            models = {c: self.model_in(replies[c], f"round {round} model of client {c}") for c in sorted(replies)}
+            models = {c: self.model_in(replies[c], f"round {round} model of client {c}", round, client_node(c))
+                      for c in sorted(replies)}
         except PayloadError as exc:
             raise RunFailed(str(exc)) from None
         n = len(models)
