@@ -103,3 +103,13 @@ kind = "{kind}"
 [clients]
 count = {count}
 """
+
+
+def db_rows(db, sql: str) -> list[tuple]:
+    """The rows of `sql` over a run's run.db, opened read-only."""
+    import sqlite3
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()

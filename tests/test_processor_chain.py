@@ -10,7 +10,6 @@ reply in round 2 where CHAINPROBE_REFUSE is set.
 from __future__ import annotations
 
 import re
-import sqlite3
 import sys
 from collections import Counter
 from pathlib import Path
@@ -24,7 +23,7 @@ from fedhop.common.codec import PayloadError
 from fedhop.common.compress import compress_upload
 from fedhop.common.wire.message import Payload
 from fedhop.deploy.launcher import run_local
-from tests.helpers import quadratic_config
+from tests.helpers import db_rows, quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RNG = np.random.default_rng(27)
@@ -81,14 +80,6 @@ def _run(tmp_path: Path, name: str, topology: str = "", transport: str = "grpc",
     (tmp_path / f"{name}.toml").write_text(text.replace('kind = "grpc"', f'kind = "{transport}"'))
     assert run_local(f"{name}.toml", [], name, quiet=True, show_table=False) == 0   # relative paths, from tmp_path
     return tmp_path / name
-
-
-def _rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 def _lines(log: Path) -> list[dict]:
@@ -198,9 +189,9 @@ def test_user_processor_sees_every_reply_on_star_and_refuses_one(tmp_path, probe
     for x in lines:   # each reply as the server uses it: the client's weight is its data size
         cid = int(x["peer"].split("-")[1])
         assert x["weight"] == SIZES[cid] and x["who"] == f"round {x['round']} reply of client {cid}"
-    events = _rows(run_dir / "run.db", "SELECT round, node, detail FROM events WHERE detail LIKE '%PROBE_REFUSED%'")
+    events = db_rows(run_dir / "run.db", "SELECT round, node, detail FROM events WHERE detail LIKE '%PROBE_REFUSED%'")
     assert [(r, n) for r, n, _ in events] == [(2, "client-1")]
-    participants = dict(_rows(run_dir / "run.db", "SELECT round, participants FROM rounds"))
+    participants = dict(db_rows(run_dir / "run.db", "SELECT round, participants FROM rounds"))
     assert participants == {1: len(SIZES), 2: len(SIZES) - 1}
 
 

@@ -10,7 +10,6 @@ messages of one peer in one round.
 from __future__ import annotations
 
 import json
-import sqlite3
 import sys
 import time
 from collections import Counter
@@ -25,7 +24,7 @@ from fedhop.common.runstore import RunStore
 from fedhop.deploy.cli import main as fedhop
 from fedhop.deploy.inmemory import run_inmemory
 from fedhop.deploy.launcher import run_local
-from tests.helpers import quadratic_config
+from tests.helpers import db_rows, quadratic_config
 
 RNG = np.random.default_rng(2027)
 N, D = 5, 3
@@ -91,14 +90,6 @@ def _lines(path: Path) -> list[dict]:
     keys = ("pid", "method", "direction", "round", "peer", "who")
     rows = [dict(zip(keys, line.split("|", 5))) for line in path.read_text().splitlines()] if path.exists() else []
     return [{**r, "round": int(r["round"]), "pid": int(r["pid"])} for r in rows]
-
-
-def _rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 # ----------------------------------------------------------------------------- the config
@@ -209,9 +200,9 @@ def test_a_config_processor_counts_and_refuses_star_replies_over_real_processes(
     assert Counter((x["round"], x["peer"]) for x in lines) == {(r, f"client-{c}"): 1 for r in range(1, ROUNDS + 1)
                                                               for c in range(N)}
     db = folder / "runs" / "star" / "run.db"
-    events = _rows(db, "SELECT round, node FROM events WHERE detail LIKE '%USER_REFUSED%'")
+    events = db_rows(db, "SELECT round, node FROM events WHERE detail LIKE '%USER_REFUSED%'")
     assert events == [(2, "client-1")]
-    assert dict(_rows(db, "SELECT round, participants FROM rounds")) == {r: N - (r == 2) for r in range(1, ROUNDS + 1)}
+    assert dict(db_rows(db, "SELECT round, participants FROM rounds")) == {r: N - (r == 2) for r in range(1, ROUNDS + 1)}
 
 
 def _gossip(folder: Path, name: str, processors: str) -> dict:
