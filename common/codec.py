@@ -144,11 +144,14 @@ class _Cuts:
     once, on first use, and kept (a message sent to many peers is cut once); the views are let go
     once every frame is cut.  Concurrent calls may race to cut the same frame: both cut the same
     bytes and one is kept.  `guards`: (tensor, version) of handed-over tensors, checked at each
-    cut so that bytes changed in place after encode are never sent."""
+    cut so that bytes changed in place after encode are never sent.  `keep=False` (handed-over
+    tensors only): no frame is kept, each send cuts its own as it pulls them, so a message sent
+    to many peers never exists whole as frames (a copy per send instead of a model held)."""
 
-    __slots__ = ("views", "ends", "chunk_bytes", "total", "cut", "left", "guards", "lock")
+    __slots__ = ("views", "ends", "chunk_bytes", "total", "cut", "left", "guards", "lock", "keep")
 
-    def __init__(self, views: list[memoryview], chunk_bytes: int, guards: list | None = None) -> None:
+    def __init__(self, views: list[memoryview], chunk_bytes: int, guards: list | None = None,
+                 keep: bool = True) -> None:
         self.views: list[memoryview] | None = [v for v in views if len(v)]
         self.ends: list[int] = []
         total = 0
@@ -161,6 +164,7 @@ class _Cuts:
         self.left = len(self.cut)
         self.guards = guards or []
         self.lock = threading.Lock()
+        self.keep = keep or not guards   # a snapshot (nothing handed over) is always kept
 
     def _pieces(self, start: int, stop: int) -> list[memoryview]:
         views = self.views
@@ -188,6 +192,8 @@ class _Cuts:
         start = k * self.chunk_bytes
         pieces = self._pieces(start, min(start + self.chunk_bytes, self.total))
         frame = b"".join([_data_prefix(sum(len(p) for p in pieces)), *pieces])   # the one copy of these bytes
+        if not self.keep:
+            return frame
         with self.lock:
             if self.cut[k] is None:
                 self.cut[k] = frame
@@ -209,15 +215,18 @@ def _cut_pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def hand_over(payload: Payload) -> Payload:
+def hand_over(payload: Payload, keep_frames: bool = True) -> Payload:
     """Hand the payload's tensors over to the codec: the caller will not change them in place from
     now on, so `encode` neither snapshots them nor cuts frames before the send, but cuts each frame
     from the tensors' own memory as gRPC pulls it, overlapped with the send of the previous one.  A
     tensor changed in place after all (torch's version counter moved) makes the send fail
     (`SnapshotChanged`) rather than carry bytes other than those encoded; the receiver's XXH3
-    check covers writes that bypass the counter.  Returns the payload."""
+    check covers writes that bypass the counter.  `keep_frames=False`: a frame, once sent, is not
+    kept for the next send of the same message (`_Cuts`): each send cuts its own, and no
+    model-sized set of frames is held while the message goes to many peers.  Returns the payload."""
     for t in payload.tensors.values():
         t._fedhop_handed_over = t._version   # type: ignore[attr-defined]  # a marker `encode` reads with getattr
+        t._fedhop_keep_frames = keep_frames   # type: ignore[attr-defined]
     return payload
 
 
@@ -415,6 +424,7 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
         raise ValueError("chunk_bytes must be positive")
     views: list[memoryview] = []
     guards: list | None = []
+    keep = False   # handed-over tensors whose frames are cut per send (`hand_over(keep_frames=False)`)
     total = 0
     del envelope.tensors[:]
     for name, t in payload.tensors.items():
@@ -425,12 +435,13 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
                              nbytes=len(view))
         if guards is not None and getattr(t, "_fedhop_handed_over", None) == t._version:
             guards.append((t, t._version))
+            keep = keep or getattr(t, "_fedhop_keep_frames", True)
         else:
             guards = None   # one tensor not handed over: the message is cut (snapshot) now
         views.append(view)
         total += len(view)
     digest = xxhash.xxh3_64() if checksum else None
-    cuts = _Cuts(views, chunk_bytes, guards)
+    cuts = _Cuts(views, chunk_bytes, guards, keep=keep or not views)
     if guards is None:
         for k in range(len(cuts.cut)):
             frame = cuts[k]

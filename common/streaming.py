@@ -11,15 +11,20 @@ arrival order (docs/architecture.md, "Streaming aggregation"):
   turn's it is folded (`ReplyAccumulator.add`) and dropped, then every held reply whose turn
   has come is folded too; a reply ahead of its turn is held: in memory while the held replies
   stay within `budget_bytes`, beyond that written to a spill file (its raw tensor bytes; names,
-  dtypes and shapes stay in memory) and read back, bit for bit, at its turn;
+  dtypes and shapes stay in memory) and read back, bit for bit, at its turn.  With
+  `take=True` (the fabric) the fold takes the reply's tensors: `offer` empties `reply.tensors`
+  once they are folded, held or spilled, so the reply's receive buffer is free (for the next
+  reply, or a spilled one read back) whatever references to the Payload its caller holds;
 - `skip(key)`: the key will not come (its call failed or was refused); the turn moves past it;
 - `close()`: the deadline passed; every key not offered is skipped, a later offer is refused;
-- `admit()` / `received()`: at most `window` replies are received at once (a gRPC reply waits
-  in flow control until a slot is free), whatever their ids.
+- `admit()` / `release()`: at most `window` replies are received and folded at once (a gRPC
+  reply waits in flow control until a slot is free), whatever their ids.  A slot is taken when
+  the reply's first frame arrives and given back once the reply is folded, spilled or refused,
+  so with the default window of 1 the server holds one reply-sized buffer at a time.
 
 So the accumulator holds the exact bits `reduce_payloads` gives over the folded replies in id
 order, and the server holds the accumulator plus the held replies (at most `budget_bytes` in
-memory) instead of one decoded reply per participant.
+memory) and one reply being received, instead of one decoded reply per participant.
 
 What a collect-everything round decides after the last reply must be decided here while folding:
 
@@ -74,7 +79,7 @@ class OrderedFold:
     Thread-safe: `offer` and `skip` come from the fabric's workers."""
 
     def __init__(self, keys: list[Hashable], ops: Mapping[str, ReduceOp], budget_bytes: int = 0,
-                 spill_dir: str | Path | None = None, window: int = 2) -> None:
+                 spill_dir: str | Path | None = None, window: int = 1) -> None:
         self.keys = list(keys)   # the fold order: client ids sorted, or edges by index
         self._index = set(self.keys)
         self.acc = ReplyAccumulator(ops)
@@ -93,9 +98,10 @@ class OrderedFold:
         self.rejected: dict[Hashable, str] = {}         # key -> why it was not folded
         self.spilled = 0                                # replies that went through a spill file
         self.peak_held_bytes = 0
-        self.window = window                            # replies received at once (`admit`)
+        self.window = window                            # replies received and folded at once (`admit`)
         self._receiving = 0
         self._slots = threading.Condition()
+        self._mine = threading.local()                  # the slots this thread holds (`release`)
 
     def rekey(self, key_of: Callable[[Hashable], Hashable]) -> None:
         """Key the folded results by `key_of(key)` (an edge's node id -> its index)."""
@@ -105,18 +111,23 @@ class OrderedFold:
             self.stubs = {key_of(k): v for k, v in self.stubs.items()}
 
     # ------------------------------------------------------------------ arrivals
-    def offer(self, key: Hashable, reply: Payload) -> bool:
+    def offer(self, key: Hashable, reply: Payload, take: bool = False) -> bool:
         """Take `key`'s validated reply; False (nothing kept) when the fold is closed or `key` is
-        not one of its keys or already known."""
+        not one of its keys or already known.  `take`: empty `reply.tensors` once they are folded,
+        held or spilled (the caller keeps only the reply's scalars; module docstring)."""
         with self._lock:
             if self.closed or key in self._done or key not in self._index:
                 return False
             if key == self.keys[self._pos]:
                 self._fold(key, reply)
+                if take:
+                    reply.tensors.clear()   # folded: its buffer is free before any spilled reply is read back
                 self._done[key] = None
                 self._advance()
             else:
                 self._hold(key, reply)
+                if take:
+                    reply.tensors.clear()   # held (a copy of the dict) or on disk: the fold has what it needs
             return True
 
     def admit(self, timeout: float) -> bool:
@@ -125,18 +136,30 @@ class OrderedFold:
         first frame arrives, before it allocates the reply's buffer, so further replies wait in
         the transport's flow control (the sender's side), not in this process.  Any reply may
         take a free slot, in arrival order: a slow or hung lower id never holds the others up
-        (they wait for their turn held or spilled).  False: the time ran out."""
+        (they wait for their turn held or spilled).  The slot stays this thread's until `release`.
+        False: the time ran out."""
         with self._slots:
             if not self._slots.wait_for(lambda: self._receiving < self.window, timeout=max(timeout, 0.0)):
                 return False
             self._receiving += 1
+            self._mine.held = getattr(self._mine, "held", 0) + 1
             return True
 
     def received(self) -> None:
-        """A reply `admit` let in is decoded (or failed): its slot is free."""
+        """A reply `admit` let in is decoded (or failed).  Its slot stays taken until the thread
+        that received it has folded, spilled or refused it (`release`): the decoded reply's
+        buffer is alive until then."""
+
+    def release(self) -> None:
+        """Give back every slot this thread took (`admit`): its reply is folded, spilled or
+        refused.  A no-op for a thread that holds none."""
+        held = getattr(self._mine, "held", 0)
+        if not held:
+            return
+        self._mine.held = 0
         with self._slots:
-            self._receiving -= 1
-            self._slots.notify()
+            self._receiving -= held
+            self._slots.notify(held)
 
     def skip(self, key: Hashable) -> None:
         """`key` will not come (a failed or refused call)."""
@@ -184,7 +207,9 @@ class OrderedFold:
             if held is not None:
                 self._done[key] = None
                 if isinstance(held, _Spilled):
-                    self._fold(key, self._read(held))
+                    reply = self._read(held)
+                    self._fold(key, reply)
+                    reply.tensors.clear()   # its buffer is free for the next one read back
                 else:
                     self._held_bytes -= held.tensor_bytes()
                     self._fold(key, held)
@@ -215,7 +240,7 @@ class OrderedFold:
     def _hold(self, key: Hashable, reply: Payload) -> None:
         size = reply.tensor_bytes()
         if self._held_bytes + size <= self.budget_bytes:
-            self._done[key] = reply
+            self._done[key] = Payload(tensors=dict(reply.tensors), scalars=reply.scalars, control=reply.control)
             self._held_bytes += size
             self.peak_held_bytes = max(self.peak_held_bytes, self._held_bytes)
             return
@@ -271,16 +296,21 @@ HOLD_FLOOR_BYTES = 64 << 20
 def reply_budget(spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], replies: float = 1.0) -> int:
     """The in-memory budget for replies that arrive ahead of their turn: `replies` replies' worth
     of tensor bytes under the reply spec, and never less than HOLD_FLOOR_BYTES (a constant, so the
-    bound still does not grow with the number of clients)."""
-    return max(HOLD_FLOOR_BYTES, int(replies * sum(math.prod(shape) * dtype.itemsize for dtype, shape in spec.values())))
+    bound still does not grow with the number of clients).  A reply larger than HOLD_FLOOR_BYTES
+    is never held in memory (the budget is then the floor): one held would add a model to the
+    server's peak, and a spill file costs page cache, not the server's memory."""
+    size = sum(math.prod(shape) * dtype.itemsize for dtype, shape in spec.values())
+    if size > HOLD_FLOOR_BYTES:
+        return HOLD_FLOOR_BYTES
+    return max(HOLD_FLOOR_BYTES, int(replies * size))
 
 
 class RoundMemory:
     """The server's resident memory over its rounds (summary.json `server_memory`): the RSS when
     the rounds begin and the peak since (Linux: VmHWM, reset at the start through
     /proc/self/clear_refs; elsewhere the process's lifetime peak, getrusage).  What the streaming
-    fold bounds: the peak less the start is about the accumulator, the broadcast's frames, the
-    server step's copies and the replies in flight, however many clients reply."""
+    fold bounds: the peak less the start is about the accumulator, one reply's receive buffer
+    and gRPC's buffers, however many clients reply (docs/architecture.md, "Streaming aggregation")."""
 
     def __init__(self) -> None:
         self.start_bytes: int | None = None

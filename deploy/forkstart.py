@@ -39,7 +39,7 @@ from fedhop.common.proctitle import prepare as prepare_title
 from fedhop.deploy.malloc import TUNED_MALLOC_ENV
 
 # glibc's mallopt parameters for the environment variables in TUNED_MALLOC_ENV (malloc.h)
-_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3}
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_ARENA_MAX": -8}
 
 
 _OPTED_IN = False

@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, TypeVar
 
-from fedhop.common.codec import Encoded, PayloadError
+from fedhop.common.codec import Encoded, PayloadError, hand_over
 from fedhop.common.pipeline import reply_chain, upload
 from fedhop.common.transport.base import Batched, CallFailed, Endpoint, HandlerError, RemoteError, ReplyBound
 from fedhop.common.wire.message import Payload
@@ -93,12 +93,17 @@ class Fabric:
         With `fold` (common/streaming.py, keyed by the requests' keys) each reply that passed is
         folded in key order as it arrives and dropped: the results are then a `StreamedResults`
         of the folded replies' scalars, and a reply the fold refused or that came after the
-        deadline is a failure."""
+        deadline is a failure.
+        With `fold` the caller leaves the requests' tensors unchanged until the fold closes, so a
+        large message is handed over (common/codec.py `hand_over`): it is not snapshot, and each
+        call cuts its own frames as it sends them, so the server never holds the broadcast's
+        frames whole.  A tensor changed while a late call still sends fails that call
+        (`SnapshotChanged`), never sends other bytes."""
         encoded: dict[int, tuple[Payload, Encoded]] = {}   # id(message) -> (message kept alive, frames)
         calls: dict[Hashable, Future] = {}
         for req in requests:
             if id(req.message) not in encoded:
-                encoded[id(req.message)] = (req.message, self.endpoint.prepare(req.message))
+                encoded[id(req.message)] = (req.message, self._prepare(req.message, fold is not None))
         if self.batch:
             for group in self._batches(requests, encoded):
                 futures: dict[Hashable, Future] = {req.key: Future() for req in group}
@@ -133,6 +138,21 @@ class Fabric:
             except CALL_ERRORS as exc:
                 failures[req.key] = str(exc)
         return results, failures
+
+    def _prepare(self, message: Payload, streamed: bool) -> Encoded:
+        """The message's frames; in a streamed round a message larger than one chunk is cut per
+        call (`hand_over(keep_frames=False)`).  The hand-over marks are taken off once it is
+        encoded: the calls check the tensors' versions they captured, and a later encode of the
+        same tensors (outside this round's contract) snapshots them again."""
+        large = streamed and message.tensor_bytes() > self.endpoint.chunk_bytes
+        if not large:
+            return self.endpoint.prepare(message)
+        hand_over(message, keep_frames=False)
+        try:
+            return self.endpoint.prepare(message)
+        finally:
+            for t in message.tensors.values():
+                t._fedhop_handed_over = None   # type: ignore[attr-defined]
 
     def _batches(self, requests: list[Send], encoded: dict[int, tuple[Payload, Encoded]]) -> list[list[Send]]:
         """The requests grouped by process address, in order, each group at most one chunk of
@@ -195,11 +215,14 @@ class Fabric:
                 req.on_reply(req.key)
             if req.inbound is not None:
                 reply = req.inbound(reply, req.who or f"round {round} reply of {req.dst}")
+            return reply if fold is None else _folded(fold, req.key, reply)
         except BaseException:
             if fold is not None:
                 fold.skip(req.key)   # the turn moves past it
             raise
-        return reply if fold is None else _folded(fold, req.key, reply)
+        finally:
+            if fold is not None:
+                fold.release()   # the reply is folded, spilled or refused: its receive slot is free
 
     def close(self) -> None:
         self.closed = True
@@ -215,7 +238,7 @@ class GatedBound(ReplyBound):
 
 def _folded(fold: "OrderedFold", key: Hashable, reply: Payload) -> Payload:
     """`reply` offered to `fold`; what the caller keeps of it (its scalars)."""
-    if not fold.offer(key, reply):
+    if not fold.offer(key, reply, take=True):
         raise CallFailed("timeout", "the reply came after the round's deadline")
     return Payload(scalars=dict(reply.scalars), control=reply.control)
 
