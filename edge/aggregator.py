@@ -6,12 +6,18 @@ each a broadcast of the edge's current message to those clients (who run kappa1 
 `algorithm.local_steps` local steps) and a reduction of their replies; between iterations the
 edge applies the algorithm's `edge_step` to its own model.  It answers the server with one
 partial aggregate, so the server reduces edges exactly as it would reduce clients.
+
+The iterations are one loop (`EdgeAggregator.hierfavg`) for every transport; what varies is one
+iteration's exchange with the clients, the transport's EDGE_STEP plane
+(common/transport/factory.py): `ClusterFanout` here (a fan-out through the fabric, the round
+arriving as `edge_round`), or edge/group_edge.py `GroupEdge` (a group round in this edge's
+cluster group, the round arriving in the server's group).
 """
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -29,6 +35,7 @@ from fedhop.common.tasks.placed import place_task
 from fedhop.common.topology import cluster_assignment, topology_params
 from fedhop.common.transport.base import Endpoint, HandlerError, Request
 from fedhop.common.transport.fabric import Fabric, Send, reply_chain, upload
+from fedhop.common.transport.factory import EDGE_STEP, data_plane
 from fedhop.common.transport.router import MethodRouter, Peers
 from fedhop.common.validation import ReplyLimiter, finite_step, finite_streamed
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -60,7 +67,7 @@ class EdgeAggregator:
         self.shutdown_event = threading.Event()
         self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
         self.fabric = Fabric(endpoint, max_workers=32, batch=cfg.transport.batch)
-        self.group_edge = None   # this edge's side of the group data plane (edge/group_edge.py), made on first use
+        self._plane: Any = None   # this edge's EDGE_STEP plane (`plane`), made on first use
         self.router = self._routes(parent)
 
     # ------------------------------------------------------------------ registration of clients
@@ -101,7 +108,7 @@ class EdgeAggregator:
             # checkpoints: the cluster's client states (common/checkpoint.py)
             Method.STATE_GET: self._client_state_call,
             Method.STATE_SET: self._client_state_call,
-            # the group data plane (edge/group_edge.py)
+            # the group data plane, where the transport has one (edge/group_edge.py)
             Method.TORCH_PROCS: lambda request: self.group().processes(),
             Method.TORCH_INIT: lambda request: self.group().init(request.payload),
             Method.TORCH_EDGE_ROUND: lambda request: self.group().round(int(request.envelope.round), request.payload),
@@ -110,12 +117,21 @@ class EdgeAggregator:
         })
         return router
 
-    def group(self):
-        """This edge's side of the group data plane, made on the first torch_* call."""
-        if self.group_edge is None:
-            from fedhop.edge.group_edge import GroupEdge
-            self.group_edge = GroupEdge(self)
-        return self.group_edge
+    @property
+    def plane(self) -> Any:
+        """This edge's exchange with its clients: the transport's EDGE_STEP plane, made on first use."""
+        if self._plane is None:
+            self._plane = data_plane(self.cfg.transport.kind, EDGE_STEP, self.cfg.topology.kind)(self)
+        return self._plane
+
+    def group(self) -> Any:
+        """This edge's side of the group data plane (the torch_* methods): the transport's
+        EDGE_STEP plane where it joins groups; a transport that fans out has none."""
+        plane = self.plane
+        if not plane.joins_groups:
+            raise HandlerError("BAD_REQUEST", f"{self.endpoint.node_id}: transport.kind = "
+                                              f"'{self.cfg.transport.kind}' has no group data plane")
+        return plane
 
     def handle(self, request: Request) -> Payload:
         env = request.envelope
@@ -136,41 +152,53 @@ class EdgeAggregator:
         return Payload(scalars={"clients": len(self.cluster)})
 
     def edge_round(self, round: int, message: Payload) -> Payload:
+        """A round that arrives as a call (the fan-out transports): the iterations, then one
+        partial (QSGD-coded where configured) with the failures and unavailable clients."""
         sampled = list(control_of(message).clients)   # the server's sample in this edge's cluster
         message = without_control(message)           # what the clients get: the server's tensors and scalars
-        stray = [c for c in sampled if c not in self.cluster]
-        if stray:
-            raise HandlerError("UNKNOWN_CLIENT", f"clients {stray} are not in {self.endpoint.node_id}'s cluster")
-        kappa2 = getattr(self.params, "kappa2", 1)
-        start = message
-        failures: dict[int, str] = {}
-        partial: Payload | None = None
-        for k in range(kappa2):
-            live = [c for c in sampled if c not in failures]
-            replies, failed = self.collect(live, round, k, message, stream=self.algorithm.streams())
-            failures.update(failed)
-            if not replies:
-                break
-            fold = getattr(replies, "fold", None)   # folded as they arrived (common/streaming.py)
-            if fold is not None:   # a sum that is not finite: the worst named, no partial this time
-                partial, blamed = finite_streamed(self.algorithm, None, fold.result(), fold.magnitudes, round)
-            else:
-                partial, blamed = finite_step(self.algorithm, None, replies, round)   # NaN/Inf sums: offender out
-            failures.update(blamed)
-            if partial is None:
-                break
-            if k < kappa2 - 1:
-                message = self.algorithm.edge_step(message, partial)
+        self.check_sampled(sampled)
+        partial, failures = self.hierfavg(round, sampled, message)
         if partial is None:
             raise HandlerError("NO_RESULTS", f"none of {self.endpoint.node_id}'s {len(sampled)} sampled clients "
                                              f"returned a result: {failures}")
-        if kappa2 > 1:
-            partial = self.algorithm.edge_partial(start, message, partial)
         partial.control = failures_control(failures)
         gone = self.unavailable_processes()   # reported to the server, which samples around their clients
         partial.control.clients.extend(sorted(c for c, (node, _) in self.client_home.items() if node in gone))
         partial.control.processes.extend(sorted(gone))
         return upload(self.cfg, partial, self.endpoint.node_id, round, 0, Method.EDGE_ROUND)   # QSGD (common/pipeline.py)
+
+    def check_sampled(self, sampled: list[int]) -> None:
+        stray = [c for c in sampled if c not in self.cluster]
+        if stray:
+            raise HandlerError("UNKNOWN_CLIENT", f"clients {stray} are not in {self.endpoint.node_id}'s cluster")
+
+    def hierfavg(self, round: int, sampled: list[int], message: Payload) -> tuple[Payload | None, dict[int, str]]:
+        """HierFAVG's kappa2 edge iterations (Liu et al. 2020, Algorithm 1) from the server's
+        `message`: each one the transport's exchange with the live sampled clients
+        (`plane.step`: their partial and failures), then `edge_step` to the edge model between
+        iterations.  An iteration without a partial (no client answered, or every answer left
+        out as NaN/Inf) ends them; the edge then answers with the last partial it has.  With
+        kappa2 > 1 the answer is the algorithm's `edge_partial`: the edge model's change, from
+        the model that last partial was trained from.  Returns the partial (None when the first
+        iteration had none) and the failures by client."""
+        kappa2 = getattr(self.params, "kappa2", 1)
+        start = base = message   # base: the edge model the last partial was trained from
+        failures: dict[int, str] = {}
+        partial: Payload | None = None
+        for k in range(kappa2):
+            live = [c for c in sampled if c not in failures]
+            if not live:
+                break
+            part, failed = self.plane.step(round, k, live, message)
+            failures.update(failed)
+            if part is None:
+                break
+            partial, base = part, message
+            if k < kappa2 - 1:
+                message = self.algorithm.edge_step(message, partial)
+        if partial is not None and kappa2 > 1:
+            partial = self.algorithm.edge_partial(start, base, partial)   # (base + its mean delta) - start
+        return partial, failures
 
     def collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None, stream: bool = False):
         """Send `message` to `clients` (one encoding), gather replies checked against `spec`
@@ -223,3 +251,29 @@ class EdgeAggregator:
         for node, why in sorted(failures.items()):
             log.warning("shutdown of %s failed: %s", node, why)
         self.fabric.close()
+
+
+class ClusterFanout:
+    """The EDGE_STEP plane of the fan-out transports (gRPC, in-memory): one edge iteration is
+    a fan-out of the message to the clients through the fabric (`EdgeAggregator.collect`,
+    folded as the replies arrive where the algorithm streams), their replies aggregated in
+    client-id order; a sum holding NaN/Inf leaves its worst reply out (common/validation.py)."""
+
+    joins_groups: ClassVar[bool] = False
+
+    def __init__(self, aggregator: EdgeAggregator) -> None:
+        self.agg = aggregator
+
+    def step(self, round: int, step: int, clients: list[int], message: Payload
+             ) -> tuple[Payload | None, dict[int, str]]:
+        agg = self.agg
+        replies, failures = agg.collect(clients, round, step, message, stream=agg.algorithm.streams())
+        if not replies:
+            return None, failures
+        fold = getattr(replies, "fold", None)   # folded as they arrived (common/streaming.py)
+        if fold is not None:   # a sum that is not finite: the worst named, no partial this time
+            partial, blamed = finite_streamed(agg.algorithm, None, fold.result(), fold.magnitudes, round)
+        else:
+            partial, blamed = finite_step(agg.algorithm, None, replies, round)   # NaN/Inf sums: offender out
+        failures.update(blamed)
+        return partial, failures

@@ -1,35 +1,38 @@
 """An edge's side of the group data plane, hierarchical and sequential topologies (common/transport/groups.py).
 
-The edge belongs to two groups of the transport's world (set up by `torch_init`): the top group
-{server, every edge}, rooted at the server, and its cluster group {this edge, its client
-processes}, rooted here.
+The EDGE_STEP and SEQ_EDGE_PATH planes of a transport with groups (torch.distributed;
+common/transport/factory.py GROUP_PLANES).  The edge belongs to two groups of the transport's
+world (set up by `torch_init`): the top group {server, every edge}, rooted at the server, and
+its cluster group {this edge, its client processes}, rooted here.
 
-One HierFAVG round at this edge (same steps as the per-client fan-out, edge/aggregator.py `edge_round`):
+One HierFAVG round at this edge (the loop is edge/aggregator.py `EdgeAggregator.hierfavg`, as
+for the fan-out):
   1. receive the server's message in the top group (`torch_edge_round`);
-  2. for k = 0..kappa2-1: one cluster round (the current edge model to the client processes,
-     which train their sampled clients; their partials reduced into this edge), then the
-     algorithm's `edge_step` between iterations;
-  3. after kappa2 > 1 iterations, `edge_partial`; contribute the partial to the server's reduce
-     in the top group (`torch_edge_reduce`).
+  2. the kappa2 iterations, each `GroupEdge.step`: one cluster round (the current edge model to
+     the client processes, which train their sampled clients; their partials reduced into this
+     edge);
+  3. contribute the partial to the server's reduce in the top group (`torch_edge_reduce`).
 A group round needs every member, so a client process that fails or does not answer fails this
 edge's round (COLLECTIVE_FAILED, naming the process), which the server turns into a failed run.
 """
 from __future__ import annotations
-
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
 from fedhop.common.methods import Method
 from fedhop.common.pipeline import reduced_chain
 from fedhop.common.topology import edge_node
-from fedhop.common.transport.base import CallFailed, HandlerError
-from fedhop.common.transport.groups import worlds
+from fedhop.common.transport.base import HandlerError
+from fedhop.common.transport.groups import send_beside_call, worlds
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
 
 
 class GroupEdge:
+    """This edge's membership of the transport's world; its EDGE_STEP plane (`step`)."""
+
+    joins_groups = True
+
     def __init__(self, aggregator) -> None:
         self.agg = aggregator
         self.node_id: str = aggregator.endpoint.node_id
@@ -55,29 +58,11 @@ class GroupEdge:
         """Steps 1-2 of the module docstring; the reply holds the failures and the partial's description."""
         world = self.ready()
         incoming = world.top.receive(round, payload)
-        sampled = incoming.clients
-        stray = [c for c in sampled if c not in self.agg.cluster]
-        if stray:
-            raise HandlerError("UNKNOWN_CLIENT", f"clients {stray} are not in {self.node_id}'s cluster")
-        message = start = incoming.message
-        failures, partial = {}, None
-        kappa2 = getattr(self.agg.params, "kappa2", 1)
-        for k in range(kappa2):   # HierFAVG (Liu et al. 2020, Algorithm 1): kappa2 edge aggregations
-            live = [c for c in sampled if c not in failures]
-            if not live:
-                break
-            part, failed = self.iteration(round, k, live, message)
-            failures.update(failed)
-            if part is None:
-                break
-            partial = part
-            if k < kappa2 - 1:
-                message = self.agg.algorithm.edge_step(message, partial)
-        if partial is not None and kappa2 > 1:
-            partial = self.agg.algorithm.edge_partial(start, message, partial)
+        self.agg.check_sampled(incoming.clients)
+        partial, failures = self.agg.hierfavg(round, incoming.clients, incoming.message)
         return world.top.answer(partial, failures, self.agg.algorithm.reply_reduce)
 
-    def iteration(self, round: int, step: int, clients: list[int], message: Payload):
+    def step(self, round: int, step: int, clients: list[int], message: Payload):
         """One cluster round: the message to the client processes, their partials reduced here."""
         by_proc: dict[str, list[int]] = {}
         for cid in clients:
@@ -116,7 +101,7 @@ class GroupModelPath:
 
     def cluster_step(self, round: int, step: int, message: Payload) -> tuple[Payload | None, dict[int, str]]:
         group_edge = self.group_edge
-        partial, failed = group_edge.iteration(round, step, list(self.edge.agg.cluster), message)
+        partial, failed = group_edge.step(round, step, list(self.edge.agg.cluster), message)
         if partial is not None:
             reduced_chain(self.edge.spec, Method.TORCH_REDUCE, round=round)(
                 partial, f"round {round} step {step} reduced partial of {group_edge.node_id}'s client processes")
@@ -143,17 +128,9 @@ class GroupModelPath:
         return self.edge.model_in(Payload(tensors=tensors), f"resumed model for round {round}")
 
     def send_model(self, round: int, peer: int, address: str, w: dict[str, torch.Tensor]) -> None:
-        group_edge, fabric, timeout = self.group_edge, self.edge.agg.fabric, self.edge.cfg.run.call_timeout
-        node = edge_node(peer)
-        call = fabric.submit(fabric.call, address, node, Method.SEQ_HANDOFF, Payload(), round=round, timeout=timeout)
-        try:
-            group_edge.world.peers.send([w[k] for k in self.edge.spec], node, round, "edge-edge")
-        except RuntimeError as exc:
-            raise CallFailed("COLLECTIVE_FAILED", f"peer send failed: {exc}", node) from None
-        try:
-            call.result(timeout=timeout)
-        except FutureTimeout:
-            raise CallFailed("DEADLINE_EXCEEDED", f"no hand-off confirmation within {timeout:g}s", node) from None
+        send_beside_call(self.edge.agg.fabric, self.group_edge.world.peers, address, edge_node(peer),
+                         Method.SEQ_HANDOFF, [w[k] for k in self.edge.spec], round=round, link="edge-edge",
+                         timeout=self.edge.cfg.run.call_timeout, what="the hand-off")
 
     def final_model(self, w: dict[str, torch.Tensor], reply: Payload) -> None:
         self.final = dict(w)   # the server fetches it with `seq_final` (a peer send)

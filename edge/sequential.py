@@ -23,7 +23,7 @@ The edges sit on a graph and pass one model token; the server never holds it.  T
 
 With `[transport] kind = "torch"` (docs/torch_transport.md) the tensors travel as
 torch.distributed operations and the gRPC calls above carry only control: each step's
-broadcast and reduce run in this edge's cluster group (edge/group_edge.py `iteration`), the
+broadcast and reduce run in this edge's cluster group (edge/group_edge.py `GroupEdge.step`), the
 hand-off is a `dist.send` to the next edge's rank (the `seq_handoff` call tells it to post the
 matching `dist.recv`), and the final model is a `dist.send` to the server (rank 0).
 
@@ -53,9 +53,9 @@ from fedhop.common.tasks.placed import place_task
 from fedhop.common.topology import SEQ_METRIC_PREFIX, edge_graph, topology_params
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
 from fedhop.common.transport.fabric import Send
+from fedhop.common.transport.factory import SEQ_EDGE_PATH, data_plane
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
-from fedhop.edge.group_edge import GroupModelPath
 
 log = logging.getLogger("fedhop.edge")
 
@@ -77,7 +77,8 @@ class SequentialEdge:
         self.token: dict[str, torch.Tensor] | None = None
         self.token_round = 0                              # the round the held token is for
         self.model_in = model_chain(self.spec, Method.SEQ_HANDOFF)   # every model that arrives (common/pipeline.py)
-        self.path = model_path(self)                       # how the model moves: MODEL_PATHS
+        # how the model moves: the transport's model path (common/transport/factory.py)
+        self.path = data_plane(self.cfg.transport.kind, SEQ_EDGE_PATH, self.cfg.topology.kind)(self)
         self._lock = threading.Lock()
         self._routes()
 
@@ -233,14 +234,3 @@ class EdgeInlineModelPath:
         raise HandlerError("BAD_REQUEST", f"{self.edge.endpoint.node_id}: {Method.SEQ_FINAL.value} is for "
                                           f"transport.kind = 'torch'; the final model came in the round's reply")
 
-
-#: transport.kind -> how Fed-CHS's model moves at an edge (the edge-side data planes)
-MODEL_PATHS = {"grpc": EdgeInlineModelPath, "inmemory": EdgeInlineModelPath, "torch": GroupModelPath}
-
-
-def model_path(edge: SequentialEdge):
-    kind = edge.cfg.transport.kind
-    if kind not in MODEL_PATHS:
-        raise ValueError(f"topology.kind = 'sequential' does not run over transport.kind = '{kind}' "
-                         f"(it runs over {', '.join(sorted(MODEL_PATHS))})")
-    return MODEL_PATHS[kind](edge)

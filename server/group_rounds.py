@@ -15,14 +15,13 @@ results equal it within float rounding, not bit for bit (docs/torch_transport.md
 from __future__ import annotations
 
 import logging
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from fedhop.common.codec import PayloadError
 from fedhop.common.methods import Method
 from fedhop.common.pipeline import reduced_chain
 from fedhop.common.topology import edge_index
 from fedhop.common.transport.base import CallFailed, RemoteError
-from fedhop.common.transport.groups import Group, GroupFailed, Member, worlds
+from fedhop.common.transport.groups import Group, GroupFailed, Member, recv_beside_call, send_beside_call, worlds
 from fedhop.common.wire.message import Payload
 from fedhop.server.driver import DriverContext, RunFailed
 from fedhop.server.sampled import DataPlane
@@ -127,31 +126,19 @@ class GroupSequentialPath:
         fabric, timeout = self.coord.fabric, self.coord.cfg.run.round_timeout * 2
         if not resumed:
             return fabric.call(node.address, node.node_id, Method.SEQ_ROUND, message, round=round, timeout=timeout)
-        call = fabric.submit(fabric.call, node.address, node.node_id, Method.SEQ_ROUND,
-                             Payload(scalars=message.scalars, control=message.control), round=round, timeout=timeout)
-        try:
-            self.peers.send(list(message.tensors.values()), node.node_id, round, "edge-server")
-        except RuntimeError as exc:
-            raise CallFailed("COLLECTIVE_FAILED", f"sending the resumed model failed: {exc}", node.node_id) from None
-        try:
-            return call.result(timeout=timeout)
-        except FutureTimeout:
-            raise CallFailed("DEADLINE_EXCEEDED", f"no answer within {timeout:g}s", node.node_id) from None
+        return send_beside_call(fabric, self.peers, node.address, node.node_id, Method.SEQ_ROUND,
+                                list(message.tensors.values()), payload=Payload(scalars=message.scalars,
+                                                                                control=message.control),
+                                round=round, link="edge-server", timeout=timeout, what="the resumed model")
 
     def final_model(self, node, round: int, reply: Payload, spec) -> Payload:
-        fabric, timeout = self.coord.fabric, self.coord.cfg.run.round_timeout
-        call = fabric.submit(fabric.call, node.address, node.node_id, Method.SEQ_FINAL, Payload(), round=round,
-                             timeout=timeout)
         try:
-            tensors = self.peers.recv([(k, dtype, shape) for k, (dtype, shape) in spec.items()], node.node_id,
-                                      round, "edge-server")
-        except RuntimeError as exc:
-            raise RunFailed(f"round {round}: the final model from {node.node_id} did not arrive: {exc}") from None
-        try:
-            call.result(timeout=timeout)
-        except (CallFailed, RemoteError, PayloadError, FutureTimeout) as exc:
-            raise RunFailed(f"round {round}: {node.node_id} failed to send the final model: {exc}") from None
+            tensors = recv_beside_call(self.coord.fabric, self.peers, node.address, node.node_id, Method.SEQ_FINAL,
+                                       [(k, dtype, shape) for k, (dtype, shape) in spec.items()], round=round,
+                                       link="edge-server", timeout=self.coord.cfg.run.round_timeout,
+                                       what="the final model")
+        except (CallFailed, RemoteError, PayloadError) as exc:
+            raise RunFailed(f"round {round}: the final model from {node.node_id}: {exc}") from None
         return Payload(scalars=reply.scalars, tensors=tensors)
-
 
 __all__ = ["GroupRounds", "HierGroupRounds", "GroupSequentialPath", "CollectiveFailed"]

@@ -3,10 +3,12 @@
 A round samples clients, sends them the algorithm's message, gathers their results (or, in the
 hierarchical topology, one partial aggregate per edge) and completes the round in the
 Coordinator (aggregation, server step, metrics).  How the message reaches the clients is the
-round's data plane, chosen by `transport.kind` from the driver's `planes`:
+round's data plane, the transport's class for the driver's `concept` (STAR_ROUND or HIER_ROUND,
+common/transport/factory.py `data_plane`):
 
 - gRPC (and the in-memory test transport): a fan-out through the fabric, to the sampled
-  clients (star) or to the edges of the sampled clients (hierarchical, edge/aggregator.py);
+  clients (star, `ClientFanout`) or to the edges of the sampled clients (hierarchical,
+  `EdgeFanout`, edge/aggregator.py);
 - torch.distributed: one group round per round (a broadcast and a reduce over collectives),
   to the client processes (star) or to the edges (hierarchical) (server/group_rounds.py).
 """
@@ -14,13 +16,14 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 from fedhop.common.control import control_of, failures_of, sampled_clients
 from fedhop.common.methods import Method
 from fedhop.common.streaming import OrderedFold, StreamedResults, reply_budget
 from fedhop.common.topology import edge_index
 from fedhop.common.transport.fabric import Send, reply_chain
+from fedhop.common.transport.factory import HIER_ROUND, STAR_ROUND, NoDataPlane, data_plane
 from fedhop.common.wire.message import Payload
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
 
@@ -119,20 +122,19 @@ def round_fold(ctx: DriverContext, keys: list, spec, per_client: bool) -> Ordere
 
 
 class SampledRoundDriver(TopologyDriver):
-    """A round of sampled clients; `planes` maps transport.kind to the round's data plane."""
+    """A round of sampled clients; its data plane is the transport's class for `concept`."""
 
-    planes: ClassVar[dict[str, Callable[[DriverContext], DataPlane]]] = {}
+    concept: ClassVar[str] = STAR_ROUND   # common/transport/factory.py PLANE_CONCEPTS
 
     def __init__(self, ctx: DriverContext) -> None:
         super().__init__(ctx)
         self.plane: DataPlane | None = None
 
     def start(self) -> None:
-        kind = self.ctx.cfg.transport.kind
-        if kind not in self.planes:
-            raise RunFailed(f"topology.kind = '{self.kind}' does not run over transport.kind = '{kind}' "
-                            f"(it runs over {', '.join(sorted(self.planes))})")
-        factory = self.planes[kind]
+        try:
+            factory = data_plane(self.ctx.cfg.transport.kind, self.concept, self.kind)
+        except NoDataPlane as exc:
+            raise RunFailed(str(exc)) from None
         try:
             self.plane = factory(self.ctx)
         except (RuntimeError, ValueError) as exc:   # a torch.distributed world that could not be set up
@@ -171,21 +173,11 @@ class SampledRoundDriver(TopologyDriver):
             attempt += 1
 
 
-def _group_star(ctx: DriverContext) -> DataPlane:
-    from fedhop.server.group_rounds import GroupRounds  # which imports DataPlane from here
-    return GroupRounds(ctx)
-
-
-def _group_hierarchical(ctx: DriverContext) -> DataPlane:
-    from fedhop.server.group_rounds import HierGroupRounds
-    return HierGroupRounds(ctx)
-
-
 @register_driver("star")
 class StarDriver(SampledRoundDriver):
-    planes = {"grpc": ClientFanout, "inmemory": ClientFanout, "torch": _group_star}
+    concept = STAR_ROUND
 
 
 @register_driver("hierarchical")
 class HierarchicalDriver(SampledRoundDriver):
-    planes = {"grpc": EdgeFanout, "inmemory": EdgeFanout, "torch": _group_hierarchical}
+    concept = HIER_ROUND

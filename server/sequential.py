@@ -24,10 +24,10 @@ from fedhop.common.pipeline import model_chain
 from fedhop.common.topology import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, start_edge
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.fabric import Send
+from fedhop.common.transport.factory import SEQ_SERVER_PATH, data_plane
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
-from fedhop.server.group_rounds import GroupSequentialPath
 
 
 @register_driver("sequential")
@@ -41,14 +41,10 @@ class SequentialDriver(TopologyDriver):
         if not getattr(coord.algorithm, "sequential", False):
             raise RunFailed(f"topology.kind = 'sequential' needs a sequential algorithm (its model walks the edges: "
                             f"fedchs), got '{cfg.algorithm.name}'")
-        kind = cfg.transport.kind
-        if kind not in MODEL_PATHS:
-            raise RunFailed(f"topology.kind = 'sequential' does not run over transport.kind = '{kind}' "
-                            f"(it runs over {', '.join(sorted(MODEL_PATHS))})")
-        try:
-            self.path = MODEL_PATHS[kind](coord)   # how the model reaches the server and leaves it
-        except (RuntimeError, ValueError) as exc:   # a torch.distributed world that could not be set up
-            raise RunFailed(str(exc)) from None
+        try:   # how the model reaches the server and leaves it: the transport's model path
+            self.path = data_plane(cfg.transport.kind, SEQ_SERVER_PATH, self.kind)(coord)
+        except (RuntimeError, ValueError) as exc:   # no model path (NoDataPlane), or a torch.distributed world
+            raise RunFailed(str(exc)) from None       # that could not be set up
         try:
             self.graph = edge_graph(cfg)
             self.start_edge = start_edge(cfg)
@@ -200,7 +196,3 @@ class ServerInlineModelPath:
 
     def final_model(self, node, round: int, reply: Payload, spec) -> Payload:
         return reply
-
-
-#: transport.kind -> how Fed-CHS's model reaches the server and leaves it (edge/sequential.py has the edges' side)
-MODEL_PATHS = {"grpc": ServerInlineModelPath, "inmemory": ServerInlineModelPath, "torch": GroupSequentialPath}

@@ -1,12 +1,16 @@
-"""The transport registry: `transport.kind` -> how a process builds its endpoint and its group worlds.
+"""The transport registry: `transport.kind` -> its endpoint, its group worlds and its data planes.
 
 A transport is its own files plus one line in `TRANSPORTS`: the builder of its `Endpoint`
-(common/transport/base.py: the messages, control and data, with their ledger records) and its
-`Worlds` (common/transport/groups.py: how groups broadcast and reduce).  Entries name their
-objects as "module:attribute" and are imported on first use, so a process imports only the
-transport it runs (torch.distributed only where kind = "torch").
+(common/transport/base.py: the messages, control and data, with their ledger records), its
+`Worlds` (common/transport/groups.py: how groups broadcast and reduce) and its `planes`: for
+each *concept* of a role that moves tensors (`PLANE_CONCEPTS`: a star round, a hierarchical
+round, an edge's HierFAVG step, Fed-CHS's model path at the server and at an edge), the class
+that does it.  Entries name their objects as "module:attribute" and are imported on first use,
+so a process imports only the transport it runs (torch.distributed only where kind = "torch"),
+and common/ imports no role module: a role asks `data_plane(kind, concept)` and gets its class.
 
     endpoint = make_endpoint(cfg.transport.kind, "server", ledger, chunk_bytes=..., credentials=...)
+    plane = data_plane(cfg.transport.kind, STAR_ROUND)(ctx)
 
 - grpc: `GrpcEndpoint` (real sockets), groups as fan-outs of fabric calls;
 - torch: the same gRPC endpoint for every message (registration, control, the round's calls),
@@ -16,8 +20,9 @@ transport it runs (torch.distributed only where kind = "torch").
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhop.common.ledger import Ledger
@@ -25,10 +30,38 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedhop.common.transport.groups import Worlds
 
 
+# the concepts a transport gives a data plane for (what each plane class implements: its role's docstring)
+STAR_ROUND = "star round"                  # server: a star round's dispatch (server/sampled.py `DataPlane`)
+HIER_ROUND = "hierarchical round"          # server: a hierarchical round's dispatch (`DataPlane`)
+EDGE_STEP = "edge step"                    # edge: one HierFAVG edge iteration with its clients (edge/aggregator.py)
+SEQ_SERVER_PATH = "sequential server path"  # server: how Fed-CHS's model reaches and leaves the server
+SEQ_EDGE_PATH = "sequential edge path"      # edge: how Fed-CHS's model moves at an edge
+PLANE_CONCEPTS = (STAR_ROUND, HIER_ROUND, EDGE_STEP, SEQ_SERVER_PATH, SEQ_EDGE_PATH)
+
+#: the data planes of a transport that carries tensors inside its calls (gRPC, in-memory): fan-outs
+FANOUT_PLANES: Mapping[str, str] = MappingProxyType({
+    STAR_ROUND: "fedhop.server.sampled:ClientFanout",
+    HIER_ROUND: "fedhop.server.sampled:EdgeFanout",
+    EDGE_STEP: "fedhop.edge.aggregator:ClusterFanout",
+    SEQ_SERVER_PATH: "fedhop.server.sequential:ServerInlineModelPath",
+    SEQ_EDGE_PATH: "fedhop.edge.sequential:EdgeInlineModelPath",
+})
+
+#: the data planes of a transport with group collectives and peer sends (torch.distributed)
+GROUP_PLANES: Mapping[str, str] = MappingProxyType({
+    STAR_ROUND: "fedhop.server.group_rounds:GroupRounds",
+    HIER_ROUND: "fedhop.server.group_rounds:HierGroupRounds",
+    EDGE_STEP: "fedhop.edge.group_edge:GroupEdge",
+    SEQ_SERVER_PATH: "fedhop.server.group_rounds:GroupSequentialPath",
+    SEQ_EDGE_PATH: "fedhop.edge.group_edge:GroupModelPath",
+})
+
+
 @dataclass(frozen=True)
 class Transport:
-    """One transport kind: "module:attribute" of its endpoint builder and of its `Worlds`, and
-    what the rest of fedhop must know of it without naming it:
+    """One transport kind: "module:attribute" of its endpoint builder, of its `Worlds` and of
+    its data plane per concept (default: the fan-outs, tensors inside the calls), and what the
+    rest of fedhop must know of it without naming it:
 
     - `params`: the dataclass of its own `[transport]` keys (validated like every options table),
       or None when it takes none;
@@ -42,6 +75,7 @@ class Transport:
 
     endpoint: str   # a callable (node_id, ledger, **options) -> Endpoint
     worlds: str     # a Worlds instance
+    planes: Mapping[str, str] = field(default_factory=lambda: FANOUT_PLANES)   # concept -> a class taking the role
     params: str | None = None
     sums_in_collective: bool = False
     own_device: str | None = None
@@ -55,8 +89,8 @@ PROCESS_TRANSPORT = "grpc"
 TRANSPORTS: dict[str, Transport] = {
     "grpc": Transport("fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.groups:FANOUT_WORLDS"),
     "torch": Transport("fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.torch_groups:TORCH_WORLDS",
-                       params="fedhop.common.transport.torchdist:TorchParams", sums_in_collective=True,
-                       own_device="fedhop.common.transport.torchdist:rank_per_gpu"),
+                       GROUP_PLANES, params="fedhop.common.transport.torchdist:TorchParams",
+                       sums_in_collective=True, own_device="fedhop.common.transport.torchdist:rank_per_gpu"),
     "inmemory": Transport("fedhop.common.transport.inmemory:network_endpoint",
                           "fedhop.common.transport.groups:FANOUT_WORLDS", one_process=True),
 }
@@ -64,6 +98,10 @@ TRANSPORTS: dict[str, Transport] = {
 
 class UnknownTransport(ValueError):
     """A `transport.kind` no entry of `TRANSPORTS` names."""
+
+
+class NoDataPlane(ValueError):
+    """A transport that gives no data plane for a concept (a topology it does not carry)."""
 
 
 def transport(kind: str) -> Transport:
@@ -116,5 +154,23 @@ def worlds_of(kind: str) -> "Worlds":
     return _load(transport(kind).worlds)
 
 
-__all__ = ["TRANSPORTS", "PROCESS_TRANSPORT", "Transport", "UnknownTransport", "transport", "endpoint_builder", "make_endpoint",
-           "worlds_of", "params_of", "sums_in_collective", "own_device_per_process"]
+def transports_with(concept: str) -> list[str]:
+    """The transport kinds that give a data plane for `concept`, sorted."""
+    return sorted(kind for kind, entry in TRANSPORTS.items() if concept in entry.planes)
+
+
+def data_plane(kind: str, concept: str, topology: str) -> Any:
+    """Transport `kind`'s class for `concept` (PLANE_CONCEPTS), imported on first use; one it
+    does not have is NoDataPlane, one line naming `topology` (the topology.kind that needs it)
+    and the transports that carry it."""
+    target = transport(kind).planes.get(concept)
+    if target is None:
+        raise NoDataPlane(f"topology.kind = '{topology}' does not run over transport.kind = '{kind}' "
+                          f"(it runs over {', '.join(transports_with(concept))})")
+    return _load(target)
+
+
+__all__ = ["TRANSPORTS", "PROCESS_TRANSPORT", "Transport", "UnknownTransport", "NoDataPlane", "transport",
+           "endpoint_builder", "make_endpoint", "worlds_of", "params_of", "sums_in_collective",
+           "own_device_per_process", "data_plane", "transports_with", "PLANE_CONCEPTS",
+           "STAR_ROUND", "HIER_ROUND", "EDGE_STEP", "SEQ_SERVER_PATH", "SEQ_EDGE_PATH", "FANOUT_PLANES", "GROUP_PLANES"]

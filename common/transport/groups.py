@@ -29,12 +29,13 @@ is a failure of that client, never of the round.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping, Protocol
 
 from fedhop.common.control import control_of, failures_control, failures_of
 from fedhop.common.methods import Method
-from fedhop.common.transport.base import HandlerError
+from fedhop.common.transport.base import CallFailed, HandlerError
 from fedhop.common.transport.fabric import Fabric, Send
 from fedhop.common.transport.factory import worlds_of
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -169,6 +170,53 @@ class FanoutMember(GroupMember):
         raise GroupFailed("NO_REDUCE", "a fan-out group's partials come in the round's replies")
 
 
+# ----------------------------------------------------------------------------- peer sends beside a call
+class PeerSends(Protocol):
+    """A world's point-to-point sends by node id (torch_groups.py `TorchPeers`)."""
+
+    def knows(self, node: str) -> bool: ...
+
+    def send(self, tensors: list[Any], node: str, round: int, link: str) -> None: ...
+
+    def recv(self, specs: list[tuple[str, Any, tuple[int, ...]]], node: str, round: int,
+             link: str) -> dict[str, Any]: ...
+
+
+def send_beside_call(fabric: Fabric, peers: PeerSends, address: str, node: str, method: Method, tensors: list[Any],
+                     *, round: int, link: str, timeout: float, what: str, payload: Payload | None = None) -> Payload:
+    """Send `tensors` to `node` as a peer send while the control call `method` (carrying
+    `payload`, no tensors) makes it post the matching receive; the call's reply.  A send that
+    breaks, or a call without an answer within `timeout`, is a CallFailed naming `what`."""
+    call = fabric.submit(fabric.call, address, node, method, payload if payload is not None else Payload(),
+                         round=round, timeout=timeout)
+    try:
+        peers.send(tensors, node, round, link)
+    except RuntimeError as exc:
+        raise CallFailed("COLLECTIVE_FAILED", f"sending {what} failed: {exc}", node) from None
+    try:
+        return call.result(timeout=timeout)
+    except FutureTimeout:
+        raise CallFailed("DEADLINE_EXCEEDED", f"no answer to {what} within {timeout:g}s", node) from None
+
+
+def recv_beside_call(fabric: Fabric, peers: PeerSends, address: str, node: str, method: Method,
+                     specs: list[tuple[str, Any, tuple[int, ...]]], *, round: int, link: str, timeout: float,
+                     what: str) -> dict[str, Any]:
+    """Receive tensors of `specs` (name, dtype, shape) from `node`'s peer send, which the
+    control call `method` asks it for.  A receive that breaks, or a call without an answer within
+    `timeout`, is a CallFailed naming `what`; the call's own failure is raised as it came."""
+    call = fabric.submit(fabric.call, address, node, method, Payload(), round=round, timeout=timeout)
+    try:
+        tensors = peers.recv(specs, node, round, link)
+    except RuntimeError as exc:
+        raise CallFailed("COLLECTIVE_FAILED", f"{what} did not arrive: {exc}", node) from None
+    try:
+        call.result(timeout=timeout)
+    except FutureTimeout:
+        raise CallFailed("DEADLINE_EXCEEDED", f"no answer to {what} within {timeout:g}s", node) from None
+    return tensors
+
+
 # ----------------------------------------------------------------------------- worlds by transport
 class Worlds(ABC):
     """How a transport sets up groups: the server's star world (a group of the client
@@ -210,4 +258,4 @@ def worlds(kind: str) -> Worlds:
 
 
 __all__ = ["worlds", "Worlds", "FANOUT_WORLDS", "CLIENT_PROCESSES", "CLUSTER", "EDGES", "STEP_KEY", "GroupFailed", "Member", "GroupResult", "Incoming", "GroupMethods", "Group", "GroupMember",
-           "FanoutGroup", "FanoutMember"]
+           "FanoutGroup", "FanoutMember", "PeerSends", "send_beside_call", "recv_beside_call"]
