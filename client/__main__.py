@@ -10,7 +10,7 @@ import argparse
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         return 2
     creds.aliases.update(client_node(c) for c in args.clients)   # calls to a hosted client name it
-    endpoint = make_endpoint(PROCESS_TRANSPORT, args.node_id, ledger, token="", chunk_bytes=args.chunk_bytes,
-                             max_message_bytes=args.max_message_bytes, credentials=creds)
+    endpoint = cast("GrpcEndpoint", make_endpoint(PROCESS_TRANSPORT, args.node_id, ledger, token="",   # what PROCESS_TRANSPORT builds
+                                                  chunk_bytes=args.chunk_bytes, max_message_bytes=args.max_message_bytes,
+                                                  credentials=creds))
     try:
         proc = ClientProcess(endpoint, args.parent, args.clients, bind=args.listen, device=args.device)
     except (OSError, RuntimeError) as exc:   # grpc: "Failed to bind to address ..."
@@ -134,16 +135,18 @@ def main(argv: list[str] | None = None) -> int:
         endpoint.stop()
         return 2
     freeze_heap()   # set-up done: the collector walks only what the run allocates (common/procexit.py)
-    sec = proc.host.cfg.security
+    host = proc.host
+    assert host is not None   # made by a successful registration
+    sec = host.cfg.security
     gave_up: list[str] = []
 
     def give_up(why: str) -> None:
         gave_up.append(why)
-        proc.host.shutdown_event.set()
+        host.shutdown_event.set()
 
     beats = HeartbeatSender(endpoint, args.parent, interval=sec.heartbeat_interval, parent_timeout=sec.parent_timeout,
                             reregister=proc.reregister, on_give_up=give_up, counts=counter.entries).start()
-    proc.host.before_shutdown.append(lambda: beats.stop(wait=True, final=True))
+    host.before_shutdown.append(lambda: beats.stop(wait=True, final=True))
     stop_on_sigterm()   # SIGTERM or Ctrl-C: leave cleanly, with the status a shell reports for it
     try:
         proc.wait()

@@ -115,9 +115,11 @@ class GossipHost:
                 if not address:
                     raise HandlerError("NO_ADDRESS", f"round {round}: no address for client {j}, a neighbour of "
                                                      f"client {client}")
+                fabric = self.host.fabric
+                assert fabric is not None   # set once this process registered (client/runtime.py)
                 try:
-                    self.host.fabric.call(address, client_node(j), Method.GOSSIP_SHARE, share, round=round,
-                                          step=SEND_STEP, timeout=self.host.cfg.run.call_timeout)
+                    fabric.call(address, client_node(j), Method.GOSSIP_SHARE, share, round=round,
+                                step=SEND_STEP, timeout=self.host.cfg.run.call_timeout)
                 except (CallFailed, RemoteError, PayloadError) as exc:
                     raise HandlerError("SHARE_FAILED", f"round {round}: client {client}'s model did not reach "
                                                        f"client {j}: {exc}") from None
@@ -128,7 +130,7 @@ class GossipHost:
     def take_share(self, src: str, dst: str, round: int, payload: Payload) -> Payload:
         receiver = self._hosted(dst)
         sender = payload.scalars.get("from", -1)
-        if isinstance(sender, bool) or sender not in self.rule.graph[receiver]:
+        if not isinstance(sender, int) or isinstance(sender, bool) or sender not in self.rule.graph[receiver]:
             raise HandlerError("NOT_NEIGHBOUR", f"client {sender!r} (from {src}) is not a neighbour of client "
                                                 f"{receiver} in the gossip graph ({self.rule.graph[receiver]})")
         with self._lock:

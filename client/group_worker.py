@@ -46,7 +46,7 @@ class GroupWorker:
             except (PayloadError, HandlerError, ValueError, RuntimeError) as exc:
                 failures[cid] = str(exc)
         partial = self.host.algorithm.aggregate(sorted(replies.items())) if replies else None
-        return self.member.answer(partial, failures, self.host.algorithm.reply_reduce)
+        return self.ready().answer(partial, failures, self.host.algorithm.reply_reduce)
 
     def reduce(self, round: int, payload: Payload) -> Payload:
         return self.ready().contribute(round, payload)

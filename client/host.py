@@ -8,7 +8,7 @@ one logical client at a time: the process's cores go to that client's tensor ops
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -29,6 +29,10 @@ from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.transport.router import MethodRouter, Peers
 from fedhop.common.wire.message import Payload, finite_or_raise
 
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhop.client.gossip import GossipHost
+    from fedhop.common.transport.fabric import Fabric
+
 
 def parse_client_id(node_id: str) -> int:
     """The logical client a call names (common/nodeids.py); an id that names none is a typed error reply."""
@@ -47,8 +51,9 @@ class ClientHost:
         self.parent = parent   # the node this process registered with: the only one it obeys (but `ping`)
         self.ledger = ledger if ledger is not None else Ledger()
         self.group_worker = None  # the group data plane's member side, made on the first torch_* call
-        self.fabric = None        # this process's sending side (client/runtime.py sets it): WRWGD hand-offs
+        self.fabric: Fabric | None = None   # this process's sending side (client/runtime.py sets it): WRWGD hand-offs
         self._walk = None
+        self._gossip_state: GossipHost | None = None   # client/gossip.py `gossip_of`
         self.node_id = node_id
         self.run_id = run_id
         self.client_ids = sorted(client_ids)

@@ -74,7 +74,7 @@ class WalkHost:
         sender, receiver = payload.scalars.get("from", -1), client_id_of(dst)
         if receiver not in self.host.client_ids:
             raise HandlerError("UNKNOWN_CLIENT", f"client {receiver} is not hosted by {self.host.node_id}")
-        if isinstance(sender, bool) or sender not in self.rule.graph[receiver]:
+        if not isinstance(sender, int) or isinstance(sender, bool) or sender not in self.rule.graph[receiver]:
             raise HandlerError("NOT_NEIGHBOUR", f"client {sender!r} (from {src}) is not a neighbour of client "
                                                 f"{receiver} in the walk's graph (neighbours: {self.rule.graph[receiver]})")
         if self.rule.next_client(sender, round, hop) != receiver:
@@ -181,10 +181,12 @@ class WalkHost:
         if not isinstance(address, str) or not address:
             reply.scalars.update(skipped=nxt, skip_reason=f"no address for client {nxt}")
             return client
+        fabric = self.host.fabric
+        assert fabric is not None   # set once this process registered (client/runtime.py)
         try:
-            self.host.fabric.call(address, client_node(nxt), Method.WALK_HANDOFF,
-                                  Payload(tensors=model, scalars={"from": client}), round=round, step=hop,
-                                  timeout=self.host.cfg.run.call_timeout)
+            fabric.call(address, client_node(nxt), Method.WALK_HANDOFF,
+                        Payload(tensors=model, scalars={"from": client}), round=round, step=hop,
+                        timeout=self.host.cfg.run.call_timeout)
         except (CallFailed, RemoteError, PayloadError) as exc:
             reply.scalars.update(skipped=nxt, skip_reason=str(exc))
             return client

@@ -154,7 +154,7 @@ class HeartbeatSender:
     """A child's heartbeat loop (a daemon thread); see the module docstring."""
 
     def __init__(self, endpoint, parent: str, *, interval: float, parent_timeout: float,
-                 reregister: Callable[[], None], on_give_up: Callable[[str], None],
+                 reregister: Callable[[], object], on_give_up: Callable[[str], None],
                  backoff: Backoff | None = None,
                  counts: Callable[[], list[pb.LinkBytes]] | None = None,
                  events: "Callable[[], list[pb.NodeEvent]] | None" = None) -> None:
@@ -280,7 +280,7 @@ class LivenessMonitor:
         self.clock = clock
         self.children: dict[str, ChildLiveness] = {}
         self.stats = LivenessStats()
-        self.on_bytes: Callable[[list[pb.LinkBytes]], None] | None = None   # a heartbeat's live byte totals
+        self.on_bytes: Callable[[list[pb.LinkBytes]], object] | None = None   # a heartbeat's live byte totals
         self.on_events: Callable[[str, list[pb.NodeEvent]], None] | None = None   # (sender, its events): known nodes'
         self._lock = threading.Lock()
         self._stop = threading.Event()

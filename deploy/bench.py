@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,7 +63,7 @@ def bench_tcp(nbytes: int, repeats: int) -> list[float]:
     port = q.get(timeout=60)
     s = socket.create_connection(("127.0.0.1", port))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    data = memoryview(np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32)).cast("B")
+    data = memoryview(np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32).data).cast("B")
     times = []
     for i in range(repeats + 1):
         t = time.perf_counter()
@@ -185,7 +186,7 @@ def bench_grpc_bare(nbytes: int, repeats: int, chunk: int, cpu: dict | None = No
     p.start()
     channel = grpc.insecure_channel(addr_q.get(timeout=60), options=grpc_options(max_message))
     upload = channel.stream_stream(BARE_UPLOAD, request_serializer=None, response_deserializer=None)
-    view = memoryview(np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32)).cast("B")
+    view = memoryview(np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32).data).cast("B")
     chunks = [bytes(view[o:o + chunk]) for o in range(0, nbytes, chunk)]
     times = []
     for i in range(repeats + 1):
@@ -270,7 +271,7 @@ def bench_round(rounds: int, processes: int) -> dict:
 
 def transport(args: argparse.Namespace) -> dict:
     sizes = [int(s) for s in args.sizes.split(",")]
-    out = {"sizes_mb": sizes, "rows": []}
+    out: dict[str, Any] = {"sizes_mb": sizes, "rows": []}
     print(f"{'size':>8} {'TCP MB/s':>10} {'gRPC MB/s':>10} {'ratio':>7} {'framed/payload':>15} "
           f"{'bare grpcio MB/s':>17} {'bare/TCP':>9} {'gRPC/bare':>10}")
     for size in sizes:

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import psutil
@@ -252,9 +252,11 @@ def flower_scale_row(flwr_python: str, count: int, per_round: int, rounds: int, 
     run_flower_scale): the learning rate, local steps, batch size, seed and data parameters are
     read from the same config fedhop runs."""
     cfg = parse_config(_scale_text(count, 1, per_round, rounds, True))
+    steps = cfg.algorithm.local_steps
+    assert isinstance(steps, int)   # the scale config gives one count for every client
     return _flower_compare().run_flower_scale(
         flwr_python, count, per_round, rounds, lr=cfg.algorithm.lr, batch_size=cfg.algorithm.batch_size,
-        local_steps=int(cfg.algorithm.local_steps), seed=cfg.run.seed,
+        local_steps=steps, seed=cfg.run.seed,
         data_params=dataclasses.asdict(dataset_params(cfg)), timeout=timeout, max_rss_mb=max_rss_mb,
         log=lambda line: None)
 
@@ -362,7 +364,7 @@ def bench_growth(args: argparse.Namespace) -> dict:
     dims = [1_000, 100_000, 1_000_000] if args.tiny else [10_000, 250_000, 1_000_000, 2_500_000, 5_000_000]
     client_counts = [2, 4] if args.tiny else [2, 5, 10, 20]
     rounds = 2 if args.tiny else 4
-    out = {"by_dim": [], "by_clients": []}
+    out: dict[str, Any] = {"by_dim": [], "by_clients": []}
     with tempfile.TemporaryDirectory() as tmp:
         for d in dims:
             summary, rows = _run(GROWTH_CONFIG.format(rounds=rounds, dim=d, clients=5), Path(tmp) / f"d{d}")

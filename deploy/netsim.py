@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 from fedhop.common.config import Config, ConfigError, load_config
 from fedhop.deploy.hosts import HostsError, HostsFile, HostSpec, Role, load_hosts, plan_roles, run_launch
@@ -329,7 +329,7 @@ def default_hosts(cfg: Config) -> HostsFile:
     from fedhop.common.plan import id_spec, plan_processes
     plan = plan_processes(cfg)
     hosts = [HostSpec("server", address="", server=True)]
-    hosts += [HostSpec(e.node_id, address="", edges=[e.edge]) for e in plan.edges]
+    hosts += [HostSpec(e.node_id, address="", edges=[e.edge]) for e in plan.edges if e.edge is not None]   # every edge has its index
     hosts += [HostSpec(f"client-{k}", address="", clients=id_spec(p.clients)) for k, p in enumerate(plan.clients)]
     return HostsFile(hosts=hosts)
 
@@ -365,10 +365,10 @@ def node_hosts(roles: list[Role]) -> dict[str, str]:
 
 def physical_link(src: str, dst: str) -> str:
     """The link a message crossed, from its endpoints' roles (control messages included)."""
-    pair = sorted((_role(src), _role(dst)))
+    a, b = sorted((_role(src), _role(dst)))
     return {("client", "server"): "client-server", ("client", "edge"): "client-edge",
             ("edge", "server"): "edge-server", ("edge", "edge"): "edge-edge",
-            ("client", "client"): "client-client"}.get(tuple(pair), "other")
+            ("client", "client"): "client-client"}.get((a, b), "other")
 
 
 def ledger_messages(run_dir: Path) -> list[dict]:
@@ -391,11 +391,11 @@ def wire_report(run_dir: Path, roles: list[Role], counters: dict[str, IfCounters
                 rates: dict[str, int | None]) -> dict:
     """Ledger framed bytes beside kernel TCP payload bytes, per host and (one role per host) per link."""
     where = node_hosts(roles)
-    kinds = {}
+    kinds: dict[str, set[str]] = {}
     for r in roles:
         kinds.setdefault(r.host.name, set()).add(r.kind)
     msgs = ledger_messages(run_dir)
-    per_host = {h: {"ledger_sent": 0, "ledger_received": 0, "messages": 0} for h in counters}
+    per_host: dict[str, dict[str, Any]] = {h: {"ledger_sent": 0, "ledger_received": 0, "messages": 0} for h in counters}
     per_link: dict[str, dict] = {}
     unplaced = 0
     for m in msgs:
@@ -415,7 +415,7 @@ def wire_report(run_dir: Path, roles: list[Role], counters: dict[str, IfCounters
         link["ledger_tensor"] += m["tensor_bytes"]
         link["messages"] += 1
         link["calls"] += 0 if m["method"].endswith(".reply") else 1
-    hosts_out = {}
+    hosts_out: dict[str, dict[str, Any]] = {}
     for h, c in counters.items():
         row = per_host[h]
         kernel = c.tx_payload + c.rx_payload
@@ -469,10 +469,11 @@ def round_times(run_dir: Path, roles: list[Role], rates: dict[str, int | None]) 
         rounds = store.rounds()
     finally:
         store.close()
+    limited = {h: rate for h, rate in rates.items() if rate}   # the hosts in `per_round`
     out = []
     for r in rounds:
         loads = per_round.get(r["round"], {})
-        predicted = max((b * (1 + FRAME_OVERHEAD / MSS) * 8 / rates[h] for h, b in loads.items()), default=None)
+        predicted = max((b * (1 + FRAME_OVERHEAD / MSS) * 8 / limited[h] for h, b in loads.items()), default=None)
         out.append({"round": r["round"], "measured_seconds": r["wall_seconds"], "predicted_seconds": predicted,
                     "sim_seconds": r.get("sim_seconds"),
                     "bytes_on_slowest_link": max(loads.values(), default=0)})
@@ -537,7 +538,7 @@ class Capture:
         self.proc = subprocess.Popen(net.exec_prefix(host) + [sys.executable, "-m", "fedhop.deploy.h2capture", "--iface",
                                                               IFNAME, "--out", str(self.path)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
+        assert self.proc.stdout is not None and self.proc.stderr is not None
         line = self.proc.stdout.readline()
         if "capturing" not in line:
             self.proc.kill()
@@ -573,7 +574,7 @@ def capture_report(captured: dict, host_row: dict) -> dict:
 
 
 def run_netsim(cfg: Config, out: Path, hf: HostsFile | None = None, bandwidth: dict[str, str] | None = None,
-               quiet: bool = True, show_table: bool = False, capture: list[str] = ()) -> NetsimResult:
+               quiet: bool = True, show_table: bool = False, capture: Sequence[str] = ()) -> NetsimResult:
     """Run `cfg` on emulated hosts (one per process unless `hf` groups them); returns the status and the
     wire report (also written to OUT/netsim.json).  `capture`: hosts whose link is also captured and
     parsed as HTTP/2 (deploy/h2capture.py), to break the bytes beyond the ledger's down."""

@@ -101,6 +101,7 @@ def optuna_distribution(d: Dist):
 
     if d.choices is not None:
         return optuna.distributions.CategoricalDistribution(d.choices)
+    assert d.low is not None and d.high is not None   # sweep_spec: a range without choices has both ends
     if all(isinstance(x, int) and not isinstance(x, bool) for x in (d.low, d.high)) and \
             (d.step is None or isinstance(d.step, int)):
         return optuna.distributions.IntDistribution(int(d.low), int(d.high), log=d.log, step=d.step or 1)
@@ -309,7 +310,9 @@ class Criterion:
             return None
         if self.kind == "final":
             return self.final(run)
-        hit = next((r for r, v in run.curve(self.metric) if meets(v, self.target, self.metric)), None)
+        target = self.target
+        assert target is not None   # sweep_spec requires it for the *_to_target kinds
+        hit = next((r for r, v in run.curve(self.metric) if meets(v, target, self.metric)), None)
         if hit is None:
             return None
         if self.kind == "rounds_to_target":
@@ -349,7 +352,7 @@ class Sweep:
         self.spec, self.out, self.quiet = spec, out, quiet
         c = spec.criterion
         self.criterion = Criterion(c.kind, c.metric or self._default_metric(), c.target, c.link, c.bytes)
-        self.runner = Runner(spec.base_config.resolve(), spec.sweep.parallel, quiet)
+        self.runner: Runner | SlurmArrayRunner = Runner(spec.base_config.resolve(), spec.sweep.parallel, quiet)
         self.results: dict[str, list[SettingResult]] = {}
         self.widenings: dict[str, int] = {}     # algorithm -> widenings run past an edge best
         self.notes: dict[str, list[str]] = {}   # algorithm -> edges that could not be widened, and why

@@ -11,7 +11,7 @@ import argparse
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     counter = LinkCounter(args.node_id)   # live byte totals for the server (common/livebytes.py)
     ledger.observers.append(counter.observe)
     refusals = EdgeRefusals(EventOutbox())   # run.db events at the server, carried by heartbeats (edge/reports.py)
-    endpoint = make_endpoint(PROCESS_TRANSPORT, args.node_id, ledger, token="", max_message_bytes=args.max_message_bytes,
-                             credentials=creds, on_refused=refusals.auth_refused)
+    endpoint = cast("GrpcEndpoint", make_endpoint(PROCESS_TRANSPORT, args.node_id, ledger, token="",   # what PROCESS_TRANSPORT builds
+                                                  max_message_bytes=args.max_message_bytes, credentials=creds,
+                                                  on_refused=refusals.auth_refused))
     endpoint.on_busy = refusals.call_refused
 
     def monitor_event(kind: str, node: str, detail: str) -> None:
@@ -127,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         endpoint.stop()
         return 2
     freeze_heap()   # set-up done: the collector walks only what the run allocates (common/procexit.py)
-    sec = proc.aggregator.cfg.security
+    aggregator = proc.aggregator
+    assert aggregator is not None   # made by a successful start
+    sec = aggregator.cfg.security
     endpoint.checksum = sec.checksum
     monitor.interval, monitor.timeout = sec.heartbeat_interval, sec.heartbeat_timeout
     monitor.start()
@@ -135,13 +138,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def give_up(why: str) -> None:
         gave_up.append(why)
-        proc.aggregator.shutdown_event.set()
+        aggregator.shutdown_event.set()
 
     beats = HeartbeatSender(endpoint, args.parent, interval=sec.heartbeat_interval, parent_timeout=sec.parent_timeout,
-                            reregister=lambda: proc.register_with_parent(proc.aggregator.cluster, timeout=10.0),
+                            reregister=lambda: proc.register_with_parent(aggregator.cluster, timeout=10.0),
                             on_give_up=give_up, counts=lambda: counter.entries() + relayed.entries(),
                             events=refusals.outbox.take).start()
-    proc.aggregator.before_shutdown.append(lambda: (refusals.flush(), beats.stop(wait=True, final=True)))
+    def last_words() -> None:   # before the reply to the server's shutdown
+        refusals.flush()
+        beats.stop(wait=True, final=True)
+
+    aggregator.before_shutdown.append(last_words)
     stop_on_sigterm()   # SIGTERM or Ctrl-C: shut the cluster's client processes down, then leave
     try:
         proc.wait()
@@ -150,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         reason, code = stop_reason(exc)
         logging.warning("%s: shutting down the cluster's client processes and leaving", reason)
         beats.stop()
-        proc.aggregator.shutdown_clients(round=0)
+        aggregator.shutdown_clients(round=0)
         monitor.stop()
         endpoint.stop(grace=0.5)
         return code

@@ -216,7 +216,7 @@ class EdgeAggregator:
             check = reply_chain(self.cfg, spec, Method.TRAIN, rules, self.limiter.limits([c]), round=round, peer=client_node(c))
             requests.append(Send(c, self.client_home[c][1], client_node(c), Method.TRAIN, message, step=step,
                                  inbound=check, who=f"round {round} step {step} reply of client {c}"))
-        fold = (OrderedFold(sorted(req.key for req in requests), self.algorithm.reply_reduce, reply_budget(spec, 1.0))
+        fold = (OrderedFold(list(sorted(req.key for req in requests)), self.algorithm.reply_reduce, reply_budget(spec, 1.0))
                 if stream else None)   # in client-id order, as `finite_step` aggregates
         replies, failed = self.fabric.send_and_receive(requests, round=round, timeout=self.cfg.run.round_timeout,
                                                        call_timeout=self.cfg.run.call_timeout,

@@ -17,6 +17,8 @@ edge's round (COLLECTIVE_FAILED, naming the process), which the server turns int
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fedhop.common.methods import Method
@@ -36,7 +38,7 @@ class GroupEdge:
     def __init__(self, aggregator) -> None:
         self.agg = aggregator
         self.node_id: str = aggregator.endpoint.node_id
-        self.world = None   # this edge's membership of the world (common/transport/groups.py Worlds.edge_member)
+        self.world: Any = None   # this edge's membership of the world (common/transport/groups.py Worlds.edge_member)
 
     def processes(self) -> Payload:
         """This edge's client processes (the server lays out the world from every edge's answer)."""

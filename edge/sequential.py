@@ -160,6 +160,7 @@ class SequentialEdge:
         peers = {int(p.edge): p.address for p in control_of(message).peers}
         nxt, skipped, answers = self._hand_off(round, w, peers)
         out.scalars["next_edge"] = nxt
+        assert out.control is not None   # failures_control made it
         out.control.skipped.extend(pb.SkippedEdge(edge=e, reason=why) for e, why in skipped)
         out.control.neighbours.extend(pb.NeighbourAnswer(edge=e, visits=v, data_size=d)
                                       for e, (v, d) in sorted(answers.items()))

@@ -148,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(address)
         tmp.replace(args.port_file)
     logging.info("run %s: serving at %s", coordinator.run_id, address)
-    coordinator.summary_hooks.insert(0, lambda: throttle.flush() or {})   # folded refusals land before the summary
+    def folded_refusals() -> dict:   # folded refusals land before the summary
+        throttle.flush()
+        return {}
+
+    coordinator.summary_hooks.insert(0, folded_refusals)
     stop_on_sigterm()   # a stopped run still records how it ended: status "stopped", summary.json, run.db
     summary = coordinator.run(register_timeout=args.register_timeout)
     live.flush()   # the server's own records up to the last shutdown reply: the live view now equals the final table

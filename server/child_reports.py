@@ -64,7 +64,9 @@ class ChildReports:
         if threading.current_thread() is threading.main_thread():
             raise RunFailed(reason)
         if self.installed:   # without the handler, SIGUSR1 would end the process: record only
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+            main = threading.main_thread().ident
+            assert main is not None   # the main thread is running
+            signal.pthread_kill(main, signal.SIGUSR1)
 
     def install(self) -> None:
         """In the main thread, before the run: SIGUSR1 raises the pending failure there, while the

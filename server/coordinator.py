@@ -299,12 +299,13 @@ class Coordinator:
         """Client `cid`'s message this round: the shared one or its own variant (Algorithm.client_message)."""
         return self.algorithm.client_message(self.state, message, round, cid)
 
-    def run_round(self, round: int) -> RoundResult:
+    def run_round(self, round: int) -> RoundResult | None:
+        assert self.driver is not None   # made once the children registered (run)
         return self.driver.run_round(round)
 
     def complete_round(self, round: int, sampled: list[int], results: dict[int, Payload], failures: dict[int, str],
                        message: Payload, started: float, dispatched: float, arrivals: dict[int, float],
-                       per_client: bool = True) -> RoundResult:
+                       per_client: bool = True) -> RoundResult | None:
         """The end of a round of sampled clients (any topology's driver): record the failures,
         settle the virtual clock, check min_results, aggregate, take the server step, evaluate
         and record the round.  `per_client`: `results` holds one reply per client (not edge
@@ -340,7 +341,8 @@ class Coordinator:
             round, results, participants, lambda blamed, kept: self._left_out(round, blamed, kept, failures, per_client),
             fold=fold)
         if aggregate is None:   # a folded round whose sum or step was not finite (common/validation.py)
-            return self.skip_streamed(round, failures)
+            self.skip_streamed(round, failures)
+            return None
         for node, detail in getattr(self.algorithm.aggregate, "drain", list)():   # common/robust.py: short groups
             self.store.add_event("robust_fallback", node=node or "server", detail=detail, round=round)
         aggregated = time.perf_counter()
@@ -458,8 +460,9 @@ class Coordinator:
         return summary
 
     def shutdown_children(self) -> None:
-        if getattr(self.endpoint, "liveness", None) is not None:   # children told to stop are not "dead"
-            self.endpoint.liveness.stop()
+        liveness = getattr(self.endpoint, "liveness", None)
+        if liveness is not None:   # children told to stop are not "dead"
+            liveness.stop()
         children = list(self.children.values())
         bye = Payload()
         _, failures = self.fabric.send_to_all([Send(i, node.address, node.node_id, Method.SHUTDOWN, bye)

@@ -92,7 +92,7 @@ class DriverContext(Protocol):
     def client_message(self, message: Payload, round: int, cid: int) -> Payload: ...
     def complete_round(self, round: int, sampled: list[int], results: dict[int, Payload], failures: dict[int, str],
                        message: Payload, started: float, dispatched: float, arrivals: dict[int, float],
-                       per_client: bool = True) -> RoundResult: ...
+                       per_client: bool = True) -> RoundResult | None: ...
     def round_metrics(self, round: int, aggregate: Payload) -> dict[str, float]: ...
     def record_round(self, result: RoundResult) -> None: ...
 
@@ -117,8 +117,8 @@ class TopologyDriver(ABC):
         """After registration: set up what rounds need (a torch.distributed world, ...)."""
 
     @abstractmethod
-    def run_round(self, round: int) -> RoundResult:
-        """Run round `round` and record it (`ctx.record_round`)."""
+    def run_round(self, round: int) -> RoundResult | None:
+        """Run round `round` and record it (`ctx.record_round`); None: the round was skipped."""
 
     def checkpoint_state(self) -> dict | None:
         """What a checkpoint must keep of the topology (None: nothing beyond the model)."""

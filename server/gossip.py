@@ -104,7 +104,8 @@ class GossipDriver(TopologyDriver):
         except PayloadError as exc:
             raise RunFailed(str(exc)) from None
         n = len(models)
-        mean = {k: sum(m[k].double() for m in models.values()) / n for k in self.model_in.spec}
+        zero = torch.zeros((), dtype=torch.float64)   # sum's start: 0 + x is x, bit for bit, as with the int 0
+        mean = {k: sum((m[k].double() for m in models.values()), zero) / n for k in self.model_in.spec}
         distance = sum(float(((m[k].double() - mean[k]) ** 2).sum()) for m in models.values() for k in mean) / n
         params = self.ctx.state.params
         self.ctx.state.params = {k: mean[k].to(params[k].dtype) for k in params}

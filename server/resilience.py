@@ -218,7 +218,8 @@ def ledger_consistency(store) -> dict:
     # logical nodes ('client-7') are recorded by their process: they keep a ledger when some
     # record names them as the recording end
     recorders |= store.recording_ends()
-    explained, unexplained = [], []
+    explained: list[dict] = []
+    unexplained: list[dict] = []
     for m in lone:
         why = None
         err = m["error"] or ""

@@ -154,6 +154,7 @@ class SampledRoundDriver(TopologyDriver):
         retried on a new sample or skipped, by run.on_short_round (Coordinator.short_round):
         None when skipped."""
         ctx = self.ctx
+        assert self.plane is not None   # made by start
         attempt = 0
         while True:
             started = time.perf_counter()

@@ -22,6 +22,8 @@ from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
 
 if TYPE_CHECKING:
+    import torch
+
     from fedhop.common.liveness import LivenessMonitor
 
 
@@ -68,6 +70,10 @@ class Request:
 
 # A handler returns the reply payload, or raises PayloadError / HandlerError for a typed error reply.
 Handler = Callable[[Request], Payload]
+# The role's answer to a child's Register call (served when `Endpoint.serve` is given one).
+RegisterHandler = Callable[[pb.RegisterRequest], pb.RegisterReply]
+# (caller, method, reason, peer address) of a served call refused because its caller is over its share
+BusyHook = Callable[[str, str, str, str], None]
 
 
 class HandlerError(RuntimeError):
@@ -139,7 +145,8 @@ class Endpoint(ABC):
         # an incoming request's method, caller and size checked on its header frame, before its data
         # is read (common/admission.py `RequestGate`); None: only `max_payload_bytes` bounds it
         self.request_gate: Callable[[pb.Envelope], int] | None = None
-        self.device = None      # where received tensors are placed (common/torch_device.py); None: the CPU
+        self.device: torch.device | None = None   # where received tensors are placed (common/torch_device.py); None: the CPU
+        self.on_busy: BusyHook | None = None       # told of each call refused by a transport that limits calls per caller
 
     # -- outgoing -------------------------------------------------------------------
     def prepare(self, payload: Payload) -> Encoded:
@@ -235,7 +242,7 @@ class Endpoint(ABC):
         """A child's liveness beacon to its parent (common/liveness.py), counted as two `control` messages."""
         raise CallFailed("UNIMPLEMENTED", f"{type(self).__name__} carries no heartbeats", address)
 
-    def handle_registration(self, register_handler, request: pb.RegisterRequest) -> pb.RegisterReply:
+    def handle_registration(self, register_handler: RegisterHandler, request: pb.RegisterRequest) -> pb.RegisterReply:
         """Run the role's Register handler; tell the liveness monitor about accepted children."""
         if self.liveness is not None:
             refusal = self.liveness.check_registration(request)
@@ -331,8 +338,9 @@ class Endpoint(ABC):
 
     # -- lifecycle ------------------------------------------------------------------
     @abstractmethod
-    def serve(self, handler: Handler, bind: str) -> str:
-        """Start serving; return the address peers use to reach this endpoint."""
+    def serve(self, handler: Handler, bind: str, register_handler: RegisterHandler | None = None) -> str:
+        """Start serving (Register calls too when `register_handler` is given); return the address
+        peers use to reach this endpoint."""
 
     @abstractmethod
     def stop(self) -> None: ...

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Hashable, Mapping, TypeVar, cast
 
 from fedhop.common.codec import Encoded, PayloadError, hand_over
 from fedhop.common.pipeline import reply_chain, upload
@@ -46,12 +46,12 @@ K = TypeVar("K", bound=Hashable)   # a fan-out's request keys (`gather`)
 
 
 @dataclass
-class Send:
+class Send(Generic[K]):
     """One request of a fan-out.  `message` is shared by identity: requests that carry the same
     Payload object are encoded once.  `inbound` checks the reply (None: taken as it comes);
     `who` names the reply in rejections."""
 
-    key: Hashable
+    key: K
     address: str
     dst: str
     method: str
@@ -59,7 +59,7 @@ class Send:
     step: int = 0
     inbound: Callable[[Payload, str], Payload] | None = None   # a reply_chain also bounds the reply's size
     who: str = ""
-    on_reply: Callable[[Hashable], None] | None = None   # e.g. the arrival time of a reply
+    on_reply: Callable[[K], None] | None = None   # e.g. the arrival time of a reply
 
 
 class Fabric:
@@ -85,9 +85,9 @@ class Fabric:
         return self._workers.submit(fn, *args, **kwargs)
 
     # ------------------------------------------------------------------ fan-out with gather
-    def send_and_receive(self, requests: list[Send], *, round: int, timeout: float, call_timeout: float,
+    def send_and_receive(self, requests: list[Send[K]], *, round: int, timeout: float, call_timeout: float,
                          timeout_reason: str = "", fold: "OrderedFold | None" = None
-                         ) -> tuple[dict[Hashable, Payload], dict[Hashable, str]]:
+                         ) -> tuple[dict[K, Payload], dict[K, str]]:
         """Send every request at once and wait up to `timeout` for all replies.  Returns the
         replies that passed their inbound pipeline and, for every other request, why not.
         With `fold` (common/streaming.py, keyed by the requests' keys) each reply that passed is
@@ -100,13 +100,13 @@ class Fabric:
         frames whole.  A tensor changed while a late call still sends fails that call
         (`SnapshotChanged`), never sends other bytes."""
         encoded: dict[int, tuple[Payload, Encoded]] = {}   # id(message) -> (message kept alive, frames)
-        calls: dict[Hashable, Future] = {}
+        calls: dict[K, Future] = {}
         for req in requests:
             if id(req.message) not in encoded:
                 encoded[id(req.message)] = (req.message, self._prepare(req.message, fold is not None))
         if self.batch:
             for group in self._batches(requests, encoded):
-                futures: dict[Hashable, Future] = {req.key: Future() for req in group}
+                futures: dict[K, Future] = {req.key: Future() for req in group}
                 calls.update(futures)
                 self._workers.submit(self._exchange_batch, group, futures, round, timeout, encoded, fold)
         else:
@@ -116,12 +116,13 @@ class Fabric:
         reason = timeout_reason or f"timeout: no result within {timeout:g}s"
         if fold is None:
             return gather(calls, timeout, reason)
-        _, failures = gather(calls, timeout, reason)
+        # the fold is keyed by the requests' keys (OrderedFold takes any Hashable; mypy cannot see they are K)
+        _, failures = gather(cast("dict[Hashable, Future]", calls), timeout, reason)
         fold.close()   # the deadline: what did not come is skipped, a later reply refused
-        return fold.outcome(failures, reason)
+        return cast("tuple[dict[K, Payload], dict[K, str]]", fold.outcome(failures, reason))
 
-    def send_to_all(self, requests: list[Send], *, round: int, call_timeout: float
-                    ) -> tuple[dict[Hashable, Payload], dict[Hashable, str]]:
+    def send_to_all(self, requests: list[Send[K]], *, round: int, call_timeout: float
+                    ) -> tuple[dict[K, Payload], dict[K, str]]:
         """`send_and_receive` for a control fan-out (a shut-down, a query, a state pull): each call
         has its own deadline `call_timeout` and the wait covers the one-by-one worst case, so every
         request is sent (none is left queued at a deadline) and each failure is its call's own error.
@@ -129,8 +130,8 @@ class Fabric:
         if not self.closed:
             return self.send_and_receive(requests, round=round, timeout=call_timeout * max(1, len(requests)),
                                          call_timeout=call_timeout)
-        results: dict[Hashable, Payload] = {}
-        failures: dict[Hashable, str] = {}
+        results: dict[K, Payload] = {}
+        failures: dict[K, str] = {}
         for req in requests:
             try:
                 results[req.key] = self.call(req.address, req.dst, req.method, req.message, round=round,
@@ -167,7 +168,7 @@ class Fabric:
             last.append(req)
         return [g for groups in by_address.values() for g in groups]
 
-    def _exchange_batch(self, group: list[Send], futures: dict[Hashable, Future], round: int, timeout: float,
+    def _exchange_batch(self, group: list[Send[K]], futures: dict[K, Future], round: int, timeout: float,
                         encoded: dict[int, tuple[Payload, Encoded]], fold: "OrderedFold | None" = None) -> None:
         """One batch (`Endpoint.call_many`); each request's future gets its reply, through its
         inbound pipeline, or its failure.  The batch's deadline is the round's: its process runs

@@ -101,8 +101,10 @@ class CollectiveGroup(Group):
         specs = specs_of(message.tensors)
         payloads = {}
         for m in self.members:
-            payloads[m.node_id] = self._round_payload(message, list(clients.get(m.node_id, [])), step, tensors=False)
-            payloads[m.node_id].control.specs.extend(specs)
+            payload = self._round_payload(message, list(clients.get(m.node_id, [])), step, tensors=False)
+            assert payload.control is not None   # _round_payload's control names the clients
+            payload.control.specs.extend(specs)
+            payloads[m.node_id] = payload
         control = self._calls(self.methods.round, payloads, round, step, timeout)
         self._collective(lambda: self.coll.broadcast(list(message.tensors.values()), round, self.peers, step),
                          f"{where}: broadcast to {noun}", control)
@@ -162,9 +164,10 @@ class CollectiveMember(GroupMember):
 
     def answer(self, partial, failures, ops):
         self.partial = partial
-        out = Payload(control=failures_control(failures))
+        control = failures_control(failures)
+        out = Payload(control=control)
         if partial is not None:
-            out.control.layout.extend(layout_of(partial.tensors, ops))
+            control.layout.extend(layout_of(partial.tensors, ops))
             out.scalars.update(partial.scalars)
         return out
 
