@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def serve() -> None:
     """The served process: echo the request's tensors with a weight and a loss."""
     from fedhop.common.algorithms.base import Payload
-    from fedhop.common.ledger import Ledger
     from fedhop.common.transport.grpc import GrpcEndpoint
+    from fedhop.common.wire.ledger import Ledger
     endpoint = GrpcEndpoint("client-proc0", Ledger())
     address = endpoint.serve(lambda request: Payload(tensors=dict(request.payload.tensors),
                                                      scalars={"weight": 3.0, "train_loss": 0.5}), "127.0.0.1:0")
@@ -45,7 +45,7 @@ def calls(n: int, single_threaded: bool) -> dict:
     """`n` sequential calls to a fresh served process; per-call wall, caller CPU, served CPU."""
     import fedhop.common.transport.grpc as fedhop_grpc
     from fedhop.common.algorithms.base import Payload
-    from fedhop.common.ledger import Ledger
+    from fedhop.common.wire.ledger import Ledger
     child = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     address = child.stdout.readline().strip()
@@ -80,9 +80,9 @@ def reply_pipeline(repeats: int) -> dict:
     from fedhop.common.algorithms.base import Payload, tensor_finite
     from fedhop.common.algorithms.local import get_params
     from fedhop.common.config import load_config
-    from fedhop.common.pipeline import reply_chain
+    from fedhop.common.processors.pipeline import reply_chain
+    from fedhop.common.processors.validation import ReplyLimiter
     from fedhop.common.tasks import build_task
-    from fedhop.common.validation import ReplyLimiter
     cfg = load_config(str(ROOT / "examples" / "fedavg_digits.toml"), [])
     algorithm, task = build_algorithm(cfg), build_task(cfg)
     state = algorithm.init_state(get_params(task.build_model()))

@@ -12,7 +12,7 @@ examples/<task>_compare.toml with the method's [algorithm] keys from `METHOD_KEY
 script writes every run directory, `<task>-figures.md` / `.json` (rounds to l2 <= 1, final
 errors, F1, exact zeros, rank, bytes per round and in total, uplink and downlink) and one
 `fedhop report` per metric (plots against rounds and against bytes).  `--direct` uses
-`run_direct` instead: the round engine (common/rounds.py) in a tight loop without transport
+`run_direct` instead: the round engine (common/engine/rounds.py) in a tight loop without transport
 (no ledger, so no bytes), which the paper-setting test uses.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from fedhop.common.algorithms.base import ServerState
 from fedhop.common.config import Config, config_from_dict
-from fedhop.common.rounds import RoundEngine
+from fedhop.common.engine.rounds import RoundEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,7 +107,7 @@ def method_config(task: str, method: str, seed: int, rounds: int | None = None,
 def run_direct(cfg: Config, on_round: Callable[[int, dict[str, float]], None] | None = None,
                on_state: Callable[[int, Any, ServerState], None] | None = None
                ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
-    """The coordinator's rounds without transport or ledger: the round engine (common/rounds.py)
+    """The coordinator's rounds without transport or ledger: the round engine (common/engine/rounds.py)
     in this process.  Returns the per-round evaluations (eval_every as configured; the last round
     always) and the final model.  `on_state(round, algorithm, state)` sees the server state after
     every server step."""
@@ -128,7 +128,7 @@ def run_direct(cfg: Config, on_round: Callable[[int, dict[str, float]], None] | 
 
 def run_framework(cfg: Config, run_dir: Path) -> tuple[dict, list[dict[str, float]], dict[str, Any]]:
     """One full in-process run; returns (summary, per-round metrics, bytes by link and direction)."""
-    from fedhop.common.runstore import RunStore
+    from fedhop.common.records.runstore import RunStore
     from fedhop.deploy.inmemory import run_inmemory
 
     summary, coord = run_inmemory(cfg, run_dir)

@@ -95,7 +95,7 @@ def _summary(values: list[float]) -> dict[str, float]:
 def run_fedhop(rounds: int, params: int, processes: int, batch: bool = False) -> dict[str, Any]:
     """FedAvg over gRPC with real processes (with `batch`, transport.batch: one call per client
     process and round, each client's request still its own message); per-round wall times from run.db."""
-    from fedhop.common.runstore import RunStore
+    from fedhop.common.records.runstore import RunStore
     from fedhop.deploy.launcher import run_local
 
     with tempfile.TemporaryDirectory(prefix="fedhop-flwr-cmp-") as tmp:
@@ -623,13 +623,13 @@ def main(grid: Grid, context: Context) -> None:
 
 def scale_app_modules(data_params: dict[str, Any], seed: int, count: int) -> dict[str, str]:
     """The scale app's modules.  Its task module is fedhop's own generator -- the source of
-    common/rng.py's stream and common/tasks/crossdevice.py's client sizes and Synthetic(alpha,
+    common/util/rng.py's stream and common/tasks/crossdevice.py's client sizes and Synthetic(alpha,
     beta) devices, copied in -- so each Flower client holds, bit for bit, the samples of the
     fedhop client with the same id."""
     import inspect
 
-    from fedhop.common import rng
     from fedhop.common.tasks import crossdevice
+    from fedhop.common.util import rng
 
     head = ('"""Cross-device clients made as fedhop makes them (source copied from fedhop)."""\n'
             "from __future__ import annotations\n\nimport functools\nimport zlib\nfrom types import SimpleNamespace\n\n"

@@ -28,7 +28,7 @@ from typing import Any
 
 from fedhop.common.algorithms import registry
 from fedhop.common.config import load_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory
 
 ROOT = Path(__file__).resolve().parents[1]

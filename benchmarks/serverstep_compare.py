@@ -37,9 +37,9 @@ import numpy as np
 
 from fedhop.common.algorithms import registry
 from fedhop.common.config import load_config
-from fedhop.common.partition import dirichlet
-from fedhop.common.rng import numpy_stream
-from fedhop.common.runstore import RunStore
+from fedhop.common.data.partition import dirichlet
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.util.rng import numpy_stream
 from fedhop.deploy.inmemory import run_inmemory
 
 ROOT = Path(__file__).resolve().parents[1]

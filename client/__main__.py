@@ -15,19 +15,19 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from fedhop.client.runtime import ClientProcess
-from fedhop.common.addresses import listen_address
-from fedhop.common.admission import RequestGate, model_bytes, request_bounds, throttle_refusal_logs
-from fedhop.common.ledger import Ledger
-from fedhop.common.livebytes import LinkCounter
-from fedhop.common.liveness import HeartbeatSender, add_parent_args, resolve_parent
-from fedhop.common.methods import role_of
-from fedhop.common.nodeids import client_node, client_proc_node
-from fedhop.common.plugins import allow_list_from, restrict
-from fedhop.common.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
-from fedhop.common.proctitle import set_role_title
-from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
-from fedhop.common.torch_device import flag_error
+from fedhop.common.security.addresses import listen_address
+from fedhop.common.security.auth import SecurityError, add_security_args, credentials_from_args
+from fedhop.common.transport.admission import RequestGate, model_bytes, request_bounds, throttle_refusal_logs
 from fedhop.common.transport.factory import PROCESS_TRANSPORT, make_endpoint
+from fedhop.common.transport.livebytes import LinkCounter
+from fedhop.common.transport.liveness import HeartbeatSender, add_parent_args, resolve_parent
+from fedhop.common.transport.torch_device import flag_error
+from fedhop.common.util.nodeids import client_node, client_proc_node
+from fedhop.common.util.plugins import allow_list_from, restrict
+from fedhop.common.util.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
+from fedhop.common.util.proctitle import set_role_title
+from fedhop.common.wire.ledger import Ledger
+from fedhop.common.wire.methods import role_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhop.common.transport.grpc import GrpcEndpoint  # what make_endpoint builds for PROCESS_TRANSPORT
@@ -56,7 +56,7 @@ READY_WAIT = 120.0   # seconds a call may wait for this process to finish regist
 
 def fair_share(endpoint: GrpcEndpoint, proc: ClientProcess) -> None:
     """Requests bounded by their method and checked against the caller before their data is read;
-    the parent's calls unlimited, any other caller's few at once (common/admission.py)."""
+    the parent's calls unlimited, any other caller's few at once (common/transport/admission.py)."""
     def router():   # a call that arrives while the process registers waits for it, as its handler would
         proc._ready.wait(READY_WAIT)
         return proc.host.router if proc.host is not None else None
@@ -104,13 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         return 2
     torch.set_num_threads(args.threads)
-    device_problem = flag_error(args.device)   # a device this machine lacks (common/torch_device.py)
+    device_problem = flag_error(args.device)   # a device this machine lacks (common/transport/torch_device.py)
     if device_problem:
         logging.error("%s", device_problem)
         return 2
     sink = Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None
     ledger = Ledger(sink)
-    counter = LinkCounter(args.node_id)   # live byte totals for the server (common/livebytes.py)
+    counter = LinkCounter(args.node_id)   # live byte totals for the server (common/transport/livebytes.py)
     ledger.observers.append(counter.observe)
     try:
         creds = credentials_from_args(args, [args.parent, args.listen])
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc, exc_info=not isinstance(exc, RuntimeError))   # a bug: with its traceback
         endpoint.stop()
         return 2
-    freeze_heap()   # set-up done: the collector walks only what the run allocates (common/procexit.py)
+    freeze_heap()   # set-up done: the collector walks only what the run allocates (common/util/procexit.py)
     host = proc.host
     assert host is not None   # made by a successful registration
     sec = host.cfg.security

@@ -1,4 +1,4 @@
-"""The clients' side of the gossip topology (D-PSGD; common/gossip.py has the graph and the
+"""The clients' side of the gossip topology (D-PSGD; common/topologies/gossip_mixing.py has the graph and the
 mixing rule, server/gossip.py the server's control plane).
 
 Each hosted client's model x_i lives in this process between rounds (it starts as the run's
@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedhop.common.algorithms.local import get_params
-from fedhop.common.codec import PayloadError
-from fedhop.common.control import control_of
-from fedhop.common.gossip import SEND_STEP, GossipRule
-from fedhop.common.methods import Method
-from fedhop.common.nodeids import client_id_of, client_node
-from fedhop.common.pipeline import model_chain
+from fedhop.common.processors.pipeline import model_chain
+from fedhop.common.topologies.gossip_mixing import SEND_STEP, GossipRule
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
+from fedhop.common.transport.control import control_of
+from fedhop.common.util.nodeids import client_id_of, client_node
+from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
+from fedhop.common.wire.methods import Method
 
 if TYPE_CHECKING:
     from fedhop.client.host import ClientHost

@@ -11,10 +11,13 @@ it as on the per-client fan-out).
 """
 from __future__ import annotations
 
-from fedhop.common.codec import PayloadError
-from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
+from typing import Any, Callable
+
+from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
 from fedhop.common.transport.groups import GroupMember, worlds
+from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload, finite_or_raise
+from fedhop.common.wire.methods import Method
 
 
 class GroupWorker:
@@ -53,3 +56,13 @@ class GroupWorker:
 
 
 __all__ = ["GroupWorker", "CallFailed", "RemoteError"]
+
+
+def torch_handlers(host: Any) -> dict[Method, Callable[[Request], Payload]]:
+    """The group data plane's methods a client process serves in a torch run (named by the torch
+    transport's registration, common/transport/factory.py); `host` is its ClientHost."""
+    return {
+        Method.TORCH_INIT: lambda request: host.group().init(request.payload),
+        Method.TORCH_ROUND: lambda request: host.group().round(int(request.envelope.round), request.payload),
+        Method.TORCH_REDUCE: lambda request: host.group().reduce(int(request.envelope.round), request.payload),
+    }

@@ -13,21 +13,22 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from fedhop.common.algorithms import build_algorithm
-from fedhop.common.checkpoint import states_from_payload, states_to_payload
-from fedhop.common.codec import PayloadError
 from fedhop.common.config import Config
-from fedhop.common.ledger import Ledger
-from fedhop.common.methods import Method
-from fedhop.common.nodeids import client_id
-from fedhop.common.pipeline import upload
-from fedhop.common.rounds import local_update
+from fedhop.common.engine.rounds import local_update
+from fedhop.common.processors.pipeline import upload
+from fedhop.common.records.checkpoint import states_from_payload, states_to_payload
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.placed import place_task
 from fedhop.common.topologies import spec_for
-from fedhop.common.torch_device import to_host
 from fedhop.common.transport.base import HandlerError, Request
+from fedhop.common.transport.factory import handler_fns
 from fedhop.common.transport.router import MethodRouter, Peers
+from fedhop.common.transport.torch_device import to_host
+from fedhop.common.util.nodeids import client_id
+from fedhop.common.wire.codec import PayloadError
+from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload, finite_or_raise
+from fedhop.common.wire.methods import Method
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhop.client.gossip import GossipHost
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def parse_client_id(node_id: str) -> int:
-    """The logical client a call names (common/nodeids.py); an id that names none is a typed error reply."""
+    """The logical client a call names (common/util/nodeids.py); an id that names none is a typed error reply."""
     try:
         return client_id(node_id)
     except ValueError as exc:
@@ -99,15 +100,13 @@ class ClientHost:
             Method.TRAIN: self._train_call,
             Method.SHUTDOWN: self._shutdown_call,
             Method.PING: lambda request: Payload(),
-            # checkpoints and resume (common/checkpoint.py)
+            # checkpoints and resume (common/records/checkpoint.py)
             Method.STATE_GET: lambda request: self.client_state(Method.STATE_GET, request.payload),
             Method.STATE_SET: lambda request: self.client_state(Method.STATE_SET, request.payload),
-            # the group data plane (client/group_worker.py)
-            Method.TORCH_INIT: lambda request: self.group().init(request.payload),
-            Method.TORCH_ROUND: lambda request: self.group().round(int(request.envelope.round), request.payload),
-            Method.TORCH_REDUCE: lambda request: self.group().reduce(int(request.envelope.round), request.payload),
         })
         for handlers in spec_for(self.cfg.topology.kind).handler_fns():   # the topology's own methods
+            router.register_all(handlers(self))
+        for handlers in handler_fns(self.cfg.transport.kind, "client"):   # the transport's (its group plane)
             router.register_all(handlers(self))
         return router
 
@@ -121,7 +120,7 @@ class ClientHost:
         env = request.envelope
         cid, step = parse_client_id(env.dst), int(env.step)
         reply = to_host(self.train(cid, int(env.round), request.payload, step))   # the seam: one copy to the CPU
-        return upload(self.cfg, reply, env.dst, int(env.round), step)   # QSGD (common/pipeline.py)
+        return upload(self.cfg, reply, env.dst, int(env.round), step)   # QSGD (common/processors/pipeline.py)
 
     def _shutdown_call(self, request: Request) -> Payload:
         for hook in self.before_shutdown:   # e.g. stop heartbeats, before the parent merges the ledgers
@@ -147,7 +146,7 @@ class ClientHost:
             state = self.states.pop(cid, {})
             try:
                 reply = local_update(self.cfg, self.task, self.algorithm, self.model, cid, round, message,
-                                     state, step)   # the round engine's client step (common/rounds.py)
+                                     state, step)   # the round engine's client step (common/engine/rounds.py)
             finally:
                 if state:
                     self.states[cid] = state

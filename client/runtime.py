@@ -7,11 +7,12 @@ import threading
 import torch
 
 from fedhop.client.host import ClientHost
-from fedhop.common.liveness import register_with_backoff
-from fedhop.common.plugins import parent_config, tell_refusal
-from fedhop.common.torch_device import process_device
+from fedhop.common.config import parent_config
 from fedhop.common.transport.base import Endpoint, HandlerError, Request
 from fedhop.common.transport.fabric import Fabric
+from fedhop.common.transport.liveness import register_with_backoff
+from fedhop.common.transport.torch_device import process_device
+from fedhop.common.util.plugins import tell_refusal
 from fedhop.common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.client")
@@ -44,7 +45,7 @@ class ClientProcess:
                                   clients=[pb.LogicalClient(client_id=c) for c in self.client_ids])
 
     def register(self, timeout: float = 60.0, deadline_s: float = 120.0) -> None:
-        """Register with the parent, retrying with full-jitter backoff (common/liveness.py)."""
+        """Register with the parent, retrying with full-jitter backoff (common/transport/liveness.py)."""
         req = self._request()
         tls = getattr(getattr(self.endpoint, "credentials", None), "tls", None) is not None
         reply = register_with_backoff(self.endpoint, self.parent, req, deadline_s=deadline_s,
@@ -62,7 +63,7 @@ class ClientProcess:
         self.endpoint.checksum = cfg.security.checksum
         device = process_device(self.device_spec, cfg.clients.device, "clients.device")
         if device.type != "cpu":
-            self.endpoint.device = device   # received tensors land there (common/torch_device.py)
+            self.endpoint.device = device   # received tensors land there (common/transport/torch_device.py)
         log.info("%s trains on %s", self.endpoint.node_id, device)
         # the parent that accepted us is the only node whose train, state and shutdown calls we obey
         self.host = ClientHost(cfg, self.endpoint.node_id, self.client_ids, reply.run_id, self.endpoint.ledger,

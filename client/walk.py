@@ -1,4 +1,4 @@
-"""The clients' side of the chain topology (WRWGD; common/walk.py has the rule, server/walk.py
+"""The clients' side of the chain topology (WRWGD; common/topologies/walk_rule.py has the rule, server/walk.py
 the server's control plane).
 
 A client process holds the walking model while one of its logical clients is the holder.
@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedhop.common.algorithms.local import get_params, set_params
-from fedhop.common.codec import PayloadError
-from fedhop.common.control import control_of
-from fedhop.common.methods import Method
-from fedhop.common.nodeids import client_id_of, client_node
-from fedhop.common.pipeline import model_chain
-from fedhop.common.topology import SEQ_METRIC_PREFIX
+from fedhop.common.processors.pipeline import model_chain
+from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX
+from fedhop.common.topologies.walk_rule import WalkRule
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
-from fedhop.common.walk import WalkRule
+from fedhop.common.transport.control import control_of
+from fedhop.common.util.nodeids import client_id_of, client_node
+from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
+from fedhop.common.wire.methods import Method
 
 if TYPE_CHECKING:
     from fedhop.client.host import ClientHost
@@ -46,7 +46,7 @@ class WalkHost:
         self.rule = WalkRule.from_config(cfg, sizes)
         params = get_params(host.task.build_model())   # the run's seeded initial model, as the server builds it
         self.spec = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
-        self.model_in = model_chain(self.spec, Method.WALK_HANDOFF)   # every model that arrives (common/pipeline.py)
+        self.model_in = model_chain(self.spec, Method.WALK_HANDOFF)   # every model that arrives (common/processors/pipeline.py)
         self.handoffs: set[tuple] = set()   # (round, hop, sender, process) of the hand-offs used
         # hand-offs received, kept aside until the server's visit names the one it continues:
         # (round, hop, sender client, calling process) -> model

@@ -7,11 +7,11 @@ fedhop never uses gRPC across a fork (deploy/forkstart.py forks only before grpc
 so the handlers are turned off, unless the environment says otherwise, before any gRPC runs;
 and fedhop's launchers start their children without a `preexec_fn` (Python then spawns them
 with vfork, which runs no fork handler): a child started with FEDHOP_DIE_WITH ties its life to
-the launcher here, at its first import of fedhop (common/procexit.py `die_with_launcher`).
+the launcher here, at its first import of fedhop (common/util/procexit.py `die_with_launcher`).
 """
 import os
 
-from fedhop.common.procexit import die_with_launcher
+from fedhop.common.util.procexit import die_with_launcher
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 die_with_launcher()

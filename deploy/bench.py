@@ -78,9 +78,9 @@ def bench_tcp(nbytes: int, repeats: int) -> list[float]:
 
 # ----------------------------------------------------------------------------- gRPC
 def _grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", max_message: int) -> None:
-    from fedhop.common.ledger import Ledger
-    from fedhop.common.procexit import freeze_heap
     from fedhop.common.transport.grpc import GrpcEndpoint
+    from fedhop.common.util.procexit import freeze_heap
+    from fedhop.common.wire.ledger import Ledger
     from fedhop.common.wire.message import Payload
 
     ep = GrpcEndpoint("client-0", Ledger(), max_message_bytes=max_message)
@@ -104,9 +104,9 @@ def bench_grpc(nbytes: int, repeats: int, chunk: int, cpu: dict | None = None) -
     """fedhop's endpoint sending `nbytes` to a served endpoint in another process, `repeats`
     timed calls after one warm-up.  `cpu`, when given, gets the sender's and the receiver's
     CPU seconds per call (`sender_cpu_s`, `receiver_cpu_s`: means over the timed calls)."""
-    from fedhop.common.ledger import Ledger
-    from fedhop.common.procexit import freeze_heap
     from fedhop.common.transport.grpc import GrpcEndpoint
+    from fedhop.common.util.procexit import freeze_heap
+    from fedhop.common.wire.ledger import Ledger
     from fedhop.common.wire.message import Payload
 
     ctx = mp.get_context("spawn")
@@ -210,8 +210,8 @@ def bench_grpc_bare(nbytes: int, repeats: int, chunk: int, cpu: dict | None = No
 
 # ----------------------------------------------------------------------------- codec
 def bench_codec(nbytes: int, repeats: int, chunk: int) -> tuple[float, float]:
-    from fedhop.common.codec import decode_frames, encode
     from fedhop.common.wire import fedhop_pb2 as pb
+    from fedhop.common.wire.codec import decode_frames, encode
     from fedhop.common.wire.message import Payload
 
     payload = Payload(tensors={"w": torch.randn(nbytes // 4)})
@@ -252,7 +252,7 @@ processes = {processes}
 
 
 def bench_round(rounds: int, processes: int) -> dict:
-    from fedhop.common.runstore import RunStore
+    from fedhop.common.records.runstore import RunStore
     from fedhop.deploy.launcher import run_local
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -120,7 +120,7 @@ def synthetic(request) -> Task:
     return SyntheticTask(request.num_clients, request.params.mb)
 
 
-setattr(synthetic, "Params", SyntheticParams)   # the plug-in's [data] keys (common/plugins.py)
+setattr(synthetic, "Params", SyntheticParams)   # the plug-in's [data] keys (common/util/plugins.py)
 
 ROUND_CONFIG = """
 [run]
@@ -248,7 +248,7 @@ def round_cell(size_mb: float, clients: int, workdir: Path) -> dict:
     from safetensors.torch import load_file
 
     from fedhop.common.config import parse_config
-    from fedhop.common.runstore import RunStore
+    from fedhop.common.records.runstore import RunStore
 
     timeout = max(120.0, 4 * clients * size_mb / 10)   # seconds; generous at 10 MB/s per byte moved
     cfg = parse_config(ROUND_CONFIG.format(mb=size_mb, clients=clients, lr=LR, timeout=timeout))

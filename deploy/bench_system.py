@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import load_file
 
 from fedhop.common.config import parse_config
-from fedhop.common.rounds import RoundEngine
-from fedhop.common.runstore import RunStore
+from fedhop.common.engine.rounds import RoundEngine
+from fedhop.common.records.runstore import RunStore
 from fedhop.common.tasks import dataset_params
 from fedhop.deploy.launcher import LocalRun, run_local
 
@@ -70,7 +70,7 @@ processes = 2
 
 def single_process_loop(config_text: str) -> tuple[float, list[float], dict[str, torch.Tensor]]:
     """The same SGD steps on the same data in one process, no framework: the round engine
-    (common/rounds.py) playing server and clients.  Returns (seconds, seconds per round, final model)."""
+    (common/engine/rounds.py) playing server and clients.  Returns (seconds, seconds per round, final model)."""
     cfg = parse_config(config_text)
     torch.set_num_threads(2)  # one process may use both cores
     engine = RoundEngine(cfg)

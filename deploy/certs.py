@@ -1,6 +1,6 @@
 """`fedhop certs DIR --nodes server,edge-0,client-proc0,... [--config EXP.toml] [--hosts H,...] [--days N]`
 
-Makes (or extends) a cluster directory for TLS and node credentials (common/security.py):
+Makes (or extends) a cluster directory for TLS and node credentials (common/security/auth.py):
 
     DIR/ca.pem, DIR/ca.key          the cluster CA (reused when DIR already has one)
     DIR/NODE.pem, DIR/NODE.key      one certificate per node, CN = node id, usable for mutual TLS
@@ -9,7 +9,7 @@ Makes (or extends) a cluster directory for TLS and node credentials (common/secu
     DIR/NODE.cred                   one per-node credential per node, issued by it
 
 Keys are written mode 0600.  `--config EXP.toml` adds the node ids of that experiment's
-processes as `fedhop run` starts them (server, edge-E, client-procP: common/plan.py).  `--hosts`
+processes as `fedhop run` starts them (server, edge-E, client-procP: common/topologies/plan.py).  `--hosts`
 adds host names or IP addresses to every certificate (peers are otherwise verified by node id).
 Then set `security.certs_dir = "DIR"` (and `security.mtls = true` for mutual TLS); copy to each
 machine only ca.pem and its own NODE.pem / NODE.key / NODE.cred (a process whose folder holds its
@@ -41,9 +41,9 @@ def expand_nodes(spec: str) -> list[str]:
 
 
 def nodes_for_config(path: str) -> list[str]:
-    """The node ids of an experiment's processes: its process plan (common/plan.py)."""
+    """The node ids of an experiment's processes: its process plan (common/topologies/plan.py)."""
     from fedhop.common.config import load_config
-    from fedhop.common.plan import plan_processes
+    from fedhop.common.topologies.plan import plan_processes
     return plan_processes(load_config(path)).node_ids
 
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", default="", help="extra host names / IPs for every certificate, comma-separated")
     ap.add_argument("--days", type=int, default=365)
     args = ap.parse_args(argv)
-    from fedhop.common.security import SecurityError, write_cluster
+    from fedhop.common.security.auth import SecurityError, write_cluster
     try:
         nodes = expand_nodes(args.nodes)
         if args.config:

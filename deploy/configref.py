@@ -1,10 +1,10 @@
 """The config reference, generated from the schema: docs/config.md and `fedhop config show`.
 
 Nothing here lists keys by hand.  The common keys are the fields of the section dataclasses
-(common/config_schema.py); the keys that depend on a choice (an algorithm's hyper-parameters, a
+(common/config/schema.py); the keys that depend on a choice (an algorithm's hyper-parameters, a
 topology's, a data set's, the torch transport's, the [clients] device keys) are the fields of the
 `Params` dataclass that the config loader validates them against (`options_schema`,
-common/config.py), for every built-in choice.  For each key: its type (the annotation), default,
+common/config/__init__.py), for every built-in choice.  For each key: its type (the annotation), default,
 allowed values (the `choices` / `min` / `max` / `min_exclusive` rules the loader enforces) and
 its description: the field's `help` metadata, else the "`key`: ..." entry of its class
 docstring, else the comment on (or just above) its line in the source, else a docstring entry
@@ -233,7 +233,7 @@ def _builtin_choices(section: str) -> tuple[str, ...] | None:
         from fedhop.common.algorithms import registry
         return tuple(sorted(registry()))
     if section == "topology":
-        from fedhop.common.topology import TOPOLOGY_PARAMS
+        from fedhop.common.topologies.graphs import TOPOLOGY_PARAMS
         return tuple(TOPOLOGY_PARAMS)
     if section == "data":
         from fedhop.common.tasks import builtin_datasets
@@ -417,7 +417,7 @@ def markdown() -> str:
 _PROCESSORS = """\
 ## [[processors]]
 
-{summary}  A processor is a user's stage in the payload chains (common/pipeline.py;
+{summary}  A processor is a user's stage in the payload chains (common/processors/pipeline.py;
 docs/architecture.md, "Add a processor"): it sees each message of its methods and direction, after
 the built-in decoding and validation inbound and before compression outbound, and returns it
 (changed or not) or refuses it by raising `PayloadError(code, detail)`, which the run treats as it
@@ -439,7 +439,7 @@ path = "counts.txt"           # an option: Count(path="counts.txt")
 
 def _processors_markdown() -> list[str]:
     """The `[[processors]]` tables: an array of tables after the sections."""
-    from fedhop.common.config_schema import ProcessorConfig
+    from fedhop.common.config.schema import ProcessorConfig
     return [_PROCESSORS.format(summary=summary_of(ProcessorConfig)), *_table(dataclass_keys("processors",
                                                                                           ProcessorConfig)), ""]
 

@@ -3,7 +3,7 @@
 A standard-library HTTP server (a daemon thread) serves one static page, deploy/dashboard.html
 (plain HTML, SVG and JavaScript: no front-end build step), and `/api/state`, a JSON snapshot of
 the run read from run.db: the topology as a graph (server, edges, client groups) with the bytes
-of every link from the live view each process reports with its heartbeats (common/livebytes.py),
+of every link from the live view each process reports with its heartbeats (common/transport/livebytes.py),
 the rounds with their metrics and live byte totals, failures and events.  The page polls the
 snapshot every second; the first one is inlined in the page, so the first paint (or a headless
 dump) already shows the run.  The page fits a 1000 px wide window; the graph places each link's
@@ -26,8 +26,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.common.topologies import SPECS
+from fedhop.common.util.nodeids import edge_node
 
 PAGE = Path(__file__).with_name("dashboard.html")
 EVENTS_SHOWN = 30
@@ -67,7 +68,7 @@ def _graph(cfg: dict, live: list[tuple], server_pairs: dict[str, dict[str, int]]
     if spec is not None and spec.edges:
         edges = int(topo.get("edges", 0)) or len(topo.get("assignment", []) or [])
         for e in range(edges):
-            edge = f"edge-{e}"
+            edge = edge_node(e)
             nodes.append({"id": edge, "label": edge, "tier": 1})
             nodes.append({"id": f"clients@{edge}", "label": "clients", "tier": 2})
             links.append({"a": "server", "b": edge, "link": "edge-server", "bytes": server_pairs.get(edge, {})})

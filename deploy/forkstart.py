@@ -34,8 +34,8 @@ import time
 import traceback
 from pathlib import Path
 
-from fedhop.common.procexit import die_with, exit_code, exit_now
-from fedhop.common.proctitle import prepare as prepare_title
+from fedhop.common.util.procexit import die_with, exit_code, exit_now
+from fedhop.common.util.proctitle import prepare as prepare_title
 from fedhop.deploy.malloc import TUNED_MALLOC_ENV
 
 # glibc's mallopt parameters for the environment variables in TUNED_MALLOC_ENV (malloc.h)
@@ -133,7 +133,7 @@ def _run_child(module: str, args: list[str], env: dict[str, str], log: Path, cwd
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
     print(f"fedhop: `python -m {module}` forked from the launcher (pid {parent})", file=sys.stderr)
     os.chdir(cwd)
-    prepare_title()   # before the environment is replaced (common/proctitle.py)
+    prepare_title()   # before the environment is replaced (common/util/proctitle.py)
     os.environ.clear()
     os.environ.update(env)
     tune_malloc(env)

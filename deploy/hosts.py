@@ -54,10 +54,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fedhop.common.addresses import plaintext_refusal
 from fedhop.common.config import Config, ConfigError, config_to_toml, load_config
-from fedhop.common.nodecred import CRED_ENV, TokenAuthority
-from fedhop.common.plan import Placement, id_spec, plan_processes
+from fedhop.common.security.addresses import plaintext_refusal
+from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
+from fedhop.common.topologies.plan import Placement, plan_processes
+from fedhop.common.util.nodeids import id_spec
 from fedhop.deploy.malloc import TUNED_MALLOC_ENV
 
 DEFAULT_REMOTE = "ssh -o BatchMode=yes {host} {command}"
@@ -248,13 +249,13 @@ def parse_id_list(value: Any, count: int, where: str) -> list[int]:
 
 def process_layout(cfg: Config) -> list[tuple[int | None, list[int]]]:
     """(edge or None, logical client ids) per client process of the config's process plan
-    (common/plan.py), as `fedhop run` starts them."""
+    (common/topologies/plan.py), as `fedhop run` starts them."""
     return [(p.edge, list(p.clients)) for p in plan_processes(cfg).clients]
 
 
 def plan_roles(hf: HostsFile, cfg: Config) -> list[Role]:
     """The processes of the run: which role on which host, its port and its parent.  The process
-    plan (common/plan.py) decides the processes; the hosts file places the logical clients on
+    plan (common/topologies/plan.py) decides the processes; the hosts file places the logical clients on
     hosts and says how many client processes each parent gets there."""
     servers = [h for h in hf.hosts if h.server]
     if len(servers) != 1:
@@ -533,7 +534,7 @@ class Launch:
         self.keep_going = keep_going
         self.shared_fs = shared_fs   # every host writes straight into OUT (emulated hosts): nothing to gather
         self.token = secrets.token_hex(16)
-        self.authority = TokenAuthority()     # issues each role its own credential (common/security.py)
+        self.authority = TokenAuthority()     # issues each role its own credential (common/security/auth.py)
         self.started: list[Started] = []
         self._echo_lock = threading.Lock()
 
@@ -732,8 +733,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 def refresh_summary(run_dir: Path) -> dict | None:
     """Merge every ledger file in RUN_DIR/ledger into run.db and rewrite summary.json's byte totals and
     sender/receiver agreement: on several machines the server sees only its own ledger at the end."""
-    from fedhop.common.ledger import read_jsonl
-    from fedhop.common.runstore import RunStore
+    from fedhop.common.records.runstore import RunStore
+    from fedhop.common.wire.ledger import read_jsonl
     summary_path = run_dir / "summary.json"
     db = run_dir / "run.db"
     if not summary_path.exists() or not db.exists():

@@ -13,10 +13,10 @@ import torch
 
 from fedhop.client.runtime import ClientProcess
 from fedhop.common.config import Config
-from fedhop.common.ledger import Ledger
-from fedhop.common.plan import plan_processes
+from fedhop.common.topologies.plan import plan_processes
 from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
+from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload
 from fedhop.edge.runtime import EdgeProcess
 from fedhop.server.coordinator import Coordinator
@@ -43,7 +43,7 @@ def run_inmemory(cfg: Config, run_dir: str | Path,
     procs: list = []
     addresses = {"server": address}
     edge_threads = []
-    for planned in plan_processes(cfg).processes[1:]:   # the processes a real run starts (common/plan.py)
+    for planned in plan_processes(cfg).processes[1:]:   # the processes a real run starts (common/topologies/plan.py)
         assert planned.parent is not None   # only the server has none
         ep = InMemoryEndpoint(net, planned.node_id, Ledger(run_dir / "ledger" / f"{planned.node_id}.jsonl"),
                               chunk_bytes=cfg.transport.chunk_bytes)

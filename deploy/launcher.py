@@ -22,12 +22,20 @@ from pathlib import Path
 from typing import Callable
 
 from fedhop.common.config import Config, config_to_toml, load_config
-from fedhop.common.nodecred import CRED_ENV, TokenAuthority
-from fedhop.common.plan import id_spec, plan_processes
-from fedhop.common.plugins import ALLOW_ENV, PLUGIN_PATH_ENV, allow_list_from, config_plugins
-from fedhop.common.procexit import LAUNCHER_ENV, Stopped, ignore_stops, signals_restored, stop_on_sigterm, stop_reason
-from fedhop.common.torch_device import DeviceError, describe, plan_devices, resolve_config
+from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
+from fedhop.common.topologies.plan import plan_processes
 from fedhop.common.transport.factory import TRANSPORTS, transport
+from fedhop.common.transport.torch_device import DeviceError, describe, plan_devices, resolve_config
+from fedhop.common.util.nodeids import id_spec
+from fedhop.common.util.plugins import ALLOW_ENV, PLUGIN_PATH_ENV, allow_list_from, config_plugins
+from fedhop.common.util.procexit import (
+    LAUNCHER_ENV,
+    Stopped,
+    ignore_stops,
+    signals_restored,
+    stop_on_sigterm,
+    stop_reason,
+)
 from fedhop.deploy.forkstart import ForkedProcess, fork_allowed, fork_module
 from fedhop.deploy.malloc import tuned_env
 from fedhop.deploy.report import human_bytes
@@ -51,14 +59,14 @@ class LocalRun:
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     authority: TokenAuthority = field(default_factory=TokenAuthority)   # issues each child's credential
     credentials: dict[str, str] = field(default_factory=dict)          # node id -> its credential
-    devices: dict[str, str] = field(default_factory=dict)   # node id -> its --device (common/torch_device.py)
+    devices: dict[str, str] = field(default_factory=dict)   # node id -> its --device (common/transport/torch_device.py)
 
     def spawn(self, name: str, argv: list[str]) -> Child:
         log = self.run_dir / "logs" / f"{name}.log"
         env = dict(tuned_env(), FEDHOP_TOKEN=self.token, PYTHONUNBUFFERED="1")
-        # the children may load the plug-ins this run's own config names, and no other (common/plugins.py)
+        # the children may load the plug-ins this run's own config names, and no other (common/util/plugins.py)
         env[ALLOW_ENV] = ",".join(allow_list_from([*config_plugins(self.cfg)], env.get(ALLOW_ENV, "")))
-        env[CRED_ENV] = self.credential(name)   # this child's own per-node credential (common/security.py)
+        env[CRED_ENV] = self.credential(name)   # this child's own per-node credential (common/security/auth.py)
         module = f"fedhop.{argv[0]}"
         # start-up without re-importing torch (deploy/forkstart.py); CUDA cannot be used in a forked child
         proc: subprocess.Popen | ForkedProcess
@@ -66,7 +74,7 @@ class LocalRun:
             proc = fork_module(module, argv[1:], env, log, self.workdir)
         else:
             with open(log, "ab") as fh:
-                # the child dies with this launcher (common/procexit.py die_with_launcher)
+                # the child dies with this launcher (common/util/procexit.py die_with_launcher)
                 proc = subprocess.Popen([sys.executable, "-m", module, *argv[1:]], stdout=fh, stderr=subprocess.STDOUT,
                                         env={**env, LAUNCHER_ENV: str(os.getpid())}, cwd=self.workdir)
         child = Child(name, proc, log)
@@ -93,7 +101,7 @@ class LocalRun:
 
     def start(self, overrides: list[str], resume: bool = False) -> Child:
         """Start the server (continuing from its checkpoint with `resume`), then the edges and the
-        client processes of the config's process plan (common/plan.py) all at once, so their
+        client processes of the config's process plan (common/topologies/plan.py) all at once, so their
         start-up (imports, above all torch's) overlaps: each child reads its parent's address
         from the file the parent writes once it serves (`--parent-file`).  Returns once the
         server serves."""
@@ -112,7 +120,7 @@ class LocalRun:
         if self.devices:
             (self.run_dir / "devices.json").write_text(json.dumps(self.devices, indent=1) + "\n")
         address_file = {"server": port_file}
-        for proc in plan_processes(self.cfg).processes[1:]:   # the processes this config starts (common/plan.py)
+        for proc in plan_processes(self.cfg).processes[1:]:   # the processes this config starts (common/topologies/plan.py)
             assert proc.parent is not None   # only the server (processes[0]) has no parent
             parent_file = address_file[proc.parent]
             if proc.kind == "edge":
@@ -211,7 +219,7 @@ def check_children_started(run: "LocalRun") -> None:
 def read_progress(db: Path, after: int, final: bool = False) -> list[dict]:
     """Rounds recorded in run.db after round `after`, each with `bytes`: the framed bytes of every
     link up to that round in the live view every process reports with its heartbeats
-    (common/livebytes.py); with `final` (the run has ended), the live view's total now, which
+    (common/transport/livebytes.py); with `final` (the run has ended), the live view's total now, which
     equals the final table.  A run.db without a live view: the records merged so far."""
     if not db.exists():
         return []
@@ -290,7 +298,7 @@ def final_table(run_dir: Path) -> str:
     if final:
         lines.append("  final: " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))
     try:
-        from fedhop.common.runstore import RunStore
+        from fedhop.common.records.runstore import RunStore
         store = RunStore(run_dir / "run.db", create=False)
         try:
             by_dir = store.bytes_by_link_direction()
@@ -444,7 +452,7 @@ PLUGIN_PATH_FILE = "plugin_path"   # the run's plug-in search path, for --resume
 
 def plugin_search_path(config_path: str | Path) -> list[Path]:
     """Where a plug-in package that is not installed is looked for: the config's folder, then the
-    working directory (common/plugins.py)."""
+    working directory (common/util/plugins.py)."""
     folders = [Path(config_path).expanduser().resolve().parent, Path.cwd().resolve()]
     return list(dict.fromkeys(folders))
 
@@ -458,7 +466,7 @@ def export_plugin_path(config_path: str | Path) -> None:
 
 def loopback_plaintext_note(cfg: Config) -> str | None:
     """`fedhop run` on loopback without TLS sets security.insecure = true, and says so."""
-    from fedhop.common.addresses import is_loopback
+    from fedhop.common.security.addresses import is_loopback
     sec = cfg.security
     if sec.certs_dir or sec.insecure or not is_loopback(cfg.transport.host):
         return None
@@ -482,7 +490,7 @@ def finished_rounds(run_dir: Path) -> int | None:
 def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True, dashboard: int | None = None) -> int:
     """`fedhop run --resume RUN_DIR`: restart the server from its newest checkpoint and fresh
     client processes; the same exit codes as `run_local`."""
-    from fedhop.common.checkpoint import CheckpointError, latest_checkpoint
+    from fedhop.common.records.checkpoint import CheckpointError, latest_checkpoint
     d = Path(run_dir).expanduser().resolve()
     if not (d / "config.toml").exists():
         print(f"fedhop run --resume: {d} holds no config.toml; is it a run directory?", file=sys.stderr)
@@ -536,14 +544,14 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
     given_certs = cfg.security.certs_dir
     if not resume:   # a run folder's config.toml is resumed as written (its checkpoints carry its digest)
         absolute_paths(cfg, Path.cwd())
-    try:   # a missing download: one line naming the file, before any process starts (common/datafiles.py)
-        from fedhop.common.datafiles import check_data_files
+    try:   # a missing download: one line naming the file, before any process starts (common/data/datafiles.py)
+        from fedhop.common.data.datafiles import check_data_files
         check_data_files(cfg)
     except (FileNotFoundError, ValueError) as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
         return 2
-    try:   # model.freeze / model.exchange name real parameters and leave some to exchange (common/models.py)
-        from fedhop.common.models import check_model_selection
+    try:   # model.freeze / model.exchange name real parameters and leave some to exchange (common/data/models.py)
+        from fedhop.common.data.models import check_model_selection
         check_model_selection(cfg)
     except (FileNotFoundError, ValueError) as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
@@ -558,7 +566,7 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
               f"tests (deploy/inmemory.py); process runs use {others}", file=sys.stderr)
         return 2
     asked = any(d != "cpu" for d in (cfg.run.device, cfg.edges.device, cfg.clients.device))
-    try:   # which process computes on which device: checked before anything starts (common/torch_device.py)
+    try:   # which process computes on which device: checked before anything starts (common/transport/torch_device.py)
         if not resume:
             resolve_config(cfg)
         devices = plan_devices(cfg, plan_processes(cfg))

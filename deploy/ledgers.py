@@ -13,7 +13,7 @@ import sqlite3
 import sys
 from pathlib import Path
 
-from fedhop.common.runstore import AgreementReport, RunStore
+from fedhop.common.records.runstore import AgreementReport, RunStore
 from fedhop.deploy.runread import read_summary
 
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedhop merge-ledgers: {run_dir} holds no run.db and ledger/ folder; is it a run directory?",
               file=sys.stderr)
         return 2
-    try:   # ledger lines that are too long, nested or out of range are skipped with a warning (common/ledger.py)
+    try:   # ledger lines that are too long, nested or out of range are skipped with a warning (common/wire/ledger.py)
         added, agreement = merge_run(run_dir)
     except (sqlite3.Error, ValueError, OverflowError) as exc:   # a run.db that is no run's
         print(f"fedhop merge-ledgers: {run_dir / 'run.db'}: cannot merge into it ({type(exc).__name__}: "

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from fedhop.common.config import Config, ConfigError, load_config
+from fedhop.common.util.nodeids import client_node
 from fedhop.deploy.hosts import HostsError, HostsFile, HostSpec, Role, load_hosts, plan_roles, run_launch
 
 SUBNET = "10.213"                 # 10.213.0.0/16, used only inside our namespaces
@@ -325,8 +326,9 @@ def host_kind(h: HostSpec) -> str:
 
 
 def default_hosts(cfg: Config) -> HostsFile:
-    """One emulated host per process of the config's process plan (common/plan.py)."""
-    from fedhop.common.plan import id_spec, plan_processes
+    """One emulated host per process of the config's process plan (common/topologies/plan.py)."""
+    from fedhop.common.topologies.plan import plan_processes
+    from fedhop.common.util.nodeids import id_spec
     plan = plan_processes(cfg)
     hosts = [HostSpec("server", address="", server=True)]
     hosts += [HostSpec(e.node_id, address="", edges=[e.edge]) for e in plan.edges if e.edge is not None]   # every edge has its index
@@ -359,7 +361,7 @@ def node_hosts(roles: list[Role]) -> dict[str, str]:
     for r in roles:
         out[r.node_id] = r.host.name
         for c in r.clients:
-            out[f"client-{c}"] = r.host.name
+            out[client_node(c)] = r.host.name
     return out
 
 
@@ -373,7 +375,7 @@ def physical_link(src: str, dst: str) -> str:
 
 def ledger_messages(run_dir: Path) -> list[dict]:
     """Each message once (the sender's record, else the receiver's) from run.db."""
-    from fedhop.common.runstore import RunStore
+    from fedhop.common.records.runstore import RunStore
     store = RunStore(run_dir / "run.db", create=False)
     try:
         rows = store.messages()
@@ -453,7 +455,7 @@ def round_times(run_dir: Path, roles: list[Role], rates: dict[str, int | None]) 
     seconds where the run recorded them.  Prediction: for each rate-limited host, the framed bytes
     that crossed its link in the round, plus one 66-byte header per 1448-byte segment (the token
     bucket counts frames), over its rate; the slowest such host sets the round."""
-    from fedhop.common.runstore import RunStore
+    from fedhop.common.records.runstore import RunStore
     where = node_hosts(roles)
     per_round: dict[int, dict[str, int]] = {}
     for m in ledger_messages(run_dir):

@@ -38,8 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Collection, Sequence
 
-from fedhop.common.ledger import BYTE_FIELDS, LINKS
-from fedhop.common.runstore import AgreementReport, RunStore
+from fedhop.common.records.runstore import AgreementReport, RunStore
+from fedhop.common.wire.ledger import BYTE_FIELDS, LINKS
 from fedhop.deploy import runread
 
 if TYPE_CHECKING:   # matplotlib is optional (the extra `report`): imported where a plot is drawn

@@ -67,7 +67,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedhop.common.procexit import exit_now
+from fedhop.common.util.procexit import exit_now
 
 log = logging.getLogger("fedhop.role")
 
@@ -323,7 +323,7 @@ def cmd_server(a: argparse.Namespace) -> int:
 
 def security_overrides() -> list[str]:
     """The server's [security] keys from FEDHOP_INSECURE / FEDHOP_CERTS_DIR / FEDHOP_MTLS, the
-    variables the edge and client processes read (common/security.py add_security_args)."""
+    variables the edge and client processes read (common/security/auth.py add_security_args)."""
     out = []
     if env("FEDHOP_INSECURE") in ("1", "true"):
         out.append("security.insecure=true")
@@ -415,14 +415,15 @@ def claim_slot(slots: Path, me: str, n: int) -> int | None:
 
 
 def cmd_client(a: argparse.Namespace) -> int:
-    from fedhop.common.plan import id_spec, plan_processes
+    from fedhop.common.topologies.plan import plan_processes
+    from fedhop.common.util.nodeids import id_spec
     run_dir = wait_for_run(a.server)
     token = token_for(run_dir)
     ip = local_ip_towards(a.server)
     me = _identity(ip)
     n = replica_count(run_dir, me, seconds("FEDHOP_SETTLE", "3"))
     cfg = load_cfg([f"clients.processes={n}"])
-    layout = plan_processes(cfg).clients   # slot k hosts client-proc<k> of the process plan (common/plan.py)
+    layout = plan_processes(cfg).clients   # slot k hosts client-proc<k> of the process plan (common/topologies/plan.py)
     fixed_slot = env("FEDHOP_SLOT")
     if fixed_slot and not (fixed_slot.isdigit() and int(fixed_slot) < len(layout)):
         raise UsageError(f"FEDHOP_SLOT={fixed_slot!r}: must be 0..{len(layout) - 1} "

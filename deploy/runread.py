@@ -14,8 +14,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from fedhop.common.ledger import BYTE_FIELDS
-from fedhop.common.runstore import _ONCE
+from fedhop.common.records.runstore import _ONCE
+from fedhop.common.wire.ledger import BYTE_FIELDS
 
 #: the per-round columns every row has, in order; each metric of the round comes after them,
 #: then the cumulative byte counts (CUMULATIVE)

@@ -1,6 +1,6 @@
 """`fedhop slurm CONFIG.toml`: one run as one Slurm batch job (docs/deployment.md, "Slurm").
 
-The job's steps are the processes of the config's process plan (common/plan.py), the same plan
+The job's steps are the processes of the config's process plan (common/topologies/plan.py), the same plan
 `fedhop run`, `fedhop launch` and compose follow: the server, then each edge and client process,
 each an `srun --nodes=1 --ntasks=1 --overlap` step placed on one node of the allocation (the
 server on the first, the others round-robin over all of them).  Separate steps rather than a
@@ -103,7 +103,8 @@ def _check_path(path: Path, what: str) -> None:
 def task_list(cfg, run_dir: Path, nodes: int, creds: bool) -> list[dict]:
     """One entry per process of the plan: node id, kind, the index of the allocation's node it runs
     on, and its `python -m fedhop.ARGV` with "{host}" where the node's host name goes."""
-    from fedhop.common.plan import id_spec, plan_processes
+    from fedhop.common.topologies.plan import plan_processes
+    from fedhop.common.util.nodeids import id_spec
     run = str(run_dir)
     sec = cfg.security
     mm = str(cfg.transport.max_message_bytes)
@@ -131,9 +132,9 @@ def task_list(cfg, run_dir: Path, nodes: int, creds: bool) -> list[dict]:
 def slurm_devices(cfg, tasks: list[dict], gpus_per_node: int) -> dict[str, str]:
     """node id -> device ("cpu" or "cuda:K") of every task: the server on run.device, edges on
     edges.device, and on each node of the allocation its client processes round-robin over that
-    node's `gpus_per_node` GPUs (common/torch_device.py; NCCL: one GPU per process of the node)."""
-    from fedhop.common.torch_device import DeviceError, client_devices, nccl_devices, resolve
+    node's `gpus_per_node` GPUs (common/transport/torch_device.py; NCCL: one GPU per process of the node)."""
     from fedhop.common.transport.factory import own_device_per_process
+    from fedhop.common.transport.torch_device import DeviceError, client_devices, nccl_devices, resolve
     out: dict[str, str] = {}
     per_node: dict[int, list[str]] = {}
     nccl = own_device_per_process(cfg.transport.kind, cfg.transport.options)
@@ -174,8 +175,8 @@ def node_credentials(certs_dir: Path, node_ids: list[str], run_dir: Path) -> Non
     """RUN/creds/NODE for every node: ca.pem, NODE.pem, NODE.key and NODE.cred (its per-node
     credential; cluster.secret instead for a folder made before `fedhop certs` wrote them), mode
     0600 in a 0700 folder; never ca.key, issuer.key or another node's files."""
-    from fedhop.common.nodecred import CRED_SUFFIX
-    from fedhop.common.security import CA_CERT, SECRET_FILE
+    from fedhop.common.security.auth import CA_CERT, SECRET_FILE
+    from fedhop.common.security.nodecred import CRED_SUFFIX
     missing = [str(certs_dir / n) for node in node_ids for n in (CA_CERT, f"{node}.pem", f"{node}.key")
                if not (certs_dir / n).is_file()]
     if missing:
@@ -208,7 +209,7 @@ def prepare_run(config: str, overrides: list[str], out: str | None, opts: SlurmO
     """Make the run directory: config.toml and .token (0600), per-node credentials, the task list,
     the batch script.  Returns its absolute path."""
     from fedhop.common.config import ConfigError, config_to_toml, load_config
-    from fedhop.common.plan import plan_processes
+    from fedhop.common.topologies.plan import plan_processes
     try:
         cfg = load_config(config, overrides)
         plan = plan_processes(cfg)

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fedhop.common.procexit import LAUNCHER_ENV
+from fedhop.common.util.procexit import LAUNCHER_ENV
 from fedhop.deploy.bracket import Edge, edges, widen
 from fedhop.deploy.report import RunData, build_report, load_run, lower_is_better, meets
 from fedhop.deploy.slurm import SlurmArrayRunner, add_slurm_args, options_from
@@ -320,7 +320,7 @@ class Criterion:
         return float(self.link_bytes_upto(run.run_dir, hit))
 
     def link_bytes_upto(self, run_dir: Path, round_: int) -> int:
-        from fedhop.common.runstore import RunStore
+        from fedhop.common.records.runstore import RunStore
         with RunStore(run_dir / "run.db", create=False) as store:
             per_link = store.bytes_by_link_upto(round_)
         if self.link == "total":

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhop.common.config import ConfigError, apply_overrides, build_dataclass, config_from_dict
-from fedhop.common.ledger import LINKS
+from fedhop.common.wire.ledger import LINKS
 
 CRITERIA = ("final", "rounds_to_target", "bytes_to_target")
 METHODS = ("grid", "random", "tpe")

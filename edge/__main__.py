@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from fedhop.common.addresses import listen_address
-from fedhop.common.admission import RequestGate, model_bytes, request_bounds, throttle_refusal_logs
-from fedhop.common.ledger import Ledger
-from fedhop.common.livebytes import LinkCounter, Reported
-from fedhop.common.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
-from fedhop.common.methods import role_of
-from fedhop.common.plugins import allow_list_from, restrict
-from fedhop.common.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
-from fedhop.common.proctitle import set_role_title
-from fedhop.common.security import SecurityError, add_security_args, credentials_from_args
-from fedhop.common.torch_device import flag_error
+from fedhop.common.security.addresses import listen_address
+from fedhop.common.security.auth import SecurityError, add_security_args, credentials_from_args
+from fedhop.common.transport.admission import RequestGate, model_bytes, request_bounds, throttle_refusal_logs
 from fedhop.common.transport.factory import PROCESS_TRANSPORT, make_endpoint
+from fedhop.common.transport.livebytes import LinkCounter, Reported
+from fedhop.common.transport.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
+from fedhop.common.transport.torch_device import flag_error
+from fedhop.common.util.plugins import allow_list_from, restrict
+from fedhop.common.util.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
+from fedhop.common.util.proctitle import set_role_title
+from fedhop.common.wire.ledger import Ledger
+from fedhop.common.wire.methods import role_of
 from fedhop.edge.reports import EdgeRefusals, EventOutbox
 from fedhop.edge.runtime import EdgeProcess
 
@@ -38,7 +38,7 @@ READY_WAIT = 120.0   # seconds a call may wait for this process to finish regist
 
 def fair_share(endpoint: GrpcEndpoint, proc: EdgeProcess) -> None:
     """Requests bounded by their method and checked against the caller before their data is read;
-    the server's calls unlimited, a neighbour's few at once (common/admission.py)."""
+    the server's calls unlimited, a neighbour's few at once (common/transport/admission.py)."""
     known: list = []
 
     def router():   # a call that arrives while the edge registers waits for it, as its handler would
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         return 2
     torch.set_num_threads(1)
-    device_problem = flag_error(args.device)   # a device this machine lacks (common/torch_device.py)
+    device_problem = flag_error(args.device)   # a device this machine lacks (common/transport/torch_device.py)
     if device_problem:
         logging.error("%s", device_problem)
         return 2
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         return 2
     ledger = Ledger(sink)
-    counter = LinkCounter(args.node_id)   # live byte totals for the server (common/livebytes.py)
+    counter = LinkCounter(args.node_id)   # live byte totals for the server (common/transport/livebytes.py)
     ledger.observers.append(counter.observe)
     refusals = EdgeRefusals(EventOutbox())   # run.db events at the server, carried by heartbeats (edge/reports.py)
     endpoint = cast("GrpcEndpoint", make_endpoint(PROCESS_TRANSPORT, args.node_id, ledger, token="",   # what PROCESS_TRANSPORT builds
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         endpoint.stop()
         return 2
-    freeze_heap()   # set-up done: the collector walks only what the run allocates (common/procexit.py)
+    freeze_heap()   # set-up done: the collector walks only what the run allocates (common/util/procexit.py)
     aggregator = proc.aggregator
     assert aggregator is not None   # made by a successful start
     sec = aggregator.cfg.security

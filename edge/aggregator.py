@@ -23,23 +23,23 @@ import torch
 
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.local import get_params
-from fedhop.common.checkpoint import forward_client_state
 from fedhop.common.config import Config
-from fedhop.common.control import control_of, failures_control, without_control
-from fedhop.common.liveness import unreachable
-from fedhop.common.methods import Method
-from fedhop.common.nodeids import client_node, edge_index
-from fedhop.common.streaming import OrderedFold, reply_budget
+from fedhop.common.processors.streaming import OrderedFold, reply_budget
+from fedhop.common.processors.validation import ReplyLimiter, finite_step, finite_streamed
+from fedhop.common.records.checkpoint import forward_client_state
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.placed import place_task
-from fedhop.common.topology import cluster_assignment, topology_params
+from fedhop.common.topologies.graphs import cluster_assignment, topology_params
 from fedhop.common.transport.base import Endpoint, HandlerError, Request
+from fedhop.common.transport.control import control_of, failures_control, without_control
 from fedhop.common.transport.fabric import Fabric, Send, reply_chain, upload
-from fedhop.common.transport.factory import EDGE_STEP, data_plane
+from fedhop.common.transport.factory import EDGE_STEP, data_plane, handler_fns
+from fedhop.common.transport.liveness import unreachable
 from fedhop.common.transport.router import MethodRouter, Peers
-from fedhop.common.validation import ReplyLimiter, finite_step, finite_streamed
+from fedhop.common.util.nodeids import client_node, edge_index
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
+from fedhop.common.wire.methods import Method
 
 log = logging.getLogger("fedhop.edge")
 SHUTDOWN_TIMEOUT = 5.0   # seconds a client process may take to answer its shut-down
@@ -105,16 +105,12 @@ class EdgeAggregator:
         router.register_all({
             Method.EDGE_ROUND: lambda request: self.edge_round(int(request.envelope.round), request.payload),
             Method.SHUTDOWN: self._shutdown_call,
-            # checkpoints: the cluster's client states (common/checkpoint.py)
+            # checkpoints: the cluster's client states (common/records/checkpoint.py)
             Method.STATE_GET: self._client_state_call,
             Method.STATE_SET: self._client_state_call,
-            # the group data plane, where the transport has one (edge/group_edge.py)
-            Method.TORCH_PROCS: lambda request: self.group().processes(),
-            Method.TORCH_INIT: lambda request: self.group().init(request.payload),
-            Method.TORCH_EDGE_ROUND: lambda request: self.group().round(int(request.envelope.round), request.payload),
-            Method.TORCH_EDGE_REDUCE: lambda request: self.group().reduce(int(request.envelope.round),
-                                                                          request.payload),
         })
+        for handlers in handler_fns(self.cfg.transport.kind, "edge"):   # the transport's (its group plane)
+            router.register_all(handlers(self))
         return router
 
     @property
@@ -165,7 +161,7 @@ class EdgeAggregator:
         gone = self.unavailable_processes()   # reported to the server, which samples around their clients
         partial.control.clients.extend(sorted(c for c, (node, _) in self.client_home.items() if node in gone))
         partial.control.processes.extend(sorted(gone))
-        return upload(self.cfg, partial, self.endpoint.node_id, round, 0, Method.EDGE_ROUND)   # QSGD (common/pipeline.py)
+        return upload(self.cfg, partial, self.endpoint.node_id, round, 0, Method.EDGE_ROUND)   # QSGD (common/processors/pipeline.py)
 
     def check_sampled(self, sampled: list[int]) -> None:
         stray = [c for c in sampled if c not in self.cluster]
@@ -203,7 +199,7 @@ class EdgeAggregator:
     def collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None, stream: bool = False):
         """Send `message` to `clients` (one encoding), gather replies checked against `spec`
         (default: the algorithm's reply spec for this edge's model) and failures.  `stream`: fold
-        the replies in client-id order as they arrive (common/streaming.py); the replies are then
+        the replies in client-id order as they arrive (common/processors/streaming.py); the replies are then
         a StreamedResults of their scalars."""
         spec = spec if spec is not None else self.algorithm.reply_spec(self.model_state)
         rules = self.algorithm.reply_scalars()
@@ -226,7 +222,7 @@ class EdgeAggregator:
         return replies, failures
 
     def suspect_failed(self, failed: dict[int, str]) -> None:
-        """Client processes whose calls failed as a dead process's do (common/liveness.py
+        """Client processes whose calls failed as a dead process's do (common/transport/liveness.py
         `unreachable`): suspect at once in this edge's liveness monitor, and so reported to the
         server in the next reply (`edge_round`)."""
         monitor = getattr(self.endpoint, "liveness", None)
@@ -257,7 +253,7 @@ class ClusterFanout:
     """The EDGE_STEP plane of the fan-out transports (gRPC, in-memory): one edge iteration is
     a fan-out of the message to the clients through the fabric (`EdgeAggregator.collect`,
     folded as the replies arrive where the algorithm streams), their replies aggregated in
-    client-id order; a sum holding NaN/Inf leaves its worst reply out (common/validation.py)."""
+    client-id order; a sum holding NaN/Inf leaves its worst reply out (common/processors/validation.py)."""
 
     joins_groups: ClassVar[bool] = False
 
@@ -270,7 +266,7 @@ class ClusterFanout:
         replies, failures = agg.collect(clients, round, step, message, stream=agg.algorithm.streams())
         if not replies:
             return None, failures
-        fold = getattr(replies, "fold", None)   # folded as they arrived (common/streaming.py)
+        fold = getattr(replies, "fold", None)   # folded as they arrived (common/processors/streaming.py)
         if fold is not None:   # a sum that is not finite: the worst named, no partial this time
             partial, blamed = finite_streamed(agg.algorithm, None, fold.result(), fold.magnitudes, round)
         else:

@@ -17,17 +17,17 @@ edge's round (COLLECTIVE_FAILED, naming the process), which the server turns int
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from fedhop.common.methods import Method
-from fedhop.common.pipeline import reduced_chain
-from fedhop.common.topology import edge_node
-from fedhop.common.transport.base import HandlerError
+from fedhop.common.processors.pipeline import reduced_chain
+from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.transport.groups import send_beside_call, worlds
+from fedhop.common.util.nodeids import edge_node
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
+from fedhop.common.wire.methods import Method
 
 
 class GroupEdge:
@@ -148,3 +148,14 @@ class GroupModelPath:
                                                     f"{exc}") from None
         self.final = None
         return Payload()
+
+
+def torch_handlers(edge: Any) -> dict[Method, Callable[[Request], Payload]]:
+    """The group data plane's methods an edge serves in a torch run (named by the torch
+    transport's registration, common/transport/factory.py); `edge` is its EdgeAggregator."""
+    return {
+        Method.TORCH_PROCS: lambda request: edge.group().processes(),
+        Method.TORCH_INIT: lambda request: edge.group().init(request.payload),
+        Method.TORCH_EDGE_ROUND: lambda request: edge.group().round(int(request.envelope.round), request.payload),
+        Method.TORCH_EDGE_REDUCE: lambda request: edge.group().reduce(int(request.envelope.round), request.payload),
+    }

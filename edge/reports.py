@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from fedhop.common.admission import EventThrottle, peer_host
+from fedhop.common.transport.admission import EventThrottle, peer_host
 from fedhop.common.wire import fedhop_pb2 as pb
 
 MAX_QUEUED = 256

@@ -43,19 +43,19 @@ import torch
 
 from fedhop.common.algorithms.fedchs import FedCHS, NoClusterReplies, VisitCount
 from fedhop.common.algorithms.local import get_params, set_params
-from fedhop.common.codec import PayloadError
-from fedhop.common.control import control_of, failures_control
-from fedhop.common.methods import Method
-from fedhop.common.nodeids import edge_node
-from fedhop.common.pipeline import model_chain
+from fedhop.common.processors.pipeline import model_chain
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.placed import place_task
-from fedhop.common.topology import SEQ_METRIC_PREFIX, edge_graph, topology_params
+from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX, edge_graph, topology_params
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
+from fedhop.common.transport.control import control_of, failures_control
 from fedhop.common.transport.fabric import Send
 from fedhop.common.transport.factory import SEQ_EDGE_PATH, data_plane
+from fedhop.common.util.nodeids import edge_node
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
+from fedhop.common.wire.methods import Method
 
 log = logging.getLogger("fedhop.edge")
 
@@ -76,7 +76,7 @@ class SequentialEdge:
         self.visits = VisitCount(self.params.count_start)   # c(m)
         self.token: dict[str, torch.Tensor] | None = None
         self.token_round = 0                              # the round the held token is for
-        self.model_in = model_chain(self.spec, Method.SEQ_HANDOFF)   # every model that arrives (common/pipeline.py)
+        self.model_in = model_chain(self.spec, Method.SEQ_HANDOFF)   # every model that arrives (common/processors/pipeline.py)
         # how the model moves: the transport's model path (common/transport/factory.py)
         self.path = data_plane(self.cfg.transport.kind, SEQ_EDGE_PATH, self.cfg.topology.kind)(self)
         self._lock = threading.Lock()
@@ -111,7 +111,7 @@ class SequentialEdge:
             return Payload(scalars={"visits": self.visits.value})
 
     def take_handoff(self, src: str, round: int, payload: Payload) -> Payload:
-        # the router let only a neighbour in the edge graph call this (common/methods.py)
+        # the router let only a neighbour in the edge graph call this (common/wire/methods.py)
         model = self.path.handoff_model(src, round, payload)
         with self._lock:
             self.token = {k: v.clone() for k, v in model.items()}

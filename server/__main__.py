@@ -3,7 +3,7 @@
 Starts the server process of one run: it serves registrations and results, drives the rounds,
 and writes the run directory (config.toml, run.db, summary.json, model.safetensors, checkpoints).
 `--resume` continues the run in DIR from its newest checkpoint (server/resilience.py).
-Security (common/security.py): TLS when security.certs_dir is set (mutual TLS with
+Security (common/security/auth.py): TLS when security.certs_dir is set (mutual TLS with
 security.mtls); every call's node credential is checked; plaintext on a non-loopback address
 needs --insecure (the same as security.insecure = true; or FEDHOP_INSECURE=1).
 Exit status: 0 when the run completed, 1 when it failed, 2 on a bad config or a security refusal,
@@ -19,18 +19,18 @@ from pathlib import Path
 
 import torch
 
-from fedhop.common.addresses import insecure_from_env, listen_address, plaintext_refusal
-from fedhop.common.admission import EventThrottle, RequestGate, peer_host, throttle_refusal_logs
-from fedhop.common.checkpoint import CheckpointError
 from fedhop.common.config import ConfigError, load_config
-from fedhop.common.ledger import Ledger
-from fedhop.common.livebytes import LinkCounter, ServerLive
-from fedhop.common.liveness import LivenessMonitor
-from fedhop.common.procexit import exit_now, freeze_heap, stop_on_sigterm
-from fedhop.common.proctitle import set_role_title
-from fedhop.common.security import NodeCredentials, SecurityError
-from fedhop.common.torch_device import process_device
+from fedhop.common.records.checkpoint import CheckpointError
+from fedhop.common.security.addresses import insecure_from_env, listen_address, plaintext_refusal
+from fedhop.common.security.auth import NodeCredentials, SecurityError
+from fedhop.common.transport.admission import EventThrottle, RequestGate, peer_host, throttle_refusal_logs
 from fedhop.common.transport.factory import make_endpoint
+from fedhop.common.transport.livebytes import LinkCounter, ServerLive
+from fedhop.common.transport.liveness import LivenessMonitor
+from fedhop.common.transport.torch_device import process_device
+from fedhop.common.util.procexit import exit_now, freeze_heap, stop_on_sigterm
+from fedhop.common.util.proctitle import set_role_title
+from fedhop.common.wire.ledger import Ledger
 from fedhop.server.child_reports import ChildReports
 from fedhop.server.coordinator import Coordinator
 from fedhop.server.resilience import Checkpointer, resume
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.warning("plaintext gRPC on %s (%s)", args.listen,
                         "security.insecure = true" if insecure else "loopback only")
     ledger = Ledger(run_dir / "ledger" / "server.jsonl", keep_drained=False)
-    counter = LinkCounter("server")   # the live view of every link's bytes (common/livebytes.py)
+    counter = LinkCounter("server")   # the live view of every link's bytes (common/transport/livebytes.py)
     ledger.observers.append(counter.observe)
     holder: dict = {}
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               for r, s in checkpointer.written]})
     monitor.on_bytes = live.report
     monitor.on_events = reports.events
-    freeze_heap()   # set-up done: the collector walks only what the run allocates (common/procexit.py)
+    freeze_heap()   # set-up done: the collector walks only what the run allocates (common/util/procexit.py)
     monitor.start()
     try:
         address = endpoint.serve(lambda req: _no_calls(), args.listen, register_handler=reports.register)

@@ -2,7 +2,7 @@
 "Plug-ins"): a child that refuses the run's config, and the refusals an edge made.
 
 - A client or edge process that registered and then refused the run's config (PLUGIN_NOT_ALLOWED:
-  a plug-in it was not started with, common/plugins.py) sends a RegisterRequest with `refusal`
+  a plug-in it was not started with, common/util/plugins.py) sends a RegisterRequest with `refusal`
   set before it exits with status 2 (an edge passes its client's on).  The server records a
   `config_refused` event naming the process and the plug-in, and fails the run at once with that
   line as its reason: `fail_run` raises RunFailed in the main thread (SIGUSR1, as SIGTERM raises

@@ -21,24 +21,24 @@ from safetensors.torch import save_file
 from fedhop.common.algorithms.base import ServerState
 from fedhop.common.algorithms.local import set_params, whole_params
 from fedhop.common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
-from fedhop.common.ledger import Ledger
-from fedhop.common.liveness import live_pool, unreachable
-from fedhop.common.methods import Method
-from fedhop.common.nodeids import edge_index, edge_node
-from fedhop.common.pipeline import FinitenessPolicy, configure
-from fedhop.common.procexit import Stopped, ignore_stops, stop_reason
-from fedhop.common.rounds import RoundEngine
-from fedhop.common.runstore import RunStore
-from fedhop.common.streaming import RoundMemory
+from fedhop.common.engine.rounds import RoundEngine
+from fedhop.common.engine.vclock import RoundClock
+from fedhop.common.processors.pipeline import FinitenessPolicy, configure
+from fedhop.common.processors.streaming import RoundMemory
+from fedhop.common.processors.validation import ReplyLimiter, consistent_results, rejection_code
+from fedhop.common.records.runstore import RunStore
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.placed import place_task
 from fedhop.common.transport.base import Endpoint
 from fedhop.common.transport.fabric import Fabric, Send
-from fedhop.common.validation import ReplyLimiter, consistent_results, rejection_code
-from fedhop.common.vclock import RoundClock
+from fedhop.common.transport.liveness import live_pool, unreachable
+from fedhop.common.util.nodeids import client_node, edge_index, edge_node
+from fedhop.common.util.procexit import Stopped, ignore_stops, stop_reason
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import COMPUTE_KEY, Payload
-from fedhop.server.driver import ChildNode, RoundResult, RunFailed, TopologyDriver, client_node, make_driver
+from fedhop.common.wire.methods import Method
+from fedhop.server.driver import ChildNode, RoundResult, RunFailed, TopologyDriver, make_driver
 from fedhop.server.resilience import fault_summary, record_refusals
 
 __all__ = ["Coordinator", "ChildNode", "RoundResult", "RunFailed", "client_node", "time_breakdown"]
@@ -90,12 +90,12 @@ class Coordinator:
         self.round_listeners: list[Callable[[RoundResult], None]] = [on_round] if on_round is not None else []
         self.run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:8]}"
         endpoint.run_id = self.run_id
-        # the round's rules without a transport (common/rounds.py): sampling, aggregation and the
+        # the round's rules without a transport (common/engine/rounds.py): sampling, aggregation and the
         # server step, metrics; the same engine plays whole rounds in process for benchmarks
         self.engine = RoundEngine(cfg, task=place_task(build_task(cfg), self.device))
         self.task, self.algorithm, self.model = self.engine.task, self.engine.algorithm, self.engine.model
         self.state: ServerState = self.engine.state
-        self.clock: RoundClock = self.engine.clock   # stragglers, device profiles, virtual clock (common/vclock.py)
+        self.clock: RoundClock = self.engine.clock   # stragglers, device profiles, virtual clock (common/engine/vclock.py)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.store = RunStore(self.run_dir / "run.db")
         self.children: dict[str, ChildNode] = {}
@@ -159,7 +159,7 @@ class Coordinator:
 
     def _refused(self, req: pb.RegisterRequest, message: str) -> None:
         """A refused registration's event; where a liveness monitor watches the endpoint it records
-        every refusal itself, one event per node per interval (common/admission.py)."""
+        every refusal itself, one event per node per interval (common/transport/admission.py)."""
         if getattr(self.endpoint, "liveness", None) is None:
             self.store.add_event("register_refused", node=req.node_id, detail=message, round=0)
 
@@ -186,7 +186,7 @@ class Coordinator:
         def live_only(pool: list[int], size: int) -> list[int]:
             pool, dead = live_pool(pool, size, self.client_home, getattr(self.endpoint, "liveness", None),
                                    self.reported_dead())
-            if dead:   # no dead node's client drawn in place of a live one (common/liveness.py)
+            if dead:   # no dead node's client drawn in place of a live one (common/transport/liveness.py)
                 self.store.add_event("sampling_excluded", node="server", round=round,
                                      detail=f"{len(dead)} clients of dead nodes not sampled: {dead[:20]}"
                                             + (f" (attempt {attempt})" if attempt else ""))
@@ -201,7 +201,7 @@ class Coordinator:
         return out
 
     def note_failures(self, round: int, failures: dict[int, str], per_client: bool) -> None:
-        """Failed calls that look like a dead process (common/liveness.py `unreachable`) make its
+        """Failed calls that look like a dead process (common/transport/liveness.py `unreachable`) make its
         node suspect at once: sampling leaves its clients out until it beats again, and it is
         marked dead when it does not within the heartbeat timeout.  Without `per_client` the
         calls went to edges ("edge X failed: ..."); a client failing under an edge is the edge's
@@ -289,7 +289,7 @@ class Coordinator:
     def record_failures(self, round: int, failures: dict[int, str]) -> None:
         """One event per client left out: a typed rejection or a lost or failed call."""
         for cid, why in sorted(failures.items()):
-            code = rejection_code(why)   # typed rejections (common/validation.py), the rest: lost or failed
+            code = rejection_code(why)   # typed rejections (common/processors/validation.py), the rest: lost or failed
             kind = "rejected_payload" if code else "client_failed"
             detail = why if not code or why.startswith(f"{code}:") else f"{code}: {why}"   # the code once
             self.store.add_event(kind, node=client_node(cid), detail=detail, round=round)
@@ -310,7 +310,7 @@ class Coordinator:
         settle the virtual clock, check min_results, aggregate, take the server step, evaluate
         and record the round.  `per_client`: `results` holds one reply per client (not edge
         partials), so the virtual clock can cut single clients.  `results` a StreamedResults
-        (common/streaming.py): the replies were folded as they arrived and only their scalars
+        (common/processors/streaming.py): the replies were folded as they arrived and only their scalars
         are here; where the folded aggregate is not finite the round is skipped (None)."""
         fold = getattr(results, "fold", None)
         if fold is not None:
@@ -340,10 +340,10 @@ class Coordinator:
         aggregate = self.engine.finish_round(   # NaN/Inf: rolled back, the offender left out
             round, results, participants, lambda blamed, kept: self._left_out(round, blamed, kept, failures, per_client),
             fold=fold)
-        if aggregate is None:   # a folded round whose sum or step was not finite (common/validation.py)
+        if aggregate is None:   # a folded round whose sum or step was not finite (common/processors/validation.py)
             self.skip_streamed(round, failures)
             return None
-        for node, detail in getattr(self.algorithm.aggregate, "drain", list)():   # common/robust.py: short groups
+        for node, detail in getattr(self.algorithm.aggregate, "drain", list)():   # common/engine/robust.py: short groups
             self.store.add_event("robust_fallback", node=node or "server", detail=detail, round=round)
         aggregated = time.perf_counter()
         metrics = self.round_metrics(round, aggregate)
@@ -385,7 +385,7 @@ class Coordinator:
 
     def _left_out(self, round: int, blamed: dict[int, str], participants: list[int], failures: dict[int, str],
                   per_client: bool) -> list[int]:
-        """Results whose contribution made the aggregate or the model non-finite (common/validation.py
+        """Results whose contribution made the aggregate or the model non-finite (common/processors/validation.py
         `finite_step`): recorded as typed rejections, out of the round, or the run fails under
         security.nan_policy = "fail".  Without `per_client` the results are edges' partials."""
         def key_of(cid: int) -> int:
@@ -448,7 +448,7 @@ class Coordinator:
             status, error = "failed", str(exc)
             self.store.add_event("run_failed", node="server", detail=error, round=self.rounds_completed)
             log.error("run failed: %s", error)
-        except (KeyboardInterrupt, Stopped) as exc:   # Ctrl-C, or SIGTERM (common/procexit.py stop_on_sigterm)
+        except (KeyboardInterrupt, Stopped) as exc:   # Ctrl-C, or SIGTERM (common/util/procexit.py stop_on_sigterm)
             ignore_stops()
             reason, self.stop_status = stop_reason(exc)
             status, error = "stopped", f"{reason} after round {self.rounds_completed}"

@@ -19,20 +19,20 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 
-from fedhop.common.nodeids import client_node  # noqa: F401  # re-exported: the drivers' name for a client
 from fedhop.common.topologies import spec_for
+from fedhop.common.util.nodeids import client_node  # noqa: F401  # re-exported: the drivers' name for a client
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from fedhop.common.algorithms.base import Algorithm, ServerState
     from fedhop.common.config import Config
-    from fedhop.common.ledger import Ledger
-    from fedhop.common.runstore import RunStore
+    from fedhop.common.engine.vclock import RoundClock
+    from fedhop.common.processors.validation import ReplyLimiter
+    from fedhop.common.records.runstore import RunStore
     from fedhop.common.tasks.base import Task
     from fedhop.common.transport.fabric import Fabric
-    from fedhop.common.validation import ReplyLimiter
-    from fedhop.common.vclock import RoundClock
+    from fedhop.common.wire.ledger import Ledger
     from fedhop.common.wire.message import Payload
 
 
@@ -58,7 +58,7 @@ class RoundResult:
     failures: dict[int, str]
     metrics: dict[str, float]
     wall_seconds: float
-    sim_seconds: float | None = None   # virtual-clock duration (common/vclock.py); None where not simulated
+    sim_seconds: float | None = None   # virtual-clock duration (common/engine/vclock.py); None where not simulated
 
 
 class DriverContext(Protocol):
@@ -77,12 +77,12 @@ class DriverContext(Protocol):
     client_home: dict[int, ChildNode]
     restored_topology: dict | None
     summary_hooks: list[Callable[[], dict]]
-    limiter: ReplyLimiter          # what a reply may claim for its clients (common/validation.py)
+    limiter: ReplyLimiter          # what a reply may claim for its clients (common/processors/validation.py)
 
     unavailable: dict[str, set[int]]   # clients an edge reported dead, by edge node id
     run_dir: Path                      # where a streaming fold spills replies ahead of their turn
 
-    def streams(self, per_client: bool = True) -> bool: ...   # replies folded as they arrive (common/streaming.py)
+    def streams(self, per_client: bool = True) -> bool: ...   # replies folded as they arrive (common/processors/streaming.py)
 
     def sample(self, round: int, attempt: int = 0) -> list[int]: ...
     def note_failures(self, round: int, failures: dict[int, str], per_client: bool) -> None: ...
@@ -105,7 +105,7 @@ class TopologyDriver(ABC):
 
     kind: ClassVar[str] = ""
     checkpoint_needs_state: ClassVar[bool] = False   # a resume needs `checkpoint_state` (the model lives elsewhere)
-    # a plug-in's own [topology] keys (a dataclass; None: none) and its processes (None: common/plan.py
+    # a plug-in's own [topology] keys (a dataclass; None: none) and its processes (None: common/topologies/plan.py
     # `star_plan`); a function (cfg, placement) -> ProcessPlan, e.g. `process_plan = staticmethod(edge_plan)`
     Params: ClassVar[type | None] = None
     process_plan: ClassVar[Callable[..., Any] | None] = None

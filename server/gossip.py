@@ -1,5 +1,5 @@
 """The gossip topology: D-PSGD, every client mixing its model with its graph neighbours' each
-round (common/gossip.py has the graph and the rule, client/gossip.py the clients' side).
+round (common/topologies/gossip_mixing.py has the graph and the rule, client/gossip.py the clients' side).
 
 The server is the control plane only.  A round is three fan-outs, each a barrier:
 `gossip_step` to every logical client (its local steps), `gossip_send` to every client process
@@ -19,14 +19,15 @@ import time
 
 import torch
 
-from fedhop.common.codec import PayloadError
-from fedhop.common.gossip import MIX_STEP, SEND_STEP, GossipRule
-from fedhop.common.methods import Method
-from fedhop.common.pipeline import model_chain
+from fedhop.common.processors.pipeline import model_chain
+from fedhop.common.topologies.gossip_mixing import MIX_STEP, SEND_STEP, GossipRule
 from fedhop.common.transport.fabric import Send
+from fedhop.common.util.nodeids import client_node
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
-from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
+from fedhop.common.wire.methods import Method
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
 
 
 @register_driver("gossip")
@@ -97,7 +98,7 @@ class GossipDriver(TopologyDriver):
 
     def _take_models(self, round: int, replies: dict) -> float:
         """The clients' models checked, their mean x_bar as the server's model, and the consensus
-        distance (1/n) sum_i ||x_i - x_bar||^2 (common/gossip.py)."""
+        distance (1/n) sum_i ||x_i - x_bar||^2 (common/topologies/gossip_mixing.py)."""
         try:
             models = {c: self.model_in(replies[c], f"round {round} model of client {c}", round, client_node(c))
                       for c in sorted(replies)}

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 
-from fedhop.common.codec import PayloadError
-from fedhop.common.methods import Method
-from fedhop.common.pipeline import reduced_chain
-from fedhop.common.topology import edge_index
+from fedhop.common.processors.pipeline import reduced_chain
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.groups import Group, GroupFailed, Member, recv_beside_call, send_beside_call, worlds
+from fedhop.common.util.nodeids import edge_index
+from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
+from fedhop.common.wire.methods import Method
 from fedhop.server.driver import DriverContext, RunFailed
 from fedhop.server.sampled import DataPlane
 

@@ -23,14 +23,15 @@ from collections import Counter
 
 import numpy as np
 
-from fedhop.common.codec import PayloadError
-from fedhop.common.methods import Method
-from fedhop.common.rng import numpy_stream
-from fedhop.common.topology import topology_params
+from fedhop.common.topologies.graphs import topology_params
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.fabric import reply_chain
+from fedhop.common.util.nodeids import client_node
+from fedhop.common.util.rng import numpy_stream
+from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
-from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
+from fedhop.common.wire.methods import Method
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
 
 
 @register_driver("relay")

@@ -1,6 +1,6 @@
 """The server's side of reliability: checkpoints, resume, and the fault section of summary.json.
 
-    ckpt = Checkpointer(coordinator)        # writes run.checkpoint_every checkpoints (common/checkpoint.py)
+    ckpt = Checkpointer(coordinator)        # writes run.checkpoint_every checkpoints (common/records/checkpoint.py)
     resume(coordinator)                     # before serving: continue from the newest checkpoint
 
 Checkpoint after round r (r % checkpoint_every == 0, and after the last round): the server pulls
@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedhop.common.algorithms.local import frozen_params
-from fedhop.common.checkpoint import (
+from fedhop.common.processors.validation import rejection_code
+from fedhop.common.records.checkpoint import (
     STATE_GET,
     STATE_SET,
     Checkpoint,
@@ -42,7 +43,6 @@ from fedhop.common.checkpoint import (
     states_to_payload,
 )
 from fedhop.common.transport.fabric import Send
-from fedhop.common.validation import rejection_code
 from fedhop.common.wire.message import Payload
 from fedhop.server.driver import driver_class
 
@@ -157,7 +157,7 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     coord.restored_topology = ckpt.info.get("topology")   # the topology driver takes it (TopologyDriver.restore)
     coord.run_id = ckpt.run_id
     coord.endpoint.run_id = ckpt.run_id
-    device = coord.device   # the server's state lives on run.device (common/torch_device.py)
+    device = coord.device   # the server's state lives on run.device (common/transport/torch_device.py)
     coord.state.params = {k: v.to(device, copy=True) for k, v in ckpt.params.items()}
     coord.state.extra = {k: v.to(device, copy=True) for k, v in ckpt.extra.items()}
     coord.state.scalars = dict(ckpt.scalars)

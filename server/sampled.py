@@ -18,14 +18,14 @@ import time
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-from fedhop.common.control import control_of, failures_of, sampled_clients
-from fedhop.common.methods import Method
-from fedhop.common.streaming import OrderedFold, StreamedResults, reply_budget
-from fedhop.common.topology import edge_index
+from fedhop.common.processors.streaming import OrderedFold, StreamedResults, reply_budget
+from fedhop.common.transport.control import control_of, failures_of, sampled_clients
 from fedhop.common.transport.fabric import Send, reply_chain
 from fedhop.common.transport.factory import HIER_ROUND, STAR_ROUND, NoDataPlane, data_plane
+from fedhop.common.util.nodeids import client_node, edge_index
 from fedhop.common.wire.message import Payload
-from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
+from fedhop.common.wire.methods import Method
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
 
 
 class DataPlane(ABC):
@@ -113,7 +113,7 @@ class EdgeFanout(DataPlane):
 
 
 def round_fold(ctx: DriverContext, keys: list, spec, per_client: bool) -> OrderedFold | None:
-    """The round's streaming fold over `keys` in aggregation order (common/streaming.py), or None
+    """The round's streaming fold over `keys` in aggregation order (common/processors/streaming.py), or None
     where the round collects every reply (Coordinator.streams): replies ahead of their turn are
     kept in memory up to one reply's bytes, spilled to the run directory beyond."""
     if not ctx.streams(per_client):

@@ -16,17 +16,17 @@ import json
 import time
 from collections import Counter
 
-from fedhop.common.codec import PayloadError
-from fedhop.common.control import control_of, failures_of
-from fedhop.common.methods import Method
-from fedhop.common.nodeids import client_node, edge_node
-from fedhop.common.pipeline import model_chain
-from fedhop.common.topology import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, start_edge
+from fedhop.common.processors.pipeline import model_chain
+from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, start_edge
 from fedhop.common.transport.base import CallFailed, RemoteError
+from fedhop.common.transport.control import control_of, failures_of
 from fedhop.common.transport.fabric import Send
 from fedhop.common.transport.factory import SEQ_SERVER_PATH, data_plane
+from fedhop.common.util.nodeids import client_node, edge_node
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
+from fedhop.common.wire.methods import Method
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
 
 

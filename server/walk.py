@@ -1,4 +1,4 @@
-"""The chain topology: WRWGD, one model walking a graph of clients (common/walk.py has the rule;
+"""The chain topology: WRWGD, one model walking a graph of clients (common/topologies/walk_rule.py has the rule;
 client/walk.py the clients' side).
 
 The model travels client to client: the visited client runs its local steps, draws the next
@@ -19,15 +19,16 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from fedhop.common.codec import PayloadError
-from fedhop.common.methods import Method
-from fedhop.common.pipeline import model_chain
-from fedhop.common.topology import SEQ_METRIC_PREFIX, topology_params
+from fedhop.common.processors.pipeline import model_chain
+from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX, topology_params
+from fedhop.common.topologies.walk_rule import WalkRule, start_client
 from fedhop.common.transport.base import CallFailed, RemoteError
-from fedhop.common.walk import WalkRule, start_client
+from fedhop.common.util.nodeids import client_node
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
-from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, client_node, register_driver
+from fedhop.common.wire.methods import Method
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
 
 
 @register_driver("chain")

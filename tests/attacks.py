@@ -43,12 +43,12 @@ import torch
 from safetensors.torch import load_file
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.ledger import Ledger
-from fedhop.common.runstore import RunStore
-from fedhop.common.security import CRED_ENV, NodeCredentials, TokenAuthority
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.security.auth import CRED_ENV, NodeCredentials, TokenAuthority
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.grpc import GrpcEndpoint, grpc_options
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.ledger import Ledger
 from tests.cluster import fedavg_reference
 from tests.faultkit import wait_for_dispatch
 from tests.helpers import quadratic_config
@@ -69,7 +69,7 @@ class Run:
 
     def __init__(self, base: Path, name: str, hostile_mode: str | None, settings: tuple[str, ...] = (),
                  per_node: bool = False) -> None:
-        # per_node: every process gets its own credential, as `fedhop run` hands them (common/security.py)
+        # per_node: every process gets its own credential, as `fedhop run` hands them (common/security/auth.py)
         self.authority = TokenAuthority() if per_node else None
         self.dir = base / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -212,7 +212,7 @@ def attack_wrong_token_flood(run: Run) -> None:
     assert lines <= MAX_REFUSAL_LINES, f"{lines} log lines for 2000 refused registrations"
 
 
-MAX_REFUSAL_LINES = 50      # a flood of refusals: one line per template per 10 s window (common/admission.py)
+MAX_REFUSAL_LINES = 50      # a flood of refusals: one line per template per 10 s window (common/transport/admission.py)
 BIG_REQUEST = 512 << 20     # bytes of tensor data the big request declares and streams
 SLOW_STREAMS = 40
 SETUP_WAIT = 300.0           # seconds the honest processes may take to start on a loaded machine
@@ -486,8 +486,8 @@ WALK_SETTINGS = ("topology.kind=chain", "topology.graph=ring", "topology.start=0
 def _walk_reference(cfg) -> np.ndarray:
     """The walk's final model on the quadratic task, computed here (tests/test_chain.py `numpy_walk`;
     the draws from fedhop's WalkRule)."""
-    from fedhop.common.topology import topology_params
-    from fedhop.common.walk import WalkRule
+    from fedhop.common.topologies.graphs import topology_params
+    from fedhop.common.topologies.walk_rule import WalkRule
     rule, hops = WalkRule.from_config(cfg, SIZES), topology_params(cfg).hops_per_round
     w, holder = np.zeros(CENTERS.shape[1]), topology_params(cfg).start
     for r in range(1, cfg.run.rounds + 1):
@@ -506,8 +506,8 @@ def attack_forged_walk_handoff(run: Run) -> None:
     every hop at which the walk could move there from client 3 or 2 (hosted by other
     processes).  The model must be the walk's own."""
     _wait_registered(run, timeout=SETUP_WAIT)
-    from fedhop.common.topology import topology_params
-    from fedhop.common.walk import WalkRule
+    from fedhop.common.topologies.graphs import topology_params
+    from fedhop.common.topologies.walk_rule import WalkRule
     rule, hops = WalkRule.from_config(run.cfg, SIZES), topology_params(run.cfg).hops_per_round
     ep = run.endpoint("client-procH")
     ep.run_id = RunStore(run.dir / "run" / "run.db").run()["run_id"]
@@ -546,7 +546,7 @@ def attack_plugin_from_parent(run: Run) -> None:
     """A hostile parent (this process, serving Register) answers a `fedhop.client` process's
     registration with a config whose model.factory names a module on the client's plug-in search
     path, whose import writes a file: the client must refuse the config (exit 2) and import
-    nothing (common/plugins.py `restrict`).  The honest run goes on beside it."""
+    nothing (common/util/plugins.py `restrict`).  The honest run goes on beside it."""
     folder = run.dir / "plugins" / "evilpkg"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "__init__.py").write_text(EVIL_PLUGIN)

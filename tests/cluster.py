@@ -15,12 +15,12 @@ import numpy as np
 
 from fedhop.client.runtime import ClientProcess
 from fedhop.common.config import Config
-from fedhop.common.ledger import Ledger
-from fedhop.common.liveness import HeartbeatSender, LivenessMonitor
-from fedhop.common.runstore import RunStore
-from fedhop.common.security import NodeCredentials
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.security.auth import NodeCredentials
 from fedhop.common.transport.base import HandlerError
 from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.transport.liveness import HeartbeatSender, LivenessMonitor
+from fedhop.common.wire.ledger import Ledger
 from fedhop.server.coordinator import Coordinator
 from fedhop.server.resilience import Checkpointer
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from fedhop.common.config import load_config, parse_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.launcher import LocalRun, read_progress, resume_local, run_local
 from fedhop.server.resilience import ledger_consistency
 from tests.faultkit import (
@@ -114,7 +114,7 @@ def scenario_kill_server(base: Path, rounds: int) -> dict:
         gone = wait_dead(clients, timeout=30)
     finally:
         run.stop_all()
-    from fedhop.common.checkpoint import latest_checkpoint
+    from fedhop.common.records.checkpoint import latest_checkpoint
     ckpt_round = latest_checkpoint(run.run_dir).round
     started = time.monotonic()
     first = {}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.launcher import read_progress
 from fedhop.server.resilience import ledger_consistency
 from tests.helpers import quadratic_config
@@ -157,8 +157,9 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
     Returns what was done: kills, restarts, times, and how many restarts came before the server
     had noticed."""
     from fedhop.common.config import load_config
-    from fedhop.common.plan import id_spec, plan_processes
-    from fedhop.common.rng import numpy_stream
+    from fedhop.common.topologies.plan import plan_processes
+    from fedhop.common.util.nodeids import id_spec
+    from fedhop.common.util.rng import numpy_stream
     from fedhop.deploy.launcher import LocalRun
 
     cfg_file = tmp_path / "soak.toml"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from fedhop.common.admission import EventThrottle, peer_host, takeover_refusal
-from fedhop.common.ledger import Ledger
+from fedhop.common.transport.admission import EventThrottle, peer_host, takeover_refusal
 from fedhop.common.transport.grpc import GrpcEndpoint, grpc_options
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.ledger import Ledger
 from tests.cluster import Cluster
 from tests.test_hostile import _cfg
 
@@ -90,7 +90,7 @@ def test_an_unauthenticated_call_is_refused_unread_and_aggregated_per_peer():
     RESOURCE_EXHAUSTED once it had the length prefix) is answered UNAUTHENTICATED, and the
     refusals reach `on_refused` with the peer, where the server's EventThrottle folds them into
     one `auth_refused` event per peer host with a count."""
-    from fedhop.common.security import NodeCredentials
+    from fedhop.common.security.auth import NodeCredentials
     events: list[tuple[str, str, str]] = []
     throttle = EventThrottle(lambda k, n, d: events.append((k, n, d)), interval=3600.0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedhop.common.addresses import is_loopback
+from fedhop.common.security.addresses import is_loopback
 from fedhop.deploy.cli import main as fedhop
 from fedhop.server.__main__ import main as server_main
 from tests.helpers import quadratic_config

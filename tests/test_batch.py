@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.codec import FRAME_OVERHEAD, PayloadError, bundle_bytes, split_bundle
-from fedhop.common.ledger import Ledger
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.common.transport.base import Batched, HandlerError, RemoteError
 from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.wire.codec import FRAME_OVERHEAD, PayloadError, bundle_bytes, split_bundle
+from fedhop.common.wire.ledger import Ledger
 from fedhop.deploy.launcher import run_local
 from tests.test_crossdevice import xd_config
 
@@ -150,9 +150,9 @@ def test_every_message_of_a_batch_must_speak_for_the_caller():
     refused PERMISSION_DENIED and client-proc0 never sees the shutdown."""
     import grpc
 
-    from fedhop.common.codec import encode, make_envelope
-    from fedhop.common.security import NodeCredentials
+    from fedhop.common.security.auth import NodeCredentials
     from fedhop.common.transport.grpc import CALL
+    from fedhop.common.wire.codec import encode, make_envelope
     secret = b"cluster-secret-for-the-batch-test"
     seen: list[str] = []
     victim = GrpcEndpoint("client-proc0", Ledger(), credentials=NodeCredentials("client-proc0", secret=secret))

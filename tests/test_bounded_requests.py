@@ -1,5 +1,5 @@
 """Requests bounded by their method, the method and caller checked on the header frame before
-any data is read (common/admission.py `RequestGate`, common/codec.py `FrameDecoder.admit`).
+any data is read (common/transport/admission.py `RequestGate`, common/wire/codec.py `FrameDecoder.admit`).
 
 The unit tests feed frames to the decoder a server uses; the process tests are rows of the
 attack suite (tests/attacks.py): a real server and client processes, an insider streaming a
@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedhop.common.admission import EMPTY_REQUESTS, MODEL_COPIES, REQUEST_SLACK, RequestGate, request_bounds
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.codec import FrameDecoder, PayloadError, encode
-from fedhop.common.methods import Method
+from fedhop.common.transport.admission import EMPTY_REQUESTS, MODEL_COPIES, REQUEST_SLACK, RequestGate, request_bounds
 from fedhop.common.transport.router import MethodRouter, Peers
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import FrameDecoder, PayloadError, encode
+from fedhop.common.wire.methods import Method
 from tests import attacks
 
 

@@ -1,5 +1,5 @@
 """The chain topology: WRWGD, one model walking a graph of clients and handed client to client
-(common/walk.py, server/walk.py, client/walk.py).
+(common/topologies/walk_rule.py, server/walk.py, client/walk.py).
 
 Checked against an independent numpy walk on graphs the code was not written for: the
 Metropolis-Hastings transition rule, the sequence of visited clients, the importance-weighted
@@ -15,9 +15,9 @@ import pytest
 from safetensors.torch import load_file
 
 from fedhop.common.config import ConfigError, parse_config
-from fedhop.common.rng import numpy_stream
-from fedhop.common.runstore import RunStore
-from fedhop.common.walk import WalkRule, client_graph
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.topologies.walk_rule import WalkRule, client_graph
+from fedhop.common.util.rng import numpy_stream
 from fedhop.deploy.inmemory import run_inmemory
 from fedhop.deploy.launcher import resume_local, run_local
 from tests.helpers import quadratic_config

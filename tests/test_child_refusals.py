@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from fedhop.common import plugins
-from fedhop.common.ledger import Ledger
 from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.util import plugins
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.ledger import Ledger
 
 PLUGIN = '''
 import torch

@@ -1,4 +1,4 @@
-"""CIFAR-10/100 binary batches (common/cifar.py), their tasks, and Fashion-MNIST from IDX files."""
+"""CIFAR-10/100 binary batches (common/data/cifar.py), their tasks, and Fashion-MNIST from IDX files."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhop.common import cifar
 from fedhop.common.config import parse_config
-from fedhop.common.datasets import write_idx
+from fedhop.common.data import cifar
+from fedhop.common.data.datasets import write_idx
 from fedhop.common.tasks import build_task
 from tests.helpers import data_set_config
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhop.common import fakedata
+from fedhop.common.data import fakedata
 from fedhop.deploy.sweep_spec import load_spec
 
 SPEC = Path(__file__).resolve().parent.parent / "examples" / "claims" / "leaf" / "fedli_femnist.toml"

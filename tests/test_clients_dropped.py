@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedhop.common.config import parse_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory
 from fedhop.deploy.launcher import final_table
 from fedhop.server.coordinator import SHORT_ROUND_RETRIES

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.codec import (
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import (
     DTYPES,
     FRAME_OVERHEAD,
     PayloadError,
@@ -16,7 +17,6 @@ from fedhop.common.codec import (
     hand_over,
     make_envelope,
 )
-from fedhop.common.wire import fedhop_pb2 as pb
 
 
 def env(**kw):

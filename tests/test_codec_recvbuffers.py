@@ -1,4 +1,4 @@
-"""Receive buffers reused across messages (common/codec.py `RecvBuffers`): a large message's buffer
+"""Receive buffers reused across messages (common/wire/codec.py `RecvBuffers`): a large message's buffer
 is handed out again only once nothing decoded from it is alive, and never changes a live tensor."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.codec import FrameDecoder, PayloadError, RecvBuffers, encode
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import FrameDecoder, PayloadError, RecvBuffers, encode
 
 
 def _frames(payload: Payload, chunk: int = 1 << 20) -> list[bytes]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fedhop.common.nodecred import SignedIdentity
+from fedhop.common.security.nodecred import SignedIdentity
 from fedhop.deploy.compose import compose_binary, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,7 +210,7 @@ def test_dockerfile_installs_dependencies_offline_before_the_source():
 def test_roles_import_no_analysis_packages():
     """What the server, edge and client processes import (the image leaves the rest out)."""
     code = ("import sys, fedhop.deploy.role, fedhop.server.__main__, fedhop.edge.__main__, fedhop.client.__main__\n"
-            "from fedhop.common import datasets\n"
+            "from fedhop.common.data import datasets\n"
             "datasets.load_digits()\n"
             "try:\n    datasets.load_mnist('/nonexistent')\n"
             "except datasets.MnistMissing:\n    pass\n"

@@ -15,10 +15,10 @@ from benchmarks.composite_compare import METHODS, first_round, method_config, ru
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.composite import WeightSchedule, regularized_kinds
 from fedhop.common.config import parse_config
-from fedhop.common.rng import torch_stream
-from fedhop.common.runstore import RunStore
-from fedhop.common.sampling import local_batches
+from fedhop.common.numerics.sampling import local_batches
+from fedhop.common.records.runstore import RunStore
 from fedhop.common.tasks import build_task
+from fedhop.common.util.rng import torch_stream
 from fedhop.deploy.inmemory import run_inmemory
 
 

@@ -1,4 +1,4 @@
-"""Config loader (common/config.py): typed validation, cross-field checks, overrides, the
+"""Config loader (common/config/__init__.py): typed validation, cross-field checks, overrides, the
 options-schema hook and the TOML writer.  Complements tests/test_config_core.py."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from fedhop.common.config import (
     resolve_clients_per_round,
     resolve_min_results,
 )
-from fedhop.common.config_schema import Config
+from fedhop.common.config.schema import Config
 
 
 # ----------------------------------------------------------------------------- a dummy algorithm schema

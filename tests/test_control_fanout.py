@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import threading
 
-from fedhop.common.ledger import Ledger
-from fedhop.common.methods import Method
 from fedhop.common.transport.base import HandlerError, RemoteError
 from fedhop.common.transport.fabric import Fabric, Send
 from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
+from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload
+from fedhop.common.wire.methods import Method
 
 N = 4   # peers; peer 2 refuses
 

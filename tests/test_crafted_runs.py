@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy import ledgers, report
 
 

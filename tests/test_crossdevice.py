@@ -11,8 +11,8 @@ import numpy as np
 from safetensors.torch import load_file
 
 from fedhop.common.config import parse_config
-from fedhop.common.rng import numpy_stream
 from fedhop.common.tasks import build_task
+from fedhop.common.util.rng import numpy_stream
 from fedhop.deploy.launcher import run_local
 
 
@@ -90,7 +90,7 @@ def test_bundled_digits_over_more_clients_than_samples():
     every sample is one of the training split's samples of that label."""
     cfg = parse_config(xd_config(count=20_000, data='base = "digits"\nlabel_alpha = 0.3\nsize_mean = 2.0'))
     task = build_task(cfg)
-    from fedhop.common import datasets
+    from fedhop.common.data import datasets
     from fedhop.common.tasks import _split, standardize
     x, y = datasets.load_digits()
     x_tr, y_tr, x_te, _ = _split(cfg, x, y)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.dashboard import PAGE, _graph, snapshot
 from tests.helpers import quadratic_config
 

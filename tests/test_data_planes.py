@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from fedhop.common.config import parse_config
-from fedhop.common.ledger import Ledger
 from fedhop.common.transport import factory
 from fedhop.common.transport.base import HandlerError
 from fedhop.common.transport.factory import (
@@ -30,6 +29,7 @@ from fedhop.common.transport.factory import (
     data_plane,
 )
 from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
+from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import WEIGHT_KEY, Payload
 from fedhop.edge.aggregator import ClusterFanout, EdgeAggregator
 from fedhop.server.driver import RunFailed

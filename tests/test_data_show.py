@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedhop.common import fakedata
 from fedhop.common.config import parse_config
+from fedhop.common.data import fakedata
 from fedhop.common.tasks import build_task
 from fedhop.deploy.cli import main as cli_main
 from fedhop.deploy.datashow import partition_stats

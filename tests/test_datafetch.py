@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhop.common import cifar, fakedata
 from fedhop.common.config import parse_config
-from fedhop.common.datasets import write_idx
+from fedhop.common.data import cifar, fakedata
+from fedhop.common.data.datasets import write_idx
 from fedhop.common.tasks import build_task
 from fedhop.deploy.cli import main as cli_main
 from fedhop.deploy.datafetch import CATALOG

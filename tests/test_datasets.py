@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhop.common import datasets as D
-from fedhop.common.rng import numpy_stream
+from fedhop.common.data import datasets as D
+from fedhop.common.util.rng import numpy_stream
 
 
 def test_bundled_loaders_shapes_and_dtypes() -> None:

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from fedhop.common.config import parse_config
-from fedhop.common.liveness import SETUP_GRACE, LivenessMonitor, live_pool, unreachable
-from fedhop.common.plan import plan_processes
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.topologies.plan import plan_processes
+from fedhop.common.transport.liveness import SETUP_GRACE, LivenessMonitor, live_pool, unreachable
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.deploy.launcher import LocalRun, read_progress
 from tests.helpers import quadratic_config
@@ -162,8 +162,8 @@ def test_unreachable_tells_a_dead_process_from_a_live_one(why, dead):
 def test_a_retry_draws_from_its_own_stream_reproducibly():
     """Attempt k of round r is a function of (seed, r, k) and the live pool: another engine (a
     resumed server) draws the same clients; attempt 0 is the round's usual draw."""
-    from fedhop.common.rng import numpy_stream
-    from fedhop.common.rounds import RoundEngine
+    from fedhop.common.engine.rounds import RoundEngine
+    from fedhop.common.util.rng import numpy_stream
     cfg = parse_config(config_text('kind = "star"', 2))
     a, b = RoundEngine(cfg), RoundEngine(cfg)
     live = lambda pool, size: [c for c in pool if c < 10]   # client-proc1 (10..19) dead

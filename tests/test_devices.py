@@ -1,4 +1,4 @@
-"""Straggler draws and device profiles (common/devices.py) and their config keys."""
+"""Straggler draws and device profiles (common/engine/devices.py) and their config keys."""
 from __future__ import annotations
 
 import math
@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.codec import PayloadError
 from fedhop.common.config import ConfigError, config_to_toml, parse_config
-from fedhop.common.devices import (
+from fedhop.common.engine.devices import (
     PLAN_KEY,
     DevicesParams,
     apply_straggler_plan,
@@ -20,6 +19,7 @@ from fedhop.common.devices import (
     plan_to_scalar,
     straggler_count,
 )
+from fedhop.common.wire.codec import PayloadError
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 

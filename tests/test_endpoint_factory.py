@@ -7,14 +7,14 @@ import logging
 import numpy as np
 import pytest
 
-from fedhop.common.config_schema import TransportConfig
-from fedhop.common.ledger import Ledger
+from fedhop.common.config.schema import TransportConfig
 from fedhop.common.transport import factory
 from fedhop.common.transport.base import Endpoint
 from fedhop.common.transport.factory import TRANSPORTS, Transport, UnknownTransport, make_endpoint
 from fedhop.common.transport.groups import FANOUT_WORLDS, FanoutWorlds, worlds
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
+from fedhop.common.wire.ledger import Ledger
 from fedhop.server.__main__ import main as server_main
 from tests.helpers import quadratic_config
 
@@ -112,8 +112,8 @@ def test_what_a_transport_declares_reaches_the_config_and_the_device_plan(monkey
     """The config checks and the device plan ask the registry, not a kind: a new kind that sums
     in a collective, takes its own keys and wants a device per process is treated like torch."""
     from fedhop.common.config import ConfigError, parse_config
-    from fedhop.common.plan import plan_processes
-    from fedhop.common.torch_device import DeviceError, plan_devices
+    from fedhop.common.topologies.plan import plan_processes
+    from fedhop.common.transport.torch_device import DeviceError, plan_devices
     monkeypatch.setitem(TRANSPORTS, "pigeon", Transport(
         "fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.groups:FANOUT_WORLDS",
         params=f"{__name__}:PigeonParams", sums_in_collective=True, own_device=f"{__name__}:pigeon_needs_a_device"))

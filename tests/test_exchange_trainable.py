@@ -21,10 +21,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedhop.common import plugins
-from fedhop.common.checkpoint import Checkpoint, CheckpointError, check_frozen, list_checkpoints, load_checkpoint
 from fedhop.common.config import ConfigError, parse_config
+from fedhop.common.records.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    check_frozen,
+    list_checkpoints,
+    load_checkpoint,
+)
 from fedhop.common.tasks import build_task
+from fedhop.common.util import plugins
 from fedhop.deploy.inmemory import run_inmemory
 from fedhop.deploy.launcher import resume_local, run_local
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fedhop.common.streaming import OrderedFold
+from fedhop.common.processors.streaming import OrderedFold
 from fedhop.common.transport.base import CallFailed
 from fedhop.common.transport.fabric import CALL_ERRORS, _folded
 from fedhop.common.wire.message import Payload

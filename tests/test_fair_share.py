@@ -1,5 +1,5 @@
 """Fair resources: per-caller call slots with worker threads reserved for heartbeats and
-registrations (common/admission.py `CallSlots`, common/transport/grpc.py `SlotInterceptor`),
+registrations (common/transport/admission.py `CallSlots`, common/transport/grpc.py `SlotInterceptor`),
 and floods of refusals that leave a bounded number of log lines and run.db events
 (`LogThrottle`, `EventThrottle`).
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 
-from fedhop.common.admission import CONTROL_PER_PEER, RESERVED_WORKERS, CallSlots, LogThrottle
+from fedhop.common.transport.admission import CONTROL_PER_PEER, RESERVED_WORKERS, CallSlots, LogThrottle
 from tests import attacks
 
 
@@ -97,9 +97,9 @@ def test_insider_streams_leave_the_parent_its_calls(tmp_path):
     import grpc
 
     from fedhop.common.algorithms.base import Payload
-    from fedhop.common.ledger import Ledger
-    from fedhop.common.security import NodeCredentials
+    from fedhop.common.security.auth import NodeCredentials
     from fedhop.common.transport.grpc import EXCHANGE, GrpcEndpoint
+    from fedhop.common.wire.ledger import Ledger
 
     secret = b"fair-share-test-secret"
     workers = 16

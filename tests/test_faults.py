@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from fedhop.common.config import load_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.launcher import LocalRun, resume_local, run_local
 from tests.faultkit import (
     FAST_LIVENESS,
@@ -194,7 +194,7 @@ def test_heartbeats_stop_before_the_shutdown_reply_with_the_one_in_flight_finish
     import threading
     from types import SimpleNamespace
 
-    from fedhop.common.liveness import HeartbeatSender
+    from fedhop.common.transport.liveness import HeartbeatSender
     started, finished = threading.Event(), []
 
     def heartbeat(parent, request, timeout):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedhop.common.config import parse_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import numpy_fedavg_round, quadratic_config
 

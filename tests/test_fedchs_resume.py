@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedhop.common.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.launcher import resume_local, run_local
 from tests.test_fedchs import ASSIGN, CENTERS, GRAPH, SIZES, D, closed_form, etas, fedchs_config
 

@@ -15,9 +15,9 @@ from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import ClientContext, Payload, ServerState
 from fedhop.common.algorithms.fedlga import GRAD_PREFIX, TAU_KEY, lga_estimate
 from fedhop.common.config import parse_config
-from fedhop.common.rng import torch_stream
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.common.tasks import build_task
+from fedhop.common.util.rng import torch_stream
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
@@ -223,8 +223,8 @@ def test_client_last_grad_costs_one_model_of_uplink_per_straggler(tmp_path):
 
 
 def test_reply_validation_admits_only_fedlga_optional_tensors():
-    from fedhop.common.codec import PayloadError
-    from fedhop.common.validation import validate_reply
+    from fedhop.common.processors.validation import validate_reply
+    from fedhop.common.wire.codec import PayloadError
     algo = _algo("client_last_grad")
     state = ServerState(params={"w": torch.zeros(3)})
     spec = algo.reply_spec(state)

@@ -22,11 +22,11 @@ from fedhop.common.algorithms.fedli import (
 )
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.config import ConfigError, parse_config
-from fedhop.common.rng import torch_stream
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.base import ClientData, Task
 from fedhop.common.tasks.quadratic import VectorModel
+from fedhop.common.util.rng import torch_stream
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config

@@ -10,7 +10,7 @@ import torch
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.config import parse_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 

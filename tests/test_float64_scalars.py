@@ -1,6 +1,6 @@
 """The scalars that drive a server step travel and are summed in float64 (issue 28 item 3):
 FedExP's ||Delta_i||^2, FedLi-LU's losses f^i and Fed-Norm-SGDA's p_i n ||a_i||_1.  Each run is the
-server's round engine (common/rounds.py: replies encoded, decoded and validated as over a
+server's round engine (common/engine/rounds.py: replies encoded, decoded and validated as over a
 transport) on a float64 problem for 30 rounds, checked against the method written in float64
 numpy to 1e-12.  The same numpy method with that one scalar rounded to float32 (what the wire
 carried before) lands farther away than the tolerance, so these tests fail with float32 scalars."""
@@ -14,7 +14,7 @@ from fedhop.common.algorithms.fedexp import NORM_KEY
 from fedhop.common.algorithms.fedli import LOSS_KEY, STEP_KEY
 from fedhop.common.algorithms.minimax import A_NORM_KEY
 from fedhop.common.config import parse_config
-from fedhop.common.rounds import RoundEngine
+from fedhop.common.engine.rounds import RoundEngine
 from tests.helpers import quadratic_config
 from tests.test_minimax import mm_toml, numpy_local
 

@@ -1,5 +1,5 @@
 """The gossip topology: D-PSGD, clients mixing their models with their graph neighbours' with
-Metropolis-Hastings weights each round (common/gossip.py, server/gossip.py, client/gossip.py).
+Metropolis-Hastings weights each round (common/topologies/gossip_mixing.py, server/gossip.py, client/gossip.py).
 
 Checked against an independent numpy D-PSGD on the quadratic task (closed-form gradients) on a
 held-out graph the code was not written for: every client's model after every round, the
@@ -17,8 +17,8 @@ import pytest
 from safetensors.torch import load_file
 
 from fedhop.common.config import ConfigError, parse_config
-from fedhop.common.gossip import GossipRule, mh_weights, random_regular_graph
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.topologies.gossip_mixing import GossipRule, mh_weights, random_regular_graph
 from fedhop.deploy.cli import main as fedhop
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config

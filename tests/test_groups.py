@@ -15,12 +15,12 @@ import torch
 
 from fedhop.client.group_worker import GroupWorker
 from fedhop.common.algorithms.base import Payload, reduce_payloads
-from fedhop.common.ledger import Ledger
-from fedhop.common.methods import Method
 from fedhop.common.transport.fabric import Fabric
 from fedhop.common.transport.groups import CLIENT_PROCESSES, CLUSTER, STEP_KEY, FanoutGroup, GroupFailed, Member, worlds
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
+from fedhop.common.wire.ledger import Ledger
+from fedhop.common.wire.methods import Method
 
 OPS = {"top": "max"}
 FAILING = 5   # this client's local work raises

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.codec import FRAME_OVERHEAD, FrameDecoder, bundle_framing
-from fedhop.common.ledger import Ledger
 from fedhop.common.transport.grpc import CALL, GrpcEndpoint
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import FRAME_OVERHEAD, FrameDecoder, bundle_framing
+from fedhop.common.wire.ledger import Ledger
 
 CHUNK = 64 << 10
 
@@ -73,7 +73,7 @@ def test_a_malformed_bundle_gets_a_typed_error_reply(pair):
 
 
 def test_bundle_layout_is_protobufs():
-    from fedhop.common.codec import bundle_bytes
+    from fedhop.common.wire.codec import bundle_bytes
     frames = [b"a" * 3, b"b" * 200, b"c" * 70_000]
     raw = bundle_bytes(frames)
     assert list(pb.FrameBundle.FromString(raw).frames) == frames

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.ledger import Ledger
 from fedhop.common.transport.base import CallFailed
 from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.wire.ledger import Ledger
 from tests.netfault import FaultProxy
 
 

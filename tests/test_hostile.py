@@ -13,12 +13,12 @@ import torch
 
 from fedhop.client.host import ClientHost
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.codec import decode_frames, encode, make_envelope
 from fedhop.common.config import parse_config
-from fedhop.common.ledger import Ledger
 from fedhop.common.transport.base import Request
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import decode_frames, encode, make_envelope
+from fedhop.common.wire.ledger import Ledger
 from fedhop.server.resilience import ledger_consistency
 from tests.cluster import Cluster, failed_clients_by_round, fedavg_reference
 from tests.helpers import quadratic_config

@@ -8,7 +8,7 @@
 - a walk hand-off is used only when the server's visit names it: its sender, hop and the
   process hosting the sender (client/walk.py).
 
-The process tests start a real run (server and two client processes, common/plan.py) through
+The process tests start a real run (server and two client processes, common/topologies/plan.py) through
 the launcher's `LocalRun`, as `fedhop run` does, and attack it from this process.
 """
 from __future__ import annotations
@@ -19,14 +19,14 @@ import pytest
 
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.config import load_config, parse_config
-from fedhop.common.ledger import Ledger
-from fedhop.common.liveness import LivenessMonitor
-from fedhop.common.methods import Method
-from fedhop.common.runstore import RunStore
-from fedhop.common.security import NodeCredentials, SignedIdentity, TokenAuthority
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.security.auth import NodeCredentials, SignedIdentity, TokenAuthority
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.transport.liveness import LivenessMonitor
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.ledger import Ledger
+from fedhop.common.wire.methods import Method
 from tests.helpers import quadratic_config
 from tests.test_hostile import CENTERS, CURV, SIZES
 
@@ -259,7 +259,7 @@ def test_processes_given_a_certs_folder_use_their_own_cred_and_the_shared_secret
     a `fedhop certs` folder: the process signs with its own NODE.cred (issuer.key stays behind), so
     the folder's cluster.secret and the run token, which every process of such a deployment holds,
     mint no other node's identity (issue 26, item 3)."""
-    from fedhop.common.security import SECRET_FILE, load_tls, write_cluster
+    from fedhop.common.security.auth import SECRET_FILE, load_tls, write_cluster
     from fedhop.deploy.compose import node_folders
     from fedhop.deploy.launcher import LocalRun
     certs = tmp_path / "certs"

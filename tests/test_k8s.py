@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from fedhop.common.config import load_config
-from fedhop.common.nodecred import SignedIdentity
-from fedhop.common.plan import plan_processes
+from fedhop.common.security.nodecred import SignedIdentity
+from fedhop.common.topologies.plan import plan_processes
 
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed (it is in the dev extra)")
 yaml = pytest.importorskip("yaml")

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from fedhop.common.config import parse_config
-from fedhop.common.nodecred import SignedIdentity
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.security.nodecred import SignedIdentity
 from fedhop.deploy.hosts import (
     HostsError,
     Launch,
@@ -441,12 +441,12 @@ def test_gathering_copies_a_database_that_is_still_being_written(tmp_path):
 
 
 def test_parent_address_from_a_file_written_later_or_malformed(tmp_path):
-    """`--parent-file` (common/liveness.py `resolve_parent`): the child waits for the file its
+    """`--parent-file` (common/transport/liveness.py `resolve_parent`): the child waits for the file its
     parent writes once serving; a file that is not HOST:PORT, or none in time, is a clear error."""
     import threading
     from types import SimpleNamespace
 
-    from fedhop.common.liveness import resolve_parent
+    from fedhop.common.transport.liveness import resolve_parent
     path = tmp_path / "server.address"
     threading.Timer(0.3, lambda: path.write_text("127.0.0.1:4567")).start()
     assert resolve_parent(SimpleNamespace(parent=None, parent_file=str(path)), timeout=10) == "127.0.0.1:4567"

@@ -2,14 +2,18 @@
 
 Every `import` and `from ... import` (at module level or inside a function: a deferred import is
 still a dependency) is read with `ast` from the files as they are, so a new module that breaks a
-rule fails here without being run.  The rules, lowest layer first:
+rule fails here without being run.  common/ is a stack of layer packages (`LAYERS`, lowest
+first); a module imports only from its own layer and the layers below it:
 
-- the wire (common/wire/, common/codec.py, common/ledger.py, common/methods.py) imports nothing
-  above it: no transport, no algorithm, no task, no config;
-- the fabric (common/transport/ and the modules that serve it) imports no algorithm and no task:
-  it moves `Payload`s (common/wire/message.py), whatever computes them;
-- among common/, only the round engine (common/rounds.py) and the registries (common/config.py,
-  which resolves an algorithm by name) import common/algorithms;
+- the wire and leaf helpers (common/wire/, common/util/, common/numerics/) import nothing above them;
+- security (common/security/), then the payload processors (common/processors/), then the fabric
+  (common/transport/), which moves `Payload`s and imports no algorithm and no task;
+- the config schema (common/config/schema.py); data sets and tasks (common/data/, common/tasks/);
+  the topology specs and their graphs and plans (common/topologies/);
+- the round engine and the algorithms (common/engine/, common/algorithms/); the run records
+  (common/records/: run.db, checkpoints);
+- on top, the config loader (common/config/__init__.py), the registry that resolves algorithms,
+  topologies, data sets and processors by name;
 - common/ imports no role and no launcher; a role imports no other role; no role imports
   torch.distributed or the torch transport (that lives under common/transport only).
 """
@@ -26,11 +30,22 @@ PACKAGES = {"common": "fedhop.common", "server": "fedhop.server", "edge": "fedho
             "client": "fedhop.client", "deploy": "fedhop.deploy", "api": "fedhop"}
 ROLES = ("fedhop.server", "fedhop.edge", "fedhop.client")
 
-WIRE = ("fedhop.common.wire", "fedhop.common.codec", "fedhop.common.ledger", "fedhop.common.methods")
-FABRIC = WIRE + ("fedhop.common.transport", "fedhop.common.admission", "fedhop.common.security",
-                 "fedhop.common.nodecred", "fedhop.common.addresses", "fedhop.common.liveness",
-                 "fedhop.common.livebytes", "fedhop.common.control", "fedhop.common.torch_device")
-ALGORITHM_IMPORTERS = ("fedhop.common.algorithms", "fedhop.common.rounds", "fedhop.common.config")
+# common/'s layer packages, lowest first; a module's layer is its longest matching prefix
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("wire and leaf helpers", ("fedhop.common.wire", "fedhop.common.util", "fedhop.common.numerics")),
+    ("security", ("fedhop.common.security",)),
+    ("fabric: the payload processors", ("fedhop.common.processors",)),
+    ("fabric: the transports", ("fedhop.common.transport",)),
+    ("config schema", ("fedhop.common.config.schema",)),
+    ("data sets and tasks", ("fedhop.common.data", "fedhop.common.tasks")),
+    ("topology specs", ("fedhop.common.topologies",)),
+    ("round engine and algorithms", ("fedhop.common.engine", "fedhop.common.algorithms")),
+    ("run records", ("fedhop.common.records",)),
+    ("config loader", ("fedhop.common.config",)),
+]
+WIRE = LAYERS[0][1]
+FABRIC = tuple(p for _, packages in LAYERS[:4] for p in packages)
+ALGORITHM_IMPORTERS = ("fedhop.common.algorithms", "fedhop.common.engine.rounds", "fedhop.common.config")
 
 
 def module_name(path: Path) -> str:
@@ -75,6 +90,16 @@ def within(module: str, prefixes: tuple[str, ...] | str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of `module`'s layer (its longest matching package), None outside them."""
+    best: tuple[int, int] | None = None
+    for index, (_, packages) in enumerate(LAYERS):
+        for package in packages:
+            if within(module, package) and (best is None or len(package) > best[1]):
+                best = (index, len(package))
+    return best[0] if best else None
+
+
 GRAPH = graph()
 
 
@@ -88,19 +113,52 @@ def violations(importers: tuple[str, ...] | str, forbidden: tuple[str, ...] | st
 def test_the_graph_is_read():
     """The reader finds the modules and their imports (so the rules below are not vacuous)."""
     assert len(GRAPH) > 100
-    assert "fedhop.common.wire.message" in GRAPH["fedhop.common.codec"]
-    assert any(within(d, "fedhop.common.algorithms") for d in GRAPH["fedhop.common.rounds"])
-    assert violations("fedhop.common.rounds", "fedhop.common.algorithms")   # the engine does import them
+    assert "fedhop.common.wire.message" in GRAPH["fedhop.common.wire.codec"]
+    assert any(within(d, "fedhop.common.algorithms") for d in GRAPH["fedhop.common.engine.rounds"])
+    assert violations("fedhop.common.engine.rounds", "fedhop.common.algorithms")   # the engine does import them
+
+
+def test_every_module_of_common_sits_in_a_layer():
+    """common/ holds the layer packages and its own __init__ only: a module dropped beside them
+    would belong to no layer and escape the rule below."""
+    outside = sorted(m for m in GRAPH if within(m, "fedhop.common") and m != "fedhop.common" and layer_of(m) is None)
+    assert outside == []
+    assert sorted(p.name for p in (ROOT / "common").glob("*.py")) == ["__init__.py"]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a layer to a higher one, as "module (layer) imports dep (layer)"."""
+    return sorted(f"{m} ({LAYERS[lm][0]}) imports {dep} ({LAYERS[ld][0]})"
+                  for m, deps in graph.items() if (lm := layer_of(m)) is not None
+                  for dep in deps if (ld := layer_of(dep)) is not None and ld > lm)
+
+
+def test_no_layer_imports_a_higher_one():
+    assert upward_imports(GRAPH) == []
+
+
+def test_the_layer_rule_is_not_vacuous():
+    """The rule sees real edges across layers: the fabric imports the wire, the loader imports
+    the engine's algorithms, and an edge the other way would be caught."""
+    assert layer_of("fedhop.common.transport.fabric") == 3 and layer_of("fedhop.common.config.schema") == 4
+    assert layer_of("fedhop.common.records.runstore") == len(LAYERS) - 2
+    assert layer_of("fedhop.common.config") == len(LAYERS) - 1
+    assert any(layer_of(d) == 0 for d in GRAPH["fedhop.common.transport.base"])
+    assert any(within(d, "fedhop.common.algorithms") for d in GRAPH["fedhop.common.config"])
+    assert layer_of("fedhop.common.config") > layer_of("fedhop.common.wire.codec")
+    bad = {**GRAPH, "fedhop.common.wire.codec": GRAPH["fedhop.common.wire.codec"] | {"fedhop.common.transport.base"}}
+    assert upward_imports(bad) == ["fedhop.common.wire.codec (wire and leaf helpers) imports "
+                                   "fedhop.common.transport.base (fabric: the transports)"]
 
 
 def test_the_wire_imports_nothing_above_it():
     above = ("fedhop.common.transport", "fedhop.common.algorithms", "fedhop.common.tasks",
-             "fedhop.common.config", "fedhop.common.rounds", *ROLES, "fedhop.deploy")
+             "fedhop.common.config", "fedhop.common.engine.rounds", *ROLES, "fedhop.deploy")
     assert violations(WIRE, above) == []
 
 
 def test_the_fabric_imports_no_algorithm_and_no_task():
-    assert violations(FABRIC, ("fedhop.common.algorithms", "fedhop.common.tasks", "fedhop.common.rounds")) == []
+    assert violations(FABRIC, ("fedhop.common.algorithms", "fedhop.common.tasks", "fedhop.common.engine.rounds")) == []
 
 
 def test_only_the_round_engine_and_the_registry_import_the_algorithms():

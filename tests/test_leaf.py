@@ -1,4 +1,4 @@
-"""LEAF JSON reader (common/leaf.py) and the femnist / shakespeare tasks (common/tasks/leaf.py)."""
+"""LEAF JSON reader (common/data/leaf.py) and the femnist / shakespeare tasks (common/tasks/leaf.py)."""
 from __future__ import annotations
 
 import json
@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhop.common import leaf
 from fedhop.common.config import parse_config
-from fedhop.common.models import LEAF_LETTERS
-from fedhop.common.rng import numpy_stream
+from fedhop.common.data import leaf
+from fedhop.common.data.models import LEAF_LETTERS
 from fedhop.common.tasks import build_task
+from fedhop.common.util.rng import numpy_stream
 from tests.helpers import data_set_config
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fedhop.common.ledger import LINKS, Ledger, LedgerRecord, bytes_by_link, count_once, link_for, read_jsonl
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.wire.ledger import LINKS, Ledger, LedgerRecord, bytes_by_link, count_once, link_for, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_sigkilled_writer_leaves_every_recorded_line(tmp_path):
     path = tmp_path / "killed.jsonl"
     script = (
         "import os, signal\n"
-        "from fedhop.common.ledger import Ledger\n"
+        "from fedhop.common.wire.ledger import Ledger\n"
         f"led = Ledger({str(path)!r})\n"
         "for i in range(25):\n"
         "    led.record(run_id='r', round=i, step=0, src='client-1', dst='server', link='client-server',\n"

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from fedhop.common.ledger import LedgerRecord
-from fedhop.common.livebytes import LinkCounter, Reported, counted_by
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.transport.livebytes import LinkCounter, Reported, counted_by
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.ledger import LedgerRecord
 from fedhop.deploy.launcher import read_progress, run_local
 from tests.helpers import quadratic_config
 
@@ -97,7 +97,7 @@ def test_live_view_ends_equal_to_the_final_table(tmp_path, topology):
 
 
 def test_a_child_cannot_report_totals_for_its_parent_or_a_peer():
-    from fedhop.common.liveness import reports_for
+    from fedhop.common.transport.liveness import reports_for
     assert reports_for("client-proc0", "client-proc0", "server")
     assert reports_for("edge-1", "client-proc3", "server")        # an edge relays its clients'
     assert not reports_for("client-proc0", "server", "server")    # not the parent's own row

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from fedhop.common.liveness import LivenessMonitor, live_pool
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.transport.liveness import LivenessMonitor, live_pool
 from fedhop.common.wire import fedhop_pb2 as pb
 from tests.faultkit import check_run_db, slow_quadratic, wait_dead, wait_for_round
 from tests.test_faults import _start
@@ -62,7 +62,7 @@ def test_a_child_that_registers_and_never_beats_is_declared_dead_after_its_set_u
     """A child killed during its set-up (after registering, before its first heartbeat) is
     declared dead SETUP_GRACE + the heartbeat timeout after it registered, not never; one that
     beats in time is not."""
-    from fedhop.common.liveness import SETUP_GRACE
+    from fedhop.common.transport.liveness import SETUP_GRACE
     now = [100.0]
     events: list = []
     mon = LivenessMonitor(_Endpoint(), interval=1.0, timeout=5.0, on_event=lambda *e: events.append(e),

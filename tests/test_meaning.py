@@ -11,10 +11,10 @@ import torch
 from fedhop.client.host import ClientHost
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import COUNT_KEY, WEIGHT_KEY, Payload
-from fedhop.common.codec import encode
-from fedhop.common.ledger import Ledger
-from fedhop.common.validation import finite_step
+from fedhop.common.processors.validation import finite_step
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import encode
+from fedhop.common.wire.ledger import Ledger
 from tests.cluster import Cluster, failed_clients_by_round, fedavg_reference
 from tests.test_hostile import CENTERS, CURV, LR, ROUNDS, SIZES, STEPS, HostileClient, _cfg, _frame_header
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedhop.common.addresses import is_loopback, plaintext_refusal
+from fedhop.common.security.addresses import is_loopback, plaintext_refusal
 
 PY = sys.executable
 

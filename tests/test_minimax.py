@@ -23,9 +23,9 @@ from fedhop.common.algorithms.minimax import (
 )
 from fedhop.common.algorithms.minimax_driver import simulate
 from fedhop.common.algorithms.minimax_local import a_norm, local_sgda, momentum_coefficients
-from fedhop.common.config_schema import AlgorithmConfig
-from fedhop.common.rng import torch_stream
+from fedhop.common.config.schema import AlgorithmConfig
 from fedhop.common.tasks.minimax import MinimaxQuadraticTask, saddle_point
+from fedhop.common.util.rng import torch_stream
 
 # the two-client problem of the digest, section 5.1 (Figure 1's tau = (2, 5))
 A2, C2, U2, V2, B2, TAU2 = [1.0, 1.0], [1.0, 1.0], [[-2.0], [2.0]], [[1.0], [3.0]], 0.5, [2, 5]
@@ -361,7 +361,7 @@ def test_driver_matches_inmemory_run_bit_for_bit(tmp_path):
 
 
 def reply_and_message_bytes(run_dir):
-    from fedhop.common.runstore import RunStore
+    from fedhop.common.records.runstore import RunStore
     store = RunStore(run_dir / "run.db")
     up, down = {}, {}
     for m in store.messages():
@@ -390,7 +390,7 @@ def test_ledger_normalisation_costs_at_most_one_scalar(tmp_path):
 
 def sent_bytes_by_client(run_dir, method: str) -> dict[int, dict[int, int]]:
     """round -> {client id -> tensor bytes of the server's `method` message to it}."""
-    from fedhop.common.runstore import RunStore
+    from fedhop.common.records.runstore import RunStore
     out: dict[int, dict[int, int]] = {}
     for m in RunStore(run_dir / "run.db").messages():
         if m["role"] == "sender" and m["method"] == method:

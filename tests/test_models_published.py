@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedhop.common.models import build_model, num_parameters
+from fedhop.common.data.models import build_model, num_parameters
 
 
 def conv(c_in: int, c_out: int, k: int, bias: bool = True) -> int:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from fedhop.common.config import parse_config
-from fedhop.common.ledger import LedgerRecord
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.wire.ledger import LedgerRecord
 from fedhop.deploy.hosts import HostsError, HostsFile, HostSpec, Role
 from fedhop.deploy.netsim import (
     FRAME_OVERHEAD,
@@ -218,7 +218,7 @@ def test_round_time_follows_bytes_over_bandwidth(tmp_path):
     the machine's noise is taken out."""
     from fedhop.deploy.netsim import run_netsim
     dim = 262_144                                    # 1 MiB model: ~0.44 s per round at 40 Mbit/s
-    # the virtual clock (common/vclock.py) gets the same links: 40 Mbit/s each way, no compute time
+    # the virtual clock (common/engine/vclock.py) gets the same links: 40 Mbit/s each way, no compute time
     text = quad_toml(dim, count=2, processes=2, rounds=5, name="shaped").replace(
         "[clients]\n", "[clients]\nuplink_mbps = 40.0\ndownlink_mbps = 40.0\nstep_seconds = 0.0\n")
     cfg = parse_config(text)

@@ -1,4 +1,4 @@
-"""Node ids built and parsed in one module (common/nodeids.py)."""
+"""Node ids built and parsed in one module (common/util/nodeids.py)."""
 from __future__ import annotations
 
 import re
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from fedhop.client.host import parse_client_id
-from fedhop.common.methods import role_of
-from fedhop.common.nodeids import (
+from fedhop.common.transport.base import HandlerError
+from fedhop.common.util.nodeids import (
     SERVER,
     client_id,
     client_id_of,
@@ -17,7 +17,7 @@ from fedhop.common.nodeids import (
     edge_index,
     edge_node,
 )
-from fedhop.common.transport.base import HandlerError
+from fedhop.common.wire.methods import role_of
 
 IDS = [0, 1, 9, 10, 99, 1000, *np.random.default_rng(11).integers(0, 10**9, size=20).tolist()]
 NOT_A_NUMBER = ["", "-1", "1a", "01x", " 3", "3 ", "+3", "1.5", "\u0663"]   # the last: a non-ASCII digit (int() reads 3)
@@ -29,7 +29,7 @@ def test_round_trips(n):
     assert edge_index(edge_node(n)) == n
     assert re.fullmatch(r"client-\d+", client_node(n)) and str(n) == client_node(n).rsplit("-", 1)[1]
     assert re.fullmatch(r"edge-\d+", edge_node(n)) and re.fullmatch(r"client-proc\d+", client_proc_node(n))
-    # the roles read from every kind of id (common/methods.py), as the ledger's links use them
+    # the roles read from every kind of id (common/wire/methods.py), as the ledger's links use them
     assert (role_of(client_node(n)), role_of(edge_node(n)), role_of(client_proc_node(n)), role_of(SERVER)) == \
            ("client", "edge", "client", "server")
 
@@ -62,7 +62,7 @@ def test_a_client_process_answers_an_id_that_names_no_client_with_a_typed_error(
 
 
 def test_the_role_modules_build_no_node_id_inline():
-    """Every `client-`/`edge-` id is built by common/nodeids.py (grep over the source folders)."""
+    """Every `client-`/`edge-` id is built by common/util/nodeids.py (grep over the source folders)."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     inline = re.compile(r"""f["'](client-proc|client-|edge-)\{""")

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedhop.common import partition as P
-from fedhop.common.datasets import load_digits
-from fedhop.common.rng import numpy_stream
+from fedhop.common.data import partition as P
+from fedhop.common.data.datasets import load_digits
+from fedhop.common.util.rng import numpy_stream
 
 LABELS = load_digits()[1]
 N_CLASSES = 10

@@ -1,14 +1,14 @@
-"""Partitions by name (common/partition.py, [data] partition): quantity skew, natural ids, and the
+"""Partitions by name (common/data/partition.py, [data] partition): quantity skew, natural ids, and the
 errors where a partition has no meaning."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fedhop.common import partition as P
 from fedhop.common.config import parse_config
-from fedhop.common.rng import numpy_stream
+from fedhop.common.data import partition as P
 from fedhop.common.tasks import build_task
+from fedhop.common.util.rng import numpy_stream
 
 
 def _cover(parts: list[np.ndarray], n: int) -> None:
@@ -87,7 +87,7 @@ def test_no_data_set_key_is_shadowed_by_a_new_common_data_key():
     wrong; any other is a mistake (the partition's skew keys once took crossdevice's size_sigma)."""
     import dataclasses
 
-    from fedhop.common.config_schema import DataConfig
+    from fedhop.common.config.schema import DataConfig
     from fedhop.common.tasks import builtin_datasets, dataset_params_class
     common = {f.name for f in dataclasses.fields(DataConfig)}
     known = {("crossdevice", "alpha"), ("logreg", "alpha"), ("npz", "standardize")}

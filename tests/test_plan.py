@@ -1,4 +1,4 @@
-"""The process plan (common/plan.py): one rule for which processes a config starts.
+"""The process plan (common/topologies/plan.py): one rule for which processes a config starts.
 
 - the launcher, the hosts launcher, compose's layout, netsim's default hosts and the in-memory
   cluster all start the plan's processes;
@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from fedhop.common.config import parse_config
-from fedhop.common.plan import Placement, PlannedProcess, ProcessPlan, plan_processes, register_plan, star_plan
+from fedhop.common.topologies.plan import (
+    Placement,
+    PlannedProcess,
+    ProcessPlan,
+    plan_processes,
+    register_plan,
+    star_plan,
+)
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(5)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from fedhop.common import plugins
 from fedhop.common.config import parse_config
-from fedhop.common.ledger import Ledger
 from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.util import plugins
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.ledger import Ledger
 
 # a plug-in package whose import leaves a mark: the proof that its code ran
 EVIL = '''

@@ -3,7 +3,7 @@ processes: a server, an honest client process (clients 0-8) and a poisoner (clie
 FedAvg updates are sign-flipped and boosted 20x (tests/poisoning.py).  The plain weighted mean
 is ruined; the coordinate-wise median, trimmed mean and Krum end close to the clean run, in the
 star topology and in the hierarchical one (2 edges of 5 clients: the trimmed mean at trim 0.1
-trims one per side there, common/robust.py)."""
+trims one per side there, common/engine/robust.py)."""
 from __future__ import annotations
 
 import pytest

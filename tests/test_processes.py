@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from fedhop.common.config import load_config, parse_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory
 from fedhop.deploy.launcher import LocalRun, read_progress, run_local
 from tests.helpers import quadratic_config

@@ -1,4 +1,4 @@
-"""The processor chain (issue 27, item 3; common/pipeline.py): one chain per method and direction,
+"""The processor chain (issue 27, item 3; common/processors/pipeline.py): one chain per method and direction,
 which every role asks for, and a user's processor installed in it sees every reply, over real
 processes on the star, hierarchical (at the edges and at the server) and torch.distributed paths.
 
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedhop.common import pipeline
-from fedhop.common.codec import PayloadError
-from fedhop.common.compress import compress_upload
+from fedhop.common.processors import pipeline
+from fedhop.common.processors.compress import compress_upload
+from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
 from fedhop.deploy.launcher import run_local
 from tests.helpers import db_rows, quadratic_config
@@ -36,8 +36,8 @@ PROBE = '''
 import os
 
 from fedhop.common.algorithms.fedavg import FedAvg
-from fedhop.common.codec import PayloadError
-from fedhop.common.pipeline import install
+from fedhop.common.wire.codec import PayloadError
+from fedhop.common.processors.pipeline import install
 
 
 class Probe:
@@ -93,7 +93,7 @@ def _lines(log: Path) -> list[dict]:
 
 # ----------------------------------------------------------------------------- the roles ask one place
 def test_roles_build_no_pipeline_by_hand():
-    """No role constructs a pipeline stage or validates a reply itself: they ask common/pipeline.py."""
+    """No role constructs a pipeline stage or validates a reply itself: they ask common/processors/pipeline.py."""
     pattern = re.compile(r"\b(ReplyPipeline|ModelPipeline|validate_reply|decompress_upload|compress_upload)\(")
     found = [f"{p.relative_to(ROOT)}:{i}" for d in ("server", "edge", "client") for p in sorted((ROOT / d).rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]

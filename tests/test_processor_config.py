@@ -1,4 +1,4 @@
-"""A user's processors named in the config (issue 27, item 3; common/pipeline.py): `[[processors]]`
+"""A user's processors named in the config (issue 27, item 3; common/processors/pipeline.py): `[[processors]]`
 tables, each a plug-in reference, its methods, direction, roles and keyword options, validated
 when the config loads (one line naming the key, exit 2), installed by each role process in the
 chains it asks for, and loaded by a client only when it was started with it (issue 26, item 5).
@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhop.common import pipeline, plugins
-from fedhop.common.config import ConfigError, parse_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.config import ConfigError, parent_config, parse_config
+from fedhop.common.processors import pipeline
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.util import plugins
 from fedhop.deploy.cli import main as fedhop
 from fedhop.deploy.inmemory import run_inmemory
 from fedhop.deploy.launcher import run_local
@@ -37,7 +38,7 @@ EDGES = [[0, 1], [1, 2], [2, 3], [3, 4], [0, 2], [1, 4]]   # a gossip graph, not
 PROCS = '''
 import os
 
-from fedhop.common.codec import PayloadError
+from fedhop.common.wire.codec import PayloadError
 
 MARK = os.environ.get("USERPROCS_MARK")
 if MARK:
@@ -159,10 +160,10 @@ def test_a_parent_config_naming_a_processor_off_the_allow_list_is_refused_never_
     plugins.restrict(["mymodels"])
     with pytest.raises(RuntimeError, match=r"^client-proc0: refusing the run's config from server: config key "
                                            r"'processors\[0\].name': PLUGIN_NOT_ALLOWED.*'userprocs:Count'"):
-        plugins.parent_config(text, "client-proc0", "server", role="client")
+        parent_config(text, "client-proc0", "server", role="client")
     assert not mark.exists() and "userprocs" not in sys.modules and pipeline.installed("train", "in") == []
     plugins.restrict(["userprocs"])
-    cfg = plugins.parent_config(text, "client-proc0", "server", role="client")
+    cfg = parent_config(text, "client-proc0", "server", role="client")
     assert mark.exists() and cfg.processors[0].name == "userprocs:Count"
 
 
@@ -215,7 +216,7 @@ def _gossip(folder: Path, name: str, processors: str) -> dict:
 
 def test_a_config_processor_sees_and_can_refuse_every_gossip_share(folder):
     """Peer receives: each client's share of its model with each graph neighbour, both ways, every
-    round, passes the client's gossip_share chain (common/pipeline.py model_chain); a refused
+    round, passes the client's gossip_share chain (common/processors/pipeline.py model_chain); a refused
     share fails the round with the processor's reason."""
     summary = _gossip(folder, "counted", entry("userprocs:Count", ["gossip_share"], ["client"], path="shares.txt"))
     assert summary["status"] == "completed", summary["error"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
-from fedhop.common.projections import Constraint, project_ball, project_simplex
+from fedhop.common.numerics.projections import Constraint, project_ball, project_simplex
 
 RNG = np.random.default_rng(7)
 

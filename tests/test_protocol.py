@@ -1,4 +1,4 @@
-"""The typed protocol (common/methods.py, common/transport/router.py): every method of every
+"""The typed protocol (common/wire/methods.py, common/transport/router.py): every method of every
 role is obeyed only from its allowed callers, unknown methods are refused, each method keeps
 its ledger link; and over real gRPC with node tokens, a participant with a valid credential
 cannot shut down, train or read another client process (NOT_ALLOWED, an event in run.db) and
@@ -10,15 +10,15 @@ import pytest
 
 from fedhop.client.host import ClientHost
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.codec import make_envelope
 from fedhop.common.config import parse_config
-from fedhop.common.ledger import Ledger
-from fedhop.common.methods import Method, message_link
-from fedhop.common.security import NodeCredentials, write_cluster
+from fedhop.common.security.auth import NodeCredentials, write_cluster
 from fedhop.common.transport.base import HandlerError, RemoteError, Request
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
 from fedhop.common.transport.router import MethodRouter
+from fedhop.common.wire.codec import make_envelope
+from fedhop.common.wire.ledger import Ledger
+from fedhop.common.wire.methods import Method, message_link
 from fedhop.edge.aggregator import EdgeAggregator
 from fedhop.edge.sequential import SequentialEdge
 from tests.cluster import Cluster, fedavg_reference
@@ -32,35 +32,36 @@ SIZES = [3, 5, 7, 9]
 ROUNDS, STEPS, LR = 2, 2, 0.1
 RUN = "run-under-test"
 
-CLIENT_METHODS = {"train", "ping", "shutdown", "state_get", "state_set", "torch_init", "torch_round", "torch_reduce"}
+CLIENT_METHODS = {"train", "ping", "shutdown", "state_get", "state_set"}
+CLIENT_TORCH_METHODS = {"torch_init", "torch_round", "torch_reduce"}          # only in a torch run
 WALK_METHODS = {"walk_visit", "walk_handoff"}                                  # only in a chain run
 GOSSIP_METHODS = {"gossip_step", "gossip_send", "gossip_share", "gossip_mix"}  # only in a gossip run
 PEER_METHODS = ("walk_handoff", "gossip_share")   # client process to client process
-EDGE_METHODS = {"edge_round", "shutdown", "state_get", "state_set", "torch_procs", "torch_init", "torch_edge_round",
-                "torch_edge_reduce"}
+EDGE_METHODS = {"edge_round", "shutdown", "state_get", "state_set"}
+EDGE_TORCH_METHODS = {"torch_procs", "torch_init", "torch_edge_round", "torch_edge_reduce"}   # only in a torch run
 SEQ_METHODS = {"seq_round", "seq_handoff", "seq_final", "control.seq_query", "control.seq_restore"}
 CALLERS = ["server", "edge-0", "edge-1", "edge-2", "edge-3", "client-proc1", "client-7"]
 
 
-def _client(parent: str, kind: str = "star") -> ClientHost:
+def _client(parent: str, kind: str = "star", transport: str = "grpc") -> ClientHost:
     cfg = parse_config(quadratic_config(CENTERS, CURV, SIZES, rounds=ROUNDS, local_steps=STEPS, lr=LR,
-                                        topology=f'kind = "{kind}"'))
+                                        topology=f'kind = "{kind}"'), [f"transport.kind={transport}"])
     return ClientHost(cfg, "client-proc0", [0, 1], RUN, Ledger(), parent=parent)
 
 
-def _edge(sequential: bool):
+def _edge(sequential: bool, transport: str = "grpc"):
     if sequential:   # tests/test_fedchs.py's graph: edge-2's only neighbour is edge-1
         text = fedchs_config()
     else:
         text = quadratic_config(CENTERS, CURV, SIZES, topology='kind = "hierarchical"\nedges = 4')
-    cfg = parse_config(text)
+    cfg = parse_config(text, [f"transport.kind={transport}"])
     agg = EdgeAggregator(cfg, InMemoryEndpoint(InMemoryNetwork(), "edge-2", Ledger()), RUN, "", parent="server")
     if sequential:
         SequentialEdge(agg)
     return agg
 
 
-# role -> (builder, methods served, allowed(method, caller)), written out here, not read from common/methods.py
+# role -> (builder, methods served, allowed(method, caller)), written out here, not read from common/wire/methods.py
 ROLES = {
     "client of the server": (lambda: _client("server"), CLIENT_METHODS,
                              lambda m, c: (c == "server" and m not in PEER_METHODS) or m == "ping"
@@ -74,7 +75,11 @@ ROLES = {
     "client of the server, gossip": (lambda: _client("server", "gossip"), CLIENT_METHODS | GOSSIP_METHODS,
                                      lambda m, c: (c == "server" and m not in PEER_METHODS) or m == "ping"
                                      or (m in PEER_METHODS and c.startswith("client-"))),
+    "client of the server, torch": (lambda: _client("server", transport="torch"), CLIENT_METHODS | CLIENT_TORCH_METHODS,
+                                    lambda m, c: (c == "server" and m not in PEER_METHODS) or m == "ping"),
     "edge, hierarchical": (lambda: _edge(False), EDGE_METHODS, lambda m, c: c == "server"),
+    "edge, hierarchical, torch": (lambda: _edge(False, "torch"), EDGE_METHODS | EDGE_TORCH_METHODS,
+                                  lambda m, c: c == "server"),
     "edge-2, sequential": (lambda: _edge(True), EDGE_METHODS | SEQ_METHODS,
                            lambda m, c: (c == "server" and m != "seq_handoff")
                            or (c == "edge-1" and m in ("seq_handoff", "control.seq_query"))),
@@ -184,9 +189,9 @@ def test_control_data_travels_typed_in_the_envelope_and_is_counted():
     many headers); its bytes are in payload_bytes; empty control data is no field at all."""
     import torch
 
-    from fedhop.common.codec import decode_frames, encode
-    from fedhop.common.control import failures_control, failures_of
+    from fedhop.common.transport.control import failures_control, failures_of
     from fedhop.common.wire import fedhop_pb2 as pb
+    from fedhop.common.wire.codec import decode_frames, encode
     tensors = {"w": torch.arange(5, dtype=torch.float32)}
     control = failures_control({4: "timeout at edge-1", 2: "NON_FINITE: w"}, pb.Control(clients=[2, 4, 9]))
     plain = encode(Payload(tensors=dict(tensors)), pb.Envelope())
@@ -205,11 +210,11 @@ def test_control_data_travels_typed_in_the_envelope_and_is_counted():
 
 def test_the_proto_comment_lists_exactly_the_methods_that_exist():
     """proto/fedhop.proto's Envelope.method comment names every Exchange method of
-    common/methods.py and nothing else (register and heartbeat are their own RPCs)."""
+    common/wire/methods.py and nothing else (register and heartbeat are their own RPCs)."""
     import re
     from pathlib import Path
     text = (Path(__file__).resolve().parents[1] / "proto" / "fedhop.proto").read_text()
-    block = text[text.index("// One of common/methods.py's methods:"):text.index("string method = 6;")]
+    block = text[text.index("// One of common/wire/methods.py's methods:"):text.index("string method = 6;")]
     listed = set(re.findall(r"\b(?:control\.)?[a-z]+(?:_[a-z]+)+\b|\b(?:train|ping|shutdown)\b",
                             block.split("; a reply's")[0].split(":", 1)[1].split("(register")[0]))
     exchanged = {m.value for m in Method} - {"register", "heartbeat"}

@@ -1,4 +1,4 @@
-"""common/prox.py against closed forms and against generic solvers (scipy) on random inputs."""
+"""common/numerics/prox.py against closed forms and against generic solvers (scipy) on random inputs."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
-from fedhop.common.prox import (
+from fedhop.common.numerics.prox import (
     constrained_prox,
     dual_averaging_prox,
     group_prox,

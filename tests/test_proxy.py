@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedhop.common.config import parse_config
-from fedhop.common.validation import rejection_code
+from fedhop.common.processors.validation import rejection_code
 from fedhop.server.resilience import ledger_consistency
 from tests.cluster import Cluster, failed_clients_by_round, fedavg_reference
 from tests.helpers import quadratic_config

@@ -1,4 +1,4 @@
-"""QSGD (common/compress.py): unbiased, equal to its definition, exact packing, and the ledger
+"""QSGD (common/processors/compress.py): unbiased, equal to its definition, exact packing, and the ledger
 records the encoded size; Hier-Local-QSGD = HierFAVG with QSGD uploads."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.compress import (
+from fedhop.common.config import parse_config
+from fedhop.common.processors.compress import (
     bits_per_element,
     compress_payload,
     decompress_payload,
@@ -17,8 +18,7 @@ from fedhop.common.compress import (
     pack_codes,
     unpack_codes,
 )
-from fedhop.common.config import parse_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 

@@ -10,10 +10,16 @@ import pytest
 import torch
 
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.codec import PayloadError
-from fedhop.common.compress import NORM_PREFIX, compress_payload, decompress_payload, encoded_bytes, num_buckets
 from fedhop.common.config import ConfigError, parse_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.processors.compress import (
+    NORM_PREFIX,
+    compress_payload,
+    decompress_payload,
+    encoded_bytes,
+    num_buckets,
+)
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.wire.codec import PayloadError
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from fedhop.common.config import parse_config
-from fedhop.common.rng import numpy_stream
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.util.rng import numpy_stream
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fedhop.common.ledger import LedgerRecord
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.wire.ledger import LedgerRecord
 from fedhop.deploy.report import build_report, human_bytes, lower_is_better, main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

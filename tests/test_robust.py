@@ -1,4 +1,4 @@
-"""Robust aggregation rules (common/robust.py) against independent numpy computations, and the
+"""Robust aggregation rules (common/engine/robust.py) against independent numpy computations, and the
 config keys that select them."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import COUNT_KEY, WEIGHT_KEY, Payload, weighted_mean
 from fedhop.common.config import ConfigError, parse_config
-from fedhop.common.robust import robust_reduce
+from fedhop.common.engine.robust import robust_reduce
 
 
 def _replies(n: int, seed: int = 0, shape=(3, 4)) -> tuple[list[Payload], np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Robust aggregation at every group size (issue 26, item 6; common/robust.py): the trimmed mean
+"""Robust aggregation at every group size (issue 26, item 6; common/engine/robust.py): the trimmed mean
 trims at least one value per side, Krum's f and every rule's group are checked against the
 groups the config allows, and a round whose group is too small records a `robust_fallback`
 event (an edge's, from the `num_results` of its partial)."""
@@ -11,7 +11,7 @@ import torch
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import COUNT_KEY, WEIGHT_KEY, Payload, weighted_mean
 from fedhop.common.config import ConfigError, parse_config
-from fedhop.common.robust import robust_reduce
+from fedhop.common.engine.robust import robust_reduce
 
 
 def _group(n: int, seed: int = 0) -> tuple[list[Payload], np.ndarray]:
@@ -88,8 +88,8 @@ def test_the_server_names_each_edge_whose_partial_holds_too_few_clients():
 def test_a_hierarchical_run_records_every_short_edge_group_in_run_db(tmp_path):
     """10 clients on 2 edges of 5, 4 sampled a round: an edge given 1 or 2 of them cannot outvote
     one; each such (round, edge) is a `robust_fallback` event, and no other is."""
-    from fedhop.common.runstore import RunStore
-    from fedhop.common.topology import cluster_assignment
+    from fedhop.common.records.runstore import RunStore
+    from fedhop.common.topologies.graphs import cluster_assignment
     from fedhop.deploy.inmemory import run_inmemory
     cfg = parse_config('[run]\nrounds = 8\nseed = 4\neval_every = 0\n[data]\ndataset = "digits"\npartition = "iid"\n'
                        '[model]\nkind = "mlp"\nhidden = [8]\n[algorithm]\nname = "fedavg"\nlocal_steps = 1\n'

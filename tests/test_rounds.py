@@ -1,4 +1,4 @@
-"""The round engine (common/rounds.py): the round rules without a transport.
+"""The round engine (common/engine/rounds.py): the round rules without a transport.
 
 - its in-process rounds give the same model, bit for bit, as the coordinator and client hosts of
   a real run (deploy/inmemory.py: the same classes, codec and ledger as gRPC) for FedAvg,
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedhop.common.config import parse_config
-from fedhop.common.rounds import RoundEngine
+from fedhop.common.engine.rounds import RoundEngine
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import numpy_fedavg_round, quadratic_config
 

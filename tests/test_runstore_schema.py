@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedhop.common.ledger import Ledger
-from fedhop.common.runstore import SCHEMA_VERSION, RunStore
+from fedhop.common.records.runstore import SCHEMA_VERSION, RunStore
+from fedhop.common.wire.ledger import Ledger
 from fedhop.deploy.launcher import read_progress
 from fedhop.deploy.ledgers import main as merge_main
 from tests.helpers import quadratic_config

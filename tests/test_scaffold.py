@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import Payload
-from fedhop.common.checkpoint import list_checkpoints, load_checkpoint
 from fedhop.common.config import parse_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.checkpoint import list_checkpoints, load_checkpoint
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory
 from fedhop.deploy.launcher import resume_local, run_local
 from tests.helpers import quadratic_config

@@ -1,4 +1,4 @@
-"""TLS, mutual TLS and node credentials (common/security.py, deploy/certs.py).
+"""TLS, mutual TLS and node credentials (common/security/auth.py, deploy/certs.py).
 
 - `fedhop certs` makes a CA and per-node certificates that verify against it;
 - TLS and mutual-TLS runs of real processes (`fedhop run` with security.certs_dir) complete;
@@ -25,11 +25,11 @@ from safetensors.torch import load_file
 
 from fedhop.client.runtime import ClientProcess
 from fedhop.common.config import parse_config
-from fedhop.common.ledger import Ledger
-from fedhop.common.security import NodeCredentials, TlsFiles, write_cluster
+from fedhop.common.security.auth import NodeCredentials, TlsFiles, write_cluster
 from fedhop.common.transport.base import CallFailed
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.ledger import Ledger
 from fedhop.deploy.cli import main as fedhop
 from fedhop.deploy.launcher import run_local
 from tests.cluster import Cluster, fedavg_reference

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhop.common import fakedata
 from fedhop.common.config import load_config, parse_config
-from fedhop.common.leaf import LeafError, write_leaf
+from fedhop.common.data import fakedata
+from fedhop.common.data.leaf import LeafError, write_leaf
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.sent140 import hash_features
 from fedhop.deploy.inmemory import run_inmemory

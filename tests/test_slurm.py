@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fedhop.common.config import load_config
-from fedhop.common.plan import plan_processes
+from fedhop.common.topologies.plan import plan_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCALCLUSTER = ROOT / "deploy" / "slurm" / "localcluster.sh"

@@ -1,4 +1,4 @@
-"""Streaming aggregation (common/streaming.py): replies folded in id order as they arrive.
+"""Streaming aggregation (common/processors/streaming.py): replies folded in id order as they arrive.
 
 - unit: for FedAvg, SCAFFOLD, FedNova and FedAdam replies (and edges' partials), folding them in
   many shuffled arrival orders, with failures, a small in-memory budget (spill files) and
@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import COUNT_KEY, WEIGHT_KEY, Algorithm, Payload
 from fedhop.common.config import parse_config
-from fedhop.common.rounds import RoundEngine
-from fedhop.common.streaming import HOLD_FLOOR_BYTES, OrderedFold, reply_budget
+from fedhop.common.engine.rounds import RoundEngine
+from fedhop.common.processors.streaming import HOLD_FLOOR_BYTES, OrderedFold, reply_budget
 from fedhop.deploy.inmemory import run_inmemory
 from fedhop.deploy.launcher import run_local
 
@@ -207,7 +207,7 @@ def test_a_reply_that_overflows_the_folded_sum_is_left_out_and_the_round_goes_on
 def test_a_server_step_that_overflows_names_the_worst_and_leaves_the_round_out():
     """A finite sum whose server step is not finite: the replies are gone, so the state is rolled
     back, the reply of largest weighted magnitude is named NON_FINITE_AGGREGATE and the round
-    does not count (common/validation.py `finite_streamed`)."""
+    does not count (common/processors/validation.py `finite_streamed`)."""
     cfg = parse_config(config_text("fedavg"))
     engine = RoundEngine(cfg)
     near_max = torch.finfo(torch.float32).max * 0.9
@@ -254,31 +254,35 @@ def test_inmemory_streamed_rounds_equal_the_engine(tmp_path, name):
             assert torch.equal(getattr(engine.state, part)[n], t), (part, n)
 
 
-def test_inmemory_large_model_streamed_equals_the_engine(tmp_path, monkeypatch):
-    """A model larger than one chunk (5 MB, deploy/bench_large.py's synthetic task): its broadcast
-    is handed over and cut per call (`Fabric._prepare`), its replies spilled ahead of their turn
-    (`reply_budget`); the model after two rounds is the engine's, bit for bit."""
-    text = """
+def large_model_config(name: str, rounds: int, mb: int, clients: int, run: str = "", extra: str = "") -> str:
+    """One-step FedAvg on deploy/bench_large.py's synthetic `mb` MB model, every client each round
+    (two client processes); `run` adds [run] keys, `extra` whole tables."""
+    return f"""
 [run]
-name = "stream-large"
-rounds = 2
+name = "{name}"
+rounds = {rounds}
 eval_every = 0
-[algorithm]
+{run}[algorithm]
 name = "fedavg"
 lr = 0.5
 local_steps = 1
 batch_size = 0
 [data]
 dataset = "fedhop.deploy.bench_large:synthetic"
-mb = 5
+mb = {mb}
 [model]
 [clients]
-count = 5
-per_round = 5
+count = {clients}
+per_round = {clients}
 processes = 2
-[transport]
-kind = "inmemory"
-"""
+{extra}"""
+
+
+def test_inmemory_large_model_streamed_equals_the_engine(tmp_path, monkeypatch):
+    """A model larger than one chunk (5 MB, deploy/bench_large.py's synthetic task): its broadcast
+    is handed over and cut per call (`Fabric._prepare`), its replies spilled ahead of their turn
+    (`reply_budget`); the model after two rounds is the engine's, bit for bit."""
+    text = large_model_config("stream-large", rounds=2, mb=5, clients=5, extra='[transport]\nkind = "inmemory"\n')
     from fedhop.common.transport import fabric
     handed: list[bool] = []
     real = fabric.hand_over
@@ -325,28 +329,8 @@ def test_grpc_processes_streamed_equal_the_collecting_engine(tmp_path):
 def memory_run(tmp_path, mb: int, clients: int) -> float:
     """One FedAvg round of an `mb` MB model over `clients` clients on 2 client processes; the
     server's RSS growth over the round in models (summary.json server_memory)."""
-    text = f"""
-[run]
-name = "stream-memory"
-rounds = 1
-eval_every = 0
-round_timeout = 600.0
-call_timeout = 600.0
-torch_threads = 1
-[algorithm]
-name = "fedavg"
-lr = 0.5
-local_steps = 1
-batch_size = 0
-[data]
-dataset = "fedhop.deploy.bench_large:synthetic"
-mb = {mb}
-[model]
-[clients]
-count = {clients}
-per_round = {clients}
-processes = 2
-"""
+    text = large_model_config("stream-memory", rounds=1, mb=mb, clients=clients,
+                              run='round_timeout = 600.0\ncall_timeout = 600.0\ntorch_threads = 1\n')
     cfg_file = tmp_path / f"mem{clients}.toml"
     cfg_file.write_text(text)
     out = tmp_path / f"run{clients}"

@@ -1,5 +1,5 @@
-"""What a streamed round's server holds at once (issue 32 item 2; common/streaming.py,
-common/transport/fabric.py, common/codec.py):
+"""What a streamed round's server holds at once (issue 32 item 2; common/processors/streaming.py,
+common/transport/fabric.py, common/wire/codec.py):
 
 - a reply offered with `take=True` leaves its tensors with the fold (folded, held or spilled), so
   its receive buffer is free for the next reply or a spilled one read back: one buffer serves the
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from fedhop.common.algorithms.base import WEIGHT_KEY, Payload
-from fedhop.common.codec import RECV_BUFFERS, SnapshotChanged, decode_frames, encode, hand_over
-from fedhop.common.streaming import HOLD_FLOOR_BYTES, OrderedFold, reply_budget
+from fedhop.common.processors.streaming import HOLD_FLOOR_BYTES, OrderedFold, reply_budget
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import RECV_BUFFERS, SnapshotChanged, decode_frames, encode, hand_over
 
 N = (RECV_BUFFERS.min_bytes // 4) + 1001   # float32 elements: a reply above the receive pool's minimum
 
@@ -88,7 +88,6 @@ def test_a_receive_slot_is_held_until_the_reply_is_folded():
     fold = OrderedFold([0, 1], {})
     assert fold.window == 1
     assert fold.admit(timeout=1.0)
-    fold.received()                         # decoded: the slot stays taken until folded
     second = threading.Event()
     other = threading.Thread(target=lambda: fold.admit(timeout=60.0) and second.set())
     other.start()

@@ -1,5 +1,5 @@
 """The server's model-sized copies during a streamed round (issue 32 item 2; common/wire/message.py,
-common/algorithms/fedavg.py, common/validation.py, common/streaming.py).
+common/algorithms/fedavg.py, common/processors/validation.py, common/processors/streaming.py).
 
 Each test records, with a torch dispatch mode, every tensor an operation allocates (an output
 that shares no storage with the operation's inputs) and checks that folding a large reply, the
@@ -14,13 +14,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fedhop.common import validation
 from fedhop.common.algorithms.base import COUNT_KEY, WEIGHT_KEY, Payload, ServerState
 from fedhop.common.algorithms.fedavg import FedAvg
 from fedhop.common.algorithms.fedopt import FedAvgM
-from fedhop.common.codec import RECV_BUFFERS
-from fedhop.common.streaming import OrderedFold
-from fedhop.common.validation import _magnitude, finite_streamed
+from fedhop.common.processors import validation
+from fedhop.common.processors.streaming import OrderedFold
+from fedhop.common.processors.validation import _magnitude, finite_streamed
+from fedhop.common.wire.codec import RECV_BUFFERS
 from fedhop.common.wire.message import CHUNK, ReplyAccumulator, tensor_finite
 
 N = 2 * CHUNK + 37   # a "large" tensor: three pieces, the last one short
@@ -173,7 +173,7 @@ def test_large_tensor_finiteness_is_checked_piece_by_piece():
 
 def test_spilled_replies_are_read_back_into_free_receive_buffers():
     """Replies ahead of their turn, spilled (budget 0), are read back into the process's receive
-    buffers (common/codec.py RecvBuffers) rather than fresh memory, bit for bit."""
+    buffers (common/wire/codec.py RecvBuffers) rather than fresh memory, bit for bit."""
     payloads = replies(5)
     fold = OrderedFold([0, 1, 2, 3], {}, budget_bytes=0)
     reused = RECV_BUFFERS.reused

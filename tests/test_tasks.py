@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedhop.common.config_schema import Config
-from fedhop.common.models import CNN, build_model
-from fedhop.common.rng import torch_stream
+from fedhop.common.config.schema import Config
+from fedhop.common.data.models import CNN, build_model
 from fedhop.common.tasks import (
     DATASET_PARAMS,
     LogRegParams,
@@ -24,6 +23,7 @@ from fedhop.common.tasks import (
     params_from_options,
 )
 from fedhop.common.tasks.quadratic import QuadraticTask
+from fedhop.common.util.rng import torch_stream
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -225,7 +225,7 @@ def test_evaluate_and_train_loss_agree_with_direct_computation() -> None:
 
 
 def test_mnist_task_uses_idx_test_files(tmp_path: Path) -> None:
-    from fedhop.common.datasets import write_idx
+    from fedhop.common.data.datasets import write_idx
 
     rng = np.random.default_rng(0)
     write_idx(tmp_path / "train-images-idx3-ubyte", rng.integers(0, 256, (200, 28, 28), dtype=np.uint8))

@@ -14,8 +14,8 @@ import pytest
 from safetensors.torch import load_file
 
 from fedhop.common.config import parse_config
-from fedhop.common.plan import plan_processes
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.topologies.plan import plan_processes
 from fedhop.deploy.launcher import run_local
 from fedhop.server.driver import driver_class
 from tests.helpers import numpy_fedavg_round, quadratic_config
@@ -83,7 +83,7 @@ def test_entry_point_name_loads_the_driver_and_the_star_plan(tmp_path, monkeypat
 @pytest.mark.parametrize("kind,message", [
     ("nosuchpkg.topo:Driver", "fedhop run: c.toml: config key 'topology.kind': cannot import 'nosuchpkg.topo:Driver': "
                               "ModuleNotFoundError: No module named 'nosuchpkg'"),
-    ("fedhop.common.models:MLP", "fedhop run: c.toml: config key 'topology.kind': 'fedhop.common.models:MLP' is not a "
+    ("fedhop.common.data.models:MLP", "fedhop run: c.toml: config key 'topology.kind': 'fedhop.common.data.models:MLP' is not a "
                                  "topology driver (a subclass of fedhop.server.driver.TopologyDriver)"),
     ("no_such_topology", "fedhop run: c.toml: config key 'topology.kind': unknown topology 'no_such_topology' "
                          "(allowed: star, hierarchical, sequential, chain, relay"),

@@ -16,9 +16,9 @@ import pytest
 
 from fedhop.client.host import ClientHost
 from fedhop.common.config import ConfigError, options_schema, parse_config
-from fedhop.common.plan import plan_processes
 from fedhop.common.topologies import SPECS, TopologySpec, spec_for
-from fedhop.common.topology import TOPOLOGY_PARAMS
+from fedhop.common.topologies.graphs import TOPOLOGY_PARAMS
+from fedhop.common.topologies.plan import plan_processes
 from fedhop.deploy.dashboard import _graph
 from fedhop.server.driver import driver_class
 from tests.helpers import quadratic_config
@@ -39,8 +39,7 @@ def kind_config(kind: str):
 
 
 # written out here, not read from the specs: what each kind adds beyond the common roles
-BASE_CLIENT_METHODS = {"train", "ping", "shutdown", "state_get", "state_set", "torch_init", "torch_round",
-                       "torch_reduce"}
+BASE_CLIENT_METHODS = {"train", "ping", "shutdown", "state_get", "state_set"}   # the torch transport adds its own
 EXTRA_CLIENT_METHODS = {"chain": {"walk_visit", "walk_handoff"},
                         "gossip": {"gossip_step", "gossip_send", "gossip_share", "gossip_mix"}}
 DRIVERS = {"star": "fedhop.server.sampled:StarDriver", "hierarchical": "fedhop.server.sampled:HierarchicalDriver",
@@ -92,9 +91,9 @@ def test_every_registry_reads_the_spec(kind):
 PLUGIN = '''
 from dataclasses import dataclass, field
 
-from fedhop.common.plan import Placement, build_plan
+from fedhop.common.topologies.plan import Placement, build_plan
 from fedhop.common.topologies import TopologySpec
-from fedhop.common.topology import topology_params
+from fedhop.common.topologies.graphs import topology_params
 
 
 @dataclass
@@ -170,8 +169,8 @@ ALLOWED_LITERALS = {
     ("server/relay.py", "relay"): 1,
     ("server/relay.py", "chain"): 1,             # the random stream ("chain", round): renaming it changes every run
     ("server/gossip.py", "gossip"): 1,
-    ("common/config.py", "sequential"): 1,       # getattr(algorithm, "sequential"): the algorithm's attribute
-    ("common/config_schema.py", "star"): 1,      # the default of topology.kind
+    ("common/config/__init__.py", "sequential"): 1,       # getattr(algorithm, "sequential"): the algorithm's attribute
+    ("common/config/schema.py", "star"): 1,      # the default of topology.kind
 }
 
 
@@ -213,13 +212,17 @@ def module_level_imports(path: Path) -> set[str]:
 
 
 def test_the_specs_sit_below_what_reads_them():
-    """No import cycle: the spec modules import only each other at module level (role code and the
-    helpers of their checks are named by reference or imported when called), and the plug-in
-    loader knows nothing of topologies (common/topologies imports it, not the reverse)."""
+    """No import cycle: the modules of common/topologies/ import at module level only each other
+    and the leaf helpers below them (common/util/: seeded streams, node ids); role code and the
+    helpers of their checks are named by reference or imported when called; and the plug-in
+    loader (common/util/plugins.py) imports no fedhop module at all, so common/topologies imports
+    it, not the reverse (tests/test_layers.py checks every layer)."""
     for path in sorted((ROOT / "common" / "topologies").glob("*.py")):
-        assert all(m.startswith("fedhop.common.topologies") for m in module_level_imports(path)), path.name
-    every_import = {m for node in ast.walk(ast.parse((ROOT / "common" / "plugins.py").read_text()))
+        assert all(m.startswith(("fedhop.common.topologies", "fedhop.common.util"))
+                   for m in module_level_imports(path)), path.name
+    assert module_level_imports(ROOT / "common" / "topologies" / "plan.py")   # the reader sees imports
+    every_import = {m for node in ast.walk(ast.parse((ROOT / "common" / "util" / "plugins.py").read_text()))
                     for m in ([node.module or ""] if isinstance(node, ast.ImportFrom) else
                               [a.name for a in node.names] if isinstance(node, ast.Import) else [])}
-    assert "fedhop.common.config" in every_import   # the reader sees its imports, inside functions too
-    assert not {m for m in every_import if m.startswith(("fedhop.common.plan", "fedhop.common.topolog"))}
+    assert "importlib" in every_import   # the reader sees its imports, inside functions too
+    assert not {m for m in every_import if m.startswith("fedhop")}

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from fedhop.common.config import ConfigError, parse_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.launcher import LocalRun, read_progress, run_local
 from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
@@ -199,7 +199,7 @@ def test_worker_leaves_a_nan_reply_out_of_its_partial():
     from fedhop.client.group_worker import GroupWorker
     from fedhop.common.algorithms.base import Payload
     from fedhop.common.algorithms.fedavg import FedAvg
-    from fedhop.common.control import failures_of
+    from fedhop.common.transport.control import failures_of
     from fedhop.common.transport.torch_groups import CollectiveMember
     from fedhop.common.wire.fedhop_pb2 import Control, TensorSpec
 

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from fedhop.common.config import parse_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.common.transport.torch_groups import hier_layout
 from fedhop.deploy.launcher import LocalRun, run_local
 from tests.faultkit import kill_after_round

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from fedhop.common.config import load_config
-from fedhop.common.runstore import RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.launcher import LocalRun, run_local
 from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config

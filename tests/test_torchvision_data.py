@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fedhop.common.config import parse_config
-from fedhop.common.datasets import write_idx
+from fedhop.common.data.datasets import write_idx
 from fedhop.common.tasks import build_task
 
 

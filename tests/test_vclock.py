@@ -1,13 +1,13 @@
-"""Virtual clock, deadline cut-off and over-commitment (common/vclock.py) in real in-memory runs."""
+"""Virtual clock, deadline cut-off and over-commitment (common/engine/vclock.py) in real in-memory runs."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from fedhop.common.config import parse_config
-from fedhop.common.devices import DeviceProfile, DevicesParams, device_profiles
-from fedhop.common.runstore import RunStore
-from fedhop.common.vclock import client_timing, settle, transfer_seconds
+from fedhop.common.engine.devices import DeviceProfile, DevicesParams, device_profiles
+from fedhop.common.engine.vclock import client_timing, settle, transfer_seconds
+from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory
 from tests.helpers import numpy_fedavg_round, quadratic_config
 

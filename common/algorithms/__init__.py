@@ -34,13 +34,13 @@ def registry() -> dict[str, type[Algorithm]]:
 
 def algorithm_class(name: str):
     """The Algorithm subclass registered under `name` (built in), or a user's plug-in: an import
-    path "pkg.module:Class" or an entry point of group `fedhop.algorithms` (common/plugins.py).
+    path "pkg.module:Class" or an entry point of group `fedhop.algorithms` (common/util/plugins.py).
     Unknown names raise KeyError, plug-ins that do not load PluginError (a ValueError)."""
     algos = registry()
     if name in algos:
         return algos[name]
     from fedhop.common.algorithms.base import Algorithm
-    from fedhop.common.plugins import PluginError, entry_point_names, load_plugin
+    from fedhop.common.util.plugins import PluginError, entry_point_names, load_plugin
     try:
         cls = load_plugin(name, "algorithms")
     except LookupError:
@@ -60,7 +60,7 @@ def build_algorithm(cfg):
         params = cls.Params(**cfg.algorithm.options)
     algorithm = cls(cfg.algorithm, params)
     rule = getattr(getattr(cfg, "security", None), "aggregation", "mean")
-    if rule != "mean":   # Byzantine-robust reduction (common/robust.py), at the server and at every edge
-        from fedhop.common.robust import RobustAggregate
+    if rule != "mean":   # Byzantine-robust reduction (common/engine/robust.py), at the server and at every edge
+        from fedhop.common.engine.robust import RobustAggregate
         algorithm.aggregate = RobustAggregate(algorithm.reply_reduce, rule, cfg.security.trim, cfg.security.krum_f)
     return algorithm

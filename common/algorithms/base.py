@@ -156,9 +156,9 @@ class Algorithm(ABC):
 
     def streams(self) -> bool:
         """Whether this algorithm's aggregation is the default weighted-sum fold, so the server and
-        the edges may fold each reply as it arrives (common/streaming.py) instead of holding every
+        the edges may fold each reply as it arrives (common/processors/streaming.py) instead of holding every
         reply: False where a subclass overrides `aggregate` or a robust rule replaces it
-        (common/robust.py: the median and Krum need every reply at once)."""
+        (common/engine/robust.py: the median and Krum need every reply at once)."""
         return type(self).aggregate is Algorithm.aggregate and "aggregate" not in vars(self)
 
     @abstractmethod

@@ -50,8 +50,8 @@ import torch
 
 from fedhop.common.algorithms.base import Algorithm, AlgorithmParams, ClientContext, Payload, ServerState, weighted_mean
 from fedhop.common.algorithms.local import set_params
-from fedhop.common.prox import group_prox
-from fedhop.common.sampling import local_batches
+from fedhop.common.numerics.prox import group_prox
+from fedhop.common.numerics.sampling import local_batches
 
 F64 = torch.float64
 WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}

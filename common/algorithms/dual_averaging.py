@@ -79,7 +79,7 @@ from fedhop.common.algorithms.composite import (
     unprefixed,
     wire_field,
 )
-from fedhop.common.prox import dual_averaging_prox
+from fedhop.common.numerics.prox import dual_averaging_prox
 
 STAGE_KEY = "mc_fedda_stage"   # MC-FedDA: the stage whose sums the server state holds
 

@@ -42,7 +42,7 @@ class FedAvg(Algorithm):
 
     def server_update_checked(self, state: ServerState, aggregate: Payload, round: int) -> str | None:
         """`server_update`, made only where every new parameter is finite; otherwise the state is
-        left as it was and the reason returned (common/validation.py `finite_streamed`: no copy of
+        left as it was and the reason returned (common/processors/validation.py `finite_streamed`: no copy of
         the state to roll back to).  Where max |w| + eta_g max |sum_i p_i Delta_i| stays below the
         dtype's largest value no element can overflow; near it every new element is computed
         piece by piece and checked before any is written.  With eta_g = 1 the step is made piece

@@ -45,7 +45,7 @@ from fedhop.common.algorithms.base import (
     weighted_mean,
 )
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
-from fedhop.common.sampling import local_batches
+from fedhop.common.numerics.sampling import local_batches
 
 LR_STEPS = "lr_steps"
 

@@ -59,7 +59,7 @@ from fedhop.common.algorithms.base import (
     weighted_mean,
 )
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
-from fedhop.common.sampling import local_batches
+from fedhop.common.numerics.sampling import local_batches
 
 STEP_KEY = "step_size"    # FedLi-LS: eta^i_{t,K}, 0-dim float64 tensor, reduced by max
 LOSS_KEY = "loss"         # FedLi-LU: f^i_{t,K}, 0-dim float64 tensor, reduced by weighted sum

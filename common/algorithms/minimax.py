@@ -66,8 +66,8 @@ from fedhop.common.algorithms.base import (
 )
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.algorithms.minimax_local import local_sgda
-from fedhop.common.projections import NO_CONSTRAINT, Constraint
-from fedhop.common.rng import numpy_stream
+from fedhop.common.numerics.projections import NO_CONSTRAINT, Constraint
+from fedhop.common.util.rng import numpy_stream
 
 SNAPSHOT_PREFIX = "snapshot."
 A_NORM_KEY = "pa_norm"

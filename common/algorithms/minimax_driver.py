@@ -1,6 +1,6 @@
 """A fast in-process round loop for checks and figures (no transport, no run directory).
 
-It is the round engine (common/rounds.py) on a task and an algorithm object built by hand: the
+It is the round engine (common/engine/rounds.py) on a task and an algorithm object built by hand: the
 same sampling stream ("sampling", round), one generator per client and round ("client", i,
 "round", round), replies reduced in client-id order as the coordinator and the client host use.
 So for the same config it gives the same model as `deploy.inmemory.run_inmemory`
@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Callable
 
 from fedhop.common.algorithms.base import Algorithm, ServerState
-from fedhop.common.config_schema import AlgorithmConfig, ClientsConfig, Config, RunConfig
-from fedhop.common.rounds import RoundEngine
+from fedhop.common.config.schema import AlgorithmConfig, ClientsConfig, Config, RunConfig
+from fedhop.common.engine.rounds import RoundEngine
 from fedhop.common.tasks.base import Task
 
 RoundHook = Callable[[int, ServerState, list[int]], None]

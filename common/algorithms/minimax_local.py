@@ -21,8 +21,8 @@ from typing import Iterator, Sequence
 import torch
 
 from fedhop.common.algorithms.base import ClientContext
-from fedhop.common.projections import NO_CONSTRAINT, Constraint
-from fedhop.common.sampling import local_batches
+from fedhop.common.numerics.projections import NO_CONSTRAINT, Constraint
+from fedhop.common.numerics.sampling import local_batches
 
 
 def momentum_coefficients(rho: float, steps: int) -> list[float]:

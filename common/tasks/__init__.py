@@ -12,7 +12,7 @@ Data sets register with `register_dataset(name, builder, params_class)`.  A data
 registered below is looked up as the module `fedhop.common.tasks.<name>`, which must call
 `register_dataset` when imported (how lasso, lowrank and minimax_quadratic plug in), then as a
 user's plug-in: an import path `"pkg.module:load"` or an entry point of group `fedhop.datasets`
-(common/plugins.py; `_build_plugin` below turns its per-client data into a task).
+(common/util/plugins.py; `_build_plugin` below turns its per-client data into a task).
 """
 from __future__ import annotations
 
@@ -26,9 +26,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from fedhop.common import datasets, partition
-from fedhop.common.models import with_model_selection
-from fedhop.common.plugins import (
+from fedhop.common.data import datasets, partition
+from fedhop.common.data.models import with_model_selection
+from fedhop.common.tasks.base import ClientData, Task
+from fedhop.common.tasks.classification import ArrayTask, ClassificationTask, ModelSpec, RegressionTask
+from fedhop.common.tasks.logreg import LogRegParams, LogRegTask
+from fedhop.common.tasks.quadratic import QuadraticParams, QuadraticTask, generate_problem
+from fedhop.common.util.plugins import (
     DataRequest,
     FederatedData,
     PluginError,
@@ -36,11 +40,7 @@ from fedhop.common.plugins import (
     is_import_path,
     load_plugin,
 )
-from fedhop.common.rng import numpy_stream, stream_seed
-from fedhop.common.tasks.base import ClientData, Task
-from fedhop.common.tasks.classification import ArrayTask, ClassificationTask, ModelSpec, RegressionTask
-from fedhop.common.tasks.logreg import LogRegParams, LogRegTask
-from fedhop.common.tasks.quadratic import QuadraticParams, QuadraticTask, generate_problem
+from fedhop.common.util.rng import numpy_stream, stream_seed
 
 __all__ = [
     "Task", "ClientData", "ArrayTask", "ClassificationTask", "RegressionTask", "QuadraticTask",
@@ -379,7 +379,7 @@ def _build_plugin(load: Callable[[DataRequest], Any]) -> Builder:
             return out
         if not isinstance(out, FederatedData):
             raise ValueError(f"data.dataset = {name!r} returned a {type(out).__name__}; expected FederatedData "
-                             f"(fedhop.common.plugins) or a Task")
+                             f"(fedhop.common.util.plugins) or a Task")
         if len(out.clients) != cfg.clients.count:
             raise ValueError(f"data.dataset = {name!r} returned {len(out.clients)} clients but clients.count = "
                              f"{cfg.clients.count}; they must match")

@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhop.common import datasets
-from fedhop.common.rng import numpy_stream
+from fedhop.common.data import datasets
 from fedhop.common.tasks.base import ClientData
 from fedhop.common.tasks.classification import ClassificationTask
+from fedhop.common.util.rng import numpy_stream
 
 LOSS_CLIENTS = 1000   # clients in the final training-loss estimate (CrossDeviceTask.train_loss)
 BUNDLED = {"digits": (datasets.load_digits, (8, 8)), "breast_cancer": (datasets.load_breast_cancer, None)}

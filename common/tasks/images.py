@@ -1,13 +1,13 @@
 """CIFAR-10, CIFAR-100 and Fashion-MNIST as tasks.
 
-`[data] dataset = "cifar10"` / `"cifar100"`: the binary files under `data.data_dir` (common/cifar.py).
+`[data] dataset = "cifar10"` / `"cifar100"`: the binary files under `data.data_dir` (common/data/cifar.py).
 Every process reads the labels (one byte per image) to draw the same partition; a client's pixels are
 read from the files (its records only) the first time its data is needed, so a client process holds its
 own clients' images only, and the test set is read on the first evaluation (the server's).
 Pixels are scaled to [0, 1] and, with `data.standardize`, normalised per channel with the training
 set's mean and standard deviation.  CIFAR has no natural clients: partition = "natural" is refused.
 
-`[data] dataset = "fashion_mnist"`: IDX files as for MNIST (common/datasets.py), read whole.
+`[data] dataset = "fashion_mnist"`: IDX files as for MNIST (common/data/datasets.py), read whole.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhop.common import cifar, datasets
+from fedhop.common.data import cifar, datasets
 from fedhop.common.tasks.base import ClientData
 from fedhop.common.tasks.classification import ClassificationTask
 

@@ -1,6 +1,6 @@
 """LEAF's FEMNIST and Shakespeare as tasks: one client per writer / speaking role, loaded lazily.
 
-`[data] dataset = "femnist"` or `"shakespeare"`, files in LEAF's JSON layout (common/leaf.py) under
+`[data] dataset = "femnist"` or `"shakespeare"`, files in LEAF's JSON layout (common/data/leaf.py) under
 `data.path` (default: `data.data_dir/<dataset>`), in `train/` and `test/` (or LEAF's own
 `data/train`, `data/test`).  `data.fraction` < 1 keeps a seeded sample of the users (stream
 "data/leaf/users"), as LEAF's `--sf` does.
@@ -16,7 +16,7 @@ evaluation, which only the server runs.  Other partitions (iid, dirichlet, ...) 
 user's training samples in every process and split them as for any data set.
 
 FEMNIST: 28x28 images with values in [0, 1] (used as stored), 62 classes.  Shakespeare: 80-character
-windows encoded with LEAF's 80-character alphabet (common/models.py LEAF_LETTERS), the label is the
+windows encoded with LEAF's 80-character alphabet (common/data/models.py LEAF_LETTERS), the label is the
 next character.
 """
 from __future__ import annotations
@@ -28,11 +28,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from fedhop.common import leaf
-from fedhop.common.models import LEAF_LETTERS
-from fedhop.common.rng import numpy_stream
+from fedhop.common.data import leaf
+from fedhop.common.data.models import LEAF_LETTERS
 from fedhop.common.tasks.base import ClientData
 from fedhop.common.tasks.classification import ClassificationTask
+from fedhop.common.util.rng import numpy_stream
 
 LOSS_CLIENTS = 100   # clients in the final training-loss estimate of a natural partition
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedhop.common.rng import numpy_stream, stream_seed
 from fedhop.common.tasks.classification import ClassificationTask, ModelSpec
+from fedhop.common.util.rng import numpy_stream, stream_seed
 
 
 @dataclass

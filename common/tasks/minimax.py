@@ -32,12 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhop.common import datasets
-from fedhop.common.projections import NO_CONSTRAINT, Constraint
-from fedhop.common.rng import numpy_stream
+from fedhop.common.data import datasets
+from fedhop.common.numerics.projections import NO_CONSTRAINT, Constraint
 from fedhop.common.tasks import make_partition, model_spec, register_dataset, standardize
 from fedhop.common.tasks.base import ClientData, Task
 from fedhop.common.tasks.classification import ClassificationTask, ModelSpec
+from fedhop.common.util.rng import numpy_stream
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -309,7 +309,7 @@ def _eval_set(task: ClassificationTask) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _net(spec: ModelSpec) -> nn.Module:
-    from fedhop.common.models import build_model
+    from fedhop.common.data.models import build_model
     return build_model(spec.kind, spec.input_shape, spec.n_outputs, spec.hidden, spec.init, spec.seed,
                        bias=spec.bias, task="classification", factory=spec.factory,
                        factory_args=dict(spec.factory_args))

@@ -1,6 +1,6 @@
 """LEAF's Sent140 (tweets labelled by sentiment, Go et al. 2009) as a task: one client per Twitter user.
 
-Files: LEAF's JSON layout (common/leaf.py) under `data.path` (default `data.data_dir/sent140`), in
+Files: LEAF's JSON layout (common/data/leaf.py) under `data.path` (default `data.data_dir/sent140`), in
 `train/` and `test/` (or LEAF's `data/train`, `data/test`), with
 
     user_data[u] = {"x": [[tweet_id, date, query, user, text], ...], "y": [0 | 1, ...]}
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from fedhop.common import leaf
+from fedhop.common.data import leaf
 from fedhop.common.tasks.classification import ClassificationTask
 from fedhop.common.tasks.leaf import LeafKind, LeafParams
 from fedhop.common.tasks.leaf import build as build_leaf

@@ -37,9 +37,9 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from fedhop.common.rng import numpy_stream
 from fedhop.common.tasks.base import ClientData, Task
 from fedhop.common.tasks.quadratic import VectorModel
+from fedhop.common.util.rng import numpy_stream
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

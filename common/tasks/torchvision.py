@@ -14,7 +14,7 @@ is partitioned as any data set, the test split is the test set.
 
 Only sets whose torchvision reader unpickles nothing are offered: torchvision's CIFAR-10/100 read the
 pickled "python version" of CIFAR, so `dataset = "cifar10"` / `"cifar100"` (the binary version,
-common/cifar.py) is the way to CIFAR.
+common/data/cifar.py) is the way to CIFAR.
 """
 from __future__ import annotations
 

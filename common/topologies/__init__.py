@@ -1,7 +1,7 @@
 """The topologies: one `TopologySpec` per kind (common/topologies/spec.py), one module per
 built-in kind, and `spec_for`, which every part of fedhop that depends on the kind reads (the
 config loader, the process plan, the server's driver, the edge's and the client's handlers, the
-live page).  A kind not built in is a plug-in (`load_topology`, through common/plugins.py
+live page).  A kind not built in is a plug-in (`load_topology`, through common/util/plugins.py
 `load_plugin` and its allow-list): an import path or an entry point of group
 `fedhop.topologies` naming a `TopologySpec` (or a driver class, adapted into one).
 
@@ -32,14 +32,14 @@ def spec_for(kind: str) -> TopologySpec:
 
 def load_topology(ref: str) -> TopologySpec:
     """The plug-in topology named by `ref` (an import path or an entry point of `fedhop.topologies`,
-    loaded by common/plugins.py `load_plugin`), its spec named `ref` (messages name the kind as the
+    loaded by common/util/plugins.py `load_plugin`), its spec named `ref` (messages name the kind as the
     config wrote it).  `ref` names a `TopologySpec`, or a driver class (one with `run_round`, e.g.
     a `TopologyDriver` subclass), adapted into a spec: its `Params` dataclass, its `process_plan`
     (default: the star plan) and itself as the driver.  Raises KeyError for a bare name that no
     package registers, PluginError (a ValueError) for one that does not load or is neither."""
     if ref in _PLUGINS:
         return _PLUGINS[ref]
-    from fedhop.common.plugins import PluginError, entry_point_names, load_plugin  # local: only for plug-ins
+    from fedhop.common.util.plugins import PluginError, entry_point_names, load_plugin  # local: only for plug-ins
     try:
         obj = load_plugin(ref, "topologies")
     except LookupError:
@@ -50,7 +50,7 @@ def load_topology(ref: str) -> TopologySpec:
         spec = dataclasses.replace(obj, name=ref)
     elif isinstance(obj, type) and callable(getattr(obj, "run_round", None)):
         spec = TopologySpec(name=ref, driver=obj, params=getattr(obj, "Params", None),
-                            plan=getattr(obj, "process_plan", None) or "fedhop.common.plan:star_plan")
+                            plan=getattr(obj, "process_plan", None) or "fedhop.common.topologies.plan:star_plan")
     else:
         raise PluginError(f"'{ref}' is not a topology driver (a subclass of {DRIVER_BASE}) or a {SPEC_TYPE}")
     _PLUGINS[ref] = spec
@@ -59,7 +59,7 @@ def load_topology(ref: str) -> TopologySpec:
 
 def replace_spec(spec: TopologySpec) -> None:
     """Put `spec` in place of the spec of the same name (a built-in or a loaded plug-in's), e.g.
-    with another process plan (common/plan.py `register_plan`)."""
+    with another process plan (common/topologies/plan.py `register_plan`)."""
     table = SPECS if spec.name in SPECS else _PLUGINS
     if spec.name not in table:
         raise KeyError(f"topology '{spec.name}' is neither built in nor a loaded plug-in")

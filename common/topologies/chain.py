@@ -1,5 +1,5 @@
 """The chain topology (WRWGD): one model walks a graph of clients, handed client to client
-(common/walk.py, server/walk.py, client/walk.py)."""
+(common/topologies/walk_rule.py, server/walk.py, client/walk.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,13 +7,13 @@ from typing import Any
 
 from fedhop.common.topologies.spec import TopologySpec
 
-# algorithms whose client reply is a model update Delta the WRWGD walk can apply (common/walk.py)
+# algorithms whose client reply is a model update Delta the WRWGD walk can apply (common/topologies/walk_rule.py)
 WALK_ALGORITHMS = ("fedavg", "fedprox")
 
 
 @dataclass
 class ChainParams:
-    """WRWGD: one model walks a graph of clients, handed client to client (common/walk.py).
+    """WRWGD: one model walks a graph of clients, handed client to client (common/topologies/walk_rule.py).
 
     `graph`: "random" (seeded, connected, degrees <= `max_degree`), "ring", "complete", or
     adjacency lists.  `stationary`: the walk's law pi ("data", "uniform" or per-client weights
@@ -44,7 +44,9 @@ def check(cfg: Any) -> None:
     if cfg.algorithm.name not in WALK_ALGORITHMS:
         raise ValueError(f"algorithm.name: got '{cfg.algorithm.name}', but topology.kind = 'chain' (WRWGD) steps the "
                          f"walking model by the visited client's local update (allowed: {', '.join(WALK_ALGORITHMS)})")
-    from fedhop.common.walk import WalkRule  # local: the walk's rule reads the validated topology params
+    from fedhop.common.topologies.walk_rule import (
+        WalkRule,  # local: the walk's rule reads the validated topology params
+    )
     WalkRule.from_config(cfg, [1] * cfg.clients.count)   # the graph and the weights' lengths
 
 

@@ -1,5 +1,5 @@
 """The gossip topology (D-PSGD, Lian et al. 2017): clients on a graph mix their models with their
-neighbours' every round (common/gossip.py, server/gossip.py, client/gossip.py)."""
+neighbours' every round (common/topologies/gossip_mixing.py, server/gossip.py, client/gossip.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,7 +11,7 @@ from fedhop.common.topologies.spec import TopologySpec
 @dataclass
 class GossipParams:
     """D-PSGD gossip learning: clients on a graph mix their models with their neighbours'
-    (Metropolis-Hastings weights) every round (common/gossip.py).
+    (Metropolis-Hastings weights) every round (common/topologies/gossip_mixing.py).
 
     `gossip_edges`: the graph's undirected edges [[0, 1], [1, 2], ...] between client ids.
     `gossip_degree`: d > 0 instead: a random d-regular graph from the stream
@@ -26,7 +26,7 @@ def check(cfg: Any) -> None:
     if cfg.transport.kind != "grpc":
         raise ValueError(f"transport.kind: got '{cfg.transport.kind}', but gossip exchanges each client's model with "
                          f"its neighbours in peer calls (allowed: grpc)")
-    from fedhop.common.gossip import check_config  # local: the gossip rule reads the validated params
+    from fedhop.common.topologies.gossip_mixing import check_config  # local: the gossip rule reads the validated params
     check_config(cfg)
 
 

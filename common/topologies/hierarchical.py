@@ -23,29 +23,25 @@ class HierarchicalParams:
 
 
 def check(cfg: Any) -> None:
-    """edges_per_round within the run's edges; kappa2 > 1 only for an algorithm with an edge step."""
-    from fedhop.common.config import registered_algorithm  # local: the config loader imports the specs
-    from fedhop.common.topology import topology_params
+    """edges_per_round within the run's edges (kappa2 > 1 only for an algorithm with an edge step:
+    the loader checks that, as `edge_steps_key` says)."""
+    from fedhop.common.topologies.graphs import topology_params
     params = topology_params(cfg)
     topo = cfg.topology
-    kappa2 = getattr(params, "kappa2", 1)
     edges_per_round = getattr(params, "edges_per_round", 0)
     edges = len(topo.assignment) if isinstance(topo.assignment, list) else topo.edges
     if edges_per_round > edges:
         raise ValueError(f"topology.edges_per_round: got {edges_per_round}, but the run has {edges} edges "
                          f"(0 = every edge)")
-    algorithm = registered_algorithm(cfg.algorithm.name)
-    if kappa2 > 1 and algorithm is not None and not algorithm.edge_iterations:
-        raise ValueError(f"topology.kappa2: got {kappa2}, but algorithm '{cfg.algorithm.name}' defines no edge step "
-                         f"between server rounds; use kappa2 = 1")
 
 
 SPEC = TopologySpec(
     name="hierarchical",
     params=HierarchicalParams,
     check=check,
+    edge_steps_key="kappa2",
     driver="fedhop.server.sampled:HierarchicalDriver",
-    plan="fedhop.common.plan:edge_plan",
+    plan="fedhop.common.topologies.plan:edge_plan",
     edges=True,
     robust="edge",
 )

@@ -33,7 +33,7 @@ class TopologySpec:
 
     `params`: the dataclass of the kind's own [topology] keys (None: none).  `check(cfg)`: raises
     ValueError("key: why") for what the kind refuses, after the common checks (the loader turns
-    it into "config key 'key': why").  `plan`: `(cfg, placement) -> ProcessPlan` (common/plan.py).
+    it into "config key 'key': why").  `plan`: `(cfg, placement) -> ProcessPlan` (common/topologies/plan.py).
     `driver`: the server's `TopologyDriver` subclass.  `edge_role`: a class made as
     `edge_role(aggregator)` in each edge process beside its aggregator (None: the aggregator
     alone).  `client_handlers`: functions `(host) -> {method: handler}` whose methods a client
@@ -43,14 +43,16 @@ class TopologySpec:
     processes (topology.edges must be 1..clients.count); `robust`: how a robust
     security.aggregation groups updates ("round": a round's sampled clients, "edge": each
     edge's clients; None: refused); `engine_rounds`: the in-process RoundEngine can play its
-    rounds (common/rounds.py); `sequential_algorithms`: it runs algorithms whose one model walks
-    the edges (`SequentialAlgorithm`); `peer_link`/`peer_note`: the link between peers the
+    rounds (common/engine/rounds.py); `sequential_algorithms`: it runs algorithms whose one model walks
+    the edges (`SequentialAlgorithm`); `edge_steps_key`: the kind's [topology] key that asks for
+    more than one edge aggregation per server round (the loader refuses a value above 1 for an
+    algorithm with no edge step, `Algorithm.edge_iterations`); `peer_link`/`peer_note`: the link between peers the
     live page draws ("client-client", "edge-edge"; None: none).
     """
 
     name: str
     driver: Ref
-    plan: Ref = "fedhop.common.plan:star_plan"
+    plan: Ref = "fedhop.common.topologies.plan:star_plan"
     params: type | None = None
     check: Callable[[Any], None] | None = None
     edge_role: Ref | None = None
@@ -59,6 +61,7 @@ class TopologySpec:
     robust: Literal["round", "edge"] | None = None
     engine_rounds: bool = False
     sequential_algorithms: bool = False
+    edge_steps_key: str | None = None
     peer_link: str | None = None
     peer_note: str = ""
 

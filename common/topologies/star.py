@@ -15,7 +15,7 @@ SPEC = TopologySpec(
     name="star",
     params=StarParams,
     driver="fedhop.server.sampled:StarDriver",
-    plan="fedhop.common.plan:star_plan",
+    plan="fedhop.common.topologies.plan:star_plan",
     robust="round",
     engine_rounds=True,
 )

@@ -14,17 +14,17 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from fedhop.common.codec import Decoded, Encoded, FrameDecoder, PayloadError, encode, make_envelope
-from fedhop.common.ledger import Ledger
-from fedhop.common.methods import message_link, role_of
-from fedhop.common.torch_device import to_device
+from fedhop.common.transport.torch_device import to_device
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import Decoded, Encoded, FrameDecoder, PayloadError, ReplyBound, encode, make_envelope
+from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload
+from fedhop.common.wire.methods import message_link, role_of
 
 if TYPE_CHECKING:
     import torch
 
-    from fedhop.common.liveness import LivenessMonitor
+    from fedhop.common.transport.liveness import LivenessMonitor
 
 
 @dataclass(frozen=True)
@@ -120,15 +120,6 @@ class Batched:
     expect: "ReplyBound | None" = None
 
 
-@dataclass(frozen=True)
-class ReplyBound:
-    """The most a reply may declare: its tensor data and its header frame (common/validation.py
-    `reply_bound` computes it from the algorithm's reply spec)."""
-
-    data_bytes: int
-    header_bytes: int
-
-
 class Endpoint(ABC):
     """One process's transport endpoint."""
 
@@ -141,11 +132,11 @@ class Endpoint(ABC):
         self.chunk_bytes = chunk_bytes
         self.max_payload_bytes = max_payload_bytes
         self.checksum = True    # XXH3-64 of the tensor bytes in every message sent (security.checksum)
-        self.liveness: LivenessMonitor | None = None    # a parent's LivenessMonitor (common/liveness.py): heartbeats, registrations
+        self.liveness: LivenessMonitor | None = None    # a parent's LivenessMonitor (common/transport/liveness.py): heartbeats, registrations
         # an incoming request's method, caller and size checked on its header frame, before its data
-        # is read (common/admission.py `RequestGate`); None: only `max_payload_bytes` bounds it
+        # is read (common/transport/admission.py `RequestGate`); None: only `max_payload_bytes` bounds it
         self.request_gate: Callable[[pb.Envelope], int] | None = None
-        self.device: torch.device | None = None   # where received tensors are placed (common/torch_device.py); None: the CPU
+        self.device: torch.device | None = None   # where received tensors are placed (common/transport/torch_device.py); None: the CPU
         self.on_busy: BusyHook | None = None       # told of each call refused by a transport that limits calls per caller
 
     # -- outgoing -------------------------------------------------------------------
@@ -239,7 +230,7 @@ class Endpoint(ABC):
                            msg_id=msg_id, status="ok", wall_time=time.time(), error="")
 
     def heartbeat(self, address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
-        """A child's liveness beacon to its parent (common/liveness.py), counted as two `control` messages."""
+        """A child's liveness beacon to its parent (common/transport/liveness.py), counted as two `control` messages."""
         raise CallFailed("UNIMPLEMENTED", f"{type(self).__name__} carries no heartbeats", address)
 
     def handle_registration(self, register_handler: RegisterHandler, request: pb.RegisterRequest) -> pb.RegisterReply:
@@ -265,7 +256,7 @@ class Endpoint(ABC):
             return FrameDecoder(max_payload_bytes=self.max_payload_bytes)
         decoder = FrameDecoder(max_payload_bytes=min(expect.data_bytes, self.max_payload_bytes),
                                max_header_bytes=expect.header_bytes)
-        decoder.gate = getattr(expect, "gate", None)   # type: ignore[attr-defined]  # read back with getattr (grpc.py); a streaming fold's receive slots (common/streaming.py)
+        decoder.gate = getattr(expect, "gate", None)   # type: ignore[attr-defined]  # read back with getattr (grpc.py); a streaming fold's receive slots (common/processors/streaming.py)
         return decoder
 
     @abstractmethod

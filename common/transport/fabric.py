@@ -15,7 +15,7 @@ hand: it says what goes where and gets back results and failures.
 - `call`: one request, one reply (control calls, a hand-off to a peer); failures raise.
 - `submit`: a call in the background (a control call that must overlap a collective).
 
-The processor chain (common/pipeline.py) lives at this seam: a request's `inbound` chain
+The processor chain (common/processors/pipeline.py) lives at this seam: a request's `inbound` chain
 (`reply_chain`: upload decompression, the algorithm's reply spec, the user's processors) runs on its reply
 before the caller sees it.  The ledger is recorded by the endpoint underneath, for every message.
 
@@ -31,13 +31,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generic, Hashable, Mapping, TypeVar, cast
 
-from fedhop.common.codec import Encoded, PayloadError, hand_over
-from fedhop.common.pipeline import reply_chain, upload
+from fedhop.common.processors.pipeline import reply_chain, upload
 from fedhop.common.transport.base import Batched, CallFailed, Endpoint, HandlerError, RemoteError, ReplyBound
+from fedhop.common.wire.codec import Encoded, PayloadError, hand_over
 from fedhop.common.wire.message import Payload
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhop.common.streaming import OrderedFold
+    from fedhop.common.processors.streaming import OrderedFold
 
 __all__ = ["Fabric", "Send", "gather", "reply_chain", "upload", "CALL_ERRORS"]
 # what makes a request fail without failing the caller: every typed outcome of a call
@@ -90,12 +90,12 @@ class Fabric:
                          ) -> tuple[dict[K, Payload], dict[K, str]]:
         """Send every request at once and wait up to `timeout` for all replies.  Returns the
         replies that passed their inbound pipeline and, for every other request, why not.
-        With `fold` (common/streaming.py, keyed by the requests' keys) each reply that passed is
+        With `fold` (common/processors/streaming.py, keyed by the requests' keys) each reply that passed is
         folded in key order as it arrives and dropped: the results are then a `StreamedResults`
         of the folded replies' scalars, and a reply the fold refused or that came after the
         deadline is a failure.
         With `fold` the caller leaves the requests' tensors unchanged until the fold closes, so a
-        large message is handed over (common/codec.py `hand_over`): it is not snapshot, and each
+        large message is handed over (common/wire/codec.py `hand_over`): it is not snapshot, and each
         call cuts its own frames as it sends them, so the server never holds the broadcast's
         frames whole.  A tensor changed while a late call still sends fails that call
         (`SnapshotChanged`), never sends other bytes."""

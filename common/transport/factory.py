@@ -25,9 +25,9 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhop.common.ledger import Ledger
     from fedhop.common.transport.base import Endpoint
     from fedhop.common.transport.groups import Worlds
+    from fedhop.common.wire.ledger import Ledger
 
 
 # the concepts a transport gives a data plane for (what each plane class implements: its role's docstring)
@@ -70,7 +70,10 @@ class Transport:
     - `own_device`: a function (transport options) -> bool, true when each process must hold a
       device of its own (NCCL: one rank per GPU); None: never;
     - `one_process`: it connects endpoints inside one process only (unit tests): a launcher that
-      starts processes refuses it.
+      starts processes refuses it;
+    - `handlers`: per role ("client", "edge"), functions `(role object) -> {Method: handler}` whose
+      methods that role's process serves in a run on this transport only (the torch plane's
+      group set-up and rounds); a run on another transport refuses them as unknown methods.
     """
 
     endpoint: str   # a callable (node_id, ledger, **options) -> Endpoint
@@ -80,6 +83,7 @@ class Transport:
     sums_in_collective: bool = False
     own_device: str | None = None
     one_process: bool = False
+    handlers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 # a child process's endpoint (edge, client): it is reached over sockets before it has the run's
@@ -90,7 +94,9 @@ TRANSPORTS: dict[str, Transport] = {
     "grpc": Transport("fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.groups:FANOUT_WORLDS"),
     "torch": Transport("fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.torch_groups:TORCH_WORLDS",
                        GROUP_PLANES, params="fedhop.common.transport.torchdist:TorchParams",
-                       sums_in_collective=True, own_device="fedhop.common.transport.torchdist:rank_per_gpu"),
+                       sums_in_collective=True, own_device="fedhop.common.transport.torchdist:rank_per_gpu",
+                       handlers={"client": ("fedhop.client.group_worker:torch_handlers",),
+                                 "edge": ("fedhop.edge.group_edge:torch_handlers",)}),
     "inmemory": Transport("fedhop.common.transport.inmemory:network_endpoint",
                           "fedhop.common.transport.groups:FANOUT_WORLDS", one_process=True),
 }
@@ -149,6 +155,12 @@ def own_device_per_process(kind: str, options: dict[str, Any]) -> bool:
     return entry is not None and entry.own_device is not None and bool(_load(entry.own_device)(options))
 
 
+def handler_fns(kind: str, role: str) -> list[Callable[[Any], dict]]:
+    """The functions `(role object) -> {Method: handler}` that transport `kind` adds to `role`'s
+    methods (`Transport.handlers`), imported on first use."""
+    return [_load(ref) for ref in transport(kind).handlers.get(role, ())]
+
+
 def worlds_of(kind: str) -> "Worlds":
     """How transport `kind` sets up groups (common/transport/groups.py `Worlds`)."""
     return _load(transport(kind).worlds)
@@ -172,5 +184,5 @@ def data_plane(kind: str, concept: str, topology: str) -> Any:
 
 __all__ = ["TRANSPORTS", "PROCESS_TRANSPORT", "Transport", "UnknownTransport", "NoDataPlane", "transport",
            "endpoint_builder", "make_endpoint", "worlds_of", "params_of", "sums_in_collective",
-           "own_device_per_process", "data_plane", "transports_with", "PLANE_CONCEPTS",
+           "own_device_per_process", "handler_fns", "data_plane", "transports_with", "PLANE_CONCEPTS",
            "STAR_ROUND", "HIER_ROUND", "EDGE_STEP", "SEQ_SERVER_PATH", "SEQ_EDGE_PATH", "FANOUT_PLANES", "GROUP_PLANES"]

@@ -33,13 +33,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
-from fedhop.common.control import control_of, failures_control, failures_of
-from fedhop.common.methods import Method
 from fedhop.common.transport.base import CallFailed, HandlerError
+from fedhop.common.transport.control import control_of, failures_control, failures_of
 from fedhop.common.transport.fabric import Fabric, Send
 from fedhop.common.transport.factory import worlds_of
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload, reduce_payloads
+from fedhop.common.wire.methods import Method
 
 STEP_KEY = "torch_step"   # control scalar: the edge iteration (0..kappa2-1) a cluster round belongs to
 

@@ -5,11 +5,11 @@ A request no larger than one chunk goes as `Call` instead: its frames in one una
 hand-offs per streaming request; for the many small messages of a round (broadcasts of small
 models, replies, control) the unary request halves the per-call cost (README, Performance).
 
-The frames are already valid protobuf `Frame` messages (common/codec.py builds them), so the
+The frames are already valid protobuf `Frame` messages (common/wire/codec.py builds them), so the
 stream uses identity (de)serializers: gRPC moves our bytes without another protobuf pass.
 Message-size limits are set on both the server and every channel; every call has a deadline.
 
-Security (common/security.py): with `credentials` holding TLS files the server port and every
+Security (common/security/auth.py): with `credentials` holding TLS files the server port and every
 channel use TLS (mutual TLS when `credentials.mtls`); every call carries the node credential in
 metadata and every served call passes `AuthInterceptor` first.
 
@@ -27,10 +27,10 @@ logical clients of one process travel in one `Call`, their messages back to back
 order on the call's stream.  Every message keeps its ledger records on both ends, with its exact
 tensor and payload bytes; framing is shared so that the messages' framed bytes add up to what the
 call put on the wire: each message counts its own frames' bundle tags and lengths, the first
-message also the bundle's 5-byte gRPC prefix (common/codec.py `frame_framing`), and each reply
+message also the bundle's 5-byte gRPC prefix (common/wire/codec.py `frame_framing`), and each reply
 frame its own 5-byte prefix, as a streamed reply always does.
 
-Fair share (common/admission.py `CallSlots`, `SlotInterceptor` below): every served call takes
+Fair share (common/transport/admission.py `CallSlots`, `SlotInterceptor` below): every served call takes
 a slot before its request is read.  Exchange and Call hold at most `workers - RESERVED_WORKERS`
 threads at once, so heartbeats and registrations always find a worker thread, and at most
 `per_peer` from one caller (its authenticated node id) except this process's parent
@@ -38,7 +38,7 @@ threads at once, so heartbeats and registrations always find a worker thread, an
 is refused RESOURCE_EXHAUSTED at once.  Requests are bounded by their method and checked against
 the caller on their header frame before any data is read (`Endpoint.request_gate`).
 
-Liveness (common/liveness.py):
+Liveness (common/transport/liveness.py):
 `Heartbeat` calls go to `self.liveness`; `mark_dead(address)` cancels the calls in flight to a
 dead child and makes later ones fail at once (NODE_DEAD) until it registers again.
 """
@@ -52,8 +52,11 @@ from typing import Any, Sequence, overload
 import grpc
 import grpc.experimental
 
-from fedhop.common.admission import CallSlots
-from fedhop.common.codec import (
+from fedhop.common.security.auth import CLUSTER_NAME, META_NODE, AuthInterceptor, NodeCredentials, RefusedHook
+from fedhop.common.transport.admission import CallSlots
+from fedhop.common.transport.base import NOTHING_SENT, Batched, CallFailed, Endpoint, Handler, RemoteError
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import (
     FRAME_OVERHEAD,
     Decoded,
     Encoded,
@@ -66,11 +69,8 @@ from fedhop.common.codec import (
     make_envelope,
     split_bundle,
 )
-from fedhop.common.ledger import Ledger
-from fedhop.common.methods import message_link
-from fedhop.common.security import CLUSTER_NAME, META_NODE, AuthInterceptor, NodeCredentials, RefusedHook
-from fedhop.common.transport.base import NOTHING_SENT, Batched, CallFailed, Endpoint, Handler, RemoteError
-from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.ledger import Ledger
+from fedhop.common.wire.methods import message_link
 
 EXCHANGE = "/fedhop.Fedhop/Exchange"
 CALL = "/fedhop.Fedhop/Call"            # a request of at most one chunk, bundled (proto FrameBundle)
@@ -172,7 +172,7 @@ class GrpcEndpoint(Endpoint):
 
     def _metadata(self, audience: str = ""):
         """The call's credential; `audience`: the node or logical client called (per-node tokens
-        are signed for it, common/security.py); "" for Register and Heartbeat."""
+        are signed for it, common/security/auth.py); "" for Register and Heartbeat."""
         return self.credentials.metadata(audience) if self.credentials is not None else None
 
     # -- liveness -------------------------------------------------------------------
@@ -267,7 +267,7 @@ class GrpcEndpoint(Endpoint):
         if bundled:
             sent[0] = time.perf_counter() - started   # the unary request is handed to gRPC whole
         gate: Any   # an OrderedFold's receive slots, or None
-        gate, admitted = getattr(decoder, "gate", None), False   # streaming aggregation (common/streaming.py)
+        gate, admitted = getattr(decoder, "gate", None), False   # streaming aggregation (common/processors/streaming.py)
         try:
             for frame in call:
                 if gate is not None and not admitted:   # the reply began: wait for a receive slot first
@@ -292,14 +292,12 @@ class GrpcEndpoint(Endpoint):
             call.cancel()
             raise
         finally:
-            if admitted:
-                gate.received()
             with self._lock:
                 self._inflight.get(address, set()).discard(call)
 
     def request_bound(self) -> int:
         """The largest incoming request message: one frame of an Exchange stream, or a Call's bundle
-        of a request no larger than chunk_bytes (common/codec.py), plus 1 MiB for headers."""
+        of a request no larger than chunk_bytes (common/wire/codec.py), plus 1 MiB for headers."""
         return min(self.max_message_bytes, self.chunk_bytes + (1 << 20))
 
     def _register_rpc(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import threading
 import time
 
-from fedhop.common.codec import Decoded, Encoded, FrameDecoder
-from fedhop.common.ledger import Ledger
 from fedhop.common.transport.base import CallFailed, Endpoint, Handler
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import Decoded, Encoded, FrameDecoder
+from fedhop.common.wire.ledger import Ledger
 
 
 class InMemoryNetwork:

@@ -4,12 +4,12 @@ A role registers a handler for each method it serves; `dispatch` answers an inco
 by its method, after two checks, each refused with a typed error reply (the endpoint records
 the request as a rejected message in this process's ledger):
 
-- `UNKNOWN_METHOD`: the envelope names no method of common/methods.py, or one this role does
+- `UNKNOWN_METHOD`: the envelope names no method of common/wire/methods.py, or one this role does
   not serve;
 - `NOT_ALLOWED`: the caller is not among the method's allowed callers (`Method.callers`) for
   this process: not its parent, not a neighbour in the graph.  The caller is the envelope's
   `src`; under node tokens or mutual TLS the gRPC interceptor has already checked that `src` is
-  the authenticated caller (common/security.py), so a participant cannot borrow its parent's name.
+  the authenticated caller (common/security/auth.py), so a participant cannot borrow its parent's name.
 
 A refusal is also logged and passed to `on_refused` (the role's hook for an event).
 """
@@ -19,9 +19,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NoReturn
 
-from fedhop.common.methods import Caller, Method, role_of
 from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.wire.message import Payload
+from fedhop.common.wire.methods import Caller, Method, role_of
 
 log = logging.getLogger("fedhop.protocol")
 

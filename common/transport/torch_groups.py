@@ -26,9 +26,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from fedhop.common.control import control_of, failures_control, failures_of, torch_world, world_layout
-from fedhop.common.ledger import Ledger
-from fedhop.common.methods import Method
+from fedhop.common.transport.control import control_of, failures_control, failures_of, torch_world, world_layout
 from fedhop.common.transport.fabric import Fabric, gather
 from fedhop.common.transport.groups import (
     CLIENT_PROCESSES,
@@ -60,7 +58,9 @@ from fedhop.common.transport.torchdist import (
     specs_of,
 )
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload, Scalar, reduce_payloads
+from fedhop.common.wire.methods import Method
 
 NO_ANSWER = "timeout: no answer in time"
 

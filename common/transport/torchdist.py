@@ -37,11 +37,11 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from fedhop.common.codec import DTYPE_NAMES, DTYPES
-from fedhop.common.ledger import Ledger
-from fedhop.common.torch_device import collective_device, current
 from fedhop.common.transport.base import direction_of
+from fedhop.common.transport.torch_device import collective_device, current
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import DTYPE_NAMES, DTYPES
+from fedhop.common.wire.ledger import Ledger
 
 # bytes a rank moves per byte of buffer: a broadcast delivers the buffer once to each
 # non-root rank; a reduce to one root sends each non-root rank's buffer once.

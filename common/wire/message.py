@@ -28,7 +28,7 @@ COMPUTE_KEY = "compute_seconds"  # scalar the client host adds: local solver tim
 
 @dataclass(frozen=True)
 class ScalarRule:
-    """What one reply scalar must be before any arithmetic touches it (common/validation.py):
+    """What one reply scalar must be before any arithmetic touches it (common/processors/validation.py):
     `kind` "number" (int or float, finite), "int" or "str"; numbers within [lo, hi]."""
 
     kind: Literal["number", "int", "str"] = "number"
@@ -52,7 +52,7 @@ class Payload:
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     scalars: dict[str, Scalar] = field(default_factory=dict)
-    # the protocol's structured control data (proto/fedhop.proto `Control`, common/control.py),
+    # the protocol's structured control data (proto/fedhop.proto `Control`, common/transport/control.py),
     # set by the roles, never by an algorithm; None: the message has none
     control: "Control | None" = None
 
@@ -75,7 +75,7 @@ class ReplyAccumulator:
     """The default reduction (`reduce_payloads`) one payload at a time: `add` folds a payload into
     the running sums with exactly the operations `reduce_payloads` applies to it, so adding the
     same payloads in the same order gives the same bits (float sums are not associative: the
-    order is the caller's to fix, common/streaming.py folds in id order).  Holds one payload's
+    order is the caller's to fix, common/processors/streaming.py folds in id order).  Holds one payload's
     worth of tensors however many are added, and folds a large tensor in CHUNK-element pieces
     through a small scratch buffer (`scratch`): the weighted term `t * w` of a large reply never
     exists whole.  The pieces are the same elementwise operations on the same values, so the
@@ -89,7 +89,7 @@ class ReplyAccumulator:
         self.added = 0   # payloads folded
         # name -> an upper bound on max |running sum| (float64, rounding included; inf: unknown)
         self._bound: dict[str, float] = {}
-        # the largest weighted value the last `add_if_finite` added (common/validation.py `_magnitude`)
+        # the largest weighted value the last `add_if_finite` added (common/processors/validation.py `_magnitude`)
         self.last_magnitude = 0.0
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
 

@@ -6,7 +6,7 @@
 # (INDEX_URL, EXTRA_INDEX_URL, TRUSTED_HOST), torch from TORCH_INDEX_URL, and the CA certificate
 # of the secret `pip_ca` when one is given.
 #   deps: torch, then pyproject.toml's [project] dependencies (MNIST comes from IDX files the
-#         user mounts under data.data_dir: common/datasets.py `load_mnist`).
+#         user mounts under data.data_dir: common/data/datasets.py `load_mnist`).
 #   project: the fedhop package itself, --no-deps (they are in the layer below).
 set -eu
 what=$1; arg=$2

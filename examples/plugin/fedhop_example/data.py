@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from fedhop.common.datasets import load_digits
-from fedhop.common.plugins import DataRequest, FederatedData
+from fedhop.common.data.datasets import load_digits
+from fedhop.common.util.plugins import DataRequest, FederatedData
 
 
 @dataclass

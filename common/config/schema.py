@@ -1,0 +1,288 @@
+"""The experiment config as typed dataclasses (DESIGN.md section 7).
+
+`common.config.load_config` turns a TOML file into a `Config`, rejecting unknown keys, wrong
+types and out-of-range values with an error that names the key, the value and what is
+allowed.  Field metadata carries the validation rules and the key's description:
+
+- `choices`: the allowed values of a string field;
+- `min` / `max`: inclusive numeric bounds (`min_exclusive` for strict lower bounds);
+- `help`: one line for the config reference (docs/config.md, `fedhop config show`;
+  deploy/configref.py generates both from these dataclasses).
+
+Sections whose keys depend on a choice (an algorithm's hyper-parameters, a data set's
+parameters) keep the extra keys in `options`; the chosen algorithm or data set validates them
+against its own `Params` dataclass.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedhop.common.transport.factory import TRANSPORTS
+
+
+class ConfigError(ValueError):
+    """A config key has a bad value, or does not exist."""
+
+
+def _f(default: Any = None, *, factory: Any = None, help: str = "", **rules: Any) -> Any:
+    """A config field: its default, its description and its validation rules (module docstring)."""
+    metadata = {**rules, "help": help} if help else rules
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class RunConfig:
+    """The run as a whole: its name, seed, length, evaluation and checkpoints."""
+
+    name: str = _f("fedhop-run", help="the run's name: the default run folder is runs/NAME-TIMESTAMP, and reports "
+                                     "label the run with it")
+    seed: int = _f(0, min=0, help="the one seed every random draw derives from (data, partition, model, sampling); "
+                                  "the same seed and config give the same model bit for bit")
+    rounds: int = _f(10, min=1, help="server rounds")
+    eval_every: int = _f(1, min=0, help="evaluate the model on the test set every this many rounds; 0 = only at "
+                                        "the end")
+    checkpoint_every: int = _f(0, min=0, help="write a checkpoint every this many rounds (fedhop run --resume "
+                                              "continues from the newest); 0 = off")
+    round_timeout: float = _f(120.0, min_exclusive=0.0, help="seconds the server waits for a round's results")
+    call_timeout: float = _f(60.0, min_exclusive=0.0, help="seconds: the deadline of one RPC")
+    min_results: int | float = _f(1, min=0, help=(
+        "a round counts when at least this many sampled clients' results arrived (else run.on_short_round): an int is a "
+        "count (at most clients.per_round; 0 and 1 both mean one result); a float in (0, 1] a fraction of the "
+        "clients sampled, rounded up. Default 1: a round goes on with whatever arrived"))
+    on_short_round: str = _f("retry", choices=("retry", "skip", "fail"), help=(
+        "a round with fewer results than run.min_results (its clients' processes died or did not answer): retry "
+        "(sample it again among the live clients, at most 3 more times, then skip it), skip (leave the model as "
+        "it is and go on to the next round), or fail (the run fails); retried and skipped rounds are run.db "
+        "events. Retry and skip still fail the run once fewer clients than run.min_results are on processes not "
+        "marked dead, or 10 rounds in a row are skipped; a round short through refused replies (NaN/Inf, a client's "
+        "error) rather than lost processes fails as with fail"))
+    log_level: str = _f("info", choices=("debug", "info", "warning", "error"),
+                        help="log level of every process (their logs are in the run folder)")
+    torch_threads: int = _f(1, min=1, help="intra-op threads per process (1 keeps runs bit-reproducible)")
+    device: str = _f("cpu", help="where the server aggregates, steps and evaluates: cpu, cuda, cuda:N, or auto "
+                                 "(CUDA when this machine has it, else cpu); docs/gpus.md")
+
+
+@dataclass
+class TopologyConfig:
+    """Who talks to whom: a star, edge servers between the server and the clients, or a walk."""
+
+    kind: str = _f("star", help="star (clients under the server), hierarchical (edge servers in between), "
+                                "sequential (one model passed between edges), chain (one model walks the clients), "
+                                "relay (a walk through the server), gossip (clients average with their graph "
+                                "neighbours, D-PSGD), or a plug-in (common/util/plugins.py)")
+    edges: int = _f(0, min=0, help="number of edge servers (hierarchical and sequential need at least 1, at most "
+                                   "clients.count)")
+    assignment: str | list = _f("blocks", help="which clients each edge serves: \"blocks\" (consecutive ids), "
+                                              "\"shuffled\" (a seeded shuffle), or explicit [[client ids], ...] "
+                                              "per edge, each client exactly once")
+    options: dict = _f(factory=dict)           # topology-specific keys (kappa2, graph, steps_per_round, ...)
+
+
+@dataclass
+class AlgorithmConfig:
+    """The federated algorithm and the local training every algorithm shares."""
+
+    name: str = _f("fedavg", help="the algorithm (its own keys are listed under its name below), or a plug-in "
+                                  "\"package.module:Class\"")
+    lr: float = _f(0.05, min=0.0, help="client (local) learning rate")
+    server_lr: float = _f(1.0, min=0.0, help="server learning rate: the step applied to the aggregated update "
+                                             "(1 = plain averaging)")
+    local_steps: int | list = _f(0, help="local SGD steps per round: an int, or one entry per client; 0 = use "
+                                         "local_epochs")
+    local_epochs: int = _f(1, min=0, help="local epochs per round over the client's data (when local_steps = 0)")
+    batch_size: int = _f(32, min=0, help="local minibatch size; 0 = full batch")
+    lr_schedule: str = _f("constant", choices=("constant", "inv_sqrt"),
+                          help="client step size over time: constant, or inv_sqrt (lr / sqrt(step + 1), where "
+                               "the algorithm supports it)")
+    regularizer: str = _f("none", choices=("none", "l1", "nuclear"),
+                          help="composite term R(w) of the composite algorithms (fedmid, fedda, *_fedda): none, "
+                               "l1 norm, or nuclear norm")
+    reg: float = _f(0.0, min=0.0, help="lambda, the weight of the regularizer R(w)")
+    weighting: str = _f("samples", choices=("samples", "uniform"),
+                        help="aggregation weights: a client's number of samples, or uniform (1 per client)")
+    weight_decay: float = _f(0.0, min=0.0, help="L2 weight decay in the clients' local SGD")
+    compress: str = _f("none", choices=("none", "qsgd"), help="upload compressor (common/processors/compress.py)")
+    qsgd_levels: int = _f(15, min=1, max=1 << 20, help="QSGD s (levels per sign)")
+    qsgd_bucket: int = _f(0, min=0, help="QSGD bucket size B (a norm per B elements); 0 = whole tensor")
+    options: dict = _f(factory=dict)           # algorithm-specific hyper-parameters
+
+
+@dataclass
+class DataConfig:
+    """The data set, how it is split between clients, and where its files are."""
+
+    dataset: str = _f("digits", help="the data set (its own keys are listed under its name below), or a plug-in: "
+                                     "an import path \"package.module:function\" or a fedhop.datasets entry point")
+    partition: str = _f("dirichlet", choices=("iid", "dirichlet", "shards", "natural", "lognormal", "pareto"),
+                        help="how samples are split between clients: iid, dirichlet (label skew, alpha), shards "
+                             "(shards_per_client classes each), natural (one client per writer/speaker/user: "
+                             "femnist, sent140, shakespeare), or lognormal / pareto (quantity skew: skew_sigma / skew_shape)")
+    alpha: float = _f(0.5, min_exclusive=0.0, help="Dirichlet concentration of partition = \"dirichlet\" (smaller "
+                                                   "= more skewed)")
+    min_size: int = _f(2, min=0, help="Dirichlet: resample until every client has this many samples")
+    shards_per_client: int = _f(2, min=1, help="shards: classes per client")
+    skew_sigma: float = _f(1.0, min_exclusive=0.0, help="partition = \"lognormal\": sigma of the clients' "
+                                                        "LogNormal(0, sigma) size weights")
+    skew_shape: float = _f(1.5, min_exclusive=0.0, help="partition = \"pareto\": tail index of the clients' "
+                                                         "1 + Lomax(shape) size weights (smaller = heavier)")
+    test_fraction: float = _f(0.25, min_exclusive=0.0, max=0.9, help="share of the data held out as the test set")
+    data_dir: str = _f("data", help="where pre-staged files (MNIST / Fashion-MNIST IDX, CIFAR binary batches, LEAF JSON, npz) are looked up: docs/datasets.md")
+    standardize: bool = _f(True, help="scale features to zero mean and unit variance (statistics of the training "
+                                      "split)")
+    options: dict = _f(factory=dict)           # data-set-specific keys (centers, curvatures, sizes, ...)
+
+
+@dataclass
+class ModelConfig:
+    """The model every party trains (data sets with a fixed model, such as quadratic, ignore it)."""
+
+    kind: str = _f("mlp", choices=("linear", "logreg", "mlp", "cnn", "mcmahan_cnn", "leaf_cnn", "cifar_cnn",
+                                   "resnet18_gn", "char_lstm"),
+                   help="the built-in model: linear (regression), logreg (softmax regression), mlp, cnn (small "
+                        "LeNet), mcmahan_cnn / leaf_cnn (the 2-conv CNN of McMahan et al. with a 512 / 2048 FC "
+                        "layer), cifar_cnn, resnet18_gn (ResNet-18 with GroupNorm), char_lstm (Shakespeare); "
+                        "docs/datasets.md")
+    init: str = _f("default", choices=("default", "zeros"),
+                   help="initial weights: torch's default (seeded), or all zeros")
+    hidden: list = _f(factory=lambda: [64], help="MLP hidden layer widths")
+    factory: str = _f("", help="a user's model: \"pkg.module:make_net\" or a fedhop.models entry point")
+    factory_args: dict = _f(factory=dict, help="keyword arguments of the factory")
+    freeze: list[str] = _f(factory=list, help="glob patterns on parameter names (\"conv1.*\", \"layers.0.*\") whose "
+                                              "parameters are frozen: the local solvers leave them as built "
+                                              "(seeded init, factory); a pattern that matches nothing is an error")
+    exchange: str = _f("all", help="which parameters travel and are aggregated: all (every one, frozen ones too), "
+                                   "trainable (those not frozen), or \"pkg.module:select\" (a plug-in "
+                                   "select(name, parameter) -> bool; the rest is frozen); checkpoints and "
+                                   "model.safetensors hold the whole model; docs/architecture.md")
+
+
+@dataclass
+class ClientsConfig:
+    """How many clients, how many take part each round, and the processes that host them."""
+
+    count: int = _f(10, min=1, help="number of clients")
+    per_round: int | float = _f(1.0, min=0, help="clients sampled per round: an int is a number; a float in "
+                                                 "(0, 1] a fraction (default: all)")
+    processes: int = _f(2, min=1, help="client OS processes; the clients are spread over them")
+    device: str = _f("cpu", help="where the client processes train: cpu, cuda (spread over clients.gpus, or over "
+                                 "every visible GPU), cuda:N, or auto (CUDA when present, else cpu); docs/gpus.md")
+    gpus: list = _f(factory=list, help="GPU indices (as CUDA_VISIBLE_DEVICES numbers them) the client processes are "
+                                       "spread over round-robin; empty = every visible GPU")
+    processes_per_gpu: int = _f(0, min=0, help="at most this many client processes per GPU (a run that needs more "
+                                               "is refused before it starts); 0 = no limit")
+    straggler_fraction: float = _f(0.0, min=0.0, max=1.0,
+                                   help="rho: the fraction of each round's sampled clients that do only part of "
+                                        "their local work (docs/heterogeneity.md)")
+    options: dict = _f(factory=dict)
+
+
+@dataclass
+class EdgesConfig:
+    """The edge server processes (topology.edges of them, in the hierarchical and sequential topologies)."""
+
+    device: str = _f("cpu", help="where the edges aggregate and step: cpu, cuda, cuda:N, or auto (CUDA when "
+                                 "present, else cpu); docs/gpus.md")
+
+
+@dataclass
+class TransportConfig:
+    """How messages move between processes."""
+
+    kind: str = _f("grpc", choices=TRANSPORTS.keys(),   # the transport registry (common/transport/factory.py)
+                   help="grpc (processes over sockets), torch (torch.distributed collectives, "
+                        "docs/torch_transport.md) or inmemory (one process, for tests)")
+    chunk_bytes: int = _f(4 * 1024 * 1024, min=1024, help="largest frame of a message: bigger messages are "
+                                                           "streamed in chunks of this many bytes")
+    max_message_bytes: int = _f(64 * 1024 * 1024, min=1024, help="gRPC max send/receive, both sides")
+    host: str = _f("127.0.0.1", help="the address the server and edges listen on (off loopback needs TLS or "
+                                     "security.insecure = true)")
+    batch: bool = _f(False, help="requests to the logical clients of one process share gRPC calls (each still its "
+                                 "own message with its own ledger records; common/transport/grpc.py): cross-device "
+                                 "scale")
+    options: dict = _f(factory=dict)
+
+
+@dataclass
+class SecurityConfig:
+    """Channels, node credentials, liveness and input policy (docs/faults.md, common/security/auth.py)."""
+
+    insecure: bool = _f(False, help="plaintext gRPC off loopback needs this set explicitly")
+    certs_dir: str = _f("", help="TLS: a directory made by `fedhop certs` (ca.pem, NODE.pem, NODE.key)")
+    mtls: bool = _f(False, help="mutual TLS: the node identity is its certificate's common name")
+    checksum: bool = _f(True, help="XXH3-64 of every message's tensor bytes, verified by the receiver")
+    heartbeat_interval: float = _f(1.0, min_exclusive=0.0, help="seconds between a child's heartbeats")
+    heartbeat_timeout: float = _f(5.0, min_exclusive=0.0, help="silence after which a parent marks a child dead "
+                                                              "(seconds; more than heartbeat_interval)")
+    parent_timeout: float = _f(60.0, min_exclusive=0.0, help="a child gives up (exits) after this long unheard "
+                                                            "(seconds)")
+    backoff_base: float = _f(0.2, min_exclusive=0.0, help="re-registration: full-jitter exponential backoff, "
+                                                         "first delay (seconds)")
+    backoff_cap: float = _f(5.0, min_exclusive=0.0, help="re-registration: the longest backoff delay (seconds; at "
+                                                        "least backoff_base)")
+    nan_policy: str = _f("reject", choices=("reject", "fail"),
+                         help="NaN/Inf in a result: drop it, or fail the run")
+    keep_checkpoints: int = _f(2, min=1, help="newest checkpoints kept in RUN_DIR/checkpoints")
+    aggregation: str = _f("mean", choices=("mean", "median", "trimmed_mean", "krum"),
+                          help="the server's (and edges') reduction of updates: the weighted mean, or a "
+                               "Byzantine-robust rule (common/engine/robust.py)")
+    trim: float = _f(0.1, min=0.0, max=0.49, help="trimmed_mean: fraction dropped at each end per coordinate")
+    krum_f: int = _f(1, min=0, help="krum: the number of Byzantine updates tolerated")
+
+
+@dataclass
+class ProcessorConfig:
+    """A user's processor in the payload chains (common/processors/pipeline.py): one `[[processors]]` table each,
+    in the order they run.  Its other keys are the processor's keyword options."""
+
+    name: str = _f("", help="the processor (required): \"package.module:Class\" (a module beside the config works) "
+                            "or a fedhop.processors entry point; called with the table's other keys as keyword "
+                            "options, it gives an object with process(message, ctx)")
+    methods: list[str] = _f(factory=list, help="the protocol methods whose messages it sees (common/wire/methods.py: "
+                                               "train, edge_round, torch_reduce, gossip_share, walk_handoff, ...); "
+                                               "empty = every method")
+    direction: str = _f("in", choices=("in", "out"), help="in: messages received (after the built-in decoding and "
+                                                          "validation); out: uploads about to be sent (before "
+                                                          "compression)")
+    roles: list[str] = _f(factory=lambda: ["server", "edge", "client"],
+                          help="the processes that run it: server, edge, client; each must be able to load it (a "
+                               "client or edge only loads plug-ins it was started with)")
+    options: dict = _f(factory=dict)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    clients: ClientsConfig = field(default_factory=ClientsConfig)
+    edges: EdgesConfig = field(default_factory=EdgesConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    processors: list[ProcessorConfig] = field(default_factory=list)   # [[processors]], in order
+
+
+# ----------------------------------------------------------------------------- values derived from a config
+def resolve_clients_per_round(cfg: Config) -> int:
+    per = cfg.clients.per_round
+    if isinstance(per, float):
+        return max(1, math.ceil(per * cfg.clients.count))
+    return int(per)
+
+
+def resolve_min_results(cfg: Config, sampled: int) -> int:
+    mr = cfg.run.min_results
+    if isinstance(mr, float):
+        return max(1, math.ceil(mr * sampled))
+    return min(int(mr), sampled)
+
+
+def client_local_steps(cfg: Config, client_id: int) -> int:
+    steps = cfg.algorithm.local_steps
+    return int(steps[client_id]) if isinstance(steps, list) else int(steps)

@@ -1,0 +1,225 @@
+"""Byzantine-robust aggregation rules (`security.aggregation`), for runs whose participants
+cannot all be trusted.
+
+The default reduction (`reduce_payloads`, "mean") is the weighted mean of the clients'
+updates: one client that sends a large update moves the model as far as it likes.  The rules
+here replace the weighted sum of each `wsum` tensor by a statistic that a minority of
+arbitrary values cannot drag far:
+
+- "median": the coordinate-wise median of the n updates (Yin, Chen, Ramchandran, Bartlett,
+  "Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates", ICML 2018,
+  Definition 1 "coordinate-wise median").  numpy's convention: the mean of the two middle
+  values when n is even.
+- "trimmed_mean": per coordinate, drop the k largest and k smallest values and average the rest
+  (same paper, Definition 2 "coordinate-wise trimmed mean", beta = trim), with
+  k = max(1, floor(trim * n)) (`trim_count`): the paper's floor(beta * n), but at least one per
+  side, so a small group (an edge's 5 clients at trim 0.1) is trimmed as asked and not averaged.
+- "krum": the one update whose summed squared distance to its n - f - 2 nearest neighbours is
+  smallest (Blanchard, El Mhamdi, Guerraoui, Stainer, "Machine Learning with Adversaries:
+  Byzantine Tolerant Gradient Descent", NeurIPS 2017, section 4, score s(i) = sum over the
+  n - f - 2 closest j of ||V_i - V_j||^2); needs n > 2f + 2 (the paper's condition), i.e. n >= 2f + 3.
+
+Each rule is unweighted over the updates it sees (a client's sample count is what an attacker
+would inflate).  The result is returned in the shape the algorithms expect from `aggregate`:
+each robust tensor multiplied by the total weight W, so `weighted_mean(aggregate, name)` (the
+server step's sum_i w_i x_i / W) reads the robust value.  A partial aggregate from an edge
+(carrying `num_results`) enters as its own mean (tensor / weight), so hierarchical runs apply the
+rule at the edges over their clients and again at the server over the edges' robust means.
+
+Group sizes.  Each rule needs a group of at least `rule_minimum` updates to outvote one bad
+update: 3 for the median and the trimmed mean, 2f + 3 for Krum.  Where the config fixes the
+largest group a round can have (the clients sampled per round in a star; at each edge of a
+hierarchical run, its clients, at most the clients sampled per round) a group below that is a
+config error (`config_group_problem`).  A round that gets fewer updates than that (dropped or
+refused replies) uses the fallback: the coordinate-wise median (of 1 or 2 updates: their mean,
+since nothing can outvote one of two), and records it: `RobustAggregate.fallbacks` holds
+(node, detail) pairs the server turns into `robust_fallback` events in run.db.  The server sees
+an edge's short group too, from the `num_results` its partial carries.  The server's own group
+over the edges' partials is not checked: with fewer edges than the rule needs, their robust
+means are combined by the median (2 edges: their mean), and the robustness against a poisoned
+client lies at the edges, which is why every edge's group must be large enough.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from fedhop.common.topologies import spec_for
+from fedhop.common.util.nodeids import edge_node
+from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload, ReduceOp, reduce_payloads
+
+log = logging.getLogger("fedhop.robust")
+
+RULES = ("mean", "median", "trimmed_mean", "krum")
+
+
+def coordinate_median(stack: torch.Tensor) -> torch.Tensor:
+    """Median over dim 0 of an (n, ...) stack; the mean of the two middle values for even n."""
+    n = stack.shape[0]
+    ordered = torch.sort(stack, dim=0).values
+    if n % 2:
+        return ordered[n // 2].clone()
+    return (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def trim_count(n: int, trim: float) -> int:
+    """Values dropped at each end of a group of n: max(1, floor(trim * n)) for trim > 0, else 0."""
+    return max(1, int(math.floor(trim * n))) if trim > 0 else 0
+
+
+def rule_minimum(rule: str, krum_f: int = 1) -> int:
+    """The fewest updates for which `rule` can outvote one bad update (Krum: n > 2f + 2)."""
+    if rule == "krum":
+        return 2 * krum_f + 3
+    return 3 if rule in ("median", "trimmed_mean") else 1
+
+
+def trimmed_mean(stack: torch.Tensor, trim: float) -> torch.Tensor:
+    """Mean over dim 0 after dropping the k = trim_count(n, trim) largest and smallest values per
+    coordinate; the median where nothing would be left (n <= 2k)."""
+    n = stack.shape[0]
+    k = trim_count(n, trim)
+    if n - 2 * k < 1:
+        return coordinate_median(stack)
+    ordered = torch.sort(stack, dim=0).values
+    return ordered[k:n - k].mean(dim=0)
+
+
+def krum_index(vectors: torch.Tensor, f: int) -> int:
+    """Index of the row of an (n, d) matrix with the smallest Krum score (ties: the lowest index)."""
+    n = vectors.shape[0]
+    closest = n - f - 2
+    d2 = torch.cdist(vectors.double(), vectors.double()).pow(2)
+    scores = []
+    for i in range(n):
+        others = torch.cat([d2[i, :i], d2[i, i + 1:]])
+        scores.append(float(torch.sort(others).values[:closest].sum()))
+    return min(range(n), key=lambda i: (scores[i], i))
+
+
+def _own_value(p: Payload, name: str) -> torch.Tensor:
+    """A payload's update for a `wsum` tensor: a client's as sent, a partial's as its weighted mean."""
+    t = p.tensors[name]
+    if COUNT_KEY in p.scalars:
+        w = float(p.scalars[WEIGHT_KEY])
+        return t / w if w > 0 else torch.zeros_like(t)
+    return t
+
+
+def robust_reduce(payloads: list[Payload], ops: Mapping[str, ReduceOp], rule: str, *,
+                  trim: float = 0.1, krum_f: int = 1) -> Payload:
+    """`reduce_payloads` with the `wsum` tensors combined by `rule` (module docstring); Krum with
+    fewer than 2f + 3 updates: the coordinate-wise median."""
+    out = reduce_payloads(payloads, ops)
+    if rule == "mean":
+        return out
+    names = [n for n in payloads[0].tensors if ops.get(n, "wsum") == "wsum"
+             and all(n in p.tensors for p in payloads)]
+    if not names:
+        return out
+    total = float(out.scalars[WEIGHT_KEY])
+    n = len(payloads)
+    if rule == "krum" and n < rule_minimum("krum", krum_f):
+        rule = "median"
+    if rule == "krum":
+        flat = torch.stack([torch.cat([_own_value(p, nm).reshape(-1).double() for nm in names]) for p in payloads])
+        chosen = payloads[krum_index(flat, krum_f)]
+        for nm in names:
+            out.tensors[nm] = (_own_value(chosen, nm) * total).to(out.tensors[nm].dtype)
+        return out
+    for nm in names:
+        stack = torch.stack([_own_value(p, nm).double() for p in payloads])
+        value = coordinate_median(stack) if rule == "median" else trimmed_mean(stack, trim)
+        out.tensors[nm] = (value * total).to(out.tensors[nm].dtype)
+    return out
+
+
+def short_groups(replies: list[tuple[int, Payload]], rule: str, krum_f: int) -> list[tuple[str, str]]:
+    """(node, detail) for each group below `rule_minimum`: the replies themselves where they are
+    clients' (a star round, an edge's clients), else each edge partial whose `num_results` is."""
+    need = rule_minimum(rule, krum_f)
+    if not replies:
+        return []
+    if all(COUNT_KEY not in p.scalars for _, p in replies):
+        if len(replies) >= need:
+            return []
+        return [("", f"{rule} needs {need} updates to outvote one bad update, the round's group had "
+                     f"{len(replies)}: coordinate-wise median (of 1 or 2: their mean)")]
+    out = []
+    for key, p in replies:
+        got = p.scalars.get(COUNT_KEY)
+        if isinstance(got, (int, float)) and not isinstance(got, bool) and got < need:
+            out.append((edge_node(key), f"{rule} needs {need} updates to outvote one bad update, the edge's "
+                                       f"group had {int(got)}: coordinate-wise median (of 1 or 2: their mean)"))
+    return out
+
+
+class RobustAggregate:
+    """An algorithm's `aggregate` with a robust rule (installed by `build_algorithm`).  A rule is
+    a statistic over every reply at once, so an algorithm carrying one does not stream
+    (`Algorithm.streams` is False: the server and the edges collect every reply, as before).
+    `fallbacks`: the short groups (`short_groups`) seen since the owner last emptied it (kept to
+    the latest 1000)."""
+
+    def __init__(self, ops: Mapping[str, ReduceOp], rule: str, trim: float, krum_f: int) -> None:
+        self.ops, self.rule, self.trim, self.krum_f = ops, rule, trim, krum_f
+        self.fallbacks: list[tuple[str, str]] = []
+
+    def __call__(self, replies: Iterable[tuple[int, Payload]]) -> Payload:
+        replies = list(replies)
+        for node, detail in short_groups(replies, self.rule, self.krum_f):
+            log.warning("robust aggregation%s: %s", f" ({node})" if node else "", detail)
+            self.fallbacks.append((node, detail))
+        del self.fallbacks[:-1000]
+        return robust_reduce([p for _, p in replies], self.ops, self.rule, trim=self.trim, krum_f=self.krum_f)
+
+    def drain(self) -> list[tuple[str, str]]:
+        """The short groups seen since the last drain, and forget them."""
+        out, self.fallbacks = list(dict.fromkeys(self.fallbacks)), []
+        return out
+
+
+def config_group_problem(cfg: Any) -> str | None:
+    """Why the config's groups cannot carry its robust rule (a one-line config error), or None.
+    The largest group a round can have: star, the clients sampled per round; hierarchical, at each
+    edge, its clients (at most the clients sampled per round).  A malformed topology is left to the
+    config's own checks (None)."""
+    sec = cfg.security
+    rule = sec.aggregation
+    if rule == "mean":
+        return None
+    if rule == "trimmed_mean" and sec.trim <= 0:
+        return ("config key 'security.trim': got 0, a trimmed mean that trims nothing is the mean; use "
+                "security.aggregation = 'mean' or trim > 0")
+    from fedhop.common.config.schema import resolve_clients_per_round
+    need = rule_minimum(rule, sec.krum_f)
+    sampled = resolve_clients_per_round(cfg)
+    why = (f"krum with security.krum_f = {sec.krum_f} needs n > 2f + 2 = {need - 1} updates per group"
+           if rule == "krum" else f"{rule} needs at least {need} updates per group to outvote one bad update")
+    try:
+        groups = spec_for(cfg.topology.kind).robust   # how the topology groups updates
+    except (KeyError, ValueError):
+        return None
+    if groups == "round":
+        if sampled < need:
+            return (f"config key 'security.aggregation': {why}, but a round samples {sampled} clients "
+                    f"(clients.per_round = {cfg.clients.per_round})")
+        return None
+    if groups != "edge":
+        return None
+    from fedhop.common.topologies.graphs import cluster_assignment
+    try:
+        if not 1 <= cfg.topology.edges <= cfg.clients.count:
+            return None
+        clusters = cluster_assignment(cfg)
+    except (ValueError, TypeError):
+        return None
+    for e, cluster in enumerate(clusters):
+        if min(len(cluster), sampled) < need:
+            return (f"config key 'security.aggregation': {why}, but edge {e} can aggregate at most "
+                    f"{min(len(cluster), sampled)} client updates a round ({len(cluster)} clients, "
+                    f"{sampled} sampled per round); use fewer edges or more clients per edge")
+    return None

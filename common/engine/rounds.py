@@ -1,0 +1,225 @@
+"""The round rules without a transport: one engine for the server, the client hosts and every tool.
+
+A star round (DESIGN.md section 4, common/algorithms/base.py) as a sequence of pure steps over
+(cfg, task, algorithm, state); whoever moves the messages (the coordinator over a transport, or
+`RoundEngine.train_round` in this process) calls the same steps in the same order:
+
+    sampled  = engine.sample(round)                      # stream ("sampling", round), seeded
+    shared, own = engine.messages(round, sampled)        # broadcast + straggler plan + each client's variant
+    reply    = local_update(cfg, task, algo, model, cid, round, own[cid], states[cid])   # on the client
+    reply    = compress_upload(...)                      # the client's upload (QSGD if configured)
+    result   = engine.accept(round, who, reply)          # the server decodes and validates it
+    aggregate = engine.finish_round(round, results, participants)   # aggregate, server step, note participants
+    metrics  = engine.metrics(round, aggregate)          # train loss, evaluation when due
+
+Each client's minibatch stream is ("client", id, "round", round[, "step", step]), so a result does
+not depend on which process hosts the client; replies are reduced in client-id order.  So for the
+same config `RoundEngine.run` gives the same model, bit for bit, as a gRPC or in-memory run of the
+star topology (tests/test_rounds.py), in a tight loop without processes, encoding or ledger.
+
+Not modelled here (they need measured bytes or a transport): the deadline and over-commitment
+cuts of common/engine/vclock.py, failures, and the edge, sequential and chain topologies' own rounds.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping, cast
+
+import torch
+
+from fedhop.common.algorithms import build_algorithm
+from fedhop.common.algorithms.base import Algorithm, ClientContext, ServerState
+from fedhop.common.algorithms.local import get_params, set_params
+from fedhop.common.config.schema import Config, client_local_steps, resolve_clients_per_round
+from fedhop.common.engine.devices import apply_straggler_plan, devices_params
+from fedhop.common.engine.vclock import RoundClock
+from fedhop.common.processors.pipeline import reply_chain, upload
+from fedhop.common.processors.streaming import OrderedFold
+from fedhop.common.processors.validation import finite_step, finite_streamed
+from fedhop.common.tasks import build_task
+from fedhop.common.tasks.base import Task
+from fedhop.common.tasks.placed import host_task
+from fedhop.common.topologies import spec_for
+from fedhop.common.topologies.graphs import sampling_pool
+from fedhop.common.util.nodeids import client_node
+from fedhop.common.util.rng import numpy_stream, torch_stream
+from fedhop.common.wire.message import COMPUTE_KEY, Payload
+
+RoundHook = Callable[[int, "RoundEngine", list[int], Payload], None]
+
+
+def client_generator(seed: int, cid: int, round: int, step: int = 0) -> torch.Generator:
+    """Client `cid`'s minibatch stream in `round`; step > 0: a later call of the same round (an
+    edge iteration, a Fed-CHS step, a chain hop)."""
+    if step == 0:
+        return torch_stream(seed, "client", cid, "round", round)
+    return torch_stream(seed, "client", cid, "round", round, "step", step)
+
+
+def local_update(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.Module, cid: int, round: int,
+                 message: Payload, state: dict[str, torch.Tensor], step: int = 0) -> Payload:
+    """One logical client's local solver on `message` (what client/host.py runs for a `train` call):
+    its context, the server's straggler plan applied, `client_update`, and the solver's seconds
+    in the reply (COMPUTE_KEY).  `state` is the client's persistent state, updated in place."""
+    ctx = ClientContext(client_id=cid, task=task, model=model, num_samples=task.num_samples(cid),
+                        generator=client_generator(cfg.run.seed, cid, round, step), round=round,
+                        local_steps=client_local_steps(cfg, cid), local_epochs=cfg.algorithm.local_epochs,
+                        state=state)
+    apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/engine/devices.py)
+    started = time.perf_counter()
+    reply = algorithm.client_update(ctx, message)
+    reply.scalars[COMPUTE_KEY] = time.perf_counter() - started
+    return reply
+
+
+Restrict = Callable[[list[int], int], list[int]]                      # (pool, size) -> the pool to sample from
+LeftOut = Callable[[dict[int, str], list[int]], list[int]]             # (blamed, participants) -> participants
+
+
+class RoundEngine:
+    """The server side of a round over (cfg, task, algorithm, state), and an in-process loop that
+    plays every client too (`train_round`, `run`)."""
+
+    def __init__(self, cfg: Config, task: Task | None = None, algorithm: Algorithm | None = None,
+                 state: ServerState | None = None) -> None:
+        self.cfg = cfg
+        self.task = task if task is not None else build_task(cfg)
+        self.algorithm = algorithm if algorithm is not None else build_algorithm(cfg)
+        self.model = self.task.build_model()   # the server's copy: initial parameters, evaluation
+        self.state = state if state is not None else self.algorithm.init_state(get_params(self.model))
+        # stragglers, device profiles, over-commitment (common/engine/vclock.py): counts read from the CPU task
+        self.clock = RoundClock(cfg, host_task(self.task))
+        self._client_model: torch.nn.Module | None = None
+        self.client_states: dict[int, dict[str, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ server steps
+    def sample(self, round: int, restrict: Restrict | None = None, attempt: int = 0) -> list[int]:
+        """Seeded sampling without replacement: stream ("sampling", round), over every client or,
+        with topology.edges_per_round > 0, over the clients of the round's edges; ceil(c * S)
+        clients under over-commitment (at most the pool).  `restrict(pool, size)` may narrow the
+        pool first (the server leaves out dead nodes' clients, common/transport/liveness.py `live_pool`).
+        `attempt` > 0: the round's retry after a short attempt (run.on_short_round = "retry"),
+        drawn from its own stream ("sampling", round, "attempt", attempt)."""
+        pool = sampling_pool(self.cfg, round)
+        size = min(len(pool), self.clock.sample_size(resolve_clients_per_round(self.cfg)))
+        if restrict is not None:
+            pool = restrict(pool, size)
+            size = min(size, len(pool))
+        rng = (numpy_stream(self.cfg.run.seed, "sampling", round) if attempt == 0 else
+               numpy_stream(self.cfg.run.seed, "sampling", round, "attempt", attempt))
+        return sorted(pool[int(i)] for i in rng.choice(len(pool), size=size, replace=False))
+
+    def messages(self, round: int, sampled: list[int]) -> tuple[Payload, dict[int, Payload]]:
+        """The round's shared message (the broadcast with the straggler plan) and what each sampled
+        client receives (the shared object, or the client's own variant: Algorithm.client_message)."""
+        shared = self.clock.begin_round(round, sampled, self.algorithm.broadcast(self.state, round))
+        return shared, {cid: self.algorithm.client_message(self.state, shared, round, cid) for cid in sampled}
+
+    def accept(self, round: int, who: str, reply: Payload) -> Payload:
+        """A reply as the server uses it: decoded (QSGD) and validated against the reply spec;
+        raises PayloadError naming `who` when it is unusable."""
+        return reply_chain(self.cfg, self.algorithm.reply_spec(self.state), "train", round=round)(reply, f"round {round} {who}")
+
+    def finish_round(self, round: int, results: Mapping[int, Payload], participants: list[int],
+                     left_out: LeftOut | None = None, fold: OrderedFold | None = None) -> Payload | None:
+        """Aggregate the results in id order, apply the server step and tell the algorithm whose
+        results entered; returns the aggregate.  Where the aggregate or the new model would hold
+        NaN/Inf the step is rolled back and retried without the offending result
+        (common/processors/validation.py `finite_step`); `left_out(blamed, participants)` records them and
+        returns the participants left (default: refuse the round).
+        With `fold` the results were folded as they arrived (common/processors/streaming.py; `results` holds
+        their scalars only): its aggregate is used, and where it or the new model is not finite
+        the worst result is named and None is returned: the round does not count
+        (`finite_streamed`)."""
+        if fold is not None:
+            magnitudes = cast("Mapping[int, float]", fold.magnitudes)   # the server folds by client id
+            aggregate, blamed = finite_streamed(self.algorithm, self.state, fold.result(), magnitudes, round)
+        else:
+            aggregate, blamed = finite_step(self.algorithm, self.state, results, round)
+        if blamed:
+            if left_out is None:
+                raise ValueError(f"round {round}: {next(iter(blamed.values()))}")
+            participants = left_out(blamed, participants)
+        if aggregate is None:
+            return None
+        self.algorithm.note_participants(self.state, round, participants)
+        return aggregate
+
+    def metrics(self, round: int, aggregate: Payload) -> dict[str, float]:
+        """The round's metrics: the clients' weighted train loss, and an evaluation every
+        `run.eval_every` rounds and after the last."""
+        metrics: dict[str, float] = {}
+        weight = float(aggregate.scalars.get("weight", 0.0)) or 1.0
+        if "train_loss" in aggregate.scalars:
+            metrics["client_train_loss"] = float(aggregate.scalars["train_loss"]) / weight
+        if self.evaluation_due(round):
+            metrics.update(self.evaluate())
+        return metrics
+
+    def evaluation_due(self, round: int) -> bool:
+        """Every `run.eval_every` rounds (0: never) and after the last."""
+        every = self.cfg.run.eval_every
+        return round == self.cfg.run.rounds or bool(every and round % every == 0)
+
+    def evaluate(self) -> dict[str, float]:
+        """The model's metrics, and each of the algorithm's other outputs' (Algorithm.outputs, e.g.
+        C-FedDA's averaged iterate) as `NAME_METRIC`."""
+        out = self._evaluate(self.state.params)
+        for name, params in self.algorithm.outputs(self.state).items():
+            out.update({f"{name}_{k}": v for k, v in self._evaluate(params).items()})
+        set_params(self.model, self.state.params)
+        return out
+
+    def _evaluate(self, params: dict[str, torch.Tensor]) -> dict[str, float]:
+        set_params(self.model, params)
+        with torch.no_grad():
+            return {k: float(v) for k, v in self.task.evaluate(self.model).items()}
+
+    # ------------------------------------------------------------------ in-process rounds
+    def streams(self, per_client: bool = True) -> bool:
+        """Whether a round's replies may be folded as they arrive (common/processors/streaming.py) instead
+        of collected: the algorithm's aggregation is the default weighted-sum fold
+        (`Algorithm.streams`), and, for single clients' replies, no deadline or over-commitment
+        cut (common/engine/vclock.py) may drop a result after it arrived."""
+        if not self.algorithm.streams():
+            return False
+        params = devices_params(self.cfg)
+        return not per_client or (params.deadline_seconds <= 0 and params.overcommit <= 1)
+
+    def check_local(self) -> None:
+        """Refuse what this loop cannot reproduce: cuts that need each message's measured bytes."""
+        params = devices_params(self.cfg)
+        if params.deadline_seconds > 0 or params.overcommit > 1:
+            raise ValueError("RoundEngine.train_round: clients.deadline_seconds and clients.overcommit cut results "
+                             "by measured message bytes; run such a config over a transport (deploy/inmemory.py)")
+        if not spec_for(self.cfg.topology.kind).engine_rounds:
+            raise ValueError(f"RoundEngine.train_round plays star rounds; topology.kind = '{self.cfg.topology.kind}' "
+                             f"has its own round protocol (run it over a transport)")
+
+    def train_round(self, round: int) -> tuple[list[int], Payload]:
+        """One whole star round in this process, every sampled client trained here in id order with
+        its upload encoded and decoded as over a transport; returns (sampled, aggregate)."""
+        if self._client_model is None:
+            self.check_local()
+            self._client_model = self.task.build_model()   # the client host's own model
+        sampled = self.sample(round)
+        _, own = self.messages(round, sampled)
+        results = {}
+        for cid in sampled:
+            state = self.client_states.setdefault(cid, {})
+            reply = local_update(self.cfg, self.task, self.algorithm, self._client_model, cid, round, own[cid], state)
+            reply = upload(self.cfg, reply, client_node(cid), round, 0)
+            results[cid] = self.accept(round, f"reply of client {cid}", reply)
+        return sampled, self.finish_round(round, results, sampled)   # type: ignore[return-value]  # no fold, no left_out: None only with no client sampled
+
+    def run(self, rounds: int | None = None, on_round: RoundHook | None = None) -> list[dict[str, Any]]:
+        """Rounds 1..`rounds` (default run.rounds) in this process; returns the metrics of every
+        round ({"round": r, ...}).  `on_round(round, engine, sampled, aggregate)` runs after each
+        server step."""
+        history = []
+        for r in range(1, (rounds or self.cfg.run.rounds) + 1):
+            sampled, aggregate = self.train_round(r)
+            if on_round is not None:
+                on_round(r, self, sampled, aggregate)
+            history.append({"round": r, **self.metrics(r, aggregate)})
+        return history

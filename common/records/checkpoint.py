@@ -1,0 +1,266 @@
+"""Checkpoint files: everything a run needs to continue exactly where it stopped.
+
+One checkpoint is one safetensors file, `RUN_DIR/checkpoints/round-NNNNNN.safetensors`, written
+atomically (temporary file, fsync, rename, fsync of the directory), so a server killed while
+writing leaves the previous checkpoint intact.  It holds
+
+- tensors: the model (`params/NAME`: the parameters the run exchanges; under model.exchange
+  other than "all" the frozen rest under `frozen/NAME`, so a checkpoint holds the whole model),
+  the algorithm's server state (`extra/NAME`: moments,
+  control variates, dual sums), every logical client's persistent state (`client/ID/KEY`:
+  SCAFFOLD's c_i, FedDyn's gradient memory, ...), the server's torch RNG state (`rng/torch`);
+- metadata (JSON under the key "fedhop"): format, round, run id, the algorithm's scalars, the
+  numpy global RNG state, failures so far, the ledger position (message and event counts in
+  run.db), the config's SHA-256.
+
+What is not saved because it is derived: every random choice of round r draws from a stream
+named after (seed, purpose, r) (common/util/rng.py): sampling ("sampling", r), minibatches ("client",
+i, "round", r), stragglers; so the sampler's state *is* the round number.
+
+Client state lives in the client processes during a run; at each checkpoint the server pulls it
+(`state_get` calls, counted in the ledger like any message) and on resume pushes it back to the
+fresh processes (`state_set`), so a resumed run needs no files on the client machines.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, cast
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from fedhop.common.transport.control import control_of
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload
+from fedhop.common.wire.methods import Method
+
+log = logging.getLogger("fedhop.checkpoint")
+
+FORMAT = 1
+DIRNAME = "checkpoints"
+_NAME = re.compile(r"round-(\d{6,})\.safetensors$")
+STATE_GET, STATE_SET = Method.STATE_GET, Method.STATE_SET
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or one that does not belong to this run/config."""
+
+
+@dataclass
+class Checkpoint:
+    round: int
+    run_id: str
+    params: dict[str, torch.Tensor]
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    frozen: dict[str, torch.Tensor] = field(default_factory=dict)   # parameters not exchanged (model.exchange)
+    scalars: dict[str, Any] = field(default_factory=dict)
+    client_states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    torch_rng: torch.Tensor | None = None
+    numpy_rng: dict | None = None
+    failures_total: int = 0
+    ledger: dict[str, int] = field(default_factory=dict)
+    config_sha256: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def config_digest(config_toml: str) -> str:
+    return hashlib.sha256(config_toml.encode()).hexdigest()
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / DIRNAME
+
+
+def checkpoint_path(run_dir: str | os.PathLike, round: int) -> Path:
+    return checkpoint_dir(run_dir) / f"round-{round:06d}.safetensors"
+
+
+def _numpy_state_to_json(state: tuple) -> dict:
+    name, keys, pos, has_gauss, cached = state
+    return {"name": name, "keys": base64.b64encode(np.asarray(keys, dtype=np.uint32).tobytes()).decode(),
+            "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+
+
+def _numpy_state_from_json(d: dict) -> tuple:
+    keys = np.frombuffer(base64.b64decode(d["keys"]), dtype=np.uint32).copy()
+    return (d["name"], keys, d["pos"], d["has_gauss"], d["cached"])
+
+
+def capture_rng() -> tuple[torch.Tensor, dict]:
+    return torch.get_rng_state().clone(), _numpy_state_to_json(cast(tuple, np.random.get_state()))   # numpy stubs: legacy=True gives the tuple
+
+
+def restore_rng(ckpt: Checkpoint) -> None:
+    if ckpt.torch_rng is not None:
+        torch.set_rng_state(ckpt.torch_rng)
+    if ckpt.numpy_rng:
+        np.random.set_state(_numpy_state_from_json(ckpt.numpy_rng))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: str | os.PathLike, ckpt: Checkpoint, keep: int = 2) -> Path:
+    """Write `ckpt` atomically; keep the newest `keep` checkpoints.  Returns the file."""
+    d = checkpoint_dir(run_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for prefix, group in (("params", ckpt.params), ("extra", ckpt.extra), ("frozen", ckpt.frozen)):
+        for name, t in group.items():
+            tensors[f"{prefix}/{name}"] = t.detach().cpu().contiguous().clone()
+    for cid, state in ckpt.client_states.items():
+        for key, t in state.items():
+            tensors[f"client/{int(cid)}/{key}"] = t.detach().cpu().contiguous().clone()
+    if ckpt.torch_rng is not None:
+        tensors["rng/torch"] = ckpt.torch_rng.clone()
+    meta = {"format": FORMAT, "round": ckpt.round, "run_id": ckpt.run_id, "scalars": ckpt.scalars,
+            "numpy_rng": ckpt.numpy_rng, "failures_total": ckpt.failures_total, "ledger": ckpt.ledger,
+            "config_sha256": ckpt.config_sha256, "clients": sorted(int(c) for c in ckpt.client_states),
+            "info": ckpt.info}
+    final = checkpoint_path(run_dir, ckpt.round)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"fedhop": json.dumps(meta)})
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(d)
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoint files of a run, oldest first."""
+    d = checkpoint_dir(run_dir)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint file (safetensors: no code runs while loading)."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = json.loads((fh.metadata() or {}).get("fedhop", "{}"))
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, this fedhop reads format {FORMAT}")
+    ckpt = Checkpoint(round=int(meta["round"]), run_id=str(meta["run_id"]), params={},
+                      scalars=dict(meta.get("scalars") or {}), numpy_rng=meta.get("numpy_rng"),
+                      failures_total=int(meta.get("failures_total", 0)), ledger=dict(meta.get("ledger") or {}),
+                      config_sha256=str(meta.get("config_sha256", "")), info=dict(meta.get("info") or {}))
+    for cid in meta.get("clients", []):
+        ckpt.client_states[int(cid)] = {}
+    for key, t in tensors.items():
+        kind, _, rest = key.partition("/")
+        if kind == "params":
+            ckpt.params[rest] = t
+        elif kind == "extra":
+            ckpt.extra[rest] = t
+        elif kind == "frozen":
+            ckpt.frozen[rest] = t
+        elif kind == "client":
+            cid, _, name = rest.partition("/")
+            ckpt.client_states.setdefault(int(cid), {})[name] = t
+        elif key == "rng/torch":
+            ckpt.torch_rng = t
+    return ckpt
+
+
+def latest_checkpoint(run_dir: str | os.PathLike,
+                      on_skip: Callable[[str], None] | None = None) -> Checkpoint:
+    """The newest readable checkpoint of a run.  An unreadable newer one (truncated, corrupt) is
+    skipped with a warning, and `on_skip(why)` is told (the server records an event)."""
+    errors = []
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return load_checkpoint(path)
+        except CheckpointError as exc:
+            errors.append(str(exc))
+            log.warning("checkpoint %s skipped: %s", path.name, exc)
+            if on_skip is not None:
+                on_skip(f"{path.name} skipped: {exc}")
+    where = checkpoint_dir(run_dir)
+    raise CheckpointError(f"no usable checkpoint in {where}" + (f" ({'; '.join(errors)})" if errors else
+                          ": the run had run.checkpoint_every = 0, or was killed before its first checkpoint"))
+
+
+def check_frozen(ckpt: Checkpoint, frozen: dict[str, torch.Tensor]) -> None:
+    """Resume: the parameters this run does not exchange (`frozen`, as the config builds them)
+    must be the checkpoint's, name for name and bit for bit: every party rebuilds them from the
+    seeded init or the model factory, never from the checkpoint, so a factory whose pretrained
+    weights changed since would silently train another model."""
+    names = sorted(set(frozen) ^ set(ckpt.frozen))
+    if names:
+        raise CheckpointError(f"checkpoint of round {ckpt.round}: frozen parameters differ from the config's "
+                              f"model.freeze / model.exchange: {names[:10]}")
+    changed = [n for n, t in frozen.items() if not torch.equal(t.detach().cpu(), ckpt.frozen[n])]
+    if changed:
+        raise CheckpointError(f"checkpoint of round {ckpt.round}: frozen parameters {changed[:10]} differ from the "
+                              f"model this config builds (its factory or pretrained weights changed)")
+
+
+# ----------------------------------------------------------------------------- client state on the wire
+def states_to_payload(states: dict[int, dict[str, torch.Tensor]]) -> Payload:
+    """Logical clients' persistent states as one payload: tensor 'ID/KEY' per entry; the control
+    data's `clients` lists every client id (also those with empty state)."""
+    tensors = {f"{cid}/{key}": t for cid in sorted(states) for key, t in states[cid].items()}
+    return Payload(tensors=tensors, control=pb.Control(clients=sorted(states)))
+
+
+def states_from_payload(payload: Payload, allowed: set[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """Inverse of `states_to_payload`; tensors are cloned (writable, own storage).  Raises
+    ValueError for a name that is not 'ID/KEY' or an id outside `allowed`."""
+    out: dict[int, dict[str, torch.Tensor]] = {int(c): {} for c in control_of(payload).clients}
+    for name, t in payload.tensors.items():
+        cid, sep, key = name.partition("/")
+        if not sep or not cid.isdigit() or not key:
+            raise ValueError(f"client state payload: tensor name '{name}' is not 'CLIENT_ID/KEY'")
+        out.setdefault(int(cid), {})[key] = t.clone()
+    if allowed is not None:
+        stray = sorted(set(out) - allowed)
+        if stray:
+            raise ValueError(f"client state payload names clients {stray[:10]} not hosted here")
+    return out
+
+
+def forward_client_state(endpoint, processes: dict[str, str], client_home: dict[int, tuple[str, str]], method: str,
+                         round: int, payload: Payload, timeout: float) -> Payload:
+    """An edge's part in checkpoints: gather its client processes' states (state_get) or hand
+    each process the states of the clients it hosts (state_set)."""
+    if method == STATE_GET:
+        merged: dict[int, dict[str, torch.Tensor]] = {}
+        for node, address in sorted(processes.items()):
+            reply = endpoint.call(address, node, STATE_GET, Payload(), round=round, timeout=timeout)
+            merged.update(states_from_payload(reply))
+        return states_to_payload(merged)
+    states = states_from_payload(payload, allowed=set(client_home))
+    by_process: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]] = {}
+    for cid, state in states.items():
+        by_process.setdefault(client_home[cid], {})[cid] = state
+    for (node, address), part in sorted(by_process.items()):
+        endpoint.call(address, node, STATE_SET, states_to_payload(part), round=round, timeout=timeout)
+    return Payload(scalars={"clients": len(states)})

@@ -1,0 +1,517 @@
+"""The run store: one SQLite file, `run.db`, per run directory (DESIGN.md section 6).
+
+Tables: `runs` (one row per run), `rounds` (one row per round, metrics as JSON), `messages`
+(every ledger record, both sides of each message) and `events` (failures, rejections, timeouts,
+hand-offs, skips).  `messages` has UNIQUE(msg_id, role), so inserting the same records again --
+a resumed run, a re-merge of a child's JSONL ledger -- changes nothing.
+
+Byte totals count each message once: the sender's record, or the receiver's where the sender's
+is missing (a sender killed before its ledger reached the server).  A run.db holds one run (a
+resumed run keeps its run_id), so the read methods do not filter by run_id.
+
+One connection, guarded by a lock, serves every thread; WAL mode lets a reader (`fedhop report`
+on a live run) read while the server writes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time as _time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, cast
+
+from fedhop.common.wire.ledger import BYTE_FIELDS, LedgerRecord, read_jsonl
+
+_MESSAGE_COLUMNS: tuple[str, ...] = tuple(LedgerRecord.__dataclass_fields__)
+_SQL_TYPE = {"int": "INTEGER", "float": "REAL", "str": "TEXT"}
+
+#: run.db's schema version (SQLite's user_version).  1: `rounds` held participants, sampled and
+#: failures as JSON text (so `participants < 5` compared strings); 2: counts in INTEGER columns,
+#: lists (where a caller gave lists) in *_json columns, the live_bytes table, and each round's
+#: live_framed_bytes (every link's framed bytes in the live view when the round was recorded).
+SCHEMA_VERSION = 2
+_COUNT_COLUMNS = ("participants", "sampled", "failures")
+_ROUNDS_TABLE = """CREATE TABLE IF NOT EXISTS {name}(
+        run_id TEXT NOT NULL, round INTEGER NOT NULL, participants INTEGER, sampled INTEGER, failures INTEGER,
+        participants_json TEXT, sampled_json TEXT, failures_json TEXT, live_framed_bytes INTEGER,
+        metrics_json TEXT, wall_seconds REAL, sim_seconds REAL, started REAL, finished REAL,
+        PRIMARY KEY(run_id, round))"""
+
+_SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS runs(
+        run_id TEXT PRIMARY KEY, name TEXT, algorithm TEXT, topology TEXT, transport TEXT,
+        config_toml TEXT, started REAL, finished REAL, status TEXT)""",
+    _ROUNDS_TABLE.format(name="rounds"),
+    "CREATE TABLE IF NOT EXISTS messages(" + ", ".join(
+        f"{name} {_SQL_TYPE[cast(str, f.type)]}{' NOT NULL' if name == 'msg_id' else ''}"
+        for name, f in LedgerRecord.__dataclass_fields__.items()) + ", UNIQUE(msg_id, role))",
+    "CREATE INDEX IF NOT EXISTS messages_round ON messages(round)",
+    """CREATE TABLE IF NOT EXISTS events(
+        id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT, round INTEGER, time REAL, kind TEXT NOT NULL,
+        node TEXT, detail TEXT)""",
+    "CREATE INDEX IF NOT EXISTS events_kind ON events(kind)",
+    # every process's live byte totals, as its heartbeats last reported them (common/transport/livebytes.py)
+    """CREATE TABLE IF NOT EXISTS live_bytes(
+        node TEXT NOT NULL, link TEXT NOT NULL, direction TEXT NOT NULL, messages INTEGER, tensor_bytes INTEGER,
+        payload_bytes INTEGER, framed_bytes INTEGER, updated REAL, PRIMARY KEY(node, link, direction))""",
+]
+
+# Columns added after the first schema: (table, column, type), added to older databases on open.
+_ADDED_COLUMNS = [("rounds", "clients_dropped", "INTEGER")]
+
+
+def _add_missing_columns(conn: sqlite3.Connection) -> None:
+    for table, column, sql_type in _ADDED_COLUMNS:
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}")
+
+
+# Each message once: every sender record, plus receiver records whose sender record is missing.
+_ONCE = """WITH once AS (
+    SELECT * FROM messages WHERE role = 'sender'
+    UNION ALL
+    SELECT * FROM messages AS r WHERE r.role = 'receiver' AND NOT EXISTS (
+        SELECT 1 FROM messages AS s WHERE s.msg_id = r.msg_id AND s.role = 'sender'))
+"""
+_SUMS = "SUM(tensor_bytes), SUM(payload_bytes), SUM(framed_bytes), COUNT(*)"
+_AGREE_FIELDS: tuple[str, ...] = ("tensor_bytes", "payload_bytes", "framed_bytes", "src", "dst", "link")
+
+
+def _totals(row: Iterable[Any]) -> dict[str, int]:
+    vals = list(row)
+    return {k: int(v or 0) for k, v in zip((*BYTE_FIELDS, "messages"), vals)}
+
+
+def _zero() -> dict[str, int]:
+    return {k: 0 for k in (*BYTE_FIELDS, "messages")}
+
+
+def _json_default(obj: Any) -> Any:
+    """numpy / torch scalars and arrays in metrics or participant lists."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"run store: cannot store {type(obj).__name__} as JSON")
+
+
+def _dumps(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, default=_json_default)
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def _count_and_list(value: Any) -> tuple[int | None, str | None]:
+    """A rounds count column's value: (count, JSON of the list or None)."""
+    if value is None:
+        return None, None
+    if isinstance(value, (list, tuple, set)):
+        return len(value), _dumps(sorted(value) if isinstance(value, set) else list(value))
+    return int(value), None
+
+
+def migrate(conn: sqlite3.Connection) -> None:
+    """Bring a run.db of an older schema to SCHEMA_VERSION (a no-op on a new or current file)."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    has_rounds = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'rounds'").fetchone()
+    if version >= SCHEMA_VERSION or not has_rounds:
+        return
+    columns = [r[1] for r in conn.execute("PRAGMA table_info(rounds)")]
+    if "participants_json" in columns:
+        return
+    conn.execute("BEGIN")
+    try:   # schema 1 -> 2: JSON text counts or lists become INTEGER counts (and the lists in *_json)
+        conn.execute(_ROUNDS_TABLE.format(name="rounds_v2"))
+        old = conn.execute("SELECT run_id, round, participants, sampled, failures, metrics_json, wall_seconds, "
+                           "sim_seconds, started, finished FROM rounds").fetchall()
+        for run_id, rnd, p, s, f, *rest in old:
+            counts = [_count_and_list(_loads(v)) for v in (p, s, f)]
+            conn.execute("INSERT INTO rounds_v2 VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
+                         (run_id, rnd, *(c for c, _ in counts), *(j for _, j in counts), *rest))
+        conn.execute("DROP TABLE rounds")
+        conn.execute("ALTER TABLE rounds_v2 RENAME TO rounds")
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+@dataclass
+class AgreementReport:
+    """Do the sender's and receiver's records of each message agree? (DESIGN.md section 5)
+
+    `lost` lists messages whose sender recorded them as lost (no receiver record is expected);
+    they do not make the report fail.
+    """
+
+    matched: int = 0
+    sender_only: list[str] = field(default_factory=list)
+    receiver_only: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    mismatch_fields: dict[str, list[str]] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)
+    ok: bool = True
+
+    def summary(self) -> str:
+        head = "sender and receiver records agree" if self.ok else "sender and receiver records DISAGREE"
+        parts = [f"{self.matched} matched", f"{len(self.mismatched)} mismatched",
+                 f"{len(self.sender_only)} sender-only", f"{len(self.receiver_only)} receiver-only",
+                 f"{len(self.lost)} lost"]
+        return f"{head}: " + ", ".join(parts)
+
+
+class RunStore:
+    """SQLite run store over `path` (a `run.db` file, or a run directory holding one).
+
+    `create=False` opens an existing file for reading without creating tables (what the report
+    does); reads of a table the file lacks return nothing.
+    """
+
+    def __init__(self, path: str | os.PathLike, run_id: str | None = None, create: bool = True) -> None:
+        p = Path(path)
+        if p.is_dir():
+            p = p / "run.db"
+        if not create and not p.exists():
+            raise FileNotFoundError(f"run store: no run database at {p}")
+        if create:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        self.path = p
+        self.final = False   # set by finish_run: later events of this run are dropped
+        self._lock = threading.RLock()
+        self._conn = sqlite3.connect(str(p), check_same_thread=False, isolation_level=None, timeout=30.0)
+        with self._lock:
+            self._conn.execute("PRAGMA busy_timeout = 30000")
+            if create:
+                self._conn.execute("PRAGMA journal_mode = WAL")
+                self._conn.execute("PRAGMA synchronous = NORMAL")
+                migrate(self._conn)
+                for stmt in _SCHEMA:
+                    self._conn.execute(stmt)
+                _add_missing_columns(self._conn)
+                self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            self._tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        self.run_id = run_id if run_id is not None else self._only_run_id()
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _only_run_id(self) -> str | None:
+        if "runs" not in self._tables:
+            return None
+        rows = self._query("SELECT run_id FROM runs ORDER BY started DESC LIMIT 1")
+        return rows[0][0] if rows else None
+
+    def _query(self, sql: str, params: Iterable[Any] = ()) -> list[tuple]:
+        with self._lock:
+            return self._conn.execute(sql, tuple(params)).fetchall()
+
+    def _dicts(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            cur = self._conn.execute(sql, tuple(params))
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    def _exec(self, sql: str, params: Iterable[Any] = ()) -> None:
+        with self._lock:
+            self._conn.execute(sql, tuple(params))
+
+    def _has(self, table: str) -> bool:
+        return table in self._tables
+
+    def _need_run_id(self, run_id: str | None) -> str:
+        rid = run_id if run_id is not None else self.run_id
+        if rid is None:
+            raise ValueError("run store: no run_id; call start_run(run_id=...) first or pass run_id=")
+        return rid
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> "RunStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writing ----------------------------------------------------------------------
+    def start_run(self, run_id: str, name: str = "", algorithm: str = "", topology: str = "",
+                  transport: str = "", config_toml: str = "", started: float | None = None) -> None:
+        """Create the run's row, or mark an existing one (a resumed run) running again."""
+        self.run_id = run_id
+        self.final = False
+        self._exec(
+            """INSERT INTO runs(run_id, name, algorithm, topology, transport, config_toml, started, finished, status)
+               VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 'running')
+               ON CONFLICT(run_id) DO UPDATE SET status = 'running', finished = NULL""",
+            (run_id, name, algorithm, topology, transport, config_toml, _time.time() if started is None else started))
+
+    def finish_run(self, status: str, finished: float | None = None, run_id: str | None = None) -> None:
+        if not status:
+            raise ValueError("run store: finish_run status must be non-empty (e.g. 'completed', 'failed')")
+        self._exec("UPDATE runs SET status = ?, finished = ? WHERE run_id = ?",
+                   (status, _time.time() if finished is None else finished, self._need_run_id(run_id)))
+        self.final = run_id is None or run_id == self.run_id
+
+    def add_round(self, round: int, *, participants: Any = None, sampled: Any = None, failures: Any = None,
+                  metrics: dict[str, Any] | None = None, wall_seconds: float | None = None,
+                  sim_seconds: float | None = None, started: float | None = None, finished: float | None = None,
+                  clients_dropped: int | None = None, run_id: str | None = None) -> None:
+        """Store (or, for a re-run round after a resume, replace) one round's row.
+
+        `participants`, `sampled`, `failures` are counts or lists of client ids: the count goes in
+        an INTEGER column, a list also in its *_json column.
+        `clients_dropped` (INTEGER) counts the sampled clients whose result did not enter the round.
+        """
+        counts = [_count_and_list(v) for v in (participants, sampled, failures)]
+        self._exec(
+            """INSERT OR REPLACE INTO rounds(run_id, round, participants, sampled, failures, participants_json,
+                                             sampled_json, failures_json, metrics_json,
+                                             wall_seconds, sim_seconds, started, finished, clients_dropped)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+            (self._need_run_id(run_id), int(round), *(c for c, _ in counts), *(j for _, j in counts),
+             _dumps(metrics or {}), wall_seconds, sim_seconds, started, finished,
+             None if clients_dropped is None else int(clients_dropped)))
+
+    def clients_dropped(self) -> int:
+        """Sampled clients dropped over every recorded round (a re-run round counted once)."""
+        if not self._has("rounds"):
+            return 0
+        return int(self._query("SELECT COALESCE(SUM(clients_dropped), 0) FROM rounds")[0][0])
+
+    def set_live_bytes(self, nodes: Iterable[str], rows: Iterable[tuple], round: int | None = None) -> None:
+        """Replace the live totals of `nodes` with `rows` of (node, link, direction, messages,
+        tensor_bytes, payload_bytes, framed_bytes) (common/transport/livebytes.py); with `round`, also note
+        the live framed total in that round's row."""
+        nodes, rows = list(nodes), list(rows)
+        now = _time.time()
+        with self._lock:
+            self._conn.execute("BEGIN")
+            try:
+                self._conn.executemany("DELETE FROM live_bytes WHERE node = ?", [(n,) for n in nodes])
+                self._conn.executemany("INSERT INTO live_bytes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                                       [(*r, now) for r in rows])
+                if round is not None:
+                    self._conn.execute("UPDATE rounds SET live_framed_bytes = (SELECT SUM(framed_bytes) FROM live_bytes) "
+                                       "WHERE round = ?", (int(round),))
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+
+    def add_event(self, kind: str, *, node: str = "", detail: Any = "", round: int | None = None,
+                  time: float | None = None, run_id: str | None = None) -> None:
+        """Record an event (client_failed, rejected_payload, timeout, handoff, skip, ...)."""
+        if not kind:
+            raise ValueError("run store: event kind must be non-empty")
+        if self.final and run_id is None:   # the run's record is final (finish_run): nothing lands after it
+            return
+        text = detail if isinstance(detail, str) else _dumps(detail)
+        self._exec("INSERT INTO events(run_id, round, time, kind, node, detail) VALUES (?, ?, ?, ?, ?, ?)",
+                   (run_id if run_id is not None else self.run_id, round,
+                    _time.time() if time is None else time, kind, node, text))
+
+    def insert_records(self, records: Iterable[LedgerRecord | dict[str, Any]]) -> int:
+        """Insert ledger records; ones already stored (same msg_id and role) are skipped.
+
+        Returns the number of rows actually inserted.  A record without a msg_id gets a stable
+        one derived from its content, so inserting it again is still a no-op.
+        """
+        rows = []
+        for rec in records:
+            d = rec.to_dict() if isinstance(rec, LedgerRecord) else LedgerRecord.from_dict(rec).to_dict()
+            if not d["msg_id"]:
+                digest = hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:20]
+                d["msg_id"] = f"anon-{digest}"
+            rows.append(tuple(d[c] for c in _MESSAGE_COLUMNS))
+        if not rows:
+            return 0
+        sql = (f"INSERT OR IGNORE INTO messages({', '.join(_MESSAGE_COLUMNS)}) "
+               f"VALUES ({', '.join('?' for _ in _MESSAGE_COLUMNS)})")
+        with self._lock:
+            before = self._conn.total_changes
+            self._conn.execute("BEGIN")
+            try:
+                self._conn.executemany(sql, rows)
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            return self._conn.total_changes - before
+
+    def insert_jsonl(self, path: str | os.PathLike) -> int:
+        """Merge a process's JSONL ledger file (torn last line skipped with a warning)."""
+        return self.insert_records(read_jsonl(path))
+
+    def merge_ledger_dir(self, folder: str | os.PathLike) -> int:
+        """Merge every process's ledger file in `folder` (a run's ledger/*.jsonl); idempotent.
+        Returns the number of records that were not yet in run.db."""
+        return sum(self.insert_jsonl(path) for path in sorted(Path(folder).glob("*.jsonl")))
+
+    # -- reading ----------------------------------------------------------------------
+    def run(self) -> dict[str, Any] | None:
+        """The run's row (the one named by run_id, else the latest started)."""
+        if not self._has("runs"):
+            return None
+        if self.run_id is not None:
+            rows = self._dicts("SELECT * FROM runs WHERE run_id = ?", (self.run_id,))
+        else:
+            rows = self._dicts("SELECT * FROM runs ORDER BY started DESC LIMIT 1")
+        return rows[0] if rows else None
+
+    def rounds(self) -> list[dict[str, Any]]:
+        """Round rows in round order; JSON columns decoded, metrics also as `metrics` (a dict)."""
+        if not self._has("rounds"):
+            return []
+        out = self._dicts("SELECT * FROM rounds ORDER BY round, run_id")
+        for row in out:
+            for col in _COUNT_COLUMNS:
+                if f"{col}_json" in row:   # schema 2: the list where one was stored, else the count
+                    listed = _loads(row.pop(f"{col}_json"))
+                    row[col] = listed if listed is not None else row[col]
+                else:                      # a schema-1 file opened read-only: JSON text
+                    row[col] = _loads(row[col])
+            row["metrics"] = _loads(row["metrics_json"]) or {}
+        return out
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        if not self._has("events"):
+            return []
+        if kind is None:
+            return self._dicts("SELECT * FROM events ORDER BY id")
+        return self._dicts("SELECT * FROM events WHERE kind = ? ORDER BY id", (kind,))
+
+    def row_counts(self) -> dict[str, int]:
+        """How many message and event rows the store holds (a checkpoint's ledger position)."""
+        return {"messages": int(self._query("SELECT COUNT(*) FROM messages")[0][0]),
+                "events": int(self._query("SELECT COUNT(*) FROM events")[0][0])}
+
+    def abort_after(self, round: int) -> tuple[int, int]:
+        """A resume from the checkpoint of `round`: the later rounds of the stopped attempt are
+        marked, not deleted (messages 'lost' with an 'aborted:' error, events kinds prefixed
+        'aborted:'), and their round rows removed.  Returns the aborted messages' count and framed
+        bytes (sender side)."""
+        count, framed = self._query("SELECT COUNT(*), COALESCE(SUM(framed_bytes), 0) FROM messages WHERE round > ? "
+                                    "AND role = 'sender'", (round,))[0]
+        self._exec("UPDATE messages SET status = 'lost', error = 'aborted: server stopped before round ' || round || "
+                   "' finished; re-run after resume from round ' || ? WHERE round > ? AND error NOT LIKE 'aborted:%'",
+                   (round, round))
+        self._exec("UPDATE events SET kind = 'aborted:' || kind WHERE round > ? AND kind NOT LIKE 'aborted:%'",
+                   (round,))
+        self._exec("DELETE FROM rounds WHERE round > ?", (round,))
+        return int(count), int(framed)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """Every stored record (both sides of each message)."""
+        if not self._has("messages"):
+            return []
+        return self._dicts("SELECT * FROM messages ORDER BY wall_time, msg_id, role")
+
+    def lone_messages(self) -> list[dict[str, Any]]:
+        """Ledger records whose other end (sender or receiver) recorded nothing."""
+        return self._dicts("SELECT m.* FROM messages AS m WHERE NOT EXISTS (SELECT 1 FROM messages AS o "
+                           "WHERE o.msg_id = m.msg_id AND o.role != m.role)")
+
+    def message_status(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """(msg_id, role) -> that record's status and error."""
+        return {(r["msg_id"], r["role"]): r for r in self._dicts("SELECT msg_id, role, status, error FROM messages")}
+
+    def last_record_by_recorder(self) -> dict[str, float]:
+        """Each recording process's newest ledger record (wall time)."""
+        return dict(self._query("SELECT recorder, MAX(wall_time) FROM messages GROUP BY recorder"))
+
+    def recording_ends(self) -> set[str]:
+        """Every node named as the recording end of some record (the sender of a sender record,
+        the receiver of a receiver record): logical clients recorded by their process included."""
+        return {r[0] for r in self._query("SELECT DISTINCT src FROM messages WHERE role = 'sender' UNION "
+                                          "SELECT DISTINCT dst FROM messages WHERE role = 'receiver'")}
+
+    def bytes_by_link(self) -> dict[str, dict[str, int]]:
+        """{link: {tensor_bytes, payload_bytes, framed_bytes, messages}} plus key "total"; each message once."""
+        out: dict[str, dict[str, int]] = {}
+        total = _zero()
+        if self._has("messages"):
+            for link, *sums in self._query(_ONCE + f"SELECT link, {_SUMS} FROM once GROUP BY link ORDER BY link"):
+                out[link] = _totals(sums)
+                for k in total:
+                    total[k] += out[link][k]
+        out["total"] = total
+        return out
+
+    def bytes_by_link_upto(self, round: int) -> dict[str, dict[str, int]]:
+        """{link: {tensor_bytes, payload_bytes, framed_bytes, messages}} of the messages with round <= `round`."""
+        if not self._has("messages"):
+            return {}
+        sql = _ONCE + f"SELECT link, {_SUMS} FROM once WHERE round <= ? GROUP BY link ORDER BY link"
+        return {link: _totals(sums) for link, *sums in self._query(sql, (int(round),))}
+
+    def bytes_by_link_direction(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{link: {direction: {tensor_bytes, payload_bytes, framed_bytes, messages}}}; each message once."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        if self._has("messages"):
+            sql = _ONCE + f"SELECT link, direction, {_SUMS} FROM once GROUP BY link, direction ORDER BY link, direction"
+            for link, direction, *sums in self._query(sql):
+                out.setdefault(link, {})[direction] = _totals(sums)
+        return out
+
+    def live_bytes_by_link_direction(self) -> dict[str, dict[str, dict[str, int]]]:
+        """The live view (common/transport/livebytes.py), shaped like `bytes_by_link_direction`."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        if self._has("live_bytes"):
+            sql = ("SELECT link, direction, SUM(tensor_bytes), SUM(payload_bytes), SUM(framed_bytes), SUM(messages) "
+                   "FROM live_bytes GROUP BY link, direction ORDER BY link, direction")
+            for link, direction, *sums in self._query(sql):
+                out.setdefault(link, {})[direction] = _totals(sums)
+        return out
+
+    def bytes_per_round(self) -> dict[int, dict[str, int]]:
+        """{round: {tensor_bytes, payload_bytes, framed_bytes, messages}} for rounds with traffic."""
+        if not self._has("messages"):
+            return {}
+        sql = _ONCE + f"SELECT round, {_SUMS} FROM once GROUP BY round ORDER BY round"
+        return {int(r): _totals(sums) for r, *sums in self._query(sql)}
+
+    def cumulative_bytes_by_round(self) -> dict[int, dict[str, int]]:
+        """{round: bytes of every message with round <= this one}, over rounds with traffic or a rounds row."""
+        per = self.bytes_per_round()
+        rounds = sorted(set(per) | {int(r["round"]) for r in self.rounds()})
+        out: dict[int, dict[str, int]] = {}
+        acc = _zero()
+        for r in rounds:
+            for k, v in per.get(r, {}).items():
+                acc[k] += v
+            out[r] = dict(acc)
+        return out
+
+    def check_agreement(self) -> AgreementReport:
+        """Compare each message's sender and receiver records (DESIGN.md section 5)."""
+        rep = AgreementReport()
+        if not self._has("messages"):
+            return rep
+        cols = ", ".join(f"s.{c}, r.{c}" for c in _AGREE_FIELDS)
+        pairs = self._query(
+            f"SELECT s.msg_id, {cols} FROM messages AS s JOIN messages AS r "
+            "ON s.msg_id = r.msg_id AND s.role = 'sender' AND r.role = 'receiver' ORDER BY s.msg_id")
+        for msg_id, *vals in pairs:
+            diff = [name for i, name in enumerate(_AGREE_FIELDS) if vals[2 * i] != vals[2 * i + 1]]
+            if diff:
+                rep.mismatched.append(msg_id)
+                rep.mismatch_fields[msg_id] = diff
+            else:
+                rep.matched += 1
+        lonely = self._query(
+            "SELECT m.msg_id, m.role, m.status FROM messages AS m WHERE NOT EXISTS ("
+            "SELECT 1 FROM messages AS o WHERE o.msg_id = m.msg_id AND o.role != m.role) ORDER BY m.msg_id")
+        for msg_id, role, status in lonely:
+            if role == "sender":
+                (rep.lost if status == "lost" else rep.sender_only).append(msg_id)
+            else:
+                rep.receiver_only.append(msg_id)
+        rep.ok = not (rep.mismatched or rep.sender_only or rep.receiver_only)
+        return rep

@@ -1,0 +1,488 @@
+"""Cluster certificates, node credentials and the per-call check every gRPC server runs.
+
+Two kinds of node credential (docs/faults.md, "Security"):
+
+- **certificate identity** (`security.mtls = true`): every node holds a certificate signed by the
+  cluster CA (`fedhop certs DIR --nodes ...`) whose common name is its node id; the TLS handshake
+  proves the peer holds the key, and `AuthInterceptor` takes the identity from the peer
+  certificate (`context.auth_context()`).  A certificate from another CA fails the handshake.
+- **per-node credential** (what `fedhop run` hands each process): an issuer key that only the
+  launcher holds (Ed25519, `TokenAuthority`, new per run) signs each node's own public key and
+  node id; the process gets its private key, that signature and the issuer's public key in
+  `FEDHOP_NODE_CRED` (its environment, never a command line), and no other node's.  Deployments
+  that start each process themselves (compose, Kubernetes, a hosts file, `deploy/role.py`) use
+  `fedhop certs DIR`, which keeps the issuer's key in `DIR/issuer.key` and writes `DIR/NODE.cred`;
+  a process whose certificate folder holds its own `NODE.cred` uses it (the environment wins).  Every call
+  carries a token the caller signs for one audience (the node id or logical client it calls)
+  and a few minutes of validity (`SignedIdentity.token`); the callee checks the issuer's
+  signature, the caller's, the audience (its own name; the audience "register" only on Register
+  and Heartbeat, whose callers do not know their parent's id) and the time.  A participant
+  holds no key that signs for another node, and a token it receives names it as the audience,
+  so it can neither mint nor replay another node's identity to a third process: for
+  authorization this is as strong as mutual TLS (docs/faults.md, "Security").
+- **shared-secret token** (`FEDHOP_TOKEN` or `DIR/cluster.secret` alone): `node_token(secret,
+  node_id)` = HMAC-SHA256 of the node id under the cluster secret.  It travels in gRPC metadata
+  (`fedhop-node`, `fedhop-auth`), never on a command line, and under TLS never in clear.  Every
+  holder of the secret can mint any node's token: it admits cluster members, it does not tell
+  them apart: it is what a deployment without a certificate folder falls back to.
+
+Either way the claimed identity must equal the node the message speaks for: a Register's and a
+Heartbeat's `node_id`, an Exchange's envelope `src`.  A refused call is answered UNAUTHENTICATED
+or PERMISSION_DENIED, logged, and reported through `on_refused` (the server records an
+`auth_refused` event in run.db), so a refused node cannot register, send results or be sent the
+model.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import hmac
+import ipaddress
+import itertools
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, NoReturn
+
+import grpc
+
+from fedhop.common.security.addresses import insecure_from_env, plaintext_refusal
+from fedhop.common.security.nodecred import (
+    CRED_ENV,
+    CRED_SUFFIX,
+    ISSUER_KEY,
+    REGISTER_AUDIENCE,
+    SCOPED_METHODS,
+    SecurityError,
+    SignedIdentity,
+    TokenAuthority,
+    check_node_id,
+)
+
+__all__ = ["CRED_ENV", "SignedIdentity", "TokenAuthority", "SecurityError", "check_node_id"]
+
+log = logging.getLogger("fedhop.security")
+
+CA_CERT, CA_KEY, SECRET_FILE = "ca.pem", "ca.key", "cluster.secret"
+CLUSTER_NAME = "fedhop-node"          # a SAN every node certificate carries (peer id unknown: CA membership)
+META_NODE, META_AUTH = "fedhop-node", "fedhop-auth"
+_TOKEN_CONTEXT = b"fedhop-node-token-v1:"
+
+
+# ----------------------------------------------------------------------------- addresses
+# ----------------------------------------------------------------------------- certificates
+def _x509():
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    except ImportError as exc:  # pragma: no cover - a dependency of the project
+        raise SecurityError("making certificates needs the 'cryptography' package (pip install cryptography)") from exc
+    return x509, hashes, serialization, ec, NameOID, ExtendedKeyUsageOID
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write a key file readable by its owner only (mode 0600), atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def _write_public(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def make_ca(days: int = 365, name: str = "fedhop cluster CA") -> tuple[bytes, bytes]:
+    """A new CA: (key PEM, certificate PEM), EC P-256."""
+    x509, hashes, serialization, ec, NameOID, _ = _x509()
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    return (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()),
+            cert.public_bytes(serialization.Encoding.PEM))
+
+
+def make_node_cert(ca_key_pem: bytes, ca_cert_pem: bytes, node_id: str, hosts: Iterable[str] = (),
+                   days: int = 365) -> tuple[bytes, bytes]:
+    """A node certificate signed by the CA: CN = node id; SANs = node id, `fedhop-node`, localhost,
+    127.0.0.1, ::1 and `hosts` (names or IP addresses the node is reached at).  Usable as a TLS
+    server and as a TLS client certificate (mutual TLS)."""
+    x509, hashes, serialization, ec, NameOID, EKU = _x509()
+    check_node_id(node_id)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list = [x509.DNSName(node_id), x509.DNSName(CLUSTER_NAME), x509.DNSName("localhost"),
+                   x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.IPAddress(ipaddress.ip_address("::1"))]
+    for h in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([EKU.SERVER_AUTH, EKU.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()),
+            cert.public_bytes(serialization.Encoding.PEM))
+
+
+def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Iterable[str] = (),
+                  days: int = 365) -> list[Path]:
+    """Make (or extend) a cluster directory: ca.pem/ca.key (reused when present), NODE.pem/NODE.key
+    per node, cluster.secret (reused when present), issuer.key (reused when present) and NODE.cred,
+    the node's per-node credential signed by it.  Keys are written mode 0600.  Returns the files
+    written."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    written = []
+    if (d / CA_KEY).exists() and (d / CA_CERT).exists():
+        ca_key, ca_cert = (d / CA_KEY).read_bytes(), (d / CA_CERT).read_bytes()
+    else:
+        ca_key, ca_cert = make_ca(days)
+        _write_private(d / CA_KEY, ca_key)
+        _write_public(d / CA_CERT, ca_cert)
+        written += [d / CA_CERT, d / CA_KEY]
+    if not (d / SECRET_FILE).exists():
+        _write_private(d / SECRET_FILE, secrets.token_hex(32).encode() + b"\n")
+        written.append(d / SECRET_FILE)
+    if (d / ISSUER_KEY).exists():
+        authority = TokenAuthority.from_bytes((d / ISSUER_KEY).read_bytes())
+    else:
+        authority = TokenAuthority()
+        _write_private(d / ISSUER_KEY, authority.to_bytes())
+        written.append(d / ISSUER_KEY)
+    hosts = list(hosts)
+    for node in nodes:
+        key, cert = make_node_cert(ca_key, ca_cert, node, hosts, days)
+        _write_private(d / f"{node}.key", key)
+        _write_public(d / f"{node}.pem", cert)
+        _write_private(d / f"{node}{CRED_SUFFIX}", authority.issue(node).encode() + b"\n")
+        written += [d / f"{node}.pem", d / f"{node}.key", d / f"{node}{CRED_SUFFIX}"]
+    return written
+
+
+# ----------------------------------------------------------------------------- tokens
+def node_token(secret: bytes, node_id: str) -> str:
+    """HMAC-SHA256(secret, context || node id), hex: the node's signed token."""
+    return hmac.new(secret, _TOKEN_CONTEXT + node_id.encode(), hashlib.sha256).hexdigest()
+
+
+def verify_token(secret: bytes, node_id: str, token: str) -> bool:
+    return bool(secret) and hmac.compare_digest(node_token(secret, node_id), token or "")
+
+
+def read_secret(certs_dir: str | os.PathLike | None, env_secret: str = "") -> bytes:
+    """The cluster secret: DIR/cluster.secret when present, else the launcher's per-run token."""
+    if certs_dir:
+        p = Path(certs_dir) / SECRET_FILE
+        if p.exists():
+            return p.read_bytes().strip()
+    return env_secret.encode()
+
+
+# ----------------------------------------------------------------------------- credentials
+@dataclass
+class TlsFiles:
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+
+def load_tls(certs_dir: str | os.PathLike, node_id: str) -> TlsFiles:
+    d = Path(certs_dir)
+    missing = [str(d / n) for n in (CA_CERT, f"{node_id}.pem", f"{node_id}.key") if not (d / n).exists()]
+    if missing:
+        raise SecurityError(f"TLS for node '{node_id}': missing {', '.join(missing)}; make them with "
+                            f"`fedhop certs {d} --nodes {node_id}` (the CA in {d} is reused)")
+    return TlsFiles((d / CA_CERT).read_bytes(), (d / f"{node_id}.pem").read_bytes(), (d / f"{node_id}.key").read_bytes())
+
+
+@dataclass
+class NodeCredentials:
+    """What one process presents and checks: its node id, the cluster secret (tokens), TLS files."""
+
+    node_id: str
+    secret: bytes = b""
+    tls: TlsFiles | None = None
+    mtls: bool = False
+    signed: SignedIdentity | None = None    # a per-node credential: then no shared-secret token is accepted
+    aliases: set[str] = field(default_factory=set)   # other names calls to this process use (its logical clients)
+
+    @classmethod
+    def from_options(cls, node_id: str, certs_dir: str = "", mtls: bool = False, env_secret: str = "",
+                     env_cred: str | None = None) -> "NodeCredentials":
+        """`env_cred`: the per-node credential (default: the environment's FEDHOP_NODE_CRED)."""
+        if mtls and not certs_dir:
+            raise SecurityError("mutual TLS needs a certificate directory (security.certs_dir / --certs-dir)")
+        tls = load_tls(certs_dir, node_id) if certs_dir else None
+        cred, source = (os.environ.get(CRED_ENV, "") if env_cred is None else env_cred), CRED_ENV
+        cred_file = Path(certs_dir) / f"{node_id}{CRED_SUFFIX}" if certs_dir else None
+        if not cred and cred_file is not None and cred_file.is_file():
+            cred, source = cred_file.read_text(), str(cred_file)
+        if cred:
+            signed = SignedIdentity.parse(cred, source)
+            if signed.node_id != node_id:
+                raise SecurityError(f"{source} is the credential of node '{signed.node_id}', not of '{node_id}'")
+            return cls(node_id, b"", tls, mtls, signed)
+        return cls(node_id, read_secret(certs_dir, env_secret), tls, mtls)
+
+    @property
+    def checks_calls(self) -> bool:
+        return self.mtls or bool(self.secret) or self.signed is not None
+
+    def names(self) -> set[str]:
+        """The audiences a call to this process may name: its node id and its aliases."""
+        return {self.node_id, *self.aliases}
+
+    def metadata(self, audience: str = REGISTER_AUDIENCE) -> tuple[tuple[str, str], ...]:
+        """The call's credential metadata; `audience`: the node (or logical client) called."""
+        meta = [(META_NODE, self.node_id)]
+        if self.signed is not None:
+            meta.append((META_AUTH, self.signed.token(audience or REGISTER_AUDIENCE)))
+        elif self.secret:
+            meta.append((META_AUTH, node_token(self.secret, self.node_id)))
+        return tuple(meta)
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        if self.tls is None:
+            return None
+        return grpc.ssl_server_credentials([(self.tls.key, self.tls.cert)],
+                                           root_certificates=self.tls.ca if self.mtls else None,
+                                           require_client_auth=self.mtls)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if self.tls is None:
+            return None
+        # the node certificate is always offered: a server that asks for it (mutual TLS) gets it
+        return grpc.ssl_channel_credentials(self.tls.ca, self.tls.key, self.tls.cert)
+
+
+# ----------------------------------------------------------------------------- the server check
+class AuthRefused(Exception):
+    def __init__(self, status: grpc.StatusCode, message: str, claimed: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.claimed = claimed
+
+
+def peer_identity(context: grpc.ServicerContext) -> str | None:
+    """The verified common name of the peer's certificate (mutual TLS), or None."""
+    try:
+        auth = context.auth_context()
+    except Exception:  # pragma: no cover - in-process fakes
+        return None
+    names = auth.get("x509_common_name") or []
+    return names[0].decode() if names else None
+
+
+def authenticate(creds: NodeCredentials, metadata: dict[str, str], context: grpc.ServicerContext,
+                 method: str = "") -> str:
+    """The caller's verified node id, or AuthRefused.  `method`: the RPC (Register and Heartbeat
+    accept a per-node token for the register audience)."""
+    claimed = metadata.get(META_NODE, "")
+    if creds.mtls:
+        cn = peer_identity(context)
+        if cn is None:
+            raise AuthRefused(grpc.StatusCode.UNAUTHENTICATED, "no verified client certificate (mutual TLS)", claimed)
+        if claimed and claimed != cn:
+            raise AuthRefused(grpc.StatusCode.PERMISSION_DENIED,
+                              f"certificate is for '{cn}' but the call claims to come from '{claimed}'", claimed)
+        return cn
+    if creds.signed is not None:
+        if not claimed:
+            raise AuthRefused(grpc.StatusCode.UNAUTHENTICATED, "no node credential (fedhop-node metadata)", claimed)
+        why = creds.signed.verify(claimed, metadata.get(META_AUTH, ""), creds.names(), method in SCOPED_METHODS)
+        if why is not None:
+            raise AuthRefused(grpc.StatusCode.UNAUTHENTICATED, f"bad per-node token for node '{claimed}': {why}",
+                              claimed)
+        return claimed
+    if creds.secret:
+        if not claimed:
+            raise AuthRefused(grpc.StatusCode.UNAUTHENTICATED, "no node credential (fedhop-node metadata)", claimed)
+        if not verify_token(creds.secret, claimed, metadata.get(META_AUTH, "")):
+            raise AuthRefused(grpc.StatusCode.UNAUTHENTICATED,
+                              f"bad or missing signed token for node '{claimed}'", claimed)
+        return claimed
+    return claimed  # no credential policy (in-process tests): identity as claimed
+
+
+RefusedHook = Callable[[str, str, str, str], None]   # (claimed node, method, reason, peer address)
+
+
+def _envelope_src(frame: bytes) -> str | None:
+    from fedhop.common.wire import fedhop_pb2 as pb
+    if not frame or frame[0] != 0x0A:   # not a header frame (Frame field 1): no envelope to read
+        return None
+    try:
+        f = pb.Frame.FromString(frame)
+    except Exception:
+        return None
+    return f.header.src if f.HasField("header") else None
+
+
+def _bundle_srcs(bundle: bytes) -> list[str]:
+    """The envelope `src` of every message in a Call's FrameBundle: a batch carries several
+    (common/transport/grpc.py, Batches), and each must speak for the caller.  An unreadable
+    bundle gives none (the codec then rejects it with a typed error)."""
+    from fedhop.common.wire import fedhop_pb2 as pb
+    try:
+        frames = pb.FrameBundle.FromString(bundle).frames
+    except Exception:
+        return []
+    return [src for src in map(_envelope_src, frames) if src is not None]
+
+
+def _refused_unread(handler, method: str, exc: AuthRefused, refuse) -> grpc.RpcMethodHandler:
+    """A handler that refuses the call without reading its request: a request-streaming handler,
+    whose behaviour gRPC runs before any message arrives, so an unauthenticated call costs at most
+    what HTTP/2 flow control lets in before the refusal, never a whole message (issue 17, item 3).
+    The refusal goes through `on_refused` like any other (the server aggregates it per peer)."""
+    def refuse_now(request_iterator, context):
+        refuse(context, method, exc)   # aborts: context.abort raises
+
+    def refuse_now_stream(request_iterator, context):
+        refuse(context, method, exc)
+        yield from ()
+
+    if handler.unary_stream is not None or handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(refuse_now_stream, response_serializer=handler.response_serializer)
+    return grpc.stream_unary_rpc_method_handler(refuse_now, response_serializer=handler.response_serializer)
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Checks the node credential of every call before the handler runs (module docstring).
+
+    The identity must also match who the message speaks for: Register / Heartbeat `node_id`
+    (checked by `claims_for`) and the Exchange or Call envelope's `src` (checked on the first frame).
+    """
+
+    def __init__(self, creds: NodeCredentials, on_refused: RefusedHook | None = None) -> None:
+        self.creds = creds
+        self.on_refused = on_refused
+        self.refused = 0
+
+    def _refuse(self, context, method: str, exc: AuthRefused) -> NoReturn:
+        self.refused += 1
+        log.warning("refused %s from %s (claims '%s'): %s", method, context.peer(), exc.claimed, exc)
+        if self.on_refused is not None:
+            try:
+                self.on_refused(exc.claimed, method, str(exc), context.peer())
+            except Exception:  # a broken hook must not open the door
+                log.exception("on_refused hook failed")
+        context.abort(exc.status, f"node credential refused: {exc}")
+        raise AssertionError("grpc's context.abort returned")   # it raises; says so to the type checker
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        metadata = {k: v for k, v in (handler_call_details.invocation_metadata or ()) if isinstance(v, str)}
+        creds, refuse = self.creds, self._refuse
+        if (creds.secret or creds.signed is not None) and not creds.mtls:   # a token is metadata: refuse
+            try:                                                                 # before reading any message
+                authenticate(creds, metadata, None, method)
+            except AuthRefused as exc:
+                return _refused_unread(handler, method, exc, refuse)
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            def unary(request, context):
+                try:
+                    identity = authenticate(creds, metadata, context, method)
+                    speaks_for = getattr(request, "node_id", None)
+                    if creds.checks_calls and speaks_for is not None and speaks_for != identity:
+                        raise AuthRefused(grpc.StatusCode.PERMISSION_DENIED,
+                                          f"credential of '{identity}' used for node '{speaks_for}'", speaks_for)
+                except AuthRefused as exc:
+                    refuse(context, method, exc)
+                return inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
+                                                       response_serializer=handler.response_serializer)
+        def caller(context) -> str:
+            """The authenticated node of this call (a refused credential aborts it)."""
+            try:
+                return authenticate(creds, metadata, context, method)
+            except AuthRefused as exc:
+                self._refuse(context, method, exc)   # aborts: context.abort raises
+
+        def speaks_for_caller(context, identity: str, src: str | None) -> None:
+            """With per-call checks, a message's envelope `src` must be the authenticated caller."""
+            if creds.checks_calls and src is not None and src != identity:
+                refuse(context, method, AuthRefused(
+                    grpc.StatusCode.PERMISSION_DENIED, f"credential of '{identity}' used for a message from '{src}'",
+                    src))
+
+        if handler.unary_stream is not None:   # Call: one FrameBundle (common/transport/grpc.py)
+            inner_us = handler.unary_stream
+
+            def unary_stream(request, context):
+                identity = caller(context)
+                for src in (_bundle_srcs(request) if creds.checks_calls else []):
+                    speaks_for_caller(context, identity, src)
+                yield from inner_us(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=handler.request_deserializer,
+                                                        response_serializer=handler.response_serializer)
+        if handler.stream_stream is not None:
+            inner_s = handler.stream_stream
+
+            def stream(request_iterator, context):
+                identity = caller(context)
+                it = iter(request_iterator)
+                first = next(it, None)
+                if first is not None:
+                    speaks_for_caller(context, identity, _envelope_src(first) if creds.checks_calls else None)
+                chained = itertools.chain([first], it) if first is not None else it
+                yield from inner_s(chained, context)
+
+            return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
+                                                         response_serializer=handler.response_serializer)
+        return handler
+
+
+# ----------------------------------------------------------------------------- role command lines
+
+def add_security_args(ap: argparse.ArgumentParser) -> None:
+    """--certs-dir / --insecure (also FEDHOP_CERTS_DIR, FEDHOP_INSECURE=1, FEDHOP_MTLS=1)."""
+    ap.add_argument("--certs-dir", default=os.environ.get("FEDHOP_CERTS_DIR", ""),
+                    help="TLS: the cluster directory from `fedhop certs` (ca.pem, NODE.pem, NODE.key)")
+    ap.add_argument("--mtls", action="store_true", default=os.environ.get("FEDHOP_MTLS", "") == "1",
+                    help="mutual TLS: require a cluster certificate from callers")
+    ap.add_argument("--insecure", action="store_true", default=insecure_from_env(),
+                    help="allow plaintext gRPC to or on non-loopback addresses")
+
+
+def credentials_from_args(args, addresses: list[str]) -> NodeCredentials:
+    """This process's credentials; plaintext off loopback without --insecure is refused."""
+    refusal = plaintext_refusal(addresses, args.insecure, tls=bool(args.certs_dir))
+    if refusal:
+        raise SecurityError(f"refusing to start: {refusal}")
+    return NodeCredentials.from_options(args.node_id, args.certs_dir, args.mtls, env_secret=args.token)
+

@@ -1,0 +1,177 @@
+"""Topologies as data: which edge serves which clients, and each topology's own keys.
+
+A topology is a `[topology]` config section.  Its common keys are `kind`, `edges` and
+`assignment`; the keys that only one kind has live in that kind's params dataclass, declared by
+its spec (common/topologies/), and are validated by the config loader
+(`register_options_schema("topology", "kind", ...)`).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from fedhop.common.topologies import SPECS, spec_for
+from fedhop.common.util.nodeids import edge_index, edge_node  # noqa: F401  # re-exported: the topology's node names
+from fedhop.common.util.rng import numpy_stream
+
+# kind -> its params dataclass (None: no own keys), read from the specs (common/topologies/)
+TOPOLOGY_PARAMS: dict[str, type | None] = {kind: spec.params for kind, spec in SPECS.items()}
+
+
+def topology_params_class(kind: str) -> type | None:
+    """The params dataclass of topology `kind`, built in or a plug-in's (common/topologies
+    `spec_for`).  Raises KeyError for an unknown kind, PluginError (a ValueError) for a plug-in
+    that does not load."""
+    return spec_for(kind).params
+
+
+def topology_params(cfg: Any) -> Any:
+    """The validated params of cfg.topology (built from `options` if the loader did not)."""
+    params = getattr(cfg.topology, "params", None)
+    if params is not None:
+        return params
+    cls = topology_params_class(cfg.topology.kind)
+    return cls(**cfg.topology.options) if cls is not None else None
+
+
+def cluster_assignment(cfg: Any) -> list[list[int]]:
+    """Client ids per edge.
+
+    `assignment = "blocks"`: contiguous blocks of ids (edge e gets the e-th block; sizes differ
+    by at most one).  `"shuffled"`: the same after a seeded permutation (stream
+    "topology/assignment").  A list of lists: exactly those clients per edge.
+    """
+    count, edges = cfg.clients.count, cfg.topology.edges
+    spec = cfg.topology.assignment
+    if isinstance(spec, list):
+        return [sorted(int(c) for c in group) for group in spec]
+    if edges < 1:
+        raise ValueError(f"topology.edges must be >= 1 for topology.kind = '{cfg.topology.kind}'")
+    ids = list(range(count))
+    if spec == "shuffled":
+        ids = [int(i) for i in numpy_stream(cfg.run.seed, "topology/assignment").permutation(count)]
+    elif spec != "blocks":
+        raise ValueError(f"topology.assignment: got '{spec}', allowed: blocks, shuffled, or a list of client lists")
+    base, extra = divmod(count, edges)
+    out, start = [], 0
+    for e in range(edges):
+        size = base + (1 if e < extra else 0)
+        out.append(sorted(ids[start:start + size]))
+        start += size
+    return out
+
+
+def round_edges(cfg: Any, round: int) -> list[int] | None:
+    """The edges taking part in `round` of a hierarchical run: None (all) when
+    `topology.edges_per_round` is 0 or the kind has no such key (only hierarchical has), else
+    that many edges drawn uniformly without replacement from the stream ("edges", round), sorted."""
+    per_round = getattr(topology_params(cfg), "edges_per_round", 0)
+    if per_round == 0:
+        return None
+    edges = len(cluster_assignment(cfg))
+    drawn = numpy_stream(cfg.run.seed, "edges", round).choice(edges, size=min(per_round, edges), replace=False)
+    return sorted(int(e) for e in drawn)
+
+
+def sampling_pool(cfg: Any, round: int) -> list[int]:
+    """The client ids a round samples from: every client, or those of the round's edges."""
+    edges = round_edges(cfg, round)
+    if edges is None:
+        return list(range(cfg.clients.count))
+    clusters = cluster_assignment(cfg)
+    return sorted(c for e in edges for c in clusters[e])
+
+
+# ----------------------------------------------------------------------------- sequential (Fed-CHS)
+def connected(adj: Sequence[Sequence[int]]) -> bool:
+    """Whether the graph given as adjacency lists is connected (a walk from node 0 reaches all)."""
+    seen, todo = {0}, [0]
+    while todo:
+        for v in adj[todo.pop()]:
+            if v not in seen:
+                seen.add(v)
+                todo.append(v)
+    return len(seen) == len(adj)
+
+
+def random_graph(num: int, max_degree: int, seed: int, stream: str = "topology/graph") -> list[list[int]]:
+    """A seeded connected graph on `num` nodes with every degree <= `max_degree`.
+
+    A random spanning tree first (nodes in a seeded order, each joined to a uniformly drawn
+    earlier node that still has a free degree), then every other pair in a seeded order is
+    joined with probability 1/2 while both ends have a free degree (stream `stream`).
+    """
+    if num == 1:
+        return [[]]
+    if max_degree < 2 and num > 2:
+        raise ValueError(f"topology.max_degree: got {max_degree}, a connected graph on {num} edges needs >= 2")
+    rng = numpy_stream(seed, stream)
+    order = [int(v) for v in rng.permutation(num)]
+    adj: list[set[int]] = [set() for _ in range(num)]
+    for i, v in enumerate(order[1:], start=1):
+        free = [u for u in order[:i] if len(adj[u]) < max_degree]
+        u = free[int(rng.integers(len(free)))]
+        adj[u].add(v)
+        adj[v].add(u)
+    pairs = [(a, b) for a in range(num) for b in range(a + 1, num) if b not in adj[a]]
+    for j in rng.permutation(len(pairs)):
+        a, b = pairs[int(j)]
+        if len(adj[a]) < max_degree and len(adj[b]) < max_degree and rng.random() < 0.5:
+            adj[a].add(b)
+            adj[b].add(a)
+    return [sorted(n) for n in adj]
+
+
+def check_graph(spec: list, num: int, key: str, what: str) -> list[list[int]]:
+    """Adjacency lists validated: one list of other node ids 0..num-1 per node, symmetric,
+    connected; returned sorted."""
+    if len(spec) != num:
+        raise ValueError(f"{key}: {len(spec)} adjacency lists for {num} nodes")
+    adj = []
+    for e, row in enumerate(spec):
+        if not isinstance(row, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
+            raise ValueError(f"{key}: entry {e} must be a list of {what}, got {row!r}")
+        bad = [v for v in row if not 0 <= v < num or v == e]
+        if bad:
+            raise ValueError(f"{key}: entry {e} lists {bad}; neighbours are other {what} 0..{num - 1}")
+        adj.append(sorted(set(row)))
+    for e, row in enumerate(adj):
+        for v in row:
+            if e not in adj[v]:
+                raise ValueError(f"{key}: not symmetric, {v} is in entry {e} but {e} is not in entry {v}")
+    if not connected(adj):
+        raise ValueError(f"{key}: the graph {adj} is not connected")
+    return adj
+
+
+def edge_graph(cfg: Any) -> list[list[int]]:
+    """The edge graph of a sequential run as sorted adjacency lists (validated)."""
+    params = topology_params(cfg)
+    num = cfg.topology.edges
+    spec = params.graph
+    if isinstance(spec, list):
+        if len(spec) != num:
+            raise ValueError(f"topology.graph: {len(spec)} adjacency lists for topology.edges = {num}")
+        return check_graph(spec, num, "topology.graph", "edge ids")
+    if spec == "ring":
+        adj = [sorted({(e - 1) % num, (e + 1) % num} - {e}) for e in range(num)]
+    elif spec == "random":
+        adj = random_graph(num, params.max_degree, cfg.run.seed)
+    else:
+        raise ValueError(f"topology.graph: got {spec!r}, allowed: \"ring\", \"random\" or adjacency lists [[1, 2], ...]")
+    if not connected(adj):
+        raise ValueError(f"topology.graph: the edge graph {adj} is not connected")
+    return adj
+
+
+def start_edge(cfg: Any) -> int:
+    """m(0): `topology.start` as given, or uniform from the stream "topology/start"."""
+    start = topology_params(cfg).start
+    num = cfg.topology.edges
+    if start == "random":
+        return int(numpy_stream(cfg.run.seed, "topology/start").integers(num))
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < num:
+        raise ValueError(f"topology.start: got {start!r}, allowed: \"random\" or an edge id 0..{num - 1}")
+    return start
+
+
+SEQ_METRIC_PREFIX = "metric:"   # scalars of a Fed-CHS round reply that are the edge's evaluation of the model

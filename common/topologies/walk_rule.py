@@ -1,0 +1,127 @@
+"""WRWGD: weighted random-walk gradient descent over a graph of clients (Ayache & El Rouayheb
+2019), the Fed-CHS paper's decentralised baseline (shared/research/seed-004.md section 3.4).
+
+One model walks a graph of clients; there is no parameter server on the data path.
+
+- **Graph.** `topology.graph`: explicit adjacency lists, "random" (a seeded connected graph,
+  every degree <= `topology.max_degree`; the paper: at most 3), "ring" or "complete".
+- **Stationary law.** `topology.stationary`: the walk's target distribution pi.  The paper sets
+  pi_i proportional to L_i, the local smoothness constant, which no neural network exposes;
+  "data" (pi_i ∝ D_i, the default), "uniform", or a list of positive per-client weights (L_i
+  where the user knows them).
+- **Transition rule** (Metropolis-Hastings with a uniform proposal over the neighbours, so the
+  stationary law is pi):  P_ij = (1/d_i) min(1, pi_j d_i / (pi_i d_j)) for j in N(i), and
+  P_ii = 1 - sum_j P_ij (the proposal was rejected: the model stays).
+- **Importance weight.** The walk visits i with frequency pi_i, so the step is scaled to stay
+  unbiased for the objective F = sum_i p_i f_i:  w <- w - eta (p_i / pi_i) grad f_i(w).  With
+  the paper's objective p_i = 1/N (`topology.objective = "uniform"`, the default) this is
+  the digest's  w <- w - (eta / (N pi_i)) grad f_i(w);  "data" takes p_i = D_i / D_A.
+- **K local steps per visit** (`algorithm.local_steps`; the paper: 20).  The visited client runs
+  the algorithm's local solver from w and the walk takes w <- w + (p_i / pi_i) Delta_i.  With
+  K = 1 this is exactly the step above; for K > 1 it scales the K-step update (an extension:
+  the paper states only the one-step rule).
+- **Draws.** The start client is uniform from the stream ("walk/start") unless
+  `topology.start` names one; hop h of round r moves by one uniform draw u from the stream
+  ("walk", r, h): the next client is the first candidate, in the order [i, then N(i) ascending],
+  whose cumulative probability exceeds u.
+
+Every process computes the same `WalkRule` from the config, so the rule lives here alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from fedhop.common.util.rng import numpy_stream
+
+
+def client_graph(spec: str | list, num: int, max_degree: int, seed: int) -> list[list[int]]:
+    """The walk's client graph as sorted adjacency lists (validated: symmetric, connected)."""
+    from fedhop.common.topologies.graphs import check_graph, random_graph
+    if isinstance(spec, list):
+        return check_graph(spec, num, "topology.graph", "client ids")
+    if spec == "ring":
+        adj = [sorted({(c - 1) % num, (c + 1) % num} - {c}) for c in range(num)]
+    elif spec == "complete":
+        adj = [[d for d in range(num) if d != c] for c in range(num)]
+    elif spec == "random":
+        adj = random_graph(num, max_degree, seed, stream="topology/client_graph")
+    else:
+        raise ValueError(f"topology.graph: got {spec!r}, allowed: \"random\", \"ring\", \"complete\" or adjacency "
+                         f"lists [[1, 2], ...]")
+    return check_graph(adj, num, "topology.graph", "client ids")
+
+
+def metropolis_hastings(graph: Sequence[Sequence[int]], pi: np.ndarray) -> np.ndarray:
+    """P with P_ij = (1/d_i) min(1, pi_j d_i / (pi_i d_j)) on the graph's edges and the rest
+    of each row on the diagonal: a reversible chain whose stationary law is pi."""
+    n = len(graph)
+    deg = np.array([len(row) for row in graph], dtype=float)
+    P = np.zeros((n, n))
+    for i, row in enumerate(graph):
+        for j in row:
+            P[i, j] = min(1.0, pi[j] * deg[i] / (pi[i] * deg[j])) / deg[i]
+        P[i, i] = max(0.0, 1.0 - P[i].sum())
+    return P
+
+
+@dataclass(frozen=True)
+class WalkRule:
+    graph: list[list[int]]
+    pi: np.ndarray           # stationary law
+    p: np.ndarray            # objective weights p_i
+    P: np.ndarray            # transition matrix
+    seed: int
+
+    @classmethod
+    def from_config(cls, cfg: Any, sizes: Sequence[int]) -> "WalkRule":
+        from fedhop.common.topologies.graphs import topology_params
+        params = topology_params(cfg)
+        n = cfg.clients.count
+        graph = client_graph(params.graph, n, params.max_degree, cfg.run.seed)
+        sizes_a = np.asarray(sizes, dtype=float)
+        pi = _weights(params.stationary, sizes_a, "topology.stationary")
+        p = _weights(params.objective, sizes_a, "topology.objective")
+        return cls(graph, pi, p, metropolis_hastings(graph, pi), cfg.run.seed)
+
+    def scale(self, client: int) -> float:
+        """The importance weight p_i / pi_i of a visit to `client`."""
+        return float(self.p[client] / self.pi[client])
+
+    def candidates(self, client: int) -> list[int]:
+        """Where the model can go from `client`: itself (a rejected proposal), then its neighbours."""
+        return [client] + list(self.graph[client])
+
+    def next_client(self, client: int, round: int, hop: int) -> int:
+        """The client after `client` at hop `hop` of `round` (module docstring, "Draws")."""
+        u = numpy_stream(self.seed, "walk", round, hop).random()
+        cands = self.candidates(client)
+        cum = np.cumsum([self.P[client, c] for c in cands])
+        idx = int(np.searchsorted(cum, u, side="right"))
+        return cands[min(idx, len(cands) - 1)]
+
+
+def start_client(start: int | str, num: int, seed: int) -> int:
+    """The walk's first client: `topology.start` as given, or uniform from ("walk/start")."""
+    if start == "random":
+        return int(numpy_stream(seed, "walk/start").integers(num))
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < num:
+        raise ValueError(f"topology.start: got {start!r}, allowed: \"random\" or a client id 0..{num - 1}")
+    return start
+
+
+def _weights(spec: str | list, sizes: np.ndarray, key: str) -> np.ndarray:
+    n = len(sizes)
+    if spec == "data":
+        w = sizes
+    elif spec == "uniform":
+        w = np.ones(n)
+    elif isinstance(spec, list):
+        if len(spec) != n or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in spec):
+            raise ValueError(f"{key}: a list needs {n} positive numbers (one per client), got {spec!r}")
+        w = np.asarray(spec, dtype=float)
+    else:
+        raise ValueError(f"{key}: got {spec!r}, allowed: \"data\", \"uniform\" or a list of {n} positive weights")
+    return w / w.sum()

@@ -1,0 +1,3 @@
+"""Leaf helpers every layer may use: seeded random streams (rng), node ids (nodeids), the
+plug-in loader and its allow-list (plugins), process titles (proctitle) and a child's tie to its
+launcher (procexit).  They import nothing of fedhop above common/util/."""

@@ -1,0 +1,739 @@
+"""Tensor codec: Payload <-> a header Envelope plus raw little-endian data frames.
+
+Wire format (proto/fedhop.proto): a stream of `Frame` messages.  The first carries the
+`Envelope` (tensor specs, scalars, routing); the rest carry the tensors' bytes, concatenated
+in spec order and cut into chunks of at most `chunk_bytes`.
+
+Copies, the cost that dominates on this machine (shared/research/limits.md):
+- encode: tensor memory -> frame bytes is one copy per byte (`bytes.join` over memoryviews
+  of the tensors); the frame is a valid protobuf `Frame{data}` message built by hand (tag
+  0x12, varint length, bytes), so no second serialisation pass is made.  The frames are cut at
+  encode time (they are the message's snapshot: a later in-place change of the tensors does not
+  reach them) or, for tensors handed over (`hand_over`), as the send pulls them (`Frames`);
+- decode: each data frame is copied once into one preallocated buffer; every tensor is then a
+  zero-copy view of that buffer (a tensor whose offset is misaligned for its dtype is copied).
+  A large buffer whose tensors are all gone is reused by the next message of its size
+  (`RecvBuffers`): a fresh one costs its page faults again on every message, 0.3-0.9 CPU s/GB
+  here, as much as the copy itself (docs/performance.md, "Large models").
+
+Everything received is validated before use: declared sizes against the limit before any
+allocation, dtype names, nbytes = prod(shape) * itemsize, total bytes, frame order, and the
+XXH3-64 checksum of the data bytes when the sender put one in the envelope (`encode(..., checksum=True)`,
+the default): plaintext TCP has no end-to-end integrity check above the hop, so a corrupted
+tensor byte would otherwise decode as a valid, wrong number.  The checksum is XXH3-64 (the
+`xxhash` package, ~25 GB/s here; zlib's CRC-32 runs at ~5.5 GB/s and halved the codec's speed).
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+import os
+import sys
+import threading
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+import xxhash
+
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import Payload, Scalar
+
+if sys.byteorder != "little":  # pragma: no cover
+    raise RuntimeError("fedhop's wire format is little-endian; this host is big-endian")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "complex64": torch.complex64, "complex128": torch.complex128,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        DTYPES[_name] = getattr(torch, _name)
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+
+_TAG_HEADER = 0x0A  # Frame field 1 (header), wire type 2
+_TAG_DATA = 0x12    # Frame field 2 (data), wire type 2
+DEFAULT_CHUNK = 4 * 1024 * 1024
+FRAME_OVERHEAD = 5  # gRPC length-prefixed message framing, per message
+
+
+class PayloadError(ValueError):
+    """A received payload is malformed; `code` names the failure class for the ledger/events."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.detail = message
+
+
+# ----------------------------------------------------------------------------- varints
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise PayloadError("MALFORMED_FRAME", "truncated or overlong varint in frame header")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+# ----------------------------------------------------------------------------- scalars
+def scalar_to_pb(value: Scalar, out: pb.Scalar) -> None:
+    if isinstance(value, bool):
+        out.b = value
+    elif isinstance(value, int):
+        out.i = value
+    elif isinstance(value, float):
+        out.f = value
+    elif isinstance(value, str):
+        out.s = value
+    else:
+        raise TypeError(f"scalar of unsupported type {type(value).__name__}")
+
+
+def scalar_from_pb(s: pb.Scalar) -> Scalar:
+    kind = s.WhichOneof("value")
+    if kind is None:
+        raise PayloadError("MALFORMED_SCALAR", "scalar with no value")
+    return getattr(s, kind)
+
+
+# ----------------------------------------------------------------------------- encode
+def tensor_bytes_view(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a flat memoryview (copies only if it is not contiguous)."""
+    flat = t.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only for Python >= 3.12
+
+
+class SnapshotChanged(RuntimeError):
+    """A handed-over tensor (`hand_over`) was changed in place while its message was being sent."""
+
+
+class _Cuts:
+    """The data frames of one message over its tensors' bytes (`views`, in spec order): frame k
+    is bytes [k * chunk_bytes, (k + 1) * chunk_bytes) of their concatenation, a hand-built
+    protobuf `Frame{data}` (tag 0x12, length varint, bytes), cut with one copy.  Each frame is cut
+    once, on first use, and kept (a message sent to many peers is cut once); the views are let go
+    once every frame is cut.  Concurrent calls may race to cut the same frame: both cut the same
+    bytes and one is kept.  `guards`: (tensor, version) of handed-over tensors, checked at each
+    cut so that bytes changed in place after encode are never sent.  `keep=False` (handed-over
+    tensors only): no frame is kept, each send cuts its own as it pulls them, so a message sent
+    to many peers never exists whole as frames (a copy per send instead of a model held)."""
+
+    __slots__ = ("views", "ends", "chunk_bytes", "total", "cut", "left", "guards", "lock", "keep")
+
+    def __init__(self, views: list[memoryview], chunk_bytes: int, guards: list | None = None,
+                 keep: bool = True) -> None:
+        self.views: list[memoryview] | None = [v for v in views if len(v)]
+        self.ends: list[int] = []
+        total = 0
+        for v in self.views:
+            total += len(v)
+            self.ends.append(total)
+        self.chunk_bytes = chunk_bytes
+        self.total = total
+        self.cut: list[bytes | None] = [None] * -(-total // chunk_bytes)
+        self.left = len(self.cut)
+        self.guards = guards or []
+        self.lock = threading.Lock()
+        self.keep = keep or not guards   # a snapshot (nothing handed over) is always kept
+
+    def _pieces(self, start: int, stop: int) -> list[memoryview]:
+        views = self.views
+        assert views is not None   # the caller (`__getitem__`) checked: not every frame is cut
+        i = bisect.bisect_right(self.ends, start)
+        pieces = []
+        while start < stop:
+            begin = self.ends[i] - len(views[i])
+            take = min(stop, self.ends[i]) - start
+            pieces.append(views[i][start - begin:start - begin + take])
+            start += take
+            i += 1
+        return pieces
+
+    def __getitem__(self, k: int) -> bytes:
+        frame = self.cut[k]
+        if frame is not None:
+            return frame
+        views = self.views
+        if views is None:   # another thread cut the last frame (and let the views go) meanwhile
+            return self.cut[k]   # type: ignore[return-value]  # views go only once every frame is cut
+        for t, version in self.guards:
+            if t._version != version:
+                raise SnapshotChanged("a handed-over tensor was changed in place while its message was being sent")
+        start = k * self.chunk_bytes
+        pieces = self._pieces(start, min(start + self.chunk_bytes, self.total))
+        frame = b"".join([_data_prefix(sum(len(p) for p in pieces)), *pieces])   # the one copy of these bytes
+        if not self.keep:
+            return frame
+        with self.lock:
+            if self.cut[k] is None:
+                self.cut[k] = frame
+                self.left -= 1
+                if self.left == 0:
+                    self.views, self.guards = None, []
+            return self.cut[k]   # type: ignore[return-value]  # set just above (by this thread or another)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _cut_pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedhop-cut")
+        return _POOL
+
+
+def hand_over(payload: Payload, keep_frames: bool = True) -> Payload:
+    """Hand the payload's tensors over to the codec: the caller will not change them in place from
+    now on, so `encode` neither snapshots them nor cuts frames before the send, but cuts each frame
+    from the tensors' own memory as gRPC pulls it, overlapped with the send of the previous one.  A
+    tensor changed in place after all (torch's version counter moved) makes the send fail
+    (`SnapshotChanged`) rather than carry bytes other than those encoded; the receiver's XXH3
+    check covers writes that bypass the counter.  `keep_frames=False`: a frame, once sent, is not
+    kept for the next send of the same message (`_Cuts`): each send cuts its own, and no
+    model-sized set of frames is held while the message goes to many peers.  Returns the payload."""
+    for t in payload.tensors.values():
+        t._fedhop_handed_over = t._version   # type: ignore[attr-defined]  # a marker `encode` reads with getattr
+        t._fedhop_keep_frames = keep_frames   # type: ignore[attr-defined]
+    return payload
+
+
+class Frames(Sequence):
+    """A message's frames, a read-only sequence of `bytes`: its header frame, then its data frames
+    (`_Cuts`), cut at encode time or, for handed-over tensors, only when pulled: gRPC pulls the
+    next frame of a stream while the previous one is being sent, so that copy overlaps the send.
+    The frames' lengths follow from the chunk layout (`lengths`) and are known without cutting.
+    The bytes are exactly those of an eager cut."""
+
+    __slots__ = ("header", "_cuts", "_count")
+
+    def __init__(self, header: bytes, data: "list[memoryview] | _Cuts", chunk_bytes: int = DEFAULT_CHUNK) -> None:
+        self.header = header
+        self._cuts = data if isinstance(data, _Cuts) else _Cuts(list(data), chunk_bytes)
+        self._count = 1 + len(self._cuts.cut)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._cuts.chunk_bytes
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self._count))]
+        if i < 0:
+            i += self._count
+        if not 0 <= i < self._count:
+            raise IndexError("frame index out of range")
+        return self.header if i == 0 else self._cuts[i - 1]
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self.header
+        cuts = self._cuts
+        for k in range(self._count - 1):
+            yield cuts[k]
+
+    def stream(self, ahead: int = 2) -> Iterator[bytes]:
+        """The frames for a send: data frames not cut yet are cut `ahead` frames in advance by
+        helper threads, so that the copy overlaps the send of the frames before (grpcio pulls the
+        next request message only once the previous one is sent)."""
+        cuts = self._cuts
+        if cuts.left == 0:
+            yield from self
+            return
+        yield self.header
+        pool = _cut_pool()
+        n = self._count - 1
+        pending = collections.deque(pool.submit(cuts.__getitem__, k) for k in range(min(ahead, n)))
+        for k in range(n):
+            frame = pending.popleft().result()
+            if k + ahead < n:
+                pending.append(pool.submit(cuts.__getitem__, k + ahead))
+            yield frame
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (Frames, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None   # type: ignore[assignment]  # unhashable, as a list is
+
+    def __add__(self, other) -> list[bytes]:   # as a list would: frames of several messages, one bundle
+        return [*self, *other]
+
+    def __radd__(self, other) -> list[bytes]:
+        return [*other, *self]
+
+    def lengths(self) -> list[int]:
+        """Every frame's length, from the chunk layout (nothing is cut)."""
+        total, chunk = self._cuts.total, self._cuts.chunk_bytes
+        full, last = divmod(total, chunk)
+        sizes = [chunk] * full + ([last] if last else [])
+        return [len(self.header), *(1 + len(_varint(n)) + n for n in sizes)]
+
+    def with_header(self, header: bytes) -> "Frames":
+        """The same data frames (the same snapshot) under another header frame."""
+        return Frames(header, self._cuts)
+
+
+def frame_lengths(frames: Sequence[bytes]) -> list[int]:
+    """The frames' lengths; lazy `Frames` say them without cutting."""
+    return frames.lengths() if isinstance(frames, Frames) else [len(f) for f in frames]
+
+
+@dataclass
+class Encoded:
+    """The frames of one message, and their sizes for the ledger.  `frames` is a `Frames` (data
+    cut lazily from the encode-time snapshot) or, for a message assembled from others' frames (a
+    batch), a list."""
+
+    frames: Sequence[bytes]
+    envelope: pb.Envelope
+    tensor_bytes: int
+    framing: int | None = None   # gRPC framing bytes when sent bundled (`bundle_framing`); None: streamed
+
+    def frame_lengths(self) -> list[int]:
+        return frame_lengths(self.frames)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(self.frame_lengths())
+
+    def with_header(self, envelope: pb.Envelope) -> "Encoded":
+        """The same data frames under another header (one model sent to many clients is snapshot
+        once; its frames are cut per call, as sent).  Tensor specs, scalars, control data and data
+        size are copied from this message."""
+        envelope.tensors.extend(self.envelope.tensors)
+        for k, v in self.envelope.scalars.items():
+            envelope.scalars[k].CopyFrom(v)
+        if self.envelope.HasField("control"):
+            envelope.control.CopyFrom(self.envelope.control)
+        envelope.data_bytes = self.envelope.data_bytes
+        if self.envelope.HasField("data_xxh3"):
+            envelope.data_xxh3 = self.envelope.data_xxh3
+        else:
+            envelope.ClearField("data_xxh3")
+        header = _header_frame(envelope)
+        if isinstance(self.frames, Frames):
+            frames: Sequence[bytes] = self.frames.with_header(header)
+        else:
+            frames = [header, *self.frames[1:]]
+        return Encoded(frames=frames, envelope=envelope, tensor_bytes=self.tensor_bytes)
+
+    @property
+    def framed_bytes(self) -> int:
+        overhead = self.framing if self.framing is not None else FRAME_OVERHEAD * len(self.frames)
+        return self.payload_bytes + overhead
+
+
+def bundle_framing(frame_lengths) -> int:
+    """The bytes a `FrameBundle` (one unary request of whole frames) adds to its frames on the
+    wire: gRPC's 5-byte prefix once, and each frame's field tag and length varint."""
+    return FRAME_OVERHEAD + sum(1 + len(_varint(n)) for n in frame_lengths)
+
+
+def frame_framing(frame_lengths) -> int:
+    """The bytes each frame adds inside a `FrameBundle` (its field tag and length varint): a
+    message's share of a bundle that carries several (a batch); the bundle's 5-byte gRPC prefix
+    is the first message's."""
+    return sum(1 + len(_varint(n)) for n in frame_lengths)
+
+
+def split_bundle(frames: list[bytes]) -> list[list[bytes]]:
+    """The messages of a bundle that carries several (a batch: one call to one process for
+    several logical clients), each a header frame and the data frames its envelope declares.
+    A bundle that does not parse so comes back whole, as one message, for the decoder to reject
+    with its usual typed error."""
+    messages: list[list[bytes]] = []
+    need = 0
+    for frame in frames:
+        try:
+            mv = memoryview(frame)
+            length, start = _read_varint(mv, 1)
+            if mv[0] == _TAG_HEADER and need == 0:
+                need = int(pb.Envelope.FromString(bytes(mv[start:start + length])).data_bytes)
+                messages.append([frame])
+                continue
+            if mv[0] != _TAG_HEADER and 0 < length <= need and messages:
+                need -= length
+                messages[-1].append(frame)
+                continue
+        except Exception:   # a truncated varint or header: not a batch this function can split
+            pass
+        return [frames]
+    return messages if messages and need == 0 else [frames]
+
+
+def bundle_bytes(frames: Sequence[bytes]) -> bytes:
+    """`FrameBundle(frames=frames)` serialized: field 1 (tag 0x0A), a length varint, the frame."""
+    return b"".join(part for f in frames for part in (b"\x0a", _varint(len(f)), f))
+
+
+def make_envelope(*, run_id: str, round: int, src: str, dst: str, method: str, step: int = 0,
+                  token: str = "", msg_id: str | None = None) -> pb.Envelope:
+    return pb.Envelope(run_id=run_id, round=round, step=step, src=src, dst=dst, method=method,
+                       msg_id=msg_id or uuid.uuid4().hex, token=token)
+
+
+def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_CHUNK,
+           checksum: bool = True) -> Encoded:
+    """Fill `envelope` with the payload's specs and scalars, and make the message's `Frames`.
+
+    The frames carry the values the tensors had at encode time, whatever the caller does to them
+    later while a call is still sending (a message sent to many peers is encoded once and shared,
+    `Encoded.with_header`).  By default the data frames are cut here, from the tensors' memory:
+    the frames are then the snapshot (one copy, as the cut needs anyway), each hashed right after
+    it is cut, while in cache.  Tensors handed over (`hand_over`) need no snapshot: they are
+    hashed here and their frames cut only as the send pulls them (`Frames`).
+
+    `checksum`: put the XXH3-64 of the data bytes in the envelope (the receiver verifies it)."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    views: list[memoryview] = []
+    guards: list | None = []
+    keep = False   # handed-over tensors whose frames are cut per send (`hand_over(keep_frames=False)`)
+    total = 0
+    del envelope.tensors[:]
+    for name, t in payload.tensors.items():
+        if t.dtype not in DTYPE_NAMES:
+            raise TypeError(f"tensor '{name}': dtype {t.dtype} is not supported by the codec")
+        view = tensor_bytes_view(t)
+        envelope.tensors.add(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape),
+                             nbytes=len(view))
+        if guards is not None and getattr(t, "_fedhop_handed_over", None) == t._version:
+            guards.append((t, t._version))
+            keep = keep or getattr(t, "_fedhop_keep_frames", True)
+        else:
+            guards = None   # one tensor not handed over: the message is cut (snapshot) now
+        views.append(view)
+        total += len(view)
+    digest = xxhash.xxh3_64() if checksum else None
+    cuts = _Cuts(views, chunk_bytes, guards, keep=keep or not views)
+    if guards is None:
+        for k in range(len(cuts.cut)):
+            frame = cuts[k]
+            if digest is not None:
+                digest.update(memoryview(frame)[len(frame) - min(chunk_bytes, total - k * chunk_bytes):])
+    elif digest is not None:
+        for view in views:
+            digest.update(view)
+    envelope.scalars.clear()
+    for name, value in payload.scalars.items():
+        scalar_to_pb(value, envelope.scalars[name])
+    if payload.control is not None and payload.control.ByteSize():   # empty control data is no control data
+        envelope.control.CopyFrom(payload.control)
+    else:
+        envelope.ClearField("control")
+    envelope.data_bytes = total
+    if digest is not None:
+        envelope.data_xxh3 = digest.intdigest()
+    else:
+        envelope.ClearField("data_xxh3")
+    return Encoded(frames=Frames(_header_frame(envelope), cuts), envelope=envelope, tensor_bytes=total)
+
+
+def _header_frame(envelope: pb.Envelope) -> bytes:
+    head = envelope.SerializeToString()
+    return b"".join((bytes([_TAG_HEADER]), _varint(len(head)), head))
+
+
+_PREFIXES: dict[int, bytes] = {}
+
+
+def _data_prefix(n: int) -> bytes:
+    """A data frame's tag and length varint (cached: every full chunk has the same)."""
+    prefix = _PREFIXES.get(n)
+    if prefix is None:
+        prefix = bytes([_TAG_DATA]) + _varint(n)
+        if len(_PREFIXES) < 64:
+            _PREFIXES[n] = prefix
+    return prefix
+
+
+# ----------------------------------------------------------------------------- decode
+class RecvBuffers:
+    """Receive buffers of large messages, each reused once nothing decoded from it is alive.
+
+    A decoded message's tensors are views of its buffer (`FrameDecoder.finish`), so a buffer is
+    free exactly when this pool holds its only reference: torch tensors made from it (views,
+    reshapes) keep the numpy array alive through their storage.  `take(n)` hands out a free
+    buffer of exactly `n` bytes, or a new one that the pool remembers; the pool remembers the
+    `keep` most recent buffers of at least `min_bytes` (smaller ones come from malloc's heap,
+    which reuses freed memory by itself).  A remembered buffer in use is never handed out, and
+    every byte of a reused buffer is overwritten before a tensor sees it (`finish` checks that
+    the frames filled the declared size), so reuse cannot show one message's bytes in another."""
+
+    def __init__(self, keep: int = 2, min_bytes: int = 8 << 20) -> None:
+        self.keep, self.min_bytes = keep, min_bytes
+        self._bufs: collections.deque[np.ndarray] = collections.deque()
+        self._lock = threading.Lock()
+        self.reused = 0   # buffers handed out again (tests, benchmarks)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        if nbytes < self.min_bytes or self.keep <= 0:
+            return np.empty(nbytes, dtype=np.uint8)
+        with self._lock:
+            for i in range(len(self._bufs)):
+                buf = self._bufs[i]
+                # referenced by the deque, `buf` and getrefcount's argument only: nothing else holds it
+                if buf.nbytes == nbytes and sys.getrefcount(buf) == 3:
+                    del self._bufs[i]
+                    self._bufs.append(buf)
+                    self.reused += 1
+                    return buf
+            buf = np.empty(nbytes, dtype=np.uint8)
+            self._bufs.append(buf)
+            while len(self._bufs) > self.keep:
+                self._bufs.popleft()   # forgotten here; freed once its tensors are
+            return buf
+
+    def clear(self) -> None:
+        with self._lock:
+            self._bufs.clear()
+
+
+def _keep_from_env() -> int:
+    """FEDHOP_RECV_BUFFERS: how many large receive buffers a process remembers (default 2; 0
+    turns reuse off, as before it existed: `fedhop bench large` compares the two)."""
+    text = os.environ.get("FEDHOP_RECV_BUFFERS", "2")
+    try:
+        return max(0, int(text))
+    except ValueError:
+        raise ValueError(f"FEDHOP_RECV_BUFFERS={text!r}: expected a whole number of buffers (0 turns reuse off)") from None
+
+
+#: the process's receive buffers (every FrameDecoder that is not given others)
+RECV_BUFFERS = RecvBuffers(keep=_keep_from_env())
+
+
+@dataclass
+class Decoded:
+    envelope: pb.Envelope
+    payload: Payload
+    payload_bytes: int
+    frames: int
+    tensor_bytes: int
+    framing: int | None = None   # as Encoded.framing: set when the message arrived bundled
+
+    @property
+    def framed_bytes(self) -> int:
+        return self.payload_bytes + (self.framing if self.framing is not None else FRAME_OVERHEAD * self.frames)
+
+
+@dataclass(frozen=True)
+class ReplyBound:
+    """The most a reply may declare: its tensor data and its header frame (common/processors/validation.py
+    `reply_bound` computes it from the algorithm's reply spec)."""
+
+    data_bytes: int
+    header_bytes: int
+
+
+@dataclass
+class FrameDecoder:
+    """Consumes the frames of one message in order; `finish()` returns the decoded message."""
+
+    max_payload_bytes: int = 1 << 31
+    max_header_bytes: int | None = None   # a caller that knows the reply's shape bounds its header too
+    # a server's check of an incoming request's header before any of its data is accepted or
+    # allocated: raises PayloadError (a refused method or caller) or returns the most data bytes
+    # the request's method may carry (common/transport/admission.py `RequestGate`)
+    admit: Callable[[pb.Envelope], int] | None = None
+    buffers: RecvBuffers | None = None    # where the message's buffer comes from (None: RECV_BUFFERS)
+    envelope: pb.Envelope | None = None
+    _buffer: np.ndarray | None = None
+    _filled: int = 0
+    _payload_bytes: int = 0
+    _frames: int = 0
+    _digest: "xxhash.xxh3_64 | None" = None
+
+    @property
+    def filled(self) -> int:
+        """Tensor data bytes received so far."""
+        return self._filled
+
+    @property
+    def payload_bytes(self) -> int:
+        """Frame bytes fed so far (headers and data)."""
+        return self._payload_bytes
+
+    @property
+    def frames(self) -> int:
+        """Frames fed so far."""
+        return self._frames
+
+    @property
+    def complete(self) -> bool:
+        """The header and every data byte it declares have arrived."""
+        return self.envelope is not None and self._filled == self.envelope.data_bytes
+
+    def feed(self, frame: bytes) -> None:
+        self._frames += 1
+        self._payload_bytes += len(frame)
+        mv = memoryview(frame)
+        if len(mv) == 0:
+            raise PayloadError("MALFORMED_FRAME", "empty frame")
+        tag = mv[0]
+        length, start = _read_varint(mv, 1)
+        if start + length != len(mv):
+            raise PayloadError("MALFORMED_FRAME",
+                               f"frame declares {length} bytes but carries {len(mv) - start}")
+        if tag == _TAG_HEADER:
+            if self.max_header_bytes is not None and length > self.max_header_bytes:
+                raise PayloadError("TOO_LARGE", f"header frame of {length} bytes; the limit is {self.max_header_bytes}")
+            if self.envelope is not None:
+                raise PayloadError("MALFORMED_FRAME", "second header frame in one message")
+            env = pb.Envelope()
+            try:
+                env.ParseFromString(mv[start:])
+            except Exception as exc:  # protobuf's DecodeError
+                raise PayloadError("MALFORMED_HEADER", f"cannot parse envelope: {exc}") from None
+            self._start(env)
+        elif tag == _TAG_DATA:
+            if self.envelope is None:
+                raise PayloadError("MALFORMED_FRAME", "data frame before the header frame")
+            if self._filled + length > self.envelope.data_bytes:
+                raise PayloadError("SIZE_MISMATCH",
+                                   f"data frames exceed the declared {self.envelope.data_bytes} bytes")
+            assert self._buffer is not None
+            self._buffer[self._filled:self._filled + length] = np.frombuffer(
+                frame, dtype=np.uint8, count=length, offset=start)
+            if self._digest is not None:   # while the frame is still in cache, not in a second pass at the end
+                self._digest.update(mv[start:])
+            self._filled += length
+        else:
+            raise PayloadError("MALFORMED_FRAME", f"unknown frame tag 0x{tag:02x}")
+
+    def _start(self, env: pb.Envelope) -> None:
+        declared = int(env.data_bytes)
+        if self.admit is not None:   # the method and caller first: a refused request's data is never read
+            try:
+                self.max_payload_bytes = min(self.max_payload_bytes, self.admit(env))
+            except PayloadError:
+                self.envelope = env   # routed: the refusal is recorded and answered to its sender
+                raise
+        if declared > self.max_payload_bytes:
+            raise PayloadError("TOO_LARGE", f"message declares {declared} data bytes; the limit is "
+                                            f"{self.max_payload_bytes}")
+        total = 0
+        for spec in env.tensors:
+            if spec.dtype not in DTYPES:
+                raise PayloadError("BAD_DTYPE", f"tensor '{spec.name}': unknown dtype '{spec.dtype}' "
+                                                f"(allowed: {', '.join(DTYPES)})")
+            if any(d < 0 for d in spec.shape):
+                raise PayloadError("BAD_SHAPE", f"tensor '{spec.name}': negative dimension in {list(spec.shape)}")
+            itemsize = ITEMSIZE[spec.dtype]
+            expect = math.prod(spec.shape) * itemsize
+            if expect != spec.nbytes:
+                raise PayloadError("SIZE_MISMATCH",
+                                   f"tensor '{spec.name}': shape {list(spec.shape)} of {spec.dtype} is "
+                                   f"{expect} bytes but {spec.nbytes} are declared")
+            total += expect
+        if total != declared:
+            raise PayloadError("SIZE_MISMATCH", f"tensor specs add up to {total} bytes but the message "
+                                                f"declares {declared}")
+        names = [s.name for s in env.tensors]
+        if len(set(names)) != len(names):
+            raise PayloadError("BAD_NAME", "duplicate tensor names in one message")
+        self.envelope = env
+        self._buffer = (self.buffers or RECV_BUFFERS).take(declared)
+        self._digest = xxhash.xxh3_64() if env.HasField("data_xxh3") else None
+
+    def finish(self) -> Decoded:
+        if self.envelope is None:
+            raise PayloadError("MALFORMED_FRAME", "message ended before its header frame")
+        env = self.envelope
+        if self._filled != env.data_bytes:
+            raise PayloadError("SIZE_MISMATCH", f"message ended after {self._filled} of "
+                                                f"{env.data_bytes} declared data bytes")
+        assert self._buffer is not None
+        if env.HasField("data_xxh3"):
+            assert self._digest is not None   # made when the header declared data_xxh3
+            digest = self._digest.intdigest()   # over every data byte, frame by frame (`feed`)
+            if digest != env.data_xxh3:
+                self._buffer = None   # refused: nothing will be made of these bytes
+                raise PayloadError("CHECKSUM_MISMATCH", f"data bytes have XXH3-64 {digest:016x}, the sender's "
+                                                        f"envelope says {env.data_xxh3:016x}: corrupted in transit")
+        base = torch.from_numpy(self._buffer)
+        self._buffer = None   # the tensors hold it now: it is free for reuse once they are gone
+        tensors: dict[str, torch.Tensor] = {}
+        offset = 0
+        for spec in env.tensors:
+            dtype = DTYPES[spec.dtype]
+            n = int(spec.nbytes)
+            raw = base[offset:offset + n]
+            if n == 0:
+                t = torch.empty(tuple(spec.shape), dtype=dtype)
+            else:
+                itemsize = ITEMSIZE[spec.dtype]
+                if offset % itemsize:
+                    raw = raw.clone()  # misaligned for this dtype: one copy
+                t = raw.view(dtype).reshape(tuple(spec.shape))
+            tensors[spec.name] = t
+            offset += n
+        scalars = {k: scalar_from_pb(v) for k, v in env.scalars.items()}
+        control = env.control if env.HasField("control") else None
+        return Decoded(envelope=env, payload=Payload(tensors=tensors, scalars=scalars, control=control),
+                       payload_bytes=self._payload_bytes, frames=self._frames,
+                       tensor_bytes=int(env.data_bytes))
+
+
+def decode_frames(frames: Iterable[bytes], max_payload_bytes: int = 1 << 31,
+                  max_header_bytes: int | None = None) -> Decoded:
+    dec = FrameDecoder(max_payload_bytes=max_payload_bytes, max_header_bytes=max_header_bytes)
+    for f in frames:
+        dec.feed(f)
+    return dec.finish()
+
+
+# ----------------------------------------------------------------------------- expectations
+def check_tensors(payload: Payload, expected: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                  who: str, allow_extra: bool = False) -> None:
+    """Reject a payload whose tensor names, dtypes or shapes differ from `expected`."""
+    missing = [n for n in expected if n not in payload.tensors]
+    if missing:
+        raise PayloadError("BAD_NAME", f"{who}: missing tensors {missing}")
+    if not allow_extra:
+        extra = [n for n in payload.tensors if n not in expected]
+        if extra:
+            raise PayloadError("BAD_NAME", f"{who}: unexpected tensors {extra}")
+    for name, (dtype, shape) in expected.items():
+        t = payload.tensors[name]
+        if t.dtype != dtype:
+            raise PayloadError("BAD_DTYPE", f"{who}: tensor '{name}' is {t.dtype}, expected {dtype}")
+        if tuple(t.shape) != tuple(shape):
+            raise PayloadError("BAD_SHAPE", f"{who}: tensor '{name}' has shape {tuple(t.shape)}, "
+                                            f"expected {tuple(shape)}")

@@ -1,0 +1,275 @@
+"""The communication ledger (DESIGN.md section 5).
+
+Every message is recorded twice: once by the process that sent it (`role="sender"`) and once by
+the process that received it (`role="receiver"`); both records carry the message's `msg_id`, so
+the run store can count each message once and check that the two sides agree.
+
+A process keeps its records in memory (to ship them to its parent, see `Ledger.drain`) and,
+optionally, appends them to a JSONL file, one JSON object per line, flushed per record: a
+process killed with SIGKILL leaves a readable file whose last line at worst is torn, and
+`read_jsonl` skips such a line with a warning.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import warnings
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Iterable, cast
+
+# "client-client" is an extension of DESIGN.md section 5: the chain topology (sequential FL across
+# clients) passes the model from client to client, and no other link name describes that hop.
+LINKS: tuple[str, ...] = ("client-server", "client-edge", "edge-server", "edge-edge", "control", "client-client")
+DIRECTIONS: tuple[str, ...] = ("up", "down", "peer", "control")
+ROLES: tuple[str, ...] = ("sender", "receiver")
+STATUSES: tuple[str, ...] = ("ok", "rejected", "lost")
+NODE_ROLES: tuple[str, ...] = ("client", "edge", "server")
+BYTE_FIELDS: tuple[str, ...] = ("tensor_bytes", "payload_bytes", "framed_bytes")
+
+_LINK_BY_PAIR = {
+    frozenset(("client", "server")): "client-server",
+    frozenset(("client", "edge")): "client-edge",
+    frozenset(("edge", "server")): "edge-server",
+    frozenset(("edge",)): "edge-edge",
+    frozenset(("client",)): "client-client",
+}
+
+
+def link_for(src_role: str, dst_role: str) -> str:
+    """The link name for a message between two node roles; symmetric (server-client = client-server)."""
+    for name, role in (("src_role", src_role), ("dst_role", dst_role)):
+        if role not in NODE_ROLES:
+            raise ValueError(f"link_for: {name}={role!r} is not a node role; allowed: {', '.join(NODE_ROLES)}")
+    link = _LINK_BY_PAIR.get(frozenset((src_role, dst_role)))
+    if link is None:  # server-server: a process talking to itself, only control traffic
+        raise ValueError(f"link_for: no link between {src_role!r} and {dst_role!r}; links: {', '.join(LINKS)}")
+    return link
+
+
+@dataclass
+class LedgerRecord:
+    """One side's record of one message (DESIGN.md section 5)."""
+
+    run_id: str
+    round: int
+    step: int
+    src: str
+    dst: str
+    link: str
+    direction: str
+    method: str
+    tensor_bytes: int
+    payload_bytes: int
+    framed_bytes: int
+    seconds: float
+    recorder: str
+    role: str
+    msg_id: str
+    status: str
+    wall_time: float
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("link", LINKS), ("direction", DIRECTIONS), ("role", ROLES), ("status", STATUSES)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"ledger record: {name}={value!r} is not allowed; allowed: {', '.join(allowed)}")
+        for name in BYTE_FIELDS:
+            if getattr(self, name) < 0:
+                raise ValueError(f"ledger record: {name}={getattr(self, name)!r} must be >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        # the fields are flat values: a plain read, not dataclasses.asdict's recursive deep copy
+        # (this runs for every message on every process)
+        return {name: getattr(self, name) for name in _FIELD_NAMES}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LedgerRecord":
+        """Build a record from a dict; unknown keys are ignored, missing required keys are an error."""
+        kwargs: dict[str, Any] = {}
+        missing = []
+        for f in fields(cls):
+            if f.name in data and data[f.name] is not None:
+                kwargs[f.name] = _COERCE[f.name](data[f.name])
+            elif f.default is MISSING and f.default_factory is MISSING:  # a required field
+                missing.append(f.name)
+        if missing:
+            raise ValueError(f"ledger record: missing field(s) {', '.join(missing)}")
+        return cls(**kwargs)
+
+
+_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(LedgerRecord))
+# a field's type is its annotation's text here (`from __future__ import annotations`)
+_COERCE = {f.name: {"int": int, "float": float, "str": str}[cast(str, f.type)] for f in fields(LedgerRecord)}
+
+
+class Ledger:
+    """Thread-safe in-memory list of records plus an optional append-only JSONL sink.
+
+    `keep_drained=False` drops records from memory once `drain` has handed them out, for a
+    long-running process that ships its records to its parent and must not grow without bound
+    (`records()` then returns only the records not yet drained).
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, keep_drained: bool = True) -> None:
+        self._lock = threading.Lock()
+        self._records: list[LedgerRecord] = []
+        self._drained = 0  # index into _records of the first record not yet drained
+        self._keep_drained = keep_drained
+        self.observers: list[Callable[[LedgerRecord], None]] = []   # see each record as it is added (common/transport/livebytes.py)
+        self.path = Path(path) if path is not None else None
+        self._sink = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            torn_tail = self.path.exists() and self.path.stat().st_size > 0 and _last_byte(self.path) != b"\n"
+            self._sink = open(self.path, "a", encoding="utf-8")
+            if torn_tail:  # a killed predecessor left a torn line: end it so our first record stays whole
+                self._sink.write("\n")
+                self._sink.flush()
+
+    def record(self, **fields_: Any) -> LedgerRecord:
+        """Record one message; `wall_time` defaults to now. Returns the stored record."""
+        unknown = sorted(set(fields_) - set(_FIELD_NAMES))
+        if unknown:
+            raise TypeError(f"Ledger.record: unknown field(s) {', '.join(unknown)}; fields: {', '.join(_FIELD_NAMES)}")
+        fields_.setdefault("wall_time", time.time())
+        rec = LedgerRecord(**fields_)
+        self.add(rec)
+        return rec
+
+    def add(self, record: LedgerRecord) -> None:
+        """Append an existing record (e.g. one shipped up from a child process)."""
+        line = json.dumps(record.to_dict(), separators=(",", ":")) + "\n" if self._sink is not None else ""
+        with self._lock:
+            self._records.append(record)
+            if self._sink is not None:
+                self._sink.write(line)
+                self._sink.flush()
+        for observe in self.observers:
+            observe(record)
+
+    def extend(self, records: Iterable[LedgerRecord]) -> None:
+        for rec in records:
+            self.add(rec)
+
+    def records(self) -> list[LedgerRecord]:
+        """A copy of the records held in memory."""
+        with self._lock:
+            return list(self._records)
+
+    def drain(self) -> list[LedgerRecord]:
+        """The records not yet drained, marked drained (what to ship to the parent next)."""
+        with self._lock:
+            out = self._records[self._drained:]
+            if self._keep_drained:
+                self._drained = len(self._records)
+            else:
+                self._records = []
+                self._drained = 0
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sink is not None:
+                self._sink.close()
+                self._sink = None
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def read_jsonl(path: str | os.PathLike) -> list[LedgerRecord]:
+        return read_jsonl(path)
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1)
+
+
+MAX_LINE_BYTES = 1 << 20   # a record is a few hundred bytes; a longer line is skipped unread
+_SQLITE_INT = (1 << 63) - 1   # the largest integer a run.db column holds
+
+
+def bounded_lines(fh: Any, limit: int = MAX_LINE_BYTES, chunk: int = 1 << 16) -> Iterable[tuple[int, bytes | None]]:
+    """(line number, line) of a binary file, read `chunk` bytes at a time; a line longer than
+    `limit` bytes is skipped as it streams past (None in its place), so a crafted file of one
+    huge line never sits in memory."""
+    buf, lineno, over = b"", 0, False
+    while True:
+        block = fh.read(chunk)
+        if not block:
+            break
+        start = 0
+        while True:
+            nl = block.find(b"\n", start)
+            if nl < 0:
+                if not over:
+                    buf += block[start:]
+                    if len(buf) > limit:
+                        buf, over = b"", True
+                break
+            lineno += 1
+            if over or len(buf) + nl - start > limit:
+                yield lineno, None
+            else:
+                yield lineno, buf + block[start:nl]
+            buf, over, start = b"", False, nl + 1
+    if buf or over:
+        yield lineno + 1, None if over else buf
+
+
+def read_jsonl(path: str | os.PathLike) -> list[LedgerRecord]:
+    """Records from a ledger JSONL file; unreadable lines (a torn last line, a line over
+    MAX_LINE_BYTES, JSON nested too deeply, a count beyond 2^63 - 1) are skipped with a warning."""
+    out: list[LedgerRecord] = []
+    with open(path, "rb") as fh:
+        for lineno, raw in bounded_lines(fh):
+            if raw is None:
+                warnings.warn(f"{path}:{lineno}: skipping a ledger line over {MAX_LINE_BYTES} bytes", stacklevel=2)
+                continue
+            line = raw.decode("utf-8", errors="replace")
+            if not line.strip():
+                continue
+            try:
+                record = LedgerRecord.from_dict(json.loads(line))
+                if any(abs(getattr(record, k)) > _SQLITE_INT for k, kind in _COERCE.items() if kind is int):
+                    raise ValueError("a count beyond 2^63 - 1")
+                out.append(record)
+            except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+                # JSONDecodeError is a ValueError; RecursionError: JSON nested too deeply
+                warnings.warn(f"{path}:{lineno}: skipping unreadable ledger line ({str(exc)[:200]})", stacklevel=2)
+    return out
+
+
+def count_once(records: Iterable[LedgerRecord]) -> list[LedgerRecord]:
+    """One record per message: the sender's, or the receiver's where the sender's is missing."""
+    chosen: dict[str, LedgerRecord] = {}
+    for rec in records:
+        have = chosen.get(rec.msg_id)
+        if have is None or (have.role == "receiver" and rec.role == "sender"):
+            chosen[rec.msg_id] = rec
+    return list(chosen.values())
+
+
+def bytes_by_link(records: Iterable[LedgerRecord]) -> dict[str, dict[str, int]]:
+    """In-memory twin of `RunStore.bytes_by_link`: totals per link plus "total", each message once."""
+    out: dict[str, dict[str, int]] = {}
+    total = {k: 0 for k in (*BYTE_FIELDS, "messages")}
+    for rec in count_once(records):
+        row = out.setdefault(rec.link, {k: 0 for k in (*BYTE_FIELDS, "messages")})
+        for k in BYTE_FIELDS:
+            row[k] += getattr(rec, k)
+            total[k] += getattr(rec, k)
+        row["messages"] += 1
+        total["messages"] += 1
+    out["total"] = total
+    return out
+
