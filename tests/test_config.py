@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 
@@ -423,3 +424,11 @@ def test_kappa2_above_one_is_refused_at_load_for_algorithms_without_an_edge_step
     else:
         assert parse_config(text).topology.params.kappa2 == 2
     assert parse_config(text.replace("kappa2 = 2", "kappa2 = 1")).topology.params.kappa2 == 1
+
+
+@pytest.mark.parametrize("extra, named", [("bogus = 1", "topology.bogus"), ('kappa2 = "x"', "topology.kappa2")])
+def test_a_bad_topology_key_is_a_config_error_before_the_kinds_own_checks(extra, named):
+    """The kind's checks (hierarchical's edges_per_round, the kappa2 edge-step rule) read its
+    validated params, so a bad key is one ConfigError naming it, never a TypeError from them."""
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        parse_config(f'[topology]\nkind = "hierarchical"\nedges = 2\n{extra}\n[algorithm]\nname = "scaffold"\n')

@@ -83,6 +83,19 @@ def _check_sequential_pairing(cfg: Config, spec: TopologySpec | None) -> None:
                           f"walks one model over the edges and has no server step (allowed: {allowed})")
 
 
+def _topology_checks(cfg: Config) -> None:
+    """The kind's own checks (common/topologies/<kind>.py `check`) and the edge-step rule the spec
+    declares, on the topology's validated params."""
+    spec = _topology_spec(cfg)
+    if spec is not None and spec.check is not None:
+        try:
+            spec.check(cfg)
+        except ValueError as exc:
+            key, _, why = str(exc).partition(": ")
+            raise ConfigError(f"config key '{key}': {why}") from None
+    _check_edge_steps(cfg, spec)
+
+
 def _check_edge_steps(cfg: Config, spec: TopologySpec | None) -> None:
     """More than one edge aggregation per server round (the spec's `edge_steps_key`, e.g.
     hierarchical's kappa2) only for an algorithm with an edge step (`Algorithm.edge_iterations`)."""
@@ -358,6 +371,7 @@ def config_from_dict(data: dict) -> Config:
     _check_model_exchange(cfg)
     _cross_checks(cfg)
     _validate_options(cfg)   # also imports a data-set or algorithm plug-in named by import path or entry point
+    _topology_checks(cfg)    # after the options check: the kind's checks read its validated params
     _check_processors(cfg)
     return cfg
 
@@ -593,14 +607,7 @@ def _cross_checks(cfg: Config) -> None:
             raise ConfigError(f"config key 'algorithm.compress': got '{compress}', but transport.kind = "
                               f"'{cfg.transport.kind}' reduces uploads as raw float sums in a collective (allowed "
                               f"there: 'none'); use transport.kind = 'grpc' for QSGD")
-    if spec is not None and spec.check is not None:   # the kind's own checks (common/topologies/<kind>.py)
-        try:
-            spec.check(cfg)
-        except ValueError as exc:
-            key, _, why = str(exc).partition(": ")
-            raise ConfigError(f"config key '{key}': {why}") from None
     _check_sequential_pairing(cfg, spec)
-    _check_edge_steps(cfg, spec)
 
 
 def _robust_checks(cfg: Config) -> None:
