@@ -82,3 +82,51 @@ def test_wrong_input_shape_is_named(kind: str, shape: tuple) -> None:
 def test_same_seed_same_initial_weights() -> None:
     a, b = (build_model("cifar_cnn", (3, 32, 32), 10, seed=5) for _ in range(2))
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_threads_building_at_once_get_the_seeded_weights(monkeypatch) -> None:
+    """Two threads of one process (the in-memory clients) building the same seeded model at once.
+    Each waits inside its construction for the other (a timeout releases it when the other cannot
+    enter), so without the build lock the second reseeds the process's RNG while the first is still
+    drawing from it, and one of them gets other weights than the seed gives."""
+    import threading
+
+    from fedhop.common.data import models
+
+    first_inside, second_inside, first_done = threading.Event(), threading.Event(), threading.Event()
+    entered: list[str] = []
+
+    class InterleavingMLP(models.MLP):   # type: ignore[misc, name-defined]
+        def __init__(self, *args, **kwargs) -> None:
+            torch.rand(1)                                 # the draws before the other thread runs
+            me = "first" if not entered else "second"
+            entered.append(me)
+            if me == "first":
+                first_inside.set()
+                second_inside.wait(timeout=1.0)           # set at once without the lock; times out with it
+            else:
+                second_inside.set()
+                first_done.wait(timeout=1.0)
+            super().__init__(*args, **kwargs)
+            if me == "first":
+                first_done.set()
+
+    monkeypatch.setattr(models, "MLP", InterleavingMLP)
+    expected = models.build_model("mlp", (6,), 3, hidden=(5,), seed=11).state_dict()
+    entered.clear()
+    first_inside.clear(), second_inside.clear(), first_done.clear()
+    built: list[dict[str, torch.Tensor]] = []
+
+    def build() -> None:
+        built.append(models.build_model("mlp", (6,), 3, hidden=(5,), seed=11).state_dict())
+
+    first = threading.Thread(target=build)
+    first.start()
+    assert first_inside.wait(timeout=30)
+    second = threading.Thread(target=build)
+    second.start()
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert entered == ["first", "second"] and len(built) == 2
+    for weights in built:
+        assert all(torch.equal(weights[k], expected[k]) for k in expected)

@@ -2,18 +2,24 @@
 
 `build_model` constructs a model inside `torch.random.fork_rng()` after `torch.manual_seed`, so
 the same seed gives the same initial parameters in every process and the caller's global RNG
-is left untouched.  Parameter names (state_dict keys) are fixed by the attribute names below;
+is left untouched.  That RNG is one per process, so builds are serialised by a lock: threads of
+one process (the in-memory transport's clients, a client process's hosts) that built at once
+would reseed it under each other and draw different "seeded" parameters.  Parameter names (state_dict keys) are fixed by the attribute names below;
 the wire format and checkpoints rely on them.
 """
 from __future__ import annotations
 
 import fnmatch
 import math
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+#: held while a model is built under the process's global RNG (see the module's docstring)
+_BUILD_LOCK = threading.Lock()
 
 MODEL_KINDS = ("linear", "logreg", "mlp", "cnn", "mcmahan_cnn", "leaf_cnn", "cifar_cnn", "resnet18_gn", "char_lstm")
 #: the 80 characters of LEAF's Shakespeare (models/utils/language_utils.py ALL_LETTERS); index = position
@@ -229,7 +235,7 @@ def build_model(kind: str, input_shape: Sequence[int], n_outputs: int,
         raise ValueError(f"model.init = {init!r} is not allowed (allowed: default, zeros)")
     features = math.prod(shape)
     model: nn.Module
-    with torch.random.fork_rng(devices=[]):
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
         if factory:
             model = _from_factory(factory, shape, n_outputs, factory_args or {})
