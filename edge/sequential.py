@@ -214,9 +214,11 @@ class EdgeInlineModelPath:
         self.edge = edge
 
     def cluster_step(self, round: int, step: int, message: Payload) -> tuple[Payload | None, dict[int, str]]:
+        """The fan-out transports' cluster step (edge/aggregator.py `ClusterFanout.step`, HierFAVG's
+        too): the replies folded in client-id order, a sum that is not finite leaving its worst
+        reply out (NON_FINITE_AGGREGATE, reported with the step's failures)."""
         agg = self.edge.agg
-        replies, failed = agg.collect(agg.cluster, round, step, message, spec=self.edge.spec)
-        return (self.edge.algorithm.aggregate(sorted(replies.items())) if replies else None), failed
+        return agg.plane.step(round, step, list(agg.cluster), message)
 
     def handoff_model(self, src: str, round: int, payload: Payload) -> dict[str, torch.Tensor]:
         return self.edge.model_in(payload, f"hand-off from {src}")

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
@@ -200,6 +201,57 @@ def test_bytes_per_round_and_no_model_reaches_the_server_but_the_final_one(tmp_p
     assert queries and all(r["link"] == "control" for r in queries)
     assert len(queries) == sum(len(GRAPH[m]) for m in summary["edge_sequence"][:-1])
     assert store.check_agreement().ok
+
+
+# ----------------------------------------------------------------------------- hostile values
+INFLATE = """
+import torch
+
+
+class Inflate:
+    \"\"\"The upload of one client with every value 3e38: finite, its loss honest, its weighted sum Inf.\"\"\"
+
+    def __init__(self, client):
+        self.client = client
+
+    def process(self, message, ctx):
+        if ctx.who.endswith(f"upload of client-{self.client}"):
+            message.tensors = {k: torch.full_like(v, 3e38) for k, v in message.tensors.items()}
+        return message
+"""
+
+
+def test_a_cluster_reply_that_overflows_the_sum_is_left_out_and_the_walk_goes_on(tmp_path, monkeypatch):
+    """Finite replies whose data-weighted sum is Inf at the edge: the edge leaves that client out of
+    each step (NON_FINITE_AGGREGATE, as HierFAVG's edges and the server do) and the model follows
+    the closed form of its cluster without it."""
+    from fedhop.common.processors import pipeline
+    from fedhop.common.util import plugins
+
+    bad = 4   # in cluster 1 with clients 2 and 3
+    (tmp_path / "inflate.py").write_text(INFLATE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(plugins.PLUGIN_PATH_ENV, str(tmp_path))
+    monkeypatch.delenv(plugins.ALLOW_ENV, raising=False)
+    K, lr, rounds = 3, 1.0, 6
+    text = fedchs_config(rounds=rounds, K=K, lr=lr) + (f'\n[[processors]]\nname = "inflate:Inflate"\nmethods = ["train"]\n'
+                                                        f'direction = "out"\nroles = ["client"]\nclient = {bad}\n')
+    try:
+        summary, coord = run_inmemory(parse_config(text), tmp_path / "run")
+    finally:
+        pipeline.unconfigure()
+        plugins.unrestricted()
+    assert summary["status"] == "completed", summary["error"]
+    seq = summary["edge_sequence"]
+    assert 1 in seq
+    without = [[c for c in group if c != bad] for group in ASSIGN]
+    rho = float(np.prod([1 - e for e in etas(lr, K)]))
+    np.testing.assert_allclose(coord.state.params["w"].double().numpy(), closed_form(seq, CENTERS, SIZES, without, rho),
+                               rtol=0, atol=2e-5)
+    with sqlite3.connect(tmp_path / "run" / "run.db") as db:
+        blamed = db.execute("SELECT round, node FROM events WHERE detail LIKE '%NON_FINITE_AGGREGATE%'").fetchall()
+    assert {node for _, node in blamed} == {f"client-{bad}"}
+    assert sorted({r for r, _ in blamed}) == [t for t, m in enumerate(seq, start=1) if m == 1]
 
 
 # ----------------------------------------------------------------------------- faults
