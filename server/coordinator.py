@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from fedhop.common.algorithms.base import ServerState
-from fedhop.common.algorithms.local import set_params, whole_params
+from fedhop.common.algorithms.local import bind_params, whole_params
 from fedhop.common.config import Config, config_to_toml, resolve_clients_per_round, resolve_min_results
 from fedhop.common.engine.rounds import RoundEngine
 from fedhop.common.engine.vclock import RoundClock
@@ -482,7 +482,7 @@ class Coordinator:
         self.merge_ledgers()
         final = self.evaluate() if self.rounds_completed else {}
         if "train_loss" not in final:
-            set_params(self.model, self.state.params)
+            bind_params(self.model, self.state.params)
             final["train_loss"] = float(self.task.train_loss(self.model))
         save_file({k: v.detach().cpu().contiguous() for k, v in whole_params(self.model, self.state.params).items()},
                   str(self.run_dir / "model.safetensors"))   # frozen parameters too (model.exchange)

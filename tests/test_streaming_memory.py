@@ -187,3 +187,58 @@ def test_spilled_replies_are_read_back_into_free_receive_buffers():
     expect = whole_tensor_reduction(payloads, {})
     for name, t in expect.items():
         assert torch.equal(fold.result().tensors[name], t), name
+
+
+def _engine(algorithm: str = "fedavg"):
+    from fedhop.common.config import parse_config
+    from fedhop.common.engine.rounds import RoundEngine
+    from tests.helpers import quadratic_config
+
+    centers = torch.arange(12, dtype=torch.float64).reshape(4, 3).numpy()
+    text = quadratic_config(centers, centers * 0 + 1, [3, 1, 2, 5], rounds=2, processes=1, algorithm=algorithm)
+    return RoundEngine(parse_config(text))
+
+
+def test_the_servers_evaluation_model_holds_the_states_tensors_not_a_copy():
+    """common/engine/rounds.py: the server's model is bound to its state (common/algorithms/local.py
+    `bind_params`), so the process holds one model's parameters, not two; an in-place server step
+    is what the model evaluates, and evaluating other parameters never writes into the state."""
+    from fedhop.common.algorithms.local import bind_params
+
+    engine = _engine()
+    module = dict(engine.model.named_parameters())
+    assert module.keys() == engine.state.params.keys()
+    for name, t in engine.state.params.items():
+        assert module[name].untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    engine.state.params["w"].add_(1.5)                       # an in-place step, as FedAvg's
+    assert torch.equal(dict(engine.model.named_parameters())["w"].detach(), engine.state.params["w"])
+    before = {k: v.clone() for k, v in engine.state.params.items()}
+    other = {k: torch.full_like(v, 7.0, dtype=torch.float64) for k, v in engine.state.params.items()}
+    engine._evaluate(other)                                  # an algorithm's other output, another dtype
+    bound = dict(engine.model.named_parameters())
+    assert bound["w"].dtype == before["w"].dtype and torch.equal(bound["w"].detach(), torch.full_like(before["w"], 7.0))
+    assert all(torch.equal(engine.state.params[k], before[k]) for k in before)   # the state untouched
+    bind_params(engine.model, engine.state.params)
+    assert dict(engine.model.named_parameters())["w"].untyped_storage().data_ptr() == \
+        engine.state.params["w"].untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="parameter 'w': got shape"):
+        bind_params(engine.model, {"w": torch.zeros(5)})
+
+
+def test_share_params_keeps_the_tensor_allocated_first_and_binds_a_resumed_state():
+    """A fresh state (init_state's clone, equal bit for bit) takes the model's own tensors and drops
+    its clone, so the memory freed is the last allocated (reused by the round's accumulator); a
+    state that differs (a checkpoint's) keeps its tensors and the model is bound to them."""
+    from fedhop.common.algorithms.local import get_params, share_params
+    from fedhop.common.data.models import build_model
+
+    model = build_model("mlp", (6,), 3, hidden=(5,), seed=4)
+    first = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
+    fresh = {k: v.clone() for k, v in get_params(model).items()}
+    share_params(model, fresh)
+    assert {n: t.untyped_storage().data_ptr() for n, t in fresh.items()} == first
+    resumed = {k: v + 1 for k, v in get_params(model).items()}
+    share_params(model, resumed)
+    assert {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()} == {
+        n: t.untyped_storage().data_ptr() for n, t in resumed.items()}
+    assert all(torch.equal(p.detach(), resumed[n]) for n, p in model.named_parameters())

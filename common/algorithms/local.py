@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -22,17 +22,54 @@ def get_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters() if names is None or name in names}
 
 
+def _pairs(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
+    """(name, the model's parameter, params[name]) for each parameter the model exchanges; the
+    shapes must match."""
+    names = exchanged_names(model)
+    for name, p in model.named_parameters():
+        if names is not None and name not in names:
+            continue
+        src = params[name]
+        if src.shape != p.shape:
+            raise ValueError(f"parameter '{name}': got shape {tuple(src.shape)}, model has {tuple(p.shape)}")
+        yield name, p, src
+
+
+def bind_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Make the model's exchanged parameters `params`' tensors themselves, not copies of them
+    (`load_state_dict(assign=True)`; each keeps the module's requires_grad).  The server's
+    evaluation model bound to its state holds no model-sized memory of its own, and binding it
+    never writes into a tensor, so no other holder of the old ones (a message being sent) sees a
+    change.  A tensor of another dtype or device is bound as a converted copy, the values
+    `set_params` would copy in."""
+    bound = {name: src.detach() if (src.dtype, src.device) == (p.dtype, p.device)
+             else src.detach().to(dtype=p.dtype, device=p.device, copy=True)
+             for name, p, src in _pairs(model, params)}
+    model.load_state_dict(bound, strict=False, assign=True)
+
+
+def share_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Leave one copy of each exchanged parameter between `model` and `params` (the server's
+    evaluation model and its state).  Where `params[name]` equals the model's tensor bit for bit
+    (a fresh state, Algorithm.init_state's clone), the entry becomes the model's own tensor and
+    the clone is dropped: the memory allocated last is the memory freed, which the next
+    model-sized allocation (the round's accumulator) reuses.  Elsewhere (a resumed state) the
+    model is bound to `params` (`bind_params`)."""
+    differ = False
+    for name, p, src in list(_pairs(model, params)):
+        if (src.dtype, src.device) == (p.dtype, p.device) and torch.equal(src, p.detach()):
+            params[name] = p.detach()
+        else:
+            differ = True
+    if differ:
+        bind_params(model, params)
+
+
 def set_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
     """Copy `params` into the model's exchanged parameters (names and shapes must match); the
     parameters it does not exchange keep their values."""
-    names = exchanged_names(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if names is not None and name not in names:
-                continue
-            src = params[name]
-            if src.shape != p.shape:
-                raise ValueError(f"parameter '{name}': got shape {tuple(src.shape)}, model has {tuple(p.shape)}")
+        for _, p, src in _pairs(model, params):
             p.copy_(src)
 
 

@@ -29,7 +29,7 @@ import torch
 
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import Algorithm, ClientContext, ServerState
-from fedhop.common.algorithms.local import get_params, set_params
+from fedhop.common.algorithms.local import bind_params, get_params, share_params
 from fedhop.common.config.schema import Config, client_local_steps, resolve_clients_per_round
 from fedhop.common.engine.devices import apply_straggler_plan, devices_params
 from fedhop.common.engine.vclock import RoundClock
@@ -87,6 +87,7 @@ class RoundEngine:
         self.algorithm = algorithm if algorithm is not None else build_algorithm(cfg)
         self.model = self.task.build_model()   # the server's copy: initial parameters, evaluation
         self.state = state if state is not None else self.algorithm.init_state(get_params(self.model))
+        share_params(self.model, self.state.params)   # the model's parameters are the state's: one copy in memory
         # stragglers, device profiles, over-commitment (common/engine/vclock.py): counts read from the CPU task
         self.clock = RoundClock(cfg, host_task(self.task))
         self._client_model: torch.nn.Module | None = None
@@ -167,11 +168,11 @@ class RoundEngine:
         out = self._evaluate(self.state.params)
         for name, params in self.algorithm.outputs(self.state).items():
             out.update({f"{name}_{k}": v for k, v in self._evaluate(params).items()})
-        set_params(self.model, self.state.params)
+        bind_params(self.model, self.state.params)
         return out
 
     def _evaluate(self, params: dict[str, torch.Tensor]) -> dict[str, float]:
-        set_params(self.model, params)
+        bind_params(self.model, params)
         with torch.no_grad():
             return {k: float(v) for k, v in self.task.evaluate(self.model).items()}
 
