@@ -130,3 +130,29 @@ def test_threads_building_at_once_get_the_seeded_weights(monkeypatch) -> None:
     assert entered == ["first", "second"] and len(built) == 2
     for weights in built:
         assert all(torch.equal(weights[k], expected[k]) for k in expected)
+
+
+def test_a_model_built_inside_another_build_does_not_deadlock(monkeypatch) -> None:
+    """A user's factory may build a built-in model inside its own build (the lock is re-entrant);
+    the inner build is seeded too and the outer draws go on from the outer seed."""
+    import threading
+
+    from fedhop.common.data import models
+
+    inner: list[dict[str, torch.Tensor]] = []
+
+    class Wrapping(models.MLP):   # type: ignore[misc, name-defined]
+        def __init__(self, *args, **kwargs) -> None:
+            inner.append(models.build_model("logreg", (4,), 2, seed=9).state_dict())
+            super().__init__(*args, **kwargs)
+
+    plain = build_model("mlp", (6,), 3, hidden=(5,), seed=11).state_dict()
+    monkeypatch.setattr(models, "MLP", Wrapping)
+    built: list[dict[str, torch.Tensor]] = []
+    worker = threading.Thread(target=lambda: built.append(models.build_model("mlp", (6,), 3, hidden=(5,),
+                                                                             seed=11).state_dict()), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and len(built) == 1
+    assert all(torch.equal(built[0][k], plain[k]) for k in plain)
+    assert all(torch.equal(inner[0][k], v) for k, v in build_model("logreg", (4,), 2, seed=9).state_dict().items())

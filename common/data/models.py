@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 #: held while a model is built under the process's global RNG (see the module's docstring)
-_BUILD_LOCK = threading.Lock()
+_BUILD_LOCK = threading.RLock()   # re-entrant: a user's model factory may build a built-in model inside
 
 MODEL_KINDS = ("linear", "logreg", "mlp", "cnn", "mcmahan_cnn", "leaf_cnn", "cifar_cnn", "resnet18_gn", "char_lstm")
 #: the 80 characters of LEAF's Shakespeare (models/utils/language_utils.py ALL_LETTERS); index = position
