@@ -196,12 +196,12 @@ class EdgeAggregator:
             partial = self.algorithm.edge_partial(start, base, partial)   # (base + its mean delta) - start
         return partial, failures
 
-    def collect(self, clients: list[int], round: int, step: int, message: Payload, spec=None, stream: bool = False):
-        """Send `message` to `clients` (one encoding), gather replies checked against `spec`
-        (default: the algorithm's reply spec for this edge's model) and failures.  `stream`: fold
+    def collect(self, clients: list[int], round: int, step: int, message: Payload, stream: bool = False):
+        """Send `message` to `clients` (one encoding), gather replies checked against the
+        algorithm's reply spec for this edge's model, and failures.  `stream`: fold
         the replies in client-id order as they arrive (common/processors/streaming.py); the replies are then
         a StreamedResults of their scalars."""
-        spec = spec if spec is not None else self.algorithm.reply_spec(self.model_state)
+        spec = self.algorithm.reply_spec(self.model_state)
         rules = self.algorithm.reply_scalars()
         failures: dict[int, str] = {}
         requests = []

@@ -56,7 +56,7 @@ def share_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> Non
     model-sized allocation (the round's accumulator) reuses.  Elsewhere (a resumed state) the
     model is bound to `params` (`bind_params`)."""
     differ = False
-    for name, p, src in list(_pairs(model, params)):
+    for name, p, src in _pairs(model, params):
         if (src.dtype, src.device) == (p.dtype, p.device) and torch.equal(src, p.detach()):
             params[name] = p.detach()
         else:

@@ -4,8 +4,9 @@
 the same seed gives the same initial parameters in every process and the caller's global RNG
 is left untouched.  That RNG is one per process, so builds are serialised by a lock: threads of
 one process (the in-memory transport's clients, a client process's hosts) that built at once
-would reseed it under each other and draw different "seeded" parameters.  Parameter names (state_dict keys) are fixed by the attribute names below;
-the wire format and checkpoints rely on them.
+would reseed it under each other and draw different "seeded" parameters.  Parameter names
+(state_dict keys) are fixed by the attribute names below; the wire format and checkpoints rely
+on them.
 """
 from __future__ import annotations
 
