@@ -25,7 +25,7 @@ from fedhop.common.transport.factory import handler_fns
 from fedhop.common.transport.router import MethodRouter, Peers
 from fedhop.common.transport.torch_device import to_host
 from fedhop.common.util.nodeids import client_id
-from fedhop.common.wire.codec import PayloadError
+from fedhop.common.wire.codec import DEFAULT_CHUNK, PayloadError, hand_over
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload, finite_or_raise
 from fedhop.common.wire.methods import Method
@@ -120,7 +120,22 @@ class ClientHost:
         env = request.envelope
         cid, step = parse_client_id(env.dst), int(env.step)
         reply = to_host(self.train(cid, int(env.round), request.payload, step))   # the seam: one copy to the CPU
-        return upload(self.cfg, reply, env.dst, int(env.round), step)   # QSGD (common/processors/pipeline.py)
+        return self._hand_over_fresh(upload(self.cfg, reply, env.dst, int(env.round), step))   # QSGD (common/processors/pipeline.py)
+
+    def _hand_over_fresh(self, reply: Payload) -> Payload:
+        """Hand a large reply over to the codec (common/wire/codec.py `hand_over`) when this
+        process keeps none of its tensors: it is then not snapshot before the send, its frames
+        are cut as gRPC pulls them, and the client never holds its update and a copy of it at
+        once.  A reply tensor that shares memory with the model's parameters or buffers or with
+        a hosted client's persistent state is snapshot as before: the next logical client's
+        training may change it while the reply is still being sent."""
+        if reply.tensor_bytes() <= DEFAULT_CHUNK:
+            return reply
+        kept = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers(),
+                                                          *(t for state in self.states.values() for t in state.values()))}
+        if any(t.untyped_storage().data_ptr() in kept for t in reply.tensors.values()):
+            return reply
+        return hand_over(reply, keep_frames=False)
 
     def _shutdown_call(self, request: Request) -> Payload:
         for hook in self.before_shutdown:   # e.g. stop heartbeats, before the parent merges the ledgers

@@ -1,11 +1,13 @@
 """`fedhop bench large`: one FedAvg round with a large synthetic model over real processes.
 
-    fedhop bench large [--sizes 10,100] [--clients 2,4] [--repeats 3] [--json FILE]
-                       [--max-memory-gb GB] [--no-transfer]
+    fedhop bench large [--sizes 10,100] [--clients 2,4] [--processes N] [--repeats 3]
+                       [--json FILE] [--max-memory-gb GB] [--no-transfer]
 
 For each model size (MB of float32 parameters) and client count, one round of FedAvg (one
-client per process, one local gradient step) runs as `fedhop run` runs it: a server process
-and one client process per client, gRPC on loopback.  The bench samples every process's
+local gradient step per client) runs as `fedhop run` runs it: a server process and one client
+process per client (or `--processes` client processes, the clients spread over them, so that
+many clients of a large model fit a small machine: the server's side of the round is the
+same), gRPC on loopback.  The bench samples every process's
 /proc/PID/stat and /proc/PID/status while the run goes and reports, for the round's window
 (from the start of the server's first `train` call, as its ledger records date it, for the
 round's wall time):
@@ -13,7 +15,7 @@ round's wall time):
 - the round's wall time (run.db `rounds.wall_seconds`);
 - the peak resident memory (VmHWM) of the server and of one client process at the round's end;
 - CPU seconds per GB moved on each end: the server's CPU over the bytes it sent and received
-  (2 x clients x model), a client's over its 2 x model;
+  (2 x clients x model), a client process's over its clients' 2 x model each;
 - the bytes the ledger counted on the client-server link, against the formula
   (tensor bytes = clients x model each way).
 
@@ -26,10 +28,11 @@ same bytes in the same call shape (`bench_grpc_bare`): its chunks cut before the
 A cell whose estimated memory does not fit in this machine's available memory (or
 `--max-memory-gb`) is skipped, saying why; a cell whose run fails is reported and the next one
 runs.  The estimate is generous: a client process holds the received model, its local copy, a
-gradient, autograd's temporaries and the reply's frames (CLIENT_MODELS x model), the server one
-model per participant besides its own model, the broadcast's frames, the aggregate and its
-temporaries (SERVER_MODELS + clients models), and each Python process with torch about BASE_MB
-(100 MB x 2 clients measured about 6 and 7.5 models over the processes' start).
+gradient and its update (CLIENT_MODELS x model, with room to spare), and one more model for each
+further client it hosts (an update waits until the server reads it); the server its model, the
+accumulator and what it receives (SERVER_MODELS x model, with room to spare: the round is
+streamed, so this does not grow with the clients); and each Python process with torch about
+BASE_MB.
 
 The model is a plug-in task of this module (`synthetic`: a vector w with client i's loss
 1/2 ||w||^2 - t_i sum(w), t_i = i + 1), so one step from w = 0 with step size lr gives
@@ -52,12 +55,13 @@ import psutil
 import torch
 
 from fedhop.common.tasks.base import ClientData, Task
+from fedhop.common.topologies.plan import plan_processes
 
 MB = 1_000_000
 GB = 1_000_000_000
 BASE_MB = 400          # a Python process with torch and grpcio, before any model
-CLIENT_MODELS = 7      # model-sized buffers a client process may hold at once (module docstring)
-SERVER_MODELS = 6      # and the server, besides one per participant
+CLIENT_MODELS = 6      # model-sized buffers a client process of one client may hold at once (module docstring)
+SERVER_MODELS = 5      # and the server, however many clients
 LR = 0.5
 
 
@@ -79,6 +83,26 @@ class _Vector(torch.nn.Module):
 
     def forward(self, x: torch.Tensor | None = None) -> torch.Tensor:
         return self.w
+
+
+class _Objective(torch.autograd.Function):
+    """f(w) = 1/2 ||w||^2 - t sum(w), whose gradient w - t is made in one tensor.  Autograd's own
+    backward of `dot` and `sum` makes three model-sized temporaries; a real model's cost there is
+    its activations, which this task has none of, so a client's peak shows what the framework
+    holds.  The gradient is w - t correctly rounded (autograd's own adds 1/2 w, 1/2 w and -t in
+    its own order, which may differ in the last bit; from w = 0, the bench's one step, the two
+    are equal)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(w, t)
+        return 0.5 * torch.dot(w, w) - t * w.sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        w, t = ctx.saved_tensors
+        g = torch.sub(w, t)
+        return (g if bool(grad == 1) else g.mul_(grad)), None
 
 
 class SyntheticTask(Task):
@@ -103,7 +127,7 @@ class SyntheticTask(Task):
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
              generator: torch.Generator | None = None) -> torch.Tensor:
         w, t = model.get_parameter("w"), batch[0].reshape(-1)[0]
-        return 0.5 * torch.dot(w, w) - t * w.sum()
+        return _Objective.apply(w, t)
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         return {"objective": self.train_loss(model)}
@@ -142,7 +166,7 @@ mb = {mb}
 [clients]
 count = {clients}
 per_round = {clients}
-processes = {clients}
+processes = {processes}
 """
 
 
@@ -200,11 +224,13 @@ class Sampler(threading.Thread):
 
 
 # ----------------------------------------------------------------------------- one round
-def estimate_bytes(size_mb: float, clients: int) -> int:
-    """Generous memory estimate of one cell (module docstring)."""
+def estimate_bytes(size_mb: float, clients: int, processes: int | None = None) -> int:
+    """Generous memory estimate of one cell (module docstring); `processes` client processes
+    (default: one per client)."""
     model = size_mb * MB
-    server = BASE_MB * MB + (SERVER_MODELS + clients) * model
-    return int(server + clients * (BASE_MB * MB + CLIENT_MODELS * model))
+    processes = min(processes or clients, clients)
+    server = BASE_MB * MB + SERVER_MODELS * model
+    return int(server + processes * (BASE_MB * MB + CLIENT_MODELS * model) + (clients - processes) * model)
 
 
 PATIENCE = 900.0   # seconds a cell's processes may take to start and register (a loaded 2-core machine)
@@ -243,16 +269,18 @@ def _round_window(store, wall_seconds: float) -> tuple[float, float]:
     return start, start + wall_seconds
 
 
-def round_cell(size_mb: float, clients: int, workdir: Path) -> dict:
-    """One FedAvg round of a `size_mb` model with `clients` client processes (module docstring)."""
+def round_cell(size_mb: float, clients: int, workdir: Path, processes: int | None = None) -> dict:
+    """One FedAvg round of a `size_mb` model with `clients` clients on `processes` client
+    processes (default: one per client; module docstring)."""
     from safetensors.torch import load_file
 
     from fedhop.common.config import parse_config
     from fedhop.common.records.runstore import RunStore
 
     timeout = max(120.0, 4 * clients * size_mb / 10)   # seconds; generous at 10 MB/s per byte moved
-    cfg = parse_config(ROUND_CONFIG.format(mb=size_mb, clients=clients, lr=LR, timeout=timeout))
-    run_dir = workdir / f"round-{size_mb:g}mb-{clients}c"
+    processes = min(processes or clients, clients)
+    cfg = parse_config(ROUND_CONFIG.format(mb=size_mb, clients=clients, processes=processes, lr=LR, timeout=timeout))
+    run_dir = workdir / f"round-{size_mb:g}mb-{clients}c-{processes}p"
     run = _patient_run(cfg, run_dir.resolve())
     sampler = Sampler(run)
     sampler.start()
@@ -273,12 +301,14 @@ def round_cell(size_mb: float, clients: int, workdir: Path) -> dict:
     links = store.bytes_by_link_direction().get("client-server", {})
     down, up = links.get("down", {}), links.get("up", {})
     srv = sampler.window("server", start, end)
-    cli = sampler.window(next(c.name for c in run.children if c.name.startswith("client")), start, end)
+    first = next(c.name for c in run.children if c.name.startswith("client"))
+    cli = sampler.window(first, start, end)
+    hosted = len(next(p.clients for p in plan_processes(cfg).processes if p.node_id == first))
     final = load_file(str(run_dir / "model.safetensors"))["w"]
     expect = LR * (clients + 1) / 2   # FedAvg of lr * t_i, t_i = 1..clients, equal weights
     moved_server = down.get("tensor_bytes", 0) + up.get("tensor_bytes", 0)
-    moved_client = 2 * model_bytes
-    return {"size_mb": size_mb, "clients": clients, "model_bytes": model_bytes,
+    moved_client = 2 * model_bytes * hosted   # the sampled client process's logical clients
+    return {"size_mb": size_mb, "clients": clients, "processes": processes, "model_bytes": model_bytes,
             "round_seconds": float(row["wall_seconds"]),
             "server_peak_rss_bytes": srv["peak_rss_bytes"], "client_peak_rss_bytes": cli["peak_rss_bytes"],
             "server_rss_at_start_bytes": srv.get("rss_at_start_bytes", 0),
@@ -344,7 +374,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="fedhop bench large", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10,100", help="model sizes in MB, comma-separated (e.g. 100,500,1000)")
-    ap.add_argument("--clients", default="2,4", help="client processes per round, comma-separated (e.g. 2,4,8)")
+    ap.add_argument("--clients", default="2,4", help="clients per round, comma-separated (e.g. 2,4,8)")
+    ap.add_argument("--processes", type=int, default=None,
+                    help="client processes per round, the clients spread over them (default: one per client)")
     ap.add_argument("--repeats", type=int, default=3, help="timed transfers per size (after one warm-up)")
     ap.add_argument("--chunk", type=int, default=4 << 20, help="frame size of the transfers")
     ap.add_argument("--max-memory-gb", type=float, default=None,
@@ -359,12 +391,16 @@ def main(argv: list[str]) -> int:
     if args.repeats < 1:
         print("fedhop bench large: --repeats must be >= 1", file=sys.stderr)
         return 2
-    out: dict = {"recv_buffers": os.environ.get("FEDHOP_RECV_BUFFERS", "2"), "sizes_mb": sizes, "clients": counts, "rounds": [], "skipped": [], "failed": [],
+    if args.processes is not None and args.processes < 1:
+        print("fedhop bench large: --processes must be >= 1", file=sys.stderr)
+        return 2
+    out: dict = {"recv_buffers": os.environ.get("FEDHOP_RECV_BUFFERS", "2"),
+                 "file_buffers": os.environ.get("FEDHOP_FILE_BUFFERS", "1"), "sizes_mb": sizes, "clients": counts, "rounds": [], "skipped": [], "failed": [],
                  "transfers": []}
     budget = (args.max_memory_gb * GB if args.max_memory_gb is not None
               else psutil.virtual_memory().available)
     if not args.no_rounds:
-        print(f"{'model':>8} {'clients':>7} {'round s':>8} {'server peak RSS MB':>19} {'client peak RSS MB':>19} "
+        print(f"{'model':>8} {'clients':>7} {'procs':>5} {'round s':>8} {'server peak RSS MB':>19} {'client peak RSS MB':>19} "
               f"{'server CPU s/GB':>16} {'client CPU s/GB':>16} {'tensor MB down/up':>18}", flush=True)
         with tempfile.TemporaryDirectory(prefix="fedhop-bench-large-") as tmp:
             if args.keep:
@@ -372,20 +408,20 @@ def main(argv: list[str]) -> int:
                 Path(tmp).mkdir(parents=True, exist_ok=True)
             for size in sizes:
                 for n in counts:
-                    need = estimate_bytes(size, n)
+                    need = estimate_bytes(size, n, args.processes)
                     if need > budget:
                         why = (f"needs about {need / GB:.1f} GB (estimate), {budget / GB:.1f} GB available")
                         out["skipped"].append({"size_mb": size, "clients": n, "reason": why})
                         print(f"{size:>6g}MB {n:>7} skipped: {why}", flush=True)
                         continue
                     try:
-                        row = round_cell(size, n, Path(tmp))
+                        row = round_cell(size, n, Path(tmp), args.processes)
                     except RuntimeError as exc:   # a run that failed (or did not start): the next cell still runs
                         out["failed"].append({"size_mb": size, "clients": n, "error": str(exc)})
                         print(f"{size:>6g}MB {n:>7} failed: {exc}", flush=True)
                         continue
                     out["rounds"].append(row)
-                    print(f"{size:>6g}MB {n:>7} {row['round_seconds']:>8.2f} {_mb(row['server_peak_rss_bytes']):>19} "
+                    print(f"{size:>6g}MB {n:>7} {row['processes']:>5} {row['round_seconds']:>8.2f} {_mb(row['server_peak_rss_bytes']):>19} "
                           f"{_mb(row['client_peak_rss_bytes']):>19} {row['server_cpu_s_per_gb']:>16.2f} "
                           f"{row['client_cpu_s_per_gb']:>16.2f} "
                           f"{_mb(row['down'].get('tensor_bytes', 0)) + '/' + _mb(row['up'].get('tensor_bytes', 0)):>18}",

@@ -66,4 +66,34 @@ def test_synthetic_task_gradient_is_w_minus_t():
         loss = task.loss(model, task.client_data(2).tensors)
         loss.backward()
     assert model.w.numel() == 100 and bool((model.w.grad == -3.0).all())   # w - t_i at w = 0, t_2 = 3
+    # at any w: autograd's own loss, and the gradient w - t correctly rounded (autograd's own adds
+    # 1/2 w, 1/2 w and -t in its own order, so it may differ in the last bit)
+    with torch.no_grad():
+        model.w.copy_(torch.randn(100, generator=torch.Generator().manual_seed(4)) * 50)
+    model.w.grad = None
+    plain = model.w.detach().clone().requires_grad_()
+    with torch.enable_grad():
+        loss = task.loss(model, task.client_data(2).tensors)
+        loss.backward()
+        expect = 0.5 * torch.dot(plain, plain) - 3.0 * plain.sum()
+        expect.backward()
+    assert torch.equal(loss.detach(), expect.detach())
+    assert torch.equal(model.w.grad, plain.detach() - 3.0) and torch.allclose(model.w.grad, plain.grad)
 
+
+def test_bench_large_spreads_clients_over_fewer_processes(tmp_path, monkeypatch, capsys):
+    """`--processes 2` with 4 clients: every client's update still crosses the client-server
+    link (the ledger), the round is exact, and the estimate counts two client processes."""
+    size_mb, clients = 2, 4
+    monkeypatch.chdir(tmp_path)
+    assert main(["--sizes", str(size_mb), "--clients", str(clients), "--processes", "2", "--no-transfer",
+                 "--json", "out.json", "--max-memory-gb", "100"]) == 0
+    (row,) = json.loads((tmp_path / "out.json").read_text())["rounds"]
+    model = size_mb * MB // 4 * 4
+    assert row["processes"] == 2 and row["clients"] == clients and row["model_exact"] is True
+    assert row["down"]["tensor_bytes"] == clients * model and row["up"]["tensor_bytes"] == clients * model
+    assert estimate_bytes(1000, 8, 2) < estimate_bytes(1000, 8)
+    capsys.readouterr()
+    assert main(["--processes", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--processes" in err and len(err.strip().splitlines()) == 1

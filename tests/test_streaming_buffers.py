@@ -124,3 +124,29 @@ def test_frames_cut_per_send_are_not_kept_and_are_the_eager_bytes():
     w.add_(1.0)
     with pytest.raises(SnapshotChanged):
         next(frames)
+
+
+def test_a_clients_fresh_large_reply_is_handed_over_and_one_it_keeps_is_snapshot():
+    """client/host.py `_hand_over_fresh`: a reply larger than one chunk whose tensors the process
+    keeps nowhere else is sent from its own memory (no snapshot); one that shares memory with the
+    model or a client's persistent state, or a small one, is snapshot at encode as before."""
+    from fedhop.client.host import ClientHost
+
+    host = ClientHost.__new__(ClientHost)   # only what `_hand_over_fresh` reads
+    host.model = torch.nn.Linear(1500, 1000)   # a 6 MB weight
+    host.states = {3: {"c": torch.zeros(2_000_000)}}
+
+    def handed(p: Payload) -> bool:
+        return all(getattr(t, "_fedhop_handed_over", None) == t._version for t in p.tensors.values())
+
+    fresh = Payload(tensors={"w": torch.randn(2_000_000), "b": torch.randn(3)}, scalars={WEIGHT_KEY: 1.0})
+    assert host._hand_over_fresh(fresh) is fresh and handed(fresh)
+    enc = encode(fresh, pb.Envelope(), chunk_bytes=1 << 20)
+    assert enc.frames._cuts.left == len(enc.frames) - 1   # nothing cut before the send
+    assert decode_frames(list(enc.frames)).payload.tensors["w"].equal(fresh.tensors["w"])
+    for kept in (Payload(tensors={"w": host.model.weight.detach()}),
+                 Payload(tensors={"w": torch.randn(2_000_000), "c": host.states[3]["c"][10:]}),
+                 Payload(tensors={"w": torch.randn(1000)})):
+        assert not handed(host._hand_over_fresh(kept))
+        enc = encode(kept, pb.Envelope(), chunk_bytes=1 << 20)
+        assert enc.frames._cuts.left == 0   # every frame cut at encode: the snapshot

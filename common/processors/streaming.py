@@ -20,11 +20,16 @@ arrival order (docs/architecture.md, "Streaming aggregation"):
 - `admit()` / `release()`: at most `window` replies are received and folded at once (a gRPC
   reply waits in flow control until a slot is free), whatever their ids.  A slot is taken when
   the reply's first frame arrives and given back once the reply is folded, spilled or refused,
-  so with the default window of 1 the server holds one reply-sized buffer at a time.
+  so with the default window of 1 the server holds one reply-sized buffer at a time;
+- `receive_buffers`: a reply of at least `file_min_bytes` (HOLD_FLOOR_BYTES) is received into an
+  unnamed file in the spill folder (common/wire/filebacked.py), verified and validated there,
+  and read piece by piece as it is folded: that one buffer waits in the page cache, not in the
+  server's memory, and a reply received so ahead of its turn is held as it is (it is on disk).
 
 So the accumulator holds the exact bits `reduce_payloads` gives over the folded replies in id
 order, and the server holds the accumulator plus the held replies (at most `budget_bytes` in
-memory) and one reply being received, instead of one decoded reply per participant.
+memory) and one reply being received (in a file when it is large), instead of one decoded reply
+per participant.
 
 What a collect-everything round decides after the last reply must be decided here while folding:
 
@@ -54,6 +59,7 @@ import torch
 
 from fedhop.common.processors.validation import _kind
 from fedhop.common.wire.codec import RECV_BUFFERS
+from fedhop.common.wire.filebacked import FileBuffers, file_backed, file_buffers_on
 from fedhop.common.wire.message import Payload, ReduceOp, ReplyAccumulator
 
 if TYPE_CHECKING:
@@ -79,7 +85,11 @@ class OrderedFold:
     Thread-safe: `offer` and `skip` come from the fabric's workers."""
 
     def __init__(self, keys: list[Hashable], ops: Mapping[str, ReduceOp], budget_bytes: int = 0,
-                 spill_dir: str | Path | None = None, window: int = 1) -> None:
+                 spill_dir: str | Path | None = None, window: int = 1, file_min_bytes: int | None = None) -> None:
+        """`file_min_bytes`: a reply of at least this many bytes is received into a file, not
+        memory (default HOLD_FLOOR_BYTES; common/wire/filebacked.py)."""
+        if file_min_bytes is None:
+            file_min_bytes = HOLD_FLOOR_BYTES
         self.keys = list(keys)   # the fold order: client ids sorted, or edges by index
         self._index = set(self.keys)
         self.acc = ReplyAccumulator(ops)
@@ -89,6 +99,7 @@ class OrderedFold:
         self._pos = 0                                    # index of the turn in `keys`
         self._done: dict[Hashable, Payload | _Spilled | None] = {}  # outcome known: held, spilled, or None (folded/skipped)
         self._held_bytes = 0
+        self._in_files: set[Hashable] = set()           # held replies received into files (not in `_held_bytes`)
         self._lock = threading.Lock()
         self._kinds: dict[str, str] = {}
         self.closed = False
@@ -97,6 +108,8 @@ class OrderedFold:
         self.magnitudes: dict[Hashable, float] = {}     # key -> largest weighted value it added
         self.rejected: dict[Hashable, str] = {}         # key -> why it was not folded
         self.spilled = 0                                # replies that went through a spill file
+        # where a large reply is received: an unnamed file in the spill folder (common/wire/filebacked.py)
+        self.receive_buffers = FileBuffers(spill_dir, file_min_bytes, RECV_BUFFERS) if file_buffers_on() else None
         self.peak_held_bytes = 0
         self.window = window                            # replies received and folded at once (`admit`)
         self._receiving = 0
@@ -206,8 +219,10 @@ class OrderedFold:
                     self._fold(key, reply)
                     reply.tensors.clear()   # its buffer is free for the next one read back
                 else:
-                    self._held_bytes -= held.tensor_bytes()
+                    if key not in self._in_files:
+                        self._held_bytes -= held.tensor_bytes()
                     self._fold(key, held)
+                    held.tensors.clear()   # a file-backed reply's file is freed with its tensors
             self._pos += 1
 
     def _fold(self, key: Hashable, reply: Payload) -> None:
@@ -234,6 +249,11 @@ class OrderedFold:
 
     def _hold(self, key: Hashable, reply: Payload) -> None:
         size = reply.tensor_bytes()
+        if reply.tensors and all(file_backed(t) for t in reply.tensors.values()):   # received into a file already
+            self._done[key] = Payload(tensors=dict(reply.tensors), scalars=reply.scalars, control=reply.control)
+            self._in_files.add(key)
+            self.spilled += 1
+            return
         if self._held_bytes + size <= self.budget_bytes:
             self._done[key] = Payload(tensors=dict(reply.tensors), scalars=reply.scalars, control=reply.control)
             self._held_bytes += size
@@ -312,10 +332,12 @@ class RoundMemory:
         self.peak_bytes: int | None = None
         self.streamed_rounds = 0   # rounds whose replies were folded as they arrived
         self.spilled_replies = 0   # replies that waited for their turn in a spill file
+        self.replies_in_files = 0  # replies received into a file, not memory (common/wire/filebacked.py)
 
     def note_fold(self, fold: "OrderedFold") -> None:
         self.streamed_rounds += 1
         self.spilled_replies += fold.spilled
+        self.replies_in_files += fold.receive_buffers.made if fold.receive_buffers is not None else 0
 
     @staticmethod
     def _status() -> dict[str, int]:
@@ -346,4 +368,5 @@ class RoundMemory:
 
     def summary(self) -> dict:
         return {"server_memory": {"rss_at_first_round_bytes": self.start_bytes, "peak_rss_bytes": self.peak_bytes},
-                "aggregation": {"streamed_rounds": self.streamed_rounds, "spilled_replies": self.spilled_replies}}
+                "aggregation": {"streamed_rounds": self.streamed_rounds, "spilled_replies": self.spilled_replies,
+                                "replies_in_files": self.replies_in_files}}

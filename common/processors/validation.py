@@ -45,6 +45,7 @@ from fedhop.common.wire.message import (
     WEIGHT_KEY,
     Payload,
     ScalarRule,
+    _top,
     tensor_finite,
 )
 
@@ -227,9 +228,7 @@ def _non_finite(tensors: Mapping[str, torch.Tensor], scalars: Mapping, what: str
 def _magnitude(p: Payload) -> float:
     """The largest absolute value a result adds to a weighted sum (float64: no overflow here)."""
     w = 1.0 if COUNT_KEY in p.scalars else float(p.scalars.get(WEIGHT_KEY, 1.0))
-    top = max((max(abs(float(t.detach().max())), abs(float(t.detach().min())))   # no copy of the reply
-               for t in p.tensors.values() if t.numel()),
-              default=0.0)
+    top = max((_top(t) for t in p.tensors.values()), default=0.0)   # no copy of the reply
     return top * w
 
 

@@ -257,6 +257,7 @@ class Endpoint(ABC):
         decoder = FrameDecoder(max_payload_bytes=min(expect.data_bytes, self.max_payload_bytes),
                                max_header_bytes=expect.header_bytes)
         decoder.gate = getattr(expect, "gate", None)   # type: ignore[attr-defined]  # read back with getattr (grpc.py); a streaming fold's receive slots (common/processors/streaming.py)
+        decoder.buffers = getattr(getattr(expect, "gate", None), "receive_buffers", None)   # a large reply into a file (common/wire/filebacked.py)
         return decoder
 
     @abstractmethod

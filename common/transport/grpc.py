@@ -47,7 +47,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent import futures
-from typing import Any, Sequence, overload
+from typing import Any, Iterable, Sequence, overload
 
 import grpc
 import grpc.experimental
@@ -372,7 +372,7 @@ class GrpcEndpoint(Endpoint):
         def exchange(request_iterator, context):
             # decode each frame as it arrives: the copy into the message buffer overlaps the
             # transfer of the next frame, and a received frame is freed once copied
-            yield from endpoint.serve_frames(request_iterator, handler)
+            yield from _streamed(endpoint.serve_frames(request_iterator, handler))
 
         def call(bundle: bytes, context):
             try:
@@ -381,11 +381,11 @@ class GrpcEndpoint(Endpoint):
                 frames = [b"\xff"]
             messages = split_bundle(frames)
             if len(messages) == 1:
-                yield from endpoint.serve_frames(frames, handler, framing=bundle_framing(len(f) for f in frames))
+                yield from _streamed(endpoint.serve_frames(frames, handler, framing=bundle_framing(len(f) for f in frames)))
                 return
             for i, message in enumerate(messages):   # a batch (module docstring): one message at a time
                 framing = frame_framing(len(f) for f in message) + (FRAME_OVERHEAD if i == 0 else 0)
-                yield from endpoint.serve_frames(message, handler, framing=framing)
+                yield from _streamed(endpoint.serve_frames(message, handler, framing=framing))
 
         def register(request: pb.RegisterRequest, context) -> pb.RegisterReply:
             if register_handler is None:
@@ -443,6 +443,13 @@ class GrpcEndpoint(Endpoint):
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
+
+
+def _streamed(frames: Sequence[bytes]) -> Iterable[bytes]:
+    """A reply's frames as the response stream pulls them: the frames of a handed-over reply (a
+    client's fresh update, client/host.py) are cut ahead by helper threads, overlapping the send
+    of the ones before (`Frames.stream`)."""
+    return frames.stream() if isinstance(frames, Frames) else frames
 
 
 def caller_key(context: grpc.ServicerContext) -> str:

@@ -42,6 +42,7 @@ import torch
 import xxhash
 
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.filebacked import FileBuffers, FileSink
 from fedhop.common.wire.message import Payload, Scalar
 
 if sys.byteorder != "little":  # pragma: no cover
@@ -572,9 +573,10 @@ class FrameDecoder:
     # allocated: raises PayloadError (a refused method or caller) or returns the most data bytes
     # the request's method may carry (common/transport/admission.py `RequestGate`)
     admit: Callable[[pb.Envelope], int] | None = None
-    buffers: RecvBuffers | None = None    # where the message's buffer comes from (None: RECV_BUFFERS)
+    buffers: "RecvBuffers | FileBuffers | None" = None   # where the message's buffer comes from (None: RECV_BUFFERS)
     envelope: pb.Envelope | None = None
     _buffer: np.ndarray | None = None
+    _sink: "FileSink | None" = None   # the message's file while its data arrives (common/wire/filebacked.py)
     _filled: int = 0
     _payload_bytes: int = 0
     _frames: int = 0
@@ -628,9 +630,15 @@ class FrameDecoder:
             if self._filled + length > self.envelope.data_bytes:
                 raise PayloadError("SIZE_MISMATCH",
                                    f"data frames exceed the declared {self.envelope.data_bytes} bytes")
-            assert self._buffer is not None
-            self._buffer[self._filled:self._filled + length] = np.frombuffer(
-                frame, dtype=np.uint8, count=length, offset=start)
+            if self._sink is not None:
+                try:
+                    self._sink.write(self._filled, mv[start:])
+                except OSError:   # the disk filled up after all: the message goes on in memory
+                    self._buffer, self._sink = self._sink.to_memory(self._filled), None
+            if self._sink is None:
+                assert self._buffer is not None
+                self._buffer[self._filled:self._filled + length] = np.frombuffer(
+                    frame, dtype=np.uint8, count=length, offset=start)
             if self._digest is not None:   # while the frame is still in cache, not in a second pass at the end
                 self._digest.update(mv[start:])
             self._filled += length
@@ -669,7 +677,11 @@ class FrameDecoder:
         if len(set(names)) != len(names):
             raise PayloadError("BAD_NAME", "duplicate tensor names in one message")
         self.envelope = env
-        self._buffer = (self.buffers or RECV_BUFFERS).take(declared)
+        taken = (self.buffers or RECV_BUFFERS).take(declared)
+        if isinstance(taken, FileSink):
+            self._sink = taken
+        else:
+            self._buffer = taken
         self._digest = xxhash.xxh3_64() if env.HasField("data_xxh3") else None
 
     def finish(self) -> Decoded:
@@ -679,14 +691,19 @@ class FrameDecoder:
         if self._filled != env.data_bytes:
             raise PayloadError("SIZE_MISMATCH", f"message ended after {self._filled} of "
                                                 f"{env.data_bytes} declared data bytes")
-        assert self._buffer is not None
         if env.HasField("data_xxh3"):
             assert self._digest is not None   # made when the header declared data_xxh3
             digest = self._digest.intdigest()   # over every data byte, frame by frame (`feed`)
             if digest != env.data_xxh3:
                 self._buffer = None   # refused: nothing will be made of these bytes
+                if self._sink is not None:
+                    self._sink.close()   # its file goes now
+                    self._sink = None
                 raise PayloadError("CHECKSUM_MISMATCH", f"data bytes have XXH3-64 {digest:016x}, the sender's "
                                                         f"envelope says {env.data_xxh3:016x}: corrupted in transit")
+        if self._sink is not None:   # the message's file, mapped as its buffer
+            self._buffer, self._sink = self._sink.array(), None
+        assert self._buffer is not None
         base = torch.from_numpy(self._buffer)
         self._buffer = None   # the tensors hold it now: it is free for reuse once they are gone
         tensors: dict[str, torch.Tensor] = {}

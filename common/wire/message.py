@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Literal, Mapping
 import numpy as np
 import torch
 
+from fedhop.common.wire.filebacked import release
+
 if TYPE_CHECKING:  # pragma: no cover
     from fedhop.common.wire.fedhop_pb2 import Control
 
@@ -65,9 +67,22 @@ CHUNK = 1 << 20
 
 
 def _top(t: torch.Tensor) -> float:
-    """max |t| as a Python float (two reductions, no copy of `t`); 0 for an empty tensor."""
+    """max |t| as a Python float (two reductions, no copy of `t`); 0 for an empty tensor.  A
+    large contiguous tensor is read piece by piece, each piece's pages given back after it when
+    `t` lies in a file-backed receive buffer (common/wire/filebacked.py)."""
     if not t.numel():
         return 0.0
+    if t.numel() > CHUNK and t.is_contiguous() and t.device.type == "cpu":
+        flat = t.detach().view(-1)
+        top = 0.0
+        for s in range(0, flat.numel(), CHUNK):
+            piece = flat[s:s + CHUNK]
+            piece_top = max(abs(float(piece.max())), abs(float(piece.min())))
+            release(flat, s, s + piece.numel())
+            if math.isnan(piece_top):
+                return piece_top   # as the whole tensor's max would say
+            top = max(top, piece_top)
+        return top
     return max(abs(float(t.max())), abs(float(t.min())))
 
 
@@ -194,6 +209,7 @@ class ReplyAccumulator:
         for s in range(0, a.numel(), CHUNK):
             e = min(s + CHUNK, a.numel())
             yield a[s:e], b[s:e], scratch[:e - s]
+            release(b, s, e)   # a file-backed reply's piece, once used (common/wire/filebacked.py)
 
     def _chunked(self, acc: torch.Tensor | None, t: torch.Tensor) -> bool:
         return (acc is not None and t.numel() > CHUNK and acc.shape == t.shape and acc.dtype == t.dtype
@@ -203,6 +219,11 @@ class ReplyAccumulator:
         """The running field `name` with `t` combined in (weighted by `w` for a `wsum` field of a
         client result), in place; a large field piece by piece through the scratch buffer."""
         acc = self.out.tensors.get(name)
+        if acc is None and self._chunked(t, t) and t.is_floating_point():   # the first term, piece by piece
+            acc = torch.empty_like(t)
+            for a, b, _ in self._pieces(acc, t):
+                self._term(name, b, w, is_partial, out=a)
+            return acc
         if acc is None:
             term = self._term(name, t, w, is_partial)
             return term.clone() if term is t else term
@@ -217,6 +238,11 @@ class ReplyAccumulator:
         """Whether combining `t` into field `name` keeps it finite, computed (not kept) piece by piece."""
         problem = f"adding it makes tensor '{name}' of the sum NaN or Inf"
         acc = self.out.tensors.get(name)
+        if acc is None and self._chunked(t, t):   # the first term, piece by piece through the scratch buffer
+            for _, b, s in self._pieces(t, t):
+                if not tensor_finite(self._term(name, b, w, is_partial, out=s)):
+                    return problem
+            return None
         if acc is None:
             return None if tensor_finite(self._term(name, t, w, is_partial)) else problem
         if not self._chunked(acc, t):
@@ -289,7 +315,11 @@ def tensor_finite(t: torch.Tensor) -> bool:
         return True
     if t.numel() > CHUNK and t.is_contiguous():   # piece by piece: no mask the size of a large tensor
         flat = t.detach().view(-1)
-        return all(tensor_finite(flat[s:s + CHUNK]) for s in range(0, flat.numel(), CHUNK))
+        for s in range(0, flat.numel(), CHUNK):
+            if not tensor_finite(flat[s:s + CHUNK]):
+                return False
+            release(flat, s, s + CHUNK)   # a file-backed reply's pages, once checked (common/wire/filebacked.py)
+        return True
     if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS:
         try:
             return bool(np.isfinite(t.detach().numpy()).all())
