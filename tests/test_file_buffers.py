@@ -168,6 +168,7 @@ def test_large_replies_folded_from_files_equal_id_order_and_stay_out_of_memory(t
         assert fold.offer(key, reply, take=True)
         assert mapped_rss_kb(w) < 64 or key in fold._done, "folded piece by piece, or held on disk"
         del w, reply
+        assert not list(tmp_path.iterdir())   # a reply held ahead of its turn stays in its unnamed file
     fold.close()
     assert fold.folded == list(range(count)) and fold.receive_buffers.made == count
     assert fold.spilled == sum(1 for i, k in enumerate(order) if k != min(order[i:]))   # ahead of their turn

@@ -4,12 +4,14 @@ common/algorithms/fedavg.py, common/processors/validation.py, common/processors/
 Each test records, with a torch dispatch mode, every tensor an operation allocates (an output
 that shares no storage with the operation's inputs) and checks that folding a large reply, the
 FedAvg server step and the finiteness check around it allocate nothing model-sized, while
-giving the bits of the whole-tensor arithmetic they replace (computed here independently).
+giving the bits of the whole-tensor arithmetic they replace (computed here independently); and
+that a client's local solver leaves no gradients behind for the client process to keep.
 """
 from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -242,3 +244,27 @@ def test_share_params_keeps_the_tensor_allocated_first_and_binds_a_resumed_state
     assert {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()} == {
         n: t.untyped_storage().data_ptr() for n, t in resumed.items()}
     assert all(torch.equal(p.detach(), resumed[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold", "fedprox"])
+def test_a_clients_local_solver_leaves_no_gradients_behind(algorithm):
+    """local_sgd clears the parameters' gradients at its end: a client process does not keep a
+    model's worth of them while it makes its update and between rounds.  The update is the
+    numpy closed form of the quadratic task's local steps either way (tests/helpers.py)."""
+    from fedhop.common.config import parse_config
+    from fedhop.common.engine.rounds import RoundEngine, local_update
+    from tests.helpers import numpy_fedavg_round, quadratic_config
+
+    centers, curvatures, sizes = [[1.0, -2.0], [3.0, 0.5]], [[1.0, 2.0], [0.5, 1.5]], [10, 30]
+    cfg = parse_config(quadratic_config(centers, curvatures, sizes, local_steps=4, algorithm=algorithm,
+                                        extra_algorithm="mu = 0.0" if algorithm == "fedprox" else ""))
+    engine = RoundEngine(cfg)
+    model = engine.task.build_model()
+    message = engine.algorithm.broadcast(engine.state, 1)
+    reply = local_update(cfg, engine.task, engine.algorithm, model, 1, 1,
+                         Payload(tensors={n: t.clone() for n, t in message.tensors.items()}, scalars=message.scalars), {}, 0)
+    assert all(p.grad is None for p in model.parameters())
+    if algorithm == "fedavg":   # client 1 alone, server_lr 1: the round's model is its local model
+        expect = numpy_fedavg_round(np.zeros(2), np.asarray(centers), np.asarray(curvatures), sizes, [1], 4, 0.1, 1.0)
+        (delta,) = reply.tensors.values()
+        assert np.allclose(delta.double().numpy().reshape(-1), expect, rtol=1e-6, atol=1e-7)

@@ -110,6 +110,8 @@ def local_sgd(ctx: ClientContext, lr: float, batch_size: int, weight_decay: floa
 
     `grad_hook(name, param, grad)` may return a modified gradient (FedProx's proximal term,
     SCAFFOLD's correction); `lr_at(k)` gives the step size of local step k (default `lr`).
+    The parameters' gradients are cleared at the end (`p.grad` is None): nothing reads the last
+    step's, and a client process would otherwise keep a model's worth of them between rounds.
     """
     data = ctx.task.client_data(ctx.client_id)
     stats = LocalStats()
@@ -147,6 +149,8 @@ def local_sgd(ctx: ClientContext, lr: float, batch_size: int, weight_decay: floa
             stats.last_loss = value
         else:
             on_device.append(loss.detach())
+    for _, p in params:   # the last step's gradients: a model's worth of memory, freed before the caller makes its update
+        p.grad = None
     if on_device:
         values = torch.stack(on_device).double().cpu().tolist()
         for value in values:

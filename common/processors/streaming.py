@@ -249,7 +249,7 @@ class OrderedFold:
 
     def _hold(self, key: Hashable, reply: Payload) -> None:
         size = reply.tensor_bytes()
-        if reply.tensors and all(file_backed(t) for t in reply.tensors.values()):   # received into a file already
+        if any(file_backed(t) for t in reply.tensors.values()):   # received into a file: held as it is
             self._done[key] = Payload(tensors=dict(reply.tensors), scalars=reply.scalars, control=reply.control)
             self._in_files.add(key)
             self.spilled += 1
