@@ -152,6 +152,15 @@ def test_a_write_that_fails_midway_moves_the_message_to_memory(tmp_path, monkeyp
         assert torch.equal(got.tensors[name], t), name
     assert not list(tmp_path.iterdir())
 
+    def unreadable(fd, buffers, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    writes.clear()
+    monkeypatch.setattr(os, "preadv", unreadable)   # and the bytes written cannot be read back: a typed error
+    with pytest.raises(PayloadError) as exc:
+        received(sent, buffers)
+    assert exc.value.code == "RECEIVE_FAILED" and "Input/output error" in str(exc.value)
+
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_large_replies_folded_from_files_equal_id_order_and_stay_out_of_memory(tmp_path, seed):

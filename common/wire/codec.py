@@ -634,7 +634,10 @@ class FrameDecoder:
                 try:
                     self._sink.write(self._filled, mv[start:])
                 except OSError:   # the disk filled up after all: the message goes on in memory
-                    self._buffer, self._sink = self._sink.to_memory(self._filled), None
+                    try:
+                        self._buffer, self._sink = self._sink.to_memory(self._filled), None
+                    except OSError as exc:   # this process's own disk, not the sender's fault: not a rejection code
+                        raise PayloadError("RECEIVE_FAILED", f"the message's receive file failed: {exc}") from None
             if self._sink is None:
                 assert self._buffer is not None
                 self._buffer[self._filled:self._filled + length] = np.frombuffer(
