@@ -32,6 +32,7 @@ from fedhop.common.util.procexit import (
     LAUNCHER_ENV,
     Stopped,
     ignore_stops,
+    raise_if_stopped,
     signals_restored,
     stop_on_sigterm,
     stop_reason,
@@ -601,6 +602,7 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         last = start_round if resume else -1
         registered = False
         while server.proc.poll() is None:
+            raise_if_stopped()   # a Ctrl-C whose KeyboardInterrupt was lost in a library call
             if not registered:   # a child that dies before registration completes dooms the run: say so now
                 registered = registration_complete(run_dir / "run.db")
                 if not registered:

@@ -33,7 +33,7 @@ from fedhop.common.transport.base import Endpoint
 from fedhop.common.transport.fabric import Fabric, Send
 from fedhop.common.transport.liveness import live_pool, unreachable
 from fedhop.common.util.nodeids import client_node, edge_index, edge_node
-from fedhop.common.util.procexit import Stopped, ignore_stops, stop_reason
+from fedhop.common.util.procexit import Stopped, ignore_stops, raise_if_stopped, stop_reason
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import COMPUTE_KEY, Payload
@@ -443,6 +443,7 @@ class Coordinator:
             self.driver = make_driver(self)
             self.driver.start()
             for r in range(self.rounds_completed + 1, self.cfg.run.rounds + 1):  # rounds are 1-based
+                raise_if_stopped()   # a stop signal whose exception was lost during the round before
                 self.run_round(r)
         except RunFailed as exc:
             status, error = "failed", str(exc)

@@ -135,3 +135,28 @@ def test_a_taken_listen_port_is_one_line_and_exit_2(tmp_path, which):
     errors = [ln for ln in res.stderr.splitlines() if "ERROR" in ln]
     assert len(errors) == 1 and f"cannot serve on --listen 127.0.0.1:{port}" in errors[0], res.stderr[-1500:]
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_whose_exception_was_lost_is_raised_at_the_next_check(sig):
+    """A signal's exception raised inside Python code that C code called and then cleared the
+    error of (here: an `except BaseException` standing in for it) is not lost for good: the
+    stop was noted, and `raise_if_stopped` (the server between rounds, the launcher while it
+    waits) raises it; once a stop is being handled (`ignore_stops`), nothing is pending."""
+    from fedhop.common.util.procexit import Stopped, ignore_stops, raise_if_stopped, signals_restored, stop_on_sigterm
+
+    with signals_restored():
+        stop_on_sigterm()
+        raise_if_stopped()   # nothing asked yet
+        swallowed = []
+        try:
+            os.kill(os.getpid(), sig)
+            for _ in range(1000):   # the handler runs in the main thread at the next bytecode
+                time.sleep(0.001)
+        except BaseException as exc:   # noqa: BLE001 - the C code that clears the error
+            swallowed.append(exc)
+        assert swallowed and isinstance(swallowed[0], KeyboardInterrupt if sig == signal.SIGINT else Stopped)
+        with pytest.raises(KeyboardInterrupt if sig == signal.SIGINT else Stopped):
+            raise_if_stopped()
+        ignore_stops()
+        raise_if_stopped()   # handled: nothing pending

@@ -98,18 +98,46 @@ class Stopped(BaseException):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
+# the stop signals this process received since its handlers were installed (`raise_if_stopped`)
+_STOPS: list[int] = []
+
+
 def stop_on_sigterm() -> None:
     """Raise `Stopped` in the main thread at the first SIGTERM, so the process can record how it
-    ended; a second SIGTERM ends it at once (the signal's default action).  Signal handlers are
-    the main thread's: elsewhere this does nothing."""
+    ended; a second SIGTERM ends it at once (the signal's default action).  SIGINT still raises
+    KeyboardInterrupt (unless it is ignored or has a handler of the caller's).  Either signal is
+    noted first, for `raise_if_stopped`.  Signal handlers are the main thread's: elsewhere this
+    does nothing."""
     if threading.current_thread() is not threading.main_thread():
         return
+    _STOPS.clear()
 
-    def handler(signum: int, frame: object) -> None:
+    def on_term(signum: int, frame: object) -> None:
+        _STOPS.append(signum)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise Stopped(signum)
 
-    signal.signal(signal.SIGTERM, handler)
+    def on_int(signum: int, frame: object) -> None:
+        _STOPS.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_int)
+
+
+def raise_if_stopped() -> None:
+    """Raise the stop a signal asked for whose exception never arrived.  A signal's handler runs
+    in whatever Python code the main thread is in; when that code was called from C code that
+    clears errors (an `isinstance` against an ABC inside a library call: the server went on with
+    its rounds after the launcher's SIGINT, one run in about seven under load), the exception is
+    lost.  A loop that must stop calls this at each turn (the server between rounds, the
+    launcher while it waits)."""
+    if _STOPS:
+        signum = _STOPS[0]
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Stopped(signum)
 
 
 @contextlib.contextmanager
@@ -135,6 +163,7 @@ def ignore_stops() -> None:
         return
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    _STOPS.clear()   # this stop is being handled
 
 
 def stop_reason(exc: BaseException) -> tuple[str, int]:
