@@ -14,7 +14,9 @@ Copies, the cost that dominates on this machine (shared/research/limits.md):
   zero-copy view of that buffer (a tensor whose offset is misaligned for its dtype is copied).
   A large buffer whose tensors are all gone is reused by the next message of its size
   (`RecvBuffers`): a fresh one costs its page faults again on every message, 0.3-0.9 CPU s/GB
-  here, as much as the copy itself (docs/performance.md, "Large models").
+  here, as much as the copy itself (docs/performance.md, "Large models").  A decoder given
+  `FileBuffers` (a streamed round's large replies) writes the frames to an unnamed file instead
+  and maps it when the message is whole (common/wire/filebacked.py).
 
 Everything received is validated before use: declared sizes against the limit before any
 allocation, dtype names, nbytes = prod(shape) * itemsize, total bytes, frame order, and the
