@@ -146,6 +146,7 @@ def test_a_stop_whose_exception_was_lost_is_raised_at_the_next_check(sig):
     from fedhop.common.util.procexit import Stopped, ignore_stops, raise_if_stopped, signals_restored, stop_on_sigterm
 
     with signals_restored():
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # as a role starts (an earlier test may have left another)
         stop_on_sigterm()
         raise_if_stopped()   # nothing asked yet
         swallowed = []
