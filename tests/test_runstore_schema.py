@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fedhop.common.records.runstore import SCHEMA_VERSION, RunStore
 from fedhop.common.wire.ledger import Ledger
@@ -105,3 +106,30 @@ def test_ctrl_c_merges_the_children_ledgers(tmp_path):
     assert agreement.matched > 6 * 3 * 2   # at least 3 rounds of 6 train calls and their replies, both sides
     # only messages in flight at the interrupt may be one-sided: at most one round's worth
     assert len(agreement.sender_only) + len(agreement.receiver_only) <= 2 * 6 + 4, agreement.summary()
+
+
+def test_a_stop_raised_just_after_commit_is_not_hidden_by_a_failed_rollback(tmp_path):
+    """A signal's exception can be raised just after COMMIT finished (the CI saw a Ctrl-C there):
+    the write is kept and the stop propagates as itself, not as sqlite's "cannot rollback - no
+    transaction is active" (which crashed the server instead of recording a stopped run)."""
+    store = RunStore(tmp_path / "run.db")
+
+    class CommitThenStop:   # the connection, with a KeyboardInterrupt right after COMMIT
+        def __init__(self, conn):
+            self.conn = conn
+
+        def __getattr__(self, name):
+            return getattr(self.conn, name)
+
+        def execute(self, sql, *args):
+            out = self.conn.execute(sql, *args)
+            if sql == "COMMIT":
+                raise KeyboardInterrupt
+            return out
+
+    real = store._conn
+    store._conn = CommitThenStop(real)
+    with pytest.raises(KeyboardInterrupt):
+        store.set_live_bytes(["client-proc0"], [("client-proc0", "client-server", "up", 3, 12, 40, 55)])
+    store._conn = real
+    assert store._query("SELECT node, framed_bytes FROM live_bytes") == [("client-proc0", 55)]

@@ -140,9 +140,17 @@ def migrate(conn: sqlite3.Connection) -> None:
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        rollback(conn)
         raise
 
+
+
+def rollback(conn: sqlite3.Connection) -> None:
+    """Roll back the open transaction, if one is still open: a signal's exception (Ctrl-C, a
+    SIGTERM's `Stopped`) can be raised just after COMMIT finished, and a ROLLBACK then would fail
+    with its own error and hide the stop."""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
 
 @dataclass
 class AgreementReport:
@@ -302,7 +310,7 @@ class RunStore:
                                        "WHERE round = ?", (int(round),))
                 self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                rollback(self._conn)
                 raise
 
     def add_event(self, kind: str, *, node: str = "", detail: Any = "", round: int | None = None,
@@ -341,7 +349,7 @@ class RunStore:
                 self._conn.executemany(sql, rows)
                 self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                rollback(self._conn)
                 raise
             return self._conn.total_changes - before
 
