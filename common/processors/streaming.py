@@ -99,7 +99,6 @@ class OrderedFold:
         self._pos = 0                                    # index of the turn in `keys`
         self._done: dict[Hashable, Payload | _Spilled | None] = {}  # outcome known: held, spilled, or None (folded/skipped)
         self._held_bytes = 0
-        self._in_files: set[Hashable] = set()           # held replies received into files (not in `_held_bytes`)
         self._lock = threading.Lock()
         self._kinds: dict[str, str] = {}
         self.closed = False
@@ -219,7 +218,7 @@ class OrderedFold:
                     self._fold(key, reply)
                     reply.tensors.clear()   # its buffer is free for the next one read back
                 else:
-                    if key not in self._in_files:
+                    if not any(file_backed(t) for t in held.tensors.values()):   # counted when held
                         self._held_bytes -= held.tensor_bytes()
                     self._fold(key, held)
                     held.tensors.clear()   # a file-backed reply's file is freed with its tensors
@@ -251,7 +250,6 @@ class OrderedFold:
         size = reply.tensor_bytes()
         if any(file_backed(t) for t in reply.tensors.values()):   # received into a file: held as it is
             self._done[key] = Payload(tensors=dict(reply.tensors), scalars=reply.scalars, control=reply.control)
-            self._in_files.add(key)
             self.spilled += 1
             return
         if self._held_bytes + size <= self.budget_bytes:

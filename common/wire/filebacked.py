@@ -18,8 +18,9 @@ The file has no name, so nothing is left behind by a process that dies; its bloc
 when it is made (`posix_fallocate`) and freed with the last tensor over the mapping.  A buffer
 that cannot be made there (a filesystem without `O_TMPFILE`, such as NFS, or not enough free
 space for the reply) is made in the system's temporary folder, or else is an ordinary one from
-memory; a write that fails midway moves the message to memory (`FileSink.to_memory`).  The pages wait in the page cache: memory the kernel writes back to disk and reclaims
-under pressure, not the process's (a run folder on tmpfs gains nothing, its files are memory).
+memory; a write that fails midway moves the message to memory (`FileSink.to_memory`).  The
+pages wait in the page cache: memory the kernel writes back to disk and reclaims under
+pressure, not the process's (a run folder on tmpfs gains nothing, its files are memory).
 """
 from __future__ import annotations
 
