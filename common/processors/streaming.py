@@ -18,7 +18,8 @@ arrival order (docs/architecture.md, "Streaming aggregation"):
 - `skip(key)`: the key will not come (its call failed or was refused); the turn moves past it;
 - `close()`: the deadline passed; every key not offered is skipped, a later offer is refused;
 - `admit()` / `release()`: at most `window` replies are received and folded at once (a gRPC
-  reply waits in flow control until a slot is free), whatever their ids.  A slot is taken when
+  reply of more than one frame waits at its sender until a slot is free: common/transport/grpc.py,
+  Pulled replies), whatever their ids.  A slot is taken when
   the reply's first frame arrives and given back once the reply is folded, spilled or refused,
   so with the default window of 1 the server holds one reply-sized buffer at a time;
 - `receive_buffers`: a reply of at least `file_min_bytes` (HOLD_FLOOR_BYTES) is received into an
@@ -145,8 +146,8 @@ class OrderedFold:
     def admit(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) until fewer than `window` replies are being received,
         and count this one in: a transport that reads replies as streams calls it when a reply's
-        first frame arrives, before it allocates the reply's buffer, so further replies wait in
-        the transport's flow control (the sender's side), not in this process.  Any reply may
+        first frame arrives, before it allocates the reply's buffer, so further replies wait on
+        the sender's side (gRPC pulls their data only once they are admitted), not in this process.  Any reply may
         take a free slot, in arrival order: a slow or hung lower id never holds the others up
         (they wait for their turn held or spilled).  The slot stays this thread's until `release`.
         False: the time ran out."""

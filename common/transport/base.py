@@ -16,7 +16,16 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from fedhop.common.transport.torch_device import to_device
 from fedhop.common.wire import fedhop_pb2 as pb
-from fedhop.common.wire.codec import Decoded, Encoded, FrameDecoder, PayloadError, ReplyBound, encode, make_envelope
+from fedhop.common.wire.codec import (
+    FRAME_OVERHEAD,
+    Decoded,
+    Encoded,
+    FrameDecoder,
+    PayloadError,
+    ReplyBound,
+    encode,
+    make_envelope,
+)
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import message_link, role_of
@@ -267,16 +276,24 @@ class Endpoint(ABC):
         and the seconds spent sending."""
 
     # -- incoming -------------------------------------------------------------------
-    def serve_frames(self, frames, handler: Handler, framing: int | None = None) -> Sequence[bytes]:
+    def serve_frames(self, frames, handler: Handler, framing: int | None = None,
+                     pulled: bool = False) -> Sequence[bytes]:
         """Decode an incoming message, run the handler, encode the reply (shared by transports).
-        `framing`: the request's gRPC framing bytes when it arrived bundled (codec.bundle_framing)."""
+        `framing`: the request's gRPC framing bytes when it arrived bundled (codec.bundle_framing).
+        `pulled`: the request's stream stays open after its data for one more (empty) message,
+        the caller's go for the reply (common/transport/grpc.py, Pulled replies): the frames are
+        read until the message is complete, and that message counts in the request's framing."""
         started = time.perf_counter()
         decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes, admit=self.request_gate)
         try:
             for frame in frames:
                 decoder.feed(frame)
+                if pulled and decoder.complete:
+                    break
             decoded = decoder.finish()
         except PayloadError as exc:
+            if pulled:
+                framing = FRAME_OVERHEAD * (decoder.frames + 1)
             env = decoder.envelope
             if env is None:   # not even a header: an unrouted error reply
                 return self._error_reply(None, exc.code, exc.detail).frames
@@ -290,7 +307,7 @@ class Endpoint(ABC):
                          error=str(exc))
             self._record(reply.envelope, reply, "sender", link, 0.0)
             return reply.frames
-        decoded.framing = framing
+        decoded.framing = FRAME_OVERHEAD * (decoder.frames + 1) if pulled else framing
         env = decoded.envelope
         link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
         recv_seconds = time.perf_counter() - started

@@ -30,6 +30,19 @@ call put on the wire: each message counts its own frames' bundle tags and length
 message also the bundle's 5-byte gRPC prefix (common/wire/codec.py `frame_framing`), and each reply
 frame its own 5-byte prefix, as a streamed reply always does.
 
+Pulled replies: a streaming fold receives one reply at a time (common/processors/streaming.py
+`OrderedFold.admit`).  A reply waiting for its slot must then wait at its sender: HTTP/2 gives
+every new stream the peer's whole initial window (with BDP probing, tens of MB on a fast link),
+so a reply that simply streamed would sit in the receiver's gRPC buffers, a window per waiting
+client.  So a call whose reply takes a slot and may span several frames is pulled: it goes as
+`Exchange` with PULL_METADATA; the callee reads the request only up to its last data byte (the
+stream stays open), sends its reply's header frame and waits; the caller sends one empty
+message on the request stream, the go (GO), once the reply has its slot, and the callee sends
+the rest.  A call that gets no slot in time is cancelled without its go, so none of the reply's
+data ever moved.  The go counts in the request's framed bytes on both ends (5 bytes: one more
+gRPC message).  The header frame is small (the envelope), so the receiver's memory for waiting
+replies is a header each, whatever the window.
+
 Fair share (common/transport/admission.py `CallSlots`, `SlotInterceptor` below): every served call takes
 a slot before its request is read.  Exchange and Call hold at most `workers - RESERVED_WORKERS`
 threads at once, so heartbeats and registrations always find a worker thread, and at most
@@ -55,6 +68,7 @@ import grpc.experimental
 from fedhop.common.security.auth import CLUSTER_NAME, META_NODE, AuthInterceptor, NodeCredentials, RefusedHook
 from fedhop.common.transport.admission import CallSlots
 from fedhop.common.transport.base import NOTHING_SENT, Batched, CallFailed, Endpoint, Handler, RemoteError
+from fedhop.common.util.heap import SendBurst
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import (
     FRAME_OVERHEAD,
@@ -76,6 +90,8 @@ EXCHANGE = "/fedhop.Fedhop/Exchange"
 CALL = "/fedhop.Fedhop/Call"            # a request of at most one chunk, bundled (proto FrameBundle)
 REGISTER = "/fedhop.Fedhop/Register"
 HEARTBEAT = "/fedhop.Fedhop/Heartbeat"
+PULL_METADATA = ("fedhop-pull", "1")     # the caller pulls the reply's data frames (module docstring)
+GO = b""                                 # the go message of a pulled reply: an empty gRPC message
 RETRY_BACKOFF = (0.25, 2.0)              # first delay and cap of the not-delivered retry, seconds
 RETRY_WINDOW = 4.0                       # seconds a call may spend retrying (and within its deadline)
 # A `Call` (unary request, streamed reply) read in the calling thread from its own completion queue:
@@ -150,6 +166,7 @@ class GrpcEndpoint(Endpoint):
         self.register_handler = None
         self.retries = 0                          # attempts that failed before connecting, then retried
         self._unreachable: set[str] = set()       # addresses whose last call gave up before connecting
+        self.sends = SendBurst()                  # streamed requests in flight (common/util/heap.py)
 
     # -- client side ----------------------------------------------------------------
     def channel(self, address: str) -> grpc.Channel:
@@ -244,30 +261,49 @@ class GrpcEndpoint(Endpoint):
     def _attempt(self, address: str, request: Encoded, timeout: float, started: float,
                  decoder: FrameDecoder | BatchDecoder) -> tuple[Any, float]:
         sent = [0.0]
-        bundled = request.payload_bytes <= self.chunk_bytes
+        gate: Any   # an OrderedFold's receive slots, or None
+        gate, admitted = getattr(decoder, "gate", None), False   # streaming aggregation (common/processors/streaming.py)
+        # a gated reply that may span frames is pulled (module docstring, Pulled replies)
+        pull = isinstance(decoder, FrameDecoder) and gate is not None and decoder.max_payload_bytes > self.chunk_bytes
+        go = threading.Event()   # pulled: set once the reply has a receive slot, or the call is over
+        bundled = not pull and request.payload_bytes <= self.chunk_bytes
         if bundled:
             request.framing = bundle_framing(request.frame_lengths())
             stub = self.channel(address).unary_stream(CALL, request_serializer=None, response_deserializer=None)
         else:
+            if pull:   # the go message is one more (empty) gRPC message of the request
+                request.framing = FRAME_OVERHEAD * (len(request.frames) + 1)
             stub = self.channel(address).stream_stream(EXCHANGE, request_serializer=None,
                                                        response_deserializer=None)
 
         def frames():   # frames not cut yet are cut ahead of the send, overlapping it (codec.Frames)
-            yield from request.frames.stream() if isinstance(request.frames, Frames) else request.frames
+            self.sends.begin()
+            moved = 0
+            try:
+                for frame in request.frames.stream() if isinstance(request.frames, Frames) else request.frames:
+                    moved += len(frame)
+                    yield frame
+            finally:
+                self.sends.end(moved)   # the last of a burst of large sends trims the heap (common/util/heap.py)
             sent[0] = time.perf_counter() - started
+            if pull:
+                go.wait()
+                if admitted:
+                    yield GO
 
         with self._lock:
             dead = self._dead.get(address)
         if dead is not None:
             raise CallFailed("NODE_DEAD", dead, request.envelope.dst)
+        metadata = self._metadata(request.envelope.dst)
+        if pull:
+            metadata = (*(metadata or ()), PULL_METADATA)
         call = stub(bundle_bytes(request.frames) if bundled else frames(), timeout=timeout, wait_for_ready=False,
-                    metadata=self._metadata(request.envelope.dst))
+                    metadata=metadata)
         with self._lock:
             self._inflight.setdefault(address, set()).add(call)
         if bundled:
             sent[0] = time.perf_counter() - started   # the unary request is handed to gRPC whole
-        gate: Any   # an OrderedFold's receive slots, or None
-        gate, admitted = getattr(decoder, "gate", None), False   # streaming aggregation (common/processors/streaming.py)
         try:
             for frame in call:
                 if gate is not None and not admitted:   # the reply began: wait for a receive slot first
@@ -275,6 +311,7 @@ class GrpcEndpoint(Endpoint):
                         call.cancel()
                         raise CallFailed("DEADLINE_EXCEEDED", "no receive slot for the reply in time",
                                          request.envelope.dst)
+                    go.set()   # pulled: the callee sends the rest of its reply now
                 decoder.feed(frame)
             return decoder.finish(), sent[0]
         except grpc.RpcError as exc:
@@ -292,6 +329,7 @@ class GrpcEndpoint(Endpoint):
             call.cancel()
             raise
         finally:
+            go.set()   # a request stream still waiting for its go message ends without it
             with self._lock:
                 self._inflight.get(address, set()).discard(call)
 
@@ -372,7 +410,19 @@ class GrpcEndpoint(Endpoint):
         def exchange(request_iterator, context):
             # decode each frame as it arrives: the copy into the message buffer overlaps the
             # transfer of the next frame, and a received frame is freed once copied
-            yield from _streamed(endpoint.serve_frames(request_iterator, handler))
+            if not _pulled(context):
+                yield from _streamed(endpoint.serve_frames(request_iterator, handler))
+                return
+            # pulled (module docstring): the request ends where its data does, its stream stays
+            # open for the go message; the reply's header frame goes at once, the rest after go
+            frames = iter(_streamed(endpoint.serve_frames(request_iterator, handler, pulled=True)))
+            header = next(frames, None)
+            if header is None:
+                return
+            yield header
+            if next(request_iterator, None) != GO:   # the caller gave up (or sent something else)
+                return
+            yield from frames
 
         def call(bundle: bytes, context):
             try:
@@ -450,6 +500,11 @@ def _streamed(frames: Sequence[bytes]) -> Iterable[bytes]:
     client's fresh update, client/host.py) are cut ahead by helper threads, overlapping the send
     of the ones before (`Frames.stream`)."""
     return frames.stream() if isinstance(frames, Frames) else frames
+
+
+def _pulled(context: grpc.ServicerContext) -> bool:
+    """The caller pulls the reply's data frames (PULL_METADATA)."""
+    return any((key, value) == PULL_METADATA for key, value in context.invocation_metadata() or ())
 
 
 def caller_key(context: grpc.ServicerContext) -> str:
