@@ -41,7 +41,9 @@ message on the request stream, the go (GO), once the reply has its slot, and the
 the rest.  A call that gets no slot in time is cancelled without its go, so none of the reply's
 data ever moved.  The go counts in the request's framed bytes on both ends (5 bytes: one more
 gRPC message).  The header frame is small (the envelope), so the receiver's memory for waiting
-replies is a header each, whatever the window.
+replies is a header each, whatever the window.  A callee that sends its data without waiting for
+the go gains nothing: the caller reads none of it before the slot, and gRPC holds at most its
+window of it (HTTP/2 flow control).
 
 Fair share (common/transport/admission.py `CallSlots`, `SlotInterceptor` below): every served call takes
 a slot before its request is read.  Exchange and Call hold at most `workers - RESERVED_WORKERS`
