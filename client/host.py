@@ -25,6 +25,7 @@ from fedhop.common.transport.factory import handler_fns
 from fedhop.common.transport.router import MethodRouter, Peers
 from fedhop.common.transport.torch_device import to_host
 from fedhop.common.util.nodeids import client_id
+from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import DEFAULT_CHUNK, PayloadError, hand_over
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload, finite_or_raise
@@ -33,6 +34,14 @@ from fedhop.common.wire.methods import Method
 if TYPE_CHECKING:  # pragma: no cover
     from fedhop.client.gossip import GossipHost
     from fedhop.common.transport.fabric import Fabric
+
+
+#: a process with more clients than this receives at most this many large train requests whole at once
+TAKEN_TRAIN_REQUESTS = 2
+#: a train request of at least this many data bytes waits for room before its data is read
+HELD_REQUEST_BYTES = 64 << 20
+#: how often a request waiting for room checks that its caller is still there (seconds)
+ROOM_POLL_SECONDS = 0.5
 
 
 def parse_client_id(node_id: str) -> int:
@@ -68,6 +77,8 @@ class ClientHost:
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.last_round: dict[int, int] = {}
         self._train_lock = threading.Lock()
+        # large train requests whose data is taken at once (`request_hold`): the one training and the next
+        self._request_room = threading.BoundedSemaphore(TAKEN_TRAIN_REQUESTS)
         self.shutdown_event = threading.Event()
         self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
         self.router = self._routes()
@@ -121,6 +132,21 @@ class ClientHost:
         cid, step = parse_client_id(env.dst), int(env.step)
         reply = to_host(self.train(cid, int(env.round), request.payload, step))   # the seam: one copy to the CPU
         return self._hand_over_fresh(upload(self.cfg, reply, env.dst, int(env.round), step))   # QSGD (common/processors/pipeline.py)
+
+    def request_hold(self, env: pb.Envelope, alive: Callable[[], bool]) -> Callable[[], None] | None:
+        """Room for a large train request's data (the transport's `Endpoint.request_hold`): one
+        process trains one client at a time, so of the requests to its clients only the one in
+        training and the next are received whole; the others' data stays with the caller until
+        one of them is done (common/transport/grpc.py, Taken requests).  A process of at most
+        TAKEN_TRAIN_REQUESTS clients, a request of another method or below HELD_REQUEST_BYTES
+        takes its data at once.  A request whose caller gives up while it waits is refused."""
+        if (env.method != Method.TRAIN or env.data_bytes < HELD_REQUEST_BYTES
+                or len(self.client_ids) <= TAKEN_TRAIN_REQUESTS):
+            return None
+        while not self._request_room.acquire(timeout=ROOM_POLL_SECONDS):
+            if not alive():
+                raise PayloadError("CANCELLED", f"the caller gave up while the request to {env.dst} waited for room")
+        return self._request_room.release
 
     def _hand_over_fresh(self, reply: Payload) -> Payload:
         """Hand a large reply over to the codec (common/wire/codec.py `hand_over`) when this

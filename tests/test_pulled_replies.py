@@ -1,9 +1,11 @@
-"""Pulled replies (common/transport/grpc.py, "Pulled replies"), between gRPC endpoints on real
+"""Pulled replies and taken requests (common/transport/grpc.py), between gRPC endpoints on real
 loopback sockets: a reply that takes a receive slot of a streaming fold and may span frames is
 pulled.  The callee sends its header frame, then waits for the caller's go (an empty message on
 the request stream), which comes only once the reply has a slot.  So replies waiting for a slot
 stay with their senders, not in the receiving process's gRPC buffers.  Each request counts the
-go message's 5 bytes of gRPC framing on both ends."""
+go message's 5 bytes of gRPC framing on both ends.  Likewise a streamed request's data is sent
+only once the callee took it (its initial metadata), so a client process hosting many clients
+receives only the train requests it has room for (client/host.py `request_hold`)."""
 from __future__ import annotations
 
 import threading
@@ -12,6 +14,7 @@ import time
 import pytest
 import torch
 
+from fedhop.client.host import HELD_REQUEST_BYTES, TAKEN_TRAIN_REQUESTS, ClientHost
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.processors.streaming import OrderedFold
 from fedhop.common.transport import grpc as grpc_transport
@@ -19,7 +22,9 @@ from fedhop.common.transport.base import CallFailed
 from fedhop.common.transport.fabric import GatedBound
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.common.util.heap import SendBurst
-from fedhop.common.wire.codec import FRAME_OVERHEAD, bundle_framing
+from fedhop.common.wire import codec
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import FRAME_OVERHEAD, PayloadError, bundle_framing, hand_over
 from fedhop.common.wire.ledger import Ledger
 
 CHUNK = 64 << 10
@@ -183,3 +188,77 @@ def test_the_last_send_of_a_large_burst_trims_the_heap(monkeypatch):
     burst.begin()
     burst.end(50)                 # 100 bytes since the last trim
     assert trims == [1, 1]
+
+
+# ----------------------------------------------------------------------------- taken requests
+def test_a_request_waits_with_its_sender_until_the_callee_takes_it(monkeypatch):
+    """A streamed request's data frames are cut (the caller's one copy of them) only once the
+    callee took the request: its `request_hold` waits on a slot the test holds, and no frame is
+    cut until the test frees it, although gRPC's window could carry the whole request.  The
+    request arrives whole and its framed bytes are the streamed formula on both ends."""
+    clock = Clock()
+    cut_at: list[int] = []
+    getitem = codec._Cuts.__getitem__
+
+    def recording(self, k):
+        if not self.keep:   # the caller's handed-over request (the callee's reply is cut at encode)
+            cut_at.append(clock.tick())
+        return getitem(self, k)
+
+    monkeypatch.setattr(codec._Cuts, "__getitem__", recording)
+    room = threading.Semaphore(0)
+    waiting = threading.Event()
+    seen: list[str] = []
+
+    def hold(env, alive):
+        seen.append(env.method)
+        waiting.set()
+        assert room.acquire(timeout=30)
+        return room.release
+
+    callee = GrpcEndpoint("client-0", Ledger(), chunk_bytes=CHUNK, max_message_bytes=1 << 20)
+    callee.request_hold = hold
+    address = callee.serve(lambda request: Payload(tensors={"w": request.payload.tensors["w"] * 2}), "127.0.0.1:0")
+    caller = GrpcEndpoint("server", Ledger(), chunk_bytes=CHUNK, max_message_bytes=1 << 20)
+    try:
+        w = torch.arange(NUMEL, dtype=torch.float32)
+        out: dict[str, Payload] = {}
+        t = threading.Thread(target=lambda: out.setdefault("reply", caller.call(
+            address, "client-0", "train", hand_over(Payload(tensors={"w": w.clone()}), keep_frames=False),
+            round=1, timeout=30)))
+        t.start()
+        assert waiting.wait(30)        # the header is in; the callee has no room yet
+        freed_at = clock.tick()
+        room.release()
+        t.join(30)
+        assert torch.equal(out["reply"].tensors["w"], 2 * w) and seen == ["train"]
+        frames = 1 + -(-4 * NUMEL // CHUNK)
+        assert len(cut_at) == frames - 1 and min(cut_at) > freed_at   # no data frame before it was taken
+        sent = next(r for r in caller.ledger.records() if r.method == "train")
+        got = next(r for r in callee.ledger.records() if r.method == "train")
+        assert sent.framed_bytes == sent.payload_bytes + FRAME_OVERHEAD * frames == got.framed_bytes
+    finally:
+        caller.stop()
+        callee.stop()
+
+
+def test_a_host_takes_two_large_train_requests_at_once_and_refuses_one_whose_caller_left():
+    """client/host.py `request_hold`: with more clients than TAKEN_TRAIN_REQUESTS, large train
+    requests take room (two at once); a small one, another method or a small process takes
+    none; a request still waiting when its caller is gone is refused CANCELLED."""
+    host = ClientHost.__new__(ClientHost)   # only the room and the client list are used
+    host._request_room = threading.BoundedSemaphore(TAKEN_TRAIN_REQUESTS)
+    host.client_ids = [0, 1, 2, 3]
+    big = pb.Envelope(method="train", dst="client-1", data_bytes=HELD_REQUEST_BYTES)
+    releases = [host.request_hold(big, lambda: True) for _ in range(TAKEN_TRAIN_REQUESTS)]
+    assert all(callable(r) for r in releases)
+    assert host.request_hold(pb.Envelope(method="train", data_bytes=HELD_REQUEST_BYTES - 1), lambda: True) is None
+    assert host.request_hold(pb.Envelope(method="state_set", data_bytes=HELD_REQUEST_BYTES), lambda: True) is None
+    checks: list[int] = []
+    with pytest.raises(PayloadError, match="CANCELLED"):
+        host.request_hold(big, lambda: bool(checks.append(1)))   # no room, and the caller left
+    assert checks == [1]
+    releases[0]()
+    assert callable(host.request_hold(big, lambda: True))   # room again
+    host.client_ids = [0, 1]
+    assert host.request_hold(big, lambda: True) is None     # a small process takes its requests at once

@@ -145,6 +145,10 @@ class Endpoint(ABC):
         # an incoming request's method, caller and size checked on its header frame, before its data
         # is read (common/transport/admission.py `RequestGate`); None: only `max_payload_bytes` bounds it
         self.request_gate: Callable[[pb.Envelope], int] | None = None
+        # a served request whose data the process takes only when it has room for it: called with the
+        # request's header and a "caller still there" check, it waits and returns the release of what
+        # it took (or None); the transport reads the data after it (client/host.py `request_hold`)
+        self.request_hold: Callable[[pb.Envelope, Callable[[], bool]], Callable[[], None] | None] | None = None
         self.device: torch.device | None = None   # where received tensors are placed (common/transport/torch_device.py); None: the CPU
         self.on_busy: BusyHook | None = None       # told of each call refused by a transport that limits calls per caller
 
@@ -276,18 +280,35 @@ class Endpoint(ABC):
         and the seconds spent sending."""
 
     # -- incoming -------------------------------------------------------------------
-    def serve_frames(self, frames, handler: Handler, framing: int | None = None,
-                     pulled: bool = False) -> Sequence[bytes]:
+    def serve_frames(self, frames, handler: Handler, framing: int | None = None, pulled: bool = False,
+                     on_header: Callable[[pb.Envelope], Callable[[], None] | None] | None = None) -> Sequence[bytes]:
         """Decode an incoming message, run the handler, encode the reply (shared by transports).
         `framing`: the request's gRPC framing bytes when it arrived bundled (codec.bundle_framing).
         `pulled`: the request's stream stays open after its data for one more (empty) message,
         the caller's go for the reply (common/transport/grpc.py, Pulled replies): the frames are
-        read until the message is complete, and that message counts in the request's framing."""
+        read until the message is complete, and that message counts in the request's framing.
+        `on_header`: called once the header frame is in, before any data frame is read (the
+        transport's taken requests); what it returns is called when the handler is done."""
+        held: list[Callable[[], None]] = []
+        try:
+            return self._serve(frames, handler, framing, pulled, on_header, held)
+        finally:
+            for release in held:
+                release()
+
+    def _serve(self, frames, handler: Handler, framing: int | None, pulled: bool,
+               on_header: Callable[[pb.Envelope], Callable[[], None] | None] | None,
+               held: list[Callable[[], None]]) -> Sequence[bytes]:
         started = time.perf_counter()
         decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes, admit=self.request_gate)
         try:
             for frame in frames:
                 decoder.feed(frame)
+                if on_header is not None and decoder.envelope is not None:
+                    release = on_header(decoder.envelope)   # may wait: the data stays with its sender
+                    on_header = None
+                    if release is not None:
+                        held.append(release)
                 if pulled and decoder.complete:
                     break
             decoded = decoder.finish()

@@ -45,6 +45,17 @@ replies is a header each, whatever the window.  A callee that sends its data wit
 the go gains nothing: the caller reads none of it before the slot, and gRPC holds at most its
 window of it (HTTP/2 flow control).
 
+Taken requests: likewise a request is not left to flow control.  A client process trains one
+client at a time, and the server sends the round's model to all of its clients at once: had each
+request streamed whole, a process hosting k clients would hold k models.  So every `Exchange`
+request (TAKE_METADATA) sends its header frame and waits; the callee reads the header (checked by
+`Endpoint.request_gate`), waits until it has room for the data (`Endpoint.request_hold`: for a
+client process, two large train requests at once, client/host.py) and sends its initial
+metadata, the caller's signal to send the data frames, which it cuts only then.  A caller that
+gives up while its request waits is refused CANCELLED.  Nothing is added to the stream, so the
+ledger is unchanged; the signal costs a round trip per streamed request (one of more than a
+chunk).
+
 Fair share (common/transport/admission.py `CallSlots`, `SlotInterceptor` below): every served call takes
 a slot before its request is read.  Exchange and Call hold at most `workers - RESERVED_WORKERS`
 threads at once, so heartbeats and registrations always find a worker thread, and at most
@@ -62,7 +73,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent import futures
-from typing import Any, Iterable, Sequence, overload
+from typing import Any, Callable, Iterable, Sequence, overload
 
 import grpc
 import grpc.experimental
@@ -93,6 +104,7 @@ CALL = "/fedhop.Fedhop/Call"            # a request of at most one chunk, bundle
 REGISTER = "/fedhop.Fedhop/Register"
 HEARTBEAT = "/fedhop.Fedhop/Heartbeat"
 PULL_METADATA = ("fedhop-pull", "1")     # the caller pulls the reply's data frames (module docstring)
+TAKE_METADATA = ("fedhop-take", "1")     # the callee takes the request's data frames when ready (module docstring)
 GO = b""                                 # the go message of a pulled reply: an empty gRPC message
 RETRY_BACKOFF = (0.25, 2.0)              # first delay and cap of the not-delivered retry, seconds
 RETRY_WINDOW = 4.0                       # seconds a call may spend retrying (and within its deadline)
@@ -269,6 +281,7 @@ class GrpcEndpoint(Endpoint):
         pull = isinstance(decoder, FrameDecoder) and gate is not None and decoder.max_payload_bytes > self.chunk_bytes
         go = threading.Event()   # pulled: set once the reply has a receive slot, or the call is over
         bundled = not pull and request.payload_bytes <= self.chunk_bytes
+        taken = threading.Event()   # a streamed request: set once the callee took it, or the call is over
         if bundled:
             request.framing = bundle_framing(request.frame_lengths())
             stub = self.channel(address).unary_stream(CALL, request_serializer=None, response_deserializer=None)
@@ -282,7 +295,12 @@ class GrpcEndpoint(Endpoint):
             self.sends.begin()
             moved = 0
             try:
-                for frame in request.frames.stream() if isinstance(request.frames, Frames) else request.frames:
+                source = iter(request.frames.stream() if isinstance(request.frames, Frames) else request.frames)
+                header = next(source)
+                moved += len(header)
+                yield header
+                taken.wait()   # the data frames (cut, or cut ahead, from here on) once the callee took the request
+                for frame in source:
                     moved += len(frame)
                     yield frame
             finally:
@@ -297,16 +315,18 @@ class GrpcEndpoint(Endpoint):
             dead = self._dead.get(address)
         if dead is not None:
             raise CallFailed("NODE_DEAD", dead, request.envelope.dst)
-        metadata = self._metadata(request.envelope.dst)
-        if pull:
-            metadata = (*(metadata or ()), PULL_METADATA)
+        metadata = (*(self._metadata(request.envelope.dst) or ()), *((PULL_METADATA,) if pull else ()),
+                    *(() if bundled else (TAKE_METADATA,)))
         call = stub(bundle_bytes(request.frames) if bundled else frames(), timeout=timeout, wait_for_ready=False,
-                    metadata=metadata)
+                    metadata=metadata or None)
         with self._lock:
             self._inflight.setdefault(address, set()).add(call)
         if bundled:
             sent[0] = time.perf_counter() - started   # the unary request is handed to gRPC whole
         try:
+            if not bundled:
+                call.initial_metadata()   # the callee took the request (its initial metadata), or the call ended
+                taken.set()
             for frame in call:
                 if gate is not None and not admitted:   # the reply began: wait for a receive slot first
                     if not (admitted := gate.admit(timeout - (time.perf_counter() - started))):
@@ -332,6 +352,7 @@ class GrpcEndpoint(Endpoint):
             raise
         finally:
             go.set()   # a request stream still waiting for its go message ends without it
+            taken.set()
             with self._lock:
                 self._inflight.get(address, set()).discard(call)
 
@@ -412,12 +433,26 @@ class GrpcEndpoint(Endpoint):
         def exchange(request_iterator, context):
             # decode each frame as it arrives: the copy into the message buffer overlaps the
             # transfer of the next frame, and a received frame is freed once copied
-            if not _pulled(context):
-                yield from _streamed(endpoint.serve_frames(request_iterator, handler))
+            def take(env: pb.Envelope) -> Callable[[], None] | None:
+                """The request's header is in: wait for room for its data (`Endpoint.request_hold`),
+                then tell the caller to send it (module docstring, Taken requests)."""
+                release = endpoint.request_hold(env, context.is_active) if endpoint.request_hold else None
+                try:
+                    context.send_initial_metadata(())
+                except grpc.RpcError:   # the call ended meanwhile
+                    if release is not None:
+                        release()
+                    raise PayloadError("CANCELLED", "the caller gave up before its request was taken") from None
+                return release
+
+            on_header = take if _flagged(context, TAKE_METADATA) else None
+            if not _flagged(context, PULL_METADATA):
+                yield from _streamed(endpoint.serve_frames(request_iterator, handler, on_header=on_header))
                 return
             # pulled (module docstring): the request ends where its data does, its stream stays
             # open for the go message; the reply's header frame goes at once, the rest after go
-            frames = iter(_streamed(endpoint.serve_frames(request_iterator, handler, pulled=True)))
+            frames = iter(_streamed(endpoint.serve_frames(request_iterator, handler, pulled=True,
+                                                          on_header=on_header)))
             header = next(frames, None)
             if header is None:
                 return
@@ -504,9 +539,9 @@ def _streamed(frames: Sequence[bytes]) -> Iterable[bytes]:
     return frames.stream() if isinstance(frames, Frames) else frames
 
 
-def _pulled(context: grpc.ServicerContext) -> bool:
-    """The caller pulls the reply's data frames (PULL_METADATA)."""
-    return any((key, value) == PULL_METADATA for key, value in context.invocation_metadata() or ())
+def _flagged(context: grpc.ServicerContext, flag: tuple[str, str]) -> bool:
+    """The call's metadata holds `flag` (PULL_METADATA, TAKE_METADATA)."""
+    return any((key, value) == flag for key, value in context.invocation_metadata() or ())
 
 
 def caller_key(context: grpc.ServicerContext) -> str:
