@@ -144,13 +144,13 @@ def migrate(conn: sqlite3.Connection) -> None:
         raise
 
 
-
 def rollback(conn: sqlite3.Connection) -> None:
     """Roll back the open transaction, if one is still open: a signal's exception (Ctrl-C, a
     SIGTERM's `Stopped`) can be raised just after COMMIT finished, and a ROLLBACK then would fail
     with its own error and hide the stop."""
     if conn.in_transaction:
         conn.execute("ROLLBACK")
+
 
 @dataclass
 class AgreementReport:

@@ -301,6 +301,10 @@ class Endpoint(ABC):
                held: list[Callable[[], None]]) -> Sequence[bytes]:
         started = time.perf_counter()
         decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes, admit=self.request_gate)
+
+        def request_framing() -> int | None:   # a pulled request's go is one more gRPC message
+            return FRAME_OVERHEAD * (decoder.frames + 1) if pulled else framing
+
         try:
             for frame in frames:
                 decoder.feed(frame)
@@ -313,8 +317,6 @@ class Endpoint(ABC):
                     break
             decoded = decoder.finish()
         except PayloadError as exc:
-            if pulled:
-                framing = FRAME_OVERHEAD * (decoder.frames + 1)
             env = decoder.envelope
             if env is None:   # not even a header: an unrouted error reply
                 return self._error_reply(None, exc.code, exc.detail).frames
@@ -322,13 +324,13 @@ class Endpoint(ABC):
             # answer with a routed typed error, so both ledgers pair the request and its reply
             link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
             seen = Decoded(envelope=env, payload=Payload(), payload_bytes=decoder.payload_bytes,
-                           frames=decoder.frames, tensor_bytes=int(env.data_bytes), framing=framing)
+                           frames=decoder.frames, tensor_bytes=int(env.data_bytes), framing=request_framing())
             reply = self._error_reply(env, exc.code, exc.detail)
             self._record(env, seen, "receiver", link, time.perf_counter() - started, status="rejected",
                          error=str(exc))
             self._record(reply.envelope, reply, "sender", link, 0.0)
             return reply.frames
-        decoded.framing = FRAME_OVERHEAD * (decoder.frames + 1) if pulled else framing
+        decoded.framing = request_framing()
         env = decoded.envelope
         link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
         recv_seconds = time.perf_counter() - started
