@@ -103,9 +103,12 @@ def _cpu_seconds(pid: int | None) -> float:
 def bench_grpc(nbytes: int, repeats: int, chunk: int, cpu: dict | None = None) -> tuple[list[float], int]:
     """fedhop's endpoint sending `nbytes` to a served endpoint in another process, `repeats`
     timed calls after one warm-up.  `cpu`, when given, gets the sender's and the receiver's
-    CPU seconds per call (`sender_cpu_s`, `receiver_cpu_s`: means over the timed calls)."""
+    CPU seconds per call (`sender_cpu_s`, `receiver_cpu_s`: means over the timed calls).
+    A model larger than one chunk is handed over, as a round's broadcast is (transport/fabric.py
+    `_prepare`): each call cuts its frames as gRPC pulls them, with no snapshot first."""
     from fedhop.common.transport.grpc import GrpcEndpoint
     from fedhop.common.util.procexit import freeze_heap
+    from fedhop.common.wire.codec import hand_over
     from fedhop.common.wire.ledger import Ledger
     from fedhop.common.wire.message import Payload
 
@@ -117,13 +120,15 @@ def bench_grpc(nbytes: int, repeats: int, chunk: int, cpu: dict | None = None) -
     address = addr_q.get(timeout=60)
     ledger = Ledger()
     ep = GrpcEndpoint("server", ledger, chunk_bytes=chunk, max_message_bytes=max_message)
-    model = Payload(tensors={"w": torch.from_numpy(
-        np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32))})
+    w = torch.from_numpy(np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32))
     freeze_heap()   # as fedhop's roles do once set up
     times = []
     for i in range(repeats + 1):
         if i == 1:   # after the warm-up call
             cpu0, peer0 = time.process_time(), _cpu_seconds(p.pid)
+        model = Payload(tensors={"w": w})
+        if nbytes > chunk:
+            hand_over(model, keep_frames=False)
         t = time.perf_counter()
         ep.call(address, "client-0", "train", model, round=i, timeout=max(120, nbytes / 20e6))  # encode + send + decode
         if i:

@@ -21,7 +21,7 @@ from fedhop.common.transport import grpc as grpc_transport
 from fedhop.common.transport.base import CallFailed
 from fedhop.common.transport.fabric import GatedBound
 from fedhop.common.transport.grpc import GrpcEndpoint
-from fedhop.common.util.heap import SendBurst
+from fedhop.common.util.heap import FRAMES_IN_FLIGHT, TRIM_AFTER_BYTES, SendBurst, transient_bytes
 from fedhop.common.wire import codec
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import FRAME_OVERHEAD, PayloadError, bundle_framing, hand_over
@@ -171,23 +171,30 @@ def test_an_ungated_or_one_frame_reply_is_not_pulled(cluster):
     assert bundled.framed_bytes == bundled.payload_bytes + bundle_framing([bundled.payload_bytes - data_frame, data_frame])
 
 
-def test_the_last_send_of_a_large_burst_trims_the_heap(monkeypatch):
-    """SendBurst trims once, when the last of concurrent sends ends after enough bytes."""
+def test_the_last_send_of_a_burst_that_left_enough_trims_the_heap(monkeypatch):
+    """SendBurst trims once, when the last of concurrent sends ends and together they left enough
+    in the heap; a burst that left less does not trim, and carries nothing over to the next."""
     trims: list[int] = []
     monkeypatch.setattr("fedhop.common.util.heap.trim_heap", lambda: trims.append(1) or True)
     burst = SendBurst(trim_after_bytes=100)
     burst.begin()
     burst.begin()
-    burst.end(80)
+    burst.end(60)
     assert trims == []            # one send still in flight
-    burst.end(80)
+    burst.end(60)
     assert trims == [1] and burst.trims == 1
-    burst.begin()
-    burst.end(50)                 # a small send alone: no trim
-    assert trims == [1]
-    burst.begin()
-    burst.end(50)                 # 100 bytes since the last trim
-    assert trims == [1, 1]
+    for _ in range(3):            # lone sends, each leaving less than the threshold: never a trim
+        burst.begin()
+        burst.end(60)
+    assert trims == [1] and burst.trims == 1
+
+
+def test_a_send_leaves_its_frames_in_flight_in_the_heap():
+    """A lone send of a large message leaves a few frames (no trim); eight at once leave enough."""
+    chunk = 4 << 20
+    assert transient_bytes(100 << 20, chunk) == FRAMES_IN_FLIGHT * chunk < TRIM_AFTER_BYTES
+    assert transient_bytes(3 << 20, chunk) == 3 << 20
+    assert 8 * transient_bytes(500 << 20, chunk) >= TRIM_AFTER_BYTES
 
 
 # ----------------------------------------------------------------------------- taken requests

@@ -81,7 +81,7 @@ import grpc.experimental
 from fedhop.common.security.auth import CLUSTER_NAME, META_NODE, AuthInterceptor, NodeCredentials, RefusedHook
 from fedhop.common.transport.admission import CallSlots
 from fedhop.common.transport.base import NOTHING_SENT, Batched, CallFailed, Endpoint, Handler, RemoteError
-from fedhop.common.util.heap import SendBurst
+from fedhop.common.util.heap import SendBurst, transient_bytes
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import (
     FRAME_OVERHEAD,
@@ -304,7 +304,8 @@ class GrpcEndpoint(Endpoint):
                     moved += len(frame)
                     yield frame
             finally:
-                self.sends.end(moved)   # the last of a burst of large sends trims the heap (common/util/heap.py)
+                # the last send of a burst that left enough in the heap trims it (common/util/heap.py)
+                self.sends.end(transient_bytes(moved, self.chunk_bytes))
             sent[0] = time.perf_counter() - started
             if pull:
                 go.wait()

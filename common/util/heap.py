@@ -8,12 +8,15 @@ the heap grows by a few frames per client while the broadcast lasts, and without
 hold that memory through the fold, whose accumulator is then the round's peak on top of it
 (docs/performance.md, "Pulled replies").
 
-`SendBurst` counts the large sends in flight; when the last one ends, after at least
-`TRIM_AFTER_BYTES` were sent since the last trim, `malloc_trim(0)` returns the free pages of
-every arena to the system (glibc >= 2.8 also releases free pages inside the heap, not only its
-top).  One trim per burst: a round of small messages never trims, and the next burst's faults
-are paid once per round, not per message.  Where the C library has no `malloc_trim` (musl,
-macOS) nothing is done.
+`SendBurst` counts the large sends in flight and what each left in the heap: the frames it
+had in memory at once besides those its message keeps (`transient_bytes`: the frames cut ahead,
+the one being sent and gRPC's copy of it; frames a message keeps are still referenced when its
+send ends, so no trim could free them then).  When the last send of a burst ends and the burst
+left at least `TRIM_AFTER_BYTES`, `malloc_trim(0)` returns the free pages of every arena to the
+system (glibc >= 2.8 also releases free pages inside the heap, not only its top).  A lone send of
+a 4 MiB-chunked message leaves about 16 MiB, which the next message reuses: it does not trim, and
+its next send does not pay the page faults of those frames again (about 8 ms per 100 MB call
+here, docs/performance.md).  A server's broadcast to two or more clients trims once per round.  Where the C library has no `malloc_trim` (musl, macOS) nothing is done.
 """
 from __future__ import annotations
 
@@ -21,8 +24,17 @@ import ctypes
 import ctypes.util
 import threading
 
-#: sends smaller than this (in all, since the last trim) leave the heap as it is
-TRIM_AFTER_BYTES = 64 << 20
+#: a burst of sends that left less than this in the heap leaves the heap as it is: more than a
+#: lone send of 4 MiB frames leaves, which the next message reuses
+TRIM_AFTER_BYTES = 32 << 20
+#: the data frames a streamed send has in memory at once besides those its message keeps: two
+#: cut ahead (codec `Frames.stream`), the one being sent, and gRPC's copy of it
+FRAMES_IN_FLIGHT = 4
+
+
+def transient_bytes(data_bytes: int, chunk_bytes: int) -> int:
+    """What a send of `data_bytes` in `chunk_bytes` frames leaves freed in the heap when it ends."""
+    return min(data_bytes, FRAMES_IN_FLIGHT * chunk_bytes)
 
 
 def _malloc_trim():
@@ -48,27 +60,29 @@ def trim_heap() -> bool:
 
 
 class SendBurst:
-    """Large sends in flight (module docstring); thread-safe."""
+    """Large sends in flight and what they left in the heap (module docstring); thread-safe."""
 
     def __init__(self, trim_after_bytes: int = TRIM_AFTER_BYTES) -> None:
         self.trim_after_bytes = trim_after_bytes
         self._lock = threading.Lock()
         self._in_flight = 0
-        self._sent = 0          # bytes sent since the last trim
+        self._left = 0          # bytes the sends of this burst left in the heap
         self.trims = 0
 
     def begin(self) -> None:
         with self._lock:
             self._in_flight += 1
 
-    def end(self, sent_bytes: int) -> None:
-        """One send ended (finished or not) after `sent_bytes`; the last of a large burst trims."""
+    def end(self, left_bytes: int) -> None:
+        """One send ended (finished or not), leaving `left_bytes` freed in the heap
+        (`transient_bytes`); the last of a burst that left enough trims."""
         with self._lock:
             self._in_flight -= 1
-            self._sent += sent_bytes
-            due = self._in_flight == 0 and self._sent >= self.trim_after_bytes
-            if due:
-                self._sent = 0
-                self.trims += 1
+            self._left += left_bytes
+            due = False
+            if self._in_flight == 0:
+                due = self._left >= self.trim_after_bytes
+                self._left = 0
+                self.trims += due
         if due:
             trim_heap()
