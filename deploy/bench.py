@@ -100,47 +100,157 @@ def _cpu_seconds(pid: int | None) -> float:
     return t.user + t.system
 
 
-def bench_grpc(nbytes: int, repeats: int, chunk: int, cpu: dict | None = None) -> tuple[list[float], int]:
-    """fedhop's endpoint sending `nbytes` to a served endpoint in another process, `repeats`
-    timed calls after one warm-up.  `cpu`, when given, gets the sender's and the receiver's
-    CPU seconds per call (`sender_cpu_s`, `receiver_cpu_s`: means over the timed calls).
-    A model larger than one chunk is handed over, as a round's broadcast is (transport/fabric.py
-    `_prepare`): each call cuts its frames as gRPC pulls them, with no snapshot first."""
-    from fedhop.common.transport.grpc import GrpcEndpoint
-    from fedhop.common.util.procexit import freeze_heap
-    from fedhop.common.wire.codec import hand_over
-    from fedhop.common.wire.ledger import Ledger
-    from fedhop.common.wire.message import Payload
+class Transfer:
+    """One way of moving `nbytes` to a receiver in another process, set up once (`start`) and
+    timed call by call (`call`), so that several ways can take turns in one run (`paired`)."""
 
-    ctx = mp.get_context("spawn")
-    addr_q, stop_q = ctx.Queue(), ctx.Queue()
-    max_message = max(64 << 20, chunk + (1 << 20))
-    p = ctx.Process(target=_grpc_receiver, args=(addr_q, stop_q, max_message))
-    p.start()
-    address = addr_q.get(timeout=60)
-    ledger = Ledger()
-    ep = GrpcEndpoint("server", ledger, chunk_bytes=chunk, max_message_bytes=max_message)
-    w = torch.from_numpy(np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32))
-    freeze_heap()   # as fedhop's roles do once set up
-    times = []
-    for i in range(repeats + 1):
-        if i == 1:   # after the warm-up call
-            cpu0, peer0 = time.process_time(), _cpu_seconds(p.pid)
-        model = Payload(tensors={"w": w})
-        if nbytes > chunk:
+    name = ""
+    receiver: "mp.process.BaseProcess | None" = None
+
+    def __init__(self, nbytes: int, chunk: int) -> None:
+        self.nbytes, self.chunk = nbytes, chunk
+        self.max_message = max(64 << 20, chunk + (1 << 20))
+        self._stop_q: "mp.Queue | None" = None
+
+    def _spawn(self, target, *args) -> str:
+        ctx = mp.get_context("spawn")
+        addr_q, self._stop_q = ctx.Queue(), ctx.Queue()
+        self.receiver = ctx.Process(target=target, args=(addr_q, self._stop_q, *args))
+        self.receiver.start()
+        return addr_q.get(timeout=60)
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def call(self, i: int) -> float:
+        """Call `i` (its round number); returns its wall seconds."""
+        raise NotImplementedError
+
+    def receiver_cpu(self) -> float:
+        return _cpu_seconds(self.receiver.pid if self.receiver is not None else None)
+
+    def stop(self) -> None:
+        if self._stop_q is not None:
+            self._stop_q.put(1)
+        if self.receiver is not None:
+            self.receiver.join(10)
+
+
+class FedhopTransfer(Transfer):
+    """fedhop's endpoint sending the model as a `train` call to a served endpoint: encode, stream,
+    decode, ledger.  A model larger than one chunk is handed over, as a round's broadcast is
+    (transport/fabric.py `_prepare`): each call cuts its frames as gRPC pulls them."""
+
+    name = "fedhop"
+
+    def start(self) -> None:
+        from fedhop.common.transport.grpc import GrpcEndpoint
+        from fedhop.common.wire.ledger import Ledger
+
+        self.address = self._spawn(_grpc_receiver, self.max_message)
+        self.ledger = Ledger()
+        self.endpoint = GrpcEndpoint("server", self.ledger, chunk_bytes=self.chunk, max_message_bytes=self.max_message)
+        self.w = torch.from_numpy(np.random.default_rng(0).standard_normal(self.nbytes // 4, dtype=np.float32))
+
+    def call(self, i: int) -> float:
+        from fedhop.common.wire.codec import hand_over
+        from fedhop.common.wire.message import Payload
+
+        model = Payload(tensors={"w": self.w})
+        if self.nbytes > self.chunk:
             hand_over(model, keep_frames=False)
         t = time.perf_counter()
-        ep.call(address, "client-0", "train", model, round=i, timeout=max(120, nbytes / 20e6))  # encode + send + decode
-        if i:
-            times.append(time.perf_counter() - t)
+        self.endpoint.call(self.address, "client-0", "train", model, round=i,
+                           timeout=max(120, self.nbytes / 20e6))   # encode + send + decode
+        return time.perf_counter() - t
+
+    def framed_bytes(self) -> int:
+        """The last request's bytes on the wire, as the ledger recorded them."""
+        return self.ledger.records()[-2].framed_bytes
+
+    def stop(self) -> None:
+        self.endpoint.stop()
+        super().stop()
+
+
+class BareTransfer(Transfer):
+    """grpcio alone, as a ceiling for any transport built on it: the same call shape and options
+    as fedhop's `Exchange` (bidirectional stream, identity serializers), received into a
+    preallocated buffer; no codec, checksum or ledger.  The chunks are cut before timing, or with
+    `cut_in_call` by each call as it sends them (`bytes`, as grpcio requires): the copy any
+    sender of a fresh tensor makes."""
+
+    def __init__(self, nbytes: int, chunk: int, cut_in_call: bool = False) -> None:
+        super().__init__(nbytes, chunk)
+        self.cut_in_call = cut_in_call
+        self.name = "cut" if cut_in_call else "bare"
+
+    def start(self) -> None:
+        import grpc
+
+        from fedhop.common.transport.grpc import grpc_options
+
+        address = self._spawn(_bare_grpc_receiver, self.nbytes, self.max_message)
+        self.channel = grpc.insecure_channel(address, options=grpc_options(self.max_message))
+        self.upload = self.channel.stream_stream(BARE_UPLOAD, request_serializer=None, response_deserializer=None)
+        self.view = memoryview(np.random.default_rng(0).standard_normal(self.nbytes // 4, dtype=np.float32).data).cast("B")
+        self.chunks = [] if self.cut_in_call else [bytes(self.view[o:o + self.chunk]) for o in range(0, self.nbytes, self.chunk)]
+
+    def call(self, i: int) -> float:
+        view, chunk, nbytes = self.view, self.chunk, self.nbytes
+        t = time.perf_counter()
+        requests = (bytes(view[o:o + chunk]) for o in range(0, nbytes, chunk)) if self.cut_in_call else iter(self.chunks)
+        (ack,) = list(self.upload(requests, timeout=max(120, nbytes / 20e6)))
+        seconds = time.perf_counter() - t
+        if int.from_bytes(ack, "little") != nbytes:
+            raise RuntimeError(f"bare gRPC receiver got {int.from_bytes(ack, 'little')} of {nbytes} bytes")
+        return seconds
+
+    def stop(self) -> None:
+        self.channel.close()
+        super().stop()
+
+
+def paired(transfers: list[Transfer], repeats: int) -> dict[str, dict]:
+    """Each transfer's `repeats` timed calls, after one warm-up each, taking turns: repeat k
+    starts with transfer k mod n, so a change in the machine's load falls on all of them alike.
+    Returns, by name, the calls' seconds and the sender's and receiver's mean CPU seconds per call
+    (`sender_cpu_s`, `receiver_cpu_s`)."""
+    from fedhop.common.util.procexit import freeze_heap
+
+    out: dict[str, dict] = {}
+    try:
+        for tr in transfers:
+            tr.start()
+            out[tr.name] = {"times": [], "sender_cpu_s": 0.0, "receiver_cpu_s": 0.0}
+        freeze_heap()   # as fedhop's roles do once set up
+        for tr in transfers:
+            tr.call(0)   # warm-up
+        for k in range(repeats):
+            for j in range(len(transfers)):
+                tr = transfers[(k + j) % len(transfers)]
+                cpu0, peer0 = time.process_time(), tr.receiver_cpu()
+                seconds = tr.call(k + 1)
+                row = out[tr.name]
+                row["times"].append(seconds)
+                row["sender_cpu_s"] += (time.process_time() - cpu0) / repeats
+                row["receiver_cpu_s"] += (tr.receiver_cpu() - peer0) / repeats
+    finally:
+        for tr in transfers:
+            if tr.receiver is not None:
+                tr.stop()
+    return out
+
+
+def bench_grpc(nbytes: int, repeats: int, chunk: int, cpu: dict | None = None) -> tuple[list[float], int]:
+    """fedhop's endpoint alone (`FedhopTransfer`): `repeats` timed calls after one warm-up, and
+    the request's framed bytes.  `cpu`, when given, gets the sender's and the receiver's CPU
+    seconds per call (`sender_cpu_s`, `receiver_cpu_s`: means over the timed calls)."""
+    transfer = FedhopTransfer(nbytes, chunk)
+    row = paired([transfer], repeats)[transfer.name]
     if cpu is not None:
-        cpu["sender_cpu_s"] = (time.process_time() - cpu0) / repeats
-        cpu["receiver_cpu_s"] = (_cpu_seconds(p.pid) - peer0) / repeats
-    framed = ledger.records()[-2].framed_bytes
-    ep.stop()
-    stop_q.put(1)
-    p.join(10)
-    return times, framed
+        cpu.update(sender_cpu_s=row["sender_cpu_s"], receiver_cpu_s=row["receiver_cpu_s"])
+    return row["times"], transfer.framed_bytes()
 
 
 # ----------------------------------------------------------------------------- bare grpcio
@@ -175,42 +285,13 @@ def _bare_grpc_receiver(addr_q: "mp.Queue", stop_q: "mp.Queue", nbytes: int, max
 
 def bench_grpc_bare(nbytes: int, repeats: int, chunk: int, cpu: dict | None = None,
                     cut_in_call: bool = False) -> list[float]:
-    """grpcio alone, as a ceiling for any transport built on it: the same call shape and options
-    as fedhop's `Exchange` (bidirectional stream, identity serializers), the bytes cut into
-    chunks before timing, received into a preallocated buffer; no codec, checksum or ledger.
-    `cpu`: as `bench_grpc`'s.  `cut_in_call`: each call cuts its chunks (`bytes`, as grpcio
-    requires) from the array as it sends them: the copy any sender of a fresh tensor makes."""
-    import grpc
-
-    from fedhop.common.transport.grpc import grpc_options
-
-    ctx = mp.get_context("spawn")
-    addr_q, stop_q = ctx.Queue(), ctx.Queue()
-    max_message = max(64 << 20, chunk + (1 << 20))
-    p = ctx.Process(target=_bare_grpc_receiver, args=(addr_q, stop_q, nbytes, max_message))
-    p.start()
-    channel = grpc.insecure_channel(addr_q.get(timeout=60), options=grpc_options(max_message))
-    upload = channel.stream_stream(BARE_UPLOAD, request_serializer=None, response_deserializer=None)
-    view = memoryview(np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32).data).cast("B")
-    chunks = [bytes(view[o:o + chunk]) for o in range(0, nbytes, chunk)]
-    times = []
-    for i in range(repeats + 1):
-        if i == 1:   # after the warm-up call
-            cpu0, peer0 = time.process_time(), _cpu_seconds(p.pid)
-        t = time.perf_counter()
-        requests = (bytes(view[o:o + chunk]) for o in range(0, nbytes, chunk)) if cut_in_call else iter(chunks)
-        (ack,) = list(upload(requests, timeout=max(120, nbytes / 20e6)))
-        if i:
-            times.append(time.perf_counter() - t)
+    """grpcio alone (`BareTransfer`): `repeats` timed calls after one warm-up.  `cpu`: as
+    `bench_grpc`'s."""
+    transfer = BareTransfer(nbytes, chunk, cut_in_call)
+    row = paired([transfer], repeats)[transfer.name]
     if cpu is not None:
-        cpu["sender_cpu_s"] = (time.process_time() - cpu0) / repeats
-        cpu["receiver_cpu_s"] = (_cpu_seconds(p.pid) - peer0) / repeats
-    if int.from_bytes(ack, "little") != nbytes:
-        raise RuntimeError(f"bare gRPC receiver got {int.from_bytes(ack, 'little')} of {nbytes} bytes")
-    channel.close()
-    stop_q.put(1)
-    p.join(10)
-    return times
+        cpu.update(sender_cpu_s=row["sender_cpu_s"], receiver_cpu_s=row["receiver_cpu_s"])
+    return row["times"]
 
 
 # ----------------------------------------------------------------------------- codec

@@ -20,10 +20,12 @@ round's wall time):
   (tensor bytes = clients x model each way).
 
 Beside it, in the same run and for each size, one model moved between two processes by
-fedhop's endpoint (encode, stream, decode, ledger: `bench_grpc`) and by bare grpcio moving the
-same bytes in the same call shape (`bench_grpc_bare`): its chunks cut before the call ("bare",
+fedhop's endpoint (encode, stream, decode, ledger: `FedhopTransfer`) and by bare grpcio moving the
+same bytes in the same call shape (`BareTransfer`): its chunks cut before the call ("bare",
 `bench transport`'s baseline) and cut from the array during the call ("cut": grpcio takes only
-`bytes`, so any sender of a fresh tensor makes that copy), with each end's CPU per GB.
+`bytes`, so any sender of a fresh tensor makes that copy), with each end's CPU per GB.  The
+three take turns call by call (deploy/bench.py `paired`), so a change in the machine's load
+during the run falls on all of them alike.
 
 A cell whose estimated memory does not fit in this machine's available memory (or
 `--max-memory-gb`) is skipped, saying why; a cell whose run fails is reported and the next one
@@ -322,16 +324,16 @@ def round_cell(size_mb: float, clients: int, workdir: Path, processes: int | Non
 
 # ----------------------------------------------------------------------------- transfer
 def transfer_row(size_mb: float, repeats: int, chunk: int) -> dict:
-    """fedhop's endpoint and bare grpcio moving one model, same run: medians and CPU per GB."""
-    from fedhop.deploy.bench import bench_grpc, bench_grpc_bare
+    """fedhop's endpoint and bare grpcio moving one model, taking turns in one run (`paired`):
+    medians and CPU per GB."""
+    from fedhop.deploy.bench import BareTransfer, FedhopTransfer, paired
 
     nbytes = int(size_mb * MB) // 4 * 4
-    fed_cpu: dict = {}
-    bare_cpu: dict = {}
-    fed_times, framed = bench_grpc(nbytes, repeats, chunk, cpu=fed_cpu)
-    bare_times = bench_grpc_bare(nbytes, repeats, chunk, cpu=bare_cpu)
-    cut_cpu: dict = {}
-    cut_times = bench_grpc_bare(nbytes, repeats, chunk, cpu=cut_cpu, cut_in_call=True)
+    fedhop = FedhopTransfer(nbytes, chunk)
+    rows = paired([fedhop, BareTransfer(nbytes, chunk), BareTransfer(nbytes, chunk, cut_in_call=True)], repeats)
+    framed = fedhop.framed_bytes()
+    (fed_times, fed_cpu), (bare_times, bare_cpu), (cut_times, cut_cpu) = (
+        (rows[name]["times"], rows[name]) for name in ("fedhop", "bare", "cut"))
     g, b, c = statistics.median(fed_times), statistics.median(bare_times), statistics.median(cut_times)
     per_gb = GB / nbytes
     return {"size_mb": size_mb, "bytes": nbytes, "framed_bytes": framed,
@@ -427,7 +429,7 @@ def main(argv: list[str]) -> int:
                           f"{_mb(row['down'].get('tensor_bytes', 0)) + '/' + _mb(row['up'].get('tensor_bytes', 0)):>18}",
                           flush=True)
     if not args.no_transfer:
-        print(f"\none model between two processes, median of {args.repeats}: fedhop gRPC against bare grpcio with "
+        print(f"\none model between two processes, median of {args.repeats} taking turns: fedhop gRPC against bare grpcio with "
               f"its chunks cut before the call (bare) and cut from the array during it (cut); CPU s/GB fedhop / bare / cut")
         print(f"{'model':>8} {'gRPC MB/s':>10} {'bare MB/s':>10} {'gRPC/bare':>10} {'cut MB/s':>9} {'gRPC/cut':>9} "
               f"{'sender CPU s/GB':>22} {'receiver CPU s/GB':>22}", flush=True)

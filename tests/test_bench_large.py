@@ -97,3 +97,34 @@ def test_bench_large_spreads_clients_over_fewer_processes(tmp_path, monkeypatch,
     assert main(["--processes", "0"]) == 2
     err = capsys.readouterr().err
     assert "--processes" in err and len(err.strip().splitlines()) == 1
+
+
+def test_paired_transfers_take_turns():
+    """deploy/bench.py `paired`: one warm-up each, then repeat k starts with transfer k mod n, so a
+    change of the machine's load falls on every transfer alike; each gets `repeats` timed calls."""
+    from fedhop.deploy.bench import Transfer, paired
+
+    calls: list[tuple[str, int]] = []
+
+    class Recorded(Transfer):
+        def __init__(self, name: str) -> None:
+            super().__init__(1 << 20, 1 << 20)
+            self.name = name
+
+        def start(self) -> None:
+            self.receiver = None
+
+        def call(self, i: int) -> float:
+            calls.append((self.name, i))
+            return float(len(calls))
+
+        def receiver_cpu(self) -> float:
+            return 0.0
+
+    out = paired([Recorded("a"), Recorded("b"), Recorded("c")], repeats=4)
+    assert calls[:3] == [("a", 0), ("b", 0), ("c", 0)]   # the warm-ups
+    order = [name for name, _ in calls[3:]]
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert [i for _, i in calls[3:]] == [k for k in (1, 2, 3, 4) for _ in range(3)]
+    assert {name: len(row["times"]) for name, row in out.items()} == {"a": 4, "b": 4, "c": 4}
+    assert out["b"]["times"] == [5.0, 7.0, 12.0, 14.0]   # its calls' positions, as `call` returned them
