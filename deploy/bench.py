@@ -169,7 +169,8 @@ class FedhopTransfer(Transfer):
         return self.ledger.records()[-2].framed_bytes
 
     def stop(self) -> None:
-        self.endpoint.stop()
+        if getattr(self, "endpoint", None) is not None:   # None: `start` failed before it was made
+            self.endpoint.stop()
         super().stop()
 
 
@@ -207,7 +208,8 @@ class BareTransfer(Transfer):
         return seconds
 
     def stop(self) -> None:
-        self.channel.close()
+        if getattr(self, "channel", None) is not None:   # None: `start` failed before it was made
+            self.channel.close()
         super().stop()
 
 

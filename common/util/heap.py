@@ -16,7 +16,8 @@ left at least `TRIM_AFTER_BYTES`, `malloc_trim(0)` returns the free pages of eve
 system (glibc >= 2.8 also releases free pages inside the heap, not only its top).  A lone send of
 a 4 MiB-chunked message leaves about 16 MiB, which the next message reuses: it does not trim, and
 its next send does not pay the page faults of those frames again (about 8 ms per 100 MB call
-here, docs/performance.md).  A server's broadcast to two or more clients trims once per round.  Where the C library has no `malloc_trim` (musl, macOS) nothing is done.
+here, docs/performance.md).  A server's broadcast to two or more clients trims once per round.
+Where the C library has no `malloc_trim` (musl, macOS) nothing is done.
 """
 from __future__ import annotations
 
