@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--chunk-bytes", type=int, default=4 << 20)
     ap.add_argument("--max-message-bytes", type=int, default=64 << 20)
+    ap.add_argument("--window-bytes", type=int, default=16 << 20, help="every gRPC stream's window (transport.window_bytes)")
     ap.add_argument("--device", default=os.environ.get("FEDHOP_DEVICE", ""),
                     help="where this process trains: cpu, cuda, cuda:N or auto (default: the config's clients.device; "
                          "env FEDHOP_DEVICE)")
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     creds.aliases.update(client_node(c) for c in args.clients)   # calls to a hosted client name it
     endpoint = cast("GrpcEndpoint", make_endpoint(PROCESS_TRANSPORT, args.node_id, ledger, token="",   # what PROCESS_TRANSPORT builds
                                                   chunk_bytes=args.chunk_bytes, max_message_bytes=args.max_message_bytes,
-                                                  credentials=creds))
+                                                  window_bytes=args.window_bytes, credentials=creds))
     try:
         proc = ClientProcess(endpoint, args.parent, args.clients, bind=args.listen, device=args.device)
     except (OSError, RuntimeError) as exc:   # grpc: "Failed to bind to address ..."

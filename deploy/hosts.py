@@ -364,6 +364,7 @@ def bind_address(role: Role) -> str:
 def role_argv(role: Role, cfg: Config, run: str) -> list[str]:
     """`python -m <role> ...` arguments (paths relative to the workdir unless absolute)."""
     mm = str(cfg.transport.max_message_bytes)
+    window = ["--window-bytes", str(cfg.transport.window_bytes)]
     sec = cfg.security   # children check their channels before the config reaches them
     security = (["--certs-dir", sec.certs_dir] if sec.certs_dir else []) + (["--mtls"] if sec.mtls else []) \
         + (["--insecure"] if sec.insecure else [])
@@ -371,10 +372,10 @@ def role_argv(role: Role, cfg: Config, run: str) -> list[str]:
         return ["server", "--config", f"{run}/config.toml", "--run-dir", run, "--listen", bind_address(role)]
     if role.kind == "edge":
         return ["edge", "--parent", role.parent, "--node-id", role.node_id, "--listen", role.address,
-                "--ledger-dir", f"{run}/ledger", "--max-message-bytes", mm] + security
+                "--ledger-dir", f"{run}/ledger", "--max-message-bytes", mm] + window + security
     return ["client", "--parent", role.parent, "--clients", id_spec(role.clients), "--node-id", role.node_id,
             "--listen", role.address, "--ledger-dir", f"{run}/ledger", "--max-message-bytes", mm,
-            "--threads", str(cfg.run.torch_threads)] + security
+            "--threads", str(cfg.run.torch_threads)] + window + security
 
 
 def role_command(hf: HostsFile, role: Role, cfg: Config, run: str) -> str:

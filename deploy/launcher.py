@@ -130,13 +130,15 @@ class LocalRun:
                 self.spawn(proc.node_id, ["edge", "--parent-file", str(parent_file), "--node-id", proc.node_id,
                                           "--listen", f"{host}:0", "--port-file", str(address_file[proc.node_id]),
                                           "--ledger-dir", str(self.run_dir / "ledger"),
-                                          "--max-message-bytes", str(self.cfg.transport.max_message_bytes)]
+                                          "--max-message-bytes", str(self.cfg.transport.max_message_bytes),
+                                          "--window-bytes", str(self.cfg.transport.window_bytes)]
                            + self.security_args() + self.device_args(proc.node_id))
             else:
                 self.spawn(proc.node_id, ["client", "--parent-file", str(parent_file), "--clients", id_spec(proc.clients),
                                           "--node-id", proc.node_id, "--listen", f"{host}:0",
                                           "--ledger-dir", str(self.run_dir / "ledger"),
                                           "--max-message-bytes", str(self.cfg.transport.max_message_bytes),
+                                          "--window-bytes", str(self.cfg.transport.window_bytes),
                                           "--threads", str(self.cfg.run.torch_threads)] + self.security_args()
                            + self.device_args(proc.node_id))
         self._wait_for_address(server, port_file)

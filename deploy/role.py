@@ -340,7 +340,8 @@ def cmd_edge(a: argparse.Namespace) -> int:
     token = token_for(run_dir)
     return _run_member("edge", ["--parent", a.parent, "--node-id", a.node_id, "--listen", a.listen,
                                 "--ledger-dir", str(run_dir / "ledger"),
-                                "--max-message-bytes", str(cfg.transport.max_message_bytes)], token, run_dir)
+                                "--max-message-bytes", str(cfg.transport.max_message_bytes),
+                                "--window-bytes", str(cfg.transport.window_bytes)], token, run_dir)
 
 
 def _identity(ip: str) -> str:
@@ -441,6 +442,7 @@ def cmd_client(a: argparse.Namespace) -> int:
     return _run_member("client", ["--parent", parent, "--clients", ids, "--node-id", planned.node_id,
                                   "--listen", f"{ip}:{a.port}", "--ledger-dir", str(run_dir / "ledger"),
                                   "--max-message-bytes", str(cfg.transport.max_message_bytes),
+                                  "--window-bytes", str(cfg.transport.window_bytes),
                                   "--threads", str(cfg.run.torch_threads)], token, run_dir)
 
 

@@ -108,6 +108,7 @@ def task_list(cfg, run_dir: Path, nodes: int, creds: bool) -> list[dict]:
     run = str(run_dir)
     sec = cfg.security
     mm = str(cfg.transport.max_message_bytes)
+    window = ["--window-bytes", str(cfg.transport.window_bytes)]
     tasks = []
     for i, proc in enumerate(plan_processes(cfg).processes):
         security = [] if proc.kind == "server" else (
@@ -120,11 +121,11 @@ def task_list(cfg, run_dir: Path, nodes: int, creds: bool) -> list[dict]:
         elif proc.kind == "edge":
             argv = ["edge", "--parent-file", f"{run}/{proc.parent}.address", "--node-id", proc.node_id,
                     "--listen", "{host}:0", "--port-file", addr, "--ledger-dir", f"{run}/ledger",
-                    "--max-message-bytes", mm] + security
+                    "--max-message-bytes", mm] + window + security
         else:
             argv = ["client", "--parent-file", f"{run}/{proc.parent}.address", "--clients", id_spec(proc.clients),
                     "--node-id", proc.node_id, "--listen", "{host}:0", "--ledger-dir", f"{run}/ledger",
-                    "--max-message-bytes", mm, "--threads", str(cfg.run.torch_threads)] + security
+                    "--max-message-bytes", mm, "--threads", str(cfg.run.torch_threads)] + window + security
         tasks.append({"node_id": proc.node_id, "kind": proc.kind, "node": 0 if i == 0 else i % nodes, "argv": argv})
     return tasks
 

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ledger-dir", default="")
     ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))
     ap.add_argument("--max-message-bytes", type=int, default=64 << 20)
+    ap.add_argument("--window-bytes", type=int, default=16 << 20, help="every gRPC stream's window (transport.window_bytes)")
     ap.add_argument("--device", default=os.environ.get("FEDHOP_DEVICE", ""),
                     help="where this edge aggregates and steps: cpu, cuda, cuda:N or auto (default: the config's "
                          "edges.device; env FEDHOP_DEVICE)")
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ledger.observers.append(counter.observe)
     refusals = EdgeRefusals(EventOutbox())   # run.db events at the server, carried by heartbeats (edge/reports.py)
     endpoint = cast("GrpcEndpoint", make_endpoint(PROCESS_TRANSPORT, args.node_id, ledger, token="",   # what PROCESS_TRANSPORT builds
-                                                  max_message_bytes=args.max_message_bytes, credentials=creds,
+                                                  max_message_bytes=args.max_message_bytes, window_bytes=args.window_bytes,
+                                                  credentials=creds,
                                                   on_refused=refusals.auth_refused))
     endpoint.on_busy = refusals.call_refused
 

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         endpoint = make_endpoint(cfg.transport.kind, "server", ledger, token="", chunk_bytes=cfg.transport.chunk_bytes,
                                  max_message_bytes=cfg.transport.max_message_bytes, workers=32,
-                                 credentials=creds, on_refused=refused)
+                                 window_bytes=cfg.transport.window_bytes, credentials=creds, on_refused=refused)
     except ValueError as exc:   # a kind without a process endpoint (inmemory)
         logging.error("%s", exc)
         return 2

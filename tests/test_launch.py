@@ -65,6 +65,21 @@ def test_plan_star_allocates_counts_in_host_order_with_ports_and_parents():
     assert all(r.parent == "10.0.0.1:7000" for r in roles[1:])
 
 
+def test_every_launcher_gives_edges_and_clients_the_configured_window():
+    """`transport.window_bytes` reaches every child process's flags: the hosts launcher's and Slurm's
+    argv for edges and client processes (the local launcher's are the same lists, deploy/launcher.py)."""
+    from fedhop.deploy.hosts import role_argv
+    from fedhop.deploy.slurm import task_list
+
+    cfg = parse_config(cfg_text(HIER).replace("[transport]\n", "[transport]\nwindow_bytes = 1048576\n"))
+    hf = hosts_from_dict(hosts({"name": "s", "address": "10.0.0.1", "server": True, "edges": [0, 1], "clients": 6}))
+    argvs = [role_argv(r, cfg, "/r") for r in plan_roles(hf, cfg) if r.kind != "server"]
+    argvs += [t["argv"] for t in task_list(cfg, Path("/r"), 1, False) if t["kind"] != "server"]
+    assert len(argvs) == 2 * (2 + 2)   # two edges and two client processes, by each launcher
+    for argv in argvs:
+        assert argv[argv.index("--window-bytes") + 1] == "1048576", argv
+
+
 def test_plan_hierarchical_parents_are_the_cluster_edges():
     cfg = parse_config(cfg_text(HIER))
     hf = hosts_from_dict(hosts({"name": "s", "address": "10.0.0.1", "server": True},

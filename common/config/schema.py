@@ -199,6 +199,11 @@ class TransportConfig:
     chunk_bytes: int = _f(4 * 1024 * 1024, min=1024, help="largest frame of a message: bigger messages are "
                                                            "streamed in chunks of this many bytes")
     max_message_bytes: int = _f(64 * 1024 * 1024, min=1024, help="gRPC max send/receive, both sides")
+    window_bytes: int = _f(16 * 1024 * 1024, min=65536, help="HTTP/2 flow-control window of every gRPC stream, "
+                                                              "fixed (no BDP probing): the most a peer can send on a "
+                                                              "stream this process has not read yet; one stream moves "
+                                                              "at most window / round-trip time (16 MiB: 1.3 Gbit/s at "
+                                                              "100 ms), so raise it on a long fat link")
     host: str = _f("127.0.0.1", help="the address the server and edges listen on (off loopback needs TLS or "
                                      "security.insecure = true)")
     batch: bool = _f(False, help="requests to the logical clients of one process share gRPC calls (each still its "

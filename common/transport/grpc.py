@@ -32,7 +32,7 @@ frame its own 5-byte prefix, as a streamed reply always does.
 
 Pulled replies: a streaming fold receives one reply at a time (common/processors/streaming.py
 `OrderedFold.admit`).  A reply waiting for its slot must then wait at its sender: HTTP/2 gives
-every new stream the peer's whole initial window (with BDP probing, tens of MB on a fast link),
+every new stream the receiver's whole window (`transport.window_bytes`) before it reads anything,
 so a reply that simply streamed would sit in the receiver's gRPC buffers, a window per waiting
 client.  So a call whose reply takes a slot and may span several frames is pulled: it goes as
 `Exchange` with PULL_METADATA; the callee reads the request only up to its last data byte (the
@@ -42,8 +42,11 @@ the rest.  A call that gets no slot in time is cancelled without its go, so none
 data ever moved.  The go counts in the request's framed bytes on both ends (5 bytes: one more
 gRPC message).  The header frame is small (the envelope), so the receiver's memory for waiting
 replies is a header each, whatever the window.  A callee that sends its data without waiting for
-the go gains nothing: the caller reads none of it before the slot, and gRPC holds at most its
-window of it (HTTP/2 flow control).
+the go gains nothing: the caller reads none of it before the slot, and gRPC holds at most the
+stream's window of it (HTTP/2 flow control).  That window is fixed (`transport.window_bytes`,
+16 MiB; `grpc_options`): with gRPC's adaptive window (BDP probing and 64 MiB of read-ahead) such a
+callee put 32-190 MiB per call into the caller, and one stream on loopback moves a model as fast
+either way (docs/performance.md, "A callee that ignores the go").
 
 Taken requests: likewise a request is not left to flow control.  A client process trains one
 client at a time, and the server sends the round's model to all of its clients at once: had each
@@ -126,13 +129,20 @@ def not_delivered(exc: grpc.RpcError) -> bool:
     return exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect to all addresses" in (exc.details() or "")
 
 
+#: the HTTP/2 window of every stream (`transport.window_bytes`): the most a peer can send on a
+#: stream this process has not read (module docstring, Pulled replies)
+WINDOW_BYTES = 16 << 20
+
+
 def grpc_options(max_message_bytes: int, server: bool = False,
-                 max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+                 max_receive_bytes: int | None = None, window_bytes: int = WINDOW_BYTES) -> list[tuple[str, int]]:
     """Channel and server options.  Clients ping every 30 s so a dead peer is noticed during
     a long call; servers accept pings that often (their default minimum is 5 minutes, after
     which they answer GOAWAY "too_many_pings" and cut long calls).  `max_receive_bytes`: a
     server's bound on one incoming gRPC message, checked against its length prefix before the
-    body is read (before authentication has looked at anything but the metadata)."""
+    body is read (before authentication has looked at anything but the metadata).
+    `window_bytes`: every stream's flow-control window, fixed (BDP probing off), so a peer can
+    put at most that much into this process on a stream it does not read."""
     extra = [("grpc.http2.min_ping_interval_without_data_ms", 10_000),
              ("grpc.http2.min_time_between_pings_ms", 10_000)] if server else []
     return extra + [
@@ -142,7 +152,8 @@ def grpc_options(max_message_bytes: int, server: bool = False,
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.lookahead_bytes", 64 << 20),
+        ("grpc.http2.lookahead_bytes", window_bytes),
+        ("grpc.http2.bdp_probe", 0),
         ("grpc.http2.max_frame_size", 16 << 20),
     ]
 
@@ -159,7 +170,8 @@ class GrpcEndpoint(Endpoint):
     def __init__(self, node_id: str, ledger: Ledger, run_id: str = "", token: str = "",
                  chunk_bytes: int = 4 << 20, max_payload_bytes: int = 1 << 31,
                  max_message_bytes: int = 64 << 20, workers: int = 16,
-                 credentials: NodeCredentials | None = None, on_refused: RefusedHook | None = None) -> None:
+                 credentials: NodeCredentials | None = None, on_refused: RefusedHook | None = None,
+                 window_bytes: int = WINDOW_BYTES) -> None:
         super().__init__(node_id, ledger, run_id, token, chunk_bytes, max_payload_bytes)
         self.credentials = credentials
         self.on_refused = on_refused
@@ -171,6 +183,7 @@ class GrpcEndpoint(Endpoint):
             raise ValueError(f"transport.max_message_bytes ({max_message_bytes}) must exceed "
                              f"transport.chunk_bytes ({chunk_bytes}) plus the frame header")
         self.max_message_bytes = max_message_bytes
+        self.window_bytes = window_bytes
         self.workers = workers
         self.call_slots = CallSlots(workers)      # data calls at once, in all and per caller (module docstring)
         self.on_busy: RefusedHook | None = None   # (caller, method, reason, peer) of a call refused by call_slots
@@ -188,7 +201,7 @@ class GrpcEndpoint(Endpoint):
             ch = self._channels.get(address)
             if ch is None:
                 # reconnect soon after a peer comes back (gRPC's default backoff grows to 120 s)
-                options = grpc_options(self.max_message_bytes) + [("grpc.initial_reconnect_backoff_ms", 200),
+                options = grpc_options(self.max_message_bytes, window_bytes=self.window_bytes) + [("grpc.initial_reconnect_backoff_ms", 200),
                                                                   ("grpc.min_reconnect_backoff_ms", 200),
                                                                   ("grpc.max_reconnect_backoff_ms", 2000)]
                 options += CALL_OPTIONS
@@ -511,7 +524,8 @@ class GrpcEndpoint(Endpoint):
         interceptors.insert(0, SlotInterceptor(self.call_slots, lambda *a: self.on_busy and self.on_busy(*a)))   # outermost: before a request is waited for
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers),
                              options=grpc_options(self.max_message_bytes, server=True,
-                                                  max_receive_bytes=self.request_bound()),
+                                                  max_receive_bytes=self.request_bound(),
+                                                  window_bytes=self.window_bytes),
                              interceptors=interceptors)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("fedhop.Fedhop", handlers),))
         server_creds = self.credentials.server_credentials() if self.credentials is not None else None
