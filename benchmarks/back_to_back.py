@@ -15,50 +15,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import resource
 import statistics
-import time
 
 
 def measure(nbytes: int, calls: int, chunk: int = 4 << 20, checksum: bool = True) -> dict:
-    import numpy as np
-    import torch
-
-    from fedhop.common.transport.grpc import GrpcEndpoint
     from fedhop.common.util.procexit import freeze_heap
-    from fedhop.common.wire.codec import hand_over
-    from fedhop.common.wire.ledger import Ledger
-    from fedhop.common.wire.message import Payload
-    from fedhop.deploy.bench import _grpc_receiver
+    from fedhop.deploy.bench import FedhopTransfer  # hands a model larger than a chunk over, as rounds do
 
-    ctx = mp.get_context("spawn")
-    addr_q, stop_q = ctx.Queue(), ctx.Queue()
-    max_message = max(64 << 20, chunk + (1 << 20))
-    receiver = ctx.Process(target=_grpc_receiver, args=(addr_q, stop_q, max_message))
-    receiver.start()
+    transfer = FedhopTransfer(nbytes, chunk)
     try:
-        address = addr_q.get(timeout=120)
-        endpoint = GrpcEndpoint("server", Ledger(), chunk_bytes=chunk, max_message_bytes=max_message)
-        endpoint.checksum = checksum
-        w = torch.from_numpy(np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32))
+        transfer.start()
+        transfer.endpoint.checksum = checksum
         freeze_heap()
+        transfer.call(0)   # warm-up
         times, faults = [], 0
-        for i in range(calls + 1):
-            model = Payload(tensors={"w": w})
-            if nbytes > chunk:
-                hand_over(model, keep_frames=False)
+        for i in range(1, calls + 1):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            t = time.perf_counter()
-            endpoint.call(address, "client-0", "train", model, round=i, timeout=max(120, nbytes / 20e6))
-            if i:   # the first call warms up
-                times.append(time.perf_counter() - t)
-                faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-        trims = endpoint.sends.trims
-        endpoint.stop()
+            times.append(transfer.call(i))
+            faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        trims = transfer.endpoint.sends.trims
     finally:
-        stop_q.put(1)
-        receiver.join(10)
+        transfer.stop()
     median = statistics.median(times)
     return {"bytes": nbytes, "calls": calls, "ms_per_call": median * 1e3, "mb_s": nbytes / median / 1e6,
             "sender_faults_per_call": faults / calls, "trims": trims}

@@ -201,9 +201,9 @@ class GrpcEndpoint(Endpoint):
             ch = self._channels.get(address)
             if ch is None:
                 # reconnect soon after a peer comes back (gRPC's default backoff grows to 120 s)
-                options = grpc_options(self.max_message_bytes, window_bytes=self.window_bytes) + [("grpc.initial_reconnect_backoff_ms", 200),
-                                                                  ("grpc.min_reconnect_backoff_ms", 200),
-                                                                  ("grpc.max_reconnect_backoff_ms", 2000)]
+                options = grpc_options(self.max_message_bytes, window_bytes=self.window_bytes)
+                options += [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                            ("grpc.max_reconnect_backoff_ms", 2000)]
                 options += CALL_OPTIONS
                 tls = self.credentials.channel_credentials() if self.credentials is not None else None
                 if tls is None:
