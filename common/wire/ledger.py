@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 import time
 import warnings
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Iterable, cast
+from typing import Any, Callable, Iterable, Iterator, cast
 
 # "client-client" is an extension of DESIGN.md section 5: the chain topology (sequential FL across
 # clients) passes the model from client to client, and no other link name describes that hop.
@@ -196,6 +197,9 @@ def _last_byte(path: Path) -> bytes:
 
 MAX_LINE_BYTES = 1 << 20   # a record is a few hundred bytes; a longer line is skipped unread
 _SQLITE_INT = (1 << 63) - 1   # the largest integer a run.db column holds
+# warnings per file: each distinct warning stays in the warnings registry and on stderr, so a
+# crafted file of millions of bad lines gets this many and then one count
+MAX_WARNINGS = 20
 
 
 def bounded_lines(fh: Any, limit: int = MAX_LINE_BYTES, chunk: int = 1 << 16) -> Iterable[tuple[int, bytes | None]]:
@@ -226,14 +230,47 @@ def bounded_lines(fh: Any, limit: int = MAX_LINE_BYTES, chunk: int = 1 << 16) ->
         yield lineno + 1, None if over else buf
 
 
-def read_jsonl(path: str | os.PathLike) -> list[LedgerRecord]:
-    """Records from a ledger JSONL file; unreadable lines (a torn last line, a line over
-    MAX_LINE_BYTES, JSON nested too deeply, a count beyond 2^63 - 1) are skipped with a warning."""
-    out: list[LedgerRecord] = []
-    with open(path, "rb") as fh:
+class NotARegularFile(ValueError):
+    """A ledger path that is no regular file (a FIFO, a device such as /dev/zero, a directory):
+    reading one could block forever or never end, so it is refused unread."""
+
+
+def open_regular(path: str | os.PathLike) -> Any:
+    """`path` opened for binary reading, or `NotARegularFile`.  The file is opened without
+    blocking (a FIFO with no writer would otherwise hang the open itself) and checked with fstat
+    on the open descriptor, so a path swapped for a FIFO after a check is still caught."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                    else "not a regular file")
+            raise NotARegularFile(f"{path}: {kind}, not a regular ledger file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[LedgerRecord]:
+    """Records from a ledger JSONL file, one at a time: memory stays at one 64 KiB block and one
+    line however large the file.  Unreadable lines (a torn last line, a line over
+    MAX_LINE_BYTES, JSON nested too deeply, a count beyond 2^63 - 1) are skipped with a warning;
+    a path that is no regular file raises `NotARegularFile` before anything is read."""
+    skipped = 0
+
+    def skip(lineno: int, why: str) -> None:
+        nonlocal skipped
+        skipped += 1
+        if skipped <= MAX_WARNINGS:
+            warnings.warn(f"{path}:{lineno}: skipping {why}", stacklevel=3)
+
+    with open_regular(path) as fh:
         for lineno, raw in bounded_lines(fh):
             if raw is None:
-                warnings.warn(f"{path}:{lineno}: skipping a ledger line over {MAX_LINE_BYTES} bytes", stacklevel=2)
+                skip(lineno, f"a ledger line over {MAX_LINE_BYTES} bytes")
                 continue
             line = raw.decode("utf-8", errors="replace")
             if not line.strip():
@@ -242,11 +279,31 @@ def read_jsonl(path: str | os.PathLike) -> list[LedgerRecord]:
                 record = LedgerRecord.from_dict(json.loads(line))
                 if any(abs(getattr(record, k)) > _SQLITE_INT for k, kind in _COERCE.items() if kind is int):
                     raise ValueError("a count beyond 2^63 - 1")
-                out.append(record)
             except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
                 # JSONDecodeError is a ValueError; RecursionError: JSON nested too deeply
-                warnings.warn(f"{path}:{lineno}: skipping unreadable ledger line ({str(exc)[:200]})", stacklevel=2)
-    return out
+                skip(lineno, f"unreadable ledger line ({str(exc)[:200]})")
+                continue
+            yield record
+    if skipped > MAX_WARNINGS:
+        warnings.warn(f"{path}: {skipped - MAX_WARNINGS} more unreadable ledger lines skipped", stacklevel=2)
+
+
+def iter_jsonl_batches(path: str | os.PathLike, size: int = 10_000) -> Iterator[list[LedgerRecord]]:
+    """`iter_jsonl` in lists of at most `size` records (what a merge inserts per transaction)."""
+    batch: list[LedgerRecord] = []
+    for record in iter_jsonl(path):
+        batch.append(record)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def read_jsonl(path: str | os.PathLike) -> list[LedgerRecord]:
+    """Every record of a ledger JSONL file (`iter_jsonl`) in a list: for a process's own ledger;
+    a file of unknown size is merged batch by batch (`iter_jsonl_batches`)."""
+    return list(iter_jsonl(path))
 
 
 def count_once(records: Iterable[LedgerRecord]) -> list[LedgerRecord]:
