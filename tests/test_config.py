@@ -280,7 +280,14 @@ def test_load_config_with_overrides_and_path_in_errors(tmp_path):
     assert cfg.run.rounds == 3 and cfg.clients.per_round == 2
     with pytest.raises(ConfigError) as err:
         load_config(str(path), ["clients.per_round=5"])
-    assert str(path) in str(err.value) and "'clients.per_round'" in str(err.value)
+    assert str(err.value).startswith("override 'clients.per_round=5': ") and "'clients.per_round'" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), ["clients.per_round=2", "run.rounds=-1"])
+    assert str(err.value).startswith("override 'run.rounds=-1': ")
+    path.write_text("[run]\nrounds = -1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), ["clients.per_round=2"])
+    assert str(err.value).startswith(f"{path}: ") and "'run.rounds'" in str(err.value)
     path.write_text("[run\nrounds = 3")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(path)

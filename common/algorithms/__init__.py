@@ -45,8 +45,9 @@ def algorithm_class(name: str):
         cls = load_plugin(name, "algorithms")
     except LookupError:
         allowed = sorted(set(algos) | set(entry_point_names("algorithms")))
-        raise KeyError(f"algorithm.name: unknown algorithm '{name}' (allowed: {', '.join(allowed)}, or an import "
-                       f"path 'package.module:Class')") from None
+        from fedhop.common.util.suggest import did_you_mean
+        raise KeyError(f"algorithm.name: unknown algorithm '{name}'{did_you_mean(name, allowed)} "
+                       f"(allowed: {', '.join(allowed)}, or an import path 'package.module:Class')") from None
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise PluginError(f"algorithm.name = {name!r} is not a subclass of fedhop.common.algorithms.base.Algorithm")
     return cls
@@ -62,5 +63,6 @@ def build_algorithm(cfg):
     rule = getattr(getattr(cfg, "security", None), "aggregation", "mean")
     if rule != "mean":   # Byzantine-robust reduction (common/engine/robust.py), at the server and at every edge
         from fedhop.common.engine.robust import RobustAggregate
-        algorithm.aggregate = RobustAggregate(algorithm.reply_reduce, rule, cfg.security.trim, cfg.security.krum_f)
+        algorithm.aggregate = RobustAggregate(algorithm.reply_reduce, rule, cfg.security.trim, cfg.security.krum_f,
+                                              cfg.security.krum_m)
     return algorithm

@@ -41,6 +41,7 @@ from fedhop.common.util.plugins import (
     load_plugin,
 )
 from fedhop.common.util.rng import numpy_stream, stream_seed
+from fedhop.common.util.suggest import did_you_mean
 
 __all__ = [
     "Task", "ClientData", "ArrayTask", "ClassificationTask", "RegressionTask", "QuadraticTask",
@@ -114,7 +115,8 @@ def _entry(name: str) -> _Entry:
             load = load_plugin(name, "datasets")   # PluginError (a ValueError) names the path and the cause
         except LookupError:
             available = sorted(set(_REGISTRY) | set(_LAZY_MODULES) | set(entry_point_names("datasets")))
-            raise ValueError(f"data.dataset = {name!r} is not available (available: {', '.join(available)}, "
+            raise ValueError(f"data.dataset = {name!r} is not available{did_you_mean(name, available)} "
+                             f"(available: {', '.join(available)}, "
                              f"or an import path 'package.module:function')") from None
         if not callable(load):
             raise PluginError(f"data.dataset = {name!r} is a {type(load).__name__}, not a function")
@@ -155,7 +157,8 @@ def _check_value(where: str, f: dataclasses.Field, hint: Any, value: Any) -> Any
         raise ValueError(f"{where}.{f.name} = {value!r}: expected {getattr(origin, '__name__', hint)}")
     rules = f.metadata
     if "choices" in rules and value not in rules["choices"]:
-        raise ValueError(f"{where}.{f.name} = {value!r} is not allowed (allowed: {', '.join(map(str, rules['choices']))})")
+        raise ValueError(f"{where}.{f.name} = {value!r} is not allowed{did_you_mean(value, rules['choices'])} "
+                         f"(allowed: {', '.join(map(str, rules['choices']))})")
     if "min" in rules and value < rules["min"]:
         raise ValueError(f"{where}.{f.name} = {value!r}: must be >= {rules['min']}")
     if "min_exclusive" in rules and value <= rules["min_exclusive"]:
@@ -172,7 +175,7 @@ def params_from_options(cls: type, options: dict, where: str = "data") -> Any:
     values = {}
     for key, value in options.items():
         if key not in fields:
-            raise ValueError(f"{where}: unknown key '{key}' (allowed: {', '.join(sorted(fields))})")
+            raise ValueError(f"{where}: unknown key '{key}'{did_you_mean(key, fields)} (allowed: {', '.join(sorted(fields))})")
         values[key] = _check_value(where, fields[key], hints[key], value)
     return cls(**values)
 

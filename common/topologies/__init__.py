@@ -44,8 +44,9 @@ def load_topology(ref: str) -> TopologySpec:
         obj = load_plugin(ref, "topologies")
     except LookupError:
         names = list(SPECS) + [n for n in entry_point_names("topologies") if n not in SPECS]
-        raise KeyError(f"unknown topology '{ref}' (allowed: {', '.join(names)}, or an import path "
-                       f"'package.module:DriverClass')") from None
+        from fedhop.common.util.suggest import did_you_mean
+        raise KeyError(f"unknown topology '{ref}'{did_you_mean(ref, names)} (allowed: {', '.join(names)}, or an "
+                       f"import path 'package.module:DriverClass')") from None
     if isinstance(obj, TopologySpec):
         spec = dataclasses.replace(obj, name=ref)
     elif isinstance(obj, type) and callable(getattr(obj, "run_round", None)):

@@ -1,0 +1,83 @@
+"""Config errors a user can act on (issue 45, item 7): a misspelt key, section, algorithm, data set,
+topology or choice gets "did you mean ...?", and an error in a `--set` override (or the API's
+`set=`) names that override, not the file it was applied to.  Run as a user runs it: `fedhop run`
+from a folder outside the checkout, one line on stderr, exit 2, no run folder made."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedhop.common.config import ConfigError, load_config
+from fedhop.common.util.suggest import did_you_mean
+
+FEDHOP = [sys.executable, "-m", "fedhop.deploy.cli"]
+
+
+@pytest.mark.parametrize("word, names, hint", [
+    ("rl", ["lr", "reg", "server_lr"], "lr"),                       # letters swapped
+    ("fedvag", ["fedavg", "fedprox", "fedadam"], "fedavg"),          # two letters
+    ("FedAvg", ["fedavg", "fedprox"], "fedavg"),                     # case
+    ("digts", ["digits", "mnist", "npz"], "digits"),
+    ("hierarchcal", ["star", "hierarchical", "sequential"], "hierarchical"),
+    ("partiton", ["dataset", "partition", "alpha"], "partition"),
+])
+def test_close_names_are_proposed(word, names, hint):
+    assert did_you_mean(word, names) == f" (did you mean '{hint}'?)"
+
+
+@pytest.mark.parametrize("word, names", [("batch", ["lr", "reg", "seed"]), ("zzz", ["fedavg", "fedprox"]),
+                                         ("lr", ["lr"])])
+def test_nothing_is_proposed_when_nothing_is_close(word, names):
+    assert did_you_mean(word, names) == ""
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("[run]\nrounds = 1\n[algorithm]\nrl = 0.1\n", "unknown config key 'algorithm.rl' = 0.1 (did you mean 'lr'?)"),
+    ("[rnu]\nrounds = 1\n", "unknown config section '[rnu]' (did you mean 'run'?)"),
+    ("[algorithm]\nname = \"fedvag\"\n", "unknown algorithm 'fedvag' (did you mean 'fedavg'?)"),
+    ("[data]\ndataset = \"digts\"\n", "data.dataset = 'digts' is not available (did you mean 'digits'?)"),
+    ("[topology]\nkind = \"hierarchcal\"\n", "unknown topology 'hierarchcal' (did you mean 'hierarchical'?)"),
+    ("[security]\nnan_policy = \"rejet\"\n", "got 'rejet' (did you mean 'reject'?), allowed: reject, fail"),
+])
+def test_file_errors_name_the_file_and_propose_a_name(tmp_path, text, fragment):
+    path = tmp_path / "my.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: ") and fragment in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, blamed", [
+    (["run.rounds=abc"], "override 'run.rounds=abc': config key 'run.rounds'"),
+    (["run.rounds=3", "algorithm.lr=x"], "override 'algorithm.lr=x': config key 'algorithm.lr'"),
+    (["rnu.rounds=3"], "override 'rnu.rounds=3': unknown config section '[rnu]'"),
+    (["algorithm.rl=1"], "override 'algorithm.rl=1': unknown config key 'algorithm.rl'"),
+])
+def test_override_errors_name_the_override(tmp_path, overrides, blamed):
+    path = tmp_path / "my.toml"
+    path.write_text("[run]\nrounds = 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    assert str(err.value).startswith(blamed), str(err.value)
+
+
+def test_an_error_in_the_file_is_still_the_files_when_overrides_are_given(tmp_path):
+    path = tmp_path / "my.toml"
+    path.write_text("[run]\nrounds = \"two\"\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["algorithm.lr=0.1"])
+    assert str(err.value).startswith(f"{path}: config key 'run.rounds'")
+
+
+def test_fedhop_run_prints_one_line_with_the_override_and_the_hint(tmp_path):
+    (tmp_path / "my.toml").write_text("[run]\nrounds = 2\n")
+    res = subprocess.run(FEDHOP + ["run", "my.toml", "--set", "algorithm.rl=0.1", "--out", "runs/x"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("fedhop run: override 'algorithm.rl=0.1': unknown config key 'algorithm.rl' = 0.1 "
+                                 "(did you mean 'lr'?)"), res.stderr
+    assert not Path(tmp_path / "runs" / "x").exists()
