@@ -43,13 +43,14 @@ def test_a_package_in_the_plugin_search_path_imports_without_changing_sys_path(t
     there imports with its submodules; sys.path is left as it was; a missing one names the path."""
     pkg = tmp_path / "fh_searchpkg"
     (pkg / "sub").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("from .sub.impl import VALUE\n")
+    (pkg / "__init__.py").write_text("from .sub.impl import value\n")
     (pkg / "sub" / "__init__.py").write_text("")
-    (pkg / "sub" / "impl.py").write_text("VALUE = 41 + 1\n")
+    (pkg / "sub" / "impl.py").write_text("def value():\n    return 41 + 1\n")
     monkeypatch.setenv("FEDHOP_PLUGIN_PATH", os.pathsep.join([str(tmp_path / "nothing-here"), str(tmp_path)]))
     before = list(sys.path)
     try:
-        assert load_plugin("fh_searchpkg.sub.impl:VALUE", "models") == 42
+        assert load_plugin("fh_searchpkg.sub.impl:value", "models")() == 42
+        assert load_plugin("fh_searchpkg:value", "models")() == 42   # re-exported from a submodule: defined there
         assert sys.modules["fh_searchpkg"].__file__ == str(pkg / "__init__.py")
         assert sys.path == before
         with pytest.raises(PluginError, match=f"No module named 'fh_nosuch'.*search path .*{tmp_path}"):

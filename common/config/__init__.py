@@ -427,6 +427,11 @@ def _check_model_factory(cfg: Config) -> None:
                           f"'package.module:function' nor an entry point of group 'fedhop.models' ({names})") from None
     if not callable(make):
         raise ConfigError(f"config key 'model.factory': {ref!r} is a {type(make).__name__}, not a function")
+    from fedhop.common.util.plugins import check_call
+    try:   # factory_args against its signature now: a parent's config never calls it with others
+        check_call(make, ref, "model.factory_args", (1,), 1, **cfg.model.factory_args)
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_model_exchange(cfg: Config) -> None:

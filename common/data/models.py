@@ -274,12 +274,13 @@ def build_model(kind: str, input_shape: Sequence[int], n_outputs: int,
 
 
 def _from_factory(factory: str, shape: tuple[int, ...], n_outputs: int, args: dict) -> nn.Module:
-    from fedhop.common.util.plugins import load_plugin
+    from fedhop.common.util.plugins import check_call, load_plugin
     try:
         make = load_plugin(factory, "models")
     except LookupError:
         raise ValueError(f"model.factory = {factory!r}: no such entry point in group 'fedhop.models' and not an "
                          f"import path 'package.module:function'") from None
+    check_call(make, factory, "model.factory_args", shape, int(n_outputs), **args)   # before the call
     model = make(shape, int(n_outputs), **args)
     if not isinstance(model, nn.Module):
         raise ValueError(f"model.factory = {factory!r} returned a {type(model).__name__}, not a torch.nn.Module")
@@ -358,7 +359,7 @@ def select_exchange(model: nn.Module, freeze: Sequence[str] = (), exchange: str 
 def load_selector(ref: str) -> Callable[[str, nn.Parameter], bool]:
     """The user's selection `select(name, parameter) -> bool` named by `ref` (common/util/plugins.py,
     group fedhop.models, so a client's plug-in allow-list applies)."""
-    from fedhop.common.util.plugins import load_plugin
+    from fedhop.common.util.plugins import check_call, load_plugin
     try:
         select = load_plugin(ref, "models")
     except LookupError:
@@ -367,6 +368,7 @@ def load_selector(ref: str) -> Callable[[str, nn.Parameter], bool]:
     if not callable(select):
         raise ValueError(f"model.exchange = {ref!r} is a {type(select).__name__}, not a function (name, parameter) "
                          f"-> bool")
+    check_call(select, ref, "model.exchange", "name", None)   # called as select(name, parameter)
     return select
 
 

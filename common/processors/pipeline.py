@@ -261,9 +261,12 @@ def _methods() -> tuple[str, ...]:
 def build_processor(entry: Any, key: str = "processors[0]") -> Processor:
     """The processor of one `[[processors]]` entry (`common.config_schema.ProcessorConfig`, `key`
     its place for errors): its methods and roles checked, its reference loaded as a plug-in of
-    group `fedhop.processors` (refused unless allowed, common/util/plugins.py), called with the entry's
-    options (a class or a factory; an object with `process` is taken as it is, without options).
-    Raises ValueError, one line naming the key."""
+    group `fedhop.processors` (refused unless allowed, and only an object defined in the module
+    it names, common/util/plugins.py), its kind checked before anything is called (a class must
+    define `process`), the entry's options bound to the class's or factory's signature, and only
+    then called with them; an object with `process` is taken as it is, without options.  The
+    options come from whoever wrote the config, a client's parent too: nothing is called with
+    options it does not take.  Raises ValueError, one line naming the key."""
     from fedhop.common.util.plugins import PluginError, entry_point_names, load_plugin  # local: plugins imports config
     if not entry.name:
         raise ValueError(f"config key '{key}.name' is required: the processor, \"package.module:Class\"")
@@ -280,14 +283,15 @@ def build_processor(entry: Any, key: str = "processors[0]") -> Processor:
     if entry.direction not in DIRECTIONS:
         raise ValueError(f"config key '{key}.direction': got {entry.direction!r}, allowed: {', '.join(DIRECTIONS)}")
     try:
-        obj = load_plugin(entry.name, "processors")
-    except PluginError as exc:   # PluginRefused too: never imported
+        obj = load_plugin(entry.name, "processors")   # its kind checked, nothing called
+    except PluginError as exc:   # PluginRefused too: never imported, or never reached
         raise ValueError(f"config key '{key}.name': {exc}") from None
     except LookupError:
         names = ", ".join(entry_point_names("processors")) or "none installed"
         raise ValueError(f"config key '{key}.name': got {entry.name!r}, which is neither an import path "
                          f"'package.module:Class' nor an entry point of group 'fedhop.processors' ({names})") from None
-    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "process")):
+    processor: Any
+    if inspect.isclass(obj) or inspect.isroutine(obj):   # a class defining process, or a factory
         _check_options(obj, entry, key)
         try:
             processor = obj(**entry.options)
@@ -305,12 +309,14 @@ def build_processor(entry: Any, key: str = "processors[0]") -> Processor:
 
 
 def _check_options(make: Callable[..., Any], entry: Any, key: str) -> None:
-    """The entry's options against the signature of the class or factory `make`: an option it
-    does not take is named (a typo), then a missing one."""
+    """The entry's options against the signature of the class or factory `make`, before it is
+    called: an option it does not take is named (a typo), then a missing one; a callable whose
+    signature cannot be read is refused (its options cannot be checked)."""
     try:
         params = inspect.signature(make).parameters
-    except (TypeError, ValueError):   # no signature to check (a builtin): the call says
-        return
+    except (TypeError, ValueError):
+        raise ValueError(f"config key '{key}.name': {entry.name} has no signature to check its options "
+                         f"against") from None
     named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         unknown = [k for k in entry.options if k not in named]

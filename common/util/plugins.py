@@ -20,10 +20,26 @@ A client or edge process runs only the code it was started with (DESIGN.md secti
 command line (`--allow-plugin NAME`, repeatable) or its environment (`FEDHOP_ALLOW_PLUGINS`,
 comma-separated) lists the plug-ins it may load, and `restrict` makes every other one a
 `PluginRefused` before anything is imported or looked up: a config from the parent that names
-another module is refused at registration, never imported.  An allow-list entry is a module or
-package name (`mymodels` allows `mymodels.nets:make`), a whole reference, or an entry-point
-name.  The built-in models, data sets, algorithms and topologies are not plug-ins and are always
+another module is refused at registration, never imported.  An allow-list entry is
+
+- a module or package name: `mymodels` admits `mymodels:Net` and `mymodels.nets:make`;
+- one object, `module:Name`: `mymodels:make_net` admits that object and what is defined beneath
+  it (`mymodels:Factory.build`, a class's own method), nothing else of the module;
+- an entry-point name.
+
+The built-in models, data sets, algorithms and topologies are not plug-ins and are always
 allowed.  `fedhop run` passes each child the plug-ins its own config names (`config_plugins`).
+
+Whether or not a process is restricted (the server resolves its own config the same way), a
+reference `module:attr.path` reaches only objects DEFINED in `module` or one of its submodules
+(`resolve_attribute`): each step of the path must be a class or function whose `__module__` is
+there, or an object whose type is; a module object, a builtin (`os.system`, `sys.exit`), a
+function or class imported from elsewhere (`torch.load`, `functools.partial`), a method a class
+inherits from elsewhere, a dunder name, or a callable object of a foreign type is refused with
+one line naming the reference and why.  So an allowed module's own `import os` gives a parent's
+config no way to `os.system`.  Then the object's kind is checked for its group (`check_kind`)
+before anything calls it, and a caller that passes a config's options checks them against the
+object's signature first (`check_call`; processors: common/processors/pipeline.py).
 
 What each kind of plug-in is (docs in README, "Bring your own model"):
 
@@ -40,16 +56,20 @@ What each kind of plug-in is (docs in README, "Bring your own model"):
   its extra [topology] keys and optional `process_plan` (cfg, placement) -> ProcessPlan says
   which processes the run starts (default: the star plan, every client process under the
   server); common/topologies `spec_for` loads it and adapts a driver into a spec.
-- processor (a `[[processors]]` entry's `name`): a class or factory called with the entry's
-  other keys, giving an object with `process(message, ctx) -> message` (common/processors/pipeline.py).
+- processor (a `[[processors]]` entry's `name`): a class defining `process(message, ctx) ->
+  message`, or a factory known to make one without calling it (a classmethod of such a class, a
+  function annotated `-> ThatClass`), called with the entry's other keys once they bind to its
+  signature; or such an object itself (common/processors/pipeline.py).
 """
 from __future__ import annotations
 
 import importlib
 import importlib.machinery
 import importlib.util
+import inspect
 import os
 import sys
+import typing
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import ModuleType
@@ -97,20 +117,33 @@ def _module_allowed(module: str, allowed: frozenset[str]) -> bool:
     return any(module == a or module.startswith(a + ".") for a in allowed if ":" not in a)
 
 
+def _reference_allowed(ref: str, allowed: frozenset[str]) -> bool:
+    """An import path `module:attr.path` on the allow-list: its module (or a package above it)
+    is an entry, or an object entry `module:Name` names it or an object beneath it."""
+    module, _, attr = ref.partition(":")
+    if _module_allowed(module, allowed):
+        return True
+    for entry in allowed:
+        e_module, sep, e_attr = entry.partition(":")
+        if sep and e_module == module and e_attr and (attr == e_attr or attr.startswith(e_attr + ".")):
+            return True
+    return False
+
+
 def check_allowed(ref: str, group: str) -> None:
     """Raise PluginRefused unless `ref` is on this process's allow-list (no-op when unrestricted).
-    Nothing is imported: an entry point is judged by its name and the module it names."""
+    Nothing is imported: an entry point is judged by its name and the reference it names."""
     allowed = _allowed
     if allowed is None or ref in allowed:
         return
     if is_import_path(ref):
-        if _module_allowed(ref.partition(":")[0], allowed):
+        if _reference_allowed(ref, allowed):
             return
     else:
         eps = [ep for ep in entry_points(group=GROUP_PREFIX + group) if ep.name == ref]
         if not eps:
             return   # not a plug-in at all: the caller reports an unknown name
-        if _module_allowed(eps[0].value.partition(":")[0], allowed):
+        if _reference_allowed(f"{eps[0].module}:{eps[0].attr or ''}", allowed):
             return
     shown = ", ".join(sorted(allowed)) or "none"
     raise PluginRefused(f"{NOT_ALLOWED}: the config names plug-in {ref!r} (fedhop.{group}), which this process "
@@ -195,9 +228,11 @@ def import_plugin_module(module_name: str) -> ModuleType:
 
 def load_plugin(ref: str, group: str) -> Any:
     """The object named by `ref`: an import path `"pkg.module:attr"` (attr may be dotted), or an
-    entry point of group `fedhop.<group>`.  Raises PluginError naming `ref` and the cause; a
-    bare name that no installed package registers raises LookupError (the caller knows its
-    built-in names and says which are allowed)."""
+    entry point of group `fedhop.<group>`, resolved by `resolve_attribute` (only objects defined
+    in that module) and of the group's kind (`check_kind`); nothing is called.  Raises
+    PluginError naming `ref` and the cause (PluginRefused for what the allow-list or the
+    defined-here rule refuses); a bare name that no installed package registers raises
+    LookupError (the caller knows its built-in names and says which are allowed)."""
     if group not in GROUPS:
         raise ValueError(f"load_plugin: unknown group '{group}' (allowed: {', '.join(GROUPS)})")
     check_allowed(ref, group)   # before any import (module docstring)
@@ -205,25 +240,152 @@ def load_plugin(ref: str, group: str) -> Any:
         module_name, _, attr = ref.partition(":")
         if not module_name or not attr:
             raise PluginError(f"'{ref}' is not an import path of the form 'package.module:attribute'")
-        try:
-            obj: Any = import_plugin_module(module_name)
-        except PluginError as exc:
-            raise PluginError(f"cannot import '{ref}': {exc}") from None
-        except Exception as exc:   # noqa: BLE001 - any failure of the user's import is reported, not raised
-            raise PluginError(f"cannot import '{ref}': {type(exc).__name__}: {exc}") from None
-        for part in attr.split("."):
-            if not hasattr(obj, part):
-                raise PluginError(f"cannot import '{ref}': module '{module_name}' has no attribute '{attr}'")
-            obj = getattr(obj, part)
-        return obj
-    found = [ep for ep in entry_points(group=GROUP_PREFIX + group) if ep.name == ref]
-    if not found:
-        raise LookupError(ref)
+    else:
+        found = [ep for ep in entry_points(group=GROUP_PREFIX + group) if ep.name == ref]
+        if not found:
+            raise LookupError(ref)
+        module_name, attr = found[0].module, found[0].attr or ""
+        if not attr:
+            raise PluginError(f"entry point '{ref}' ({found[0].value}) of group '{GROUP_PREFIX + group}' names a "
+                              f"module, not an object 'package.module:attribute'")
     try:
-        return found[0].load()
-    except Exception as exc:   # noqa: BLE001
-        raise PluginError(f"cannot load entry point '{ref}' ({found[0].value}) of group "
-                          f"'{GROUP_PREFIX + group}': {type(exc).__name__}: {exc}") from None
+        module = import_plugin_module(module_name)
+    except PluginError as exc:
+        raise PluginError(f"cannot import '{ref}': {exc}") from None
+    except Exception as exc:   # noqa: BLE001 - any failure of the user's import is reported, not raised
+        raise PluginError(f"cannot import '{ref}': {type(exc).__name__}: {exc}") from None
+    obj = resolve_attribute(module, attr, ref, group)
+    check_kind(obj, ref, group, module.__name__)
+    return obj
+
+
+def _defined_in(home: object, scope: str) -> bool:
+    return isinstance(home, str) and (home == scope or home.startswith(scope + "."))
+
+
+def _home(obj: Any) -> tuple[str, str]:
+    """What `obj` is and the module that defines it, for the defined-here rule: a class or a
+    function (a bound method: its function) by its own `__module__` (a builtin: its C module or
+    "builtins"); any other object by its type's."""
+    target = obj.__func__ if inspect.ismethod(obj) else obj
+    if inspect.isclass(target):
+        return "class", str(getattr(target, "__module__", None) or "builtins")
+    if inspect.isfunction(target):
+        return "function", str(getattr(target, "__module__", None) or "builtins")
+    if inspect.isroutine(target):
+        return "built-in", str(getattr(target, "__module__", None) or "builtins")
+    return f"{type(obj).__name__} object", type(obj).__module__
+
+
+def resolve_attribute(module: ModuleType, attr: str, ref: str, group: str = "models") -> Any:
+    """`module`'s object at the dotted path `attr` (of the reference `ref`), taking only objects
+    defined in `module` or its submodules (module docstring): every step must be a class or
+    function defined there, or an object whose type is (a step that goes on must be a class or
+    such an object); a module, a builtin, an object imported from elsewhere, a dunder name is a
+    PluginRefused, one line, and nothing found on the way is called."""
+    scope = module.__name__
+
+    def refuse(why: str) -> PluginRefused:
+        return PluginRefused(f"{NOT_ALLOWED}: plug-in {ref!r} (fedhop.{group}) {why}; a reference admits only "
+                             f"objects defined in its module '{scope}' (or its submodules)")
+
+    obj: Any = module
+    parts = attr.split(".")
+    for i, part in enumerate(parts):
+        if not part.isidentifier():
+            raise PluginError(f"'{ref}' is not an import path of the form 'package.module:attribute'")
+        if part.startswith("__") and part.endswith("__"):
+            raise refuse(f"names the special attribute '{part}'")
+        if not hasattr(obj, part):
+            raise PluginError(f"cannot import '{ref}': module '{scope}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+        last = i == len(parts) - 1
+        at = "" if last else f" (at '{'.'.join(parts[:i + 1])}')"
+        if isinstance(obj, ModuleType):
+            raise refuse(f"passes through the module '{obj.__name__}'{at}")
+        what, home = _home(obj)
+        if last and what.endswith("object") and not callable(obj):
+            continue   # a value (a TopologySpec, a number): nothing to call; its kind is checked next
+        if not _defined_in(home, scope):
+            raise refuse(f"is a {what} defined in '{home}'{at}, not in '{scope}'")
+        if not last and not (what == "class" or what.endswith("object")):
+            raise refuse(f"passes through a {what}{at}: a path steps only through a class or an object")
+    return obj
+
+
+def _routine(obj: Any) -> bool:
+    """A Python function or a bound method of one (a classmethod of a plug-in's class)."""
+    return inspect.isfunction(obj) or (inspect.ismethod(obj) and inspect.isfunction(obj.__func__))
+
+
+def _product(make: Any) -> Any:
+    """What the factory `make` makes, known without calling it: the class of a classmethod, or
+    the function's return annotation (None when it has none or it does not resolve)."""
+    if inspect.ismethod(make) and inspect.isclass(make.__self__):
+        return make.__self__
+    try:
+        return typing.get_type_hints(make).get("return")
+    except Exception:   # noqa: BLE001 - an annotation that does not resolve: not known
+        return None
+
+
+KINDS = {"models": "a function or class (a model factory `(input_shape, n_outputs, **factory_args)`, or a "
+                   "selection `(name, parameter) -> bool`)",
+         "datasets": "a function or class `load(request) -> FederatedData | Task`",
+         "algorithms": "a subclass of fedhop.common.algorithms.base.Algorithm",
+         "topologies": "a topology driver class or a TopologySpec",
+         "processors": "a class defining process(message, ctx), a factory of one (a classmethod of that class, "
+                       "or a function whose return annotation is that class), or an object with process(message, ctx)"}
+
+
+def check_kind(obj: Any, ref: str, group: str, scope: str) -> None:
+    """Raise PluginError unless `obj` (resolved from `ref` in module `scope`) is the kind of
+    object its group calls (`KINDS`), judged without calling anything: a processor class must
+    define `process` before it is ever instantiated, a processor object be of a type defined in
+    `scope`."""
+    if group in ("models", "datasets"):
+        ok = _routine(obj) or inspect.isclass(obj)
+    elif group == "algorithms":
+        ok = inspect.isclass(obj)
+    elif group == "topologies":
+        ok = inspect.isclass(obj) or not callable(obj)
+    else:   # processors
+        has_process = callable(getattr(obj, "process", None))
+        if inspect.isclass(obj):
+            if not has_process:
+                raise PluginError(f"'{ref}' is a class without a process(message, ctx) method; a processor is "
+                                  f"{KINDS[group]}")
+            ok = True
+        elif _routine(obj):
+            product = _product(obj)
+            if not (inspect.isclass(product) and callable(getattr(product, "process", None))):
+                raise PluginError(f"'{ref}' is a function that is not known to make a processor: a processor "
+                                  f"factory is a classmethod of a class defining process(message, ctx), or a "
+                                  f"function whose return annotation is such a class")
+            ok = True
+        else:
+            if not has_process:
+                raise PluginError(f"'{ref}' is a {type(obj).__name__} without a process(message, ctx) method; a "
+                                  f"processor is {KINDS[group]}")
+            ok = _defined_in(type(obj).__module__, scope)
+    if not ok:
+        what, home = _home(obj)
+        raise PluginError(f"'{ref}' is not {KINDS[group]} (found: {what} of '{home}')")
+
+
+def check_call(obj: Any, ref: str, key: str, *args: Any, **options: Any) -> None:
+    """Raise PluginError unless `obj(*args, **options)` binds to `obj`'s signature: the options a
+    config passes (`key` names them) are checked before the call, never found wrong by it.  An
+    object whose signature cannot be read is refused: its options cannot be checked."""
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        raise PluginError(f"config key '{key}': '{ref}' has no signature to check its options against") from None
+    try:
+        signature.bind(*args, **options)
+    except TypeError as exc:
+        raise PluginError(f"config key '{key}': '{ref}' does not take these arguments: {exc} (options given: "
+                          f"{', '.join(options) or 'none'})") from None
 
 
 # ----------------------------------------------------------------------------- data sets
