@@ -118,13 +118,13 @@ def allowed_text(annotation: Any, rules: typing.Mapping[str, Any]) -> str:
     if literals:
         return ", ".join(toml_value(a) for a in literals)
     lo = (">=", rules["min"]) if "min" in rules else (">", rules["min_exclusive"]) if "min_exclusive" in rules else None
-    hi = rules.get("max")
-    if lo and hi is not None:
-        return f"{'[' if lo[0] == '>=' else '('}{_number(lo[1])}, {_number(hi)}]"
+    hi = ("<=", rules["max"]) if "max" in rules else ("<", rules["max_exclusive"]) if "max_exclusive" in rules else None
+    if lo and hi:
+        return f"{'[' if lo[0] == '>=' else '('}{_number(lo[1])}, {_number(hi[1])}{']' if hi[0] == '<=' else ')'}"
     if lo:
         return f"{lo[0]} {_number(lo[1])}"
-    if hi is not None:
-        return f"<= {_number(hi)}"
+    if hi:
+        return f"{hi[0]} {_number(hi[1])}"
     return ""
 
 

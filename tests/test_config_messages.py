@@ -81,3 +81,18 @@ def test_fedhop_run_prints_one_line_with_the_override_and_the_hint(tmp_path):
     assert res.stderr.startswith("fedhop run: override 'algorithm.rl=0.1': unknown config key 'algorithm.rl' = 0.1 "
                                  "(did you mean 'lr'?)"), res.stderr
     assert not Path(tmp_path / "runs" / "x").exists()
+
+
+def test_a_strict_upper_bound_reads_as_one_in_the_reference_and_the_error(tmp_path):
+    """fedadam's beta1 must be < 1: the reference shows [0.0, 1.0) (it said [0.0, 1.0] and then
+    "must be < 1"), and 1.0 is refused by the loader with the same bound."""
+    from fedhop.common.algorithms.fedopt import FedAdamParams
+    from fedhop.deploy.configref import allowed_text
+    beta1 = next(f for f in __import__("dataclasses").fields(FedAdamParams) if f.name == "beta1")
+    assert allowed_text(float, beta1.metadata) == "[0.0, 1.0)"
+    path = tmp_path / "my.toml"
+    path.write_text("[algorithm]\nname = \"fedadam\"\nbeta1 = 1.0\n")
+    with pytest.raises(ConfigError, match=r"'algorithm.beta1': got 1.0, must be < 1.0"):
+        load_config(path)
+    path.write_text("[algorithm]\nname = \"fedadam\"\nbeta1 = 0.999\n")
+    assert load_config(path).algorithm.params.beta1 == 0.999

@@ -63,7 +63,7 @@ Tensors = dict[str, torch.Tensor]
 
 # ---------------------------------------------------------------------------- params
 def check_fields(obj: Any, where: str = "algorithm") -> None:
-    """Enforce the `choices` / `min` / `max` / `min_exclusive` metadata of a Params dataclass
+    """Enforce the `choices` / `min` / `max` / `min_exclusive` / `max_exclusive` metadata of a Params dataclass
     (the config loader does too; this keeps direct construction in tests honest)."""
     for f in dataclasses.fields(obj):
         value, rules = getattr(obj, f.name), f.metadata
@@ -75,6 +75,8 @@ def check_fields(obj: Any, where: str = "algorithm") -> None:
                 raise ValueError(f"{at}: must be >= {rules['min']}")
             if "max" in rules and value > rules["max"]:
                 raise ValueError(f"{at}: must be <= {rules['max']}")
+            if "max_exclusive" in rules and value >= rules["max_exclusive"]:
+                raise ValueError(f"{at}: must be < {rules['max_exclusive']}")
             if "min_exclusive" in rules and value <= rules["min_exclusive"]:
                 raise ValueError(f"{at}: must be > {rules['min_exclusive']}")
 

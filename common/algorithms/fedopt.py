@@ -47,8 +47,8 @@ class FedAdamParams(AlgorithmParams):
     `beta2`: beta_2, the decay of the server's second moment; must be < 1
     """
 
-    beta1: float = field(default=0.9, metadata={"min": 0.0, "max": 1.0})
-    beta2: float = field(default=0.99, metadata={"min": 0.0, "max": 1.0})
+    beta1: float = field(default=0.9, metadata={"min": 0.0, "max_exclusive": 1.0})
+    beta2: float = field(default=0.99, metadata={"min": 0.0, "max_exclusive": 1.0})
     tau: float = field(default=1e-3, metadata={"min_exclusive": 0.0})     # adaptivity (epsilon)
     v0: float = field(default=1e-6, metadata={"min": 0.0})                # v_{-1}; paper: >= tau^2
 
@@ -66,7 +66,7 @@ class FedAdagradParams(AlgorithmParams):
     `v0`: v_{-1}, the initial second moment (paper: >= tau^2)
     """
 
-    beta1: float = field(default=0.9, metadata={"min": 0.0, "max": 1.0})
+    beta1: float = field(default=0.9, metadata={"min": 0.0, "max_exclusive": 1.0})
     tau: float = field(default=1e-3, metadata={"min_exclusive": 0.0})
     v0: float = field(default=1e-6, metadata={"min": 0.0})
 
@@ -138,7 +138,7 @@ class FedAvgMParams(AlgorithmParams):
     `momentum`: beta, the server momentum (Hsu et al. try 0.7 to 0.997); must be < 1
     """
 
-    momentum: float = field(default=0.9, metadata={"min": 0.0, "max": 1.0})   # Hsu et al.: beta in {0.7..0.997}
+    momentum: float = field(default=0.9, metadata={"min": 0.0, "max_exclusive": 1.0})   # Hsu et al.: beta in {0.7..0.997}
     nesterov: bool = False
 
     def __post_init__(self) -> None:

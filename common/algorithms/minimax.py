@@ -139,6 +139,8 @@ class MinimaxParams(AlgorithmParams):
                 raise ValueError(f"{where}: must be >= {rules['min']}")
             if "max" in rules and value > rules["max"]:
                 raise ValueError(f"{where}: must be <= {rules['max']}")
+            if "max_exclusive" in rules and value >= rules["max_exclusive"]:
+                raise ValueError(f"{where}: must be < {rules['max_exclusive']}")
             if "min_exclusive" in rules and value <= rules["min_exclusive"]:
                 raise ValueError(f"{where}: must be > {rules['min_exclusive']}")
         if self.draw_high < self.draw_low:

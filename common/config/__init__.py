@@ -52,6 +52,7 @@ from fedhop.common.config.schema import (
 from fedhop.common.topologies import SPECS, TopologySpec, spec_for
 from fedhop.common.topologies.graphs import topology_params
 from fedhop.common.transport.factory import params_of, sums_in_collective
+from fedhop.common.util.suggest import did_you_mean
 
 SECTIONS: dict[str, type] = {"run": RunConfig, "topology": TopologyConfig, "algorithm": AlgorithmConfig, "data": DataConfig,
             "model": ModelConfig, "clients": ClientsConfig, "edges": EdgesConfig, "transport": TransportConfig,
@@ -239,7 +240,8 @@ def check_value(key: str, value: Any, annotation: Any, rules: typing.Mapping[str
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"config key '{key}': got {value!r}, must be a finite number")
     if "choices" in rules and value not in rules["choices"]:
-        raise ConfigError(f"config key '{key}': got {value!r}, allowed: {', '.join(map(str, rules['choices']))}")
+        raise ConfigError(f"config key '{key}': got {value!r}{did_you_mean(value, rules['choices'])}, allowed: "
+                          f"{', '.join(map(str, rules['choices']))}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if "min" in rules and value < rules["min"]:
             raise ConfigError(f"config key '{key}': got {value!r}, must be >= {rules['min']}")
@@ -247,6 +249,8 @@ def check_value(key: str, value: Any, annotation: Any, rules: typing.Mapping[str
             raise ConfigError(f"config key '{key}': got {value!r}, must be > {rules['min_exclusive']}")
         if "max" in rules and value > rules["max"]:
             raise ConfigError(f"config key '{key}': got {value!r}, must be <= {rules['max']}")
+        if "max_exclusive" in rules and value >= rules["max_exclusive"]:
+            raise ConfigError(f"config key '{key}': got {value!r}, must be < {rules['max_exclusive']}")
     return value
 
 
@@ -270,7 +274,8 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str, allow_extra: 
                 extra[key] = value
                 continue
             allowed = ", ".join(sorted(k for k in fields if k not in ("options", "params"))) or "none"
-            raise ConfigError(f"unknown config key '{where}.{key}' = {value!r} (allowed: {allowed})")
+            near = did_you_mean(key, [k for k in fields if k not in ("options", "params")])
+            raise ConfigError(f"unknown config key '{where}.{key}' = {value!r}{near} (allowed: {allowed})")
         f = fields[key]
         kwargs[key] = check_value(f"{where}.{key}", value, types_[key], f.metadata)
     missing = [f.name for f in fields.values() if f.name not in kwargs and f.init
@@ -340,10 +345,23 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Confi
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
                           f"{exc.start})") from None
+    overrides = list(overrides)
     try:
         return parse_config(text, overrides)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{_blamed(path, overrides, str(exc))}: {exc}") from None
+
+
+def _blamed(path: Path, overrides: list[str], message: str) -> str:
+    """Where a config error comes from: the override that set the key the message names (`--set` on
+    the command line, `set=` in the Python API), else the file."""
+    for item in reversed(overrides):     # the last override of a key is the one in force
+        key = item.split("=", 1)[0].strip()
+        section = key.split(".", 1)[0]
+        if f"'{key}'" in message or f"{key} =" in message or f"'[{section}]'" in message \
+                or message.startswith(f"override '{item}'"):
+            return f"override '{item}'"
+    return str(path)
 
 
 def config_from_dict(data: dict) -> Config:
@@ -355,7 +373,8 @@ def config_from_dict(data: dict) -> Config:
         if not isinstance(data[key], dict):
             raise ConfigError(f"config key '{key}' = {data[key]!r} is outside any section; keys belong in a "
                               f"section (allowed: {', '.join(SECTIONS)})")
-        raise ConfigError(f"unknown config section '[{key}]' (allowed: {', '.join(SECTIONS)}, [[processors]])")
+        raise ConfigError(f"unknown config section '[{key}]'{did_you_mean(key, [*SECTIONS, 'processors'])} "
+                          f"(allowed: {', '.join(SECTIONS)}, [[processors]])")
     sections = {}
     for name, cls in SECTIONS.items():
         raw = data.get(name, {})
@@ -476,7 +495,8 @@ def _validate_options(cfg: Config) -> None:
         if cls is None:
             if obj.options:
                 key = next(iter(obj.options))
-                raise ConfigError(f"unknown config key '{section}.{key}' = {obj.options[key]!r} "
+                near = did_you_mean(key, [f.name for f in dataclasses.fields(obj) if f.name != "options"])
+                raise ConfigError(f"unknown config key '{section}.{key}' = {obj.options[key]!r}{near} "
                                   f"({section}.{chooser} = '{choice}' takes no extra keys; "
                                   f"common [{section}] keys: {common})")
             obj.params = None
@@ -484,7 +504,8 @@ def _validate_options(cfg: Config) -> None:
         fields = {f.name for f in dataclasses.fields(cls)}
         for key in obj.options:
             if key not in fields:
-                raise ConfigError(f"unknown config key '{section}.{key}' = {obj.options[key]!r} for "
+                near = did_you_mean(key, [*fields, *(f.name for f in dataclasses.fields(obj))])
+                raise ConfigError(f"unknown config key '{section}.{key}' = {obj.options[key]!r}{near} for "
                                   f"{section}.{chooser} = '{choice}' (its own keys: "
                                   f"{', '.join(sorted(fields)) or 'none'}; common [{section}] keys: {common})")
         params, _ = build_dataclass(cls, obj.options, section)
@@ -496,7 +517,9 @@ def _validate_options(cfg: Config) -> None:
             if obj.options:
                 key = next(iter(obj.options))
                 allowed = ", ".join(f.name for f in dataclasses.fields(obj) if f.name != "options")
-                raise ConfigError(f"unknown config key '{name}.{key}' = {obj.options[key]!r} (allowed: {allowed})")
+                near = did_you_mean(key, [f.name for f in dataclasses.fields(obj) if f.name != "options"])
+                raise ConfigError(f"unknown config key '{name}.{key}' = {obj.options[key]!r}{near} "
+                                  f"(allowed: {allowed})")
             obj.params = None
 
 

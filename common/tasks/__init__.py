@@ -165,6 +165,8 @@ def _check_value(where: str, f: dataclasses.Field, hint: Any, value: Any) -> Any
         raise ValueError(f"{where}.{f.name} = {value!r}: must be > {rules['min_exclusive']}")
     if "max" in rules and value > rules["max"]:
         raise ValueError(f"{where}.{f.name} = {value!r}: must be <= {rules['max']}")
+    if "max_exclusive" in rules and value >= rules["max_exclusive"]:
+        raise ValueError(f"{where}.{f.name} = {value!r}: must be < {rules['max_exclusive']}")
     return value
 
 
