@@ -470,6 +470,15 @@ class Sweep:
     def best(self) -> dict[str, SettingResult]:
         return {a: self.ranked(a)[0] for a in self.results if self.ranked(a)}
 
+    def _heading(self, algorithm: str) -> str:
+        """A table's heading: the algorithm swept, or for a sweep without `algorithms` (its runs filed
+        under "base") the base config's own algorithm, named as such."""
+        if algorithm != "base":
+            return algorithm
+        from fedhop.common.config import load_config
+        name = load_config(self.spec.base_config, self.spec.sweep.set).algorithm.name
+        return f"{name} (the base config's algorithm)"
+
     def tables(self) -> str:
         crit = self.criterion
         n = len(self.spec.sweep.seeds)
@@ -481,7 +490,7 @@ class Sweep:
                ""]
         for algorithm in self.results:
             found = self.edges(algorithm)
-            out += [f"## {algorithm}", "", f"| rank | setting | criterion mean | spread (sd) | seeds with a value "
+            out += [f"## {self._heading(algorithm)}", "", f"| rank | setting | criterion mean | spread (sd) | seeds with a value "
                     f"| final {crit.metric} mean | clients dropped |", "|---|---|---|---|---|---|---|"]
             for i, res in enumerate(self.ranked(algorithm), start=1):
                 dropped = sum(r.clients_dropped for r in res.runs)

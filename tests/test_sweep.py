@@ -211,3 +211,17 @@ parallel = 2
     best = again.best()["base"]
     by_hand = max(again.results["base"], key=lambda r: statistics.fmean(x.value for x in r.runs))
     assert best.overrides == by_hand.overrides and best.spread == pytest.approx(0.001 / 2 ** 0.5)
+
+
+def test_a_sweep_without_algorithms_heads_its_table_with_the_base_configs_algorithm(tmp_path):
+    """No `algorithms` in the spec: the runs are filed under runs/base, and the table is headed by the
+    algorithm the base config (with the spec's `set`) runs, not '## base'."""
+    from fedhop.deploy.sweep import Sweep
+    spec_path = write_spec(tmp_path).read_text().replace('algorithms = ["fedavg", "fedexp"]\n', "")
+    spec_path = spec_path.replace('set = ["run.rounds=2"', 'set = ["algorithm.name=fedprox", "run.rounds=2"')
+    (tmp_path / "sweep.toml").write_text(spec_path)
+    sweep = Sweep(load_spec(tmp_path / "sweep.toml"), tmp_path / "out", quiet=True)
+    assert sweep._heading("base") == "fedprox (the base config's algorithm)"
+    assert sweep._heading("fedexp") == "fedexp"
+    sweep.results["base"] = []
+    assert "## fedprox (the base config's algorithm)" in sweep.tables() and "## base" not in sweep.tables()
