@@ -15,12 +15,33 @@ starts the steps and decides the job's exit status, the run's:
   could not start: every step is stopped at once rather than waiting out the server's
   registration timeout); later failures are the server's to handle (dropouts, faults).
 
-Nothing secret is on a command line: RUN/.token (the run's shared token) and RUN/config.toml are
-files of mode 0600 in the run directory, which must be on a filesystem every node sees (the
-default runs/NAME-TIMESTAMP under the submitting folder); each step's `_task` reads the token and
-puts it into its process's environment.  With `security.certs_dir` set, each process gets its own
-folder RUN/creds/NODE (0700) holding only ca.pem, NODE.pem, NODE.key and its own credential
-NODE.cred: no task is handed the CA key, the issuer key or another node's files.
+Security, decided before anything is written or submitted (`plan_run`), mutual TLS unless the
+user opts out by name:
+
+- no security keys (the default): per-job credentials.  `fedhop slurm` makes a new CA and, for
+  every process of the plan, a certificate (CN = node id) and a per-node credential NODE.cred
+  (common/security/auth.py, the machinery of `fedhop certs`); each process gets its own folder
+  RUN/creds/NODE (0700, files 0600) holding only ca.pem, NODE.pem, NODE.key and NODE.cred, and
+  its step is given only that folder.  The CA and issuer keys are never written: nothing can be
+  issued for the job afterwards, by anyone.  A plain `fedhop slurm my.toml` runs on any cluster.
+- `security.certs_dir`: the same folders, copied from a `fedhop certs` folder (every file read
+  before anything is written: a missing or unreadable one is one line, exit 2); never ca.key,
+  issuer.key or another node's files.  Mutual TLS, whatever `security.mtls` says: every node holds
+  a certificate.
+- `security.insecure = true` (the named opt-out): plaintext gRPC and one shared run token in
+  RUN/.token (0600), which each step reads into its process's environment; said in one line at
+  submission.
+
+Nothing secret is on a command line or in the batch script; RUN/config.toml is 0600; the run
+directory must be on a filesystem every node sees (the default runs/NAME-TIMESTAMP under the
+submitting folder).
+
+Before submitting, the job is fitted to its partition (`check_fit`): a job that asks more CPUs than
+the partition's nodes have (one task per process, `--cpus-per-task` each) would stay pending for
+ever (reason PartitionConfig), so it is refused with one line naming the CPUs it needs and
+`--overcommit` (sbatch's --overcommit: the processes share the CPUs of the allocation).
+`--wait` prints the job's state and Slurm's pending reason each time they change, and on failure
+the failing step's error line from the run folder (`failure_reason`).  `--print` writes nothing.
 
 GPUs go through Slurm's own options: `--gpus-per-node N` asks `#SBATCH --gpus-per-node=N` (Slurm's
 gres "gpu", N on every node of the allocation).  Which process computes where is the config's
@@ -172,44 +193,147 @@ def bind_devices(tasks: list[dict], devices: dict[str, str], gpus_per_node: int)
         t["gres"] = f"gpu:{gpus_per_node}" if device.startswith("cuda") else "none"
 
 
-def node_credentials(certs_dir: Path, node_ids: list[str], run_dir: Path) -> None:
-    """RUN/creds/NODE for every node: ca.pem, NODE.pem, NODE.key and NODE.cred (its per-node
-    credential; cluster.secret instead for a folder made before `fedhop certs` wrote them), mode
-    0600 in a 0700 folder; never ca.key, issuer.key or another node's files."""
+def _read_all(paths: list[Path]) -> dict[Path, bytes]:
+    """The bytes of every file, or SlurmError naming the first that cannot be read."""
+    out = {}
+    for path in paths:
+        try:
+            out[path] = path.read_bytes()
+        except OSError as exc:
+            raise SlurmError(f"security.certs_dir: cannot read {path} ({exc.strerror or exc})") from None
+    return out
+
+
+def node_files(certs_dir: Path, node_ids: list[str]) -> dict[str, dict[str, bytes]]:
+    """node id -> {file name: bytes} of what each node's folder gets from a `fedhop certs` folder:
+    ca.pem, NODE.pem, NODE.key and NODE.cred (its per-node credential; cluster.secret instead for a
+    folder made before `fedhop certs` wrote them); never ca.key, issuer.key or another node's
+    files.  Everything is read here, before anything is written or submitted, so a missing or
+    unreadable file is one line (SlurmError)."""
     from fedhop.common.security.auth import CA_CERT, SECRET_FILE
     from fedhop.common.security.nodecred import CRED_SUFFIX
+    if not certs_dir.is_dir():
+        raise SlurmError(f"security.certs_dir: {certs_dir} is not a folder (make one with "
+                         f"`fedhop certs {certs_dir} --config CONFIG`, or leave security.certs_dir unset and "
+                         f"fedhop slurm makes per-job credentials)")
     missing = [str(certs_dir / n) for node in node_ids for n in (CA_CERT, f"{node}.pem", f"{node}.key")
                if not (certs_dir / n).is_file()]
     if missing:
         raise SlurmError(f"security.certs_dir: missing {', '.join(sorted(set(missing))[:4])} "
                          f"(make them with `fedhop certs {certs_dir} --config CONFIG`)")
+    out: dict[str, dict[str, bytes]] = {}
     for node in node_ids:
-        d = run_dir / "creds" / node
-        d.mkdir(parents=True, exist_ok=True)
-        d.chmod(0o700)
         token = [f"{node}{CRED_SUFFIX}"] if (certs_dir / f"{node}{CRED_SUFFIX}").is_file() else \
             [SECRET_FILE] if (certs_dir / SECRET_FILE).is_file() else []
         names = [CA_CERT, f"{node}.pem", f"{node}.key"] + token
-        for name in names:
-            _write_private(d / name, (certs_dir / name).read_bytes())
-    (run_dir / "creds").chmod(0o700)
+        data = _read_all([certs_dir / n for n in names])
+        out[node] = {n: data[certs_dir / n] for n in names}
+    return out
 
 
-def batch_script(run_dir: Path, opts: SlurmOptions, ntasks: int, job_name: str, workdir: Path) -> str:
+def job_node_files(node_ids: list[str], days: int = 365) -> dict[str, dict[str, bytes]]:
+    """Per-job credentials, made with the machinery of `fedhop certs` (common/security/auth.py): a
+    new CA and a certificate per planned node (CN = node id), and a new issuer signing each node's
+    per-node credential.  The CA key and the issuer key stay in this process's memory and are never
+    written: the job's nodes are all known now, so nothing is issued later, and no file in the run
+    folder can mint a certificate or credential for a node."""
+    from fedhop.common.security.auth import CA_CERT, make_ca, make_node_cert
+    from fedhop.common.security.nodecred import CRED_SUFFIX, TokenAuthority
+    ca_key, ca_cert = make_ca(days, name="fedhop slurm job CA")
+    authority = TokenAuthority()
+    out: dict[str, dict[str, bytes]] = {}
+    for node in node_ids:
+        key, cert = make_node_cert(ca_key, ca_cert, node, (), days)
+        out[node] = {CA_CERT: ca_cert, f"{node}.pem": cert, f"{node}.key": key,
+                     f"{node}{CRED_SUFFIX}": authority.issue(node).encode() + b"\n"}
+    return out
+
+
+def write_node_files(files: dict[str, dict[str, bytes]], run_dir: Path) -> None:
+    """RUN/creds/NODE (0700) for every node, its files mode 0600 (node_files, job_node_files)."""
+    creds = run_dir / "creds"
+    creds.mkdir(mode=0o700, exist_ok=True)
+    creds.chmod(0o700)
+    for node, named in files.items():
+        d = creds / node
+        d.mkdir(mode=0o700, exist_ok=True)
+        d.chmod(0o700)
+        for name, data in named.items():
+            _write_private(d / name, data)
+
+
+SECURITY_LINES = {
+    "job": ["# security: mutual TLS with per-job credentials that `fedhop slurm` made for this job: RUN/creds/NODE",
+            "# (0700) holds ca.pem, NODE.pem, NODE.key and NODE.cred of that node only, each step gets its own",
+            "# folder; the job's CA and issuer keys are not kept."],
+    "certs": ["# security: mutual TLS with the certificates of security.certs_dir: RUN/creds/NODE (0700) holds",
+              "# ca.pem, NODE.pem, NODE.key and NODE.cred of that node only, each step gets its own folder."],
+    "token": ["# security: plaintext gRPC and one shared run token in RUN/.token (security.insecure = true):",
+              "# every step can speak for any node; for a trusted network only."],
+}
+INSECURE_NOTE = ("security.insecure = true: plaintext gRPC with one shared run token (any step can speak for any "
+                 "node), for a quick try on a trusted network; leave it unset for mutual TLS with per-job "
+                 "credentials")
+
+
+def batch_script(run_dir: Path, opts: SlurmOptions, ntasks: int, job_name: str, workdir: Path,
+                 security: str = "token") -> str:
     lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --output={run_dir}/{SLURM_DIR}/job.out",
              f"#SBATCH --chdir={workdir}"]
     lines += [f"#SBATCH {d}" for d in opts.directives(ntasks)]
     lines += [f"# fedhop: the steps of {run_dir}/{SLURM_DIR}/tasks.json (server, edges, client processes), one",
-              "# `srun --nodes=1 --ntasks=1 --overlap` each; this job's exit status is the run's.",
-              f"exec {shlex.quote(opts.python)} -m fedhop.deploy.slurm _supervise {shlex.quote(str(run_dir))}", ""]
+              "# `srun --nodes=1 --ntasks=1 --overlap` each; this job's exit status is the run's."]
+    lines += [ln.replace("RUN/", f"{run_dir}/") for ln in SECURITY_LINES[security]]
+    lines += [f"exec {shlex.quote(opts.python)} -m fedhop.deploy.slurm _supervise {shlex.quote(str(run_dir))}", ""]
     return "\n".join(lines)
 
 
-def prepare_run(config: str, overrides: list[str], out: str | None, opts: SlurmOptions,
-                force: bool = False) -> Path:
-    """Make the run directory: config.toml and .token (0600), per-node credentials, the task list,
-    the batch script.  Returns its absolute path."""
-    from fedhop.common.config import ConfigError, config_to_toml, load_config
+@dataclass
+class PreparedRun:
+    """Everything a run folder will hold, decided and checked before anything is written: `--print`
+    shows `script` and writes nothing; `write()` makes the folder; `submit` sends the script."""
+
+    run_dir: Path
+    cfg: object
+    node_ids: list[str]
+    tasks: list[dict]
+    script: str
+    security: str                                   # "job" (per-job mTLS), "certs" (certs_dir, mTLS), "token"
+    certs: dict[str, dict[str, bytes]] | None       # node files read from security.certs_dir ("certs")
+    opts: SlurmOptions
+
+    def check_out(self, force: bool = False) -> None:
+        """Refuse a run folder that holds an earlier run, unless `force` (then write() replaces it)."""
+        if not force and self.run_dir.exists() and any(self.run_dir.iterdir()):
+            raise SlurmError(f"--out {self.run_dir} holds an earlier run (pass --force to replace it)")
+
+    def write(self, force: bool = False) -> None:
+        """Make the run folder: config.toml (0600), the credentials (RUN/creds/NODE, or RUN/.token in
+        shared-token mode), the task list and the batch script."""
+        from fedhop.common.config import config_to_toml
+        run_dir = self.run_dir
+        self.check_out(force)
+        if run_dir.exists() and any(run_dir.iterdir()):
+            shutil.rmtree(run_dir)
+        for sub in ("logs", "ledger", SLURM_DIR):
+            (run_dir / sub).mkdir(parents=True, exist_ok=True)
+        if self.security == "token":
+            _write_private(run_dir / TOKEN_FILE, secrets.token_hex(16) + "\n")
+        else:
+            write_node_files(self.certs if self.certs is not None else job_node_files(self.node_ids), run_dir)
+        _write_private(run_dir / "config.toml", config_to_toml(self.cfg))
+        (run_dir / SLURM_DIR / "tasks.json").write_text(json.dumps(self.tasks, indent=1))
+        (run_dir / SLURM_DIR / "job.sbatch").write_text(self.script)
+
+
+def plan_run(config: str, overrides: list[str], out: str | None, opts: SlurmOptions) -> PreparedRun:
+    """Load and check the config, decide the run folder, the security mode and the tasks, and render
+    the batch script; nothing is written.  The security mode (module docstring):
+    security.certs_dir set: its certificates, every file read now; else security.insecure = true:
+    plaintext with a shared token (the named opt-out); else per-job credentials, made on write().
+    Every mode but the opt-out runs mutual TLS."""
+    from fedhop.common.config import ConfigError, load_config
+    from fedhop.common.security.addresses import plaintext_refusal
     from fedhop.common.topologies.plan import plan_processes
     try:
         cfg = load_config(config, overrides)
@@ -220,25 +344,129 @@ def prepare_run(config: str, overrides: list[str], out: str | None, opts: SlurmO
         raise SlurmError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node >= 0")
     run_dir = Path(out or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}").resolve()
     _check_path(run_dir, "the run directory")
-    creds = bool(cfg.security.certs_dir)
-    devices = slurm_devices(cfg, task_list(cfg, run_dir, opts.nodes, creds), opts.gpus_per_node)   # before writing
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not force:
-            raise SlurmError(f"--out {run_dir} holds an earlier run (pass --force to replace it)")
-        shutil.rmtree(run_dir)
-    for sub in ("logs", "ledger", SLURM_DIR):
-        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    sec = cfg.security
+    certs = None
+    if sec.certs_dir:
+        security = "certs"
+        certs = node_files(Path(sec.certs_dir).resolve(), plan.node_ids)
+    elif sec.insecure:
+        security = "token"
+    else:
+        security = "job"
+    creds = security != "token"
+    # the steps listen on their node's host name, never loopback: the same rule every process applies
+    refusal = plaintext_refusal(["{host}:0"], sec.insecure, tls=creds, who="launch")
+    if refusal:
+        raise SlurmError(refusal)
     if creds:
-        node_credentials(Path(cfg.security.certs_dir).resolve(), plan.node_ids, run_dir)
-        cfg.security.certs_dir = str(run_dir / "creds" / "server")   # the server's config names its own folder
-    _write_private(run_dir / "config.toml", config_to_toml(cfg))
-    _write_private(run_dir / TOKEN_FILE, secrets.token_hex(16) + "\n")
+        sec.mtls = True                                  # every node holds a certificate: mutual TLS
+        sec.certs_dir = str(run_dir / "creds" / "server")   # the server's config names its own folder
     tasks = task_list(cfg, run_dir, opts.nodes, creds)
-    bind_devices(tasks, devices, opts.gpus_per_node)
-    (run_dir / SLURM_DIR / "tasks.json").write_text(json.dumps(tasks, indent=1))
+    bind_devices(tasks, slurm_devices(cfg, tasks, opts.gpus_per_node), opts.gpus_per_node)
     name = "fedhop-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in cfg.run.name)
-    (run_dir / SLURM_DIR / "job.sbatch").write_text(batch_script(run_dir, opts, len(tasks), name, Path.cwd()))
-    return run_dir
+    script = batch_script(run_dir, opts, len(tasks), name, Path.cwd(), security)
+    return PreparedRun(run_dir, cfg, plan.node_ids, tasks, script, security, certs, opts)
+
+
+def prepare_run(config: str, overrides: list[str], out: str | None, opts: SlurmOptions,
+                force: bool = False) -> Path:
+    """Make the run directory (plan_run, then write); its absolute path."""
+    prepared = plan_run(config, overrides, out, opts)
+    prepared.write(force)
+    return prepared.run_dir
+
+
+# ----------------------------------------------------------------------------- fitting the partition
+QUERY_TIMEOUT_S = 20.0     # a controller that does not answer: refused well within 30 s
+
+
+def _slurm_query(argv: list[str]) -> str:
+    """stdout of a Slurm query command, or SlurmError with its last error line."""
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S)
+    except FileNotFoundError:
+        raise SlurmError(f"{argv[0]} is not on PATH (is this a Slurm login node?)") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"`{shlex.join(argv)}` did not answer within {QUERY_TIMEOUT_S:.0f} s "
+                         f"(is slurmctld up?)") from None
+    if res.returncode != 0:
+        err = res.stderr.strip().splitlines()
+        raise SlurmError(f"`{shlex.join(argv)}` failed: {err[-1] if err else f'status {res.returncode}'}")
+    return res.stdout
+
+
+@dataclass
+class Partition:
+    """What a partition can ever give one job: its nodes' CPUs (configured, whatever their state)."""
+
+    name: str
+    node_cpus: list[int]           # per node, largest first, capped by MaxCPUsPerNode
+    max_nodes: int | None          # MaxNodes, None when unlimited
+
+    def fit_refusal(self, ntasks: int, opts: SlurmOptions) -> str | None:
+        """Why a job of `ntasks` tasks of `opts.cpus_per_task` CPUs on `opts.nodes` nodes can never
+        start here (None when it can).  With --overcommit Slurm allocates `cpus_per_task` CPUs per
+        node, whatever the number of tasks, so it is the node count and per-node CPUs that count."""
+        nodes = opts.nodes
+        have = len(self.node_cpus) if self.max_nodes is None else min(len(self.node_cpus), self.max_nodes)
+        if nodes > have:
+            return f"--nodes {nodes} asks more nodes than partition '{self.name}' can give one job ({have})"
+        chosen = self.node_cpus[:nodes]
+        cpus = sum(chosen)
+        if opts.overcommit:
+            if opts.cpus_per_task > min(chosen):
+                return (f"--cpus-per-task {opts.cpus_per_task} asks more CPUs than a node of partition "
+                        f"'{self.name}' has ({min(chosen)})")
+            return None
+        need = ntasks * opts.cpus_per_task
+        if need <= cpus:
+            return None
+        per = f" x {opts.cpus_per_task} CPUs (--cpus-per-task)" if opts.cpus_per_task > 1 else ""
+        return (f"the job needs {need} CPUs ({ntasks} processes{per}, one Slurm task each) but partition "
+                f"'{self.name}' can give one job at most {cpus} ({nodes} node{'s' if nodes > 1 else ''} of "
+                f"{'+'.join(map(str, chosen))} CPUs): pass --overcommit to run the processes on fewer CPUs, "
+                f"or ask fewer processes (--set clients.processes=N) or more --nodes")
+
+
+def query_partition(name: str) -> Partition:
+    """The partition `name` (the cluster's default when empty) from `scontrol show partition` and
+    its nodes' CPUs from `sinfo`."""
+    rows = [dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+            for line in _slurm_query(["scontrol", "show", "partition", "-o", *([name] if name else [])]).splitlines()
+            if line.strip()]
+    if name:
+        row = next((r for r in rows if r.get("PartitionName") == name), None)
+        if row is None:
+            raise SlurmError(f"--partition {name}: Slurm knows no such partition")
+    else:
+        row = next((r for r in rows if r.get("Default") == "YES"), None)
+        if row is None:
+            raise SlurmError(f"this cluster has no default partition: name one with --partition "
+                             f"({', '.join(r.get('PartitionName', '?') for r in rows)})")
+    part = row["PartitionName"]
+    cpus: dict[str, int] = {}
+    for line in _slurm_query(["sinfo", "-h", "-N", "-p", part, "-o", "%N %c"]).splitlines():
+        node, _, count = line.strip().partition(" ")
+        if node and count.strip().isdigit():
+            cpus[node] = int(count)
+    if not cpus:
+        raise SlurmError(f"partition '{part}' has no nodes")
+    cap = row.get("MaxCPUsPerNode", "UNLIMITED")
+    per_node = sorted((min(c, int(cap)) if cap.isdigit() else c for c in cpus.values()), reverse=True)
+    max_nodes = row.get("MaxNodes", "UNLIMITED")
+    return Partition(part, per_node, int(max_nodes) if max_nodes.isdigit() else None)
+
+
+def check_fit(prepared: PreparedRun) -> None:
+    """Refuse (SlurmError) a job that its partition can never start, before it is submitted: Slurm
+    would keep it pending (reason PartitionConfig) for ever."""
+    opts = prepared.opts
+    partition = next((e.split("=", 1)[1] for e in opts.extra if e.startswith("--partition=")), opts.partition)
+    overcommit = opts.overcommit or any(e in ("--overcommit", "-O") for e in opts.extra)
+    fit = SlurmOptions(**{**opts.__dict__, "partition": partition, "overcommit": overcommit})
+    refusal = query_partition(partition).fit_refusal(len(prepared.tasks), fit)
+    if refusal:
+        raise SlurmError(refusal)
 
 
 def submit(script: Path) -> str:
@@ -257,21 +485,40 @@ def submit(script: Path) -> str:
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE"}
+# pending reasons that no amount of waiting clears: the job as asked does not fit its partition or account
+NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
+                "AccountNotAllowed", "QOSMaxCpuPerJobLimit", "QOSMaxNodePerJobLimit", "InvalidAccount", "InvalidQOS",
+                "PartitionDown", "PartitionInactive"}
 
 
-def job_state(job: str) -> tuple[str, int] | None:
-    """(state, exit status) of a job from `scontrol show job`, or from `sacct` once the controller
-    has forgotten it; None when neither knows it.  The status is as a shell reports it: the exit
-    code, or 128 + N for a job ended by signal N."""
+@dataclass
+class JobInfo:
+    """A job's state, Slurm's reason for it (pending reason; "" when none) and its exit status as a
+    shell reports it (the exit code, or 128 + N for a job ended by signal N; 0 while it runs)."""
+
+    state: str
+    reason: str
+    status: int
+
+    def describe(self) -> str:
+        return f"{self.state} ({self.reason})" if self.reason and self.state not in TERMINAL else self.state
+
+
+def job_info(job: str) -> JobInfo | None:
+    """A job's JobInfo from `scontrol show job`, or from `sacct` once the controller has forgotten
+    it; None when neither knows it.  For an array, its first task's state until all have ended."""
     res = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
     if res.returncode == 0 and res.stdout.strip():
         rows = [dict(kv.split("=", 1) for kv in line.split() if "=" in kv) for line in res.stdout.splitlines()]
         states = [r.get("JobState", "") for r in rows]
+        reason = rows[0].get("Reason", "None")
+        reason = "" if reason in ("None", "(null)") else reason
         if not all(s in TERMINAL for s in states):
-            return states[0], 0
+            return JobInfo(states[0], reason, 0)
         row = next((r for r in rows if r.get("ExitCode", "0:0") != "0:0"), rows[0])
         pairs = [row.get("ExitCode", "0:0"), states[0]]
     else:
+        reason = ""
         res = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "ExitCode,State"], capture_output=True,
                              text=True)
         lines = [ln for ln in res.stdout.splitlines() if ln.strip()] if res.returncode == 0 else []
@@ -280,26 +527,75 @@ def job_state(job: str) -> tuple[str, int] | None:
         pairs = lines[0].split("|")[:2]
     code, _, sig = pairs[0].partition(":")
     status = 128 + int(sig) if sig.isdigit() and int(sig) else int(code or 0)
-    return pairs[1].split()[0], status
+    return JobInfo(pairs[1].split()[0], reason, status)
 
 
-def wait_job(job: str, poll: float = 1.0) -> int:
-    """Wait for a job (all tasks of an array) to end; its exit status.  Ctrl-C cancels it."""
+def job_state(job: str) -> tuple[str, int] | None:
+    """(state, exit status) of a job (job_info)."""
+    info = job_info(job)
+    return None if info is None else (info.state, info.status)
+
+
+def wait_job(job: str, poll: float = 1.0, report: Callable[[str], None] | None = None) -> int:
+    """Wait for a job (all tasks of an array) to end; its exit status.  `report` is given a line
+    each time the job's state or pending reason changes ("job 12: PENDING (Resources)"), and once
+    more, with what to do, when Slurm says the job can never start as asked.  Ctrl-C cancels it."""
     unknown = 0
+    last = ""
     try:
         while True:
-            state = job_state(job)
-            if state is None:
+            info = job_info(job)
+            if info is None:
                 unknown += 1
                 if unknown > 30:
                     raise SlurmError(f"job {job}: neither scontrol nor sacct knows it")
-            elif state[0] in TERMINAL:
-                return state[1]
+            else:
+                line = f"job {job}: {info.describe()}"
+                if report is not None and line != last:
+                    report(line)
+                    if info.state == "PENDING" and info.reason in NEVER_STARTS:
+                        report(f"job {job}: Slurm will not start it as asked ({info.reason}); cancel it with "
+                               f"`scancel {job}` and fit the request to the partition (--overcommit, --nodes, "
+                               f"--partition, --time)")
+                last = line
+                if info.state in TERMINAL:
+                    return info.status
             time.sleep(poll)
     except KeyboardInterrupt:
         subprocess.run(["scancel", job], capture_output=True)
         print(f"fedhop slurm: interrupted; cancelled job {job}", file=sys.stderr)
         return 130
+
+
+def _error_line(log: Path) -> str:
+    """The last line of a process's log that reads as an error (a logged ERROR, a refusal, an
+    exception's last line, argparse's "error:"), else its last line; "" without a log."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    lines = [ln for ln in lines if not ln.startswith("srun:")]
+    marks = (" ERROR ", " CRITICAL ", "error:", "Error:", "refusing", "Exception:")
+    found = [ln for ln in lines if any(m in ln for m in marks)]
+    line = (found or lines or [""])[-1]
+    return line if len(line) <= 400 else line[:397] + "..."
+
+
+def failure_reason(run_dir: Path) -> str:
+    """Why a run failed, from its folder: the error line of the step whose status became the job's
+    (the server's, or the edge's or client's that failed before every client registered), else the
+    server's, else the job's output."""
+    try:
+        exits = json.loads((run_dir / SLURM_DIR / "exit.json").read_text())
+    except (OSError, ValueError):
+        exits = {}
+    steps = exits.get("steps", {})
+    order = [n for n, c in steps.items() if c == exits.get("status")] + ["server"]
+    for node in order:
+        line = _error_line(run_dir / "logs" / f"{node}.log")
+        if line:
+            return f"{node}: {line}"
+    return _error_line(run_dir / SLURM_DIR / "job.out")
 
 
 # ----------------------------------------------------------------------------- inside the job
@@ -389,14 +685,18 @@ def _terminate(steps: dict[str, subprocess.Popen], codes: dict[str, int]) -> Non
 
 
 def run_task(run_dir: Path, node_id: str) -> int:
-    """One step: the token from RUN/.token into the environment, "{host}" replaced by this node's
-    name, then exec `python -m fedhop.ROLE ...`."""
+    """One step: in shared-token mode the token from RUN/.token into the environment, "{host}"
+    replaced by this node's name, then exec `python -m fedhop.ROLE ...` (its credentials are the
+    folder RUN/creds/NODE its argv names)."""
     from fedhop.deploy.malloc import tuned_env
     tasks = {t["node_id"]: t for t in json.loads((run_dir / SLURM_DIR / "tasks.json").read_text())}
     task = tasks[node_id]
     host = os.environ.get("FEDHOP_SLURM_HOST") or socket.gethostname()
     argv = [a.replace("{host}", host) for a in task["argv"]]
-    env = dict(tuned_env(), FEDHOP_TOKEN=(run_dir / TOKEN_FILE).read_text().strip(), PYTHONUNBUFFERED="1")
+    env = dict(tuned_env(), PYTHONUNBUFFERED="1")
+    env.pop("FEDHOP_TOKEN", None)
+    if (run_dir / TOKEN_FILE).is_file():     # shared-token mode (security.insecure = true) only
+        env["FEDHOP_TOKEN"] = (run_dir / TOKEN_FILE).read_text().strip()
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", f"fedhop.{argv[0]}", *argv[1:]], env)
     return 127   # not reached
@@ -476,7 +776,9 @@ def add_slurm_args(ap: argparse.ArgumentParser, nodes: bool = False) -> None:
     ap.add_argument("--account", default="", help="Slurm account to charge")
     ap.add_argument("--cpus-per-task", type=int, default=1, metavar="N", help="CPUs per process (default 1)")
     ap.add_argument("--overcommit", action="store_true",
-                    help="allow more processes than CPUs (sbatch --overcommit): small runs on few cores")
+                    help="allow more processes than CPUs (sbatch --overcommit): the processes share the "
+                         "allocation's CPUs; without it a job that needs more CPUs than its partition's nodes "
+                         "have is refused before submission")
     ap.add_argument("--sbatch-arg", dest="extra", action="append", default=[], metavar="OPTION",
                     help="one more sbatch option, verbatim, e.g. --sbatch-arg=--qos=short (repeatable)")
 
@@ -487,14 +789,8 @@ def options_from(args: argparse.Namespace) -> SlurmOptions:
                         overcommit=args.overcommit, extra=list(args.extra))
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "_supervise":
-        return supervise(Path(argv[1]))
-    if argv and argv[0] == "_task":
-        return run_task(Path(argv[1]), argv[2])
-    if argv and argv[0] == "_array":
-        return run_array_task(Path(argv[1]))
+def build_parser() -> argparse.ArgumentParser:
+    """`fedhop slurm`'s command line."""
     ap = argparse.ArgumentParser(prog="fedhop slurm", description="submit one run as a Slurm batch job whose steps "
                                  "are the server, edge and client processes (docs/deployment.md, \"Slurm\")")
     ap.add_argument("config", help="experiment TOML file")
@@ -504,30 +800,70 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="with --out: replace the earlier run there")
     add_slurm_args(ap, nodes=True)
     ap.add_argument("--print", dest="print_only", action="store_true",
-                    help="write the run directory and print the batch script; submit nothing")
-    ap.add_argument("--wait", action="store_true", help="wait for the job and exit with the run's status")
-    args = ap.parse_args(argv)
+                    help="print the batch script (and describe the credentials); write and submit nothing")
+    ap.add_argument("--wait", action="store_true",
+                    help="follow the job (its state and Slurm's pending reason as they change) and exit with the "
+                         "run's status")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "_supervise":
+        return supervise(Path(argv[1]))
+    if argv and argv[0] == "_task":
+        return run_task(Path(argv[1]), argv[2])
+    if argv and argv[0] == "_array":
+        return run_array_task(Path(argv[1]))
+    args = build_parser().parse_args(argv)
+    opts = options_from(args)
     try:
-        run_dir = prepare_run(args.config, args.overrides, args.out, options_from(args), args.force)
-        script = run_dir / SLURM_DIR / "job.sbatch"
+        prepared = plan_run(args.config, args.overrides, args.out, opts)
         if args.print_only:
-            print(script.read_text(), end="")
-            print(f"# written to {script}; submit with: sbatch {script}", file=sys.stderr)
+            print(prepared.script, end="")
+            print(f"# nothing written: without --print, fedhop slurm writes {prepared.run_dir} "
+                  f"({'credentials in creds/NODE' if prepared.security != 'token' else 'a run token in .token'}) "
+                  f"and submits this script", file=sys.stderr)
             return 0
-        job = submit(script)
+        prepared.check_out(args.force)
+        if shutil.which("sbatch") is None:
+            raise SlurmError("sbatch is not on PATH (is this a Slurm login node?)")
+        check_fit(prepared)
+        if prepared.security == "token":
+            print(f"fedhop slurm: {INSECURE_NOTE}", file=sys.stderr)
+        prepared.write(args.force)
+        job = submit(prepared.run_dir / SLURM_DIR / "job.sbatch")
     except SlurmError as exc:
         print(f"fedhop slurm: {exc}", file=sys.stderr)
         return 2
-    print(f"fedhop slurm: job {job}, run directory {run_dir}")
+    run_dir = prepared.run_dir
+    how = {"job": "mutual TLS, per-job credentials in creds/", "certs": "mutual TLS, security.certs_dir",
+           "token": "plaintext, shared run token"}[prepared.security]
+    print(f"fedhop slurm: job {job}, run directory {run_dir} ({how})", flush=True)
     if not args.wait:
         print(f"  follow with `squeue -j {job}`; the job's exit status is the run's (sacct -j {job})")
         return 0
+    return follow(job, run_dir)
+
+
+def follow(job: str, run_dir: Path, poll: float = 1.0) -> int:
+    """`--wait`: a line per change of the job's state or pending reason, then its end: the run's
+    status and, on failure, why (failure_reason) rather than the number alone."""
+    def report(line: str) -> None:
+        print(f"fedhop slurm: {line}", flush=True)
+
     try:
-        code = wait_job(job)
+        code = wait_job(job, poll, report)
     except SlurmError as exc:
         print(f"fedhop slurm: {exc}", file=sys.stderr)
         return 1
-    print(f"fedhop slurm: job {job} ended with status {code} (logs in {run_dir}/logs)")
+    if code == 0:
+        print(f"fedhop slurm: job {job} ended with status 0 (the run completed; logs in {run_dir}/logs)")
+        return 0
+    if code != 130:
+        why = failure_reason(run_dir)
+        print(f"fedhop slurm: job {job} ended with status {code}{': ' + why if why else ''} "
+              f"(logs in {run_dir}/logs)", flush=True)
     return code
 
 

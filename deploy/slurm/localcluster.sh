@@ -8,9 +8,9 @@
 #   deploy/slurm/localcluster.sh stop DIR    stop the daemons it started (by the PIDs in DIR/*.pid)
 #
 # Everything lives in DIR: the munge key and socket, the controller's state, the spool, the logs.
-# The node is this machine (its short host name, at least 8 CPUs: see below); one partition,
-# `local`, the default.  The daemons run as the caller, which must be root (slurmd starts the job
-# steps as the submitting user).  Exit 3: Slurm could not be installed or started (a test skips).
+# The node is this machine (its short host name, its own CPU count or FEDHOP_SLURM_CPUS: see
+# below); one partition, `local`, the default.  The daemons run as the caller, which must be root
+# (slurmd starts the job steps as the submitting user).  Exit 3: Slurm could not be installed or started (a test skips).
 set -euo pipefail
 
 usage() { echo "usage: $0 start|stop DIR" >&2; exit 2; }
@@ -60,9 +60,12 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 host=$(hostname -s)
-# The node claims at least 8 CPUs (SlurmdParameters=config_overrides), so that a few small runs
-# (a handful of mostly idle processes each) run side by side on a small machine instead of queueing.
-cpus=$(nproc); [ "$cpus" -ge 8 ] || cpus=8
+# The node claims this machine's CPUs (FEDHOP_SLURM_CPUS=N claims N instead, through
+# SlurmdParameters=config_overrides), so a job asks what a real node of that size gives it: more
+# processes than CPUs need --overcommit.  The partition lets up to 4 jobs share each CPU
+# (OverSubscribe=FORCE:4), so a few small runs (a handful of mostly idle processes each) run side by
+# side instead of queueing.
+cpus=${FEDHOP_SLURM_CPUS:-$(nproc)}
 chmod 700 "$dir"
 mkdir -p "$dir/state" "$dir/spool" "$dir/munge"
 chmod 700 "$dir/munge"
@@ -98,7 +101,7 @@ UnkillableStepTimeout=300
 MinJobAge=30
 SlurmdParameters=config_overrides
 NodeName=$host CPUs=$cpus State=UNKNOWN
-PartitionName=local Nodes=$host Default=YES MaxTime=INFINITE State=UP
+PartitionName=local Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
 export SLURM_CONF=$dir/slurm.conf
 
