@@ -8,7 +8,11 @@ Makes (or extends) a cluster directory for TLS and node credentials (common/secu
     DIR/issuer.key                  the key that issues per-node credentials (reused when present)
     DIR/NODE.cred                   one per-node credential per node, issued by it
 
-Keys are written mode 0600.  `--config EXP.toml` adds the node ids of that experiment's
+Keys are written mode 0600.  The CA, issuer.key and cluster.secret are only ever created, never
+replaced; a folder holding ca.pem without ca.key (a node's copy) is refused.  Reserved names are
+refused with one line, exit 2, before anything is written: ca, issuer, cluster (a node's files
+would be the cluster's ca.pem / ca.key / issuer.key), fedhop-node (the name every certificate
+carries) and register (the registration audience), in any case.  `--config EXP.toml` adds the node ids of that experiment's
 processes as `fedhop run` starts them (server, edge-E, client-procP: common/topologies/plan.py).  `--hosts`
 adds host names or IP addresses to every certificate (peers are otherwise verified by node id).
 Then set `security.certs_dir = "DIR"` (and `security.mtls = true` for mutual TLS); copy to each

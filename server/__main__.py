@@ -22,7 +22,7 @@ import torch
 from fedhop.common.config import ConfigError, load_config
 from fedhop.common.records.checkpoint import CheckpointError
 from fedhop.common.security.addresses import insecure_from_env, listen_address, plaintext_refusal
-from fedhop.common.security.auth import NodeCredentials, SecurityError
+from fedhop.common.security.auth import NodeCredentials, SecurityError, announce_security
 from fedhop.common.transport.admission import EventThrottle, RequestGate, peer_host, throttle_refusal_logs
 from fedhop.common.transport.factory import make_endpoint
 from fedhop.common.transport.livebytes import LinkCounter, ServerLive
@@ -76,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except SecurityError as exc:
         logging.error("%s", exc)
         return 2
-    if not sec.certs_dir:
-        logging.warning("plaintext gRPC on %s (%s)", args.listen,
-                        "security.insecure = true" if insecure else "loopback only")
+    announce_security(creds, [args.listen])   # shared token, no credential, plaintext: one line each
     ledger = Ledger(run_dir / "ledger" / "server.jsonl", keep_drained=False)
     counter = LinkCounter("server")   # the live view of every link's bytes (common/transport/livebytes.py)
     ledger.observers.append(counter.observe)

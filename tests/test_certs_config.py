@@ -9,6 +9,8 @@ logs a real mutual-TLS run leaves.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -62,3 +64,47 @@ def test_mutual_tls_sequential_run_with_certs_from_the_config_completes(tmp_path
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2
     assert summary["faults"]["auth_refused"] == 0
     assert {p.stem for p in (run / "logs").glob("*.log")} == cert_nodes(d)
+
+
+CLUSTER_KEYS = ("ca.pem", "ca.key", "issuer.key", "cluster.secret")
+
+
+def _certs_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "certs", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_certs_refuses_reserved_node_names_and_never_replaces_the_cluster_keys(tmp_path):
+    """`fedhop certs DIR --nodes ca` (or issuer, ...) would write the node's key over the cluster's
+    ca.key / issuer.key: refused with one line, exit 2, before anything is written, also beside an
+    ordinary node and in another case; the cluster's CA, issuer key and secret stay as they were."""
+    d = tmp_path / "pki"
+    assert fedhop(["certs", str(d), "--nodes", "server"]) == 0
+    before = {n: (d / n).read_bytes() for n in CLUSTER_KEYS}
+    listing = sorted(p.name for p in d.iterdir())
+    for nodes in ("ca", "issuer", "cluster", "CA", "Issuer", "fedhop-node", "register", "client-proc0,ca"):
+        res = _certs_cli(str(d), "--nodes", nodes)
+        assert res.returncode == 2, (nodes, res.stdout, res.stderr)
+        assert len(res.stderr.strip().splitlines()) == 1 and "reserved" in res.stderr, (nodes, res.stderr)
+        assert res.stdout == ""
+        assert {n: (d / n).read_bytes() for n in CLUSTER_KEYS} == before, nodes
+        assert sorted(p.name for p in d.iterdir()) == listing, nodes   # not even client-proc0's files
+
+
+def test_certs_never_makes_a_new_ca_over_half_of_one(tmp_path):
+    """A node's copy of the folder holds ca.pem without ca.key: `fedhop certs` there would have made
+    a new CA over the cluster's certificate; it is refused with one line, exit 2, ca.pem as it was."""
+    d = tmp_path / "pki"
+    assert fedhop(["certs", str(d), "--nodes", "server,client-proc0"]) == 0
+    node_copy = tmp_path / "node"
+    node_copy.mkdir()
+    (node_copy / "ca.pem").write_bytes((d / "ca.pem").read_bytes())
+    res = _certs_cli(str(node_copy), "--nodes", "client-proc1")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "no ca.key" in res.stderr
+    assert (node_copy / "ca.pem").read_bytes() == (d / "ca.pem").read_bytes()
+    assert sorted(p.name for p in node_copy.iterdir()) == ["ca.pem"]
+    # the whole folder is extended: same CA, same issuer key, one more node
+    before = {n: (d / n).read_bytes() for n in CLUSTER_KEYS}
+    assert fedhop(["certs", str(d), "--nodes", "client-proc1"]) == 0
+    assert {n: (d / n).read_bytes() for n in CLUSTER_KEYS} == before and (d / "client-proc1.key").exists()

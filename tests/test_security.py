@@ -13,6 +13,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -222,3 +223,78 @@ def test_a_message_speaking_for_another_node_is_refused_on_both_call_shapes(nume
     assert refused.value.code == "PERMISSION_DENIED"
     assert "credential of 'client-procY' used for a message from 'server'" in str(refused.value)
     assert handled == ["client-procY"]
+
+
+def _stderr_until(proc: subprocess.Popen, needle: str, timeout: float = 120.0) -> str:
+    """The process's standard error up to the first line holding `needle` (or its end)."""
+    import queue
+    import threading
+    lines: queue.Queue = queue.Queue()
+    assert proc.stderr is not None
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr] and None or lines.put(None),
+                     daemon=True).start()
+    seen = ""
+    while True:
+        line = lines.get(timeout=timeout)
+        if line is None:
+            return seen
+        seen += line
+        if needle in line:
+            return seen
+
+
+@pytest.mark.parametrize("mode", ["shared-token", "per-node", "mtls"])
+def test_a_process_says_at_start_in_one_line_that_it_runs_shared_token_or_plaintext(tmp_path, mode):
+    """A client process started with only the shared token (FEDHOP_TOKEN) prints the SHARED-TOKEN
+    line once; with its own per-node credential it does not; plaintext (here on loopback) is one
+    line of its own; mutual TLS with its own certificate prints neither.  The server started with
+    the shared token says the same."""
+    from fedhop.common.security.auth import SHARED_TOKEN_NOTE
+    from fedhop.common.security.nodecred import TokenAuthority
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FEDHOP_TOKEN="", FEDHOP_NODE_CRED="", FEDHOP_CERTS_DIR="",
+               FEDHOP_MTLS="", FEDHOP_INSECURE="")
+    extra: list[str] = []
+    if mode == "shared-token":
+        env["FEDHOP_TOKEN"] = "a-run-token-every-member-holds"
+    elif mode == "per-node":
+        env["FEDHOP_NODE_CRED"] = TokenAuthority().issue("client-proc0")
+    else:
+        write_cluster(tmp_path / "pki", ["client-proc0"])
+        extra = ["--certs-dir", str(tmp_path / "pki"), "--mtls"]
+    proc = subprocess.Popen([sys.executable, "-m", "fedhop.client", "--parent", "127.0.0.1:9", "--clients", "0-1",
+                             "--node-id", "client-proc0", *extra], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        err = _stderr_until(proc, "serving at")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "serving at" in err, err[-2000:]
+    notes = [line.split(" WARNING ", 1)[1] for line in err.splitlines() if " WARNING fedhop: " in line]
+    shared = [n for n in notes if n.startswith("fedhop: SHARED-TOKEN")]
+    plain = [n for n in notes if n.startswith("fedhop: PLAINTEXT")]
+    if mode == "shared-token":
+        assert shared == [SHARED_TOKEN_NOTE], err[-2000:]
+        assert "any member can impersonate any node" in SHARED_TOKEN_NOTE and "fedhop certs" in SHARED_TOKEN_NOTE
+    else:
+        assert shared == [], err[-2000:]
+    if mode == "mtls":
+        assert notes == [], err[-2000:]
+    else:
+        assert len(plain) == 1 and "127.0.0.1" in plain[0] and "loopback only" in plain[0], err[-2000:]
+    if mode != "shared-token":
+        return
+    # the server of a shared-token deployment (deploy/role.py hands it FEDHOP_TOKEN) says it too
+    (tmp_path / "exp.toml").write_text(_text("announce"))
+    server = subprocess.Popen([sys.executable, "-m", "fedhop.server", "--config", str(tmp_path / "exp.toml"),
+                               "--run-dir", str(tmp_path / "run"), "--port-file", str(tmp_path / "port")],
+                              cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "port").exists() and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)   # the port file: written once it serves, after its start-up lines
+        assert (tmp_path / "port").exists(), server.poll()
+    finally:
+        server.kill()
+        _, err = server.communicate()
+    assert [line for line in err.splitlines() if "SHARED-TOKEN" in line] != [], err[-2000:]
+    assert sum(SHARED_TOKEN_NOTE in line for line in err.splitlines()) == 1, err[-2000:]

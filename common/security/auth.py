@@ -24,7 +24,9 @@ Two kinds of node credential (docs/faults.md, "Security"):
   node_id)` = HMAC-SHA256 of the node id under the cluster secret.  It travels in gRPC metadata
   (`fedhop-node`, `fedhop-auth`), never on a command line, and under TLS never in clear.  Every
   holder of the secret can mint any node's token: it admits cluster members, it does not tell
-  them apart: it is what a deployment without a certificate folder falls back to.
+  them apart, so it is only a named opt-in for a one-host quick try (deploy/k8s/overlays/quick-try,
+  compose's shared-token mode), and a process in it says so in one line at start
+  (`security_notes`, like one with no credential or on plaintext gRPC).
 
 Either way the claimed identity must equal the node the message speaks for: a Register's and a
 Heartbeat's `node_id`, an Exchange's envelope `src`.  A refused call is answered UNAUTHENTICATED
@@ -49,7 +51,7 @@ from typing import Callable, Iterable, NoReturn
 
 import grpc
 
-from fedhop.common.security.addresses import insecure_from_env, plaintext_refusal
+from fedhop.common.security.addresses import insecure_from_env, is_loopback, plaintext_refusal
 from fedhop.common.security.nodecred import (
     CRED_ENV,
     CRED_SUFFIX,
@@ -62,7 +64,8 @@ from fedhop.common.security.nodecred import (
     check_node_id,
 )
 
-__all__ = ["CRED_ENV", "SignedIdentity", "TokenAuthority", "SecurityError", "check_node_id"]
+__all__ = ["CRED_ENV", "SignedIdentity", "TokenAuthority", "SecurityError", "check_node_id", "SHARED_TOKEN_NOTE",
+           "announce_security", "reserved_name_problem", "security_notes"]
 
 log = logging.getLogger("fedhop.security")
 
@@ -98,6 +101,23 @@ def _write_public(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def _write_new(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write a file that must not exist yet (the CA, the issuer key, the cluster secret): the
+    content lands under a temporary name and is linked into place, which fails when another
+    `fedhop certs` made the file meanwhile, so a cluster key is never replaced."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise SecurityError(f"{path} appeared while it was being made (another `fedhop certs` on {path.parent}?); "
+                            f"it was left as it is: run the command again") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def make_ca(days: int = 365, name: str = "fedhop cluster CA") -> tuple[bytes, bytes]:
@@ -150,30 +170,71 @@ def make_node_cert(ca_key_pem: bytes, ca_cert_pem: bytes, node_id: str, hosts: I
             cert.public_bytes(serialization.Encoding.PEM))
 
 
+# The files of a cluster folder that belong to no node, and the node files' suffixes: a node
+# whose files would be one of them (node "ca" -> ca.pem, ca.key; "issuer" -> issuer.key) would
+# replace the cluster's CA or issuer key with its own.  Compared case-insensitively: on a
+# case-insensitive file system "CA.key" is ca.key.
+CLUSTER_FILES = (CA_CERT, CA_KEY, ISSUER_KEY, SECRET_FILE)
+NODE_SUFFIXES = (".pem", ".key", CRED_SUFFIX)
+# Names that are not node ids although they are valid DNS labels: the stems of the cluster files,
+# the SAN every node certificate carries (a node called that would be verified by any member's
+# certificate) and the audience of Register and Heartbeat tokens (a node called that would accept
+# every registration token as addressed to itself).
+RESERVED_NODE_NAMES = frozenset({"ca", "issuer", "cluster", CLUSTER_NAME, REGISTER_AUDIENCE})
+
+
+def reserved_name_problem(node_id: str) -> str | None:
+    """Why `node_id` cannot have files in a cluster folder, or None."""
+    low = node_id.lower()
+    clash = sorted(f for f in CLUSTER_FILES if f.lower() in {low + s for s in NODE_SUFFIXES})
+    if clash:
+        return f"node name '{node_id}' is reserved: its files would be the cluster's {' and '.join(clash)}"
+    if low in RESERVED_NODE_NAMES:
+        return f"node name '{node_id}' is reserved (the names {', '.join(sorted(RESERVED_NODE_NAMES))} are not node ids)"
+    return None
+
+
 def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Iterable[str] = (),
                   days: int = 365) -> list[Path]:
     """Make (or extend) a cluster directory: ca.pem/ca.key (reused when present), NODE.pem/NODE.key
     per node, cluster.secret (reused when present), issuer.key (reused when present) and NODE.cred,
     the node's per-node credential signed by it.  Keys are written mode 0600.  Returns the files
-    written."""
+    written.
+
+    Refused (SecurityError, before anything is written): a reserved node name
+    (`reserved_name_problem`), a node id that cannot be a certificate name, and a folder holding
+    only one half of a CA (ca.pem without ca.key is a node's copy: a new CA there would replace the
+    cluster's).  The CA, the issuer key and the cluster secret are only ever created, never
+    replaced (`_write_new`)."""
     d = Path(directory)
+    nodes = list(nodes)
+    for node in nodes:
+        problem = reserved_name_problem(node)
+        if problem:
+            raise SecurityError(problem)
+        check_node_id(node)
+    has_key, has_cert = (d / CA_KEY).exists(), (d / CA_CERT).exists()
+    if has_key != has_cert:
+        present, absent = (CA_KEY, CA_CERT) if has_key else (CA_CERT, CA_KEY)
+        raise SecurityError(f"{d} has {present} but no {absent}: it is not a whole cluster CA (a node's copy?); "
+                            f"run `fedhop certs` on the folder that holds the CA's key, or on a new folder")
     d.mkdir(parents=True, exist_ok=True)
     written = []
-    if (d / CA_KEY).exists() and (d / CA_CERT).exists():
+    if has_key:
         ca_key, ca_cert = (d / CA_KEY).read_bytes(), (d / CA_CERT).read_bytes()
     else:
         ca_key, ca_cert = make_ca(days)
-        _write_private(d / CA_KEY, ca_key)
-        _write_public(d / CA_CERT, ca_cert)
+        _write_new(d / CA_KEY, ca_key)
+        _write_new(d / CA_CERT, ca_cert, 0o644)
         written += [d / CA_CERT, d / CA_KEY]
     if not (d / SECRET_FILE).exists():
-        _write_private(d / SECRET_FILE, secrets.token_hex(32).encode() + b"\n")
+        _write_new(d / SECRET_FILE, secrets.token_hex(32).encode() + b"\n")
         written.append(d / SECRET_FILE)
     if (d / ISSUER_KEY).exists():
         authority = TokenAuthority.from_bytes((d / ISSUER_KEY).read_bytes())
     else:
         authority = TokenAuthority()
-        _write_private(d / ISSUER_KEY, authority.to_bytes())
+        _write_new(d / ISSUER_KEY, authority.to_bytes())
         written.append(d / ISSUER_KEY)
     hosts = list(hosts)
     for node in nodes:
@@ -480,9 +541,44 @@ def add_security_args(ap: argparse.ArgumentParser) -> None:
 
 
 def credentials_from_args(args, addresses: list[str]) -> NodeCredentials:
-    """This process's credentials; plaintext off loopback without --insecure is refused."""
+    """This process's credentials; plaintext off loopback without --insecure is refused.  A weak
+    mode (shared token, no credential, plaintext) is announced on the log (`announce_security`)."""
     refusal = plaintext_refusal(addresses, args.insecure, tls=bool(args.certs_dir))
     if refusal:
         raise SecurityError(f"refusing to start: {refusal}")
-    return NodeCredentials.from_options(args.node_id, args.certs_dir, args.mtls, env_secret=args.token)
+    creds = NodeCredentials.from_options(args.node_id, args.certs_dir, args.mtls, env_secret=args.token)
+    announce_security(creds, addresses)
+    return creds
+
+
+SHARED_TOKEN_NOTE = ("fedhop: SHARED-TOKEN mode (quick try): any member can impersonate any node; "
+                     "use `fedhop certs` for per-node credentials")
+NO_CREDENTIAL_NOTE = ("fedhop: NO NODE CREDENTIAL: calls are not authenticated and any caller can claim any node "
+                      "id; use `fedhop certs` for per-node credentials")
+
+
+def security_notes(creds: NodeCredentials, addresses: Iterable[str]) -> list[str]:
+    """The start-up lines of a process whose security is weaker than per-node credentials over
+    TLS, one line per weakness: a shared-secret token (every holder of the secret can mint any
+    node's token, so it is a one-host quick try, never a deployment), no credential at all, and
+    plaintext gRPC (on loopback as on a network the user allowed with security.insecure: the
+    line says which).  Empty for per-node credentials (mutual TLS or a signed credential) over TLS."""
+    notes = []
+    if not creds.mtls and creds.signed is None:
+        notes.append(SHARED_TOKEN_NOTE if creds.secret else NO_CREDENTIAL_NOTE)
+    if creds.tls is None:
+        shown = [a for a in addresses if a]
+        scope = "loopback only" if all(is_loopback(a) for a in shown) else "security.insecure"
+        notes.append(f"fedhop: PLAINTEXT gRPC ({', '.join(shown)}; {scope}): calls travel unencrypted; "
+                     f"set security.certs_dir to a `fedhop certs` folder for TLS")
+    return notes
+
+
+def announce_security(creds: NodeCredentials, addresses: Iterable[str]) -> list[str]:
+    """Log `security_notes` as warnings (each one line on the process's standard error) and
+    return them."""
+    notes = security_notes(creds, addresses)
+    for note in notes:
+        log.warning("%s", note)
+    return notes
 
