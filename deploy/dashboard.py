@@ -28,6 +28,7 @@ from typing import Any
 
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.topologies import SPECS
+from fedhop.common.transport.livebytes import EARLIER
 from fedhop.common.util.nodeids import edge_node
 
 PAGE = Path(__file__).with_name("dashboard.html")
@@ -60,7 +61,7 @@ def _graph(cfg: dict, live: list[tuple], server_pairs: dict[str, dict[str, int]]
     def live_sum(node: str | None, link: str) -> dict[str, int]:
         out: dict[str, int] = {}
         for n, lk, direction, _msgs, _t, _p, framed in live:
-            if lk == link and (node is None or n == node):
+            if lk == link and (node is None or n.removesuffix(EARLIER) == node):   # a resumed run's carried rows too
                 out[direction] = out.get(direction, 0) + int(framed)
         return out
 

@@ -251,3 +251,50 @@ def test_npz_data_relative_to_the_users_folder(tmp_path):
     res = fedhop(["run", "exp.toml", "--out", "r", "--quiet"], home)
     assert res.returncode == 0, res.stderr[-1500:]
     assert f'path = "{home / "mine.npz"}"' in (home / "r" / "config.toml").read_text()
+
+
+def test_a_resumed_run_counts_the_whole_run_everywhere(user_dir):
+    """Ctrl-C mid-run, `fedhop run --resume`: the live view (the live page's link table, the README's
+    SQL over live_bytes), the progress line's bytes and the report's cumulative bytes all count the
+    whole run, both attempts, and end equal to summary.json.  Before the resumed run's live view
+    carried its earlier attempts (common/transport/livebytes.py `carried_rows`) each of them counted
+    only the resumed attempt."""
+    from fedhop.deploy.dashboard import snapshot
+    from fedhop.deploy.launcher import read_progress
+    from fedhop.deploy.report import human_bytes, load_run
+    rounds = 400
+    (user_dir / "exp.toml").write_text(cfg_text(rounds=rounds).replace("[run]", "[run]\ncheckpoint_every = 2"))
+    proc = start(["run", "exp.toml", "--out", "r"], user_dir)
+    run = user_dir / "r"
+    db = run / "run.db"
+    wait_for_round(db, proc, 5)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    stopped = json.loads((run / "summary.json").read_text())
+    first, first_rounds = stopped["bytes"]["total"]["framed_bytes"], stopped["rounds_completed"]
+    assert first > 0
+    res = fedhop(["run", "--resume", "r"], user_dir)
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == rounds
+    total = summary["bytes"]["total"]
+    assert total["framed_bytes"] > first
+    live_sql = read_db(db, "SELECT SUM(framed_bytes) FROM live_bytes")          # the README's live query
+    assert live_sql == total["framed_bytes"]
+    assert read_db(db, "SELECT SUM(messages) FROM live_bytes") == total["messages"]
+    page = snapshot(run)
+    assert sum(link["framed_bytes"] for link in page["links"]) == total["framed_bytes"]
+    assert sum(link["messages"] for link in page["links"]) == total["messages"]
+    star = next(link for link in page["graph"]["links"] if link["link"] == "client-server")
+    assert sum(star["bytes"].values()) == summary["bytes"]["by_link"]["client-server"]["framed_bytes"]
+    assert page["rounds"][-1]["bytes"] == total["framed_bytes"]
+    assert read_progress(db, 0, final=True)[-1]["bytes"] == total["framed_bytes"]
+    # every round the resumed attempt ran counts the whole first attempt too (none restarts at zero)
+    resumed = read_db(db, "SELECT MIN(live_framed_bytes) FROM rounds WHERE round > ?", (first_rounds,))
+    assert resumed >= first, (first_rounds, resumed, first)
+    last = [line for line in res.stderr.splitlines() if line.startswith(f"round {rounds}/{rounds} ")]
+    assert last and f"bytes={human_bytes(total['framed_bytes'])}" in last[0], res.stderr[-2000:]
+    notes: list[str] = []
+    data = load_run(run, notes)
+    assert data is not None and data.cumulative[max(data.cumulative)]["framed_bytes"] == total["framed_bytes"]

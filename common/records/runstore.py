@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, cast
 
+from fedhop.common.transport.livebytes import carried_rows
 from fedhop.common.wire.ledger import BYTE_FIELDS, LedgerRecord, read_jsonl
 
 _MESSAGE_COLUMNS: tuple[str, ...] = tuple(LedgerRecord.__dataclass_fields__)
@@ -79,6 +80,7 @@ _ONCE = """WITH once AS (
         SELECT 1 FROM messages AS s WHERE s.msg_id = r.msg_id AND s.role = 'sender'))
 """
 _SUMS = "SUM(tensor_bytes), SUM(payload_bytes), SUM(framed_bytes), COUNT(*)"
+_SUMS_LIVE = "COUNT(*), SUM(tensor_bytes), SUM(payload_bytes), SUM(framed_bytes)"   # live_bytes' column order
 _AGREE_FIELDS: tuple[str, ...] = ("tensor_bytes", "payload_bytes", "framed_bytes", "src", "dst", "link")
 
 
@@ -251,9 +253,13 @@ class RunStore:
     # -- writing ----------------------------------------------------------------------
     def start_run(self, run_id: str, name: str = "", algorithm: str = "", topology: str = "",
                   transport: str = "", config_toml: str = "", started: float | None = None) -> None:
-        """Create the run's row, or mark an existing one (a resumed run) running again."""
+        """Create the run's row, or mark an existing one (a resumed run) running again; a resumed
+        run's live view then starts from the messages of its earlier attempts (`carry_live_bytes`)."""
         self.run_id = run_id
         self.final = False
+        resumed = bool(self._query("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)))
+        if resumed:
+            self.carry_live_bytes()
         self._exec(
             """INSERT INTO runs(run_id, name, algorithm, topology, transport, config_toml, started, finished, status)
                VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 'running')
@@ -308,6 +314,26 @@ class RunStore:
                 if round is not None:
                     self._conn.execute("UPDATE rounds SET live_framed_bytes = (SELECT SUM(framed_bytes) FROM live_bytes) "
                                        "WHERE round = ?", (int(round),))
+                self._conn.execute("COMMIT")
+            except BaseException:
+                rollback(self._conn)
+                raise
+
+    def carry_live_bytes(self) -> None:
+        """Start a resumed run's live view from every message its earlier attempts left in run.db
+        (each counted once, as the final table counts it; common/transport/livebytes.py
+        `carried_rows`), dropping those attempts' own live rows: the live totals, the progress line,
+        the rounds' live_framed_bytes and the live page then count the whole run, and equal the
+        final table when it ends."""
+        once = self._query(_ONCE + f"SELECT src, dst, link, direction, {_SUMS_LIVE} FROM once "
+                                   "GROUP BY src, dst, link, direction") if self._has("messages") else []
+        now = _time.time()
+        with self._lock:
+            self._conn.execute("BEGIN")
+            try:
+                self._conn.execute("DELETE FROM live_bytes")
+                self._conn.executemany("INSERT INTO live_bytes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                                       [(*r, now) for r in carried_rows(once)])
                 self._conn.execute("COMMIT")
             except BaseException:
                 rollback(self._conn)

@@ -39,6 +39,32 @@ def counted_by(record: LedgerRecord, tier: int) -> bool:
     return other_tier > tier                       # a child's message: counted here; a parent's: there
 
 
+EARLIER = " (earlier attempts)"   # suffix of a node's live rows carried over into a resumed run
+
+
+def counting_node(src: str, dst: str) -> str:
+    """The end of a message between `src` and `dst` that counts it in the live view (module
+    docstring): the parent of a parent-child message, the sender of a message between peers."""
+    a, b = TIERS.get(role_of(src)), TIERS.get(role_of(dst))
+    if a is None or b is None or a == b:
+        return src
+    return src if a < b else dst
+
+
+def carried_rows(once: Iterable[tuple]) -> list[tuple]:
+    """A resumed run's live view starts from its earlier attempts' messages: `once` holds (src, dst,
+    link, direction, messages, tensor_bytes, payload_bytes, framed_bytes) totals of every message
+    run.db holds, each counted once (the final table's rule); each total goes to the node that
+    counts it, under that node's name + EARLIER, so the new attempt's reports (which replace a
+    node's own rows) sit beside it and the live totals count the whole run."""
+    acc: dict[tuple[str, str, str], list[int]] = {}
+    for src, dst, link, direction, *sums in once:
+        row = acc.setdefault((counting_node(src, dst) + EARLIER, link, direction), [0] * len(FIELDS))
+        for i, v in enumerate(sums):
+            row[i] += int(v or 0)
+    return [(*key, *row) for key, row in sorted(acc.items())]
+
+
 class LinkCounter:
     """One process's live totals over its own ledger records (a `Ledger` observer)."""
 
