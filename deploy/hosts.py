@@ -736,6 +736,7 @@ def refresh_summary(run_dir: Path) -> dict | None:
     sender/receiver agreement: on several machines the server sees only its own ledger at the end."""
     from fedhop.common.records.runstore import RunStore
     from fedhop.common.wire.ledger import read_jsonl
+    from fedhop.server.agreement import ledger_verdict
     summary_path = run_dir / "summary.json"
     db = run_dir / "run.db"
     if not summary_path.exists() or not db.exists():
@@ -745,15 +746,12 @@ def refresh_summary(run_dir: Path) -> dict | None:
         for path in sorted((run_dir / "ledger").glob("*.jsonl")):
             store.insert_records(read_jsonl(path))
         by_link = store.bytes_by_link()
-        agreement = store.check_agreement()
+        agreement = ledger_verdict(store).as_dict()   # explained losses agree (server/agreement.py)
     finally:
         store.close()
     summary = json.loads(summary_path.read_text())
     summary["bytes"] = {"total": by_link.pop("total", None), "by_link": by_link}
-    summary["ledger_agreement"] = {"ok": agreement.ok, "matched": agreement.matched,
-                                   "sender_only": len(agreement.sender_only),
-                                   "receiver_only": len(agreement.receiver_only),
-                                   "mismatched": len(agreement.mismatched)}
+    summary["ledger_agreement"] = agreement
     summary_path.write_text(json.dumps(summary, indent=2, default=float))
     return summary
 

@@ -37,10 +37,12 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Collection, Sequence
+from urllib.parse import quote
 
-from fedhop.common.records.runstore import AgreementReport, RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.common.wire.ledger import BYTE_FIELDS, LINKS
 from fedhop.deploy import runread
+from fedhop.server.agreement import Verdict, ledger_verdict
 
 if TYPE_CHECKING:   # matplotlib is optional (the extra `report`): imported where a plot is drawn
     from matplotlib.typing import RcKeyType
@@ -101,7 +103,7 @@ class RunData:
     rounds: list[dict[str, Any]] = field(default_factory=list)
     cumulative: dict[int, dict[str, int]] = field(default_factory=dict)
     by_link: dict[str, dict[str, int]] = field(default_factory=dict)  # no "total" key
-    agreement: AgreementReport | None = None
+    agreement: Verdict | None = None   # explained losses agree (server/agreement.py)
     has_messages: bool = False
 
     def field_(self, key: str) -> Any:
@@ -209,7 +211,7 @@ def load_run(run_dir: Path, notes: list[str]) -> RunData | None:
                 data.has_messages = total["messages"] > 0
                 if data.has_messages:
                     data.cumulative = store.cumulative_bytes_by_round()
-                    data.agreement = store.check_agreement()
+                    data.agreement = ledger_verdict(store)
                 db_links = links
             _check_rounds(data.rounds, data.cumulative, db_links)
         except (sqlite3.DatabaseError, ValueError, RecursionError, TypeError, OverflowError, AttributeError,
@@ -384,8 +386,33 @@ def render_text(header: list[str], body: list[list[str]], max_width: int | None 
     return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in body])
 
 
+# Markdown's and HTML's active characters in text from a run directory (a run's name, a metric's
+# name, a path, a note quoting a crafted file): backslash-escaped (CommonMark escapes any ASCII
+# punctuation) or, for < > &, written as entities, so a name renders as the text it is and never
+# as a link, an image, emphasis, a table cell break or raw HTML.
+_MD_ESCAPED = frozenset("\\`*_{}[]()!|~#")
+_MD_ENTITIES = {"<": "&lt;", ">": "&gt;", "&": "&amp;"}
+
+
+def md_text(text: Any) -> str:
+    """`text` as literal Markdown text on one line: control characters (newlines included) as
+    spaces, < > & as entities, Markdown punctuation backslash-escaped."""
+    out = []
+    for ch in str(text):
+        if ch in _MD_ENTITIES:
+            out.append(_MD_ENTITIES[ch])
+        elif ch in _MD_ESCAPED:
+            out.append("\\" + ch)
+        elif ord(ch) < 32 or 127 <= ord(ch) < 160 or ch in "\u2028\u2029":
+            out.append(" ")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def render_markdown(header: list[str], body: list[list[str]]) -> str:
-    esc = [[c.replace("|", "\\|") for c in row] for row in [header, *body]]
+    """A Markdown table; every cell is literal text (`md_text`)."""
+    esc = [[md_text(c) for c in row] for row in [header, *body]]
     lines = ["| " + " | ".join(esc[0]) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in esc[1:]]
     return "\n".join(lines)
@@ -653,22 +680,25 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
     rows = [make_row(run, metric, target, bytes_kind, notes) for run in runs]
     header, body = table_cells(rows, metric, target, bytes_kind)
     table = text_tables(rows, metric, target, bytes_kind)
-    agreement = [f"{run.name}: {run.agreement.summary()}" for run in runs if run.agreement is not None]
+    judged = [run for run in runs if run.agreement is not None]
+    agreement = [f"{run.name}: {run.agreement.summary()}" for run in judged]
     md = ["# fedhop report", "", render_markdown(header, body), ""]
-    if agreement:
-        md += ["## Ledger agreement", "", *[f"- {a}" for a in agreement], ""]
+    if judged:
+        md += ["## Ledger agreement", "", *[f"- {md_text(run.name)}: {md_text(run.agreement.summary())}"
+                                            for run in judged if run.agreement is not None], ""]
     plots = make_plots(runs, metric, target, bytes_kind, out, notes, fmt, dpi) if runs else []
     if plots:   # a PDF is linked, not shown, by Markdown viewers
         md += ["## Plots", "", *[f"{'' if fmt == 'pdf' else '!'}[{p.stem}]({p.name})" for p in plots], ""]
     csv_path = write_csv(runs, csv_out, notes) if csv_out is not None else None
     if csv_path is not None:
-        md += ["## Per-round table", "", f"[{csv_path.name}]({csv_path}): one row per run and round", ""]
+        md += ["## Per-round table", "", f"[{md_text(csv_path.name)}]({quote(str(csv_path))}): one row per run and "
+                                         "round", ""]
     if tensorboard is not None and runs:
         from fedhop.deploy.tensorboard import write_events
         dirs = write_events(runs, Path(tensorboard), bytes_kind)
         md += ["## TensorBoard", "", f"`tensorboard --logdir {tensorboard}`: {len(dirs)} runs", ""]
     if notes:
-        md += ["## Notes", "", *[f"- {n}" for n in notes], ""]
+        md += ["## Notes", "", *[f"- {md_text(n)}" for n in notes], ""]
     (out / "report.md").write_text("\n".join(md), encoding="utf-8")
     (out / "report.json").write_text(json.dumps(
         {"metric": metric, "target": target, "bytes_kind": bytes_kind, "runs": [asdict(r) for r in rows],
@@ -709,22 +739,35 @@ def write_csv(runs: Sequence[RunData], path: str | Path, notes: list[str]) -> Pa
     columns = ["run", "run_dir", *runread.columns([r for _, rows in per_run for r in rows])]
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="raise")
-        writer.writeheader()
+        writer = csv.writer(fh)
+        writer.writerow([csv_inert(c) for c in columns])
         for run, rows in per_run:
             for row in rows:
-                writer.writerow({"run": run.name, "run_dir": str(run.run_dir.resolve()),
-                                 **{k: _csv_cell(v) for k, v in row.items()}})
+                cells = {"run": run.name, "run_dir": str(run.run_dir.resolve()), **row}
+                writer.writerow([_csv_cell(cells.get(c)) for c in columns])
     return target
 
 
+# What a spreadsheet reads as the start of a formula (OWASP "CSV Injection"): = + - @, and a tab
+# or carriage return before one of them.
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_inert(text: str) -> str:
+    """`text` as a CSV cell no spreadsheet evaluates: one that starts like a formula gets a leading
+    single quote (OWASP's rule), which spreadsheets show as text and do not display."""
+    return "'" + text if text.startswith(FORMULA_START) else text
+
+
 def _csv_cell(value: Any) -> Any:
-    """A CSV cell: numbers and text as they are (floats in full precision), None empty, lists and
-    dicts as JSON."""
+    """A CSV cell: numbers as they are (floats in full precision), None empty, lists and dicts as
+    JSON, text made inert (`csv_inert`: a run's name or a metric's value from a crafted run.db)."""
     if value is None:
         return ""
     if isinstance(value, (list, dict)):
-        return json.dumps(value)
+        return csv_inert(json.dumps(value))
+    if isinstance(value, str):
+        return csv_inert(value)
     return value
 
 

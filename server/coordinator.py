@@ -480,6 +480,7 @@ class Coordinator:
         record_refusals(self.store)   # calls a child refused: the caller may not use the method
 
     def finalize(self, status: str, error: str, wall_seconds: float) -> dict:
+        from fedhop.server.agreement import ledger_verdict  # beside ledger_consistency, which it reads
         self.merge_ledgers()
         final = self.evaluate() if self.rounds_completed else {}
         if "train_loss" not in final:
@@ -491,7 +492,6 @@ class Coordinator:
             save_file({k: v.detach().cpu().contiguous() for k, v in whole_params(self.model, params).items()},
                       str(self.run_dir / f"model-{name}.safetensors"))
         by_link = self.store.bytes_by_link()
-        agreement = self.store.check_agreement()
         summary = {
             "status": status,
             "error": error,
@@ -504,10 +504,7 @@ class Coordinator:
             "rounds_planned": self.cfg.run.rounds,
             "final": final,
             "bytes": {"total": by_link.pop("total", None), "by_link": by_link},
-            "ledger_agreement": {"ok": agreement.ok, "matched": agreement.matched,
-                                 "sender_only": len(agreement.sender_only),
-                                 "receiver_only": len(agreement.receiver_only),
-                                 "mismatched": len(agreement.mismatched)},
+            "ledger_agreement": ledger_verdict(self.store).as_dict(),   # explained losses agree (server/agreement.py)
             "failures": self.failures_total,
             "clients_dropped": self.store.clients_dropped(),   # sampled clients whose result did not count
             "round_retries": len(self.store.events("round_retried")),   # run.on_short_round
