@@ -20,8 +20,16 @@ Environment (docker-compose.yml sets it):
 - `FEDHOP_RUNS`: the run volume (default /runs).  The server makes `RUNS/<run name>` and writes its
   name to `RUNS/current`; the others wait for that file and write their ledgers there.
 - `FEDHOP_RUN_NAME`: the run directory's name (default `<run.name>-<UTC time>`).
-- `FEDHOP_TOKEN`: the shared registration token; when empty the server draws one and leaves it
-  in `RUN/.token` (mode 0600) on the volume, which only this project's containers mount.
+- `FEDHOP_CERTS_DIR`, `FEDHOP_MTLS=1`, `FEDHOP_INSECURE=1`: the processes' security (common/security/
+  auth.py add_security_args).  With `FEDHOP_MTLS=1` and a certificate folder holding only this
+  node's files (deploy/k8s/base: the pod's own Secret) each node's certificate is its identity and
+  no run token exists.  A role whose process could not start with them (plaintext off loopback
+  without `FEDHOP_INSECURE=1`, `FEDHOP_MTLS=1` without a folder, a folder without this node's
+  files) ends with one line and status 2 before it announces or joins a run.
+- `FEDHOP_TOKEN`: the shared registration token of the shared-token quick try (no per-node
+  credentials): when empty the server draws one and leaves it in `RUN/.token` (mode 0600) on the
+  volume, which only this project's containers mount.  Every holder can mint any node's token;
+  each process says so in one line at start.
 - `FEDHOP_REGISTER_TIMEOUT`: seconds the server waits for every client to register (default 300:
   containers start after the server is healthy, and each imports torch first, which on a loaded
   machine took more than the server's own default of 120 s).
@@ -147,9 +155,45 @@ def wait_for_run(server: str, timeout: float = 300.0, gone_after: float = 20.0) 
     raise SystemExit(f"deploy.role: no run announced in {current} after {timeout:.0f}s (is the server up?)")
 
 
+def per_node_mode() -> bool:
+    """Mutual TLS with each node's own certificate (FEDHOP_MTLS=1 and FEDHOP_CERTS_DIR, what
+    deploy/k8s/base sets): the certificate is the identity, so no run token is drawn or shared."""
+    return env("FEDHOP_MTLS") == "1" and bool(env("FEDHOP_CERTS_DIR"))
+
+
+def security_problem(addresses: list[str], node_id: str | None = None) -> str | None:
+    """Why this role's process could not start with the security the environment gives (None
+    when it can), decided before the role announces or joins a run: plaintext off loopback
+    without FEDHOP_INSECURE=1, FEDHOP_MTLS=1 without FEDHOP_CERTS_DIR, and a certificate folder
+    without this node's files (a missing or wrong Secret)."""
+    from fedhop.common.security.addresses import plaintext_refusal
+    from fedhop.common.security.auth import CA_CERT
+    certs = env("FEDHOP_CERTS_DIR")
+    if env("FEDHOP_MTLS") == "1" and not certs:
+        return "FEDHOP_MTLS=1 needs FEDHOP_CERTS_DIR (the folder holding ca.pem and this node's NODE.pem / NODE.key)"
+    refusal = plaintext_refusal(addresses, env("FEDHOP_INSECURE") in ("1", "true"), tls=bool(certs))
+    if refusal:
+        return (f"{refusal} (in a container: FEDHOP_CERTS_DIR=DIR and FEDHOP_MTLS=1 for mutual TLS, "
+                f"or FEDHOP_INSECURE=1 for plaintext)")
+    if certs and node_id is not None:
+        missing = [n for n in (CA_CERT, f"{node_id}.pem", f"{node_id}.key") if not (Path(certs) / n).is_file()]
+        if missing:
+            return (f"FEDHOP_CERTS_DIR={certs} has no {', '.join(missing)} for node {node_id} (mount its Secret "
+                    f"fedhop-node-{node_id}: deploy/k8s/node-secrets.sh)")
+    return None
+
+
+def check_security(addresses: list[str], node_id: str | None = None) -> None:
+    problem = security_problem(addresses, node_id)
+    if problem:
+        raise UsageError(f"refusing to start: {problem}")
+
+
 def token_for(run_dir: Path, timeout: float = 60.0) -> str:
     if env("FEDHOP_TOKEN"):
         return env("FEDHOP_TOKEN")
+    if per_node_mode():
+        return ""
     path = run_dir / ".token"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -301,7 +345,7 @@ def cmd_server(a: argparse.Namespace) -> int:
     for stale in ("replicas.count", SERVER_EXIT):
         (run_dir / stale).unlink(missing_ok=True)
     token = env("FEDHOP_TOKEN")
-    if not token:
+    if not token and not per_node_mode():   # the shared token of a quick try (announced by every process)
         token = secrets.token_hex(16)
         _write_atomic(run_dir / ".token", token + "\n", 0o600)
     _write_atomic(root / "current", name + "\n")
@@ -326,6 +370,7 @@ def security_overrides() -> list[str]:
     variables the edge and client processes read (common/security/auth.py add_security_args)."""
     out = []
     if env("FEDHOP_INSECURE") in ("1", "true"):
+    check_security([a.listen], "server")
         out.append("security.insecure=true")
     if env("FEDHOP_CERTS_DIR"):
         out.append(f"security.certs_dir={json.dumps(env('FEDHOP_CERTS_DIR'))}")
@@ -375,6 +420,7 @@ def replica_count(run_dir: Path, me: str, settle: float, timeout: float = 300.0)
     seen, since = -1, time.monotonic()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+    check_security([a.parent, a.listen], a.node_id)
         try:
             return int(count_file.read_text())
         except (OSError, ValueError):
@@ -457,6 +503,7 @@ def cmd_health(a: argparse.Namespace) -> int:
         return 1
     return 0
 
+    check_security([a.server])
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedhop.deploy.role", description=__doc__.split("\n\n")[0])
@@ -475,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("address")
     h.add_argument("--timeout", type=float, default=2.0)
     a = ap.parse_args(argv)
+    check_security([parent, f"{ip}:{a.port}"], planned.node_id)
     if a.role != "health":
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s role-{a.role} %(levelname)s %(message)s")
     from fedhop.common.config import ConfigError
