@@ -331,6 +331,7 @@ def wait_for_replica_count(run_dir: Path, timeout: float) -> int:
 # ----------------------------------------------------------------------------- roles
 def cmd_server(a: argparse.Namespace) -> int:
     cfg = load_cfg(processes_override())   # fail here, with the key named, before announcing a run
+    check_security([a.listen], "server")
     register_timeout = seconds("FEDHOP_REGISTER_TIMEOUT", "300")
     root = runs_root()
     root.mkdir(parents=True, exist_ok=True)
@@ -370,7 +371,6 @@ def security_overrides() -> list[str]:
     variables the edge and client processes read (common/security/auth.py add_security_args)."""
     out = []
     if env("FEDHOP_INSECURE") in ("1", "true"):
-    check_security([a.listen], "server")
         out.append("security.insecure=true")
     if env("FEDHOP_CERTS_DIR"):
         out.append(f"security.certs_dir={json.dumps(env('FEDHOP_CERTS_DIR'))}")
@@ -381,6 +381,7 @@ def security_overrides() -> list[str]:
 
 def cmd_edge(a: argparse.Namespace) -> int:
     cfg = load_cfg()
+    check_security([a.parent, a.listen], a.node_id)
     run_dir = wait_for_run(a.parent)
     token = token_for(run_dir)
     return _run_member("edge", ["--parent", a.parent, "--node-id", a.node_id, "--listen", a.listen,
@@ -420,7 +421,6 @@ def replica_count(run_dir: Path, me: str, settle: float, timeout: float = 300.0)
     seen, since = -1, time.monotonic()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-    check_security([a.parent, a.listen], a.node_id)
         try:
             return int(count_file.read_text())
         except (OSError, ValueError):
@@ -464,6 +464,7 @@ def claim_slot(slots: Path, me: str, n: int) -> int | None:
 def cmd_client(a: argparse.Namespace) -> int:
     from fedhop.common.topologies.plan import plan_processes
     from fedhop.common.util.nodeids import id_spec
+    check_security([a.server])
     run_dir = wait_for_run(a.server)
     token = token_for(run_dir)
     ip = local_ip_towards(a.server)
@@ -482,6 +483,7 @@ def cmd_client(a: argparse.Namespace) -> int:
         return hold(linger_until_server_exits(run_dir, float("inf")))
     planned = layout[slot]
     parent = a.server if planned.edge is None else a.edge.format(edge=planned.edge)
+    check_security([parent, f"{ip}:{a.port}"], planned.node_id)
     ids = id_spec(planned.clients)
     log.info("replica %s: slot %d of %d, clients %s, parent %s", me, slot, len(layout), ids, parent)
     wait_for_parent(parent, seconds("FEDHOP_REGISTER_TIMEOUT", "300"))
@@ -503,7 +505,6 @@ def cmd_health(a: argparse.Namespace) -> int:
         return 1
     return 0
 
-    check_security([a.server])
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedhop.deploy.role", description=__doc__.split("\n\n")[0])
@@ -522,7 +523,6 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("address")
     h.add_argument("--timeout", type=float, default=2.0)
     a = ap.parse_args(argv)
-    check_security([parent, f"{ip}:{a.port}"], planned.node_id)
     if a.role != "health":
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s role-{a.role} %(levelname)s %(message)s")
     from fedhop.common.config import ConfigError
