@@ -49,9 +49,10 @@ from fedhop.common.transport.torchdist import (
     TorchParams,
     buffers_by_name,
     build_groups,
-    free_port,
     init_watching,
     layout_of,
+    master_address,
+    master_store,
     merge_layouts,
     reduce_buffers,
     specs_from_pb,
@@ -210,14 +211,15 @@ def star_world(fabric: Fabric, procs: list[Member], params: TorchParams, host: s
                run_id: str) -> CollectiveGroup:
     """The server's set-up of the star world: `torch_init` to every client process (rank k + 1
     in the given order), join, and the group of the whole world rooted at the server."""
-    master = f"{host}:{params.master_port or free_port(host)}"
+    store = master_store(host, params.master_port, len(procs) + 1, params.timeout)   # listening before it is named
+    master = master_address(host, store)
     coll = Collectives("server", 0, len(procs) + 1, ledger, params, run_id)
     calls = {p.node_id: fabric.submit(
         fabric.call, p.address, p.node_id, Method.TORCH_INIT,
         Payload(scalars={"rank": i + 1, "world_size": len(procs) + 1, "master": master, "backend": params.backend,
                          "timeout": params.timeout}),
         round=0, timeout=params.timeout) for i, p in enumerate(procs)}
-    init_watching(coll, master, calls, "torch.distributed set-up failed")
+    init_watching(coll, master, calls, "torch.distributed set-up failed", store)
     failed = _failed(calls, params.timeout)
     if failed:
         raise RuntimeError(f"torch.distributed set-up failed: {failed}")
@@ -269,14 +271,15 @@ class EdgeWorld:
         self.layout = hier_layout([e.node_id for e in edges],
                                   {e.node_id: list(control_of(answers[e.node_id]).processes) for e in edges})
         world = len(self.layout["ranks"]) + 1
-        master = f"{host}:{params.master_port or free_port(host)}"
+        store = master_store(host, params.master_port, world, params.timeout)   # listening before it is named
+        master = master_address(host, store)
         coll = Collectives("server", 0, world, ledger, params, run_id)
         calls = {e.node_id: fabric.submit(
             fabric.call, e.address, e.node_id, Method.TORCH_INIT,
             Payload(scalars={"world_size": world, "master": master, "backend": params.backend,
                              "timeout": params.timeout}, control=pb.Control(world=torch_world(self.layout))),
             round=0, timeout=params.timeout + 10.0) for e in edges}
-        init_watching(coll, master, calls, "torch.distributed set-up failed")
+        init_watching(coll, master, calls, "torch.distributed set-up failed", store)
         handles = build_groups(self.layout["groups"], params.timeout)
         failed = _failed(calls, params.timeout + 10.0)
         if failed:

@@ -60,7 +60,7 @@ class TorchParams:
 
     backend: str = field(default="gloo", metadata={"choices": ("gloo", "nccl")})
     timeout: float = field(default=120.0, metadata={"min_exclusive": 0.0})   # seconds for init and each collective
-    master_port: int = field(default=0, metadata={"min": 0, "max": 65535})    # 0: a free port
+    master_port: int = field(default=0, metadata={"min": 0, "max": 65535})    # 0: the store binds port 0
 
 
 def rank_per_gpu(options: dict) -> bool:
@@ -70,9 +70,30 @@ def rank_per_gpu(options: dict) -> bool:
 
 
 def free_port(host: str) -> int:
+    """A port that was free a moment ago, for a test that must name a port before starting a
+    process that binds it.  fedhop itself never binds a port chosen this way (another process
+    can take it in between): the rendezvous master binds first (`master_store`), every gRPC
+    server binds port 0 and reports what it got."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+DEFAULT_PG_PREFIX = "default_pg"   # torch's init_process_group puts a tcp:// rendezvous's keys under it
+
+
+def master_store(host: str, port: int, world_size: int, timeout: float) -> dist.TCPStore:
+    """The rendezvous store of a world, hosted by the process that will be rank 0, listening
+    before any other rank is told where it is: `port` 0 lets the kernel pick a port at bind time
+    (`store.port` is the one it got), so no other process can take the port between its choice
+    and its bind.  A fixed `port` (transport.params.master_port) is bound as given."""
+    return dist.TCPStore(host, port, world_size, True, datetime.timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def master_address(host: str, store: dist.TCPStore) -> str:
+    """HOST:PORT of a `master_store`, for the other ranks' tcp:// init method ([v6] bracketed)."""
+    shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{shown}:{store.port}"
 
 
 def specs_of(tensors: dict[str, torch.Tensor]) -> list[pb.TensorSpec]:
@@ -118,10 +139,17 @@ class Collectives:
         view.group, view.root, view.root_node, view.link = group, root, root_node, link
         return view
 
-    def init(self, master: str) -> None:
+    def init(self, master: str, store: dist.Store | None = None) -> None:
+        """Join the world: through `store` when this process hosts it (rank 0, `master_store`),
+        else through the store at `master` (HOST:PORT)."""
+        timeout = datetime.timedelta(seconds=self.params.timeout)
+        if store is not None:
+            # the keys under the prefix a tcp:// rendezvous gives the other ranks' default group
+            dist.init_process_group(self.params.backend, store=dist.PrefixStore(DEFAULT_PG_PREFIX, store),
+                                    rank=self.rank, world_size=self.world_size, timeout=timeout)
+            return
         dist.init_process_group(self.params.backend, init_method=f"tcp://{master}", rank=self.rank,
-                                world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=self.params.timeout))
+                                world_size=self.world_size, timeout=timeout)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -206,16 +234,17 @@ class Collectives:
                            error="")
 
 
-def init_watching(coll: "Collectives", master: str, calls: dict, what: str) -> None:
-    """Join the world (`coll.init`) while watching the control calls that asked the other ranks
-    to join (node id -> future): if one of them fails, because a process died or refused, the
-    set-up fails at once and names it, instead of waiting out the store's timeout for a rank
-    that will never come.  (The join left blocked in its daemon thread ends with the process.)"""
+def init_watching(coll: "Collectives", master: str, calls: dict, what: str, store: dist.Store | None = None) -> None:
+    """Join the world (`coll.init`, through `store` when this process hosts it) while watching
+    the control calls that asked the other ranks to join (node id -> future): if one of them
+    fails, because a process died or refused, the set-up fails at once and names it, instead of
+    waiting out the store's timeout for a rank that will never come.  (The join left blocked in
+    its daemon thread ends with the process.)"""
     outcome: dict[str, BaseException] = {}
 
     def join() -> None:
         try:
-            coll.init(master)
+            coll.init(master, store)
         except BaseException as exc:   # re-raised below, in the caller's thread
             outcome["error"] = exc
 
