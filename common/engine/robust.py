@@ -53,7 +53,8 @@ from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload, ReduceOp,
 
 log = logging.getLogger("fedhop.robust")
 
-RULES = ("mean", "median", "trimmed_mean", "krum")
+RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
+KRUM_RULES = ("krum", "multi_krum")
 
 
 def coordinate_median(stack: torch.Tensor) -> torch.Tensor:
@@ -71,8 +72,8 @@ def trim_count(n: int, trim: float) -> int:
 
 
 def rule_minimum(rule: str, krum_f: int = 1) -> int:
-    """The fewest updates for which `rule` can outvote one bad update (Krum: n > 2f + 2)."""
-    if rule == "krum":
+    """The fewest updates for which `rule` can outvote one bad update (Krum, multi-Krum: n > 2f + 2)."""
+    if rule in KRUM_RULES:
         return 2 * krum_f + 3
     return 3 if rule in ("median", "trimmed_mean") else 1
 
@@ -88,16 +89,42 @@ def trimmed_mean(stack: torch.Tensor, trim: float) -> torch.Tensor:
     return ordered[k:n - k].mean(dim=0)
 
 
-def krum_index(vectors: torch.Tensor, f: int) -> int:
-    """Index of the row of an (n, d) matrix with the smallest Krum score (ties: the lowest index)."""
+def krum_scores(vectors: torch.Tensor, f: int) -> list[float]:
+    """Krum's score of each row of an (n, d) matrix (Blanchard et al. 2017, section 4): the sum of
+    its squared Euclidean distances to its n - f - 2 closest other rows.  The distances are
+    summed differences, in float64 (not the |a|^2 + |b|^2 - 2ab expansion of a matrix product,
+    which loses the small distances between honest updates beside a huge one)."""
     n = vectors.shape[0]
     closest = n - f - 2
-    d2 = torch.cdist(vectors.double(), vectors.double()).pow(2)
+    if closest < 1:
+        raise ValueError(f"krum needs n > 2f + 2 updates, i.e. n - f - 2 >= 1 neighbours: n = {n}, f = {f}")
+    v = vectors.double()
+    d2 = torch.empty((n, n), dtype=torch.float64)
+    for i in range(n):
+        d2[i] = (v - v[i]).pow(2).sum(dim=1)
     scores = []
     for i in range(n):
         others = torch.cat([d2[i, :i], d2[i, i + 1:]])
         scores.append(float(torch.sort(others).values[:closest].sum()))
-    return min(range(n), key=lambda i: (scores[i], i))
+    return scores
+
+
+def krum_order(vectors: torch.Tensor, f: int) -> list[int]:
+    """Row indices by Krum score, lowest first; equal scores in index order (the replies' order:
+    the clients' ids, then the edges', so the choice does not depend on arrival)."""
+    scores = krum_scores(vectors, f)
+    return sorted(range(len(scores)), key=lambda i: (scores[i], i))
+
+
+def krum_index(vectors: torch.Tensor, f: int) -> int:
+    """Index of the row with the smallest Krum score (ties: the lowest index)."""
+    return krum_order(vectors, f)[0]
+
+
+def multi_krum_count(n: int, f: int, m: int = 0) -> int:
+    """How many updates multi-Krum averages in a group of n: m where it is set (> 0), else n - f
+    (the paper's suggestion), and never more than n - f, so no choice can need a Byzantine update."""
+    return max(1, min(m if m > 0 else n - f, n - f))
 
 
 def _own_value(p: Payload, name: str) -> torch.Tensor:
@@ -110,9 +137,9 @@ def _own_value(p: Payload, name: str) -> torch.Tensor:
 
 
 def robust_reduce(payloads: list[Payload], ops: Mapping[str, ReduceOp], rule: str, *,
-                  trim: float = 0.1, krum_f: int = 1) -> Payload:
-    """`reduce_payloads` with the `wsum` tensors combined by `rule` (module docstring); Krum with
-    fewer than 2f + 3 updates: the coordinate-wise median."""
+                  trim: float = 0.1, krum_f: int = 1, krum_m: int = 0) -> Payload:
+    """`reduce_payloads` with the `wsum` tensors combined by `rule` (module docstring); Krum or
+    multi-Krum with fewer than 2f + 3 updates: the coordinate-wise median."""
     out = reduce_payloads(payloads, ops)
     if rule == "mean":
         return out
@@ -122,13 +149,15 @@ def robust_reduce(payloads: list[Payload], ops: Mapping[str, ReduceOp], rule: st
         return out
     total = float(out.scalars[WEIGHT_KEY])
     n = len(payloads)
-    if rule == "krum" and n < rule_minimum("krum", krum_f):
+    if rule in KRUM_RULES and n < rule_minimum(rule, krum_f):
         rule = "median"
-    if rule == "krum":
+    if rule in KRUM_RULES:
         flat = torch.stack([torch.cat([_own_value(p, nm).reshape(-1).double() for nm in names]) for p in payloads])
-        chosen = payloads[krum_index(flat, krum_f)]
+        order = krum_order(flat, krum_f)
+        chosen = order[:multi_krum_count(n, krum_f, krum_m) if rule == "multi_krum" else 1]
         for nm in names:
-            out.tensors[nm] = (_own_value(chosen, nm) * total).to(out.tensors[nm].dtype)
+            value = torch.stack([_own_value(payloads[i], nm).double() for i in chosen]).mean(dim=0)
+            out.tensors[nm] = (value * total).to(out.tensors[nm].dtype)
         return out
     for nm in names:
         stack = torch.stack([_own_value(p, nm).double() for p in payloads])
@@ -164,8 +193,8 @@ class RobustAggregate:
     `fallbacks`: the short groups (`short_groups`) seen since the owner last emptied it (kept to
     the latest 1000)."""
 
-    def __init__(self, ops: Mapping[str, ReduceOp], rule: str, trim: float, krum_f: int) -> None:
-        self.ops, self.rule, self.trim, self.krum_f = ops, rule, trim, krum_f
+    def __init__(self, ops: Mapping[str, ReduceOp], rule: str, trim: float, krum_f: int, krum_m: int = 0) -> None:
+        self.ops, self.rule, self.trim, self.krum_f, self.krum_m = ops, rule, trim, krum_f, krum_m
         self.fallbacks: list[tuple[str, str]] = []
 
     def __call__(self, replies: Iterable[tuple[int, Payload]]) -> Payload:
@@ -174,7 +203,8 @@ class RobustAggregate:
             log.warning("robust aggregation%s: %s", f" ({node})" if node else "", detail)
             self.fallbacks.append((node, detail))
         del self.fallbacks[:-1000]
-        return robust_reduce([p for _, p in replies], self.ops, self.rule, trim=self.trim, krum_f=self.krum_f)
+        return robust_reduce([p for _, p in replies], self.ops, self.rule, trim=self.trim, krum_f=self.krum_f,
+                             krum_m=self.krum_m)
 
     def drain(self) -> list[tuple[str, str]]:
         """The short groups seen since the last drain, and forget them."""
@@ -194,11 +224,22 @@ def config_group_problem(cfg: Any) -> str | None:
     if rule == "trimmed_mean" and sec.trim <= 0:
         return ("config key 'security.trim': got 0, a trimmed mean that trims nothing is the mean; use "
                 "security.aggregation = 'mean' or trim > 0")
+    krum_m = int(getattr(sec, "krum_m", 0) or 0)
+    if krum_m and rule != "multi_krum":
+        return (f"config key 'security.krum_m': got {krum_m}, but only security.aggregation = 'multi_krum' "
+                f"averages m updates (aggregation is '{rule}')")
     from fedhop.common.config.schema import resolve_clients_per_round
     need = rule_minimum(rule, sec.krum_f)
     sampled = resolve_clients_per_round(cfg)
-    why = (f"krum with security.krum_f = {sec.krum_f} needs n > 2f + 2 = {need - 1} updates per group"
-           if rule == "krum" else f"{rule} needs at least {need} updates per group to outvote one bad update")
+    why = (f"{rule} with security.krum_f = {sec.krum_f} needs n > 2f + 2 = {need - 1} updates per group"
+           if rule in KRUM_RULES else f"{rule} needs at least {need} updates per group to outvote one bad update")
+
+    def too_many(group: int, where: str) -> str | None:   # multi-Krum's m against the group's n - f
+        if rule == "multi_krum" and krum_m > group - sec.krum_f:
+            return (f"config key 'security.krum_m': got {krum_m}, but multi-Krum averages at most n - f = "
+                    f"{group - sec.krum_f} updates of {where}'s group of n = {group} (f = {sec.krum_f}); "
+                    f"use krum_m <= {group - sec.krum_f}, or 0 for n - f")
+        return None
     try:
         groups = spec_for(cfg.topology.kind).robust   # how the topology groups updates
     except (KeyError, ValueError):
@@ -207,7 +248,7 @@ def config_group_problem(cfg: Any) -> str | None:
         if sampled < need:
             return (f"config key 'security.aggregation': {why}, but a round samples {sampled} clients "
                     f"(clients.per_round = {cfg.clients.per_round})")
-        return None
+        return too_many(sampled, "a round")
     if groups != "edge":
         return None
     from fedhop.common.topologies.graphs import cluster_assignment
@@ -222,4 +263,8 @@ def config_group_problem(cfg: Any) -> str | None:
             return (f"config key 'security.aggregation': {why}, but edge {e} can aggregate at most "
                     f"{min(len(cluster), sampled)} client updates a round ({len(cluster)} clients, "
                     f"{sampled} sampled per round); use fewer edges or more clients per edge")
+    for e, cluster in enumerate(clusters):
+        problem = too_many(min(len(cluster), sampled), f"edge {e}")
+        if problem:
+            return problem
     return None
