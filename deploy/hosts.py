@@ -1,11 +1,28 @@
 """`fedhop launch HOSTS.toml CONFIG`: start a run's roles on the machines a hosts file lists.
 
 Every role is one process started through a *remote command template* (ssh by default): the
-launcher writes the run's token, the role's own per-node credential (the launcher keeps the key
-that issues them, so a role cannot speak for another) and, for the server, the resolved config to
-the process's standard input, streams its output back into `OUT/logs/<node>.log` (and the terminal), waits
-for the server to finish, gathers the remote run directories into `OUT`, merges every
+launcher writes the role's own credentials and, for the server, the resolved config to the
+process's standard input, streams its output back into `OUT/logs/<node>.log` (and the terminal),
+waits for the server to finish, gathers the remote run directories into `OUT`, merges every
 process's ledger into `OUT/run.db` and stops everything on failure or Ctrl-C.
+
+Credentials are per node, and the channels mutual TLS, unless the user opts out by name:
+
+- no `security.certs_dir` and no `security.insecure` (the default): the launcher makes a CA for
+  this run, in memory only, and one certificate per role (CN = node id); each role's shell
+  receives only the CA certificate and its own key and certificate, writes them to
+  `RUN/creds/NODE/` (mode 0600, removed when the run's files are gathered, never gathered) and the
+  process runs mutual TLS from there;
+- `security.certs_dir = DIR` (a `fedhop certs` folder present on every host): TLS from it, mutual
+  with `security.mtls`;
+- `security.insecure = true`: plaintext gRPC, the opt-out by name, said in one line at start.
+
+Either way each role also gets its own per-node credential (`FEDHOP_NODE_CRED`, issued by a key
+only the launcher holds), so no role can sign for another; no shared run token exists.
+
+Ports: a port of 0 in the hosts file (server_port, edge_port, client_port) lets each process bind
+any free port when it starts and report it ("serving at HOST:PORT"); the launcher gives a parent's
+reported address to its children, so no port is chosen by one process and bound by another.
 
 The template is split like a shell command line, `{host}` is replaced by the host's `target`
 (default: its name) and the role's shell command is either put where the token `{command}`
@@ -41,7 +58,6 @@ import io
 import json
 import os
 import re
-import secrets
 import shlex
 import shutil
 import subprocess
@@ -78,12 +94,12 @@ class HostSpec:
     target: str = ""
     server: bool = False
     server_listen: str = ""                      # bind address of the server (default: address)
-    server_port: int = 7000
+    server_port: int = 7000                       # 0: any free port, bound by the server and reported
     edges: list[int] = field(default_factory=list)
-    edge_port: int = 7100                         # edge i on this host listens on edge_port + i
+    edge_port: int = 7100                         # edge i on this host listens on edge_port + i (0: any)
     clients: Any = 0                              # count, "0-9,12" or [ids]
     client_processes: int = 1
-    client_port: int = 7200                       # client process j on this host: client_port + j
+    client_port: int = 7200                       # client process j on this host: client_port + j (0: any)
     workdir: str = ""                             # per-host override of [launch] workdir
     python: str = ""                              # per-host override of [launch] python
     env: dict = field(default_factory=dict)       # extra environment of this host's processes
@@ -185,8 +201,9 @@ def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
         if host.client_processes < 1:
             raise HostsError(f"{where}: host '{host.name}': client_processes = {host.client_processes}, must be >= 1")
         for key in ("server_port", "edge_port", "client_port"):
-            if not 0 < getattr(host, key) < 65536:
-                raise HostsError(f"{where}: host '{host.name}': {key} = {getattr(host, key)} is not a TCP port")
+            if not 0 <= getattr(host, key) < 65536:
+                raise HostsError(f"{where}: host '{host.name}': {key} = {getattr(host, key)} is not a TCP port "
+                                 f"(0: any free port, bound by the process and reported)")
         hosts.append(host)
     names = [h.name for h in hosts]
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -215,10 +232,11 @@ class Role:
     node_id: str          # "server", "edge-<e>", "client-proc<k>"
     kind: str             # server | edge | client
     host: HostSpec
-    port: int
+    port: int             # 0 until the process reports the port it bound (a hosts file's port 0)
     parent: str = ""      # address of the server or edge it registers with
     clients: list[int] = field(default_factory=list)
     edge: int | None = None
+    parent_node: str = ""   # the node id of that parent (its address is final once it serves)
 
     @property
     def address(self) -> str:
@@ -276,7 +294,8 @@ def plan_roles(hf: HostsFile, cfg: Config) -> list[Role]:
                                  f"(topology.edges = {cfg.topology.edges})")
             if e in edge_roles:
                 raise HostsError(f"hosts file: edge {e} is on both '{edge_roles[e].host.name}' and '{h.name}'")
-            edge_roles[e] = Role(planned_edges[e].node_id, "edge", h, h.edge_port + i, parent=server_addr, edge=e)
+            edge_roles[e] = Role(planned_edges[e].node_id, "edge", h, _nth_port(h.edge_port, i), parent=server_addr,
+                                 edge=e, parent_node="server")
     missing = sorted(set(planned_edges) - set(edge_roles))
     if missing:
         raise HostsError(f"hosts file: edges {missing} are on no host (topology.edges = {cfg.topology.edges})")
@@ -313,15 +332,22 @@ def plan_roles(hf: HostsFile, cfg: Config) -> list[Role]:
         h = hf.hosts[p.group]
         assert p.parent is not None   # only the server has none
         j = on_host[p.group] = on_host.get(p.group, -1) + 1
-        roles.append(Role(p.node_id, "client", h, h.client_port + j, parent=address[p.parent],
-                          clients=list(p.clients), edge=p.edge))
+        roles.append(Role(p.node_id, "client", h, _nth_port(h.client_port, j), parent=address[p.parent],
+                          clients=list(p.clients), edge=p.edge, parent_node=p.parent))
     ports: dict[tuple[str, int], str] = {}
     for r in roles:
         key = (r.host.name, r.port)
+        if r.port == 0:   # bound by the process itself: never shared
+            continue
         if key in ports:
             raise HostsError(f"hosts file: {r.node_id} and {ports[key]} both use port {r.port} on '{r.host.name}'")
         ports[key] = r.node_id
     return roles
+
+
+def _nth_port(base: int, n: int) -> int:
+    """The port of the n-th process of a kind on a host: base + n, or 0 (each binds its own) for 0."""
+    return base + n if base else 0
 
 
 # ----------------------------------------------------------------------------- remote commands
@@ -361,13 +387,40 @@ def bind_address(role: Role) -> str:
     return role.address
 
 
+CREDS_DIR = "creds"   # RUN/creds/NODE: a role's own TLS files, when the launcher made them
+
+
+def makes_tls(cfg: Config) -> bool:
+    """The launcher makes this run's CA and per-node certificates: neither a certificate folder
+    nor the plaintext opt-out (security.insecure) was given (module docstring)."""
+    return not cfg.security.certs_dir and not cfg.security.insecure
+
+
+def creds_path(run: str, node_id: str) -> str:
+    return f"{run}/{CREDS_DIR}/{node_id}"
+
+
+def server_config(cfg: Config, run: str) -> Config:
+    """The config the server reads: with the launcher's credentials, its own folder and mutual TLS."""
+    if not makes_tls(cfg):
+        return cfg
+    import copy
+    out = copy.deepcopy(cfg)
+    out.security.certs_dir = creds_path(run, "server")
+    out.security.mtls = True
+    return out
+
+
 def role_argv(role: Role, cfg: Config, run: str) -> list[str]:
     """`python -m <role> ...` arguments (paths relative to the workdir unless absolute)."""
     mm = str(cfg.transport.max_message_bytes)
     window = ["--window-bytes", str(cfg.transport.window_bytes)]
     sec = cfg.security   # children check their channels before the config reaches them
-    security = (["--certs-dir", sec.certs_dir] if sec.certs_dir else []) + (["--mtls"] if sec.mtls else []) \
-        + (["--insecure"] if sec.insecure else [])
+    if makes_tls(cfg):
+        security = ["--certs-dir", creds_path(run, role.node_id), "--mtls"]
+    else:
+        security = (["--certs-dir", sec.certs_dir] if sec.certs_dir else []) + (["--mtls"] if sec.mtls else []) \
+            + (["--insecure"] if sec.insecure else [])
     if role.kind == "server":
         return ["server", "--config", f"{run}/config.toml", "--run-dir", run, "--listen", bind_address(role)]
     if role.kind == "edge":
@@ -378,10 +431,16 @@ def role_argv(role: Role, cfg: Config, run: str) -> list[str]:
             "--threads", str(cfg.run.torch_threads)] + window + security
 
 
+TLS_FILES = ("ca.pem", "{node}.pem", "{node}.key")   # what a role receives of the run's TLS material
+END_OF_FILE = "."                                    # the line after each file on standard input (no PEM line is ".")
+
+
 def role_command(hf: HostsFile, role: Role, cfg: Config, run: str) -> str:
-    """The remote shell command of a role.  The run token arrives on the first line of standard
-    input and the role's own per-node credential on the second (never on a command line, where
-    `ps` would show them); the server's config follows them."""
+    """The remote shell command of a role.  Its own per-node credential arrives on the first line
+    of standard input (never on a command line, where `ps` would show it); then, when the
+    launcher made the run's TLS files, the CA certificate and the role's own certificate and key,
+    each followed by a line ".", which the shell writes to RUN/creds/NODE with umask 077; the
+    server's config follows them."""
     host = role.host
     q = shell_path
     env = {"PYTHONUNBUFFERED": "1", **TUNED_MALLOC_ENV, **{str(k): str(v) for k, v in host.env.items()}}
@@ -389,9 +448,15 @@ def role_command(hf: HostsFile, role: Role, cfg: Config, run: str) -> str:
     steps = [f"cd {q(hf.workdir_of(host))}",
              f"mkdir -p {q(run)}/ledger {q(run)}/pids",
              f"echo $$ > {q(run)}/pids/{role.node_id}.pid",
-             "IFS= read -r FEDHOP_TOKEN",
              f"IFS= read -r {CRED_ENV}",
-             f"export FEDHOP_TOKEN {CRED_ENV} {exports}"]
+             f"export {CRED_ENV} {exports}"]
+    if makes_tls(cfg):
+        d = q(creds_path(run, role.node_id))
+        names = " ".join(shlex.quote(f.format(node=role.node_id)) for f in TLS_FILES)
+        # a subshell: the umask holds for the key files only, not for the run's results
+        steps.append(f"(umask 077 && rm -rf {d} && mkdir -p {d} && for f in {names}; do : > {d}/$f && "
+                     f"while IFS= read -r l && [ \"$l\" != {shlex.quote(END_OF_FILE)} ]; do "
+                     f"printf '%s\\n' \"$l\" >> {d}/$f; done; done)")
     if role.kind == "server":
         steps.append(f"cat > {q(run)}/config.toml")
     argv = " ".join(shlex.quote(a) for a in role_argv(role, cfg, run))
@@ -518,6 +583,36 @@ class Started:
     log: Path
     serving: threading.Event = field(default_factory=threading.Event)
     reader: threading.Thread | None = None
+    reported: str = ""    # the address in its "serving at HOST:PORT" line (the port it bound)
+
+
+_SERVING = re.compile(r"serving at (\S+?)(?:,|\s|$)")
+
+
+def reported_port(line: str) -> int | None:
+    """The port of a process's "serving at HOST:PORT" line (server, edge and client say it once
+    they serve, with the port they bound), or None."""
+    m = _SERVING.search(line)
+    if m is None:
+        return None
+    port = m.group(1).rsplit(":", 1)[-1]
+    return int(port) if port.isdigit() else None
+
+
+class RunTls:
+    """The TLS material the launcher makes for one run (module docstring): a CA that exists only in
+    this process's memory and one certificate per node, CN = node id (peers are verified by node
+    id, so the hosts' addresses need not be in them).  `files(node)` is all one role receives."""
+
+    def __init__(self, node_ids: list[str], days: int = 7) -> None:
+        from fedhop.common.security.auth import make_ca, make_node_cert  # imports grpc: only when used
+        ca_key, self.ca = make_ca(days, name="fedhop launch run CA")
+        self._nodes = {n: make_node_cert(ca_key, self.ca, n, (), days) for n in node_ids}
+
+    def files(self, node_id: str) -> list[bytes]:
+        """ca.pem, NODE.pem, NODE.key (TLS_FILES' order)."""
+        key, cert = self._nodes[node_id]
+        return [self.ca, cert, key]
 
 
 class Launch:
@@ -534,19 +629,33 @@ class Launch:
         self.run = remote_run if remote_run is not None else run_path(hf, self.out.name)
         self.keep_going = keep_going
         self.shared_fs = shared_fs   # every host writes straight into OUT (emulated hosts): nothing to gather
-        self.token = secrets.token_hex(16)
         self.authority = TokenAuthority()     # issues each role its own credential (common/security/auth.py)
+        self.tls = RunTls([r.node_id for r in self.roles]) if makes_tls(cfg) else None
         self.started: list[Started] = []
         self._echo_lock = threading.Lock()
 
     # -- processes ------------------------------------------------------------------
     def stdin_of(self, role: Role) -> str:
-        """What a role's shell reads first (role_command): the run token, its own credential (the
-        launcher keeps the issuer's key, so no role can sign for another), the server's config."""
-        text = f"{self.token}\n{self.authority.issue(role.node_id)}\n"
-        return text + (config_to_toml(self.cfg) if role.kind == "server" else "")
+        """What a role's shell reads first (role_command): its own credential (the launcher keeps
+        the issuer's key, so no role can sign for another), its own TLS files when the launcher
+        made them (never another node's key, never the CA's), the server's config."""
+        text = f"{self.authority.issue(role.node_id)}\n"
+        if self.tls is not None:
+            for pem in self.tls.files(role.node_id):
+                text += pem.decode().rstrip("\n") + f"\n{END_OF_FILE}\n"
+        return text + (config_to_toml(server_config(self.cfg, self.run)) if role.kind == "server" else "")
+
+    def _parent_of(self, role: Role) -> str:
+        """The address of the role's parent: as planned, with the port its process reported when
+        the hosts file left that port to the process (0)."""
+        for st in self.started:
+            if st.role.node_id == role.parent_node and st.role.port == 0 and st.reported:
+                return f"{st.role.host.address}:{st.reported.rsplit(':', 1)[-1]}"
+        return role.parent
 
     def _spawn(self, role: Role) -> Started:
+        if role.parent_node:
+            role.parent = self._parent_of(role)
         cmd = role_command(self.hf, role, self.cfg, self.run)
         argv = remote_argv(self.hf.remote, role.host.remote_name, cmd)
         log = self.out / "logs" / f"{role.node_id}.log"
@@ -572,7 +681,9 @@ class Launch:
                 fh.write(raw)
                 fh.flush()
                 line = raw.decode(errors="replace").rstrip("\n")
-                if "serving at" in line:
+                if "serving at" in line and not st.serving.is_set():
+                    m = _SERVING.search(line)
+                    st.reported = m.group(1) if m else ""
                     st.serving.set()
                 if self.echo is not None:
                     with self._echo_lock:
@@ -590,7 +701,8 @@ class Launch:
                                        f"{self.hf.start_timeout:.0f}s; see {st.log}")
 
     def start(self) -> Started:
-        """Server first, then the edges once it serves, then the client processes."""
+        """Server first, then the edges once it serves (at the port it reported), then the client
+        processes."""
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         (self.out / "config.toml").write_text(config_to_toml(self.cfg))
         server = self._spawn(self.roles[0])
@@ -687,16 +799,17 @@ def gather_command(hf: HostsFile, host: HostSpec, run: str) -> str:
     run.db with SQLite's backup API (a consistent snapshot even while a stopping server still
     writes: the -wal and -shm files never travel; where the host's python cannot, run.db goes as
     it is) and tars the rest; tar's exit 1, "file changed as we read it" (a ledger a stopping
-    process still appends to), still yields an archive."""
+    process still appends to), still yields an archive.  The roles' TLS files (RUN/creds) are
+    removed once the roles ended and never copied."""
     q = shell_path
     wait = max(1, int(hf.stop_grace * 5))
     snap = f"{q(run)}/run.db{SNAPSHOT}"
-    tar = f"tar -C {q(run)} -cf -"
+    tar = f"tar -C {q(run)} --exclude=./{CREDS_DIR} -cf -"   # the roles' keys stay (and end) on the host
     return (f"cd {q(hf.workdir_of(host))} || exit 2; "
             f"for f in {q(run)}/pids/*.pid; do p=$(cat \"$f\" 2>/dev/null) || continue; i=0; "
             f"while [ -n \"$p\" ] && kill -0 \"$p\" 2>/dev/null && [ $i -lt {wait} ]; do "
             f"sleep 0.2 2>/dev/null || sleep 1; i=$((i+1)); done; done; "
-            f"rm -f {snap}; {q(hf.python_of(host))} -c {shlex.quote(SNAPSHOT_CODE)} {q(run)} >&2; "
+            f"rm -rf {q(run)}/{CREDS_DIR}; rm -f {snap}; {q(hf.python_of(host))} -c {shlex.quote(SNAPSHOT_CODE)} {q(run)} >&2; "
             f"if [ -f {snap} ]; then {tar} --exclude=run.db --exclude=run.db-wal --exclude=run.db-shm "
             f"--exclude=run.db-journal .; else {tar} --exclude=run.db-shm .; fi; "   # no snapshot: as it is
             f"rc=$?; rm -f {snap}; exit $rc")
@@ -786,6 +899,19 @@ def run_launch(hf: HostsFile, cfg: Config, out: Path, *, quiet: bool = False, ke
     return status
 
 
+def security_line(cfg: Config) -> str:
+    """The one line `fedhop launch` says about the run's channels and credentials at start."""
+    sec = cfg.security
+    if makes_tls(cfg):
+        return ("mutual TLS with per-node credentials made for this run (a CA in this process's memory only; each "
+                "host receives its own roles' keys, never another's)")
+    if sec.certs_dir:
+        return (f"TLS{' (mutual)' if sec.mtls else ''} from security.certs_dir = {sec.certs_dir} on every host, "
+                f"with per-node credentials")
+    return ("PLAINTEXT gRPC between the hosts (security.insecure = true), per-node credentials: calls travel "
+            "unencrypted; drop security.insecure for mutual TLS")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fedhop launch", description="start a run's roles on the hosts of a hosts file")
     ap.add_argument("hosts", help="hosts TOML file (see examples/hosts.toml)")
@@ -807,10 +933,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedhop launch: {exc}", file=sys.stderr)
         return 2
     refusal = plaintext_refusal([bind_address(r) for r in roles], cfg.security.insecure,
-                                tls=bool(cfg.security.certs_dir), who="launch")
+                                tls=bool(cfg.security.certs_dir) or makes_tls(cfg), who="launch")
     if refusal:   # every role would refuse on its host: say so before starting any
         print(f"fedhop launch: {refusal}", file=sys.stderr)
         return 2
+    print(f"fedhop launch: {security_line(cfg)}", file=sys.stderr)
     from fedhop.deploy.launcher import default_run_dir
     if args.out or not args.dry_run:
         out = Path(args.out) if args.out else default_run_dir(cfg)

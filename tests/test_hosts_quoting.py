@@ -88,10 +88,10 @@ def test_env_values_reach_the_remote_shell_verbatim(tmp_path):
     command = role_command(hf, role, cfg, "runs/r")
     prefix, _, last = command.rpartition(" && ")
     assert last.startswith("exec ")
-    res = subprocess.run(["sh", "-c", prefix + " && exec env"], cwd=tmp_path, input="tok\ncred\n",
+    res = subprocess.run(["sh", "-c", prefix + " && exec env"], cwd=tmp_path, input="cred\nca\n.\ncert\n.\nkey\n.\n",
                          capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stderr
     env = dict(line.split("=", 1) for line in res.stdout.splitlines() if "=" in line)
-    assert env["WEIRD"] == HOSTILE and env["N"] == "3" and env["FEDHOP_TOKEN"] == "tok"
-    assert env["FEDHOP_NODE_CRED"] == "cred"     # the role's own credential, the second line
+    assert env["WEIRD"] == HOSTILE and env["N"] == "3" and "FEDHOP_TOKEN" not in env
+    assert env["FEDHOP_NODE_CRED"] == "cred"     # the role's own credential, the first line
     assert not any((tmp_path / f"pwned{i}").exists() for i in (1, 2, 3))

@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sqlite3
+import stat
 import subprocess
 import sys
 import textwrap
@@ -130,29 +131,59 @@ def test_remote_argv_places_the_command_as_one_argument_or_as_sh_c():
     assert remote_argv("ip netns exec {host}", "ns1", cmd) == ["ip", "netns", "exec", "ns1", "sh", "-c", cmd]
 
 
-def test_role_command_keeps_the_token_off_the_command_line_and_quotes_paths():
+def test_role_command_keeps_credentials_off_the_command_line_and_quotes_paths(tmp_path):
+    """A role's shell reads its own per-node credential and, by default, its own TLS files from
+    standard input (never a command line, never a shared run token, never another node's key or
+    the CA's); the shell writes those files where its process finds them, mode 0600."""
     cfg = parse_config(cfg_text())
     hf = hosts_from_dict(hosts({"name": "a", "address": "10.0.0.1", "server": True, "clients": 6,
                                 "env": {"GLOO_SOCKET_IFNAME": "eth 0"}}, workdir="~/my repo", run_root="runs"))
     server, client = plan_roles(hf, cfg)[:2]
     cmd = role_command(hf, server, cfg, "runs/x")
-    assert cmd.startswith("cd ~/'my repo' && ") and "IFS= read -r FEDHOP_TOKEN" in cmd
-    assert "IFS= read -r FEDHOP_NODE_CRED" in cmd and "export FEDHOP_TOKEN FEDHOP_NODE_CRED " in cmd
-    # standard input: the run token, then the role's own credential from the launcher's issuer
-    launch = Launch(hf, cfg, Path("out"), roles=[server, client])
+    assert cmd.startswith("cd ~/'my repo' && ") and "FEDHOP_TOKEN" not in cmd
+    assert "IFS= read -r FEDHOP_NODE_CRED" in cmd and "export FEDHOP_NODE_CRED " in cmd
+    launch = Launch(hf, cfg, Path("out"), roles=[server, client], remote_run="runs/x")
+    assert launch.tls is not None    # no certs_dir, no security.insecure: the launcher's own mutual TLS
+    pems = {}
     for role in (server, client):
-        token, cred, rest = launch.stdin_of(role).split("\n", 2)
+        cred, rest = launch.stdin_of(role).split("\n", 1)
         signed = SignedIdentity.parse(cred)
-        assert token == launch.token and signed.node_id == role.node_id
-        assert signed.issuer == launch.authority.public
-        assert (rest.startswith("[run]") or "[run]" in rest) if role.kind == "server" else rest == ""
+        assert signed.node_id == role.node_id and signed.issuer == launch.authority.public
+        blocks = rest.split("\n.\n")
+        ca, cert, key = blocks[:3]
+        assert "BEGIN CERTIFICATE" in ca and "BEGIN CERTIFICATE" in cert and "PRIVATE KEY" in key
+        pems[role.node_id] = (ca, cert, key)
+        tail = blocks[3]
+        assert ("[run]" in tail and 'certs_dir = "runs/x/creds/server"' in tail and "mtls = true" in tail) \
+            if role.kind == "server" else tail == ""
+        # what the shell of that role writes, run for real on this machine
+        argv = role_command(hf, role, cfg, "runs/x").split(" && exec ")[0].replace("cd ~/'my repo'", f"cd {tmp_path}")
+        res = subprocess.run(["sh", "-c", argv + " && env"], input=launch.stdin_of(role), capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        folder = tmp_path / "runs" / "x" / "creds" / role.node_id
+        assert sorted(p.name for p in folder.iterdir()) == sorted(["ca.pem", f"{role.node_id}.pem",
+                                                                  f"{role.node_id}.key"])
+        assert (folder / f"{role.node_id}.key").read_text() == key + "\n"
+        assert (folder / "ca.pem").read_text() == ca + "\n"
+        assert stat.S_IMODE((folder / f"{role.node_id}.key").stat().st_mode) == 0o600
+        assert stat.S_IMODE((tmp_path / "runs" / "x" / "ledger").stat().st_mode) & 0o055   # results keep the umask
+        assert "FEDHOP_TOKEN" not in res.stdout
+    assert pems["server"][0] == pems["client-proc0"][0] and pems["server"][2] != pems["client-proc0"][2]
+    assert "PRIVATE KEY" not in launch.stdin_of(client).split(pems["client-proc0"][2])[1]   # one key each
+    assert "--mtls" in role_command(hf, client, cfg, "runs/x") and "runs/x/creds/client-proc0" in role_command(
+        hf, client, cfg, "runs/x")
     assert "cat > runs/x/config.toml" in cmd and "GLOO_SOCKET_IFNAME='eth 0'" in cmd
-    assert "read -r" in role_command(hf, client, cfg, "runs/x")
     assert "cat >" not in role_command(hf, client, cfg, "runs/x")
     assert "client-proc0" in kill_command(hf, client, "runs/x")
     # the shell parses it back into the python argv we planned
     tail = cmd.split("exec ", 1)[1]
     assert shlex.split(tail)[:3] == [".venv/bin/python", "-m", "fedhop.server"]
+    # the named opt-out: plaintext, no TLS files, the per-node credential still
+    plain = parse_config(cfg_text(), ["security.insecure=true"])
+    assert Launch(hf, plain, Path("out"), roles=[server, client]).tls is None
+    assert "creds" not in role_command(hf, client, plain, "runs/x") and "--insecure" in role_command(
+        hf, client, plain, "runs/x")
 
 
 def test_process_layout_matches_fedhop_run():
@@ -187,24 +218,16 @@ def _no_process_mentions(marker: str) -> bool:
 LOCAL_TEMPLATE = "env FEDHOP_HOST={host} sh -c {command}"   # "remote" = a local shell: no root, no ssh
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def test_launch_through_a_local_template_completes_and_gathers(tmp_path):
+    """Two "machines" (local shells with their own run folders), every port 0: each process binds
+    its own and reports it, the launcher hands the server's to the clients.  By default the run is
+    mutual TLS with certificates the launcher made; the keys never come back with the results and
+    are gone from the hosts after gathering."""
     cfg_file = tmp_path / "exp.toml"
     cfg_file.write_text(cfg_text())
     work_a, work_b = tmp_path / "hostA", tmp_path / "hostB"     # two "machines": separate run directories
     work_a.mkdir(), work_b.mkdir()
-    p_server, p_a, p_b = _free_ports(3)
+    p_server, p_a, p_b = 0, 0, 0
     hf = _write_hosts(tmp_path / "hosts.toml", f"""
         [launch]
         remote = "{LOCAL_TEMPLATE}"
@@ -228,8 +251,18 @@ def test_launch_through_a_local_template_completes_and_gathers(tmp_path):
     out = tmp_path / "out"
     res = _launch(hf, cfg_file, out)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "fedhop launch: mutual TLS with per-node credentials made for this run" in res.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 3
+    assert summary["faults"]["auth_refused"] == 0
+    assert 'mtls = true' in (out / "config.toml").read_text()          # the server's, gathered
+    assert not list(out.rglob("*.key")) and not (out / "creds").exists()
+    for work in (work_a, work_b):
+        assert not (work / "runs" / "out" / "creds").exists(), work
+    server_log = (out / "logs" / "server.log").read_text()
+    port = int(server_log.split("serving at ")[1].split()[0].rsplit(":", 1)[1])
+    assert port != 0 and f"registering with 127.0.0.1:{port}" in (out / "logs" / "client-proc1.log").read_text()
+    assert "PLAINTEXT" not in server_log and "SHARED-TOKEN" not in server_log
     # host b's ledger was only on host b until gathered: now merged, both sides of every message
     assert sorted(p.name for p in (out / "ledger").glob("*.jsonl")) == [
         "client-proc0.jsonl", "client-proc1.jsonl", "server.jsonl"]
@@ -245,7 +278,7 @@ def test_launch_through_a_local_template_completes_and_gathers(tmp_path):
 
 def _two_hosts(path: Path, run_root: Path, second: str, second_python: str) -> Path:
     """Host a (server, 3 clients, this interpreter) and host SECOND (3 clients, SECOND_PYTHON)."""
-    ports = _free_ports(3)
+    ports = [0, 0, 0]   # each process binds its own
     return _write_hosts(path, f"""
         [launch]
         remote = "{LOCAL_TEMPLATE}"
@@ -346,7 +379,7 @@ def test_launch_ctrl_c_stops_every_role(tmp_path):
     cfg_file = tmp_path / "exp.toml"
     cfg_file.write_text(cfg_text(rounds=100_000))
     marker = f"fh-launch-int-{os.getpid()}"
-    p_server, p_a = _free_ports(2)
+    p_server, p_a = 0, 0   # each process binds its own
     hf = _write_hosts(tmp_path / "hosts.toml", f"""
         [launch]
         remote = "{LOCAL_TEMPLATE}"
@@ -388,21 +421,50 @@ def test_launch_ctrl_c_stops_every_role(tmp_path):
         assert store.check_agreement().matched > 0
 
 
-def test_launch_refuses_plaintext_off_loopback_before_starting_anything(capsys, tmp_path, monkeypatch):
-    """The README's two-machine recipe: without security.insecure (or certificates) every role
-    would refuse on its host; the launch says so at once, naming the key, and exits 2.  A dry run
-    makes nothing in the folder it runs in."""
+def test_launch_runs_mutual_tls_by_default_and_plaintext_only_by_name(capsys, tmp_path, monkeypatch):
+    """The README's two-machine recipe, as written (no security keys): every role gets its own
+    certificate folder and --mtls, and the launch says so in one line; plaintext only with
+    security.insecure = true, said in one line too.  A dry run makes nothing in the folder it
+    runs in."""
     from fedhop.deploy.hosts import main as launch
     monkeypatch.chdir(tmp_path)
     args = [str(ROOT / "examples" / "hosts.toml"), str(ROOT / "examples" / "fedavg_digits.toml"), "--dry-run"]
-    assert launch(args) == 2
-    plain = capsys.readouterr()
-    assert plain.out == "" and len(plain.err.strip().splitlines()) == 1, plain.err
-    assert "security.insecure=true" in plain.err and "192.168.1.10:7000" in plain.err
+    assert launch(args) == 0
+    tls = capsys.readouterr()
+    assert tls.err.strip().splitlines() == [
+        "fedhop launch: mutual TLS with per-node credentials made for this run (a CA in this process's memory only; "
+        "each host receives its own roles' keys, never another's)"], tls.err
+    commands = [line for line in tls.out.splitlines() if not line.startswith("#")]
+    assert len(commands) == 4 and all("--insecure" not in c and "FEDHOP_TOKEN" not in c for c in commands)
+    for node in ("client-proc0", "client-proc1", "client-proc2"):
+        (cmd,) = [c for c in commands if f"--node-id {node}" in c]
+        assert "--mtls" in cmd and f"/creds/{node} " in cmd and "umask 077" in cmd
     assert launch(args + ["--set", "security.insecure=true"]) == 0
-    ok = capsys.readouterr()
-    assert ok.out.count("--insecure") == 3, ok.out   # passed to each of the three client processes
+    plain = capsys.readouterr()
+    assert plain.out.count("--insecure") == 3, plain.out   # passed to each of the three client processes
+    assert "--mtls" not in plain.out and "creds" not in plain.out
+    assert len(plain.err.strip().splitlines()) == 1 and "PLAINTEXT gRPC between the hosts" in plain.err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_hosts_file_port_of_zero_is_bound_by_the_process_and_never_shared():
+    """Port 0 in a hosts file: every process of that kind binds its own (no two roles planned on
+    one chosen port); the launcher reads the port from the process's "serving at" line."""
+    from fedhop.deploy.hosts import reported_port
+    cfg = parse_config(cfg_text(HIER, processes=4))
+    hf = hosts_from_dict(hosts({"name": "a", "address": "10.0.0.1", "server": True, "server_port": 0,
+                                "edges": [0, 1], "edge_port": 0, "clients": 6, "client_processes": 2,
+                                "client_port": 0}))
+    roles = plan_roles(hf, cfg)
+    assert [r.port for r in roles] == [0] * len(roles)
+    assert {r.parent_node for r in roles if r.kind == "edge"} == {"server"}
+    assert {r.parent_node for r in roles if r.kind == "client"} == {"edge-0", "edge-1"}
+    assert reported_port("2026-11-28 10:00:00 server INFO run abc: serving at 0.0.0.0:41234") == 41234
+    assert reported_port("x client-proc0 INFO serving at [::1]:5001, registering with 10.0.0.1:41234") == 5001
+    assert reported_port("no address here") is None
+    with pytest.raises(HostsError, match="not a TCP port"):
+        hosts_from_dict(hosts({"name": "a", "address": "10.0.0.1", "server": True, "clients": 6,
+                               "client_port": -1}))
 
 
 WRITER = r"""
