@@ -90,28 +90,48 @@ def node_folders(certs: Path, nodes: list[str], out: Path) -> dict[str, Path]:
     return folders
 
 
-def per_node_override(compose_file: Path, folders: dict[str, Path], clients: int, edges: int) -> dict:
-    """A Compose override: each service mounts its own folder at /certs.
+def per_node_override(compose_file: Path, folders: dict[str, Path], clients: int, edges: int,
+                      uid: int | None = None, gid: int | None = None) -> dict:
+    """A Compose override: each service mounts its own folder at /certs and runs mutual TLS.
 
-    The scalable `client` service (whose replicas would share one mount) gets 0 replicas; client
-    process k runs as its own service `client-K` (extending `client`), with FEDHOP_SLOT=K and its
-    own folder, so no client container holds another client's key.  Every role is told the count
-    (FEDHOP_CLIENT_PROCESSES), so nothing waits for replicas to settle."""
+    Every service is told FEDHOP_SECURITY=mtls (deploy/docker/entrypoint.sh then sets the variables
+    the processes read), so the command `fedhop compose` prints runs mutual TLS as printed, whatever
+    the shell around it exports.  The scalable `client` service (whose replicas would share one
+    mount) gets 0 replicas; client process k runs as its own service named by its node id,
+    `client-procK` (extending `client`), with FEDHOP_SLOT=K and its own folder, so no client container
+    holds another client's key and container names carry the node ids.  Every role is told the count
+    (FEDHOP_CLIENT_PROCESSES), so nothing waits for replicas to settle.  FEDHOP_UID/FEDHOP_GID (the
+    user who ran `fedhop compose`, or the FEDHOP_UID/FEDHOP_GID it was given; root: see
+    deploy/docker/entrypoint.sh) is the processes' user, so the run's files are theirs."""
     def certs(node: str) -> list[dict]:
         return [{"type": "bind", "source": str(folders[node]), "target": "/certs", "read_only": True}]
 
-    count = {"FEDHOP_CLIENT_PROCESSES": str(clients)}
-    services: dict[str, dict] = {"server": {"environment": count, "volumes": certs("server")},
+    common = {"FEDHOP_CLIENT_PROCESSES": str(clients), "FEDHOP_SECURITY": "mtls", "FEDHOP_CERTS_DIR": "/certs"}
+    if uid:
+        common.update(FEDHOP_UID=str(uid), FEDHOP_GID=str(gid if gid is not None else uid))
+    services: dict[str, dict] = {"server": {"environment": common, "volumes": certs("server")},
                                  CLIENT_TEMPLATE: {"deploy": {"replicas": 0}}}
     for e in range(edges):
-        services[f"edge-{e}"] = {"environment": count, "volumes": certs(edge_node(e))}
+        services[f"edge-{e}"] = {"environment": common, "volumes": certs(edge_node(e))}
     for k in range(clients):
-        services[f"client-{k}"] = {
+        node = client_proc_node(k)
+        services[node] = {
             "extends": {"file": str(compose_file.resolve()), "service": CLIENT_TEMPLATE},
             "deploy": {"replicas": 1},
-            "environment": {**count, "FEDHOP_SLOT": str(k)},
-            "volumes": certs(client_proc_node(k))}
+            "environment": {**common, "FEDHOP_SLOT": str(k)},
+            "volumes": certs(node)}
     return {"services": services}
+
+
+def up_command(base: Path, override: Path) -> str:
+    """The one command that runs the cluster, attached to the server's container only, its exit
+    status the server's: `up --attach server --exit-code-from server`.  Compose watches only the
+    attached containers for --exit-code-from (and the --abort-on-container-exit it implies), so a
+    client container that dies costs its clients, not the run; the server's end stops the rest.
+    Without --attach, any one container's exit stops every container (one killed client ended the
+    run within 4 s).  Not `up -d` then `wait server`: `wait` fails (status 1) for a server that
+    exited before it started waiting, as a refused or misconfigured one does at once."""
+    return f"docker compose -f {base} -f {override} up --attach server --exit-code-from server"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,9 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="fedhop compose",
         description="Per-node credentials for docker compose: from a `fedhop certs` folder, one folder per "
                     "node (ca.pem and that node's own key pair and credential only) and an override file that mounts each at its "
-                    "service's /certs, with one service per client process (client-0..N-1).  Then: "
-                    "docker compose -f docker-compose.yml -f DIR/compose.yml up --abort-on-container-exit "
-                    "--exit-code-from server")
+                    "service's /certs and runs mutual TLS, with one service per client process (client-proc0..N-1).  Then: "
+                    "docker compose -f docker-compose.yml -f DIR/compose.yml up --attach server --exit-code-from server")
     ap.add_argument("certs", help="the folder `fedhop certs` made (ca.pem, NODE.pem, NODE.key, NODE.cred)")
     ap.add_argument("--clients", type=int, required=True, help="client processes (client-proc0..N-1)")
     ap.add_argument("--edges", type=int, default=0, help="edges (edge-0..E-1; docker-compose.yml has 2)")
@@ -144,11 +163,23 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         folders = node_folders(Path(args.certs), nodes, out)
         override = out / "compose.yml"
-        override.write_text("# made by `fedhop compose` (deploy/compose.py): per-node /certs mounts\n"
-                            + json.dumps(per_node_override(base, folders, args.clients, args.edges), indent=2) + "\n")
+        uid, gid = (os.environ.get(name) or str(own) for name, own in (("FEDHOP_UID", os.getuid()),
+                                                                         ("FEDHOP_GID", os.getgid())))
+        if not (uid.isdigit() and gid.isdigit()):
+            raise ValueError(f"FEDHOP_UID={uid!r} FEDHOP_GID={gid!r}: numeric user and group ids")
+        override.write_text("# made by `fedhop compose` (deploy/compose.py): per-node /certs mounts, mutual TLS\n"
+                            + json.dumps(per_node_override(base, folders, args.clients, args.edges,
+                                                           int(uid), int(gid)), indent=2) + "\n")
+        # the runs' parent folder (docker-compose.yml: FEDHOP_RUNS_SRC, relative to the base file's
+        # folder, default runs-compose) made by this user, not by the engine as root: the project
+        # folders the containers make in it are then this user's to remove
+        (base.parent / os.environ.get("FEDHOP_RUNS_SRC", "runs-compose")).mkdir(parents=True, exist_ok=True)
     except (ValueError, OSError) as exc:
         print(f"fedhop compose: {exc}", file=sys.stderr)
         return 2
-    print(f"fedhop compose: {len(nodes)} node folders and {override} (client services client-0..{args.clients - 1})")
-    print(f"  docker compose -f {base} -f {override} up --abort-on-container-exit --exit-code-from server")
+    print(f"fedhop compose: {len(nodes)} node folders and {override}: mutual TLS, each container holding its own "
+          f"key only (services server, {'edge-0.., ' if args.edges else ''}client-proc0..{args.clients - 1}); run it with")
+    print(f"  {up_command(base, override)}")
+    print("  (its status is the server's; a dead client container costs its clients only; every node's log: "
+          "RUN/logs/NODE.log, and `docker compose ... logs`)")
     return 0

@@ -231,15 +231,52 @@ def local_ip_towards(address: str, timeout: float = 120.0) -> str:
 
 
 def _run(role: str, args: list[str], token: str) -> int:
-    """Run `python -m fedhop.<role> ARGS` and return its exit status, passing SIGTERM and SIGINT on."""
+    """Run `python -m fedhop.<role> ARGS` and return its exit status, passing SIGTERM and SIGINT on.
+
+    The process's output goes to this role's stdout (what `docker compose logs` shows) and to
+    RUN/logs/NODE.log in the run folder (the run named by --run-dir, or the folder above
+    --ledger-dir; NODE from --node-id, else `server`), as `fedhop run` keeps it: a host folder in
+    compose, so the log of a container that was killed or removed stays with the run.  Each chunk
+    is written to the file as it arrives, so a SIGKILL loses nothing already read."""
+    import threading
+
     from fedhop.deploy.malloc import tuned_env
     child_env = tuned_env()
     child_env["FEDHOP_TOKEN"] = token
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     argv = [sys.executable, "-m", f"fedhop.{role}", *args]
-    log.info("run %s", " ".join(shlex.quote(a) for a in argv))
+    after = dict(zip(args, args[1:]))        # each flag's value
+    run_dir = Path(after["--run-dir"]) if "--run-dir" in after else (
+        Path(after["--ledger-dir"]).parent if "--ledger-dir" in after else None)
+    log_fd = -1
+    if run_dir is not None:
+        log_path = run_dir / "logs" / f"{after.get('--node-id', 'server')}.log"
+        try:
+            log_path.parent.mkdir(exist_ok=True)
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as exc:
+            log.warning("no log file in the run folder (%s): the output goes to stdout only", exc)
+    command = " ".join(shlex.quote(a) for a in argv)
+    log.info("run %s", command)
     sys.stdout.flush()
-    proc = subprocess.Popen(argv, env=child_env)
+    if log_fd >= 0:
+        os.write(log_fd, f"{time.strftime('%Y-%m-%d %H:%M:%S')} role-{role} run {command}\n".encode())
+    proc = subprocess.Popen(argv, env=child_env, stdout=subprocess.PIPE if log_fd >= 0 else None,
+                            stderr=subprocess.STDOUT if log_fd >= 0 else None)
+
+    def copy_output() -> None:
+        assert proc.stdout is not None
+        out = sys.stdout.fileno()
+        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+            os.write(log_fd, chunk)
+            try:
+                os.write(out, chunk)
+            except OSError:
+                pass                          # stdout gone: the file still gets everything
+
+    copier = threading.Thread(target=copy_output, name="log-copy", daemon=True) if log_fd >= 0 else None
+    if copier is not None:
+        copier.start()
 
     def forward(signum: int, _frame: object) -> None:
         if proc.poll() is None:
@@ -250,6 +287,8 @@ def _run(role: str, args: list[str], token: str) -> int:
     code = proc.wait()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)   # the status is decided: a late stop request cannot change it
+    if copier is not None:
+        copier.join(timeout=5.0)             # the rest of the output (a child it left may hold the pipe)
     return 128 - code if code < 0 else code  # killed by signal N: 128+N, as a shell reports it
 
 

