@@ -34,7 +34,7 @@ import time
 import traceback
 from pathlib import Path
 
-from fedhop.common.util.procexit import die_with, exit_code, exit_now
+from fedhop.common.util.procexit import Stopped, die_with, exit_code, exit_now, stop_reason
 from fedhop.common.util.proctitle import prepare as prepare_title
 from fedhop.deploy.malloc import TUNED_MALLOC_ENV
 
@@ -116,6 +116,9 @@ def fork_module(module: str, args: list[str], env: dict[str, str], log: Path, cw
         code = _run_child(module, args, env, log, cwd, parent)
     except SystemExit as exc:
         code = exit_code(exc)
+    except (KeyboardInterrupt, Stopped) as exc:   # a stop before the module handles its own: one line, 128 + N
+        reason, code = stop_reason(exc)
+        print(f"fedhop: `python -m {module}` {reason} while starting", file=sys.stderr)
     except BaseException:   # noqa: BLE001 - a child's crash is reported in its log, as Python would
         traceback.print_exc()
         code = 1
@@ -138,7 +141,11 @@ def _run_child(module: str, args: list[str], env: dict[str, str], log: Path, cwd
     os.environ.update(env)
     tune_malloc(env)
     logging.root.handlers.clear()   # the module's own logging set-up applies, as in a fresh process
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # as an exec'd Python: Ctrl-C raises KeyboardInterrupt, unless the launcher ignores SIGINT (a
+    # background job's): the child then ignores it too, as a child inherits an ignored signal
+    # across exec
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
     sys.argv = [module, *args]

@@ -523,15 +523,22 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
     """`fedhop run`, leaving this process's SIGINT and SIGTERM handlers as it found them.
     `on_run_dir` is told the run folder once it is chosen (the Python API, deploy/api.py)."""
     with signals_restored():
-        return _run_local(config_path, overrides, out, quiet, show_table, resume, start_round, dashboard, force,
-                          on_run_dir)
+        stop_on_sigterm()   # SIGTERM (a scheduler, `timeout`, `kill`) stops the run as Ctrl-C does
+        try:
+            return _run_local(config_path, overrides, out, quiet, show_table, resume, start_round, dashboard, force,
+                              on_run_dir)
+        except (KeyboardInterrupt, Stopped) as exc:   # before any process started (or during a second Ctrl-C's kill)
+            reason, code = stop_reason(exc)
+            print(f"\nfedhop run: {reason}", file=sys.stderr)
+            return code
 
 
 def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool, show_table: bool,
                resume: bool, start_round: int, dashboard: int | None, force: bool,
                on_run_dir: Callable[[Path], None] | None) -> int:
     """`fedhop run`: returns the exit status (0 completed, 1 failed, 2 bad config or run folder,
-    130 after Ctrl-C, 143 after SIGTERM: the run is then recorded as "stopped").  Paths (the
+    130 after Ctrl-C, 143 after SIGTERM: the run is then recorded as "stopped"; a stop that
+    reaches the server after its last round's row leaves a completed run, 0).  Paths (the
     config, `out`, and the config's data_dir, data.path and certs_dir) are relative to the
     working directory; the run folder records them absolute.
     With `dashboard` (a port), the live run page is served from this process (deploy/dashboard.py)
@@ -596,7 +603,6 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
     if not quiet and (asked or any(d != "cpu" for d in devices.values())):
         print(f"fedhop run: devices: {describe(devices)}", file=sys.stderr)
     progress = page = None
-    stop_on_sigterm()   # SIGTERM (a scheduler, `timeout`, `kill`) stops the run as Ctrl-C does
     try:
         server = run.start(overrides=[], resume=resume)
         page = start_dashboard(run_dir, dashboard) if dashboard is not None else None
@@ -648,7 +654,8 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         merge_interrupted(run_dir)
         if show_table and (run_dir / "summary.json").exists():
             print(final_table(run_dir))
-        return code
+        # the server's verdict: a stop after the last round's row leaves a completed run (server/coordinator.py)
+        return 0 if recorded_status(run_dir) == "completed" else code
     except RuntimeError as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
         run.stop_all()
@@ -667,4 +674,14 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
             print(f"fedhop run: continue it with `fedhop run --resume {run_dir}`", file=sys.stderr)
     if page is not None:
         keep_serving(page)
-    return 0 if status == 0 else 1
+    # the server's status: 0 completed, 128 + N stopped by signal N (one this launcher did not
+    # take itself: it ignores SIGINT as a background job), else 1
+    return status if status in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) else 1
+
+
+def recorded_status(run_dir: Path) -> str:
+    """summary.json's status ('' without a readable one)."""
+    try:
+        return str(json.loads((run_dir / "summary.json").read_text()).get("status", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""

@@ -8,35 +8,49 @@ security.mtls); every call's node credential is checked; plaintext on a non-loop
 needs --insecure (the same as security.insecure = true; or FEDHOP_INSECURE=1).
 Exit status: 0 when the run completed, 1 when it failed, 2 on a bad config or a security refusal,
 128 + N when signal N stopped it (SIGINT, SIGTERM), after it has recorded the run as "stopped"
-(summary.json, run.db) and told its children to shut down.
+(summary.json, run.db) and told its children to shut down.  A stop signal is noted from the
+process's first line: one that arrives during set-up stops the run as soon as its records exist
+(before any round); one after the last round's row is written leaves a "completed" run, exit 0
+(server/coordinator.py `Coordinator.run`); one while the records are written waits for them.
 """
 from __future__ import annotations
 
-import argparse
-import logging
-import os
-from pathlib import Path
+if __name__ == "__main__":   # before the slow imports: a signal during them is noted, not a traceback
+    from fedhop.common.util.procexit import stop_on_sigterm as _defer_stops
+    _defer_stops(deferred=True)
 
-import torch
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-from fedhop.common.config import ConfigError, load_config
-from fedhop.common.records.checkpoint import CheckpointError
-from fedhop.common.security.addresses import insecure_from_env, listen_address, plaintext_refusal
-from fedhop.common.security.auth import NodeCredentials, SecurityError, announce_security
-from fedhop.common.transport.admission import EventThrottle, RequestGate, peer_host, throttle_refusal_logs
-from fedhop.common.transport.factory import make_endpoint
-from fedhop.common.transport.livebytes import LinkCounter, ServerLive
-from fedhop.common.transport.liveness import LivenessMonitor
-from fedhop.common.transport.torch_device import process_device
-from fedhop.common.util.procexit import exit_now, freeze_heap, stop_on_sigterm
-from fedhop.common.util.proctitle import set_role_title
-from fedhop.common.wire.ledger import Ledger
-from fedhop.server.child_reports import ChildReports
-from fedhop.server.coordinator import Coordinator
-from fedhop.server.resilience import Checkpointer, resume
+import torch  # noqa: E402
+
+from fedhop.common.config import ConfigError, load_config  # noqa: E402
+from fedhop.common.records.checkpoint import CheckpointError  # noqa: E402
+from fedhop.common.security.addresses import insecure_from_env, listen_address, plaintext_refusal  # noqa: E402
+from fedhop.common.security.auth import NodeCredentials, SecurityError, announce_security  # noqa: E402
+from fedhop.common.transport.admission import EventThrottle, RequestGate, peer_host, throttle_refusal_logs  # noqa: E402
+from fedhop.common.transport.factory import make_endpoint  # noqa: E402
+from fedhop.common.transport.livebytes import LinkCounter, ServerLive  # noqa: E402
+from fedhop.common.transport.liveness import LivenessMonitor  # noqa: E402
+from fedhop.common.transport.torch_device import process_device  # noqa: E402
+from fedhop.common.util.procexit import exit_now, freeze_heap, signals_restored, stop_on_sigterm  # noqa: E402
+from fedhop.common.util.proctitle import set_role_title  # noqa: E402
+from fedhop.common.wire.ledger import Ledger  # noqa: E402
+from fedhop.server.child_reports import ChildReports  # noqa: E402
+from fedhop.server.coordinator import Coordinator  # noqa: E402
+from fedhop.server.resilience import Checkpointer, resume  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The server process (module docstring); a caller in the same process (a test) keeps its
+    own SIGINT and SIGTERM handlers afterwards."""
+    with signals_restored():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedhop.server", description=__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", required=True)
@@ -53,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="allow plaintext gRPC on a non-loopback --listen address: the same as "
                          "--set security.insecure=true (also FEDHOP_INSECURE=1)")
     args = ap.parse_args(argv)
+    stop_on_sigterm(deferred=True)   # noted until the run's records exist (Coordinator.run arms them)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(levelname)s %(message)s")
     if args.insecure:   # recorded in the run's config.toml like the key it stands for
         args.overrides.append("security.insecure=true")
@@ -151,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return {}
 
     coordinator.summary_hooks.insert(0, folded_refusals)
-    stop_on_sigterm()   # a stopped run still records how it ended: status "stopped", summary.json, run.db
-    summary = coordinator.run(register_timeout=args.register_timeout)
+    summary = coordinator.run(register_timeout=args.register_timeout)   # stops end registration and rounds only
     live.flush()   # the server's own records up to the last shutdown reply: the live view now equals the final table
     monitor.stop()
     endpoint.stop()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import threading
 import time
 import uuid
@@ -33,7 +35,15 @@ from fedhop.common.transport.base import Endpoint
 from fedhop.common.transport.fabric import Fabric, Send
 from fedhop.common.transport.liveness import live_pool, unreachable
 from fedhop.common.util.nodeids import client_node, edge_index, edge_node
-from fedhop.common.util.procexit import Stopped, ignore_stops, raise_if_stopped, stop_reason
+from fedhop.common.util.procexit import (
+    Stopped,
+    ignore_stops,
+    raise_if_stopped,
+    stop_noted,
+    stop_reason,
+    stops_armed,
+    stops_deferred,
+)
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import COMPUTE_KEY, Payload
@@ -174,6 +184,7 @@ class Coordinator:
                     raise RunFailed(f"registration timed out after {timeout:.0f}s: {len(missing)} logical "
                                     f"clients never registered (first: {missing[:10]})")
                 self._registered.wait(min(left, 0.5))
+                raise_if_stopped()   # a stop whose exception the wait lost
             nodes = len({node.node_id for node in self.client_home.values()})
         # the launcher watches for this: a child that dies before it can only be a failed start
         self.store.add_event("registration_complete", node="server", round=0,
@@ -412,23 +423,38 @@ class Coordinator:
         return self.engine.evaluate()
 
     def record_round(self, result: RoundResult) -> None:
-        self.rounds_completed = result.round
-        self.skipped_in_a_row = 0
-        self.failures_total += len(result.failures)
-        self.history.append(result)
-        self.store.insert_records(self.ledger.drain())
-        self.store.add_round(result.round, participants=len(result.participants),
-                             sampled=len(result.sampled), failures=len(result.failures),
-                             metrics=result.metrics, wall_seconds=result.wall_seconds,
-                             sim_seconds=result.sim_seconds,
-                             clients_dropped=len(set(result.sampled) - set(result.participants)))
-        log.info("round %d: %d/%d results, %s", result.round, len(result.participants), len(result.sampled),
-                 ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()))
-        for listener in self.round_listeners:
-            listener(result)
+        """Record a finished round: its ledger records, its row, then the listeners (checkpoint,
+        live figure).  A stop signal waits until all of that is written (`stops_deferred`): the
+        rounds table, `rounds_completed` and the newest checkpoint then agree, and a stop raised
+        at the next round's start (`raise_if_stopped`) reports this round as the last."""
+        with stops_deferred():
+            self.store.insert_records(self.ledger.drain())
+            self.store.add_round(result.round, participants=len(result.participants),
+                                 sampled=len(result.sampled), failures=len(result.failures),
+                                 metrics=result.metrics, wall_seconds=result.wall_seconds,
+                                 sim_seconds=result.sim_seconds,
+                                 clients_dropped=len(set(result.sampled) - set(result.participants)))
+            self.rounds_completed = result.round
+            self.skipped_in_a_row = 0
+            self.failures_total += len(result.failures)
+            self.history.append(result)
+            log.info("round %d: %d/%d results, %s", result.round, len(result.participants), len(result.sampled),
+                     ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()))
+            for listener in self.round_listeners:
+                listener(result)
 
     # ------------------------------------------------------------------ whole run
     def run(self, register_timeout: float = 120.0) -> dict:
+        """Wait for the registrations, play the rounds, shut the children down and write the
+        run's records (summary.json, run.db's status, the model).
+
+        How a stop signal (SIGINT, SIGTERM: common/util/procexit.py) ends it, wherever it lands:
+        while the run waits for registrations or plays its rounds it ends them there, and the
+        run is recorded "stopped" after the last round recorded, unless every planned round was
+        recorded already: a run whose last round's row is written is "completed" whatever
+        arrives after it.  While a round is being recorded, the children are told to shut
+        down, and the records are written, a signal is noted only: it never cuts them, and a
+        second signal is noted like the first."""
         started = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(self.config_toml)
@@ -437,28 +463,50 @@ class Coordinator:
                              config_toml=self.config_toml)
         status, error = "completed", ""
         try:
-            self.wait_for_clients(register_timeout)
-            for listener in self.ready_listeners:
-                listener()
-            self.driver = make_driver(self)
-            self.driver.start()
-            for r in range(self.rounds_completed + 1, self.cfg.run.rounds + 1):  # rounds are 1-based
-                raise_if_stopped()   # a stop signal whose exception was lost during the round before
-                self.run_round(r)
+            with stops_armed():   # a stop noted during set-up is raised here, before the first registration
+                self.wait_for_clients(register_timeout)
+                for listener in self.ready_listeners:
+                    listener()
+                self.driver = make_driver(self)
+                self.driver.start()
+                for r in range(self.rounds_completed + 1, self.cfg.run.rounds + 1):  # rounds are 1-based
+                    raise_if_stopped()   # a stop noted while the round before was recorded, or whose exception was lost
+                    self.run_round(r)
         except RunFailed as exc:
             status, error = "failed", str(exc)
             self.store.add_event("run_failed", node="server", detail=error, round=self.rounds_completed)
             log.error("run failed: %s", error)
         except (KeyboardInterrupt, Stopped) as exc:   # Ctrl-C, or SIGTERM (common/util/procexit.py stop_on_sigterm)
             ignore_stops()
-            reason, self.stop_status = stop_reason(exc)
-            status, error = "stopped", f"{reason} after round {self.rounds_completed}"
-            self.store.add_event("run_stopped", node="server", detail=error, round=self.rounds_completed)
-            log.warning("run %s", error)
-        finally:
+            status, error = self._stopped(exc)
+        except BaseException:
+            with stops_deferred():
+                self.shutdown_children()
+            raise
+        with stops_deferred():   # closing the records: a signal now is noted, never cuts them
             self.shutdown_children()
-        summary = self.finalize(status, error, time.perf_counter() - started)
+            summary = self.finalize(status, error, time.perf_counter() - started)
+            late = stop_noted()
+        if late is not None and status == "completed":
+            log.warning("a stop signal (%s) arrived while the completed run was being closed; its records are whole",
+                        signal.Signals(late).name)
         return summary
+
+    def _stopped(self, exc: BaseException) -> tuple[str, str]:
+        """The status and error of a run a stop signal ended (see `run`): "stopped" with the exit
+        status a shell reports for the signal, or "completed" once every planned round is recorded."""
+        reason, code = stop_reason(exc)
+        if self.rounds_completed >= self.cfg.run.rounds:
+            self.store.add_event("stop_after_last_round", node="server", round=self.rounds_completed,
+                                 detail=f"{reason} after the last round: the run is complete, its records are "
+                                        "written before the server leaves")
+            log.warning("%s after the last round (%d): recording the completed run", reason, self.rounds_completed)
+            return "completed", ""
+        self.stop_status = code
+        error = f"{reason} after round {self.rounds_completed}"
+        self.store.add_event("run_stopped", node="server", detail=error, round=self.rounds_completed)
+        log.warning("run %s", error)
+        return "stopped", error
 
     def shutdown_children(self) -> None:
         liveness = getattr(self.endpoint, "liveness", None)
@@ -480,17 +528,20 @@ class Coordinator:
         record_refusals(self.store)   # calls a child refused: the caller may not use the method
 
     def finalize(self, status: str, error: str, wall_seconds: float) -> dict:
+        """Write the run's records: the ledgers merged into run.db, the final evaluation, the
+        model files, summary.json, then run.db's status, last (what `fedhop report` and the
+        launcher read as "over").  Idempotent: every file is written whole and then renamed
+        into place, so calling it again, or a process killed inside it (SIGKILL), never leaves a
+        half-written file."""
         from fedhop.server.agreement import ledger_verdict  # beside ledger_consistency, which it reads
         self.merge_ledgers()
         final = self.evaluate() if self.rounds_completed else {}
         if "train_loss" not in final:
             bind_params(self.model, self.state.params)
             final["train_loss"] = float(self.task.train_loss(self.model))
-        save_file({k: v.detach().cpu().contiguous() for k, v in whole_params(self.model, self.state.params).items()},
-                  str(self.run_dir / "model.safetensors"))   # frozen parameters too (model.exchange)
+        self._save_model(whole_params(self.model, self.state.params), "model.safetensors")   # frozen ones too
         for name, params in self.algorithm.outputs(self.state).items():
-            save_file({k: v.detach().cpu().contiguous() for k, v in whole_params(self.model, params).items()},
-                      str(self.run_dir / f"model-{name}.safetensors"))
+            self._save_model(whole_params(self.model, params), f"model-{name}.safetensors")
         by_link = self.store.bytes_by_link()
         summary = {
             "status": status,
@@ -519,6 +570,22 @@ class Coordinator:
             summary.update(self.driver.summary())
         for hook in self.summary_hooks:
             summary.update(hook())
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        self._replace(self.run_dir / "summary.json",
+                      lambda tmp: tmp.write_text(json.dumps(summary, indent=2, default=float)))
         self.store.finish_run(status)
         return summary
+
+    def _save_model(self, params: dict[str, torch.Tensor], name: str) -> None:
+        self._replace(self.run_dir / name, lambda tmp: save_file(
+            {k: v.detach().cpu().contiguous() for k, v in params.items()}, str(tmp)))
+
+    @staticmethod
+    def _replace(path: Path, write: Callable[[Path], object]) -> None:
+        """Write `path` whole: `write` fills a temporary file beside it, which is then renamed
+        over it (a rename within a folder is atomic)."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            write(tmp)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)

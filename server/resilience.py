@@ -218,6 +218,18 @@ def ledger_consistency(store) -> dict:
     # logical nodes ('client-7') are recorded by their process: they keep a ledger when some
     # record names them as the recording end
     recorders |= store.recording_ends()
+    hosts: dict[str, set[str]] = {}   # a logical node -> the processes that recorded as it
+
+    def last_time(node: str) -> float:
+        """The newest record of the process that records as `node`: its own ledger's, or for a
+        logical client ('client-15', not a recorder itself) its hosting process's."""
+        if node in last_record:
+            return last_record[node]
+        if not hosts:
+            for r in store.messages():
+                end = r["src"] if r["role"] == "sender" else r["dst"]
+                hosts.setdefault(end, set()).add(r["recorder"])
+        return max((last_record[p] for p in hosts.get(node, ()) if p in last_record), default=float("inf"))
     explained: list[dict] = []
     unexplained: list[dict] = []
     for m in lone:
@@ -244,7 +256,7 @@ def ledger_consistency(store) -> dict:
         if why is None and m["role"] == "sender" and not _ledgered(m["dst"], recorders):
             why = "receiver keeps no ledger"
         if why is None and m["role"] == "receiver" and m["src"] in recorders \
-                and last_record[m["src"]] <= m["wall_time"]:
+                and last_time(m["src"]) <= m["wall_time"]:
             why = "sender stopped (killed) before recording it"
         (explained if why else unexplained).append({"msg_id": m["msg_id"], "role": m["role"], "method": m["method"],
                                                     "round": m["round"], "src": m["src"], "dst": m["dst"],

@@ -102,28 +102,77 @@ class Stopped(BaseException):
 _STOPS: list[int] = []
 
 
-def stop_on_sigterm() -> None:
-    """Raise `Stopped` in the main thread at the first SIGTERM, so the process can record how it
-    ended; a second SIGTERM ends it at once (the signal's default action).  SIGINT still raises
-    KeyboardInterrupt (unless it is ignored or has a handler of the caller's).  Either signal is
-    noted first, for `raise_if_stopped`.  Signal handlers are the main thread's: elsewhere this
-    does nothing."""
+class _StopState:
+    """How the handlers of `stop_on_sigterm` act on a signal now.  `deferred`: the signal is
+    only noted (the process is in a part that must not be cut: set-up before the run's records
+    exist, shutting children down, finalize); `raised`: an exception was raised for a stop
+    already, and later signals are only noted, so that the code recording that stop is not cut
+    by a second one (a second Ctrl-C, the launcher's SIGINT after the terminal's)."""
+    deferred = False
+    raised = False
+
+
+def stop_on_sigterm(deferred: bool = False) -> None:
+    """Raise `Stopped` in the main thread at a SIGTERM, KeyboardInterrupt at a SIGINT (unless
+    SIGINT is ignored, a background job's, or has a handler of the caller's), so the process
+    can record how it ended.  The exception is raised once: later signals are noted only (SIGKILL
+    still ends the process at once).  With `deferred`, or inside `stops_deferred`, a signal is
+    noted and nothing is raised until the next `raise_if_stopped` (or `stops_armed`) outside a
+    deferred part.  Installed again (a process that deferred its stops from its first line),
+    the stops noted so far stay noted.  Signal handlers are the main thread's: elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         return
-    _STOPS.clear()
+    if signal.getsignal(signal.SIGTERM) is not _on_stop:   # installed again: what was noted stays
+        _STOPS.clear()
+        _StopState.raised = False
+    _StopState.deferred = deferred
+    if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _on_stop):
+        signal.signal(signal.SIGINT, _on_stop)
+    signal.signal(signal.SIGTERM, _on_stop)
 
-    def on_term(signum: int, frame: object) -> None:
-        _STOPS.append(signum)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise Stopped(signum)
 
-    def on_int(signum: int, frame: object) -> None:
-        _STOPS.append(signum)
+def _on_stop(signum: int, frame: object) -> None:
+    """The SIGINT and SIGTERM handler of `stop_on_sigterm`."""
+    _STOPS.append(signum)
+    if _StopState.deferred or _StopState.raised:
+        return
+    _StopState.raised = True
+    if signum == signal.SIGINT:
         raise KeyboardInterrupt
+    raise Stopped(signum)
 
-    signal.signal(signal.SIGTERM, on_term)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, on_int)
+
+def stop_noted() -> int | None:
+    """The first stop signal noted and not yet handled (`ignore_stops`), or None."""
+    return _STOPS[0] if _STOPS else None
+
+
+@contextlib.contextmanager
+def stops_deferred() -> Iterator[None]:
+    """A part that a stop signal must not cut (closing the run's records): inside it a signal is
+    noted only; leaving it raises nothing (the caller decides, with `stop_noted` or
+    `raise_if_stopped`)."""
+    before = _StopState.deferred
+    _StopState.deferred = True
+    try:
+        yield
+    finally:
+        _StopState.deferred = before
+
+
+@contextlib.contextmanager
+def stops_armed() -> Iterator[None]:
+    """A part that a stop signal ends at once (waiting for registrations, the rounds), in a
+    process whose stops are otherwise deferred: a stop noted before it is raised on entry, one
+    inside it is raised where the main thread is.  Leaving it, stops are deferred again before
+    the exception (if any) travels on."""
+    before = _StopState.deferred
+    _StopState.deferred = False
+    try:
+        raise_if_stopped()
+        yield
+    finally:
+        _StopState.deferred = before
 
 
 def raise_if_stopped() -> None:
@@ -135,6 +184,7 @@ def raise_if_stopped() -> None:
     launcher while it waits)."""
     if _STOPS:
         signum = _STOPS[0]
+        _StopState.raised = True
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise Stopped(signum)
@@ -156,9 +206,9 @@ def signals_restored() -> Iterator[None]:
 
 
 def ignore_stops() -> None:
-    """Once a stop is being recorded, further SIGINT and SIGTERM wait for it (SIGKILL still ends
+    """Once a stop is being recorded, further SIGINT and SIGTERM are ignored (SIGKILL still ends
     the process): Ctrl-C reaches the launcher and its children together, and the launcher then
-    asks the server to stop as well."""
+    asks the server to stop as well.  Nothing noted is pending any more."""
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,269 @@
+"""A stop signal at any moment of a run (issue 44 item 3, red-team row B2.7): SIGTERM or SIGINT
+sent to the server process (`python -m fedhop.server`, as compose, Slurm and Kubernetes start it)
+or to `fedhop run` at each phase of a run, each phase found from run.db's rows or the processes'
+log lines, never from a sleep.  Whatever the phase, the run ends recorded: summary.json and
+run.db agree on "stopped" (before the last round's row) or "completed" (after it), run.db is
+closed (no -wal file), the exit status is 128 + the signal for a stopped run and 0 for a
+completed one, no log holds a traceback, and no process is left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import max_round, quadratic_config, read_db
+
+PY = sys.executable
+CENTERS = [[1.0, -2.0], [3.0, 0.5], [-1.0, 1.0], [0.0, 2.0]]
+CURVATURES = [[1.0, 2.0], [0.5, 1.0], [2.0, 1.0], [1.0, 1.0]]
+SIZES = [10, 20, 30, 40]
+SIGNALS = [pytest.param(signal.SIGTERM, id="SIGTERM"), pytest.param(signal.SIGINT, id="SIGINT")]
+
+
+def env() -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "FEDHOP_TOKEN": "t" * 32}
+
+
+def config(rounds: int) -> str:
+    """A 4-client quadratic run in 2 processes; a call to a process that does not answer fails
+    after 3 s, and one process's clients are enough for a round."""
+    text = quadratic_config(CENTERS, CURVATURES, SIZES, rounds=rounds, processes=2)
+    return text.replace("call_timeout = 30.0", "call_timeout = 3.0\nmin_results = 1")
+
+
+def role(cwd: Path, name: str, args: list[str]) -> subprocess.Popen:
+    with open(cwd / f"{name}.log", "wb") as log:
+        return subprocess.Popen([PY, "-m", f"fedhop.{name.split('-')[0]}", *args], cwd=cwd, env=env(), stdout=log,
+                                stderr=subprocess.STDOUT)
+
+
+def clients(cwd: Path) -> list[subprocess.Popen]:
+    return [role(cwd, f"client-{i}", ["--parent-file", "server.address", "--node-id", f"client-proc{i}",
+                                      "--clients", "0-1" if i == 0 else "2-3", "--ledger-dir", "run/ledger"])
+            for i in range(2)]
+
+
+def wait_until(what: str, check, procs: list[subprocess.Popen], timeout: float = 120) -> None:
+    """Poll `check()` (a file, a log line, a run.db row) until it holds; fail at once if a process died."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        for p in procs:
+            assert p.poll() is None, f"{p.args} exited with {p.returncode} while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(0.02)
+
+
+def events(db: Path, kind: str) -> int:
+    return int(read_db(db, "SELECT COUNT(*) FROM events WHERE kind = ?", (kind,), default=0))
+
+
+def logged(path: Path, text: str) -> bool:
+    return path.exists() and text in path.read_text(errors="replace")
+
+
+def procs_in(folder: Path) -> list[int]:
+    """Processes whose working directory is `folder` (every process these tests start runs there)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.readlink(d / "cwd") == str(folder):
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+def assert_recorded(run: Path, status: str, sig: int, code: int, rounds: int | None = None) -> dict:
+    """The run's records once its server exited with `code`: summary.json and run.db both say
+    `status`, run.db's WAL is folded in, and the exit status is the status's."""
+    assert not list(run.glob("run.db-wal")), "run.db left open (its WAL is still there)"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == status, summary
+    assert read_db(run / "run.db", "SELECT status FROM runs") == status
+    assert code == (0 if status == "completed" else 128 + sig)
+    assert max_round(run / "run.db") == summary["rounds_completed"]
+    if rounds is not None:
+        assert summary["rounds_completed"] == rounds
+    if status == "stopped":
+        assert summary["error"].startswith(f"stopped by {signal.Signals(sig).name}")
+    return summary
+
+
+def assert_no_traceback(*texts_or_folders) -> None:
+    for item in texts_or_folders:
+        if isinstance(item, Path):
+            for log in sorted(item.rglob("*.log")):
+                assert "Traceback" not in log.read_text(errors="replace"), f"{log}:\n{log.read_text()[-3000:]}"
+        else:
+            assert "Traceback" not in item, item[-3000:]
+
+
+def assert_none_left(folder: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while procs_in(folder) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert procs_in(folder) == [], "processes left behind"
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+# ---------------------------------------------------------------- the server process
+@pytest.mark.parametrize("sig", SIGNALS)
+@pytest.mark.parametrize("phase", ["set-up", "registration", "round"])
+def test_server_stopped_before_its_last_round_records_a_stopped_run(tmp_path, phase, sig):
+    """set-up: the server has read its config and builds its task (its log says which device it
+    computes on), it serves nobody yet; registration: it serves (its address file is written)
+    and no client process was started; round: clients train, round 2's row is written."""
+    (tmp_path / "exp.toml").write_text(config(rounds=100_000))
+    server = role(tmp_path, "server", ["--config", "exp.toml", "--run-dir", "run", "--port-file", "server.address"])
+    procs = [server]
+    try:
+        if phase == "set-up":
+            wait_until("the set-up log line", lambda: logged(tmp_path / "server.log", "computes on"), procs)
+        else:
+            wait_until("the server's address", lambda: (tmp_path / "server.address").exists(), procs)
+        if phase == "round":
+            procs += clients(tmp_path)
+            wait_until("round 2", lambda: max_round(tmp_path / "run" / "run.db") >= 2, procs)
+        server.send_signal(sig)
+        code = server.wait(60)
+        summary = assert_recorded(tmp_path / "run", "stopped", sig, code, rounds=None if phase == "round" else 0)
+        assert (summary["rounds_completed"] >= 2) == (phase == "round")
+        assert [p.wait(60) for p in procs[1:]] == [0] * (len(procs) - 1)   # told to shut down by the server
+        assert_no_traceback(tmp_path)
+        assert_none_left(tmp_path)
+    finally:
+        kill_all(procs)
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+@pytest.mark.parametrize("phase", ["after-last-round", "closing"])
+def test_server_stopped_after_its_last_round_records_a_completed_run(tmp_path, phase, sig):
+    """Client process 1 is frozen (SIGSTOP) once round 2 is recorded: round 3, the last, counts
+    process 0's clients, and the server's shut-down call to the frozen process then waits for
+    its timeout.  after-last-round: the signal arrives once round 3's row is written (the
+    server records the round, or shuts its children down); closing: a first signal there and a
+    second once the failed shut-down is recorded (the records are being written)."""
+    (tmp_path / "exp.toml").write_text(config(rounds=3))
+    server = role(tmp_path, "server", ["--config", "exp.toml", "--run-dir", "run", "--port-file", "server.address"])
+    procs = [server]
+    db = tmp_path / "run" / "run.db"
+    try:
+        wait_until("the server's address", lambda: (tmp_path / "server.address").exists(), procs)
+        procs += clients(tmp_path)
+        wait_until("round 2", lambda: max_round(db) >= 2, procs)
+        procs[2].send_signal(signal.SIGSTOP)
+        wait_until("round 3", lambda: max_round(db) >= 3, procs[:2])
+        server.send_signal(sig)
+        if phase == "closing":
+            wait_until("the failed shut-down", lambda: events(db, "shutdown_failed") >= 1, [server])
+            server.send_signal(sig)
+        code = server.wait(60)
+        assert_recorded(tmp_path / "run", "completed", sig, code, rounds=3)
+        assert procs[1].wait(60) == 0
+        kill_all(procs[2:])   # the frozen one: the test's own doing
+        assert_no_traceback(tmp_path)
+        assert_none_left(tmp_path)
+    finally:
+        kill_all(procs)
+
+
+# ---------------------------------------------------------------- `fedhop run`
+def fedhop_run(cwd: Path, rounds: int, ignore_sigint: bool = False) -> subprocess.Popen:
+    """`fedhop run exp.toml --out run` in its own process group (a terminal's job), its output
+    in run.out; with `ignore_sigint` started as a shell starts a background job (SIGINT ignored)."""
+    (cwd / "exp.toml").write_text(config(rounds=rounds))
+    argv = [PY, "-m", "fedhop.deploy.cli", "run", "exp.toml", "--out", "run", "--quiet"]
+    if ignore_sigint:
+        argv = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv]
+    with open(cwd / "run.out", "wb") as out:
+        return subprocess.Popen(argv, cwd=cwd, env=env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+@pytest.mark.parametrize("phase", ["start-up", "round"])
+def test_fedhop_run_stopped_at_any_phase(tmp_path, phase, sig):
+    """start-up: the signal goes to the whole process group (a terminal's Ctrl-C) while the
+    child processes start (the server has read its config, no registration is complete);
+    round: once round 2 is recorded."""
+    launcher = fedhop_run(tmp_path, rounds=100_000)
+    run = tmp_path / "run"
+    try:
+        if phase == "start-up":
+            wait_until("the server's set-up", lambda: logged(run / "logs" / "server.log", "computes on")
+                       and (run / "logs" / "client-proc1.log").exists(), [launcher])
+            assert events(run / "run.db", "registration_complete") == 0
+        else:
+            wait_until("round 2", lambda: max_round(run / "run.db") >= 2, [launcher])
+        os.killpg(launcher.pid, sig)
+        code = launcher.wait(120)
+        output = (tmp_path / "run.out").read_text(errors="replace")
+        assert code == 128 + sig, output
+        assert_recorded(run, "stopped", sig, code)
+        assert_no_traceback(output, run / "logs")
+        assert_none_left(tmp_path)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
+def test_fedhop_run_as_a_background_job_ignores_the_groups_sigint(tmp_path):
+    """A shell starts a background job with SIGINT ignored; every process of the run inherits
+    that (as an exec'd child would), so a Ctrl-C in the terminal (SIGINT to the group) leaves
+    the run to complete, and `fedhop run` says so with exit 0."""
+    launcher = fedhop_run(tmp_path, rounds=4, ignore_sigint=True)
+    run = tmp_path / "run"
+    try:
+        wait_until("round 1", lambda: max_round(run / "run.db") >= 1, [launcher])
+        os.killpg(launcher.pid, signal.SIGINT)
+        code = launcher.wait(120)
+        output = (tmp_path / "run.out").read_text(errors="replace")
+        assert code == 0, output
+        assert_recorded(run, "completed", signal.SIGINT, code, rounds=4)
+        assert_no_traceback(output, run / "logs")
+        assert_none_left(tmp_path)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
+# ---------------------------------------------------------------- finalize's ledger check
+def test_ledger_check_explains_a_logical_clients_lone_record_by_its_process(tmp_path):
+    """A lone receiver record of a message from a logical client ('client-15', recorded by its
+    process 'client-proc1', never a recorder itself) whose process recorded nothing after it
+    (it was stopped between sending and recording): explained, where the check raised
+    KeyError: 'client-15' and finalize crashed."""
+    from fedhop.common.records.runstore import RunStore
+    from fedhop.common.wire.ledger import LedgerRecord
+    from fedhop.server.resilience import ledger_consistency
+
+    def rec(msg_id: str, src: str, dst: str, recorder: str, role: str, t: float) -> LedgerRecord:
+        return LedgerRecord(run_id="r", round=1, step=0, src=src, dst=dst, link="client-server",
+                            direction="up" if src.startswith("client") else "down", method="train", tensor_bytes=8,
+                            payload_bytes=8, framed_bytes=20, seconds=0.0, recorder=recorder, role=role,
+                            msg_id=msg_id, status="ok", wall_time=t)
+
+    store = RunStore(tmp_path / "run.db")
+    store.start_run("r")
+    store.insert_records([rec("a", "server", "client-15", "server", "sender", 1.0),
+                          rec("a", "server", "client-15", "client-proc1", "receiver", 1.1),
+                          rec("b", "client-15", "server", "server", "receiver", 2.0)])   # its sender side lost
+    report = ledger_consistency(store)
+    assert report["unexplained"] == 0 and report["lost_explained"] == 1, report
+    store.close()
