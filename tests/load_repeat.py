@@ -31,6 +31,8 @@ FILES = [
     "tests/test_liveness_pause.py",
     "tests/test_processes.py::test_killed_client_process_run_completes",
     "tests/test_fedchs.py::test_killed_hierarchical_edge_loses_its_clients_and_rounds_complete",
+    "tests/test_role_signals.py",
+    "tests/test_stop_phases.py",
 ]
 
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)")
