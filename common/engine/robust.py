@@ -17,7 +17,18 @@ arbitrary values cannot drag far:
 - "krum": the one update whose summed squared distance to its n - f - 2 nearest neighbours is
   smallest (Blanchard, El Mhamdi, Guerraoui, Stainer, "Machine Learning with Adversaries:
   Byzantine Tolerant Gradient Descent", NeurIPS 2017, section 4, score s(i) = sum over the
-  n - f - 2 closest j of ||V_i - V_j||^2); needs n > 2f + 2 (the paper's condition), i.e. n >= 2f + 3.
+  n - f - 2 closest j != i of ||V_i - V_j||^2); needs n > 2f + 2 (the paper's condition), i.e.
+  n >= 2f + 3.  f is `security.krum_f`, the same in every group (a round's clients in a star,
+  an edge's clients, the server's edges).  The distances are sums of squared float64
+  differences (`krum_scores`), never the |a|^2 + |b|^2 - 2ab of a matrix product, which loses
+  the small distances between honest updates that share a large common part.  Equal scores are
+  taken in the replies' order (client ids, then edge ids), so the choice never depends on
+  which reply arrived first.
+- "multi_krum": the same scores; the mean of the m lowest-scoring updates (the paper's
+  multi-Krum), m = `security.krum_m`, 0 meaning n - f, and never more than n - f, so the m
+  chosen can be honest whatever f updates are bad.  Krum keeps one client's update per round:
+  with label-skewed data (the default Dirichlet partition) that one update is a poor step and
+  the run loses accuracy with or without an attacker (docs/faults.md); multi-Krum averages.
 
 Each rule is unweighted over the updates it sees (a client's sample count is what an attacker
 would inflate).  The result is returned in the shape the algorithms expect from `aggregate`:
@@ -27,10 +38,11 @@ server step's sum_i w_i x_i / W) reads the robust value.  A partial aggregate fr
 rule at the edges over their clients and again at the server over the edges' robust means.
 
 Group sizes.  Each rule needs a group of at least `rule_minimum` updates to outvote one bad
-update: 3 for the median and the trimmed mean, 2f + 3 for Krum.  Where the config fixes the
+update: 3 for the median and the trimmed mean, 2f + 3 for Krum and multi-Krum.  Where the config fixes the
 largest group a round can have (the clients sampled per round in a star; at each edge of a
 hierarchical run, its clients, at most the clients sampled per round) a group below that is a
-config error (`config_group_problem`).  A round that gets fewer updates than that (dropped or
+config error (`config_group_problem`), and so is a `krum_m` above n - f of such a group, or a
+`krum_m` with Krum, the median or the trimmed mean (with the mean it is not read).  A round that gets fewer updates than that (dropped or
 refused replies) uses the fallback: the coordinate-wise median (of 1 or 2 updates: their mean,
 since nothing can outvote one of two), and records it: `RobustAggregate.fallbacks` holds
 (node, detail) pairs the server turns into `robust_fallback` events in run.db.  The server sees
