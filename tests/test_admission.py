@@ -14,13 +14,16 @@ from tests.cluster import Cluster
 from tests.test_hostile import _cfg
 
 
-def _register(address: str, node_id: str, ids, advertise: str) -> pb.RegisterReply:
+def _register(address: str, node_id: str, ids, advertise: str | None = None) -> pb.RegisterReply:
+    """Register `node_id` with the parent at `address`, claiming `advertise`, or (None) the address
+    this endpoint serves at, which it then proves (the parent's probe)."""
     ep = GrpcEndpoint(node_id, Ledger())
     try:
-        return ep.register(address, pb.RegisterRequest(node_id=node_id, role="client", address=advertise,
+        own = ep.serve(lambda request: None, "127.0.0.1:0") if advertise is None else advertise
+        return ep.register(address, pb.RegisterRequest(node_id=node_id, role="client", address=own,
                                                        clients=[pb.LogicalClient(client_id=c) for c in ids]), 10.0)
     finally:
-        ep.stop()
+        ep.stop(grace=0.1)
 
 
 def test_a_live_node_id_is_not_taken_over_and_every_refusal_is_an_event(tmp_path):
@@ -31,9 +34,9 @@ def test_a_live_node_id_is_not_taken_over_and_every_refusal_is_an_event(tmp_path
         taken = _register(cluster.address, "client-proc0", [0, 1], "127.0.0.1:9")   # same id, other address
         assert not taken.accepted and taken.message.startswith("NODE_TAKEN"), taken.message
         assert cluster.coord.children["client-proc0"].address == real.address   # still the real process
-        out_of_range = _register(cluster.address, "client-procX", [99], "127.0.0.1:10")
+        out_of_range = _register(cluster.address, "client-procX", [99])
         assert not out_of_range.accepted and "out of range" in out_of_range.message
-        duplicate = _register(cluster.address, "client-procY", [2], "127.0.0.1:11")
+        duplicate = _register(cluster.address, "client-procY", [2])
         assert not duplicate.accepted and duplicate.message.startswith("DUPLICATE_CLIENT")
         summary = cluster.run()
     finally:

@@ -11,30 +11,43 @@ from __future__ import annotations
 import logging
 import re
 
-from fedhop.common.transport.admission import CONTROL_PER_PEER, RESERVED_WORKERS, CallSlots, LogThrottle
+from fedhop.common.transport.admission import (
+    CONTROL_PER_PEER,
+    QUICK_PER_PEER,
+    CallSlots,
+    LogThrottle,
+    lane_sizes,
+)
 from tests import attacks
 
 
-def test_call_slots_reserve_threads_and_share_per_caller():
+def test_call_slots_keep_lanes_and_share_per_caller():
     workers = 32
     slots = CallSlots(workers)
-    capacity = workers - RESERVED_WORKERS
+    lanes = lane_sizes(workers)
+    capacity = slots.capacity
+    assert capacity == lanes["data"] == workers - lanes["control"] - lanes["quick"]
     per_peer = capacity // 4
     taken = sum(slots.acquire("client-procH") is None for _ in range(40))
     assert taken == per_peer and slots.refused == 40 - per_peer
-    # other callers fill the rest of the data slots, never the reserved ones
+    # other callers fill the rest of the data slots, never the other lanes'
     others = sum(slots.acquire(f"client-proc{i}") is None for i in range(100) for _ in range(per_peer))
     assert taken + others == capacity and slots.held("data") == capacity
-    # heartbeats and registrations still find their slots: per caller, not from the data share
-    assert all(slots.acquire("client-proc0", "control") is None for _ in range(CONTROL_PER_PEER))
-    assert slots.acquire("client-proc0", "control") is not None
-    # the parent is served whatever the others hold; an unidentified caller (no credentials) too
+    # registrations: CONTROL_PER_PEER per caller and the lane's size in all (8 ids x 4 slow Registers)
+    registers = [slots.acquire(f"client-procR{i}", "control") is None for i in range(8) for _ in range(4)]
+    assert sum(registers) == lanes["control"] and registers[:CONTROL_PER_PEER + 1] == [True] * CONTROL_PER_PEER + [False]
+    # heartbeats still find their lane, a victim's too, whatever registrations under its id hold
+    assert all(slots.acquire("client-procR0", "quick") is None for _ in range(QUICK_PER_PEER))
+    assert slots.acquire("client-procR0", "quick") is not None
+    # the parent is served whatever the others hold, where it proves its registration key; a
+    # caller claiming its node id without the proof is any caller
     slots.privileged = lambda node: node == "server"
-    assert all(slots.acquire("server") is None for _ in range(workers))
-    assert slots.acquire("") is None
+    assert slots.acquire("server") is not None
+    assert all(slots.acquire("server", parent=True) is None for _ in range(workers))
+    assert slots.acquire("") is None   # an unidentified caller (no credentials): not limited per caller
     assert slots.acquire("client-procH") is not None   # what the parent holds counts against the others
     for _ in range(workers):
-        slots.release("server")
+        slots.release("server", parent=True)
     slots.release("")
     assert slots.acquire("client-procH") is not None   # still its whole share
     slots.release("client-procH")
@@ -72,8 +85,7 @@ def test_slow_streams_do_not_starve_heartbeats(tmp_path):
     heartbeats went unanswered and every client process was marked dead)."""
     row = attacks.run_attack(tmp_path, "slow_streams_x40")
     assert attacks.ok(row), row
-    workers = 32
-    share = (workers - RESERVED_WORKERS) // 4
+    share = CallSlots(32).per_peer   # the server's 32 workers
     assert row["figures"]["streams_refused"] == attacks.SLOW_STREAMS - share
 
 
@@ -87,9 +99,11 @@ def test_wrong_token_flood_leaves_few_log_lines_and_events(tmp_path):
 
 
 def test_insider_streams_leave_the_parent_its_calls(tmp_path):
-    """A client process's gRPC server (16 workers, token authentication, real sockets): an insider
-    holding 16 streams open gets its share of the call slots and no more; the parent's 12 calls at
-    once all answer (on 16 plain worker threads the insider held them all and the parent's
+    """A client process's gRPC server (16 workers, shared-token authentication, real sockets): an
+    insider holding 48 streams open under the parent's node id (any holder of the run token can
+    mint it) gets one caller's share of the call slots and no more, as it cannot prove the key of
+    the child's registration; the parent's 12 calls at once, which carry that proof, all answer
+    (when a claimed `server` was exempt, its 48 streams held every worker thread and the parent's
     calls waited until their deadline)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
@@ -99,14 +113,20 @@ def test_insider_streams_leave_the_parent_its_calls(tmp_path):
     from fedhop.common.algorithms.base import Payload
     from fedhop.common.security.auth import NodeCredentials
     from fedhop.common.transport.grpc import EXCHANGE, GrpcEndpoint
+    from fedhop.common.wire import fedhop_pb2 as pb
     from fedhop.common.wire.ledger import Ledger
 
     secret = b"fair-share-test-secret"
-    workers = 16
+    workers, streams = 16, 48
     served = GrpcEndpoint("client-proc0", Ledger(), workers=workers,
                           credentials=NodeCredentials("client-proc0", secret))
     served.call_slots.privileged = lambda node: node == "server"
     address = served.serve(lambda request: Payload(scalars={"ok": 1}), "127.0.0.1:0")
+    parent = GrpcEndpoint("server", Ledger(), credentials=NodeCredentials("server", secret))
+    parent_address = parent.serve(lambda request: None, "127.0.0.1:0", register_handler=lambda request: pb.RegisterReply(
+        accepted=True, run_id="r", node_id="server"))
+    assert served.register(parent_address, pb.RegisterRequest(node_id="client-proc0", role="client",
+                                                              address=address), 10.0).accepted
     channel = grpc.insecure_channel(address)
     release = threading.Event()
 
@@ -114,15 +134,14 @@ def test_insider_streams_leave_the_parent_its_calls(tmp_path):
         release.wait()
         yield from ()
     stub = channel.stream_stream(EXCHANGE, request_serializer=None, response_deserializer=None)
-    insider = [stub(idle(), timeout=60, metadata=NodeCredentials("client-procH", secret).metadata())
-               for _ in range(workers)]
-    parent = GrpcEndpoint("server", Ledger(), credentials=NodeCredentials("server", secret))
+    insider = [stub(idle(), timeout=60, metadata=NodeCredentials("server", secret).metadata())
+               for _ in range(streams)]
     try:
         with ThreadPoolExecutor(12) as pool:
             replies = list(pool.map(lambda i: parent.call(address, f"client-{i}", "ping", Payload(), round=1,
                                                           timeout=20.0), range(12)))
         assert [r.scalars["ok"] for r in replies] == [1] * 12
-        share = (workers - 4) // 4
+        share = served.call_slots.per_peer
         refused = 0
         for call in insider:
             if call.done():
@@ -130,7 +149,7 @@ def test_insider_streams_leave_the_parent_its_calls(tmp_path):
                     list(call)
                 except grpc.RpcError as exc:
                     refused += exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert refused == workers - share and served.call_slots.held("data") == share
+        assert refused == streams - share and served.call_slots.held("data") == share
     finally:
         release.set()
         channel.close()

@@ -15,7 +15,7 @@ from fedhop.client.host import ClientHost
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.config import parse_config
 from fedhop.common.transport.base import Request
-from fedhop.common.transport.grpc import GrpcEndpoint
+from fedhop.common.transport.grpc import GrpcEndpoint, probe_rpc_handler
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import decode_frames, encode, make_envelope
 from fedhop.common.wire.ledger import Ledger
@@ -62,7 +62,8 @@ class HostileClient:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("fedhop.Fedhop", {
             "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange),
             "Call": grpc.unary_stream_rpc_method_handler(   # a small request, bundled (common/transport/grpc.py)
-                lambda bundle, context: self._exchange(iter(pb.FrameBundle.FromString(bundle).frames), context))}),))
+                lambda bundle, context: self._exchange(iter(pb.FrameBundle.FromString(bundle).frames), context)),
+            "Probe": probe_rpc_handler("client-procH")}),))   # it proves its address when it registers
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         self.server, self.address = server, f"127.0.0.1:{port}"

@@ -60,12 +60,26 @@ ledger is unchanged; the signal costs a round trip per streamed request (one of 
 chunk).
 
 Fair share (common/transport/admission.py `CallSlots`, `SlotInterceptor` below): every served call takes
-a slot before its request is read.  Exchange and Call hold at most `workers - RESERVED_WORKERS`
-threads at once, so heartbeats and registrations always find a worker thread, and at most
-`per_peer` from one caller (its authenticated node id) except this process's parent
-(`call_slots.privileged`); with no credentials at all nothing is limited.  A call over a limit
-is refused RESOURCE_EXHAUSTED at once.  Requests are bounded by their method and checked against
-the caller on their header frame before any data is read (`Endpoint.request_gate`).
+a slot of its lane before its request is read: data calls (Exchange, Call), registrations
+(Register) and quick control calls (Heartbeat, Probe) each have their own share of the worker
+threads (`lane_sizes`), a global cap and a per-caller cap (its authenticated node id), so a flood
+in one lane never takes another's threads: heartbeats are answered whatever the slow streams and
+slow registrations held open.  A control call's request must arrive within
+`CONTROL_READ_SECONDS` or the call is cancelled (`ReadDeadline`).  Only this process's parent is
+exempt from the data lane's limits, and only where its call proves it (`PARENT_META`, the proof
+of this process's registration key; `call_slots.privileged` names the parent): a caller that
+merely claims the parent's node id is any caller.  A call over a limit is refused
+RESOURCE_EXHAUSTED at once.  Requests are bounded by their method and checked against the caller
+on their header frame before any data is read (`Endpoint.request_gate`).
+
+Addresses proved (common/transport/admission.py `RegistrationKeys`): every Register carries a fresh
+key (`_register_rpc`); before a registration is handled the parent probes the address it claims
+(`probe`: the Probe RPC with a nonce, under TLS on a channel that verifies the registrant's node
+id in the certificate there) and accepts it only when the process serving there answers with the
+HMAC of the nonce and node id under that key: a registration names only an address its own
+process serves, a dead node's address is free for its own restart and for whoever proves to
+serve there, and a second registration of a live node id from its address must prove it too.
+Once a registration is accepted, the parent's calls to that address carry `PARENT_META`.
 
 Liveness (common/transport/liveness.py):
 `Heartbeat` calls go to `self.liveness`; `mark_dead(address)` cancels the calls in flight to a
@@ -73,6 +87,8 @@ dead child and makes later ones fail at once (NODE_DEAD) until it registers agai
 """
 from __future__ import annotations
 
+import hmac
+import secrets
 import threading
 import time
 from concurrent import futures
@@ -82,7 +98,18 @@ import grpc
 import grpc.experimental
 
 from fedhop.common.security.auth import CLUSTER_NAME, META_NODE, AuthInterceptor, NodeCredentials, RefusedHook
-from fedhop.common.transport.admission import CallSlots
+from fedhop.common.transport.admission import (
+    CONTROL_READ_SECONDS,
+    PARENT_META,
+    PROBE_SECONDS,
+    READ_DEADLINES,
+    REGISTRATION_KEYS,
+    CallSlots,
+    key_id,
+    lane_of,
+    parent_proof,
+    probe_proof,
+)
 from fedhop.common.transport.base import NOTHING_SENT, Batched, CallFailed, Endpoint, Handler, RemoteError
 from fedhop.common.util.heap import SendBurst, transient_bytes
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -106,6 +133,7 @@ EXCHANGE = "/fedhop.Fedhop/Exchange"
 CALL = "/fedhop.Fedhop/Call"            # a request of at most one chunk, bundled (proto FrameBundle)
 REGISTER = "/fedhop.Fedhop/Register"
 HEARTBEAT = "/fedhop.Fedhop/Heartbeat"
+PROBE = "/fedhop.Fedhop/Probe"            # a parent's check that a registrant serves at its address
 PULL_METADATA = ("fedhop-pull", "1")     # the caller pulls the reply's data frames (module docstring)
 TAKE_METADATA = ("fedhop-take", "1")     # the callee takes the request's data frames when ready (module docstring)
 GO = b""                                 # the go message of a pulled reply: an empty gRPC message
@@ -177,6 +205,7 @@ class GrpcEndpoint(Endpoint):
         self.on_refused = on_refused
         self.interceptor: AuthInterceptor | None = None
         self.peer_names: dict[str, str] = {}      # address -> node id to verify in its TLS certificate
+        self.child_proofs: dict[str, str] = {}    # address -> PARENT_META of the child registered there
         self._inflight: dict[str, set] = {}       # address -> gRPC calls in flight (cancelled when it dies)
         self._dead: dict[str, str] = {}           # address -> why it was marked dead
         if max_message_bytes < chunk_bytes + 1024:
@@ -214,10 +243,17 @@ class GrpcEndpoint(Endpoint):
                 self._channels[address] = ch
             return ch
 
-    def _metadata(self, audience: str = ""):
+    def _metadata(self, audience: str = "", address: str = ""):
         """The call's credential; `audience`: the node or logical client called (per-node tokens
-        are signed for it, common/security/auth.py); "" for Register and Heartbeat."""
-        return self.credentials.metadata(audience) if self.credentials is not None else None
+        are signed for it, common/security/auth.py); "" for Register and Heartbeat.  A call to the
+        address of a child registered here also carries the proof of its registration key
+        (PARENT_META): what lets the child serve it as its parent's."""
+        meta = tuple(self.credentials.metadata(audience)) if self.credentials is not None else ()
+        with self._lock:
+            proof = self.child_proofs.get(address) if address else None
+        if proof is not None:
+            meta += ((PARENT_META, proof),)
+        return meta or None
 
     # -- liveness -------------------------------------------------------------------
     def mark_dead(self, address: str, reason: str) -> int:
@@ -329,7 +365,7 @@ class GrpcEndpoint(Endpoint):
             dead = self._dead.get(address)
         if dead is not None:
             raise CallFailed("NODE_DEAD", dead, request.envelope.dst)
-        metadata = (*(self._metadata(request.envelope.dst) or ()), *((PULL_METADATA,) if pull else ()),
+        metadata = (*(self._metadata(request.envelope.dst, address) or ()), *((PULL_METADATA,) if pull else ()),
                     *(() if bundled else (TAKE_METADATA,)))
         call = stub(bundle_bytes(request.frames) if bundled else frames(), timeout=timeout, wait_for_ready=False,
                     metadata=metadata or None)
@@ -376,6 +412,9 @@ class GrpcEndpoint(Endpoint):
         return min(self.max_message_bytes, self.chunk_bytes + (1 << 20))
 
     def _register_rpc(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:
+        """One Register call, with a fresh key for the parent's probe of our address (module
+        docstring, Addresses proved)."""
+        request.proof_key = REGISTRATION_KEYS.issue(request.node_id)
         stub = self.channel(address).unary_unary(
             REGISTER, request_serializer=pb.RegisterRequest.SerializeToString,
             response_deserializer=pb.RegisterReply.FromString)
@@ -383,6 +422,44 @@ class GrpcEndpoint(Endpoint):
             return stub(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata())
         except grpc.RpcError as exc:
             raise CallFailed(exc.code().name, exc.details() or "", address) from None
+
+    def probe(self, request: pb.RegisterRequest, timeout: float = PROBE_SECONDS) -> str | None:
+        """Whether the process serving at `request.address` sent `request` (module docstring,
+        Addresses proved): None when it answers the probe with the proof under the request's key,
+        else the refusal (ADDRESS_UNPROVEN).  A channel of its own, closed after: under TLS it
+        verifies the registrant's node id in the certificate served there."""
+        address, target = request.address, request.node_id
+        unproven = f"ADDRESS_UNPROVEN: {target} did not prove that it serves at {address}"
+        if not request.proof_key:
+            return f"{unproven}: the registration carries no proof key"
+        options = grpc_options(64 << 10) + [("grpc.initial_reconnect_backoff_ms", 200)]
+        tls = self.credentials.channel_credentials() if self.credentials is not None else None
+        try:
+            channel = grpc.insecure_channel(address, options=options) if tls is None else \
+                grpc.secure_channel(address, tls, options=options + [("grpc.ssl_target_name_override", target)])
+        except Exception as exc:   # not an address gRPC can dial
+            return f"{unproven}: {exc}"
+        nonce = secrets.token_bytes(16)
+        req = pb.ProbeRequest(target=target, nonce=nonce, key_id=key_id(request.proof_key), run_id=self.run_id,
+                              parent=self.node_id)
+        msg_id = f"probe-{target}-{nonce.hex()}"
+        started = time.perf_counter()
+        try:
+            stub = channel.unary_unary(PROBE, request_serializer=pb.ProbeRequest.SerializeToString,
+                                       response_deserializer=pb.ProbeReply.FromString)
+            reply = stub(req, timeout=timeout, wait_for_ready=False, metadata=self._metadata(target))
+        except grpc.RpcError as exc:
+            return f"{unproven}: the probe of {address} failed ({exc.code().name}: {exc.details() or ''})"
+        finally:
+            channel.close()
+        seconds = time.perf_counter() - started
+        self.record_control("probe", self.node_id, target, req.ByteSize(), "sender", seconds, msg_id, self.run_id)
+        self.record_control("probe.reply", target, self.node_id, reply.ByteSize(), "receiver", seconds,
+                            msg_id + ".reply", self.run_id)
+        if not hmac.compare_digest(reply.proof, probe_proof(request.proof_key, nonce, target)):
+            who = f"node '{reply.node_id}'" if reply.node_id else "the process there"
+            return f"{unproven}: {who} does not hold this registration's key"
+        return None
 
     def call_many(self, address: str, requests: Sequence[Batched], *, round: int, step: int = 0,
                   timeout: float) -> list:
@@ -427,14 +504,17 @@ class GrpcEndpoint(Endpoint):
         return out
 
     # -- server side ----------------------------------------------------------------
-    def _note_peer(self, address: str, node_id: str) -> None:
-        """A child registered from `address`.  With TLS, channels verify that the child's
-        certificate names it.  A channel opened before this first registration (the round may
-        start the moment the last child is accepted) verifies the cluster name and stays; only a
-        different node now at a known address needs a new channel."""
+    def _note_peer(self, address: str, node_id: str, key: bytes = b"") -> None:
+        """A child registered from `address` with registration key `key`.  With TLS, channels
+        verify that the child's certificate names it.  A channel opened before this first
+        registration (the round may start the moment the last child is accepted) verifies the
+        cluster name and stays; only a different node now at a known address needs a new
+        channel.  Calls to the address carry the proof of the key from now on (PARENT_META)."""
         with self._lock:
             known = self.peer_names.get(address)
             self.peer_names[address] = node_id
+            if key:
+                self.child_proofs[address] = parent_proof(key, node_id)
             stale = self._channels.pop(address, None) if known is not None and known != node_id else None
         if stale is not None:
             stale.close()
@@ -488,13 +568,29 @@ class GrpcEndpoint(Endpoint):
                 framing = frame_framing(len(f) for f in message) + (FRAME_OVERHEAD if i == 0 else 0)
                 yield from _streamed(endpoint.serve_frames(message, handler, framing=framing))
 
+        def proved(request: pb.RegisterRequest) -> pb.RegisterReply:
+            """The role's handler, for a registrant that proved its address (module docstring,
+            Addresses proved); after the liveness monitor's checks, which cost no call."""
+            refusal = endpoint.probe(request)
+            if refusal is not None:
+                return pb.RegisterReply(accepted=False, message=refusal, node_id=endpoint.node_id)
+            return register_handler(request)
+
         def register(request: pb.RegisterRequest, context) -> pb.RegisterReply:
             if register_handler is None:
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{endpoint.node_id} accepts no registrations")
-            reply = endpoint.handle_registration(register_handler, request)
+            reply = endpoint.handle_registration(proved, request)
             if reply.accepted:
-                note_peer(request.address, request.node_id)
+                note_peer(request.address, request.node_id, request.proof_key)
             return reply
+
+        def record_probe(request: pb.ProbeRequest, reply: pb.ProbeReply, context) -> None:
+            msg_id = f"probe-{request.target}-{request.nonce.hex()}"
+            caller = request.parent or caller_key(context) or "parent"
+            endpoint.record_control("probe", caller, request.target, request.ByteSize(), "receiver", 0.0, msg_id,
+                                    request.run_id)
+            endpoint.record_control("probe.reply", request.target, caller, reply.ByteSize(), "sender", 0.0,
+                                    msg_id + ".reply", request.run_id)
 
         def heartbeat(request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
             if endpoint.liveness is None:
@@ -516,12 +612,14 @@ class GrpcEndpoint(Endpoint):
             "Heartbeat": grpc.unary_unary_rpc_method_handler(
                 heartbeat, request_deserializer=pb.HeartbeatRequest.FromString,
                 response_serializer=pb.HeartbeatReply.SerializeToString),
+            "Probe": probe_rpc_handler(self.node_id, record_probe),
         }
         interceptors = []
         if self.credentials is not None and self.credentials.checks_calls:
             self.interceptor = AuthInterceptor(self.credentials, self.on_refused)
             interceptors.append(self.interceptor)
-        interceptors.insert(0, SlotInterceptor(self.call_slots, lambda *a: self.on_busy and self.on_busy(*a)))   # outermost: before a request is waited for
+        interceptors.insert(0, SlotInterceptor(self.call_slots, lambda *a: self.on_busy and self.on_busy(*a),
+                                               node_id=self.node_id))   # outermost: before a request is waited for
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers),
                              options=grpc_options(self.max_message_bytes, server=True,
                                                   max_receive_bytes=self.request_bound(),
@@ -545,6 +643,23 @@ class GrpcEndpoint(Endpoint):
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
+
+
+def probe_rpc_handler(node_id: str, record: Callable[[pb.ProbeRequest, pb.ProbeReply, Any], None] | None = None):
+    """The Probe RPC of a process serving as `node_id` (module docstring, Addresses proved): a
+    parent checks a registration of this process (`RegistrationKeys`); the answer is the HMAC of
+    its nonce under the key of a registration this process sent as `node_id`, or empty.  Any
+    authenticated caller may ask (the registrant does not know its parent's node id before the
+    reply): the answer is of no use but to the holder of the key.  `record`: the ledger's hook."""
+    def probe(request: pb.ProbeRequest, context) -> pb.ProbeReply:
+        proof = REGISTRATION_KEYS.answer(request.target, request.key_id, request.nonce) \
+            if request.target == node_id else b""
+        reply = pb.ProbeReply(node_id=node_id, proof=proof)
+        if record is not None:
+            record(request, reply, context)
+        return reply
+    return grpc.unary_unary_rpc_method_handler(probe, request_deserializer=pb.ProbeRequest.FromString,
+                                               response_serializer=pb.ProbeReply.SerializeToString)
 
 
 def _streamed(frames: Sequence[bytes]) -> Iterable[bytes]:
@@ -586,20 +701,24 @@ class SlotInterceptor(grpc.ServerInterceptor):
     ends at once), and keys the caller by `caller_key` (verified by then: the token is checked
     from metadata before a handler is returned; mutual TLS names the certificate)."""
 
-    def __init__(self, slots: CallSlots, on_busy: RefusedHook | None = None) -> None:
-        self.slots, self.on_busy = slots, on_busy
+    def __init__(self, slots: CallSlots, on_busy: RefusedHook | None = None, node_id: str = "") -> None:
+        self.slots, self.on_busy, self.node_id = slots, on_busy, node_id
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method.rsplit("/", 1)[-1]
-        kind = "control" if method in ("Register", "Heartbeat") else "data"
+        kind = lane_of(method)
         slots, deser, ser, on_busy = self.slots, handler.request_deserializer, handler.response_serializer, self.on_busy
+        node_id = self.node_id
 
-        def take(context) -> str:
+        def take(context) -> tuple[str, str]:
             peer = caller_key(context)
-            refusal = slots.acquire(peer, kind)
+            proof = next((v for k, v in context.invocation_metadata() or () if k == PARENT_META), "") \
+                if kind == "data" else ""
+            parent = isinstance(proof, str) and REGISTRATION_KEYS.parent_proven(node_id, proof)
+            refusal, key = slots.take(peer, kind, parent=parent)
             if refusal is not None:
                 if on_busy is not None:
                     try:
@@ -607,10 +726,21 @@ class SlotInterceptor(grpc.ServerInterceptor):
                     except Exception:   # a broken hook must not keep the thread
                         pass
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"call refused: {refusal}")
-            return peer
+            return key
 
         def one(request_iterator, context):
-            request = next(iter(request_iterator), None)
+            # a control call's request is a few hundred bytes: one that has not arrived within
+            # CONTROL_READ_SECONDS is cancelled, so a slow sender cannot keep its lane's thread
+            ticket = READ_DEADLINES.arm(CONTROL_READ_SECONDS, context.cancel) if kind != "data" else None
+            try:
+                request = next(iter(request_iterator), None)
+            except grpc.RpcError:
+                request = None
+            finally:
+                if ticket is not None:
+                    READ_DEADLINES.disarm(ticket)
+            if request is None and not context.is_active():   # cancelled: the read deadline, or the caller
+                context.abort(grpc.StatusCode.CANCELLED, f"no request within {CONTROL_READ_SECONDS:g}s")
             if request is None:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
             return request
@@ -619,42 +749,42 @@ class SlotInterceptor(grpc.ServerInterceptor):
             inner_uu = handler.unary_unary
 
             def unary(request_iterator, context):
-                peer = take(context)
+                key = take(context)
                 try:
                     return inner_uu(one(request_iterator, context), context)
                 finally:
-                    slots.release(peer, kind)
+                    slots.release_slot(key, kind)
             return grpc.stream_unary_rpc_method_handler(unary, request_deserializer=deser, response_serializer=ser)
         if handler.stream_unary is not None:
             inner_su = handler.stream_unary
 
             def stream_unary(request_iterator, context):
-                peer = take(context)
+                key = take(context)
                 try:
                     return inner_su(request_iterator, context)
                 finally:
-                    slots.release(peer, kind)
+                    slots.release_slot(key, kind)
             return grpc.stream_unary_rpc_method_handler(stream_unary, request_deserializer=deser,
                                                         response_serializer=ser)
         if handler.unary_stream is not None:
             inner_us = handler.unary_stream
 
             def unary_stream(request_iterator, context):
-                peer = take(context)
+                key = take(context)
                 try:
                     yield from inner_us(one(request_iterator, context), context)
                 finally:
-                    slots.release(peer, kind)
+                    slots.release_slot(key, kind)
             return grpc.stream_stream_rpc_method_handler(unary_stream, request_deserializer=deser,
                                                          response_serializer=ser)
         inner_ss = handler.stream_stream
 
         def stream(request_iterator, context):
-            peer = take(context)
+            key = take(context)
             try:
                 yield from inner_ss(request_iterator, context)
             finally:
-                slots.release(peer, kind)
+                slots.release_slot(key, kind)
         return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=deser, response_serializer=ser)
 
 

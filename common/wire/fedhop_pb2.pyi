@@ -210,7 +210,7 @@ class LogicalClient(_message.Message):
     def __init__(self, client_id: _Optional[int] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "role", "address", "clients", "token", "run_id", "msg_id", "refusal")
+    __slots__ = ("node_id", "role", "address", "clients", "token", "run_id", "msg_id", "refusal", "proof_key")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class RegisterRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MSG_ID_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    PROOF_KEY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     address: str
@@ -227,7 +228,30 @@ class RegisterRequest(_message.Message):
     run_id: str
     msg_id: str
     refusal: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., clients: _Optional[_Iterable[_Union[LogicalClient, _Mapping]]] = ..., token: _Optional[str] = ..., run_id: _Optional[str] = ..., msg_id: _Optional[str] = ..., refusal: _Optional[str] = ...) -> None: ...
+    proof_key: bytes
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., clients: _Optional[_Iterable[_Union[LogicalClient, _Mapping]]] = ..., token: _Optional[str] = ..., run_id: _Optional[str] = ..., msg_id: _Optional[str] = ..., refusal: _Optional[str] = ..., proof_key: _Optional[bytes] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("target", "nonce", "key_id", "run_id", "parent")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    nonce: bytes
+    key_id: bytes
+    run_id: str
+    parent: str
+    def __init__(self, target: _Optional[str] = ..., nonce: _Optional[bytes] = ..., key_id: _Optional[bytes] = ..., run_id: _Optional[str] = ..., parent: _Optional[str] = ...) -> None: ...
+
+class ProbeReply(_message.Message):
+    __slots__ = ("node_id", "proof")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    proof: bytes
+    def __init__(self, node_id: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("accepted", "run_id", "config_toml", "message", "node_id")

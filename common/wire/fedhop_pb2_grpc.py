@@ -44,6 +44,11 @@ class FedhopStub:
                 request_serializer=fedhop__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=fedhop__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/fedhop.Fedhop/Probe',
+                request_serializer=fedhop__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=fedhop__pb2.ProbeReply.FromString,
+                _registered_method=True)
         self.Exchange = channel.stream_stream(
                 '/fedhop.Fedhop/Exchange',
                 request_serializer=fedhop__pb2.Frame.SerializeToString,
@@ -67,6 +72,13 @@ class FedhopServicer:
 
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Probe(self, request, context):
+        """a parent proves a registrant's address
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -96,6 +108,11 @@ def add_FedhopServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=fedhop__pb2.HeartbeatRequest.FromString,
                     response_serializer=fedhop__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=fedhop__pb2.ProbeRequest.FromString,
+                    response_serializer=fedhop__pb2.ProbeReply.SerializeToString,
             ),
             'Exchange': grpc.stream_stream_rpc_method_handler(
                     servicer.Exchange,
@@ -162,6 +179,33 @@ class Fedhop:
             '/fedhop.Fedhop/Heartbeat',
             fedhop__pb2.HeartbeatRequest.SerializeToString,
             fedhop__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedhop.Fedhop/Probe',
+            fedhop__pb2.ProbeRequest.SerializeToString,
+            fedhop__pb2.ProbeReply.FromString,
             options,
             channel_credentials,
             insecure,
