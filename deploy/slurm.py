@@ -537,7 +537,8 @@ def job_state(job: str) -> tuple[str, int] | None:
 
 
 def wait_job(job: str, poll: float = 1.0, report: Callable[[str], None] | None = None) -> int:
-    """Wait for a job (all tasks of an array) to end; its exit status.  `report` is given a line
+    """Wait for a job (all tasks of an array) to end; its exit status (1 for a job that ended
+    otherwise than COMPLETED with exit code 0, e.g. cancelled while pending).  `report` is given a line
     each time the job's state or pending reason changes ("job 12: PENDING (Resources)"), and once
     more, with what to do, when Slurm says the job can never start as asked.  Ctrl-C cancels it."""
     unknown = 0
@@ -558,8 +559,8 @@ def wait_job(job: str, poll: float = 1.0, report: Callable[[str], None] | None =
                                f"`scancel {job}` and fit the request to the partition (--overcommit, --nodes, "
                                f"--partition, --time)")
                 last = line
-                if info.state in TERMINAL:
-                    return info.status
+                if info.state in TERMINAL:   # ended otherwise than COMPLETED with exit code 0 (cancelled
+                    return info.status or (0 if info.state == "COMPLETED" else 1)   # before it ran): 1
             time.sleep(poll)
     except KeyboardInterrupt:
         subprocess.run(["scancel", job], capture_output=True)

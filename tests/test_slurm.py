@@ -289,6 +289,25 @@ def test_partition_fit_counts_tasks_cpus_nodes_and_overcommit():
     assert Partition("q", [8, 8, 8], 2).fit_refusal(3, SlurmOptions(nodes=3)) is not None  # MaxNodes=2
 
 
+def test_failure_reason_is_the_failing_steps_error_line(tmp_path):
+    """`--wait`'s last line on failure: the error line of the step whose status is the job's, not
+    its last line or the status alone; the server's when no step's status matches."""
+    from fedhop.deploy.slurm import failure_reason
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "server.log").write_text(
+        "2026-11-28 10:00:00,000 server INFO server computes on cpu\n"
+        "2026-11-28 10:00:01,000 server ERROR refusing to start: plaintext gRPC to or on a non-loopback address\n"
+        "2026-11-28 10:00:01,001 server INFO shutting down\n")
+    (tmp_path / "logs" / "client-proc0.log").write_text("Traceback (most recent call last):\n  File x\n"
+                                                        "ValueError: bad shard\nafter the error\n")
+    (tmp_path / "slurm" / "exit.json").write_text(json.dumps({"status": 2, "steps": {"server": 2, "client-proc0": 143}}))
+    assert failure_reason(tmp_path) == ("server: 2026-11-28 10:00:01,000 server ERROR refusing to start: plaintext "
+                                        "gRPC to or on a non-loopback address")
+    (tmp_path / "slurm" / "exit.json").write_text(json.dumps({"status": 1, "steps": {"server": 143, "client-proc0": 1}}))
+    assert failure_reason(tmp_path) == "client-proc0: ValueError: bad shard"
+
+
 # ----------------------------------------------------------------------------- on a real Slurm
 CPUS = 2   # the node's CPUs, as on a small CI machine: the default 3-process star does not fit
 
@@ -417,7 +436,8 @@ def check_jobs(user, slurm, fail, tasks, failing, star, hier, sweep, sweep_cmd) 
     with sqlite3.connect(run / "run.db") as db:                     # the config the server ran
         (recorded,) = db.execute("SELECT config_toml FROM runs").fetchone()
     assert "mtls = true" in recorded and f'certs_dir = "{run}/creds/server"' in recorded
-    assert "plaintext" not in (run / "logs" / "server.log").read_text()
+    for log in (run / "logs").glob("*.log"):                       # no process announced a weaker mode
+        assert "plaintext" not in log.read_text().lower() and "shared-token" not in log.read_text().lower(), log
 
     text = sweep.communicate(timeout=300)[0]
     assert sweep.returncode == 0, text
@@ -440,7 +460,7 @@ def check_jobs(user, slurm, fail, tasks, failing, star, hier, sweep, sweep_cmd) 
                for ln in text.splitlines()) == 1, text
     run = user / "runs" / "hier"
     check_run(run, load_config(str(user / "small.toml"), HIER))
-    assert "plaintext gRPC" in (run / "logs" / "server.log").read_text()
+    assert "plaintext grpc" in (run / "logs" / "server.log").read_text().lower()
 
     # the failing client: its status is the job's, and --wait prints its error line
     text = failing.communicate(timeout=300)[0]
