@@ -12,6 +12,13 @@ exponential backoff and full jitter (docs/faults.md).
   it are cancelled at once (they fail with NODE_DEAD instead of running into the round timeout),
   later calls fail without touching the network, and an event is reported.  The round goes on
   with the results it has (run.min_results decides).  A dead child comes back by registering.
+- Registrations: `check_registration` refuses, before any call is made, a node id live at
+  another address, an address a live other node holds and clients a live other node hosts;
+  what passes is then proved (common/transport/grpc.py, "Addresses proved"): the parent probes
+  the claimed address and the process serving there must answer under the registration's own
+  key.  So a dead node's address is free for its restart and for whoever proves to serve there,
+  never for a registrant that only names it, and a second registration of a live node id from
+  its own address is accepted only from the process that serves there.
 - `Backoff`: delay before retry k is uniform(0, min(cap, base * 2**k)) ("full jitter", the AWS
   architecture blog's "Exponential Backoff And Jitter"; Flower's RetryInvoker default), drawn
   from the named stream ("backoff", node id) so runs stay reproducible.
@@ -296,7 +303,9 @@ class LivenessMonitor:
         holds (NODE_TAKEN), or the address of a live child with another node id (ADDRESS_TAKEN:
         an address is owned by one live node, so a registration there cannot redirect that
         node's liveness verdict, `mark_dead`, or the name its TLS channel expects); None
-        otherwise."""
+        otherwise.  These cost no call; a registration that passes must still prove it serves
+        at its address (the parent's probe, common/transport/grpc.py), so the address of a dead
+        node goes only to a process that serves there."""
         ids = [c.client_id for c in req.clients]
         twice = sorted(c for c, n in Counter(ids).items() if n > 1)
         if twice:
@@ -323,8 +332,9 @@ class LivenessMonitor:
         return None
 
     def refused(self, req: pb.RegisterRequest, reason: str) -> None:
-        """A registration refused (here or by the parent's handler): one event per claimed node
-        per interval (common/transport/admission.py)."""
+        """A registration refused (here, by the probe of its address, or by the parent's
+        handler): one event per claimed node per interval, and at most EVENTS_PER_INTERVAL of
+        them per interval, the rest counted in one (common/transport/admission.py)."""
         self._refusals("register_refused", req.node_id, req.node_id, f"{req.role} at {req.address}: {reason}")
 
     def registered(self, req: pb.RegisterRequest) -> None:
