@@ -72,7 +72,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from fedhop.common.config.schema import Config
 
 SLURM_DIR = "slurm"        # RUN/slurm: the batch script, the task list, the job's output and exit record
 TOKEN_FILE = ".token"
@@ -294,7 +297,7 @@ class PreparedRun:
     shows `script` and writes nothing; `write()` makes the folder; `submit` sends the script."""
 
     run_dir: Path
-    cfg: object
+    cfg: Config
     node_ids: list[str]
     tasks: list[dict]
     script: str
