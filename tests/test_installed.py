@@ -272,6 +272,24 @@ def test_plugin_package_in_the_current_folder(installed, tmp_path):
     assert s["num_parameters"] == 64 * 5 + 5 + 5 * 10 + 10   # digits: 64 features, 10 classes, hidden = 5
 
 
+def test_examples_are_copied_from_the_wheel_and_run(installed, tmp_path):
+    """A wheel install with no clone: `fedhop examples copy fedavg_digits` writes the example (the
+    same bytes as the checkout's) into the user's folder, and it runs (shortened by --set)."""
+    folder = tmp_path / "fresh"
+    folder.mkdir()
+    listed = fedhop(installed, "examples", cwd=folder)
+    assert listed.returncode == 0 and "fedavg_digits " in listed.stdout and "plugin/" in listed.stdout, \
+        explain(listed)
+    copied = fedhop(installed, "examples", "copy", "fedavg_digits", "plugin", cwd=folder)
+    assert copied.returncode == 0, explain(copied)
+    assert (folder / "fedavg_digits.toml").read_bytes() == (ROOT / "examples" / "fedavg_digits.toml").read_bytes()
+    assert (folder / "plugin" / "fedhop_example" / "models.py").is_file()
+    done = fedhop(installed, "run", "fedavg_digits.toml", "--out", "runs/ex", "--quiet", "--set", "run.rounds=2",
+                  "--set", "clients.processes=1", cwd=folder)
+    s = completed(done, folder / "runs" / "ex")
+    assert s["rounds_completed"] == 2 and s["algorithm"] == "fedavg"
+
+
 def test_certs_and_mutual_tls_with_a_relative_certs_dir(installed, tmp_path):
     folder = user_folder(tmp_path / "tls", EXP + '\n[security]\ncerts_dir = "certs"\nmtls = true\n')
     made = fedhop(installed, "certs", "certs", "--nodes", "server,client-proc0", cwd=folder)

@@ -47,6 +47,11 @@ class CifarError(ValueError):
     """A CIFAR binary file is not the size or content its layout needs."""
 
 
+def _fetch_name(layout: CifarLayout) -> str:
+    """The data set's name in `fedhop data fetch` (and data.dataset): cifar10, cifar100."""
+    return next((name for name, known in LAYOUTS.items() if known is layout), layout.name)
+
+
 def find_folder(data_dir: str | Path, layout: CifarLayout) -> Path:
     """data_dir/<archive folder> or data_dir itself, whichever holds the first training file;
     FileNotFoundError naming the missing file otherwise."""
@@ -55,11 +60,11 @@ def find_folder(data_dir: str | Path, layout: CifarLayout) -> Path:
         if (folder / layout.train[0]).is_file():
             missing = [f for f in (*layout.train, layout.test) if not (folder / f).is_file()]
             if missing:
-                raise FileNotFoundError(f"{layout.name}: missing {folder / missing[0]} (binary version; "
-                                        f"docs/datasets.md)")
+                raise FileNotFoundError(f"{layout.name}: missing {folder / missing[0]} (binary version); fetch it "
+                                        f"with `fedhop data fetch {_fetch_name(layout)} --dir {base}`")
             return folder
     raise FileNotFoundError(f"{layout.name}: missing {base / layout.folder / layout.train[0]} (the binary version, "
-                            f"{layout.folder}; docs/datasets.md)")
+                            f"{layout.folder}); fetch it with `fedhop data fetch {_fetch_name(layout)} --dir {base}`")
 
 
 class CifarRecords:

@@ -310,10 +310,16 @@ def _resolve(path: str, data_dir: str) -> Path:
     raise FileNotFoundError(f"data.path = {path!r}: no such file (looked at {', '.join(map(str, candidates))})")
 
 
-def _build_npz(cfg: Any, p: NpzParams) -> Task:
+def npz_file(cfg: Any, p: NpzParams) -> Path:
+    """The .npz file of dataset = "npz": ValueError without data.path, FileNotFoundError naming the
+    places looked at when it is not there (checked by `fedhop run` before any process starts)."""
     if not p.path:
         raise ValueError("data.path: dataset 'npz' needs the path of an .npz file (keys x_0, y_0, x_1, y_1, ...)")
-    data = datasets.load_npz(_resolve(p.path, cfg.data.data_dir))
+    return _resolve(p.path, cfg.data.data_dir)
+
+
+def _build_npz(cfg: Any, p: NpzParams) -> Task:
+    data = datasets.load_npz(npz_file(cfg, p))
     n = len(data.xs)
     if n != cfg.clients.count:
         raise ValueError(f"{data.path} holds {n} clients (x_0..x_{n - 1}) but clients.count = "

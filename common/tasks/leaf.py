@@ -80,8 +80,9 @@ class LeafData:
         self.name, self.kind = name, kind if kind is not None else KINDS[name]
         train = leaf.find_split(base, "train")
         if train is None:
+            from fedhop.common.data.datafiles import leaf_recipe
             raise FileNotFoundError(f"{name}: no LEAF train folder {base / 'train'} (nor {base / 'data' / 'train'}); "
-                                    f"docs/datasets.md says how to make one")
+                                    f"{leaf_recipe(name, base)}")
         self.train = leaf.LeafIndex(train)
         test = leaf.find_split(base, "test")
         self.test = leaf.LeafIndex(test) if test is not None else None
