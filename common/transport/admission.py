@@ -239,8 +239,9 @@ def lane_of(method: str) -> str:
 
 def lane_sizes(workers: int) -> dict[str, int]:
     """How `workers` gRPC threads are split: registrations at most max(2, workers // 8) at once,
-    heartbeats and probes at most max(4, workers // 4), data calls the rest (at least 1)."""
-    control, quick = max(2, workers // 8), max(4, workers // 4)
+    max(2, workers // 8) reserved for heartbeats and probes (which may also take a free data
+    slot), data calls the rest (at least 1)."""
+    control = quick = max(2, workers // 8)
     return {"control": control, "quick": quick, "data": max(1, workers - control - quick)}
 
 
@@ -248,9 +249,10 @@ class CallSlots:
     """How many calls a gRPC server runs at once, per lane, in all and per caller.
 
     `workers` threads serve every RPC, split in lanes (`lane_sizes`): data calls (Exchange,
-    Call), registrations (Register) and quick control calls (Heartbeat, Probe).  A lane's calls
-    never take another lane's threads, so a flood of slow registrations or streams cannot keep
-    a heartbeat from its thread.  Per caller (its authenticated node id): `per_peer` data calls,
+    Call), registrations (Register) and quick control calls (Heartbeat, Probe).  No call takes
+    the threads of the registration or the quick lane but their own, so a flood of slow
+    registrations or streams cannot keep a heartbeat from its thread; a quick call finding its
+    lane full takes a free data slot if there is one (heartbeats come in bursts).  Per caller (its authenticated node id): `per_peer` data calls,
     `CONTROL_PER_PEER` registrations, `QUICK_PER_PEER` heartbeats.  Exempt from the data
     lane's limits: this process's parent (which sends one call per sampled client at once and
     is what the process serves), but only where the call proves it (`parent = True`: it carries
@@ -275,17 +277,22 @@ class CallSlots:
         proved this process's registration key.  The reason it was refused, or None."""
         return self.take(peer, kind, parent)[0]
 
-    def take(self, peer: str, kind: str = "data", parent: bool = False) -> tuple[str | None, tuple[str, str]]:
-        """`acquire`, also returning the slot's key for `release_slot` (the proven parent's calls
-        are held apart: they never count against a caller that merely claims its node id)."""
+    def take(self, peer: str, kind: str = "data", parent: bool = False) -> tuple[str | None, tuple]:
+        """`acquire`, also returning the slot's ticket for `release_slot`: the per-caller key (the
+        proven parent's calls are held apart: they never count against a caller that merely
+        claims its node id) and the lane charged (a quick call may borrow a data slot)."""
         with self._lock:
             exempt = kind == "data" and (not peer or parent and self.privileged(peer))
             key = ("parent" if exempt and peer else kind, peer)
             held = self._held.get(key, 0)
             cap = {"data": self.per_peer, "control": CONTROL_PER_PEER, "quick": QUICK_PER_PEER}[kind]
+            lane = kind
+            if kind == "quick" and self._lane["quick"] >= self.lanes["quick"] \
+                    and self._lane["data"] < self.lanes["data"]:
+                lane = "data"
             if exempt:
                 refusal = None
-            elif self._lane[kind] >= self.lanes[kind]:
+            elif self._lane[lane] >= self.lanes[lane]:
                 refusal = f"all {self.lanes[kind]} {kind} call slots are busy"
             elif peer and held >= cap:
                 refusal = f"{peer} already holds {held} {kind} calls (the per-caller limit)"
@@ -293,24 +300,27 @@ class CallSlots:
                 refusal = None
             if refusal is not None:
                 self.refused += 1
-                return refusal, key
+                return refusal, (key, lane)
             self._held[key] = held + 1
-            self._lane[kind] += 1
-            return None, key
+            self._lane[lane] += 1
+            return None, (key, lane)
 
     def release(self, peer: str, kind: str = "data", parent: bool = False) -> None:
-        """Give back a slot taken by `acquire(peer, kind, parent)` (with the same `privileged`)."""
+        """Give back a data or control slot taken by `acquire(peer, kind, parent)` (with the same
+        `privileged`)."""
         exempt = kind == "data" and bool(peer) and parent and self.privileged(peer)
-        self.release_slot(("parent" if exempt else kind, peer), kind)
+        self.release_slot((("parent" if exempt else kind, peer), kind))
 
-    def release_slot(self, key: tuple[str, str], kind: str) -> None:
+    def release_slot(self, ticket: tuple) -> None:
+        """Give back the slot of a `take` ticket."""
+        key, lane = ticket
         with self._lock:
             left = self._held.get(key, 0) - 1
             if left > 0:
                 self._held[key] = left
             else:
                 self._held.pop(key, None)
-            self._lane[kind] -= 1
+            self._lane[lane] -= 1
 
     def held(self, kind: str = "data") -> int:
         with self._lock:
@@ -442,7 +452,14 @@ class RegistrationKeys:
 REGISTRATION_KEYS = RegistrationKeys()
 # a child forked from a process that served (the launcher's fork start, deploy/forkstart.py) starts
 # with neither its deadline thread nor its keys
-os.register_at_fork(after_in_child=lambda: (READ_DEADLINES.reset(), REGISTRATION_KEYS.reset()))
+
+
+def _after_fork() -> None:
+    READ_DEADLINES.reset()
+    REGISTRATION_KEYS.reset()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 # ----------------------------------------------------------------------------- log lines

@@ -688,7 +688,7 @@ def caller_key(context: grpc.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == META_NODE and isinstance(value, str) and value:
             return value
-    return ""   # no credential: unidentified (CallSlots does not limit it)
+    return ""   # no credential: unidentified (CallSlots limits it by its lanes' caps only)
 
 
 class SlotInterceptor(grpc.ServerInterceptor):
@@ -713,7 +713,7 @@ class SlotInterceptor(grpc.ServerInterceptor):
         slots, deser, ser, on_busy = self.slots, handler.request_deserializer, handler.response_serializer, self.on_busy
         node_id = self.node_id
 
-        def take(context) -> tuple[str, str]:
+        def take(context) -> tuple:
             peer = caller_key(context)
             proof = next((v for k, v in context.invocation_metadata() or () if k == PARENT_META), "") \
                 if kind == "data" else ""
@@ -753,7 +753,7 @@ class SlotInterceptor(grpc.ServerInterceptor):
                 try:
                     return inner_uu(one(request_iterator, context), context)
                 finally:
-                    slots.release_slot(key, kind)
+                    slots.release_slot(key)
             return grpc.stream_unary_rpc_method_handler(unary, request_deserializer=deser, response_serializer=ser)
         if handler.stream_unary is not None:
             inner_su = handler.stream_unary
@@ -763,7 +763,7 @@ class SlotInterceptor(grpc.ServerInterceptor):
                 try:
                     return inner_su(request_iterator, context)
                 finally:
-                    slots.release_slot(key, kind)
+                    slots.release_slot(key)
             return grpc.stream_unary_rpc_method_handler(stream_unary, request_deserializer=deser,
                                                         response_serializer=ser)
         if handler.unary_stream is not None:
@@ -774,7 +774,7 @@ class SlotInterceptor(grpc.ServerInterceptor):
                 try:
                     yield from inner_us(one(request_iterator, context), context)
                 finally:
-                    slots.release_slot(key, kind)
+                    slots.release_slot(key)
             return grpc.stream_stream_rpc_method_handler(unary_stream, request_deserializer=deser,
                                                          response_serializer=ser)
         inner_ss = handler.stream_stream
@@ -784,7 +784,7 @@ class SlotInterceptor(grpc.ServerInterceptor):
             try:
                 yield from inner_ss(request_iterator, context)
             finally:
-                slots.release_slot(key, kind)
+                slots.release_slot(key)
         return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=deser, response_serializer=ser)
 
 
