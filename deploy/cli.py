@@ -121,7 +121,11 @@ def entry() -> None:
     """The console script. After `run`, leave without the interpreter's teardown (common/util/procexit.py):
     the run's records are on disk, and finalizing torch costs a user 0.3 to 0.7 s per run."""
     argv = sys.argv[1:]
-    code = main(argv)
+    try:
+        code = main(argv)
+    except KeyboardInterrupt:   # Ctrl-C before a command took its signals over (while it imports): no traceback
+        print(f"\nfedhop{' ' + argv[0] if argv else ''}: stopped by SIGINT (Ctrl-C)", file=sys.stderr)
+        code = 130
     if argv and argv[0] == "run":
         from fedhop.common.util.procexit import exit_now
         exit_now(code)

@@ -485,11 +485,11 @@ class Coordinator:
             raise
         with stops_deferred():   # closing the records: a signal now is noted, never cuts them
             self.shutdown_children()
+            noted = stop_noted()
+            if noted is not None and status == "completed":   # after the last round's row: still completed
+                self._stop_after_last_round(stop_reason(Stopped(noted) if noted != signal.SIGINT
+                                                        else KeyboardInterrupt())[0])
             summary = self.finalize(status, error, time.perf_counter() - started)
-            late = stop_noted()
-        if late is not None and status == "completed":
-            log.warning("a stop signal (%s) arrived while the completed run was being closed; its records are whole",
-                        signal.Signals(late).name)
         return summary
 
     def _stopped(self, exc: BaseException) -> tuple[str, str]:
@@ -497,16 +497,19 @@ class Coordinator:
         status a shell reports for the signal, or "completed" once every planned round is recorded."""
         reason, code = stop_reason(exc)
         if self.rounds_completed >= self.cfg.run.rounds:
-            self.store.add_event("stop_after_last_round", node="server", round=self.rounds_completed,
-                                 detail=f"{reason} after the last round: the run is complete, its records are "
-                                        "written before the server leaves")
-            log.warning("%s after the last round (%d): recording the completed run", reason, self.rounds_completed)
+            self._stop_after_last_round(reason)
             return "completed", ""
         self.stop_status = code
         error = f"{reason} after round {self.rounds_completed}"
         self.store.add_event("run_stopped", node="server", detail=error, round=self.rounds_completed)
         log.warning("run %s", error)
         return "stopped", error
+
+    def _stop_after_last_round(self, reason: str) -> None:
+        self.store.add_event("stop_after_last_round", node="server", round=self.rounds_completed,
+                             detail=f"{reason} after the last round: the run is complete, its records are "
+                                    "written before the server leaves")
+        log.warning("%s after the last round (%d): recording the completed run", reason, self.rounds_completed)
 
     def shutdown_children(self) -> None:
         liveness = getattr(self.endpoint, "liveness", None)

@@ -173,6 +173,7 @@ def test_server_stopped_after_its_last_round_records_a_completed_run(tmp_path, p
             server.send_signal(sig)
         code = server.wait(60)
         assert_recorded(tmp_path / "run", "completed", sig, code, rounds=3)
+        assert events(db, "stop_after_last_round") == 1   # the signal came while the children were shut down
         assert procs[1].wait(60) == 0
         kill_all(procs[2:])   # the frozen one: the test's own doing
         assert_no_traceback(tmp_path)
