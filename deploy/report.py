@@ -680,12 +680,11 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
     rows = [make_row(run, metric, target, bytes_kind, notes) for run in runs]
     header, body = table_cells(rows, metric, target, bytes_kind)
     table = text_tables(rows, metric, target, bytes_kind)
-    judged = [run for run in runs if run.agreement is not None]
-    agreement = [f"{run.name}: {run.agreement.summary()}" for run in judged]
+    judged = [(run.name, run.agreement.summary()) for run in runs if run.agreement is not None]
+    agreement = [f"{name}: {verdict}" for name, verdict in judged]
     md = ["# fedhop report", "", render_markdown(header, body), ""]
     if judged:
-        md += ["## Ledger agreement", "", *[f"- {md_text(run.name)}: {md_text(run.agreement.summary())}"
-                                            for run in judged if run.agreement is not None], ""]
+        md += ["## Ledger agreement", "", *[f"- {md_text(name)}: {md_text(verdict)}" for name, verdict in judged], ""]
     plots = make_plots(runs, metric, target, bytes_kind, out, notes, fmt, dpi) if runs else []
     if plots:   # a PDF is linked, not shown, by Markdown viewers
         md += ["## Plots", "", *[f"{'' if fmt == 'pdf' else '!'}[{p.stem}]({p.name})" for p in plots], ""]
