@@ -284,10 +284,17 @@ if mtls:
                   and mtls["insecure"] is not True and mtls["shared_token_announced"] == 0
                   and mtls["dead_node_log_bytes"] > 0 and owners == {user_id})
     mtls["removable_by_user"] = None
-    if mtls["ok"]:           # the user who started it removes the run folder (then it is gone)
-        subprocess.run(["setpriv", f"--reuid={user_id}", f"--regid={user_id}", "--clear-groups", "rm", "-rf",
-                        str(project_dir)], capture_output=True)
-        mtls["removable_by_user"] = not project_dir.exists()
+    if mtls["ok"]:
+        # the user who started it removes the project's run folder: moved first (with its parent, the
+        # user's folder) under a folder anyone may enter, as WORK may be private to root (pytest's tmp_path)
+        import shutil, tempfile
+        with tempfile.TemporaryDirectory(prefix="fedhop-engine-rm-") as open_dir:
+            os.chmod(open_dir, 0o755)
+            moved = Path(shutil.move(str(project_dir.parent), open_dir)) / project_dir.name
+            rm = subprocess.run(["setpriv", f"--reuid={user_id}", f"--regid={user_id}", "--clear-groups", "rm", "-rf",
+                                 str(moved)], capture_output=True, text=True)
+            mtls["removable_by_user"] = rm.returncode == 0 and not moved.exists()
+            mtls["rm_stderr"] = rm.stderr[-300:]
         mtls["ok"] = mtls["removable_by_user"]
     mtls["checks"] = {"creds": creds_ok, "probes": probes_ok, "names": names_ok, "killed_mid_run": killed_ok}
 result = {"scenarios": rows, "engine_and_build_seconds": build_s, "total_seconds": total_s,
