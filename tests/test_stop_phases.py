@@ -268,3 +268,35 @@ def test_ledger_check_explains_a_logical_clients_lone_record_by_its_process(tmp_
     report = ledger_consistency(store)
     assert report["unexplained"] == 0 and report["lost_explained"] == 1, report
     store.close()
+
+
+# ---------------------------------------------------------------- the handlers themselves
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_stops_deferred_are_noted_and_raised_where_armed_and_a_second_one_never_cuts(sig):
+    """In a deferred part a signal is noted only (set-up, closing the records); the run's armed
+    part raises it on entry; once a stop was raised, a second signal is noted, not raised into
+    the code that records the first."""
+    from fedhop.common.util.procexit import (
+        Stopped,
+        ignore_stops,
+        signals_restored,
+        stop_noted,
+        stop_on_sigterm,
+        stops_armed,
+        stops_deferred,
+    )
+
+    expected = KeyboardInterrupt if sig == signal.SIGINT else Stopped
+    with signals_restored():
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # as a role starts
+        stop_on_sigterm(deferred=True)
+        signal.raise_signal(sig)   # during set-up: noted
+        assert stop_noted() == sig
+        with pytest.raises(expected):
+            with stops_armed():
+                pytest.fail("a noted stop is raised on entering the armed part")
+        signal.raise_signal(sig)   # the second, while the first is being recorded: noted only
+        with stops_deferred():
+            signal.raise_signal(sig)
+        ignore_stops()
+        assert stop_noted() is None
