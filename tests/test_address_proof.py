@@ -259,3 +259,57 @@ def test_invented_node_ids_leave_a_bounded_number_of_rows(tmp_path):
     counted += sum(1 + sum(int(m) for m in re.findall(r"\(\+(\d+) more from", e["detail"])) for e in rows
                    if e["node"] != "*")
     assert counted == sent, (counted, sent)
+
+
+# ----------------------------------------------------------------------------- B5.12
+def test_slow_streams_claiming_the_parent_get_one_callers_share(tmp_path):
+    """48 Exchange streams held open at client-proc0 (16 worker threads) under the node id
+    `server`, which the run token lets any insider mint, through the whole run: without the
+    proof of client-proc0's registration key they are one caller's, and all but its share are
+    refused at once; the real server's calls, which carry the proof, are served and the run
+    completes with client-proc0's clients in every round (when a claimed `server` was exempt,
+    the 48 streams held every thread of the process and its clients missed their rounds)."""
+    from fedhop.common.transport.admission import CallSlots
+    from fedhop.common.transport.grpc import EXCHANGE
+
+    streams = 48
+    run = attacks.Run(tmp_path, "parent_streams", None)
+    db = run.dir / "run" / "run.db"
+    try:
+        attacks._wait_registered(run, timeout=SETUP)
+        attacks._wait_heartbeat(run, "client-proc0", timeout=SETUP)
+        channel = grpc.insecure_channel(attacks._home(run, "client-proc0"), options=grpc_options(1 << 20))
+        stub = channel.stream_stream(EXCHANGE, request_serializer=None, response_deserializer=None)
+        release = threading.Event()
+
+        def idle():
+            release.wait()
+            yield from ()
+        metadata = NodeCredentials("server", attacks.SECRET.encode()).metadata()
+        calls = [stub(idle(), timeout=600, metadata=metadata) for _ in range(streams)]
+        try:
+            _wait("the streams over the share refused", lambda: sum(c.done() for c in calls) >= streams - 4,
+                  timeout=60)
+            run.start_third()
+            _wait("every round", lambda: len(RunStore(db).rounds()) >= run.cfg.run.rounds if db.exists() else None,
+                  timeout=SETUP, proc=run.server)
+            held = sum(not c.done() for c in calls)
+        finally:
+            release.set()
+        codes = []
+        for c in calls:
+            try:
+                list(c)
+                codes.append("OK")
+            except grpc.RpcError as exc:
+                codes.append(exc.code().name)
+        channel.close()
+        out = run.finish()
+    except BaseException:
+        run.kill_all()
+        raise
+    store = RunStore(db)
+    assert out["exit"] == 0 and store.run()["status"] == "completed"
+    share = CallSlots(16).per_peer   # a client process's 16 worker threads
+    assert codes.count("RESOURCE_EXHAUSTED") == streams - share and held == share, (codes, held)
+    assert _trained(db, ["client-0", "client-1"]) == {int(r["round"]) for r in store.rounds()}
