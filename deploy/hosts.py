@@ -958,7 +958,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         run = run_path(hf, out.name)
         for r in roles:
-            print(f"# {r.node_id} on {r.host.name} ({r.address})" + (f" clients {r.clients}" if r.clients else ""))
+            where = r.address if r.port else f"{r.host.address}, a port it binds and reports"
+            parent = f"; its parent's port: the one {r.parent_node} reports" if r.parent.endswith(":0") else ""
+            print(f"# {r.node_id} on {r.host.name} ({where})" + (f" clients {r.clients}" if r.clients else "") + parent)
             print(shlex.join(remote_argv(hf.remote, r.host.remote_name, role_command(hf, r, cfg, run))))
         return 0
     out.mkdir(parents=True, exist_ok=True)
