@@ -240,7 +240,9 @@ def test_invented_node_ids_leave_a_bounded_number_of_rows(tmp_path):
                 assert not invented(i).accepted
                 sent += 1
             # a refusal once the interval has passed brings the overflow row
+            deadline = time.monotonic() + 120
             while not any(e["node"] == "*" for e in _events(db, "register_refused")):
+                assert time.monotonic() < deadline, f"no overflow row: {len(_events(db, 'register_refused'))} rows"
                 assert not invented(500 + sent).accepted
                 sent += 1
                 time.sleep(0.5)
