@@ -28,11 +28,16 @@ from fedhop.server.resilience import ledger_consistency
 from tests.faultkit import FAST_LIVENESS, slow_quadratic, wait_dead
 
 
-def _wait_for_own_work(ledger: Path, round: int, timeout: float = 300.0) -> None:
+def _wait_for_own_work(ledger: Path, round: int, server, timeout: float = 300.0) -> None:
     """Block until `ledger` (a client process's file, flushed per record) holds its receiver
-    record of a `train` request of `round`: that process is training."""
+    record of a `train` request of `round`: that process is training.  A server that exits
+    first fails the test with its log's tail."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            log = ledger.parent.parent / "logs" / "server.log"
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+            raise AssertionError(f"the server exited ({server.proc.returncode}) before round {round}:\n{tail}")
         if ledger.exists():
             for line in ledger.read_bytes().splitlines():
                 try:
@@ -69,7 +74,7 @@ def test_a_run_whose_one_sided_records_are_explained_losses_agrees_everywhere(tm
     server = run.start([])
     victim = next(c for c in run.children if c.name == "client-proc1")
     try:
-        _wait_for_own_work(run.run_dir / "ledger" / "client-proc1.jsonl", 2)
+        _wait_for_own_work(run.run_dir / "ledger" / "client-proc1.jsonl", 2, server)
         os.kill(victim.proc.pid, signal.SIGSTOP)
         try:
             _wait_for_event(run.run_dir / "run.db", "node_dead", "client-proc1")
