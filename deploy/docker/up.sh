@@ -70,7 +70,8 @@ else
     for ((k = 0; k < clients; k++)); do list+=",client-proc$k"; done
     "$py" -m fedhop.deploy.cli certs "$nodes_dir/certs" --nodes "$list" >/dev/null
     "$py" -m fedhop.deploy.cli compose "$nodes_dir/certs" --clients "$clients" --edges "$edges" \
-        --out "$nodes_dir/nodes" --file docker-compose.yml >&2
+        --out "$nodes_dir/nodes" --file docker-compose.yml >/dev/null
+    say "per-node credentials (mutual TLS): server, $edges edges, $clients client processes (client-proc0..$((clients - 1)))"
     files+=(-f "$nodes_dir/nodes/compose.yml")
 fi
 compose_setup
