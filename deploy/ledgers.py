@@ -18,7 +18,7 @@ import stat
 import sys
 from pathlib import Path
 
-from fedhop.common.records.runstore import AgreementReport, RunStore
+from fedhop.common.records.runstore import RunStore
 from fedhop.common.wire.ledger import NotARegularFile, iter_jsonl_batches, open_regular
 from fedhop.deploy.runread import read_summary
 from fedhop.server.agreement import Verdict, ledger_verdict
@@ -46,20 +46,11 @@ def merge_files(store: RunStore, files: list[Path], batch: int = 10_000) -> int:
     return added
 
 
-def merge_run(run_dir: Path) -> tuple[int, AgreementReport]:
-    """Merge `run_dir`'s ledger files into its run.db; (records added, the sender/receiver check)."""
+def merge_run(run_dir: Path) -> tuple[int, Verdict]:
+    """Merge `run_dir`'s ledger files into its run.db; (records added, the agreement verdict of
+    server/agreement.py: explained losses agree; counted in SQLite, so a run.db of millions of
+    records is judged in bounded memory)."""
     store = RunStore(run_dir / "run.db")   # opening it for writing also brings an old schema up to date
-    try:
-        added = merge_files(store, ledger_files(run_dir / "ledger"))
-        return added, store.check_agreement()
-    finally:
-        store.close()
-
-
-def merge_and_judge(run_dir: Path) -> tuple[int, Verdict]:
-    """`merge_run` with the verdict of server/agreement.py (explained losses agree; counted in
-    SQLite, so a run.db of millions of records is judged in bounded memory)."""
-    store = RunStore(run_dir / "run.db")
     try:
         added = merge_files(store, ledger_files(run_dir / "ledger"))
         return added, ledger_verdict(store)
@@ -67,17 +58,13 @@ def merge_and_judge(run_dir: Path) -> tuple[int, Verdict]:
         store.close()
 
 
-def stopped_agreement(report: AgreementReport | Verdict) -> str:
+def stopped_agreement(verdict: Verdict) -> str:
     """The ledger check after a stop: messages in flight when the processes stopped were recorded
     by one end only, which is expected; records that disagree on bytes are not."""
-    mismatched = (len(report.mismatched) if isinstance(report, AgreementReport)
-                  else report.mismatched - report.partial_losses)
-    if report.ok or mismatched:
-        return report.summary()
-    sender_only, receiver_only = ((len(report.sender_only), len(report.receiver_only))
-                                  if isinstance(report, AgreementReport) else (report.sender_only, report.receiver_only))
-    return (f"{report.matched} messages recorded by both ends; {sender_only} recorded only by their "
-            f"sender and {receiver_only} only by their receiver: they were in flight when the "
+    if verdict.ok or verdict.mismatched > verdict.partial_losses:
+        return verdict.summary()
+    return (f"{verdict.matched} messages recorded by both ends; {verdict.sender_only} recorded only by their "
+            f"sender and {verdict.receiver_only} only by their receiver: they were in flight when the "
             f"processes stopped, as expected after a stop")
 
 
@@ -100,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:   # ledger lines that are too long, nested or out of range are skipped with a warning (common/wire/ledger.py)
-        added, agreement = merge_and_judge(run_dir)
+        added, agreement = merge_run(run_dir)
     except NotARegularFile as exc:   # a FIFO, a device or a folder named *.jsonl: refused before anything is merged
         print(f"fedhop merge-ledgers: {exc}; refusing to merge", file=sys.stderr)
         return 2
