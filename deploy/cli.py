@@ -99,18 +99,27 @@ def main(argv: list[str] | None = None) -> int:
 
     args = ap.parse_args(argv)
     if args.command == "run":
-        from fedhop.deploy.forkstart import allow_fork
-        allow_fork()   # this process validates the config and starts children, nothing more
         if args.resume:
             if args.config or args.overrides or args.out or args.force:
                 ap.error("run --resume RUN_DIR takes no CONFIG, --set, --out or --force: the run continues in RUN_DIR "
                          "with its own config.toml")
+            from fedhop.deploy.forkstart import allow_fork
+            allow_fork()
             from fedhop.deploy.launcher import resume_local
             return resume_local(args.resume, quiet=args.quiet, dashboard=args.dashboard)
         if not args.config:
             ap.error("run: a CONFIG file is required")
         if args.force and not args.out:
             ap.error("run --force: only with --out DIR (the default run folder is always new)")
+        if args.out:   # a taken folder is refused before torch loads (deploy/runfolder.py)
+            from fedhop.deploy.runfolder import RunDirError, check_out
+            try:
+                check_out(args.out, args.force)
+            except RunDirError as exc:
+                print(f"fedhop run: {exc}", file=sys.stderr)
+                return 2
+        from fedhop.deploy.forkstart import allow_fork
+        allow_fork()   # this process validates the config and starts children, nothing more
         from fedhop.deploy.launcher import run_local
         return run_local(args.config, args.overrides, args.out, quiet=args.quiet, dashboard=args.dashboard,
                          force=args.force)

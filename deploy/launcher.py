@@ -6,11 +6,11 @@ on Linux) and are terminated on success, failure or Ctrl-C, so nothing is left b
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import secrets
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from fedhop.common.config import Config, config_to_toml, load_config
 from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
@@ -40,6 +40,16 @@ from fedhop.common.util.procexit import (
 from fedhop.deploy.forkstart import ForkedProcess, fork_allowed, fork_module
 from fedhop.deploy.malloc import tuned_env
 from fedhop.deploy.report import human_bytes
+from fedhop.deploy.runfolder import (
+    RunDirError,
+    claim,
+    false_start,
+    held_count,
+    hold,
+    in_use,
+    out_run_dir,
+    release_since,
+)
 
 
 @dataclass
@@ -368,28 +378,6 @@ def merge_interrupted(run_dir: Path) -> None:
 
 
 
-class RunDirError(ValueError):
-    """`--out` names a folder a new run cannot use; the message says why and what to do."""
-
-
-# what marks a folder as a run directory (a run writes these first; docs: README "Run folders")
-RUN_MARKERS = ("config.toml", "run.db", "summary.json", "ledger", "checkpoints")
-
-
-def holds_run(folder: Path) -> bool:
-    return any((folder / name).exists() for name in RUN_MARKERS)
-
-
-def claim(folder: Path) -> bool:
-    """Take `folder` for a new run: create its config.toml exclusively, so that of two runs
-    started at once with the same folder exactly one gets it."""
-    try:
-        os.close(os.open(folder / "config.toml", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
-        return False
-    return True
-
-
 STOP_GRACE = 60.0   # seconds the server has, after Ctrl-C, to record the stopped run and shut its children down
 
 
@@ -407,29 +395,9 @@ def default_run_dir(cfg: Config, parent: Path | None = None) -> Path:
         except FileExistsError:
             n += 1
             continue
-        if claim(folder):
+        if hold(folder) and claim(folder):
             return folder
         n += 1
-
-
-def out_run_dir(out: str, force: bool = False) -> Path:
-    """The absolute run folder named by `--out` (relative to the working directory), claimed for a
-    new run.  A folder that holds an earlier run is refused unless `force` (which deletes it);
-    a non-empty folder that holds no run is always refused: fedhop never deletes a user's files."""
-    folder = Path(out).expanduser().resolve()
-    if folder.exists() and not folder.is_dir():
-        raise RunDirError(f"--out {out}: {folder} exists and is not a directory")
-    if folder.is_dir() and any(folder.iterdir()):
-        if not holds_run(folder):
-            raise RunDirError(f"--out {out}: {folder} is not empty and holds no fedhop run; name a new or empty folder")
-        if not force:
-            raise RunDirError(f"--out {out}: {folder} holds an earlier run; name another folder, continue it with "
-                              f"`fedhop run --resume {out}`, or replace it with --force")
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    if not claim(folder):
-        raise RunDirError(f"--out {out}: another run started in {folder} at the same time")
-    return folder
 
 
 def absolute_paths(cfg: Config, base: Path) -> None:
@@ -498,12 +466,23 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True, das
     if not (d / "config.toml").exists():
         print(f"fedhop run --resume: {d} holds no config.toml; is it a run directory?", file=sys.stderr)
         return 2
+    done = finished_rounds(d)
+    if in_use(d):
+        print(f"fedhop run --resume: a run is still using {d}", file=sys.stderr)
+        return 2
+    if false_start(d):
+        print(f"fedhop run --resume: the run in {d} ended before its first round, so there is nothing to resume; "
+              f"start it again with `fedhop run CONFIG --out {run_dir}` (that folder is reused)", file=sys.stderr)
+        return 2
     try:
         ckpt = latest_checkpoint(d)
     except CheckpointError as exc:
-        print(f"fedhop run --resume: {exc}", file=sys.stderr)
+        if done is not None:
+            print(f"fedhop run --resume: the run in {d} is already completed (summary.json, {done} rounds); nothing "
+                  f"to resume", file=sys.stderr)
+        else:
+            print(f"fedhop run --resume: {exc}", file=sys.stderr)
         return 2
-    done = finished_rounds(d)
     if done is not None and ckpt.round >= done:
         print(f"fedhop run --resume: the run in {d} is already completed (summary.json, {done} rounds); nothing to "
               f"resume", file=sys.stderr)
@@ -516,13 +495,23 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True, das
                      start_round=ckpt.round, dashboard=dashboard)
 
 
+@contextlib.contextmanager
+def folders_released() -> Iterator[None]:
+    """The run folder a run holds (deploy/runfolder.py) is let go when `run_local` returns."""
+    count = held_count()
+    try:
+        yield
+    finally:
+        release_since(count)
+
+
 def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool = False,
               show_table: bool = True, resume: bool = False, start_round: int = 0,
               dashboard: int | None = None, force: bool = False,
               on_run_dir: Callable[[Path], None] | None = None) -> int:
     """`fedhop run`, leaving this process's SIGINT and SIGTERM handlers as it found them.
     `on_run_dir` is told the run folder once it is chosen (the Python API, deploy/api.py)."""
-    with signals_restored():
+    with signals_restored(), folders_released():
         stop_on_sigterm()   # SIGTERM (a scheduler, `timeout`, `kill`) stops the run as Ctrl-C does
         try:
             return _run_local(config_path, overrides, out, quiet, show_table, resume, start_round, dashboard, force,
@@ -587,6 +576,8 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         if resume:
             assert out is not None   # resume_local passes the run folder
             run_dir = Path(out).resolve()
+            if not hold(run_dir):
+                raise RunDirError(f"--resume {out}: a run is still using {run_dir}")
         else:
             run_dir = out_run_dir(out, force) if out else default_run_dir(cfg)
     except (RunDirError, OSError) as exc:

@@ -298,3 +298,71 @@ def test_a_resumed_run_counts_the_whole_run_everywhere(user_dir):
     notes: list[str] = []
     data = load_run(run, notes)
     assert data is not None and data.cumulative[max(data.cumulative)]["framed_bytes"] == total["framed_bytes"]
+
+
+FAILING_MODEL = 'def make_net(input_shape, n_outputs):\n    raise RuntimeError("no model today")\n'
+WORKING_MODEL = ("import math\nimport torch\n\n\ndef make_net(input_shape, n_outputs):\n"
+                 "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), n_outputs))\n")
+
+
+def test_a_run_that_failed_before_its_first_round_leaves_a_folder_out_reuses(user_dir):
+    """Issue 45, item 2: a run whose server fails while it starts (here a model factory that raises)
+    leaves no trap: `--resume` says there is nothing to resume and how to start again, and the same
+    `--out` is reused once the cause is fixed; a completed run's folder is still refused."""
+    (user_dir / "mymodels.py").write_text(FAILING_MODEL)
+    (user_dir / "digits.toml").write_text(DIGITS.replace("rounds = 2", "rounds = 2\ncheckpoint_every = 1"))
+    failed = fedhop(["run", "digits.toml", "--out", "runs/x", "--quiet"], user_dir)
+    assert failed.returncode != 0 and "no model today" in failed.stderr
+    run = user_dir / "runs" / "x"
+    assert (run / "config.toml").exists()
+    res = fedhop(["run", "--resume", "runs/x"], user_dir)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "ended before its first round" in res.stderr and "--out runs/x" in res.stderr
+    (user_dir / "mymodels.py").write_text(WORKING_MODEL)
+    again = fedhop(["run", "digits.toml", "--out", "runs/x", "--quiet"], user_dir)
+    assert again.returncode == 0, again.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 2
+    assert "no model today" not in "".join(p.read_text() for p in (run / "logs").iterdir())   # nothing left over
+    refused = fedhop(["run", "digits.toml", "--out", "runs/x", "--quiet"], user_dir)
+    assert refused.returncode == 2 and "holds an earlier run" in refused.stderr
+
+
+def test_out_onto_a_folder_a_live_run_holds_is_refused_until_it_ends(user_dir):
+    """A folder is held by its run while any of its processes lives (an flock every forked child
+    shares), so even a run that has recorded no round yet is never replaced under its feet."""
+    (user_dir / "exp.toml").write_text(cfg_text(rounds=400))
+    proc = start(["run", "exp.toml", "--out", "r"], user_dir)
+    run = user_dir / "r"
+    deadline = time.monotonic() + 120
+    while not (run / "config.toml").exists():            # claimed (and held) by the first run
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    res = fedhop(["run", "exp.toml", "--out", "r", "--force"], user_dir)
+    assert res.returncode == 2 and "a run is still using" in res.stderr, res.stderr
+    res = fedhop(["run", "--resume", "r"], user_dir)
+    assert res.returncode == 2 and "a run is still using" in res.stderr, res.stderr
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert json.loads((run / "summary.json").read_text())["status"] == "stopped"
+
+
+def test_resume_of_a_completed_run_without_checkpoints_says_it_is_completed(user_dir):
+    assert fedhop(["run", "exp.toml", "--out", "done", "--quiet"], user_dir).returncode == 0
+    res = fedhop(["run", "--resume", "done"], user_dir)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert "already completed" in res.stderr and "no usable checkpoint" not in res.stderr
+
+
+def test_refusing_a_taken_out_does_not_wait_for_torch(user_dir):
+    """The folder check runs before anything heavy is imported: refused in well under the time an
+    import of torch takes (measured in the same test, so a slow machine slows both)."""
+    assert fedhop(["run", "exp.toml", "--out", "taken", "--quiet"], user_dir).returncode == 0
+    t0 = time.monotonic()
+    res = fedhop(["run", "exp.toml", "--out", "taken"], user_dir)
+    refuse = time.monotonic() - t0
+    assert res.returncode == 2 and "holds an earlier run" in res.stderr
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=120)
+    torch_import = time.monotonic() - t0
+    assert refuse < torch_import, (refuse, torch_import)

@@ -1,0 +1,160 @@
+"""Run folders: which folder a new run may take, and what marks one as in use.
+
+A run takes its folder by creating `config.toml` exclusively (`claim`: of two runs started at once
+with the same `--out`, one gets it) and holds it while it lives: `hold` takes an exclusive flock on
+the folder itself, which every process the launcher forks shares, so a folder stays "in use" while
+any process of its run is alive (the launcher, or children it left behind).
+
+A folder whose run never got as far as a round (it failed or was stopped while its processes
+started, and nothing holds it) is a false start: `--out` reuses it, and a report or `--resume`
+says what it is.  A folder that holds anything else is never emptied without --force, and a folder
+that holds no run is never touched: fedhop does not delete a user's files.
+
+This module imports nothing heavy, so `fedhop run --out` refuses a taken folder before torch loads.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import sqlite3
+from pathlib import Path
+
+
+class RunDirError(ValueError):
+    """`--out` names a folder a new run cannot use; the message says why and what to do."""
+
+
+# what marks a folder as a run directory (a run writes these first; docs: README "Run folders")
+RUN_MARKERS = ("config.toml", "run.db", "summary.json", "ledger", "checkpoints")
+_HELD: list[int] = []        # descriptors of the folders this process holds (released when it exits)
+
+
+def holds_run(folder: Path) -> bool:
+    return any((folder / name).exists() for name in RUN_MARKERS)
+
+
+def claim(folder: Path) -> bool:
+    """Take `folder` for a new run: create its config.toml exclusively, so that of two runs
+    started at once with the same folder exactly one gets it."""
+    try:
+        os.close(os.open(folder / "config.toml", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
+def hold(folder: Path) -> bool:
+    """Hold `folder` for this process's run (and every process it forks) until they exit; False
+    if another run holds it."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    _HELD.append(fd)
+    return True
+
+
+def release_since(count: int) -> None:
+    """Let go of the folders this process took after it held `count` of them (`held_count`): a
+    process that runs several runs one after another (the Python API) holds each only while it runs."""
+    while len(_HELD) > count:
+        os.close(_HELD.pop())
+
+
+def held_count() -> int:
+    return len(_HELD)
+
+
+def in_use(folder: Path) -> bool:
+    """Whether a live process holds `folder` (`hold`)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)       # closing releases a lock taken here
+    return False
+
+
+def rounds_done(folder: Path) -> int:
+    """Rounds the folder's run recorded: summary.json's rounds_completed, or where that says none,
+    run.db's rounds rows (0 when neither says anything)."""
+    done = 0
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+        done = int(summary.get("rounds_completed") or 0) if isinstance(summary, dict) else 0
+    except (OSError, ValueError, TypeError):
+        pass
+    db = folder / "run.db"
+    if done == 0 and db.is_file():
+        try:   # immutable: no process holds the folder, and a reader of a WAL database would add its -shm file
+            con = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True, timeout=1.0)
+            try:
+                row = con.execute("SELECT COUNT(*) FROM rounds WHERE round > 0").fetchone()
+                done = max(done, int(row[0] or 0))
+            finally:
+                con.close()
+        except sqlite3.Error:
+            pass
+    return done
+
+
+def false_start(folder: Path, held: bool = False) -> bool:
+    """A run folder whose run ended before its first round: no round recorded, no checkpoint, and
+    no live process holding it (`held`: this process holds it, so none other does)."""
+    if not holds_run(folder) or (not held and in_use(folder)):
+        return False
+    checkpoints = folder / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return False
+    return rounds_done(folder) == 0
+
+
+def _empty(folder: Path) -> None:
+    """Delete what `folder` holds, keeping the folder (and so the hold this process has on it)."""
+    for entry in folder.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def check_out(out: str, force: bool = False, held: bool = False) -> Path:
+    """Whether `--out` may be a new run's folder, without taking it (what `fedhop run` checks before
+    it loads anything heavy): RunDirError saying why not.  `held`: this process holds the folder."""
+    folder = Path(out).expanduser().resolve()
+    if folder.exists() and not folder.is_dir():
+        raise RunDirError(f"--out {out}: {folder} exists and is not a directory")
+    if folder.is_dir() and any(folder.iterdir()):
+        if not holds_run(folder):
+            raise RunDirError(f"--out {out}: {folder} is not empty and holds no fedhop run; name a new or empty folder")
+        if not held and in_use(folder):
+            raise RunDirError(f"--out {out}: a run is still using {folder}; name another folder")
+        if not force and not false_start(folder, held):
+            raise RunDirError(f"--out {out}: {folder} holds an earlier run; name another folder, continue it with "
+                              f"`fedhop run --resume {out}`, or replace it with --force")
+    return folder
+
+
+def out_run_dir(out: str, force: bool = False) -> Path:
+    """The absolute run folder named by `--out` (relative to the working directory), held and
+    claimed for a new run.  An earlier run there is replaced only with `force`, or when it was a
+    false start (it recorded no round); a non-empty folder that holds no run is always refused."""
+    folder = check_out(out, force)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not hold(folder):
+        raise RunDirError(f"--out {out}: another run started in {folder} at the same time")
+    if any(folder.iterdir()):
+        check_out(out, force, held=True)   # held now: what it holds can no longer change under us
+        _empty(folder)
+    if not claim(folder):
+        raise RunDirError(f"--out {out}: another run started in {folder} at the same time")
+    return folder
