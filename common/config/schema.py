@@ -5,7 +5,7 @@ types and out-of-range values with an error that names the key, the value and wh
 allowed.  Field metadata carries the validation rules and the key's description:
 
 - `choices`: the allowed values of a string field;
-- `min` / `max`: inclusive numeric bounds (`min_exclusive` for strict lower bounds);
+- `min` / `max`: inclusive numeric bounds (`min_exclusive` / `max_exclusive` for strict ones);
 - `help`: one line for the config reference (docs/config.md, `fedhop config show`;
   deploy/configref.py generates both from these dataclasses).
 
