@@ -193,7 +193,15 @@ def attack_takeover(run: Run) -> None:
 
 
 def attack_out_of_range(run: Run) -> None:
-    reply = run.register("client-procX", [99], "127.0.0.1:10")
+    """A participant claims client 99 of 4 from an address it serves (so it proves the address,
+    common/transport/grpc.py): refused for the client id."""
+    ep = run.endpoint("client-procX")
+    try:
+        address = ep.serve(lambda request: None, "127.0.0.1:0")
+        reply = ep.register(run.address, pb.RegisterRequest(node_id="client-procX", role="client", address=address,
+                                                            clients=[pb.LogicalClient(client_id=99)]), 10.0)
+    finally:
+        ep.stop(grace=0.1)
     assert not reply.accepted
 
 
