@@ -34,6 +34,8 @@ import os
 import sqlite3
 import sys
 import textwrap
+import time
+import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Collection, Sequence
@@ -105,6 +107,12 @@ class RunData:
     by_link: dict[str, dict[str, int]] = field(default_factory=dict)  # no "total" key
     agreement: Verdict | None = None   # explained losses agree (server/agreement.py)
     has_messages: bool = False
+    config: dict[str, Any] = field(default_factory=dict)   # config.toml flattened: {"run.seed": 0, ...}
+
+    @property
+    def seed(self) -> int | None:
+        seed = self.config.get("run.seed")
+        return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
     def field_(self, key: str) -> Any:
         return self.summary.get(key, self.run_row.get(key))
@@ -155,6 +163,7 @@ class RunData:
 class RunRow:
     name: str
     run_dir: str
+    seed: int | None
     algorithm: str
     topology: str
     transport: str
@@ -181,6 +190,7 @@ class ReportResult:
     plots: list[Path]
     notes: list[str]
     csv: Path | None = None
+    missing: str = ""          # what was asked for and could not be made (then the command exits 1)
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -229,10 +239,73 @@ def load_run(run_dir: Path, notes: list[str]) -> RunData | None:
     if not data.rounds and db_path.exists():
         notes.append(f"{run_dir}: run.db has no rounds")
     data.name = str(data.summary.get("name") or data.run_row.get("name") or run_dir.name)
+    data.config = read_config(run_dir, notes)
     data.by_link = _summary_links(data.summary, notes, run_dir) or db_links
     if data.by_link and db_links and data.by_link != db_links:
         notes.append(f"{run_dir}: summary.json and run.db byte counts differ; the table uses summary.json")
     return data
+
+
+CONFIG_LIMIT = 4 * 1024 * 1024    # a run's config.toml is a few kB; a larger one is not read
+
+
+def read_config(run_dir: Path, notes: list[str]) -> dict[str, Any]:
+    """The run's config.toml flattened to {"section.key": value} ({} where it is missing or unreadable)."""
+    path = run_dir / "config.toml"
+    try:
+        if not path.is_file() or path.stat().st_size > CONFIG_LIMIT:
+            return {}
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        notes.append(f"{path}: unreadable ({exc}), so the run is told apart by its folder only")
+        return {}
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        else:
+            flat[prefix] = node
+    walk(data, "")
+    return flat
+
+
+LABEL_SKIP = ("run.name",)         # what the name already says
+
+
+def label_runs(runs: Sequence[RunData]) -> None:
+    """Make every run's name tell it apart: runs that share a name get the config keys in which they
+    differ ("fedavg-digits seed=1", "fedavg-digits lr=0.1, seed=0": the seed first, then the keys in
+    order, each by its last part unless two keys share it), and runs with equal configs the folder."""
+    groups: dict[str, list[RunData]] = {}
+    for run in runs:
+        groups.setdefault(run.name, []).append(run)
+    for name, group in groups.items():
+        if len(group) < 2:
+            continue
+        keys = sorted({k for run in group for k in run.config} - set(LABEL_SKIP),
+                      key=lambda k: (k != "run.seed", k))
+        differ = [k for k in keys if len({repr(run.config.get(k)) for run in group}) > 1]
+        last = [k.rsplit(".", 1)[-1] for k in differ]
+        short = {k: (k.rsplit(".", 1)[-1] if last.count(k.rsplit(".", 1)[-1]) == 1 else k) for k in differ}
+        for run in group:
+            parts = [f"{short[k]}={_label_value(run.config.get(k))}" for k in differ]
+            run.name = f"{name} {', '.join(parts)}" if parts else name
+    seen: dict[str, int] = {}
+    for run in runs:
+        seen[run.name] = seen.get(run.name, 0) + 1
+    for run in runs:   # the same config run twice: tell them apart by folder
+        if seen[run.name] > 1:
+            run.name = f"{run.name} [{run.run_dir.name}]"
+
+
+def _label_value(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 def _check_rounds(rounds: list[dict[str, Any]], cumulative: dict[int, dict[str, int]],
@@ -294,7 +367,7 @@ def make_row(run: RunData, metric: str | None, target: float | None, kind: str, 
     if rounds is None and run.rounds:
         rounds = max(int(r["round"]) for r in run.rounds)
     row = RunRow(
-        name=run.name, run_dir=str(run.run_dir), algorithm=str(run.field_("algorithm") or "-"),
+        name=run.name, run_dir=str(run.run_dir), seed=run.seed, algorithm=str(run.field_("algorithm") or "-"),
         topology=str(run.field_("topology") or "-"), transport=str(run.field_("transport") or "-"),
         status=str(run.field_("status") or "-"), rounds=int(rounds) if rounds is not None else None,
         final=final, total_bytes={k: run.total(k) for k in BYTE_FIELDS},
@@ -317,7 +390,7 @@ def make_row(run: RunData, metric: str | None, target: float | None, kind: str, 
 def table_cells(rows: Sequence[RunRow], metric: str | None, target: float | None,
                 kind: str) -> tuple[list[str], list[list[str]]]:
     short = kind.replace("_bytes", "")
-    header = ["run", "algorithm", "topology", "rounds"]
+    header = ["run", "seed", "algorithm", "topology", "rounds"]
     if metric is not None:
         header.append(f"final {metric}")
     header += ["tensor bytes", "framed bytes", f"{short} bytes by link", "wall s", "ledger"]
@@ -325,7 +398,7 @@ def table_cells(rows: Sequence[RunRow], metric: str | None, target: float | None
         header += ["rounds to target", f"{short} bytes to target"]
     body = []
     for r in rows:
-        cells = [r.name, r.algorithm, r.topology, _fmt(r.rounds)]
+        cells = [r.name, _fmt(r.seed), r.algorithm, r.topology, _fmt(r.rounds)]
         if metric is not None:
             cells.append(_fmt(r.final))
         links = "; ".join(f"{link} {human_bytes(b)}" for link, b in r.by_link.items()) or "-"
@@ -346,16 +419,16 @@ def text_tables(rows: Sequence[RunRow], metric: str | None, target: float | None
     report.md), and with a target a second block of rounds and bytes to it; each fits TEXT_WIDTH,
     the name columns clipped where needed.  A plug-in named by import path shows its attribute."""
     short = kind.replace("_bytes", "")
-    header = ["run", "algorithm", "topology", "rounds"] + ([metric] if metric is not None else [])
+    header = ["run", "seed", "algorithm", "topology", "rounds"] + ([metric] if metric is not None else [])
     header += [f"{short} bytes", "wall s", "ledger"]
     body = []
     for r in rows:
-        cells = [r.name, r.algorithm.rpartition(":")[2], r.topology.rpartition(":")[2], _fmt(r.rounds)]
+        cells = [r.name, _fmt(r.seed), r.algorithm.rpartition(":")[2], r.topology.rpartition(":")[2], _fmt(r.rounds)]
         cells += [_fmt(r.final)] if metric is not None else []
         cells += [human_bytes(r.total_bytes[kind]), "-" if r.wall_seconds is None else f"{r.wall_seconds:.1f}",
                   r.ledger]
         body.append(cells)
-    clip = {0, 1, 2} | ({4} if metric is not None else set())
+    clip = {0, 2, 3} | ({5} if metric is not None else set())
     blocks = [render_text(header, body, TEXT_WIDTH, clip)]
     if target is not None and metric is not None:
         blocks.append(render_text(["run", "rounds to target", f"{short} bytes to target"],
@@ -470,6 +543,11 @@ def _link_color(link: str, i: int) -> str:
     return f"C{LINKS.index(link)}" if link in LINKS else f"C{(len(LINKS) + i) % 10}"
 
 
+class PlotsUnavailable(RuntimeError):
+    """The plots asked for cannot be made (matplotlib is missing): the report is written without
+    them and `fedhop report` exits non-zero."""
+
+
 def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None, kind: str, out: Path,
                notes: list[str], fmt: str = "png", dpi: int = DPI) -> list[Path]:
     """Write the plots as `fmt` files (PLOT_FORMATS) into `out`; the paths written."""
@@ -477,9 +555,9 @@ def make_plots(runs: Sequence[RunData], metric: str | None, target: float | None
         raise ValueError(f"report: format {fmt!r}; allowed: {', '.join(PLOT_FORMATS)}")
     try:
         import matplotlib
-    except ImportError:   # an optional dependency: the extra `report`
-        notes.append("no plots: matplotlib is not installed (pip install 'fedhop[report]')")
-        return []
+    except ImportError as exc:   # a dependency of fedhop: only a broken install lacks it
+        raise PlotsUnavailable(f"no {fmt} plots: matplotlib cannot be imported ({exc}); reinstall fedhop "
+                               f"(pip install --force-reinstall fedhop) or pip install matplotlib") from None
 
     matplotlib.use("Agg", force=False)
     plots: list[Path] = []
@@ -665,12 +743,7 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
         raise ValueError(f"report: format {fmt!r}; allowed: {', '.join(PLOT_FORMATS)}")
     notes: list[str] = []
     runs = [r for r in (load_run(Path(d), notes) for d in run_dirs) if r is not None]
-    seen: dict[str, int] = {}
-    for run in runs:
-        seen[run.name] = seen.get(run.name, 0) + 1
-    for run in runs:  # two runs of the same config: tell them apart by directory
-        if seen[run.name] > 1:
-            run.name = f"{run.name} [{run.run_dir.name}]"
+    label_runs(runs)
     if metric is None:
         metric = choose_metric(runs, notes)
     elif runs and not any(metric in r.metric_names() for r in runs):
@@ -685,12 +758,19 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
     md = ["# fedhop report", "", render_markdown(header, body), ""]
     if judged:
         md += ["## Ledger agreement", "", *[f"- {md_text(name)}: {md_text(verdict)}" for name, verdict in judged], ""]
-    plots = make_plots(runs, metric, target, bytes_kind, out, notes, fmt, dpi) if runs else []
+    try:
+        plots = make_plots(runs, metric, target, bytes_kind, out, notes, fmt, dpi) if runs else []
+    except PlotsUnavailable as exc:
+        plots, missing = [], str(exc)
+        notes.append(missing)
+    else:
+        missing = ""
     if plots:   # a PDF is linked, not shown, by Markdown viewers
         md += ["## Plots", "", *[f"{'' if fmt == 'pdf' else '!'}[{p.stem}]({p.name})" for p in plots], ""]
     csv_path = write_csv(runs, csv_out, notes) if csv_out is not None else None
     if csv_path is not None:
-        md += ["## Per-round table", "", f"[{md_text(csv_path.name)}]({quote(str(csv_path))}): one row per run and "
+        link = os.path.relpath(csv_path.resolve(), out.resolve())   # report.md's links are relative to its folder
+        md += ["## Per-round table", "", f"[{md_text(csv_path.name)}]({quote(link)}): one row per run and "
                                          "round", ""]
     if tensorboard is not None and runs:
         from fedhop.deploy.tensorboard import write_events
@@ -706,7 +786,7 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
                 if run.agreement is not None and not run.agreement.ok]   # the agreeing ones: report.md
     return ReportResult(out_dir=out, metric=metric, target=target, bytes_kind=bytes_kind, rows=rows,
                         table="\n\n".join([table, *([wrap("\n".join(disagree))] if disagree else [])]),
-                        markdown="\n".join(md), plots=plots, notes=notes, csv=csv_path)
+                        markdown="\n".join(md), plots=plots, notes=notes, csv=csv_path, missing=missing)
 
 
 CSV_NAME = "rounds.csv"   # the file `--csv DIR` writes in DIR
@@ -721,7 +801,7 @@ def csv_target(path: str | Path) -> Path:
 def write_csv(runs: Sequence[RunData], path: str | Path, notes: list[str]) -> Path:
     """The per-round table of every run (deploy/runread.py `round_rows`: participants, sampled,
     failures, every metric, cumulative messages and bytes) as one CSV file: columns `run` (the
-    report's name for it) and `run_dir`, then the round columns; a metric a run lacks is empty.
+    report's name for it), `seed` and `run_dir`, then the round columns; a metric a run lacks is empty.
     Returns the file written."""
     target = csv_target(path)
     per_run: list[tuple[RunData, list[dict[str, Any]]]] = []
@@ -735,14 +815,14 @@ def write_csv(runs: Sequence[RunData], path: str | Path, notes: list[str]) -> Pa
             notes.append(f"{target.name}: {run.name}'s run.db is unreadable ({exc}), so no rows")
             continue
         per_run.append((run, rows))
-    columns = ["run", "run_dir", *runread.columns([r for _, rows in per_run for r in rows])]
+    columns = ["run", "seed", "run_dir", *runread.columns([r for _, rows in per_run for r in rows])]
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh)
         writer.writerow([csv_inert(c) for c in columns])
         for run, rows in per_run:
             for row in rows:
-                cells = {"run": run.name, "run_dir": str(run.run_dir.resolve()), **row}
+                cells = {"run": run.name, "seed": run.seed, "run_dir": str(run.run_dir.resolve()), **row}
                 writer.writerow([_csv_cell(cells.get(c)) for c in columns])
     return target
 
@@ -777,17 +857,37 @@ def wrap(text: str) -> str:
                      for line in text.splitlines())
 
 
-def default_out(run_dirs: Sequence[str | Path]) -> Path:
-    """`report/` in the folder that holds the run directories (their common parent), not the cwd."""
-    parents = [str(Path(d).resolve().parent) for d in run_dirs]
-    return Path(os.path.commonpath(parents)) / "report"
+def default_out(base: Path | None = None) -> Path:
+    """A new folder reports/report-YYYYmmdd-HHMMSS in the working directory (-2, -3, ... for reports
+    made in the same second): outside runs/, so a `runs/*` glob never takes a report for a run, and
+    never an earlier report's folder."""
+    parent = (base or Path.cwd()) / "reports"
+    parent.mkdir(parents=True, exist_ok=True)
+    stamp = f"report-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while True:
+        folder = parent / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            n += 1
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    """An --out folder that holds an earlier report is replaced only with --force (RuntimeError)."""
+    if (out / "report.md").exists() and not force:
+        raise RuntimeError(f"--out {out}: holds an earlier report (report.md); name another folder, or replace it "
+                           f"with --force")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedhop report", description="Compare fedhop runs: table and plots.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--out", default=None, help="directory for report.md, report.json and the plots (default: "
-                                                    "report/ beside the run directories)")
+                                                    "a new reports/report-YYYYmmdd-HHMMSS here); one that holds an "
+                                                    "earlier report is refused unless --force")
+    parser.add_argument("--force", action="store_true", help="with --out: replace the earlier report there")
     parser.add_argument("--target-accuracy", "--target", dest="target", type=float, default=None,
                         help="target value of the metric (>= for accuracy-like, <= for loss/objective-like)")
     parser.add_argument("--metric", default=None, help="metric name (default: test_accuracy, else objective)")
@@ -806,7 +906,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 50 <= args.dpi <= 1200:
         parser.error(f"--dpi {args.dpi}: allowed 50 to 1200")
     try:
-        result = build_report(args.run_dirs, args.out or default_out(args.run_dirs), target=args.target, metric=args.metric,
+        if args.out is not None:
+            check_out_dir(Path(args.out), args.force)
+        out = Path(args.out) if args.out is not None else default_out()
+        result = build_report(args.run_dirs, out, target=args.target, metric=args.metric,
                               bytes_kind=BYTES_KINDS[args.bytes_kind], tensorboard=args.tensorboard, fmt=args.fmt,
                               dpi=args.dpi, csv_out=args.csv)
     except RuntimeError as exc:
@@ -824,6 +927,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(wrap(f"wrote {result.out_dir / 'report.md'}" + "".join(f", {p.name}" for p in result.plots)))
     if result.csv is not None:
         print(wrap(f"wrote {result.csv}"))
+    if result.missing:
+        print(f"fedhop report: {result.missing}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -288,6 +288,10 @@ def test_examples_are_copied_from_the_wheel_and_run(installed, tmp_path):
                   "--set", "clients.processes=1", cwd=folder)
     s = completed(done, folder / "runs" / "ex")
     assert s["rounds_completed"] == 2 and s["algorithm"] == "fedavg"
+    report = fedhop(installed, "report", "runs/ex", "--format", "pdf", cwd=folder)   # plots in the default install
+    assert report.returncode == 0, explain(report)
+    made = list((folder / "reports").glob("report-*/*.pdf"))
+    assert made and all(p.read_bytes().startswith(b"%PDF") for p in made), explain(report)
 
 
 def test_certs_and_mutual_tls_with_a_relative_certs_dir(installed, tmp_path):

@@ -112,7 +112,7 @@ def test_table_totals_and_rounds_to_target(runs):
     assert any("hier-edges: never reached test_accuracy >= 0.6" in n for n in res.notes)
 
     md = (tmp / "out" / "report.md").read_text()
-    assert "| fedavg-star | fedavg | star | 5 |" in md and "| hier-edges |" in md
+    assert "| fedavg-star | - | fedavg | star | 5 |" in md and "| hier-edges |" in md
     assert "client-edge 4.00 kB; edge-server 8.00 kB" in md and "11.11 kB" in md   # the wide details
     raw = json.loads((tmp / "out" / "report.json").read_text())
     assert raw["runs"][0]["bytes_to_target"] == 6_000 and raw["runs"][1]["total_bytes"]["framed_bytes"] == 13_360
@@ -233,15 +233,16 @@ def test_tensorboard_without_the_package_is_a_clear_error(runs, monkeypatch, cap
     assert not (tmp / "tb2").exists()
 
 
-def test_without_matplotlib_the_report_says_so_and_draws_nothing(tmp_path, monkeypatch):
-    """matplotlib is the optional extra `report` (the container image leaves it out)."""
+def test_without_matplotlib_no_plot_is_drawn_and_the_caller_is_told(tmp_path, monkeypatch):
+    """matplotlib is a dependency (the container image leaves it out): where it cannot be imported,
+    make_plots draws nothing and raises, so `fedhop report` exits non-zero (tests/test_report_names.py)."""
     import sys
 
-    from fedhop.deploy.report import make_plots
+    from fedhop.deploy.report import PlotsUnavailable, make_plots
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # `import matplotlib` raises ImportError
     notes: list[str] = []
-    assert make_plots([], None, None, "wire_bytes", tmp_path, notes) == []
-    assert notes == ["no plots: matplotlib is not installed (pip install 'fedhop[report]')"]
+    with pytest.raises(PlotsUnavailable, match="no png plots: matplotlib cannot be imported"):
+        make_plots([], None, None, "wire_bytes", tmp_path, notes)
     assert list(tmp_path.iterdir()) == []
 
 

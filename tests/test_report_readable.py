@@ -3,6 +3,7 @@ plot names the runs it leaves out and why, byte axes use the table's units, and 
 the report and the live page write bytes in one unit style."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from fedhop.deploy import launcher, report
@@ -12,14 +13,26 @@ from tests.test_report import exchange, runs, write_run  # noqa: F401 - the fixt
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_default_output_is_beside_the_runs_not_the_cwd(runs, tmp_path, monkeypatch):
+def test_default_output_is_a_new_folder_outside_runs(runs, tmp_path, monkeypatch):
+    """Issue 45, item 3: the default report folder is reports/report-TIMESTAMP in the working
+    directory (a `runs/*` glob never sees it), a new one each time; an --out holding an earlier
+    report is refused unless --force."""
     tmp, _, _ = runs
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     assert main([str(tmp / "a"), str(tmp / "b")]) == 0
-    assert (tmp / "report" / "report.md").exists() and not (elsewhere / "report").exists()
-    assert default_out([tmp / "a", tmp / "b"]) == (tmp / "report").resolve()
+    assert main([str(tmp / "a"), str(tmp / "b")]) == 0
+    made = sorted((elsewhere / "reports").iterdir())
+    assert len(made) == 2 and all((d / "report.md").exists() for d in made)
+    assert all(d.name.startswith("report-") for d in made) and not (tmp / "report").exists()
+    assert default_out(tmp_path) != default_out(tmp_path)          # never the same folder
+    assert main([str(tmp / "a"), "--out", "mine"]) == 0
+    before = (elsewhere / "mine" / "report.md").read_text()
+    assert main([str(tmp / "a"), str(tmp / "b"), "--out", "mine"]) == 2
+    assert (elsewhere / "mine" / "report.md").read_text() == before
+    assert main([str(tmp / "a"), str(tmp / "b"), "--out", "mine", "--force"]) == 0
+    assert (elsewhere / "mine" / "report.md").read_text() != before
 
 
 def test_plots_name_the_runs_they_leave_out(runs, tmp_path):
@@ -65,13 +78,14 @@ def test_printed_report_of_real_runs_fits_100_columns(tmp_path, capsys):
         dirs.append(tmp_path / kind)
         assert run_local(str(tmp_path / f"{kind}.toml"), [], str(dirs[-1]), quiet=True) == 0
     capsys.readouterr()
-    assert main([str(d) for d in dirs] + ["--target", "100", "--metric", "objective", "--bytes", "framed"]) == 0
+    assert main([str(d) for d in dirs] + ["--target", "100", "--metric", "objective", "--bytes", "framed",
+                                          "--out", str(tmp_path / "report")]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 100, out
     runs_block, target_block = out.split("\n\n")[:2]
-    assert runs_block.splitlines()[0].split()[:4] == ["run", "algorithm", "topology", "rounds"]
+    assert runs_block.splitlines()[0].split()[:5] == ["run", "seed", "algorithm", "topology", "rounds"]
     assert len(runs_block.splitlines()) == 2 + 3 and target_block.splitlines()[0].split()[:2] == ["run", "rounds"]
-    assert "sequential-quadratic-six-~  fedchs     sequential" in runs_block   # the long name clipped
+    assert re.search(r"sequential-quadrati~ +0 +fedchs +sequential", runs_block)   # the long name clipped
     md = (tmp_path / "report" / "report.md").read_text()
     assert "edge-edge" in md and "client-edge" in md and "edge-server" in md   # bytes per link, in full
     assert all(f"{kind}-quadratic-six-clients-with-a-long-descriptive-name" in md for kind in topologies)

@@ -5,8 +5,9 @@
 # --no-index --find-links /wheels.  With none, it uses the index the build arguments name
 # (INDEX_URL, EXTRA_INDEX_URL, TRUSTED_HOST), torch from TORCH_INDEX_URL, and the CA certificate
 # of the secret `pip_ca` when one is given.
-#   deps: torch, then pyproject.toml's [project] dependencies (MNIST comes from IDX files the
-#         user mounts under data.data_dir: common/data/datasets.py `load_mnist`).
+#   deps: torch, then pyproject.toml's [project] dependencies less what only analysis uses
+#         (matplotlib: `fedhop report`'s plots); MNIST comes from IDX files the user mounts under
+#         data.data_dir (common/data/datasets.py `load_mnist`).
 #   project: the fedhop package itself, --no-deps (they are in the layer below).
 set -eu
 what=$1; arg=$2
@@ -29,8 +30,11 @@ deps)
         pip install "$@" "$arg"
     fi
     python3 - > /tmp/requirements.txt <<'PY'
+import re
 import tomllib
-print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))
+ANALYSIS = {"matplotlib"}   # fedhop report's plots: no role imports it, so the image leaves it out
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+print("\n".join(d for d in deps if re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower() not in ANALYSIS))
 PY
     pip install "$@" -r /tmp/requirements.txt
     rm /tmp/requirements.txt
