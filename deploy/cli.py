@@ -51,12 +51,17 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("slurm", help="submit a run as one Slurm batch job (its steps: server, edges, clients)",
                    add_help=False)
+    sub.add_parser("k8s", help="Kubernetes manifests for an experiment (its config in a ConfigMap, a Job per process)",
+                   add_help=False)
     sub.add_parser("examples", help="list the example configs, or copy some into this folder (examples copy NAME)",
                    add_help=False)
 
     if argv and argv[0] == "sweep":
         from fedhop.deploy.sweep import main as sweep_main
         return sweep_main(argv[1:])
+    if argv and argv[0] == "k8s":
+        from fedhop.deploy.k8s_render import main as k8s_main
+        return k8s_main(argv[1:])
     if argv and argv[0] == "examples":
         from fedhop.deploy.examples import main as examples_main
         return examples_main(argv[1:])

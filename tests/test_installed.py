@@ -292,6 +292,9 @@ def test_examples_are_copied_from_the_wheel_and_run(installed, tmp_path):
     assert report.returncode == 0, explain(report)
     made = list((folder / "reports").glob("report-*/*.pdf"))
     assert made and all(p.read_bytes().startswith(b"%PDF") for p in made), explain(report)
+    k8s = fedhop(installed, "k8s", "fedavg_digits.toml", "--out", "k8s-run", cwd=folder)   # no clone needed
+    assert k8s.returncode == 0 and (folder / "k8s-run" / "fedhop.yaml").is_file(), explain(k8s)
+    assert "client-proc0" in (folder / "k8s-run" / "fedhop.yaml").read_text()
 
 
 def test_certs_and_mutual_tls_with_a_relative_certs_dir(installed, tmp_path):
