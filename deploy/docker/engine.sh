@@ -217,8 +217,7 @@ compose_setup_venv() {
     for venv_bin in "${FEDHOP_VENV_BIN:-$(dirname "${FEDHOP_PYTHON:-.venv/bin/python}")}"; do
         if [ -f "$venv_bin/docker-compose" ] && [ ! -L "$venv_bin/docker-compose" ] \
             && grep -q "from compose import docker_compose" "$venv_bin/docker-compose" 2>/dev/null; then
-            ln -sfn "$bin" "$venv_bin/docker-compose"
-            say "compose: $venv_bin/docker-compose is now the Compose binary (the wrapper exited 0 always)"
+            ln -sfn "$bin" "$venv_bin/docker-compose"   # quietly: `make venv` (and so `make run`) says nothing of it
         fi
     done
 }
