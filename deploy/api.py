@@ -152,7 +152,7 @@ def run(config: str | os.PathLike | Mapping[str, Any], *, set: Mapping[str, Any]
 
     `config`: a TOML file, or a dict of sections ({"run": {...}, "algorithm": {...}}).  `set`:
     overrides, {"run.seed": 1} or ["run.seed=1"].  `out`: the run directory, relative to the
-    current folder (default: a new runs/NAME-YYYYmmdd-HHMMSS there); one that holds an earlier run
+    current folder (default: a new runs/NAME-seedS-YYYYmmdd-HHMMSS there); one that holds an earlier run
     is refused (ConfigError) unless `force`, which replaces it.  `quiet=False` shows the progress
     bar.  `check=False` returns the result of a failed run instead of raising RunFailed."""
     from fedhop.deploy.launcher import export_plugin_path

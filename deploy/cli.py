@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run = sub.add_parser("run", help="run an experiment: server and client processes on this machine")
     run.add_argument("config", nargs="?", help="experiment TOML file")
-    run.add_argument("--out", help="run directory, relative to this folder (default runs/NAME-TIMESTAMP, a new "
+    run.add_argument("--out", help="run directory, relative to this folder (default runs/NAME-seedS-TIMESTAMP, a new "
                                    "folder for every run); one that holds an earlier run is refused unless --force")
     run.add_argument("--force", action="store_true", help="with --out: delete the earlier run in that folder first")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -916,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fedhop launch", description="start a run's roles on the hosts of a hosts file")
     ap.add_argument("hosts", help="hosts TOML file (see examples/hosts.toml)")
     ap.add_argument("config", help="experiment TOML file")
-    ap.add_argument("--out", help="local run directory (default runs/NAME-TIMESTAMP)")
+    ap.add_argument("--out", help="local run directory (default runs/NAME-seedS-TIMESTAMP)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--remote", help="remote command template (overrides launch.remote), e.g. 'ip netns exec {host}'")
     ap.add_argument("--quiet", action="store_true", help="do not echo the processes' output")
@@ -942,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out or not args.dry_run:
         out = Path(args.out) if args.out else default_run_dir(cfg)
     else:   # a dry run makes nothing: the name a run folder would have
-        out = Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        out = Path("runs") / f"{cfg.run.name}-seed{cfg.run.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     if hf.ship and not args.dry_run:
         out.mkdir(parents=True, exist_ok=True)
     try:

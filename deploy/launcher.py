@@ -47,6 +47,7 @@ from fedhop.deploy.runfolder import (
     held_count,
     hold,
     in_use,
+    new_folder,
     out_run_dir,
     release_since,
 )
@@ -382,22 +383,11 @@ STOP_GRACE = 60.0   # seconds the server has, after Ctrl-C, to record the stoppe
 
 
 def default_run_dir(cfg: Config, parent: Path | None = None) -> Path:
-    """A new folder `runs/NAME-YYYYmmdd-HHMMSS` in the working directory, claimed for this run;
-    runs started in the same second get `-2`, `-3`, ... (mkdir is atomic, so never the same one)."""
-    base = (parent or Path.cwd() / "runs").resolve()
-    base.mkdir(parents=True, exist_ok=True)
-    stamp = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    n = 1
-    while True:
-        folder = base / (stamp if n == 1 else f"{stamp}-{n}")
-        try:
-            folder.mkdir()
-        except FileExistsError:
-            n += 1
-            continue
-        if hold(folder) and claim(folder):
-            return folder
-        n += 1
+    """A new folder `runs/NAME-seedS-YYYYmmdd-HHMMSS` in the working directory, held and claimed for
+    this run (deploy/runfolder.py `new_folder`: `-2`, `-3`, ... for runs started in the same second),
+    so runs of one config with other seeds are told apart by their folders too."""
+    stamp = f"{cfg.run.name}-seed{cfg.run.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return new_folder((parent or Path.cwd() / "runs").resolve(), stamp, lambda folder: hold(folder) and claim(folder))
 
 
 def absolute_paths(cfg: Config, base: Path) -> None:

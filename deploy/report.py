@@ -44,6 +44,7 @@ from urllib.parse import quote
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.wire.ledger import BYTE_FIELDS, LINKS
 from fedhop.deploy import runread
+from fedhop.deploy.runfolder import new_folder
 from fedhop.server.agreement import Verdict, ledger_verdict
 
 if TYPE_CHECKING:   # matplotlib is optional (the extra `report`): imported where a plot is drawn
@@ -861,17 +862,7 @@ def default_out(base: Path | None = None) -> Path:
     """A new folder reports/report-YYYYmmdd-HHMMSS in the working directory (-2, -3, ... for reports
     made in the same second): outside runs/, so a `runs/*` glob never takes a report for a run, and
     never an earlier report's folder."""
-    parent = (base or Path.cwd()) / "reports"
-    parent.mkdir(parents=True, exist_ok=True)
-    stamp = f"report-{time.strftime('%Y%m%d-%H%M%S')}"
-    n = 1
-    while True:
-        folder = parent / (stamp if n == 1 else f"{stamp}-{n}")
-        try:
-            folder.mkdir()
-            return folder
-        except FileExistsError:
-            n += 1
+    return new_folder((base or Path.cwd()) / "reports", f"report-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def check_out_dir(out: Path, force: bool) -> None:

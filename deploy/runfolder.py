@@ -20,6 +20,7 @@ import os
 import shutil
 import sqlite3
 from pathlib import Path
+from typing import Callable
 
 
 class RunDirError(ValueError):
@@ -29,6 +30,23 @@ class RunDirError(ValueError):
 # what marks a folder as a run directory (a run writes these first; docs: README "Run folders")
 RUN_MARKERS = ("config.toml", "run.db", "summary.json", "ledger", "checkpoints")
 _HELD: list[int] = []        # descriptors of the folders this process holds (released when it exits)
+
+
+def new_folder(parent: Path, stamp: str, take: Callable[[Path], bool] = lambda folder: True) -> Path:
+    """A new folder PARENT/STAMP made for this caller (`-2`, `-3`, ... when one of that name exists:
+    mkdir is atomic, so two callers never get the same one), and taken by `take` (a run holds and
+    claims it; a folder `take` refuses is passed over)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        folder = parent / (stamp if n == 1 else f"{stamp}-{n}")
+        n += 1
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        if take(folder):
+            return folder
 
 
 def holds_run(folder: Path) -> bool:

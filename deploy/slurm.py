@@ -33,7 +33,7 @@ user opts out by name:
   submission.
 
 Nothing secret is on a command line or in the batch script; RUN/config.toml is 0600; the run
-directory must be on a filesystem every node sees (the default runs/NAME-TIMESTAMP under the
+directory must be on a filesystem every node sees (the default runs/NAME-seedS-TIMESTAMP under the
 submitting folder).
 
 Before submitting, the job is fitted to its partition (`check_fit`): a job that asks more CPUs than
@@ -345,7 +345,7 @@ def plan_run(config: str, overrides: list[str], out: str | None, opts: SlurmOpti
         raise SlurmError(str(exc)) from None
     if opts.nodes < 1 or opts.cpus_per_task < 1 or opts.gpus_per_node < 0:
         raise SlurmError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node >= 0")
-    run_dir = Path(out or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}").resolve()
+    run_dir = Path(out or f"runs/{cfg.run.name}-seed{cfg.run.seed}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}").resolve()
     _check_path(run_dir, "the run directory")
     sec = cfg.security
     certs = None
@@ -800,7 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("config", help="experiment TOML file")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config key (repeatable)")
-    ap.add_argument("--out", help="run directory on a filesystem every node sees (default runs/NAME-TIMESTAMP)")
+    ap.add_argument("--out", help="run directory on a filesystem every node sees (default runs/NAME-seedS-TIMESTAMP)")
     ap.add_argument("--force", action="store_true", help="with --out: replace the earlier run there")
     add_slurm_args(ap, nodes=True)
     ap.add_argument("--print", dest="print_only", action="store_true",

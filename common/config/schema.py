@@ -38,7 +38,7 @@ def _f(default: Any = None, *, factory: Any = None, help: str = "", **rules: Any
 class RunConfig:
     """The run as a whole: its name, seed, length, evaluation and checkpoints."""
 
-    name: str = _f("fedhop-run", help="the run's name: the default run folder is runs/NAME-TIMESTAMP, and reports "
+    name: str = _f("fedhop-run", help="the run's name: the default run folder is runs/NAME-seedS-TIMESTAMP, and reports "
                                      "label the run with it")
     seed: int = _f(0, min=0, help="the one seed every random draw derives from (data, partition, model, sampling); "
                                   "the same seed and config give the same model bit for bit")
