@@ -302,7 +302,7 @@ class Progress:
 
 def final_table(run_dir: Path) -> str:
     summary = json.loads((run_dir / "summary.json").read_text())
-    lines = [f"run {summary['run_id']}: {summary['status']}"
+    lines = [f"run {run_dir.name}: {summary['status']}"      # the run is named by its folder (run id in run.db)
              + (f" ({summary['error']})" if summary.get("error") else ""),
              f"  algorithm {summary['algorithm']}, topology {summary['topology']}, transport {summary['transport']}",
              f"  rounds {summary['rounds_completed']}/{summary['rounds_planned']}, wall {summary['wall_seconds']:.1f}s, "
