@@ -97,7 +97,7 @@ def test_no_service_restarts_and_no_command_aborts_on_one_container():
     for profile in ("hierarchical", "sequential"):
         svc = compose_config([BASE], profiles=[profile])["services"]
         assert {name: s.get("restart") for name, s in svc.items()} == {name: "no" for name in svc}
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "deploy-commands.md").read_text()   # the deployment commands at a glance
     text = (ROOT / "docs" / "deployment.md").read_text() + readme
     assert "on-failure" not in text and "on-failure" not in BASE.read_text()
     for doc in (BASE.read_text(), readme, CUDA.read_text(), (ROOT / "deploy" / "docker" / "up.sh").read_text()):

@@ -76,3 +76,21 @@ def test_a_broken_link_or_anchor_fails_the_build(tmp_path):
         (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config))
         done = _build(tmp_path / "mkdocs.yml", tmp_path / "site")
         assert done.returncode != 0 and named in done.stderr, done.stderr
+
+
+def test_readme_is_short_and_leads_into_the_site():
+    """The README says what fedhop is, how to install it, run it, find and compare results, and
+    links into the site for the rest; every page it links is a page of the site's nav."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 200
+    assert "make test" in readme and ".venv/bin/python -m pytest -q" in readme   # the test command .ci/run runs
+    for command in ("fedhop examples copy", "fedhop run ", "fedhop report "):
+        assert command in readme, command
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", readme)
+    nav = set(_nav_pages(_config()["nav"]))
+    assert len(set(links)) >= 20
+    for link in links:
+        assert (ROOT / link).is_file() and link.removeprefix("docs/") in nav, link
+    for page in nav:   # every tutorial and every reference page is one click from the README
+        if page.startswith("tutorials/") or page in ("config.md", "cli.md", "api-reference.md", "run-folder.md"):
+            assert f"docs/{page}" in links, page
