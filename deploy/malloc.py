@@ -5,7 +5,7 @@ faults), not in the socket (shared/research/limits.md).  By default glibc serves
 allocation above its mmap threshold (4 MiB chunks, decode buffers) with fresh pages and
 returns them on free, so every message pays the page faults again.  Raising the thresholds
 keeps freed memory in the heap for the next message: `fedhop bench transport` measured the
-codec at ~1.5 GB/s without these settings and ~14 GB/s with them (README, Performance).
+codec at ~1.5 GB/s without these settings and ~14 GB/s with them (docs/performance.md).
 glibc reads them at process start, so they are set in the environment of child processes.
 
 `MALLOC_ARENA_MAX` caps glibc's per-thread arenas at 2.  Each arena keeps the memory freed in

@@ -27,7 +27,7 @@ class RunDirError(ValueError):
     """`--out` names a folder a new run cannot use; the message says why and what to do."""
 
 
-# what marks a folder as a run directory (a run writes these first; docs: README "Run folders")
+# what marks a folder as a run directory (a run writes these first; docs/run-folder.md)
 RUN_MARKERS = ("config.toml", "run.db", "summary.json", "ledger", "checkpoints")
 _HELD: list[int] = []        # descriptors of the folders this process holds (released when it exits)
 

@@ -3,7 +3,7 @@
 A request no larger than one chunk goes as `Call` instead: its frames in one unary request
 (`FrameBundle`), the reply streamed as Exchange's.  grpcio spends a thread and several
 hand-offs per streaming request; for the many small messages of a round (broadcasts of small
-models, replies, control) the unary request halves the per-call cost (README, Performance).
+models, replies, control) the unary request halves the per-call cost (docs/performance.md).
 
 The frames are already valid protobuf `Frame` messages (common/wire/codec.py builds them), so the
 stream uses identity (de)serializers: gRPC moves our bytes without another protobuf pass.
@@ -141,7 +141,7 @@ RETRY_BACKOFF = (0.25, 2.0)              # first delay and cap of the not-delive
 RETRY_WINDOW = 4.0                       # seconds a call may spend retrying (and within its deadline)
 # A `Call` (unary request, streamed reply) read in the calling thread from its own completion queue:
 # without it grpcio starts a channel spin thread for a call on an idle channel and hands every
-# reply frame over from it (a third of a small call's caller CPU; README, Performance).
+# reply frame over from it (a third of a small call's caller CPU; docs/performance.md).
 CALL_OPTIONS = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 
 

@@ -41,7 +41,7 @@ config no way to `os.system`.  Then the object's kind is checked for its group (
 before anything calls it, and a caller that passes a config's options checks them against the
 object's signature first (`check_call`; processors: common/processors/pipeline.py).
 
-What each kind of plug-in is (docs in README, "Bring your own model"):
+What each kind of plug-in is (docs/plugins.md):
 
 - model factory: `factory(input_shape: tuple[int, ...], n_outputs: int, **model.factory_args)`
   returning a `torch.nn.Module`; fedhop calls it under the run's seeded RNG, so every process

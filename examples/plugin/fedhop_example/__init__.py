@@ -1,1 +1,1 @@
-"""An example fedhop plug-in package (see README, "Bring your own model")."""
+"""An example fedhop plug-in package (see docs/plugins.md)."""
