@@ -230,7 +230,7 @@ def test_set_up_fails_at_once_when_a_rank_dies_before_joining():
 
     from fedhop.common.transport.torchdist import init_watching
     release = threading.Event()
-    coll = SimpleNamespace(node_id="server", init=lambda master: release.wait(30))
+    coll = SimpleNamespace(node_id="server", init=lambda *args, **kwargs: release.wait(30))
     alive, dead = Future(), Future()
     dead.set_exception(ConnectionError("connection refused"))
     started = time.monotonic()
@@ -240,7 +240,7 @@ def test_set_up_fails_at_once_when_a_rank_dies_before_joining():
     assert time.monotonic() - started < 5
     release.set()
     # every rank joins: no error
-    init_watching(SimpleNamespace(node_id="server", init=lambda master: None), "127.0.0.1:1",
+    init_watching(SimpleNamespace(node_id="server", init=lambda *args, **kwargs: None), "127.0.0.1:1",
                   {"client-proc0": alive}, "set-up failed")
 
 
