@@ -71,7 +71,7 @@ def test_a_squatter_cannot_take_a_dead_clients_address_and_the_restart_trains(tm
     from fedhop.common.topologies.plan import plan_processes
     from fedhop.deploy.launcher import LocalRun
 
-    rounds = 10
+    rounds = 25   # the restart (a fresh interpreter) spans 3-6 rounds of ~1 s; the rest show it trains
     cfg_file = tmp_path / "squat.toml"
     cfg_file.write_text(quadratic_config(CENTERS, CURV, SIZES, rounds=rounds, local_steps=1000, lr=0.001,
                                          processes=2, name="squat"))
