@@ -8,7 +8,8 @@ first); a module imports only from its own layer and the layers below it:
 - the wire and leaf helpers (common/wire/, common/util/, common/numerics/) import nothing above them;
 - security (common/security/), then the payload processors (common/processors/), then the fabric
   (common/transport/), which moves `Payload`s and imports no algorithm and no task;
-- the config schema (common/config/schema.py); data sets and tasks (common/data/, common/tasks/);
+- the config schema (common/config/schema.py); data sets, models and tasks (common/data/,
+  common/models/, common/tasks/);
   the topology specs and their graphs and plans (common/topologies/);
 - the round engine and the algorithms (common/engine/, common/algorithms/); the run records
   (common/records/: run.db, checkpoints);
@@ -27,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # source folder -> installed package (pyproject.toml [tool.setuptools.package-dir])
 PACKAGES = {"common": "fedhop.common", "server": "fedhop.server", "edge": "fedhop.edge",
-            "client": "fedhop.client", "deploy": "fedhop.deploy", "api": "fedhop"}
+            "client": "fedhop.client", "deploy": "fedhop.deploy", "api": "fedhop", "topologies": "fedhop.topologies"}
 ROLES = ("fedhop.server", "fedhop.edge", "fedhop.client")
 
 # common/'s layer packages, lowest first; a module's layer is its longest matching prefix
@@ -37,7 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("fabric: the payload processors", ("fedhop.common.processors",)),
     ("fabric: the transports", ("fedhop.common.transport",)),
     ("config schema", ("fedhop.common.config.schema",)),
-    ("data sets and tasks", ("fedhop.common.data", "fedhop.common.tasks")),
+    ("data sets, models and tasks", ("fedhop.common.data", "fedhop.common.models", "fedhop.common.tasks")),
     ("topology specs", ("fedhop.common.topologies",)),
     ("round engine and algorithms", ("fedhop.common.engine", "fedhop.common.algorithms")),
     ("run records", ("fedhop.common.records",)),
@@ -167,6 +168,14 @@ def test_only_the_round_engine_and_the_registry_import_the_algorithms():
 
 def test_common_imports_no_role_and_no_launcher():
     assert violations("fedhop.common", (*ROLES, "fedhop.deploy")) == []
+
+
+def test_topology_folders_stand_above_common_and_the_roles():
+    """topologies/<kind>/ (fedhop.topologies.*) may import common/ and the roles' shared parts;
+    common/ and the roles never import a folder (common/topologies `spec_for` loads it by name),
+    so adding or removing a folder edits nothing else."""
+    assert violations(("fedhop.common", *ROLES), "fedhop.topologies") == []
+    assert "fedhop.topologies" in GRAPH   # the folder is read (so the rule is not vacuous)
 
 
 @pytest.mark.parametrize("role", ROLES)

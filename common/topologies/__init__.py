@@ -5,11 +5,16 @@ live page).  A kind not built in is a plug-in (`load_topology`, through common/u
 `load_plugin` and its allow-list): an import path or an entry point of group
 `fedhop.topologies` naming a `TopologySpec` (or a driver class, adapted into one).
 
-Adding a built-in kind: a module here defining `SPEC`, listed in `_BUILTIN` below.
+Adding a built-in kind: a folder `topologies/<kind>/` (the package `fedhop.topologies.<kind>`) whose
+`__init__` defines `SPEC`, found by `spec_for` on first use like a plug-in (`folder_kinds`,
+`folder_spec`; docs/architecture.md, "Topology folders"); or a module here defining `SPEC`, listed
+in `_BUILTIN` below.  common/ never imports a folder by an import statement: it is loaded by name.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 
 from fedhop.common.topologies import chain, gossip, hierarchical, relay, sequential, star
 from fedhop.common.topologies.spec import TopologySpec, resolve
@@ -20,14 +25,55 @@ SPECS: dict[str, TopologySpec] = {m.SPEC.name: m.SPEC for m in _BUILTIN}
 
 
 _PLUGINS: dict[str, TopologySpec] = {}   # plug-in kinds, by the reference the config gives
+_FOLDERS: dict[str, TopologySpec] = {}   # folder kinds (topologies/<kind>/), loaded on first use
 SPEC_TYPE = "fedhop.common.topologies.TopologySpec"
 DRIVER_BASE = "fedhop.server.driver.TopologyDriver"
+FOLDER_PACKAGE = "fedhop.topologies"     # topologies/ (pyproject.toml package-dir)
 
 
 def spec_for(kind: str) -> TopologySpec:
-    """The spec of topology `kind`: a built-in one, or a plug-in's (`load_topology`, on first use)."""
+    """The spec of topology `kind`: a built-in one (a module here, or a folder `topologies/<kind>/`:
+    `folder_spec`), or a plug-in's (`load_topology`, on first use)."""
     spec = SPECS.get(kind)
+    if spec is not None:
+        return spec
+    spec = folder_spec(kind)
     return spec if spec is not None else load_topology(kind)
+
+
+def folder_kinds() -> list[str]:
+    """The kinds that are folders of `fedhop.topologies` (topologies/<kind>/, a package each), sorted."""
+    try:
+        package = importlib.import_module(FOLDER_PACKAGE)
+    except ImportError:   # an install without the topologies folder
+        return []
+    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg and not m.name.startswith("_"))
+
+
+def folder_spec(kind: str) -> TopologySpec | None:
+    """The spec of folder kind `kind` (the `SPEC` its package `fedhop.topologies.<kind>` defines),
+    None where no such folder is; a folder without a `TopologySpec` named `SPEC` is a plug-in
+    error (PluginError, a ValueError) naming it."""
+    if kind in _FOLDERS:
+        return _FOLDERS[kind]
+    if kind not in folder_kinds():
+        return None
+    spec = getattr(importlib.import_module(f"{FOLDER_PACKAGE}.{kind}"), "SPEC", None)
+    if not isinstance(spec, TopologySpec):
+        from fedhop.common.util.plugins import PluginError  # local: as in load_topology
+        raise PluginError(f"topology folder '{FOLDER_PACKAGE}.{kind}' defines no SPEC (a {SPEC_TYPE})")
+    _FOLDERS[kind] = spec
+    return spec
+
+
+def builtin_specs() -> dict[str, TopologySpec]:
+    """Every built-in kind's spec: the modules here (`SPECS`), then the folders (`folder_kinds`)."""
+    out = dict(SPECS)
+    for kind in folder_kinds():
+        spec = folder_spec(kind)
+        if kind not in out and spec is not None:
+            out[kind] = spec
+    return out
 
 
 def load_topology(ref: str) -> TopologySpec:
@@ -43,7 +89,8 @@ def load_topology(ref: str) -> TopologySpec:
     try:
         obj = load_plugin(ref, "topologies")
     except LookupError:
-        names = list(SPECS) + [n for n in entry_point_names("topologies") if n not in SPECS]
+        builtin = list(SPECS) + [k for k in folder_kinds() if k not in SPECS]
+        names = builtin + [n for n in entry_point_names("topologies") if n not in builtin]
         from fedhop.common.util.suggest import did_you_mean
         raise KeyError(f"unknown topology '{ref}'{did_you_mean(ref, names)} (allowed: {', '.join(names)}, or an "
                        f"import path 'package.module:DriverClass')") from None
@@ -61,10 +108,11 @@ def load_topology(ref: str) -> TopologySpec:
 def replace_spec(spec: TopologySpec) -> None:
     """Put `spec` in place of the spec of the same name (a built-in or a loaded plug-in's), e.g.
     with another process plan (common/topologies/plan.py `register_plan`)."""
-    table = SPECS if spec.name in SPECS else _PLUGINS
+    table = SPECS if spec.name in SPECS else _FOLDERS if spec.name in _FOLDERS else _PLUGINS
     if spec.name not in table:
         raise KeyError(f"topology '{spec.name}' is neither built in nor a loaded plug-in")
     table[spec.name] = spec
 
 
-__all__ = ["SPECS", "TopologySpec", "load_topology", "replace_spec", "resolve", "spec_for"]
+__all__ = ["SPECS", "TopologySpec", "builtin_specs", "folder_kinds", "folder_spec", "load_topology", "replace_spec",
+           "resolve", "spec_for"]

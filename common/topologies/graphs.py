@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from fedhop.common.topologies import SPECS, spec_for
+from fedhop.common.topologies import builtin_specs, spec_for
 from fedhop.common.util.nodeids import edge_index, edge_node  # noqa: F401  # re-exported: the topology's node names
 from fedhop.common.util.rng import numpy_stream
 
-# kind -> its params dataclass (None: no own keys), read from the specs (common/topologies/)
-TOPOLOGY_PARAMS: dict[str, type | None] = {kind: spec.params for kind, spec in SPECS.items()}
+# kind -> its params dataclass (None: no own keys), read from the built-in specs (common/topologies/ and
+# the folders topologies/<kind>/)
+TOPOLOGY_PARAMS: dict[str, type | None] = {kind: spec.params for kind, spec in builtin_specs().items()}
 
 
 def topology_params_class(kind: str) -> type | None:
