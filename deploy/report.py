@@ -441,7 +441,8 @@ def text_tables(rows: Sequence[RunRow], metric: str | None, target: float | None
 def render_text(header: list[str], body: list[list[str]], max_width: int | None = None,
                 clip: Collection[int] = ()) -> str:
     """An aligned table; with `max_width`, the widest of the `clip` columns narrowed one character at a
-    time (to MIN_CLIPPED) until a line fits, their longer cells ending in "~"."""
+    time (to MIN_CLIPPED) until a line fits, their longer cells clipped by clip_distinct (different
+    cells stay different; a legend under the table where only a number tells them apart)."""
     widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
     numeric = [all(_looks_numeric(row[i]) for row in body) and bool(body) for i in range(len(header))]
     while max_width is not None and sum(widths) + 2 * (len(widths) - 1) > max_width:
@@ -450,14 +451,54 @@ def render_text(header: list[str], body: list[list[str]], max_width: int | None 
             break
         widths[widest] -= 1
 
-    def fit(cell: str, w: int) -> str:
-        return cell if len(cell) <= w else cell[:w - 1] + "~"
+    legend: list[str] = []
+    columns = [clip_distinct([row[i] for row in body], w, legend) for i, w in enumerate(widths)]
 
-    def line(cells: list[str]) -> str:
-        return "  ".join(fit(c, w).rjust(w) if n else fit(c, w).ljust(w)
-                         for c, w, n in zip(cells, widths, numeric)).rstrip()
+    def line(fitted: list[str]) -> str:
+        return "  ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(fitted, widths, numeric)).rstrip()
 
-    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in body])
+    head = [h if len(h) <= w else h[:w - 1] + "~" for h, w in zip(header, widths)]
+    rows = [line([col[j] for col in columns]) for j in range(len(body))]
+    return "\n".join([line(head), "  ".join("-" * w for w in widths)] + rows + legend)
+
+
+def clip_distinct(cells: Sequence[str], width: int, legend: list[str]) -> list[str]:
+    """Each cell in at most `width` characters, cells that differ still differing once clipped.
+
+    A cell longer than `width` keeps its head and ends in "~".  Where different cells would clip to
+    the same text (runs labelled "fedavg-digits seed=0, lr=0.1" and "... seed=1, ..." differ past the
+    head), each keeps instead what tells them apart: as much of the head as room leaves, "~", then
+    the rest from the first column in which they differ ("fedav~0, lr=0.1"), or where that rest is
+    too long, the part of it that fits between two "~" ("~0, lr=0.~").  Should even that leave two
+    alike, each is shown as "[K]" and the line "[K]  FULL TEXT" appended to `legend` (K counts on from
+    the legend's length), which render_text prints under the table."""
+    def head(c: str) -> str:
+        return c if len(c) <= width else c[:width - 1] + "~"
+
+    def common(a: str, b: str) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    distinct = list(dict.fromkeys(cells))
+    form = {c: head(c) for c in distinct}
+    by_form: dict[str, list[str]] = {}
+    for c in distinct:
+        by_form.setdefault(form[c], []).append(c)
+    for group in (g for g in by_form.values() if len(g) > 1):
+        start = min(common(group[0], o) for o in group[1:])     # the group's first column that differs
+        for c in group:
+            tail = c[start:]
+            if len(tail) <= width - 2:
+                form[c] = c[:width - 1 - len(tail)] + "~" + tail
+            else:                                               # the part from there, itself clipped
+                form[c] = "~" + tail[:width - 2] + "~"
+    if len(set(form.values())) < len(distinct):      # still alike: numbered, with a legend
+        count: dict[str, int] = {}
+        for c in distinct:
+            count[form[c]] = count.get(form[c], 0) + 1
+        for c in [c for c in distinct if count[form[c]] > 1]:
+            legend.append(f"[{len(legend) + 1}]  {c}")
+            form[c] = f"[{len(legend)}]"
+    return [form[c] for c in cells]
 
 
 # Markdown's and HTML's active characters in text from a run directory (a run's name, a metric's
