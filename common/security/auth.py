@@ -47,7 +47,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, NoReturn
+from typing import AbstractSet, Callable, Iterable, Iterator, NoReturn
 
 import grpc
 
@@ -282,6 +282,31 @@ def load_tls(certs_dir: str | os.PathLike, node_id: str) -> TlsFiles:
     return TlsFiles((d / CA_CERT).read_bytes(), (d / f"{node_id}.pem").read_bytes(), (d / f"{node_id}.key").read_bytes())
 
 
+class NodeNames(AbstractSet[str]):
+    """The names calls to one process may address: its node id and its aliases (the logical
+    clients it hosts), read through, never copied.  Every incoming call's audience is tested
+    against them (`authenticate`), and a client process may host tens of thousands of clients:
+    a membership test here costs one comparison and one hash look-up, where a set rebuilt per
+    call would cost one entry per hosted client on every call.  A live view, so aliases added
+    after the credentials were made (client/__main__.py adds the hosted clients) count at once."""
+
+    __slots__ = ("node_id", "aliases")
+
+    def __init__(self, node_id: str, aliases: AbstractSet[str]) -> None:
+        self.node_id = node_id
+        self.aliases = aliases
+
+    def __contains__(self, name: object) -> bool:
+        return name == self.node_id or name in self.aliases
+
+    def __iter__(self) -> Iterator[str]:
+        yield self.node_id
+        yield from (a for a in self.aliases if a != self.node_id)
+
+    def __len__(self) -> int:
+        return len(self.aliases) + (self.node_id not in self.aliases)
+
+
 @dataclass
 class NodeCredentials:
     """What one process presents and checks: its node id, the cluster secret (tokens), TLS files."""
@@ -315,9 +340,10 @@ class NodeCredentials:
     def checks_calls(self) -> bool:
         return self.mtls or bool(self.secret) or self.signed is not None
 
-    def names(self) -> set[str]:
-        """The audiences a call to this process may name: its node id and its aliases."""
-        return {self.node_id, *self.aliases}
+    def names(self) -> NodeNames:
+        """The audiences a call to this process may name: its node id and its aliases, as a live
+        view (`NodeNames`): O(1) to make and to test, whatever the number of hosted clients."""
+        return NodeNames(self.node_id, self.aliases)
 
     def metadata(self, audience: str = REGISTER_AUDIENCE) -> tuple[tuple[str, str], ...]:
         """The call's credential metadata; `audience`: the node (or logical client) called."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import AbstractSet
 
 CRED_ENV = "FEDHOP_NODE_CRED"     # a process's own per-node credential (SignedIdentity), environment only
 CRED_SUFFIX = ".cred"             # or DIR/NODE.cred in its certificate folder (`fedhop certs` writes them)
@@ -121,7 +122,7 @@ class SignedIdentity:
             self._tokens[audience] = (float(expires), token)
         return token
 
-    def verify(self, claimed: str, token: str, audiences: set[str], scoped: bool,
+    def verify(self, claimed: str, token: str, audiences: AbstractSet[str], scoped: bool,
                now: float | None = None) -> str | None:
         """None when `token` proves `claimed` for a call to one of `audiences` (or, `scoped`, to
         the register audience); else why not."""
