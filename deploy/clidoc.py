@@ -20,8 +20,9 @@ import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from fedhop.deploy.pagegen import page_main
 
 REGENERATE = "python -m fedhop.deploy.clidoc --write docs/cli.md"
 WIDTH = 100   # usage lines are wrapped at this width whatever the terminal
@@ -235,21 +236,7 @@ def markdown() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m fedhop.deploy.clidoc [--write PATH | --check PATH]`: docs/cli.md."""
-    ap = argparse.ArgumentParser(prog="python -m fedhop.deploy.clidoc", description="docs/cli.md from the parsers")
-    group = ap.add_mutually_exclusive_group()
-    group.add_argument("--write", metavar="PATH", help="write the markdown reference to PATH")
-    group.add_argument("--check", metavar="PATH", help="exit 1 when PATH differs from the generated reference")
-    args = ap.parse_args(argv)
-    page = markdown()
-    if args.write:
-        Path(args.write).write_text(page)
-    elif args.check:
-        if not Path(args.check).exists() or Path(args.check).read_text() != page:
-            print(f"{args.check} is out of date; regenerate it: {REGENERATE}", file=sys.stderr)
-            return 1
-    else:
-        sys.stdout.write(page)
-    return 0
+    return page_main("python -m fedhop.deploy.clidoc", "the parsers", markdown, REGENERATE, argv)
 
 
 if __name__ == "__main__":

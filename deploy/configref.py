@@ -28,7 +28,6 @@ import types
 import typing
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any, Iterable
 
 from fedhop.common.config import (
@@ -42,6 +41,7 @@ from fedhop.common.config import (
     shadowed_keys,
     toml_value,
 )
+from fedhop.deploy.pagegen import page_main
 
 REGENERATE = "python -m fedhop.deploy.configref --write docs/config.md"
 UNSET = "unset"   # the default of an optional key (None): not written; the code picks its value
@@ -560,26 +560,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _module_main(argv: list[str] | None = None) -> int:
     """`python -m fedhop.deploy.configref [--write PATH | --check PATH]`: docs/config.md."""
-    ap = argparse.ArgumentParser(prog="python -m fedhop.deploy.configref")
-    group = ap.add_mutually_exclusive_group()
-    group.add_argument("--write", metavar="PATH", help="write the markdown reference to PATH")
-    group.add_argument("--check", metavar="PATH", help="exit 1 when PATH differs from the generated reference")
-    args = ap.parse_args(argv)
-    page = markdown()
-    if args.write:
-        Path(args.write).write_text(page)
-        return 0
-    if args.check:
-        try:
-            same = Path(args.check).read_text() == page
-        except OSError as exc:
-            print(f"cannot read {args.check}: {exc.strerror}", file=sys.stderr)
-            return 2
-        if not same:
-            print(f"{args.check} is not what the schema generates; regenerate it: {REGENERATE}", file=sys.stderr)
-        return 0 if same else 1
-    sys.stdout.write(page)
-    return 0
+    return page_main("python -m fedhop.deploy.configref", "the schema", markdown, REGENERATE, argv)
 
 
 if __name__ == "__main__":
