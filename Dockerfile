@@ -51,6 +51,7 @@ RUN --mount=type=bind,source=wheelhouse,target=/wheels \
 RUN useradd --create-home --uid 10001 fedhop && mkdir -p /runs && chown fedhop:fedhop /runs
 
 COPY README.md ./
+COPY docker-compose.yml ./
 COPY proto ./proto
 COPY api ./api
 COPY common ./common
@@ -59,6 +60,7 @@ COPY edge ./edge
 COPY server ./server
 COPY deploy ./deploy
 COPY examples ./examples
+COPY topologies ./topologies
 RUN --mount=type=bind,source=wheelhouse,target=/wheels \
     --mount=type=secret,id=pip_ca \
     fedhop-pip-install project . \

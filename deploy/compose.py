@@ -130,8 +130,51 @@ def up_command(base: Path, override: Path) -> str:
     client container that dies costs its clients, not the run; the server's end stops the rest.
     Without --attach, any one container's exit stops every container (one killed client ended the
     run within 4 s).  Not `up -d` then `wait server`: `wait` fails (status 1) for a server that
-    exited before it started waiting, as a refused or misconfigured one does at once."""
+    exited before it started waiting, as a refused or misconfigured one does at once.
+
+    Compose v2 prints "Aborting on container exit..." whenever --exit-code-from ends a run, a
+    completed one included (it is how it stops the other containers), and no flag silences it;
+    `fedhop compose` and deploy/docker/up.sh say so beside the command and after it."""
     return f"docker compose -f {base} -f {override} up --attach server --exit-code-from server"
+
+
+# Compose's line at the end of every run `up_command` starts, a completed one too (see up_command)
+ABORT_LINE = "Aborting on container exit..."
+SUCCESS_NOTE = (f'a completed run ends with "server-1 exited with code 0" then compose\'s "{ABORT_LINE}": '
+                "that is compose stopping the client containers after the server's end, not a failure; "
+                "the command's exit status is the server's (0: completed)")
+
+PACKAGED_BASE = "docker-compose.yml"    # package data of fedhop.deploy: the checkout's docker-compose.yml
+
+
+def packaged_base_text() -> str:
+    """The docker-compose.yml shipped in the wheel (package data of fedhop.deploy), with the two
+    default host folders it names relative to the checkout moved beside the written file:
+    ./examples (the /config mount) becomes ./config and ./deploy/docker/no-certs (the /certs mount
+    with no credentials) becomes ./no-certs, so a folder outside a clone has everything the file
+    mounts.  The image comes from elsewhere (a clone's deploy/docker/build.sh, or a registry:
+    FEDHOP_IMAGE); the build section stays for a clone's `docker compose build`."""
+    from importlib.resources import files
+    text = files("fedhop.deploy").joinpath(PACKAGED_BASE).read_text()
+    for old, new in (("${FEDHOP_CONFIG_DIR:-./examples}", "${FEDHOP_CONFIG_DIR:-./config}"),
+                     ("${FEDHOP_CERTS_SRC:-./deploy/docker/no-certs}", "${FEDHOP_CERTS_SRC:-./no-certs}")):
+        if old not in text:
+            raise RuntimeError(f"the packaged {PACKAGED_BASE} no longer names {old}: update packaged_base_text")
+        text = text.replace(old, new)
+    return ("# written by `fedhop compose` from the docker-compose.yml in the fedhop package; host folders beside it:\n"
+            "# config/ (mounted at /config: FEDHOP_CONFIG=/config/exp.toml runs your own), no-certs/, runs-compose/\n"
+            + text)
+
+
+def write_packaged_base(out: Path) -> Path:
+    """OUT/docker-compose.yml from the package (packaged_base_text) and the folders it mounts,
+    OUT/config/ and OUT/no-certs/ (made by this user, not by the engine as root)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for folder in ("config", "no-certs"):
+        (out / folder).mkdir(exist_ok=True)
+    base = out / "docker-compose.yml"
+    base.write_text(packaged_base_text())
+    return base
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,26 +185,32 @@ def main(argv: list[str] | None = None) -> int:
         prog="fedhop compose",
         description="Per-node credentials for docker compose: from a `fedhop certs` folder, one folder per "
                     "node (ca.pem and that node's own key pair and credential only) and an override file that mounts each at its "
-                    "service's /certs and runs mutual TLS, with one service per client process (client-proc0..N-1).  Then: "
-                    "docker compose -f docker-compose.yml -f DIR/compose.yml up --attach server --exit-code-from server")
+                    "service's /certs and runs mutual TLS, with one service per client process (client-proc0..N-1).  "
+                    "In a fedhop checkout the base file is its docker-compose.yml; elsewhere (an installed wheel) "
+                    "the one in the package is written into --out.  Then: "
+                    "docker compose -f BASE -f DIR/compose.yml up --attach server --exit-code-from server")
     ap.add_argument("certs", help="the folder `fedhop certs` made (ca.pem, NODE.pem, NODE.key, NODE.cred)")
     ap.add_argument("--clients", type=int, required=True, help="client processes (client-proc0..N-1)")
     ap.add_argument("--edges", type=int, default=0, help="edges (edge-0..E-1; docker-compose.yml has 2)")
     ap.add_argument("--out", default="compose-nodes", help="where the per-node folders and compose.yml go "
                                                            "(default ./compose-nodes)")
-    ap.add_argument("--file", default="docker-compose.yml", help="the base compose file (default ./docker-compose.yml)")
+    ap.add_argument("--file", default=None,
+                    help="the base compose file (default ./docker-compose.yml where there is one, as in a "
+                         "checkout; else the package's, written to OUT/docker-compose.yml)")
     args = ap.parse_args(argv)
-    base = Path(args.file)
+    out = Path(args.out)
+    base = Path(args.file if args.file is not None else PACKAGED_BASE)
     try:
         if args.clients < 1:
             raise ValueError(f"--clients {args.clients}: at least 1")
         if args.edges < 0:
             raise ValueError(f"--edges {args.edges}: 0 or more")
-        if not base.is_file():
-            raise ValueError(f"--file {base}: no such compose file (run from the fedhop checkout, or name it)")
+        if args.file is not None and not base.is_file():
+            raise ValueError(f"--file {base}: no such compose file")
         nodes = ["server"] + [edge_node(e) for e in range(args.edges)] + [client_proc_node(k) for k in range(args.clients)]
-        out = Path(args.out)
         folders = node_folders(Path(args.certs), nodes, out)
+        if args.file is None and not base.is_file():       # not in a checkout: the package's file
+            base = write_packaged_base(out)
         override = out / "compose.yml"
         uid, gid = (os.environ.get(name) or str(own) for name, own in (("FEDHOP_UID", os.getuid()),
                                                                          ("FEDHOP_GID", os.getgid())))
@@ -173,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         # the runs' parent folder (docker-compose.yml: FEDHOP_RUNS_SRC, relative to the base file's
         # folder, default runs-compose) made by this user, not by the engine as root: the project
         # folders the containers make in it are then this user's to remove
-        (base.parent / os.environ.get("FEDHOP_RUNS_SRC", "runs-compose")).mkdir(parents=True, exist_ok=True)
+        runs = base.parent / os.environ.get("FEDHOP_RUNS_SRC", "runs-compose")
+        runs.mkdir(parents=True, exist_ok=True)
     except (ValueError, OSError) as exc:
         print(f"fedhop compose: {exc}", file=sys.stderr)
         return 2
@@ -181,5 +231,9 @@ def main(argv: list[str] | None = None) -> int:
           f"key only (services server, {'edge-0.., ' if args.edges else ''}client-proc0..{args.clients - 1}); run it with")
     print(f"  {up_command(base, override)}")
     print("  (its status is the server's; a dead client container costs its clients only; every node's log: "
-          "RUN/logs/NODE.log, and `docker compose ... logs`)")
+          f"RUN/logs/NODE.log, and `docker compose ... logs`; the run: {runs}/fedhop/)")
+    print(f"  ({SUCCESS_NOTE})")
+    if args.file is None and base.parent == out:
+        print(f"  ({base} is the package's compose file; it runs the image {os.environ.get('FEDHOP_IMAGE') or 'fedhop:cpu'}"
+              " (FEDHOP_IMAGE), which a fedhop checkout builds with deploy/docker/build.sh or `make image`)")
     return 0

