@@ -539,8 +539,8 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
     except (FileNotFoundError, ValueError) as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
         return 2
-    try:   # model.freeze / model.exchange name real parameters and leave some to exchange (common/data/models.py)
-        from fedhop.common.data.models import check_model_selection
+    try:   # model.freeze / model.exchange name real parameters and leave some to exchange (common/models/exchange.py)
+        from fedhop.common.models.exchange import check_model_selection
         check_model_selection(cfg)
     except (FileNotFoundError, ValueError) as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)

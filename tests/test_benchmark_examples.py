@@ -14,7 +14,7 @@ import pytest
 
 from fedhop.common.config import load_config
 from fedhop.common.data import fakedata
-from fedhop.common.data.models import build_model, num_parameters
+from fedhop.common.models import build_model, num_parameters
 from fedhop.deploy.inmemory import run_inmemory
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

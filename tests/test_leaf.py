@@ -9,7 +9,7 @@ import pytest
 
 from fedhop.common.config import parse_config
 from fedhop.common.data import leaf
-from fedhop.common.data.models import LEAF_LETTERS
+from fedhop.common.models.text import LEAF_LETTERS
 from fedhop.common.tasks import build_task
 from fedhop.common.util.rng import numpy_stream
 from tests.helpers import data_set_config

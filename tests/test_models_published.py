@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedhop.common.data.models import build_model, num_parameters
+from fedhop.common.models import build_model, num_parameters
 
 
 def conv(c_in: int, c_out: int, k: int, bias: bool = True) -> int:
@@ -91,12 +91,12 @@ def test_threads_building_at_once_get_the_seeded_weights(monkeypatch) -> None:
     drawing from it, and one of them gets other weights than the seed gives."""
     import threading
 
-    from fedhop.common.data import models
+    from fedhop.common.models import dense as dense_models
 
     first_inside, second_inside, first_done = threading.Event(), threading.Event(), threading.Event()
     entered: list[str] = []
 
-    class InterleavingMLP(models.MLP):   # type: ignore[misc, name-defined]
+    class InterleavingMLP(dense_models.MLP):   # type: ignore[misc, name-defined]
         def __init__(self, *args, **kwargs) -> None:
             torch.rand(1)                                 # the draws before the other thread runs
             me = "first" if not entered else "second"
@@ -111,14 +111,14 @@ def test_threads_building_at_once_get_the_seeded_weights(monkeypatch) -> None:
             if me == "first":
                 first_done.set()
 
-    monkeypatch.setattr(models, "MLP", InterleavingMLP)
-    expected = models.build_model("mlp", (6,), 3, hidden=(5,), seed=11).state_dict()
+    monkeypatch.setattr(dense_models, "MLP", InterleavingMLP)
+    expected = build_model("mlp", (6,), 3, hidden=(5,), seed=11).state_dict()
     entered.clear()
     first_inside.clear(), second_inside.clear(), first_done.clear()
     built: list[dict[str, torch.Tensor]] = []
 
     def build() -> None:
-        built.append(models.build_model("mlp", (6,), 3, hidden=(5,), seed=11).state_dict())
+        built.append(build_model("mlp", (6,), 3, hidden=(5,), seed=11).state_dict())
 
     first = threading.Thread(target=build)
     first.start()
@@ -137,19 +137,19 @@ def test_a_model_built_inside_another_build_does_not_deadlock(monkeypatch) -> No
     the inner build is seeded too and the outer draws go on from the outer seed."""
     import threading
 
-    from fedhop.common.data import models
+    from fedhop.common.models import dense as dense_models
 
     inner: list[dict[str, torch.Tensor]] = []
 
-    class Wrapping(models.MLP):   # type: ignore[misc, name-defined]
+    class Wrapping(dense_models.MLP):   # type: ignore[misc, name-defined]
         def __init__(self, *args, **kwargs) -> None:
-            inner.append(models.build_model("logreg", (4,), 2, seed=9).state_dict())
+            inner.append(build_model("logreg", (4,), 2, seed=9).state_dict())
             super().__init__(*args, **kwargs)
 
     plain = build_model("mlp", (6,), 3, hidden=(5,), seed=11).state_dict()
-    monkeypatch.setattr(models, "MLP", Wrapping)
+    monkeypatch.setattr(dense_models, "MLP", Wrapping)
     built: list[dict[str, torch.Tensor]] = []
-    worker = threading.Thread(target=lambda: built.append(models.build_model("mlp", (6,), 3, hidden=(5,),
+    worker = threading.Thread(target=lambda: built.append(build_model("mlp", (6,), 3, hidden=(5,),
                                                                              seed=11).state_dict()), daemon=True)
     worker.start()
     worker.join(timeout=60)

@@ -61,11 +61,11 @@ def test_a_package_in_the_plugin_search_path_imports_without_changing_sys_path(t
 
 
 def test_load_plugin_by_import_path_and_its_errors():
-    assert load_plugin("fedhop.common.data.models:MLP", "models").__name__ == "MLP"
+    assert load_plugin("fedhop.common.models.dense:MLP", "models").__name__ == "MLP"
     with pytest.raises(PluginError, match=r"cannot import 'nosuchpkg\.models:net': ModuleNotFoundError: No module named 'nosuchpkg'"):
         load_plugin("nosuchpkg.models:net", "models")
-    with pytest.raises(PluginError, match="module 'fedhop.common.data.models' has no attribute 'Nope'"):
-        load_plugin("fedhop.common.data.models:Nope", "models")
+    with pytest.raises(PluginError, match="module 'fedhop.common.models.dense' has no attribute 'Nope'"):
+        load_plugin("fedhop.common.models.dense:Nope", "models")
     with pytest.raises(LookupError):
         load_plugin("no_such_entry_point", "datasets")
     with pytest.raises(ValueError, match="unknown group"):
@@ -79,7 +79,7 @@ def test_load_plugin_by_import_path_and_its_errors():
                                             "ModuleNotFoundError"),
     ("algorithm.name", "nosuchpkg.algos:Algo", "config key 'algorithm.name': cannot import 'nosuchpkg.algos:Algo': "
                                                "ModuleNotFoundError"),
-    ("algorithm.name", "fedhop.common.data.models:MLP", "is not a subclass of fedhop.common.algorithms.base.Algorithm"),
+    ("algorithm.name", "fedhop.common.models.dense:MLP", "is not a subclass of fedhop.common.algorithms.base.Algorithm"),
 ])
 def test_bad_plugin_is_exit_2_before_any_process_starts(tmp_path, capsys, key, value, message):
     cfg = tmp_path / "c.toml"
@@ -92,7 +92,7 @@ def test_bad_plugin_is_exit_2_before_any_process_starts(tmp_path, capsys, key, v
 
 def test_factory_on_a_task_with_its_own_model_is_a_config_error():
     with pytest.raises(ConfigError, match="data.dataset = 'quadratic' defines its own model"):
-        parse_config('[data]\ndataset = "quadratic"\n[model]\nfactory = "fedhop.common.data.models:MLP"\n')
+        parse_config('[data]\ndataset = "quadratic"\n[model]\nfactory = "fedhop.common.models.dense:MLP"\n')
 
 
 def linear_net(input_shape, n_outputs, bias=True):

@@ -232,7 +232,7 @@ def test_share_params_keeps_the_tensor_allocated_first_and_binds_a_resumed_state
     its clone, so the memory freed is the last allocated (reused by the round's accumulator); a
     state that differs (a checkpoint's) keeps its tensors and the model is bound to them."""
     from fedhop.common.algorithms.local import get_params, share_params
-    from fedhop.common.data.models import build_model
+    from fedhop.common.models import build_model
 
     model = build_model("mlp", (6,), 3, hidden=(5,), seed=4)
     first = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}

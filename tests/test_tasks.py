@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fedhop.common.config.schema import Config
-from fedhop.common.data.models import CNN, build_model
+from fedhop.common.models import build_model
+from fedhop.common.models.conv import CNN
 from fedhop.common.tasks import (
     DATASET_PARAMS,
     LogRegParams,
@@ -334,7 +335,7 @@ def test_model_names_shapes_and_zero_init() -> None:
     assert all(float(p.detach().abs().sum()) == 0.0 for p in zero.parameters())
     a, b = build_model("mlp", (64,), 10, [16], seed=1), build_model("mlp", (64,), 10, [16], seed=2)
     assert not torch.equal(a.out.weight, b.out.weight)
-    with pytest.raises(ValueError, match="allowed: linear, logreg, mlp, cnn"):
+    with pytest.raises(ValueError, match="allowed: char_lstm, cifar_cnn, cnn, leaf_cnn, linear, logreg, mcmahan_cnn, mlp"):
         build_model("resnet", (64,), 10)
 
 

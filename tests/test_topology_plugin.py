@@ -83,7 +83,7 @@ def test_entry_point_name_loads_the_driver_and_the_star_plan(tmp_path, monkeypat
 @pytest.mark.parametrize("kind,message", [
     ("nosuchpkg.topo:Driver", "fedhop run: override 'topology.kind=nosuchpkg.topo:Driver': config key 'topology.kind': cannot import 'nosuchpkg.topo:Driver': "
                               "ModuleNotFoundError: No module named 'nosuchpkg'"),
-    ("fedhop.common.data.models:MLP", "fedhop run: override 'topology.kind=fedhop.common.data.models:MLP': config key 'topology.kind': 'fedhop.common.data.models:MLP' is not a "
+    ("fedhop.common.models.dense:MLP", "fedhop run: override 'topology.kind=fedhop.common.models.dense:MLP': config key 'topology.kind': 'fedhop.common.models.dense:MLP' is not a "
                                  "topology driver (a subclass of fedhop.server.driver.TopologyDriver)"),
     ("no_such_topology", "fedhop run: override 'topology.kind=no_such_topology': config key 'topology.kind': unknown topology 'no_such_topology' "
                          "(allowed: star, hierarchical, sequential, chain, relay"),

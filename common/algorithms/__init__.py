@@ -32,6 +32,11 @@ def registry() -> dict[str, type[Algorithm]]:
     return found
 
 
+def partial_exchange_algorithms() -> list[str]:
+    """The built-in algorithms that can exchange a part of the model (`Algorithm.partial_exchange`)."""
+    return [name for name, cls in registry().items() if cls.partial_exchange]
+
+
 def algorithm_class(name: str):
     """The Algorithm subclass registered under `name` (built in), or a user's plug-in: an import
     path "pkg.module:Class" or an entry point of group `fedhop.algorithms` (common/util/plugins.py).

@@ -97,6 +97,11 @@ class Algorithm(ABC):
     # whether an edge may step its model between server rounds (hierarchical kappa2 > 1, via
     # edge_step); the config loader refuses kappa2 > 1 for an algorithm that sets this False
     edge_iterations: bool = True
+    # whether the parties may exchange a part of the model (model.exchange != "all"): true for an
+    # algorithm whose parties touch the model only through get_params / set_params
+    # (common/algorithms/local.py), which then carry only the exchanged parameters; the config
+    # loader refuses a partial exchange for an algorithm that leaves this False
+    partial_exchange: bool = False
 
     def __init__(self, cfg: Any, params: AlgorithmParams | None = None) -> None:
         """`cfg` is the validated `[algorithm]` section (common.config.AlgorithmConfig)."""

@@ -25,6 +25,7 @@ class FedAvgParams(AlgorithmParams):
 
 class FedAvg(Algorithm):
     name = "fedavg"
+    partial_exchange = True   # the subclasses (FedAvgM, FedAdam/Yogi/Adagrad, FedProx, FedExP) too
     Params: type[AlgorithmParams] = FedAvgParams
 
     def client_update(self, ctx: ClientContext, message: Payload) -> Payload:

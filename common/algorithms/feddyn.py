@@ -57,6 +57,7 @@ class FedDynParams(AlgorithmParams):
 
 class FedDyn(Algorithm):
     name = "feddyn"
+    partial_exchange = True
     Params = FedDynParams
     params: FedDynParams
     reply_reduce = {"num_clients": "max"}

@@ -232,6 +232,7 @@ class _FedLiBase(Algorithm):
     """Shared: reply spec with the 0-dim extras, and the hierarchical edge_partial rule."""
 
     extras: tuple[str, ...] = ()
+    partial_exchange = True   # FedLi-LS and FedLi-LU
 
     def reply_spec(self, state: ServerState) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         spec = super().reply_spec(state)

@@ -48,6 +48,7 @@ class FedNovaParams(AlgorithmParams):
 
 class FedNova(Algorithm):
     name = "fednova"
+    partial_exchange = True
     Params = FedNovaParams
 
     def reply_spec(self, state: ServerState) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 import torch
 
 from fedhop.common.algorithms.base import ClientContext
-from fedhop.common.data.models import exchanged_names
+from fedhop.common.models.exchange import exchanged_names
 from fedhop.common.numerics.sampling import batches_on, local_batches
 
 GradHook = Callable[[str, torch.nn.Parameter, torch.Tensor], torch.Tensor]
@@ -15,7 +15,7 @@ GradHook = Callable[[str, torch.nn.Parameter, torch.Tensor], torch.Tensor]
 
 def get_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The parameters the model exchanges, by name (detached views): every parameter, or under
-    model.exchange = "trainable" or a selection (common/data/models.py `select_exchange`) only the
+    model.exchange = "trainable" or a selection (common/models/exchange.py `select_exchange`) only the
     selected ones.  Everything that travels or is aggregated starts here, so the server state,
     the broadcast, the replies, their spec and the clients' state cover the same names."""
     names = exchanged_names(model)

@@ -65,6 +65,7 @@ def total_client_weight(task, uniform: bool) -> float:
 
 class Scaffold(Algorithm):
     name = "scaffold"
+    partial_exchange = True
     Params = ScaffoldParams
     reply_reduce = {TOTAL_KEY: "max"}
 

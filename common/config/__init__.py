@@ -454,11 +454,11 @@ def _check_model_factory(cfg: Config) -> None:
 
 
 def _check_model_exchange(cfg: Config) -> None:
-    """model.freeze and model.exchange (common/data/models.py `select_exchange`): their form, the
+    """model.freeze and model.exchange (common/models/exchange.py `select_exchange`): their form, the
     selection plug-in imported now (a client's allow-list applies), and an algorithm that can
     exchange part of the model.  Whether the patterns name parameters is checked when the model
     is built (`check_model_selection`, before `fedhop run` starts a process)."""
-    from fedhop.common.data.models import EXCHANGE_ALGORITHMS, EXCHANGE_CHOICES, load_selector
+    from fedhop.common.models.exchange import EXCHANGE_CHOICES, load_selector
     for i, pattern in enumerate(cfg.model.freeze):
         if not pattern.strip():
             raise ConfigError(f"config key 'model.freeze[{i}]': got {pattern!r}, expected a glob pattern on "
@@ -475,11 +475,14 @@ def _check_model_exchange(cfg: Config) -> None:
         except ValueError as exc:   # PluginError, PluginRefused, not a function
             raise ConfigError(f"config key 'model.exchange': {exc}") from None
     if ref != "all":
-        from fedhop.common.algorithms import registry  # local: the algorithms import this module
+        from fedhop.common.algorithms import (  # local: the algorithms import this module
+            partial_exchange_algorithms,
+            registry,
+        )
         name = cfg.algorithm.name
-        if name in registry() and name not in EXCHANGE_ALGORITHMS:
+        if name in registry() and not registry()[name].partial_exchange:
             raise ConfigError(f"config key 'model.exchange': got {ref!r}, but algorithm.name = '{name}' exchanges "
-                              f"the whole model (a part works with {', '.join(EXCHANGE_ALGORITHMS)})")
+                              f"the whole model (a part works with {', '.join(sorted(partial_exchange_algorithms()))})")
 
 
 def _validate_options(cfg: Config) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from fedhop.common.data.cifar import write_cifar
-from fedhop.common.data.models import LEAF_LETTERS
+from fedhop.common.models.text import LEAF_LETTERS
 
 FEMNIST_MEAN, FEMNIST_STD = 226.83, 88.94
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from fedhop.common.data import datasets, partition
-from fedhop.common.data.models import with_model_selection
+from fedhop.common.models.exchange import with_model_selection
 from fedhop.common.tasks.base import ClientData, Task
 from fedhop.common.tasks.classification import ArrayTask, ClassificationTask, ModelSpec, RegressionTask
 from fedhop.common.tasks.logreg import LogRegParams, LogRegTask

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedhop.common.data.models import build_model
+from fedhop.common.models import build_model
 from fedhop.common.tasks.base import ClientData, Task
 
 EVAL_BATCH = 4096  # rows per forward pass in evaluation (bounds memory on MNIST-sized tests)

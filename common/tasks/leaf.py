@@ -16,7 +16,7 @@ evaluation, which only the server runs.  Other partitions (iid, dirichlet, ...) 
 user's training samples in every process and split them as for any data set.
 
 FEMNIST: 28x28 images with values in [0, 1] (used as stored), 62 classes.  Shakespeare: 80-character
-windows encoded with LEAF's 80-character alphabet (common/data/models.py LEAF_LETTERS), the label is the
+windows encoded with LEAF's 80-character alphabet (common/models/text.py LEAF_LETTERS), the label is the
 next character.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from fedhop.common.data import leaf
-from fedhop.common.data.models import LEAF_LETTERS
+from fedhop.common.models.text import LEAF_LETTERS
 from fedhop.common.tasks.base import ClientData
 from fedhop.common.tasks.classification import ClassificationTask
 from fedhop.common.util.rng import numpy_stream

@@ -309,7 +309,7 @@ def _eval_set(task: ClassificationTask) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _net(spec: ModelSpec) -> nn.Module:
-    from fedhop.common.data.models import build_model
+    from fedhop.common.models import build_model
     return build_model(spec.kind, spec.input_shape, spec.n_outputs, spec.hidden, spec.init, spec.seed,
                        bias=spec.bias, task="classification", factory=spec.factory,
                        factory_args=dict(spec.factory_args))

@@ -1,0 +1,70 @@
+"""Dense models: softmax and linear regression and the fully connected ReLU network (model.kind
+linear, logreg, mlp).  Inputs of any shape are flattened."""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LogReg(nn.Module):
+    """Multinomial logistic regression: one affine map to the logits (input is flattened)."""
+
+    def __init__(self, in_features: int, n_classes: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_features, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.flatten(1))
+
+
+class MLP(nn.Module):
+    """Fully connected ReLU network; parameters `layers.<i>.{weight,bias}` and `out.*`."""
+
+    def __init__(self, in_features: int, hidden: Sequence[int], n_classes: int) -> None:
+        super().__init__()
+        widths = [int(in_features), *[int(h) for h in hidden]]
+        if any(w < 1 for w in widths[1:]):
+            raise ValueError(f"model.hidden widths must be >= 1, got {list(hidden)}")
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.out = nn.Linear(widths[-1], n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.flatten(1)
+        for layer in self.layers:
+            h = F.relu(layer(h))
+        return self.out(h)
+
+
+class Linear(nn.Module):
+    """Linear regression y = W x (+ b); with d_out == 1 the output is squeezed to (N,)."""
+
+    def __init__(self, d_in: int, d_out: int = 1, bias: bool = True) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d_in, d_out, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x.flatten(1))
+        return out.squeeze(1) if out.shape[1] == 1 else out
+
+
+def build_linear(shape: tuple[int, ...], n_outputs: int, *, bias: bool = True, task: str = "classification",
+                 **_: Any) -> nn.Module:
+    """model.kind = "linear": the regression model y = W x (+ b) for a regression task, the same affine
+    map as logreg (softmax regression) for a classifier."""
+    features = math.prod(shape)
+    return Linear(features, n_outputs, bias) if task == "regression" else LogReg(features, n_outputs)
+
+
+def build_logreg(shape: tuple[int, ...], n_outputs: int, **_: Any) -> nn.Module:
+    return LogReg(math.prod(shape), n_outputs)
+
+
+def build_mlp(shape: tuple[int, ...], n_outputs: int, *, hidden: Sequence[int] = (64,), **_: Any) -> nn.Module:
+    return MLP(math.prod(shape), list(hidden), n_outputs)
+
+
+REGISTER = {"linear": build_linear, "logreg": build_logreg, "mlp": build_mlp}
