@@ -6,9 +6,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedhop.common.topologies.spec import TopologySpec
+from fedhop.common.wire.methods import PARENT, PEER, Method
 
 # algorithms whose client reply is a model update Delta the WRWGD walk can apply (common/topologies/walk_rule.py)
 WALK_ALGORITHMS = ("fedavg", "fedprox")
+
+# the chain topology's protocol methods (a client process serves them, client/host.py `walk_handlers`)
+WALK_VISIT = Method("walk_visit", {PARENT})       # the holder's visit: local steps, the draw, the hand-off
+WALK_HANDOFF = Method("walk_handoff", {PEER})     # the walking model to the next client (link client-client)
 
 
 @dataclass
@@ -58,4 +63,5 @@ SPEC = TopologySpec(
     client_handlers=("fedhop.client.host:walk_handlers",),
     peer_link="client-client",
     peer_note="hops between clients",
+    methods=(WALK_VISIT, WALK_HANDOFF),
 )

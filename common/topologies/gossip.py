@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedhop.common.topologies.spec import TopologySpec
+from fedhop.common.wire.methods import PARENT, PEER, Method
+
+# the gossip topology's protocol methods (a client process serves them, client/host.py `gossip_handlers`)
+GOSSIP_STEP = Method("gossip_step", {PARENT})     # a logical client's local steps from its own model
+GOSSIP_SEND = Method("gossip_send", {PARENT})     # the process's post-step models to their graph neighbours
+GOSSIP_SHARE = Method("gossip_share", {PEER})     # one post-step model to a neighbour (link client-client)
+GOSSIP_MIX = Method("gossip_mix", {PARENT})       # the Metropolis-Hastings average (the model up at evaluations)
 
 
 @dataclass
@@ -38,4 +45,5 @@ SPEC = TopologySpec(
     client_handlers=("fedhop.client.host:gossip_handlers",),
     peer_link="client-client",
     peer_note="models to graph neighbours",
+    methods=(GOSSIP_STEP, GOSSIP_SEND, GOSSIP_SHARE, GOSSIP_MIX),
 )

@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fedhop.common.topologies.spec import TopologySpec
+from fedhop.common.wire.methods import NEIGHBOUR, PARENT, Method
+
+# the sequential topology's protocol methods (an edge serves them, edge/sequential.py)
+SEQ_ROUND = Method("seq_round", {PARENT})                 # the token holder's round
+SEQ_HANDOFF = Method("seq_handoff", {NEIGHBOUR})          # the model w^{t+1} to the next edge (link edge-edge)
+SEQ_FINAL = Method("seq_final", {PARENT}, request="empty")   # torch: the final model as a dist.send
+SEQ_QUERY = Method("control.seq_query", {PARENT, NEIGHBOUR}, "control", request="empty")   # visit count c(m), D_A,m
+SEQ_RESTORE = Method("control.seq_restore", {PARENT}, "control", request="per_client")    # a resumed run's visit count
 
 
 @dataclass
@@ -38,4 +46,5 @@ SPEC = TopologySpec(
     sequential_algorithms=True,
     peer_link="edge-edge",
     peer_note="sent to neighbour edges",
+    methods=(SEQ_ROUND, SEQ_HANDOFF, SEQ_FINAL, SEQ_QUERY, SEQ_RESTORE),
 )

@@ -6,12 +6,19 @@ refuses for it (`check`), which processes a run starts (`plan`), and the code ea
 it: the server's driver, what an edge adds beside its aggregator, the client handlers.  Role code
 is named by reference, an import path "package.module:attribute" resolved when a role asks for it
 (`resolve`), so common/ imports no role package; a plug-in's spec may hold the objects themselves.
+
+A topology's own protocol methods (name, allowed callers, ledger link, request size) are in its
+spec's `methods`: making the spec declares them into the one method table (common/wire/methods.py
+`METHODS`) that authorization, the ledger's link rule and the live page read, so a plug-in's
+methods are served and refused exactly like the built-ins'.
 """
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
+
+from fedhop.common.wire.methods import Method, declare
 
 Ref = Any   # an import path "package.module:attribute", or the object itself (plug-ins)
 
@@ -37,7 +44,10 @@ class TopologySpec:
     `driver`: the server's `TopologyDriver` subclass.  `edge_role`: a class made as
     `edge_role(aggregator)` in each edge process beside its aggregator (None: the aggregator
     alone).  `client_handlers`: functions `(host) -> {method: handler}` whose methods a client
-    process serves beside train, state and ping (client/host.py).
+    process serves beside train, state and ping (client/host.py).  `methods`: the kind's own
+    protocol methods (common/wire/methods.py `Method`), declared into the method table when the
+    spec is made; a name another owner declared with other callers is refused (`MethodClash`,
+    naming both owners).  Its drivers and handlers use them as `Method.<NAME>` or by the objects.
 
     Data the common code reads instead of branching on the kind: `edges`: the run has edge
     processes (topology.edges must be 1..clients.count); `robust`: how a robust
@@ -64,6 +74,14 @@ class TopologySpec:
     edge_steps_key: str | None = None
     peer_link: str | None = None
     peer_note: str = ""
+    methods: tuple[Method, ...] = ()
+
+    def __post_init__(self) -> None:
+        on_class = tuple(getattr(self.driver, "methods", ())) if isinstance(self.driver, type) else ()
+        if not self.methods and on_class:
+            # a plug-in given as a driver class (common/topologies `load_topology`) declares them on the class
+            object.__setattr__(self, "methods", on_class)
+        declare(self.methods, f"topology '{self.name}'")
 
     def driver_class(self) -> type:
         return resolve(self.driver)

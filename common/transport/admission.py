@@ -13,7 +13,7 @@ them become a flood of run.db rows and log lines (issue 17, item 3).
   one event per interval with their count, so 500 invented node ids are a few rows of run.db.
 - `RequestGate`: an incoming request's method and caller are checked on its header frame,
   before any of its data is read or allocated (common/wire/codec.py `FrameDecoder.admit`), and the
-  request is bounded by its method: a method that carries no tensors (`EMPTY_REQUESTS`) may
+  request is bounded by its method: a method that carries no tensors (declared `request="empty"`) may
   declare no data bytes; one that carries the model at most `MODEL_COPIES` copies of the
   receiving process's model per logical client it hosts (`state_set`) or per message, plus
   `REQUEST_SLACK`.  A refused request is answered with a typed error (UNKNOWN_METHOD,
@@ -147,11 +147,18 @@ class EventThrottle:
 
 
 # ----------------------------------------------------------------------------- requests
-# methods whose requests carry no tensors (an empty Payload, scalars or control data at most)
-EMPTY_REQUESTS = frozenset({Method.PING, Method.SHUTDOWN, Method.STATE_GET, Method.SEQ_QUERY, Method.SEQ_FINAL,
-                            Method.TORCH_PROCS})
-# methods whose request carries one state per logical client the receiver hosts
-PER_CLIENT_REQUESTS = frozenset({Method.STATE_SET, Method.SEQ_RESTORE})
+# a method's request size class is its declaration's `request` (common/wire/methods.py): "empty" requests
+# carry no tensors (an empty Payload, scalars or control data at most), "per_client" ones one state per
+# logical client the receiver hosts, "model" ones a model message
+
+
+def __getattr__(name: str) -> frozenset[Method]:
+    """`EMPTY_REQUESTS` and `PER_CLIENT_REQUESTS`: the methods declared so far of each size class."""
+    size = {"EMPTY_REQUESTS": "empty", "PER_CLIENT_REQUESTS": "per_client"}.get(name)
+    if size is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return frozenset(m for m in Method if m.request == size)
+
 MODEL_COPIES = 8                 # a model message: the model plus the algorithm's extras (control variates, a
 #                                  snapshot), possibly in a wider wire dtype (float64 for a float32 model)
 REQUEST_SLACK = 16 << 20         # scalars packed as tensors, small extra tensors
@@ -165,9 +172,9 @@ def request_bounds(model: int, clients: int) -> Callable[[Method], int]:
     """The most data bytes a request of each method may declare to a process whose model has
     `model` bytes and that hosts (or aggregates) `clients` logical clients."""
     def bound(method: Method) -> int:
-        if method in EMPTY_REQUESTS:
+        if method.request == "empty":
             return 0
-        copies = MODEL_COPIES * (max(1, clients) if method in PER_CLIENT_REQUESTS else 1)
+        copies = MODEL_COPIES * (max(1, clients) if method.request == "per_client" else 1)
         return copies * model + REQUEST_SLACK
     return bound
 
@@ -217,7 +224,7 @@ class RequestGate:
                 except HandlerError:
                     pass
                 raise PayloadError(code, reason)
-        if method in EMPTY_REQUESTS:   # whatever the model: these carry no tensors
+        if method is not None and method.request == "empty":   # whatever the model: these carry no tensors
             return 0
         bound = self.bounds()
         if method is None or bound is None:

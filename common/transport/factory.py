@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from fedhop.common.wire.methods import Method, declare
+
 if TYPE_CHECKING:  # pragma: no cover
     from fedhop.common.transport.base import Endpoint
     from fedhop.common.transport.groups import Worlds
@@ -73,7 +75,11 @@ class Transport:
       starts processes refuses it;
     - `handlers`: per role ("client", "edge"), functions `(role object) -> {Method: handler}` whose
       methods that role's process serves in a run on this transport only (the torch plane's
-      group set-up and rounds); a run on another transport refuses them as unknown methods.
+      group set-up and rounds); a run on another transport refuses them as unknown methods;
+    - `methods`: the transport's own protocol methods (common/wire/methods.py `Method`), declared
+      into the method table when the entry is added (`add_transport`), as a topology's are by its
+      spec.  The torch plane's torch_* methods are the core's (the group plane,
+      common/transport/groups.py, names them for every transport).
     """
 
     endpoint: str   # a callable (node_id, ledger, **options) -> Endpoint
@@ -84,6 +90,7 @@ class Transport:
     own_device: str | None = None
     one_process: bool = False
     handlers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    methods: tuple[Method, ...] = ()
 
 
 # a child process's endpoint (edge, client): it is reached over sockets before it has the run's
@@ -100,6 +107,17 @@ TRANSPORTS: dict[str, Transport] = {
     "inmemory": Transport("fedhop.common.transport.inmemory:network_endpoint",
                           "fedhop.common.transport.groups:FANOUT_WORLDS", one_process=True),
 }
+
+
+def add_transport(kind: str, entry: Transport) -> None:
+    """Add (or replace) transport `kind`, declaring its `methods` (a clash with another owner's
+    declaration raises MethodClash, common/wire/methods.py, and adds nothing)."""
+    declare(entry.methods, f"transport '{kind}'")
+    TRANSPORTS[kind] = entry
+
+
+for _kind, _entry in TRANSPORTS.items():
+    declare(_entry.methods, f"transport '{_kind}'")
 
 
 class UnknownTransport(ValueError):
@@ -182,7 +200,7 @@ def data_plane(kind: str, concept: str, topology: str) -> Any:
     return _load(target)
 
 
-__all__ = ["TRANSPORTS", "PROCESS_TRANSPORT", "Transport", "UnknownTransport", "NoDataPlane", "transport",
+__all__ = ["TRANSPORTS", "add_transport", "PROCESS_TRANSPORT", "Transport", "UnknownTransport", "NoDataPlane", "transport",
            "endpoint_builder", "make_endpoint", "worlds_of", "params_of", "sums_in_collective",
            "own_device_per_process", "handler_fns", "data_plane", "transports_with", "PLANE_CONCEPTS",
            "STAR_ROUND", "HIER_ROUND", "EDGE_STEP", "SEQ_SERVER_PATH", "SEQ_EDGE_PATH", "FANOUT_PLANES", "GROUP_PLANES"]

@@ -4,20 +4,22 @@ A role registers a handler for each method it serves; `dispatch` answers an inco
 by its method, after two checks, each refused with a typed error reply (the endpoint records
 the request as a rejected message in this process's ledger):
 
-- `UNKNOWN_METHOD`: the envelope names no method of common/wire/methods.py, or one this role does
-  not serve;
-- `NOT_ALLOWED`: the caller is not among the method's allowed callers (`Method.callers`) for
+- `UNKNOWN_METHOD`: the envelope names no declared method (common/wire/methods.py `METHODS`: the
+  core's, and those the run's topology and transport declare in their specs), or one this role
+  does not serve;
+- `NOT_ALLOWED`: the caller is not among the method's declared callers (`Method.callers`) for
   this process: not its parent, not a neighbour in the graph.  The caller is the envelope's
   `src`; under node tokens or mutual TLS the gRPC interceptor has already checked that `src` is
   the authenticated caller (common/security/auth.py), so a participant cannot borrow its parent's name.
 
-A refusal is also logged and passed to `on_refused` (the role's hook for an event).
+A refusal is also logged and passed to `on_refused` (the role's hook for an event).  A plug-in
+topology's methods go through the same two checks: the router reads only the method table.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NoReturn
+from typing import Callable, Iterable, Mapping, NoReturn
 
 from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.wire.message import Payload
@@ -66,12 +68,22 @@ class MethodRouter:
         self.on_refused = on_refused
         self._handlers: dict[Method, RouteHandler] = {}
 
-    def register(self, method: Method, handler: RouteHandler) -> None:
+    def register(self, method: Method | str, handler: RouteHandler) -> None:
+        """Serve `method` (a declared method, or its wire string) with `handler`; the declaration in
+        the method table, not the object given, decides who may call it."""
+        declared = Method.parse(str(method))
+        if declared is None:
+            raise ValueError(f"{self.owner} cannot serve '{method}': no topology, transport or the core declares it "
+                             f"(a topology declares its methods in its spec's `methods`, common/topologies/spec.py)")
+        if isinstance(method, Method) and method.meaning() != declared.meaning():
+            raise ValueError(f"{self.owner} serves '{method}' with callers {sorted(c.value for c in method.callers)}, "
+                             f"but it is declared with {sorted(c.value for c in declared.callers)}")
+        method = declared
         if method.rpc != "Exchange":
             raise ValueError(f"{method} is its own RPC ({method.rpc}), not served through Exchange")
         self._handlers[method] = handler
 
-    def register_all(self, handlers: dict[Method, RouteHandler]) -> None:
+    def register_all(self, handlers: Mapping[str, RouteHandler]) -> None:
         for method, handler in handlers.items():
             self.register(method, handler)
 
