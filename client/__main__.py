@@ -21,7 +21,7 @@ from fedhop.common.transport.admission import RequestGate, model_bytes, request_
 from fedhop.common.transport.factory import PROCESS_TRANSPORT, make_endpoint
 from fedhop.common.transport.livebytes import LinkCounter
 from fedhop.common.transport.liveness import HeartbeatSender, add_parent_args, resolve_parent
-from fedhop.common.transport.torch_device import flag_error
+from fedhop.common.transport.placement import flag_error
 from fedhop.common.util.nodeids import client_node, client_proc_node
 from fedhop.common.util.plugins import allow_list_from, restrict
 from fedhop.common.util.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("%s", exc)
         return 2
     torch.set_num_threads(args.threads)
-    device_problem = flag_error(args.device)   # a device this machine lacks (common/transport/torch_device.py)
+    device_problem = flag_error(args.device)   # a device this machine lacks (common/transport/placement.py)
     if device_problem:
         logging.error("%s", device_problem)
         return 2

@@ -22,8 +22,8 @@ from fedhop.common.tasks.placed import place_task
 from fedhop.common.topologies import spec_for
 from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.transport.factory import handler_fns
+from fedhop.common.transport.placement import to_host
 from fedhop.common.transport.router import MethodRouter, Peers
-from fedhop.common.transport.torch_device import to_host
 from fedhop.common.util.nodeids import client_id
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import DEFAULT_CHUNK, PayloadError, hand_over

@@ -11,7 +11,7 @@ from fedhop.common.config import parent_config
 from fedhop.common.transport.base import Endpoint, HandlerError, Request
 from fedhop.common.transport.fabric import Fabric
 from fedhop.common.transport.liveness import register_with_backoff
-from fedhop.common.transport.torch_device import process_device
+from fedhop.common.transport.placement import process_device
 from fedhop.common.util.plugins import tell_refusal
 from fedhop.common.wire import fedhop_pb2 as pb
 
@@ -63,7 +63,7 @@ class ClientProcess:
         self.endpoint.checksum = cfg.security.checksum
         device = process_device(self.device_spec, cfg.clients.device, "clients.device")
         if device.type != "cpu":
-            self.endpoint.device = device   # received tensors land there (common/transport/torch_device.py)
+            self.endpoint.device = device   # received tensors land there (common/transport/placement.py)
         log.info("%s trains on %s", self.endpoint.node_id, device)
         # the parent that accepted us is the only node whose train, state and shutdown calls we obey
         self.host = ClientHost(cfg, self.endpoint.node_id, self.client_ids, reply.run_id, self.endpoint.ledger,

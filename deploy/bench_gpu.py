@@ -64,7 +64,7 @@ def _torch_epochs(folder: Path, rounds: int, batch: int) -> tuple[list[float], i
 
     from fedhop.common.config import load_config
     from fedhop.common.tasks import build_task
-    from fedhop.common.transport.torch_device import configure
+    from fedhop.common.transport.placement import configure
 
     device = configure("cuda:0")   # the same deterministic settings as fedhop's processes
     cfg = load_config(folder / "run" / "config.toml")   # the fedhop run's own, its paths made absolute
@@ -90,7 +90,7 @@ def _torch_epochs(folder: Path, rounds: int, batch: int) -> tuple[list[float], i
 
 
 def bench_gpu(args: Any) -> dict:
-    from fedhop.common.transport.torch_device import cuda_count
+    from fedhop.common.transport.placement import cuda_count
     if cuda_count() == 0:
         print("fedhop bench gpu: no CUDA device here; nothing measured")
         return {"cuda": False, "rows": []}

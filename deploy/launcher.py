@@ -25,7 +25,7 @@ from fedhop.common.config import Config, config_to_toml, load_config
 from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
 from fedhop.common.topologies.plan import plan_processes
 from fedhop.common.transport.factory import TRANSPORTS, transport
-from fedhop.common.transport.torch_device import DeviceError, describe, plan_devices, resolve_config
+from fedhop.common.transport.placement import DeviceError, describe, plan_devices, resolve_config
 from fedhop.common.util.nodeids import id_spec
 from fedhop.common.util.plugins import ALLOW_ENV, PLUGIN_PATH_ENV, allow_list_from, config_plugins
 from fedhop.common.util.procexit import (
@@ -71,7 +71,7 @@ class LocalRun:
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     authority: TokenAuthority = field(default_factory=TokenAuthority)   # issues each child's credential
     credentials: dict[str, str] = field(default_factory=dict)          # node id -> its credential
-    devices: dict[str, str] = field(default_factory=dict)   # node id -> its --device (common/transport/torch_device.py)
+    devices: dict[str, str] = field(default_factory=dict)   # node id -> its --device (common/transport/placement.py)
 
     def spawn(self, name: str, argv: list[str]) -> Child:
         log = self.run_dir / "logs" / f"{name}.log"
@@ -555,7 +555,7 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
               f"tests (deploy/inmemory.py); process runs use {others}", file=sys.stderr)
         return 2
     asked = any(d != "cpu" for d in (cfg.run.device, cfg.edges.device, cfg.clients.device))
-    try:   # which process computes on which device: checked before anything starts (common/transport/torch_device.py)
+    try:   # which process computes on which device: checked before anything starts (common/transport/placement.py)
         if not resume:
             resolve_config(cfg)
         devices = plan_devices(cfg, plan_processes(cfg))

@@ -157,9 +157,9 @@ def task_list(cfg, run_dir: Path, nodes: int, creds: bool) -> list[dict]:
 def slurm_devices(cfg, tasks: list[dict], gpus_per_node: int) -> dict[str, str]:
     """node id -> device ("cpu" or "cuda:K") of every task: the server on run.device, edges on
     edges.device, and on each node of the allocation its client processes round-robin over that
-    node's `gpus_per_node` GPUs (common/transport/torch_device.py; NCCL: one GPU per process of the node)."""
+    node's `gpus_per_node` GPUs (common/transport/placement.py; NCCL: one GPU per process of the node)."""
     from fedhop.common.transport.factory import own_device_per_process
-    from fedhop.common.transport.torch_device import DeviceError, client_devices, nccl_devices, resolve
+    from fedhop.common.transport.placement import DeviceError, client_devices, nccl_devices, resolve
     out: dict[str, str] = {}
     per_node: dict[int, list[str]] = {}
     nccl = own_device_per_process(cfg.transport.kind, cfg.transport.options)

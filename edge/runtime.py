@@ -9,7 +9,7 @@ from fedhop.common.config import parent_config
 from fedhop.common.topologies import spec_for
 from fedhop.common.transport.base import Endpoint, HandlerError, Request
 from fedhop.common.transport.liveness import register_with_backoff
-from fedhop.common.transport.torch_device import process_device
+from fedhop.common.transport.placement import process_device
 from fedhop.common.util.plugins import tell_refusal
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.edge.aggregator import EdgeAggregator
@@ -88,7 +88,7 @@ class EdgeProcess:
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
         device = process_device(self.device_spec, cfg.edges.device, "edges.device")
         if device.type != "cpu":
-            self.endpoint.device = device   # received tensors land there (common/transport/torch_device.py)
+            self.endpoint.device = device   # received tensors land there (common/transport/placement.py)
         log.info("%s computes on %s", self.endpoint.node_id, device)
         aggregator = EdgeAggregator(cfg, self.endpoint, reply.run_id, reply.config_toml, parent=reply.node_id or "server",
                                     device=device)

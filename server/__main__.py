@@ -34,7 +34,7 @@ from fedhop.common.transport.admission import EventThrottle, RequestGate, peer_h
 from fedhop.common.transport.factory import make_endpoint  # noqa: E402
 from fedhop.common.transport.livebytes import LinkCounter, ServerLive  # noqa: E402
 from fedhop.common.transport.liveness import LivenessMonitor  # noqa: E402
-from fedhop.common.transport.torch_device import process_device  # noqa: E402
+from fedhop.common.transport.placement import process_device  # noqa: E402
 from fedhop.common.util.procexit import exit_now, freeze_heap, signals_restored, stop_on_sigterm  # noqa: E402
 from fedhop.common.util.proctitle import set_role_title  # noqa: E402
 from fedhop.common.wire.ledger import Ledger  # noqa: E402

@@ -157,7 +157,7 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     coord.restored_topology = ckpt.info.get("topology")   # the topology driver takes it (TopologyDriver.restore)
     coord.run_id = ckpt.run_id
     coord.endpoint.run_id = ckpt.run_id
-    device = coord.device   # the server's state lives on run.device (common/transport/torch_device.py)
+    device = coord.device   # the server's state lives on run.device (common/transport/placement.py)
     coord.state.params = {k: v.to(device, copy=True) for k, v in ckpt.params.items()}
     coord.state.extra = {k: v.to(device, copy=True) for k, v in ckpt.extra.items()}
     coord.state.scalars = dict(ckpt.scalars)

@@ -13,7 +13,7 @@ import pytest
 
 from fedhop.common.algorithms import algorithm_class, registry
 from fedhop.common.config import SECTIONS, ConfigError, config_to_toml, load_config, parse_config
-from fedhop.common.engine.devices import DevicesParams
+from fedhop.common.engine.heterogeneity import DevicesParams
 from fedhop.common.tasks import builtin_datasets, dataset_params_class
 from fedhop.common.topologies.graphs import TOPOLOGY_PARAMS
 from fedhop.common.transport.torchdist import TorchParams

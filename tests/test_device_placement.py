@@ -1,4 +1,4 @@
-"""Device placement without a GPU (common/transport/torch_device.py, docs/gpus.md): the device specs, the
+"""Device placement without a GPU (common/transport/placement.py, docs/gpus.md): the device specs, the
 round-robin map of client processes to GPUs, the "no such device" refusal before any process
 starts, and the seam's one crossing per received message, with the CPU standing in for a device.
 The runs on real GPUs are tests/test_gpu.py."""
@@ -15,7 +15,7 @@ import torch
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.topologies.plan import plan_processes
 from fedhop.common.transport import inmemory as inmemory_transport
-from fedhop.common.transport import torch_device as td
+from fedhop.common.transport import placement as td
 
 
 def test_resolve_specs_against_the_devices_a_machine_has():

@@ -1,4 +1,4 @@
-"""Straggler draws and device profiles (common/engine/devices.py) and their config keys."""
+"""Straggler draws and device profiles (common/engine/heterogeneity.py) and their config keys."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ import pytest
 
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.config import ConfigError, config_to_toml, parse_config
-from fedhop.common.engine.devices import (
+from fedhop.common.engine.heterogeneity import (
     PLAN_KEY,
     DevicesParams,
     apply_straggler_plan,

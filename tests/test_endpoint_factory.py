@@ -113,7 +113,7 @@ def test_what_a_transport_declares_reaches_the_config_and_the_device_plan(monkey
     in a collective, takes its own keys and wants a device per process is treated like torch."""
     from fedhop.common.config import ConfigError, parse_config
     from fedhop.common.topologies.plan import plan_processes
-    from fedhop.common.transport.torch_device import DeviceError, plan_devices
+    from fedhop.common.transport.placement import DeviceError, plan_devices
     monkeypatch.setitem(TRANSPORTS, "pigeon", Transport(
         "fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.groups:FANOUT_WORLDS",
         params=f"{__name__}:PigeonParams", sums_in_collective=True, own_device=f"{__name__}:pigeon_needs_a_device"))

@@ -4,7 +4,7 @@ Real `fedhop run`s from a folder outside the checkout, each on the GPU and again
 one per topology, NCCL star and hierarchical rounds, four client processes sharing one GPU, and
 a CUDA run repeated from its seed.  Results on the GPU agree with the CPU's within
 `TOLERANCE` (float32 with TF32 off; the difference is summation order inside the kernels), and a
-CUDA run is bit-for-bit reproducible (common/transport/torch_device.py `configure`).
+CUDA run is bit-for-bit reproducible (common/transport/placement.py `configure`).
 
     .venv/bin/python -m pytest -q -m gpu tests/test_gpu.py
 """
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import parse_config
 from fedhop.common.topologies.plan import plan_processes
-from fedhop.common.transport.torch_device import cuda_count
+from fedhop.common.transport.placement import cuda_count
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(cuda_count() == 0, reason="needs a CUDA device (run on a GPU machine)")]

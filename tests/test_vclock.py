@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fedhop.common.config import parse_config
-from fedhop.common.engine.devices import DeviceProfile, DevicesParams, device_profiles
+from fedhop.common.engine.heterogeneity import DeviceProfile, DevicesParams, device_profiles
 from fedhop.common.engine.vclock import client_timing, settle, transfer_seconds
 from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory

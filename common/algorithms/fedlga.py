@@ -3,7 +3,7 @@
 Digest: research/seed-002.md (sections 2.1-2.5; the D-numbers below are its decisions).
 
 Device i (Algorithm 1): plain local SGD from w^t for the E_i units of work it manages this
-round (the straggler plan of common/engine/devices.py sets E_i), then sends Delta_i = w_{i,E_i} - w^t
+round (the straggler plan of common/engine/heterogeneity.py sets E_i), then sends Delta_i = w_{i,E_i} - w^t
 and tau_i = E - E_i + 1 (a 0-dim float32 tensor: the paper counts it as one 4-byte int on the wire).
 
 Server (Algorithm 2, Eq. 5-7), with K2 = {i : tau_i = 1} and K1 = {i : tau_i > 1}:

@@ -553,8 +553,8 @@ def _without_defaults(cls: type, given: dict) -> dict:
 
 def _device_checks(cfg: Config) -> None:
     """The device keys' syntax (docs/gpus.md); whether the devices exist is checked where the
-    processes start (deploy/launcher.py, each role's start-up: common/transport/torch_device.py)."""
-    from fedhop.common.transport.torch_device import DeviceError, check_gpus, check_spec
+    processes start (deploy/launcher.py, each role's start-up: common/transport/placement.py)."""
+    from fedhop.common.transport.placement import DeviceError, check_gpus, check_spec
     try:
         check_spec("run.device", cfg.run.device)
         check_spec("edges.device", cfg.edges.device)
@@ -818,7 +818,7 @@ def _register_defaults() -> None:
     register_options_schema("topology", "kind", topology_params_of)
 
     def clients_params(_count: int):  # one schema whatever the choice: device and straggler keys
-        from fedhop.common.engine.devices import devices_params_class
+        from fedhop.common.engine.heterogeneity import devices_params_class
         return devices_params_class()
 
     register_options_schema("clients", "count", clients_params)

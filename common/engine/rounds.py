@@ -31,7 +31,7 @@ from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import Algorithm, ClientContext, ServerState
 from fedhop.common.algorithms.local import bind_params, get_params, share_params
 from fedhop.common.config.schema import Config, client_local_steps, resolve_clients_per_round
-from fedhop.common.engine.devices import apply_straggler_plan, devices_params
+from fedhop.common.engine.heterogeneity import apply_straggler_plan, devices_params
 from fedhop.common.engine.vclock import RoundClock
 from fedhop.common.processors.pipeline import reply_chain, upload
 from fedhop.common.processors.streaming import OrderedFold
@@ -65,7 +65,7 @@ def local_update(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.
                         generator=client_generator(cfg.run.seed, cid, round, step), round=round,
                         local_steps=client_local_steps(cfg, cid), local_epochs=cfg.algorithm.local_epochs,
                         state=state)
-    apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/engine/devices.py)
+    apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/engine/heterogeneity.py)
     started = time.perf_counter()
     reply = algorithm.client_update(ctx, message)
     reply.scalars[COMPUTE_KEY] = time.perf_counter() - started

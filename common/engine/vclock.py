@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from fedhop.common.config.schema import Config, ConfigError, client_local_steps, resolve_clients_per_round
-from fedhop.common.engine.devices import (
+from fedhop.common.engine.heterogeneity import (
     PLAN_KEY,
     DeviceProfile,
     DevicesParams,

@@ -168,7 +168,7 @@ def decompress_payload(payload: Payload, spec: Mapping[str, tuple[torch.dtype, t
             raise PayloadError("NON_FINITE", f"QSGD norm of '{target}' is not finite and >= 0")
         negative, level = unpack_codes(t.cpu(), numel, levels)   # numpy bit unpacking, on the CPU
         value = dequantize(norm.cpu(), negative, level, levels, bucket).to(dtype).reshape(shape)
-        tensors[target] = value.to(t.device)    # where the message was placed (common/transport/torch_device.py)
+        tensors[target] = value.to(t.device)    # where the message was placed (common/transport/placement.py)
     return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)
 
 

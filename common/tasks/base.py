@@ -35,7 +35,7 @@ class Task(ABC):
     #: "classification" | "regression" | "quadratic" | "minimax"
     kind: str = "classification"
     #: whether `evaluate` and `train_loss` take a model on any device (moving their batches to
-    #: it); a task without runs them on a CPU copy of a device model (common/transport/torch_device.py)
+    #: it); a task without runs them on a CPU copy of a device model (common/transport/placement.py)
     device_evaluation: bool = False
 
     @property

@@ -1,4 +1,4 @@
-"""A task placed on a device (common/transport/torch_device.py resolves which): its models and its clients'
+"""A task placed on a device (common/transport/placement.py resolves which): its models and its clients'
 data live there, its CPU task underneath keeps the bookkeeping (client sizes, evaluation of the
 tasks whose closed forms use numpy).  The round engine and the roles place their task once."""
 from __future__ import annotations

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from fedhop.common.transport.torch_device import to_device
+from fedhop.common.transport.placement import to_device
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import (
     FRAME_OVERHEAD,
@@ -149,7 +149,7 @@ class Endpoint(ABC):
         # request's header and a "caller still there" check, it waits and returns the release of what
         # it took (or None); the transport reads the data after it (client/host.py `request_hold`)
         self.request_hold: Callable[[pb.Envelope, Callable[[], bool]], Callable[[], None] | None] | None = None
-        self.device: torch.device | None = None   # where received tensors are placed (common/transport/torch_device.py); None: the CPU
+        self.device: torch.device | None = None   # where received tensors are placed (common/transport/placement.py); None: the CPU
         self.on_busy: BusyHook | None = None       # told of each call refused by a transport that limits calls per caller
 
     # -- outgoing -------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from fedhop.common.transport.base import direction_of
-from fedhop.common.transport.torch_device import collective_device, current
+from fedhop.common.transport.placement import collective_device, current
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import DTYPE_NAMES, DTYPES
 from fedhop.common.wire.ledger import Ledger
