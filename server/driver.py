@@ -136,9 +136,10 @@ class TopologyDriver(ABC):
         return {}
 
 
-def register_driver(kind: str) -> Callable[[type[TopologyDriver]], type[TopologyDriver]]:
-    """Name a built-in driver class by its kind (`cls.kind`, used in its messages).  Which class
-    runs a kind is its spec's `driver` (common/topologies/): this decorator registers nothing."""
+def driver_kind(kind: str) -> Callable[[type[TopologyDriver]], type[TopologyDriver]]:
+    """Class decorator: set a built-in driver class's kind (`cls.kind`, which its messages name).
+    It only names the class: which class runs a kind is that kind's spec's `driver`
+    (common/topologies/, read by `driver_class` below)."""
     def add(cls: type[TopologyDriver]) -> type[TopologyDriver]:
         cls.kind = kind
         return cls

@@ -31,10 +31,10 @@ from fedhop.common.util.rng import numpy_stream
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
-from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, driver_kind
 
 
-@register_driver("relay")
+@driver_kind("relay")
 class RelayDriver(TopologyDriver):
     def __init__(self, coord: DriverContext) -> None:
         super().__init__(coord)

@@ -25,7 +25,7 @@ from fedhop.common.transport.factory import HIER_ROUND, STAR_ROUND, NoDataPlane,
 from fedhop.common.util.nodeids import client_node, edge_index
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
-from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, driver_kind
 
 
 class DataPlane(ABC):
@@ -174,11 +174,11 @@ class SampledRoundDriver(TopologyDriver):
             attempt += 1
 
 
-@register_driver("star")
+@driver_kind("star")
 class StarDriver(SampledRoundDriver):
     concept = STAR_ROUND
 
 
-@register_driver("hierarchical")
+@driver_kind("hierarchical")
 class HierarchicalDriver(SampledRoundDriver):
     concept = HIER_ROUND

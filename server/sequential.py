@@ -27,10 +27,10 @@ from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
-from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, driver_kind
 
 
-@register_driver("sequential")
+@driver_kind("sequential")
 class SequentialDriver(TopologyDriver):
     checkpoint_needs_state = True
 

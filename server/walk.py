@@ -28,10 +28,10 @@ from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
-from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, register_driver
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, driver_kind
 
 
-@register_driver("chain")
+@driver_kind("chain")
 class WalkDriver(TopologyDriver):
     checkpoint_needs_state = True
     def __init__(self, ctx: DriverContext) -> None:
