@@ -42,6 +42,9 @@ image:
 	deploy/docker/build.sh
 
 compose-up: $(VENV_STAMP)
+	@echo "make compose-up: a Docker engine (root; docker.io, iptables and debootstrap installed with apt-get where missing), the image"
+	@echo "  built offline (the first time about 5 minutes: wheels, a Debian base by debootstrap, the layers; progress below),"
+	@echo "  per-node credentials, then the run with 4 client processes; the run stays in runs-compose/<project>/"
 	FEDHOP_PYTHON=$(PY) deploy/docker/up.sh --scale client=4
 
 engine-test: $(VENV_STAMP)

@@ -26,6 +26,13 @@ fi
 # The wheels live in a cache outside the checkout; for the build they are hard-linked into
 # ./wheelhouse (the Dockerfile bind-mounts it from the build context) and removed after, so the
 # checkout keeps nothing.  A ./wheelhouse the user filled (`make wheelhouse`) is used as it is.
+# what is built, in three steps, said as each starts: a cold machine takes minutes (the wheels
+# 20-50 s, the Debian base about 3 minutes, the dependency layer 2-3 minutes), a warm one seconds
+step() { echo "build.sh: [$1/3] $2 ($(( $(date +%s) - t0 )) s)" >&2; }
+t0=$(date +%s)
+echo "build.sh: the image $tag, offline; the first time on a machine takes about 5 minutes (wheels, a Debian base" \
+     "made with debootstrap, the dependency layer), later builds seconds (all cached)" >&2
+step 1 "the wheels (deploy/docker/wheelhouse.sh; cached after the first time)"
 if ! ls wheelhouse/*.whl >/dev/null 2>&1; then
     if [ -n "${FEDHOP_WHEELHOUSE:-}" ]; then cache=$FEDHOP_WHEELHOUSE
     elif [ -w /var/cache ]; then cache=/var/cache/fedhop-deploy/wheelhouse$suffix
@@ -39,6 +46,7 @@ if ! ls wheelhouse/*.whl >/dev/null 2>&1; then
     cp -l "$cache"/*.whl wheelhouse/ 2>/dev/null || cp "$cache"/*.whl wheelhouse/
 fi
 base=${FEDHOP_BASE_IMAGE:-}
+step 2 "the base image ${base:-fedhop-base:bookworm (deploy/docker/make-base.sh: debootstrap the first time)}"
 if [ -z "$base" ]; then
     base=fedhop-base:bookworm
     deploy/docker/make-base.sh "$base"
@@ -53,6 +61,7 @@ else
         *) echo "build.sh: BuildKit needed: install the buildx plugin (docker-buildx-plugin / docker-buildx)" >&2; exit 2 ;;
     esac
 fi
+step 3 "the image's layers (docker build --network none; BuildKit's progress below)"
 start=$(date +%s)
 "${build[@]}" --network none --build-arg BASE_IMAGE="$base" -t "$tag" . >&2
 echo "build.sh: $tag built in $(( $(date +%s) - start )) s, $(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1/1e6}')" >&2

@@ -80,12 +80,16 @@ engine_up
 lockdir=$FEDHOP_CACHE
 mkdir -p "$lockdir" 2>/dev/null && [ -w "$lockdir" ] || lockdir=${TMPDIR:-/tmp}
 exec {build_lock}>>"$lockdir/build.lock"
-flock -x "$build_lock"
+flock -n "$build_lock" || { say "waiting for another run's image build to finish ($lockdir/build.lock)"; flock -x "$build_lock"; }
 deploy/docker/build.sh
 exec {build_lock}>&-
 status=0
 say "compose project $project: run folder $runs"
 compose "${files[@]}" -p "$project" up --attach server --exit-code-from server ${up_args[@]+"${up_args[@]}"} || status=$?
 current=$(cat "$runs/current" 2>/dev/null || true)
+if [ "$status" = 0 ]; then
+    # compose v2 ends every --exit-code-from run so, a completed one too (deploy/compose.py up_command)
+    say "run completed (exit status 0): compose's \"Aborting on container exit...\" above is it stopping the client containers after the server's end"
+fi
 say "the server's container exited with status $status; the run: $runs/${current:-<none announced>} (each node's log in its logs/)"
 exit "$status"
