@@ -1,8 +1,12 @@
 """Shared helpers for tests: configs for small problems, numpy reference computations."""
 from __future__ import annotations
 
+import selectors
 import sqlite3
+import subprocess
+import time
 from pathlib import Path
+from typing import IO, Any, Callable, Iterable
 
 import numpy as np
 
@@ -113,3 +117,45 @@ def db_rows(db, sql: str) -> list[tuple]:
         return con.execute(sql).fetchall()
     finally:
         con.close()
+
+
+def wait_until(what: str, check: Callable[[], Any], procs: Iterable[subprocess.Popen] = (),
+               timeout: float = 120.0, every: float = 0.05) -> Any:
+    """Poll `check()` (a run.db row, a log line, a file) until it returns something true, and
+    return that; fail at once, naming the process, if one of `procs` ends first, and after
+    `timeout` seconds.  The event is what the test waits on: `every` is only how often it is
+    looked at (a file or a row written by another process gives no notification to block on)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        for p in procs:
+            code = p.poll()
+            assert code is None, f"{p.args} exited with {code} while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(every)   # the poll interval between looks at the event, not a wait for it
+
+
+def read_lines(proc: subprocess.Popen, stream: IO[str], needle: str, timeout: float = 120.0) -> list[str]:
+    """The lines of `stream` (a text pipe of `proc`: its stdout or stderr) up to and including the
+    first holding `needle`, as read (newlines kept).  Blocks on the pipe itself (a selector), so
+    the line is the event waited on; fails after `timeout` seconds, or when the pipe ends (the
+    process exited) with no such line, showing what it did print."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(stream, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                line = stream.readline()
+                assert line, f"exited ({proc.wait()}) with no line holding {needle!r}:\n{''.join(seen)}"
+                seen.append(line)
+                if needle in line:
+                    return seen
+    raise AssertionError(f"no line holding {needle!r} within {timeout:.0f}s:\n{''.join(seen)}")
+
+
+def read_line(proc: subprocess.Popen, needle: str, timeout: float = 120.0) -> str:
+    """The first line of `proc`'s stderr (a text pipe) holding `needle` (`read_lines`)."""
+    return read_lines(proc, proc.stderr, needle, timeout)[-1]   # type: ignore[arg-type]

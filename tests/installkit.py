@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers import read_db
+from tests.helpers import read_db, read_line  # noqa: F401  (read_line: tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_ENV = "FEDHOP_TEST_WHEEL"
@@ -197,24 +197,6 @@ def explain(done: subprocess.CompletedProcess | subprocess.Popen, run_dir: Path 
         for log in sorted((run_dir / "logs").glob("*.log")):
             text += f"\n--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-8:])
     return text
-
-
-def read_line(proc: subprocess.Popen, needle: str, timeout: float = 120) -> str:
-    """The first line of `proc`'s stderr (a text pipe) holding `needle`; fail after `timeout` seconds
-    or when the process exits first."""
-    import selectors
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stderr, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                line = proc.stderr.readline()
-                seen.append(line)
-                if needle in line:
-                    return line
-                assert line, f"exited ({proc.poll()}) with no line holding {needle!r}:\n{''.join(seen)}"
-    raise AssertionError(f"no line holding {needle!r} within {timeout:.0f}s:\n{''.join(seen)}")
 
 
 def rounds_recorded(db: Path) -> int:

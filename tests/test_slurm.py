@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import stat
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import pytest
 
 from fedhop.common.config import load_config
 from fedhop.common.topologies.plan import plan_processes
+from tests.helpers import read_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCALCLUSTER = ROOT / "deploy" / "slurm" / "localcluster.sh"
@@ -338,18 +338,7 @@ def submit(user: Path, env: dict, out: str, *extra: str) -> subprocess.Popen:
 
 def read_until(proc: subprocess.Popen, needle: str, timeout: float = 120) -> list[str]:
     """`proc`'s output lines up to the first holding `needle`; fail after `timeout` s or at its exit."""
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                line = proc.stdout.readline()
-                assert line, f"exited ({proc.wait()}) with no line holding {needle!r}:\n{''.join(seen)}"
-                seen.append(line.rstrip("\n"))
-                if needle in line:
-                    return seen
-    raise AssertionError(f"no line holding {needle!r} within {timeout:.0f}s:\n{chr(10).join(seen)}")
+    return [line.rstrip("\n") for line in read_lines(proc, proc.stdout, needle, timeout)]   # type: ignore[arg-type]
 
 
 def check_run(run: Path, cfg) -> None:
