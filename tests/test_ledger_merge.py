@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -70,16 +71,20 @@ def merge_peak(cwd: Path, timeout: float = 600.0) -> tuple[int, str, int]:
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "merge-ledgers", "run"], cwd=cwd,
                                 stdout=out, stderr=err)
-    deadline = time.monotonic() + timeout
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.monotonic() > deadline:
-            proc.kill()
-            os.wait4(proc.pid, 0)
-            raise AssertionError(f"merge-ledgers still running after {timeout} s")
-        time.sleep(0.05)
+    overdue = threading.Event()
+
+    def kill_overdue() -> None:   # os.kill, not proc.kill: Popen's poll would reap it under wait4
+        overdue.set()
+        os.kill(proc.pid, signal.SIGKILL)   # not reaped until the wait4 below, so the pid is still its
+
+    timer = threading.Timer(timeout, kill_overdue)   # the blocking wait below returns once it is killed
+    timer.start()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)   # blocks until the process ends: its exit is the event
+    finally:
+        timer.cancel()
+    if overdue.is_set():
+        raise AssertionError(f"merge-ledgers still running after {timeout} s")
     proc.returncode = os.waitstatus_to_exitcode(status)   # reaped here: Popen must not wait for it again
     return proc.returncode, out_path.read_text() + err_path.read_text(), usage.ru_maxrss
 

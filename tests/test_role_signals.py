@@ -10,12 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import max_round, quadratic_config
+from tests.helpers import max_round, quadratic_config, wait_until
 
 PY = sys.executable
 CENTERS = [[1.0, -2.0], [3.0, 0.5], [-1.0, 1.0], [0.0, 2.0]]
@@ -34,16 +33,6 @@ def role(cwd: Path, name: str, args: list[str]) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT)
     finally:
         log.close()
-
-
-def wait_until(what: str, check, procs: list[subprocess.Popen], timeout: float = 120) -> None:
-    """Poll `check()` (a file, a run.db row) until it holds; fail at once if a process died."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        for p in procs:
-            assert p.poll() is None, f"{p.args[2]} exited with {p.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
-        time.sleep(0.05)
 
 
 def stop_and_wait(proc: subprocess.Popen, sig: int, timeout: float = 60) -> int:
