@@ -1,0 +1,229 @@
+"""Issue 46, item 6: asynchronous federated learning (FedBuff, FedAsync: topologies/asynchronous/)
+over real processes (`fedhop run`), against an independent numpy replay of the order run.db
+recorded.
+
+The task is the float64 quadratic, full batch: client i's local SGD from w is the closed form
+w <- w - lr C_i (w - A_i), `local_steps` times, so the model each update produces follows from
+the recorded (client, version sent) alone.  The replay keeps every server version, recomputes
+each update's staleness and weight from the paper's functions (written out below, not imported)
+and applies FedBuff's buffered mean or FedAsync's mixing step; the run's final model must match
+to 1e-10.  The device slowdowns are listed per client, so the simulated finish time of every
+update (dispatch time + local_steps * step_seconds * slowdown) is checked from the config too.
+"""
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from fedhop.deploy.cli import main as fedhop
+from tests.helpers import quadratic_config
+
+RNG = np.random.default_rng(46)
+N, D = 6, 4
+CENTERS = RNG.normal(0, 2, size=(N, D))
+CURV = RNG.uniform(0.5, 2.0, size=(N, D))
+SIZES = [3, 5, 2, 4, 6, 1]
+SLOWDOWN = [1.0, 3.0, 1.0, 7.0, 2.0, 1.5]   # clients 3 and 1 are the stragglers
+LOCAL_STEPS, LR, STEP_SECONDS = 3, 0.1, 0.01
+ROUNDS = 6
+
+
+def config(mode: str, staleness: str, *, seed: int = 0, clock: str = "virtual", extra: str = "") -> str:
+    topology = (f'kind = "asynchronous"\nmode = "{mode}"\nconcurrency = 3\nbuffer_size = 2\nserver_lr = 0.8\n'
+                f'mixing = 0.6\nstaleness = "{staleness}"\nstaleness_a = 0.5\nstaleness_b = 1\nclock = "{clock}"\n{extra}')
+    text = quadratic_config(CENTERS, CURV, SIZES, rounds=ROUNDS, local_steps=LOCAL_STEPS, lr=LR, seed=seed,
+                            topology=topology, name=f"async-{mode}")
+    return (text.replace("[data]\n", '[data]\ndtype = "float64"\n')
+                .replace("[clients]\n", f"[clients]\nslowdown = {{dist = \"per_client\", values = {SLOWDOWN}}}\n"
+                                        f"step_seconds = {STEP_SECONDS}\n"))
+
+
+_RUNS: dict[tuple, Path] = {}
+
+
+def run(tmp_path_factory, mode: str, staleness: str, **kw) -> Path:
+    """The run directory of a completed `fedhop run` of `config(...)` (each config run once per session)."""
+    key = (mode, staleness, tuple(sorted(kw.items())))
+    if key not in _RUNS:
+        base = tmp_path_factory.mktemp(f"async-{mode}-{staleness}")
+        (base / "exp.toml").write_text(config(mode, staleness, **kw))
+        assert fedhop(["run", str(base / "exp.toml"), "--out", str(base / "run"), "--quiet"]) == 0
+        _RUNS[key] = base / "run"
+    return _RUNS[key]
+
+
+def rows(run_dir: Path, sql: str) -> list[tuple]:
+    con = sqlite3.connect(f"file:{run_dir / 'run.db'}?mode=ro", uri=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def updates(run_dir: Path) -> list[dict]:
+    cols = ("arrival", "dispatch", "client", "sent_version", "applied_version", "staleness", "weight",
+            "sim_dispatch", "sim_arrival", "status")
+    return [dict(zip(cols, r)) for r in rows(run_dir, f"SELECT {', '.join(cols)} FROM async_updates ORDER BY dispatch")]
+
+
+def final_model(run_dir: Path) -> np.ndarray:
+    return load_file(str(run_dir / "model.safetensors"))["w"].double().numpy()
+
+
+# ----------------------------------------------------------------------------- the independent replay
+def s(kind: str, st: int, a: float = 0.5, b: int = 1) -> float:
+    """Xie et al. 2019's staleness functions, written here from the paper."""
+    return {"constant": 1.0, "polynomial": (st + 1.0) ** -a,
+            "hinge": 1.0 if st <= b else 1.0 / (a * (st - b) + 1.0)}[kind]
+
+
+def local(w: np.ndarray, i: int) -> np.ndarray:
+    for _ in range(LOCAL_STEPS):
+        w = w - LR * CURV[i] * (w - CENTERS[i])
+    return w
+
+
+def replay(ups: list[dict], mode: str, staleness: str) -> np.ndarray:
+    """The model the recorded order gives under the paper's rule (FedBuff K = 2, eta_g = 0.8;
+    FedAsync alpha = 0.6); asserts the recorded staleness and weights on the way."""
+    applied = sorted((u for u in ups if u["status"] == "applied"), key=lambda u: u["arrival"])
+    versions = [np.zeros(D)]
+    w = versions[0]
+    if mode == "fedbuff":
+        for v in range(1, ROUNDS + 1):
+            group = [u for u in applied if u["applied_version"] == v]
+            assert len(group) == 2
+            total = np.zeros(D)
+            for u in group:
+                st = v - 1 - u["sent_version"]
+                assert u["staleness"] == st and u["weight"] == pytest.approx(s(staleness, st), abs=1e-15)
+                x0 = versions[u["sent_version"]]
+                total = total + s(staleness, st) * (local(x0, u["client"]) - x0)
+            w = w + 0.8 * total / 2
+            versions.append(w)
+    else:
+        assert [u["applied_version"] for u in applied] == list(range(1, ROUNDS + 1))
+        for u in applied:
+            st = len(versions) - 1 - u["sent_version"]
+            assert u["staleness"] == st
+            a_t = 0.6 * s(staleness, st)
+            w = (1 - a_t) * w + a_t * local(versions[u["sent_version"]], u["client"])
+            versions.append(w)
+    return w
+
+
+CASES = [(m, k) for m in ("fedbuff", "fedasync") for k in ("constant", "polynomial", "hinge")]
+
+
+@pytest.mark.parametrize("mode,staleness", CASES)
+def test_the_model_is_the_papers_rule_over_the_recorded_order(tmp_path_factory, mode, staleness):
+    run_dir = run(tmp_path_factory, mode, staleness)
+    ups = updates(run_dir)
+    want = replay(ups, mode, staleness)
+    np.testing.assert_allclose(final_model(run_dir), want, rtol=0, atol=1e-10)
+    assert np.linalg.norm(want) > 0.5   # it moved: the comparison is not vacuous
+    # staleness happened (the stragglers' updates are applied late) and the rounds table shows it
+    assert max(u["staleness"] for u in ups if u["status"] == "applied") >= 1
+    metrics = rows(run_dir, "SELECT MAX(json_extract(metrics_json, '$.staleness_max')), COUNT(*) FROM rounds")[0]
+    assert metrics[0] >= 1 and metrics[1] == ROUNDS
+
+
+@pytest.mark.parametrize("mode,staleness", [("fedbuff", "polynomial"), ("fedasync", "hinge")])
+def test_the_virtual_clock_orders_updates_by_simulated_finish_time(tmp_path_factory, mode, staleness):
+    """Each update's simulated finish is its dispatch time plus its client's compute time (the
+    per-client slowdowns of the config), arrivals come in that order, and each replacement is
+    dispatched at the simulated time of the arrival that freed its slot (or at 0: the first 3)."""
+    ups = updates(run(tmp_path_factory, mode, staleness))
+    for u in ups:
+        assert u["sim_arrival"] - u["sim_dispatch"] == pytest.approx(LOCAL_STEPS * STEP_SECONDS * SLOWDOWN[u["client"]],
+                                                                     rel=1e-12)
+    taken = sorted((u for u in ups if u["arrival"] is not None), key=lambda u: u["arrival"])
+    times = [u["sim_arrival"] for u in taken]
+    assert times == sorted(times)
+    starts = sorted(u["sim_dispatch"] for u in ups)
+    assert starts[:3] == [0.0, 0.0, 0.0] and set(starts[3:]) <= set(times)
+    assert len({u["client"] for u in ups[:3]}) == 3   # three different clients in flight
+
+
+@pytest.mark.parametrize("mode,staleness", [("fedbuff", "constant"), ("fedasync", "polynomial")])
+def test_bytes_are_dispatches_and_uploads_times_the_model(tmp_path_factory, mode, staleness):
+    """The server's ledger: every dispatch is one train request of the model's bytes (d float64),
+    every upload one reply of a delta of the same size, nothing else of either kind."""
+    run_dir = run(tmp_path_factory, mode, staleness)
+    ups = updates(run_dir)
+    dispatches = len(ups)
+    uploads = sum(u["status"] in ("applied", "unused") for u in ups)
+    assert uploads == dispatches   # no failures here: every call in flight at the end was waited for
+    model = 8 * D
+    sent = rows(run_dir, "SELECT COUNT(*), SUM(tensor_bytes) FROM messages WHERE method = 'train' AND role = 'sender' "
+                         "AND src = 'server'")[0]
+    back = rows(run_dir, "SELECT COUNT(*), SUM(tensor_bytes) FROM messages WHERE method = 'train.reply' AND "
+                         "role = 'receiver' AND dst = 'server'")[0]
+    assert sent == (dispatches, dispatches * model)
+    assert back == (uploads, uploads * model)
+    # the clients' side of the same messages agrees
+    got = rows(run_dir, "SELECT COUNT(*), SUM(tensor_bytes) FROM messages WHERE method = 'train' AND role = 'receiver'")[0]
+    assert got == (dispatches, dispatches * model)
+    assert dispatches > ROUNDS * (2 if mode == "fedbuff" else 1)   # the calls still in flight at the end count too
+
+
+def test_the_seed_decides_the_order_on_the_virtual_clock(tmp_path_factory):
+    a = run(tmp_path_factory, "fedbuff", "polynomial")
+    b = run(tmp_path_factory, "fedbuff", "polynomial", clock="virtual", seed=0)   # the same config, run again
+    c = run(tmp_path_factory, "fedbuff", "polynomial", seed=1)
+    order = lambda r: [(u["client"], u["sent_version"], u["applied_version"]) for u in updates(r)]
+    assert order(a) == order(b)
+    assert final_model(a).tobytes() == final_model(b).tobytes()
+    assert order(a) != order(c)
+    assert final_model(a).tobytes() != final_model(c).tobytes()
+
+
+def test_real_time_order_replays_too(tmp_path_factory):
+    """On real time the order is whatever arrived first; the recorded order still gives the model."""
+    run_dir = run(tmp_path_factory, "fedasync", "hinge", clock="real")
+    np.testing.assert_allclose(final_model(run_dir), replay(updates(run_dir), "fedasync", "hinge"), rtol=0, atol=1e-10)
+
+
+BAD = [('mode = "fedsync"', "topology.mode"),
+       ("buffer_size = 0", "topology.buffer_size"),
+       ('staleness = "linear"', "topology.staleness"),
+       ("mixing = 1.5", "topology.mixing"),
+       ("concurrency = 9", "topology.concurrency")]
+
+
+@pytest.mark.parametrize("line,key", BAD)
+def test_a_bad_param_is_one_line_and_exit_2(tmp_path, capsys, line, key):
+    text = config("fedbuff", "constant").replace('kind = "asynchronous"\n', f'kind = "asynchronous"\n{line}\n')
+    name = line.split(" =")[0]
+    text = "\n".join(x for x in text.splitlines() if not (x.startswith(f"{name} =") and x != line))
+    (tmp_path / "c.toml").write_text(text)
+    assert fedhop(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert key in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("old,new,key", [('name = "fedavg"', 'name = "scaffold"', "algorithm.name"),
+                                         ('kind = "asynchronous"', 'kind = "asynchronous"\nedges = 2', "topology.edges"),
+                                         ('kind = "grpc"', 'kind = "torch"', "transport.kind"),
+                                         ("server_lr = 1.0", "server_lr = 0.5", "algorithm.server_lr")])
+def test_what_the_async_rule_cannot_use_is_refused_naming_the_key(tmp_path, capsys, old, new, key):
+    text = config("fedasync", "constant")
+    assert old in text
+    (tmp_path / "c.toml").write_text(text.replace(old, new, 1))
+    assert fedhop(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert key in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("line,key", [("deadline_seconds = 1.0", "clients.deadline_seconds"),
+                                      ("overcommit = 1.5", "clients.overcommit"),
+                                      ("straggler_fraction = 0.5", "clients.straggler_fraction")])
+def test_synchronous_round_keys_are_refused(tmp_path, capsys, line, key):
+    (tmp_path / "c.toml").write_text(config("fedbuff", "constant").replace("[clients]\n", f"[clients]\n{line}\n"))
+    assert fedhop(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert key in err and "Traceback" not in err and len(err.splitlines()) == 1, err
