@@ -13,8 +13,8 @@ first); a module imports only from its own layer and the layers below it:
   the topology specs and their graphs and plans (common/topologies/);
 - the round engine and the algorithms (common/engine/, common/algorithms/); the run records
   (common/records/: run.db, checkpoints);
-- on top, the config loader (common/config/__init__.py), the registry that resolves algorithms,
-  topologies, data sets and processors by name;
+- on top, the config loader (common/config/ but schema.py: parse, validate, options, rules, write,
+  parent), the registry that resolves algorithms, topologies, data sets and processors by name;
 - common/ imports no role and no launcher; a role imports no other role; no role imports
   torch.distributed or the torch transport (that lives under common/transport only).
 """
@@ -145,7 +145,7 @@ def test_the_layer_rule_is_not_vacuous():
     assert layer_of("fedhop.common.records.runstore") == len(LAYERS) - 2
     assert layer_of("fedhop.common.config") == len(LAYERS) - 1
     assert any(layer_of(d) == 0 for d in GRAPH["fedhop.common.transport.base"])
-    assert any(within(d, "fedhop.common.algorithms") for d in GRAPH["fedhop.common.config"])
+    assert any(within(d, "fedhop.common.algorithms") for d in GRAPH["fedhop.common.config.options"])
     assert layer_of("fedhop.common.config") > layer_of("fedhop.common.wire.codec")
     bad = {**GRAPH, "fedhop.common.wire.codec": GRAPH["fedhop.common.wire.codec"] | {"fedhop.common.transport.base"}}
     assert upward_imports(bad) == ["fedhop.common.wire.codec (wire and leaf helpers) imports "

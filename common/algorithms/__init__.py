@@ -9,7 +9,10 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from fedhop.common.topologies import SPECS, TopologySpec, spec_for
+from fedhop.common.topologies.graphs import topology_params
 
 if TYPE_CHECKING:
     from fedhop.common.algorithms.base import Algorithm
@@ -71,3 +74,62 @@ def build_algorithm(cfg):
         algorithm.aggregate = RobustAggregate(algorithm.reply_reduce, rule, cfg.security.trim, cfg.security.krum_f,
                                               cfg.security.krum_m)
     return algorithm
+
+
+# ----------------------------------------------------------------------------- the algorithm's config rules
+def config_problem(cfg: Any) -> str | None:
+    """Why the configured algorithm cannot run with the rest of `cfg` (one config-error line naming
+    the key), or None.  The config loader raises it (common/config/rules.py) before the options are
+    validated; an algorithm name that does not resolve is left to the options check, which names it.
+
+    - a sequential algorithm (`Algorithm.sequential`: its model walks the edges) runs only on a
+      topology whose spec says `sequential_algorithms` (its driver refuses the other algorithms);
+    - a robust `security.aggregation` replaces the default weighted mean (common/engine/robust.py),
+      so not the reduction of an algorithm that overrides `Algorithm.aggregate`.
+    """
+    try:
+        cls = algorithm_class(cfg.algorithm.name)
+    except (KeyError, ValueError):   # an unknown name, a plug-in that does not import
+        return None
+    if getattr(cls, "sequential", False):
+        spec = _spec_of(cfg.topology.kind)
+        if not (spec is not None and spec.sequential_algorithms):
+            allowed = ", ".join(k for k, s in SPECS.items() if s.sequential_algorithms)
+            return (f"config key 'topology.kind': got '{cfg.topology.kind}', but algorithm '{cfg.algorithm.name}' "
+                    f"walks one model over the edges and has no server step (allowed: {allowed})")
+    rule = cfg.security.aggregation
+    if rule != "mean" and cfg.algorithm.name in registry():
+        from fedhop.common.algorithms.base import Algorithm  # local: base imports torch
+        if cls.aggregate is not Algorithm.aggregate:
+            return (f"config key 'security.aggregation': '{rule}' replaces the weighted mean, but algorithm "
+                    f"'{cfg.algorithm.name}' reduces its replies its own way; use 'mean'")
+    return None
+
+
+def edge_step_problem(cfg: Any) -> str | None:
+    """More than one edge aggregation per server round (the topology spec's `edge_steps_key`, e.g.
+    hierarchical's kappa2) needs an algorithm with an edge step (`Algorithm.edge_iterations`); the
+    message, or None.  Reads the topology's validated params, so the loader asks after the options
+    check."""
+    spec = _spec_of(cfg.topology.kind)
+    key = spec.edge_steps_key if spec is not None else None
+    steps = getattr(topology_params(cfg), key, 1) if key else 1
+    if steps <= 1:
+        return None
+    try:
+        edge_step = getattr(algorithm_class(cfg.algorithm.name), "edge_iterations", True)
+    except (KeyError, ValueError):   # an unknown name, a plug-in that does not import
+        return None   # reported where the algorithm's options are checked
+    if not edge_step:
+        return (f"config key 'topology.{key}': got {steps}, but algorithm '{cfg.algorithm.name}' defines "
+                f"no edge step between server rounds; use {key} = 1")
+    return None
+
+
+def _spec_of(kind: str) -> TopologySpec | None:
+    """The spec of topology `kind`; None for a kind that is unknown or a plug-in that does not load
+    (the config's options check reports it, naming the kind)."""
+    try:
+        return spec_for(kind)
+    except (KeyError, ValueError):
+        return None

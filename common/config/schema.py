@@ -276,6 +276,12 @@ class Config:
     processors: list[ProcessorConfig] = field(default_factory=list)   # [[processors]], in order
 
 
+#: the TOML tables of a config, in the order `config_to_toml` writes them, and their dataclasses
+SECTIONS: dict[str, type] = {"run": RunConfig, "topology": TopologyConfig, "algorithm": AlgorithmConfig,
+                             "data": DataConfig, "model": ModelConfig, "clients": ClientsConfig,
+                             "edges": EdgesConfig, "transport": TransportConfig, "security": SecurityConfig}
+
+
 # ----------------------------------------------------------------------------- values derived from a config
 def resolve_clients_per_round(cfg: Config) -> int:
     per = cfg.clients.per_round

@@ -59,7 +59,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from fedhop.common.topologies import spec_for
+from fedhop.common.topologies import SPECS, spec_for
+from fedhop.common.transport.factory import sums_in_collective
 from fedhop.common.util.nodeids import edge_node
 from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload, ReduceOp, reduce_payloads
 
@@ -222,6 +223,29 @@ class RobustAggregate:
         """The short groups seen since the last drain, and forget them."""
         out, self.fallbacks = list(dict.fromkeys(self.fallbacks)), []
         return out
+
+
+def config_problem(cfg: Any) -> str | None:
+    """Why the config cannot carry its robust `security.aggregation` (a one-line config error), or
+    None; the config loader raises it (common/config/rules.py).  A rule other than "mean" needs a
+    topology whose spec says how it groups updates (`TopologySpec.robust`), a transport that hands
+    over every update apart (not one that sums them in a collective, `Transport.sums_in_collective`),
+    and groups large enough for the rule (`config_group_problem`).  Whether the algorithm lets its
+    reduction be replaced is the algorithm's rule (common/algorithms `config_problem`)."""
+    rule = cfg.security.aggregation
+    if rule == "mean":
+        return None
+    try:
+        spec = spec_for(cfg.topology.kind)
+    except (KeyError, ValueError):   # an unknown kind, a plug-in that does not load
+        spec = None
+    if spec is None or spec.robust is None:
+        kinds = " or ".join(f"'{k}'" for k, s in SPECS.items() if s.robust is not None)
+        return f"config key 'security.aggregation': '{rule}' works in topology.kind = {kinds}, got '{cfg.topology.kind}'"
+    if sums_in_collective(cfg.transport.kind):
+        return (f"config key 'security.aggregation': '{rule}' needs every update apart, but "
+                f"transport.kind = '{cfg.transport.kind}' sums them in a collective; use transport.kind = 'grpc'")
+    return config_group_problem(cfg)
 
 
 def config_group_problem(cfg: Any) -> str | None:

@@ -166,6 +166,20 @@ def sums_in_collective(kind: str) -> bool:
     return entry is not None and entry.sums_in_collective
 
 
+def config_problem(cfg: Any) -> str | None:
+    """Why the config asks transport `cfg.transport.kind` for what it cannot carry (a one-line config
+    error, raised by the config loader, common/config/rules.py), or None: a transport that sums
+    uploads in a collective reduces raw float sums, and a coded upload (QSGD) cannot be summed.
+    (A robust aggregation's need of every update apart is the robust rule's check,
+    common/engine/robust.py `config_problem`.)"""
+    kind = cfg.transport.kind
+    compress = getattr(cfg.algorithm, "compress", "none")
+    if sums_in_collective(kind) and compress != "none":
+        return (f"config key 'algorithm.compress': got '{compress}', but transport.kind = '{kind}' reduces uploads "
+                f"as raw float sums in a collective (allowed there: 'none'); use transport.kind = 'grpc' for QSGD")
+    return None
+
+
 def own_device_per_process(kind: str, options: dict[str, Any]) -> bool:
     """Whether every process of a run on transport `kind` with these options needs a device of
     its own (`Transport.own_device`)."""
