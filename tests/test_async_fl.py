@@ -227,3 +227,45 @@ def test_synchronous_round_keys_are_refused(tmp_path, capsys, line, key):
     assert fedhop(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert key in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_in_memory_gives_the_grpc_runs_order_and_model(tmp_path_factory, tmp_path):
+    """The same config through the in-memory transport (one process): on the virtual clock the
+    order and the model are the gRPC run's, bit for bit (the transport decides nothing)."""
+    import torch
+
+    from fedhop.common.config import parse_config
+    from fedhop.deploy.inmemory import run_inmemory
+    grpc_run = run(tmp_path_factory, "fedbuff", "polynomial")
+    summary, coord = run_inmemory(parse_config(config("fedbuff", "polynomial")), tmp_path)
+    assert summary["status"] == "completed" and summary["asynchronous"]["server_versions"] == ROUNDS
+    order = lambda r: [(u["client"], u["sent_version"], u["applied_version"], u["status"]) for u in updates(r)]
+    assert order(tmp_path) == order(grpc_run)
+    assert torch.equal(coord.state.params["w"], load_file(str(grpc_run / "model.safetensors"))["w"])
+
+
+def test_a_refused_reply_is_recorded_failed_and_left_out(tmp_path, monkeypatch):
+    """Client 1 replies NaN: the reply chain refuses it, the dispatch is recorded "failed" with
+    the reason and a client_failed event, a replacement goes out, and the model is still the
+    paper's rule over the applied updates (in memory, where the client side can be patched)."""
+    from fedhop.common.algorithms.fedavg import FedAvg
+    from fedhop.common.config import parse_config
+    from fedhop.common.records.runstore import RunStore
+    from fedhop.deploy.inmemory import run_inmemory
+    original = FedAvg.client_update
+
+    def poisoned(self, ctx, message):
+        reply = original(self, ctx, message)
+        if ctx.client_id == 1:
+            reply.tensors["w"] = reply.tensors["w"] * float("nan")
+        return reply
+
+    monkeypatch.setattr(FedAvg, "client_update", poisoned)
+    summary, coord = run_inmemory(parse_config(config("fedasync", "hinge")), tmp_path)
+    assert summary["status"] == "completed"
+    ups = updates(tmp_path)
+    failed = [u for u in ups if u["status"] == "failed"]
+    assert failed and {u["client"] for u in failed} == {1}
+    assert all(u["client"] != 1 for u in ups if u["status"] == "applied")
+    assert len(RunStore(tmp_path / "run.db").events("client_failed")) == len(failed)
+    np.testing.assert_allclose(coord.state.params["w"].numpy(), replay(ups, "fedasync", "hinge"), rtol=0, atol=1e-10)

@@ -238,6 +238,9 @@ class AsyncDriver(TopologyDriver):
         self.in_flight.clear()
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+        if self.db is not None:   # every row is written: the last round's record follows
+            self.db.close()
+            self.db = None
 
     # ------------------------------------------------------------------ one run round: one server update
     def run_round(self, round: int) -> RoundResult | None:
