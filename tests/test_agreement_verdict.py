@@ -15,10 +15,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from fedhop.common.config import load_config
@@ -26,44 +24,35 @@ from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.launcher import LocalRun
 from fedhop.server.resilience import ledger_consistency
 from tests.faultkit import FAST_LIVENESS, slow_quadratic, wait_dead
+from tests.helpers import read_db, wait_until
 
 
 def _wait_for_own_work(ledger: Path, round: int, server, timeout: float = 300.0) -> None:
     """Block until `ledger` (a client process's file, flushed per record) holds its receiver
     record of a `train` request of `round`: that process is training.  A server that exits
     first fails the test with its log's tail."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def training() -> bool:
         if server.proc.poll() is not None:
             log = ledger.parent.parent / "logs" / "server.log"
             tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
             raise AssertionError(f"the server exited ({server.proc.returncode}) before round {round}:\n{tail}")
-        if ledger.exists():
-            for line in ledger.read_bytes().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("round") == round and rec.get("role") == "receiver" and rec.get("method") == "train":
-                    return
-        time.sleep(0.02)
-    raise AssertionError(f"{ledger} never received work of round {round}")
+        if not ledger.exists():
+            return False
+        for line in ledger.read_bytes().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("round") == round and rec.get("role") == "receiver" and rec.get("method") == "train":
+                return True
+        return False
+    wait_until(f"receiver record of round {round}'s train in {ledger}", training, timeout=timeout, every=0.02)
 
 
 def _wait_for_event(db: Path, kind: str, node: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
-            try:
-                if con.execute("SELECT 1 FROM events WHERE kind = ? AND node = ?", (kind, node)).fetchone():
-                    return
-            finally:
-                con.close()
-        except sqlite3.Error:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"no {kind} event for {node} in {db}")
+    """Until run.db holds a `kind` event naming `node` (read-only: the server keeps writing)."""
+    wait_until(f"{kind} event for {node} in {db}",
+               lambda: read_db(db, "SELECT 1 FROM events WHERE kind = ? AND node = ?", (kind, node)), timeout=timeout)
 
 
 def test_a_run_whose_one_sided_records_are_explained_losses_agrees_everywhere(tmp_path):

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import max_round, quadratic_config, read_db
+from tests.helpers import max_round, quadratic_config, read_db, wait_until
 
 CENTERS = [[1.0, -2.0], [3.0, 0.5], [-1.0, 1.0], [0.0, 2.0]]
 CURVATURES = [[1.0, 2.0], [0.5, 1.0], [2.0, 1.0], [1.0, 1.0]]
@@ -52,11 +52,7 @@ def sent_bytes(run_dir: Path) -> tuple[int, int]:
 
 def wait_for_round(db: Path, proc: subprocess.Popen, r: int, timeout: float = 180) -> None:
     """Poll run.db (read-only) until round `r` is recorded: the event the test waits on."""
-    deadline = time.monotonic() + timeout
-    while max_round(db) < r:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"round {r} not recorded within {timeout:.0f}s"
-        time.sleep(0.05)
+    wait_until(f"round {r} recorded", lambda: max_round(db) >= r, [proc], timeout)
 
 
 def digest(folder: Path) -> dict[str, str]:
@@ -334,10 +330,7 @@ def test_out_onto_a_folder_a_live_run_holds_is_refused_until_it_ends(user_dir):
     (user_dir / "exp.toml").write_text(cfg_text(rounds=400))
     proc = start(["run", "exp.toml", "--out", "r"], user_dir)
     run = user_dir / "r"
-    deadline = time.monotonic() + 120
-    while not (run / "config.toml").exists():            # claimed (and held) by the first run
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until("the first run's claim of r", (run / "config.toml").exists, [proc])   # claimed (and held) by it
     res = fedhop(["run", "exp.toml", "--out", "r", "--force"], user_dir)
     assert res.returncode == 2 and "a run is still using" in res.stderr, res.stderr
     res = fedhop(["run", "--resume", "r"], user_dir)

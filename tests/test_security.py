@@ -13,7 +13,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -34,7 +33,7 @@ from fedhop.common.wire.ledger import Ledger
 from fedhop.deploy.cli import main as fedhop
 from fedhop.deploy.launcher import run_local
 from tests.cluster import Cluster, fedavg_reference
-from tests.helpers import quadratic_config
+from tests.helpers import quadratic_config, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 RNG = np.random.default_rng(11)
@@ -289,10 +288,8 @@ def test_a_process_says_at_start_in_one_line_that_it_runs_shared_token_or_plaint
                                "--run-dir", str(tmp_path / "run"), "--port-file", str(tmp_path / "port")],
                               cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "port").exists() and server.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)   # the port file: written once it serves, after its start-up lines
-        assert (tmp_path / "port").exists(), server.poll()
+        # the port file: written once it serves, after its start-up lines
+        wait_until("the server's port file", (tmp_path / "port").exists, [server])
     finally:
         server.kill()
         _, err = server.communicate()
