@@ -122,17 +122,22 @@ def db_rows(db, sql: str) -> list[tuple]:
 def wait_until(what: str, check: Callable[[], Any], procs: Iterable[subprocess.Popen] = (),
                timeout: float = 120.0, every: float = 0.05) -> Any:
     """Poll `check()` (a run.db row, a log line, a file) until it returns something true, and
-    return that; fail at once, naming the process, if one of `procs` ends first, and after
-    `timeout` seconds.  The event is what the test waits on: `every` is only how often it is
-    looked at (a file or a row written by another process gives no notification to block on)."""
+    return that; fail at once, naming the process, if one of `procs` has ended and the event is
+    still not there (looked at once more after the exit is seen), and after `timeout` seconds.
+    The event is what the test waits on: `every` is only how often it is looked at (a file or a
+    row written by another process gives no notification to block on)."""
+    procs = list(procs)
     deadline = time.monotonic() + timeout
     while True:
         got = check()
         if got:
             return got
-        for p in procs:
-            code = p.poll()
-            assert code is None, f"{p.args} exited with {code} while waiting for {what}"
+        ended = [p for p in procs if p.poll() is not None]
+        if ended:   # the event may have come just before the exit: one last look, after it
+            got = check()
+            if got:
+                return got
+            assert not ended, f"{ended[0].args} exited with {ended[0].returncode} while waiting for {what}"
         assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
         time.sleep(every)   # the poll interval between looks at the event, not a wait for it
 
