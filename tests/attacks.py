@@ -283,6 +283,19 @@ def attack_big_ping_client(run: Run) -> None:
     _big_request(run, victim, run.clients[0].pid, "client-proc0", "ping")
 
 
+def call_codes(calls) -> list[str]:
+    """How each of `calls` (server-streaming gRPC calls, already released) ended: "OK", or the
+    status code's name ("RESOURCE_EXHAUSTED" for a stream refused over a caller's share)."""
+    codes = []
+    for c in calls:
+        try:
+            list(c)
+            codes.append("OK")
+        except grpc.RpcError as exc:
+            codes.append(exc.code().name)
+    return codes
+
+
 def attack_slow_streams(run: Run) -> None:
     """An insider (a valid node token) opens 40 Exchange streams to the server and sends nothing on
     them, from before the last client process registers until round 2 is done (or 3 heartbeat
@@ -314,13 +327,7 @@ def attack_slow_streams(run: Run) -> None:
         time.sleep(0.2)
     held = sum(not c.done() for c in calls)
     release.set()
-    codes = []
-    for c in calls:
-        try:
-            list(c)
-            codes.append("OK")
-        except grpc.RpcError as exc:
-            codes.append(exc.code().name)
+    codes = call_codes(calls)
     channel.close()
     refused = codes.count("RESOURCE_EXHAUSTED")
     run.figures.update(streams_held=held, streams_refused=refused)

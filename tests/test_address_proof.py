@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import sqlite3
+import subprocess
 import threading
 import time
 
@@ -36,22 +37,14 @@ from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.ledger import Ledger
 from tests import attacks
 from tests.faultkit import CENTERS, CURV, FAST_LIVENESS, SIZES
-from tests.helpers import quadratic_config
+from tests.helpers import quadratic_config, wait_until
 
 SETUP = 300.0   # seconds processes may take to start on a loaded machine
 
 
 def _wait(what: str, check, timeout: float = SETUP, proc=None):
-    """Poll `check` (a run.db or file look) until it returns something true."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{what}: the server ended first (exit {proc.poll()})")
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout:.0f}s")
+    """`wait_until` with this file's start-up allowance, failing at once if `proc` (the server) ends."""
+    return wait_until(what, check, [] if proc is None else [proc], timeout)
 
 
 def _events(db, kind: str) -> list[dict]:
@@ -64,6 +57,14 @@ def _events(db, kind: str) -> list[dict]:
         return []
     finally:
         store.close()
+
+
+def _completed(run: attacks.Run) -> RunStore:
+    """The run's records once its server has ended: exit 0 and the run recorded "completed"."""
+    out = run.finish()
+    store = RunStore(run.dir / "run" / "run.db")
+    assert out["exit"] == 0 and store.run()["status"] == "completed"
+    return store
 
 
 # ----------------------------------------------------------------------------- B3.2
@@ -192,9 +193,10 @@ def test_slow_registers_from_many_ids_do_not_starve_heartbeats(tmp_path):
         ledger = run.dir / "run" / "ledger" / "client-proc0.jsonl"
         answered_before = ledger.read_bytes().count(b'"heartbeat.reply"')
         timeout = run.cfg.security.heartbeat_timeout
-        deadline = time.monotonic() + 3 * timeout
-        while time.monotonic() < deadline and run.server.poll() is None:
-            time.sleep(0.2)
+        try:   # the flood lasts 3 heartbeat timeouts (the tested span), or until the server ends
+            run.server.wait(3 * timeout)
+        except subprocess.TimeoutExpired:
+            pass
         answered = ledger.read_bytes().count(b'"heartbeat.reply"') - answered_before
         stop.set()
         for t in flood.pop("_threads"):   # type: ignore[union-attr]
@@ -202,12 +204,10 @@ def test_slow_registers_from_many_ids_do_not_starve_heartbeats(tmp_path):
         flood.pop("_channel").close()   # type: ignore[union-attr]
         assert run.server.poll() is None, "the server ended during the flood"
         run.start_third()
-        out = run.finish()
+        store = _completed(run)
     except BaseException:
         run.kill_all()
         raise
-    store = RunStore(run.dir / "run" / "run.db")
-    assert out["exit"] == 0 and store.run()["status"] == "completed"
     assert store.events("node_dead") == [], store.events("node_dead")
     assert _trained(run.dir / "run" / "run.db", ["client-0", "client-1"]) == {int(r["round"]) for r in store.rounds()}
     # the victim's heartbeats were answered through the flood (one a second: heartbeat_interval = 1 s)
@@ -245,16 +245,14 @@ def test_invented_node_ids_leave_a_bounded_number_of_rows(tmp_path):
                 assert time.monotonic() < deadline, f"no overflow row: {len(_events(db, 'register_refused'))} rows"
                 assert not invented(500 + sent).accepted
                 sent += 1
-                time.sleep(0.5)
+                time.sleep(0.5)   # paces the refusals while polling for the row: the interval must pass
         finally:
             ep.stop(grace=0.1)
         run.start_third()
-        out = run.finish()
+        store = _completed(run)
     except BaseException:
         run.kill_all()
         raise
-    store = RunStore(db)
-    assert out["exit"] == 0 and store.run()["status"] == "completed"
     rows = store.events("register_refused")
     assert len(rows) <= 2 * (EVENTS_PER_INTERVAL + 1), len(rows)
     counted = sum(int(m) for e in rows if e["node"] == "*" for m in re.findall(r"^(\d+) more", e["detail"]))
@@ -298,20 +296,12 @@ def test_slow_streams_claiming_the_parent_get_one_callers_share(tmp_path):
             held = sum(not c.done() for c in calls)
         finally:
             release.set()
-        codes = []
-        for c in calls:
-            try:
-                list(c)
-                codes.append("OK")
-            except grpc.RpcError as exc:
-                codes.append(exc.code().name)
+        codes = attacks.call_codes(calls)
         channel.close()
-        out = run.finish()
+        store = _completed(run)
     except BaseException:
         run.kill_all()
         raise
-    store = RunStore(db)
-    assert out["exit"] == 0 and store.run()["status"] == "completed"
     share = CallSlots(16).per_peer   # a client process's 16 worker threads
     assert codes.count("RESOURCE_EXHAUSTED") == streams - share and held == share, (codes, held)
     assert _trained(db, ["client-0", "client-1"]) == {int(r["round"]) for r in store.rounds()}

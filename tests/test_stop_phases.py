@@ -13,12 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import max_round, quadratic_config, read_db
+from tests.helpers import max_round, quadratic_config, read_db, wait_until
 
 PY = sys.executable
 CENTERS = [[1.0, -2.0], [3.0, 0.5], [-1.0, 1.0], [0.0, 2.0]]
@@ -48,16 +47,6 @@ def clients(cwd: Path) -> list[subprocess.Popen]:
     return [role(cwd, f"client-{i}", ["--parent-file", "server.address", "--node-id", f"client-proc{i}",
                                       "--clients", "0-1" if i == 0 else "2-3", "--ledger-dir", "run/ledger"])
             for i in range(2)]
-
-
-def wait_until(what: str, check, procs: list[subprocess.Popen], timeout: float = 120) -> None:
-    """Poll `check()` (a file, a log line, a run.db row) until it holds; fail at once if a process died."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        for p in procs:
-            assert p.poll() is None, f"{p.args} exited with {p.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
-        time.sleep(0.02)
 
 
 def events(db: Path, kind: str) -> int:
@@ -107,10 +96,9 @@ def assert_no_traceback(*texts_or_folders) -> None:
 
 
 def assert_none_left(folder: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while procs_in(folder) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert procs_in(folder) == [], "processes left behind"
+    """Every process started in `folder` has ended (within `timeout`: a stopped process is reaped
+    by its parent a moment after the parent's own exit)."""
+    wait_until("end of the processes left behind", lambda: procs_in(folder) == [], timeout=timeout, every=0.1)
 
 
 def kill_all(procs: list[subprocess.Popen]) -> None:
@@ -195,6 +183,19 @@ def fedhop_run(cwd: Path, rounds: int, ignore_sigint: bool = False) -> subproces
                                 start_new_session=True)
 
 
+def stop_group(launcher: subprocess.Popen, cwd: Path, sig: int, status: str, rounds: int | None = None) -> None:
+    """`sig` to the process group of `fedhop run` (started in `cwd` by `fedhop_run`), as a
+    terminal's Ctrl-C sends it: it exits with `status`'s code, the run is recorded `status`, no log
+    holds a traceback and no process is left."""
+    os.killpg(launcher.pid, sig)
+    code = launcher.wait(120)
+    output = (cwd / "run.out").read_text(errors="replace")
+    assert code == (0 if status == "completed" else 128 + sig), output
+    assert_recorded(cwd / "run", status, sig, code, rounds)
+    assert_no_traceback(output, cwd / "run" / "logs")
+    assert_none_left(cwd)
+
+
 @pytest.mark.parametrize("sig", SIGNALS)
 @pytest.mark.parametrize("phase", ["start-up", "round"])
 def test_fedhop_run_stopped_at_any_phase(tmp_path, phase, sig):
@@ -210,13 +211,7 @@ def test_fedhop_run_stopped_at_any_phase(tmp_path, phase, sig):
             assert events(run / "run.db", "registration_complete") == 0
         else:
             wait_until("round 2", lambda: max_round(run / "run.db") >= 2, [launcher])
-        os.killpg(launcher.pid, sig)
-        code = launcher.wait(120)
-        output = (tmp_path / "run.out").read_text(errors="replace")
-        assert code == 128 + sig, output
-        assert_recorded(run, "stopped", sig, code)
-        assert_no_traceback(output, run / "logs")
-        assert_none_left(tmp_path)
+        stop_group(launcher, tmp_path, sig, "stopped")
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
@@ -231,13 +226,7 @@ def test_fedhop_run_as_a_background_job_ignores_the_groups_sigint(tmp_path):
     run = tmp_path / "run"
     try:
         wait_until("round 1", lambda: max_round(run / "run.db") >= 1, [launcher])
-        os.killpg(launcher.pid, signal.SIGINT)
-        code = launcher.wait(120)
-        output = (tmp_path / "run.out").read_text(errors="replace")
-        assert code == 0, output
-        assert_recorded(run, "completed", signal.SIGINT, code, rounds=4)
-        assert_no_traceback(output, run / "logs")
-        assert_none_left(tmp_path)
+        stop_group(launcher, tmp_path, signal.SIGINT, "completed", rounds=4)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
