@@ -33,6 +33,8 @@ from fedhop.common.wire.methods import Method
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhop.client.gossip import GossipHost
+    from fedhop.client.group_worker import GroupWorker
+    from fedhop.client.walk import WalkHost
     from fedhop.common.transport.fabric import Fabric
 
 
@@ -60,9 +62,9 @@ class ClientHost:
         self.cfg = cfg
         self.parent = parent   # the node this process registered with: the only one it obeys (but `ping`)
         self.ledger = ledger if ledger is not None else Ledger()
-        self.group_worker = None  # the group data plane's member side, made on the first torch_* call
+        self.group_worker: GroupWorker | None = None  # the group data plane's member side, made on the first torch_* call
         self.fabric: Fabric | None = None   # this process's sending side (client/runtime.py sets it): WRWGD hand-offs
-        self._walk = None
+        self._walk: WalkHost | None = None
         self._gossip_state: GossipHost | None = None   # client/gossip.py `gossip_of`
         self.node_id = node_id
         self.run_id = run_id
@@ -169,7 +171,7 @@ class ClientHost:
         self.shutdown_event.set()
         return Payload(scalars={"clients": len(self.client_ids)})
 
-    def group(self):
+    def group(self) -> GroupWorker:
         """This process's side of the group data plane, made on the first torch_* call."""
         if self.group_worker is None:
             from fedhop.client.group_worker import GroupWorker

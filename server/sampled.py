@@ -95,9 +95,10 @@ class EdgeFanout(DataPlane):
                 failures[cid] = f"edge {node_id} failed: {why}"
             if " replied NO_RESULTS:" in why:   # none of its sampled clients answered: avoid them until it says more
                 ctx.unavailable.setdefault(node_id, set()).update(by_edge[node_id])
-        results = StreamedResults() if hasattr(partials, "fold") else {}
-        if hasattr(partials, "fold"):   # folded in edge-index order; the round keys partials by index
+        results: dict = {}
+        if isinstance(partials, StreamedResults):   # folded in edge-index order; the round keys partials by index
             partials.fold.rekey(edge_index)
+            results = StreamedResults()
             results.fold = partials.fold
         for node_id, partial in partials.items():
             failures.update({c: f"at {node_id}: {why}" for c, why in failures_of(partial).items()})

@@ -53,7 +53,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping
 
 import numpy as np
 import torch
@@ -116,7 +116,7 @@ class OrderedFold:
         self._slots = threading.Condition()
         self._mine = threading.local()                  # the slots this thread holds (`release`)
 
-    def rekey(self, key_of: Callable[[Hashable], Hashable]) -> None:
+    def rekey(self, key_of: Callable[[Any], Hashable]) -> None:
         """Key the folded results by `key_of(key)` (an edge's node id -> its index)."""
         with self._lock:
             self.folded = [key_of(k) for k in self.folded]
