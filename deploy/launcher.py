@@ -50,6 +50,7 @@ from fedhop.deploy.runfolder import (
     new_folder,
     out_run_dir,
     release_since,
+    run_stamp,
 )
 
 
@@ -386,7 +387,7 @@ def default_run_dir(cfg: Config, parent: Path | None = None) -> Path:
     """A new folder `runs/NAME-seedS-YYYYmmdd-HHMMSS` in the working directory, held and claimed for
     this run (deploy/runfolder.py `new_folder`: `-2`, `-3`, ... for runs started in the same second),
     so runs of one config with other seeds are told apart by their folders too."""
-    stamp = f"{cfg.run.name}-seed{cfg.run.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stamp = run_stamp(cfg.run.name, cfg.run.seed)
     return new_folder((parent or Path.cwd() / "runs").resolve(), stamp, lambda folder: hold(folder) and claim(folder))
 
 

@@ -375,7 +375,8 @@ def cmd_server(a: argparse.Namespace) -> int:
     root = runs_root()
     root.mkdir(parents=True, exist_ok=True)
     (root / "current").unlink(missing_ok=True)
-    name = env("FEDHOP_RUN_NAME", f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    from fedhop.deploy.runfolder import run_stamp
+    name = env("FEDHOP_RUN_NAME", run_stamp(cfg.run.name, cfg.run.seed, utc=True))
     if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise UsageError(f"FEDHOP_RUN_NAME={name!r}: use letters, digits, '.', '_' and '-'")
     run_dir = root / name

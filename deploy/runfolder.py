@@ -19,8 +19,16 @@ import json
 import os
 import shutil
 import sqlite3
+import time
 from pathlib import Path
 from typing import Callable
+
+
+def run_stamp(name: str, seed: int, when: float | None = None, utc: bool = False) -> str:
+    """A run folder's name, `NAME-seedS-YYYYmmdd-HHMMSS`: runs of one config with other seeds are
+    told apart by their folders (`fedhop run`'s runs/ and the compose server role's runs-compose/)."""
+    moment = time.gmtime(when) if utc else time.localtime(when)
+    return f"{name}-seed{seed}-{time.strftime('%Y%m%d-%H%M%S', moment)}"
 
 
 class RunDirError(ValueError):

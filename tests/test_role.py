@@ -142,3 +142,30 @@ def test_a_client_whose_server_is_gone_leaves_instead_of_waiting_for_a_run(tmp_p
     elapsed = time.monotonic() - t0
     assert res.returncode != 0 and "server.invalid does not resolve" in res.stderr, res.stderr
     assert elapsed < 120, elapsed
+
+
+def test_the_server_roles_default_run_folder_names_the_seed(tmp_path):
+    """Without FEDHOP_RUN_NAME the compose server role names its run folder as `fedhop run` does,
+    NAME-seedS-YYYYmmdd-HHMMSS (deploy/runfolder.py `run_stamp`), so runs of one config with other
+    seeds are told apart in runs-compose/ too."""
+    import re
+
+    text = quadratic_config(RNG.normal(0, 2, (4, 3)), RNG.uniform(0.5, 2, (4, 3)), [3, 5, 4, 6], rounds=2,
+                            processes=1, local_steps=2, name="named", seed=37)
+    (tmp_path / "exp.toml").write_text(text)
+    env = _role_env(tmp_path, FEDHOP_CONFIG=str(tmp_path / "exp.toml"), FEDHOP_CLIENT_PROCESSES="1")
+    server = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.role", "server", "--listen",
+                               f"127.0.0.1:{free_port('127.0.0.1')}"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runs = tmp_path / "runs"
+    try:
+        _wait_for(runs / "current", server)   # announced once the run folder exists
+        folders = [p.name for p in runs.iterdir() if p.is_dir()]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.communicate()
+    assert len(folders) == 1 and re.fullmatch(r"named-seed37-\d{8}-\d{6}", folders[0]), folders
