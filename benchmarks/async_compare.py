@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                         p = {**best, a.name: a.values[j]}
                         k = tuple(p[x.name] for x in m.axes)
                         if k in seen:
-                            _, s, b = summarize(seen[k])
-                            nb.append(f"{a.values[j]}: {fmt_s(s)} s")
+                            miss, s, b = summarize(seen[k])
+                            nb.append(f"{a.values[j]}: {fmt_s(s)} s, {len(seeds) - miss}/{len(seeds)} reached")
                 print(f"# best {m.name} {a.name} = {best[a.name]} ({where}); neighbours: {', '.join(nb) or 'none'}")
             for seed, r in zip(seeds, res):
                 print(f"# run {m.name} seed {seed} dir {r.run_dir.name} round {r.round} sim {r.sim} bytes {r.bytes}")
