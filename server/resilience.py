@@ -182,8 +182,10 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     return ckpt
 
 
-LOSS_EVENTS = ("node_dead", "client_failed", "edge_failed", "rejected_payload", "aborted:client_failed",
-               "aborted:edge_failed", "aborted:node_dead", "aborted:rejected_payload")
+# events after which a node's missing records are explained losses; node_restarted: a process
+# registered again before it was marked dead, so its earlier process died with records unwritten
+LOSS_EVENTS = ("node_dead", "node_restarted", "client_failed", "edge_failed", "rejected_payload",
+               "aborted:client_failed", "aborted:edge_failed", "aborted:node_dead", "aborted:rejected_payload")
 
 
 def ledger_consistency(store) -> dict:

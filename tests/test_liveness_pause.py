@@ -15,6 +15,8 @@ import numpy as np
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.transport.liveness import LivenessMonitor, live_pool
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.ledger import LedgerRecord
+from fedhop.server.resilience import ledger_consistency
 from tests.faultkit import check_run_db, slow_quadratic, wait_dead, wait_for_round
 from tests.test_faults import _start
 
@@ -153,3 +155,42 @@ def test_a_corrupt_newest_checkpoint_is_skipped_with_an_event(tmp_path):
     assert summary["status"] == "completed"
     skipped = RunStore(run.run_dir / "run.db").events("checkpoint_skipped")
     assert len(skipped) == 1 and newest.name in skipped[0]["detail"]
+
+
+def test_a_child_registering_again_before_it_is_marked_dead_is_a_restart():
+    """A process killed and restarted within the heartbeat timeout registers again while its node
+    still counts as live: one `node_restarted` event (no `node_returned`: it was never dead)."""
+    now = [0.0]
+    mon, events = _monitor(now)
+    now[0] = 1.0
+    mon.registered(pb.RegisterRequest(node_id="client-proc0", address="h:1", clients=[pb.LogicalClient(client_id=0)]))
+    assert [e[:2] for e in events] == [("node_restarted", "client-proc0")]
+    assert mon.stats.reregistrations == 0
+
+
+def _record(recorder: str, role: str, msg_id: str, src: str, dst: str, method: str, at: float) -> LedgerRecord:
+    return LedgerRecord(run_id="r1", round=0, step=0, src=src, dst=dst, link="control", direction="control",
+                        method=method, tensor_bytes=0, payload_bytes=12, framed_bytes=27, seconds=0.0,
+                        recorder=recorder, role=role, msg_id=msg_id, status="ok", wall_time=at)
+
+
+def test_a_heartbeat_of_a_process_killed_before_recording_it_is_explained_by_its_restart(tmp_path):
+    """The soak's case: client-proc3 sends a heartbeat, is killed before writing its record, and its
+    restarted process (same ledger file) records later messages.  The server's two records of that
+    heartbeat are one-sided; `ledger_consistency` explains them by the node_restarted event and
+    counts them unexplained without it."""
+    store = RunStore(tmp_path / "run.db")
+    store.start_run("r1")
+    beat = "heartbeat-client-proc3-100.0-7"
+    store.insert_records([
+        _record("server", "receiver", beat, "client-proc3", "server", "heartbeat", 10.0),
+        _record("server", "sender", beat + ".reply", "server", "client-proc3", "heartbeat.reply", 10.0),
+        # the restarted process's own heartbeat, both ends recorded
+        _record("client-proc3", "sender", "heartbeat-client-proc3-200.0-1", "client-proc3", "server", "heartbeat", 20.0),
+        _record("server", "receiver", "heartbeat-client-proc3-200.0-1", "client-proc3", "server", "heartbeat", 20.0),
+    ])
+    before = ledger_consistency(store)
+    assert not before["ok"] and before["unexplained"] == 2, before
+    store.add_event("node_restarted", node="client-proc3", round=0, detail="registered again at h:3")
+    after = ledger_consistency(store)
+    assert after["ok"] and after["unexplained"] == 0 and after["lost_explained"] == 2, after

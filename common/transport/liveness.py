@@ -355,6 +355,8 @@ class LivenessMonitor:
             mark_alive(req.address)
         if old is not None and old.dead:
             self._event("node_returned", req.node_id, f"registered again at {req.address}")
+        elif old is not None:   # its earlier process ended (killed and restarted) before it was marked dead
+            self._event("node_restarted", req.node_id, f"registered again at {req.address} before it was marked dead")
 
     # -- heartbeats ------------------------------------------------------------------------
     def beat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
