@@ -140,12 +140,17 @@ def test_server_stopped_before_its_last_round_records_a_stopped_run(tmp_path, ph
 @pytest.mark.parametrize("sig", SIGNALS)
 @pytest.mark.parametrize("phase", ["after-last-round", "closing"])
 def test_server_stopped_after_its_last_round_records_a_completed_run(tmp_path, phase, sig):
-    """Client process 1 is frozen (SIGSTOP) once round 2 is recorded: round 3, the last, counts
-    process 0's clients, and the server's shut-down call to the frozen process then waits for
-    its timeout.  after-last-round: the signal arrives once round 3's row is written (the
-    server records the round, or shuts its children down); closing: a first signal there and a
-    second once the failed shut-down is recorded (the records are being written)."""
-    (tmp_path / "exp.toml").write_text(config(rounds=3))
+    """Client process 1 is frozen (SIGSTOP) once round 2 is recorded, while it trains in round 3
+    (each client sleeps 2 s a round: sleep_scale, so the freeze cannot miss round 3, whose
+    messages take milliseconds): round 3, the last, counts process 0's clients (the call to the
+    frozen one fails after 3 s; the heartbeat timeout is longer than the run, so it is never marked
+    dead), and the server's shut-down call to it then waits for its timeout.  after-last-round:
+    the signal arrives once round 3's row is written (the server records the round, or shuts its
+    children down); closing: a first signal there and a second once the failed shut-down is
+    recorded (the records are being written)."""
+    text = config(rounds=3).replace("[transport]", "[security]\nheartbeat_timeout = 600.0\n\n[transport]")
+    text = text.replace("[clients]\n", "[clients]\nsleep_scale = 40.0\n")
+    (tmp_path / "exp.toml").write_text(text)
     server = role(tmp_path, "server", ["--config", "exp.toml", "--run-dir", "run", "--port-file", "server.address"])
     procs = [server]
     db = tmp_path / "run" / "run.db"
