@@ -41,7 +41,7 @@ from fedhop.common.util.procexit import (
     raise_if_stopped,
     stop_noted,
     stop_reason,
-    stops_armed,
+    stops_at_waits,
     stops_deferred,
 )
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -463,7 +463,7 @@ class Coordinator:
                              config_toml=self.config_toml)
         status, error = "completed", ""
         try:
-            with stops_armed():   # a stop noted during set-up is raised here, before the first registration
+            with stops_at_waits():   # a stop noted during set-up is raised here, before the first registration
                 self.wait_for_clients(register_timeout)
                 for listener in self.ready_listeners:
                     listener()

@@ -267,8 +267,8 @@ def test_ledger_check_explains_a_logical_clients_lone_record_by_its_process(tmp_
 # ---------------------------------------------------------------- the handlers themselves
 @pytest.mark.parametrize("sig", SIGNALS)
 def test_stops_deferred_are_noted_and_raised_where_armed_and_a_second_one_never_cuts(sig):
-    """In a deferred part a signal is noted only (set-up, closing the records); the run's armed
-    part raises it on entry; once a stop was raised, a second signal is noted, not raised into
+    """In a deferred part a signal is noted only (set-up, closing the records); the run's rounds
+    (`stops_at_waits`) raise it on entry; once a stop was raised, a second signal is noted, not raised into
     the code that records the first."""
     from fedhop.common.util.procexit import (
         Stopped,
@@ -276,7 +276,7 @@ def test_stops_deferred_are_noted_and_raised_where_armed_and_a_second_one_never_
         signals_restored,
         stop_noted,
         stop_on_sigterm,
-        stops_armed,
+        stops_at_waits,
         stops_deferred,
     )
 
@@ -287,8 +287,8 @@ def test_stops_deferred_are_noted_and_raised_where_armed_and_a_second_one_never_
         signal.raise_signal(sig)   # during set-up: noted
         assert stop_noted() == sig
         with pytest.raises(expected):
-            with stops_armed():
-                pytest.fail("a noted stop is raised on entering the armed part")
+            with stops_at_waits():
+                pytest.fail("a noted stop is raised on entering the part that raises stops at its waits")
         signal.raise_signal(sig)   # the second, while the first is being recorded: noted only
         with stops_deferred():
             signal.raise_signal(sig)

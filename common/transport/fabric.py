@@ -27,12 +27,13 @@ over gRPC, as collectives beside this fabric's control calls over torch.distribu
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generic, Hashable, Mapping, TypeVar, cast
 
 from fedhop.common.processors.pipeline import reply_chain, upload
 from fedhop.common.transport.base import Batched, CallFailed, Endpoint, HandlerError, RemoteError, ReplyBound
+from fedhop.common.util.procexit import stops_at_this_wait, wait_stoppable
 from fedhop.common.wire.codec import Encoded, PayloadError, hand_over
 from fedhop.common.wire.message import Payload
 
@@ -76,7 +77,15 @@ class Fabric:
     # ------------------------------------------------------------------ one call
     def call(self, address: str, dst: str, method: str, message: Payload | None = None, *, round: int,
              step: int = 0, timeout: float, prepared: Encoded | None = None) -> Payload:
-        """One request and its reply; raises CallFailed / RemoteError / PayloadError."""
+        """One request and its reply; raises CallFailed / RemoteError / PayloadError.  Where a
+        stop signal is raised at waits (the server's rounds: common/util/procexit.py
+        `stops_at_waits`), the call runs on a worker while this thread waits for it, so that a
+        stop ends the wait at once rather than after the call's timeout."""
+        if stops_at_this_wait() and not self.closed:
+            pending = self._workers.submit(self.endpoint.call, address, dst, method, message, round=round, step=step,
+                                           timeout=timeout, prepared=prepared)
+            wait_stoppable([pending], None)
+            return pending.result()
         return self.endpoint.call(address, dst, method, message, round=round, step=step, timeout=timeout,
                                   prepared=prepared)
 
@@ -248,7 +257,7 @@ def gather(calls: Mapping[K, Future], timeout: float, timeout_reason: str,
            pending_ok: bool = False) -> tuple[dict[K, Any], dict[K, str]]:
     """Wait for `calls` until `timeout`; split results from failures (a call still running at the
     deadline fails with `timeout_reason`, or is left out of both with `pending_ok`)."""
-    _, pending = wait(list(calls.values()), timeout=timeout)
+    _, pending = wait_stoppable(calls.values(), timeout)   # a stop signal is raised here (common/util/procexit.py)
     results: dict[K, Any] = {}
     failures: dict[K, str] = {}
     for key, fut in calls.items():

@@ -37,6 +37,7 @@ from fedhop.common.transport.base import CallFailed, HandlerError
 from fedhop.common.transport.control import control_of, failures_control, failures_of
 from fedhop.common.transport.fabric import Fabric, Send
 from fedhop.common.transport.factory import worlds_of
+from fedhop.common.util.procexit import wait_stoppable
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload, reduce_payloads
 from fedhop.common.wire.methods import Method
@@ -194,7 +195,8 @@ def send_beside_call(fabric: Fabric, peers: PeerSends, address: str, node: str, 
     except RuntimeError as exc:
         raise CallFailed("COLLECTIVE_FAILED", f"sending {what} failed: {exc}", node) from None
     try:
-        return call.result(timeout=timeout)
+        wait_stoppable([call], timeout)   # a stop signal is raised here, at a wait (common/util/procexit.py)
+        return call.result(timeout=0)
     except FutureTimeout:
         raise CallFailed("DEADLINE_EXCEEDED", f"no answer to {what} within {timeout:g}s", node) from None
 
@@ -211,7 +213,8 @@ def recv_beside_call(fabric: Fabric, peers: PeerSends, address: str, node: str, 
     except RuntimeError as exc:
         raise CallFailed("COLLECTIVE_FAILED", f"{what} did not arrive: {exc}", node) from None
     try:
-        call.result(timeout=timeout)
+        wait_stoppable([call], timeout)
+        call.result(timeout=0)
     except FutureTimeout:
         raise CallFailed("DEADLINE_EXCEEDED", f"no answer to {what} within {timeout:g}s", node) from None
     return tensors

@@ -17,7 +17,10 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator, NoReturn
+import time
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
+from typing import Iterable, Iterator, NoReturn
 
 
 def exit_now(code: int | None) -> NoReturn:
@@ -110,6 +113,7 @@ class _StopState:
     by a second one (a second Ctrl-C, the launcher's SIGINT after the terminal's)."""
     deferred = False
     raised = False
+    at_waits = False   # `stops_at_waits`: a noted stop is raised where the main thread waits (`stop_point`)
 
 
 def stop_on_sigterm(deferred: bool = False) -> None:
@@ -117,7 +121,7 @@ def stop_on_sigterm(deferred: bool = False) -> None:
     SIGINT is ignored, a background job's, or has a handler of the caller's), so the process
     can record how it ended.  The exception is raised once: later signals are noted only (SIGKILL
     still ends the process at once).  With `deferred`, or inside `stops_deferred`, a signal is
-    noted and nothing is raised until the next `raise_if_stopped` (or `stops_armed`) outside a
+    noted and nothing is raised until the next `raise_if_stopped` (or `stops_at_waits`) outside a
     deferred part.  Installed again (a process that deferred its stops from its first line),
     the stops noted so far stay noted.  Signal handlers are the main thread's: elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
@@ -152,27 +156,62 @@ def stops_deferred() -> Iterator[None]:
     """A part that a stop signal must not cut (closing the run's records): inside it a signal is
     noted only; leaving it raises nothing (the caller decides, with `stop_noted` or
     `raise_if_stopped`)."""
-    before = _StopState.deferred
-    _StopState.deferred = True
+    before = _StopState.deferred, _StopState.at_waits
+    _StopState.deferred, _StopState.at_waits = True, False
     try:
         yield
     finally:
-        _StopState.deferred = before
+        _StopState.deferred, _StopState.at_waits = before
 
 
 @contextlib.contextmanager
-def stops_armed() -> Iterator[None]:
-    """A part that a stop signal ends at once (waiting for registrations, the rounds), in a
-    process whose stops are otherwise deferred: a stop noted before it is raised on entry, one
-    inside it is raised where the main thread is.  Leaving it, stops are deferred again before
-    the exception (if any) travels on."""
-    before = _StopState.deferred
-    _StopState.deferred = False
+def stops_at_waits() -> Iterator[None]:
+    """A part that a stop signal ends soon but never cuts at an arbitrary bytecode: inside it a
+    signal is only noted, and the stop is raised where the main thread waits (`stop_point`:
+    for replies, for registrations) or at a loop's `raise_if_stopped`, and on entry if noted
+    before.  An exception raised by a handler lands wherever the main thread is, inside a
+    `with lock:` too (a lock a later shut-down then waits on for ever); at a wait nothing is
+    held.  A long computation of the main thread (an evaluation) finishes before the stop."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = _StopState.deferred, _StopState.at_waits
+    _StopState.deferred, _StopState.at_waits = True, True
     try:
         raise_if_stopped()
         yield
     finally:
-        _StopState.deferred = before
+        _StopState.deferred, _StopState.at_waits = before
+
+
+WAIT_SLICE = 0.1   # seconds: how often a wait in `stops_at_waits` looks for a noted stop
+
+
+def stops_at_this_wait() -> bool:
+    """Whether a wait of this thread now is where a noted stop is raised (`stops_at_waits`)."""
+    return _StopState.at_waits and threading.current_thread() is threading.main_thread()
+
+
+def stop_point() -> None:
+    """Raise a stop noted inside `stops_at_waits` (the main thread only); nothing elsewhere."""
+    if _STOPS and stops_at_this_wait():
+        raise_if_stopped()
+
+
+def wait_stoppable(fs: Iterable[Future], timeout: float | None) -> tuple[set[Future], set[Future]]:
+    """`concurrent.futures.wait(fs, timeout)` (all completed), looking for a noted stop every
+    WAIT_SLICE seconds where `stops_at_waits` asks for it (`stop_point`)."""
+    fs = list(fs)
+    if not stops_at_this_wait():
+        return futures_wait(fs, timeout=timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        stop_point()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = futures_wait(fs, timeout=WAIT_SLICE if left is None else min(left, WAIT_SLICE))
+        if not pending or left is not None and left <= WAIT_SLICE:
+            stop_point()
+            return done, pending
 
 
 def raise_if_stopped() -> None:
