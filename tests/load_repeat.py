@@ -33,6 +33,7 @@ FILES = [
     "tests/test_fedchs.py::test_killed_hierarchical_edge_loses_its_clients_and_rounds_complete",
     "tests/test_role_signals.py",
     "tests/test_stop_phases.py",
+    "tests/test_stop_points.py",
     "tests/test_address_proof.py",
 ]
 
