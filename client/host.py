@@ -133,7 +133,10 @@ class ClientHost:
         env = request.envelope
         cid, step = parse_client_id(env.dst), int(env.step)
         reply = to_host(self.train(cid, int(env.round), request.payload, step))   # the seam: one copy to the CPU
-        return self._hand_over_fresh(upload(self.cfg, reply, env.dst, int(env.round), step))   # QSGD (common/processors/pipeline.py)
+        with self._train_lock:   # error feedback's residuals live in the client's persistent state
+            state = self.states.setdefault(cid, {})
+            # coded where configured (common/processors/pipeline.py)
+            return self._hand_over_fresh(upload(self.cfg, reply, env.dst, int(env.round), step, residuals=state))
 
     def request_hold(self, env: pb.Envelope, alive: Callable[[], bool]) -> Callable[[], None] | None:
         """Room for a large train request's data (the transport's `Endpoint.request_hold`): one

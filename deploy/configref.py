@@ -238,6 +238,9 @@ def _builtin_choices(section: str) -> tuple[str, ...] | None:
     if section == "data":
         from fedhop.common.tasks import builtin_datasets
         return tuple(builtin_datasets())
+    if section == "compression":
+        from fedhop.common.processors.compressors import NONE, builtin_compressors
+        return (NONE, *sorted(builtin_compressors()))
     chooser = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == options_chooser(section))
     return tuple(chooser.metadata["choices"]) if "choices" in chooser.metadata else None
 
@@ -247,7 +250,8 @@ def chooser_allowed(section: str, key: str) -> str:
     choices = _builtin_choices(section) if section in CHOOSER_SECTIONS and options_chooser(section) == key else None
     if choices is None:
         return ""
-    plugin = {"algorithm": "an algorithm plug-in", "topology": "a topology plug-in", "data": "a data-set plug-in"}
+    plugin = {"algorithm": "an algorithm plug-in", "topology": "a topology plug-in", "data": "a data-set plug-in",
+              "compression": "a compressor plug-in"}
     return ", ".join(toml_value(c) for c in choices) + (f", or {plugin[section]}" if section in plugin else "")
 
 

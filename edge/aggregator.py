@@ -57,6 +57,7 @@ class EdgeAggregator:
         self.cluster = cluster_assignment(cfg)[self.index]
         self.algorithm = build_algorithm(cfg)
         self.params = topology_params(cfg)
+        self.upload_residuals: dict[str, torch.Tensor] = {}   # error feedback on this edge's partials (not checkpointed)
         # the model's shapes, to validate client replies as the server does
         task = place_task(build_task(cfg), self.device)
         self.model_state = self.algorithm.init_state(get_params(task.build_model()))
@@ -161,7 +162,9 @@ class EdgeAggregator:
         gone = self.unavailable_processes()   # reported to the server, which samples around their clients
         partial.control.clients.extend(sorted(c for c, (node, _) in self.client_home.items() if node in gone))
         partial.control.processes.extend(sorted(gone))
-        return upload(self.cfg, partial, self.endpoint.node_id, round, 0, Method.EDGE_ROUND)   # QSGD (common/processors/pipeline.py)
+        # coded where configured (common/processors/pipeline.py); error feedback's residuals kept in memory
+        return upload(self.cfg, partial, self.endpoint.node_id, round, 0, Method.EDGE_ROUND,
+                      residuals=self.upload_residuals)
 
     def check_sampled(self, sampled: list[int]) -> None:
         stray = [c for c in sampled if c not in self.cluster]

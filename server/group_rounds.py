@@ -98,7 +98,12 @@ class HierGroupRounds(_GroupPlane):
 
     def __init__(self, ctx: DriverContext) -> None:
         compress = getattr(ctx.cfg.algorithm, "compress", "none")
-        if compress != "none":   # uploads are reduced as raw float sums here, never QSGD-coded
+        up = ctx.cfg.compression.up
+        if up != "none":   # uploads are reduced as raw float sums here, never coded
+            raise ValueError(f"compression.up = '{up}' is not supported with transport.kind = "
+                             f"'{ctx.cfg.transport.kind}' and topology.kind = 'hierarchical' (allowed: 'none'); "
+                             f"use transport.kind = 'grpc'")
+        if compress != "none":
             raise ValueError(f"algorithm.compress = '{compress}' is not supported with transport.kind = "
                              f"'{ctx.cfg.transport.kind}' and topology.kind = 'hierarchical' (allowed: 'none'); "
                              f"use transport.kind = 'grpc'")

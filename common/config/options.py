@@ -1,6 +1,6 @@
 """The option-schema registry: the params dataclass of a section's choice-dependent keys.
 
-Sections with an `options` field (algorithm, data, topology, clients, transport) collect their
+Sections with an `options` field (algorithm, data, topology, clients, transport, compression) collect their
 extra keys there; the chosen algorithm / data set / topology / transport validates them against
 its own params dataclass, registered with `register_options_schema`, and the result is stored as
 `section.params` (`_validate_options`, run by the loader, common/config/parse.py).  `options`
@@ -17,6 +17,7 @@ from fedhop.common.config.schema import SECTIONS, Config, ConfigError
 from fedhop.common.config.validate import build_dataclass
 from fedhop.common.config.write import _without_defaults
 from fedhop.common.engine.heterogeneity import devices_params_class
+from fedhop.common.processors.compressors import compressor_class
 from fedhop.common.topologies.graphs import topology_params_class
 from fedhop.common.transport.factory import params_of
 from fedhop.common.util.suggest import did_you_mean
@@ -112,6 +113,7 @@ def _register_defaults() -> None:
     register_options_schema("topology", "kind", topology_params_class)
     # one schema whatever the choice: the device and straggler keys
     register_options_schema("clients", "count", lambda _count: devices_params_class())
+    register_options_schema("compression", "up", compressor_class)   # the compressor's own keys
 
 
 def _dataset_params(name: str) -> type | None:

@@ -7,7 +7,8 @@ naming the key.  The loader (common/config/parse.py `config_from_dict`) runs the
    model, the topology's common keys, transport frames, device syntax), then the rules owned by
    what a key chooses, each the owner's `config_problem(cfg) -> str | None`:
    the robust aggregation's (common/engine/robust.py), the transport's
-   (common/transport/factory.py), the algorithm's (common/algorithms/__init__.py);
+   (common/transport/factory.py), the algorithm's (common/algorithms/__init__.py), the
+   compressors' (common/processors/compressors/__init__.py);
 3. (the options check, common/config/options.py)
 4. `_topology_checks`: the topology kind's own `check` (common/topologies/<kind>.py) and the
    algorithm's rule on the spec's edge steps, both on the topology's validated params;
@@ -19,6 +20,7 @@ from fedhop.common.algorithms import config_problem as algorithm_problem
 from fedhop.common.algorithms import edge_step_problem, partial_exchange_algorithms, registry
 from fedhop.common.config.schema import Config, ConfigError, resolve_clients_per_round
 from fedhop.common.config.validate import _is_int
+from fedhop.common.processors.compressors import config_problem as compression_problem
 from fedhop.common.topologies import TopologySpec, spec_for
 from fedhop.common.transport.factory import config_problem as transport_problem
 from fedhop.common.util.plugins import PluginError, check_call, entry_point_names, load_plugin
@@ -50,6 +52,9 @@ def _topology_checks(cfg: Config) -> None:
             key, _, why = str(exc).partition(": ")
             raise ConfigError(f"config key '{key}': {why}") from None
     _raise(edge_step_problem(cfg))   # the algorithm's rule on the topology's edge steps
+    if spec is not None and not spec.coded_uploads and cfg.compression.up != "none":
+        raise ConfigError(f"config key 'compression.up': topology.kind = '{cfg.topology.kind}' moves models by its "
+                          f"own methods, which are not coded (allowed: 'none')")
 
 
 def _cross_checks(cfg: Config) -> None:
@@ -122,6 +127,7 @@ def _cross_checks(cfg: Config) -> None:
                           f"or a list of client-id lists")
     _raise(transport_problem(cfg))   # the transport's rules
     _raise(algorithm_problem(cfg))   # the algorithm's rules
+    _raise(compression_problem(cfg))   # the compressors' rules (common/processors/compressors/__init__.py)
 
 
 def _device_checks(cfg: Config) -> None:

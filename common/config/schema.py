@@ -243,6 +243,23 @@ class SecurityConfig:
 
 
 @dataclass
+class CompressionConfig:
+    """What uploads carry instead of their float tensors: a client's reply to a train call and an
+    edge's partial aggregate (common/processors/compressors/, docs/compression.md).  The chosen
+    compressor's own keys follow in this section."""
+
+    up: str = _f("none", help="the uploads' compressor: none, qsgd, topk, randk, threshold, sign, scaled_sign, "
+                              "rounding, natural, fp16, bf16, or a plug-in 'package.module:Class' (docs/compression.md)")
+    edge: str = _f("same", choices=("same", "none"), help="an edge's partial aggregate: coded with compression.up "
+                                                          "(same) or sent plain (none)")
+    error_feedback: str = _f("none", choices=("none", "ef"), help="ef: EF-SGD, each sender codes its update plus "
+                                                                  "the residual it kept, and keeps what the code "
+                                                                  "lost (a client's residual is checkpointed)")
+    min_numel: int = _f(2, min=1, help="float tensors with fewer elements travel plain")
+    options: dict = _f(factory=dict)
+
+
+@dataclass
 class ProcessorConfig:
     """A user's processor in the payload chains (common/processors/pipeline.py): one `[[processors]]` table each,
     in the order they run.  Its other keys are the processor's keyword options."""
@@ -273,13 +290,15 @@ class Config:
     edges: EdgesConfig = field(default_factory=EdgesConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     processors: list[ProcessorConfig] = field(default_factory=list)   # [[processors]], in order
 
 
 #: the TOML tables of a config, in the order `config_to_toml` writes them, and their dataclasses
 SECTIONS: dict[str, type] = {"run": RunConfig, "topology": TopologyConfig, "algorithm": AlgorithmConfig,
                              "data": DataConfig, "model": ModelConfig, "clients": ClientsConfig,
-                             "edges": EdgesConfig, "transport": TransportConfig, "security": SecurityConfig}
+                             "edges": EdgesConfig, "transport": TransportConfig, "security": SecurityConfig,
+                             "compression": CompressionConfig}
 
 
 # ----------------------------------------------------------------------------- values derived from a config

@@ -9,7 +9,8 @@ module for the one of a method and direction.
 
 - Inbound replies, `reply_chain` (a client's reply, an edge's partial, at the parent; the
   fabric runs it on every reply it gathers, common/transport/fabric.py):
-  `Decompress` (QSGD, `algorithm.compress = "qsgd"`, common/processors/compress.py), then
+  `Decompress` (`[compression] up`, common/processors/compressors/; or QSGD by
+  `algorithm.compress = "qsgd"`, common/processors/compress.py), then
   `ValidateReply` (the algorithm's reply spec: names, dtypes, shapes, finiteness, its reply
   scalars typed and ranged, the claims the sender may make; common/processors/validation.py), then the
   user's processors.  A reduced partial of a torch.distributed group (server/group_rounds.py,
@@ -19,7 +20,7 @@ module for the one of a method and direction.
   a final or resumed model): `CheckModel` (exactly the model's names, dtypes, shapes, every
   value finite), then the user's processors.
 - Outbound uploads, `upload` (what a child sends its parent): the user's processors, then
-  `Compress` (QSGD when configured).
+  `Compress` (`[compression] up`'s compressor, or QSGD by algorithm.compress, when configured).
 
 The finiteness *policy* (`security.nan_policy`: a refused NaN/Inf reply is left out of the
 round, or fails the run) is `FinitenessPolicy`, which the server applies to the refusals of a
@@ -43,13 +44,15 @@ codec's (common/wire/codec.py).
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Literal, Mapping, Protocol
+from typing import Any, Callable, Iterable, Literal, Mapping, MutableMapping, Protocol
 
 import torch
 
 from fedhop.common.processors.compress import compress_upload, decompress_upload
+from fedhop.common.processors.compressors.use import decode_upload, encode_upload, for_sender, upload_coding
 from fedhop.common.processors.validation import ReplyLimits, reply_bound, validate_reply
 from fedhop.common.wire.codec import PayloadError, ReplyBound, check_tensors
 from fedhop.common.wire.message import REPLY_SCALARS, Payload, ScalarRule, tensor_finite
@@ -120,13 +123,28 @@ class ProcessorChain:
 # ----------------------------------------------------------------------------- built-in processors
 @dataclass(frozen=True)
 class Decompress:
-    """Inbound: a QSGD-coded upload decoded against the reply spec (common/processors/compress.py); a
-    payload as it comes when `algorithm.compress` is not "qsgd"."""
+    """Inbound: a coded upload decoded against the reply spec: `[compression] up`'s compressor
+    (common/processors/compressors/use.py; an edge's partial only with compression.edge = "same"),
+    or QSGD by `algorithm.compress = "qsgd"` (common/processors/compress.py); a payload as it
+    comes when neither is configured."""
 
     cfg: Any
     spec: Spec
 
+    @property
+    def bound(self) -> ReplyBound | None:
+        """With a compressor, the reply bound of the dense spec plus what a code may add to a
+        tensor beyond its dense bytes (a bitmap of ceil(d / 8) bytes and 64 bytes of scales)."""
+        if upload_coding(self.cfg) is None:
+            return None
+        dense = reply_bound(self.spec)
+        extra = sum((math.prod(shape) + 7) // 8 + 64 for _, shape in self.spec.values())
+        return ReplyBound(data_bytes=dense.data_bytes + extra, header_bytes=dense.header_bytes)
+
     def process(self, message: Payload, ctx: Context) -> Payload:
+        coding = for_sender(upload_coding(self.cfg), edge=ctx.method == "edge_round")
+        if coding is not None:
+            return decode_upload(coding, message, self.spec)
         return decompress_upload(self.cfg, message, self.spec)
 
 
@@ -168,13 +186,21 @@ class CheckModel:
 
 @dataclass(frozen=True)
 class Compress:
-    """Outbound: a child's upload QSGD-coded when `algorithm.compress = "qsgd"`, drawn from the
-    stream ("qsgd", sender, round, step) (common/processors/compress.py)."""
+    """Outbound: a child's upload coded by `[compression] up`'s compressor, drawn from the stream
+    ("compress", sender, round, step), with error feedback's residuals in `residuals` (the
+    sender's persistent state; common/processors/compressors/use.py), or QSGD-coded when
+    `algorithm.compress = "qsgd"`, drawn from ("qsgd", sender, round, step)
+    (common/processors/compress.py)."""
 
     cfg: Any
     sender: str
+    residuals: MutableMapping[str, torch.Tensor] | None = None
 
     def process(self, message: Payload, ctx: Context) -> Payload:
+        coding = for_sender(upload_coding(self.cfg), edge=ctx.method == "edge_round")
+        if coding is not None:
+            return encode_upload(coding, message, self.cfg.run.seed, self.sender, ctx.round, ctx.step,
+                                 self.residuals)
         return compress_upload(self.cfg, message, self.sender, ctx.round, ctx.step)
 
 
@@ -395,9 +421,10 @@ def model_chain(spec: Spec, method: str) -> ModelInbound:
 
 
 def upload(cfg: Any, payload: Payload, sender: str, round: int, step: int = 0, method: str = "train",
-           peer: str = "") -> Payload:
+           peer: str = "", residuals: MutableMapping[str, torch.Tensor] | None = None) -> Payload:
     """The outbound chain of a child's reply to its parent (`method`: the call it answers): the
-    user's processors, then Compress."""
-    chain = ProcessorChain([*installed(method, "out"), Compress(cfg, sender)], str(method), "out", round, peer, step)
+    user's processors, then Compress (`residuals`: the sender's state for error feedback)."""
+    chain = ProcessorChain([*installed(method, "out"), Compress(cfg, sender, residuals)], str(method), "out", round,
+                           peer, step)
     return chain(payload, f"round {round} upload of {sender}")
 

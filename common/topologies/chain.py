@@ -57,6 +57,7 @@ def check(cfg: Any) -> None:
 
 SPEC = TopologySpec(
     name="chain",
+    coded_uploads=False,   # the walking model moves by walk_visit / walk_handoff
     params=ChainParams,
     check=check,
     driver="fedhop.server.walk:WalkDriver",

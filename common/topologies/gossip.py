@@ -39,6 +39,7 @@ def check(cfg: Any) -> None:
 
 SPEC = TopologySpec(
     name="gossip",
+    coded_uploads=False,   # models move by the gossip methods
     params=GossipParams,
     check=check,
     driver="fedhop.server.gossip:GossipDriver",

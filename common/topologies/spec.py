@@ -57,7 +57,9 @@ class TopologySpec:
     the edges (`SequentialAlgorithm`); `edge_steps_key`: the kind's [topology] key that asks for
     more than one edge aggregation per server round (the loader refuses a value above 1 for an
     algorithm with no edge step, `Algorithm.edge_iterations`); `peer_link`/`peer_note`: the link between peers the
-    live page draws ("client-client", "edge-edge"; None: none).
+    live page draws ("client-client", "edge-edge"; None: none); `coded_uploads`: its clients'
+    results are train replies (and its edges' edge_round partials), which `[compression] up`
+    codes (False: it moves models by its own methods, and a compressor is refused).
     """
 
     name: str
@@ -75,6 +77,7 @@ class TopologySpec:
     peer_link: str | None = None
     peer_note: str = ""
     methods: tuple[Method, ...] = ()
+    coded_uploads: bool = True
 
     def __post_init__(self) -> None:
         on_class = tuple(getattr(self.driver, "methods", ())) if isinstance(self.driver, type) else ()

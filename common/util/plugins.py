@@ -56,6 +56,9 @@ What each kind of plug-in is (docs/plugins.md):
   its extra [topology] keys and optional `process_plan` (cfg, placement) -> ProcessPlan says
   which processes the run starts (default: the star plan, every client process under the
   server); common/topologies `spec_for` loads it and adapts a driver into a spec.
+- compressor (`[compression] up`): a class with `encode(v, rng)`, `decode(parts, numel)` and
+  `encoded_bytes(numel, parts)` (common/processors/compressors/base.py), a dataclass whose
+  fields are its further [compression] keys.
 - processor (a `[[processors]]` entry's `name`): a class defining `process(message, ctx) ->
   message`, or a factory known to make one without calling it (a classmethod of such a class, a
   function annotated `-> ThatClass`), called with the entry's other keys once they bind to its
@@ -76,7 +79,7 @@ from types import ModuleType
 from typing import Any, Literal, Sequence
 
 GROUP_PREFIX = "fedhop."
-GROUPS = ("models", "datasets", "algorithms", "topologies", "processors")
+GROUPS = ("models", "datasets", "algorithms", "topologies", "processors", "compressors")
 PLUGIN_PATH_ENV = "FEDHOP_PLUGIN_PATH"   # folders searched for a plug-in package that is not installed
 ALLOW_ENV = "FEDHOP_ALLOW_PLUGINS"       # a client's or edge's allow-list (comma-separated)
 NOT_ALLOWED = "PLUGIN_NOT_ALLOWED"
@@ -172,7 +175,8 @@ def config_plugins(cfg: Any) -> list[str]:
     refs = [(getattr(cfg.model, "factory", "") or "", "models"), (getattr(cfg.model, "exchange", "") or "", "models"),
             (cfg.data.dataset, "datasets"),
             (cfg.algorithm.name, "algorithms"), (cfg.topology.kind, "topologies"),
-            *((p.name, "processors") for p in getattr(cfg, "processors", ()))]
+            *((p.name, "processors") for p in getattr(cfg, "processors", ())),
+            (getattr(getattr(cfg, "compression", None), "up", "") or "", "compressors")]
     out = []
     for ref, group in refs:
         if not isinstance(ref, str) or not ref:
@@ -335,7 +339,9 @@ KINDS = {"models": "a function or class (a model factory `(input_shape, n_output
          "algorithms": "a subclass of fedhop.common.algorithms.base.Algorithm",
          "topologies": "a topology driver class or a TopologySpec",
          "processors": "a class defining process(message, ctx), a factory of one (a classmethod of that class, "
-                       "or a function whose return annotation is that class), or an object with process(message, ctx)"}
+                       "or a function whose return annotation is that class), or an object with process(message, ctx)",
+         "compressors": "a class defining encode(v, rng), decode(parts, numel) and encoded_bytes(numel, parts) "
+                        "(common/processors/compressors/base.py)"}
 
 
 def check_kind(obj: Any, ref: str, group: str, scope: str) -> None:
@@ -349,6 +355,8 @@ def check_kind(obj: Any, ref: str, group: str, scope: str) -> None:
         ok = inspect.isclass(obj)
     elif group == "topologies":
         ok = inspect.isclass(obj) or not callable(obj)
+    elif group == "compressors":
+        ok = inspect.isclass(obj) and all(callable(getattr(obj, m, None)) for m in ("encode", "decode", "encoded_bytes"))
     else:   # processors
         has_process = callable(getattr(obj, "process", None))
         if inspect.isclass(obj):

@@ -1,0 +1,102 @@
+"""A message's tensors coded with one compressor, and decoded by its receiver.
+
+Per-tensor policy: a float tensor with at least `min_numel` elements is coded (flattened, as
+float32); integer tensors, 0-dim values (a norm, a step size) and smaller tensors travel as they
+are.  Part P of tensor NAME is the tensor "{compressor.name}.{P}:{NAME}" (base.py); the parts of
+one tensor are coded in name order from one generator, so a seeded stream decides every draw.
+
+With error feedback (feedback.py) the coded value is v + e, the residual e of this sender and
+tensor, and e becomes (v + e) - decode(encode(v + e)).
+
+The receiver decodes against the reply spec (names, dtypes, shapes the algorithm expects):
+anything a participant could get wrong (a part for a tensor the spec lacks, one for a tensor
+sent plain as well, a tensor the policy leaves plain sent coded, parts a compressor refuses)
+is a PayloadError naming the tensor, so the reply is left out of the round and nobody crashes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, MutableMapping
+
+import torch
+
+from fedhop.common.processors.compressors.base import Compressor
+from fedhop.common.wire.codec import PayloadError
+from fedhop.common.wire.message import Payload
+
+Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+RESIDUAL_PREFIX = "ef_residual:"   # a client state's key of error feedback's residual of a tensor
+
+
+def part_name(compressor: Compressor, part: str, tensor: str) -> str:
+    return f"{compressor.name}.{part}:{tensor}"
+
+
+def coded(dtype: torch.dtype, numel: int, min_numel: int) -> bool:
+    """Whether the per-tensor policy codes a tensor of `dtype` with `numel` elements."""
+    return dtype.is_floating_point and numel >= max(1, min_numel)
+
+
+def encode_payload(payload: Payload, compressor: Compressor, rng: torch.Generator, min_numel: int,
+                   residuals: MutableMapping[str, torch.Tensor] | None = None) -> Payload:
+    """`payload` with every tensor the policy codes replaced by its parts (module docstring).
+    `residuals`: error feedback's residuals by RESIDUAL_PREFIX + tensor name (a client's
+    persistent state), read and updated; None: no error feedback."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(payload.tensors):
+        t = payload.tensors[name]
+        if not coded(t.dtype, t.numel(), min_numel):
+            tensors[name] = t
+            continue
+        v = t.detach().reshape(-1).cpu()
+        if residuals is not None:   # EF-SGD: code p = v + e (Stich et al. 2018, Alg. 1 line 4)
+            e = residuals.get(RESIDUAL_PREFIX + name)
+            if e is not None and e.shape == v.shape and e.dtype == v.dtype:
+                v = v + e
+        parts = compressor.encode(v.to(torch.float32), rng)
+        if residuals is not None:   # e <- p - C(p), in the tensor's own dtype (Alg. 1 line 6)
+            residuals[RESIDUAL_PREFIX + name] = v - compressor.decode(parts, v.numel()).to(v.dtype)
+        for part in sorted(parts):
+            tensors[part_name(compressor, part, name)] = parts[part]
+    return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)
+
+
+def decode_payload(payload: Payload, spec: Spec, compressor: Compressor, min_numel: int) -> Payload:
+    """The receiver's side of `encode_payload`: each coded tensor decoded into its spec's dtype
+    and shape, on the device the message was placed on."""
+    prefix = compressor.name + "."
+    plain: dict[str, torch.Tensor] = {}
+    parts_of: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in payload.tensors.items():
+        head, sep, target = name.partition(":")
+        if sep and head.startswith(prefix):
+            parts_of.setdefault(target, {})[head[len(prefix):]] = t
+        else:
+            plain[name] = t
+    if not parts_of:
+        return payload
+    tensors = dict(plain)
+    for target in sorted(parts_of):
+        if target not in spec:
+            raise PayloadError("BAD_NAME", f"{compressor.name} parts encode '{target}', which the reply spec lacks")
+        if target in plain:
+            raise PayloadError("BAD_NAME", f"'{target}' is sent both plain and as {compressor.name} parts")
+        dtype, shape = spec[target]
+        numel = math.prod(shape)
+        if not coded(dtype, numel, min_numel):
+            raise PayloadError("BAD_NAME", f"'{target}' ({dtype}{list(shape)}) travels plain under "
+                                           f"compression.min_numel = {min_numel}, not as {compressor.name} parts")
+        parts = parts_of[target]
+        device = next(iter(parts.values())).device
+        try:
+            value = compressor.decode({p: t.cpu() for p, t in parts.items()}, numel)
+        except PayloadError:
+            raise
+        except Exception as exc:   # noqa: BLE001 - a plug-in decoder's failure on a participant's input
+            raise PayloadError("BAD_SHAPE", f"{compressor.name} could not decode '{target}': "
+                                            f"{type(exc).__name__}: {exc}") from None
+        if not isinstance(value, torch.Tensor) or value.numel() != numel:
+            raise PayloadError("BAD_SHAPE", f"{compressor.name} decoded '{target}' into something other than "
+                                            f"{numel} values")
+        tensors[target] = value.reshape(shape).to(dtype=dtype, device=device)
+    return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)

@@ -1,0 +1,57 @@
+"""Where the configured compressor applies (`[compression]`, docs/compression.md): the uploads
+of clients (replies to `train`) and of edges (`edge_round` partials), coded by the sender's
+outbound chain and decoded by the parent's inbound chain (common/processors/pipeline.py).
+
+Each sender's draws come from the stream ("compress", sender, round, step) of the run's seed.
+With `error_feedback = "ef"` a client's residual is part of its persistent state (so a
+checkpoint keeps it and a resume restores it); an edge keeps its own in memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, MutableMapping
+
+import torch
+
+from fedhop.common.processors.compressors import NONE
+from fedhop.common.processors.compressors.base import Compressor
+from fedhop.common.processors.compressors.payload import decode_payload, encode_payload
+from fedhop.common.util.rng import torch_stream
+from fedhop.common.wire.message import Payload
+
+
+@dataclass(frozen=True)
+class UploadCoding:
+    """The configured compressor and its policy."""
+
+    compressor: Compressor
+    min_numel: int
+    feedback: bool
+    edges: bool   # edges code their partials too
+
+
+def upload_coding(cfg: Any) -> UploadCoding | None:
+    """The uploads' coding of config `cfg` (None: `compression.up = "none"`)."""
+    comp = getattr(cfg, "compression", None)
+    if comp is None or comp.up == NONE or comp.params is None:
+        return None
+    return UploadCoding(comp.params, int(comp.min_numel), comp.error_feedback == "ef", comp.edge == "same")
+
+
+def for_sender(coding: UploadCoding | None, edge: bool) -> UploadCoding | None:
+    """The coding an upload of a client (`edge` False) or of an edge uses (None: plain)."""
+    if coding is None or (edge and not coding.edges):
+        return None
+    return coding
+
+
+def encode_upload(coding: UploadCoding, payload: Payload, seed: int, sender: str, round: int, step: int,
+                  residuals: MutableMapping[str, torch.Tensor] | None) -> Payload:
+    rng = torch_stream(seed, "compress", sender, round, step)
+    return encode_payload(payload, coding.compressor, rng, coding.min_numel,
+                          residuals if coding.feedback else None)
+
+
+def decode_upload(coding: UploadCoding, payload: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+                  ) -> Payload:
+    return decode_payload(payload, spec, coding.compressor, coding.min_numel)
