@@ -59,6 +59,7 @@ class ClientProcess:
             raise
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
+        self.endpoint.wire_compression = cfg.transport.wire_compression   # from now on (grpc.py)
         torch.set_num_threads(cfg.run.torch_threads)
         self.endpoint.checksum = cfg.security.checksum
         device = process_device(self.device_spec, cfg.clients.device, "clients.device")

@@ -209,6 +209,11 @@ class TransportConfig:
     batch: bool = _f(False, help="requests to the logical clients of one process share gRPC calls (each still its "
                                  "own message with its own ledger records; common/transport/grpc.py): cross-device "
                                  "scale")
+    wire_compression: str = _f("none", choices=("none", "gzip", "deflate"),
+                               help="gRPC's own compression of every call's messages, both directions (grpc "
+                                    "transport only; docs/compression.md): the ledger still counts the "
+                                    "framed bytes before it, so measure what it saves with "
+                                    "benchmarks/wire_compression.py")
     options: dict = _f(factory=dict)
 
 

@@ -141,6 +141,8 @@ class Endpoint(ABC):
         self.chunk_bytes = chunk_bytes
         self.max_payload_bytes = max_payload_bytes
         self.checksum = True    # XXH3-64 of the tensor bytes in every message sent (security.checksum)
+        # transport.wire_compression: what the gRPC transport compresses its calls with ("none" elsewhere)
+        self.wire_compression = "none"
         self.liveness: LivenessMonitor | None = None    # a parent's LivenessMonitor (common/transport/liveness.py): heartbeats, registrations
         # an incoming request's method, caller and size checked on its header frame, before its data
         # is read (common/transport/admission.py `RequestGate`); None: only `max_payload_bytes` bounds it

@@ -171,8 +171,14 @@ def config_problem(cfg: Any) -> str | None:
     error, raised by the config loader, common/config/rules.py), or None: a transport that sums
     uploads in a collective reduces raw float sums, and a coded upload (QSGD) cannot be summed.
     (A robust aggregation's need of every update apart is the robust rule's check,
-    common/engine/robust.py `config_problem`.)"""
+    common/engine/robust.py `config_problem`.)  `transport.wire_compression` is gRPC's own channel
+    compression: only the grpc transport compresses its calls with it (the torch transport's tensors
+    travel in collectives that gRPC never sees)."""
     kind = cfg.transport.kind
+    wire = getattr(cfg.transport, "wire_compression", "none")
+    if kind != "grpc" and wire != "none":
+        return (f"config key 'transport.wire_compression': got '{wire}', but only transport.kind = 'grpc' "
+                f"compresses its calls (transport.kind = '{kind}'; allowed there: 'none')")
     compress = getattr(cfg.algorithm, "compress", "none")
     if sums_in_collective(kind) and compress != "none":
         return (f"config key 'algorithm.compress': got '{compress}', but transport.kind = '{kind}' reduces uploads "

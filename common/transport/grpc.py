@@ -81,6 +81,17 @@ process serves, a dead node's address is free for its own restart and for whoeve
 serve there, and a second registration of a live node id from its address must prove it too.
 Once a registration is accepted, the parent's calls to that address carry `PARENT_META`.
 
+Wire compression (`transport.wire_compression`, docs/compression.md): gRPC's own
+compression (gzip or deflate) of every message of the data calls, registrations and heartbeats,
+both directions: a call's request is compressed by the caller (`compression=` on the call) and
+its reply by the callee (`ServicerContext.set_compression` as the handler starts).  It is set per
+call, not as the channel's or the server's default, because a child process learns the run's
+config only from its registration reply, after its server and its channel to the parent exist
+(client/runtime.py, edge/runtime.py set `wire_compression` then).  gRPC decompresses whatever
+arrives whatever this end's setting, so both ends need not agree.  The ledger counts the framed
+bytes fedhop hands to gRPC, before gRPC compresses them; what reaches the socket is measured by
+benchmarks/wire_compression.py.
+
 Liveness (common/transport/liveness.py):
 `Heartbeat` calls go to `self.liveness`; `mark_dead(address)` cancels the calls in flight to a
 dead child and makes later ones fail at once (NODE_DEAD) until it registers again.
@@ -157,6 +168,12 @@ def not_delivered(exc: grpc.RpcError) -> bool:
     return exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect to all addresses" in (exc.details() or "")
 
 
+#: `transport.wire_compression` -> gRPC's compression of the messages of a call (None: none, and
+#: no compression metadata on the call: the default path unchanged)
+WIRE_COMPRESSION: dict[str, grpc.Compression | None] = {
+    "none": None, "gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}
+
+
 #: the HTTP/2 window of every stream (`transport.window_bytes`): the most a peer can send on a
 #: stream this process has not read (module docstring, Pulled replies)
 WINDOW_BYTES = 16 << 20
@@ -199,8 +216,12 @@ class GrpcEndpoint(Endpoint):
                  chunk_bytes: int = 4 << 20, max_payload_bytes: int = 1 << 31,
                  max_message_bytes: int = 64 << 20, workers: int = 16,
                  credentials: NodeCredentials | None = None, on_refused: RefusedHook | None = None,
-                 window_bytes: int = WINDOW_BYTES) -> None:
+                 window_bytes: int = WINDOW_BYTES, wire_compression: str = "none") -> None:
         super().__init__(node_id, ledger, run_id, token, chunk_bytes, max_payload_bytes)
+        if wire_compression not in WIRE_COMPRESSION:
+            raise ValueError(f"transport.wire_compression = {wire_compression!r} is not one of "
+                             f"{', '.join(WIRE_COMPRESSION)}")
+        self.wire_compression = wire_compression   # module docstring, Wire compression; changed when the config comes
         self.credentials = credentials
         self.on_refused = on_refused
         self.interceptor: AuthInterceptor | None = None
@@ -243,6 +264,17 @@ class GrpcEndpoint(Endpoint):
                 self._channels[address] = ch
             return ch
 
+    def _compression(self) -> grpc.Compression | None:
+        """The compression of the requests this process sends now (module docstring, Wire compression)."""
+        return WIRE_COMPRESSION[self.wire_compression]
+
+    def _compress_replies(self, context: grpc.ServicerContext) -> None:
+        """Compress this served call's reply messages as `wire_compression` says; called before the
+        handler sends its initial metadata (gRPC announces the encoding there)."""
+        algorithm = WIRE_COMPRESSION[self.wire_compression]
+        if algorithm is not None:
+            context.set_compression(algorithm)
+
     def _metadata(self, audience: str = "", address: str = ""):
         """The call's credential; `audience`: the node or logical client called (per-node tokens
         are signed for it, common/security/auth.py); "" for Register and Heartbeat.  A call to the
@@ -276,7 +308,8 @@ class GrpcEndpoint(Endpoint):
             response_deserializer=pb.HeartbeatReply.FromString)
         started = time.perf_counter()
         try:
-            reply = stub(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata())
+            reply = stub(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata(),
+                         compression=self._compression())
         except grpc.RpcError as exc:
             raise CallFailed(exc.code().name, exc.details() or "", address) from None
         seconds = time.perf_counter() - started
@@ -368,7 +401,7 @@ class GrpcEndpoint(Endpoint):
         metadata = (*(self._metadata(request.envelope.dst, address) or ()), *((PULL_METADATA,) if pull else ()),
                     *(() if bundled else (TAKE_METADATA,)))
         call = stub(bundle_bytes(request.frames) if bundled else frames(), timeout=timeout, wait_for_ready=False,
-                    metadata=metadata or None)
+                    metadata=metadata or None, compression=self._compression())
         with self._lock:
             self._inflight.setdefault(address, set()).add(call)
         if bundled:
@@ -419,7 +452,8 @@ class GrpcEndpoint(Endpoint):
             REGISTER, request_serializer=pb.RegisterRequest.SerializeToString,
             response_deserializer=pb.RegisterReply.FromString)
         try:
-            return stub(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata())
+            return stub(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata(),
+                        compression=self._compression())
         except grpc.RpcError as exc:
             raise CallFailed(exc.code().name, exc.details() or "", address) from None
 
@@ -525,6 +559,7 @@ class GrpcEndpoint(Endpoint):
         note_peer = self._note_peer
 
         def exchange(request_iterator, context):
+            endpoint._compress_replies(context)
             # decode each frame as it arrives: the copy into the message buffer overlaps the
             # transfer of the next frame, and a received frame is freed once copied
             def take(env: pb.Envelope) -> Callable[[], None] | None:
@@ -556,6 +591,7 @@ class GrpcEndpoint(Endpoint):
             yield from frames
 
         def call(bundle: bytes, context):
+            endpoint._compress_replies(context)
             try:
                 frames = list(pb.FrameBundle.FromString(bundle).frames)
             except Exception:   # protobuf's DecodeError: not a bundle; answered as an unrouted error
@@ -577,6 +613,7 @@ class GrpcEndpoint(Endpoint):
             return register_handler(request)
 
         def register(request: pb.RegisterRequest, context) -> pb.RegisterReply:
+            endpoint._compress_replies(context)
             if register_handler is None:
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{endpoint.node_id} accepts no registrations")
             reply = endpoint.handle_registration(proved, request)
@@ -593,6 +630,7 @@ class GrpcEndpoint(Endpoint):
                                     msg_id + ".reply", request.run_id)
 
         def heartbeat(request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+            endpoint._compress_replies(context)
             if endpoint.liveness is None:
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{endpoint.node_id} takes no heartbeats")
             reply = endpoint.liveness.beat(request)   # type: ignore[union-attr]  # not None: context.abort raises
