@@ -136,7 +136,7 @@ class ClientHost:
         with self._train_lock:   # error feedback's residuals live in the client's persistent state
             state = self.states.setdefault(cid, {})
             # coded where configured (common/processors/pipeline.py)
-            return self._hand_over_fresh(upload(self.cfg, reply, env.dst, int(env.round), step, residuals=state))
+            return self._hand_over_fresh(upload(self.cfg, reply, env.dst, int(env.round), step, state=state))
 
     def request_hold(self, env: pb.Envelope, alive: Callable[[], bool]) -> Callable[[], None] | None:
         """Room for a large train request's data (the transport's `Endpoint.request_hold`): one

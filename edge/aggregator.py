@@ -57,7 +57,7 @@ class EdgeAggregator:
         self.cluster = cluster_assignment(cfg)[self.index]
         self.algorithm = build_algorithm(cfg)
         self.params = topology_params(cfg)
-        self.upload_residuals: dict[str, torch.Tensor] = {}   # error feedback on this edge's partials (not checkpointed)
+        self.upload_state: dict[str, torch.Tensor] = {}   # error feedback and compressor memory of this edge's partials (not checkpointed)
         # the model's shapes, to validate client replies as the server does
         task = place_task(build_task(cfg), self.device)
         self.model_state = self.algorithm.init_state(get_params(task.build_model()))
@@ -164,7 +164,7 @@ class EdgeAggregator:
         partial.control.processes.extend(sorted(gone))
         # coded where configured (common/processors/pipeline.py); error feedback's residuals kept in memory
         return upload(self.cfg, partial, self.endpoint.node_id, round, 0, Method.EDGE_ROUND,
-                      residuals=self.upload_residuals)
+                      state=self.upload_state)
 
     def check_sampled(self, sampled: list[int]) -> None:
         stray = [c for c in sampled if c not in self.cluster]

@@ -209,7 +209,7 @@ class RoundEngine:
         for cid in sampled:
             state = self.client_states.setdefault(cid, {})
             reply = local_update(self.cfg, self.task, self.algorithm, self._client_model, cid, round, own[cid], state)
-            reply = upload(self.cfg, reply, client_node(cid), round, 0, residuals=state)
+            reply = upload(self.cfg, reply, client_node(cid), round, 0, state=state)
             results[cid] = self.accept(round, f"reply of client {cid}", reply)
         return sampled, self.finish_round(round, results, sampled)   # type: ignore[return-value]  # no fold, no left_out: None only with no client sampled
 

@@ -187,20 +187,19 @@ class CheckModel:
 @dataclass(frozen=True)
 class Compress:
     """Outbound: a child's upload coded by `[compression] up`'s compressor, drawn from the stream
-    ("compress", sender, round, step), with error feedback's residuals in `residuals` (the
-    sender's persistent state; common/processors/compressors/use.py), or QSGD-coded when
+    ("compress", sender, round, step), with error feedback's residuals and a stateful compressor's
+    memory in `state` (the sender's persistent state; common/processors/compressors/use.py), or QSGD-coded when
     `algorithm.compress = "qsgd"`, drawn from ("qsgd", sender, round, step)
     (common/processors/compress.py)."""
 
     cfg: Any
     sender: str
-    residuals: MutableMapping[str, torch.Tensor] | None = None
+    state: MutableMapping[str, torch.Tensor] | None = None
 
     def process(self, message: Payload, ctx: Context) -> Payload:
         coding = for_sender(upload_coding(self.cfg), edge=ctx.method == "edge_round")
         if coding is not None:
-            return encode_upload(coding, message, self.cfg.run.seed, self.sender, ctx.round, ctx.step,
-                                 self.residuals)
+            return encode_upload(coding, message, self.cfg.run.seed, self.sender, ctx.round, ctx.step, self.state)
         return compress_upload(self.cfg, message, self.sender, ctx.round, ctx.step)
 
 
@@ -421,10 +420,11 @@ def model_chain(spec: Spec, method: str) -> ModelInbound:
 
 
 def upload(cfg: Any, payload: Payload, sender: str, round: int, step: int = 0, method: str = "train",
-           peer: str = "", residuals: MutableMapping[str, torch.Tensor] | None = None) -> Payload:
+           peer: str = "", state: MutableMapping[str, torch.Tensor] | None = None) -> Payload:
     """The outbound chain of a child's reply to its parent (`method`: the call it answers): the
-    user's processors, then Compress (`residuals`: the sender's state for error feedback)."""
-    chain = ProcessorChain([*installed(method, "out"), Compress(cfg, sender, residuals)], str(method), "out", round,
+    user's processors, then Compress (`state`: the sender's persistent state, for error feedback
+    and stateful compressors)."""
+    chain = ProcessorChain([*installed(method, "out"), Compress(cfg, sender, state)], str(method), "out", round,
                            peer, step)
     return chain(payload, f"round {round} upload of {sender}")
 

@@ -16,7 +16,7 @@ is a PayloadError naming the tensor, so the reply is left out of the round and n
 from __future__ import annotations
 
 import math
-from typing import Mapping, MutableMapping
+from typing import Iterator, Mapping, MutableMapping
 
 import torch
 
@@ -37,12 +37,42 @@ def coded(dtype: torch.dtype, numel: int, min_numel: int) -> bool:
     return dtype.is_floating_point and numel >= max(1, min_numel)
 
 
+class TensorMemory(MutableMapping[str, torch.Tensor]):
+    """The memory a stateful compressor keeps for one tensor of one sender (PowerSGD's warm-start
+    Q), stored in the sender's persistent state under "{compressor}_memory:{tensor}:{key}", so a
+    client's is checkpointed with the rest of its state."""
+
+    def __init__(self, state: MutableMapping[str, torch.Tensor], compressor: str, tensor: str) -> None:
+        self._state = state
+        self._prefix = f"{compressor}_memory:{tensor}:"
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._state[self._prefix + key]
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self._state[self._prefix + key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._state[self._prefix + key]
+
+    def __iter__(self) -> Iterator[str]:
+        return (k[len(self._prefix):] for k in list(self._state) if k.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 def encode_payload(payload: Payload, compressor: Compressor, rng: torch.Generator, min_numel: int,
-                   residuals: MutableMapping[str, torch.Tensor] | None = None) -> Payload:
+                   state: MutableMapping[str, torch.Tensor] | None = None, feedback: bool = False) -> Payload:
     """`payload` with every tensor the policy codes replaced by its parts (module docstring).
-    `residuals`: error feedback's residuals by RESIDUAL_PREFIX + tensor name (a client's
-    persistent state), read and updated; None: no error feedback."""
+    `state`: the sender's persistent state (a client's), where error feedback keeps its residuals
+    (by RESIDUAL_PREFIX + tensor name, with `feedback`) and a stateful compressor its memory
+    (`TensorMemory`); None: a sender that keeps none (then neither is possible).
+
+    A compressor that defines `encode_shaped(t, rng, memory)` gets the tensor in its own shape
+    (as float32) and its memory; every other gets it flattened."""
     tensors: dict[str, torch.Tensor] = {}
+    residuals = state if feedback else None
     for name in sorted(payload.tensors):
         t = payload.tensors[name]
         if not coded(t.dtype, t.numel(), min_numel):
@@ -53,7 +83,13 @@ def encode_payload(payload: Payload, compressor: Compressor, rng: torch.Generato
             e = residuals.get(RESIDUAL_PREFIX + name)
             if e is not None and e.shape == v.shape and e.dtype == v.dtype:
                 v = v + e
-        parts = compressor.encode(v.to(torch.float32), rng)
+        shaped = getattr(compressor, "encode_shaped", None)
+        if shaped is not None:
+            memory: MutableMapping[str, torch.Tensor] = (TensorMemory(state, compressor.name, name)
+                                                         if state is not None else {})
+            parts = shaped(v.to(torch.float32).reshape(t.shape), rng, memory)
+        else:
+            parts = compressor.encode(v.to(torch.float32), rng)
         if residuals is not None:   # e <- p - C(p), in the tensor's own dtype (Alg. 1 line 6)
             residuals[RESIDUAL_PREFIX + name] = v - compressor.decode(parts, v.numel()).to(v.dtype)
         for part in sorted(parts):

@@ -4,7 +4,8 @@ outbound chain and decoded by the parent's inbound chain (common/processors/pipe
 
 Each sender's draws come from the stream ("compress", sender, round, step) of the run's seed.
 With `error_feedback = "ef"` a client's residual is part of its persistent state (so a
-checkpoint keeps it and a resume restores it); an edge keeps its own in memory.
+checkpoint keeps it and a resume restores it), as is a stateful compressor's memory; an edge
+keeps its own in memory.
 """
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ def for_sender(coding: UploadCoding | None, edge: bool) -> UploadCoding | None:
 
 
 def encode_upload(coding: UploadCoding, payload: Payload, seed: int, sender: str, round: int, step: int,
-                  residuals: MutableMapping[str, torch.Tensor] | None) -> Payload:
+                  state: MutableMapping[str, torch.Tensor] | None) -> Payload:
+    """`payload` coded by sender `sender` (`state`: its persistent state, for error feedback's
+    residuals and a stateful compressor's memory)."""
     rng = torch_stream(seed, "compress", sender, round, step)
-    return encode_payload(payload, coding.compressor, rng, coding.min_numel,
-                          residuals if coding.feedback else None)
+    return encode_payload(payload, coding.compressor, rng, coding.min_numel, state, coding.feedback)
 
 
 def decode_upload(coding: UploadCoding, payload: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
