@@ -7,6 +7,7 @@ and the byte formula of each (docs/compression.md).
 - quantize.py: signSGD's sign, the scaled sign, b-bit stochastic rounding, natural compression,
   float16 and bfloat16 casts;
 - qsgd.py: QSGD (common/processors/compress.py) as a member of the family;
+- lowrank.py: PowerSGD, rank-r factors by one warm-started power-iteration step;
 - payload.py: a message's tensors coded and decoded with one compressor, under the per-tensor
   policy (`[compression] min_numel`);
 - feedback.py: error feedback (EF-SGD) around any compressor, its residual kept per sender.
@@ -28,8 +29,9 @@ NONE = "none"   # no compressor: tensors travel as they are
 
 def builtin_compressors() -> dict[str, type]:
     """The built-in compressor classes by name (imported on first use: they import torch)."""
+    from fedhop.common.processors.compressors.lowrank import PowerSGD
     from fedhop.common.processors.compressors.qsgd import QSGD
-    found: dict[str, type] = {"qsgd": QSGD}
+    found: dict[str, type] = {"qsgd": QSGD, "powersgd": PowerSGD}
     try:
         from fedhop.common.processors.compressors import sparse
         found.update({c.name: c for c in (sparse.TopK, sparse.RandK, sparse.Threshold)})
