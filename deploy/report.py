@@ -105,6 +105,7 @@ class RunData:
     run_row: dict[str, Any] = field(default_factory=dict)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     cumulative: dict[int, dict[str, int]] = field(default_factory=dict)
+    cumulative_dir: dict[str, dict[int, dict[str, int]]] = field(default_factory=dict)   # "up" / "down" only
     by_link: dict[str, dict[str, int]] = field(default_factory=dict)  # no "total" key
     agreement: Verdict | None = None   # explained losses agree (server/agreement.py)
     has_messages: bool = False
@@ -151,13 +152,15 @@ class RunData:
             return None
         return sum(int(v.get(kind, 0)) for v in self.by_link.values())
 
-    def bytes_upto(self, round_: int, kind: str) -> int | None:
+    def bytes_upto(self, round_: int, kind: str, direction: str | None = None) -> int | None:
+        """The `kind` bytes of every message up to `round_` (`direction` "up" or "down": only those)."""
         if not self.has_messages:
             return None
-        if round_ in self.cumulative:
-            return self.cumulative[round_][kind]
-        below = [r for r in self.cumulative if r <= round_]
-        return self.cumulative[max(below)][kind] if below else 0
+        table = self.cumulative if direction is None else self.cumulative_dir.get(direction, {})
+        if round_ in table:
+            return table[round_][kind]
+        below = [r for r in table if r <= round_]
+        return table[max(below)][kind] if below else 0
 
 
 @dataclass
@@ -222,6 +225,7 @@ def load_run(run_dir: Path, notes: list[str]) -> RunData | None:
                 data.has_messages = total["messages"] > 0
                 if data.has_messages:
                     data.cumulative = store.cumulative_bytes_by_round()
+                    data.cumulative_dir = {d: store.cumulative_bytes_by_round(d) for d in ("up", "down")}
                     data.agreement = ledger_verdict(store)
                 db_links = links
             _check_rounds(data.rounds, data.cumulative, db_links)
@@ -229,6 +233,7 @@ def load_run(run_dir: Path, notes: list[str]) -> RunData | None:
                 KeyError) as exc:   # a crafted file: JSON nested too deeply, text where a number belongs
             notes.append(f"{db_path}: unreadable ({type(exc).__name__}: {str(exc)[:200]}), ignored")
             data.run_row, data.rounds, data.cumulative, data.agreement = {}, [], {}, None
+            data.cumulative_dir = {}
             data.has_messages = False
             db_links = {}
     else:
@@ -645,30 +650,9 @@ def _draw(runs: Sequence[RunData], metric: str | None, target: float | None, kin
         else:
             notes.append(f"no run has per-round {metric}; {name('metric_vs_round')} not written")
 
-        fig, ax = _figure()
-        drawn = False
-        left = []
-        for run, cv, c in curves:
-            pts = [(run.bytes_upto(r, kind), v) for r, v in cv]
-            pts = [(b, v) for b, v in pts if b is not None and b > 0]
-            if pts:
-                ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", markersize=3, color=c, label=run.name)
-                drawn = True
-            else:
-                left.append((run.name, "no message bytes per round" if cv else f"no per-round {metric}"))
-        if drawn:
-            _left_out(fig, left, notes, name("metric_vs_bytes"))
-            ax.set_xscale("log")   # first: setting the scale resets the axis' formatters
-            ax.xaxis.set_major_formatter(_bytes_formatter())
-            ax.xaxis.set_minor_formatter(_bytes_minor_formatter())
-            if target is not None:
-                ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}")
-            ax.set_xlabel(f"cumulative {short} bytes")
-            ax.set_ylabel(metric)
-            ax.set_title(f"{metric} against cumulative {short} bytes")
-            ax.legend(fontsize=FONT_PT)
-            ax.grid(alpha=0.3, which="both")
-            _save(fig, out / name("metric_vs_bytes"), plots, name.dpi)
+        for direction, stem, what in ((None, "metric_vs_bytes", ""), ("up", "metric_vs_upload_bytes", "upload "),
+                                      ("down", "metric_vs_download_bytes", "download ")):
+            _metric_against_bytes(curves, metric, target, kind, direction, stem, what, out, notes, plots, name)
 
         sim = [(run, run.sim_curve(metric), c) for run, c in zip(runs, colors) if run.has_sim_time()]
         if any(cv for _, cv, _ in sim):
@@ -721,6 +705,37 @@ def _draw(runs: Sequence[RunData], metric: str | None, target: float | None, kin
 
 TIME_PARTS = ("time_compute", "time_communication", "time_waiting", "time_aggregation", "time_evaluation")
 OPTIONAL_PARTS = ("time_waiting",)   # absent in runs recorded before it existed: counted as 0
+
+
+def _metric_against_bytes(curves: list, metric: str, target: float | None, kind: str, direction: str | None,
+                          stem: str, what: str, out: Path, notes: list[str], plots: list[Path], name: "_Namer") -> None:
+    """`metric` against the cumulative `kind` bytes of every message (`direction` None), or of the
+    uploads ("up": what a compressor shrinks) or the downloads ("down") only."""
+    short = kind.replace("_bytes", "")
+    fig, ax = _figure()
+    drawn = False
+    left = []
+    for run, cv, c in curves:
+        pts = [(run.bytes_upto(r, kind, direction), v) for r, v in cv]
+        pts = [(b, v) for b, v in pts if b is not None and b > 0]
+        if pts:
+            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", markersize=3, color=c, label=run.name)
+            drawn = True
+        else:
+            left.append((run.name, "no message bytes per round" if cv else f"no per-round {metric}"))
+    if drawn:
+        _left_out(fig, left, notes, name(stem))
+        ax.set_xscale("log")   # first: setting the scale resets the axis' formatters
+        ax.xaxis.set_major_formatter(_bytes_formatter())
+        ax.xaxis.set_minor_formatter(_bytes_minor_formatter())
+        if target is not None:
+            ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}")
+        ax.set_xlabel(f"cumulative {what}{short} bytes")
+        ax.set_ylabel(metric)
+        ax.set_title(f"{metric} against cumulative {what}{short} bytes")
+        ax.legend(fontsize=FONT_PT)
+        ax.grid(alpha=0.3, which="both")
+        _save(fig, out / name(stem), plots, name.dpi)
 
 
 def _bytes_formatter():

@@ -137,7 +137,8 @@ def test_plots_are_valid_pngs(runs):
     tmp, _, _ = runs
     res = build_report([tmp / "a", tmp / "b"], tmp / "out", target=0.6)
     names = sorted(p.name for p in res.plots)
-    assert names == ["bytes_by_link.png", "metric_vs_bytes.png", "metric_vs_round.png", "metric_vs_sim_time.png"]
+    assert names == ["bytes_by_link.png", "metric_vs_bytes.png", "metric_vs_download_bytes.png", "metric_vs_round.png",
+                     "metric_vs_sim_time.png", "metric_vs_upload_bytes.png"]
     for p in res.plots:
         assert p.parent == tmp / "out" and p.exists()
         assert png_size(p) == (2100, 1350)   # 7 x 4.5 in at 300 dpi (print quality)
@@ -280,8 +281,9 @@ def test_plots_at_print_quality_in_each_format(runs):
     are points: matplotlib writes it at 72 units per inch)."""
     tmp, _, _ = runs
     svg = build_report([tmp / "a", tmp / "b"], tmp / "svg", target=0.6, fmt="svg")
-    assert sorted(p.name for p in svg.plots) == ["bytes_by_link.svg", "metric_vs_bytes.svg", "metric_vs_round.svg",
-                                                 "metric_vs_sim_time.svg"]
+    assert sorted(p.name for p in svg.plots) == ["bytes_by_link.svg", "metric_vs_bytes.svg", "metric_vs_download_bytes.svg",
+                                                 "metric_vs_round.svg", "metric_vs_sim_time.svg",
+                                                 "metric_vs_upload_bytes.svg"]
     for p in svg.plots:
         assert min(svg_font_sizes(p)) >= 9, p.name
     # the byte axis' ticks in the table's units (run A: 2 to 10 kB; B: 3 to 12 kB), none as 10^4
@@ -295,3 +297,23 @@ def test_plots_at_print_quality_in_each_format(runs):
     assert png_size(tmp / "png150" / "metric_vs_round.png") == (1050, 675)   # 7 x 4.5 in
     with pytest.raises(SystemExit):
         main([str(tmp / "a"), "--format", "jpeg"])
+
+
+def test_upload_and_download_curves_count_their_direction_only(runs):
+    """The upload and download byte curves (metric_vs_upload_bytes, metric_vs_download_bytes)
+    sum the ledger's messages of that direction up to each round, each message once."""
+    from fedhop.deploy.report import load_run
+    tmp, _, _ = runs
+    for name in ("a", "b"):
+        run = load_run(tmp / name, [])
+        with RunStore(tmp / name / "run.db", create=False) as store:
+            rows = [r for r in store.messages() if r["role"] == "sender"]
+        rounds = sorted({int(r["round"]) for r in rows})
+        assert {r["direction"] for r in rows} >= {"up", "down"}
+        for direction in ("up", "down"):
+            for rnd in rounds:
+                want = sum(r["tensor_bytes"] for r in rows if r["direction"] == direction and r["round"] <= rnd)
+                assert run.bytes_upto(rnd, "tensor_bytes", direction) == want
+        last = rounds[-1]
+        assert (run.bytes_upto(last, "tensor_bytes", "up") + run.bytes_upto(last, "tensor_bytes", "down")
+                == run.bytes_upto(last, "tensor_bytes"))

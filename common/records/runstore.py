@@ -504,16 +504,19 @@ class RunStore:
                 out.setdefault(link, {})[direction] = _totals(sums)
         return out
 
-    def bytes_per_round(self) -> dict[int, dict[str, int]]:
-        """{round: {tensor_bytes, payload_bytes, framed_bytes, messages}} for rounds with traffic."""
+    def bytes_per_round(self, direction: str | None = None) -> dict[int, dict[str, int]]:
+        """{round: {tensor_bytes, payload_bytes, framed_bytes, messages}} for rounds with traffic;
+        `direction` ("up": towards the server, "down", "peer"): only messages that travel so."""
         if not self._has("messages"):
             return {}
-        sql = _ONCE + f"SELECT round, {_SUMS} FROM once GROUP BY round ORDER BY round"
-        return {int(r): _totals(sums) for r, *sums in self._query(sql)}
+        where, args = ("WHERE direction = ?", (direction,)) if direction is not None else ("", ())
+        sql = _ONCE + f"SELECT round, {_SUMS} FROM once {where} GROUP BY round ORDER BY round"
+        return {int(r): _totals(sums) for r, *sums in self._query(sql, args)}
 
-    def cumulative_bytes_by_round(self) -> dict[int, dict[str, int]]:
-        """{round: bytes of every message with round <= this one}, over rounds with traffic or a rounds row."""
-        per = self.bytes_per_round()
+    def cumulative_bytes_by_round(self, direction: str | None = None) -> dict[int, dict[str, int]]:
+        """{round: bytes of every message with round <= this one}, over rounds with traffic or a rounds
+        row (`direction`: as in `bytes_per_round`)."""
+        per = self.bytes_per_round(direction)
         rounds = sorted(set(per) | {int(r["round"]) for r in self.rounds()})
         out: dict[int, dict[str, int]] = {}
         acc = _zero()
