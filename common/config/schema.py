@@ -254,7 +254,7 @@ class CompressionConfig:
     compressor's own keys follow in this section."""
 
     up: str = _f("none", help="the uploads' compressor: none, qsgd, topk, randk, threshold, sign, scaled_sign, "
-                              "rounding, natural, fp16, bf16, or a plug-in 'package.module:Class' (docs/compression.md)")
+                              "rounding, natural, fp16, bf16, powersgd, or a plug-in 'package.module:Class' (docs/compression.md)")
     edge: str = _f("same", choices=("same", "none"), help="an edge's partial aggregate: coded with compression.up "
                                                           "(same) or sent plain (none)")
     error_feedback: str = _f("none", choices=("none", "ef"), help="ef: EF-SGD, each sender codes its update plus "
