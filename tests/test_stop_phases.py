@@ -101,11 +101,29 @@ def assert_none_left(folder: Path, timeout: float = 60) -> None:
     wait_until("end of the processes left behind", lambda: procs_in(folder) == [], timeout=timeout, every=0.1)
 
 
+def stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP: state T in /proc/PID/stat)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 def kill_all(procs: list[subprocess.Popen]) -> None:
+    """End what is left: a running process gets SIGTERM and 10 s to write what it was writing (a
+    failed test's server logs its traceback then), a frozen one and one that does not leave SIGKILL."""
+    for p in procs:
+        if p.poll() is None and not stopped(p.pid):
+            p.terminate()
     for p in procs:
         if p.poll() is None:
-            p.kill()
-            p.wait()
+            try:
+                p.wait(0 if stopped(p.pid) else 10)
+            except subprocess.TimeoutExpired:
+                pass
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 # ---------------------------------------------------------------- the server process
