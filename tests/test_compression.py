@@ -205,3 +205,27 @@ def test_a_users_compressor_runs_over_grpc_with_its_bytes_counted(tmp_path):
     lines = [ln for ln in bad.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "compression.scal" in lines[0] and "did you mean 'scale'" in lines[0], bad.stderr
     assert not (tmp_path / "run2" / "run.db").exists()
+
+
+def test_a_sweep_spec_varies_compressor_settings(tmp_path):
+    """`fedhop sweep` takes compressor keys as any dotted key: a grid over compression.ratio (and
+    the compressor itself) is checked against the base config at load, and a misspelt one is one
+    line naming it."""
+    from fedhop.deploy.sweep_spec import SweepSpecError, check_base_config, load_spec, setting_error
+    (tmp_path / "base.toml").write_text(config('up = "topk"'))
+    (tmp_path / "sweep.toml").write_text(textwrap.dedent('''
+        [sweep]
+        config = "base.toml"
+        seeds = [0, 1]
+        [grid]
+        "compression.ratio" = [0.01, 0.1]
+        "compression.error_feedback" = ["none", "ef"]
+    '''))
+    spec = load_spec(tmp_path / "sweep.toml")
+    check_base_config(spec)
+    assert setting_error(spec, "", ["compression.ratio=0.1", 'compression.error_feedback="ef"']) is None
+    assert "compression.ratio" in (setting_error(spec, "", ["compression.ratio=2.0"]) or "")
+    (tmp_path / "bad.toml").write_text((tmp_path / "sweep.toml").read_text().replace('"compression.ratio"',
+                                                                                     '"compression.ratoi"'))
+    with pytest.raises(SweepSpecError, match=r"compression.ratoi"):
+        check_base_config(load_spec(tmp_path / "bad.toml"))
