@@ -158,11 +158,12 @@ def test_server_stopped_before_its_last_round_records_a_stopped_run(tmp_path, ph
 @pytest.mark.parametrize("sig", SIGNALS)
 @pytest.mark.parametrize("phase", ["after-last-round", "closing"])
 def test_server_stopped_after_its_last_round_records_a_completed_run(tmp_path, phase, sig):
-    """Client process 1 is frozen (SIGSTOP) once round 2 is recorded, while it trains in round 3
-    (each client sleeps 2 s a round: sleep_scale, so the freeze cannot miss round 3, whose
-    messages take milliseconds): round 3, the last, counts process 0's clients (the call to the
-    frozen one fails after 3 s; the heartbeat timeout is longer than the run, so it is never marked
-    dead), and the server's shut-down call to it then waits for its timeout.  after-last-round:
+    """Client process 1 is frozen (SIGSTOP) once round 2 is recorded, before round 3 is: the
+    server paces each round to 2 s of wall time (clients.sleep_scale: its rounds' messages take
+    milliseconds, and without it round 3 could be over before the freeze).  Round 3, the last,
+    counts the results that came (a call to the frozen process fails after 3 s; the heartbeat
+    timeout is longer than the run, so it is never marked dead), and the server's shut-down call
+    to the frozen process then waits for its timeout.  after-last-round:
     the signal arrives once round 3's row is written (the server records the round, or shuts its
     children down); closing: a first signal there and a second once the failed shut-down is
     recorded (the records are being written)."""
