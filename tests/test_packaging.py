@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -73,3 +73,32 @@ def test_bench_help_lists_every_subcommand():
     assert set(BENCHMARKS) == {"transport", "compute", "scale", "growth", "gpu", "large", "flower"}
     for name in BENCHMARKS:
         assert re.search(rf"\b{name}\b", out.stdout.split("positional arguments")[1]), name
+
+
+def test_every_source_package_is_in_the_wheel():
+    """Every folder with an __init__.py under the mapped source folders is a package the wheel
+    lists (pyproject.toml [tool.setuptools] packages, mapped by package-dir), or sits under one
+    whose package-data carries its modules (the topology folders): a new sub-package left out
+    would import in a checkout and fail in an installed wheel."""
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    folder_of = {name: ROOT / path for name, path in setuptools["package-dir"].items()}
+    data = setuptools.get("package-data", {})
+
+    def carried(package: str) -> bool:   # its __init__.py is data of an enclosing listed package
+        for owner, globs in data.items():
+            if package.startswith(owner + "."):
+                rel = package[len(owner) + 1:].replace(".", "/") + "/__init__.py"
+                if any(PurePosixPath(rel).match(g) or g.startswith("**/") and PurePosixPath(rel).match(g[3:])
+                       for g in globs):
+                    return True
+        return False
+
+    missing = []
+    for name, folder in folder_of.items():
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder)
+            package = ".".join([name, *rel.parts]) if rel.parts else name
+            if package not in listed and not carried(package):
+                missing.append(package)
+    assert missing == [], f"packages not in pyproject.toml's [tool.setuptools] packages: {missing}"
