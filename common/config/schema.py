@@ -237,9 +237,11 @@ class SecurityConfig:
     nan_policy: str = _f("reject", choices=("reject", "fail"),
                          help="NaN/Inf in a result: drop it, or fail the run")
     keep_checkpoints: int = _f(2, min=1, help="newest checkpoints kept in RUN_DIR/checkpoints")
-    aggregation: str = _f("mean", choices=("mean", "median", "trimmed_mean", "krum", "multi_krum"),
-                          help="the server's (and edges') reduction of updates: the weighted mean, or a "
-                               "Byzantine-robust rule (common/engine/robust.py)")
+    aggregation: str = _f("mean", choices=("mean", "median", "trimmed_mean", "krum", "multi_krum",
+                                            "majority_vote"),
+                          help="the server's (and edges') reduction of updates: the weighted mean, a "
+                               "Byzantine-robust rule, or signSGD's majority vote sign(sum_i sign(update_i)) "
+                               "(common/engine/robust.py)")
     trim: float = _f(0.1, min=0.0, max=0.49, help="trimmed_mean: fraction dropped at each end per coordinate")
     krum_f: int = _f(1, min=0, help="krum, multi_krum: the number of Byzantine updates tolerated (each group needs "
                                     "n > 2f + 2 updates)")

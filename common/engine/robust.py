@@ -1,5 +1,5 @@
 """Byzantine-robust aggregation rules (`security.aggregation`), for runs whose participants
-cannot all be trusted.
+cannot all be trusted, and signSGD's majority vote (a vote of the updates' signs).
 
 The default reduction (`reduce_payloads`, "mean") is the weighted mean of the clients'
 updates: one client that sends a large update moves the model as far as it likes.  The rules
@@ -29,6 +29,17 @@ arbitrary values cannot drag far:
   chosen can be honest whatever f updates are bad.  Krum keeps one client's update per round:
   with label-skewed data (the default Dirichlet partition) that one update is a poor step and
   the run loses accuracy with or without an attacker (docs/faults.md); multi-Krum averages.
+- "majority_vote": signSGD with majority vote (Bernstein, Wang, Azizzadenesheli, Anandkumar,
+  "signSGD: compressed optimisation for non-convex problems", ICML 2018, Algorithm 3: the server
+  sends back sign(sum_i sign(g_i))): per coordinate, the sign of the sum of the n updates' signs,
+  one vote per update, so the result is -1, 0 or +1.  A tie (the votes sum to 0, e.g. two
+  updates that disagree) gives 0: that coordinate does not move (the paper leaves the tie open);
+  an update's own 0 entry is sign(0) = 0, no vote.  With FedAvg and `server_lr` eta the server
+  step is then w <- w + eta * sign(sum_i sign(Delta_i)).  It works with any `compression.up`: with
+  "sign" the uploads arrive as +-1 already (the sign compressor codes 0 as +1, so a client's 0
+  entry votes +), with another compressor or none the rule takes the decoded updates' signs.  In a
+  hierarchical run each edge votes over its clients and the server votes over the edges' votes
+  (their partials enter as their means, whose signs are the edges' votes): a vote of votes.
 
 Each rule is unweighted over the updates it sees (a client's sample count is what an attacker
 would inflate).  The result is returned in the shape the algorithms expect from `aggregate`:
@@ -38,7 +49,8 @@ server step's sum_i w_i x_i / W) reads the robust value.  A partial aggregate fr
 rule at the edges over their clients and again at the server over the edges' robust means.
 
 Group sizes.  Each rule needs a group of at least `rule_minimum` updates to outvote one bad
-update: 3 for the median and the trimmed mean, 2f + 3 for Krum and multi-Krum.  Where the config fixes the
+update: 3 for the median and the trimmed mean, 2f + 3 for Krum and multi-Krum (the majority
+vote is defined for any group, 1 update included: it has no minimum and no fallback).  Where the config fixes the
 largest group a round can have (the clients sampled per round in a star; at each edge of a
 hierarchical run, its clients, at most the clients sampled per round) a group below that is a
 config error (`config_group_problem`), and so is a `krum_m` above n - f of such a group, or a
@@ -66,7 +78,7 @@ from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload, ReduceOp,
 
 log = logging.getLogger("fedhop.robust")
 
-RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
+RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "majority_vote")
 KRUM_RULES = ("krum", "multi_krum")
 
 
@@ -85,7 +97,8 @@ def trim_count(n: int, trim: float) -> int:
 
 
 def rule_minimum(rule: str, krum_f: int = 1) -> int:
-    """The fewest updates for which `rule` can outvote one bad update (Krum, multi-Krum: n > 2f + 2)."""
+    """The fewest updates for which `rule` can outvote one bad update (Krum, multi-Krum: n > 2f + 2);
+    1 for the mean and the majority vote, which are defined for any group and never fall back."""
     if rule in KRUM_RULES:
         return 2 * krum_f + 3
     return 3 if rule in ("median", "trimmed_mean") else 1
@@ -100,6 +113,13 @@ def trimmed_mean(stack: torch.Tensor, trim: float) -> torch.Tensor:
         return coordinate_median(stack)
     ordered = torch.sort(stack, dim=0).values
     return ordered[k:n - k].mean(dim=0)
+
+
+def majority_vote(stack: torch.Tensor) -> torch.Tensor:
+    """sign(sum_i sign(x_i)) over dim 0 of an (n, ...) stack (Bernstein et al. 2018, Algorithm 3):
+    one vote per row, whatever its magnitude; a coordinate whose votes sum to 0 (a tie, or every
+    row 0 there) gives 0.  The sum of n values in {-1, 0, +1} is exact in float64."""
+    return torch.sign(torch.sign(stack.double()).sum(dim=0))
 
 
 def krum_scores(vectors: torch.Tensor, f: int) -> list[float]:
@@ -152,7 +172,8 @@ def _own_value(p: Payload, name: str) -> torch.Tensor:
 def robust_reduce(payloads: list[Payload], ops: Mapping[str, ReduceOp], rule: str, *,
                   trim: float = 0.1, krum_f: int = 1, krum_m: int = 0) -> Payload:
     """`reduce_payloads` with the `wsum` tensors combined by `rule` (module docstring); Krum or
-    multi-Krum with fewer than 2f + 3 updates: the coordinate-wise median."""
+    multi-Krum with fewer than 2f + 3 updates: the coordinate-wise median.  The majority vote
+    reads each update's sign only, so a partial's sign (its weighted sum's) is its mean's."""
     out = reduce_payloads(payloads, ops)
     if rule == "mean":
         return out
@@ -174,7 +195,12 @@ def robust_reduce(payloads: list[Payload], ops: Mapping[str, ReduceOp], rule: st
         return out
     for nm in names:
         stack = torch.stack([_own_value(p, nm).double() for p in payloads])
-        value = coordinate_median(stack) if rule == "median" else trimmed_mean(stack, trim)
+        if rule == "majority_vote":
+            value = majority_vote(stack)
+        elif rule == "median":
+            value = coordinate_median(stack)
+        else:
+            value = trimmed_mean(stack, trim)
         out.tensors[nm] = (value * total).to(out.tensors[nm].dtype)
     return out
 
