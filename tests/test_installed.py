@@ -14,6 +14,7 @@ import json
 import shutil
 import sqlite3
 import subprocess
+import textwrap
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -370,3 +371,23 @@ def test_out_onto_a_finished_run_is_refused_and_force_reruns(installed, home, ru
     assert runs == 1 and run_ids == 1, "the rerun's run.db holds the earlier run too"
     assert {k: s["bytes"]["total"][k] for k in ledger_totals(again / "run.db")} == ledger_totals(again / "run.db")
     assert s["bytes"]["total"]["messages"] == summary(home / "runs" / "a")["bytes"]["total"]["messages"]
+
+
+def test_compressed_uploads_from_the_wheel(installed, tmp_path):
+    """Issue 47 from the installed wheel, in a folder outside the checkout: a built-in compressor
+    with error feedback (float16 casts: 2 bytes an element) and a user's compressor module beside
+    the config each cost their formula on every upload, with the MLP's 610 parameters."""
+    plugin = (ROOT / "tests" / "test_compression.py").read_text().split("PLUGIN = textwrap.dedent('''")[1]
+    folder = user_folder(tmp_path / "compressed", EXP + '\n[compression]\nup = "fp16"\nerror_feedback = "ef"\n')
+    (folder / "mycomp.py").write_text(textwrap.dedent(plugin.split("''')")[0]))
+    for out, sets in (("runs/fp16", []), ("runs/mine", ["--set", 'compression.up="mycomp:Halves"',
+                                                         "--set", "compression.scale=2.0"])):
+        done = fedhop(installed, "run", "exp.toml", "--out", out, "--quiet", *sets, cwd=folder)
+        completed(done, folder / out)
+        con = sqlite3.connect(f"file:{folder / out / 'run.db'}?mode=ro", uri=True)
+        try:
+            sizes = {r[0] for r in con.execute("SELECT tensor_bytes FROM messages WHERE role = 'sender' AND "
+                                               "direction = 'up' AND method = 'train.reply'")}
+        finally:
+            con.close()
+        assert sizes == {2 * (64 * 8 + 8 + 8 * 10 + 10)}, (out, sizes)
