@@ -139,6 +139,10 @@ def test_config_lines_name_the_key():
         parse_config(config('up = "topk"\nratoi = 0.1'))
     with pytest.raises(ConfigError, match=r"compression.up.*unknown compressor 'tpok'.*did you mean 'topk'"):
         parse_config(config('up = "tpok"'))
+    with pytest.raises(ConfigError, match=r"compression.layers.'w'.ratoi.*did you mean 'ratio'"):
+        parse_config(config('up = "topk"\n[compression.layers]\n"w" = {ratoi = 0.5}'))
+    with pytest.raises(ConfigError, match=r"compression.layers.'w'.*allowed: \"plain\""):
+        parse_config(config('up = "topk"\n[compression.layers]\n"w" = 3'))
     with pytest.raises(ConfigError, match=r"compression.error_feedback.*needs a compressor"):
         parse_config(config('error_feedback = "ef"'))
     with pytest.raises(ConfigError, match=r"compression.ratio.*0.0"):
@@ -229,3 +233,19 @@ def test_a_sweep_spec_varies_compressor_settings(tmp_path):
                                                                                      '"compression.ratoi"'))
     with pytest.raises(SweepSpecError, match=r"compression.ratoi"):
         check_base_config(load_spec(tmp_path / "bad.toml"))
+
+
+@pytest.mark.parametrize("keys, layers, size", [
+    ("ratio = 0.01", '"w" = {ratio = 0.5}', 4 * 500 + math.ceil(D / 8)),   # the layer's k wins
+    ("ratio = 0.5", '"w" = "plain"', 4 * D),                             # sent as it is
+    ("ratio = 0.5", '"x*" = "plain"\n"*" = {ratio = 0.5, values = "bfloat16"}', 2 * 500 + math.ceil(D / 8)),
+])
+def test_layers_set_a_tensors_own_keys_or_send_it_plain(tmp_path, keys, layers, size):
+    """`[compression.layers]`: the first pattern a tensor's name matches decides its keys (or
+    "plain"); the config round-trips through the TOML a child process receives."""
+    from fedhop.common.config import config_to_toml
+    cfg = parse_config(config(f'up = "topk"\n{keys}\n[compression.layers]\n{layers}'))
+    assert parse_config(config_to_toml(cfg)).compression == cfg.compression
+    summary, _ = run_inmemory(cfg, tmp_path)
+    assert summary["status"] == "completed", summary["error"]
+    assert {r["tensor_bytes"] for r in uploads(tmp_path)} == {size}

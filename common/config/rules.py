@@ -21,6 +21,7 @@ from fedhop.common.algorithms import edge_step_problem, partial_exchange_algorit
 from fedhop.common.config.schema import Config, ConfigError, resolve_clients_per_round
 from fedhop.common.config.validate import _is_int
 from fedhop.common.processors.compressors import config_problem as compression_problem
+from fedhop.common.processors.compressors import layer_settings
 from fedhop.common.topologies import TopologySpec, spec_for
 from fedhop.common.transport.factory import config_problem as transport_problem
 from fedhop.common.util.plugins import PluginError, check_call, entry_point_names, load_plugin
@@ -52,6 +53,7 @@ def _topology_checks(cfg: Config) -> None:
             key, _, why = str(exc).partition(": ")
             raise ConfigError(f"config key '{key}': {why}") from None
     _raise(edge_step_problem(cfg))   # the algorithm's rule on the topology's edge steps
+    layer_settings(cfg)   # [compression] layers, on the compressor's validated keys
     if spec is not None and not spec.coded_uploads and cfg.compression.up != "none":
         raise ConfigError(f"config key 'compression.up': topology.kind = '{cfg.topology.kind}' moves models by its "
                           f"own methods, which are not coded (allowed: 'none')")

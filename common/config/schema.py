@@ -263,6 +263,10 @@ class CompressionConfig:
                                                                   "the residual it kept, and keeps what the code "
                                                                   "lost (a client's residual is checkpointed)")
     min_numel: int = _f(2, min=1, help="float tensors with fewer elements travel plain")
+    layers: dict = _f(factory=dict, help="per-tensor settings by name pattern (fnmatch; the first that matches "
+                                         "decides): \"plain\" sends the tensor uncompressed, a table sets the "
+                                         "compressor's keys for it, e.g. {\"*.bias\" = \"plain\", \"fc1.*\" = "
+                                         "{ratio = 0.1}}")
     options: dict = _f(factory=dict)
 
 

@@ -9,8 +9,9 @@ and the byte formula of each (docs/compression.md).
 - qsgd.py: QSGD (common/processors/compress.py) as a member of the family;
 - lowrank.py: PowerSGD, rank-r factors by one warm-started power-iteration step;
 - payload.py: a message's tensors coded and decoded with one compressor, under the per-tensor
-  policy (`[compression] min_numel`);
-- feedback.py: error feedback (EF-SGD) around any compressor, its residual kept per sender.
+  policy (`[compression] min_numel`, `layers`), with error feedback (EF-SGD) around any
+  compressor, its residual kept per sender;
+- use.py: where the configured compressor applies (uploads of clients and edges).
 
 A compressor is chosen by `[compression] up = NAME` (a built-in name below, or a user's class
 "package.module:Class", common/util/plugins.py group "compressors"); its dataclass fields are its
@@ -85,3 +86,27 @@ def config_problem(cfg: Any) -> str | None:
         return (f"config key 'compression.up': '{comp.up}' and algorithm.compress = '{cfg.algorithm.compress}' "
                 f"both code the uploads; set one (compression.up = 'qsgd' is algorithm.compress = 'qsgd')")
     return None
+
+
+def layer_settings(cfg: Any) -> list[tuple[str, Any]]:
+    """`[compression] layers` as (pattern, compressor or None for "plain"), in the order written;
+    each table is the configured compressor's keys with the table's on top, validated as the
+    section's own (ConfigError naming `compression.layers.PATTERN.KEY`)."""
+    from fedhop.common.config.schema import ConfigError
+    from fedhop.common.config.validate import build_dataclass
+    comp = cfg.compression
+    out: list[tuple[str, Any]] = []
+    for pattern, value in comp.layers.items():
+        where = f"compression.layers.{pattern!r}"
+        if value == "plain":
+            out.append((pattern, None))
+        elif isinstance(value, dict):
+            if comp.params is None:
+                raise ConfigError(f"config key '{where}': a table of compressor keys needs compression.up "
+                                  f"(it is 'none')")
+            params, _ = build_dataclass(type(comp.params), {**comp.options, **value}, where)
+            out.append((pattern, params))
+        else:
+            raise ConfigError(f"config key '{where}': got {value!r}, allowed: \"plain\" or a table of "
+                              f"compression.up's keys such as {{ratio = 0.1}}")
+    return out

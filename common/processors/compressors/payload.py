@@ -1,11 +1,12 @@
 """A message's tensors coded with one compressor, and decoded by its receiver.
 
-Per-tensor policy: a float tensor with at least `min_numel` elements is coded (flattened, as
+Per-tensor policy: `[compression] layers` may send a tensor plain or code it with other keys of
+the same compressor (the first name pattern it matches, `for_tensor`); otherwise a float tensor with at least `min_numel` elements is coded (flattened, as
 float32); integer tensors, 0-dim values (a norm, a step size) and smaller tensors travel as they
 are.  Part P of tensor NAME is the tensor "{compressor.name}.{P}:{NAME}" (base.py); the parts of
 one tensor are coded in name order from one generator, so a seeded stream decides every draw.
 
-With error feedback (feedback.py) the coded value is v + e, the residual e of this sender and
+With error feedback (`error_feedback = "ef"`) the coded value is v + e, the residual e of this sender and
 tensor, and e becomes (v + e) - decode(encode(v + e)).
 
 The receiver decodes against the reply spec (names, dtypes, shapes the algorithm expects):
@@ -15,8 +16,9 @@ is a PayloadError naming the tensor, so the reply is left out of the round and n
 """
 from __future__ import annotations
 
+import fnmatch
 import math
-from typing import Iterator, Mapping, MutableMapping
+from typing import Iterator, Mapping, MutableMapping, Sequence
 
 import torch
 
@@ -26,6 +28,18 @@ from fedhop.common.wire.message import Payload
 
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 RESIDUAL_PREFIX = "ef_residual:"   # a client state's key of error feedback's residual of a tensor
+
+
+Layers = Sequence[tuple[str, "Compressor | None"]]   # `[compression] layers`: (name pattern, its compressor or None: plain)
+
+
+def for_tensor(name: str, compressor: Compressor, layers: Layers = ()) -> Compressor | None:
+    """The compressor of tensor `name`: the first `layers` pattern (fnmatch) it matches decides
+    (None: it travels plain), else `compressor`."""
+    for pattern, chosen in layers:
+        if fnmatch.fnmatchcase(name, pattern):
+            return chosen
+    return compressor
 
 
 def part_name(compressor: Compressor, part: str, tensor: str) -> str:
@@ -62,20 +76,23 @@ class TensorMemory(MutableMapping[str, torch.Tensor]):
         return sum(1 for _ in self)
 
 
-def encode_payload(payload: Payload, compressor: Compressor, rng: torch.Generator, min_numel: int,
-                   state: MutableMapping[str, torch.Tensor] | None = None, feedback: bool = False) -> Payload:
+def encode_payload(payload: Payload, default: Compressor, rng: torch.Generator, min_numel: int,
+                   state: MutableMapping[str, torch.Tensor] | None = None, feedback: bool = False,
+                   layers: Layers = ()) -> Payload:
     """`payload` with every tensor the policy codes replaced by its parts (module docstring).
     `state`: the sender's persistent state (a client's), where error feedback keeps its residuals
     (by RESIDUAL_PREFIX + tensor name, with `feedback`) and a stateful compressor its memory
     (`TensorMemory`); None: a sender that keeps none (then neither is possible).
 
     A compressor that defines `encode_shaped(t, rng, memory)` gets the tensor in its own shape
-    (as float32) and its memory; every other gets it flattened."""
+    (as float32) and its memory; every other gets it flattened.  `layers`: per-tensor settings
+    (`for_tensor`), else `default` codes every tensor the policy codes."""
     tensors: dict[str, torch.Tensor] = {}
     residuals = state if feedback else None
     for name in sorted(payload.tensors):
         t = payload.tensors[name]
-        if not coded(t.dtype, t.numel(), min_numel):
+        compressor = for_tensor(name, default, layers)
+        if compressor is None or not coded(t.dtype, t.numel(), min_numel):
             tensors[name] = t
             continue
         v = t.detach().reshape(-1).cpu()
@@ -97,10 +114,11 @@ def encode_payload(payload: Payload, compressor: Compressor, rng: torch.Generato
     return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)
 
 
-def decode_payload(payload: Payload, spec: Spec, compressor: Compressor, min_numel: int) -> Payload:
+def decode_payload(payload: Payload, spec: Spec, default: Compressor, min_numel: int, layers: Layers = ()) -> Payload:
     """The receiver's side of `encode_payload`: each coded tensor decoded into its spec's dtype
-    and shape, on the device the message was placed on."""
-    prefix = compressor.name + "."
+    and shape, on the device the message was placed on, by the compressor `for_tensor` gives it
+    (the same class as `default`: `layers` only change its keys, or send a tensor plain)."""
+    prefix = default.name + "."
     plain: dict[str, torch.Tensor] = {}
     parts_of: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in payload.tensors.items():
@@ -114,11 +132,14 @@ def decode_payload(payload: Payload, spec: Spec, compressor: Compressor, min_num
     tensors = dict(plain)
     for target in sorted(parts_of):
         if target not in spec:
-            raise PayloadError("BAD_NAME", f"{compressor.name} parts encode '{target}', which the reply spec lacks")
+            raise PayloadError("BAD_NAME", f"{default.name} parts encode '{target}', which the reply spec lacks")
         if target in plain:
-            raise PayloadError("BAD_NAME", f"'{target}' is sent both plain and as {compressor.name} parts")
+            raise PayloadError("BAD_NAME", f"'{target}' is sent both plain and as {default.name} parts")
         dtype, shape = spec[target]
         numel = math.prod(shape)
+        compressor = for_tensor(target, default, layers)
+        if compressor is None:
+            raise PayloadError("BAD_NAME", f"'{target}' travels plain (compression.layers), not as {default.name} parts")
         if not coded(dtype, numel, min_numel):
             raise PayloadError("BAD_NAME", f"'{target}' ({dtype}{list(shape)}) travels plain under "
                                            f"compression.min_numel = {min_numel}, not as {compressor.name} parts")

@@ -14,7 +14,7 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from fedhop.common.processors.compressors import NONE
+from fedhop.common.processors.compressors import NONE, layer_settings
 from fedhop.common.processors.compressors.base import Compressor
 from fedhop.common.processors.compressors.payload import decode_payload, encode_payload
 from fedhop.common.util.rng import torch_stream
@@ -29,6 +29,7 @@ class UploadCoding:
     min_numel: int
     feedback: bool
     edges: bool   # edges code their partials too
+    layers: tuple[tuple[str, Compressor | None], ...] = ()   # [compression] layers (payload.py `for_tensor`)
 
 
 def upload_coding(cfg: Any) -> UploadCoding | None:
@@ -36,7 +37,8 @@ def upload_coding(cfg: Any) -> UploadCoding | None:
     comp = getattr(cfg, "compression", None)
     if comp is None or comp.up == NONE or comp.params is None:
         return None
-    return UploadCoding(comp.params, int(comp.min_numel), comp.error_feedback == "ef", comp.edge == "same")
+    layers = tuple(layer_settings(cfg)) if comp.layers else ()
+    return UploadCoding(comp.params, int(comp.min_numel), comp.error_feedback == "ef", comp.edge == "same", layers)
 
 
 def for_sender(coding: UploadCoding | None, edge: bool) -> UploadCoding | None:
@@ -51,9 +53,9 @@ def encode_upload(coding: UploadCoding, payload: Payload, seed: int, sender: str
     """`payload` coded by sender `sender` (`state`: its persistent state, for error feedback's
     residuals and a stateful compressor's memory)."""
     rng = torch_stream(seed, "compress", sender, round, step)
-    return encode_payload(payload, coding.compressor, rng, coding.min_numel, state, coding.feedback)
+    return encode_payload(payload, coding.compressor, rng, coding.min_numel, state, coding.feedback, coding.layers)
 
 
 def decode_upload(coding: UploadCoding, payload: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
                   ) -> Payload:
-    return decode_payload(payload, spec, coding.compressor, coding.min_numel)
+    return decode_payload(payload, spec, coding.compressor, coding.min_numel, coding.layers)
