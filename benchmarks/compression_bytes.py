@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from fedhop.common.config import parse_config
-from fedhop.common.processors.compressors import builtin_compressors
 from fedhop.common.records.runstore import RunStore
 from fedhop.deploy.inmemory import run_inmemory
 
@@ -79,7 +78,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     d = args.d
-    classes = builtin_compressors()
     print(f"d = {d}, dense float32 = {4 * d} bytes\n")
     print("| compressor | keys | link | formula | formula bytes | ledger bytes (every upload) |")
     print("|---|---|---|---|---|---|")
