@@ -19,9 +19,8 @@ from __future__ import annotations
 from fedhop.common.algorithms import config_problem as algorithm_problem
 from fedhop.common.algorithms import edge_step_problem, partial_exchange_algorithms, registry
 from fedhop.common.config.schema import Config, ConfigError, resolve_clients_per_round
-from fedhop.common.config.validate import _is_int
+from fedhop.common.config.validate import _is_int, build_dataclass
 from fedhop.common.processors.compressors import config_problem as compression_problem
-from fedhop.common.processors.compressors import layer_settings
 from fedhop.common.topologies import TopologySpec, spec_for
 from fedhop.common.transport.factory import config_problem as transport_problem
 from fedhop.common.util.plugins import PluginError, check_call, entry_point_names, load_plugin
@@ -53,10 +52,27 @@ def _topology_checks(cfg: Config) -> None:
             key, _, why = str(exc).partition(": ")
             raise ConfigError(f"config key '{key}': {why}") from None
     _raise(edge_step_problem(cfg))   # the algorithm's rule on the topology's edge steps
-    layer_settings(cfg)   # [compression] layers, on the compressor's validated keys
+    _check_compression_layers(cfg)
     if spec is not None and not spec.coded_uploads and cfg.compression.up != "none":
         raise ConfigError(f"config key 'compression.up': topology.kind = '{cfg.topology.kind}' moves models by its "
                           f"own methods, which are not coded (allowed: 'none')")
+
+
+def _check_compression_layers(cfg: Config) -> None:
+    """`[compression] layers`: each value "plain" or a table of compression.up's keys, checked as
+    the section's own (on the compressor's validated params, so after the options check)."""
+    comp = cfg.compression
+    params = getattr(comp, "params", None)   # the compressor, set by the options check
+    for pattern, value in comp.layers.items():
+        where = f"compression.layers.{pattern!r}"
+        if value == "plain":
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{where}': got {value!r}, allowed: \"plain\" or a table of "
+                              f"compression.up's keys such as {{ratio = 0.1}}")
+        if params is None:
+            raise ConfigError(f"config key '{where}': a table of compressor keys needs compression.up (it is 'none')")
+        build_dataclass(type(params), {**comp.options, **value}, where)
 
 
 def _cross_checks(cfg: Config) -> None:

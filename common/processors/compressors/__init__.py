@@ -90,23 +90,16 @@ def config_problem(cfg: Any) -> str | None:
 
 def layer_settings(cfg: Any) -> list[tuple[str, Any]]:
     """`[compression] layers` as (pattern, compressor or None for "plain"), in the order written;
-    each table is the configured compressor's keys with the table's on top, validated as the
-    section's own (ConfigError naming `compression.layers.PATTERN.KEY`)."""
-    from fedhop.common.config.schema import ConfigError
-    from fedhop.common.config.validate import build_dataclass
+    each table is the configured compressor with the table's keys on top.  The loader has checked
+    every entry (common/config/rules.py `_check_compression_layers`)."""
     comp = cfg.compression
     out: list[tuple[str, Any]] = []
     for pattern, value in comp.layers.items():
-        where = f"compression.layers.{pattern!r}"
         if value == "plain":
             out.append((pattern, None))
-        elif isinstance(value, dict):
-            if comp.params is None:
-                raise ConfigError(f"config key '{where}': a table of compressor keys needs compression.up "
-                                  f"(it is 'none')")
-            params, _ = build_dataclass(type(comp.params), {**comp.options, **value}, where)
-            out.append((pattern, params))
+        elif isinstance(value, dict) and comp.params is not None:
+            out.append((pattern, dataclasses.replace(comp.params, **value)))
         else:
-            raise ConfigError(f"config key '{where}': got {value!r}, allowed: \"plain\" or a table of "
-                              f"compression.up's keys such as {{ratio = 0.1}}")
+            raise ValueError(f"compression.layers.{pattern!r}: got {value!r}, allowed: \"plain\" or a table of "
+                             f"compression.up's keys")
     return out
