@@ -12,7 +12,6 @@ the ledger recorded on that link's uploads.  Equal columns are what tests/test_c
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 from pathlib import Path
 
@@ -97,13 +96,9 @@ def main() -> None:
             compressor = cfg.compression.params
             probe = torch.linspace(-1, 1, d, dtype=torch.float32)   # a tensor for the formula's data-dependent terms
             parts = compressor.encode(probe, torch.Generator().manual_seed(0))
-            expected = compressor.encoded_bytes(d, parts) if name not in ("threshold", "randk", "topk") else None
+            expected = compressor.encoded_bytes(d, parts) if name != "threshold" else None   # its k depends on v
             for link, sizes in sorted(seen.items()):
                 shown = f"{expected:,}" if expected is not None else "per upload (data dependent)"
-                if name in ("topk", "randk"):
-                    k = math.ceil(0.5 * d)
-                    value = (4 if name == "topk" else 2) * k + math.ceil(d / 8)   # the bitmap wins at k = d / 2
-                    shown = f"{value:,}"
                 print(f"| {name} | {keys.replace(chr(10), ', ') or '-'} | {link} | {formula} | {shown} | "
                       f"{', '.join(f'{s:,}' for s in sorted(sizes))} |")
 
