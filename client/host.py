@@ -15,6 +15,7 @@ import torch
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.config import Config
 from fedhop.common.engine.rounds import local_update
+from fedhop.common.processors.compressors.downlink import DownlinkReceiver, downlink_coding
 from fedhop.common.processors.pipeline import upload
 from fedhop.common.records.checkpoint import states_from_payload, states_to_payload
 from fedhop.common.tasks import build_task
@@ -83,6 +84,8 @@ class ClientHost:
         self._request_room = threading.BoundedSemaphore(TAKEN_TRAIN_REQUESTS)
         self.shutdown_event = threading.Event()
         self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
+        coding = downlink_coding(cfg)   # coded broadcasts (`compression.down`): the reference this process holds
+        self.downlink = DownlinkReceiver(coding) if coding is not None else None
         self.router = self._routes()
         for cid in self.client_ids:
             if not 0 <= cid < self.task.num_clients:
@@ -132,7 +135,10 @@ class ClientHost:
     def _train_call(self, request: Request) -> Payload:
         env = request.envelope
         cid, step = parse_client_id(env.dst), int(env.step)
-        reply = to_host(self.train(cid, int(env.round), request.payload, step))   # the seam: one copy to the CPU
+        message = request.payload
+        if self.downlink is not None:   # a coded broadcast: the reference model it brings (downlink.py)
+            message = self.downlink.receive(message, f"round {env.round} message to {env.dst}")
+        reply = to_host(self.train(cid, int(env.round), message, step))   # the seam: one copy to the CPU
         with self._train_lock:   # error feedback's residuals live in the client's persistent state
             state = self.states.setdefault(cid, {})
             # coded where configured (common/processors/pipeline.py)

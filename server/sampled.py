@@ -18,6 +18,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+from fedhop.common.processors.compressors.downlink import DownlinkSender, downlink_coding
 from fedhop.common.processors.streaming import OrderedFold, StreamedResults, reply_budget
 from fedhop.common.transport.control import control_of, failures_of, sampled_clients
 from fedhop.common.transport.fabric import Send, reply_chain
@@ -45,22 +46,40 @@ class DataPlane(ABC):
 
 class ClientFanout(DataPlane):
     """Star over the fabric: each sampled client gets its message (its own variant where the
-    algorithm has one, Algorithm.client_message; each distinct message is encoded once)."""
+    algorithm has one, Algorithm.client_message; each distinct message is encoded once).
+    With `compression.down` the broadcast is coded per receiving process against the model it
+    holds (common/processors/compressors/downlink.py)."""
+
+    def __init__(self, ctx: DriverContext) -> None:
+        super().__init__(ctx)
+        coding = downlink_coding(ctx.cfg)
+        self.downlink = (DownlinkSender(coding, ctx.cfg.run.seed, lambda: ctx.state.extra)
+                         if coding is not None else None)
 
     def dispatch(self, round, sampled, message, arrivals):
         ctx = self.ctx
         spec, rules = ctx.algorithm.reply_spec(ctx.state), ctx.algorithm.reply_scalars()
+        down = self.downlink
+        for_receiver = down.code(message) if down is not None else (lambda receiver: message)
+        receiver = {cid: ctx.client_home[cid].node_id for cid in sampled}
         requests = [Send(cid, ctx.client_home[cid].address, client_node(cid), Method.TRAIN,
-                         ctx.client_message(message, round, cid),
+                         ctx.client_message(for_receiver(receiver[cid]), round, cid),
                          inbound=reply_chain(ctx.cfg, spec, Method.TRAIN, rules, ctx.limiter.limits([cid]),
                                                      round=round, peer=client_node(cid)),
                          who=f"round {round} reply of client {cid}",
                          on_reply=lambda c: arrivals.__setitem__(c, time.perf_counter()))
                     for cid in sampled]
         timeout = ctx.cfg.run.round_timeout
-        return ctx.fabric.send_and_receive(requests, round=round, timeout=timeout, call_timeout=ctx.cfg.run.call_timeout,
-                                           timeout_reason=f"timeout: no result within run.round_timeout={timeout}s",
-                                           fold=round_fold(ctx, sampled, spec, per_client=True))
+        results, failures = ctx.fabric.send_and_receive(
+            requests, round=round, timeout=timeout, call_timeout=ctx.cfg.run.call_timeout,
+            timeout_reason=f"timeout: no result within run.round_timeout={timeout}s",
+            fold=round_fold(ctx, sampled, spec, per_client=True))
+        if down is not None:   # a process that answered holds the new reference; any other gets a resync next
+            answered: dict[str, bool] = {}
+            for cid in sampled:
+                answered[receiver[cid]] = answered.get(receiver[cid], False) or cid in results
+            down.delivered(answered)
+        return results, failures
 
 
 class EdgeFanout(DataPlane):
@@ -140,6 +159,15 @@ class SampledRoundDriver(TopologyDriver):
             self.plane = factory(self.ctx)
         except (RuntimeError, ValueError) as exc:   # a torch.distributed world that could not be set up
             raise RunFailed(str(exc)) from None
+
+    def summary(self) -> dict:
+        """With coded broadcasts: how many messages were coded differences and how many plain
+        resyncs (the first round's included), and the reference's last version."""
+        down = getattr(self.plane, "downlink", None)
+        if down is None:
+            return {}
+        return {"downlink": {"coded_messages": down.coded_sends, "plain_messages": down.resyncs,
+                             "reference_version": down.version}}
 
     def sample(self, round: int) -> list[int]:
         """The round's clients, sorted (a subclass may choose them its own way)."""

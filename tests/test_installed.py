@@ -391,3 +391,26 @@ def test_compressed_uploads_from_the_wheel(installed, tmp_path):
         finally:
             con.close()
         assert sizes == {2 * (64 * 8 + 8 + 8 * 10 + 10)}, (out, sizes)
+
+
+def test_coded_broadcasts_from_the_wheel(installed, tmp_path):
+    """Issue 47's downlink from the installed wheel, outside the checkout: 4 clients each in a
+    process of its own, 2 a round; every train message is either the plain model (610 float32
+    parameters) or coded differences, smaller, and summary.json counts each kind as the ledger does."""
+    folder = user_folder(tmp_path / "down", EXP.replace("processes = 1", "processes = 4")
+                         + '\n[compression]\ndown = "topk"\ndown_keys = {k = 8}\n')
+    rounds = 6
+    done = fedhop(installed, "run", "exp.toml", "--out", "runs/down", "--quiet", "--set", f"run.rounds={rounds}",
+                  cwd=folder)
+    completed(done, folder / "runs" / "down", rounds)
+    con = sqlite3.connect(f"file:{folder / 'runs' / 'down' / 'run.db'}?mode=ro", uri=True)
+    try:
+        sizes = [r[0] for r in con.execute("SELECT tensor_bytes FROM messages WHERE role = 'sender' AND "
+                                           "method = 'train'")]
+    finally:
+        con.close()
+    plain = 4 * (64 * 8 + 8 + 8 * 10 + 10)
+    assert len(sizes) == 2 * rounds and all(0 < s <= plain for s in sizes), sizes
+    counts = json.loads((folder / "runs" / "down" / "summary.json").read_text())["downlink"]
+    assert counts["plain_messages"] == sizes.count(plain) and counts["coded_messages"] == len(sizes) - sizes.count(plain)
+    assert counts["coded_messages"] > 0 and counts["reference_version"] == rounds

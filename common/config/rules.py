@@ -20,6 +20,7 @@ from fedhop.common.algorithms import config_problem as algorithm_problem
 from fedhop.common.algorithms import edge_step_problem, partial_exchange_algorithms, registry
 from fedhop.common.config.schema import Config, ConfigError, resolve_clients_per_round
 from fedhop.common.config.validate import _is_int, build_dataclass
+from fedhop.common.processors.compressors import compressor_class
 from fedhop.common.processors.compressors import config_problem as compression_problem
 from fedhop.common.topologies import TopologySpec, spec_for
 from fedhop.common.transport.factory import config_problem as transport_problem
@@ -53,6 +54,7 @@ def _topology_checks(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}': {why}") from None
     _raise(edge_step_problem(cfg))   # the algorithm's rule on the topology's edge steps
     _check_compression_layers(cfg)
+    _check_downlink(cfg, spec)
     if spec is not None and not spec.coded_uploads and cfg.compression.up != "none":
         raise ConfigError(f"config key 'compression.up': topology.kind = '{cfg.topology.kind}' moves models by its "
                           f"own methods, which are not coded (allowed: 'none')")
@@ -73,6 +75,38 @@ def _check_compression_layers(cfg: Config) -> None:
         if params is None:
             raise ConfigError(f"config key '{where}': a table of compressor keys needs compression.up (it is 'none')")
         build_dataclass(type(params), {**comp.options, **value}, where)
+
+
+def _check_downlink(cfg: Config, spec: TopologySpec | None) -> None:
+    """`compression.down`: "none", "same" (compression.up's compressor and keys) or a compressor
+    with `compression.down_keys`; sets `compression.down_params` (the compressor, or None)."""
+    comp = cfg.compression
+    down = comp.down
+    comp.down_params = None   # type: ignore[attr-defined]
+    if down == "none":
+        if comp.down_keys:
+            raise ConfigError("config key 'compression.down_keys': needs a compressor (compression.down is 'none')")
+        return
+    if spec is None or not spec.coded_broadcasts:
+        raise ConfigError(f"config key 'compression.down': topology.kind = '{cfg.topology.kind}' does not send its "
+                          f"broadcast in train calls, which coded broadcasts need (the star topology does; allowed "
+                          f"here: 'none')")
+    if down == "same":
+        if comp.up == "none" or getattr(comp, "params", None) is None:
+            raise ConfigError("config key 'compression.down': 'same' needs compression.up (it is 'none')")
+        if comp.down_keys:
+            raise ConfigError("config key 'compression.down_keys': 'same' takes compression.up's keys; name the "
+                              "compressor in compression.down to give it keys of its own")
+        comp.down_params = comp.params   # type: ignore[attr-defined]
+        return
+    try:
+        cls = compressor_class(down)
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"config key 'compression.down': {exc.args[0] if exc.args else exc}") from None
+    if cls is None:
+        return
+    params, _ = build_dataclass(cls, dict(comp.down_keys), "compression.down_keys")
+    comp.down_params = params   # type: ignore[attr-defined]
 
 
 def _cross_checks(cfg: Config) -> None:

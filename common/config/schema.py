@@ -262,6 +262,13 @@ class CompressionConfig:
     error_feedback: str = _f("none", choices=("none", "ef"), help="ef: EF-SGD, each sender codes its update plus "
                                                                   "the residual it kept, and keeps what the code "
                                                                   "lost (a client's residual is checkpointed)")
+    down: str = _f("none", help="the server's broadcasts (star topology over gRPC or in memory): none, same "
+                                "(compression.up's compressor and keys), or a compressor whose keys are "
+                                "compression.down_keys; each receiver gets a coded difference to the model it "
+                                "holds, or the model itself when it holds none the server still has differences "
+                                "for (docs/compression.md, Downlink)")
+    down_keys: dict = _f(factory=dict, help="the keys of compression.down's compressor, e.g. {ratio = 0.05} "
+                                            "(unset keys: the compressor's defaults)")
     min_numel: int = _f(2, min=1, help="float tensors with fewer elements travel plain")
     layers: dict = _f(factory=dict, help="per-tensor settings by name pattern (fnmatch; the first that matches "
                                          "decides): \"plain\" sends the tensor uncompressed, a table sets the "

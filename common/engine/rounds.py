@@ -33,6 +33,7 @@ from fedhop.common.algorithms.local import bind_params, get_params, share_params
 from fedhop.common.config.schema import Config, client_local_steps, resolve_clients_per_round
 from fedhop.common.engine.heterogeneity import apply_straggler_plan, devices_params
 from fedhop.common.engine.vclock import RoundClock
+from fedhop.common.processors.compressors.downlink import VERSION_KEY, DownlinkSender, downlink_coding
 from fedhop.common.processors.pipeline import reply_chain, upload
 from fedhop.common.processors.streaming import OrderedFold
 from fedhop.common.processors.validation import finite_step, finite_streamed
@@ -92,6 +93,8 @@ class RoundEngine:
         self.clock = RoundClock(cfg, host_task(self.task))
         self._client_model: torch.nn.Module | None = None
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}
+        coding = downlink_coding(cfg)   # `compression.down`: the reference model the clients train from
+        self._downlink = DownlinkSender(coding, cfg.run.seed, lambda: self.state.extra) if coding is not None else None
 
     # ------------------------------------------------------------------ server steps
     def sample(self, round: int, restrict: Restrict | None = None, attempt: int = 0) -> list[int]:
@@ -114,6 +117,10 @@ class RoundEngine:
         """The round's shared message (the broadcast with the straggler plan) and what each sampled
         client receives (the shared object, or the client's own variant: Algorithm.client_message)."""
         shared = self.clock.begin_round(round, sampled, self.algorithm.broadcast(self.state, round))
+        if self._downlink is not None:   # every client trains from the reference model (downlink.py), as over a transport
+            plain = self._downlink.code(shared)("")
+            shared = Payload(tensors=plain.tensors, scalars={k: v for k, v in plain.scalars.items() if k != VERSION_KEY},
+                             control=plain.control)
         return shared, {cid: self.algorithm.client_message(self.state, shared, round, cid) for cid in sampled}
 
     def accept(self, round: int, who: str, reply: Payload) -> Payload:

@@ -59,7 +59,10 @@ class TopologySpec:
     algorithm with no edge step, `Algorithm.edge_iterations`); `peer_link`/`peer_note`: the link between peers the
     live page draws ("client-client", "edge-edge"; None: none); `coded_uploads`: its clients'
     results are train replies (and its edges' edge_round partials), which `[compression] up`
-    codes (False: it moves models by its own methods, and a compressor is refused).
+    codes (False: it moves models by its own methods, and a compressor is refused);
+    `coded_broadcasts`: its server sends every sampled client the round's broadcast in a train
+    call, which `[compression] down` codes against the model the client's process holds
+    (common/processors/compressors/downlink.py; False: `down` is refused).
     """
 
     name: str
@@ -78,6 +81,7 @@ class TopologySpec:
     peer_note: str = ""
     methods: tuple[Method, ...] = ()
     coded_uploads: bool = True
+    coded_broadcasts: bool = False
 
     def __post_init__(self) -> None:
         on_class = tuple(getattr(self.driver, "methods", ())) if isinstance(self.driver, type) else ()

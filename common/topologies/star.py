@@ -18,4 +18,5 @@ SPEC = TopologySpec(
     plan="fedhop.common.topologies.plan:star_plan",
     robust="round",
     engine_rounds=True,
+    coded_broadcasts=True,   # the server's fan-out codes each process's train message (compression.down)
 )

@@ -179,6 +179,11 @@ def config_problem(cfg: Any) -> str | None:
     if kind != "grpc" and wire != "none":
         return (f"config key 'transport.wire_compression': got '{wire}', but only transport.kind = 'grpc' "
                 f"compresses its calls (transport.kind = '{kind}'; allowed there: 'none')")
+    down = getattr(getattr(cfg, "compression", None), "down", "none")
+    entry = TRANSPORTS.get(kind)
+    if down != "none" and entry is not None and entry.planes.get(STAR_ROUND) != FANOUT_PLANES[STAR_ROUND]:
+        return (f"config key 'compression.down': got '{down}', but transport.kind = '{kind}' broadcasts by its own "
+                f"data plane, not the server's fan-out that codes each process's message (allowed there: 'none')")
     compress = getattr(cfg.algorithm, "compress", "none")
     if sums_in_collective(kind) and compress != "none":
         return (f"config key 'algorithm.compress': got '{compress}', but transport.kind = '{kind}' reduces uploads "

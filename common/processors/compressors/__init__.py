@@ -11,7 +11,9 @@ and the byte formula of each (docs/compression.md).
 - payload.py: a message's tensors coded and decoded with one compressor, under the per-tensor
   policy (`[compression] min_numel`, `layers`), with error feedback (EF-SGD) around any
   compressor, its residual kept per sender;
-- use.py: where the configured compressor applies (uploads of clients and edges).
+- use.py: where the configured compressor applies (uploads of clients and edges);
+- downlink.py: the server's broadcasts (`[compression] down`) coded as differences to the model
+  each process holds, with the resync rule for processes that skipped rounds.
 
 A compressor is chosen by `[compression] up = NAME` (a built-in name below, or a user's class
 "package.module:Class", common/util/plugins.py group "compressors"); its dataclass fields are its
