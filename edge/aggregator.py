@@ -24,6 +24,7 @@ import torch
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.local import get_params
 from fedhop.common.config import Config
+from fedhop.common.processors.compressors.downlink import DownlinkReceiver, DownlinkSender, downlink_coding
 from fedhop.common.processors.streaming import OrderedFold, reply_budget
 from fedhop.common.processors.validation import ReplyLimiter, finite_step, finite_streamed
 from fedhop.common.records.checkpoint import forward_client_state
@@ -68,6 +69,13 @@ class EdgeAggregator:
         self.shutdown_event = threading.Event()
         self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
         self.fabric = Fabric(endpoint, max_workers=32, batch=cfg.transport.batch)
+        # coded broadcasts (`compression.down`, downlink.py): the server's reference this edge holds, and
+        # this edge's own reference towards its client processes (in memory: not checkpointed)
+        coding = downlink_coding(cfg)
+        self.downlink_in = DownlinkReceiver(coding) if coding is not None else None
+        self.downlink_state: dict[str, torch.Tensor] = {}
+        self.downlink_out = (DownlinkSender(coding, cfg.run.seed, lambda: self.downlink_state, endpoint.node_id)
+                             if coding is not None else None)
         self._plane: Any = None   # this edge's EDGE_STEP plane (`plane`), made on first use
         self.router = self._routes(parent)
 
@@ -151,6 +159,8 @@ class EdgeAggregator:
     def edge_round(self, round: int, message: Payload) -> Payload:
         """A round that arrives as a call (the fan-out transports): the iterations, then one
         partial (QSGD-coded where configured) with the failures and unavailable clients."""
+        if self.downlink_in is not None:   # a coded broadcast: the server's reference model it brings
+            message = self.downlink_in.receive(message, f"round {round} message to {self.endpoint.node_id}")
         sampled = list(control_of(message).clients)   # the server's sample in this edge's cluster
         message = without_control(message)           # what the clients get: the server's tensors and scalars
         self.check_sampled(sampled)
@@ -208,12 +218,15 @@ class EdgeAggregator:
         rules = self.algorithm.reply_scalars()
         failures: dict[int, str] = {}
         requests = []
+        down = self.downlink_out
+        for_receiver = down.code(message) if down is not None else (lambda receiver: message)
         for c in clients:
             if c not in self.client_home:
                 failures[c] = f"UNKNOWN_CLIENT: client {c} never registered with {self.endpoint.node_id}"
                 continue
             check = reply_chain(self.cfg, spec, Method.TRAIN, rules, self.limiter.limits([c]), round=round, peer=client_node(c))
-            requests.append(Send(c, self.client_home[c][1], client_node(c), Method.TRAIN, message, step=step,
+            requests.append(Send(c, self.client_home[c][1], client_node(c), Method.TRAIN,
+                                 for_receiver(self.client_home[c][0]), step=step,
                                  inbound=check, who=f"round {round} step {step} reply of client {c}"))
         fold = (OrderedFold(list(sorted(req.key for req in requests)), self.algorithm.reply_reduce, reply_budget(spec, 1.0))
                 if stream else None)   # in client-id order, as `finite_step` aggregates
@@ -222,6 +235,12 @@ class EdgeAggregator:
                                                        timeout_reason=f"timeout at {self.endpoint.node_id}", fold=fold)
         failures.update(failed)
         self.suspect_failed(failed)
+        if down is not None:   # a process with an answering client holds the edge's new reference
+            answered: dict[str, bool] = {}
+            for req in requests:
+                node = self.client_home[req.key][0]
+                answered[node] = answered.get(node, False) or req.key in replies
+            down.delivered(answered)
         return replies, failures
 
     def suspect_failed(self, failed: dict[int, str]) -> None:

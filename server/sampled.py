@@ -37,6 +37,9 @@ class DataPlane(ABC):
 
     def __init__(self, ctx: DriverContext) -> None:
         self.ctx = ctx
+        coding = downlink_coding(ctx.cfg)   # coded broadcasts (`compression.down`, downlink.py)
+        self.downlink = (DownlinkSender(coding, ctx.cfg.run.seed, lambda: ctx.state.extra)
+                         if coding is not None else None)
 
     @abstractmethod
     def dispatch(self, round: int, sampled: list[int], message: Payload,
@@ -49,12 +52,6 @@ class ClientFanout(DataPlane):
     algorithm has one, Algorithm.client_message; each distinct message is encoded once).
     With `compression.down` the broadcast is coded per receiving process against the model it
     holds (common/processors/compressors/downlink.py)."""
-
-    def __init__(self, ctx: DriverContext) -> None:
-        super().__init__(ctx)
-        coding = downlink_coding(ctx.cfg)
-        self.downlink = (DownlinkSender(coding, ctx.cfg.run.seed, lambda: ctx.state.extra)
-                         if coding is not None else None)
 
     def dispatch(self, round, sampled, message, arrivals):
         ctx = self.ctx
@@ -94,9 +91,11 @@ class EdgeFanout(DataPlane):
         for cid in sampled:
             by_edge.setdefault(ctx.client_home[cid].node_id, []).append(cid)
         spec, rules = ctx.algorithm.reply_spec(ctx.state), ctx.algorithm.reply_scalars()
+        down = self.downlink
+        for_receiver = down.code(message) if down is not None else (lambda receiver: message)
         requests = []
         for node_id, cids in sorted(by_edge.items()):
-            shared = ctx.group_message(message, round, cids)
+            shared = ctx.group_message(for_receiver(node_id), round, cids)
             payload = Payload(tensors=shared.tensors, scalars=shared.scalars, control=sampled_clients(cids))
             check = reply_chain(ctx.cfg, spec, Method.EDGE_ROUND, rules, ctx.limiter.limits(cids),   # the edge speaks for its clients
                                 round=round, peer=node_id)
@@ -107,6 +106,8 @@ class EdgeFanout(DataPlane):
             requests, round=round, timeout=timeout, call_timeout=timeout,
             timeout_reason=f"timeout: no result within run.round_timeout={ctx.cfg.run.round_timeout}s",
             fold=round_fold(ctx, sorted(by_edge, key=edge_index), spec, per_client=False))
+        if down is not None:   # an edge that answered holds the new reference
+            down.delivered({node_id: node_id in partials for node_id in by_edge})
         failures: dict[int, str] = {}
         for node_id, why in edge_failures.items():
             ctx.store.add_event("edge_failed", node=node_id, detail=why, round=round)

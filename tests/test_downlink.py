@@ -318,8 +318,8 @@ def test_a_bad_downlink_key_is_one_line_and_exit_2(tmp_path, setting, needle):
 
 
 def test_coded_broadcasts_need_a_topology_and_transport_that_send_train_calls():
-    with pytest.raises(ConfigError, match="compression.down.*topology.kind = 'hierarchical' does not send"):
-        parse_config(BASE + '[topology]\nkind = "hierarchical"\nedges = 2\n')
+    with pytest.raises(ConfigError, match="compression.down.*topology.kind = 'chain' does not send"):
+        parse_config(BASE + '[topology]\nkind = "chain"\n')
     with pytest.raises(ConfigError, match="compression.down.*transport.kind = 'torch' broadcasts by its own"):
         parse_config(BASE + '[transport]\nkind = "torch"\n')
     assert parse_config(BASE + '[transport]\nkind = "inmemory"\n').compression.down_params is not None
@@ -347,3 +347,39 @@ def test_a_resumed_run_continues_from_the_saved_reference_bit_for_bit(tmp_path):
     assert summary["status"] == "completed" and summary["faults"]["resumes"][0]["from_round"] == 4
     resumed = load_file(str(run_dir / "model.safetensors"))
     assert all(torch.equal(resumed[n], uninterrupted[n]) for n in uninterrupted)
+
+
+HIER = BASE.replace("count = 10\nper_round = 2\nprocesses = 5", "count = 12\nper_round = 4\nprocesses = 6").replace(
+    "rounds = 8", "rounds = 6") + '[topology]\nkind = "hierarchical"\nedges = 2\nkappa2 = 2\n'
+
+
+@pytest.mark.parametrize("topology", ["star", "hierarchical"])
+def test_the_model_does_not_depend_on_which_messages_were_coded(tmp_path, topology):
+    """The same run with the clients on few processes and on one process each: the processes
+    skip different rounds, so other messages are coded differences and others resyncs (on every
+    link: the server's to edges or processes, each edge's to its processes), yet every client
+    trains from the same reference, so the final models are equal bit for bit."""
+    text = BASE if topology == "star" else HIER
+    (tmp_path / "exp.toml").write_text(text)
+    count = parse_config(text).clients.count
+    runs = {}
+    for processes in (2, count):
+        done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "exp.toml", "--out", f"runs/p{processes}",
+                               "--quiet", "--set", f"clients.processes={processes}"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[processes] = tmp_path / "runs" / f"p{processes}"
+    models = {p: load_file(str(out / "model.safetensors")) for p, out in runs.items()}
+    assert all(torch.equal(models[2][n], models[count][n]) for n in models[2])
+    plain = sum(t.numel() * t.element_size() for t in models[2].values())
+    shapes = {}
+    for p, out in runs.items():
+        with sqlite3.connect(out / "run.db") as db:
+            rows = db.execute("SELECT link, tensor_bytes FROM messages WHERE role = 'sender' AND method IN "
+                              "('train', 'edge_round')").fetchall()
+        assert all(b <= plain for _, b in rows)
+        shapes[p] = sorted((link, b == plain) for link, b in rows)
+        links = {link for link, _ in rows}
+        for link in links:   # each link carried coded differences
+            assert any(b < plain for ln, b in rows if ln == link), (p, link)
+    assert shapes[2] != shapes[count]   # other messages were coded

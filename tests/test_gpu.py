@@ -220,3 +220,19 @@ def test_compressed_uploads_on_cuda_agree_with_the_cpu(tmp_path, compressor):
              "AND method IN ('train.reply', 'edge_round.reply') GROUP BY link ORDER BY link")
         coded = g.execute(q).fetchall()
         assert coded and coded == c.execute(q).fetchall()
+
+
+@pytest.mark.parametrize("topology", ["star", "hierarchical"])
+def test_coded_broadcasts_on_cuda_agree_with_the_cpu(tmp_path, topology):
+    """`compression.down` (docs/compression.md, Downlink): references kept on the CPU, clients
+    and edges training and stepping on the GPU; the same messages are coded differences or plain
+    (the participation decides, not the device) and the models agree as plain runs do."""
+    settings = TOPOLOGIES[topology] + ["compression.down=topk", "compression.down_keys={k = 50}",
+                                       "clients.processes=4"]
+    cpu = run(tmp_path, f"down-{topology}-cpu", settings)
+    gpu = run(tmp_path, f"down-{topology}-cuda", settings + ON_GPU)
+    gap = max_relative_gap(model(gpu), model(cpu))
+    report(f"coded broadcasts {topology}", gap)
+    assert gap <= COMPRESSED_TOLERANCE
+    assert (json.loads((gpu / "summary.json").read_text())["downlink"]
+            == json.loads((cpu / "summary.json").read_text())["downlink"])

@@ -89,8 +89,8 @@ def _check_downlink(cfg: Config, spec: TopologySpec | None) -> None:
         return
     if spec is None or not spec.coded_broadcasts:
         raise ConfigError(f"config key 'compression.down': topology.kind = '{cfg.topology.kind}' does not send its "
-                          f"broadcast in train calls, which coded broadcasts need (the star topology does; allowed "
-                          f"here: 'none')")
+                          f"broadcast in train calls, which coded broadcasts need (star and hierarchical do; "
+                          f"allowed here: 'none')")
     if down == "same":
         if comp.up == "none" or getattr(comp, "params", None) is None:
             raise ConfigError("config key 'compression.down': 'same' needs compression.up (it is 'none')")

@@ -262,7 +262,8 @@ class CompressionConfig:
     error_feedback: str = _f("none", choices=("none", "ef"), help="ef: EF-SGD, each sender codes its update plus "
                                                                   "the residual it kept, and keeps what the code "
                                                                   "lost (a client's residual is checkpointed)")
-    down: str = _f("none", help="the server's broadcasts (star topology over gRPC or in memory): none, same "
+    down: str = _f("none", help="the broadcasts (star and hierarchical topologies over gRPC or in memory; an "
+                                "edge codes its own to its clients): none, same "
                                 "(compression.up's compressor and keys), or a compressor whose keys are "
                                 "compression.down_keys; each receiver gets a coded difference to the model it "
                                 "holds, or the model itself when it holds none the server still has differences "

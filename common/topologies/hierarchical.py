@@ -44,4 +44,5 @@ SPEC = TopologySpec(
     plan="fedhop.common.topologies.plan:edge_plan",
     edges=True,
     robust="edge",
+    coded_broadcasts=True,   # edge_round messages from the server, train messages from each edge (compression.down)
 )

@@ -60,9 +60,9 @@ class TopologySpec:
     live page draws ("client-client", "edge-edge"; None: none); `coded_uploads`: its clients'
     results are train replies (and its edges' edge_round partials), which `[compression] up`
     codes (False: it moves models by its own methods, and a compressor is refused);
-    `coded_broadcasts`: its server sends every sampled client the round's broadcast in a train
-    call, which `[compression] down` codes against the model the client's process holds
-    (common/processors/compressors/downlink.py; False: `down` is refused).
+    `coded_broadcasts`: its round's broadcast reaches the clients in train calls (and edges in
+    edge_round calls), which `[compression] down` codes against the model each receiving process
+    holds (common/processors/compressors/downlink.py; False: `down` is refused).
     """
 
     name: str

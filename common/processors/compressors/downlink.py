@@ -6,7 +6,7 @@ The rule, for every broadcast tensor the per-tensor policy codes (payload.py `co
 
 - The server keeps x_hat, the reference model, and its version v (one more per coded broadcast).
   A broadcast b (the algorithm's message) is coded as C(b - x_hat) from the stream
-  ("compress", "server", "down", v), and x_hat becomes `advance(x_hat, decode(C))`:
+  ("compress", SENDER, "down", v), and x_hat becomes `advance(x_hat, decode(C))`:
   float32 on the CPU, then the tensor's dtype.  The reference tracks b with the coding error
   carried into the next difference (as error feedback does for uploads).
 - A receiver (a client process) that holds version u < v gets the coded differences of
@@ -23,8 +23,13 @@ The rule, for every broadcast tensor the per-tensor policy codes (payload.py `co
 - Tensors the policy leaves plain (integers, small tensors, "plain" layers) and a client's own
   extra tensors (Algorithm.client_message) travel as they are.
 
-The reference is kept in the server state's `extra` (so a checkpoint saves it and a resume
-continues from it); after a resume every receiver is sent a resync.
+In the hierarchical topology the server codes each edge's `edge_round` message (the edge is the
+receiver), and each edge, a sender of its own, codes its `train` messages to its client
+processes (each of the round's edge iterations is a broadcast).
+
+The server's reference is kept in its state's `extra` (so a checkpoint saves it and a resume
+continues from it); after a resume every receiver is sent a resync.  An edge keeps its own in
+memory: after a resume it starts a new reference.
 """
 from __future__ import annotations
 
@@ -97,15 +102,17 @@ def _layout(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.dtype, tu
 
 
 class DownlinkSender:
-    """The server's side: the reference, its recent coded differences, and what each receiver holds.
+    """A sender's side (the server's, or an edge's towards its clients): the reference, its
+    recent coded differences, and what each receiver holds.
 
-    `extra`: a callable giving the server state's `extra` (where the reference is kept; the
-    state's dict is replaced on resume, so it is looked up each time)."""
+    `extra`: a callable giving where the reference is kept (the server state's `extra`, whose
+    dict is replaced on resume, so it is looked up each time; an edge's own dict)."""
 
     def __init__(self, coding: DownlinkCoding, seed: int,
-                 extra: Callable[[], MutableMapping[str, torch.Tensor]]) -> None:
+                 extra: Callable[[], MutableMapping[str, torch.Tensor]], sender: str = "server") -> None:
         self.coding = coding
         self.seed = seed
+        self.sender = sender   # whose stream: ("compress", sender, "down", version)
         self._extra = extra
         self.history: list[tuple[int, dict[str, dict[str, torch.Tensor]], int]] = []   # (version, parts, bytes)
         self.holds: dict[str, int] = {}   # receiver -> the version it holds (learnt from replies)
@@ -151,7 +158,7 @@ class DownlinkSender:
             return everyone_plain
         parts_of: dict[str, dict[str, torch.Tensor]] = {}
         new_reference: dict[str, torch.Tensor] = {}
-        rng = torch_stream(self.seed, "compress", "server", "down", version)
+        rng = torch_stream(self.seed, "compress", self.sender, "down", version)
         size = 0
         for name in sorted(codes):
             compressor = codes[name]
