@@ -27,7 +27,7 @@ from fedhop.common.config import Config
 from fedhop.common.processors.compressors.downlink import DownlinkReceiver, DownlinkSender, downlink_coding
 from fedhop.common.processors.streaming import OrderedFold, reply_budget
 from fedhop.common.processors.validation import ReplyLimiter, finite_step, finite_streamed
-from fedhop.common.records.checkpoint import forward_client_state
+from fedhop.common.records.checkpoint import forward_client_state, split_node_state, with_node_state
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.placed import place_task
 from fedhop.common.topologies.graphs import cluster_assignment, topology_params
@@ -39,6 +39,7 @@ from fedhop.common.transport.liveness import unreachable
 from fedhop.common.transport.router import MethodRouter, Peers
 from fedhop.common.util.nodeids import client_node, edge_index
 from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
 
@@ -58,7 +59,7 @@ class EdgeAggregator:
         self.cluster = cluster_assignment(cfg)[self.index]
         self.algorithm = build_algorithm(cfg)
         self.params = topology_params(cfg)
-        self.upload_state: dict[str, torch.Tensor] = {}   # error feedback and compressor memory of this edge's partials (not checkpointed)
+        self.upload_state: dict[str, torch.Tensor] = {}   # error feedback and compressor memory of this edge's partials
         # the model's shapes, to validate client replies as the server does
         task = place_task(build_task(cfg), self.device)
         self.model_state = self.algorithm.init_state(get_params(task.build_model()))
@@ -70,7 +71,7 @@ class EdgeAggregator:
         self.before_shutdown: list[Callable[[], None]] = []   # run before the reply to `shutdown`
         self.fabric = Fabric(endpoint, max_workers=32, batch=cfg.transport.batch)
         # coded broadcasts (`compression.down`, downlink.py): the server's reference this edge holds, and
-        # this edge's own reference towards its client processes (in memory: not checkpointed)
+        # this edge's own reference towards its client processes (both in checkpoints: `own_state`)
         coding = downlink_coding(cfg)
         self.downlink_in = DownlinkReceiver(coding) if coding is not None else None
         self.downlink_state: dict[str, torch.Tensor] = {}
@@ -145,9 +146,30 @@ class EdgeAggregator:
         return self.router.dispatch(request)
 
     def _client_state_call(self, request: Request) -> Payload:
+        """A checkpoint's state_get: its client processes' states and this edge's own (error
+        feedback of its partials, its broadcast reference); a resume's state_set: both back."""
         env = request.envelope
-        return forward_client_state(self.endpoint, dict(self.processes), dict(self.client_home), env.method,
-                                    int(env.round), request.payload, self.cfg.run.call_timeout)
+        own, payload = split_node_state(request.payload)
+        if env.method == Method.STATE_SET and own:
+            self.restore_own_state(own)
+        reply = forward_client_state(self.endpoint, dict(self.processes), dict(self.client_home), env.method,
+                                     int(env.round), payload, self.cfg.run.call_timeout)
+        return with_node_state(reply, self.own_state()) if env.method == Method.STATE_GET else reply
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this edge: 'upload/KEY' and 'downlink/KEY'."""
+        return {**{f"upload/{k}": t for k, t in self.upload_state.items()},
+                **{f"downlink/{k}": t for k, t in self.downlink_state.items()}}
+
+    def restore_own_state(self, own: dict[str, torch.Tensor]) -> None:
+        for name, t in own.items():
+            part, _, key = name.partition("/")
+            if part == "upload" and key:
+                self.upload_state[key] = t
+            elif part == "downlink" and key:
+                self.downlink_state[key] = t
+            else:
+                raise PayloadError("BAD_NAME", f"edge state tensor '{name}' is neither 'upload/KEY' nor 'downlink/KEY'")
 
     def _shutdown_call(self, request: Request) -> Payload:
         self.shutdown_clients(int(request.envelope.round))

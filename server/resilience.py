@@ -39,8 +39,10 @@ from fedhop.common.records.checkpoint import (
     latest_checkpoint,
     restore_rng,
     save_checkpoint,
+    split_node_state,
     states_from_payload,
     states_to_payload,
+    with_node_state,
 )
 from fedhop.common.transport.fabric import Send
 from fedhop.common.wire.message import Payload
@@ -61,6 +63,7 @@ class Checkpointer:
         self.every = coord.cfg.run.checkpoint_every if every is None else every
         self.keep = coord.cfg.security.keep_checkpoints if keep is None else keep
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}   # last pulled (or restored)
+        self.node_states: dict[str, dict[str, torch.Tensor]] = {}     # edges' own, last pulled (or restored)
         self.restored: Checkpoint | None = None
         self.written: list[tuple[int, float]] = []                     # (round, seconds to write)
         coord.round_listeners.insert(0, self.after_round)   # the checkpoint is written before others hear of the round
@@ -85,6 +88,7 @@ class Checkpointer:
         ckpt = Checkpoint(round=round, run_id=coord.run_id, params=coord.state.params, extra=coord.state.extra,
                           frozen=frozen_params(coord.model),   # model.exchange: the whole model is saved
                           scalars=dict(coord.state.scalars), client_states=self.client_states,
+                          node_states=self.node_states,
                           torch_rng=torch_rng, numpy_rng=numpy_rng, failures_total=coord.failures_total,
                           ledger=coord.store.row_counts(), config_sha256=config_digest(coord.config_toml),
                           info=info)
@@ -109,7 +113,10 @@ class Checkpointer:
             why = failures.get(node.node_id)
             if why is None:
                 try:
-                    out.update(states_from_payload(replies[node.node_id],
+                    own, reply = split_node_state(replies[node.node_id])
+                    if own and node.role == "edge":   # the edge's own state (error feedback, broadcast reference)
+                        self.node_states[node.node_id] = own
+                    out.update(states_from_payload(reply,
                                                    allowed=set(node.clients) if node.clients else None))
                 except ValueError as exc:
                     why = str(exc)
@@ -121,15 +128,17 @@ class Checkpointer:
     # -- resume ----------------------------------------------------------------------
     def on_ready(self) -> None:
         """After registration: give the (fresh) client processes their saved states."""
-        if self.restored is None or not self.restored.client_states:
+        if self.restored is None or not (self.restored.client_states or self.restored.node_states):
             return
         round = self.restored.round
         states = self.restored.client_states
         sends = []
         for node in self._children_hosting():
             mine = {c: states[c] for c in node.clients if c in states}
-            if mine:
-                sends.append(Send(node.node_id, node.address, node.node_id, STATE_SET, states_to_payload(mine)))
+            own = self.restored.node_states.get(node.node_id, {}) if node.role == "edge" else {}
+            if mine or own:
+                payload = with_node_state(states_to_payload(mine), own)
+                sends.append(Send(node.node_id, node.address, node.node_id, STATE_SET, payload))
         _, failures = self.coord.fabric.send_to_all(sends, round=round, call_timeout=self.coord.cfg.run.call_timeout)
         for send in sends:   # in node order
             if send.key in failures:
@@ -166,6 +175,7 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     restore_rng(ckpt)
     checkpointer.restored = ckpt
     checkpointer.client_states = {c: dict(s) for c, s in ckpt.client_states.items()}
+    checkpointer.node_states = {n: dict(s) for n, s in ckpt.node_states.items()}
     # the killed attempt's records: merge what its processes wrote, then mark the unfinished rounds
     store = coord.store
     store.run_id = ckpt.run_id

@@ -8,7 +8,9 @@ writing leaves the previous checkpoint intact.  It holds
   other than "all" the frozen rest under `frozen/NAME`, so a checkpoint holds the whole model),
   the algorithm's server state (`extra/NAME`: moments,
   control variates, dual sums), every logical client's persistent state (`client/ID/KEY`:
-  SCAFFOLD's c_i, FedDyn's gradient memory, ...), the server's torch RNG state (`rng/torch`);
+  SCAFFOLD's c_i, FedDyn's gradient memory, ...), each edge's own state (`node/EDGE/KEY`: the
+  error-feedback residuals and compressor memory of its partials, its broadcast reference), the
+  server's torch RNG state (`rng/torch`);
 - metadata (JSON under the key "fedhop"): format, round, run id, the algorithm's scalars, the
   numpy global RNG state, failures so far, the ledger position (message and event counts in
   run.db), the config's SHA-256.
@@ -64,6 +66,7 @@ class Checkpoint:
     frozen: dict[str, torch.Tensor] = field(default_factory=dict)   # parameters not exchanged (model.exchange)
     scalars: dict[str, Any] = field(default_factory=dict)
     client_states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    node_states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)   # an edge's own (NODE_PREFIX)
     torch_rng: torch.Tensor | None = None
     numpy_rng: dict | None = None
     failures_total: int = 0
@@ -130,6 +133,9 @@ def save_checkpoint(run_dir: str | os.PathLike, ckpt: Checkpoint, keep: int = 2)
     for cid, state in ckpt.client_states.items():
         for key, t in state.items():
             tensors[f"client/{int(cid)}/{key}"] = t.detach().cpu().contiguous().clone()
+    for node, state in ckpt.node_states.items():
+        for key, t in state.items():
+            tensors[f"node/{node}/{key}"] = t.detach().cpu().contiguous().clone()
     if ckpt.torch_rng is not None:
         tensors["rng/torch"] = ckpt.torch_rng.clone()
     meta = {"format": FORMAT, "round": ckpt.round, "run_id": ckpt.run_id, "scalars": ckpt.scalars,
@@ -185,6 +191,9 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         elif kind == "client":
             cid, _, name = rest.partition("/")
             ckpt.client_states.setdefault(int(cid), {})[name] = t
+        elif kind == "node":
+            node, _, name = rest.partition("/")
+            ckpt.node_states.setdefault(node, {})[name] = t
         elif key == "rng/torch":
             ckpt.torch_rng = t
     return ckpt
@@ -229,6 +238,22 @@ def states_to_payload(states: dict[int, dict[str, torch.Tensor]]) -> Payload:
     data's `clients` lists every client id (also those with empty state)."""
     tensors = {f"{cid}/{key}": t for cid in sorted(states) for key, t in states[cid].items()}
     return Payload(tensors=tensors, control=pb.Control(clients=sorted(states)))
+
+
+NODE_PREFIX = "node/"   # a state payload's tensors of the answering node's own state (an edge's)
+
+
+def split_node_state(payload: Payload) -> tuple[dict[str, torch.Tensor], Payload]:
+    """A state payload's node's own state (tensors 'node/KEY', cloned) and the rest (the clients')."""
+    own = {n[len(NODE_PREFIX):]: t.clone() for n, t in payload.tensors.items() if n.startswith(NODE_PREFIX)}
+    rest = {n: t for n, t in payload.tensors.items() if not n.startswith(NODE_PREFIX)}
+    return own, Payload(tensors=rest, scalars=dict(payload.scalars), control=payload.control)
+
+
+def with_node_state(payload: Payload, own: dict[str, torch.Tensor]) -> Payload:
+    """`payload` with the node's own state added (`split_node_state` takes it apart)."""
+    tensors = {**payload.tensors, **{NODE_PREFIX + k: t for k, t in own.items()}}
+    return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)
 
 
 def states_from_payload(payload: Payload, allowed: set[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:

@@ -28,8 +28,8 @@ receiver), and each edge, a sender of its own, codes its `train` messages to its
 processes (each of the round's edge iterations is a broadcast).
 
 The server's reference is kept in its state's `extra` (so a checkpoint saves it and a resume
-continues from it); after a resume every receiver is sent a resync.  An edge keeps its own in
-memory: after a resume it starts a new reference.
+continues from it); an edge's in its own state, which checkpoints pull too (edge/aggregator.py
+`own_state`).  After a resume every receiver is sent a resync.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ outbound chain and decoded by the parent's inbound chain (common/processors/pipe
 Each sender's draws come from the stream ("compress", sender, round, step) of the run's seed.
 With `error_feedback = "ef"` a client's residual is part of its persistent state (so a
 checkpoint keeps it and a resume restores it), as is a stateful compressor's memory; an edge
-keeps its own in memory.
+keeps its own in `EdgeAggregator.upload_state`, which checkpoints also keep (edge/aggregator.py
+`own_state`).
 """
 from __future__ import annotations
 
