@@ -406,3 +406,41 @@ def test_a_resumed_hierarchical_run_restores_the_edges_own_state_bit_for_bit(tmp
     assert resume_local(str(run_dir), quiet=True, show_table=False) == 0
     resumed = load_file(str(run_dir / "model.safetensors"))
     assert all(torch.equal(resumed[n], uninterrupted[n]) for n in uninterrupted)
+
+
+def test_two_compressed_runs_at_once_match_the_same_runs_alone(tmp_path):
+    """Two runs started together from one folder (coded uploads with error feedback; coded
+    broadcasts with PowerSGD) each end with the model and the per-message bytes of the same
+    run made alone: nothing of one run's coding state reaches the other."""
+    (tmp_path / "exp.toml").write_text(BASE.replace("rounds = 8", "rounds = 4"))
+    settings = {"up": ["--set", 'compression.down="none"', "--set", "compression.down_keys={}",
+                       "--set", 'compression.up="topk"', "--set", "compression.k=30",
+                       "--set", 'compression.error_feedback="ef"'],
+                "down": ["--set", 'compression.down="powersgd"', "--set", "compression.down_keys={rank = 2}"]}
+
+    def start(name: str, out: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "run", "exp.toml", "--out", out,
+                                 "--quiet", *settings[name]], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    together = {name: start(name, f"runs/{name}-together") for name in settings}
+    for name, proc in together.items():
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (name, err[-3000:])
+    for name in settings:
+        alone = start(name, f"runs/{name}-alone")
+        _, err = alone.communicate(timeout=600)
+        assert alone.returncode == 0, (name, err[-3000:])
+
+    def traffic(out: str) -> list[tuple]:
+        with sqlite3.connect(tmp_path / "runs" / out / "run.db") as db:
+            return db.execute("SELECT round, method, dst, tensor_bytes FROM messages WHERE role = 'sender' AND "
+                              "method IN ('train', 'train.reply') ORDER BY round, method, dst").fetchall()
+
+    for name in settings:
+        a, b = (load_file(str(tmp_path / "runs" / f"{name}-{w}" / "model.safetensors")) for w in ("together", "alone"))
+        assert all(torch.equal(a[n], b[n]) for n in a), name
+        assert traffic(f"{name}-together") == traffic(f"{name}-alone"), name
+    plain = traffic("down-alone")[0][3]
+    assert any(b < plain for _, m, _, b in traffic("down-alone") if m == "train")   # broadcasts were coded
+    assert any(b < plain for _, m, _, b in traffic("up-alone") if m == "train.reply")   # uploads were coded
