@@ -16,6 +16,7 @@ from fedhop.common.algorithms import build_algorithm
 from fedhop.common.config import Config
 from fedhop.common.engine.rounds import local_update
 from fedhop.common.processors.compressors.downlink import DownlinkReceiver, downlink_coding
+from fedhop.common.processors.compressors.ef21 import RESET_KEY, take_reset
 from fedhop.common.processors.pipeline import upload
 from fedhop.common.records.checkpoint import states_from_payload, states_to_payload
 from fedhop.common.tasks import build_task
@@ -138,6 +139,9 @@ class ClientHost:
         message = request.payload
         if self.downlink is not None:   # a coded broadcast: the reference model it brings (downlink.py)
             message = self.downlink.receive(message, f"round {env.round} message to {env.dst}")
+        if RESET_KEY in message.scalars and cid in self.hosted:   # EF21: the parent reset its copy of the estimate
+            with self._train_lock:
+                message = take_reset(message, self.states.get(cid))
         reply = to_host(self.train(cid, int(env.round), message, step))   # the seam: one copy to the CPU
         with self._train_lock:   # error feedback's residuals live in the client's persistent state
             state = self.states.setdefault(cid, {})

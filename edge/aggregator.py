@@ -25,6 +25,9 @@ from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.local import get_params
 from fedhop.common.config import Config
 from fedhop.common.processors.compressors.downlink import DownlinkReceiver, DownlinkSender, downlink_coding
+from fedhop.common.processors.compressors.ef21 import message_for as ef21_reset_message
+from fedhop.common.processors.compressors.ef21 import take_reset
+from fedhop.common.processors.compressors.use import upload_coding
 from fedhop.common.processors.streaming import OrderedFold, reply_budget
 from fedhop.common.processors.validation import ReplyLimiter, finite_step, finite_streamed
 from fedhop.common.records.checkpoint import forward_client_state, split_node_state, with_node_state
@@ -183,6 +186,7 @@ class EdgeAggregator:
         partial (QSGD-coded where configured) with the failures and unavailable clients."""
         if self.downlink_in is not None:   # a coded broadcast: the server's reference model it brings
             message = self.downlink_in.receive(message, f"round {round} message to {self.endpoint.node_id}")
+        message = take_reset(message, self.upload_state)   # EF21: the server reset its copy of this edge's estimate
         sampled = list(control_of(message).clients)   # the server's sample in this edge's cluster
         message = without_control(message)           # what the clients get: the server's tensors and scalars
         self.check_sampled(sampled)
@@ -242,13 +246,18 @@ class EdgeAggregator:
         requests = []
         down = self.downlink_out
         for_receiver = down.code(message) if down is not None else (lambda receiver: message)
+        coding = upload_coding(self.cfg)
+        ef21 = coding is not None and coding.ef21
         for c in clients:
             if c not in self.client_home:
                 failures[c] = f"UNKNOWN_CLIENT: client {c} never registered with {self.endpoint.node_id}"
                 continue
-            check = reply_chain(self.cfg, spec, Method.TRAIN, rules, self.limiter.limits([c]), round=round, peer=client_node(c))
-            requests.append(Send(c, self.client_home[c][1], client_node(c), Method.TRAIN,
-                                 for_receiver(self.client_home[c][0]), step=step,
+            check = reply_chain(self.cfg, spec, Method.TRAIN, rules, self.limiter.limits([c]), round=round,
+                                peer=client_node(c), memory=self.upload_state)   # EF21: the edge's copies
+            to_client = for_receiver(self.client_home[c][0])
+            if ef21:
+                to_client = ef21_reset_message(to_client, self.upload_state, client_node(c))
+            requests.append(Send(c, self.client_home[c][1], client_node(c), Method.TRAIN, to_client, step=step,
                                  inbound=check, who=f"round {round} step {step} reply of client {c}"))
         fold = (OrderedFold(list(sorted(req.key for req in requests)), self.algorithm.reply_reduce, reply_budget(spec, 1.0))
                 if stream else None)   # in client-id order, as `finite_step` aggregates

@@ -19,6 +19,8 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from fedhop.common.processors.compressors.downlink import DownlinkSender, downlink_coding
+from fedhop.common.processors.compressors.ef21 import message_for as ef21_reset_message
+from fedhop.common.processors.compressors.use import upload_coding
 from fedhop.common.processors.streaming import OrderedFold, StreamedResults, reply_budget
 from fedhop.common.transport.control import control_of, failures_of, sampled_clients
 from fedhop.common.transport.fabric import Send, reply_chain
@@ -60,9 +62,9 @@ class ClientFanout(DataPlane):
         for_receiver = down.code(message) if down is not None else (lambda receiver: message)
         receiver = {cid: ctx.client_home[cid].node_id for cid in sampled}
         requests = [Send(cid, ctx.client_home[cid].address, client_node(cid), Method.TRAIN,
-                         ctx.client_message(for_receiver(receiver[cid]), round, cid),
+                         ef21_message(ctx, ctx.client_message(for_receiver(receiver[cid]), round, cid), client_node(cid)),
                          inbound=reply_chain(ctx.cfg, spec, Method.TRAIN, rules, ctx.limiter.limits([cid]),
-                                                     round=round, peer=client_node(cid)),
+                                             round=round, peer=client_node(cid), memory=ctx.state.extra),
                          who=f"round {round} reply of client {cid}",
                          on_reply=lambda c: arrivals.__setitem__(c, time.perf_counter()))
                     for cid in sampled]
@@ -95,10 +97,10 @@ class EdgeFanout(DataPlane):
         for_receiver = down.code(message) if down is not None else (lambda receiver: message)
         requests = []
         for node_id, cids in sorted(by_edge.items()):
-            shared = ctx.group_message(for_receiver(node_id), round, cids)
+            shared = ef21_message(ctx, ctx.group_message(for_receiver(node_id), round, cids), node_id)
             payload = Payload(tensors=shared.tensors, scalars=shared.scalars, control=sampled_clients(cids))
             check = reply_chain(ctx.cfg, spec, Method.EDGE_ROUND, rules, ctx.limiter.limits(cids),   # the edge speaks for its clients
-                                round=round, peer=node_id)
+                                round=round, peer=node_id, memory=ctx.state.extra)
             requests.append(Send(node_id, ctx.children[node_id].address, node_id, Method.EDGE_ROUND, payload,
                                  inbound=check, who=f"round {round} partial of {node_id}"))
         timeout = ctx.cfg.run.round_timeout * 2
@@ -131,6 +133,15 @@ class EdgeFanout(DataPlane):
             ctx.unavailable[node_id] = reported
             results[edge_index(node_id)] = partial
         return results, failures
+
+
+def ef21_message(ctx: DriverContext, message: Payload, peer: str) -> Payload:
+    """The message to `peer`, with EF21's reset when its last upload was out of step
+    (common/processors/compressors/ef21.py; the server's copies live in its state's extra)."""
+    coding = upload_coding(ctx.cfg)
+    if coding is None or not coding.ef21:
+        return message
+    return ef21_reset_message(message, ctx.state.extra, peer)
 
 
 def round_fold(ctx: DriverContext, keys: list, spec, per_client: bool) -> OrderedFold | None:

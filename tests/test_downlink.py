@@ -385,12 +385,15 @@ def test_the_model_does_not_depend_on_which_messages_were_coded(tmp_path, topolo
     assert shapes[2] != shapes[count]   # other messages were coded
 
 
-def test_a_resumed_hierarchical_run_restores_the_edges_own_state_bit_for_bit(tmp_path):
-    """Each edge's error-feedback residuals (its partials coded with top-k and EF) and its own
-    broadcast reference are in the checkpoint (`node/EDGE/...`): a run resumed from round 4 of
-    6 ends with the uninterrupted run's model bit for bit."""
+@pytest.mark.parametrize("feedback", ["ef", "ef21"])
+def test_a_resumed_hierarchical_run_restores_the_edges_own_state_bit_for_bit(tmp_path, feedback):
+    """Each edge's error-feedback state (EF-SGD's residuals, or EF21's estimate of its partial and
+    its copies of its clients' estimates) and its own broadcast reference are in the checkpoint
+    (`node/EDGE/...`): a run resumed from round 4 of 6 ends with the uninterrupted run's model
+    bit for bit."""
     text = HIER.replace('down = "topk"\ndown_keys = {k = 40}',
-                        'up = "topk"\nk = 30\nerror_feedback = "ef"\nedge = "same"\ndown = "topk"\ndown_keys = {k = 40}')
+                        f'up = "topk"\nk = 30\nerror_feedback = "{feedback}"\nedge = "same"\ndown = "topk"\n'
+                        f'down_keys = {{k = 40}}')
     (tmp_path / "exp.toml").write_text(text)
     run_dir = tmp_path / "run"
     assert run_local(str(tmp_path / "exp.toml"), ["run.checkpoint_every=2"], str(run_dir), quiet=True,
@@ -400,7 +403,8 @@ def test_a_resumed_hierarchical_run_restores_the_edges_own_state_bit_for_bit(tmp
     saved = load_checkpoint(checkpoints[0])
     assert saved.round == 4 and sorted(saved.node_states) == ["edge-0", "edge-1"]
     for state in saved.node_states.values():
-        assert any(k.startswith("upload/ef_residual:") for k in state)
+        kept = ("upload/ef_residual:",) if feedback == "ef" else ("upload/ef21_g:", "upload/ef21:client-")
+        assert all(any(k.startswith(prefix) for k in state) for prefix in kept), sorted(state)[:8]
         assert int(state["downlink/down_ref_version"]) == 4 * 2   # two edge iterations (kappa2) a round
     checkpoints[-1].unlink()
     assert resume_local(str(run_dir), quiet=True, show_table=False) == 0

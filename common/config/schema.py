@@ -259,9 +259,10 @@ class CompressionConfig:
                               "rounding, natural, fp16, bf16, powersgd, or a plug-in 'package.module:Class' (docs/compression.md)")
     edge: str = _f("same", choices=("same", "none"), help="an edge's partial aggregate: coded with compression.up "
                                                           "(same) or sent plain (none)")
-    error_feedback: str = _f("none", choices=("none", "ef"), help="ef: EF-SGD, each sender codes its update plus "
-                                                                  "the residual it kept, and keeps what the code "
-                                                                  "lost (a client's residual is checkpointed)")
+    error_feedback: str = _f("none", choices=("none", "ef", "ef21"),
+                             help="ef: EF-SGD, each sender codes its update plus the residual it kept, and keeps "
+                                  "what the code lost; ef21: EF21, each sender codes the difference to its "
+                                  "estimate g, which it and its parent both advance (every state checkpointed)")
     down: str = _f("none", help="the broadcasts (star and hierarchical topologies over gRPC or in memory; an "
                                 "edge codes its own to its clients): none, same "
                                 "(compression.up's compressor and keys), or a compressor whose keys are "

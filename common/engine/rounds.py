@@ -123,10 +123,12 @@ class RoundEngine:
                              control=plain.control)
         return shared, {cid: self.algorithm.client_message(self.state, shared, round, cid) for cid in sampled}
 
-    def accept(self, round: int, who: str, reply: Payload) -> Payload:
-        """A reply as the server uses it: decoded (QSGD) and validated against the reply spec;
-        raises PayloadError naming `who` when it is unusable."""
-        return reply_chain(self.cfg, self.algorithm.reply_spec(self.state), "train", round=round)(reply, f"round {round} {who}")
+    def accept(self, round: int, who: str, reply: Payload, peer: str = "") -> Payload:
+        """A reply of `peer` as the server uses it: decoded (and EF21's copy advanced) and
+        validated against the reply spec; raises PayloadError naming `who` when it is unusable."""
+        chain = reply_chain(self.cfg, self.algorithm.reply_spec(self.state), "train", round=round, peer=peer,
+                            memory=self.state.extra)
+        return chain(reply, f"round {round} {who}")
 
     def finish_round(self, round: int, results: Mapping[int, Payload], participants: list[int],
                      left_out: LeftOut | None = None, fold: OrderedFold | None = None) -> Payload | None:
@@ -217,7 +219,7 @@ class RoundEngine:
             state = self.client_states.setdefault(cid, {})
             reply = local_update(self.cfg, self.task, self.algorithm, self._client_model, cid, round, own[cid], state)
             reply = upload(self.cfg, reply, client_node(cid), round, 0, state=state)
-            results[cid] = self.accept(round, f"reply of client {cid}", reply)
+            results[cid] = self.accept(round, f"reply of client {cid}", reply, client_node(cid))
         return sampled, self.finish_round(round, results, sampled)   # type: ignore[return-value]  # no fold, no left_out: None only with no client sampled
 
     def run(self, rounds: int | None = None, on_round: RoundHook | None = None) -> list[dict[str, Any]]:

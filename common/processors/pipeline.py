@@ -130,6 +130,7 @@ class Decompress:
 
     cfg: Any
     spec: Spec
+    memory: MutableMapping[str, torch.Tensor] | None = None   # the receiver's EF21 copies (ef21.py)
 
     @property
     def bound(self) -> ReplyBound | None:
@@ -144,7 +145,7 @@ class Decompress:
     def process(self, message: Payload, ctx: Context) -> Payload:
         coding = for_sender(upload_coding(self.cfg), edge=ctx.method == "edge_round")
         if coding is not None:
-            return decode_upload(coding, message, self.spec)
+            return decode_upload(coding, message, self.spec, self.memory, ctx.peer, ctx.who)
         return decompress_upload(self.cfg, message, self.spec)
 
 
@@ -388,10 +389,12 @@ def unconfigure() -> None:
 
 # ----------------------------------------------------------------------------- the chains
 def reply_chain(cfg: Any, spec: Spec, method: str, scalars: Mapping[str, ScalarRule] | None = None,
-                limits: ReplyLimits | None = None, *, round: int = 0, peer: str = "") -> ProcessorChain:
-    """The inbound chain of a reply to `method`: Decompress, ValidateReply, the user's."""
-    return ProcessorChain([Decompress(cfg, spec), ValidateReply(spec, scalars, limits), *installed(method, "in")],
-                          str(method), "in", round, peer)
+                limits: ReplyLimits | None = None, *, round: int = 0, peer: str = "",
+                memory: MutableMapping[str, torch.Tensor] | None = None) -> ProcessorChain:
+    """The inbound chain of a reply to `method`: Decompress (`memory`: the receiver's EF21
+    copies of its senders' estimates), ValidateReply, the user's."""
+    return ProcessorChain([Decompress(cfg, spec, memory), ValidateReply(spec, scalars, limits),
+                           *installed(method, "in")], str(method), "in", round, peer)
 
 
 def reduced_chain(spec: Spec, method: str, *, round: int = 0, peer: str = "") -> ProcessorChain:

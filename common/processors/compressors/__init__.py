@@ -12,6 +12,7 @@ and the byte formula of each (docs/compression.md).
   policy (`[compression] min_numel`, `layers`), with error feedback (EF-SGD) around any
   compressor, its residual kept per sender;
 - use.py: where the configured compressor applies (uploads of clients and edges);
+- ef21.py: EF21's estimates at both ends of an upload, with the count that keeps them equal;
 - downlink.py: the server's broadcasts (`[compression] down`) coded as differences to the model
   each process holds, with the resync rule for processes that skipped rounds.
 

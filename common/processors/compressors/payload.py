@@ -23,6 +23,7 @@ from typing import Iterator, Mapping, MutableMapping, Sequence
 import torch
 
 from fedhop.common.processors.compressors.base import Compressor
+from fedhop.common.processors.compressors.ef21 import COUNT_KEY, ESTIMATE, estimate, note_sent, sender_count
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
 
@@ -78,11 +79,13 @@ class TensorMemory(MutableMapping[str, torch.Tensor]):
 
 def encode_payload(payload: Payload, default: Compressor, rng: torch.Generator, min_numel: int,
                    state: MutableMapping[str, torch.Tensor] | None = None, feedback: bool = False,
-                   layers: Layers = ()) -> Payload:
+                   layers: Layers = (), ef21: bool = False) -> Payload:
     """`payload` with every tensor the policy codes replaced by its parts (module docstring).
     `state`: the sender's persistent state (a client's), where error feedback keeps its residuals
     (by RESIDUAL_PREFIX + tensor name, with `feedback`) and a stateful compressor its memory
     (`TensorMemory`); None: a sender that keeps none (then neither is possible).
+    `ef21`: code v - g with the sender's EF21 estimate g, add the decoded difference to g and
+    send the count of differences (ef21.py; needs `state`).
 
     A compressor that defines `encode_shaped(t, rng, memory)` gets the tensor in its own shape
     (as float32) and its memory; every other gets it flattened.  `layers`: per-tensor settings
@@ -96,6 +99,9 @@ def encode_payload(payload: Payload, default: Compressor, rng: torch.Generator, 
             tensors[name] = t
             continue
         v = t.detach().reshape(-1).cpu()
+        g = estimate(state, name, v) if ef21 and state is not None else None
+        if g is not None:   # EF21: code v - g (Richtarik et al. 2021, Alg. 1 line 5)
+            v = v - g
         if residuals is not None:   # EF-SGD: code p = v + e (Stich et al. 2018, Alg. 1 line 4)
             e = residuals.get(RESIDUAL_PREFIX + name)
             if e is not None and e.shape == v.shape and e.dtype == v.dtype:
@@ -109,9 +115,22 @@ def encode_payload(payload: Payload, default: Compressor, rng: torch.Generator, 
             parts = compressor.encode(v.to(torch.float32), rng)
         if residuals is not None:   # e <- p - C(p), in the tensor's own dtype (Alg. 1 line 6)
             residuals[RESIDUAL_PREFIX + name] = v - compressor.decode(parts, v.numel()).to(v.dtype)
+        if g is not None and state is not None:   # g <- g + C(v - g) (Alg. 1 line 6)
+            state[ESTIMATE + name] = g + compressor.decode(parts, v.numel()).to(v.dtype)
         for part in sorted(parts):
             tensors[part_name(compressor, part, name)] = parts[part]
-    return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)
+    scalars = dict(payload.scalars)
+    if ef21 and state is not None:   # the count of differences this sender applied (ef21.py)
+        count = sender_count(state) + 1
+        note_sent(state, count)
+        scalars[COUNT_KEY] = count
+    return Payload(tensors=tensors, scalars=scalars, control=payload.control)
+
+
+def coded_names(payload: Payload, default: Compressor) -> set[str]:
+    """The tensors `payload` carries coded (as parts of `default`'s name)."""
+    prefix = default.name + "."
+    return {name.partition(":")[2] for name in payload.tensors if ":" in name and name.startswith(prefix)}
 
 
 def decode_payload(payload: Payload, spec: Spec, default: Compressor, min_numel: int, layers: Layers = ()) -> Payload:

@@ -17,8 +17,10 @@ import torch
 
 from fedhop.common.processors.compressors import NONE, layer_settings
 from fedhop.common.processors.compressors.base import Compressor
-from fedhop.common.processors.compressors.payload import decode_payload, encode_payload
+from fedhop.common.processors.compressors.ef21 import apply_upload
+from fedhop.common.processors.compressors.payload import coded_names, decode_payload, encode_payload
 from fedhop.common.util.rng import torch_stream
+from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
 
 
@@ -31,6 +33,7 @@ class UploadCoding:
     feedback: bool
     edges: bool   # edges code their partials too
     layers: tuple[tuple[str, Compressor | None], ...] = ()   # [compression] layers (payload.py `for_tensor`)
+    ef21: bool = False   # error_feedback = "ef21" (ef21.py)
 
 
 def upload_coding(cfg: Any) -> UploadCoding | None:
@@ -39,7 +42,8 @@ def upload_coding(cfg: Any) -> UploadCoding | None:
     if comp is None or comp.up == NONE or comp.params is None:
         return None
     layers = tuple(layer_settings(cfg)) if comp.layers else ()
-    return UploadCoding(comp.params, int(comp.min_numel), comp.error_feedback == "ef", comp.edge == "same", layers)
+    return UploadCoding(comp.params, int(comp.min_numel), comp.error_feedback == "ef", comp.edge == "same", layers,
+                        comp.error_feedback == "ef21")
 
 
 def for_sender(coding: UploadCoding | None, edge: bool) -> UploadCoding | None:
@@ -54,9 +58,17 @@ def encode_upload(coding: UploadCoding, payload: Payload, seed: int, sender: str
     """`payload` coded by sender `sender` (`state`: its persistent state, for error feedback's
     residuals and a stateful compressor's memory)."""
     rng = torch_stream(seed, "compress", sender, round, step)
-    return encode_payload(payload, coding.compressor, rng, coding.min_numel, state, coding.feedback, coding.layers)
+    return encode_payload(payload, coding.compressor, rng, coding.min_numel, state, coding.feedback, coding.layers,
+                          coding.ef21)
 
 
-def decode_upload(coding: UploadCoding, payload: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
-                  ) -> Payload:
-    return decode_payload(payload, spec, coding.compressor, coding.min_numel, coding.layers)
+def decode_upload(coding: UploadCoding, payload: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                  memory: MutableMapping[str, torch.Tensor] | None = None, peer: str = "", who: str = "") -> Payload:
+    """`payload` decoded against `spec`; with EF21 the parent's step too (`memory`: where the
+    parent keeps its copies of each sender's estimate, `peer`: the sender)."""
+    decoded = decode_payload(payload, spec, coding.compressor, coding.min_numel, coding.layers)
+    if not coding.ef21:
+        return decoded
+    if memory is None or not peer:
+        raise PayloadError("EF21_DESYNC", f"{who}: an EF21 upload reached a receiver that keeps no copies")
+    return apply_upload(decoded, coded_names(payload, coding.compressor), memory, peer, who)
