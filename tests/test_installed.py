@@ -375,13 +375,15 @@ def test_out_onto_a_finished_run_is_refused_and_force_reruns(installed, home, ru
 
 def test_compressed_uploads_from_the_wheel(installed, tmp_path):
     """Issue 47 from the installed wheel, in a folder outside the checkout: a built-in compressor
-    with error feedback (float16 casts: 2 bytes an element) and a user's compressor module beside
-    the config each cost their formula on every upload, with the MLP's 610 parameters."""
+    with error feedback (float16 casts: 2 bytes an element; EF-SGD, then EF21) and a user's
+    compressor module beside the config each cost their formula on every upload, with the MLP's
+    610 parameters."""
     plugin = (ROOT / "tests" / "test_compression.py").read_text().split("PLUGIN = textwrap.dedent('''")[1]
     folder = user_folder(tmp_path / "compressed", EXP + '\n[compression]\nup = "fp16"\nerror_feedback = "ef"\n')
     (folder / "mycomp.py").write_text(textwrap.dedent(plugin.split("''')")[0]))
     for out, sets in (("runs/fp16", []), ("runs/mine", ["--set", 'compression.up="mycomp:Halves"',
-                                                         "--set", "compression.scale=2.0"])):
+                                                         "--set", "compression.scale=2.0"]),
+                      ("runs/fp16-ef21", ["--set", 'compression.error_feedback="ef21"'])):
         done = fedhop(installed, "run", "exp.toml", "--out", out, "--quiet", *sets, cwd=folder)
         completed(done, folder / out)
         con = sqlite3.connect(f"file:{folder / out / 'run.db'}?mode=ro", uri=True)
