@@ -11,6 +11,7 @@ FEMNIST natural partition of examples/claims/leaf/femnist_natural.toml (generate
 - ``dense``: no compression (the reference);
 - ``topk``: top-k 1% (float32 values), without error feedback;
 - ``topk+ef``: the same with EF-SGD (``error_feedback = "ef"``);
+- ``topk+ef21``: the same with EF21 (``error_feedback = "ef21"``, Richtarik et al. 2021);
 - ``sign+mv``: signSGD (``up = "sign"``) with ``security.aggregation = "majority_vote"``;
 - ``powersgd-r1``, ``-r2``, ``-r4``: PowerSGD rank 1, 2, 4 (warm start);
 - ``qsgd``: QSGD with 15 levels, one norm per tensor.
@@ -64,6 +65,7 @@ COMPRESSORS: dict[str, tuple[str, str]] = {
     "dense": ("", "algorithm.lr"),
     "topk": ('[compression]\nup = "topk"\nratio = 0.01', "algorithm.lr"),
     "topk+ef": ('[compression]\nup = "topk"\nratio = 0.01\nerror_feedback = "ef"', "algorithm.lr"),
+    "topk+ef21": ('[compression]\nup = "topk"\nratio = 0.01\nerror_feedback = "ef21"', "algorithm.lr"),
     "sign+mv": ('[compression]\nup = "sign"\n[security]\naggregation = "majority_vote"', "algorithm.server_lr"),
     "powersgd-r1": ('[compression]\nup = "powersgd"\nrank = 1', "algorithm.lr"),
     "powersgd-r2": ('[compression]\nup = "powersgd"\nrank = 2', "algorithm.lr"),
