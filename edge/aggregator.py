@@ -253,7 +253,8 @@ class EdgeAggregator:
                 failures[c] = f"UNKNOWN_CLIENT: client {c} never registered with {self.endpoint.node_id}"
                 continue
             check = reply_chain(self.cfg, spec, Method.TRAIN, rules, self.limiter.limits([c]), round=round,
-                                peer=client_node(c), memory=self.upload_state)   # EF21: the edge's copies
+                                peer=client_node(c), memory=self.upload_state,   # EF21: the edge's copies
+                                folded=stream)
             to_client = for_receiver(self.client_home[c][0])
             if ef21:
                 to_client = ef21_reset_message(to_client, self.upload_state, client_node(c))

@@ -61,18 +61,21 @@ class ClientFanout(DataPlane):
         down = self.downlink
         for_receiver = down.code(message) if down is not None else (lambda receiver: message)
         receiver = {cid: ctx.client_home[cid].node_id for cid in sampled}
+        fold = round_fold(ctx, sampled, spec, per_client=True)
+        ef21 = uses_ef21(ctx.cfg)
         requests = [Send(cid, ctx.client_home[cid].address, client_node(cid), Method.TRAIN,
-                         ef21_message(ctx, ctx.client_message(for_receiver(receiver[cid]), round, cid), client_node(cid)),
+                         ef21_message(ctx, ef21, ctx.client_message(for_receiver(receiver[cid]), round, cid),
+                                      client_node(cid)),
                          inbound=reply_chain(ctx.cfg, spec, Method.TRAIN, rules, ctx.limiter.limits([cid]),
-                                             round=round, peer=client_node(cid), memory=ctx.state.extra),
+                                             round=round, peer=client_node(cid), memory=ctx.state.extra,
+                                             folded=fold is not None),
                          who=f"round {round} reply of client {cid}",
                          on_reply=lambda c: arrivals.__setitem__(c, time.perf_counter()))
                     for cid in sampled]
         timeout = ctx.cfg.run.round_timeout
         results, failures = ctx.fabric.send_and_receive(
             requests, round=round, timeout=timeout, call_timeout=ctx.cfg.run.call_timeout,
-            timeout_reason=f"timeout: no result within run.round_timeout={timeout}s",
-            fold=round_fold(ctx, sampled, spec, per_client=True))
+            timeout_reason=f"timeout: no result within run.round_timeout={timeout}s", fold=fold)
         if down is not None:   # a process that answered holds the new reference; any other gets a resync next
             answered: dict[str, bool] = {}
             for cid in sampled:
@@ -96,18 +99,19 @@ class EdgeFanout(DataPlane):
         down = self.downlink
         for_receiver = down.code(message) if down is not None else (lambda receiver: message)
         requests = []
+        fold = round_fold(ctx, sorted(by_edge, key=edge_index), spec, per_client=False)
+        ef21 = uses_ef21(ctx.cfg)
         for node_id, cids in sorted(by_edge.items()):
-            shared = ef21_message(ctx, ctx.group_message(for_receiver(node_id), round, cids), node_id)
+            shared = ef21_message(ctx, ef21, ctx.group_message(for_receiver(node_id), round, cids), node_id)
             payload = Payload(tensors=shared.tensors, scalars=shared.scalars, control=sampled_clients(cids))
             check = reply_chain(ctx.cfg, spec, Method.EDGE_ROUND, rules, ctx.limiter.limits(cids),   # the edge speaks for its clients
-                                round=round, peer=node_id, memory=ctx.state.extra)
+                                round=round, peer=node_id, memory=ctx.state.extra, folded=fold is not None)
             requests.append(Send(node_id, ctx.children[node_id].address, node_id, Method.EDGE_ROUND, payload,
                                  inbound=check, who=f"round {round} partial of {node_id}"))
         timeout = ctx.cfg.run.round_timeout * 2
         partials, edge_failures = ctx.fabric.send_and_receive(
             requests, round=round, timeout=timeout, call_timeout=timeout,
-            timeout_reason=f"timeout: no result within run.round_timeout={ctx.cfg.run.round_timeout}s",
-            fold=round_fold(ctx, sorted(by_edge, key=edge_index), spec, per_client=False))
+            timeout_reason=f"timeout: no result within run.round_timeout={ctx.cfg.run.round_timeout}s", fold=fold)
         if down is not None:   # an edge that answered holds the new reference
             down.delivered({node_id: node_id in partials for node_id in by_edge})
         failures: dict[int, str] = {}
@@ -135,13 +139,16 @@ class EdgeFanout(DataPlane):
         return results, failures
 
 
-def ef21_message(ctx: DriverContext, message: Payload, peer: str) -> Payload:
-    """The message to `peer`, with EF21's reset when its last upload was out of step
-    (common/processors/compressors/ef21.py; the server's copies live in its state's extra)."""
-    coding = upload_coding(ctx.cfg)
-    if coding is None or not coding.ef21:
-        return message
-    return ef21_reset_message(message, ctx.state.extra, peer)
+def ef21_message(ctx: DriverContext, ef21: bool, message: Payload, peer: str) -> Payload:
+    """The message to `peer`, with EF21's reset when its last upload was out of step (`ef21`:
+    the run uses EF21; common/processors/compressors/ef21.py; the server's copies live in its
+    state's extra)."""
+    return ef21_reset_message(message, ctx.state.extra, peer) if ef21 else message
+
+
+def uses_ef21(cfg) -> bool:
+    coding = upload_coding(cfg)
+    return coding is not None and coding.ef21
 
 
 def round_fold(ctx: DriverContext, keys: list, spec, per_client: bool) -> OrderedFold | None:

@@ -393,6 +393,18 @@ def test_compressed_uploads_from_the_wheel(installed, tmp_path):
         finally:
             con.close()
         assert sizes == {2 * (64 * 8 + 8 + 8 * 10 + 10)}, (out, sizes)
+    # top-k: the server folds each upload's four tensors by their nonzeros (docs/compression.md)
+    done = fedhop(installed, "run", "exp.toml", "--out", "runs/topk", "--quiet", "--set", 'compression.up="topk"',
+                  "--set", "compression.k=8", "--set", 'compression.error_feedback="none"', cwd=folder)
+    completed(done, folder / "runs" / "topk")
+    con = sqlite3.connect(f"file:{folder / 'runs' / 'topk' / 'run.db'}?mode=ro", uri=True)
+    try:
+        (uploads,) = con.execute("SELECT COUNT(*) FROM messages WHERE role = 'sender' AND direction = 'up' AND "
+                                 "method = 'train.reply'").fetchone()
+    finally:
+        con.close()
+    aggregation = json.loads((folder / "runs" / "topk" / "summary.json").read_text())["aggregation"]
+    assert uploads == 2 * ROUNDS and aggregation["sparse_tensors_folded"] == 4 * uploads, aggregation
 
 
 def test_coded_broadcasts_from_the_wheel(installed, tmp_path):

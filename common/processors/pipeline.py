@@ -131,6 +131,9 @@ class Decompress:
     cfg: Any
     spec: Spec
     memory: MutableMapping[str, torch.Tensor] | None = None   # the receiver's EF21 copies (ef21.py)
+    # a sparsifier's tensors handed on by their nonzeros (`Payload.sparse`): only where the reply
+    # goes straight into a streaming fold (`reply_chain`)
+    sparse: bool = False
 
     @property
     def bound(self) -> ReplyBound | None:
@@ -145,7 +148,7 @@ class Decompress:
     def process(self, message: Payload, ctx: Context) -> Payload:
         coding = for_sender(upload_coding(self.cfg), edge=ctx.method == "edge_round")
         if coding is not None:
-            return decode_upload(coding, message, self.spec, self.memory, ctx.peer, ctx.who)
+            return decode_upload(coding, message, self.spec, self.memory, ctx.peer, ctx.who, self.sparse)
         return decompress_upload(self.cfg, message, self.spec)
 
 
@@ -390,11 +393,15 @@ def unconfigure() -> None:
 # ----------------------------------------------------------------------------- the chains
 def reply_chain(cfg: Any, spec: Spec, method: str, scalars: Mapping[str, ScalarRule] | None = None,
                 limits: ReplyLimits | None = None, *, round: int = 0, peer: str = "",
-                memory: MutableMapping[str, torch.Tensor] | None = None) -> ProcessorChain:
+                memory: MutableMapping[str, torch.Tensor] | None = None, folded: bool = False) -> ProcessorChain:
     """The inbound chain of a reply to `method`: Decompress (`memory`: the receiver's EF21
-    copies of its senders' estimates), ValidateReply, the user's."""
-    return ProcessorChain([Decompress(cfg, spec, memory), ValidateReply(spec, scalars, limits),
-                           *installed(method, "in")], str(method), "in", round, peer)
+    copies of its senders' estimates), ValidateReply, the user's.  `folded`: the reply goes
+    straight into a streaming fold (common/processors/streaming.py), so a sparsifier's tensors
+    may stay their nonzeros (`Payload.sparse`) unless a user's processor reads the reply (it
+    gets dense tensors, as everywhere else)."""
+    users = installed(method, "in")
+    return ProcessorChain([Decompress(cfg, spec, memory, sparse=folded and not users),
+                           ValidateReply(spec, scalars, limits), *users], str(method), "in", round, peer)
 
 
 def reduced_chain(spec: Spec, method: str, *, round: int = 0, peer: str = "") -> ProcessorChain:

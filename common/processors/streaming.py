@@ -51,7 +51,7 @@ import math
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping
 
@@ -61,7 +61,7 @@ import torch
 from fedhop.common.processors.validation import _kind
 from fedhop.common.wire.codec import RECV_BUFFERS
 from fedhop.common.wire.filebacked import FileBuffers, file_backed, file_buffers_on
-from fedhop.common.wire.message import Payload, ReduceOp, ReplyAccumulator
+from fedhop.common.wire.message import Payload, ReduceOp, ReplyAccumulator, SparseTensor
 
 if TYPE_CHECKING:
     from fedhop.common.wire.fedhop_pb2 import Control
@@ -135,12 +135,14 @@ class OrderedFold:
                 self._fold(key, reply)
                 if take:
                     reply.tensors.clear()   # folded: its buffer is free before any spilled reply is read back
+                    reply.sparse.clear()
                 self._done[key] = None
                 self._advance()
             else:
                 self._hold(key, reply)
                 if take:
                     reply.tensors.clear()   # held (a copy of the dict) or on disk: the fold has what it needs
+                    reply.sparse.clear()
             return True
 
     def admit(self, timeout: float) -> bool:
@@ -250,11 +252,13 @@ class OrderedFold:
     def _hold(self, key: Hashable, reply: Payload) -> None:
         size = reply.tensor_bytes()
         if any(file_backed(t) for t in reply.tensors.values()):   # received into a file: held as it is
-            self._done[key] = Payload(tensors=dict(reply.tensors), scalars=reply.scalars, control=reply.control)
+            self._done[key] = Payload(tensors=dict(reply.tensors), scalars=reply.scalars, control=reply.control,
+                                      sparse=dict(reply.sparse))
             self.spilled += 1
             return
-        if self._held_bytes + size <= self.budget_bytes:
-            self._done[key] = Payload(tensors=dict(reply.tensors), scalars=reply.scalars, control=reply.control)
+        if self._held_bytes + size <= self.budget_bytes:   # a sparse reply is held as its nonzeros
+            self._done[key] = Payload(tensors=dict(reply.tensors), scalars=reply.scalars, control=reply.control,
+                                      sparse=dict(reply.sparse))
             self._held_bytes += size
             self.peak_held_bytes = max(self.peak_held_bytes, self._held_bytes)
             return
@@ -263,11 +267,12 @@ class OrderedFold:
         path = self._spill / f"{key}.bin"
         layout = []
         with open(path, "wb") as f:   # raw tensor bytes; names, dtypes and shapes stay here
-            for name, t in reply.tensors.items():
+            for name, t in [*reply.tensors.items(), *_nonzeros(reply)]:
                 flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
                 f.write(memoryview(flat.numpy()))   # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only for Python >= 3.12
                 layout.append((name, t.dtype, tuple(t.shape), t.device))
-        self._done[key] = _Spilled(str(path), layout, dict(reply.scalars), reply.control)
+        sparse_shapes = {name: sp.shape for name, sp in reply.sparse.items()}
+        self._done[key] = _Spilled(str(path), layout, dict(reply.scalars), reply.control, sparse_shapes)
         self.spilled += 1
 
     @staticmethod
@@ -289,17 +294,31 @@ class OrderedFold:
                 tensors[name] = torch.from_numpy(raw).view(dtype).reshape(shape).to(device) \
                     if n else torch.empty(shape, dtype=dtype, device=device)
         Path(spilled.path).unlink(missing_ok=True)
-        return Payload(tensors=tensors, scalars=spilled.scalars, control=spilled.control)
+        sparse = {name: SparseTensor(tensors.pop(_INDICES + name), tensors.pop(_VALUES + name), shape)
+                  for name, shape in spilled.sparse_shapes.items()}
+        return Payload(tensors=tensors, scalars=spilled.scalars, control=spilled.control, sparse=sparse)
+
+
+# the spill file's entries of a tensor given by its nonzeros (names no reply tensor has: ':' is a coded part's)
+_INDICES, _VALUES = "\0indices:", "\0values:"
+
+
+def _nonzeros(reply: Payload) -> list[tuple[str, torch.Tensor]]:
+    """The spill file's entries of `reply`'s tensors given by their nonzeros: indices, then values."""
+    return [entry for name, sp in reply.sparse.items()
+            for entry in ((_INDICES + name, sp.indices), (_VALUES + name, sp.values))]
 
 
 @dataclass
 class _Spilled:
-    """A reply ahead of its turn, in a spill file."""
+    """A reply ahead of its turn, in a spill file (`sparse_shapes`: its tensors given by their
+    nonzeros, written as their indices and values)."""
 
     path: str
     layout: list
     scalars: dict
     control: "Control | None"
+    sparse_shapes: dict = field(default_factory=dict)
 
 
 #: replies ahead of their turn are held in memory up to at least this many bytes before any is spilled:
@@ -332,11 +351,13 @@ class RoundMemory:
         self.streamed_rounds = 0   # rounds whose replies were folded as they arrived
         self.spilled_replies = 0   # replies that waited for their turn in a spill file
         self.replies_in_files = 0  # replies received into a file, not memory (common/wire/filebacked.py)
+        self.sparse_tensors = 0    # tensors folded by their nonzeros (a sparsifier's uploads: message.py SparseTensor)
 
     def note_fold(self, fold: "OrderedFold") -> None:
         self.streamed_rounds += 1
         self.spilled_replies += fold.spilled
         self.replies_in_files += fold.receive_buffers.made if fold.receive_buffers is not None else 0
+        self.sparse_tensors += fold.acc.sparse_added
 
     @staticmethod
     def _status() -> dict[str, int]:
@@ -368,4 +389,5 @@ class RoundMemory:
     def summary(self) -> dict:
         return {"server_memory": {"rss_at_first_round_bytes": self.start_bytes, "peak_rss_bytes": self.peak_bytes},
                 "aggregation": {"streamed_rounds": self.streamed_rounds, "spilled_replies": self.spilled_replies,
-                                "replies_in_files": self.replies_in_files}}
+                                "replies_in_files": self.replies_in_files,
+                                "sparse_tensors_folded": self.sparse_tensors}}

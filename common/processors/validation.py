@@ -46,6 +46,7 @@ from fedhop.common.wire.message import (
     Payload,
     ScalarRule,
     _top,
+    sparse_problem,
     tensor_finite,
 )
 
@@ -142,6 +143,14 @@ def validate_reply(reply: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[i
             raise PayloadError("BAD_EXTRA", f"{who}: undeclared tensor '{name}' ({t.dtype}, shape {tuple(t.shape)}); "
                                             f"only 0-dim floats may travel beside the algorithm's reply spec")
         if not tensor_finite(t):
+            raise PayloadError("NON_FINITE", f"{who}: tensor '{name}' holds NaN or Inf")
+    for name, sp in reply.sparse.items():   # tensors given by their nonzeros (SparseTensor)
+        if name not in spec:
+            raise PayloadError("BAD_EXTRA", f"{who}: undeclared tensor '{name}' given by its nonzeros")
+        bad = sparse_problem(sp)
+        if bad is not None:
+            raise PayloadError("BAD_SHAPE", f"{who}: tensor '{name}': {bad}")
+        if not tensor_finite(sp.values):
             raise PayloadError("NON_FINITE", f"{who}: tensor '{name}' holds NaN or Inf")
     if len(reply.scalars) > MAX_SCALARS:
         raise PayloadError("BAD_SCALAR", f"{who}: {len(reply.scalars)} scalars (at most {MAX_SCALARS})")

@@ -744,16 +744,20 @@ def decode_frames(frames: Iterable[bytes], max_payload_bytes: int = 1 << 31,
 # ----------------------------------------------------------------------------- expectations
 def check_tensors(payload: Payload, expected: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
                   who: str, allow_extra: bool = False) -> None:
-    """Reject a payload whose tensor names, dtypes or shapes differ from `expected`."""
-    missing = [n for n in expected if n not in payload.tensors]
+    """Reject a payload whose tensor names, dtypes or shapes differ from `expected` (a tensor
+    given by its nonzeros, `Payload.sparse`, by the dense tensor it stands for)."""
+    missing = [n for n in expected if n not in payload.tensors and n not in payload.sparse]
     if missing:
         raise PayloadError("BAD_NAME", f"{who}: missing tensors {missing}")
+    both = [n for n in payload.sparse if n in payload.tensors]
+    if both:
+        raise PayloadError("BAD_NAME", f"{who}: tensors {both} given both dense and by their nonzeros")
     if not allow_extra:
-        extra = [n for n in payload.tensors if n not in expected]
+        extra = [n for n in [*payload.tensors, *payload.sparse] if n not in expected]
         if extra:
             raise PayloadError("BAD_NAME", f"{who}: unexpected tensors {extra}")
     for name, (dtype, shape) in expected.items():
-        t = payload.tensors[name]
+        t = payload.tensors[name] if name in payload.tensors else payload.sparse[name]
         if t.dtype != dtype:
             raise PayloadError("BAD_DTYPE", f"{who}: tensor '{name}' is {t.dtype}, expected {dtype}")
         if tuple(t.shape) != tuple(shape):

@@ -48,18 +48,76 @@ REPLY_SCALARS: dict[str, ScalarRule] = {
 }
 
 
+@dataclass(frozen=True)
+class SparseTensor:
+    """A tensor of `dtype` and `shape` that is zero except at the flat positions `indices`
+    (int64, strictly increasing, each < numel), where it holds `values` (`dtype`, one per index).
+
+    What a sparsifier's upload (top-k, random-k, threshold: common/processors/compressors/sparse.py)
+    decodes into where the reply goes straight into a streaming fold (`Payload.sparse`,
+    `ReplyAccumulator`): the fold adds the values at their positions instead of a model-sized
+    dense tensor that is mostly zeros."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def numel(self) -> int:
+        """Elements of the dense tensor it stands for."""
+        return math.prod(self.shape)
+
+    def nbytes(self) -> int:
+        """Bytes it holds (indices and values)."""
+        return (self.indices.numel() * self.indices.element_size()
+                + self.values.numel() * self.values.element_size())
+
+    def dense(self) -> torch.Tensor:
+        """The dense tensor: zeros with `values` at `indices`."""
+        out = torch.zeros(self.numel(), dtype=self.dtype, device=self.device)
+        out[self.indices] = self.values
+        return out.reshape(self.shape)
+
+
+def sparse_problem(s: SparseTensor) -> str | None:
+    """What makes `s` unusable (None: nothing): indices not int64[k] strictly increasing within
+    [0, numel), values not [k] on the indices' device."""
+    idx, val = s.indices, s.values
+    if idx.dtype != torch.int64 or idx.dim() != 1 or val.dim() != 1 or val.numel() != idx.numel():
+        return (f"indices {idx.dtype}{list(idx.shape)} and values {val.dtype}{list(val.shape)} "
+                f"are not int64[k] and [k]")
+    if idx.device != val.device:
+        return "indices and values on different devices"
+    if idx.numel() and (int(idx[0]) < 0 or int(idx[-1]) >= s.numel() or bool((idx[1:] <= idx[:-1]).any())):
+        return f"indices not strictly increasing within [0, {s.numel()})"
+    return None
+
+
 @dataclass
 class Payload:
-    """What one message carries: named tensors and typed scalars (DESIGN.md section 3)."""
+    """What one message carries: named tensors and typed scalars (DESIGN.md section 3).
+
+    `sparse`: tensors given by their nonzeros (`SparseTensor`), set only by a reply chain whose
+    reply goes straight into a streaming fold (common/processors/pipeline.py `reply_chain`); a
+    name is in `tensors` or in `sparse`, never both.  Everything else sees dense tensors only."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     scalars: dict[str, Scalar] = field(default_factory=dict)
     # the protocol's structured control data (proto/fedhop.proto `Control`, common/transport/control.py),
     # set by the roles, never by an algorithm; None: the message has none
     control: "Control | None" = None
+    sparse: dict[str, SparseTensor] = field(default_factory=dict)
 
     def tensor_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return (sum(t.numel() * t.element_size() for t in self.tensors.values())
+                + sum(s.nbytes() for s in self.sparse.values()))
 
 
 #: elements per piece when a large tensor is folded (`ReplyAccumulator`): 4 MB of float32 scratch
@@ -107,6 +165,7 @@ class ReplyAccumulator:
         # the largest weighted value the last `add_if_finite` added (common/processors/validation.py `_magnitude`)
         self.last_magnitude = 0.0
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self.sparse_added = 0   # tensors folded by their nonzeros (`Payload.sparse`)
 
     def add(self, p: Payload) -> None:
         """Fold `p` in: a `wsum` field adds weight * field, a partial result (it carries
@@ -122,6 +181,9 @@ class ReplyAccumulator:
         for name, t in p.tensors.items():
             out.tensors[name] = self._combine(name, t, w, is_partial)
             self._bound[name] = math.inf   # not tracked here: a later `add_if_finite` checks every element
+        for name, s in p.sparse.items():
+            out.tensors[name] = self._combine_sparse(name, s, w, is_partial)
+            self._bound[name] = math.inf
         self._fold_scalars(out.scalars, p, w, is_partial)
 
     def add_if_finite(self, p: Payload) -> str | None:
@@ -140,13 +202,16 @@ class ReplyAccumulator:
         w = float(p.scalars[WEIGHT_KEY])
         is_partial = COUNT_KEY in p.scalars
         tops = {name: _top(t) for name, t in p.tensors.items()}
+        tops.update({name: _top(s.values) for name, s in p.sparse.items()})
         self.last_magnitude = max(tops.values(), default=0.0) * (1.0 if is_partial else w)
         bounds: dict[str, float] = {}
-        for name, t in p.tensors.items():
+        for name, t in [*p.tensors.items(), *((n, s.values) for n, s in p.sparse.items())]:
             bounds[name] = self._next_bound(name, t, tops[name], w, is_partial)
             if not t.is_floating_point() or bounds[name] <= torch.finfo(t.dtype).max:
                 continue
-            problem = self._check(name, t, w, is_partial)   # near the dtype's limit: every element
+            # near the dtype's limit: every element
+            problem = (self._check(name, t, w, is_partial) if name in p.tensors
+                       else self._check_sparse(name, p.sparse[name], w, is_partial))
             if problem is not None:
                 return problem
             bounds[name] = math.inf
@@ -159,6 +224,8 @@ class ReplyAccumulator:
             return "adding it makes the summed weight Inf"
         for name, t in p.tensors.items():
             out.tensors[name] = self._combine(name, t, w, is_partial)
+        for name, sp in p.sparse.items():
+            out.tensors[name] = self._combine_sparse(name, sp, w, is_partial)
         self._bound.update(bounds)
         out.scalars = scalars
         self.total_weight += w
@@ -233,6 +300,36 @@ class ReplyAccumulator:
         for a, b, s in self._pieces(acc, t):
             self._op(name, a, torch.mul(b, w, out=s) if weighted else b, out=a)
         return acc
+
+    def _combine_sparse(self, name: str, s: SparseTensor, w: float, is_partial: bool) -> torch.Tensor:
+        """`_combine` of a tensor given by its nonzeros: a sum adds the weighted values at their
+        positions (index_add_).  The same bits as combining `s.dense()`: at a kept position the
+        same product and sum; elsewhere the dense fold adds w * 0 = +0, which changes nothing
+        but a running -0 into +0 (equal values).  The first term is the zeros with the weighted
+        values written in, as `t * w` makes them.  A max or min field compares every element with
+        the zeros too: it combines `s.dense()`."""
+        if self.ops.get(name, "wsum") not in ("wsum", "sum"):
+            return self._combine(name, s.dense(), w, is_partial)
+        self.sparse_added += 1
+        term = s.values * w if self._weighted(name, is_partial) else s.values
+        acc = self.out.tensors.get(name)
+        if acc is None:
+            acc = torch.zeros(s.shape, dtype=s.dtype, device=s.device)
+            acc.view(-1)[s.indices] = term
+            return acc
+        if not acc.is_contiguous():
+            acc = acc.contiguous()
+        acc.view(-1).index_add_(0, s.indices, term)
+        return acc
+
+    def _check_sparse(self, name: str, s: SparseTensor, w: float, is_partial: bool) -> str | None:
+        """`_check` of a tensor given by its nonzeros: only the kept positions change."""
+        if self.ops.get(name, "wsum") not in ("wsum", "sum"):
+            return self._check(name, s.dense(), w, is_partial)
+        term = s.values * w if self._weighted(name, is_partial) else s.values
+        acc = self.out.tensors.get(name)
+        new = term if acc is None else acc.reshape(-1)[s.indices] + term
+        return None if tensor_finite(new) else f"adding it makes tensor '{name}' of the sum NaN or Inf"
 
     def _check(self, name: str, t: torch.Tensor, w: float, is_partial: bool) -> str | None:
         """Whether combining `t` into field `name` keeps it finite, computed (not kept) piece by piece."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, MutableMapping
+from typing import Any, Callable, Mapping, MutableMapping
 
 import torch
 
@@ -144,7 +144,7 @@ class DownlinkSender:
         codes = {n: c for n, t in message.tensors.items() if (c := self.coding.codes(n, t)) is not None}
         current = {n: message.tensors[n].detach().cpu() for n in codes}
         reference = self.reference()
-        ref_layout = _layout({n: t for n, t in reference.items()})
+        ref_layout = _layout(reference)
         version = self.version + 1
         if not codes or ref_layout != _layout(current) or self.version == 0:
             # no reference yet, or a broadcast of other tensors: it becomes the reference, plain for all
@@ -176,8 +176,9 @@ class DownlinkSender:
         self._store(new_reference, version)
         self.history.append((version, parts_of, size))
         plain_bytes = sum(t.numel() * t.element_size() for t in new_reference.values())
-        while sum(s for _, _, s in self.history) >= plain_bytes and self.history:
-            self.history.pop(0)   # keep the differences while they cost less than the model itself
+        kept_bytes = sum(s for _, _, s in self.history)
+        while self.history and kept_bytes >= plain_bytes:
+            kept_bytes -= self.history.pop(0)[2]   # keep the differences while they cost less than the model itself
         plain = self._plain(message, version)
         by_base: dict[int, Payload] = {}
 
@@ -189,7 +190,7 @@ class DownlinkSender:
                 return plain
             self.coded_sends += 1
             if base not in by_base:
-                by_base[base] = self._difference(message, base, version, set(codes))
+                by_base[base] = self._difference(message, base, version, codes)
             return by_base[base]
         return for_receiver
 
@@ -199,15 +200,15 @@ class DownlinkSender:
         tensors = {n: (reference[n] if n in reference else t) for n, t in message.tensors.items()}
         return Payload(tensors=tensors, scalars={**message.scalars, VERSION_KEY: version}, control=message.control)
 
-    def _difference(self, message: Payload, base: int, version: int, names: set[str]) -> Payload:
-        """The coded differences of versions base + 1 .. `version`, and the message's plain tensors."""
-        tensors = {n: t for n, t in message.tensors.items() if n not in names}
+    def _difference(self, message: Payload, base: int, version: int, codes: Mapping[str, Compressor]) -> Payload:
+        """The coded differences of versions base + 1 .. `version` (`codes`: each coded tensor's
+        compressor), and the message's plain tensors."""
+        tensors = {n: t for n, t in message.tensors.items() if n not in codes}
         for v, parts_of, _ in self.history:
             if v <= base:
                 continue
             for name, parts in parts_of.items():
-                compressor = self.coding.codes(name, message.tensors[name])
-                assert compressor is not None
+                compressor = codes[name]
                 for part, t in parts.items():
                     tensors[part_name(v, compressor, part, name)] = t
         return Payload(tensors=tensors, scalars={**message.scalars, VERSION_KEY: version, BASE_KEY: base},

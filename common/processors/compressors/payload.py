@@ -25,7 +25,7 @@ import torch
 from fedhop.common.processors.compressors.base import Compressor
 from fedhop.common.processors.compressors.ef21 import COUNT_KEY, ESTIMATE, estimate, note_sent, sender_count
 from fedhop.common.wire.codec import PayloadError
-from fedhop.common.wire.message import Payload
+from fedhop.common.wire.message import Payload, SparseTensor
 
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 RESIDUAL_PREFIX = "ef_residual:"   # a client state's key of error feedback's residual of a tensor
@@ -133,10 +133,15 @@ def coded_names(payload: Payload, default: Compressor) -> set[str]:
     return {name.partition(":")[2] for name in payload.tensors if ":" in name and name.startswith(prefix)}
 
 
-def decode_payload(payload: Payload, spec: Spec, default: Compressor, min_numel: int, layers: Layers = ()) -> Payload:
+def decode_payload(payload: Payload, spec: Spec, default: Compressor, min_numel: int, layers: Layers = (),
+                   sparse: bool = False) -> Payload:
     """The receiver's side of `encode_payload`: each coded tensor decoded into its spec's dtype
     and shape, on the device the message was placed on, by the compressor `for_tensor` gives it
-    (the same class as `default`: `layers` only change its keys, or send a tensor plain)."""
+    (the same class as `default`: `layers` only change its keys, or send a tensor plain).
+
+    `sparse`: a compressor with `decode_sparse(parts, numel)` (the sparsifiers, sparse.py) hands
+    its (indices, values) on as a `SparseTensor` in `Payload.sparse` instead of a dense tensor
+    (for a reply that goes straight into a streaming fold: pipeline.py `reply_chain`)."""
     prefix = default.name + "."
     plain: dict[str, torch.Tensor] = {}
     parts_of: dict[str, dict[str, torch.Tensor]] = {}
@@ -149,6 +154,7 @@ def decode_payload(payload: Payload, spec: Spec, default: Compressor, min_numel:
     if not parts_of:
         return payload
     tensors = dict(plain)
+    nonzeros: dict[str, SparseTensor] = {}
     for target in sorted(parts_of):
         if target not in spec:
             raise PayloadError("BAD_NAME", f"{default.name} parts encode '{target}', which the reply spec lacks")
@@ -164,15 +170,21 @@ def decode_payload(payload: Payload, spec: Spec, default: Compressor, min_numel:
                                            f"compression.min_numel = {min_numel}, not as {compressor.name} parts")
         parts = parts_of[target]
         device = next(iter(parts.values())).device
+        by_nonzeros = getattr(compressor, "decode_sparse", None) if sparse else None
         try:
-            value = compressor.decode({p: t.cpu() for p, t in parts.items()}, numel)
+            on_cpu = {p: t.cpu() for p, t in parts.items()}
+            value = by_nonzeros(on_cpu, numel) if by_nonzeros is not None else compressor.decode(on_cpu, numel)
         except PayloadError:
             raise
         except Exception as exc:   # noqa: BLE001 - a plug-in decoder's failure on a participant's input
             raise PayloadError("BAD_SHAPE", f"{compressor.name} could not decode '{target}': "
                                             f"{type(exc).__name__}: {exc}") from None
+        if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, torch.Tensor) for v in value):
+            idx, val = value   # checked by ValidateReply (message.py `sparse_problem`)
+            nonzeros[target] = SparseTensor(idx.to(device), val.to(dtype=dtype, device=device), tuple(shape))
+            continue
         if not isinstance(value, torch.Tensor) or value.numel() != numel:
             raise PayloadError("BAD_SHAPE", f"{compressor.name} decoded '{target}' into something other than "
                                             f"{numel} values")
         tensors[target] = value.reshape(shape).to(dtype=dtype, device=device)
-    return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)
+    return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control, sparse=nonzeros)

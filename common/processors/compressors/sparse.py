@@ -222,9 +222,9 @@ def _check_parts(parts: Mapping[str, torch.Tensor], what: str) -> None:
         raise PayloadError("BAD_NAME", f"{what}: unknown parts {extra}")
 
 
-def _scatter(d: int, idx: np.ndarray, val: torch.Tensor) -> torch.Tensor:
+def _scatter(d: int, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(d, dtype=torch.float32)
-    out[torch.from_numpy(idx)] = val
+    out[idx] = val
     return out
 
 
@@ -278,11 +278,16 @@ class _CountKeys:
 
     def decode(self, parts: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
         """float32[numel], zero off the kept indices; PayloadError for any malformed part."""
+        return _scatter(numel, *self.decode_sparse(parts, numel))
+
+    def decode_sparse(self, parts: Mapping[str, torch.Tensor], numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices int64[k] strictly increasing, values float32[k]): what `decode` scatters into
+        zeros (a streaming fold adds them where they belong: common/wire/message.py SparseTensor)."""
         what = f"{self.name} of {numel} elements"
         _check_parts(parts, what)
         k = self.count(numel)
         val = decode_values(parts, VALUE_DTYPES[self.values], k, numel, what)
-        return _scatter(numel, decode_indices(parts, numel, k, what), val)
+        return torch.from_numpy(decode_indices(parts, numel, k, what)), val
 
     def encoded_bytes(self, numel: int, parts: Mapping[str, torch.Tensor]) -> int:
         """s_val * k + min(4 k, V(S), ceil(d / 8)) with k = k(d) and S read from the index part."""
@@ -370,10 +375,14 @@ class Threshold:
     def decode(self, parts: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
         """float32[numel], zero off the kept indices; PayloadError for any malformed part (the
         indices' count must equal len(val))."""
+        return _scatter(numel, *self.decode_sparse(parts, numel))
+
+    def decode_sparse(self, parts: Mapping[str, torch.Tensor], numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices int64[k] strictly increasing, values float32[k]): what `decode` scatters into zeros."""
         what = f"threshold of {numel} elements"
         _check_parts(parts, what)
         val = decode_values(parts, VALUE_DTYPES[self.values], None, numel, what)
-        return _scatter(numel, decode_indices(parts, numel, val.numel(), what), val)
+        return torch.from_numpy(decode_indices(parts, numel, val.numel(), what)), val
 
     def encoded_bytes(self, numel: int, parts: Mapping[str, torch.Tensor]) -> int:
         """s_val * k + min(4 k, V(S), ceil(d / 8)) with k = len(val) and S read from the index part."""

@@ -63,10 +63,14 @@ def encode_upload(coding: UploadCoding, payload: Payload, seed: int, sender: str
 
 
 def decode_upload(coding: UploadCoding, payload: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                  memory: MutableMapping[str, torch.Tensor] | None = None, peer: str = "", who: str = "") -> Payload:
+                  memory: MutableMapping[str, torch.Tensor] | None = None, peer: str = "", who: str = "",
+                  sparse: bool = False) -> Payload:
     """`payload` decoded against `spec`; with EF21 the parent's step too (`memory`: where the
-    parent keeps its copies of each sender's estimate, `peer`: the sender)."""
-    decoded = decode_payload(payload, spec, coding.compressor, coding.min_numel, coding.layers)
+    parent keeps its copies of each sender's estimate, `peer`: the sender).  `sparse`: a
+    sparsifier's tensors as their nonzeros (payload.py `decode_payload`; never with EF21, whose
+    step makes the reply its dense estimate)."""
+    decoded = decode_payload(payload, spec, coding.compressor, coding.min_numel, coding.layers,
+                             sparse=sparse and not coding.ef21)
     if not coding.ef21:
         return decoded
     if memory is None or not peer:
