@@ -311,7 +311,7 @@ class ReplyAccumulator:
         if self.ops.get(name, "wsum") not in ("wsum", "sum"):
             return self._combine(name, s.dense(), w, is_partial)
         self.sparse_added += 1
-        term = s.values * w if self._weighted(name, is_partial) else s.values
+        term = self._term(name, s.values, w, is_partial)
         acc = self.out.tensors.get(name)
         if acc is None:
             acc = torch.zeros(s.shape, dtype=s.dtype, device=s.device)
@@ -326,7 +326,7 @@ class ReplyAccumulator:
         """`_check` of a tensor given by its nonzeros: only the kept positions change."""
         if self.ops.get(name, "wsum") not in ("wsum", "sum"):
             return self._check(name, s.dense(), w, is_partial)
-        term = s.values * w if self._weighted(name, is_partial) else s.values
+        term = self._term(name, s.values, w, is_partial)
         acc = self.out.tensors.get(name)
         new = term if acc is None else acc.reshape(-1)[s.indices] + term
         return None if tensor_finite(new) else f"adding it makes tensor '{name}' of the sum NaN or Inf"
