@@ -92,7 +92,7 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median_s": statistics.median(steady), "min_s": min(steady), "max_s": max(steady)}
 
 
-def run_fedhop(rounds: int, params: int, processes: int, batch: bool = False) -> dict[str, Any]:
+def run_fedhop(rounds: int, params: int, processes: int, batch: bool = True) -> dict[str, Any]:
     """FedAvg over gRPC with real processes (with `batch`, transport.batch: one call per client
     process and round, each client's request still its own message); per-round wall times from run.db."""
     from fedhop.common.records.runstore import RunStore
@@ -741,8 +741,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--params", type=int, default=1000, help="model size (one float32 vector)")
     ap.add_argument("--fedhop-processes", type=int, default=CLIENTS, help="fedhop client processes")
-    ap.add_argument("--batch", action="store_true", help="fedhop with transport.batch (one call per client "
-                                                         "process and round)")
+    ap.add_argument("--no-batch", action="store_true", help="fedhop with transport.batch = false (one call per "
+                                                            "client, not one per client process and round)")
     ap.add_argument("--flwr-python", default=None, help="python of a venv with flwr[simulation] "
                                                         "(default: $FEDHOP_FLWR_PYTHON)")
     ap.add_argument("--modes", default="deployment,simulation", help="Flower modes, comma-separated")
@@ -760,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     evals = [float(x) for x in args.evaluate.split(",")]
 
     print(f"fedhop: FedAvg, {CLIENTS} clients, {args.params} parameters, {args.rounds} rounds ...", flush=True)
-    fedhop = run_fedhop(args.rounds, args.params, args.fedhop_processes, args.batch)
+    fedhop = run_fedhop(args.rounds, args.params, args.fedhop_processes, not args.no_batch)
     figures: dict[str, Any] = {"clients": CLIENTS, "params": args.params, "rounds": args.rounds,
                                "fedhop": fedhop, "flower": [], "python": sys.version.split()[0]}
     flwr_python = None if args.no_flower else find_flwr_python(args.flwr_python)

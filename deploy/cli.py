@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--force", action="store_true", help="with --out: delete the earlier run in that folder first")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override a config key (repeatable)")
+    run.add_argument("--engine", choices=("processes", "inprocess"),
+                     help="processes: every role its own OS process over gRPC; inprocess: every role in this process "
+                          "over in-memory endpoints counting gRPC's bytes, the same model bit for bit (sets "
+                          "run.engine, the config's key, default processes)")
     run.add_argument("--quiet", action="store_true", help="no progress display")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its newest checkpoint")
     run.add_argument("--dashboard", nargs="?", type=int, const=8050, metavar="PORT",
@@ -105,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command == "run":
         if args.resume:
-            if args.config or args.overrides or args.out or args.force:
-                ap.error("run --resume RUN_DIR takes no CONFIG, --set, --out or --force: the run continues in RUN_DIR "
-                         "with its own config.toml")
+            if args.config or args.overrides or args.out or args.force or args.engine:
+                ap.error("run --resume RUN_DIR takes no CONFIG, --set, --engine, --out or --force: the run continues in "
+                         "RUN_DIR with its own config.toml (its run.engine too)")
             from fedhop.deploy.forkstart import allow_fork
             allow_fork()
             from fedhop.deploy.launcher import resume_local
@@ -123,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
             except RunDirError as exc:
                 print(f"fedhop run: {exc}", file=sys.stderr)
                 return 2
+        overrides = args.overrides + ([f"run.engine={args.engine}"] if args.engine else [])   # the flag wins
         from fedhop.deploy.forkstart import allow_fork
-        allow_fork()   # this process validates the config and starts children, nothing more
+        allow_fork()   # this process validates the config and starts children (or, in-process, forks nothing)
         from fedhop.deploy.launcher import run_local
-        return run_local(args.config, args.overrides, args.out, quiet=args.quiet, dashboard=args.dashboard,
+        return run_local(args.config, overrides, args.out, quiet=args.quiet, dashboard=args.dashboard,
                          force=args.force)
     return 2
 

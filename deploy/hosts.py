@@ -75,6 +75,7 @@ from fedhop.common.security.addresses import plaintext_refusal
 from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
 from fedhop.common.topologies.plan import Placement, plan_processes
 from fedhop.common.util.nodeids import id_spec
+from fedhop.deploy.engine import process_launch_problem
 from fedhop.deploy.malloc import TUNED_MALLOC_ENV
 
 DEFAULT_REMOTE = "ssh -o BatchMode=yes {host} {command}"
@@ -931,6 +932,10 @@ def main(argv: list[str] | None = None) -> int:
         roles = plan_roles(hf, cfg)
     except (HostsError, ConfigError, OSError) as exc:
         print(f"fedhop launch: {exc}", file=sys.stderr)
+        return 2
+    engine_problem = process_launch_problem(cfg, "fedhop launch")
+    if engine_problem:
+        print(engine_problem, file=sys.stderr)
         return 2
     refusal = plaintext_refusal([bind_address(r) for r in roles], cfg.security.insecure,
                                 tls=bool(cfg.security.certs_dir) or makes_tls(cfg), who="launch")

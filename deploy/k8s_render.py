@@ -135,11 +135,15 @@ def render(config: Path, image: str = "fedhop:cpu", certs: Path | None = None, f
     """Every object of the run, in the order `kubectl apply` should create them."""
     from fedhop.common.config import ConfigError, load_config
     from fedhop.common.topologies.plan import plan_processes
+    from fedhop.deploy.engine import process_launch_problem
     try:
         cfg = load_config(config, list(overrides))
         plan = plan_processes(cfg)
     except (ConfigError, ValueError, OSError) as exc:
         raise RenderError(str(exc)) from None
+    engine_problem = process_launch_problem(cfg, "fedhop k8s")
+    if engine_problem:
+        raise RenderError(engine_problem)
     if cfg.security.insecure:
         raise RenderError(f"{config}: security.insecure = true: the Kubernetes manifests run mutual TLS with "
                           f"per-node credentials only (the one-node shared-token try is deploy/k8s/overlays/quick-try)")

@@ -252,8 +252,38 @@ def read_progress(db: Path, after: int, final: bool = False) -> list[dict]:
     except sqlite3.Error:
         return []
     return [{"round": r[0], "participants": _count(r[1]), "sampled": _count(r[2]), "failures": _count(r[3]),
-             "metrics": json.loads(r[4] or "{}"), "bytes": int(total or 0) if final or r[5] is None else r[5]}
+             "metrics": json.loads(r[4] or "{}"), "bytes": int(total or 0) if final or r[5] is None else r[5],
+             "pending": bool(live) and r[5] is None and not final}   # its live figure is not written yet
             for r in rows]
+
+
+class RoundFollower:
+    """Shows the rounds run.db records as they come (`read_progress`), on a `Progress` (or on
+    nothing, quiet); both engines' launch loops poll it while the run goes on."""
+
+    def __init__(self, db: Path, progress: "Progress | None", last: int) -> None:
+        self.db = db
+        self.progress = progress
+        self.last = last       # the last round shown
+        self.floor = last      # the round the run started after (0 resuming, -1 fresh)
+
+    def poll(self) -> None:
+        """Show every round recorded since the last look, up to one whose live byte figure the
+        server has not written yet (it follows the round's row): that one waits for the next look."""
+        for row in read_progress(self.db, self.last):
+            if row["pending"]:
+                break
+            self.last = row["round"]
+            if self.progress:
+                self.progress.update(row)
+
+    def finish(self) -> None:
+        """After the run: the rounds recorded after the last look, then the last round again with
+        the final byte total (every process's last figures are in), as the final table shows it."""
+        self.poll()
+        for row in read_progress(self.db, max(self.last - 1, self.floor), final=True):
+            if self.progress:
+                self.progress.update(row, final=True)
 
 
 def _count(value) -> int:
@@ -305,7 +335,8 @@ def final_table(run_dir: Path) -> str:
     summary = json.loads((run_dir / "summary.json").read_text())
     lines = [f"run {run_dir.name}: {summary['status']}"      # the run is named by its folder (run id in run.db)
              + (f" ({summary['error']})" if summary.get("error") else ""),
-             f"  algorithm {summary['algorithm']}, topology {summary['topology']}, transport {summary['transport']}",
+             f"  algorithm {summary['algorithm']}, topology {summary['topology']}, transport {summary['transport']}"
+             + (f", engine {summary['engine']}" if summary.get("engine") else ""),
              f"  rounds {summary['rounds_completed']}/{summary['rounds_planned']}, wall {summary['wall_seconds']:.1f}s, "
              f"parameters {summary['num_parameters']}, failures {summary['failures']}, "
              f"clients dropped {summary.get('clients_dropped', 0)}"]
@@ -550,10 +581,11 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         print(f"fedhop run: security.certs_dir = '{given_certs}' is not a directory ({cfg.security.certs_dir}); "
               f"make one with `fedhop certs {given_certs} --nodes ...`", file=sys.stderr)
         return 2
-    if transport(cfg.transport.kind).one_process:
+    inprocess = cfg.run.engine == "inprocess"
+    if not inprocess and transport(cfg.transport.kind).one_process:
         others = ", ".join(k for k, t in TRANSPORTS.items() if not t.one_process)
-        print(f"fedhop run: transport.kind = '{cfg.transport.kind}' connects endpoints inside one process, for unit "
-              f"tests (deploy/inmemory.py); process runs use {others}", file=sys.stderr)
+        print(f"fedhop run: transport.kind = '{cfg.transport.kind}' connects endpoints inside one process; process "
+              f"runs use {others}, or set run.engine = \"inprocess\" (--engine inprocess)", file=sys.stderr)
         return 2
     asked = any(d != "cpu" for d in (cfg.run.device, cfg.edges.device, cfg.clients.device))
     try:   # which process computes on which device: checked before anything starts (common/transport/placement.py)
@@ -578,6 +610,8 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         (run_dir / PLUGIN_PATH_FILE).write_text(os.environ.get(PLUGIN_PATH_ENV, "") + "\n")
     if on_run_dir is not None:
         on_run_dir(run_dir)
+    if inprocess:
+        return run_inprocess(cfg, run_dir, quiet, show_table, resume, start_round, dashboard, devices)
     note = loopback_plaintext_note(cfg)
     if note and not quiet:
         print(note, file=sys.stderr)
@@ -589,7 +623,7 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         server = run.start(overrides=[], resume=resume)
         page = start_dashboard(run_dir, dashboard) if dashboard is not None else None
         progress = Progress(cfg.run.rounds, start=start_round) if not quiet else None
-        last = start_round if resume else -1
+        rounds = RoundFollower(run_dir / "run.db", progress, start_round if resume else -1)
         registered = False
         while server.proc.poll() is None:
             raise_if_stopped()   # a Ctrl-C whose KeyboardInterrupt was lost in a library call
@@ -597,24 +631,14 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
                 registered = registration_complete(run_dir / "run.db")
                 if not registered:
                     check_children_started(run)
-            for row in read_progress(run_dir / "run.db", last):
-                last = row["round"]
-                if progress:
-                    progress.update(row)
+            rounds.poll()
             for c in run.children[1:]:
                 c.proc.poll()   # reap a child that exited; a dead client is the server's to notice and record
             try:
                 server.proc.wait(0.2)   # returns as soon as the server exits
             except subprocess.TimeoutExpired:
                 pass
-        for row in read_progress(run_dir / "run.db", last):   # rounds recorded after the loop's last look
-            last = row["round"]
-            if progress:
-                progress.update(row)
-        # the last round again: once the children's last heartbeats are in, its bytes are the final table's
-        for row in read_progress(run_dir / "run.db", max(last - 1, start_round if resume else -1), final=True):
-            if progress:
-                progress.update(row, final=True)
+        rounds.finish()   # once the children's last heartbeats are in, the last round's bytes are the final table's
         status = server.proc.returncode
     except (KeyboardInterrupt, Stopped) as exc:
         ignore_stops()
@@ -667,3 +691,71 @@ def recorded_status(run_dir: Path) -> str:
         return str(json.loads((run_dir / "summary.json").read_text()).get("status", ""))
     except (OSError, ValueError, AttributeError):
         return ""
+
+
+def run_inprocess(cfg: Config, run_dir: Path, quiet: bool, show_table: bool, resume: bool, start_round: int,
+                  dashboard: int | None, devices: dict[str, str]) -> int:
+    """`fedhop run` with run.engine = "inprocess" (deploy/inprocess.py): every role in this process,
+    the rounds in the main thread so that a stop signal ends them as it ends a server process's
+    (Coordinator.run: recorded "stopped", children shut down, records written), and the progress
+    lines from a thread that polls run.db as the process engine's loop does.  The same exit
+    statuses as `_run_local`."""
+    from fedhop.common.records.checkpoint import CheckpointError
+    from fedhop.common.util.procexit import stop_on_sigterm
+    from fedhop.deploy.inprocess import LOG_NAME, RunLog, build, heap_frozen
+    stop_on_sigterm(deferred=True)   # set-up is never cut: a stop noted now ends the run at its first wait
+    progress = Progress(cfg.run.rounds, start=start_round) if not quiet else None
+    rounds = RoundFollower(run_dir / "run.db", progress, start_round if resume else -1)
+    done = threading.Event()
+    follower = threading.Thread(target=_follow, args=(rounds, done), name="fedhop progress", daemon=True)
+    page = None
+    try:
+        with RunLog(run_dir / "logs" / LOG_NAME, cfg.run.log_level):
+            try:
+                engine = build(cfg, run_dir, devices, resume_run=resume)
+            except (RuntimeError, ValueError, FileNotFoundError, CheckpointError) as exc:
+                print(f"fedhop run: {exc}", file=sys.stderr)
+                return 2 if isinstance(exc, CheckpointError) else 1
+            try:
+                page = start_dashboard(run_dir, dashboard) if dashboard is not None else None
+            except RuntimeError as exc:
+                engine.close()
+                print(f"fedhop run: {exc}", file=sys.stderr)
+                return 1
+            follower.start()
+            with heap_frozen():
+                summary = engine.run()
+        stop_on_sigterm()   # the run is over: a stop signal is raised again (it ends `keep_serving`)
+    finally:
+        done.set()
+        if follower.is_alive():
+            follower.join()
+        if progress:
+            progress.close()
+    if summary["status"] == "stopped":
+        print(f"\nfedhop run: {summary['error']}; the run is recorded as stopped", file=sys.stderr, flush=True)
+    if show_table:
+        print(final_table(run_dir))
+    if page is not None and summary["status"] != "stopped":   # a stopped run ends at once, as a process run does
+        keep_serving(page)
+    elif page is not None:
+        page.shutdown()
+    return _inprocess_status(summary, engine.coordinator.stop_status)
+
+
+def _follow(rounds: RoundFollower, done: threading.Event, every: float = 0.2) -> None:
+    """The in-process engine's progress thread: poll run.db until the run has ended, then show
+    the last rounds with the final figures."""
+    while not done.wait(every):
+        rounds.poll()
+    rounds.finish()
+
+
+def _inprocess_status(summary: dict, stop_status: int) -> int:
+    """The exit status of an in-process run, as a server process's: 0 completed, 128 + N when
+    signal N stopped it, 1 failed."""
+    if summary["status"] == "completed":
+        return 0
+    if summary["status"] == "stopped":
+        return stop_status
+    return 1

@@ -41,6 +41,7 @@ from typing import Any, Iterable, Sequence
 
 from fedhop.common.config import Config, ConfigError, load_config
 from fedhop.common.util.nodeids import client_node
+from fedhop.deploy.engine import process_launch_problem
 from fedhop.deploy.hosts import HostsError, HostsFile, HostSpec, Role, load_hosts, plan_roles, run_launch
 
 SUBNET = "10.213"                 # 10.213.0.0/16, used only inside our namespaces
@@ -654,6 +655,10 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = parse_bandwidth(args.bandwidth)
     except (ConfigError, HostsError, ValueError, OSError) as exc:
         print(f"fedhop netsim: {exc}", file=sys.stderr)
+        return 2
+    engine_problem = process_launch_problem(cfg, "fedhop netsim")
+    if engine_problem:
+        print(engine_problem, file=sys.stderr)
         return 2
     from fedhop.deploy.launcher import default_run_dir
     out = Path(args.out) if args.out else default_run_dir(cfg)

@@ -338,11 +338,15 @@ def plan_run(config: str, overrides: list[str], out: str | None, opts: SlurmOpti
     from fedhop.common.config import ConfigError, load_config
     from fedhop.common.security.addresses import plaintext_refusal
     from fedhop.common.topologies.plan import plan_processes
+    from fedhop.deploy.engine import process_launch_problem
     try:
         cfg = load_config(config, overrides)
         plan = plan_processes(cfg)
     except (ConfigError, ValueError, OSError) as exc:
         raise SlurmError(str(exc)) from None
+    engine_problem = process_launch_problem(cfg, "fedhop slurm")
+    if engine_problem:
+        raise SlurmError(engine_problem)
     if opts.nodes < 1 or opts.cpus_per_task < 1 or opts.gpus_per_node < 0:
         raise SlurmError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node >= 0")
     run_dir = Path(out or f"runs/{cfg.run.name}-seed{cfg.run.seed}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}").resolve()

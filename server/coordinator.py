@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -194,7 +194,7 @@ class Coordinator:
     def sample(self, round: int, attempt: int = 0) -> list[int]:
         """The round's clients (RoundEngine.sample), none of them hosted by a node known dead or
         suspect, nor reported dead by its edge; `attempt` > 0: a retry of a short round."""
-        def live_only(pool: list[int], size: int) -> list[int]:
+        def live_only(pool: Sequence[int], size: int) -> Sequence[int]:
             pool, dead = live_pool(pool, size, self.client_home, getattr(self.endpoint, "liveness", None),
                                    self.reported_dead())
             if dead:   # no dead node's client drawn in place of a live one (common/transport/liveness.py)
@@ -553,7 +553,8 @@ class Coordinator:
             "name": self.cfg.run.name,
             "algorithm": self.cfg.algorithm.name,
             "topology": self.cfg.topology.kind,
-            "transport": self.cfg.transport.kind,
+            "transport": self.cfg.transport.kind,   # whose framing the ledger counts, whichever engine ran
+            "engine": self.cfg.run.engine,           # separate processes, or every role in one (deploy/inprocess.py)
             "rounds_completed": self.rounds_completed,
             "rounds_planned": self.cfg.run.rounds,
             "final": final,

@@ -85,6 +85,38 @@ def test_batch_framing_adds_up_to_the_bundle_on_the_wire(pair):
     assert sum(r.payload_bytes for r in sent) == sum(len(f) for f in frames)
 
 
+def test_a_batch_whose_headers_overflow_the_chunk_goes_in_two_calls():
+    """The fabric groups requests by their payloads without headers (`Fabric._batches`), so a group
+    filled to one chunk is over it once each message has its header (run, source, destination,
+    token).  Such a batch goes in as many calls as keep each bundle within a chunk (`batch_calls`):
+    every request is answered, and the framed bytes add up to those calls' bundles."""
+    from fedhop.common.transport.base import batch_calls
+    assert batch_calls([3, 3, 3], 6) == [range(0, 2), range(2, 3)]
+    assert batch_calls([10], 5) == [range(0, 1)] and batch_calls([7, 1], 5) == [range(0, 1), range(1, 2)]
+    chunk = 64 * 1024
+    callee = GrpcEndpoint("client-proc0", Ledger(), chunk_bytes=chunk)
+    address = callee.serve(lambda r: Payload(scalars={"n": len(r.payload.tensors["w"])}), "127.0.0.1:0")
+    caller = GrpcEndpoint("server", Ledger(), chunk_bytes=chunk, token="t" * 100)
+    try:
+        prepared = caller.prepare(Payload(tensors={"w": torch.ones(1000)}))
+        n = chunk // prepared.payload_bytes   # the payloads fit one chunk, with headers they do not
+        out = caller.call_many(address, [Batched(f"client-{k}", "train", prepared) for k in range(n)],
+                               round=1, timeout=10)
+        assert [o.scalars["n"] for o in out] == [1000] * n
+        sent = [r for r in caller.ledger.records() if r.method == "train" and r.role == "sender"]
+        calls = batch_calls([r.payload_bytes for r in sent], chunk)
+        assert len(calls) == 2 and sum(r.payload_bytes for r in sent) > chunk
+        data = prepared.frames[1:]
+        on_wire = 0
+        for call in calls:
+            frames = [f for i in call for f in (b"h" * (sent[i].payload_bytes - sum(len(d) for d in data)), *data)]
+            on_wire += FRAME_OVERHEAD + len(bundle_bytes(frames))
+        assert sum(r.framed_bytes for r in sent) == on_wire
+    finally:
+        caller.stop()
+        callee.stop()
+
+
 def test_split_bundle_takes_messages_apart_and_gives_garbage_back_whole(pair):
     caller, _, _, _ = pair
     msgs = [caller.prepare(Payload(tensors={"w": torch.ones(n)})) for n in (3, 0, 7)]
@@ -116,6 +148,111 @@ def test_a_bad_reply_costs_only_its_own_request():
         callee.stop()
 
 
+class CorruptingEndpoint(GrpcEndpoint):
+    """A callee whose reply to `client-1` has its last data byte flipped after it was hashed, as a
+    faulty link would: the caller's XXH3 check refuses that reply (CHECKSUM_MISMATCH)."""
+
+    def serve_frames(self, frames, handler, framing=None, pulled=False, on_header=None):
+        served: list[str] = []
+        out = list(super().serve_frames(frames, lambda r: served.append(r.envelope.dst) or handler(r),
+                                        framing, pulled, on_header))
+        if served == ["client-1"]:
+            out[-1] = out[-1][:-1] + bytes([out[-1][-1] ^ 0xFF])
+        return out
+
+
+def test_a_corrupted_reply_in_the_middle_costs_only_itself():
+    """A checksum failure leaves the batch's framing intact (the reply's header declared its size):
+    the reply is refused alone and the replies after it are read and used, each recorded."""
+    callee = CorruptingEndpoint("client-proc0", Ledger())
+    address = callee.serve(lambda r: Payload(tensors={"w": torch.full((8,), float(r.envelope.dst[-1]))}),
+                           "127.0.0.1:0")
+    caller = GrpcEndpoint("server", Ledger())
+    try:
+        batch = [Batched(f"client-{k}", "train", caller.prepare(Payload())) for k in range(4)]
+        out = caller.call_many(address, batch, round=1, timeout=10)
+        assert isinstance(out[1], PayloadError) and out[1].code == "CHECKSUM_MISMATCH"
+        for k in (0, 2, 3):
+            assert torch.equal(out[k].tensors["w"], torch.full((8,), float(k))), k
+        sent = {r.dst: r for r in caller.ledger.records() if r.method == "train" and r.role == "sender"}
+        assert "reply rejected: CHECKSUM_MISMATCH" in sent["client-1"].error
+        assert [sent[f"client-{k}"].error for k in (0, 2, 3)] == ["", "", ""]
+    finally:
+        caller.stop()
+        callee.stop()
+
+
+def test_each_reply_of_a_batch_is_used_as_it_comes_and_kept_at_the_deadline():
+    """The fabric gets each reply of a batch when it is complete (`call_many(on_each=)`), not when
+    the batch ends: the first two clients' replies arrive while the third is still training, and
+    when the third misses the round's deadline the first two still count; only the third fails,
+    and the ledger records it lost."""
+    import threading
+
+    from fedhop.common.transport.fabric import Fabric, Send
+    release, events = threading.Event(), []
+
+    def handler(request):
+        k = int(request.envelope.dst.split("-")[1])
+        if k == 2:
+            events.append("client-2 training")
+            release.wait(60)   # past the round's deadline
+        return Payload(scalars={"k": k})
+
+    callee = GrpcEndpoint("client-proc0", Ledger())
+    address = callee.serve(handler, "127.0.0.1:0")
+    caller = GrpcEndpoint("server", Ledger())
+    fabric = Fabric(caller, batch=True)
+    try:
+        requests = [Send(key=k, address=address, dst=f"client-{k}", method="train",
+                         on_reply=lambda key: events.append(f"reply {key}")) for k in range(3)]
+        results, failures = fabric.send_and_receive(requests, round=1, timeout=5, call_timeout=5)
+        assert {k: r.scalars["k"] for k, r in results.items()} == {0: 0, 1: 1}
+        assert list(failures) == [2] and ("DEADLINE_EXCEEDED" in failures[2] or "timeout" in failures[2])
+        # client 2 is still held (`release` is set only below): replies 0 and 1 arrived during its training
+        assert sorted(events) == ["client-2 training", "reply 0", "reply 1"]
+        sent = {r.dst: r.status for r in caller.ledger.records() if r.method == "train" and r.role == "sender"}
+        got = {r.msg_id.split(".")[0] for r in caller.ledger.records() if r.role == "receiver"}
+        assert sent["client-0"] == sent["client-1"] == "ok" and len(got) == 2
+    finally:
+        release.set()
+        fabric.close()
+        caller.stop()
+        callee.stop()
+
+
+def test_requests_whose_message_or_reply_may_exceed_a_chunk_are_not_batched():
+    """A large reply must be received under the streaming fold's gate (`GatedBound`, pulled,
+    possibly into a file) and a large request is streamed: such requests go alone, with their own
+    call's deadline; the small ones to one process share a call."""
+    from fedhop.common.transport.base import ReplyBound
+    from fedhop.common.transport.fabric import Fabric, Send
+
+    class Bounded:
+        def __init__(self, data_bytes: int) -> None:
+            self.bound = ReplyBound(data_bytes=data_bytes, header_bytes=1024)
+
+        def __call__(self, reply, who):
+            return reply
+
+    caller = GrpcEndpoint("server", Ledger())
+    fabric = Fabric(caller, batch=True)
+    try:
+        chunk = caller.chunk_bytes
+        small, large = Payload(tensors={"w": torch.ones(4)}), Payload(tensors={"w": torch.ones(chunk // 4 + 1)})
+        reqs = [Send(key=0, address="a", dst="client-0", method="train", message=small, inbound=Bounded(chunk)),
+                Send(key=1, address="a", dst="client-1", method="train", message=small, inbound=Bounded(chunk + 1)),
+                Send(key=2, address="a", dst="client-2", method="train", message=large),
+                Send(key=3, address="a", dst="client-3", method="train", message=small),
+                Send(key=4, address="b", dst="client-4", method="train", message=small)]
+        encoded = {id(r.message): (r.message, caller.prepare(r.message)) for r in reqs}
+        groups = [[r.key for r in g] for g in fabric._batches(reqs, encoded)]
+        assert groups == [[0, 3], [4], [1], [2]]
+    finally:
+        fabric.close()
+        caller.stop()
+
+
 def test_batched_run_equals_the_unbatched_run(tmp_path):
     """Real processes, 3 client processes, 30 of 3,000 clients a round: the same model bit for
     bit, the same messages (ids aside) with the same tensor and payload bytes, one call per
@@ -123,8 +260,7 @@ def test_batched_run_equals_the_unbatched_run(tmp_path):
     def run(batch: bool):
         out = tmp_path / ("batch" if batch else "plain")
         text = xd_config(count=3000, per_round=30, processes=3, rounds=3)
-        if batch:
-            text = text.replace("[clients]", "[transport]\nbatch = true\n[clients]")
+        text = text.replace("[clients]", f"[transport]\nbatch = {str(batch).lower()}\n[clients]")
         cfg = tmp_path / f"{out.name}.toml"
         cfg.write_text(text)
         assert run_local(str(cfg), [], str(out), quiet=True, show_table=False) == 0

@@ -215,10 +215,14 @@ def test_replies_received_into_files_fold_to_the_id_order_aggregate(tmp_path, na
         assert not list(tmp_path.iterdir())
 
 
-def test_inmemory_streamed_run_with_replies_in_files_equals_the_engine(tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch", [False, True])
+def test_inmemory_streamed_run_with_replies_in_files_equals_the_engine(tmp_path, monkeypatch, batch):
+    """With `transport.batch` too: a request whose reply may exceed a chunk goes alone (Fabric._batches),
+    so its reply still takes the fold's receive slot and goes to a file."""
     from tests.test_streaming_aggregation import large_model_config
     monkeypatch.setattr(streaming, "HOLD_FLOOR_BYTES", 1 << 20)   # 5 MB replies go to files
-    text = large_model_config("files-inmemory", rounds=2, mb=5, clients=5, extra='[transport]\nkind = "inmemory"\n')
+    text = large_model_config("files-inmemory", rounds=2, mb=5, clients=5,
+                              extra=f'[transport]\nkind = "inmemory"\nbatch = {str(batch).lower()}\n')
     summary, coord = run_inmemory(parse_config(text), tmp_path)
     assert summary["status"] == "completed"
     assert summary["aggregation"]["streamed_rounds"] == 2 and summary["aggregation"]["replies_in_files"] == 10

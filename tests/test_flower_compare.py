@@ -29,7 +29,7 @@ def test_fedhop_half_tiny(tmp_path, capsys):
     steady = sorted(fed["per_round_s"][1:])          # the median leaves round 1 out
     assert fed["median_s"] == pytest.approx((steady[0] + steady[1]) / 2)
     assert figures["flower"] == []
-    assert "| fedhop | gRPC, 2 client processes |" in capsys.readouterr().out
+    assert "| fedhop | gRPC, 2 client processes, batched calls |" in capsys.readouterr().out   # the default
 
 
 def test_parse_timing_rounds_and_phases(tmp_path):

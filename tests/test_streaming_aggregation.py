@@ -278,11 +278,13 @@ processes = 2
 {extra}"""
 
 
-def test_inmemory_large_model_streamed_equals_the_engine(tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch", [False, True])
+def test_inmemory_large_model_streamed_equals_the_engine(tmp_path, monkeypatch, batch):
     """A model larger than one chunk (5 MB, deploy/bench_large.py's synthetic task): its broadcast
     is handed over and cut per call (`Fabric._prepare`), its replies spilled ahead of their turn
-    (`reply_budget`); the model after two rounds is the engine's, bit for bit."""
-    text = large_model_config("stream-large", rounds=2, mb=5, clients=5, extra='[transport]\nkind = "inmemory"\n')
+    (`reply_budget`); the model after two rounds is the engine's, bit for bit, batched or not."""
+    text = large_model_config("stream-large", rounds=2, mb=5, clients=5,
+                              extra=f'[transport]\nkind = "inmemory"\nbatch = {str(batch).lower()}\n')
     from fedhop.common.transport import fabric
     handed: list[bool] = []
     real = fabric.hand_over

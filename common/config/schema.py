@@ -48,7 +48,9 @@ class RunConfig:
     checkpoint_every: int = _f(0, min=0, help="write a checkpoint every this many rounds (fedhop run --resume "
                                               "continues from the newest); 0 = off")
     round_timeout: float = _f(120.0, min_exclusive=0.0, help="seconds the server waits for a round's results")
-    call_timeout: float = _f(60.0, min_exclusive=0.0, help="seconds: the deadline of one RPC")
+    call_timeout: float = _f(60.0, min_exclusive=0.0, help="seconds: the deadline of one RPC (a batch of several "
+                                                           "clients' requests, transport.batch, runs under "
+                                                           "run.round_timeout)")
     min_results: int | float = _f(1, min=0, help=(
         "a round counts when at least this many sampled clients' results arrived (else run.on_short_round): an int is a "
         "count (at most clients.per_round; 0 and 1 both mean one result); a float in (0, 1] a fraction of the "
@@ -65,6 +67,11 @@ class RunConfig:
     torch_threads: int = _f(1, min=1, help="intra-op threads per process (1 keeps runs bit-reproducible)")
     device: str = _f("cpu", help="where the server aggregates, steps and evaluates: cpu, cuda, cuda:N, or auto "
                                  "(CUDA when this machine has it, else cpu); docs/gpus.md")
+    engine: str = _f("processes", choices=("processes", "inprocess"), help=(
+        "how `fedhop run` plays the run: processes (the server, edges and client processes as separate OS processes "
+        "talking gRPC on loopback) or inprocess (every role in the one `fedhop run` process over in-memory endpoints "
+        "that count each message's bytes as transport.kind would frame them: the same model bit for bit, the same "
+        "run folder; no heartbeats, no sockets, no TLS; docs/run-folder.md). `fedhop run --engine` sets it"))
 
 
 @dataclass
@@ -206,9 +213,13 @@ class TransportConfig:
                                                               "100 ms), so raise it on a long fat link")
     host: str = _f("127.0.0.1", help="the address the server and edges listen on (off loopback needs TLS or "
                                      "security.insecure = true)")
-    batch: bool = _f(False, help="requests to the logical clients of one process share gRPC calls (each still its "
-                                 "own message with its own ledger records; common/transport/grpc.py): cross-device "
-                                 "scale")
+    batch: bool = _f(True, help="requests to the logical clients of one process share gRPC calls, at most one "
+                                "chunk of requests each (each still its own message with its own ledger records, "
+                                "the same model bit for bit; common/transport/grpc.py, Batches): per-call costs "
+                                "paid once per process and round.  A request or reply that may exceed a chunk "
+                                "still goes alone.  A batch runs under run.round_timeout, not run.call_timeout; "
+                                "false: one call per client (framed bytes 5 more per message after a batch's "
+                                "first, docs/crossdevice.md)")
     wire_compression: str = _f("none", choices=("none", "gzip", "deflate"),
                                help="gRPC's own compression of every call's messages, both directions (grpc "
                                     "transport only; docs/compression.md): the ledger still counts the "

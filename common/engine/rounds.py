@@ -23,7 +23,7 @@ cuts of common/engine/vclock.py, failures, and the edge, sequential and chain to
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, cast
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 
@@ -73,7 +73,7 @@ def local_update(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.
     return reply
 
 
-Restrict = Callable[[list[int], int], list[int]]                      # (pool, size) -> the pool to sample from
+Restrict = Callable[[Sequence[int], int], Sequence[int]]  # (pool, size) -> the pool to sample from
 LeftOut = Callable[[dict[int, str], list[int]], list[int]]             # (blamed, participants) -> participants
 
 

@@ -73,11 +73,12 @@ def round_edges(cfg: Any, round: int) -> list[int] | None:
     return sorted(int(e) for e in drawn)
 
 
-def sampling_pool(cfg: Any, round: int) -> list[int]:
-    """The client ids a round samples from: every client, or those of the round's edges."""
+def sampling_pool(cfg: Any, round: int) -> Sequence[int]:
+    """The client ids a round samples from, in id order: every client (a `range`, so a round costs
+    nothing per registered client), or those of the round's edges."""
     edges = round_edges(cfg, round)
     if edges is None:
-        return list(range(cfg.clients.count))
+        return range(cfg.clients.count)
     clusters = cluster_assignment(cfg)
     return sorted(c for e in edges for c in clusters[e])
 

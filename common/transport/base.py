@@ -9,11 +9,14 @@ give the same bits and the same byte counts.
 """
 from __future__ import annotations
 
+import hmac
+import secrets
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
+from fedhop.common.transport.admission import key_id, probe_proof
 from fedhop.common.transport.placement import to_device
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import (
@@ -23,7 +26,9 @@ from fedhop.common.wire.codec import (
     FrameDecoder,
     PayloadError,
     ReplyBound,
+    bundle_framing,
     encode,
+    frame_framing,
     make_envelope,
 )
 from fedhop.common.wire.ledger import Ledger
@@ -129,6 +134,85 @@ class Batched:
     expect: "ReplyBound | None" = None
 
 
+# -- framing: the gRPC framing bytes each message counts (common/transport/grpc.py) ------------
+# Decided here, from sizes alone, so that the gRPC transport and the in-memory one (which moves
+# no bytes but records what gRPC would) count the same framed bytes for every message.
+
+def pulls_reply(decoder: FrameDecoder, chunk_bytes: int) -> bool:
+    """Whether a call's reply is pulled (grpc.py module docstring, Pulled replies): it takes a
+    streaming fold's receive slot (`decoder.gate`) and may span more than one chunk."""
+    return getattr(decoder, "gate", None) is not None and decoder.max_payload_bytes > chunk_bytes
+
+
+def sent_bundled(request: Encoded, chunk_bytes: int, pulled: bool) -> bool:
+    """Whether a request goes as one unary `Call` (its frames in one FrameBundle): one of at
+    most one chunk whose reply is not pulled; any other streams as `Exchange`."""
+    return not pulled and request.payload_bytes <= chunk_bytes
+
+
+def pulled_framing(frames: int) -> int:
+    """A pulled request's framing: each of its `frames` is a gRPC message (5 bytes), and so is
+    the empty go message that lets the reply's data come."""
+    return FRAME_OVERHEAD * (frames + 1)
+
+
+def request_framing(request: Encoded, chunk_bytes: int, pulled: bool) -> int | None:
+    """The framing bytes a request of one call counts on both ends: the bundle's (a 5-byte
+    prefix, a tag and a length varint per frame) when it goes bundled, `pulled_framing` when its
+    reply is pulled; None for a plain stream, whose frames count 5 bytes each (the codec's
+    default, `Encoded.framed_bytes`)."""
+    if sent_bundled(request, chunk_bytes, pulled):
+        return bundle_framing(request.frame_lengths())
+    return pulled_framing(len(request.frames)) if pulled else None
+
+
+def shares_one_call(requests: Sequence[Batched], chunk_bytes: int) -> bool:
+    """Whether `call_many` carries `requests` in one call (a batch): two or more whose payloads
+    together are at most one chunk; otherwise each goes as its own call."""
+    return len(requests) >= 2 and sum(r.prepared.payload_bytes for r in requests) <= chunk_bytes
+
+
+def one_by_one(count: int, send: Callable[[int], Payload],
+               on_each: Callable[[int, Payload | Exception], None] | None) -> list[Payload | Exception]:
+    """`send(i)` for each of `count` requests in order, each result a Payload or the typed
+    exception its call raised, passed to `on_each` as soon as it is known (`Endpoint.call_many`)."""
+    out: list[Payload | Exception] = []
+    for i in range(count):
+        result: Payload | Exception
+        try:
+            result = send(i)
+        except (CallFailed, RemoteError, PayloadError) as exc:
+            result = exc
+        out.append(result)
+        if on_each is not None:
+            on_each(i, result)
+    return out
+
+
+def batch_calls(sizes: Sequence[int], chunk_bytes: int) -> list[range]:
+    """The calls a batch's messages go in, given each message's bytes with its own header: runs
+    of consecutive messages of at most one chunk together (a message larger than that alone), so
+    that every call's bundle is a request the callee reads whole (`GrpcEndpoint.request_bound`).
+    The messages' headers (run, source, destination, token) are not in the bytes the fabric
+    grouped by (`Fabric._batches`), so a group filled to one chunk may need two calls."""
+    calls: list[range] = []
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > chunk_bytes:
+            calls.append(range(start, i))
+            start, total = i, 0
+        total += size
+    calls.append(range(start, len(sizes)))
+    return calls
+
+
+def batch_framing(i: int, frame_lengths: Iterable[int]) -> int:
+    """Message `i`'s share of a batch's one FrameBundle: its frames' tags and length varints,
+    and for the first message also the bundle's 5-byte gRPC prefix, so the shares add up to what
+    the call put on the wire.  A bundle of one message is its first: `bundle_framing`."""
+    return frame_framing(frame_lengths) + (FRAME_OVERHEAD if i == 0 else 0)
+
+
 class Endpoint(ABC):
     """One process's transport endpoint."""
 
@@ -170,7 +254,12 @@ class Endpoint(ABC):
             prepared = encode(payload if payload is not None else Payload(), pb.Envelope(), self.chunk_bytes,
                               self.checksum)
         request = prepared.with_header(env)
-        link = link or message_link(self.node_id, dst, method)
+        return self._call_message(address, request, link or message_link(self.node_id, dst, method), timeout,
+                                  expect)
+
+    def _call_message(self, address: str, request: Encoded, link: str, timeout: float,
+                      expect: ReplyBound | None) -> Payload:
+        """`call` of a request already under its envelope: exchange it, record both messages."""
         started = time.perf_counter()
         try:
             decoded, sent_seconds = self._exchange(address, request, timeout, self._decoder(expect))
@@ -183,7 +272,9 @@ class Endpoint(ABC):
             # (the reply's msg_id is the request's + ".reply", so a consistency check can pair them)
             self._record(request.envelope, request, "sender", link, time.perf_counter() - started,
                          error=f"reply rejected: {exc}")
-            raise PayloadError(exc.code, f"reply of {dst} to {method} (round {round}): {exc.detail}") from None
+            env = request.envelope
+            raise PayloadError(exc.code, f"reply of {env.dst} to {env.method} (round {env.round}): {exc.detail}") \
+                from None
         self._record(request.envelope, request, "sender", link, sent_seconds)
         return self._settle(request, decoded, link, time.perf_counter() - started - sent_seconds)
 
@@ -207,20 +298,53 @@ class Endpoint(ABC):
             raise RemoteError(env_r.error.code, env_r.error.message, dst)
         return to_device(decoded.payload, self.device)
 
+    def batch_messages(self, requests: Sequence[Batched], *, round: int, step: int) -> tuple[list[Encoded], list[range]]:
+        """A batch's messages, each under its own header, and the calls they go in (`batch_calls`),
+        each message's framing set to its share of its call's bundle (`batch_framing`)."""
+        msgs = [req.prepared.with_header(make_envelope(run_id=self.run_id, round=round, step=step,
+                                                       src=self.node_id, dst=req.dst, method=req.method,
+                                                       token=self.token))
+                for req in requests]
+        calls = batch_calls([m.payload_bytes for m in msgs], self.chunk_bytes)
+        for call in calls:
+            for j, i in enumerate(call):
+                msgs[i].framing = batch_framing(j, msgs[i].frame_lengths())
+        return msgs, calls
+
     def call_many(self, address: str, requests: Sequence[Batched], *, round: int, step: int = 0,
-                  timeout: float) -> list[Payload | Exception]:
+                  timeout: float, on_each: Callable[[int, Payload | Exception], None] | None = None
+                  ) -> list[Payload | Exception]:
         """Several requests to the logical clients of one process at `address`: each its own
         message (envelope, msg_id, ledger records on both ends), and each result a Payload or the
-        exception its call would have raised (CallFailed, RemoteError, PayloadError).  Here one
-        call each; a transport that can carry several messages in one call overrides it."""
-        out: list[Payload | Exception] = []
-        for req in requests:
-            try:
-                out.append(self.call(address, req.dst, req.method, round=round, step=step, timeout=timeout,
-                                     prepared=req.prepared, expect=req.expect))
-            except (CallFailed, RemoteError, PayloadError) as exc:
-                out.append(exc)
-        return out
+        exception its call would have raised (CallFailed, RemoteError, PayloadError).  `on_each(i,
+        result)` is called once per request as soon as its result is known, in request order (the
+        caller need not wait for the whole batch).  Here one call each; a transport that can carry
+        several messages in one call overrides it."""
+        return one_by_one(len(requests), lambda i: self.call(
+            address, requests[i].dst, requests[i].method, round=round, step=step, timeout=timeout,
+            prepared=requests[i].prepared, expect=requests[i].expect), on_each)
+
+    def probe_request(self, request: pb.RegisterRequest) -> tuple[pb.ProbeRequest, str]:
+        """The probe of a registration's claimed address (grpc.py module docstring, Addresses
+        proved): a fresh nonce under the registration's key id, and the probe's msg_id."""
+        nonce = secrets.token_bytes(16)
+        probe = pb.ProbeRequest(target=request.node_id, nonce=nonce, key_id=key_id(request.proof_key),
+                                run_id=self.run_id, parent=self.node_id)
+        return probe, f"probe-{request.node_id}-{nonce.hex()}"
+
+    def probe_outcome(self, request: pb.RegisterRequest, probe: pb.ProbeRequest, reply: pb.ProbeReply,
+                      msg_id: str, seconds: float, unproven: str, there: str) -> str | None:
+        """Record a probe and its reply (two `control` messages) and check the proof: None when
+        the reply proves the registration's key, else the refusal; `there` names an answerer
+        that gave no node id."""
+        target = request.node_id
+        self.record_control("probe", self.node_id, target, probe.ByteSize(), "sender", seconds, msg_id, self.run_id)
+        self.record_control("probe.reply", target, self.node_id, reply.ByteSize(), "receiver", seconds,
+                            msg_id + ".reply", self.run_id)
+        if not hmac.compare_digest(reply.proof, probe_proof(request.proof_key, probe.nonce, target)):
+            who = f"node '{reply.node_id}'" if reply.node_id else there
+            return f"{unproven}: {who} does not hold this registration's key"
+        return None
 
     def register(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:
         """Unary Register call to a parent, counted as two `control` messages."""
@@ -304,8 +428,8 @@ class Endpoint(ABC):
         started = time.perf_counter()
         decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes, admit=self.request_gate)
 
-        def request_framing() -> int | None:   # a pulled request's go is one more gRPC message
-            return FRAME_OVERHEAD * (decoder.frames + 1) if pulled else framing
+        def arrived_framing() -> int | None:   # a pulled request's go is one more gRPC message
+            return pulled_framing(decoder.frames) if pulled else framing
 
         try:
             for frame in frames:
@@ -326,13 +450,13 @@ class Endpoint(ABC):
             # answer with a routed typed error, so both ledgers pair the request and its reply
             link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
             seen = Decoded(envelope=env, payload=Payload(), payload_bytes=decoder.payload_bytes,
-                           frames=decoder.frames, tensor_bytes=int(env.data_bytes), framing=request_framing())
+                           frames=decoder.frames, tensor_bytes=int(env.data_bytes), framing=arrived_framing())
             reply = self._error_reply(env, exc.code, exc.detail)
             self._record(env, seen, "receiver", link, time.perf_counter() - started, status="rejected",
                          error=str(exc))
             self._record(reply.envelope, reply, "sender", link, 0.0)
             return reply.frames
-        decoded.framing = request_framing()
+        decoded.framing = arrived_framing()
         env = decoded.envelope
         link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
         recv_seconds = time.perf_counter() - started

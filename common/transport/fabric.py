@@ -113,15 +113,16 @@ class Fabric:
         for req in requests:
             if id(req.message) not in encoded:
                 encoded[id(req.message)] = (req.message, self._prepare(req.message, fold is not None))
-        if self.batch:
-            for group in self._batches(requests, encoded):
-                futures: dict[K, Future] = {req.key: Future() for req in group}
-                calls.update(futures)
-                self._workers.submit(self._exchange_batch, group, futures, round, timeout, encoded, fold)
-        else:
-            for req in requests:
+        groups = self._batches(requests, encoded) if self.batch else [[req] for req in requests]
+        for group in groups:
+            if len(group) == 1:   # a call of its own, under its own deadline
+                req = group[0]
                 calls[req.key] = self._workers.submit(self._exchange, req, round, call_timeout,
                                                       encoded[id(req.message)][1], fold)
+                continue
+            futures: dict[K, Future] = {req.key: Future() for req in group}
+            calls.update(futures)
+            self._workers.submit(self._exchange_batch, group, futures, round, timeout, encoded, fold)
         reason = timeout_reason or f"timeout: no result within {timeout:g}s"
         if fold is None:
             return gather(calls, timeout, reason)
@@ -166,42 +167,44 @@ class Fabric:
 
     def _batches(self, requests: list[Send], encoded: dict[int, tuple[Payload, Encoded]]) -> list[list[Send]]:
         """The requests grouped by process address, in order, each group at most one chunk of
-        request bytes (a larger message goes alone)."""
+        request bytes.  A request whose message or whose reply may be larger than one chunk goes
+        alone: a large reply is received under the streaming fold's gate, pulled and possibly into
+        a file (`_exchange`, `GatedBound`), which a shared call cannot do per reply."""
+        chunk = self.endpoint.chunk_bytes
         by_address: dict[tuple[str, int], list[list[Send]]] = {}
+        alone: list[list[Send]] = []
         for req in requests:
             size = encoded[id(req.message)][1].payload_bytes
+            bound = getattr(req.inbound, "bound", None)
+            if size > chunk or (bound is not None and bound.data_bytes > chunk):
+                alone.append([req])
+                continue
             groups = by_address.setdefault((req.address, req.step), [[]])
             last = groups[-1]
-            if last and sum(encoded[id(r.message)][1].payload_bytes for r in last) + size > self.endpoint.chunk_bytes:
+            if last and sum(encoded[id(r.message)][1].payload_bytes for r in last) + size > chunk:
                 groups.append(last := [])
             last.append(req)
-        return [g for groups in by_address.values() for g in groups]
+        return [g for groups in by_address.values() for g in groups] + alone
 
     def _exchange_batch(self, group: list[Send[K]], futures: dict[K, Future], round: int, timeout: float,
                         encoded: dict[int, tuple[Payload, Encoded]], fold: "OrderedFold | None" = None) -> None:
         """One batch (`Endpoint.call_many`); each request's future gets its reply, through its
-        inbound pipeline, or its failure.  The batch's deadline is the round's: its process runs
-        the requests one after another."""
+        inbound pipeline, or its failure, as soon as that reply is in (`on_each`): a reply that
+        came before the round's deadline counts even when a later one of its batch does not.
+        The batch's deadline is the round's: its process runs the requests one after another."""
         batched = [Batched(req.dst, req.method, encoded[id(req.message)][1], getattr(req.inbound, "bound", None))
                    for req in group]
-        try:
-            replies = self.endpoint.call_many(group[0].address, batched, round=round, step=group[0].step,
-                                              timeout=timeout)
-        except BaseException as exc:   # never leave a future unset
-            for req in group:
-                if fold is not None:
-                    fold.skip(req.key)
-                futures[req.key].set_exception(exc)
-            raise
-        replies = list(replies)
-        for i, (req, reply) in enumerate(zip(group, replies)):
-            replies[i] = None   # type: ignore[call-overload]  # folded replies are dropped as they go (not read again)
+
+        def deliver(i: int, reply: Payload | BaseException) -> None:
+            req = group[i]
             fut = futures[req.key]
-            if isinstance(reply, Exception):
+            if fut.done():
+                return
+            if isinstance(reply, BaseException):
                 if fold is not None:
                     fold.skip(req.key)
                 fut.set_exception(reply)
-                continue
+                return
             if req.on_reply is not None:
                 req.on_reply(req.key)
             try:
@@ -212,6 +215,16 @@ class Fabric:
                 if fold is not None:
                     fold.skip(req.key)
                 fut.set_exception(exc)
+
+        try:
+            replies = self.endpoint.call_many(group[0].address, batched, round=round, step=group[0].step,
+                                              timeout=timeout, on_each=deliver)
+        except BaseException as exc:   # never leave a future unset
+            for i in range(len(group)):
+                deliver(i, exc)
+            raise
+        for i, reply in enumerate(replies):   # any the endpoint did not deliver on the way (it delivers each once)
+            deliver(i, reply)
 
     def _exchange(self, req: Send, round: int, call_timeout: float, prepared: Encoded,
                   fold: "OrderedFold | None" = None) -> Payload:

@@ -76,6 +76,9 @@ class Transport:
     - `handlers`: per role ("client", "edge"), functions `(role object) -> {Method: handler}` whose
       methods that role's process serves in a run on this transport only (the torch plane's
       group set-up and rounds); a run on another transport refuses them as unknown methods;
+    - `in_process`: the in-process engine (run.engine = "inprocess", deploy/inprocess.py) can stand
+      for it: every message it carries is one of the fan-out's calls, which the in-memory endpoints
+      (common/transport/inmemory.py) deliver and count as gRPC frames them;
     - `methods`: the transport's own protocol methods (common/wire/methods.py `Method`), declared
       into the method table when the entry is added (`add_transport`), as a topology's are by its
       spec.  The torch plane's torch_* methods are the core's (the group plane,
@@ -91,6 +94,7 @@ class Transport:
     one_process: bool = False
     handlers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     methods: tuple[Method, ...] = ()
+    in_process: bool = False
 
 
 # a child process's endpoint (edge, client): it is reached over sockets before it has the run's
@@ -98,14 +102,15 @@ class Transport:
 PROCESS_TRANSPORT = "grpc"
 
 TRANSPORTS: dict[str, Transport] = {
-    "grpc": Transport("fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.groups:FANOUT_WORLDS"),
+    "grpc": Transport("fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.groups:FANOUT_WORLDS",
+                      in_process=True),
     "torch": Transport("fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.torch_groups:TORCH_WORLDS",
                        GROUP_PLANES, params="fedhop.common.transport.torchdist:TorchParams",
                        sums_in_collective=True, own_device="fedhop.common.transport.torchdist:rank_per_gpu",
                        handlers={"client": ("fedhop.client.group_worker:torch_handlers",),
                                  "edge": ("fedhop.edge.group_edge:torch_handlers",)}),
     "inmemory": Transport("fedhop.common.transport.inmemory:network_endpoint",
-                          "fedhop.common.transport.groups:FANOUT_WORLDS", one_process=True),
+                          "fedhop.common.transport.groups:FANOUT_WORLDS", one_process=True, in_process=True),
 }
 
 
@@ -173,7 +178,8 @@ def config_problem(cfg: Any) -> str | None:
     (A robust aggregation's need of every update apart is the robust rule's check,
     common/engine/robust.py `config_problem`.)  `transport.wire_compression` is gRPC's own channel
     compression: only the grpc transport compresses its calls with it (the torch transport's tensors
-    travel in collectives that gRPC never sees)."""
+    travel in collectives that gRPC never sees).  The in-process engine (run.engine = "inprocess")
+    stands only for a transport registered `in_process`."""
     kind = cfg.transport.kind
     wire = getattr(cfg.transport, "wire_compression", "none")
     if kind != "grpc" and wire != "none":
@@ -184,6 +190,11 @@ def config_problem(cfg: Any) -> str | None:
     if down != "none" and entry is not None and entry.planes.get(STAR_ROUND) != FANOUT_PLANES[STAR_ROUND]:
         return (f"config key 'compression.down': got '{down}', but transport.kind = '{kind}' broadcasts by its own "
                 f"data plane, not the server's fan-out that codes each process's message (allowed there: 'none')")
+    engine = getattr(getattr(cfg, "run", None), "engine", "processes")
+    if engine == "inprocess" and entry is not None and not entry.in_process:
+        return (f"config key 'run.engine': got 'inprocess', but transport.kind = '{kind}' carries the run between "
+                f"processes by its own data plane, which the in-process engine does not emulate (allowed there: "
+                f"'processes'; or transport.kind = 'grpc')")
     compress = getattr(cfg.algorithm, "compress", "none")
     if sums_in_collective(kind) and compress != "none":
         return (f"config key 'algorithm.compress': got '{compress}', but transport.kind = '{kind}' reduces uploads "

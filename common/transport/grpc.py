@@ -27,7 +27,7 @@ logical clients of one process travel in one `Call`, their messages back to back
 order on the call's stream.  Every message keeps its ledger records on both ends, with its exact
 tensor and payload bytes; framing is shared so that the messages' framed bytes add up to what the
 call put on the wire: each message counts its own frames' bundle tags and lengths, the first
-message also the bundle's 5-byte gRPC prefix (common/wire/codec.py `frame_framing`), and each reply
+message also the bundle's 5-byte gRPC prefix (common/transport/base.py `batch_framing`), and each reply
 frame its own 5-byte prefix, as a streamed reply always does.
 
 Pulled replies: a streaming fold receives one reply at a time (common/processors/streaming.py
@@ -98,8 +98,6 @@ dead child and makes later ones fail at once (NODE_DEAD) until it registers agai
 """
 from __future__ import annotations
 
-import hmac
-import secrets
 import threading
 import time
 from concurrent import futures
@@ -116,16 +114,25 @@ from fedhop.common.transport.admission import (
     READ_DEADLINES,
     REGISTRATION_KEYS,
     CallSlots,
-    key_id,
     lane_of,
     parent_proof,
-    probe_proof,
 )
-from fedhop.common.transport.base import NOTHING_SENT, Batched, CallFailed, Endpoint, Handler, RemoteError
+from fedhop.common.transport.base import (
+    NOTHING_SENT,
+    Batched,
+    CallFailed,
+    Endpoint,
+    Handler,
+    RemoteError,
+    batch_framing,
+    pulls_reply,
+    request_framing,
+    sent_bundled,
+    shares_one_call,
+)
 from fedhop.common.util.heap import SendBurst, transient_bytes
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import (
-    FRAME_OVERHEAD,
     Decoded,
     Encoded,
     FrameDecoder,
@@ -133,11 +140,10 @@ from fedhop.common.wire.codec import (
     PayloadError,
     bundle_bytes,
     bundle_framing,
-    frame_framing,
-    make_envelope,
     split_bundle,
 )
 from fedhop.common.wire.ledger import Ledger
+from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import message_link
 
 EXCHANGE = "/fedhop.Fedhop/Exchange"
@@ -360,16 +366,17 @@ class GrpcEndpoint(Endpoint):
         gate: Any   # an OrderedFold's receive slots, or None
         gate, admitted = getattr(decoder, "gate", None), False   # streaming aggregation (common/processors/streaming.py)
         # a gated reply that may span frames is pulled (module docstring, Pulled replies)
-        pull = isinstance(decoder, FrameDecoder) and gate is not None and decoder.max_payload_bytes > self.chunk_bytes
+        pull = isinstance(decoder, FrameDecoder) and pulls_reply(decoder, self.chunk_bytes)
         go = threading.Event()   # pulled: set once the reply has a receive slot, or the call is over
-        bundled = not pull and request.payload_bytes <= self.chunk_bytes
+        # a batch is always one bundle (its calls are cut to fit, `batch_calls`): the callee splits it into messages
+        bundled = isinstance(decoder, BatchDecoder) or sent_bundled(request, self.chunk_bytes, pull)
         taken = threading.Event()   # a streamed request: set once the callee took it, or the call is over
+        framing = request_framing(request, self.chunk_bytes, pull)   # None: a plain stream, 5 bytes a frame
+        if framing is not None:
+            request.framing = framing
         if bundled:
-            request.framing = bundle_framing(request.frame_lengths())
             stub = self.channel(address).unary_stream(CALL, request_serializer=None, response_deserializer=None)
         else:
-            if pull:   # the go message is one more (empty) gRPC message of the request
-                request.framing = FRAME_OVERHEAD * (len(request.frames) + 1)
             stub = self.channel(address).stream_stream(EXCHANGE, request_serializer=None,
                                                        response_deserializer=None)
 
@@ -406,6 +413,8 @@ class GrpcEndpoint(Endpoint):
             self._inflight.setdefault(address, set()).add(call)
         if bundled:
             sent[0] = time.perf_counter() - started   # the unary request is handed to gRPC whole
+            if isinstance(decoder, BatchDecoder):
+                decoder.sent_seconds = sent[0]
         try:
             if not bundled:
                 call.initial_metadata()   # the callee took the request (its initial metadata), or the call ended
@@ -473,10 +482,7 @@ class GrpcEndpoint(Endpoint):
                 grpc.secure_channel(address, tls, options=options + [("grpc.ssl_target_name_override", target)])
         except Exception as exc:   # not an address gRPC can dial
             return f"{unproven}: {exc}"
-        nonce = secrets.token_bytes(16)
-        req = pb.ProbeRequest(target=target, nonce=nonce, key_id=key_id(request.proof_key), run_id=self.run_id,
-                              parent=self.node_id)
-        msg_id = f"probe-{target}-{nonce.hex()}"
+        req, msg_id = self.probe_request(request)
         started = time.perf_counter()
         try:
             stub = channel.unary_unary(PROBE, request_serializer=pb.ProbeRequest.SerializeToString,
@@ -486,56 +492,65 @@ class GrpcEndpoint(Endpoint):
             return f"{unproven}: the probe of {address} failed ({exc.code().name}: {exc.details() or ''})"
         finally:
             channel.close()
-        seconds = time.perf_counter() - started
-        self.record_control("probe", self.node_id, target, req.ByteSize(), "sender", seconds, msg_id, self.run_id)
-        self.record_control("probe.reply", target, self.node_id, reply.ByteSize(), "receiver", seconds,
-                            msg_id + ".reply", self.run_id)
-        if not hmac.compare_digest(reply.proof, probe_proof(request.proof_key, nonce, target)):
-            who = f"node '{reply.node_id}'" if reply.node_id else "the process there"
-            return f"{unproven}: {who} does not hold this registration's key"
-        return None
+        return self.probe_outcome(request, req, reply, msg_id, time.perf_counter() - started, unproven,
+                                  "the process there")
 
     def call_many(self, address: str, requests: Sequence[Batched], *, round: int, step: int = 0,
-                  timeout: float) -> list:
+                  timeout: float, on_each: Callable[[int, Payload | Exception], None] | None = None) -> list:
         """Several logical clients' requests to one process in one `Call` (module docstring,
-        Batches); a batch larger than one chunk goes one call each."""
-        if len(requests) < 2 or sum(r.prepared.payload_bytes for r in requests) > self.chunk_bytes:
-            return super().call_many(address, requests, round=round, step=step, timeout=timeout)
-        sent_msgs = []
-        for i, req in enumerate(requests):
-            env = make_envelope(run_id=self.run_id, round=round, step=step, src=self.node_id, dst=req.dst,
-                                method=req.method, token=self.token)
-            msg = req.prepared.with_header(env)
-            msg.framing = frame_framing(msg.frame_lengths()) + (FRAME_OVERHEAD if i == 0 else 0)
-            sent_msgs.append(msg)
-        links = [message_link(self.node_id, r.dst, r.method) for r in requests]
-        batch = Encoded(frames=[f for m in sent_msgs for f in m.frames], envelope=sent_msgs[0].envelope,
-                        tensor_bytes=sum(m.tensor_bytes for m in sent_msgs))
-        decoder = BatchDecoder([self._decoder(r.expect) for r in requests])
+        Batches), or in as few as keep each call's bundle within one chunk (`batch_calls`); a batch
+        whose payloads exceed one chunk goes one call each.  Each reply is recorded and passed to
+        `on_each` as soon as it is in; a call that fails (the deadline, the process lost) fails
+        only the requests still unanswered.  The calls share `timeout`."""
+        if not shares_one_call(requests, self.chunk_bytes):
+            return super().call_many(address, requests, round=round, step=step, timeout=timeout, on_each=on_each)
+        msgs, calls = self.batch_messages(requests, round=round, step=step)
+        out: list = [None] * len(requests)
+        deadline = time.perf_counter() + timeout
+        for call in calls:
+            self._batch_call(address, call, msgs, requests, round, deadline - time.perf_counter(), out, on_each)
+        return out
+
+    def _batch_call(self, address: str, call: range, msgs: list[Encoded], requests: Sequence[Batched], round: int,
+                    timeout: float, out: list, on_each: Callable[[int, Payload | Exception], None] | None) -> None:
+        """The messages `call` of a batch in one `Call`; their results go to `out` (and `on_each`) by index."""
+        links = {i: message_link(self.node_id, requests[i].dst, requests[i].method) for i in call}
+        bundle = Encoded(frames=[f for i in call for f in msgs[i].frames], envelope=msgs[call.start].envelope,
+                         tensor_bytes=sum(msgs[i].tensor_bytes for i in call))
         started = time.perf_counter()
-        try:
-            replies, sent_seconds = self._exchange(address, batch, timeout, decoder)
-        except CallFailed as exc:   # nothing of the batch answered: every request lost, as one call would be
-            for msg, link in zip(sent_msgs, links):
-                self._record(msg.envelope, msg if exc.delivered else NOTHING_SENT, "sender", link,
-                             time.perf_counter() - started, status="lost", error=str(exc))
-            return [exc] * len(requests)
-        except PayloadError as exc:   # a reply that could not be decoded ends the batch's stream there
-            replies, sent_seconds = decoder.cut(exc), time.perf_counter() - started
-        seconds = time.perf_counter() - started - sent_seconds
-        out: list = []
-        for msg, link, reply in zip(sent_msgs, links, replies):
+
+        def settle(j: int, reply: Decoded | PayloadError) -> None:
+            i = call[j]
+            msg, link = msgs[i], links[i]
+            seconds = time.perf_counter() - started - decoder.sent_seconds
+            result: Payload | Exception
             if isinstance(reply, PayloadError):
                 self._record(msg.envelope, msg, "sender", link, seconds, error=f"reply rejected: {reply}")
-                out.append(PayloadError(reply.code, f"reply of {msg.envelope.dst} to {msg.envelope.method} "
-                                                    f"(round {round}): {reply.detail}"))
-                continue
-            self._record(msg.envelope, msg, "sender", link, sent_seconds)
-            try:
-                out.append(self._settle(msg, reply, link, seconds))
-            except (PayloadError, RemoteError) as exc:
-                out.append(exc)
-        return out
+                result = PayloadError(reply.code, f"reply of {msg.envelope.dst} to {msg.envelope.method} "
+                                                  f"(round {round}): {reply.detail}")
+            else:
+                self._record(msg.envelope, msg, "sender", link, decoder.sent_seconds)
+                try:
+                    result = self._settle(msg, reply, link, seconds)
+                except (PayloadError, RemoteError) as exc:
+                    result = exc
+            out[i] = result
+            if on_each is not None:
+                on_each(i, result)
+
+        decoder = BatchDecoder([self._decoder(requests[i].expect) for i in call], on_done=settle)
+        try:
+            self._exchange(address, bundle, max(timeout, 0.0), decoder)
+        except CallFailed as exc:   # the call ended: every request not yet answered is lost, as one call would be
+            for i in call[len(decoder.done):]:
+                msg = msgs[i]
+                self._record(msg.envelope, msg if exc.delivered else NOTHING_SENT, "sender", links[i],
+                             time.perf_counter() - started, status="lost", error=str(exc))
+                out[i] = exc
+                if on_each is not None:
+                    on_each(i, exc)
+        except PayloadError as exc:   # a reply that broke the framing ends the call's stream there
+            decoder.cut(exc)
 
     # -- server side ----------------------------------------------------------------
     def _note_peer(self, address: str, node_id: str, key: bytes = b"") -> None:
@@ -601,7 +616,7 @@ class GrpcEndpoint(Endpoint):
                 yield from _streamed(endpoint.serve_frames(frames, handler, framing=bundle_framing(len(f) for f in frames)))
                 return
             for i, message in enumerate(messages):   # a batch (module docstring): one message at a time
-                framing = frame_framing(len(f) for f in message) + (FRAME_OVERHEAD if i == 0 else 0)
+                framing = batch_framing(i, (len(f) for f in message))
                 yield from _streamed(endpoint.serve_frames(message, handler, framing=framing))
 
         def proved(request: pb.RegisterRequest) -> pb.RegisterReply:
@@ -828,12 +843,20 @@ class SlotInterceptor(grpc.ServerInterceptor):
 
 class BatchDecoder:
     """The replies of a batch (`GrpcEndpoint.call_many`), one decoder each, fed in order from
-    the call's stream.  `finish` returns a Decoded per request, or the PayloadError of a reply
-    that ended short; `envelope` and `filled` describe the reply being received."""
+    the call's stream.  Each reply's outcome (a Decoded, or the PayloadError that refused it) is
+    passed to `on_done(i, outcome)` the moment that reply is complete, so the caller can use it
+    while later replies are still being computed.  A reply whose bytes fail their checksum leaves
+    the framing intact (its header said how many bytes it has): it fails alone and the next reply
+    is read.  A framing error (a malformed or oversized frame) ends the stream there (`cut`).
+    `envelope` and `filled` describe the reply being received; `sent_seconds` is set by the
+    transport once the request is handed over."""
 
-    def __init__(self, decoders: list[FrameDecoder]) -> None:
+    def __init__(self, decoders: list[FrameDecoder],
+                 on_done: Callable[[int, Decoded | PayloadError], None] | None = None) -> None:
         self.decoders = decoders
-        self.done: list[Decoded] = []
+        self.done: list[Decoded | PayloadError] = []
+        self.on_done = on_done
+        self.sent_seconds = 0.0
 
     @property
     def current(self) -> FrameDecoder:
@@ -853,13 +876,27 @@ class BatchDecoder:
         decoder = self.decoders[len(self.done)]
         decoder.feed(frame)
         if decoder.complete:
-            self.done.append(decoder.finish())
+            outcome: Decoded | PayloadError
+            try:
+                outcome = decoder.finish()
+            except PayloadError as exc:   # complete yet refused (its checksum): this reply alone
+                outcome = exc
+            self._settle(outcome)
+
+    def _settle(self, outcome: Decoded | PayloadError) -> None:
+        i = len(self.done)
+        self.done.append(outcome)
+        if self.on_done is not None:
+            self.on_done(i, outcome)
 
     def finish(self) -> list[Decoded | PayloadError]:
         return self.cut(PayloadError("SIZE_MISMATCH", "the batch's stream ended before this reply"))
 
     def cut(self, error: PayloadError) -> list[Decoded | PayloadError]:
         """The replies so far, `error` for the one being received, and for every later one."""
-        rest = len(self.decoders) - len(self.done)
         later = PayloadError("BATCH_CUT", f"an earlier reply of the batch was rejected ({error.code})")
-        return self.done + ([error] + [later] * (rest - 1) if rest else [])
+        if len(self.done) < len(self.decoders):
+            self._settle(error)
+        while len(self.done) < len(self.decoders):
+            self._settle(later)
+        return self.done

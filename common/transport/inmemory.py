@@ -1,17 +1,40 @@
 """In-memory transport for unit tests: the same codec and ledger, no sockets.
 
 Calls run the callee's handler in the caller's thread on the frames the codec produced, so a
-run gives the same bits and the same byte counts as over gRPC.
+run gives the same bits and the same byte counts as over gRPC.  The ledger's framed bytes are
+gRPC's (common/transport/grpc.py), decided by the same helpers (common/transport/base.py,
+framing): a request of at most one chunk counts the framing of its one-`Call` bundle, a pulled
+request its go message, a batch (`call_many`) shares one bundle's framing among its messages,
+and every reply frame counts 5 bytes, as a streamed reply does.
+
+Registrations carry a fresh key and the parent probes the address they claim, as over gRPC
+(grpc.py module docstring, Addresses proved): the probe is a call on the network to the endpoint
+attached there, and both ends record the same `probe` and `probe.reply` control messages.
+Heartbeats are answered but, unlike gRPC's, not recorded.
 """
 from __future__ import annotations
 
 import threading
 import time
+from typing import Callable, Sequence
 
-from fedhop.common.transport.base import CallFailed, Endpoint, Handler
+from fedhop.common.transport.admission import REGISTRATION_KEYS
+from fedhop.common.transport.base import (
+    Batched,
+    CallFailed,
+    Endpoint,
+    Handler,
+    RegisterHandler,
+    one_by_one,
+    pulls_reply,
+    request_framing,
+    shares_one_call,
+)
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import Decoded, Encoded, FrameDecoder
 from fedhop.common.wire.ledger import Ledger
+from fedhop.common.wire.message import Payload
+from fedhop.common.wire.methods import message_link
 
 
 class InMemoryNetwork:
@@ -49,19 +72,86 @@ class InMemoryEndpoint(Endpoint):
 
     def _exchange(self, address: str, request: Encoded, timeout: float,
                   decoder: FrameDecoder) -> tuple[Decoded, float]:
+        """Serve the request at `address`; both ends count gRPC's framing for it.  A message of a
+        batch (`call_many`) comes with its share of the batch's framing set, and its reply is
+        never pulled (a gRPC batch reads its replies without receive slots); any other request
+        is framed here as `GrpcEndpoint` would send it."""
+        pulled = False
+        if request.framing is None:
+            pulled = pulls_reply(decoder, self.chunk_bytes)
+            request.framing = request_framing(request, self.chunk_bytes, pulled)
         target, handler, _ = self.network.lookup(address)
         started = time.perf_counter()
-        reply_frames = target.serve_frames(list(request.frames), handler)
+        reply_frames = target.serve_frames(list(request.frames), handler, framing=request.framing, pulled=pulled)
         sent = time.perf_counter() - started
         for frame in reply_frames:
             decoder.feed(frame)
         return decoder.finish(), sent
 
+    def call_many(self, address: str, requests: Sequence[Batched], *, round: int, step: int = 0,
+                  timeout: float, on_each: Callable[[int, Payload | Exception], None] | None = None
+                  ) -> list[Payload | Exception]:
+        """As `GrpcEndpoint.call_many`: requests that gRPC would send in one `Call` record their
+        shares of its framing (`batch_framing`); the callee serves them one after another, as
+        gRPC's `Call` handler does, and `on_each` hears each result as it is known.  Others go
+        one call each."""
+        if not shares_one_call(requests, self.chunk_bytes):
+            return super().call_many(address, requests, round=round, step=step, timeout=timeout, on_each=on_each)
+        msgs, _ = self.batch_messages(requests, round=round, step=step)   # framed as gRPC's calls of the batch
+        return one_by_one(len(requests), lambda i: self._call_message(
+            address, msgs[i], message_link(self.node_id, requests[i].dst, requests[i].method), timeout,
+            requests[i].expect), on_each)
+
     def _register_rpc(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:
+        """One Register call with a fresh key, as `GrpcEndpoint._register_rpc` sends it (the
+        ledger counts the key's bytes); the parent probes the claimed address before its handler."""
+        request.proof_key = REGISTRATION_KEYS.issue(request.node_id)
         target, _, register_handler = self.network.lookup(address)
         if register_handler is None:
             raise CallFailed("UNIMPLEMENTED", "peer accepts no registrations", address)
-        return target.handle_registration(register_handler, pb.RegisterRequest.FromString(request.SerializeToString()))
+        sent = pb.RegisterRequest.FromString(request.SerializeToString())
+        return target.handle_registration(target._proved(register_handler), sent)
+
+    def _proved(self, register_handler: RegisterHandler) -> RegisterHandler:
+        """The role's handler, for a registrant that proved its address (gRPC's `proved`)."""
+        def proved(request: pb.RegisterRequest) -> pb.RegisterReply:
+            refusal = self.probe(request)
+            if refusal is not None:
+                return pb.RegisterReply(accepted=False, message=refusal, node_id=self.node_id)
+            return register_handler(request)
+        return proved
+
+    def probe(self, request: pb.RegisterRequest) -> str | None:
+        """Whether the endpoint attached at `request.address` sent `request`, asked as
+        `GrpcEndpoint.probe` asks it (the same messages and records): None when it answers with
+        the proof under the request's key, else the refusal (ADDRESS_UNPROVEN)."""
+        address, target = request.address, request.node_id
+        unproven = f"ADDRESS_UNPROVEN: {target} did not prove that it serves at {address}"
+        if not request.proof_key:
+            return f"{unproven}: the registration carries no proof key"
+        try:
+            peer, _, _ = self.network.lookup(address)
+        except CallFailed as exc:
+            return f"{unproven}: the probe of {address} failed ({exc.code}: {exc.detail})"
+        probe, msg_id = self.probe_request(request)
+        started = time.perf_counter()
+        reply = peer.answer_probe(pb.ProbeRequest.FromString(probe.SerializeToString()))
+        return self.probe_outcome(request, probe, reply, msg_id, time.perf_counter() - started, unproven,
+                                  "the endpoint there")
+
+    def answer_probe(self, request: pb.ProbeRequest) -> pb.ProbeReply:
+        """The served side of a probe (grpc.py `probe_rpc_handler` and its records): the proof of
+        a registration this endpoint's node sent, or empty."""
+        proof = REGISTRATION_KEYS.answer(request.target, request.key_id, request.nonce) \
+            if request.target == self.node_id else b""
+        reply = pb.ProbeReply(node_id=self.node_id, proof=proof)
+        msg_id = f"probe-{request.target}-{request.nonce.hex()}"
+        caller = request.parent or "parent"
+        self.record_control("probe", caller, request.target, request.ByteSize(), "receiver", 0.0, msg_id,
+                            request.run_id)
+        self.record_control("probe.reply", request.target, caller, reply.ByteSize(), "sender", 0.0,
+                            msg_id + ".reply", request.run_id)
+        return pb.ProbeReply.FromString(reply.SerializeToString())
 
     def heartbeat(self, address: str, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
         target, _, _ = self.network.lookup(address)

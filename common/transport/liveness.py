@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from fedhop.common.security.addresses import host_of
 from fedhop.common.transport.admission import EventThrottle, takeover_refusal
@@ -526,8 +526,8 @@ class LivenessMonitor:
                 "detection_seconds_mean": sum(det) / len(det) if det else None}
 
 
-def live_pool(pool: list[int], size: int, client_home: dict, monitor: "LivenessMonitor | None",
-              unavailable: set[int] | frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
+def live_pool(pool: Sequence[int], size: int, client_home: dict, monitor: "LivenessMonitor | None",
+              unavailable: set[int] | frozenset[int] = frozenset()) -> tuple[Sequence[int], list[int]]:
     """The pool a round draws `size` clients from, and the clients left out of it: where fewer
     than the whole pool are drawn, the clients of nodes the monitor marked dead or suspect, and
     the `unavailable` clients (those an edge reported dead), are left out, so no dead client
