@@ -1,7 +1,7 @@
 """The Python API: `fedhop.run(config, set=..., out=...)` and `fedhop.load(RUN_DIR)` (docs/api.md).
 
-`run` starts the same OS processes as `fedhop run` (it calls `run_local`, quiet, without the final
-table) and returns a `RunResult`: plain Python objects read back from the run directory
+`run` plays the run as `fedhop run` does (it calls `run_local`, quiet, without the final table:
+separate OS processes, or every role in this process with run.engine = "inprocess") and returns a `RunResult`: plain Python objects read back from the run directory
 (summary.json, and run.db read-only through deploy/runread.py), the same object `load` returns for
 that directory later.
 

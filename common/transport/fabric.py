@@ -171,19 +171,23 @@ class Fabric:
         alone: a large reply is received under the streaming fold's gate, pulled and possibly into
         a file (`_exchange`, `GatedBound`), which a shared call cannot do per reply."""
         chunk = self.endpoint.chunk_bytes
+        sizes = {key: prepared.payload_bytes for key, (_, prepared) in encoded.items()}   # each message once
         by_address: dict[tuple[str, int], list[list[Send]]] = {}
+        filled: dict[tuple[str, int], int] = {}   # request bytes in each address's last group
         alone: list[list[Send]] = []
         for req in requests:
-            size = encoded[id(req.message)][1].payload_bytes
+            size = sizes[id(req.message)]
             bound = getattr(req.inbound, "bound", None)
             if size > chunk or (bound is not None and bound.data_bytes > chunk):
                 alone.append([req])
                 continue
-            groups = by_address.setdefault((req.address, req.step), [[]])
-            last = groups[-1]
-            if last and sum(encoded[id(r.message)][1].payload_bytes for r in last) + size > chunk:
-                groups.append(last := [])
-            last.append(req)
+            where = (req.address, req.step)
+            groups = by_address.setdefault(where, [[]])
+            if groups[-1] and filled[where] + size > chunk:
+                groups.append([])
+                filled[where] = 0
+            groups[-1].append(req)
+            filled[where] = filled.get(where, 0) + size
         return [g for groups in by_address.values() for g in groups] + alone
 
     def _exchange_batch(self, group: list[Send[K]], futures: dict[K, Future], round: int, timeout: float,
