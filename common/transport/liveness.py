@@ -402,6 +402,8 @@ class LivenessMonitor:
         now = self.clock()
         newly: list[ChildLiveness] = []
         with self._lock:
+            if self._stop.is_set():   # stopped (`stop`): its children are leaving, not dying
+                return []
             gap = now - self._last_check if self._last_check is not None else 0.0
             self._last_check = now
             paused = gap > self.interval + self.timeout / 2
@@ -507,7 +509,12 @@ class LivenessMonitor:
         return self
 
     def stop(self) -> None:
+        """No check after this returns: a check under way finishes first (a parent stopping its
+        monitor before it tells its children to leave must not mark them dead as they go)."""
         self._stop.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread.is_alive() and threading.current_thread() is not thread:
+            thread.join(timeout=5.0)
         self._refusals.flush()
 
     def _run(self) -> None:
