@@ -123,11 +123,11 @@ class StandInEndpoint(inmemory_transport.InMemoryEndpoint):
 
 @pytest.mark.parametrize("topology", ['kind = "star"', 'kind = "hierarchical"\nedges = 2'])
 def test_a_tensor_crosses_the_seam_once_per_received_message(tmp_path, monkeypatch, topology):
-    from fedhop.deploy import inmemory
+    from fedhop.deploy import inmemory, inprocess
     text = (f'[run]\nrounds = 3\nseed = 4\n[topology]\n{topology}\n[algorithm]\nname = "scaffold"\nlocal_steps = 3\n'
             '[clients]\ncount = 6\nper_round = 4\nprocesses = 2\n[transport]\nkind = "inmemory"\n')
     _, plain = inmemory.run_inmemory(parse_config(text), tmp_path / "plain")
-    monkeypatch.setattr(inmemory, "InMemoryEndpoint", StandInEndpoint)
+    monkeypatch.setattr(inprocess, "InMemoryEndpoint", StandInEndpoint)   # where run_inmemory builds its endpoints
     td.CROSSINGS.clear()
     _, placed = inmemory.run_inmemory(parse_config(text), tmp_path / "placed")
     received = []
