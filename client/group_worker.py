@@ -61,8 +61,11 @@ __all__ = ["GroupWorker", "CallFailed", "RemoteError"]
 def torch_handlers(host: Any) -> dict[Method, Callable[[Request], Payload]]:
     """The group data plane's methods a client process serves in a torch run (named by the torch
     transport's registration, common/transport/factory.py); `host` is its ClientHost."""
+    def worker() -> GroupWorker:   # made on the first torch_* call (client/host.py `extension`)
+        return host.extension("group", GroupWorker)
+
     return {
-        Method.TORCH_INIT: lambda request: host.group().init(request.payload),
-        Method.TORCH_ROUND: lambda request: host.group().round(int(request.envelope.round), request.payload),
-        Method.TORCH_REDUCE: lambda request: host.group().reduce(int(request.envelope.round), request.payload),
+        Method.TORCH_INIT: lambda request: worker().init(request.payload),
+        Method.TORCH_ROUND: lambda request: worker().round(int(request.envelope.round), request.payload),
+        Method.TORCH_REDUCE: lambda request: worker().reduce(int(request.envelope.round), request.payload),
     }

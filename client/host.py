@@ -8,7 +8,7 @@ one logical client at a time: the process's cores go to that client's tensor ops
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
@@ -34,10 +34,9 @@ from fedhop.common.wire.message import Payload, finite_or_raise
 from fedhop.common.wire.methods import Method
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhop.client.gossip import GossipHost
-    from fedhop.client.group_worker import GroupWorker
-    from fedhop.client.walk import WalkHost
     from fedhop.common.transport.fabric import Fabric
+
+T = TypeVar("T")
 
 
 #: a process with more clients than this receives at most this many large train requests whole at once
@@ -64,10 +63,10 @@ class ClientHost:
         self.cfg = cfg
         self.parent = parent   # the node this process registered with: the only one it obeys (but `ping`)
         self.ledger = ledger if ledger is not None else Ledger()
-        self.group_worker: GroupWorker | None = None  # the group data plane's member side, made on the first torch_* call
-        self.fabric: Fabric | None = None   # this process's sending side (client/runtime.py sets it): WRWGD hand-offs
-        self._walk: WalkHost | None = None
-        self._gossip_state: GossipHost | None = None   # client/gossip.py `gossip_of`
+        self.fabric: Fabric | None = None   # this process's sending side (client/runtime.py sets it): peer calls
+        # the state a topology or a transport keeps in this process (`extension`), by its key
+        self._extensions: dict[str, Any] = {}
+        self._extensions_lock = threading.Lock()
         self.node_id = node_id
         self.run_id = run_id
         self.client_ids = sorted(client_ids)
@@ -92,19 +91,14 @@ class ClientHost:
             if not 0 <= cid < self.task.num_clients:
                 raise ValueError(f"client id {cid} out of range: the task has {self.task.num_clients} clients")
 
-    @property
-    def walk(self):
-        """The chain topology's state in this process (client/walk.py), made on first use."""
-        if self._walk is None:
-            from fedhop.client.walk import WalkHost
-            self._walk = WalkHost(self)
-        return self._walk
-
-    @property
-    def gossip(self):
-        """The gossip topology's state in this process (client/gossip.py), made on first use."""
-        from fedhop.client.gossip import gossip_of
-        return gossip_of(self)
+    def extension(self, key: str, make: Callable[[ClientHost], T]) -> T:
+        """The state that the topology or transport `key` keeps in this process (the chain's walk,
+        gossip's models, the group plane's member side), made by `make(self)` on first use; calls
+        that arrive together share the one made."""
+        with self._extensions_lock:
+            if key not in self._extensions:
+                self._extensions[key] = make(self)
+            return self._extensions[key]
 
     def num_samples(self, cid: int) -> int:
         return self.task.num_samples(cid)
@@ -184,13 +178,6 @@ class ClientHost:
         self.shutdown_event.set()
         return Payload(scalars={"clients": len(self.client_ids)})
 
-    def group(self) -> GroupWorker:
-        """This process's side of the group data plane, made on the first torch_* call."""
-        if self.group_worker is None:
-            from fedhop.client.group_worker import GroupWorker
-            self.group_worker = GroupWorker(self)
-        return self.group_worker
-
     def train(self, cid: int, round: int, message: Payload, step: int = 0) -> Payload:
         if cid not in self.hosted:
             raise HandlerError("UNKNOWN_CLIENT", f"client {cid} is not hosted by {self.node_id}")
@@ -224,30 +211,3 @@ class ClientHost:
                 else:
                     self.states.pop(cid, None)
             return Payload(scalars={"clients": len(loaded)})
-
-
-# ----------------------------------------------------------------------------- topology handlers
-# named by the topologies' specs (common/topologies/, `client_handlers`): a process serves them
-# only in a run of that topology
-def walk_handlers(host: ClientHost) -> dict[Method, Callable[[Request], Payload]]:
-    """The chain topology's methods (WRWGD, client/walk.py)."""
-    return {
-        Method.WALK_VISIT: lambda request: host.walk.visit(request.envelope.dst, int(request.envelope.round),
-                                                           int(request.envelope.step), request.payload),
-        Method.WALK_HANDOFF: lambda request: host.walk.take_handoff(request.envelope.src, request.envelope.dst,
-                                                                    int(request.envelope.round),
-                                                                    int(request.envelope.step), request.payload),
-    }
-
-
-def gossip_handlers(host: ClientHost) -> dict[Method, Callable[[Request], Payload]]:
-    """The gossip topology's methods (D-PSGD, client/gossip.py)."""
-    return {
-        Method.GOSSIP_STEP: lambda request: host.gossip.step(request.envelope.dst, int(request.envelope.round),
-                                                             request.payload),
-        Method.GOSSIP_SEND: lambda request: host.gossip.send(int(request.envelope.round), request.payload),
-        Method.GOSSIP_SHARE: lambda request: host.gossip.take_share(request.envelope.src, request.envelope.dst,
-                                                                    int(request.envelope.round), request.payload),
-        Method.GOSSIP_MIX: lambda request: host.gossip.mix(request.envelope.dst, int(request.envelope.round),
-                                                           request.payload),
-    }

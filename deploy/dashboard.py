@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhop.common.records.runstore import RunStore
-from fedhop.common.topologies import SPECS
+from fedhop.common.topologies import builtin_specs
 from fedhop.common.transport.livebytes import EARLIER
 from fedhop.common.util.nodeids import edge_node
 
@@ -65,7 +65,7 @@ def _graph(cfg: dict, live: list[tuple], server_pairs: dict[str, dict[str, int]]
                 out[direction] = out.get(direction, 0) + int(framed)
         return out
 
-    spec = SPECS.get(kind)   # a plug-in kind (not imported here) is drawn as a star
+    spec = builtin_specs().get(kind)   # a plug-in kind (not imported here) is drawn as a star
     if spec is not None and spec.edges:
         edges = int(topo.get("edges", 0)) or len(topo.get("assignment", []) or [])
         for e in range(edges):

@@ -113,7 +113,7 @@ class EdgeAggregator:
     # ------------------------------------------------------------------ calls from the server
     def _routes(self, parent: str) -> MethodRouter:
         """The methods every edge serves, each obeyed only from the server (its parent); the
-        sequential topology adds its own (edge/sequential.py)."""
+        sequential topology adds its own (topologies/sequential/edge.py)."""
         router = MethodRouter(self.endpoint.node_id, Peers(parent))
         router.register_all({
             Method.EDGE_ROUND: lambda request: self.edge_round(int(request.envelope.round), request.payload),

@@ -1,7 +1,7 @@
-"""An edge's side of the group data plane, hierarchical and sequential topologies (common/transport/groups.py).
+"""An edge's side of the group data plane (common/transport/groups.py).
 
-The EDGE_STEP and SEQ_EDGE_PATH planes of a transport with groups (torch.distributed;
-common/transport/factory.py GROUP_PLANES).  The edge belongs to two groups of the transport's
+The EDGE_STEP plane of a transport with groups (torch.distributed; common/transport/factory.py
+GROUP_PLANES); the sequential topology's model path builds on it (topologies/sequential/group_paths.py).  The edge belongs to two groups of the transport's
 world (set up by `torch_init`): the top group {server, every edge}, rooted at the server, and
 its cluster group {this edge, its client processes}, rooted here.
 
@@ -19,12 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
-
-from fedhop.common.processors.pipeline import reduced_chain
 from fedhop.common.transport.base import HandlerError, Request
-from fedhop.common.transport.groups import send_beside_call, worlds
-from fedhop.common.util.nodeids import edge_node
+from fedhop.common.transport.groups import worlds
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
@@ -78,76 +74,6 @@ class GroupEdge:
     def reduce(self, round: int, payload: Payload) -> Payload:
         """Step 3: this edge's partial (or the ops' identities) into the server's reduce."""
         return self.ready().top.contribute(round, payload)
-
-
-class GroupModelPath:
-    """Fed-CHS's model by group rounds and peer sends at an edge (edge/sequential.py
-    `MODEL_PATHS`): each cluster step is a group round in this edge's cluster group, a hand-off
-    is a peer send to the next edge beside the `seq_handoff` control call (which makes the
-    receiver post the matching receive), and the final (or checkpoint) model waits here for
-    `seq_final`, which sends it to the server.  Every model received is drained from the wire
-    before it is checked."""
-
-    def __init__(self, edge) -> None:
-        self.edge = edge                                   # edge/sequential.py's SequentialEdge
-        self.final: dict[str, torch.Tensor] | None = None  # the model the server fetches with seq_final
-
-    @property
-    def group_edge(self) -> GroupEdge:
-        group_edge = self.edge.agg.group()
-        group_edge.ready()
-        return group_edge
-
-    def _entries(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        return [(k, dtype, shape) for k, (dtype, shape) in self.edge.spec.items()]
-
-    def cluster_step(self, round: int, step: int, message: Payload) -> tuple[Payload | None, dict[int, str]]:
-        group_edge = self.group_edge
-        partial, failed = group_edge.step(round, step, list(self.edge.agg.cluster), message)
-        if partial is not None:
-            reduced_chain(self.edge.spec, Method.TORCH_REDUCE, round=round)(
-                partial, f"round {round} step {step} reduced partial of {group_edge.node_id}'s client processes")
-        return partial, failed
-
-    def handoff_model(self, src: str, round: int, payload: Payload) -> dict[str, torch.Tensor]:
-        group_edge = self.group_edge
-        peers = group_edge.world.peers
-        if not peers.knows(src):
-            raise HandlerError("NOT_NEIGHBOUR", f"{src} has no rank in the world")
-        try:
-            tensors = peers.recv(self._entries(), src, round, "edge-edge")
-        except RuntimeError as exc:
-            raise HandlerError("COLLECTIVE_FAILED", f"{group_edge.node_id}: hand-off from {src} failed: {exc}") from None
-        return self.edge.model_in(Payload(tensors=tensors), f"hand-off from {src}")
-
-    def resumed_model(self, round: int, message: Payload) -> dict[str, torch.Tensor]:
-        group_edge = self.group_edge
-        try:
-            tensors = group_edge.world.peers.recv(self._entries(), "server", round, "edge-server")
-        except RuntimeError as exc:
-            raise HandlerError("COLLECTIVE_FAILED", f"{group_edge.node_id}: the resumed model from the server did "
-                                                    f"not arrive: {exc}") from None
-        return self.edge.model_in(Payload(tensors=tensors), f"resumed model for round {round}")
-
-    def send_model(self, round: int, peer: int, address: str, w: dict[str, torch.Tensor]) -> None:
-        send_beside_call(self.edge.agg.fabric, self.group_edge.world.peers, address, edge_node(peer),
-                         Method.SEQ_HANDOFF, [w[k] for k in self.edge.spec], round=round, link="edge-edge",
-                         timeout=self.edge.cfg.run.call_timeout, what="the hand-off")
-
-    def final_model(self, w: dict[str, torch.Tensor], reply: Payload) -> None:
-        self.final = dict(w)   # the server fetches it with `seq_final` (a peer send)
-
-    def send_final(self, round: int) -> Payload:
-        group_edge, final = self.group_edge, self.final
-        if final is None:
-            raise HandlerError("NO_TOKEN", f"{group_edge.node_id} holds no final model for round {round}")
-        try:
-            group_edge.world.peers.send([final[k] for k in self.edge.spec], "server", round, "edge-server")
-        except RuntimeError as exc:
-            raise HandlerError("COLLECTIVE_FAILED", f"{group_edge.node_id}: sending the final model failed: "
-                                                    f"{exc}") from None
-        self.final = None
-        return Payload()
 
 
 def torch_handlers(edge: Any) -> dict[Method, Callable[[Request], Payload]]:

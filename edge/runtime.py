@@ -29,7 +29,7 @@ class EdgeProcess:
 
     @property
     def sequential(self):
-        """The Fed-CHS role (edge/sequential.py) of a sequential run: this edge's `topology_role`."""
+        """The Fed-CHS role (topologies/sequential/edge.py) of a sequential run: this edge's `topology_role`."""
         return self.topology_role
 
     def _handle(self, request: Request):
@@ -93,7 +93,7 @@ class EdgeProcess:
         log.info("%s computes on %s", self.endpoint.node_id, device)
         aggregator = EdgeAggregator(cfg, self.endpoint, reply.run_id, reply.config_toml, parent=reply.node_id or "server",
                                     device=device)
-        topology_role = spec_for(cfg.topology.kind).edge_role_class()   # e.g. edge/sequential.py (Fed-CHS)
+        topology_role = spec_for(cfg.topology.kind).edge_role_class()   # e.g. topologies/sequential/edge.py (Fed-CHS)
         if topology_role is not None:
             self.topology_role = topology_role(aggregator)
         self.aggregator = aggregator

@@ -1,7 +1,7 @@
 """The server: owns the run (registration, the round loop, sampling, aggregation and the server
 step, evaluation, the run directory).  What a round is belongs to the topology's driver
-(server/driver.py: star and hierarchical in server/sampled.py, sequential in
-server/sequential.py, chain and relay in server/chain.py); the Coordinator is the drivers'
+(server/driver.py; each topology's own in its folder, topologies/<kind>/driver.py, the sampled
+rounds of star and hierarchical on server/sampled.py); the Coordinator is the drivers'
 `DriverContext`.  It sends only through its fabric (common/transport/fabric.py), so the same
 code runs over gRPC, torch.distributed and, in unit tests, in memory.
 """

@@ -83,7 +83,7 @@ class Checkpointer:
         coord.store.insert_records(coord.ledger.drain())
         info = {"algorithm": coord.cfg.algorithm.name, "wall_time": time.time()}
         topology = coord.driver.checkpoint_state() if coord.driver is not None else None
-        if topology is not None:   # e.g. a walk's holder and sequence (server/sequential.py, server/walk.py)
+        if topology is not None:   # e.g. a walk's holder and sequence (topologies/sequential/driver.py, topologies/chain/driver.py)
             info["topology"] = topology
         ckpt = Checkpoint(round=round, run_id=coord.run_id, params=coord.state.params, extra=coord.state.extra,
                           frozen=frozen_params(coord.model),   # model.exchange: the whole model is saved

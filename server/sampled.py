@@ -24,11 +24,11 @@ from fedhop.common.processors.compressors.use import upload_coding
 from fedhop.common.processors.streaming import OrderedFold, StreamedResults, reply_budget
 from fedhop.common.transport.control import control_of, failures_of, sampled_clients
 from fedhop.common.transport.fabric import Send, reply_chain
-from fedhop.common.transport.factory import HIER_ROUND, STAR_ROUND, NoDataPlane, data_plane
+from fedhop.common.transport.factory import STAR_ROUND, NoDataPlane, data_plane
 from fedhop.common.util.nodeids import client_node, edge_index
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
-from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, driver_kind
+from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver
 
 
 class DataPlane(ABC):
@@ -220,13 +220,3 @@ class SampledRoundDriver(TopologyDriver):
                 return ctx.complete_round(round, sampled, results, failures, message, started, dispatched,
                                           arrivals, per_client=self.plane.per_client)
             attempt += 1
-
-
-@driver_kind("star")
-class StarDriver(SampledRoundDriver):
-    concept = STAR_ROUND
-
-
-@driver_kind("hierarchical")
-class HierarchicalDriver(SampledRoundDriver):
-    concept = HIER_ROUND

@@ -502,7 +502,7 @@ def _walk_reference(cfg) -> np.ndarray:
     """The walk's final model on the quadratic task, computed here (tests/test_chain.py `numpy_walk`;
     the draws from fedhop's WalkRule)."""
     from fedhop.common.topologies.graphs import topology_params
-    from fedhop.common.topologies.walk_rule import WalkRule
+    from fedhop.topologies.chain.rule import WalkRule
     rule, hops = WalkRule.from_config(cfg, SIZES), topology_params(cfg).hops_per_round
     w, holder = np.zeros(CENTERS.shape[1]), topology_params(cfg).start
     for r in range(1, cfg.run.rounds + 1):
@@ -522,7 +522,7 @@ def attack_forged_walk_handoff(run: Run) -> None:
     processes).  The model must be the walk's own."""
     _wait_registered(run, timeout=SETUP_WAIT)
     from fedhop.common.topologies.graphs import topology_params
-    from fedhop.common.topologies.walk_rule import WalkRule
+    from fedhop.topologies.chain.rule import WalkRule
     rule, hops = WalkRule.from_config(run.cfg, SIZES), topology_params(run.cfg).hops_per_round
     ep = run.endpoint("client-procH")
     ep.run_id = RunStore(run.dir / "run" / "run.db").run()["run_id"]

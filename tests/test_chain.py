@@ -1,5 +1,5 @@
 """The chain topology: WRWGD, one model walking a graph of clients and handed client to client
-(common/topologies/walk_rule.py, server/walk.py, client/walk.py).
+(topologies/chain/rule.py, topologies/chain/driver.py, topologies/chain/client.py).
 
 Checked against an independent numpy walk on graphs the code was not written for: the
 Metropolis-Hastings transition rule, the sequence of visited clients, the importance-weighted
@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.common.topologies.walk_rule import WalkRule, client_graph
 from fedhop.common.util.rng import numpy_stream
 from fedhop.deploy.inmemory import run_inmemory
 from fedhop.deploy.launcher import resume_local, run_local
+from fedhop.topologies.chain.client import walk_of
+from fedhop.topologies.chain.rule import WalkRule, client_graph
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(33)
@@ -179,27 +180,27 @@ def test_a_handoff_is_taken_only_at_the_hop_where_the_walk_moves_there():
     from fedhop.common.algorithms.base import Payload
     from fedhop.common.transport.base import HandlerError
     host = ClientHost(parse_config(walk_config()), "client-proc1", list(range(N)), run_id="")
-    rule = host.walk.rule
+    rule = walk_of(host).rule
     rnd, sender = 2, 3
     moves = [(hop, rule.next_client(sender, rnd, hop)) for hop in range(40)]
     hop, receiver = next((h, c) for h, c in moves if c != sender)
     other_hop = next(h for h, c in moves if c != receiver)
-    model = Payload(tensors={k: v + 1.0 for k, v in host.walk.initial.items()}, scalars={"from": sender})
+    model = Payload(tensors={k: v + 1.0 for k, v in walk_of(host).initial.items()}, scalars={"from": sender})
 
     def handoff(h, frm=sender, dst=receiver):
         payload = Payload(tensors=model.tensors, scalars={"from": frm})
-        return host.walk.take_handoff("client-proc0", f"client-{dst}", rnd, h, payload)
+        return walk_of(host).take_handoff("client-proc0", f"client-{dst}", rnd, h, payload)
 
     with pytest.raises(HandlerError) as exc:
         handoff(other_hop)
-    assert exc.value.code == "NOT_NEXT" and host.walk.holder is None
+    assert exc.value.code == "NOT_NEXT" and walk_of(host).holder is None
     stranger = next(c for c in range(N) if c not in GRAPH[receiver] and c != receiver)
     with pytest.raises(HandlerError) as exc:
         handoff(hop, frm=stranger)
-    assert exc.value.code == "NOT_NEIGHBOUR" and host.walk.holder is None
-    handoff(hop)   # kept aside until the server's visit names it (client/walk.py `_continued`)
-    kept = host.walk.pending[(rnd, hop, sender, "client-proc0")]
-    assert host.walk.holder is None
+    assert exc.value.code == "NOT_NEIGHBOUR" and walk_of(host).holder is None
+    handoff(hop)   # kept aside until the server's visit names it (topologies/chain/client.py `_continued`)
+    kept = walk_of(host).pending[(rnd, hop, sender, "client-proc0")]
+    assert walk_of(host).holder is None
     assert all(bool((kept[k] == model.tensors[k]).all()) for k in model.tensors)
     with pytest.raises(HandlerError) as exc:
         handoff(hop)

@@ -13,11 +13,11 @@ import tomllib
 import pytest
 
 from fedhop.common.config import ConfigError, load_config
-from fedhop.common.topologies import SPECS
+from fedhop.common.topologies import builtin_specs
 
 # one config per moved rule: (owner "module:function", TOML text, the error line it must give)
-SEQUENTIAL = ", ".join(k for k, s in SPECS.items() if s.sequential_algorithms)
-ROBUST_KINDS = " or ".join(f"'{k}'" for k, s in SPECS.items() if s.robust is not None)
+SEQUENTIAL = ", ".join(k for k, s in builtin_specs().items() if s.sequential_algorithms)
+ROBUST_KINDS = " or ".join(f"'{k}'" for k, s in builtin_specs().items() if s.robust is not None)
 RULES = {
     "sequential algorithm on a round topology": (
         "fedhop.common.algorithms:config_problem",

@@ -9,7 +9,7 @@ from fedhop.common.transport.fabric import Fabric, Send
 from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload
-from fedhop.common.wire.methods import Method
+from fedhop.topologies.sequential import SEQ_QUERY
 
 N = 4   # peers; peer 2 refuses
 
@@ -35,7 +35,7 @@ def test_every_call_is_in_flight_at_once_and_each_failure_is_its_own_error():
     ledger = Ledger()
     fabric = Fabric(InMemoryEndpoint(net, "server", ledger))
     message = Payload(scalars={"x": 7})
-    results, failures = fabric.send_to_all([Send(k, addresses[k], f"edge-{k}", Method.SEQ_QUERY, message)
+    results, failures = fabric.send_to_all([Send(k, addresses[k], f"edge-{k}", SEQ_QUERY, message)
                                             for k in range(N)], round=3, call_timeout=60.0)
     assert sorted(results) == [k for k in range(N) if k != 2] and list(failures) == [2]
     assert all(results[k].scalars == {"k": k, "seen": 7} for k in results)
@@ -54,7 +54,7 @@ def test_a_closed_fabric_sends_one_by_one_with_the_same_outcomes():
         fabric = Fabric(InMemoryEndpoint(net, "server", ledger))
         if close_first:
             fabric.close()
-        results, failures = fabric.send_to_all([Send(k, addresses[k], f"edge-{k}", Method.SEQ_QUERY, Payload())
+        results, failures = fabric.send_to_all([Send(k, addresses[k], f"edge-{k}", SEQ_QUERY, Payload())
                                                 for k in range(N)], round=1, call_timeout=10.0)
         outcomes.append(({k: p.scalars for k, p in results.items()}, failures))
         fabric.close()

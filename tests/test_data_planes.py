@@ -21,7 +21,6 @@ from fedhop.common.transport.factory import (
     EDGE_STEP,
     HIER_ROUND,
     PLANE_CONCEPTS,
-    SEQ_EDGE_PATH,
     STAR_ROUND,
     TRANSPORTS,
     NoDataPlane,
@@ -33,7 +32,9 @@ from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import WEIGHT_KEY, Payload
 from fedhop.edge.aggregator import ClusterFanout, EdgeAggregator
 from fedhop.server.driver import RunFailed
-from fedhop.server.sampled import ClientFanout, EdgeFanout, HierarchicalDriver
+from fedhop.server.sampled import ClientFanout, EdgeFanout
+from fedhop.topologies.hierarchical.driver import HierarchicalDriver
+from fedhop.topologies.sequential import EDGE_PATHS, SEQ_EDGE_PATH
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +56,12 @@ def test_a_new_transport_gets_the_fanout_planes_from_its_one_line(monkeypatch):
                                                         "fedhop.common.transport.groups:FANOUT_WORLDS"))
     assert data_plane("pigeon", STAR_ROUND, "star") is ClientFanout
     assert data_plane("pigeon", EDGE_STEP, "hierarchical") is ClusterFanout
-    assert "pigeon" in factory.transports_with(SEQ_EDGE_PATH)
+    # a topology's own planes (the sequential model path) by the transport's style: the fan-out's
+    assert "pigeon" in factory.transports_with(SEQ_EDGE_PATH, EDGE_PATHS)
+    assert data_plane("pigeon", SEQ_EDGE_PATH, "sequential", EDGE_PATHS).__name__ == "EdgeInlineModelPath"
+    assert data_plane("torch", SEQ_EDGE_PATH, "sequential", EDGE_PATHS).__name__ == "GroupModelPath"
+    with pytest.raises(NoDataPlane, match="does not run over transport.kind = 'pigeon'"):
+        data_plane("pigeon", SEQ_EDGE_PATH, "sequential", {"group": EDGE_PATHS["group"]})
 
 
 def test_a_transport_without_a_plane_fails_the_driver_in_one_line_naming_who_carries_it(monkeypatch):

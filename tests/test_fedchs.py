@@ -1,4 +1,4 @@
-"""Fed-CHS (sequential topology, edge/sequential.py + server/sequential.py) against closed forms
+"""Fed-CHS (sequential topology, topologies/sequential/edge.py + topologies/sequential/driver.py) against closed forms
 (digest seed-004 section 6.4 T1, T7, T8), an independent implementation of the selection rule,
 and edge faults (a killed hierarchical edge; an unreachable Fed-CHS neighbour)."""
 from __future__ import annotations
@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import ConfigError, load_config, parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.common.topologies.graphs import edge_graph, random_graph
+from fedhop.common.topologies.graphs import random_graph
 from fedhop.deploy.inmemory import run_inmemory
 from fedhop.deploy.launcher import LocalRun, read_progress, run_local
+from fedhop.topologies.sequential.rule import edge_graph
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(11)

@@ -1,4 +1,4 @@
-"""A Fed-CHS run continues from a checkpoint (server/sequential.py, edge/sequential.py,
+"""A Fed-CHS run continues from a checkpoint (topologies/sequential/driver.py, topologies/sequential/edge.py,
 server/resilience.py). The model lives on the edges, so a checkpoint round's holder also sends
 its model to the server; the checkpoint keeps it with the walk (holder, sequence, every edge's
 visit count). On resume the fresh edges get their visit counts back, the next holder gets the

@@ -1,5 +1,5 @@
 """The gossip topology: D-PSGD, clients mixing their models with their graph neighbours' with
-Metropolis-Hastings weights each round (common/topologies/gossip_mixing.py, server/gossip.py, client/gossip.py).
+Metropolis-Hastings weights each round (topologies/gossip/rule.py, topologies/gossip/driver.py, topologies/gossip/client.py).
 
 Checked against an independent numpy D-PSGD on the quadratic task (closed-form gradients) on a
 held-out graph the code was not written for: every client's model after every round, the
@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.common.topologies.gossip_mixing import GossipRule, mh_weights, random_regular_graph
 from fedhop.deploy.cli import main as fedhop
 from fedhop.deploy.inmemory import run_inmemory
+from fedhop.topologies.gossip.client import gossip_of
+from fedhop.topologies.gossip.rule import GossipRule, mh_weights, random_regular_graph
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(27)
@@ -208,7 +209,7 @@ def test_a_share_is_taken_only_from_a_neighbour_hosted_by_the_calling_process_on
     from fedhop.common.algorithms.base import Payload
     from fedhop.common.transport.base import HandlerError
     host = ClientHost(parse_config(gossip_config()), "client-proc0", [0, 1, 2], run_id="")
-    gossip = host.gossip
+    gossip = gossip_of(host)
     receiver = 2                                           # neighbours 1, 3, 5 in EDGES
     gossip.step("client-2", 1, Payload(scalars={"host:1": "client-proc0", "host:3": "client-proc1",
                                                 "host:5": "client-proc2"}))

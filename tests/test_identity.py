@@ -6,7 +6,7 @@
   token, or its own credential, cannot mint the server's identity, and a token issued for one
   callee is refused by another;
 - a walk hand-off is used only when the server's visit names it: its sender, hop and the
-  process hosting the sender (client/walk.py).
+  process hosting the sender (topologies/chain/client.py).
 
 The process tests start a real run (server and two client processes, common/topologies/plan.py) through
 the launcher's `LocalRun`, as `fedhop run` does, and attack it from this process.
@@ -27,6 +27,7 @@ from fedhop.common.transport.liveness import LivenessMonitor
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.methods import Method
+from fedhop.topologies.chain.client import walk_of
 from tests.helpers import quadratic_config
 from tests.test_hostile import CENTERS, CURV, SIZES
 
@@ -205,15 +206,15 @@ def test_a_forged_walk_handoff_is_never_the_walks_model():
     from fedhop.common.transport.base import HandlerError
     from tests.test_chain import GRAPH, N, walk_config
     host = ClientHost(parse_config(walk_config()), "client-proc1", list(range(N)), run_id="")
-    rule = host.walk.rule
+    rule = walk_of(host).rule
     rnd, sender = 2, 3
     hop, receiver = next((h, c) for h in range(40) if (c := rule.next_client(sender, rnd, h)) != sender)
     assert receiver in GRAPH[sender]
-    real = {k: v + 1.0 for k, v in host.walk.initial.items()}
-    forged = {k: v - 7.0 for k, v in host.walk.initial.items()}
+    real = {k: v + 1.0 for k, v in walk_of(host).initial.items()}
+    forged = {k: v - 7.0 for k, v in walk_of(host).initial.items()}
 
     def handoff(src: str, tensors, h=hop):
-        return host.walk.take_handoff(src, f"client-{receiver}", rnd, h, Payload(tensors=tensors,
+        return walk_of(host).take_handoff(src, f"client-{receiver}", rnd, h, Payload(tensors=tensors,
                                                                                scalars={"from": sender}))
     handoff("client-procX", forged)   # first, from a process that does not host client `sender`
     handoff("client-proc0", real)     # the real hand-off is still taken
@@ -222,10 +223,10 @@ def test_a_forged_walk_handoff_is_never_the_walks_model():
     assert exc.value.code == "DUPLICATE"
     visit = Payload(scalars={"from": sender, "from_round": rnd, "from_hop": hop, "from_node": "client-proc0",
                              "final": True})
-    host.walk.visit(f"client-{receiver}", rnd, hop + 1, visit)
+    walk_of(host).visit(f"client-{receiver}", rnd, hop + 1, visit)
     # the model trained at the visit started from the real hand-off: the forged one was dropped
-    assert not host.walk.pending
-    assert host.walk.handoffs == {(rnd, hop, sender, "client-proc0")}
+    assert not walk_of(host).pending
+    assert walk_of(host).handoffs == {(rnd, hop, sender, "client-proc0")}
     # now the server has named client-proc0 as the host of `sender`: a hand-off of it from another
     # process is refused at once, and one for a hop before the latest visit is stale
     later = next(h for h in range(hop + 2, 400) if rule.next_client(sender, rnd, h) == receiver)
@@ -242,15 +243,15 @@ def test_a_visit_naming_another_process_does_not_take_a_forged_handoff():
     from fedhop.common.transport.base import HandlerError
     from tests.test_chain import N, walk_config
     host = ClientHost(parse_config(walk_config()), "client-proc1", list(range(N)), run_id="")
-    rule = host.walk.rule
+    rule = walk_of(host).rule
     rnd, sender = 3, 1
     hop, receiver = next((h, c) for h in range(40) if (c := rule.next_client(sender, rnd, h)) != sender)
-    host.walk.take_handoff("client-procX", f"client-{receiver}", rnd, hop,
-                           Payload(tensors=dict(host.walk.initial), scalars={"from": sender}))
+    walk_of(host).take_handoff("client-procX", f"client-{receiver}", rnd, hop,
+                           Payload(tensors=dict(walk_of(host).initial), scalars={"from": sender}))
     visit = Payload(scalars={"from": sender, "from_round": rnd, "from_hop": hop, "from_node": "client-proc0"})
     with pytest.raises(HandlerError) as exc:
-        host.walk.visit(f"client-{receiver}", rnd, hop + 1, visit)
-    assert exc.value.code == "NOT_HOLDER" and not host.walk.pending
+        walk_of(host).visit(f"client-{receiver}", rnd, hop + 1, visit)
+    assert exc.value.code == "NOT_HOLDER" and not walk_of(host).pending
 
 
 # ----------------------------------------------------------------------------- credentials from a folder

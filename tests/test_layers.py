@@ -16,11 +16,18 @@ first); a module imports only from its own layer and the layers below it:
 - on top, the config loader (common/config/ but schema.py: parse, validate, options, rules, write,
   parent), the registry that resolves algorithms, topologies, data sets and processors by name;
 - common/ imports no role and no launcher; a role imports no other role; no role imports
-  torch.distributed or the torch transport (that lives under common/transport only).
+  torch.distributed or the torch transport (that lives under common/transport only);
+- a topology folder (topologies/<kind>/) imports common/, its own modules and the roles' shared
+  parts (`ROLE_SHARED`), never another folder, a launcher or a role's entry; common/ and the roles
+  never import or name a folder, so a kind is added or removed with its folder.
+
+Code named by a "package.module:attribute" string (a spec's driver, a transport's planes) is a
+dependency too: `named_of` reads those strings, and every one must name a module that exists.
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -47,6 +54,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 WIRE = LAYERS[0][1]
 FABRIC = tuple(p for _, packages in LAYERS[:4] for p in packages)
 ALGORITHM_IMPORTERS = ("fedhop.common.algorithms", "fedhop.common.engine.rounds", "fedhop.common.config")
+FOLDERS = "fedhop.topologies"
+# what a topology folder may use of the roles: their parts written for every topology
+ROLE_SHARED = ("fedhop.server.driver", "fedhop.server.sampled", "fedhop.server.group_rounds", "fedhop.edge.aggregator",
+               "fedhop.edge.group_edge", "fedhop.client.host", "fedhop.client.group_worker")
+NAMED = re.compile(r"^(fedhop(?:\.\w+)+):[\w.]+$")
 
 
 def module_name(path: Path) -> str:
@@ -101,12 +113,25 @@ def layer_of(module: str) -> int | None:
     return best[0] if best else None
 
 
+def named_of(path: Path) -> set[str]:
+    """The fedhop modules that `path` names in "package.module:attribute" strings (imported by name)."""
+    return {m.group(1) for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and (m := NAMED.match(node.value))}
+
+
+def named_graph() -> dict[str, set[str]]:
+    return {module_name(path): named_of(path) for folder in PACKAGES for path in sorted((ROOT / folder).rglob("*.py"))
+            if "fedhop_pb2" not in path.name}
+
+
 GRAPH = graph()
+NAMED_GRAPH = named_graph()
 
 
 def violations(importers: tuple[str, ...] | str, forbidden: tuple[str, ...] | str,
-               allowed: tuple[str, ...] = ()) -> list[str]:
-    return sorted(f"{m} imports {dep}" for m, deps in GRAPH.items()
+               allowed: tuple[str, ...] = (), graph_: dict[str, set[str]] | None = None) -> list[str]:
+    """Every "m imports dep" (or names it, over NAMED_GRAPH) from `importers` to `forbidden`."""
+    return sorted(f"{m} imports {dep}" for m, deps in (GRAPH if graph_ is None else graph_).items()
                   if within(m, importers) and not within(m, allowed)
                   for dep in deps if within(dep, forbidden))
 
@@ -170,12 +195,34 @@ def test_common_imports_no_role_and_no_launcher():
     assert violations("fedhop.common", (*ROLES, "fedhop.deploy")) == []
 
 
+def test_every_named_module_exists():
+    """A "module:attribute" string names a module of the tree (a stale one after a move fails
+    here, not when a run first needs it)."""
+    named = {dep for deps in NAMED_GRAPH.values() for dep in deps}
+    assert "fedhop.topologies.chain.driver" in named   # the reader sees the specs' strings
+    assert sorted(dep for dep in named if dep not in GRAPH) == []
+
+
 def test_topology_folders_stand_above_common_and_the_roles():
     """topologies/<kind>/ (fedhop.topologies.*) may import common/ and the roles' shared parts;
-    common/ and the roles never import a folder (common/topologies `spec_for` loads it by name),
-    so adding or removing a folder edits nothing else."""
-    assert violations(("fedhop.common", *ROLES), "fedhop.topologies") == []
-    assert "fedhop.topologies" in GRAPH   # the folder is read (so the rule is not vacuous)
+    common/ and the roles never import or name a folder (common/topologies `spec_for` scans the
+    package), so adding or removing a folder edits nothing else."""
+    assert violations(("fedhop.common", *ROLES), FOLDERS) == []
+    assert violations(("fedhop.common", *ROLES), FOLDERS, graph_=NAMED_GRAPH) == []
+    assert "fedhop.topologies.chain" in GRAPH   # the folders are read (so the rule is not vacuous)
+
+
+def test_a_topology_folder_uses_common_itself_and_the_roles_shared_parts():
+    """A folder imports and names common/, its own modules and `ROLE_SHARED` only: no other
+    folder (a rule two kinds share lives in common/topologies), no launcher, no role's entry."""
+    kinds = sorted({m.split(".")[2] for m in GRAPH if within(m, FOLDERS) and m != FOLDERS})
+    assert {"star", "sequential", "chain", "gossip", "asynchronous"} <= set(kinds)
+    for kind in kinds:
+        own = f"{FOLDERS}.{kind}"
+        forbidden = tuple(p for p in (FOLDERS, *ROLES, "fedhop.deploy") if p != "fedhop.common")
+        uses = [f"{m} -> {dep}" for graph_ in (GRAPH, NAMED_GRAPH) for m, deps in graph_.items() if within(m, own)
+                for dep in deps if within(dep, forbidden) and not within(dep, (own, *ROLE_SHARED))]
+        assert uses == [], kind
 
 
 @pytest.mark.parametrize("role", ROLES)

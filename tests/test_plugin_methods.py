@@ -49,7 +49,7 @@ from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import PARENT, Method
 from fedhop.server.driver import RunFailed
-from fedhop.server.sampled import StarDriver
+from fedhop.topologies.star.driver import StarDriver
 
 SUM_PROBE = Method("sum_probe", {PARENT}, link="control", request="empty")
 

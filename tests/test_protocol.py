@@ -20,7 +20,7 @@ from fedhop.common.wire.codec import make_envelope
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.methods import Method, message_link
 from fedhop.edge.aggregator import EdgeAggregator
-from fedhop.edge.sequential import SequentialEdge
+from fedhop.topologies.sequential.edge import SequentialEdge
 from tests.cluster import Cluster, fedavg_reference
 from tests.helpers import quadratic_config
 from tests.test_fedchs import fedchs_config

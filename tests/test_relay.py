@@ -1,4 +1,4 @@
-"""The relay topology (server/relay.py): a weighted random walk of one model over the clients,
+"""The relay topology (topologies/relay/driver.py): a weighted random walk of one model over the clients,
 one gradient step per visit, checked against the seeded draws and a numpy replay."""
 from __future__ import annotations
 

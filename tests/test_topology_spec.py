@@ -1,5 +1,5 @@
-"""A topology is one spec (issue 27, item 1): each built-in kind is one `TopologySpec` in
-common/topologies/<kind>.py; every registry (params, config checks, process plan, server driver,
+"""A topology is one spec (issue 27, item 1) in one folder (issue 46): each built-in kind is a
+folder topologies/<kind>/ whose package defines its `TopologySpec`; every registry (params, config checks, process plan, server driver,
 edge role, client handlers, the live page) reads it; a plug-in provides the same spec type; and
 no role or common module outside common/topologies/ branches on a kind's name."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from fedhop.client.host import ClientHost
 from fedhop.common.config import ConfigError, options_schema, parse_config
-from fedhop.common.topologies import SPECS, TopologySpec, spec_for
+from fedhop.common.topologies import TopologySpec, builtin_specs, spec_for
 from fedhop.common.topologies.graphs import TOPOLOGY_PARAMS
 from fedhop.common.topologies.plan import plan_processes
 from fedhop.deploy.dashboard import _graph
@@ -42,20 +42,26 @@ def kind_config(kind: str):
 BASE_CLIENT_METHODS = {"train", "ping", "shutdown", "state_get", "state_set"}   # the torch transport adds its own
 EXTRA_CLIENT_METHODS = {"chain": {"walk_visit", "walk_handoff"},
                         "gossip": {"gossip_step", "gossip_send", "gossip_share", "gossip_mix"}}
-DRIVERS = {"star": "fedhop.server.sampled:StarDriver", "hierarchical": "fedhop.server.sampled:HierarchicalDriver",
-           "sequential": "fedhop.server.sequential:SequentialDriver", "chain": "fedhop.server.walk:WalkDriver",
-           "relay": "fedhop.server.relay:RelayDriver", "gossip": "fedhop.server.gossip:GossipDriver"}
+DRIVERS = {"star": "fedhop.topologies.star.driver:StarDriver",
+           "hierarchical": "fedhop.topologies.hierarchical.driver:HierarchicalDriver",
+           "sequential": "fedhop.topologies.sequential.driver:SequentialDriver",
+           "chain": "fedhop.topologies.chain.driver:WalkDriver", "relay": "fedhop.topologies.relay.driver:RelayDriver",
+           "gossip": "fedhop.topologies.gossip.driver:GossipDriver"}
 WITH_EDGES = {"hierarchical", "sequential"}
 PEER_LINKS = {"sequential": "edge-edge", "chain": "client-client", "gossip": "client-client"}
 
 
-def test_every_built_in_kind_is_one_spec_in_its_own_module():
-    assert tuple(SPECS) == KINDS   # the order error messages list them in
-    for kind in KINDS:
-        module = importlib.import_module(f"fedhop.common.topologies.{kind}")
+def test_every_built_in_kind_is_one_folder():
+    """Each built-in kind is a folder topologies/<kind>/ whose package defines its SPEC; the paper
+    kinds come first in the order error messages list them in, the other folders after them."""
+    specs = builtin_specs()
+    assert tuple(specs)[:len(KINDS)] == KINDS
+    assert set(specs) == {p.name for p in (ROOT / "topologies").iterdir() if (p / "__init__.py").is_file()}
+    for kind in specs:
+        module = importlib.import_module(f"fedhop.topologies.{kind}")
         # another test may have replaced a field (register_plan, replace_spec): the kind and driver stay
-        assert SPECS[kind].driver == module.SPEC.driver and isinstance(module.SPEC, TopologySpec) and module.SPEC.name == kind
-        assert spec_for(kind) is SPECS[kind]
+        assert specs[kind].driver == module.SPEC.driver and isinstance(module.SPEC, TopologySpec) and module.SPEC.name == kind
+        assert spec_for(kind) is specs[kind]
         assert module.SPEC.params is None or dataclasses.is_dataclass(module.SPEC.params)
     with pytest.raises(KeyError, match="unknown topology 'no_such_kind'"):
         spec_for("no_such_kind")
@@ -63,7 +69,7 @@ def test_every_built_in_kind_is_one_spec_in_its_own_module():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_registry_reads_the_spec(kind):
-    spec, cfg = SPECS[kind], kind_config(kind)
+    spec, cfg = builtin_specs()[kind], kind_config(kind)
     # params: the options schema, TOPOLOGY_PARAMS and the validated config
     assert options_schema("topology", kind) is spec.params is TOPOLOGY_PARAMS[kind]
     assert type(cfg.topology.params) is spec.params
@@ -77,7 +83,7 @@ def test_every_registry_reads_the_spec(kind):
     # the edge's role beside its aggregator
     role = spec.edge_role_class()
     assert (None if role is None else f"{role.__module__}:{role.__qualname__}") == \
-        ("fedhop.edge.sequential:SequentialEdge" if kind == "sequential" else None)
+        ("fedhop.topologies.sequential.edge:SequentialEdge" if kind == "sequential" else None)
     # the client's handlers: the common ones and the kind's own, nothing else
     host = ClientHost(cfg, "client-proc0", [0, 1], run_id="")
     assert {str(m) for m in host.router.methods} == BASE_CLIENT_METHODS | EXTRA_CLIENT_METHODS.get(kind, set())
@@ -113,7 +119,7 @@ def plan(cfg, placement):
 
 
 SPEC = TopologySpec(name="grouped", params=GroupParams, check=check, plan=plan,
-                    driver="fedhop.server.sampled:StarDriver")
+                    driver="fedhop.topologies.star.driver:StarDriver")
 '''
 
 
@@ -158,17 +164,9 @@ def test_an_object_that_is_no_spec_and_no_driver_is_refused(tmp_path, monkeypatc
         sys.modules.pop("hA_not_a_topology", None)
 
 
-# Kind names that may stay as string literals outside common/topologies/, with why:
+# Kind names that may stay as string literals outside common/topologies/ and the folders, with why:
 # (file, literal) -> how many times
 ALLOWED_LITERALS = {
-    # the driver's own kind, for its messages (`TopologyDriver.kind`); which class runs a kind is the spec's
-    ("server/sampled.py", "star"): 1, ("server/sampled.py", "hierarchical"): 1,
-    ("server/sequential.py", "sequential"): 4,   # + the checkpoint's topology tag, written and checked, and
-                                                 # getattr(algorithm, "sequential"): the algorithm's attribute
-    ("server/walk.py", "chain"): 3,              # + the checkpoint's topology tag, written and checked
-    ("server/relay.py", "relay"): 1,
-    ("server/relay.py", "chain"): 1,             # the random stream ("chain", round): renaming it changes every run
-    ("server/gossip.py", "gossip"): 1,
     ("common/algorithms/__init__.py", "sequential"): 1,   # getattr(algorithm, "sequential"): the algorithm's attribute
     ("common/config/schema.py", "star"): 1,      # the default of topology.kind
 }
@@ -195,9 +193,12 @@ def kind_literals() -> dict[tuple[str, str], int]:
 
 def test_no_kind_name_is_branched_on_outside_the_specs():
     found = kind_literals()
-    assert found.get(("server/walk.py", "chain"), 0) >= 1   # the reader sees the literals it must
+    assert found.get(("common/config/schema.py", "star"), 0) >= 1   # the reader sees the literals it must
     extra = {k: n for k, n in found.items() if n > ALLOWED_LITERALS.get(k, 0)}
     assert extra == {}, f"kind names outside common/topologies/ (put them in the kind's spec): {extra}"
+
+
+FOLDER_INIT_IMPORTS = {"fedhop.common.topologies.spec", "fedhop.common.topologies.checks", "fedhop.common.wire.methods"}
 
 
 def module_level_imports(path: Path) -> set[str]:
@@ -212,15 +213,22 @@ def module_level_imports(path: Path) -> set[str]:
 
 
 def test_the_specs_sit_below_what_reads_them():
-    """No import cycle: the modules of common/topologies/ import at module level only each other
+    """No import cycle: the modules of common/topologies/ and the folders' `__init__`s
+    (topologies/<kind>/__init__.py) import at module level only common/topologies/
     and the leaf helpers below them (common/util/: seeded streams, node ids; common/wire/methods.py:
     the method table a spec declares its own methods into); role code and the
     helpers of their checks are named by reference or imported when called; and the plug-in
     loader (common/util/plugins.py) imports no fedhop module at all, so common/topologies imports
     it, not the reverse (tests/test_layers.py checks every layer)."""
+    folders = sorted((ROOT / "topologies").glob("*/__init__.py"))   # scanned by builtin_specs: the same rule
+    assert len(folders) >= 7
     for path in sorted((ROOT / "common" / "topologies").glob("*.py")):
         assert all(m.startswith(("fedhop.common.topologies", "fedhop.common.util")) or m == "fedhop.common.wire.methods"
                    for m in module_level_imports(path)), path.name
+    # a folder is imported while graphs.py (which scans them at import) may be half made: not graphs, not plan
+    for path in folders:
+        assert all(m.startswith("fedhop.common.util") or m in FOLDER_INIT_IMPORTS
+                   for m in module_level_imports(path)), path
     assert module_level_imports(ROOT / "common" / "topologies" / "plan.py")   # the reader sees imports
     every_import = {m for node in ast.walk(ast.parse((ROOT / "common" / "util" / "plugins.py").read_text()))
                     for m in ([node.module or ""] if isinstance(node, ast.ImportFrom) else

@@ -1,7 +1,7 @@
 """transport.kind = "torch" beyond FedAvg: FedExP and SCAFFOLD on the star, Fed-CHS (sequential
 topology: cluster collectives, point-to-point hand-offs between edges, the final model sent to
 the server), each against the same config over gRPC, with the tensor bytes of every operation
-against the analytic count (server/sequential.py, edge/sequential.py, common/transport/torchdist.py).
+against the analytic count (topologies/sequential/driver.py, topologies/sequential/edge.py, common/transport/torchdist.py).
 
 Equality, and why:
 - bit for bit where every reduce adds one partial to the identity 0 (one client process per

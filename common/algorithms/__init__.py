@@ -11,7 +11,7 @@ import pkgutil
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from fedhop.common.topologies import SPECS, TopologySpec, spec_for
+from fedhop.common.topologies import TopologySpec, builtin_specs, spec_for
 from fedhop.common.topologies.graphs import topology_params
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ def config_problem(cfg: Any) -> str | None:
     if getattr(cls, "sequential", False):
         spec = _spec_of(cfg.topology.kind)
         if not (spec is not None and spec.sequential_algorithms):
-            allowed = ", ".join(k for k, s in SPECS.items() if s.sequential_algorithms)
+            allowed = ", ".join(k for k, s in builtin_specs().items() if s.sequential_algorithms)
             return (f"config key 'topology.kind': got '{cfg.topology.kind}', but algorithm '{cfg.algorithm.name}' "
                     f"walks one model over the edges and has no server step (allowed: {allowed})")
     rule = cfg.security.aggregation

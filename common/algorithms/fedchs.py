@@ -1,8 +1,8 @@
 """Fed-CHS (Yan et al., "Sequential Federated Learning in Hierarchical Architecture on Non-IID
 Datasets"; digest shared/research/seed-004.md section 2): Algorithm 1 in one place.
 
-Runs only on `topology.kind = "sequential"`; the edges move the messages (edge/sequential.py)
-and the server is the control plane (server/sequential.py).  Algorithm 1, as this module has it:
+Runs only on `topology.kind = "sequential"`; the edges move the messages (topologies/sequential/edge.py)
+and the server is the control plane (topologies/sequential/driver.py).  Algorithm 1, as this module has it:
 
 - the cluster round (`cluster_round`, the inner loop of Algorithm 1): in round t the active
   edge m(t) makes K steps; at step k it broadcasts w_k to every client of its cluster and

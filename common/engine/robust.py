@@ -71,7 +71,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from fedhop.common.topologies import SPECS, spec_for
+from fedhop.common.topologies import builtin_specs, spec_for
 from fedhop.common.transport.factory import sums_in_collective
 from fedhop.common.util.nodeids import edge_node
 from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload, ReduceOp, reduce_payloads
@@ -266,7 +266,7 @@ def config_problem(cfg: Any) -> str | None:
     except (KeyError, ValueError):   # an unknown kind, a plug-in that does not load
         spec = None
     if spec is None or spec.robust is None:
-        kinds = " or ".join(f"'{k}'" for k, s in SPECS.items() if s.robust is not None)
+        kinds = " or ".join(f"'{k}'" for k, s in builtin_specs().items() if s.robust is not None)
         return f"config key 'security.aggregation': '{rule}' works in topology.kind = {kinds}, got '{cfg.topology.kind}'"
     if sums_in_collective(cfg.transport.kind):
         return (f"config key 'security.aggregation': '{rule}' needs every update apart, but "

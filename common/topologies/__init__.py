@@ -1,14 +1,14 @@
-"""The topologies: one `TopologySpec` per kind (common/topologies/spec.py), one module per
-built-in kind, and `spec_for`, which every part of fedhop that depends on the kind reads (the
-config loader, the process plan, the server's driver, the edge's and the client's handlers, the
-live page).  A kind not built in is a plug-in (`load_topology`, through common/util/plugins.py
-`load_plugin` and its allow-list): an import path or an entry point of group
-`fedhop.topologies` naming a `TopologySpec` (or a driver class, adapted into one).
+"""The topologies: one `TopologySpec` per kind (common/topologies/spec.py) and `spec_for`, which
+every part of fedhop that depends on the kind reads (the config loader, the process plan, the
+server's driver, the edge's and the client's handlers, the live page).
 
-Adding a built-in kind: a folder `topologies/<kind>/` (the package `fedhop.topologies.<kind>`) whose
-`__init__` defines `SPEC`, found by `spec_for` on first use like a plug-in (`folder_kinds`,
-`folder_spec`; docs/architecture.md, "Topology folders"); or a module here defining `SPEC`, listed
-in `_BUILTIN` below.  common/ never imports a folder by an import statement: it is loaded by name.
+The built-in kinds are the folders of `fedhop.topologies` (topologies/<kind>/, one package each
+whose `__init__` defines `SPEC`), found by scanning that package (`builtin_specs`), listed in
+their specs' `listed` order.  A kind not built in is a plug-in (`load_topology`, through
+common/util/plugins.py `load_plugin` and its allow-list): an import path or an entry point of
+group `fedhop.topologies` naming a `TopologySpec` (or a driver class, adapted into one), or a
+package laid out as a folder is.  common/ never imports a folder by an import statement: it is
+loaded by name (docs/architecture.md, "Topology folders").
 """
 from __future__ import annotations
 
@@ -16,28 +16,19 @@ import dataclasses
 import importlib
 import pkgutil
 
-from fedhop.common.topologies import chain, gossip, hierarchical, relay, sequential, star
 from fedhop.common.topologies.spec import TopologySpec, resolve
 
-_BUILTIN = (star, hierarchical, sequential, chain, relay, gossip)   # the order error messages list them in
-
-SPECS: dict[str, TopologySpec] = {m.SPEC.name: m.SPEC for m in _BUILTIN}
-
-
+_BUILTIN: dict[str, TopologySpec] = {}   # the folders' specs by kind, in listed order, once scanned
 _PLUGINS: dict[str, TopologySpec] = {}   # plug-in kinds, by the reference the config gives
-_FOLDERS: dict[str, TopologySpec] = {}   # folder kinds (topologies/<kind>/), loaded on first use
 SPEC_TYPE = "fedhop.common.topologies.TopologySpec"
 DRIVER_BASE = "fedhop.server.driver.TopologyDriver"
 FOLDER_PACKAGE = "fedhop.topologies"     # topologies/ (pyproject.toml package-dir)
 
 
 def spec_for(kind: str) -> TopologySpec:
-    """The spec of topology `kind`: a built-in one (a module here, or a folder `topologies/<kind>/`:
-    `folder_spec`), or a plug-in's (`load_topology`, on first use)."""
-    spec = SPECS.get(kind)
-    if spec is not None:
-        return spec
-    spec = folder_spec(kind)
+    """The spec of topology `kind`: a built-in one (a folder `topologies/<kind>/`), or a
+    plug-in's (`load_topology`, on first use)."""
+    spec = builtin_specs().get(kind)
     return spec if spec is not None else load_topology(kind)
 
 
@@ -50,30 +41,23 @@ def folder_kinds() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg and not m.name.startswith("_"))
 
 
-def folder_spec(kind: str) -> TopologySpec | None:
-    """The spec of folder kind `kind` (the `SPEC` its package `fedhop.topologies.<kind>` defines),
-    None where no such folder is; a folder without a `TopologySpec` named `SPEC` is a plug-in
-    error (PluginError, a ValueError) naming it."""
-    if kind in _FOLDERS:
-        return _FOLDERS[kind]
-    if kind not in folder_kinds():
-        return None
+def _folder_spec(kind: str) -> TopologySpec:
+    """The `SPEC` of folder `fedhop.topologies.<kind>`; a folder without a `TopologySpec` named
+    `SPEC` (or one named otherwise) is a plug-in error (PluginError, a ValueError) naming it."""
     spec = getattr(importlib.import_module(f"{FOLDER_PACKAGE}.{kind}"), "SPEC", None)
-    if not isinstance(spec, TopologySpec):
+    if not isinstance(spec, TopologySpec) or spec.name != kind:
         from fedhop.common.util.plugins import PluginError  # local: as in load_topology
-        raise PluginError(f"topology folder '{FOLDER_PACKAGE}.{kind}' defines no SPEC (a {SPEC_TYPE})")
-    _FOLDERS[kind] = spec
+        raise PluginError(f"topology folder '{FOLDER_PACKAGE}.{kind}' defines no SPEC (a {SPEC_TYPE} named '{kind}')")
     return spec
 
 
 def builtin_specs() -> dict[str, TopologySpec]:
-    """Every built-in kind's spec: the modules here (`SPECS`), then the folders (`folder_kinds`)."""
-    out = dict(SPECS)
-    for kind in folder_kinds():
-        spec = folder_spec(kind)
-        if kind not in out and spec is not None:
-            out[kind] = spec
-    return out
+    """Every built-in kind's spec (the folders of `fedhop.topologies`), in `listed` order then by
+    name; scanned once.  Importing a folder declares its protocol methods (`TopologySpec.methods`)."""
+    if not _BUILTIN:
+        specs = sorted((_folder_spec(kind) for kind in folder_kinds()), key=lambda s: (s.listed, s.name))
+        _BUILTIN.update({s.name: s for s in specs})   # whole at once: a concurrent reader sees none or all
+    return _BUILTIN
 
 
 def load_topology(ref: str) -> TopologySpec:
@@ -89,7 +73,7 @@ def load_topology(ref: str) -> TopologySpec:
     try:
         obj = load_plugin(ref, "topologies")
     except LookupError:
-        builtin = list(SPECS) + [k for k in folder_kinds() if k not in SPECS]
+        builtin = list(builtin_specs())
         names = builtin + [n for n in entry_point_names("topologies") if n not in builtin]
         from fedhop.common.util.suggest import did_you_mean
         raise KeyError(f"unknown topology '{ref}'{did_you_mean(ref, names)} (allowed: {', '.join(names)}, or an "
@@ -108,11 +92,10 @@ def load_topology(ref: str) -> TopologySpec:
 def replace_spec(spec: TopologySpec) -> None:
     """Put `spec` in place of the spec of the same name (a built-in or a loaded plug-in's), e.g.
     with another process plan (common/topologies/plan.py `register_plan`)."""
-    table = SPECS if spec.name in SPECS else _FOLDERS if spec.name in _FOLDERS else _PLUGINS
+    table = builtin_specs() if spec.name in builtin_specs() else _PLUGINS
     if spec.name not in table:
         raise KeyError(f"topology '{spec.name}' is neither built in nor a loaded plug-in")
     table[spec.name] = spec
 
 
-__all__ = ["SPECS", "TopologySpec", "builtin_specs", "folder_kinds", "folder_spec", "load_topology", "replace_spec",
-           "resolve", "spec_for"]
+__all__ = ["TopologySpec", "builtin_specs", "folder_kinds", "load_topology", "replace_spec", "resolve", "spec_for"]

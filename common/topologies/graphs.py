@@ -145,35 +145,4 @@ def check_graph(spec: list, num: int, key: str, what: str) -> list[list[int]]:
     return adj
 
 
-def edge_graph(cfg: Any) -> list[list[int]]:
-    """The edge graph of a sequential run as sorted adjacency lists (validated)."""
-    params = topology_params(cfg)
-    num = cfg.topology.edges
-    spec = params.graph
-    if isinstance(spec, list):
-        if len(spec) != num:
-            raise ValueError(f"topology.graph: {len(spec)} adjacency lists for topology.edges = {num}")
-        return check_graph(spec, num, "topology.graph", "edge ids")
-    if spec == "ring":
-        adj = [sorted({(e - 1) % num, (e + 1) % num} - {e}) for e in range(num)]
-    elif spec == "random":
-        adj = random_graph(num, params.max_degree, cfg.run.seed)
-    else:
-        raise ValueError(f"topology.graph: got {spec!r}, allowed: \"ring\", \"random\" or adjacency lists [[1, 2], ...]")
-    if not connected(adj):
-        raise ValueError(f"topology.graph: the edge graph {adj} is not connected")
-    return adj
-
-
-def start_edge(cfg: Any) -> int:
-    """m(0): `topology.start` as given, or uniform from the stream "topology/start"."""
-    start = topology_params(cfg).start
-    num = cfg.topology.edges
-    if start == "random":
-        return int(numpy_stream(cfg.run.seed, "topology/start").integers(num))
-    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < num:
-        raise ValueError(f"topology.start: got {start!r}, allowed: \"random\" or an edge id 0..{num - 1}")
-    return start
-
-
 SEQ_METRIC_PREFIX = "metric:"   # scalars of a Fed-CHS round reply that are the edge's evaluation of the model

@@ -47,7 +47,7 @@ class TopologySpec:
     process serves beside train, state and ping (client/host.py).  `methods`: the kind's own
     protocol methods (common/wire/methods.py `Method`), declared into the method table when the
     spec is made; a name another owner declared with other callers is refused (`MethodClash`,
-    naming both owners).  Its drivers and handlers use them as `Method.<NAME>` or by the objects.
+    naming both owners).  Its drivers and handlers use the objects (or `Method.<NAME>` once the spec is made).
 
     Data the common code reads instead of branching on the kind: `edges`: the run has edge
     processes (topology.edges must be 1..clients.count); `robust`: how a robust
@@ -62,7 +62,8 @@ class TopologySpec:
     codes (False: it moves models by its own methods, and a compressor is refused);
     `coded_broadcasts`: its round's broadcast reaches the clients in train calls (and edges in
     edge_round calls), which `[compression] down` codes against the model each receiving process
-    holds (common/processors/compressors/downlink.py; False: `down` is refused).
+    holds (common/processors/compressors/downlink.py; False: `down` is refused).  `listed`: where
+    the kind stands in lists of kinds (messages, the reference): lower first, then by name.
     """
 
     name: str
@@ -82,6 +83,7 @@ class TopologySpec:
     methods: tuple[Method, ...] = ()
     coded_uploads: bool = True
     coded_broadcasts: bool = False
+    listed: int = 100
 
     def __post_init__(self) -> None:
         on_class = tuple(getattr(self.driver, "methods", ())) if isinstance(self.driver, type) else ()

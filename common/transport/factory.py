@@ -4,8 +4,10 @@ A transport is its own files plus one line in `TRANSPORTS`: the builder of its `
 (common/transport/base.py: the messages, control and data, with their ledger records), its
 `Worlds` (common/transport/groups.py: how groups broadcast and reduce) and its `planes`: for
 each *concept* of a role that moves tensors (`PLANE_CONCEPTS`: a star round, a hierarchical
-round, an edge's HierFAVG step, Fed-CHS's model path at the server and at an edge), the class
-that does it.  Entries name their objects as "module:attribute" and are imported on first use,
+round, an edge's HierFAVG step), the class that does it.  A topology that moves tensors its own
+way names its classes per transport *style* ("fanout": tensors inside the calls; "group":
+collectives and peer sends) and passes them to `data_plane` (`owned`; e.g. Fed-CHS's model path,
+topologies/sequential/).  Entries name their objects as "module:attribute" and are imported on first use,
 so a process imports only the transport it runs (torch.distributed only where kind = "torch"),
 and common/ imports no role module: a role asks `data_plane(kind, concept)` and gets its class.
 
@@ -36,17 +38,14 @@ if TYPE_CHECKING:  # pragma: no cover
 STAR_ROUND = "star round"                  # server: a star round's dispatch (server/sampled.py `DataPlane`)
 HIER_ROUND = "hierarchical round"          # server: a hierarchical round's dispatch (`DataPlane`)
 EDGE_STEP = "edge step"                    # edge: one HierFAVG edge iteration with its clients (edge/aggregator.py)
-SEQ_SERVER_PATH = "sequential server path"  # server: how Fed-CHS's model reaches and leaves the server
-SEQ_EDGE_PATH = "sequential edge path"      # edge: how Fed-CHS's model moves at an edge
-PLANE_CONCEPTS = (STAR_ROUND, HIER_ROUND, EDGE_STEP, SEQ_SERVER_PATH, SEQ_EDGE_PATH)
+PLANE_CONCEPTS = (STAR_ROUND, HIER_ROUND, EDGE_STEP)
+STYLES = ("fanout", "group")   # how a transport moves tensors (`Transport.style`)
 
 #: the data planes of a transport that carries tensors inside its calls (gRPC, in-memory): fan-outs
 FANOUT_PLANES: Mapping[str, str] = MappingProxyType({
     STAR_ROUND: "fedhop.server.sampled:ClientFanout",
     HIER_ROUND: "fedhop.server.sampled:EdgeFanout",
     EDGE_STEP: "fedhop.edge.aggregator:ClusterFanout",
-    SEQ_SERVER_PATH: "fedhop.server.sequential:ServerInlineModelPath",
-    SEQ_EDGE_PATH: "fedhop.edge.sequential:EdgeInlineModelPath",
 })
 
 #: the data planes of a transport with group collectives and peer sends (torch.distributed)
@@ -54,8 +53,6 @@ GROUP_PLANES: Mapping[str, str] = MappingProxyType({
     STAR_ROUND: "fedhop.server.group_rounds:GroupRounds",
     HIER_ROUND: "fedhop.server.group_rounds:HierGroupRounds",
     EDGE_STEP: "fedhop.edge.group_edge:GroupEdge",
-    SEQ_SERVER_PATH: "fedhop.server.group_rounds:GroupSequentialPath",
-    SEQ_EDGE_PATH: "fedhop.edge.group_edge:GroupModelPath",
 })
 
 
@@ -65,6 +62,8 @@ class Transport:
     its data plane per concept (default: the fan-outs, tensors inside the calls), and what the
     rest of fedhop must know of it without naming it:
 
+    - `style`: how it moves tensors, "fanout" (inside its calls) or "group" (collectives and peer
+      sends): a topology's own data planes (`data_plane`'s `owned`) are chosen by it;
     - `params`: the dataclass of its own `[transport]` keys (validated like every options table),
       or None when it takes none;
     - `sums_in_collective`: its groups reduce uploads as raw float sums inside a collective, so a
@@ -88,6 +87,7 @@ class Transport:
     endpoint: str   # a callable (node_id, ledger, **options) -> Endpoint
     worlds: str     # a Worlds instance
     planes: Mapping[str, str] = field(default_factory=lambda: FANOUT_PLANES)   # concept -> a class taking the role
+    style: str = "fanout"
     params: str | None = None
     sums_in_collective: bool = False
     own_device: str | None = None
@@ -105,7 +105,7 @@ TRANSPORTS: dict[str, Transport] = {
     "grpc": Transport("fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.groups:FANOUT_WORLDS",
                       in_process=True),
     "torch": Transport("fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.torch_groups:TORCH_WORLDS",
-                       GROUP_PLANES, params="fedhop.common.transport.torchdist:TorchParams",
+                       GROUP_PLANES, style="group", params="fedhop.common.transport.torchdist:TorchParams",
                        sums_in_collective=True, own_device="fedhop.common.transport.torchdist:rank_per_gpu",
                        handlers={"client": ("fedhop.client.group_worker:torch_handlers",),
                                  "edge": ("fedhop.edge.group_edge:torch_handlers",)}),
@@ -220,23 +220,27 @@ def worlds_of(kind: str) -> "Worlds":
     return _load(transport(kind).worlds)
 
 
-def transports_with(concept: str) -> list[str]:
-    """The transport kinds that give a data plane for `concept`, sorted."""
-    return sorted(kind for kind, entry in TRANSPORTS.items() if concept in entry.planes)
+def transports_with(concept: str, owned: Mapping[str, str] | None = None) -> list[str]:
+    """The transport kinds that give a data plane for `concept` (theirs, or one of `owned` for their style), sorted."""
+    return sorted(kind for kind, entry in TRANSPORTS.items()
+                  if concept in entry.planes or entry.style in (owned or {}))
 
 
-def data_plane(kind: str, concept: str, topology: str) -> Any:
-    """Transport `kind`'s class for `concept` (PLANE_CONCEPTS), imported on first use; one it
-    does not have is NoDataPlane, one line naming `topology` (the topology.kind that needs it)
-    and the transports that carry it."""
-    target = transport(kind).planes.get(concept)
+def data_plane(kind: str, concept: str, topology: str, owned: Mapping[str, str] | None = None) -> Any:
+    """Transport `kind`'s class for `concept` (PLANE_CONCEPTS, or a topology's own concept),
+    imported on first use: the transport's own, else the one of `owned` ("module:attr" per
+    `Transport.style`, the topology's classes) for the transport's style.  A transport with
+    neither is NoDataPlane, one line naming `topology` (the topology.kind that needs it) and the
+    transports that carry it."""
+    entry = transport(kind)
+    target = entry.planes.get(concept) or (owned or {}).get(entry.style)
     if target is None:
         raise NoDataPlane(f"topology.kind = '{topology}' does not run over transport.kind = '{kind}' "
-                          f"(it runs over {', '.join(transports_with(concept))})")
+                          f"(it runs over {', '.join(transports_with(concept, owned))})")
     return _load(target)
 
 
 __all__ = ["TRANSPORTS", "add_transport", "PROCESS_TRANSPORT", "Transport", "UnknownTransport", "NoDataPlane", "transport",
            "endpoint_builder", "make_endpoint", "worlds_of", "params_of", "sums_in_collective",
            "own_device_per_process", "handler_fns", "data_plane", "transports_with", "PLANE_CONCEPTS",
-           "STAR_ROUND", "HIER_ROUND", "EDGE_STEP", "SEQ_SERVER_PATH", "SEQ_EDGE_PATH", "FANOUT_PLANES", "GROUP_PLANES"]
+           "STAR_ROUND", "HIER_ROUND", "EDGE_STEP", "STYLES", "FANOUT_PLANES", "GROUP_PLANES"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fedhop.common.config import resolve_clients_per_round
-from fedhop.server.sampled import StarDriver
+from fedhop.topologies.star.driver import StarDriver
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Gossip learning (D-PSGD, Lian et al. 2017, "Can Decentralized Algorithms Outperform
 Centralized Algorithms?"): the client graph and its mixing matrix, which every process computes
-from the config (server/gossip.py is the server's control plane, client/gossip.py the clients').
+from the config (topologies/gossip/driver.py is the server's control plane, topologies/gossip/client.py the clients').
 
 - **Graph.** `topology.gossip_edges`: explicit undirected edges [[0, 1], [1, 2], ...] between
   client ids; or `topology.gossip_degree = d`: a random d-regular graph drawn from the stream

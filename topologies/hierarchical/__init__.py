@@ -1,5 +1,5 @@
 """The hierarchical topology (HierFAVG, Liu et al. 2020): edges between the server and their
-clusters of clients (server/sampled.py `HierarchicalDriver`, edge/aggregator.py)."""
+clusters of clients (driver.py `HierarchicalDriver`, edge/aggregator.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,10 +37,11 @@ def check(cfg: Any) -> None:
 
 SPEC = TopologySpec(
     name="hierarchical",
+    listed=1,
     params=HierarchicalParams,
     check=check,
     edge_steps_key="kappa2",
-    driver="fedhop.server.sampled:HierarchicalDriver",
+    driver="fedhop.topologies.hierarchical.driver:HierarchicalDriver",
     plan="fedhop.common.topologies.plan:edge_plan",
     edges=True,
     robust="edge",

@@ -46,16 +46,25 @@ from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.processors.pipeline import model_chain
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.placed import place_task
-from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX, edge_graph, topology_params
+from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX, topology_params
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
 from fedhop.common.transport.control import control_of, failures_control
 from fedhop.common.transport.fabric import Send
-from fedhop.common.transport.factory import SEQ_EDGE_PATH, data_plane
+from fedhop.common.transport.factory import data_plane
 from fedhop.common.util.nodeids import edge_node
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
-from fedhop.common.wire.methods import Method
+from fedhop.topologies.sequential import (
+    EDGE_PATHS,
+    SEQ_EDGE_PATH,
+    SEQ_FINAL,
+    SEQ_HANDOFF,
+    SEQ_QUERY,
+    SEQ_RESTORE,
+    SEQ_ROUND,
+)
+from fedhop.topologies.sequential.rule import edge_graph
 
 log = logging.getLogger("fedhop.edge")
 
@@ -76,9 +85,9 @@ class SequentialEdge:
         self.visits = VisitCount(self.params.count_start)   # c(m)
         self.token: dict[str, torch.Tensor] | None = None
         self.token_round = 0                              # the round the held token is for
-        self.model_in = model_chain(self.spec, Method.SEQ_HANDOFF)   # every model that arrives (common/processors/pipeline.py)
+        self.model_in = model_chain(self.spec, SEQ_HANDOFF)   # every model that arrives (common/processors/pipeline.py)
         # how the model moves: the transport's model path (common/transport/factory.py)
-        self.path = data_plane(self.cfg.transport.kind, SEQ_EDGE_PATH, self.cfg.topology.kind)(self)
+        self.path = data_plane(self.cfg.transport.kind, SEQ_EDGE_PATH, self.cfg.topology.kind, EDGE_PATHS)(self)
         self._lock = threading.Lock()
         self._routes()
 
@@ -89,12 +98,12 @@ class SequentialEdge:
         router = self.agg.router
         router.set_neighbours(edge_node(e) for e in self.neighbours)
         router.register_all({
-            Method.SEQ_ROUND: lambda request: self.run_round(int(request.envelope.round), request.payload),
-            Method.SEQ_HANDOFF: lambda request: self.take_handoff(request.envelope.src, int(request.envelope.round),
+            SEQ_ROUND: lambda request: self.run_round(int(request.envelope.round), request.payload),
+            SEQ_HANDOFF: lambda request: self.take_handoff(request.envelope.src, int(request.envelope.round),
                                                                   request.payload),
-            Method.SEQ_FINAL: lambda request: self.path.send_final(int(request.envelope.round)),
-            Method.SEQ_QUERY: self._query_call,
-            Method.SEQ_RESTORE: self._restore_call,
+            SEQ_FINAL: lambda request: self.path.send_final(int(request.envelope.round)),
+            SEQ_QUERY: self._query_call,
+            SEQ_RESTORE: self._restore_call,
         })
 
     def _query_call(self, request: Request) -> Payload:
@@ -179,7 +188,7 @@ class SequentialEdge:
         skipped: list[tuple[int, str]] = []
         query = Payload()
         replies, failures = self.agg.fabric.send_to_all(
-            [Send(e, peers[e], edge_node(e), Method.SEQ_QUERY, query) for e in self.neighbours if e in peers],
+            [Send(e, peers[e], edge_node(e), SEQ_QUERY, query) for e in self.neighbours if e in peers],
             round=round, call_timeout=self.cfg.run.call_timeout)
         for e in self.neighbours:   # in neighbour order, as the events list the passed-over edges
             if e not in peers:
@@ -227,13 +236,13 @@ class EdgeInlineModelPath:
         return self.edge.model_in(message, f"resumed model for round {round}")
 
     def send_model(self, round: int, peer: int, address: str, w: dict[str, torch.Tensor]) -> None:
-        self.edge.agg.fabric.call(address, edge_node(peer), Method.SEQ_HANDOFF, Payload(tensors=w), round=round,
+        self.edge.agg.fabric.call(address, edge_node(peer), SEQ_HANDOFF, Payload(tensors=w), round=round,
                                   timeout=self.edge.cfg.run.call_timeout)
 
     def final_model(self, w: dict[str, torch.Tensor], reply: Payload) -> None:
         reply.tensors = dict(w)
 
     def send_final(self, round: int) -> Payload:
-        raise HandlerError("BAD_REQUEST", f"{self.edge.endpoint.node_id}: {Method.SEQ_FINAL.value} is for "
+        raise HandlerError("BAD_REQUEST", f"{self.edge.endpoint.node_id}: {SEQ_FINAL.value} is for "
                                           f"transport.kind = 'torch'; the final model came in the round's reply")
 

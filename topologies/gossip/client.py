@@ -1,5 +1,5 @@
-"""The clients' side of the gossip topology (D-PSGD; common/topologies/gossip_mixing.py has the graph and the
-mixing rule, server/gossip.py the server's control plane).
+"""The clients' side of the gossip topology (D-PSGD; topologies/gossip/rule.py has the graph and the
+mixing rule, topologies/gossip/driver.py the server's control plane).
 
 Each hosted client's model x_i lives in this process between rounds (it starts as the run's
 seeded initial model).  A round is three calls from the server, each answered without waiting
@@ -22,37 +22,25 @@ and finiteness before it is kept.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from fedhop.common.algorithms.local import get_params
 from fedhop.common.processors.pipeline import model_chain
-from fedhop.common.topologies.gossip_mixing import SEND_STEP, GossipRule
-from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
+from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
 from fedhop.common.transport.control import control_of
 from fedhop.common.util.nodeids import client_id_of, client_node
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
+from fedhop.topologies.gossip import GOSSIP_MIX, GOSSIP_SEND, GOSSIP_SHARE, GOSSIP_STEP
+from fedhop.topologies.gossip.rule import SEND_STEP, GossipRule
 
 if TYPE_CHECKING:
     from fedhop.client.host import ClientHost
 
 Model = dict[str, torch.Tensor]
-
-
-_made = threading.Lock()
-
-
-def gossip_of(host: ClientHost) -> "GossipHost":
-    """The process's GossipHost, made once (concurrent first calls share one)."""
-    with _made:
-        state = getattr(host, "_gossip_state", None)
-        if state is None:
-            state = GossipHost(host)
-            host._gossip_state = state
-        return state
 
 
 class GossipHost:
@@ -66,7 +54,7 @@ class GossipHost:
         # endpoint also puts every arriving share: common/transport/base.py), as the walk keeps its model
         initial = get_params(host.task.build_model())
         self.spec = {k: (v.dtype, tuple(v.shape)) for k, v in initial.items()}
-        self.model_in = model_chain(self.spec, Method.GOSSIP_SHARE)
+        self.model_in = model_chain(self.spec, GOSSIP_SHARE)
         self.models: dict[int, Model] = {c: {k: v.clone() for k, v in initial.items()} for c in host.client_ids}
         self.half: dict[int, tuple[int, Model]] = {}            # client -> (round, x_i^{1/2})
         self.inbox: dict[tuple[int, int, int], Model] = {}      # (round, receiver, sender) -> x_sender^{1/2}
@@ -118,7 +106,7 @@ class GossipHost:
                 fabric = self.host.fabric
                 assert fabric is not None   # set once this process registered (client/runtime.py)
                 try:
-                    fabric.call(address, client_node(j), Method.GOSSIP_SHARE, share, round=round,
+                    fabric.call(address, client_node(j), GOSSIP_SHARE, share, round=round,
                                 step=SEND_STEP, timeout=self.host.cfg.run.call_timeout)
                 except (CallFailed, RemoteError, PayloadError) as exc:
                     raise HandlerError("SHARE_FAILED", f"round {round}: client {client}'s model did not reach "
@@ -172,3 +160,26 @@ class GossipHost:
         if bool(message.scalars.get("return_model")):
             reply.tensors = {k: v.clone() for k, v in mixed.items()}
         return reply
+
+
+def gossip_of(host: ClientHost) -> GossipHost:
+    """The process's GossipHost, made on first use (client/host.py `extension`)."""
+    return host.extension("gossip", GossipHost)
+
+
+def gossip_handlers(host: ClientHost) -> dict[Method, Callable[[Request], Payload]]:
+    """The gossip topology's methods (D-PSGD), named by the spec's `client_handlers`."""
+    def step(request: Request) -> Payload:
+        return gossip_of(host).step(request.envelope.dst, int(request.envelope.round), request.payload)
+
+    def send(request: Request) -> Payload:
+        return gossip_of(host).send(int(request.envelope.round), request.payload)
+
+    def share(request: Request) -> Payload:
+        env = request.envelope
+        return gossip_of(host).take_share(env.src, env.dst, int(env.round), request.payload)
+
+    def mix(request: Request) -> Payload:
+        return gossip_of(host).mix(request.envelope.dst, int(request.envelope.round), request.payload)
+
+    return {GOSSIP_STEP: step, GOSSIP_SEND: send, GOSSIP_SHARE: share, GOSSIP_MIX: mix}

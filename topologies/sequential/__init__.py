@@ -1,5 +1,11 @@
 """The sequential topology (Fed-CHS, Yan et al., Algorithm 1; docs/topologies.md): edges on a
-graph pass one model (server/sequential.py, edge/sequential.py)."""
+graph pass one model.
+
+The folder: this spec and its protocol methods; rule.py, the edge graph and the first holder;
+driver.py, the server's control plane; edge.py, an edge's part (the round, the neighbour query,
+the hand-off); group_paths.py, the model path over a transport with groups (torch.distributed).
+How the model moves is this topology's own data plane, one class per transport style
+(`SERVER_PATHS`, `EDGE_PATHS`, passed to common/transport/factory.py `data_plane`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,12 +13,21 @@ from dataclasses import dataclass, field
 from fedhop.common.topologies.spec import TopologySpec
 from fedhop.common.wire.methods import NEIGHBOUR, PARENT, Method
 
-# the sequential topology's protocol methods (an edge serves them, edge/sequential.py)
+# the sequential topology's protocol methods (an edge serves them, edge.py)
 SEQ_ROUND = Method("seq_round", {PARENT})                 # the token holder's round
 SEQ_HANDOFF = Method("seq_handoff", {NEIGHBOUR})          # the model w^{t+1} to the next edge (link edge-edge)
 SEQ_FINAL = Method("seq_final", {PARENT}, request="empty")   # torch: the final model as a dist.send
 SEQ_QUERY = Method("control.seq_query", {PARENT, NEIGHBOUR}, "control", request="empty")   # visit count c(m), D_A,m
 SEQ_RESTORE = Method("control.seq_restore", {PARENT}, "control", request="per_client")    # a resumed run's visit count
+
+# this topology's data planes: how Fed-CHS's model reaches and leaves the server, and moves at an
+# edge, per transport style (common/transport/factory.py `Transport.style`)
+SEQ_SERVER_PATH = "sequential server path"
+SEQ_EDGE_PATH = "sequential edge path"
+SERVER_PATHS = {"fanout": "fedhop.topologies.sequential.driver:ServerInlineModelPath",
+                "group": "fedhop.topologies.sequential.group_paths:GroupSequentialPath"}
+EDGE_PATHS = {"fanout": "fedhop.topologies.sequential.edge:EdgeInlineModelPath",
+              "group": "fedhop.topologies.sequential.group_paths:GroupModelPath"}
 
 
 @dataclass
@@ -38,10 +53,11 @@ class SequentialParams:
 
 SPEC = TopologySpec(
     name="sequential",
+    listed=2,
     params=SequentialParams,
-    driver="fedhop.server.sequential:SequentialDriver",
+    driver="fedhop.topologies.sequential.driver:SequentialDriver",
     plan="fedhop.common.topologies.plan:edge_plan",
-    edge_role="fedhop.edge.sequential:SequentialEdge",
+    edge_role="fedhop.topologies.sequential.edge:SequentialEdge",
     edges=True,
     sequential_algorithms=True,
     peer_link="edge-edge",

@@ -1,5 +1,5 @@
-"""The chain topology: WRWGD, one model walking a graph of clients (common/topologies/walk_rule.py has the rule;
-client/walk.py the clients' side).
+"""The chain topology: WRWGD, one model walking a graph of clients (topologies/chain/rule.py has the rule;
+topologies/chain/client.py the clients' side).
 
 The model travels client to client: the visited client runs its local steps, draws the next
 client and hands the model to it (`walk_handoff`, link client-client, 4d bytes per move).  The
@@ -21,14 +21,14 @@ from collections import Counter
 
 from fedhop.common.processors.pipeline import model_chain
 from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX, topology_params
-from fedhop.common.topologies.walk_rule import WalkRule, start_client
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.util.nodeids import client_node
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
-from fedhop.common.wire.methods import Method
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, driver_kind
+from fedhop.topologies.chain import WALK_VISIT
+from fedhop.topologies.chain.rule import WalkRule, start_client
 
 
 @driver_kind("chain")
@@ -80,7 +80,7 @@ class WalkDriver(TopologyDriver):
                          "evaluate": last_hop and (final or bool(every and round % every == 0))}
         peers = [pb.ClientAddress(client_id=peer, address=ctx.client_home[peer].address)
                  for peer in self.rule.graph[self.holder] if peer in ctx.client_home]
-        came = getattr(self, "came_from", None)   # the visit names the hand-off it continues (client/walk.py)
+        came = getattr(self, "came_from", None)   # the visit names the hand-off it continues (topologies/chain/client.py)
         if came is not None and not self.resuming:
             scalars.update({"from": came[0], "from_round": came[1], "from_hop": came[2], "from_node": came[3]})
         message = Payload(scalars=scalars, control=pb.Control(walk_peers=peers))
@@ -101,7 +101,7 @@ class WalkDriver(TopologyDriver):
                 raise RunFailed(f"round {round}: client {holder}, which holds the model, is not registered")
             message = self._visit_message(round, hop)
             try:
-                reply = ctx.fabric.call(node.address, client_node(holder), Method.WALK_VISIT, message, round=round, step=hop,
+                reply = ctx.fabric.call(node.address, client_node(holder), WALK_VISIT, message, round=round, step=hop,
                                         timeout=cfg.run.round_timeout)
             except (CallFailed, RemoteError, PayloadError) as exc:
                 ctx.store.add_event("client_failed", node=client_node(holder), detail=f"hop {hop}: {exc}", round=round)
@@ -149,7 +149,7 @@ class WalkDriver(TopologyDriver):
         params = self.ctx.state.params
         spec = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
         try:
-            model = model_chain(spec, Method.WALK_VISIT)(reply, f"round {round} model from client {holder}", round,
+            model = model_chain(spec, WALK_VISIT)(reply, f"round {round} model from client {holder}", round,
                                                        client_node(holder))
         except PayloadError as exc:
             raise RunFailed(str(exc)) from None

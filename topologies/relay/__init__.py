@@ -1,15 +1,15 @@
-"""The relay topology: a data-weighted random walk relayed through the server (server/relay.py)."""
+"""The relay topology: a data-weighted random walk relayed through the server (driver.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fedhop.common.topologies.chain import grpc_walk
+from fedhop.common.topologies.checks import per_client_calls
 from fedhop.common.topologies.spec import TopologySpec
 
 
 @dataclass
 class RelayParams:
-    """A data-weighted random walk relayed through the server (server/relay.py): `hops_per_round`
+    """A data-weighted random walk relayed through the server (topologies/relay/driver.py): `hops_per_round`
     clients per round, each drawn with probability D_j / D_A (stream "chain", round).
 
     `hops_per_round`: clients visited per round
@@ -20,7 +20,8 @@ class RelayParams:
 
 SPEC = TopologySpec(
     name="relay",
+    listed=4,
     params=RelayParams,
-    check=grpc_walk,
-    driver="fedhop.server.relay:RelayDriver",
+    check=per_client_calls,
+    driver="fedhop.topologies.relay.driver:RelayDriver",
 )

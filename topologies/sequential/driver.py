@@ -1,4 +1,4 @@
-"""The server's side of the sequential topology (Fed-CHS; edge/sequential.py is the edges' side).
+"""The server's side of the sequential topology (Fed-CHS; edge.py is the edges' side).
 
 The server is only the control plane here (DESIGN.md section 2): each round it sends the
 token's round call `seq_round` (no tensors; the first one is the start token) to the edge that
@@ -17,17 +17,18 @@ import time
 from collections import Counter
 
 from fedhop.common.processors.pipeline import model_chain
-from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX, cluster_assignment, edge_graph, start_edge
+from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX, cluster_assignment
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.control import control_of, failures_of
 from fedhop.common.transport.fabric import Send
-from fedhop.common.transport.factory import SEQ_SERVER_PATH, data_plane
+from fedhop.common.transport.factory import data_plane
 from fedhop.common.util.nodeids import client_node, edge_node
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
-from fedhop.common.wire.methods import Method
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, driver_kind
+from fedhop.topologies.sequential import SEQ_QUERY, SEQ_RESTORE, SEQ_ROUND, SEQ_SERVER_PATH, SERVER_PATHS
+from fedhop.topologies.sequential.rule import edge_graph, start_edge
 
 
 @driver_kind("sequential")
@@ -42,7 +43,7 @@ class SequentialDriver(TopologyDriver):
             raise RunFailed(f"topology.kind = 'sequential' needs a sequential algorithm (its model walks the edges: "
                             f"fedchs), got '{cfg.algorithm.name}'")
         try:   # how the model reaches the server and leaves it: the transport's model path
-            self.path = data_plane(cfg.transport.kind, SEQ_SERVER_PATH, self.kind)(coord)
+            self.path = data_plane(cfg.transport.kind, SEQ_SERVER_PATH, self.kind, SERVER_PATHS)(coord)
         except (RuntimeError, ValueError) as exc:   # no model path (NoDataPlane), or a torch.distributed world
             raise RunFailed(str(exc)) from None       # that could not be set up
         try:
@@ -82,7 +83,7 @@ class SequentialDriver(TopologyDriver):
         """Every edge's visit count c(m), asked with `control.seq_query` (a dead edge: None)."""
         nodes = {e: self.coord.children.get(edge_node(e)) for e in range(len(self.graph))}
         query = Payload()
-        replies, _ = self.coord.fabric.send_to_all([Send(e, node.address, node.node_id, Method.SEQ_QUERY, query)
+        replies, _ = self.coord.fabric.send_to_all([Send(e, node.address, node.node_id, SEQ_QUERY, query)
                                                     for e, node in nodes.items() if node is not None],
                                                    round=round, call_timeout=self.coord.cfg.run.call_timeout)
         out: list[int | None] = []
@@ -99,7 +100,7 @@ class SequentialDriver(TopologyDriver):
         for e, visits in enumerate(self.visits):
             node = self.coord.children.get(edge_node(e))
             if node is not None and visits is not None:
-                sends.append(Send(e, node.address, node.node_id, Method.SEQ_RESTORE,
+                sends.append(Send(e, node.address, node.node_id, SEQ_RESTORE,
                                   Payload(scalars={"visits": int(visits)})))
         _, failures = self.coord.fabric.send_to_all(sends, round=round, call_timeout=self.coord.cfg.run.call_timeout)
         for send in sends:   # in edge order, as the calls were listed
@@ -145,7 +146,7 @@ class SequentialDriver(TopologyDriver):
             what = "final model" if last else f"round {round} model for the checkpoint"
             try:
                 spec = {k: (v.dtype, tuple(v.shape)) for k, v in coord.state.params.items()}
-                model = model_chain(spec, Method.SEQ_ROUND)(self.path.final_model(node, round, reply, spec),
+                model = model_chain(spec, SEQ_ROUND)(self.path.final_model(node, round, reply, spec),
                                                             f"the {what} from {node.node_id}", round, node.node_id)
             except PayloadError as exc:
                 raise RunFailed(str(exc)) from None
@@ -191,7 +192,7 @@ class ServerInlineModelPath:
         self.coord = coord
 
     def call_round(self, node, round: int, message: Payload, resumed: bool) -> Payload:
-        return self.coord.fabric.call(node.address, node.node_id, Method.SEQ_ROUND, message, round=round,
+        return self.coord.fabric.call(node.address, node.node_id, SEQ_ROUND, message, round=round,
                                       timeout=self.coord.cfg.run.round_timeout * 2)
 
     def final_model(self, node, round: int, reply: Payload, spec) -> Payload:

@@ -1,24 +1,27 @@
-"""The chain topology (WRWGD): one model walks a graph of clients, handed client to client
-(common/topologies/walk_rule.py, server/walk.py, client/walk.py)."""
+"""The chain topology (WRWGD): one model walks a graph of clients, handed client to client.
+
+The folder: this spec and its protocol methods; rule.py, the walk's law and step; driver.py,
+the server's control plane; client.py, a client process's part (the visit and the hand-off)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedhop.common.topologies.checks import per_client_calls
 from fedhop.common.topologies.spec import TopologySpec
 from fedhop.common.wire.methods import PARENT, PEER, Method
 
-# algorithms whose client reply is a model update Delta the WRWGD walk can apply (common/topologies/walk_rule.py)
+# algorithms whose client reply is a model update Delta the WRWGD walk can apply (rule.py)
 WALK_ALGORITHMS = ("fedavg", "fedprox")
 
-# the chain topology's protocol methods (a client process serves them, client/host.py `walk_handlers`)
+# the chain topology's protocol methods (a client process serves them, client.py `walk_handlers`)
 WALK_VISIT = Method("walk_visit", {PARENT})       # the holder's visit: local steps, the draw, the hand-off
 WALK_HANDOFF = Method("walk_handoff", {PEER})     # the walking model to the next client (link client-client)
 
 
 @dataclass
 class ChainParams:
-    """WRWGD: one model walks a graph of clients, handed client to client (common/topologies/walk_rule.py).
+    """WRWGD: one model walks a graph of clients, handed client to client (topologies/chain/rule.py).
 
     `graph`: "random" (seeded, connected, degrees <= `max_degree`), "ring", "complete", or
     adjacency lists.  `stationary`: the walk's law pi ("data", "uniform" or per-client weights
@@ -37,31 +40,23 @@ class ChainParams:
     hops_per_round: int = field(default=10, metadata={"min": 1})
 
 
-def grpc_walk(cfg: Any) -> None:
-    """A walk hands the model over in per-client calls: no torch collective runs it."""
-    if cfg.transport.kind == "torch":
-        raise ValueError(f"transport.kind: 'torch' does not run topology.kind = '{cfg.topology.kind}' (the walk's "
-                         "per-client model exchange is a gRPC call); use transport.kind = 'grpc'")
-
-
 def check(cfg: Any) -> None:
-    grpc_walk(cfg)
+    per_client_calls(cfg)
     if cfg.algorithm.name not in WALK_ALGORITHMS:
         raise ValueError(f"algorithm.name: got '{cfg.algorithm.name}', but topology.kind = 'chain' (WRWGD) steps the "
                          f"walking model by the visited client's local update (allowed: {', '.join(WALK_ALGORITHMS)})")
-    from fedhop.common.topologies.walk_rule import (
-        WalkRule,  # local: the walk's rule reads the validated topology params
-    )
+    from fedhop.topologies.chain.rule import WalkRule  # local: the walk's rule reads the validated topology params
     WalkRule.from_config(cfg, [1] * cfg.clients.count)   # the graph and the weights' lengths
 
 
 SPEC = TopologySpec(
     name="chain",
+    listed=3,
     coded_uploads=False,   # the walking model moves by walk_visit / walk_handoff
     params=ChainParams,
     check=check,
-    driver="fedhop.server.walk:WalkDriver",
-    client_handlers=("fedhop.client.host:walk_handlers",),
+    driver="fedhop.topologies.chain.driver:WalkDriver",
+    client_handlers=("fedhop.topologies.chain.client:walk_handlers",),
     peer_link="client-client",
     peer_note="hops between clients",
     methods=(WALK_VISIT, WALK_HANDOFF),

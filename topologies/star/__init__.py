@@ -1,4 +1,4 @@
-"""The star topology: every client process under the server, sampled rounds (server/sampled.py)."""
+"""The star topology: every client process under the server, sampled rounds (driver.py on server/sampled.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,8 +13,9 @@ class StarParams:
 
 SPEC = TopologySpec(
     name="star",
+    listed=0,
     params=StarParams,
-    driver="fedhop.server.sampled:StarDriver",
+    driver="fedhop.topologies.star.driver:StarDriver",
     plan="fedhop.common.topologies.plan:star_plan",
     robust="round",
     engine_rounds=True,

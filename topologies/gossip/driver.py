@@ -1,5 +1,5 @@
 """The gossip topology: D-PSGD, every client mixing its model with its graph neighbours' each
-round (common/topologies/gossip_mixing.py has the graph and the rule, client/gossip.py the clients' side).
+round (topologies/gossip/rule.py has the graph and the rule, topologies/gossip/client.py the clients' side).
 
 The server is the control plane only.  A round is three fan-outs, each a barrier:
 `gossip_step` to every logical client (its local steps), `gossip_send` to every client process
@@ -20,14 +20,14 @@ import time
 import torch
 
 from fedhop.common.processors.pipeline import model_chain
-from fedhop.common.topologies.gossip_mixing import MIX_STEP, SEND_STEP, GossipRule
 from fedhop.common.transport.fabric import Send
 from fedhop.common.util.nodeids import client_node
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
-from fedhop.common.wire.methods import Method
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, driver_kind
+from fedhop.topologies.gossip import GOSSIP_MIX, GOSSIP_SEND, GOSSIP_STEP
+from fedhop.topologies.gossip.rule import MIX_STEP, SEND_STEP, GossipRule
 
 
 @driver_kind("gossip")
@@ -39,7 +39,7 @@ class GossipDriver(TopologyDriver):
         except ValueError as exc:
             raise RunFailed(str(exc)) from None
         params = ctx.state.params
-        self.model_in = model_chain({k: (v.dtype, tuple(v.shape)) for k, v in params.items()}, Method.GOSSIP_MIX)
+        self.model_in = model_chain({k: (v.dtype, tuple(v.shape)) for k, v in params.items()}, GOSSIP_MIX)
         self.models: dict[int, dict[str, torch.Tensor]] = {}   # the clients' models of the latest evaluation round
 
     def summary(self) -> dict:
@@ -64,18 +64,18 @@ class GossipDriver(TopologyDriver):
         if missing:
             raise RunFailed(f"round {round}: clients {missing} are not registered")
         home = {c: ctx.client_home[c] for c in range(n)}
-        steps = self._fan_out(round, [Send(c, home[c].address, client_node(c), Method.GOSSIP_STEP,
+        steps = self._fan_out(round, [Send(c, home[c].address, client_node(c), GOSSIP_STEP,
                                            self._step_message(c, home)) for c in range(n)], "gossip_step")
         sends = []
         for node in sorted({h.node_id: h for h in home.values()}.values(), key=lambda h: h.node_id):
             near = sorted({j for c in node.clients for j in self.rule.graph[c]})
             peers = [pb.ClientAddress(client_id=j, address=home[j].address) for j in near]
-            sends.append(Send(node.node_id, node.address, node.node_id, Method.GOSSIP_SEND,
+            sends.append(Send(node.node_id, node.address, node.node_id, GOSSIP_SEND,
                               Payload(control=pb.Control(walk_peers=peers)), step=SEND_STEP))
         self._fan_out(round, sends, "gossip_send")
         evaluate = self._evaluation_due(round)   # as the round engine's metrics evaluate
         mix = Payload(scalars={"return_model": evaluate})
-        mixed = self._fan_out(round, [Send(c, home[c].address, client_node(c), Method.GOSSIP_MIX, mix, step=MIX_STEP)
+        mixed = self._fan_out(round, [Send(c, home[c].address, client_node(c), GOSSIP_MIX, mix, step=MIX_STEP)
                                       for c in range(n)], "gossip_mix")
         losses = sum(float(steps[c].scalars.get("train_loss", 0.0)) for c in range(n))
         extra: dict[str, float] = {}
@@ -98,7 +98,7 @@ class GossipDriver(TopologyDriver):
 
     def _take_models(self, round: int, replies: dict) -> float:
         """The clients' models checked, their mean x_bar as the server's model, and the consensus
-        distance (1/n) sum_i ||x_i - x_bar||^2 (common/topologies/gossip_mixing.py)."""
+        distance (1/n) sum_i ||x_i - x_bar||^2 (topologies/gossip/rule.py)."""
         try:
             models = {c: self.model_in(replies[c], f"round {round} model of client {c}", round, client_node(c))
                       for c in sorted(replies)}

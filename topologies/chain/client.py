@@ -1,4 +1,4 @@
-"""The clients' side of the chain topology (WRWGD; common/topologies/walk_rule.py has the rule, server/walk.py
+"""The clients' side of the chain topology (WRWGD; topologies/chain/rule.py has the rule, topologies/chain/driver.py
 the server's control plane).
 
 A client process holds the walking model while one of its logical clients is the holder.
@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.processors.pipeline import model_chain
 from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX
-from fedhop.common.topologies.walk_rule import WalkRule
-from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError
+from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
 from fedhop.common.transport.control import control_of
 from fedhop.common.util.nodeids import client_id_of, client_node
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
+from fedhop.topologies.chain import WALK_HANDOFF, WALK_VISIT
+from fedhop.topologies.chain.rule import WalkRule
 
 if TYPE_CHECKING:
     from fedhop.client.host import ClientHost
@@ -46,7 +47,7 @@ class WalkHost:
         self.rule = WalkRule.from_config(cfg, sizes)
         params = get_params(host.task.build_model())   # the run's seeded initial model, as the server builds it
         self.spec = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
-        self.model_in = model_chain(self.spec, Method.WALK_HANDOFF)   # every model that arrives (common/processors/pipeline.py)
+        self.model_in = model_chain(self.spec, WALK_HANDOFF)   # every model that arrives (common/processors/pipeline.py)
         self.handoffs: set[tuple] = set()   # (round, hop, sender, process) of the hand-offs used
         # hand-offs received, kept aside until the server's visit names the one it continues:
         # (round, hop, sender client, calling process) -> model
@@ -184,10 +185,28 @@ class WalkHost:
         fabric = self.host.fabric
         assert fabric is not None   # set once this process registered (client/runtime.py)
         try:
-            fabric.call(address, client_node(nxt), Method.WALK_HANDOFF,
+            fabric.call(address, client_node(nxt), WALK_HANDOFF,
                         Payload(tensors=model, scalars={"from": client}), round=round, step=hop,
                         timeout=self.host.cfg.run.call_timeout)
         except (CallFailed, RemoteError, PayloadError) as exc:
             reply.scalars.update(skipped=nxt, skip_reason=str(exc))
             return client
         return nxt
+
+
+def walk_of(host: ClientHost) -> WalkHost:
+    """The process's WalkHost, made on first use (client/host.py `extension`)."""
+    return host.extension("chain", WalkHost)
+
+
+def walk_handlers(host: ClientHost) -> dict[Method, Callable[[Request], Payload]]:
+    """The chain topology's methods (WRWGD), named by the spec's `client_handlers`."""
+    def visit(request: Request) -> Payload:
+        env = request.envelope
+        return walk_of(host).visit(env.dst, int(env.round), int(env.step), request.payload)
+
+    def handoff(request: Request) -> Payload:
+        env = request.envelope
+        return walk_of(host).take_handoff(env.src, env.dst, int(env.round), int(env.step), request.payload)
+
+    return {WALK_VISIT: visit, WALK_HANDOFF: handoff}

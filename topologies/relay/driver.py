@@ -1,6 +1,6 @@
 """The relay topology: a data-weighted random walk over the clients, relayed through the server
 (the server-driven form of random-walk SGD; the peer-to-peer WRWGD of the Fed-CHS paper is the
-`chain` topology, server/walk.py).
+`chain` topology, topologies/chain/driver.py).
 
 One model walks over the clients.  The next client is drawn with probability D_j / D_A (a
 Metropolis-Hastings walk on the complete client graph whose stationary law is the data
