@@ -61,6 +61,7 @@ COPY server ./server
 COPY deploy ./deploy
 COPY examples ./examples
 COPY topologies ./topologies
+COPY transports ./transports
 RUN --mount=type=bind,source=wheelhouse,target=/wheels \
     --mount=type=secret,id=pip_ca \
     fedhop-pip-install project . \

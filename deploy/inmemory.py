@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Callable
 
 from fedhop.common.config import Config
-from fedhop.common.transport.inmemory import InMemoryNetwork
 from fedhop.deploy.inprocess import build
 from fedhop.server.coordinator import Coordinator
+from fedhop.transports.inmemory.endpoint import InMemoryNetwork
 
 
 def run_inmemory(cfg: Config, run_dir: str | Path,

@@ -3,7 +3,7 @@ role of a run inside this one process.
 
 The processes of the config's process plan (common/topologies/plan.py) are built from the classes
 a process run starts (server/coordinator.py `Coordinator`, edge/runtime.py `EdgeProcess`,
-client/runtime.py `ClientProcess`), each on an `InMemoryEndpoint` (common/transport/inmemory.py)
+client/runtime.py `ClientProcess`), each on an `InMemoryEndpoint` (transports/inmemory/endpoint.py)
 instead of a gRPC one.  A call runs the callee's handler in the caller's thread on the frames
 the codec produced, and both ends record gRPC's framing for it, so the run folder holds what a
 process run's holds (config.toml, run.db, summary.json, model.safetensors, ledger/*.jsonl,
@@ -33,7 +33,6 @@ from fedhop.client.runtime import ClientProcess
 from fedhop.common.config import Config
 from fedhop.common.topologies.plan import PlannedProcess, plan_processes
 from fedhop.common.transport.base import HandlerError, Request
-from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
 from fedhop.common.transport.livebytes import LinkCounter, ServerLive
 from fedhop.common.transport.placement import process_device
 from fedhop.common.wire.ledger import Ledger
@@ -42,6 +41,7 @@ from fedhop.deploy.engine import INPROCESS
 from fedhop.edge.runtime import EdgeProcess
 from fedhop.server.coordinator import Coordinator
 from fedhop.server.resilience import Checkpointer, resume
+from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
 
 EDGE_WAIT = 120.0      # seconds an edge waits for its clients' registrations, as an edge process does
 LOG_NAME = "inprocess.log"   # the run's one log (a process run has one per process)

@@ -16,8 +16,8 @@ from fedhop.common.config import SECTIONS, ConfigError, config_to_toml, load_con
 from fedhop.common.engine.heterogeneity import DevicesParams
 from fedhop.common.tasks import builtin_datasets, dataset_params_class
 from fedhop.common.topologies.graphs import TOPOLOGY_PARAMS
-from fedhop.common.transport.torchdist import TorchParams
 from fedhop.deploy import configref
+from fedhop.transports.torch.dist import TorchParams
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "config.md"

@@ -6,10 +6,10 @@ import threading
 
 from fedhop.common.transport.base import HandlerError, RemoteError
 from fedhop.common.transport.fabric import Fabric, Send
-from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload
 from fedhop.topologies.sequential import SEQ_QUERY
+from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
 
 N = 4   # peers; peer 2 refuses
 

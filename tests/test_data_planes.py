@@ -27,7 +27,6 @@ from fedhop.common.transport.factory import (
     Transport,
     data_plane,
 )
-from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import WEIGHT_KEY, Payload
 from fedhop.edge.aggregator import ClusterFanout, EdgeAggregator
@@ -35,6 +34,7 @@ from fedhop.server.driver import RunFailed
 from fedhop.server.sampled import ClientFanout, EdgeFanout
 from fedhop.topologies.hierarchical.driver import HierarchicalDriver
 from fedhop.topologies.sequential import EDGE_PATHS, SEQ_EDGE_PATH
+from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,8 +14,8 @@ import torch
 
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.topologies.plan import plan_processes
-from fedhop.common.transport import inmemory as inmemory_transport
 from fedhop.common.transport import placement as td
+from fedhop.transports.inmemory import endpoint as inmemory_transport
 
 
 def test_resolve_specs_against_the_devices_a_machine_has():

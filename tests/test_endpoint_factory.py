@@ -13,9 +13,9 @@ from fedhop.common.transport.base import Endpoint
 from fedhop.common.transport.factory import TRANSPORTS, Transport, UnknownTransport, make_endpoint
 from fedhop.common.transport.groups import FANOUT_WORLDS, FanoutWorlds, worlds
 from fedhop.common.transport.grpc import GrpcEndpoint
-from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
 from fedhop.common.wire.ledger import Ledger
 from fedhop.server.__main__ import main as server_main
+from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
 from tests.helpers import quadratic_config
 
 

@@ -18,9 +18,9 @@ from fedhop.common.algorithms.base import Payload, reduce_payloads
 from fedhop.common.transport.fabric import Fabric
 from fedhop.common.transport.groups import CLIENT_PROCESSES, CLUSTER, STEP_KEY, FanoutGroup, GroupFailed, Member, worlds
 from fedhop.common.transport.grpc import GrpcEndpoint
-from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.methods import Method
+from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
 
 OPS = {"top": "max"}
 FAILING = 5   # this client's local work raises

@@ -15,11 +15,12 @@ first); a module imports only from its own layer and the layers below it:
   (common/records/: run.db, checkpoints);
 - on top, the config loader (common/config/ but schema.py: parse, validate, options, rules, write,
   parent), the registry that resolves algorithms, topologies, data sets and processors by name;
-- common/ imports no role and no launcher; a role imports no other role; no role imports
-  torch.distributed or the torch transport (that lives under common/transport only);
-- a topology folder (topologies/<kind>/) imports common/, its own modules and the roles' shared
-  parts (`ROLE_SHARED`), never another folder, a launcher or a role's entry; common/ and the roles
-  never import or name a folder, so a kind is added or removed with its folder.
+- common/ imports no role and no launcher; a role imports no other role; torch.distributed is
+  imported only by the torch transport's folder (transports/torch/);
+- a topology or transport folder (topologies/<kind>/, transports/<kind>/) imports common/, its
+  own modules and the roles' shared parts (`ROLE_SHARED`), never another folder, a launcher or a
+  role's entry; common/ and the roles never import or name a folder, so a kind is added or
+  removed with its folder.
 
 Code named by a "package.module:attribute" string (a spec's driver, a transport's planes) is a
 dependency too: `named_of` reads those strings, and every one must name a module that exists.
@@ -35,7 +36,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # source folder -> installed package (pyproject.toml [tool.setuptools.package-dir])
 PACKAGES = {"common": "fedhop.common", "server": "fedhop.server", "edge": "fedhop.edge",
-            "client": "fedhop.client", "deploy": "fedhop.deploy", "api": "fedhop", "topologies": "fedhop.topologies"}
+            "client": "fedhop.client", "deploy": "fedhop.deploy", "api": "fedhop", "topologies": "fedhop.topologies",
+            "transports": "fedhop.transports"}
 ROLES = ("fedhop.server", "fedhop.edge", "fedhop.client")
 
 # common/'s layer packages, lowest first; a module's layer is its longest matching prefix
@@ -54,7 +56,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 WIRE = LAYERS[0][1]
 FABRIC = tuple(p for _, packages in LAYERS[:4] for p in packages)
 ALGORITHM_IMPORTERS = ("fedhop.common.algorithms", "fedhop.common.engine.rounds", "fedhop.common.config")
-FOLDERS = "fedhop.topologies"
+FOLDERS = ("fedhop.topologies", "fedhop.transports")
 # what a topology folder may use of the roles: their parts written for every topology
 ROLE_SHARED = ("fedhop.server.driver", "fedhop.server.sampled", "fedhop.server.group_rounds", "fedhop.edge.aggregator",
                "fedhop.edge.group_edge", "fedhop.client.host", "fedhop.client.group_worker")
@@ -203,26 +205,26 @@ def test_every_named_module_exists():
     assert sorted(dep for dep in named if dep not in GRAPH) == []
 
 
-def test_topology_folders_stand_above_common_and_the_roles():
-    """topologies/<kind>/ (fedhop.topologies.*) may import common/ and the roles' shared parts;
-    common/ and the roles never import or name a folder (common/topologies `spec_for` scans the
-    package), so adding or removing a folder edits nothing else."""
+def test_folders_stand_above_common_and_the_roles():
+    """topologies/<kind>/ and transports/<kind>/ may import common/ and the roles' shared parts;
+    common/ and the roles never import or name a folder (common/topologies `spec_for` and
+    common/transport/factory.py scan the packages), so adding or removing a folder edits nothing else."""
     assert violations(("fedhop.common", *ROLES), FOLDERS) == []
     assert violations(("fedhop.common", *ROLES), FOLDERS, graph_=NAMED_GRAPH) == []
-    assert "fedhop.topologies.chain" in GRAPH   # the folders are read (so the rule is not vacuous)
+    assert "fedhop.topologies.chain" in GRAPH and "fedhop.transports.torch.dist" in GRAPH   # the folders are read
 
 
-def test_a_topology_folder_uses_common_itself_and_the_roles_shared_parts():
+def test_a_folder_uses_common_itself_and_the_roles_shared_parts():
     """A folder imports and names common/, its own modules and `ROLE_SHARED` only: no other
-    folder (a rule two kinds share lives in common/topologies), no launcher, no role's entry."""
-    kinds = sorted({m.split(".")[2] for m in GRAPH if within(m, FOLDERS) and m != FOLDERS})
-    assert {"star", "sequential", "chain", "gossip", "asynchronous"} <= set(kinds)
-    for kind in kinds:
-        own = f"{FOLDERS}.{kind}"
-        forbidden = tuple(p for p in (FOLDERS, *ROLES, "fedhop.deploy") if p != "fedhop.common")
+    folder (a rule two kinds share lives in common/), no launcher, no role's entry."""
+    folders = sorted({".".join(m.split(".")[:3]) for m in GRAPH if within(m, FOLDERS) and m not in FOLDERS})
+    assert {"fedhop.topologies.star", "fedhop.topologies.asynchronous", "fedhop.transports.grpc",
+            "fedhop.transports.torch", "fedhop.transports.inmemory"} <= set(folders)
+    for own in folders:
+        forbidden = (*FOLDERS, *ROLES, "fedhop.deploy")
         uses = [f"{m} -> {dep}" for graph_ in (GRAPH, NAMED_GRAPH) for m, deps in graph_.items() if within(m, own)
                 for dep in deps if within(dep, forbidden) and not within(dep, (own, *ROLE_SHARED))]
-        assert uses == [], kind
+        assert uses == [], own
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -230,9 +232,9 @@ def test_a_role_imports_no_other_role(role):
     assert violations(role, tuple(r for r in ROLES if r != role)) == []
 
 
-def test_no_role_imports_the_torch_transport():
-    torch_plane = ("torch.distributed", "fedhop.common.transport.torchdist", "fedhop.common.transport.torch_groups")
-    assert violations(ROLES, torch_plane) == []
+def test_only_the_torch_transport_imports_torch_distributed():
+    assert violations(("fedhop.common", *ROLES, *FOLDERS), "torch.distributed", allowed=("fedhop.transports.torch",)) == []
+    assert violations("fedhop.transports.torch", "torch.distributed")   # the rule sees the import it allows
 
 
 def _kind_branches(path: Path) -> list[str]:
@@ -253,7 +255,7 @@ def test_kind_choices_live_in_the_specs_and_the_transport_registry():
     """Issue 27: what depends on the topology or the transport is declared by the topology's spec
     (common/topologies/) or the transport's registration (common/transport/); nothing else branches
     on a kind's name."""
-    allowed = (ROOT / "common" / "topologies", ROOT / "common" / "transport", ROOT / "topologies")   # + the topology folders
+    allowed = (ROOT / "common" / "topologies", ROOT / "common" / "transport", ROOT / "topologies", ROOT / "transports")
     branches = [b for folder in PACKAGES for path in sorted((ROOT / folder).rglob("*.py"))
                 if not any(a in path.parents for a in allowed) for b in _kind_branches(path)]
     assert branches == []

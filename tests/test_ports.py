@@ -2,7 +2,7 @@
 by the process that listens, at port 0 or as configured, and reported; none is chosen free by
 one process and bound later (by it or another), where a second run on a busy machine could take
 it in between.  The torch.distributed rendezvous store is created by rank 0 listening before its
-port is named to the other ranks (common/transport/torchdist.py `master_store`)."""
+port is named to the other ranks (transports/torch/dist.py `master_store`)."""
 from __future__ import annotations
 
 import errno
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhop.common.transport.torchdist import master_address, master_store
+from fedhop.transports.torch.dist import master_address, master_store
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]

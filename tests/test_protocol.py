@@ -14,13 +14,13 @@ from fedhop.common.config import parse_config
 from fedhop.common.security.auth import NodeCredentials, write_cluster
 from fedhop.common.transport.base import HandlerError, RemoteError, Request
 from fedhop.common.transport.grpc import GrpcEndpoint
-from fedhop.common.transport.inmemory import InMemoryEndpoint, InMemoryNetwork
 from fedhop.common.transport.router import MethodRouter
 from fedhop.common.wire.codec import make_envelope
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.methods import Method, message_link
 from fedhop.edge.aggregator import EdgeAggregator
 from fedhop.topologies.sequential.edge import SequentialEdge
+from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
 from tests.cluster import Cluster, fedavg_reference
 from tests.helpers import quadratic_config
 from tests.test_fedchs import fedchs_config

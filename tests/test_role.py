@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhop.common.transport.torchdist import free_port
+from fedhop.transports.torch.dist import free_port
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(11)

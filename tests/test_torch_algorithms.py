@@ -1,7 +1,7 @@
 """transport.kind = "torch" beyond FedAvg: FedExP and SCAFFOLD on the star, Fed-CHS (sequential
 topology: cluster collectives, point-to-point hand-offs between edges, the final model sent to
 the server), each against the same config over gRPC, with the tensor bytes of every operation
-against the analytic count (topologies/sequential/driver.py, topologies/sequential/edge.py, common/transport/torchdist.py).
+against the analytic count (topologies/sequential/driver.py, topologies/sequential/edge.py, transports/torch/dist.py).
 
 Equality, and why:
 - bit for bit where every reduce adds one partial to the identity 0 (one client process per
@@ -158,7 +158,7 @@ def test_chain_over_torch_is_refused_at_load():
 def test_fedlga_straggler_tensors_travel_as_a_gather_by_reduce(tmp_path):
     """FedLGA keeps each straggler's delta apart under a per-client name, so the client processes'
     partials hold different tensors: the reduce runs over the union of their layouts, each name
-    contributed by its one owner and as 0 by the rest (common/transport/torchdist.py
+    contributed by its one owner and as 0 by the rest (transports/torch/dist.py
     `merge_layouts`); the final model equals gRPC's within float32 rounding."""
     from tests.test_fedlga import DIGITS
     text = DIGITS.format(algo="fedlga", rho=0.5, extra="").replace('kind = "inmemory"', 'kind = "grpc"')
@@ -178,8 +178,8 @@ def test_fedlga_straggler_tensors_travel_as_a_gather_by_reduce(tmp_path):
 
 
 def test_merge_layouts_unions_names_and_names_a_conflict():
-    from fedhop.common.transport.torchdist import LayoutMismatch, merge_layouts
     from fedhop.common.wire.fedhop_pb2 import ReduceEntry
+    from fedhop.transports.torch.dist import LayoutMismatch, merge_layouts
 
     def layout(*entries):
         return [ReduceEntry(name=n, dtype=d, shape=s, op=o) for n, d, s, o in entries]
@@ -200,8 +200,8 @@ def test_worker_leaves_a_nan_reply_out_of_its_partial():
     from fedhop.common.algorithms.base import Payload
     from fedhop.common.algorithms.fedavg import FedAvg
     from fedhop.common.transport.control import failures_of
-    from fedhop.common.transport.torch_groups import CollectiveMember
     from fedhop.common.wire.fedhop_pb2 import Control, TensorSpec
+    from fedhop.transports.torch.groups import CollectiveMember
 
     def train(cid, round, message, step):
         w = message.tensors["w"] + cid
@@ -221,14 +221,14 @@ def test_worker_leaves_a_nan_reply_out_of_its_partial():
 
 
 def test_set_up_fails_at_once_when_a_rank_dies_before_joining():
-    """common/transport/torchdist.py `init_watching`: the join would wait out the store's timeout
+    """transports/torch/dist.py `init_watching`: the join would wait out the store's timeout
     for a dead rank; the failed control call that asked that rank to join ends the set-up at
     once, naming the node (the join here blocks until released, as the real one would)."""
     import threading
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from fedhop.common.transport.torchdist import init_watching
+    from fedhop.transports.torch.dist import init_watching
     release = threading.Event()
     coll = SimpleNamespace(node_id="server", init=lambda *args, **kwargs: release.wait(30))
     alive, dead = Future(), Future()

@@ -1,7 +1,7 @@
 """transport.kind = "torch" with topology.kind = "hierarchical" (HierFAVG over process groups):
 the same final model as gRPC, the analytic tensor bytes per link and round, a dead rank fails
 the run (server/group_rounds.py HierGroupRounds, edge/group_edge.py, client/group_worker.py over
-common/transport/torch_groups.py).
+transports/torch/groups.py).
 
 Byte count per round (d parameters of 4 bytes, fedavg: the reply is one delta of d floats;
 E edges, P_e client processes under edge e, kappa2 edge iterations; every edge here has sampled
@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.common.transport.torch_groups import hier_layout
 from fedhop.deploy.launcher import LocalRun, run_local
+from fedhop.transports.torch.groups import hier_layout
 from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
 

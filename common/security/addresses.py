@@ -9,7 +9,7 @@ import ipaddress
 import os
 from typing import Iterable
 
-IN_MEMORY_SCHEME = "mem:"   # common/transport/inmemory.py addresses
+IN_MEMORY_SCHEME = "mem:"   # transports/inmemory/endpoint.py addresses
 
 
 def host_of(address: str) -> str:

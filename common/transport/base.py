@@ -4,7 +4,7 @@ A process owns one `Endpoint`: it serves incoming calls through a `Handler` and 
 calls with `call`.  Every message in either direction is recorded in the process's ledger by
 the endpoint itself, so the roles and the algorithms never count bytes by hand.  Two
 implementations share this contract: gRPC (real sockets, `common.transport.grpc`) and an
-in-memory one for unit tests (`common.transport.inmemory`) that runs the same codec, so both
+in-memory one for unit tests (`fedhop.transports.inmemory`) that runs the same codec, so both
 give the same bits and the same byte counts.
 """
 from __future__ import annotations

@@ -36,7 +36,7 @@ def failures_of(payload: Payload) -> dict[int, str]:
 
 
 def torch_world(layout: dict) -> pb.TorchWorld:
-    """The hierarchical world's layout (common/transport/torch_groups.py `hier_layout`) as a typed record."""
+    """The hierarchical world's layout (transports/torch/groups.py `hier_layout`) as a typed record."""
     return pb.TorchWorld(ranks=layout["ranks"], groups=[pb.RankGroup(ranks=g) for g in layout["groups"]],
                          clusters=layout.get("clusters", {}))
 

@@ -23,7 +23,7 @@ The transport underneath is the endpoint's (gRPC, or in memory for unit tests). 
 broadcast and reduce (a root's message to every member of a group, the members' partials
 reduced back) and peer sends are common/transport/groups.py, built on this fabric: as fan-outs
 over gRPC, as collectives beside this fabric's control calls over torch.distributed
-(common/transport/torch_groups.py).
+(transports/torch/groups.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """The transport registry: `transport.kind` -> its endpoint, its group worlds and its data planes.
 
-A transport is its own files plus one line in `TRANSPORTS`: the builder of its `Endpoint`
+A transport is one folder, transports/<kind>/ (the package `fedhop.transports.<kind>`), whose
+`__init__` defines `TRANSPORT`, a `Transport` (common/transport/entry.py); `TRANSPORTS` holds
+every folder's entry, found by scanning the package when this module is imported.  An entry
+names the builder of its `Endpoint`
 (common/transport/base.py: the messages, control and data, with their ledger records), its
 `Worlds` (common/transport/groups.py: how groups broadcast and reduce) and its `planes`: for
 each *concept* of a role that moves tensors (`PLANE_CONCEPTS`: a star round, a hierarchical
@@ -14,19 +17,31 @@ and common/ imports no role module: a role asks `data_plane(kind, concept)` and 
     endpoint = make_endpoint(cfg.transport.kind, "server", ledger, chunk_bytes=..., credentials=...)
     plane = data_plane(cfg.transport.kind, STAR_ROUND)(ctx)
 
-- grpc: `GrpcEndpoint` (real sockets), groups as fan-outs of fabric calls;
-- torch: the same gRPC endpoint for every message (registration, control, the round's calls),
-  the tensors as torch.distributed collectives in its worlds (docs/torch_transport.md);
-- inmemory: `InMemoryEndpoint` on an `InMemoryNetwork` (one process, unit tests: pass `network=`).
+- grpc (transports/grpc/): `GrpcEndpoint` (real sockets; common/transport/grpc.py, the
+  endpoint every child process speaks before it has a config), groups as fan-outs of fabric calls;
+- torch (transports/torch/): the same gRPC endpoint for every message (registration, control,
+  the round's calls), the tensors as torch.distributed collectives in its worlds
+  (docs/torch_transport.md);
+- inmemory (transports/inmemory/): `InMemoryEndpoint` on an `InMemoryNetwork` (one process: the
+  in-process engine and unit tests; pass `network=`).
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
-from types import MappingProxyType
+import pkgutil
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from fedhop.common.wire.methods import Method, declare
+from fedhop.common.transport.entry import (
+    EDGE_STEP,
+    FANOUT_PLANES,
+    GROUP_PLANES,
+    HIER_ROUND,
+    PLANE_CONCEPTS,
+    STAR_ROUND,
+    STYLES,
+    Transport,
+)
+from fedhop.common.wire.methods import declare
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhop.common.transport.base import Endpoint
@@ -34,84 +49,30 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedhop.common.wire.ledger import Ledger
 
 
-# the concepts a transport gives a data plane for (what each plane class implements: its role's docstring)
-STAR_ROUND = "star round"                  # server: a star round's dispatch (server/sampled.py `DataPlane`)
-HIER_ROUND = "hierarchical round"          # server: a hierarchical round's dispatch (`DataPlane`)
-EDGE_STEP = "edge step"                    # edge: one HierFAVG edge iteration with its clients (edge/aggregator.py)
-PLANE_CONCEPTS = (STAR_ROUND, HIER_ROUND, EDGE_STEP)
-STYLES = ("fanout", "group")   # how a transport moves tensors (`Transport.style`)
-
-#: the data planes of a transport that carries tensors inside its calls (gRPC, in-memory): fan-outs
-FANOUT_PLANES: Mapping[str, str] = MappingProxyType({
-    STAR_ROUND: "fedhop.server.sampled:ClientFanout",
-    HIER_ROUND: "fedhop.server.sampled:EdgeFanout",
-    EDGE_STEP: "fedhop.edge.aggregator:ClusterFanout",
-})
-
-#: the data planes of a transport with group collectives and peer sends (torch.distributed)
-GROUP_PLANES: Mapping[str, str] = MappingProxyType({
-    STAR_ROUND: "fedhop.server.group_rounds:GroupRounds",
-    HIER_ROUND: "fedhop.server.group_rounds:HierGroupRounds",
-    EDGE_STEP: "fedhop.edge.group_edge:GroupEdge",
-})
-
-
-@dataclass(frozen=True)
-class Transport:
-    """One transport kind: "module:attribute" of its endpoint builder, of its `Worlds` and of
-    its data plane per concept (default: the fan-outs, tensors inside the calls), and what the
-    rest of fedhop must know of it without naming it:
-
-    - `style`: how it moves tensors, "fanout" (inside its calls) or "group" (collectives and peer
-      sends): a topology's own data planes (`data_plane`'s `owned`) are chosen by it;
-    - `params`: the dataclass of its own `[transport]` keys (validated like every options table),
-      or None when it takes none;
-    - `sums_in_collective`: its groups reduce uploads as raw float sums inside a collective, so a
-      coded upload (QSGD) cannot be summed and a robust rule never sees the updates apart;
-    - `own_device`: a function (transport options) -> bool, true when each process must hold a
-      device of its own (NCCL: one rank per GPU); None: never;
-    - `one_process`: it connects endpoints inside one process only (unit tests): a launcher that
-      starts processes refuses it;
-    - `handlers`: per role ("client", "edge"), functions `(role object) -> {Method: handler}` whose
-      methods that role's process serves in a run on this transport only (the torch plane's
-      group set-up and rounds); a run on another transport refuses them as unknown methods;
-    - `in_process`: the in-process engine (run.engine = "inprocess", deploy/inprocess.py) can stand
-      for it: every message it carries is one of the fan-out's calls, which the in-memory endpoints
-      (common/transport/inmemory.py) deliver and count as gRPC frames them;
-    - `methods`: the transport's own protocol methods (common/wire/methods.py `Method`), declared
-      into the method table when the entry is added (`add_transport`), as a topology's are by its
-      spec.  The torch plane's torch_* methods are the core's (the group plane,
-      common/transport/groups.py, names them for every transport).
-    """
-
-    endpoint: str   # a callable (node_id, ledger, **options) -> Endpoint
-    worlds: str     # a Worlds instance
-    planes: Mapping[str, str] = field(default_factory=lambda: FANOUT_PLANES)   # concept -> a class taking the role
-    style: str = "fanout"
-    params: str | None = None
-    sums_in_collective: bool = False
-    own_device: str | None = None
-    one_process: bool = False
-    handlers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    methods: tuple[Method, ...] = ()
-    in_process: bool = False
-
-
 # a child process's endpoint (edge, client): it is reached over sockets before it has the run's
 # config, and a torch run carries its messages on the same endpoint
 PROCESS_TRANSPORT = "grpc"
 
-TRANSPORTS: dict[str, Transport] = {
-    "grpc": Transport("fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.groups:FANOUT_WORLDS",
-                      in_process=True),
-    "torch": Transport("fedhop.common.transport.grpc:GrpcEndpoint", "fedhop.common.transport.torch_groups:TORCH_WORLDS",
-                       GROUP_PLANES, style="group", params="fedhop.common.transport.torchdist:TorchParams",
-                       sums_in_collective=True, own_device="fedhop.common.transport.torchdist:rank_per_gpu",
-                       handlers={"client": ("fedhop.client.group_worker:torch_handlers",),
-                                 "edge": ("fedhop.edge.group_edge:torch_handlers",)}),
-    "inmemory": Transport("fedhop.common.transport.inmemory:network_endpoint",
-                          "fedhop.common.transport.groups:FANOUT_WORLDS", one_process=True, in_process=True),
-}
+FOLDER_PACKAGE = "fedhop.transports"   # transports/ (pyproject.toml package-dir)
+
+
+def _builtin_transports() -> dict[str, Transport]:
+    """The folders of `fedhop.transports` (transports/<kind>/, a package each whose `__init__`
+    defines `TRANSPORT`), in their entries' `listed` order, then by name."""
+    package = importlib.import_module(FOLDER_PACKAGE)
+    found: list[tuple[str, Transport]] = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if not info.ispkg or info.name.startswith("_"):
+            continue
+        entry = getattr(importlib.import_module(f"{FOLDER_PACKAGE}.{info.name}"), "TRANSPORT", None)
+        if not isinstance(entry, Transport):
+            raise TypeError(f"transport folder '{FOLDER_PACKAGE}.{info.name}' defines no TRANSPORT "
+                            f"(a fedhop.common.transport.entry.Transport)")
+        found.append((info.name, entry))
+    return dict(sorted(found, key=lambda item: (item[1].listed, item[0])))
+
+
+TRANSPORTS: dict[str, Transport] = _builtin_transports()
 
 
 def add_transport(kind: str, entry: Transport) -> None:

@@ -18,7 +18,7 @@ A role writes only these calls; which transport carries them is the fabric's:
 - `FanoutGroup` / `FanoutMember` (gRPC and the in-memory transport): the message travels in each
   member's call, the partial in its reply, and the root reduces the partials in member order
   (`reduce_payloads`).
-- `CollectiveGroup` / `CollectiveMember` (torch.distributed, common/transport/torch_groups.py):
+- `CollectiveGroup` / `CollectiveMember` (torch.distributed, transports/torch/groups.py):
   the tensors move as one broadcast and one reduce over the group's process group; the
   clients, tensor specs and layouts, failures and scalars travel as fabric calls beside them.
 
@@ -173,7 +173,7 @@ class FanoutMember(GroupMember):
 
 # ----------------------------------------------------------------------------- peer sends beside a call
 class PeerSends(Protocol):
-    """A world's point-to-point sends by node id (torch_groups.py `TorchPeers`)."""
+    """A world's point-to-point sends by node id (transports/torch/groups.py `TorchPeers`)."""
 
     def knows(self, node: str) -> bool: ...
 

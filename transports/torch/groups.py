@@ -43,7 +43,11 @@ from fedhop.common.transport.groups import (
     Worlds,
 )
 from fedhop.common.transport.grpc import RETRY_WINDOW
-from fedhop.common.transport.torchdist import (
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.ledger import Ledger
+from fedhop.common.wire.message import Payload, Scalar, reduce_payloads
+from fedhop.common.wire.methods import Method
+from fedhop.transports.torch.dist import (
     Collectives,
     LayoutMismatch,
     TorchParams,
@@ -58,10 +62,6 @@ from fedhop.common.transport.torchdist import (
     specs_from_pb,
     specs_of,
 )
-from fedhop.common.wire import fedhop_pb2 as pb
-from fedhop.common.wire.ledger import Ledger
-from fedhop.common.wire.message import Payload, Scalar, reduce_payloads
-from fedhop.common.wire.methods import Method
 
 NO_ANSWER = "timeout: no answer in time"
 

@@ -268,7 +268,7 @@ IDENTITY = {"wsum": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
 
 def build_groups(groups: list[list[int]], timeout: float) -> list:
-    """Create the hierarchical topology's process groups (common/transport/torch_groups.py): every rank of
+    """Create the hierarchical topology's process groups (transports/torch/groups.py): every rank of
     the world calls this with the same list, in the same order (`new_group` is collective over
     the world); returns one handle per group (a non-member gets a handle it must not use)."""
     return [dist.new_group(ranks=sorted(ranks), timeout=datetime.timedelta(seconds=timeout)) for ranks in groups]
