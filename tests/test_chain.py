@@ -18,8 +18,8 @@ from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.topologies.walk_rule import WalkRule, client_graph
 from fedhop.common.util.rng import numpy_stream
-from fedhop.deploy.inmemory import run_inmemory
-from fedhop.deploy.launcher import resume_local, run_local
+from fedhop.deploy.launch.inmemory import run_inmemory
+from fedhop.deploy.launch.launcher import resume_local, run_local
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(33)
