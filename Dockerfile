@@ -24,7 +24,7 @@ ARG EXTRA_INDEX_URL=
 ARG TRUSTED_HOST=
 
 # PYTHONUNBUFFERED: logs reach `docker compose logs` line by line.  MALLOC_*: keep freed tensor
-# buffers in the heap between messages (deploy/malloc.py measured ~10x faster codec with them).
+# buffers in the heap between messages (deploy/launch/malloc.py measured ~10x faster codec with them).
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -65,10 +65,10 @@ COPY transports ./transports
 RUN --mount=type=bind,source=wheelhouse,target=/wheels \
     --mount=type=secret,id=pip_ca \
     fedhop-pip-install project . \
-    && python -c "import fedhop.common.wire.fedhop_pb2, fedhop.deploy.role" \
+    && python -c "import fedhop.common.wire.fedhop_pb2, fedhop.deploy.launch.role" \
     && install -m 0755 deploy/docker/entrypoint.sh /usr/local/bin/fedhop-entrypoint
 
 VOLUME ["/runs"]
 EXPOSE 7000 7100 7200
 ENTRYPOINT ["fedhop-entrypoint"]
-CMD ["python", "-m", "fedhop.deploy.role", "server", "--listen", "0.0.0.0:7000"]
+CMD ["python", "-m", "fedhop.deploy.launch.role", "server", "--listen", "0.0.0.0:7000"]

@@ -21,7 +21,7 @@ import statistics
 
 def measure(nbytes: int, calls: int, chunk: int = 4 << 20, checksum: bool = True) -> dict:
     from fedhop.common.util.procexit import freeze_heap
-    from fedhop.deploy.bench import FedhopTransfer  # hands a model larger than a chunk over, as rounds do
+    from fedhop.deploy.bench.bench import FedhopTransfer  # hands a model larger than a chunk over, as rounds do
 
     transfer = FedhopTransfer(nbytes, chunk)
     try:
@@ -62,6 +62,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from fedhop.deploy.malloc import reexec_with_tuned_malloc
+    from fedhop.deploy.launch.malloc import reexec_with_tuned_malloc
     reexec_with_tuned_malloc()   # the figures are for the settings fedhop's processes run with
     raise SystemExit(main())

@@ -6,7 +6,7 @@ regression), and print the figures of docs/composite.md.
     .venv/bin/python benchmarks/composite_compare.py lowrank --seeds 0 1 --out runs/composite
     .venv/bin/python benchmarks/composite_compare.py digits  --seeds 0   --out runs/composite
 
-Each (method, seed) is one full framework run (`deploy.inmemory.run_inmemory`: the server,
+Each (method, seed) is one full framework run (`deploy.launch.inmemory.run_inmemory`: the server,
 client hosts, codec and ledger of a real run over the in-memory transport) of
 examples/<task>_compare.toml with the method's [algorithm] keys from `METHOD_KEYS`.  The
 script writes every run directory, `<task>-figures.md` / `.json` (rounds to l2 <= 1, final
@@ -129,7 +129,7 @@ def run_direct(cfg: Config, on_round: Callable[[int, dict[str, float]], None] | 
 def run_framework(cfg: Config, run_dir: Path) -> tuple[dict, list[dict[str, float]], dict[str, Any]]:
     """One full in-process run; returns (summary, per-round metrics, bytes by link and direction)."""
     from fedhop.common.records.runstore import RunStore
-    from fedhop.deploy.inmemory import run_inmemory
+    from fedhop.deploy.launch.inmemory import run_inmemory
 
     summary, coord = run_inmemory(cfg, run_dir)
     history = [{"round": h.round, **h.metrics} for h in coord.history]
@@ -188,7 +188,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def report_plots(task: str, run_dirs: list[Path], out: Path) -> None:
-    from fedhop.deploy.report import build_report
+    from fedhop.deploy.tools.report import build_report
 
     metrics = {"lasso": ("distance_to_opt", "support_f1", "exact_zeros_off_support"),
                "lowrank": ("distance_to_opt", "rank"), "digits": ("test_accuracy",)}[task]

@@ -25,7 +25,7 @@ a round (w <- w + eta sign(sum_i sign(Delta_i)), Bernstein et al. 2018, Alg. 3),
 only shapes the direction and the step size that matters is eta: its grid is eta in {0.001,
 0.003, 0.01} with the example's client lr 0.1.
 
-Every run is ``run_inmemory`` (deploy/inmemory.py) in this process, one after another: the same
+Every run is ``run_inmemory`` (deploy/launch/inmemory.py) in this process, one after another: the same
 endpoints, ledger and run.db as a real run, without sockets.  Upload bytes are the ledger's: the
 tensor bytes of every message that travels towards the server (``RunStore.bytes_per_round("up")``,
 each message once), so the coded parts of a compressed reply, exactly as counted on the wire.
@@ -54,7 +54,7 @@ from pathlib import Path
 
 from fedhop.common.config import parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "examples" / "fedavg_digits.toml"

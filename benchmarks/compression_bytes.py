@@ -4,7 +4,7 @@
 
 Runs FedAvg on a d-dimensional separable quadratic (6 clients, 3 sampled a round, star; and
 hierarchical with 2 edges coding their partials) once per built-in compressor in this process
-(deploy/inmemory.py: real endpoints, in-memory sockets, the same ledger as gRPC), and prints one
+(deploy/launch/inmemory.py: real endpoints, in-memory sockets, the same ledger as gRPC), and prints one
 Markdown row per compressor and link: the formula, its value for this d (from the compressor's
 own `encoded_bytes`, for the parts of a d-element tensor), and the distinct tensor-byte counts
 the ledger recorded on that link's uploads.  Equal columns are what tests/test_compression.py asserts.
@@ -20,7 +20,7 @@ import torch
 
 from fedhop.common.config import parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 
 # the keys each compressor runs with here, and its formula as docs/compression.md states it
 SETTINGS = {

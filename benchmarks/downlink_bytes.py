@@ -10,7 +10,7 @@ messages were coded differences and how many the plain model (the first round's 
 summary.json's "downlink"), the final test accuracy, and the bytes and accuracy against plain
 broadcasts.
 
-Every run is `run_inmemory` (deploy/inmemory.py) in this process, one after another: the same
+Every run is `run_inmemory` (deploy/launch/inmemory.py) in this process, one after another: the same
 endpoints, ledger and run.db as a real run, without sockets.
 
     python benchmarks/downlink_bytes.py --seeds 0,1 --json down.json
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from fedhop.common.config import parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "examples" / "fedavg_digits.toml"

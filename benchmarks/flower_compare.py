@@ -8,7 +8,7 @@ One invocation runs the same FedAvg round -- 10 clients, one float32 vector of `
 1/2 ||w - a_i||^2) -- in
 
   (a) fedhop: a server process and `--fedhop-processes` client processes (default 10, one per
-      client like Flower's SuperNodes) over gRPC on loopback (deploy.launcher.run_local); the
+      client like Flower's SuperNodes) over gRPC on loopback (deploy.launch.launcher.run_local); the
       per-round wall time is `rounds.wall_seconds` of run.db;
   (b) Flower's deployment runtime: one `flower-superlink` and 10 `flower-supernode` processes
       on loopback, the app submitted with `flwr run APP deploy` (Flower's default subprocess
@@ -96,7 +96,7 @@ def run_fedhop(rounds: int, params: int, processes: int, batch: bool = True) -> 
     """FedAvg over gRPC with real processes (with `batch`, transport.batch: one call per client
     process and round, each client's request still its own message); per-round wall times from run.db."""
     from fedhop.common.records.runstore import RunStore
-    from fedhop.deploy.launcher import run_local
+    from fedhop.deploy.launch.launcher import run_local
 
     with tempfile.TemporaryDirectory(prefix="fedhop-flwr-cmp-") as tmp:
         cfg = Path(tmp) / "round.toml"
@@ -520,7 +520,7 @@ def run_flower(flwr_python: str, rounds: int, params: int, modes: list[str], eva
 
 
 # ----------------------------------------------------------------------------- cross-device scale
-# `fedhop bench scale --flwr-python PY` (deploy/bench_system.py) runs, beside each fedhop run, this
+# `fedhop bench scale --flwr-python PY` (deploy/bench/bench_system.py) runs, beside each fedhop run, this
 # app in Flower's simulation engine: as many simulated SuperNodes as fedhop's logical clients,
 # FedAvg sampling the same number per round, the same 610-parameter softmax model and local work.
 SCALE_APP_CONFIG = """\

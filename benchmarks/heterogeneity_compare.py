@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/heterogeneity_compare.py --seeds 0 1 2 --out runs/hetero
     .venv/bin/python benchmarks/heterogeneity_compare.py --rho 0.0 --seeds 0 --out runs/hetero-rho0
 
-Every (method, seed) is one full framework run (`deploy.inmemory.run_inmemory`: the server,
+Every (method, seed) is one full framework run (`deploy.launch.inmemory.run_inmemory`: the server,
 client hosts, codec, ledger and virtual clock of a real run over the in-memory transport) of
 examples/stragglers_digits.toml: digits in 2-classes-per-client shards, N = 50, K = 10, E = 5
 epochs of batch 10, rho = 0.5 (exactly 5 stragglers per round, each missing 1..4 epochs), two
@@ -29,7 +29,7 @@ from typing import Any
 from fedhop.common.algorithms import registry
 from fedhop.common.config import load_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     first = [r["run_dir"] for r in results if r["seed"] == args.seeds[0]]
     if first:
-        from fedhop.deploy.report import build_report
+        from fedhop.deploy.tools.report import build_report
         build_report(first, out / "report", target=args.target)
     return 0
 

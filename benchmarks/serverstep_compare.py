@@ -14,7 +14,7 @@ Dirichlet(0.1) label split, 1 local epoch of batch 32, on two offline proxies:
 - `digits`: scikit-learn's digits with the small CNN (model.kind = "cnn"), the base config
   examples/compare_serverstep.toml (Dirichlet(0.1) split by the run's "partition" stream).
 
-Every (task, method, seed) is one full framework run (`deploy.inmemory.run_inmemory`: the real
+Every (task, method, seed) is one full framework run (`deploy.launch.inmemory.run_inmemory`: the real
 server, client hosts, codec and ledger over the in-memory transport); every method sees the same
 samples and the same sampled clients (named seeded streams), only the algorithm differs.
 Prints and writes (--out/figures.md, figures.json) a Markdown table per task: test accuracy at
@@ -40,7 +40,7 @@ from fedhop.common.config import load_config
 from fedhop.common.data.partition import dirichlet
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.util.rng import numpy_stream
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "figures.json").write_text(json.dumps({"args": vars(args), "results": results, "notes": notes},
                                                  indent=2, default=str))
     print(text)
-    from fedhop.deploy.report import build_report
+    from fedhop.deploy.tools.report import build_report
     for task in args.tasks:
         first = [r["run_dir"] for r in results if r["task"] == task and r["seed"] == args.seeds[0]]
         if first:

@@ -3,7 +3,7 @@
 grpcio's fork handlers restart its poller thread in a child that `subprocess.Popen` forks before
 it execs; with `close_fds` the child can then abort on epoll EBADF before the exec (grpcio
 1.81 and later, grpc/grpc#43055), which kills a process a launcher, a test or a benchmark starts.
-fedhop never uses gRPC across a fork (deploy/forkstart.py forks only before grpc is imported),
+fedhop never uses gRPC across a fork (deploy/launch/forkstart.py forks only before grpc is imported),
 so the handlers are turned off, unless the environment says otherwise, before any gRPC runs;
 and fedhop's launchers start their children without a `preexec_fn` (Python then spawns them
 with vfork, which runs no fork handler): a child started with FEDHOP_DIE_WITH ties its life to

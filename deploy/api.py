@@ -2,7 +2,7 @@
 
 `run` plays the run as `fedhop run` does (it calls `run_local`, quiet, without the final table:
 separate OS processes, or every role in this process with run.engine = "inprocess") and returns a `RunResult`: plain Python objects read back from the run directory
-(summary.json, and run.db read-only through deploy/runread.py), the same object `load` returns for
+(summary.json, and run.db read-only through deploy/tools/runread.py), the same object `load` returns for
 that directory later.
 
 Errors are exceptions, not exit codes: a bad config (or a run folder `fedhop run` would refuse)
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhop.common.config import ConfigError, config_from_dict, config_to_toml, load_config
-from fedhop.deploy import runread
+from fedhop.deploy.tools import runread
 
 PANDAS_HINT = "pip install pandas (or pip install 'fedhop[pandas]')"
 
@@ -57,7 +57,7 @@ class RunResult:
 
     @property
     def columns(self) -> list[str]:
-        """The per-round table's columns, in order (deploy/runread.py `columns`)."""
+        """The per-round table's columns, in order (deploy/tools/runread.py `columns`)."""
         return runread.columns(self.rounds)
 
     def to_pandas(self):
@@ -155,7 +155,7 @@ def run(config: str | os.PathLike | Mapping[str, Any], *, set: Mapping[str, Any]
     current folder (default: a new runs/NAME-seedS-YYYYmmdd-HHMMSS there); one that holds an earlier run
     is refused (ConfigError) unless `force`, which replaces it.  `quiet=False` shows the progress
     bar.  `check=False` returns the result of a failed run instead of raising RunFailed."""
-    from fedhop.deploy.launcher import export_plugin_path
+    from fedhop.deploy.launch.launcher import export_plugin_path
     overrides = _overrides(set)
     with tempfile.TemporaryDirectory(prefix="fedhop-config-") as tmp:
         if isinstance(config, Mapping):
@@ -190,7 +190,7 @@ def run(config: str | os.PathLike | Mapping[str, Any], *, set: Mapping[str, Any]
 
 def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool, force: bool,
                on_run_dir: Callable[[Path], None]) -> tuple[int, str]:
-    from fedhop.deploy.launcher import run_local
+    from fedhop.deploy.launch.launcher import run_local
     tee = _Tee(None if quiet else sys.stderr)   # quiet: its errors are the exception's message, not printed
     saved, sys.stderr = sys.stderr, tee
     try:

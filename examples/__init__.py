@@ -1,2 +1,2 @@
 """The example configs, installed as data of this package: `fedhop examples` lists and copies them
-(deploy/examples.py).  Nothing here is meant to be imported."""
+(deploy/cli/examples.py).  Nothing here is meant to be imported."""

@@ -76,7 +76,7 @@ def _main(argv: list[str] | None) -> int:
     except (ConfigError, OSError) as exc:
         logging.error("%s", exc)
         return 2
-    if cfg.run.engine != "processes":   # every role inside `fedhop run` (deploy/inprocess.py): no server process
+    if cfg.run.engine != "processes":   # every role inside `fedhop run` (deploy/launch/inprocess.py): no server process
         logging.error("config key 'run.engine' = '%s' runs every role inside one `fedhop run` process; a server "
                       "process needs run.engine = \"processes\"", cfg.run.engine)
         return 2

@@ -554,7 +554,7 @@ class Coordinator:
             "algorithm": self.cfg.algorithm.name,
             "topology": self.cfg.topology.kind,
             "transport": self.cfg.transport.kind,   # whose framing the ledger counts, whichever engine ran
-            "engine": self.cfg.run.engine,           # separate processes, or every role in one (deploy/inprocess.py)
+            "engine": self.cfg.run.engine,           # separate processes, or every role in one (deploy/launch/inprocess.py)
             "rounds_completed": self.rounds_completed,
             "rounds_planned": self.cfg.run.rounds,
             "final": final,

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from fedhop.common.config import load_config, parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.launcher import LocalRun, read_progress, resume_local, run_local
+from fedhop.deploy.launch.launcher import LocalRun, read_progress, resume_local, run_local
 from fedhop.server.resilience import ledger_consistency
 from tests.faultkit import (
     FAST_LIVENESS,

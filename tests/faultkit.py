@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.launcher import read_progress
+from fedhop.deploy.launch.launcher import read_progress
 from fedhop.server.resilience import ledger_consistency
 from tests.helpers import quadratic_config
 
@@ -160,7 +160,7 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
     from fedhop.common.topologies.plan import plan_processes
     from fedhop.common.util.nodeids import id_spec
     from fedhop.common.util.rng import numpy_stream
-    from fedhop.deploy.launcher import LocalRun
+    from fedhop.deploy.launch.launcher import LocalRun
 
     cfg_file = tmp_path / "soak.toml"
     cfg_file.write_text(slow_quadratic(rounds, processes=processes, name="soak"))
@@ -203,5 +203,5 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
 
 
 def tail_log(run) -> str:
-    from fedhop.deploy.launcher import tail
+    from fedhop.deploy.launch.launcher import tail
     return tail(run.children[0].log, 30)

@@ -137,7 +137,7 @@ def install(wheel: Path, venv: Path) -> Installed:
 PROBE = r"""
 import importlib, json, re, sys
 import importlib.metadata as md
-import fedhop, fedhop.common, fedhop.deploy.cli, fedhop.deploy.launcher, fedhop.server, fedhop.client, fedhop.edge
+import fedhop, fedhop.common, fedhop.deploy.cli.cli, fedhop.deploy.launch.launcher, fedhop.server, fedhop.client, fedhop.edge
 norm = lambda s: re.sub(r"[-_.]+", "_", s).lower()
 dist = md.distribution("fedhop")
 tops = md.packages_distributions()
@@ -162,7 +162,7 @@ for text in dist.requires or []:
     deps[text] = {"version": version, "module": mod, "error": error}
 print(json.dumps({
     "fedhop_path": list(fedhop.__path__),
-    "modules": {m.__name__: m.__file__ for m in (fedhop.common, fedhop.deploy.cli, fedhop.deploy.launcher,
+    "modules": {m.__name__: m.__file__ for m in (fedhop.common, fedhop.deploy.cli.cli, fedhop.deploy.launch.launcher,
                                                  fedhop.server, fedhop.client, fedhop.edge)},
     "dist": str(dist.locate_file("")), "version": dist.version, "deps": deps, "sys_path": sys.path}))
 """

@@ -70,7 +70,7 @@ def _completed(run: attacks.Run) -> RunStore:
 # ----------------------------------------------------------------------------- B3.2
 def test_a_squatter_cannot_take_a_dead_clients_address_and_the_restart_trains(tmp_path):
     from fedhop.common.topologies.plan import plan_processes
-    from fedhop.deploy.launcher import LocalRun
+    from fedhop.deploy.launch.launcher import LocalRun
 
     rounds = 25   # the restart (a fresh interpreter) spans 3-6 rounds of ~1 s; the rest show it trains
     cfg_file = tmp_path / "squat.toml"

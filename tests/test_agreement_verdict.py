@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fedhop.common.config import load_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.launcher import LocalRun
+from fedhop.deploy.launch.launcher import LocalRun
 from fedhop.server.resilience import ledger_consistency
 from tests.faultkit import FAST_LIVENESS, slow_quadratic, wait_dead
 from tests.helpers import read_db, wait_until
@@ -88,14 +88,14 @@ def test_a_run_whose_one_sided_records_are_explained_losses_agrees_everywhere(tm
     assert verdict["ok"] is True, verdict
     assert verdict["unexplained"] == 0 and verdict["explained"] >= len(raw.sender_only) + len(raw.receiver_only)
     # fedhop report: the table's ledger column and report.md's agreement line
-    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "report", "run", "--out", "rep"],
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "report", "run", "--out", "rep"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "DISAGREE" not in res.stdout and "agree" in res.stdout, res.stdout
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "DISAGREE" not in md and "records agree" in md and "explained by a recorded loss" in md, md
     # merge-ledgers (idempotent here: nothing to add) prints the same verdict
-    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "merge-ledgers", "run"],
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "merge-ledgers", "run"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "0 records added" in res.stdout, (res.stdout, res.stderr)
     assert "records agree" in res.stdout and "DISAGREE" not in res.stdout, res.stdout

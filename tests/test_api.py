@@ -103,7 +103,7 @@ def test_to_pandas_without_pandas_says_how_to_install_it(finished, monkeypatch):
 
 
 def test_report_csv_rows_equal_the_run_db_rounds(finished, monkeypatch):
-    from fedhop.deploy.report import main
+    from fedhop.deploy.tools.report import main
     home, res = finished
     monkeypatch.chdir(home)
     assert main(["runs/x", "--out", "rep", "--csv", "rep/rows.csv", "--format", "svg"]) == 0

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from fedhop.deploy.cli import main as fedhop
+from fedhop.deploy.cli.cli import main as fedhop
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(46)
@@ -235,7 +235,7 @@ def test_in_memory_gives_the_grpc_runs_order_and_model(tmp_path_factory, tmp_pat
     import torch
 
     from fedhop.common.config import parse_config
-    from fedhop.deploy.inmemory import run_inmemory
+    from fedhop.deploy.launch.inmemory import run_inmemory
     grpc_run = run(tmp_path_factory, "fedbuff", "polynomial")
     summary, coord = run_inmemory(parse_config(config("fedbuff", "polynomial")), tmp_path)
     assert summary["status"] == "completed" and summary["asynchronous"]["server_versions"] == ROUNDS
@@ -251,7 +251,7 @@ def test_a_refused_reply_is_recorded_failed_and_left_out(tmp_path, monkeypatch):
     from fedhop.common.algorithms.fedavg import FedAvg
     from fedhop.common.config import parse_config
     from fedhop.common.records.runstore import RunStore
-    from fedhop.deploy.inmemory import run_inmemory
+    from fedhop.deploy.launch.inmemory import run_inmemory
     original = FedAvg.client_update
 
     def poisoned(self, ctx, message):

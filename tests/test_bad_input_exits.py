@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedhop.common.security.addresses import is_loopback
-from fedhop.deploy.cli import main as fedhop
+from fedhop.deploy.cli.cli import main as fedhop
 from fedhop.server.__main__ import main as server_main
 from tests.helpers import quadratic_config
 

@@ -19,7 +19,7 @@ from fedhop.common.transport.base import Batched, HandlerError, RemoteError
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.common.wire.codec import FRAME_OVERHEAD, PayloadError, bundle_bytes, split_bundle
 from fedhop.common.wire.ledger import Ledger
-from fedhop.deploy.launcher import run_local
+from fedhop.deploy.launch.launcher import run_local
 from tests.test_crossdevice import xd_config
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedhop.deploy.bench import main
+from fedhop.deploy.bench.bench import main
 
 
 def test_bench_transport_tiny(tmp_path, capsys):

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from fedhop.deploy.bench_large import MB, SyntheticParams, SyntheticTask, estimate_bytes, main
+from fedhop.deploy.bench.bench_large import MB, SyntheticParams, SyntheticTask, estimate_bytes, main
 
 
 def test_bench_large_tiny_figures_are_consistent(tmp_path, monkeypatch, capsys):
@@ -100,9 +100,9 @@ def test_bench_large_spreads_clients_over_fewer_processes(tmp_path, monkeypatch,
 
 
 def test_paired_transfers_take_turns():
-    """deploy/bench.py `paired`: one warm-up each, then repeat k starts with transfer k mod n, so a
+    """deploy/bench/bench.py `paired`: one warm-up each, then repeat k starts with transfer k mod n, so a
     change of the machine's load falls on every transfer alike; each gets `repeats` timed calls."""
-    from fedhop.deploy.bench import Transfer, paired
+    from fedhop.deploy.bench.bench import Transfer, paired
 
     calls: list[tuple[str, int]] = []
 

@@ -15,7 +15,7 @@ import pytest
 from fedhop.common.config import load_config
 from fedhop.common.data import fakedata
 from fedhop.common.models import build_model, num_parameters
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SMALL = ["run.rounds=2", "run.eval_every=2", "clients.count=4", "clients.per_round=2", "clients.processes=1"]
@@ -38,7 +38,7 @@ def test_femnist_example_runs_as_processes(tmp_path: Path) -> None:
     fakedata.femnist(tmp_path / "data" / "femnist", writers=8, mean=12, std=3, per_file=3)
     shutil.copy(EXAMPLES / "femnist_fedavg.toml", tmp_path / "femnist_fedavg.toml")
     sets = [a for kv in SMALL for a in ("--set", kv)]
-    proc = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "femnist_fedavg.toml", "--quiet",
+    proc = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "femnist_fedavg.toml", "--quiet",
                            "--out", "runs/femnist", *sets], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     _check("femnist_fedavg", json.loads((tmp_path / "runs" / "femnist" / "summary.json").read_text()))

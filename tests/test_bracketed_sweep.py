@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhop.deploy import sweep as sweep_mod
-from fedhop.deploy.bracket import Edge, edges, step_beyond, widen
-from fedhop.deploy.sweep import main
-from fedhop.deploy.sweep_spec import Dist, SweepSpecError, load_spec
+from fedhop.deploy.tools import sweep as sweep_mod
+from fedhop.deploy.tools.bracket import Edge, edges, step_beyond, widen
+from fedhop.deploy.tools.sweep import main
+from fedhop.deploy.tools.sweep_spec import Dist, SweepSpecError, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 LR_STAR, EPOCHS_STAR = 0.7, 3

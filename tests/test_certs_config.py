@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedhop.deploy.cli import main as fedhop
-from fedhop.deploy.launcher import run_local
+from fedhop.deploy.cli.cli import main as fedhop
+from fedhop.deploy.launch.launcher import run_local
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(5)
@@ -70,7 +70,7 @@ CLUSTER_KEYS = ("ca.pem", "ca.key", "issuer.key", "cluster.secret")
 
 
 def _certs_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "certs", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "certs", *args], capture_output=True, text=True,
                           timeout=120)
 
 

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.util.rng import numpy_stream
-from fedhop.deploy.inmemory import run_inmemory
-from fedhop.deploy.launcher import resume_local, run_local
+from fedhop.deploy.launch.inmemory import run_inmemory
+from fedhop.deploy.launch.launcher import resume_local, run_local
 from fedhop.topologies.chain.client import walk_of
 from fedhop.topologies.chain.rule import WalkRule, client_graph
 from tests.helpers import quadratic_config

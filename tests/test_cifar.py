@@ -110,7 +110,7 @@ def test_fashion_mnist_from_idx_files(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_run_with_a_missing_download_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
-    from fedhop.deploy.launcher import run_local
+    from fedhop.deploy.launch.launcher import run_local
     (tmp_path / "c.toml").write_text(_cfg("cifar10", "dirichlet"))
     monkeypatch.chdir(tmp_path)
     assert run_local("c.toml", [], "out", quiet=True) == 2

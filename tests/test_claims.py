@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fedhop.deploy.sweep_spec import load_spec
+from fedhop.deploy.tools.sweep_spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = sorted((REPO / "examples" / "claims").glob("*.toml"))
@@ -26,7 +26,7 @@ def test_every_spec_is_in_the_claims_page():
 @pytest.mark.parametrize("spec", SPECS, ids=[p.stem for p in SPECS])
 def test_claim_command_runs_in_tiny_mode(tmp_path, spec):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "fedhop.deploy.cli", "sweep", str(spec), "--out", str(out), "--set", "run.rounds=2",
+    cmd = [sys.executable, "-m", "fedhop.deploy.cli.cli", "sweep", str(spec), "--out", str(out), "--set", "run.rounds=2",
            "--set", "run.eval_every=1", "--seeds", "0", "--max-settings", "1", "--quiet"]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedhop.common.data import fakedata
-from fedhop.deploy.sweep_spec import load_spec
+from fedhop.deploy.tools.sweep_spec import load_spec
 
 SPEC = Path(__file__).resolve().parent.parent / "examples" / "claims" / "leaf" / "fedli_femnist.toml"
 
@@ -45,7 +45,7 @@ def test_femnist_niid_writers_differ_in_labels_and_style(tmp_path: Path) -> None
 def test_the_leaf_claim_runs_in_tiny_mode(tmp_path: Path) -> None:
     fakedata.femnist_niid(tmp_path / "data" / "femnist_niid", writers=30, mean=12, per_file=10)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "fedhop.deploy.cli", "sweep", str(SPEC), "--out", str(out), "--set", "run.rounds=2",
+    cmd = [sys.executable, "-m", "fedhop.deploy.cli.cli", "sweep", str(SPEC), "--out", str(out), "--set", "run.rounds=2",
            "--set", "run.eval_every=1", "--seeds", "0", "--max-settings", "1", "--quiet"]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -1,6 +1,6 @@
 """The command-line reference (docs/cli.md) against the parsers the commands really use.
 
-The page is generated (deploy/clidoc.py); these tests hold it to the committed text and check it
+The page is generated (deploy/cli/clidoc.py); these tests hold it to the committed text and check it
 against `fedhop ... --help` as a user's command line reaches each parser, not against the
 generator's own way of finding them."""
 from __future__ import annotations
@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from fedhop.deploy import clidoc
-from fedhop.deploy.cli import main as cli_main
+from fedhop.deploy.cli import clidoc
+from fedhop.deploy.cli.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "cli.md"
 
 
 def _help(capsys, monkeypatch, *argv: str) -> str:
-    """`fedhop ARGV --help`, in this process, through deploy/cli.py's dispatch."""
+    """`fedhop ARGV --help`, in this process, through deploy/cli/cli.py's dispatch."""
     monkeypatch.setenv("COLUMNS", "200")
     monkeypatch.setenv("FEDHOP_NO_MALLOC_TUNING", "1")   # `bench large` would re-execute Python first
     with pytest.raises(SystemExit) as stop:

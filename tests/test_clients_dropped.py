@@ -9,8 +9,8 @@ import pytest
 
 from fedhop.common.config import parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.inmemory import run_inmemory
-from fedhop.deploy.launcher import final_table
+from fedhop.deploy.launch.inmemory import run_inmemory
+from fedhop.deploy.launch.launcher import final_table
 from fedhop.server.coordinator import SHORT_ROUND_RETRIES
 from tests.helpers import quadratic_config
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fedhop.common.security.nodecred import SignedIdentity
-from fedhop.deploy.compose import compose_binary, compose_config
+from fedhop.deploy.launch.compose import compose_binary, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "docker-compose.yml"
@@ -72,7 +72,7 @@ def test_resolved_project_wires_health_restart_volume_and_scaling():
     for name, target in (("server", "127.0.0.1/7000"), ("edge-0", "edge-0/7100"), ("edge-1", "edge-1/7100")):
         # a TCP connect from bash: no Python process per check
         assert svc[name]["healthcheck"]["test"] == ["CMD", "bash", "-c", f"exec 3<>/dev/tcp/{target}"]
-    # the clients start with the server (its role waits for their count: deploy/role.py), the edges
+    # the clients start with the server (its role waits for their count: deploy/launch/role.py), the edges
     # once it listens: a client waiting for an edge would wait for ever (the edge for the server,
     # the server for the clients' count)
     assert {k: v["condition"] for k, v in svc["client"]["depends_on"].items()} == {"server": "service_started"}
@@ -249,7 +249,7 @@ def test_dockerfile_installs_dependencies_offline_before_the_source():
 
 def test_roles_import_no_analysis_packages():
     """What the server, edge and client processes import (the image leaves the rest out)."""
-    code = ("import sys, fedhop.deploy.role, fedhop.server.__main__, fedhop.edge.__main__, fedhop.client.__main__\n"
+    code = ("import sys, fedhop.deploy.launch.role, fedhop.server.__main__, fedhop.edge.__main__, fedhop.client.__main__\n"
             "from fedhop.common.data import datasets\n"
             "datasets.load_digits()\n"
             "try:\n    datasets.load_mnist('/nonexistent')\n"
@@ -348,8 +348,8 @@ def test_each_service_mounts_only_its_own_credentials(tmp_path, monkeypatch, cap
     each service, every client process a service of its own, mounts only its own folder at /certs:
     ca.pem and that node's pair and credential, never ca.key, issuer.key, cluster.secret or another
     node's files."""
-    from fedhop.deploy.certs import main as certs_main
-    from fedhop.deploy.compose import main as compose_main
+    from fedhop.deploy.launch.certs import main as certs_main
+    from fedhop.deploy.launch.compose import main as compose_main
     monkeypatch.chdir(tmp_path)          # the user's relative paths
     nodes = ["server", "edge-0", "edge-1", "client-proc0", "client-proc1", "client-proc2"]
     assert certs_main(["certs", "--nodes", ",".join(nodes)]) == 0
@@ -390,7 +390,7 @@ def test_each_service_mounts_only_its_own_credentials(tmp_path, monkeypatch, cap
     assert "abort" not in printed and "mutual TLS" in printed
     assert (tmp_path / "runs").is_dir()
     # a node whose pair is missing: one line naming the file, exit 2
-    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "compose", "certs", "--clients", "4",
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "compose", "certs", "--clients", "4",
                           "--file", str(BASE), "--out", "other"], capture_output=True, text=True, cwd=tmp_path,
                          timeout=120)
     assert res.returncode == 2 and "client-proc3.pem" in res.stderr and len(res.stderr.strip().splitlines()) == 1
@@ -411,7 +411,7 @@ def entrypoint(tmp: Path, env: dict[str, str], role: str = "server", as_root: bo
     never touches this machine, unless as_root."""
     script = tmp / "entrypoint.sh"
     script.write_text(ENTRYPOINT.read_text())
-    argv = ["sh", str(script), "sh", "-c", SHOW, "fedhop.deploy.role", role]
+    argv = ["sh", str(script), "sh", "-c", SHOW, "fedhop.deploy.launch.role", role]
     if os.geteuid() == 0 and not as_root:
         argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp,
@@ -486,12 +486,12 @@ def test_the_processes_run_as_the_invoking_user_and_own_the_run_folder(open_tmp)
 
 
 def test_a_roles_process_output_lands_in_the_run_folder(tmp_path):
-    """deploy/role.py copies its process's output to RUN/logs/NODE.log as well as to stdout (what
+    """deploy/launch/role.py copies its process's output to RUN/logs/NODE.log as well as to stdout (what
     `docker compose logs` shows), so a container's log stays with the run after `compose down` or a
     kill.  NODE is --node-id (a client or edge) or server; RUN is --run-dir or the ledger folder's parent."""
     run = tmp_path / "run"
     (run / "ledger").mkdir(parents=True)
-    code = ("import sys\nfrom fedhop.deploy.role import _run\n"
+    code = ("import sys\nfrom fedhop.deploy.launch.role import _run\n"
             "sys.exit(_run('client', ['--ledger-dir', sys.argv[1], '--node-id', 'client-proc7', '--help'], 't'))")
     res = subprocess.run([sys.executable, "-c", code, str(run / "ledger")], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
@@ -508,12 +508,12 @@ def test_fedhop_compose_outside_a_checkout_writes_the_packaged_file(tmp_path):
     printed command resolves from the user's folder; every host path it mounts is inside DIR.
     The printed lines also say that compose's "Aborting on container exit..." ends a completed
     run (issue 45, item 6).  tests/test_installed_journey.py runs the same from the wheel."""
-    from fedhop.deploy.compose import ABORT_LINE
+    from fedhop.deploy.launch.compose import ABORT_LINE
     nodes = "server,edge-0,edge-1,client-proc0,client-proc1"
-    made = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "certs", "certs", "--nodes", nodes],
+    made = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "certs", "certs", "--nodes", nodes],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert made.returncode == 0, made.stderr
-    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "compose", "certs", "--clients", "2", "--edges",
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "compose", "certs", "--clients", "2", "--edges",
                           "2", "--out", "cluster"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert res.returncode == 0, res.stderr
     printed = next(ln.strip() for ln in res.stdout.splitlines() if ln.strip().startswith("docker compose "))

@@ -19,7 +19,7 @@ from fedhop.common.numerics.sampling import local_batches
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.tasks import build_task
 from fedhop.common.util.rng import torch_stream
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 
 
 # ---------------------------------------------------------------------------- configs

@@ -20,7 +20,7 @@ import pytest
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.records.checkpoint import latest_checkpoint
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 D = 1000
@@ -185,7 +185,7 @@ PLUGIN = textwrap.dedent('''
 
 def fedhop_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -215,7 +215,7 @@ def test_a_sweep_spec_varies_compressor_settings(tmp_path):
     """`fedhop sweep` takes compressor keys as any dotted key: a grid over compression.ratio (and
     the compressor itself) is checked against the base config at load, and a misspelt one is one
     line naming it."""
-    from fedhop.deploy.sweep_spec import SweepSpecError, check_base_config, load_spec, setting_error
+    from fedhop.deploy.tools.sweep_spec import SweepSpecError, check_base_config, load_spec, setting_error
     (tmp_path / "base.toml").write_text(config('up = "topk"'))
     (tmp_path / "sweep.toml").write_text(textwrap.dedent('''
         [sweep]

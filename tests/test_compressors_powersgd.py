@@ -28,7 +28,7 @@ from fedhop.common.processors.compressors.lowrank import PowerSGD, orthogonalise
 from fedhop.common.processors.compressors.payload import TensorMemory
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.wire.codec import PayloadError
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 
 
 def held_out(shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 from fedhop.common.config import ConfigError, load_config
 from fedhop.common.util.suggest import did_you_mean
 
-FEDHOP = [sys.executable, "-m", "fedhop.deploy.cli"]
+FEDHOP = [sys.executable, "-m", "fedhop.deploy.cli.cli"]
 
 
 @pytest.mark.parametrize("word, names, hint", [
@@ -87,7 +87,7 @@ def test_a_strict_upper_bound_reads_as_one_in_the_reference_and_the_error(tmp_pa
     """fedadam's beta1 must be < 1: the reference shows [0.0, 1.0) (it said [0.0, 1.0] and then
     "must be < 1"), and 1.0 is refused by the loader with the same bound."""
     from fedhop.common.algorithms.fedopt import FedAdamParams
-    from fedhop.deploy.configref import allowed_text
+    from fedhop.deploy.cli.configref import allowed_text
     beta1 = next(f for f in __import__("dataclasses").fields(FedAdamParams) if f.name == "beta1")
     assert allowed_text(float, beta1.metadata) == "[0.0, 1.0)"
     path = tmp_path / "my.toml"

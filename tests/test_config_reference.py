@@ -16,7 +16,7 @@ from fedhop.common.config import SECTIONS, ConfigError, config_to_toml, load_con
 from fedhop.common.engine.heterogeneity import DevicesParams
 from fedhop.common.tasks import builtin_datasets, dataset_params_class
 from fedhop.common.topologies.graphs import TOPOLOGY_PARAMS
-from fedhop.deploy import configref
+from fedhop.deploy.cli import configref
 from fedhop.transports.torch.dist import TorchParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,13 +219,13 @@ def test_examples_round_trip(example):
 # ----------------------------------------------------------------------------- fedhop config show
 def _fedhop(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     fedhop = Path(sys.executable).parent / "fedhop"
-    cmd = [str(fedhop)] if fedhop.exists() else [sys.executable, "-m", "fedhop.deploy.cli"]
+    cmd = [str(fedhop)] if fedhop.exists() else [sys.executable, "-m", "fedhop.deploy.cli.cli"]
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
 def _show(capsys, *args: str) -> tuple[int, str, str]:
-    """`fedhop config ...` in this process (the dispatch of deploy/cli.py included)."""
-    from fedhop.deploy.cli import main
+    """`fedhop config ...` in this process (the dispatch of deploy/cli/cli.py included)."""
+    from fedhop.deploy.cli.cli import main
     code = main(["config", *args])
     out = capsys.readouterr()
     return code, out.out, out.err

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy import ledgers, report
+from fedhop.deploy.tools import ledgers, report
 
 
 def _record(i: int, **over) -> dict:
@@ -89,7 +89,7 @@ def test_a_huge_ledger_line_is_skipped_without_being_held_in_memory(tmp_path):
 def test_merge_ledgers_into_a_file_that_is_no_database_is_one_line_exit_2(tmp_path):
     run = _run_dir(tmp_path, [json.dumps(_record(0))])
     (run / "run.db").write_bytes(b"not a database at all " * 100)
-    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "merge-ledgers", "run"], cwd=tmp_path,
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "merge-ledgers", "run"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert res.stderr.count("\n") == 1 and "run.db" in res.stderr and "Traceback" not in res.stderr, res.stderr

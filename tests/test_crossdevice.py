@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from fedhop.common.config import parse_config
 from fedhop.common.tasks import build_task
 from fedhop.common.util.rng import numpy_stream
-from fedhop.deploy.launcher import run_local
+from fedhop.deploy.launch.launcher import run_local
 
 
 def xd_config(count=5000, per_round=20, processes=2, rounds=3, seed=4, data="", model='kind = "logreg"') -> str:

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.dashboard import PAGE, _graph, snapshot
+from fedhop.deploy.tools.dashboard import PAGE, _graph, snapshot
 from tests.helpers import quadratic_config
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -131,7 +131,7 @@ def test_dashboard_shows_the_final_tables_bytes_in_headless_chromium(tmp_path):
     cfg = tmp_path / "h.toml"
     cfg.write_text(text)
     out = tmp_path / "run"
-    launcher = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "run", str(cfg), "--out", str(out),
+    launcher = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", str(cfg), "--out", str(out),
                                  "--quiet", "--dashboard", "0"], cwd=tmp_path, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
     try:
@@ -236,7 +236,7 @@ def test_the_page_refuses_a_host_header_of_another_site(tmp_path):
     import http.client
     import socket
 
-    from fedhop.deploy.dashboard import allowed_host, serve
+    from fedhop.deploy.tools.dashboard import allowed_host, serve
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.toml").write_text('[run]\nname = "hosts"\n')

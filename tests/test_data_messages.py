@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-FEDHOP = [sys.executable, "-m", "fedhop.deploy.cli"]
+FEDHOP = [sys.executable, "-m", "fedhop.deploy.cli.cli"]
 
 
 @pytest.mark.parametrize("sets, fix", [

@@ -1,4 +1,4 @@
-"""`fedhop data show CONFIG.toml` (deploy/datashow.py): its statistics against numpy computed from the
+"""`fedhop data show CONFIG.toml` (deploy/tools/datashow.py): its statistics against numpy computed from the
 files and the partition directly, its PNG, and its one-line errors."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 from fedhop.common.config import parse_config
 from fedhop.common.data import fakedata
 from fedhop.common.tasks import build_task
-from fedhop.deploy.cli import main as cli_main
-from fedhop.deploy.datashow import partition_stats
+from fedhop.deploy.cli.cli import main as cli_main
+from fedhop.deploy.tools.datashow import partition_stats
 
 FEMNIST = """
 [run]
@@ -31,7 +31,7 @@ count = 9
 
 
 def _show(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "data", "show", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "data", "show", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -21,8 +21,8 @@ from fedhop.common.config import parse_config
 from fedhop.common.data import cifar, fakedata
 from fedhop.common.data.datasets import write_idx
 from fedhop.common.tasks import build_task
-from fedhop.deploy.cli import main as cli_main
-from fedhop.deploy.datafetch import CATALOG
+from fedhop.deploy.cli.cli import main as cli_main
+from fedhop.deploy.tools.datafetch import CATALOG
 
 
 class _RangeHandler(http.server.SimpleHTTPRequestHandler):
@@ -76,7 +76,7 @@ def server(tmp_path: Path):
 
 def _fetch(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """`fedhop data fetch ARGS` as a user runs it: its own process, in `cwd`."""
-    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "data", "fetch", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "data", "fetch", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 

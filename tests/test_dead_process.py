@@ -22,7 +22,7 @@ from fedhop.common.records.runstore import RunStore
 from fedhop.common.topologies.plan import plan_processes
 from fedhop.common.transport.liveness import SETUP_GRACE, LivenessMonitor, live_pool, unreachable
 from fedhop.common.wire import fedhop_pb2 as pb
-from fedhop.deploy.launcher import LocalRun, read_progress
+from fedhop.deploy.launch.launcher import LocalRun, read_progress
 from tests.helpers import quadratic_config
 
 COUNT, PER_ROUND, ROUNDS, KILL_AFTER = 20, 3, 40, 2

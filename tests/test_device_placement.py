@@ -95,7 +95,7 @@ def test_plan_devices_put_each_process_of_a_hierarchical_plan_somewhere():
 def test_a_device_this_machine_lacks_is_refused_before_any_process_starts(tmp_path, override, key):
     (tmp_path / "exp.toml").write_text('[topology]\nkind = "hierarchical"\nedges = 1\n'
                                        '[run]\nrounds = 1\n[clients]\ncount = 2\nprocesses = 1\n')
-    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "exp.toml", "--out", "runs/a",
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "runs/a",
                            "--set", override], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
@@ -123,7 +123,7 @@ class StandInEndpoint(inmemory_transport.InMemoryEndpoint):
 
 @pytest.mark.parametrize("topology", ['kind = "star"', 'kind = "hierarchical"\nedges = 2'])
 def test_a_tensor_crosses_the_seam_once_per_received_message(tmp_path, monkeypatch, topology):
-    from fedhop.deploy import inmemory, inprocess
+    from fedhop.deploy.launch import inmemory, inprocess
     text = (f'[run]\nrounds = 3\nseed = 4\n[topology]\n{topology}\n[algorithm]\nname = "scaffold"\nlocal_steps = 3\n'
             '[clients]\ncount = 6\nper_round = 4\nprocesses = 2\n[transport]\nkind = "inmemory"\n')
     _, plain = inmemory.run_inmemory(parse_config(text), tmp_path / "plain")
@@ -195,7 +195,7 @@ def test_the_gpu_overlay_tells_every_pod_with_a_gpu_to_compute_on_it():
 def test_bench_gpu_says_so_and_exits_0_without_cuda(tmp_path):
     if td.cuda_count() > 0:
         pytest.skip("tests/test_gpu.py runs the benchmark on a GPU")
-    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "bench", "gpu", "--json", "g.json"],
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "bench", "gpu", "--json", "g.json"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "no CUDA device" in done.stdout
     assert json.loads((tmp_path / "g.json").read_text()) == {"cuda": False, "rows": []}

@@ -20,7 +20,7 @@ from fedhop.common.engine.heterogeneity import (
     straggler_count,
 )
 from fedhop.common.wire.codec import PayloadError
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(3)

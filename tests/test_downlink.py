@@ -32,7 +32,7 @@ from fedhop.common.records.checkpoint import list_checkpoints, load_checkpoint
 from fedhop.common.topologies.plan import plan_processes
 from fedhop.common.wire.codec import PayloadError, decode_frames, encode, make_envelope
 from fedhop.common.wire.message import Payload
-from fedhop.deploy.launcher import resume_local, run_local
+from fedhop.deploy.launch.launcher import resume_local, run_local
 
 K = 20   # top-k's elements kept per tensor (k fixed, so the numpy replay needs no rounding rule)
 
@@ -241,7 +241,7 @@ def test_coded_broadcasts_over_grpc_equal_the_engine_and_their_bytes(tmp_path):
     from the reference), and every train message's tensor bytes are the coded differences its
     process missed (by the engine's replay of the same broadcasts) or the plain model."""
     (tmp_path / "exp.toml").write_text(BASE)
-    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "exp.toml", "--out", "runs/d", "--quiet"],
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "runs/d", "--quiet"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "runs" / "d"
@@ -309,7 +309,7 @@ def kept_versions(sizes: dict[int, int], r: int, plain: int) -> list[int]:
 def test_a_bad_downlink_key_is_one_line_and_exit_2(tmp_path, setting, needle):
     text = BASE.split("[compression]")[0] + "[compression]\n" + setting + "\n"
     (tmp_path / "bad.toml").write_text(text)
-    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "bad.toml", "--out", "runs/b"],
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "bad.toml", "--out", "runs/b"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     lines = [line for line in done.stderr.splitlines() if line.strip()]
@@ -364,7 +364,7 @@ def test_the_model_does_not_depend_on_which_messages_were_coded(tmp_path, topolo
     count = parse_config(text).clients.count
     runs = {}
     for processes in (2, count):
-        done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "exp.toml", "--out", f"runs/p{processes}",
+        done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", f"runs/p{processes}",
                                "--quiet", "--set", f"clients.processes={processes}"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -423,7 +423,7 @@ def test_two_compressed_runs_at_once_match_the_same_runs_alone(tmp_path):
                 "down": ["--set", 'compression.down="powersgd"', "--set", "compression.down_keys={rank = 2}"]}
 
     def start(name: str, out: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "run", "exp.toml", "--out", out,
+        return subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", out,
                                  "--quiet", *settings[name]], cwd=tmp_path, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.util.rng import numpy_stream
-from fedhop.deploy.inmemory import run_inmemory
-from fedhop.deploy.launcher import run_local
+from fedhop.deploy.launch.inmemory import run_inmemory
+from fedhop.deploy.launch.launcher import run_local
 from tests.helpers import numpy_fedavg_round, quadratic_config
 
 RNG = np.random.default_rng(5)

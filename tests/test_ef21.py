@@ -127,7 +127,7 @@ error_feedback = "ef21"
 
 def test_a_grpc_run_with_ef21_equals_the_engine_bit_for_bit(tmp_path):
     (tmp_path / "exp.toml").write_text(CONFIG)
-    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "exp.toml", "--out", "runs/e", "--quiet"],
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "runs/e", "--quiet"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     engine = RoundEngine(parse_config(CONFIG))

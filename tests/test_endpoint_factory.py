@@ -146,7 +146,7 @@ def test_fedhop_run_refuses_a_one_process_transport_with_one_line(tmp_path):
     rng = np.random.default_rng(5)
     (tmp_path / "c.toml").write_text(quadratic_config(rng.normal(size=(3, 2)), rng.uniform(0.5, 2, size=(3, 2)),
                                                       [2, 3, 4], rounds=1))
-    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "c.toml", "--out", "r",
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "c.toml", "--out", "r",
                            "--set", "transport.kind=inmemory"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2

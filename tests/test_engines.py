@@ -1,5 +1,5 @@
-"""The in-memory engine (deploy/inmemory.py, transport.kind = "inmemory") and a run of real
-processes over gRPC (`fedhop run`, deploy/launcher.py) keep the same ledger and reach the same
+"""The in-memory engine (deploy/launch/inmemory.py, transport.kind = "inmemory") and a run of real
+processes over gRPC (`fedhop run`, deploy/launch/launcher.py) keep the same ledger and reach the same
 model: every message the two runs send has the same round, ends, method and tensor, payload
 and framed bytes (the framing decided for both by common/transport/base.py's helpers).
 
@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 from fedhop.common.config import parse_config
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.wire import fedhop_pb2 as pb
-from fedhop.deploy.inmemory import run_inmemory
-from fedhop.deploy.launcher import run_local
+from fedhop.deploy.launch.inmemory import run_inmemory
+from fedhop.deploy.launch.launcher import run_local
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(3)

@@ -1,4 +1,4 @@
-"""`fedhop examples` (deploy/examples.py): the example configs ship inside the package, are listed
+"""`fedhop examples` (deploy/cli/examples.py): the example configs ship inside the package, are listed
 with their first comment line, and are copied into a user's folder with the files they reference,
 never over a file the user has.  Run as the command a user types, from a folder outside the checkout;
 tests/test_installed.py runs the copy from an installed wheel."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FEDHOP = [sys.executable, "-m", "fedhop.deploy.cli", "examples"]
+FEDHOP = [sys.executable, "-m", "fedhop.deploy.cli.cli", "examples"]
 
 
 def examples(*args: str, cwd: Path) -> subprocess.CompletedProcess:

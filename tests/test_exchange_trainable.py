@@ -31,8 +31,8 @@ from fedhop.common.records.checkpoint import (
 )
 from fedhop.common.tasks import build_task
 from fedhop.common.util import plugins
-from fedhop.deploy.inmemory import run_inmemory
-from fedhop.deploy.launcher import resume_local, run_local
+from fedhop.deploy.launch.inmemory import run_inmemory
+from fedhop.deploy.launch.launcher import resume_local, run_local
 
 SIZES = [7, 12, 5, 9]          # samples per client (FedAvg's weights)
 D, H, C = 5, 4, 3              # features, frozen hidden width, classes
@@ -272,7 +272,7 @@ def test_a_plugin_selects_by_name_and_is_subject_to_the_allow_list(tmp_path, mon
 def test_a_pattern_that_matches_nothing_is_one_line_and_exit_2(tmp_path):
     _write_data(tmp_path)
     (tmp_path / "bad.toml").write_text(_config(model='freeze = ["layers.0.*", "conv9.*"]\nexchange = "trainable"'))
-    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "bad.toml", "--out", "r"], cwd=tmp_path,
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "bad.toml", "--out", "r"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()

@@ -1,5 +1,5 @@
 """kill -9 of a client process, of an edge process and of the server in the middle of a round,
-with real OS processes (deploy.launcher): the run completes (the server's after `fedhop run
+with real OS processes (deploy.launch.launcher): the run completes (the server's after `fedhop run
 --resume`), run.db holds every round exactly once, the summary counts the failures, the ledger
 is consistent, the model is exactly FedAvg over the results that arrived, and no process is left
 behind.  Plus a seeded soak: clients killed and restarted at random times."""
@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import load_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.launcher import LocalRun, resume_local, run_local
+from fedhop.deploy.launch.launcher import LocalRun, resume_local, run_local
 from tests.faultkit import (
     FAST_LIVENESS,
     check_run_db,

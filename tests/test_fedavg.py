@@ -7,7 +7,7 @@ import torch
 
 from fedhop.common.config import parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import numpy_fedavg_round, quadratic_config
 
 RNG = np.random.default_rng(42)

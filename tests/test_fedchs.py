@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from fedhop.common.config import ConfigError, load_config, parse_config
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.topologies.graphs import random_graph
-from fedhop.deploy.inmemory import run_inmemory
-from fedhop.deploy.launcher import LocalRun, read_progress, run_local
+from fedhop.deploy.launch.inmemory import run_inmemory
+from fedhop.deploy.launch.launcher import LocalRun, read_progress, run_local
 from fedhop.topologies.sequential.rule import edge_graph
 from tests.helpers import quadratic_config
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from fedhop.common.records.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.launcher import resume_local, run_local
+from fedhop.deploy.launch.launcher import resume_local, run_local
 from tests.test_fedchs import ASSIGN, CENTERS, GRAPH, SIZES, D, closed_form, etas, fedchs_config
 
 K, LR, ROUNDS = 3, 1.0, 6

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from fedhop.common.algorithms.local import set_params
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.tasks import build_task
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.test_composite import toml
 
 A = 3.0

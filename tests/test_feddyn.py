@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedhop.common.config import ConfigError, parse_config
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(8)

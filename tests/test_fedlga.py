@@ -18,7 +18,7 @@ from fedhop.common.config import parse_config
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.tasks import build_task
 from fedhop.common.util.rng import torch_stream
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ from fedhop.common.tasks.base import ClientData, Task
 from fedhop.common.tasks.quadratic import VectorModel
 from fedhop.common.util.rng import torch_stream
 from fedhop.common.wire import fedhop_pb2 as pb
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 

@@ -11,7 +11,7 @@ from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import Payload
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(11)

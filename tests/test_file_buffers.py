@@ -39,7 +39,7 @@ from fedhop.common.wire import filebacked
 from fedhop.common.wire.codec import RECV_BUFFERS, FrameDecoder, PayloadError, encode
 from fedhop.common.wire.filebacked import FileBuffers, file_backed
 from fedhop.common.wire.message import CHUNK, _top, tensor_finite
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.test_streaming_buffers import id_order
 
 pytestmark = pytest.mark.skipif(not filebacked.supported(), reason="needs Linux's O_TMPFILE and madvise")
@@ -240,17 +240,17 @@ def grpc_round(tmp_path: Path, tag: str, mb: int, clients: int, files: bool) -> 
     work.mkdir()
     (work / "run.toml").write_text(large_model_config(
         f"files-{tag}", rounds=1, mb=mb, clients=clients, run="round_timeout = 600.0\ncall_timeout = 600.0\n"))
-    # glibc returns every large block on free (deploy/malloc.py keeps freed blocks for reuse), so the
+    # glibc returns every large block on free (deploy/launch/malloc.py keeps freed blocks for reuse), so the
     # resident size follows what is alive, not what the heap kept from before the round
     env = dict(os.environ, FEDHOP_FILE_BUFFERS="1" if files else "0", MALLOC_MMAP_THRESHOLD_="131072",
                MALLOC_TRIM_THRESHOLD_="131072", MALLOC_TOP_PAD_="0")
-    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "run.toml", "--out", "out", "--quiet"],
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "run.toml", "--out", "out", "--quiet"],
                           cwd=work, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((work / "out" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["aggregation"]["streamed_rounds"] == 1
     w = load_file(str(work / "out" / "model.safetensors"))["w"]
-    # one step of FedAvg from 0: w = lr * mean(t_i), t_i = i + 1 (deploy/bench_large.py), exactly
+    # one step of FedAvg from 0: w = lr * mean(t_i), t_i = i + 1 (deploy/bench/bench_large.py), exactly
     assert torch.equal(w, torch.full_like(w, 0.5 * (clients + 1) / 2)), "the closed form"
     return summary
 

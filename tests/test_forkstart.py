@@ -1,4 +1,4 @@
-"""deploy/forkstart.py: a forked child behaves as `python -m MODULE` would, and the launcher's
+"""deploy/launch/forkstart.py: a forked child behaves as `python -m MODULE` would, and the launcher's
 own state (atexit handlers, environment, stdout) stays the launcher's."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fedhop.deploy.forkstart import ForkedProcess, tune_malloc
-from fedhop.deploy.malloc import TUNED_MALLOC_ENV
+from fedhop.deploy.launch.forkstart import ForkedProcess, tune_malloc
+from fedhop.deploy.launch.malloc import TUNED_MALLOC_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ sys.exit(3)
 LAUNCHER = '''
 import atexit, json, os, signal, subprocess, sys
 from pathlib import Path
-from fedhop.deploy.forkstart import allow_fork, fork_allowed, fork_module
+from fedhop.deploy.launch.forkstart import allow_fork, fork_allowed, fork_module
 tmp = Path({tmp!r})
 assert not fork_allowed()   # not without opting in
 allow_fork()
@@ -91,7 +91,7 @@ def test_forked_child_is_its_own_process_and_leaves_the_launchers_state_alone(tm
 
 @pytest.mark.parametrize("setting, expected", [("", True), ("exec", False)])
 def test_fork_is_refused_once_grpc_is_imported_or_exec_is_asked_for(setting: str, expected: bool) -> None:
-    code = ("from fedhop.deploy.forkstart import allow_fork, fork_allowed; "
+    code = ("from fedhop.deploy.launch.forkstart import allow_fork, fork_allowed; "
             "allow_fork(); a = fork_allowed(); import grpc; print(a, fork_allowed())")
     env = dict(os.environ, FEDHOP_START=setting)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
@@ -107,8 +107,8 @@ def test_forked_process_reports_a_child_reaped_elsewhere() -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc")
 def test_malloc_tuning_is_accepted_by_glibc() -> None:
-    code = ("import json; from fedhop.deploy.forkstart import tune_malloc; "
-            "from fedhop.deploy.malloc import TUNED_MALLOC_ENV; print(json.dumps(tune_malloc(dict(TUNED_MALLOC_ENV))))")
+    code = ("import json; from fedhop.deploy.launch.forkstart import tune_malloc; "
+            "from fedhop.deploy.launch.malloc import TUNED_MALLOC_ENV; print(json.dumps(tune_malloc(dict(TUNED_MALLOC_ENV))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert json.loads(done.stdout) == {key: True for key in TUNED_MALLOC_ENV}
     assert tune_malloc({"MALLOC_TOP_PAD_": "not-a-number"}) == {}

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.cli import main as fedhop
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.cli.cli import main as fedhop
+from fedhop.deploy.launch.inmemory import run_inmemory
 from fedhop.topologies.gossip.client import gossip_of
 from fedhop.topologies.gossip.rule import GossipRule, mh_weights, random_regular_graph
 from tests.helpers import quadratic_config
@@ -171,7 +171,7 @@ def test_fedhop_run_from_outside_the_repo_in_real_processes(tmp_path):
     rounds, K, lr = 3, 2, 0.15
     text = quadratic_config(CENTERS, CURV, SIZES, rounds=rounds, local_steps=K, lr=lr, processes=2, name="g")
     (tmp_path / "quad.toml").write_text(text)
-    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "quad.toml", "--out", "runs/g", "--quiet",
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "quad.toml", "--out", "runs/g", "--quiet",
                            "--set", "topology.kind=gossip", "--set", f"topology.gossip_edges={json.dumps(EDGES)}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

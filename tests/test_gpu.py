@@ -72,7 +72,7 @@ ON_GPU = ["run.device=cuda", "edges.device=cuda", "clients.device=cuda"]
 def run(folder: Path, name: str, overrides: list[str]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "exp.toml").write_text(BASE)
-    args = [sys.executable, "-m", "fedhop.deploy.cli", "run", "exp.toml", "--out", f"runs/{name}", "--quiet"]
+    args = [sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", f"runs/{name}", "--quiet"]
     for o in overrides:
         args += ["--set", o]
     done = subprocess.run(args, cwd=folder, capture_output=True, text=True, timeout=600)
@@ -162,7 +162,7 @@ def test_a_cuda_run_is_reproducible_from_its_seed(tmp_path):
 def test_nccl_on_too_few_gpus_is_refused_before_any_process_starts(tmp_path):
     (tmp_path / "exp.toml").write_text(BASE)
     extra = cuda_count() + 1   # one client process more than the machine has GPUs beside the server's
-    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "exp.toml", "--out", "runs/n",
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "runs/n",
                            "--set", "transport.kind=torch", "--set", "transport.backend=nccl",
                            "--set", f"clients.processes={extra}"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
@@ -173,7 +173,7 @@ def test_nccl_on_too_few_gpus_is_refused_before_any_process_starts(tmp_path):
 
 def test_bench_gpu_prints_its_ratio(tmp_path):
     figures = tmp_path / "gpu.json"
-    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "bench", "gpu", "--tiny", "--json", str(figures)],
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "bench", "gpu", "--tiny", "--json", str(figures)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(figures.read_text())["rows"]

@@ -1,5 +1,5 @@
 """A hosts file's strings never become shell code or ssh options (issue 26, item 7;
-deploy/hosts.py): `env` names must be shell names and their values reach the remote shell
+deploy/launch/hosts.py): `env` names must be shell names and their values reach the remote shell
 verbatim; an ssh target that starts with '-' or holds whitespace or a control character is a
 one-line error, exit 2, before any process starts."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from fedhop.common.config import parse_config
-from fedhop.deploy.hosts import hosts_from_dict, plan_roles, role_command
-from fedhop.deploy.hosts import main as launch_main
+from fedhop.deploy.launch.hosts import hosts_from_dict, plan_roles, role_command
+from fedhop.deploy.launch.hosts import main as launch_main
 
 CFG = '[run]\nname = "q"\nrounds = 1\n[clients]\ncount = 2\n'
 
@@ -27,7 +27,7 @@ def _launch_dry_run(tmp_path: Path, host_lines: str) -> subprocess.CompletedProc
     """`fedhop launch hosts.toml exp.toml --dry-run` from tmp_path, as a process."""
     (tmp_path / "hosts.toml").write_text(_hosts_toml(host_lines))
     (tmp_path / "exp.toml").write_text(CFG)
-    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "launch", "hosts.toml", "exp.toml", "--dry-run"],
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "launch", "hosts.toml", "exp.toml", "--dry-run"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
 

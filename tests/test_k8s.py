@@ -117,7 +117,7 @@ def test_every_overlay_renders_validates_and_is_labelled_built_and_restricted(pa
         if w["kind"] == "Job":
             assert w["spec"]["backoffLimit"] == 0 and spec["restartPolicy"] == "Never", w["metadata"]["name"]
             assert "FEDHOP_HOLD" not in str(spec)
-    assert "FEDHOP_HOLD" not in env_of(docs)   # roles end with the run (deploy/role.py)
+    assert "FEDHOP_HOLD" not in env_of(docs)   # roles end with the run (deploy/launch/role.py)
 
 
 @needs_kubectl
@@ -275,7 +275,7 @@ def test_node_secrets_hold_only_the_nodes_own_files(tmp_path):
     docs = render("overlays/hierarchical")
     env = env_of(docs)
     plan = plan_processes(config_of(env, int(env["FEDHOP_CLIENT_PROCESSES"])))
-    from fedhop.deploy.certs import main as certs_main
+    from fedhop.deploy.launch.certs import main as certs_main
     assert certs_main([str(tmp_path / "certs"), "--nodes", ",".join(plan.node_ids)]) == 0
     assert (tmp_path / "certs" / "cluster.secret").exists() and (tmp_path / "certs" / "issuer.key").exists()
     res = subprocess.run([str(K8S / "node-secrets.sh"), str(tmp_path / "certs"), *plan.node_ids],
@@ -321,7 +321,7 @@ def test_a_member_role_leaves_with_the_runs_status(tmp_path, recorded, expected)
     status the server's role recorded in RUN/server.exit (0 when none appeared in time)."""
     import signal
 
-    from fedhop.deploy.role import SERVER_EXIT, linger_until_server_exits
+    from fedhop.deploy.launch.role import SERVER_EXIT, linger_until_server_exits
     if recorded is not None:
         (tmp_path / SERVER_EXIT).write_text(recorded)
     before = signal.getsignal(signal.SIGTERM)
@@ -337,7 +337,7 @@ def test_a_member_role_leaves_with_the_runs_status(tmp_path, recorded, expected)
     ({"FEDHOP_MTLS": "1", "FEDHOP_CERTS_DIR": "{certs}"}, "server.pem"),  # a folder without the node's Secret
 ])
 def test_a_role_that_could_not_start_is_refused_before_it_announces_a_run(tmp_path, security, needle):
-    """deploy/role.py server on 0.0.0.0 (what the Job runs): a security setting its process would
+    """deploy/launch/role.py server on 0.0.0.0 (what the Job runs): a security setting its process would
     refuse ends the role with one line and status 2 before it makes a run folder or writes
     RUNS/current, so no client joins a run that cannot happen."""
     import os
@@ -348,7 +348,7 @@ def test_a_role_that_could_not_start_is_refused_before_it_announces_a_run(tmp_pa
     env.update(FEDHOP_RUNS=str(tmp_path / "runs"), FEDHOP_CONFIG=str(ROOT / "examples" / "fedavg_digits.toml"),
                FEDHOP_CLIENT_PROCESSES="2", PYTHONPATH=str(ROOT))
     env.update({k: v.format(certs=tmp_path / "certs") for k, v in security.items()})
-    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.role", "server", "--listen", "0.0.0.0:7000"],
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.launch.role", "server", "--listen", "0.0.0.0:7000"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
     assert len(res.stderr.strip().splitlines()) == 1 and "refusing to start" in res.stderr, res.stderr

@@ -1,4 +1,4 @@
-"""`fedhop k8s CONFIG --out DIR` (deploy/k8s_render.py): the user's own experiment on Kubernetes
+"""`fedhop k8s CONFIG --out DIR` (deploy/launch/k8s_render.py): the user's own experiment on Kubernetes
 without a clone (issue 45, item 5).  Run as a user runs it, from a folder outside the checkout with
 relative paths; every object is validated against the Kubernetes schemas (kubernetes-validate,
 strict), the Jobs are the config's process plan, the config and plug-in files travel in a ConfigMap
@@ -20,7 +20,7 @@ from fedhop.common.topologies.plan import plan_processes
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed (it is in the dev extra)")
 
 ROOT = Path(__file__).resolve().parents[1]
-FEDHOP = [sys.executable, "-m", "fedhop.deploy.cli"]
+FEDHOP = [sys.executable, "-m", "fedhop.deploy.cli.cli"]
 
 
 def fedhop(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from fedhop.common.config import parse_config
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.security.nodecred import SignedIdentity
-from fedhop.deploy.hosts import (
+from fedhop.deploy.launch.hosts import (
     HostsError,
     Launch,
     hosts_from_dict,
@@ -33,7 +33,7 @@ from fedhop.deploy.hosts import (
     remote_argv,
     role_command,
 )
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,9 +68,9 @@ def test_plan_star_allocates_counts_in_host_order_with_ports_and_parents():
 
 def test_every_launcher_gives_edges_and_clients_the_configured_window():
     """`transport.window_bytes` reaches every child process's flags: the hosts launcher's and Slurm's
-    argv for edges and client processes (the local launcher's are the same lists, deploy/launcher.py)."""
-    from fedhop.deploy.hosts import role_argv
-    from fedhop.deploy.slurm import task_list
+    argv for edges and client processes (the local launcher's are the same lists, deploy/launch/launcher.py)."""
+    from fedhop.deploy.launch.hosts import role_argv
+    from fedhop.deploy.launch.slurm import task_list
 
     cfg = parse_config(cfg_text(HIER).replace("[transport]\n", "[transport]\nwindow_bytes = 1048576\n"))
     hf = hosts_from_dict(hosts({"name": "s", "address": "10.0.0.1", "server": True, "edges": [0, 1], "clients": 6}))
@@ -200,7 +200,7 @@ def _write_hosts(path: Path, body: str) -> Path:
 
 
 def _launch(hosts_file: Path, cfg_file: Path, out: Path, *extra: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "launch", str(hosts_file), str(cfg_file), "--out",
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "launch", str(hosts_file), str(cfg_file), "--out",
                            str(out), "--quiet", *extra], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -318,7 +318,7 @@ def test_launch_stops_everything_when_a_role_fails(tmp_path):
 
 # ----------------------------------------------------------------------------- emulated hosts (root)
 def _netns_reason() -> str | None:
-    from fedhop.deploy.netsim import netns_unavailable
+    from fedhop.deploy.launch.netsim import netns_unavailable
     return netns_unavailable()
 
 
@@ -327,7 +327,7 @@ def test_launch_hierarchical_on_four_emulated_hosts_with_ip_netns_exec(tmp_path)
     reason = _netns_reason()
     if reason:
         pytest.skip(f"needs network namespaces: {reason}")
-    from fedhop.deploy.netsim import EmulatedNetwork, cleanup_stale
+    from fedhop.deploy.launch.netsim import EmulatedNetwork, cleanup_stale
     cleanup_stale()
     text = cfg_text(HIER, processes=4) + "\n[security]\ninsecure = true   # emulated hosts: plaintext, explicitly\n"
     cfg_file = tmp_path / "exp.toml"
@@ -394,7 +394,7 @@ def test_launch_ctrl_c_stops_every_role(tmp_path):
         clients = 6
         client_port = {p_a}
     """)
-    proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "launch", str(hf), str(cfg_file), "--out",
+    proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "launch", str(hf), str(cfg_file), "--out",
                              str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT)
     deadline = time.monotonic() + 180              # generous bounds: they hold on a loaded machine
@@ -414,7 +414,7 @@ def test_launch_ctrl_c_stops_every_role(tmp_path):
     # the stopped run came back whole: a run.db without -wal beside it, which merge-ledgers accepts
     out = tmp_path / "out"
     assert (out / "run.db").exists() and not (out / "run.db-wal").exists(), sorted(p.name for p in out.iterdir())
-    merged = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "merge-ledgers", str(out)],
+    merged = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "merge-ledgers", str(out)],
                             capture_output=True, text=True, timeout=120)
     assert merged.returncode == 0, merged.stderr[-2000:]
     with RunStore(out / "run.db", create=False) as store:
@@ -426,7 +426,7 @@ def test_launch_runs_mutual_tls_by_default_and_plaintext_only_by_name(capsys, tm
     certificate folder and --mtls, and the launch says so in one line; plaintext only with
     security.insecure = true, said in one line too.  A dry run makes nothing in the folder it
     runs in."""
-    from fedhop.deploy.hosts import main as launch
+    from fedhop.deploy.launch.hosts import main as launch
     monkeypatch.chdir(tmp_path)
     args = [str(ROOT / "examples" / "hosts.toml"), str(ROOT / "examples" / "fedavg_digits.toml"), "--dry-run"]
     assert launch(args) == 0
@@ -450,7 +450,7 @@ def test_launch_runs_mutual_tls_by_default_and_plaintext_only_by_name(capsys, tm
 def test_a_hosts_file_port_of_zero_is_bound_by_the_process_and_never_shared():
     """Port 0 in a hosts file: every process of that kind binds its own (no two roles planned on
     one chosen port); the launcher reads the port from the process's "serving at" line."""
-    from fedhop.deploy.hosts import reported_port
+    from fedhop.deploy.launch.hosts import reported_port
     cfg = parse_config(cfg_text(HIER, processes=4))
     hf = hosts_from_dict(hosts({"name": "a", "address": "10.0.0.1", "server": True, "server_port": 0,
                                 "edges": [0, 1], "edge_port": 0, "clients": 6, "client_processes": 2,
@@ -487,7 +487,7 @@ def test_gathering_copies_a_database_that_is_still_being_written(tmp_path):
     """Ctrl-C on a launch: the copy-back can run while a stopping server still writes run.db (its
     -wal changing under tar) and a ledger.  The host side snapshots run.db with SQLite's backup
     API and ships no -wal; tar's "file changed as we read it" still yields the archive."""
-    from fedhop.deploy.hosts import gather_command, unpack_gathered
+    from fedhop.deploy.launch.hosts import gather_command, unpack_gathered
     work = tmp_path / "hostA"
     run = work / "runs" / "r"
     (run / "ledger").mkdir(parents=True)
@@ -538,7 +538,7 @@ def test_parent_address_from_a_file_written_later_or_malformed(tmp_path):
 # ----------------------------------------------------------------------------- shipping and versions
 def test_launch_refuses_a_host_with_another_fedhop_version(tmp_path):
     """A host whose python reports another fedhop version: exit 2 naming both versions, nothing started."""
-    from fedhop.deploy.hosts import launcher_version
+    from fedhop.deploy.launch.hosts import launcher_version
     cfg_file = tmp_path / "exp.toml"
     cfg_file.write_text(cfg_text())
     old_python = tmp_path / "old-python"
@@ -556,7 +556,7 @@ def test_ship_installs_this_checkouts_wheel_into_a_venv_on_the_host(tmp_path):
     """launch.ship = "wheel": the checkout's wheel is built, copied through the remote template and
     installed into a venv in the host's workdir; the roles then run that venv's python, whose
     fedhop is this checkout's code at this launcher's version."""
-    from fedhop.deploy.hosts import check_versions, launcher_version, ship
+    from fedhop.deploy.launch.hosts import check_versions, launcher_version, ship
     workdir = tmp_path / "host-a"
     hf = hosts_from_dict(hosts({"name": "a", "address": "127.0.0.1", "server": True, "clients": 6},
                                remote=LOCAL_TEMPLATE, workdir=str(workdir), ship="wheel", venv="fv",
@@ -565,9 +565,9 @@ def test_ship_installs_this_checkouts_wheel_into_a_venv_on_the_host(tmp_path):
     assert hf.python == "fv/bin/python" and (workdir / "fv" / "bin" / "python").exists()
     assert [p.name for p in (workdir / ".fedhop-ship").iterdir()] == [f"fedhop-{launcher_version()}-py3-none-any.whl"]
     where = subprocess.run([str(workdir / "fv" / "bin" / "python"), "-c",
-                            "import importlib.metadata as m, fedhop.deploy.hosts as h; print(m.version('fedhop')); "
+                            "import importlib.metadata as m, fedhop.deploy.launch.hosts as h; print(m.version('fedhop')); "
                             "print(h.__file__)"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     version, path = where.stdout.split()
     assert version == launcher_version() and Path(path).is_relative_to(workdir / "fv")
-    assert Path(path).read_bytes() == (ROOT / "deploy" / "hosts.py").read_bytes()
+    assert Path(path).read_bytes() == (ROOT / "deploy" / "launch" / "hosts.py").read_bytes()
     assert check_versions(hf) == []

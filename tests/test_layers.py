@@ -21,6 +21,10 @@ first); a module imports only from its own layer and the layers below it:
   own modules and the roles' shared parts (`ROLE_SHARED`), never another folder, a launcher or a
   role's entry; common/ and the roles never import or name a folder, so a kind is added or
   removed with its folder.
+- deploy/ is in sub-packages by job (docs/architecture.md): the front doors, the command line
+  (deploy/cli/) and the Python API (deploy/api.py), stand on the benchmarks (deploy/bench/), which
+  stand on the launchers and the tools (deploy/launch/, deploy/tools/); nothing imports a front door
+  and only the command line imports the benchmarks (launch/ and tools/ do import each other).
 
 Code named by a "package.module:attribute" string (a spec's driver, a transport's planes) is a
 dependency too: `named_of` reads those strings, and every one must name a module that exists.
@@ -261,3 +265,40 @@ def test_kind_choices_live_in_the_specs_and_the_transport_registry():
     assert branches == []
     inside = [b for a in allowed for path in sorted(a.rglob("*.py")) for b in _kind_branches(path)]
     assert inside   # the rule reads what it should: the specs do branch (so the scan is not vacuous)
+
+
+# deploy/'s sub-packages by job, highest first: a package imports only from its own tier and those below
+DEPLOY_TIERS: list[tuple[str, ...]] = [
+    ("fedhop.deploy.cli", "fedhop.deploy.api"),        # the front doors: the command line, the Python API
+    ("fedhop.deploy.bench",),                          # the benchmarks
+    ("fedhop.deploy.launch", "fedhop.deploy.tools"),   # the launchers; the tools that work on runs
+]
+
+
+def deploy_tier(module: str) -> int | None:
+    return next((i for i, packages in enumerate(DEPLOY_TIERS) if within(module, packages)), None)
+
+
+def deploy_upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} imports {dep}" for m, deps in graph.items() if (tm := deploy_tier(m)) is not None
+                  for dep in deps if (td := deploy_tier(dep)) is not None and td < tm)
+
+
+def test_every_module_of_deploy_sits_in_a_sub_package_by_job():
+    """deploy/ holds its sub-packages, api.py and its own __init__ only: a module dropped beside them
+    would belong to no job and escape the rule below."""
+    outside = sorted(m for m in GRAPH if within(m, "fedhop.deploy") and m != "fedhop.deploy" and deploy_tier(m) is None)
+    assert outside == []
+    assert sorted(p.name for p in (ROOT / "deploy").glob("*.py")) == ["__init__.py", "api.py"]
+
+
+def test_deploy_sub_packages_import_no_tier_above_them():
+    """Nothing in deploy/ imports the command line or the Python API, and only they import the
+    benchmarks; the rule sees real edges (the command line imports every job) and would catch one
+    the other way."""
+    assert deploy_upward_imports(GRAPH) == []
+    assert any(deploy_tier(d) == 2 for d in GRAPH["fedhop.deploy.cli.cli"])
+    assert any(deploy_tier(d) == 1 for d in GRAPH["fedhop.deploy.cli.cli"])
+    assert any(deploy_tier(d) == 2 for d in GRAPH["fedhop.deploy.bench.bench"])
+    bad = {**GRAPH, "fedhop.deploy.launch.launcher": GRAPH["fedhop.deploy.launch.launcher"] | {"fedhop.deploy.bench.bench"}}
+    assert deploy_upward_imports(bad) == ["fedhop.deploy.launch.launcher imports fedhop.deploy.bench.bench"]

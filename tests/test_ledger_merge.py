@@ -2,7 +2,7 @@
 partial: a 461 MB ledger read into a list, 1.66 GB resident and growing; a FIFO or /dev/zero
 never finished).
 
-Each test runs the command as a user would (`python -m fedhop.deploy.cli merge-ledgers run`, a
+Each test runs the command as a user would (`python -m fedhop.deploy.cli.cli merge-ledgers run`, a
 process of its own, from a temporary folder with relative paths).  A ledger is streamed into
 run.db a batch at a time, so the peak resident memory of the process (its own `ru_maxrss`, read
 with os.wait4) grows far less than the file: measured against the same command on a ledger of a
@@ -53,7 +53,7 @@ def write_ledger(path: Path, size: int) -> int:
 
 def merge(cwd: Path, timeout: float) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `merge-ledgers run` in `cwd`, killed after `timeout` s."""
-    proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "merge-ledgers", "run"], cwd=cwd,
+    proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "merge-ledgers", "run"], cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -69,7 +69,7 @@ def merge_peak(cwd: Path, timeout: float = 600.0) -> tuple[int, str, int]:
     ru_maxrss from os.wait4 (stdout and stderr go to files, so nothing blocks on a pipe)."""
     out_path, err_path = cwd / "merge.out", cwd / "merge.err"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "merge-ledgers", "run"], cwd=cwd,
+        proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "merge-ledgers", "run"], cwd=cwd,
                                 stdout=out, stderr=err)
     overdue = threading.Event()
 

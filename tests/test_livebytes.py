@@ -12,7 +12,7 @@ from fedhop.common.records.runstore import RunStore
 from fedhop.common.transport.livebytes import LinkCounter, Reported, counted_by
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.ledger import LedgerRecord
-from fedhop.deploy.launcher import read_progress, run_local
+from fedhop.deploy.launch.launcher import read_progress, run_local
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(5)

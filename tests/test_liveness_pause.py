@@ -135,7 +135,7 @@ def test_server_stopped_for_seconds_does_not_declare_its_children_dead(tmp_path)
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_with_an_event(tmp_path):
-    from fedhop.deploy.launcher import resume_local
+    from fedhop.deploy.launch.launcher import resume_local
     rounds = 4
     run, server = _start(tmp_path, slow_quadratic(rounds, processes=2), ["run.checkpoint_every=1"])
     try:

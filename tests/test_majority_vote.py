@@ -21,7 +21,7 @@ from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.engine.robust import robust_reduce
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.topologies.graphs import cluster_assignment
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 # ----------------------------------------------------------------------------- the rule itself

@@ -8,7 +8,7 @@ import pytest
 
 from fedhop.common.algorithms.dual_averaging import STAGE_KEY
 from fedhop.common.config import parse_config
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.test_composite import toml
 from tests.test_fedda_output import evaluate
 

@@ -125,7 +125,7 @@ def test_one_role_at_a_time_recipe_runs_as_written(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == rounds
     assert "insecure = true" in (run / "config.toml").read_text()   # --insecure is the key it stands for
-    merged = subprocess.run([PY, "-m", "fedhop.deploy.cli", "merge-ledgers", "runs/exp"], cwd=tmp_path, env=_env(),
+    merged = subprocess.run([PY, "-m", "fedhop.deploy.cli.cli", "merge-ledgers", "runs/exp"], cwd=tmp_path, env=_env(),
                             capture_output=True, text=True, timeout=120)
     assert merged.returncode == 0, merged.stderr[-2000:]
     with sqlite3.connect(run / "run.db") as db:
@@ -167,7 +167,7 @@ def test_crossdevice_digits_example_learns(tmp_path):
     import numpy as np
 
     from fedhop.common.config import load_config
-    from fedhop.deploy.inmemory import run_inmemory
+    from fedhop.deploy.launch.inmemory import run_inmemory
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / "examples" / "crossdevice_digits.toml",
                       ["clients.count=2000", "run.rounds=5", "run.eval_every=5", "clients.processes=1"])

@@ -322,7 +322,7 @@ kind = "inmemory"
 
 def run(tmp_path, name: str, text: str):
     from fedhop.common.config import parse_config
-    from fedhop.deploy.inmemory import run_inmemory
+    from fedhop.deploy.launch.inmemory import run_inmemory
     summary, coord = run_inmemory(parse_config(text), tmp_path / name)
     assert summary["status"] == "completed", summary.get("error")
     return summary, coord

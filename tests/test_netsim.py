@@ -14,8 +14,8 @@ import pytest
 from fedhop.common.config import parse_config
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.wire.ledger import LedgerRecord
-from fedhop.deploy.hosts import HostsError, HostsFile, HostSpec, Role
-from fedhop.deploy.netsim import (
+from fedhop.deploy.launch.hosts import HostsError, HostsFile, HostSpec, Role
+from fedhop.deploy.launch.netsim import (
     FRAME_OVERHEAD,
     MSS,
     IfCounters,
@@ -143,7 +143,7 @@ MODEL_DIM = 2_621_440            # 10 MiB of float32: the model the wire-byte te
 
 
 def _netsim_cli(cfg_file: Path, out: Path, *extra: str) -> dict:
-    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "netsim", str(cfg_file), "--out", str(out), *extra],
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "netsim", str(cfg_file), "--out", str(out), *extra],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "ledger/kernel" in res.stdout
@@ -193,7 +193,7 @@ def test_wire_bytes_fedavg_star_10mb_model(tmp_path):
 @needs_netns
 @pytest.mark.netns
 def test_wire_bytes_hierfavg_10mb_model(tmp_path):
-    from fedhop.deploy.netsim import run_netsim
+    from fedhop.deploy.launch.netsim import run_netsim
     cfg = parse_config(quad_toml(MODEL_DIM, topology="hierarchical", edges=2, name="wire-hier"))
     res = run_netsim(cfg, tmp_path / "run")
     assert res.status == 0
@@ -216,7 +216,7 @@ def test_round_time_follows_bytes_over_bandwidth(tmp_path):
     least 90% of the predicted wire time (the shaping binds), and the fastest of them is within
     10% of the prediction + 40 ms (process and codec time): the model explains the round once
     the machine's noise is taken out."""
-    from fedhop.deploy.netsim import run_netsim
+    from fedhop.deploy.launch.netsim import run_netsim
     dim = 262_144                                    # 1 MiB model: ~0.44 s per round at 40 Mbit/s
     # the virtual clock (common/engine/vclock.py) gets the same links: 40 Mbit/s each way, no compute time
     text = quad_toml(dim, count=2, processes=2, rounds=5, name="shaped").replace(
@@ -250,7 +250,7 @@ def test_round_time_follows_bytes_over_bandwidth(tmp_path):
 @needs_netns
 @pytest.mark.netns
 def test_namespaces_are_cleaned_up_and_stale_ones_removed():
-    from fedhop.deploy.netsim import EmulatedNetwork, cleanup_stale
+    from fedhop.deploy.launch.netsim import EmulatedNetwork, cleanup_stale
     stale = "fh-999999999-0-sw"                          # no such pid: left by a dead run
     subprocess.run(["ip", "netns", "add", stale], check=True)
     assert stale in cleanup_stale()

@@ -59,15 +59,15 @@ def test_requires_python_admits_no_version_without_tomllib():
 
 
 def test_version_flag_prints_the_installed_version():
-    out = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "--version"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "--version"], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"fedhop {PYPROJECT['project']['version']}"
 
 
 def test_bench_help_lists_every_subcommand():
-    from fedhop.deploy.bench import BENCHMARKS
-    out = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "bench", "--help"], capture_output=True,
+    from fedhop.deploy.bench.bench import BENCHMARKS
+    out = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "bench", "--help"], capture_output=True,
                          text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert set(BENCHMARKS) == {"transport", "compute", "scale", "growth", "gpu", "large", "flower"}

@@ -22,7 +22,7 @@ from fedhop.common.algorithms.base import Payload
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.tasks import build_task
 from fedhop.common.util.plugins import PluginError, load_plugin
-from fedhop.deploy.launcher import run_local
+from fedhop.deploy.launch.launcher import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "plugin"

@@ -67,7 +67,7 @@ def test_robust_rules_neutralise_one_poisoner_in_the_hierarchical_topology(tmp_p
     from fedhop.common.algorithms.base import Payload
     from fedhop.common.algorithms.fedavg import FedAvg
     from fedhop.common.config import parse_config
-    from fedhop.deploy.inmemory import run_inmemory
+    from fedhop.deploy.launch.inmemory import run_inmemory
     honest = FedAvg.client_update
 
     def poisoned(self, ctx, message):

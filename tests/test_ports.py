@@ -72,7 +72,7 @@ def test_concurrent_torch_transport_runs_each_complete_on_their_own_ports(tmp_pa
     (tmp_path / "exp.toml").write_text(text)
 
     def run(i: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", "exp.toml", "--out", f"run{i}",
+        return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", f"run{i}",
                                "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
     with ThreadPoolExecutor(3) as pool:

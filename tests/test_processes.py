@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import load_config, parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.inmemory import run_inmemory
-from fedhop.deploy.launcher import LocalRun, read_progress, run_local
+from fedhop.deploy.launch.inmemory import run_inmemory
+from fedhop.deploy.launch.launcher import LocalRun, read_progress, run_local
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_processes_equal_inmemory_bit_for_bit_and_twice(tmp_path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the launcher forks on Linux only")
 def test_cli_forked_children_equal_execed_children_bit_for_bit(tmp_path):
-    """`fedhop run` forks its children (deploy/forkstart.py) unless FEDHOP_START=exec; both give
+    """`fedhop run` forks its children (deploy/launch/forkstart.py) unless FEDHOP_START=exec; both give
     the same model, and every child says how it was started."""
     text = quadratic_config(CENTERS, CURV, SIZES, rounds=3, per_round=4, processes=2, local_steps=2)
     cfg_file = tmp_path / "quad.toml"
@@ -71,7 +71,7 @@ def test_cli_forked_children_equal_execed_children_bit_for_bit(tmp_path):
     for start in ("fork", "exec"):
         out = tmp_path / start
         env = dict(os.environ, FEDHOP_START=start)
-        done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", str(cfg_file), "--out", str(out), "--quiet"],
+        done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", str(cfg_file), "--out", str(out), "--quiet"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         logs = {p.stem: p.read_text() for p in (out / "logs").glob("*.log")}

@@ -22,7 +22,7 @@ from fedhop.common.processors import pipeline
 from fedhop.common.processors.compress import compress_upload
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
-from fedhop.deploy.launcher import run_local
+from fedhop.deploy.launch.launcher import run_local
 from tests.helpers import db_rows, quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]

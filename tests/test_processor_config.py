@@ -22,9 +22,9 @@ from fedhop.common.config import ConfigError, parent_config, parse_config
 from fedhop.common.processors import pipeline
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.util import plugins
-from fedhop.deploy.cli import main as fedhop
-from fedhop.deploy.inmemory import run_inmemory
-from fedhop.deploy.launcher import run_local
+from fedhop.deploy.cli.cli import main as fedhop
+from fedhop.deploy.launch.inmemory import run_inmemory
+from fedhop.deploy.launch.launcher import run_local
 from tests.helpers import db_rows, quadratic_config
 
 RNG = np.random.default_rng(2027)

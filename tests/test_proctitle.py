@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
-from fedhop.deploy.launcher import registration_complete
+from fedhop.deploy.launch.launcher import registration_complete
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def test_role_titles_in_proc_cmdline(tmp_path, start):
     cfg.write_text(text)
     out = tmp_path / "run"
     env = dict(os.environ, FEDHOP_START=start)
-    launcher = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "run", str(cfg), "--out", str(out),
+    launcher = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", str(cfg), "--out", str(out),
                                  "--quiet"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120

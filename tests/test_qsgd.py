@@ -19,7 +19,7 @@ from fedhop.common.processors.compress import (
     unpack_codes,
 )
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 

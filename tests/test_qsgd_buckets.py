@@ -20,7 +20,7 @@ from fedhop.common.processors.compress import (
 )
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.wire.codec import PayloadError
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 

@@ -7,7 +7,7 @@ import numpy as np
 from fedhop.common.config import parse_config
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.util.rng import numpy_stream
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(21)

@@ -10,7 +10,7 @@ import pytest
 
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.wire.ledger import LedgerRecord
-from fedhop.deploy.report import build_report, human_bytes, lower_is_better, main
+from fedhop.deploy.tools.report import build_report, human_bytes, lower_is_better, main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -199,7 +199,7 @@ def test_round_time_breakdown_splits_the_wait():
 
 
 def test_tensorboard_event_files_hold_the_runs_scalars(runs):
-    """`fedhop report --tensorboard DIR` (deploy/tensorboard.py): read back with TensorBoard's own
+    """`fedhop report --tensorboard DIR` (deploy/tools/tensorboard.py): read back with TensorBoard's own
     reader, each run's directory holds its metrics per round, the cumulative bytes per round
     (from run.db, independent of the writer) and the simulated clock where the run has one."""
     pytest.importorskip("tensorboard")
@@ -239,7 +239,7 @@ def test_without_matplotlib_no_plot_is_drawn_and_the_caller_is_told(tmp_path, mo
     make_plots draws nothing and raises, so `fedhop report` exits non-zero (tests/test_report_names.py)."""
     import sys
 
-    from fedhop.deploy.report import PlotsUnavailable, make_plots
+    from fedhop.deploy.tools.report import PlotsUnavailable, make_plots
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # `import matplotlib` raises ImportError
     notes: list[str] = []
     with pytest.raises(PlotsUnavailable, match="no png plots: matplotlib cannot be imported"):
@@ -302,7 +302,7 @@ def test_plots_at_print_quality_in_each_format(runs):
 def test_upload_and_download_curves_count_their_direction_only(runs):
     """The upload and download byte curves (metric_vs_upload_bytes, metric_vs_download_bytes)
     sum the ledger's messages of that direction up to each round, each message once."""
-    from fedhop.deploy.report import load_run
+    from fedhop.deploy.tools.report import load_run
     tmp, _, _ = runs
     for name in ("a", "b"):
         run = load_run(tmp / name, [])

@@ -1,4 +1,4 @@
-"""The printed report's table clips long run labels to fit 100 columns (deploy/report.py
+"""The printed report's table clips long run labels to fit 100 columns (deploy/tools/report.py
 render_text); labels that differ must still differ once clipped (issue 45, item 3: three seeds of
 one config read `fedavg-digits [fedavg-dig~` three times).  clip_distinct keeps the head and the
 part from the first column in which the labels differ, and falls back to a numbered legend."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from fedhop.deploy.report import TEXT_WIDTH, build_report, clip_distinct, text_tables
+from fedhop.deploy.tools.report import TEXT_WIDTH, build_report, clip_distinct, text_tables
 from tests.test_report import exchange, write_run
 
 LONG = "fedavg-digits-a-long-experiment-name-from-a-sweep"

@@ -2,7 +2,7 @@
 red team partial: `=HYPERLINK(...)` run names written as live formula cells in the CSV, raw HTML
 in report.md), and the agreement verdict it prints (explained losses agree).
 
-The command runs as a user runs it (`python -m fedhop.deploy.cli report`, its own process, from
+The command runs as a user runs it (`python -m fedhop.deploy.cli.cli report`, its own process, from
 a temporary folder with relative paths).  CSV: every cell that starts like a formula (= + - @,
 tab, carriage return: OWASP's CSV-injection rule) starts with a single quote, numbers stay
 numbers.  report.md: names are literal text (< > & as entities, Markdown punctuation escaped,
@@ -32,7 +32,7 @@ def _number(cell: str) -> bool:
 
 
 def _report(cwd, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "report", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "report", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 

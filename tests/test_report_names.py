@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from fedhop.deploy.report import build_report, main
+from fedhop.deploy.tools.report import build_report, main
 from tests.test_report import exchange, write_run
 
 

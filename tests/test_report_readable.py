@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from fedhop.deploy import launcher, report
-from fedhop.deploy.report import build_report, default_out, human_bytes, main
+from fedhop.deploy.launch import launcher
+from fedhop.deploy.tools import report
+from fedhop.deploy.tools.report import build_report, default_out, human_bytes, main
 from tests.test_report import exchange, runs, write_run  # noqa: F401 - the fixture, and its run writer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,7 @@ def test_one_unit_style_and_no_offset_notation():
     assert launcher.human_bytes is report.human_bytes   # the progress line and the report share one
     assert human_bytes(173_000) == "173.00 kB" and human_bytes(28_790_000) == "28.79 MB"
     assert report._bytes_formatter()(1e7, 0) == "10.00 MB"
-    page = (ROOT / "deploy" / "dashboard.html").read_text()
+    page = (ROOT / "deploy" / "tools" / "dashboard.html").read_text()
     assert '["B", "kB", "MB", "GB", "TB"]' in page and '"KB"' not in page
 
 
@@ -62,7 +63,7 @@ def test_printed_report_of_real_runs_fits_100_columns(tmp_path, capsys):
     printed line fits 100 columns; the per-link details and the full names are in report.md."""
     import numpy as np
 
-    from fedhop.deploy.launcher import run_local
+    from fedhop.deploy.launch.launcher import run_local
     from tests.helpers import quadratic_config
 
     rng = np.random.default_rng(1)

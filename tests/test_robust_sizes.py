@@ -90,7 +90,7 @@ def test_a_hierarchical_run_records_every_short_edge_group_in_run_db(tmp_path):
     one; each such (round, edge) is a `robust_fallback` event, and no other is."""
     from fedhop.common.records.runstore import RunStore
     from fedhop.common.topologies.graphs import cluster_assignment
-    from fedhop.deploy.inmemory import run_inmemory
+    from fedhop.deploy.launch.inmemory import run_inmemory
     cfg = parse_config('[run]\nrounds = 8\nseed = 4\neval_every = 0\n[data]\ndataset = "digits"\npartition = "iid"\n'
                        '[model]\nkind = "mlp"\nhidden = [8]\n[algorithm]\nname = "fedavg"\nlocal_steps = 1\n'
                        '[security]\naggregation = "median"\n'

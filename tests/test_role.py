@@ -1,4 +1,4 @@
-"""deploy/role.py as separate processes on loopback: the server's role records its process's exit
+"""deploy/launch/role.py as separate processes on loopback: the server's role records its process's exit
 status in RUN/server.exit and survives a SIGTERM after it; a client's role stays until that file
 exists (so `--abort-on-container-exit` always sees the server's container end first); run.db is
 checkpointed (no -wal file) when the server exits."""
@@ -37,7 +37,7 @@ def test_server_role_ends_first_and_a_late_sigterm_keeps_its_status(tmp_path):
     env = {**os.environ, "FEDHOP_CONFIG": str(tmp_path / "exp.toml"), "FEDHOP_RUNS": str(tmp_path / "runs"),
            "FEDHOP_RUN_NAME": "r", "FEDHOP_CLIENT_PROCESSES": "1", "FEDHOP_INSECURE": "1"}
     port, cport = free_port("127.0.0.1"), free_port("127.0.0.1")
-    role = [sys.executable, "-m", "fedhop.deploy.role"]
+    role = [sys.executable, "-m", "fedhop.deploy.launch.role"]
     server = subprocess.Popen(role + ["server", "--listen", f"127.0.0.1:{port}"], env={**env, "FEDHOP_HOLD": "1"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client = subprocess.Popen(role + ["client", "--server", f"127.0.0.1:{port}", "--port", str(cport)], env=env,
@@ -85,7 +85,7 @@ def test_a_bad_config_or_variable_is_one_line_and_exit_2(tmp_path, role, extra, 
     args = {"server": ["server", "--listen", "127.0.0.1:0"],
             "edge": ["edge", "--node-id", "edge-0", "--listen", "127.0.0.1:1"]}[role]
     env = _role_env(tmp_path, **{"FEDHOP_CONFIG": "exp.toml", **extra})
-    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.role", *args], cwd=tmp_path, env=env,
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.launch.role", *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2, res.stderr
@@ -103,7 +103,7 @@ def test_auto_client_processes_are_counted_before_the_server_starts_and_recorded
     env = _role_env(tmp_path, FEDHOP_CONFIG=str(tmp_path / "exp.toml"), FEDHOP_RUN_NAME="a",
                     FEDHOP_CLIENT_PROCESSES="auto", FEDHOP_SETTLE="1")
     port = free_port("127.0.0.1")
-    role = [sys.executable, "-m", "fedhop.deploy.role"]
+    role = [sys.executable, "-m", "fedhop.deploy.launch.role"]
     procs = [subprocess.Popen(role + ["server", "--listen", f"127.0.0.1:{port}"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     # the clients start with the server, as compose starts them now (not after its health check)
@@ -137,7 +137,7 @@ def test_a_client_whose_server_is_gone_leaves_instead_of_waiting_for_a_run(tmp_p
     it waits for a run to be announced."""
     env = _role_env(tmp_path, FEDHOP_CONFIG=str(tmp_path / "exp.toml"))
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.role", "client", "--server", "server.invalid:7000"],
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.launch.role", "client", "--server", "server.invalid:7000"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
     elapsed = time.monotonic() - t0
     assert res.returncode != 0 and "server.invalid does not resolve" in res.stderr, res.stderr
@@ -146,7 +146,7 @@ def test_a_client_whose_server_is_gone_leaves_instead_of_waiting_for_a_run(tmp_p
 
 def test_the_server_roles_default_run_folder_names_the_seed(tmp_path):
     """Without FEDHOP_RUN_NAME the compose server role names its run folder as `fedhop run` does,
-    NAME-seedS-YYYYmmdd-HHMMSS (deploy/runfolder.py `run_stamp`), so runs of one config with other
+    NAME-seedS-YYYYmmdd-HHMMSS (deploy/launch/runfolder.py `run_stamp`), so runs of one config with other
     seeds are told apart in runs-compose/ too."""
     import re
 
@@ -154,7 +154,7 @@ def test_the_server_roles_default_run_folder_names_the_seed(tmp_path):
                             processes=1, local_steps=2, name="named", seed=37)
     (tmp_path / "exp.toml").write_text(text)
     env = _role_env(tmp_path, FEDHOP_CONFIG=str(tmp_path / "exp.toml"), FEDHOP_CLIENT_PROCESSES="1")
-    server = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.role", "server", "--listen",
+    server = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.launch.role", "server", "--listen",
                                f"127.0.0.1:{free_port('127.0.0.1')}"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     runs = tmp_path / "runs"

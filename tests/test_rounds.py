@@ -1,7 +1,7 @@
 """The round engine (common/engine/rounds.py): the round rules without a transport.
 
 - its in-process rounds give the same model, bit for bit, as the coordinator and client hosts of
-  a real run (deploy/inmemory.py: the same classes, codec and ledger as gRPC) for FedAvg,
+  a real run (deploy/launch/inmemory.py: the same classes, codec and ledger as gRPC) for FedAvg,
   SCAFFOLD (client state, control variates), QSGD uploads and straggler plans;
 - on the quadratic task it equals FedAvg written from the paper in float64 numpy;
 - it refuses what it cannot reproduce without measured bytes.
@@ -14,7 +14,7 @@ import torch
 
 from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import numpy_fedavg_round, quadratic_config
 
 

@@ -2,7 +2,7 @@
 are never shared or silently added to, progress that shows the last rounds, Ctrl-C and SIGTERM
 recorded as a stopped run, plug-ins beside the config, and sweeps with a relative `--out`.
 
-Every test runs the real command (`python -m fedhop.deploy.cli`, separate OS processes on
+Every test runs the real command (`python -m fedhop.deploy.cli.cli`, separate OS processes on
 loopback) with its working directory in a temporary folder outside the checkout, relative
 paths only, and checks the records against an independent reading of run.db.
 """
@@ -33,13 +33,13 @@ def cfg_text(rounds: int = 3, **kw) -> str:
 
 def fedhop(args: list[str], cwd: Path, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDHOP_PLUGIN_PATH")}
-    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=env, **kw)
 
 
 def start(args: list[str], cwd: Path, **kw) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDHOP_PLUGIN_PATH")}
-    return subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **kw)
 
 
@@ -255,9 +255,9 @@ def test_a_resumed_run_counts_the_whole_run_everywhere(user_dir):
     whole run, both attempts, and end equal to summary.json.  Before the resumed run's live view
     carried its earlier attempts (common/transport/livebytes.py `carried_rows`) each of them counted
     only the resumed attempt."""
-    from fedhop.deploy.dashboard import snapshot
-    from fedhop.deploy.launcher import read_progress
-    from fedhop.deploy.report import human_bytes, load_run
+    from fedhop.deploy.launch.launcher import read_progress
+    from fedhop.deploy.tools.dashboard import snapshot
+    from fedhop.deploy.tools.report import human_bytes, load_run
     rounds = 400
     (user_dir / "exp.toml").write_text(cfg_text(rounds=rounds).replace("[run]", "[run]\ncheckpoint_every = 2"))
     proc = start(["run", "exp.toml", "--out", "r"], user_dir)

@@ -15,8 +15,8 @@ import pytest
 
 from fedhop.common.records.runstore import SCHEMA_VERSION, RunStore
 from fedhop.common.wire.ledger import Ledger
-from fedhop.deploy.launcher import read_progress
-from fedhop.deploy.ledgers import main as merge_main
+from fedhop.deploy.launch.launcher import read_progress
+from fedhop.deploy.tools.ledgers import main as merge_main
 from tests.helpers import quadratic_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_ctrl_c_merges_the_children_ledgers(tmp_path):
     cfg = tmp_path / "q.toml"
     cfg.write_text(text)
     out = tmp_path / "run"
-    launcher = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "run", str(cfg), "--out", str(out),
+    launcher = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", str(cfg), "--out", str(out),
                                  "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while len(read_progress(out / "run.db", 0)) < 3:

@@ -15,8 +15,8 @@ from fedhop.common.algorithms.base import Payload
 from fedhop.common.config import parse_config
 from fedhop.common.records.checkpoint import list_checkpoints, load_checkpoint
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.inmemory import run_inmemory
-from fedhop.deploy.launcher import resume_local, run_local
+from fedhop.deploy.launch.inmemory import run_inmemory
+from fedhop.deploy.launch.launcher import resume_local, run_local
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(4)

@@ -1,4 +1,4 @@
-"""TLS, mutual TLS and node credentials (common/security/auth.py, deploy/certs.py).
+"""TLS, mutual TLS and node credentials (common/security/auth.py, deploy/launch/certs.py).
 
 - `fedhop certs` makes a CA and per-node certificates that verify against it;
 - TLS and mutual-TLS runs of real processes (`fedhop run` with security.certs_dir) complete;
@@ -30,8 +30,8 @@ from fedhop.common.transport.base import CallFailed
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.ledger import Ledger
-from fedhop.deploy.cli import main as fedhop
-from fedhop.deploy.launcher import run_local
+from fedhop.deploy.cli.cli import main as fedhop
+from fedhop.deploy.launch.launcher import run_local
 from tests.cluster import Cluster, fedavg_reference
 from tests.helpers import quadratic_config, wait_until
 
@@ -282,7 +282,7 @@ def test_a_process_says_at_start_in_one_line_that_it_runs_shared_token_or_plaint
         assert len(plain) == 1 and "127.0.0.1" in plain[0] and "loopback only" in plain[0], err[-2000:]
     if mode != "shared-token":
         return
-    # the server of a shared-token deployment (deploy/role.py hands it FEDHOP_TOKEN) says it too
+    # the server of a shared-token deployment (deploy/launch/role.py hands it FEDHOP_TOKEN) says it too
     (tmp_path / "exp.toml").write_text(_text("announce"))
     server = subprocess.Popen([sys.executable, "-m", "fedhop.server", "--config", str(tmp_path / "exp.toml"),
                                "--run-dir", str(tmp_path / "run"), "--port-file", str(tmp_path / "port")],

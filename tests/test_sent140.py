@@ -15,7 +15,7 @@ from fedhop.common.data import fakedata
 from fedhop.common.data.leaf import LeafError, write_leaf
 from fedhop.common.tasks import build_task
 from fedhop.common.tasks.sent140 import hash_features
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -56,7 +56,7 @@ INSECURE = ["--set", "security.insecure=true"]
 
 
 def fedhop(*args: str, cwd: Path, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", *args], cwd=cwd, capture_output=True,
                           text=True, env=env, timeout=timeout)
 
 
@@ -68,7 +68,7 @@ def user(tmp_path: Path) -> Path:
 
 def inproc(capsys, *args: str) -> tuple[int, str, str]:
     """`fedhop slurm ARGS` in this process (the current folder is the user's)."""
-    from fedhop.deploy.slurm import main
+    from fedhop.deploy.launch.slurm import main
     code = main(list(args))
     out = capsys.readouterr()
     return code, out.out, out.err
@@ -77,7 +77,7 @@ def inproc(capsys, *args: str) -> tuple[int, str, str]:
 def prepare(*args: str) -> tuple[int, str, str]:
     """The run folder `fedhop slurm ARGS` writes just before it submits (plan_run, then write), in
     this process: (0, the batch script, "") or (2, "", the one-line refusal)."""
-    from fedhop.deploy.slurm import SlurmError, build_parser, options_from, plan_run
+    from fedhop.deploy.launch.slurm import SlurmError, build_parser, options_from, plan_run
     a = build_parser().parse_args(list(args))
     try:
         prepared = plan_run(a.config, a.overrides, a.out, options_from(a))
@@ -188,7 +188,7 @@ def test_bad_flags_and_configs_are_one_line_exit_2(user, capsys, monkeypatch):
         code, _, err = inproc(capsys, "small.toml", "--out", "bad", *sum((["--set", s] for s in sets), []))
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
         assert not (user / "bad").exists()
-    from fedhop.deploy.certs import main as certs_main
+    from fedhop.deploy.launch.certs import main as certs_main
     assert certs_main(["certs2", "--config", "small.toml"]) == 0
     (user / "certs2" / "client-proc1.key").unlink()
     (user / "certs2" / "client-proc1.key").mkdir()        # no key file to read, even for root
@@ -211,7 +211,7 @@ def test_bad_flags_and_configs_are_one_line_exit_2(user, capsys, monkeypatch):
 
 
 def test_each_task_gets_only_its_own_credentials(user, monkeypatch):
-    from fedhop.deploy.certs import main as certs_main
+    from fedhop.deploy.launch.certs import main as certs_main
     monkeypatch.chdir(user)
     assert certs_main(["certs", "--config", "small.toml"]) == 0
     code, _, err = prepare("small.toml", "--out", "r", "--set", 'security.certs_dir="certs"')
@@ -228,7 +228,7 @@ def test_gpus_render_gres_and_bind_each_step_to_its_device(user, capsys, monkeyp
     client processes placed there go round-robin over its N GPUs, each step that computes on a GPU
     asks --gres=gpu:N and is told its --device, a CPU step asks --gres=none.  No GPU is needed:
     the rendered script, tasks.json and srun lines are checked against the plan."""
-    from fedhop.deploy.slurm import step_argv
+    from fedhop.deploy.launch.slurm import step_argv
     monkeypatch.chdir(user)
     sets = ["topology.kind=\"hierarchical\"", "topology.edges=1", "clients.processes=5", "clients.count=10",
             "clients.per_round=10", "clients.device=\"cuda\"", "edges.device=\"cpu\"", "run.device=\"cuda:1\""]
@@ -276,7 +276,7 @@ def test_gpus_render_gres_and_bind_each_step_to_its_device(user, capsys, monkeyp
 
 def test_partition_fit_counts_tasks_cpus_nodes_and_overcommit():
     """The fit rule on a made-up partition (the real one is checked on the cluster below)."""
-    from fedhop.deploy.slurm import Partition, SlurmOptions
+    from fedhop.deploy.launch.slurm import Partition, SlurmOptions
     part = Partition("p", [4, 2], None)
     assert part.fit_refusal(6, SlurmOptions(nodes=2)) is None
     why = part.fit_refusal(7, SlurmOptions(nodes=2))
@@ -292,7 +292,7 @@ def test_partition_fit_counts_tasks_cpus_nodes_and_overcommit():
 def test_failure_reason_is_the_failing_steps_error_line(tmp_path):
     """`--wait`'s last line on failure: the error line of the step whose status is the job's, not
     its last line or the status alone; the server's when no step's status matches."""
-    from fedhop.deploy.slurm import failure_reason
+    from fedhop.deploy.launch.slurm import failure_reason
     (tmp_path / "slurm").mkdir()
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "server.log").write_text(
@@ -332,7 +332,7 @@ def slurm(tmp_path_factory) -> dict:
 
 
 def submit(user: Path, env: dict, out: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli", "slurm", "small.toml", "--out", out, *extra],
+    return subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "slurm", "small.toml", "--out", out, *extra],
                             cwd=user, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -374,7 +374,7 @@ def test_fit_wait_mtls_failure_and_sweep_on_a_real_slurm(user, slurm, monkeypatc
     argv = tasks[-1]["argv"]
     argv[argv.index("--max-message-bytes") + 1] = "lots"
     (fail / "slurm" / "tasks.json").write_text(json.dumps(tasks))
-    failing = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from fedhop.deploy.slurm "
+    failing = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from fedhop.deploy.launch.slurm "
                                 "import follow, submit; run = Path(sys.argv[1]); "
                                 "sys.exit(follow(submit(run / 'slurm' / 'job.sbatch'), run))", str(fail)],
                                cwd=user, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -392,7 +392,7 @@ set = ["run.rounds=1", "clients.processes=1"]
 kind = "final"
 metric = "test_accuracy"
 """)
-    sweep_cmd = [sys.executable, "-m", "fedhop.deploy.cli", "sweep", "sweep.toml", "--out", "sw", "--slurm", "--quiet"]
+    sweep_cmd = [sys.executable, "-m", "fedhop.deploy.cli.cli", "sweep", "sweep.toml", "--out", "sw", "--slurm", "--quiet"]
     sweep = subprocess.Popen(sweep_cmd, cwd=user, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         check_jobs(user, slurm, fail, tasks, failing, star, hier, sweep, sweep_cmd)

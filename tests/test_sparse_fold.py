@@ -23,7 +23,7 @@ from fedhop.common.processors.streaming import OrderedFold
 from fedhop.common.processors.validation import validate_reply
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload, ReplyAccumulator, SparseTensor, reduce_payloads
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import quadratic_config
 
 SPEC = {"w": (torch.float32, (40, 25)), "b": (torch.float32, (25,))}

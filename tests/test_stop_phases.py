@@ -199,7 +199,7 @@ def fedhop_run(cwd: Path, rounds: int, ignore_sigint: bool = False) -> subproces
     """`fedhop run exp.toml --out run` in its own process group (a terminal's job), its output
     in run.out; with `ignore_sigint` started as a shell starts a background job (SIGINT ignored)."""
     (cwd / "exp.toml").write_text(config(rounds=rounds))
-    argv = [PY, "-m", "fedhop.deploy.cli", "run", "exp.toml", "--out", "run", "--quiet"]
+    argv = [PY, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "run", "--quiet"]
     if ignore_sigint:
         argv = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv]
     with open(cwd / "run.out", "wb") as out:

@@ -27,8 +27,8 @@ from fedhop.common.algorithms.base import COUNT_KEY, WEIGHT_KEY, Algorithm, Payl
 from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine
 from fedhop.common.processors.streaming import HOLD_FLOOR_BYTES, OrderedFold, reply_budget
-from fedhop.deploy.inmemory import run_inmemory
-from fedhop.deploy.launcher import run_local
+from fedhop.deploy.launch.inmemory import run_inmemory
+from fedhop.deploy.launch.launcher import run_local
 
 ALGORITHMS = {"fedavg": "", "scaffold": "", "fednova": "", "fedadam": ""}
 
@@ -255,7 +255,7 @@ def test_inmemory_streamed_rounds_equal_the_engine(tmp_path, name):
 
 
 def large_model_config(name: str, rounds: int, mb: int, clients: int, run: str = "", extra: str = "") -> str:
-    """One-step FedAvg on deploy/bench_large.py's synthetic `mb` MB model, every client each round
+    """One-step FedAvg on deploy/bench/bench_large.py's synthetic `mb` MB model, every client each round
     (two client processes); `run` adds [run] keys, `extra` whole tables."""
     return f"""
 [run]
@@ -268,7 +268,7 @@ lr = 0.5
 local_steps = 1
 batch_size = 0
 [data]
-dataset = "fedhop.deploy.bench_large:synthetic"
+dataset = "fedhop.deploy.bench.bench_large:synthetic"
 mb = {mb}
 [model]
 [clients]
@@ -280,7 +280,7 @@ processes = 2
 
 @pytest.mark.parametrize("batch", [False, True])
 def test_inmemory_large_model_streamed_equals_the_engine(tmp_path, monkeypatch, batch):
-    """A model larger than one chunk (5 MB, deploy/bench_large.py's synthetic task): its broadcast
+    """A model larger than one chunk (5 MB, deploy/bench/bench_large.py's synthetic task): its broadcast
     is handed over and cut per call (`Fabric._prepare`), its replies spilled ahead of their turn
     (`reply_budget`); the model after two rounds is the engine's, bit for bit, batched or not."""
     text = large_model_config("stream-large", rounds=2, mb=5, clients=5,
@@ -339,7 +339,7 @@ def memory_run(tmp_path, mb: int, clients: int) -> float:
     assert run_local(str(cfg_file), [], str(out), quiet=True) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["aggregation"]["streamed_rounds"] == 1
-    # FedAvg of one step from 0: w = lr * mean(t_i), t_i = i + 1 (deploy/bench_large.py)
+    # FedAvg of one step from 0: w = lr * mean(t_i), t_i = i + 1 (deploy/bench/bench_large.py)
     w = load_file(str(out / "model.safetensors"))["w"]
     assert torch.allclose(w[:5], torch.full((5,), 0.5 * (clients + 1) / 2))
     mem = summary["server_memory"]
@@ -350,7 +350,7 @@ def memory_run(tmp_path, mb: int, clients: int) -> float:
 def test_server_memory_does_not_grow_with_clients(tmp_path, monkeypatch):
     """50 MB x 2 and x 8 clients: the server's RSS growth over the round grows by less than 5
     models (collecting holds one decoded reply per client: 6 models more at 8).  glibc's
-    default malloc here: with deploy/malloc.py's tuning (freed memory kept in each thread's
+    default malloc here: with deploy/launch/malloc.py's tuning (freed memory kept in each thread's
     arena) the peak also grows with the threads that decoded replies (docs/architecture.md)."""
     for key, value in (("MALLOC_MMAP_THRESHOLD_", "131072"), ("MALLOC_TRIM_THRESHOLD_", "131072"),
                        ("MALLOC_TOP_PAD_", "0")):
@@ -366,7 +366,7 @@ def test_server_memory_does_not_grow_with_clients(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_server_holds_a_few_models_at_eight_clients_with_the_tuned_malloc(tmp_path):
-    """50 MB x 8 clients with the malloc settings every fedhop process runs with (deploy/malloc.py):
+    """50 MB x 8 clients with the malloc settings every fedhop process runs with (deploy/launch/malloc.py):
     the server's RSS grows over the round by the accumulator, one reply's receive buffer and
     gRPC's buffers, not by the clients' replies nor the broadcast's frames.  Measured here with
     `fedhop bench large`: 2.9 models at 200 MB and 3.6 at 100 MB, 8 clients (before: 7.9 and

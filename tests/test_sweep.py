@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedhop.deploy.sweep import Criterion, grid_settings, main, score_run
-from fedhop.deploy.sweep_spec import SweepSpecError, load_spec
+from fedhop.deploy.tools.sweep import Criterion, grid_settings, main, score_run
+from fedhop.deploy.tools.sweep_spec import SweepSpecError, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 LRS = [0.02, 0.1, 0.5]
@@ -74,7 +74,7 @@ def by_hand(out: Path) -> dict[str, tuple[float, float]]:
 def test_sweep_interrupted_resumes_and_picks_the_by_hand_best(tmp_path):
     spec = write_spec(tmp_path)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "fedhop.deploy.cli", "sweep", str(spec), "--out", str(out)]
+    cmd = [sys.executable, "-m", "fedhop.deploy.cli.cli", "sweep", str(spec), "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while len(summaries(out)) < 3:   # wait on files: three runs finished
@@ -167,7 +167,7 @@ def fake_runs(monkeypatch, calls: list):
     """Runner.run_all writes each task's summary.json itself: accuracy peaks at lr = 0.1."""
     import math as _m
 
-    from fedhop.deploy.sweep import Runner, finished
+    from fedhop.deploy.tools.sweep import Runner, finished
 
     def run_all(self, tasks, on_done):
         for t in tasks:
@@ -184,7 +184,7 @@ def fake_runs(monkeypatch, calls: list):
 
 @pytest.mark.parametrize("method", ["random", "tpe"])
 def test_optuna_search_replays_on_resume(tmp_path, monkeypatch, method):
-    from fedhop.deploy.sweep import Sweep
+    from fedhop.deploy.tools.sweep import Sweep
 
     spec_path = tmp_path / "s.toml"
     spec_path.write_text(f"""
@@ -216,7 +216,7 @@ parallel = 2
 def test_a_sweep_without_algorithms_heads_its_table_with_the_base_configs_algorithm(tmp_path):
     """No `algorithms` in the spec: the runs are filed under runs/base, and the table is headed by the
     algorithm the base config (with the spec's `set`) runs, not '## base'."""
-    from fedhop.deploy.sweep import Sweep
+    from fedhop.deploy.tools.sweep import Sweep
     spec_path = write_spec(tmp_path).read_text().replace('algorithms = ["fedavg", "fedexp"]\n', "")
     spec_path = spec_path.replace('set = ["run.rounds=2"', 'set = ["algorithm.name=fedprox", "run.rounds=2"')
     (tmp_path / "sweep.toml").write_text(spec_path)

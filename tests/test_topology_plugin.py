@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from fedhop.common.config import parse_config
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.topologies.plan import plan_processes
-from fedhop.deploy.launcher import run_local
+from fedhop.deploy.launch.launcher import run_local
 from fedhop.server.driver import driver_class
 from tests.helpers import numpy_fedavg_round, quadratic_config
 

@@ -19,7 +19,7 @@ from fedhop.common.config import ConfigError, options_schema, parse_config
 from fedhop.common.topologies import TopologySpec, builtin_specs, spec_for
 from fedhop.common.topologies.graphs import TOPOLOGY_PARAMS
 from fedhop.common.topologies.plan import plan_processes
-from fedhop.deploy.dashboard import _graph
+from fedhop.deploy.tools.dashboard import _graph
 from fedhop.server.driver import driver_class
 from tests.helpers import quadratic_config
 from tests.test_fedchs import fedchs_config

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.launcher import LocalRun, read_progress, run_local
+from fedhop.deploy.launch.launcher import LocalRun, read_progress, run_local
 from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
 from tests.test_fedchs import ASSIGN, GRAPH, D, fedchs_config, rule_sequence

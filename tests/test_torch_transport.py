@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import load_config
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.launcher import LocalRun, run_local
+from fedhop.deploy.launch.launcher import LocalRun, run_local
 from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
 

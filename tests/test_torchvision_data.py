@@ -99,7 +99,7 @@ def test_real_torchvision_reads_the_same_idx_files_as_fedhop(tmp_path: Path) -> 
 
 
 def test_fedhop_run_without_the_files_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
-    from fedhop.deploy.launcher import run_local
+    from fedhop.deploy.launch.launcher import run_local
     (tmp_path / "c.toml").write_text('[data]\ndataset = "torchvision"\nname = "FashionMNIST"\npartition = "iid"\n'
                                      '[model]\nkind = "logreg"\n[clients]\ncount = 2\n')
     monkeypatch.chdir(tmp_path)

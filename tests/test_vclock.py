@@ -8,7 +8,7 @@ from fedhop.common.config import parse_config
 from fedhop.common.engine.heterogeneity import DeviceProfile, DevicesParams, device_profiles
 from fedhop.common.engine.vclock import client_timing, settle, transfer_seconds
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.inmemory import run_inmemory
+from fedhop.deploy.launch.inmemory import run_inmemory
 from tests.helpers import numpy_fedavg_round, quadratic_config
 
 

@@ -39,7 +39,7 @@ def config(wire: str | None, kind: str = "grpc", topology: str = "") -> str:
 
 def fedhop_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "run", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
 

@@ -3,7 +3,7 @@
 It is the round engine (common/engine/rounds.py) on a task and an algorithm object built by hand: the
 same sampling stream ("sampling", round), one generator per client and round ("client", i,
 "round", round), replies reduced in client-id order as the coordinator and the client host use.
-So for the same config it gives the same model as `deploy.inmemory.run_inmemory`
+So for the same config it gives the same model as `deploy.launch.inmemory.run_inmemory`
 (tests/test_minimax.py checks this), while running thousands of rounds per second on the small
 quadratic problems.
 """

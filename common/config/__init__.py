@@ -19,7 +19,7 @@ is the one import path:
 - parent.py: `parent_config`, the config a child process receives, with its processors installed.
 
 The reference of every key is generated from the dataclasses: docs/config.md and `fedhop config
-show` (deploy/configref.py).  The loader resolves algorithms, topologies, data sets and processors
+show` (deploy/cli/configref.py).  The loader resolves algorithms, topologies, data sets and processors
 by name, so it sits above every other layer of common/ (tests/test_layers.py); importing it does
 not import torch (what needs torch is imported where a check needs it).
 """

@@ -184,7 +184,7 @@ def _cross_checks(cfg: Config) -> None:
 
 def _device_checks(cfg: Config) -> None:
     """The device keys' syntax (docs/gpus.md); whether the devices exist is checked where the
-    processes start (deploy/launcher.py, each role's start-up: common/transport/placement.py)."""
+    processes start (deploy/launch/launcher.py, each role's start-up: common/transport/placement.py)."""
     from fedhop.common.transport.placement import DeviceError, check_gpus, check_spec  # local: torch
     try:
         check_spec("run.device", cfg.run.device)

@@ -7,7 +7,7 @@ allowed.  Field metadata carries the validation rules and the key's description:
 - `choices`: the allowed values of a string field;
 - `min` / `max`: inclusive numeric bounds (`min_exclusive` / `max_exclusive` for strict ones);
 - `help`: one line for the config reference (docs/config.md, `fedhop config show`;
-  deploy/configref.py generates both from these dataclasses).
+  deploy/cli/configref.py generates both from these dataclasses).
 
 Sections whose keys depend on a choice (an algorithm's hyper-parameters, a data set's
 parameters) keep the extra keys in `options`; the chosen algorithm or data set validates them

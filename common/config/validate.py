@@ -3,7 +3,7 @@
 every field checked.  Every error is one `ConfigError` line naming the key, the value and what is
 allowed.  The loader (common/config/parse.py) builds each section with it, the option-schema
 registry (common/config/options.py) each section's choice-dependent params, and
-deploy/sweep_spec.py a sweep file's tables.
+deploy/tools/sweep_spec.py a sweep file's tables.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Generated files in the real formats of the federated benchmarks (LEAF JSON, CIFAR binary), for
-tests, the examples' CI runs and memory measurements (deploy/leaf_memory.py).  Random content, real layouts and sizes.
+tests, the examples' CI runs and memory measurements (deploy/bench/leaf_memory.py).  Random content, real layouts and sizes.
 
     python -m fedhop.common.data.fakedata femnist DIR [--writers N] [--samples MEAN] [--per-file N]
     python -m fedhop.common.data.fakedata shakespeare DIR [--roles N] [--samples MEAN]

@@ -201,7 +201,7 @@ class RoundEngine:
         params = devices_params(self.cfg)
         if params.deadline_seconds > 0 or params.overcommit > 1:
             raise ValueError("RoundEngine.train_round: clients.deadline_seconds and clients.overcommit cut results "
-                             "by measured message bytes; run such a config over a transport (deploy/inmemory.py)")
+                             "by measured message bytes; run such a config over a transport (deploy/launch/inmemory.py)")
         if not spec_for(self.cfg.topology.kind).engine_rounds:
             raise ValueError(f"RoundEngine.train_round plays star rounds; topology.kind = '{self.cfg.topology.kind}' "
                              f"has its own round protocol (run it over a transport)")

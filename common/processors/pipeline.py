@@ -363,7 +363,7 @@ def configure(cfg: Any, role: str) -> None:
     """Run `cfg.processors` of `role` (server, edge or client) in this process's chains (module
     docstring).  A config with other processors than the last one configured replaces them (fresh
     instances); the same config for another role adds that role's (every role in one process:
-    deploy/inmemory.py).  Call it before the role builds its chains."""
+    deploy/launch/inmemory.py).  Call it before the role builds its chains."""
     if role not in ROLES:
         raise ValueError(f"configure: role must be one of {', '.join(ROLES)}, not {role!r}")
     global _configured_from

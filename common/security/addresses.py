@@ -1,6 +1,6 @@
 """Addresses: their host part, whether they stay on this machine, and the plaintext rule.
 
-Kept free of gRPC so that the launcher, which forks the run's processes (deploy/forkstart.py),
+Kept free of gRPC so that the launcher, which forks the run's processes (deploy/launch/forkstart.py),
 can use it without importing grpc.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ Two kinds of node credential (docs/faults.md, "Security"):
   launcher holds (Ed25519, `TokenAuthority`, new per run) signs each node's own public key and
   node id; the process gets its private key, that signature and the issuer's public key in
   `FEDHOP_NODE_CRED` (its environment, never a command line), and no other node's.  Deployments
-  that start each process themselves (compose, Kubernetes, a hosts file, `deploy/role.py`) use
+  that start each process themselves (compose, Kubernetes, a hosts file, `deploy/launch/role.py`) use
   `fedhop certs DIR`, which keeps the issuer's key in `DIR/issuer.key` and writes `DIR/NODE.cred`;
   a process whose certificate folder holds its own `NODE.cred` uses it (the environment wins).  Every call
   carries a token the caller signs for one audience (the node id or logical client it calls)

@@ -1,6 +1,6 @@
 """Per-node credentials (common/security/auth.py, "per-node credential"): an issuer key that signs
 each node's own key, and the call tokens a node signs for one callee.  No gRPC here: the
-launcher issues credentials before it forks its children (deploy/forkstart.py forks only a
+launcher issues credentials before it forks its children (deploy/launch/forkstart.py forks only a
 process that has not imported grpc)."""
 from __future__ import annotations
 

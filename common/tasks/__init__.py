@@ -126,7 +126,7 @@ def _entry(name: str) -> _Entry:
 
 
 def builtin_datasets() -> list[str]:
-    """The names of the built-in data sets (the config reference lists their keys, deploy/configref.py):
+    """The names of the built-in data sets (the config reference lists their keys, deploy/cli/configref.py):
     not the plug-ins this process has loaded."""
     return sorted((set(_REGISTRY) | set(_LAZY_MODULES)) - _PLUGINS)
 

@@ -1,9 +1,9 @@
 """Which processes a config starts: the one process plan every launcher reads.
 
 `plan_processes(cfg)` names each process of a run (node id, role kind, the node it registers
-with, the logical clients it hosts).  `fedhop run` (deploy/launcher.py), `fedhop launch`
-(deploy/hosts.py), compose's client replicas (deploy/role.py), netsim's default hosts, the
-in-memory cluster (deploy/inmemory.py) and `fedhop certs --config` all start or name exactly
+with, the logical clients it hosts).  `fedhop run` (deploy/launch/launcher.py), `fedhop launch`
+(deploy/launch/hosts.py), compose's client replicas (deploy/launch/role.py), netsim's default hosts, the
+in-memory cluster (deploy/launch/inmemory.py) and `fedhop certs --config` all start or name exactly
 these processes, so they cannot disagree.
 
 A topology declares its plan in its spec (common/topologies/, `TopologySpec.plan`);

@@ -457,7 +457,7 @@ class RegistrationKeys:
 
 
 REGISTRATION_KEYS = RegistrationKeys()
-# a child forked from a process that served (the launcher's fork start, deploy/forkstart.py) starts
+# a child forked from a process that served (the launcher's fork start, deploy/launch/forkstart.py) starts
 # with neither its deadline thread nor its keys
 
 

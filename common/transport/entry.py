@@ -55,7 +55,7 @@ class Transport:
     - `handlers`: per role ("client", "edge"), functions `(role object) -> {Method: handler}` whose
       methods that role's process serves in a run on this transport only (the torch plane's
       group set-up and rounds); a run on another transport refuses them as unknown methods;
-    - `in_process`: the in-process engine (run.engine = "inprocess", deploy/inprocess.py) can stand
+    - `in_process`: the in-process engine (run.engine = "inprocess", deploy/launch/inprocess.py) can stand
       for it: every message it carries is one of the fan-out's calls, which the in-memory endpoints
       (transports/inmemory/) deliver and count as gRPC frames them;
     - `listed`: where the kind stands in lists of kinds (messages, the reference): lower first;

@@ -1,6 +1,6 @@
 """Giving the heap's free memory back to the system after a burst of large sends.
 
-Processes that move models run with glibc's trim threshold raised (deploy/malloc.py): a freed
+Processes that move models run with glibc's trim threshold raised (deploy/launch/malloc.py): a freed
 4 MiB frame stays in the heap for the next message instead of costing its page faults again.
 The price is that the heap keeps its high-water mark.  A server sends its model to every
 sampled client at once: each send has a few frames in flight (cut ahead, and gRPC's copy), so

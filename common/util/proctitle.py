@@ -1,7 +1,7 @@
 """Process titles an operator can read in `ps` and /proc/PID/cmdline.
 
 Every role names itself once it knows who it is: `fedhop server <run>`, `fedhop edge edge-2`,
-`fedhop client client-proc0 [0-24]`.  A child forked from the launcher (deploy/forkstart.py)
+`fedhop client client-proc0 [0-24]`.  A child forked from the launcher (deploy/launch/forkstart.py)
 would otherwise show the launcher's own `fedhop run ...` command line; an exec'd one would show
 `python -m fedhop.client ...`.  setproctitle rewrites the process's argv area, which is what
 /proc/PID/cmdline and `ps` read.
@@ -16,7 +16,7 @@ from fedhop.common.util.nodeids import id_spec
 def prepare() -> None:
     """Let setproctitle find the argv area now.  It looks for it by walking from the C `environ`
     the first time it is used; a forked child that replaces its environment first
-    (deploy/forkstart.py) would leave it unable to, and every later title would be dropped."""
+    (deploy/launch/forkstart.py) would leave it unable to, and every later title would be dropped."""
     setproctitle.getproctitle()
 
 

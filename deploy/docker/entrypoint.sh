@@ -30,7 +30,7 @@ say() { echo "fedhop-entrypoint: $*" >&2; }
 
 # the server's container is the one that announces the run's security mode (one line, not one per container)
 is_server=0
-case " $* " in *" fedhop.deploy.role server "*) is_server=1 ;; esac
+case " $* " in *" fedhop.deploy.launch.role server "*) is_server=1 ;; esac
 
 if [ -n "${FEDHOP_SECURITY+set}" ]; then
     case "${FEDHOP_SECURITY}" in

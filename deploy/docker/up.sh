@@ -68,8 +68,8 @@ else
     list=server
     for ((e = 0; e < edges; e++)); do list+=",edge-$e"; done
     for ((k = 0; k < clients; k++)); do list+=",client-proc$k"; done
-    "$py" -m fedhop.deploy.cli certs "$nodes_dir/certs" --nodes "$list" >/dev/null
-    "$py" -m fedhop.deploy.cli compose "$nodes_dir/certs" --clients "$clients" --edges "$edges" \
+    "$py" -m fedhop.deploy.cli.cli certs "$nodes_dir/certs" --nodes "$list" >/dev/null
+    "$py" -m fedhop.deploy.cli.cli compose "$nodes_dir/certs" --clients "$clients" --edges "$edges" \
         --out "$nodes_dir/nodes" --file docker-compose.yml >/dev/null
     say "per-node credentials (mutual TLS): server, $edges edges, $clients client processes (client-proc0..$((clients - 1)))"
     files+=(-f "$nodes_dir/nodes/compose.yml")
@@ -88,7 +88,7 @@ say "compose project $project: run folder $runs"
 compose "${files[@]}" -p "$project" up --attach server --exit-code-from server ${up_args[@]+"${up_args[@]}"} || status=$?
 current=$(cat "$runs/current" 2>/dev/null || true)
 if [ "$status" = 0 ]; then
-    # compose v2 ends every --exit-code-from run so, a completed one too (deploy/compose.py up_command)
+    # compose v2 ends every --exit-code-from run so, a completed one too (deploy/launch/compose.py up_command)
     say "run completed (exit status 0): compose's \"Aborting on container exit...\" above is it stopping the client containers after the server's end"
 fi
 say "the server's container exited with status $status; the run: $runs/${current:-<none announced>} (each node's log in its logs/)"

@@ -175,5 +175,5 @@ def network_endpoint(node_id: str, ledger: Ledger, *, network: InMemoryNetwork |
     endpoint of the run shares; without one there is nothing to reach (a process run uses grpc or torch)."""
     if network is None:
         raise ValueError("transport.kind = 'inmemory' runs a whole experiment in one process "
-                         "(deploy/inmemory.py); a process run uses grpc or torch")
+                         "(deploy/launch/inmemory.py); a process run uses grpc or torch")
     return InMemoryEndpoint(network, node_id, ledger, **options)
