@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from fedhop.common.config import parse_config
 from fedhop.common.config.schema import TransportConfig
 from fedhop.common.transport import factory
 from fedhop.common.transport.base import Endpoint
@@ -18,10 +20,16 @@ from fedhop.server.__main__ import main as server_main
 from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
 from tests.helpers import quadratic_config
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def test_every_config_kind_has_one_entry_and_no_entry_lacks_a_config_kind():
-    choices = next(f for f in dataclasses.fields(TransportConfig) if f.name == "kind").metadata["choices"]
-    assert sorted(choices) == sorted(TRANSPORTS)
+
+def test_the_built_in_kinds_are_the_transport_folders_and_the_config_takes_each():
+    kind = next(f for f in dataclasses.fields(TransportConfig) if f.name == "kind")
+    assert kind.default in TRANSPORTS and "choices" not in kind.metadata   # open: a plug-in's import path too
+    folders = sorted(p.parent.name for p in (ROOT / "transports").glob("*/__init__.py"))
+    assert sorted(TRANSPORTS) == folders and list(TRANSPORTS)[:3] == ["grpc", "torch", "inmemory"]   # `listed` order
+    for name in TRANSPORTS:
+        assert parse_config(f'[transport]\nkind = "{name}"\n').transport.kind == name
 
 
 @pytest.mark.parametrize("kind", ["", "GRPC", "carrier-pigeon", "grpc "])

@@ -19,8 +19,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedhop.common.transport.factory import TRANSPORTS
-
 
 class ConfigError(ValueError):
     """A config key has a bad value, or does not exist."""
@@ -200,9 +198,10 @@ class EdgesConfig:
 class TransportConfig:
     """How messages move between processes."""
 
-    kind: str = _f("grpc", choices=TRANSPORTS.keys(),   # the transport registry (common/transport/factory.py)
+    kind: str = _f("grpc",   # the transport registry (common/transport/factory.py): a folder, or a plug-in
                    help="grpc (processes over sockets), torch (torch.distributed collectives, "
-                        "docs/torch_transport.md) or inmemory (one process, for tests)")
+                        "docs/torch_transport.md), inmemory (one process, for tests), or a plug-in transport "
+                        "'package.module:TRANSPORT' (docs/plugins.md)")
     chunk_bytes: int = _f(4 * 1024 * 1024, min=1024, help="largest frame of a message: bigger messages are "
                                                            "streamed in chunks of this many bytes")
     max_message_bytes: int = _f(64 * 1024 * 1024, min=1024, help="gRPC max send/receive, both sides")

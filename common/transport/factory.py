@@ -95,11 +95,34 @@ class NoDataPlane(ValueError):
 
 
 def transport(kind: str) -> Transport:
-    """The registry entry of `kind`; UnknownTransport (one line, naming the known kinds) otherwise."""
+    """The registry entry of `kind`: a built-in folder's, or a plug-in's (an import path
+    "package.module:TRANSPORT" or an entry point of group `fedhop.transports`, loaded through
+    common/util/plugins.py `load_plugin` and its allow-list on first use, then kept under `kind`
+    with its methods declared).  UnknownTransport (one line, naming the known kinds) for a kind
+    that is neither; PluginError (a ValueError) for a plug-in that does not load or is no `Transport`."""
     entry = TRANSPORTS.get(kind)
-    if entry is None:
-        raise UnknownTransport(f"transport.kind = {kind!r} is not a transport (known: {', '.join(sorted(TRANSPORTS))})")
-    return entry
+    if entry is not None:
+        return entry
+    from fedhop.common.util.plugins import PluginError, entry_point_names, is_import_path, load_plugin  # plug-ins only
+    if not (is_import_path(kind) or kind in entry_point_names("transports")):
+        from fedhop.common.util.suggest import did_you_mean
+        known = list(TRANSPORTS) + [n for n in entry_point_names("transports") if n not in TRANSPORTS]
+        raise UnknownTransport(f"transport.kind = {kind!r} is not a transport{did_you_mean(kind, known)} (known: "
+                               f"{', '.join(known)}, or an import path 'package.module:TRANSPORT')")
+    obj = load_plugin(kind, "transports")
+    if not isinstance(obj, Transport):
+        raise PluginError(f"'{kind}' is not a fedhop.common.transport.entry.Transport (found: {type(obj).__name__})")
+    add_transport(kind, obj)
+    return obj
+
+
+def _known(kind: str) -> Transport | None:
+    """`transport(kind)`, or None for a kind that is not one or a plug-in that does not load (the
+    config loader's check of `transport.kind`, through `params_of`, reports either in one line)."""
+    try:
+        return transport(kind)
+    except ValueError:   # UnknownTransport, PluginError
+        return None
 
 
 def _load(target: str) -> Any:
@@ -120,15 +143,16 @@ def make_endpoint(kind: str, node_id: str, ledger: "Ledger", **options: Any) -> 
 
 
 def params_of(kind: str) -> type | None:
-    """The dataclass of transport `kind`'s own `[transport]` keys (None: it takes none, or the
-    kind is unknown, which the config's `transport.kind` check reports)."""
-    entry = TRANSPORTS.get(kind)
-    return _load(entry.params) if entry is not None and entry.params else None
+    """The dataclass of transport `kind`'s own `[transport]` keys (None: it takes none).  The
+    config loader asks it while it validates `transport.kind`: an unknown kind is UnknownTransport,
+    a plug-in that does not load PluginError, either one line naming the key."""
+    entry = transport(kind)   # an unknown kind: UnknownTransport, which the config loader reports
+    return _load(entry.params) if entry.params else None
 
 
 def sums_in_collective(kind: str) -> bool:
     """Whether transport `kind` sums uploads inside a collective (`Transport.sums_in_collective`)."""
-    entry = TRANSPORTS.get(kind)
+    entry = _known(kind)
     return entry is not None and entry.sums_in_collective
 
 
@@ -147,7 +171,7 @@ def config_problem(cfg: Any) -> str | None:
         return (f"config key 'transport.wire_compression': got '{wire}', but only transport.kind = 'grpc' "
                 f"compresses its calls (transport.kind = '{kind}'; allowed there: 'none')")
     down = getattr(getattr(cfg, "compression", None), "down", "none")
-    entry = TRANSPORTS.get(kind)
+    entry = _known(kind)
     if down != "none" and entry is not None and entry.planes.get(STAR_ROUND) != FANOUT_PLANES[STAR_ROUND]:
         return (f"config key 'compression.down': got '{down}', but transport.kind = '{kind}' broadcasts by its own "
                 f"data plane, not the server's fan-out that codes each process's message (allowed there: 'none')")
@@ -166,7 +190,7 @@ def config_problem(cfg: Any) -> str | None:
 def own_device_per_process(kind: str, options: dict[str, Any]) -> bool:
     """Whether every process of a run on transport `kind` with these options needs a device of
     its own (`Transport.own_device`)."""
-    entry = TRANSPORTS.get(kind)
+    entry = _known(kind)
     return entry is not None and entry.own_device is not None and bool(_load(entry.own_device)(options))
 
 

@@ -6,7 +6,7 @@ A plug-in is named in the config in one of two ways:
   `data.dataset = "mypkg.data:load"`, `algorithm.name = "mypkg.algos:FedAvgM"`);
 - by a name that the user's installed package registers as an entry point in the group
   `fedhop.<group>` (`fedhop.models`, `fedhop.datasets`, `fedhop.algorithms`,
-  `fedhop.topologies`, `fedhop.processors`).
+  `fedhop.topologies`, `fedhop.processors`, `fedhop.compressors`, `fedhop.transports`).
 
 Every role process resolves them the same way: the config loader imports them while it validates
 the config (common/config/__init__.py), so a path that does not import is a config error, naming the path
@@ -56,6 +56,9 @@ What each kind of plug-in is (docs/plugins.md):
   its extra [topology] keys and optional `process_plan` (cfg, placement) -> ProcessPlan says
   which processes the run starts (default: the star plan, every client process under the
   server); common/topologies `spec_for` loads it and adapts a driver into a spec.
+- transport (`transport.kind`): a `fedhop.common.transport.entry.Transport`, the `TRANSPORT` of a
+  package laid out as a transport folder (common/transport/factory.py `transport` loads it and
+  declares its methods); its endpoint, worlds, data planes and handlers are named in it.
 - compressor (`[compression] up`): a class with `encode(v, rng)`, `decode(parts, numel)` and
   `encoded_bytes(numel, parts)` (common/processors/compressors/base.py), a dataclass whose
   fields are its further [compression] keys.
@@ -79,7 +82,7 @@ from types import ModuleType
 from typing import Any, Literal, Sequence
 
 GROUP_PREFIX = "fedhop."
-GROUPS = ("models", "datasets", "algorithms", "topologies", "processors", "compressors")
+GROUPS = ("models", "datasets", "algorithms", "topologies", "processors", "compressors", "transports")
 PLUGIN_PATH_ENV = "FEDHOP_PLUGIN_PATH"   # folders searched for a plug-in package that is not installed
 ALLOW_ENV = "FEDHOP_ALLOW_PLUGINS"       # a client's or edge's allow-list (comma-separated)
 NOT_ALLOWED = "PLUGIN_NOT_ALLOWED"
@@ -175,6 +178,7 @@ def config_plugins(cfg: Any) -> list[str]:
     refs = [(getattr(cfg.model, "factory", "") or "", "models"), (getattr(cfg.model, "exchange", "") or "", "models"),
             (cfg.data.dataset, "datasets"),
             (cfg.algorithm.name, "algorithms"), (cfg.topology.kind, "topologies"),
+            (getattr(getattr(cfg, "transport", None), "kind", "") or "", "transports"),
             *((p.name, "processors") for p in getattr(cfg, "processors", ())),
             (getattr(getattr(cfg, "compression", None), "up", "") or "", "compressors")]
     out = []
@@ -341,7 +345,8 @@ KINDS = {"models": "a function or class (a model factory `(input_shape, n_output
          "processors": "a class defining process(message, ctx), a factory of one (a classmethod of that class, "
                        "or a function whose return annotation is that class), or an object with process(message, ctx)",
          "compressors": "a class defining encode(v, rng), decode(parts, numel) and encoded_bytes(numel, parts) "
-                        "(common/processors/compressors/base.py)"}
+                        "(common/processors/compressors/base.py)",
+         "transports": "a fedhop.common.transport.entry.Transport (a transport folder's TRANSPORT)"}
 
 
 def check_kind(obj: Any, ref: str, group: str, scope: str) -> None:
@@ -355,6 +360,8 @@ def check_kind(obj: Any, ref: str, group: str, scope: str) -> None:
         ok = inspect.isclass(obj)
     elif group == "topologies":
         ok = inspect.isclass(obj) or not callable(obj)
+    elif group == "transports":   # an entry object; common/transport/factory.py checks its type
+        ok = not inspect.isclass(obj) and not callable(obj)
     elif group == "compressors":
         ok = inspect.isclass(obj) and all(callable(getattr(obj, m, None)) for m in ("encode", "decode", "encoded_bytes"))
     else:   # processors

@@ -241,6 +241,9 @@ def _builtin_choices(section: str) -> tuple[str, ...] | None:
     if section == "compression":
         from fedhop.common.processors.compressors import NONE, builtin_compressors
         return (NONE, *sorted(builtin_compressors()))
+    if section == "transport":
+        from fedhop.common.transport.factory import TRANSPORTS
+        return tuple(TRANSPORTS)
     chooser = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == options_chooser(section))
     return tuple(chooser.metadata["choices"]) if "choices" in chooser.metadata else None
 
@@ -251,7 +254,7 @@ def chooser_allowed(section: str, key: str) -> str:
     if choices is None:
         return ""
     plugin = {"algorithm": "an algorithm plug-in", "topology": "a topology plug-in", "data": "a data-set plug-in",
-              "compression": "a compressor plug-in"}
+              "compression": "a compressor plug-in", "transport": "a transport plug-in"}
     return ", ".join(toml_value(c) for c in choices) + (f", or {plugin[section]}" if section in plugin else "")
 
 
