@@ -10,7 +10,7 @@ naming the key.  The loader (common/config/parse.py `config_from_dict`) runs the
    (common/transport/factory.py), the algorithm's (common/algorithms/__init__.py), the
    compressors' (common/processors/compressors/__init__.py);
 3. (the options check, common/config/options.py)
-4. `_topology_checks`: the topology kind's own `check` (common/topologies/<kind>.py) and the
+4. `_topology_checks`: the topology kind's own `check` (topologies/<kind>/__init__.py) and the
    algorithm's rule on the spec's edge steps, both on the topology's validated params;
 5. `_check_processors`: every [[processors]] entry built now.
 """
@@ -43,7 +43,7 @@ def _topology_spec(cfg: Config) -> TopologySpec | None:
 
 
 def _topology_checks(cfg: Config) -> None:
-    """The kind's own checks (common/topologies/<kind>.py `check`) and the algorithm's rule on the
+    """The kind's own checks (topologies/<kind>/__init__.py `check`) and the algorithm's rule on the
     edge steps the spec declares, on the topology's validated params."""
     spec = _topology_spec(cfg)
     if spec is not None and spec.check is not None:
