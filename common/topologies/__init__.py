@@ -13,10 +13,9 @@ loaded by name (docs/architecture.md, "Topology folders").
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 
 from fedhop.common.topologies.spec import TopologySpec, resolve
+from fedhop.common.util.folders import folder_modules
 
 _BUILTIN: dict[str, TopologySpec] = {}   # the folders' specs by kind, in listed order, once scanned
 _PLUGINS: dict[str, TopologySpec] = {}   # plug-in kinds, by the reference the config gives
@@ -32,30 +31,21 @@ def spec_for(kind: str) -> TopologySpec:
     return spec if spec is not None else load_topology(kind)
 
 
-def folder_kinds() -> list[str]:
-    """The kinds that are folders of `fedhop.topologies` (topologies/<kind>/, a package each), sorted."""
-    try:
-        package = importlib.import_module(FOLDER_PACKAGE)
-    except ImportError:   # an install without the topologies folder
-        return []
-    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg and not m.name.startswith("_"))
-
-
-def _folder_spec(kind: str) -> TopologySpec:
-    """The `SPEC` of folder `fedhop.topologies.<kind>`; a folder without a `TopologySpec` named
-    `SPEC` (or one named otherwise) is a plug-in error (PluginError, a ValueError) naming it."""
-    spec = getattr(importlib.import_module(f"{FOLDER_PACKAGE}.{kind}"), "SPEC", None)
-    if not isinstance(spec, TopologySpec) or spec.name != kind:
-        from fedhop.common.util.plugins import PluginError  # local: as in load_topology
-        raise PluginError(f"topology folder '{FOLDER_PACKAGE}.{kind}' defines no SPEC (a {SPEC_TYPE} named '{kind}')")
-    return spec
-
-
 def builtin_specs() -> dict[str, TopologySpec]:
-    """Every built-in kind's spec (the folders of `fedhop.topologies`), in `listed` order then by
-    name; scanned once.  Importing a folder declares its protocol methods (`TopologySpec.methods`)."""
+    """Every built-in kind's spec (the folders of `fedhop.topologies`, common/util/folders.py), in
+    `listed` order then by name; scanned once.  Importing a folder declares its protocol methods
+    (`TopologySpec.methods`).  A folder without a `TopologySpec` named `SPEC` (or one named
+    otherwise) is a plug-in error (PluginError, a ValueError) naming it."""
     if not _BUILTIN:
-        specs = sorted((_folder_spec(kind) for kind in folder_kinds()), key=lambda s: (s.listed, s.name))
+        specs = []
+        for kind, module in folder_modules(FOLDER_PACKAGE).items():
+            spec = getattr(module, "SPEC", None)
+            if not isinstance(spec, TopologySpec) or spec.name != kind:
+                from fedhop.common.util.plugins import PluginError  # local: as in load_topology
+                raise PluginError(f"topology folder '{FOLDER_PACKAGE}.{kind}' defines no SPEC (a {SPEC_TYPE} named "
+                                  f"'{kind}')")
+            specs.append(spec)
+        specs.sort(key=lambda s: (s.listed, s.name))
         _BUILTIN.update({s.name: s for s in specs})   # whole at once: a concurrent reader sees none or all
     return _BUILTIN
 
@@ -98,4 +88,4 @@ def replace_spec(spec: TopologySpec) -> None:
     table[spec.name] = spec
 
 
-__all__ = ["TopologySpec", "builtin_specs", "folder_kinds", "load_topology", "replace_spec", "resolve", "spec_for"]
+__all__ = ["TopologySpec", "builtin_specs", "load_topology", "replace_spec", "resolve", "spec_for"]

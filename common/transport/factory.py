@@ -28,7 +28,6 @@ and common/ imports no role module: a role asks `data_plane(kind, concept)` and 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from fedhop.common.transport.entry import (
@@ -41,6 +40,7 @@ from fedhop.common.transport.entry import (
     STYLES,
     Transport,
 )
+from fedhop.common.util.folders import folder_modules
 from fedhop.common.wire.methods import declare
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,18 +57,15 @@ FOLDER_PACKAGE = "fedhop.transports"   # transports/ (pyproject.toml package-dir
 
 
 def _builtin_transports() -> dict[str, Transport]:
-    """The folders of `fedhop.transports` (transports/<kind>/, a package each whose `__init__`
-    defines `TRANSPORT`), in their entries' `listed` order, then by name."""
-    package = importlib.import_module(FOLDER_PACKAGE)
+    """The folders of `fedhop.transports` (common/util/folders.py; each `__init__` defines
+    `TRANSPORT`), in their entries' `listed` order, then by name."""
     found: list[tuple[str, Transport]] = []
-    for info in pkgutil.iter_modules(package.__path__):
-        if not info.ispkg or info.name.startswith("_"):
-            continue
-        entry = getattr(importlib.import_module(f"{FOLDER_PACKAGE}.{info.name}"), "TRANSPORT", None)
+    for name, module in folder_modules(FOLDER_PACKAGE).items():
+        entry = getattr(module, "TRANSPORT", None)
         if not isinstance(entry, Transport):
-            raise TypeError(f"transport folder '{FOLDER_PACKAGE}.{info.name}' defines no TRANSPORT "
+            raise TypeError(f"transport folder '{FOLDER_PACKAGE}.{name}' defines no TRANSPORT "
                             f"(a fedhop.common.transport.entry.Transport)")
-        found.append((info.name, entry))
+        found.append((name, entry))
     return dict(sorted(found, key=lambda item: (item[1].listed, item[0])))
 
 
@@ -116,7 +113,7 @@ def transport(kind: str) -> Transport:
     return obj
 
 
-def _known(kind: str) -> Transport | None:
+def known_transport(kind: str) -> Transport | None:
     """`transport(kind)`, or None for a kind that is not one or a plug-in that does not load (the
     config loader's check of `transport.kind`, through `params_of`, reports either in one line)."""
     try:
@@ -152,7 +149,7 @@ def params_of(kind: str) -> type | None:
 
 def sums_in_collective(kind: str) -> bool:
     """Whether transport `kind` sums uploads inside a collective (`Transport.sums_in_collective`)."""
-    entry = _known(kind)
+    entry = known_transport(kind)
     return entry is not None and entry.sums_in_collective
 
 
@@ -171,7 +168,7 @@ def config_problem(cfg: Any) -> str | None:
         return (f"config key 'transport.wire_compression': got '{wire}', but only transport.kind = 'grpc' "
                 f"compresses its calls (transport.kind = '{kind}'; allowed there: 'none')")
     down = getattr(getattr(cfg, "compression", None), "down", "none")
-    entry = _known(kind)
+    entry = known_transport(kind)
     if down != "none" and entry is not None and entry.planes.get(STAR_ROUND) != FANOUT_PLANES[STAR_ROUND]:
         return (f"config key 'compression.down': got '{down}', but transport.kind = '{kind}' broadcasts by its own "
                 f"data plane, not the server's fan-out that codes each process's message (allowed there: 'none')")
@@ -190,7 +187,7 @@ def config_problem(cfg: Any) -> str | None:
 def own_device_per_process(kind: str, options: dict[str, Any]) -> bool:
     """Whether every process of a run on transport `kind` with these options needs a device of
     its own (`Transport.own_device`)."""
-    entry = _known(kind)
+    entry = known_transport(kind)
     return entry is not None and entry.own_device is not None and bool(_load(entry.own_device)(options))
 
 
@@ -226,6 +223,6 @@ def data_plane(kind: str, concept: str, topology: str, owned: Mapping[str, str] 
 
 
 __all__ = ["TRANSPORTS", "add_transport", "PROCESS_TRANSPORT", "Transport", "UnknownTransport", "NoDataPlane", "transport",
-           "endpoint_builder", "make_endpoint", "worlds_of", "params_of", "sums_in_collective",
+           "known_transport", "endpoint_builder", "make_endpoint", "worlds_of", "params_of", "sums_in_collective",
            "own_device_per_process", "handler_fns", "data_plane", "transports_with", "PLANE_CONCEPTS",
            "STAR_ROUND", "HIER_ROUND", "EDGE_STEP", "STYLES", "FANOUT_PLANES", "GROUP_PLANES"]
