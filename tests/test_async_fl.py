@@ -399,3 +399,17 @@ def test_behind_edges_bad_sizes_are_one_line_and_exit_2(tmp_path, capsys, old, n
     assert fedhop(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert key in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_behind_edges_the_live_page_draws_the_edges_with_their_bytes(tmp_path_factory):
+    """The live page's graph (deploy/tools/dashboard.py) draws an edge per cluster, each
+    edge-server link with the server's framed bytes to and from that edge in the ledger."""
+    from fedhop.deploy.tools.dashboard import snapshot
+    run_dir = edge_run(tmp_path_factory, "fedbuff", "polynomial")
+    graph = snapshot(run_dir)["graph"]
+    assert [n["id"] for n in graph["nodes"] if n["tier"] == 1] == ["edge-0", "edge-1"]
+    for link in (lk for lk in graph["links"] if lk["link"] == "edge-server"):
+        edge = link["b"]
+        want = dict(rows(run_dir, "SELECT direction, SUM(framed_bytes) FROM messages WHERE recorder = 'server' AND "
+                                  f"link = 'edge-server' AND (src = '{edge}' OR dst = '{edge}') GROUP BY direction"))
+        assert link["bytes"] == want and want["down"] > 0
