@@ -219,6 +219,12 @@ class TransportConfig:
                                 "still goes alone.  A batch runs under run.round_timeout, not run.call_timeout; "
                                 "false: one call per client (framed bytes 5 more per message after a batch's "
                                 "first, docs/crossdevice.md)")
+    reply_bundle: int = _f(16, min=1, help="replies of one batched call that travel in one gRPC message (each reply "
+                                           "still its own message in the ledger, framed bytes its share of the "
+                                           "bundle; common/transport/grpc.py, Batches): fewer sends for many small "
+                                           "replies, but a reply waits for the others of its bundle, so a round "
+                                           "deadline may cut up to reply_bundle - 1 computed replies of a late "
+                                           "process; 1: each reply sent the moment it is computed")
     wire_compression: str = _f("none", choices=("none", "gzip", "deflate"),
                                help="gRPC's own compression of every call's messages, both directions (grpc "
                                     "transport only; docs/compression.md): the ledger still counts the "
