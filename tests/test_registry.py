@@ -23,7 +23,6 @@ from fedhop.common.tasks import DATASETS, NpzParams, builtin_datasets, dataset_p
 from fedhop.common.topologies import TOPOLOGIES, builtin_specs, spec_for
 from fedhop.common.transport.factory import TRANSPORT_KINDS, TRANSPORTS, transport
 from fedhop.common.util.registry import Registry, UnknownName, declared_names
-from fedhop.deploy.launch.launcher import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -168,13 +167,12 @@ def test_an_unknown_name_is_one_error_naming_the_family_the_name_and_the_availab
     ("algorithm", "name", "fedvag", "config key 'algorithm.name': unknown algorithm 'fedvag' (did you mean 'fedavg'?)"),
     ("compression", "up", "tpok", "config key 'compression.up': unknown compressor 'tpok' (did you mean 'topk'?)"),
 ])
-def test_an_unknown_name_in_a_config_is_exit_2_with_one_line(tmp_path, monkeypatch, capsys, section, key, value,
-                                                             message):
-    monkeypatch.chdir(tmp_path)
-    Path("c.toml").write_text("[run]\nrounds = 1\n")
-    assert run_local("c.toml", [f"{section}.{key}={value}"], str(tmp_path / "run"), quiet=True) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and message in lines[0] and "(allowed: " in lines[0], lines
+def test_an_unknown_name_in_a_config_is_exit_2_with_one_line(tmp_path, section, key, value, message):
+    (tmp_path / "c.toml").write_text("[run]\nrounds = 1\n")
+    done = subprocess.run([str(Path(PYTHON).parent / "fedhop"), "run", "c.toml", "--out", "run", "--set",
+                           f"{section}.{key}={value}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and message in lines[0] and "(allowed: " in lines[0], done.stderr
     assert not (tmp_path / "run").exists()
 
 
