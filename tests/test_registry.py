@@ -196,6 +196,11 @@ def test_declared_names_reads_a_source_without_running_it():
     assert declared_names("REGISTER = [A, B]\n", "REGISTER") is None   # names known only by importing
     assert declared_names("REGISTER = {NAME: 1}\n", "REGISTER") is None
     assert declared_names("if x:\n    REGISTER = {'a': 1}\n", "REGISTER") is None
+    multi = 'X = 1\nREGISTER = {\n    "a": (f, None),   # a comment\n    "b": (g, P),\n}\nY = 2\n'
+    assert declared_names(multi, "REGISTER") == ("a", "b")   # the one statement parsed alone
+    assert declared_names("REGISTER = {'a': 1}\nREGISTER['b'] = 2\n", "REGISTER") is None   # changed afterwards
+    assert declared_names("REGISTER = {'a': 1}\nfor k in REGISTER:\n    pass\n", "REGISTER") is None
+    assert declared_names("# REGISTER is below\nREGISTER = {'a': 1}\n", "REGISTER") == ("a",)   # a comment
 
 
 @pytest.fixture
