@@ -5,8 +5,9 @@ call, and the round's result is one partial aggregate, the unmasked sum.
 Client `sampled[i]` is protocol id i.  A client whose call fails in a phase (dead process, error,
 timeout) has dropped from that phase on; the server side (common/security/secagg/server.py)
 recovers the exact sum while every secret keeps `threshold` live holders, and otherwise the round
-has no result: every sampled client is a failure with the typed reason, and the round goes on as a
-short round (run.on_short_round).
+has no result: a `secagg_failed` event names the typed reason, the clients whose calls failed are
+the round's failures (the others answered: the coordinator counts them as returned, so the round is
+short as any round without results and run.on_short_round retries or skips it).
 
 The partial: the dequantized sum of the unmasked clients' deltas, with `weight` = `num_results` =
 their number (uniform weighting: each weight is 1, so the weight needs no masking), which the
@@ -42,7 +43,7 @@ class SecAggFanout(DataPlane):
         if problems:
             why = f"SECAGG_PARAMETERS: {problems[0]} ({n} clients sampled)"
             ctx.store.add_event("secagg_failed", node="server", detail=why, round=round)
-            return {}, {cid: why for cid in sampled}
+            return {}, {}
         server = SecAggServer(params, d, round)
         collect = {"advertise": server.collect_advertise, "share": server.collect_share,
                    "masked": server.collect_masked, "unmask": server.collect_unmask}
@@ -63,7 +64,7 @@ class SecAggFanout(DataPlane):
         except SecAggFailure as exc:
             why = f"SECAGG_{exc.reason.upper()}: {exc.detail}"
             ctx.store.add_event("secagg_failed", node="server", detail=why, round=round)
-            return {}, {cid: failures.get(cid, why) for cid in sampled}
+            return {}, failures
         for cid, why in sorted(late.items()):
             ctx.store.add_event("secagg_late_dropout", node=client_node(cid), detail=why, round=round)
         assert result is not None
