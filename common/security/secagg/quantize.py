@@ -4,7 +4,7 @@ An update x is clipped to L2 norm `clip` (x * min(1, clip / ||x||)), so each coo
 [-clip, clip].  With L = 2^quant_bits - 1 levels, a coordinate maps to y = (x + clip) / (2 clip) * L
 in [0, L] and is rounded stochastically: floor(y) + 1 with probability y - floor(y), else floor(y)
 (unbiased: E[round(y)] = y), the uniforms drawn from numpy's PCG64 seeded with
-(seed, round, client id, 0x9A) so a run is reproducible.  The quantized value q lies in [0, L] and
+(seed, round, the client's protocol id, 0x9A) so a run is reproducible.  The quantized value q lies in [0, L] and
 the sum of n of them in [0, n L] < R when modulus_bits >= quant_bits + ceil(log2 n)
 (SecAggParams.problems), so the sum mod R is the integer sum.
 
