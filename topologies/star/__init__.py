@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from fedhop.common.topologies.spec import TopologySpec
 
-from .secagg_wire import METHODS as SECAGG_METHODS
+from .secagg_methods import METHODS as SECAGG_METHODS
 
 
 @dataclass

@@ -1,20 +1,20 @@
-"""Secure aggregation's protocol methods (docs/secure-aggregation.md), declared by the star spec:
-each phase of SecAgg+ is its own method, obeyed from the parent (the server), so the ledger counts
-its messages under its own name.  A phase's protocol bytes (common/security/secagg/messages.py)
-travel as one uint8 tensor, PROTOCOL; the masked-input request carries the round's model beside it."""
+"""Secure aggregation's messages (docs/secure-aggregation.md): a phase's protocol bytes
+(common/security/secagg/messages.py) travel as one uint8 tensor, PROTOCOL, under the phase's own
+method (secagg_methods.py); the masked-input request carries the round's model beside it."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from fedhop.common.wire.message import Payload
-from fedhop.common.wire.methods import PARENT, Method
+from fedhop.topologies.star.secagg_methods import (  # noqa: F401  # the phases' methods, re-exported
+    METHODS,
+    SECAGG_ADVERTISE,
+    SECAGG_MASKED,
+    SECAGG_SHARE,
+    SECAGG_UNMASK,
+)
 
-SECAGG_ADVERTISE = Method("secagg_advertise", {PARENT})
-SECAGG_SHARE = Method("secagg_share", {PARENT})
-SECAGG_MASKED = Method("secagg_masked", {PARENT})
-SECAGG_UNMASK = Method("secagg_unmask", {PARENT})
-METHODS = (SECAGG_ADVERTISE, SECAGG_SHARE, SECAGG_MASKED, SECAGG_UNMASK)
 BY_PHASE = dict(zip(("advertise", "share", "masked", "unmask"), METHODS))
 PROTOCOL = "secagg"   # the tensor that holds a phase's protocol bytes
 
