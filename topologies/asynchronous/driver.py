@@ -78,8 +78,8 @@ class AsyncDriver(TopologyDriver):
 
     def __init__(self, ctx: DriverContext) -> None:
         super().__init__(ctx)
-        self.params: AsyncParams = topology_params(ctx.cfg)
-        self.concurrency = concurrency_of(ctx.cfg, self.params)
+        self.params: AsyncParams = topology_params(ctx.run.cfg)
+        self.concurrency = concurrency_of(ctx.run.cfg, self.params)
         self.version = 0            # server updates applied (t)
         self.sim_now = 0.0          # the server's simulated time
         self.sim_last = 0.0         # at the previous update
@@ -98,7 +98,7 @@ class AsyncDriver(TopologyDriver):
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="async-dispatch")
-        self.db = sqlite3.connect(str(self.ctx.run_dir / "run.db"), timeout=30.0, isolation_level=None,
+        self.db = sqlite3.connect(str(self.ctx.run.run_dir / "run.db"), timeout=30.0, isolation_level=None,
                                   check_same_thread=False)
         self.db.execute("PRAGMA busy_timeout = 30000")
         self.db.execute(SCHEMA)
@@ -106,32 +106,33 @@ class AsyncDriver(TopologyDriver):
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, round: int) -> None:
         """Send the current model to one idle client, drawn from the stream ("async", "dispatch", n)."""
-        ctx = self.ctx
+        ctx, cfg, model, home = self.ctx, self.ctx.run.cfg, self.ctx.model, self.ctx.nodes.client_home
+        algorithm = ctx.run.algorithm
         busy = {f.cid for f in self.in_flight.values()}
-        idle = [c for c in sorted(ctx.client_home) if c not in busy]
+        idle = [c for c in sorted(home) if c not in busy]
         if not idle:
             return
         self.seq += 1
-        cid = idle[int(numpy_stream(ctx.cfg.run.seed, "async", "dispatch", self.seq).integers(len(idle)))]
-        base = ctx.algorithm.broadcast(ctx.state, round)
+        cid = idle[int(numpy_stream(cfg.run.seed, "async", "dispatch", self.seq).integers(len(idle)))]
+        base = algorithm.broadcast(model.state, round)
         sent = {k: v.detach().clone() for k, v in base.tensors.items()}   # the version it trains on, kept
-        message = ctx.client_message(Payload(tensors=dict(sent), scalars=dict(base.scalars)), round, cid)
-        spec, rules = ctx.algorithm.reply_spec(ctx.state), ctx.algorithm.reply_scalars()
-        send = Send(cid, ctx.client_home[cid].address, client_node(cid), Method.TRAIN, message, step=self.seq,
-                    inbound=reply_chain(ctx.cfg, spec, Method.TRAIN, rules, ctx.limiter.limits([cid]),
+        message = model.client_message(Payload(tensors=dict(sent), scalars=dict(base.scalars)), round, cid)
+        spec, rules = algorithm.reply_spec(model.state), algorithm.reply_scalars()
+        send = Send(cid, home[cid].address, client_node(cid), Method.TRAIN, message, step=self.seq,
+                    inbound=reply_chain(cfg, spec, Method.TRAIN, rules, model.reply_limits([cid]),
                                         round=round, peer=client_node(cid)),
                     who=f"dispatch {self.seq} (version {self.version}) reply of client {cid}")
         assert self.pool is not None   # made by start
-        timeout = ctx.cfg.run.round_timeout
+        timeout = cfg.run.round_timeout
         future = self.pool.submit(ctx.fabric.send_and_receive, [send], round=round, timeout=timeout,
-                                  call_timeout=ctx.cfg.run.call_timeout,
+                                  call_timeout=cfg.run.call_timeout,
                                   timeout_reason=f"timeout: no result within run.round_timeout={timeout}s")
         seq = self.seq
         self.in_flight[seq] = Flight(seq, cid, self.version, round, sent, message.tensor_bytes(), self.sim_now, future)
         future.add_done_callback(lambda _f: self.done.put(seq))
 
     def fill(self, round: int) -> None:
-        while len(self.in_flight) < self.concurrency and len(self.in_flight) < len(self.ctx.client_home):
+        while len(self.in_flight) < self.concurrency and len(self.in_flight) < len(self.ctx.nodes.client_home):
             self.dispatch(round)
 
     # ------------------------------------------------------------------ arrivals
@@ -193,7 +194,7 @@ class AsyncDriver(TopologyDriver):
             self.round_failures[f.cid] = f.failure
             self.failures_in_a_row += 1
             self._row(f, {**row, "status": "failed", "detail": f.failure})
-            self.ctx.store.add_event("client_failed", node=client_node(f.cid), round=round,
+            self.ctx.records.store.add_event("client_failed", node=client_node(f.cid), round=round,
                                      detail=f"dispatch {f.seq}: {f.failure}")
             if self.failures_in_a_row >= FAILURES_IN_A_ROW * self.concurrency:
                 raise RunFailed(f"round {round}: {self.failures_in_a_row} dispatches in a row failed; last: client "
@@ -204,7 +205,7 @@ class AsyncDriver(TopologyDriver):
         weight = staleness_weight(p.staleness, staleness, p.staleness_a, p.staleness_b)
         f.taken = {**row, "weight": weight}
         self.staleness_all.append(staleness)
-        state = self.ctx.state.params
+        state = self.ctx.model.state.params
         if p.mode == "fedasync":
             fedasync_mix(state, f.sent, f.reply.tensors, p.mixing * weight)
             self.buffered = [f]
@@ -222,7 +223,7 @@ class AsyncDriver(TopologyDriver):
     def _row(self, f: Flight, row: dict) -> None:
         assert self.db is not None   # made by start
         self.db.execute(f"INSERT INTO {TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (self.ctx.run_id, row.get("arrival"), f.seq, f.cid, f.version, row.get("applied_version"),
+                        (self.ctx.run.run_id, row.get("arrival"), f.seq, f.cid, f.version, row.get("applied_version"),
                          row.get("staleness"), row.get("weight"), f.sim_start, row.get("sim_arrival"),
                          row.get("round"), row.get("status"), row.get("detail", "")))
 
@@ -251,18 +252,18 @@ class AsyncDriver(TopologyDriver):
         while True:
             f = self.next_arrival()
             updated = self.take(f, round)
-            last = updated and round >= ctx.cfg.run.rounds
+            last = updated and round >= ctx.run.cfg.run.rounds
             if not last:
                 self.fill(round if not updated else round + 1)
             if updated:
                 break
         used, self.buffered = self.buffered, []
-        if round >= ctx.cfg.run.rounds:
+        if round >= ctx.run.cfg.run.rounds:
             self.drain(round)
         weights = [float(g.reply.scalars.get("weight", 1.0)) for g in used if g.reply is not None]
         losses = [float(g.reply.scalars.get("train_loss", 0.0)) for g in used if g.reply is not None]
         aggregate = Payload(scalars={"weight": sum(weights), "train_loss": sum(w * x for w, x in zip(weights, losses))})
-        metrics = ctx.round_metrics(round, aggregate)
+        metrics = ctx.records.round_metrics(round, aggregate)
         stale = [int(g.taken["staleness"]) for g in used]
         metrics.update({"staleness_mean": sum(stale) / len(stale), "staleness_max": float(max(stale)),
                         "async_updates": float(len(used)), "async_version": float(self.version),
@@ -272,7 +273,7 @@ class AsyncDriver(TopologyDriver):
         result = RoundResult(round, sampled, participants, dict(self.round_failures), metrics,
                              time.perf_counter() - started, self.sim_now - self.sim_last)
         self.sim_last = self.sim_now
-        ctx.record_round(result)
+        ctx.records.record_round(result)
         return result
 
     def summary(self) -> dict:
