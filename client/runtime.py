@@ -59,6 +59,7 @@ class ClientProcess:
             raise
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
+        self.endpoint.replies_per_bundle = cfg.transport.reply_bundle   # a served batch's replies (grpc.py, Batches)
         self.endpoint.wire_compression = cfg.transport.wire_compression   # from now on (grpc.py)
         torch.set_num_threads(cfg.run.torch_threads)
         self.endpoint.checksum = cfg.security.checksum

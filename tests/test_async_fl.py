@@ -12,6 +12,8 @@ update (dispatch time + local_steps * step_seconds * slowdown) is checked from t
 """
 from __future__ import annotations
 
+import json
+import os
 import sqlite3
 from pathlib import Path
 
@@ -207,7 +209,7 @@ def test_a_bad_param_is_one_line_and_exit_2(tmp_path, capsys, line, key):
 
 
 @pytest.mark.parametrize("old,new,key", [('name = "fedavg"', 'name = "scaffold"', "algorithm.name"),
-                                         ('kind = "asynchronous"', 'kind = "asynchronous"\nedges = 2', "topology.edges"),
+                                         ('kind = "asynchronous"', 'kind = "asynchronous"\nedges = 7', "topology.edges"),
                                          ('kind = "grpc"', 'kind = "torch"', "transport.kind"),
                                          ("server_lr = 1.0", "server_lr = 0.5", "algorithm.server_lr")])
 def test_what_the_async_rule_cannot_use_is_refused_naming_the_key(tmp_path, capsys, old, new, key):
@@ -269,3 +271,145 @@ def test_a_refused_reply_is_recorded_failed_and_left_out(tmp_path, monkeypatch):
     assert all(u["client"] != 1 for u in ups if u["status"] == "applied")
     assert len(RunStore(tmp_path / "run.db").events("client_failed")) == len(failed)
     np.testing.assert_allclose(coord.state.params["w"].numpy(), replay(ups, "fedasync", "hinge"), rtol=0, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------- behind edges
+EDGE_RUNS: dict[tuple, Path] = {}
+CLUSTERS = [[0, 1, 2], [3, 4, 5]]   # topology.assignment = "blocks" with 2 edges
+
+
+def edge_config(mode: str, staleness: str, *, seed: int = 0, clock: str = "virtual", transport: str = "grpc") -> str:
+    text = config(mode, staleness, seed=seed, clock=clock, extra="edges = 2\n")
+    text = text.replace("concurrency = 3\n", "concurrency = 0\n")   # 0: every edge
+    return text.replace('kind = "grpc"', f'kind = "{transport}"')
+
+
+def edge_run(tmp_path_factory, mode: str, staleness: str, **kw) -> Path:
+    key = (mode, staleness, tuple(sorted(kw.items())))
+    if key not in EDGE_RUNS:
+        base = tmp_path_factory.mktemp(f"async-edges-{mode}-{staleness}")
+        (base / "exp.toml").write_text(edge_config(mode, staleness, **kw))
+        here = os.getcwd()
+        os.chdir(base)   # relative paths from the run's own folder, as a user runs it
+        try:
+            assert fedhop(["run", "exp.toml", "--out", "run", "--quiet"]) == 0
+        finally:
+            os.chdir(here)
+        EDGE_RUNS[key] = base / "run"
+    return EDGE_RUNS[key]
+
+
+def edge_updates(run_dir: Path) -> list[dict]:
+    cols = ("arrival", "dispatch", "client", "node", "clients", "sent_version", "applied_version", "staleness",
+            "weight", "sim_dispatch", "sim_arrival", "status")
+    out = [dict(zip(cols, r)) for r in rows(run_dir, f"SELECT {', '.join(cols)} FROM async_updates ORDER BY dispatch")]
+    for u in out:
+        u["clients"] = json.loads(u["clients"])
+    return out
+
+
+def edge_replay(ups: list[dict], mode: str, staleness: str) -> np.ndarray:
+    """Each applied edge flush is one server update: the sample-weighted mean delta of the clients
+    it trained from the version it was sent, scaled by eta_g s (FedBuff) or mixed in (FedAsync)."""
+    applied = sorted((u for u in ups if u["status"] == "applied"), key=lambda u: u["arrival"])
+    assert [u["applied_version"] for u in applied] == list(range(1, ROUNDS + 1))
+    versions = [np.zeros(D)]
+    w = versions[0]
+    for u in applied:
+        st = len(versions) - 1 - u["sent_version"]
+        assert u["staleness"] == st and u["weight"] == pytest.approx(s(staleness, st), abs=1e-15)
+        x0 = versions[u["sent_version"]]
+        n = np.array([SIZES[c] for c in u["clients"]], dtype=float)
+        delta = sum(n_i * (local(x0, c) - x0) for n_i, c in zip(n, u["clients"])) / n.sum()
+        if mode == "fedbuff":
+            w = w + 0.8 * s(staleness, st) * delta
+        else:
+            a_t = 0.6 * s(staleness, st)
+            w = (1 - a_t) * w + a_t * (x0 + delta)
+        versions.append(w)
+    return w
+
+
+@pytest.mark.parametrize("mode,staleness", [("fedbuff", "polynomial"), ("fedasync", "hinge"), ("fedbuff", "constant")])
+def test_behind_edges_each_flush_is_one_update_of_the_papers_rule(tmp_path_factory, mode, staleness):
+    """Behind 2 edges the buffer lives at the edge: every dispatch is one edge call that trains
+    buffer_size = 2 of its cluster's clients; the server's model is the replay's over the
+    recorded order, the clients are the edge's own, and the virtual clock times a call by its
+    slowest client."""
+    run_dir = edge_run(tmp_path_factory, mode, staleness)
+    ups = edge_updates(run_dir)
+    want = edge_replay(ups, mode, staleness)
+    np.testing.assert_allclose(final_model(run_dir), want, rtol=0, atol=1e-10)
+    assert np.linalg.norm(want) > 0.5
+    assert max(u["staleness"] for u in ups if u["status"] == "applied") >= 1
+    for u in ups:
+        assert u["client"] is None and u["node"] in ("edge-0", "edge-1") and len(u["clients"]) == 2
+        assert set(u["clients"]) <= set(CLUSTERS[int(u["node"][-1])])
+        slowest = max(LOCAL_STEPS * STEP_SECONDS * SLOWDOWN[c] for c in u["clients"])
+        assert u["sim_arrival"] - u["sim_dispatch"] == pytest.approx(slowest, rel=1e-12)
+    taken = sorted((u for u in ups if u["arrival"] is not None), key=lambda u: u["arrival"])
+    assert [u["sim_arrival"] for u in taken] == sorted(u["sim_arrival"] for u in taken)
+    assert len({tuple(u["clients"]) for u in ups if u["node"] == "edge-0"}) > 1   # the draw changes per call
+
+
+@pytest.mark.parametrize("mode,staleness", [("fedbuff", "polynomial"), ("fedasync", "hinge")])
+def test_behind_edges_bytes_are_dispatches_and_uploads_on_both_links(tmp_path_factory, mode, staleness):
+    """edge-server: one edge_round request and one reply of the model's bytes per edge call;
+    client-edge: one train request and reply per client an edge call trained."""
+    run_dir = edge_run(tmp_path_factory, mode, staleness)
+    ups = edge_updates(run_dir)
+    calls, trained = len(ups), sum(len(u["clients"]) for u in ups)
+    model = 8 * D
+    q = "SELECT COUNT(*), SUM(tensor_bytes) FROM messages WHERE method = '{m}' AND role = '{r}' AND {side}"
+    assert rows(run_dir, q.format(m="edge_round", r="sender", side="src = 'server'"))[0] == (calls, calls * model)
+    assert rows(run_dir, q.format(m="edge_round.reply", r="receiver", side="dst = 'server'"))[0] == (calls, calls * model)
+    assert rows(run_dir, q.format(m="train", r="receiver", side="1"))[0] == (trained, trained * model)
+    assert rows(run_dir, q.format(m="train.reply", r="sender", side="1"))[0] == (trained, trained * model)
+    assert calls > ROUNDS   # the call still in flight at the end counts too
+
+
+def test_behind_edges_the_seed_decides_the_order_and_the_draws(tmp_path_factory):
+    a = edge_run(tmp_path_factory, "fedbuff", "polynomial")
+    c = edge_run(tmp_path_factory, "fedbuff", "polynomial", seed=3)
+    order = lambda r: [(u["node"], tuple(u["clients"]), u["sent_version"], u["applied_version"]) for u in edge_updates(r)]
+    assert order(a) != order(c)
+    np.testing.assert_allclose(final_model(c), edge_replay(edge_updates(c), "fedbuff", "polynomial"), rtol=0, atol=1e-10)
+
+
+def test_behind_edges_in_memory_gives_the_grpc_runs_order_and_model(tmp_path_factory, tmp_path):
+    import torch
+
+    from fedhop.common.config import parse_config
+    from fedhop.deploy.launch.inmemory import run_inmemory
+    grpc_run = edge_run(tmp_path_factory, "fedasync", "hinge")
+    summary, coord = run_inmemory(parse_config(edge_config("fedasync", "hinge", transport="inmemory")), tmp_path)
+    assert summary["status"] == "completed"
+    order = lambda r: [(u["node"], tuple(u["clients"]), u["sent_version"], u["status"]) for u in edge_updates(r)]
+    assert order(tmp_path) == order(grpc_run)
+    assert torch.equal(coord.state.params["w"], load_file(str(grpc_run / "model.safetensors"))["w"])
+
+
+@pytest.mark.parametrize("old,new,key", [("buffer_size = 2\n", "buffer_size = 4\n", "topology.buffer_size"),
+                                         ("concurrency = 0\n", "concurrency = 3\n", "topology.concurrency")])
+def test_behind_edges_bad_sizes_are_one_line_and_exit_2(tmp_path, capsys, old, new, key):
+    """Clusters of 3 cannot give an edge call 4 clients; 2 edges cannot hold 3 calls."""
+    text = edge_config("fedbuff", "constant")
+    assert old in text
+    (tmp_path / "c.toml").write_text(text.replace(old, new, 1))
+    assert fedhop(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert key in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_behind_edges_the_live_page_draws_the_edges_with_their_bytes(tmp_path_factory):
+    """The live page's graph (deploy/tools/dashboard.py) draws an edge per cluster, each
+    edge-server link with the server's framed bytes to and from that edge in the ledger."""
+    from fedhop.deploy.tools.dashboard import snapshot
+    run_dir = edge_run(tmp_path_factory, "fedbuff", "polynomial")
+    graph = snapshot(run_dir)["graph"]
+    assert [n["id"] for n in graph["nodes"] if n["tier"] == 1] == ["edge-0", "edge-1"]
+    for link in (lk for lk in graph["links"] if lk["link"] == "edge-server"):
+        edge = link["b"]
+        want = dict(rows(run_dir, "SELECT direction, SUM(framed_bytes) FROM messages WHERE recorder = 'server' AND "
+                                  f"link = 'edge-server' AND (src = '{edge}' OR dst = '{edge}') GROUP BY direction"))
+        assert link["bytes"] == want and want["down"] > 0

@@ -152,10 +152,10 @@ class CorruptingEndpoint(GrpcEndpoint):
     """A callee whose reply to `client-1` has its last data byte flipped after it was hashed, as a
     faulty link would: the caller's XXH3 check refuses that reply (CHECKSUM_MISMATCH)."""
 
-    def serve_frames(self, frames, handler, framing=None, pulled=False, on_header=None):
+    def serve_frames(self, frames, handler, framing=None, pulled=False, on_header=None, reply_framing=None):
         served: list[str] = []
         out = list(super().serve_frames(frames, lambda r: served.append(r.envelope.dst) or handler(r),
-                                        framing, pulled, on_header))
+                                        framing, pulled, on_header, reply_framing))
         if served == ["client-1"]:
             out[-1] = out[-1][:-1] + bytes([out[-1][-1] ^ 0xFF])
         return out
@@ -183,8 +183,8 @@ def test_a_corrupted_reply_in_the_middle_costs_only_itself():
 
 
 def test_each_reply_of_a_batch_is_used_as_it_comes_and_kept_at_the_deadline():
-    """The fabric gets each reply of a batch when it is complete (`call_many(on_each=)`), not when
-    the batch ends: the first two clients' replies arrive while the third is still training, and
+    """With transport.reply_bundle = 1 the fabric gets each reply of a batch when it is complete
+    (`call_many(on_each=)`), not when the batch ends: the first two clients' replies arrive while the third is still training, and
     when the third misses the round's deadline the first two still count; only the third fails,
     and the ledger records it lost."""
     import threading
@@ -200,6 +200,7 @@ def test_each_reply_of_a_batch_is_used_as_it_comes_and_kept_at_the_deadline():
         return Payload(scalars={"k": k})
 
     callee = GrpcEndpoint("client-proc0", Ledger())
+    callee.replies_per_bundle = 1   # transport.reply_bundle = 1: each reply sent the moment it is computed
     address = callee.serve(handler, "127.0.0.1:0")
     caller = GrpcEndpoint("server", Ledger())
     fabric = Fabric(caller, batch=True)
@@ -314,3 +315,112 @@ def test_every_message_of_a_batch_must_speak_for_the_caller():
     finally:
         channel.close()
         victim.stop()
+
+
+# ----------------------------------------------------------------------------- reply bundles
+def bundles_on_wire(reply_frames: list[list[int]], per_bundle: int, limit: int) -> tuple[int, int]:
+    """The number of reply bundles and their bytes on the wire, computed here from the rule the
+    docs state (a reply opens a bundle when the open one holds `per_bundle` replies or the reply's
+    frames would take it over `limit`; a bundle is a FrameBundle message with gRPC's 5-byte
+    prefix and each frame's tag and length varint), independently of ReplyBundles."""
+    def varint_len(n: int) -> int:
+        return max(1, (n.bit_length() + 6) // 7)
+
+    groups: list[list[int]] = []
+    count = 0
+    for lengths in reply_frames:
+        cost = sum(n + 1 + varint_len(n) for n in lengths)
+        if not groups or count >= per_bundle or sum(n + 1 + varint_len(n) for n in groups[-1]) + cost > limit:
+            groups.append([])
+            count = 0
+        groups[-1].extend(lengths)
+        count += 1
+    return len(groups), sum(FRAME_OVERHEAD + sum(n + 1 + varint_len(n) for n in g) for g in groups)
+
+
+@pytest.mark.parametrize("per_bundle,chunk,count,numel", [(16, 4 << 20, 40, 50), (4, 4 << 20, 10, 1),
+                                                          (16, 8192, 12, 600)])
+def test_a_batchs_replies_come_in_bundles_whose_framing_both_ends_count_alike(per_bundle, chunk, count, numel):
+    """`count` replies of `numel` floats: they come back in the bundles the rule gives (by count,
+    or by size where three replies of 2.4 kB fill an 8 kB chunk), the caller reads that many reply
+    messages, and the replies' framed bytes on both ends add up to those bundles on the wire."""
+    import fedhop.common.transport.grpc as grpc_transport
+    callee = GrpcEndpoint("client-proc0", Ledger(), chunk_bytes=chunk)
+    callee.replies_per_bundle = per_bundle
+    address = callee.serve(lambda r: Payload(tensors={"d": torch.full((numel,), 1.0)}), "127.0.0.1:0")
+    caller = GrpcEndpoint("server", Ledger(), chunk_bytes=chunk)
+    seen: list[int] = []
+    original = grpc_transport.BatchDecoder.feed_bundle
+    grpc_transport.BatchDecoder.feed_bundle = lambda self, message: (seen.append(len(message)),
+                                                                      original(self, message))[1]
+    try:
+        prepared = caller.prepare(Payload(tensors={"w": torch.ones(3)}))
+        out = caller.call_many(address, [Batched(f"client-{k}", "train", prepared) for k in range(count)],
+                               round=1, timeout=30)
+        assert all(isinstance(o, Payload) and o.tensors["d"].numel() == numel for o in out)
+    finally:
+        grpc_transport.BatchDecoder.feed_bundle = original
+        caller.stop()
+        callee.stop()
+    sent = sorted((r for r in callee.ledger.records() if r.method == "train.reply"), key=lambda r: int(r.src[7:]))
+    got = {r.msg_id: r for r in caller.ledger.records() if r.method == "train.reply"}
+    assert len(sent) == len(got) == count
+    for r in sent:
+        assert (got[r.msg_id].payload_bytes, got[r.msg_id].framed_bytes) == (r.payload_bytes, r.framed_bytes)
+    data = [len(f) for f in callee.prepare(Payload(tensors={"d": torch.full((numel,), 1.0)})).frames[1:]]
+    # each reply's header frame (its own msg_id) is the rest of its payload bytes, in the order served
+    frames = [[r.payload_bytes - sum(data), *data] for r in sent]
+    bundles, wire = bundles_on_wire(frames, per_bundle, chunk)
+    assert len(seen) == bundles and sum(seen) + FRAME_OVERHEAD * bundles == wire
+    assert sum(r.framed_bytes - r.payload_bytes for r in sent) == wire - sum(r.payload_bytes for r in sent)
+    assert bundles == (-(-count // per_bundle) if chunk > 1 << 20 else -(-count // 3))
+
+
+def test_with_bundles_of_four_the_first_four_replies_arrive_while_the_sixth_trains():
+    """transport.reply_bundle = 4: replies 0-3 are one bundle, sent once the fourth is computed;
+    the fifth waits for the sixth (their bundle is still open), so at the sixth's training the
+    caller holds exactly the first four."""
+    import threading
+    release, arrived = threading.Event(), []
+    holding: list[list[int]] = []
+
+    def handler(request):
+        k = int(request.envelope.dst.split("-")[1])
+        if k == 5:
+            deadline = threading.Event()
+            for _ in range(600):   # until the first bundle is in at the caller (an event, not a sleep)
+                if len(arrived) >= 4:
+                    break
+                deadline.wait(0.05)
+            holding.append(sorted(arrived))
+            release.wait(30)
+        return Payload(scalars={"k": k})
+
+    callee = GrpcEndpoint("client-proc0", Ledger())
+    callee.replies_per_bundle = 4
+    address = callee.serve(handler, "127.0.0.1:0")
+    caller = GrpcEndpoint("server", Ledger())
+    try:
+        prepared = caller.prepare(Payload())
+
+        def on_each(i, result):
+            arrived.append(i)
+            if i == 4:   # the fifth came only with the sixth
+                assert holding == [[0, 1, 2, 3]]
+
+        t = threading.Thread(target=lambda: caller.call_many(
+            address, [Batched(f"client-{k}", "train", prepared) for k in range(6)], round=1, timeout=30,
+            on_each=on_each))
+        t.start()
+        for _ in range(600):
+            if holding:
+                break
+            threading.Event().wait(0.05)
+        assert holding == [[0, 1, 2, 3]]
+        release.set()
+        t.join(30)
+        assert sorted(arrived) == list(range(6))
+    finally:
+        release.set()
+        caller.stop()
+        callee.stop()

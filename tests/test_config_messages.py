@@ -38,7 +38,7 @@ def test_nothing_is_proposed_when_nothing_is_close(word, names):
     ("[run]\nrounds = 1\n[algorithm]\nrl = 0.1\n", "unknown config key 'algorithm.rl' = 0.1 (did you mean 'lr'?)"),
     ("[rnu]\nrounds = 1\n", "unknown config section '[rnu]' (did you mean 'run'?)"),
     ("[algorithm]\nname = \"fedvag\"\n", "unknown algorithm 'fedvag' (did you mean 'fedavg'?)"),
-    ("[data]\ndataset = \"digts\"\n", "data.dataset = 'digts' is not available (did you mean 'digits'?)"),
+    ("[data]\ndataset = \"digts\"\n", "unknown data set 'digts' (did you mean 'digits'?)"),
     ("[topology]\nkind = \"hierarchcal\"\n", "unknown topology 'hierarchcal' (did you mean 'hierarchical'?)"),
     ("[security]\nnan_policy = \"rejet\"\n", "got 'rejet' (did you mean 'reject'?), allowed: reject, fail"),
 ])

@@ -50,7 +50,7 @@ def test_linear_is_a_regression_model_for_a_regression_task() -> None:
 
 
 def test_an_unknown_kind_names_the_table() -> None:
-    with pytest.raises(ValueError, match=r"model.kind = 'vgg' is not allowed \(allowed: char_lstm, cifar_cnn, cnn"):
+    with pytest.raises(ValueError, match=r"unknown model 'vgg' \(allowed: char_lstm, cifar_cnn, cnn"):
         build_model("vgg", (3, 8, 8), 10)
 
 

@@ -135,7 +135,7 @@ def test_each_method_keeps_its_ledger_link():
                                                  else by_roles)
     assert {m.value for m in Method if m.link == "control"} == {"control.seq_query", "control.seq_restore",
                                                                 "register", "heartbeat"}
-    assert len({m.value for m in Method}) == len(Method) == 25   # 23 Exchange methods, Register, Heartbeat
+    assert len({m.value for m in Method}) == len(Method) == 29   # 27 Exchange methods, Register, Heartbeat
 
 
 @pytest.mark.parametrize("identity", ["token", "mtls"])

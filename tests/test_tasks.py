@@ -14,7 +14,6 @@ from fedhop.common.config.schema import Config
 from fedhop.common.models import build_model
 from fedhop.common.models.conv import CNN
 from fedhop.common.tasks import (
-    DATASET_PARAMS,
     LogRegParams,
     NpzParams,
     QuadraticParams,
@@ -340,7 +339,7 @@ def test_model_names_shapes_and_zero_init() -> None:
 
 
 def test_dataset_params_registry() -> None:
-    assert DATASET_PARAMS["quadratic"] is QuadraticParams and DATASET_PARAMS["logreg"] is LogRegParams
+    assert dataset_params_class("quadratic") is QuadraticParams and dataset_params_class("logreg") is LogRegParams
     assert dataset_params_class("npz") is NpzParams and dataset_params_class("digits") is None
     p = params_from_options(LogRegParams, {"alpha": 1, "dim": 5}, "data")
     assert p.alpha == 1.0 and isinstance(p.alpha, float) and p.dim == 5
@@ -350,5 +349,5 @@ def test_dataset_params_registry() -> None:
         params_from_options(NpzParams, {"task": "ranking"}, "data")
     with pytest.raises(ValueError, match="takes no extra keys"):
         build_task(_cfg("digits", centers=[[1.0]]))
-    with pytest.raises(ValueError, match="not available"):
+    with pytest.raises(ValueError, match="unknown data set 'no_such_dataset'"):
         dataset_params_class("no_such_dataset")

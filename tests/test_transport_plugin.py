@@ -152,8 +152,8 @@ def test_the_plugins_method_is_authorized_from_its_table_and_refused_to_others(t
 
 
 @pytest.mark.parametrize("kind,message", [
-    ("carrier-pigeon", "transport.kind = 'carrier-pigeon' is not a transport (known: grpc, torch, inmemory"),
-    ("grpcc", "is not a transport (did you mean 'grpc'?)"),
+    ("carrier-pigeon", "'transport.kind': unknown transport 'carrier-pigeon' (allowed: grpc, torch, inmemory"),
+    ("grpcc", "unknown transport 'grpcc' (did you mean 'grpc'?)"),
     ("census_transport:CENSUS", "'census_transport:CENSUS' is not a fedhop.common.transport.entry.Transport"),
     ("no_such_module:TRANSPORT", "cannot import 'no_such_module:TRANSPORT'"),
 ])

@@ -1,38 +1,37 @@
 """Algorithm registry.
 
 Every module in this package that defines algorithms lists them in a module-level
-`REGISTER = [ClassA, ClassB]`; each class's `name` is its config name.  Modules are found by
-scanning the package, so adding an algorithm touches no shared file.
+`REGISTER = [ClassA, ClassB]`; each class's `name` is its config name.  `ALGORITHMS` is a
+common/util/registry.py `Registry`, the shape every family's table has: it finds the modules by
+scanning the package, so adding an algorithm touches no shared file, and a plug-in (an import path
+"pkg.module:Class" or an entry point of group `fedhop.algorithms`) is found by the same lookup.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from fedhop.common.topologies import TopologySpec, builtin_specs, spec_for
 from fedhop.common.topologies.graphs import topology_params
+from fedhop.common.util.registry import Registry
 
 if TYPE_CHECKING:
     from fedhop.common.algorithms.base import Algorithm
 
-_NOT_ALGORITHMS = {"base", "local"}
+
+def _algorithm_plugin(ref: str, cls: Any) -> type[Algorithm]:
+    from fedhop.common.algorithms.base import Algorithm  # local: base imports torch
+    from fedhop.common.util.plugins import PluginError
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise PluginError(f"algorithm.name = {ref!r} is not a subclass of fedhop.common.algorithms.base.Algorithm")
+    return cls
 
 
-@lru_cache(maxsize=1)
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", __name__, "algorithms", plugin=_algorithm_plugin)
+
+
 def registry() -> dict[str, type[Algorithm]]:
-    found: dict[str, type[Algorithm]] = {}
-    for info in pkgutil.iter_modules(__path__):
-        if info.name in _NOT_ALGORITHMS or info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for cls in getattr(module, "REGISTER", []):
-            if cls.name in found and found[cls.name] is not cls:
-                raise RuntimeError(f"algorithm name '{cls.name}' registered twice "
-                                   f"({found[cls.name].__module__} and {cls.__module__})")
-            found[cls.name] = cls
-    return found
+    """The built-in algorithms by name (every module of this package imported)."""
+    return ALGORITHMS.builtins()
 
 
 def partial_exchange_algorithms() -> list[str]:
@@ -40,25 +39,11 @@ def partial_exchange_algorithms() -> list[str]:
     return [name for name, cls in registry().items() if cls.partial_exchange]
 
 
-def algorithm_class(name: str):
+def algorithm_class(name: str) -> type[Algorithm]:
     """The Algorithm subclass registered under `name` (built in), or a user's plug-in: an import
     path "pkg.module:Class" or an entry point of group `fedhop.algorithms` (common/util/plugins.py).
-    Unknown names raise KeyError, plug-ins that do not load PluginError (a ValueError)."""
-    algos = registry()
-    if name in algos:
-        return algos[name]
-    from fedhop.common.algorithms.base import Algorithm
-    from fedhop.common.util.plugins import PluginError, entry_point_names, load_plugin
-    try:
-        cls = load_plugin(name, "algorithms")
-    except LookupError:
-        allowed = sorted(set(algos) | set(entry_point_names("algorithms")))
-        from fedhop.common.util.suggest import did_you_mean
-        raise KeyError(f"algorithm.name: unknown algorithm '{name}'{did_you_mean(name, allowed)} "
-                       f"(allowed: {', '.join(allowed)}, or an import path 'package.module:Class')") from None
-    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-        raise PluginError(f"algorithm.name = {name!r} is not a subclass of fedhop.common.algorithms.base.Algorithm")
-    return cls
+    Unknown names raise UnknownName (a KeyError), plug-ins that do not load PluginError (a ValueError)."""
+    return ALGORITHMS.get(name)
 
 
 def build_algorithm(cfg):
@@ -71,8 +56,8 @@ def build_algorithm(cfg):
     rule = getattr(getattr(cfg, "security", None), "aggregation", "mean")
     if rule != "mean":   # Byzantine-robust reduction (common/engine/robust.py), at the server and at every edge
         from fedhop.common.engine.robust import RobustAggregate
-        algorithm.aggregate = RobustAggregate(algorithm.reply_reduce, rule, cfg.security.trim, cfg.security.krum_f,
-                                              cfg.security.krum_m)
+        algorithm.aggregate = RobustAggregate(  # type: ignore[method-assign]  # this instance's reduction
+            algorithm.reply_reduce, rule, cfg.security.trim, cfg.security.krum_f, cfg.security.krum_m)
     return algorithm
 
 
@@ -98,7 +83,7 @@ def config_problem(cfg: Any) -> str | None:
             return (f"config key 'topology.kind': got '{cfg.topology.kind}', but algorithm '{cfg.algorithm.name}' "
                     f"walks one model over the edges and has no server step (allowed: {allowed})")
     rule = cfg.security.aggregation
-    if rule != "mean" and cfg.algorithm.name in registry():
+    if rule != "mean" and cfg.algorithm.name in ALGORITHMS:
         from fedhop.common.algorithms.base import Algorithm  # local: base imports torch
         if cls.aggregate is not Algorithm.aggregate:
             return (f"config key 'security.aggregation': '{rule}' replaces the weighted mean, but algorithm "

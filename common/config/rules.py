@@ -22,7 +22,9 @@ from fedhop.common.config.schema import Config, ConfigError, resolve_clients_per
 from fedhop.common.config.validate import _is_int, build_dataclass
 from fedhop.common.processors.compressors import compressor_class
 from fedhop.common.processors.compressors import config_problem as compression_problem
+from fedhop.common.security.secagg.settings import config_problem as secagg_problem
 from fedhop.common.topologies import TopologySpec, spec_for
+from fedhop.common.transport.factory import TRANSPORTS
 from fedhop.common.transport.factory import config_problem as transport_problem
 from fedhop.common.util.plugins import PluginError, check_call, entry_point_names, load_plugin
 
@@ -180,6 +182,8 @@ def _cross_checks(cfg: Config) -> None:
     _raise(transport_problem(cfg))   # the transport's rules
     _raise(algorithm_problem(cfg))   # the algorithm's rules
     _raise(compression_problem(cfg))   # the compressors' rules (common/processors/compressors/__init__.py)
+    _raise(secagg_problem(cfg, resolve_clients_per_round(cfg), tuple(spec.methods) if spec is not None else (),
+                          TRANSPORTS[tr.kind].style if tr.kind in TRANSPORTS else ""))   # common/security/secagg/settings.py
 
 
 def _device_checks(cfg: Config) -> None:

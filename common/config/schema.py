@@ -219,6 +219,12 @@ class TransportConfig:
                                 "still goes alone.  A batch runs under run.round_timeout, not run.call_timeout; "
                                 "false: one call per client (framed bytes 5 more per message after a batch's "
                                 "first, docs/crossdevice.md)")
+    reply_bundle: int = _f(16, min=1, help="replies of one batched call that travel in one gRPC message (each reply "
+                                           "still its own message in the ledger, framed bytes its share of the "
+                                           "bundle; common/transport/grpc.py, Batches): fewer sends for many small "
+                                           "replies, but a reply waits for the others of its bundle, so a round "
+                                           "deadline may cut up to reply_bundle - 1 computed replies of a late "
+                                           "process; 1: each reply sent the moment it is computed")
     wire_compression: str = _f("none", choices=("none", "gzip", "deflate"),
                                help="gRPC's own compression of every call's messages, both directions (grpc "
                                     "transport only; docs/compression.md): the ledger still counts the "
@@ -290,6 +296,26 @@ class CompressionConfig:
 
 
 @dataclass
+class SecureAggregationConfig:
+    """Secure aggregation, SecAgg+ (Bell et al. 2020; the complete graph is Bonawitz et al. 2017's
+    SecAgg): each star round's sampled clients go through four phases (advertise keys, share keys,
+    masked input, unmasking) and the server learns only the sum of their clipped, quantized
+    updates (docs/secure-aggregation.md)."""
+
+    enabled: bool = _f(False, help="run every round's sampled clients through SecAgg+ instead of plain train calls "
+                                   "(star topology; FedAvg-family algorithms with algorithm.weighting = \"uniform\")")
+    degree: int = _f(0, min=0, help="neighbours per client in the round's Harary graph; 0 (or >= the clients per "
+                                    "round - 1) = the complete graph, SecAgg")
+    threshold: int = _f(0, min=0, help="t: shares that reconstruct a client's secret, with 2t > degree and t <= degree; "
+                                       "0 = floor(degree / 2) + 1; a neighbourhood tolerates degree - t dropouts")
+    modulus_bits: int = _f(32, min=1, max=64, help="R = 2^modulus_bits: the masked values' ring; at least "
+                                                   "quant_bits + ceil(log2(clients per round))")
+    clip: float = _f(1.0, min_exclusive=0.0, help="an update is clipped to this L2 norm before quantization")
+    quant_bits: int = _f(16, min=1, max=62, help="a coordinate in [-clip, clip] becomes an integer in "
+                                                 "[0, 2^quant_bits - 1] by stochastic rounding")
+
+
+@dataclass
 class ProcessorConfig:
     """A user's processor in the payload chains (common/processors/pipeline.py): one `[[processors]]` table each,
     in the order they run.  Its other keys are the processor's keyword options."""
@@ -321,6 +347,7 @@ class Config:
     transport: TransportConfig = field(default_factory=TransportConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
     processors: list[ProcessorConfig] = field(default_factory=list)   # [[processors]], in order
 
 
@@ -328,7 +355,7 @@ class Config:
 SECTIONS: dict[str, type] = {"run": RunConfig, "topology": TopologyConfig, "algorithm": AlgorithmConfig,
                              "data": DataConfig, "model": ModelConfig, "clients": ClientsConfig,
                              "edges": EdgesConfig, "transport": TransportConfig, "security": SecurityConfig,
-                             "compression": CompressionConfig}
+                             "compression": CompressionConfig, "secure_aggregation": SecureAggregationConfig}
 
 
 # ----------------------------------------------------------------------------- values derived from a config

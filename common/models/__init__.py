@@ -2,13 +2,13 @@
 table of built-in kinds.
 
 Each module of this package that defines models lists its kinds in a module-level
-`REGISTER = {"kind": build, ...}`, found by scanning the package (the shape of the algorithm
-registry, common/algorithms/__init__.py): adding a model is a module here plus its name among
+`REGISTER = {"kind": build, ...}`; `MODELS` is a common/util/registry.py `Registry` (the shape of
+every family's table) that finds them by scanning the package: adding a model is a module here plus its name among
 model.kind's choices (common/config/schema.py, which sits below this layer; tests/test_model_registry.py
 checks that the two agree).  A builder has
 the signature of a user's model factory, `build(input_shape, n_outputs, **options) -> nn.Module`,
 so a built-in kind and a plug-in (model.factory, an import path or a `fedhop.models` entry point)
-are called the same way; the built-ins receive the [model] keys `hidden`, `bias` and `task` as
+are found by the same lookup (`MODELS.get`) and called the same way; the built-ins receive the [model] keys `hidden`, `bias` and `task` as
 options and ignore those they do not use.
 
 `build_model` constructs a model inside `torch.random.fork_rng()` after `torch.manual_seed`, so
@@ -21,14 +21,14 @@ checkpoints rely on them.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import threading
-from functools import lru_cache
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
+
+from fedhop.common.util.plugins import check_call
+from fedhop.common.util.registry import Registry
 
 #: held while a model is built under the process's global RNG (see the module's docstring)
 _BUILD_LOCK = threading.RLock()   # re-entrant: a user's model factory may build a built-in model inside
@@ -36,28 +36,18 @@ _BUILD_LOCK = threading.RLock()   # re-entrant: a user's model factory may build
 #: build(input_shape, n_outputs, **options) -> nn.Module: a built-in kind's builder or a user's factory
 ModelBuilder = Callable[..., nn.Module]
 
-_NOT_MODELS = {"exchange"}
+#: model.kind -> builder (the modules' REGISTER tables), and model.factory's plug-ins by reference
+MODELS: Registry[ModelBuilder] = Registry("model", __name__, "models", what="function", order=lambda kind, _: kind)
 
 
-@lru_cache(maxsize=1)
 def registry() -> dict[str, ModelBuilder]:
     """model.kind -> builder, over every module of this package that has a `REGISTER` table."""
-    found: dict[str, ModelBuilder] = {}
-    for info in pkgutil.iter_modules(__path__):
-        if info.name in _NOT_MODELS or info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for kind, build in getattr(module, "REGISTER", {}).items():
-            if kind in found and found[kind] is not build:
-                raise RuntimeError(f"model kind '{kind}' registered twice "
-                                   f"({found[kind].__module__} and {build.__module__})")
-            found[kind] = build
-    return found
+    return MODELS.builtins()
 
 
 def model_kinds() -> list[str]:
     """The built-in model kinds, sorted (the choices of model.kind)."""
-    return sorted(registry())
+    return MODELS.names()
 
 
 def zero_(model: nn.Module) -> nn.Module:
@@ -84,33 +74,21 @@ def build_model(kind: str, input_shape: Sequence[int], n_outputs: int,
         raise ValueError(f"input_shape must be non-empty with positive sizes, got {tuple(input_shape)}")
     if init not in ("default", "zeros"):
         raise ValueError(f"model.init = {init!r} is not allowed (allowed: default, zeros)")
-    build = None if factory else registry().get(kind)
-    if not factory and build is None:
-        raise ValueError(f"model.kind = {kind!r} is not allowed (allowed: {', '.join(model_kinds())})")
+    build = MODELS.get(factory or kind)   # UnknownName (a ValueError) names the kinds; PluginError a bad plug-in
+    if factory:
+        check_call(build, factory, "model.factory_args", shape, int(n_outputs), **(factory_args or {}))   # before the call
     model: nn.Module
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
         if factory:
-            model = _from_factory(factory, shape, n_outputs, factory_args or {})
+            model = build(shape, int(n_outputs), **(factory_args or {}))
+            if not isinstance(model, nn.Module):
+                raise ValueError(f"model.factory = {factory!r} returned a {type(model).__name__}, not a "
+                                 f"torch.nn.Module")
         else:
-            assert build is not None
             model = build(shape, n_outputs, hidden=tuple(hidden), bias=bias, task=task)
     if init == "zeros":
         zero_(model)
-    return model
-
-
-def _from_factory(factory: str, shape: tuple[int, ...], n_outputs: int, args: dict) -> nn.Module:
-    from fedhop.common.util.plugins import check_call, load_plugin
-    try:
-        make = load_plugin(factory, "models")
-    except LookupError:
-        raise ValueError(f"model.factory = {factory!r}: no such entry point in group 'fedhop.models' and not an "
-                         f"import path 'package.module:function'") from None
-    check_call(make, factory, "model.factory_args", shape, int(n_outputs), **args)   # before the call
-    model = make(shape, int(n_outputs), **args)
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model.factory = {factory!r} returned a {type(model).__name__}, not a torch.nn.Module")
     return model
 
 

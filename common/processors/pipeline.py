@@ -27,8 +27,9 @@ round, or fails the run) is `FinitenessPolicy`, which the server applies to the 
 round once they are all in (server/coordinator.py).
 
 A user's processors come from the config, `[[processors]]` tables (docs/config.md): each names
-a processor by plug-in reference (`name = "mypkg.procs:Counter"`, loaded by common/util/plugins.py,
-so a client or edge loads only what it was started with), the `methods` and `direction` whose
+a processor by plug-in reference (`name = "mypkg.procs:Counter"`, found by `PROCESSORS`, a
+common/util/registry.py `Registry` with no built-ins, and loaded by common/util/plugins.py, so a
+client or edge loads only what it was started with), the `methods` and `direction` whose
 chains it joins, the `roles` whose processes run it, and its keyword options.  The config loader
 loads and constructs each one (`build_processor`), so a bad entry is a config error before any
 process starts; each role process, once it holds the run's config, calls `configure(cfg, role)`
@@ -54,6 +55,7 @@ import torch
 from fedhop.common.processors.compress import compress_upload, decompress_upload
 from fedhop.common.processors.compressors.use import decode_upload, encode_upload, for_sender, upload_coding
 from fedhop.common.processors.validation import ReplyLimits, reply_bound, validate_reply
+from fedhop.common.util.registry import Registry, UnknownName
 from fedhop.common.wire.codec import PayloadError, ReplyBound, check_tensors
 from fedhop.common.wire.message import REPLY_SCALARS, Payload, ScalarRule, tensor_finite
 
@@ -61,6 +63,9 @@ Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 Direction = Literal["in", "out"]
 DIRECTIONS: tuple[Direction, ...] = ("in", "out")
 ROLES = ("server", "edge", "client")   # the processes a [[processors]] entry may name
+#: the [[processors]] entries' names: plug-ins only (the built-in processors are placed by the chains
+#: below, not named in a config), looked up the way every family's kinds are (common/util/registry.py)
+PROCESSORS: Registry[Any] = Registry("processor", None, "processors")
 
 __all__ = ["Context", "Processor", "ProcessorChain", "Decompress", "ValidateReply", "CheckModel", "Compress",
            "FinitenessPolicy", "install", "installed", "build_processor", "configure", "unconfigure", "reply_chain",
@@ -296,7 +301,7 @@ def build_processor(entry: Any, key: str = "processors[0]") -> Processor:
     then called with them; an object with `process` is taken as it is, without options.  The
     options come from whoever wrote the config, a client's parent too: nothing is called with
     options it does not take.  Raises ValueError, one line naming the key."""
-    from fedhop.common.util.plugins import PluginError, entry_point_names, load_plugin  # local: plugins imports config
+    from fedhop.common.util.plugins import PluginError
     if not entry.name:
         raise ValueError(f"config key '{key}.name' is required: the processor, \"package.module:Class\"")
     methods = _methods()
@@ -312,13 +317,9 @@ def build_processor(entry: Any, key: str = "processors[0]") -> Processor:
     if entry.direction not in DIRECTIONS:
         raise ValueError(f"config key '{key}.direction': got {entry.direction!r}, allowed: {', '.join(DIRECTIONS)}")
     try:
-        obj = load_plugin(entry.name, "processors")   # its kind checked, nothing called
-    except PluginError as exc:   # PluginRefused too: never imported, or never reached
+        obj = PROCESSORS.get(entry.name)   # its kind checked, nothing called
+    except (PluginError, UnknownName) as exc:   # PluginRefused too: never imported, or never reached
         raise ValueError(f"config key '{key}.name': {exc}") from None
-    except LookupError:
-        names = ", ".join(entry_point_names("processors")) or "none installed"
-        raise ValueError(f"config key '{key}.name': got {entry.name!r}, which is neither an import path "
-                         f"'package.module:Class' nor an entry point of group 'fedhop.processors' ({names})") from None
     processor: Any
     if inspect.isclass(obj) or inspect.isroutine(obj):   # a class defining process, or a factory
         _check_options(obj, entry, key)

@@ -8,16 +8,19 @@ once per process and share it between the logical clients it hosts.
 Random streams used here: "data/split" (train/test split), "partition" (client partition),
 "model/init" (initial parameters), "data/<dataset>/..." (synthetic data).
 
-Data sets register with `register_dataset(name, builder, params_class)`.  A data set not
-registered below is looked up as the module `fedhop.common.tasks.<name>`, which must call
-`register_dataset` when imported (how lasso, lowrank and minimax_quadratic plug in), then as a
-user's plug-in: an import path `"pkg.module:load"` or an entry point of group `fedhop.datasets`
-(common/util/plugins.py; `_build_plugin` below turns its per-client data into a task).
+Data sets: every module of this package that defines data sets (and this one, for the tabular,
+MNIST, quadratic, logreg and npz sets below) lists them in `REGISTER = {"name": (build, Params)}`,
+`build(cfg, params) -> Task` and `Params` the dataclass of its extra [data] keys (None: it takes
+none).  `DATASETS` is a common/util/registry.py `Registry`, the shape of every family's table: it
+reads the names from the modules' sources and imports a module (a torch, torchvision or LEAF
+task) only when one of its names is asked for or the full list is needed; a name that no module
+declares is a user's plug-in, found by the same lookup: an import path `"pkg.module:load"` or an
+entry point of group `fedhop.datasets` (common/util/plugins.py; `_build_plugin` below turns its
+per-client data into a task).  `register_dataset` adds one from Python.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,21 +35,15 @@ from fedhop.common.tasks.base import ClientData, Task
 from fedhop.common.tasks.classification import ArrayTask, ClassificationTask, ModelSpec, RegressionTask
 from fedhop.common.tasks.logreg import LogRegParams, LogRegTask
 from fedhop.common.tasks.quadratic import QuadraticParams, QuadraticTask, generate_problem
-from fedhop.common.util.plugins import (
-    DataRequest,
-    FederatedData,
-    PluginError,
-    entry_point_names,
-    is_import_path,
-    load_plugin,
-)
+from fedhop.common.util.plugins import DataRequest, FederatedData, PluginError
+from fedhop.common.util.registry import Registry
 from fedhop.common.util.rng import numpy_stream, stream_seed
 from fedhop.common.util.suggest import did_you_mean
 
 __all__ = [
     "Task", "ClientData", "ArrayTask", "ClassificationTask", "RegressionTask", "QuadraticTask",
-    "LogRegTask", "ModelSpec", "NpzParams", "QuadraticParams", "LogRegParams", "DATASET_PARAMS",
-    "build_task", "register_dataset", "dataset_params_class", "dataset_params", "params_from_options",
+    "LogRegTask", "ModelSpec", "NpzParams", "QuadraticParams", "LogRegParams", "DATASETS", "DataSet",
+    "build_task", "builtin_datasets", "register_dataset", "dataset_params_class", "dataset_params", "params_from_options",
 ]
 
 #: Dirichlet resampling budget used by build_task (each try costs ~0.2 ms on digits).
@@ -69,71 +66,45 @@ class NpzParams:
 Builder = Callable[[Any, Any], Task]
 
 
-@dataclass(frozen=True)
-class _Entry:
+class DataSet(typing.NamedTuple):
+    """A data set's entry: its builder and the dataclass of its extra [data] keys (None: none)."""
+
     build: Builder
     params: type | None
 
 
-_REGISTRY: dict[str, _Entry] = {}
-_PLUGINS: set[str] = set()   # the names registered by loading a plug-in (import path or entry point)
-#: dataset name -> dataclass of its dataset-specific [data] keys (None: it takes none).
-DATASET_PARAMS: dict[str, type | None] = {}
-_LAZY_MODULES = {"minimax_quadratic": ("fedhop.common.tasks.minimax_quadratic", "fedhop.common.tasks.minimax"),
-                 # minimax digits tasks (issue 8): registered by common/tasks/minimax.py
-                 "robust_digits": ("fedhop.common.tasks.minimax",), "fair_digits": ("fedhop.common.tasks.minimax",),
-                 # composite-optimization tasks (issue 6): registered by common/tasks/sparse.py
-                 "lasso": ("fedhop.common.tasks.sparse",), "lowrank": ("fedhop.common.tasks.sparse",),
-                 # cross-device clients made on demand: common/tasks/crossdevice.py
-                 "crossdevice": ("fedhop.common.tasks.crossdevice",),
-                 # the federated benchmarks (issue 29): docs/datasets.md
-                 "femnist": ("fedhop.common.tasks.leaf",), "shakespeare": ("fedhop.common.tasks.leaf",),
-                 "cifar10": ("fedhop.common.tasks.images",), "cifar100": ("fedhop.common.tasks.images",),
-                 "fashion_mnist": ("fedhop.common.tasks.images",), "sent140": ("fedhop.common.tasks.sent140",),
-                 "torchvision": ("fedhop.common.tasks.torchvision",)}
+def _builtin(name: str, raw: Any, module: str) -> DataSet:
+    """A module's `REGISTER` value `(build, Params)` as an entry."""
+    build, params = raw
+    return DataSet(build, params)
+
+
+def _dataset_plugin(ref: str, load: Any) -> DataSet:
+    """A data-set plug-in (`load(request) -> FederatedData | Task`) as an entry."""
+    if not callable(load):
+        raise PluginError(f"data.dataset = {ref!r} is a {type(load).__name__}, not a function")
+    return DataSet(_build_plugin(load), getattr(load, "Params", None))
+
+
+DATASETS: Registry[DataSet] = Registry("data set", __name__, "datasets", check=_builtin, plugin=_dataset_plugin,
+                                       keep=True, what="function", order=lambda name, _: name)
 
 
 def register_dataset(name: str, build: Builder, params: type | None = None) -> None:
-    """Register `build(cfg, params) -> Task` for `[data] dataset = name`."""
-    _REGISTRY[name] = _Entry(build, params)
-    DATASET_PARAMS[name] = params
-
-
-def _entry(name: str) -> _Entry:
-    if name not in _REGISTRY and not is_import_path(name):
-        modules = _LAZY_MODULES.get(name, (f"fedhop.common.tasks.{name}",) if name.isidentifier() else ())
-        for module in modules:
-            try:
-                importlib.import_module(module)
-            except ModuleNotFoundError as exc:
-                if exc.name != module:
-                    raise
-            if name in _REGISTRY:
-                break
-    if name not in _REGISTRY:
-        try:
-            load = load_plugin(name, "datasets")   # PluginError (a ValueError) names the path and the cause
-        except LookupError:
-            available = sorted(set(_REGISTRY) | set(_LAZY_MODULES) | set(entry_point_names("datasets")))
-            raise ValueError(f"data.dataset = {name!r} is not available{did_you_mean(name, available)} "
-                             f"(available: {', '.join(available)}, "
-                             f"or an import path 'package.module:function')") from None
-        if not callable(load):
-            raise PluginError(f"data.dataset = {name!r} is a {type(load).__name__}, not a function")
-        register_dataset(name, _build_plugin(load), getattr(load, "Params", None))
-        _PLUGINS.add(name)
-    return _REGISTRY[name]
+    """Add `build(cfg, params) -> Task` as `[data] dataset = name` from Python (a built-in is a
+    module's `REGISTER` entry; a config's plug-in is found by `DATASETS.get`)."""
+    DATASETS.add(name, DataSet(build, params))
 
 
 def builtin_datasets() -> list[str]:
-    """The names of the built-in data sets (the config reference lists their keys, deploy/cli/configref.py):
-    not the plug-ins this process has loaded."""
-    return sorted((set(_REGISTRY) | set(_LAZY_MODULES)) - _PLUGINS)
+    """The names of the built-in data sets, sorted (the config reference lists their keys,
+    deploy/cli/configref.py): not the plug-ins this process has loaded."""
+    return DATASETS.names()
 
 
 def dataset_params_class(name: str) -> type | None:
     """The dataclass of `name`'s extra [data] keys, or None when it takes none."""
-    return _entry(name).params
+    return DATASETS.get(name).params
 
 
 # ---------------------------------------------------------------------------- params
@@ -415,15 +386,15 @@ def _build_plugin(load: Callable[[DataRequest], Any]) -> Builder:
     return build
 
 
-register_dataset("digits", _build_tabular(datasets.load_digits, "digits", (8, 8)))
-register_dataset("breast_cancer", _build_tabular(datasets.load_breast_cancer, "breast_cancer", None))
-register_dataset("mnist", _build_mnist)
-register_dataset("quadratic", _build_quadratic, QuadraticParams)
-register_dataset("logreg", _build_logreg, LogRegParams)
-register_dataset("npz", _build_npz, NpzParams)
+#: the data sets defined in this module (data.dataset -> (builder, its [data] keys)); the others: the
+#: `REGISTER` of common/tasks/<module>.py
+REGISTER = {"digits": (_build_tabular(datasets.load_digits, "digits", (8, 8)), None),
+            "breast_cancer": (_build_tabular(datasets.load_breast_cancer, "breast_cancer", None), None),
+            "mnist": (_build_mnist, None), "quadratic": (_build_quadratic, QuadraticParams),
+            "logreg": (_build_logreg, LogRegParams), "npz": (_build_npz, NpzParams)}
 
 
 def build_task(cfg: Any) -> Task:
     """The task for `cfg` (a `common.config_schema.Config`); same config -> same task."""
-    entry = _entry(cfg.data.dataset)
+    entry = DATASETS.get(cfg.data.dataset)
     return with_model_selection(entry.build(cfg, dataset_params(cfg)), cfg.model)   # model.freeze / model.exchange

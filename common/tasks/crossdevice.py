@@ -225,9 +225,4 @@ def build(cfg: Any, p: CrossDeviceParams) -> CrossDeviceTask:
     return CrossDeviceTask(p, n, seed, model_spec(cfg, shape, n_classes), devices, x_te, y_te, n_classes)
 
 
-def _register() -> None:
-    from fedhop.common.tasks import register_dataset
-    register_dataset("crossdevice", build, CrossDeviceParams)
-
-
-_register()
+REGISTER = {"crossdevice": (build, CrossDeviceParams)}   # data.dataset -> (builder, its [data] keys)

@@ -97,11 +97,5 @@ def _build_fashion(cfg: Any, _params: Any) -> ClassificationTask:
     return idx_task(cfg, datasets.load_fashion_mnist(cfg.data.data_dir), "fashion_mnist")
 
 
-def _register() -> None:
-    from fedhop.common.tasks import register_dataset
-    register_dataset("cifar10", _build_cifar)
-    register_dataset("cifar100", _build_cifar)
-    register_dataset("fashion_mnist", _build_fashion)
-
-
-_register()
+REGISTER = {"cifar10": (_build_cifar, None), "cifar100": (_build_cifar, None),   # data.dataset -> (builder, keys)
+            "fashion_mnist": (_build_fashion, None)}

@@ -227,10 +227,4 @@ def build(cfg: Any, p: LeafParams, kind: LeafKind | None = None) -> Classificati
     return ClassificationTask(x_tr, y_tr, parts, spec, x_te, y_te, name=name, n_classes=kind.n_classes)
 
 
-def _register() -> None:
-    from fedhop.common.tasks import register_dataset
-    for name in KINDS:
-        register_dataset(name, build, LeafParams)
-
-
-_register()
+REGISTER = {"femnist": (build, LeafParams), "shakespeare": (build, LeafParams)}   # data.dataset -> (builder, keys), one per KINDS

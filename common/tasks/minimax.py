@@ -34,7 +34,7 @@ from torch import nn
 
 from fedhop.common.data import datasets
 from fedhop.common.numerics.projections import NO_CONSTRAINT, Constraint
-from fedhop.common.tasks import make_partition, model_spec, register_dataset, standardize
+from fedhop.common.tasks import make_partition, model_spec, standardize
 from fedhop.common.tasks.base import ClientData, Task
 from fedhop.common.tasks.classification import ClassificationTask, ModelSpec
 from fedhop.common.util.rng import numpy_stream
@@ -453,6 +453,6 @@ def _build_fair_digits(cfg: Any, p: FairDigitsParams) -> Task:
                           n_classes=10, lam=p.lam)
 
 
-register_dataset("minimax_quadratic", _build_minimax_quadratic, MinimaxQuadraticParams)
-register_dataset("robust_digits", _build_robust_digits, RobustDigitsParams)
-register_dataset("fair_digits", _build_fair_digits, FairDigitsParams)
+REGISTER = {"minimax_quadratic": (_build_minimax_quadratic, MinimaxQuadraticParams),   # data.dataset -> (builder, keys)
+            "robust_digits": (_build_robust_digits, RobustDigitsParams),
+            "fair_digits": (_build_fair_digits, FairDigitsParams)}

@@ -91,9 +91,4 @@ def build(cfg: Any, p: Sent140Params) -> ClassificationTask:
     return build_leaf(cfg, p, kind(p.features))
 
 
-def _register() -> None:
-    from fedhop.common.tasks import register_dataset
-    register_dataset("sent140", build, Sent140Params)
-
-
-_register()
+REGISTER = {"sent140": (build, Sent140Params)}   # data.dataset -> (builder, its [data] keys)

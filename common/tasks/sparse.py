@@ -308,10 +308,4 @@ def build_lowrank(cfg: Any, p: LowRankParams) -> Task:
                                  p.dtype, regularizer, reg, rank_tol=p.rank_tol)
 
 
-def _register() -> None:
-    from fedhop.common.tasks import register_dataset  # the registry imports this module lazily
-    register_dataset("lasso", build_lasso, LassoParams)
-    register_dataset("lowrank", build_lowrank, LowRankParams)
-
-
-_register()
+REGISTER = {"lasso": (build_lasso, LassoParams), "lowrank": (build_lowrank, LowRankParams)}   # data.dataset -> (builder, keys)

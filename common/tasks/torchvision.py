@@ -93,9 +93,4 @@ def build(cfg: Any, p: TorchvisionParams) -> ClassificationTask:
                               n_classes=n_classes)
 
 
-def _register() -> None:
-    from fedhop.common.tasks import register_dataset
-    register_dataset("torchvision", build, TorchvisionParams)
-
-
-_register()
+REGISTER = {"torchvision": (build, TorchvisionParams)}   # data.dataset -> (builder, its [data] keys)

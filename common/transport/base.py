@@ -206,6 +206,51 @@ def batch_calls(sizes: Sequence[int], chunk_bytes: int) -> list[range]:
     return calls
 
 
+REPLIES_PER_BUNDLE = 16   # replies of a batch that share one gRPC message at most (`ReplyBundles`; transport.reply_bundle)
+
+
+class ReplyBundles:
+    """How the replies of one batch call travel (common/transport/grpc.py, Batches): back to back
+    in `FrameBundle` messages, as the request did, instead of one gRPC message per frame.  A reply
+    opens a new bundle when the open one already holds `per_bundle` replies or when the reply's
+    frames would take it over `limit` bytes (one chunk); the frames of a reply larger than that
+    go in as many bundles as keep each within `limit` (a frame alone may fill one).  The rule
+    reads only the replies' frame sizes, so both ends of a call (and the in-memory transport,
+    which serves the same batch in one process) place each reply alike: `place` gives, per
+    frame, whether it opens a bundle, and the reply's framing, its frames' tags and length
+    varints plus the 5-byte gRPC prefix of each bundle it opens.  A bundle is sent when it is
+    full by count, or when the next reply does not fit it, or at the call's end: at most
+    `per_bundle` replies wait for each other, so an early reply still reaches the caller before
+    the batch's last one is computed (a round deadline keeps the replies already in)."""
+
+    def __init__(self, limit: int, per_bundle: int = REPLIES_PER_BUNDLE) -> None:
+        self.limit = limit
+        self.per_bundle = max(1, per_bundle)
+        self.size = 0     # bytes in the open bundle
+        self.count = 0    # replies in the open bundle (0: none is open)
+
+    def place(self, frame_lengths: Sequence[int]) -> tuple[list[bool], int]:
+        costs = [n + frame_framing([n]) for n in frame_lengths]
+        fresh = self.count == 0 or self.count >= self.per_bundle or self.size + sum(costs) > self.limit
+        opens: list[bool] = []
+        framing = 0
+        for k, (n, cost) in enumerate(zip(frame_lengths, costs)):
+            start = fresh if k == 0 else self.size + cost > self.limit
+            if start:
+                self.size, self.count = 0, 0
+                framing += FRAME_OVERHEAD
+            opens.append(start)
+            self.size += cost
+            framing += cost - n
+        self.count += 1
+        return opens, framing
+
+    @property
+    def full(self) -> bool:
+        """The open bundle takes no further reply: send it now."""
+        return self.count >= self.per_bundle
+
+
 def batch_framing(i: int, frame_lengths: Iterable[int]) -> int:
     """Message `i`'s share of a batch's one FrameBundle: its frames' tags and length varints,
     and for the first message also the bundle's 5-byte gRPC prefix, so the shares add up to what
@@ -223,6 +268,7 @@ class Endpoint(ABC):
         self.run_id = run_id
         self.token = token
         self.chunk_bytes = chunk_bytes
+        self.replies_per_bundle = REPLIES_PER_BUNDLE   # a served batch's replies per gRPC message (transport.reply_bundle)
         self.max_payload_bytes = max_payload_bytes
         self.checksum = True    # XXH3-64 of the tensor bytes in every message sent (security.checksum)
         # transport.wire_compression: what the gRPC transport compresses its calls with ("none" elsewhere)
@@ -407,24 +453,28 @@ class Endpoint(ABC):
 
     # -- incoming -------------------------------------------------------------------
     def serve_frames(self, frames, handler: Handler, framing: int | None = None, pulled: bool = False,
-                     on_header: Callable[[pb.Envelope], Callable[[], None] | None] | None = None) -> Sequence[bytes]:
+                     on_header: Callable[[pb.Envelope], Callable[[], None] | None] | None = None,
+                     reply_framing: Callable[[list[int]], int] | None = None) -> Sequence[bytes]:
         """Decode an incoming message, run the handler, encode the reply (shared by transports).
         `framing`: the request's gRPC framing bytes when it arrived bundled (codec.bundle_framing).
         `pulled`: the request's stream stays open after its data for one more (empty) message,
         the caller's go for the reply (common/transport/grpc.py, Pulled replies): the frames are
         read until the message is complete, and that message counts in the request's framing.
         `on_header`: called once the header frame is in, before any data frame is read (the
-        transport's taken requests); what it returns is called when the handler is done."""
+        transport's taken requests); what it returns is called when the handler is done.
+        `reply_framing`: the reply's gRPC framing bytes from its frame lengths, where it travels
+        bundled (a batch's reply, `ReplyBundles`); None: streamed, 5 bytes a frame."""
         held: list[Callable[[], None]] = []
         try:
-            return self._serve(frames, handler, framing, pulled, on_header, held)
+            return self._serve(frames, handler, framing, pulled, on_header, held, reply_framing)
         finally:
             for release in held:
                 release()
 
     def _serve(self, frames, handler: Handler, framing: int | None, pulled: bool,
                on_header: Callable[[pb.Envelope], Callable[[], None] | None] | None,
-               held: list[Callable[[], None]]) -> Sequence[bytes]:
+               held: list[Callable[[], None]],
+               reply_framing: Callable[[list[int]], int] | None = None) -> Sequence[bytes]:
         started = time.perf_counter()
         decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes, admit=self.request_gate)
 
@@ -454,6 +504,8 @@ class Endpoint(ABC):
             reply = self._error_reply(env, exc.code, exc.detail)
             self._record(env, seen, "receiver", link, time.perf_counter() - started, status="rejected",
                          error=str(exc))
+            if reply_framing is not None:
+                reply.framing = reply_framing(reply.frame_lengths())
             self._record(reply.envelope, reply, "sender", link, 0.0)
             return reply.frames
         decoded.framing = arrived_framing()
@@ -471,6 +523,8 @@ class Endpoint(ABC):
             reply = self._error_reply(env, "HANDLER_FAILED", f"{type(exc).__name__}: {exc}")
             status, error = "rejected", str(exc)
         self._record(env, decoded, "receiver", link, recv_seconds, status=status, error=error)
+        if reply_framing is not None:
+            reply.framing = reply_framing(reply.frame_lengths())
         self._record(reply.envelope, reply, "sender", link, 0.0)
         return reply.frames
 

@@ -1,8 +1,10 @@
 """The transport registry: `transport.kind` -> its endpoint, its group worlds and its data planes.
 
 A transport is one folder, transports/<kind>/ (the package `fedhop.transports.<kind>`), whose
-`__init__` defines `TRANSPORT`, a `Transport` (common/transport/entry.py); `TRANSPORTS` holds
-every folder's entry, found by scanning the package when this module is imported.  An entry
+`__init__` defines `TRANSPORT`, a `Transport` (common/transport/entry.py); `TRANSPORT_KINDS`, a
+common/util/registry.py `Registry` (the shape of every family's table), finds every folder's entry
+by scanning the package when this module is imported, and a plug-in by the same lookup;
+`TRANSPORTS` is its table.  An entry
 names the builder of its `Endpoint`
 (common/transport/base.py: the messages, control and data, with their ledger records), its
 `Worlds` (common/transport/groups.py: how groups broadcast and reduce) and its `planes`: for
@@ -40,7 +42,7 @@ from fedhop.common.transport.entry import (
     STYLES,
     Transport,
 )
-from fedhop.common.util.folders import folder_modules
+from fedhop.common.util.registry import Registry, UnknownName
 from fedhop.common.wire.methods import declare
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,39 +58,47 @@ PROCESS_TRANSPORT = "grpc"
 FOLDER_PACKAGE = "fedhop.transports"   # transports/ (pyproject.toml package-dir)
 
 
-def _builtin_transports() -> dict[str, Transport]:
-    """The folders of `fedhop.transports` (common/util/folders.py; each `__init__` defines
-    `TRANSPORT`), in their entries' `listed` order, then by name."""
-    found: list[tuple[str, Transport]] = []
-    for name, module in folder_modules(FOLDER_PACKAGE).items():
-        entry = getattr(module, "TRANSPORT", None)
-        if not isinstance(entry, Transport):
-            raise TypeError(f"transport folder '{FOLDER_PACKAGE}.{name}' defines no TRANSPORT "
-                            f"(a fedhop.common.transport.entry.Transport)")
-        found.append((name, entry))
-    return dict(sorted(found, key=lambda item: (item[1].listed, item[0])))
+class UnknownTransport(UnknownName):
+    """A `transport.kind` that is neither a folder nor a plug-in."""
 
 
-TRANSPORTS: dict[str, Transport] = _builtin_transports()
+class NoDataPlane(ValueError):
+    """A transport that gives no data plane for a concept (a topology it does not carry)."""
+
+
+def _folder_transport(kind: str, entry: object, module: str) -> Transport:
+    """A folder's `TRANSPORT`, checked, its methods declared."""
+    if not isinstance(entry, Transport):
+        raise TypeError(f"transport folder '{module}' defines no TRANSPORT (a fedhop.common.transport.entry.Transport)")
+    declare(entry.methods, f"transport '{kind}'")
+    return entry
+
+
+def _plugin_transport(kind: str, obj: object) -> Transport:
+    """A plug-in's `Transport`, its methods declared (a clash raises MethodClash)."""
+    if not isinstance(obj, Transport):
+        from fedhop.common.util.plugins import PluginError  # local: plug-ins only
+        raise PluginError(f"'{kind}' is not a fedhop.common.transport.entry.Transport (found: {type(obj).__name__})")
+    declare(obj.methods, f"transport '{kind}'")
+    return obj
+
+
+#: the folders of `fedhop.transports` (each `__init__` defines `TRANSPORT`), in their entries'
+#: `listed` order, then by name, and the plug-ins kept under their `transport.kind`.  Eager: every
+#: folder's methods are declared when this module is imported.
+TRANSPORT_KINDS: Registry[Transport] = Registry("transport", FOLDER_PACKAGE, "transports", attribute="TRANSPORT",
+                                                folders=True, eager=True, check=_folder_transport,
+                                                plugin=_plugin_transport, order=lambda kind, entry: entry.listed,
+                                                what="TRANSPORT", error=UnknownTransport, keep=True)
+TRANSPORT_KINDS.builtins()
+TRANSPORTS: dict[str, Transport] = TRANSPORT_KINDS.table   # every kind known so far, built-ins first
 
 
 def add_transport(kind: str, entry: Transport) -> None:
     """Add (or replace) transport `kind`, declaring its `methods` (a clash with another owner's
     declaration raises MethodClash, common/wire/methods.py, and adds nothing)."""
     declare(entry.methods, f"transport '{kind}'")
-    TRANSPORTS[kind] = entry
-
-
-for _kind, _entry in TRANSPORTS.items():
-    declare(_entry.methods, f"transport '{_kind}'")
-
-
-class UnknownTransport(ValueError):
-    """A `transport.kind` no entry of `TRANSPORTS` names."""
-
-
-class NoDataPlane(ValueError):
-    """A transport that gives no data plane for a concept (a topology it does not carry)."""
+    TRANSPORT_KINDS.add(kind, entry)
 
 
 def transport(kind: str) -> Transport:
@@ -97,20 +107,7 @@ def transport(kind: str) -> Transport:
     common/util/plugins.py `load_plugin` and its allow-list on first use, then kept under `kind`
     with its methods declared).  UnknownTransport (one line, naming the known kinds) for a kind
     that is neither; PluginError (a ValueError) for a plug-in that does not load or is no `Transport`."""
-    entry = TRANSPORTS.get(kind)
-    if entry is not None:
-        return entry
-    from fedhop.common.util.plugins import PluginError, entry_point_names, is_import_path, load_plugin  # plug-ins only
-    if not (is_import_path(kind) or kind in entry_point_names("transports")):
-        from fedhop.common.util.suggest import did_you_mean
-        known = list(TRANSPORTS) + [n for n in entry_point_names("transports") if n not in TRANSPORTS]
-        raise UnknownTransport(f"transport.kind = {kind!r} is not a transport{did_you_mean(kind, known)} (known: "
-                               f"{', '.join(known)}, or an import path 'package.module:TRANSPORT')")
-    obj = load_plugin(kind, "transports")
-    if not isinstance(obj, Transport):
-        raise PluginError(f"'{kind}' is not a fedhop.common.transport.entry.Transport (found: {type(obj).__name__})")
-    add_transport(kind, obj)
-    return obj
+    return TRANSPORT_KINDS.get(kind)
 
 
 def known_transport(kind: str) -> Transport | None:

@@ -27,8 +27,14 @@ logical clients of one process travel in one `Call`, their messages back to back
 order on the call's stream.  Every message keeps its ledger records on both ends, with its exact
 tensor and payload bytes; framing is shared so that the messages' framed bytes add up to what the
 call put on the wire: each message counts its own frames' bundle tags and lengths, the first
-message also the bundle's 5-byte gRPC prefix (common/transport/base.py `batch_framing`), and each reply
-frame its own 5-byte prefix, as a streamed reply always does.
+message also the bundle's 5-byte gRPC prefix (common/transport/base.py `batch_framing`).  The
+replies come back bundled too: back to back in FrameBundle messages of up to
+`transport.reply_bundle` replies (16) and one chunk (`ReplyBundles`, `reply_bundles` below), so a
+process answering 256 small train calls sends 16 gRPC messages instead of one per frame; each
+reply counts its frames' tags and length varints and the 5-byte prefix of each bundle it opens, on
+both ends alike.  The price: a reply waits for the others of its bundle, so at a round's deadline
+a process still training loses up to reply_bundle - 1 replies it had computed (1: each reply goes
+the moment it is computed, in one message).  A call of one message is answered as any Call.
 
 Pulled replies: a streaming fold receives one reply at a time (common/processors/streaming.py
 `OrderedFold.admit`).  A reply waiting for its slot must then wait at its sender: HTTP/2 gives
@@ -101,7 +107,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent import futures
-from typing import Any, Callable, Iterable, Sequence, overload
+from typing import Any, Callable, Iterable, Iterator, Sequence, overload
 
 import grpc
 import grpc.experimental
@@ -124,6 +130,7 @@ from fedhop.common.transport.base import (
     Endpoint,
     Handler,
     RemoteError,
+    ReplyBundles,
     batch_framing,
     pulls_reply,
     request_framing,
@@ -133,6 +140,7 @@ from fedhop.common.transport.base import (
 from fedhop.common.util.heap import SendBurst, transient_bytes
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import (
+    FRAME_OVERHEAD,
     Decoded,
     Encoded,
     FrameDecoder,
@@ -140,6 +148,7 @@ from fedhop.common.wire.codec import (
     PayloadError,
     bundle_bytes,
     bundle_framing,
+    frame_framing,
     split_bundle,
 )
 from fedhop.common.wire.ledger import Ledger
@@ -426,7 +435,10 @@ class GrpcEndpoint(Endpoint):
                         raise CallFailed("DEADLINE_EXCEEDED", "no receive slot for the reply in time",
                                          request.envelope.dst)
                     go.set()   # pulled: the callee sends the rest of its reply now
-                decoder.feed(frame)
+                if isinstance(decoder, BatchDecoder) and decoder.bundled:   # a batch's replies come in bundles
+                    decoder.feed_bundle(frame)
+                else:
+                    decoder.feed(frame)
             return decoder.finish(), sent[0]
         except grpc.RpcError as exc:
             with self._lock:
@@ -615,9 +627,7 @@ class GrpcEndpoint(Endpoint):
             if len(messages) == 1:
                 yield from _streamed(endpoint.serve_frames(frames, handler, framing=bundle_framing(len(f) for f in frames)))
                 return
-            for i, message in enumerate(messages):   # a batch (module docstring): one message at a time
-                framing = batch_framing(i, (len(f) for f in message))
-                yield from _streamed(endpoint.serve_frames(message, handler, framing=framing))
+            yield from reply_bundles(endpoint, messages, handler)
 
         def proved(request: pb.RegisterRequest) -> pb.RegisterReply:
             """The role's handler, for a registrant that proved its address (module docstring,
@@ -713,6 +723,35 @@ def probe_rpc_handler(node_id: str, record: Callable[[pb.ProbeRequest, pb.ProbeR
         return reply
     return grpc.unary_unary_rpc_method_handler(probe, request_deserializer=pb.ProbeRequest.FromString,
                                                response_serializer=pb.ProbeReply.SerializeToString)
+
+
+def reply_bundles(endpoint: Endpoint, messages: list[list[bytes]], handler: Handler) -> Iterator[bytes]:
+    """A batch's messages served one at a time, their replies sent back to back in FrameBundle
+    messages (module docstring, Batches; `ReplyBundles` says which reply opens a bundle and
+    what framing each counts)."""
+    bundles = ReplyBundles(endpoint.chunk_bytes, endpoint.replies_per_bundle)
+    pending: list[bytes] = []
+    for i, message in enumerate(messages):
+        placed: list[list[bool]] = []
+
+        def framing_of(lengths: list[int]) -> int:
+            opens, framing = bundles.place(lengths)
+            placed.append(opens)
+            return framing
+
+        reply = list(_streamed(endpoint.serve_frames(message, handler, framing=batch_framing(i, map(len, message)),
+                                                     reply_framing=framing_of)))
+        opens = placed[0] if placed else bundles.place([len(f) for f in reply])[0]   # an unrouted error reply
+        for frame, start in zip(reply, opens):
+            if start and pending:
+                yield bundle_bytes(pending)
+                pending = []
+            pending.append(frame)
+        if bundles.full:
+            yield bundle_bytes(pending)
+            pending = []
+    if pending:
+        yield bundle_bytes(pending)
 
 
 def _streamed(frames: Sequence[bytes]) -> Iterable[bytes]:
@@ -857,6 +896,10 @@ class BatchDecoder:
         self.done: list[Decoded | PayloadError] = []
         self.on_done = on_done
         self.sent_seconds = 0.0
+        self.framing = 0   # the framing bytes of the reply being received so far
+        # the replies come in bundles: a call of two or more messages (the callee serves a call of
+        # one as any bundled request, its reply streamed a frame per message)
+        self.bundled = len(decoders) > 1
 
     @property
     def current(self) -> FrameDecoder:
@@ -870,17 +913,32 @@ class BatchDecoder:
     def filled(self) -> int:
         return self.current.filled
 
-    def feed(self, frame: bytes) -> None:
+    def feed_bundle(self, message: bytes) -> None:
+        """One message of the call's reply stream: a FrameBundle of reply frames (`ReplyBundles`)."""
+        try:
+            frames = pb.FrameBundle.FromString(message).frames
+        except Exception:   # protobuf's DecodeError
+            raise PayloadError("MALFORMED_FRAME", "a reply message of the batch is not a frame bundle") from None
+        if not frames:
+            raise PayloadError("MALFORMED_FRAME", "an empty reply bundle")
+        for k, frame in enumerate(frames):
+            self.feed(frame, FRAME_OVERHEAD if k == 0 else 0)
+
+    def feed(self, frame: bytes, prefix: int = 0) -> None:
+        """One reply frame; `prefix`: the gRPC message prefix it opened (the first of a bundle)."""
         if len(self.done) == len(self.decoders):
             raise PayloadError("MALFORMED_FRAME", f"a frame after the batch's {len(self.decoders)} replies")
         decoder = self.decoders[len(self.done)]
         decoder.feed(frame)
+        self.framing += prefix + frame_framing([len(frame)])
         if decoder.complete:
             outcome: Decoded | PayloadError
             try:
                 outcome = decoder.finish()
+                outcome.framing = self.framing   # its share of the bundles it came in
             except PayloadError as exc:   # complete yet refused (its checksum): this reply alone
                 outcome = exc
+            self.framing = 0
             self._settle(outcome)
 
     def _settle(self, outcome: Decoded | PayloadError) -> None:

@@ -37,7 +37,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -327,6 +327,8 @@ class Encoded:
     envelope: pb.Envelope
     tensor_bytes: int
     framing: int | None = None   # gRPC framing bytes when sent bundled (`bundle_framing`); None: streamed
+    # a message of a batch: how its call's replies come back (common/transport/base.py `ReplyBundles`)
+    reply_bundles: Any = None
 
     def frame_lengths(self) -> list[int]:
         return frame_lengths(self.frames)

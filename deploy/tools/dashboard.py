@@ -29,7 +29,7 @@ from typing import Any
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.topologies import builtin_specs
 from fedhop.common.transport.livebytes import EARLIER
-from fedhop.common.util.nodeids import edge_node
+from fedhop.common.util.nodeids import edge_index, edge_node
 
 PAGE = Path(__file__).with_name("dashboard.html")
 EVENTS_SHOWN = 30
@@ -50,6 +50,14 @@ def _config(run_dir: Path) -> dict:
         return {}
 
 
+def _is_edge(node: str) -> bool:
+    try:
+        edge_index(node)
+    except ValueError:
+        return False
+    return True
+
+
 def _graph(cfg: dict, live: list[tuple], server_pairs: dict[str, dict[str, int]]) -> dict:
     """Nodes (server, edges, client groups) and links with their framed bytes per direction."""
     topo = cfg.get("topology", {})
@@ -66,7 +74,10 @@ def _graph(cfg: dict, live: list[tuple], server_pairs: dict[str, dict[str, int]]
         return out
 
     spec = builtin_specs().get(kind)   # a plug-in kind (not imported here) is drawn as a star
-    if spec is not None and spec.edges:
+    # edges: the kind always has them, or its runs may (the asynchronous kind's edges) and this
+    # run's byte counters name an edge
+    live_edge = any(_is_edge(n.removesuffix(EARLIER)) for n, *_ in live)
+    if spec is not None and (spec.edges or live_edge):
         edges = int(topo.get("edges", 0)) or len(topo.get("assignment", []) or [])
         for e in range(edges):
             edge = edge_node(e)

@@ -11,9 +11,14 @@ mixing step) is rule.py; the server's part is driver.py, which sends only the co
 through the fabric, so this folder declares no protocol method and the clients run the configured
 algorithm's client side unchanged.
 
-Not in this folder yet (refused at config load): edges buffering their clients' updates, the
-torch transport, checkpoints (in-flight clients would be lost on resume), stragglers' work
-plans, deadlines and over-commitment (concepts of synchronous rounds).
+With `topology.edges` > 0 the buffer lives at the edges: each dispatch is one edge call that
+trains `buffer_size` of the edge's clients on the version it was sent, and the server applies
+the edge's flush as one update (driver.py; the process plan is then the hierarchical one, an
+edge per cluster of `topology.assignment`).
+
+Not in this folder yet (refused at config load): the torch transport, checkpoints (in-flight
+clients would be lost on resume), stragglers' work plans, deadlines and over-commitment
+(concepts of synchronous rounds).
 """
 from __future__ import annotations
 
@@ -35,8 +40,10 @@ class AsyncParams:
     arrival mixed in, `mode = "fedasync"`); one run round is one server update (docs/async.md).
 
     `mode`: "fedbuff" (Nguyen et al. 2022) or "fedasync" (Xie et al. 2019)
-    `concurrency`: clients training at once (0: clients.per_round's number); a finished client is replaced at once
-    `buffer_size`: FedBuff's K, the deltas buffered before the server applies their mean
+    `concurrency`: clients training at once (0: clients.per_round's number); a finished client is replaced at once.
+        Behind edges (topology.edges > 0): edge calls in flight, at most one per edge (0: every edge)
+    `buffer_size`: FedBuff's K, the deltas buffered before the server applies their mean.
+        Behind edges: the clients each edge call trains, whose mean the edge sends up as one update
     `server_lr`: FedBuff's server step size eta_g
     `mixing`: FedAsync's alpha in x <- (1 - a_t) x + a_t x_new, a_t = alpha * s(t - tau)
     `staleness`: the staleness weight s: "constant" (1), "polynomial" ((t - tau + 1)^-a) or "hinge"
@@ -57,9 +64,12 @@ class AsyncParams:
 
 
 def concurrency_of(cfg: Any, params: AsyncParams) -> int:
-    """The number of clients in flight: `concurrency`, or clients.per_round's number where it is 0."""
+    """The number of calls in flight: `concurrency`, or where it is 0 clients.per_round's number
+    (behind edges: every edge)."""
     if params.concurrency:
         return params.concurrency
+    if cfg.topology.edges:
+        return int(cfg.topology.edges)
     from fedhop.common.config.schema import resolve_clients_per_round  # local: only where it is 0
     return resolve_clients_per_round(cfg)
 
@@ -86,8 +96,7 @@ def check(cfg: Any) -> None:
         raise ValueError(f"transport.kind: got '{cfg.transport.kind}', but the asynchronous topology sends each "
                          f"client its own call (allowed: {', '.join(TRANSPORTS)})")
     if cfg.topology.edges:
-        raise ValueError(f"topology.edges: got {cfg.topology.edges}, but edges buffering their clients' updates are "
-                         f"not part of the asynchronous topology yet (allowed: 0)")
+        edge_checks(cfg, params)
     if cfg.run.checkpoint_every:
         raise ValueError(f"run.checkpoint_every: got {cfg.run.checkpoint_every}, but the asynchronous topology does "
                          f"not keep its clients in flight across a resume (allowed: 0)")
@@ -102,9 +111,30 @@ def check(cfg: Any) -> None:
         raise ValueError(f"clients.overcommit: got {overcommit:g}, but the asynchronous topology replaces each "
                          f"finished client instead (allowed: 1)")
     n = concurrency_of(cfg, params)
-    if n > cfg.clients.count:
+    if not cfg.topology.edges and n > cfg.clients.count:
         raise ValueError(f"topology.concurrency: got {n}, more clients in flight than clients.count = "
                          f"{cfg.clients.count}")
+
+
+def edge_checks(cfg: Any, params: AsyncParams) -> None:
+    """Behind edges: an edge call per edge at a time, `buffer_size` clients in every cluster."""
+    from fedhop.common.topologies.graphs import cluster_assignment
+    edges = cfg.topology.edges
+    if edges > cfg.clients.count:
+        raise ValueError(f"topology.edges: got {edges}, more edges than clients.count = {cfg.clients.count}")
+    if params.concurrency > edges:
+        raise ValueError(f"topology.concurrency: got {params.concurrency}, but behind edges it counts edge calls in "
+                         f"flight, one per edge (at most topology.edges = {edges}; 0: every edge)")
+    smallest = min(len(c) for c in cluster_assignment(cfg))
+    if params.buffer_size > smallest:
+        raise ValueError(f"topology.buffer_size: got {params.buffer_size}, but behind edges each edge call trains "
+                         f"buffer_size of its clients and the smallest cluster has {smallest}")
+
+
+def process_plan(cfg: Any, placement: Any = None) -> Any:
+    """The star's processes, or behind edges the hierarchical ones (an edge per cluster)."""
+    from fedhop.common.topologies.plan import edge_plan, star_plan
+    return (edge_plan if cfg.topology.edges else star_plan)(cfg, placement)
 
 
 SPEC = TopologySpec(
@@ -112,5 +142,5 @@ SPEC = TopologySpec(
     params=AsyncParams,
     check=check,
     driver="fedhop.topologies.asynchronous.driver:AsyncDriver",
-    plan="fedhop.common.topologies.plan:star_plan",
+    plan="fedhop.topologies.asynchronous:process_plan",
 )

@@ -21,21 +21,42 @@ version it was sent, the version its update produced, the staleness and weight, 
 times, status "applied", "unused" for the calls in flight at the end, or "failed"), so that a
 replay of the recorded order reproduces the model (tests/test_async_fl.py).  One run round is one
 server update; its metrics add the updates' staleness (mean, max).
+
+Behind edges (`topology.edges` > 0) the buffer lives at the edge: a dispatch is one `edge_round`
+call to an idle edge (at most one call per edge at a time, `concurrency` edge calls in flight)
+naming `buffer_size` of its clients, drawn from the stream ("async", "edge-clients", n) among
+those it has not reported dead; the edge trains them on the model version it was sent (its
+usual HierFAVG iteration, edge/aggregator.py, kappa2 = 1) and answers with their weighted sum
+sum_i n_i Delta_i and weight sum_i n_i.  The server takes that flush as one update of its rule,
+with the staleness of the version the edge was sent:
+
+    FedBuff:  x <- x + eta_g s(t - tau) Delta_e,     Delta_e = sum_i n_i Delta_i / sum_i n_i
+    FedAsync: x <- (1 - a_t) x + a_t (x_tau + Delta_e)
+
+(n_i the clients' `weight`: samples, or 1 under algorithm.weighting = "uniform", which makes
+Delta_e FedBuff's plain 1/K mean).  On the virtual clock an edge call finishes at the slowest of
+its clients (each timed as above with the model's bytes both ways; the edge-server link takes no
+simulated time, as in hierarchical rounds).  Its row has `node` the edge and `clients` the ids
+it trained (JSON); `client` is NULL.
 """
 from __future__ import annotations
 
+import json
 import queue
 import sqlite3
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from fedhop.common.algorithms.base import weighted_mean
 from fedhop.common.engine.vclock import client_timing
 from fedhop.common.topologies.graphs import topology_params
+from fedhop.common.transport.control import control_of, failures_of, sampled_clients
 from fedhop.common.transport.fabric import Send, reply_chain
-from fedhop.common.util.nodeids import client_node
+from fedhop.common.util.nodeids import client_node, edge_index
 from fedhop.common.util.procexit import raise_if_stopped
 from fedhop.common.util.rng import numpy_stream
 from fedhop.common.wire.message import COMPUTE_KEY, Payload
@@ -47,7 +68,7 @@ from fedhop.topologies.asynchronous.rule import FedBuffBuffer, fedasync_mix, sta
 TABLE = "async_updates"
 SCHEMA = (f"CREATE TABLE IF NOT EXISTS {TABLE} (run_id TEXT, arrival INTEGER, dispatch INTEGER, client INTEGER, "
           "sent_version INTEGER, applied_version INTEGER, staleness INTEGER, weight REAL, sim_dispatch REAL, "
-          "sim_arrival REAL, round INTEGER, status TEXT, detail TEXT)")
+          "sim_arrival REAL, round INTEGER, status TEXT, detail TEXT, node TEXT, clients TEXT)")
 WAIT_SLICE = 0.5          # seconds between checks for a stop signal while waiting for replies
 FAILURES_IN_A_ROW = 10    # failed calls in a row (times the concurrency) that fail the run
 
@@ -57,7 +78,7 @@ class Flight:
     """One dispatched client: what it was sent and, once its call is over, what came back."""
 
     seq: int                          # dispatch number, 1-based (also the call's step: its own minibatch stream)
-    cid: int
+    cid: int | None                   # the client called (None: an edge call)
     version: int                      # the model version it was sent (tau)
     round: int                        # the run round in progress when it was sent (the call's round)
     sent: dict[str, torch.Tensor]
@@ -69,6 +90,9 @@ class Flight:
     sim_finish: float = 0.0
     settled: bool = False
     taken: dict = field(default_factory=dict)   # the row written when it is taken
+    node: str = ""                    # the node called: the client's, or the edge's
+    clients: list[int] = field(default_factory=list)   # the clients that trained: [cid], or the edge's draw
+    update: dict[str, torch.Tensor] = field(default_factory=dict)   # the delta the rule applies
 
 
 class AsyncDriver(TopologyDriver):
@@ -80,6 +104,10 @@ class AsyncDriver(TopologyDriver):
         super().__init__(ctx)
         self.params: AsyncParams = topology_params(ctx.run.cfg)
         self.concurrency = concurrency_of(ctx.run.cfg, self.params)
+        self.edges = ctx.run.cfg.topology.edges > 0   # the buffer lives at the edges (module docstring)
+        self.targets: list[str] = []              # the nodes a dispatch may call, in draw order (start)
+        self.client_of: dict[str, int] = {}       # star: a client's node id -> its id
+        self.cluster: dict[str, list[int]] = {}   # behind edges: an edge's clients
         self.version = 0            # server updates applied (t)
         self.sim_now = 0.0          # the server's simulated time
         self.sim_last = 0.0         # at the previous update
@@ -87,7 +115,8 @@ class AsyncDriver(TopologyDriver):
         self.arrivals = 0           # updates taken (applied, buffered or failed)
         self.in_flight: dict[int, Flight] = {}
         self.done: queue.Queue[int] = queue.Queue()
-        self.buffer = FedBuffBuffer(self.params.buffer_size, self.params.server_lr)
+        # behind edges the edge buffered: each flush it sends is one server update
+        self.buffer = FedBuffBuffer(1 if self.edges else self.params.buffer_size, self.params.server_lr)
         self.buffered: list[Flight] = []
         self.round_failures: dict[int, str] = {}
         self.failures_in_a_row = 0
@@ -97,6 +126,14 @@ class AsyncDriver(TopologyDriver):
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
+        home = self.ctx.nodes.client_home
+        if self.edges:
+            for cid in sorted(home):
+                self.cluster.setdefault(home[cid].node_id, []).append(cid)
+            self.targets = sorted(self.cluster, key=edge_index)
+        else:
+            self.client_of = {client_node(cid): cid for cid in sorted(home)}
+            self.targets = list(self.client_of)
         self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="async-dispatch")
         self.db = sqlite3.connect(str(self.ctx.run.run_dir / "run.db"), timeout=30.0, isolation_level=None,
                                   check_same_thread=False)
@@ -105,52 +142,93 @@ class AsyncDriver(TopologyDriver):
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, round: int) -> None:
-        """Send the current model to one idle client, drawn from the stream ("async", "dispatch", n)."""
-        ctx, cfg, model, home = self.ctx, self.ctx.run.cfg, self.ctx.model, self.ctx.nodes.client_home
-        algorithm = ctx.run.algorithm
-        busy = {f.cid for f in self.in_flight.values()}
-        idle = [c for c in sorted(home) if c not in busy]
+        """Send the current model to one idle client (or, behind edges, one idle edge), drawn from
+        the stream ("async", "dispatch", n)."""
+        ctx = self.ctx
+        busy = {f.node for f in self.in_flight.values()}
+        idle = [n for n in self.targets if n not in busy]
         if not idle:
             return
         self.seq += 1
-        cid = idle[int(numpy_stream(cfg.run.seed, "async", "dispatch", self.seq).integers(len(idle)))]
-        base = algorithm.broadcast(model.state, round)
+        node = idle[int(numpy_stream(ctx.run.cfg.run.seed, "async", "dispatch", self.seq).integers(len(idle)))]
+        base = ctx.run.algorithm.broadcast(ctx.model.state, round)
         sent = {k: v.detach().clone() for k, v in base.tensors.items()}   # the version it trains on, kept
-        message = model.client_message(Payload(tensors=dict(sent), scalars=dict(base.scalars)), round, cid)
-        spec, rules = algorithm.reply_spec(model.state), algorithm.reply_scalars()
-        send = Send(cid, home[cid].address, client_node(cid), Method.TRAIN, message, step=self.seq,
-                    inbound=reply_chain(cfg, spec, Method.TRAIN, rules, model.reply_limits([cid]),
-                                        round=round, peer=client_node(cid)),
-                    who=f"dispatch {self.seq} (version {self.version}) reply of client {cid}")
+        plain = Payload(tensors=dict(sent), scalars=dict(base.scalars))
+        spec, rules = ctx.run.algorithm.reply_spec(ctx.model.state), ctx.run.algorithm.reply_scalars()
+        timeout = ctx.run.cfg.run.round_timeout
+        who = f"dispatch {self.seq} (version {self.version})"
+        send: Send[Any]   # keyed by the edge's node id, or by the client id
+        if self.edges:
+            cids = self.edge_clients(node)
+            shared = ctx.model.group_message(plain, round, cids)
+            message = Payload(tensors=shared.tensors, scalars=shared.scalars, control=sampled_clients(cids))
+            send = Send(node, ctx.nodes.children[node].address, node, Method.EDGE_ROUND, message,
+                        inbound=reply_chain(ctx.run.cfg, spec, Method.EDGE_ROUND, rules, ctx.model.reply_limits(cids),
+                                            round=round, peer=node),   # the edge speaks for its clients
+                        who=f"{who} partial of {node}")
+            call_timeout, cid = 2 * timeout, None
+        else:
+            cid = self.client_of[node]
+            cids = [cid]
+            message = ctx.model.client_message(plain, round, cid)
+            send = Send(cid, ctx.nodes.client_home[cid].address, node, Method.TRAIN, message, step=self.seq,
+                        inbound=reply_chain(ctx.run.cfg, spec, Method.TRAIN, rules, ctx.model.reply_limits([cid]),
+                                            round=round, peer=node),
+                        who=f"{who} reply of client {cid}")
+            call_timeout = ctx.run.cfg.run.call_timeout
         assert self.pool is not None   # made by start
-        timeout = cfg.run.round_timeout
-        future = self.pool.submit(ctx.fabric.send_and_receive, [send], round=round, timeout=timeout,
-                                  call_timeout=cfg.run.call_timeout,
+        future = self.pool.submit(ctx.fabric.send_and_receive, [send], round=round,
+                                  timeout=2 * timeout if self.edges else timeout, call_timeout=call_timeout,
                                   timeout_reason=f"timeout: no result within run.round_timeout={timeout}s")
         seq = self.seq
-        self.in_flight[seq] = Flight(seq, cid, self.version, round, sent, message.tensor_bytes(), self.sim_now, future)
+        self.in_flight[seq] = Flight(seq, cid, self.version, round, sent, message.tensor_bytes(), self.sim_now, future,
+                                     node=node, clients=cids)
         future.add_done_callback(lambda _f: self.done.put(seq))
 
+    def edge_clients(self, edge: str) -> list[int]:
+        """The clients an edge call trains: `buffer_size` of the edge's cluster (all of them where
+        fewer are left), drawn from ("async", "edge-clients", n) among those the edge has not
+        reported on dead processes (sorted: the edge folds its replies in client-id order)."""
+        ctx = self.ctx
+        gone = ctx.nodes.unavailable.get(edge, set())
+        pool = [c for c in self.cluster[edge] if c not in gone] or list(self.cluster[edge])
+        k = min(self.params.buffer_size, len(pool))
+        draw = numpy_stream(ctx.run.cfg.run.seed, "async", "edge-clients", self.seq).choice(len(pool), size=k, replace=False)
+        return sorted(pool[int(i)] for i in draw)
+
     def fill(self, round: int) -> None:
-        while len(self.in_flight) < self.concurrency and len(self.in_flight) < len(self.ctx.nodes.client_home):
+        while len(self.in_flight) < min(self.concurrency, len(self.targets)):
             self.dispatch(round)
 
     # ------------------------------------------------------------------ arrivals
     def settle(self, f: Flight) -> None:
-        """The call's outcome and its simulated finish time (once per flight)."""
+        """The call's outcome, the delta the rule applies and its simulated finish time (once per flight)."""
         if f.settled:
             return
         f.settled = True
+        key = f.node if self.edges else f.cid
         try:
             results, failures = f.future.result()
         except Exception as exc:   # the fabric closed under it (a stop)
-            results, failures = {}, {f.cid: f"call not made: {exc}"}
-        f.reply = results.get(f.cid)
-        f.failure = failures.get(f.cid, "" if f.reply is not None else "no reply")
+            results, failures = {}, {key: f"call not made: {exc}"}
+        f.reply = results.get(key)
+        f.failure = failures.get(key, "" if f.reply is not None else "no reply")
         if f.reply is None:
             f.sim_finish = f.sim_start
             return
         clock = self.ctx.clock
+        if self.edges:   # the edge's flush: its clients' weighted mean delta (module docstring)
+            f.update = {name: weighted_mean(f.reply, name) for name in f.reply.tensors if name in f.sent}
+            control = control_of(f.reply)
+            self.ctx.nodes.unavailable[f.node] = set(control.clients)
+            f.failure = "; ".join(f"client {c}: {why}" for c, why in sorted(failures_of(f.reply).items()))
+            up = sum(t.numel() * t.element_size() for t in f.update.values())
+            f.sim_finish = f.sim_start + max(
+                client_timing(c, clock.profiles[c], clock.params, steps=clock.planned_steps(c, 0),
+                              down_bytes=f.down_bytes, up_bytes=up).finish for c in f.clients)
+            return
+        assert f.cid is not None
+        f.update = f.reply.tensors
         steps = f.reply.scalars.get("local_steps")
         timing = client_timing(f.cid, clock.profiles[f.cid], clock.params,
                                steps=int(steps) if isinstance(steps, (int, float)) else clock.planned_steps(f.cid, 0),
@@ -189,28 +267,31 @@ class AsyncDriver(TopologyDriver):
         """Apply (FedAsync), buffer (FedBuff) or record the failure of `f`; True when the model changed."""
         self.arrivals += 1
         staleness = self.version - f.version
-        row = {"arrival": self.arrivals, "staleness": staleness, "sim_arrival": f.sim_finish, "round": round}
+        row: dict[str, Any] = {"arrival": self.arrivals, "staleness": staleness, "sim_arrival": f.sim_finish, "round": round}
         if f.reply is None:
-            self.round_failures[f.cid] = f.failure
+            self.round_failures.update((c, f.failure) for c in f.clients)
             self.failures_in_a_row += 1
             self._row(f, {**row, "status": "failed", "detail": f.failure})
-            self.ctx.records.store.add_event("client_failed", node=client_node(f.cid), round=round,
+            self.ctx.records.store.add_event("edge_failed" if self.edges else "client_failed", node=f.node, round=round,
                                      detail=f"dispatch {f.seq}: {f.failure}")
             if self.failures_in_a_row >= FAILURES_IN_A_ROW * self.concurrency:
-                raise RunFailed(f"round {round}: {self.failures_in_a_row} dispatches in a row failed; last: client "
-                                f"{f.cid}: {f.failure}")
+                raise RunFailed(f"round {round}: {self.failures_in_a_row} dispatches in a row failed; last: "
+                                f"{f.node}: {f.failure}")
             return False
         self.failures_in_a_row = 0
+        if f.failure:   # behind an edge: some of its clients failed, the flush is the others'
+            self.round_failures.update(failures_of(f.reply))
+            row["detail"] = f.failure
         p = self.params
         weight = staleness_weight(p.staleness, staleness, p.staleness_a, p.staleness_b)
         f.taken = {**row, "weight": weight}
         self.staleness_all.append(staleness)
         state = self.ctx.model.state.params
         if p.mode == "fedasync":
-            fedasync_mix(state, f.sent, f.reply.tensors, p.mixing * weight)
+            fedasync_mix(state, f.sent, f.update, p.mixing * weight)
             self.buffered = [f]
         else:
-            self.buffer.add(f.reply.tensors, weight)
+            self.buffer.add(f.update, weight)
             self.buffered.append(f)
             if not self.buffer.ready:
                 return False
@@ -222,10 +303,10 @@ class AsyncDriver(TopologyDriver):
 
     def _row(self, f: Flight, row: dict) -> None:
         assert self.db is not None   # made by start
-        self.db.execute(f"INSERT INTO {TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        self.db.execute(f"INSERT INTO {TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (self.ctx.run.run_id, row.get("arrival"), f.seq, f.cid, f.version, row.get("applied_version"),
                          row.get("staleness"), row.get("weight"), f.sim_start, row.get("sim_arrival"),
-                         row.get("round"), row.get("status"), row.get("detail", "")))
+                         row.get("round"), row.get("status"), row.get("detail", ""), f.node, json.dumps(f.clients)))
 
     def drain(self, round: int) -> None:
         """After the last update: wait for the calls still in flight (their replies are counted
@@ -268,7 +349,7 @@ class AsyncDriver(TopologyDriver):
         metrics.update({"staleness_mean": sum(stale) / len(stale), "staleness_max": float(max(stale)),
                         "async_updates": float(len(used)), "async_version": float(self.version),
                         "sim_time": self.sim_now})
-        participants = sorted({g.cid for g in used})
+        participants = sorted({c for g in used for c in g.clients} - set(self.round_failures))
         sampled = sorted(set(participants) | set(self.round_failures))
         result = RoundResult(round, sampled, participants, dict(self.round_failures), metrics,
                              time.perf_counter() - started, self.sim_now - self.sim_last)

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from fedhop.common.topologies.spec import TopologySpec
 
+from .secagg_wire import METHODS as SECAGG_METHODS
+
 
 @dataclass
 class StarParams:
@@ -20,4 +22,7 @@ SPEC = TopologySpec(
     robust="round",
     engine_rounds=True,
     coded_broadcasts=True,   # the server's fan-out codes each process's train message (compression.down)
+    # secure aggregation's four phases ([secure_aggregation], secagg_plane.py, secagg_client.py)
+    methods=SECAGG_METHODS,
+    client_handlers=("fedhop.topologies.star.secagg_client:secagg_handlers",),
 )

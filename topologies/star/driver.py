@@ -7,7 +7,15 @@ from fedhop.common.transport.factory import STAR_ROUND
 from fedhop.server.driver import driver_kind
 from fedhop.server.sampled import SampledRoundDriver
 
+from .secagg_plane import secagg_plane
+
 
 @driver_kind("star")
 class StarDriver(SampledRoundDriver):
     concept = STAR_ROUND
+
+    def start(self) -> None:
+        """The transport's fan-out, or with `[secure_aggregation] enabled` SecAgg+'s four phases
+        (secagg_plane.py)."""
+        super().start()
+        self.plane = secagg_plane(self.ctx, self.rounds) or self.plane

@@ -25,6 +25,7 @@ from fedhop.common.transport.base import (
     Endpoint,
     Handler,
     RegisterHandler,
+    ReplyBundles,
     one_by_one,
     pulls_reply,
     request_framing,
@@ -82,11 +83,23 @@ class InMemoryEndpoint(Endpoint):
             request.framing = request_framing(request, self.chunk_bytes, pulled)
         target, handler, _ = self.network.lookup(address)
         started = time.perf_counter()
-        reply_frames = target.serve_frames(list(request.frames), handler, framing=request.framing, pulled=pulled)
+        bundles: ReplyBundles | None = request.reply_bundles   # a batch's reply: bundled as gRPC's (`ReplyBundles`)
+        framed: list[int] = []
+
+        def reply_framing(lengths: list[int]) -> int:
+            assert bundles is not None
+            framed.append(bundles.place(lengths)[1])
+            return framed[-1]
+
+        reply_frames = target.serve_frames(list(request.frames), handler, framing=request.framing, pulled=pulled,
+                                           reply_framing=reply_framing if bundles is not None else None)
         sent = time.perf_counter() - started
         for frame in reply_frames:
             decoder.feed(frame)
-        return decoder.finish(), sent
+        decoded = decoder.finish()
+        if bundles is not None:   # an unrouted error reply was not placed by the callee
+            decoded.framing = framed[0] if framed else bundles.place([len(f) for f in reply_frames])[1]
+        return decoded, sent
 
     def call_many(self, address: str, requests: Sequence[Batched], *, round: int, step: int = 0,
                   timeout: float, on_each: Callable[[int, Payload | Exception], None] | None = None
@@ -97,7 +110,12 @@ class InMemoryEndpoint(Endpoint):
         one call each."""
         if not shares_one_call(requests, self.chunk_bytes):
             return super().call_many(address, requests, round=round, step=step, timeout=timeout, on_each=on_each)
-        msgs, _ = self.batch_messages(requests, round=round, step=step)   # framed as gRPC's calls of the batch
+        msgs, calls = self.batch_messages(requests, round=round, step=step)   # framed as gRPC's calls of the batch
+        target, _, _ = self.network.lookup(address)
+        for call in calls:   # replies bundled as the callee's gRPC `Call` would send them (`ReplyBundles`)
+            replies = ReplyBundles(target.chunk_bytes, target.replies_per_bundle) if len(call) > 1 else None
+            for i in call:
+                msgs[i].reply_bundles = replies
         return one_by_one(len(requests), lambda i: self._call_message(
             address, msgs[i], message_link(self.node_id, requests[i].dst, requests[i].method), timeout,
             requests[i].expect), on_each)

@@ -16,9 +16,11 @@ and the byte formula of each (docs/compression.md).
 - downlink.py: the server's broadcasts (`[compression] down`) coded as differences to the model
   each process holds, with the resync rule for processes that skipped rounds.
 
-A compressor is chosen by `[compression] up = NAME` (a built-in name below, or a user's class
-"package.module:Class", common/util/plugins.py group "compressors"); its dataclass fields are its
-further `[compression]` keys (common/config/options.py).
+A compressor is chosen by `[compression] up = NAME`: a built-in, which a module of this package
+lists in its `REGISTER = [Class, ...]` (each class's `name`), or a user's class
+"package.module:Class" (common/util/plugins.py group "compressors"), both found by `COMPRESSORS`, a
+common/util/registry.py `Registry`; its dataclass fields are its further `[compression]` keys
+(common/config/options.py).
 """
 from __future__ import annotations
 
@@ -26,56 +28,46 @@ import dataclasses
 import re
 from typing import Any
 
-__all__ = ["builtin_compressors", "compressor_class", "config_problem", "NONE"]   # the interface: base.py (imports torch)
+from fedhop.common.util.registry import Registry
+
+__all__ = ["COMPRESSORS", "builtin_compressors", "compressor_class", "config_problem", "NONE"]   # the interface: base.py (imports torch)
 
 NONE = "none"   # no compressor: tensors travel as they are
 
 
+def _compressor_plugin(ref: str, cls: Any) -> type:
+    """A plug-in compressor class, checked: its wire name and its dataclass of [compression] keys."""
+    from fedhop.common.util.plugins import PluginError
+    wire = getattr(cls, "name", None)
+    if not (isinstance(wire, str) and re.fullmatch(r"[a-z][a-z0-9_]{0,31}", wire)) or wire in COMPRESSORS:
+        raise PluginError(f"compressor '{ref}': its class attribute `name` (the prefix of its parts on the wire) "
+                          f"must be 1-32 lower-case letters, digits or '_', starting with a letter, and not a "
+                          f"built-in's; got {wire!r}")
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise PluginError(f"compressor '{ref}' is not a dataclass (its fields are its [compression] keys)")
+    return cls
+
+
+#: the modules' `REGISTER = [Class, ...]` (imported on first use: they import torch) and the plug-ins
+COMPRESSORS: Registry[type] = Registry("compressor", __name__, "compressors", plugin=_compressor_plugin,
+                                          also=(NONE,))
+
+
 def builtin_compressors() -> dict[str, type]:
-    """The built-in compressor classes by name (imported on first use: they import torch)."""
-    from fedhop.common.processors.compressors.lowrank import PowerSGD
-    from fedhop.common.processors.compressors.qsgd import QSGD
-    found: dict[str, type] = {"qsgd": QSGD, "powersgd": PowerSGD}
-    try:
-        from fedhop.common.processors.compressors import sparse
-        found.update({c.name: c for c in (sparse.TopK, sparse.RandK, sparse.Threshold)})
-    except ImportError:
-        pass
-    try:
-        from fedhop.common.processors.compressors import quantize
-        found.update({c.name: c for c in (quantize.Sign, quantize.ScaledSign, quantize.StochasticRounding,
-                                          quantize.Natural, quantize.Float16, quantize.BFloat16)})
-    except ImportError:
-        pass
-    return found
+    """The built-in compressor classes by name."""
+    return COMPRESSORS.builtins()
 
 
 def compressor_class(name: Any) -> type | None:
     """The class of compressor `name` (None for "none"): a built-in, or a user's plug-in
-    "package.module:Class" (or an entry point of group fedhop.compressors).  KeyError for an
-    unknown name; PluginError (a ValueError) for a plug-in that does not load or is no compressor."""
+    "package.module:Class" (or an entry point of group fedhop.compressors).  UnknownName (a
+    KeyError) for an unknown name; PluginError (a ValueError) for a plug-in that does not load or
+    is no compressor."""
     if name == NONE:
         return None
-    found = builtin_compressors()
-    if name in found:
-        return found[name]
-    from fedhop.common.util.plugins import entry_point_names, load_plugin
-    from fedhop.common.util.suggest import did_you_mean
-    try:
-        cls = load_plugin(str(name), "compressors")
-    except LookupError:
-        allowed = sorted({NONE, *found, *entry_point_names("compressors")})
-        raise KeyError(f"unknown compressor '{name}'{did_you_mean(str(name), allowed)} (allowed: "
-                       f"{', '.join(allowed)}, or an import path 'package.module:Class')") from None
-    from fedhop.common.util.plugins import PluginError
-    wire = getattr(cls, "name", None)
-    if not (isinstance(wire, str) and re.fullmatch(r"[a-z][a-z0-9_]{0,31}", wire)) or wire in found:
-        raise PluginError(f"compressor '{name}': its class attribute `name` (the prefix of its parts on the wire) "
-                          f"must be 1-32 lower-case letters, digits or '_', starting with a letter, and not a "
-                          f"built-in's; got {wire!r}")
-    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-        raise PluginError(f"compressor '{name}' is not a dataclass (its fields are its [compression] keys)")
-    return cls
+    if not isinstance(name, str):
+        raise COMPRESSORS.unknown(name)
+    return COMPRESSORS.get(name)
 
 
 def config_problem(cfg: Any) -> str | None:

@@ -224,3 +224,6 @@ class PowerSGD:
             return 4 * numel
         m, r = parts["p"].shape
         return 4 * (int(m) + int(parts["q"].shape[0])) * int(r)
+
+
+REGISTER = [PowerSGD]   # a built-in compressor (compressors/__init__.py)

@@ -42,3 +42,6 @@ class QSGD:
 
     def encoded_bytes(self, numel: int, parts: Mapping[str, torch.Tensor]) -> int:
         return q.encoded_bytes(numel, self.levels, self.bucket)
+
+
+REGISTER = [QSGD]   # a built-in compressor (compressors/__init__.py)

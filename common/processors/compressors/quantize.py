@@ -369,3 +369,6 @@ class BFloat16:
 
 
 QUANTIZERS: tuple[type, ...] = (Sign, ScaledSign, StochasticRounding, Natural, Float16, BFloat16)
+
+
+REGISTER = QUANTIZERS   # the built-in compressors of this module (compressors/__init__.py)

@@ -390,3 +390,6 @@ class Threshold:
         val = expect_1d(parts, "val", VALUE_DTYPES[self.values], what, numel)
         idx = decode_indices(parts, numel, val.numel(), what)
         return VALUE_DTYPES[self.values].itemsize * val.numel() + index_bytes(idx, numel)
+
+
+REGISTER = [TopK, RandK, Threshold]   # the built-in compressors of this module (compressors/__init__.py)
