@@ -7,25 +7,22 @@ server (3), or on SIGTERM / SIGINT (143 / 130: it shuts its client processes dow
 """
 from __future__ import annotations
 
-import argparse
 import logging
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-import torch
-
-from fedhop.common.security.addresses import listen_address
-from fedhop.common.security.auth import SecurityError, add_security_args, credentials_from_args
 from fedhop.common.transport.admission import RequestGate, model_bytes, request_bounds, throttle_refusal_logs
 from fedhop.common.transport.factory import PROCESS_TRANSPORT, make_endpoint
-from fedhop.common.transport.livebytes import LinkCounter, Reported
-from fedhop.common.transport.liveness import HeartbeatSender, LivenessMonitor, add_parent_args, resolve_parent
-from fedhop.common.transport.placement import flag_error
-from fedhop.common.util.plugins import allow_list_from, restrict
-from fedhop.common.util.procexit import Stopped, exit_now, freeze_heap, ignore_stops, stop_on_sigterm, stop_reason
-from fedhop.common.util.proctitle import set_role_title
-from fedhop.common.wire.ledger import Ledger
+from fedhop.common.transport.livebytes import Reported
+from fedhop.common.transport.liveness import LivenessMonitor
+from fedhop.common.transport.startup import (
+    cannot_serve,
+    child_parser,
+    child_setup,
+    heartbeats,
+    publish_address,
+    serve_until_stopped,
+)
+from fedhop.common.util.procexit import exit_now, freeze_heap
 from fedhop.common.wire.methods import role_of
 from fedhop.edge.reports import EdgeRefusals, EventOutbox
 from fedhop.edge.runtime import EdgeProcess
@@ -58,49 +55,19 @@ def fair_share(endpoint: GrpcEndpoint, proc: EdgeProcess) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fedhop.edge", description=__doc__)
-    add_parent_args(ap, "server")
+    ap = child_parser("python -m fedhop.edge", __doc__, "server",
+                      "where this edge aggregates and steps: cpu, cuda, cuda:N or auto (default: the config's "
+                      "edges.device; env FEDHOP_DEVICE)")
     ap.add_argument("--node-id", required=True, help="edge-<n>: n selects the cluster in the topology config")
-    ap.add_argument("--listen", default="127.0.0.1:0", type=listen_address)
     ap.add_argument("--port-file", default="", help="write the bound address here once serving")
-    ap.add_argument("--ledger-dir", default="")
-    ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))
-    ap.add_argument("--max-message-bytes", type=int, default=64 << 20)
-    ap.add_argument("--window-bytes", type=int, default=16 << 20, help="every gRPC stream's window (transport.window_bytes)")
-    ap.add_argument("--device", default=os.environ.get("FEDHOP_DEVICE", ""),
-                    help="where this edge aggregates and steps: cpu, cuda, cuda:N or auto (default: the config's "
-                         "edges.device; env FEDHOP_DEVICE)")
-    add_security_args(ap)
-    ap.add_argument("--allow-plugin", action="append", default=[], metavar="MODULE",
-                    help="a plug-in module (or entry-point name) this process may load when its parent's config "
-                         "names it; repeatable (also FEDHOP_ALLOW_PLUGINS=a,b); any other is refused, never imported")
     args = ap.parse_args(argv)
-    restrict(allow_list_from(args.allow_plugin))   # run only the code this process was started with
-    set_role_title("edge", args.node_id)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node_id} %(levelname)s %(message)s")
-    try:
-        args.parent = resolve_parent(args)
-    except (TimeoutError, ValueError) as exc:
-        logging.error("%s", exc)
-        return 2
-    torch.set_num_threads(1)
-    device_problem = flag_error(args.device)   # a device this machine lacks (common/transport/placement.py)
-    if device_problem:
-        logging.error("%s", device_problem)
-        return 2
-    sink = Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None
-    try:
-        creds = credentials_from_args(args, [args.parent, args.listen])
-    except SecurityError as exc:
-        logging.error("%s", exc)
-        return 2
-    ledger = Ledger(sink)
-    counter = LinkCounter(args.node_id)   # live byte totals for the server (common/transport/livebytes.py)
-    ledger.observers.append(counter.observe)
+    setup = child_setup(args, "edge", None, threads=1)   # common/transport/startup.py
+    if isinstance(setup, int):
+        return setup
     refusals = EdgeRefusals(EventOutbox())   # run.db events at the server, carried by heartbeats (edge/reports.py)
-    endpoint = cast("GrpcEndpoint", make_endpoint(PROCESS_TRANSPORT, args.node_id, ledger, token="",   # what PROCESS_TRANSPORT builds
+    endpoint = cast("GrpcEndpoint", make_endpoint(PROCESS_TRANSPORT, args.node_id, setup.ledger, token="",   # what PROCESS_TRANSPORT builds
                                                   max_message_bytes=args.max_message_bytes, window_bytes=args.window_bytes,
-                                                  credentials=creds,
+                                                  credentials=setup.creds,
                                                   on_refused=refusals.auth_refused))
     endpoint.on_busy = refusals.call_refused
 
@@ -115,13 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         proc = EdgeProcess(endpoint, args.parent, bind=args.listen, device=args.device)
     except (OSError, RuntimeError) as exc:   # grpc: "Failed to bind to address ..."
-        logging.error("cannot serve on --listen %s: %s", args.listen, str(exc).split(";")[0])
-        return 2
+        return cannot_serve(args.listen, exc)
     fair_share(endpoint, proc)
-    if args.port_file:
-        tmp = Path(args.port_file + ".tmp")
-        tmp.write_text(proc.address)
-        tmp.replace(args.port_file)
+    publish_address(args.port_file, proc.address)
     logging.info("serving at %s, registering with %s", proc.address, args.parent)
     try:
         proc.start()
@@ -136,40 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     endpoint.checksum = sec.checksum
     monitor.interval, monitor.timeout = sec.heartbeat_interval, sec.heartbeat_timeout
     monitor.start()
-    gave_up: list[str] = []
+    beats, gave_up = heartbeats(endpoint, args.parent, sec,
+                                lambda: proc.register_with_parent(aggregator.cluster, timeout=10.0),
+                                aggregator.shutdown_event, lambda: setup.counter.entries() + relayed.entries(),
+                                events=refusals.outbox.take)
 
-    def give_up(why: str) -> None:
-        gave_up.append(why)
-        aggregator.shutdown_event.set()
-
-    beats = HeartbeatSender(endpoint, args.parent, interval=sec.heartbeat_interval, parent_timeout=sec.parent_timeout,
-                            reregister=lambda: proc.register_with_parent(aggregator.cluster, timeout=10.0),
-                            on_give_up=give_up, counts=lambda: counter.entries() + relayed.entries(),
-                            events=refusals.outbox.take).start()
     def last_words() -> None:   # before the reply to the server's shutdown
         refusals.flush()
         beats.stop(wait=True, final=True)
 
-    aggregator.before_shutdown.append(last_words)
-    stop_on_sigterm()   # SIGTERM or Ctrl-C: shut the cluster's client processes down, then leave
-    try:
-        proc.wait()
-    except (KeyboardInterrupt, Stopped) as exc:
-        ignore_stops()
-        reason, code = stop_reason(exc)
-        logging.warning("%s: shutting down the cluster's client processes and leaving", reason)
-        beats.stop()
-        aggregator.shutdown_clients(round=0)
+    def close() -> None:
         monitor.stop()
         endpoint.stop(grace=0.5)
-        return code
-    beats.stop()
-    monitor.stop()
-    endpoint.stop(grace=0.5)
-    if gave_up:
-        logging.error("exiting: %s", gave_up[0])
-        return 3
-    return 0
+
+    aggregator.before_shutdown.append(last_words)
+    # SIGTERM or Ctrl-C: shut the cluster's client processes down, then leave
+    return serve_until_stopped(proc.wait, beats, gave_up, "shutting down the cluster's client processes and leaving",
+                               on_stop=lambda: aggregator.shutdown_clients(round=0), close=close)
 
 
 if __name__ == "__main__":

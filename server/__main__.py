@@ -19,24 +19,22 @@ if __name__ == "__main__":   # before the slow imports: a signal during them is 
     from fedhop.common.util.procexit import stop_on_sigterm as _defer_stops
     _defer_stops(deferred=True)
 
-import argparse  # noqa: E402
 import logging  # noqa: E402
-import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from fedhop.common.config import ConfigError, load_config  # noqa: E402
 from fedhop.common.records.checkpoint import CheckpointError  # noqa: E402
-from fedhop.common.security.addresses import insecure_from_env, listen_address, plaintext_refusal  # noqa: E402
+from fedhop.common.security.addresses import insecure_from_env, plaintext_refusal  # noqa: E402
 from fedhop.common.security.auth import NodeCredentials, SecurityError, announce_security  # noqa: E402
 from fedhop.common.transport.admission import EventThrottle, RequestGate, peer_host, throttle_refusal_logs  # noqa: E402
 from fedhop.common.transport.factory import make_endpoint  # noqa: E402
 from fedhop.common.transport.livebytes import LinkCounter, ServerLive  # noqa: E402
 from fedhop.common.transport.liveness import LivenessMonitor  # noqa: E402
 from fedhop.common.transport.placement import process_device  # noqa: E402
+from fedhop.common.transport.startup import announce, cannot_serve, publish_address, role_parser  # noqa: E402
 from fedhop.common.util.procexit import exit_now, freeze_heap, signals_restored, stop_on_sigterm  # noqa: E402
-from fedhop.common.util.proctitle import set_role_title  # noqa: E402
 from fedhop.common.wire.ledger import Ledger  # noqa: E402
 from fedhop.server.child_reports import ChildReports  # noqa: E402
 from fedhop.server.coordinator import Coordinator  # noqa: E402
@@ -51,24 +49,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fedhop.server", description=__doc__)
+    ap = role_parser("python -m fedhop.server", __doc__,   # --listen, --token, --device (common/transport/startup.py)
+                     "where the server aggregates and steps: cpu, cuda, cuda:N or auto (default: the config's "
+                     "run.device; env FEDHOP_DEVICE)")
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--listen", default="127.0.0.1:0", type=listen_address)
     ap.add_argument("--port-file", default="", help="write the bound address here once serving")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))
     ap.add_argument("--register-timeout", type=float, default=120.0)
     ap.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
-    ap.add_argument("--device", default=os.environ.get("FEDHOP_DEVICE", ""),
-                    help="where the server aggregates and steps: cpu, cuda, cuda:N or auto (default: the config's "
-                         "run.device; env FEDHOP_DEVICE)")
     ap.add_argument("--insecure", action="store_true", default=insecure_from_env(),
                     help="allow plaintext gRPC on a non-loopback --listen address: the same as "
                          "--set security.insecure=true (also FEDHOP_INSECURE=1)")
     args = ap.parse_args(argv)
     stop_on_sigterm(deferred=True)   # noted until the run's records exist (Coordinator.run arms them)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(levelname)s %(message)s")
+    run_dir = Path(args.run_dir)
+    announce("server", "server", run_dir.resolve().name)
     if args.insecure:   # recorded in the run's config.toml like the key it stands for
         args.overrides.append("security.insecure=true")
     try:
@@ -82,8 +78,6 @@ def _main(argv: list[str] | None) -> int:
         return 2
     logging.getLogger().setLevel(cfg.run.log_level.upper())
     torch.set_num_threads(cfg.run.torch_threads)
-    run_dir = Path(args.run_dir)
-    set_role_title("server", run_dir.resolve().name)
     sec = cfg.security
     insecure = sec.insecure
     refusal = plaintext_refusal([args.listen], insecure, tls=bool(sec.certs_dir), who="server")
@@ -158,13 +152,10 @@ def _main(argv: list[str] | None) -> int:
     try:
         address = endpoint.serve(lambda req: _no_calls(), args.listen, register_handler=reports.register)
     except (OSError, RuntimeError) as exc:   # grpc: "Failed to bind to address ..."
-        logging.error("cannot serve on --listen %s: %s", args.listen, str(exc).split(";")[0])
+        code = cannot_serve(args.listen, exc)
         monitor.stop()
-        return 2
-    if args.port_file:
-        tmp = Path(args.port_file + ".tmp")
-        tmp.write_text(address)
-        tmp.replace(args.port_file)
+        return code
+    publish_address(args.port_file, address)
     logging.info("run %s: serving at %s", coordinator.run_id, address)
     def folded_refusals() -> dict:   # folded refusals land before the summary
         throttle.flush()

@@ -1,8 +1,10 @@
 """The server: owns the run (registration, the round loop, sampling, aggregation and the server
 step, evaluation, the run directory).  What a round is belongs to the topology's driver
 (server/driver.py; each topology's own in its folder, topologies/<kind>/driver.py, the sampled
-rounds of star and hierarchical on server/sampled.py); the Coordinator is the drivers'
-`DriverContext`.  It sends only through its fabric (common/transport/fabric.py), so the same
+rounds of star and hierarchical on server/sampled.py); the Coordinator builds the drivers'
+`DriverContext` over itself (server/context.py) and is the engine of the sampled rounds
+(`SampledRounds`, server/sampled.py: `streams`, `note_failures`, `is_short`, `short_round`,
+`complete_round`).  It sends only through its fabric (common/transport/fabric.py), so the same
 code runs over gRPC, torch.distributed and, in unit tests, in memory.
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import COMPUTE_KEY, Payload
 from fedhop.common.wire.methods import Method
+from fedhop.server.context import CoordinatorContext
 from fedhop.server.driver import ChildNode, RoundResult, RunFailed, TopologyDriver, make_driver
 from fedhop.server.resilience import fault_summary, record_refusals
 
@@ -118,6 +121,7 @@ class Coordinator:
         self.fabric = Fabric(endpoint, batch=cfg.transport.batch)
         self.config_toml = config_to_toml(cfg)
         self.driver: TopologyDriver | None = None   # the topology's rounds, made after registration (server/driver.py)
+        self.context = CoordinatorContext(self)      # what the driver sees of the run (server/driver.py DriverContext)
         self.ready_listeners: list[Callable[[], None]] = []   # after registration (resume: restore client states)
         self.restored_topology: dict | None = None          # resume: the driver's checkpoint state (e.g. the walk)
         self.summary_hooks: list[Callable[[], dict]] = [lambda: fault_summary(self.store)]  # summary.json sections
@@ -467,7 +471,7 @@ class Coordinator:
                 self.wait_for_clients(register_timeout)
                 for listener in self.ready_listeners:
                     listener()
-                self.driver = make_driver(self)
+                self.driver = make_driver(self.context, self)
                 self.driver.start()
                 for r in range(self.rounds_completed + 1, self.cfg.run.rounds + 1):  # rounds are 1-based
                     raise_if_stopped()   # a stop noted while the round before was recorded, or whose exception was lost

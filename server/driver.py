@@ -5,13 +5,14 @@ driver owns one topology's round protocol, its checkpoint state and resume, and 
 summary.json that describes its walk.  Which driver runs a kind is the `driver` of the kind's
 spec (common/topologies/, `driver_class`).
 
-A driver sees the run only through `DriverContext`, the public face of the Coordinator, and
-sends only through the context's fabric (common/transport/fabric.py).  A user's own topology
-needs no edit of fedhop: a `TopologySpec`, or the short form, a subclass of `TopologyDriver` in
-the user's package whose class attributes `Params` and `process_plan` stand for the spec's
-`params` and `plan`, named by `topology.kind = "pkg.module:Name"` or by an entry point of group
-`fedhop.topologies` (common/topologies `load_topology`; docs/architecture.md, "How to add a
-topology").
+A driver sees the run only through `DriverContext`, six members grouped by job (`run`,
+`model`, `nodes`, `fabric`, `records`, `clock`) that the server builds over the Coordinator
+(server/context.py), and sends only through the context's fabric (common/transport/fabric.py).
+A user's own topology needs no edit of fedhop: a `TopologySpec`, or the short form, a subclass
+of `TopologyDriver` in the user's package whose class attributes `Params` and `process_plan`
+stand for the spec's `params` and `plan`, named by `topology.kind = "pkg.module:Name"` or by an
+entry point of group `fedhop.topologies` (common/topologies `load_topology`;
+docs/architecture.md, "How to add a topology").
 """
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ if TYPE_CHECKING:
     from fedhop.common.algorithms.base import Algorithm, ServerState
     from fedhop.common.config import Config
     from fedhop.common.engine.vclock import RoundClock
-    from fedhop.common.processors.validation import ReplyLimiter
+    from fedhop.common.processors.validation import ReplyLimits
     from fedhop.common.records.runstore import RunStore
     from fedhop.common.tasks.base import Task
     from fedhop.common.transport.fabric import Fabric
     from fedhop.common.wire.ledger import Ledger
     from fedhop.common.wire.message import Payload
+    from fedhop.server.sampled import SampledRounds
 
 
 class RunFailed(RuntimeError):
@@ -61,46 +63,89 @@ class RoundResult:
     sim_seconds: float | None = None   # virtual-clock duration (common/engine/vclock.py); None where not simulated
 
 
+class RunFacts(Protocol):
+    """`ctx.run`: what the run is (read only)."""
+
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def run_dir(self) -> Path: ...        # the run's folder (run.db, a streaming fold's spill files)
+    @property
+    def task(self) -> Task: ...
+    @property
+    def algorithm(self) -> Algorithm: ...
+
+
+class ServerModel(Protocol):
+    """`ctx.model`: the server's state and the messages made from it.  A driver changes the
+    model through the state (its `params`: `algorithm.server_update`, or a model it took back)."""
+
+    @property
+    def state(self) -> ServerState: ...
+    def client_message(self, message: Payload, round: int, cid: int) -> Payload:
+        """Client `cid`'s message this round: `message` or its own variant (Algorithm.client_message)."""
+    def group_message(self, message: Payload, round: int, cids: list[int]) -> Payload:
+        """One message for a group of clients (an edge's, a collective's): the largest of their variants."""
+    def reply_limits(self, cids: list[int]) -> ReplyLimits:
+        """What a reply speaking for clients `cids` may claim (its weight from their sample
+        counts, its result count, its seconds: common/processors/validation.py `ReplyLimiter`)."""
+
+
+class Nodes(Protocol):
+    """`ctx.nodes`: the registered processes and which clients a round may take."""
+
+    @property
+    def children(self) -> dict[str, ChildNode]: ...        # by node id: client processes and edges
+    @property
+    def client_home(self) -> dict[int, ChildNode]: ...     # the process hosting each logical client
+    @property
+    def unavailable(self) -> dict[str, set[int]]: ...      # clients an edge reported dead, by edge node id
+    def sample(self, round: int, attempt: int = 0) -> list[int]:
+        """The round's clients (seeded), none on a process known dead; `attempt` > 0: a retry."""
+
+
+class Records(Protocol):
+    """`ctx.records`: what the run writes down, and what a resume gives back."""
+
+    @property
+    def store(self) -> RunStore: ...                       # run.db: events, rounds
+    @property
+    def ledger(self) -> Ledger: ...                        # the server's message records
+    @property
+    def summary_hooks(self) -> list[Callable[[], dict]]: ...   # sections of summary.json
+    @property
+    def restored_topology(self) -> dict | None: ...        # resume: the driver's `checkpoint_state`
+    def round_metrics(self, round: int, aggregate: Payload) -> dict[str, float]:
+        """The round's metrics: the aggregate's scalars and, in evaluation rounds, the model's evaluation."""
+    def record_round(self, result: RoundResult) -> None:
+        """Record a finished round: ledger records, its run.db row, checkpoints, progress."""
+
+
 class DriverContext(Protocol):
-    """What a driver may use of the run (the Coordinator implements it)."""
+    """What a topology's server part sees of the run, by job (docs/architecture.md, "The driver
+    interface").  The server builds it (server/context.py); what only the sampled rounds of
+    server/sampled.py use is the engine's `SampledRounds` (server/sampled.py), not part of it."""
 
-    cfg: Config
-    task: Task
-    algorithm: Algorithm
-    state: ServerState
-    store: RunStore
-    ledger: Ledger
-    fabric: Fabric
-    clock: RoundClock
-    run_id: str
-    children: dict[str, ChildNode]
-    client_home: dict[int, ChildNode]
-    restored_topology: dict | None
-    summary_hooks: list[Callable[[], dict]]
-    limiter: ReplyLimiter          # what a reply may claim for its clients (common/processors/validation.py)
-
-    unavailable: dict[str, set[int]]   # clients an edge reported dead, by edge node id
-    run_dir: Path                      # where a streaming fold spills replies ahead of their turn
-
-    def streams(self, per_client: bool = True) -> bool: ...   # replies folded as they arrive (common/processors/streaming.py)
-
-    def sample(self, round: int, attempt: int = 0) -> list[int]: ...
-    def note_failures(self, round: int, failures: dict[int, str], per_client: bool) -> None: ...
-    def is_short(self, sampled: list[int], results: dict, failures: dict[int, str]) -> bool: ...
-    def short_round(self, round: int, attempt: int, sampled: list[int], failures: dict[int, str]) -> str: ...
-    def group_message(self, message: Payload, round: int, cids: list[int]) -> Payload: ...
-    def client_message(self, message: Payload, round: int, cid: int) -> Payload: ...
-    def complete_round(self, round: int, sampled: list[int], results: dict[int, Payload], failures: dict[int, str],
-                       message: Payload, started: float, dispatched: float, arrivals: dict[int, float],
-                       per_client: bool = True) -> RoundResult | None: ...
-    def round_metrics(self, round: int, aggregate: Payload) -> dict[str, float]: ...
-    def record_round(self, result: RoundResult) -> None: ...
+    @property
+    def run(self) -> RunFacts: ...
+    @property
+    def model(self) -> ServerModel: ...
+    @property
+    def nodes(self) -> Nodes: ...
+    @property
+    def fabric(self) -> Fabric: ...       # sending and collecting (common/transport/fabric.py)
+    @property
+    def records(self) -> Records: ...
+    @property
+    def clock(self) -> RoundClock: ...    # stragglers, device profiles, the virtual clock (common/engine/vclock.py)
 
 
 class TopologyDriver(ABC):
     """One topology's rounds.  `start` runs once after every child registered (and after a
     resume restored the server's state); `run_round` runs each round and records it through
-    `ctx.record_round`; `checkpoint_state`/`restore` carry what the topology must keep across a
+    `ctx.records.record_round`; `checkpoint_state`/`restore` carry what the topology must keep across a
     resume beyond the model; `summary` adds the topology's keys to summary.json."""
 
     kind: ClassVar[str] = ""
@@ -113,12 +158,18 @@ class TopologyDriver(ABC):
     def __init__(self, ctx: DriverContext) -> None:
         self.ctx = ctx
 
+    @classmethod
+    def create(cls, ctx: DriverContext, rounds: SampledRounds) -> TopologyDriver:
+        """How the server makes the driver: `cls(ctx)`.  `rounds` is the engine of sampled
+        rounds, which only server/sampled.py's drivers take (`SampledRoundDriver.create`)."""
+        return cls(ctx)
+
     def start(self) -> None:
         """After registration: set up what rounds need (a torch.distributed world, ...)."""
 
     @abstractmethod
     def run_round(self, round: int) -> RoundResult | None:
-        """Run round `round` and record it (`ctx.record_round`); None: the round was skipped."""
+        """Run round `round` and record it (`ctx.records.record_round`); None: the round was skipped."""
 
     def checkpoint_state(self) -> dict | None:
         """What a checkpoint must keep of the topology (None: nothing beyond the model)."""
@@ -129,8 +180,9 @@ class TopologyDriver(ABC):
 
     def checkpoint_due(self, round: int) -> bool:
         """Whether a checkpoint follows `round` (server/resilience.py saves it)."""
-        every = self.ctx.cfg.run.checkpoint_every
-        return bool(every) and round % every == 0 and round != self.ctx.cfg.run.rounds
+        cfg = self.ctx.run.cfg
+        every = cfg.run.checkpoint_every
+        return bool(every) and round % every == 0 and round != cfg.run.rounds
 
     def summary(self) -> dict:
         return {}
@@ -158,5 +210,5 @@ def driver_class(kind: str) -> type[TopologyDriver]:
     return cls
 
 
-def make_driver(ctx: DriverContext) -> TopologyDriver:
-    return driver_class(ctx.cfg.topology.kind)(ctx)
+def make_driver(ctx: DriverContext, rounds: SampledRounds) -> TopologyDriver:
+    return driver_class(ctx.run.cfg.topology.kind).create(ctx, rounds)

@@ -22,7 +22,7 @@ from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
 from fedhop.server.driver import DriverContext, RunFailed
-from fedhop.server.sampled import DataPlane
+from fedhop.server.sampled import DataPlane, SampledRounds
 
 log = logging.getLogger("fedhop.server")
 
@@ -36,7 +36,7 @@ def _failed_run(exc: GroupFailed) -> CollectiveFailed:
 
 
 def group_members(ctx: DriverContext, role: str) -> list[Member]:
-    nodes = [n for n in ctx.children.values() if n.role == role]
+    nodes = [n for n in ctx.nodes.children.values() if n.role == role]
     key = (lambda n: edge_index(n.node_id)) if role == "edge" else (lambda n: n.node_id)
     return [Member(n.node_id, n.address) for n in sorted(nodes, key=key)]
 
@@ -48,28 +48,29 @@ class _GroupPlane(DataPlane):
     what = ""   # the members, in the reduced partial's name
     reduce_method = Method.TORCH_REDUCE   # the method whose members' partials are reduced
 
-    def __init__(self, ctx: DriverContext, group: Group, timeout: float, prefix_failures: bool) -> None:
-        super().__init__(ctx)
+    def __init__(self, ctx: DriverContext, rounds: SampledRounds, group: Group, timeout: float,
+                 prefix_failures: bool) -> None:
+        super().__init__(ctx, rounds)
         self.group = group
         self.timeout = timeout
         self.prefix_failures = prefix_failures
 
     def dispatch(self, round: int, sampled: list[int], message: Payload, arrivals: dict[int, float]):
-        ctx = self.ctx
-        message = ctx.group_message(message, round, sampled)
+        ctx, algorithm = self.ctx, self.ctx.run.algorithm
+        message = ctx.model.group_message(message, round, sampled)
         clients: dict[str, list[int]] = {m.node_id: [] for m in self.group.members}
         for cid in sampled:
-            clients[ctx.client_home[cid].node_id].append(cid)
+            clients[ctx.nodes.client_home[cid].node_id].append(cid)
         try:
-            result = self.group.round(round, message, clients, ops=ctx.algorithm.reply_reduce, timeout=self.timeout,
-                                      reduce_timeout=ctx.cfg.run.round_timeout, where=f"round {round}")
+            result = self.group.round(round, message, clients, ops=algorithm.reply_reduce, timeout=self.timeout,
+                                      reduce_timeout=ctx.run.cfg.run.round_timeout, where=f"round {round}")
         except GroupFailed as exc:
             raise _failed_run(exc) from None
         failures = result.all_failures(prefix=self.prefix_failures)
         if result.partial is None:
             return {}, failures
         try:
-            reduced_chain(ctx.algorithm.reply_spec(ctx.state), self.reduce_method, round=round)(
+            reduced_chain(algorithm.reply_spec(ctx.model.state), self.reduce_method, round=round)(
                 result.partial, f"round {round} reduced partial of the {self.what}")
         except PayloadError as exc:
             raise CollectiveFailed(str(exc)) from None
@@ -81,11 +82,11 @@ class GroupRounds(_GroupPlane):
 
     what = "client processes"
 
-    def __init__(self, ctx: DriverContext) -> None:
-        procs = group_members(ctx, "client")
-        group = worlds(ctx.cfg.transport.kind).star(ctx.fabric, procs, ctx.cfg.transport, ctx.ledger, ctx.run_id)
-        log.info("group of the server and %d client processes (transport %s)", len(procs), ctx.cfg.transport.kind)
-        super().__init__(ctx, group, ctx.cfg.run.round_timeout, prefix_failures=False)
+    def __init__(self, ctx: DriverContext, rounds: SampledRounds) -> None:
+        procs, cfg = group_members(ctx, "client"), ctx.run.cfg
+        group = worlds(cfg.transport.kind).star(ctx.fabric, procs, cfg.transport, ctx.records.ledger, ctx.run.run_id)
+        log.info("group of the server and %d client processes (transport %s)", len(procs), cfg.transport.kind)
+        super().__init__(ctx, rounds, group, cfg.run.round_timeout, prefix_failures=False)
 
 
 class HierGroupRounds(_GroupPlane):
@@ -94,21 +95,22 @@ class HierGroupRounds(_GroupPlane):
     what = "edges"
     reduce_method = Method.TORCH_EDGE_REDUCE
 
-    def __init__(self, ctx: DriverContext) -> None:
-        compress = getattr(ctx.cfg.algorithm, "compress", "none")
-        up = ctx.cfg.compression.up
+    def __init__(self, ctx: DriverContext, rounds: SampledRounds) -> None:
+        cfg = ctx.run.cfg
+        compress = getattr(cfg.algorithm, "compress", "none")
+        up = cfg.compression.up
         if up != "none":   # uploads are reduced as raw float sums here, never coded
             raise ValueError(f"compression.up = '{up}' is not supported with transport.kind = "
-                             f"'{ctx.cfg.transport.kind}' and topology.kind = 'hierarchical' (allowed: 'none'); "
+                             f"'{cfg.transport.kind}' and topology.kind = 'hierarchical' (allowed: 'none'); "
                              f"use transport.kind = 'grpc'")
         if compress != "none":
             raise ValueError(f"algorithm.compress = '{compress}' is not supported with transport.kind = "
-                             f"'{ctx.cfg.transport.kind}' and topology.kind = 'hierarchical' (allowed: 'none'); "
+                             f"'{cfg.transport.kind}' and topology.kind = 'hierarchical' (allowed: 'none'); "
                              f"use transport.kind = 'grpc'")
-        world = worlds(ctx.cfg.transport.kind).edges(ctx.fabric, group_members(ctx, "edge"), ctx.cfg.transport,
-                                                      ctx.ledger, ctx.run_id)
+        world = worlds(cfg.transport.kind).edges(ctx.fabric, group_members(ctx, "edge"), cfg.transport,
+                                                  ctx.records.ledger, ctx.run.run_id)
         log.info("edges' world: %s", world.description)
-        super().__init__(ctx, world.top, ctx.cfg.run.round_timeout * 2, prefix_failures=True)
+        super().__init__(ctx, rounds, world.top, cfg.run.round_timeout * 2, prefix_failures=True)
 
 
 __all__ = ["GroupRounds", "HierGroupRounds", "CollectiveFailed", "group_members"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from fedhop.common.processors.compressors.downlink import DownlinkSender, downlink_coding
 from fedhop.common.processors.compressors.ef21 import message_for as ef21_reset_message
@@ -31,16 +31,38 @@ from fedhop.common.wire.methods import Method
 from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver
 
 
+class SampledRounds(Protocol):
+    """What only the sampled rounds use of the server's engine, beside the `DriverContext`
+    (the Coordinator implements it: server/coordinator.py): streaming folds, failed calls,
+    short rounds under run.on_short_round, and the end of a round (aggregation, the server
+    step, evaluation, its record)."""
+
+    def streams(self, per_client: bool = True) -> bool:
+        """Whether the round's replies are folded as they arrive (common/processors/streaming.py)."""
+    def note_failures(self, round: int, failures: dict[int, str], per_client: bool) -> None:
+        """Failed calls that look like a dead process make its node suspect."""
+    def is_short(self, sampled: list[int], results: dict, failures: dict[int, str]) -> bool:
+        """Whether a round's results are fewer than run.min_results."""
+    def short_round(self, round: int, attempt: int, sampled: list[int], failures: dict[int, str]) -> str:
+        """A short attempt under run.on_short_round: "complete", "retry" or "skip"."""
+    def complete_round(self, round: int, sampled: list[int], results: dict[int, Payload], failures: dict[int, str],
+                       message: Payload, started: float, dispatched: float, arrivals: dict[int, float],
+                       per_client: bool = True) -> RoundResult | None:
+        """Settle the clock, aggregate, step, evaluate and record the round (None: skipped)."""
+
+
 class DataPlane(ABC):
     """How one round's message reaches the sampled clients and their results come back.
-    `per_client`: the results are one reply per client (not partial aggregates)."""
+    `per_client`: the results are one reply per client (not partial aggregates).  A plane is
+    made with the driver's context and the engine's sampled rounds (`SampledRounds`)."""
 
     per_client: bool = True
 
-    def __init__(self, ctx: DriverContext) -> None:
-        self.ctx = ctx
-        coding = downlink_coding(ctx.cfg)   # coded broadcasts (`compression.down`, downlink.py)
-        self.downlink = (DownlinkSender(coding, ctx.cfg.run.seed, lambda: ctx.state.extra)
+    def __init__(self, ctx: DriverContext, rounds: SampledRounds) -> None:
+        self.ctx, self.rounds = ctx, rounds
+        cfg = ctx.run.cfg
+        coding = downlink_coding(cfg)   # coded broadcasts (`compression.down`, downlink.py)
+        self.downlink = (DownlinkSender(coding, cfg.run.seed, lambda: ctx.model.state.extra)
                          if coding is not None else None)
 
     @abstractmethod
@@ -56,25 +78,26 @@ class ClientFanout(DataPlane):
     holds (common/processors/compressors/downlink.py)."""
 
     def dispatch(self, round, sampled, message, arrivals):
-        ctx = self.ctx
-        spec, rules = ctx.algorithm.reply_spec(ctx.state), ctx.algorithm.reply_scalars()
+        ctx, cfg, model, home = self.ctx, self.ctx.run.cfg, self.ctx.model, self.ctx.nodes.client_home
+        algorithm = ctx.run.algorithm
+        spec, rules = algorithm.reply_spec(model.state), algorithm.reply_scalars()
         down = self.downlink
         for_receiver = down.code(message) if down is not None else (lambda receiver: message)
-        receiver = {cid: ctx.client_home[cid].node_id for cid in sampled}
-        fold = round_fold(ctx, sampled, spec, per_client=True)
-        ef21 = uses_ef21(ctx.cfg)
-        requests = [Send(cid, ctx.client_home[cid].address, client_node(cid), Method.TRAIN,
-                         ef21_message(ctx, ef21, ctx.client_message(for_receiver(receiver[cid]), round, cid),
+        receiver = {cid: home[cid].node_id for cid in sampled}
+        fold = round_fold(ctx, self.rounds, sampled, spec, per_client=True)
+        ef21 = uses_ef21(cfg)
+        requests = [Send(cid, home[cid].address, client_node(cid), Method.TRAIN,
+                         ef21_message(ctx, ef21, model.client_message(for_receiver(receiver[cid]), round, cid),
                                       client_node(cid)),
-                         inbound=reply_chain(ctx.cfg, spec, Method.TRAIN, rules, ctx.limiter.limits([cid]),
-                                             round=round, peer=client_node(cid), memory=ctx.state.extra,
+                         inbound=reply_chain(cfg, spec, Method.TRAIN, rules, model.reply_limits([cid]),
+                                             round=round, peer=client_node(cid), memory=model.state.extra,
                                              folded=fold is not None),
                          who=f"round {round} reply of client {cid}",
                          on_reply=lambda c: arrivals.__setitem__(c, time.perf_counter()))
                     for cid in sampled]
-        timeout = ctx.cfg.run.round_timeout
+        timeout = cfg.run.round_timeout
         results, failures = ctx.fabric.send_and_receive(
-            requests, round=round, timeout=timeout, call_timeout=ctx.cfg.run.call_timeout,
+            requests, round=round, timeout=timeout, call_timeout=cfg.run.call_timeout,
             timeout_reason=f"timeout: no result within run.round_timeout={timeout}s", fold=fold)
         if down is not None:   # a process that answered holds the new reference; any other gets a resync next
             answered: dict[str, bool] = {}
@@ -91,36 +114,37 @@ class EdgeFanout(DataPlane):
     per_client = False
 
     def dispatch(self, round, sampled, message, arrivals):
-        ctx = self.ctx
+        ctx, cfg, model, nodes, store = self.ctx, self.ctx.run.cfg, self.ctx.model, self.ctx.nodes, self.ctx.records.store
+        algorithm = ctx.run.algorithm
         by_edge: dict[str, list[int]] = {}
         for cid in sampled:
-            by_edge.setdefault(ctx.client_home[cid].node_id, []).append(cid)
-        spec, rules = ctx.algorithm.reply_spec(ctx.state), ctx.algorithm.reply_scalars()
+            by_edge.setdefault(nodes.client_home[cid].node_id, []).append(cid)
+        spec, rules = algorithm.reply_spec(model.state), algorithm.reply_scalars()
         down = self.downlink
         for_receiver = down.code(message) if down is not None else (lambda receiver: message)
         requests = []
-        fold = round_fold(ctx, sorted(by_edge, key=edge_index), spec, per_client=False)
-        ef21 = uses_ef21(ctx.cfg)
+        fold = round_fold(ctx, self.rounds, sorted(by_edge, key=edge_index), spec, per_client=False)
+        ef21 = uses_ef21(cfg)
         for node_id, cids in sorted(by_edge.items()):
-            shared = ef21_message(ctx, ef21, ctx.group_message(for_receiver(node_id), round, cids), node_id)
+            shared = ef21_message(ctx, ef21, model.group_message(for_receiver(node_id), round, cids), node_id)
             payload = Payload(tensors=shared.tensors, scalars=shared.scalars, control=sampled_clients(cids))
-            check = reply_chain(ctx.cfg, spec, Method.EDGE_ROUND, rules, ctx.limiter.limits(cids),   # the edge speaks for its clients
-                                round=round, peer=node_id, memory=ctx.state.extra, folded=fold is not None)
-            requests.append(Send(node_id, ctx.children[node_id].address, node_id, Method.EDGE_ROUND, payload,
+            check = reply_chain(cfg, spec, Method.EDGE_ROUND, rules, model.reply_limits(cids),   # the edge speaks for its clients
+                                round=round, peer=node_id, memory=model.state.extra, folded=fold is not None)
+            requests.append(Send(node_id, nodes.children[node_id].address, node_id, Method.EDGE_ROUND, payload,
                                  inbound=check, who=f"round {round} partial of {node_id}"))
-        timeout = ctx.cfg.run.round_timeout * 2
+        timeout = cfg.run.round_timeout * 2
         partials, edge_failures = ctx.fabric.send_and_receive(
             requests, round=round, timeout=timeout, call_timeout=timeout,
-            timeout_reason=f"timeout: no result within run.round_timeout={ctx.cfg.run.round_timeout}s", fold=fold)
+            timeout_reason=f"timeout: no result within run.round_timeout={cfg.run.round_timeout}s", fold=fold)
         if down is not None:   # an edge that answered holds the new reference
             down.delivered({node_id: node_id in partials for node_id in by_edge})
         failures: dict[int, str] = {}
         for node_id, why in edge_failures.items():
-            ctx.store.add_event("edge_failed", node=node_id, detail=why, round=round)
+            store.add_event("edge_failed", node=node_id, detail=why, round=round)
             for cid in by_edge[node_id]:
                 failures[cid] = f"edge {node_id} failed: {why}"
             if " replied NO_RESULTS:" in why:   # none of its sampled clients answered: avoid them until it says more
-                ctx.unavailable.setdefault(node_id, set()).update(by_edge[node_id])
+                nodes.unavailable.setdefault(node_id, set()).update(by_edge[node_id])
         results: dict = {}
         if isinstance(partials, StreamedResults):   # folded in edge-index order; the round keys partials by index
             partials.fold.rekey(edge_index)
@@ -130,11 +154,11 @@ class EdgeFanout(DataPlane):
             failures.update({c: f"at {node_id}: {why}" for c, why in failures_of(partial).items()})
             control = control_of(partial)
             reported = set(control.clients)   # its clients whose processes it judges dead (edge/aggregator.py)
-            if reported != ctx.unavailable.get(node_id, set()):
-                ctx.store.add_event("clients_unavailable", node=node_id, round=round,
+            if reported != nodes.unavailable.get(node_id, set()):
+                store.add_event("clients_unavailable", node=node_id, round=round,
                                     detail=f"{len(reported)} clients on dead or suspect processes "
                                            f"{', '.join(control.processes[:10]) or '-'}: {sorted(reported)[:20]}")
-            ctx.unavailable[node_id] = reported
+            nodes.unavailable[node_id] = reported
             results[edge_index(node_id)] = partial
         return results, failures
 
@@ -143,7 +167,7 @@ def ef21_message(ctx: DriverContext, ef21: bool, message: Payload, peer: str) ->
     """The message to `peer`, with EF21's reset when its last upload was out of step (`ef21`:
     the run uses EF21; common/processors/compressors/ef21.py; the server's copies live in its
     state's extra)."""
-    return ef21_reset_message(message, ctx.state.extra, peer) if ef21 else message
+    return ef21_reset_message(message, ctx.model.state.extra, peer) if ef21 else message
 
 
 def uses_ef21(cfg) -> bool:
@@ -151,31 +175,40 @@ def uses_ef21(cfg) -> bool:
     return coding is not None and coding.ef21
 
 
-def round_fold(ctx: DriverContext, keys: list, spec, per_client: bool) -> OrderedFold | None:
+def round_fold(ctx: DriverContext, rounds: SampledRounds, keys: list, spec, per_client: bool) -> OrderedFold | None:
     """The round's streaming fold over `keys` in aggregation order (common/processors/streaming.py), or None
-    where the round collects every reply (Coordinator.streams): replies ahead of their turn are
-    kept in memory up to one reply's bytes, spilled to the run directory beyond."""
-    if not ctx.streams(per_client):
+    where the round collects every reply (`SampledRounds.streams`): replies ahead of their turn
+    are kept in memory up to one reply's bytes, spilled to the run directory beyond."""
+    if not rounds.streams(per_client):
         return None
-    return OrderedFold(keys, ctx.algorithm.reply_reduce, budget_bytes=reply_budget(spec, 1.0), spill_dir=ctx.run_dir)
+    return OrderedFold(keys, ctx.run.algorithm.reply_reduce, budget_bytes=reply_budget(spec, 1.0),
+                       spill_dir=ctx.run.run_dir)
 
 
 class SampledRoundDriver(TopologyDriver):
-    """A round of sampled clients; its data plane is the transport's class for `concept`."""
+    """A round of sampled clients; its data plane is the transport's class for `concept`.
+    Beside the context it takes the engine's `rounds` (`SampledRounds`, given by `create`)."""
 
     concept: ClassVar[str] = STAR_ROUND   # common/transport/factory.py PLANE_CONCEPTS
+    rounds: SampledRounds
 
     def __init__(self, ctx: DriverContext) -> None:
         super().__init__(ctx)
         self.plane: DataPlane | None = None
 
+    @classmethod
+    def create(cls, ctx: DriverContext, rounds: SampledRounds) -> TopologyDriver:
+        driver = cls(ctx)   # a subclass's own __init__ takes the context only, as every driver's
+        driver.rounds = rounds
+        return driver
+
     def start(self) -> None:
         try:
-            factory = data_plane(self.ctx.cfg.transport.kind, self.concept, self.kind)
+            factory = data_plane(self.ctx.run.cfg.transport.kind, self.concept, self.kind)
         except NoDataPlane as exc:
             raise RunFailed(str(exc)) from None
         try:
-            self.plane = factory(self.ctx)
+            self.plane = factory(self.ctx, self.rounds)
         except (RuntimeError, ValueError) as exc:   # a torch.distributed world that could not be set up
             raise RunFailed(str(exc)) from None
 
@@ -190,33 +223,34 @@ class SampledRoundDriver(TopologyDriver):
 
     def sample(self, round: int) -> list[int]:
         """The round's clients, sorted (a subclass may choose them its own way)."""
-        return self.ctx.sample(round)
+        return self.ctx.nodes.sample(round)
 
     def resample(self, round: int, attempt: int) -> list[int]:
         """The clients of retry `attempt` (>= 1) of a short round: a seeded draw of its own among
         the clients with a live process (Coordinator.sample)."""
-        return self.ctx.sample(round, attempt)
+        return self.ctx.nodes.sample(round, attempt)
 
     def run_round(self, round: int) -> RoundResult | None:
         """The round; an attempt short of run.min_results (its clients' processes died) is
-        retried on a new sample or skipped, by run.on_short_round (Coordinator.short_round):
+        retried on a new sample or skipped, by run.on_short_round (`SampledRounds.short_round`):
         None when skipped."""
-        ctx = self.ctx
+        ctx, rounds = self.ctx, self.rounds
+        algorithm = ctx.run.algorithm
         assert self.plane is not None   # made by start
         attempt = 0
         while True:
             started = time.perf_counter()
             sampled = self.sample(round) if attempt == 0 else self.resample(round, attempt)
-            message = ctx.clock.begin_round(round, sampled, ctx.algorithm.broadcast(ctx.state, round))
+            message = ctx.clock.begin_round(round, sampled, algorithm.broadcast(ctx.model.state, round))
             dispatched = time.perf_counter()
             arrivals: dict[int, float] = {}
             results, failures = self.plane.dispatch(round, sampled, message, arrivals)
-            ctx.note_failures(round, failures, self.plane.per_client)
-            short = ctx.is_short(sampled, results, failures)
-            action = ctx.short_round(round, attempt, sampled, failures) if short else "complete"
+            rounds.note_failures(round, failures, self.plane.per_client)
+            short = rounds.is_short(sampled, results, failures)
+            action = rounds.short_round(round, attempt, sampled, failures) if short else "complete"
             if action == "skip":
                 return None
             if action == "complete":
-                return ctx.complete_round(round, sampled, results, failures, message, started, dispatched,
+                return rounds.complete_round(round, sampled, results, failures, message, started, dispatched,
                                           arrivals, per_client=self.plane.per_client)
             attempt += 1

@@ -73,7 +73,8 @@ def test_a_transport_without_a_plane_fails_the_driver_in_one_line_naming_who_car
     carriers = sorted(k for k in TRANSPORTS if k != "pigeon")
     assert str(exc.value) == (f"topology.kind = 'hierarchical' does not run over transport.kind = 'pigeon' "
                               f"(it runs over {', '.join(carriers)})")
-    driver = HierarchicalDriver(SimpleNamespace(cfg=SimpleNamespace(transport=SimpleNamespace(kind="pigeon"))))
+    driver = HierarchicalDriver(SimpleNamespace(run=SimpleNamespace(cfg=SimpleNamespace(
+        transport=SimpleNamespace(kind="pigeon")))))
     with pytest.raises(RunFailed, match="does not run over transport.kind = 'pigeon'"):
         driver.start()
 

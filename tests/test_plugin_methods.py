@@ -59,20 +59,20 @@ class ProbeStar(StarDriver):
 
     def run_round(self, round):
         ctx = self.ctx
-        nodes = sorted({h.node_id: h for h in ctx.client_home.values()}.values(), key=lambda h: h.node_id)
+        nodes = sorted({h.node_id: h for h in ctx.nodes.client_home.values()}.values(), key=lambda h: h.node_id)
         for i, node in enumerate(nodes):
             control = None
             if round == 1 and i == 0:   # client-proc0 is asked to probe its peer client-proc1 itself
                 peer = nodes[1]
                 control = pb.Control(walk_peers=[pb.ClientAddress(client_id=min(peer.clients), address=peer.address)])
             reply = ctx.fabric.call(node.address, node.node_id, SUM_PROBE, Payload(control=control), round=round,
-                                    timeout=ctx.cfg.run.call_timeout)
+                                    timeout=ctx.run.cfg.run.call_timeout)
             want = sum(node.clients) + round
             if reply.scalars.get("sum") != want:
                 raise RunFailed(f"sum_probe of {node.node_id}: {reply.scalars} (want sum {want})")
             if control is not None and not str(reply.scalars.get("peer_refused", "")).startswith("NOT_ALLOWED"):
                 raise RunFailed(f"the peer's sum_probe was not refused: {reply.scalars}")
-            ctx.store.add_event("sum_probe", node=node.node_id, round=round, detail=str(reply.scalars["sum"]))
+            ctx.records.store.add_event("sum_probe", node=node.node_id, round=round, detail=str(reply.scalars["sum"]))
         return super().run_round(round)
 
 

@@ -64,15 +64,15 @@ from census_transport import CENSUS
 
 class CensusFanout(ClientFanout):
     def dispatch(self, round, sampled, message, arrivals):
-        ctx = self.ctx
-        homes = {ctx.client_home[cid].node_id: ctx.client_home[cid] for cid in sampled}
+        ctx, home = self.ctx, self.ctx.nodes.client_home
+        homes = {home[cid].node_id: home[cid] for cid in sampled}
         for node_id in sorted(homes):
             node = homes[node_id]
             reply = ctx.fabric.call(node.address, node_id, CENSUS, Payload(), round=round,
-                                    timeout=ctx.cfg.run.call_timeout)
+                                    timeout=ctx.run.cfg.run.call_timeout)
             if reply.scalars.get("count") != len(node.clients) + round:
                 raise RunFailed(f"census of {node_id}: {reply.scalars}")
-            ctx.store.add_event("census", node=node_id, round=round, detail=str(reply.scalars["count"]))
+            ctx.records.store.add_event("census", node=node_id, round=round, detail=str(reply.scalars["count"]))
         return super().dispatch(round, sampled, message, arrivals)
 
 

@@ -102,9 +102,9 @@ class AsyncDriver(TopologyDriver):
 
     def __init__(self, ctx: DriverContext) -> None:
         super().__init__(ctx)
-        self.params: AsyncParams = topology_params(ctx.cfg)
-        self.concurrency = concurrency_of(ctx.cfg, self.params)
-        self.edges = ctx.cfg.topology.edges > 0   # the buffer lives at the edges (module docstring)
+        self.params: AsyncParams = topology_params(ctx.run.cfg)
+        self.concurrency = concurrency_of(ctx.run.cfg, self.params)
+        self.edges = ctx.run.cfg.topology.edges > 0   # the buffer lives at the edges (module docstring)
         self.targets: list[str] = []              # the nodes a dispatch may call, in draw order (start)
         self.client_of: dict[str, int] = {}       # star: a client's node id -> its id
         self.cluster: dict[str, list[int]] = {}   # behind edges: an edge's clients
@@ -126,7 +126,7 @@ class AsyncDriver(TopologyDriver):
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
-        home = self.ctx.client_home
+        home = self.ctx.nodes.client_home
         if self.edges:
             for cid in sorted(home):
                 self.cluster.setdefault(home[cid].node_id, []).append(cid)
@@ -135,7 +135,7 @@ class AsyncDriver(TopologyDriver):
             self.client_of = {client_node(cid): cid for cid in sorted(home)}
             self.targets = list(self.client_of)
         self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="async-dispatch")
-        self.db = sqlite3.connect(str(self.ctx.run_dir / "run.db"), timeout=30.0, isolation_level=None,
+        self.db = sqlite3.connect(str(self.ctx.run.run_dir / "run.db"), timeout=30.0, isolation_level=None,
                                   check_same_thread=False)
         self.db.execute("PRAGMA busy_timeout = 30000")
         self.db.execute(SCHEMA)
@@ -150,32 +150,32 @@ class AsyncDriver(TopologyDriver):
         if not idle:
             return
         self.seq += 1
-        node = idle[int(numpy_stream(ctx.cfg.run.seed, "async", "dispatch", self.seq).integers(len(idle)))]
-        base = ctx.algorithm.broadcast(ctx.state, round)
+        node = idle[int(numpy_stream(ctx.run.cfg.run.seed, "async", "dispatch", self.seq).integers(len(idle)))]
+        base = ctx.run.algorithm.broadcast(ctx.model.state, round)
         sent = {k: v.detach().clone() for k, v in base.tensors.items()}   # the version it trains on, kept
         plain = Payload(tensors=dict(sent), scalars=dict(base.scalars))
-        spec, rules = ctx.algorithm.reply_spec(ctx.state), ctx.algorithm.reply_scalars()
-        timeout = ctx.cfg.run.round_timeout
+        spec, rules = ctx.run.algorithm.reply_spec(ctx.model.state), ctx.run.algorithm.reply_scalars()
+        timeout = ctx.run.cfg.run.round_timeout
         who = f"dispatch {self.seq} (version {self.version})"
         send: Send[Any]   # keyed by the edge's node id, or by the client id
         if self.edges:
             cids = self.edge_clients(node)
-            shared = ctx.group_message(plain, round, cids)
+            shared = ctx.model.group_message(plain, round, cids)
             message = Payload(tensors=shared.tensors, scalars=shared.scalars, control=sampled_clients(cids))
-            send = Send(node, ctx.children[node].address, node, Method.EDGE_ROUND, message,
-                        inbound=reply_chain(ctx.cfg, spec, Method.EDGE_ROUND, rules, ctx.limiter.limits(cids),
+            send = Send(node, ctx.nodes.children[node].address, node, Method.EDGE_ROUND, message,
+                        inbound=reply_chain(ctx.run.cfg, spec, Method.EDGE_ROUND, rules, ctx.model.reply_limits(cids),
                                             round=round, peer=node),   # the edge speaks for its clients
                         who=f"{who} partial of {node}")
             call_timeout, cid = 2 * timeout, None
         else:
             cid = self.client_of[node]
             cids = [cid]
-            message = ctx.client_message(plain, round, cid)
-            send = Send(cid, ctx.client_home[cid].address, node, Method.TRAIN, message, step=self.seq,
-                        inbound=reply_chain(ctx.cfg, spec, Method.TRAIN, rules, ctx.limiter.limits([cid]),
+            message = ctx.model.client_message(plain, round, cid)
+            send = Send(cid, ctx.nodes.client_home[cid].address, node, Method.TRAIN, message, step=self.seq,
+                        inbound=reply_chain(ctx.run.cfg, spec, Method.TRAIN, rules, ctx.model.reply_limits([cid]),
                                             round=round, peer=node),
                         who=f"{who} reply of client {cid}")
-            call_timeout = ctx.cfg.run.call_timeout
+            call_timeout = ctx.run.cfg.run.call_timeout
         assert self.pool is not None   # made by start
         future = self.pool.submit(ctx.fabric.send_and_receive, [send], round=round,
                                   timeout=2 * timeout if self.edges else timeout, call_timeout=call_timeout,
@@ -190,10 +190,10 @@ class AsyncDriver(TopologyDriver):
         fewer are left), drawn from ("async", "edge-clients", n) among those the edge has not
         reported on dead processes (sorted: the edge folds its replies in client-id order)."""
         ctx = self.ctx
-        gone = ctx.unavailable.get(edge, set())
+        gone = ctx.nodes.unavailable.get(edge, set())
         pool = [c for c in self.cluster[edge] if c not in gone] or list(self.cluster[edge])
         k = min(self.params.buffer_size, len(pool))
-        draw = numpy_stream(ctx.cfg.run.seed, "async", "edge-clients", self.seq).choice(len(pool), size=k, replace=False)
+        draw = numpy_stream(ctx.run.cfg.run.seed, "async", "edge-clients", self.seq).choice(len(pool), size=k, replace=False)
         return sorted(pool[int(i)] for i in draw)
 
     def fill(self, round: int) -> None:
@@ -220,7 +220,7 @@ class AsyncDriver(TopologyDriver):
         if self.edges:   # the edge's flush: its clients' weighted mean delta (module docstring)
             f.update = {name: weighted_mean(f.reply, name) for name in f.reply.tensors if name in f.sent}
             control = control_of(f.reply)
-            self.ctx.unavailable[f.node] = set(control.clients)
+            self.ctx.nodes.unavailable[f.node] = set(control.clients)
             f.failure = "; ".join(f"client {c}: {why}" for c, why in sorted(failures_of(f.reply).items()))
             up = sum(t.numel() * t.element_size() for t in f.update.values())
             f.sim_finish = f.sim_start + max(
@@ -272,7 +272,7 @@ class AsyncDriver(TopologyDriver):
             self.round_failures.update((c, f.failure) for c in f.clients)
             self.failures_in_a_row += 1
             self._row(f, {**row, "status": "failed", "detail": f.failure})
-            self.ctx.store.add_event("edge_failed" if self.edges else "client_failed", node=f.node, round=round,
+            self.ctx.records.store.add_event("edge_failed" if self.edges else "client_failed", node=f.node, round=round,
                                      detail=f"dispatch {f.seq}: {f.failure}")
             if self.failures_in_a_row >= FAILURES_IN_A_ROW * self.concurrency:
                 raise RunFailed(f"round {round}: {self.failures_in_a_row} dispatches in a row failed; last: "
@@ -286,7 +286,7 @@ class AsyncDriver(TopologyDriver):
         weight = staleness_weight(p.staleness, staleness, p.staleness_a, p.staleness_b)
         f.taken = {**row, "weight": weight}
         self.staleness_all.append(staleness)
-        state = self.ctx.state.params
+        state = self.ctx.model.state.params
         if p.mode == "fedasync":
             fedasync_mix(state, f.sent, f.update, p.mixing * weight)
             self.buffered = [f]
@@ -304,7 +304,7 @@ class AsyncDriver(TopologyDriver):
     def _row(self, f: Flight, row: dict) -> None:
         assert self.db is not None   # made by start
         self.db.execute(f"INSERT INTO {TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (self.ctx.run_id, row.get("arrival"), f.seq, f.cid, f.version, row.get("applied_version"),
+                        (self.ctx.run.run_id, row.get("arrival"), f.seq, f.cid, f.version, row.get("applied_version"),
                          row.get("staleness"), row.get("weight"), f.sim_start, row.get("sim_arrival"),
                          row.get("round"), row.get("status"), row.get("detail", ""), f.node, json.dumps(f.clients)))
 
@@ -333,18 +333,18 @@ class AsyncDriver(TopologyDriver):
         while True:
             f = self.next_arrival()
             updated = self.take(f, round)
-            last = updated and round >= ctx.cfg.run.rounds
+            last = updated and round >= ctx.run.cfg.run.rounds
             if not last:
                 self.fill(round if not updated else round + 1)
             if updated:
                 break
         used, self.buffered = self.buffered, []
-        if round >= ctx.cfg.run.rounds:
+        if round >= ctx.run.cfg.run.rounds:
             self.drain(round)
         weights = [float(g.reply.scalars.get("weight", 1.0)) for g in used if g.reply is not None]
         losses = [float(g.reply.scalars.get("train_loss", 0.0)) for g in used if g.reply is not None]
         aggregate = Payload(scalars={"weight": sum(weights), "train_loss": sum(w * x for w, x in zip(weights, losses))})
-        metrics = ctx.round_metrics(round, aggregate)
+        metrics = ctx.records.round_metrics(round, aggregate)
         stale = [int(g.taken["staleness"]) for g in used]
         metrics.update({"staleness_mean": sum(stale) / len(stale), "staleness_max": float(max(stale)),
                         "async_updates": float(len(used)), "async_version": float(self.version),
@@ -354,7 +354,7 @@ class AsyncDriver(TopologyDriver):
         result = RoundResult(round, sampled, participants, dict(self.round_failures), metrics,
                              time.perf_counter() - started, self.sim_now - self.sim_last)
         self.sim_last = self.sim_now
-        ctx.record_round(result)
+        ctx.records.record_round(result)
         return result
 
     def summary(self) -> dict:

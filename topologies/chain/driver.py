@@ -36,8 +36,8 @@ class WalkDriver(TopologyDriver):
     checkpoint_needs_state = True
     def __init__(self, ctx: DriverContext) -> None:
         super().__init__(ctx)
-        cfg = ctx.cfg
-        sizes = [ctx.task.num_samples(c) for c in range(cfg.clients.count)]
+        cfg = ctx.run.cfg
+        sizes = [ctx.run.task.num_samples(c) for c in range(cfg.clients.count)]
         try:
             self.rule = WalkRule.from_config(cfg, sizes)
             self.holder = start_client(topology_params(cfg).start, cfg.clients.count, cfg.run.seed)
@@ -48,8 +48,8 @@ class WalkDriver(TopologyDriver):
         self.moves = 0                 # hand-offs that moved the model to another client
         self.skips = 0
         self.resuming = False
-        if ctx.restored_topology is not None:
-            self.restore(ctx.restored_topology)
+        if ctx.records.restored_topology is not None:
+            self.restore(ctx.records.restored_topology)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> dict:
@@ -57,7 +57,7 @@ class WalkDriver(TopologyDriver):
                 "skips": self.skips}
 
     def restore(self, state: dict) -> None:
-        if state.get("kind") != "chain" or not 0 <= int(state.get("holder", -1)) < self.ctx.cfg.clients.count:
+        if state.get("kind") != "chain" or not 0 <= int(state.get("holder", -1)) < self.ctx.run.cfg.clients.count:
             raise RunFailed(f"the checkpoint's topology state is not a walk of this run's clients: {state}")
         self.holder, self.walk = int(state["holder"]), [int(c) for c in state["walk"]]
         self.moves, self.skips = int(state["moves"]), int(state["skips"])
@@ -67,36 +67,37 @@ class WalkDriver(TopologyDriver):
         visits = Counter(self.walk)
         return {"client_walk": list(self.walk), "client_walk_length": len(self.walk), "walk_moves": self.moves,
                 "handoff_skips": self.skips, "client_graph": self.rule.graph,
-                "client_visits": [visits.get(c, 0) for c in range(self.ctx.cfg.clients.count)]}
+                "client_visits": [visits.get(c, 0) for c in range(self.ctx.run.cfg.clients.count)]}
 
     # ------------------------------------------------------------------ rounds
     def _visit_message(self, round: int, hop: int) -> Payload:
-        ctx, cfg = self.ctx, self.ctx.cfg
+        ctx, cfg = self.ctx, self.ctx.run.cfg
         last_hop = hop == self.hops - 1
         final = last_hop and round == cfg.run.rounds
         every = cfg.run.eval_every
         scalars: dict = {"start": round == 1 and hop == 0 and not self.resuming, "resume": self.resuming,
                          "final": final, "return_model": final or (last_hop and self.checkpoint_due(round)),
                          "evaluate": last_hop and (final or bool(every and round % every == 0))}
-        peers = [pb.ClientAddress(client_id=peer, address=ctx.client_home[peer].address)
-                 for peer in self.rule.graph[self.holder] if peer in ctx.client_home]
+        home = ctx.nodes.client_home
+        peers = [pb.ClientAddress(client_id=peer, address=home[peer].address)
+                 for peer in self.rule.graph[self.holder] if peer in home]
         came = getattr(self, "came_from", None)   # the visit names the hand-off it continues (topologies/chain/client.py)
         if came is not None and not self.resuming:
             scalars.update({"from": came[0], "from_round": came[1], "from_hop": came[2], "from_node": came[3]})
         message = Payload(scalars=scalars, control=pb.Control(walk_peers=peers))
         if self.resuming:   # the checkpoint's model goes to its holder (link client-server)
-            message.tensors = {k: v.clone() for k, v in ctx.state.params.items()}
+            message.tensors = {k: v.clone() for k, v in ctx.model.state.params.items()}
         return message
 
     def run_round(self, round: int) -> RoundResult:
-        ctx, cfg = self.ctx, self.ctx.cfg
+        ctx, cfg = self.ctx, self.ctx.run.cfg
         started = time.perf_counter()
         losses: list[float] = []
         metrics: dict[str, float] = {}
         visited: list[int] = []
         for hop in range(self.hops):
             holder = self.holder
-            node = ctx.client_home.get(holder)
+            node = ctx.nodes.client_home.get(holder)
             if node is None:
                 raise RunFailed(f"round {round}: client {holder}, which holds the model, is not registered")
             message = self._visit_message(round, hop)
@@ -104,7 +105,7 @@ class WalkDriver(TopologyDriver):
                 reply = ctx.fabric.call(node.address, client_node(holder), WALK_VISIT, message, round=round, step=hop,
                                         timeout=cfg.run.round_timeout)
             except (CallFailed, RemoteError, PayloadError) as exc:
-                ctx.store.add_event("client_failed", node=client_node(holder), detail=f"hop {hop}: {exc}", round=round)
+                ctx.records.store.add_event("client_failed", node=client_node(holder), detail=f"hop {hop}: {exc}", round=round)
                 raise RunFailed(f"round {round}: client {holder}, which holds the model, failed: {exc}") from None
             self.resuming = False
             nxt = self._next_of(reply, holder, round, hop)
@@ -126,7 +127,7 @@ class WalkDriver(TopologyDriver):
         metrics["hops"] = float(len(visited))
         result = RoundResult(round, sorted(set(visited)), sorted(set(visited)), {}, metrics,
                              time.perf_counter() - started)
-        ctx.record_round(result)
+        ctx.records.record_round(result)
         return result
 
     def _next_of(self, reply: Payload, holder: int, round: int, hop: int) -> int:
@@ -138,7 +139,7 @@ class WalkDriver(TopologyDriver):
         skipped = reply.scalars.get("skipped", -1)
         if isinstance(skipped, int) and not isinstance(skipped, bool) and skipped >= 0:
             self.skips += 1
-            self.ctx.store.add_event("handoff_skipped", node=client_node(skipped), round=round,
+            self.ctx.records.store.add_event("handoff_skipped", node=client_node(skipped), round=round,
                                      detail=f"hop {hop}: client {holder} kept the model: "
                                             f"{reply.scalars.get('skip_reason', '')}")
         return nxt
@@ -146,11 +147,12 @@ class WalkDriver(TopologyDriver):
     def _take_model(self, reply: Payload, holder: int, round: int) -> None:
         """The model the holder returned (the end of the run, or a checkpoint round): checked
         against the model's spec and finiteness, then the server's state."""
-        params = self.ctx.state.params
+        state = self.ctx.model.state
+        params = state.params
         spec = {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
         try:
             model = model_chain(spec, WALK_VISIT)(reply, f"round {round} model from client {holder}", round,
                                                        client_node(holder))
         except PayloadError as exc:
             raise RunFailed(str(exc)) from None
-        self.ctx.state.params = {k: v.clone() for k, v in model.items()}
+        state.params = {k: v.clone() for k, v in model.items()}

@@ -35,10 +35,10 @@ class GossipDriver(TopologyDriver):
     def __init__(self, ctx: DriverContext) -> None:
         super().__init__(ctx)
         try:
-            self.rule = GossipRule.from_config(ctx.cfg)
+            self.rule = GossipRule.from_config(ctx.run.cfg)
         except ValueError as exc:
             raise RunFailed(str(exc)) from None
-        params = ctx.state.params
+        params = ctx.model.state.params
         self.model_in = model_chain({k: (v.dtype, tuple(v.shape)) for k, v in params.items()}, GOSSIP_MIX)
         self.models: dict[int, dict[str, torch.Tensor]] = {}   # the clients' models of the latest evaluation round
 
@@ -46,24 +46,25 @@ class GossipDriver(TopologyDriver):
         return {"client_graph": self.rule.graph, "gossip_edges": self.rule.edge_count}
 
     def _fan_out(self, round: int, sends: list[Send], what: str) -> dict:
-        cfg = self.ctx.cfg
+        cfg = self.ctx.run.cfg
         results, failures = self.ctx.fabric.send_and_receive(sends, round=round, timeout=cfg.run.round_timeout,
                                                              call_timeout=cfg.run.round_timeout)
         if failures:
             key, why = sorted(failures.items(), key=lambda kv: str(kv[0]))[0]
             node = client_node(key) if isinstance(key, int) else str(key)
-            self.ctx.store.add_event("client_failed", node=node, detail=f"{what}: {why}", round=round)
+            self.ctx.records.store.add_event("client_failed", node=node, detail=f"{what}: {why}", round=round)
             raise RunFailed(f"round {round}: {what} failed at {node}: {why} (gossip needs every client)")
         return results
 
     def run_round(self, round: int) -> RoundResult:
-        ctx, cfg = self.ctx, self.ctx.cfg
+        ctx, cfg = self.ctx, self.ctx.run.cfg
         started = time.perf_counter()
         n = cfg.clients.count
-        missing = [c for c in range(n) if c not in ctx.client_home]
+        home = ctx.nodes.client_home
+        missing = [c for c in range(n) if c not in home]
         if missing:
             raise RunFailed(f"round {round}: clients {missing} are not registered")
-        home = {c: ctx.client_home[c] for c in range(n)}
+        home = {c: home[c] for c in range(n)}
         steps = self._fan_out(round, [Send(c, home[c].address, client_node(c), GOSSIP_STEP,
                                            self._step_message(c, home)) for c in range(n)], "gossip_step")
         sends = []
@@ -81,10 +82,10 @@ class GossipDriver(TopologyDriver):
         extra: dict[str, float] = {}
         if evaluate:
             extra["consensus_distance"] = self._take_models(round, mixed)
-        metrics = ctx.round_metrics(round, Payload(scalars={"train_loss": losses, "weight": float(n)}))
+        metrics = ctx.records.round_metrics(round, Payload(scalars={"train_loss": losses, "weight": float(n)}))
         metrics.update(extra)
         result = RoundResult(round, list(range(n)), list(range(n)), {}, metrics, time.perf_counter() - started)
-        ctx.record_round(result)
+        ctx.records.record_round(result)
         return result
 
     def _step_message(self, client: int, home: dict) -> Payload:
@@ -93,8 +94,9 @@ class GossipDriver(TopologyDriver):
         return Payload(scalars={f"host:{j}": home[j].node_id for j in self.rule.graph[client]})
 
     def _evaluation_due(self, round: int) -> bool:
-        every = self.ctx.cfg.run.eval_every
-        return round == self.ctx.cfg.run.rounds or bool(every and round % every == 0)
+        cfg = self.ctx.run.cfg
+        every = cfg.run.eval_every
+        return round == cfg.run.rounds or bool(every and round % every == 0)
 
     def _take_models(self, round: int, replies: dict) -> float:
         """The clients' models checked, their mean x_bar as the server's model, and the consensus
@@ -108,7 +110,8 @@ class GossipDriver(TopologyDriver):
         zero = torch.zeros((), dtype=torch.float64)   # sum's start: 0 + x is x, bit for bit, as with the int 0
         mean = {k: sum((m[k].double() for m in models.values()), zero) / n for k in self.model_in.spec}
         distance = sum(float(((m[k].double() - mean[k]) ** 2).sum()) for m in models.values() for k in mean) / n
-        params = self.ctx.state.params
-        self.ctx.state.params = {k: mean[k].to(params[k].dtype) for k in params}
+        state = self.ctx.model.state
+        params = state.params
+        state.params = {k: mean[k].to(params[k].dtype) for k in params}
         self.models = {c: {k: v.clone() for k, v in m.items()} for c, m in models.items()}
         return distance

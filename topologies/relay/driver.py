@@ -36,54 +36,53 @@ from fedhop.server.driver import DriverContext, RoundResult, RunFailed, Topology
 
 @driver_kind("relay")
 class RelayDriver(TopologyDriver):
-    def __init__(self, coord: DriverContext) -> None:
-        super().__init__(coord)
-        self.coord = coord
-        cfg = coord.cfg
+    def __init__(self, ctx: DriverContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.run.cfg
         self.hops = topology_params(cfg).hops_per_round
-        sizes = np.array([coord.task.num_samples(c) for c in range(cfg.clients.count)], dtype=float)
+        sizes = np.array([ctx.run.task.num_samples(c) for c in range(cfg.clients.count)], dtype=float)
         self.p = sizes / sizes.sum()
         self.walk: list[int] = []
 
     def summary(self) -> dict:
         visits = Counter(self.walk)
         return {"client_walk": list(self.walk), "client_walk_length": len(self.walk),
-                "client_visits": [visits.get(c, 0) for c in range(self.coord.cfg.clients.count)]}
+                "client_visits": [visits.get(c, 0) for c in range(self.ctx.run.cfg.clients.count)]}
 
     def draw(self, round: int) -> list[int]:
         """This round's visited clients: i.i.d. draws j ~ D_j / D_A from the stream ("chain", round)."""
-        rng = numpy_stream(self.coord.cfg.run.seed, "chain", round)
+        rng = numpy_stream(self.ctx.run.cfg.run.seed, "chain", round)
         return [int(c) for c in rng.choice(len(self.p), size=self.hops, p=self.p)]
 
     def run_round(self, round: int) -> RoundResult:
-        coord, cfg = self.coord, self.coord.cfg
-        algo = coord.algorithm
+        ctx, cfg = self.ctx, self.ctx.run.cfg
+        algo, state = ctx.run.algorithm, ctx.model.state
         started = time.perf_counter()
         visits = self.draw(round)
         failures: dict[int, str] = {}
         loss_sum, done = 0.0, []
         for hop, cid in enumerate(visits):
-            node = coord.client_home.get(cid)
+            node = ctx.nodes.client_home.get(cid)
             try:
                 if node is None:
                     raise CallFailed("UNAVAILABLE", f"client {cid} is not registered")
-                reply = coord.fabric.call(node.address, client_node(cid), Method.TRAIN, algo.broadcast(coord.state, round),
-                                            round=round, step=hop, timeout=cfg.run.call_timeout)
-                reply = reply_chain(cfg, algo.reply_spec(coord.state), Method.TRAIN, round=round, peer=client_node(cid))(
+                reply = ctx.fabric.call(node.address, client_node(cid), Method.TRAIN, algo.broadcast(state, round),
+                                        round=round, step=hop, timeout=cfg.run.call_timeout)
+                reply = reply_chain(cfg, algo.reply_spec(state), Method.TRAIN, round=round, peer=client_node(cid))(
                     reply, f"round {round} hop {hop} reply of client {cid}")
             except (CallFailed, RemoteError, PayloadError) as exc:
                 failures[cid] = str(exc)
-                coord.store.add_event("client_failed", node=client_node(cid), detail=f"hop {hop}: {exc}", round=round)
+                ctx.records.store.add_event("client_failed", node=client_node(cid), detail=f"hop {hop}: {exc}", round=round)
                 continue
-            algo.server_update(coord.state, algo.aggregate([(cid, reply)]), round)
+            algo.server_update(state, algo.aggregate([(cid, reply)]), round)
             loss_sum += float(reply.scalars.get("train_loss", 0.0))
             done.append(cid)
             self.walk.append(cid)
         if not done:
             raise RunFailed(f"round {round}: none of the {len(visits)} visited clients answered")
-        metrics = coord.round_metrics(round, Payload(scalars={"weight": 1.0, "train_loss": loss_sum / len(done)}))
+        metrics = ctx.records.round_metrics(round, Payload(scalars={"weight": 1.0, "train_loss": loss_sum / len(done)}))
         metrics["hops"] = float(len(done))
         result = RoundResult(round, sorted(set(visits)), sorted(set(done)), failures, metrics,
                              time.perf_counter() - started)
-        coord.record_round(result)
+        ctx.records.record_round(result)
         return result

@@ -35,15 +35,14 @@ from fedhop.topologies.sequential.rule import edge_graph, start_edge
 class SequentialDriver(TopologyDriver):
     checkpoint_needs_state = True
 
-    def __init__(self, coord: DriverContext) -> None:
-        super().__init__(coord)
-        self.coord = coord
-        cfg = coord.cfg
-        if not getattr(coord.algorithm, "sequential", False):
+    def __init__(self, ctx: DriverContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.run.cfg
+        if not getattr(ctx.run.algorithm, "sequential", False):
             raise RunFailed(f"topology.kind = 'sequential' needs a sequential algorithm (its model walks the edges: "
                             f"fedchs), got '{cfg.algorithm.name}'")
         try:   # how the model reaches the server and leaves it: the transport's model path
-            self.path = data_plane(cfg.transport.kind, SEQ_SERVER_PATH, self.kind, SERVER_PATHS)(coord)
+            self.path = data_plane(cfg.transport.kind, SEQ_SERVER_PATH, self.kind, SERVER_PATHS)(ctx)
         except (RuntimeError, ValueError) as exc:   # no model path (NoDataPlane), or a torch.distributed world
             raise RunFailed(str(exc)) from None       # that could not be set up
         try:
@@ -52,14 +51,14 @@ class SequentialDriver(TopologyDriver):
         except ValueError as exc:
             raise RunFailed(str(exc)) from None
         self.clusters = cluster_assignment(cfg)
-        self.data_sizes = [sum(coord.task.num_samples(c) for c in cluster) for cluster in self.clusters]
+        self.data_sizes = [sum(ctx.run.task.num_samples(c) for c in cluster) for cluster in self.clusters]
         self.holder = self.start_edge
         self.sequence: list[int] = []
         self.skips = 0
         self.visits: list[int | None] = []   # c(m) of every edge at the last checkpoint (None: no answer)
         self.resuming = False                # the next round starts from the checkpoint's model
-        if coord.restored_topology is not None:
-            self.restore(coord.restored_topology)
+        if ctx.records.restored_topology is not None:
+            self.restore(ctx.records.restored_topology)
 
     # ------------------------------------------------------------------ checkpoints
     # checkpoint_due (TopologyDriver): a checkpoint follows the round, so that round's holder must
@@ -81,11 +80,11 @@ class SequentialDriver(TopologyDriver):
 
     def _pull_visits(self, round: int) -> list[int | None]:
         """Every edge's visit count c(m), asked with `control.seq_query` (a dead edge: None)."""
-        nodes = {e: self.coord.children.get(edge_node(e)) for e in range(len(self.graph))}
+        nodes = {e: self.ctx.nodes.children.get(edge_node(e)) for e in range(len(self.graph))}
         query = Payload()
-        replies, _ = self.coord.fabric.send_to_all([Send(e, node.address, node.node_id, SEQ_QUERY, query)
-                                                    for e, node in nodes.items() if node is not None],
-                                                   round=round, call_timeout=self.coord.cfg.run.call_timeout)
+        replies, _ = self.ctx.fabric.send_to_all([Send(e, node.address, node.node_id, SEQ_QUERY, query)
+                                                  for e, node in nodes.items() if node is not None],
+                                                 round=round, call_timeout=self.ctx.run.cfg.run.call_timeout)
         out: list[int | None] = []
         for e in nodes:
             try:
@@ -98,14 +97,14 @@ class SequentialDriver(TopologyDriver):
         """A resumed run: give every (fresh) edge its visit count from the checkpoint."""
         sends = []
         for e, visits in enumerate(self.visits):
-            node = self.coord.children.get(edge_node(e))
+            node = self.ctx.nodes.children.get(edge_node(e))
             if node is not None and visits is not None:
                 sends.append(Send(e, node.address, node.node_id, SEQ_RESTORE,
                                   Payload(scalars={"visits": int(visits)})))
-        _, failures = self.coord.fabric.send_to_all(sends, round=round, call_timeout=self.coord.cfg.run.call_timeout)
+        _, failures = self.ctx.fabric.send_to_all(sends, round=round, call_timeout=self.ctx.run.cfg.run.call_timeout)
         for send in sends:   # in edge order, as the calls were listed
             if send.key in failures:
-                self.coord.store.add_event("restore_failed", node=send.dst, round=round,
+                self.ctx.records.store.add_event("restore_failed", node=send.dst, round=round,
                                            detail=f"visit count not restored: {failures[send.key]}")
 
     def summary(self) -> dict:
@@ -115,17 +114,18 @@ class SequentialDriver(TopologyDriver):
                 "handoff_skips": self.skips}
 
     def run_round(self, round: int) -> RoundResult:
-        coord, cfg = self.coord, self.coord.cfg
+        ctx, cfg = self.ctx, self.ctx.run.cfg
+        children, store, state = ctx.nodes.children, ctx.records.store, ctx.model.state
         started = time.perf_counter()
         if round != len(self.sequence) + 1:
             raise RunFailed(f"round {round}: the sequential topology cannot resume mid-run (the model lives "
                                  f"on the edges)")
         holder = self.holder
-        node = coord.children.get(edge_node(holder))
+        node = children.get(edge_node(holder))
         if node is None:
             raise RunFailed(f"round {round}: {edge_node(holder)}, which holds the model, never registered")
-        peers = [pb.EdgeAddress(edge=e, address=coord.children[edge_node(e)].address) for e in self.graph[holder]
-                 if edge_node(e) in coord.children]
+        peers = [pb.EdgeAddress(edge=e, address=children[edge_node(e)].address) for e in self.graph[holder]
+                 if edge_node(e) in children]
         last = round == cfg.run.rounds
         due = self.checkpoint_due(round)
         every = cfg.run.eval_every
@@ -135,39 +135,39 @@ class SequentialDriver(TopologyDriver):
                           control=pb.Control(peers=peers))
         if self.resuming:
             self._restore_visits(round)
-            message.tensors = {k: v.clone() for k, v in coord.state.params.items()}
+            message.tensors = {k: v.clone() for k, v in state.params.items()}
         try:
             reply = self.path.call_round(node, round, message, resumed=self.resuming)
         except (CallFailed, RemoteError, PayloadError) as exc:
-            coord.store.add_event("edge_failed", node=node.node_id, detail=str(exc), round=round)
+            store.add_event("edge_failed", node=node.node_id, detail=str(exc), round=round)
             raise RunFailed(f"round {round}: {node.node_id}, which holds the model, failed: {exc}") from None
         self.resuming = False
         if last or due:   # the final model, or the one the checkpoint after this round saves
             what = "final model" if last else f"round {round} model for the checkpoint"
             try:
-                spec = {k: (v.dtype, tuple(v.shape)) for k, v in coord.state.params.items()}
+                spec = {k: (v.dtype, tuple(v.shape)) for k, v in state.params.items()}
                 model = model_chain(spec, SEQ_ROUND)(self.path.final_model(node, round, reply, spec),
                                                             f"the {what} from {node.node_id}", round, node.node_id)
             except PayloadError as exc:
                 raise RunFailed(str(exc)) from None
-            coord.state.params = {k: v.clone() for k, v in model.items()}
+            state.params = {k: v.clone() for k, v in model.items()}
         elif reply.tensors:
             raise RunFailed(f"round {round}: {node.node_id} sent model tensors to the server, which asked "
                                  f"for none (only the last round and checkpoint rounds carry the model)")
         cluster = self.clusters[holder]
         failures = failures_of(reply)
         for cid, why in sorted(failures.items()):
-            coord.store.add_event("client_failed", node=client_node(cid), detail=f"at {node.node_id}: {why}", round=round)
+            store.add_event("client_failed", node=client_node(cid), detail=f"at {node.node_id}: {why}", round=round)
         nxt = int(reply.scalars.get("next_edge", -1))
         control = control_of(reply)
         for skip in control.skipped:
             self.skips += 1
-            coord.store.add_event("handoff_skipped", node=edge_node(skip.edge), round=round,
-                                  detail=f"{node.node_id} passed over {edge_node(skip.edge)}: {skip.reason}")
+            store.add_event("handoff_skipped", node=edge_node(skip.edge), round=round,
+                            detail=f"{node.node_id} passed over {edge_node(skip.edge)}: {skip.reason}")
         if not last:
             answers = {str(a.edge): [a.visits, a.data_size] for a in sorted(control.neighbours, key=lambda a: a.edge)}
-            coord.store.add_event("handoff", node=node.node_id, round=round,
-                                  detail=json.dumps({"from": holder, "to": nxt, "neighbours": answers}))
+            store.add_event("handoff", node=node.node_id, round=round,
+                            detail=json.dumps({"from": holder, "to": nxt, "neighbours": answers}))
         metrics = {k[len(SEQ_METRIC_PREFIX):]: float(v) for k, v in reply.scalars.items()
                    if k.startswith(SEQ_METRIC_PREFIX)}
         if "client_train_loss" in reply.scalars:
@@ -179,7 +179,7 @@ class SequentialDriver(TopologyDriver):
             self.visits = self._pull_visits(round)
         participants = sorted(set(cluster) - set(failures))
         result = RoundResult(round, list(cluster), participants, failures, metrics, time.perf_counter() - started)
-        coord.record_round(result)
+        ctx.records.record_round(result)
         return result
 
 
@@ -188,12 +188,12 @@ class ServerInlineModelPath:
     transport): a resumed run's model rides in the first `seq_round` message, the final (or
     checkpoint) model in the holder's reply."""
 
-    def __init__(self, coord: DriverContext) -> None:
-        self.coord = coord
+    def __init__(self, ctx: DriverContext) -> None:
+        self.ctx = ctx
 
     def call_round(self, node, round: int, message: Payload, resumed: bool) -> Payload:
-        return self.coord.fabric.call(node.address, node.node_id, SEQ_ROUND, message, round=round,
-                                      timeout=self.coord.cfg.run.round_timeout * 2)
+        return self.ctx.fabric.call(node.address, node.node_id, SEQ_ROUND, message, round=round,
+                                      timeout=self.ctx.run.cfg.run.round_timeout * 2)
 
     def final_model(self, node, round: int, reply: Payload, spec) -> Payload:
         return reply

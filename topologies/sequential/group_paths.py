@@ -31,15 +31,16 @@ class GroupSequentialPath:
     the holder (link edge-server), which the control call `seq_final` asks for while the server
     posts the matching receive."""
 
-    def __init__(self, coord: DriverContext) -> None:
-        self.coord = coord
-        world = worlds(coord.cfg.transport.kind).edges(coord.fabric, group_members(coord, "edge"), coord.cfg.transport,
-                                                        coord.ledger, coord.run_id)
+    def __init__(self, ctx: DriverContext) -> None:
+        self.ctx = ctx
+        cfg = ctx.run.cfg
+        world = worlds(cfg.transport.kind).edges(ctx.fabric, group_members(ctx, "edge"), cfg.transport,
+                                                  ctx.records.ledger, ctx.run.run_id)
         log.info("edges' world: %s", world.description)
         self.peers = world.peers
 
     def call_round(self, node, round: int, message: Payload, resumed: bool) -> Payload:
-        fabric, timeout = self.coord.fabric, self.coord.cfg.run.round_timeout * 2
+        fabric, timeout = self.ctx.fabric, self.ctx.run.cfg.run.round_timeout * 2
         if not resumed:
             return fabric.call(node.address, node.node_id, SEQ_ROUND, message, round=round, timeout=timeout)
         return send_beside_call(fabric, self.peers, node.address, node.node_id, SEQ_ROUND,
@@ -49,9 +50,9 @@ class GroupSequentialPath:
 
     def final_model(self, node, round: int, reply: Payload, spec) -> Payload:
         try:
-            tensors = recv_beside_call(self.coord.fabric, self.peers, node.address, node.node_id, SEQ_FINAL,
+            tensors = recv_beside_call(self.ctx.fabric, self.peers, node.address, node.node_id, SEQ_FINAL,
                                        [(k, dtype, shape) for k, (dtype, shape) in spec.items()], round=round,
-                                       link="edge-server", timeout=self.coord.cfg.run.round_timeout,
+                                       link="edge-server", timeout=self.ctx.run.cfg.run.round_timeout,
                                        what="the final model")
         except (CallFailed, RemoteError, PayloadError) as exc:
             raise RunFailed(f"round {round}: the final model from {node.node_id}: {exc}") from None

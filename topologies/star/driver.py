@@ -18,4 +18,4 @@ class StarDriver(SampledRoundDriver):
         """The transport's fan-out, or with `[secure_aggregation] enabled` SecAgg+'s four phases
         (secagg_plane.py)."""
         super().start()
-        self.plane = secagg_plane(self.ctx) or self.plane
+        self.plane = secagg_plane(self.ctx, self.rounds) or self.plane

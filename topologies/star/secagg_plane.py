@@ -21,7 +21,8 @@ from fedhop.common.security.secagg.settings import params_of
 from fedhop.common.transport.fabric import Send
 from fedhop.common.util.nodeids import client_node
 from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload
-from fedhop.server.sampled import DataPlane
+from fedhop.server.driver import DriverContext
+from fedhop.server.sampled import DataPlane, SampledRounds
 
 from .secagg_wire import BY_PHASE, unflatten, unwrap, wrap
 
@@ -38,11 +39,11 @@ class SecAggFanout(DataPlane):
         n = len(sampled)
         names = sorted(message.tensors)
         d = sum(message.tensors[k].numel() for k in names)
-        params = params_of(ctx.cfg.secure_aggregation, n, ctx.cfg.run.seed)
+        params = params_of(ctx.run.cfg.secure_aggregation, n, ctx.run.cfg.run.seed)
         problems = params.problems()   # a round sampled among fewer live clients than the config's
         if problems:
             why = f"SECAGG_PARAMETERS: {problems[0]} ({n} clients sampled)"
-            ctx.store.add_event("secagg_failed", node="server", detail=why, round=round)
+            ctx.records.store.add_event("secagg_failed", node="server", detail=why, round=round)
             return {}, {}
         server = SecAggServer(params, d, round)
         collect = {"advertise": server.collect_advertise, "share": server.collect_share,
@@ -59,14 +60,14 @@ class SecAggFanout(DataPlane):
                 for pos, why in failed.items():
                     (late if phase == "unmask" else failures)[sampled[pos]] = f"secagg {phase}: {why}"
                 result = collect[phase](replies)
-                ctx.store.add_event("secagg_phase", node="server", round=round,
+                ctx.records.store.add_event("secagg_phase", node="server", round=round,
                                     detail=f"{phase}: {len(replies)} of {len(requests)} clients replied")
         except SecAggFailure as exc:
             why = f"SECAGG_{exc.reason.upper()}: {exc.detail}"
-            ctx.store.add_event("secagg_failed", node="server", detail=why, round=round)
+            ctx.records.store.add_event("secagg_failed", node="server", detail=why, round=round)
             return {}, failures
         for cid, why in sorted(late.items()):
-            ctx.store.add_event("secagg_late_dropout", node=client_node(cid), detail=why, round=round)
+            ctx.records.store.add_event("secagg_late_dropout", node=client_node(cid), detail=why, round=round)
         assert result is not None
         m = len(result.clients)
         total = quantize.dequantize_sum(result.total, m, params.clip, params.quant_bits)
@@ -81,12 +82,12 @@ class SecAggFanout(DataPlane):
         sends = []
         for pos, raw in sorted(requests.items()):
             cid = sampled[pos]
-            base = ctx.client_message(message, round, cid) if phase == "masked" else None
-            sends.append(Send(pos, ctx.client_home[cid].address, client_node(cid), method, wrap(raw, base),
+            base = ctx.model.client_message(message, round, cid) if phase == "masked" else None
+            sends.append(Send(pos, ctx.nodes.client_home[cid].address, client_node(cid), method, wrap(raw, base),
                               who=f"round {round} {method} reply of client {cid}"))
-        timeout = ctx.cfg.run.round_timeout
+        timeout = ctx.run.cfg.run.round_timeout
         results, failures = ctx.fabric.send_and_receive(
-            sends, round=round, timeout=timeout, call_timeout=ctx.cfg.run.call_timeout,
+            sends, round=round, timeout=timeout, call_timeout=ctx.run.cfg.run.call_timeout,
             timeout_reason=f"timeout: no {method} reply within run.round_timeout={timeout}s")
         replies = {}
         for pos, payload in results.items():
@@ -97,7 +98,7 @@ class SecAggFanout(DataPlane):
         return replies, failures
 
 
-def secagg_plane(ctx) -> SecAggFanout | None:
+def secagg_plane(ctx: DriverContext, rounds: SampledRounds) -> SecAggFanout | None:
     """The plane when the run asks for secure aggregation, else None (the transport's own)."""
-    return SecAggFanout(ctx) if ctx.cfg.secure_aggregation.enabled else None
+    return SecAggFanout(ctx, rounds) if ctx.run.cfg.secure_aggregation.enabled else None
 

@@ -27,7 +27,7 @@ class RoundRobinStar(StarDriver):
     Params = RoundRobinParams
 
     def sample(self, round: int) -> list[int]:
-        cfg = self.ctx.cfg
+        cfg = self.ctx.run.cfg
         n, k = cfg.clients.count, resolve_clients_per_round(cfg)
         first = cfg.topology.params.start + (round - 1) * k
         return sorted({(first + j) % n for j in range(k)})
