@@ -8,7 +8,7 @@ naming the key.  The loader (common/config/parse.py `config_from_dict`) runs the
    what a key chooses, each the owner's `config_problem(cfg) -> str | None`:
    the robust aggregation's (common/engine/robust.py), the transport's
    (common/transport/factory.py), the algorithm's (common/algorithms/__init__.py), the
-   compressors' (common/processors/compressors/__init__.py);
+   compressors' (common/processors/compressors/__init__.py), [privacy]'s (common/privacy/rules.py);
 3. (the options check, common/config/options.py)
 4. `_topology_checks`: the topology kind's own `check` (topologies/<kind>/__init__.py) and the
    algorithm's rule on the spec's edge steps, both on the topology's validated params;
@@ -20,6 +20,7 @@ from fedhop.common.algorithms import config_problem as algorithm_problem
 from fedhop.common.algorithms import edge_step_problem, partial_exchange_algorithms, registry
 from fedhop.common.config.schema import Config, ConfigError, resolve_clients_per_round
 from fedhop.common.config.validate import _is_int, build_dataclass
+from fedhop.common.privacy.rules import config_problem as privacy_problem
 from fedhop.common.processors.compressors import compressor_class
 from fedhop.common.processors.compressors import config_problem as compression_problem
 from fedhop.common.topologies import TopologySpec, spec_for
@@ -180,6 +181,7 @@ def _cross_checks(cfg: Config) -> None:
     _raise(transport_problem(cfg))   # the transport's rules
     _raise(algorithm_problem(cfg))   # the algorithm's rules
     _raise(compression_problem(cfg))   # the compressors' rules (common/processors/compressors/__init__.py)
+    _raise(privacy_problem(cfg))   # [privacy]'s rules (common/privacy/rules.py)
 
 
 def _device_checks(cfg: Config) -> None:

@@ -1,0 +1,122 @@
+"""[privacy] over real processes: `fedhop run` from a folder outside the checkout records each
+round's epsilon in run.db, summary.json and the progress line; with no noise and a bound no update
+reaches, the final model equals a plain run's bit for bit (the plumbing adds nothing); bad
+privacy keys are one line and exit 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import dp_accounting
+import pytest
+from safetensors.numpy import load_file
+
+from tests.helpers import db_rows
+
+CONFIG = """[run]
+name = "{name}"
+seed = 3
+rounds = 3
+[algorithm]
+name = "fedavg"
+lr = 0.1
+local_steps = 3
+batch_size = 16
+weighting = "uniform"
+[data]
+dataset = "digits"
+[model]
+kind = "mlp"
+hidden = [16]
+[clients]
+count = 12
+per_round = 4
+processes = 2
+{privacy}"""
+
+
+def _run(cwd, name: str, privacy: str, *extra: str) -> subprocess.CompletedProcess:
+    (cwd / f"{name}.toml").write_text(CONFIG.format(name=name, privacy=privacy))
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", f"{name}.toml", "--out", name,
+                           *extra], cwd=cwd, capture_output=True, text=True, timeout=400)
+
+
+def test_a_private_run_records_epsilon_each_round(tmp_path):
+    res = _run(tmp_path, "dp", '[privacy]\nmode = "central"\nclip_norm = 0.5\nnoise_multiplier = 1.2\n'
+                              'delta = 1e-4\n')
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = db_rows(tmp_path / "dp" / "run.db", "SELECT round, metrics_json FROM rounds ORDER BY round")
+    assert [r for r, _ in rows] == [1, 2, 3]
+    for r, text in rows:
+        direct = dp_accounting.rdp.RdpAccountant()
+        direct.compose(dp_accounting.PoissonSampledDpEvent(4 / 12, dp_accounting.GaussianDpEvent(1.2)), r)
+        metrics = json.loads(text)
+        assert metrics["epsilon"] == pytest.approx(direct.get_epsilon(1e-4), rel=1e-9)
+        assert metrics["privacy_clip_norm"] == 0.5
+    summary = json.loads((tmp_path / "dp" / "summary.json").read_text())
+    privacy = summary["privacy"]
+    assert privacy["epsilon"] == pytest.approx(json.loads(rows[-1][1])["epsilon"])
+    assert privacy["rounds_accounted"] == 3 and privacy["noise_source"].startswith("seeded")
+    assert privacy["mode"] == "central" and privacy["denominator"].startswith("fixed")
+    assert "eps=" in res.stderr   # the progress line
+
+
+def test_no_noise_and_an_unreachable_bound_give_the_plain_model_bit_for_bit(tmp_path):
+    plain = _run(tmp_path, "plain", "")
+    private = _run(tmp_path, "open", '[privacy]\nmode = "central"\nclip_norm = 1e12\nnoise_multiplier = 0.0\n')
+    client = _run(tmp_path, "client", '[privacy]\nmode = "client"\nclip_norm = 1e12\nnoise_multiplier = 0.0\n')
+    for res in (plain, private, client):
+        assert res.returncode == 0, res.stderr[-3000:]
+    base = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    for name in ("open", "client"):
+        other = load_file(str(tmp_path / name / "model.safetensors"))
+        assert base.keys() == other.keys()
+        for k in base:
+            assert base[k].tobytes() == other[k].tobytes(), (name, k)
+    # and a small bound does change it: the comparison can fail
+    clipped = _run(tmp_path, "clipped", '[privacy]\nmode = "central"\nclip_norm = 1e-3\n')
+    assert clipped.returncode == 0, clipped.stderr[-3000:]
+    other = load_file(str(tmp_path / "clipped" / "model.safetensors"))
+    assert any(base[k].tobytes() != other[k].tobytes() for k in base)
+
+
+BAD = [
+    ('mode = "none"\nnoise_multiplier = 1.0\n', "privacy.noise_multiplier"),
+    ('mode = "central"\nnoise_multiplier = 1.0\n', "privacy.clip_norm"),
+    ('mode = "central"\nclip_norm = 1.0\ndelta = 1.5\n', "privacy.delta"),
+    ('mode = "central"\nclip_norm = 1.0\ndelta = 0.0\n', "privacy.delta"),
+    ('mode = "central"\nclip_norm = 1.0\nnoise_multiplier = -1.0\n', "privacy.noise_multiplier"),
+    ('mode = "central"\nclip_norm = 1.0\ntarget_epsilon = 3.0\n', "privacy.target_epsilon"),
+    ('mode = "central"\nclip_norm = 1.0\nnoise_multiplier = 1.0\ntarget_epsilon = 3.0\non_target = "calibrate"\n',
+     "privacy.noise_multiplier"),
+    ('mode = "local"\nclip_norm = 1.0\nclipping = "adaptive"\n', "privacy.clipping"),
+    ('mode = "central"\nclip_norm = 1.0\nnoise_multiplier = 1.0\nclipping = "adaptive"\n'
+     'clipped_count_stddev = 0.4\n', "privacy.clipped_count_stddev"),
+    ('mode = "central"\nclip_norm = 1.0\nsampling = "fixed_size"\naccountant = "pld"\n', "privacy.sampling"),
+    ('mode = "centrall"\nclip_norm = 1.0\n', "privacy.mode"),
+    ('mode = "central"\nclip_norm = 1.0\nnoise = 1.0\n', "privacy.noise"),
+]
+
+
+@pytest.mark.parametrize("privacy,key", BAD)
+def test_a_bad_privacy_key_is_one_line_and_exit_2(tmp_path, privacy, key):
+    res = _run(tmp_path, "bad", "[privacy]\n" + privacy)
+    assert res.returncode == 2, res.stderr
+    err = res.stderr.strip()
+    assert key in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("sets,key", [
+    (["algorithm.name=scaffold"], "privacy.mode"),   # no model delta alone
+    (["algorithm.weighting=samples"], "algorithm.weighting"),
+    (["topology.kind=hierarchical", "topology.edges=2"], "privacy.mode"),
+    (["security.aggregation=median"], "security.aggregation"),
+    (["compression.up=topk", "privacy.mode=client"], "compression.up"),
+])
+def test_privacy_with_what_it_cannot_protect_is_refused(tmp_path, sets, key):
+    args = [f"--set={s}" for s in sets]
+    res = _run(tmp_path, "bad", '[privacy]\nmode = "central"\nclip_norm = 1.0\nnoise_multiplier = 1.0\n', *args)
+    assert res.returncode == 2, res.stderr
+    err = res.stderr.strip()
+    assert key in err and "Traceback" not in err and len(err.splitlines()) == 1, err
