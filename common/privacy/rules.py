@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+
 def config_problem(cfg: Any) -> str | None:
     """Why `cfg.privacy` cannot run with the rest of `cfg` (one line naming the key), or None."""
     p = cfg.privacy
