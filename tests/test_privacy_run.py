@@ -60,6 +60,13 @@ def test_a_private_run_records_epsilon_each_round(tmp_path):
     assert privacy["rounds_accounted"] == 3 and privacy["noise_source"].startswith("seeded")
     assert privacy["mode"] == "central" and privacy["denominator"].startswith("fixed")
     assert "eps=" in res.stderr   # the progress line
+    rep = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "report", "dp", "--out", "rep"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    header, _, row = rep.stdout.splitlines()[:3]
+    assert "epsilon" in header.split()
+    assert f"{privacy['epsilon']:.4g}" in row.split()   # the report's epsilon column: the run's
+    assert (tmp_path / "rep" / "metric_vs_epsilon.png").stat().st_size > 0
 
 
 def test_no_noise_and_an_unreachable_bound_give_the_plain_model_bit_for_bit(tmp_path):

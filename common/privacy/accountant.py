@@ -20,6 +20,7 @@ the client that took part in the most rounds, k.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 from typing import Iterator, Sequence
@@ -80,6 +81,42 @@ def epsilon(rounds: Sequence[tuple[int, int]], z: float, delta: float, kind: str
         for (sampled, population), count in _runs(rounds):
             acc.compose(round_event(z, sampled, population, sampling), count)
         return float(acc.get_epsilon(delta))
+
+
+class RoundAccountant:
+    """The accountant of one run, charged round by round (each round's event composed once, so a
+    round costs one composition however long the run), and asked what one more round would cost."""
+
+    def __init__(self, z: float, delta: float, kind: str = "rdp", sampling: str = "poisson") -> None:
+        self.z, self.delta, self.kind, self.sampling = z, delta, kind, sampling
+        self.rounds = 0
+        self._acc = make_accountant(kind, sampling)
+
+    def charge(self, sampled: int, population: int) -> float:
+        """Compose one round of `sampled` of `population` clients; epsilon after it."""
+        self.rounds += 1
+        if self.z <= 0:
+            return math.inf
+        with _quiet():
+            self._acc.compose(round_event(self.z, sampled, population, self.sampling))
+        return self.epsilon()
+
+    def epsilon(self) -> float:
+        if self.rounds == 0:
+            return 0.0
+        if self.z <= 0:
+            return math.inf
+        with _quiet():
+            return float(self._acc.get_epsilon(self.delta))
+
+    def epsilon_if(self, sampled: int, population: int) -> float:
+        """Epsilon after one more round of `sampled` of `population` clients, without charging it."""
+        if self.z <= 0:
+            return math.inf
+        trial = copy.deepcopy(self._acc)
+        with _quiet():
+            trial.compose(round_event(self.z, sampled, population, self.sampling))
+            return float(trial.get_epsilon(self.delta))
 
 
 def local_epsilon(participations: int, z: float, delta: float, kind: str = "rdp") -> float:

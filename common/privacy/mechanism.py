@@ -23,7 +23,7 @@ clients learn C from the round's broadcast (the `dp_clip_norm` scalar).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
 
@@ -183,27 +183,25 @@ class PrivateAggregate:
         return out
 
 
-@dataclass
 class ServerPrivacy:
-    """The server's side of a private run: the current C, the rounds released so far (for the
-    accountant), each client's participations (local DP), and the per-round records."""
+    """The server's side of a private run: the current C (in the aggregate), the accountant charged
+    round by round, each client's participations (local DP), and the per-round records."""
 
-    s: PrivacySettings
-    aggregate: PrivateAggregate
-    history: list[tuple[int, int]] = field(default_factory=list)   # (sampled, population) per round
-    participations: dict[int, int] = field(default_factory=dict)
-    epsilon: float = 0.0
-    stopped: bool = False
+    def __init__(self, s: PrivacySettings, aggregate: PrivateAggregate) -> None:
+        from fedhop.common.privacy.accountant import RoundAccountant
+        self.s, self.aggregate = s, aggregate
+        self.accountant = RoundAccountant(s.z, s.delta, s.accountant, s.sampling)
+        self.participations: dict[int, int] = {}
+        self.epsilon = 0.0
+        self.stopped = False
 
     def broadcast_scalars(self) -> dict[str, float]:
         """What the round's message carries for the clients (client and local modes): C."""
         return {CLIP_KEY: self.aggregate.clip_norm} if self.s.mode in ("client", "local") else {}
 
-    def epsilon_after(self, history: list[tuple[int, int]], participations: Mapping[int, int]) -> float:
-        from fedhop.common.privacy.accountant import epsilon, local_epsilon
-        if self.s.mode == "local":
-            return local_epsilon(max(participations.values(), default=0), self.s.z, self.s.delta, self.s.accountant)
-        return epsilon(history, self.s.z, self.s.delta, self.s.accountant, self.s.sampling)
+    def _local(self, most: int) -> float:
+        from fedhop.common.privacy.accountant import local_epsilon
+        return local_epsilon(most, self.s.z, self.s.delta, self.s.accountant)
 
     def would_exceed(self) -> bool:
         """Whether one more round of the expected m clients would take epsilon past
@@ -211,18 +209,21 @@ class ServerPrivacy:
         part most (the worst case)."""
         if not (self.s.target_epsilon > 0 and self.s.on_target == "stop"):
             return False
-        most = max(self.participations.values(), default=0)
-        nxt = self.epsilon_after([*self.history, (self.s.expected, self.s.population)], {-1: most + 1})
+        if self.s.mode == "local":
+            nxt = self._local(max(self.participations.values(), default=0) + 1)
+        else:
+            nxt = self.accountant.epsilon_if(self.s.expected, self.s.population)
         return nxt > self.s.target_epsilon
 
     def finish_round(self, round: int, sampled: list[int], participants: list[int]) -> dict[str, float]:
         """After a round's server step: charge the accountant, move C (adaptive), and the round's
         metrics (run.db's rounds, the progress line, summary.json)."""
         release = self.aggregate.last
-        self.history.append((len(sampled), self.s.population))
         for c in participants:
             self.participations[c] = self.participations.get(c, 0) + 1
-        self.epsilon = self.epsilon_after(self.history, self.participations)
+        self.epsilon = self.accountant.charge(len(sampled), self.s.population)
+        if self.s.mode == "local":
+            self.epsilon = self._local(max(self.participations.values(), default=0))
         metrics: dict[str, float] = {} if math.isinf(self.epsilon) else {"epsilon": self.epsilon}   # no noise: none
         metrics.update({
             "privacy_sampling_rate": len(sampled) / self.s.population,
@@ -245,7 +246,7 @@ class ServerPrivacy:
                 "update_noise_multiplier": self.s.z_update, "calibrated": self.s.calibrated,
                 "clip_norm_initial": self.s.clip_norm, "clip_norm_final": self.aggregate.clip_norm,
                 "delta": self.s.delta, "epsilon": finite_or_none(self.epsilon), "accountant": self.s.accountant,
-                "sampling": self.s.sampling, "rounds_accounted": len(self.history),
+                "sampling": self.s.sampling, "rounds_accounted": self.accountant.rounds,
                 "noise_source": "os.urandom (secure)" if self.s.secure else "seeded (run.seed)",
                 "target_epsilon": self.s.target_epsilon or None, "stopped_at_target": self.stopped,
                 "denominator": "fixed: clients.per_round" if self.s.server_noise else "replies"}
