@@ -661,12 +661,7 @@ def _draw(runs: Sequence[RunData], metric: str | None, target: float | None, kin
                     ax.plot([r for r, _ in cv], [v for _, v in cv], marker="o", markersize=3, color=c, label=run.name)
             if target is not None:
                 ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}")
-            ax.set_xlabel("round")
-            ax.set_ylabel(metric)
-            ax.set_title(f"{metric} against rounds")
-            ax.legend(fontsize=FONT_PT)
-            ax.grid(alpha=0.3)
-            _save(fig, out / name("metric_vs_round"), plots, name.dpi)
+            _finish(fig, ax, "round", metric, f"{metric} against rounds", out / name("metric_vs_round"), plots, name.dpi)
         else:
             notes.append(f"no run has per-round {metric}; {name('metric_vs_round')} not written")
 
@@ -740,12 +735,18 @@ def plot_against_epsilon(runs: Sequence[RunData], metric: str, colors: list[str]
     fig, ax = _figure()
     for run, points, color in curves:
         ax.plot([e for e, _ in points], [v for _, v in points], marker="o", markersize=3, color=color, label=run.name)
-    ax.set_xlabel("epsilon (at privacy.delta)")
-    ax.set_ylabel(metric)
-    ax.set_title(f"{metric} against epsilon")
+    _finish(fig, ax, "epsilon (at privacy.delta)", metric, f"{metric} against epsilon", out / name("metric_vs_epsilon"),
+            plots, name.dpi)
+
+
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: Path, plots: list[Path], dpi: int) -> None:
+    """Label a line plot, give it its legend and grid, and save it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=FONT_PT)
     ax.grid(alpha=0.3)
-    _save(fig, out / name("metric_vs_epsilon"), plots, name.dpi)
+    _save(fig, path, plots, dpi)
 
 
 TIME_PARTS = ("time_compute", "time_communication", "time_waiting", "time_aggregation", "time_evaluation")
