@@ -69,6 +69,18 @@ def test_a_private_run_records_epsilon_each_round(tmp_path):
     assert (tmp_path / "rep" / "metric_vs_epsilon.png").stat().st_size > 0
 
 
+def test_a_dpsgd_run_records_the_clients_sample_level_epsilon(tmp_path):
+    res = _run(tmp_path, "sgd", '[privacy]\nmode = "dpsgd"\nclip_norm = 1.0\nnoise_multiplier = 1.1\n'
+                               'secure_noise = true\n')
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = db_rows(tmp_path / "sgd" / "run.db", "SELECT round, metrics_json FROM rounds ORDER BY round")
+    eps = [json.loads(m)["epsilon"] for _, m in rows]
+    assert len(eps) == 3 and all(b >= a > 0 for a, b in zip(eps, eps[1:]))
+    privacy = json.loads((tmp_path / "sgd" / "summary.json").read_text())["privacy"]
+    assert privacy["mode"] == "dpsgd" and privacy["epsilon"] == pytest.approx(eps[-1])
+    assert privacy["noise_source"].startswith("os.urandom")
+
+
 def test_no_noise_and_an_unreachable_bound_give_the_plain_model_bit_for_bit(tmp_path):
     plain = _run(tmp_path, "plain", "")
     private = _run(tmp_path, "open", '[privacy]\nmode = "central"\nclip_norm = 1e12\nnoise_multiplier = 0.0\n')
@@ -102,6 +114,7 @@ BAD = [
      'clipped_count_stddev = 0.4\n', "privacy.clipped_count_stddev"),
     ('mode = "central"\nclip_norm = 1.0\nsampling = "fixed_size"\naccountant = "pld"\n', "privacy.sampling"),
     ('mode = "centrall"\nclip_norm = 1.0\n', "privacy.mode"),
+    ('mode = "dpsgd"\nclip_norm = 1.0\nnoise_multiplier = 0.5\nclipping = "adaptive"\n', "privacy.clipping"),
     ('mode = "central"\nclip_norm = 1.0\nnoise = 1.0\n', "privacy.noise"),
 ]
 

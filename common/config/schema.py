@@ -295,10 +295,12 @@ class PrivacyConfig:
     clipped to an L2 bound C, Gaussian noise scaled to C, and epsilon at `delta` from
     dp-accounting after every round."""
 
-    mode: str = _f("none", choices=("none", "central", "client", "local"), help=(
+    mode: str = _f("none", choices=("none", "central", "client", "local", "dpsgd"), help=(
         "none; central (DP-FedAvg, McMahan et al. 2018: the server clips each client's update to clip_norm and "
         "adds N(0, (noise_multiplier * C)^2) to their sum); client (each client clips its own update, the server "
-        "adds the noise: a trusted aggregator); local (each client clips and adds the noise to its own update)"))
+        "adds the noise: a trusted aggregator); local (each client clips and adds the noise to its own update); "
+        "dpsgd (sample-level DP-SGD inside each client, Abadi et al. 2016: each example's gradient clipped to "
+        "clip_norm, noise on each step's sum)"))
     clipping: str = _f("fixed", choices=("fixed", "adaptive"), help=(
         "fixed (clip_norm throughout) or adaptive (Andrew et al. 2021: C follows the target_quantile of the "
         "update norms from a noisy count of the unclipped updates; central and client modes)"))

@@ -33,7 +33,10 @@ from fedhop.common.algorithms.local import bind_params, get_params, share_params
 from fedhop.common.config.schema import Config, client_local_steps, resolve_clients_per_round
 from fedhop.common.engine.heterogeneity import apply_straggler_plan, devices_params
 from fedhop.common.engine.vclock import RoundClock
+from fedhop.common.numerics.sampling import steps_per_epoch
 from fedhop.common.privacy import mechanism as private
+from fedhop.common.privacy.dpsgd import SampleDP
+from fedhop.common.privacy.noise import GaussianSource
 from fedhop.common.processors.compressors.downlink import VERSION_KEY, DownlinkSender, downlink_coding
 from fedhop.common.processors.pipeline import reply_chain, upload
 from fedhop.common.processors.streaming import OrderedFold
@@ -67,7 +70,11 @@ def local_update(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.
                         generator=client_generator(cfg.run.seed, cid, round, step), round=round,
                         local_steps=client_local_steps(cfg, cid), local_epochs=cfg.algorithm.local_epochs,
                         state=state)
-    apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/engine/heterogeneity.py)
+    if private.enabled(cfg) and cfg.privacy.mode == "dpsgd":   # sample-level DP-SGD in the local solver
+        s = private.settings(cfg)
+        ctx.sample_dp = SampleDP(s.clip_norm, s.z, GaussianSource(s.secure, cfg.run.seed, "dpsgd", cid, "round", round,
+                                                                   "step", step))
+        apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/engine/heterogeneity.py)
     started = time.perf_counter()
     reply = algorithm.client_update(ctx, message)
     if private.enabled(cfg):   # client and local DP: the client clips (and noises) its own update
@@ -108,7 +115,7 @@ class RoundEngine:
         aggregate = self.algorithm.aggregate
         assert isinstance(aggregate, private.PrivateAggregate)   # installed by build_algorithm
         aggregate.releases = True
-        server = private.ServerPrivacy(aggregate.s, aggregate)
+        server = private.ServerPrivacy(aggregate.s, aggregate, self._local_work)
         plain = self.algorithm.broadcast
 
         def broadcast(state: ServerState, round: int) -> Payload:
@@ -118,6 +125,16 @@ class RoundEngine:
                            control=message.control) if extra else message
         self.algorithm.broadcast = broadcast   # type: ignore[method-assign]
         return server
+
+    def _local_work(self, cid: int) -> tuple[int, float]:
+        """(local steps a round, batch size / examples) of client `cid` as the config sets them (a
+        straggler does fewer: the count is an upper bound), for DP-SGD's accountant."""
+        n = self.task.num_samples(cid)
+        batch = n if self.cfg.algorithm.batch_size <= 0 else min(self.cfg.algorithm.batch_size, n)
+        steps = client_local_steps(self.cfg, cid)
+        if steps <= 0:
+            steps = self.cfg.algorithm.local_epochs * steps_per_epoch(n, batch)
+        return steps, batch / n if n else 1.0
 
     def privacy_round(self, round: int, sampled: list[int], participants: list[int]) -> dict[str, float]:
         """After a private round's server step: the accountant charged, C moved, the round's privacy

@@ -13,6 +13,10 @@ multiplier z.  The rounds compose; epsilon is the accountant's at `privacy.delta
   event of what fedhop's sampler does (m_t of N clients without replacement), under
   replace-one adjacency; only the RDP accountant supports it.
 
+DP-SGD inside the clients (mode = "dpsgd", sample-level) is accounted per client too:
+`sample_level_epsilon`, its local steps as Poisson-sampled Gaussian releases at rate B / n_i, and
+the run records the largest over the clients.
+
 Local DP (each client noises its own update) is accounted per client, without amplification by
 sampling (the server knows who was sampled): `SelfComposedDpEvent(GaussianDpEvent(z), k)` for
 the client that took part in the most rounds, k.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import math
 from typing import Iterator, Sequence
@@ -121,13 +126,27 @@ class RoundAccountant:
 
 def local_epsilon(participations: int, z: float, delta: float, kind: str = "rdp") -> float:
     """Local DP: epsilon at `delta` of one client's `participations` noised releases (no sampling)."""
-    if participations <= 0:
+    return _repeated(dp_accounting.GaussianDpEvent(noise_multiplier=z), participations, z, delta, kind)
+
+
+@functools.lru_cache(maxsize=4096)
+def sample_level_epsilon(rate: float, steps: int, z: float, delta: float, kind: str = "rdp") -> float:
+    """DP-SGD inside one client (mode = "dpsgd"): epsilon at `delta` of `steps` local steps, each the
+    Gaussian mechanism on a batch of `rate` = B / n of the client's examples, accounted as Poisson
+    sampling at that rate (the convention of Abadi et al. 2016 and Opacus for shuffled batches)."""
+    event = dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(noise_multiplier=z))
+    return _repeated(event, steps, z, delta, kind)
+
+
+def _repeated(event: dp_accounting.DpEvent, count: int, z: float, delta: float, kind: str) -> float:
+    """Epsilon at `delta` of `event` composed `count` times: 0 for none, inf without noise (z = 0)."""
+    if count <= 0:
         return 0.0
     if z <= 0:
         return math.inf
     acc = make_accountant(kind)
     with _quiet():
-        acc.compose(dp_accounting.GaussianDpEvent(noise_multiplier=z), participations)
+        acc.compose(event, count)
         return float(acc.get_epsilon(delta))
 
 

@@ -13,7 +13,9 @@ replies and its server step.
   the server adds the same noise to the sum (a trusted aggregator that never needs to see an
   update longer than C: it clips once more, which leaves a clipped update as it is);
 - local: each client clips its update and adds N(0, (z C)^2 I) to it itself; the server
-  averages what arrives (over the replies' count) and adds nothing.
+  averages what arrives (over the replies' count) and adds nothing;
+- dpsgd: sample-level DP-SGD inside each client (dpsgd.py); the server aggregates as usual and
+  records the largest per-client sample-level epsilon.
 
 Adaptive clipping (adaptive.py) rides on central and client: b_i = 1[||Delta_i|| <= C] is
 counted (by the server in central mode, reported by the client as the `dp_unclipped` scalar in
@@ -25,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -158,7 +160,7 @@ class PrivateAggregate:
         items = [p for _, p in replies]
         kept, unclipped = [], 0.0
         for p in items:
-            if COUNT_KEY in p.scalars or self.s.mode == "local":   # a partial, or an update noised already
+            if COUNT_KEY in p.scalars or self.s.mode in ("local", "dpsgd"):   # a partial, or noised already
                 kept.append(p)
                 unclipped += float(p.scalars.get(UNCLIPPED_KEY, 0.0))
                 continue
@@ -187,9 +189,11 @@ class ServerPrivacy:
     """The server's side of a private run: the current C (in the aggregate), the accountant charged
     round by round, each client's participations (local DP), and the per-round records."""
 
-    def __init__(self, s: PrivacySettings, aggregate: PrivateAggregate) -> None:
+    def __init__(self, s: PrivacySettings, aggregate: PrivateAggregate,
+                 local_work: Callable[[int], tuple[int, float]] | None = None) -> None:
+        """`local_work(client)`: (local steps a round, batch size / examples) of a client, for DP-SGD."""
         from fedhop.common.privacy.accountant import RoundAccountant
-        self.s, self.aggregate = s, aggregate
+        self.s, self.aggregate, self.local_work = s, aggregate, local_work
         self.accountant = RoundAccountant(s.z, s.delta, s.accountant, s.sampling)
         self.participations: dict[int, int] = {}
         self.epsilon = 0.0
@@ -203,6 +207,16 @@ class ServerPrivacy:
         from fedhop.common.privacy.accountant import local_epsilon
         return local_epsilon(most, self.s.z, self.s.delta, self.s.accountant)
 
+    def _sample_level(self, participations: Mapping[int, int]) -> float:
+        """DP-SGD: the largest sample-level epsilon over the clients that took part (common/privacy/dpsgd.py)."""
+        from fedhop.common.privacy.accountant import sample_level_epsilon
+        assert self.local_work is not None
+        out = 0.0
+        for c, k in participations.items():
+            steps, rate = self.local_work(c)
+            out = max(out, sample_level_epsilon(rate, steps * k, self.s.z, self.s.delta, self.s.accountant))
+        return out
+
     def would_exceed(self) -> bool:
         """Whether one more round of the expected m clients would take epsilon past
         privacy.target_epsilon (on_target = "stop"); local DP counts it against the client that took
@@ -211,6 +225,9 @@ class ServerPrivacy:
             return False
         if self.s.mode == "local":
             nxt = self._local(max(self.participations.values(), default=0) + 1)
+        elif self.s.mode == "dpsgd":
+            nxt = self._sample_level({c: k + 1 for c, k in self.participations.items()} or
+                                     {c: 1 for c in range(self.s.population)})
         else:
             nxt = self.accountant.epsilon_if(self.s.expected, self.s.population)
         return nxt > self.s.target_epsilon
@@ -224,13 +241,15 @@ class ServerPrivacy:
         self.epsilon = self.accountant.charge(len(sampled), self.s.population)
         if self.s.mode == "local":
             self.epsilon = self._local(max(self.participations.values(), default=0))
+        elif self.s.mode == "dpsgd":
+            self.epsilon = self._sample_level(self.participations)
         metrics: dict[str, float] = {} if math.isinf(self.epsilon) else {"epsilon": self.epsilon}   # no noise: none
         metrics.update({
             "privacy_sampling_rate": len(sampled) / self.s.population,
             "privacy_noise_multiplier": self.s.z,
             "privacy_clip_norm": release.clip_norm if release is not None else self.aggregate.clip_norm,
         })
-        if release is not None and self.s.mode != "local":
+        if release is not None and self.s.mode in ("central", "client"):
             metrics["privacy_unclipped"] = release.unclipped
         if self.s.adaptive and release is not None and release.noisy_unclipped is not None:
             metrics["privacy_noisy_unclipped"] = release.noisy_unclipped

@@ -30,6 +30,10 @@ def config_problem(cfg: Any) -> str | None:
         return (f"config key 'privacy.target_epsilon': got {p.target_epsilon}, but privacy.noise_multiplier is 0 "
                 f"(no noise: epsilon is infinite from the first round); set a noise multiplier or "
                 f"privacy.on_target = 'calibrate'")
+    if p.mode == "dpsgd" and (p.clipping != "fixed" or calibrate):
+        key = "clipping" if p.clipping != "fixed" else "on_target"
+        return (f"config key 'privacy.{key}': not implemented for privacy.mode = 'dpsgd' (sample-level DP-SGD "
+                f"clips each example's gradient to a fixed clip_norm with a configured noise_multiplier)")
     if p.sampling == "fixed_size" and p.accountant != "rdp":
         return ("config key 'privacy.sampling': 'fixed_size' (sampling without replacement) is accounted by the "
                 "RDP accountant only; use privacy.accountant = 'rdp' or sampling = 'poisson'")
@@ -47,7 +51,7 @@ def config_problem(cfg: Any) -> str | None:
         kinds = ", ".join(f"'{k}'" for k, spec in builtin_specs().items() if spec.robust == "round")
         return (f"config key 'privacy.mode': '{p.mode}' needs a topology whose server receives each sampled "
                 f"client's update apart, one group per round (topology.kind = {kinds}), got '{cfg.topology.kind}'")
-    if cfg.algorithm.weighting != "uniform":
+    if cfg.algorithm.weighting != "uniform" and p.mode != "dpsgd":
         return (f"config key 'algorithm.weighting': got '{cfg.algorithm.weighting}', but privacy.mode = "
                 f"'{p.mode}' needs 'uniform' (each client's clipped update counts once: the sensitivity of the "
                 f"sum is C)")
