@@ -5,14 +5,16 @@ privacy keys are one line and exit 2."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
 import dp_accounting
+import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.helpers import db_rows
+from tests.helpers import db_rows, max_round, wait_until
 
 CONFIG = """[run]
 name = "{name}"
@@ -67,6 +69,61 @@ def test_a_private_run_records_epsilon_each_round(tmp_path):
     assert "epsilon" in header.split()
     assert f"{privacy['epsilon']:.4g}" in row.split()   # the report's epsilon column: the run's
     assert (tmp_path / "rep" / "metric_vs_epsilon.png").stat().st_size > 0
+
+
+def _direct_rdp(q: float, z: float, rounds: int, delta: float) -> float:
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), rounds)
+    return acc.get_epsilon(delta)
+
+
+def test_a_target_epsilon_stops_the_run_before_it_is_passed(tmp_path):
+    """z = 1.0, q = 1/3: epsilon after 2 rounds is under 4.8 and after 3 over it (checked against
+    dp-accounting here), so a target of 4.8 stops a 3-round run after round 2, completed."""
+    after2, after3 = _direct_rdp(4 / 12, 1.0, 2, 1e-5), _direct_rdp(4 / 12, 1.0, 3, 1e-5)
+    assert after2 < 4.8 < after3
+    res = _run(tmp_path, "budget", '[privacy]\nmode = "central"\nclip_norm = 0.5\nnoise_multiplier = 1.0\n'
+                                   'target_epsilon = 4.8\n')
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((tmp_path / "budget" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 2
+    assert summary["privacy"]["stopped_at_target"] is True
+    assert summary["privacy"]["epsilon"] == pytest.approx(after2, rel=1e-9)
+    events = db_rows(tmp_path / "budget" / "run.db", "SELECT kind FROM events WHERE kind = 'privacy_budget_spent'")
+    assert len(events) == 1
+
+
+def test_a_resumed_private_run_goes_on_accounting_from_its_checkpoint(tmp_path):
+    """A run stopped (SIGTERM) after round 2 and resumed: rounds 3 and 4 record epsilon of 3 and 4
+    composed rounds, as one uninterrupted run does (an accountant restarted at zero would not)."""
+    (tmp_path / "long.toml").write_text(CONFIG.format(name="long", privacy=(
+        '[privacy]\nmode = "central"\nclip_norm = 0.5\nnoise_multiplier = 1.5\nclipping = "adaptive"\n'
+        'clipped_count_stddev = 1.0\n')).replace("rounds = 3", "rounds = 4\ncheckpoint_every = 1"))
+    proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "long.toml", "--out", "long",
+                             "--quiet"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        db = tmp_path / "long" / "run.db"
+        wait_until("round 2 recorded", lambda: db.exists() and max_round(db) >= 2, [proc], timeout=300)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped = json.loads((tmp_path / "long" / "summary.json").read_text())
+    if stopped["status"] == "completed":   # the signal landed after the last round: nothing to resume
+        pytest.skip("the run had finished before the stop arrived")
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "--resume", "long", "--quiet"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = db_rows(tmp_path / "long" / "run.db", "SELECT round, metrics_json FROM rounds ORDER BY round")
+    assert [r for r, _ in rows] == [1, 2, 3, 4]
+    metrics = [json.loads(m) for _, m in rows]
+    for r, m in enumerate(metrics, start=1):
+        assert m["epsilon"] == pytest.approx(_direct_rdp(4 / 12, 1.5, r, 1e-5), rel=1e-9)
+    for before, after in zip(metrics, metrics[1:]):   # C goes on from the checkpoint's, by the paper's update
+        expected = before["privacy_clip_norm"] * np.exp(-0.2 * (before["privacy_noisy_unclipped"] / 4 - 0.5))
+        assert after["privacy_clip_norm"] == pytest.approx(expected, rel=1e-12)
+    assert json.loads((tmp_path / "long" / "summary.json").read_text())["privacy"]["rounds_accounted"] == 4
 
 
 def test_a_dpsgd_run_records_the_clients_sample_level_epsilon(tmp_path):

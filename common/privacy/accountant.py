@@ -95,10 +95,23 @@ class RoundAccountant:
     def __init__(self, z: float, delta: float, kind: str = "rdp", sampling: str = "poisson") -> None:
         self.z, self.delta, self.kind, self.sampling = z, delta, kind, sampling
         self.rounds = 0
+        self.history: list[tuple[int, int]] = []   # (sampled, population) of every round charged
         self._acc = make_accountant(kind, sampling)
+
+    def restore(self, history: Sequence[tuple[int, int]]) -> None:
+        """Charge the rounds of a resumed run (its checkpoint's history), consecutive equal rounds at once."""
+        self.rounds, self.history = 0, []
+        self._acc = make_accountant(self.kind, self.sampling)
+        for (sampled, population), count in _runs(list(history)):
+            self.history.extend([(sampled, population)] * count)
+            self.rounds += count
+            if self.z > 0:
+                with _quiet():
+                    self._acc.compose(round_event(self.z, sampled, population, self.sampling), count)
 
     def charge(self, sampled: int, population: int) -> float:
         """Compose one round of `sampled` of `population` clients; epsilon after it."""
+        self.history.append((sampled, population))
         self.rounds += 1
         if self.z <= 0:
             return math.inf

@@ -259,6 +259,27 @@ class ServerPrivacy:
         self.aggregate.last = None
         return metrics
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the mechanism (JSON): the rounds charged, each client's
+        participations, the current C, whether the target stopped the run."""
+        return {"rounds": [list(r) for r in self.accountant.history], "clip_norm": self.aggregate.clip_norm,
+                "participations": [[c, k] for c, k in sorted(self.participations.items())],
+                "stopped": self.stopped}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """A resumed run's mechanism as its checkpoint left it (`checkpoint_state`): the accountant
+        charged with every round before it, C, and the participations."""
+        self.accountant.restore([(int(a), int(b)) for a, b in state.get("rounds", [])])
+        self.aggregate.clip_norm = float(state.get("clip_norm", self.s.clip_norm))
+        self.participations = {int(c): int(k) for c, k in state.get("participations", [])}
+        self.stopped = bool(state.get("stopped", False))
+        if self.s.mode == "local":
+            self.epsilon = self._local(max(self.participations.values(), default=0))
+        elif self.s.mode == "dpsgd":
+            self.epsilon = self._sample_level(self.participations)
+        else:
+            self.epsilon = self.accountant.epsilon()
+
     def summary(self) -> dict[str, Any]:
         """summary.json's `privacy` section."""
         return {"mode": self.s.mode, "clipping": self.s.clipping, "noise_multiplier": self.s.z,
