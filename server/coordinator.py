@@ -134,6 +134,9 @@ class Coordinator:
         self.ready_listeners.append(self.memory.begin)
         self.round_listeners.append(self.memory.note)
         self.summary_hooks.append(self.memory.summary)
+        if self.engine.privacy is not None:   # summary.json's privacy section (common/privacy/mechanism.py)
+            privacy = self.engine.privacy
+            self.summary_hooks.append(lambda: {"privacy": privacy.summary()})
 
     # ------------------------------------------------------------------ registration
     def handle_register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
@@ -314,6 +317,19 @@ class Coordinator:
         """Client `cid`'s message this round: the shared one or its own variant (Algorithm.client_message)."""
         return self.algorithm.client_message(self.state, message, round, cid)
 
+    def privacy_spent(self, round: int) -> bool:
+        """privacy.target_epsilon with on_target = "stop": whether `round` would take epsilon past it;
+        then the run ends here, completed, with a `privacy_budget_spent` event."""
+        privacy = self.engine.privacy
+        if privacy is None or not privacy.would_exceed():
+            return False
+        privacy.stopped = True
+        self.store.add_event("privacy_budget_spent", node="server", round=round - 1,
+                             detail=f"epsilon {privacy.epsilon:.4g} after round {round - 1}; round {round} would take "
+                                    f"it past privacy.target_epsilon = {privacy.s.target_epsilon:g}")
+        log.warning("privacy budget: round %d would exceed epsilon %g; the run ends", round, privacy.s.target_epsilon)
+        return True
+
     def run_round(self, round: int) -> RoundResult | None:
         assert self.driver is not None   # made once the children registered (run)
         return self.driver.run_round(round)
@@ -362,6 +378,7 @@ class Coordinator:
             self.store.add_event("robust_fallback", node=node or "server", detail=detail, round=round)
         aggregated = time.perf_counter()
         metrics = self.round_metrics(round, aggregate)
+        metrics.update(self.engine.privacy_round(round, sampled, participants))   # [privacy]: epsilon, C
         compute = float(aggregate.scalars.get(COMPUTE_KEY, 0.0))
         metrics.update(time_breakdown(collected - dispatched, compute, arrivals, dispatched, results))
         metrics.update({"time_aggregation": aggregated - collected + (dispatched - started),
@@ -475,6 +492,8 @@ class Coordinator:
                 self.driver.start()
                 for r in range(self.rounds_completed + 1, self.cfg.run.rounds + 1):  # rounds are 1-based
                     raise_if_stopped()   # a stop noted while the round before was recorded, or whose exception was lost
+                    if self.privacy_spent(r):
+                        break
                     self.run_round(r)
         except RunFailed as exc:
             status, error = "failed", str(exc)

@@ -85,6 +85,8 @@ class Checkpointer:
         topology = coord.driver.checkpoint_state() if coord.driver is not None else None
         if topology is not None:   # e.g. a walk's holder and sequence (topologies/sequential/driver.py, topologies/chain/driver.py)
             info["topology"] = topology
+        if coord.engine.privacy is not None:   # [privacy]: the accountant's rounds, C (common/privacy/mechanism.py)
+            info["privacy"] = coord.engine.privacy.checkpoint_state()
         ckpt = Checkpoint(round=round, run_id=coord.run_id, params=coord.state.params, extra=coord.state.extra,
                           frozen=frozen_params(coord.model),   # model.exchange: the whole model is saved
                           scalars=dict(coord.state.scalars), client_states=self.client_states,
@@ -164,6 +166,11 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
         raise CheckpointError(f"checkpoint of round {ckpt.round} holds no state of the {coord.cfg.topology.kind} "
                               f"topology's walk (written by a fedhop that could not resume it)")
     coord.restored_topology = ckpt.info.get("topology")   # the topology driver takes it (TopologyDriver.restore)
+    if coord.engine.privacy is not None:   # [privacy]: epsilon goes on from where the checkpoint left it
+        if "privacy" not in ckpt.info:
+            raise CheckpointError(f"checkpoint of round {ckpt.round} holds no privacy accountant state (written by a "
+                                  f"fedhop without [privacy] support); epsilon could not go on from it")
+        coord.engine.privacy.restore(ckpt.info["privacy"])
     coord.run_id = ckpt.run_id
     coord.endpoint.run_id = ckpt.run_id
     device = coord.device   # the server's state lives on run.device (common/transport/placement.py)

@@ -10,7 +10,8 @@ first); a module imports only from its own layer and the layers below it:
   (common/transport/), which moves `Payload`s and imports no algorithm and no task;
 - the config schema (common/config/schema.py); data sets, models and tasks (common/data/,
   common/models/, common/tasks/);
-  the topology specs and their graphs and plans (common/topologies/);
+  the topology specs and their graphs and plans (common/topologies/); the differential-privacy
+  numerics and mechanism (common/privacy/);
 - the round engine and the algorithms (common/engine/, common/algorithms/); the run records
   (common/records/: run.db, checkpoints);
 - on top, the config loader (common/config/ but schema.py: parse, validate, options, rules, write,
@@ -53,6 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config schema", ("fedhop.common.config.schema",)),
     ("data sets, models and tasks", ("fedhop.common.data", "fedhop.common.models", "fedhop.common.tasks")),
     ("topology specs", ("fedhop.common.topologies",)),
+    ("privacy", ("fedhop.common.privacy",)),
     ("round engine and algorithms", ("fedhop.common.engine", "fedhop.common.algorithms")),
     ("run records", ("fedhop.common.records",)),
     ("config loader", ("fedhop.common.config",)),

@@ -58,6 +58,10 @@ def build_algorithm(cfg):
         from fedhop.common.engine.robust import RobustAggregate
         algorithm.aggregate = RobustAggregate(  # type: ignore[method-assign]  # this instance's reduction
             algorithm.reply_reduce, rule, cfg.security.trim, cfg.security.krum_f, cfg.security.krum_m)
+    from fedhop.common.privacy.mechanism import PrivateAggregate, enabled, settings
+    if enabled(cfg):   # differential privacy (common/privacy/): clipped replies, the server's noise
+        algorithm.aggregate = PrivateAggregate(  # type: ignore[method-assign]  # this instance's reduction
+            algorithm.reply_reduce, settings(cfg), cfg.run.seed)
     return algorithm
 
 
@@ -82,6 +86,12 @@ def config_problem(cfg: Any) -> str | None:
             allowed = ", ".join(k for k, s in builtin_specs().items() if s.sequential_algorithms)
             return (f"config key 'topology.kind': got '{cfg.topology.kind}', but algorithm '{cfg.algorithm.name}' "
                     f"walks one model over the edges and has no server step (allowed: {allowed})")
+    privacy = getattr(getattr(cfg, "privacy", None), "mode", "none")
+    if privacy != "none" and not exchanges_delta(cls):
+        allowed = ", ".join(sorted(n for n, c in registry().items() if exchanges_delta(c)))
+        return (f"config key 'privacy.mode': '{privacy}' clips and noises a model delta, but algorithm "
+                f"'{cfg.algorithm.name}' does not reply with one delta per parameter reduced by weighted sum "
+                f"(allowed: {allowed})")
     rule = cfg.security.aggregation
     if rule != "mean" and cfg.algorithm.name in ALGORITHMS:
         from fedhop.common.algorithms.base import Algorithm  # local: base imports torch
@@ -89,6 +99,17 @@ def config_problem(cfg: Any) -> str | None:
             return (f"config key 'security.aggregation': '{rule}' replaces the weighted mean, but algorithm "
                     f"'{cfg.algorithm.name}' reduces its replies its own way; use 'mean'")
     return None
+
+
+def exchanges_delta(cls: type) -> bool:
+    """Whether an algorithm's reply is exactly a model delta, one tensor per parameter reduced by
+    weighted sum, and its server step moves the model by their mean: FedAvg and the subclasses that
+    keep its reply and its reduction (FedProx, FedAvgM, FedAdam/Yogi/Adagrad), what the private
+    mechanism (common/privacy/mechanism.py) can clip and noise."""
+    from fedhop.common.algorithms.base import Algorithm  # local: base imports torch
+    from fedhop.common.algorithms.fedavg import FedAvg
+    return (isinstance(cls, type) and issubclass(cls, FedAvg) and cls.reply_spec is Algorithm.reply_spec
+            and cls.aggregate is Algorithm.aggregate and cls.reply_reduce == {})
 
 
 def edge_step_problem(cfg: Any) -> str | None:

@@ -79,6 +79,8 @@ class ClientContext:
     local_epochs: int
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     info: dict[str, Scalar] = field(default_factory=dict)  # extra per-round facts (e.g. straggler flag)
+    # [privacy] mode = "dpsgd": the local solver's per-example clipped, noised gradients (common/privacy/dpsgd.py)
+    sample_dp: Any = None
 
 
 @dataclass

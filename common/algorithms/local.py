@@ -126,8 +126,11 @@ def local_sgd(ctx: ClientContext, lr: float, batch_size: int, weight_decay: floa
         batch = tuple(t[idx] for t in data.tensors)
         for _, p in params:   # Module.zero_grad(set_to_none=True) without its walk over the modules
             p.grad = None
-        loss = ctx.task.loss(ctx.model, batch, ctx.generator)
-        loss.backward()
+        if ctx.sample_dp is not None:   # DP-SGD: p.grad is the clipped, noised mean of the per-example gradients
+            loss = ctx.sample_dp.gradients(ctx.model, ctx.task, batch)
+        else:
+            loss = ctx.task.loss(ctx.model, batch, ctx.generator)
+            loss.backward()
         step = lr_at(k) if lr_at is not None else lr
         with torch.no_grad():
             if fused:   # plain SGD on a GPU: one fused update of every parameter (the same arithmetic)

@@ -8,7 +8,7 @@ naming the key.  The loader (common/config/parse.py `config_from_dict`) runs the
    what a key chooses, each the owner's `config_problem(cfg) -> str | None`:
    the robust aggregation's (common/engine/robust.py), the transport's
    (common/transport/factory.py), the algorithm's (common/algorithms/__init__.py), the
-   compressors' (common/processors/compressors/__init__.py);
+   compressors' (common/processors/compressors/__init__.py), [privacy]'s (common/privacy/rules.py);
 3. (the options check, common/config/options.py)
 4. `_topology_checks`: the topology kind's own `check` (topologies/<kind>/__init__.py) and the
    algorithm's rule on the spec's edge steps, both on the topology's validated params;
@@ -20,6 +20,7 @@ from fedhop.common.algorithms import config_problem as algorithm_problem
 from fedhop.common.algorithms import edge_step_problem, partial_exchange_algorithms, registry
 from fedhop.common.config.schema import Config, ConfigError, resolve_clients_per_round
 from fedhop.common.config.validate import _is_int, build_dataclass
+from fedhop.common.privacy.rules import config_problem as privacy_problem
 from fedhop.common.processors.compressors import compressor_class
 from fedhop.common.processors.compressors import config_problem as compression_problem
 from fedhop.common.security.secagg.settings import config_problem as secagg_problem
@@ -184,6 +185,10 @@ def _cross_checks(cfg: Config) -> None:
     _raise(compression_problem(cfg))   # the compressors' rules (common/processors/compressors/__init__.py)
     _raise(secagg_problem(cfg, resolve_clients_per_round(cfg), tuple(spec.methods) if spec is not None else (),
                           TRANSPORTS[tr.kind].style if tr.kind in TRANSPORTS else ""))   # common/security/secagg/settings.py
+    _raise(privacy_problem(cfg))   # [privacy]'s rules (common/privacy/rules.py)
+    if cfg.privacy.mode != "none" and cfg.secure_aggregation.enabled:
+        raise ConfigError(f"config key 'privacy.mode': '{cfg.privacy.mode}' with secure_aggregation.enabled = true: "
+                          f"differential privacy's noise on a securely aggregated sum is not built yet (one of the two)")
 
 
 def _device_checks(cfg: Config) -> None:

@@ -316,6 +316,47 @@ class SecureAggregationConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    """Differential privacy of the clients' updates (common/privacy/, docs/privacy.md): each update
+    clipped to an L2 bound C, Gaussian noise scaled to C, and epsilon at `delta` from
+    dp-accounting after every round."""
+
+    mode: str = _f("none", choices=("none", "central", "client", "local", "dpsgd"), help=(
+        "none; central (DP-FedAvg, McMahan et al. 2018: the server clips each client's update to clip_norm and "
+        "adds N(0, (noise_multiplier * C)^2) to their sum); client (each client clips its own update, the server "
+        "adds the noise: a trusted aggregator); local (each client clips and adds the noise to its own update); "
+        "dpsgd (sample-level DP-SGD inside each client, Abadi et al. 2016: each example's gradient clipped to "
+        "clip_norm, noise on each step's sum)"))
+    clipping: str = _f("fixed", choices=("fixed", "adaptive"), help=(
+        "fixed (clip_norm throughout) or adaptive (Andrew et al. 2021: C follows the target_quantile of the "
+        "update norms from a noisy count of the unclipped updates; central and client modes)"))
+    clip_norm: float = _f(0.0, min=0.0, help="C, the L2 bound of one client's whole update (all tensors together); "
+                                             "the initial C with adaptive clipping; needed by every mode")
+    noise_multiplier: float = _f(0.0, min=0.0, help="z: the noise's standard deviation is z * C on the sum of "
+                                                    "the clipped updates (local: on each update); 0 = clipping "
+                                                    "only (epsilon infinite)")
+    target_quantile: float = _f(0.5, min=0.0, max=1.0, help="adaptive clipping: gamma, the fraction of updates "
+                                                            "meant to be within C")
+    clip_lr: float = _f(0.2, min=0.0, help="adaptive clipping: eta_C of the geometric update C <- C exp(-eta_C "
+                                           "(b_bar - gamma))")
+    clipped_count_stddev: float = _f(0.0, min=0.0, help="adaptive clipping: sigma_b, the noise on the count of "
+                                                        "unclipped updates; 0 = clients per round / 20 (the "
+                                                        "paper's suggestion)")
+    delta: float = _f(1e-5, min_exclusive=0.0, max_exclusive=1.0, help="the delta at which epsilon is reported")
+    accountant: str = _f("rdp", choices=("rdp", "pld"), help="dp-accounting's RDP or PLD accountant")
+    sampling: str = _f("poisson", choices=("poisson", "fixed_size"), help=(
+        "the sampling event the accountant is charged each round: poisson (rate q = sampled / clients, "
+        "add-or-remove adjacency, as McMahan et al.) or fixed_size (m of N without replacement, replace-one "
+        "adjacency; rdp only)"))
+    target_epsilon: float = _f(0.0, min=0.0, help="0 = none; else see on_target")
+    on_target: str = _f("stop", choices=("stop", "calibrate"), help=(
+        "with target_epsilon: stop (the run ends before a round would take epsilon past it) or calibrate "
+        "(noise_multiplier is set before the run, with dp-accounting, so run.rounds rounds spend it)"))
+    secure_noise: bool = _f(False, help="draw the noise from the operating system's cryptographically secure "
+                                        "generator (os.urandom) instead of the run's seeded stream")
+
+
+@dataclass
 class ProcessorConfig:
     """A user's processor in the payload chains (common/processors/pipeline.py): one `[[processors]]` table each,
     in the order they run.  Its other keys are the processor's keyword options."""
@@ -348,6 +389,7 @@ class Config:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     processors: list[ProcessorConfig] = field(default_factory=list)   # [[processors]], in order
 
 
@@ -355,7 +397,8 @@ class Config:
 SECTIONS: dict[str, type] = {"run": RunConfig, "topology": TopologyConfig, "algorithm": AlgorithmConfig,
                              "data": DataConfig, "model": ModelConfig, "clients": ClientsConfig,
                              "edges": EdgesConfig, "transport": TransportConfig, "security": SecurityConfig,
-                             "compression": CompressionConfig, "secure_aggregation": SecureAggregationConfig}
+                             "compression": CompressionConfig, "secure_aggregation": SecureAggregationConfig,
+                             "privacy": PrivacyConfig}
 
 
 # ----------------------------------------------------------------------------- values derived from a config

@@ -33,6 +33,10 @@ from fedhop.common.algorithms.local import bind_params, get_params, share_params
 from fedhop.common.config.schema import Config, client_local_steps, resolve_clients_per_round
 from fedhop.common.engine.heterogeneity import apply_straggler_plan, devices_params
 from fedhop.common.engine.vclock import RoundClock
+from fedhop.common.numerics.sampling import steps_per_epoch
+from fedhop.common.privacy import mechanism as private
+from fedhop.common.privacy.dpsgd import SampleDP
+from fedhop.common.privacy.noise import GaussianSource
 from fedhop.common.processors.compressors.downlink import VERSION_KEY, DownlinkSender, downlink_coding
 from fedhop.common.processors.pipeline import reply_chain, upload
 from fedhop.common.processors.streaming import OrderedFold
@@ -66,9 +70,16 @@ def local_update(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.
                         generator=client_generator(cfg.run.seed, cid, round, step), round=round,
                         local_steps=client_local_steps(cfg, cid), local_epochs=cfg.algorithm.local_epochs,
                         state=state)
-    apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/engine/heterogeneity.py)
+    if private.enabled(cfg) and cfg.privacy.mode == "dpsgd":   # sample-level DP-SGD in the local solver
+        s = private.settings(cfg)
+        ctx.sample_dp = SampleDP(s.clip_norm, s.z, GaussianSource(s.secure, cfg.run.seed, "dpsgd", cid, "round", round,
+                                                                   "step", step))
+        apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/engine/heterogeneity.py)
     started = time.perf_counter()
     reply = algorithm.client_update(ctx, message)
+    if private.enabled(cfg):   # client and local DP: the client clips (and noises) its own update
+        reply = private.clip_reply(private.settings(cfg), reply, message, algorithm.reply_reduce, cfg.run.seed, cid,
+                                   round)
     reply.scalars[COMPUTE_KEY] = time.perf_counter() - started
     return reply
 
@@ -95,6 +106,40 @@ class RoundEngine:
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}
         coding = downlink_coding(cfg)   # `compression.down`: the reference model the clients train from
         self._downlink = DownlinkSender(coding, cfg.run.seed, lambda: self.state.extra) if coding is not None else None
+        self.privacy = self._private() if private.enabled(cfg) else None   # [privacy]: the server's mechanism
+        self.last_privacy: dict[str, float] = {}   # train_round's last privacy metrics
+
+    def _private(self) -> private.ServerPrivacy:
+        """The server's side of differential privacy (common/privacy/mechanism.py): this process releases
+        the noised sum, and the round's broadcast carries this round's clipping norm."""
+        aggregate = self.algorithm.aggregate
+        assert isinstance(aggregate, private.PrivateAggregate)   # installed by build_algorithm
+        aggregate.releases = True
+        server = private.ServerPrivacy(aggregate.s, aggregate, self._local_work)
+        plain = self.algorithm.broadcast
+
+        def broadcast(state: ServerState, round: int) -> Payload:
+            message = plain(state, round)
+            extra = server.broadcast_scalars()
+            return Payload(tensors=message.tensors, scalars={**message.scalars, **extra},
+                           control=message.control) if extra else message
+        self.algorithm.broadcast = broadcast   # type: ignore[method-assign]
+        return server
+
+    def _local_work(self, cid: int) -> tuple[int, float]:
+        """(local steps a round, batch size / examples) of client `cid` as the config sets them (a
+        straggler does fewer: the count is an upper bound), for DP-SGD's accountant."""
+        n = self.task.num_samples(cid)
+        batch = n if self.cfg.algorithm.batch_size <= 0 else min(self.cfg.algorithm.batch_size, n)
+        steps = client_local_steps(self.cfg, cid)
+        if steps <= 0:
+            steps = self.cfg.algorithm.local_epochs * steps_per_epoch(n, batch)
+        return steps, batch / n if n else 1.0
+
+    def privacy_round(self, round: int, sampled: list[int], participants: list[int]) -> dict[str, float]:
+        """After a private round's server step: the accountant charged, C moved, the round's privacy
+        metrics; {} without [privacy]."""
+        return self.privacy.finish_round(round, sampled, participants) if self.privacy is not None else {}
 
     # ------------------------------------------------------------------ server steps
     def sample(self, round: int, restrict: Restrict | None = None, attempt: int = 0) -> list[int]:
@@ -141,6 +186,8 @@ class RoundEngine:
         their scalars only): its aggregate is used, and where it or the new model is not finite
         the worst result is named and None is returned: the round does not count
         (`finite_streamed`)."""
+        if self.privacy is not None:
+            self.privacy.aggregate.round = round   # the round's noise stream
         if fold is not None:
             magnitudes = cast("Mapping[int, float]", fold.magnitudes)   # the server folds by client id
             aggregate, blamed = finite_streamed(self.algorithm, self.state, fold.result(), magnitudes, round)
@@ -220,7 +267,9 @@ class RoundEngine:
             reply = local_update(self.cfg, self.task, self.algorithm, self._client_model, cid, round, own[cid], state)
             reply = upload(self.cfg, reply, client_node(cid), round, 0, state=state)
             results[cid] = self.accept(round, f"reply of client {cid}", reply, client_node(cid))
-        return sampled, self.finish_round(round, results, sampled)   # type: ignore[return-value]  # no fold, no left_out: None only with no client sampled
+        aggregate = self.finish_round(round, results, sampled)
+        self.last_privacy = self.privacy_round(round, sampled, sampled)
+        return sampled, aggregate   # type: ignore[return-value]  # no fold, no left_out: None only with no client sampled
 
     def run(self, rounds: int | None = None, on_round: RoundHook | None = None) -> list[dict[str, Any]]:
         """Rounds 1..`rounds` (default run.rounds) in this process; returns the metrics of every
@@ -231,5 +280,5 @@ class RoundEngine:
             sampled, aggregate = self.train_round(r)
             if on_round is not None:
                 on_round(r, self, sampled, aggregate)
-            history.append({"round": r, **self.metrics(r, aggregate)})
+            history.append({"round": r, **self.metrics(r, aggregate), **self.last_privacy})
         return history

@@ -318,6 +318,8 @@ class Progress:
             fields["fail"] = row["failures"]
         if acc is not None:
             fields[label] = f"{acc:.4f}"
+        if m.get("epsilon") is not None:   # [privacy]: epsilon at privacy.delta so far
+            fields["eps"] = f"{m['epsilon']:.3g}"
         if self.bar is not None:
             self.bar.update(row["round"] - self.bar.n)
             self.bar.set_postfix(fields)

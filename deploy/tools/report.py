@@ -180,6 +180,7 @@ class RunRow:
     rounds_to_target: int | None = None
     bytes_to_target: int | None = None
     ledger: str = "-"
+    epsilon: float | None = None   # [privacy]: epsilon at privacy.delta after the last round (docs/privacy.md)
 
 
 @dataclass
@@ -381,6 +382,7 @@ def make_row(run: RunData, metric: str | None, target: float | None, kind: str, 
         wall_seconds=_num(run.summary.get("wall_seconds")))
     if run.agreement is not None:
         row.ledger = "agree" if run.agreement.ok else "DISAGREE"
+    row.epsilon = run_epsilon(run)
     if target is not None and metric is not None:
         hit = next((r for r, v in run.curve(metric) if meets(v, target, metric)), None)
         row.rounds_to_target = hit
@@ -393,12 +395,25 @@ def make_row(run: RunData, metric: str | None, target: float | None, kind: str, 
     return row
 
 
+def run_epsilon(run: RunData) -> float | None:
+    """A private run's epsilon after its last round (summary.json's privacy section, else the last
+    round's `epsilon` metric); None for a run without [privacy] or without noise."""
+    privacy = run.summary.get("privacy")
+    if isinstance(privacy, dict) and _num(privacy.get("epsilon")) is not None:
+        return _num(privacy.get("epsilon"))
+    curve = run.curve("epsilon")
+    return curve[-1][1] if curve else None
+
+
 def table_cells(rows: Sequence[RunRow], metric: str | None, target: float | None,
                 kind: str) -> tuple[list[str], list[list[str]]]:
     short = kind.replace("_bytes", "")
+    private = any(r.epsilon is not None for r in rows)
     header = ["run", "seed", "algorithm", "topology", "rounds"]
     if metric is not None:
         header.append(f"final {metric}")
+    if private:
+        header.append("epsilon")
     header += ["tensor bytes", "framed bytes", f"{short} bytes by link", "wall s", "ledger"]
     if target is not None and metric is not None:
         header += ["rounds to target", f"{short} bytes to target"]
@@ -407,6 +422,8 @@ def table_cells(rows: Sequence[RunRow], metric: str | None, target: float | None
         cells = [r.name, _fmt(r.seed), r.algorithm, r.topology, _fmt(r.rounds)]
         if metric is not None:
             cells.append(_fmt(r.final))
+        if private:
+            cells.append(_fmt(r.epsilon))
         links = "; ".join(f"{link} {human_bytes(b)}" for link, b in r.by_link.items()) or "-"
         cells += [human_bytes(r.total_bytes["tensor_bytes"]), human_bytes(r.total_bytes["framed_bytes"]), links,
                   "-" if r.wall_seconds is None else f"{r.wall_seconds:.1f}", r.ledger]
@@ -425,12 +442,15 @@ def text_tables(rows: Sequence[RunRow], metric: str | None, target: float | None
     report.md), and with a target a second block of rounds and bytes to it; each fits TEXT_WIDTH,
     the name columns clipped where needed.  A plug-in named by import path shows its attribute."""
     short = kind.replace("_bytes", "")
+    private = any(r.epsilon is not None for r in rows)
     header = ["run", "seed", "algorithm", "topology", "rounds"] + ([metric] if metric is not None else [])
+    header += ["epsilon"] if private else []
     header += [f"{short} bytes", "wall s", "ledger"]
     body = []
     for r in rows:
         cells = [r.name, _fmt(r.seed), r.algorithm.rpartition(":")[2], r.topology.rpartition(":")[2], _fmt(r.rounds)]
         cells += [_fmt(r.final)] if metric is not None else []
+        cells += [_fmt(r.epsilon)] if private else []
         cells += [human_bytes(r.total_bytes[kind]), "-" if r.wall_seconds is None else f"{r.wall_seconds:.1f}",
                   r.ledger]
         body.append(cells)
@@ -641,18 +661,15 @@ def _draw(runs: Sequence[RunData], metric: str | None, target: float | None, kin
                     ax.plot([r for r, _ in cv], [v for _, v in cv], marker="o", markersize=3, color=c, label=run.name)
             if target is not None:
                 ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}")
-            ax.set_xlabel("round")
-            ax.set_ylabel(metric)
-            ax.set_title(f"{metric} against rounds")
-            ax.legend(fontsize=FONT_PT)
-            ax.grid(alpha=0.3)
-            _save(fig, out / name("metric_vs_round"), plots, name.dpi)
+            _finish(fig, ax, "round", metric, f"{metric} against rounds", out / name("metric_vs_round"), plots, name.dpi)
         else:
             notes.append(f"no run has per-round {metric}; {name('metric_vs_round')} not written")
 
         for direction, stem, what in ((None, "metric_vs_bytes", ""), ("up", "metric_vs_upload_bytes", "upload "),
                                       ("down", "metric_vs_download_bytes", "download ")):
             _metric_against_bytes(curves, metric, target, kind, direction, stem, what, out, notes, plots, name)
+
+        plot_against_epsilon(runs, metric, colors, out, plots, name)
 
         sim = [(run, run.sim_curve(metric), c) for run, c in zip(runs, colors) if run.has_sim_time()]
         if any(cv for _, cv, _ in sim):
@@ -701,6 +718,35 @@ def _draw(runs: Sequence[RunData], metric: str | None, target: float | None, kin
         _save(fig, out / name("bytes_by_link"), plots, name.dpi)
     else:
         notes.append(f"no byte counts in any run; {name('bytes_by_link')} not written")
+
+
+def plot_against_epsilon(runs: Sequence[RunData], metric: str, colors: list[str], out: Path, plots: list[Path],
+                         name: _Namer) -> None:
+    """`metric` against epsilon (docs/privacy.md): each private run's rounds where both were recorded
+    (epsilon after the round, the metric of that round); not written when no run is private."""
+    curves = []
+    for run, color in zip(runs, colors):
+        eps = dict(run.curve("epsilon"))
+        points = [(eps[r], v) for r, v in run.curve(metric) if r in eps]
+        if points:
+            curves.append((run, points, color))
+    if not curves:
+        return
+    fig, ax = _figure()
+    for run, points, color in curves:
+        ax.plot([e for e, _ in points], [v for _, v in points], marker="o", markersize=3, color=color, label=run.name)
+    _finish(fig, ax, "epsilon (at privacy.delta)", metric, f"{metric} against epsilon", out / name("metric_vs_epsilon"),
+            plots, name.dpi)
+
+
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: Path, plots: list[Path], dpi: int) -> None:
+    """Label a line plot, give it its legend and grid, and save it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=FONT_PT)
+    ax.grid(alpha=0.3)
+    _save(fig, path, plots, dpi)
 
 
 TIME_PARTS = ("time_compute", "time_communication", "time_waiting", "time_aggregation", "time_evaluation")
