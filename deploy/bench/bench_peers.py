@@ -154,9 +154,26 @@ def run_watched(argv: list[str], env: dict[str, str] | None, log: Path, timeout:
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            kill_tree(proc.pid)
             out, _ = proc.communicate()
+        except BaseException:   # Ctrl-C: no run's processes (Ray's workers among them) outlive the benchmark
+            kill_tree(proc.pid)
+            raise
         return proc.returncode, peak.stop(), out.decode(errors="replace")
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid` and every descendant it has now, by PID."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def steady(per_round: list[float]) -> float:
