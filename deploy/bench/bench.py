@@ -4,6 +4,7 @@
     fedhop bench compute | scale | growth [--tiny]      (deploy/bench/bench_system.py)
     fedhop bench large [--sizes 10,100] [--clients 2,4]  (deploy/bench/bench_large.py)
     fedhop bench flower [--rounds 20] [--flwr-python PY] (benchmarks/flower_compare.py)
+    fedhop bench peers [--workloads W1,W2,W3] [--quick]  (deploy/bench/bench_peers.py)
 
 Prints, for each model size, the throughput of sending it over fedhop's gRPC transport
 (encode + stream + decode, two processes on loopback) beside a plain TCP socket moving the
@@ -393,7 +394,9 @@ BENCHMARKS = {"transport": "gRPC (or gloo) throughput against TCP, codec speed, 
               "gpu": "one client's local epoch on a GPU in a fedhop client process against plain torch",
               "large": "one FedAvg round of a 100 MB-1 GB model: memory, CPU per GB, against bare grpcio "
                        "(its own flags: fedhop bench large --help)",
-              "flower": "framework overhead against Flower (its own flags: fedhop bench flower --help)"}
+              "flower": "framework overhead against Flower (its own flags: fedhop bench flower --help)",
+              "peers": "issue 49's workloads in fedhop's two engines, Flower's simulation and pfl, with the ratios "
+                       "(its own flags: fedhop bench peers --help)"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         if "--default-malloc" not in argv:
             reexec_with_tuned_malloc()
         return large_main([a for a in argv[1:] if a != "--default-malloc"])
+    if argv and argv[0] == "peers":   # the workloads against other frameworks: deploy/bench/bench_peers.py
+        from fedhop.deploy.bench.bench_peers import main as peers_main
+        return peers_main(argv[1:])
     if argv and argv[0] == "flower":   # framework overhead against Flower: benchmarks/flower_compare.py
         import runpy
         script = Path(__file__).resolve().parents[2] / "benchmarks" / "flower_compare.py"

@@ -1,0 +1,435 @@
+"""`fedhop bench peers`: issue 49's workloads in fedhop's two engines and in other frameworks,
+interleaved, with the ratios.
+
+    fedhop bench peers [--workloads W1,W2,W3] [--rounds N] [--repeats 3] [--seeds 0] [--match]
+                       [--quick] [--json FILE]
+
+The workloads (issue 49):
+
+  W1  10 clients, all sampled, a 1,000-parameter quadratic 1/2 sum_j c_ij (w_j - a_ij)^2
+      (dataset "quadratic", centers and curvatures drawn from the seed), 1 local step, lr 0.1,
+      the model from zeros;
+  W2  scikit-learn's digits, standardised, 25% held out, an iid split over 1,000 clients, 100
+      sampled a round, MLP 64-32-10, 1 epoch, batch 10, lr 0.05, weighted by samples, 30 rounds;
+  W3  the same with 10,000 clients and 1,000 sampled: digits' 1,347 training samples cannot go
+      to 10,000 clients without repeats, so W3 is dataset "crossdevice" on digits: each client
+      draws log-normal many samples of a Dirichlet(0.5) label mix from the same training split
+      (common/tasks/crossdevice.py), 10 rounds.
+
+Systems: fedhop with run.engine = "processes" (a server and 2 client processes over gRPC) and
+"inprocess" (every role in the one process), each run as `fedhop run` in a subprocess; Flower's
+simulation engine when FEDHOP_FLWR_PYTHON names a Flower venv's python, pfl when FEDHOP_PFL_PYTHON
+names a pfl venv's python.  A peer runs deploy/bench/peers/<peer>_peer.py under its own python
+on the same data, exported from fedhop's task (deploy/bench/peers/peerkit.py has the contract and
+each script's docstring what it does the same and where its framework differs); it prints one
+JSON line.
+
+Per run: s/round, the median of rounds 2..n (fedhop: run.db's wall_seconds; a peer: its own
+stamps); peak memory, the largest sum of RSS over the process tree seen by psutil every 50 ms;
+final test accuracy (W1: the objective).  A workload's systems run `--repeats` times each, the
+order rotated every repeat; the figures printed are the medians over the repeats.  Ratios are
+"peer s/round / fedhop s/round" (how many times faster fedhop is) from those printed figures.
+`--seeds 0,1,2,3,4` repeats everything per seed and prints the accuracy of every seed.
+`--match`: the peers start from fedhop's initial parameters and train fedhop's sampled clients
+(Flower's own draws still: its node ids are not fedhop's clients).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import psutil
+
+from fedhop.common.config import parse_config
+from fedhop.common.engine.rounds import RoundEngine
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.tasks import build_task
+
+PEERS_DIR = Path(__file__).resolve().parent / "peers"
+#: peer -> (environment variable naming its python, script, name printed)
+PEERS = {"flower": ("FEDHOP_FLWR_PYTHON", "flwr_peer.py", "Flower sim"),
+         "pfl": ("FEDHOP_PFL_PYTHON", "pfl_peer.py", "pfl")}
+ENGINES = ("processes", "inprocess")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    title: str
+    clients: int
+    per_round: int
+    rounds: int
+    data: str            # the [data] and [model] tables
+    lr: float
+    batch_size: int
+    epochs: int
+    local_steps: int
+    kind: str            # "classification" | "quadratic"
+    hidden: tuple[int, ...] = ()
+
+    def config(self, rounds: int, seed: int) -> str:
+        algo = (f"local_steps = {self.local_steps}\n" if self.local_steps else f"local_epochs = {self.epochs}\n")
+        return (f'[run]\nname = "bench-peers-{self.name.lower()}"\nseed = {seed}\nrounds = {rounds}\n'
+                f'eval_every = {rounds}\n\n'
+                f'[algorithm]\nname = "fedavg"\nlr = {self.lr}\nbatch_size = {self.batch_size}\n{algo}\n'
+                f'{self.data}\n'
+                f'[clients]\ncount = {self.clients}\nper_round = {self.per_round}\nprocesses = 2\n')
+
+
+_MLP = '[model]\nkind = "mlp"\nhidden = [64, 32]\n'
+_DIGITS = '[data]\ndataset = "digits"\npartition = "iid"\ntest_fraction = 0.25\n\n' + _MLP
+_CROSSDEVICE = ('[data]\ndataset = "crossdevice"\nbase = "digits"\nlabel_alpha = 0.5\nsizes = "lognormal"\n'
+                'size_mean = 3.0\nsize_sigma = 1.0\n\n' + _MLP)
+_QUADRATIC = '[data]\ndataset = "quadratic"\ndim = {dim}\n\n[model]\ninit = "zeros"\n'
+
+
+def workloads(quick: bool) -> dict[str, Workload]:
+    """Issue 49's workloads, or with `quick` the same shapes at tiny sizes (seconds each)."""
+    if quick:
+        return {"W1": Workload("W1", "quadratic, 4 clients, all sampled, 50 parameters, 1 step", 4, 4, 4,
+                               _QUADRATIC.format(dim=50), 0.1, 0, 1, 1, "quadratic"),
+                "W2": Workload("W2", "digits iid, 40 clients, 8 a round, MLP 64-32-10, 1 epoch, batch 10", 40, 8, 4,
+                               _DIGITS, 0.05, 10, 1, 0, "classification", (64, 32)),
+                "W3": Workload("W3", "crossdevice digits, 60 clients, 12 a round, the same model", 60, 12, 3,
+                               _CROSSDEVICE, 0.05, 10, 1, 0, "classification", (64, 32))}
+    return {"W1": Workload("W1", "quadratic, 10 clients, all sampled, 1,000 parameters, 1 local step", 10, 10, 30,
+                           _QUADRATIC.format(dim=1000), 0.1, 0, 1, 1, "quadratic"),
+            "W2": Workload("W2", "digits iid, 1,000 clients, 100 a round, MLP 64-32-10, 1 epoch, batch 10, lr 0.05",
+                           1000, 100, 30, _DIGITS, 0.05, 10, 1, 0, "classification", (64, 32)),
+            "W3": Workload("W3", "crossdevice digits, 10,000 clients, 1,000 a round, the same model and training",
+                           10000, 1000, 10, _CROSSDEVICE, 0.05, 10, 1, 0, "classification", (64, 32))}
+
+
+# ----------------------------------------------------------------------------- measuring
+class PeakRss:
+    """The largest sum of RSS over a process and its descendants, sampled every `every` s."""
+
+    def __init__(self, pid: int, every: float = 0.05) -> None:
+        self.root, self.every, self.peak = psutil.Process(pid), every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def sample(self) -> int:
+        total = 0
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.sample())
+            self._stop.wait(self.every)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def run_watched(argv: list[str], env: dict[str, str] | None, log: Path, timeout: float) -> tuple[int, int, str]:
+    """Run `argv` to its end: (exit code, peak RSS bytes of its process tree, its stdout)."""
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, env=env)
+        peak = PeakRss(proc.pid)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            out, _ = proc.communicate()
+        except BaseException:   # Ctrl-C: no run's processes (Ray's workers among them) outlive the benchmark
+            kill_tree(proc.pid)
+            raise
+        return proc.returncode, peak.stop(), out.decode(errors="replace")
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid` and every descendant it has now, by PID."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def steady(per_round: list[float]) -> float:
+    """The median of rounds 2..n (all rounds when there is one)."""
+    return statistics.median(per_round[1:] if len(per_round) > 1 else per_round)
+
+
+def run_fedhop(config: Path, engine: str, out: Path, timeout: float) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "fedhop.deploy.cli", "run", str(config), "--out", str(out), "--engine", engine,
+            "--quiet"]
+    code, peak, _ = run_watched(argv, None, out.with_suffix(".log"), timeout)
+    if code != 0:
+        raise RuntimeError(f"fedhop run --engine {engine} failed (exit {code}); see {out.with_suffix('.log')}")
+    rows = RunStore(out / "run.db", create=False).rounds()
+    metrics = rows[-1]["metrics"]
+    return {"per_round_s": [float(r["wall_seconds"]) for r in rows], "peak_rss_mb": peak / 1e6,
+            "accuracy": metrics.get("test_accuracy"), "objective": metrics.get("objective")}
+
+
+def parse_peer_output(stdout: str, name: str) -> dict[str, Any]:
+    """The peer script's result: its last stdout line, a JSON object with per_round_s (a non-empty
+    list of seconds) and accuracy or objective; ValueError naming what is wrong otherwise."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{name}: the peer script printed nothing on stdout")
+    try:
+        row = json.loads(lines[-1])
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: the peer script's last line is not JSON ({exc}): {lines[-1][:200]!r}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{name}: the peer script's last line is not a JSON object")
+    rounds = row.get("per_round_s")
+    if not isinstance(rounds, list) or not rounds or not all(isinstance(v, (int, float)) and v >= 0 for v in rounds):
+        raise ValueError(f"{name}: per_round_s must be a non-empty list of seconds, got {rounds!r}")
+    for key in ("accuracy", "objective"):
+        if row.get(key) is not None and not isinstance(row[key], (int, float)):
+            raise ValueError(f"{name}: {key} must be a number or null, got {row[key]!r}")
+    return row
+
+
+def run_peer(peer: str, python: str, folder: Path, log: Path, timeout: float) -> dict[str, Any]:
+    _, script, name = PEERS[peer]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FLWR_DISABLE_UPDATE_CHECK="1")
+    for var in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):   # nothing of fedhop's venv leaks in
+        env.pop(var, None)
+    code, peak, out = run_watched([python, str(PEERS_DIR / script), str(folder)], env, log, timeout)
+    if code != 0:
+        tail = log.read_text(errors="replace")[-1500:]
+        raise RuntimeError(f"{name} failed (exit {code}); the end of {log}:\n{tail}")
+    row = parse_peer_output(out, name)
+    if len(row["per_round_s"]) != json.loads((folder / "spec.json").read_text())["rounds"]:
+        raise RuntimeError(f"{name}: {len(row['per_round_s'])} rounds timed, expected the spec's")
+    return {"per_round_s": [float(v) for v in row["per_round_s"]], "peak_rss_mb": peak / 1e6,
+            "accuracy": row.get("accuracy"), "objective": row.get("objective"), "version": row.get("version")}
+
+
+# ----------------------------------------------------------------------------- the shared workload
+def export(w: Workload, config_text: str, rounds: int, seed: int, folder: Path, match: bool) -> None:
+    """spec.json and data.npz for the peers (peerkit.py): fedhop's own data, and with `match`
+    its initial parameters and sampled clients."""
+    cfg = parse_config(config_text)
+    task = build_task(cfg)
+    arrays: dict[str, np.ndarray] = {}
+    if w.kind == "quadratic":
+        rows = [task.client_data(c).tensors for c in range(w.clients)]
+        arrays["centers"] = np.concatenate([r[0].numpy() for r in rows]).astype(np.float32)
+        arrays["curvatures"] = np.concatenate([r[1].numpy() for r in rows]).astype(np.float32)
+    else:
+        data = [task.client_data(c).tensors for c in range(w.clients)]
+        arrays["x"] = np.concatenate([d[0].numpy().reshape(len(d[0]), -1) for d in data]).astype(np.float32)
+        arrays["y"] = np.concatenate([d[1].numpy() for d in data]).astype(np.int64)
+        arrays["offsets"] = np.cumsum([0] + [len(d[1]) for d in data]).astype(np.int64)
+        x_test, y_test = task.x_test, task.y_test   # type: ignore[attr-defined]
+        arrays["x_test"] = x_test.numpy().reshape(len(x_test), -1).astype(np.float32)
+        arrays["y_test"] = y_test.numpy().astype(np.int64)
+    if match:
+        engine = RoundEngine(cfg, task)
+        for name, p in engine.model.named_parameters():
+            arrays[f"init_{name}"] = p.detach().numpy().copy()
+        arrays["sampled"] = np.array([engine.sample(r) for r in range(1, rounds + 1)], dtype=np.int64)
+    spec = {"workload": w.name, "kind": w.kind, "clients": w.clients, "per_round": w.per_round, "rounds": rounds,
+            "lr": w.lr, "batch_size": w.batch_size, "epochs": w.epochs, "local_steps": w.local_steps,
+            "hidden": list(w.hidden), "seed": seed, "weighting": cfg.algorithm.weighting, "match": match}
+    with open(folder / "data.npz", "wb") as fh:
+        np.savez(fh, allow_pickle=False, **arrays)
+    (folder / "spec.json").write_text(json.dumps(spec))
+
+
+# ----------------------------------------------------------------------------- one workload
+def systems(env: dict[str, str]) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """(the systems to run, peer -> its python, peer -> why it is not run)."""
+    run, pythons, skipped = [f"fedhop {e}" for e in ENGINES], {}, {}
+    for peer, (var, _, name) in PEERS.items():
+        python = env.get(var, "")
+        if not python:
+            skipped[name] = f"not run (set {var})"
+        elif not Path(python).is_file():
+            skipped[name] = f"not run ({var}={python}: no such file)"
+        else:
+            run.append(peer)
+            pythons[peer] = python
+    return run, pythons, skipped
+
+
+def label(system: str) -> str:
+    return PEERS[system][2] if system in PEERS else system
+
+
+def measure(w: Workload, rounds: int, seed: int, repeats: int, match: bool, work: Path,
+            order: list[str], pythons: dict[str, str], say: Callable[[str], None]) -> dict[str, list[dict]]:
+    """Every system on `w`, `repeats` times, the order rotated each repeat: system -> its runs."""
+    folder = work / f"{w.name}-seed{seed}"
+    folder.mkdir()
+    config = folder / "run.toml"
+    text = w.config(rounds, seed)
+    config.write_text(text)
+    if any(s in PEERS for s in order):
+        export(w, text, rounds, seed, folder, match)
+    timeout = 600.0 + 30.0 * rounds * max(1, w.per_round // 100)
+    runs: dict[str, list[dict]] = {s: [] for s in order}
+    for rep in range(repeats):
+        turn = order[rep % len(order):] + order[:rep % len(order)]
+        for system in turn:
+            tag = f"{system.replace(' ', '-')}-{rep}"
+            if system in PEERS:
+                row = run_peer(system, pythons[system], folder, folder / f"{tag}.log", timeout)
+            else:
+                row = run_fedhop(config, system.split()[1], folder / tag, timeout)
+            row["s_per_round"] = steady(row["per_round_s"])
+            runs[system].append(row)
+            say(f"  {w.name} seed {seed} repeat {rep + 1}/{repeats}: {label(system)} "
+                f"{row['s_per_round']:.4f} s/round, {row['peak_rss_mb']:.0f} MB")
+    return runs
+
+
+def summarise(runs: list[dict]) -> dict[str, Any]:
+    """The printed figures of one system: medians over its repeats (s/round rounded as printed)."""
+    accs = [r["accuracy"] for r in runs if r.get("accuracy") is not None]
+    objs = [r["objective"] for r in runs if r.get("objective") is not None]
+    return {"s_per_round": float(f"{statistics.median(r['s_per_round'] for r in runs):.4f}"),
+            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
+            "accuracy": statistics.median(accs) if accs else None,
+            "objective": statistics.median(objs) if objs else None, "runs": len(runs)}
+
+
+#: issue 49's acceptance lines: (workload, fedhop engine, peer, least ratio peer s/round / fedhop s/round)
+ACCEPTANCE = [("W1", "fedhop processes", "flower", 10.0), ("W2", "fedhop processes", "pfl", 1.0),
+              ("W2", "fedhop processes", "flower", 10.0), ("W3", "fedhop processes", "pfl", 1.0),
+              ("W3", "fedhop processes", "flower", 10.0), ("W1", "fedhop inprocess", "pfl", 2.0),
+              ("W2", "fedhop inprocess", "pfl", 2.0)]
+
+
+def ratios(name: str, table: dict[str, dict]) -> list[dict[str, Any]]:
+    """peer s/round / fedhop s/round for each fedhop engine and peer run, with the acceptance
+    line that applies (None where the issue sets none)."""
+    out = []
+    for engine in (f"fedhop {e}" for e in ENGINES):
+        for peer in PEERS:
+            if engine in table and peer in table and table[engine]["s_per_round"] > 0:
+                need = next((x for (wn, e, p, x) in ACCEPTANCE if (wn, e, p) == (name, engine, peer)), None)
+                ratio = table[peer]["s_per_round"] / table[engine]["s_per_round"]
+                out.append({"engine": engine, "peer": peer, "ratio": ratio, "needs": need,
+                            "meets": None if need is None else ratio >= need})
+    return out
+
+
+def print_table(w: Workload, rounds: int, seed: int, repeats: int, table: dict[str, dict],
+                skipped: dict[str, str], say: Callable[[str], None]) -> list[dict]:
+    say(f"\n{w.name}: {w.title}; {rounds} rounds, seed {seed}, {repeats} repeat(s)")
+    say(f"  {'system':<18} {'s/round':>9} {'peak MB':>9} {'accuracy' if w.kind != 'quadratic' else 'objective':>10}")
+    for system, fig in table.items():
+        metric = fig["accuracy"] if w.kind != "quadratic" else fig["objective"]
+        shown = "-" if metric is None else (f"{metric:.4f}" if w.kind != "quadratic" else f"{metric:.6g}")
+        say(f"  {label(system):<18} {fig['s_per_round']:>9.4f} {fig['peak_rss_mb']:>9.0f} {shown:>10}")
+    for name, why in skipped.items():
+        say(f"  {name:<18} {why}")
+    rows = ratios(w.name, table)
+    for r in rows:
+        need = "" if r["needs"] is None else f"  (issue 49: >= {r['needs']:g}: {'met' if r['meets'] else 'NOT met'})"
+        say(f"  ratio {label(r['peer'])} / {r['engine']}: {r['ratio']:.3f}{need}")
+    return rows
+
+
+def bench_peers(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[str, Any]:
+    table_of = workloads(args.quick)
+    names = workload_names(args.workloads)
+    seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
+    order, pythons, skipped = systems(dict(os.environ))
+    load = os.getloadavg()
+    say(f"fedhop bench peers, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, load average "
+        f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}, {os.cpu_count()} CPUs; systems: "
+        f"{', '.join(label(s) for s in order)}")
+    out: dict[str, Any] = {"started": time.time(), "load_average_start": load, "workloads": {}}
+    with tempfile.TemporaryDirectory(prefix="fedhop-bench-peers-") as tmp:
+        for name in names:
+            w = table_of[name]
+            rounds = args.rounds or w.rounds
+            per_seed: dict[int, dict[str, Any]] = {}
+            for seed in seeds:
+                runs = measure(w, rounds, seed, args.repeats, args.match, Path(tmp), order, pythons, say)
+                table = {s: summarise(r) for s, r in runs.items()}
+                rows = print_table(w, rounds, seed, args.repeats, table, skipped, say)
+                per_seed[seed] = {"systems": table, "ratios": rows,
+                                  "versions": {s: r[0].get("version") for s, r in runs.items() if s in PEERS}}
+            if len(seeds) > 1 and w.kind != "quadratic":
+                say(f"\n{name} final test accuracy by seed:")
+                for system in order:
+                    accs = [per_seed[s]["systems"][system]["accuracy"] for s in seeds]
+                    say(f"  {label(system):<18} " + " ".join(f"{a:.4f}" for a in accs) +
+                        f"   mean {statistics.mean(accs):.4f}, min {min(accs):.4f}, max {max(accs):.4f}")
+            out["workloads"][name] = {"title": w.title, "rounds": rounds, "seeds": per_seed}
+    out["load_average_end"] = os.getloadavg()
+    say(f"load average at the end: {' '.join(f'{v:.1f}' for v in out['load_average_end'])}")
+    return out
+
+
+def workload_names(given: str) -> list[str]:
+    """--workloads as names; ValueError naming the unknown ones."""
+    names = [n.strip().upper() for n in given.split(",") if n.strip()]
+    unknown = [n for n in names if n not in workloads(False)]
+    if unknown or not names:
+        raise ValueError(f"--workloads {given!r}: unknown {', '.join(unknown) or '(none given)'} "
+                         f"(allowed: {', '.join(workloads(False))})")
+    return names
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="fedhop bench peers", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1, W2, W3")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds of every workload (default: W1 30, W2 30, W3 10)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each system per workload, interleaved")
+    ap.add_argument("--seeds", default="0", help="comma-separated run seeds (accuracy by seed with more than one)")
+    ap.add_argument("--match", action="store_true",
+                    help="peers start from fedhop's initial parameters and train fedhop's sampled clients")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, seconds a run (for the tests)")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or args.rounds < 0:
+        ap.error("--repeats must be >= 1 and --rounds >= 0")
+    if args.rounds == 1:
+        ap.error("--rounds must be >= 2 (s/round is the median of rounds 2..n)")
+    try:
+        workload_names(args.workloads)
+    except ValueError as exc:
+        ap.error(str(exc))
+    try:
+        if not [int(s) for s in str(args.seeds).split(",") if s.strip()]:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
+    try:
+        figures = bench_peers(args)
+    except RuntimeError as exc:   # a system's run failed: its name, exit code and log's end
+        print(f"fedhop bench peers: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2, default=str))
+    return 0

@@ -1,0 +1,160 @@
+"""`fedhop bench peers` (deploy/bench/bench_peers.py): the quick workloads in fedhop's two engines,
+run as a user runs the command from a folder outside the checkout, and the peer scripts' JSON
+contract through a fake peer interpreter written here."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedhop.common.config import parse_config
+from fedhop.common.tasks import build_task
+from fedhop.deploy.bench.bench_peers import parse_peer_output, workloads
+
+FAKE_PEER = '''\
+"""A stand-in peer: checks the data contract (peerkit.py) and answers one JSON line, its accuracy
+the share of the test set holding the most common training label."""
+import json, sys
+from pathlib import Path
+import numpy as np
+
+script, folder = Path(sys.argv[1]), Path(sys.argv[2])
+assert script.name in ("pfl_peer.py", "flwr_peer.py") and script.is_file(), script
+spec = json.loads((folder / "spec.json").read_text())
+with np.load(folder / "data.npz", allow_pickle=False) as npz:
+    a = {k: npz[k] for k in npz.files}
+if spec["kind"] == "quadratic":
+    assert a["centers"].shape == a["curvatures"].shape and a["centers"].shape[0] == spec["clients"]
+    result = {"accuracy": None, "objective": float(0.5 * (a["curvatures"] * a["centers"] ** 2).sum(1).mean())}
+else:
+    assert len(a["offsets"]) == spec["clients"] + 1 and a["offsets"][-1] == len(a["x"]) == len(a["y"])
+    assert a["x_test"].shape[1] == a["x"].shape[1] and spec["per_round"] <= spec["clients"]
+    majority = np.bincount(a["y"]).argmax()
+    result = {"accuracy": float((a["y_test"] == majority).mean()), "objective": None}
+print("some framework log line")
+print(json.dumps({"system": "fake", "version": "0", "per_round_s": [0.5] + [0.25] * (spec["rounds"] - 1),
+                  **result}))
+'''
+
+ROW = re.compile(r"^  (fedhop processes|fedhop inprocess|pfl|Flower sim)\s+(\S+)\s+(\S+)\s+(\S+)\s*$")
+RATIO = re.compile(r"^  ratio (pfl|Flower sim) / (fedhop \w+): (\S+)")
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    (tmp_path / "fake_peer.py").write_text(FAKE_PEER)
+    exe = tmp_path / "fakepython"
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "fake_peer.py"}" "$@"\n')
+    exe.chmod(0o755)
+    return exe
+
+
+def _bench(tmp_path: Path, *args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("FEDHOP_FLWR_PYTHON", "FEDHOP_PFL_PYTHON")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli", "bench", "peers", *args], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=900)
+
+
+def _tables(stdout: str) -> dict[str, dict[str, tuple[str, str, str]]]:
+    """workload -> system -> (s/round, peak MB, accuracy or objective) as printed."""
+    out: dict[str, dict[str, tuple[str, str, str]]] = {}
+    current = ""
+    for line in stdout.splitlines():
+        head = re.match(r"^(W\d): ", line)
+        if head:
+            current = head.group(1)
+            out[current] = {}
+        row = ROW.match(line)
+        if row and current:
+            out[current][row.group(1)] = (row.group(2), row.group(3), row.group(4))
+    return out
+
+
+def test_quick_workloads_in_both_engines_with_a_fake_peer(tmp_path):
+    fake = _fake_python(tmp_path)
+    res = _bench(tmp_path, "--quick", "--workloads", "W1,W2", "--repeats", "2", "--json", "figures.json",
+                 env_extra={"FEDHOP_PFL_PYTHON": str(fake)})
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
+    tables = _tables(res.stdout)
+    assert set(tables) == {"W1", "W2"}
+    assert "Flower sim         not run (set FEDHOP_FLWR_PYTHON)" in res.stdout
+    for name, table in tables.items():
+        assert set(table) == {"fedhop processes", "fedhop inprocess", "pfl"}, table
+        for s_round, peak, metric in table.values():
+            assert float(s_round) > 0 and float(peak) > 10   # a python process holds more than 10 MB
+        # the engines are bit-identical by design: the same final figure
+        assert table["fedhop processes"][2] == table["fedhop inprocess"][2]
+        # the fake peer's rounds take 0.25 s from round 2 on: the median of rounds 2..n
+        assert table["pfl"][0] == "0.2500"
+
+    # W1's objective against numpy: every client sampled, one full step at lr 0.1, from zeros
+    w1 = workloads(True)["W1"]
+    task = build_task(parse_config(w1.config(w1.rounds, 0)))
+    a = np.stack([task.client_data(c).tensors[0].numpy()[0] for c in range(w1.clients)]).astype(np.float64)
+    c = np.stack([task.client_data(c).tensors[1].numpy()[0] for c in range(w1.clients)]).astype(np.float64)
+    w = np.zeros(a.shape[1])
+    for _ in range(w1.rounds):
+        w = (w - w1.lr * c * (w - a)).mean(0)
+    objective = float((0.5 * c * (w - a) ** 2).sum(1).mean())
+    assert float(tables["W1"]["fedhop processes"][2]) == pytest.approx(objective, rel=1e-4)
+    assert float(tables["W1"]["pfl"][2]) == pytest.approx(float((0.5 * c * a ** 2).sum(1).mean()), rel=1e-4)
+
+    # W2: the fake peer saw fedhop's own split (its accuracy is the majority label's share)
+    w2 = workloads(True)["W2"]
+    task2 = build_task(parse_config(w2.config(w2.rounds, 0)))
+    majority = np.bincount(np.concatenate([task2.client_data(c).tensors[1].numpy() for c in range(w2.clients)]))
+    share = float((task2.y_test.numpy() == majority.argmax()).mean())
+    assert float(tables["W2"]["pfl"][2]) == pytest.approx(share, abs=5e-5)
+
+    # every ratio printed is the division of the printed s/round figures
+    seen = 0
+    current = ""
+    for line in res.stdout.splitlines():
+        head = re.match(r"^(W\d): ", line)
+        current = head.group(1) if head else current
+        m = RATIO.match(line)
+        if m:
+            peer = "pfl" if m.group(1) == "pfl" else "Flower sim"
+            ratio = float(tables[current][peer][0]) / float(tables[current][m.group(2)][0])
+            assert float(m.group(3)) == pytest.approx(ratio, rel=2e-3)
+            seen += 1
+    assert seen == 4   # two engines x pfl x two workloads
+    assert "(issue 49: >= 2: " in res.stdout   # W1/W2 in-process against pfl carry their acceptance line
+
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    runs = figures["workloads"]["W2"]["seeds"]["0"]["systems"]
+    assert runs["fedhop processes"]["runs"] == 2 and runs["pfl"]["runs"] == 2
+
+
+def test_peer_contract_errors_are_one_clear_line(tmp_path):
+    with pytest.raises(ValueError, match="printed nothing"):
+        parse_peer_output("\n\n", "pfl")
+    with pytest.raises(ValueError, match="last line is not JSON"):
+        parse_peer_output('{"per_round_s": [1]}\nTraceback...', "pfl")
+    with pytest.raises(ValueError, match="per_round_s must be a non-empty list"):
+        parse_peer_output('{"per_round_s": []}', "pfl")
+    with pytest.raises(ValueError, match="accuracy must be a number"):
+        parse_peer_output('{"per_round_s": [0.1], "accuracy": "high"}', "pfl")
+    assert parse_peer_output('log\n{"per_round_s": [0.1, 0.2], "accuracy": 0.5}', "pfl")["accuracy"] == 0.5
+
+    # a peer whose python fails: the run stops with the peer named and its log's end
+    broken = tmp_path / "brokenpython"
+    broken.write_text("#!/bin/sh\necho 'no module named pfl' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    res = _bench(tmp_path, "--quick", "--workloads", "W1", "--repeats", "1",
+                 env_extra={"FEDHOP_PFL_PYTHON": str(broken)})
+    assert res.returncode != 0 and "pfl failed (exit 3)" in res.stderr and "no module named pfl" in res.stderr
+
+
+@pytest.mark.parametrize("flags, message", [(["--workloads", "W9"], "unknown W9"),
+                                            (["--seeds", "a,b"], "expected comma-separated integers"),
+                                            (["--rounds", "1"], "--rounds must be >= 2")])
+def test_bad_flags_exit_2(tmp_path, flags, message):
+    res = _bench(tmp_path, "--quick", *flags)
+    assert res.returncode == 2 and message in res.stderr
