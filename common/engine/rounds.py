@@ -74,7 +74,7 @@ def local_update(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.
         s = private.settings(cfg)
         ctx.sample_dp = SampleDP(s.clip_norm, s.z, GaussianSource(s.secure, cfg.run.seed, "dpsgd", cid, "round", round,
                                                                    "step", step))
-        apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/engine/heterogeneity.py)
+    apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/engine/heterogeneity.py)
     started = time.perf_counter()
     reply = algorithm.client_update(ctx, message)
     if private.enabled(cfg):   # client and local DP: the client clips (and noises) its own update

@@ -38,7 +38,14 @@ if ! ls wheelhouse/*.whl >/dev/null 2>&1; then
     elif [ -w /var/cache ]; then cache=/var/cache/fedhop-deploy/wheelhouse$suffix
     else cache=${XDG_CACHE_HOME:-$HOME/.cache}/fedhop/wheelhouse$suffix
     fi
-    ls "$cache"/*.whl >/dev/null 2>&1 || deploy/docker/wheelhouse.sh "$cache"
+    # the cache holds the wheels of the requirements it was filled for (its .requirements stamp): a
+    # changed dependency list (or torch source) fills in what is missing, as the first build did
+    want=$(${PYTHON:-python3} -c 'import hashlib, tomllib; print(hashlib.sha256("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]).encode()).hexdigest())')
+    want="$want ${TORCH_SPEC:-} ${TORCH_INDEX_URL:-}"
+    if ! ls "$cache"/*.whl >/dev/null 2>&1 || [ "$(cat "$cache/.requirements" 2>/dev/null)" != "$want" ]; then
+        deploy/docker/wheelhouse.sh "$cache"
+        echo "$want" > "$cache/.requirements"
+    fi
     mkdir -p wheelhouse
     linked=()
     for w in "$cache"/*.whl; do linked+=("wheelhouse/$(basename "$w")"); done
