@@ -70,7 +70,7 @@ def test_bench_help_lists_every_subcommand():
     out = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "bench", "--help"], capture_output=True,
                          text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert set(BENCHMARKS) == {"transport", "compute", "scale", "growth", "gpu", "large", "flower"}
+    assert set(BENCHMARKS) == {"transport", "compute", "scale", "growth", "gpu", "large", "flower", "peers"}
     for name in BENCHMARKS:
         assert re.search(rf"\b{name}\b", out.stdout.split("positional arguments")[1]), name
 
