@@ -24,6 +24,7 @@ import torch
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.local import get_params
 from fedhop.common.config import Config
+from fedhop.common.privacy import edges as dp_edges
 from fedhop.common.processors.compressors.downlink import DownlinkReceiver, DownlinkSender, downlink_coding
 from fedhop.common.processors.compressors.ef21 import message_for as ef21_reset_message
 from fedhop.common.processors.compressors.ef21 import take_reset
@@ -190,10 +191,12 @@ class EdgeAggregator:
         sampled = list(control_of(message).clients)   # the server's sample in this edge's cluster
         message = without_control(message)           # what the clients get: the server's tensors and scalars
         self.check_sampled(sampled)
+        dp_edges.begin_round(self.algorithm, message)   # [privacy]: the round's clipping norm C
         partial, failures = self.hierfavg(round, sampled, message)
         if partial is None:
             raise HandlerError("NO_RESULTS", f"none of {self.endpoint.node_id}'s {len(sampled)} sampled clients "
                                              f"returned a result: {failures}")
+        partial = dp_edges.release(self.algorithm, partial, len(sampled), self.index, round)   # noise_at = "edges"
         partial.control = failures_control(failures)
         gone = self.unavailable_processes()   # reported to the server, which samples around their clients
         partial.control.clients.extend(sorted(c for c, (node, _) in self.client_home.items() if node in gone))

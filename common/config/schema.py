@@ -322,7 +322,8 @@ class PrivacyConfig:
     dp-accounting after every round."""
 
     mode: str = _f("none", choices=("none", "central", "client", "local", "dpsgd"), help=(
-        "none; central (DP-FedAvg, McMahan et al. 2018: the server clips each client's update to clip_norm and "
+        "none; central (DP-FedAvg, McMahan et al. 2018: the server (behind edges: each edge) clips each client's "
+        "update to clip_norm and "
         "adds N(0, (noise_multiplier * C)^2) to their sum); client (each client clips its own update, the server "
         "adds the noise: a trusted aggregator); local (each client clips and adds the noise to its own update); "
         "dpsgd (sample-level DP-SGD inside each client, Abadi et al. 2016: each example's gradient clipped to "
@@ -354,6 +355,10 @@ class PrivacyConfig:
         "(noise_multiplier is set before the run, with dp-accounting, so run.rounds rounds spend it)"))
     secure_noise: bool = _f(False, help="draw the noise from the operating system's cryptographically secure "
                                         "generator (os.urandom) instead of the run's seeded stream")
+    noise_at: str = _f("server", choices=("server", "edges"), help=(
+        "behind edges (topology.kind = 'hierarchical'), central and client modes: server (the server adds "
+        "N(0, (z C)^2) to the sum of the edges' partial sums) or edges (each edge adds its share "
+        "N(0, (z C)^2 n_e / m) to its cluster's sum, so the server never sees an un-noised sum; docs/privacy.md)"))
 
 
 @dataclass

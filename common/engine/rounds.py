@@ -79,7 +79,7 @@ def local_update(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.
     reply = algorithm.client_update(ctx, message)
     if private.enabled(cfg):   # client and local DP: the client clips (and noises) its own update
         reply = private.clip_reply(private.settings(cfg), reply, message, algorithm.reply_reduce, cfg.run.seed, cid,
-                                   round)
+                                   round, step)
     reply.scalars[COMPUTE_KEY] = time.perf_counter() - started
     return reply
 

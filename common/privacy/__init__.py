@@ -10,5 +10,7 @@ from the roles.
   noise multiplier calibrated to a target epsilon;
 - mechanism.py: the mechanism a run applies: the server's clipped, noised aggregate
   (`PrivateAggregate`), a client's clipped (and, for local DP, noised) update, and the
-  per-round records (`ServerPrivacy`).
+  per-round records (`ServerPrivacy`);
+- edges.py: the mechanism behind edges (hierarchical): the edges clip in central mode, and the
+  round's noise is added by the server or in shares by the edges (`privacy.noise_at`).
 """

@@ -33,6 +33,7 @@ import torch
 
 from fedhop.common.privacy.adaptive import next_clip_norm, update_noise_multiplier
 from fedhop.common.privacy.clip import clip_update
+from fedhop.common.privacy.edges import edges_noise, top_up_share
 from fedhop.common.privacy.noise import GaussianSource, add_noise
 from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload, ReduceOp, reduce_payloads
 
@@ -64,6 +65,9 @@ class PrivacySettings:
     quantile: float
     clip_lr: float
     calibrated: bool = False
+    noise_at: str = "server"   # behind edges: who adds the noise of the sum (common/privacy/edges.py)
+    edges: bool = False        # the topology's edges receive the clients' updates (and clip in central mode)
+    releases: int = 1          # releases of a client's update a round (hierarchical: kappa2 edge iterations)
 
     @property
     def adaptive(self) -> bool:
@@ -83,20 +87,26 @@ def settings(cfg: Any) -> PrivacySettings:
     """The run's resolved privacy settings (the calibration, where asked, done once per process:
     every process computes the same z from the same config)."""
     from fedhop.common.config.schema import resolve_clients_per_round
+    from fedhop.common.privacy.edges import releases_per_round
+    from fedhop.common.topologies import spec_for
     p = cfg.privacy
     m = resolve_clients_per_round(cfg)
+    edges = spec_for(cfg.topology.kind).robust == "edge"
+    releases = releases_per_round(cfg)
     sigma_b = p.clipped_count_stddev or m / 20.0
     z, calibrated = p.noise_multiplier, False
     if p.target_epsilon > 0 and p.on_target == "calibrate":
-        z = _calibrated(p.target_epsilon, p.delta, cfg.run.rounds, m, cfg.clients.count, p.accountant, p.sampling,
-                        p.mode == "local")
+        local = p.mode == "local"   # a client's releases: kappa2 a round behind edges
+        z = _calibrated(p.target_epsilon, p.delta, cfg.run.rounds * (releases if local else 1), m, cfg.clients.count,
+                        p.accountant, p.sampling, local)
         calibrated = True
     z_update = update_noise_multiplier(z, sigma_b) if p.clipping == "adaptive" else z
     return PrivacySettings(mode=p.mode, clipping=p.clipping, clip_norm=p.clip_norm, z=z, z_update=z_update,
                            sigma_b=sigma_b, expected=m, population=cfg.clients.count, rounds=cfg.run.rounds,
                            delta=p.delta, accountant=p.accountant, sampling=p.sampling,
                            target_epsilon=p.target_epsilon, on_target=p.on_target, secure=p.secure_noise,
-                           quantile=p.target_quantile, clip_lr=p.clip_lr, calibrated=calibrated)
+                           quantile=p.target_quantile, clip_lr=p.clip_lr, calibrated=calibrated,
+                           noise_at=p.noise_at, edges=edges, releases=releases)
 
 
 @lru_cache(maxsize=8)
@@ -113,10 +123,12 @@ def update_names(tensors: Mapping[str, torch.Tensor], ops: Mapping[str, ReduceOp
 
 # ----------------------------------------------------------------------------- the client's side
 def clip_reply(s: PrivacySettings, reply: Payload, message: Payload, ops: Mapping[str, ReduceOp], seed: int,
-               client: int, round: int) -> Payload:
+               client: int, round: int, step: int = 0) -> Payload:
     """A client's reply under client or local mode: its update clipped to this round's C (the
     broadcast's `dp_clip_norm`, else privacy.clip_norm), b_i reported (client mode), and in local
-    mode N(0, (z C)^2) added from the client's own stream ("privacy", "client", id, "round", r)."""
+    mode N(0, (z C)^2) added from the client's own stream ("privacy", "client", id, "round", r),
+    with ("step", k) after it for a later call of the round (an edge iteration k > 0: each
+    release its own noise)."""
     if s.mode not in ("client", "local"):
         return reply
     bound = float(message.scalars.get(CLIP_KEY, s.clip_norm))
@@ -126,7 +138,8 @@ def clip_reply(s: PrivacySettings, reply: Payload, message: Payload, ops: Mappin
     if s.mode == "client":
         scalars[UNCLIPPED_KEY] = 1.0 if within else 0.0
     else:
-        source = GaussianSource(s.secure, seed, "client", client, "round", round)
+        names_of_stream: tuple[str | int, ...] = ("client", client, "round", round) + (("step", step) if step else ())
+        source = GaussianSource(s.secure, seed, *names_of_stream)
         tensors = add_noise(tensors, s.z * bound, source, names)
     return Payload(tensors=tensors, scalars=scalars, control=reply.control)
 
@@ -138,7 +151,7 @@ class Release:
 
     clip_norm: float
     replies: int
-    unclipped: float
+    unclipped: float | None   # None where the edges noised the count before the server saw it
     noisy_unclipped: float | None
 
 
@@ -174,14 +187,15 @@ class PrivateAggregate:
             return out
         source = GaussianSource(self.s.secure, self.seed, "server", "round", self.round)
         noisy = None
+        share = top_up_share(self.s, out)   # the variance fraction left to the server (1: all of it)
         if self.s.server_noise:
-            out.tensors.update(add_noise(out.tensors, self.s.z_update * self.clip_norm, source,
+            out.tensors.update(add_noise(out.tensors, self.s.z_update * self.clip_norm * math.sqrt(share), source,
                                          update_names(out.tensors, self.ops)))
             out.scalars[WEIGHT_KEY] = float(self.s.expected)   # the fixed denominator q W = m
             if self.s.adaptive:
-                noisy = unclipped + source.scalar(self.s.sigma_b)
+                noisy = unclipped + source.scalar(self.s.sigma_b * math.sqrt(share))
         out.scalars[UNCLIPPED_KEY] = unclipped
-        self.last = Release(self.clip_norm, len(items), unclipped, noisy)
+        self.last = Release(self.clip_norm, len(items), None if edges_noise(self.s) else unclipped, noisy)
         return out
 
 
@@ -200,12 +214,14 @@ class ServerPrivacy:
         self.stopped = False
 
     def broadcast_scalars(self) -> dict[str, float]:
-        """What the round's message carries for the clients (client and local modes): C."""
-        return {CLIP_KEY: self.aggregate.clip_norm} if self.s.mode in ("client", "local") else {}
+        """What the round's message carries for the clients (client and local modes) and for the
+        edges that clip (central mode behind edges): C."""
+        carries = self.s.mode in ("client", "local") or (self.s.edges and self.s.mode == "central")
+        return {CLIP_KEY: self.aggregate.clip_norm} if carries else {}
 
     def _local(self, most: int) -> float:
         from fedhop.common.privacy.accountant import local_epsilon
-        return local_epsilon(most, self.s.z, self.s.delta, self.s.accountant)
+        return local_epsilon(most * self.s.releases, self.s.z, self.s.delta, self.s.accountant)
 
     def _sample_level(self, participations: Mapping[int, int]) -> float:
         """DP-SGD: the largest sample-level epsilon over the clients that took part (common/privacy/dpsgd.py)."""
@@ -214,7 +230,8 @@ class ServerPrivacy:
         out = 0.0
         for c, k in participations.items():
             steps, rate = self.local_work(c)
-            out = max(out, sample_level_epsilon(rate, steps * k, self.s.z, self.s.delta, self.s.accountant))
+            out = max(out, sample_level_epsilon(rate, steps * k * self.s.releases, self.s.z, self.s.delta,
+                                                self.s.accountant))
         return out
 
     def would_exceed(self) -> bool:
@@ -249,7 +266,7 @@ class ServerPrivacy:
             "privacy_noise_multiplier": self.s.z,
             "privacy_clip_norm": release.clip_norm if release is not None else self.aggregate.clip_norm,
         })
-        if release is not None and self.s.mode in ("central", "client"):
+        if release is not None and self.s.mode in ("central", "client") and release.unclipped is not None:
             metrics["privacy_unclipped"] = release.unclipped
         if self.s.adaptive and release is not None and release.noisy_unclipped is not None:
             metrics["privacy_noisy_unclipped"] = release.noisy_unclipped
@@ -289,7 +306,9 @@ class ServerPrivacy:
                 "sampling": self.s.sampling, "rounds_accounted": self.accountant.rounds,
                 "noise_source": "os.urandom (secure)" if self.s.secure else "seeded (run.seed)",
                 "target_epsilon": self.s.target_epsilon or None, "stopped_at_target": self.stopped,
-                "denominator": "fixed: clients.per_round" if self.s.server_noise else "replies"}
+                "denominator": "fixed: clients.per_round" if self.s.server_noise else "replies",
+                "noise_at": ("edges" if edges_noise(self.s) else "server") if self.s.server_noise else "clients",
+                "releases_per_round": self.s.releases}
 
 
 def finite_or_none(x: float) -> float | None:

@@ -15,8 +15,8 @@ def config_problem(cfg: Any) -> str | None:
             if getattr(p, key):
                 return (f"config key 'privacy.{key}': got {getattr(p, key)}, but privacy.mode is 'none' (set "
                         f"privacy.mode = 'central', 'client' or 'local')")
-        if p.clipping != "fixed" or p.secure_noise:
-            key = "clipping" if p.clipping != "fixed" else "secure_noise"
+        if p.clipping != "fixed" or p.secure_noise or p.noise_at != "server":
+            key = "clipping" if p.clipping != "fixed" else "secure_noise" if p.secure_noise else "noise_at"
             return f"config key 'privacy.{key}': needs privacy.mode (it is 'none')"
         return None
     if p.clip_norm <= 0:
@@ -46,11 +46,21 @@ def config_problem(cfg: Any) -> str | None:
             return (f"config key 'privacy.clipped_count_stddev': sigma_b = {sigma_b:g} leaves no noise for the update: "
                     f"z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2 needs 2 sigma_b > privacy.noise_multiplier = "
                     f"{p.noise_multiplier}")
-    if not _per_round_groups(cfg.topology.kind):
+    grouping = _grouping(cfg.topology.kind)
+    if grouping not in ("round", "edge"):
         from fedhop.common.topologies import builtin_specs
-        kinds = ", ".join(f"'{k}'" for k, spec in builtin_specs().items() if spec.robust == "round")
-        return (f"config key 'privacy.mode': '{p.mode}' needs a topology whose server receives each sampled "
-                f"client's update apart, one group per round (topology.kind = {kinds}), got '{cfg.topology.kind}'")
+        kinds = ", ".join(f"'{k}'" for k, spec in builtin_specs().items() if spec.robust in ("round", "edge"))
+        return (f"config key 'privacy.mode': '{p.mode}' needs a topology whose server (or whose edges) receive "
+                f"each sampled client's update apart, one group per round (topology.kind = {kinds}), got "
+                f"'{cfg.topology.kind}'")
+    if grouping == "edge":
+        from fedhop.common.privacy.edges import config_problem as edge_problem
+        problem = edge_problem(cfg)
+        if problem is not None:
+            return problem
+    elif p.noise_at != "server":
+        return (f"config key 'privacy.noise_at': got '{p.noise_at}', but topology.kind = '{cfg.topology.kind}' "
+                f"has no edges; use 'server'")
     if cfg.algorithm.weighting != "uniform" and p.mode != "dpsgd":
         return (f"config key 'algorithm.weighting': got '{cfg.algorithm.weighting}', but privacy.mode = "
                 f"'{p.mode}' needs 'uniform' (each client's clipped update counts once: the sensitivity of the "
@@ -69,14 +79,15 @@ def config_problem(cfg: Any) -> str | None:
     return None
 
 
-def _per_round_groups(kind: str) -> bool:
-    """Whether topology `kind`'s server gets the round's client updates one by one, as one group
-    (its spec's `robust` grouping is "round"): where the mechanism clips each and noises their sum."""
+def _grouping(kind: str) -> str | None:
+    """Where topology `kind` gets the round's client updates one by one, as one group (its spec's
+    `robust` grouping): "round" at the server (star), "edge" at each edge (hierarchical: the edges
+    clip, common/privacy/edges.py), None for neither (the mechanism has no place to clip)."""
     from fedhop.common.topologies import spec_for
     try:
-        return spec_for(kind).robust == "round"
+        return spec_for(kind).robust
     except (KeyError, ValueError):   # an unknown kind: the options check names it
-        return True
+        return "round"
 
 
 def _expected(cfg: Any) -> int:
