@@ -179,3 +179,23 @@ def test_central_dp_behind_edges_is_accounted_as_on_the_star(tmp_path):
         direct.compose(dp_accounting.PoissonSampledDpEvent(sampled / 24, dp_accounting.GaussianDpEvent(0.9)))
     assert metrics["epsilon"] == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
     assert server.summary()["noise_at"] == "edges" and math.isclose(metrics["privacy_sampling_rate"], 6 / 24)
+
+
+def test_dpsgd_behind_edges_charges_each_client_kappa2_times_its_local_steps(tmp_path):
+    """Sample-level DP-SGD with kappa2 = 2: a client that took part in k rounds ran 2 k times its
+    local steps, each a Poisson-sampled Gaussian release at rate B / n (dp-accounting directly)."""
+    z = 1.1
+    cfg = _config(tmp_path, "privacy.mode=dpsgd", "privacy.clip_norm=1.0", f"privacy.noise_multiplier={z}",
+                  "topology.kappa2=2")
+    s = settings(cfg)
+    work = {0: (3, 0.1), 1: (5, 0.25)}   # client: (local steps a round, B / n)
+    server = ServerPrivacy(s, PrivateAggregate({}, s, cfg.run.seed), lambda c: work[c])
+    server.finish_round(1, [0, 1], [0, 1])
+    metrics = server.finish_round(2, [1], [1])
+    expected = 0.0
+    for c, k in ((0, 1), (1, 2)):
+        steps, rate = work[c]
+        direct = dp_accounting.rdp.RdpAccountant()
+        direct.compose(dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(z)), steps * k * 2)
+        expected = max(expected, direct.get_epsilon(1e-5))
+    assert metrics["epsilon"] == pytest.approx(expected, rel=1e-9)
