@@ -39,6 +39,7 @@ class SecAggCluster:
 
     def __init__(self, aggregator: EdgeAggregator) -> None:
         self.agg = aggregator
+        self.first: list[int] = []   # the round's clients at its first iteration
 
     def step(self, round: int, step: int, clients: list[int], message: Payload
              ) -> tuple[Payload | None, dict[int, str]]:
@@ -46,6 +47,8 @@ class SecAggCluster:
         node = agg.endpoint.node_id
         unknown = {c: f"UNKNOWN_CLIENT: client {c} never registered with {node}" for c in clients
                    if c not in agg.client_home}
+        if step == 0:
+            self.first = list(clients)
         clients = [c for c in clients if c not in unknown]
         params = params_of(cfg.secure_aggregation, len(clients), cfg.run.seed)
         number = protocol_round(round, step, getattr(agg.params, "kappa2", 1))
@@ -59,8 +62,9 @@ class SecAggCluster:
                            note=lambda line: log.info("%s round %d step %d secagg %s", node, round, step, line))
         agg.suspect_failed(out.failures)
         failures = {**unknown, **out.failures}
-        if out.partial is None:
-            raise HandlerError(FAILED, failed_message(out.failed or "", node, step, sorted(failures)))
+        if out.partial is None:   # the round's dropouts: this iteration's and the earlier iterations'
+            dropped = set(failures) | (set(self.first) - set(clients))
+            raise HandlerError(FAILED, failed_message(out.failed or "", node, step, sorted(dropped)))
         for cid, why in sorted(out.late.items()):
             log.info("%s round %d: client %d dropped in unmasking, its input is in the sum (%s)", node, round, cid, why)
         return out.partial, failures
