@@ -134,6 +134,11 @@ class EdgeAggregator:
             self._plane = data_plane(self.cfg.transport.kind, EDGE_STEP, self.cfg.topology.kind)(self)
         return self._plane
 
+    def use_plane(self, plane: Any) -> None:
+        """A topology's own EDGE_STEP plane in place of the transport's (its spec's `edge_role`,
+        e.g. secure aggregation behind edges, topologies/hierarchical/secagg_edge.py)."""
+        self._plane = plane
+
     def group(self) -> Any:
         """This edge's side of the group data plane (the torch_* methods): the transport's
         EDGE_STEP plane where it joins groups; a transport that fans out has none."""

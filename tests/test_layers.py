@@ -65,7 +65,7 @@ ALGORITHM_IMPORTERS = ("fedhop.common.algorithms", "fedhop.common.engine.rounds"
 FOLDERS = ("fedhop.topologies", "fedhop.transports")
 # what a topology folder may use of the roles: their parts written for every topology
 ROLE_SHARED = ("fedhop.server.driver", "fedhop.server.sampled", "fedhop.server.group_rounds", "fedhop.edge.aggregator",
-               "fedhop.edge.group_edge", "fedhop.client.host", "fedhop.client.group_worker")
+               "fedhop.edge.group_edge", "fedhop.client.host", "fedhop.client.group_worker", "fedhop.client.secagg")
 NAMED = re.compile(r"^(fedhop(?:\.\w+)+):[\w.]+$")
 
 

@@ -83,7 +83,8 @@ def test_every_registry_reads_the_spec(kind):
     # the edge's role beside its aggregator
     role = spec.edge_role_class()
     assert (None if role is None else f"{role.__module__}:{role.__qualname__}") == \
-        ("fedhop.topologies.sequential.edge:SequentialEdge" if kind == "sequential" else None)
+        {"sequential": "fedhop.topologies.sequential.edge:SequentialEdge",
+         "hierarchical": "fedhop.topologies.hierarchical.secagg_edge:SecAggEdge"}.get(kind)
     # the client's handlers: the common ones and the kind's own, nothing else
     host = ClientHost(cfg, "client-proc0", [0, 1], run_id="")
     assert {str(m) for m in host.router.methods} == BASE_CLIENT_METHODS | EXTRA_CLIENT_METHODS.get(kind, set())

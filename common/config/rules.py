@@ -25,6 +25,7 @@ from fedhop.common.processors.compressors import compressor_class
 from fedhop.common.processors.compressors import config_problem as compression_problem
 from fedhop.common.security.secagg.settings import config_problem as secagg_problem
 from fedhop.common.topologies import TopologySpec, spec_for
+from fedhop.common.topologies.graphs import cluster_assignment
 from fedhop.common.transport.factory import TRANSPORTS
 from fedhop.common.transport.factory import config_problem as transport_problem
 from fedhop.common.util.plugins import PluginError, check_call, entry_point_names, load_plugin
@@ -183,12 +184,24 @@ def _cross_checks(cfg: Config) -> None:
     _raise(transport_problem(cfg))   # the transport's rules
     _raise(algorithm_problem(cfg))   # the algorithm's rules
     _raise(compression_problem(cfg))   # the compressors' rules (common/processors/compressors/__init__.py)
-    _raise(secagg_problem(cfg, resolve_clients_per_round(cfg), tuple(spec.methods) if spec is not None else (),
-                          TRANSPORTS[tr.kind].style if tr.kind in TRANSPORTS else ""))   # common/security/secagg/settings.py
+    per_round, where = _secagg_group(cfg, spec)
+    _raise(secagg_problem(cfg, per_round, tuple(spec.methods) if spec is not None else (),
+                          TRANSPORTS[tr.kind].style if tr.kind in TRANSPORTS else "", where))   # common/security/secagg/settings.py
     _raise(privacy_problem(cfg))   # [privacy]'s rules (common/privacy/rules.py)
     if cfg.privacy.mode != "none" and cfg.secure_aggregation.enabled:
         raise ConfigError(f"config key 'privacy.mode': '{cfg.privacy.mode}' with secure_aggregation.enabled = true: "
                           f"differential privacy's noise on a securely aggregated sum is not built yet (one of the two)")
+
+
+def _secagg_group(cfg: Config, spec: TopologySpec | None) -> tuple[int, str]:
+    """The clients of the smallest secure-aggregation round and what they are: the round's
+    sampled clients in the star; behind edges (each edge runs the protocol for its cluster) the
+    smallest cluster's, capped by the clients per round."""
+    per_round = resolve_clients_per_round(cfg)
+    if spec is None or not spec.edges or not cfg.secure_aggregation.enabled:
+        return per_round, "clients per round"
+    smallest = min(len(group) for group in cluster_assignment(cfg))
+    return min(smallest, per_round), "clients in the smallest cluster"
 
 
 def _device_checks(cfg: Config) -> None:

@@ -300,10 +300,11 @@ class SecureAggregationConfig:
     """Secure aggregation, SecAgg+ (Bell et al. 2020; the complete graph is Bonawitz et al. 2017's
     SecAgg): each star round's sampled clients go through four phases (advertise keys, share keys,
     masked input, unmasking) and the server learns only the sum of their clipped, quantized
-    updates (docs/secure-aggregation.md)."""
+    updates; behind edges each edge runs them for its cluster (docs/secure-aggregation.md)."""
 
     enabled: bool = _f(False, help="run every round's sampled clients through SecAgg+ instead of plain train calls "
-                                   "(star topology; FedAvg-family algorithms with algorithm.weighting = \"uniform\")")
+                                   "(star topology, or hierarchical: each edge for its cluster; FedAvg-family "
+                                   "algorithms with algorithm.weighting = \"uniform\")")
     degree: int = _f(0, min=0, help="neighbours per client in the round's Harary graph; 0 (or >= the clients per "
                                     "round - 1) = the complete graph, SecAgg")
     threshold: int = _f(0, min=0, help="t: shares that reconstruct a client's secret, with 2t > degree and t <= degree; "
@@ -313,6 +314,10 @@ class SecureAggregationConfig:
     clip: float = _f(1.0, min_exclusive=0.0, help="an update is clipped to this L2 norm before quantization")
     quant_bits: int = _f(16, min=1, max=62, help="a coordinate in [-clip, clip] becomes an integer in "
                                                  "[0, 2^quant_bits - 1] by stochastic rounding")
+    dropouts: list = _f(factory=list, help="tests and development only: injected dropouts, each "
+                                           "\"ROUND:PHASE:CLIENT[:ACTION]\" (PHASE advertise, share, masked or unmask; "
+                                           "ACTION refuse, the default: the client's call fails, or exit: its process "
+                                           "ends); docs/secure-aggregation.md")
 
 
 @dataclass

@@ -250,6 +250,15 @@ TORCH_EDGE_REDUCE = Method("torch_edge_reduce", {PARENT})  # the edge's partial 
 REGISTER = Method("register", {ANY}, "control", "Register")      # request.node_id must be the caller
 HEARTBEAT = Method("heartbeat", {ANY}, "control", "Heartbeat")   # request.node_id must be the caller
 
+# -- a client process, [secure_aggregation] (client/secagg.py): SecAgg+'s phases, each its own method,
+# obeyed from the parent (the server in the star, the client's edge behind edges); not core: the
+# topologies that run secure aggregation declare them in their specs' `methods` (star, hierarchical)
+SECAGG_ADVERTISE = Method("secagg_advertise", {PARENT})
+SECAGG_SHARE = Method("secagg_share", {PARENT})
+SECAGG_MASKED = Method("secagg_masked", {PARENT})
+SECAGG_UNMASK = Method("secagg_unmask", {PARENT})
+SECAGG_METHODS = (SECAGG_ADVERTISE, SECAGG_SHARE, SECAGG_MASKED, SECAGG_UNMASK)
+
 declare((TRAIN, PING, SHUTDOWN, STATE_GET, STATE_SET, TORCH_INIT, TORCH_ROUND, TORCH_REDUCE, EDGE_ROUND, TORCH_PROCS,
          TORCH_EDGE_ROUND, TORCH_EDGE_REDUCE, REGISTER, HEARTBEAT), CORE)
 

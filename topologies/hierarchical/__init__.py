@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedhop.common.topologies.spec import TopologySpec
+from fedhop.common.wire.methods import SECAGG_METHODS
 
 
 @dataclass
@@ -46,4 +47,9 @@ SPEC = TopologySpec(
     edges=True,
     robust="edge",
     coded_broadcasts=True,   # edge_round messages from the server, train messages from each edge (compression.down)
+    # secure aggregation behind edges: each edge runs SecAgg+'s four phases for its cluster
+    # ([secure_aggregation], secagg_edge.py; the clients' side client/secagg.py)
+    methods=SECAGG_METHODS,
+    edge_role="fedhop.topologies.hierarchical.secagg_edge:SecAggEdge",
+    client_handlers=("fedhop.client.secagg:secagg_handlers",),
 )

@@ -4,8 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedhop.common.topologies.spec import TopologySpec
-
-from .secagg_methods import METHODS as SECAGG_METHODS
+from fedhop.common.wire.methods import SECAGG_METHODS
 
 
 @dataclass
@@ -22,7 +21,7 @@ SPEC = TopologySpec(
     robust="round",
     engine_rounds=True,
     coded_broadcasts=True,   # the server's fan-out codes each process's train message (compression.down)
-    # secure aggregation's four phases ([secure_aggregation], secagg_plane.py, secagg_client.py)
+    # secure aggregation's four phases ([secure_aggregation], secagg_plane.py; the clients' side client/secagg.py)
     methods=SECAGG_METHODS,
-    client_handlers=("fedhop.topologies.star.secagg_client:secagg_handlers",),
+    client_handlers=("fedhop.client.secagg:secagg_handlers",),
 )

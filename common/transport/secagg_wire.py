@@ -1,22 +1,17 @@
 """Secure aggregation's messages (docs/secure-aggregation.md): a phase's protocol bytes
 (common/security/secagg/messages.py) travel as one uint8 tensor, PROTOCOL, under the phase's own
-method (secagg_methods.py); the masked-input request carries the round's model beside it."""
+method (`BY_PHASE`, common/wire/methods.py); the masked-input request carries the model beside it."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from fedhop.common.security.secagg.messages import PHASES
 from fedhop.common.wire.message import Payload
-from fedhop.topologies.star.secagg_methods import (  # noqa: F401  # the phases' methods, re-exported
-    METHODS,
-    SECAGG_ADVERTISE,
-    SECAGG_MASKED,
-    SECAGG_SHARE,
-    SECAGG_UNMASK,
-)
+from fedhop.common.wire.methods import SECAGG_METHODS
 
-BY_PHASE = dict(zip(("advertise", "share", "masked", "unmask"), METHODS))
 PROTOCOL = "secagg"   # the tensor that holds a phase's protocol bytes
+BY_PHASE = dict(zip(PHASES, SECAGG_METHODS))
 
 
 def wrap(raw: bytes, base: Payload | None = None) -> Payload:
