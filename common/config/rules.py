@@ -185,10 +185,7 @@ def _cross_checks(cfg: Config) -> None:
     _raise(compression_problem(cfg))   # the compressors' rules (common/processors/compressors/__init__.py)
     _raise(secagg_problem(cfg, resolve_clients_per_round(cfg), tuple(spec.methods) if spec is not None else (),
                           TRANSPORTS[tr.kind].style if tr.kind in TRANSPORTS else ""))   # common/security/secagg/settings.py
-    _raise(privacy_problem(cfg))   # [privacy]'s rules (common/privacy/rules.py)
-    if cfg.privacy.mode != "none" and cfg.secure_aggregation.enabled:
-        raise ConfigError(f"config key 'privacy.mode': '{cfg.privacy.mode}' with secure_aggregation.enabled = true: "
-                          f"differential privacy's noise on a securely aggregated sum is not built yet (one of the two)")
+    _raise(privacy_problem(cfg))   # [privacy]'s rules, with secure aggregation's too (common/privacy/rules.py)
 
 
 def _device_checks(cfg: Config) -> None:

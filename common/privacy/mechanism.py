@@ -17,6 +17,13 @@ replies and its server step.
 - dpsgd: sample-level DP-SGD inside each client (dpsgd.py); the server aggregates as usual and
   records the largest per-client sample-level epsilon.
 
+With secure aggregation (`[secure_aggregation]`, SecAgg+) the server sees only the sum, so in
+central and client modes alike each client clips its own update, in its masked-input phase, before
+SecAgg+ quantizes it (topologies/star/secagg_client.py: to the bound that keeps the dequantized
+update within C, common/security/secagg/quantize.py `private_bound`), and reports b_i as one more
+integer coordinate of its masked input; the server receives the unmasked sum as one partial
+result (with the sum of the b_i) and adds the same noise with the same fixed denominator.
+
 Adaptive clipping (adaptive.py) rides on central and client: b_i = 1[||Delta_i|| <= C] is
 counted (by the server in central mode, reported by the client as the `dp_unclipped` scalar in
 client mode), the server adds N(0, sigma_b^2) to the count and moves C for the next round; the
@@ -64,6 +71,7 @@ class PrivacySettings:
     quantile: float
     clip_lr: float
     calibrated: bool = False
+    secure_sum: bool = False   # [secure_aggregation]: the server receives the clients' updates only summed
 
     @property
     def adaptive(self) -> bool:
@@ -73,6 +81,12 @@ class PrivacySettings:
     def server_noise(self) -> bool:
         """Whether the server adds the noise to the sum (central and client modes)."""
         return self.mode in ("central", "client")
+
+    @property
+    def clients_clip(self) -> bool:
+        """Whether the clients clip their own updates to C: client and local modes, and central
+        mode under secure aggregation (the server never sees an update to clip)."""
+        return self.mode in ("client", "local") or (self.mode == "central" and self.secure_sum)
 
 
 def enabled(cfg: Any) -> bool:
@@ -96,7 +110,8 @@ def settings(cfg: Any) -> PrivacySettings:
                            sigma_b=sigma_b, expected=m, population=cfg.clients.count, rounds=cfg.run.rounds,
                            delta=p.delta, accountant=p.accountant, sampling=p.sampling,
                            target_epsilon=p.target_epsilon, on_target=p.on_target, secure=p.secure_noise,
-                           quantile=p.target_quantile, clip_lr=p.clip_lr, calibrated=calibrated)
+                           quantile=p.target_quantile, clip_lr=p.clip_lr, calibrated=calibrated,
+                           secure_sum=bool(getattr(getattr(cfg, "secure_aggregation", None), "enabled", False)))
 
 
 @lru_cache(maxsize=8)
@@ -116,8 +131,10 @@ def clip_reply(s: PrivacySettings, reply: Payload, message: Payload, ops: Mappin
                client: int, round: int) -> Payload:
     """A client's reply under client or local mode: its update clipped to this round's C (the
     broadcast's `dp_clip_norm`, else privacy.clip_norm), b_i reported (client mode), and in local
-    mode N(0, (z C)^2) added from the client's own stream ("privacy", "client", id, "round", r)."""
-    if s.mode not in ("client", "local"):
+    mode N(0, (z C)^2) added from the client's own stream ("privacy", "client", id, "round", r).
+    Under secure aggregation the central and client modes' clipping is the masked-input phase's
+    (before quantization: topologies/star/secagg_client.py), so the reply leaves here unchanged."""
+    if s.mode not in ("client", "local") or (s.secure_sum and s.mode == "client"):
         return reply
     bound = float(message.scalars.get(CLIP_KEY, s.clip_norm))
     names = update_names(reply.tensors, ops)
@@ -200,8 +217,8 @@ class ServerPrivacy:
         self.stopped = False
 
     def broadcast_scalars(self) -> dict[str, float]:
-        """What the round's message carries for the clients (client and local modes): C."""
-        return {CLIP_KEY: self.aggregate.clip_norm} if self.s.mode in ("client", "local") else {}
+        """What the round's message carries for the clients where they clip (`clients_clip`): C."""
+        return {CLIP_KEY: self.aggregate.clip_norm} if self.s.clients_clip else {}
 
     def _local(self, most: int) -> float:
         from fedhop.common.privacy.accountant import local_epsilon
@@ -289,7 +306,8 @@ class ServerPrivacy:
                 "sampling": self.s.sampling, "rounds_accounted": self.accountant.rounds,
                 "noise_source": "os.urandom (secure)" if self.s.secure else "seeded (run.seed)",
                 "target_epsilon": self.s.target_epsilon or None, "stopped_at_target": self.stopped,
-                "denominator": "fixed: clients.per_round" if self.s.server_noise else "replies"}
+                "denominator": "fixed: clients.per_round" if self.s.server_noise else "replies",
+                "aggregation": "secure (SecAgg+): noise on the unmasked sum" if self.s.secure_sum else "plain"}
 
 
 def finite_or_none(x: float) -> float | None:

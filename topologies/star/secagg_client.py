@@ -16,6 +16,7 @@ from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
 
+from .secagg_privacy import client_input
 from .secagg_wire import BY_PHASE, PROTOCOL, flatten, unwrap, wrap
 
 
@@ -47,7 +48,9 @@ class SecAggHost:
                                 scalars=dict(request.payload.scalars))
                 reply = self.host.train(cid, int(env.round), model, int(env.step))
                 names = sorted(model.tensors)
-                return wrap(client.masked(raw, flatten(reply.tensors, names)))
+                flat = flatten(reply.tensors, names)
+                bound, extra = client_input(self.host.cfg, client.params, model, flat)   # [privacy] (secagg_privacy.py)
+                return wrap(client.masked(raw, flat, bound, extra))
             out = wrap(client.unmask(raw))
             with self.lock:
                 self.clients.pop(cid, None)

@@ -11,10 +11,12 @@ short as any round without results and run.on_short_round retries or skips it).
 
 The partial: the dequantized sum of the unmasked clients' deltas, with `weight` = `num_results` =
 their number (uniform weighting: each weight is 1, so the weight needs no masking), which the
-algorithm's server step reads as the mean of the deltas (common/wire/message.py, partial results)."""
+algorithm's server step reads as the mean of the deltas (common/wire/message.py, partial results).
+Under [privacy] (central or client mode) the masked inputs carry one more coordinate, each client's
+clipped-count bit, and the partial its sum (secagg_privacy.py); the private aggregate then noises
+the partial and sets the fixed denominator (common/privacy/mechanism.py)."""
 from __future__ import annotations
 
-from fedhop.common.security.secagg import quantize
 from fedhop.common.security.secagg.errors import SecAggFailure
 from fedhop.common.security.secagg.server import SecAggServer
 from fedhop.common.security.secagg.settings import params_of
@@ -24,6 +26,7 @@ from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload
 from fedhop.server.driver import DriverContext
 from fedhop.server.sampled import DataPlane, SampledRounds
 
+from .secagg_privacy import extras, split_sum
 from .secagg_wire import BY_PHASE, unflatten, unwrap, wrap
 
 PHASES = ("advertise", "share", "masked", "unmask")
@@ -45,7 +48,7 @@ class SecAggFanout(DataPlane):
             why = f"SECAGG_PARAMETERS: {problems[0]} ({n} clients sampled)"
             ctx.records.store.add_event("secagg_failed", node="server", detail=why, round=round)
             return {}, {}
-        server = SecAggServer(params, d, round)
+        server = SecAggServer(params, d + extras(ctx.run.cfg), round)   # [privacy]: b_i's coordinate (secagg_privacy.py)
         collect = {"advertise": server.collect_advertise, "share": server.collect_share,
                    "masked": server.collect_masked, "unmask": server.collect_unmask}
         make = {"advertise": server.advertise_requests, "share": server.share_requests,
@@ -70,9 +73,9 @@ class SecAggFanout(DataPlane):
             ctx.records.store.add_event("secagg_late_dropout", node=client_node(cid), detail=why, round=round)
         assert result is not None
         m = len(result.clients)
-        total = quantize.dequantize_sum(result.total, m, params.clip, params.quant_bits)
+        total, private = split_sum(result.total, m, d, params)
         partial = Payload(tensors=unflatten(total, message.tensors, names),
-                          scalars={WEIGHT_KEY: float(m), COUNT_KEY: m})
+                          scalars={WEIGHT_KEY: float(m), COUNT_KEY: m, **private})
         return {0: partial}, failures
 
     def _fan_out(self, round: int, phase: str, sampled: list[int], requests: dict[int, bytes], message: Payload):
