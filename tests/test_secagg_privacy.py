@@ -39,7 +39,7 @@ def test_the_bound_before_quantization_keeps_the_dequantized_update_within_c():
     exceeds C; clipped to C itself, rounding takes some past C (the slack is needed)."""
     d, clip, bits, c = 64, 1.0, 6, 0.8
     rng = np.random.default_rng(7)
-    bound = quantize.private_bound(c, d, clip, bits)
+    bound = quantize.private_bound(c, d, clip, 2 * clip / 63)
     assert bound == pytest.approx(c - 8 * 2 / 63)
     worst_bounded, worst_plain = 0.0, 0.0
     for i in range(2000):
@@ -68,7 +68,7 @@ def test_the_clipped_count_is_an_extra_coordinate_summed_exactly(phase):
     params = SecAggParams(n=n, degree=0, threshold=4, modulus_bits=24, clip=2.0, quant_bits=12, seed=11)
     rng = np.random.default_rng(5)
     ups = {u: rng.normal(0, 1, d) * (0.1 if u % 2 else 0.5) for u in range(n)}   # norms ~0.55 and ~2.7
-    bound = quantize.private_bound(c, d, params.clip, params.quant_bits)
+    bound = quantize.private_bound(c, d, params.clip, params.integer_code.step)
     bits = {u: np.array([int(np.linalg.norm(x) <= c)]) for u, x in ups.items()}
     assert 0 < sum(int(b[0]) for b in bits.values()) < n
     drop = {phase: {1, 4}} if phase else {}

@@ -16,6 +16,9 @@ naming the key.  The loader (common/config/parse.py `config_from_dict`) runs the
 """
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 from fedhop.common.algorithms import config_problem as algorithm_problem
 from fedhop.common.algorithms import edge_step_problem, partial_exchange_algorithms, registry
 from fedhop.common.config.schema import Config, ConfigError, resolve_clients_per_round
@@ -184,8 +187,25 @@ def _cross_checks(cfg: Config) -> None:
     _raise(algorithm_problem(cfg))   # the algorithm's rules
     _raise(compression_problem(cfg))   # the compressors' rules (common/processors/compressors/__init__.py)
     _raise(secagg_problem(cfg, resolve_clients_per_round(cfg), tuple(spec.methods) if spec is not None else (),
-                          TRANSPORTS[tr.kind].style if tr.kind in TRANSPORTS else ""))   # common/security/secagg/settings.py
+                          TRANSPORTS[tr.kind].style if tr.kind in TRANSPORTS else "",
+                          _compression_resolved(cfg)))   # common/security/secagg/settings.py
     _raise(privacy_problem(cfg))   # [privacy]'s rules, with secure aggregation's too (common/privacy/rules.py)
+
+
+def _compression_resolved(cfg: Config) -> Any:
+    """`cfg.compression` with its compressor's keys resolved (`params`, defaults included), which the
+    options check sets only later: secure aggregation's code reads them (rounding's bits, QSGD's
+    levels)."""
+    comp = cfg.compression
+    try:
+        cls = compressor_class(comp.up)
+    except (KeyError, ValueError):   # an unknown name: the options check names it
+        return comp
+    if cls is None:
+        return comp
+    out = copy.copy(comp)
+    out.params, _ = build_dataclass(cls, comp.options, "compression")   # type: ignore[attr-defined]
+    return out
 
 
 def _device_checks(cfg: Config) -> None:

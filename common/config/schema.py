@@ -300,7 +300,7 @@ class SecureAggregationConfig:
     """Secure aggregation, SecAgg+ (Bell et al. 2020; the complete graph is Bonawitz et al. 2017's
     SecAgg): each star round's sampled clients go through four phases (advertise keys, share keys,
     masked input, unmasking) and the server learns only the sum of their clipped, quantized
-    updates (docs/secure-aggregation.md)."""
+    updates (docs/secure-aggregation.md); with [privacy] it noises that sum (docs/privacy.md)."""
 
     enabled: bool = _f(False, help="run every round's sampled clients through SecAgg+ instead of plain train calls "
                                    "(star topology; FedAvg-family algorithms with algorithm.weighting = \"uniform\")")
@@ -309,10 +309,14 @@ class SecureAggregationConfig:
     threshold: int = _f(0, min=0, help="t: shares that reconstruct a client's secret, with 2t > degree and t <= degree; "
                                        "0 = floor(degree / 2) + 1; a neighbourhood tolerates degree - t dropouts")
     modulus_bits: int = _f(32, min=1, max=64, help="R = 2^modulus_bits: the masked values' ring; at least "
-                                                   "quant_bits + ceil(log2(clients per round))")
+                                                   "the code's bits (quant_bits, or compression.up's: rounding's "
+                                                   "bits, ceil(log2(2 qsgd levels + 1)), 1 for sign) + "
+                                                   "ceil(log2(clients per round))")
     clip: float = _f(1.0, min_exclusive=0.0, help="an update is clipped to this L2 norm before quantization")
     quant_bits: int = _f(16, min=1, max=62, help="a coordinate in [-clip, clip] becomes an integer in "
-                                                 "[0, 2^quant_bits - 1] by stochastic rounding")
+                                                 "[0, 2^quant_bits - 1] by stochastic rounding; compression.up = "
+                                                 "rounding, qsgd or sign codes it instead "
+                                                 "(docs/secure-aggregation.md, Compressors)")
 
 
 @dataclass

@@ -35,7 +35,8 @@ class SecAggHost:
             raw = unwrap(request.payload)
             if phase == "advertise":
                 _, _, n = messages.read_advertise_request(raw)
-                client = SecAggClient(params_of(self.host.cfg.secure_aggregation, n, self.host.cfg.run.seed))
+                client = SecAggClient(params_of(self.host.cfg.secure_aggregation, n, self.host.cfg.run.seed,
+                                                        self.host.cfg.compression))
                 with self.lock:
                     self.clients[cid] = client
                 return wrap(client.advertise(raw))

@@ -42,7 +42,7 @@ class SecAggFanout(DataPlane):
         n = len(sampled)
         names = sorted(message.tensors)
         d = sum(message.tensors[k].numel() for k in names)
-        params = params_of(ctx.run.cfg.secure_aggregation, n, ctx.run.cfg.run.seed)
+        params = params_of(ctx.run.cfg.secure_aggregation, n, ctx.run.cfg.run.seed, ctx.run.cfg.compression)
         problems = params.problems()   # a round sampled among fewer live clients than the config's
         if problems:
             why = f"SECAGG_PARAMETERS: {problems[0]} ({n} clients sampled)"

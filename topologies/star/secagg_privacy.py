@@ -41,7 +41,7 @@ def client_input(cfg: Any, params: SecAggParams, message: Payload,
     if not extras(cfg):
         return None, None
     c = float(message.scalars.get(CLIP_KEY, settings(cfg).clip_norm))
-    bound = quantize.private_bound(c, flat.shape[0], params.clip, params.quant_bits)
+    bound = quantize.private_bound(c, flat.shape[0], params.clip, params.integer_code.step)
     if bound <= 0:
         raise ValueError(f"privacy.clip_norm C = {c:g} leaves no room for quantization: sqrt(d) * 2 clip / L = "
                          f"{c - bound:g} with d = {flat.shape[0]}, secure_aggregation.quant_bits = "
@@ -53,6 +53,6 @@ def client_input(cfg: Any, params: SecAggParams, message: Payload,
 def split_sum(total: np.ndarray, count: int, d: int, params: SecAggParams) -> tuple[np.ndarray, dict[str, float]]:
     """The unmasked integer vector of `count` clients as (the dequantized sum of the d update
     coordinates, the partial result's privacy scalars: `dp_unclipped` = sum_i b_i where present)."""
-    summed = quantize.dequantize_sum(total[:d], count, params.clip, params.quant_bits)
+    summed = params.integer_code.decode_sum(total[:d], count)
     scalars = {UNCLIPPED_KEY: float(total[d])} if total.shape[0] > d else {}
     return summed, scalars

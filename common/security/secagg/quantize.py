@@ -32,27 +32,24 @@ def levels(quant_bits: int) -> int:
 
 
 def quantize(update: np.ndarray, clip: float, quant_bits: int, rng: np.random.Generator,
-             bound: float | None = None) -> np.ndarray:
+             bound: float | None = None, top: int | None = None) -> np.ndarray:
     """The update clipped to L2 norm `bound` (default and at most `clip`), as integers in
-    [0, 2^quant_bits - 1] (uint64) over the range [-clip, clip], by stochastic rounding."""
+    [0, L] (uint64) over the range [-clip, clip], by stochastic rounding; L = `top`, else
+    2^quant_bits - 1."""
+    top = top if top is not None else levels(quant_bits)
     norm_bound = clip if bound is None else min(bound, clip)
     x = np.clip(clip_update(np.asarray(update, dtype=np.float64), norm_bound), -clip, clip)
-    y = (x + clip) / (2 * clip) * levels(quant_bits)
+    y = (x + clip) / (2 * clip) * top
     low = np.floor(y)
     q = low + (rng.random(y.shape) < (y - low))
-    return np.minimum(q, levels(quant_bits)).astype(np.uint64)
+    return np.minimum(q, top).astype(np.uint64)
 
 
-def step(clip: float, quant_bits: int) -> float:
-    """One quantization step 2 clip / L: the most a coordinate moves in stochastic rounding."""
-    return 2 * clip / levels(quant_bits)
-
-
-def private_bound(dp_clip: float, d: int, clip: float, quant_bits: int) -> float:
-    """B = min(C - sqrt(d) * 2 clip / L, clip): the L2 bound an update of d coordinates is clipped to
-    before quantization so that its dequantized value has norm at most C (module docstring); <= 0
-    where rounding alone could move it by C (too few quant_bits for d)."""
-    return min(dp_clip - float(np.sqrt(d)) * step(clip, quant_bits), clip)
+def private_bound(dp_clip: float, d: int, clip: float, step: float) -> float:
+    """B = min(C - sqrt(d) * step, clip), step = 2 clip / L: the L2 bound an update of d coordinates
+    is clipped to before quantization so that its dequantized value has norm at most C (module
+    docstring); <= 0 where rounding alone could move it by C (too few levels for d)."""
+    return min(dp_clip - float(np.sqrt(d)) * step, clip)
 
 
 def dequantize_sum(total: np.ndarray, count: int, clip: float, quant_bits: int) -> np.ndarray:
