@@ -136,3 +136,17 @@ def test_sign_code_over_real_processes_is_the_plain_sign_run_bit_for_bit(tmp_pat
                                    "recorder = 'server' AND method = 'secagg_masked.reply'")}
     assert sizes == {4}   # d = 4 coordinates of 1 byte
     assert json.loads((tmp_path / "secure" / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ('[compression]\nup = "topk"\n', "compression.up = 'topk'"),
+    ('[compression]\nup = "qsgd"\nbucket = 8\n', "compression.bucket = 0"),
+    ('[privacy]\nmode = "central"\nclip_norm = 3.0\nnoise_multiplier = 1.0\n', "privacy.clip_norm"),
+])
+def test_bad_combinations_are_one_line_exit_2(tmp_path, extra, needle):
+    """`fedhop run` from a folder outside the checkout: a compressor SecAgg+ cannot sum, QSGD with
+    per-bucket norms, a DP clip norm above secure_aggregation.clip (2.0)."""
+    done = run(tmp_path, "bad", config(True, extra=extra))
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and needle in lines[0], done.stderr
