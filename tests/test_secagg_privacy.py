@@ -105,14 +105,19 @@ def test_a_client_clips_to_the_rounds_c_and_reports_its_bit(tmp_path):
     assert extras(local) == 0 and client_input(local, params, Payload(), flat) == (None, None)
 
 
-@pytest.mark.parametrize("z,c", [(1.1, 0.5), (2.5, 3.0)])
-def test_the_noise_on_the_unmasked_sum_has_std_z_times_c(tmp_path, z, c):
+@pytest.mark.parametrize("z,c,adaptive", [(1.1, 0.5, False), (2.5, 3.0, False), (1.1, 0.5, True)])
+def test_the_noise_on_the_unmasked_sum_has_std_z_times_c(tmp_path, z, c, adaptive):
     """The server's aggregate of one SecAgg+ partial (the unmasked sum of 4 of 5 sampled clients):
-    its tensor minus the partial's is N(0, (z C)^2) noise, the sum of squares over 200,000
+    its tensor minus the partial's is N(0, (z C)^2) noise (adaptive clipping, sigma_b = 1:
+    z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2 in place of z), the sum of squares over 200,000
     coordinates in the chi-square interval at P = 1e-6; the weight is the fixed denominator m = 5
     and the count passes through."""
-    cfg = _config(tmp_path, "privacy.mode=central", f"privacy.clip_norm={c}", f"privacy.noise_multiplier={z}")
+    cfg = _config(tmp_path, "privacy.mode=central", f"privacy.clip_norm={c}", f"privacy.noise_multiplier={z}",
+                  *(["privacy.clipping=adaptive", "privacy.clipped_count_stddev=1.0"] if adaptive else []))
     s = settings(cfg)
+    if adaptive:
+        z = (z ** -2 - 2.0 ** -2) ** -0.5
+        assert s.z_update == pytest.approx(z, rel=1e-12)
     assert s.secure_sum and s.clients_clip
     agg = PrivateAggregate({}, s, cfg.run.seed)
     agg.releases = True
