@@ -20,6 +20,7 @@ from fedhop.common.security.secagg.client import SecAggClient
 from fedhop.common.security.secagg.errors import SecAggFailure, SecAggRefusal
 from fedhop.common.security.secagg.settings import dropout_plan, params_of
 from fedhop.common.transport.base import HandlerError, Request
+from fedhop.common.transport.secagg_privacy import client_input
 from fedhop.common.transport.secagg_wire import BY_PHASE, PROTOCOL, flatten, unwrap, wrap
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
@@ -57,7 +58,8 @@ class SecAggHost:
             raw = unwrap(request.payload)
             if phase == "advertise":
                 _, _, n = messages.read_advertise_request(raw)
-                client = SecAggClient(params_of(self.host.cfg.secure_aggregation, n, self.host.cfg.run.seed))
+                client = SecAggClient(params_of(self.host.cfg.secure_aggregation, n, self.host.cfg.run.seed,
+                                                self.host.cfg.compression))
                 with self.lock:
                     self.clients[cid] = client
                 return wrap(client.advertise(raw))
@@ -70,7 +72,9 @@ class SecAggHost:
                                 scalars=dict(request.payload.scalars))
                 reply = self.host.train(cid, int(env.round), model, int(env.step))
                 names = sorted(model.tensors)
-                return wrap(client.masked(raw, flatten(reply.tensors, names)))
+                flat = flatten(reply.tensors, names)
+                bound, extra = client_input(self.host.cfg, client.params, model, flat)   # [privacy] (secagg_privacy.py)
+                return wrap(client.masked(raw, flat, bound, extra))
             out = wrap(client.unmask(raw))
             with self.lock:
                 self.clients.pop(cid, None)

@@ -16,6 +16,9 @@ naming the key.  The loader (common/config/parse.py `config_from_dict`) runs the
 """
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 from fedhop.common.algorithms import config_problem as algorithm_problem
 from fedhop.common.algorithms import edge_step_problem, partial_exchange_algorithms, registry
 from fedhop.common.config.schema import Config, ConfigError, resolve_clients_per_round
@@ -186,11 +189,29 @@ def _cross_checks(cfg: Config) -> None:
     _raise(compression_problem(cfg))   # the compressors' rules (common/processors/compressors/__init__.py)
     per_round, where = _secagg_group(cfg, spec)
     _raise(secagg_problem(cfg, per_round, tuple(spec.methods) if spec is not None else (),
-                          TRANSPORTS[tr.kind].style if tr.kind in TRANSPORTS else "", where))   # common/security/secagg/settings.py
-    _raise(privacy_problem(cfg))   # [privacy]'s rules (common/privacy/rules.py)
-    if cfg.privacy.mode != "none" and cfg.secure_aggregation.enabled:
-        raise ConfigError(f"config key 'privacy.mode': '{cfg.privacy.mode}' with secure_aggregation.enabled = true: "
-                          f"differential privacy's noise on a securely aggregated sum is not built yet (one of the two)")
+                          TRANSPORTS[tr.kind].style if tr.kind in TRANSPORTS else "", where,
+                          _compression_resolved(cfg)))   # common/security/secagg/settings.py
+    _raise(privacy_problem(cfg))   # [privacy]'s rules, with secure aggregation's too (common/privacy/rules.py)
+    if cfg.privacy.mode != "none" and cfg.secure_aggregation.enabled and edged:
+        raise ConfigError(f"config key 'privacy.mode': '{cfg.privacy.mode}' with secure_aggregation.enabled = true "
+                          f"behind edges (topology.kind = '{topo.kind}'): differential privacy on securely aggregated "
+                          f"sums is built for the star; behind edges use one of the two")
+
+
+def _compression_resolved(cfg: Config) -> Any:
+    """`cfg.compression` with its compressor's keys resolved (`params`, defaults included), which the
+    options check sets only later: secure aggregation's code reads them (rounding's bits, QSGD's
+    levels)."""
+    comp = cfg.compression
+    try:
+        cls = compressor_class(comp.up)
+    except (KeyError, ValueError):   # an unknown name: the options check names it
+        return comp
+    if cls is None:
+        return comp
+    out = copy.copy(comp)
+    out.params, _ = build_dataclass(cls, comp.options, "compression")   # type: ignore[attr-defined]
+    return out
 
 
 def _secagg_group(cfg: Config, spec: TopologySpec | None) -> tuple[int, str]:

@@ -300,7 +300,8 @@ class SecureAggregationConfig:
     """Secure aggregation, SecAgg+ (Bell et al. 2020; the complete graph is Bonawitz et al. 2017's
     SecAgg): each star round's sampled clients go through four phases (advertise keys, share keys,
     masked input, unmasking) and the server learns only the sum of their clipped, quantized
-    updates; behind edges each edge runs them for its cluster (docs/secure-aggregation.md)."""
+    updates; behind edges each edge runs them for its cluster (docs/secure-aggregation.md); with
+    [privacy] the star's server noises that sum (docs/privacy.md)."""
 
     enabled: bool = _f(False, help="run every round's sampled clients through SecAgg+ instead of plain train calls "
                                    "(star topology, or hierarchical: each edge for its cluster; FedAvg-family "
@@ -310,10 +311,14 @@ class SecureAggregationConfig:
     threshold: int = _f(0, min=0, help="t: shares that reconstruct a client's secret, with 2t > degree and t <= degree; "
                                        "0 = floor(degree / 2) + 1; a neighbourhood tolerates degree - t dropouts")
     modulus_bits: int = _f(32, min=1, max=64, help="R = 2^modulus_bits: the masked values' ring; at least "
-                                                   "quant_bits + ceil(log2(clients per round))")
+                                                   "the code's bits (quant_bits, or compression.up's: rounding's "
+                                                   "bits, ceil(log2(2 qsgd levels + 1)), 1 for sign) + "
+                                                   "ceil(log2(clients per round))")
     clip: float = _f(1.0, min_exclusive=0.0, help="an update is clipped to this L2 norm before quantization")
     quant_bits: int = _f(16, min=1, max=62, help="a coordinate in [-clip, clip] becomes an integer in "
-                                                 "[0, 2^quant_bits - 1] by stochastic rounding")
+                                                 "[0, 2^quant_bits - 1] by stochastic rounding; compression.up = "
+                                                 "rounding, qsgd or sign codes it instead "
+                                                 "(docs/secure-aggregation.md, Compressors)")
     dropouts: list = _f(factory=list, help="tests and development only: injected dropouts, each "
                                            "\"ROUND:PHASE:CLIENT[:ACTION]\" (PHASE advertise, share, masked or unmask; "
                                            "ACTION refuse, the default: the client's call fails, or exit: its process "

@@ -17,6 +17,13 @@ replies and its server step.
 - dpsgd: sample-level DP-SGD inside each client (dpsgd.py); the server aggregates as usual and
   records the largest per-client sample-level epsilon.
 
+With secure aggregation (`[secure_aggregation]`, SecAgg+) the server sees only the sum, so in
+central and client modes alike each client clips its own update, in its masked-input phase, before
+SecAgg+ quantizes it (client/secagg.py: to the bound that keeps the dequantized
+update within C, common/security/secagg/quantize.py `private_bound`), and reports b_i as one more
+integer coordinate of its masked input; the server receives the unmasked sum as one partial
+result (with the sum of the b_i) and adds the same noise with the same fixed denominator.
+
 Adaptive clipping (adaptive.py) rides on central and client: b_i = 1[||Delta_i|| <= C] is
 counted (by the server in central mode, reported by the client as the `dp_unclipped` scalar in
 client mode), the server adds N(0, sigma_b^2) to the count and moves C for the next round; the
@@ -68,6 +75,7 @@ class PrivacySettings:
     noise_at: str = "server"   # behind edges: who adds the noise of the sum (common/privacy/edges.py)
     edges: bool = False        # the topology's edges receive the clients' updates (and clip in central mode)
     releases: int = 1          # releases of a client's update a round (hierarchical: kappa2 edge iterations)
+    secure_sum: bool = False   # [secure_aggregation]: the server receives the clients' updates only summed
 
     @property
     def adaptive(self) -> bool:
@@ -77,6 +85,12 @@ class PrivacySettings:
     def server_noise(self) -> bool:
         """Whether the server adds the noise to the sum (central and client modes)."""
         return self.mode in ("central", "client")
+
+    @property
+    def clients_clip(self) -> bool:
+        """Whether the clients clip their own updates to C: client and local modes, and central
+        mode under secure aggregation (the server never sees an update to clip)."""
+        return self.mode in ("client", "local") or (self.mode == "central" and self.secure_sum)
 
 
 def enabled(cfg: Any) -> bool:
@@ -106,7 +120,8 @@ def settings(cfg: Any) -> PrivacySettings:
                            delta=p.delta, accountant=p.accountant, sampling=p.sampling,
                            target_epsilon=p.target_epsilon, on_target=p.on_target, secure=p.secure_noise,
                            quantile=p.target_quantile, clip_lr=p.clip_lr, calibrated=calibrated,
-                           noise_at=p.noise_at, edges=edges, releases=releases)
+                           noise_at=p.noise_at, edges=edges, releases=releases,
+                           secure_sum=bool(getattr(getattr(cfg, "secure_aggregation", None), "enabled", False)))
 
 
 @lru_cache(maxsize=8)
@@ -128,8 +143,10 @@ def clip_reply(s: PrivacySettings, reply: Payload, message: Payload, ops: Mappin
     broadcast's `dp_clip_norm`, else privacy.clip_norm), b_i reported (client mode), and in local
     mode N(0, (z C)^2) added from the client's own stream ("privacy", "client", id, "round", r),
     with ("step", k) after it for a later call of the round (an edge iteration k > 0: each
-    release its own noise)."""
-    if s.mode not in ("client", "local"):
+    release its own noise).  Under secure aggregation the central and client modes' clipping is
+    the masked-input phase's (before quantization: client/secagg.py), so the reply leaves here
+    unchanged."""
+    if s.mode not in ("client", "local") or (s.secure_sum and s.mode == "client"):
         return reply
     bound = float(message.scalars.get(CLIP_KEY, s.clip_norm))
     names = update_names(reply.tensors, ops)
@@ -214,9 +231,9 @@ class ServerPrivacy:
         self.stopped = False
 
     def broadcast_scalars(self) -> dict[str, float]:
-        """What the round's message carries for the clients (client and local modes) and for the
-        edges that clip (central mode behind edges): C."""
-        carries = self.s.mode in ("client", "local") or (self.s.edges and self.s.mode == "central")
+        """What the round's message carries for the clients where they clip (`clients_clip`) and
+        for the edges that clip (central mode behind edges): C."""
+        carries = self.s.clients_clip or (self.s.edges and self.s.mode == "central")
         return {CLIP_KEY: self.aggregate.clip_norm} if carries else {}
 
     def _local(self, most: int) -> float:
@@ -308,7 +325,8 @@ class ServerPrivacy:
                 "target_epsilon": self.s.target_epsilon or None, "stopped_at_target": self.stopped,
                 "denominator": "fixed: clients.per_round" if self.s.server_noise else "replies",
                 "noise_at": ("edges" if edges_noise(self.s) else "server") if self.s.server_noise else "clients",
-                "releases_per_round": self.s.releases}
+                "releases_per_round": self.s.releases,
+                "aggregation": "secure (SecAgg+): noise on the unmasked sum" if self.s.secure_sum else "plain"}
 
 
 def finite_or_none(x: float) -> float | None:

@@ -72,6 +72,15 @@ def config_problem(cfg: Any) -> str | None:
     if sums_in_collective(cfg.transport.kind):
         return (f"config key 'transport.kind': got '{cfg.transport.kind}', which sums the updates in a "
                 f"collective, but privacy.mode = '{p.mode}' clips each update at the server; use 'grpc'")
+    sa = getattr(cfg, "secure_aggregation", None)
+    if sa is not None and sa.enabled and p.mode in ("central", "client") and p.clip_norm > sa.clip:
+        return (f"config key 'privacy.clip_norm': got {p.clip_norm}, above secure_aggregation.clip = {sa.clip}: "
+                f"the quantization range [-clip, clip] must hold an update clipped to C (set "
+                f"secure_aggregation.clip >= privacy.clip_norm)")
+    if sa is not None and sa.enabled and p.mode in ("central", "client") and cfg.compression.up == "sign":
+        return (f"config key 'compression.up': 'sign' with privacy.mode = '{p.mode}': a sign code's update (+-1 per "
+                f"coordinate) has norm sqrt(d) whatever privacy.clip_norm, so noise scaled to C bounds nothing; "
+                f"use 'rounding', 'qsgd' or 'none'")
     if p.mode == "client" and cfg.compression.up != "none":
         return (f"config key 'compression.up': got '{cfg.compression.up}', but privacy.mode = 'client' bounds "
                 f"each update before it is coded; use privacy.mode = 'central' (the server clips the decoded "

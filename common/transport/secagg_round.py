@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fedhop.common.security.secagg import quantize
 from fedhop.common.security.secagg.errors import SecAggFailure
 from fedhop.common.security.secagg.messages import PHASES
 from fedhop.common.security.secagg.params import SecAggParams
@@ -26,6 +25,7 @@ from fedhop.common.security.secagg.server import Aggregate, SecAggServer
 from fedhop.common.transport.fabric import Fabric, Send
 from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload
 
+from .secagg_privacy import split_sum
 from .secagg_wire import BY_PHASE, unflatten, unwrap, wrap
 
 FAILED = "SECAGG_FAILED"   # the error code of an edge round whose SecAgg+ round has no sum
@@ -55,10 +55,12 @@ def protocol_round(round: int, step: int, steps: int) -> int:
 
 def secagg_round(fabric: Fabric, params: SecAggParams, number: int, sampled: list[int], message: Payload,
                  target: Target, model_for: Callable[[int], Payload], *, round: int, timeout: float,
-                 call_timeout: float, note: Callable[[str], None] = lambda line: None) -> Outcome:
+                 call_timeout: float, note: Callable[[str], None] = lambda line: None, extra: int = 0) -> Outcome:
     """The four phases with `sampled` (params.n of them); `model_for(client)`: the model its
     masked-input request carries; `round`: the run's round (the calls' envelope); `note` is
-    told each phase as it completes ("share: 6 of 6 clients replied")."""
+    told each phase as it completes ("share: 6 of 6 clients replied"); `extra`: integer
+    coordinates each masked input carries after the update (secagg_privacy.py `extras`), whose
+    sums the partial carries as scalars."""
     out = Outcome()
     problems = params.problems()   # a round sampled among fewer live clients than the config's
     if problems:
@@ -66,7 +68,7 @@ def secagg_round(fabric: Fabric, params: SecAggParams, number: int, sampled: lis
         return out
     names = sorted(message.tensors)
     d = sum(message.tensors[k].numel() for k in names)
-    server = SecAggServer(params, d, number)
+    server = SecAggServer(params, d + extra, number)
     steps = {"advertise": (server.advertise_requests, server.collect_advertise),
              "share": (server.share_requests, server.collect_share),
              "masked": (server.masked_requests, server.collect_masked),
@@ -98,6 +100,7 @@ def secagg_round(fabric: Fabric, params: SecAggParams, number: int, sampled: lis
         return out
     assert result is not None
     m = len(result.clients)
-    total = quantize.dequantize_sum(result.total, m, params.clip, params.quant_bits)
-    out.partial = Payload(tensors=unflatten(total, message.tensors, names), scalars={WEIGHT_KEY: float(m), COUNT_KEY: m})
+    total, private = split_sum(result.total, m, d, params)
+    out.partial = Payload(tensors=unflatten(total, message.tensors, names),
+                          scalars={WEIGHT_KEY: float(m), COUNT_KEY: m, **private})
     return out

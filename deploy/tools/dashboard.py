@@ -4,7 +4,9 @@ A standard-library HTTP server (a daemon thread) serves one static page, deploy/
 (plain HTML, SVG and JavaScript: no front-end build step), and `/api/state`, a JSON snapshot of
 the run read from run.db: the topology as a graph (server, edges, client groups) with the bytes
 of every link from the live view each process reports with its heartbeats (common/transport/livebytes.py),
-the rounds with their metrics and live byte totals, failures and events.  The page polls the
+the rounds with their metrics and live byte totals, failures and events, and for a private run
+(`[privacy]`, docs/privacy.md) epsilon after each round at the config's delta, the `epsilon`
+metric of run.db's rounds that the progress line prints.  The page polls the
 snapshot every second; the first one is inlined in the page, so the first paint (or a headless
 dump) already shows the run.  The page fits a 1000 px wide window; the graph places each link's
 byte label where its box overlaps no other text, and lists those it cannot place (many edges)
@@ -105,7 +107,8 @@ def snapshot(run_dir: Path) -> dict[str, Any]:
                              "algorithm": cfg.get("algorithm", {}).get("name", ""),
                              "topology": cfg.get("topology", {}).get("kind", ""),
                              "rounds_planned": cfg.get("run", {}).get("rounds"), "status": "starting",
-                             "rounds": [], "links": [], "events": [], "failures": 0, "graph": _graph(cfg, [], {})}
+                             "rounds": [], "links": [], "events": [], "failures": 0, "graph": _graph(cfg, [], {}),
+                             "privacy": _privacy(cfg, [])}
     db = run_dir / "run.db"
     if not db.exists():
         return state
@@ -152,6 +155,7 @@ def snapshot(run_dir: Path) -> dict[str, Any]:
     state["links"] = [{"link": k[0], "direction": k[1], "messages": v[0], "tensor_bytes": v[1], "payload_bytes": v[2],
                        "framed_bytes": v[3]} for k, v in sorted(by_key.items())]
     state["graph"] = _graph(cfg, live, pairs)
+    state["privacy"] = _privacy(cfg, state["rounds"])
     if state["status"] not in ("running", "starting") and state["rounds"]:
         # the run is over: every process's ledger is in run.db, so each round's cumulative bytes come
         # from the messages themselves (the live figures lag a heartbeat); the last round's equal the
@@ -161,6 +165,17 @@ def snapshot(run_dir: Path) -> dict[str, Any]:
             r["bytes"] = cumulative.get(r["round"], r["bytes"])
         state["rounds"][-1]["bytes"] = sum(row["framed_bytes"] for row in state["links"])
     return state
+
+
+def _privacy(cfg: dict, rounds: list[dict]) -> dict[str, Any] | None:
+    """A private run's epsilon per round (run.db's `epsilon` metric: absent where the run adds no
+    noise) with the config's delta and mode; None without [privacy]."""
+    p = cfg.get("privacy", {})
+    if p.get("mode", "none") == "none":
+        return None
+    per_round = [[r["round"], r["metrics"]["epsilon"]] for r in rounds if "epsilon" in r["metrics"]]
+    return {"mode": p.get("mode"), "delta": p.get("delta"), "epsilon": per_round[-1][1] if per_round else None,
+            "per_round": per_round}
 
 
 def _cumulative_framed(run_dir: Path) -> dict[int, int]:

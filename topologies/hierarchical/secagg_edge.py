@@ -50,7 +50,7 @@ class SecAggCluster:
         if step == 0:
             self.first = list(clients)
         clients = [c for c in clients if c not in unknown]
-        params = params_of(cfg.secure_aggregation, len(clients), cfg.run.seed)
+        params = params_of(cfg.secure_aggregation, len(clients), cfg.run.seed, cfg.compression)
         number = protocol_round(round, step, getattr(agg.params, "kappa2", 1))
 
         def target(cid: int, method: str, payload: Payload) -> Send:

@@ -69,8 +69,13 @@ class SecAggClient:
             out[v] = crypto.encrypt(key, messages.share_plaintext(self.me, v, sk_shares[i], b_shares[i]), ctx)
         return messages.blobs(out)
 
-    def masked(self, request: bytes, update: np.ndarray) -> bytes:
-        """Round 2 (MaskedInputCollection): keep the shares addressed here, then send y_u (masks.py)."""
+    def masked(self, request: bytes, update: np.ndarray, bound: float | None = None,
+               extra: np.ndarray | None = None) -> bytes:
+        """Round 2 (MaskedInputCollection): keep the shares addressed here, then send y_u (masks.py).
+        `bound`: the L2 bound the update is clipped to before quantization (at most params.clip;
+        differential privacy's, quantize.private_bound); `extra`: integer coordinates in [0, top]
+        appended to the quantized update as they are (their sum is unmasked exactly, e.g. the count
+        of unclipped updates of adaptive clipping)."""
         self._expect("masked", "share")
         incoming = messages.read_blobs(request, "masked request")
         ctx = context(self.round)
@@ -86,7 +91,13 @@ class SecAggClient:
                 raise SecAggRefusal(f"the share blob from {w} is addressed {sender} -> {recipient}")
             self.held[w] = (sk_share, b_share)
         p = self.params
-        self.quantized = quantize.quantize(update, p.clip, p.quant_bits, quantize.rounding_rng(p.seed, self.round, self.me))
+        code = p.integer_code
+        self.quantized = code.encode(update, quantize.rounding_rng(p.seed, self.round, self.me), bound)
+        if extra is not None:
+            ints = np.asarray(extra, dtype=np.int64)
+            if ints.size and (ints.min() < 0 or ints.max() > code.top):
+                raise SecAggRefusal(f"extra coordinates outside [0, {code.top}]")
+            self.quantized = np.concatenate([self.quantized, ints.astype(np.uint64)])
         seeds = {w: crypto.agree(self.s_sk, self.keys[w][1], crypto.MASK_LABEL, ctx) for w in incoming}
         return messages.masked_reply(masks.mask_input(self.quantized, self.b, seeds, self.me, p.modulus_bits),
                                      p.modulus_bits)

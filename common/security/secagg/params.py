@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .codes import GRID, KINDS, SIGN, IntegerCode
+
 
 @dataclass(frozen=True)
 class SecAggParams:
@@ -13,7 +15,8 @@ class SecAggParams:
     graph, SecAgg); threshold: t, the shares that reconstruct a secret; modulus_bits: R = 2^bits;
     clip: the L2 norm an update is clipped to (its coordinates then lie in [-clip, clip]);
     quant_bits: each coordinate becomes an integer in [0, 2^quant_bits - 1]; seed: decides the
-    graph's permutation and the stochastic rounding (never a key: keys come from the OS)."""
+    graph's permutation and the stochastic rounding (never a key: keys come from the OS); code,
+    levels: a compressor's integer code in place of that quantization (codes.py)."""
 
     n: int
     degree: int
@@ -22,6 +25,15 @@ class SecAggParams:
     clip: float = 1.0
     quant_bits: int = 16
     seed: int = 0
+    code: str = GRID   # the integer code of an update (codes.py): "grid" or "sign"
+    levels: int = 0    # a grid code's top level L; 0 = 2^quant_bits - 1
+
+    @property
+    def integer_code(self) -> IntegerCode:
+        """The clients' code and its shared decoding (codes.py)."""
+        if self.code == SIGN:
+            return IntegerCode(SIGN, 1, 1.0)
+        return IntegerCode(GRID, self.levels or (1 << self.quant_bits) - 1, self.clip)
 
     @property
     def k(self) -> int:
@@ -59,6 +71,8 @@ class SecAggParams:
             out.append(f"quant_bits must lie in [1, 62], not {self.quant_bits}")
         if not (math.isfinite(self.clip) and self.clip > 0):
             out.append(f"clip must be a positive number, not {self.clip}")
+        if self.code not in KINDS or self.levels < 0:
+            out.append(f"code must be one of {', '.join(KINDS)} with levels >= 0, not {self.code!r}, {self.levels}")
         if out:
             return out
         k = self.k
@@ -68,8 +82,9 @@ class SecAggParams:
         elif 2 * self.threshold <= k:
             out.append(f"threshold {self.threshold} must be above half the degree {k} (2t > k), so that two "
                        "disjoint groups of neighbours cannot each reconstruct a secret")
-        need = self.quant_bits + math.ceil(math.log2(self.n))
+        bits = self.integer_code.bits
+        need = bits + math.ceil(math.log2(self.n))
         if self.modulus_bits < need:
             out.append(f"modulus_bits {self.modulus_bits} is too small: the sum of {self.n} clients' "
-                       f"{self.quant_bits}-bit values needs {need} bits")
+                       f"{bits}-bit values needs {need} bits")
         return out

@@ -27,11 +27,14 @@ class Simulation:
 
 
 def simulate_round(params: SecAggParams, updates: dict[int, np.ndarray], drop: dict[str, set[int]] | None = None,
-                   round_number: int = 0, stop_before: str | None = None) -> Simulation:
+                   round_number: int = 0, stop_before: str | None = None, bound: float | None = None,
+                   extras: dict[int, np.ndarray] | None = None) -> Simulation:
     """Run the rounds (up to `stop_before`, a phase, when given); raises SecAggFailure when the
-    dropouts exceed what the threshold recovers."""
+    dropouts exceed what the threshold recovers.  `bound` and `extras`: SecAggClient.masked's (the
+    L2 bound before quantization; integer coordinates appended to each client's input)."""
     drop = drop or {}
-    d = next(iter(updates.values())).shape[0]
+    extras = extras or {}
+    d = next(iter(updates.values())).shape[0] + (len(next(iter(extras.values()))) if extras else 0)
     server = SecAggServer(params, d, round_number)
     clients = {u: SecAggClient(params) for u in range(params.n)}
     sim = Simulation(aggregate=Aggregate(np.zeros(0, np.uint64), []), clients=clients, server=server)
@@ -52,7 +55,8 @@ def simulate_round(params: SecAggParams, updates: dict[int, np.ndarray], drop: d
         for u, raw in requests.items():
             if u in gone:
                 continue
-            replies[u] = clients[u].masked(raw, updates[u]) if answer is None else answer(clients[u], raw)
+            replies[u] = (clients[u].masked(raw, updates[u], bound, extras.get(u)) if answer is None
+                          else answer(clients[u], raw))
         sim.replies[phase] = replies
         sim.up[phase] = {u: len(raw) for u, raw in replies.items()}
         result = collect(replies)
