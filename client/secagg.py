@@ -15,12 +15,12 @@ import threading
 from typing import Callable
 
 from fedhop.client.host import ClientHost, parse_client_id
+from fedhop.common.privacy.secure_sum import client_input
 from fedhop.common.security.secagg import messages
 from fedhop.common.security.secagg.client import SecAggClient
 from fedhop.common.security.secagg.errors import SecAggFailure, SecAggRefusal
 from fedhop.common.security.secagg.settings import dropout_plan, params_of
 from fedhop.common.transport.base import HandlerError, Request
-from fedhop.common.transport.secagg_privacy import client_input
 from fedhop.common.transport.secagg_wire import BY_PHASE, PROTOCOL, flatten, unwrap, wrap
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
@@ -73,7 +73,7 @@ class SecAggHost:
                 reply = self.host.train(cid, int(env.round), model, int(env.step))
                 names = sorted(model.tensors)
                 flat = flatten(reply.tensors, names)
-                bound, extra = client_input(self.host.cfg, client.params, model, flat)   # [privacy] (secagg_privacy.py)
+                bound, extra = client_input(self.host.cfg, client.params, model, flat)   # [privacy] (common/privacy/secure_sum.py)
                 return wrap(client.masked(raw, flat, bound, extra))
             out = wrap(client.unmask(raw))
             with self.lock:

@@ -312,19 +312,31 @@ def test_kappa2_edge_iterations_are_each_a_secagg_round(tmp_path):
                     "group by round order by round") == [(1, 8), (2, 7)]
 
 
-@pytest.mark.parametrize("change,needle", [
-    ('dropouts = []', "secure_aggregation.dropouts"),
-    ("threshold = 3", "smallest cluster"),
+BAD_BEHIND_EDGES = {   # case: (text of the good config, what replaces it)
+    "dropout entry": ("dropouts = []", 'dropouts = ["1:train:3"]'),
+    "threshold": ("threshold = 3", "threshold = 4"),
+    "privacy": ("[secure_aggregation]", f'[privacy]\nmode = "central"\nclip_norm = {CLIP}\nnoise_multiplier = 1.0\n\n'
+                                        f'[secure_aggregation]'),
+    "compressor": ("[secure_aggregation]", '[compression]\nup = "sign"\n\n[secure_aggregation]'),
+}
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("dropout entry", "secure_aggregation.dropouts"),
+    ("threshold", "smallest cluster"),
+    ("privacy", "built for the star"),
+    ("compressor", "behind edges"),
 ])
-def test_bad_settings_behind_edges_are_one_line_exit_2(tmp_path, change, needle):
+def test_bad_settings_behind_edges_are_one_line_exit_2(tmp_path, case, needle):
     """A malformed dropout entry; a threshold the smallest cluster (4 of assignment [[0..5], [6..9]],
-    complete graph k = 3) cannot meet (t = 4 > k), though the larger one could."""
+    complete graph k = 3) cannot meet (t = 4 > k), though the larger one could; differential
+    privacy and an integer-coded compressor with secure aggregation, both built for the star only."""
     centers, curvatures = problem(10)
     text = config(centers, curvatures, rounds=1, processes=2, dropouts=[],
                   topology='kind = "hierarchical"\nedges = 2\nassignment = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]')
-    bad = {'dropouts = []': 'dropouts = ["1:train:3"]', "threshold = 3": "threshold = 4"}[change]
-    assert change in text
-    done = run(tmp_path, "bad", text.replace(change, bad))
+    good, bad = BAD_BEHIND_EDGES[case]
+    assert good in text
+    done = run(tmp_path, "bad", text.replace(good, bad))
     assert done.returncode == 2
     lines = [line for line in done.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and needle in lines[0], done.stderr

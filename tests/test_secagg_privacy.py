@@ -15,11 +15,11 @@ from scipy import stats
 from fedhop.common.config import load_config
 from fedhop.common.config.schema import ConfigError
 from fedhop.common.privacy.mechanism import UNCLIPPED_KEY, PrivateAggregate, ServerPrivacy, settings
+from fedhop.common.privacy.secure_sum import client_input, extras, split_sum
 from fedhop.common.security.secagg import quantize
 from fedhop.common.security.secagg.params import SecAggParams
 from fedhop.common.security.secagg.simulate import simulate_round
 from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload
-from fedhop.common.transport.secagg_privacy import client_input, extras, split_sum
 
 P = 1e-6   # the statistical test's two-sided false-alarm probability
 

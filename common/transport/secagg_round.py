@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from fedhop.common.security.secagg.errors import SecAggFailure
 from fedhop.common.security.secagg.messages import PHASES
 from fedhop.common.security.secagg.params import SecAggParams
@@ -25,7 +27,6 @@ from fedhop.common.security.secagg.server import Aggregate, SecAggServer
 from fedhop.common.transport.fabric import Fabric, Send
 from fedhop.common.wire.message import COUNT_KEY, WEIGHT_KEY, Payload
 
-from .secagg_privacy import split_sum
 from .secagg_wire import BY_PHASE, unflatten, unwrap, wrap
 
 FAILED = "SECAGG_FAILED"   # the error code of an edge round whose SecAgg+ round has no sum
@@ -44,6 +45,7 @@ class Outcome:
     failures: dict[int, str] = field(default_factory=dict)
     late: dict[int, str] = field(default_factory=dict)
     failed: str | None = None
+    extra_sums: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))   # of the `extra` coordinates
 
 
 def protocol_round(round: int, step: int, steps: int) -> int:
@@ -59,8 +61,8 @@ def secagg_round(fabric: Fabric, params: SecAggParams, number: int, sampled: lis
     """The four phases with `sampled` (params.n of them); `model_for(client)`: the model its
     masked-input request carries; `round`: the run's round (the calls' envelope); `note` is
     told each phase as it completes ("share: 6 of 6 clients replied"); `extra`: integer
-    coordinates each masked input carries after the update (secagg_privacy.py `extras`), whose
-    sums the partial carries as scalars."""
+    coordinates each masked input carries after the update (common/privacy/secure_sum.py
+    `extras`), whose unmasked sums are `Outcome.extra_sums`."""
     out = Outcome()
     problems = params.problems()   # a round sampled among fewer live clients than the config's
     if problems:
@@ -100,7 +102,7 @@ def secagg_round(fabric: Fabric, params: SecAggParams, number: int, sampled: lis
         return out
     assert result is not None
     m = len(result.clients)
-    total, private = split_sum(result.total, m, d, params)
-    out.partial = Payload(tensors=unflatten(total, message.tensors, names),
-                          scalars={WEIGHT_KEY: float(m), COUNT_KEY: m, **private})
+    total = params.integer_code.decode_sum(result.total[:d], m)
+    out.extra_sums = np.asarray(result.total[d:])
+    out.partial = Payload(tensors=unflatten(total, message.tensors, names), scalars={WEIGHT_KEY: float(m), COUNT_KEY: m})
     return out

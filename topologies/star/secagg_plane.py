@@ -3,7 +3,7 @@ through SecAgg+'s four phases (one fan-out per phase, each its own method) inste
 call, and the round's result is one partial aggregate, the unmasked sum
 (common/transport/secagg_round.py, the implementation an edge runs for its cluster too).
 Under [privacy] (central or client mode) the masked inputs carry one more coordinate, each client's
-clipped-count bit, and the partial its sum (common/transport/secagg_privacy.py); the private
+clipped-count bit, and the partial its sum (common/privacy/secure_sum.py); the private
 aggregate then noises the partial and sets the fixed denominator (common/privacy/mechanism.py).
 
 A round without a sum records a `secagg_failed` event with the typed reason; the clients whose
@@ -12,9 +12,9 @@ returned, so the round is short as any round without results and run.on_short_ro
 skips it)."""
 from __future__ import annotations
 
+from fedhop.common.privacy.secure_sum import extra_scalars, extras
 from fedhop.common.security.secagg.settings import params_of
 from fedhop.common.transport.fabric import Send
-from fedhop.common.transport.secagg_privacy import extras
 from fedhop.common.transport.secagg_round import secagg_round
 from fedhop.common.util.nodeids import client_node
 from fedhop.common.wire.message import Payload
@@ -46,6 +46,7 @@ class SecAggFanout(DataPlane):
             return {}, out.failures
         for cid, why in sorted(out.late.items()):
             store.add_event("secagg_late_dropout", node=client_node(cid), detail=why, round=round)
+        out.partial.scalars.update(extra_scalars(out.extra_sums))   # [privacy]: sum_i b_i
         return {0: out.partial}, out.failures
 
 

@@ -52,7 +52,11 @@ def client_input(cfg: Any, params: SecAggParams, message: Payload,
 
 def split_sum(total: np.ndarray, count: int, d: int, params: SecAggParams) -> tuple[np.ndarray, dict[str, float]]:
     """The unmasked integer vector of `count` clients as (the dequantized sum of the d update
-    coordinates, the partial result's privacy scalars: `dp_unclipped` = sum_i b_i where present)."""
-    summed = params.integer_code.decode_sum(total[:d], count)
-    scalars = {UNCLIPPED_KEY: float(total[d])} if total.shape[0] > d else {}
-    return summed, scalars
+    coordinates, the partial result's privacy scalars: `extra_scalars` of the coordinates after d)."""
+    return params.integer_code.decode_sum(total[:d], count), extra_scalars(total[d:])
+
+
+def extra_scalars(sums: np.ndarray) -> dict[str, float]:
+    """The partial result's privacy scalars from the unmasked sums of the `extras` coordinates:
+    `dp_unclipped` = sum_i b_i where present."""
+    return {UNCLIPPED_KEY: float(sums[0])} if sums.shape[0] else {}
