@@ -166,7 +166,7 @@ def plot(points: list[Point], path: Path, labels: dict[str, str]) -> None:
         color = f"C{i}"
         noisy = [p for p in points if p.task == name and p.epsilon is not None]
         if noisy:
-            eps = [p.epsilon for p in noisy]
+            eps = [float(p.epsilon or 0.0) for p in noisy]      # every epsilon here is finite
             mean = [p.mean for p in noisy]
             low = [p.mean - min(p.accuracy.values()) for p in noisy]
             high = [max(p.accuracy.values()) - p.mean for p in noisy]

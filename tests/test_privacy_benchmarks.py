@@ -36,7 +36,8 @@ def _rows(stdout: str) -> dict[tuple[str, float], list[str]]:
 @pytest.mark.timeout(240)
 def test_smallest_study_prints_the_accountants_epsilon_and_writes_the_plot(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(STUDY), "--out", "study", "--tasks", "digits", "femnist",
-                           "--z", "0", "0.7", "--seeds", "0", "--rounds", "2", "--plot", "fig/eps.png"],
+                           "--z", "0", "0.7", "--seeds", "0", "--rounds", "2", "--parallel", "2",
+                           "--plot", "fig/eps.png"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=230)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = _rows(done.stdout)
