@@ -2,21 +2,24 @@
 LEAF-format FEMNIST natural partition, over several seeds (docs/privacy.md, "Accuracy against epsilon").
 
     python benchmarks/dp_epsilon_study.py --out DIR [--tasks digits femnist] [--z 0 0.5 0.8 1.2 2.0]
-        [--seeds 0 1 2] [--rounds 30] [--parallel 1] [--plot docs/img/dp_accuracy_vs_epsilon.png]
+        [--seeds 0 1 2] [--rounds 30] [--parallel 1] [--no-plain] [--plot docs/img/dp_accuracy_vs_epsilon.png]
 
-For each task the script writes a `fedhop sweep` spec (docs/sweep.md) whose grid is
-`privacy.noise_multiplier` over the given z values and whose seeds are the given seeds, and runs it
-with the `fedhop sweep` command in DIR/TASK (real processes, one `fedhop run` per z and seed, the
-tasks' sweeps at the same time, each `--parallel` runs at once; a sweep already there is resumed:
-finished runs are not run again).  The LEAF task's files are made
-first, in the real LEAF JSON layout, by fedhop's generator (`python -m fedhop.common.data.fakedata
-femnist_niid data/femnist_niid --writers 30 --samples 60`, as docs/claims.md's LEAF check).
+For each task the script writes a `fedhop sweep` spec (docs/sweep.md), DIR/TASK/dp.toml, whose grid
+is `privacy.noise_multiplier` over the given z values and whose seeds are the given seeds, and
+(unless --no-plain) DIR/TASK/plain.toml, the same task without [privacy] (no clipping, no noise,
+the same uniform weighting), and runs them with the `fedhop sweep` command in DIR/TASK into
+DIR/TASK/dp and DIR/TASK/plain (real processes, one `fedhop run` per setting and seed; every sweep
+at the same time, each `--parallel` runs at once; a sweep already there is resumed: finished runs
+are not run again).  The LEAF task's files are made first, in the real LEAF JSON layout, by
+fedhop's generator (`python -m fedhop.common.data.fakedata femnist_niid data/femnist_niid
+--writers 30 --samples 60`, as docs/claims.md's LEAF check).
 
-It then reads every run's summary.json (the epsilon fedhop recorded after the last round, from
-dp-accounting's RDP accountant at delta = 1e-5, and the final test accuracy), prints one Markdown
-row per task and z (epsilon, mean accuracy with its min-max over seeds), writes the rows to
-DIR/study.json, and draws accuracy against epsilon with min-max error bars for both tasks.  z = 0
-clips without noise: its epsilon is infinite, so it is drawn as a horizontal band (mean, min-max)."""
+It then reads every run's records (`fedhop.load`: the epsilon fedhop recorded after the last round,
+from dp-accounting's RDP accountant at delta = 1e-5, the sampling rate and the final test
+accuracy), prints one Markdown row per task and z (epsilon, mean accuracy with its min-max over
+seeds) and the plain baseline, writes the rows to DIR/study.json, and draws accuracy against
+epsilon with min-max error bars for both tasks.  z = 0 clips without noise: its epsilon is
+infinite, so it is drawn as a horizontal band (mean, min-max); the plain baseline as a dotted line."""
 from __future__ import annotations
 
 import argparse
@@ -44,6 +47,8 @@ class Task:
     data: tuple[str, ...] = ()          # arguments of `python -m fedhop.common.data.fakedata`
 
 
+# the plain baseline of every task: no clipping, no noise, the same uniform weighting
+PLAIN = ('privacy.mode="none"', 'privacy.clip_norm=0.0', 'privacy.noise_multiplier=0.0', 'algorithm.weighting="uniform"')
 PRIVATE = ('privacy.mode="central"', 'privacy.clipping="fixed"', f"privacy.delta={DELTA}",
            'privacy.accountant="rdp"', 'privacy.sampling="poisson"', 'algorithm.weighting="uniform"')
 
@@ -60,33 +65,33 @@ TASKS = {
 
 @dataclass
 class Point:
-    """One (task, z): the recorded epsilon and the final test accuracy of every seed."""
+    """One (task, z), or a task's plain baseline: the recorded epsilon and the final test accuracy of every seed."""
 
     task: str
     z: float
-    epsilon: float | None                  # None: z = 0, no finite epsilon
+    epsilon: float | None                  # None: z = 0 (no finite epsilon), or the plain baseline
     rounds_accounted: int
-    sampling_rate: float                   # q of the last round (run.db's privacy_sampling_rate)
+    sampling_rate: float                   # q of the last round (run.db's privacy_sampling_rate; plain: m / N)
     accuracy: dict[int, float] = field(default_factory=dict)   # seed -> final test accuracy
+    plain: bool = False                    # no [privacy] at all: no clipping, no noise
 
     @property
     def mean(self) -> float:
         return sum(self.accuracy.values()) / len(self.accuracy)
 
 
-def spec_text(task: Task, zs: list[float], seeds: list[int], rounds: int, parallel: int) -> str:
-    """The `fedhop sweep` spec of one task: the grid is the noise multiplier, nothing is widened."""
-    fixed = [*task.overrides, f"run.rounds={rounds}", f"run.eval_every={rounds}"]
+def spec_text(config: Path, fixed: list[str], grid: dict[str, list], seeds: list[int], parallel: int) -> str:
+    """A `fedhop sweep` spec over `grid`, seeds and fixed overrides; nothing is widened."""
     return "\n".join([
         "[sweep]",
-        f"config = {json.dumps(str(task.config))}",
+        f"config = {json.dumps(str(config))}",
         f"seeds = {json.dumps(seeds)}",
         f"parallel = {parallel}",
         "extend = 0                 # z is the study's variable, not a setting to tune",
         f"set = {json.dumps(fixed)}",
         "",
         "[grid]",
-        f'"privacy.noise_multiplier" = {json.dumps([float(z) for z in zs])}',
+        *(f"{json.dumps(key)} = {json.dumps(values)}" for key, values in grid.items()),
         "",
         "[criterion]",
         'kind = "final"',
@@ -95,43 +100,55 @@ def spec_text(task: Task, zs: list[float], seeds: list[int], rounds: int, parall
     ])
 
 
-def start_task(name: str, task: Task, folder: Path, zs: list[float], seeds: list[int], rounds: int,
-               parallel: int) -> subprocess.Popen:
-    """Make the task's files, write its spec and start `fedhop sweep` in `folder` (its output in sweep.log)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    if task.data and not (folder / task.data[1]).is_dir():
-        subprocess.run([sys.executable, "-m", "fedhop.common.data.fakedata", *task.data], cwd=folder, check=True)
-    spec = folder / f"dp_{name}.toml"
-    spec.write_text(spec_text(task, zs, seeds, rounds, parallel))
-    with open(folder / "sweep.log", "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "sweep", spec.name, "--out", "sweep",
+def start_sweep(folder: Path, kind: str, text: str) -> subprocess.Popen:
+    """Write the spec `kind`.toml in `folder` and start `fedhop sweep` there into `kind`/ (output in `kind`.log)."""
+    (folder / f"{kind}.toml").write_text(text)
+    with open(folder / f"{kind}.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "sweep", f"{kind}.toml", "--out", kind,
                                  "--quiet"], cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
 
 
-def run_tasks(names: list[str], out: Path, zs: list[float], seeds: list[int], rounds: int,
-              parallel: int) -> dict[str, Path]:
-    """Every task's sweep at once (`parallel` runs each); the sweep folder of each."""
-    started = {n: start_task(n, TASKS[n], out / n, zs, seeds, rounds, parallel) for n in names}
-    for name, proc in started.items():
+def run_tasks(names: list[str], out: Path, zs: list[float], seeds: list[int], rounds: int, parallel: int,
+              plain: bool) -> dict[tuple[str, str], Path]:
+    """Every task's sweeps at once (`parallel` runs each): `dp` over the noise multipliers and, with
+    `plain`, the baseline without [privacy]; the sweep folder of each (task, kind)."""
+    started: dict[tuple[str, str], subprocess.Popen] = {}
+    for name in names:
+        task, folder = TASKS[name], out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        if task.data and not (folder / task.data[1]).is_dir():
+            subprocess.run([sys.executable, "-m", "fedhop.common.data.fakedata", *task.data], cwd=folder, check=True)
+        runs = [f"run.rounds={rounds}", f"run.eval_every={rounds}"]
+        started[name, "dp"] = start_sweep(folder, "dp", spec_text(
+            task.config, [*task.overrides, *runs], {"privacy.noise_multiplier": [float(z) for z in zs]}, seeds,
+            parallel))
+        if plain:
+            started[name, "plain"] = start_sweep(folder, "plain", spec_text(
+                task.config, [*PLAIN, *runs], {"privacy.mode": ["none"]}, seeds, parallel))
+    for (name, kind), proc in started.items():
         if proc.wait() != 0:
-            tail = (out / name / "sweep.log").read_text().strip().splitlines()[-1:]
-            raise SystemExit(f"dp_epsilon_study: fedhop sweep for {name} exited {proc.returncode}: {tail}")
-    return {n: out / n / "sweep" for n in names}
+            tail = (out / name / f"{kind}.log").read_text().strip().splitlines()[-1:]
+            raise SystemExit(f"dp_epsilon_study: fedhop sweep {kind} for {name} exited {proc.returncode}: {tail}")
+    return {key: out / key[0] / key[1] for key in started}
 
 
 def collect(name: str, sweep: Path) -> list[Point]:
-    """One point per z from the sweep's results.json and each run's summary.json."""
+    """One point per z (or the plain baseline) from the sweep's results.json and each run's records."""
     results = json.loads((sweep / "results.json").read_text())
     points = []
     for setting in next(iter(results["settings"].values())):
-        z = float(setting["point"]["privacy.noise_multiplier"])
+        plain = setting["point"].get("privacy.mode") == "none"
+        z = 0.0 if plain else float(setting["point"]["privacy.noise_multiplier"])
         point: Point | None = None
         for run in setting["runs"]:
             run_dir = sweep.parent / run["run_dir"]       # relative to the folder the sweep ran in
             result = fedhop.load(run_dir)
             if result.status != "completed":
                 raise SystemExit(f"dp_epsilon_study: {run_dir} ended {result.status}")
-            privacy = result.summary["privacy"]
+            if plain and point is None:
+                clients = result.config["clients"]
+                point = Point(name, z, None, 0, clients["per_round"] / clients["count"], plain=True)
+            privacy = result.summary.get("privacy") or {"epsilon": None}
             if point is None:
                 point = Point(name, z, privacy["epsilon"], int(privacy["rounds_accounted"]),
                               float(result.rounds[-1]["privacy_sampling_rate"]))
@@ -140,16 +157,16 @@ def collect(name: str, sweep: Path) -> list[Point]:
             point.accuracy[int(run["seed"])] = float(run["final"])
         assert point is not None
         points.append(point)
-    return sorted(points, key=lambda p: p.z)
+    return sorted(points, key=lambda p: (not p.plain, p.z))
 
 
 def table(points: list[Point]) -> str:
     lines = ["| task | z | epsilon (delta = 1e-5) | accuracy, mean | min | max | seeds |",
              "|---|---|---|---|---|---|---|"]
     for p in points:
-        eps = "inf (no noise)" if p.epsilon is None else f"{p.epsilon:.3f}"
+        eps = "none (no DP)" if p.plain else "inf (no noise)" if p.epsilon is None else f"{p.epsilon:.3f}"
         acc = p.accuracy.values()
-        lines.append(f"| {p.task} | {p.z:g} | {eps} | {p.mean:.4f} | {min(acc):.4f} | {max(acc):.4f} | "
+        lines.append(f"| {p.task} | {'plain' if p.plain else f'{p.z:g}'} | {eps} | {p.mean:.4f} | {min(acc):.4f} | {max(acc):.4f} | "
                      f"{len(p.accuracy)} |")
     return "\n".join(lines)
 
@@ -174,7 +191,10 @@ def plot(points: list[Point], path: Path, labels: dict[str, str]) -> None:
             for p in noisy:
                 ax.annotate(f"z={p.z:g}", (p.epsilon, p.mean), textcoords="offset points", xytext=(5, -12),
                             fontsize=8, color=color)
-        for p in (q for q in points if q.task == name and q.epsilon is None):
+        for p in (q for q in points if q.task == name and q.plain):
+            ax.axhline(p.mean, color=color, linestyle=":", linewidth=1.5,
+                       label=f"{name}: plain (no clipping, no noise)")
+        for p in (q for q in points if q.task == name and q.epsilon is None and not q.plain):
             ax.axhline(p.mean, color=color, linestyle="--", linewidth=1,
                        label=f"{name}: z = 0 (clipping only, epsilon infinite)")
             ax.axhspan(min(p.accuracy.values()), max(p.accuracy.values()), color=color, alpha=0.12)
@@ -200,15 +220,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--z", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.2, 2.0], help="noise multipliers")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--parallel", type=int, default=1, help="runs at a time per task (the tasks run at once)")
+    ap.add_argument("--parallel", type=int, default=1, help="runs at a time per sweep (the sweeps run at once)")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain baseline (no [privacy]) of each task")
     ap.add_argument("--plot", default="", help="the plot's path (default DIR/dp_accuracy_vs_epsilon.png)")
     args = ap.parse_args(argv)
     if any(z < 0 for z in args.z) or args.rounds < 1 or args.parallel < 1:
         print("dp_epsilon_study: --z must be >= 0, --rounds and --parallel >= 1", file=sys.stderr)
         return 2
     out = Path(args.out).resolve()
-    sweeps = run_tasks(args.tasks, out, args.z, args.seeds, args.rounds, args.parallel)
-    points = [p for name in args.tasks for p in collect(name, sweeps[name])]
+    sweeps = run_tasks(args.tasks, out, args.z, args.seeds, args.rounds, args.parallel, plain=not args.no_plain)
+    points = [p for (name, _), sweep in sweeps.items() for p in collect(name, sweep)]
+    points.sort(key=lambda p: (args.tasks.index(p.task), not p.plain, p.z))
     print(f"{args.rounds} rounds, seeds {args.seeds}; central DP-FedAvg, fixed clipping, delta = {DELTA}\n")
     print(table(points))
     (out / "study.json").write_text(json.dumps({"rounds": args.rounds, "seeds": args.seeds, "delta": DELTA,

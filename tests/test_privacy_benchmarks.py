@@ -2,7 +2,7 @@
 
 benchmarks/dp_epsilon_study.py (docs/privacy.md, "Accuracy against epsilon") in its smallest
 configuration, from a folder outside the checkout: both tasks (digits, LEAF-format FEMNIST), one
-seed, z in {0, 0.7}, 2 rounds.  The epsilon it prints is dp-accounting's, called here directly with
+seed, z in {0, 0.7} and the plain baseline, 2 rounds.  The epsilon it prints is dp-accounting's, called here directly with
 the same sampling rate, noise multiplier, rounds and delta; the accuracy it prints is the one each
 run's summary.json holds; the plot is a PNG.  benchmarks/secagg_bytes.py's plot option is checked
 beside it."""
@@ -27,10 +27,10 @@ def _rdp_epsilon(q: float, z: float, rounds: int, delta: float) -> float:
     return accountant.get_epsilon(delta)
 
 
-def _rows(stdout: str) -> dict[tuple[str, float], list[str]]:
+def _rows(stdout: str) -> dict[tuple[str, str], list[str]]:
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| task")]
-    return {(r[0], float(r[1])): r for r in rows}
+    return {(r[0], r[1]): r for r in rows}
 
 
 @pytest.mark.timeout(240)
@@ -41,22 +41,28 @@ def test_smallest_study_prints_the_accountants_epsilon_and_writes_the_plot(tmp_p
                           cwd=tmp_path, capture_output=True, text=True, timeout=230)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = _rows(done.stdout)
-    assert set(rows) == {("digits", 0.0), ("digits", 0.7), ("femnist", 0.0), ("femnist", 0.7)}
+    assert list(rows) == [(t, z) for t in ("digits", "femnist") for z in ("plain", "0", "0.7")]
     study = json.loads((tmp_path / "study" / "study.json").read_text())
-    points = {(p["task"], p["z"]): p for p in study["points"]}
+    points = {(p["task"], "plain" if p["plain"] else f"{p['z']:g}"): p for p in study["points"]}
     # q = clients.per_round / clients.count of each base config: 10 of 50 (digits), 10 of 30 writers
     for task, q in (("digits", 10 / 50), ("femnist", 10 / 30)):
         expected = _rdp_epsilon(q, 0.7, 2, 1e-5)
-        p = points[(task, 0.7)]
+        p = points[(task, "0.7")]
         assert p["sampling_rate"] == pytest.approx(q) and p["rounds_accounted"] == 2
         assert p["epsilon"] == pytest.approx(expected, rel=1e-9)
-        assert rows[(task, 0.7)][2] == f"{expected:.3f}"
-        assert rows[(task, 0.0)][2].startswith("inf") and points[(task, 0.0)]["epsilon"] is None
+        assert rows[(task, "0.7")][2] == f"{expected:.3f}"
+        assert rows[(task, "0")][2].startswith("inf") and points[(task, "0")]["epsilon"] is None
+        assert rows[(task, "plain")][2].startswith("none") and points[(task, "plain")]["epsilon"] is None
         # the accuracy is the run's own record, read here from its summary.json
-        for z in (0.0, 0.7):
-            run = tmp_path / "study" / task / "sweep" / "runs" / "base" / f"noise_multiplier={z:g}" / "seed0"
+        runs = tmp_path / "study" / task
+        for z, run in (("0", runs / "dp" / "runs" / "base" / "noise_multiplier=0" / "seed0"),
+                       ("0.7", runs / "dp" / "runs" / "base" / "noise_multiplier=0.7" / "seed0"),
+                       ("plain", runs / "plain" / "runs" / "base" / "mode=none" / "seed0")):
             summary = json.loads((run / "summary.json").read_text())
-            assert summary["privacy"]["noise_multiplier"] == z
+            if z == "plain":
+                assert "privacy" not in summary           # no [privacy]: no mechanism, no section
+            else:
+                assert summary["privacy"]["noise_multiplier"] == float(z)
             acc = summary["final"]["test_accuracy"]
             assert points[(task, z)]["accuracy"] == {"0": acc}
             assert rows[(task, z)][3] == rows[(task, z)][4] == rows[(task, z)][5] == f"{acc:.4f}"
