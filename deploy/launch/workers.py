@@ -30,6 +30,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -106,6 +107,9 @@ def worker_main(conn: Connection) -> None:
     from fedhop.client.host import ClientHost
     from fedhop.common.transport.placement import process_device
 
+    # Ctrl-C reaches the whole process group: the run's process stops the rounds and closes its
+    # workers (`Worker.close`), which serve until then
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     hosts: dict[str, tuple[InMemoryEndpoint, ClientHost]] = {}
     while True:
         try:
