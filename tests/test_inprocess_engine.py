@@ -187,3 +187,22 @@ def test_the_live_page_serves_an_in_process_run_with_the_final_tables_bytes(user
     live_total = sum(row["framed_bytes"] for row in state["links"])
     assert live_total == summary["bytes"]["total"]["framed_bytes"] > 0
     assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("make_config, extra", [(_quadratic, []), (_digits, ["--set", "run.rounds=2"])],
+                         ids=["quadratic", "fedavg_digits"])
+def test_worker_processes_train_the_clients_with_the_same_model_and_bytes(user_dir, make_config, extra):
+    """run.workers = 2 (deploy/launch/workers.py): the client processes train in two worker OS
+    processes (the quadratic's three client processes dealt two and one), and the run gives
+    what a process run gives: the same model bit for bit and the same bytes for every message."""
+    config = make_config(user_dir)
+    runs = {"processes": ["--engine", "processes"], "workers": ["--engine", "inprocess", "--set", "run.workers=2"]}
+    for name, flags in runs.items():
+        res = fedhop(["run", config, "--out", name, *flags, *extra], user_dir)
+        assert res.returncode == 0, res.stderr[-2000:]
+    assert _same_model(user_dir / "processes", user_dir / "workers")
+    assert _sent(user_dir / "workers") == _sent(user_dir / "processes")
+    log = (user_dir / "workers" / "logs" / "inprocess.log").read_text()
+    assert "client-proc0 trains in fedhop worker 0" in log and "client-proc1 trains in fedhop worker 1" in log
+    summary = json.loads((user_dir / "workers" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["engine"] == "inprocess"

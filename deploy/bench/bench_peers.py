@@ -17,7 +17,8 @@ The workloads (issue 49):
       (common/tasks/crossdevice.py), 10 rounds.
 
 Systems: fedhop with run.engine = "processes" (a server and 2 client processes over gRPC) and
-"inprocess" (every role in the one process), each run as `fedhop run` in a subprocess; Flower's
+"inprocess" (the server in the one process, its client processes in one worker process per core,
+run.workers = 0), each run as `fedhop run` in a subprocess; Flower's
 simulation engine when FEDHOP_FLWR_PYTHON names a Flower venv's python, pfl when FEDHOP_PFL_PYTHON
 names a pfl venv's python.  A peer runs deploy/bench/peers/<peer>_peer.py under its own python
 on the same data, exported from fedhop's task (deploy/bench/peers/peerkit.py has the contract and
@@ -62,6 +63,8 @@ PEERS_DIR = Path(__file__).resolve().parent / "peers"
 PEERS = {"flower": ("FEDHOP_FLWR_PYTHON", "flwr_peer.py", "Flower sim"),
          "pfl": ("FEDHOP_PFL_PYTHON", "pfl_peer.py", "pfl")}
 ENGINES = ("processes", "inprocess")
+#: the in-process engine with one worker process per core (run.workers = 0; issue 49: "both cores used")
+ENGINE_FLAGS = {"inprocess": ["--set", "run.workers=0"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +186,7 @@ def steady(per_round: list[float]) -> float:
 
 def run_fedhop(config: Path, engine: str, out: Path, timeout: float) -> dict[str, Any]:
     argv = [sys.executable, "-m", "fedhop.deploy.cli", "run", str(config), "--out", str(out), "--engine", engine,
-            "--quiet"]
+            "--quiet", *ENGINE_FLAGS.get(engine, [])]
     code, peak, _ = run_watched(argv, None, out.with_suffix(".log"), timeout)
     if code != 0:
         raise RuntimeError(f"fedhop run --engine {engine} failed (exit {code}); see {out.with_suffix('.log')}")

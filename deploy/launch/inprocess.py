@@ -38,6 +38,7 @@ from fedhop.common.transport.placement import process_device
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload
 from fedhop.deploy.launch.engine import INPROCESS
+from fedhop.deploy.launch.workers import Worker, WorkerClientProcess, WorkerEndpoint, worker_count
 from fedhop.edge.runtime import EdgeProcess
 from fedhop.server.coordinator import Coordinator
 from fedhop.server.resilience import Checkpointer, resume
@@ -74,6 +75,7 @@ class InProcessRun:
     live: ServerLive
     checkpointer: Checkpointer
     roles: list[Role] = field(default_factory=list)
+    workers: list[Worker] = field(default_factory=list)   # run.workers: where the client processes train (workers.py)
 
     def report_live(self, round: int | None = None) -> None:
         """Every process's own byte totals into the server's live view, then the server's: what
@@ -101,6 +103,8 @@ class InProcessRun:
             host = getattr(role.process, "host", None)
             if host is not None and host.fabric is not None:
                 host.fabric.close()
+        for worker in self.workers:
+            worker.close()
         self.coordinator.endpoint.stop()
         self.coordinator.store.close()
 
@@ -168,15 +172,28 @@ def _start_roles(engine: InProcessRun, devices: dict[str, str]) -> None:
     addresses = {"server": server_ep.serve(_no_calls, register_handler=coordinator.handle_register)}
     edge_threads: list[threading.Thread] = []
     errors: list[BaseException] = []
-    for planned in plan_processes(cfg).processes[1:]:   # the processes a process run starts
+    planned_processes = plan_processes(cfg).processes[1:]   # the processes a process run starts
+    count = worker_count(cfg, sum(p.kind != "edge" for p in planned_processes))
+    engine.workers.extend(Worker(i) for i in range(count))   # started at once: they import while the roles register
+    hosted = 0   # client processes so far, dealt to the workers in turn
+    for planned in planned_processes:
         assert planned.parent is not None   # only the server has none
         ep_ledger, ep_counter = _ledger(run_dir, planned.node_id)
-        ep = InMemoryEndpoint(net, planned.node_id, ep_ledger, chunk_bytes=cfg.transport.chunk_bytes)
+        ep: InMemoryEndpoint
+        if planned.kind != "edge" and engine.workers:
+            ep = WorkerEndpoint(net, planned.node_id, ep_ledger, engine.workers[hosted % count],
+                                chunk_bytes=cfg.transport.chunk_bytes)
+            hosted += 1
+        else:
+            ep = InMemoryEndpoint(net, planned.node_id, ep_ledger, chunk_bytes=cfg.transport.chunk_bytes)
         process: ClientProcess | EdgeProcess
         if planned.kind == "edge":
             process = EdgeProcess(ep, addresses[planned.parent], device=devices.get(planned.node_id, ""))
             edge_threads.append(_start_edge(process, errors))
             addresses[planned.node_id] = process.address
+        elif isinstance(ep, WorkerEndpoint):
+            process = WorkerClientProcess(ep, addresses[planned.parent], list(planned.clients),
+                                          device=devices.get(planned.node_id, ""))
         else:
             process = ClientProcess(ep, addresses[planned.parent], list(planned.clients),
                                     device=devices.get(planned.node_id, ""))

@@ -14,6 +14,7 @@ Heartbeats are answered but, unlike gRPC's, not recorded.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Callable, Sequence
@@ -116,9 +117,12 @@ class InMemoryEndpoint(Endpoint):
             replies = ReplyBundles(target.chunk_bytes, target.replies_per_bundle) if len(call) > 1 else None
             for i in call:
                 msgs[i].reply_bundles = replies
-        return one_by_one(len(requests), lambda i: self._call_message(
-            address, msgs[i], message_link(self.node_id, requests[i].dst, requests[i].method), timeout,
-            requests[i].expect), on_each)
+        # a callee served elsewhere takes the whole batch at once (deploy/launch/workers.py `WorkerEndpoint`)
+        ahead = target.pipelined(msgs) if hasattr(target, "pipelined") else contextlib.nullcontext()
+        with ahead:
+            return one_by_one(len(requests), lambda i: self._call_message(
+                address, msgs[i], message_link(self.node_id, requests[i].dst, requests[i].method), timeout,
+                requests[i].expect), on_each)
 
     def _register_rpc(self, address: str, request: pb.RegisterRequest, timeout: float) -> pb.RegisterReply:
         """One Register call with a fresh key, as `GrpcEndpoint._register_rpc` sends it (the

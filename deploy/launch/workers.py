@@ -1,0 +1,316 @@
+"""Worker processes of the in-process engine (`[run] workers`): the client processes of the plan
+trained in `run.workers` OS processes, one per core, instead of in the `fedhop run` process.
+
+The server and the edges stay in the engine's process.  Each planned client process still
+registers there (its `WorkerClientProcess` and endpoint, as deploy/launch/inprocess.py builds
+them); what it hosts (client/host.py `ClientHost`: the task's data, loaded once per worker, the
+model, the clients' state) lives in a worker, which serves its calls.  A call reaching such an
+endpoint (`WorkerEndpoint.serve_frames`) hands the request's frames, as the codec produced
+them, to the worker over a pipe; the worker serves them with the same `Endpoint.serve_frames`
+(decode, handler, encode, the two ledger records) and hands back the reply's frames and its
+records: the worker appends them to the process's ledger file (ledger/NODE.jsonl, where the
+registration's records are already), and the process's live byte counter here hears them, so
+run.db, ledger/*.jsonl and the live byte view are those of a run without workers, and every client trains the same code on the same
+inputs, so the model is the same bit for bit (the server folds the replies in its own order).
+
+What crosses the pipe is bytes only: the codec's frames, which the worker decodes as any
+endpoint decodes what it receives, and JSON (the registration's config text, ledger records).
+Nothing is pickled.  A worker serves its calls one after another, as a client process trains
+one client at a time; the engine's calls to two workers run at once (the server's fabric sends
+one batch per client process, each from its own thread), which is where the second core goes.
+
+A topology whose clients call each other (its spec's `peer_link` is "client-client": chain,
+gossip) keeps them in the run's process: they call through their process's fabric, which a
+worker does not have.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import struct
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Iterator, Sequence
+
+from fedhop.client.runtime import ClientProcess
+from fedhop.common.config import Config, parent_config
+from fedhop.common.topologies import spec_for
+from fedhop.common.transport.base import Handler, ReplyBundles
+from fedhop.common.transport.liveness import register_with_backoff
+from fedhop.common.wire.codec import Encoded
+from fedhop.common.wire.ledger import Ledger, LedgerRecord
+from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
+
+log = logging.getLogger("fedhop.workers")
+
+#: the peer link of a topology whose clients call each other (its spec's `peer_link`): they keep
+#: their process's fabric, so they stay in the run's process
+CLIENT_PEERS = "client-client"
+_U32 = struct.Struct("<I")
+START_TIMEOUT = 300.0   # seconds a worker may take to import, build its task and answer
+
+
+def worker_count(cfg: Config, client_processes: int) -> int:
+    """How many worker processes the run's client processes go to: run.workers (0: one per
+    core), at most one per client process; 0 where the clients stay in the engine's process
+    (run.workers = 1, no client process, or a topology whose clients call each other: chain,
+    gossip)."""
+    wanted = cfg.run.workers or (os.cpu_count() or 1)
+    if wanted <= 1 or client_processes == 0 or spec_for(cfg.topology.kind).peer_link == CLIENT_PEERS:
+        return 0
+    return min(wanted, client_processes)
+
+
+# ----------------------------------------------------------------------------- the pipe's messages
+def pack(head: dict[str, Any], frames: Sequence[bytes | memoryview]) -> bytes:
+    """One message on a worker's pipe: a JSON head, then the frames, each length-prefixed."""
+    text = json.dumps(head, separators=(",", ":")).encode()
+    parts: list[bytes | memoryview] = [_U32.pack(len(text)), text, _U32.pack(len(frames))]
+    parts.extend(_U32.pack(len(f)) for f in frames)
+    parts.extend(frames)
+    return b"".join(parts)
+
+
+def unpack(data: bytes) -> tuple[dict[str, Any], list[bytes]]:
+    """`pack`'s inverse; ValueError on a message that does not add up."""
+    view = memoryview(data)
+    try:
+        (n,) = _U32.unpack_from(view, 0)
+        head = json.loads(bytes(view[4:4 + n]))
+        at = 4 + n
+        (count,) = _U32.unpack_from(view, at)
+        at += 4
+        lengths = [_U32.unpack_from(view, at + 4 * i)[0] for i in range(count)]
+    except (struct.error, ValueError) as exc:   # json.JSONDecodeError is a ValueError
+        raise ValueError(f"a worker pipe message that does not parse: {exc}") from None
+    at += 4 * count
+    frames = []
+    for length in lengths:
+        frames.append(bytes(view[at:at + length]))
+        at += length
+    if at != len(data) or not isinstance(head, dict):
+        raise ValueError("a worker pipe message whose lengths do not add up")
+    return head, frames
+
+
+# ----------------------------------------------------------------------------- the worker process
+def worker_main(conn: Connection) -> None:
+    """A worker's loop: `init` builds a client process's host, `call` serves a request's frames
+    for it, `close` ends the loop."""
+    import torch
+
+    from fedhop.client.host import ClientHost
+    from fedhop.common.transport.placement import process_device
+
+    # Ctrl-C reaches the whole process group: the run's process stops the rounds and closes its
+    # workers (`Worker.close`), which serve until then
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    hosts: dict[str, tuple[InMemoryEndpoint, ClientHost]] = {}
+    while True:
+        try:
+            head, frames = unpack(conn.recv_bytes())
+        except EOFError:
+            return
+        kind = head.get("kind")
+        if kind == "close":
+            return
+        try:
+            if kind == "init":
+                cfg = parent_config(head["config"], head["node"], head["parent"], role="client")
+                torch.set_num_threads(cfg.run.torch_threads)
+                ledger = Ledger(head["ledger"] or None, keep_drained=False)   # appends to the process's ledger file
+                ep = InMemoryEndpoint(InMemoryNetwork(), head["node"], ledger,
+                                      run_id=head["run_id"], token=head["token"],
+                                      chunk_bytes=cfg.transport.chunk_bytes)
+                ep.replies_per_bundle = cfg.transport.reply_bundle
+                ep.checksum = cfg.security.checksum
+                device = process_device(head["device"], cfg.clients.device, "clients.device")
+                if device.type != "cpu":
+                    ep.device = device
+                hosts[head["node"]] = (ep, ClientHost(cfg, head["node"], head["clients"], head["run_id"], ep.ledger,
+                                                      parent=head["parent"], device=device))
+                conn.send_bytes(pack({"ok": True}, []))
+                continue
+            ep, host = hosts[head["node"]]
+            if kind == "many":   # a batch's messages, served in order, each reply sent as soon as it is made
+                at = 0
+                bundles: dict[int, ReplyBundles] = {}   # the replies of one call of the batch share bundles
+                for i, (count, framing, call) in enumerate(zip(head["counts"], head["framings"], head["calls"])):
+                    placed = None if call < 0 else bundles.setdefault(
+                        call, ReplyBundles(ep.chunk_bytes, ep.replies_per_bundle))
+                    reply = ep.serve_frames(frames[at:at + count], host.handle, framing=framing,
+                                            reply_framing=None if placed is None else _framing(placed))
+                    at += count
+                    records = [r.to_dict() for r in ep.ledger.drain()]
+                    conn.send_bytes(pack({"ok": True, "i": i, "records": records}, list(reply)))
+                continue
+            reply = ep.serve_frames(frames, host.handle, framing=head["framing"], pulled=head["pulled"])
+            records = [r.to_dict() for r in ep.ledger.drain()]
+            conn.send_bytes(pack({"ok": True, "records": records}, list(reply)))
+        except Exception as exc:  # noqa: BLE001 - told to the engine, which raises it there
+            conn.send_bytes(pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"}, []))
+
+
+def _framing(bundles: ReplyBundles) -> Callable[[list[int]], int]:
+    return lambda lengths: bundles.place(lengths)[1]
+
+
+class Worker:
+    """One worker process and its pipe, as the engine's process sees it."""
+
+    def __init__(self, index: int) -> None:
+        ctx = multiprocessing.get_context("spawn")   # nothing of this process's threads or locks in the child
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=worker_main, args=(child,), name=f"fedhop worker {index}", daemon=True)
+        self.process.start()
+        child.close()
+        self.lock = threading.RLock()   # one exchange (or one batch's, `WorkerEndpoint.pipelined`) at a time on the pipe
+
+    def exchange(self, head: dict[str, Any], frames: Sequence[bytes | memoryview],
+                 timeout: float | None = None) -> tuple[dict[str, Any], list[bytes]]:
+        with self.lock:
+            self.conn.send_bytes(pack(head, frames))
+            return self.receive(timeout)
+
+    def receive(self, timeout: float | None = None) -> tuple[dict[str, Any], list[bytes]]:
+        """The worker's next message; RuntimeError when it reports an error (or says nothing
+        within `timeout`)."""
+        if timeout is not None and not self.conn.poll(timeout):
+            raise RuntimeError(f"{self.process.name} did not answer within {timeout:g}s")
+        try:
+            out, reply = unpack(self.conn.recv_bytes())
+        except EOFError:
+            raise RuntimeError(f"{self.process.name} ended (exit code {self.process.exitcode})") from None
+        if not out.get("ok"):
+            raise RuntimeError(f"{self.process.name}: {out.get('error')}")
+        return out, reply
+
+    def close(self) -> None:
+        try:
+            with self.lock:
+                self.conn.send_bytes(pack({"kind": "close"}, []))
+        except (OSError, ValueError):
+            pass
+        self.process.join(10.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+# ----------------------------------------------------------------------------- the engine's side
+class WorkerEndpoint(InMemoryEndpoint):
+    """A client process's endpoint on the engine's network whose calls its worker serves."""
+
+    def __init__(self, network: InMemoryNetwork, node_id: str, ledger: Ledger, worker: Worker, **kwargs: Any) -> None:
+        super().__init__(network, node_id, ledger, **kwargs)
+        self.worker = worker
+        self._batch: _Batch | None = None   # the batch sent ahead (`pipelined`)
+
+    @contextlib.contextmanager
+    def pipelined(self, messages: Sequence[Encoded]) -> Iterator[None]:
+        """A batch's messages (`InMemoryEndpoint.call_many`) sent to the worker at once, before
+        the caller serves the first: the worker trains them one after another and sends each
+        reply as it is made, so it never waits for this process between two clients.  Inside,
+        `serve_frames` of one of them (from the same thread, in any order) takes its reply as
+        it comes; replies no call took are recorded on the way out."""
+        self.worker.lock.acquire()
+        try:
+            frames = [list(m.frames) for m in messages]
+            self.worker.conn.send_bytes(pack({"kind": "many", "node": self.node_id,
+                                              "counts": [len(f) for f in frames],
+                                              "framings": [m.framing for m in messages],
+                                              "calls": _calls(messages)},
+                                             [f for fs in frames for f in fs]))
+            self._batch = _Batch({bytes(fs[0]): i for i, fs in enumerate(frames)}, threading.get_ident())
+            try:
+                yield
+            finally:
+                batch, self._batch = self._batch, None
+                while batch.received < len(frames):   # replies no call took (its caller gave up first)
+                    out, _ = self.worker.receive()
+                    batch.received += 1
+                    self._observe(out["records"])
+        finally:
+            self.worker.lock.release()
+
+    def serve_frames(self, frames, handler: Handler, framing: int | None = None, pulled: bool = False,
+                     on_header=None, reply_framing: Callable[[list[int]], int] | None = None) -> Sequence[bytes]:
+        """The worker serves the request (`Endpoint.serve_frames` there) and records its two ledger
+        records in the process's ledger file; the live counter here hears them.  A batch's reply travels bundled (`reply_framing`, decided
+        here where the batch's bundles are kept): its sender record's framed bytes are the reply's
+        bytes and that framing, as `Endpoint._serve` records them."""
+        frames = [bytes(f) if not isinstance(f, bytes) else f for f in frames]
+        batch = self._batch
+        if batch is not None and batch.thread == threading.get_ident() and frames and frames[0] in batch.index:
+            out, reply = batch.take(batch.index[frames[0]], self.worker)
+            if reply_framing is not None:   # the caller's side of the call's bundles (the worker placed its own)
+                reply_framing([len(f) for f in reply])
+        else:   # a call of its own: its reply travels streamed (a batch's always comes `pipelined`)
+            out, reply = self.worker.exchange({"kind": "call", "node": self.node_id, "framing": framing,
+                                               "pulled": pulled}, frames)
+        self._observe(out["records"])
+        return reply
+
+    def _observe(self, records: list[dict[str, Any]]) -> None:
+        for rec in records:   # in the ledger file already (the worker's): the process's live counter sees them
+            record = LedgerRecord.from_dict(rec)
+            for observe in self.ledger.observers:
+                observe(record)
+
+
+def _calls(messages: Sequence[Encoded]) -> list[int]:
+    """Per message, the call of the batch it goes in (messages whose replies share bundles,
+    `ReplyBundles`), numbered from 0; -1 for a message whose reply is not bundled."""
+    numbers: dict[int, int] = {}
+    return [-1 if m.reply_bundles is None else numbers.setdefault(id(m.reply_bundles), len(numbers))
+            for m in messages]
+
+
+@dataclass
+class _Batch:
+    """A batch sent ahead to a worker: its messages' index by header frame, and the replies
+    read so far that no call has taken yet."""
+
+    index: dict[bytes, int]
+    thread: int
+    received: int = 0
+    early: dict[int, tuple[dict[str, Any], list[bytes]]] = field(default_factory=dict)
+
+    def take(self, i: int, worker: Worker) -> tuple[dict[str, Any], list[bytes]]:
+        while i not in self.early:
+            out, reply = worker.receive()
+            self.received += 1
+            self.early[int(out["i"])] = (out, reply)
+        return self.early.pop(i)
+
+
+class WorkerClientProcess(ClientProcess):
+    """A planned client process whose host lives in a worker: it registers here, as any client
+    process does, and has the worker build its host from the config the parent sent."""
+
+    def __init__(self, endpoint: WorkerEndpoint, parent: str, client_ids: list[int], device: str = "") -> None:
+        super().__init__(endpoint, parent, client_ids, device=device)
+        self.worker = endpoint.worker
+
+    def register(self, timeout: float = 60.0, deadline_s: float = 120.0) -> None:
+        reply = register_with_backoff(self.endpoint, self.parent, self._request(), deadline_s=deadline_s,
+                                      call_timeout=min(timeout, 10.0))
+        if not reply.accepted:
+            raise RuntimeError(f"{self.endpoint.node_id}: registration refused by {self.parent}: {reply.message}")
+        cfg = parent_config(reply.config_toml, self.endpoint.node_id, self.parent, role="client")
+        self.endpoint.run_id = reply.run_id
+        self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
+        self.endpoint.replies_per_bundle = cfg.transport.reply_bundle   # the batch's bundles are placed here
+        self.worker.exchange({"kind": "init", "node": self.endpoint.node_id, "clients": list(self.client_ids),
+                              "config": reply.config_toml, "run_id": reply.run_id, "token": self.endpoint.token,
+                              "parent": reply.node_id or "server", "device": self.device_spec,
+                              "ledger": str(self.endpoint.ledger.path or "")}, [],
+                             timeout=START_TIMEOUT)
+        log.info("%s trains in %s", self.endpoint.node_id, self.worker.process.name)
+        self._ready.set()
