@@ -225,3 +225,20 @@ def test_a_sweep_without_algorithms_heads_its_table_with_the_base_configs_algori
     assert sweep._heading("fedexp") == "fedexp"
     sweep.results["base"] = []
     assert "## fedprox (the base config's algorithm)" in sweep.tables() and "## base" not in sweep.tables()
+
+
+def test_the_heading_reads_a_setting_that_ran_when_the_fixed_overrides_alone_do_not_validate(tmp_path):
+    """The spec's `set` may leave the base config invalid until the grid's values complete it
+    (privacy.mode without its clipping norm, here a negative one the grid replaces): the heading
+    loads the base config with a setting that ran, not with `set` alone."""
+    from fedhop.common.config import ConfigError, load_config
+    from fedhop.deploy.tools.sweep import SettingResult, Sweep
+    text = write_spec(tmp_path).read_text().replace('algorithms = ["fedavg", "fedexp"]\n', "")
+    text = text.replace('set = ["run.rounds=2"', 'set = ["algorithm.name=fedprox", "algorithm.mu=-1.0", "run.rounds=2"')
+    (tmp_path / "sweep.toml").write_text(text.replace("[grid]\n", '[grid]\n"algorithm.mu" = [0.1, 0.2]\n'))
+    spec = load_spec(tmp_path / "sweep.toml")
+    with pytest.raises(ConfigError, match="algorithm.mu"):
+        load_config(spec.base_config, spec.sweep.set)
+    sweep = Sweep(spec, tmp_path / "out", quiet=True)
+    sweep.results["base"] = [SettingResult("base", "mu=0.1", ["algorithm.mu=0.1"])]
+    assert sweep._heading("base") == "fedprox (the base config's algorithm)"

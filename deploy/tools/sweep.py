@@ -476,7 +476,9 @@ class Sweep:
         if algorithm != "base":
             return algorithm
         from fedhop.common.config import load_config
-        name = load_config(self.spec.base_config, self.spec.sweep.set).algorithm.name
+        ran = self.results.get(algorithm) or []   # a setting that ran: the fixed overrides alone may not validate
+        setting = ran[0].overrides if ran else []
+        name = load_config(self.spec.base_config, [*self.spec.fixed_overrides(""), *setting]).algorithm.name
         return f"{name} (the base config's algorithm)"
 
     def tables(self) -> str:
