@@ -1,10 +1,14 @@
 """Tensor codec: round trips for every dtype and shape, chunking, and rejection of bad payloads."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+import xxhash
 
 from fedhop.common.algorithms.base import Payload
+from fedhop.common.wire import codec
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import (
     DTYPES,
@@ -61,7 +65,8 @@ def test_large_tensor_spans_many_chunks_and_bytes_are_counted():
     enc = encode(payload, env(), chunk_bytes=chunk)
     data_bytes = t.numel() * 4 + small.numel() * 8
     assert enc.tensor_bytes == data_bytes
-    assert len(enc.frames) == 1 + -(-data_bytes // chunk)
+    assert len(enc.frames) == 1 + -(-data_bytes // chunk) + 1    # header, data, the XXH3 trailer
+    assert len(enc.frames[-1]) == 9 and enc.envelope.checksum
     assert enc.payload_bytes == sum(len(f) for f in enc.frames)
     assert enc.framed_bytes == enc.payload_bytes + FRAME_OVERHEAD * len(enc.frames)
     dec = decode_frames(enc.frames)
@@ -74,8 +79,10 @@ def test_frames_are_valid_protobuf_frames():
     enc = encode(Payload(tensors={"a": torch.ones(1000)}), env(), chunk_bytes=1024)
     first = pb.Frame.FromString(enc.frames[0])
     assert first.WhichOneof("body") == "header" and first.header.dst == "client-4"
-    data = b"".join(pb.Frame.FromString(f).data for f in enc.frames[1:])
+    data = b"".join(pb.Frame.FromString(f).data for f in enc.frames[1:-1])
     assert data == torch.ones(1000).numpy().tobytes()
+    last = pb.Frame.FromString(enc.frames[-1])
+    assert last.WhichOneof("body") == "data_xxh3" and last.data_xxh3 == xxhash.xxh3_64_intdigest(data)
 
 
 def test_decoded_tensors_are_views_of_one_buffer_not_copies():
@@ -145,7 +152,8 @@ def eager_frames(payload: Payload, envelope: pb.Envelope, chunk: int) -> list[by
     data = b"".join(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                     for t in payload.tensors.values())
     head = pb.Frame(header=envelope).SerializeToString()
-    return [head] + [pb.Frame(data=data[o:o + chunk]).SerializeToString() for o in range(0, len(data), chunk)]
+    trailer = [pb.Frame(data_xxh3=xxhash.xxh3_64_intdigest(data)).SerializeToString()] if envelope.checksum else []
+    return [head] + [pb.Frame(data=data[o:o + chunk]).SerializeToString() for o in range(0, len(data), chunk)] + trailer
 
 
 def test_frames_are_the_eager_cut_byte_for_byte_whether_cut_now_or_lazily():
@@ -165,6 +173,7 @@ def test_frames_are_the_eager_cut_byte_for_byte_whether_cut_now_or_lazily():
                 hand_over(payload)
             enc = encode(payload, env(), chunk_bytes=chunk, checksum=checksum)
             lengths = enc.frame_lengths()                # from the chunk layout
+            assert enc.envelope.checksum == (checksum and any(t.numel() for t in tensors.values()))   # no data, no trailer
             framed = enc.framed_bytes
             assert all(f is None for f in enc.frames._cuts.cut) == handed or not enc.frames._cuts.cut   # handed over: nothing cut yet
             want = eager_frames(payload, enc.envelope, chunk)
@@ -219,4 +228,58 @@ def test_handed_over_frames_are_cut_as_pulled_once_and_shared():
     assert again.frames._cuts is cuts                            # one cut for every copy of the message
     rest = list(again.frames)
     assert cuts.left == 0 and cuts.views is None                 # all cut: the tensors' memory is let go
-    assert all(a is b for a, b in zip(enc.frames[1:], rest[1:]))
+    assert all(a is b for a, b in zip(enc.frames[1:-1], rest[1:-1]))   # the data frames; the trailer is 9 bytes made per send
+
+
+def test_the_digest_trails_the_data_and_a_missing_or_wrong_trailer_is_refused():
+    """The XXH3-64 goes last (the header does not depend on the data's values, so it can go before
+    any byte is hashed); the receiver refuses a message whose trailer is missing, wrong, early,
+    misshapen or followed by more frames, and one whose header declares none but gets one."""
+    a, b = torch.randn(5000), torch.randn(5000)
+    enc = encode(Payload(tensors={"w": a}), env(msg_id="m"), chunk_bytes=4096)
+    other = encode(Payload(tensors={"w": b}), env(msg_id="m"), chunk_bytes=4096)
+    assert enc.frames[0] == other.frames[0] and enc.frames[-1] != other.frames[-1]
+    frames = list(enc.frames)
+    data = b"".join(pb.Frame.FromString(f).data for f in frames[1:-1])
+    assert frames[-1] == b"\x19" + xxhash.xxh3_64_intdigest(data).to_bytes(8, "little")
+    assert torch.equal(decode_frames(frames).payload.tensors["w"], a)
+
+    def refused(bad: list[bytes]) -> str:
+        with pytest.raises(PayloadError) as exc:
+            decode_frames(bad)
+        return exc.value.code
+
+    assert refused(frames[:-1]) == "CHECKSUM_MISMATCH"                         # cut off after the data
+    assert refused([*frames[:-1], other.frames[-1]]) == "CHECKSUM_MISMATCH"    # another message's digest
+    assert refused([*frames[:2], frames[-1], *frames[2:-1]]) == "SIZE_MISMATCH"  # the trailer before the end
+    assert refused([*frames, frames[-1]]) == "MALFORMED_FRAME"                  # a frame after the trailer
+    assert refused([*frames[:-1], frames[-1] + b"\0"]) == "MALFORMED_FRAME"    # a trailer of 10 bytes
+    assert refused([frames[-1], *frames]) == "MALFORMED_FRAME"                  # before the header
+    plain = list(encode(Payload(tensors={"w": a}), env(), chunk_bytes=4096, checksum=False).frames)
+    assert not pb.Frame.FromString(plain[0]).header.checksum and len(plain) == len(frames) - 1
+    assert refused([*plain, frames[-1]]) == "MALFORMED_FRAME"                   # undeclared trailer
+    flipped = bytearray(frames[1])
+    flipped[100] ^= 0x04
+    assert refused([frames[0], bytes(flipped), *frames[2:]]) == "CHECKSUM_MISMATCH"
+
+
+def test_a_handed_over_message_is_hashed_beside_its_send_and_a_change_fails_its_trailer():
+    """A handed-over message of more than one chunk is hashed by a helper thread (the header and
+    data frames need no digest); its trailer equals an eager encode's, and a tensor changed in
+    place before the trailer is made fails the send (SnapshotChanged), never a wrong digest."""
+    w = torch.randn(10_000)
+    eager = list(encode(Payload(tensors={"w": w.clone()}), env(msg_id="m"), chunk_bytes=4096).frames)
+    enc = encode(hand_over(Payload(tensors={"w": w})), env(msg_id="m"), chunk_bytes=4096)
+    assert list(enc.frames.stream()) == eager
+    gate = threading.Event()
+    pool = codec._cut_pool()
+    blockers = [pool.submit(gate.wait) for _ in range(pool._max_workers)]   # the helper threads busy
+    enc2 = encode(hand_over(Payload(tensors={"w": w})), env(msg_id="m"), chunk_bytes=4096)
+    frames = iter(enc2.frames)
+    sent = [next(frames) for _ in range(len(eager) - 1)]                       # header and every data frame,
+    assert sent == eager[:-1]                                                  # sent before any byte is hashed
+    w.add_(1.0)                                                                # the caller broke its promise
+    gate.set()
+    with pytest.raises(SnapshotChanged):
+        next(frames)                                                           # the trailer: the hash saw it
+    assert all(f.result() for f in blockers)

@@ -84,8 +84,14 @@ def test_a_short_message_never_shows_the_previous_bytes():
     frames = _frames(model)
     del _decode(frames, pool).tensors
     dec = FrameDecoder(buffers=pool)
-    for f in frames[:-1]:                           # the last data frame never arrives
+    for f in frames[:-2]:                           # the last data frame (and the trailer) never arrive
         dec.feed(f)
     with pytest.raises(PayloadError) as exc:
         dec.finish()
     assert exc.value.code == "SIZE_MISMATCH"
+    dec = FrameDecoder(buffers=pool)
+    for f in frames[:-1]:                           # every data byte, the trailer missing: not verified
+        dec.feed(f)
+    with pytest.raises(PayloadError) as exc:
+        dec.finish()
+    assert exc.value.code == "CHECKSUM_MISMATCH"

@@ -36,22 +36,24 @@ def pair():
 @pytest.mark.parametrize("numel, shape", [(5000, "bundled"), (3 * CHUNK // 4, "streamed")])
 def test_small_requests_are_bundled_large_ones_streamed_and_bytes_are_exact(pair, numel, shape):
     """20 KB of data (one chunk is 64 KB) goes bundled: its data frame's length takes a 3-byte
-    varint, so the bundle's framing (5 + 2 + 4) differs from two streamed messages' (5 + 5),
-    and both ends' records show which way it went; 192 KB goes as 4 streamed frames."""
+    varint, so the bundle's framing (5 + 2 + 4 + 2) differs from three streamed messages'
+    (5 + 5 + 5: header, data, the 9-byte XXH3 trailer), and both ends' records show which way it
+    went; 192 KB goes as 5 streamed frames (header, 3 data frames, trailer)."""
     caller, callee, address, seen = pair
     w = torch.arange(numel, dtype=torch.float32)
     reply = caller.call(address, "client-0", "train", Payload(tensors={"w": w}), round=1, timeout=10)
     assert torch.equal(reply.tensors["w"], 2 * w) and seen == ["train"]
     request = next(r for r in caller.ledger.records() if r.method == "train")
     received = next(r for r in callee.ledger.records() if r.method == "train")
-    frames = 1 + -(-4 * numel // CHUNK)                     # the header, then data frames of <= CHUNK bytes
+    frames = 1 + -(-4 * numel // CHUNK) + 1                 # the header, data frames of <= CHUNK bytes, the trailer
     if shape == "bundled":
         # one gRPC message: 5 bytes of prefix, then per frame a field tag and a length varint
         data_frame = 1 + 3 + 4 * numel                       # tag, 3-byte length varint, the bytes
-        header = request.payload_bytes - data_frame
+        trailer = 1 + 8                                      # tag, the fixed64 digest
+        header = request.payload_bytes - data_frame - trailer
         assert header < 128                                  # its length varint is 1 byte
-        assert request.framed_bytes == request.payload_bytes + FRAME_OVERHEAD + (1 + 1) + (1 + 3)
-        assert request.framed_bytes == request.payload_bytes + bundle_framing([header, data_frame])
+        assert request.framed_bytes == request.payload_bytes + FRAME_OVERHEAD + (1 + 1) + (1 + 3) + (1 + 1)
+        assert request.framed_bytes == request.payload_bytes + bundle_framing([header, data_frame, trailer])
     else:
         assert request.framed_bytes == request.payload_bytes + FRAME_OVERHEAD * frames
     assert received.framed_bytes == request.framed_bytes and received.payload_bytes == request.payload_bytes

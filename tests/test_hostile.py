@@ -135,7 +135,7 @@ class HostileClient:
         if mode == "bad_checksum":
             data = bytearray(frames[1])
             data[-1] ^= 0x40
-            return [frames[0], bytes(data)]
+            return [frames[0], bytes(data), *frames[2:]]   # the sender's true trailer, a flipped data byte
         if mode == "garbage":
             return [b"\x0a\xff\xff\xff\xff\x0f" + bytes(range(50))]
         return frames

@@ -129,7 +129,7 @@ def test_a_reply_waiting_for_a_slot_sends_nothing_but_its_header(cluster):
     assert len(first_data) == CLIENTS
     assert all(tick > released_at for tick in first_data)   # no data before the slot was free
     assert min(first_data) > min(gate.admitted_at)
-    frames = 1 + -(-4 * NUMEL // CHUNK)
+    frames = 1 + -(-4 * NUMEL // CHUNK) + 1                 # header, data frames, the XXH3 trailer
     for k, callee in enumerate(callees):
         sent = next(r for r in caller.ledger.records() if r.method == "train" and r.dst == f"client-{k}")
         got = next(r for r in callee.ledger.records() if r.method == "train")
@@ -165,10 +165,12 @@ def test_an_ungated_or_one_frame_reply_is_not_pulled(cluster):
     caller.call(addresses[1], "client-1", "train", Payload(tensors={"w": small}), round=1, timeout=30,
                 expect=GatedBound(data_bytes=400, header_bytes=4096, gate=fold))
     streamed = next(r for r in caller.ledger.records() if r.method == "train" and r.dst == "client-0")
-    assert streamed.framed_bytes == streamed.payload_bytes + FRAME_OVERHEAD * (1 + -(-4 * NUMEL // CHUNK))
+    assert streamed.framed_bytes == streamed.payload_bytes + FRAME_OVERHEAD * (1 + -(-4 * NUMEL // CHUNK) + 1)
     bundled = next(r for r in callees[1].ledger.records() if r.method == "train")
     data_frame = 1 + 2 + 400                               # tag, 2-byte length varint, the bytes
-    assert bundled.framed_bytes == bundled.payload_bytes + bundle_framing([bundled.payload_bytes - data_frame, data_frame])
+    trailer = 1 + 8                                        # tag, the fixed64 XXH3-64
+    assert bundled.framed_bytes == bundled.payload_bytes + bundle_framing(
+        [bundled.payload_bytes - data_frame - trailer, data_frame, trailer])
 
 
 def test_the_last_send_of_a_burst_that_left_enough_trims_the_heap(monkeypatch):
@@ -239,8 +241,8 @@ def test_a_request_waits_with_its_sender_until_the_callee_takes_it(monkeypatch):
         room.release()
         t.join(30)
         assert torch.equal(out["reply"].tensors["w"], 2 * w) and seen == ["train"]
-        frames = 1 + -(-4 * NUMEL // CHUNK)
-        assert len(cut_at) == frames - 1 and min(cut_at) > freed_at   # no data frame before it was taken
+        frames = 1 + -(-4 * NUMEL // CHUNK) + 1       # header, data frames, the XXH3 trailer
+        assert len(cut_at) == frames - 2 and min(cut_at) > freed_at   # no data frame before it was taken
         sent = next(r for r in caller.ledger.records() if r.method == "train")
         got = next(r for r in callee.ledger.records() if r.method == "train")
         assert sent.framed_bytes == sent.payload_bytes + FRAME_OVERHEAD * frames == got.framed_bytes

@@ -1,8 +1,11 @@
 """Tensor codec: Payload <-> a header Envelope plus raw little-endian data frames.
 
 Wire format (proto/fedhop.proto): a stream of `Frame` messages.  The first carries the
-`Envelope` (tensor specs, scalars, routing); the rest carry the tensors' bytes, concatenated
-in spec order and cut into chunks of at most `chunk_bytes`.
+`Envelope` (tensor specs, scalars, routing); the next carry the tensors' bytes, concatenated
+in spec order and cut into chunks of at most `chunk_bytes`; when the envelope says `checksum`,
+a last 9-byte trailer frame carries the XXH3-64 of those bytes (`trailer_frame`).  The digest
+trails the data so that the sender need not read the whole model before its first frame: the
+hash is made while the frames are sent (`_Cuts.digest`).
 
 Copies, the cost that dominates on this machine (shared/research/limits.md):
 - encode: tensor memory -> frame bytes is one copy per byte (`bytes.join` over memoryviews
@@ -20,8 +23,9 @@ Copies, the cost that dominates on this machine (shared/research/limits.md):
 
 Everything received is validated before use: declared sizes against the limit before any
 allocation, dtype names, nbytes = prod(shape) * itemsize, total bytes, frame order, and the
-XXH3-64 checksum of the data bytes when the sender put one in the envelope (`encode(..., checksum=True)`,
-the default): plaintext TCP has no end-to-end integrity check above the hop, so a corrupted
+XXH3-64 checksum of the data bytes when the sender's envelope says `checksum` (`encode(..., checksum=True)`,
+the default; a message so marked whose trailer is missing or differs is refused
+CHECKSUM_MISMATCH): plaintext TCP has no end-to-end integrity check above the hop, so a corrupted
 tensor byte would otherwise decode as a valid, wrong number.  The checksum is XXH3-64 (the
 `xxhash` package, ~25 GB/s here; zlib's CRC-32 runs at ~5.5 GB/s and halved the codec's speed).
 """
@@ -35,7 +39,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -64,6 +68,8 @@ ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v 
 
 _TAG_HEADER = 0x0A  # Frame field 1 (header), wire type 2
 _TAG_DATA = 0x12    # Frame field 2 (data), wire type 2
+_TAG_TRAILER = 0x19  # Frame field 3 (data_xxh3), wire type 1 (fixed64): the trailer
+TRAILER_BYTES = 9    # a trailer frame: its tag and the 8-byte little-endian digest
 DEFAULT_CHUNK = 4 * 1024 * 1024
 FRAME_OVERHEAD = 5  # gRPC length-prefixed message framing, per message
 
@@ -125,6 +131,11 @@ def scalar_from_pb(s: pb.Scalar) -> Scalar:
 
 
 # ----------------------------------------------------------------------------- encode
+def trailer_frame(digest: int) -> bytes:
+    """The trailer frame: a protobuf `Frame{data_xxh3}` (tag 0x19, the digest as fixed64)."""
+    return bytes([_TAG_TRAILER]) + digest.to_bytes(8, "little")
+
+
 def tensor_bytes_view(t: torch.Tensor) -> memoryview:
     """The tensor's bytes as a flat memoryview (copies only if it is not contiguous)."""
     flat = t.detach()
@@ -149,12 +160,16 @@ class _Cuts:
     bytes and one is kept.  `guards`: (tensor, version) of handed-over tensors, checked at each
     cut so that bytes changed in place after encode are never sent.  `keep=False` (handed-over
     tensors only): no frame is kept, each send cuts its own as it pulls them, so a message sent
-    to many peers never exists whole as frames (a copy per send instead of a model held)."""
+    to many peers never exists whole as frames (a copy per send instead of a model held).
+    `checksum`: a trailer frame with the XXH3-64 of the bytes follows the data frames; its digest
+    is made once per message (`digest`), while the frames are cut (`set_digest`) or, for
+    handed-over tensors, by a helper thread that reads them while the send goes (`hash_ahead`)."""
 
-    __slots__ = ("views", "ends", "chunk_bytes", "total", "cut", "left", "guards", "lock", "keep")
+    __slots__ = ("views", "ends", "chunk_bytes", "total", "cut", "left", "guards", "lock", "keep",
+                 "checksum", "_digest")
 
     def __init__(self, views: list[memoryview], chunk_bytes: int, guards: list | None = None,
-                 keep: bool = True) -> None:
+                 keep: bool = True, checksum: bool = False) -> None:
         self.views: list[memoryview] | None = [v for v in views if len(v)]
         self.ends: list[int] = []
         total = 0
@@ -168,6 +183,24 @@ class _Cuts:
         self.guards = guards or []
         self.lock = threading.Lock()
         self.keep = keep or not guards   # a snapshot (nothing handed over) is always kept
+        self.checksum = checksum and total > 0   # a message with no data bytes has no trailer
+        self._digest: "int | Future[int] | None" = None
+
+    def set_digest(self, value: int) -> None:
+        self._digest = value
+
+    def hash_ahead(self) -> None:
+        """Start hashing the handed-over tensors' bytes in a helper thread: the send of the header
+        and the data frames goes on meanwhile, and only the trailer waits for the digest."""
+        assert self.views is not None   # called by `encode`, before any frame is cut
+        self._digest = _cut_pool().submit(_hash_views, list(self.views), list(self.guards))
+
+    def digest(self) -> int:
+        """The XXH3-64 of the message's data bytes (waits for `hash_ahead`'s thread)."""
+        d = self._digest
+        if d is None:
+            raise RuntimeError("the message has no checksum")
+        return d if isinstance(d, int) else d.result()
 
     def _pieces(self, start: int, stop: int) -> list[memoryview]:
         views = self.views
@@ -189,9 +222,7 @@ class _Cuts:
         views = self.views
         if views is None:   # another thread cut the last frame (and let the views go) meanwhile
             return self.cut[k]   # type: ignore[return-value]  # views go only once every frame is cut
-        for t, version in self.guards:
-            if t._version != version:
-                raise SnapshotChanged("a handed-over tensor was changed in place while its message was being sent")
+        _check_guards(self.guards)
         start = k * self.chunk_bytes
         pieces = self._pieces(start, min(start + self.chunk_bytes, self.total))
         frame = b"".join([_data_prefix(sum(len(p) for p in pieces)), *pieces])   # the one copy of these bytes
@@ -204,6 +235,23 @@ class _Cuts:
                 if self.left == 0:
                     self.views, self.guards = None, []
             return self.cut[k]   # type: ignore[return-value]  # set just above (by this thread or another)
+
+
+def _check_guards(guards: list) -> None:
+    for t, version in guards:
+        if t._version != version:
+            raise SnapshotChanged("a handed-over tensor was changed in place while its message was being sent")
+
+
+def _hash_views(views: list[memoryview], guards: list) -> int:
+    """XXH3-64 of the views' bytes, in order; a handed-over tensor changed in place meanwhile
+    (its version counter moved) fails it, as it fails a cut."""
+    _check_guards(guards)
+    digest = xxhash.xxh3_64()
+    for view in views:
+        digest.update(view)
+    _check_guards(guards)
+    return digest.intdigest()
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -236,8 +284,9 @@ def hand_over(payload: Payload, keep_frames: bool = True) -> Payload:
 class Frames(Sequence):
     """A message's frames, a read-only sequence of `bytes`: its header frame, then its data frames
     (`_Cuts`), cut at encode time or, for handed-over tensors, only when pulled: gRPC pulls the
-    next frame of a stream while the previous one is being sent, so that copy overlaps the send.
-    The frames' lengths follow from the chunk layout (`lengths`) and are known without cutting.
+    next frame of a stream while the previous one is being sent, so that copy overlaps the send;
+    then, when the message is checksummed, its trailer (the digest, `_Cuts.digest`).  The frames'
+    lengths follow from the chunk layout (`lengths`) and are known without cutting or hashing.
     The bytes are exactly those of an eager cut."""
 
     __slots__ = ("header", "_cuts", "_count")
@@ -245,7 +294,7 @@ class Frames(Sequence):
     def __init__(self, header: bytes, data: "list[memoryview] | _Cuts", chunk_bytes: int = DEFAULT_CHUNK) -> None:
         self.header = header
         self._cuts = data if isinstance(data, _Cuts) else _Cuts(list(data), chunk_bytes)
-        self._count = 1 + len(self._cuts.cut)
+        self._count = 1 + len(self._cuts.cut) + self._cuts.checksum
 
     @property
     def chunk_bytes(self) -> int:
@@ -261,13 +310,19 @@ class Frames(Sequence):
             i += self._count
         if not 0 <= i < self._count:
             raise IndexError("frame index out of range")
-        return self.header if i == 0 else self._cuts[i - 1]
+        if i == 0:
+            return self.header
+        if i > len(self._cuts.cut):
+            return trailer_frame(self._cuts.digest())
+        return self._cuts[i - 1]
 
     def __iter__(self) -> Iterator[bytes]:
         yield self.header
         cuts = self._cuts
-        for k in range(self._count - 1):
+        for k in range(len(cuts.cut)):
             yield cuts[k]
+        if cuts.checksum:
+            yield trailer_frame(cuts.digest())
 
     def stream(self, ahead: int = 2) -> Iterator[bytes]:
         """The frames for a send: data frames not cut yet are cut `ahead` frames in advance by
@@ -279,13 +334,15 @@ class Frames(Sequence):
             return
         yield self.header
         pool = _cut_pool()
-        n = self._count - 1
+        n = len(cuts.cut)
         pending = collections.deque(pool.submit(cuts.__getitem__, k) for k in range(min(ahead, n)))
         for k in range(n):
             frame = pending.popleft().result()
             if k + ahead < n:
                 pending.append(pool.submit(cuts.__getitem__, k + ahead))
             yield frame
+        if cuts.checksum:
+            yield trailer_frame(cuts.digest())
 
     def __eq__(self, other) -> bool:
         if isinstance(other, (Frames, list, tuple)):
@@ -305,7 +362,8 @@ class Frames(Sequence):
         total, chunk = self._cuts.total, self._cuts.chunk_bytes
         full, last = divmod(total, chunk)
         sizes = [chunk] * full + ([last] if last else [])
-        return [len(self.header), *(1 + len(_varint(n)) + n for n in sizes)]
+        trailer = [TRAILER_BYTES] if self._cuts.checksum else []
+        return [len(self.header), *(1 + len(_varint(n)) + n for n in sizes), *trailer]
 
     def with_header(self, header: bytes) -> "Frames":
         """The same data frames (the same snapshot) under another header frame."""
@@ -347,10 +405,7 @@ class Encoded:
         if self.envelope.HasField("control"):
             envelope.control.CopyFrom(self.envelope.control)
         envelope.data_bytes = self.envelope.data_bytes
-        if self.envelope.HasField("data_xxh3"):
-            envelope.data_xxh3 = self.envelope.data_xxh3
-        else:
-            envelope.ClearField("data_xxh3")
+        envelope.checksum = self.envelope.checksum
         header = _header_frame(envelope)
         if isinstance(self.frames, Frames):
             frames: Sequence[bytes] = self.frames.with_header(header)
@@ -383,13 +438,20 @@ def split_bundle(frames: list[bytes]) -> list[list[bytes]]:
     A bundle that does not parse so comes back whole, as one message, for the decoder to reject
     with its usual typed error."""
     messages: list[list[bytes]] = []
-    need = 0
+    need, trailer = 0, False   # the open message's data bytes still to come, and whether its trailer is
     for frame in frames:
         try:
             mv = memoryview(frame)
+            if mv[0] == _TAG_TRAILER:
+                if trailer and need == 0 and len(mv) == TRAILER_BYTES:
+                    trailer = False
+                    messages[-1].append(frame)
+                    continue
+                return [frames]
             length, start = _read_varint(mv, 1)
-            if mv[0] == _TAG_HEADER and need == 0:
-                need = int(pb.Envelope.FromString(bytes(mv[start:start + length])).data_bytes)
+            if mv[0] == _TAG_HEADER and need == 0 and not trailer:
+                env = pb.Envelope.FromString(bytes(mv[start:start + length]))
+                need, trailer = int(env.data_bytes), env.checksum
                 messages.append([frame])
                 continue
             if mv[0] != _TAG_HEADER and 0 < length <= need and messages:
@@ -399,7 +461,7 @@ def split_bundle(frames: list[bytes]) -> list[list[bytes]]:
         except Exception:   # a truncated varint or header: not a batch this function can split
             pass
         return [frames]
-    return messages if messages and need == 0 else [frames]
+    return messages if messages and need == 0 and not trailer else [frames]
 
 
 def bundle_bytes(frames: Sequence[bytes]) -> bytes:
@@ -421,10 +483,12 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
     later while a call is still sending (a message sent to many peers is encoded once and shared,
     `Encoded.with_header`).  By default the data frames are cut here, from the tensors' memory:
     the frames are then the snapshot (one copy, as the cut needs anyway), each hashed right after
-    it is cut, while in cache.  Tensors handed over (`hand_over`) need no snapshot: they are
-    hashed here and their frames cut only as the send pulls them (`Frames`).
+    it is cut, while in cache.  Tensors handed over (`hand_over`) need no snapshot: their frames
+    are cut only as the send pulls them (`Frames`) and, when they span more than one chunk, their
+    digest is made by a helper thread meanwhile (`_Cuts.hash_ahead`): only the trailer waits for it.
 
-    `checksum`: put the XXH3-64 of the data bytes in the envelope (the receiver verifies it)."""
+    `checksum`: end the message with a trailer frame holding the XXH3-64 of the data bytes, and
+    say so in the envelope (the receiver verifies it)."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     views: list[memoryview] = []
@@ -445,16 +509,21 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
             guards = None   # one tensor not handed over: the message is cut (snapshot) now
         views.append(view)
         total += len(view)
-    digest = xxhash.xxh3_64() if checksum else None
-    cuts = _Cuts(views, chunk_bytes, guards, keep=keep or not views)
+    cuts = _Cuts(views, chunk_bytes, guards, keep=keep or not views, checksum=checksum)
+    digest = xxhash.xxh3_64() if cuts.checksum else None
     if guards is None:
         for k in range(len(cuts.cut)):
             frame = cuts[k]
             if digest is not None:
                 digest.update(memoryview(frame)[len(frame) - min(chunk_bytes, total - k * chunk_bytes):])
+    elif digest is not None and total > chunk_bytes:
+        cuts.hash_ahead()
+        digest = None
     elif digest is not None:
         for view in views:
             digest.update(view)
+    if digest is not None:
+        cuts.set_digest(digest.intdigest())
     envelope.scalars.clear()
     for name, value in payload.scalars.items():
         scalar_to_pb(value, envelope.scalars[name])
@@ -463,10 +532,7 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
     else:
         envelope.ClearField("control")
     envelope.data_bytes = total
-    if digest is not None:
-        envelope.data_xxh3 = digest.intdigest()
-    else:
-        envelope.ClearField("data_xxh3")
+    envelope.checksum = cuts.checksum
     return Encoded(frames=Frames(_header_frame(envelope), cuts), envelope=envelope, tensor_bytes=total)
 
 
@@ -585,6 +651,7 @@ class FrameDecoder:
     _payload_bytes: int = 0
     _frames: int = 0
     _digest: "xxhash.xxh3_64 | None" = None
+    _trailer: int | None = None   # the digest the trailer frame carried
 
     @property
     def filled(self) -> int:
@@ -603,8 +670,9 @@ class FrameDecoder:
 
     @property
     def complete(self) -> bool:
-        """The header and every data byte it declares have arrived."""
-        return self.envelope is not None and self._filled == self.envelope.data_bytes
+        """The header, every data byte it declares and its trailer (when it says `checksum`) have arrived."""
+        env = self.envelope
+        return env is not None and self._filled == env.data_bytes and (not env.checksum or self._trailer is not None)
 
     def feed(self, frame: bytes) -> None:
         self._frames += 1
@@ -613,6 +681,11 @@ class FrameDecoder:
         if len(mv) == 0:
             raise PayloadError("MALFORMED_FRAME", "empty frame")
         tag = mv[0]
+        if self._trailer is not None:
+            raise PayloadError("MALFORMED_FRAME", "a frame after the message's trailer")
+        if tag == _TAG_TRAILER:
+            self._take_trailer(mv)
+            return
         length, start = _read_varint(mv, 1)
         if start + length != len(mv):
             raise PayloadError("MALFORMED_FRAME",
@@ -652,6 +725,18 @@ class FrameDecoder:
         else:
             raise PayloadError("MALFORMED_FRAME", f"unknown frame tag 0x{tag:02x}")
 
+    def _take_trailer(self, mv: memoryview) -> None:
+        env = self.envelope
+        if env is None:
+            raise PayloadError("MALFORMED_FRAME", "trailer frame before the header frame")
+        if not env.checksum:
+            raise PayloadError("MALFORMED_FRAME", "trailer frame in a message whose header declares no checksum")
+        if len(mv) != TRAILER_BYTES:
+            raise PayloadError("MALFORMED_FRAME", f"trailer frame of {len(mv)} bytes; a trailer is {TRAILER_BYTES}")
+        if self._filled != env.data_bytes:
+            raise PayloadError("SIZE_MISMATCH", f"trailer after {self._filled} of {env.data_bytes} declared data bytes")
+        self._trailer = int.from_bytes(mv[1:], "little")
+
     def _start(self, env: pb.Envelope) -> None:
         declared = int(env.data_bytes)
         if self.admit is not None:   # the method and caller first: a refused request's data is never read
@@ -689,7 +774,7 @@ class FrameDecoder:
             self._sink = taken
         else:
             self._buffer = taken
-        self._digest = xxhash.xxh3_64() if env.HasField("data_xxh3") else None
+        self._digest = xxhash.xxh3_64() if env.checksum else None
 
     def finish(self) -> Decoded:
         if self.envelope is None:
@@ -698,16 +783,17 @@ class FrameDecoder:
         if self._filled != env.data_bytes:
             raise PayloadError("SIZE_MISMATCH", f"message ended after {self._filled} of "
                                                 f"{env.data_bytes} declared data bytes")
-        if env.HasField("data_xxh3"):
-            assert self._digest is not None   # made when the header declared data_xxh3
+        if env.checksum:
+            assert self._digest is not None   # made when the header declared a checksum
             digest = self._digest.intdigest()   # over every data byte, frame by frame (`feed`)
-            if digest != env.data_xxh3:
+            if self._trailer != digest:
                 self._buffer = None   # refused: nothing will be made of these bytes
                 if self._sink is not None:
                     self._sink.close()   # its file goes now
                     self._sink = None
+                said = "no trailer" if self._trailer is None else f"a trailer of {self._trailer:016x}"
                 raise PayloadError("CHECKSUM_MISMATCH", f"data bytes have XXH3-64 {digest:016x}, the sender's "
-                                                        f"envelope says {env.data_xxh3:016x}: corrupted in transit")
+                                                        f"message ended with {said}: corrupted in transit")
         if self._sink is not None:   # the message's file, mapped as its buffer
             self._buffer, self._sink = self._sink.array(), None
         assert self._buffer is not None

@@ -39,7 +39,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("run_id", "round", "step", "src", "dst", "method", "msg_id", "tensors", "scalars", "data_bytes", "error", "token", "data_xxh3", "control")
+    __slots__ = ("run_id", "round", "step", "src", "dst", "method", "msg_id", "tensors", "scalars", "data_bytes", "error", "token", "checksum", "control")
     class ScalarsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,7 +59,7 @@ class Envelope(_message.Message):
     DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
-    DATA_XXH3_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
@@ -73,9 +73,9 @@ class Envelope(_message.Message):
     data_bytes: int
     error: Error
     token: str
-    data_xxh3: int
+    checksum: bool
     control: Control
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., method: _Optional[str] = ..., msg_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., scalars: _Optional[_Mapping[str, Scalar]] = ..., data_bytes: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., token: _Optional[str] = ..., data_xxh3: _Optional[int] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., method: _Optional[str] = ..., msg_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., scalars: _Optional[_Mapping[str, Scalar]] = ..., data_bytes: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., token: _Optional[str] = ..., checksum: _Optional[bool] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
 
 class Control(_message.Message):
     __slots__ = ("clients", "failures", "layout", "specs", "peers", "skipped", "neighbours", "processes", "world", "walk_peers")
@@ -188,12 +188,14 @@ class RankGroup(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "data_xxh3")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    DATA_XXH3_FIELD_NUMBER: _ClassVar[int]
     header: Envelope
     data: bytes
-    def __init__(self, header: _Optional[_Union[Envelope, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    data_xxh3: int
+    def __init__(self, header: _Optional[_Union[Envelope, _Mapping]] = ..., data: _Optional[bytes] = ..., data_xxh3: _Optional[int] = ...) -> None: ...
 
 class FrameBundle(_message.Message):
     __slots__ = ("frames",)
