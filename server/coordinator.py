@@ -148,13 +148,14 @@ class Coordinator:
             reply = pb.RegisterReply(accepted=False, message="registration refused: wrong token")
             self._refused(req, reply.message)
         else:
-            bad = [c.client_id for c in req.clients if c.client_id >= self.cfg.clients.count]
+            ids = [c.client_id for c in req.clients]
+            bad = [c for c in ids if c >= self.cfg.clients.count]
             if bad:
                 reply = pb.RegisterReply(accepted=False, message=f"client ids {bad[:10]} out of range "
                                                                  f"(clients.count = {self.cfg.clients.count})")
                 self._refused(req, reply.message)
             else:
-                node = ChildNode(req.node_id, req.role, req.address, sorted(c.client_id for c in req.clients))
+                node = ChildNode(req.node_id, req.role, req.address, sorted(ids))
                 # an edge registers twice: first with no clients (to fetch the config), then with its
                 # cluster once that cluster's processes have registered with it (from the same address:
                 # a restarted edge has a new one); one event, the second
@@ -182,12 +183,14 @@ class Coordinator:
 
     def wait_for_clients(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        need = set(range(self.cfg.clients.count))
+        need = self.cfg.clients.count
         with self._registered:
-            while not need <= set(self.client_home):
+            # the ids are checked below clients.count (`handle_register`, uint32 on the wire): every
+            # client has a home when there are as many homes as clients, one look per wake-up
+            while len(self.client_home) < need:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = sorted(need - set(self.client_home))
+                    missing = [c for c in range(need) if c not in self.client_home]
                     raise RunFailed(f"registration timed out after {timeout:.0f}s: {len(missing)} logical "
                                     f"clients never registered (first: {missing[:10]})")
                 self._registered.wait(min(left, 0.5))
@@ -195,7 +198,7 @@ class Coordinator:
             nodes = len({node.node_id for node in self.client_home.values()})
         # the launcher watches for this: a child that dies before it can only be a failed start
         self.store.add_event("registration_complete", node="server", round=0,
-                             detail=f"{len(need)} logical clients in {nodes} processes")
+                             detail=f"{need} logical clients in {nodes} processes")
 
     # ------------------------------------------------------------------ rounds
     def sample(self, round: int, attempt: int = 0) -> list[int]:
