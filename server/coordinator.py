@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -113,6 +114,7 @@ class Coordinator:
         self.store = RunStore(self.run_dir / "run.db")
         self.children: dict[str, ChildNode] = {}
         self.client_home: dict[int, ChildNode] = {}
+        self.homed: Counter[str] = Counter()   # node id -> how many clients it is the home of (`live_count`)
         self._registered = threading.Condition()
         self.rounds_completed = 0
         self.stop_status = 0   # with a "stopped" run: the exit status a shell reports for the signal (128 + N)
@@ -164,7 +166,11 @@ class Coordinator:
                 with self._registered:
                     self.children[req.node_id] = node
                     for cid in node.clients:
+                        old = self.client_home.get(cid)
+                        if old is not None:
+                            self.homed[old.node_id] -= 1
                         self.client_home[cid] = node
+                    self.homed[node.node_id] += len(node.clients)
                     self._registered.notify_all()
                 if not config_fetch:
                     self.store.add_event("registered", node=req.node_id, round=0,
@@ -243,12 +249,13 @@ class Coordinator:
                 self.store.add_event("node_suspect", node=node.node_id, round=round,
                                      detail=f"a call failed: {why}; its clients are not sampled until it beats again")
 
-    def live_clients(self, suspects: bool = True) -> list[int]:
-        """Clients whose host is neither dead nor (with `suspects`) suspect, nor reported dead by its edge."""
+    def live_count(self, suspects: bool = True) -> int:
+        """How many clients have a host that is neither dead nor (with `suspects`) suspect, and
+        were not reported dead by their edge: counted by node (`homed`), not by client."""
         monitor = getattr(self.endpoint, "liveness", None)
         gone = set() if monitor is None else monitor.unavailable_nodes() if suspects else monitor.dead_nodes()
-        reported = self.reported_dead()
-        return [c for c, node in sorted(self.client_home.items()) if node.node_id not in gone and c not in reported]
+        hosted = sum(n for node_id, n in self.homed.items() if node_id not in gone)
+        return hosted - sum(1 for c in self.reported_dead() if self.client_home[c].node_id not in gone)
 
     def lost_call(self, cid: int, why: str) -> bool:
         """Whether client `cid`'s failure is its process being unavailable: the call failed as calls
@@ -284,16 +291,16 @@ class Coordinator:
             return "complete"
         self.record_failures(round, failures)
         self.failures_total += len(failures)
-        live = self.live_clients()
+        live = self.live_count()
         what = f"only {got} of {len(sampled)} sampled clients returned a result (run.min_results requires {needed})"
         dead = sorted({self.client_home[c].node_id for c in failures if c in self.client_home})
-        alive = len(self.live_clients(suspects=False))   # a suspect may still beat: only the dead count here
+        alive = self.live_count(suspects=False)   # a suspect may still beat: only the dead count here
         if alive < needed:
             raise RunFailed(f"round {round}: {what}, and only {alive} clients have a live process left")
         if policy == "retry" and attempt < SHORT_ROUND_RETRIES:
             self.store.add_event("round_retried", node="server", round=round,
                                  detail=f"attempt {attempt + 1}: {what}; failed: {id_list(sorted(failures))} on "
-                                        f"{', '.join(dead)}; sampling again among {len(live)} live clients")
+                                        f"{', '.join(dead)}; sampling again among {live} live clients")
             log.warning("round %d: %s; retrying (attempt %d)", round, what, attempt + 2)
             return "retry"
         self.skipped_in_a_row += 1
