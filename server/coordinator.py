@@ -212,13 +212,18 @@ class Coordinator:
         suspect, nor reported dead by its edge; `attempt` > 0: a retry of a short round."""
         def live_only(pool: Sequence[int], size: int) -> Sequence[int]:
             pool, dead = live_pool(pool, size, self.client_home, getattr(self.endpoint, "liveness", None),
-                                   self.reported_dead())
+                                   self.reported_dead(), self.hosts, self.homed)
             if dead:   # no dead node's client drawn in place of a live one (common/transport/liveness.py)
                 self.store.add_event("sampling_excluded", node="server", round=round,
                                      detail=f"{len(dead)} clients of dead nodes not sampled: {dead[:20]}"
                                             + (f" (attempt {attempt})" if attempt else ""))
             return pool
         return self.engine.sample(round, restrict=live_only, attempt=attempt)
+
+    @property
+    def hosts(self) -> dict[str, list[int]]:
+        """Node id -> the clients it registered (`live_pool` finds a dead node's clients there)."""
+        return {node_id: node.clients for node_id, node in self.children.items()}
 
     def reported_dead(self) -> set[int]:
         """Clients whose process an edge reported dead in its last reply (only that edge's own)."""

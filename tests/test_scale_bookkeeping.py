@@ -15,13 +15,16 @@ import sys
 import tracemalloc
 from collections import Counter
 from collections.abc import Callable
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from fedhop.common.config import parse_config
 from fedhop.common.engine.heterogeneity import DeviceProfiles, DevicesParams, device_profiles
 from fedhop.common.engine.rounds import RoundEngine
 from fedhop.common.tasks import build_task
+from fedhop.common.transport.liveness import Without, live_pool
 from fedhop.deploy.bench.bench_system import _scale_text
 
 SMALL, LARGE = 1_000, 1_000_000
@@ -109,3 +112,40 @@ def test_drawn_profiles_are_the_eager_ones_and_cost_nothing_until_asked(tmp_path
         lazy[LARGE]
     with pytest.raises(ValueError, match="per_client"):   # a wrong-length list still fails at once
         DeviceProfiles(DevicesParams(slowdown={"dist": "per_client", "values": [1.0, 2.0]}), seed=0, count=3)
+
+
+class CountingHomes(dict):
+    """client id -> its host, counting the look-ups."""
+
+    looks = 0
+
+    def __contains__(self, cid: object) -> bool:
+        self.looks += 1
+        return super().__contains__(cid)
+
+
+def test_a_dead_nodes_clients_are_left_out_without_walking_the_pool():
+    """With a node dead, `live_pool` narrows a `range` pool through that node's own clients: the
+    same ids in the same order as the walked list (so the same draw), after looking up only the
+    dead node's clients."""
+    count, per_node = 200_000, 50_000
+    nodes = {f"client-proc{k}": SimpleNamespace(node_id=f"client-proc{k}") for k in range(4)}
+    hosts = {n: list(range(k * per_node, (k + 1) * per_node)) for k, n in enumerate(nodes)}
+    homes = CountingHomes((c, nodes[n]) for n, ids in hosts.items() for c in ids)
+    homed = Counter({n: per_node for n in nodes})
+    monitor = SimpleNamespace(unavailable_nodes=lambda: {"client-proc1"})
+    reported = {7, 160_001}   # an edge's report: two clients of live nodes
+    walked, walked_dead = live_pool(list(range(count)), 1000, dict(homes), monitor, reported)
+    homes.looks = 0
+    view, dead = live_pool(range(count), 1000, homes, monitor, reported, hosts, homed)
+    assert homes.looks == per_node, f"{homes.looks} look-ups for a dead node of {per_node} clients"
+    assert isinstance(view, Without) and dead == walked_dead == sorted([7, *range(per_node, 2 * per_node), 160_001])
+    assert len(view) == len(walked) == count - per_node - 2
+    picks = np.random.default_rng(0).integers(0, len(view), 2000).tolist() + [0, 6, 7, 49_998, 49_999, len(view) - 1]
+    assert [view[i] for i in picks] == [walked[i] for i in picks]
+    assert view[-1] == walked[-1] and view[49_990:50_010] == walked[49_990:50_010]
+    with pytest.raises(IndexError):
+        view[len(view)]
+    # a host list that does not account for every client homed there: the walk, the same answer
+    stale = live_pool(range(count), 1000, homes, monitor, reported, hosts, Counter({**homed, "client-proc1": per_node + 1}))
+    assert list(stale[0]) == walked and stale[1] == walked_dead

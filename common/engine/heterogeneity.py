@@ -33,9 +33,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence, overload
+from typing import Any, Mapping
 
 from fedhop.common.util.rng import numpy_stream
+from fedhop.common.util.views import IndexedView
 
 PLAN_KEY = "straggler_plan"           # broadcast scalar: JSON {"cid": work units this round}
 ATTRIBUTES = ("slowdown", "uplink_mbps", "downlink_mbps")
@@ -219,7 +220,7 @@ def read_trace(path: str | Path) -> list[dict[str, float]]:
     return rows
 
 
-class DeviceProfiles(Sequence[DeviceProfile]):
+class DeviceProfiles(IndexedView[DeviceProfile]):
     """Every client's profile, drawn when asked: client c's attributes come from its own streams
     ("devices", c, attribute), so drawing one costs the same whatever the number of clients and
     holding the sequence costs nothing per registered client (a run of 1,000,000 clients looks
@@ -263,16 +264,7 @@ class DeviceProfiles(Sequence[DeviceProfile]):
     def __len__(self) -> int:
         return self.clients
 
-    @overload
-    def __getitem__(self, c: int) -> DeviceProfile: ...
-    @overload
-    def __getitem__(self, c: slice) -> list[DeviceProfile]: ...
-
-    def __getitem__(self, c: int | slice) -> DeviceProfile | list[DeviceProfile]:
-        if isinstance(c, slice):
-            return [self[i] for i in range(*c.indices(self.clients))]
-        if not 0 <= c < self.clients:
-            raise IndexError(f"client {c} out of range (clients.count = {self.clients})")
+    def _at(self, c: int) -> DeviceProfile:
         return self._shared if self._shared is not None else self._draw(c)
 
 
