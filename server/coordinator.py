@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -113,6 +114,7 @@ class Coordinator:
         self.store = RunStore(self.run_dir / "run.db")
         self.children: dict[str, ChildNode] = {}
         self.client_home: dict[int, ChildNode] = {}
+        self.homed: Counter[str] = Counter()   # node id -> how many clients it is the home of (`live_count`)
         self._registered = threading.Condition()
         self.rounds_completed = 0
         self.stop_status = 0   # with a "stopped" run: the exit status a shell reports for the signal (128 + N)
@@ -148,13 +150,14 @@ class Coordinator:
             reply = pb.RegisterReply(accepted=False, message="registration refused: wrong token")
             self._refused(req, reply.message)
         else:
-            bad = [c.client_id for c in req.clients if c.client_id >= self.cfg.clients.count]
+            ids = [c.client_id for c in req.clients]
+            bad = [c for c in ids if c >= self.cfg.clients.count]
             if bad:
                 reply = pb.RegisterReply(accepted=False, message=f"client ids {bad[:10]} out of range "
                                                                  f"(clients.count = {self.cfg.clients.count})")
                 self._refused(req, reply.message)
             else:
-                node = ChildNode(req.node_id, req.role, req.address, sorted(c.client_id for c in req.clients))
+                node = ChildNode(req.node_id, req.role, req.address, sorted(ids))
                 # an edge registers twice: first with no clients (to fetch the config), then with its
                 # cluster once that cluster's processes have registered with it (from the same address:
                 # a restarted edge has a new one); one event, the second
@@ -163,7 +166,11 @@ class Coordinator:
                 with self._registered:
                     self.children[req.node_id] = node
                     for cid in node.clients:
+                        old = self.client_home.get(cid)
+                        if old is not None:
+                            self.homed[old.node_id] -= 1
                         self.client_home[cid] = node
+                    self.homed[node.node_id] += len(node.clients)
                     self._registered.notify_all()
                 if not config_fetch:
                     self.store.add_event("registered", node=req.node_id, round=0,
@@ -182,12 +189,14 @@ class Coordinator:
 
     def wait_for_clients(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        need = set(range(self.cfg.clients.count))
+        need = self.cfg.clients.count
         with self._registered:
-            while not need <= set(self.client_home):
+            # the ids are checked below clients.count (`handle_register`, uint32 on the wire): every
+            # client has a home when there are as many homes as clients, one look per wake-up
+            while len(self.client_home) < need:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = sorted(need - set(self.client_home))
+                    missing = [c for c in range(need) if c not in self.client_home]
                     raise RunFailed(f"registration timed out after {timeout:.0f}s: {len(missing)} logical "
                                     f"clients never registered (first: {missing[:10]})")
                 self._registered.wait(min(left, 0.5))
@@ -195,7 +204,7 @@ class Coordinator:
             nodes = len({node.node_id for node in self.client_home.values()})
         # the launcher watches for this: a child that dies before it can only be a failed start
         self.store.add_event("registration_complete", node="server", round=0,
-                             detail=f"{len(need)} logical clients in {nodes} processes")
+                             detail=f"{need} logical clients in {nodes} processes")
 
     # ------------------------------------------------------------------ rounds
     def sample(self, round: int, attempt: int = 0) -> list[int]:
@@ -203,13 +212,18 @@ class Coordinator:
         suspect, nor reported dead by its edge; `attempt` > 0: a retry of a short round."""
         def live_only(pool: Sequence[int], size: int) -> Sequence[int]:
             pool, dead = live_pool(pool, size, self.client_home, getattr(self.endpoint, "liveness", None),
-                                   self.reported_dead())
+                                   self.reported_dead(), self.hosts, self.homed)
             if dead:   # no dead node's client drawn in place of a live one (common/transport/liveness.py)
                 self.store.add_event("sampling_excluded", node="server", round=round,
                                      detail=f"{len(dead)} clients of dead nodes not sampled: {dead[:20]}"
                                             + (f" (attempt {attempt})" if attempt else ""))
             return pool
         return self.engine.sample(round, restrict=live_only, attempt=attempt)
+
+    @property
+    def hosts(self) -> dict[str, list[int]]:
+        """Node id -> the clients it registered (`live_pool` finds a dead node's clients there)."""
+        return {node_id: node.clients for node_id, node in self.children.items()}
 
     def reported_dead(self) -> set[int]:
         """Clients whose process an edge reported dead in its last reply (only that edge's own)."""
@@ -240,12 +254,13 @@ class Coordinator:
                 self.store.add_event("node_suspect", node=node.node_id, round=round,
                                      detail=f"a call failed: {why}; its clients are not sampled until it beats again")
 
-    def live_clients(self, suspects: bool = True) -> list[int]:
-        """Clients whose host is neither dead nor (with `suspects`) suspect, nor reported dead by its edge."""
+    def live_count(self, suspects: bool = True) -> int:
+        """How many clients have a host that is neither dead nor (with `suspects`) suspect, and
+        were not reported dead by their edge: counted by node (`homed`), not by client."""
         monitor = getattr(self.endpoint, "liveness", None)
         gone = set() if monitor is None else monitor.unavailable_nodes() if suspects else monitor.dead_nodes()
-        reported = self.reported_dead()
-        return [c for c, node in sorted(self.client_home.items()) if node.node_id not in gone and c not in reported]
+        hosted = sum(n for node_id, n in self.homed.items() if node_id not in gone)
+        return hosted - sum(1 for c in self.reported_dead() if self.client_home[c].node_id not in gone)
 
     def lost_call(self, cid: int, why: str) -> bool:
         """Whether client `cid`'s failure is its process being unavailable: the call failed as calls
@@ -281,16 +296,16 @@ class Coordinator:
             return "complete"
         self.record_failures(round, failures)
         self.failures_total += len(failures)
-        live = self.live_clients()
+        live = self.live_count()
         what = f"only {got} of {len(sampled)} sampled clients returned a result (run.min_results requires {needed})"
         dead = sorted({self.client_home[c].node_id for c in failures if c in self.client_home})
-        alive = len(self.live_clients(suspects=False))   # a suspect may still beat: only the dead count here
+        alive = self.live_count(suspects=False)   # a suspect may still beat: only the dead count here
         if alive < needed:
             raise RunFailed(f"round {round}: {what}, and only {alive} clients have a live process left")
         if policy == "retry" and attempt < SHORT_ROUND_RETRIES:
             self.store.add_event("round_retried", node="server", round=round,
                                  detail=f"attempt {attempt + 1}: {what}; failed: {id_list(sorted(failures))} on "
-                                        f"{', '.join(dead)}; sampling again among {len(live)} live clients")
+                                        f"{', '.join(dead)}; sampling again among {live} live clients")
             log.warning("round %d: %s; retrying (attempt %d)", round, what, attempt + 2)
             return "retry"
         self.skipped_in_a_row += 1

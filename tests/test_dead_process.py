@@ -109,6 +109,9 @@ def test_killed_client_process_run_retries_and_completes(tmp_path, topology, pro
         assert reported, "edge-1 never reported its dead client process"
     else:
         assert [e["node"] for e in store.events("node_suspect")] == [victim]
+        # the victim is suspect from its first failed call on: the live clients are the others
+        # (Coordinator.live_count, counted by node)
+        assert all(f"among {COUNT - len(victim_clients)} live clients" in e["detail"] for e in retried), retried
 
 
 class _Endpoint:

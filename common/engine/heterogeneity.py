@@ -28,6 +28,7 @@ local epochs/steps, and ``ctx.info`` gets ``straggler``, ``work``, ``full_work``
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fedhop.common.util.rng import numpy_stream
+from fedhop.common.util.views import IndexedView
 
 PLAN_KEY = "straggler_plan"           # broadcast scalar: JSON {"cid": work units this round}
 ATTRIBUTES = ("slowdown", "uplink_mbps", "downlink_mbps")
@@ -218,28 +220,57 @@ def read_trace(path: str | Path) -> list[dict[str, float]]:
     return rows
 
 
+class DeviceProfiles(IndexedView[DeviceProfile]):
+    """Every client's profile, drawn when asked: client c's attributes come from its own streams
+    ("devices", c, attribute), so drawing one costs the same whatever the number of clients and
+    holding the sequence costs nothing per registered client (a run of 1,000,000 clients looks
+    up only the sampled ones; docs/performance.md, the scale section).  Where every attribute is
+    one number and there is no trace, every client shares one profile.  Trace rows map to
+    clients by their `client` column when present (every client must then have a row), else
+    client i takes row i mod (number of rows).  A config the draws cannot serve (a per-client
+    list of the wrong length, a trace missing a client) raises ValueError here, not at the
+    first look-up."""
+
+    CACHED = 1 << 16   # the profiles kept drawn (the clients sampled most recently)
+
+    def __init__(self, params: DevicesParams, seed: int, count: int) -> None:
+        self.params, self.seed, self.clients = params, seed, count
+        self._rows: dict[int, dict[str, float]] | list[dict[str, float]] | None = None
+        if params.trace:
+            rows = read_trace(params.trace)
+            if any("client" in r for r in rows):
+                by_client = {int(r["client"]): r for r in rows}
+                missing = [c for c in range(count) if c not in by_client]
+                if missing:
+                    raise ValueError(f"config key 'clients.trace': {params.trace} has no row for clients "
+                                     f"{missing[:10]} (the client column must list 0..{count - 1})")
+                self._rows = by_client
+            else:
+                self._rows = rows
+        self._shared = (DeviceProfile(**{a: float(getattr(params, a)) for a in ATTRIBUTES})
+                        if self._rows is None and all(isinstance(getattr(params, a), (int, float)) for a in ATTRIBUTES)
+                        else None)
+        self._draw = functools.lru_cache(maxsize=self.CACHED)(self._profile)
+        if count:
+            self[0]   # a per-client list of the wrong length fails now
+
+    def _profile(self, c: int) -> DeviceProfile:
+        rows = self._rows
+        row = (rows.get(c, {}) if isinstance(rows, dict) else rows[c % len(rows)]) if rows is not None else {}
+        return DeviceProfile(**{attr: row[attr] if attr in row else
+                                draw_attribute(getattr(self.params, attr), self.seed, c, self.clients, attr)
+                                for attr in ATTRIBUTES})
+
+    def __len__(self) -> int:
+        return self.clients
+
+    def _at(self, c: int) -> DeviceProfile:
+        return self._shared if self._shared is not None else self._draw(c)
+
+
 def device_profiles(params: DevicesParams, seed: int, count: int) -> list[DeviceProfile]:
-    """Every client's profile.  Trace rows map to clients by their `client` column when present
-    (every client must then have a row), else client i takes row i mod (number of rows)."""
-    trace_rows: dict[int, dict[str, float]] = {}
-    if params.trace:
-        rows = read_trace(params.trace)
-        if any("client" in r for r in rows):
-            trace_rows = {int(r["client"]): r for r in rows}
-            missing = [c for c in range(count) if c not in trace_rows]
-            if missing:
-                raise ValueError(f"config key 'clients.trace': {params.trace} has no row for clients "
-                                 f"{missing[:10]} (the client column must list 0..{count - 1})")
-        else:
-            trace_rows = {c: rows[c % len(rows)] for c in range(count)}
-    out = []
-    for c in range(count):
-        values = {}
-        for attr in ATTRIBUTES:
-            row = trace_rows.get(c, {})
-            values[attr] = row[attr] if attr in row else draw_attribute(getattr(params, attr), seed, c, count, attr)
-        out.append(DeviceProfile(**values))
-    return out
+    """Every client's profile as a list (`DeviceProfiles` draws them one at a time)."""
+    return list(DeviceProfiles(params, seed, count))
 
 
 # ----------------------------------------------------------------------------- stragglers

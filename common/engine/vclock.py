@@ -28,15 +28,15 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from fedhop.common.config.schema import Config, ConfigError, client_local_steps, resolve_clients_per_round
 from fedhop.common.engine.heterogeneity import (
     PLAN_KEY,
     DeviceProfile,
+    DeviceProfiles,
     DevicesParams,
     StragglerDraw,
-    device_profiles,
     devices_params,
     draw_stragglers,
     plan_to_scalar,
@@ -132,6 +132,33 @@ def message_bytes(records: Iterable[Any], round: int, kind: str = "framed") -> d
     return out
 
 
+class FullWork(Mapping[int, int]):
+    """Client id -> its units of local work in a full round (algorithm.local_steps, or
+    algorithm.local_epochs where that is 0), read from the config when asked: nothing is held
+    per registered client."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def __getitem__(self, cid: int) -> int:
+        if not 0 <= cid < self.cfg.clients.count:
+            raise KeyError(cid)
+        return client_local_steps(self.cfg, cid) or self.cfg.algorithm.local_epochs
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.cfg.clients.count))
+
+    def __len__(self) -> int:
+        return self.cfg.clients.count
+
+    def below(self, units: int) -> list[int]:
+        """The clients with fewer than `units` units, in id order (one look where every client
+        has the same local work)."""
+        if isinstance(self.cfg.algorithm.local_steps, list):
+            return [c for c in self if self[c] < units]
+        return list(self) if self.cfg.clients.count and self[0] < units else []
+
+
 class RoundClock:
     """The coordinator's heterogeneity hooks: sample size, straggler plan, settling a round.
 
@@ -145,16 +172,15 @@ class RoundClock:
         self.params = devices_params(cfg)
         self.rho = float(cfg.clients.straggler_fraction)
         self.target = resolve_clients_per_round(cfg)
-        self.full_work = {c: client_local_steps(cfg, c) or cfg.algorithm.local_epochs
-                          for c in range(cfg.clients.count)}
+        self.full_work = FullWork(cfg)
         if self.rho > 0:
-            short = sorted(c for c, w in self.full_work.items() if w < 2)
+            short = self.full_work.below(2)
             if short:
                 raise ConfigError(f"config key 'clients.straggler_fraction' = {self.rho} needs at least 2 units of "
                                   f"local work per client (algorithm.local_epochs or local_steps); clients "
                                   f"{short[:10]} have {self.full_work[short[0]]}")
         try:
-            self.profiles: list[DeviceProfile] = device_profiles(self.params, cfg.run.seed, cfg.clients.count)
+            self.profiles: Sequence[DeviceProfile] = DeviceProfiles(self.params, cfg.run.seed, cfg.clients.count)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.plans: dict[int, dict[int, StragglerDraw]] = {}

@@ -29,6 +29,7 @@ ledger write would leave a receiver-only record; their count and bytes are in su
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import socket
 import threading
@@ -36,13 +37,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import AbstractSet, Callable, Mapping, Sequence
 
 from fedhop.common.security.addresses import host_of
 from fedhop.common.transport.admission import EventThrottle, takeover_refusal
 from fedhop.common.transport.base import CallFailed, role_of
 from fedhop.common.transport.livebytes import TIERS
 from fedhop.common.util.rng import numpy_stream
+from fedhop.common.util.views import IndexedView
 from fedhop.common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.liveness")
@@ -533,20 +535,63 @@ class LivenessMonitor:
                 "detection_seconds_mean": sum(det) / len(det) if det else None}
 
 
+class Without(IndexedView[int]):
+    """The ids of `pool` (a range) less the sorted ids `gone` (all in it), in order: the list
+    `[c for c in pool if c not in gone]` indexed in O(log len(gone)) and held in O(len(gone))."""
+
+    def __init__(self, pool: range, gone: list[int]) -> None:
+        self.pool, self.gone = pool, gone
+        # for each gone id, how many kept ids stand before it: the kept index i stands after
+        # exactly bisect_right(_before, i) gone ids
+        self._before = [pool.index(g) - k for k, g in enumerate(gone)]
+
+    def __len__(self) -> int:
+        return len(self.pool) - len(self.gone)
+
+    def _at(self, i: int) -> int:
+        return self.pool[i + bisect.bisect_right(self._before, i)]
+
+
+def _dead_by_node(pool: range, client_home: dict, dead_nodes: set[str], unavailable: AbstractSet[int],
+                  hosts: Mapping[str, Sequence[int]], homed: Mapping[str, int]) -> list[int] | None:
+    """The clients of `pool` to leave out, sorted, found through the dead nodes' own client lists
+    (`hosts`): O(their clients), not O(pool).  None where those lists do not account for every
+    client homed at a dead node (`homed`: node id -> how many clients it is the home of)."""
+    gone = {c for c in unavailable if c in pool}
+    for node_id in dead_nodes:
+        mine = [c for c in hosts.get(node_id, ()) if c in client_home and client_home[c].node_id == node_id]
+        if len(mine) != homed.get(node_id, 0):
+            return None
+        gone.update(c for c in mine if c in pool)
+    return sorted(gone)
+
+
 def live_pool(pool: Sequence[int], size: int, client_home: dict, monitor: "LivenessMonitor | None",
-              unavailable: set[int] | frozenset[int] = frozenset()) -> tuple[Sequence[int], list[int]]:
+              unavailable: AbstractSet[int] = frozenset(), hosts: Mapping[str, Sequence[int]] | None = None,
+              homed: Mapping[str, int] | None = None) -> tuple[Sequence[int], list[int]]:
     """The pool a round draws `size` clients from, and the clients left out of it: where fewer
     than the whole pool are drawn, the clients of nodes the monitor marked dead or suspect, and
     the `unavailable` clients (those an edge reported dead), are left out, so no dead client
     takes a live one's place (where every client is sampled, a dead one's call fails fast and is
     recorded as before).  Where every host is dead the pool is kept (the round is then short:
     run.on_short_round).  The draw is a function of the seed, the round and this liveness record
-    (the `sampling_excluded` event), so a run is reproducible from its run.db."""
+    (the `sampling_excluded` event), so a run is reproducible from its run.db.
+
+    With `hosts` (node id -> its clients) and `homed` (node id -> how many clients it is the home
+    of), a `range` pool is narrowed through the dead nodes' clients only, and the pool returned
+    is a `Without` view: the same ids in the same order as the list, so the same draw, without a
+    walk over every registered client each round."""
     if size >= len(pool):
         return pool, []
     dead_nodes = monitor.unavailable_nodes() if monitor is not None else set()
     if not dead_nodes and not unavailable:   # the usual case: one look, not one per client of the pool
         return pool, []
+    if isinstance(pool, range) and hosts is not None and homed is not None:
+        by_node = _dead_by_node(pool, client_home, dead_nodes, unavailable, hosts, homed)
+        if by_node is not None:
+            if not by_node or len(by_node) == len(pool):
+                return pool, []
+            return Without(pool, by_node), by_node
     dead = [c for c in pool if c in unavailable or c in client_home and client_home[c].node_id in dead_nodes]
     if not dead or len(dead) == len(pool):
         return pool, []
