@@ -468,7 +468,7 @@ class Coordinator:
             self.store.add_round(result.round, participants=len(result.participants),
                                  sampled=len(result.sampled), failures=len(result.failures),
                                  metrics=result.metrics, wall_seconds=result.wall_seconds,
-                                 sim_seconds=result.sim_seconds,
+                                 sim_seconds=result.sim_seconds, finished=time.time(),
                                  clients_dropped=len(set(result.sampled) - set(result.participants)))
             self.rounds_completed = result.round
             self.skipped_in_a_row = 0

@@ -158,3 +158,17 @@ def test_peer_contract_errors_are_one_clear_line(tmp_path):
 def test_bad_flags_exit_2(tmp_path, flags, message):
     res = _bench(tmp_path, "--quick", *flags)
     assert res.returncode == 2 and message in res.stderr
+
+
+def test_fedhop_s_per_round_counts_the_time_between_rounds_rows():
+    """A fedhop round lasts from the previous round's row to its own (run.db `finished`), as a
+    peer's central iterations are timed: the recording of a round counts, not only the round's
+    own `wall_seconds`; rows without stamps (an older run.db) fall back to wall_seconds."""
+    from fedhop.deploy.bench.bench_peers import per_round, steady
+
+    rows = [{"wall_seconds": 0.5, "finished": 100.0}, {"wall_seconds": 0.1, "finished": 100.25},
+            {"wall_seconds": 0.1, "finished": 100.40}, {"wall_seconds": 0.1, "finished": 100.60}]
+    got = per_round(rows)
+    assert got[0] == 0.5 and got[1:] == pytest.approx([0.25, 0.15, 0.20])
+    assert steady(got) == pytest.approx(0.20)
+    assert per_round([{**r, "finished": None} for r in rows]) == [0.5, 0.1, 0.1, 0.1]

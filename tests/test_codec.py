@@ -21,6 +21,7 @@ from fedhop.common.wire.codec import (
     hand_over,
     make_envelope,
 )
+from fedhop.common.wire.message import FlatView, all_finite
 
 
 def env(**kw):
@@ -88,7 +89,25 @@ def test_frames_are_valid_protobuf_frames():
 def test_decoded_tensors_are_views_of_one_buffer_not_copies():
     enc = encode(Payload(tensors={"a": torch.ones(100), "b": torch.zeros(50)}), env())
     out = decode_frames(enc.frames).payload.tensors
-    assert out["a"].untyped_storage().data_ptr() == out["b"].untyped_storage().data_ptr()
+    # "b" lies right after "a" in the message's one receive buffer: no copy of either
+    assert out["b"].data_ptr() == out["a"].data_ptr() + 100 * 4
+    out["a"][0] = 7.0
+    assert decode_frames(enc.frames).payload.tensors["a"][0] == 1.0   # each message its own buffer
+
+
+def test_a_decoded_message_checks_all_its_tensors_at_once_and_any_change_voids_it():
+    """message.FlatView: a small message of one float dtype is one array for finiteness and the
+    fold; a processor that replaces a tensor voids it (each tensor is checked again)."""
+    enc = encode(Payload(tensors={"a": torch.ones(3, 4), "b": torch.zeros(5)}), env())
+    p = decode_frames(enc.frames).payload
+    assert all_finite(p) is True and FlatView.of(p).array.shape == (17,)
+    p.tensors["b"][2] = float("nan")   # in place: the flat view sees the same memory
+    assert all_finite(p) is False
+    p.tensors["b"] = torch.zeros(5)
+    assert all_finite(p) is None   # replaced: no flat view
+    mixed = decode_frames(encode(Payload(tensors={"a": torch.ones(3), "i": torch.ones(2, dtype=torch.int64)}),
+                                 env()).frames).payload
+    assert all_finite(mixed) is None
 
 
 def _tamper(frames, mutate):
@@ -283,3 +302,36 @@ def test_a_handed_over_message_is_hashed_beside_its_send_and_a_change_fails_its_
     with pytest.raises(SnapshotChanged):
         next(frames)                                                           # the trailer: the hash saw it
     assert all(f.result() for f in blockers)
+
+
+def test_the_fold_over_decoded_replies_gives_the_bits_of_the_fold_tensor_by_tensor():
+    """ReplyAccumulator folds a decoded reply through its flat view (two calls for all its
+    tensors); the running sums equal, bit for bit, those of the same replies folded tensor by
+    tensor (payloads not decoded), whatever the order of decoded and other replies."""
+    from fedhop.common.wire.message import ReplyAccumulator
+
+    gen = torch.Generator().manual_seed(5)
+    replies = [Payload(tensors={"w": torch.randn(7, 3, generator=gen) * 10 ** k, "b": torch.randn(3, generator=gen)},
+                       scalars={"weight": float(k + 1) / 3, "loss": 0.25 * k}) for k in range(6)]
+    decoded = [decode_frames(encode(r, env()).frames).payload for r in replies]
+    assert all(FlatView.of(d) is not None for d in decoded)
+
+    def fold(payloads):
+        acc = ReplyAccumulator({})
+        for p in payloads:
+            assert acc.add_if_finite(p) is None
+        return acc.result()
+
+    plain = fold(replies)
+    for mix in (decoded, [replies[0], *decoded[1:]], [*decoded[:3], replies[3], *decoded[4:]]):
+        got = fold(mix)
+        for name in ("w", "b"):
+            assert torch.equal(got.tensors[name], plain.tensors[name])
+        assert got.scalars == plain.scalars
+    # an overflowing reply is still refused, with the sums left as they were
+    big = decode_frames(encode(Payload(tensors={"w": torch.full((7, 3), 3e38), "b": torch.zeros(3)},
+                                       scalars={"weight": 1.0}), env()).frames).payload
+    acc = ReplyAccumulator({})
+    assert acc.add_if_finite(decoded[0]) is None and acc.add_if_finite(big) is None
+    before = acc.out.tensors["w"].clone()
+    assert acc.add_if_finite(big) is not None and torch.equal(acc.out.tensors["w"], before)

@@ -258,7 +258,7 @@ class OrderedFold:
             return
         if self._held_bytes + size <= self.budget_bytes:   # a sparse reply is held as its nonzeros
             self._done[key] = Payload(tensors=dict(reply.tensors), scalars=reply.scalars, control=reply.control,
-                                      sparse=dict(reply.sparse))
+                                      sparse=dict(reply.sparse), flat=reply.flat)   # the same tensors: its flat view holds
             self._held_bytes += size
             self.peak_held_bytes = max(self.peak_held_bytes, self._held_bytes)
             return

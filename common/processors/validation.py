@@ -46,6 +46,7 @@ from fedhop.common.wire.message import (
     Payload,
     ScalarRule,
     _top,
+    all_finite,
     sparse_problem,
     tensor_finite,
 )
@@ -136,13 +137,14 @@ def validate_reply(reply: Payload, spec: Mapping[str, tuple[torch.dtype, tuple[i
     named in `scalars` of that kind and range (others: as the codec allows, texts bounded), and
     within `limits`."""
     check_tensors(reply, spec, who, allow_extra=True)
+    finite = all_finite(reply)   # every decoded tensor at once where it can (message.FlatView)
     for name, t in reply.tensors.items():
         if len(name) > MAX_NAME:
             raise PayloadError("BAD_NAME", f"{who}: a tensor name of {len(name)} characters")
         if name not in spec and (t.dim() != 0 or not t.is_floating_point()):
             raise PayloadError("BAD_EXTRA", f"{who}: undeclared tensor '{name}' ({t.dtype}, shape {tuple(t.shape)}); "
                                             f"only 0-dim floats may travel beside the algorithm's reply spec")
-        if not tensor_finite(t):
+        if not finite and not tensor_finite(t):
             raise PayloadError("NON_FINITE", f"{who}: tensor '{name}' holds NaN or Inf")
     for name, sp in reply.sparse.items():   # tensors given by their nonzeros (SparseTensor)
         if name not in spec:

@@ -49,7 +49,7 @@ import xxhash
 
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.filebacked import FileBuffers, FileSink
-from fedhop.common.wire.message import Payload, Scalar
+from fedhop.common.wire.message import CHUNK, FlatView, Payload, Scalar
 
 if sys.byteorder != "little":  # pragma: no cover
     raise RuntimeError("fedhop's wire format is little-endian; this host is big-endian")
@@ -136,8 +136,29 @@ def trailer_frame(digest: int) -> bytes:
     return bytes([_TAG_TRAILER]) + digest.to_bytes(8, "little")
 
 
+#: dtypes whose tensors numpy can share (a CPU tensor of one of these reaches its bytes through
+#: numpy's view, a few times cheaper per call than torch's reshape and view)
+_NUMPY_SHARED = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
+
+
+#: the most data bytes a message may have for its tensors to be made from numpy views of its
+#: receive buffer (`FrameDecoder.finish`); a larger one's buffer may be a file's mapping
+SMALL_MESSAGE_BYTES = 4 << 20
+#: the numpy dtype of each codec dtype numpy has (a received tensor is made from a numpy view)
+_NUMPY_DTYPES: dict[str, np.dtype] = {name: np.dtype(name) for name in
+                                      ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8",
+                                       "complex64", "complex128")}
+_NUMPY_DTYPES["bool"] = np.dtype(np.bool_)
+
+
 def tensor_bytes_view(t: torch.Tensor) -> memoryview:
     """The tensor's bytes as a flat memoryview (copies only if it is not contiguous)."""
+    if t.dtype in _NUMPY_SHARED and t.device.type == "cpu" and t.is_contiguous():
+        try:
+            return memoryview(t.detach().numpy().reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only for Python >= 3.12
+        except RuntimeError:   # a view numpy cannot share (conjugate or negative bit): torch's way below
+            pass
     flat = t.detach()
     if flat.device.type != "cpu":
         flat = flat.cpu()
@@ -289,12 +310,13 @@ class Frames(Sequence):
     lengths follow from the chunk layout (`lengths`) and are known without cutting or hashing.
     The bytes are exactly those of an eager cut."""
 
-    __slots__ = ("header", "_cuts", "_count")
+    __slots__ = ("header", "_cuts", "_count", "_lengths")
 
     def __init__(self, header: bytes, data: "list[memoryview] | _Cuts", chunk_bytes: int = DEFAULT_CHUNK) -> None:
         self.header = header
         self._cuts = data if isinstance(data, _Cuts) else _Cuts(list(data), chunk_bytes)
         self._count = 1 + len(self._cuts.cut) + self._cuts.checksum
+        self._lengths: list[int] | None = None
 
     @property
     def chunk_bytes(self) -> int:
@@ -358,12 +380,15 @@ class Frames(Sequence):
         return [*other, *self]
 
     def lengths(self) -> list[int]:
-        """Every frame's length, from the chunk layout (nothing is cut)."""
-        total, chunk = self._cuts.total, self._cuts.chunk_bytes
-        full, last = divmod(total, chunk)
-        sizes = [chunk] * full + ([last] if last else [])
-        trailer = [TRAILER_BYTES] if self._cuts.checksum else []
-        return [len(self.header), *(1 + len(_varint(n)) + n for n in sizes), *trailer]
+        """Every frame's length, from the chunk layout (nothing is cut; worked out once, as the
+        ledger, the batch's grouping and its framing each ask)."""
+        if self._lengths is None:
+            total, chunk = self._cuts.total, self._cuts.chunk_bytes
+            full, last = divmod(total, chunk)
+            sizes = [chunk] * full + ([last] if last else [])
+            trailer = [TRAILER_BYTES] if self._cuts.checksum else []
+            self._lengths = [len(self.header), *(1 + len(_varint(n)) + n for n in sizes), *trailer]
+        return list(self._lengths)
 
     def with_header(self, header: bytes) -> "Frames":
         """The same data frames (the same snapshot) under another header frame."""
@@ -797,27 +822,43 @@ class FrameDecoder:
         if self._sink is not None:   # the message's file, mapped as its buffer
             self._buffer, self._sink = self._sink.array(), None
         assert self._buffer is not None
-        base = torch.from_numpy(self._buffer)
-        self._buffer = None   # the tensors hold it now: it is free for reuse once they are gone
+        buffer, self._buffer = self._buffer, None   # the tensors hold it now: free for reuse once they are gone
+        base: torch.Tensor | None = None
+        # a small message's tensors from numpy views of the buffer; a large one's are views of one
+        # tensor over the whole buffer, which a file-backed buffer's page release needs (filebacked.py)
+        small = int(env.data_bytes) <= SMALL_MESSAGE_BYTES
         tensors: dict[str, torch.Tensor] = {}
         offset = 0
+        flat_dtype: np.dtype | None = None   # the one numpy float dtype of every tensor, while there is one
         for spec in env.tensors:
-            dtype = DTYPES[spec.dtype]
             n = int(spec.nbytes)
-            raw = base[offset:offset + n]
-            if n == 0:
-                t = torch.empty(tuple(spec.shape), dtype=dtype)
+            shape = tuple(spec.shape)
+            np_dtype = _NUMPY_DTYPES.get(spec.dtype)
+            if small and np_dtype is not None and n and offset % np_dtype.itemsize == 0:
+                # a numpy view of the buffer made a tensor: the same memory, a few times cheaper
+                # than torch's slice, view and reshape
+                t = torch.from_numpy(np.ndarray(shape, np_dtype, buffer, offset))
+            elif n == 0:
+                t = torch.empty(shape, dtype=DTYPES[spec.dtype])
             else:
-                itemsize = ITEMSIZE[spec.dtype]
-                if offset % itemsize:
+                base = torch.from_numpy(buffer) if base is None else base
+                raw = base[offset:offset + n]
+                if offset % ITEMSIZE[spec.dtype]:
                     raw = raw.clone()  # misaligned for this dtype: one copy
-                t = raw.view(dtype).reshape(tuple(spec.shape))
+                t = raw.view(DTYPES[spec.dtype]).reshape(shape)
+            if not tensors:
+                flat_dtype = np_dtype if np_dtype is not None and np_dtype.kind == "f" else None
+            elif np_dtype != flat_dtype:
+                flat_dtype = None
             tensors[spec.name] = t
             offset += n
         scalars = {k: scalar_from_pb(v) for k, v in env.scalars.items()}
         control = env.control if env.HasField("control") else None
-        return Decoded(envelope=env, payload=Payload(tensors=tensors, scalars=scalars, control=control),
-                       payload_bytes=self._payload_bytes, frames=self._frames,
+        payload = Payload(tensors=tensors, scalars=scalars, control=control)
+        if small and flat_dtype is not None and 0 < offset <= CHUNK * flat_dtype.itemsize:
+            payload.flat = FlatView(np.ndarray((offset // flat_dtype.itemsize,), flat_dtype, buffer, 0),
+                                    tuple(tensors.values()))
+        return Decoded(envelope=env, payload=payload, payload_bytes=self._payload_bytes, frames=self._frames,
                        tensor_bytes=int(env.data_bytes))
 
 

@@ -92,19 +92,26 @@ class LedgerRecord:
         """Build a record from a dict; unknown keys are ignored, missing required keys are an error."""
         kwargs: dict[str, Any] = {}
         missing = []
-        for f in fields(cls):
-            if f.name in data and data[f.name] is not None:
-                kwargs[f.name] = _COERCE[f.name](data[f.name])
-            elif f.default is MISSING and f.default_factory is MISSING:  # a required field
-                missing.append(f.name)
+        for name, coerce, required in _FROM_DICT:
+            value = data.get(name)
+            if value is not None:
+                kwargs[name] = coerce(value)
+            elif required:
+                missing.append(name)
         if missing:
             raise ValueError(f"ledger record: missing field(s) {', '.join(missing)}")
         return cls(**kwargs)
 
 
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(LedgerRecord))
+_FIELD_SET = frozenset(_FIELD_NAMES)
+#: one JSON line per record, compact (an encoder made once: `json.dumps` with separators makes one per call)
+_LINE = json.JSONEncoder(separators=(",", ":"))
 # a field's type is its annotation's text here (`from __future__ import annotations`)
 _COERCE = {f.name: {"int": int, "float": float, "str": str}[cast(str, f.type)] for f in fields(LedgerRecord)}
+#: (name, its type's coercion, required) of each field, in order (`LedgerRecord.from_dict`)
+_FROM_DICT: tuple[tuple[str, Callable[[Any], Any], bool], ...] = tuple(
+    (f.name, _COERCE[f.name], f.default is MISSING and f.default_factory is MISSING) for f in fields(LedgerRecord))
 
 
 class Ledger:
@@ -133,8 +140,8 @@ class Ledger:
 
     def record(self, **fields_: Any) -> LedgerRecord:
         """Record one message; `wall_time` defaults to now. Returns the stored record."""
-        unknown = sorted(set(fields_) - set(_FIELD_NAMES))
-        if unknown:
+        if not _FIELD_SET.issuperset(fields_):
+            unknown = sorted(set(fields_) - _FIELD_SET)
             raise TypeError(f"Ledger.record: unknown field(s) {', '.join(unknown)}; fields: {', '.join(_FIELD_NAMES)}")
         fields_.setdefault("wall_time", time.time())
         rec = LedgerRecord(**fields_)
@@ -143,7 +150,7 @@ class Ledger:
 
     def add(self, record: LedgerRecord) -> None:
         """Append an existing record (e.g. one shipped up from a child process)."""
-        line = json.dumps(record.to_dict(), separators=(",", ":")) + "\n" if self._sink is not None else ""
+        line = _LINE.encode(record.to_dict()) + "\n" if self._sink is not None else ""
         with self._lock:
             self._records.append(record)
             if self._sink is not None:

@@ -114,6 +114,8 @@ class Payload:
     # set by the roles, never by an algorithm; None: the message has none
     control: "Control | None" = None
     sparse: dict[str, SparseTensor] = field(default_factory=dict)
+    # the codec's flat view of a decoded message's tensors (`FlatView`); never set by hand
+    flat: "FlatView | None" = field(default=None, compare=False, repr=False)
 
     def tensor_bytes(self) -> int:
         return (sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -122,6 +124,56 @@ class Payload:
 
 #: elements per piece when a large tensor is folded (`ReplyAccumulator`): 4 MB of float32 scratch
 CHUNK = 1 << 20
+
+
+_FINFO: dict[torch.dtype, torch.finfo] = {}
+
+
+def _finfo(dtype: torch.dtype) -> torch.finfo:
+    """torch.finfo(dtype), made once per dtype (it is asked for every tensor of every reply)."""
+    info = _FINFO.get(dtype)
+    if info is None:
+        info = _FINFO[dtype] = torch.finfo(dtype)
+    return info
+
+
+@dataclass(frozen=True)
+class FlatView:
+    """Every tensor of a decoded message as one flat numpy array (common/wire/codec.py
+    `FrameDecoder.finish`), where they are of one float dtype, adjacent in the message's buffer
+    and at most CHUNK elements in all: a check or a reduction over all of them is then one
+    numpy call instead of one per tensor (a reply's finiteness, its largest magnitude, its
+    weighted term).  It describes `tensors` (the decoded tensor objects, in message order) only:
+    `of` hands it out while the payload still holds exactly those, so a processor that replaced
+    or added a tensor makes it void."""
+
+    array: np.ndarray
+    tensors: tuple[torch.Tensor, ...]
+
+    @staticmethod
+    def of(p: "Payload") -> "FlatView | None":
+        flat = p.flat
+        if flat is None or p.sparse or len(p.tensors) != len(flat.tensors):
+            return None
+        for t, mine in zip(p.tensors.values(), flat.tensors):
+            if t is not mine:
+                return None
+        return flat
+
+    def finite(self) -> bool:
+        return bool(np.isfinite(self.array).all())
+
+    def top(self) -> float:
+        """max |x| over every tensor (NaN where one holds NaN, as `_top`)."""
+        a = self.array
+        return max(abs(float(a.max())), abs(float(a.min()))) if a.size else 0.0
+
+
+def all_finite(p: "Payload") -> bool | None:
+    """True where the payload's decoded tensors are all finite by one check over their flat view,
+    False where they are not, None where it has no flat view (check each tensor)."""
+    flat = FlatView.of(p)
+    return None if flat is None else flat.finite()
 
 
 def _top(t: torch.Tensor) -> float:
@@ -165,6 +217,9 @@ class ReplyAccumulator:
         # the largest weighted value the last `add_if_finite` added (common/processors/validation.py `_magnitude`)
         self.last_magnitude = 0.0
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        # the running sums as views of one flat tensor, where `_combine_flat` made them: (the
+        # replies' (name, shape) layout, the flat tensor, its views in that order)
+        self._flat: tuple[tuple, torch.Tensor, tuple[torch.Tensor, ...]] | None = None
         self.sparse_added = 0   # tensors folded by their nonzeros (`Payload.sparse`)
 
     def add(self, p: Payload) -> None:
@@ -201,13 +256,15 @@ class ReplyAccumulator:
             raise ValueError(f"reply lacks the '{WEIGHT_KEY}' scalar")
         w = float(p.scalars[WEIGHT_KEY])
         is_partial = COUNT_KEY in p.scalars
-        tops = {name: _top(t) for name, t in p.tensors.items()}
+        flat = FlatView.of(p)   # a decoded reply's tensors as one array: one reduction for all
+        tops = (dict.fromkeys(p.tensors, flat.top()) if flat is not None else   # each tensor's bound from the largest
+                {name: _top(t) for name, t in p.tensors.items()})
         tops.update({name: _top(s.values) for name, s in p.sparse.items()})
         self.last_magnitude = max(tops.values(), default=0.0) * (1.0 if is_partial else w)
         bounds: dict[str, float] = {}
         for name, t in [*p.tensors.items(), *((n, s.values) for n, s in p.sparse.items())]:
             bounds[name] = self._next_bound(name, t, tops[name], w, is_partial)
-            if not t.is_floating_point() or bounds[name] <= torch.finfo(t.dtype).max:
+            if not t.is_floating_point() or bounds[name] <= _finfo(t.dtype).max:
                 continue
             # near the dtype's limit: every element
             problem = (self._check(name, t, w, is_partial) if name in p.tensors
@@ -222,8 +279,9 @@ class ReplyAccumulator:
                 return f"adding it makes scalar '{name}' of the sum {v}"
         if not math.isfinite(self.total_weight + w):
             return "adding it makes the summed weight Inf"
-        for name, t in p.tensors.items():
-            out.tensors[name] = self._combine(name, t, w, is_partial)
+        if flat is None or not self._combine_flat(flat, p, w, is_partial):
+            for name, t in p.tensors.items():
+                out.tensors[name] = self._combine(name, t, w, is_partial)
         for name, sp in p.sparse.items():
             out.tensors[name] = self._combine_sparse(name, sp, w, is_partial)
         self._bound.update(bounds)
@@ -245,7 +303,7 @@ class ReplyAccumulator:
         op = self.ops.get(name, "wsum")
         term = top * abs(w) if self._weighted(name, is_partial) else top
         prev = self._bound.get(name, 0.0) if name in self.out.tensors else 0.0
-        grow = 1.0 + 4 * torch.finfo(t.dtype).eps
+        grow = 1.0 + 4 * _finfo(t.dtype).eps
         if op in ("max", "min"):
             return max(prev, term) * grow
         return (prev + term * grow) * grow
@@ -300,6 +358,35 @@ class ReplyAccumulator:
         for a, b, s in self._pieces(acc, t):
             self._op(name, a, torch.mul(b, w, out=s) if weighted else b, out=a)
         return acc
+
+    def _combine_flat(self, flat: FlatView, p: Payload, w: float, is_partial: bool) -> bool:
+        """`_combine` of every tensor of a decoded client result at once, over its flat view: the
+        running sums are views of one flat tensor, and weight * reply is added to it in two calls
+        (the same elementwise operations on the same values as tensor by tensor: the same bits).
+        False, having changed nothing, where that does not apply (a partial, a field that is not
+        a `wsum`, running sums not made here or of another layout): then tensor by tensor."""
+        if is_partial or any(self.ops.get(name, "wsum") != "wsum" for name in p.tensors):
+            return False
+        layout = tuple((name, t.shape) for name, t in p.tensors.items())
+        values = torch.from_numpy(flat.array)
+        out = self.out.tensors
+        if not out:   # the first term: weight * reply, a new flat tensor whose views are the sums
+            acc = values * w
+            views, offset = [], 0
+            for name, shape in layout:
+                n = math.prod(shape)
+                views.append(acc[offset:offset + n].view(shape))
+                offset += n
+            out.update(zip(p.tensors, views))
+            self._flat = (layout, acc, tuple(views))
+            return True
+        mine = self._flat
+        if (mine is None or mine[0] != layout or mine[1].dtype != values.dtype
+                or any(out.get(name) is not v for (name, _), v in zip(layout, mine[2])) or len(out) != len(layout)):
+            return False
+        acc = mine[1]
+        torch.add(acc, values * w, out=acc)
+        return True
 
     def _combine_sparse(self, name: str, s: SparseTensor, w: float, is_partial: bool) -> torch.Tensor:
         """`_combine` of a tensor given by its nonzeros: a sum adds the weighted values at their
@@ -427,7 +514,7 @@ def tensor_finite(t: torch.Tensor) -> bool:
 
 def finite_or_raise(payload: Payload, who: str) -> None:
     """Reject NaN/Inf in any float tensor or scalar (DESIGN.md section 3)."""
-    for name, t in payload.tensors.items():
+    for name, t in (() if all_finite(payload) else payload.tensors.items()):
         if not tensor_finite(t):
             raise ValueError(f"{who}: tensor '{name}' holds NaN or Inf")
     for name, v in payload.scalars.items():
