@@ -164,7 +164,8 @@ def test_fedhop_s_per_round_counts_the_time_between_rounds_rows():
     """A fedhop round lasts from the previous round's row to its own (run.db `finished`), as a
     peer's central iterations are timed: the recording of a round counts, not only the round's
     own `wall_seconds`; rows without stamps (an older run.db) fall back to wall_seconds."""
-    from fedhop.deploy.bench.bench_peers import per_round, steady
+    from fedhop.common.records.runstore import round_seconds as per_round
+    from fedhop.deploy.bench.bench_peers import steady
 
     rows = [{"wall_seconds": 0.5, "finished": 100.0}, {"wall_seconds": 0.1, "finished": 100.25},
             {"wall_seconds": 0.1, "finished": 100.40}, {"wall_seconds": 0.1, "finished": 100.60}]

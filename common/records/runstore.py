@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import sqlite3
 import threading
@@ -28,6 +29,8 @@ from fedhop.common.transport.livebytes import carried_rows
 from fedhop.common.wire.ledger import BYTE_FIELDS, LedgerRecord, read_jsonl
 
 _MESSAGE_COLUMNS: tuple[str, ...] = tuple(LedgerRecord.__dataclass_fields__)
+#: a record's messages row, its fields in column order
+_MESSAGE_ROW = operator.attrgetter(*_MESSAGE_COLUMNS)
 _SQL_TYPE = {"int": "INTEGER", "float": "REAL", "str": "TEXT"}
 
 #: run.db's schema version (SQLite's user_version).  1: `rounds` held participants, sampled and
@@ -359,10 +362,13 @@ class RunStore:
         """
         rows = []
         for rec in records:
-            d = rec.to_dict() if isinstance(rec, LedgerRecord) else LedgerRecord.from_dict(rec).to_dict()
-            if not d["msg_id"]:
-                digest = hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:20]
-                d["msg_id"] = f"anon-{digest}"
+            record = rec if isinstance(rec, LedgerRecord) else LedgerRecord.from_dict(rec)
+            if record.msg_id:
+                rows.append(_MESSAGE_ROW(record))
+                continue
+            d = record.to_dict()
+            digest = hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:20]
+            d["msg_id"] = f"anon-{digest}"
             rows.append(tuple(d[c] for c in _MESSAGE_COLUMNS))
         if not rows:
             return 0
@@ -552,3 +558,16 @@ class RunStore:
                 rep.receiver_only.append(msg_id)
         rep.ok = not (rep.mismatched or rep.sender_only or rep.receiver_only)
         return rep
+
+
+def round_seconds(rows: list[dict[str, Any]]) -> list[float]:
+    """Seconds a round of a run's `rounds` rows (`RunStore.rounds`), as a benchmark compares them
+    with another framework's iterations: round 1 its `wall_seconds`, every later round the time
+    from the previous round's row to its own (`finished`), so what the server does between two
+    rounds (recording the round, the next sample) counts too.  Rows without `finished` (a run.db
+    written before it was stamped): each round's `wall_seconds`."""
+    stamps = [r.get("finished") for r in rows]
+    if len(rows) < 2 or any(s is None for s in stamps):
+        return [float(r["wall_seconds"]) for r in rows]
+    ends = [float(s) for s in stamps if s is not None]
+    return [float(rows[0]["wall_seconds"]), *(b - a for a, b in zip(ends, ends[1:]))]

@@ -55,7 +55,7 @@ import psutil
 
 from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine
-from fedhop.common.records.runstore import RunStore
+from fedhop.common.records.runstore import RunStore, round_seconds
 from fedhop.common.tasks import build_task
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
@@ -184,18 +184,6 @@ def steady(per_round: list[float]) -> float:
     return statistics.median(per_round[1:] if len(per_round) > 1 else per_round)
 
 
-def per_round(rows: list[dict]) -> list[float]:
-    """A fedhop run's seconds a round, as a peer stamps its central iterations: round 1 its
-    wall_seconds, every later round the time from the previous round's row to its own (run.db's
-    `finished`), so what the server does between rounds (recording the round, the next sample)
-    counts too."""
-    stamps = [r.get("finished") for r in rows]
-    if len(rows) < 2 or any(s is None for s in stamps):
-        return [float(r["wall_seconds"]) for r in rows]
-    ends = [float(s) for s in stamps if s is not None]
-    return [float(rows[0]["wall_seconds"]), *(b - a for a, b in zip(ends, ends[1:]))]
-
-
 def run_fedhop(config: Path, engine: str, out: Path, timeout: float) -> dict[str, Any]:
     argv = [sys.executable, "-m", "fedhop.deploy.cli", "run", str(config), "--out", str(out), "--engine", engine,
             "--quiet", *ENGINE_FLAGS.get(engine, [])]
@@ -204,7 +192,7 @@ def run_fedhop(config: Path, engine: str, out: Path, timeout: float) -> dict[str
         raise RuntimeError(f"fedhop run --engine {engine} failed (exit {code}); see {out.with_suffix('.log')}")
     rows = RunStore(out / "run.db", create=False).rounds()
     metrics = rows[-1]["metrics"]
-    return {"per_round_s": per_round(rows), "peak_rss_mb": peak / 1e6,
+    return {"per_round_s": round_seconds(rows), "peak_rss_mb": peak / 1e6,
             "accuracy": metrics.get("test_accuracy"), "objective": metrics.get("objective")}
 
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine
-from fedhop.common.records.runstore import RunStore
+from fedhop.common.records.runstore import RunStore, round_seconds
 from fedhop.common.tasks import dataset_params
 from fedhop.deploy.launch.launcher import LocalRun, run_local
 
@@ -209,7 +209,7 @@ def scale_run(count: int, processes: int, per_round: int, rounds: int, batch: bo
         if server.proc.returncode != 0:
             raise RuntimeError(f"scale run failed; see {tmp}/logs")
         store = RunStore(Path(tmp) / "run.db", create=False)
-        walls = [r["wall_seconds"] for r in store.rounds()]
+        walls = round_seconds(store.rounds())   # from one round's row to the next's
         registration = _registration_seconds(store)
     steady = walls[1:] or walls   # the first round also warms the processes' caches
     client_rss = [v for k, v in peak.items() if k.startswith("client")]
