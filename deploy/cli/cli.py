@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -145,6 +146,9 @@ def entry() -> None:
     except KeyboardInterrupt:   # Ctrl-C before a command took its signals over (while it imports): no traceback
         print(f"\nfedhop{' ' + argv[0] if argv else ''}: stopped by SIGINT (Ctrl-C)", file=sys.stderr)
         code = 130
+    except BrokenPipeError:   # stdout's reader left (`fedhop run ... | head`): what was done stands, no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # the exit's flush writes nowhere
+        code = 141   # 128 + SIGPIPE, as a tool the signal ended
     if argv and argv[0] == "run":
         from fedhop.common.util.procexit import exit_now
         exit_now(code)
