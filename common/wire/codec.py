@@ -136,12 +136,6 @@ def trailer_frame(digest: int) -> bytes:
     return bytes([_TAG_TRAILER]) + digest.to_bytes(8, "little")
 
 
-#: dtypes whose tensors numpy can share (a CPU tensor of one of these reaches its bytes through
-#: numpy's view, a few times cheaper per call than torch's reshape and view)
-_NUMPY_SHARED = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
-
-
 #: the most data bytes a message may have for its tensors to be made from numpy views of its
 #: receive buffer (`FrameDecoder.finish`); a larger one's buffer may be a file's mapping
 SMALL_MESSAGE_BYTES = 4 << 20
@@ -150,6 +144,9 @@ _NUMPY_DTYPES: dict[str, np.dtype] = {name: np.dtype(name) for name in
                                       ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8",
                                        "complex64", "complex128")}
 _NUMPY_DTYPES["bool"] = np.dtype(np.bool_)
+#: the same dtypes as torch's: a CPU tensor of one reaches its bytes through numpy's view, a few
+#: times cheaper per call than torch's reshape and view (`tensor_bytes_view`)
+_NUMPY_SHARED = frozenset(DTYPES[name] for name in _NUMPY_DTYPES)
 
 
 def tensor_bytes_view(t: torch.Tensor) -> memoryview:
