@@ -138,3 +138,39 @@ def test_tensor_finite_agrees_with_torch_on_random_tensors_and_views(dtype):
         for v in views:
             expected = bool(torch.isfinite(v).all()) if v.is_floating_point() else True
             assert tensor_finite(v) is expected, (trial, dtype, tuple(v.shape))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_consistent_results_keeps_the_majority_kind_of_each_scalar(seed):
+    """`consistent_results` against the rule computed here: per scalar, the kind (bool, str,
+    number) most results send, ties to the kind of the lowest id; a result with any scalar of
+    another kind is rejected with BAD_SCALAR naming it.  Random rounds where every result agrees
+    (the same scalars and types: all kept, in id order) and where some do not (ints and floats
+    are both numbers)."""
+    from fedhop.common.processors.validation import consistent_results
+    rng = np.random.default_rng(seed)
+    values = {"number": [1, 2.5, -3.0, 0], "str": ["a", "bc"], "bool": [True, False]}
+    names = ["loss", "label", "flag"]
+    base = {"loss": "number", "label": "str", "flag": "bool"}
+    ids = [int(i) for i in rng.choice(1000, size=int(rng.integers(3, 12)), replace=False)]
+    results, kinds = {}, {}
+    for cid in ids:
+        odd = seed % 2 == 1 and rng.random() < 0.4
+        kinds[cid] = {n: (str(rng.choice(list(values))) if odd else base[n]) for n in names}
+        results[cid] = Payload(scalars={n: values[k][int(rng.integers(len(values[k])))] for n, k in kinds[cid].items()})
+    want = {}
+    for n in names:
+        counts: dict[str, int] = {}
+        for cid in sorted(ids):
+            counts[kinds[cid][n]] = counts.get(kinds[cid][n], 0) + 1
+        top = max(counts.values())
+        want[n] = next(kinds[cid][n] for cid in sorted(ids) if counts[kinds[cid][n]] == top)
+    kept, rejected = consistent_results(results)
+    expect_kept = [cid for cid in sorted(ids) if all(kinds[cid][n] == want[n] for n in names)]
+    assert list(kept) == expect_kept and all(kept[c] is results[c] for c in kept)
+    assert sorted(rejected) == sorted(set(ids) - set(expect_kept))
+    for cid, why in rejected.items():
+        bad = next(n for n in names if kinds[cid][n] != want[n])
+        assert why.startswith(f"BAD_SCALAR: result of client {cid}: scalar '{bad}' is a {kinds[cid][bad]}")
+    if seed % 2 == 0:
+        assert rejected == {} and list(kept) == sorted(ids)

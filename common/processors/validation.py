@@ -183,15 +183,19 @@ def consistent_results(results: Mapping[int, Payload]) -> tuple[dict[int, Payloa
     """Split one round's validated results into those whose scalar types agree with the majority
     (ties: the type of the lowest id) and the rest, rejected with BAD_SCALAR: a string where the
     others send a number would break the reduction."""
+    order = sorted(results)
+    layouts = {(tuple(p.scalars), tuple(map(type, p.scalars.values()))) for p in results.values()}
+    if len(layouts) <= 1:   # the common case: every result has the same scalars of the same types
+        return {cid: results[cid] for cid in order}, {}
     kinds: dict[str, Counter] = {}
     first: dict[str, str] = {}
-    for cid in sorted(results):
+    for cid in order:
         for name, v in results[cid].scalars.items():
             kinds.setdefault(name, Counter())[_kind(v)] += 1
             first.setdefault(name, _kind(v))
     want = {name: max(c, key=lambda k: (c[k], k == first[name])) for name, c in kinds.items()}
     kept, rejected = {}, {}
-    for cid in sorted(results):
+    for cid in order:
         bad = [n for n, v in results[cid].scalars.items() if _kind(v) != want[n]]
         if bad:
             rejected[cid] = (f"BAD_SCALAR: result of client {cid}: scalar '{bad[0]}' is a {_kind(results[cid].scalars[bad[0]])}, "
