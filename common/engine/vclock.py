@@ -121,13 +121,14 @@ def message_bytes(records: Iterable[Any], round: int, kind: str = "framed") -> d
     """client -> [request bytes, reply bytes] of its `train` call in `round`, from the server's
     ledger records (the sender record of the request, the receiver record of the reply)."""
     column = BYTE_COLUMN[kind]
+    train, reply = str(Method.TRAIN), str(Method.TRAIN.reply())
     out: dict[int, list[int]] = {}
     for r in records:
         if r.round != round or r.status != "ok":
             continue
-        if r.role == "sender" and r.method == Method.TRAIN and r.dst.startswith("client-"):
+        if r.role == "sender" and r.method == train and r.dst.startswith("client-"):
             out.setdefault(int(r.dst.split("-", 1)[1]), [0, 0])[0] += int(getattr(r, column))
-        elif r.role == "receiver" and r.method == Method.TRAIN.reply() and r.src.startswith("client-"):
+        elif r.role == "receiver" and r.method == reply and r.src.startswith("client-"):
             out.setdefault(int(r.src.split("-", 1)[1]), [0, 0])[1] += int(getattr(r, column))
     return out
 

@@ -40,7 +40,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -67,6 +67,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
 
 _TAG_HEADER = 0x0A  # Frame field 1 (header), wire type 2
+_HEADER_PREFIX = bytes([_TAG_HEADER])
 _TAG_DATA = 0x12    # Frame field 2 (data), wire type 2
 _TAG_TRAILER = 0x19  # Frame field 3 (data_xxh3), wire type 1 (fixed64): the trailer
 TRAILER_BYTES = 9    # a trailer frame: its tag and the 8-byte little-endian digest
@@ -409,6 +410,7 @@ class Encoded:
     framing: int | None = None   # gRPC framing bytes when sent bundled (`bundle_framing`); None: streamed
     # a message of a batch: how its call's replies come back (common/transport/base.py `ReplyBundles`)
     reply_bundles: Any = None
+    _shared: bytes | None = field(default=None, repr=False, compare=False)   # `_shared_fields`, once made
 
     def frame_lengths(self) -> list[int]:
         return frame_lengths(self.frames)
@@ -420,7 +422,19 @@ class Encoded:
     def with_header(self, envelope: pb.Envelope) -> "Encoded":
         """The same data frames under another header (one model sent to many clients is snapshot
         once; its frames are cut per call, as sent).  Tensor specs, scalars, control data and data
-        size are copied from this message."""
+        size are copied from this message.  For an envelope of routing fields only (what
+        `make_envelope` gives) the header is those fields' bytes followed by this message's
+        shared fields, serialised once (`_shared_fields`): protobuf reads fields in any order, so
+        it parses to the same envelope and has the same length as serialising the merged one."""
+        if (envelope.tensors or envelope.scalars or envelope.HasField("control") or envelope.data_bytes
+                or envelope.checksum):
+            return self._with_merged_header(envelope)
+        shared = self._shared_fields()
+        head = envelope.SerializeToString() + shared
+        envelope.MergeFromString(shared)
+        return self._under(b"".join((_HEADER_PREFIX, _varint(len(head)), head)), envelope)
+
+    def _with_merged_header(self, envelope: pb.Envelope) -> "Encoded":
         envelope.tensors.extend(self.envelope.tensors)
         for k, v in self.envelope.scalars.items():
             envelope.scalars[k].CopyFrom(v)
@@ -428,7 +442,22 @@ class Encoded:
             envelope.control.CopyFrom(self.envelope.control)
         envelope.data_bytes = self.envelope.data_bytes
         envelope.checksum = self.envelope.checksum
-        header = _header_frame(envelope)
+        return self._under(_header_frame(envelope), envelope)
+
+    def _shared_fields(self) -> bytes:
+        """This message's tensor specs, scalars, control data, data size and checksum flag,
+        serialised (made once: a broadcast goes under one header per receiver)."""
+        if self._shared is None:
+            shared = pb.Envelope(data_bytes=self.envelope.data_bytes, checksum=self.envelope.checksum)
+            shared.tensors.extend(self.envelope.tensors)
+            for k, v in self.envelope.scalars.items():
+                shared.scalars[k].CopyFrom(v)
+            if self.envelope.HasField("control"):
+                shared.control.CopyFrom(self.envelope.control)
+            self._shared = shared.SerializeToString()
+        return self._shared
+
+    def _under(self, header: bytes, envelope: pb.Envelope) -> "Encoded":
         if isinstance(self.frames, Frames):
             frames: Sequence[bytes] = self.frames.with_header(header)
         else:
