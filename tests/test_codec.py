@@ -341,26 +341,32 @@ def test_the_fold_over_decoded_replies_gives_the_bits_of_the_fold_tensor_by_tens
 def test_a_broadcast_under_each_receivers_header_decodes_as_the_merged_envelope(control):
     """`Encoded.with_header` (one broadcast, one header per receiver): the header made from the
     routing fields and the broadcast's fields serialised once decodes to the envelope built by
-    merging them field by field, is as long (the ledger's bytes), and carries the same data; an
-    envelope that already holds a shared field is merged field by field."""
+    merging them field by field (computed here), is as long as that envelope serialised (the
+    ledger's bytes), and carries the same data; an envelope holding more than routing fields is
+    refused."""
     g = torch.Generator().manual_seed(5)
     payload = Payload(tensors={"w": torch.randn(7, 3, generator=g), "b": torch.randn(3, generator=g).double()},
                       scalars={"lr": 0.05, "round": 3, "last": True, "tag": "x" * 40},
                       control=pb.Control(peers=[pb.EdgeAddress(edge=2, address="10.0.0.2:7000")]) if control else None)
     shared = encode(payload, make_envelope(run_id="run-a", round=3, src="server", dst="", method="train"))
     for k in range(3):
-        fast = shared.with_header(make_envelope(run_id="run-a", round=3, step=k, src="server", dst=f"client-{k}",
-                                                method="train", token="t" * k, msg_id=f"m{k}"))
-        slow = shared._with_merged_header(make_envelope(run_id="run-a", round=3, step=k, src="server",
-                                                        dst=f"client-{k}", method="train", token="t" * k,
-                                                        msg_id=f"m{k}"))
-        assert fast.envelope == slow.envelope and fast.frame_lengths() == slow.frame_lengths()
-        got, want = decode_frames(list(fast.frames)), decode_frames(list(slow.frames))
-        assert got.envelope == want.envelope == slow.envelope
-        assert got.payload.scalars == payload.scalars
+        routing = dict(run_id="run-a", round=3, step=k, src="server", dst=f"client-{k}", method="train",
+                       token="t" * k, msg_id=f"m{k}")
+        sent = shared.with_header(make_envelope(**routing))
+        merged = make_envelope(**routing)
+        merged.tensors.extend(shared.envelope.tensors)
+        for name, value in shared.envelope.scalars.items():
+            merged.scalars[name].CopyFrom(value)
+        if control:
+            merged.control.CopyFrom(shared.envelope.control)
+        merged.data_bytes, merged.checksum = shared.envelope.data_bytes, shared.envelope.checksum
+        assert sent.envelope == merged
+        head = merged.SerializeToString()
+        assert len(sent.frames[0]) == len(codec._header_frame(merged)) == 1 + len(codec._varint(len(head))) + len(head)
+        got = decode_frames(list(sent.frames))
+        assert got.envelope == merged and got.payload.scalars == payload.scalars
         assert all(torch.equal(got.payload.tensors[n], t) for n, t in payload.tensors.items())
     preset = make_envelope(run_id="run-a", round=3, src="server", dst="client-9", method="train")
     preset.data_bytes = 1
-    merged = shared.with_header(preset)
-    assert merged.envelope.data_bytes == shared.envelope.data_bytes
-    assert decode_frames(list(merged.frames)).envelope == merged.envelope
+    with pytest.raises(ValueError, match="routing fields only"):
+        shared.with_header(preset)

@@ -421,28 +421,22 @@ class Encoded:
 
     def with_header(self, envelope: pb.Envelope) -> "Encoded":
         """The same data frames under another header (one model sent to many clients is snapshot
-        once; its frames are cut per call, as sent).  Tensor specs, scalars, control data and data
-        size are copied from this message.  For an envelope of routing fields only (what
-        `make_envelope` gives) the header is those fields' bytes followed by this message's
-        shared fields, serialised once (`_shared_fields`): protobuf reads fields in any order, so
-        it parses to the same envelope and has the same length as serialising the merged one."""
+        once; its frames are cut per call, as sent).  `envelope` holds routing fields only (what
+        `make_envelope` gives); the tensor specs, scalars, control data and data size are this
+        message's.  The header is the routing fields' bytes followed by this message's own fields,
+        serialised once (`_shared_fields`): protobuf reads fields in any order, so it parses to
+        the same envelope and has the same length as the merged envelope serialised."""
         if (envelope.tensors or envelope.scalars or envelope.HasField("control") or envelope.data_bytes
                 or envelope.checksum):
-            return self._with_merged_header(envelope)
+            raise ValueError("with_header: the envelope must hold routing fields only")
         shared = self._shared_fields()
-        head = envelope.SerializeToString() + shared
+        header = _header_bytes(envelope.SerializeToString() + shared)
         envelope.MergeFromString(shared)
-        return self._under(b"".join((_HEADER_PREFIX, _varint(len(head)), head)), envelope)
-
-    def _with_merged_header(self, envelope: pb.Envelope) -> "Encoded":
-        envelope.tensors.extend(self.envelope.tensors)
-        for k, v in self.envelope.scalars.items():
-            envelope.scalars[k].CopyFrom(v)
-        if self.envelope.HasField("control"):
-            envelope.control.CopyFrom(self.envelope.control)
-        envelope.data_bytes = self.envelope.data_bytes
-        envelope.checksum = self.envelope.checksum
-        return self._under(_header_frame(envelope), envelope)
+        if isinstance(self.frames, Frames):
+            frames: Sequence[bytes] = self.frames.with_header(header)
+        else:
+            frames = [header, *self.frames[1:]]
+        return Encoded(frames=frames, envelope=envelope, tensor_bytes=self.tensor_bytes)
 
     def _shared_fields(self) -> bytes:
         """This message's tensor specs, scalars, control data, data size and checksum flag,
@@ -456,13 +450,6 @@ class Encoded:
                 shared.control.CopyFrom(self.envelope.control)
             self._shared = shared.SerializeToString()
         return self._shared
-
-    def _under(self, header: bytes, envelope: pb.Envelope) -> "Encoded":
-        if isinstance(self.frames, Frames):
-            frames: Sequence[bytes] = self.frames.with_header(header)
-        else:
-            frames = [header, *self.frames[1:]]
-        return Encoded(frames=frames, envelope=envelope, tensor_bytes=self.tensor_bytes)
 
     @property
     def framed_bytes(self) -> int:
@@ -588,8 +575,12 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
 
 
 def _header_frame(envelope: pb.Envelope) -> bytes:
-    head = envelope.SerializeToString()
-    return b"".join((bytes([_TAG_HEADER]), _varint(len(head)), head))
+    return _header_bytes(envelope.SerializeToString())
+
+
+def _header_bytes(head: bytes) -> bytes:
+    """A header frame holding the serialised envelope `head`."""
+    return b"".join((_HEADER_PREFIX, _varint(len(head)), head))
 
 
 _PREFIXES: dict[int, bytes] = {}
