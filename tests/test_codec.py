@@ -370,3 +370,42 @@ def test_a_broadcast_under_each_receivers_header_decodes_as_the_merged_envelope(
     preset.data_bytes = 1
     with pytest.raises(ValueError, match="routing fields only"):
         shared.with_header(preset)
+
+
+def test_the_header_holds_the_specs_each_tensor_adds_for_any_layout():
+    """encode merges a layout's serialized specs into the envelope (`_specs_bytes`, built once per
+    layout): the header frame must be the bytes of an envelope whose specs were added one by one,
+    for layouts of every dtype, 0-d and empty tensors, non-ASCII names and more layouts than the
+    cache keeps."""
+    gen = torch.Generator().manual_seed(11)
+    names = sorted(DTYPES)
+    for k in range(300):
+        tensors = {}
+        for j in range(int(torch.randint(1, 5, (1,), generator=gen))):
+            dtype = DTYPES[names[int(torch.randint(len(names), (1,), generator=gen))]]
+            shape = tuple(int(d) for d in torch.randint(0, 4, (int(torch.randint(0, 4, (1,), generator=gen)),),
+                                                        generator=gen))
+            tensors[f"t{k}.{j}-é"] = sample_tensor(dtype, shape)
+        payload = Payload(tensors=tensors, scalars={"weight": 2.0})
+        enc = encode(payload, env())
+        by_hand = env()
+        by_hand.msg_id = enc.envelope.msg_id
+        for name, t in tensors.items():
+            by_hand.tensors.add(name=name, dtype=codec.DTYPE_NAMES[t.dtype], shape=list(t.shape),
+                                nbytes=t.numel() * t.element_size())
+        codec.scalar_to_pb(2.0, by_hand.scalars["weight"])
+        by_hand.data_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        by_hand.checksum = by_hand.data_bytes > 0
+        assert enc.frames[0] == codec._header_frame(by_hand), f"layout {k}"
+        got = decode_frames(enc.frames).payload.tensors
+        assert [(n, t.dtype, tuple(t.shape)) for n, t in got.items()] == \
+               [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    assert len(codec._SPECS) <= 256
+
+
+def test_a_header_declaring_a_negative_dimension_or_a_repeated_name_is_refused():
+    enc = encode(Payload(tensors={"a": torch.ones(2, 3), "b": torch.ones(6)}), env())
+    with pytest.raises(PayloadError, match="BAD_NAME"):
+        decode_frames(_tamper(enc.frames, lambda h: setattr(h.tensors[1], "name", "a")))
+    with pytest.raises(PayloadError, match="BAD_SHAPE.*'a'"):   # shape is int64 on the wire
+        decode_frames(_tamper(enc.frames, lambda h: h.tensors[0].shape.__setitem__(0, -2)))

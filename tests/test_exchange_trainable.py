@@ -295,3 +295,34 @@ def test_bad_selections_are_refused_before_any_process_starts(tmp_path, monkeypa
     assert len(err) == 1 and err[0].startswith("fedhop run:"), err
     assert re.search(expect, err[0]), err
     assert not Path("r").exists()
+
+
+def test_the_kept_parameter_list_follows_every_change_to_the_model():
+    """`named_parameters` (common/models/exchange.py) keeps a model's walk and checks it before
+    each use: after a submodule or a parameter is replaced, added or removed, after
+    `bind_params` (load_state_dict assign=True) and with tied weights, it is the list
+    `model.named_parameters()` gives, the same objects in the same order."""
+    from fedhop.common.algorithms.local import bind_params
+    from fedhop.common.models.exchange import named_parameters
+
+    def same(model):
+        got, want = named_parameters(model), list(model.named_parameters())
+        return [n for n, _ in got] == [n for n, _ in want] and all(a is b for (_, a), (_, b) in zip(got, want))
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    assert same(model) and same(model)
+    model[0] = torch.nn.Linear(4, 3)                                         # a submodule replaced
+    assert same(model)
+    model[2].weight = torch.nn.Parameter(torch.zeros(2, 3))                 # a parameter replaced
+    assert same(model)
+    model[1].register_parameter("gain", torch.nn.Parameter(torch.ones(1)))  # one added
+    assert same(model)
+    del model[2].bias                                                       # one removed
+    assert same(model) and "2.bias" not in dict(named_parameters(model))
+    model.append(torch.nn.Linear(2, 2))                                     # a module added
+    assert same(model)
+    bind_params(model, {n: torch.full_like(p, 3.0) for n, p in model.named_parameters()})
+    assert same(model) and all(bool((p == 3.0).all()) for _, p in named_parameters(model))
+    tied = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    tied[1].weight = tied[0].weight                                         # tied: listed once
+    assert same(tied) and len(named_parameters(tied)) == 3

@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 from fedhop.common.records.runstore import RunStore
-from fedhop.common.wire.ledger import LINKS, Ledger, LedgerRecord, bytes_by_link, count_once, link_for, read_jsonl
+from fedhop.common.wire.ledger import (
+    LINKS,
+    Ledger,
+    LedgerRecord,
+    bytes_by_link,
+    count_once,
+    json_line,
+    link_for,
+    read_jsonl,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -313,3 +322,22 @@ def test_insert_jsonl_merges_a_child_ledger(tmp_path):
     assert store.insert_jsonl(path) == len(mixed_records())
     assert store.insert_jsonl(path) == 0
     assert store.bytes_by_link() == HAND
+
+
+@pytest.mark.parametrize("text", ["plain", 'quote " and \\ backslash', "é 日本 🚀", "tab\tnl\ncr\r\x00\x1f", ""])
+@pytest.mark.parametrize("seconds", [0.0, -0.0, 0.1, 1e-300, 1.7976931348623157e308, float("nan"), float("inf"),
+                                     float("-inf"), 3, True])
+def test_a_ledger_line_is_the_json_modules_text(text, seconds, tmp_path):
+    """`json_line` writes a record as `json.JSONEncoder(separators=(",", ":"))` does, for any text
+    and float (NaN, the infinities, -0.0), and a field of another type than its annotation (an
+    int or a bool for a float) takes json's own way; each line reads back as the record."""
+    r = LedgerRecord(run_id=text, round=2 ** 62, step=0, src=text, dst="server", link="client-server",
+                     direction="up", method=f"train.{text}", tensor_bytes=0, payload_bytes=5, framed_bytes=10,
+                     seconds=seconds, recorder="server", role="receiver", msg_id=text, status="ok",
+                     wall_time=seconds if isinstance(seconds, float) else 1.5, error=text)
+    assert json_line(r) == json.JSONEncoder(separators=(",", ":")).encode(r.to_dict())
+    led = Ledger(tmp_path / "l.jsonl")
+    led.add(r)
+    led.close()
+    back = read_jsonl(tmp_path / "l.jsonl")
+    assert len(back) == 1 and back[0].msg_id == text and back[0].round == 2 ** 62

@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 import torch
 
 from fedhop.common.algorithms.base import ClientContext
-from fedhop.common.models.exchange import exchanged_names
+from fedhop.common.models.exchange import exchanged_names, named_parameters
 from fedhop.common.numerics.sampling import batches_on, local_batches
 
 GradHook = Callable[[str, torch.nn.Parameter, torch.Tensor], torch.Tensor]
@@ -19,14 +19,14 @@ def get_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     selected ones.  Everything that travels or is aggregated starts here, so the server state,
     the broadcast, the replies, their spec and the clients' state cover the same names."""
     names = exchanged_names(model)
-    return {name: p.detach() for name, p in model.named_parameters() if names is None or name in names}
+    return {name: p.detach() for name, p in named_parameters(model) if names is None or name in names}
 
 
 def _pairs(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
     """(name, the model's parameter, params[name]) for each parameter the model exchanges; the
     shapes must match."""
     names = exchanged_names(model)
-    for name, p in model.named_parameters():
+    for name, p in named_parameters(model):
         if names is not None and name not in names:
             continue
         src = params[name]
@@ -116,7 +116,7 @@ def local_sgd(ctx: ClientContext, lr: float, batch_size: int, weight_decay: floa
     data = ctx.task.client_data(ctx.client_id)
     stats = LocalStats()
     on_device: list[torch.Tensor] = []   # a GPU's losses, read once after the loop: no sync per step
-    params = [(n, p) for n, p in ctx.model.named_parameters() if p.requires_grad]
+    params = [(n, p) for n, p in named_parameters(ctx.model) if p.requires_grad]
     tensors: list[torch.Tensor] = [p for _, p in params]
     fused = bool(tensors) and tensors[0].device.type == "cuda" and grad_hook is None and not weight_decay
     batches = local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator)

@@ -5,6 +5,7 @@ the config loader refuses model.exchange != "all" for one that cannot."""
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from typing import Any, Callable, Sequence
 
 from torch import nn
@@ -12,6 +13,45 @@ from torch import nn
 EXCHANGE_CHOICES = ("all", "trainable")
 #: the names of the parameters a model exchanges, set by `select_exchange`; absent: every parameter
 EXCHANGED_ATTR = "_fedhop_exchanged"
+
+
+class _Walk:
+    """One walk of a model's modules: its named parameters, and what shows it still holds."""
+
+    __slots__ = ("params", "modules")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params: list[tuple[str, nn.Parameter]] = list(model.named_parameters())
+        modules = list(model.modules())
+        # each module's children and parameters as they were: (their dicts, a copy of each)
+        self.modules: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]] = [
+            (m._modules, dict(m._modules), m._parameters, dict(m._parameters)) for m in modules]
+
+    def holds(self) -> bool:
+        for children, seen_children, params, seen_params in self.modules:
+            if len(children) != len(seen_children) or len(params) != len(seen_params):
+                return False
+            for key, child in children.items():
+                if seen_children.get(key) is not child:
+                    return False
+            for key, param in params.items():
+                if seen_params.get(key) is not param:
+                    return False
+        return True
+
+
+_WALKS: "weakref.WeakKeyDictionary[nn.Module, _Walk]" = weakref.WeakKeyDictionary()
+
+
+def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """`list(model.named_parameters())`, kept per model and checked before each use: each
+    module's children and parameters are still the objects they were (a module or parameter
+    replaced, added or removed makes a new walk).  A client's round reads the list three times
+    (load, train, update), and a walk over the modules costs more than the check."""
+    walk = _WALKS.get(model)
+    if walk is None or not walk.holds():
+        walk = _WALKS[model] = _Walk(model)
+    return walk.params
 
 
 def exchanged_names(model: nn.Module) -> frozenset[str] | None:

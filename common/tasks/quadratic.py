@@ -129,6 +129,12 @@ class QuadraticTask(Task):
     def build_model(self) -> torch.nn.Module:
         return VectorModel(self.w0)
 
+    def num_samples(self, client_id: int) -> int:
+        """`client_data(client_id).num_samples` without slicing the client's tensors."""
+        if not 0 <= client_id < self.num_clients:
+            raise IndexError(f"quadratic: client id {client_id} out of range 0..{self.num_clients - 1}")
+        return self.sizes[client_id]
+
     def client_data(self, client_id: int) -> ClientData:
         if not 0 <= client_id < self.num_clients:
             raise IndexError(f"quadratic: client id {client_id} out of range 0..{self.num_clients - 1}")

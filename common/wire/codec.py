@@ -152,10 +152,10 @@ _NUMPY_SHARED = frozenset(DTYPES[name] for name in _NUMPY_DTYPES)
 
 def tensor_bytes_view(t: torch.Tensor) -> memoryview:
     """The tensor's bytes as a flat memoryview (copies only if it is not contiguous)."""
-    if t.dtype in _NUMPY_SHARED and t.device.type == "cpu" and t.is_contiguous():
+    if t.dtype in _NUMPY_SHARED and t.is_cpu and t.is_contiguous():
         try:
-            return memoryview(t.detach().numpy().reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only for Python >= 3.12
-        except RuntimeError:   # a view numpy cannot share (conjugate or negative bit): torch's way below
+            return memoryview(t.detach().numpy()).cast("B")  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only for Python >= 3.12
+        except (RuntimeError, TypeError, ValueError):   # a view numpy or memoryview cannot share (conjugate or negative bit): torch's way below
             pass
     flat = t.detach()
     if flat.device.type != "cpu":
@@ -534,12 +534,12 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
     keep = False   # handed-over tensors whose frames are cut per send (`hand_over(keep_frames=False)`)
     total = 0
     del envelope.tensors[:]
+    layout = []
     for name, t in payload.tensors.items():
         if t.dtype not in DTYPE_NAMES:
             raise TypeError(f"tensor '{name}': dtype {t.dtype} is not supported by the codec")
         view = tensor_bytes_view(t)
-        envelope.tensors.add(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape),
-                             nbytes=len(view))
+        layout.append((name, t.dtype, t.shape))
         if guards is not None and getattr(t, "_fedhop_handed_over", None) == t._version:
             guards.append((t, t._version))
             keep = keep or getattr(t, "_fedhop_keep_frames", True)
@@ -547,6 +547,8 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
             guards = None   # one tensor not handed over: the message is cut (snapshot) now
         views.append(view)
         total += len(view)
+    if layout:
+        envelope.MergeFromString(_specs_bytes(tuple(layout)))
     cuts = _Cuts(views, chunk_bytes, guards, keep=keep or not views, checksum=checksum)
     digest = xxhash.xxh3_64() if cuts.checksum else None
     if guards is None:
@@ -572,6 +574,28 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
     envelope.data_bytes = total
     envelope.checksum = cuts.checksum
     return Encoded(frames=Frames(_header_frame(envelope), cuts), envelope=envelope, tensor_bytes=total)
+
+
+#: the serialized tensor specs of each layout encoded so far (`_specs_bytes`)
+_SPECS: dict[tuple, bytes] = {}
+
+
+def _specs_bytes(layout: tuple[tuple[str, torch.dtype, torch.Size], ...]) -> bytes:
+    """An Envelope holding only the tensor specs of `layout` ((name, dtype, shape) in order),
+    serialized: merged into a message's envelope it appends those specs, the same fields that
+    adding each spec would set, in one parse instead of one protobuf call per tensor.  A run
+    sends a few layouts over and over (the model, its update), so each is built once."""
+    data = _SPECS.get(layout)
+    if data is None:
+        specs = pb.Envelope()
+        for name, dtype, shape in layout:
+            specs.tensors.add(name=name, dtype=DTYPE_NAMES[dtype], shape=list(shape),
+                              nbytes=math.prod(shape) * ITEMSIZE[DTYPE_NAMES[dtype]])
+        data = specs.SerializeToString()
+        if len(_SPECS) >= 256:   # many layouts (names made per message): keep the memory bounded
+            _SPECS.clear()
+        _SPECS[layout] = data
+    return data
 
 
 def _header_frame(envelope: pb.Envelope) -> bytes:
@@ -694,6 +718,7 @@ class FrameDecoder:
     _frames: int = 0
     _digest: "xxhash.xxh3_64 | None" = None
     _trailer: int | None = None   # the digest the trailer frame carried
+    _specs: list[tuple[str, str, tuple[int, ...], int]] = field(default_factory=list)   # (name, dtype, shape, nbytes), `_start`
 
     @property
     def filled(self) -> int:
@@ -790,26 +815,29 @@ class FrameDecoder:
         if declared > self.max_payload_bytes:
             raise PayloadError("TOO_LARGE", f"message declares {declared} data bytes; the limit is "
                                             f"{self.max_payload_bytes}")
+        # each spec's fields read once (a protobuf field read costs about as much as the checks
+        # on it): the checks below and `finish` use these tuples
+        specs = [(spec.name, spec.dtype, tuple(spec.shape), spec.nbytes) for spec in env.tensors]
         total = 0
-        for spec in env.tensors:
-            if spec.dtype not in DTYPES:
-                raise PayloadError("BAD_DTYPE", f"tensor '{spec.name}': unknown dtype '{spec.dtype}' "
+        for name, dtype, shape, nbytes in specs:
+            itemsize = ITEMSIZE.get(dtype)
+            if itemsize is None:
+                raise PayloadError("BAD_DTYPE", f"tensor '{name}': unknown dtype '{dtype}' "
                                                 f"(allowed: {', '.join(DTYPES)})")
-            if any(d < 0 for d in spec.shape):
-                raise PayloadError("BAD_SHAPE", f"tensor '{spec.name}': negative dimension in {list(spec.shape)}")
-            itemsize = ITEMSIZE[spec.dtype]
-            expect = math.prod(spec.shape) * itemsize
-            if expect != spec.nbytes:
+            if shape and min(shape) < 0:
+                raise PayloadError("BAD_SHAPE", f"tensor '{name}': negative dimension in {list(shape)}")
+            expect = math.prod(shape) * itemsize
+            if expect != nbytes:
                 raise PayloadError("SIZE_MISMATCH",
-                                   f"tensor '{spec.name}': shape {list(spec.shape)} of {spec.dtype} is "
-                                   f"{expect} bytes but {spec.nbytes} are declared")
+                                   f"tensor '{name}': shape {list(shape)} of {dtype} is "
+                                   f"{expect} bytes but {nbytes} are declared")
             total += expect
         if total != declared:
             raise PayloadError("SIZE_MISMATCH", f"tensor specs add up to {total} bytes but the message "
                                                 f"declares {declared}")
-        names = [s.name for s in env.tensors]
-        if len(set(names)) != len(names):
+        if len({name for name, *_ in specs}) != len(specs):
             raise PayloadError("BAD_NAME", "duplicate tensor names in one message")
+        self._specs = specs
         self.envelope = env
         taken = (self.buffers or RECV_BUFFERS).take(declared)
         if isinstance(taken, FileSink):
@@ -847,27 +875,25 @@ class FrameDecoder:
         tensors: dict[str, torch.Tensor] = {}
         offset = 0
         flat_dtype: np.dtype | None = None   # the one numpy float dtype of every tensor, while there is one
-        for spec in env.tensors:
-            n = int(spec.nbytes)
-            shape = tuple(spec.shape)
-            np_dtype = _NUMPY_DTYPES.get(spec.dtype)
+        for name, dtype, shape, n in self._specs:
+            np_dtype = _NUMPY_DTYPES.get(dtype)
             if small and np_dtype is not None and n and offset % np_dtype.itemsize == 0:
                 # a numpy view of the buffer made a tensor: the same memory, a few times cheaper
                 # than torch's slice, view and reshape
                 t = torch.from_numpy(np.ndarray(shape, np_dtype, buffer, offset))
             elif n == 0:
-                t = torch.empty(shape, dtype=DTYPES[spec.dtype])
+                t = torch.empty(shape, dtype=DTYPES[dtype])
             else:
                 base = torch.from_numpy(buffer) if base is None else base
                 raw = base[offset:offset + n]
-                if offset % ITEMSIZE[spec.dtype]:
+                if offset % ITEMSIZE[dtype]:
                     raw = raw.clone()  # misaligned for this dtype: one copy
-                t = raw.view(DTYPES[spec.dtype]).reshape(shape)
+                t = raw.view(DTYPES[dtype]).reshape(shape)
             if not tensors:
                 flat_dtype = np_dtype if np_dtype is not None and np_dtype.kind == "f" else None
             elif np_dtype != flat_dtype:
                 flat_dtype = None
-            tensors[spec.name] = t
+            tensors[name] = t
             offset += n
         scalars = {k: scalar_from_pb(v) for k, v in env.scalars.items()}
         control = env.control if env.HasField("control") else None

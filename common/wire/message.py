@@ -257,6 +257,8 @@ class ReplyAccumulator:
         w = float(p.scalars[WEIGHT_KEY])
         is_partial = COUNT_KEY in p.scalars
         flat = FlatView.of(p)   # a decoded reply's tensors as one array: one reduction for all
+        if flat is not None and not is_partial and not p.sparse and self._add_flat_if_finite(flat, p, w):
+            return None
         tops = (dict.fromkeys(p.tensors, flat.top()) if flat is not None else   # each tensor's bound from the largest
                 {name: _top(t) for name, t in p.tensors.items()})
         tops.update({name: _top(s.values) for name, s in p.sparse.items()})
@@ -290,6 +292,41 @@ class ReplyAccumulator:
         self.count += int(p.scalars[COUNT_KEY]) if is_partial else 1
         self.added += 1
         return None
+
+    def _add_flat_if_finite(self, flat: FlatView, p: Payload, w: float) -> bool:
+        """`add_if_finite` of a client result whose tensors are one flat view (`FlatView`) and
+        whose fields are all `wsum`, when the bounds show at once that no sum can overflow: the
+        same bounds (`_next_bound`'s formula with the one largest magnitude), scalars and
+        arithmetic (`_combine_flat`) in fewer steps; every reply of a cross-device round comes
+        this way.  False, having changed nothing, where a check needs the general way, which
+        then reaches the same outcome."""
+        out, ops = self.out, self.ops
+        if ops and any(ops.get(name, "wsum") != "wsum" for name in p.tensors):
+            return False
+        top = flat.top()
+        if not math.isfinite(top):
+            return False
+        info = _finfo(next(iter(p.tensors.values())).dtype)   # the view's one float dtype
+        grow = 1.0 + 4 * info.eps
+        term = top * abs(w) * grow
+        sums, known = out.tensors, self._bound
+        bounds = {name: ((known.get(name, 0.0) if name in sums else 0.0) + term) * grow for name in p.tensors}
+        if max(bounds.values()) > info.max:   # near the dtype's limit: every element, the general way
+            return False
+        scalars = dict(out.scalars)
+        self._fold_scalars(scalars, p, w, False)
+        if (any(isinstance(v, float) and not math.isfinite(v) for v in scalars.values())
+                or not math.isfinite(self.total_weight + w)):
+            return False
+        if not self._combine_flat(flat, p, w, False):
+            return False
+        self.last_magnitude = top * w
+        known.update(bounds)
+        out.scalars = scalars
+        self.total_weight += w
+        self.count += 1
+        self.added += 1
+        return True
 
     # ------------------------------------------------------------------ the tensor arithmetic
     def _weighted(self, name: str, is_partial: bool) -> bool:
