@@ -44,6 +44,7 @@ codec's (common/wire/codec.py).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import threading
@@ -167,8 +168,10 @@ class ValidateReply:
     scalars: Mapping[str, ScalarRule] | None = None
     limits: ReplyLimits | None = None
 
-    @property
+    @functools.cached_property
     def bound(self) -> ReplyBound:
+        """`reply_bound(spec)`, worked out once (the fabric asks when it groups a round's
+        requests and again when it sends them)."""
         return reply_bound(self.spec)
 
     def process(self, message: Payload, ctx: Context) -> Payload:

@@ -213,6 +213,7 @@ class ReplyLimiter:
     def __init__(self, algorithm, task, seconds: float) -> None:
         self.algorithm, self.task, self.seconds = algorithm, task, seconds
         self._bound: dict[int, float | None] = {}
+        self._one: dict[int, ReplyLimits] = {}   # one client's limits (a star round asks for each sampled client's)
 
     def weight_of(self, cid: int) -> float | None:
         if cid not in self._bound:
@@ -224,6 +225,14 @@ class ReplyLimiter:
         return self._bound[cid]
 
     def limits(self, cids: list[int]) -> ReplyLimits:
+        if len(cids) == 1:
+            one = self._one.get(cids[0])
+            if one is None:
+                one = self._one[cids[0]] = self._limits(cids)
+            return one
+        return self._limits(cids)
+
+    def _limits(self, cids: list[int]) -> ReplyLimits:
         bounds = [self.weight_of(c) for c in cids]
         weight = None if any(b is None for b in bounds) else float(sum(bounds))   # type: ignore[arg-type]  # no None: any() above
         return ReplyLimits(weight=weight, results=len(cids), seconds=self.seconds)

@@ -125,11 +125,9 @@ _FROM_DICT: tuple[tuple[str, Callable[[Any], Any], bool], ...] = tuple(
 
 def _number(x: float) -> str:
     """A float as the json module writes it (NaN and the infinities as JavaScript names them)."""
-    if x != x:
-        return "NaN"
-    if x in (math.inf, -math.inf):
-        return "Infinity" if x > 0 else "-Infinity"
-    return float.__repr__(x)
+    if math.isfinite(x):
+        return float.__repr__(x)
+    return "NaN" if x != x else "Infinity" if x > 0 else "-Infinity"
 
 
 #: the fields `json_line` writes, in order: a record with others takes json's way
