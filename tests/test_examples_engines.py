@@ -10,7 +10,8 @@ counts to match.  The messages are compared by each sender record's round, ends,
 payload and framed bytes, but the messages that name an address or carry a config's text only by
 round, ends and method: those differ between the engines by nature (a registration names its
 sender's address, its reply carries the parent's config text, and the calls that tell a node
-its peers name their addresses: `seq_round`, `gossip_send`, `walk_visit`); tests/test_inprocess_engine.py
+its peers name their addresses: `seq_round`, `gossip_send`, `walk_visit`), and an edge's `probe`,
+whose run id is there only once the edge is registered itself; tests/test_inprocess_engine.py
 compares the registrations' bytes too, less those fields, where the server is the parent.
 """
 from __future__ import annotations
@@ -38,8 +39,11 @@ PLUGIN_BY_PATH = ["model.factory=fedhop_example.models:small_cnn",
                   "data.dataset=fedhop_example.data:digits_two_labels",
                   "algorithm.name=fedhop_example.algorithms:FedAvgM",
                   "topology.kind=fedhop_example.topologies:RoundRobinStar"]
-#: the methods whose messages name an address or carry a config's text (module docstring)
-ADDRESSED = {"register", "register.reply", "seq_round", "gossip_send", "walk_visit"}
+#: the methods whose messages name an address or carry a config's text (module docstring), and
+#: an edge's `probe` of a registering client's address: it carries the run's id only once the
+#: edge has its own registration's reply (edge/runtime.py), which the processes' start order
+#: decides in either engine (50 or 74 bytes for fedchs_digits under load)
+ADDRESSED = {"register", "register.reply", "seq_round", "gossip_send", "walk_visit", "probe"}
 
 
 def run_configs() -> list[str]:
