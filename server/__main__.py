@@ -131,7 +131,7 @@ def _main(argv: list[str] | None) -> int:
     reports = ChildReports(coordinator)   # config refusals and an edge's refusals (server/child_reports.py)
     reports.install()                     # before serving: a child's refusal of the config fails the run at once
     live = ServerLive(coordinator.store, counter)
-    coordinator.round_listeners.append(lambda result: live.flush(result.round))   # each round's live figure
+    coordinator.round_writers.append(lambda result: live.flush(result.round))   # each round's live figure
     checkpointer = Checkpointer(coordinator)
     if args.resume:
         try:

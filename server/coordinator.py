@@ -102,6 +102,8 @@ class Coordinator:
         self.ledger = ledger
         # after every recorded round (the progress line, checkpoints: server/resilience.py)
         self.round_listeners: list[Callable[[RoundResult], None]] = [on_round] if on_round is not None else []
+        # run.db writes that belong to a round's own transaction (the live totals: server/__main__.py)
+        self.round_writers: list[Callable[[RoundResult], None]] = []
         self.run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:8]}"
         endpoint.run_id = self.run_id
         # the round's rules without a transport (common/engine/rounds.py): sampling, aggregation and the
@@ -459,17 +461,21 @@ class Coordinator:
         return self.engine.evaluate()
 
     def record_round(self, result: RoundResult) -> None:
-        """Record a finished round: its ledger records, its row, then the listeners (checkpoint,
-        live figure).  A stop signal waits until all of that is written (`stops_deferred`): the
-        rounds table, `rounds_completed` and the newest checkpoint then agree, and a stop raised
-        at the next round's start (`raise_if_stopped`) reports this round as the last."""
+        """Record a finished round: its ledger records, its row and the `round_writers`' rows (the
+        live figure) in one run.db transaction, then the listeners (checkpoint, memory, progress).
+        A stop signal waits until all of that is written (`stops_deferred`): the rounds table,
+        `rounds_completed` and the newest checkpoint then agree, and a stop raised at the next
+        round's start (`raise_if_stopped`) reports this round as the last."""
         with stops_deferred():
-            self.store.insert_records(self.ledger.drain())
-            self.store.add_round(result.round, participants=len(result.participants),
-                                 sampled=len(result.sampled), failures=len(result.failures),
-                                 metrics=result.metrics, wall_seconds=result.wall_seconds,
-                                 sim_seconds=result.sim_seconds, finished=time.time(),
-                                 clients_dropped=len(set(result.sampled) - set(result.participants)))
+            with self.store.transaction():
+                self.store.insert_records(self.ledger.drain())
+                self.store.add_round(result.round, participants=len(result.participants),
+                                     sampled=len(result.sampled), failures=len(result.failures),
+                                     metrics=result.metrics, wall_seconds=result.wall_seconds,
+                                     sim_seconds=result.sim_seconds, finished=time.time(),
+                                     clients_dropped=len(set(result.sampled) - set(result.participants)))
+                for writer in self.round_writers:
+                    writer(result)
             self.rounds_completed = result.round
             self.skipped_in_a_row = 0
             self.failures_total += len(result.failures)

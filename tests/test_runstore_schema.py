@@ -133,3 +133,47 @@ def test_a_stop_raised_just_after_commit_is_not_hidden_by_a_failed_rollback(tmp_
         store.set_live_bytes(["client-proc0"], [("client-proc0", "client-server", "up", 3, 12, 40, 55)])
     store._conn = real
     assert store._query("SELECT node, framed_bytes FROM live_bytes") == [("client-proc0", 55)]
+
+
+def _ledger_record(i: int):
+    from fedhop.common.wire.ledger import LedgerRecord
+    return LedgerRecord(run_id="r", round=1, step=0, src="server", dst=f"client-{i}", link="client-server",
+                        direction="down", method="train", tensor_bytes=4000, payload_bytes=4100, framed_bytes=4200,
+                        seconds=0.001, recorder="server", role="sender", msg_id=f"m{i}", status="ok",
+                        wall_time=1.0, error="")
+
+
+def test_a_transaction_commits_its_writes_together_and_a_failure_keeps_none(tmp_path):
+    """RunStore.transaction: a round's ledger rows, its row and the live totals land in one
+    COMMIT (another connection sees none of them before it, all after); an exception inside
+    rolls every one back and reaches the caller; a nested block joins the outer one."""
+    store = RunStore(tmp_path / "run.db")
+    store.start_run("r")
+    reader = sqlite3.connect(tmp_path / "run.db")
+
+    def seen() -> tuple[int, int, int]:
+        return tuple(reader.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
+                     for t in ("messages", "rounds", "live_bytes"))
+
+    live = [("server", "client-server", "down", 3, 12000, 12300, 12600)]
+    with store.transaction():
+        assert store.insert_records([_ledger_record(i) for i in range(3)]) == 3
+        store.add_round(1, participants=3, sampled=3, failures=0, metrics={})
+        with store.transaction():   # joins: nothing is committed at its end
+            store.set_live_bytes(["server"], live, 1)
+        assert seen() == (0, 0, 0)
+    assert seen() == (3, 1, 1)
+    assert reader.execute("SELECT live_framed_bytes FROM rounds WHERE round = 1").fetchone() == (12600,)
+
+    with pytest.raises(RuntimeError, match="a writer failed"):
+        with store.transaction():
+            store.insert_records([_ledger_record(i) for i in range(3, 6)])
+            store.add_round(2, participants=3, sampled=3, failures=0, metrics={})
+            store.set_live_bytes(["server"], [(*live[0][:3], 6, 24000, 24600, 25200)], 2)
+            raise RuntimeError("a writer failed")
+    assert seen() == (3, 1, 1)
+    assert not store._conn.in_transaction
+    assert reader.execute("SELECT framed_bytes FROM live_bytes").fetchone() == (12600,)
+    # the store goes on: the next writes commit on their own
+    assert store.insert_records([_ledger_record(9)]) == 1
+    assert seen() == (4, 1, 1)

@@ -10,6 +10,7 @@ that a client's local solver leaves no gradients behind for the client process t
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -268,3 +269,25 @@ def test_a_clients_local_solver_leaves_no_gradients_behind(algorithm):
         expect = numpy_fedavg_round(np.zeros(2), np.asarray(centers), np.asarray(curvatures), sizes, [1], 4, 0.1, 1.0)
         (delta,) = reply.tensors.values()
         assert np.allclose(delta.double().numpy().reshape(-1), expect, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux's /proc")
+def test_round_memory_reads_the_fields_proc_status_holds():
+    """RoundMemory._status (read after every round) against a plain parse of the same file, in
+    bytes: the peak (VmHWM) never falls, so a parse between two reads lies between them, and
+    is at least the resident size read before; a field the file lacks is None."""
+    from fedhop.common.processors.streaming import RoundMemory
+
+    def parsed(field: str) -> int:
+        lines = Path("/proc/self/status").read_text().splitlines()
+        return int(next(ln for ln in lines if ln.startswith(field + ":")).split()[1]) * 1024
+
+    rss = RoundMemory._status(b"VmRSS")
+    before = RoundMemory._status(b"VmHWM")
+    middle = parsed("VmHWM")
+    after = RoundMemory._status(b"VmHWM")
+    assert rss is not None and before is not None and after is not None
+    assert rss <= before <= middle <= after
+    assert abs(RoundMemory._status(b"VmRSS") - parsed("VmRSS")) < 64 << 20   # the same field, read twice
+    assert RoundMemory._status(b"VmNoSuchField") is None
+    assert RoundMemory._status(b"Vm") is None   # a prefix of other fields is not a field

@@ -360,24 +360,29 @@ class RoundMemory:
         self.sparse_tensors += fold.acc.sparse_added
 
     @staticmethod
-    def _status() -> dict[str, int]:
+    def _status(field: bytes) -> int | None:
+        """/proc/self/status's `field` ("VmRSS", "VmHWM": kB) in bytes; None where the file or the
+        field is missing.  Read as bytes and searched: this runs after every round."""
         try:
-            lines = Path("/proc/self/status").read_text().splitlines()
+            with open("/proc/self/status", "rb") as f:
+                text = f.read()
         except OSError:
-            return {}
-        return {k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in lines)
-                if k in ("VmRSS", "VmHWM")}
+            return None
+        at = text.find(b"\n" + field + b":")
+        if at < 0:
+            return None
+        return int(text[at + len(field) + 2:text.index(b"kB", at)]) * 1024
 
     def begin(self) -> None:
         try:
             Path("/proc/self/clear_refs").write_text("5")   # VmHWM := VmRSS
         except OSError:
             pass
-        self.start_bytes = self._status().get("VmRSS") or self._rusage_peak()
+        self.start_bytes = self._status(b"VmRSS") or self._rusage_peak()
 
     def note(self, *_: object) -> None:
         """After a round: the peak so far."""
-        self.peak_bytes = self._status().get("VmHWM") or self._rusage_peak()
+        self.peak_bytes = self._status(b"VmHWM") or self._rusage_peak()
 
     @staticmethod
     def _rusage_peak() -> int:

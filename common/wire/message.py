@@ -281,7 +281,7 @@ class ReplyAccumulator:
                 return f"adding it makes scalar '{name}' of the sum {v}"
         if not math.isfinite(self.total_weight + w):
             return "adding it makes the summed weight Inf"
-        if flat is None or not self._combine_flat(flat, p, w, is_partial):
+        if flat is None or not self._all_wsum(p, is_partial) or not self._combine_flat(flat, p, w):
             for name, t in p.tensors.items():
                 out.tensors[name] = self._combine(name, t, w, is_partial)
         for name, sp in p.sparse.items():
@@ -300,8 +300,8 @@ class ReplyAccumulator:
         arithmetic (`_combine_flat`) in fewer steps; every reply of a cross-device round comes
         this way.  False, having changed nothing, where a check needs the general way, which
         then reaches the same outcome."""
-        out, ops = self.out, self.ops
-        if ops and any(ops.get(name, "wsum") != "wsum" for name in p.tensors):
+        out = self.out
+        if not self._all_wsum(p, False):
             return False
         top = flat.top()
         if not math.isfinite(top):
@@ -318,7 +318,7 @@ class ReplyAccumulator:
         if (any(isinstance(v, float) and not math.isfinite(v) for v in scalars.values())
                 or not math.isfinite(self.total_weight + w)):
             return False
-        if not self._combine_flat(flat, p, w, False):
+        if not self._combine_flat(flat, p, w):
             return False
         self.last_magnitude = top * w
         known.update(bounds)
@@ -396,14 +396,17 @@ class ReplyAccumulator:
             self._op(name, a, torch.mul(b, w, out=s) if weighted else b, out=a)
         return acc
 
-    def _combine_flat(self, flat: FlatView, p: Payload, w: float, is_partial: bool) -> bool:
+    def _all_wsum(self, p: Payload, is_partial: bool) -> bool:
+        """Whether `p` is a client result (not a partial) whose every tensor is a `wsum` field:
+        what `_combine_flat` needs."""
+        return not is_partial and (not self.ops or all(self.ops.get(name, "wsum") == "wsum" for name in p.tensors))
+
+    def _combine_flat(self, flat: FlatView, p: Payload, w: float) -> bool:
         """`_combine` of every tensor of a decoded client result at once, over its flat view: the
         running sums are views of one flat tensor, and weight * reply is added to it in two calls
         (the same elementwise operations on the same values as tensor by tensor: the same bits).
-        False, having changed nothing, where that does not apply (a partial, a field that is not
-        a `wsum`, running sums not made here or of another layout): then tensor by tensor."""
-        if is_partial or any(self.ops.get(name, "wsum") != "wsum" for name in p.tensors):
-            return False
+        The caller has checked `_all_wsum`.  False, having changed nothing, where the running sums
+        were not made here or are of another layout: then tensor by tensor."""
         layout = tuple((name, t.shape) for name, t in p.tensors.items())
         values = torch.from_numpy(flat.array)
         out = self.out.tensors

@@ -150,7 +150,7 @@ def build(cfg: Config, run_dir: str | Path, devices: dict[str, str] | None = Non
     live = ServerLive(coordinator.store, counter)
     checkpointer = Checkpointer(coordinator)
     engine = InProcessRun(cfg, run_dir, net, coordinator, live, checkpointer)
-    coordinator.round_listeners.append(lambda result: engine.report_live(result.round))
+    coordinator.round_writers.append(lambda result: engine.report_live(result.round))
     coordinator.summary_hooks.append(lambda: {"checkpoints": [{"round": r, "seconds": s}
                                                               for r, s in checkpointer.written]})
     try:
