@@ -132,6 +132,53 @@ def test_drain_hands_out_each_record_once():
     assert [r.msg_id for r in lean.drain()] == ["c1"]
 
 
+def test_a_ledger_that_holds_nothing_still_writes_and_counts_every_record(tmp_path):
+    """hold=False (a client or edge process: its parent merges the file): every record reaches
+    the file, in order and whole, and each observer, while none stays in memory."""
+    seen: list[str] = []
+    led = Ledger(tmp_path / "child.jsonl", hold=False)
+    led.observers.append(lambda r: seen.append(r.msg_id))
+    made = [rec(f"m{i}", framed=100 + i) for i in range(200)]
+    for r in made[:150]:
+        led.add(r)
+    got = led.record(**{**made[150].to_dict(), "msg_id": "via-record"})
+    for r in made[151:]:
+        led.add(r)
+    assert led.records() == [] and led.drain() == [] and led._records == []
+    led.close()
+    back = read_jsonl(tmp_path / "child.jsonl")
+    assert [r.msg_id for r in back] == [r.msg_id for r in made[:150]] + ["via-record"] + [r.msg_id for r in made[151:]]
+    assert back[150] == got and back[:150] == made[:150]
+    assert seen == [r.msg_id for r in back]
+
+
+def test_child_processes_ledgers_hold_no_records(tmp_path):
+    """The ledger a client or edge process makes (common/transport/startup.py `child_setup`) and
+    the in-process engine's roles' write their records to ledger/ and count them live, holding
+    none; the in-process server's holds a round's until run.db drains them."""
+    from fedhop.common.transport.startup import child_parser, child_setup
+    from fedhop.deploy.launch import inprocess
+
+    ap = child_parser("fedhop client", None, "server", "device")
+    ap.add_argument("--node-id", default="client-proc9")
+    args = ap.parse_args(["--parent", "127.0.0.1:1", "--ledger-dir", str(tmp_path / "ledger"), "--token", "t" * 32])
+    setup = child_setup(args, "client", [0], threads=1)
+    assert not isinstance(setup, int)
+    role, role_counter = inprocess._ledger(tmp_path, "client-proc8")
+    server, _ = inprocess._ledger(tmp_path, "server", hold=True)
+    for led, node in ((setup.ledger, "client-proc9"), (role, "client-proc8"), (server, "server")):
+        for i in range(3):   # each sent by the process to a peer: what its own live counter counts
+            led.add(rec(f"x{i}", src=node, dst="client-proc7" if node != "server" else "edge-0",
+                        link="client-client" if node != "server" else "edge-server", framed=10 + i))
+    assert setup.ledger.records() == [] and role.records() == []
+    assert [r.msg_id for r in server.drain()] == ["x0", "x1", "x2"] and server.records() == []
+    for led in (setup.ledger, role, server):
+        led.close()
+    for name in ("client-proc9", "client-proc8", "server"):
+        assert [r.framed_bytes for r in read_jsonl(tmp_path / "ledger" / f"{name}.jsonl")] == [10, 11, 12]
+    assert sum(e.framed_bytes for e in setup.counter.entries()) == 33 == sum(e.framed_bytes for e in role_counter.entries())
+
+
 def test_ledger_is_thread_safe(tmp_path):
     path = tmp_path / "threads.jsonl"
     led = Ledger(path)

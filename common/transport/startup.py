@@ -119,7 +119,8 @@ def child_setup(args: argparse.Namespace, role: str, clients: list[int] | None, 
     except SecurityError as exc:
         logging.error("%s", exc)
         return SETUP_FAILED
-    ledger = Ledger(Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None)
+    # the records go to the file (merged by the server) and the live counter; none stay in memory
+    ledger = Ledger(Path(args.ledger_dir) / f"{args.node_id}.jsonl" if args.ledger_dir else None, hold=False)
     counter = LinkCounter(args.node_id)   # live byte totals for the server (common/transport/livebytes.py)
     ledger.observers.append(counter.observe)
     return ChildSetup(creds, ledger, counter)

@@ -160,14 +160,18 @@ class Ledger:
 
     `keep_drained=False` drops records from memory once `drain` has handed them out, for a
     long-running process that ships its records to its parent and must not grow without bound
-    (`records()` then returns only the records not yet drained).
+    (`records()` then returns only the records not yet drained).  `hold=False` keeps none in
+    memory: each goes to the sink and the observers only (a client or edge process, whose
+    parent merges its file; held, its records would grow by two a message for the whole run),
+    and `records()` and `drain()` return nothing.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, keep_drained: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike | None = None, keep_drained: bool = True, hold: bool = True) -> None:
         self._lock = threading.Lock()
         self._records: list[LedgerRecord] = []
         self._drained = 0  # index into _records of the first record not yet drained
         self._keep_drained = keep_drained
+        self._hold = hold
         self.observers: list[Callable[[LedgerRecord], None]] = []   # see each record as it is added (common/transport/livebytes.py)
         self.path = Path(path) if path is not None else None
         self._sink = None
@@ -193,7 +197,8 @@ class Ledger:
         """Append an existing record (e.g. one shipped up from a child process)."""
         line = json_line(record) + "\n" if self._sink is not None else ""
         with self._lock:
-            self._records.append(record)
+            if self._hold:
+                self._records.append(record)
             if self._sink is not None:
                 self._sink.write(line)
                 self._sink.flush()

@@ -109,9 +109,10 @@ class InProcessRun:
         self.coordinator.store.close()
 
 
-def _ledger(run_dir: Path, node_id: str, keep_drained: bool = True) -> tuple[Ledger, LinkCounter]:
-    """A process's ledger file under ledger/, watched by its live byte counter."""
-    ledger = Ledger(run_dir / "ledger" / f"{node_id}.jsonl", keep_drained=keep_drained)
+def _ledger(run_dir: Path, node_id: str, hold: bool = False) -> tuple[Ledger, LinkCounter]:
+    """A process's ledger file under ledger/, watched by its live byte counter; only the server's
+    holds its records until each round drains them into run.db."""
+    ledger = Ledger(run_dir / "ledger" / f"{node_id}.jsonl", keep_drained=not hold, hold=hold)
     counter = LinkCounter(node_id)
     ledger.observers.append(counter.observe)
     return ledger, counter
@@ -142,7 +143,7 @@ def build(cfg: Config, run_dir: str | Path, devices: dict[str, str] | None = Non
     run_dir = Path(run_dir)
     torch.set_num_threads(cfg.run.torch_threads)
     net = InMemoryNetwork()
-    ledger, counter = _ledger(run_dir, "server", keep_drained=False)
+    ledger, counter = _ledger(run_dir, "server", hold=True)
     server_ep = InMemoryEndpoint(net, "server", ledger, chunk_bytes=cfg.transport.chunk_bytes)
     server_ep.checksum = cfg.security.checksum   # as server/__main__.py sets it
     device = process_device(devices.get("server", ""), cfg.run.device, "run.device")
