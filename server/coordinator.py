@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -62,6 +62,7 @@ log = logging.getLogger("fedhop.server")
 SHORT_ROUND_RETRIES = 3      # run.on_short_round = "retry": attempts after the first, then the round is skipped
 MAX_SKIPPED_IN_A_ROW = 10    # retry and skip: this many skipped rounds in a row fail the run
 SHUTDOWN_TIMEOUT = 5.0       # seconds a child may take to answer its shut-down
+HISTORY_ROUNDS = 64          # results of the latest rounds kept in memory (`Coordinator.history`)
 
 
 def id_list(ids: list[int], shown: int = 10) -> str:
@@ -121,7 +122,9 @@ class Coordinator:
         self.rounds_completed = 0
         self.stop_status = 0   # with a "stopped" run: the exit status a shell reports for the signal (128 + N)
         self.failures_total = 0
-        self.history: list[RoundResult] = []
+        # the latest rounds' results (run.db's rounds table holds every round): a round of S sampled
+        # clients is about 50 S bytes, which a list of every round would hold for the whole run
+        self.history: deque[RoundResult] = deque(maxlen=HISTORY_ROUNDS)
         self.fabric = Fabric(endpoint, batch=cfg.transport.batch)
         self.config_toml = config_to_toml(cfg)
         self.driver: TopologyDriver | None = None   # the topology's rounds, made after registration (server/driver.py)

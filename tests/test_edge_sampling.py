@@ -84,3 +84,19 @@ def test_processes_sample_edges_as_the_inmemory_run(tmp_path: Path, transport: s
     assert torch.allclose(got, coord.state.params["w"], rtol=1e-6, atol=1e-6)
     rounds = RunStore(tmp_path / "p" / "run.db").rounds()
     assert [r["participants"] for r in rounds] == [len(res.participants) for res in coord.history]
+
+
+def test_the_coordinator_keeps_the_latest_rounds_results_only(tmp_path: Path) -> None:
+    """Coordinator.history holds the last HISTORY_ROUNDS rounds' results (run.db holds every
+    round): each the round's own sample, drawn from its stream, and run.db's count."""
+    from fedhop.server.coordinator import HISTORY_ROUNDS
+
+    rounds = HISTORY_ROUNDS + 9
+    _, coord = run_inmemory(parse_config(_text(0, 3, rounds=rounds)), tmp_path)
+    assert [r.round for r in coord.history] == list(range(10, rounds + 1))
+    for result in coord.history:
+        rng = numpy_stream(SEED, "sampling", result.round)
+        assert result.sampled == sorted(int(c) for c in rng.choice(8, size=3, replace=False))
+    stored = RunStore(tmp_path / "run.db", create=False).rounds()
+    assert len(stored) == rounds
+    assert [r["participants"] for r in stored[-HISTORY_ROUNDS:]] == [len(r.participants) for r in coord.history]
