@@ -182,3 +182,24 @@ def test_sleep_scale_makes_wall_time_track_simulated_time(tmp_path):
     for result in coord.history:
         assert result.sim_seconds == pytest.approx(0.2)                # 10 steps * 0.02 s
         assert result.wall_seconds >= 0.2
+
+
+def test_the_clock_keeps_the_latest_rounds_plans_and_settlements(tmp_path):
+    """RoundClock keeps KEPT_ROUNDS rounds' straggler plans and settlements (one entry per
+    sampled client each): after more rounds, the latest ones, each with the round's own
+    participants and stragglers; a round set again counts as the newest."""
+    from fedhop.common.engine.vclock import KEPT_ROUNDS, _keep
+
+    rounds = KEPT_ROUNDS + 6
+    cfg = _config(8, 4, "straggler_fraction = 0.5", dim=10, rounds=rounds, steps=4)
+    _, coord = run_inmemory(cfg, tmp_path)
+    kept = list(range(rounds - KEPT_ROUNDS + 1, rounds + 1))
+    assert list(coord.clock.settlements) == kept and list(coord.clock.plans) == kept
+    for result in coord.history:
+        if result.round in coord.clock.settlements:
+            assert sorted(coord.clock.settlements[result.round].timings) == result.participants
+            assert len(coord.clock.plans[result.round]) == 2   # half of the 4 sampled straggle
+    by_round = {r: r for r in range(1, KEPT_ROUNDS + 1)}
+    _keep(by_round, 1, "again")   # a retried round: newest, so the next eviction takes round 2
+    _keep(by_round, KEPT_ROUNDS + 1, "next")
+    assert len(by_round) == KEPT_ROUNDS and 2 not in by_round and by_round[1] == "again"

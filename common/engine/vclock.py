@@ -48,6 +48,15 @@ from fedhop.common.wire.methods import Method
 log = logging.getLogger("fedhop.vclock")
 
 BYTE_COLUMN = {"framed": "framed_bytes", "payload": "payload_bytes", "tensor": "tensor_bytes"}
+KEPT_ROUNDS = 64   # rounds whose straggler plan and settlement RoundClock keeps
+
+
+def _keep(by_round: dict[int, Any], round: int, value: Any) -> None:
+    """by_round[round] = value, dropping the entries set longest ago beyond KEPT_ROUNDS."""
+    by_round.pop(round, None)   # a round set again (a retry) counts as the newest
+    by_round[round] = value
+    while len(by_round) > KEPT_ROUNDS:
+        del by_round[next(iter(by_round))]
 
 
 def transfer_seconds(nbytes: int, mbps: float, latency: float = 0.0) -> float:
@@ -163,8 +172,9 @@ class FullWork(Mapping[int, int]):
 class RoundClock:
     """The coordinator's heterogeneity hooks: sample size, straggler plan, settling a round.
 
-    Keeps the plan and the settlement of every round (`plans`, `settlements`) so tests and
-    tools can check them; both are small (one entry per sampled client).
+    Keeps the plan and the settlement of the latest KEPT_ROUNDS rounds (`plans`, `settlements`)
+    so tests and tools can check them: one entry per sampled client each, about 350 kB a round
+    at 1,000 sampled, which every round of a long run would add up to gigabytes.
     """
 
     def __init__(self, cfg: Config, task: Any) -> None:
@@ -196,7 +206,7 @@ class RoundClock:
         """Draw the round's straggler plan and add it to the broadcast message (if any)."""
         plan = draw_stragglers(self.cfg.run.seed, round, sampled, self.rho, self.full_work,
                                self.params.straggler_tau_max, self.params.straggler_mode) if self.rho > 0 else {}
-        self.plans[round] = plan
+        _keep(self.plans, round, plan)
         if not plan:
             return message
         return Payload(tensors=message.tensors, scalars={**message.scalars, PLAN_KEY: plan_to_scalar(plan)})
@@ -216,7 +226,7 @@ class RoundClock:
         plan = self.plans.get(round, {})
         if not star:  # hierarchical: per-client bytes are not visible here (module docstring)
             s = Settlement(metrics={"stragglers": float(len(plan))})
-            self.settlements[round] = s
+            _keep(self.settlements, round, s)
             return s
         measured = message_bytes(records, round, self.params.bytes_kind)
         timings = {}
@@ -241,7 +251,7 @@ class RoundClock:
             "dropped_deadline": float(sum(why.startswith("deadline") for why in s.cut.values())),
             "dropped_overcommit": float(sum(why.startswith("overcommit") for why in s.cut.values())),
         }
-        self.settlements[round] = s
+        _keep(self.settlements, round, s)
         return s
 
     def emulate(self, sim_seconds: float | None, elapsed: float) -> None:
