@@ -238,8 +238,9 @@ class RunStore:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         """One transaction for every write made inside it (the writes of this class open their
-        own otherwise): a round's ledger rows, its row and the server's live totals are one
-        COMMIT, a third of the three they took (each COMMIT writes the WAL: about 150 us here).
+        own otherwise): a round's ledger rows, its row and the server's live totals commit
+        together, so a reader of run.db sees the round whole or not at all.  (A COMMIT's cost is
+        the WAL pages it writes, so one instead of three saves little time: docs/performance.md.)
         Holds the store's lock throughout, so keep only run.db writes inside.  Nested: the
         inner block joins the outer transaction."""
         with self._lock:
