@@ -78,7 +78,6 @@ class ClientHost:
         # persistent state (control variates, optimizer moments) of the clients that have some:
         # a client whose algorithm keeps none costs nothing here between its rounds
         self.states: dict[int, dict[str, torch.Tensor]] = {}
-        self.last_round: dict[int, int] = {}
         self._train_lock = threading.Lock()
         # large train requests whose data is taken at once (`request_hold`): the one training and the next
         self._request_room = threading.BoundedSemaphore(TAKEN_TRAIN_REQUESTS)
@@ -138,9 +137,12 @@ class ClientHost:
                 message = take_reset(message, self.states.get(cid))
         reply = to_host(self.train(cid, int(env.round), message, step))   # the seam: one copy to the CPU
         with self._train_lock:   # error feedback's residuals live in the client's persistent state
-            state = self.states.setdefault(cid, {})
+            state = self.states.get(cid, {})
             # coded where configured (common/processors/pipeline.py)
-            return self._hand_over_fresh(upload(self.cfg, reply, env.dst, int(env.round), step, state=state))
+            coded = upload(self.cfg, reply, env.dst, int(env.round), step, state=state)
+            if state:   # kept only when it holds something: a client without state costs nothing here
+                self.states[cid] = state
+            return self._hand_over_fresh(coded)
 
     def request_hold(self, env: pb.Envelope, alive: Callable[[], bool]) -> Callable[[], None] | None:
         """Room for a large train request's data (the transport's `Endpoint.request_hold`): one
@@ -193,7 +195,6 @@ class ClientHost:
             finally:
                 if state:
                     self.states[cid] = state
-            self.last_round[cid] = round
         return reply
 
     def client_state(self, method: str, payload: Payload) -> Payload:

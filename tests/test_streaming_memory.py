@@ -291,3 +291,31 @@ def test_round_memory_reads_the_fields_proc_status_holds():
     assert abs(RoundMemory._status(b"VmRSS") - parsed("VmRSS")) < 64 << 20   # the same field, read twice
     assert RoundMemory._status(b"VmNoSuchField") is None
     assert RoundMemory._status(b"Vm") is None   # a prefix of other fields is not a field
+
+
+@pytest.mark.parametrize("setting, kept", [((), False), (("algorithm.name=scaffold",), True),
+                                           (("compression.up=topk", "compression.error_feedback=ef"), True)])
+def test_a_client_process_keeps_state_only_for_clients_that_have_some(setting, kept):
+    """ClientHost.states holds an entry for a client only when its algorithm (SCAFFOLD's control
+    variate) or its upload (error feedback's residual) left it something: plain FedAvg clients
+    cost the process nothing between their rounds, however many of them have trained."""
+    from fedhop.client.host import ClientHost
+    from fedhop.common.config import parse_config
+    from fedhop.common.transport.base import Request
+    from fedhop.common.wire.codec import make_envelope
+    from fedhop.common.wire.ledger import Ledger
+    from tests.helpers import quadratic_config
+
+    rng = np.random.default_rng(3)
+    cfg = parse_config(quadratic_config(rng.normal(size=(4, 3)), rng.uniform(0.5, 2, size=(4, 3)), [3, 5, 7, 9],
+                                        local_steps=2), list(setting))
+    host = ClientHost(cfg, "client-proc0", [0, 1, 2], "r", Ledger(hold=False))
+    params = {n: p.detach().clone() for n, p in host.model.named_parameters()}
+    message = host.algorithm.broadcast(host.algorithm.init_state(params), 1)
+    for rnd in (1, 2):
+        for cid in (0, 2):
+            payload = Payload(tensors={k: v.clone() for k, v in message.tensors.items()}, scalars=dict(message.scalars))
+            env = make_envelope(run_id="r", round=rnd, src="server", dst=f"client-{cid}", method="train")
+            host.handle(Request(env, payload))
+    assert sorted(host.states) == ([0, 2] if kept else [])
+    assert all(state for state in host.states.values())

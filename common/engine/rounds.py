@@ -263,9 +263,11 @@ class RoundEngine:
         _, own = self.messages(round, sampled)
         results = {}
         for cid in sampled:
-            state = self.client_states.setdefault(cid, {})
+            state = self.client_states.pop(cid, {})
             reply = local_update(self.cfg, self.task, self.algorithm, self._client_model, cid, round, own[cid], state)
             reply = upload(self.cfg, reply, client_node(cid), round, 0, state=state)
+            if state:   # kept only when it holds something (control variates, residuals)
+                self.client_states[cid] = state
             results[cid] = self.accept(round, f"reply of client {cid}", reply, client_node(cid))
         aggregate = self.finish_round(round, results, sampled)
         self.last_privacy = self.privacy_round(round, sampled, sampled)
