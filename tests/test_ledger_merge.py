@@ -64,13 +64,19 @@ def merge(cwd: Path, timeout: float) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
-def merge_peak(cwd: Path, timeout: float = 600.0) -> tuple[int, str, int]:
-    """(exit status, stdout, peak resident KiB) of `merge-ledgers run` in `cwd`: the process's own
-    ru_maxrss from os.wait4 (stdout and stderr go to files, so nothing blocks on a pipe)."""
+MERGE_COMMAND = ("-m", "fedhop.deploy.cli.cli", "merge-ledgers", "run")
+# what the server runs as it finalizes a run, and `fedhop launch` after a run on several machines
+SERVER_MERGE = ("-c", "from fedhop.common.records.runstore import RunStore\n"
+                      "print(RunStore('run/run.db', create=False).merge_ledger_dir('run/ledger'), 'records added')")
+
+
+def merge_peak(cwd: Path, timeout: float = 600.0, command: tuple[str, ...] = MERGE_COMMAND) -> tuple[int, str, int]:
+    """(exit status, stdout, peak resident KiB) of `merge-ledgers run` (or `python *command`) in
+    `cwd`: the process's own ru_maxrss from os.wait4 (stdout and stderr go to files, so nothing
+    blocks on a pipe)."""
     out_path, err_path = cwd / "merge.out", cwd / "merge.err"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.cli.cli", "merge-ledgers", "run"], cwd=cwd,
-                                stdout=out, stderr=err)
+        proc = subprocess.Popen([sys.executable, *command], cwd=cwd, stdout=out, stderr=err)
     overdue = threading.Event()
 
     def kill_overdue() -> None:   # os.kill, not proc.kill: Popen's poll would reap it under wait4
@@ -109,6 +115,23 @@ def test_a_large_ledger_is_merged_in_memory_that_does_not_grow_with_it(tmp_path)
     assert f"{records} records added" in out and "records agree" in out, out
     assert _stored(big / "run") == records
     # reading the file into a list held about 4 bytes of Python objects per byte of it (160 MB here)
+    grew = (peak_kib - base_kib) * 1024
+    assert grew < size // 4, f"peak {peak_kib} KiB, {base_kib} KiB on a 4 KiB ledger: grew {grew} bytes for {size}"
+
+
+def test_the_servers_own_merge_of_a_large_ledger_streams_it_too(tmp_path):
+    """RunStore.merge_ledger_dir, which the server runs as it finalizes (a child's ledger grows
+    with the run: two records a message) and `fedhop launch` after a run on several machines,
+    reads each file a batch at a time as `merge-ledgers` does."""
+    small, big = tmp_path / "small", tmp_path / "big"
+    write_ledger(_run_dir(small) / "ledger" / "client-proc0.jsonl", 4096)
+    size = 40 << 20
+    records = write_ledger(_run_dir(big) / "ledger" / "client-proc0.jsonl", size)
+    rc, out, base_kib = merge_peak(small, command=SERVER_MERGE)
+    assert rc == 0, out
+    rc, out, peak_kib = merge_peak(big, command=SERVER_MERGE)
+    assert rc == 0 and f"{records} records added" in out, out
+    assert _stored(big / "run") == records
     grew = (peak_kib - base_kib) * 1024
     assert grew < size // 4, f"peak {peak_kib} KiB, {base_kib} KiB on a 4 KiB ledger: grew {grew} bytes for {size}"
 

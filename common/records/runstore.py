@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, cast
 
 from fedhop.common.transport.livebytes import carried_rows
-from fedhop.common.wire.ledger import BYTE_FIELDS, LedgerRecord, read_jsonl
+from fedhop.common.wire.ledger import BYTE_FIELDS, LedgerRecord, iter_jsonl_batches
 
 _MESSAGE_COLUMNS: tuple[str, ...] = tuple(LedgerRecord.__dataclass_fields__)
 #: a record's messages row, its fields in column order
@@ -389,8 +389,10 @@ class RunStore:
             return self._conn.total_changes - before
 
     def insert_jsonl(self, path: str | os.PathLike) -> int:
-        """Merge a process's JSONL ledger file (torn last line skipped with a warning)."""
-        return self.insert_records(read_jsonl(path))
+        """Merge a process's JSONL ledger file (torn last line skipped with a warning), 10,000
+        records a transaction (`iter_jsonl_batches`): the server's memory while it merges stays
+        one batch, not the whole file, which grows with the run (two records a message)."""
+        return sum(self.insert_records(batch) for batch in iter_jsonl_batches(path))
 
     def merge_ledger_dir(self, folder: str | os.PathLike) -> int:
         """Merge every process's ledger file in `folder` (a run's ledger/*.jsonl); idempotent.

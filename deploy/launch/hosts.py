@@ -849,7 +849,6 @@ def refresh_summary(run_dir: Path) -> dict | None:
     """Merge every ledger file in RUN_DIR/ledger into run.db and rewrite summary.json's byte totals and
     sender/receiver agreement: on several machines the server sees only its own ledger at the end."""
     from fedhop.common.records.runstore import RunStore
-    from fedhop.common.wire.ledger import read_jsonl
     from fedhop.server.agreement import ledger_verdict
     summary_path = run_dir / "summary.json"
     db = run_dir / "run.db"
@@ -857,8 +856,7 @@ def refresh_summary(run_dir: Path) -> dict | None:
         return None
     store = RunStore(db, create=False)
     try:
-        for path in sorted((run_dir / "ledger").glob("*.jsonl")):
-            store.insert_records(read_jsonl(path))
+        store.merge_ledger_dir(run_dir / "ledger")   # batch by batch: files that grow with the run
         by_link = store.bytes_by_link()
         agreement = ledger_verdict(store).as_dict()   # explained losses agree (server/agreement.py)
     finally:
