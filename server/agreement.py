@@ -69,6 +69,19 @@ class Verdict:
         return f"{head}: " + ", ".join(parts)
 
 
+def bounded_consistency(store: Any) -> dict:
+    """`ledger_consistency` (server/resilience.py, summary.json's faults.ledger) over `store` in
+    memory that grows with its one-sided and mismatched records only (`_Bounded`), not with the
+    run: the matched pairs are counted in SQLite."""
+    from fedhop.server.resilience import ledger_consistency  # torch and the roles: only where needed
+    if not store._has("messages"):
+        return ledger_consistency(store)
+    pairs, mismatched = store._query("SELECT COUNT(*), COALESCE(SUM(CASE WHEN " + _PAIR_DIFF + " THEN 1 ELSE 0 END), 0) "
+                                     "FROM messages AS s JOIN messages AS r ON s.msg_id = r.msg_id "
+                                     "AND s.role = 'sender' AND r.role = 'receiver'")[0]
+    return ledger_consistency(_Bounded(store, int(pairs) - int(mismatched)))
+
+
 def _count(store: Any, sql: str, params: tuple = ()) -> int:
     rows = store._query(sql, params)
     return int(rows[0][0] or 0) if rows else 0

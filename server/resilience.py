@@ -46,6 +46,7 @@ from fedhop.common.records.checkpoint import (
 )
 from fedhop.common.transport.fabric import Send
 from fedhop.common.wire.message import Payload
+from fedhop.server.agreement import bounded_consistency
 from fedhop.server.driver import driver_class
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -244,11 +245,9 @@ def ledger_consistency(store) -> dict:
         logical client ('client-15', not a recorder itself) its hosting process's."""
         if node in last_record:
             return last_record[node]
-        if not hosts:
-            for r in store.messages():
-                end = r["src"] if r["role"] == "sender" else r["dst"]
-                hosts.setdefault(end, set()).add(r["recorder"])
-        return max((last_record[p] for p in hosts.get(node, ()) if p in last_record), default=float("inf"))
+        if node not in hosts:
+            hosts[node] = store.recorders_of(node)
+        return max((last_record[p] for p in hosts[node] if p in last_record), default=float("inf"))
     explained: list[dict] = []
     unexplained: list[dict] = []
     for m in lone:
@@ -303,9 +302,8 @@ def record_refusals(store) -> int:
     Idempotent (one event per refused message).  Returns the number of events added."""
     done = {e["detail"].rsplit("message ", 1)[-1] for e in store.events("not_allowed")}
     added = 0
-    for m in store.messages():
-        if m["role"] == "receiver" and m["status"] == "rejected" and (m["error"] or "").startswith("NOT_ALLOWED") \
-                and m["msg_id"] not in done:
+    for m in store.refused_messages("NOT_ALLOWED"):   # those rows only: a run's ledger is millions of records
+        if m["msg_id"] not in done:
             store.add_event("not_allowed", node=m["src"], round=m["round"],
                             detail=f"{m['error']}; {m['method']} to {m['dst']} refused by {m['recorder']}, "
                                    f"message {m['msg_id']}")
@@ -325,4 +323,4 @@ def fault_summary(store) -> dict:
     return {"faults": {"events": dict(sorted(kinds.items())), "rejections": dict(sorted(rejections.items())),
                        "resumes": resumes, "restarts": len(resumes),
                        "nodes_dead": kinds.get("node_dead", 0), "auth_refused": kinds.get("auth_refused", 0),
-                       "ledger": ledger_consistency(store)}}
+                       "ledger": bounded_consistency(store)}}

@@ -458,6 +458,25 @@ class RunStore:
             return []
         return self._dicts("SELECT * FROM messages ORDER BY wall_time, msg_id, role")
 
+    def refused_messages(self, code: str) -> list[dict[str, Any]]:
+        """Receiver records of messages their receiver rejected with the typed error `code`
+        (its error text starts with it), oldest first: read by SQL, so memory grows with
+        them, not with the run."""
+        if not self._has("messages"):
+            return []
+        rows = self._dicts("SELECT * FROM messages WHERE role = 'receiver' AND status = 'rejected' "
+                           "AND substr(error, 1, ?) = ? ORDER BY wall_time, msg_id, role", (len(code), code))
+        return rows
+
+    def recorders_of(self, node: str) -> set[str]:
+        """The processes that recorded as `node` (the sender of its sender records, the receiver
+        of its receiver records): a logical client's hosting process."""
+        if not self._has("messages"):
+            return set()
+        return {r[0] for r in self._query("SELECT DISTINCT recorder FROM messages WHERE role = 'sender' AND src = ? "
+                                          "UNION SELECT DISTINCT recorder FROM messages WHERE role = 'receiver' "
+                                          "AND dst = ?", (node, node))}
+
     def lone_messages(self) -> list[dict[str, Any]]:
         """Ledger records whose other end (sender or receiver) recorded nothing."""
         return self._dicts("SELECT m.* FROM messages AS m WHERE NOT EXISTS (SELECT 1 FROM messages AS o "
