@@ -118,12 +118,12 @@ def local_sgd(ctx: ClientContext, lr: float, batch_size: int, weight_decay: floa
     on_device: list[torch.Tensor] = []   # a GPU's losses, read once after the loop: no sync per step
     params = [(n, p) for n, p in named_parameters(ctx.model) if p.requires_grad]
     tensors: list[torch.Tensor] = [p for _, p in params]
-    fused = bool(tensors) and tensors[0].device.type == "cuda" and grad_hook is None and not weight_decay
+    fused = bool(tensors) and tensors[0].is_cuda and grad_hook is None and not weight_decay
     batches = local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator)
-    if data.tensors and data.tensors[0].device.type != "cpu":
+    if data.tensors and not data.tensors[0].is_cpu:
         batches = batches_on(batches, data.tensors[0].device)
     for k, idx in enumerate(batches):
-        batch = tuple(t[idx] for t in data.tensors)
+        batch = tuple([t[idx] for t in data.tensors])
         for _, p in params:   # Module.zero_grad(set_to_none=True) without its walk over the modules
             p.grad = None
         if ctx.sample_dp is not None:   # DP-SGD: p.grad is the clipped, noised mean of the per-example gradients
@@ -146,7 +146,7 @@ def local_sgd(ctx: ClientContext, lr: float, batch_size: int, weight_decay: floa
                     p.add_(g, alpha=-step)
         stats.steps += 1
         stats.samples += int(idx.numel())
-        if loss.device.type == "cpu":
+        if loss.is_cpu:
             value = float(loss.detach())
             stats.loss_sum += value
             stats.last_loss = value
