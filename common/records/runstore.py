@@ -464,9 +464,8 @@ class RunStore:
         them, not with the run."""
         if not self._has("messages"):
             return []
-        rows = self._dicts("SELECT * FROM messages WHERE role = 'receiver' AND status = 'rejected' "
+        return self._dicts("SELECT * FROM messages WHERE role = 'receiver' AND status = 'rejected' "
                            "AND substr(error, 1, ?) = ? ORDER BY wall_time, msg_id, role", (len(code), code))
-        return rows
 
     def recorders_of(self, node: str) -> set[str]:
         """The processes that recorded as `node` (the sender of its sender records, the receiver
