@@ -103,35 +103,22 @@ def _stored(run: Path) -> int:
         con.close()
 
 
-def test_a_large_ledger_is_merged_in_memory_that_does_not_grow_with_it(tmp_path):
+@pytest.mark.parametrize("command, says", [(MERGE_COMMAND, "records agree"), (SERVER_MERGE, "records added")],
+                         ids=["merge-ledgers", "server-merge"])
+def test_a_large_ledger_is_merged_in_memory_that_does_not_grow_with_it(tmp_path, command, says):
+    """`fedhop merge-ledgers` and RunStore.merge_ledger_dir (what the server runs as it finalizes,
+    and `fedhop launch` after a run on several machines) read a ledger a batch at a time."""
     small, big = tmp_path / "small", tmp_path / "big"
     write_ledger(_run_dir(small) / "ledger" / "client-proc0.jsonl", 4096)
     size = 40 << 20
     records = write_ledger(_run_dir(big) / "ledger" / "client-proc0.jsonl", size)
-    rc, out, base_kib = merge_peak(small)
+    rc, out, base_kib = merge_peak(small, command=command)
     assert rc == 0, out
-    rc, out, peak_kib = merge_peak(big)
+    rc, out, peak_kib = merge_peak(big, command=command)
     assert rc == 0, out
-    assert f"{records} records added" in out and "records agree" in out, out
+    assert f"{records} records added" in out and says in out, out
     assert _stored(big / "run") == records
     # reading the file into a list held about 4 bytes of Python objects per byte of it (160 MB here)
-    grew = (peak_kib - base_kib) * 1024
-    assert grew < size // 4, f"peak {peak_kib} KiB, {base_kib} KiB on a 4 KiB ledger: grew {grew} bytes for {size}"
-
-
-def test_the_servers_own_merge_of_a_large_ledger_streams_it_too(tmp_path):
-    """RunStore.merge_ledger_dir, which the server runs as it finalizes (a child's ledger grows
-    with the run: two records a message) and `fedhop launch` after a run on several machines,
-    reads each file a batch at a time as `merge-ledgers` does."""
-    small, big = tmp_path / "small", tmp_path / "big"
-    write_ledger(_run_dir(small) / "ledger" / "client-proc0.jsonl", 4096)
-    size = 40 << 20
-    records = write_ledger(_run_dir(big) / "ledger" / "client-proc0.jsonl", size)
-    rc, out, base_kib = merge_peak(small, command=SERVER_MERGE)
-    assert rc == 0, out
-    rc, out, peak_kib = merge_peak(big, command=SERVER_MERGE)
-    assert rc == 0 and f"{records} records added" in out, out
-    assert _stored(big / "run") == records
     grew = (peak_kib - base_kib) * 1024
     assert grew < size // 4, f"peak {peak_kib} KiB, {base_kib} KiB on a 4 KiB ledger: grew {grew} bytes for {size}"
 
