@@ -7,6 +7,7 @@ and the batch's framed bytes add up to the bundle's real size on the wire; and o
 processes a batched run gives the unbatched run's model bit for bit with the same messages."""
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -66,6 +67,30 @@ def test_one_call_many_messages_each_answered_and_recorded_exactly(pair):
         assert (got[r.msg_id].payload_bytes, got[r.msg_id].framed_bytes) == (r.payload_bytes, r.framed_bytes)
     replies = {r.msg_id: r for r in caller.ledger.records() if r.role == "receiver"}
     assert all(f"{r.msg_id}.reply" in replies for r in sent)               # every reply recorded, paired
+
+
+def test_a_batch_leaves_no_reference_cycles(pair):
+    """A batch's replies (their buffers, tensors and decoders) are freed by reference counting
+    once the caller drops them, not at the garbage collector's next pass: role processes collect
+    the young generation rarely (common/util/procexit.py `freeze_heap`), so a cycle would keep a
+    round's replies alive for many rounds."""
+    caller, _, address, _ = pair
+    prepared = [caller.prepare(Payload(tensors={"w": torch.ones(n)})) for n in (8, 40, 3, 16)]
+    gc.collect()
+    gc.disable()
+    try:
+        gc.set_debug(gc.DEBUG_SAVEALL)   # what a collection finds unreachable stays in gc.garbage
+        out = caller.call_many(address, [Batched(f"client-{k}", "train", p) for k, p in enumerate(prepared)],
+                               round=2, timeout=10)
+        assert isinstance(out[3], RemoteError) and torch.equal(out[2].tensors["w"], torch.ones(3) * 2)
+        del out
+        gc.collect()
+        ours = sorted({type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("fedhop.")})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert ours == []
 
 
 def test_batch_framing_adds_up_to_the_bundle_on_the_wire(pair):

@@ -206,3 +206,21 @@ def test_worker_processes_train_the_clients_with_the_same_model_and_bytes(user_d
     assert "client-proc0 trains in fedhop worker 0" in log and "client-proc1 trains in fedhop worker 1" in log
     summary = json.loads((user_dir / "workers" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["engine"] == "inprocess"
+
+
+def test_the_in_process_engine_gives_the_garbage_collector_back_as_it_found_it():
+    """The rounds run with the set-up frozen and young collections rare, as in a role process
+    (common/util/procexit.py `freeze_heap`); the process may be a user's, so both are undone."""
+    import gc
+
+    from fedhop.common.util.procexit import YOUNG_COLLECTION_EVERY
+    from fedhop.deploy.launch.inprocess import heap_frozen
+
+    before = gc.get_threshold()
+    gc.set_threshold(123, *before[1:])
+    try:
+        with heap_frozen():
+            assert gc.get_threshold() == (YOUNG_COLLECTION_EVERY, *before[1:]) and gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (123, *before[1:]) and gc.get_freeze_count() == 0
+    finally:
+        gc.set_threshold(*before)

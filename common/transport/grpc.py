@@ -544,8 +544,8 @@ class GrpcEndpoint(Endpoint):
                 self._record(msg.envelope, msg, "sender", link, decoder.sent_seconds)
                 try:
                     result = self._settle(msg, reply, link, seconds)
-                except (PayloadError, RemoteError) as exc:
-                    result = exc
+                except (PayloadError, RemoteError) as exc:   # its traceback holds this frame, and so
+                    result = exc.with_traceback(None)         # the batch's decoder: no cycle through it
             out[i] = result
             if on_each is not None:
                 on_each(i, result)
@@ -563,6 +563,8 @@ class GrpcEndpoint(Endpoint):
                     on_each(i, exc)
         except PayloadError as exc:   # a reply that broke the framing ends the call's stream there
             decoder.cut(exc)
+        finally:   # `settle` and `decoder` refer to each other: left as a cycle, every reply of the batch
+            decoder.on_done = None   # (its buffer and tensors) would wait for the garbage collector
 
     # -- server side ----------------------------------------------------------------
     def _note_peer(self, address: str, node_id: str, key: bytes = b"") -> None:

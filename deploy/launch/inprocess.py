@@ -35,6 +35,7 @@ from fedhop.common.topologies.plan import PlannedProcess, plan_processes
 from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.transport.livebytes import LinkCounter, ServerLive
 from fedhop.common.transport.placement import process_device
+from fedhop.common.util.procexit import YOUNG_COLLECTION_EVERY, young_generation_every
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload
 from fedhop.deploy.launch.engine import INPROCESS
@@ -238,11 +239,14 @@ class RunLog:
 @contextlib.contextmanager
 def heap_frozen() -> Iterator[None]:
     """Set-up objects out of the collector's view while the rounds run (common/util/procexit.py
-    `freeze_heap`, as every role process does), given back afterwards: this process may be a
-    user's (the Python API), whose objects must be collectable again."""
+    `freeze_heap`, as every role process does, with its young-generation threshold), given back
+    afterwards: this process may be a user's (the Python API), whose objects must be collectable
+    again on the collector's own schedule."""
     gc.collect()
     gc.freeze()
+    before = young_generation_every(YOUNG_COLLECTION_EVERY)
     try:
         yield
     finally:
+        gc.set_threshold(*before)
         gc.unfreeze()
