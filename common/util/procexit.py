@@ -85,7 +85,7 @@ def die_with_launcher() -> None:
 YOUNG_COLLECTION_EVERY = 50_000
 
 
-def freeze_heap() -> None:
+def freeze_heap() -> tuple[int, int, int]:
     """Take every object alive now (the imported modules, torch, the task's data) out of the
     garbage collector's view (`gc.freeze`): a full collection then walks only what the run
     allocates since.  A role calls it once its set-up is done.  Without it a 100 MB send spent
@@ -96,17 +96,11 @@ def freeze_heap() -> None:
     reference cycles; tests/test_batch.py checks a batch's), so a pass finds nothing to free
     and only moves a round's live requests, futures and replies into older generations, which
     later passes walk again.  A 1,000-sampled round's server spent 37 ms a round in collections at
-    700 and 5 ms at 50,000 (docs/performance.md)."""
+    700 and 5 ms at 50,000 (docs/performance.md).  Returns the collector's thresholds before."""
     gc.collect()
     gc.freeze()
-    young_generation_every(YOUNG_COLLECTION_EVERY)
-
-
-def young_generation_every(allocations: int) -> tuple[int, int, int]:
-    """Collect the young generation every `allocations` net allocations, the older generations'
-    thresholds kept; returns the thresholds before."""
     before = gc.get_threshold()
-    gc.set_threshold(allocations, *before[1:])
+    gc.set_threshold(YOUNG_COLLECTION_EVERY, *before[1:])
     return before
 
 

@@ -35,7 +35,7 @@ from fedhop.common.topologies.plan import PlannedProcess, plan_processes
 from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.transport.livebytes import LinkCounter, ServerLive
 from fedhop.common.transport.placement import process_device
-from fedhop.common.util.procexit import YOUNG_COLLECTION_EVERY, young_generation_every
+from fedhop.common.util.procexit import freeze_heap
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload
 from fedhop.deploy.launch.engine import INPROCESS
@@ -242,9 +242,7 @@ def heap_frozen() -> Iterator[None]:
     `freeze_heap`, as every role process does, with its young-generation threshold), given back
     afterwards: this process may be a user's (the Python API), whose objects must be collectable
     again on the collector's own schedule."""
-    gc.collect()
-    gc.freeze()
-    before = young_generation_every(YOUNG_COLLECTION_EVERY)
+    before = freeze_heap()
     try:
         yield
     finally:
