@@ -9,6 +9,7 @@ and framed bytes, less the registration address and the config text, which diffe
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -224,3 +225,41 @@ def test_the_in_process_engine_gives_the_garbage_collector_back_as_it_found_it()
         assert gc.get_threshold() == (123, *before[1:]) and gc.get_freeze_count() == 0
     finally:
         gc.set_threshold(*before)
+
+
+@pytest.mark.parametrize("lock", [True, False], ids=["served-in-turn", "control-without-the-lock"])
+def test_client_processes_in_the_run_process_serve_one_call_at_a_time(user_dir, monkeypatch, lock):
+    """The client processes served in the run's process take turns (transports/inmemory/endpoint.py
+    `serve_lock`): the server's fabric sends each process's batch from its own thread, and no two
+    of them are inside a client's handler at once; the control takes the lock away and sees them
+    overlap, so the count can tell the two apart.  Each handler sleeps, which lets any other
+    thread that may enter do so."""
+    import threading
+    import time
+
+    import fedhop
+    from fedhop.client.host import ClientHost
+    from fedhop.transports.inmemory.endpoint import InMemoryEndpoint
+
+    inside, most, count = [0], [0], threading.Lock()
+    handle = ClientHost.handle
+
+    def counted(self, *args, **kwargs):
+        with count:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            time.sleep(0.02)
+            return handle(self, *args, **kwargs)
+        finally:
+            with count:
+                inside[0] -= 1
+
+    monkeypatch.setattr(ClientHost, "handle", counted)
+    if not lock:
+        monkeypatch.setattr(InMemoryEndpoint, "serving", lambda self: contextlib.nullcontext())
+    monkeypatch.chdir(user_dir)
+    config = _quadratic(user_dir)
+    result = fedhop.run(config, set={"run.engine": "inprocess", "clients.per_round": 8}, out="run")
+    assert result.status == "completed" and len(result.rounds) == 4
+    assert (most[0] == 1) if lock else (most[0] > 1), most[0]

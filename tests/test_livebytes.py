@@ -66,6 +66,31 @@ def test_counter_sums_its_own_records_and_an_edge_relays_the_latest():
     assert [e.framed_bytes for e in relay.entries()] == [9]   # cumulative totals: the newer replaces
 
 
+def test_a_counters_takes_add_up_in_another_counter_to_its_records_totals():
+    """An in-process engine's worker counts its process's records and hands the counts over with
+    each reply (deploy/launch/workers.py): what `take` gives, added in turn to the engine's
+    counter, equals one counter that observed every record; each take starts from zero."""
+    records = [_record("client-1", "client-4", "sender", "client-proc0", 100 + i, "client-client", "peer")
+               for i in range(5)] + [_record("client-2", "client-5", "sender", "client-proc0", 50, "client-client", "peer"),
+                                     _record("client-1", "client-4", "sender", "client-proc1", 999, "client-client", "peer"),
+                                     _record("client-1", "server", "sender", "client-proc0", 999, "client-server", "up")]
+    whole, worker, engine = (LinkCounter("client-proc0") for _ in range(3))
+    for i, rec in enumerate(records):
+        whole.observe(rec)
+        worker.observe(rec)
+        if i % 2:
+            engine.add(worker.take())
+    engine.add(worker.take())
+    assert worker.take() == []
+    assert [(e.link, e.direction, e.messages, e.framed_bytes, e.tensor_bytes) for e in engine.entries()] == \
+        [(e.link, e.direction, e.messages, e.framed_bytes, e.tensor_bytes) for e in whole.entries()]
+    assert sum(e.messages for e in engine.entries()) == 6   # another process's record and the server's are not counted here
+    for bad in ([["client-server", "up", 1, 2, 3]], [["client-server", "up", 1, 2, 3, -4]],
+                [["client-server", 7, 1, 2, 3, 4]], [["client-server", "up", 1, 2, 3, "4"]]):
+        with pytest.raises(ValueError, match="byte count row"):
+            engine.add(bad)
+
+
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
 def test_live_view_ends_equal_to_the_final_table(tmp_path, topology):
     text = quadratic_config(CENTERS, CURV, SIZES, rounds=3, per_round=4, processes=2, local_steps=2,

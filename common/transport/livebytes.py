@@ -18,7 +18,7 @@ final table.
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from fedhop.common.transport.base import role_of
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -87,6 +87,30 @@ class LinkCounter:
         with self._lock:
             return [pb.LinkBytes(node_id=self.node_id, link=link, direction=direction,
                                  **dict(zip(FIELDS, row))) for (link, direction), row in sorted(self._totals.items())]
+
+    def take(self) -> list[list[str | int]]:
+        """The totals counted since the last `take`, as rows [link, direction, *FIELDS], and
+        the counter zeroed: how an in-process engine's worker hands its process's counts to the
+        engine with each reply (deploy/launch/workers.py), a few numbers instead of its records."""
+        with self._lock:
+            taken: list[list[str | int]] = [[link, direction, *row] for (link, direction), row in self._totals.items()]
+            self._totals = {}
+        return taken
+
+    def add(self, taken: Iterable[Sequence[str | int]]) -> None:
+        """Add another counter's `take` for the same process; ValueError on a row that is not
+        [link, direction, *FIELDS]."""
+        checked: list[tuple[Key, list[int]]] = []
+        for row in taken:
+            if len(row) != 2 + len(FIELDS) or not all(isinstance(v, str) for v in row[:2]) \
+                    or not all(isinstance(v, int) and v >= 0 for v in row[2:]):
+                raise ValueError(f"a byte count row that is not [link, direction, {', '.join(FIELDS)}]: {row!r}")
+            checked.append(((str(row[0]), str(row[1])), [int(v) for v in row[2:]]))
+        with self._lock:
+            for key, values in checked:
+                totals = self._totals.setdefault(key, [0] * len(FIELDS))
+                for i, v in enumerate(values):
+                    totals[i] += v
 
 
 class Reported:

@@ -31,6 +31,7 @@ import torch
 
 from fedhop.client.runtime import ClientProcess
 from fedhop.common.config import Config
+from fedhop.common.topologies import spec_for
 from fedhop.common.topologies.plan import PlannedProcess, plan_processes
 from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.transport.livebytes import LinkCounter, ServerLive
@@ -39,7 +40,7 @@ from fedhop.common.util.procexit import freeze_heap
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload
 from fedhop.deploy.launch.engine import INPROCESS
-from fedhop.deploy.launch.workers import Worker, WorkerClientProcess, WorkerEndpoint, worker_count
+from fedhop.deploy.launch.workers import CLIENT_PEERS, Worker, WorkerClientProcess, WorkerEndpoint, worker_count
 from fedhop.edge.runtime import EdgeProcess
 from fedhop.server.coordinator import Coordinator
 from fedhop.server.resilience import Checkpointer, resume
@@ -178,16 +179,22 @@ def _start_roles(engine: InProcessRun, devices: dict[str, str]) -> None:
     count = worker_count(cfg, sum(p.kind != "edge" for p in planned_processes))
     engine.workers.extend(Worker(i) for i in range(count))   # started at once: they import while the roles register
     hosted = 0   # client processes so far, dealt to the workers in turn
+    # the client processes served in this process take turns (InMemoryEndpoint.serve_lock); not
+    # where clients call each other (a client's handler then waits for another client's)
+    serve_lock = threading.RLock()
+    peers_call = spec_for(cfg.topology.kind).peer_link == CLIENT_PEERS
     for planned in planned_processes:
         assert planned.parent is not None   # only the server has none
         ep_ledger, ep_counter = _ledger(run_dir, planned.node_id)
         ep: InMemoryEndpoint
         if planned.kind != "edge" and engine.workers:
             ep = WorkerEndpoint(net, planned.node_id, ep_ledger, engine.workers[hosted % count],
-                                chunk_bytes=cfg.transport.chunk_bytes)
+                                counter=ep_counter, chunk_bytes=cfg.transport.chunk_bytes)
             hosted += 1
         else:
             ep = InMemoryEndpoint(net, planned.node_id, ep_ledger, chunk_bytes=cfg.transport.chunk_bytes)
+            if planned.kind != "edge" and not peers_call:
+                ep.serve_lock = serve_lock
         process: ClientProcess | EdgeProcess
         if planned.kind == "edge":
             process = EdgeProcess(ep, addresses[planned.parent], device=devices.get(planned.node_id, ""))

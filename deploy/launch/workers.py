@@ -7,14 +7,17 @@ them); what it hosts (client/host.py `ClientHost`: the task's data, loaded once 
 model, the clients' state) lives in a worker, which serves its calls.  A call reaching such an
 endpoint (`WorkerEndpoint.serve_frames`) hands the request's frames, as the codec produced
 them, to the worker over a pipe; the worker serves them with the same `Endpoint.serve_frames`
-(decode, handler, encode, the two ledger records) and hands back the reply's frames and its
-records: the worker appends them to the process's ledger file (ledger/NODE.jsonl, where the
-registration's records are already), and the process's live byte counter here hears them, so
-run.db, ledger/*.jsonl and the live byte view are those of a run without workers, and every client trains the same code on the same
-inputs, so the model is the same bit for bit (the server folds the replies in its own order).
+(decode, handler, encode, the two ledger records) and hands back the reply's frames and what
+its records count: the worker appends the records to the process's ledger file
+(ledger/NODE.jsonl, where the registration's records are already) and counts them in a live
+byte counter of the process's own (common/transport/livebytes.py `LinkCounter`), whose counts
+since the last reply travel with each reply into the process's counter here, so run.db,
+ledger/*.jsonl and the live byte view are those of a run without workers, and every client
+trains the same code on the same inputs, so the model is the same bit for bit (the server folds
+the replies in its own order).
 
 What crosses the pipe is bytes only: the codec's frames, which the worker decodes as any
-endpoint decodes what it receives, and JSON (the registration's config text, ledger records).
+endpoint decodes what it receives, and JSON (the registration's config text, byte counts).
 Nothing is pickled.  A worker serves its calls one after another, as a client process trains
 one client at a time; the engine's calls to two workers run at once (the server's fabric sends
 one batch per client process, each from its own thread), which is where the second core goes.
@@ -41,9 +44,10 @@ from fedhop.client.runtime import ClientProcess
 from fedhop.common.config import Config, parent_config
 from fedhop.common.topologies import spec_for
 from fedhop.common.transport.base import Handler, ReplyBundles
+from fedhop.common.transport.livebytes import LinkCounter
 from fedhop.common.transport.liveness import register_with_backoff
 from fedhop.common.wire.codec import Encoded
-from fedhop.common.wire.ledger import Ledger, LedgerRecord
+from fedhop.common.wire.ledger import Ledger
 from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
 
 log = logging.getLogger("fedhop.workers")
@@ -110,7 +114,7 @@ def worker_main(conn: Connection) -> None:
     # Ctrl-C reaches the whole process group: the run's process stops the rounds and closes its
     # workers (`Worker.close`), which serve until then
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    hosts: dict[str, tuple[InMemoryEndpoint, ClientHost]] = {}
+    hosts: dict[str, tuple[InMemoryEndpoint, ClientHost, LinkCounter]] = {}
     while True:
         try:
             head, frames = unpack(conn.recv_bytes())
@@ -123,7 +127,9 @@ def worker_main(conn: Connection) -> None:
             if kind == "init":
                 cfg = parent_config(head["config"], head["node"], head["parent"], role="client")
                 torch.set_num_threads(cfg.run.torch_threads)
-                ledger = Ledger(head["ledger"] or None, keep_drained=False)   # appends to the process's ledger file
+                ledger = Ledger(head["ledger"] or None, hold=False)   # appends to the process's ledger file
+                counter = LinkCounter(head["node"])   # what the records count, sent with each reply
+                ledger.observers.append(counter.observe)
                 ep = InMemoryEndpoint(InMemoryNetwork(), head["node"], ledger,
                                       run_id=head["run_id"], token=head["token"],
                                       chunk_bytes=cfg.transport.chunk_bytes)
@@ -133,10 +139,10 @@ def worker_main(conn: Connection) -> None:
                 if device.type != "cpu":
                     ep.device = device
                 hosts[head["node"]] = (ep, ClientHost(cfg, head["node"], head["clients"], head["run_id"], ep.ledger,
-                                                      parent=head["parent"], device=device))
+                                                      parent=head["parent"], device=device), counter)
                 conn.send_bytes(pack({"ok": True}, []))
                 continue
-            ep, host = hosts[head["node"]]
+            ep, host, counter = hosts[head["node"]]
             if kind == "many":   # a batch's messages, served in order, each reply sent as soon as it is made
                 at = 0
                 bundles: dict[int, ReplyBundles] = {}   # the replies of one call of the batch share bundles
@@ -146,12 +152,10 @@ def worker_main(conn: Connection) -> None:
                     reply = ep.serve_frames(frames[at:at + count], host.handle, framing=framing,
                                             reply_framing=None if placed is None else _framing(placed))
                     at += count
-                    records = [r.to_dict() for r in ep.ledger.drain()]
-                    conn.send_bytes(pack({"ok": True, "i": i, "records": records}, list(reply)))
+                    conn.send_bytes(pack({"ok": True, "i": i, "counts": counter.take()}, list(reply)))
                 continue
             reply = ep.serve_frames(frames, host.handle, framing=head["framing"], pulled=head["pulled"])
-            records = [r.to_dict() for r in ep.ledger.drain()]
-            conn.send_bytes(pack({"ok": True, "records": records}, list(reply)))
+            conn.send_bytes(pack({"ok": True, "counts": counter.take()}, list(reply)))
         except Exception as exc:  # noqa: BLE001 - told to the engine, which raises it there
             conn.send_bytes(pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"}, []))
 
@@ -207,9 +211,11 @@ class Worker:
 class WorkerEndpoint(InMemoryEndpoint):
     """A client process's endpoint on the engine's network whose calls its worker serves."""
 
-    def __init__(self, network: InMemoryNetwork, node_id: str, ledger: Ledger, worker: Worker, **kwargs: Any) -> None:
+    def __init__(self, network: InMemoryNetwork, node_id: str, ledger: Ledger, worker: Worker,
+                 counter: LinkCounter | None = None, **kwargs: Any) -> None:
         super().__init__(network, node_id, ledger, **kwargs)
         self.worker = worker
+        self.counter = counter   # the process's live byte counter: the worker's counts go in it
         self._batch: _Batch | None = None   # the batch sent ahead (`pipelined`)
 
     @contextlib.contextmanager
@@ -235,14 +241,14 @@ class WorkerEndpoint(InMemoryEndpoint):
                 while batch.received < len(frames):   # replies no call took (its caller gave up first)
                     out, _ = self.worker.receive()
                     batch.received += 1
-                    self._observe(out["records"])
+                    self._count(out)
         finally:
             self.worker.lock.release()
 
     def serve_frames(self, frames, handler: Handler, framing: int | None = None, pulled: bool = False,
                      on_header=None, reply_framing: Callable[[list[int]], int] | None = None) -> Sequence[bytes]:
         """The worker serves the request (`Endpoint.serve_frames` there) and records its two ledger
-        records in the process's ledger file; the live counter here hears them.  A batch's reply travels bundled (`reply_framing`, decided
+        records in the process's ledger file; the live counter here gets their counts.  A batch's reply travels bundled (`reply_framing`, decided
         here where the batch's bundles are kept): its sender record's framed bytes are the reply's
         bytes and that framing, as `Endpoint._serve` records them."""
         frames = [bytes(f) if not isinstance(f, bytes) else f for f in frames]
@@ -254,14 +260,14 @@ class WorkerEndpoint(InMemoryEndpoint):
         else:   # a call of its own: its reply travels streamed (a batch's always comes `pipelined`)
             out, reply = self.worker.exchange({"kind": "call", "node": self.node_id, "framing": framing,
                                                "pulled": pulled}, frames)
-        self._observe(out["records"])
+        self._count(out)
         return reply
 
-    def _observe(self, records: list[dict[str, Any]]) -> None:
-        for rec in records:   # in the ledger file already (the worker's): the process's live counter sees them
-            record = LedgerRecord.from_dict(rec)
-            for observe in self.ledger.observers:
-                observe(record)
+    def _count(self, out: dict[str, Any]) -> None:
+        """The reply's byte counts (its records are in the ledger file already, the worker's) into
+        the process's live counter."""
+        if self.counter is not None:
+            self.counter.add(out.get("counts", []))
 
 
 def _calls(messages: Sequence[Encoded]) -> list[int]:

@@ -11,6 +11,12 @@ Registrations carry a fresh key and the parent probes the address they claim, as
 (grpc.py module docstring, Addresses proved): the probe is a call on the network to the endpoint
 attached there, and both ends record the same `probe` and `probe.reply` control messages.
 Heartbeats are answered but, unlike gRPC's, not recorded.
+
+An endpoint may have a `serve_lock` (the in-process engine gives one lock to every client
+process it serves in its own process, deploy/launch/inprocess.py): calls to it are served one at a
+time, a batch's requests all under one hold.  Every caller is a thread of one Python process, so
+callees that take turns do the same work as callees that run at once, without the threads
+passing the interpreter lock back and forth between each other's Python and torch steps.
 """
 from __future__ import annotations
 
@@ -71,6 +77,11 @@ class InMemoryEndpoint(Endpoint):
         super().__init__(node_id, ledger, **kwargs)
         self.network = network
         self.address = ""
+        self.serve_lock: threading.RLock | None = None   # calls served one at a time (module docstring)
+
+    def serving(self) -> contextlib.AbstractContextManager[object]:
+        """Held while this endpoint serves a call or a batch (`serve_lock`); a no-op without one."""
+        return self.serve_lock if self.serve_lock is not None else contextlib.nullcontext()
 
     def _exchange(self, address: str, request: Encoded, timeout: float,
                   decoder: FrameDecoder) -> tuple[Decoded, float]:
@@ -83,7 +94,6 @@ class InMemoryEndpoint(Endpoint):
             pulled = pulls_reply(decoder, self.chunk_bytes)
             request.framing = request_framing(request, self.chunk_bytes, pulled)
         target, handler, _ = self.network.lookup(address)
-        started = time.perf_counter()
         bundles: ReplyBundles | None = request.reply_bundles   # a batch's reply: bundled as gRPC's (`ReplyBundles`)
         framed: list[int] = []
 
@@ -92,12 +102,15 @@ class InMemoryEndpoint(Endpoint):
             framed.append(bundles.place(lengths)[1])
             return framed[-1]
 
-        reply_frames = target.serve_frames(list(request.frames), handler, framing=request.framing, pulled=pulled,
-                                           reply_framing=reply_framing if bundles is not None else None)
-        sent = time.perf_counter() - started
-        for frame in reply_frames:
-            decoder.feed(frame)
-        decoded = decoder.finish()
+        with target.serving():
+            started = time.perf_counter()
+            reply_frames = target.serve_frames(list(request.frames), handler, framing=request.framing,
+                                               pulled=pulled,
+                                               reply_framing=reply_framing if bundles is not None else None)
+            sent = time.perf_counter() - started
+            for frame in reply_frames:
+                decoder.feed(frame)
+            decoded = decoder.finish()
         if bundles is not None:   # an unrouted error reply was not placed by the callee
             decoded.framing = framed[0] if framed else bundles.place([len(f) for f in reply_frames])[1]
         return decoded, sent
@@ -119,7 +132,7 @@ class InMemoryEndpoint(Endpoint):
                 msgs[i].reply_bundles = replies
         # a callee served elsewhere takes the whole batch at once (deploy/launch/workers.py `WorkerEndpoint`)
         ahead = target.pipelined(msgs) if hasattr(target, "pipelined") else contextlib.nullcontext()
-        with ahead:
+        with target.serving(), ahead:
             return one_by_one(len(requests), lambda i: self._call_message(
                 address, msgs[i], message_link(self.node_id, requests[i].dst, requests[i].method), timeout,
                 requests[i].expect), on_each)
