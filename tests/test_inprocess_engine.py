@@ -232,24 +232,29 @@ def test_client_processes_in_the_run_process_serve_one_call_at_a_time(user_dir, 
     """The client processes served in the run's process take turns (transports/inmemory/endpoint.py
     `serve_lock`): the server's fabric sends each process's batch from its own thread, and no two
     of them are inside a client's handler at once; the control takes the lock away and sees them
-    overlap, so the count can tell the two apart.  Each handler sleeps, which lets any other
-    thread that may enter do so."""
+    overlap, so the count can tell the two apart.  The first client's handler waits until a
+    second thread is inside with it (at most 5 s, which only the locked run spends, once)."""
     import threading
-    import time
 
     import fedhop
     from fedhop.client.host import ClientHost
     from fedhop.transports.inmemory.endpoint import InMemoryEndpoint
 
     inside, most, count = [0], [0], threading.Lock()
+    overlapped, first = threading.Event(), threading.Event()
     handle = ClientHost.handle
 
     def counted(self, *args, **kwargs):
         with count:
             inside[0] += 1
             most[0] = max(most[0], inside[0])
+            if inside[0] > 1:
+                overlapped.set()
+            waits = not first.is_set()
+            first.set()
         try:
-            time.sleep(0.02)
+            if waits:
+                overlapped.wait(5.0)   # the event: another thread inside; without it, the lock kept it out
             return handle(self, *args, **kwargs)
         finally:
             with count:

@@ -212,7 +212,7 @@ class WorkerEndpoint(InMemoryEndpoint):
     """A client process's endpoint on the engine's network whose calls its worker serves."""
 
     def __init__(self, network: InMemoryNetwork, node_id: str, ledger: Ledger, worker: Worker,
-                 counter: LinkCounter | None = None, **kwargs: Any) -> None:
+                 counter: LinkCounter, **kwargs: Any) -> None:
         super().__init__(network, node_id, ledger, **kwargs)
         self.worker = worker
         self.counter = counter   # the process's live byte counter: the worker's counts go in it
@@ -266,8 +266,7 @@ class WorkerEndpoint(InMemoryEndpoint):
     def _count(self, out: dict[str, Any]) -> None:
         """The reply's byte counts (its records are in the ledger file already, the worker's) into
         the process's live counter."""
-        if self.counter is not None:
-            self.counter.add(out.get("counts", []))
+        self.counter.add(out["counts"])
 
 
 def _calls(messages: Sequence[Encoded]) -> list[int]:
