@@ -20,9 +20,10 @@ from fedhop.deploy.bench.bench_peers import parse_peer_output, workloads
 FAKE_PEER = '''\
 """A stand-in peer: checks the data contract (peerkit.py) and answers one JSON line, its accuracy
 the share of the test set holding the most common training label."""
-import json, sys
+import json, sys, time
 from pathlib import Path
 import numpy as np
+BURN = 0.25
 
 script, folder = Path(sys.argv[1]), Path(sys.argv[2])
 assert script.name in ("pfl_peer.py", "flwr_peer.py") and script.is_file(), script
@@ -38,11 +39,17 @@ else:
     majority = np.bincount(a["y"]).argmax()
     result = {"accuracy": float((a["y_test"] == majority).mean()), "objective": None}
 print("some framework log line")
+ends = []
+for r in range(spec["rounds"]):   # each round burns BURN CPU seconds of this process, then stamps its end
+    t0 = time.process_time()
+    while time.process_time() - t0 < BURN:
+        pass
+    ends.append(time.perf_counter())
 print(json.dumps({"system": "fake", "version": "0", "per_round_s": [0.5] + [0.25] * (spec["rounds"] - 1),
-                  **result}))
+                  "round_end_s": ends, **result}))
 '''
 
-ROW = re.compile(r"^  (fedhop processes|fedhop inprocess|pfl|Flower sim)\s+(\S+)\s+(\S+)\s+(\S+)\s*$")
+ROW = re.compile(r"^  (fedhop processes|fedhop inprocess|pfl|Flower sim)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*$")
 RATIO = re.compile(r"^  ratio (pfl|Flower sim) / (fedhop \w+): (\S+)")
 
 
@@ -63,7 +70,12 @@ def _bench(tmp_path: Path, *args: str, env_extra: dict[str, str] | None = None) 
 
 def _tables(stdout: str) -> dict[str, dict[str, tuple[str, str, str]]]:
     """workload -> system -> (s/round, peak MB, accuracy or objective) as printed."""
-    out: dict[str, dict[str, tuple[str, str, str]]] = {}
+    return {w: {system: (r[0], r[3], r[4]) for system, r in t.items()} for w, t in _rows(stdout).items()}
+
+
+def _rows(stdout: str) -> dict[str, dict[str, tuple[str, ...]]]:
+    """workload -> system -> (s/round, CPU s/round, cores, peak MB, accuracy or objective) as printed."""
+    out: dict[str, dict[str, tuple[str, ...]]] = {}
     current = ""
     for line in stdout.splitlines():
         head = re.match(r"^(W\d): ", line)
@@ -72,7 +84,7 @@ def _tables(stdout: str) -> dict[str, dict[str, tuple[str, str, str]]]:
             out[current] = {}
         row = ROW.match(line)
         if row and current:
-            out[current][row.group(1)] = (row.group(2), row.group(3), row.group(4))
+            out[current][row.group(1)] = row.groups()[1:]
     return out
 
 
@@ -92,6 +104,15 @@ def test_quick_workloads_in_both_engines_with_a_fake_peer(tmp_path):
         assert table["fedhop processes"][2] == table["fedhop inprocess"][2]
         # the fake peer's rounds take 0.25 s from round 2 on: the median of rounds 2..n
         assert table["pfl"][0] == "0.2500"
+    for name, table in _rows(res.stdout).items():
+        # the fake burns 0.25 CPU s a round in its one process: the tree's CPU between its stamps,
+        # read every 50 ms (the readings around the first and last stamp interpolated)
+        s_round, cpu, cores = table["pfl"][:3]
+        assert 0.17 < float(cpu) < 0.33, table["pfl"]
+        assert float(cores) == pytest.approx(float(cpu) / float(s_round), abs=0.01)
+        for engine in ("fedhop processes", "fedhop inprocess"):
+            s_round, cpu, cores = table[engine][:3]
+            assert float(cpu) > 0 and 0 < float(cores) <= (os.cpu_count() or 1) + 0.5, table[engine]
 
     # W1's objective against numpy: every client sampled, one full step at lr 0.1, from zeros
     w1 = workloads(True)["W1"]
@@ -139,6 +160,8 @@ def test_peer_contract_errors_are_one_clear_line(tmp_path):
         parse_peer_output('{"per_round_s": [1]}\nTraceback...', "pfl")
     with pytest.raises(ValueError, match="per_round_s must be a non-empty list"):
         parse_peer_output('{"per_round_s": []}', "pfl")
+    with pytest.raises(ValueError, match="round_end_s must be a list of 2 times"):
+        parse_peer_output('{"per_round_s": [0.1, 0.2], "round_end_s": [5.0]}', "pfl")
     with pytest.raises(ValueError, match="accuracy must be a number"):
         parse_peer_output('{"per_round_s": [0.1], "accuracy": "high"}', "pfl")
     assert parse_peer_output('log\n{"per_round_s": [0.1, 0.2], "accuracy": 0.5}', "pfl")["accuracy"] == 0.5
@@ -173,3 +196,37 @@ def test_fedhop_s_per_round_counts_the_time_between_rounds_rows():
     assert got[0] == 0.5 and got[1:] == pytest.approx([0.25, 0.15, 0.20])
     assert steady(got) == pytest.approx(0.20)
     assert per_round([{**r, "finished": None} for r in rows]) == [0.5, 0.1, 0.1, 0.1]
+
+
+def test_cpu_per_round_is_the_cpu_between_the_first_and_last_round_ends():
+    """Readings (wall, monotonic, CPU) of a tree that used 0.3 CPU s a second from t = 0: rounds
+    ending at 0.1, 0.35, 0.6 and 1.1 s (between readings) used 0.3 * 1.0 / 3 CPU s a round over
+    rounds 2..4, on either clock; a stamp outside the readings gives None."""
+    from fedhop.deploy.bench.bench_peers import MONOTONIC, WALL, cpu_at, cpu_per_round
+
+    samples = [(1000.0 + t, 50.0 + t, 0.3 * t) for t in (0.0, 0.05, 0.2, 0.5, 0.55, 0.9, 1.2)]
+    ends = [0.1, 0.35, 0.6, 1.1]
+    assert cpu_at(samples, 50.35, MONOTONIC) == pytest.approx(0.3 * 0.35)
+    assert cpu_per_round(samples, [50.0 + t for t in ends], MONOTONIC) == pytest.approx(0.1)
+    assert cpu_per_round(samples, [1000.0 + t for t in ends], WALL) == pytest.approx(0.1)
+    assert cpu_per_round(samples, [50.0 + t for t in (*ends, 1.3)], MONOTONIC) is None
+    assert cpu_per_round(samples, [50.1], MONOTONIC) is None   # one round: no span
+
+
+def test_tree_watch_counts_a_childs_cpu_after_it_has_exited(tmp_path):
+    """A process that starts a child burning 0.4 CPU s and then burns 0.2 itself: the watch's
+    last reading holds both (the child's as last read before it exited), within the readings'
+    50 ms spacing."""
+    from fedhop.deploy.bench.bench_peers import TreeWatch
+
+    burn = ("import time\nt0 = time.process_time()\nwhile time.process_time() - t0 < {s}: pass\n")
+    script = ("import subprocess, sys\n"
+              f"subprocess.run([sys.executable, '-c', {burn.format(s=0.4)!r}], check=True)\n"
+              + burn.format(s=0.2))
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    watch = TreeWatch(proc.pid)
+    assert proc.wait(60) == 0
+    watch.stop()
+    used = watch.cpu[-1][2]
+    assert 0.6 - 0.12 < used < 0.6 + 0.4, watch.cpu[-3:]   # above: the interpreters' own start-up
+    assert [r[2] for r in watch.cpu] == sorted(r[2] for r in watch.cpu)   # readings only grow

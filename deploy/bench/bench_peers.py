@@ -26,8 +26,14 @@ each script's docstring what it does the same and where its framework differs); 
 JSON line.
 
 Per run: s/round, the median of rounds 2..n (fedhop: the time between run.db's rows of
-successive rounds, `finished`; a peer: its own stamps between central iterations); peak memory, the largest sum of RSS over the process tree seen by psutil every 50 ms;
-final test accuracy (W1: the objective).  A workload's systems run `--repeats` times each, the
+successive rounds, `finished`; a peer: its own stamps between central iterations); CPU
+s/round, the CPU seconds (user + system) of every process of the run over the same rounds 2..n
+divided by n - 1, from psutil's readings of the process tree every 50 ms, interpolated to the
+end of round 1 and of round n (fedhop: run.db's `finished`; a peer: the `round_end_s` stamps
+its script prints, time.perf_counter, one monotonic clock for every process here), and
+"cores", CPU s/round over s/round: how many cores the system kept busy; peak memory, the
+largest sum of RSS over the process tree in those readings; final test accuracy (W1: the
+objective).  A workload's systems run `--repeats` times each, the
 order rotated every repeat; the figures printed are the medians over the repeats.  Ratios are
 "peer s/round / fedhop s/round" (how many times faster fedhop is) from those printed figures.
 `--seeds 0,1,2,3,4` repeats everything per seed and prints the accuracy of every seed.
@@ -116,26 +122,38 @@ def workloads(quick: bool) -> dict[str, Workload]:
 
 
 # ----------------------------------------------------------------------------- measuring
-class PeakRss:
-    """The largest sum of RSS over a process and its descendants, sampled every `every` s."""
+class TreeWatch:
+    """Samples a process and its descendants every `every` s: the largest sum of their RSS
+    (`peak`) and the CPU seconds (user + system) the tree has used so far, with the time of each
+    sample (`cpu`: rows of (time.time(), time.perf_counter(), CPU seconds)).  A process counts
+    its last reading, so one that has exited still counts what it used up to its last sample (at
+    most `every` s of its CPU is missed)."""
 
     def __init__(self, pid: int, every: float = 0.05) -> None:
         self.root, self.every, self.peak = psutil.Process(pid), every, 0
+        self.cpu: list[tuple[float, float, float]] = []
+        self._used: dict[tuple[int, float], float] = {}   # (pid, start time) -> its CPU seconds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
 
     def sample(self) -> int:
+        """One reading of the tree: its RSS (returned) and its CPU seconds (appended to `cpu`;
+        once the tree has ended, what its processes used up to their last readings)."""
         total = 0
         try:
             procs = [self.root, *self.root.children(recursive=True)]
         except psutil.Error:
-            return 0
+            procs = []
         for p in procs:
             try:
-                total += p.memory_info().rss
+                with p.oneshot():
+                    total += p.memory_info().rss
+                    times = p.cpu_times()
+                    self._used[(p.pid, p.create_time())] = times.user + times.system
             except psutil.Error:
                 pass
+        self.cpu.append((time.time(), time.perf_counter(), sum(self._used.values())))
         return total
 
     def _watch(self) -> None:
@@ -143,17 +161,49 @@ class PeakRss:
             self.peak = max(self.peak, self.sample())
             self._stop.wait(self.every)
 
-    def stop(self) -> int:
+    def stop(self) -> "TreeWatch":
+        """Stop watching, with one last reading: a run's last round may end after the reading
+        before its exit (a peer that exits right after its last round)."""
         self._stop.set()
         self._thread.join()
-        return self.peak
+        self.sample()
+        return self
 
 
-def run_watched(argv: list[str], env: dict[str, str] | None, log: Path, timeout: float) -> tuple[int, int, str]:
-    """Run `argv` to its end: (exit code, peak RSS bytes of its process tree, its stdout)."""
+#: the clocks of `TreeWatch.cpu`'s rows: fedhop stamps its rounds with time.time() (run.db's
+#: `finished`), a peer script with time.perf_counter() (the same monotonic clock in every
+#: process of this machine)
+WALL, MONOTONIC = 0, 1
+
+
+def cpu_at(samples: list[tuple[float, float, float]], t: float, clock: int) -> float | None:
+    """The tree's CPU seconds at time `t` on `clock`, interpolated linearly between the two
+    samples around it; None when `t` is outside the sampled span."""
+    for before, after in zip(samples, samples[1:]):
+        if before[clock] <= t <= after[clock]:
+            span = after[clock] - before[clock]
+            share = (t - before[clock]) / span if span > 0 else 1.0
+            return before[2] + share * (after[2] - before[2])
+    return None
+
+
+def cpu_per_round(samples: list[tuple[float, float, float]], ends: list[float], clock: int) -> float | None:
+    """CPU seconds of every process of a run per round over rounds 2..n (the span s/round is
+    taken over): the CPU between the end of round 1 and the end of round n, divided by n - 1.
+    `ends`: when each round ended, on `clock`.  None without two rounds inside the sampled span."""
+    if len(ends) < 2:
+        return None
+    first, last = cpu_at(samples, ends[0], clock), cpu_at(samples, ends[-1], clock)
+    if first is None or last is None:
+        return None
+    return (last - first) / (len(ends) - 1)
+
+
+def run_watched(argv: list[str], env: dict[str, str] | None, log: Path, timeout: float) -> tuple[int, TreeWatch, str]:
+    """Run `argv` to its end: (exit code, the watch of its process tree, its stdout)."""
     with open(log, "wb") as err:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, env=env)
-        peak = PeakRss(proc.pid)
+        watch = TreeWatch(proc.pid)
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -162,7 +212,7 @@ def run_watched(argv: list[str], env: dict[str, str] | None, log: Path, timeout:
         except BaseException:   # Ctrl-C: no run's processes (Ray's workers among them) outlive the benchmark
             kill_tree(proc.pid)
             raise
-        return proc.returncode, peak.stop(), out.decode(errors="replace")
+        return proc.returncode, watch.stop(), out.decode(errors="replace")
 
 
 def kill_tree(pid: int) -> None:
@@ -187,18 +237,22 @@ def steady(per_round: list[float]) -> float:
 def run_fedhop(config: Path, engine: str, out: Path, timeout: float) -> dict[str, Any]:
     argv = [sys.executable, "-m", "fedhop.deploy.cli", "run", str(config), "--out", str(out), "--engine", engine,
             "--quiet", *ENGINE_FLAGS.get(engine, [])]
-    code, peak, _ = run_watched(argv, None, out.with_suffix(".log"), timeout)
+    code, watch, _ = run_watched(argv, None, out.with_suffix(".log"), timeout)
     if code != 0:
         raise RuntimeError(f"fedhop run --engine {engine} failed (exit {code}); see {out.with_suffix('.log')}")
-    rows = RunStore(out / "run.db", create=False).rounds()
+    store = RunStore(out / "run.db", create=False)
+    rows = store.rounds()
+    store.close()
     metrics = rows[-1]["metrics"]
-    return {"per_round_s": round_seconds(rows), "peak_rss_mb": peak / 1e6,
+    return {"per_round_s": round_seconds(rows), "peak_rss_mb": watch.peak / 1e6,
+            "cpu_s_per_round": cpu_per_round(watch.cpu, [float(r["finished"]) for r in rows], WALL),
             "accuracy": metrics.get("test_accuracy"), "objective": metrics.get("objective")}
 
 
 def parse_peer_output(stdout: str, name: str) -> dict[str, Any]:
     """The peer script's result: its last stdout line, a JSON object with per_round_s (a non-empty
-    list of seconds) and accuracy or objective; ValueError naming what is wrong otherwise."""
+    list of seconds), optionally round_end_s (a time per round) and accuracy or objective;
+    ValueError naming what is wrong otherwise."""
     lines = [line for line in stdout.splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"{name}: the peer script printed nothing on stdout")
@@ -211,6 +265,10 @@ def parse_peer_output(stdout: str, name: str) -> dict[str, Any]:
     rounds = row.get("per_round_s")
     if not isinstance(rounds, list) or not rounds or not all(isinstance(v, (int, float)) and v >= 0 for v in rounds):
         raise ValueError(f"{name}: per_round_s must be a non-empty list of seconds, got {rounds!r}")
+    ends = row.get("round_end_s")
+    if ends is not None and (not isinstance(ends, list) or len(ends) != len(rounds)
+                             or not all(isinstance(v, (int, float)) for v in ends)):
+        raise ValueError(f"{name}: round_end_s must be a list of {len(rounds)} times (one a round), got {ends!r:.200}")
     for key in ("accuracy", "objective"):
         if row.get(key) is not None and not isinstance(row[key], (int, float)):
             raise ValueError(f"{name}: {key} must be a number or null, got {row[key]!r}")
@@ -222,14 +280,16 @@ def run_peer(peer: str, python: str, folder: Path, log: Path, timeout: float) ->
     env = dict(os.environ, PYTHONUNBUFFERED="1", FLWR_DISABLE_UPDATE_CHECK="1")
     for var in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):   # nothing of fedhop's venv leaks in
         env.pop(var, None)
-    code, peak, out = run_watched([python, str(PEERS_DIR / script), str(folder)], env, log, timeout)
+    code, watch, out = run_watched([python, str(PEERS_DIR / script), str(folder)], env, log, timeout)
     if code != 0:
         tail = log.read_text(errors="replace")[-1500:]
         raise RuntimeError(f"{name} failed (exit {code}); the end of {log}:\n{tail}")
     row = parse_peer_output(out, name)
     if len(row["per_round_s"]) != json.loads((folder / "spec.json").read_text())["rounds"]:
         raise RuntimeError(f"{name}: {len(row['per_round_s'])} rounds timed, expected the spec's")
-    return {"per_round_s": [float(v) for v in row["per_round_s"]], "peak_rss_mb": peak / 1e6,
+    ends = row.get("round_end_s")
+    return {"per_round_s": [float(v) for v in row["per_round_s"]], "peak_rss_mb": watch.peak / 1e6,
+            "cpu_s_per_round": cpu_per_round(watch.cpu, [float(v) for v in ends], MONOTONIC) if ends else None,
             "accuracy": row.get("accuracy"), "objective": row.get("objective"), "version": row.get("version")}
 
 
@@ -307,8 +367,10 @@ def measure(w: Workload, rounds: int, seed: int, repeats: int, match: bool, work
                 row = run_fedhop(config, system.split()[1], folder / tag, timeout)
             row["s_per_round"] = steady(row["per_round_s"])
             runs[system].append(row)
+            cpu = row.get("cpu_s_per_round")
             say(f"  {w.name} seed {seed} repeat {rep + 1}/{repeats}: {label(system)} "
-                f"{row['s_per_round']:.4f} s/round, {row['peak_rss_mb']:.0f} MB")
+                f"{row['s_per_round']:.4f} s/round, {'-' if cpu is None else f'{cpu:.4f}'} CPU s/round, "
+                f"{row['peak_rss_mb']:.0f} MB")
     return runs
 
 
@@ -316,7 +378,9 @@ def summarise(runs: list[dict]) -> dict[str, Any]:
     """The printed figures of one system: medians over its repeats (s/round rounded as printed)."""
     accs = [r["accuracy"] for r in runs if r.get("accuracy") is not None]
     objs = [r["objective"] for r in runs if r.get("objective") is not None]
+    cpus = [r["cpu_s_per_round"] for r in runs if r.get("cpu_s_per_round") is not None]
     return {"s_per_round": float(f"{statistics.median(r['s_per_round'] for r in runs):.4f}"),
+            "cpu_s_per_round": float(f"{statistics.median(cpus):.4f}") if cpus else None,
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
             "accuracy": statistics.median(accs) if accs else None,
             "objective": statistics.median(objs) if objs else None, "runs": len(runs)}
@@ -346,11 +410,15 @@ def ratios(name: str, table: dict[str, dict]) -> list[dict[str, Any]]:
 def print_table(w: Workload, rounds: int, seed: int, repeats: int, table: dict[str, dict],
                 skipped: dict[str, str], say: Callable[[str], None]) -> list[dict]:
     say(f"\n{w.name}: {w.title}; {rounds} rounds, seed {seed}, {repeats} repeat(s)")
-    say(f"  {'system':<18} {'s/round':>9} {'peak MB':>9} {'accuracy' if w.kind != 'quadratic' else 'objective':>10}")
+    say(f"  {'system':<18} {'s/round':>9} {'CPU s/round':>12} {'cores':>6} {'peak MB':>9} "
+        f"{'accuracy' if w.kind != 'quadratic' else 'objective':>10}")
     for system, fig in table.items():
         metric = fig["accuracy"] if w.kind != "quadratic" else fig["objective"]
         shown = "-" if metric is None else (f"{metric:.4f}" if w.kind != "quadratic" else f"{metric:.6g}")
-        say(f"  {label(system):<18} {fig['s_per_round']:>9.4f} {fig['peak_rss_mb']:>9.0f} {shown:>10}")
+        cpu = fig.get("cpu_s_per_round")
+        cores = f"{cpu / fig['s_per_round']:.2f}" if cpu is not None and fig["s_per_round"] > 0 else "-"
+        say(f"  {label(system):<18} {fig['s_per_round']:>9.4f} {'-' if cpu is None else f'{cpu:.4f}':>12} "
+            f"{cores:>6} {fig['peak_rss_mb']:>9.0f} {shown:>10}")
     for name, why in skipped.items():
         say(f"  {name:<18} {why}")
     rows = ratios(w.name, table)

@@ -105,6 +105,7 @@ def make_apps(folder: str, result: dict) -> tuple[ServerApp, ClientApp]:
         model.load_state_dict(out.arrays.to_torch_state_dict())
         result["model"] = model
         result["per_round"] = [e - s for s, e in zip(strategy.starts, strategy.ends)]
+        result["round_ends"] = list(strategy.ends)
 
     return server, client
 
@@ -117,7 +118,8 @@ def main(folder: str) -> None:
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
     if "model" not in result:
         raise SystemExit("flwr_peer: the simulation ended without a model (see the log above)")
-    peerkit.emit("flower", version("flwr"), result["per_round"], spec, result["model"])
+    peerkit.emit("flower", version("flwr"), result["per_round"], spec, result["model"],
+                 round_ends=result["round_ends"])
 
 
 if __name__ == "__main__":

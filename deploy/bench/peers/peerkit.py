@@ -18,7 +18,9 @@ The data are fedhop's own (its split, standardisation and partition, or its quad
 and curvatures), so the split is the same by construction; loaded with allow_pickle=False.
 
 The script prints one JSON line last on stdout: {"system", "version", "per_round_s": [...],
-"accuracy": float | null, "objective": float | null, "rounds": int}.
+"round_end_s": [...], "accuracy": float | null, "objective": float | null, "rounds": int};
+`round_end_s` holds time.perf_counter() at the end of each round (the benchmark reads the CPU
+the run used between them).
 """
 from __future__ import annotations
 
@@ -167,9 +169,10 @@ def evaluate(spec: Spec, model: nn.Module) -> dict[str, float | None]:
 
 
 def emit(system: str, version: str, per_round: list[float], spec: Spec, model: nn.Module,
-         **extra: Any) -> None:
-    """Print the result line (the last line of stdout)."""
+         round_ends: list[float], **extra: Any) -> None:
+    """Print the result line (the last line of stdout); `round_ends`: time.perf_counter() at the
+    end of each round."""
     row = {"system": system, "version": version, "rounds": len(per_round), "per_round_s": per_round,
-           **evaluate(spec, model), **extra}
+           "round_end_s": round_ends, **evaluate(spec, model), **extra}
     sys.stdout.write(json.dumps(row) + "\n")
     sys.stdout.flush()

@@ -99,7 +99,7 @@ def main(folder: str) -> None:
         backend=backend, model=model, model_train_params=train,
         model_eval_params=NNEvalHyperParams(local_batch_size=None), callbacks=[stamps])
     seconds = [b - a for a, b in zip(stamps.times, stamps.times[1:])]
-    peerkit.emit("pfl", version("pfl"), seconds, spec, module)
+    peerkit.emit("pfl", version("pfl"), seconds, spec, module, round_ends=stamps.times[1:])
 
 
 if __name__ == "__main__":
