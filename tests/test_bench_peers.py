@@ -110,9 +110,10 @@ def test_quick_workloads_in_both_engines_with_a_fake_peer(tmp_path):
         s_round, cpu, cores = table["pfl"][:3]
         assert 0.17 < float(cpu) < 0.33, table["pfl"]
         assert float(cores) == pytest.approx(float(cpu) / float(s_round), abs=0.01)
-        for engine in ("fedhop processes", "fedhop inprocess"):
+        for engine in ("fedhop processes", "fedhop inprocess"):   # a few rounds of ~10 ms: under 5 readings
             s_round, cpu, cores = table[engine][:3]
-            assert float(cpu) > 0 and 0 < float(cores) <= (os.cpu_count() or 1) + 0.5, table[engine]
+            assert cpu == cores == "-" or 0 < float(cores) <= (os.cpu_count() or 1) + 0.5, table[engine]
+    assert "(CPU s/round -: rounds 2..n spanned fewer than 5 readings" in res.stdout
 
     # W1's objective against numpy: every client sampled, one full step at lr 0.1, from zeros
     w1 = workloads(True)["W1"]
@@ -201,16 +202,18 @@ def test_fedhop_s_per_round_counts_the_time_between_rounds_rows():
 def test_cpu_per_round_is_the_cpu_between_the_first_and_last_round_ends():
     """Readings (wall, monotonic, CPU) of a tree that used 0.3 CPU s a second from t = 0: rounds
     ending at 0.1, 0.35, 0.6 and 1.1 s (between readings) used 0.3 * 1.0 / 3 CPU s a round over
-    rounds 2..4, on either clock; a stamp outside the readings gives None."""
+    rounds 2..4, on either clock; a stamp outside the readings, or a span of fewer than 5
+    readings, gives None."""
     from fedhop.deploy.bench.bench_peers import MONOTONIC, WALL, cpu_at, cpu_per_round
 
-    samples = [(1000.0 + t, 50.0 + t, 0.3 * t) for t in (0.0, 0.05, 0.2, 0.5, 0.55, 0.9, 1.2)]
+    samples = [(1000.0 + t, 50.0 + t, 0.3 * t) for t in (0.0, 0.05, 0.2, 0.3, 0.5, 0.55, 0.8, 0.9, 1.2)]
     ends = [0.1, 0.35, 0.6, 1.1]
     assert cpu_at(samples, 50.35, MONOTONIC) == pytest.approx(0.3 * 0.35)
     assert cpu_per_round(samples, [50.0 + t for t in ends], MONOTONIC) == pytest.approx(0.1)
     assert cpu_per_round(samples, [1000.0 + t for t in ends], WALL) == pytest.approx(0.1)
     assert cpu_per_round(samples, [50.0 + t for t in (*ends, 1.3)], MONOTONIC) is None
     assert cpu_per_round(samples, [50.1], MONOTONIC) is None   # one round: no span
+    assert cpu_per_round(samples, [50.1, 50.35, 50.6], MONOTONIC) is None   # 4 readings in the span: a rate only
 
 
 def test_tree_watch_counts_a_childs_cpu_after_it_has_exited(tmp_path):

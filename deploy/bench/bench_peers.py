@@ -187,11 +187,17 @@ def cpu_at(samples: list[tuple[float, float, float]], t: float, clock: int) -> f
     return None
 
 
+#: readings of the process tree a run's rounds 2..n must span for their CPU to be a per-round figure
+MIN_READINGS = 5
+
+
 def cpu_per_round(samples: list[tuple[float, float, float]], ends: list[float], clock: int) -> float | None:
     """CPU seconds of every process of a run per round over rounds 2..n (the span s/round is
     taken over): the CPU between the end of round 1 and the end of round n, divided by n - 1.
-    `ends`: when each round ended, on `clock`.  None without two rounds inside the sampled span."""
-    if len(ends) < 2:
+    `ends`: when each round ended, on `clock`.  None without two rounds inside the sampled span,
+    or when the span holds fewer than MIN_READINGS readings (the interpolation would then give
+    the tree's rate around the rounds rather than the rounds' own CPU)."""
+    if len(ends) < 2 or sum(ends[0] <= row[clock] <= ends[-1] for row in samples) < MIN_READINGS:
         return None
     first, last = cpu_at(samples, ends[0], clock), cpu_at(samples, ends[-1], clock)
     if first is None or last is None:
@@ -421,6 +427,9 @@ def print_table(w: Workload, rounds: int, seed: int, repeats: int, table: dict[s
             f"{cores:>6} {fig['peak_rss_mb']:>9.0f} {shown:>10}")
     for name, why in skipped.items():
         say(f"  {name:<18} {why}")
+    if any(fig.get("cpu_s_per_round") is None for fig in table.values()):
+        say(f"  (CPU s/round -: rounds 2..n spanned fewer than {MIN_READINGS} readings of the process tree, "
+            f"50 ms apart; more --rounds give it)")
     rows = ratios(w.name, table)
     for r in rows:
         need = "" if r["needs"] is None else f"  (issue 49: >= {r['needs']:g}: {'met' if r['meets'] else 'NOT met'})"
