@@ -250,8 +250,9 @@ def run_fedhop(config: Path, engine: str, out: Path, timeout: float) -> dict[str
     rows = store.rounds()
     store.close()
     metrics = rows[-1]["metrics"]
+    ends = [float(r["finished"]) for r in rows if r.get("finished") is not None]
     return {"per_round_s": round_seconds(rows), "peak_rss_mb": watch.peak / 1e6,
-            "cpu_s_per_round": cpu_per_round(watch.cpu, [float(r["finished"]) for r in rows], WALL),
+            "cpu_s_per_round": cpu_per_round(watch.cpu, ends, WALL) if len(ends) == len(rows) else None,
             "accuracy": metrics.get("test_accuracy"), "objective": metrics.get("objective")}
 
 
