@@ -1,2 +1,2 @@
-"""What a run leaves on disk: run.db (runstore) and the checkpoints a role resumes from
-(checkpoint)."""
+"""What a run leaves on disk: run.db (runstore; walfold folds a WAL a reader left beside it) and
+the checkpoints a role resumes from (checkpoint)."""

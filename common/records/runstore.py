@@ -10,7 +10,13 @@ is missing (a sender killed before its ledger reached the server).  A run.db hol
 resumed run keeps its run_id), so the read methods do not filter by run_id.
 
 One connection, guarded by a lock, serves every thread; WAL mode lets a reader (`fedhop report`
-on a live run) read while the server writes.
+on a live run) read while the server writes.  A WAL is removed only by the last connection to
+close, and a read-only one cannot remove it: where a reader (the launcher's progress, a
+dashboard) is open at the moment the store closes, the WAL stays beside run.db.  So `close`
+first checkpoints every transaction into run.db (nothing is then only in the WAL: a copy of
+run.db alone, or an `immutable` read, holds the whole run), and walfold.py's `fold_wal` removes
+what is left once none of the run's processes is running (the launcher after a run, a folder's
+next user).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, cast
 
+from fedhop.common.records.walfold import CLOSE_CHECKPOINT_WAIT
 from fedhop.common.transport.livebytes import carried_rows
 from fedhop.common.wire.ledger import BYTE_FIELDS, LedgerRecord, iter_jsonl_batches
 
@@ -199,6 +206,7 @@ class RunStore:
             p.parent.mkdir(parents=True, exist_ok=True)
         self.path = p
         self.final = False   # set by finish_run: later events of this run are dropped
+        self.writer = create   # a writer's close checkpoints the WAL (`close`)
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(str(p), check_same_thread=False, isolation_level=None, timeout=30.0)
         with self._lock:
@@ -265,7 +273,15 @@ class RunStore:
         return rid
 
     def close(self) -> None:
+        """Close; a writer (`create`) first checkpoints the WAL into run.db (module docstring),
+        waiting at most CLOSE_CHECKPOINT_WAIT s for a reader of an older snapshot: one that
+        holds it longer leaves the rest of the WAL for the last connection or `fold_wal`.  A
+        reader (`create=False`) never waits on the writer of a live run."""
         with self._lock:
+            if self.writer:
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.execute(f"PRAGMA busy_timeout = {int(CLOSE_CHECKPOINT_WAIT * 1000)}")
+                    self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
             self._conn.close()
 
     def __enter__(self) -> "RunStore":

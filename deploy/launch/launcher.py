@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from fedhop.common.config import Config, config_to_toml, load_config
+from fedhop.common.records.walfold import fold_wal
 from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
 from fedhop.common.topologies.plan import plan_processes
 from fedhop.common.transport.factory import TRANSPORTS, transport
@@ -662,6 +663,7 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         merge_interrupted(run_dir)
         if show_table and (run_dir / "summary.json").exists():
             print(final_table(run_dir))
+        fold_wal(run_dir / "run.db")
         # the server's verdict: a stop after the last round's row leaves a completed run (server/coordinator.py)
         return 0 if recorded_status(run_dir) == "completed" else code
     except RuntimeError as exc:
@@ -680,6 +682,7 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
               f"{tail(run.children[0].log)}", file=sys.stderr)
         if (run_dir / "checkpoints").is_dir():
             print(f"fedhop run: continue it with `fedhop run --resume {run_dir}`", file=sys.stderr)
+    fold_wal(run_dir / "run.db")   # one our progress reads held open as the server closed run.db (runstore.py)
     if page is not None:
         keep_serving(page)
     # the server's status: 0 completed, 128 + N stopped by signal N (one this launcher did not
@@ -738,6 +741,7 @@ def run_inprocess(cfg: Config, run_dir: Path, quiet: bool, show_table: bool, res
         print(f"\nfedhop run: {summary['error']}; the run is recorded as stopped", file=sys.stderr, flush=True)
     if show_table:
         print(final_table(run_dir))
+    fold_wal(run_dir / "run.db")   # one the progress thread held open as the engine closed run.db (runstore.py)
     if page is not None and summary["status"] != "stopped":   # a stopped run ends at once, as a process run does
         keep_serving(page)
     elif page is not None:

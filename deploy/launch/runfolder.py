@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from fedhop.common.records.walfold import fold_wal
+
 
 def run_stamp(name: str, seed: int, when: float | None = None, utc: bool = False) -> str:
     """A run folder's name, `NAME-seedS-YYYYmmdd-HHMMSS`: runs of one config with other seeds are
@@ -112,7 +114,7 @@ def in_use(folder: Path) -> bool:
 
 def rounds_done(folder: Path) -> int:
     """Rounds the folder's run recorded: summary.json's rounds_completed, or where that says none,
-    run.db's rounds rows (0 when neither says anything)."""
+    run.db's rounds rows (0 when neither says anything).  For a folder no process holds."""
     done = 0
     try:
         summary = json.loads((folder / "summary.json").read_text())
@@ -121,6 +123,7 @@ def rounds_done(folder: Path) -> int:
         pass
     db = folder / "run.db"
     if done == 0 and db.is_file():
+        fold_wal(db)   # a run killed before closing run.db left rows in its WAL, which `immutable` does not read
         try:   # immutable: no process holds the folder, and a reader of a WAL database would add its -shm file
             con = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True, timeout=1.0)
             try:

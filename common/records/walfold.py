@@ -1,0 +1,36 @@
+"""A WAL left beside run.db, folded in once nothing runs (common/records/runstore.py, module docstring).
+
+SQLite removes a database's WAL (and its -shm) when the last connection closes, and only a
+connection that may write can: a read-only one (the launcher's progress, a dashboard, `fedhop
+report`) that is open when the run's writer closes leaves the WAL beside run.db.  What is in it
+is still the database's (the next connection reads it), but a copy of run.db alone, or a read
+with SQLite's `immutable` flag, would not see it.  This module needs nothing but sqlite3, so the
+run-folder checks that run before torch loads (deploy/launch/runfolder.py) can use it.
+"""
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from pathlib import Path
+
+#: seconds a writer's close (and `fold_wal`) waits for a reader of an older snapshot so that its
+#: checkpoint takes the whole WAL
+CLOSE_CHECKPOINT_WAIT = 2.0
+
+
+def fold_wal(db: Path) -> bool:
+    """Fold a WAL left beside the SQLite file `db` into it and remove it with its -shm, as the
+    last connection to close does; for a database none of whose writers is still running.
+    Returns whether a WAL is left (another connection is still open: the data are in the
+    database file, the WAL empty; or SQLite could not open the file: the next connection that
+    can reads the WAL)."""
+    wal = db.with_name(db.name + "-wal")
+    if not wal.exists():
+        return False
+    with contextlib.suppress(sqlite3.Error):
+        con = sqlite3.connect(str(db), timeout=CLOSE_CHECKPOINT_WAIT)
+        try:
+            con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        finally:
+            con.close()
+    return wal.exists()

@@ -1,0 +1,99 @@
+"""run.db's WAL when a reader is open as the run's writer closes (common/records/walfold.py).
+
+SQLite leaves a WAL beside its database when the last connection to close may not write (a
+read-only reader: the launcher's progress, a dashboard, `fedhop report`), and what is in it is
+not in run.db: a copy of run.db alone, or a read with `immutable` (what a run folder's next user
+reads, deploy/launch/runfolder.py), would miss it.  The writer's close checkpoints first, the
+launcher folds what is left once its run is over, and a folder's next user folds the WAL of a
+run that was killed before it closed run.db.
+"""
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+from fedhop.common.records.runstore import RunStore
+from fedhop.common.records.walfold import fold_wal
+from fedhop.deploy.launch.runfolder import false_start, rounds_done
+from tests.helpers import max_round, quadratic_config, wait_until
+
+PY = sys.executable
+
+
+def immutable_rounds(db: Path) -> int:
+    """Rounds run.db's file itself holds (`immutable`: SQLite reads neither its WAL nor its locks)."""
+    con = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
+    try:
+        return int(con.execute("SELECT COUNT(*) FROM rounds").fetchone()[0])
+    except sqlite3.OperationalError:   # the table itself only in the WAL
+        return 0
+    finally:
+        con.close()
+
+
+def wal(db: Path) -> Path:
+    return db.with_name("run.db-wal")
+
+
+def test_a_writer_closing_beside_an_open_reader_leaves_every_row_in_run_db(tmp_path):
+    db = tmp_path / "run.db"
+    store = RunStore(db)
+    store.start_run("r")
+    for r in (1, 2, 3):
+        store.add_round(r, participants=[0, 1], metrics={"loss": 1.0 / r})
+    reader = sqlite3.connect(f"file:{db}?mode=ro", uri=True)   # as the launcher's progress reads it
+    assert reader.execute("SELECT COUNT(*) FROM rounds").fetchone()[0] == 3
+    store.close()
+    assert wal(db).exists()   # the reader's connection keeps it: the writer was not the last to close
+    assert immutable_rounds(db) == 3 and wal(db).stat().st_size == 0
+    assert fold_wal(db) is True   # the reader is still open: its WAL stays, empty
+    reader.close()
+    assert fold_wal(db) is False
+    assert not wal(db).exists() and not db.with_name("run.db-shm").exists()
+    assert RunStore(db, create=False).rounds()[-1]["round"] == 3
+
+
+def test_a_killed_runs_rounds_in_its_wal_keep_its_folder(tmp_path):
+    """A server killed before closing run.db (no summary.json, no checkpoint) left its rounds in
+    the WAL: they are counted, so the folder is not taken for a false start and emptied."""
+    folder = tmp_path / "run"
+    script = ("import os, sys\nfrom fedhop.common.records.runstore import RunStore\n"
+              "s = RunStore(sys.argv[1]); s.start_run('r')\n"
+              "for r in (1, 2): s.add_round(r, participants=[0])\n"
+              "os._exit(0)\n")   # no close: what was committed is in the WAL only
+    subprocess.run([PY, "-c", script, str(folder / "run.db")], check=True, timeout=120)
+    assert wal(folder / "run.db").stat().st_size > 0 and immutable_rounds(folder / "run.db") == 0
+    assert rounds_done(folder) == 2
+    assert not false_start(folder)
+    assert not wal(folder / "run.db").exists() and immutable_rounds(folder / "run.db") == 2
+
+
+def test_fedhop_run_beside_a_reader_leaves_the_whole_run_in_run_db(tmp_path):
+    """A reader (a user's dashboard or sqlite3 shell) holds run.db open from round 1 to after
+    `fedhop run` has exited: the server's close checkpointed every row into run.db."""
+    rounds = 4
+    (tmp_path / "exp.toml").write_text(quadratic_config([[1.0, -2.0], [3.0, 0.5]], [[1.0, 2.0], [0.5, 1.0]],
+                                                        [10, 20], rounds=rounds, processes=2))
+    with open(tmp_path / "run.out", "wb") as out:
+        launcher = subprocess.Popen([PY, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "run", "--quiet"],
+                                    cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    db = tmp_path / "run" / "run.db"
+    try:
+        wait_until("round 1", lambda: max_round(db) >= 1, [launcher])
+        reader = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            assert reader.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 1
+            assert launcher.wait(120) == 0, (tmp_path / "run.out").read_text()
+            assert immutable_rounds(db) == rounds
+            con = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
+            assert con.execute("SELECT status FROM runs").fetchone()[0] == "completed"
+            con.close()
+            assert not wal(db).exists() or wal(db).stat().st_size == 0
+        finally:
+            reader.close()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
