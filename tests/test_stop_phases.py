@@ -313,3 +313,58 @@ def test_stops_deferred_are_noted_and_raised_where_armed_and_a_second_one_never_
             signal.raise_signal(sig)
         ignore_stops()
         assert stop_noted() is None
+
+
+def test_a_wait_on_calls_returns_what_finished_and_raises_a_stop_within_its_slice():
+    """`wait_stoppable` in the rounds (`stops_at_waits`): every call finished, or at the deadline
+    the ones that did not; a stop noted while it waits is raised at its next slice."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from fedhop.common.util.procexit import (
+        WAIT_SLICE,
+        Stopped,
+        ignore_stops,
+        signals_restored,
+        stop_on_sigterm,
+        stops_at_waits,
+        wait_stoppable,
+    )
+
+    class Watched(Future):
+        """A future that says when a waiter has attached itself."""
+        def __init__(self) -> None:
+            super().__init__()
+            self.watched = threading.Event()
+
+        def add_done_callback(self, fn) -> None:
+            super().add_done_callback(fn)
+            self.watched.set()
+
+    with signals_restored():
+        stop_on_sigterm(deferred=True)
+        with stops_at_waits():
+            calls = [Watched() for _ in range(50)]
+            finisher = threading.Thread(target=lambda: [(c.watched.wait(30), c.set_result(i))
+                                                        for i, c in enumerate(calls)])
+            finisher.start()
+            done, pending = wait_stoppable(calls + calls[:3], None)   # a call given twice counts once
+            finisher.join()
+            assert done == set(calls) and pending == set()
+            never, finished = Watched(), Watched()
+            finished.set_exception(RuntimeError("failed"))
+            started = time.monotonic()
+            done, pending = wait_stoppable([never, finished], 2.5 * WAIT_SLICE)
+            assert (done, pending) == ({finished}, {never})
+            assert time.monotonic() - started >= 2.5 * WAIT_SLICE
+            assert wait_stoppable([], None) == (set(), set())
+            blocked = Watched()   # the signal comes once the wait is attached to it
+            stopper = threading.Thread(target=lambda: (blocked.watched.wait(30), os.kill(os.getpid(), signal.SIGTERM)))
+            stopper.start()
+            started = time.monotonic()
+            with pytest.raises(Stopped):
+                wait_stoppable([blocked], None)
+            stopper.join()
+            assert time.monotonic() - started < 30
+        ignore_stops()
