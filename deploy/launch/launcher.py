@@ -669,6 +669,7 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
     except RuntimeError as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
         run.stop_all()
+        fold_wal(run_dir / "run.db")
         return 1
     finally:
         if progress:
