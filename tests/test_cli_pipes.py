@@ -42,3 +42,21 @@ def test_a_run_whose_stdout_reader_left_is_recorded_and_says_so_in_one_status(tm
         assert con.execute("SELECT COUNT(*) FROM rounds").fetchone()[0] == 2
     finally:
         con.close()
+
+
+def test_a_broken_pipe_other_than_stdout_is_not_taken_for_a_closed_stdout(tmp_path):
+    """A BrokenPipeError from another pipe (a child's, written to after the child ended) is a
+    defect to show: it is raised as it is (a traceback, exit 1), not hidden as a closed stdout's
+    141 that leaves the run unrecorded.  With stdout a file, which no reader can leave."""
+    script = ("import sys\n"
+              "from fedhop.deploy.cli import cli\n"
+              "def main(argv):\n"
+              "    raise BrokenPipeError(32, 'the pipe of a child process')\n"
+              "cli.main = main\n"
+              "sys.argv = ['fedhop', 'report']\n"
+              "cli.entry()\n")
+    with open(tmp_path / "out.txt", "wb") as out:
+        proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, stdout=out, stderr=subprocess.PIPE,
+                              timeout=120)
+    assert proc.returncode == 1, proc.stderr.decode()
+    assert b"BrokenPipeError" in proc.stderr and b"the pipe of a child process" in proc.stderr and b"Traceback" in proc.stderr

@@ -8,13 +8,17 @@ completed one, no log holds a traceback, and no process is left behind.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
+import psutil
 import pytest
 
 from tests.helpers import max_round, quadratic_config, read_db, wait_until
@@ -195,16 +199,28 @@ def test_server_stopped_after_its_last_round_records_a_completed_run(tmp_path, p
 
 
 # ---------------------------------------------------------------- `fedhop run`
-def fedhop_run(cwd: Path, rounds: int, ignore_sigint: bool = False) -> subprocess.Popen:
-    """`fedhop run exp.toml --out run` in its own process group (a terminal's job), its output
-    in run.out; with `ignore_sigint` started as a shell starts a background job (SIGINT ignored)."""
+def fedhop_run(cwd: Path, rounds: int, ignore_sigint: bool = False, args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`fedhop run exp.toml --out run [args]` in its own process group (a terminal's job), its
+    output in run.out; with `ignore_sigint` started as a shell starts a background job (SIGINT ignored)."""
     (cwd / "exp.toml").write_text(config(rounds=rounds))
-    argv = [PY, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "run", "--quiet"]
+    argv = [PY, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "run", "--quiet", *args]
     if ignore_sigint:
         argv = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv]
     with open(cwd / "run.out", "wb") as out:
         return subprocess.Popen(argv, cwd=cwd, env=env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+
+
+@contextlib.contextmanager
+def group_of(launcher: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """The launched `fedhop run`; its whole process group is killed on the way out if it still runs
+    (a failed test leaves nothing behind)."""
+    try:
+        yield launcher
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
 
 
 def stop_group(launcher: subprocess.Popen, cwd: Path, sig: int, status: str, rounds: int | None = None) -> None:
@@ -226,9 +242,8 @@ def test_fedhop_run_stopped_at_any_phase(tmp_path, phase, sig):
     """start-up: the signal goes to the whole process group (a terminal's Ctrl-C) while the
     child processes start (the server has read its config, no registration is complete);
     round: once round 2 is recorded."""
-    launcher = fedhop_run(tmp_path, rounds=100_000)
-    run = tmp_path / "run"
-    try:
+    with group_of(fedhop_run(tmp_path, rounds=100_000)) as launcher:
+        run = tmp_path / "run"
         if phase == "start-up":
             wait_until("the server's set-up", lambda: logged(run / "logs" / "server.log", "computes on")
                        and (run / "logs" / "client-proc1.log").exists(), [launcher])
@@ -236,25 +251,71 @@ def test_fedhop_run_stopped_at_any_phase(tmp_path, phase, sig):
         else:
             wait_until("round 2", lambda: max_round(run / "run.db") >= 2, [launcher])
         stop_group(launcher, tmp_path, sig, "stopped")
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
 
 
 def test_fedhop_run_as_a_background_job_ignores_the_groups_sigint(tmp_path):
     """A shell starts a background job with SIGINT ignored; every process of the run inherits
     that (as an exec'd child would), so a Ctrl-C in the terminal (SIGINT to the group) leaves
     the run to complete, and `fedhop run` says so with exit 0."""
-    launcher = fedhop_run(tmp_path, rounds=4, ignore_sigint=True)
-    run = tmp_path / "run"
-    try:
+    with group_of(fedhop_run(tmp_path, rounds=4, ignore_sigint=True)) as launcher:
+        run = tmp_path / "run"
         wait_until("round 1", lambda: max_round(run / "run.db") >= 1, [launcher])
         stop_group(launcher, tmp_path, signal.SIGINT, "completed", rounds=4)
+
+
+# ---------------------------------------------------------------- the in-process engine's workers
+WORKERS = ("--engine", "inprocess", "--set", "run.workers=2")
+
+
+def workers_of(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The in-process engine's worker processes: the children `fedhop run` spawned (multiprocessing)."""
+    return [p for p in psutil.Process(launcher.pid).children()
+            if any("spawn_main" in part for part in p.cmdline())]   # not multiprocessing's resource tracker
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_fedhop_run_inprocess_with_workers_stopped_by_its_group(tmp_path, sig):
+    """The in-process engine's worker processes are in the run's process group, so a terminal's
+    Ctrl-C or a scheduler's SIGTERM to the group reaches them too: they leave the stop to the run's
+    process, which records it as a process run does and then closes them.  (A worker that SIGTERM
+    ended made the run's next write to its pipe fail; that BrokenPipeError ended `fedhop run` as a
+    closed stdout would, exit 141, the run left "running" with its rounds in run.db's WAL.)"""
+    with group_of(fedhop_run(tmp_path, rounds=100_000, args=WORKERS)) as launcher:
+        wait_until("round 2", lambda: max_round(tmp_path / "run" / "run.db") >= 2, [launcher])
+        assert len(workers_of(launcher)) == 2
+        stop_group(launcher, tmp_path, sig, "stopped")
+
+
+def test_a_killed_worker_leaves_the_inprocess_run_going_without_its_clients(tmp_path):
+    """A worker killed apart from the run (SIGKILL, as the out-of-memory killer sends it): its
+    client process's calls fail as a dead process's do (UNAVAILABLE), the server records the node
+    dead once, and the rounds go on with the other process's clients (run.min_results = 1), as a
+    process run goes on without a dead client process."""
+    with group_of(fedhop_run(tmp_path, rounds=100_000, args=WORKERS)) as launcher:
+        db = tmp_path / "run" / "run.db"
+        wait_until("round 2", lambda: max_round(db) >= 2, [launcher])
+        workers = workers_of(launcher)
+        assert len(workers) == 2
+        workers[0].kill()
+        wait_until("the node's death recorded", lambda: events(db, "node_dead") == 1, [launcher])
+        dead_round = int(read_db(db, "SELECT round FROM events WHERE kind = 'node_dead'"))
+        wait_until("3 rounds after it", lambda: max_round(db) >= dead_round + 3, [launcher])
+        assert workers[1].is_running()
+        stop_group(launcher, tmp_path, signal.SIGTERM, "stopped")
+    node = read_db(db, "SELECT node FROM events WHERE kind = 'node_dead'")
+    assert node in ("client-proc0", "client-proc1")
+    detail = read_db(db, "SELECT detail FROM events WHERE kind = 'node_dead'")
+    assert "ended (exit code -9)" in detail, detail
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        after = con.execute("SELECT sampled, participants, failures FROM rounds WHERE round > ?", (dead_round,)).fetchall()
+        failed = con.execute("SELECT DISTINCT node FROM events WHERE kind = 'client_failed' AND round > ?",
+                             (dead_round,)).fetchall()
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
+        con.close()
+    assert after and all(row == (4, 2, 2) for row in after), after   # every client sampled; the dead node's 2 fail
+    homes = {"client-proc0": {"client-0", "client-1"}, "client-proc1": {"client-2", "client-3"}}
+    assert {row[0] for row in failed} == homes[node], failed
 
 
 # ---------------------------------------------------------------- finalize's ledger check

@@ -137,6 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has left (poll says POLLERR or POLLHUP on it)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError):   # no stdout to ask (closed, not a file descriptor)
+        return True
+
+
 def entry() -> None:
     """The console script. After `run`, leave without the interpreter's teardown (common/util/procexit.py):
     the run's records are on disk, and finalizing torch costs a user 0.3 to 0.7 s per run."""
@@ -147,6 +159,8 @@ def entry() -> None:
         print(f"\nfedhop{' ' + argv[0] if argv else ''}: stopped by SIGINT (Ctrl-C)", file=sys.stderr)
         code = 130
     except BrokenPipeError:   # stdout's reader left (`fedhop run ... | head`): what was done stands, no traceback
+        if not _stdout_gone():   # another pipe broke (a child's): a defect to show, not a closed stdout
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # the exit's flush writes nowhere
         code = 141   # 128 + SIGPIPE, as a tool the signal ended
     if argv and argv[0] == "run":

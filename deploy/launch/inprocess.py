@@ -14,8 +14,10 @@ heartbeats, which the in-memory transport does not send, and fields that name an
 What a role process sets up besides its endpoint and is kept here: the server's live byte view
 (common/transport/livebytes.py), fed at each round's end from every process's own counter
 instead of from heartbeats, and the server's checkpoints and resume (server/resilience.py).
-Left out: heartbeats and liveness (nothing can die apart from the whole run), TLS and node
-credentials (no sockets), child refusal reports (a child's refusal is an exception here).
+Left out: heartbeats (a role here dies only with the whole run, a worker process apart from it:
+its client processes' calls then fail as a dead process's do, and the server stops sampling
+their clients, deploy/launch/workers.py `WorkerLiveness`), TLS and node credentials (no
+sockets), child refusal reports (a child's refusal is an exception here).
 """
 from __future__ import annotations
 
@@ -40,7 +42,14 @@ from fedhop.common.util.procexit import freeze_heap
 from fedhop.common.wire.ledger import Ledger
 from fedhop.common.wire.message import Payload
 from fedhop.deploy.launch.engine import INPROCESS
-from fedhop.deploy.launch.workers import CLIENT_PEERS, Worker, WorkerClientProcess, WorkerEndpoint, worker_count
+from fedhop.deploy.launch.workers import (
+    CLIENT_PEERS,
+    Worker,
+    WorkerClientProcess,
+    WorkerEndpoint,
+    WorkerLiveness,
+    worker_count,
+)
 from fedhop.edge.runtime import EdgeProcess
 from fedhop.server.coordinator import Coordinator
 from fedhop.server.resilience import Checkpointer, resume
@@ -213,6 +222,11 @@ def _start_roles(engine: InProcessRun, devices: dict[str, str]) -> None:
         thread.join(EDGE_WAIT)
     if errors:
         raise RuntimeError(f"an edge did not start: {errors[0]}") from errors[0]
+    served = {role.endpoint.node_id: role.endpoint.worker for role in engine.roles
+              if isinstance(role.endpoint, WorkerEndpoint)}
+    if served:   # a worker can end apart from the run: its client processes are then dead (workers.py)
+        WorkerLiveness(server_ep, served, on_event=lambda kind, node, detail: coordinator.store.add_event(
+            kind, node=node, detail=detail, round=coordinator.rounds_completed + 1))
 
 
 @dataclass

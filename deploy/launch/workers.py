@@ -43,9 +43,9 @@ from typing import Any, Callable, Iterator, Sequence
 from fedhop.client.runtime import ClientProcess
 from fedhop.common.config import Config, parent_config
 from fedhop.common.topologies import spec_for
-from fedhop.common.transport.base import Handler, ReplyBundles
+from fedhop.common.transport.base import CallFailed, Handler, ReplyBundles
 from fedhop.common.transport.livebytes import LinkCounter
-from fedhop.common.transport.liveness import register_with_backoff
+from fedhop.common.transport.liveness import LivenessMonitor, register_with_backoff
 from fedhop.common.wire.codec import Encoded
 from fedhop.common.wire.ledger import Ledger
 from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
@@ -111,9 +111,11 @@ def worker_main(conn: Connection) -> None:
     from fedhop.client.host import ClientHost
     from fedhop.common.transport.placement import process_device
 
-    # Ctrl-C reaches the whole process group: the run's process stops the rounds and closes its
-    # workers (`Worker.close`), which serve until then
+    # Ctrl-C, and a scheduler's or `kill`'s SIGTERM to the process group, reach every process of
+    # the run: the run's process stops the rounds, records the stop and closes its workers
+    # (`Worker.close`), which serve until then (a worker whose run's process is gone ends at EOF)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     hosts: dict[str, tuple[InMemoryEndpoint, ClientHost, LinkCounter]] = {}
     while True:
         try:
@@ -156,12 +158,26 @@ def worker_main(conn: Connection) -> None:
                 continue
             reply = ep.serve_frames(frames, host.handle, framing=head["framing"], pulled=head["pulled"])
             conn.send_bytes(pack({"ok": True, "counts": counter.take()}, list(reply)))
+        except (BrokenPipeError, ConnectionResetError):   # the run's process is gone: nobody to serve
+            return
         except Exception as exc:  # noqa: BLE001 - told to the engine, which raises it there
-            conn.send_bytes(pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"}, []))
+            try:
+                conn.send_bytes(pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"}, []))
+            except OSError:
+                return
 
 
 def _framing(bundles: ReplyBundles) -> Callable[[list[int]], int]:
     return lambda lengths: bundles.place(lengths)[1]
+
+
+class WorkerGone(RuntimeError):
+    """The worker process has ended (killed, out of memory): its pipe is closed.  Its client
+    processes' calls fail as a dead process's do over gRPC (`WorkerEndpoint`)."""
+
+    def __init__(self, message: str, delivered: bool) -> None:
+        super().__init__(message)
+        self.delivered = delivered   # False: the request never reached the worker's pipe
 
 
 class Worker:
@@ -174,22 +190,40 @@ class Worker:
         self.process.start()
         child.close()
         self.lock = threading.RLock()   # one exchange (or one batch's, `WorkerEndpoint.pipelined`) at a time on the pipe
+        self.gone = ""   # why the worker is known to have ended (`WorkerGone`); "" while it serves
+
+    def _ended(self, delivered: bool) -> WorkerGone:
+        if not self.gone:
+            self.process.join(1.0)   # its exit code, where it has exited already
+            self.gone = f"{self.process.name} ended (exit code {self.process.exitcode})"
+        return WorkerGone(self.gone, delivered)
+
+    def send(self, head: dict[str, Any], frames: Sequence[bytes | memoryview]) -> None:
+        """One message to the worker; WorkerGone when its end of the pipe is closed."""
+        if self.gone:
+            raise WorkerGone(self.gone, delivered=False)
+        try:
+            self.conn.send_bytes(pack(head, frames))
+        except OSError:   # BrokenPipeError, ConnectionResetError: the worker has ended
+            raise self._ended(delivered=False) from None
 
     def exchange(self, head: dict[str, Any], frames: Sequence[bytes | memoryview],
                  timeout: float | None = None) -> tuple[dict[str, Any], list[bytes]]:
         with self.lock:
-            self.conn.send_bytes(pack(head, frames))
+            self.send(head, frames)
             return self.receive(timeout)
 
     def receive(self, timeout: float | None = None) -> tuple[dict[str, Any], list[bytes]]:
         """The worker's next message; RuntimeError when it reports an error (or says nothing
-        within `timeout`)."""
-        if timeout is not None and not self.conn.poll(timeout):
-            raise RuntimeError(f"{self.process.name} did not answer within {timeout:g}s")
+        within `timeout`), WorkerGone when it has ended."""
+        if self.gone:
+            raise WorkerGone(self.gone, delivered=True)
         try:
+            if timeout is not None and not self.conn.poll(timeout):
+                raise RuntimeError(f"{self.process.name} did not answer within {timeout:g}s")
             out, reply = unpack(self.conn.recv_bytes())
-        except EOFError:
-            raise RuntimeError(f"{self.process.name} ended (exit code {self.process.exitcode})") from None
+        except (EOFError, OSError):
+            raise self._ended(delivered=True) from None
         if not out.get("ok"):
             raise RuntimeError(f"{self.process.name}: {out.get('error')}")
         return out, reply
@@ -197,8 +231,8 @@ class Worker:
     def close(self) -> None:
         try:
             with self.lock:
-                self.conn.send_bytes(pack({"kind": "close"}, []))
-        except (OSError, ValueError):
+                self.send({"kind": "close"}, [])
+        except (WorkerGone, ValueError):
             pass
         self.process.join(10.0)
         if self.process.is_alive():
@@ -208,6 +242,53 @@ class Worker:
 
 
 # ----------------------------------------------------------------------------- the engine's side
+class WorkerLiveness(LivenessMonitor):
+    """The server's liveness monitor in the in-process engine with workers: a worker can end apart
+    from the run (killed, out of memory), and the client processes it served are then gone for
+    good.  No heartbeats travel in this engine; a node counts as dead once its worker has ended
+    (`Worker.gone`, or its OS process no longer running), seen when a call to it fails or when the
+    next round samples.  Sampling then leaves its clients out, as a process run's does for a
+    dead process (common/transport/liveness.py `live_pool`), and a `node_dead` event records it
+    once.  After `stop` (the run is ending and closes its workers) no further end is recorded."""
+
+    def __init__(self, endpoint: InMemoryEndpoint, workers_of: dict[str, Worker],
+                 on_event: Callable[[str, str, str], None]) -> None:
+        super().__init__(endpoint, interval=1.0, timeout=2.0, on_event=on_event)   # no heartbeats: unused
+        self.workers_of = workers_of   # node id -> the worker serving that client process
+        self.ended: dict[str, str] = {}   # node id -> why it is dead
+
+    def _look(self) -> set[str]:
+        found: list[tuple[str, str]] = []
+        with self._lock:
+            if not self._stop.is_set():
+                for node, worker in self.workers_of.items():
+                    if node not in self.ended and (worker.gone or not worker.process.is_alive()):
+                        why = worker.gone or f"{worker.process.name} ended (exit code {worker.process.exitcode})"
+                        self.ended[node] = why
+                        self.stats.marked_dead += 1
+                        found.append((node, why))
+            ended = set(self.ended)
+        for node, why in found:
+            log.warning("node %s marked dead: %s", node, why)
+            self._event("node_dead", node, f"node {node} marked dead: {why}; its clients are not sampled again")
+        return ended
+
+    def suspect(self, node_id: str, reason: str) -> bool:
+        """A failed call: the node is dead if its worker has ended (recorded as `node_dead`), never
+        merely suspect, since nothing here would clear it."""
+        self._look()
+        return False
+
+    def unavailable_nodes(self) -> set[str]:
+        return self._look()
+
+    def dead_nodes(self) -> set[str]:
+        return self._look()
+
+    def is_dead(self, node_id: str) -> bool:
+        return node_id in self._look()
+
+
 class WorkerEndpoint(InMemoryEndpoint):
     """A client process's endpoint on the engine's network whose calls its worker serves."""
 
@@ -228,20 +309,23 @@ class WorkerEndpoint(InMemoryEndpoint):
         self.worker.lock.acquire()
         try:
             frames = [list(m.frames) for m in messages]
-            self.worker.conn.send_bytes(pack({"kind": "many", "node": self.node_id,
-                                              "counts": [len(f) for f in frames],
-                                              "framings": [m.framing for m in messages],
-                                              "calls": _calls(messages)},
-                                             [f for fs in frames for f in fs]))
+            try:
+                self.worker.send({"kind": "many", "node": self.node_id, "counts": [len(f) for f in frames],
+                                  "framings": [m.framing for m in messages], "calls": _calls(messages)},
+                                 [f for fs in frames for f in fs])
+            except WorkerGone:   # each call of the batch fails on its own (`serve_frames`)
+                yield
+                return
             self._batch = _Batch({bytes(fs[0]): i for i, fs in enumerate(frames)}, threading.get_ident())
             try:
                 yield
             finally:
                 batch, self._batch = self._batch, None
-                while batch.received < len(frames):   # replies no call took (its caller gave up first)
-                    out, _ = self.worker.receive()
-                    batch.received += 1
-                    self._count(out)
+                with contextlib.suppress(WorkerGone):   # a worker that ended sends nothing more
+                    while batch.received < len(frames):   # replies no call took (its caller gave up first)
+                        out, _ = self.worker.receive()
+                        batch.received += 1
+                        self._count(out)
         finally:
             self.worker.lock.release()
 
@@ -253,13 +337,18 @@ class WorkerEndpoint(InMemoryEndpoint):
         bytes and that framing, as `Endpoint._serve` records them."""
         frames = [bytes(f) if not isinstance(f, bytes) else f for f in frames]
         batch = self._batch
-        if batch is not None and batch.thread == threading.get_ident() and frames and frames[0] in batch.index:
-            out, reply = batch.take(batch.index[frames[0]], self.worker)
-            if reply_framing is not None:   # the caller's side of the call's bundles (the worker placed its own)
-                reply_framing([len(f) for f in reply])
-        else:   # a call of its own: its reply travels streamed (a batch's always comes `pipelined`)
-            out, reply = self.worker.exchange({"kind": "call", "node": self.node_id, "framing": framing,
-                                               "pulled": pulled}, frames)
+        try:
+            if batch is not None and batch.thread == threading.get_ident() and frames and frames[0] in batch.index:
+                out, reply = batch.take(batch.index[frames[0]], self.worker)
+                if reply_framing is not None:   # the caller's side of the call's bundles (the worker placed its own)
+                    reply_framing([len(f) for f in reply])
+            else:   # a call of its own: its reply travels streamed (a batch's always comes `pipelined`)
+                out, reply = self.worker.exchange({"kind": "call", "node": self.node_id, "framing": framing,
+                                                   "pulled": pulled}, frames)
+        except WorkerGone as exc:   # as a call to a dead process over gRPC: the peer is unavailable
+            failed = CallFailed("UNAVAILABLE", f"{exc}; {self.node_id} is gone", self.address)
+            failed.delivered = exc.delivered
+            raise failed from None
         self._count(out)
         return reply
 
