@@ -318,6 +318,23 @@ def test_a_killed_worker_leaves_the_inprocess_run_going_without_its_clients(tmp_
     assert {row[0] for row in failed} == homes[node], failed
 
 
+def test_a_frozen_worker_does_not_hold_up_the_runs_stop(tmp_path):
+    """A worker that stops answering (SIGSTOP: frozen, as a hung one would be) while the run's
+    process waits on its pipe: a SIGTERM to the group still ends the run, recorded "stopped" with
+    exit 143 and no process left.  The shut-down gives the worker its SHUTDOWN_TIMEOUT, and the
+    close kills a worker it cannot tell to end (the close waited for the pipe, which the call
+    stuck on the frozen worker held, and the run never exited)."""
+    with group_of(fedhop_run(tmp_path, rounds=100_000, args=WORKERS)) as launcher:
+        wait_until("round 2", lambda: max_round(tmp_path / "run" / "run.db") >= 2, [launcher])
+        frozen = workers_of(launcher)[0]
+        frozen.suspend()   # every round samples all 4 clients: the next call to it waits on its pipe
+        try:
+            stop_group(launcher, tmp_path, signal.SIGTERM, "stopped")
+        finally:
+            with contextlib.suppress(psutil.Error):
+                frozen.resume()
+
+
 # ---------------------------------------------------------------- finalize's ledger check
 def test_ledger_check_explains_a_logical_clients_lone_record_by_its_process(tmp_path):
     """A lone receiver record of a message from a logical client ('client-15', recorded by its

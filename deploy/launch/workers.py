@@ -57,6 +57,7 @@ log = logging.getLogger("fedhop.workers")
 CLIENT_PEERS = "client-client"
 _U32 = struct.Struct("<I")
 START_TIMEOUT = 300.0   # seconds a worker may take to import, build its task and answer
+CLOSE_WAIT = 2.0   # seconds `Worker.close` waits for the pipe before it ends a worker that cannot be told
 
 
 def worker_count(cfg: Config, client_processes: int) -> int:
@@ -229,16 +230,29 @@ class Worker:
         return out, reply
 
     def close(self) -> None:
-        try:
-            with self.lock:
+        """Tell the worker to end and give it 10 s.  A worker that cannot be told within
+        CLOSE_WAIT (a call on the pipe waits for it: frozen, hung, or still training a stopped
+        round's batch), or that does not end, is killed; that ends the waiting call too (its
+        pipe closes), so a stop never hangs on a worker."""
+        told = False
+        if self.lock.acquire(timeout=CLOSE_WAIT):
+            try:
                 self.send({"kind": "close"}, [])
-        except (WorkerGone, ValueError):
-            pass
-        self.process.join(10.0)
+                told = True
+            except (WorkerGone, ValueError):
+                pass
+            finally:
+                self.lock.release()
+        if told:
+            self.process.join(10.0)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        self.conn.close()
+        if self.lock.acquire(timeout=CLOSE_WAIT):   # no call reads the pipe any more: its end can go
+            try:
+                self.conn.close()
+            finally:
+                self.lock.release()
 
 
 # ----------------------------------------------------------------------------- the engine's side
