@@ -335,6 +335,39 @@ def test_a_frozen_worker_does_not_hold_up_the_runs_stop(tmp_path):
                 frozen.resume()
 
 
+def test_a_frozen_worker_is_found_dead_after_the_heartbeat_timeout_and_the_run_goes_on(tmp_path):
+    """A worker stopped (SIGSTOP) during a run: a process run's monitor finds a frozen process
+    silent after security.heartbeat_timeout; here the server's monitor finds its worker stopped
+    that long, records the node dead, and kills the worker, which ends the call waiting on it, so
+    the rounds go on with the other process's clients instead of each waiting for the round's
+    deadline (run.round_timeout)."""
+    args = (*WORKERS, "--set", "security.heartbeat_timeout=2.0", "--set", "run.round_timeout=600")
+    with group_of(fedhop_run(tmp_path, rounds=100_000, args=args)) as launcher:
+        db = tmp_path / "run" / "run.db"
+        wait_until("round 2", lambda: max_round(db) >= 2, [launcher])
+        frozen = workers_of(launcher)[0]
+        frozen.suspend()
+        try:
+            wait_until("the node's death recorded", lambda: events(db, "node_dead") == 1, [launcher])
+            dead_round = int(read_db(db, "SELECT round FROM events WHERE kind = 'node_dead'"))
+            wait_until("3 rounds after it", lambda: max_round(db) >= dead_round + 3, [launcher])
+            wait_until("the frozen worker's end", lambda: not frozen.is_running(), [launcher])
+            stop_group(launcher, tmp_path, signal.SIGTERM, "stopped")
+        finally:
+            with contextlib.suppress(psutil.Error):
+                frozen.resume()
+    detail = read_db(db, "SELECT detail FROM events WHERE kind = 'node_dead'")
+    assert "was stopped (frozen) for" in detail and "security.heartbeat_timeout = 2s" in detail, detail
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        waited = con.execute("SELECT MAX(wall_seconds) FROM rounds WHERE round > ?", (dead_round,)).fetchone()[0]
+        after = con.execute("SELECT participants FROM rounds WHERE round > ?", (dead_round,)).fetchall()
+    finally:
+        con.close()
+    assert after and all(row == (2,) for row in after), after
+    assert waited < 60, waited   # no round after it waited on the frozen worker (round_timeout is 600 s)
+
+
 # ---------------------------------------------------------------- finalize's ledger check
 def test_ledger_check_explains_a_logical_clients_lone_record_by_its_process(tmp_path):
     """A lone receiver record of a message from a logical client ('client-15', recorded by its

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator, Sequence
 
+import psutil
+
 from fedhop.client.runtime import ClientProcess
 from fedhop.common.config import Config, parent_config
 from fedhop.common.topologies import spec_for
@@ -260,24 +262,50 @@ class WorkerLiveness(LivenessMonitor):
     """The server's liveness monitor in the in-process engine with workers: a worker can end apart
     from the run (killed, out of memory), and the client processes it served are then gone for
     good.  No heartbeats travel in this engine; a node counts as dead once its worker has ended
-    (`Worker.gone`, or its OS process no longer running), seen when a call to it fails or when the
-    next round samples.  Sampling then leaves its clients out, as a process run's does for a
-    dead process (common/transport/liveness.py `live_pool`), and a `node_dead` event records it
-    once.  After `stop` (the run is ending and closes its workers) no further end is recorded."""
+    (`Worker.gone`, or its OS process no longer running), seen when a call to it fails, when the
+    next round samples, or by the monitor's thread (`check`, every heartbeat interval).  A worker
+    whose OS process has been stopped (SIGSTOP, a frozen container) for longer than the heartbeat
+    timeout is what a process run's monitor sees as silent: it is marked dead and killed, which
+    ends the calls waiting on its pipe.  Sampling then leaves the node's clients out, as a process
+    run's does for a dead process (common/transport/liveness.py `live_pool`), and a `node_dead`
+    event records it once.  After `stop` (the run is ending and closes its workers) no further
+    end is recorded."""
 
     def __init__(self, endpoint: InMemoryEndpoint, workers_of: dict[str, Worker],
-                 on_event: Callable[[str, str, str], None]) -> None:
-        super().__init__(endpoint, interval=1.0, timeout=2.0, on_event=on_event)   # no heartbeats: unused
+                 on_event: Callable[[str, str, str], None], interval: float = 1.0, timeout: float = 5.0) -> None:
+        super().__init__(endpoint, interval=interval, timeout=timeout, on_event=on_event)
         self.workers_of = workers_of   # node id -> the worker serving that client process
         self.ended: dict[str, str] = {}   # node id -> why it is dead
+        self.stopped_since: dict[int, float] = {}   # a worker's pid -> when it was first seen stopped
+
+    def _why_dead(self, worker: Worker, now: float) -> str:
+        """Why `worker` counts as ended ("" while it serves)."""
+        if worker.gone or not worker.process.is_alive():
+            return worker.gone or f"{worker.process.name} ended (exit code {worker.process.exitcode})"
+        pid = worker.process.pid
+        assert pid is not None   # started in `Worker.__init__`
+        try:
+            frozen = psutil.Process(pid).status() == psutil.STATUS_STOPPED
+        except psutil.Error:   # ended meanwhile: the next look sees it
+            return ""
+        if not frozen:
+            self.stopped_since.pop(pid, None)
+            return ""
+        since = self.stopped_since.setdefault(pid, now)
+        if now - since <= self.timeout:
+            return ""
+        worker.process.kill()   # its pipe closes: a call waiting on it ends (UNAVAILABLE)
+        return (f"{worker.process.name} was stopped (frozen) for {now - since:.1f}s "
+                f"(security.heartbeat_timeout = {self.timeout:g}s) and was killed")
 
     def _look(self) -> set[str]:
         found: list[tuple[str, str]] = []
+        now = self.clock()
         with self._lock:
             if not self._stop.is_set():
                 for node, worker in self.workers_of.items():
-                    if node not in self.ended and (worker.gone or not worker.process.is_alive()):
-                        why = worker.gone or f"{worker.process.name} ended (exit code {worker.process.exitcode})"
+                    why = "" if node in self.ended else self._why_dead(worker, now)
+                    if why:
                         self.ended[node] = why
                         self.stats.marked_dead += 1
                         found.append((node, why))
@@ -286,6 +314,11 @@ class WorkerLiveness(LivenessMonitor):
             log.warning("node %s marked dead: %s", node, why)
             self._event("node_dead", node, f"node {node} marked dead: {why}; its clients are not sampled again")
         return ended
+
+    def check(self) -> list[str]:
+        """The monitor thread's look (`LivenessMonitor.start`): the nodes newly found dead."""
+        before = set(self.ended)
+        return sorted(self._look() - before)
 
     def suspect(self, node_id: str, reason: str) -> bool:
         """A failed call: the node is dead if its worker has ended (recorded as `node_dead`), never
