@@ -278,10 +278,14 @@ class WorkerLiveness(LivenessMonitor):
         self.ended: dict[str, str] = {}   # node id -> why it is dead
         self.stopped_since: dict[int, float] = {}   # a worker's pid -> when it was first seen stopped
 
-    def _why_dead(self, worker: Worker, now: float) -> str:
-        """Why `worker` counts as ended ("" while it serves)."""
+    def _why_dead(self, worker: Worker, now: float, frozen_too: bool) -> str:
+        """Why `worker` counts as ended ("" while it serves); `frozen_too`: also whether its OS
+        process has been stopped longer than the timeout (the monitor thread's look: reading a
+        process's state costs tens of microseconds, too much for every round's sampling)."""
         if worker.gone or not worker.process.is_alive():
             return worker.gone or f"{worker.process.name} ended (exit code {worker.process.exitcode})"
+        if not frozen_too:
+            return ""
         pid = worker.process.pid
         assert pid is not None   # started in `Worker.__init__`
         try:
@@ -298,13 +302,13 @@ class WorkerLiveness(LivenessMonitor):
         return (f"{worker.process.name} was stopped (frozen) for {now - since:.1f}s "
                 f"(security.heartbeat_timeout = {self.timeout:g}s) and was killed")
 
-    def _look(self) -> set[str]:
+    def _look(self, frozen_too: bool = False) -> set[str]:
         found: list[tuple[str, str]] = []
         now = self.clock()
         with self._lock:
             if not self._stop.is_set():
                 for node, worker in self.workers_of.items():
-                    why = "" if node in self.ended else self._why_dead(worker, now)
+                    why = "" if node in self.ended else self._why_dead(worker, now, frozen_too)
                     if why:
                         self.ended[node] = why
                         self.stats.marked_dead += 1
@@ -318,7 +322,7 @@ class WorkerLiveness(LivenessMonitor):
     def check(self) -> list[str]:
         """The monitor thread's look (`LivenessMonitor.start`): the nodes newly found dead."""
         before = set(self.ended)
-        return sorted(self._look() - before)
+        return sorted(self._look(frozen_too=True) - before)
 
     def suspect(self, node_id: str, reason: str) -> bool:
         """A failed call: the node is dead if its worker has ended (recorded as `node_dead`), never
