@@ -140,8 +140,7 @@ def _main(argv: list[str] | None) -> int:
             logging.error("cannot resume: %s", exc)
             return 2
     monitor = LivenessMonitor(endpoint, sec.heartbeat_interval, sec.heartbeat_timeout,
-                              on_event=lambda kind, node, detail: coordinator.store.add_event(
-                                  kind, node=node, detail=detail, round=coordinator.rounds_completed + 1))
+                              on_event=coordinator.liveness_event)
     coordinator.summary_hooks.append(lambda: {"liveness": monitor.summary(),
                                               "checkpoints": [{"round": r, "seconds": s}
                                                               for r, s in checkpointer.written]})

@@ -186,6 +186,11 @@ class Coordinator:
                                      req.msg_id + ".reply", self.run_id)
         return reply
 
+    def liveness_event(self, kind: str, node: str, detail: str) -> None:
+        """A liveness monitor's event (`LivenessMonitor.on_event`: a node dead, a refusal), under
+        the round being played."""
+        self.store.add_event(kind, node=node, detail=detail, round=self.rounds_completed + 1)
+
     def _refused(self, req: pb.RegisterRequest, message: str) -> None:
         """A refused registration's event; where a liveness monitor watches the endpoint it records
         every refusal itself, one event per node per interval (common/transport/admission.py)."""

@@ -225,9 +225,8 @@ def _start_roles(engine: InProcessRun, devices: dict[str, str]) -> None:
     served = {role.endpoint.node_id: role.endpoint.worker for role in engine.roles
               if isinstance(role.endpoint, WorkerEndpoint)}
     if served:   # a worker can end apart from the run: its client processes are then dead (workers.py)
-        WorkerLiveness(server_ep, served, on_event=lambda kind, node, detail: coordinator.store.add_event(
-            kind, node=node, detail=detail, round=coordinator.rounds_completed + 1),
-            interval=cfg.security.heartbeat_interval, timeout=cfg.security.heartbeat_timeout).start()
+        WorkerLiveness(server_ep, served, on_event=coordinator.liveness_event,
+                       interval=cfg.security.heartbeat_interval, timeout=cfg.security.heartbeat_timeout).start()
 
 
 @dataclass
