@@ -190,21 +190,27 @@ def test_the_live_page_serves_an_in_process_run_with_the_final_tables_bytes(user
     assert proc.returncode == 0
 
 
+@pytest.mark.parametrize("started", ["forked", "spawned"])
 @pytest.mark.parametrize("make_config, extra", [(_quadratic, []), (_digits, ["--set", "run.rounds=2"])],
                          ids=["quadratic", "fedavg_digits"])
-def test_worker_processes_train_the_clients_with_the_same_model_and_bytes(user_dir, make_config, extra):
+def test_worker_processes_train_the_clients_with_the_same_model_and_bytes(user_dir, make_config, extra, started):
     """run.workers = 2 (deploy/launch/workers.py): the client processes train in two worker OS
     processes (the quadratic's three client processes dealt two and one), and the run gives
-    what a process run gives: the same model bit for bit and the same bytes for every message."""
+    what a process run gives: the same model bit for bit and the same bytes for every message.
+    `fedhop run` forks its workers; with FEDHOP_START=exec (deploy/launch/forkstart.py) they are
+    fresh interpreters, as where the run's process may not fork (a user's script, a GPU)."""
     config = make_config(user_dir)
     runs = {"processes": ["--engine", "processes"], "workers": ["--engine", "inprocess", "--set", "run.workers=2"]}
     for name, flags in runs.items():
-        res = fedhop(["run", config, "--out", name, *flags, *extra], user_dir)
+        env = {**_env(), "FEDHOP_START": "exec"} if name == "workers" and started == "spawned" else _env()
+        res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", config, "--out", name, *flags,
+                              *extra], cwd=user_dir, capture_output=True, text=True, timeout=300, env=env)
         assert res.returncode == 0, res.stderr[-2000:]
     assert _same_model(user_dir / "processes", user_dir / "workers")
     assert _sent(user_dir / "workers") == _sent(user_dir / "processes")
     log = (user_dir / "workers" / "logs" / "inprocess.log").read_text()
-    assert "client-proc0 trains in fedhop worker 0" in log and "client-proc1 trains in fedhop worker 1" in log
+    assert (f"client-proc0 trains in fedhop worker 0 ({started})" in log
+            and f"client-proc1 trains in fedhop worker 1 ({started})" in log), log[-2000:]
     summary = json.loads((user_dir / "workers" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["engine"] == "inprocess"
 

@@ -268,9 +268,10 @@ WORKERS = ("--engine", "inprocess", "--set", "run.workers=2")
 
 
 def workers_of(launcher: subprocess.Popen) -> list[psutil.Process]:
-    """The in-process engine's worker processes: the children `fedhop run` spawned (multiprocessing)."""
+    """The in-process engine's worker processes: the children of `fedhop run` titled "fedhop worker N"
+    (common/util/proctitle.py), forked or spawned."""
     return [p for p in psutil.Process(launcher.pid).children()
-            if any("spawn_main" in part for part in p.cmdline())]   # not multiprocessing's resource tracker
+            if " ".join(p.cmdline()).startswith("fedhop worker ")]
 
 
 @pytest.mark.parametrize("sig", SIGNALS)
@@ -316,6 +317,22 @@ def test_a_killed_worker_leaves_the_inprocess_run_going_without_its_clients(tmp_
     assert after and all(row == (4, 2, 2) for row in after), after   # every client sampled; the dead node's 2 fail
     homes = {"client-proc0": {"client-0", "client-1"}, "client-proc1": {"client-2", "client-3"}}
     assert {row[0] for row in failed} == homes[node], failed
+
+
+def test_workers_end_by_themselves_when_the_runs_process_is_killed(tmp_path):
+    """The run's process SIGKILLed alone (the out-of-memory killer): its workers, forked from it,
+    see their pipes close and end, leaving no process behind.  (A forked worker holds copies of
+    the run's end of its own pipe and of the workers' before it; without closing them it never
+    saw EOF and stayed forever.)"""
+    with group_of(fedhop_run(tmp_path, rounds=100_000, args=WORKERS)) as launcher:
+        wait_until("round 2", lambda: max_round(tmp_path / "run" / "run.db") >= 2, [launcher])
+        workers = workers_of(launcher)
+        assert len(workers) == 2
+        assert "(forked)" in (tmp_path / "run" / "logs" / "inprocess.log").read_text()
+        launcher.kill()
+        launcher.wait()
+        _, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive, [(p.pid, p.status()) for p in alive]
 
 
 def test_a_frozen_worker_does_not_hold_up_the_runs_stop(tmp_path):

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         overrides = args.overrides + ([f"run.engine={args.engine}"] if args.engine else [])   # the flag wins
         from fedhop.deploy.launch.forkstart import allow_fork
-        allow_fork()   # this process validates the config and starts children (or, in-process, forks nothing)
+        allow_fork()   # this process validates the config and forks its children (in-process: its workers)
         from fedhop.deploy.launch.launcher import run_local
         return run_local(args.config, overrides, args.out, quiet=args.quiet, dashboard=args.dashboard,
                          force=args.force)

@@ -48,6 +48,9 @@ from fedhop.deploy.launch.workers import (
     WorkerClientProcess,
     WorkerEndpoint,
     WorkerLiveness,
+    can_fork,
+    close_all,
+    start_workers,
     worker_count,
 )
 from fedhop.edge.runtime import EdgeProcess
@@ -114,8 +117,7 @@ class InProcessRun:
             host = getattr(role.process, "host", None)
             if host is not None and host.fabric is not None:
                 host.fabric.close()
-        for worker in self.workers:
-            worker.close()
+        close_all(self.workers)
         self.coordinator.endpoint.stop()
         self.coordinator.store.close()
 
@@ -152,16 +154,27 @@ def build(cfg: Config, run_dir: str | Path, devices: dict[str, str] | None = Non
     cfg.run.engine = INPROCESS
     devices = devices or {}
     run_dir = Path(run_dir)
-    torch.set_num_threads(cfg.run.torch_threads)
-    net = InMemoryNetwork()
-    ledger, counter = _ledger(run_dir, "server", hold=True)
-    server_ep = InMemoryEndpoint(net, "server", ledger, chunk_bytes=cfg.transport.chunk_bytes)
-    server_ep.checksum = cfg.security.checksum   # as server/__main__.py sets it
-    device = process_device(devices.get("server", ""), cfg.run.device, "run.device")
-    coordinator = Coordinator(cfg, run_dir, server_ep, ledger, device=device)
+    # the workers first, forked where this process may (before any torch computation or thread of
+    # the run), else spawned so that they import while the server and its data are set up
+    planned = plan_processes(cfg).processes[1:]
+    count = worker_count(cfg, sum(p.kind != "edge" for p in planned))
+    on_gpu = any(d.startswith("cuda") for d in (*devices.values(), cfg.clients.device, cfg.run.device))
+    workers = start_workers(count, fork=count > 0 and not on_gpu and can_fork())
+    try:
+        torch.set_num_threads(cfg.run.torch_threads)
+        net = InMemoryNetwork()
+        ledger, counter = _ledger(run_dir, "server", hold=True)
+        server_ep = InMemoryEndpoint(net, "server", ledger, chunk_bytes=cfg.transport.chunk_bytes)
+        server_ep.checksum = cfg.security.checksum   # as server/__main__.py sets it
+        device = process_device(devices.get("server", ""), cfg.run.device, "run.device")
+        coordinator = Coordinator(cfg, run_dir, server_ep, ledger, device=device)
+    except BaseException:
+        close_all(workers)
+        raise
     live = ServerLive(coordinator.store, counter)
     checkpointer = Checkpointer(coordinator)
     engine = InProcessRun(cfg, run_dir, net, coordinator, live, checkpointer)
+    engine.workers.extend(workers)
     coordinator.round_writers.append(lambda result: engine.report_live(result.round))
     coordinator.summary_hooks.append(lambda: {"checkpoints": [{"round": r, "seconds": s}
                                                               for r, s in checkpointer.written]})
@@ -185,8 +198,7 @@ def _start_roles(engine: InProcessRun, devices: dict[str, str]) -> None:
     edge_threads: list[threading.Thread] = []
     errors: list[BaseException] = []
     planned_processes = plan_processes(cfg).processes[1:]   # the processes a process run starts
-    count = worker_count(cfg, sum(p.kind != "edge" for p in planned_processes))
-    engine.workers.extend(Worker(i) for i in range(count))   # started at once: they import while the roles register
+    count = len(engine.workers)   # started by `build`
     hosted = 0   # client processes so far, dealt to the workers in turn
     # the client processes served in this process take turns (InMemoryEndpoint.serve_lock); not
     # where clients call each other (a client's handler then waits for another client's)

@@ -35,7 +35,9 @@ import multiprocessing
 import os
 import signal
 import struct
+import sys
 import threading
+import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator, Sequence
@@ -48,6 +50,7 @@ from fedhop.common.topologies import spec_for
 from fedhop.common.transport.base import CallFailed, Handler, ReplyBundles
 from fedhop.common.transport.livebytes import LinkCounter
 from fedhop.common.transport.liveness import LivenessMonitor, register_with_backoff
+from fedhop.common.util.proctitle import set_role_title
 from fedhop.common.wire.codec import Encoded
 from fedhop.common.wire.ledger import Ledger
 from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
@@ -106,19 +109,49 @@ def unpack(data: bytes) -> tuple[dict[str, Any], list[bytes]]:
 
 
 # ----------------------------------------------------------------------------- the worker process
-def worker_main(conn: Connection) -> None:
-    """A worker's loop: `init` builds a client process's host, `call` serves a request's frames
-    for it, `close` ends the loop."""
-    import torch
-
-    from fedhop.client.host import ClientHost
-    from fedhop.common.transport.placement import process_device
-
+def worker_main(conn: Connection, index: int = 0, inherited: Sequence[Connection] = ()) -> None:
+    """A worker process: serve its pipe (`_serve`), then close its client processes' ledger
+    files and leave at once (common/util/procexit.py: every record is on disk by then, and a
+    process with torch loaded spends about half a second in interpreter finalization; a forked
+    worker must not run the atexit handlers it inherited from the run's process).  `inherited`:
+    in a forked worker, its copies of the run's ends of its own pipe and of the pipes of the
+    workers forked before it, closed here so that every worker sees EOF when the run's process
+    is gone."""
     # Ctrl-C, and a scheduler's or `kill`'s SIGTERM to the process group, reach every process of
     # the run: the run's process stops the rounds, records the stop and closes its workers
     # (`Worker.close`), which serve until then (a worker whose run's process is gone ends at EOF)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for other in inherited:
+        other.close()
+    set_role_title("worker", str(index))   # `ps`: "fedhop worker 0" (common/util/proctitle.py)
+    ledgers: list[Ledger] = []
+    status = 0
+    try:
+        _serve(conn, ledgers)
+    except BaseException:  # noqa: BLE001 - shown on stderr, and the exit status says it
+        traceback.print_exc()
+        status = 1
+    finally:
+        for ledger in ledgers:
+            ledger.close()
+        for handler in logging.getLogger().handlers:   # the run's log file, in a forked worker
+            with contextlib.suppress(Exception):
+                handler.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+
+
+def _serve(conn: Connection, ledgers: list[Ledger]) -> None:
+    """A worker's loop: `init` builds a client process's host (its ledger appended to
+    `ledgers`), `call` and `many` serve requests' frames for it, `close` or EOF ends the loop."""
+    import torch
+
+    from fedhop.client.host import ClientHost
+    from fedhop.common.transport.placement import process_device
+
     hosts: dict[str, tuple[InMemoryEndpoint, ClientHost, LinkCounter]] = {}
     while True:
         try:
@@ -133,6 +166,7 @@ def worker_main(conn: Connection) -> None:
                 cfg = parent_config(head["config"], head["node"], head["parent"], role="client")
                 torch.set_num_threads(cfg.run.torch_threads)
                 ledger = Ledger(head["ledger"] or None, hold=False)   # appends to the process's ledger file
+                ledgers.append(ledger)
                 counter = LinkCounter(head["node"])   # what the records count, sent with each reply
                 ledger.observers.append(counter.observe)
                 ep = InMemoryEndpoint(InMemoryNetwork(), head["node"], ledger,
@@ -184,14 +218,28 @@ class WorkerGone(RuntimeError):
 
 
 class Worker:
-    """One worker process and its pipe, as the engine's process sees it."""
+    """One worker process and its pipe, as the engine's process sees it.
 
-    def __init__(self, index: int) -> None:
-        ctx = multiprocessing.get_context("spawn")   # nothing of this process's threads or locks in the child
+    `fork`: the worker is forked from this process, which already has torch and fedhop imported,
+    so it is ready in milliseconds rather than the second or more a fresh interpreter takes to
+    import them (two at once beside the run's process on a 2-core machine: 1.4 s before the first
+    round).  Only a process that may fork may ask (`can_fork`: the rules of a process run's
+    children, deploy/launch/forkstart.py, and no thread but this one); otherwise the worker is a
+    fresh interpreter (multiprocessing's "spawn").  `others`: the workers started before this
+    one, whose pipe ends a forked worker closes (`worker_main`).  `started`: "forked" or
+    "spawned", for the log."""
+
+    def __init__(self, index: int, fork: bool = False, others: Sequence["Worker"] = ()) -> None:
+        ctx = multiprocessing.get_context("fork") if fork else multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=worker_main, args=(child,), name=f"fedhop worker {index}", daemon=True)
+        # a forked worker holds copies of the run's ends of its own pipe and of earlier workers'
+        # pipes, which it must close to see EOF when the run's process is gone; a spawned one holds none
+        inherited = [self.conn, *(w.conn for w in others)] if fork else []
+        self.process = ctx.Process(target=worker_main, args=(child, index, inherited),
+                                   name=f"fedhop worker {index}", daemon=True)
         self.process.start()
         child.close()
+        self.started = "forked" if fork else "spawned"
         self.lock = threading.RLock()   # one exchange (or one batch's, `WorkerEndpoint.pipelined`) at a time on the pipe
         self.gone = ""   # why the worker is known to have ended (`WorkerGone`); "" while it serves
 
@@ -232,19 +280,27 @@ class Worker:
         return out, reply
 
     def close(self) -> None:
-        """Tell the worker to end and give it 10 s.  A worker that cannot be told within
-        CLOSE_WAIT (a call on the pipe waits for it: frozen, hung, or still training a stopped
-        round's batch), or that does not end, is killed; that ends the waiting call too (its
-        pipe closes), so a stop never hangs on a worker."""
-        told = False
-        if self.lock.acquire(timeout=CLOSE_WAIT):
-            try:
-                self.send({"kind": "close"}, [])
-                told = True
-            except (WorkerGone, ValueError):
-                pass
-            finally:
-                self.lock.release()
+        """Tell the worker to end and give it 10 s (`tell_close`, then `finish_close`)."""
+        self.finish_close(self.tell_close())
+
+    def tell_close(self) -> bool:
+        """Tell the worker to end; False when it cannot be told within CLOSE_WAIT (a call on the
+        pipe waits for it: frozen, hung, or still training a stopped round's batch) or has ended.
+        Telling every worker before waiting for any (`close_all`) lets them end together."""
+        if not self.lock.acquire(timeout=CLOSE_WAIT):
+            return False
+        try:
+            self.send({"kind": "close"}, [])
+            return True
+        except (WorkerGone, ValueError):
+            return False
+        finally:
+            self.lock.release()
+
+    def finish_close(self, told: bool) -> None:
+        """Wait up to 10 s for a worker that was told to end; one that was not told, or that does
+        not end, is killed, which ends a call waiting on its pipe too (the pipe closes), so a stop
+        never hangs on a worker."""
         if told:
             self.process.join(10.0)
         if self.process.is_alive():
@@ -255,6 +311,30 @@ class Worker:
                 self.conn.close()
             finally:
                 self.lock.release()
+
+
+def can_fork() -> bool:
+    """Whether this process may fork its workers now: where it may fork a process run's children
+    (deploy/launch/forkstart.py `fork_allowed`: `fedhop run`, which has run no torch computation
+    and no gRPC yet) and no thread but the main one runs (a fork copies only the calling thread,
+    with whatever locks the others hold)."""
+    from fedhop.deploy.launch.forkstart import fork_allowed
+    return fork_allowed() and threading.active_count() == 1
+
+
+def start_workers(count: int, fork: bool) -> list[Worker]:
+    """`count` workers, started at once (they import, when spawned, while the run sets up)."""
+    workers: list[Worker] = []
+    for i in range(count):
+        workers.append(Worker(i, fork=fork, others=workers))
+    return workers
+
+
+def close_all(workers: Sequence[Worker]) -> None:
+    """Tell every worker to end, then wait for each (`Worker.tell_close`, `finish_close`)."""
+    told = [worker.tell_close() for worker in workers]
+    for worker, was_told in zip(workers, told):
+        worker.finish_close(was_told)
 
 
 # ----------------------------------------------------------------------------- the engine's side
@@ -457,5 +537,5 @@ class WorkerClientProcess(ClientProcess):
                               "parent": reply.node_id or "server", "device": self.device_spec,
                               "ledger": str(self.endpoint.ledger.path or "")}, [],
                              timeout=START_TIMEOUT)
-        log.info("%s trains in %s", self.endpoint.node_id, self.worker.process.name)
+        log.info("%s trains in %s (%s)", self.endpoint.node_id, self.worker.process.name, self.worker.started)
         self._ready.set()
