@@ -20,6 +20,7 @@ from fedhop.common.processors.compressors.ef21 import RESET_KEY, take_reset
 from fedhop.common.processors.pipeline import upload
 from fedhop.common.records.checkpoint import states_from_payload, states_to_payload
 from fedhop.common.tasks import build_task
+from fedhop.common.tasks.base import Task
 from fedhop.common.tasks.placed import place_task
 from fedhop.common.topologies import spec_for
 from fedhop.common.transport.base import HandlerError, Request
@@ -59,7 +60,10 @@ class ClientHost:
     """The logical clients of one process and the handler that serves their calls."""
 
     def __init__(self, cfg: Config, node_id: str, client_ids: list[int], run_id: str,
-                 ledger: Ledger | None = None, parent: str = "server", device: torch.device | None = None) -> None:
+                 ledger: Ledger | None = None, parent: str = "server", device: torch.device | None = None,
+                 task: Task | None = None) -> None:
+        """`task`: the run's task already built from `cfg` (the in-process engine's forked workers:
+        deploy/launch/workers.py `SharedTask`); None builds it here."""
         self.cfg = cfg
         self.parent = parent   # the node this process registered with: the only one it obeys (but `ping`)
         self.ledger = ledger if ledger is not None else Ledger()
@@ -71,7 +75,7 @@ class ClientHost:
         self.run_id = run_id
         self.client_ids = sorted(client_ids)
         # the model, the hosted clients' data and their state live on the process's device
-        self.task = place_task(build_task(cfg), device)
+        self.task = place_task(task if task is not None else build_task(cfg), device)
         self.algorithm = build_algorithm(cfg)
         self.model = self.task.build_model()
         self.hosted = frozenset(self.client_ids)

@@ -33,6 +33,7 @@ from fedhop.common.processors.streaming import RoundMemory
 from fedhop.common.processors.validation import ReplyLimiter, consistent_results, rejection_code
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.tasks import build_task
+from fedhop.common.tasks.base import Task
 from fedhop.common.tasks.placed import place_task
 from fedhop.common.transport.base import Endpoint
 from fedhop.common.transport.fabric import Fabric, Send
@@ -90,7 +91,10 @@ def time_breakdown(wait: float, compute: float, arrivals: dict[int, float], disp
 
 class Coordinator:
     def __init__(self, cfg: Config, run_dir: Path, endpoint: Endpoint, ledger: Ledger,
-                 on_round: Callable[[RoundResult], None] | None = None, device: torch.device | None = None) -> None:
+                 on_round: Callable[[RoundResult], None] | None = None, device: torch.device | None = None,
+                 task: Task | None = None) -> None:
+        """`task`: the run's task already built from `cfg` (the in-process engine builds it before it
+        forks its workers, which share it: deploy/launch/workers.py `SharedTask`); None builds it."""
         self.cfg = cfg
         configure(cfg, "server")   # the config's [[processors]] for the server, before any chain is built
         # where the server's state, aggregation, step and evaluation live (run.device, resolved by
@@ -109,7 +113,7 @@ class Coordinator:
         endpoint.run_id = self.run_id
         # the round's rules without a transport (common/engine/rounds.py): sampling, aggregation and the
         # server step, metrics; the same engine plays whole rounds in process for benchmarks
-        self.engine = RoundEngine(cfg, task=place_task(build_task(cfg), self.device))
+        self.engine = RoundEngine(cfg, task=place_task(task if task is not None else build_task(cfg), self.device))
         self.task, self.algorithm, self.model = self.engine.task, self.engine.algorithm, self.engine.model
         self.state: ServerState = self.engine.state
         self.clock: RoundClock = self.engine.clock   # stragglers, device profiles, virtual clock (common/engine/vclock.py)

@@ -190,17 +190,21 @@ def test_the_live_page_serves_an_in_process_run_with_the_final_tables_bytes(user
     assert proc.returncode == 0
 
 
-@pytest.mark.parametrize("started", ["forked", "spawned"])
+@pytest.mark.parametrize("started", ["forked, the run's data shared", "forked", "spawned"])
 @pytest.mark.parametrize("make_config, extra", [(_quadratic, []), (_digits, ["--set", "run.rounds=2"])],
                          ids=["quadratic", "fedavg_digits"])
 def test_worker_processes_train_the_clients_with_the_same_model_and_bytes(user_dir, make_config, extra, started):
     """run.workers = 2 (deploy/launch/workers.py): the client processes train in two worker OS
     processes (the quadratic's three client processes dealt two and one), and the run gives
     what a process run gives: the same model bit for bit and the same bytes for every message.
-    `fedhop run` forks its workers; with FEDHOP_START=exec (deploy/launch/forkstart.py) they are
-    fresh interpreters, as where the run's process may not fork (a user's script, a GPU)."""
+    `fedhop run` forks its workers, which use the task (the data) it built before the fork; with
+    run.torch_threads = 2 it builds none before (workers.py `SharedTask`) and each worker builds
+    its own; with FEDHOP_START=exec (deploy/launch/forkstart.py) they are fresh interpreters, as
+    where the run's process may not fork (a user's script, a GPU)."""
     config = make_config(user_dir)
-    runs = {"processes": ["--engine", "processes"], "workers": ["--engine", "inprocess", "--set", "run.workers=2"]}
+    threads = ["--set", "run.torch_threads=2"] if started == "forked" else []
+    runs = {"processes": ["--engine", "processes", *threads],
+            "workers": ["--engine", "inprocess", "--set", "run.workers=2", *threads]}
     for name, flags in runs.items():
         env = {**_env(), "FEDHOP_START": "exec"} if name == "workers" and started == "spawned" else _env()
         res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", config, "--out", name, *flags,

@@ -72,7 +72,8 @@ class RunConfig:
         "run folder; no heartbeats, no sockets, no TLS; docs/run-folder.md). `fedhop run --engine` sets it"))
     workers: int = _f(1, min=0, help=(
         "the in-process engine's client processes train in this many worker OS processes (0: one per CPU core; "
-        "at most one per client process); 1: in the `fedhop run` process itself. The server and edges stay in the "
+        "at most one per client process); 1: in the `fedhop run` process itself. `fedhop run` forks them, sharing the "
+        "run's data with them where run.torch_threads = 1 (docs/run-folder.md). The server and edges stay in the "
         "run's process and every message is still encoded, counted and recorded as with 1: the same run folder and "
         "the same model bit for bit. Topologies whose clients call each other (chain, gossip) keep them in the run's "
         "process; ignored by run.engine = processes"))

@@ -17,7 +17,8 @@ of a process that used torch's OpenMP thread pool hangs in its first parallel op
 (measured here), and gRPC's threads and polling state do not survive a fork. So a process
 opts in with `allow_fork()`: `fedhop run` does, before it loads anything, because it only
 validates the config and starts its children (the in-process engine forks its worker processes
-by the same rule, before its own first torch computation: deploy/launch/workers.py `can_fork`).
+by the same rule, having built only the run's data with one torch thread, which starts no thread
+pool: deploy/launch/workers.py `can_fork`, `SharedTask`).
 Everywhere else (a test, a benchmark, a user's
 script calling the launcher) children are exec'd as before, and so are they once grpc is
 imported. `FEDHOP_START=exec` asks for exec always.

@@ -32,7 +32,8 @@ from typing import Iterator
 import torch
 
 from fedhop.client.runtime import ClientProcess
-from fedhop.common.config import Config
+from fedhop.common.config import Config, config_to_toml
+from fedhop.common.tasks import build_task
 from fedhop.common.topologies import spec_for
 from fedhop.common.topologies.plan import PlannedProcess, plan_processes
 from fedhop.common.transport.base import HandlerError, Request
@@ -44,6 +45,7 @@ from fedhop.common.wire.message import Payload
 from fedhop.deploy.launch.engine import INPROCESS
 from fedhop.deploy.launch.workers import (
     CLIENT_PEERS,
+    SharedTask,
     Worker,
     WorkerClientProcess,
     WorkerEndpoint,
@@ -154,12 +156,19 @@ def build(cfg: Config, run_dir: str | Path, devices: dict[str, str] | None = Non
     cfg.run.engine = INPROCESS
     devices = devices or {}
     run_dir = Path(run_dir)
-    # the workers first, forked where this process may (before any torch computation or thread of
-    # the run), else spawned so that they import while the server and its data are set up
+    # the workers first: forked where this process may (no thread of the run yet; its only torch
+    # computation the task's data, built with one thread and shared with them), else spawned so that
+    # they import while the server and its data are set up
     planned = plan_processes(cfg).processes[1:]
     count = worker_count(cfg, sum(p.kind != "edge" for p in planned))
     on_gpu = any(d.startswith("cuda") for d in (*devices.values(), cfg.clients.device, cfg.run.device))
-    workers = start_workers(count, fork=count > 0 and not on_gpu and can_fork())
+    fork = count > 0 and not on_gpu and can_fork()
+    shared = None
+    if fork and cfg.run.torch_threads == 1:   # the data built once, before the fork (workers.py `SharedTask`)
+        torch.set_num_threads(1)
+        shared = SharedTask(config_to_toml(cfg), build_task(cfg))
+        fork = can_fork()   # unless building it started a thread (a plug-in's loader pool): then spawn
+    workers = start_workers(count, fork, shared)
     try:
         torch.set_num_threads(cfg.run.torch_threads)
         net = InMemoryNetwork()
@@ -167,7 +176,8 @@ def build(cfg: Config, run_dir: str | Path, devices: dict[str, str] | None = Non
         server_ep = InMemoryEndpoint(net, "server", ledger, chunk_bytes=cfg.transport.chunk_bytes)
         server_ep.checksum = cfg.security.checksum   # as server/__main__.py sets it
         device = process_device(devices.get("server", ""), cfg.run.device, "run.device")
-        coordinator = Coordinator(cfg, run_dir, server_ep, ledger, device=device)
+        coordinator = Coordinator(cfg, run_dir, server_ep, ledger, device=device,
+                                  task=shared.task if shared is not None and device.type == "cpu" else None)
     except BaseException:
         close_all(workers)
         raise

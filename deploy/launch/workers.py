@@ -45,7 +45,8 @@ from typing import Any, Callable, Iterator, Sequence
 import psutil
 
 from fedhop.client.runtime import ClientProcess
-from fedhop.common.config import Config, parent_config
+from fedhop.common.config import Config, config_to_toml, parent_config
+from fedhop.common.tasks.base import Task
 from fedhop.common.topologies import spec_for
 from fedhop.common.transport.base import CallFailed, Handler, ReplyBundles
 from fedhop.common.transport.livebytes import LinkCounter
@@ -74,6 +75,23 @@ def worker_count(cfg: Config, client_processes: int) -> int:
     if wanted <= 1 or client_processes == 0 or spec_for(cfg.topology.kind).peer_link == CLIENT_PEERS:
         return 0
     return min(wanted, client_processes)
+
+
+@dataclass(frozen=True)
+class SharedTask:
+    """The run's task (its data), built by the run's process just before it forks its workers.
+    A forked worker inherits it: a worker whose client process's config is the one it was built
+    from uses it instead of building its own, so the data sets sit in memory once (fork's
+    copy-on-write pages: each process still reads and writes only its own copy).  Built only
+    where the run computes with one torch thread until the fork (`run.torch_threads = 1`, the
+    default): a fork after torch has started threads leaves a child that hangs (forkstart.py)."""
+
+    config_toml: str   # the config it was built from (`config_to_toml`)
+    task: Task
+
+
+#: the run's task in a forked worker (`start_workers` sets it in the run's process for the fork)
+_INHERITED: SharedTask | None = None
 
 
 # ----------------------------------------------------------------------------- the pipe's messages
@@ -177,9 +195,11 @@ def _serve(conn: Connection, ledgers: list[Ledger]) -> None:
                 device = process_device(head["device"], cfg.clients.device, "clients.device")
                 if device.type != "cpu":
                     ep.device = device
+                shared = _INHERITED.task if (_INHERITED is not None and device.type == "cpu"
+                                             and _INHERITED.config_toml == config_to_toml(cfg)) else None
                 hosts[head["node"]] = (ep, ClientHost(cfg, head["node"], head["clients"], head["run_id"], ep.ledger,
-                                                      parent=head["parent"], device=device), counter)
-                conn.send_bytes(pack({"ok": True}, []))
+                                                      parent=head["parent"], device=device, task=shared), counter)
+                conn.send_bytes(pack({"ok": True, "shared": shared is not None}, []))
                 continue
             ep, host, counter = hosts[head["node"]]
             if kind == "many":   # a batch's messages, served in order, each reply sent as soon as it is made
@@ -322,11 +342,17 @@ def can_fork() -> bool:
     return fork_allowed() and threading.active_count() == 1
 
 
-def start_workers(count: int, fork: bool) -> list[Worker]:
-    """`count` workers, started at once (they import, when spawned, while the run sets up)."""
+def start_workers(count: int, fork: bool, shared: SharedTask | None = None) -> list[Worker]:
+    """`count` workers, started at once (they import, when spawned, while the run sets up);
+    forked ones inherit `shared`."""
+    global _INHERITED
     workers: list[Worker] = []
-    for i in range(count):
-        workers.append(Worker(i, fork=fork, others=workers))
+    _INHERITED = shared if fork else None
+    try:
+        for i in range(count):
+            workers.append(Worker(i, fork=fork, others=workers))
+    finally:
+        _INHERITED = None   # the run's process keeps the task through its server, not here
     return workers
 
 
@@ -532,10 +558,11 @@ class WorkerClientProcess(ClientProcess):
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
         self.endpoint.replies_per_bundle = cfg.transport.reply_bundle   # the batch's bundles are placed here
-        self.worker.exchange({"kind": "init", "node": self.endpoint.node_id, "clients": list(self.client_ids),
-                              "config": reply.config_toml, "run_id": reply.run_id, "token": self.endpoint.token,
-                              "parent": reply.node_id or "server", "device": self.device_spec,
-                              "ledger": str(self.endpoint.ledger.path or "")}, [],
-                             timeout=START_TIMEOUT)
-        log.info("%s trains in %s (%s)", self.endpoint.node_id, self.worker.process.name, self.worker.started)
+        out, _ = self.worker.exchange({"kind": "init", "node": self.endpoint.node_id, "clients": list(self.client_ids),
+                                       "config": reply.config_toml, "run_id": reply.run_id,
+                                       "token": self.endpoint.token, "parent": reply.node_id or "server",
+                                       "device": self.device_spec, "ledger": str(self.endpoint.ledger.path or "")},
+                                      [], timeout=START_TIMEOUT)
+        log.info("%s trains in %s (%s%s)", self.endpoint.node_id, self.worker.process.name, self.worker.started,
+                 ", the run's data shared" if out.get("shared") else "")
         self._ready.set()
