@@ -174,3 +174,27 @@ def test_import_fedhop_is_cheap(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
         "project"]["version"]
+
+
+def test_a_script_without_a_main_guard_runs_the_in_process_engine_with_workers(tmp_path):
+    """A user's script that calls `fedhop.run` at its top level (no `if __name__ == "__main__":`)
+    with run.workers = 2: its workers are fresh interpreters started as `python -m
+    fedhop.deploy.launch.workers` (the script's process may not fork them), never the script
+    again.  (Under multiprocessing's "spawn" each worker ran the script again, which started a
+    second run there, and the run failed: "fedhop worker 0 ended (exit code 1)".)  The model is
+    the one `fedhop run` gives with its workers forked."""
+    (tmp_path / "exp.toml").write_text(quad_text(rounds=3, name="guardless"))
+    (tmp_path / "exp.py").write_text(
+        "import fedhop\n"
+        "r = fedhop.run('exp.toml', set={'run.engine': 'inprocess', 'run.workers': 2}, out='api', quiet=True)\n"
+        "print('status', r.status)\n")
+    out = subprocess.run([sys.executable, "exp.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "status completed" in out.stdout, out.stderr[-2000:]
+    log = (tmp_path / "api" / "logs" / "inprocess.log").read_text()
+    assert "client-proc0 trains in fedhop worker 0 (spawned)" in log and "client-proc1 trains in fedhop worker 1" in log
+    cli = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "cli", "--quiet",
+                          "--engine", "inprocess", "--set", "run.workers=2"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert "(forked" in (tmp_path / "cli" / "logs" / "inprocess.log").read_text()
+    assert (tmp_path / "api" / "model.safetensors").read_bytes() == (tmp_path / "cli" / "model.safetensors").read_bytes()

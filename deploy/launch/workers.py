@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import signal
 import struct
+import subprocess
 import sys
 import threading
 import traceback
@@ -237,6 +238,37 @@ class WorkerGone(RuntimeError):
         self.delivered = delivered   # False: the request never reached the worker's pipe
 
 
+class ExecProcess:
+    """A worker started as a fresh interpreter (`python -m fedhop.deploy.launch.workers FD INDEX`),
+    its end of the pipe passed as file descriptor FD, behind the part of multiprocessing's
+    `Process` the engine uses.  Not multiprocessing's "spawn": that runs the parent's main script
+    again in the child (a user's script calling `fedhop.run` without an `if __name__ ==
+    "__main__":` guard started a second run there, and the worker died with exit code 1)."""
+
+    def __init__(self, index: int, child: Connection) -> None:
+        self.name = f"fedhop worker {index}"
+        fd = child.fileno()
+        self._popen = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.launch.workers", str(fd), str(index)],
+                                       pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        self.pid = self._popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """As multiprocessing's: None while it runs, -N when signal N ended it."""
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self._popen.kill()
+
+
 class Worker:
     """One worker process and its pipe, as the engine's process sees it.
 
@@ -245,19 +277,23 @@ class Worker:
     import them (two at once beside the run's process on a 2-core machine: 1.4 s before the first
     round).  Only a process that may fork may ask (`can_fork`: the rules of a process run's
     children, deploy/launch/forkstart.py, and no thread but this one); otherwise the worker is a
-    fresh interpreter (multiprocessing's "spawn").  `others`: the workers started before this
-    one, whose pipe ends a forked worker closes (`worker_main`).  `started`: "forked" or
-    "spawned", for the log."""
+    fresh interpreter (`ExecProcess`).  `others`: the workers started before this one, whose
+    pipe ends a forked worker closes (`worker_main`).  `started`: "forked" or "spawned", for the log."""
 
     def __init__(self, index: int, fork: bool = False, others: Sequence["Worker"] = ()) -> None:
-        ctx = multiprocessing.get_context("fork") if fork else multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        # a forked worker holds copies of the run's ends of its own pipe and of earlier workers'
-        # pipes, which it must close to see EOF when the run's process is gone; a spawned one holds none
-        inherited = [self.conn, *(w.conn for w in others)] if fork else []
-        self.process = ctx.Process(target=worker_main, args=(child, index, inherited),
-                                   name=f"fedhop worker {index}", daemon=True)
-        self.process.start()
+        self.process: multiprocessing.process.BaseProcess | ExecProcess
+        if fork:
+            ctx = multiprocessing.get_context("fork")
+            self.conn, child = ctx.Pipe()
+            # a forked worker holds copies of the run's ends of its own pipe and of earlier
+            # workers' pipes, which it must close to see EOF when the run's process is gone
+            inherited = [self.conn, *(w.conn for w in others)]
+            self.process = ctx.Process(target=worker_main, args=(child, index, inherited),
+                                       name=f"fedhop worker {index}", daemon=True)
+            self.process.start()
+        else:
+            self.conn, child = multiprocessing.Pipe()
+            self.process = ExecProcess(index, child)   # it holds only its own end (pass_fds)
         child.close()
         self.started = "forked" if fork else "spawned"
         self.lock = threading.RLock()   # one exchange (or one batch's, `WorkerEndpoint.pipelined`) at a time on the pipe
@@ -566,3 +602,7 @@ class WorkerClientProcess(ClientProcess):
         log.info("%s trains in %s (%s%s)", self.endpoint.node_id, self.worker.process.name, self.worker.started,
                  ", the run's data shared" if out.get("shared") else "")
         self._ready.set()
+
+
+if __name__ == "__main__":   # an exec'd worker (`ExecProcess`): its pipe's file descriptor, its index
+    worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]))
