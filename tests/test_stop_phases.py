@@ -199,7 +199,8 @@ def test_server_stopped_after_its_last_round_records_a_completed_run(tmp_path, p
 
 
 # ---------------------------------------------------------------- `fedhop run`
-def fedhop_run(cwd: Path, rounds: int, ignore_sigint: bool = False, args: tuple[str, ...] = ()) -> subprocess.Popen:
+def fedhop_run(cwd: Path, rounds: int, ignore_sigint: bool = False, args: tuple[str, ...] = (),
+               extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     """`fedhop run exp.toml --out run [args]` in its own process group (a terminal's job), its
     output in run.out; with `ignore_sigint` started as a shell starts a background job (SIGINT ignored)."""
     (cwd / "exp.toml").write_text(config(rounds=rounds))
@@ -207,8 +208,8 @@ def fedhop_run(cwd: Path, rounds: int, ignore_sigint: bool = False, args: tuple[
     if ignore_sigint:
         argv = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv]
     with open(cwd / "run.out", "wb") as out:
-        return subprocess.Popen(argv, cwd=cwd, env=env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(argv, cwd=cwd, env={**env(), **(extra_env or {})}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 @contextlib.contextmanager
@@ -317,6 +318,23 @@ def test_a_killed_worker_leaves_the_inprocess_run_going_without_its_clients(tmp_
     assert after and all(row == (4, 2, 2) for row in after), after   # every client sampled; the dead node's 2 fail
     homes = {"client-proc0": {"client-0", "client-1"}, "client-proc1": {"client-2", "client-3"}}
     assert {row[0] for row in failed} == homes[node], failed
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_workers_started_as_fresh_interpreters_ignore_a_stop_while_they_import(tmp_path, sig):
+    """Where `fedhop run` may not fork its workers (FEDHOP_START=exec here; a GPU run) each is a
+    fresh interpreter, importing torch and fedhop for a second or more.  A Ctrl-C or SIGTERM to the
+    group then (a worker's command line still `python -m fedhop.deploy.launch.workers`) stops the
+    run as at any other time: exit 130 or 143, recorded "stopped", nothing left.  (The worker took
+    the signal while it imported and died, and the run failed: exit 1, "fedhop worker 0 ended".)"""
+    with group_of(fedhop_run(tmp_path, rounds=100_000, args=WORKERS, extra_env={"FEDHOP_START": "exec"})) as launcher:
+        def importing() -> bool:
+            with contextlib.suppress(psutil.Error):
+                return any("fedhop.deploy.launch.workers" in " ".join(p.cmdline())
+                           for p in psutil.Process(launcher.pid).children())
+            return False
+        wait_until("a worker importing", importing, [launcher], every=0.005)
+        stop_group(launcher, tmp_path, sig, "stopped")
 
 
 def test_workers_end_by_themselves_when_the_runs_process_is_killed(tmp_path):

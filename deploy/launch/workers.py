@@ -64,6 +64,7 @@ log = logging.getLogger("fedhop.workers")
 CLIENT_PEERS = "client-client"
 _U32 = struct.Struct("<I")
 START_TIMEOUT = 300.0   # seconds a worker may take to import, build its task and answer
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}   # a terminal's Ctrl-C, a scheduler's stop: a worker ignores them
 CLOSE_WAIT = 2.0   # seconds `Worker.close` waits for the pipe before it ends a worker that cannot be told
 
 
@@ -139,8 +140,9 @@ def worker_main(conn: Connection, index: int = 0, inherited: Sequence[Connection
     # Ctrl-C, and a scheduler's or `kill`'s SIGTERM to the process group, reach every process of
     # the run: the run's process stops the rounds, records the stop and closes its workers
     # (`Worker.close`), which serve until then (a worker whose run's process is gone ends at EOF)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)   # blocked by `ExecProcess` until now
     for other in inherited:
         other.close()
     set_role_title("worker", str(index))   # `ps`: "fedhop worker 0" (common/util/proctitle.py)
@@ -248,8 +250,15 @@ class ExecProcess:
     def __init__(self, index: int, child: Connection) -> None:
         self.name = f"fedhop worker {index}"
         fd = child.fileno()
-        self._popen = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.launch.workers", str(fd), str(index)],
-                                       pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        # started with SIGINT and SIGTERM blocked (a mask survives exec), so that a group's Ctrl-C or
+        # SIGTERM while it imports cannot end it before `worker_main` ignores them (the run's
+        # process records the stop, then closes it); what came meanwhile is dropped there
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            self._popen = subprocess.Popen([sys.executable, "-m", "fedhop.deploy.launch.workers", str(fd), str(index)],
+                                           pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
         self.pid = self._popen.pid
 
     @property
