@@ -157,8 +157,8 @@ def build(cfg: Config, run_dir: str | Path, devices: dict[str, str] | None = Non
     devices = devices or {}
     run_dir = Path(run_dir)
     # the workers first: forked where this process may (no thread of the run yet; its only torch
-    # computation the task's data, built with one thread and shared with them), else spawned so that
-    # they import while the server and its data are set up
+    # computation the task's data, built with one thread and shared with them), else started as
+    # fresh interpreters (workers.py `ExecProcess`), which import while the server is set up
     planned = plan_processes(cfg).processes[1:]
     count = worker_count(cfg, sum(p.kind != "edge" for p in planned))
     on_gpu = any(d.startswith("cuda") for d in (*devices.values(), cfg.clients.device, cfg.run.device))

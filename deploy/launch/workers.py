@@ -3,8 +3,8 @@ trained in `run.workers` OS processes, one per core, instead of in the `fedhop r
 
 The server and the edges stay in the engine's process.  Each planned client process still
 registers there (its `WorkerClientProcess` and endpoint, as deploy/launch/inprocess.py builds
-them); what it hosts (client/host.py `ClientHost`: the task's data, loaded once per worker, the
-model, the clients' state) lives in a worker, which serves its calls.  A call reaching such an
+them); what it hosts (client/host.py `ClientHost`: the task's data, the model, the clients'
+state) lives in a worker, which serves its calls.  A call reaching such an
 endpoint (`WorkerEndpoint.serve_frames`) hands the request's frames, as the codec produced
 them, to the worker over a pipe; the worker serves them with the same `Endpoint.serve_frames`
 (decode, handler, encode, the two ledger records) and hands back the reply's frames and what
@@ -21,6 +21,13 @@ endpoint decodes what it receives, and JSON (the registration's config text, byt
 Nothing is pickled.  A worker serves its calls one after another, as a client process trains
 one client at a time; the engine's calls to two workers run at once (the server's fabric sends
 one batch per client process, each from its own thread), which is where the second core goes.
+
+`fedhop run` forks its workers before it sets up the server (`can_fork`: the rules it forks a
+process run's children by), having built the run's data with one torch thread, which forked
+workers use instead of building their own (`SharedTask`: in memory once, in copy-on-write
+pages).  Where it may not fork (a GPU run, `FEDHOP_START=exec`, the Python API) a worker is a
+fresh interpreter, `python -m fedhop.deploy.launch.workers` with its pipe's file descriptor
+(`ExecProcess`), which builds its own.
 
 A topology whose clients call each other (its spec's `peer_link` is "client-client": chain,
 gossip) keeps them in the run's process: they call through their process's fabric, which a
@@ -388,7 +395,7 @@ def can_fork() -> bool:
 
 
 def start_workers(count: int, fork: bool, shared: SharedTask | None = None) -> list[Worker]:
-    """`count` workers, started at once (they import, when spawned, while the run sets up);
+    """`count` workers, started at once (fresh interpreters import while the run sets up);
     forked ones inherit `shared`."""
     global _INHERITED
     workers: list[Worker] = []
