@@ -90,8 +90,9 @@ def run_once(folder: Path, system: str, out: str) -> dict:
     flags, extra = SYSTEMS[system]
     argv = [sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", out, "--quiet", *flags]
     started = time.perf_counter()
+    errors = open(folder / f"{out}.stderr", "wb")   # a file, not a pipe nobody reads while it runs
     proc = subprocess.Popen(argv, cwd=folder, env={**os.environ, **extra}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+                            stderr=errors)
     root = psutil.Process(proc.pid)
     peak_pss = peak_rss = 0
     while proc.poll() is None:
@@ -107,10 +108,12 @@ def run_once(folder: Path, system: str, out: str) -> dict:
                 pass
         peak_pss, peak_rss = max(peak_pss, sum(_pss(p.pid) for p in procs)), max(peak_rss, rss)
         time.sleep(0.05)
-    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
     seconds = time.perf_counter() - started
-    if proc.wait() != 0:
-        raise RuntimeError(f"{system}: fedhop run exited {proc.returncode}: {err[-500:]}")
+    code = proc.wait()
+    errors.close()
+    if code != 0:
+        err = (folder / f"{out}.stderr").read_text(errors="replace")
+        raise RuntimeError(f"{system}: fedhop run exited {code}: {err[-500:]}")
     return {"seconds": seconds, "pss": peak_pss, "rss": peak_rss}
 
 

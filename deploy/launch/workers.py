@@ -387,9 +387,10 @@ class Worker:
 
 def can_fork() -> bool:
     """Whether this process may fork its workers now: where it may fork a process run's children
-    (deploy/launch/forkstart.py `fork_allowed`: `fedhop run`, which has run no torch computation
-    and no gRPC yet) and no thread but the main one runs (a fork copies only the calling thread,
-    with whatever locks the others hold)."""
+    (deploy/launch/forkstart.py `fork_allowed`: `fedhop run`, no gRPC yet; its only torch work
+    before the fork is the run's data, built with one thread, which starts no thread pool) and
+    no thread but the main one runs (a fork copies only the calling thread, with whatever locks
+    the others hold).  Asked again after the data is built."""
     from fedhop.deploy.launch.forkstart import fork_allowed
     return fork_allowed() and threading.active_count() == 1
 
