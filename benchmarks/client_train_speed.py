@@ -13,12 +13,19 @@ for bit (checked on every pass; tests/test_client_train_speed.py checks it too).
 Timing: `--pairs` passes over the `--sampled` clients of one round, fedhop and the bare loop
 taking turns in this one process (the order flipped every pass); the printed ratio is the
 median over the passes of fedhop / bare in the thread's CPU time (what other work on a shared
-machine does not move), the wall-time ratio beside it.  The default
-workload is issue 49's W2 (digits, 1,000 clients, 100 sampled, MLP 64-32-10, 1 epoch, batch 10,
-lr 0.05): one or two rows a client, one step each, so fixed per-client costs dominate.
+machine does not move), the wall-time ratio beside it.  Two workloads, issue 49's:
 
-    python benchmarks/client_train_speed.py [--clients 1000] [--sampled 100] [--batch 10]
-                                            [--epochs 1] [--pairs 30] [--json FILE]
+- W2 (the default): digits, 1,000 clients, 100 sampled, MLP 64-32-10, 1 epoch, batch 10, lr
+  0.05: one or two rows a client, one step each, so fixed per-client costs dominate;
+- W1 (`--workload W1`): the 1,000-parameter quadratic, 10 clients, all sampled, one full-batch
+  step, lr 0.1 (a client's one row: its center and curvature).  The bare loop is W2's with the
+  task's loss written out, 1/2 sum_j C_ij (w_j - A_ij)^2 (common/tasks/quadratic.py), in place
+  of the cross-entropy.
+
+    python benchmarks/client_train_speed.py [--workload W2] [--clients N] [--sampled N]
+                                            [--batch N] [--epochs N] [--pairs 30] [--json FILE]
+
+`--clients`, `--sampled`, `--batch` and `--epochs` default to the workload's.
 """
 from __future__ import annotations
 
@@ -37,21 +44,30 @@ from fedhop.common.config import parse_config
 from fedhop.common.util.rng import stream_seed
 from fedhop.common.wire.message import Payload
 
+#: each workload's sizes (deploy/bench/bench_peers.py defines them): clients, sampled, batch, epochs, lr
+WORKLOADS = {"W2": (1000, 100, 10, 1, 0.05), "W1": (10, 10, 0, 1, 0.1)}
+#: each workload's data and model sections
+_TASKS = {"W2": '[data]\ndataset = "digits"\npartition = "iid"\ntest_fraction = 0.25\n\n'
+                '[model]\nkind = "mlp"\nhidden = [64, 32]\n\n',
+          "W1": '[data]\ndataset = "quadratic"\ndim = 1000\n\n[model]\ninit = "zeros"\n\n'}
 
-def config_text(clients: int, sampled: int, batch: int, epochs: int, lr: float, seed: int) -> str:
-    """W2's run config (deploy/bench/bench_peers.py) at the given sizes."""
+
+def config_text(clients: int, sampled: int, batch: int, epochs: int, lr: float, seed: int,
+                workload: str = "W2") -> str:
+    """The workload's run config (deploy/bench/bench_peers.py) at the given sizes."""
     return (f'[run]\nseed = {seed}\nrounds = 1\n\n'
             f'[algorithm]\nname = "fedavg"\nlr = {lr}\nbatch_size = {batch}\nlocal_epochs = {epochs}\n\n'
-            '[data]\ndataset = "digits"\npartition = "iid"\ntest_fraction = 0.25\n\n'
-            '[model]\nkind = "mlp"\nhidden = [64, 32]\n\n'
-            f'[clients]\ncount = {clients}\nper_round = {sampled}\n')
+            + _TASKS[workload] + f'[clients]\ncount = {clients}\nper_round = {sampled}\n')
 
 
 class Bare:
     """The plain PyTorch client: its own model (the same architecture), the same data tensors,
-    an SGD optimizer made once and reused across clients (plain SGD keeps no state)."""
+    an SGD optimizer made once and reused across clients (plain SGD keeps no state).  `loss`
+    is the workload's: cross-entropy on the model's logits (W2) or the quadratic (W1)."""
 
-    def __init__(self, host: ClientHost, lr: float, batch_size: int, epochs: int, seed: int, round: int) -> None:
+    def __init__(self, host: ClientHost, lr: float, batch_size: int, epochs: int, seed: int, round: int,
+                 workload: str = "W2") -> None:
+        self.loss = self._quadratic if workload == "W1" else self._cross_entropy
         self.model = host.task.build_model()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.batch_size, self.epochs = batch_size, epochs
@@ -72,24 +88,32 @@ class Bare:
             for start in range(0, n, bs):
                 idx = perm[start:start + bs]
                 self.optimizer.zero_grad()
-                F.cross_entropy(self.model(x[idx]), y[idx], reduction="none").mean().backward()
+                self.loss(x[idx], y[idx]).backward()
                 self.optimizer.step()
         with torch.no_grad():
             return {name: p.detach() - global_params[name] for name, p in self.model.named_parameters()}
 
+    def _cross_entropy(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(x), y, reduction="none").mean()
+
+    def _quadratic(self, centers: torch.Tensor, curvatures: torch.Tensor) -> torch.Tensor:
+        """1/2 sum_j C_ij (w_j - A_ij)^2, the batch's mean (the model is the vector `w`)."""
+        w = self.model.w
+        return (0.5 * (curvatures * (w[None, :] - centers).pow(2)).sum(1)).mean()
+
 
 def setup(clients: int, sampled: int, batch: int, epochs: int, lr: float = 0.05, seed: int = 0,
-          round: int = 1) -> tuple[ClientHost, Bare, Payload, list[int]]:
+          round: int = 1, workload: str = "W2") -> tuple[ClientHost, Bare, Payload, list[int]]:
     """A client host holding the round's sampled clients, the bare client, the round's message."""
     from fedhop.common.engine.rounds import RoundEngine  # the server's side: the broadcast and the sample
 
-    cfg = parse_config(config_text(clients, sampled, batch, epochs, lr, seed))
+    cfg = parse_config(config_text(clients, sampled, batch, epochs, lr, seed, workload))
     engine = RoundEngine(cfg)
     cids = sorted(engine.sample(round))
     message = engine.algorithm.broadcast(engine.state, round)
     message = Payload(tensors={k: v.clone() for k, v in message.tensors.items()}, scalars=dict(message.scalars))
     host = ClientHost(cfg, "client-proc0", cids, run_id="")
-    return host, Bare(host, lr, batch, epochs, seed, round), message, cids
+    return host, Bare(host, lr, batch, epochs, seed, round, workload), message, cids
 
 
 def fedhop_pass(host: ClientHost, message: Payload, cids: list[int], round: int = 1) -> dict[int, Payload]:
@@ -108,17 +132,24 @@ def same_math(ours: dict[int, Payload], theirs: dict[int, dict[str, torch.Tensor
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=int, default=1000)
-    ap.add_argument("--sampled", type=int, default=100)
-    ap.add_argument("--batch", type=int, default=10)
-    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="W2")
+    ap.add_argument("--clients", type=int)
+    ap.add_argument("--sampled", type=int)
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--epochs", type=int)
     ap.add_argument("--pairs", type=int, default=30)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if args.pairs < 1 or args.sampled < 1 or args.clients < args.sampled:
-        ap.error("--pairs and --sampled must be >= 1 and --clients >= --sampled")
+    clients, sampled, batch, epochs, lr = WORKLOADS[args.workload]
+    args.clients = clients if args.clients is None else args.clients
+    args.sampled = sampled if args.sampled is None else args.sampled
+    args.batch = batch if args.batch is None else args.batch
+    args.epochs = epochs if args.epochs is None else args.epochs
+    if args.pairs < 1 or args.sampled < 1 or args.clients < args.sampled or args.epochs < 1 or args.batch < 0:
+        ap.error("--pairs, --sampled and --epochs must be >= 1, --batch >= 0 and --clients >= --sampled")
     torch.set_num_threads(1)   # as every fedhop process (run.torch_threads)
-    host, bare, message, cids = setup(args.clients, args.sampled, args.batch, args.epochs)
+    host, bare, message, cids = setup(args.clients, args.sampled, args.batch, args.epochs, lr,
+                                      workload=args.workload)
     ours, theirs = fedhop_pass(host, message, cids), bare_pass(bare, message, cids)   # warm-up, and the check
     differ = same_math(ours, theirs)
     if differ:
@@ -144,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         wall_ratios.append(t["fedhop"][1] / t["bare"][1])
     load = os.getloadavg()
     steps = sum(int(r.scalars["local_steps"]) for r in ours.values())
-    out = {"clients": args.clients, "sampled": args.sampled, "batch": args.batch, "epochs": args.epochs,
+    out = {"workload": args.workload, "clients": args.clients, "sampled": args.sampled, "batch": args.batch, "epochs": args.epochs,
            "steps": steps, "pairs": args.pairs,
            "fedhop_cpu_ms": 1e3 * statistics.median(c for c, _ in ours_s),
            "bare_cpu_ms": 1e3 * statistics.median(c for c, _ in bare_s),
@@ -152,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
            "bare_wall_ms": 1e3 * statistics.median(w for _, w in bare_s),
            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
            "wall_ratio": statistics.median(wall_ratios), "load_average": load}
-    print(f"{args.sampled} clients of {args.clients}, {steps} local steps, batch {args.batch}, "
+    print(f"{args.workload}: {args.sampled} clients of {args.clients}, {steps} local steps, batch {args.batch}, "
           f"{args.epochs} epoch(s); {args.pairs} interleaved pairs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     print(f"  fedhop ClientHost.train  {out['fedhop_cpu_ms']:8.2f} ms CPU, {out['fedhop_wall_ms']:8.2f} ms wall a round")
     print(f"  bare PyTorch loop        {out['bare_cpu_ms']:8.2f} ms CPU, {out['bare_wall_ms']:8.2f} ms wall a round")
