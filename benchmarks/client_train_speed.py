@@ -25,11 +25,13 @@ machine does not move), the wall-time ratio beside it.  Two workloads, issue 49'
     python benchmarks/client_train_speed.py [--workload W2] [--clients N] [--sampled N]
                                             [--batch N] [--epochs N] [--pairs 30] [--json FILE]
 
-`--clients`, `--sampled`, `--batch` and `--epochs` default to the workload's.
+`--clients`, `--sampled`, `--batch` and `--epochs` default to the workload's (`--epochs` counts for
+W2; W1 takes one local step).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -43,21 +45,19 @@ from fedhop.client.host import ClientHost
 from fedhop.common.config import parse_config
 from fedhop.common.util.rng import stream_seed
 from fedhop.common.wire.message import Payload
+from fedhop.deploy.bench.bench_peers import Workload, workloads
 
-#: each workload's sizes (deploy/bench/bench_peers.py defines them): clients, sampled, batch, epochs, lr
-WORKLOADS = {"W2": (1000, 100, 10, 1, 0.05), "W1": (10, 10, 0, 1, 0.1)}
-#: each workload's data and model sections
-_TASKS = {"W2": '[data]\ndataset = "digits"\npartition = "iid"\ntest_fraction = 0.25\n\n'
-                '[model]\nkind = "mlp"\nhidden = [64, 32]\n\n',
-          "W1": '[data]\ndataset = "quadratic"\ndim = 1000\n\n[model]\ninit = "zeros"\n\n'}
+#: issue 49's W1 and W2 as `fedhop bench peers` defines them (deploy/bench/bench_peers.py)
+WORKLOADS: dict[str, Workload] = {name: w for name, w in workloads(quick=False).items() if name in ("W1", "W2")}
 
 
 def config_text(clients: int, sampled: int, batch: int, epochs: int, lr: float, seed: int,
                 workload: str = "W2") -> str:
-    """The workload's run config (deploy/bench/bench_peers.py) at the given sizes."""
-    return (f'[run]\nseed = {seed}\nrounds = 1\n\n'
-            f'[algorithm]\nname = "fedavg"\nlr = {lr}\nbatch_size = {batch}\nlocal_epochs = {epochs}\n\n'
-            + _TASKS[workload] + f'[clients]\ncount = {clients}\nper_round = {sampled}\n')
+    """The workload's run config (`fedhop bench peers`'s) at the given sizes, for one round.
+    `epochs` counts where the workload trains by epochs (W2); W1 takes its one local step."""
+    w = dataclasses.replace(WORKLOADS[workload], clients=clients, per_round=sampled, batch_size=batch,
+                            epochs=epochs, lr=lr)
+    return w.config(rounds=1, seed=seed)
 
 
 class Bare:
@@ -67,7 +67,7 @@ class Bare:
 
     def __init__(self, host: ClientHost, lr: float, batch_size: int, epochs: int, seed: int, round: int,
                  workload: str = "W2") -> None:
-        self.loss = self._quadratic if workload == "W1" else self._cross_entropy
+        self.loss = self._quadratic if WORKLOADS[workload].kind == "quadratic" else self._cross_entropy
         self.model = host.task.build_model()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.batch_size, self.epochs = batch_size, epochs
@@ -140,15 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=30)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    clients, sampled, batch, epochs, lr = WORKLOADS[args.workload]
-    args.clients = clients if args.clients is None else args.clients
-    args.sampled = sampled if args.sampled is None else args.sampled
-    args.batch = batch if args.batch is None else args.batch
-    args.epochs = epochs if args.epochs is None else args.epochs
+    w = WORKLOADS[args.workload]
+    args.clients = w.clients if args.clients is None else args.clients
+    args.sampled = w.per_round if args.sampled is None else args.sampled
+    args.batch = w.batch_size if args.batch is None else args.batch
+    args.epochs = w.epochs if args.epochs is None else args.epochs
     if args.pairs < 1 or args.sampled < 1 or args.clients < args.sampled or args.epochs < 1 or args.batch < 0:
         ap.error("--pairs, --sampled and --epochs must be >= 1, --batch >= 0 and --clients >= --sampled")
     torch.set_num_threads(1)   # as every fedhop process (run.torch_threads)
-    host, bare, message, cids = setup(args.clients, args.sampled, args.batch, args.epochs, lr,
+    host, bare, message, cids = setup(args.clients, args.sampled, args.batch, args.epochs, w.lr,
                                       workload=args.workload)
     ours, theirs = fedhop_pass(host, message, cids), bare_pass(bare, message, cids)   # warm-up, and the check
     differ = same_math(ours, theirs)

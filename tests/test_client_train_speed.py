@@ -36,8 +36,9 @@ def test_fedhop_and_the_bare_loop_end_on_the_same_parameters(clients, sampled, b
 def test_w1_the_quadratic_client_round_is_the_bare_loop_and_the_closed_form():
     """W1's shape (--workload W1): one full-batch step from w = 0 on 1/2 sum_j C_ij (w_j - A_ij)^2
     moves w by lr C_i A_i (common/tasks/quadratic.py), in fedhop and in the bare loop alike."""
-    clients, sampled, batch, epochs, lr = BENCH["WORKLOADS"]["W1"]
-    host, bare, message, cids = BENCH["setup"](clients, sampled, batch, epochs, lr, workload="W1")
+    w1 = BENCH["WORKLOADS"]["W1"]
+    clients, lr = w1.clients, w1.lr
+    host, bare, message, cids = BENCH["setup"](clients, w1.per_round, w1.batch_size, w1.epochs, lr, workload="W1")
     ours, theirs = BENCH["fedhop_pass"](host, message, cids), BENCH["bare_pass"](bare, message, cids)
     assert cids == list(range(clients)) and BENCH["same_math"](ours, theirs) == []
     for cid in cids:
