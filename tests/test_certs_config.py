@@ -108,3 +108,35 @@ def test_certs_never_makes_a_new_ca_over_half_of_one(tmp_path):
     before = {n: (d / n).read_bytes() for n in CLUSTER_KEYS}
     assert fedhop(["certs", str(d), "--nodes", "client-proc1"]) == 0
     assert {n: (d / n).read_bytes() for n in CLUSTER_KEYS} == before and (d / "client-proc1.key").exists()
+
+
+def test_certs_refuses_a_validity_under_one_day_and_an_expired_ca(tmp_path):
+    """`--days 0` or a negative count would make certificates that are void at once: one line, exit 2,
+    no folder made.  A folder whose CA has expired is refused too (a certificate it signs would
+    never verify), one line, nothing in it changed."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    for days in ("0", "-5"):
+        res = _certs_cli(str(tmp_path / f"pki{days}"), "--nodes", "server", "--days", days)
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "--days" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr and not (tmp_path / f"pki{days}").exists()
+    d = tmp_path / "old"
+    d.mkdir()
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "an expired CA")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now - datetime.timedelta(days=10))
+            .not_valid_after(now - datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(key, hashes.SHA256()))
+    (d / "ca.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / "ca.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                 serialization.NoEncryption()))
+    res = _certs_cli(str(d), "--nodes", "server")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "expired" in res.stderr, res.stderr
+    assert sorted(p.name for p in d.iterdir()) == ["ca.key", "ca.pem"]

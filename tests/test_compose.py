@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fedhop.common.security.nodecred import SignedIdentity
-from fedhop.deploy.launch.compose import compose_binary, compose_config
+from fedhop.deploy.launch.compose import compose_binary, compose_config, service_profiles
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "docker-compose.yml"
@@ -385,8 +385,8 @@ def test_each_service_mounts_only_its_own_credentials(tmp_path, monkeypatch, cap
     # the printed command: attached to the server only (its status is the server's), so that one dead
     # client container is not the end of the run; it used to say --abort-on-container-exit
     printed = capsys.readouterr().out
-    assert f"  docker compose -f {BASE} -f compose-nodes/compose.yml up --attach server --exit-code-from server\n" \
-        in printed
+    assert (f"  docker compose -f {BASE} -f compose-nodes/compose.yml --profile hierarchical up --attach server "
+            "--exit-code-from server\n") in printed
     assert "abort" not in printed and "mutual TLS" in printed
     assert (tmp_path / "runs").is_dir()
     # a node whose pair is missing: one line naming the file, exit 2
@@ -517,15 +517,15 @@ def test_fedhop_compose_outside_a_checkout_writes_the_packaged_file(tmp_path):
                           "2", "--out", "cluster"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert res.returncode == 0, res.stderr
     printed = next(ln.strip() for ln in res.stdout.splitlines() if ln.strip().startswith("docker compose "))
-    assert printed == ("docker compose -f cluster/docker-compose.yml -f cluster/compose.yml up --attach server "
-                       "--exit-code-from server")
+    assert printed == ("docker compose -f cluster/docker-compose.yml -f cluster/compose.yml --profile hierarchical "
+                       "up --attach server --exit-code-from server")
     assert ABORT_LINE in res.stdout and "not a failure" in res.stdout
     written = (tmp_path / "cluster" / "docker-compose.yml").read_text()
     # the checkout's file, but for the two default folders moved beside it
     assert written.split("\n", 2)[2] == BASE.read_text().replace("./examples}", "./config}").replace(
         "./deploy/docker/no-certs}", "./no-certs}")
-    files = printed.split(" up ")[0].split()[2:]           # -f A -f B
-    argv = [str(BINARY), *files, "--profile", "hierarchical", "config", "--format", "json"]
+    files = printed.split(" up ")[0].split()[2:]           # -f A -f B --profile hierarchical
+    argv = [str(BINARY), *files, "config", "--format", "json"]
     done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr
@@ -539,3 +539,100 @@ def test_fedhop_compose_outside_a_checkout_writes_the_packaged_file(tmp_path):
         certs = next(Path(v["source"]) for v in s["volumes"] if v["target"] == "/certs")
         assert certs.name == (name if name != "client" else "no-certs"), (name, certs)
     assert not (tmp_path / "docker-compose.yml").exists()
+
+
+def compose_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def started_by(printed: str, cwd: Path) -> set[str]:
+    """The services the printed `docker compose ... up` command starts: its files and profiles
+    resolved by Compose itself, less those with 0 replicas."""
+    assert printed.startswith("docker compose ") and " up --attach server " in printed, printed
+    done = subprocess.run([str(BINARY), *printed.split(" up ")[0].split()[2:], "config", "--format", "json"],
+                          capture_output=True, text=True, cwd=cwd, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(cwd)})
+    assert done.returncode == 0, done.stderr
+    return {n for n, s in json.loads(done.stdout)["services"].items() if s.get("deploy", {}).get("replicas", 1)}
+
+
+@needs_compose
+@pytest.mark.parametrize("edges", [0, 1, 2])
+def test_the_printed_command_starts_exactly_the_edges_asked(tmp_path, edges):
+    """`fedhop compose --edges E` from a user's folder: the printed command names the profile the
+    base file puts the edges in (docker-compose.yml: hierarchical) when E > 0, and, resolved by
+    Compose as printed, starts the server, edge-0..E-1 and the client processes, nothing else."""
+    nodes = ["server", "edge-0", "edge-1", "client-proc0", "client-proc1"]
+    assert compose_cli("certs", "certs", "--nodes", ",".join(nodes), cwd=tmp_path).returncode == 0
+    res = compose_cli("compose", "certs", "--clients", "2", "--edges", str(edges), "--out", "cluster", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    printed = next(ln.strip() for ln in res.stdout.splitlines() if ln.strip().startswith("docker compose "))
+    assert ("--profile hierarchical" in printed) == (edges > 0), printed
+    assert started_by(printed, tmp_path) == {"server", "client-proc0", "client-proc1"} | {
+        f"edge-{e}" for e in range(edges)}
+
+
+def with_edge(text: str, e: int) -> str:
+    """docker-compose.yml's text with one more edge service, edge-E, made from edge-1's."""
+    block = text[text.index("  edge-1:\n"):text.index("  client:\n")]
+    return text.replace("  client:\n", block.replace("edge-1", f"edge-{e}") + "  client:\n")
+
+
+def test_more_edges_than_the_base_file_defines_are_refused(tmp_path):
+    """The base file's edge services are the limit: one line naming it, exit 2, nothing written;
+    a base file with a third edge service takes --edges 3 (and refuses 4)."""
+    nodes = ["server", "edge-0", "edge-1", "edge-2", "edge-3", "client-proc0"]
+    assert compose_cli("certs", "certs", "--nodes", ",".join(nodes), cwd=tmp_path).returncode == 0
+    res = compose_cli("compose", "certs", "--clients", "1", "--edges", "3", "--out", "cn3", cwd=tmp_path)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "--edges 3" in res.stderr and "defines 2 edge services (edge-0..edge-1)" in res.stderr, res.stderr
+    assert res.stdout == "" and not (tmp_path / "cn3").exists()
+    (tmp_path / "mine.yml").write_text(with_edge(BASE.read_text(), 2))
+    (tmp_path / "examples").mkdir()
+    four = compose_cli("compose", "certs", "--clients", "1", "--edges", "4", "--file", "mine.yml", "--out", "cn4",
+                       cwd=tmp_path)
+    assert four.returncode == 2 and "mine.yml) defines 3 edge services (edge-0..edge-2)" in four.stderr, four.stderr
+    three = compose_cli("compose", "certs", "--clients", "1", "--edges", "3", "--file", "mine.yml", "--out", "cn3",
+                        cwd=tmp_path)
+    assert three.returncode == 0, three.stderr
+    if BINARY is not None:
+        printed = next(ln.strip() for ln in three.stdout.splitlines() if ln.strip().startswith("docker compose "))
+        assert started_by(printed, tmp_path) == {"server", "edge-0", "edge-1", "edge-2", "client-proc0"}
+
+
+SYNTHETIC = """\
+name: x
+services:   # each service's profiles as a flow list, a block list, or none
+  a:
+    image: busybox
+    profiles:
+      - "p1"    # quoted, with a comment
+      - p2
+  'edge-0':
+    image: busybox
+    command: ["sh", "-c", "echo profiles: [no]"]
+    profiles: ['q', r]
+  b:
+    image: busybox
+    environment:
+      profiles: not-these
+x-other:
+  edge-9:
+    profiles: [z]
+"""
+
+
+@needs_compose
+@pytest.mark.parametrize("text", [BASE.read_text(), SYNTHETIC, with_edge(BASE.read_text(), 2)])
+def test_the_profiles_read_from_the_text_are_composes(tmp_path, text):
+    """compose.py reads services and their profiles from the file's text (no YAML library in the
+    package): the same as Compose resolves with every profile enabled."""
+    (tmp_path / "docker-compose.yml").write_text(text)
+    (tmp_path / "examples").mkdir()
+    done = subprocess.run([str(BINARY), "-f", "docker-compose.yml", "--profile", "*", "config", "--format", "json"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    resolved = {n: tuple(s.get("profiles") or ()) for n, s in json.loads(done.stdout)["services"].items()}
+    assert service_profiles(text) == resolved and len(resolved) >= 3

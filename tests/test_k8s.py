@@ -1,6 +1,7 @@
 """deploy/k8s: every kustomization renders with `kubectl kustomize`, validates against the
 Kubernetes schemas (kubernetes-validate, strict), and is a run that ends: the server a Job
-(backoffLimit 0, restartPolicy Never), one Job per client process and per edge whose slots match
+(backoffLimit 0, restartPolicy Never, activeDeadlineSeconds: `fedhop k8s`'s default, so a pod that
+never starts cannot keep its Job open), one Job per client process and per edge whose slots match
 the config's process plan (the quick try's clients an Indexed Job); every object and pod carries
 the common label and the built image; every pod meets the "restricted" Pod Security Standard.
 Per-node credentials are the default: in the base and every overlay but the quick try, each pod
@@ -21,6 +22,7 @@ import pytest
 from fedhop.common.config import load_config
 from fedhop.common.security.nodecred import SignedIdentity
 from fedhop.common.topologies.plan import plan_processes
+from fedhop.deploy.launch.k8s_render import DEFAULT_DEADLINE_S
 
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed (it is in the dev extra)")
 yaml = pytest.importorskip("yaml")
@@ -116,6 +118,7 @@ def test_every_overlay_renders_validates_and_is_labelled_built_and_restricted(pa
             assert c["volumeMounts"][0]["name"] == "runs" and c["volumeMounts"][0]["mountPath"] == "/runs"
         if w["kind"] == "Job":
             assert w["spec"]["backoffLimit"] == 0 and spec["restartPolicy"] == "Never", w["metadata"]["name"]
+            assert w["spec"]["activeDeadlineSeconds"] == DEFAULT_DEADLINE_S, w["metadata"]["name"]
             assert "FEDHOP_HOLD" not in str(spec)
     assert "FEDHOP_HOLD" not in env_of(docs)   # roles end with the run (deploy/launch/role.py)
 
@@ -149,6 +152,10 @@ def test_the_validator_rejects_a_broken_manifest():
     unknown["spec"]["template"]["spec"]["containers"][0]["gpus"] = 1
     with pytest.raises(kv.ValidationError):
         kv.validate(unknown, K8S_VERSION, strict=True)
+    deadline = copy.deepcopy(by_kind(docs)[("Job", "server")])
+    deadline["spec"]["activeDeadlineSeconds"] = "24h"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(deadline, K8S_VERSION, strict=True)
 
 
 def slot_of(container: dict) -> str | dict:

@@ -281,3 +281,31 @@ def test_a_client_allowing_the_module_refuses_os_system_at_registration(tmp_path
     refusal = [line for line in out.splitlines() if "PLUGIN_NOT_ALLOWED" in line]
     assert len(refusal) == 1 and "processors[0].name" in refusal[0] and name in refusal[0], out
     assert parent.registered and "Traceback" not in out and not (tmp_path / "calls").exists()
+
+
+def test_a_value_the_module_imported_is_refused_one_it_made_is_admitted(user, tmp_path):
+    """A value (no code to call: what `topology.kind` and `transport.kind` may name) is admitted only
+    when the allowed module made it: one it imported from another module (a TopologySpec of a module
+    off the allow-list, whose driver would then run) is refused in one line naming that module; an
+    object made in the module from a class defined elsewhere is admitted, also when the package
+    above it re-exports it."""
+    pkg = tmp_path / "valsrc"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from valsrc.made import MADE\n")
+    (pkg / "elsewhere.py").write_text("class Entry:\n    pass\n\n\nENTRY = Entry()\n")
+    (pkg / "allowed.py").write_text("from valsrc import elsewhere\nfrom valsrc.elsewhere import ENTRY\n\n"
+                                    "OWN = elsewhere.Entry()\nALIAS = ENTRY\n")
+    (pkg / "made.py").write_text("from valsrc import elsewhere\n\nMADE = elsewhere.Entry()\n")
+    plugins.restrict(["valsrc.allowed", "valsrc.made"])
+    try:
+        for ref in ("valsrc.allowed:ENTRY", "valsrc.allowed:ALIAS"):
+            for group in ("topologies", "transports"):
+                with pytest.raises(plugins.PluginRefused) as exc:
+                    plugins.load_plugin(ref, group)
+                text = str(exc.value)
+                assert "module 'valsrc.elsewhere' holds too" in text and "\n" not in text, text
+        assert type(plugins.load_plugin("valsrc.allowed:OWN", "transports")).__name__ == "Entry"
+        assert type(plugins.load_plugin("valsrc.made:MADE", "topologies")).__name__ == "Entry"
+    finally:
+        for name in [m for m in sys.modules if m == "valsrc" or m.startswith("valsrc.")]:
+            del sys.modules[name]

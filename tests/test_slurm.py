@@ -223,6 +223,78 @@ def test_each_task_gets_only_its_own_credentials(user, monkeypatch):
         assert (run / "creds" / node / f"{node}.key").read_bytes() == (user / "certs" / f"{node}.key").read_bytes()
 
 
+def test_a_node_without_its_own_credential_is_refused(user, capsys, monkeypatch):
+    """A certs folder where a node lacks NODE.cred is refused, one line, although the folder holds
+    the shared cluster.secret: no node's folder ever gets the secret that mints any node's tokens."""
+    from fedhop.deploy.launch.certs import main as certs_main
+    monkeypatch.chdir(user)
+    assert certs_main(["certs", "--config", "small.toml"]) == 0
+    assert (user / "certs" / "cluster.secret").is_file()
+    (user / "certs" / "client-proc1.cred").unlink()
+    code, _, err = inproc(capsys, "small.toml", "--out", "r", "--set", 'security.certs_dir="certs"')
+    assert code == 2 and "client-proc1.cred" in err and len(err.strip().splitlines()) == 1, err
+    assert not (user / "r").exists()
+
+
+def test_force_replaces_an_earlier_run_never_a_users_folder(user, capsys, monkeypatch):
+    """--force replaces a folder holding an earlier `fedhop slurm` run; a non-empty folder that holds
+    none (the working directory, a folder of the user's) is refused with or without --force, one
+    line, and every file in it stays."""
+    monkeypatch.chdir(user)
+    (user / "notes.txt").write_text("keep")
+    (user / "thesis").mkdir()
+    (user / "thesis" / "chapter1.tex").write_text("keep too")
+    for out in (".", "thesis", str(user / "thesis")):
+        for force in ([], ["--force"]):
+            code, _, err = prepare("small.toml", "--out", out, *force)
+            assert code == 2 and "holds no fedhop slurm run" in err and "\n" not in err.strip(), err
+    assert (user / "notes.txt").read_text() == "keep" and (user / "small.toml").is_file()
+    assert (user / "thesis" / "chapter1.tex").read_text() == "keep too"
+    (user / "afile").write_text("x")
+    code, _, err = prepare("small.toml", "--out", "afile")
+    assert code == 2 and "is a file" in err and (user / "afile").read_text() == "x"
+    # an earlier run: refused without --force, replaced with it (its old files gone)
+    assert prepare("small.toml", "--out", "r")[0] == 0
+    (user / "r" / "logs" / "old.log").write_text("earlier run")
+    code, _, err = prepare("small.toml", "--out", "r")
+    assert code == 2 and "--force" in err
+    assert prepare("small.toml", "--out", "r", "--force")[0] == 0
+    assert not (user / "r" / "logs" / "old.log").exists() and (user / "r" / "slurm" / "tasks.json").is_file()
+
+
+def test_bad_time_limit_is_one_line_exit_2(user, capsys, monkeypatch):
+    """--time is checked against sbatch's formats before anything is written or submitted."""
+    from fedhop.deploy.launch.slurm import SlurmOptions
+    monkeypatch.chdir(user)
+    for bad in ("bogus", "1:2:3:4", "1-", "-5", "1h"):
+        code, _, err = inproc(capsys, "small.toml", "--print", "--time", bad)
+        assert code == 2 and "--time" in err and len(err.strip().splitlines()) == 1, (bad, err)
+    for good in ("30", "10:00", "1:00:00", "2-0", "2-12:30", "1-00:00:00", "UNLIMITED"):
+        assert SlurmOptions(time=good).time_refusal() is None, good
+        code, script, err = inproc(capsys, "small.toml", "--print", "--time", good)
+        assert code == 0 and f"#SBATCH --time={good}" in script.splitlines(), err
+
+
+def test_a_refused_submission_leaves_no_run_behind(user, capsys, monkeypatch):
+    """sbatch refusing the job (a stand-in sbatch on PATH that fails as Slurm's does): exit 2 with
+    sbatch's error line, and the run folder keeps none of what was written (no credentials left),
+    so the same --out can be used again without --force."""
+    from fedhop.deploy.launch import slurm
+    monkeypatch.chdir(user)
+    bin_dir = user / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Invalid account' >&2\n"
+                                    "exit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(slurm, "check_fit", lambda prepared: None)   # no partition to fit here
+    code, _, err = inproc(capsys, "small.toml", "--out", "r")
+    assert code == 2 and "Invalid account" in err and len(err.strip().splitlines()) == 1, err
+    assert not (user / "r").exists() or not any((user / "r").iterdir())
+    code, _, err = inproc(capsys, "small.toml", "--out", "r")
+    assert code == 2 and "Invalid account" in err and "--force" not in err, err
+
+
 def test_gpus_render_gres_and_bind_each_step_to_its_device(user, capsys, monkeypatch):
     """--gpus-per-node N: the job asks Slurm's gres (#SBATCH --gpus-per-node=N); on each node the
     client processes placed there go round-robin over its N GPUs, each step that computes on a GPU

@@ -16,7 +16,6 @@ hold a signal a model can learn, so a few rounds of training must beat chance on
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 
 from fedhop.common.data.cifar import write_cifar
 from fedhop.common.models.text import LEAF_LETTERS
+from fedhop.common.util.cliparser import ArgumentParser
 
 FEMNIST_MEAN, FEMNIST_STD = 226.83, 88.94
 
@@ -184,7 +184,7 @@ def cifar10(folder: str | Path, per_batch: int = 40, n_test: int = 50, seed: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fedhop.common.data.fakedata", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m fedhop.common.data.fakedata", description=__doc__.split("\n")[0])
     ap.add_argument("kind", choices=("femnist", "femnist_niid", "sent140", "shakespeare", "cifar10"))
     ap.add_argument("folder")
     ap.add_argument("--writers", type=int, default=20, help="femnist writers / shakespeare roles / sent140 users")

@@ -208,6 +208,8 @@ def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Ite
     replaced (`_write_new`)."""
     d = Path(directory)
     nodes = list(nodes)
+    if days < 1:
+        raise SecurityError(f"--days {days}: certificates must be valid for at least 1 day")
     for node in nodes:
         problem = reserved_name_problem(node)
         if problem:
@@ -218,11 +220,15 @@ def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Ite
         present, absent = (CA_KEY, CA_CERT) if has_key else (CA_CERT, CA_KEY)
         raise SecurityError(f"{d} has {present} but no {absent}: it is not a whole cluster CA (a node's copy?); "
                             f"run `fedhop certs` on the folder that holds the CA's key, or on a new folder")
-    d.mkdir(parents=True, exist_ok=True)
-    written = []
     if has_key:
         ca_key, ca_cert = (d / CA_KEY).read_bytes(), (d / CA_CERT).read_bytes()
-    else:
+        expires = _x509()[0].load_pem_x509_certificate(ca_cert).not_valid_after_utc
+        if expires <= datetime.datetime.now(datetime.timezone.utc):
+            raise SecurityError(f"{d / CA_CERT} expired on {expires:%Y-%m-%d %H:%M} UTC: a certificate it signs "
+                                f"would not verify; make a new cluster directory")
+    d.mkdir(parents=True, exist_ok=True)
+    written = []
+    if not has_key:
         ca_key, ca_cert = make_ca(days)
         _write_new(d / CA_KEY, ca_key)
         _write_new(d / CA_CERT, ca_cert, 0o644)

@@ -32,6 +32,7 @@ from fedhop.common.security.auth import NodeCredentials, SecurityError, add_secu
 from fedhop.common.transport.livebytes import LinkCounter
 from fedhop.common.transport.liveness import HeartbeatSender, add_parent_args, resolve_parent
 from fedhop.common.transport.placement import flag_error
+from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.plugins import allow_list_from, restrict
 from fedhop.common.util.procexit import Stopped, ignore_stops, stop_on_sigterm, stop_reason
 from fedhop.common.util.proctitle import set_role_title
@@ -43,7 +44,7 @@ GAVE_UP = 3        # a child gave up on a silent parent
 
 def role_parser(prog: str, description: str | None, device_help: str) -> argparse.ArgumentParser:
     """The parser with the flags every role takes: --listen, --token, --device."""
-    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap = ArgumentParser(prog=prog, description=description)
     ap.add_argument("--listen", default="127.0.0.1:0", type=listen_address,
                     help="host:port to serve on (port 0 = any free)")
     ap.add_argument("--token", default=os.environ.get("FEDHOP_TOKEN", ""))

@@ -271,6 +271,29 @@ def _defined_in(home: object, scope: str) -> bool:
     return isinstance(home, str) and (home == scope or home.startswith(scope + "."))
 
 
+# values that carry no code and that Python shares between modules (small ints, interned strings)
+_PLAIN_VALUES = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _held_elsewhere(value: Any, scope: str) -> str | None:
+    """The name of a loaded module outside `scope` whose globals hold `value` itself (a value the
+    plug-in's module imported), or None.  The packages above `scope` do not count: a package's
+    __init__ re-exports what its modules make.  Plain values carry no code and are not looked for."""
+    if isinstance(value, _PLAIN_VALUES):
+        return None
+    above = {".".join(scope.split(".")[:i]) for i in range(1, scope.count(".") + 1)}
+    for name, module in list(sys.modules.items()):
+        if module is None or _defined_in(name, scope) or name in above:
+            continue
+        try:
+            held = vars(module).values()
+        except TypeError:   # a module object without a __dict__
+            continue
+        if any(v is value for v in held):
+            return name
+    return None
+
+
 def _home(obj: Any) -> tuple[str, str]:
     """What `obj` is and the module that defines it, for the defined-here rule: a class or a
     function (a bound method: its function) by its own `__module__` (a builtin: its C module or
@@ -313,7 +336,13 @@ def resolve_attribute(module: ModuleType, attr: str, ref: str, group: str = "mod
             raise refuse(f"passes through the module '{obj.__name__}'{at}")
         what, home = _home(obj)
         if last and what.endswith("object") and not callable(obj):
-            continue   # a value (a TopologySpec, a number): nothing to call; its kind is checked next
+            # a value (a TopologySpec, a transport entry): nothing to call, and its type may be defined
+            # anywhere; but one that another module holds too was imported, not made here
+            held = _held_elsewhere(obj, scope)
+            if held is not None:
+                raise refuse(f"is a {what} that the module '{held}' holds too: imported into '{scope}', not "
+                             f"made there")
+            continue   # its kind is checked next (`check_kind`)
         if not _defined_in(home, scope):
             raise refuse(f"is a {what} defined in '{home}'{at}, not in '{scope}'")
         if not last and not (what == "class" or what.endswith("object")):

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.deploy.bench import bench_system
 from fedhop.deploy.launch.malloc import reexec_with_tuned_malloc
 
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         import runpy
         script = Path(__file__).resolve().parents[2] / "benchmarks" / "flower_compare.py"
         return runpy.run_path(str(script), run_name="fedhop_bench_flower")["main"](argv[1:])
-    ap = argparse.ArgumentParser(prog="fedhop bench", description=__doc__,
+    ap = ArgumentParser(prog="fedhop bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=BENCHMARKS, help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
     ap.add_argument("--sizes", default="1,10,100", help="model sizes in MB, comma-separated")

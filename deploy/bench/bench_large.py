@@ -58,6 +58,7 @@ import torch
 
 from fedhop.common.tasks.base import ClientData, Task
 from fedhop.common.topologies.plan import plan_processes
+from fedhop.common.util.cliparser import ArgumentParser
 
 MB = 1_000_000
 GB = 1_000_000_000
@@ -373,7 +374,7 @@ def _mb(n: float) -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="fedhop bench large", description=__doc__,
+    ap = ArgumentParser(prog="fedhop bench large", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10,100", help="model sizes in MB, comma-separated (e.g. 100,500,1000)")
     ap.add_argument("--clients", default="2,4", help="clients per round, comma-separated (e.g. 2,4,8)")

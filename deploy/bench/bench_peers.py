@@ -63,6 +63,7 @@ from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine
 from fedhop.common.records.runstore import RunStore, round_seconds
 from fedhop.common.tasks import build_task
+from fedhop.common.util.cliparser import ArgumentParser
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 #: peer -> (environment variable naming its python, script, name printed)
@@ -482,7 +483,7 @@ def workload_names(given: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="fedhop bench peers", description=__doc__,
+    ap = ArgumentParser(prog="fedhop bench peers", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1, W2, W3")
     ap.add_argument("--rounds", type=int, default=0, help="rounds of every workload (default: W1 30, W2 30, W3 10)")

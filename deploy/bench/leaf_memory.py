@@ -18,6 +18,7 @@ from pathlib import Path
 from fedhop.common.config import parse_config
 from fedhop.common.tasks import build_task
 from fedhop.common.topologies.plan import client_blocks
+from fedhop.common.util.cliparser import ArgumentParser
 
 
 def _status_kib(field: str) -> int:
@@ -55,7 +56,7 @@ def rss(folder: str, clients: int, processes: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fedhop.deploy.bench.leaf_memory", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m fedhop.deploy.bench.leaf_memory", description=__doc__.split("\n")[0])
     ap.add_argument("kind", choices=("rss", "host"), help="rss: every process at once; host: one (--index)")
     ap.add_argument("folder", help="a FEMNIST folder in LEAF's layout (python -m fedhop.common.data.fakedata femnist DIR)")
     ap.add_argument("--writers", type=int, default=20, help="clients (FEMNIST writers)")

@@ -1,9 +1,10 @@
 """The `fedhop` command: run, sweep, report, bench, launch, netsim, data."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+
+from fedhop.common.util.cliparser import ArgumentParser
 
 
 def version() -> str:
@@ -18,7 +19,7 @@ def version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="fedhop", description="federated learning with real processes and exact byte accounting")
+    ap = ArgumentParser(prog="fedhop", description="federated learning with real processes and exact byte accounting")
     ap.add_argument("--version", action="version", version=f"fedhop {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
 

@@ -15,7 +15,6 @@ shared by several keys ("`a`, `key`: ...").
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import inspect
@@ -41,6 +40,7 @@ from fedhop.common.config import (
     shadowed_keys,
     toml_value,
 )
+from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.deploy.cli.pagegen import page_main
 
 REGENERATE = "python -m fedhop.deploy.cli.configref --write docs/config.md"
@@ -545,7 +545,7 @@ def common_keys_all() -> list[KeyDoc]:
 # ----------------------------------------------------------------------------- command line
 def main(argv: list[str] | None = None) -> int:
     """`fedhop config show [ALGORITHM] [--toml]` and `--write PATH` (docs/config.md)."""
-    ap = argparse.ArgumentParser(prog="fedhop config", description="the config reference, generated from the schema")
+    ap = ArgumentParser(prog="fedhop config", description="the config reference, generated from the schema")
     sub = ap.add_subparsers(dest="action", required=True)
     show = sub.add_parser("show", help="print every config key: type, default, allowed values, description")
     show.add_argument("algorithm", nargs="?", help="the common keys and this algorithm's own (built in or a plug-in)")

@@ -15,7 +15,6 @@ line with exit status 2, unless --force, and then nothing is written.
 """
 from __future__ import annotations
 
-import argparse
 import posixpath
 import shutil
 import sys
@@ -24,6 +23,7 @@ from importlib import resources
 from importlib.abc import Traversable
 from pathlib import Path
 
+from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.suggest import did_you_mean
 
 PROJECTS = ("plugin",)           # example folders copied whole (their parts belong together)
@@ -123,7 +123,7 @@ def copy(names: list[str], to: Path, force: bool = False) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedhop examples", description="list the example configs, or copy some into "
+    ap = ArgumentParser(prog="fedhop examples", description="list the example configs, or copy some into "
                                                                      "this folder")
     sub = ap.add_subparsers(dest="action")
     sub.add_parser("list", help="every example with its first comment line (the default)")

@@ -4,10 +4,11 @@ One implementation, so that both pages are written and checked alike: CI and a c
 regenerate either page with the same flags and read the same one-line answers."""
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Callable
+
+from fedhop.common.util.cliparser import ArgumentParser
 
 
 def page_main(prog: str, source: str, page: Callable[[], str], regenerate: str,
@@ -15,7 +16,7 @@ def page_main(prog: str, source: str, page: Callable[[], str], regenerate: str,
     """`prog [--write PATH | --check PATH]`: the page `page()` makes from `source` (e.g. "the
     schema") on stdout, written to PATH, or compared with PATH: exit 1 when it differs (saying
     how to regenerate it), 2 when PATH cannot be read (one line naming it)."""
-    ap = argparse.ArgumentParser(prog=prog, description=f"the markdown reference, generated from {source}")
+    ap = ArgumentParser(prog=prog, description=f"the markdown reference, generated from {source}")
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--write", metavar="PATH", help="write the markdown reference to PATH")
     group.add_argument("--check", metavar="PATH", help="exit 1 when PATH differs from the generated reference")

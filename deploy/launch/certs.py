@@ -25,6 +25,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from fedhop.common.util.cliparser import ArgumentParser
+
 
 def expand_nodes(spec: str) -> list[str]:
     """'server,edge-0..2,client-proc0..3' -> the node ids ('a..b' ranges over trailing numbers)."""
@@ -52,13 +54,13 @@ def nodes_for_config(path: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedhop certs", description=__doc__,
+    ap = ArgumentParser(prog="fedhop certs", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", help="cluster directory (created if missing)")
     ap.add_argument("--nodes", default="", help="node ids, comma-separated; ranges as client-proc0..7")
     ap.add_argument("--config", default="", help="add the node ids of this experiment's processes")
     ap.add_argument("--hosts", default="", help="extra host names / IPs for every certificate, comma-separated")
-    ap.add_argument("--days", type=int, default=365)
+    ap.add_argument("--days", type=int, default=365, help="validity of a new CA and of the node certificates, in days (>= 1)")
     args = ap.parse_args(argv)
     from fedhop.common.security.auth import SecurityError, write_cluster
     try:

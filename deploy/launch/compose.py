@@ -7,12 +7,15 @@ tests resolve docker-compose.yml with it (`config`), and deploy/docker/engine.sh
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Sequence
 
+from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.nodeids import client_proc_node, edge_node
 
 
@@ -90,8 +93,81 @@ def node_folders(certs: Path, nodes: list[str], out: Path) -> dict[str, Path]:
     return folders
 
 
+_KEY = re.compile(r"(?P<key>[^\s:#'\"][^:#]*|'[^']*'|\"[^\"]*\"):(?:\s+(?P<value>[^#]*?))?\s*(?:#.*)?")
+
+
+def _unquote(word: str) -> str:
+    return word.strip().strip("'\"")
+
+
+def service_profiles(text: str) -> dict[str, tuple[str, ...]]:
+    """Each service of a compose file and the profiles it is in (none: it always starts), read from
+    the file's text: the top-level `services:` mapping in block style, each service's own
+    `profiles:` as a flow list (`[a, b]`) or a block list (`- a`).  No YAML library: the package
+    installs none (the roles' image holds only what they import), and docker-compose.yml writes its
+    services so.  Profiles that reach a service only through an anchor or `extends` are not seen."""
+    services: dict[str, list[str]] = {}
+    in_services = False
+    service_indent = child_indent = None
+    current: str | None = None
+    listing = False              # reading the block list under the current service's `profiles:`
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        if indent == 0:
+            in_services, current = stripped.split("#")[0].strip() == "services:", None
+            continue
+        if not in_services:
+            continue
+        if service_indent is None:
+            service_indent = indent
+        if indent == service_indent:
+            key = _KEY.fullmatch(stripped)
+            current = _unquote(key["key"]) if key else None
+            if current is not None:
+                services[current] = []
+            child_indent, listing = None, False
+            continue
+        if current is None:
+            continue
+        if child_indent is None:
+            child_indent = indent
+        if listing and indent >= child_indent and stripped.startswith("-"):
+            services[current].append(_unquote(stripped[1:].split("#")[0]))
+            continue
+        listing = False
+        key = _KEY.fullmatch(stripped) if indent == child_indent else None
+        if key and _unquote(key["key"]) == "profiles":
+            value = (key["value"] or "").strip()
+            if value.startswith("[") and value.endswith("]"):
+                services[current] += [_unquote(w) for w in value[1:-1].split(",") if w.strip()]
+            else:
+                listing = not value
+    return {name: tuple(profiles) for name, profiles in services.items()}
+
+
+def edge_services(text: str) -> list[tuple[str, ...]]:
+    """The profiles of the base file's edge services edge-0, edge-1, ... (up to the first missing
+    one): how many edges a per-node override can give services to, and what starts them."""
+    services = service_profiles(text)
+    return [services[edge_node(e)] for e in itertools.takewhile(lambda e: edge_node(e) in services,
+                                                                itertools.count())]
+
+
+def profiles_to_start(needed: list[tuple[str, ...]]) -> list[str]:
+    """The `--profile` names that start every service of `needed` (each service's profiles): none
+    for a service in no profile, else one of its own, shared with the others where they allow."""
+    chosen: list[str] = []
+    for profiles in needed:
+        if profiles and not set(profiles) & set(chosen):
+            chosen.append(profiles[0])
+    return chosen
+
+
 def per_node_override(compose_file: Path, folders: dict[str, Path], clients: int, edges: int,
-                      uid: int | None = None, gid: int | None = None) -> dict:
+                      uid: int | None = None, gid: int | None = None, base_edges: int = 0) -> dict:
     """A Compose override: each service mounts its own folder at /certs and runs mutual TLS.
 
     Every service is told FEDHOP_SECURITY=mtls (deploy/docker/entrypoint.sh then sets the variables
@@ -102,7 +178,9 @@ def per_node_override(compose_file: Path, folders: dict[str, Path], clients: int
     holds another client's key and container names carry the node ids.  Every role is told the count
     (FEDHOP_CLIENT_PROCESSES), so nothing waits for replicas to settle.  FEDHOP_UID/FEDHOP_GID (the
     user who ran `fedhop compose`, or the FEDHOP_UID/FEDHOP_GID it was given; root: see
-    deploy/docker/entrypoint.sh) is the processes' user, so the run's files are theirs."""
+    deploy/docker/entrypoint.sh) is the processes' user, so the run's files are theirs.  The base
+    file's edge services beyond `edges` (`base_edges` of them in all) get 0 replicas, so the
+    profile that starts the edges asked for starts no other."""
     def certs(node: str) -> list[dict]:
         return [{"type": "bind", "source": str(folders[node]), "target": "/certs", "read_only": True}]
 
@@ -112,7 +190,9 @@ def per_node_override(compose_file: Path, folders: dict[str, Path], clients: int
     services: dict[str, dict] = {"server": {"environment": common, "volumes": certs("server")},
                                  CLIENT_TEMPLATE: {"deploy": {"replicas": 0}}}
     for e in range(edges):
-        services[f"edge-{e}"] = {"environment": common, "volumes": certs(edge_node(e))}
+        services[edge_node(e)] = {"environment": common, "volumes": certs(edge_node(e))}
+    for e in range(edges, base_edges):
+        services[edge_node(e)] = {"deploy": {"replicas": 0}}
     for k in range(clients):
         node = client_proc_node(k)
         services[node] = {
@@ -123,7 +203,7 @@ def per_node_override(compose_file: Path, folders: dict[str, Path], clients: int
     return {"services": services}
 
 
-def up_command(base: Path, override: Path) -> str:
+def up_command(base: Path, override: Path, profiles: Sequence[str] = ()) -> str:
     """The one command that runs the cluster, attached to the server's container only, its exit
     status the server's: `up --attach server --exit-code-from server`.  Compose watches only the
     attached containers for --exit-code-from (and the --abort-on-container-exit it implies), so a
@@ -134,8 +214,11 @@ def up_command(base: Path, override: Path) -> str:
 
     Compose v2 prints "Aborting on container exit..." whenever --exit-code-from ends a run, a
     completed one included (it is how it stops the other containers), and no flag silences it;
-    `fedhop compose` and deploy/docker/up.sh say so beside the command and after it."""
-    return f"docker compose -f {base} -f {override} up --attach server --exit-code-from server"
+    `fedhop compose` and deploy/docker/up.sh say so beside the command and after it.
+
+    `profiles`: those that start the services in profiles (the edges: profiles_to_start)."""
+    chosen = "".join(f" --profile {p}" for p in profiles)
+    return f"docker compose -f {base} -f {override}{chosen} up --attach server --exit-code-from server"
 
 
 # Compose's line at the end of every run `up_command` starts, a completed one too (see up_command)
@@ -177,21 +260,28 @@ def write_packaged_base(out: Path) -> Path:
     return base
 
 
+def _span(prefix: str, n: int) -> str:
+    """edge-0..edge-2 for 3, edge-0 for 1, none for 0."""
+    return {0: "none", 1: f"{prefix}0"}.get(n, f"{prefix}0..{prefix}{n - 1}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`fedhop compose CERTS --clients N [--edges E] [--out DIR] [--file docker-compose.yml]`."""
-    import argparse
     import sys
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="fedhop compose",
         description="Per-node credentials for docker compose: from a `fedhop certs` folder, one folder per "
                     "node (ca.pem and that node's own key pair and credential only) and an override file that mounts each at its "
                     "service's /certs and runs mutual TLS, with one service per client process (client-proc0..N-1).  "
                     "In a fedhop checkout the base file is its docker-compose.yml; elsewhere (an installed wheel) "
                     "the one in the package is written into --out.  Then: "
-                    "docker compose -f BASE -f DIR/compose.yml up --attach server --exit-code-from server")
+                    "docker compose -f BASE -f DIR/compose.yml [--profile P] up --attach server --exit-code-from server "
+                    "(--profile: the one that starts the base file's edge services, with --edges)")
     ap.add_argument("certs", help="the folder `fedhop certs` made (ca.pem, NODE.pem, NODE.key, NODE.cred)")
     ap.add_argument("--clients", type=int, required=True, help="client processes (client-proc0..N-1)")
-    ap.add_argument("--edges", type=int, default=0, help="edges (edge-0..E-1; docker-compose.yml has 2)")
+    ap.add_argument("--edges", type=int, default=0,
+                    help="edges (edge-0..E-1), at most the base file's edge services (docker-compose.yml has 2); "
+                         "the printed command names the profile that starts them")
     ap.add_argument("--out", default="compose-nodes", help="where the per-node folders and compose.yml go "
                                                            "(default ./compose-nodes)")
     ap.add_argument("--file", default=None,
@@ -207,9 +297,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--edges {args.edges}: 0 or more")
         if args.file is not None and not base.is_file():
             raise ValueError(f"--file {base}: no such compose file")
+        in_checkout = base.is_file()
+        edge_profiles = edge_services(base.read_text() if in_checkout else packaged_base_text())
+        if args.edges > len(edge_profiles):
+            named = base if in_checkout else f"the package's {PACKAGED_BASE}"
+            raise ValueError(f"--edges {args.edges}: the base compose file ({named}) defines "
+                             f"{len(edge_profiles)} edge services ({_span('edge-', len(edge_profiles))}): "
+                             f"at most {len(edge_profiles)}, or add services to it")
+        profiles = profiles_to_start(edge_profiles[:args.edges])
         nodes = ["server"] + [edge_node(e) for e in range(args.edges)] + [client_proc_node(k) for k in range(args.clients)]
         folders = node_folders(Path(args.certs), nodes, out)
-        if args.file is None and not base.is_file():       # not in a checkout: the package's file
+        if not in_checkout:       # not in a checkout: the package's file
             base = write_packaged_base(out)
         override = out / "compose.yml"
         uid, gid = (os.environ.get(name) or str(own) for name, own in (("FEDHOP_UID", os.getuid()),
@@ -218,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"FEDHOP_UID={uid!r} FEDHOP_GID={gid!r}: numeric user and group ids")
         override.write_text("# made by `fedhop compose` (deploy/launch/compose.py): per-node /certs mounts, mutual TLS\n"
                             + json.dumps(per_node_override(base, folders, args.clients, args.edges,
-                                                           int(uid), int(gid)), indent=2) + "\n")
+                                                           int(uid), int(gid), len(edge_profiles)), indent=2) + "\n")
         # the runs' parent folder (docker-compose.yml: FEDHOP_RUNS_SRC, relative to the base file's
         # folder, default runs-compose) made by this user, not by the engine as root: the project
         # folders the containers make in it are then this user's to remove
@@ -228,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedhop compose: {exc}", file=sys.stderr)
         return 2
     print(f"fedhop compose: {len(nodes)} node folders and {override}: mutual TLS, each container holding its own "
-          f"key only (services server, {'edge-0.., ' if args.edges else ''}client-proc0..{args.clients - 1}); run it with")
-    print(f"  {up_command(base, override)}")
+          f"key only (services server, {_span('edge-', args.edges) + ', ' if args.edges else ''}"
+          f"client-proc0..{args.clients - 1}); run it with")
+    print(f"  {up_command(base, override, profiles)}")
     print("  (its status is the server's; a dead client container costs its clients only; every node's log: "
           f"RUN/logs/NODE.log, and `docker compose ... logs`; the run: {runs}/fedhop/)")
     print(f"  ({SUCCESS_NOTE})")

@@ -15,7 +15,6 @@ insecure gRPC) there is nothing else on a TCP stream.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import socket
@@ -23,6 +22,8 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass, field
+
+from fedhop.common.util.cliparser import ArgumentParser
 
 ETH_P_ALL = 0x0003
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -160,7 +161,7 @@ def summarize(streams: dict, stats: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fedhop.deploy.launch.h2capture", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m fedhop.deploy.launch.h2capture", description=__doc__.split("\n\n")[0])
     ap.add_argument("--iface", default="eth0")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)

@@ -53,7 +53,6 @@ Hosts file (see examples/hosts.toml)::
 """
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -74,6 +73,7 @@ from fedhop.common.config import Config, ConfigError, config_to_toml, load_confi
 from fedhop.common.security.addresses import plaintext_refusal
 from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
 from fedhop.common.topologies.plan import Placement, plan_processes
+from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.nodeids import id_spec
 from fedhop.deploy.launch.engine import process_launch_problem
 from fedhop.deploy.launch.malloc import TUNED_MALLOC_ENV
@@ -912,7 +912,7 @@ def security_line(cfg: Config) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedhop launch", description="start a run's roles on the hosts of a hosts file")
+    ap = ArgumentParser(prog="fedhop launch", description="start a run's roles on the hosts of a hosts file")
     ap.add_argument("hosts", help="hosts TOML file (see examples/hosts.toml)")
     ap.add_argument("config", help="experiment TOML file")
     ap.add_argument("--out", help="local run directory (default runs/NAME-seedS-TIMESTAMP)")

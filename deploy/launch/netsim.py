@@ -26,7 +26,6 @@ namespace, veth and /etc/netns entry is removed on exit, on error and at the nex
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from fedhop.common.config import Config, ConfigError, load_config
+from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.nodeids import client_node
 from fedhop.deploy.launch.engine import process_launch_problem
 from fedhop.deploy.launch.hosts import HostsError, HostsFile, HostSpec, Role, load_hosts, plan_roles, run_launch
@@ -637,7 +637,7 @@ def parse_bandwidth(items: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedhop netsim", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="fedhop netsim", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="experiment TOML file")
     ap.add_argument("--out", help="run directory (default runs/NAME-seedS-TIMESTAMP)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")

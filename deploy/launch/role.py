@@ -75,6 +75,7 @@ import sys
 import time
 from pathlib import Path
 
+from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.procexit import exit_now
 
 log = logging.getLogger("fedhop.role")
@@ -547,7 +548,7 @@ def cmd_health(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fedhop.deploy.launch.role", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m fedhop.deploy.launch.role", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="role", required=True)
     s = sub.add_parser("server")
     s.add_argument("--listen", default="0.0.0.0:7000")

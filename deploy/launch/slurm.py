@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -74,6 +75,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from fedhop.common.util.cliparser import ArgumentParser
+
 if TYPE_CHECKING:
     from fedhop.common.config.schema import Config
 
@@ -84,6 +87,10 @@ GRACE_S = 30.0             # after the server ends: how long the others have to 
 
 class SlurmError(Exception):
     """A bad flag, config or environment: one line, exit 2."""
+
+
+# sbatch's --time formats: "M", "M:S", "H:M:S", "D-H", "D-H:M", "D-H:M:S"
+TIME_LIMIT = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}")
 
 
 @dataclass
@@ -99,6 +106,14 @@ class SlurmOptions:
     overcommit: bool = False
     extra: list[str] = field(default_factory=list)   # more `sbatch` options, verbatim
     python: str = sys.executable                     # the interpreter every node runs (same path everywhere)
+
+    def time_refusal(self) -> str | None:
+        """Why `time` is not a time limit Slurm accepts (None when it is, or is unset): minutes,
+        MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or UNLIMITED / INFINITE (sbatch(1), --time)."""
+        if not self.time or TIME_LIMIT.fullmatch(self.time) or self.time.upper() in ("UNLIMITED", "INFINITE"):
+            return None
+        return (f"--time {self.time!r} is not a Slurm time limit (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, "
+                f"D-HH:MM:SS or UNLIMITED)")
 
     def directives(self, ntasks: int) -> list[str]:
         out = [f"--nodes={self.nodes}", f"--ntasks={ntasks}", f"--cpus-per-task={self.cpus_per_task}"]
@@ -209,26 +224,25 @@ def _read_all(paths: list[Path]) -> dict[Path, bytes]:
 
 def node_files(certs_dir: Path, node_ids: list[str]) -> dict[str, dict[str, bytes]]:
     """node id -> {file name: bytes} of what each node's folder gets from a `fedhop certs` folder:
-    ca.pem, NODE.pem, NODE.key and NODE.cred (its per-node credential; cluster.secret instead for a
-    folder made before `fedhop certs` wrote them); never ca.key, issuer.key or another node's
-    files.  Everything is read here, before anything is written or submitted, so a missing or
-    unreadable file is one line (SlurmError)."""
-    from fedhop.common.security.auth import CA_CERT, SECRET_FILE
+    ca.pem, NODE.pem, NODE.key and NODE.cred (its per-node credential); never ca.key, issuer.key,
+    cluster.secret (the shared secret, with which any node could mint another's tokens) or another
+    node's files, as `fedhop compose` (compose.py `node_folders`).  Everything is read here, before
+    anything is written or submitted, so a missing or unreadable file is one line (SlurmError)."""
+    from fedhop.common.security.auth import CA_CERT
     from fedhop.common.security.nodecred import CRED_SUFFIX
     if not certs_dir.is_dir():
         raise SlurmError(f"security.certs_dir: {certs_dir} is not a folder (make one with "
                          f"`fedhop certs {certs_dir} --config CONFIG`, or leave security.certs_dir unset and "
                          f"fedhop slurm makes per-job credentials)")
-    missing = [str(certs_dir / n) for node in node_ids for n in (CA_CERT, f"{node}.pem", f"{node}.key")
-               if not (certs_dir / n).is_file()]
+    missing = [str(certs_dir / n) for node in node_ids
+               for n in (CA_CERT, f"{node}.pem", f"{node}.key", f"{node}{CRED_SUFFIX}") if not (certs_dir / n).is_file()]
     if missing:
         raise SlurmError(f"security.certs_dir: missing {', '.join(sorted(set(missing))[:4])} "
-                         f"(make them with `fedhop certs {certs_dir} --config CONFIG`)")
+                         f"(make them with `fedhop certs {certs_dir} --config CONFIG`; each node needs its own "
+                         f"NODE{CRED_SUFFIX}, the shared cluster.secret is never given to a node)")
     out: dict[str, dict[str, bytes]] = {}
     for node in node_ids:
-        token = [f"{node}{CRED_SUFFIX}"] if (certs_dir / f"{node}{CRED_SUFFIX}").is_file() else \
-            [SECRET_FILE] if (certs_dir / SECRET_FILE).is_file() else []
-        names = [CA_CERT, f"{node}.pem", f"{node}.key"] + token
+        names = [CA_CERT, f"{node}.pem", f"{node}.key", f"{node}{CRED_SUFFIX}"]
         data = _read_all([certs_dir / n for n in names])
         out[node] = {n: data[certs_dir / n] for n in names}
     return out
@@ -306,9 +320,19 @@ class PreparedRun:
     opts: SlurmOptions
 
     def check_out(self, force: bool = False) -> None:
-        """Refuse a run folder that holds an earlier run, unless `force` (then write() replaces it)."""
-        if not force and self.run_dir.exists() and any(self.run_dir.iterdir()):
-            raise SlurmError(f"--out {self.run_dir} holds an earlier run (pass --force to replace it)")
+        """Refuse a run folder that is not empty: one holding an earlier `fedhop slurm` run
+        (its RUN/slurm/tasks.json) unless `force` (then write() replaces it), any other never,
+        `force` or not: --force replaces a run, not a folder of the user's."""
+        run_dir = self.run_dir
+        if run_dir.exists() and not run_dir.is_dir():
+            raise SlurmError(f"--out {run_dir} is a file, not a run directory")
+        if not run_dir.exists() or not any(run_dir.iterdir()):
+            return
+        if not holds_run(run_dir):
+            raise SlurmError(f"--out {run_dir} is not empty and holds no fedhop slurm run (no "
+                             f"{SLURM_DIR}/tasks.json); name a new or empty folder")
+        if not force:
+            raise SlurmError(f"--out {run_dir} holds an earlier run (pass --force to replace it)")
 
     def write(self, force: bool = False) -> None:
         """Make the run folder: config.toml (0600), the credentials (RUN/creds/NODE, or RUN/.token in
@@ -316,8 +340,7 @@ class PreparedRun:
         from fedhop.common.config import config_to_toml
         run_dir = self.run_dir
         self.check_out(force)
-        if run_dir.exists() and any(run_dir.iterdir()):
-            shutil.rmtree(run_dir)
+        clear(run_dir)   # an earlier run (check_out), replaced
         for sub in ("logs", "ledger", SLURM_DIR):
             (run_dir / sub).mkdir(parents=True, exist_ok=True)
         if self.security == "token":
@@ -327,6 +350,22 @@ class PreparedRun:
         _write_private(run_dir / "config.toml", config_to_toml(self.cfg))
         (run_dir / SLURM_DIR / "tasks.json").write_text(json.dumps(self.tasks, indent=1))
         (run_dir / SLURM_DIR / "job.sbatch").write_text(self.script)
+
+
+def clear(run_dir: Path) -> None:
+    """Remove what `run_dir` holds, keeping the folder itself (it may be the working directory)."""
+    if not run_dir.is_dir():
+        return
+    for entry in run_dir.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether `run_dir` is a `fedhop slurm` run folder (its task list is there)."""
+    return (run_dir / SLURM_DIR / "tasks.json").is_file()
 
 
 def plan_run(config: str, overrides: list[str], out: str | None, opts: SlurmOptions) -> PreparedRun:
@@ -349,6 +388,9 @@ def plan_run(config: str, overrides: list[str], out: str | None, opts: SlurmOpti
         raise SlurmError(engine_problem)
     if opts.nodes < 1 or opts.cpus_per_task < 1 or opts.gpus_per_node < 0:
         raise SlurmError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node >= 0")
+    time_refusal = opts.time_refusal()
+    if time_refusal:
+        raise SlurmError(time_refusal)
     run_dir = Path(out or f"runs/{cfg.run.name}-seed{cfg.run.seed}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}").resolve()
     _check_path(run_dir, "the run directory")
     sec = cfg.security
@@ -481,7 +523,11 @@ def submit(script: Path) -> str:
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         raise SlurmError("sbatch is not on PATH (is this a Slurm login node?)")
-    res = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True)
+    try:
+        res = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True,
+                             timeout=QUERY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"sbatch did not answer within {QUERY_TIMEOUT_S:.0f} s (is slurmctld up?)") from None
     job = res.stdout.strip().split(";")[0]
     if res.returncode != 0 or not job:
         err = res.stderr.strip().splitlines()
@@ -511,11 +557,20 @@ class JobInfo:
         return f"{self.state} ({self.reason})" if self.reason and self.state not in TERMINAL else self.state
 
 
+def _ask(argv: list[str]) -> subprocess.CompletedProcess[str] | None:
+    """A Slurm command's result, or None when it did not answer within QUERY_TIMEOUT_S (a
+    controller that hangs is then a poll that learnt nothing, never a wait without end)."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def job_info(job: str) -> JobInfo | None:
     """A job's JobInfo from `scontrol show job`, or from `sacct` once the controller has forgotten
     it; None when neither knows it.  For an array, its first task's state until all have ended."""
-    res = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
-    if res.returncode == 0 and res.stdout.strip():
+    res = _ask(["scontrol", "show", "job", "-o", job])
+    if res is not None and res.returncode == 0 and res.stdout.strip():
         rows = [dict(kv.split("=", 1) for kv in line.split() if "=" in kv) for line in res.stdout.splitlines()]
         states = [r.get("JobState", "") for r in rows]
         reason = rows[0].get("Reason", "None")
@@ -526,9 +581,8 @@ def job_info(job: str) -> JobInfo | None:
         pairs = [row.get("ExitCode", "0:0"), states[0]]
     else:
         reason = ""
-        res = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "ExitCode,State"], capture_output=True,
-                             text=True)
-        lines = [ln for ln in res.stdout.splitlines() if ln.strip()] if res.returncode == 0 else []
+        res = _ask(["sacct", "-j", job, "-X", "-n", "-P", "-o", "ExitCode,State"])
+        lines = [ln for ln in res.stdout.splitlines() if ln.strip()] if res is not None and res.returncode == 0 else []
         if not lines:
             return None
         pairs = lines[0].split("|")[:2]
@@ -556,8 +610,10 @@ def wait_job(job: str, poll: float = 1.0, report: Callable[[str], None] | None =
             if info is None:
                 unknown += 1
                 if unknown > 30:
-                    raise SlurmError(f"job {job}: neither scontrol nor sacct knows it")
+                    raise SlurmError(f"job {job}: neither scontrol nor sacct knows it (or answers) after "
+                                     f"{unknown} polls")
             else:
+                unknown = 0
                 line = f"job {job}: {info.describe()}"
                 if report is not None and line != last:
                     report(line)
@@ -570,7 +626,7 @@ def wait_job(job: str, poll: float = 1.0, report: Callable[[str], None] | None =
                     return info.status or (0 if info.state == "COMPLETED" else 1)   # before it ran): 1
             time.sleep(poll)
     except KeyboardInterrupt:
-        subprocess.run(["scancel", job], capture_output=True)
+        _ask(["scancel", job])
         print(f"fedhop slurm: interrupted; cancelled job {job}", file=sys.stderr)
         return 130
 
@@ -612,7 +668,8 @@ def hostnames() -> list[str]:
     nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
     if not nodelist:
         return [socket.gethostname()]
-    res = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    res = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True,
+                         timeout=QUERY_TIMEOUT_S)
     return res.stdout.split()
 
 
@@ -760,8 +817,8 @@ class SlurmArrayRunner:
 
     def stop(self, grace: float = 20.0) -> None:
         if self.job:
-            subprocess.run(["scancel", "--signal=INT", "--full", self.job], capture_output=True)
-            subprocess.run(["scancel", self.job], capture_output=True)
+            _ask(["scancel", "--signal=INT", "--full", self.job])
+            _ask(["scancel", self.job])
 
 
 def run_array_task(listing: Path) -> int:
@@ -780,7 +837,8 @@ def add_slurm_args(ap: argparse.ArgumentParser, nodes: bool = False) -> None:
     if nodes:   # a sweep's array task is one `fedhop run` on one node
         ap.add_argument("--nodes", type=int, default=1, help="nodes of the allocation (default 1)")
     ap.add_argument("--gpus-per-node", type=int, default=0, metavar="N", help="GPUs per node (--gpus-per-node)")
-    ap.add_argument("--time", default="", help="time limit, e.g. 1:00:00")
+    ap.add_argument("--time", default="", help="time limit in sbatch's formats (minutes, MM:SS, HH:MM:SS, D-HH, "
+                                               "D-HH:MM, D-HH:MM:SS, UNLIMITED), e.g. 1:00:00")
     ap.add_argument("--account", default="", help="Slurm account to charge")
     ap.add_argument("--cpus-per-task", type=int, default=1, metavar="N", help="CPUs per process (default 1)")
     ap.add_argument("--overcommit", action="store_true",
@@ -799,13 +857,15 @@ def options_from(args: argparse.Namespace) -> SlurmOptions:
 
 def build_parser() -> argparse.ArgumentParser:
     """`fedhop slurm`'s command line."""
-    ap = argparse.ArgumentParser(prog="fedhop slurm", description="submit one run as a Slurm batch job whose steps "
+    ap = ArgumentParser(prog="fedhop slurm", description="submit one run as a Slurm batch job whose steps "
                                  "are the server, edge and client processes (docs/deployment.md, \"Slurm\")")
     ap.add_argument("config", help="experiment TOML file")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config key (repeatable)")
     ap.add_argument("--out", help="run directory on a filesystem every node sees (default runs/NAME-seedS-TIMESTAMP)")
-    ap.add_argument("--force", action="store_true", help="with --out: replace the earlier run there")
+    ap.add_argument("--force", action="store_true",
+                    help="with --out: replace the earlier fedhop slurm run there (a folder that holds anything "
+                         "else is never replaced)")
     add_slurm_args(ap, nodes=True)
     ap.add_argument("--print", dest="print_only", action="store_true",
                     help="print the batch script (and describe the credentials); write and submit nothing")
@@ -840,7 +900,11 @@ def main(argv: list[str] | None = None) -> int:
         if prepared.security == "token":
             print(f"fedhop slurm: {INSECURE_NOTE}", file=sys.stderr)
         prepared.write(args.force)
-        job = submit(prepared.run_dir / SLURM_DIR / "job.sbatch")
+        try:
+            job = submit(prepared.run_dir / SLURM_DIR / "job.sbatch")
+        except SlurmError:   # nothing runs: what was written (credentials included) goes, a retry may use the folder
+            clear(prepared.run_dir)
+            raise
     except SlurmError as exc:
         print(f"fedhop slurm: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,6 @@ The server listens on 127.0.0.1 by default: the page shows the run's config and 
 """
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import json
 import socket
@@ -31,6 +30,7 @@ from typing import Any
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.topologies import builtin_specs
 from fedhop.common.transport.livebytes import EARLIER
+from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.nodeids import edge_index, edge_node
 
 PAGE = Path(__file__).with_name("dashboard.html")
@@ -256,7 +256,7 @@ def serve(run_dir: Path, port: int = 0, host: str = "127.0.0.1") -> tuple[Thread
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedhop dashboard", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="fedhop dashboard", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="a run directory, finished or running")
     ap.add_argument("--port", type=int, default=8050, help="port to serve on (0: any free one; default 8050)")
     ap.add_argument("--host", default="127.0.0.1")

@@ -28,7 +28,6 @@ on your machine from sources that publish no archive checksum (docs/datasets.md 
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import hashlib
 import http.client
@@ -42,6 +41,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from fedhop.common.util.cliparser import ArgumentParser
 
 BLOCK = 1 << 20
 TIMEOUT_S = 60.0
@@ -249,7 +250,7 @@ def print_catalog(catalog: dict[str, Entry]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedhop data fetch",
+    ap = ArgumentParser(prog="fedhop data fetch",
                                  description="download a known data set's files (needs network access), verify "
                                              "their published checksums and unpack them")
     ap.add_argument("name", nargs="?", help="a data set of the catalogue (--list shows them)")

@@ -9,13 +9,14 @@ Writes a PNG (clients x classes heat map of label shares, histogram of client si
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from fedhop.common.util.cliparser import ArgumentParser
 
 
 def partition_stats(sizes: np.ndarray, hist: np.ndarray | None, top: int = 5) -> dict[str, Any]:
@@ -133,7 +134,7 @@ def show(config: str, overrides: list[str], png: str | None, json_out: str | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedhop data", description="look at a config's data and partition")
+    ap = ArgumentParser(prog="fedhop data", description="look at a config's data and partition")
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("show", help="per-client sample counts and label histograms, and a PNG of them")
     s.add_argument("config", help="experiment TOML file")

@@ -12,13 +12,13 @@ the file), and a ledger path that is no regular file (a FIFO, a link to /dev/zer
 """
 from __future__ import annotations
 
-import argparse
 import sqlite3
 import stat
 import sys
 from pathlib import Path
 
 from fedhop.common.records.runstore import RunStore
+from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.wire.ledger import NotARegularFile, iter_jsonl_batches, open_regular
 from fedhop.deploy.tools.runread import read_summary
 from fedhop.server.agreement import Verdict, ledger_verdict
@@ -78,7 +78,7 @@ def ended_early(run_dir: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedhop merge-ledgers", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="fedhop merge-ledgers", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="a run directory (holding run.db and ledger/)")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)

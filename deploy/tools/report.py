@@ -26,7 +26,6 @@ Missing data (no run.db, no rounds, no messages) gives a note, never a crash.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Collection, Sequence
 from urllib.parse import quote
 
 from fedhop.common.records.runstore import RunStore
+from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.wire.ledger import BYTE_FIELDS, LINKS
 from fedhop.deploy.launch.runfolder import new_folder
 from fedhop.deploy.tools import runread
@@ -975,7 +975,7 @@ def check_out_dir(out: Path, force: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fedhop report", description="Compare fedhop runs: table and plots.")
+    parser = ArgumentParser(prog="fedhop report", description="Compare fedhop runs: table and plots.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--out", default=None, help="directory for report.md, report.json and the plots (default: "
                                                     "a new reports/report-YYYYmmdd-HHMMSS here); one that holds an "

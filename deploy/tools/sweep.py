@@ -25,7 +25,6 @@ sweep makes the same steps and finds their runs finished.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import itertools
 import json
@@ -43,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.procexit import LAUNCHER_ENV
 from fedhop.deploy.launch.slurm import SlurmArrayRunner, add_slurm_args, options_from
 from fedhop.deploy.tools.bracket import Edge, edges, widen
@@ -550,7 +550,7 @@ def default_out(spec: SweepSpec) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedhop sweep", description="tuned comparisons: settings x seeds, best per "
+    ap = ArgumentParser(prog="fedhop sweep", description="tuned comparisons: settings x seeds, best per "
                                                                   "algorithm by a criterion")
     ap.add_argument("spec", metavar="SWEEP.toml")
     ap.add_argument("--out", help="sweep directory (default sweeps/SPEC_NAME); an existing one is resumed")

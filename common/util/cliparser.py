@@ -1,0 +1,20 @@
+"""The argument parser of every fedhop command: argparse's, with its errors on one line.
+
+argparse answers a bad flag with the whole usage block and then the error (4 to 8 lines).  Every
+fedhop command answers bad input with one line that names what was wrong and exits 2; the usage
+stays one `--help` away, and the line says so.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """`argparse.ArgumentParser` whose `error` is one line on stderr and exit status 2.  Its
+    subparsers are of this class too (argparse makes them with the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
