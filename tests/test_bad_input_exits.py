@@ -27,6 +27,13 @@ BAD_CONFIGS = [
     (b'[topology]\nkind = "hierarchical"\nedges = 20\n[clients]\ncount = 4\n', "topology.edges"),
     (b'[security]\ncerts_dir = "/nonexistent/fedhop-certs"\n', "security.certs_dir"),
     (b"[clients]\ncount = 10\nper_round = 3\n[run]\nmin_results = 5\n", "run.min_results"),
+    # a run's name is one folder name: never a path out of runs/, never empty, no NUL
+    (b'[run]\nname = "../../escaped"\n', "run.name"),
+    (b'[run]\nname = "/tmp/absolute"\n', "run.name"),
+    (b'[run]\nname = "a/b"\n', "run.name"),
+    (b'[run]\nname = ""\n', "run.name"),
+    (b'[run]\nname = ".."\n', "run.name"),
+    (b'[run]\nname = "nul\\u0000byte"\n', "run.name"),
 ]
 
 
@@ -62,3 +69,28 @@ def test_resume_of_a_completed_run_is_refused_and_its_summary_untouched(tmp_path
     err = capsys.readouterr().err.strip()
     assert "already completed" in err and len(err.splitlines()) == 1
     assert (out / "summary.json").read_bytes() == before
+
+
+def test_a_char_lstm_on_data_that_is_not_characters_is_one_line_before_training(tmp_path, capsys):
+    """model.kind = "char_lstm" embeds each input as a character index: on digits' pixel values the
+    embedding would index out of its table mid-training (an IndexError traceback); the task
+    refuses the pairing as it builds the data, in one line naming the model and the values found
+    (a data set's refusal: exit 1, as every check made on the loaded data)."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[run]\nrounds = 1\n[data]\ndataset = "digits"\n[model]\nkind = "char_lstm"\n'
+                   '[clients]\ncount = 4\nper_round = 2\nprocesses = 1\n')
+    code = fedhop(["run", str(cfg), "--out", str(tmp_path / "run"), "--quiet", "--engine", "inprocess"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "char_lstm" in err and "character indices" in err and "Traceback" not in err, err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_a_sweep_spec_or_certs_folder_that_cannot_be_one_is_one_line(tmp_path, capsys):
+    (tmp_path / "spec.toml").write_bytes(b"\x00\xf0\x9f\xff binary")
+    assert fedhop(["sweep", str(tmp_path / "spec.toml"), "--out", str(tmp_path / "sw")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not UTF-8" in err and len(err.splitlines()) == 1 and not (tmp_path / "sw").exists(), err
+    (tmp_path / "afile").write_text("x")
+    assert fedhop(["certs", str(tmp_path / "afile"), "--nodes", "server"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not a folder" in err and len(err.splitlines()) == 1 and (tmp_path / "afile").read_text() == "x", err

@@ -27,6 +27,9 @@ CASES = [
     (["report", "--target-accuracy", "high", "r"], "fedhop report", "--target-accuracy"),
     (["examples", "copy"], "fedhop examples copy", "NAME"),
     (["config", "nope"], "fedhop config", "invalid choice: 'nope'"),
+    (["dashboard", "runs/x", "--port", "70000"], "fedhop dashboard", "invalid port 70000"),
+    (["dashboard", "runs/x", "--port", "-1"], "fedhop dashboard", "invalid port -1"),
+    (["run", "x.toml", "--dashboard", "65536"], "fedhop run", "invalid port 65536"),
 ]
 # the benchmarks start again under fedhop's process settings (deploy/bench/bench.py): a process each
 IN_A_PROCESS = [

@@ -636,3 +636,28 @@ def test_the_profiles_read_from_the_text_are_composes(tmp_path, text):
     assert done.returncode == 0, done.stderr
     resolved = {n: tuple(s.get("profiles") or ()) for n, s in json.loads(done.stdout)["services"].items()}
     assert service_profiles(text) == resolved and len(resolved) >= 3
+
+
+def test_compose_replaces_only_its_own_files_never_a_users(tmp_path):
+    """`fedhop compose --out DIR` writes DIR/NODE/ credential folders, DIR/compose.yml and, outside a
+    checkout, DIR/docker-compose.yml.  Again into its own output it goes through (the same nodes'
+    files replaced); a DIR/NODE folder holding a file of the user's, or a compose file fedhop did
+    not write, is refused in one line, exit 2, and nothing in DIR changes."""
+    made = compose_cli("certs", "certs", "--nodes", "server,client-proc0,client-proc1", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    assert compose_cli("compose", "certs", "--clients", "2", "--out", "cluster", cwd=tmp_path).returncode == 0
+    res = compose_cli("compose", "certs", "--clients", "2", "--out", "cluster", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    cases = {"project-a": {"server/notes.txt": "mine"}, "project-b": {"docker-compose.yml": "services: {}\n"},
+             "project-c": {"compose.yml": "services: {}\n"}, "project-d": {"client-proc1": "a file, not a folder"}}
+    for out, files in cases.items():
+        for name, text in files.items():
+            (tmp_path / out / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / out / name).write_text(text)
+        before = sorted(str(p.relative_to(tmp_path / out)) for p in (tmp_path / out).rglob("*"))
+        res = compose_cli("compose", "certs", "--clients", "2", "--out", out, cwd=tmp_path)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and "name another --out" in lines[0], (out, res.stderr)
+        assert sorted(str(p.relative_to(tmp_path / out)) for p in (tmp_path / out).rglob("*")) == before, out
+        for name, text in files.items():
+            assert (tmp_path / out / name).read_text() == text

@@ -109,6 +109,30 @@ def test_out_onto_a_folder_of_other_files_is_refused_even_with_force(user_dir):
     assert (keep / "thesis.tex").read_text() == "mine" and len(list(keep.iterdir())) == 1
 
 
+
+@pytest.mark.parametrize("names", [("run.db",), ("config.toml",), ("ledger/",), ("config.toml", "run.db", "summary.json")])
+def test_a_folder_with_run_files_no_fedhop_run_made_is_never_emptied(user_dir, names):
+    """A project folder that happens to hold a `config.toml`, an empty `run.db` or a `ledger/`
+    beside the user's own files (the names of a run's files, no round in them: what a false start
+    looks like) is refused, with or without --force, and every file stays: only a folder a fedhop
+    run marked as its own (.fedhop-run) is ever emptied."""
+    project = user_dir / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "main.py").write_text("print('mine')\n")
+    (project / "precious.txt").write_text("mine")
+    for name in names:
+        if name.endswith("/"):
+            (project / name).mkdir()
+        else:
+            (project / name).write_text("")
+    before = digest(project)
+    listing = sorted(p.name for p in project.iterdir())
+    for extra in ([], ["--force"]):
+        res = fedhop(["run", "exp.toml", "--out", "project", "--quiet", *extra], user_dir)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and "no fedhop run made there" in lines[0], res.stderr
+        assert digest(project) == before and sorted(p.name for p in project.iterdir()) == listing
+
 def test_runs_started_together_get_their_own_folders(user_dir):
     procs = [start(["run", "exp.toml", "--set", f"run.seed={s}", "--quiet"], user_dir) for s in range(3)]
     outs = [p.communicate(timeout=240) for p in procs]

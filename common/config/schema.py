@@ -6,6 +6,7 @@ allowed.  Field metadata carries the validation rules and the key's description:
 
 - `choices`: the allowed values of a string field;
 - `min` / `max`: inclusive numeric bounds (`min_exclusive` / `max_exclusive` for strict ones);
+- `file_name`: a string that must be one folder name (validate.py `file_name_problem`);
 - `help`: one line for the config reference (docs/config.md, `fedhop config show`;
   deploy/cli/configref.py generates both from these dataclasses).
 
@@ -36,8 +37,9 @@ def _f(default: Any = None, *, factory: Any = None, help: str = "", **rules: Any
 class RunConfig:
     """The run as a whole: its name, seed, length, evaluation and checkpoints."""
 
-    name: str = _f("fedhop-run", help="the run's name: the default run folder is runs/NAME-seedS-TIMESTAMP, and reports "
-                                     "label the run with it")
+    name: str = _f("fedhop-run", file_name=True, help="the run's name: the default run folder is "
+                   "runs/NAME-seedS-TIMESTAMP, and reports label the run with it; one folder name (no '/', not "
+                   "empty)")
     seed: int = _f(0, min=0, help="the one seed every random draw derives from (data, partition, model, sampling); "
                                   "the same seed and config give the same model bit for bit")
     rounds: int = _f(10, min=1, help="server rounds")

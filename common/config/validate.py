@@ -101,6 +101,10 @@ def check_value(key: str, value: Any, annotation: Any, rules: typing.Mapping[str
             value = _check_list_items(key, value, annotation)
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"config key '{key}': got {value!r}, must be a finite number")
+    if rules.get("file_name") and isinstance(value, str):
+        problem = file_name_problem(value)
+        if problem:
+            raise ConfigError(f"config key '{key}': got {value!r}, {problem}")
     if "choices" in rules and value not in rules["choices"]:
         raise ConfigError(f"config key '{key}': got {value!r}{did_you_mean(value, rules['choices'])}, allowed: "
                           f"{', '.join(map(str, rules['choices']))}")
@@ -114,6 +118,21 @@ def check_value(key: str, value: Any, annotation: Any, rules: typing.Mapping[str
         if "max_exclusive" in rules and value >= rules["max_exclusive"]:
             raise ConfigError(f"config key '{key}': got {value!r}, must be < {rules['max_exclusive']}")
     return value
+
+
+def file_name_problem(value: str) -> str | None:
+    """Why `value` cannot be one folder name (a run's name becomes runs/NAME-seedS-...): None when it can."""
+    if not value.strip():
+        return "must not be empty"
+    if "/" in value or "\\" in value:
+        return "must be one folder name, without '/' or '\\'"
+    if value in (".", ".."):
+        return "must not be '.' or '..'"
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        return "must not hold control characters"
+    if len(value.encode()) > 200:
+        return "must be at most 200 bytes (a folder name holds it with a seed and a time stamp)"
+    return None
 
 
 def _check_list_items(key: str, value: list, annotation: Any) -> list:

@@ -210,6 +210,8 @@ def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Ite
     nodes = list(nodes)
     if days < 1:
         raise SecurityError(f"--days {days}: certificates must be valid for at least 1 day")
+    if d.exists() and not d.is_dir():
+        raise SecurityError(f"{d} exists and is not a folder")
     for node in nodes:
         problem = reserved_name_problem(node)
         if problem:

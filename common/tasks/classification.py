@@ -41,6 +41,19 @@ def _as_tensor(a: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return torch.tensor(np.asarray(a), dtype=dtype)  # copies: cached numpy arrays are read-only
 
 
+def _check_char_indices(name: str, vocab: int, *xs: torch.Tensor | None) -> None:
+    """model.kind = "char_lstm" embeds each input as a character index: every input must be a
+    whole number in 0..vocab-1 (vocab: the task's number of classes), or the embedding would
+    index out of its table in the middle of training."""
+    for x in xs:
+        if x is None or not x.numel():
+            continue
+        if not bool(torch.equal(x, x.floor())) or float(x.min()) < 0 or float(x.max()) >= vocab:
+            raise ValueError(f"model.kind = 'char_lstm': the {name or 'data set'}'s inputs are not character "
+                             f"indices in 0..{vocab - 1} (found values in {float(x.min()):g}..{float(x.max()):g}); "
+                             f"char_lstm is for character sequences (LEAF's Shakespeare)")
+
+
 class ArrayTask(Task):
     """Common machinery of the supervised tasks; subclasses define the per-sample loss."""
 
@@ -65,6 +78,8 @@ class ArrayTask(Task):
             raise ValueError(f"{name}: give both x_test and y_test, or neither")
         self.x_test = None if x_test is None else _as_tensor(x_test, torch.float32)
         self.y_test = None if y_test is None else _as_tensor(y_test, self.y_dtype)
+        if model_spec.kind == "char_lstm":
+            _check_char_indices(name, model_spec.n_outputs, self.x, self.x_test)
         self._clients: dict[int, ClientData] = {}
 
     # ------------------------------------------------------------------ Task interface

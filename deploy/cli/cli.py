@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from fedhop.common.util.cliparser import ArgumentParser
+from fedhop.common.util.cliparser import ArgumentParser, port_number
 
 
 def version() -> str:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config", nargs="?", help="experiment TOML file")
     run.add_argument("--out", help="run directory, relative to this folder (default runs/NAME-seedS-TIMESTAMP, a new "
                                    "folder for every run); one that holds an earlier run is refused unless --force")
-    run.add_argument("--force", action="store_true", help="with --out: delete the earlier run in that folder first")
+    run.add_argument("--force", action="store_true", help="with --out: delete the earlier run in that folder first (only a folder a fedhop run took is ever emptied)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override a config key (repeatable)")
     run.add_argument("--engine", choices=("processes", "inprocess"),
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                           "run.engine, the config's key, default processes)")
     run.add_argument("--quiet", action="store_true", help="no progress display")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its newest checkpoint")
-    run.add_argument("--dashboard", nargs="?", type=int, const=8050, metavar="PORT",
+    run.add_argument("--dashboard", nargs="?", type=port_number, const=8050, metavar="PORT",
                      help="serve the live run page on 127.0.0.1:PORT (default 8050; 0: any free port)")
 
     sub.add_parser("sweep", help="tuned comparisons: a grid or random/TPE search over config keys and seeds",

@@ -77,15 +77,23 @@ def node_folders(certs: Path, nodes: list[str], out: Path) -> dict[str, Path]:
         if not (certs / name).is_file():
             raise ValueError(f"{certs / name} is missing (make it with `fedhop certs {certs} --nodes {','.join(nodes)}`; "
                              f"the CA and issuer in {certs} are reused)")
+    files = {node: ((CA_CERT, 0o644), (f"{node}.pem", 0o644), (f"{node}.key", 0o600), (f"{node}{CRED_SUFFIX}", 0o600))
+             for node in nodes}
+    for node in nodes:   # a node's folder holds its credentials only: one with anything else is a user's
+        folder = out / node
+        other = sorted(p.name for p in folder.iterdir() if p.name not in {n for n, _ in files[node]}) \
+            if folder.is_dir() else []
+        if folder.exists() and not folder.is_dir() or other:
+            raise ValueError(f"{folder} holds {', '.join(other[:3]) or 'a file'}, not only {node}'s credentials: "
+                             f"name another --out (fedhop compose replaces nothing but the files it writes)")
     folders: dict[str, Path] = {}
     for node in nodes:
         folder = out / node
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o700)
-        for stale in folder.iterdir():          # a folder made for another run keeps nothing of it
-            stale.unlink()
-        for name, mode in ((CA_CERT, 0o644), (f"{node}.pem", 0o644), (f"{node}.key", 0o600),
-                           (f"{node}{CRED_SUFFIX}", 0o600)):
+        for name, _ in files[node]:          # a folder made for another run keeps nothing of it
+            (folder / name).unlink(missing_ok=True)
+        for name, mode in files[node]:
             fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
             with os.fdopen(fd, "wb") as fh:
                 fh.write((certs / name).read_bytes())
@@ -249,6 +257,28 @@ def packaged_base_text() -> str:
             + text)
 
 
+OVERRIDE_HEADER = "# made by `fedhop compose` (deploy/launch/compose.py): per-node /certs mounts, mutual TLS\n"
+
+
+def check_own_files(out: Path, packaged: bool) -> None:
+    """ValueError unless the files `fedhop compose` writes into `out` are new or its own from an
+    earlier call: compose.yml (its header) and, outside a checkout, docker-compose.yml (the
+    package's text).  A user's compose file there is never overwritten."""
+    mine = {"compose.yml": lambda text: text.startswith(OVERRIDE_HEADER)}
+    if packaged:
+        mine["docker-compose.yml"] = lambda text: text == packaged_base_text()
+    for name, made_here in mine.items():
+        path = out / name
+        if path.exists():
+            try:
+                ours = path.is_file() and made_here(path.read_text())
+            except (OSError, UnicodeDecodeError):
+                ours = False
+            if not ours:
+                raise ValueError(f"{path} exists and fedhop compose did not write it: name another --out "
+                                 f"(fedhop compose replaces nothing but the files it writes)")
+
+
 def write_packaged_base(out: Path) -> Path:
     """OUT/docker-compose.yml from the package (packaged_base_text) and the folders it mounts,
     OUT/config/ and OUT/no-certs/ (made by this user, not by the engine as root)."""
@@ -306,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"at most {len(edge_profiles)}, or add services to it")
         profiles = profiles_to_start(edge_profiles[:args.edges])
         nodes = ["server"] + [edge_node(e) for e in range(args.edges)] + [client_proc_node(k) for k in range(args.clients)]
+        check_own_files(out, packaged=not in_checkout)
         folders = node_folders(Path(args.certs), nodes, out)
         if not in_checkout:       # not in a checkout: the package's file
             base = write_packaged_base(out)
@@ -314,8 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                          ("FEDHOP_GID", os.getgid())))
         if not (uid.isdigit() and gid.isdigit()):
             raise ValueError(f"FEDHOP_UID={uid!r} FEDHOP_GID={gid!r}: numeric user and group ids")
-        override.write_text("# made by `fedhop compose` (deploy/launch/compose.py): per-node /certs mounts, mutual TLS\n"
-                            + json.dumps(per_node_override(base, folders, args.clients, args.edges,
+        override.write_text(OVERRIDE_HEADER + json.dumps(per_node_override(base, folders, args.clients, args.edges,
                                                            int(uid), int(gid), len(edge_profiles)), indent=2) + "\n")
         # the runs' parent folder (docker-compose.yml: FEDHOP_RUNS_SRC, relative to the base file's
         # folder, default runs-compose) made by this user, not by the engine as root: the project

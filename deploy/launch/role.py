@@ -75,7 +75,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedhop.common.util.cliparser import ArgumentParser
+from fedhop.common.util.cliparser import ArgumentParser, port_number
 from fedhop.common.util.procexit import exit_now
 
 log = logging.getLogger("fedhop.role")
@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("client")
     c.add_argument("--server", default="server:7000")
     c.add_argument("--edge", default="edge-{edge}:7100", help="address of edge e: a template with {edge}")
-    c.add_argument("--port", type=int, default=7200)
+    c.add_argument("--port", type=port_number, default=7200)
     h = sub.add_parser("health")
     h.add_argument("address")
     h.add_argument("--timeout", type=float, default=2.0)

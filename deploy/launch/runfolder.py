@@ -5,10 +5,13 @@ with the same `--out`, one gets it) and holds it while it lives: `hold` takes an
 the folder itself, which every process the launcher forks shares, so a folder stays "in use" while
 any process of its run is alive (the launcher, or children it left behind).
 
-A folder whose run never got as far as a round (it failed or was stopped while its processes
-started, and nothing holds it) is a false start: `--out` reuses it, and a report or `--resume`
-says what it is.  A folder that holds anything else is never emptied without --force, and a folder
-that holds no run is never touched: fedhop does not delete a user's files.
+A run that takes a folder also marks it (`RUN_MARK`, written right after the claim).  Only a
+marked folder is ever emptied: a false start (its run never got as far as a round: it failed or
+was stopped while its processes started, and nothing holds it) is reused by `--out`, an earlier
+run is replaced with --force.  A folder that holds a run's file names but no mark (a `config.toml`
+or `run.db` of the user's, a run of another tool) and a folder that holds no run are never
+touched, --force or not: fedhop does not delete a user's files.  A report or `--resume` reads any
+folder that holds a run's files.
 
 This module imports nothing heavy, so `fedhop run --out` refuses a taken folder before torch loads.
 """
@@ -39,6 +42,9 @@ class RunDirError(ValueError):
 
 # what marks a folder as a run directory (a run writes these first; docs/run-folder.md)
 RUN_MARKERS = ("config.toml", "run.db", "summary.json", "ledger", "checkpoints")
+# the file a run writes when it takes its folder: the one proof that fedhop made the run there,
+# and so may empty the folder for a new run (`check_out`)
+RUN_MARK = ".fedhop-run"
 _HELD: list[int] = []        # descriptors of the folders this process holds (released when it exits)
 
 
@@ -63,13 +69,20 @@ def holds_run(folder: Path) -> bool:
     return any((folder / name).exists() for name in RUN_MARKERS)
 
 
+def marked(folder: Path) -> bool:
+    """Whether a fedhop run took `folder` (`claim` wrote its RUN_MARK)."""
+    return (folder / RUN_MARK).is_file()
+
+
 def claim(folder: Path) -> bool:
     """Take `folder` for a new run: create its config.toml exclusively, so that of two runs
-    started at once with the same folder exactly one gets it."""
+    started at once with the same folder exactly one gets it, then mark it as a run's (RUN_MARK)."""
     try:
         os.close(os.open(folder / "config.toml", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:
         return False
+    (folder / RUN_MARK).write_text("a fedhop run's folder: `fedhop run --out` may empty it for a new run "
+                                   "(docs/run-folder.md)\n")
     return True
 
 
@@ -165,6 +178,9 @@ def check_out(out: str, force: bool = False, held: bool = False) -> Path:
     if folder.is_dir() and any(folder.iterdir()):
         if not holds_run(folder):
             raise RunDirError(f"--out {out}: {folder} is not empty and holds no fedhop run; name a new or empty folder")
+        if not marked(folder):
+            raise RunDirError(f"--out {out}: {folder} holds files of a run that no fedhop run made there (no "
+                              f"{RUN_MARK}), so fedhop will not empty it, --force or not; name a new or empty folder")
         if not held and in_use(folder):
             raise RunDirError(f"--out {out}: a run is still using {folder}; name another folder")
         if not force and not false_start(folder, held):

@@ -30,7 +30,7 @@ from typing import Any
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.topologies import builtin_specs
 from fedhop.common.transport.livebytes import EARLIER
-from fedhop.common.util.cliparser import ArgumentParser
+from fedhop.common.util.cliparser import ArgumentParser, port_number
 from fedhop.common.util.nodeids import edge_index, edge_node
 
 PAGE = Path(__file__).with_name("dashboard.html")
@@ -258,7 +258,7 @@ def serve(run_dir: Path, port: int = 0, host: str = "127.0.0.1") -> tuple[Thread
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="fedhop dashboard", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="a run directory, finished or running")
-    ap.add_argument("--port", type=int, default=8050, help="port to serve on (0: any free one; default 8050)")
+    ap.add_argument("--port", type=port_number, default=8050, help="port to serve on (0: any free one; default 8050)")
     ap.add_argument("--host", default="127.0.0.1")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)

@@ -272,4 +272,7 @@ def load_spec(path: str | Path) -> SweepSpec:
         text = p.read_text()
     except OSError as exc:
         raise SweepSpecError(f"cannot read sweep spec {p}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise SweepSpecError(f"sweep spec {p} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                             f"{exc.start})") from None
     return parse_spec(text, p)
