@@ -383,3 +383,39 @@ def test_refusing_a_taken_out_does_not_wait_for_torch(user_dir):
     subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=120)
     torch_import = time.monotonic() - t0
     assert refuse < torch_import, (refuse, torch_import)
+
+
+def client_replies(run: Path, r: int) -> int:
+    """Replies the client processes sent in round `r`, by their ledgers (written as they go)."""
+    sent = 0
+    for path in (run / "ledger").glob("client-proc*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:   # a line being written
+                continue
+            sent += rec.get("round") == r and rec.get("role") == "sender" and rec.get("method") == "train.reply"
+    return sent
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stop_ends_the_virtual_clocks_sleep(user_dir, sig, code):
+    """clients.sleep_scale pads each round's wall time to scale x its simulated time with a sleep
+    at the server's round end, where a stop signal is only noted: a plain sleep went on (hours
+    here) until the launcher killed the server after its STOP_GRACE of 60 s.  The sleep ends once
+    a stop is noted, and the server records the run as stopped at once (round 1 recorded or not).
+    The signal goes once every client has sent its round-1 reply: the server is then folding them
+    or in the sleep."""
+    from fedhop.deploy.launch.launcher import STOP_GRACE
+    (user_dir / "exp.toml").write_text(cfg_text(rounds=3).replace("[clients]", "[clients]\nsleep_scale = 1000000.0"))
+    proc = start(["run", "exp.toml", "--out", "r", "--quiet"], user_dir)
+    run = user_dir / "r"
+    wait_until("every client's round-1 reply", lambda: client_replies(run, 1) >= len(SIZES), [proc])
+    stopped_at = time.monotonic()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=STOP_GRACE + 60)
+    took = time.monotonic() - stopped_at
+    assert proc.returncode == code, err[-1500:]
+    assert took < STOP_GRACE / 2, f"the stop took {took:.1f} s"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["rounds_completed"] <= 1, summary

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -42,6 +41,7 @@ from fedhop.common.engine.heterogeneity import (
     plan_to_scalar,
 )
 from fedhop.common.numerics.sampling import steps_per_epoch
+from fedhop.common.util.procexit import sleep_stoppable
 from fedhop.common.wire.message import COMPUTE_KEY, Payload
 from fedhop.common.wire.methods import Method
 
@@ -259,4 +259,4 @@ class RoundClock:
         if self.params.sleep_scale > 0 and sim_seconds:
             left = sim_seconds * self.params.sleep_scale - elapsed
             if left > 0:
-                time.sleep(left)
+                sleep_stoppable(left)   # a stop signal ends it (common/util/procexit.py)

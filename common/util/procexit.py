@@ -253,6 +253,16 @@ def wait_stoppable(fs: Iterable[Future], timeout: float | None) -> tuple[set[Fut
             return done, futures - done
 
 
+def sleep_stoppable(seconds: float) -> None:
+    """`time.sleep(seconds)` that a stop signal cuts short: it ends once a stop is noted (a
+    handler that only notes the stop, inside `stops_deferred` or `stops_at_waits`, would let a
+    plain sleep run on to its end: PEP 475 resumes it), and the caller goes on to where the stop
+    is raised or handled.  For a sleep that only pads time (the virtual clock's `sleep_scale`)."""
+    deadline = time.monotonic() + seconds
+    while not _STOPS and (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, WAIT_SLICE))
+
+
 def raise_if_stopped() -> None:
     """Raise the stop a signal asked for whose exception never arrived.  A signal's handler runs
     in whatever Python code the main thread is in; when that code was called from C code that
