@@ -35,6 +35,9 @@ CASES = [
 IN_A_PROCESS = [
     (["bench", "large", "--repeats", "x"], "fedhop bench large", "--repeats"),
     (["bench", "peers", "--rounds", "x"], "fedhop bench peers", "--rounds"),
+    (["bench", "transport", "--tiny", "--chunk", "0"], "fedhop bench", "--chunk 0"),
+    (["bench", "transport", "--sizes", "a,b"], "fedhop bench", "--sizes a,b"),
+    (["bench", "transport", "--tiny", "--json", "."], "fedhop bench", "is a folder"),
 ]
 
 
@@ -67,3 +70,15 @@ def test_a_role_entry_point_answers_a_bad_flag_in_one_line(capsys):
         role_parser("python -m fedhop.client", None, "the device").parse_args(["--listen", "nowhere"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("python -m fedhop.client: error: argument --listen")
+
+
+def test_data_show_refuses_a_folder_for_its_png_or_json(tmp_path, monkeypatch, capsys):
+    """`fedhop data show --png DIR` said "wrote DIR" and wrote nothing: a folder is one line, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "c.toml").write_text('[data]\ndataset = "digits"\n[clients]\ncount = 4\n')
+    for flag in ("--png", "--json"):
+        assert fedhop(["data", "show", "c.toml", flag, "out"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{flag} out is a folder" in err[0], err
+    assert list((tmp_path / "out").iterdir()) == []

@@ -181,3 +181,22 @@ def test_adaptive_clip_norm_follows_the_papers_update_from_the_recorded_counts(t
     assert all(0 <= row["privacy_unclipped"] <= 5 for row in history)
     assert not np.allclose(clips, clips[0])   # it moved
     assert next_clip_norm(2.0, 3.0, 5, 0.3, 0.6) == pytest.approx(2.0)   # b_bar = gamma: C stays
+
+
+@pytest.mark.parametrize("target, side", [(0.001, "even noise multiplier"), (1e300, "already gives epsilon")])
+def test_a_target_epsilon_out_of_reach_is_one_line_naming_the_key(target, side):
+    """A target no noise multiplier of the search's bracket meets (too small: even the largest
+    spends more; too large: the smallest already spends less) is a ValueError naming the key and
+    the epsilon at that end of the bracket, as dp-accounting computes it directly, not the search's
+    own "did not bracket a solution"."""
+    rounds, sampled, population, delta = 30, 10, 50, 1e-5
+    with pytest.raises(ValueError) as exc:
+        accountant.calibrate_noise(target, delta, rounds, sampled, population)
+    text = str(exc.value)
+    assert text.startswith(f"privacy.target_epsilon = {target:g} over {rounds} rounds") and side in text, text
+    low, high = accountant.CALIBRATION_BRACKET
+    z = high if target < 1 else low
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        sampled / population, dp_accounting.GaussianDpEvent(noise_multiplier=z)), rounds))
+    assert f"{acc.get_epsilon(delta):.3g}" in text, text

@@ -352,7 +352,7 @@ class PrivacyConfig:
         "update norms from a noisy count of the unclipped updates; central and client modes)"))
     clip_norm: float = _f(0.0, min=0.0, help="C, the L2 bound of one client's whole update (all tensors together); "
                                              "the initial C with adaptive clipping; needed by every mode")
-    noise_multiplier: float = _f(0.0, min=0.0, help="z: the noise's standard deviation is z * C on the sum of "
+    noise_multiplier: float = _f(0.0, min=0.0, max=1e6, help="z: the noise's standard deviation is z * C on the sum of "
                                                     "the clipped updates (local: on each update); 0 = clipping "
                                                     "only (epsilon infinite)")
     target_quantile: float = _f(0.5, min=0.0, max=1.0, help="adaptive clipping: gamma, the fraction of updates "

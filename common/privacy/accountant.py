@@ -163,6 +163,9 @@ def _repeated(event: dp_accounting.DpEvent, count: int, z: float, delta: float, 
         return float(acc.get_epsilon(delta))
 
 
+CALIBRATION_BRACKET = (1e-3, 1e3)   # the noise multipliers `calibrate_noise` searches
+
+
 def calibrate_noise(target_epsilon: float, delta: float, rounds: int, sampled: int, population: int,
                     kind: str = "rdp", sampling: str = "poisson", local: bool = False) -> float:
     """The smallest noise multiplier z whose epsilon after `rounds` rounds of `sampled` of
@@ -173,10 +176,27 @@ def calibrate_noise(target_epsilon: float, delta: float, rounds: int, sampled: i
                                                                                           sampling)
         return dp_accounting.SelfComposedDpEvent(one, rounds)
 
-    with _quiet():
-        return float(dp_accounting.calibrate_dp_mechanism(
-            lambda: make_accountant(kind, "poisson" if local else sampling), event, target_epsilon, delta,
-            bracket_interval=dp_accounting.ExplicitBracketInterval(1e-3, 1e3), tol=1e-4))
+    low, high = CALIBRATION_BRACKET
+    try:
+        with _quiet():
+            return float(dp_accounting.calibrate_dp_mechanism(
+                lambda: make_accountant(kind, "poisson" if local else sampling), event, target_epsilon, delta,
+                bracket_interval=dp_accounting.ExplicitBracketInterval(low, high), tol=1e-4))
+    except (ValueError, RuntimeError):   # the search's bracket holds no solution
+        pass
+
+    def eps(z: float) -> float:
+        acc = make_accountant(kind, "poisson" if local else sampling)
+        with _quiet():
+            acc.compose(event(z))
+            return float(acc.get_epsilon(delta))
+
+    if eps(high) > target_epsilon:
+        why = f"even noise multiplier {high:g} gives epsilon {eps(high):.3g}: a larger target or fewer rounds"
+    else:
+        why = f"noise multiplier {low:g} already gives epsilon {eps(low):.3g}: set privacy.noise_multiplier yourself"
+    raise ValueError(f"privacy.target_epsilon = {target_epsilon:g} over {rounds} rounds at delta {delta:g} is out of "
+                     f"the calibration's reach ({low:g} to {high:g}): {why}")
 
 
 def _runs(rounds: Sequence[tuple[int, int]]) -> list[tuple[tuple[int, int], int]]:

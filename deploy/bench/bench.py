@@ -400,6 +400,23 @@ BENCHMARKS = {"transport": "gRPC (or gloo) throughput against TCP, codec speed, 
                        "(its own flags: fedhop bench peers --help)"}
 
 
+def _flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags of `fedhop bench` (one line), before anything is measured."""
+    sizes = [s.strip() for s in str(args.sizes).split(",")]
+    try:
+        if any(int(s) < 1 for s in sizes):
+            return f"--sizes {args.sizes}: every size must be at least 1 MB"
+    except ValueError:
+        return f"--sizes {args.sizes}: whole MB, comma-separated (e.g. 1,10,100)"
+    if args.chunk < 1:
+        return f"--chunk {args.chunk}: at least 1 byte"
+    if args.repeats < 1 or args.rounds < 1:
+        return "--repeats and --rounds must be at least 1"
+    if args.json and Path(args.json).is_dir():
+        return f"--json {args.json} is a folder; name a file"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "large":   # a large model's round and transfer: deploy/bench/bench_large.py (its own flags)
@@ -429,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--default-malloc", action="store_true",
                     help="measure with glibc's default malloc settings (deploy/launch/malloc.py explains the tuning)")
     args = ap.parse_args(argv)
+    problem = _flags_problem(args)
+    if problem:
+        ap.error(problem)
     if not args.default_malloc and not args.tiny:
         reexec_with_tuned_malloc()  # the figures are for the settings fedhop's processes run with
     if args.what != "transport":

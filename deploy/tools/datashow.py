@@ -103,6 +103,10 @@ def write_png(path: Path, stats: dict[str, Any], hist: np.ndarray | None, title:
 def show(config: str, overrides: list[str], png: str | None, json_out: str | None, top: int) -> int:
     from fedhop.common.config import ConfigError, load_config
     from fedhop.common.tasks import build_task
+    for flag, path in (("--png", png), ("--json", json_out)):
+        if path and Path(path).is_dir():
+            print(f"fedhop data show: {flag} {path} is a folder; name a file", file=sys.stderr)
+            return 2
     try:
         cfg = load_config(config, overrides)
     except (ConfigError, OSError) as exc:
