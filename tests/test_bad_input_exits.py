@@ -34,6 +34,13 @@ BAD_CONFIGS = [
     (b'[run]\nname = ""\n', "run.name"),
     (b'[run]\nname = ".."\n', "run.name"),
     (b'[run]\nname = "nul\\u0000byte"\n', "run.name"),
+    # a topology's own refusals at load, not at its first round
+    (b'[topology]\nkind = "sequential"\nedges = 2\n[algorithm]\nname = "fedavg"\n', "algorithm.name"),
+    (b'[topology]\nkind = "sequential"\nedges = 2\ngraph = "rng"\n[algorithm]\nname = "fedchs"\n', "topology.graph"),
+    (b'[topology]\nkind = "sequential"\nedges = 3\ngraph = [[1], [0], []]\n[algorithm]\nname = "fedchs"\n',
+     "topology.graph"),
+    (b'[topology]\nkind = "sequential"\nedges = 2\nstart = 7\n[algorithm]\nname = "fedchs"\n', "topology.start"),
+    (b'[topology]\nkind = "chain"\nstart = 99\n[clients]\ncount = 4\n', "topology.start"),
 ]
 
 

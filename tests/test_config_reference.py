@@ -41,10 +41,12 @@ def _choice_schemas() -> list[tuple[str, str | None, type]]:
 
 def _companions(section: str, choice: str | None) -> list[str]:
     """What a choice needs besides itself to load: a sequential algorithm runs on the sequential
-    topology; hierarchical and sequential topologies need edges."""
+    topology, which runs only such an algorithm; hierarchical and sequential topologies need edges."""
     if section == "algorithm" and choice and getattr(algorithm_class(choice), "sequential", False):
         return ["topology.kind=sequential", "topology.edges=2"]
-    if section == "topology" and choice in ("hierarchical", "sequential"):
+    if section == "topology" and choice == "sequential":
+        return ["topology.edges=2", "algorithm.name=fedchs"]
+    if section == "topology" and choice == "hierarchical":
         return ["topology.edges=2"]
     return []
 

@@ -124,12 +124,12 @@ def file_name_problem(value: str) -> str | None:
     """Why `value` cannot be one folder name (a run's name becomes runs/NAME-seedS-...): None when it can."""
     if not value.strip():
         return "must not be empty"
-    if "/" in value or "\\" in value:
-        return "must be one folder name, without '/' or '\\'"
+    if "/" in value:
+        return "must be one folder name, without '/'"
     if value in (".", ".."):
         return "must not be '.' or '..'"
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        return "must not hold control characters"
+    if "\x00" in value:
+        return "must not hold a NUL character"
     if len(value.encode()) > 200:
         return "must be at most 200 bytes (a folder name holds it with a seed and a time stamp)"
     return None

@@ -45,8 +45,10 @@ def check(cfg: Any) -> None:
     if cfg.algorithm.name not in WALK_ALGORITHMS:
         raise ValueError(f"algorithm.name: got '{cfg.algorithm.name}', but topology.kind = 'chain' (WRWGD) steps the "
                          f"walking model by the visited client's local update (allowed: {', '.join(WALK_ALGORITHMS)})")
-    from fedhop.topologies.chain.rule import WalkRule  # local: the walk's rule reads the validated topology params
+    from fedhop.common.topologies.graphs import topology_params
+    from fedhop.topologies.chain.rule import WalkRule, start_client  # local: they read the validated topology params
     WalkRule.from_config(cfg, [1] * cfg.clients.count)   # the graph and the weights' lengths
+    start_client(topology_params(cfg).start, cfg.clients.count, cfg.run.seed)   # an id in range, or "random"
 
 
 SPEC = TopologySpec(

@@ -9,6 +9,7 @@ How the model moves is this topology's own data plane, one class per transport s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fedhop.common.topologies.spec import TopologySpec
 from fedhop.common.wire.methods import NEIGHBOUR, PARENT, Method
@@ -51,8 +52,28 @@ class SequentialParams:
     count_start: bool = False
 
 
+def check(cfg: Any) -> None:
+    """What the loader refuses for a sequential run, before any process starts: an algorithm whose
+    model does not walk the edges (the driver would fail the run at its first round), and a graph
+    or first edge that cannot be (rule.py's refusals: "topology.graph: ...", "topology.start: ...")."""
+    from fedhop.common.algorithms import algorithm_class, registry  # local: the registry imports torch
+    try:
+        sequential = bool(getattr(algorithm_class(cfg.algorithm.name), "sequential", False))
+    except (KeyError, ValueError):   # an unknown name: the algorithm's own check names it
+        sequential = True
+    if not sequential:
+        allowed = ", ".join(sorted(n for n, c in registry().items() if getattr(c, "sequential", False)))
+        raise ValueError(f"algorithm.name: got '{cfg.algorithm.name}', but topology.kind = 'sequential' (Fed-CHS) "
+                         f"passes one model along the edges, which needs an algorithm that walks it (allowed: "
+                         f"{allowed})")
+    from fedhop.topologies.sequential.rule import edge_graph, start_edge
+    edge_graph(cfg)
+    start_edge(cfg)
+
+
 SPEC = TopologySpec(
     name="sequential",
+    check=check,
     listed=2,
     params=SequentialParams,
     driver="fedhop.topologies.sequential.driver:SequentialDriver",
