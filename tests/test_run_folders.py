@@ -171,6 +171,7 @@ def test_a_stopped_run_is_recorded_as_stopped_and_resumes(user_dir, sig, code, s
     assert summary["status"] == "stopped" and summary["error"].startswith(f"stopped by {said} after round")
     assert summary["rounds_completed"] >= 3
     assert "run r: stopped" in out and "DISAGREE" not in out + err and "failed" not in out
+    assert ("Ctrl-C again" in err) == (sig == signal.SIGINT) and "Ctrl-C" in err   # the hint fits the stop
     # the WAL is folded into run.db (checked before this test's own read-only connection makes one)
     assert not [p for p in run.iterdir() if p.name.endswith(("-wal", "-shm"))]
     db = run / "run.db"

@@ -648,7 +648,8 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         if threading.current_thread() is threading.main_thread():   # a second Ctrl-C: kill every process now
             signal.signal(signal.SIGINT, signal.default_int_handler)
         reason, code = stop_reason(exc)
-        print(f"\nfedhop run: {reason}; the server records the run as stopped (Ctrl-C again: kill every "
+        again = "Ctrl-C again" if code == 128 + signal.SIGINT else "Ctrl-C"
+        print(f"\nfedhop run: {reason}; the server records the run as stopped ({again}: kill every "
               "process now)", file=sys.stderr, flush=True)
         try:
             run.stop_all(server_grace=STOP_GRACE, server_signal=code - 128)
