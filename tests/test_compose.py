@@ -237,12 +237,14 @@ def test_dockerfile_installs_dependencies_offline_before_the_source():
     deps_list = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert not [d for d in deps_list if re.match(r"(pandas|mlxtend|tensorboard)\b", d)]
     # the image's requirement list, made by the script's own snippet from pyproject.toml: every
-    # dependency but matplotlib (fedhop report's plots, a dependency of the installed package)
+    # dependency but matplotlib and pyyaml (fedhop report's plots and fedhop compose's reader: the
+    # installed package's dependencies, never imported by a role)
     snippet = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
     image = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.split()
     assert any(d.startswith("matplotlib") for d in deps_list) and not any(d.startswith("matplotlib") for d in image)
-    assert set(image) == {d for d in deps_list if not d.startswith("matplotlib")}
+    assert any(d.startswith("pyyaml") for d in deps_list) and not any(d.startswith("pyyaml") for d in image)
+    assert set(image) == {d for d in deps_list if not d.startswith(("matplotlib", "pyyaml"))}
     wheelhouse = (ROOT / "deploy" / "docker" / "wheelhouse.sh").read_text()
     assert "mlxtend" not in script and "mlxtend" not in wheelhouse   # nothing installed beside the dependencies
 
@@ -254,7 +256,7 @@ def test_roles_import_no_analysis_packages():
             "datasets.load_digits()\n"
             "try:\n    datasets.load_mnist('/nonexistent')\n"
             "except datasets.MnistMissing:\n    pass\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'pandas', 'mlxtend', 'tensorboard'}))")
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'pandas', 'mlxtend', 'tensorboard', 'yaml'}))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
@@ -573,6 +575,19 @@ def test_the_printed_command_starts_exactly_the_edges_asked(tmp_path, edges):
         f"edge-{e}" for e in range(edges)}
 
 
+@pytest.mark.parametrize("text, said", [("services: [a, b\n", "not YAML"), ("- a\n- b\n", "no top-level 'services:'"),
+                                         ("services:\n  a:\n    profiles: p\n", "'profiles' is not a list")])
+def test_a_base_file_that_is_not_a_compose_file_is_one_line(tmp_path, text, said):
+    """`fedhop compose --file F` where F is not YAML, holds no services mapping, or a service's
+    profiles are not a list: one line naming F and what is wrong, exit 2, nothing written."""
+    assert compose_cli("certs", "certs", "--nodes", "server,client-proc0", cwd=tmp_path).returncode == 0
+    (tmp_path / "bad.yml").write_text(text)
+    res = compose_cli("compose", "certs", "--clients", "1", "--file", "bad.yml", "--out", "cn", cwd=tmp_path)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith("fedhop compose: bad.yml: ") and said in res.stderr, res.stderr
+    assert res.stdout == "" and not (tmp_path / "cn").exists()
+
+
 def with_edge(text: str, e: int) -> str:
     """docker-compose.yml's text with one more edge service, edge-E, made from edge-1's."""
     block = text[text.index("  edge-1:\n"):text.index("  client:\n")]
@@ -603,7 +618,12 @@ def test_more_edges_than_the_base_file_defines_are_refused(tmp_path):
 
 SYNTHETIC = """\
 name: x
-services:   # each service's profiles as a flow list, a block list, or none
+x-tiered: &tiered
+  image: busybox
+  profiles: [m]
+services:   # each service's profiles as a flow list, a block list, from an anchor, or none
+  c:
+    <<: *tiered
   a:
     image: busybox
     profiles:
@@ -626,8 +646,8 @@ x-other:
 @needs_compose
 @pytest.mark.parametrize("text", [BASE.read_text(), SYNTHETIC, with_edge(BASE.read_text(), 2)])
 def test_the_profiles_read_from_the_text_are_composes(tmp_path, text):
-    """compose.py reads services and their profiles from the file's text (no YAML library in the
-    package): the same as Compose resolves with every profile enabled."""
+    """compose.py reads services and their profiles from the file's text (PyYAML's safe loader): the
+    same as Compose resolves with every profile enabled, anchors and merge keys included."""
     (tmp_path / "docker-compose.yml").write_text(text)
     (tmp_path / "examples").mkdir()
     done = subprocess.run([str(BINARY), "-f", "docker-compose.yml", "--profile", "*", "config", "--format", "json"],

@@ -6,7 +6,8 @@
 # (INDEX_URL, EXTRA_INDEX_URL, TRUSTED_HOST), torch from TORCH_INDEX_URL, and the CA certificate
 # of the secret `pip_ca` when one is given.
 #   deps: torch, then pyproject.toml's [project] dependencies less what only analysis uses
-#         (matplotlib: `fedhop report`'s plots); MNIST comes from IDX files the user mounts under
+#         (matplotlib: `fedhop report`'s plots) or only the host's commands (pyyaml: `fedhop
+#         compose`); MNIST comes from IDX files the user mounts under
 #         data.data_dir (common/data/datasets.py `load_mnist`).
 #   project: the fedhop package itself, --no-deps (they are in the layer below).
 set -eu
@@ -32,9 +33,9 @@ deps)
     python3 - > /tmp/requirements.txt <<'PY'
 import re
 import tomllib
-ANALYSIS = {"matplotlib"}   # fedhop report's plots: no role imports it, so the image leaves it out
+HOST_ONLY = {"matplotlib", "pyyaml"}   # fedhop report's plots, fedhop compose's file reader: no role imports them
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-print("\n".join(d for d in deps if re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower() not in ANALYSIS))
+print("\n".join(d for d in deps if re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower() not in HOST_ONLY))
 PY
     pip install "$@" -r /tmp/requirements.txt
     rm /tmp/requirements.txt

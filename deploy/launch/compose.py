@@ -10,10 +10,11 @@ import importlib.util
 import itertools
 import json
 import os
-import re
 import subprocess
 from pathlib import Path
 from typing import Sequence
+
+import yaml
 
 from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.nodeids import client_proc_node, edge_node
@@ -101,59 +102,25 @@ def node_folders(certs: Path, nodes: list[str], out: Path) -> dict[str, Path]:
     return folders
 
 
-_KEY = re.compile(r"(?P<key>[^\s:#'\"][^:#]*|'[^']*'|\"[^\"]*\"):(?:\s+(?P<value>[^#]*?))?\s*(?:#.*)?")
-
-
-def _unquote(word: str) -> str:
-    return word.strip().strip("'\"")
-
-
 def service_profiles(text: str) -> dict[str, tuple[str, ...]]:
-    """Each service of a compose file and the profiles it is in (none: it always starts), read from
-    the file's text: the top-level `services:` mapping in block style, each service's own
-    `profiles:` as a flow list (`[a, b]`) or a block list (`- a`).  No YAML library: the package
-    installs none (the roles' image holds only what they import), and docker-compose.yml writes its
-    services so.  Profiles that reach a service only through an anchor or `extends` are not seen."""
-    services: dict[str, list[str]] = {}
-    in_services = False
-    service_indent = child_indent = None
-    current: str | None = None
-    listing = False              # reading the block list under the current service's `profiles:`
-    for line in text.splitlines():
-        stripped = line.strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        indent = len(line) - len(line.lstrip(" "))
-        if indent == 0:
-            in_services, current = stripped.split("#")[0].strip() == "services:", None
-            continue
-        if not in_services:
-            continue
-        if service_indent is None:
-            service_indent = indent
-        if indent == service_indent:
-            key = _KEY.fullmatch(stripped)
-            current = _unquote(key["key"]) if key else None
-            if current is not None:
-                services[current] = []
-            child_indent, listing = None, False
-            continue
-        if current is None:
-            continue
-        if child_indent is None:
-            child_indent = indent
-        if listing and indent >= child_indent and stripped.startswith("-"):
-            services[current].append(_unquote(stripped[1:].split("#")[0]))
-            continue
-        listing = False
-        key = _KEY.fullmatch(stripped) if indent == child_indent else None
-        if key and _unquote(key["key"]) == "profiles":
-            value = (key["value"] or "").strip()
-            if value.startswith("[") and value.endswith("]"):
-                services[current] += [_unquote(w) for w in value[1:-1].split(",") if w.strip()]
-            else:
-                listing = not value
-    return {name: tuple(profiles) for name, profiles in services.items()}
+    """Each service of a compose file and the profiles it is in (none: it always starts), read with
+    PyYAML's safe loader (plain data, no tags that build objects).  Profiles that reach a service
+    only through `extends` are not seen; YAML anchors and merge keys are resolved by the loader.
+    Raises ValueError naming what is wrong when the text is not a compose file."""
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"not YAML: {' '.join(str(exc).split())}") from None
+    services = document.get("services") if isinstance(document, dict) else None
+    if not isinstance(services, dict):
+        raise ValueError("no top-level 'services:' mapping")
+    found: dict[str, tuple[str, ...]] = {}
+    for name, service in services.items():
+        profiles = service.get("profiles") if isinstance(service, dict) else None
+        if profiles is not None and not (isinstance(profiles, list) and all(isinstance(p, str) for p in profiles)):
+            raise ValueError(f"service '{name}': 'profiles' is not a list of names")
+        found[str(name)] = tuple(profiles or ())
+    return found
 
 
 def edge_services(text: str) -> list[tuple[str, ...]]:
@@ -328,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.file is not None and not base.is_file():
             raise ValueError(f"--file {base}: no such compose file")
         in_checkout = base.is_file()
-        edge_profiles = edge_services(base.read_text() if in_checkout else packaged_base_text())
+        try:
+            edge_profiles = edge_services(base.read_text() if in_checkout else packaged_base_text())
+        except ValueError as exc:
+            raise ValueError(f"{base if in_checkout else PACKAGED_BASE}: {exc}") from None
         if args.edges > len(edge_profiles):
             named = base if in_checkout else f"the package's {PACKAGED_BASE}"
             raise ValueError(f"--edges {args.edges}: the base compose file ({named}) defines "
