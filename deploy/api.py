@@ -169,7 +169,7 @@ def run(config: str | os.PathLike | Mapping[str, Any], *, set: Mapping[str, Any]
         chosen: list[Path] = []        # the run folder, as `fedhop run` chose it (default: a new runs/NAME-...)
         code, message = _run_local(str(path), overrides, None if out is None else str(out), quiet, force,
                                    chosen.append)
-    if code == 2 and not chosen:
+    if code == 2:   # refused before anything ran (the run folder, if one was taken, given back)
         raise ConfigError((message or "fedhop run refused the config").replace("with --force", "with force=True"))
     run_dir = chosen[0] if chosen else Path(out or ".").expanduser().resolve()
     if code == 130:

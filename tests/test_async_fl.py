@@ -35,8 +35,15 @@ ROUNDS = 6
 
 
 def config(mode: str, staleness: str, *, seed: int = 0, clock: str = "virtual", extra: str = "") -> str:
-    topology = (f'kind = "asynchronous"\nmode = "{mode}"\nconcurrency = 3\nbuffer_size = 2\nserver_lr = 0.8\n'
-                f'mixing = 0.6\nstaleness = "{staleness}"\nstaleness_a = 0.5\nstaleness_b = 1\nclock = "{clock}"\n{extra}')
+    """The keys the mode and staleness function read, and no other (one they do not read is refused):
+    FedBuff K = 2 (behind edges both modes' clients per edge call), eta_g = 0.8; FedAsync alpha =
+    0.6; a = 0.5 (polynomial, hinge), b = 1 (hinge)."""
+    keys = (("buffer_size = 2\n" if mode == "fedbuff" or "edges" in extra else "")
+            + ("server_lr = 0.8\n" if mode == "fedbuff" else "mixing = 0.6\n")
+            + ("staleness_a = 0.5\n" if staleness != "constant" else "")
+            + ("staleness_b = 1\n" if staleness == "hinge" else ""))
+    topology = (f'kind = "asynchronous"\nmode = "{mode}"\nconcurrency = 3\n{keys}staleness = "{staleness}"\n'
+                f'clock = "{clock}"\n{extra}')
     text = quadratic_config(CENTERS, CURV, SIZES, rounds=ROUNDS, local_steps=LOCAL_STEPS, lr=LR, seed=seed,
                             topology=topology, name=f"async-{mode}")
     return (text.replace("[data]\n", '[data]\ndtype = "float64"\n')
@@ -206,6 +213,27 @@ def test_a_bad_param_is_one_line_and_exit_2(tmp_path, capsys, line, key):
     assert fedhop(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert key in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+INERT = [("fedasync", "constant", "server_lr = 0.7", "topology.server_lr"),
+         ("fedasync", "hinge", "buffer_size = 3", "topology.buffer_size"),
+         ("fedbuff", "polynomial", "mixing = 0.3", "topology.mixing"),
+         ("fedbuff", "constant", "staleness_a = 0.9", "topology.staleness_a"),
+         ("fedasync", "polynomial", "staleness_b = 2", "topology.staleness_b"),
+         ("fedbuff", "constant", 'assignment = "shuffled"', "topology.assignment")]
+
+
+@pytest.mark.parametrize("mode,staleness,line,key", INERT)
+def test_a_key_the_mode_does_not_read_is_refused(tmp_path, capsys, mode, staleness, line, key):
+    """A key set to other than its default that the mode, the staleness function or the missing
+    edges never read is one line naming it, exit 2: the user believed it changed the run.  The
+    same value where it is read runs (`config` sets each key only where it is read)."""
+    text = config(mode, staleness).replace('kind = "asynchronous"\n', f'kind = "asynchronous"\n{line}\n')
+    (tmp_path / "c.toml").write_text(text)
+    assert fedhop(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert key in err and ("does not use it" in err or "no clusters" in err), err
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and not (tmp_path / "run").exists(), err
 
 
 @pytest.mark.parametrize("old,new,key", [('name = "fedavg"', 'name = "scaffold"', "algorithm.name"),

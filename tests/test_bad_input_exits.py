@@ -78,18 +78,25 @@ def test_resume_of_a_completed_run_is_refused_and_its_summary_untouched(tmp_path
     assert (out / "summary.json").read_bytes() == before
 
 
-def test_a_char_lstm_on_data_that_is_not_characters_is_one_line_before_training(tmp_path, capsys):
+@pytest.mark.parametrize("engine", ["inprocess", "processes"])
+def test_a_char_lstm_on_data_that_is_not_characters_is_one_line_before_training(tmp_path, capsys, engine):
     """model.kind = "char_lstm" embeds each input as a character index: on digits' pixel values the
     embedding would index out of its table mid-training (an IndexError traceback); the task
-    refuses the pairing as it builds the data, in one line naming the model and the values found
-    (a data set's refusal: exit 1, as every check made on the loaded data)."""
+    refuses the pairing as it builds the data, in one line naming the model and the values found.
+    A refusal of the config's data: exit 2 in both engines (the server process's own line, not
+    its log's tail), and the run folder it had made is gone (no false start left behind)."""
     cfg = tmp_path / "c.toml"
     cfg.write_text('[run]\nrounds = 1\n[data]\ndataset = "digits"\n[model]\nkind = "char_lstm"\n'
                    '[clients]\ncount = 4\nper_round = 2\nprocesses = 1\n')
-    code = fedhop(["run", str(cfg), "--out", str(tmp_path / "run"), "--quiet", "--engine", "inprocess"])
+    code = fedhop(["run", str(cfg), "--out", str(tmp_path / "run"), "--quiet", "--engine", engine])
     err = capsys.readouterr().err.strip()
-    assert code == 1 and "char_lstm" in err and "character indices" in err and "Traceback" not in err, err
-    assert len(err.splitlines()) == 1, err
+    assert code == 2 and "char_lstm" in err and "character indices" in err and "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if "plaintext gRPC on loopback" not in ln]   # the processes engine's note
+    assert len(lines) == 1 and lines[0].startswith("fedhop run: "), err
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "empty").mkdir()   # a folder the user made is kept, empty as it was
+    assert fedhop(["run", str(cfg), "--out", str(tmp_path / "empty"), "--quiet", "--engine", engine]) == 2
+    assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())
 
 
 def test_a_sweep_spec_or_certs_folder_that_cannot_be_one_is_one_line(tmp_path, capsys):

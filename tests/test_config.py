@@ -119,7 +119,7 @@ def test_accepted_types_and_widening():
     assert type(cfg.clients.per_round) is int and cfg.clients.per_round == 4   # int | float keeps int
     assert type(cfg.run.min_results) is float and cfg.run.min_results == 0.5   # ... and float
     assert cfg.topology.assignment == [[0, 1, 2, 3], [4, 5, 6, 7]]               # str | list: a list
-    assert parse_config("[topology]\nassignment = \"shuffled\"").topology.assignment == "shuffled"
+    assert parse_config("[topology]\nkind = \"hierarchical\"\nedges = 2\nassignment = \"shuffled\"").topology.assignment == "shuffled"
 
 
 # ----------------------------------------------------------------------------- ranges and choices

@@ -96,3 +96,37 @@ def test_a_strict_upper_bound_reads_as_one_in_the_reference_and_the_error(tmp_pa
         load_config(path)
     path.write_text("[algorithm]\nname = \"fedadam\"\nbeta1 = 0.999\n")
     assert load_config(path).algorithm.params.beta1 == 0.999
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('[topology]\nkind = "star"\nedges = 2\n', "config key 'topology.edges': got 2, but topology.kind = 'star' runs no "
+                                               "edge servers (kinds with edges: hierarchical, sequential;"),
+    ('[topology]\nkind = "gossip"\nedges = 1\n', "topology.kind = 'gossip' runs no edge servers"),
+    ('[topology]\nkind = "star"\nassignment = "shuffled"\n', "config key 'topology.assignment': got 'shuffled', but "
+                                                             "topology.kind = 'star' runs no edge servers"),
+    ("[secure_aggregation]\ndegree = 4\n", "config key 'secure_aggregation.degree' = 4 is set, but "
+                                           "secure_aggregation.enabled is not"),
+    ("[secure_aggregation]\nquant_bits = 8\nclip = 2.0\n", "config key 'secure_aggregation.clip' = 2.0 is set"),
+])
+def test_a_key_the_config_makes_inert_is_refused(tmp_path, text, fragment):
+    """A key the rest of the config never reads (edges on a kind without edge servers, a SecAgg+
+    setting without secure_aggregation.enabled, as [privacy]'s keys with privacy.mode = "none"):
+    the user believes it changed the run; one line naming it.  `enabled = false` written beside
+    SecAgg+'s keys is a plain run meant as such (a comparison with the secure one) and loads."""
+    (tmp_path / "c.toml").write_text("[run]\nrounds = 1\n[clients]\ncount = 4\n" + text)
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "c.toml")
+    assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
+    # the same keys where they are read load: edges on hierarchical, SecAgg+'s with it enabled
+    readable = (text.replace('"star"', '"hierarchical"').replace('"gossip"', '"hierarchical"')
+                .replace("[secure_aggregation]\n", "[secure_aggregation]\nenabled = true\n")
+                .replace("degree = 4", "degree = 2"))
+    if "hierarchical" in readable and "edges" not in readable:
+        readable += "edges = 2\n"
+    (tmp_path / "ok.toml").write_text("[run]\nrounds = 1\n[clients]\ncount = 4\n" + readable +
+                                      ("[algorithm]\nweighting = \"uniform\"\n" if "secure" in text else ""))
+    load_config(tmp_path / "ok.toml")
+    if "secure" in text:
+        (tmp_path / "off.toml").write_text("[run]\nrounds = 1\n[clients]\ncount = 4\n" + text.replace(
+            "[secure_aggregation]\n", "[secure_aggregation]\nenabled = false\n"))
+        assert not load_config(tmp_path / "off.toml").secure_aggregation.enabled

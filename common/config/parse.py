@@ -126,6 +126,7 @@ def config_from_dict(data: dict) -> Config:
             obj.options = extra
         sections[name] = obj
     cfg = Config(**sections, processors=processors)
+    _check_secagg_switch(data.get("secure_aggregation", {}))
     _check_model_factory(cfg)
     _check_model_exchange(cfg)
     _cross_checks(cfg)
@@ -133,6 +134,17 @@ def config_from_dict(data: dict) -> Config:
     _topology_checks(cfg)    # after the options check: the kind's checks read its validated params
     _check_processors(cfg)
     return cfg
+
+
+def _check_secagg_switch(raw: dict) -> None:
+    """[secure_aggregation] keys given without `enabled`: secure aggregation is off by default, so
+    the user who set them believes the run aggregates securely and it would not.  `enabled = false`
+    given with them (a plain run to compare with a secure one) is taken as meant."""
+    given = sorted(k for k in raw if k != "enabled")
+    if given and "enabled" not in raw:
+        raise ConfigError(f"config key 'secure_aggregation.{given[0]}' = {raw[given[0]]!r} is set, but "
+                          f"secure_aggregation.enabled is not (its default is false: the run would not aggregate "
+                          f"securely); set secure_aggregation.enabled = true, or = false to run without it")
 
 
 def _processor_tables(raw: Any) -> list[ProcessorConfig]:

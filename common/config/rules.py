@@ -161,6 +161,13 @@ def _cross_checks(cfg: Config) -> None:
     if edged and topo.edges < 1:
         raise ConfigError(f"config key 'topology.edges': got {topo.edges}, must be >= 1 for "
                           f"topology.kind = '{topo.kind}'")
+    if spec is not None and not edged and not spec.edges_optional:
+        if topo.edges:
+            raise ConfigError(f"config key 'topology.edges': got {topo.edges}, but topology.kind = '{topo.kind}' "
+                              f"runs no edge servers ({_edge_kinds()}); remove the key or choose one of those")
+        if topo.assignment != "blocks":
+            raise ConfigError(f"config key 'topology.assignment': got {topo.assignment!r}, but topology.kind = "
+                              f"'{topo.kind}' runs no edge servers to assign clients to ({_edge_kinds()})")
     if edged and topo.edges > count:
         raise ConfigError(f"config key 'topology.edges': got {topo.edges}, more edges than clients.count = {count} "
                           f"(an edge without clients)")
@@ -196,6 +203,15 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError(f"config key 'privacy.mode': '{cfg.privacy.mode}' with secure_aggregation.enabled = true "
                           f"behind edges (topology.kind = '{topo.kind}'): differential privacy on securely aggregated "
                           f"sums is built for the star; behind edges use one of the two")
+
+
+def _edge_kinds() -> str:
+    """The built-in topology kinds that run edge servers, for a message: "edges: a, b; optional: c"."""
+    from fedhop.common.topologies import builtin_specs
+    specs = sorted(builtin_specs().values(), key=lambda s: (s.listed, s.name))
+    need = ", ".join(s.name for s in specs if s.edges)
+    optional = ", ".join(s.name for s in specs if s.edges_optional)
+    return f"kinds with edges: {need}" + (f"; with topology.edges optional: {optional}" if optional else "")
 
 
 def _compression_resolved(cfg: Config) -> Any:

@@ -50,7 +50,9 @@ class TopologySpec:
     naming both owners).  Its drivers and handlers use the objects (or `Method.<NAME>` once the spec is made).
 
     Data the common code reads instead of branching on the kind: `edges`: the run has edge
-    processes (topology.edges must be 1..clients.count); `robust`: how a robust
+    processes (topology.edges must be 1..clients.count); `edges_optional`: the kind runs with or
+    without edge processes as topology.edges says (asynchronous); a kind with neither refuses a
+    topology.edges or topology.assignment of its own; `robust`: how a robust
     security.aggregation groups updates ("round": a round's sampled clients, "edge": each
     edge's clients; None: refused); `engine_rounds`: the in-process RoundEngine can play its
     rounds (common/engine/rounds.py); `sequential_algorithms`: it runs algorithms whose one model walks
@@ -74,6 +76,7 @@ class TopologySpec:
     edge_role: Ref | None = None
     client_handlers: tuple[Ref, ...] = ()
     edges: bool = False
+    edges_optional: bool = False
     robust: Literal["round", "edge"] | None = None
     engine_rounds: bool = False
     sequential_algorithms: bool = False

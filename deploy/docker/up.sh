@@ -10,8 +10,9 @@
 # which shows the server's output.  Its exit status is the server's: 0 for a completed run; a client
 # container that dies costs its clients only (compose watches only the attached server).
 #
-# --scale client=N or FEDHOP_CLIENT_REPLICAS (default 2) client processes, FEDHOP_EDGES (default 0; 2 for the
-# hierarchical and sequential profiles, e.g. COMPOSE_PROFILES=hierarchical) edges.
+# --scale client=N or FEDHOP_CLIENT_REPLICAS (default 2) client processes, FEDHOP_EDGES (default 0) edges:
+# with edges, COMPOSE_PROFILES defaults to hierarchical (the profile docker-compose.yml starts its
+# edge services in; sequential starts the same ones).
 # FEDHOP_SECURITY=shared-token skips the credentials: plaintext with one shared run token, a one-host
 # quick try (announced in one line).  The credentials live in a temporary folder outside the run
 # folder (no container mounts another's) and are removed at the end.
@@ -50,6 +51,11 @@ while [ $# -gt 0 ]; do
     shift
 done
 [[ $clients =~ ^[1-9][0-9]*$ ]] || die "client processes: $clients (--scale client=N or FEDHOP_CLIENT_REPLICAS, N >= 1)"
+[[ $edges =~ ^[0-9]+$ ]] || die "FEDHOP_EDGES=$edges: the number of edge servers (0 or more)"
+if [ "$edges" -gt 0 ] && [ -z "${COMPOSE_PROFILES:-}" ]; then
+    # docker-compose.yml puts the edge services in the hierarchical and sequential profiles: either starts them
+    export COMPOSE_PROFILES=hierarchical
+fi
 export FEDHOP_CLIENT_REPLICAS=$clients
 nodes_dir=""
 files=(-f docker-compose.yml)

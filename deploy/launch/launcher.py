@@ -10,6 +10,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import secrets
 import signal
 import sqlite3
@@ -44,6 +45,7 @@ from fedhop.deploy.launch.runfolder import (
     RunDirError,
     claim,
     false_start,
+    give_back,
     held_count,
     hold,
     in_use,
@@ -60,6 +62,25 @@ class Child:
     name: str
     proc: subprocess.Popen | ForkedProcess
     log: Path
+
+
+class ServerRefused(RuntimeError):
+    """The server process refused the run before serving (exit status 2: its config, data set or
+    credentials); the message is its own one-line reason."""
+
+
+_ERROR_LINE = re.compile(r"^\S+ \S+ server ERROR (?P<message>.+)$")
+
+
+def refusal_line(log: Path) -> str | None:
+    """The last ERROR line of a server log (common/transport/startup.py's format), without its time and
+    level: what the server said when it refused to start; None when it said nothing."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    found = [m["message"] for m in map(_ERROR_LINE.match, lines) if m]
+    return found[-1].removeprefix("refusing to start: ") if found else None
 
 
 @dataclass
@@ -164,6 +185,9 @@ class LocalRun:
             if port_file.exists():
                 return port_file.read_text().strip()
             if server.proc.poll() is not None:
+                refusal = refusal_line(server.log) if server.proc.returncode == 2 else None
+                if refusal:
+                    raise ServerRefused(refusal)
                 raise RuntimeError(f"{server.name} exited with status {server.proc.returncode} before serving; "
                                    f"last log lines:\n{tail(server.log)}")
             time.sleep(0.05)
@@ -598,6 +622,7 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
     except DeviceError as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
         return 2
+    made = False   # whether this run made its folder (so a refusal removes it)
     try:
         if resume:
             assert out is not None   # resume_local passes the run folder
@@ -605,6 +630,7 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
             if not hold(run_dir):
                 raise RunDirError(f"--resume {out}: a run is still using {run_dir}")
         else:
+            made = not out or not Path(out).expanduser().resolve().exists()
             run_dir = out_run_dir(out, force) if out else default_run_dir(cfg)
     except (RunDirError, OSError) as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
@@ -614,7 +640,10 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
     if on_run_dir is not None:
         on_run_dir(run_dir)
     if inprocess:
-        return run_inprocess(cfg, run_dir, quiet, show_table, resume, start_round, dashboard, devices)
+        code = run_inprocess(cfg, run_dir, quiet, show_table, resume, start_round, dashboard, devices)
+        if code == 2 and not resume:   # refused while building the run: nothing ran
+            give_back(run_dir, made)
+        return code
     note = loopback_plaintext_note(cfg)
     if note and not quiet:
         print(note, file=sys.stderr)
@@ -667,6 +696,12 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         fold_wal(run_dir / "run.db")
         # the server's verdict: a stop after the last round's row leaves a completed run (server/coordinator.py)
         return 0 if recorded_status(run_dir) == "completed" else code
+    except ServerRefused as exc:   # the server's config, data set or credentials: one line, nothing ran
+        print(f"fedhop run: {exc}", file=sys.stderr)
+        run.stop_all()
+        if not resume:
+            give_back(run_dir, made)
+        return 2
     except RuntimeError as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
         run.stop_all()
@@ -721,8 +756,10 @@ def run_inprocess(cfg: Config, run_dir: Path, quiet: bool, show_table: bool, res
             try:
                 engine = build(cfg, run_dir, devices, resume_run=resume)
             except (RuntimeError, ValueError, FileNotFoundError, CheckpointError) as exc:
+                # ValueError, FileNotFoundError: the config's data set, model or files refused
+                # (exit 2, as the server process's refusal); RuntimeError: a run that failed
                 print(f"fedhop run: {exc}", file=sys.stderr)
-                return 2 if isinstance(exc, CheckpointError) else 1
+                return 1 if isinstance(exc, RuntimeError) else 2
             try:
                 page = start_dashboard(run_dir, dashboard) if dashboard is not None else None
             except RuntimeError as exc:

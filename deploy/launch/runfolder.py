@@ -169,6 +169,19 @@ def _empty(folder: Path) -> None:
             entry.unlink()
 
 
+def give_back(folder: Path, made: bool) -> None:
+    """Undo a run's taking of `folder` when its config was refused before anything ran (a data set
+    the partition cannot split, a data file that is not one): what the run wrote there is deleted,
+    and the folder too when the run `made` it, so a refusal leaves no false start behind.  Only for
+    a folder this process holds and claimed (`out_run_dir`, `new_folder`)."""
+    if not marked(folder):
+        return
+    if made:
+        shutil.rmtree(folder, ignore_errors=True)
+    else:
+        _empty(folder)
+
+
 def check_out(out: str, force: bool = False, held: bool = False) -> Path:
     """Whether `--out` may be a new run's folder, without taking it (what `fedhop run` checks before
     it loads anything heavy): RunDirError saying why not.  `held`: this process holds the folder."""

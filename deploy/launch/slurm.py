@@ -838,7 +838,9 @@ def add_slurm_args(ap: argparse.ArgumentParser, nodes: bool = False) -> None:
         ap.add_argument("--nodes", type=int, default=1, help="nodes of the allocation (default 1)")
     ap.add_argument("--gpus-per-node", type=int, default=0, metavar="N", help="GPUs per node (--gpus-per-node)")
     ap.add_argument("--time", default="", help="time limit in sbatch's formats (minutes, MM:SS, HH:MM:SS, D-HH, "
-                                               "D-HH:MM, D-HH:MM:SS, UNLIMITED), e.g. 1:00:00")
+                                               "D-HH:MM, D-HH:MM:SS, UNLIMITED), e.g. 1:00:00 (default: the "
+                                               "partition's DefaultTime; none is set for it, as one above the "
+                                               "partition's MaxTime would leave the job pending)")
     ap.add_argument("--account", default="", help="Slurm account to charge")
     ap.add_argument("--cpus-per-task", type=int, default=1, metavar="N", help="CPUs per process (default 1)")
     ap.add_argument("--overcommit", action="store_true",

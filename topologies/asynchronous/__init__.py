@@ -97,6 +97,12 @@ def check(cfg: Any) -> None:
                          f"client its own call (allowed: {', '.join(TRANSPORTS)})")
     if cfg.topology.edges:
         edge_checks(cfg, params)
+    elif cfg.topology.assignment != "blocks":
+        raise ValueError(f"topology.assignment: got {cfg.topology.assignment!r}, but without edges "
+                         f"(topology.edges = 0) there are no clusters to assign clients to")
+    inert = inert_key(params, bool(cfg.topology.edges))
+    if inert:
+        raise ValueError(inert)
     if cfg.run.checkpoint_every:
         raise ValueError(f"run.checkpoint_every: got {cfg.run.checkpoint_every}, but the asynchronous topology does "
                          f"not keep its clients in flight across a resume (allowed: 0)")
@@ -114,6 +120,22 @@ def check(cfg: Any) -> None:
     if not cfg.topology.edges and n > cfg.clients.count:
         raise ValueError(f"topology.concurrency: got {n}, more clients in flight than clients.count = "
                          f"{cfg.clients.count}")
+
+
+def inert_key(params: AsyncParams, edges: bool) -> str | None:
+    """A key given a value other than its default that this mode and staleness function never read,
+    as "key: why" (a user who sets it believes it changes the run)."""
+    defaults = AsyncParams()
+    unread = {"fedasync": ("server_lr",) + (() if edges else ("buffer_size",)), "fedbuff": ("mixing",)}[params.mode]
+    unread += {"constant": ("staleness_a", "staleness_b"), "polynomial": ("staleness_b",), "hinge": ()}[params.staleness]
+    for key in unread:
+        if getattr(params, key) != getattr(defaults, key):
+            reader = {"server_lr": "mode = \"fedbuff\"", "mixing": "mode = \"fedasync\"",
+                      "buffer_size": "mode = \"fedbuff\" (or edges)", "staleness_a": "staleness = \"polynomial\" or \"hinge\"",
+                      "staleness_b": "staleness = \"hinge\""}[key]
+            return (f"topology.{key}: got {getattr(params, key)}, but mode = \"{params.mode}\" with staleness = "
+                    f"\"{params.staleness}\" does not use it (it applies with {reader}); remove the key")
+    return None
 
 
 def edge_checks(cfg: Any, params: AsyncParams) -> None:
@@ -143,4 +165,5 @@ SPEC = TopologySpec(
     check=check,
     driver="fedhop.topologies.asynchronous.driver:AsyncDriver",
     plan="fedhop.topologies.asynchronous:process_plan",
+    edges_optional=True,
 )
