@@ -110,7 +110,9 @@ def service_profiles(text: str) -> dict[str, tuple[str, ...]]:
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ValueError(f"not YAML: {' '.join(str(exc).split())}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ValueError(f"not YAML{where}: {getattr(exc, 'problem', None) or ' '.join(str(exc).split())}") from None
     services = document.get("services") if isinstance(document, dict) else None
     if not isinstance(services, dict):
         raise ValueError("no top-level 'services:' mapping")
