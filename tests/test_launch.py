@@ -316,6 +316,22 @@ def test_launch_stops_everything_when_a_role_fails(tmp_path):
     assert _no_process_mentions(marker), "a role survived the failed launch"
 
 
+def test_launch_names_the_servers_refusal_in_one_line(tmp_path):
+    """A server that refuses the run's data as it starts (exit status 2: digits has no natural
+    clients) is named with its own line, not only its log's path, and the launch exits 2 (a
+    refused config, as `fedhop run`); no role is left running."""
+    cfg_file = tmp_path / "exp.toml"
+    cfg_file.write_text('[run]\nname = "refused"\nrounds = 2\n[data]\ndataset = "digits"\npartition = "natural"\n'
+                        '[clients]\ncount = 6\nper_round = 4\nprocesses = 2\n')
+    marker = f"fh-launch-refused-{os.getpid()}"
+    hf = _two_hosts(tmp_path / "hosts.toml", tmp_path / marker, "b", sys.executable)
+    res = _launch(hf, cfg_file, tmp_path / "out", timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "server on a exited with status 2 before serving: data.partition = 'natural': dataset 'digits' has no " \
+           "natural clients" in res.stderr, res.stderr
+    assert _no_process_mentions(marker), "a role survived the refused launch"
+
+
 # ----------------------------------------------------------------------------- emulated hosts (root)
 def _netns_reason() -> str | None:
     from fedhop.deploy.launch.netsim import netns_unavailable

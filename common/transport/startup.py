@@ -36,6 +36,7 @@ from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.plugins import allow_list_from, restrict
 from fedhop.common.util.procexit import Stopped, ignore_stops, stop_on_sigterm, stop_reason
 from fedhop.common.util.proctitle import set_role_title
+from fedhop.common.util.rolelog import line_format
 from fedhop.common.wire.ledger import Ledger
 
 SETUP_FAILED = 2   # a bad flag, device, credential or address: one line, as for a bad config
@@ -56,7 +57,7 @@ def announce(role: str, node: str, name: str, clients: list[int] | None = None) 
     """The process title (`ps` shows the role, `name` and the clients it hosts: common/util/proctitle.py)
     and the log line format, which names `node`."""
     set_role_title(role, name, clients)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {node} %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=line_format(node))
 
 
 def cannot_serve(listen: str, exc: BaseException) -> int:

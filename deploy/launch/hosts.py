@@ -75,10 +75,16 @@ from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
 from fedhop.common.topologies.plan import Placement, plan_processes
 from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.nodeids import id_spec
+from fedhop.common.util.rolelog import refusal_line
 from fedhop.deploy.launch.engine import process_launch_problem
 from fedhop.deploy.launch.malloc import TUNED_MALLOC_ENV
 
 DEFAULT_REMOTE = "ssh -o BatchMode=yes {host} {command}"
+
+
+class RoleRefused(RuntimeError):
+    """A role refused the run as it started (exit status 2, its own line in its log): the launch's
+    exit status is 2, as `fedhop run`'s for a refused config."""
 
 
 class HostsError(ValueError):
@@ -695,8 +701,10 @@ class Launch:
         for st in group:
             while not st.serving.wait(0.1):
                 if st.proc.poll() is not None:
-                    raise RuntimeError(f"{st.role.node_id} on {st.role.host.name} exited with status "
-                                       f"{st.proc.returncode} before serving; see {st.log}")
+                    said = refusal_line(st.log, st.role.node_id) if st.proc.returncode == 2 else None
+                    raise (RoleRefused if said else RuntimeError)(
+                        f"{st.role.node_id} on {st.role.host.name} exited with status {st.proc.returncode} before "
+                        f"serving" + (f": {said}" if said else "") + f"; see {st.log}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{st.role.node_id} on {st.role.host.name} did not start serving within "
                                        f"{self.hf.start_timeout:.0f}s; see {st.log}")
@@ -871,7 +879,8 @@ def refresh_summary(run_dir: Path) -> dict | None:
 def run_launch(hf: HostsFile, cfg: Config, out: Path, *, quiet: bool = False, keep_going: bool = False,
                remote_run: str | None = None, roles: list[Role] | None = None, show_table: bool = True,
                shared_fs: bool = False) -> int:
-    """Start, wait, gather, stop: the exit status (0 completed, 1 failed, 130 interrupted)."""
+    """Start, wait, gather, stop: the exit status (0 completed, 1 failed, 2 a role refused the run as
+    it started, 130 interrupted)."""
     echo = None if quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     launch = Launch(hf, cfg, out, roles=roles, echo=echo, remote_run=remote_run, keep_going=keep_going,
                     shared_fs=shared_fs)
@@ -884,7 +893,7 @@ def run_launch(hf: HostsFile, cfg: Config, out: Path, *, quiet: bool = False, ke
         status = 130
     except RuntimeError as exc:
         print(f"fedhop launch: {exc}", file=sys.stderr)
-        status = 1
+        status = 2 if isinstance(exc, RoleRefused) else 1
     finally:
         launch.stop()
     for problem in launch.gather():

@@ -10,7 +10,6 @@ import contextlib
 import gc
 import json
 import os
-import re
 import secrets
 import signal
 import sqlite3
@@ -39,6 +38,7 @@ from fedhop.common.util.procexit import (
     stop_on_sigterm,
     stop_reason,
 )
+from fedhop.common.util.rolelog import refusal_line
 from fedhop.deploy.launch.forkstart import ForkedProcess, fork_allowed, fork_module
 from fedhop.deploy.launch.malloc import tuned_env
 from fedhop.deploy.launch.runfolder import (
@@ -67,20 +67,6 @@ class Child:
 class ServerRefused(RuntimeError):
     """The server process refused the run before serving (exit status 2: its config, data set or
     credentials); the message is its own one-line reason."""
-
-
-_ERROR_LINE = re.compile(r"^\S+ \S+ server ERROR (?P<message>.+)$")
-
-
-def refusal_line(log: Path) -> str | None:
-    """The last ERROR line of a server log (common/transport/startup.py's format), without its time and
-    level: what the server said when it refused to start; None when it said nothing."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    found = [m["message"] for m in map(_ERROR_LINE.match, lines) if m]
-    return found[-1].removeprefix("refusing to start: ") if found else None
 
 
 @dataclass
@@ -185,7 +171,7 @@ class LocalRun:
             if port_file.exists():
                 return port_file.read_text().strip()
             if server.proc.poll() is not None:
-                refusal = refusal_line(server.log) if server.proc.returncode == 2 else None
+                refusal = refusal_line(server.log, "server") if server.proc.returncode == 2 else None
                 if refusal:
                     raise ServerRefused(refusal)
                 raise RuntimeError(f"{server.name} exited with status {server.proc.returncode} before serving; "
