@@ -287,8 +287,9 @@ def test_compose_on_a_real_docker_engine(tmp_path):
     checked from inside a client container, one of three client containers killed mid-run, the run
     completed with status 0 and the dead node's log in the run folder, every file the invoking
     user's; hierarchical + sequential; a crashing client (ends the run, no hang) + a bad config
-    through up.sh (exit 2, one line) + no security mode (refused, exit 2, one line).  The checkout
-    gains nothing."""
+    through up.sh (exit 2, one line) + no security mode (refused, exit 2, one line) + up.sh with
+    FEDHOP_EDGES=2 (hierarchical over per-node mutual TLS, the edges' profile started by up.sh).
+    The checkout gains nothing."""
     env = {**os.environ, "FEDHOP_PYTHON": os.environ.get("FEDHOP_PYTHON", sys.executable)}
     res = subprocess.run(["bash", str(ROOT / "deploy" / "docker" / "engine-test.sh"), str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1440)
@@ -297,8 +298,8 @@ def test_compose_on_a_real_docker_engine(tmp_path):
     print(json.dumps(result, indent=1) if result else tail)
     assert res.returncode == 0 and result.get("ok"), tail
     rows = {r["scenario"]: r for r in result["scenarios"]}
-    assert set(rows) == {"star", "mtls", "hierarchical", "sequential", "crash", "badconfig", "refused"}
-    for name in ("star", "mtls", "hierarchical", "sequential"):
+    assert set(rows) == {"star", "mtls", "hierarchical", "sequential", "crash", "badconfig", "refused", "upedges"}
+    for name in ("star", "mtls", "hierarchical", "sequential", "upedges"):
         row = rows[name]
         assert row["exit_status"] == 0 and row["status"] == "completed" and row["ledger_ok"], row
         assert not row["wal_left"] and row["messages_in_run_db"] > 0, row
@@ -307,7 +308,9 @@ def test_compose_on_a_real_docker_engine(tmp_path):
         assert "server" in row["logs"] and {f"client-proc{k}" for k in range(row["client_ledgers"])} <= set(row["logs"])
     assert rows["star"]["recorded_processes"] == rows["star"]["client_ledgers"] == 3
     assert rows["hierarchical"]["topology"] == "hierarchical" and rows["sequential"]["topology"] == "sequential"
-    assert {"edge-0", "edge-1"} <= set(rows["hierarchical"]["logs"])
+    assert {"edge-0", "edge-1"} <= set(rows["hierarchical"]["logs"]) and {"edge-0", "edge-1"} <= set(rows["upedges"]["logs"])
+    upedges = rows["upedges"]   # up.sh with FEDHOP_EDGES=2: the edges over per-node mutual TLS
+    assert upedges["topology"] == "hierarchical" and upedges["mtls"] is True and not upedges["insecure"], upedges
     # the quick try is plaintext by name and says so once; the printed command is mutual TLS
     for name in ("star", "hierarchical", "sequential"):
         assert rows[name]["insecure"] is True and rows[name]["shared_token_announced"] == 1, rows[name]

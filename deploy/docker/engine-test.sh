@@ -19,11 +19,13 @@
 #                          run must complete with status 0, the dead node's log in RUN/logs/, every
 #                          file owned by uid 4242 and the run folder removable by that user;
 #   hierarchical + sequential   the two profiles with edges (shared-token quick try);
-#   crash + badconfig + refused client replicas that fail at start (no restart, no hang: the run ends
-#                          with a non-zero status within CRASH_LIMIT seconds), a bad config through
-#                          deploy/docker/up.sh (per-node credentials; exit status 2, one line from the
-#                          server's role), and `docker compose up` with no security mode (refused:
-#                          exit 2, one line naming `fedhop compose`, no process started).
+#   crash + badconfig + refused + upedges   client replicas that fail at start (no restart, no
+#                          hang: the run ends with a non-zero status within CRASH_LIMIT seconds), a bad
+#                          config through deploy/docker/up.sh (per-node credentials; exit status 2, one
+#                          line from the server's role), `docker compose up` with no security mode
+#                          (refused: exit 2, one line naming `fedhop compose`, no process started), and
+#                          up.sh with FEDHOP_EDGES=2 (hierarchical over per-node mutual TLS: up.sh
+#                          starts the edges' profile itself; each edge's log in RUN/logs/).
 # A completed scenario must exit 0 (the server's status), leave on the host a complete run.db (no
 # -wal file), a summary with the agreed ledger and the accuracy floor, a config.toml whose
 # clients.processes is the number of client replicas that wrote a ledger, each node's log in
@@ -43,7 +45,7 @@ CRASH_LIMIT=${FEDHOP_CRASH_LIMIT:-180}
 
 cleanup() {
     local name
-    for name in star mtls hierarchical sequential crash badconfig refused; do
+    for name in star mtls hierarchical sequential crash badconfig refused upedges; do
         compose -p "$prefix-$name" --profile hierarchical down --remove-orphans >/dev/null 2>&1 || true
     done
     engine_down
@@ -58,7 +60,7 @@ deploy/docker/build.sh 2>"$work/build.log" || { tail -40 "$work/build.log" >&2; 
 tail -1 "$work/build.log" >&2
 t_build=$(( $(date +%s) - t0 ))
 
-wanted=" ${FEDHOP_ENGINE_SCENARIOS:-star mtls hierarchical sequential crash badconfig refused} "
+wanted=" ${FEDHOP_ENGINE_SCENARIOS:-star mtls hierarchical sequential crash badconfig refused upedges} "
 USER_ID=4242         # the user who made the credentials and ran `fedhop compose` (mtls)
 
 # scenario NAME PROFILE FLOOR REPLICAS [VAR=VALUE ...]: `up --attach server --exit-code-from server`
@@ -158,6 +160,18 @@ badconfig() {
     echo "$status $(( $(date +%s) - t )) 2" >"$work/badconfig.status"
 }
 
+# hierarchical FedAvg through `make compose-up`'s script with 2 edges and 2 client processes, per-node
+# mutual TLS; COMPOSE_PROFILES unset, so up.sh must start the edges' profile itself
+upedges() {
+    local status=0 t=$(date +%s) runs="$work/runs-upedges"
+    say "scenario upedges: deploy/docker/up.sh with FEDHOP_EDGES=2"
+    mkdir -p "$runs"
+    env -u FEDHOP_SECURITY -u COMPOSE_PROFILES COMPOSE_PROJECT_NAME="$prefix-upedges" FEDHOP_RUNS_SRC="$runs" \
+        FEDHOP_RUN_NAME=upedges FEDHOP_EDGES=2 FEDHOP_CLIENT_REPLICAS=2 FEDHOP_CONFIG=/app/examples/hierfavg_digits.toml \
+        FEDHOP_SET="run.rounds=10 topology.edges=2" deploy/docker/up.sh >"$work/upedges.log" 2>&1 || status=$?
+    echo "$status $(( $(date +%s) - t )) 2" >"$work/upedges.status"
+}
+
 # group A B ...: the wanted ones of A, B, ... at the same time
 group() {
     local pids=() name
@@ -178,6 +192,7 @@ group() {
             ;;
         badconfig) badconfig & ;;
         refused) scenario refused "" 0 2 FEDHOP_SET="run.rounds=10" & ;;   # no security mode named
+        upedges) upedges & ;;
         esac
         pids+=($!)
     done
@@ -186,7 +201,7 @@ group() {
 
 group star mtls
 group hierarchical sequential
-group crash badconfig refused
+group crash badconfig refused upedges
 
 checkout_after=$(git status --porcelain --untracked-files=all 2>/dev/null; ls wheelhouse build runs 2>/dev/null || true)
 "$py" - "$work" "$t_build" "$(( $(date +%s) - t0 ))" "$([ "$checkout_before" = "$checkout_after" ] && echo 1 || echo 0)" \
@@ -244,7 +259,11 @@ for name in wanted:
                  and not wal_left and (row["accuracy"] or 0) >= FLOOR
                  and row["recorded_processes"] == row["client_ledgers"] == replicas     # the config is what ran
                  and "server" in logs and set(ledgers) <= set(logs))                     # every node's log kept
-    if name != "mtls":       # the quick try: plaintext with a shared token, said once (by the server's container)
+    if name == "upedges":    # up.sh: per-node mutual TLS, the edges started and logged
+        row["ok"] = (row["ok"] and row["mtls"] is True and row["insecure"] is not True
+                     and row["shared_token_announced"] == 0 and row["topology"] == "hierarchical"
+                     and {"edge-0", "edge-1"} <= set(logs))
+    elif name != "mtls":     # the quick try: plaintext with a shared token, said once (by the server's container)
         row["ok"] = row["ok"] and row["insecure"] is True and row["shared_token_announced"] == 1
     rows.append(row)
 mtls = next((r for r in rows if r["scenario"] == "mtls"), {})
