@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import threading
 
+from fedhop.common.transport.admission import EDGE_EVENT_KINDS as REPORTED_KINDS
 from fedhop.common.transport.admission import EventThrottle, peer_host
 from fedhop.common.wire import fedhop_pb2 as pb
 
 MAX_QUEUED = 256
-REPORTED_KINDS = frozenset({"register_refused", "auth_refused", "call_refused", "request_refused"})
 
 
 class EventOutbox:

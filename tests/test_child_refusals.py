@@ -186,3 +186,103 @@ def test_an_edges_refused_registrations_are_events_at_the_server(run_factory):
     run.procs["server"].send_signal(signal.SIGTERM)
     assert run.procs["server"].wait(timeout=120) == 128 + signal.SIGTERM, run.log("server")[-3000:]
     assert json.loads((run.run_dir / "summary.json").read_text())["status"] == "stopped"
+
+
+def rounds_recorded(run: Run) -> int:
+    db = run.run_dir / "run.db"
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10) as con:
+            return int(con.execute("SELECT COUNT(*) FROM rounds WHERE round > 0").fetchone()[0])
+    except sqlite3.OperationalError:   # not made yet
+        return 0
+
+
+# a client process with valid credentials that attacks from round 2 on: the real client, its train
+# handler wrapped to send (once, from its own endpoint and registration) a refusal blaming another
+# node, and a heartbeat with forged events and byte counts past what run.db holds
+EVIL_CLIENT = """
+import sys, threading, time
+from fedhop.client import host, runtime
+from fedhop.common.util.plugins import tell_refusal
+from fedhop.common.util.procexit import exit_now
+from fedhop.common.wire import fedhop_pb2 as pb
+procs, sent = [], []
+init, train = runtime.ClientProcess.__init__, host.ClientHost.train
+def keep(self, *a, **k):
+    init(self, *a, **k)
+    procs.append(self)
+def attack():
+    p = procs[0]
+    tell_refusal(p.endpoint, p.parent, p._request(), p.endpoint.run_id,
+                 "client-proc0: PLUGIN_NOT_ALLOWED: forged\\n\\x1b[31m by a participant")
+    forged = [pb.NodeEvent(kind="node_dead", node="server", detail="forged"),
+              pb.NodeEvent(kind="config_refused", node="client-proc0", detail="forged"),
+              pb.NodeEvent(kind="auth_refused", node="client-proc0", detail="forged\\n\\x1b[31m")]
+    huge = pb.LinkBytes(node_id=p.endpoint.node_id, link="client-server", direction="sent", messages=2 ** 64 - 1,
+                        tensor_bytes=2 ** 63, payload_bytes=2 ** 63, framed_bytes=2 ** 64 - 1)
+    p.endpoint.heartbeat(p.parent, pb.HeartbeatRequest(node_id=p.endpoint.node_id, run_id=p.endpoint.run_id,
+                         seq=10 ** 6, sent_at=time.time(), events=forged, bytes=[huge]), 30.0)
+    print("ATTACKED", flush=True)
+def evil_train(self, cid, round, message, step=0):
+    if round >= 2 and not sent:
+        sent.append(round)
+        threading.Thread(target=attack).start()
+    return train(self, cid, round, message, step)
+runtime.ClientProcess.__init__, host.ClientHost.train = keep, evil_train
+from fedhop.client.__main__ import main
+exit_now(main(sys.argv[1:]))
+"""
+
+
+def test_a_participant_cannot_end_a_run_under_way_or_forge_its_records(run_factory):
+    """After the run's first round a registered client's refusal is recorded under its own name and
+    the run goes on (red team: one Register with `refusal` set failed any run at any round, its text
+    blaming another node); a client process's heartbeat events (a forged `node_dead` of the server, a
+    `config_refused` of another client, text with a newline and a terminal escape) are not recorded,
+    and byte totals past 2^63 - 1 are ignored, not a traceback."""
+    run = run_factory("star", rounds=100000)
+    server = run.server()
+    run.start("client-proc0", "client", "--parent-file", server, "--clients", "0-1", "--node-id", "client-proc0",
+              "--allow-plugin", "refpkg")
+    (run.tmp / "evil_client.py").write_text(EVIL_CLIENT)
+    with open(run.tmp / "client-proc1.log", "w") as log:
+        run.procs["client-proc1"] = subprocess.Popen(
+            [sys.executable, "evil_client.py", "--parent-file", server, "--clients", "2-3", "--node-id",
+             "client-proc1", "--allow-plugin", "refpkg"], cwd=run.tmp, env=run.env, stdout=log, stderr=subprocess.STDOUT)
+    run.wait_for(lambda: "ATTACKED" in run.log("client-proc1"), name="client-proc1")
+    (event,) = run.wait_for(lambda: run.events("config_refused"))
+    assert event[0] == "client-proc1" and event[1].startswith("client-proc1: client-proc0: PLUGIN_NOT_ALLOWED"), event
+    assert "\n" not in event[1] and "\x1b" not in event[1], event
+    before = rounds_recorded(run)
+    run.wait_for(lambda: rounds_recorded(run) >= before + 2)   # the run goes on
+    assert run.wait_for(lambda: "counts past 2^63 - 1" in run.log("server"))
+    assert run.events("node_dead") == [] and run.events("auth_refused") == [], run.events("auth_refused")
+    assert "Traceback" not in run.log("server") and "OverflowError" not in run.log("server")
+    run.procs["server"].send_signal(signal.SIGTERM)
+    assert run.procs["server"].wait(timeout=120) == 128 + signal.SIGTERM, run.log("server")[-3000:]
+    assert json.loads((run.run_dir / "summary.json").read_text())["status"] == "stopped"
+
+
+def test_only_an_edges_refusal_events_are_recorded_each_as_one_printable_line():
+    """ChildReports.events (unit): an edge's refusal kinds are recorded, prefixed with the edge;
+    another kind from the edge (a forged node_dead) and anything from a client process are not;
+    a newline or terminal escape in the node or detail becomes a space or '?'."""
+    from types import SimpleNamespace
+
+    from fedhop.server.child_reports import ChildReports
+    from fedhop.server.driver import ChildNode
+    recorded: list[tuple] = []
+    coord = SimpleNamespace(children={"edge-0": ChildNode("edge-0", "edge", "a:1", []),
+                                      "client-proc0": ChildNode("client-proc0", "client", "a:2", [0])},
+                            store=SimpleNamespace(add_event=lambda kind, **kw: recorded.append((kind, kw["node"],
+                                                                                                kw["detail"]))),
+                            rounds_completed=3, round_writers=[])
+    reports = ChildReports(coord)
+    events = [pb.NodeEvent(kind="auth_refused", node="10.0.0.9\x1b[2J", detail="bad token\nsecond line"),
+              pb.NodeEvent(kind="node_dead", node="server", detail="forged"),
+              pb.NodeEvent(kind="events_dropped", node="", detail="3 more")]
+    reports.events("client-proc0", events)
+    assert recorded == []
+    reports.events("edge-0", events)
+    assert recorded == [("auth_refused", "10.0.0.9?[2J", "at edge-0: bad token second line"),
+                        ("events_dropped", "edge-0", "at edge-0: 3 more")]

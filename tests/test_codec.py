@@ -1,6 +1,7 @@
 """Tensor codec: round trips for every dtype and shape, chunking, and rejection of bad payloads."""
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -409,3 +410,17 @@ def test_a_header_declaring_a_negative_dimension_or_a_repeated_name_is_refused()
         decode_frames(_tamper(enc.frames, lambda h: setattr(h.tensors[1], "name", "a")))
     with pytest.raises(PayloadError, match="BAD_SHAPE.*'a'"):   # shape is int64 on the wire
         decode_frames(_tamper(enc.frames, lambda h: h.tensors[0].shape.__setitem__(0, -2)))
+
+
+@pytest.mark.parametrize("dims", [33, 100])
+def test_a_header_declaring_more_dimensions_than_a_tensor_holds_is_refused(dims):
+    """A tensor spec of many dimensions of size 1 (its byte count right) is BAD_SHAPE before numpy
+    or torch is asked to make it (numpy's ValueError past 64 dimensions crashed the receiver);
+    MAX_DIMS dimensions decode, in the small-message (numpy view) and the large-message path."""
+    enc = encode(Payload(tensors={"a": torch.ones(1)}), env())
+    with pytest.raises(PayloadError, match=f"BAD_SHAPE.*'a': {dims} dimensions; at most {codec.MAX_DIMS}"):
+        decode_frames(_tamper(enc.frames, lambda h: h.tensors[0].shape.extend([1] * (dims - 1))))
+    for shape in ((1,) * codec.MAX_DIMS, (2,) * 21 + (1,) * (codec.MAX_DIMS - 21)):   # 4 B, 8 MiB
+        t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        got = decode_frames(encode(Payload(tensors={"a": t}), env()).frames).payload.tensors["a"]
+        assert got.shape == t.shape and torch.equal(got, t)

@@ -203,3 +203,20 @@ def test_the_clock_keeps_the_latest_rounds_plans_and_settlements(tmp_path):
     _keep(by_round, 1, "again")   # a retried round: newest, so the next eviction takes round 2
     _keep(by_round, KEPT_ROUNDS + 1, "next")
     assert len(by_round) == KEPT_ROUNDS and 2 not in by_round and by_round[1] == "again"
+
+
+def test_a_reply_reporting_more_steps_than_planned_is_timed_by_its_plan(tmp_path):
+    """A client's reply is timed by the local steps it reports, at most those planned for it: a
+    participant reporting 2^62 steps would make the simulated round (and the real sleep of
+    clients.sleep_scale) last for ever (red team).  Fewer steps than planned are timed as
+    reported; none reported, as planned."""
+    cfg = _config(4, 2, "straggler_fraction = 0.5", dim=10, rounds=2, steps=6)
+    _, coord = run_inmemory(cfg, tmp_path)
+    clock, last = coord.clock, coord.history[-1].round
+    for cid in coord.history[-1].participants:
+        planned = clock.planned_steps(cid, last)
+        assert 1 <= planned <= 6
+        assert clock.timed_steps(cid, last, 2 ** 62) == planned
+        assert clock.timed_steps(cid, last, float(planned + 1)) == planned
+        assert clock.timed_steps(cid, last, 1) == 1 and clock.timed_steps(cid, last, -5) == 0
+        assert clock.timed_steps(cid, last, None) == planned

@@ -220,6 +220,18 @@ class RoundClock:
         rows = self.task.client_data(cid).rows
         return work * steps_per_epoch(rows, self.cfg.algorithm.batch_size)
 
+    def timed_steps(self, cid: int, round: int, reported: float | None) -> int:
+        """The local steps a client's reply is timed by: the steps it reports, at most those planned
+        for it (a participant's report past its plan would stretch the simulated round, and the
+        real sleep of `sleep_scale`, without end); the plan where it reports none."""
+        if reported is None:
+            return self.planned_steps(cid, round)
+        steps = max(0, int(reported))
+        draw = self.plans.get(round, {}).get(cid)
+        if steps <= (draw.work if draw is not None else self.full_work[cid]):   # within any plan: no look-up
+            return steps
+        return min(steps, self.planned_steps(cid, round))
+
     def settle(self, round: int, message: Payload, results: dict[int, Payload],
                records: Iterable[Any], star: bool = True) -> Settlement:
         """Time every result, cut the late/surplus ones out of `results` (in place)."""
@@ -232,8 +244,8 @@ class RoundClock:
         timings = {}
         for cid, reply in results.items():
             steps = reply.scalars.get("local_steps")
-            steps = int(steps) if isinstance(steps, (int, float)) and not isinstance(steps, bool) \
-                else self.planned_steps(cid, round)
+            steps = self.timed_steps(cid, round, steps if isinstance(steps, (int, float))
+                                     and not isinstance(steps, bool) else None)
             if cid in measured:
                 down, up = measured[cid]
             else:  # no per-client ledger record (torch collectives): the tensors' own bytes

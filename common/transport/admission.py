@@ -63,6 +63,18 @@ MAX_PEERS = 4096
 EVENTS_PER_INTERVAL = 16   # events of one kind per interval before further peers' are folded into one
 
 
+# the refusals an edge reports to the server in its heartbeats (edge/reports.py); the server records
+# these kinds from an edge, and "events_dropped" (the edge's queue overflowed), nothing from a client process
+EDGE_EVENT_KINDS = frozenset({"register_refused", "auth_refused", "call_refused", "request_refused"})
+
+
+def one_line(text: str, limit: int) -> str:
+    """A participant's text as it may enter run.db and the logs: one line of at most `limit`
+    characters, runs of whitespace as one space, anything else not printable (a terminal escape,
+    NUL) as '?'."""
+    return "".join(ch if ch.isprintable() else "?" for ch in " ".join(text.split())[:limit])
+
+
 def peer_host(peer: str) -> str:
     """gRPC's `context.peer()` ("ipv4:127.0.0.1:5555", "ipv6:[::1]:5555") without the port."""
     if peer.count(":") >= 2:

@@ -26,6 +26,12 @@ from fedhop.common.wire.ledger import BYTE_FIELDS, LedgerRecord
 
 TIERS = {"server": 0, "edge": 1, "client": 2}
 FIELDS: tuple[str, ...] = ("messages", *BYTE_FIELDS)
+MAX_COUNT = (1 << 63) - 1   # what run.db's INTEGER columns hold (the wire's counts are uint64)
+
+
+def counts_fit(entry: pb.LinkBytes) -> bool:
+    """Whether a reported entry's counts fit run.db (a count past 2^63 - 1 is no real count)."""
+    return all(int(getattr(entry, f)) <= MAX_COUNT for f in FIELDS)
 Key = tuple[str, str]   # (link, direction)
 
 

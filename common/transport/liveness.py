@@ -42,7 +42,7 @@ from typing import AbstractSet, Callable, Mapping, Sequence
 from fedhop.common.security.addresses import host_of
 from fedhop.common.transport.admission import EventThrottle, takeover_refusal
 from fedhop.common.transport.base import CallFailed, role_of
-from fedhop.common.transport.livebytes import TIERS
+from fedhop.common.transport.livebytes import TIERS, counts_fit
 from fedhop.common.util.rng import numpy_stream
 from fedhop.common.util.views import IndexedView
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -382,10 +382,11 @@ class LivenessMonitor:
             except Exception:
                 log.exception("events from %s not taken", req.node_id)
         if req.bytes and self.on_bytes is not None:   # true bytes, whether or not the node is still known
-            entries = [e for e in req.bytes if reports_for(req.node_id, e.node_id, self.endpoint.node_id)]
+            entries = [e for e in req.bytes if reports_for(req.node_id, e.node_id, self.endpoint.node_id)
+                       and counts_fit(e)]
             if len(entries) < len(req.bytes):
-                log.warning("%s sent byte totals for nodes it may not speak for; %d of %d entries ignored",
-                            req.node_id, len(req.bytes) - len(entries), len(req.bytes))
+                log.warning("%s sent byte totals for nodes it may not speak for, or counts past 2^63 - 1; "
+                            "%d of %d entries ignored", req.node_id, len(req.bytes) - len(entries), len(req.bytes))
             try:
                 self.on_bytes(entries)
             except Exception:

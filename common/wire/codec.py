@@ -71,6 +71,9 @@ _HEADER_PREFIX = bytes([_TAG_HEADER])
 _TAG_DATA = 0x12    # Frame field 2 (data), wire type 2
 _TAG_TRAILER = 0x19  # Frame field 3 (data_xxh3), wire type 1 (fixed64): the trailer
 TRAILER_BYTES = 9    # a trailer frame: its tag and the 8-byte little-endian digest
+# a tensor's dimensions at most: numpy's ndarray holds 64, a model's tensors a handful; more is refused
+# (BAD_SHAPE) before numpy or torch would raise on it
+MAX_DIMS = 32
 DEFAULT_CHUNK = 4 * 1024 * 1024
 FRAME_OVERHEAD = 5  # gRPC length-prefixed message framing, per message
 
@@ -824,6 +827,8 @@ class FrameDecoder:
             if itemsize is None:
                 raise PayloadError("BAD_DTYPE", f"tensor '{name}': unknown dtype '{dtype}' "
                                                 f"(allowed: {', '.join(DTYPES)})")
+            if len(shape) > MAX_DIMS:
+                raise PayloadError("BAD_SHAPE", f"tensor '{name}': {len(shape)} dimensions; at most {MAX_DIMS}")
             if shape and min(shape) < 0:
                 raise PayloadError("BAD_SHAPE", f"tensor '{name}': negative dimension in {list(shape)}")
             expect = math.prod(shape) * itemsize
@@ -875,26 +880,29 @@ class FrameDecoder:
         tensors: dict[str, torch.Tensor] = {}
         offset = 0
         flat_dtype: np.dtype | None = None   # the one numpy float dtype of every tensor, while there is one
-        for name, dtype, shape, n in self._specs:
-            np_dtype = _NUMPY_DTYPES.get(dtype)
-            if small and np_dtype is not None and n and offset % np_dtype.itemsize == 0:
-                # a numpy view of the buffer made a tensor: the same memory, a few times cheaper
-                # than torch's slice, view and reshape
-                t = torch.from_numpy(np.ndarray(shape, np_dtype, buffer, offset))
-            elif n == 0:
-                t = torch.empty(shape, dtype=DTYPES[dtype])
-            else:
-                base = torch.from_numpy(buffer) if base is None else base
-                raw = base[offset:offset + n]
-                if offset % ITEMSIZE[dtype]:
-                    raw = raw.clone()  # misaligned for this dtype: one copy
-                t = raw.view(DTYPES[dtype]).reshape(shape)
-            if not tensors:
-                flat_dtype = np_dtype if np_dtype is not None and np_dtype.kind == "f" else None
-            elif np_dtype != flat_dtype:
-                flat_dtype = None
-            tensors[name] = t
-            offset += n
+        try:   # the specs passed the header's checks; anything numpy or torch still refuses is the sender's
+            for name, dtype, shape, n in self._specs:
+                np_dtype = _NUMPY_DTYPES.get(dtype)
+                if small and np_dtype is not None and n and offset % np_dtype.itemsize == 0:
+                    # a numpy view of the buffer made a tensor: the same memory, a few times cheaper
+                    # than torch's slice, view and reshape
+                    t = torch.from_numpy(np.ndarray(shape, np_dtype, buffer, offset))
+                elif n == 0:
+                    t = torch.empty(shape, dtype=DTYPES[dtype])
+                else:
+                    base = torch.from_numpy(buffer) if base is None else base
+                    raw = base[offset:offset + n]
+                    if offset % ITEMSIZE[dtype]:
+                        raw = raw.clone()  # misaligned for this dtype: one copy
+                    t = raw.view(DTYPES[dtype]).reshape(shape)
+                if not tensors:
+                    flat_dtype = np_dtype if np_dtype is not None and np_dtype.kind == "f" else None
+                elif np_dtype != flat_dtype:
+                    flat_dtype = None
+                tensors[name] = t
+                offset += n
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise PayloadError("BAD_SHAPE", f"tensor specs that make no tensor: {exc}") from None
         scalars = {k: scalar_from_pb(v) for k, v in env.scalars.items()}
         control = env.control if env.HasField("control") else None
         payload = Payload(tensors=tensors, scalars=scalars, control=control)
