@@ -4,6 +4,9 @@ built from the honest clients' results."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from concurrent import futures
 
 import grpc
@@ -236,3 +239,48 @@ def test_nan_policy_fail_stops_the_run_with_a_clear_message(tmp_path):
     assert summary["status"] == "failed" and summary["rounds_completed"] == 0
     assert "NaN/Inf" in summary["error"] and "nan_policy" in summary["error"]
     assert summary["faults"]["rejections"] == {"NON_FINITE": 1}
+
+
+HANDSHAKES = """
+import socket, ssl, sys, time
+from concurrent import futures
+import fedhop.common   # before grpc: its GRPC_VERBOSITY default
+import grpc
+d = sys.argv[1]
+key, cert, ca = (open(f"{d}/{n}", "rb").read() for n in ("server.key", "server.pem", "ca.pem"))
+server = grpc.server(futures.ThreadPoolExecutor(2))
+port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                                                           require_client_auth=True))
+server.start()
+failed = 0
+for _ in range(20):   # TLS without a client certificate: the server refuses each handshake
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, ctx.wrap_socket(raw) as tls:
+            tls.sendall(b"PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n")
+            failed += tls.recv(100) == b""
+    except (OSError, ssl.SSLError):
+        failed += 1
+server.stop(0).wait()
+print("refused", failed)
+"""
+
+
+@pytest.mark.parametrize("verbosity", [None, "INFO"])
+def test_refused_tls_handshakes_do_not_grow_a_roles_log(tmp_path, verbosity):
+    """Red team: gRPC core wrote a line for every failed TLS handshake, so any peer reaching a port
+    grew the log without limit.  With fedhop imported first (every role) gRPC's log keeps its
+    errors only: 20 refused handshakes, no line; a user who asks for INFO (GRPC_VERBOSITY) gets
+    them back, which is the control that the handshakes were logged at all."""
+    assert subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "certs", str(tmp_path / "certs"), "--nodes",
+                           "server"], capture_output=True).returncode == 0
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    if verbosity:
+        env["GRPC_VERBOSITY"] = verbosity
+    res = subprocess.run([sys.executable, "-c", HANDSHAKES, str(tmp_path / "certs")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert res.returncode == 0 and res.stdout.split() == ["refused", "20"], res.stdout + res.stderr
+    handshake_lines = [ln for ln in res.stderr.splitlines() if "Handshake failed" in ln]
+    assert len(handshake_lines) == 0 if verbosity is None else len(handshake_lines) >= 20, res.stderr[-2000:]
