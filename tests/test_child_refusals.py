@@ -239,7 +239,8 @@ def test_a_participant_cannot_end_a_run_under_way_or_forge_its_records(run_facto
     the run goes on (red team: one Register with `refusal` set failed any run at any round, its text
     blaming another node); a client process's heartbeat events (a forged `node_dead` of the server, a
     `config_refused` of another client, text with a newline and a terminal escape) are not recorded,
-    and byte totals past 2^63 - 1 are ignored, not a traceback."""
+    and byte totals past 2^63 - 1 are ignored, not a traceback; a refused caller's node id is
+    recorded as one printable line."""
     run = run_factory("star", rounds=100000)
     server = run.server()
     run.start("client-proc0", "client", "--parent-file", server, "--clients", "0-1", "--node-id", "client-proc0",
@@ -258,6 +259,17 @@ def test_a_participant_cannot_end_a_run_under_way_or_forge_its_records(run_facto
     assert run.wait_for(lambda: "counts past 2^63 - 1" in run.log("server"))
     assert run.events("node_dead") == [] and run.events("auth_refused") == [], run.events("auth_refused")
     assert "Traceback" not in run.log("server") and "OverflowError" not in run.log("server")
+    # a caller's node id (anything without credentials) enters run.db as one printable line of <= 200
+    intruder = GrpcEndpoint("intruder", Ledger())
+    try:
+        reply = intruder.register(Path(server).read_text().strip(), pb.RegisterRequest(
+            node_id="evil\n\x1b[2J" + "x" * 5000, role="client", address="127.0.0.1:1",
+            clients=[pb.LogicalClient(client_id=99)]), timeout=30.0)
+    finally:
+        intruder.stop(grace=0.1)
+    assert not reply.accepted
+    ((node, detail),) = run.wait_for(lambda: run.events("register_refused"))
+    assert node == "evil ?[2J" + "x" * 191 and "\n" not in detail and len(detail) <= 2000, (node, detail)
     run.procs["server"].send_signal(signal.SIGTERM)
     assert run.procs["server"].wait(timeout=120) == 128 + signal.SIGTERM, run.log("server")[-3000:]
     assert json.loads((run.run_dir / "summary.json").read_text())["status"] == "stopped"

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import AbstractSet, Callable, Mapping, Sequence
 
 from fedhop.common.security.addresses import host_of
-from fedhop.common.transport.admission import EventThrottle, takeover_refusal
+from fedhop.common.transport.admission import EventThrottle, one_line, takeover_refusal
 from fedhop.common.transport.base import CallFailed, role_of
 from fedhop.common.transport.livebytes import TIERS, counts_fit
 from fedhop.common.util.rng import numpy_stream
@@ -337,7 +337,8 @@ class LivenessMonitor:
         """A registration refused (here, by the probe of its address, or by the parent's
         handler): one event per claimed node per interval, and at most EVENTS_PER_INTERVAL of
         them per interval, the rest counted in one (common/transport/admission.py)."""
-        self._refusals("register_refused", req.node_id, req.node_id, f"{req.role} at {req.address}: {reason}")
+        node = one_line(req.node_id, 200)   # the caller's words (unauthenticated without credentials)
+        self._refusals("register_refused", node, node, one_line(f"{req.role} at {req.address}: {reason}", 2000))
 
     def registered(self, req: pb.RegisterRequest) -> None:
         with self._lock:
