@@ -75,6 +75,9 @@ def test_a_checkpoint_without_the_walk_is_refused_by_name(tmp_path: Path, capsys
     ckpt = load_checkpoint(checkpoints[0])
     del ckpt.info["topology"]
     save_checkpoint(run_dir, ckpt)
-    assert resume_local(str(run_dir), quiet=True, show_table=False) == 1
+    capsys.readouterr()
+    # the server refuses the checkpoint as it starts: its one line, exit 2 (nothing ran)
+    assert resume_local(str(run_dir), quiet=True, show_table=False) == 2
+    assert "holds no state of the sequential topology's walk" in capsys.readouterr().err
     log = (run_dir / "logs" / "server.log").read_text()
     assert "holds no state of the sequential topology's walk" in log

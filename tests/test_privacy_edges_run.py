@@ -88,7 +88,7 @@ def test_local_dp_over_edge_iterations_is_accounted_per_release(tmp_path):
     ('mode = "client"', ["topology.edges_per_round=1"], "topology.edges_per_round"),
     ('mode = "central"', ["compression.up=qsgd"], "compression.up"),
     ('mode = "local"\nnoise_at = "edges"', [], "privacy.noise_at"),
-    ('mode = "central"\nnoise_at = "edges"', ["topology.kind=star"], "privacy.noise_at"),
+    ('mode = "central"\nnoise_at = "edges"', ["topology.kind=star", "topology.edges=0"], "privacy.noise_at"),
     ('mode = "none"\nclip_norm = 0.0\nnoise_multiplier = 0.0\nnoise_at = "edges"', [], "privacy.noise_at"),
 ])
 def test_a_bad_combination_behind_edges_is_one_line_and_exit_2(tmp_path, privacy, sets, key):
