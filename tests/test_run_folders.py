@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from tests.helpers import max_round, quadratic_config, read_db, wait_until
@@ -53,6 +54,13 @@ def sent_bytes(run_dir: Path) -> tuple[int, int]:
 def wait_for_round(db: Path, proc: subprocess.Popen, r: int, timeout: float = 180) -> None:
     """Poll run.db (read-only) until round `r` is recorded: the event the test waits on."""
     wait_until(f"round {r} recorded", lambda: max_round(db) >= r, [proc], timeout)
+
+
+def start_long_run(user_dir: Path, rounds: int = 400) -> tuple[subprocess.Popen, Path]:
+    """`fedhop run` of far more rounds than a test lets it play (a checkpoint every 2), into
+    `r/` of the user's folder: the process and the run folder."""
+    (user_dir / "exp.toml").write_text(cfg_text(rounds=rounds).replace("[run]", "[run]\ncheckpoint_every = 2"))
+    return start(["run", "exp.toml", "--out", "r"], user_dir), user_dir / "r"
 
 
 def digest(folder: Path) -> dict[str, str]:
@@ -109,6 +117,18 @@ def test_out_onto_a_folder_of_other_files_is_refused_even_with_force(user_dir):
     assert (keep / "thesis.tex").read_text() == "mine" and len(list(keep.iterdir())) == 1
 
 
+@pytest.mark.parametrize("out, said", [("afile", "afile exists and is not a directory"),
+                                       ("afile/sub", "afile is a file, so no folder can be made under it"),
+                                       ("afile/a/b", "afile is a file, so no folder can be made under it")])
+def test_out_at_or_under_a_file_is_one_line_exit_2(user_dir, out, said):
+    (user_dir / "afile").write_text("mine")
+    res = fedhop(["run", "exp.toml", "--out", out, "--quiet"], user_dir)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"fedhop run: --out {out}: "), res.stderr
+    assert said in lines[0] and "Errno" not in lines[0]
+    assert (user_dir / "afile").read_text() == "mine" and not (user_dir / "runs").exists()
+
+
 
 @pytest.mark.parametrize("names", [("run.db",), ("config.toml",), ("ledger/",), ("config.toml", "run.db", "summary.json")])
 def test_a_folder_with_run_files_no_fedhop_run_made_is_never_emptied(user_dir, names):
@@ -160,9 +180,7 @@ def test_piped_progress_shows_every_tenth_round_and_the_last(user_dir):
 @pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "SIGINT (Ctrl-C)"), (signal.SIGTERM, 143, "SIGTERM")])
 def test_a_stopped_run_is_recorded_as_stopped_and_resumes(user_dir, sig, code, said):
     rounds = 400   # far more than the stop leaves done; resumed, the rest take seconds
-    (user_dir / "exp.toml").write_text(cfg_text(rounds=rounds).replace("[run]", "[run]\ncheckpoint_every = 2"))
-    proc = start(["run", "exp.toml", "--out", "r"], user_dir)
-    run = user_dir / "r"
+    proc, run = start_long_run(user_dir, rounds)
     wait_for_round(run / "run.db", proc, 3)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
@@ -183,6 +201,58 @@ def test_a_stopped_run_is_recorded_as_stopped_and_resumes(user_dir, sig, code, s
     assert res.returncode == 0, res.stderr
     resumed = json.loads((run / "summary.json").read_text())
     assert resumed["status"] == "completed" and resumed["rounds_completed"] == rounds
+
+
+def server_process(proc: subprocess.Popen) -> psutil.Process:
+    """The run's server process among `fedhop run`'s children (its title: `fedhop server <run>`)."""
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if " ".join(child.cmdline()).startswith("fedhop server "):
+                return child
+        except psutil.Error:
+            pass
+    raise AssertionError("no `fedhop server` process under fedhop run")
+
+
+@pytest.mark.parametrize("end", ["server killed", "Ctrl-C twice"])
+def test_a_server_that_ends_unrecorded_leaves_run_db_saying_so(user_dir, end):
+    """A server that cannot record the run's end (SIGKILL; or stopped, so that a second Ctrl-C
+    kills every process first): `fedhop run` records it in run.db once the server is gone, with a
+    `server_lost` event, `failed` (exit 1) or `stopped` (exit 130) instead of "running"; the run
+    then resumes from its newest checkpoint and completes."""
+    rounds = 400
+    proc, run = start_long_run(user_dir, rounds)
+    db = run / "run.db"
+    wait_for_round(db, proc, 3)
+    server = server_process(proc)
+    if end == "server killed":
+        server.send_signal(signal.SIGKILL)
+    else:   # a server that is slow to record the stop (here: not running at all) meets a second Ctrl-C
+        server.send_signal(signal.SIGSTOP)
+        proc.send_signal(signal.SIGINT)
+        said = ""
+        assert proc.stderr is not None
+        while "the server records the run as stopped" not in said:   # the launcher took the first one
+            line = proc.stderr.readline()
+            assert line, "fedhop run ended before it took the first Ctrl-C"
+            said += line
+        proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    status, code, why = (("failed", 1, "exited with status -9") if end == "server killed" else
+                         ("stopped", 130, "Ctrl-C again: every process was killed"))
+    assert proc.returncode == code, err[-1500:]
+    assert not server.is_running() or server.status() == "zombie"
+    assert read_db(db, "SELECT status FROM runs") == status
+    assert read_db(db, "SELECT COUNT(*) FROM events WHERE kind = 'server_lost'") == 1
+    assert why in read_db(db, "SELECT detail FROM events WHERE kind = 'server_lost'")
+    assert not (run / "summary.json").exists() and max_round(db) >= 3
+    assert "merged the ledgers of every process" in err   # the clients' records are in run.db
+    res = fedhop(["run", "--resume", "r", "--quiet"], user_dir)
+    assert res.returncode == 0, res.stderr
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["status"] == "completed" and resumed["rounds_completed"] == rounds
+    assert resumed["ledger_agreement"]["ok"], resumed["ledger_agreement"]
+    assert read_db(db, "SELECT status FROM runs") == "completed"
 
 
 MODEL_PACKAGE = """
@@ -284,9 +354,7 @@ def test_a_resumed_run_counts_the_whole_run_everywhere(user_dir):
     from fedhop.deploy.tools.dashboard import snapshot
     from fedhop.deploy.tools.report import human_bytes, load_run
     rounds = 400
-    (user_dir / "exp.toml").write_text(cfg_text(rounds=rounds).replace("[run]", "[run]\ncheckpoint_every = 2"))
-    proc = start(["run", "exp.toml", "--out", "r"], user_dir)
-    run = user_dir / "r"
+    proc, run = start_long_run(user_dir, rounds)
     db = run / "run.db"
     wait_for_round(db, proc, 5)
     proc.send_signal(signal.SIGINT)

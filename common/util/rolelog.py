@@ -1,7 +1,7 @@
 """The role processes' log line: its format (`line_format`, set by common/transport/startup.py
-`announce`) and the reading of it back (`refusal_line`): what a launcher shows when a role it
-started refused to start, instead of the log's tail.  Imports nothing heavy (the launchers read
-it before torch loads)."""
+`announce`) and the reading of it back (`refusal_line`, `refusal_of`): what a launcher shows when a
+role it started refused to start (`RoleRefused`), instead of the log's tail.  Imports nothing
+heavy (the launchers read it before torch loads)."""
 from __future__ import annotations
 
 import re
@@ -26,3 +26,15 @@ def refusal_line(log: Path, node: str) -> str | None:
         return None
     found = [m["message"] for m in map(_LINE.match, lines) if m and m["node"] == node and m["level"] == "ERROR"]
     return found[-1].removeprefix("refusing to start: ") if found else None
+
+
+def refusal_of(status: int | None, log: Path, node: str) -> str | None:
+    """What `node` said when it refused to start: its refusal line when it exited with status 2
+    (a refused config, data set or credential) and said why; None otherwise."""
+    return refusal_line(log, node) if status == 2 else None
+
+
+class RoleRefused(RuntimeError):
+    """A role process refused its run as it started (exit status 2, its own line in its log): the
+    message carries that line, and a launcher meeting it exits 2, as `fedhop run` does for a
+    refused config."""

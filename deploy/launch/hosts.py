@@ -75,16 +75,11 @@ from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
 from fedhop.common.topologies.plan import Placement, plan_processes
 from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.nodeids import id_spec
-from fedhop.common.util.rolelog import refusal_line
+from fedhop.common.util.rolelog import RoleRefused, refusal_of
 from fedhop.deploy.launch.engine import process_launch_problem
 from fedhop.deploy.launch.malloc import TUNED_MALLOC_ENV
 
 DEFAULT_REMOTE = "ssh -o BatchMode=yes {host} {command}"
-
-
-class RoleRefused(RuntimeError):
-    """A role refused the run as it started (exit status 2, its own line in its log): the launch's
-    exit status is 2, as `fedhop run`'s for a refused config."""
 
 
 class HostsError(ValueError):
@@ -701,7 +696,7 @@ class Launch:
         for st in group:
             while not st.serving.wait(0.1):
                 if st.proc.poll() is not None:
-                    said = refusal_line(st.log, st.role.node_id) if st.proc.returncode == 2 else None
+                    said = refusal_of(st.proc.returncode, st.log, st.role.node_id)
                     raise (RoleRefused if said else RuntimeError)(
                         f"{st.role.node_id} on {st.role.host.name} exited with status {st.proc.returncode} before "
                         f"serving" + (f": {said}" if said else "") + f"; see {st.log}")

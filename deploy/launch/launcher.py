@@ -38,7 +38,7 @@ from fedhop.common.util.procexit import (
     stop_on_sigterm,
     stop_reason,
 )
-from fedhop.common.util.rolelog import refusal_line
+from fedhop.common.util.rolelog import RoleRefused, refusal_of
 from fedhop.deploy.launch.forkstart import ForkedProcess, fork_allowed, fork_module
 from fedhop.deploy.launch.malloc import tuned_env
 from fedhop.deploy.launch.runfolder import (
@@ -62,11 +62,6 @@ class Child:
     name: str
     proc: subprocess.Popen | ForkedProcess
     log: Path
-
-
-class ServerRefused(RuntimeError):
-    """The server process refused the run before serving (exit status 2: its config, data set or
-    credentials); the message is its own one-line reason."""
 
 
 @dataclass
@@ -171,9 +166,9 @@ class LocalRun:
             if port_file.exists():
                 return port_file.read_text().strip()
             if server.proc.poll() is not None:
-                refusal = refusal_line(server.log, "server") if server.proc.returncode == 2 else None
+                refusal = refusal_of(server.proc.returncode, server.log, "server")
                 if refusal:
-                    raise ServerRefused(refusal)
+                    raise RoleRefused(refusal)
                 raise RuntimeError(f"{server.name} exited with status {server.proc.returncode} before serving; "
                                    f"last log lines:\n{tail(server.log)}")
             time.sleep(0.05)
@@ -423,6 +418,27 @@ def merge_interrupted(run_dir: Path) -> None:
           file=sys.stderr)
 
 
+def record_server_lost(run_dir: Path, status: str, why: str) -> None:
+    """After the server process has ended without recording the run's end (killed, crashed, or
+    killed by a second Ctrl-C): run.db's run, still "running", becomes `status` with a
+    `server_lost` event saying `why`, so that a reader of run.db (a report, a dashboard, a script)
+    is not told a dead run is running.  A run whose server recorded its end is left as it is;
+    `fedhop run --resume` continues either from the last checkpoint."""
+    from fedhop.common.records.runstore import RunStore
+    if not (run_dir / "run.db").is_file():
+        return
+    try:
+        store = RunStore(run_dir / "run.db")
+        try:
+            run = store.run()
+            if run is not None and run.get("status") == "running":
+                store.add_event("server_lost", node="server", detail=why)
+                store.finish_run(status)
+        finally:
+            store.close()
+    except Exception as exc:   # noqa: BLE001 - the run is over either way; its rounds are kept
+        print(f"fedhop run: could not record the run's end in run.db ({exc})", file=sys.stderr)
+
 
 STOP_GRACE = 60.0   # seconds the server has, after Ctrl-C, to record the stopped run and shut its children down
 
@@ -660,16 +676,23 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         status = server.proc.returncode
     except (KeyboardInterrupt, Stopped) as exc:
         ignore_stops()
-        if threading.current_thread() is threading.main_thread():   # a second Ctrl-C: kill every process now
-            signal.signal(signal.SIGINT, signal.default_int_handler)
         reason, code = stop_reason(exc)
         again = "Ctrl-C again" if code == 128 + signal.SIGINT else "Ctrl-C"
-        print(f"\nfedhop run: {reason}; the server records the run as stopped ({again}: kill every "
-              "process now)", file=sys.stderr, flush=True)
-        try:
+        try:   # a second Ctrl-C lands in here, whenever it comes: every process is killed now
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+            print(f"\nfedhop run: {reason}; the server records the run as stopped ({again}: kill every "
+                  "process now)", file=sys.stderr, flush=True)
             run.stop_all(server_grace=STOP_GRACE, server_signal=code - 128)
         except KeyboardInterrupt:
+            ignore_stops()   # a third changes nothing: the kill below is never cut
             run.kill_all()
+            record_server_lost(run_dir, "stopped", f"{reason}, then Ctrl-C again: every process was killed "
+                                                   "before the server recorded the stop")
+            print("fedhop run: Ctrl-C again: every process was killed; run.db records the run as stopped",
+                  file=sys.stderr, flush=True)
+        finally:
+            ignore_stops()   # the processes are gone or stopping: the records below are written whole
         if progress:
             progress.close()
             progress = None
@@ -682,7 +705,7 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         fold_wal(run_dir / "run.db")
         # the server's verdict: a stop after the last round's row leaves a completed run (server/coordinator.py)
         return 0 if recorded_status(run_dir) == "completed" else code
-    except ServerRefused as exc:   # the server's config, data set or credentials: one line, nothing ran
+    except RoleRefused as exc:   # the server's config, data set or credentials: one line, nothing ran
         print(f"fedhop run: {exc}", file=sys.stderr)
         run.stop_all()
         if not resume:
@@ -703,6 +726,9 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
     else:
         print(f"fedhop run: the server exited with status {status} and wrote no summary; last log lines:\n"
               f"{tail(run.children[0].log)}", file=sys.stderr)
+        record_server_lost(run_dir, "failed", f"the server process exited with status {status} "
+                                              "without recording the run's end")
+        merge_interrupted(run_dir)   # what the other processes recorded, for a report of the run so far
         if (run_dir / "checkpoints").is_dir():
             print(f"fedhop run: continue it with `fedhop run --resume {run_dir}`", file=sys.stderr)
     fold_wal(run_dir / "run.db")   # one our progress reads held open as the server closed run.db (runstore.py)
