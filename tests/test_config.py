@@ -320,6 +320,14 @@ def test_algorithm_specific_keys_checked(dummy_algorithms, extra, key, fragment)
     assert f"'{key}'" in msg and fragment in msg
 
 
+
+def test_an_unknown_clients_key_names_the_clients_keys_not_a_choice():
+    """[clients] has one options schema whatever its count: the message lists its keys and names
+    no "choice" (it once read "for clients.count = '50'")."""
+    msg = error_of("[clients]\ncount = 50\nnonsense = 2")
+    assert "'clients.nonsense'" in msg and "clients.count" not in msg and "its own keys" not in msg
+    assert "the [clients] option keys: " in msg and "straggler_mode" in msg and "per_round" in msg
+
 def test_choice_without_params_takes_no_extra_keys(dummy_algorithms):
     cfg = parse_config("[algorithm]\nname = \"bare\"")
     assert cfg.algorithm.params is None and cfg.algorithm.options == {}

@@ -85,11 +85,13 @@ def _validate_options(cfg: Config) -> None:
             obj.params = None
             continue
         fields = {f.name for f in dataclasses.fields(cls)}
+        # a named choice picks the keys; [clients] has one schema whatever its count: no choice to name
+        chosen = f" for {section}.{chooser} = '{choice}' (its own keys: " if isinstance(choice, str) else \
+            f" (the [{section}] option keys: "
         for key in obj.options:
             if key not in fields:
                 near = did_you_mean(key, [*fields, *(f.name for f in dataclasses.fields(obj))])
-                raise ConfigError(f"unknown config key '{section}.{key}' = {obj.options[key]!r}{near} for "
-                                  f"{section}.{chooser} = '{choice}' (its own keys: "
+                raise ConfigError(f"unknown config key '{section}.{key}' = {obj.options[key]!r}{near}{chosen}"
                                   f"{', '.join(sorted(fields)) or 'none'}; common [{section}] keys: {common})")
         params, _ = build_dataclass(cls, obj.options, section)
         obj.params = params

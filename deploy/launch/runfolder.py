@@ -188,6 +188,9 @@ def check_out(out: str, force: bool = False, held: bool = False) -> Path:
     folder = Path(out).expanduser().resolve()
     if folder.exists() and not folder.is_dir():
         raise RunDirError(f"--out {out}: {folder} exists and is not a directory")
+    blocked = next((p for p in folder.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise RunDirError(f"--out {out}: {blocked} is a file, so no folder can be made under it")
     if folder.is_dir() and any(folder.iterdir()):
         if not holds_run(folder):
             raise RunDirError(f"--out {out}: {folder} is not empty and holds no fedhop run; name a new or empty folder")
@@ -207,7 +210,10 @@ def out_run_dir(out: str, force: bool = False) -> Path:
     claimed for a new run.  An earlier run there is replaced only with `force`, or when it was a
     false start (it recorded no round); a non-empty folder that holds no run is always refused."""
     folder = check_out(out, force)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:   # no permission, a read-only file system, ...
+        raise RunDirError(f"--out {out}: cannot make {folder}: {exc.strerror or exc}") from None
     if not hold(folder):
         raise RunDirError(f"--out {out}: another run started in {folder} at the same time")
     if any(folder.iterdir()):
