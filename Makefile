@@ -27,10 +27,10 @@ lint: $(VENV_STAMP)
 	.ci/typecheck
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 test-all: $(VENV_STAMP)
-	FEDHOP_SLOW=1 $(PY) -m pytest -q
+	FEDHOP_SLOW=1 $(PY) -m pytest -q -n 2 --dist loadgroup
 
 bench: $(VENV_STAMP)
 	.venv/bin/fedhop bench transport

@@ -15,7 +15,16 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Tests that drive one of this machine's services (the Docker engine that engine-test.sh starts and
+# stops, the one-machine Slurm cluster of deploy/slurm/localcluster.sh) share one worker when the suite
+# runs in parallel (`pytest -n 2 --dist loadgroup`, as `make test` does): one after another there.
+HOST_SERVICE_MODULES = ("test_compose.py", "test_slurm.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in HOST_SERVICE_MODULES:
+            item.add_marker(pytest.mark.xdist_group("host-services"))
     if os.environ.get("FEDHOP_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow test: set FEDHOP_SLOW=1 to run it")
