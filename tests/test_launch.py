@@ -391,7 +391,10 @@ def test_launch_hierarchical_on_four_emulated_hosts_with_ip_netns_exec(tmp_path)
     assert torch.equal(load_file(str(out / "model.safetensors"))["w"], coord.state.params["w"])
 
 
-def test_launch_ctrl_c_stops_every_role(tmp_path):
+@pytest.mark.parametrize("presses", [1, 2])
+def test_launch_ctrl_c_stops_every_role(tmp_path, presses):
+    """Ctrl-C stops every role and gathers the stopped run; a second Ctrl-C while the roles are
+    being stopped changes nothing (it once cut the stop and the gathering)."""
     cfg_file = tmp_path / "exp.toml"
     cfg_file.write_text(cfg_text(rounds=100_000))
     marker = f"fh-launch-int-{os.getpid()}"
@@ -423,7 +426,15 @@ def test_launch_ctrl_c_stops_every_role(tmp_path):
             break
     assert "round 2:" in seen, seen[-2000:]
     proc.send_signal(2)                            # Ctrl-C
+    taken = ""
+    while presses == 2 and "interrupted; stopping every process" not in taken:   # the stop under way
+        line = proc.stdout.readline()
+        assert line, (seen + taken)[-2000:]
+        taken += line
+    if presses == 2:
+        proc.send_signal(2)                        # Ctrl-C again, during the stop
     rest, _ = proc.communicate(timeout=180)
+    rest = taken + rest
     assert proc.returncode == 130, (seen + rest)[-2000:]
     assert "interrupted; stopping every process" in rest
     assert _no_process_mentions(marker)

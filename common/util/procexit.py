@@ -293,6 +293,20 @@ def signals_restored() -> Iterator[None]:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Ctrl-C ignored inside: a bounded clean-up that a second Ctrl-C must not cut (a launcher
+    stopping the roles it started).  Only the main thread sets signal handlers; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def ignore_stops() -> None:
     """Once a stop is being recorded, further SIGINT and SIGTERM are ignored (SIGKILL still ends
     the process): Ctrl-C reaches the launcher and its children together, and the launcher then

@@ -75,6 +75,7 @@ from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
 from fedhop.common.topologies.plan import Placement, plan_processes
 from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.util.nodeids import id_spec
+from fedhop.common.util.procexit import sigint_ignored
 from fedhop.common.util.rolelog import RoleRefused, refusal_of
 from fedhop.deploy.launch.engine import process_launch_problem
 from fedhop.deploy.launch.malloc import TUNED_MALLOC_ENV
@@ -884,13 +885,15 @@ def run_launch(hf: HostsFile, cfg: Config, out: Path, *, quiet: bool = False, ke
         server = launch.start()
         status = 0 if launch.wait(server) == 0 else 1
     except KeyboardInterrupt:
-        print("\nfedhop launch: interrupted; stopping every process", file=sys.stderr)
+        print("\nfedhop launch: interrupted; stopping every process (Ctrl-C again changes nothing: the stop "
+              "takes at most about 25 s)", file=sys.stderr, flush=True)
         status = 130
     except RuntimeError as exc:
         print(f"fedhop launch: {exc}", file=sys.stderr)
         status = 2 if isinstance(exc, RoleRefused) else 1
     finally:
-        launch.stop()
+        with sigint_ignored():   # a second Ctrl-C must not leave roles running on their hosts, nor the run ungathered
+            launch.stop()
     for problem in launch.gather():
         print(f"fedhop launch: gathering: {problem}", file=sys.stderr)
     if refresh_summary(out) is None:
