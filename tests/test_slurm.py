@@ -380,6 +380,30 @@ def test_failure_reason_is_the_failing_steps_error_line(tmp_path):
     assert failure_reason(tmp_path) == "client-proc0: ValueError: bad shard"
 
 
+
+@pytest.mark.parametrize("code, recorded, after", [(1, "running", "failed"), (130, "running", "stopped"),
+                                                   (1, "failed", "failed"), (0, "running", "running")])
+def test_wait_records_a_server_lost_with_its_job(tmp_path, monkeypatch, capsys, code, recorded, after):
+    """`--wait` on a job that ended before its server recorded the run's end (a node lost, a kill
+    past the step's grace): run.db's run, still "running", becomes failed (stopped for the job's
+    Ctrl-C) with a `server_lost` event; a run the server recorded, or a job that completed, is left."""
+    import fedhop.deploy.launch.slurm as slurm
+    from fedhop.common.records.runstore import RunStore
+    store = RunStore(tmp_path / "run.db")
+    store.start_run(run_id="r", name="r")
+    if recorded != "running":
+        store.finish_run(recorded)
+    store.close()
+    monkeypatch.setattr(slurm, "wait_job", lambda job, poll, report: code)
+    assert slurm.follow("17", tmp_path) == code
+    with RunStore(tmp_path / "run.db", create=False) as db:
+        assert db.run()["status"] == after
+        lost = db.events("server_lost")
+    changed = recorded == "running" and code != 0
+    assert len(lost) == changed
+    if changed:
+        assert f"slurm job 17 ended with status {code} before the server recorded" in lost[0]["detail"]
+
 # ----------------------------------------------------------------------------- on a real Slurm
 CPUS = 2   # the node's CPUs, as on a small CI machine: the default 3-process star does not fit
 

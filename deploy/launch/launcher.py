@@ -51,6 +51,7 @@ from fedhop.deploy.launch.runfolder import (
     in_use,
     new_folder,
     out_run_dir,
+    record_server_lost,
     release_since,
     run_stamp,
 )
@@ -416,28 +417,6 @@ def merge_interrupted(run_dir: Path) -> None:
         return
     print(f"fedhop run: merged the ledgers of every process ({added} records); {stopped_agreement(agreement)}",
           file=sys.stderr)
-
-
-def record_server_lost(run_dir: Path, status: str, why: str) -> None:
-    """After the server process has ended without recording the run's end (killed, crashed, or
-    killed by a second Ctrl-C): run.db's run, still "running", becomes `status` with a
-    `server_lost` event saying `why`, so that a reader of run.db (a report, a dashboard, a script)
-    is not told a dead run is running.  A run whose server recorded its end is left as it is;
-    `fedhop run --resume` continues either from the last checkpoint."""
-    from fedhop.common.records.runstore import RunStore
-    if not (run_dir / "run.db").is_file():
-        return
-    try:
-        store = RunStore(run_dir / "run.db")
-        try:
-            run = store.run()
-            if run is not None and run.get("status") == "running":
-                store.add_event("server_lost", node="server", detail=why)
-                store.finish_run(status)
-        finally:
-            store.close()
-    except Exception as exc:   # noqa: BLE001 - the run is over either way; its rounds are kept
-        print(f"fedhop run: could not record the run's end in run.db ({exc})", file=sys.stderr)
 
 
 STOP_GRACE = 60.0   # seconds the server has, after Ctrl-C, to record the stopped run and shut its children down

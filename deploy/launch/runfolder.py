@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import sqlite3
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -222,3 +223,26 @@ def out_run_dir(out: str, force: bool = False) -> Path:
     if not claim(folder):
         raise RunDirError(f"--out {out}: another run started in {folder} at the same time")
     return folder
+
+
+def record_server_lost(run_dir: Path, status: str, why: str) -> None:
+    """After the server process has ended without recording the run's end (killed, crashed, or
+    killed by a second Ctrl-C): run.db's run, still "running", becomes `status` with a
+    `server_lost` event saying `why`, so that a reader of run.db (a report, a dashboard, a script)
+    is not told a dead run is running.  A run whose server recorded its end is left as it is;
+    `fedhop run --resume` continues either from the last checkpoint.  Used by the launchers that
+    outlive the server: `fedhop run`, `fedhop slurm --wait`."""
+    from fedhop.common.records.runstore import RunStore
+    if not (run_dir / "run.db").is_file():
+        return
+    try:
+        store = RunStore(run_dir / "run.db")
+        try:
+            run = store.run()
+            if run is not None and run.get("status") == "running":
+                store.add_event("server_lost", node="server", detail=why)
+                store.finish_run(status)
+        finally:
+            store.close()
+    except Exception as exc:   # noqa: BLE001 - the run is over either way; its rounds are kept
+        print(f"fedhop: could not record the run's end in {run_dir / 'run.db'} ({exc})", file=sys.stderr)

@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from fedhop.common.util.cliparser import ArgumentParser
+from fedhop.deploy.launch.runfolder import record_server_lost
 
 if TYPE_CHECKING:
     from fedhop.common.config.schema import Config
@@ -934,6 +935,9 @@ def follow(job: str, run_dir: Path, poll: float = 1.0) -> int:
     if code == 0:
         print(f"fedhop slurm: job {job} ended with status 0 (the run completed; logs in {run_dir}/logs)")
         return 0
+    # a server step killed with its job (a node lost, scancel, a limit past its grace) recorded no end
+    record_server_lost(run_dir, "stopped" if code == 130 else "failed",
+                       f"slurm job {job} ended with status {code} before the server recorded the run's end")
     if code != 130:
         why = failure_reason(run_dir)
         print(f"fedhop slurm: job {job} ended with status {code}{': ' + why if why else ''} "
