@@ -89,6 +89,38 @@ def test_the_report_counts_an_explained_loss_as_agreement_and_an_unexplained_one
     assert "- broken: sender and receiver records DISAGREE" in md and "1 unexplained" in md, md
 
 
+
+def test_a_run_that_ended_early_has_its_in_flight_messages_said_so_not_a_disagreement(tmp_path):
+    """A run that did not complete (stopped, failed, no summary) whose only one-sided record is
+    a message in flight is "in flight", with the line `fedhop run` prints after a stop; the same
+    records in a completed run, or a stopped run whose two records of one message differ in bytes,
+    are still DISAGREE."""
+    import json
+    base = [r for k in (1, 2) for r in exchange(f"m{k}", k, "client-1", "server", "client-server")]
+    lone = [msg("r3.reply", 3, "client-1", "server", "client-server", "up", 10, 20, 25, "sender")]
+    differ = [dataclasses.replace(r, framed_bytes=r.framed_bytes + (r.role == "receiver"))
+              for r in exchange("m3", 3, "client-1", "server", "client-server")]
+    for name, records, status in (("early", base + lone, "stopped"), ("late", base + lone, "completed"),
+                                  ("bytes", base + lone + differ, "stopped"), ("nosummary", base + lone, None)):
+        write_run(tmp_path / name, name=name, algorithm="fedavg", topology="star",
+                  metrics=[{"test_accuracy": 0.5}, {"test_accuracy": 0.6}], records=records)
+        with RunStore(tmp_path / name / "run.db") as store:
+            store.finish_run(status or "failed")
+        summary_file = tmp_path / name / "summary.json"
+        if status is None:
+            summary_file.unlink()
+        else:
+            summary_file.write_text(json.dumps(dict(json.loads(summary_file.read_text()), status=status)))
+    res = _report(tmp_path, "early", "late", "bytes", "nosummary", "--out", "rep")
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {ln.split()[0]: ln.rstrip() for ln in res.stdout.splitlines()
+            if ln.split()[:1] in (["early"], ["late"], ["bytes"], ["nosummary"])}
+    assert rows["early"].endswith(" in flight") and rows["nosummary"].endswith(" in flight"), res.stdout
+    assert rows["late"].endswith("DISAGREE") and rows["bytes"].endswith("DISAGREE"), res.stdout
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "- early: 4 messages recorded by both ends; 1 recorded only by their sender" in md, md
+    assert "in flight when the processes stopped" in md and "- bytes: sender and receiver records DISAGREE" in md
+
 def test_the_verdict_in_numbers_and_beyond_the_classification_limit(tmp_path):
     from fedhop.server.agreement import ledger_verdict
     _explained_and_unexplained(tmp_path)

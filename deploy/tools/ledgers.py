@@ -58,10 +58,16 @@ def merge_run(run_dir: Path) -> tuple[int, Verdict]:
         store.close()
 
 
+def only_in_flight(verdict: Verdict) -> bool:
+    """Whether a run's ledgers disagree only by messages one end recorded, none differing in bytes:
+    what a run that ended early leaves (they were in flight when its processes stopped)."""
+    return not verdict.ok and verdict.mismatched <= verdict.partial_losses
+
+
 def stopped_agreement(verdict: Verdict) -> str:
     """The ledger check after a stop: messages in flight when the processes stopped were recorded
     by one end only, which is expected; records that disagree on bytes are not."""
-    if verdict.ok or verdict.mismatched > verdict.partial_losses:
+    if not only_in_flight(verdict):
         return verdict.summary()
     return (f"{verdict.matched} messages recorded by both ends; {verdict.sender_only} recorded only by their "
             f"sender and {verdict.receiver_only} only by their receiver: they were in flight when the "

@@ -45,6 +45,7 @@ from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.wire.ledger import BYTE_FIELDS, LINKS
 from fedhop.deploy.launch.runfolder import new_folder
 from fedhop.deploy.tools import runread
+from fedhop.deploy.tools.ledgers import only_in_flight, stopped_agreement
 from fedhop.server.agreement import Verdict, ledger_verdict
 
 if TYPE_CHECKING:   # matplotlib is optional (the extra `report`): imported where a plot is drawn
@@ -110,6 +111,20 @@ class RunData:
     agreement: Verdict | None = None   # explained losses agree (server/agreement.py)
     has_messages: bool = False
     config: dict[str, Any] = field(default_factory=dict)   # config.toml flattened: {"run.seed": 0, ...}
+
+    def ledger(self) -> tuple[str, str] | None:
+        """The ledger check, as the table's word and its line: "agree"; "in flight" for a run that
+        ended early (stopped, failed, no summary) whose ledgers differ only by messages one end
+        recorded (deploy/tools/ledgers.py `stopped_agreement`, what `fedhop run` says after a stop);
+        else "DISAGREE".  None without messages."""
+        verdict = self.agreement
+        if verdict is None:
+            return None
+        if verdict.ok:
+            return "agree", verdict.summary()
+        if self.field_("status") != "completed" and only_in_flight(verdict):
+            return "in flight", stopped_agreement(verdict)
+        return "DISAGREE", verdict.summary()
 
     @property
     def seed(self) -> int | None:
@@ -380,8 +395,9 @@ def make_row(run: RunData, metric: str | None, target: float | None, kind: str, 
         final=final, total_bytes={k: run.total(k) for k in BYTE_FIELDS},
         by_link={link: int(v.get(kind, 0)) for link, v in sorted(run.by_link.items())},
         wall_seconds=_num(run.summary.get("wall_seconds")))
-    if run.agreement is not None:
-        row.ledger = "agree" if run.agreement.ok else "DISAGREE"
+    judged = run.ledger()
+    if judged is not None:
+        row.ledger = judged[0]
     row.epsilon = run_epsilon(run)
     if target is not None and metric is not None:
         hit = next((r for r, v in run.curve(metric) if meets(v, target, metric)), None)
@@ -856,7 +872,8 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
     rows = [make_row(run, metric, target, bytes_kind, notes) for run in runs]
     header, body = table_cells(rows, metric, target, bytes_kind)
     table = text_tables(rows, metric, target, bytes_kind)
-    judged = [(run.name, run.agreement.summary()) for run in runs if run.agreement is not None]
+    ledgers = [(run.name, run.ledger()) for run in runs]
+    judged = [(name, said[1]) for name, said in ledgers if said is not None]
     agreement = [f"{name}: {verdict}" for name, verdict in judged]
     md = ["# fedhop report", "", render_markdown(header, body), ""]
     if judged:
@@ -885,8 +902,8 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
     (out / "report.json").write_text(json.dumps(
         {"metric": metric, "target": target, "bytes_kind": bytes_kind, "runs": [asdict(r) for r in rows],
          "agreement": agreement, "notes": notes}, indent=2), encoding="utf-8")
-    disagree = [f"{run.name}: {run.agreement.summary()}" for run in runs
-                if run.agreement is not None and not run.agreement.ok]   # the agreeing ones: report.md
+    disagree = [f"{name}: {said[1]}" for name, said in ledgers
+                if said is not None and said[0] != "agree"]   # the agreeing ones: report.md
     return ReportResult(out_dir=out, metric=metric, target=target, bytes_kind=bytes_kind, rows=rows,
                         table="\n\n".join([table, *([wrap("\n".join(disagree))] if disagree else [])]),
                         markdown="\n".join(md), plots=plots, notes=notes, csv=csv_path, missing=missing)
