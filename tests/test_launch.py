@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -34,7 +35,7 @@ from fedhop.deploy.launch.hosts import (
     role_command,
 )
 from fedhop.deploy.launch.inmemory import run_inmemory
-from tests.helpers import quadratic_config
+from tests.helpers import quadratic_config, read_db
 
 ROOT = Path(__file__).resolve().parents[1]
 RNG = np.random.default_rng(11)
@@ -391,10 +392,12 @@ def test_launch_hierarchical_on_four_emulated_hosts_with_ip_netns_exec(tmp_path)
     assert torch.equal(load_file(str(out / "model.safetensors"))["w"], coord.state.params["w"])
 
 
-@pytest.mark.parametrize("presses", [1, 2])
-def test_launch_ctrl_c_stops_every_role(tmp_path, presses):
+@pytest.mark.parametrize("end", ["Ctrl-C", "Ctrl-C twice", "server killed"])
+def test_launch_ctrl_c_stops_every_role(tmp_path, end):
     """Ctrl-C stops every role and gathers the stopped run; a second Ctrl-C while the roles are
-    being stopped changes nothing (it once cut the stop and the gathering)."""
+    being stopped changes nothing (it once cut the stop and the gathering).  A server killed
+    (SIGKILL) ends the launch with exit 1, and the gathered run.db says `failed` with a
+    `server_lost` event instead of "running"."""
     cfg_file = tmp_path / "exp.toml"
     cfg_file.write_text(cfg_text(rounds=100_000))
     marker = f"fh-launch-int-{os.getpid()}"
@@ -425,22 +428,31 @@ def test_launch_ctrl_c_stops_every_role(tmp_path, presses):
         if "round 2:" in line:
             break
     assert "round 2:" in seen, seen[-2000:]
-    proc.send_signal(2)                            # Ctrl-C
     taken = ""
-    while presses == 2 and "interrupted; stopping every process" not in taken:   # the stop under way
+    if end == "server killed":
+        server = next(c for c in psutil.Process(proc.pid).children(recursive=True)
+                      if " ".join(c.cmdline()).startswith("fedhop server "))
+        server.kill()
+    else:
+        proc.send_signal(2)                        # Ctrl-C
+    while end == "Ctrl-C twice" and "interrupted; stopping every process" not in taken:   # the stop under way
         line = proc.stdout.readline()
         assert line, (seen + taken)[-2000:]
         taken += line
-    if presses == 2:
+    if end == "Ctrl-C twice":
         proc.send_signal(2)                        # Ctrl-C again, during the stop
     rest, _ = proc.communicate(timeout=180)
     rest = taken + rest
-    assert proc.returncode == 130, (seen + rest)[-2000:]
-    assert "interrupted; stopping every process" in rest
+    assert proc.returncode == (1 if end == "server killed" else 130), (seen + rest)[-2000:]
+    assert end == "server killed" or "interrupted; stopping every process" in rest
     assert _no_process_mentions(marker)
     # the stopped run came back whole: a run.db without -wal beside it, which merge-ledgers accepts
     out = tmp_path / "out"
     assert (out / "run.db").exists() and not (out / "run.db-wal").exists(), sorted(p.name for p in out.iterdir())
+    status = "failed" if end == "server killed" else "stopped"
+    assert read_db(out / "run.db", "SELECT status FROM runs") == status
+    assert read_db(out / "run.db", "SELECT COUNT(*) FROM events WHERE kind = 'server_lost'") == \
+        (end == "server killed")
     merged = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "merge-ledgers", str(out)],
                             capture_output=True, text=True, timeout=120)
     assert merged.returncode == 0, merged.stderr[-2000:]

@@ -79,6 +79,7 @@ from fedhop.common.util.procexit import sigint_ignored
 from fedhop.common.util.rolelog import RoleRefused, refusal_of
 from fedhop.deploy.launch.engine import process_launch_problem
 from fedhop.deploy.launch.malloc import TUNED_MALLOC_ENV
+from fedhop.deploy.launch.runfolder import record_server_lost
 
 DEFAULT_REMOTE = "ssh -o BatchMode=yes {host} {command}"
 
@@ -571,11 +572,14 @@ def _remote(hf: HostsFile, host: HostSpec, command: str, stdin: bytes, timeout: 
 
 
 def kill_command(hf: HostsFile, role: Role, run: str) -> str:
-    """SIGTERM the role's process if the pid file still names it (checked against its command line)."""
+    """SIGTERM the role's process if the pid file still names it, checked against its command line:
+    a client's or edge's names its node id; the server's reads `--run-dir ...` until the process
+    titles itself `fedhop server <run>` (common/util/proctitle.py), then that."""
     pidfile = f"{shell_path(run)}/pids/{role.node_id}.pid"
-    marker = shlex.quote(role.node_id if role.kind != "server" else "--run-dir")
+    markers = [role.node_id] if role.kind != "server" else ["--run-dir", "fedhop server "]
+    named = " || ".join(f"grep -qaF -- {shlex.quote(m)} /proc/$p/cmdline 2>/dev/null" for m in markers)
     return (f"cd {shell_path(hf.workdir_of(role.host))} && p=$(cat {pidfile} 2>/dev/null) && "
-            f"grep -qaF -- {marker} /proc/$p/cmdline 2>/dev/null && kill -TERM $p; true")
+            f"{{ {named}; }} && kill -TERM $p; true")
 
 
 # ----------------------------------------------------------------------------- the launch
@@ -896,6 +900,9 @@ def run_launch(hf: HostsFile, cfg: Config, out: Path, *, quiet: bool = False, ke
             launch.stop()
     for problem in launch.gather():
         print(f"fedhop launch: gathering: {problem}", file=sys.stderr)
+    if status and not (out / "summary.json").exists():   # a server that died recorded no end: the gathered copy says so
+        record_server_lost(out, "stopped" if status == 130 else "failed",
+                           "the server ended without recording the run's end (see logs/server.log)")
     if refresh_summary(out) is None:
         print(f"fedhop launch: no summary.json in {out}; see {out / 'logs'}", file=sys.stderr)
         return status or 1
