@@ -885,20 +885,24 @@ def run_launch(hf: HostsFile, cfg: Config, out: Path, *, quiet: bool = False, ke
     launch = Launch(hf, cfg, out, roles=roles, echo=echo, remote_run=remote_run, keep_going=keep_going,
                     shared_fs=shared_fs)
     status = 1
+    problems: list[str] = []
     try:
         server = launch.start()
         status = 0 if launch.wait(server) == 0 else 1
     except KeyboardInterrupt:
-        print("\nfedhop launch: interrupted; stopping every process (Ctrl-C again changes nothing: the stop "
-              "takes at most about 25 s)", file=sys.stderr, flush=True)
         status = 130
     except RuntimeError as exc:
         print(f"fedhop launch: {exc}", file=sys.stderr)
         status = 2 if isinstance(exc, RoleRefused) else 1
     finally:
-        with sigint_ignored():   # a second Ctrl-C must not leave roles running on their hosts, nor the run ungathered
+        # Ctrl-C changes nothing from here: no role is left running on its host, and the run is gathered
+        with sigint_ignored():
+            if status == 130:
+                print("\nfedhop launch: interrupted; stopping every process and gathering the run (Ctrl-C again "
+                      "changes nothing)", file=sys.stderr, flush=True)
             launch.stop()
-    for problem in launch.gather():
+            problems = launch.gather()
+    for problem in problems:
         print(f"fedhop launch: gathering: {problem}", file=sys.stderr)
     if status and not (out / "summary.json").exists():   # a server that died recorded no end: the gathered copy says so
         record_server_lost(out, "stopped" if status == 130 else "failed",
