@@ -231,7 +231,8 @@ def record_server_lost(run_dir: Path, status: str, why: str) -> None:
     `server_lost` event saying `why`, so that a reader of run.db (a report, a dashboard, a script)
     is not told a dead run is running.  A run whose server recorded its end is left as it is;
     `fedhop run --resume` continues either from the last checkpoint.  Used by the launchers that
-    outlive the server: `fedhop run`, `fedhop slurm --wait`."""
+    outlive the server: `fedhop run`, `fedhop launch` (the run.db it gathered),
+    `fedhop slurm --wait`."""
     from fedhop.common.records.runstore import RunStore
     if not (run_dir / "run.db").is_file():
         return
