@@ -14,10 +14,11 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from fedhop.transports.torch.dist import free_port
-from tests.helpers import quadratic_config
+from tests.helpers import max_round, quadratic_config, read_db, wait_until
 
 RNG = np.random.default_rng(11)
 
@@ -30,18 +31,26 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180.0) -> Non
         time.sleep(0.1)
 
 
-def test_server_role_ends_first_and_a_late_sigterm_keeps_its_status(tmp_path):
-    text = quadratic_config(RNG.normal(0, 2, (4, 3)), RNG.uniform(0.5, 2, (4, 3)), [3, 5, 4, 6], rounds=2,
+def _server_and_client(tmp_path: Path, name: str, rounds: int, server_env: dict[str, str] | None = None
+                       ) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """The server's role and one client's role on loopback for a 4-client quadratic run of
+    `rounds` rounds in RUNS/`name` (output piped, text)."""
+    text = quadratic_config(RNG.normal(0, 2, (4, 3)), RNG.uniform(0.5, 2, (4, 3)), [3, 5, 4, 6], rounds=rounds,
                             processes=1, local_steps=2, name="role")
     (tmp_path / "exp.toml").write_text(text)
-    env = {**os.environ, "FEDHOP_CONFIG": str(tmp_path / "exp.toml"), "FEDHOP_RUNS": str(tmp_path / "runs"),
-           "FEDHOP_RUN_NAME": "r", "FEDHOP_CLIENT_PROCESSES": "1", "FEDHOP_INSECURE": "1"}
+    env = _role_env(tmp_path, FEDHOP_CONFIG=str(tmp_path / "exp.toml"), FEDHOP_RUN_NAME=name,
+                    FEDHOP_CLIENT_PROCESSES="1")
     port, cport = free_port("127.0.0.1"), free_port("127.0.0.1")
     role = [sys.executable, "-m", "fedhop.deploy.launch.role"]
-    server = subprocess.Popen(role + ["server", "--listen", f"127.0.0.1:{port}"], env={**env, "FEDHOP_HOLD": "1"},
+    server = subprocess.Popen(role + ["server", "--listen", f"127.0.0.1:{port}"], env={**env, **(server_env or {})},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client = subprocess.Popen(role + ["client", "--server", f"127.0.0.1:{port}", "--port", str(cport)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return server, client
+
+
+def test_server_role_ends_first_and_a_late_sigterm_keeps_its_status(tmp_path):
+    server, client = _server_and_client(tmp_path, "r", rounds=2, server_env={"FEDHOP_HOLD": "1"})
     run = tmp_path / "runs" / "r"
     try:
         _wait_for(run / "server.exit", server)
@@ -61,6 +70,31 @@ def test_server_role_ends_first_and_a_late_sigterm_keeps_its_status(tmp_path):
     assert (run / "server.exit").read_text() == "0\n"
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     assert (run / "run.db").stat().st_size > 4096 and not (run / "run.db-wal").exists()
+
+
+def test_a_server_killed_under_its_role_leaves_run_db_failed_with_server_lost(tmp_path):
+    """The server's process SIGKILLed mid-run (what the kernel's OOM killer does inside a container):
+    its role records the run `failed` with a `server_lost` event naming the status, as `fedhop run`
+    does, writes 137 to RUN/server.exit and exits with it; the rounds run so far are kept."""
+    server, client = _server_and_client(tmp_path, "k", rounds=100_000)
+    run = tmp_path / "runs" / "k"
+    try:
+        wait_until("round 2", lambda: (run / "run.db").is_file() and max_round(run / "run.db") >= 2, [server, client])
+        (process,) = psutil.Process(server.pid).children()   # the `python -m fedhop.server` the role runs
+        process.kill()
+        out, _ = server.communicate(timeout=60)
+    finally:
+        for p in (server, client):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert server.returncode == 137, out[-3000:]
+    assert (run / "server.exit").read_text() == "137\n"
+    assert "exited with status 137 without recording the run's end" in out, out[-3000:]
+    run_row = read_db(run / "run.db", "SELECT status FROM runs")
+    events = read_db(run / "run.db", "SELECT detail FROM events WHERE kind = 'server_lost'")
+    assert run_row == "failed" and "status 137" in events, (run_row, events)
+    assert max_round(run / "run.db") >= 2
 
 
 def _role_env(tmp_path: Path, **extra: str) -> dict[str, str]:

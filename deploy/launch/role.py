@@ -403,8 +403,25 @@ def cmd_server(a: argparse.Namespace) -> int:
     for o in overrides() + processes + security_overrides():
         args += ["--set", o]
     code = _run("server", args, token)
+    if code != 0:   # killed (the kernel's OOM killer, SIGKILL) or crashed before it recorded the run's end
+        lost_run(run_dir, code)
     _write_atomic(run_dir / SERVER_EXIT, f"{code}\n")
     return hold(code)
+
+
+def lost_run(run_dir: Path, code: int) -> None:
+    """run.db's run, when the server process exited with status `code` without recording its end,
+    becomes `failed` (`stopped` after a SIGTERM or SIGINT this role passed on) with a `server_lost`
+    event, as `fedhop run` records it (deploy/launch/runfolder.py `record_server_lost`); a run the
+    server recorded is left as it is."""
+    from fedhop.deploy.launch.runfolder import record_server_lost
+    stopped = code in (128 + signal.SIGTERM, 128 + signal.SIGINT)
+    record_server_lost(run_dir, "stopped" if stopped else "failed",
+                       f"the server process exited with status {code} without recording the run's end")
+    if (run_dir / "run.db").is_file() and not (run_dir / "summary.json").is_file():
+        log.warning("the server process exited with status %d without recording the run's end: run.db records "
+                    "the run as %s (server_lost); `fedhop merge-ledgers %s` adds the other processes' ledgers "
+                    "once they have ended", code, "stopped" if stopped else "failed", run_dir)
 
 
 def security_overrides() -> list[str]:
