@@ -14,6 +14,8 @@ from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import (
     DTYPES,
     FRAME_OVERHEAD,
+    Decoded,
+    FrameDecoder,
     PayloadError,
     SnapshotChanged,
     check_tensors,
@@ -281,6 +283,30 @@ def test_the_digest_trails_the_data_and_a_missing_or_wrong_trailer_is_refused():
     flipped = bytearray(frames[1])
     flipped[100] ^= 0x04
     assert refused([frames[0], bytes(flipped), *frames[2:]]) == "CHECKSUM_MISMATCH"
+
+
+def test_a_receiver_that_requires_the_checksum_refuses_a_message_that_leaves_it_out():
+    """`security.checksum` on the receiver (`FrameDecoder.require_checksum`): a message with data
+    bytes and no XXH3-64 declared is refused CHECKSUM_MISSING at its header, before any data is
+    read; the same bytes with their trailer, and a message without data bytes, are accepted."""
+    a = torch.randn(3000)
+
+    def decoded(frames: list[bytes]) -> Decoded:
+        dec = FrameDecoder(require_checksum=True)
+        for f in frames:
+            dec.feed(f)
+        return dec.finish()
+
+    plain = list(encode(Payload(tensors={"w": a}), env(), chunk_bytes=4096, checksum=False).frames)
+    dec = FrameDecoder(require_checksum=True)
+    with pytest.raises(PayloadError) as exc:
+        dec.feed(plain[0])
+    assert exc.value.code == "CHECKSUM_MISSING" and dec.filled == 0
+    assert torch.equal(decode_frames(plain).payload.tensors["w"], a)   # a receiver that does not require it
+    summed = list(encode(Payload(tensors={"w": a}), env(), chunk_bytes=4096).frames)
+    assert torch.equal(decoded(summed).payload.tensors["w"], a)
+    scalars = list(encode(Payload(scalars={"loss": 0.5}), env(), checksum=False).frames)
+    assert decoded(scalars).payload.scalars == {"loss": 0.5}
 
 
 def test_a_handed_over_message_is_hashed_beside_its_send_and_a_change_fails_its_trailer():

@@ -249,7 +249,7 @@ class SecurityConfig:
     insecure: bool = _f(False, help="plaintext gRPC off loopback needs this set explicitly")
     certs_dir: str = _f("", help="TLS: a directory made by `fedhop certs` (ca.pem, NODE.pem, NODE.key)")
     mtls: bool = _f(False, help="mutual TLS: the node identity is its certificate's common name")
-    checksum: bool = _f(True, help="XXH3-64 of every message's tensor bytes, verified by the receiver")
+    checksum: bool = _f(True, help="XXH3-64 of every message's tensor bytes, verified by the receiver; a message without one is refused (CHECKSUM_MISSING)")
     heartbeat_interval: float = _f(1.0, min_exclusive=0.0, help="seconds between a child's heartbeats")
     heartbeat_timeout: float = _f(5.0, min_exclusive=0.0, help="silence after which a parent marks a child dead "
                                                               "(seconds; more than heartbeat_interval)")

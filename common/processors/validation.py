@@ -4,7 +4,7 @@ Where each check happens (docs/faults.md, "Hostile and corrupted inputs"):
 
 - the codec (common/wire/codec.py), while decoding: frame order, declared sizes against the limit
   before any allocation (TOO_LARGE), dtype names (BAD_DTYPE), nbytes = prod(shape) * itemsize
-  and totals (SIZE_MISMATCH), duplicate names (BAD_NAME), the data checksum, XXH3-64 (CHECKSUM_MISMATCH);
+  and totals (SIZE_MISMATCH), duplicate names (BAD_NAME), the data checksum, XXH3-64 (CHECKSUM_MISMATCH; CHECKSUM_MISSING where the run requires it);
 - the endpoint (`common.transport.base.reply_problem`): the reply answers the call: same run
   (WRONG_RUN), same round and step (STALE_ROUND: a replayed old result), from the node called
   (WRONG_SENDER), the right method (BAD_METHOD);
@@ -53,7 +53,8 @@ from fedhop.common.wire.message import (
 
 REJECTION_CODES: frozenset[str] = frozenset({
     "BAD_NAME", "BAD_DTYPE", "BAD_SHAPE", "BAD_EXTRA", "NON_FINITE", "SIZE_MISMATCH", "TOO_LARGE",
-    "MALFORMED_FRAME", "MALFORMED_HEADER", "MALFORMED_SCALAR", "CHECKSUM_MISMATCH", "STALE_ROUND",
+    "MALFORMED_FRAME", "MALFORMED_HEADER", "MALFORMED_SCALAR", "CHECKSUM_MISMATCH", "CHECKSUM_MISSING",
+    "STALE_ROUND",
     "WRONG_RUN", "WRONG_SENDER", "BAD_METHOD", "MISSING_SCALAR", "BAD_SCALAR", "DUPLICATE_CLIENT",
     "BAD_WEIGHT", "NON_FINITE_AGGREGATE",
 })

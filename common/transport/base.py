@@ -270,7 +270,7 @@ class Endpoint(ABC):
         self.chunk_bytes = chunk_bytes
         self.replies_per_bundle = REPLIES_PER_BUNDLE   # a served batch's replies per gRPC message (transport.reply_bundle)
         self.max_payload_bytes = max_payload_bytes
-        self.checksum = True    # XXH3-64 of the tensor bytes in every message sent (security.checksum)
+        self.checksum = True    # XXH3-64 of the tensor bytes in every message sent, and required in every one received (security.checksum)
         # transport.wire_compression: what the gRPC transport compresses its calls with ("none" elsewhere)
         self.wire_compression = "none"
         self.liveness: LivenessMonitor | None = None    # a parent's LivenessMonitor (common/transport/liveness.py): heartbeats, registrations
@@ -438,9 +438,9 @@ class Endpoint(ABC):
     def _decoder(self, expect: ReplyBound | None) -> FrameDecoder:
         """A decoder for one reply: the endpoint's limit, or the caller's tighter bound."""
         if expect is None:
-            return FrameDecoder(max_payload_bytes=self.max_payload_bytes)
+            return FrameDecoder(max_payload_bytes=self.max_payload_bytes, require_checksum=self.checksum)
         decoder = FrameDecoder(max_payload_bytes=min(expect.data_bytes, self.max_payload_bytes),
-                               max_header_bytes=expect.header_bytes)
+                               max_header_bytes=expect.header_bytes, require_checksum=self.checksum)
         decoder.gate = getattr(expect, "gate", None)   # type: ignore[attr-defined]  # read back with getattr (grpc.py); a streaming fold's receive slots (common/processors/streaming.py)
         decoder.buffers = getattr(getattr(expect, "gate", None), "receive_buffers", None)   # a large reply into a file (common/wire/filebacked.py)
         return decoder
@@ -476,7 +476,8 @@ class Endpoint(ABC):
                held: list[Callable[[], None]],
                reply_framing: Callable[[list[int]], int] | None = None) -> Sequence[bytes]:
         started = time.perf_counter()
-        decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes, admit=self.request_gate)
+        decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes, admit=self.request_gate,
+                               require_checksum=self.checksum)
 
         def arrived_framing() -> int | None:   # a pulled request's go is one more gRPC message
             return pulled_framing(decoder.frames) if pulled else framing

@@ -25,7 +25,8 @@ Everything received is validated before use: declared sizes against the limit be
 allocation, dtype names, nbytes = prod(shape) * itemsize, total bytes, frame order, and the
 XXH3-64 checksum of the data bytes when the sender's envelope says `checksum` (`encode(..., checksum=True)`,
 the default; a message so marked whose trailer is missing or differs is refused
-CHECKSUM_MISMATCH): plaintext TCP has no end-to-end integrity check above the hop, so a corrupted
+CHECKSUM_MISMATCH, and a receiver whose run has `security.checksum` on refuses a message with data
+bytes that declares no checksum, CHECKSUM_MISSING: `FrameDecoder.require_checksum`): plaintext TCP has no end-to-end integrity check above the hop, so a corrupted
 tensor byte would otherwise decode as a valid, wrong number.  The checksum is XXH3-64 (the
 `xxhash` package, ~25 GB/s here; zlib's CRC-32 runs at ~5.5 GB/s and halved the codec's speed).
 """
@@ -712,6 +713,9 @@ class FrameDecoder:
     # allocated: raises PayloadError (a refused method or caller) or returns the most data bytes
     # the request's method may carry (common/transport/admission.py `RequestGate`)
     admit: Callable[[pb.Envelope], int] | None = None
+    # the receiver's `security.checksum`: a message with data bytes must carry their XXH3-64, so a
+    # sender (or anything on the path) cannot turn the check off by leaving the trailer out
+    require_checksum: bool = False
     buffers: "RecvBuffers | FileBuffers | None" = None   # where the message's buffer comes from (None: RECV_BUFFERS)
     envelope: pb.Envelope | None = None
     _buffer: np.ndarray | None = None
@@ -818,6 +822,9 @@ class FrameDecoder:
         if declared > self.max_payload_bytes:
             raise PayloadError("TOO_LARGE", f"message declares {declared} data bytes; the limit is "
                                             f"{self.max_payload_bytes}")
+        if self.require_checksum and declared > 0 and not env.checksum:
+            raise PayloadError("CHECKSUM_MISSING", f"message declares {declared} data bytes without their XXH3-64 "
+                                                   "checksum; this run's security.checksum requires one")
         # each spec's fields read once (a protobuf field read costs about as much as the checks
         # on it): the checks below and `finish` use these tuples
         specs = [(spec.name, spec.dtype, tuple(spec.shape), spec.nbytes) for spec in env.tensors]
