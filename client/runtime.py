@@ -65,7 +65,7 @@ class ClientProcess:
         self.endpoint.replies_per_bundle = cfg.transport.reply_bundle   # a served batch's replies (grpc.py, Batches)
         self.endpoint.wire_compression = cfg.transport.wire_compression   # from now on (grpc.py)
         torch.set_num_threads(cfg.run.torch_threads)
-        self.endpoint.checksum = cfg.security.checksum
+        self.endpoint.use_checksum(cfg.security.checksum)
         device = process_device(self.device_spec, cfg.clients.device, "clients.device")
         if device.type != "cpu":
             self.endpoint.device = device   # received tensors land there (common/transport/placement.py)

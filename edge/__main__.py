@@ -96,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     aggregator = proc.aggregator
     assert aggregator is not None   # made by a successful start
     sec = aggregator.cfg.security
-    endpoint.checksum = sec.checksum
     monitor.interval, monitor.timeout = sec.heartbeat_interval, sec.heartbeat_timeout
     monitor.start()
     beats, gave_up = heartbeats(endpoint, args.parent, sec,

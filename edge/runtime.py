@@ -87,6 +87,7 @@ class EdgeProcess:
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
         self.endpoint.wire_compression = cfg.transport.wire_compression   # from now on (grpc.py)
+        self.endpoint.use_checksum(cfg.security.checksum)   # before any client registers or any call comes
         device = process_device(self.device_spec, cfg.edges.device, "edges.device")
         if device.type != "cpu":
             self.endpoint.device = device   # received tensors land there (common/transport/placement.py)

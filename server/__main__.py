@@ -112,7 +112,7 @@ def _main(argv: list[str] | None) -> int:
     except ValueError as exc:   # a kind without a process endpoint (inmemory)
         logging.error("%s", exc)
         return 2
-    endpoint.checksum = sec.checksum
+    endpoint.use_checksum(sec.checksum)
     endpoint.wire_compression = cfg.transport.wire_compression   # "none" unless grpc (transport config_problem)
     # the server serves no Exchange calls: refused on their header, before their data is read
     endpoint.request_gate = RequestGate(None, on_refused=lambda env, code, reason: throttle(

@@ -38,7 +38,7 @@ class Cluster:
         self.refused: list[tuple[str, str, str]] = []
         self.endpoint = GrpcEndpoint("server", self.ledger, chunk_bytes=cfg.transport.chunk_bytes,
                                      credentials=creds("server"), on_refused=self._refused)
-        self.endpoint.checksum = cfg.security.checksum
+        self.endpoint.use_checksum(cfg.security.checksum)
         self.coord = Coordinator(cfg, self.run_dir, self.endpoint, self.ledger)
         self.checkpointer = Checkpointer(self.coord)
         sec = cfg.security

@@ -452,8 +452,8 @@ def test_with_bundles_of_four_the_first_four_replies_arrive_while_the_sixth_trai
 
 
 def test_a_peer_that_leaves_the_checksum_out_is_refused_both_ways():
-    """`security.checksum` is required of what an endpoint receives, not only added to what it
-    sends: a caller whose requests carry no XXH3-64 is refused CHECKSUM_MISSING by a callee that
+    """`security.checksum` (`Endpoint.use_checksum`, as every role sets it from its run's config) is
+    required of what an endpoint receives, not only added to what it sends: a caller whose requests carry no XXH3-64 is refused CHECKSUM_MISSING by a callee that
     requires it (its handler never runs), and a callee whose reply carries none is refused by a
     caller that requires it; two endpoints that both turned it off exchange as before."""
     ran: list[str] = []
@@ -463,18 +463,19 @@ def test_a_peer_that_leaves_the_checksum_out_is_refused_both_ways():
         return Payload(tensors={"w": torch.ones(16)})
 
     strict, lax = GrpcEndpoint("client-proc0", Ledger()), GrpcEndpoint("client-proc1", Ledger())
-    lax.checksum = False
+    strict.use_checksum(True)
+    lax.use_checksum(False)
     strict_address, lax_address = strict.serve(handler, "127.0.0.1:0"), lax.serve(handler, "127.0.0.1:0")
     caller = GrpcEndpoint("server", Ledger())
     try:
         w = Payload(tensors={"w": torch.zeros(16)})
-        caller.checksum = False
+        caller.use_checksum(False)
         with pytest.raises(RemoteError) as refused:
             caller.call(strict_address, "client-0", "train", w, round=1, timeout=10)
         assert "CHECKSUM_MISSING" in str(refused.value) and ran == []
         assert torch.equal(caller.call(lax_address, "client-1", "train", w, round=1, timeout=10).tensors["w"],
                            torch.ones(16))
-        caller.checksum = True
+        caller.use_checksum(True)
         with pytest.raises(PayloadError) as missing:
             caller.call(lax_address, "client-1", "train", w, round=2, timeout=10)
         assert missing.value.code == "CHECKSUM_MISSING"

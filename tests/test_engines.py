@@ -57,10 +57,14 @@ def _addresses(store: RunStore) -> dict[str, str]:
     return {node: match.group(1) for node, match in found.items() if match is not None}
 
 
-def _varying(record: dict, addresses: dict[str, str], config_toml: str) -> int:
+def _varying(record: dict, addresses: dict[str, str], config_toml: str) -> int | None:
     """The bytes of a record's fields that differ between the engines by their nature (module
-    docstring): a registration's address, a registration reply's config text; 0 otherwise."""
+    docstring): a registration's address, a registration reply's config text; 0 otherwise.  None
+    for a registration whose address run.db does not name (a client process registering with an
+    edge: only the server records the addresses of its registrants)."""
     if record["method"] == "register":
+        if record["src"] not in addresses:
+            return None
         return pb.RegisterRequest(address=addresses[record["src"]]).ByteSize()
     if record["method"] == "register.reply":
         return pb.RegisterReply(config_toml=config_toml).ByteSize()
@@ -69,7 +73,8 @@ def _varying(record: dict, addresses: dict[str, str], config_toml: str) -> int:
 
 def _sent(run_dir: Path) -> Counter:
     """The multiset of (round, src, dst, method, tensor, payload, framed bytes) of every message
-    but heartbeats, from its sender's record, less each record's engine-specific bytes."""
+    but heartbeats and the registrations whose address run.db does not name (`_varying`), from its
+    sender's record, less each record's engine-specific bytes."""
     store = RunStore(run_dir / "run.db", create=False)
     assert store.check_agreement().ok
     addresses, config_toml = _addresses(store), (run_dir / "config.toml").read_text()
@@ -78,6 +83,8 @@ def _sent(run_dir: Path) -> Counter:
         if r["role"] != "sender" or r["method"] in HEARTBEATS:
             continue
         varying = _varying(r, addresses, config_toml)
+        if varying is None:
+            continue
         out[(r["round"], r["src"], r["dst"], r["method"], r["tensor_bytes"], r["payload_bytes"] - varying,
              r["framed_bytes"] - varying)] += 1
     return out

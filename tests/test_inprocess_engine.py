@@ -74,8 +74,16 @@ def user_dir(tmp_path: Path) -> Path:
     return d
 
 
-@pytest.mark.parametrize("make_config, extra", [(_quadratic, []), (_digits, ["--set", "run.rounds=2"])],
-                         ids=["quadratic", "fedavg_digits"])
+def _hierarchical(folder: Path) -> str:
+    shutil.copy(ROOT / "examples" / "hierfavg_digits.toml", folder / "hierfavg_digits.toml")
+    return "hierfavg_digits.toml"
+
+
+@pytest.mark.parametrize("make_config, extra", [
+    (_quadratic, []), (_digits, ["--set", "run.rounds=2"]),
+    # edges relay messages without the checksum both ways, as a process run's edges do
+    (_hierarchical, ["--set", "run.rounds=2", "--set", "security.checksum=false"])],
+    ids=["quadratic", "fedavg_digits", "hierfavg_digits, no checksum"])
 def test_one_flag_moves_a_run_between_the_engines_with_the_same_model_and_bytes(user_dir, make_config, extra):
     config = make_config(user_dir)
     for engine in ENGINES:

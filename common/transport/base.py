@@ -270,7 +270,10 @@ class Endpoint(ABC):
         self.chunk_bytes = chunk_bytes
         self.replies_per_bundle = REPLIES_PER_BUNDLE   # a served batch's replies per gRPC message (transport.reply_bundle)
         self.max_payload_bytes = max_payload_bytes
-        self.checksum = True    # XXH3-64 of the tensor bytes in every message sent, and required in every one received (security.checksum)
+        self.checksum = True    # XXH3-64 of the tensor bytes in every message sent (security.checksum)
+        # ... and required of every message with tensor bytes received (CHECKSUM_MISSING): off until
+        # the role knows its run's config (`use_checksum`), which a child learns only at registration
+        self.require_checksum = False
         # transport.wire_compression: what the gRPC transport compresses its calls with ("none" elsewhere)
         self.wire_compression = "none"
         self.liveness: LivenessMonitor | None = None    # a parent's LivenessMonitor (common/transport/liveness.py): heartbeats, registrations
@@ -283,6 +286,11 @@ class Endpoint(ABC):
         self.request_hold: Callable[[pb.Envelope, Callable[[], bool]], Callable[[], None] | None] | None = None
         self.device: torch.device | None = None   # where received tensors are placed (common/transport/placement.py); None: the CPU
         self.on_busy: BusyHook | None = None       # told of each call refused by a transport that limits calls per caller
+
+    def use_checksum(self, on: bool) -> None:
+        """The run's `security.checksum`: the XXH3-64 trailer on every message sent, and required of
+        every message with tensor bytes received (a sender or a hop cannot turn the check off)."""
+        self.checksum = self.require_checksum = on
 
     # -- outgoing -------------------------------------------------------------------
     def prepare(self, payload: Payload) -> Encoded:
@@ -438,9 +446,9 @@ class Endpoint(ABC):
     def _decoder(self, expect: ReplyBound | None) -> FrameDecoder:
         """A decoder for one reply: the endpoint's limit, or the caller's tighter bound."""
         if expect is None:
-            return FrameDecoder(max_payload_bytes=self.max_payload_bytes, require_checksum=self.checksum)
+            return FrameDecoder(max_payload_bytes=self.max_payload_bytes, require_checksum=self.require_checksum)
         decoder = FrameDecoder(max_payload_bytes=min(expect.data_bytes, self.max_payload_bytes),
-                               max_header_bytes=expect.header_bytes, require_checksum=self.checksum)
+                               max_header_bytes=expect.header_bytes, require_checksum=self.require_checksum)
         decoder.gate = getattr(expect, "gate", None)   # type: ignore[attr-defined]  # read back with getattr (grpc.py); a streaming fold's receive slots (common/processors/streaming.py)
         decoder.buffers = getattr(getattr(expect, "gate", None), "receive_buffers", None)   # a large reply into a file (common/wire/filebacked.py)
         return decoder
@@ -477,7 +485,7 @@ class Endpoint(ABC):
                reply_framing: Callable[[list[int]], int] | None = None) -> Sequence[bytes]:
         started = time.perf_counter()
         decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes, admit=self.request_gate,
-                               require_checksum=self.checksum)
+                               require_checksum=self.require_checksum)
 
         def arrived_framing() -> int | None:   # a pulled request's go is one more gRPC message
             return pulled_framing(decoder.frames) if pulled else framing

@@ -174,7 +174,7 @@ def build(cfg: Config, run_dir: str | Path, devices: dict[str, str] | None = Non
         net = InMemoryNetwork()
         ledger, counter = _ledger(run_dir, "server", hold=True)
         server_ep = InMemoryEndpoint(net, "server", ledger, chunk_bytes=cfg.transport.chunk_bytes)
-        server_ep.checksum = cfg.security.checksum   # as server/__main__.py sets it
+        server_ep.use_checksum(cfg.security.checksum)   # as server/__main__.py sets it
         device = process_device(devices.get("server", ""), cfg.run.device, "run.device")
         coordinator = Coordinator(cfg, run_dir, server_ep, ledger, device=device,
                                   task=shared.task if shared is not None and device.type == "cpu" else None)
@@ -226,6 +226,7 @@ def _start_roles(engine: InProcessRun, devices: dict[str, str]) -> None:
             ep = InMemoryEndpoint(net, planned.node_id, ep_ledger, chunk_bytes=cfg.transport.chunk_bytes)
             if planned.kind != "edge" and not peers_call:
                 ep.serve_lock = serve_lock
+        ep.use_checksum(cfg.security.checksum)   # known here before the registration that tells a process run's child
         process: ClientProcess | EdgeProcess
         if planned.kind == "edge":
             process = EdgeProcess(ep, addresses[planned.parent], device=devices.get(planned.node_id, ""))

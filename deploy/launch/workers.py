@@ -201,7 +201,7 @@ def _serve(conn: Connection, ledgers: list[Ledger]) -> None:
                                       run_id=head["run_id"], token=head["token"],
                                       chunk_bytes=cfg.transport.chunk_bytes)
                 ep.replies_per_bundle = cfg.transport.reply_bundle
-                ep.checksum = cfg.security.checksum
+                ep.use_checksum(cfg.security.checksum)
                 device = process_device(head["device"], cfg.clients.device, "clients.device")
                 if device.type != "cpu":
                     ep.device = device
