@@ -108,3 +108,23 @@ def test_a_sweep_spec_or_certs_folder_that_cannot_be_one_is_one_line(tmp_path, c
     assert fedhop(["certs", str(tmp_path / "afile"), "--nodes", "server"]) == 2
     err = capsys.readouterr().err.strip()
     assert "is not a folder" in err and len(err.splitlines()) == 1 and (tmp_path / "afile").read_text() == "x", err
+
+
+def test_a_client_count_beyond_the_machines_memory_is_one_line_and_exit_2(tmp_path):
+    """`clients.count` in the billions: refused in one line naming the key, the memory it needs and
+    the memory available, before the process plan lists the clients and before any folder is
+    made.  Run under a 6 GiB address-space limit, so that without the check the process fails
+    with MemoryError instead of exhausting the machine."""
+    import resource
+    import subprocess
+    import sys
+
+    (tmp_path / "c.toml").write_text(quadratic_config(CENTERS, CURV, SIZES, rounds=1))
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "c.toml", "--set",
+                          "clients.count=1000000000", "--out", "o", "--quiet"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30)))
+    err = res.stderr.strip()
+    assert res.returncode == 2 and len(err.splitlines()) == 1, err[-2000:]
+    assert "clients.count = 1,000,000,000 needs about 1,907.3 GiB" in err and "available" in err, err
+    assert not (tmp_path / "o").exists()

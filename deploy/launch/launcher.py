@@ -419,6 +419,26 @@ def merge_interrupted(run_dir: Path) -> None:
           file=sys.stderr)
 
 
+#: bytes of memory one logical client costs the processes of a run on one machine, rounded up: its
+#: client process's share (1.4 kB) and the server's (0.5 kB) with 1,000,000 clients
+#: (docs/performance.md, "One million registered clients")
+BYTES_PER_CLIENT = 2048
+
+
+def clients_beyond_memory(count: int) -> str | None:
+    """Why `clients.count` clients cannot be run on this machine (their bookkeeping alone would need
+    more than its available memory), or None.  A data set with fewer samples than clients refuses
+    the count later, once it is loaded; this check keeps a count in the billions from exhausting
+    the machine's memory before that."""
+    import psutil
+    need, available = count * BYTES_PER_CLIENT, psutil.virtual_memory().available
+    if need <= available:
+        return None
+    return (f"clients.count = {count:,} needs about {need / 2**30:,.1f} GiB of memory for the clients' bookkeeping "
+            f"alone ({BYTES_PER_CLIENT} bytes each in the run's processes), more than the {available / 2**30:.1f} GiB "
+            f"this machine has available")
+
+
 STOP_GRACE = 60.0   # seconds the server has, after Ctrl-C, to record the stopped run and shut its children down
 
 
@@ -594,6 +614,10 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
         others = ", ".join(k for k, t in TRANSPORTS.items() if not t.one_process)
         print(f"fedhop run: transport.kind = '{cfg.transport.kind}' connects endpoints inside one process; process "
               f"runs use {others}, or set run.engine = \"inprocess\" (--engine inprocess)", file=sys.stderr)
+        return 2
+    too_many = clients_beyond_memory(cfg.clients.count)
+    if too_many:   # before the process plan, which lists every client: a count in the billions would exhaust memory
+        print(f"fedhop run: {too_many}", file=sys.stderr)
         return 2
     asked = any(d != "cpu" for d in (cfg.run.device, cfg.edges.device, cfg.clients.device))
     try:   # which process computes on which device: checked before anything starts (common/transport/placement.py)
