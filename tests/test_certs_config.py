@@ -111,7 +111,8 @@ def test_certs_never_makes_a_new_ca_over_half_of_one(tmp_path):
 
 
 def test_certs_refuses_a_validity_under_one_day_and_an_expired_ca(tmp_path):
-    """`--days 0` or a negative count would make certificates that are void at once: one line, exit 2,
+    """`--days 0` or a negative count would make certificates that are void at once, and more than
+    36,500 days (100 years) runs past X.509's last date: one line, exit 2,
     no folder made.  A folder whose CA has expired is refused too (a certificate it signs would
     never verify), one line, nothing in it changed."""
     import datetime
@@ -121,7 +122,7 @@ def test_certs_refuses_a_validity_under_one_day_and_an_expired_ca(tmp_path):
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    for days in ("0", "-5"):
+    for days in ("0", "-5", "36501", "99999999"):
         res = _certs_cli(str(tmp_path / f"pki{days}"), "--nodes", "server", "--days", days)
         assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "--days" in res.stderr, res.stderr
         assert "Traceback" not in res.stderr and not (tmp_path / f"pki{days}").exists()

@@ -120,6 +120,30 @@ def test_bad_spec_is_one_line_naming_the_key(tmp_path, capsys, extra, needle):
     assert len(err.splitlines()) == 1 and needle in err, err
 
 
+@pytest.mark.parametrize("extra,flags,needle", [
+    # a grid point that does not fit the base config (3 clients): refused before any run, naming the point
+    ('"clients.per_round" = [2, 9]', [], "with clients.per_round=9, algorithm.lr=0.02): config key 'clients.per_round'"),
+    ("", ["--seeds", "0,-1"], "--seeds: got [0, -1], expected distinct seeds from 0"),
+    ("", ["--seeds", "1,1"], "--seeds: got [1, 1]"),
+    ("", ["--seeds", f"{1 << 63}"], "--seeds"),
+    ("", ["--out", "afile"], "--out afile: a file is in the way"),
+    ("", ["--out", "afile/sub"], "--out afile/sub: a file is in the way"),
+], ids=["grid point", "negative seed", "duplicate seeds", "seed past 2^63-1", "out a file", "out under a file"])
+def test_a_bad_setting_seed_or_folder_is_one_line_and_exit_2_before_anything_runs(tmp_path, capsys, monkeypatch,
+                                                                                   extra, flags, needle):
+    monkeypatch.chdir(tmp_path)
+    spec = write_spec(tmp_path)
+    if extra:   # one more key of the [grid] table
+        spec.write_text(spec.read_text().replace("[grid]\n", f"[grid]\n{extra}\n"))
+    (tmp_path / "afile").write_text("mine\n")
+    out = [] if "--out" in flags else ["--out", "o"]
+    assert main([str(spec), *out, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "sweep.toml"]   # no sweep folder, no run
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
 @pytest.mark.parametrize("text,needle", [
     ('[sweep]\nconfig = "CFG"\nmethod = "anneal"', "sweep.method"),
     ('[sweep]\nconfig = "CFG"\nparallel = 0', "sweep.parallel"),

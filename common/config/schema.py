@@ -40,7 +40,7 @@ class RunConfig:
     name: str = _f("fedhop-run", file_name=True, help="the run's name: the default run folder is "
                    "runs/NAME-seedS-TIMESTAMP, and reports label the run with it; one folder name (no '/', not "
                    "empty)")
-    seed: int = _f(0, min=0, help="the one seed every random draw derives from (data, partition, model, sampling); "
+    seed: int = _f(0, min=0, max=(1 << 63) - 1, help="the one seed every random draw derives from (data, partition, model, sampling); "
                                   "the same seed and config give the same model bit for bit")
     rounds: int = _f(10, min=1, help="server rounds")
     eval_every: int = _f(1, min=0, help="evaluate the model on the test set every this many rounds; 0 = only at "

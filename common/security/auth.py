@@ -120,6 +120,9 @@ def _write_new(path: Path, data: bytes, mode: int = 0o600) -> None:
         tmp.unlink(missing_ok=True)
 
 
+MAX_CERT_DAYS = 36_500   # `fedhop certs --days` at most
+
+
 def make_ca(days: int = 365, name: str = "fedhop cluster CA") -> tuple[bytes, bytes]:
     """A new CA: (key PEM, certificate PEM), EC P-256."""
     x509, hashes, serialization, ec, NameOID, _ = _x509()
@@ -210,6 +213,8 @@ def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Ite
     nodes = list(nodes)
     if days < 1:
         raise SecurityError(f"--days {days}: certificates must be valid for at least 1 day")
+    if days > MAX_CERT_DAYS:   # X.509 dates end at 9999-12-31, and a CA that never expires is a key that is never rotated
+        raise SecurityError(f"--days {days}: certificates may be valid for at most {MAX_CERT_DAYS} days (100 years)")
     if d.exists() and not d.is_dir():
         raise SecurityError(f"{d} exists and is not a folder")
     for node in nodes:

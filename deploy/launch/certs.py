@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", default="", help="node ids, comma-separated; ranges as client-proc0..7")
     ap.add_argument("--config", default="", help="add the node ids of this experiment's processes")
     ap.add_argument("--hosts", default="", help="extra host names / IPs for every certificate, comma-separated")
-    ap.add_argument("--days", type=int, default=365, help="validity of a new CA and of the node certificates, in days (>= 1)")
+    ap.add_argument("--days", type=int, default=365, help="validity of a new CA and of the node certificates, in days (1 to 36500)")
     args = ap.parse_args(argv)
     from fedhop.common.security.auth import SecurityError, write_cluster
     try:

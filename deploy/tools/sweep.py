@@ -25,6 +25,7 @@ sweep makes the same steps and finds their runs finished.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import itertools
 import json
@@ -53,6 +54,7 @@ from fedhop.deploy.tools.sweep_spec import (
     SweepSpec,
     SweepSpecError,
     check_base_config,
+    check_seeds,
     load_spec,
     setting_error,
     toml_value,
@@ -549,6 +551,14 @@ def default_out(spec: SweepSpec) -> Path:
     return Path("sweeps") / spec.path.stem
 
 
+def seed_list(text: str) -> list[int]:
+    """`--seeds 0,1,2` (argparse's type: a bad list is one usage line naming --seeds)."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers, e.g. 0,1,2") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="fedhop sweep", description="tuned comparisons: settings x seeds, best per "
                                                                   "algorithm by a criterion")
@@ -557,8 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int, help="runs at a time (overrides sweep.parallel)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a fixed override of every run, after sweep.set (repeatable)")
-    ap.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], metavar="S,S,...",
-                    help="run these seeds instead of sweep.seeds")
+    ap.add_argument("--seeds", type=seed_list, metavar="S,S,...", help="run these seeds instead of sweep.seeds")
     ap.add_argument("--criterion", choices=CRITERIA, help="overrides criterion.kind (finished runs are re-scored, "
                                                           "not re-run)")
     ap.add_argument("--metric", help="overrides criterion.metric")
@@ -589,6 +598,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel is not None:
         spec.sweep.parallel = args.parallel
     if args.seeds is not None:
+        try:
+            check_seeds(args.seeds, "--seeds")
+        except SweepSpecError as exc:
+            print(f"fedhop sweep: {exc}", file=sys.stderr)
+            return 2
         spec.sweep.seeds = args.seeds
     if args.max_settings is not None:
         spec.sweep.trials = min(spec.sweep.trials, args.max_settings)
@@ -607,7 +621,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedhop sweep: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else default_out(spec)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:   # a file there or on the way, no permission
+        print(f"fedhop sweep: --out {out}: {'a file is in the way' if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror}; "
+              "give a folder (an existing sweep folder is resumed)", file=sys.stderr)
+        return 2
     (out / "spec.toml").write_text(Path(args.spec).read_text())
     sweep = Sweep(spec, out, quiet=args.quiet)
     if args.slurm:

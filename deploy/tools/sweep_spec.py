@@ -33,6 +33,8 @@ Every error is one line naming the bad key (`SweepSpecError`; the CLI exits 2).
 """
 from __future__ import annotations
 
+import itertools
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,8 +196,7 @@ def parse_spec(text: str, path: Path) -> SweepSpec:
     if 0 < sweep.extend_factor <= 1:
         raise SweepSpecError(f"sweep spec key 'sweep.extend_factor': got {sweep.extend_factor!r}, expected 0 (the "
                              f"grid's own ratio) or a factor > 1")
-    if not sweep.seeds or len(set(sweep.seeds)) != len(sweep.seeds):
-        raise SweepSpecError(f"sweep spec key 'sweep.seeds': got {sweep.seeds!r}, expected distinct seeds")
+    check_seeds(sweep.seeds, "sweep spec key 'sweep.seeds'")
     per_algorithm = {}
     raw_per = data.get("per_algorithm", {})
     if not isinstance(raw_per, dict):
@@ -215,9 +216,20 @@ def parse_spec(text: str, path: Path) -> SweepSpec:
     return spec
 
 
+MAX_SEED = (1 << 63) - 1   # run.seed's range (common/config/schema.py)
+MAX_CHECKED_POINTS = 10_000   # grid points checked before a sweep starts (more: the first point only)
+
+
+def check_seeds(seeds: list[int], where: str) -> None:
+    """The seeds of a sweep: at least one, distinct, each a valid run.seed."""
+    if not seeds or len(set(seeds)) != len(seeds) or not all(0 <= s <= MAX_SEED for s in seeds):
+        raise SweepSpecError(f"{where}: got {seeds!r}, expected distinct seeds from 0 to {MAX_SEED}")
+
+
 def check_base_config(spec: SweepSpec) -> None:
-    """Every algorithm's fixed overrides and first grid/space point must make a valid config, so a
-    misspelt key fails here, at once, not in the first run."""
+    """Every algorithm's fixed overrides with each point of its grid (up to MAX_CHECKED_POINTS of
+    them; a random search's first point) must make a valid config, so a misspelt key or a value
+    that does not fit the base config fails here, at once, not in a run."""
     path = spec.base_config
     try:
         base = tomllib.loads(path.read_text())
@@ -226,14 +238,25 @@ def check_base_config(spec: SweepSpec) -> None:
     except tomllib.TOMLDecodeError as exc:
         raise SweepSpecError(f"sweep spec key 'sweep.config': {path} is not valid TOML: {exc}") from None
     for algorithm in spec.algorithms():
-        probe = [f"{k}={toml_value(v[0])}" for k, v in spec.grid_for(algorithm).items()] if spec.sweep.method == "grid" \
-            else [f"{k}={toml_value(d.choices[0] if d.choices is not None else d.low)}"
-                  for k, d in spec.space_for(algorithm).items()]
-        try:
-            config_from_dict(apply_overrides(_copy(base), [*spec.fixed_overrides(algorithm), *probe]))
-        except ConfigError as exc:
-            where = f"per_algorithm.{algorithm}" if algorithm else "sweep"
-            raise SweepSpecError(f"sweep spec ({where}, base {path.name}): {exc}") from None
+        for probe in _points(spec, algorithm):
+            try:
+                config_from_dict(apply_overrides(_copy(base), [*spec.fixed_overrides(algorithm), *probe]))
+            except ConfigError as exc:
+                where = f"per_algorithm.{algorithm}" if algorithm else "sweep"
+                setting = f" with {', '.join(probe)}" if len(probe) > 0 and spec.sweep.method == "grid" else ""
+                raise SweepSpecError(f"sweep spec ({where}, base {path.name}{setting}): {exc}") from None
+
+
+def _points(spec: SweepSpec, algorithm: str) -> list[list[str]]:
+    """The settings `check_base_config` checks: a grid's every point (its first only past
+    MAX_CHECKED_POINTS), a random search's first."""
+    if spec.sweep.method != "grid":
+        return [[f"{k}={toml_value(d.choices[0] if d.choices is not None else d.low)}"
+                 for k, d in spec.space_for(algorithm).items()]]
+    grid = spec.grid_for(algorithm)
+    points = math.prod(len(v) for v in grid.values())
+    combos = itertools.product(*grid.values()) if points <= MAX_CHECKED_POINTS else [tuple(v[0] for v in grid.values())]
+    return [[f"{k}={toml_value(v)}" for k, v in zip(grid, combo)] for combo in combos]
 
 
 def setting_error(spec: SweepSpec, algorithm: str, overrides: list[str]) -> str | None:
