@@ -27,6 +27,7 @@ BAD_CONFIGS = [
     (b'[topology]\nkind = "hierarchical"\nedges = 20\n[clients]\ncount = 4\n', "topology.edges"),
     (b'[security]\ncerts_dir = "/nonexistent/fedhop-certs"\n', "security.certs_dir"),
     (b"[clients]\ncount = 10\nper_round = 3\n[run]\nmin_results = 5\n", "run.min_results"),
+    (b"[run]\nseed = 18446744073709551616\n", "run.seed"),   # 2^64: past TOML's integers (it drew seed 0's model)
     # a run's name is one folder name: never a path out of runs/, never empty, no NUL
     (b'[run]\nname = "../../escaped"\n', "run.name"),
     (b'[run]\nname = "/tmp/absolute"\n', "run.name"),

@@ -428,3 +428,15 @@ def test_coded_broadcasts_from_the_wheel(installed, tmp_path):
     counts = json.loads((folder / "runs" / "down" / "summary.json").read_text())["downlink"]
     assert counts["plain_messages"] == sizes.count(plain) and counts["coded_messages"] == len(sizes) - sizes.count(plain)
     assert counts["coded_messages"] > 0 and counts["reference_version"] == rounds
+
+
+def test_bench_flower_runs_from_the_wheel(installed, tmp_path):
+    """`fedhop bench flower` loads benchmarks/flower_compare.py, which the wheel carries
+    (fedhop.benchmarks): its fedhop half runs from the installed package outside the checkout and
+    prints its table (it was a FileNotFoundError from the wheel)."""
+    folder = tmp_path / "flower"
+    folder.mkdir()
+    done = fedhop(installed, "bench", "flower", "--rounds", "2", "--no-flower", cwd=folder, timeout=600)
+    assert done.returncode == 0, explain(done)
+    rows = [ln for ln in done.stdout.splitlines() if ln.startswith("| fedhop |")]
+    assert len(rows) == 1 and "Traceback" not in done.stderr, explain(done)
