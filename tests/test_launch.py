@@ -102,6 +102,7 @@ def test_plan_hierarchical_parents_are_the_cluster_edges():
 
 @pytest.mark.parametrize("data, cfg_topology, needle", [
     (hosts({"name": "a", "address": "x", "server": True, "clients": 5}), "", "clients.count = 6"),
+    (hosts({"name": "a", "address": "x", "server": True, "clients": 9}), "", "clients = 9, but only 6"),
     (hosts({"name": "a", "address": "x", "clients": 6}), "", "exactly one host"),
     (hosts({"name": "a", "address": "x", "server": True, "clients": 6, "colour": "red"}), "", "host[0].colour"),
     (hosts({"name": "a", "address": "x", "server": True, "clients": 6, "edges": [0]}), "", "no edge servers"),
@@ -116,6 +117,12 @@ def test_bad_hosts_files_are_refused_naming_the_problem(data, cfg_topology, need
     with pytest.raises(HostsError) as info:
         plan_roles(hosts_from_dict(data), cfg)
     assert needle in str(info.value)
+
+
+def test_a_hosts_file_that_is_not_text_is_one_line(tmp_path):
+    (tmp_path / "hosts.toml").write_bytes(b"\x00\xff\xfe binary")
+    with pytest.raises(HostsError, match="not a hosts file .TOML text.: not UTF-8 at byte 1"):
+        load_hosts(tmp_path / "hosts.toml")
 
 
 def test_example_hosts_file_fits_the_digits_example():

@@ -223,6 +223,8 @@ def load_hosts(path: str | os.PathLike) -> HostsFile:
         data = tomllib.loads(Path(path).read_text())
     except OSError as exc:
         raise HostsError(f"cannot read hosts file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise HostsError(f"{path}: not a hosts file (TOML text): not UTF-8 at byte {exc.start}") from None
     except tomllib.TOMLDecodeError as exc:
         raise HostsError(f"{path}: not valid TOML: {exc}") from None
     return hosts_from_dict(data, str(path))
@@ -324,6 +326,9 @@ def plan_roles(hf: HostsFile, cfg: Config) -> list[Role]:
             n = int(h.clients)
             if n < 0:
                 raise HostsError(f"hosts file: host '{h.name}': clients = {n} must be >= 0")
+            if n > len(pool):
+                raise HostsError(f"hosts file: host '{h.name}': clients = {n}, but only {len(pool)} logical clients "
+                                 f"are left for it (clients.count = {count})")
             per_host[h.name], pool = sorted(pool[:n]), pool[n:]
     placed = sum(len(v) for v in per_host.values())
     if placed != count or pool:
