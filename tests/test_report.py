@@ -176,7 +176,8 @@ def test_cli_main(runs, capsys):
     # framed bytes through round 3 of run A: registration 55 + 3 rounds x 2 x 1105 = 6685
     assert human_bytes(6_685) == "6.68 kB" and "6.68 kB" in row_line(out, "fedavg-star", 1)
     assert (tmp / "cli" / "report.md").exists()
-    assert main([str(tmp / "nothing-here"), "--out", str(tmp / "cli2")]) == 1
+    assert main([str(tmp / "nothing-here"), "--out", str(tmp / "cli2")]) == 2   # nothing to report: a bad argument
+    assert not (tmp / "cli2").exists()
 
 
 def test_round_time_breakdown_splits_the_wait():
@@ -317,3 +318,19 @@ def test_upload_and_download_curves_count_their_direction_only(runs):
         last = rounds[-1]
         assert (run.bytes_upto(last, "tensor_bytes", "up") + run.bytes_upto(last, "tensor_bytes", "down")
                 == run.bytes_upto(last, "tensor_bytes"))
+
+
+@pytest.mark.parametrize("given, said", [
+    (["nosuchdir"], "nosuchdir: no such folder"),
+    (["afile"], "afile: a file, not a run folder"),
+    (["empty"], "empty: not a run folder (no run.db or summary.json)"),
+    (["empty", "nosuchdir"], "empty: not a run folder (no run.db or summary.json) (and none of the other 1"),
+])
+def test_nothing_to_report_is_one_line_exit_2_and_no_report_folder(tmp_path, monkeypatch, capsys, given, said):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x\n")
+    (tmp_path / "empty").mkdir()
+    assert main(given) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"fedhop report: {said}" or (len(err.splitlines()) == 1 and said in err), err
+    assert not (tmp_path / "reports").exists()

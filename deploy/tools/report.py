@@ -1015,6 +1015,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     if not 50 <= args.dpi <= 1200:
         parser.error(f"--dpi {args.dpi}: allowed 50 to 1200")
+    runs = [Path(d) for d in args.run_dirs]
+    if not any(d.is_dir() and ((d / "run.db").is_file() or (d / "summary.json").is_file()) for d in runs):
+        # nothing to report: one line, and no report folder made
+        first = runs[0]
+        why = ("no such folder" if not first.exists() else "a file, not a run folder" if not first.is_dir()
+               else "not a run folder (no run.db or summary.json)")
+        more = f" (and none of the other {len(runs) - 1} is a run folder)" if len(runs) > 1 else ""
+        print(f"fedhop report: {first}: {why}{more}", file=sys.stderr)
+        return 2
     try:
         if args.out is not None:
             check_out_dir(Path(args.out), args.force)
