@@ -129,3 +129,17 @@ def test_a_client_count_beyond_the_machines_memory_is_one_line_and_exit_2(tmp_pa
     assert res.returncode == 2 and len(err.splitlines()) == 1, err[-2000:]
     assert "clients.count = 1,000,000,000 needs about 1,907.3 GiB" in err and "available" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_no_local_training_is_refused_at_load(tmp_path, capsys):
+    """local_epochs = 0 with local_steps = 0 (for every client, or some of a per-client list):
+    those clients would train no step, and the run used to fail later as diverged (a NaN loss)."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(quadratic_config(CENTERS, CURV, SIZES, rounds=1))
+    for extra in (["algorithm.local_steps=0"], ["algorithm.local_steps=[1, 0, 2, 3]"]):
+        args = ["run", str(cfg), "--set", "algorithm.local_epochs=0", *[a for s in extra for a in ("--set", s)],
+                "--out", str(tmp_path / "run"), "--quiet"]
+        assert fedhop(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "algorithm.local_epochs': got 0 with algorithm.local_steps = 0" in err
+        assert not (tmp_path / "run").exists()

@@ -155,6 +155,11 @@ def _cross_checks(cfg: Config) -> None:
                               f"non-negative ints, got {steps!r}")
     elif steps < 0:
         raise ConfigError(f"config key 'algorithm.local_steps': got {steps}, must be >= 0")
+    idle = steps == 0 if not isinstance(steps, list) else 0 in steps
+    if idle and cfg.algorithm.local_epochs == 0:   # a client with no step has no training loss: the run failed as diverged
+        raise ConfigError("config key 'algorithm.local_epochs': got 0 with algorithm.local_steps = 0"
+                          f"{' for some clients' if isinstance(steps, list) else ''}: those clients would train no "
+                          "step; set algorithm.local_epochs >= 1 or algorithm.local_steps >= 1")
     topo = cfg.topology
     spec = _topology_spec(cfg)
     edged = spec is not None and spec.edges   # the run has edge processes
