@@ -27,7 +27,11 @@ BAD_CONFIGS = [
     (b'[topology]\nkind = "hierarchical"\nedges = 20\n[clients]\ncount = 4\n', "topology.edges"),
     (b'[security]\ncerts_dir = "/nonexistent/fedhop-certs"\n', "security.certs_dir"),
     (b"[clients]\ncount = 10\nper_round = 3\n[run]\nmin_results = 5\n", "run.min_results"),
-    (b"[run]\nseed = 18446744073709551616\n", "run.seed"),   # 2^64: past TOML's integers (it drew seed 0's model)
+    (b"[run]\nseed = 18446744073709551616\n", "run.seed"),
+    # EF21 where no parent keeps each client's estimate (it failed every reply EF21_DESYNC at round 1)
+    (b'[topology]\nkind = "relay"\n[compression]\nup = "topk"\nerror_feedback = "ef21"\n', "'ef21' needs a parent"),
+    (b'[topology]\nkind = "asynchronous"\n[compression]\nup = "sign"\nerror_feedback = "ef21"\n',
+     "compression.error_feedback"),   # 2^64: past TOML's integers (it drew seed 0's model)
     # a run's name is one folder name: never a path out of runs/, never empty, no NUL
     (b'[run]\nname = "../../escaped"\n', "run.name"),
     (b'[run]\nname = "/tmp/absolute"\n', "run.name"),

@@ -65,6 +65,10 @@ def _topology_checks(cfg: Config) -> None:
     if spec is not None and not spec.coded_uploads and cfg.compression.up != "none":
         raise ConfigError(f"config key 'compression.up': topology.kind = '{cfg.topology.kind}' moves models by its "
                           f"own methods, which are not coded (allowed: 'none')")
+    if spec is not None and not spec.ef21_uploads and cfg.compression.up != "none" \
+            and cfg.compression.error_feedback == "ef21":
+        raise ConfigError(f"config key 'compression.error_feedback': 'ef21' needs a parent that keeps each client's "
+                          f"estimate, which topology.kind = '{cfg.topology.kind}' has not (allowed here: 'none', 'ef')")
 
 
 def _check_compression_layers(cfg: Config) -> None:

@@ -61,7 +61,9 @@ class TopologySpec:
     algorithm with no edge step, `Algorithm.edge_iterations`); `peer_link`/`peer_note`: the link between peers the
     live page draws ("client-client", "edge-edge"; None: none); `coded_uploads`: its clients'
     results are train replies (and its edges' edge_round partials), which `[compression] up`
-    codes (False: it moves models by its own methods, and a compressor is refused);
+    codes (False: it moves models by its own methods, and a compressor is refused); `ef21_uploads`:
+    the parent that decodes them keeps each sender's EF21 estimate (False: `compression.error_feedback
+    = "ef21"` is refused, its uploads would reach a receiver that keeps no copies);
     `coded_broadcasts`: its round's broadcast reaches the clients in train calls (and edges in
     edge_round calls), which `[compression] down` codes against the model each receiving process
     holds (common/processors/compressors/downlink.py; False: `down` is refused).  `listed`: where
@@ -85,6 +87,7 @@ class TopologySpec:
     peer_note: str = ""
     methods: tuple[Method, ...] = ()
     coded_uploads: bool = True
+    ef21_uploads: bool = True
     coded_broadcasts: bool = False
     listed: int = 100
 

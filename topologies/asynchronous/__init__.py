@@ -166,4 +166,5 @@ SPEC = TopologySpec(
     driver="fedhop.topologies.asynchronous.driver:AsyncDriver",
     plan="fedhop.topologies.asynchronous:process_plan",
     edges_optional=True,
+    ef21_uploads=False,   # results are folded as they come, with no per-sender EF21 estimate kept
 )

@@ -24,4 +24,5 @@ SPEC = TopologySpec(
     params=RelayParams,
     check=per_client_calls,
     driver="fedhop.topologies.relay.driver:RelayDriver",
+    ef21_uploads=False,   # each hop's reply is decoded by the driver, which keeps no sender's EF21 estimate
 )
