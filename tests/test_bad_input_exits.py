@@ -28,6 +28,9 @@ BAD_CONFIGS = [
     (b'[security]\ncerts_dir = "/nonexistent/fedhop-certs"\n', "security.certs_dir"),
     (b"[clients]\ncount = 10\nper_round = 3\n[run]\nmin_results = 5\n", "run.min_results"),
     (b"[run]\nseed = 18446744073709551616\n", "run.seed"),
+    (b'[transport]\nhost = ""\n', "transport.host"),   # it passed the checks, then the server could not listen
+    (b'[transport]\nhost = "999.1.1.1"\n', "not an IPv4 address"),
+    (b'[transport]\nhost = "not an address!"\n', "transport.host"),
     # EF21 where no parent keeps each client's estimate (it failed every reply EF21_DESYNC at round 1)
     (b'[topology]\nkind = "relay"\n[compression]\nup = "topk"\nerror_feedback = "ef21"\n', "'ef21' needs a parent"),
     (b'[topology]\nkind = "asynchronous"\n[compression]\nup = "sign"\nerror_feedback = "ef21"\n',

@@ -7,6 +7,7 @@ allowed.  Field metadata carries the validation rules and the key's description:
 - `choices`: the allowed values of a string field;
 - `min` / `max`: inclusive numeric bounds (`min_exclusive` / `max_exclusive` for strict ones);
 - `file_name`: a string that must be one folder name (validate.py `file_name_problem`);
+- `host`: a string that must be a host name or an IP address (validate.py `host_problem`);
 - `help`: one line for the config reference (docs/config.md, `fedhop config show`;
   deploy/cli/configref.py generates both from these dataclasses).
 
@@ -219,7 +220,7 @@ class TransportConfig:
                                                               "stream this process has not read yet; one stream moves "
                                                               "at most window / round-trip time (16 MiB: 1.3 Gbit/s at "
                                                               "100 ms), so raise it on a long fat link")
-    host: str = _f("127.0.0.1", help="the address the server and edges listen on (off loopback needs TLS or "
+    host: str = _f("127.0.0.1", host=True, help="the address the server and edges listen on (off loopback needs TLS or "
                                      "security.insecure = true)")
     batch: bool = _f(True, help="requests to the logical clients of one process share gRPC calls, at most one "
                                 "chunk of requests each (each still its own message with its own ledger records, "

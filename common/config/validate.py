@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from typing import Any
@@ -105,6 +106,10 @@ def check_value(key: str, value: Any, annotation: Any, rules: typing.Mapping[str
         problem = file_name_problem(value)
         if problem:
             raise ConfigError(f"config key '{key}': got {value!r}, {problem}")
+    if rules.get("host") and isinstance(value, str):
+        problem = host_problem(value)
+        if problem:
+            raise ConfigError(f"config key '{key}': got {value!r}, {problem}")
     if "choices" in rules and value not in rules["choices"]:
         raise ConfigError(f"config key '{key}': got {value!r}{did_you_mean(value, rules['choices'])}, allowed: "
                           f"{', '.join(map(str, rules['choices']))}")
@@ -118,6 +123,19 @@ def check_value(key: str, value: Any, annotation: Any, rules: typing.Mapping[str
         if "max_exclusive" in rules and value >= rules["max_exclusive"]:
             raise ConfigError(f"config key '{key}': got {value!r}, must be < {rules['max_exclusive']}")
     return value
+
+
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]+\]?")
+
+
+def host_problem(value: str) -> str | None:
+    """Why `value` is not a host to listen on (a name, an IPv4 or an IPv6 address), or None."""
+    if not _HOST.fullmatch(value):
+        return "expected a host name or an IP address to listen on, e.g. 127.0.0.1 or 0.0.0.0"
+    parts = value.split(".")
+    if all(p.isdigit() for p in parts) and (len(parts) != 4 or any(int(p) > 255 for p in parts)):
+        return "not an IPv4 address (four numbers from 0 to 255)"
+    return None
 
 
 def file_name_problem(value: str) -> str | None:
