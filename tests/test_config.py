@@ -448,3 +448,13 @@ def test_a_bad_topology_key_is_a_config_error_before_the_kinds_own_checks(extra,
     validated params, so a bad key is one ConfigError naming it, never a TypeError from them."""
     with pytest.raises(ConfigError, match=re.escape(named)):
         parse_config(f'[topology]\nkind = "hierarchical"\nedges = 2\n{extra}\n[algorithm]\nname = "scaffold"\n')
+
+
+def test_a_byte_order_mark_before_the_toml_is_ignored(tmp_path):
+    """Some editors save UTF-8 with a byte order mark: the config reads as without it (tomllib
+    refused it as 'Invalid statement (at line 1, column 1)')."""
+    text = '[run]\nrounds = 7\nseed = 3\n[clients]\ncount = 12\n'
+    (tmp_path / "bom.toml").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    (tmp_path / "plain.toml").write_text(text)
+    assert load_config(tmp_path / "bom.toml") == load_config(tmp_path / "plain.toml")
+    assert load_config(tmp_path / "bom.toml").run.rounds == 7

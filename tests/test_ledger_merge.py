@@ -155,3 +155,19 @@ def test_a_500_mb_ledger_is_merged_in_bounded_memory(tmp_path):
     rc, out, peak_kib = merge_peak(big, timeout=3600)
     assert rc == 0 and f"{records} records added" in out, out
     assert (peak_kib - base_kib) * 1024 < 64 << 20, (peak_kib, base_kib)
+
+
+def test_unreadable_lines_are_one_warning_line_each_and_the_rest_merges(tmp_path):
+    """Lines that are no ledger record are skipped with one line each on stderr naming the file and
+    line, as the command's own warning (no source excerpt of fedhop's code), and the good records
+    are merged."""
+    run = _run_dir(tmp_path)
+    good = write_ledger(run / "ledger" / "a.jsonl", 2000)
+    with open(run / "ledger" / "a.jsonl", "a", encoding="utf-8") as fh:
+        fh.write("garbage\n{\"bad\": 1}\n")
+    rc, out, err = merge(tmp_path, timeout=120)
+    assert rc == 0, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and all(ln.startswith("fedhop merge-ledgers: warning: run/ledger/a.jsonl:") for ln in lines), err
+    assert f"a.jsonl:{good + 1}: skipping unreadable ledger line" in lines[0] and "iter_jsonl" not in err, err
+    assert _stored(run) == good

@@ -85,6 +85,7 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Confi
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
                           f"{exc.start})") from None
+    text = text.removeprefix("\ufeff")   # a byte order mark, as some editors save UTF-8: not part of the TOML
     overrides = list(overrides)
     try:
         return parse_config(text, overrides)

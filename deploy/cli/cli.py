@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 from fedhop.common.util.cliparser import ArgumentParser, port_number
 
@@ -154,6 +155,9 @@ def entry() -> None:
     """The console script. After `run`, leave without the interpreter's teardown (common/util/procexit.py):
     the run's records are on disk, and finalizing torch costs a user 0.3 to 0.7 s per run."""
     argv = sys.argv[1:]
+    command = f"fedhop{' ' + argv[0] if argv and not argv[0].startswith('-') else ''}"
+    # a warning is one line for the user (a skipped ledger line, a library's notice), not a source excerpt
+    warnings.formatwarning = lambda message, category, *_args, **_kw: f"{command}: warning: {message}\n"
     try:
         code = main(argv)
     except KeyboardInterrupt:   # Ctrl-C before a command took its signals over (while it imports): no traceback

@@ -220,7 +220,7 @@ def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
 
 def load_hosts(path: str | os.PathLike) -> HostsFile:
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(Path(path).read_text().removeprefix("\ufeff"))   # a byte order mark is not TOML
     except OSError as exc:
         raise HostsError(f"cannot read hosts file {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
