@@ -150,3 +150,15 @@ def test_no_local_training_is_refused_at_load(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "algorithm.local_epochs': got 0 with algorithm.local_steps = 0" in err
         assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("given, said", [("nosuch", "nosuch: no such folder"), ("afile", "afile: a file, not a run folder"),
+                                         ("empty", "empty: holds no config.toml")])
+def test_resume_of_what_is_no_run_folder_says_what_it_is(tmp_path, monkeypatch, capsys, given, said):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x\n")
+    (tmp_path / "empty").mkdir()
+    assert fedhop(["run", "--resume", given, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty"]

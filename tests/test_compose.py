@@ -619,6 +619,17 @@ def test_more_edges_than_the_base_file_defines_are_refused(tmp_path):
         assert started_by(printed, tmp_path) == {"server", "edge-0", "edge-1", "edge-2", "client-proc0"}
 
 
+
+def test_out_at_or_under_a_file_is_one_line(tmp_path):
+    assert compose_cli("certs", "certs", "--nodes", "server,client-proc0", cwd=tmp_path).returncode == 0
+    (tmp_path / "afile").write_text("mine\n")
+    for out, said in (("afile", "--out afile: a file, not a folder"),
+                      ("afile/x", "afile is a file, so no folder can be made under it")):
+        res = compose_cli("compose", "certs", "--clients", "1", "--out", out, cwd=tmp_path)
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and said in res.stderr, res.stderr
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
 SYNTHETIC = """\
 name: x
 x-tiered: &tiered

@@ -71,3 +71,12 @@ def test_an_unknown_name_is_one_line_with_a_hint(tmp_path, name, hint):
     assert res.returncode == 2 and res.stderr.count("\n") == 1
     assert f"no example named '{name}' (did you mean '{hint}'?)" in res.stderr
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("to, said", [("mine.toml", "--to mine.toml: a file, not a folder"),
+                                      ("mine.toml/sub", "mine.toml is a file, so no folder can be made under it")])
+def test_copy_to_a_file_is_one_line_naming_it(tmp_path, to, said):
+    (tmp_path / "mine.toml").write_text("mine\n")
+    res = examples("copy", "fedavg_digits", "--to", to, cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and said in res.stderr, res.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.toml"] and (tmp_path / "mine.toml").read_text() == "mine\n"

@@ -7,7 +7,9 @@ stays one `--help` away, and the line says so.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -29,3 +31,15 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"invalid port {port}: a number from 0 to 65535")
     return port
+
+
+def folder_problem(given: str | os.PathLike, flag: str) -> str | None:
+    """Why the folder a command's `flag` names (`given`) can be neither used nor made: a file is
+    there, or a file is on the way to it (one line naming both); None when it can."""
+    folder = Path(given).expanduser()
+    if folder.exists() and not folder.is_dir():
+        return f"{flag} {given}: a file, not a folder"
+    blocked = next((p for p in folder.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        return f"{flag} {given}: {blocked} is a file, so no folder can be made under it"
+    return None

@@ -23,7 +23,7 @@ from importlib import resources
 from importlib.abc import Traversable
 from pathlib import Path
 
-from fedhop.common.util.cliparser import ArgumentParser
+from fedhop.common.util.cliparser import ArgumentParser, folder_problem
 from fedhop.common.util.suggest import did_you_mean
 
 PROJECTS = ("plugin",)           # example folders copied whole (their parts belong together)
@@ -139,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name + ('/' if entry.is_dir() else ''):<{width + 1}}  {describe(entry)}")
         print("\ncopy one into this folder: fedhop examples copy NAME; then: fedhop run NAME.toml")
         return 0
+    problem = folder_problem(args.to, "--to")
+    if problem is not None:
+        print(f"fedhop examples: {problem} (the folder to copy into)", file=sys.stderr)
+        return 2
     try:
         written = copy(args.names, Path(args.to), args.force)
     except (ExampleError, OSError) as exc:

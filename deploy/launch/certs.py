@@ -43,7 +43,7 @@ def expand_nodes(spec: str) -> list[str]:
             out += [f"{stem}{i}" for i in range(int(lo), int(hi) + 1)]
         else:
             out.append(part)
-    return out
+    return list(dict.fromkeys(out))   # a node named twice is one node
 
 
 def nodes_for_config(path: str) -> list[str]:

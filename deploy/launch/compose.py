@@ -16,7 +16,7 @@ from typing import Sequence
 
 import yaml
 
-from fedhop.common.util.cliparser import ArgumentParser
+from fedhop.common.util.cliparser import ArgumentParser, folder_problem
 from fedhop.common.util.nodeids import client_proc_node, edge_node
 
 
@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     base = Path(args.file if args.file is not None else PACKAGED_BASE)
     try:
+        problem = folder_problem(out, "--out")
+        if problem is not None:
+            raise ValueError(problem)
         if args.clients < 1:
             raise ValueError(f"--clients {args.clients}: at least 1")
         if args.edges < 0:

@@ -514,7 +514,9 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True, das
     from fedhop.common.records.checkpoint import CheckpointError, latest_checkpoint
     d = Path(run_dir).expanduser().resolve()
     if not (d / "config.toml").exists():
-        print(f"fedhop run --resume: {d} holds no config.toml; is it a run directory?", file=sys.stderr)
+        why = ("no such folder" if not d.exists() else "a file, not a run folder" if not d.is_dir()
+               else "holds no config.toml; is it a run directory?")
+        print(f"fedhop run --resume: {run_dir}: {why}", file=sys.stderr)
         return 2
     done = finished_rounds(d)
     if in_use(d):

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fedhop.common.util.cliparser import ArgumentParser
+from fedhop.common.util.cliparser import ArgumentParser, folder_problem
 from fedhop.common.util.procexit import LAUNCHER_ENV
 from fedhop.deploy.launch.slurm import SlurmArrayRunner, add_slurm_args, options_from
 from fedhop.deploy.tools.bracket import Edge, edges, widen
@@ -621,11 +621,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedhop sweep: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else default_out(spec)
+    problem = folder_problem(out, "--out")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:   # a file there or on the way, no permission
-        print(f"fedhop sweep: --out {out}: {'a file is in the way' if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror}; "
-              "give a folder (an existing sweep folder is resumed)", file=sys.stderr)
+        if problem is None:
+            out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:   # no permission, no space
+        problem = f"--out {out}: {exc.strerror}"
+    if problem is not None:
+        print(f"fedhop sweep: {problem}", file=sys.stderr)
         return 2
     (out / "spec.toml").write_text(Path(args.spec).read_text())
     sweep = Sweep(spec, out, quiet=args.quiet)
