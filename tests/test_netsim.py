@@ -26,6 +26,7 @@ from fedhop.deploy.launch.netsim import (
     physical_link,
     wire_report,
 )
+from fedhop.deploy.launch.netsim import main as netsim_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -268,3 +269,12 @@ def test_namespaces_are_cleaned_up_and_stale_ones_removed():
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n in listed for n in names + [stale])
     assert not any(Path("/etc/netns", n).exists() for n in names)
+
+
+def test_an_unknown_capture_host_is_one_line_exit_2_before_anything_is_made(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exp.toml").write_text(quad_toml(4))
+    assert netsim_main(["exp.toml", "--capture", "nosuchhost", "--out", "no"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--capture nosuchhost: no such host (hosts: server, " in err, err
+    assert not (tmp_path / "no").exists()

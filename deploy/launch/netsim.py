@@ -576,6 +576,13 @@ def capture_report(captured: dict, host_row: dict) -> dict:
                          "total": other}}
 
 
+def capture_problem(hf: HostsFile, capture: Sequence[str]) -> str | None:
+    """Why `--capture` names a host the run does not have, or None."""
+    names = [h.name for h in hf.hosts]
+    unknown = sorted(set(capture) - set(names))
+    return f"--capture {unknown[0]}: no such host (hosts: {', '.join(names)})" if unknown else None
+
+
 def run_netsim(cfg: Config, out: Path, hf: HostsFile | None = None, bandwidth: dict[str, str] | None = None,
                quiet: bool = True, show_table: bool = False, capture: Sequence[str] = ()) -> NetsimResult:
     """Run `cfg` on emulated hosts (one per process unless `hf` groups them); returns the status and the
@@ -591,6 +598,9 @@ def run_netsim(cfg: Config, out: Path, hf: HostsFile | None = None, bandwidth: d
         print("fedhop netsim: plaintext gRPC between the emulated hosts (security.insecure = true); set "
               "security.certs_dir to a `fedhop certs` directory for TLS", file=sys.stderr)
     hf = hf if hf is not None else default_hosts(cfg)
+    problem = capture_problem(hf, capture)
+    if problem:
+        raise HostsError(problem)
     rates = host_rates(hf, bandwidth or {})
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -603,9 +613,6 @@ def run_netsim(cfg: Config, out: Path, hf: HostsFile | None = None, bandwidth: d
         # every emulated host shares this machine's files: the roles run in the user's folder
         hf.remote, hf.workdir, hf.python = "ip netns exec {host}", str(Path.cwd()), sys.executable
         roles = plan_roles(hf, cfg)
-        unknown = sorted(set(capture) - set(net.hosts))
-        if unknown:
-            raise HostsError(f"--capture {unknown[0]}: no such host (hosts: {', '.join(net.hosts)})")
         captures = [Capture(net, h, out) for h in capture]
         before = {h: net.counters(h) for h in net.hosts}
         try:
@@ -659,6 +666,13 @@ def main(argv: list[str] | None = None) -> int:
     engine_problem = process_launch_problem(cfg, "fedhop netsim")
     if engine_problem:
         print(engine_problem, file=sys.stderr)
+        return 2
+    try:
+        problem = capture_problem(hf if hf is not None else default_hosts(cfg), args.capture)
+    except HostsError as exc:
+        problem = str(exc)
+    if problem:
+        print(f"fedhop netsim: {problem}", file=sys.stderr)
         return 2
     from fedhop.deploy.launch.launcher import default_run_dir
     out = Path(args.out) if args.out else default_run_dir(cfg)
