@@ -21,6 +21,22 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 HOST_SERVICE_MODULES = ("test_compose.py", "test_slurm.py")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def grpc_stays_initialised():
+    """gRPC's core shuts itself down when the last channel or server of a process is gone, on a
+    thread of its own, and starts again with the next one.  Tests make and drop endpoints by the
+    hundred in one worker process; one such shutdown, between two tests, aborted a worker
+    (std::system_error "Resource deadlock avoided": a thread joining itself), which pytest-xdist
+    did not replace, leaving the rest of the suite to one worker.  One idle channel, never
+    connected, held for the whole session keeps the core initialised; a role process makes its
+    endpoint once and keeps it for its life, so it never sees that cycle."""
+    import grpc
+
+    channel = grpc.insecure_channel("127.0.0.1:9")   # no call is ever made on it
+    yield
+    channel.close()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in HOST_SERVICE_MODULES:
