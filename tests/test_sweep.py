@@ -126,9 +126,12 @@ def test_bad_spec_is_one_line_naming_the_key(tmp_path, capsys, extra, needle):
     ("", ["--seeds", "0,-1"], "--seeds: got [0, -1], expected distinct seeds from 0"),
     ("", ["--seeds", "1,1"], "--seeds: got [1, 1]"),
     ("", ["--seeds", f"{1 << 63}"], "--seeds"),
+    ("", ["--slurm", "--time", "forever"], "--time 'forever' is not a Slurm time limit"),   # sbatch was called
+    ("", ["--slurm", "--cpus-per-task", "0"], "--cpus-per-task 0: must be >= 1"),
     ("", ["--out", "afile"], "--out afile: a file, not a folder"),
     ("", ["--out", "afile/sub"], "afile is a file, so no folder can be made under it"),
-], ids=["grid point", "negative seed", "duplicate seeds", "seed past 2^63-1", "out a file", "out under a file"])
+], ids=["grid point", "negative seed", "duplicate seeds", "seed past 2^63-1", "slurm time", "slurm cpus", "out a file",
+        "out under a file"])
 def test_a_bad_setting_seed_or_folder_is_one_line_and_exit_2_before_anything_runs(tmp_path, capsys, monkeypatch,
                                                                                    extra, flags, needle):
     monkeypatch.chdir(tmp_path)

@@ -108,6 +108,14 @@ class SlurmOptions:
     extra: list[str] = field(default_factory=list)   # more `sbatch` options, verbatim
     python: str = sys.executable                     # the interpreter every node runs (same path everywhere)
 
+    def refusal(self) -> str | None:
+        """Why these options cannot be a job's (the first flag out of range, or the time limit), or None."""
+        for flag, value, least in (("--nodes", self.nodes, 1), ("--cpus-per-task", self.cpus_per_task, 1),
+                                   ("--gpus-per-node", self.gpus_per_node, 0)):
+            if value < least:
+                return f"{flag} {value}: must be >= {least}"
+        return self.time_refusal()
+
     def time_refusal(self) -> str | None:
         """Why `time` is not a time limit Slurm accepts (None when it is, or is unset): minutes,
         MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or UNLIMITED / INFINITE (sbatch(1), --time)."""
@@ -387,11 +395,9 @@ def plan_run(config: str, overrides: list[str], out: str | None, opts: SlurmOpti
     engine_problem = process_launch_problem(cfg, "fedhop slurm")
     if engine_problem:
         raise SlurmError(engine_problem)
-    if opts.nodes < 1 or opts.cpus_per_task < 1 or opts.gpus_per_node < 0:
-        raise SlurmError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node >= 0")
-    time_refusal = opts.time_refusal()
-    if time_refusal:
-        raise SlurmError(time_refusal)
+    refusal = opts.refusal()
+    if refusal:
+        raise SlurmError(refusal)
     run_dir = Path(out or f"runs/{cfg.run.name}-seed{cfg.run.seed}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}").resolve()
     _check_path(run_dir, "the run directory")
     sec = cfg.security

@@ -620,6 +620,11 @@ def main(argv: list[str] | None = None) -> int:
     except SweepSpecError as exc:
         print(f"fedhop sweep: {exc}", file=sys.stderr)
         return 2
+    slurm = options_from(args) if args.slurm else None
+    refusal = slurm.refusal() if slurm is not None else None
+    if refusal:   # before any folder or job: sbatch would refuse it only after the runs were laid out
+        print(f"fedhop sweep: {refusal}", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else default_out(spec)
     problem = folder_problem(out, "--out")
     try:
@@ -632,8 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     (out / "spec.toml").write_text(Path(args.spec).read_text())
     sweep = Sweep(spec, out, quiet=args.quiet)
-    if args.slurm:
-        sweep.runner = SlurmArrayRunner(sweep.runner, options_from(args))
+    if slurm is not None:
+        sweep.runner = SlurmArrayRunner(sweep.runner, slurm)
 
     def on_sigint(signum: int, frame: Any) -> None:
         sweep.runner.interrupted = True
