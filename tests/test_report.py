@@ -334,3 +334,15 @@ def test_nothing_to_report_is_one_line_exit_2_and_no_report_folder(tmp_path, mon
     err = capsys.readouterr().err.strip()
     assert err == f"fedhop report: {said}" or (len(err.splitlines()) == 1 and said in err), err
     assert not (tmp_path / "reports").exists()
+
+
+def test_a_metric_no_run_recorded_is_one_line_naming_those_recorded(runs, tmp_path, monkeypatch, capsys):
+    """`--metric` naming what no run recorded (a misspelling): one line listing the recorded
+    metrics, exit 2, and neither the default report folder nor reports/ left behind."""
+    tmp, _, _ = runs
+    monkeypatch.chdir(tmp_path)
+    assert main([str(tmp / "a"), "--metric", "test_acuracy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedhop report: --metric test_acuracy: recorded in none of the runs (recorded: ")
+    assert "test_accuracy" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "reports").exists()

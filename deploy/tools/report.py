@@ -26,6 +26,7 @@ Missing data (no run.db, no rounds, no messages) gives a note, never a crash.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -851,7 +852,7 @@ def plot_time_breakdown(runs: Sequence[RunData], out: Path, plots: list[Path], n
 def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: float | None = None,
                  metric: str | None = None, bytes_kind: str = "tensor_bytes",
                  tensorboard: str | Path | None = None, fmt: str = "png", dpi: int = DPI,
-                 csv_out: str | Path | None = None) -> ReportResult:
+                 csv_out: str | Path | None = None, metric_required: bool = False) -> ReportResult:
     """Read the runs, write report.md, report.json and the plots (`fmt`, PLOT_FORMATS) into
     `out_dir`, return the result.  With `tensorboard`, also event files there, one directory per
     run (deploy/tools/tensorboard.py); with `csv_out` (a .csv file, or a folder for rounds.csv), the
@@ -866,6 +867,10 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
     if metric is None:
         metric = choose_metric(runs, notes)
     elif runs and not any(metric in r.metric_names() for r in runs):
+        if metric_required:   # `fedhop report --metric`: a misspelt name is the user's to fix, before anything is written
+            recorded = sorted(set().union(*(r.metric_names() for r in runs)))
+            raise RuntimeError(f"--metric {metric}: recorded in none of the runs (recorded: "
+                               f"{', '.join(recorded) or 'no metric'})")
         notes.append(f"metric {metric!r} is recorded in none of the runs")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -1024,15 +1029,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         more = f" (and none of the other {len(runs) - 1} is a run folder)" if len(runs) > 1 else ""
         print(f"fedhop report: {first}: {why}{more}", file=sys.stderr)
         return 2
+    made: Path | None = None   # the default folder this command made (left empty by a refusal: removed)
     try:
         if args.out is not None:
             check_out_dir(Path(args.out), args.force)
         out = Path(args.out) if args.out is not None else default_out()
+        made = out if args.out is None else None
         result = build_report(args.run_dirs, out, target=args.target, metric=args.metric,
                               bytes_kind=BYTES_KINDS[args.bytes_kind], tensorboard=args.tensorboard, fmt=args.fmt,
-                              dpi=args.dpi, csv_out=args.csv)
+                              dpi=args.dpi, csv_out=args.csv, metric_required=args.metric is not None)
     except RuntimeError as exc:
         print(f"fedhop report: {exc}", file=sys.stderr)
+        if made is not None:
+            for folder in (made, made.parent):   # reports/ too when this made it and it holds nothing else
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
         return 2
     except OSError as exc:   # an output path that cannot be written (--out, --csv)
         print(f"fedhop report: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
