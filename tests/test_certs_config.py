@@ -141,3 +141,13 @@ def test_certs_refuses_a_validity_under_one_day_and_an_expired_ca(tmp_path):
     res = _certs_cli(str(d), "--nodes", "server")
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "expired" in res.stderr, res.stderr
     assert sorted(p.name for p in d.iterdir()) == ["ca.key", "ca.pem"]
+
+
+def test_a_host_that_is_no_name_or_address_is_refused_before_anything_is_written(tmp_path):
+    """`--hosts` goes into every certificate's names: one that is neither a DNS name nor an IP
+    address ('not a host!') is one line naming it, exit 2, no folder; names and addresses pass."""
+    res = _certs_cli(str(tmp_path / "pki"), "--nodes", "server", "--hosts", "node1.lan,not a host!")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "--hosts 'not a host!'" in res.stderr and not (tmp_path / "pki").exists()
+    ok = _certs_cli(str(tmp_path / "pki"), "--nodes", "server,server", "--hosts", "node1.lan,10.0.0.5,::1")
+    assert ok.returncode == 0 and "1 node certificates" in ok.stdout, ok.stderr   # a node named twice is one

@@ -103,6 +103,9 @@ def test_plan_hierarchical_parents_are_the_cluster_edges():
 @pytest.mark.parametrize("data, cfg_topology, needle", [
     (hosts({"name": "a", "address": "x", "server": True, "clients": 5}), "", "clients.count = 6"),
     (hosts({"name": "a", "address": "x", "server": True, "clients": 9}), "", "clients = 9, but only 6"),
+    (hosts({"name": "a", "address": "not an address!", "server": True, "clients": 6}), "", "host[0].address"),
+    ({"launch": {"stop_grace": -3}, "host": [{"name": "a", "address": "x", "server": True, "clients": 6}]},
+     "", "launch.stop_grace = -3"),
     (hosts({"name": "a", "address": "x", "clients": 6}), "", "exactly one host"),
     (hosts({"name": "a", "address": "x", "server": True, "clients": 6, "colour": "red"}), "", "host[0].colour"),
     (hosts({"name": "a", "address": "x", "server": True, "clients": 6, "edges": [0]}), "", "no edge servers"),

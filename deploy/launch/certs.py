@@ -74,8 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         print("fedhop certs: name the nodes with --nodes (e.g. server,client-proc0..3) or --config EXP.toml",
               file=sys.stderr)
         return 2
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    from fedhop.common.config.validate import host_problem
+    for host in hosts:   # a certificate names hosts by DNS name or IP address
+        problem = host_problem(host)
+        if problem:
+            print(f"fedhop certs: --hosts {host!r}: {problem.replace(' to listen on', '')}", file=sys.stderr)
+            return 2
     try:
-        written = write_cluster(args.dir, nodes, [h for h in args.hosts.split(",") if h.strip()], args.days)
+        written = write_cluster(args.dir, nodes, hosts, args.days)
     except SecurityError as exc:
         print(f"fedhop certs: {exc}", file=sys.stderr)
         return 2

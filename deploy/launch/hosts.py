@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import shlex
@@ -70,6 +71,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fedhop.common.config import Config, ConfigError, config_to_toml, load_config
+from fedhop.common.config.validate import host_problem
 from fedhop.common.security.addresses import plaintext_refusal
 from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
 from fedhop.common.topologies.plan import Placement, plan_processes
@@ -186,6 +188,9 @@ def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
         if not isinstance(value, _LAUNCH_KEYS[key]) or (isinstance(value, bool) and _LAUNCH_KEYS[key] is not bool):
             raise HostsError(f"{where}: launch.{key} = {value!r} has the wrong type")
         kwargs[key] = value
+    grace = kwargs.get("stop_grace", 0.0)
+    if not (math.isfinite(grace) and grace >= 0):
+        raise HostsError(f"{where}: launch.stop_grace = {grace!r} must be a number of seconds >= 0")
     raw_hosts = data.get("host", [])
     if not isinstance(raw_hosts, list) or not raw_hosts:
         raise HostsError(f"{where}: no [[host]] entries")
@@ -202,6 +207,9 @@ def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
                 raise HostsError(f"{where}: host[{i}] needs '{key}'")
         host = HostSpec(**raw)
         _check_host_strings(host, i, where)
+        problem = host_problem(host.address)
+        if problem:   # what the other hosts connect to: a name or an IP address
+            raise HostsError(f"{where}: host[{i}].address = {host.address!r}: {problem.replace(' to listen on', '')}")
         if host.client_processes < 1:
             raise HostsError(f"{where}: host '{host.name}': client_processes = {host.client_processes}, must be >= 1")
         for key in ("server_port", "edge_port", "client_port"):
