@@ -62,6 +62,7 @@ COPY deploy ./deploy
 COPY examples ./examples
 COPY topologies ./topologies
 COPY transports ./transports
+COPY benchmarks ./benchmarks
 RUN --mount=type=bind,source=wheelhouse,target=/wheels \
     --mount=type=secret,id=pip_ca \
     fedhop-pip-install project . \
