@@ -129,9 +129,9 @@ _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]+\
 
 
 def host_problem(value: str) -> str | None:
-    """Why `value` is not a host to listen on (a name, an IPv4 or an IPv6 address), or None."""
+    """Why `value` is not a host (a name, an IPv4 or an IPv6 address), or None."""
     if not _HOST.fullmatch(value):
-        return "expected a host name or an IP address to listen on, e.g. 127.0.0.1 or 0.0.0.0"
+        return "expected a host name or an IP address, e.g. 127.0.0.1 or node1.lan"
     parts = value.split(".")
     if all(p.isdigit() for p in parts) and (len(parts) != 4 or any(int(p) > 255 for p in parts)):
         return "not an IPv4 address (four numbers from 0 to 255)"

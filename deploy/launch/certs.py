@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     for host in hosts:   # a certificate names hosts by DNS name or IP address
         problem = host_problem(host)
         if problem:
-            print(f"fedhop certs: --hosts {host!r}: {problem.replace(' to listen on', '')}", file=sys.stderr)
+            print(f"fedhop certs: --hosts {host!r}: {problem}", file=sys.stderr)
             return 2
     try:
         written = write_cluster(args.dir, nodes, hosts, args.days)

@@ -209,7 +209,7 @@ def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
         _check_host_strings(host, i, where)
         problem = host_problem(host.address)
         if problem:   # what the other hosts connect to: a name or an IP address
-            raise HostsError(f"{where}: host[{i}].address = {host.address!r}: {problem.replace(' to listen on', '')}")
+            raise HostsError(f"{where}: host[{i}].address = {host.address!r}: {problem}")
         if host.client_processes < 1:
             raise HostsError(f"{where}: host '{host.name}': client_processes = {host.client_processes}, must be >= 1")
         for key in ("server_port", "edge_port", "client_port"):
