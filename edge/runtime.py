@@ -25,6 +25,9 @@ class EdgeProcess:
         self.aggregator: EdgeAggregator | None = None
         self.topology_role = None   # what the topology's spec adds beside the aggregator (`edge_role`)
         self._ready = threading.Event()
+        # a client may arrive before this edge has its run from the server: it is held (its address
+        # probe too, which names the run) until the edge knows it
+        endpoint.registration_wait = self._hold_until_ready
         self.address = endpoint.serve(self._handle, bind, register_handler=self._register)
 
     @property
@@ -40,11 +43,15 @@ class EdgeProcess:
     def _register(self, req: pb.RegisterRequest) -> pb.RegisterReply:
         if req.refusal:   # a client process refuses the run's config: the server fails the run
             return self._pass_refusal(req)
-        # a client may arrive before this edge has its config from the server: hold it briefly
-        if not self._ready.wait(60.0) or self.aggregator is None:
-            return pb.RegisterReply(accepted=False, message=f"{self.endpoint.node_id} is not registered with "
-                                                            f"the server; cannot accept clients yet")
+        assert self.aggregator is not None   # `_hold_until_ready` let the registration through
         return self.aggregator.handle_register(req)
+
+    def _hold_until_ready(self, req: pb.RegisterRequest) -> str | None:
+        """The endpoint's `registration_wait`: hold a registration for up to a minute until this
+        edge has its run and config from the server, else refuse it (the client tries again)."""
+        if self._ready.wait(60.0) and self.aggregator is not None:
+            return None
+        return f"{self.endpoint.node_id} is not registered with the server; cannot accept clients yet"
 
     def _pass_refusal(self, req: pb.RegisterRequest) -> pb.RegisterReply:
         """A child's refusal of the config, passed to the server in this edge's name (the

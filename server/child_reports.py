@@ -8,7 +8,8 @@
   the sender's own node id), and, while this server process has recorded no round (the set-up, of
   a new run or a resumed one), fails the run at once with that line as its reason: `fail_run`
   raises RunFailed in the main thread (SIGUSR1, as SIGTERM raises Stopped), wherever it waits, so
-  neither the registration timeout nor a round's is waited out.  After a round a refusal is only
+  neither the registration timeout nor a round's is waited out (and again before each round, should
+  the signal's exception have been lost: `raise_pending`).  After a round a refusal is only
   recorded: the node leaves and the run goes on as it does when a process dies, so one participant
   cannot end a run under way by claiming to refuse it.
 - An edge's heartbeats carry its aggregated refusals (edge/reports.py); each becomes an event of
@@ -37,6 +38,7 @@ class ChildReports:
         # whether this server process has recorded a round: a refusal after it fails nothing
         self.rounds_played = False
         coordinator.round_writers.append(self._round_recorded)
+        coordinator.round_gates.append(self.raise_pending)
 
     def _round_recorded(self, result: Any) -> None:
         self.rounds_played = True
@@ -86,6 +88,14 @@ class ChildReports:
             main = threading.main_thread().ident
             assert main is not None   # the main thread is running
             signal.pthread_kill(main, signal.SIGUSR1)
+
+    def raise_pending(self) -> None:
+        """Raise the failure noted before the run's first round here whose SIGUSR1 exception was
+        lost: a signal handler's exception raised while the main thread runs a callback from C code
+        (a weakref callback inside an import) is printed and dropped, and the run would go on.  The
+        coordinator calls this before each round, as it calls `raise_if_stopped` for stops."""
+        if self.failure is not None:   # set only by a refusal before this process's first round
+            raise RunFailed(self.failure)
 
     def install(self) -> None:
         """In the main thread, before the run: SIGUSR1 raises the pending failure there, while the

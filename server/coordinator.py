@@ -134,6 +134,8 @@ class Coordinator:
         self.driver: TopologyDriver | None = None   # the topology's rounds, made after registration (server/driver.py)
         self.context = CoordinatorContext(self)      # what the driver sees of the run (server/driver.py DriverContext)
         self.ready_listeners: list[Callable[[], None]] = []   # after registration (resume: restore client states)
+        # before each round: raise RunFailed for a failure noted from another thread (server/child_reports.py)
+        self.round_gates: list[Callable[[], None]] = []
         self.restored_topology: dict | None = None          # resume: the driver's checkpoint state (e.g. the walk)
         self.summary_hooks: list[Callable[[], dict]] = [lambda: fault_summary(self.store)]  # summary.json sections
         self.limiter = ReplyLimiter(self.algorithm, self.task, 2 * cfg.run.round_timeout)   # replies' claims bounded
@@ -525,6 +527,8 @@ class Coordinator:
                 self.driver.start()
                 for r in range(self.rounds_completed + 1, self.cfg.run.rounds + 1):  # rounds are 1-based
                     raise_if_stopped()   # a stop noted while the round before was recorded, or whose exception was lost
+                    for gate in self.round_gates:
+                        gate()
                     if self.privacy_spent(r):
                         break
                     self.run_round(r)

@@ -288,7 +288,7 @@ def test_only_an_edges_refusal_events_are_recorded_each_as_one_printable_line():
                                       "client-proc0": ChildNode("client-proc0", "client", "a:2", [0])},
                             store=SimpleNamespace(add_event=lambda kind, **kw: recorded.append((kind, kw["node"],
                                                                                                 kw["detail"]))),
-                            rounds_completed=3, round_writers=[])
+                            rounds_completed=3, round_writers=[], round_gates=[])
     reports = ChildReports(coord)
     events = [pb.NodeEvent(kind="auth_refused", node="10.0.0.9\x1b[2J", detail="bad token\nsecond line"),
               pb.NodeEvent(kind="node_dead", node="server", detail="forged"),
@@ -298,3 +298,36 @@ def test_only_an_edges_refusal_events_are_recorded_each_as_one_printable_line():
     reports.events("edge-0", events)
     assert recorded == [("auth_refused", "10.0.0.9?[2J", "at edge-0: bad token second line"),
                         ("events_dropped", "edge-0", "at edge-0: 3 more")]
+
+
+def test_a_refusal_whose_signal_exception_was_lost_still_fails_the_run_before_its_first_round(tmp_path):
+    """A signal handler's exception raised while the main thread runs a callback from C code (a
+    weakref callback inside an import) is printed and dropped: the server once played every round
+    after a client's set-up refusal (CI, one run in thousands).  The coordinator asks ChildReports
+    before each round (`raise_pending`); here no SIGUSR1 handler is installed at all, so that check
+    alone must fail the run, with the refusal as its reason and no round played."""
+    import threading
+
+    from fedhop.common.config import parse_config
+    from fedhop.server.child_reports import ChildReports
+    from tests.cluster import Cluster
+    from tests.helpers import quadratic_config
+
+    cfg = parse_config(quadratic_config([[1.0, 2.0], [3.0, -1.0]], [[1.0, 1.0], [2.0, 2.0]], [5, 7], rounds=3,
+                                        name="lostsignal"))
+    cluster = Cluster(cfg, tmp_path / "run")
+    reports = ChildReports(cluster.coord)   # not installed: as if SIGUSR1's exception were lost
+    try:
+        cluster.add_client("client-proc0", [0, 1], heartbeats=False)
+        reason = "client-proc0: PLUGIN_NOT_ALLOWED: the config names plug-in 'x:y'"
+        replies: list = []
+        refusal = threading.Thread(target=lambda: replies.append(reports.register(pb.RegisterRequest(
+            node_id="client-proc0", role="client", refusal=reason))))
+        refusal.start()
+        refusal.join(30)
+        assert replies and replies[0].accepted and "the run fails" in replies[0].message, replies
+        summary = cluster.run()
+    finally:
+        cluster.close()
+    assert (summary["status"], summary["rounds_completed"]) == ("failed", 0), summary
+    assert summary["error"] == reason, summary

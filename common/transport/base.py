@@ -277,6 +277,9 @@ class Endpoint(ABC):
         # transport.wire_compression: what the gRPC transport compresses its calls with ("none" elsewhere)
         self.wire_compression = "none"
         self.liveness: LivenessMonitor | None = None    # a parent's LivenessMonitor (common/transport/liveness.py): heartbeats, registrations
+        # what a registration waits for before anything is done with it, the address probe included:
+        # None to go on, else the refusal (an edge holds its clients until it knows its run: edge/runtime.py)
+        self.registration_wait: Callable[[pb.RegisterRequest], str | None] | None = None
         # an incoming request's method, caller and size checked on its header frame, before its data
         # is read (common/transport/admission.py `RequestGate`); None: only `max_payload_bytes` bounds it
         self.request_gate: Callable[[pb.Envelope], int] | None = None
@@ -428,6 +431,10 @@ class Endpoint(ABC):
 
     def handle_registration(self, register_handler: RegisterHandler, request: pb.RegisterRequest) -> pb.RegisterReply:
         """Run the role's Register handler; tell the liveness monitor about accepted children."""
+        if self.registration_wait is not None:
+            held = self.registration_wait(request)
+            if held is not None:
+                return pb.RegisterReply(accepted=False, message=held, node_id=self.node_id)
         if self.liveness is not None:
             refusal = self.liveness.check_registration(request)
             if refusal is not None:
