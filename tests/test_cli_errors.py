@@ -38,6 +38,8 @@ IN_A_PROCESS = [
     (["bench", "transport", "--tiny", "--chunk", "0"], "fedhop bench", "--chunk 0"),
     (["bench", "transport", "--sizes", "a,b"], "fedhop bench", "--sizes a,b"),
     (["bench", "transport", "--tiny", "--json", "."], "fedhop bench", "is a folder"),
+    (["bench", "scale", "--tiny", "--processes", "-2"], "fedhop bench", "--processes -2: at least 1"),
+    (["bench", "scale", "--clients", "0"], "fedhop bench", "--clients 0: at least 1"),
 ]
 
 

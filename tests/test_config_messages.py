@@ -55,6 +55,10 @@ def test_file_errors_name_the_file_and_propose_a_name(tmp_path, text, fragment):
     (["run.rounds=3", "algorithm.lr=x"], "override 'algorithm.lr=x': config key 'algorithm.lr'"),
     (["rnu.rounds=3"], "override 'rnu.rounds=3': unknown config section '[rnu]'"),
     (["algorithm.rl=1"], "override 'algorithm.rl=1': unknown config key 'algorithm.rl'"),
+    # a table the override made, and a table-valued override: still the override's, said once
+    (["data.x.y=3"], "override 'data.x.y=3': unknown config key 'data.x'"),
+    (["clients.count={a=1}"], "override 'clients.count={a=1}': config key 'clients.count': got {'a': 1} (dict)"),
+    (["algorithm={lr=1}"], "override 'algorithm={lr=1}': the key must be SECTION.KEY"),
 ])
 def test_override_errors_name_the_override(tmp_path, overrides, blamed):
     path = tmp_path / "my.toml"
@@ -62,6 +66,7 @@ def test_override_errors_name_the_override(tmp_path, overrides, blamed):
     with pytest.raises(ConfigError) as err:
         load_config(path, overrides)
     assert str(err.value).startswith(blamed), str(err.value)
+    assert str(err.value).count("override '") == 1, str(err.value)
 
 
 def test_an_error_in_the_file_is_still_the_files_when_overrides_are_given(tmp_path):

@@ -34,6 +34,16 @@ RULES = {
         '[algorithm]\nname = "fedlga"\n[security]\naggregation = "median"\n',
         "config key 'security.aggregation': 'median' replaces the weighted mean, but algorithm 'fedlga' reduces its "
         "replies its own way; use 'mean'"),
+    "a composite term for an algorithm without one": (
+        "fedhop.common.algorithms:config_problem",
+        '[algorithm]\nname = "fedprox"\nregularizer = "nuclear"\nreg = 0.1\n',
+        "config key 'algorithm.regularizer': got 'nuclear', but algorithm 'fedprox' has no composite term R(w) and "
+        "would ignore it (one with: c_fedda, fast_fedda, fedda, fedmid, mc_fedda)"),
+    "a composite weight for an algorithm without one": (
+        "fedhop.common.algorithms:config_problem",
+        '[algorithm]\nname = "scaffold"\nreg = 0.25\n',
+        "config key 'algorithm.reg': got 0.25, but algorithm 'scaffold' has no composite term R(w) and would ignore "
+        "it (one with: c_fedda, fast_fedda, fedda, fedmid, mc_fedda)"),
     "robust rule on a topology without groups": (
         "fedhop.common.engine.robust:config_problem",
         '[topology]\nkind = "gossip"\n[security]\naggregation = "krum"\n',
@@ -73,6 +83,8 @@ FIXES = {
     "edge steps without an edge step": ["topology.kappa2=1"],
     "robust rule over an algorithm's own reduction": ["security.aggregation=mean"],
     "robust rule on a topology without groups": ["security.aggregation=mean"],
+    "a composite term for an algorithm without one": ["algorithm.regularizer=none", "algorithm.reg=0"],
+    "a composite weight for an algorithm without one": ["algorithm.reg=0"],
     "robust rule on a summing transport": ["security.aggregation=mean"],
     "compression on a summing transport": ["algorithm.compress=none"],
 }

@@ -127,7 +127,7 @@ def test_the_real_catalogue_refuses_a_file_that_does_not_match(tmp_path: Path, s
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not match" in lines[0] and CATALOG["cifar10"].files[0].md5 in lines[0]
-    assert [p.name for p in (tmp_path / "data").iterdir()] == []       # nothing half-written, nothing unpacked
+    assert not (tmp_path / "data").exists()   # nothing half-written, nothing unpacked, no folder it made
 
 
 def test_an_interrupted_download_resumes_with_a_range_request(tmp_path: Path, server, fetch_here) -> None:
@@ -187,7 +187,12 @@ def test_no_network_is_one_line_and_exit_1(tmp_path: Path, fetch_here) -> None:
     done = fetch_here(tmp_path, "mnist", "--dir", "data", "--mirror", "http://127.0.0.1:9/")
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
     assert "needs network access" in done.stderr
-    assert not list((tmp_path / "data" / "MNIST" / "raw").glob("*.gz"))
+    assert not (tmp_path / "data").exists()   # the folders it made for the files are removed again
+    (tmp_path / "mine").mkdir()   # a folder that was there before stays, with what it held
+    (tmp_path / "mine" / "notes.txt").write_text("kept\n")
+    done = fetch_here(tmp_path, "mnist", "--dir", "mine", "--mirror", "http://127.0.0.1:9/")
+    assert done.returncode == 1
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
 
 
 def test_list_and_bad_names(tmp_path: Path, fetch_here) -> None:

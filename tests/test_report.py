@@ -346,3 +346,27 @@ def test_a_metric_no_run_recorded_is_one_line_naming_those_recorded(runs, tmp_pa
     assert err.startswith("fedhop report: --metric test_acuracy: recorded in none of the runs (recorded: ")
     assert "test_accuracy" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "reports").exists()
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["--target-accuracy", "-3"], "--target-accuracy -3.0: test_accuracy is a fraction; allowed 0 to 1"),
+    (["--target-accuracy", "1.5"], "--target-accuracy 1.5: test_accuracy is a fraction; allowed 0 to 1"),
+    (["--target", "nan"], "--target-accuracy nan: not a finite number"),
+    (["--metric", "test_loss", "--target", "-0.5"], "--target-accuracy -0.5: test_loss is never negative"),
+])
+def test_a_target_the_metric_cannot_reach_is_one_line_exit_2_and_no_report_folder(runs, tmp_path, monkeypatch,
+                                                                                  capsys, extra, said):
+    tmp, _, _ = runs
+    monkeypatch.chdir(tmp_path)
+    assert main([str(tmp / "a"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fedhop report: {said}") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "reports").exists()
+
+
+def test_a_reachable_target_is_reported(runs, tmp_path, monkeypatch, capsys):
+    """The bounds are the metric's: 0 and 1 are accuracies a run can reach, a loss target of 0 too."""
+    tmp, _, _ = runs
+    monkeypatch.chdir(tmp_path)
+    for extra in (["--target", "0"], ["--target", "1"], ["--metric", "test_loss", "--target", "0"]):
+        assert main([str(tmp / "a"), *extra, "--out", str(tmp_path / f"out{len(extra)}{extra[-1]}")]) == 0

@@ -117,7 +117,7 @@ def test_out_onto_a_folder_of_other_files_is_refused_even_with_force(user_dir):
     assert (keep / "thesis.tex").read_text() == "mine" and len(list(keep.iterdir())) == 1
 
 
-@pytest.mark.parametrize("out, said", [("afile", "afile exists and is not a directory"),
+@pytest.mark.parametrize("out, said", [("afile", "--out afile: a file, not a folder"),
                                        ("afile/sub", "afile is a file, so no folder can be made under it"),
                                        ("afile/a/b", "afile is a file, so no folder can be made under it")])
 def test_out_at_or_under_a_file_is_one_line_exit_2(user_dir, out, said):

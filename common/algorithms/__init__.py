@@ -74,7 +74,9 @@ def config_problem(cfg: Any) -> str | None:
     - a sequential algorithm (`Algorithm.sequential`: its model walks the edges) runs only on a
       topology whose spec says `sequential_algorithms` (its driver refuses the other algorithms);
     - a robust `security.aggregation` replaces the default weighted mean (common/engine/robust.py),
-      so not the reduction of an algorithm that overrides `Algorithm.aggregate`.
+      so not the reduction of an algorithm that overrides `Algorithm.aggregate`;
+    - `algorithm.regularizer` and `reg` (a composite term R(w)) only for an algorithm that applies
+      it (`Algorithm.composite_term`); a built-in one that does not would silently ignore it.
     """
     try:
         cls = algorithm_class(cfg.algorithm.name)
@@ -92,6 +94,13 @@ def config_problem(cfg: Any) -> str | None:
         return (f"config key 'privacy.mode': '{privacy}' clips and noises a model delta, but algorithm "
                 f"'{cfg.algorithm.name}' does not reply with one delta per parameter reduced by weighted sum "
                 f"(allowed: {allowed})")
+    regularizer, reg = getattr(cfg.algorithm, "regularizer", "none"), getattr(cfg.algorithm, "reg", 0.0)
+    if (regularizer != "none" or reg > 0) and cfg.algorithm.name in ALGORITHMS \
+            and not getattr(cls, "composite_term", False):
+        key, value = ("regularizer", repr(regularizer)) if regularizer != "none" else ("reg", str(reg))
+        allowed = ", ".join(sorted(n for n, c in registry().items() if getattr(c, "composite_term", False)))
+        return (f"config key 'algorithm.{key}': got {value}, but algorithm '{cfg.algorithm.name}' has no composite "
+                f"term R(w) and would ignore it (one with: {allowed})")
     rule = cfg.security.aggregation
     if rule != "mean" and cfg.algorithm.name in ALGORITHMS:
         from fedhop.common.algorithms.base import Algorithm  # local: base imports torch

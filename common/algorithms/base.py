@@ -104,6 +104,9 @@ class Algorithm(ABC):
     # (common/algorithms/local.py), which then carry only the exchanged parameters; the config
     # loader refuses a partial exchange for an algorithm that leaves this False
     partial_exchange: bool = False
+    # whether the algorithm applies `[algorithm] regularizer` and `reg` (a composite term R(w),
+    # common/algorithms/composite.py); the config loader refuses them for a built-in one that does not
+    composite_term: bool = False
 
     def __init__(self, cfg: Any, params: AlgorithmParams | None = None) -> None:
         """`cfg` is the validated `[algorithm]` section (common.config.AlgorithmConfig)."""

@@ -190,6 +190,7 @@ class CompositeAlgorithm(Algorithm):
     #: the algorithm needs every client to run the same number E of local steps (a shared
     #: step counter t or the FedDA prox scale r E): [algorithm] local_steps must be an int > 0
     needs_fixed_steps = True
+    composite_term = True
 
     def __init__(self, cfg: Any, params: AlgorithmParams | None = None) -> None:
         super().__init__(cfg, params)

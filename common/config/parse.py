@@ -90,17 +90,19 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Confi
     try:
         return parse_config(text, overrides)
     except ConfigError as exc:
-        raise ConfigError(f"{_blamed(path, overrides, str(exc))}: {exc}") from None
+        where = _blamed(path, overrides, str(exc))
+        raise ConfigError(str(exc) if str(exc).startswith(f"{where}:") else f"{where}: {exc}") from None
 
 
 def _blamed(path: Path, overrides: list[str], message: str) -> str:
     """Where a config error comes from: the override that set the key the message names (`--set` on
     the command line, `set=` in the Python API), else the file."""
     for item in reversed(overrides):     # the last override of a key is the one in force
-        key = item.split("=", 1)[0].strip()
-        section = key.split(".", 1)[0]
-        if f"'{key}'" in message or f"{key} =" in message or f"'[{section}]'" in message \
-                or message.startswith(f"override '{item}'"):
+        parts = [k.strip() for k in item.split("=", 1)[0].split(".")]
+        # the key, or a table above it that the override made (data.x.y=3 makes the key 'data.x')
+        keys = [".".join(parts[:n]) for n in range(len(parts), 1, -1)]
+        if any(f"'{key}'" in message or f"{key} =" in message for key in keys) \
+                or f"'[{parts[0]}]'" in message or message.startswith(f"override '{item}'"):
             return f"override '{item}'"
     return str(path)
 

@@ -412,6 +412,9 @@ def _flags_problem(args: argparse.Namespace) -> str | None:
         return f"--chunk {args.chunk}: at least 1 byte"
     if args.repeats < 1 or args.rounds < 1:
         return "--repeats and --rounds must be at least 1"
+    for flag, value in (("--clients", args.clients), ("--processes", args.processes)):
+        if value < 1:   # checked with --tiny too, which measures its own sizes
+            return f"{flag} {value}: at least 1"
     if args.json and Path(args.json).is_dir():
         return f"--json {args.json} is a folder; name a file"
     return None

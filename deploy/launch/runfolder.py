@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from fedhop.common.records.walfold import fold_wal
+from fedhop.common.util.cliparser import folder_problem
 
 
 def run_stamp(name: str, seed: int, when: float | None = None, utc: bool = False) -> str:
@@ -186,12 +187,10 @@ def give_back(folder: Path, made: bool) -> None:
 def check_out(out: str, force: bool = False, held: bool = False) -> Path:
     """Whether `--out` may be a new run's folder, without taking it (what `fedhop run` checks before
     it loads anything heavy): RunDirError saying why not.  `held`: this process holds the folder."""
+    problem = folder_problem(out, "--out")   # a file there, or on the way to it
+    if problem is not None:
+        raise RunDirError(problem)
     folder = Path(out).expanduser().resolve()
-    if folder.exists() and not folder.is_dir():
-        raise RunDirError(f"--out {out}: {folder} exists and is not a directory")
-    blocked = next((p for p in folder.parents if p.exists() and not p.is_dir()), None)
-    if blocked is not None:
-        raise RunDirError(f"--out {out}: {blocked} is a file, so no folder can be made under it")
     if folder.is_dir() and any(folder.iterdir()):
         if not holds_run(folder):
             raise RunDirError(f"--out {out}: {folder} is not empty and holds no fedhop run; name a new or empty folder")

@@ -28,6 +28,7 @@ on your machine from sources that publish no archive checksum (docs/datasets.md 
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import http.client
@@ -224,9 +225,23 @@ def fetch(entry: Entry, base: Path, mirror: str = "", say=print) -> None:
         say(f"{entry.name}: {base / entry.creates} is already there; nothing fetched")
         return
     say(f"{entry.name}: fetching {len(entry.files)} file(s) (needs network access)")
+    made: list[Path] = []   # the folders this call made: removed again, when left empty, by a failure
+    try:
+        _fetch_files(entry, base, mirror, say, made)
+    except FetchError:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):   # not empty: a part file kept to resume, or another file
+                folder.rmdir()
+        raise
+    say(f"{entry.name}: done, under {base}")
+
+
+def _fetch_files(entry: Entry, base: Path, mirror: str, say, made: list[Path]) -> None:
     for f in entry.files:
         folder = base / (entry.folder if not f.unpack else "")
+        missing = [p for p in (folder, *folder.parents) if not p.exists()]
         folder.mkdir(parents=True, exist_ok=True)
+        made.extend(p for p in reversed(missing) if p not in made)
         dest = folder / f.name
         if dest.exists() and file_digest(dest, f.checksum[0]) == f.checksum[1]:
             say(f"  {dest} is already there (checksum matches)")
@@ -238,7 +253,6 @@ def fetch(entry: Entry, base: Path, mirror: str = "", say=print) -> None:
         if f.unpack:
             tops = unpack(dest, base)
             say(f"  unpacked {dest.name}: {', '.join(tops)}")
-    say(f"{entry.name}: done, under {base}")
 
 
 def print_catalog(catalog: dict[str, Entry]) -> None:

@@ -63,6 +63,24 @@ def lower_is_better(metric: str) -> bool:
     return any(tok in name for tok in LOWER_IS_BETTER_TOKENS)
 
 
+#: metric names whose values are never negative (losses, distances, norms), and fractions in [0, 1]
+NONNEGATIVE_TOKENS: tuple[str, ...] = ("loss", "distance", "norm", "mse", "rmse")
+FRACTION_TOKENS: tuple[str, ...] = ("accuracy",)
+
+
+def target_problem(target: float, metric: str) -> str | None:
+    """Why `target` cannot be reached by `metric`'s values (a report would say "never" for every
+    run), or None: not finite, an accuracy outside [0, 1], a loss-like value below 0."""
+    name = metric.lower()
+    if not math.isfinite(target):
+        return f"--target-accuracy {target}: not a finite number"
+    if any(tok in name for tok in FRACTION_TOKENS) and not 0.0 <= target <= 1.0:
+        return f"--target-accuracy {target}: {metric} is a fraction; allowed 0 to 1"
+    if any(tok in name for tok in NONNEGATIVE_TOKENS) and target < 0.0:
+        return f"--target-accuracy {target}: {metric} is never negative; allowed 0 or more"
+    return None
+
+
 def meets(value: float, target: float, metric: str) -> bool:
     if value is None or not math.isfinite(value):
         return False
@@ -872,6 +890,9 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, target: fl
             raise RuntimeError(f"--metric {metric}: recorded in none of the runs (recorded: "
                                f"{', '.join(recorded) or 'no metric'})")
         notes.append(f"metric {metric!r} is recorded in none of the runs")
+    problem = None if target is None else target_problem(target, metric or "")
+    if problem is not None:   # before anything is written
+        raise RuntimeError(problem)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = [make_row(run, metric, target, bytes_kind, notes) for run in runs]
