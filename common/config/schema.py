@@ -116,8 +116,8 @@ class AlgorithmConfig:
                                "the algorithm supports it)")
     regularizer: str = _f("none", choices=("none", "l1", "nuclear"),
                           help="composite term R(w) of the composite algorithms (fedmid, fedda, *_fedda): none, "
-                               "l1 norm, or nuclear norm")
-    reg: float = _f(0.0, min=0.0, help="lambda, the weight of the regularizer R(w)")
+                               "l1 norm, or nuclear norm; another built-in algorithm refuses l1 and nuclear")
+    reg: float = _f(0.0, min=0.0, help="lambda, the weight of the regularizer R(w) (0 for an algorithm without one)")
     weighting: str = _f("samples", choices=("samples", "uniform"),
                         help="aggregation weights: a client's number of samples, or uniform (1 per client)")
     weight_decay: float = _f(0.0, min=0.0, help="L2 weight decay in the clients' local SGD")

@@ -1025,7 +1025,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                     "earlier report is refused unless --force")
     parser.add_argument("--force", action="store_true", help="with --out: replace the earlier report there")
     parser.add_argument("--target-accuracy", "--target", dest="target", type=float, default=None,
-                        help="target value of the metric (>= for accuracy-like, <= for loss/objective-like)")
+                        help="target value of the metric (>= for accuracy-like, <= for loss/objective-like); "
+                             "an accuracy's in 0 to 1, a loss's 0 or more")
     parser.add_argument("--metric", default=None, help="metric name (default: test_accuracy, else objective)")
     parser.add_argument("--bytes", dest="bytes_kind", choices=sorted(BYTES_KINDS), default="tensor",
                         help="byte count for the by-link, to-target and cumulative columns and plots")
