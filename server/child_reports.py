@@ -93,7 +93,8 @@ class ChildReports:
         """Raise the failure noted before the run's first round here whose SIGUSR1 exception was
         lost: a signal handler's exception raised while the main thread runs a callback from C code
         (a weakref callback inside an import) is printed and dropped, and the run would go on.  The
-        coordinator calls this before each round, as it calls `raise_if_stopped` for stops."""
+        coordinator calls this while it waits for registrations and before each round, as it
+        calls `raise_if_stopped` for stops."""
         if self.failure is not None:   # set only by a refusal before this process's first round
             raise RunFailed(self.failure)
 

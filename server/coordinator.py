@@ -134,7 +134,8 @@ class Coordinator:
         self.driver: TopologyDriver | None = None   # the topology's rounds, made after registration (server/driver.py)
         self.context = CoordinatorContext(self)      # what the driver sees of the run (server/driver.py DriverContext)
         self.ready_listeners: list[Callable[[], None]] = []   # after registration (resume: restore client states)
-        # before each round: raise RunFailed for a failure noted from another thread (server/child_reports.py)
+        # while waiting for registrations and before each round: raise RunFailed for a failure noted
+        # from another thread whose signal's exception was lost (server/child_reports.py)
         self.round_gates: list[Callable[[], None]] = []
         self.restored_topology: dict | None = None          # resume: the driver's checkpoint state (e.g. the walk)
         self.summary_hooks: list[Callable[[], dict]] = [lambda: fault_summary(self.store)]  # summary.json sections
@@ -217,6 +218,8 @@ class Coordinator:
                                     f"clients never registered (first: {missing[:10]})")
                 self._registered.wait(min(left, 0.5))
                 raise_if_stopped()   # a stop whose exception the wait lost
+                for gate in self.round_gates:   # a child's refusal whose exception was lost
+                    gate()
             nodes = len({node.node_id for node in self.client_home.values()})
         # the launcher watches for this: a child that dies before it can only be a failed start
         self.store.add_event("registration_complete", node="server", round=0,

@@ -300,12 +300,14 @@ def test_only_an_edges_refusal_events_are_recorded_each_as_one_printable_line():
                         ("events_dropped", "edge-0", "at edge-0: 3 more")]
 
 
-def test_a_refusal_whose_signal_exception_was_lost_still_fails_the_run_before_its_first_round(tmp_path):
+@pytest.mark.parametrize("registered", ["every client", "one of two client processes"])
+def test_a_refusal_whose_signal_exception_was_lost_still_fails_the_run_before_its_first_round(tmp_path, registered):
     """A signal handler's exception raised while the main thread runs a callback from C code (a
     weakref callback inside an import) is printed and dropped: the server once played every round
     after a client's set-up refusal (CI, one run in thousands).  The coordinator asks ChildReports
     before each round (`raise_pending`); here no SIGUSR1 handler is installed at all, so that check
-    alone must fail the run, with the refusal as its reason and no round played."""
+    alone must fail the run, with the refusal as its reason and no round played: before round 1, or
+    while the server still waits for the other process's clients (not after its registration timeout)."""
     import threading
 
     from fedhop.common.config import parse_config
@@ -313,12 +315,14 @@ def test_a_refusal_whose_signal_exception_was_lost_still_fails_the_run_before_it
     from tests.cluster import Cluster
     from tests.helpers import quadratic_config
 
-    cfg = parse_config(quadratic_config([[1.0, 2.0], [3.0, -1.0]], [[1.0, 1.0], [2.0, 2.0]], [5, 7], rounds=3,
-                                        name="lostsignal"))
+    centers = [[1.0, 2.0], [3.0, -1.0], [0.5, 0.5], [2.0, 1.0]]
+    cfg = parse_config(quadratic_config(centers, [[1.0, 1.0]] * 4, [5, 7, 3, 4], rounds=3, name="lostsignal"))
     cluster = Cluster(cfg, tmp_path / "run")
     reports = ChildReports(cluster.coord)   # not installed: as if SIGUSR1's exception were lost
     try:
         cluster.add_client("client-proc0", [0, 1], heartbeats=False)
+        if registered == "every client":
+            cluster.add_client("client-proc1", [2, 3], heartbeats=False)
         reason = "client-proc0: PLUGIN_NOT_ALLOWED: the config names plug-in 'x:y'"
         replies: list = []
         refusal = threading.Thread(target=lambda: replies.append(reports.register(pb.RegisterRequest(
@@ -326,8 +330,10 @@ def test_a_refusal_whose_signal_exception_was_lost_still_fails_the_run_before_it
         refusal.start()
         refusal.join(30)
         assert replies and replies[0].accepted and "the run fails" in replies[0].message, replies
+        started = time.monotonic()
         summary = cluster.run()
     finally:
         cluster.close()
+    assert time.monotonic() - started < 25, "waited out the registration timeout (30 s)"
     assert (summary["status"], summary["rounds_completed"]) == ("failed", 0), summary
     assert summary["error"] == reason, summary
