@@ -162,3 +162,26 @@ def test_resume_of_what_is_no_run_folder_says_what_it_is(tmp_path, monkeypatch, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and said in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty"]
+
+
+@pytest.mark.parametrize("command", [["k8s", "c.toml", "--out", "o"], ["certs", "o", "--config", "c.toml"],
+                                     ["netsim", "c.toml", "--out", "o"]])
+def test_a_client_count_beyond_memory_is_refused_by_every_command_that_plans_processes(tmp_path, command):
+    """Not only `fedhop run`: a command that plans the run's processes here (Kubernetes manifests,
+    the certificates of every node, emulated hosts) lists every client id; `clients.count` in the
+    billions is refused by the plan itself (common/topologies/plan.py `plan_beyond_memory`), one
+    line, exit 2, nothing made; under a 6 GiB address-space limit, as above."""
+    import resource
+    import subprocess
+    import sys
+
+    text = quadratic_config(CENTERS, CURV, SIZES, rounds=1)
+    assert text.count(f"count = {len(SIZES)}\n") == 1
+    (tmp_path / "c.toml").write_text(text.replace(f"count = {len(SIZES)}\n", "count = 1000000000\n"))
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", *command], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30)))
+    err = res.stderr.strip()
+    assert res.returncode == 2 and len(err.splitlines()) == 1, err[-2000:]
+    assert "config key 'clients.count': 1,000,000,000 clients need about 238.4 GiB of memory to plan" in err, err
+    assert not (tmp_path / "o").exists()

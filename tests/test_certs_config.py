@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fedhop.deploy.cli.cli import main as fedhop
 from fedhop.deploy.launch.launcher import run_local
@@ -151,3 +152,38 @@ def test_a_host_that_is_no_name_or_address_is_refused_before_anything_is_written
     assert "--hosts 'not a host!'" in res.stderr and not (tmp_path / "pki").exists()
     ok = _certs_cli(str(tmp_path / "pki"), "--nodes", "server,server", "--hosts", "node1.lan,10.0.0.5,::1")
     assert ok.returncode == 0 and "1 node certificates" in ok.stdout, ok.stderr   # a node named twice is one
+
+
+def _garbage(d: Path, name: str) -> None:
+    (d / name).write_bytes(bytes(range(256)) * 2)
+
+
+def _folder_instead(d: Path, name: str) -> None:
+    (d / name).unlink()
+    (d / name).mkdir()
+
+
+@pytest.mark.parametrize("spoil, said", [
+    (lambda d, other: (d / "ca.key").write_bytes((other / "ca.key").read_bytes()),
+     "ca.key is not the key of {d}/ca.pem"),
+    (lambda d, other: (d / "cluster.secret").write_bytes(b"\n"), "cluster.secret is empty"),
+    (lambda d, other: _garbage(d, "ca.key"), "ca.key: not an unencrypted PEM private key"),
+    (lambda d, other: _garbage(d, "ca.pem"), "ca.pem: not a PEM certificate"),
+    (lambda d, other: _garbage(d, "issuer.key"), "issuer.key: not a fedhop issuer key"),
+    (lambda d, other: _folder_instead(d, "server.pem"), "server.pem is not a file"),
+])
+def test_a_spoilt_cluster_folder_is_refused_before_anything_is_written(tmp_path, spoil, said):
+    """A cluster folder whose CA key is another cluster's (each certificate re-issued with it would
+    fail to verify), whose secret is empty (tokens signed with no secret), whose key files are not
+    keys, or where a node's file is a folder: one line naming the file, exit 2, every file as it was
+    (no node's certificate replaced, no temporary file left)."""
+    d, other = tmp_path / "pki", tmp_path / "other"
+    assert fedhop(["certs", str(d), "--nodes", "server,client-proc0"]) == 0
+    assert fedhop(["certs", str(other), "--nodes", "server"]) == 0
+    spoil(d, other)
+    before = {p.name: (p.read_bytes() if p.is_file() else None) for p in d.iterdir()}
+    res = _certs_cli(str(d), "--nodes", "server,client-proc1")
+    err = res.stderr.strip()
+    assert res.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert said.format(d=d) in err, err
+    assert {p.name: (p.read_bytes() if p.is_file() else None) for p in d.iterdir()} == before

@@ -114,6 +114,12 @@ def test_plan_hierarchical_parents_are_the_cluster_edges():
     (hosts({"name": "a", "address": "x", "server": True, "clients": "0-9"}), "", "outside 0..5"),
     ({"launch": {"remote": "ssh box"}, "host": [{"name": "a", "address": "x", "server": True, "clients": 6}]},
      "", "{host}"),
+    ({"launch": {"remote": "ssh {host} {command} {oops"}, "host": [{"name": "a", "address": "x", "server": True,
+                                                                   "clients": 6}]}, "", "{oops is not a field"),
+    ({"launch": {"workdir": ""}, "host": [{"name": "a", "address": "x", "server": True, "clients": 6}]},
+     "", "launch.workdir = '': give a path"),
+    ({"launch": {"ship": "tarball"}, "host": [{"name": "a", "address": "x", "server": True, "clients": 6}]},
+     "", "launch.ship = 'tarball': no fedhop wheel there"),
 ])
 def test_bad_hosts_files_are_refused_naming_the_problem(data, cfg_topology, needle):
     cfg = parse_config(cfg_text(cfg_topology))
@@ -620,3 +626,32 @@ def test_ship_installs_this_checkouts_wheel_into_a_venv_on_the_host(tmp_path):
     assert version == launcher_version() and Path(path).is_relative_to(workdir / "fv")
     assert Path(path).read_bytes() == (ROOT / "deploy" / "launch" / "hosts.py").read_bytes()
     assert check_versions(hf) == []
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["--out", "earlier"], "--out earlier: not empty (an earlier run, or files of yours); name a new or empty folder"),
+    (["--out", "afile"], "--out afile: a file, not a folder"),
+    (["--out", ".."], "--out '..': its last part names the run on the hosts"),
+    (["--out", "."], "--out '.': its last part names the run on the hosts"),
+    (["--remote", "ssh {command}"], "--remote 'ssh {command}': must contain {host}"),
+    (["--remote", ""], "--remote '': must contain {host}"),
+    (["--remote", "ssh {host} {zzz}"], "--remote 'ssh {host} {zzz}': {zzz} is not a field"),
+])
+def test_a_bad_out_or_remote_is_one_line_exit_2_and_nothing_is_touched(tmp_path, monkeypatch, capsys, extra, said):
+    """--out naming an earlier run (launch would write its config over it and report the old run's
+    summary as its own), a file, or a name that puts the hosts' run folder at launch.run_root itself
+    or above it; a --remote template the hosts file itself would refuse: refused before anything
+    starts, dry run or not, and what was there stays."""
+    from fedhop.deploy.launch.hosts import main as launch
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "config.toml").write_text("mine")
+    (tmp_path / "afile").write_text("mine")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for dry in (["--dry-run"], []):
+        assert launch([str(ROOT / "examples" / "hosts.toml"), str(ROOT / "examples" / "fedavg_digits.toml"),
+                       *extra, *dry]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"fedhop launch: {said}"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert (tmp_path / "earlier" / "config.toml").read_text() == "mine" and (tmp_path / "afile").read_text() == "mine"

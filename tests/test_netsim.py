@@ -67,7 +67,7 @@ def test_parse_rate(text, bits):
     assert parse_rate(text) == bits
 
 
-@pytest.mark.parametrize("bad", ["fast", "10 parsecs", "-3mbit", "0mbit"])
+@pytest.mark.parametrize("bad", ["fast", "10 parsecs", "-3mbit", "0mbit", "0.0001bit", 0, 0.5, float("nan")])
 def test_parse_rate_refuses_nonsense(bad):
     with pytest.raises(ValueError, match="bandwidth"):
         parse_rate(bad)
@@ -278,3 +278,36 @@ def test_an_unknown_capture_host_is_one_line_exit_2_before_anything_is_made(tmp_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--capture nosuchhost: no such host (hosts: server, " in err, err
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("setup, extra, said", [
+    ("run", [], "--out out: not empty (an earlier run, or files of yours); name a new or empty folder"),
+    ("file", [], "--out out: a file, not a folder"),
+    ("", ["--bandwidth", "client=0.0001bit"], "bandwidth '0.0001bit': at least 1 bit/s"),
+    ("", ["--bandwidth", "nobody=10mbit"], "--bandwidth nobody=...: 'nobody' is neither a host nor one of"),
+    ("", ["--hosts", "hosts.toml"], "bandwidth 'abc': expected e.g. '10mbit'"),
+])
+def test_bad_out_and_rates_are_one_line_exit_2_before_anything_runs(tmp_path, monkeypatch, capsys, setup, extra, said):
+    """An --out holding an earlier run (whose records the new run's would mix with) or a file, and a
+    rate that cannot shape a link (below 1 bit/s, unknown host, a hosts file's bad `bandwidth`): one
+    line, exit 2, and what was there is untouched."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exp.toml").write_text(quad_toml(4))
+    (tmp_path / "hosts.toml").write_text('[[host]]\nname = "h0"\naddress = "10.0.0.1"\nserver = true\n'
+                                         'bandwidth = "abc"\nclients = 2\n[[host]]\nname = "h1"\n'
+                                         'address = "10.0.0.2"\nclients = 2\n')
+    if setup == "run":
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "run.db").write_bytes(b"earlier")
+    elif setup == "file":
+        (tmp_path / "out").write_text("mine")
+    assert netsim_main(["exp.toml", "--out", "out", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"fedhop netsim: {said}"), err
+    if setup == "run":
+        assert [p.name for p in (tmp_path / "out").iterdir()] == ["run.db"]
+        assert (tmp_path / "out" / "run.db").read_bytes() == b"earlier"
+    elif setup == "file":
+        assert (tmp_path / "out").read_text() == "mine"
+    else:
+        assert not (tmp_path / "out").exists()

@@ -217,11 +217,18 @@ def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Ite
         raise SecurityError(f"--days {days}: certificates may be valid for at most {MAX_CERT_DAYS} days (100 years)")
     if d.exists() and not d.is_dir():
         raise SecurityError(f"{d} exists and is not a folder")
+    blocked = next((p for p in d.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise SecurityError(f"{d}: {blocked} is a file, so no folder can be made under it")
     for node in nodes:
         problem = reserved_name_problem(node)
         if problem:
             raise SecurityError(problem)
         check_node_id(node)
+    node_files = [d / f"{node}{suffix}" for node in nodes for suffix in (".pem", ".key", CRED_SUFFIX)]
+    for path in [d / CA_KEY, d / CA_CERT, d / SECRET_FILE, d / ISSUER_KEY, *node_files]:
+        if path.exists() and not path.is_file():   # a folder there: writing or reading it would fail half-way
+            raise SecurityError(f"{path} is not a file; move it away and run the command again")
     has_key, has_cert = (d / CA_KEY).exists(), (d / CA_CERT).exists()
     if has_key != has_cert:
         present, absent = (CA_KEY, CA_CERT) if has_key else (CA_CERT, CA_KEY)
@@ -229,10 +236,16 @@ def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Ite
                             f"run `fedhop certs` on the folder that holds the CA's key, or on a new folder")
     if has_key:
         ca_key, ca_cert = (d / CA_KEY).read_bytes(), (d / CA_CERT).read_bytes()
-        expires = _x509()[0].load_pem_x509_certificate(ca_cert).not_valid_after_utc
-        if expires <= datetime.datetime.now(datetime.timezone.utc):
-            raise SecurityError(f"{d / CA_CERT} expired on {expires:%Y-%m-%d %H:%M} UTC: a certificate it signs "
-                                f"would not verify; make a new cluster directory")
+        _check_ca(d, ca_key, ca_cert)
+    if (d / SECRET_FILE).exists() and not (d / SECRET_FILE).read_bytes().strip():
+        raise SecurityError(f"{d / SECRET_FILE} is empty: every node's token would be signed with no secret; "
+                            f"remove it (a new one is made) or restore the cluster's")
+    authority = None
+    if (d / ISSUER_KEY).exists():
+        try:
+            authority = TokenAuthority.from_bytes((d / ISSUER_KEY).read_bytes())
+        except SecurityError as exc:   # "issuer key: ...": said with the file
+            raise SecurityError(f"{d / ISSUER_KEY}: {str(exc).removeprefix('issuer key: ')}") from None
     d.mkdir(parents=True, exist_ok=True)
     written = []
     if not has_key:
@@ -243,9 +256,7 @@ def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Ite
     if not (d / SECRET_FILE).exists():
         _write_new(d / SECRET_FILE, secrets.token_hex(32).encode() + b"\n")
         written.append(d / SECRET_FILE)
-    if (d / ISSUER_KEY).exists():
-        authority = TokenAuthority.from_bytes((d / ISSUER_KEY).read_bytes())
-    else:
+    if authority is None:
         authority = TokenAuthority()
         _write_new(d / ISSUER_KEY, authority.to_bytes())
         written.append(d / ISSUER_KEY)
@@ -257,6 +268,29 @@ def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Ite
         _write_private(d / f"{node}{CRED_SUFFIX}", authority.issue(node).encode() + b"\n")
         written += [d / f"{node}.pem", d / f"{node}.key", d / f"{node}{CRED_SUFFIX}"]
     return written
+
+
+def _check_ca(d: Path, ca_key: bytes, ca_cert: bytes) -> None:
+    """A cluster folder's CA, before anything is signed with it: ca.pem a certificate, ca.key a
+    private key, the key the certificate's (a certificate signed with another key would not
+    verify), and not expired.  SecurityError naming the file otherwise."""
+    x509, serialization = _x509()[0], _x509()[2]
+    try:
+        cert = x509.load_pem_x509_certificate(ca_cert)
+    except ValueError as exc:
+        raise SecurityError(f"{d / CA_CERT}: not a PEM certificate ({exc})") from None
+    try:
+        key = serialization.load_pem_private_key(ca_key, password=None)
+    except (ValueError, TypeError) as exc:   # TypeError: an encrypted key
+        raise SecurityError(f"{d / CA_KEY}: not an unencrypted PEM private key ({exc})") from None
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+        raise SecurityError(f"{d / CA_KEY} is not the key of {d / CA_CERT}: certificates signed with it would not "
+                            f"verify; put the CA's own key back (nothing was written)")
+    expires = cert.not_valid_after_utc
+    if expires <= datetime.datetime.now(datetime.timezone.utc):
+        raise SecurityError(f"{d / CA_CERT} expired on {expires:%Y-%m-%d %H:%M} UTC: a certificate it signs "
+                            f"would not verify; make a new cluster directory")
 
 
 # ----------------------------------------------------------------------------- tokens

@@ -61,7 +61,9 @@ class TokenAuthority:
             if not text.startswith(_ISSUER_PREFIX + ":"):
                 raise ValueError("not a fedhop issuer key")
             return cls(Ed25519PrivateKey.from_private_bytes(bytes.fromhex(text[len(_ISSUER_PREFIX) + 1:])))
-        except (UnicodeDecodeError, ValueError) as exc:
+        except UnicodeDecodeError:
+            raise SecurityError("issuer key: not a fedhop issuer key (not text)") from None
+        except ValueError as exc:
             raise SecurityError(f"issuer key: {exc}") from None
 
     def to_bytes(self) -> bytes:

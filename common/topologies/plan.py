@@ -99,6 +99,10 @@ def register_plan(kind: str, fn: PlanFn) -> None:
 def plan_processes(cfg: Any, placement: Sequence[Placement] | None = None) -> ProcessPlan:
     """The processes `cfg` starts (see the module docstring); `placement` as the hosts file gives it,
     or None for the launcher's own layout.  Checks that every logical client is hosted once."""
+    too_many = plan_beyond_memory(cfg.clients.count)
+    if too_many:
+        from fedhop.common.config.schema import ConfigError  # local: the config package imports this layer
+        raise ConfigError(too_many)
     try:
         fn = spec_for(cfg.topology.kind).plan_fn()
     except KeyError as exc:
@@ -111,6 +115,22 @@ def plan_processes(cfg: Any, placement: Sequence[Placement] | None = None) -> Pr
                          f"{hosted[:10]}{'...' if len(hosted) > 10 else ''}, not each of 0..{cfg.clients.count - 1} "
                          f"exactly once")
     return plan
+
+
+#: bytes a logical client costs the process that builds a plan: its id in the plan's tuples, in the
+#: blocks they are cut from and in the check that each is hosted once (Python ints, rounded up)
+PLAN_BYTES_PER_CLIENT = 256
+
+
+def plan_beyond_memory(count: int) -> str | None:
+    """Why this process cannot plan `count` clients (every id is placed in a tuple: a count in the
+    billions would exhaust the machine's memory before any check could refuse it), or None."""
+    import psutil
+    need, available = count * PLAN_BYTES_PER_CLIENT, psutil.virtual_memory().available
+    if need <= available:
+        return None
+    return (f"config key 'clients.count': {count:,} clients need about {need / 2**30:,.1f} GiB of memory to plan "
+            f"their processes here alone, more than the {available / 2**30:.1f} GiB this machine has available")
 
 
 def client_blocks(count: int, processes: int) -> list[list[int]]:

@@ -43,3 +43,14 @@ def folder_problem(given: str | os.PathLike, flag: str) -> str | None:
     if blocked is not None:
         return f"{flag} {given}: {blocked} is a file, so no folder can be made under it"
     return None
+
+
+def new_folder_problem(given: str | os.PathLike, flag: str) -> str | None:
+    """`folder_problem`, and a folder that is there and not empty (an earlier run, whose records a
+    new one's would mix with, or files of the user's): for a command that writes a run into a new
+    or empty folder and replaces nothing."""
+    problem = folder_problem(given, flag)
+    folder = Path(given).expanduser()
+    if problem is None and folder.is_dir() and any(folder.iterdir()):
+        problem = f"{flag} {given}: not empty (an earlier run, or files of yours); name a new or empty folder"
+    return problem

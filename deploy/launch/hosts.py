@@ -53,6 +53,7 @@ Hosts file (see examples/hosts.toml)::
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -75,7 +76,7 @@ from fedhop.common.config.validate import host_problem
 from fedhop.common.security.addresses import plaintext_refusal
 from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
 from fedhop.common.topologies.plan import Placement, plan_processes
-from fedhop.common.util.cliparser import ArgumentParser
+from fedhop.common.util.cliparser import ArgumentParser, new_folder_problem
 from fedhop.common.util.nodeids import id_spec
 from fedhop.common.util.procexit import sigint_ignored
 from fedhop.common.util.rolelog import RoleRefused, refusal_of
@@ -188,6 +189,17 @@ def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
         if not isinstance(value, _LAUNCH_KEYS[key]) or (isinstance(value, bool) and _LAUNCH_KEYS[key] is not bool):
             raise HostsError(f"{where}: launch.{key} = {value!r} has the wrong type")
         kwargs[key] = value
+    for key in ("workdir", "python", "run_root", "venv", "ship_python"):
+        if key in kwargs and not kwargs[key].strip():
+            raise HostsError(f"{where}: launch.{key} = {kwargs[key]!r}: give a path (or leave the key out: "
+                             f"{getattr(HostsFile, key)!r})")
+    ship = kwargs.get("ship", "")
+    if ship and ship != "wheel":
+        path = Path(ship).expanduser()
+        wheels = [path] if path.is_file() else sorted(path.glob("*.whl")) if path.is_dir() else []
+        if not any(w.name.startswith("fedhop-") and w.suffix == ".whl" for w in wheels):
+            raise HostsError(f"{where}: launch.ship = {ship!r}: no fedhop wheel there (give 'wheel', a .whl or a "
+                             f"wheelhouse folder)")
     grace = kwargs.get("stop_grace", 0.0)
     if not (math.isfinite(grace) and grace >= 0):
         raise HostsError(f"{where}: launch.stop_grace = {grace!r} must be a number of seconds >= 0")
@@ -221,9 +233,27 @@ def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise HostsError(f"{where}: host name '{dup[0]}' appears more than once")
-    if "{host}" not in kwargs.get("remote", DEFAULT_REMOTE):
-        raise HostsError(f"{where}: launch.remote = {kwargs['remote']!r} must contain {{host}}")
+    problem = remote_problem(kwargs.get("remote", DEFAULT_REMOTE))
+    if problem:
+        raise HostsError(f"{where}: launch.remote = {kwargs['remote']!r}: {problem}")
     return HostsFile(hosts=hosts, **kwargs)
+
+
+def remote_problem(template: str) -> str | None:
+    """Why a remote command template cannot start a role (module docstring), or None: it must name
+    the host with `{host}`, split like a shell command line, and hold no other `{...}` field."""
+    try:
+        tokens = shlex.split(template)
+    except ValueError as exc:   # an unclosed quote
+        return f"not a command line ({exc})"
+    if not any("{host}" in t for t in tokens):
+        return "must contain {host}"
+    other = sorted(set(re.findall(r"\{[^{}]*\}?", template)) - {"{host}", "{command}"})
+    if other:
+        return f"{other[0]} is not a field (the fields: {{host}}, {{command}})"
+    if "{command}" in template and "{command}" not in tokens:
+        return "{command} must be a word of its own"
+    return None
 
 
 def load_hosts(path: str | os.PathLike) -> HostsFile:
@@ -942,6 +972,19 @@ def security_line(cfg: Config) -> str:
             "unencrypted; drop security.insecure for mutual TLS")
 
 
+def launch_out_problem(out: str | None) -> str | None:
+    """Why `--out` cannot be this launch's run folder: a file there or on the way, a folder that is
+    not empty, or a name that cannot name the hosts' run folder (RUN_ROOT/<its last part>: '.', '..'
+    or a root would put the run in RUN_ROOT itself or above it)."""
+    if out is None:
+        return None
+    name = Path(out).name
+    if name in ("", ".", ".."):
+        return (f"--out {out!r}: its last part names the run on the hosts (launch.run_root/<name>); give a folder "
+                f"name, e.g. --out runs/my-run")
+    return new_folder_problem(out, "--out")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="fedhop launch", description="start a run's roles on the hosts of a hosts file")
     ap.add_argument("hosts", help="hosts TOML file (see examples/hosts.toml)")
@@ -955,7 +998,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         hf = load_hosts(args.hosts)
-        if args.remote:
+        if args.remote is not None:
+            problem = remote_problem(args.remote)
+            if problem:
+                raise HostsError(f"--remote {args.remote!r}: {problem}")
             hf.remote = args.remote
         cfg = load_config(args.config, args.overrides)
         roles = plan_roles(hf, cfg)
@@ -971,12 +1017,17 @@ def main(argv: list[str] | None = None) -> int:
     if refusal:   # every role would refuse on its host: say so before starting any
         print(f"fedhop launch: {refusal}", file=sys.stderr)
         return 2
+    problem = launch_out_problem(args.out)
+    if problem:
+        print(f"fedhop launch: {problem}", file=sys.stderr)
+        return 2
     print(f"fedhop launch: {security_line(cfg)}", file=sys.stderr)
     from fedhop.deploy.launch.launcher import default_run_dir
     if args.out or not args.dry_run:
         out = Path(args.out) if args.out else default_run_dir(cfg)
     else:   # a dry run makes nothing: the name a run folder would have
         out = Path("runs") / f"{cfg.run.name}-seed{cfg.run.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    made = not out.exists()   # removed again, when left empty, by a refusal below
     if hf.ship and not args.dry_run:
         out.mkdir(parents=True, exist_ok=True)
     try:
@@ -988,6 +1039,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fedhop launch: warning: {warning}", file=sys.stderr)
     except HostsError as exc:
         print(f"fedhop launch: {exc}", file=sys.stderr)
+        if made:
+            with contextlib.suppress(OSError):   # not empty: what ship() wrote before it failed stays
+                out.rmdir()
         return 2
     if args.dry_run:
         run = run_path(hf, out.name)

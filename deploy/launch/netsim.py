@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from fedhop.common.config import Config, ConfigError, load_config
-from fedhop.common.util.cliparser import ArgumentParser
+from fedhop.common.util.cliparser import ArgumentParser, new_folder_problem
 from fedhop.common.util.nodeids import client_node
 from fedhop.deploy.launch.engine import process_launch_problem
 from fedhop.deploy.launch.hosts import HostsError, HostsFile, HostSpec, Role, load_hosts, plan_roles, run_launch
@@ -131,6 +131,8 @@ def cleanup_stale() -> list[str]:
 def parse_rate(text: str | int | float) -> int:
     """'10mbit', '1.5gbit', '500kbit', '2mbps' (bytes) or a number of bit/s -> bit/s."""
     if isinstance(text, (int, float)):
+        if not text >= 1:   # NaN too
+            raise ValueError(f"bandwidth {text!r}: at least 1 bit/s")
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)?\s*", text.lower())
     if not m:
@@ -140,6 +142,8 @@ def parse_rate(text: str | int | float) -> int:
         value *= 8
     if value <= 0:
         raise ValueError(f"bandwidth {text!r} must be positive")
+    if value < 1:   # tc shapes whole bits per second: a rate that rounds to 0 would shape nothing
+        raise ValueError(f"bandwidth {text!r}: at least 1 bit/s")
     return int(value)
 
 
@@ -668,8 +672,10 @@ def main(argv: list[str] | None = None) -> int:
         print(engine_problem, file=sys.stderr)
         return 2
     try:
-        problem = capture_problem(hf if hf is not None else default_hosts(cfg), args.capture)
-    except HostsError as exc:
+        hosts = hf if hf is not None else default_hosts(cfg)
+        problem = capture_problem(hosts, args.capture) or (new_folder_problem(args.out, "--out") if args.out else None)
+        host_rates(hosts, bandwidth)   # every rate, the hosts file's too, read before anything starts
+    except (HostsError, ValueError) as exc:
         problem = str(exc)
     if problem:
         print(f"fedhop netsim: {problem}", file=sys.stderr)
