@@ -259,3 +259,43 @@ def test_the_page_refuses_a_host_header_of_another_site(tmp_path):
     finally:
         server.shutdown()
     assert allowed_host(socket.gethostname()) and allowed_host("10.1.2.3:80") and not allowed_host("")
+
+
+@pytest.mark.parametrize("config", [b"\xff\xfe garbage [[[", b'[clients]\ncount = "abc"\n', b"clients = 5\n",
+                                    b'[topology]\nkind = "hierarchical"\nedges = "many"\n', b"[run]\nname = 5\n"])
+def test_a_damaged_config_toml_still_serves_the_page_from_run_db(tmp_path, config):
+    """A run folder's config.toml that is not what fedhop writes (not UTF-8, a count that is no
+    number, a table that is a value) never fails a request: the page and /api/state answer 200 with
+    run.db's rounds, the config's facts left out; the server goes on serving."""
+    import http.client
+
+    from fedhop.deploy.tools.dashboard import serve
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_bytes(config)
+    store = RunStore(run / "run.db")
+    store.start_run(run_id="r1", name="damaged", algorithm="fedavg", topology="star", transport="grpc", config_toml="")
+    store.close()
+    server, _url = serve(run, 0)
+    port = server.server_address[1]
+    try:
+        for path in ("/api/state", "/", "/api/state"):
+            con = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            try:
+                con.request("GET", path)
+                reply = con.getresponse()
+                body = reply.read()
+            finally:
+                con.close()
+            assert reply.status == 200, (path, body[:300])
+        assert json.loads(body)["status"] == "running"
+    finally:
+        server.shutdown()
+
+
+def test_an_empty_host_is_refused_not_every_interface(tmp_path, capsys):
+    from fedhop.deploy.tools.dashboard import main as dashboard
+    (tmp_path / "config.toml").write_text("[run]\n")
+    with pytest.raises(SystemExit) as exit_:
+        dashboard([str(tmp_path), "--host", "", "--port", "0"])
+    assert exit_.value.code == 2 and "--host '': give an address" in capsys.readouterr().err

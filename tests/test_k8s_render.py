@@ -186,8 +186,17 @@ def test_values_kubernetes_would_refuse_are_refused_naming_the_flag(image, stora
     (["star.toml", "--certs", "nowhere"], "nowhere/ca.pem is missing"),
     (["star.toml", "--file", "absent.py"], "--file absent.py: no such file"),
     (["star.toml", "--set", "clients.count=abc"], "clients.count"),
+    (["star.toml", "--file", "blob.bin"], "--file blob.bin: not UTF-8 text (byte 0xff at offset 0)"),
+    (["star.toml", "--certs", "spoilt"], "spoilt/server.pem is not a PEM certificate"),
+    (["star.toml", "--certs", "spoiltkey"], "spoiltkey/client-proc0.key is not an unencrypted PEM private key"),
 ])
 def test_what_cannot_be_rendered_is_one_line_exit_2(user, args, message):
+    (user / "blob.bin").write_bytes(b"\xff\xfe\x00binary")
+    if "--certs" in args and args[-1].startswith("spoilt"):   # a certs folder with one file that is no PEM
+        folder = user / args[-1]
+        assert fedhop("certs", args[-1], "--config", "star.toml", cwd=user).returncode == 0
+        spoilt = "server.pem" if args[-1] == "spoilt" else "client-proc0.key"
+        (folder / spoilt).write_bytes(b"-----BEGIN NOTHING-----\nabc\n")
     res = fedhop("k8s", *args, "--out", "out", cwd=user)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
     assert not (user / "out").exists()

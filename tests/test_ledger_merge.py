@@ -142,6 +142,31 @@ def test_a_ledger_path_that_is_no_regular_file_is_refused_with_one_line(tmp_path
     assert _stored(run) == 0
 
 
+@pytest.mark.parametrize("tables, said", [
+    (["CREATE TABLE messages(x)"], "its table messages is not a run's (no column run_id)"),
+    (["CREATE TABLE runs(run_id TEXT)", "CREATE TABLE messages(run_id, round, msg_id, role, framed_bytes)"],
+     "its table runs is not a run's (no column status)"),
+    (["CREATE TABLE notes(x)"], "holds no table of a run (tables: notes)"),
+])
+def test_a_run_db_that_is_no_runs_is_refused_unchanged(tmp_path, tables, said):
+    """merge-ledgers opens run.db for writing, which brings its schema up to date: a SQLite file of
+    another program's (a table of one of the run's names without its columns, or none of them) is
+    refused in one line before that, byte for byte as it was and no -wal or -shm file beside it."""
+    run = tmp_path / "run"
+    (run / "ledger").mkdir(parents=True)
+    write_ledger(run / "ledger" / "a.jsonl", 2000)
+    con = sqlite3.connect(run / "run.db")
+    for sql in tables:
+        con.execute(sql)
+    con.commit()
+    con.close()
+    before = (run / "run.db").read_bytes()
+    rc, out, err = merge(tmp_path, timeout=120)
+    assert rc == 2 and err.count("\n") == 1 and said in err and "Traceback" not in err, (out, err)
+    assert (run / "run.db").read_bytes() == before
+    assert sorted(p.name for p in run.iterdir()) == ["ledger", "run.db"]
+
+
 @pytest.mark.slow
 def test_a_500_mb_ledger_is_merged_in_bounded_memory(tmp_path):
     """The red team's size (their ledger: 461 MB).  Measured 2026-11-28: peak 45.8 MB resident for

@@ -76,6 +76,36 @@ _SCHEMA = [
 _ADDED_COLUMNS = [("rounds", "clients_dropped", "INTEGER")]
 
 
+#: what every schema version's tables hold: a table of one of these names without them is no run's
+_KEY_COLUMNS = {"runs": ("run_id", "status"), "rounds": ("run_id", "round"),
+                "messages": ("run_id", "round", "msg_id", "role", "framed_bytes"), "events": ("kind", "detail")}
+
+
+def foreign_schema_problem(path: str | os.PathLike) -> str | None:
+    """Why the SQLite file at `path` is not a fedhop run.db a writer may open (opening one brings
+    its schema up to date, which would change a file that is someone else's), or None.  Read-only:
+    the file is not changed, and no -wal or -shm file is left beside it."""
+    try:
+        conn = sqlite3.connect(f"file:{Path(path).absolute()}?mode=ro", uri=True, timeout=5.0)
+    except sqlite3.Error as exc:
+        return f"not a SQLite database ({exc})"
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if tables and not tables & set(_KEY_COLUMNS):
+            return f"holds no table of a run (tables: {', '.join(sorted(tables)[:5])})"
+        for table, needed in _KEY_COLUMNS.items():
+            if table in tables:
+                have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+                missing = [c for c in needed if c not in have]
+                if missing:
+                    return f"its table {table} is not a run's (no column {missing[0]})"
+    except sqlite3.Error as exc:
+        return f"not a SQLite database ({exc})"
+    finally:
+        conn.close()
+    return None
+
+
 def _add_missing_columns(conn: sqlite3.Connection) -> None:
     for table, column, sql_type in _ADDED_COLUMNS:
         have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}

@@ -147,9 +147,28 @@ def node_secret(certs: Path, node: str) -> dict[str, Any]:
         path = certs / name
         if not path.is_file():
             raise RenderError(f"--certs {certs}: {path} is missing (make it with `fedhop certs {certs} --nodes ...`)")
-        data[name] = base64.b64encode(path.read_bytes()).decode()
+        content = path.read_bytes()
+        problem = pem_problem(name, content)
+        if problem:   # the pod would only fail when it starts, on the cluster
+            raise RenderError(f"--certs {certs}: {path} {problem} (make it with `fedhop certs {certs} --nodes ...`)")
+        data[name] = base64.b64encode(content).decode()
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": f"fedhop-node-{node}", "labels": dict(LABEL)}, "data": data}
+
+
+def pem_problem(name: str, content: bytes) -> str | None:
+    """Why a `fedhop certs` file is not what its name says: a .pem a PEM certificate, a .key an
+    unencrypted PEM private key (a .cred is fedhop's own line, checked by the node that reads it)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    try:
+        if name.endswith(".pem"):
+            x509.load_pem_x509_certificate(content)
+        elif name.endswith(".key"):
+            serialization.load_pem_private_key(content, password=None)
+    except (ValueError, TypeError):
+        return "is not a PEM certificate" if name.endswith(".pem") else "is not an unencrypted PEM private key"
+    return None
 
 
 def check_options(image: str, storage: str, deadline: str) -> int:
@@ -189,7 +208,11 @@ def render(config: Path, image: str = "fedhop:cpu", certs: Path | None = None, f
             raise RenderError(f"--file {f}: no such file")
         if f.name in shipped:
             raise RenderError(f"--file {f}: a second file named {f.name}")
-        shipped[f.name] = f.read_text()
+        try:
+            shipped[f.name] = f.read_text()
+        except UnicodeDecodeError as exc:
+            raise RenderError(f"--file {f}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                              f"a ConfigMap holds text: bake other files into the image") from None
     if sum(len(t.encode()) for t in shipped.values()) > CONFIGMAP_LIMIT:
         raise RenderError(f"the config and --file files hold more than {CONFIGMAP_LIMIT} bytes: a ConfigMap holds "
                           f"at most 1 MiB; bake larger files into the image")
@@ -277,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"every Job's activeDeadlineSeconds: the Job fails after this long, a pod that never "
                          f"started included (default {DEFAULT_DEADLINE_S}, 24 h)")
     args = ap.parse_args(argv)
+    if not args.out.strip():   # "" would be the folder the command runs in
+        ap.error(f"--out {args.out!r}: name a folder for fedhop.yaml")
     try:
         deadline = check_options(args.image, args.storage, args.deadline)
         docs = render(Path(args.config), args.image, Path(args.certs) if args.certs else None,

@@ -46,10 +46,12 @@ def _tables(con: sqlite3.Connection) -> set[str]:
 
 
 def _config(run_dir: Path) -> dict:
+    """The run's config.toml as tables (a key outside any table left out); {} when it cannot be read."""
     try:
-        return tomllib.loads((run_dir / "config.toml").read_text())
-    except (OSError, tomllib.TOMLDecodeError):
+        data = tomllib.loads((run_dir / "config.toml").read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)}
 
 
 def _is_edge(node: str) -> bool:
@@ -100,9 +102,17 @@ def _graph(cfg: dict, live: list[tuple], server_pairs: dict[str, dict[str, int]]
 
 
 def snapshot(run_dir: Path) -> dict[str, Any]:
-    """Everything the page shows, from run.db (read-only; the server may be writing)."""
+    """Everything the page shows, from run.db (read-only; the server may be writing) and the run's
+    config.toml.  A config.toml whose values are not what fedhop writes (a hand-edited or damaged
+    file: a count that is no number, a table that is a string) is left out, not a failed page."""
     run_dir = Path(run_dir)
-    cfg = _config(run_dir)
+    try:
+        return _snapshot(run_dir, _config(run_dir))
+    except (ValueError, TypeError, AttributeError):
+        return _snapshot(run_dir, {})
+
+
+def _snapshot(run_dir: Path, cfg: dict) -> dict[str, Any]:
     state: dict[str, Any] = {"run_dir": str(run_dir), "name": cfg.get("run", {}).get("name", run_dir.name),
                              "algorithm": cfg.get("algorithm", {}).get("name", ""),
                              "topology": cfg.get("topology", {}).get("kind", ""),
@@ -225,6 +235,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(403, "text/plain", b"forbidden: the Host header names another site\n")
             return
         path = self.path.split("?", 1)[0]
+        try:
+            self._answer(path)
+        except Exception as exc:   # a run folder's damaged file never ends the page's server
+            print(f"fedhop dashboard: {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._send(500, "text/plain", f"the run folder could not be read: {type(exc).__name__}\n".encode())
+
+    def _answer(self, path: str) -> None:
         if path == "/api/state":
             self._send(200, "application/json", json.dumps(snapshot(self.run_dir)).encode())
         elif path in ("/", "/index.html"):
@@ -259,8 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="fedhop dashboard", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="a run directory, finished or running")
     ap.add_argument("--port", type=port_number, default=8050, help="port to serve on (0: any free one; default 8050)")
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0: every interface)")
     args = ap.parse_args(argv)
+    if not args.host.strip():   # "" would listen on every interface, which only 0.0.0.0 may ask for
+        ap.error(f"--host {args.host!r}: give an address (127.0.0.1, or 0.0.0.0 for every interface)")
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.toml").exists():
         print(f"fedhop dashboard: {run_dir} holds no config.toml; is it a run directory?", file=sys.stderr)

@@ -17,7 +17,7 @@ import stat
 import sys
 from pathlib import Path
 
-from fedhop.common.records.runstore import RunStore
+from fedhop.common.records.runstore import RunStore, foreign_schema_problem
 from fedhop.common.util.cliparser import ArgumentParser
 from fedhop.common.wire.ledger import NotARegularFile, iter_jsonl_batches, open_regular
 from fedhop.deploy.tools.runread import read_summary
@@ -50,6 +50,9 @@ def merge_run(run_dir: Path) -> tuple[int, Verdict]:
     """Merge `run_dir`'s ledger files into its run.db; (records added, the agreement verdict of
     server/agreement.py: explained losses agree; counted in SQLite, so a run.db of millions of
     records is judged in bounded memory)."""
+    foreign = foreign_schema_problem(run_dir / "run.db")
+    if foreign:   # opening it for writing would change it: refused before anything is written
+        raise ValueError(foreign)
     store = RunStore(run_dir / "run.db")   # opening it for writing also brings an old schema up to date
     try:
         added = merge_files(store, ledger_files(run_dir / "ledger"))
