@@ -187,3 +187,19 @@ def test_a_spoilt_cluster_folder_is_refused_before_anything_is_written(tmp_path,
     assert res.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert said.format(d=d) in err, err
     assert {p.name: (p.read_bytes() if p.is_file() else None) for p in d.iterdir()} == before
+
+
+@pytest.mark.parametrize("args, said", [
+    (["x", "--nodes", "client-proc0..99999999999"], "makes more than 100,000 node certificates in one command"),
+    (["x", "--nodes", "server,SERVER"], "'server' and 'SERVER' differ only in case"),
+    (["x", "--nodes", "server", "--hosts", "a" * 64 + ".lan"], "not a host name (at most 253 characters, 63"),
+])
+def test_nodes_and_hosts_no_certificate_can_hold_are_one_line_and_nothing_is_made(tmp_path, capsys, monkeypatch,
+                                                                                  args, said):
+    """A range of billions of nodes (it filled 4 GB before a word was printed), two node ids that
+    are one file on a case-insensitive file system, a DNS label over 63 characters."""
+    monkeypatch.chdir(tmp_path)
+    assert fedhop(["certs", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err, err
+    assert list(tmp_path.iterdir()) == []

@@ -80,3 +80,26 @@ def test_copy_to_a_file_is_one_line_naming_it(tmp_path, to, said):
     res = examples("copy", "fedavg_digits", "--to", to, cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and said in res.stderr, res.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["mine.toml"] and (tmp_path / "mine.toml").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("setup, to, said", [
+    ("folder", "d", "d/fedavg_digits.toml is a folder, not a file; --force replaces files only"),
+    ("dangling_file", "d", "d/fedavg_digits.toml is a link to nothing"),
+    ("dangling_to", "link", "link is a link to nothing, so link/hosts.toml cannot be made under it"),
+    ("", "", "--to '': name a folder"),
+])
+def test_copy_with_force_refuses_what_it_cannot_replace_before_writing_any_file(tmp_path, setup, to, said):
+    """`copy hosts fedavg_digits --force` where one target is a folder (or a link to nothing) wrote
+    hosts.toml and then failed with a bare errno line: now one line naming the target, exit 2,
+    and no file of the copy written."""
+    (tmp_path / "d").mkdir()
+    if setup == "folder":
+        (tmp_path / "d" / "fedavg_digits.toml").mkdir()
+    elif setup == "dangling_file":
+        (tmp_path / "d" / "fedavg_digits.toml").symlink_to(tmp_path / "nowhere")
+    elif setup == "dangling_to":
+        (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    res = examples("copy", "hosts", "fedavg_digits", "--to", to, "--force", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and said in res.stderr, res.stderr
+    assert "Errno" not in res.stderr and not (tmp_path / "d" / "hosts.toml").exists()
+    assert not (tmp_path / "hosts.toml").exists() and not (tmp_path / "nowhere").exists()

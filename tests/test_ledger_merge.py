@@ -189,10 +189,11 @@ def test_unreadable_lines_are_one_warning_line_each_and_the_rest_merges(tmp_path
     run = _run_dir(tmp_path)
     good = write_ledger(run / "ledger" / "a.jsonl", 2000)
     with open(run / "ledger" / "a.jsonl", "a", encoding="utf-8") as fh:
-        fh.write("garbage\n{\"bad\": 1}\n")
+        fh.write("garbage\n{\"bad\": 1}\n[1, 2]\n")
     rc, out, err = merge(tmp_path, timeout=120)
     assert rc == 0, (out, err)
     lines = err.strip().splitlines()
-    assert len(lines) == 2 and all(ln.startswith("fedhop merge-ledgers: warning: run/ledger/a.jsonl:") for ln in lines), err
+    assert "a JSON list, not an object of a record's fields" in lines[2] and "attribute" not in err, err
+    assert len(lines) == 3 and all(ln.startswith("fedhop merge-ledgers: warning: run/ledger/a.jsonl:") for ln in lines), err
     assert f"a.jsonl:{good + 1}: skipping unreadable ledger line" in lines[0] and "iter_jsonl" not in err, err
     assert _stored(run) == good

@@ -135,6 +135,8 @@ def host_problem(value: str) -> str | None:
     parts = value.split(".")
     if all(p.isdigit() for p in parts) and (len(parts) != 4 or any(int(p) > 255 for p in parts)):
         return "not an IPv4 address (four numbers from 0 to 255)"
+    if ":" not in value and (len(value) > 253 or any(len(p) > 63 for p in parts)):
+        return "not a host name (at most 253 characters, 63 between dots)"
     return None
 
 

@@ -97,6 +97,8 @@ class LedgerRecord:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LedgerRecord":
         """Build a record from a dict; unknown keys are ignored, missing required keys are an error."""
+        if not isinstance(data, dict):   # a JSON line that is a list, a number, a string
+            raise ValueError(f"a JSON {type(data).__name__}, not an object of a record's fields")
         kwargs: dict[str, Any] = {}
         missing = []
         for name, coerce, required in _FROM_DICT:

@@ -112,9 +112,18 @@ def copy(names: list[str], to: Path, force: bool = False) -> list[Path]:
         if base is not None and base in known and Path(base + ".toml") not in plan:
             wanted.append(base)
     targets = [(src, to / rel) for rel, src in plan.items()]
-    existing = [t for _, t in targets if t.exists()]
+    existing = [t for _, t in targets if t.exists() or t.is_symlink()]
     if existing and not force:
         raise ExampleError(f"{existing[0]} exists; copy into another folder with --to DIR, or replace it with --force")
+    for _, target in targets:   # what --force cannot replace, refused before any file is written
+        if target.is_symlink() and not target.exists():
+            raise ExampleError(f"{target} is a link to nothing ({target.readlink()}); remove it or copy elsewhere")
+        if target.exists() and not target.is_file():
+            raise ExampleError(f"{target} is a folder, not a file; --force replaces files only")
+        blocked = next((p for p in target.parents if (p.exists() or p.is_symlink()) and not p.is_dir()), None)
+        if blocked is not None:
+            raise ExampleError(f"{blocked} is {'a link to nothing' if not blocked.exists() else 'a file'}, so "
+                               f"{target} cannot be made under it")
     for src, target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
         with src.open("rb") as fin, open(target, "wb") as fout:
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name + ('/' if entry.is_dir() else ''):<{width + 1}}  {describe(entry)}")
         print("\ncopy one into this folder: fedhop examples copy NAME; then: fedhop run NAME.toml")
         return 0
-    problem = folder_problem(args.to, "--to")
+    problem = folder_problem(args.to, "--to") if args.to.strip() else "--to '': name a folder (. for here)"
     if problem is not None:
         print(f"fedhop examples: {problem} (the folder to copy into)", file=sys.stderr)
         return 2

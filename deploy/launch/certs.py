@@ -27,6 +27,9 @@ from pathlib import Path
 
 from fedhop.common.util.cliparser import ArgumentParser
 
+#: node certificates one `fedhop certs` makes at most (each is a key pair and a signature)
+MAX_NODES = 100_000
+
 
 def expand_nodes(spec: str) -> list[str]:
     """'server,edge-0..2,client-proc0..3' -> the node ids ('a..b' ranges over trailing numbers)."""
@@ -40,10 +43,19 @@ def expand_nodes(spec: str) -> list[str]:
             lo = head[len(stem):]
             if not lo or not hi.isdigit() or int(hi) < int(lo):
                 raise ValueError(f"--nodes: bad range '{part}' (write e.g. client-proc0..3)")
+            if len(out) + int(hi) - int(lo) + 1 > MAX_NODES:
+                raise ValueError(f"--nodes: '{part}' makes more than {MAX_NODES:,} node certificates in one command")
             out += [f"{stem}{i}" for i in range(int(lo), int(hi) + 1)]
         else:
             out.append(part)
-    return list(dict.fromkeys(out))   # a node named twice is one node
+    nodes = list(dict.fromkeys(out))   # a node named twice is one node
+    folded: dict[str, str] = {}
+    for node in nodes:
+        other = folded.setdefault(node.casefold(), node)
+        if other != node:
+            raise ValueError(f"--nodes: '{other}' and '{node}' differ only in case: their files would be one on a "
+                             f"case-insensitive file system")
+    return nodes
 
 
 def nodes_for_config(path: str) -> list[str]:
@@ -62,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", default="", help="extra host names / IPs for every certificate, comma-separated")
     ap.add_argument("--days", type=int, default=365, help="validity of a new CA and of the node certificates, in days (1 to 36500)")
     args = ap.parse_args(argv)
+    if not args.dir.strip():   # "" would be the folder the command runs in
+        ap.error(f"dir {args.dir!r}: name the cluster folder (e.g. certs)")
     from fedhop.common.security.auth import SecurityError, write_cluster
     try:
         nodes = expand_nodes(args.nodes)
