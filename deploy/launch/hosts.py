@@ -176,8 +176,9 @@ def _check_host_strings(host: HostSpec, i: int, where: str) -> None:
             raise HostsError(f"{where}: host[{i}].env.{key} = {value!r} must be a string or a number")
 
 
-def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
-    """Validate a parsed hosts file; errors name the key, the value and what is allowed."""
+def hosts_from_dict(data: dict, where: str = "hosts file", addresses: bool = True) -> HostsFile:
+    """Validate a parsed hosts file; errors name the key, the value and what is allowed.  Without
+    `addresses` (fedhop netsim, which assigns each host its own) a host may leave `address` out."""
     unknown = sorted(set(data) - {"launch", "host"})
     if unknown:
         raise HostsError(f"{where}: unknown section '{unknown[0]}' (allowed: [launch], [[host]])")
@@ -214,6 +215,8 @@ def hosts_from_dict(data: dict, where: str = "hosts file") -> HostsFile:
             want = _HOST_TYPES[key]
             if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
                 raise HostsError(f"{where}: host[{i}].{key} = {value!r} has the wrong type")
+        if not addresses and "address" not in raw:
+            raw = {**raw, "address": "127.0.0.1"}   # a stand-in: the caller assigns the host's address
         for key in ("name", "address"):
             if not raw.get(key):
                 raise HostsError(f"{where}: host[{i}] needs '{key}'")
@@ -256,7 +259,7 @@ def remote_problem(template: str) -> str | None:
     return None
 
 
-def load_hosts(path: str | os.PathLike) -> HostsFile:
+def load_hosts(path: str | os.PathLike, addresses: bool = True) -> HostsFile:
     try:
         data = tomllib.loads(Path(path).read_text().removeprefix("\ufeff"))   # a byte order mark is not TOML
     except OSError as exc:
@@ -265,7 +268,7 @@ def load_hosts(path: str | os.PathLike) -> HostsFile:
         raise HostsError(f"{path}: not a hosts file (TOML text): not UTF-8 at byte {exc.start}") from None
     except tomllib.TOMLDecodeError as exc:
         raise HostsError(f"{path}: not valid TOML: {exc}") from None
-    return hosts_from_dict(data, str(path))
+    return hosts_from_dict(data, str(path), addresses)
 
 
 # ----------------------------------------------------------------------------- the plan

@@ -662,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        hf = load_hosts(args.hosts) if args.hosts else None
+        hf = load_hosts(args.hosts, addresses=False) if args.hosts else None   # netsim assigns them
         bandwidth = parse_bandwidth(args.bandwidth)
     except (ConfigError, HostsError, ValueError, OSError) as exc:
         print(f"fedhop netsim: {exc}", file=sys.stderr)
