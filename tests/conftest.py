@@ -37,6 +37,19 @@ def grpc_stays_initialised():
     channel.close()
 
 
+@pytest.fixture(autouse=True)
+def plugins_unrestricted():
+    """Every test starts with the process's plug-in allow-list lifted: a test that runs a role's
+    set-up in the worker process (`child_setup` restricts the plug-ins, as a role process does for
+    its life) left it restricted for every later test in that worker, and a test that loads a
+    plug-in then failed with PLUGIN_NOT_ALLOWED depending on the order xdist dealt the tests."""
+    from fedhop.common.util import plugins
+
+    plugins.unrestricted()
+    yield
+    plugins.unrestricted()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in HOST_SERVICE_MODULES:
