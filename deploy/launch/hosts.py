@@ -992,7 +992,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="fedhop launch", description="start a run's roles on the hosts of a hosts file")
     ap.add_argument("hosts", help="hosts TOML file (see examples/hosts.toml)")
     ap.add_argument("config", help="experiment TOML file")
-    ap.add_argument("--out", help="local run directory (default runs/NAME-seedS-TIMESTAMP)")
+    ap.add_argument("--out", help="local run directory, new or empty (default runs/NAME-seedS-TIMESTAMP); its "
+                                  "name is the run's folder on the hosts too")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--remote", help="remote command template (overrides launch.remote), e.g. 'ip netns exec {host}'")
     ap.add_argument("--quiet", action="store_true", help="do not echo the processes' output")

@@ -650,7 +650,7 @@ def parse_bandwidth(items: list[str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="fedhop netsim", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="experiment TOML file")
-    ap.add_argument("--out", help="run directory (default runs/NAME-seedS-TIMESTAMP)")
+    ap.add_argument("--out", help="run directory, new or empty (default runs/NAME-seedS-TIMESTAMP)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--hosts", help="hosts file grouping roles on emulated hosts (addresses and targets are "
                                     "assigned here; 'bandwidth' per host is honoured)")
