@@ -164,3 +164,15 @@ def test_example_package_installed_in_a_venv_runs_over_real_processes(tmp_path):
         models.append(load_file(str(tmp_path / name / "model.safetensors")))
     assert models[0].keys() == {"conv.weight", "conv.bias", "head.weight", "head.bias"}
     assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+
+
+def test_a_plugin_that_exits_as_it_is_imported_is_a_plugin_error_not_this_processs_exit(tmp_path, monkeypatch):
+    """A module that calls sys.exit() at import (`fedhop config show` of it printed nothing and
+    exited 0): the import fails as a PluginError naming the reference and the call."""
+    (tmp_path / "fh_exits.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(PluginError, match=r"cannot import 'fh_exits:A': the module called sys.exit\(0\)"):
+            load_plugin("fh_exits:A", "algorithms")
+    finally:
+        sys.modules.pop("fh_exits", None)

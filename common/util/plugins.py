@@ -262,6 +262,8 @@ def load_plugin(ref: str, group: str) -> Any:
         raise PluginError(f"cannot import '{ref}': {exc}") from None
     except Exception as exc:   # noqa: BLE001 - any failure of the user's import is reported, not raised
         raise PluginError(f"cannot import '{ref}': {type(exc).__name__}: {exc}") from None
+    except SystemExit as exc:   # the module called sys.exit() as it was imported: not this process's exit
+        raise PluginError(f"cannot import '{ref}': the module called sys.exit({exc.code!r}) as it was imported") from None
     obj = resolve_attribute(module, attr, ref, group)
     check_kind(obj, ref, group, module.__name__)
     return obj
