@@ -63,6 +63,7 @@ from fedhop.common.security.nodecred import (
     TokenAuthority,
     check_node_id,
 )
+from fedhop.common.util.cliparser import folder_problem
 
 __all__ = ["CRED_ENV", "SignedIdentity", "TokenAuthority", "SecurityError", "check_node_id", "SHARED_TOKEN_NOTE",
            "announce_security", "reserved_name_problem", "security_notes"]
@@ -217,9 +218,9 @@ def write_cluster(directory: str | os.PathLike, nodes: Iterable[str], hosts: Ite
         raise SecurityError(f"--days {days}: certificates may be valid for at most {MAX_CERT_DAYS} days (100 years)")
     if d.exists() and not d.is_dir():
         raise SecurityError(f"{d} exists and is not a folder")
-    blocked = next((p for p in d.absolute().parents if p.exists() and not p.is_dir()), None)
+    blocked = folder_problem(d, "cluster folder")   # a file on the way to it
     if blocked is not None:
-        raise SecurityError(f"{d}: {blocked} is a file, so no folder can be made under it")
+        raise SecurityError(blocked)
     for node in nodes:
         problem = reserved_name_problem(node)
         if problem:

@@ -122,15 +122,22 @@ def plan_processes(cfg: Any, placement: Sequence[Placement] | None = None) -> Pr
 PLAN_BYTES_PER_CLIENT = 256
 
 
+def memory_shortfall(count: int, bytes_each: int) -> tuple[int, int] | None:
+    """(bytes needed, bytes available) when `count` things of `bytes_each` bytes would not fit in
+    this machine's available memory, else None."""
+    import psutil
+    need, available = count * bytes_each, psutil.virtual_memory().available
+    return None if need <= available else (need, available)
+
+
 def plan_beyond_memory(count: int) -> str | None:
     """Why this process cannot plan `count` clients (every id is placed in a tuple: a count in the
     billions would exhaust the machine's memory before any check could refuse it), or None."""
-    import psutil
-    need, available = count * PLAN_BYTES_PER_CLIENT, psutil.virtual_memory().available
-    if need <= available:
+    short = memory_shortfall(count, PLAN_BYTES_PER_CLIENT)
+    if short is None:
         return None
-    return (f"config key 'clients.count': {count:,} clients need about {need / 2**30:,.1f} GiB of memory to plan "
-            f"their processes here alone, more than the {available / 2**30:.1f} GiB this machine has available")
+    return (f"config key 'clients.count': {count:,} clients need about {short[0] / 2**30:,.1f} GiB of memory to "
+            f"plan their processes here alone, more than the {short[1] / 2**30:.1f} GiB this machine has available")
 
 
 def client_blocks(count: int, processes: int) -> list[list[int]]:

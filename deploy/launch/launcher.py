@@ -430,10 +430,11 @@ def clients_beyond_memory(count: int) -> str | None:
     more than its available memory), or None.  A data set with fewer samples than clients refuses
     the count later, once it is loaded; this check keeps a count in the billions from exhausting
     the machine's memory before that."""
-    import psutil
-    need, available = count * BYTES_PER_CLIENT, psutil.virtual_memory().available
-    if need <= available:
+    from fedhop.common.topologies.plan import memory_shortfall
+    short = memory_shortfall(count, BYTES_PER_CLIENT)
+    if short is None:
         return None
+    need, available = short
     return (f"clients.count = {count:,} needs about {need / 2**30:,.1f} GiB of memory for the clients' bookkeeping "
             f"alone ({BYTES_PER_CLIENT} bytes each in the run's processes), more than the {available / 2**30:.1f} GiB "
             f"this machine has available")
