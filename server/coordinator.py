@@ -9,6 +9,7 @@ code runs over gRPC, torch.distributed and, in unit tests, in memory.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import time
 import uuid
 from collections import Counter, deque
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -105,6 +106,8 @@ class Coordinator:
         self.run_dir = Path(run_dir)
         self.endpoint = endpoint
         self.ledger = ledger
+        # whether records drained from the ledger failed to reach run.db (`store_ledger`)
+        self._drain_lost = False
         # after every recorded round (the progress line, checkpoints: server/resilience.py)
         self.round_listeners: list[Callable[[RoundResult], None]] = [on_round] if on_round is not None else []
         # run.db writes that belong to a round's own transaction (the live totals: server/__main__.py)
@@ -439,7 +442,7 @@ class Coordinator:
         if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
             raise RunFailed(f"round {round}: {self.skipped_in_a_row} rounds in a row skipped; last: the folded "
                             f"aggregate held NaN/Inf")
-        self.store.insert_records(self.ledger.drain())
+        self.store_ledger()
         self.rounds_completed = round
         return None
 
@@ -483,7 +486,7 @@ class Coordinator:
         A stop signal waits until all of that is written (`stops_deferred`): the rounds table,
         `rounds_completed` and the newest checkpoint then agree, and a stop raised at the next
         round's start (`raise_if_stopped`) reports this round as the last."""
-        with stops_deferred():
+        with stops_deferred(), self._drain_guard():
             with self.store.transaction():
                 self.store.insert_records(self.ledger.drain())
                 self.store.add_round(result.round, participants=len(result.participants),
@@ -587,10 +590,30 @@ class Coordinator:
             self.store.add_event("shutdown_failed", node=children[i].node_id, detail=why, round=self.rounds_completed)
         self.fabric.close()
 
+    @contextlib.contextmanager
+    def _drain_guard(self) -> Iterator[None]:
+        """Around a drain of the ledger into run.db: if it raises, the drained records are in
+        the ledger file only, and `merge_ledgers` reads the whole file."""
+        try:
+            yield
+        except BaseException:
+            self._drain_lost = True
+            raise
+
+    def store_ledger(self) -> None:
+        """Insert the records the server's ledger holds into run.db."""
+        with self._drain_guard():
+            self.store.insert_records(self.ledger.drain())
+
     def merge_ledgers(self) -> None:
-        """Insert every process's ledger file (run_dir/ledger/*.jsonl) into run.db (idempotent)."""
-        self.store.insert_records(self.ledger.drain())
-        self.store.merge_ledger_dir(self.run_dir / "ledger")
+        """Insert every process's ledger file (run_dir/ledger/*.jsonl) into run.db (idempotent).
+        The server's own file is read only up to where its own records begin (`Ledger.own_from`):
+        the records after were drained into run.db as the run went, unless an insert of drained
+        records failed, and then the whole file is read."""
+        self.store_ledger()
+        own = self.ledger.path
+        stored = {own: self.ledger.own_from} if own is not None and not self._drain_lost else {}
+        self.store.merge_ledger_dir(self.run_dir / "ledger", stored)
         record_refusals(self.store)   # calls a child refused: the caller may not use the method
 
     def finalize(self, status: str, error: str, wall_seconds: float) -> dict:

@@ -81,7 +81,7 @@ class Checkpointer:
         started = time.perf_counter()
         self.client_states.update(self.pull_client_states(round))
         torch_rng, numpy_rng = capture_rng()
-        coord.store.insert_records(coord.ledger.drain())
+        coord.store_ledger()
         info = {"algorithm": coord.cfg.algorithm.name, "wall_time": time.time()}
         topology = coord.driver.checkpoint_state() if coord.driver is not None else None
         if topology is not None:   # e.g. a walk's holder and sequence (topologies/sequential/driver.py, topologies/chain/driver.py)

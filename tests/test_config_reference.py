@@ -258,6 +258,17 @@ def test_config_show_unknown_algorithm_is_one_line_and_exit_2(tmp_path):
     assert len(lines) == 1 and "fedadamm" in lines[0] and "fedadam," in lines[0] and "scaffold" in lines[0]
 
 
+@pytest.mark.parametrize("args", [("show", ""), ("show", "  "), ("show", "--toml", "")])
+def test_config_show_an_empty_algorithm_is_refused_not_read_as_none(capsys, args):
+    """`fedhop config show ""` (a script's unset variable) printed the common keys as if no
+    algorithm had been named."""
+    with pytest.raises(SystemExit) as stop:
+        _show(capsys, *args)
+    out = capsys.readouterr()
+    assert stop.value.code == 2 and out.out == ""
+    assert "empty" in out.err.strip().splitlines()[-1] and "ALGORITHM" in out.err
+
+
 def test_config_show_toml_is_a_complete_loadable_config(tmp_path, capsys):
     for name in ("fedadam", "fedchs"):
         code, out, err = _show(capsys, "show", "--toml", name)

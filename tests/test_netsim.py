@@ -96,6 +96,10 @@ def test_host_rates_precedence_and_errors():
     assert host_rates(hf, {"c2": "7mbit"})["c2"] == 7_000_000
     with pytest.raises(HostsError, match="'nobody'"):
         host_rates(hf, {"nobody": "1mbit"})
+    with pytest.raises(HostsError, match=r"^host 'c1' \(--bandwidth client=\): bandwidth '0bit'"):
+        host_rates(hf, {"client": "0bit"})
+    with pytest.raises(HostsError, match=r"^host 'c2' \(--bandwidth c2=\): bandwidth 'x'"):
+        host_rates(hf, {"c2": "x"})
 
 
 def test_physical_link_from_endpoint_roles():
@@ -283,9 +287,9 @@ def test_an_unknown_capture_host_is_one_line_exit_2_before_anything_is_made(tmp_
 @pytest.mark.parametrize("setup, extra, said", [
     ("run", [], "--out out: not empty (an earlier run, or files of yours); name a new or empty folder"),
     ("file", [], "--out out: a file, not a folder"),
-    ("", ["--bandwidth", "client=0.0001bit"], "bandwidth '0.0001bit': at least 1 bit/s"),
+    ("", ["--bandwidth", "client=0.0001bit"], "--bandwidth client=: bandwidth '0.0001bit': at least 1 bit/s"),
     ("", ["--bandwidth", "nobody=10mbit"], "--bandwidth nobody=...: 'nobody' is neither a host nor one of"),
-    ("", ["--hosts", "hosts.toml"], "bandwidth 'abc': expected e.g. '10mbit'"),
+    ("", ["--hosts", "hosts.toml"], "host 'h0' (the hosts file): bandwidth 'abc': expected e.g. '10mbit'"),
 ])
 def test_bad_out_and_rates_are_one_line_exit_2_before_anything_runs(tmp_path, monkeypatch, capsys, setup, extra, said):
     """An --out holding an earlier run (whose records the new run's would mix with) or a file, and a

@@ -30,7 +30,7 @@ import threading
 import time as _time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, cast
+from typing import Any, Iterable, Iterator, Mapping, cast
 
 from fedhop.common.records.walfold import CLOSE_CHECKPOINT_WAIT
 from fedhop.common.transport.livebytes import carried_rows
@@ -434,16 +434,21 @@ class RunStore:
             self._conn.executemany(sql, rows)
             return self._conn.total_changes - before
 
-    def insert_jsonl(self, path: str | os.PathLike) -> int:
+    def insert_jsonl(self, path: str | os.PathLike, stop: int | None = None) -> int:
         """Merge a process's JSONL ledger file (torn last line skipped with a warning), 10,000
         records a transaction (`iter_jsonl_batches`): the server's memory while it merges stays
-        one batch, not the whole file, which grows with the run (two records a message)."""
-        return sum(self.insert_records(batch) for batch in iter_jsonl_batches(path))
+        one batch, not the whole file, which grows with the run (two records a message).
+        `stop`: only the records in the file's bytes before this offset."""
+        return sum(self.insert_records(batch) for batch in iter_jsonl_batches(path, stop=stop))
 
-    def merge_ledger_dir(self, folder: str | os.PathLike) -> int:
+    def merge_ledger_dir(self, folder: str | os.PathLike, stored: Mapping[Path, int] | None = None) -> int:
         """Merge every process's ledger file in `folder` (a run's ledger/*.jsonl); idempotent.
+        `stored`: files whose records from a byte offset on are in run.db already (the server's
+        own ledger, drained into run.db round by round): only the bytes before it are read.
         Returns the number of records that were not yet in run.db."""
-        return sum(self.insert_jsonl(path) for path in sorted(Path(folder).glob("*.jsonl")))
+        stored = {Path(p).resolve(): offset for p, offset in (stored or {}).items()}
+        return sum(self.insert_jsonl(path, stored.get(path.resolve()))
+                   for path in sorted(Path(folder).glob("*.jsonl")))
 
     # -- reading ----------------------------------------------------------------------
     def run(self) -> dict[str, Any] | None:

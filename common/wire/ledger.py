@@ -177,6 +177,9 @@ class Ledger:
         self.observers: list[Callable[[LedgerRecord], None]] = []   # see each record as it is added (common/transport/livebytes.py)
         self.path = Path(path) if path is not None else None
         self._sink = None
+        #: where this ledger's own records begin in its file: the bytes before are a predecessor's
+        #: (a process of the same node that ran before, e.g. a server before a resume)
+        self.own_from = 0
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             torn_tail = self.path.exists() and self.path.stat().st_size > 0 and _last_byte(self.path) != b"\n"
@@ -184,6 +187,7 @@ class Ledger:
             if torn_tail:  # a killed predecessor left a torn line: end it so our first record stays whole
                 self._sink.write("\n")
                 self._sink.flush()
+            self.own_from = self._sink.tell()
 
     def record(self, **fields_: Any) -> LedgerRecord:
         """Record one message; `wall_time` defaults to now. Returns the stored record."""
@@ -309,11 +313,28 @@ def open_regular(path: str | os.PathLike) -> Any:
         raise
 
 
-def iter_jsonl(path: str | os.PathLike) -> Iterator[LedgerRecord]:
+class _Prefix:
+    """A binary file's first `stop` bytes, read as `bounded_lines` reads a file."""
+
+    def __init__(self, fh: Any, stop: int) -> None:
+        self.fh, self.left = fh, max(stop, 0)
+
+    def read(self, n: int) -> bytes:
+        block = self.fh.read(min(n, self.left)) if self.left else b""
+        self.left -= len(block)
+        return block
+
+
+#: the fields a run.db integer column holds (checked against its range as a file is read)
+_INT_FIELDS = tuple(name for name, kind in _COERCE.items() if kind is int)
+
+
+def iter_jsonl(path: str | os.PathLike, stop: int | None = None) -> Iterator[LedgerRecord]:
     """Records from a ledger JSONL file, one at a time: memory stays at one 64 KiB block and one
     line however large the file.  Unreadable lines (a torn last line, a line over
     MAX_LINE_BYTES, JSON nested too deeply, a count beyond 2^63 - 1) are skipped with a warning;
-    a path that is no regular file raises `NotARegularFile` before anything is read."""
+    a path that is no regular file raises `NotARegularFile` before anything is read.  `stop`:
+    only the file's bytes before this offset are read."""
     skipped = 0
 
     def skip(lineno: int, why: str) -> None:
@@ -323,7 +344,7 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[LedgerRecord]:
             warnings.warn(f"{path}:{lineno}: skipping {why}", stacklevel=3)
 
     with open_regular(path) as fh:
-        for lineno, raw in bounded_lines(fh):
+        for lineno, raw in bounded_lines(fh if stop is None else _Prefix(fh, stop)):
             if raw is None:
                 skip(lineno, f"a ledger line over {MAX_LINE_BYTES} bytes")
                 continue
@@ -332,7 +353,7 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[LedgerRecord]:
                 continue
             try:
                 record = LedgerRecord.from_dict(json.loads(line))
-                if any(abs(getattr(record, k)) > _SQLITE_INT for k, kind in _COERCE.items() if kind is int):
+                if any(abs(getattr(record, k)) > _SQLITE_INT for k in _INT_FIELDS):
                     raise ValueError("a count beyond 2^63 - 1")
             except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
                 # JSONDecodeError is a ValueError; RecursionError: JSON nested too deeply
@@ -343,10 +364,10 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[LedgerRecord]:
         warnings.warn(f"{path}: {skipped - MAX_WARNINGS} more unreadable ledger lines skipped", stacklevel=2)
 
 
-def iter_jsonl_batches(path: str | os.PathLike, size: int = 10_000) -> Iterator[list[LedgerRecord]]:
+def iter_jsonl_batches(path: str | os.PathLike, size: int = 10_000, stop: int | None = None) -> Iterator[list[LedgerRecord]]:
     """`iter_jsonl` in lists of at most `size` records (what a merge inserts per transaction)."""
     batch: list[LedgerRecord] = []
-    for record in iter_jsonl(path):
+    for record in iter_jsonl(path, stop):
         batch.append(record)
         if len(batch) >= size:
             yield batch

@@ -551,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("algorithm", nargs="?", help="the common keys and this algorithm's own (built in or a plug-in)")
     show.add_argument("--toml", action="store_true", help="a complete config file for ALGORITHM, every key at its default")
     args = ap.parse_args(argv)
+    if args.algorithm is not None and not args.algorithm.strip():
+        ap.error("show: the ALGORITHM given is empty (name one, e.g. fedavg, or leave it out for the common keys)")
     if args.toml and not args.algorithm:
         ap.error("show --toml needs an ALGORITHM (e.g. fedhop config show --toml fedavg)")
     try:

@@ -350,8 +350,17 @@ def host_rates(hf: HostsFile, bandwidth: dict[str, str]) -> dict[str, int | None
             raise HostsError(f"--bandwidth {key}=...: '{key}' is neither a host nor one of client, edge, server")
     out = {}
     for h in hf.hosts:
-        text = bandwidth.get(h.name) or h.bandwidth or bandwidth.get(host_kind(h))
-        out[h.name] = parse_rate(text) if text else None
+        text: str | None
+        if bandwidth.get(h.name):
+            text, source = bandwidth[h.name], f"--bandwidth {h.name}="
+        elif h.bandwidth:
+            text, source = h.bandwidth, "the hosts file"
+        else:
+            text, source = bandwidth.get(host_kind(h)), f"--bandwidth {host_kind(h)}="
+        try:
+            out[h.name] = parse_rate(text) if text else None
+        except ValueError as exc:
+            raise HostsError(f"host '{h.name}' ({source}): {exc}") from None
     return out
 
 
@@ -642,7 +651,10 @@ def parse_bandwidth(items: list[str]) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
             raise HostsError(f"--bandwidth {item!r}: expected WHO=RATE, e.g. client=20mbit")
-        parse_rate(value)
+        try:
+            parse_rate(value)
+        except ValueError as exc:
+            raise HostsError(f"--bandwidth {key}=: {exc}") from None
         out[key] = value
     return out
 
