@@ -624,10 +624,7 @@ class Coordinator:
         half-written file."""
         from fedhop.server.agreement import ledger_verdict  # beside ledger_consistency, which it reads
         self.merge_ledgers()
-        final = self.evaluate() if self.rounds_completed else {}
-        if "train_loss" not in final:
-            bind_params(self.model, self.state.params)
-            final["train_loss"] = float(self.task.train_loss(self.model))
+        final, final_error = self._final_metrics()
         self._save_model(whole_params(self.model, self.state.params), "model.safetensors")   # frozen ones too
         for name, params in self.algorithm.outputs(self.state).items():
             self._save_model(whole_params(self.model, params), f"model-{name}.safetensors")
@@ -644,6 +641,7 @@ class Coordinator:
             "rounds_completed": self.rounds_completed,
             "rounds_planned": self.cfg.run.rounds,
             "final": final,
+            **({"final_error": final_error} if final_error else {}),
             "bytes": {"total": by_link.pop("total", None), "by_link": by_link},
             "ledger_agreement": ledger_verdict(self.store).as_dict(),   # explained losses agree (server/agreement.py)
             "failures": self.failures_total,
@@ -664,6 +662,23 @@ class Coordinator:
                       lambda tmp: tmp.write_text(json.dumps(summary, indent=2, default=float)))
         self.store.finish_run(status)
         return summary
+
+    def _final_metrics(self) -> tuple[dict[str, float], str]:
+        """The final evaluation and training loss, and "" or why they could not be made.  They
+        read the task's data (the test set, and clients no round may have read, e.g. a LEAF user
+        whose file holds values of the wrong kind): a failure there is recorded (an event and
+        summary.json's `final_error`) and the run's model and records are still written."""
+        try:
+            final = self.evaluate() if self.rounds_completed else {}
+            if "train_loss" not in final:
+                bind_params(self.model, self.state.params)
+                final["train_loss"] = float(self.task.train_loss(self.model))
+            return final, ""
+        except Exception as exc:   # noqa: BLE001  # whatever the data held: the run's results come first
+            why = f"{type(exc).__name__}: {exc}"[:500]
+            log.error("the final evaluation failed (the model and records are written): %s", why)
+            self.store.add_event("final_evaluation_failed", node="server", detail=why)
+            return {}, why
 
     def _save_model(self, params: dict[str, torch.Tensor], name: str) -> None:
         self._replace(self.run_dir / name, lambda tmp: save_file(

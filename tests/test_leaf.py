@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import re
+import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -171,3 +175,113 @@ def test_user_split_tests_on_every_test_writer(tmp_path: Path, monkeypatch) -> N
     task = build_task(parse_config(_cfg("femnist", "natural", 2)))
     x, y = task.data.test_arrays()
     assert y.tolist() == [c for _, ys in test_users.values() for c in ys] and len(x) == len(y)
+
+
+def _one_file(base: Path, doc: dict | bytes) -> Path:
+    (base / "train").mkdir(parents=True)
+    path = base / "train" / "a.json"
+    path.write_bytes(doc if isinstance(doc, bytes) else json.dumps(doc).encode())
+    return path
+
+
+@pytest.mark.parametrize("users, sizes, said", [
+    ([{"a": 1}, "u1"], [1, 1], r"users\[0\] is a JSON dict, not a user name"),
+    (["u0", "u1"], [None, 1], r"num_samples\[0\] \(user 'u0'\) is null, not a count"),
+    (["u0", "u1"], ["abc", 1], r"num_samples\[0\] \(user 'u0'\) is \"abc\", not a count"),
+    (["u0", "u1"], [1, -3], r"num_samples\[1\] \(user 'u1'\) is -3, not a count"),
+    (["u0", "u1"], [1, 2.5], r"num_samples\[1\] \(user 'u1'\) is 2.5, not a count"),
+    (["u0", "u1"], [True, 1], r"num_samples\[0\] \(user 'u0'\) is true, not a count"),
+])
+def test_an_index_of_values_of_the_wrong_kind_is_a_leaf_error_naming_the_file(tmp_path: Path, users, sizes,
+                                                                             said) -> None:
+    path = _one_file(tmp_path, {"users": users, "num_samples": sizes, "user_data": {}})
+    with pytest.raises(leaf.LeafError, match=rf"^{path}: {said}"):
+        leaf.LeafIndex(tmp_path / "train")
+
+
+def test_json_nested_too_deeply_is_a_leaf_error_not_a_recursion_error(tmp_path: Path) -> None:
+    path = _one_file(tmp_path, b'{"users": ' + b"[" * 100_000 + b"]" * 100_000 + b', "num_samples": [1]}')
+    with pytest.raises(leaf.LeafError, match=rf"^{path}: cannot read LEAF JSON: maximum recursion depth"):
+        leaf.LeafIndex(tmp_path / "train")
+    deep = b'{"users": ["u"], "num_samples": [1], "user_data": {"u": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}}"
+    (tmp_path / "train" / "a.json").write_bytes(deep)
+    with pytest.raises(leaf.LeafError, match=r"user_data\['u'\] is not readable JSON"):
+        leaf.LeafIndex(tmp_path / "train").load("u")
+
+
+@pytest.mark.parametrize("x, y, said", [
+    ([[0.5] * 784] * 3, [1.5, 2, 3], "labels must be integers, found 1.5"),    # a cast would make it 1
+    ([[0.5] * 784] * 3, [[1], [2], [3]], r"labels must be integers, found \[1\]"),   # a reshape would flatten it
+    ([[0.5] * 784] * 3, ["a", 2, 3], 'labels must be integers, found "a"'),
+    ([[0.5] * 784] * 3, [None, 2, 3], "labels must be integers, found null"),
+    ([[0.5] * 784] * 3, [70, 1, 2], "femnist user 'u0' has labels outside 0..61"),
+    (5, [1, 2, 3], "'x' and 'y' must be JSON arrays"),
+    ([[0.5] * 784, "row", [0.5] * 784], [1, 2, 3], "inputs are not rows of numbers"),
+    ([[0.5] * 10] * 3, [1, 2, 3], "expected inputs of 784 values each"),
+])
+def test_a_users_values_of_the_wrong_kind_are_a_leaf_error_naming_file_and_user(tmp_path: Path, monkeypatch,
+                                                                                x, y, said) -> None:
+    good = {"x": [[0.25] * 784] * 2, "y": [4, 5]}
+    path = _one_file(tmp_path / "data" / "femnist", {"users": ["u0", "u1"], "num_samples": [3, 2],
+                                                     "user_data": {"u0": {"x": x, "y": y}, "u1": good}})
+    monkeypatch.chdir(tmp_path)
+    task = build_task(parse_config(_cfg("femnist", "natural", 2)))
+    assert task.client_data(1).tensors[1].tolist() == [4, 5]   # the other user is read as ever
+    with pytest.raises(leaf.LeafError, match=r"a\.json: ") as err:
+        task.client_data(0)
+    assert re.search(said, str(err.value)), str(err.value)
+    assert str(err.value).startswith(str(path.relative_to(tmp_path))) and "'u0'" in str(err.value)
+
+
+FEMNIST_RUN = """
+[run]
+name = "leaf-bad-user"
+rounds = 2
+engine = "{engine}"
+[algorithm]
+name = "fedavg"
+lr = 0.1
+local_epochs = 1
+batch_size = 4
+[data]
+dataset = "femnist"
+partition = "natural"
+path = "lf"
+[model]
+kind = "mlp"
+hidden = [8]
+[clients]
+count = 2
+per_round = 2
+processes = 1
+"""
+
+
+@pytest.mark.parametrize("engine", ["inprocess", "processes"])
+def test_a_user_whose_labels_are_bad_fails_its_rounds_and_the_run_still_writes_its_model(tmp_path: Path,
+                                                                                     engine: str) -> None:
+    """The bad user fails each round it is sampled in; the final training loss reads every user
+    again and fails on it too: the run's model, summary.json and run.db's status are written all
+    the same, with `final_error` naming the file and the user (the run had ended with a traceback,
+    no summary.json and run.db left at `running`)."""
+    rng = np.random.default_rng(1)
+    users = _femnist_users(rng, ["u0", "u1"])
+    users["u0"] = (users["u0"][0], [99] * len(users["u0"][1]))   # labels beyond FEMNIST's 62 classes
+    for split in ("train", "test"):
+        (tmp_path / "lf" / split).mkdir(parents=True)
+        leaf.write_leaf(tmp_path / "lf" / split / "a.json", users if split == "train" else {"u1": users["u1"]})
+    (tmp_path / "exp.toml").write_text(FEMNIST_RUN.format(engine=engine))
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "out", "--quiet"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 2 and summary["failures"] == 2
+    assert summary["final"] == {} and "lf/train/a.json" in summary["final_error"]
+    assert "'u0' has labels outside 0..61" in summary["final_error"]
+    assert "final evaluation failed" in done.stdout
+    assert (tmp_path / "out" / "model.safetensors").stat().st_size > 0
+    with sqlite3.connect(tmp_path / "out" / "run.db") as conn:
+        assert conn.execute("SELECT status FROM runs").fetchone() == ("completed",)
+        kinds = [k for (k,) in conn.execute("SELECT kind FROM events")]
+    assert kinds.count("final_evaluation_failed") == 1 and kinds.count("client_failed") == 2

@@ -105,17 +105,23 @@ class LeafFile:
                         got[key] = json.loads(buf[start:end])
                         if len(got) == 2:
                             break
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:   # RecursionError: JSON nested too deeply
             if isinstance(exc, LeafError):
                 raise
-            raise LeafError(f"{path}: cannot read LEAF JSON: {exc}") from exc
+            raise LeafError(f"{path}: cannot read LEAF JSON: {str(exc)[:200]}") from exc
         if len(got) != 2:
             raise LeafError(f"{path}: a LEAF file needs keys 'users' and 'num_samples' (found {sorted(got)})")
         users, sizes = got["users"], got["num_samples"]
         if not isinstance(users, list) or not isinstance(sizes, list) or len(users) != len(sizes):
             raise LeafError(f"{path}: 'users' and 'num_samples' must be lists of the same length")
-        self.users = [str(u) for u in users]
-        self.num_samples = [int(n) for n in sizes]
+        for k, (u, n) in enumerate(zip(users, sizes)):
+            if not isinstance(u, str):
+                raise LeafError(f"{path}: users[{k}] is a JSON {type(u).__name__}, not a user name (a string)")
+            if type(n) is not int or n < 0:
+                raise LeafError(f"{path}: num_samples[{k}] (user {u!r}) is {json.dumps(n)[:40]}, not a count "
+                                f"(an integer >= 0)")
+        self.users = users
+        self.num_samples = sizes
 
     def _index_user_data(self, buf: Any) -> dict[str, tuple[int, int]]:
         for key, start, _end in _members(buf, 0, self.path):
@@ -131,10 +137,15 @@ class LeafFile:
             if user not in self._spans:
                 raise LeafError(f"{self.path}: user {user!r} is listed in 'users' but has no entry in 'user_data'")
             start, end = self._spans[user]
-            value = json.loads(buf[start:end])
+            try:
+                value = json.loads(buf[start:end])
+            except (ValueError, RecursionError) as exc:   # RecursionError: JSON nested too deeply
+                raise LeafError(f"{self.path}: user_data[{user!r}] is not readable JSON: {str(exc)[:200]}") from None
         if not isinstance(value, dict) or "x" not in value or "y" not in value:
             raise LeafError(f"{self.path}: user_data[{user!r}] needs keys 'x' and 'y'")
         x, y = value["x"], value["y"]
+        if not isinstance(x, list) or not isinstance(y, list):
+            raise LeafError(f"{self.path}: user {user!r}: 'x' and 'y' must be JSON arrays")
         if len(x) != len(y):
             raise LeafError(f"{self.path}: user {user!r} has {len(x)} inputs but {len(y)} labels")
         return x, y
@@ -166,6 +177,10 @@ class LeafIndex:
                 self.users.append(LeafUser(name, n, i))
         self.position = {u.name: k for k, u in enumerate(self.users)}
 
+    def path_of(self, user: str) -> Path:
+        """The file that holds `user`."""
+        return self.files[self.users[self.position[user]].file].path
+
     def load(self, user: str) -> tuple[list, list]:
         """(x, y) of one user; checks the count against 'num_samples'."""
         u = self.users[self.position[user]]
@@ -192,11 +207,26 @@ def find_split(base: Path, split: str) -> Path | None:
     return None
 
 
+def labels(y: list, user: str) -> np.ndarray:
+    """Class labels as int64: every entry a JSON integer (not a float such as 1.5, a bool, a string
+    or a nested list, which a cast would truncate or flatten)."""
+    if not all(type(v) is int for v in y):
+        bad = next(v for v in y if type(v) is not int)
+        raise LeafError(f"user {user!r}: labels must be integers, found {json.dumps(bad)[:40]}")
+    try:
+        return np.asarray(y, dtype=np.int64).reshape(-1)
+    except OverflowError:
+        raise LeafError(f"user {user!r}: a label beyond the int64 range") from None
+
+
 def as_images(x: list, user: str, shape: tuple[int, ...]) -> np.ndarray:
     """FEMNIST's flattened pixel lists as float32 images of `shape`."""
     if len(x) == 0:
         return np.zeros((0, *shape), dtype=np.float32)
-    arr = np.asarray(x, dtype=np.float32)
+    try:
+        arr = np.asarray(x, dtype=np.float32)
+    except (TypeError, ValueError) as exc:   # a string, null, an object or ragged rows
+        raise LeafError(f"user {user!r}: inputs are not rows of numbers ({str(exc)[:120]})") from None
     size = int(np.prod(shape))
     if arr.ndim != 2 or arr.shape[1] != size:
         raise LeafError(f"user {user!r}: expected inputs of {size} values each, got array shape {arr.shape}")

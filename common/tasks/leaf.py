@@ -60,7 +60,7 @@ class LeafKind:
 
 
 def _femnist(x: list, y: list, user: str) -> tuple[np.ndarray, np.ndarray]:
-    return leaf.as_images(x, user, (1, 28, 28)), np.asarray(y, dtype=np.int64).reshape(-1)
+    return leaf.as_images(x, user, (1, 28, 28)), leaf.labels(y, user)
 
 
 def _shakespeare(x: list, y: list, user: str) -> tuple[np.ndarray, np.ndarray]:
@@ -94,9 +94,18 @@ class LeafData:
         self.users = users
 
     def load(self, index: leaf.LeafIndex, user: str) -> tuple[np.ndarray, np.ndarray]:
-        x, y = self.kind.decode(*index.load(user), user)
+        """One user's (inputs, labels), or a LeafError naming the file and the user."""
+        try:
+            x, y = self.kind.decode(*index.load(user), user)
+        except leaf.LeafError as exc:
+            text = str(exc)
+            where = str(index.path_of(user))
+            raise leaf.LeafError(text if text.startswith(where) else f"{where}: {text}") from None
+        except (TypeError, ValueError, OverflowError) as exc:   # values of another kind than the format's
+            raise leaf.LeafError(f"{index.path_of(user)}: user {user!r}: unreadable data ({str(exc)[:120]})") from None
         if len(y) and (int(y.min()) < 0 or int(y.max()) >= self.kind.n_classes):
-            raise leaf.LeafError(f"{self.name}: user {user!r} has labels outside 0..{self.kind.n_classes - 1}")
+            raise leaf.LeafError(f"{index.path_of(user)}: {self.name} user {user!r} has labels outside "
+                                 f"0..{self.kind.n_classes - 1}")
         return x, y
 
     def test_arrays(self) -> tuple[np.ndarray, np.ndarray] | None:

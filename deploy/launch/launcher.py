@@ -352,6 +352,8 @@ def final_table(run_dir: Path) -> str:
     final = summary.get("final", {})
     if final:
         lines.append("  final: " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))
+    if summary.get("final_error"):
+        lines.append(f"  final: none, the final evaluation failed: {summary['final_error']}")
     try:
         from fedhop.common.records.runstore import RunStore
         store = RunStore(run_dir / "run.db", create=False)
