@@ -162,6 +162,14 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     missing = sorted(set(coord.state.params) ^ set(ckpt.params))
     if missing:
         raise CheckpointError(f"checkpoint model tensors differ from the config's model: {missing[:10]}")
+    for name, t in ckpt.params.items():
+        want = coord.state.params[name]
+        if t.shape != want.shape or t.dtype != want.dtype:
+            raise CheckpointError(f"checkpoint of round {ckpt.round}: tensor {name!r} is {t.dtype} "
+                                  f"{tuple(t.shape)}, the config's model has {want.dtype} {tuple(want.shape)}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"checkpoint of round {ckpt.round}: tensor {name!r} holds NaN or Inf (a model "
+                                  f"no round writes: the file was changed)")
     check_frozen(ckpt, frozen_params(coord.model))   # model.exchange: the parameters nobody sends
     if driver_class(coord.cfg.topology.kind).checkpoint_needs_state and "topology" not in ckpt.info:
         raise CheckpointError(f"checkpoint of round {ckpt.round} holds no state of the {coord.cfg.topology.kind} "

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, cast
@@ -154,32 +155,89 @@ def save_checkpoint(run_dir: str | os.PathLike, ckpt: Checkpoint, keep: int = 2)
     return final
 
 
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Checkpoint files of a run, oldest first."""
+def _named_entries(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     d = checkpoint_dir(run_dir)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
+    return sorted((int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name)))
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:   # a dangling link, a loop
+        return False
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoint files of a run, oldest first (regular files only: `not_checkpoints` names the rest)."""
+    return [p for _, p in _named_entries(run_dir) if _is_regular(p)]
+
+
+def not_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Entries of the checkpoints folder named like a checkpoint that are no regular file (a
+    folder, a FIFO, which an open would wait on forever, a dangling link): a resume refuses them,
+    since the run would later have to write a checkpoint where one of them is."""
+    return [p for _, p in _named_entries(run_dir) if not _is_regular(p)]
+
+
+#: the largest round a checkpoint may name (a run's rounds are far fewer; sqlite and torch take it)
+MAX_ROUND = 2**31 - 1
+
+
+def _count(meta: dict, key: str, default: int | None = None) -> int:
+    value = meta.get(key, default)
+    if type(value) is not int or not 0 <= value <= MAX_ROUND:
+        raise ValueError(f"{key} is {json.dumps(value)[:40]}, not a count (an integer 0..{MAX_ROUND})")
+    return value
+
+
+def _check_rng(torch_rng: torch.Tensor | None, numpy_rng: Any) -> None:
+    """The RNG states must be ones the generators accept (tried on throwaway generators), so that
+    a resume fails here, naming the file, and not after the run has started again."""
+    if torch_rng is not None:
+        torch.Generator().set_state(torch_rng)
+    if numpy_rng:
+        if not isinstance(numpy_rng, dict):
+            raise ValueError("numpy_rng is not an object")
+        np.random.RandomState().set_state(_numpy_state_from_json(numpy_rng))
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read a checkpoint file (safetensors: no code runs while loading)."""
+    """Read a checkpoint file (safetensors: no code runs while loading); a file that is not one,
+    or whose fields hold values of another kind, is a CheckpointError naming it."""
     path = Path(path)
+    if not _is_regular(path):
+        raise CheckpointError(f"checkpoint {path}: not a regular file")
     try:
         with safe_open(str(path), framework="pt") as fh:
             meta = json.loads((fh.metadata() or {}).get("fedhop", "{}"))
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
     except Exception as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, this fedhop reads format {FORMAT}")
-    ckpt = Checkpoint(round=int(meta["round"]), run_id=str(meta["run_id"]), params={},
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"checkpoint {path}: format {found!r}, this fedhop reads format {FORMAT}")
+    try:
+        return _checkpoint(meta, tensors)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError) as exc:
+        why = f"no {exc.args[0]!r} field" if isinstance(exc, KeyError) else str(exc).splitlines()[0][:200]
+        raise CheckpointError(f"checkpoint {path}: {why}") from None
+
+
+def _checkpoint(meta: dict, tensors: dict[str, torch.Tensor]) -> Checkpoint:
+    for key in ("scalars", "ledger", "info"):
+        if not isinstance(meta.get(key) or {}, dict):
+            raise ValueError(f"{key} is not an object")
+    ckpt = Checkpoint(round=_count(meta, "round"), run_id=str(meta["run_id"]), params={},
                       scalars=dict(meta.get("scalars") or {}), numpy_rng=meta.get("numpy_rng"),
-                      failures_total=int(meta.get("failures_total", 0)), ledger=dict(meta.get("ledger") or {}),
+                      failures_total=_count(meta, "failures_total", 0), ledger=dict(meta.get("ledger") or {}),
                       config_sha256=str(meta.get("config_sha256", "")), info=dict(meta.get("info") or {}))
-    for cid in meta.get("clients", []):
-        ckpt.client_states[int(cid)] = {}
+    clients = meta.get("clients", [])
+    if not isinstance(clients, list) or not all(type(c) is int and c >= 0 for c in clients):
+        raise ValueError("clients is not a list of client ids")
+    for cid in clients:
+        ckpt.client_states[cid] = {}
     for key, t in tensors.items():
         kind, _, rest = key.partition("/")
         if kind == "params":
@@ -190,12 +248,15 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
             ckpt.frozen[rest] = t
         elif kind == "client":
             cid, _, name = rest.partition("/")
+            if not cid.isdigit():
+                raise ValueError(f"tensor {key!r}: {cid!r} is not a client id")
             ckpt.client_states.setdefault(int(cid), {})[name] = t
         elif kind == "node":
             node, _, name = rest.partition("/")
             ckpt.node_states.setdefault(node, {})[name] = t
         elif key == "rng/torch":
             ckpt.torch_rng = t
+    _check_rng(ckpt.torch_rng, ckpt.numpy_rng)
     return ckpt
 
 
@@ -203,6 +264,10 @@ def latest_checkpoint(run_dir: str | os.PathLike,
                       on_skip: Callable[[str], None] | None = None) -> Checkpoint:
     """The newest readable checkpoint of a run.  An unreadable newer one (truncated, corrupt) is
     skipped with a warning, and `on_skip(why)` is told (the server records an event)."""
+    odd = not_checkpoints(run_dir)
+    if odd:
+        raise CheckpointError(f"{odd[0]} is not a checkpoint file (a regular file) but holds a checkpoint's name; "
+                              f"move it out of {checkpoint_dir(run_dir)}")
     errors = []
     for path in reversed(list_checkpoints(run_dir)):
         try:
