@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import gzip
+import io
 import struct
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +184,44 @@ def test_load_npz_round_trip_and_rejections(tmp_path: Path) -> None:
         D.load_npz(tmp_path / "obj.npz")
     with pytest.raises(FileNotFoundError):
         D.load_npz(tmp_path / "missing.npz")
+
+
+def _write_bad_npz(kind: str) -> str:
+    """A hostile file named bad.npz in the working folder; returns what the error must say."""
+    ok = {"x_0": np.zeros((2, 1)), "y_0": np.zeros(2)}
+    if kind == "truncated":
+        np.savez("whole.npz", **ok)
+        Path("bad.npz").write_bytes(Path("whole.npz").read_bytes()[:100])
+        return "not an .npz archive"
+    if kind == "text":
+        Path("bad.npz").write_text("hello world\n")
+        return "not an .npz archive"
+    if kind == "npy":
+        np.save("plain.npy", np.zeros(3))
+        Path("plain.npy").rename("bad.npz")
+        return "is a single .npy array, not an .npz archive"
+    if kind == "huge_shape":
+        header = "{'descr': '<f8', 'fortran_order': False, 'shape': (10000000000000, 3), }"
+        header += " " * (64 - (10 + len(header) + 1) % 64) + "\n"
+        member = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode()
+        with zipfile.ZipFile("bad.npz", "w") as z:
+            z.writestr("x_0.npy", member)
+            buf = io.BytesIO()
+            np.save(buf, ok["y_0"])
+            z.writestr("y_0.npy", buf.getvalue())
+        return "x_0 declares an array too large to load"
+    assert kind == "empty"
+    np.savez("bad.npz", x_0=np.zeros((0, 1)), y_0=np.zeros(0), x_1=np.zeros((0, 1)), y_1=np.zeros(0))
+    return "every client has 0 rows"
+
+
+@pytest.mark.parametrize("kind", ["truncated", "text", "npy", "huge_shape", "empty"])
+def test_load_npz_refuses_a_file_that_is_not_usable_npz_data_naming_it(tmp_path: Path, monkeypatch, kind) -> None:
+    """A truncated or foreign file, a member declaring 240 TB, no rows at all: a ValueError naming the file
+    and what is wrong (never a zipfile, numpy or builtin error of its own)."""
+    monkeypatch.chdir(tmp_path)
+    message = _write_bad_npz(kind)
+    with pytest.raises(ValueError) as err:
+        D.load_npz("bad.npz")
+    assert type(err.value) is ValueError and "\n" not in str(err.value)
+    assert str(err.value).startswith(f"{tmp_path.resolve() / 'bad.npz'}: ") and message in str(err.value)

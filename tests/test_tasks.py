@@ -320,6 +320,22 @@ def test_npz_classification_with_test_set(tmp_path: Path) -> None:
         build_task(cfg)
 
 
+@pytest.mark.parametrize("y_1, message", [
+    (np.array([0.0, 1.0, np.inf, 0.0]), "classification labels must be 1-D integers"),
+    (np.array([0, 1, 10**9, 0]), "label 1000000000 implies 1000000001 classes; at most 100000"),
+])
+def test_npz_labels_that_are_not_a_class_index_are_refused_naming_the_file(tmp_path: Path, monkeypatch, y_1,
+                                                                           message) -> None:
+    """An inf label or one implying a billion classes: one ValueError naming the file, no model built."""
+    monkeypatch.chdir(tmp_path)
+    np.savez("cls.npz", x_0=np.zeros((4, 2)), y_0=np.array([0, 1, 2, 0]), x_1=np.zeros((4, 2)), y_1=y_1)
+    cfg = _cfg("npz", path="cls.npz")
+    cfg.clients.count = 2
+    with pytest.raises(ValueError, match=r"cls\.npz: ") as err:
+        build_task(cfg)
+    assert message in str(err.value)
+
+
 # ---------------------------------------------------------------------------- models and registry
 def test_model_names_shapes_and_zero_init() -> None:
     names = {kind: list(build_model(kind, (1, 8, 8), 10, [32, 16]).state_dict()) for kind in ("logreg", "mlp", "cnn")}

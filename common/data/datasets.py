@@ -14,6 +14,7 @@ import functools
 import gzip
 import os
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,13 +305,34 @@ _NPZ_KEY = re.compile(r"^([xy])_(\d+)$")
 _NPZ_EXTRA = ("x_test", "y_test", "w_true")
 
 
-@functools.lru_cache(maxsize=8)
-def _load_npz_cached(path: str, mtime_ns: int) -> NpzData:
+def _npz_arrays(path: str) -> dict[str, np.ndarray]:
+    """Every member of the npz archive at `path`, each read without pickle; any file that is not such
+    an archive, or a member that cannot be read whole, is a ValueError naming the file (and the member)."""
+    with open(path, "rb") as fh:
+        head = fh.read(6)
+    if head == b"\x93NUMPY":
+        raise ValueError(f"{path}: is a single .npy array, not an .npz archive (np.savez writes one)")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{path}: not an .npz archive (no complete zip directory; truncated or another kind of file)")
+    arrays: dict[str, np.ndarray] = {}
     try:
         with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except ValueError as exc:  # object arrays need pickle: refused
-        raise ValueError(f"{path}: cannot read npz without pickle: {exc}") from exc
+            for key in z.files:
+                try:
+                    arrays[key] = z[key]
+                except MemoryError as exc:
+                    raise ValueError(f"{path}: {key} declares an array too large to load ({exc})") from exc
+                except (ValueError, zipfile.BadZipFile, OSError, EOFError) as exc:
+                    # numpy's ValueError says so where a member holds pickled (object) data
+                    raise ValueError(f"{path}: cannot read {key}: {exc}") from exc
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise ValueError(f"{path}: not a readable .npz archive: {exc}") from exc
+    return arrays
+
+
+@functools.lru_cache(maxsize=8)
+def _load_npz_cached(path: str, mtime_ns: int) -> NpzData:
+    arrays = _npz_arrays(path)
     per_client: dict[str, dict[int, np.ndarray]] = {"x": {}, "y": {}}
     for key, arr in arrays.items():
         m = _NPZ_KEY.match(key)
@@ -336,6 +358,8 @@ def _load_npz_cached(path: str, mtime_ns: int) -> NpzData:
                 raise ValueError(f"{path}: {name} has dtype {a.dtype}; numeric arrays only")
         xs.append(x)
         ys.append(y)
+    if sum(len(x) for x in xs) == 0:
+        raise ValueError(f"{path}: every client has 0 rows (x_0..x_{n - 1} are empty); nothing to train on")
     x_test, y_test = arrays.get("x_test"), arrays.get("y_test")
     if (x_test is None) != (y_test is None):
         raise ValueError(f"{path}: x_test and y_test must be given together")

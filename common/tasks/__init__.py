@@ -50,11 +50,16 @@ __all__ = [
 DIRICHLET_MAX_TRIES = 10_000
 
 
+MAX_NPZ_CLASSES = 100_000
+"""The most classes npz classification data may have: a larger label is a mistake (a float value, an
+id) that would otherwise build a model with that many outputs."""
+
+
 @dataclass
 class NpzParams:
     """[data] keys of dataset = "npz" (the user's own federated data).
 
-    `task`: "classification" (integer labels) or "regression"
+    `task`: "classification" (integer labels 0..C-1, at most 100000 classes) or "regression"
     """
 
     path: str = ""                 # relative paths are looked up in data.data_dir, then the cwd
@@ -313,11 +318,15 @@ def _build_npz(cfg: Any, p: NpzParams) -> Task:
     if p.task == "classification":
         labels = [y_tr] + ([y_te] if y_te is not None else [])
         for a in labels:
-            if a.ndim != 1 or (a.dtype.kind not in "iub" and not np.all(a == np.round(a))):
+            if a.ndim != 1 or (a.dtype.kind not in "iub" and not (np.all(np.isfinite(a)) and np.all(a == np.round(a)))):
                 raise ValueError(f"{data.path}: classification labels must be 1-D integers")
+        top = max(int(a.max()) for a in labels if a.size)
+        if top >= MAX_NPZ_CLASSES:
+            raise ValueError(f"{data.path}: label {top} implies {top + 1} classes; at most {MAX_NPZ_CLASSES} "
+                             f"classes (labels 0..{MAX_NPZ_CLASSES - 1})")
         y_tr = y_tr.astype(np.int64)
         y_te = None if y_te is None else y_te.astype(np.int64)
-        n_classes = int(max(int(a.max()) for a in labels if a.size)) + 1
+        n_classes = top + 1
         spec = model_spec(cfg, feature_shape, n_classes)
         return ClassificationTask(x_tr, y_tr, parts, spec, x_te, y_te, name="npz", n_classes=n_classes)
     y_tr = y_tr.astype(np.float32)
