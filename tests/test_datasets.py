@@ -97,6 +97,53 @@ def test_corrupt_idx_rejected_with_clear_errors(tmp_path: Path) -> None:
         D.read_idx(gz)
 
 
+def test_read_idx_reads_no_more_than_its_header_declares(tmp_path: Path, monkeypatch) -> None:
+    """A gzip bomb (3 labels declared, 50 MB inflated): refused as trailing bytes after reading at most
+    one byte past the declared 3, not after inflating all of it."""
+    monkeypatch.chdir(tmp_path)
+    Path("bomb.gz").write_bytes(gzip.compress(struct.pack(">II", 2049, 3) + bytes(50_000_000)))
+    sizes: list[int] = []
+    real_open = gzip.open
+
+    def spy_open(path, mode="rb"):
+        fh = real_open(path, mode)
+        read = fh.read
+
+        def counted(size=-1):
+            data = read(size)
+            sizes.append(len(data))
+            return data
+        fh.read = counted
+        return fh
+    monkeypatch.setattr(D.gzip, "open", spy_open)
+    with pytest.raises(D.IdxError, match=r"bomb\.gz: data has trailing bytes"):
+        D.read_idx("bomb.gz")
+    assert sum(sizes) <= 8 + 3 + 1
+
+
+def test_read_idx_refuses_dimensions_too_large_to_hold(tmp_path: Path, monkeypatch) -> None:
+    """65536^4 elements overflow a numpy int64 product to 0; the size is computed exactly and refused."""
+    monkeypatch.chdir(tmp_path)
+    Path("huge").write_bytes(struct.pack(">IIIII", 0x0804, 65536, 65536, 65536, 65536))
+    with pytest.raises(D.IdxError, match=r"huge: dimensions \(65536, 65536, 65536, 65536\) of uint8 declare "
+                                         r"18446744073709551616 bytes; at most"):
+        D.read_idx("huge")
+
+
+@pytest.mark.parametrize("labels, message", [
+    (np.array([2.7, 1.0, 0.0], np.float32), "labels have IDX type float32 (floating point)"),
+    (np.array([np.nan, 1.0, 0.0]), "labels have IDX type float64 (floating point)"),
+    (np.array([-1, 1, 0], np.int8), "labels must be 0..9, found -1"),
+])
+def test_load_mnist_refuses_labels_that_are_not_digits(tmp_path: Path, labels, message) -> None:
+    """Float labels are refused, never truncated (2.7 is not class 2), and negative ones are named."""
+    D.write_idx(tmp_path / "train-images-idx3-ubyte", np.zeros((3, 28, 28), np.uint8))
+    D.write_idx(tmp_path / "train-labels-idx1-ubyte", labels)
+    with pytest.raises(D.IdxError, match=r"train-labels-idx1-ubyte: ") as err:
+        D.load_mnist(tmp_path)
+    assert message in str(err.value)
+
+
 def test_write_idx_rejects_unsupported_dtype(tmp_path: Path) -> None:
     with pytest.raises(D.IdxError, match="no IDX type code"):
         D.write_idx(tmp_path / "x", np.zeros(3, dtype=np.complex64))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import math
 import os
 import re
 import zipfile
@@ -61,38 +62,50 @@ def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
         fh.write(header + body)
 
 
+MAX_IDX_BYTES = 2**31
+"""The largest IDX data (bytes, after the header) read_idx accepts; MNIST's largest file holds 47 MB."""
+
+
 def read_idx(path: str | os.PathLike) -> np.ndarray:
     """Read an IDX file (plain or .gz) into a native-byte-order array.
 
     Rejects a file whose magic number, dimensions or byte count do not match, naming the file
-    and what was found.
+    and what was found.  It reads at most one byte past what the header declares, so a gzip file
+    that inflates far beyond its header is refused without being inflated.
     """
     opener = gzip.open if str(path).endswith(".gz") else open
     try:
         with opener(path, "rb") as fh:
-            raw = fh.read()
+            head = fh.read(4)
+            if len(head) < 4:
+                raise IdxError(f"{path}: too short for an IDX header ({len(head)} bytes)")
+            magic = int.from_bytes(head, "big")
+            code, ndim = head[2], head[3]
+            if head[0] != 0 or head[1] != 0 or code not in _IDX_TYPES or ndim == 0:
+                raise IdxError(f"{path}: bad IDX magic number {magic} (0x{magic:08x}); expected 0x0000TTDD with "
+                               f"type TT in {sorted(hex(c) for c in _IDX_TYPES)} and DD >= 1 dimensions "
+                               f"(MNIST images: 2051, labels: 2049)")
+            header_len = 4 + 4 * ndim
+            dim_bytes = fh.read(4 * ndim)
+            if len(dim_bytes) < 4 * ndim:
+                raise IdxError(f"{path}: truncated header: {ndim} dimensions need {header_len} bytes, "
+                               f"file has {4 + len(dim_bytes)}")
+            dims = tuple(int.from_bytes(dim_bytes[i:i + 4], "big") for i in range(0, 4 * ndim, 4))
+            dtype = _IDX_TYPES[code]
+            expected = math.prod(dims) * dtype.itemsize
+            if expected > MAX_IDX_BYTES:
+                raise IdxError(f"{path}: dimensions {dims} of {dtype.newbyteorder('=')} declare {expected} bytes; "
+                               f"at most {MAX_IDX_BYTES} are read")
+            raw = fh.read(expected + 1)
     except (OSError, EOFError) as exc:  # gzip raises these for a damaged archive
         raise IdxError(f"{path}: cannot read IDX file: {exc}") from exc
-    if len(raw) < 4:
-        raise IdxError(f"{path}: too short for an IDX header ({len(raw)} bytes)")
-    magic = int.from_bytes(raw[:4], "big")
-    code, ndim = raw[2], raw[3]
-    if raw[0] != 0 or raw[1] != 0 or code not in _IDX_TYPES or ndim == 0:
-        raise IdxError(f"{path}: bad IDX magic number {magic} (0x{magic:08x}); expected 0x0000TTDD with "
-                       f"type TT in {sorted(hex(c) for c in _IDX_TYPES)} and DD >= 1 dimensions "
-                       f"(MNIST images: 2051, labels: 2049)")
-    header_len = 4 + 4 * ndim
-    if len(raw) < header_len:
-        raise IdxError(f"{path}: truncated header: {ndim} dimensions need {header_len} bytes, file has {len(raw)}")
-    dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
-    dtype = _IDX_TYPES[code]
-    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-    got = len(raw) - header_len
+    got = len(raw)
     if got != expected:
         what = "truncated" if got < expected else "has trailing bytes"
+        shown = got if got < expected else f"more than {expected}"
         raise IdxError(f"{path}: data {what}: dimensions {dims} of {dtype.newbyteorder('=')} need "
-                       f"{expected} bytes, file has {got}")
-    return np.frombuffer(raw, dtype=dtype, offset=header_len).reshape(dims).astype(dtype.newbyteorder("="))
+                       f"{expected} bytes, file has {shown}")
+    return np.frombuffer(raw, dtype=dtype).reshape(dims).astype(dtype.newbyteorder("="))
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -226,8 +239,11 @@ def _mnist_labels(path: Path, n: int) -> np.ndarray:
     raw = read_idx(path)
     if raw.ndim != 1 or raw.shape[0] != n:
         raise IdxError(f"{path}: expected {n} labels (one per image), got shape {raw.shape}")
-    if raw.size and raw.max() > 9:
-        raise IdxError(f"{path}: labels must be 0..9, found {int(raw.max())}")
+    if raw.dtype.kind == "f":
+        raise IdxError(f"{path}: labels have IDX type {raw.dtype} (floating point); integer labels 0..9 only")
+    if raw.size and (raw.min() < 0 or raw.max() > 9):
+        bad = int(raw.min()) if raw.min() < 0 else int(raw.max())
+        raise IdxError(f"{path}: labels must be 0..9, found {bad}")
     return raw.astype(np.int64)
 
 
