@@ -130,6 +130,7 @@ def test_accepted_types_and_widening():
     ("[data]\ntest_fraction = 0.91", "data.test_fraction", "must be <= 0.9"),
     ("[clients]\nstraggler_fraction = 1.5", "clients.straggler_fraction", "<= 1.0"),
     ("[transport]\nchunk_bytes = 1023", "transport.chunk_bytes", ">= 1024"),
+    ("[run]\ntorch_threads = 100000", "run.torch_threads", "got 100000, must be <= 1024"),
     ("[run]\nmin_results = -1", "run.min_results", ">= 0"),
 ])
 def test_out_of_range_values(text, key, fragment):

@@ -65,7 +65,7 @@ class RunConfig:
         "error) rather than lost processes fails as with fail"))
     log_level: str = _f("info", choices=("debug", "info", "warning", "error"),
                         help="log level of every process (their logs are in the run folder)")
-    torch_threads: int = _f(1, min=1, help="intra-op threads per process (1 keeps runs bit-reproducible)")
+    torch_threads: int = _f(1, min=1, max=1024, help="intra-op threads per process (1 keeps runs bit-reproducible)")
     device: str = _f("cpu", help="where the server aggregates, steps and evaluates: cpu, cuda, cuda:N, or auto "
                                  "(CUDA when this machine has it, else cpu); docs/gpus.md")
     engine: str = _f("processes", choices=("processes", "inprocess"), help=(
