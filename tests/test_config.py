@@ -459,3 +459,15 @@ def test_a_byte_order_mark_before_the_toml_is_ignored(tmp_path):
     (tmp_path / "plain.toml").write_text(text)
     assert load_config(tmp_path / "bom.toml") == load_config(tmp_path / "plain.toml")
     assert load_config(tmp_path / "bom.toml").run.rounds == 7
+
+
+@pytest.mark.parametrize("text, key", [
+    ('[data]\ndata_dir = "da\\u0000ta"', "data.data_dir"),
+    ('[security]\ncerts_dir = "ce\\u0000rts"', "security.certs_dir"),
+    ('[data]\ndataset = "npz"\npath = "mine\\u0000.npz"', "data.path"),
+    ('[data]\ndataset = "femnist"\npath = "le\\u0000af"', "data.path"),
+])
+def test_a_nul_in_a_path_valued_key_is_a_config_error_naming_the_key(text, key):
+    """A NUL cannot be in a file name: refused as the config loads, not as a ValueError of os later."""
+    msg = error_of(text)
+    assert msg.startswith(f"config key '{key}': ") and "must not hold a NUL character" in msg

@@ -7,6 +7,7 @@ allowed.  Field metadata carries the validation rules and the key's description:
 - `choices`: the allowed values of a string field;
 - `min` / `max`: inclusive numeric bounds (`min_exclusive` / `max_exclusive` for strict ones);
 - `file_name`: a string that must be one folder name (validate.py `file_name_problem`);
+- `path`: a string naming a file or folder, which must not hold a NUL character;
 - `host`: a string that must be a host name or an IP address (validate.py `host_problem`);
 - `help`: one line for the config reference (docs/config.md, `fedhop config show`;
   deploy/cli/configref.py generates both from these dataclasses).
@@ -146,7 +147,7 @@ class DataConfig:
     skew_shape: float = _f(1.5, min_exclusive=0.0, help="partition = \"pareto\": tail index of the clients' "
                                                          "1 + Lomax(shape) size weights (smaller = heavier)")
     test_fraction: float = _f(0.25, min_exclusive=0.0, max=0.9, help="share of the data held out as the test set")
-    data_dir: str = _f("data", help="where pre-staged files (MNIST / Fashion-MNIST IDX, CIFAR binary batches, LEAF JSON, npz) are looked up: docs/datasets.md")
+    data_dir: str = _f("data", path=True, help="where pre-staged files (MNIST / Fashion-MNIST IDX, CIFAR binary batches, LEAF JSON, npz) are looked up: docs/datasets.md")
     standardize: bool = _f(True, help="scale features to zero mean and unit variance (statistics of the training "
                                       "split)")
     options: dict = _f(factory=dict)           # data-set-specific keys (centers, curvatures, sizes, ...)
@@ -248,7 +249,7 @@ class SecurityConfig:
     """Channels, node credentials, liveness and input policy (docs/faults.md, common/security/auth.py)."""
 
     insecure: bool = _f(False, help="plaintext gRPC off loopback needs this set explicitly")
-    certs_dir: str = _f("", help="TLS: a directory made by `fedhop certs` (ca.pem, NODE.pem, NODE.key)")
+    certs_dir: str = _f("", path=True, help="TLS: a directory made by `fedhop certs` (ca.pem, NODE.pem, NODE.key)")
     mtls: bool = _f(False, help="mutual TLS: the node identity is its certificate's common name")
     checksum: bool = _f(True, help="XXH3-64 of every message's tensor bytes, verified by the receiver; a message without one is refused (CHECKSUM_MISSING)")
     heartbeat_interval: float = _f(1.0, min_exclusive=0.0, help="seconds between a child's heartbeats")

@@ -106,6 +106,8 @@ def check_value(key: str, value: Any, annotation: Any, rules: typing.Mapping[str
         problem = file_name_problem(value)
         if problem:
             raise ConfigError(f"config key '{key}': got {value!r}, {problem}")
+    if rules.get("path") and isinstance(value, str) and "\x00" in value:
+        raise ConfigError(f"config key '{key}': got {value!r}, must not hold a NUL character (it names a file or folder)")
     if rules.get("host") and isinstance(value, str):
         problem = host_problem(value)
         if problem:

@@ -62,7 +62,7 @@ class NpzParams:
     `task`: "classification" (integer labels 0..C-1, at most 100000 classes) or "regression"
     """
 
-    path: str = ""                 # relative paths are looked up in data.data_dir, then the cwd
+    path: str = field(default="", metadata={"path": True})  # relative paths are looked up in data.data_dir, then the cwd
     task: str = field(default="classification", metadata={"choices": ("classification", "regression")})
     standardize: bool = False      # user data is used as given unless asked
     bias: bool = True              # regression: fit an intercept

@@ -46,7 +46,7 @@ class LeafParams:
     `fraction`: the share of users kept (a seeded sample; 1 = every user)
     """
 
-    path: str = ""
+    path: str = field(default="", metadata={"path": True})
     fraction: float = field(default=1.0, metadata={"min_exclusive": 0.0, "max": 1.0})
 
 
