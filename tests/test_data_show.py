@@ -85,3 +85,32 @@ def test_missing_data_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys
     assert cli_main(["data", "show", "show.toml", "--no-png"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "data/femnist/train" in lines[0]
+
+
+def test_outputs_that_would_replace_a_file_or_cannot_be_written_are_refused_before_any_work(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    """The config being read (even with --force), an existing --json or PNG without --force, a missing
+    folder, a PNG named otherwise: one line, exit 2, and every file as it was."""
+    monkeypatch.chdir(tmp_path)
+    config = '[data]\ndataset = "digits"\n[clients]\ncount = 4\n'
+    Path("c.toml").write_text(config)
+    Path("stats.json").write_text("mine")
+    Path("partition.png").write_text("mine too")
+    cases = [
+        (["--json", "c.toml", "--force", "--no-png"], "--json c.toml: the config being read; name another file"),
+        (["--json", "stats.json", "--no-png"], "--json stats.json: a file is there; name another, or replace it "
+                                               "with --force"),
+        ([], "--png partition.png: a file is there; name another, or replace it with --force"),
+        (["--png", "m.safetensors"], "--png m.safetensors: name a .png file"),
+        (["--png", "no/such/p.png"], f"--png no/such/p.png: no folder {tmp_path / 'no' / 'such'}"),
+    ]
+    for flags, message in cases:
+        assert cli_main(["data", "show", "c.toml", *flags]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == f"fedhop data show: {message}\n", captured.err
+        assert captured.out == ""                    # refused before the data was built
+    assert Path("c.toml").read_text() == config and Path("stats.json").read_text() == "mine"
+    assert Path("partition.png").read_text() == "mine too" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "c.toml", "partition.png", "stats.json"]
+    assert cli_main(["data", "show", "c.toml", "--json", "stats.json", "--force", "--no-png"]) == 0
+    assert json.loads(Path("stats.json").read_text())["clients"] == 4

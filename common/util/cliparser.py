@@ -45,6 +45,22 @@ def folder_problem(given: str | os.PathLike, flag: str) -> str | None:
     return None
 
 
+def new_file_problem(given: str | os.PathLike, flag: str, suffix: str = "", force: bool = False) -> str | None:
+    """Why a command cannot write the file its `flag` names (`given`): a folder is there, the name lacks
+    `suffix` (e.g. ".png"), its folder does not exist, or a file is there already and `force` is False
+    (nothing of the user's is replaced unasked); None when it can."""
+    path = Path(given).expanduser()
+    if path.is_dir():
+        return f"{flag} {given} is a folder; name a file"
+    if suffix and path.suffix.lower() != suffix:
+        return f"{flag} {given}: name a {suffix} file"
+    if not path.absolute().parent.is_dir():
+        return f"{flag} {given}: no folder {path.absolute().parent}"
+    if os.path.lexists(path) and not force:
+        return f"{flag} {given}: a file is there; name another, or replace it with --force"
+    return None
+
+
 def new_folder_problem(given: str | os.PathLike, flag: str) -> str | None:
     """`folder_problem`, and a folder that is there and not empty (an earlier run, whose records a
     new one's would mix with, or files of the user's): for a command that writes a run into a new

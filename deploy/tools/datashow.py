@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fedhop.common.util.cliparser import ArgumentParser
+from fedhop.common.util.cliparser import ArgumentParser, new_file_problem
 
 
 def partition_stats(sizes: np.ndarray, hist: np.ndarray | None, top: int = 5) -> dict[str, Any]:
@@ -100,13 +100,28 @@ def write_png(path: Path, stats: dict[str, Any], hist: np.ndarray | None, title:
     plt.close(fig)
 
 
-def show(config: str, overrides: list[str], png: str | None, json_out: str | None, top: int) -> int:
+def output_problem(config: str, png: str | None, json_out: str | None, force: bool) -> str | None:
+    """Why `show` cannot write its --png and --json files (cliparser `new_file_problem`), checked before
+    any work; the config it reads is never one of them, even with --force."""
+    for flag, path, suffix in (("--png", png, ".png"), ("--json", json_out, ".json")):
+        if not path:
+            continue
+        if Path(path).resolve() == Path(config).resolve():
+            return f"{flag} {path}: the config being read; name another file"
+        problem = new_file_problem(path, flag, suffix, force)
+        if problem:
+            return problem
+    return None
+
+
+def show(config: str, overrides: list[str], png: str | None, json_out: str | None, top: int,
+         force: bool = False) -> int:
     from fedhop.common.config import ConfigError, load_config
     from fedhop.common.tasks import build_task
-    for flag, path in (("--png", png), ("--json", json_out)):
-        if path and Path(path).is_dir():
-            print(f"fedhop data show: {flag} {path} is a folder; name a file", file=sys.stderr)
-            return 2
+    problem = output_problem(config, png, json_out, force)
+    if problem:
+        print(f"fedhop data show: {problem}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(config, overrides)
     except (ConfigError, OSError) as exc:
@@ -144,12 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("config", help="experiment TOML file")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config key (repeatable)")
-    s.add_argument("--png", default="partition.png", help="the PNG to write (default partition.png)")
+    s.add_argument("--png", default="partition.png", help="the PNG to write (default partition.png); an existing "
+                                                          "file is refused unless --force")
     s.add_argument("--no-png", action="store_true", help="write no PNG")
-    s.add_argument("--json", help="also write the statistics as JSON to this file")
+    s.add_argument("--json", help="also write the statistics as JSON to this .json file; an existing file is "
+                                  "refused unless --force")
+    s.add_argument("--force", action="store_true", help="replace an existing --png or --json file (never the "
+                                                         "config being read)")
     s.add_argument("--top", type=int, default=5, help="how many largest and smallest clients to list")
     args = ap.parse_args(argv)
-    return show(args.config, args.overrides, None if args.no_png else args.png, args.json, max(0, args.top))
+    return show(args.config, args.overrides, None if args.no_png else args.png, args.json, max(0, args.top),
+                args.force)
 
 
 if __name__ == "__main__":
