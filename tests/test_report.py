@@ -271,6 +271,26 @@ def test_csv_holds_every_run_and_round_with_cumulative_bytes(runs):
     assert {Path(r["run_dir"]) for r in b} == {(tmp / "b").resolve()}
 
 
+def test_an_existing_csv_is_refused_before_anything_is_written_unless_force(runs, monkeypatch, capsys):
+    """`--csv FILE` follows --out's rule: a file already there is one line, exit 2, with the file and the
+    report folder untouched; --force replaces it."""
+    tmp, _, _ = runs
+    monkeypatch.chdir(tmp)
+    Path("mine.csv").write_text("precious")
+    Path("tables").mkdir()
+    Path("tables/rounds.csv").write_text("precious too")
+    assert main(["a", "--out", "rep", "--csv", "mine.csv"]) == 2
+    assert capsys.readouterr().err == ("fedhop report: --csv mine.csv: a file is there; name another, or replace it "
+                                       "with --force\n")
+    assert main(["a", "--out", "rep", "--csv", "tables"]) == 2
+    assert capsys.readouterr().err == (f"fedhop report: --csv tables ({Path('tables') / 'rounds.csv'}): a file is "
+                                       f"there; name another, or replace it with --force\n")
+    assert Path("mine.csv").read_text() == "precious" and Path("tables/rounds.csv").read_text() == "precious too"
+    assert not Path("rep").exists()
+    assert main(["a", "--out", "rep", "--csv", "mine.csv", "--force"]) == 0
+    assert Path("mine.csv").read_text().startswith("run,seed,run_dir,")
+
+
 def svg_font_sizes(path: Path) -> list[float]:
     text = path.read_text()
     assert text.count("<text") == len(re.findall(r"font-size: [0-9.]+px", text)) > 0   # every text sized

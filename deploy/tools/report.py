@@ -1017,13 +1017,22 @@ def check_out_dir(out: Path, force: bool) -> None:
                            f"with --force")
 
 
+def check_csv(given: str, force: bool) -> None:
+    """An existing --csv file is replaced only with --force (RuntimeError), as an earlier report in --out."""
+    target = csv_target(given)
+    if os.path.lexists(target) and not force:
+        where = "" if str(target) == given else f" ({target})"
+        raise RuntimeError(f"--csv {given}{where}: a file is there; name another, or replace it with --force")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = ArgumentParser(prog="fedhop report", description="Compare fedhop runs: table and plots.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--out", default=None, help="directory for report.md, report.json and the plots (default: "
                                                     "a new reports/report-YYYYmmdd-HHMMSS here); one that holds an "
                                                     "earlier report is refused unless --force")
-    parser.add_argument("--force", action="store_true", help="with --out: replace the earlier report there")
+    parser.add_argument("--force", action="store_true", help="replace an earlier report in --out and an existing "
+                                                             "--csv file")
     parser.add_argument("--target-accuracy", "--target", dest="target", type=float, default=None,
                         help="target value of the metric (>= for accuracy-like, <= for loss/objective-like); "
                              "an accuracy's in 0 to 1, a loss's 0 or more")
@@ -1035,7 +1044,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(needs the tensorboard package: pip install 'fedhop[tensorboard]')")
     parser.add_argument("--csv", metavar="FILE_OR_DIR", default=None,
                         help=f"also write the per-round metrics and cumulative bytes of every run as CSV: this "
-                             f"file (*.csv), or {CSV_NAME} in this folder")
+                             f"file (*.csv), or {CSV_NAME} in this folder; an existing file is refused unless "
+                             f"--force")
     parser.add_argument("--format", dest="fmt", choices=PLOT_FORMATS, default="png",
                         help="plot file format (pdf and svg are vector graphics; default png)")
     parser.add_argument("--dpi", type=int, default=DPI, help=f"resolution of PNG plots (default {DPI})")
@@ -1055,6 +1065,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.out is not None:
             check_out_dir(Path(args.out), args.force)
+        if args.csv is not None:
+            check_csv(args.csv, args.force)
         out = Path(args.out) if args.out is not None else default_out()
         made = out if args.out is None else None
         result = build_report(args.run_dirs, out, target=args.target, metric=args.metric,
