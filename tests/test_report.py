@@ -291,6 +291,17 @@ def test_an_existing_csv_is_refused_before_anything_is_written_unless_force(runs
     assert Path("mine.csv").read_text().startswith("run,seed,run_dir,")
 
 
+def test_a_run_db_that_is_a_folder_is_one_line_and_exit_2(runs, monkeypatch, capsys):
+    """run.db a folder (summary.json beside it): said so, not "cannot write None: None"; no report made."""
+    tmp, _, _ = runs
+    monkeypatch.chdir(tmp)
+    Path("a/run.db").unlink()
+    Path("a/run.db").mkdir()
+    assert main(["a", "--out", "rep"]) == 2
+    assert capsys.readouterr().err == "fedhop report: a/run.db: not a file (a run's run.db is an SQLite file)\n"
+    assert not Path("rep").exists()
+
+
 def svg_font_sizes(path: Path) -> list[float]:
     text = path.read_text()
     assert text.count("<text") == len(re.findall(r"font-size: [0-9.]+px", text)) > 0   # every text sized

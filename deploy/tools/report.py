@@ -250,7 +250,10 @@ def load_run(run_dir: Path, notes: list[str]) -> RunData | None:
             notes.append(f"{exc}; ignored")
     else:
         notes.append(f"{run_dir}: no summary.json")
-    if db_path.exists():
+    if db_path.exists() and not db_path.is_file():
+        notes.append(f"{db_path}: not a file, ignored")
+        db_links = {}
+    elif db_path.exists():
         try:
             with RunStore(db_path, create=False) as store:
                 data.run_row = store.run() or {}
@@ -1060,6 +1063,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                else "not a run folder (no run.db or summary.json)")
         more = f" (and none of the other {len(runs) - 1} is a run folder)" if len(runs) > 1 else ""
         print(f"fedhop report: {first}: {why}{more}", file=sys.stderr)
+        return 2
+    odd_db = next((d / "run.db" for d in runs if (d / "run.db").exists() and not (d / "run.db").is_file()), None)
+    if odd_db is not None:   # a folder or a pipe where a run's SQLite file belongs
+        print(f"fedhop report: {odd_db}: not a file (a run's run.db is an SQLite file)", file=sys.stderr)
         return 2
     made: Path | None = None   # the default folder this command made (left empty by a refusal: removed)
     try:
