@@ -88,7 +88,8 @@ class RunFailed(RuntimeError):
 
 def load(run_dir: str | os.PathLike) -> RunResult:
     """The `RunResult` of a run directory (finished, failed or still going), read without writing
-    to it.  FileNotFoundError where it holds neither summary.json nor run.db."""
+    to it.  FileNotFoundError where it holds neither summary.json nor run.db; ValueError naming the
+    file where summary.json, run.db or config.toml cannot be read as one."""
     d = Path(run_dir).resolve()
     if not d.is_dir():
         raise FileNotFoundError(f"fedhop.load: {d} is not a directory")
@@ -104,8 +105,12 @@ def load(run_dir: str | os.PathLike) -> RunResult:
         rows, totals, by_link = runread.read_run_db(d)
         status = status or runread.run_status(d) or "unknown"
     config: dict[str, Any] = {}
-    if (d / "config.toml").is_file():
-        config = tomllib.loads((d / "config.toml").read_text(encoding="utf-8"))
+    config_path = d / "config.toml"
+    if config_path.is_file():
+        try:
+            config = tomllib.loads(config_path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{config_path}: not valid TOML ({exc})") from None
     return RunResult(run_dir=d, status=status or "unknown", summary=summary, rounds=rows, totals=totals,
                      by_link=by_link, config=config)
 

@@ -95,6 +95,38 @@ def test_load_gives_the_same_object_and_a_data_frame(finished, monkeypatch):
     assert res.rounds_frame().equals(frame)
 
 
+def _copy_run(finished, into: Path) -> Path:
+    """The finished run copied into `into`/run, without -shm/-wal files other tests' readers left."""
+    import shutil
+    _, res = finished
+    copy = into / "run"
+    shutil.copytree(res.run_dir, copy, ignore=shutil.ignore_patterns("run.db-*"))
+    return copy
+
+
+def test_load_adds_no_file_to_the_run_folder(finished, tmp_path, monkeypatch):
+    """load reads without writing: no run.db-shm or run.db-wal appears beside run.db."""
+    _copy_run(finished, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in Path("run").iterdir())
+    assert fedhop.load("run").status == "completed"
+    assert sorted(p.name for p in Path("run").iterdir()) == before
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("config.toml", b"[run\n", "config.toml: not valid TOML (Expected ']'"),
+    ("run.db", b"not sqlite at all" * 300, "run.db: not a readable run database (file is not a database)"),
+])
+def test_load_of_an_unreadable_file_is_a_value_error_naming_it(finished, tmp_path, monkeypatch, name, content,
+                                                              message):
+    copy = _copy_run(finished, tmp_path)
+    (copy / name).write_bytes(content)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as caught:
+        fedhop.load("run")
+    assert str(caught.value).startswith(f"{copy.resolve() / name}: ") and message in str(caught.value)
+
+
 def test_to_pandas_without_pandas_says_how_to_install_it(finished, monkeypatch):
     _, res = finished
     monkeypatch.setitem(sys.modules, "pandas", None)    # `import pandas` raises ImportError

@@ -10,6 +10,7 @@ means r rounds completed; a round's cumulative bytes are those of every message 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,14 @@ CUMULATIVE: tuple[str, ...] = tuple(f"cumulative_{k}" for k in COUNT_FIELDS)
 
 
 def connect_ro(db: Path) -> sqlite3.Connection:
-    """`db` opened read-only; FileNotFoundError where it does not exist."""
+    """`db` opened read-only; FileNotFoundError where it does not exist.  Without a -wal file beside it
+    (no writer has it open, and none left rows outside it) it is opened `immutable`, so that the read
+    adds no -shm or -wal file to the run folder; with one, read-only through that WAL (a live run)."""
     db = Path(db).resolve()
     if not db.is_file():
         raise FileNotFoundError(f"no run database at {db}")
-    con = sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True, timeout=10.0)
+    flags = "mode=ro" if os.path.lexists(f"{db}-wal") else "mode=ro&immutable=1"
+    con = sqlite3.connect(f"{db.as_uri()}?{flags}", uri=True, timeout=10.0)
     con.execute("PRAGMA busy_timeout = 10000")
     return con
 
@@ -204,6 +208,8 @@ def read_run_db(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, int], di
     except (RecursionError, TypeError, OverflowError, AttributeError, KeyError, ValueError) as exc:
         # a crafted file: JSON nested too deeply in a column, text where a number belongs
         raise ValueError(f"{db}: unreadable content ({type(exc).__name__}: {str(exc)[:200]})") from None
+    except sqlite3.DatabaseError as exc:   # not an SQLite file, or a damaged one
+        raise ValueError(f"{db}: not a readable run database ({exc})") from None
     finally:
         con.close()
     return rows, total, by_link
@@ -211,7 +217,8 @@ def read_run_db(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, int], di
 
 def run_status(run_dir: Path) -> str | None:
     """The status run.db's runs table records for the run (None where it has none)."""
-    con = connect_ro(Path(run_dir) / "run.db")
+    db = Path(run_dir) / "run.db"
+    con = connect_ro(db)
     try:
         tables = _tables(con)
         run_id = _run_id(con, tables)
@@ -219,6 +226,8 @@ def run_status(run_dir: Path) -> str | None:
             return None
         row = con.execute("SELECT status FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         return row[0] if row and row[0] else None
+    except sqlite3.DatabaseError as exc:   # not an SQLite file, or a damaged one
+        raise ValueError(f"{db}: not a readable run database ({exc})") from None
     finally:
         con.close()
 
