@@ -114,25 +114,11 @@ def test_an_entry_with_a_checkpoints_name_that_is_no_file_is_refused_without_ope
         load_checkpoint(odd)
 
 
-QUAD = """
-[run]
-name = "ck"
-rounds = 40
-checkpoint_every = 1
-engine = "inprocess"
-[algorithm]
-name = "fedavg"
-lr = 0.1
-local_steps = 1
-batch_size = 0
-[data]
-dataset = "quadratic"
-dim = 3
-[clients]
-count = 2
-per_round = 2
-processes = 1
-"""
+def _config(rounds: int) -> str:
+    """A two-client quadratic run in one process, checkpointed every round."""
+    return (f'[run]\nname = "ck"\nrounds = {rounds}\ncheckpoint_every = 1\nengine = "inprocess"\n'
+            '[algorithm]\nname = "fedavg"\nlr = 0.1\nlocal_steps = 1\nbatch_size = 0\n'
+            '[data]\ndataset = "quadratic"\ndim = 3\n[clients]\ncount = 2\nper_round = 2\nprocesses = 1\n')
 
 
 def _resume(cwd: Path) -> subprocess.CompletedProcess:
@@ -143,7 +129,7 @@ def _resume(cwd: Path) -> subprocess.CompletedProcess:
 @pytest.fixture
 def stopped_run(tmp_path: Path) -> Path:
     """A run folder whose run stopped after round 2 (its later rounds' records taken out)."""
-    (tmp_path / "exp.toml").write_text(QUAD.replace("rounds = 40", "rounds = 2"))
+    (tmp_path / "exp.toml").write_text(_config(2))
     done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "run", "--quiet"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -527,10 +527,11 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True, das
         return 2
     db = d / "run.db"
     from fedhop.common.records.runstore import foreign_schema_problem
-    why = ("no run.db (the run's records)" if not db.exists() else "run.db is not a file" if not db.is_file()
-           else foreign_schema_problem(db))
-    if why:
-        print(f"fedhop run --resume: {d}: {why.replace('not a SQLite', 'run.db is not a SQLite', 1)}", file=sys.stderr)
+    db_problem = ("no run.db (the run's records)" if not db.exists() else "run.db is not a file"
+                  if not db.is_file() else foreign_schema_problem(db))
+    if db_problem:
+        print(f"fedhop run --resume: {d}: {db_problem.replace('not a SQLite', 'run.db is not a SQLite', 1)}",
+              file=sys.stderr)
         return 2
     if false_start(d):
         print(f"fedhop run --resume: the run in {d} ended before its first round, so there is nothing to resume; "
