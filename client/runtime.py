@@ -7,12 +7,13 @@ import threading
 import torch
 
 from fedhop.client.host import ClientHost
-from fedhop.common.config import parent_config
+from fedhop.common.config import Config, parent_config
 from fedhop.common.transport.base import Endpoint, HandlerError, Request
 from fedhop.common.transport.fabric import Fabric
 from fedhop.common.transport.liveness import register_with_backoff
 from fedhop.common.transport.placement import process_device
 from fedhop.common.util.plugins import tell_refusal
+from fedhop.common.util.text import MAX_ERROR_TEXT, one_line
 from fedhop.common.wire import fedhop_pb2 as pb
 
 log = logging.getLogger("fedhop.client")
@@ -60,6 +61,17 @@ class ClientProcess:
         except RuntimeError as exc:   # e.g. PLUGIN_NOT_ALLOWED: the parent is told before this process leaves
             tell_refusal(self.endpoint, self.parent, self._request(), reply.run_id, str(exc))
             raise
+        try:
+            self._set_up(cfg, reply)
+        except Exception as exc:   # noqa: BLE001  # the parent's config did not build here (its data, its sizes)
+            why = one_line(f"{self.endpoint.node_id}: cannot set up from {self.parent}'s config: "
+                           f"{type(exc).__name__}: {exc}", MAX_ERROR_TEXT)
+            log.debug("set-up failed", exc_info=True)
+            tell_refusal(self.endpoint, self.parent, self._request(), reply.run_id, why)
+            raise RuntimeError(why) from None
+
+    def _set_up(self, cfg: Config, reply: pb.RegisterReply) -> None:
+        """The endpoint's settings and the hosted clients (`ClientHost`) from the run's config."""
         self.endpoint.run_id = reply.run_id
         self.endpoint.chunk_bytes = cfg.transport.chunk_bytes
         self.endpoint.replies_per_bundle = cfg.transport.reply_bundle   # a served batch's replies (grpc.py, Batches)

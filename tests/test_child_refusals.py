@@ -337,3 +337,44 @@ def test_a_refusal_whose_signal_exception_was_lost_still_fails_the_run_before_it
     assert time.monotonic() - started < 25, "waited out the registration timeout (30 s)"
     assert (summary["status"], summary["rounds_completed"]) == ("failed", 0), summary
     assert summary["error"] == reason, summary
+
+
+def npz_config(path: Path) -> str:
+    """Two clients of the user's npz file, two rounds of FedAvg on a linear model."""
+    return (f'[run]\nname = "setup-refusal"\nrounds = 2\n[algorithm]\nname = "fedavg"\nlr = 0.1\n'
+            f'local_steps = 1\nbatch_size = 0\n[data]\ndataset = "npz"\npath = "{path}"\n[model]\n'
+            f'kind = "logreg"\n[clients]\ncount = 2\nper_round = 2\n')
+
+
+def test_a_client_whose_set_up_fails_on_the_configs_data_tells_the_server_and_exits_with_one_line(tmp_path):
+    """The run's data file is where the server read it but gone when the client builds its share
+    (another machine, another mount): the client says so in one line, tells the server, and the
+    server fails the run at once with that reason (the client had printed a traceback and left the
+    server to wait out its registration timeout)."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data.npz"
+    np.savez(data, x_0=rng.normal(size=(6, 3)), y_0=np.array([0, 1] * 3), x_1=rng.normal(size=(6, 3)),
+             y_1=np.array([1, 0] * 3))
+    (tmp_path / "exp.toml").write_text(npz_config(data))
+    run = Run.__new__(Run)
+    run.tmp, run.run_dir, run.procs = tmp_path, tmp_path / "run", {}
+    run.env = {k: v for k, v in os.environ.items() if k not in ("FEDHOP_TOKEN", plugins.ALLOW_ENV, "FEDHOP_NODE_CRED")}
+    try:
+        server = run.server()
+        run.wait_for(lambda: Path(server).exists())   # the server has built its task from the file
+        data.unlink()
+        run.start("client-proc0", "client", "--parent-file", server, "--clients", "0-1", "--node-id", "client-proc0")
+        assert run.procs["client-proc0"].wait(timeout=120) == 2, run.log("client-proc0")[-3000:]
+        assert run.procs["server"].wait(timeout=120) == 1, run.log("server")[-3000:]
+        client_log = run.log("client-proc0")
+        assert "Traceback" not in client_log
+        said = [line for line in client_log.splitlines() if "cannot set up from" in line]
+        assert len(said) == 1 and "FileNotFoundError" in said[0] and "data.npz" in said[0], client_log[-2000:]
+        (event,) = run.events("config_refused")
+        assert event[0] == "client-proc0" and "cannot set up from" in event[1] and "data.npz" in event[1]
+        summary = json.loads((run.run_dir / "summary.json").read_text())
+        assert summary["status"] == "failed" and "client-proc0" in summary["error"]
+        assert summary["rounds_completed"] == 0
+    finally:
+        run.close()

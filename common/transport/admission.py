@@ -49,6 +49,7 @@ import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Callable, Mapping
 
+from fedhop.common.util.text import one_line as one_line  # where the project's other modules import it from
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.methods import Method
 
@@ -66,13 +67,6 @@ EVENTS_PER_INTERVAL = 16   # events of one kind per interval before further peer
 # the refusals an edge reports to the server in its heartbeats (edge/reports.py); the server records
 # these kinds from an edge, and "events_dropped" (the edge's queue overflowed), nothing from a client process
 EDGE_EVENT_KINDS = frozenset({"register_refused", "auth_refused", "call_refused", "request_refused"})
-
-
-def one_line(text: str, limit: int) -> str:
-    """A participant's text as it may enter run.db and the logs: one line of at most `limit`
-    characters, runs of whitespace as one space, anything else not printable (a terminal escape,
-    NUL) as '?'."""
-    return "".join(ch if ch.isprintable() else "?" for ch in " ".join(text.split())[:limit])
 
 
 def peer_host(peer: str) -> str:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from fedhop.common.transport.admission import key_id, probe_proof
 from fedhop.common.transport.placement import to_device
+from fedhop.common.util.text import MAX_ERROR_TEXT, one_line
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import (
     FRAME_OVERHEAD,
@@ -52,9 +53,12 @@ NOTHING_SENT = _Sizes(0, 0, 0)   # the ledger's sizes of a request that never re
 
 
 class RemoteError(RuntimeError):
-    """The peer answered with an error (it rejected our message or failed to handle it)."""
+    """The peer answered with an error (it rejected our message or failed to handle it).  Its
+    code and text are the peer's own: kept one bounded line (`one_line`), as they go into the
+    logs and run.db."""
 
     def __init__(self, code: str, message: str, peer: str = "") -> None:
+        code, message = one_line(code, 64), one_line(message, MAX_ERROR_TEXT)
         super().__init__(f"{peer or 'peer'} replied {code}: {message}")
         self.code = code
         self.detail = message
@@ -91,10 +95,33 @@ BusyHook = Callable[[str, str, str, str], None]
 
 
 class HandlerError(RuntimeError):
+    """A handler refuses a call with a typed error (`code`); the message, which may quote the
+    caller's input, is kept one bounded line."""
+
     def __init__(self, code: str, message: str) -> None:
+        code, message = one_line(code, 64), one_line(message, MAX_ERROR_TEXT)
         super().__init__(f"{code}: {message}")
         self.code = code
         self.detail = message
+
+
+def _check_route(env: pb.Envelope) -> None:
+    """A received header's ends must be node ids (server, edge-N, client-N): the ledger's link
+    is worked out from them."""
+    if env.src and env.dst:
+        try:
+            message_link(env.src, env.dst, env.method)
+        except ValueError:
+            raise PayloadError("MALFORMED_HEADER", f"src {env.src[:64]!r} and dst {env.dst[:64]!r} must be node ids "
+                                                   f"(server, edge-N, client-N)") from None
+
+
+def _link_or_control(env: pb.Envelope) -> str:
+    """The ledger link of a received message, or `control` for one whose ends name no nodes."""
+    try:
+        return message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
+    except ValueError:
+        return "control"
 
 
 def direction_of(src: str, dst: str) -> str:
@@ -508,13 +535,14 @@ class Endpoint(ABC):
                 if pulled and decoder.complete:
                     break
             decoded = decoder.finish()
+            _check_route(decoded.envelope)
         except PayloadError as exc:
             env = decoder.envelope
             if env is None:   # not even a header: an unrouted error reply
                 return self._error_reply(None, exc.code, exc.detail).frames
             # the header arrived (the data was corrupt or short): record the rejected message and
             # answer with a routed typed error, so both ledgers pair the request and its reply
-            link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
+            link = _link_or_control(env)
             seen = Decoded(envelope=env, payload=Payload(), payload_bytes=decoder.payload_bytes,
                            frames=decoder.frames, tensor_bytes=int(env.data_bytes), framing=arrived_framing())
             reply = self._error_reply(env, exc.code, exc.detail)

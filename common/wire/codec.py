@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import xxhash
 
+from fedhop.common.util.text import MAX_ERROR_TEXT, one_line
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.filebacked import FileBuffers, FileSink
 from fedhop.common.wire.message import CHUNK, FlatView, Payload, Scalar
@@ -80,9 +81,12 @@ FRAME_OVERHEAD = 5  # gRPC length-prefixed message framing, per message
 
 
 class PayloadError(ValueError):
-    """A received payload is malformed; `code` names the failure class for the ledger/events."""
+    """A received payload is malformed; `code` names the failure class for the ledger/events.
+    The message often quotes the sender's own names (a tensor's, a scalar's): it is kept one
+    bounded line (`one_line`), as it goes into the logs and run.db."""
 
     def __init__(self, code: str, message: str) -> None:
+        code, message = one_line(code, 64), one_line(message, MAX_ERROR_TEXT)
         super().__init__(f"{code}: {message}")
         self.code = code
         self.detail = message
