@@ -167,6 +167,13 @@ def test_a_parent_config_naming_a_processor_off_the_allow_list_is_refused_never_
     assert mark.exists() and cfg.processors[0].name == "userprocs:Count"
 
 
+def test_a_parent_config_nested_too_deeply_is_refused_naming_the_config():
+    text = BASE + "x = " + "[" * 100_000 + "]" * 100_000 + "\n"
+    with pytest.raises(RuntimeError, match=r"^client-proc0: refusing the run's config from edge-0: its TOML is "
+                                           r"nested too deeply to parse$"):
+        parent_config(text, "client-proc0", "edge-0", role="client")
+
+
 def test_a_client_process_refuses_at_registration_and_imports_nothing(folder):
     """A real client process, started without the processor's module on its allow-list, told of
     a config naming it by its parent: it registers, refuses the config (typed, one line), exits 2."""

@@ -19,3 +19,6 @@ def parent_config(text: str, node_id: str, parent: str, role: str = "") -> Any:
         return cfg
     except (ValueError, KeyError) as exc:   # ConfigError, PluginError and PluginRefused
         raise RuntimeError(f"{node_id}: refusing the run's config from {parent}: {exc}") from None
+    except RecursionError:   # TOML nested deeper than the parser's recursion allows
+        raise RuntimeError(f"{node_id}: refusing the run's config from {parent}: its TOML is nested too deeply "
+                           f"to parse") from None
