@@ -525,17 +525,17 @@ def resume_local(run_dir: str, quiet: bool = False, show_table: bool = True, das
     if in_use(d):
         print(f"fedhop run --resume: a run is still using {d}", file=sys.stderr)
         return 2
-    db = d / "run.db"
-    from fedhop.common.records.runstore import foreign_schema_problem
-    db_problem = ("no run.db (the run's records)" if not db.exists() else "run.db is not a file"
-                  if not db.is_file() else foreign_schema_problem(db))
-    if db_problem:
-        print(f"fedhop run --resume: {d}: {db_problem.replace('not a SQLite', 'run.db is not a SQLite', 1)}",
-              file=sys.stderr)
-        return 2
     if false_start(d):
         print(f"fedhop run --resume: the run in {d} ended before its first round, so there is nothing to resume; "
               f"start it again with `fedhop run CONFIG --out {run_dir}` (that folder is reused)", file=sys.stderr)
+        return 2
+    db = d / "run.db"
+    from fedhop.common.records.runstore import foreign_schema_problem
+    db_problem = ("run.db is not a file" if db.exists() and not db.is_file()
+                  else foreign_schema_problem(db) if db.exists() else None)
+    if db_problem:
+        print(f"fedhop run --resume: {d}: {db_problem.replace('not a SQLite', 'run.db is not a SQLite', 1)}",
+              file=sys.stderr)
         return 2
     try:
         ckpt = latest_checkpoint(d)
