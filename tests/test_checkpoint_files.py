@@ -149,9 +149,9 @@ def test_resume_refuses_a_checkpoint_whose_model_is_not_the_configs(stopped_run:
     _rewrite(newest, tensors_change=lambda t: t.update({k: torch.full_like(v, float("nan")) for k, v in t.items()
                                                         if k.startswith("params/")}))
     done = _resume(stopped_run)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr   # a run folder that cannot be resumed
     assert "holds NaN or Inf" in done.stderr
     _rewrite(newest, tensors_change=lambda t: t.update({k: v[:1].clone() for k, v in t.items()
                                                         if k.startswith("params/")}))
     done = _resume(stopped_run)
-    assert done.returncode != 0 and "the config's model has torch.float32" in done.stderr
+    assert done.returncode == 2 and "the config's model has torch.float32" in done.stderr

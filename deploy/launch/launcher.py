@@ -784,10 +784,11 @@ def run_inprocess(cfg: Config, run_dir: Path, quiet: bool, show_table: bool, res
             try:
                 engine = build(cfg, run_dir, devices, resume_run=resume)
             except (RuntimeError, ValueError, FileNotFoundError, CheckpointError) as exc:
-                # ValueError, FileNotFoundError: the config's data set, model or files refused
-                # (exit 2, as the server process's refusal); RuntimeError: a run that failed
+                # ValueError, FileNotFoundError: the config's data set, model or files refused, and
+                # CheckpointError: a run folder that cannot be resumed (exit 2, as the server
+                # process's refusal); RuntimeError: a run that failed
                 print(f"fedhop run: {exc}", file=sys.stderr)
-                return 1 if isinstance(exc, RuntimeError) else 2
+                return 1 if isinstance(exc, RuntimeError) and not isinstance(exc, CheckpointError) else 2
             try:
                 page = start_dashboard(run_dir, dashboard) if dashboard is not None else None
             except RuntimeError as exc:
