@@ -19,7 +19,7 @@ from fedhop.common.records.runstore import RunStore
 from fedhop.common.transport.base import Batched, HandlerError, RemoteError
 from fedhop.common.transport.grpc import GrpcEndpoint
 from fedhop.common.wire.codec import FRAME_OVERHEAD, PayloadError, bundle_bytes, split_bundle
-from fedhop.common.wire.ledger import Ledger
+from fedhop.common.wire.ledger import Ledger, read_jsonl
 from fedhop.deploy.launch.launcher import run_local
 from tests.test_crossdevice import xd_config
 
@@ -399,6 +399,50 @@ def test_a_batchs_replies_come_in_bundles_whose_framing_both_ends_count_alike(pe
     assert len(seen) == bundles and sum(seen) + FRAME_OVERHEAD * bundles == wire
     assert sum(r.framed_bytes - r.payload_bytes for r in sent) == wire - sum(r.payload_bytes for r in sent)
     assert bundles == (-(-count // per_bundle) if chunk > 1 << 20 else -(-count // 3))
+
+
+def test_the_caller_writes_a_reply_bundles_records_to_its_file_in_one_write(tmp_path):
+    """Ten requests in one call, replies in bundles of four: the caller writes each bundle's
+    records in one write (three writes, not twenty); the callee writes each record as it makes
+    it (twenty: a request's receipt is on disk before it is served, should the process die);
+    every record is in the files, paired by msg_id across the two ends."""
+    callee = GrpcEndpoint("client-proc0", Ledger(tmp_path / "client.jsonl"))
+    callee.replies_per_bundle = 4
+    address = callee.serve(lambda r: Payload(tensors={"d": r.payload.tensors["w"] + 1}), "127.0.0.1:0")
+    caller = GrpcEndpoint("server", Ledger(tmp_path / "server.jsonl"))
+    writes = {"server": 0, "client": 0}
+
+    def count(end: str, ledger: Ledger) -> None:
+        sink = ledger._sink
+        assert sink is not None
+
+        class Counting:
+            def write(self, text: str) -> int:
+                writes[end] += 1
+                return sink.write(text)
+
+            def __getattr__(self, name: str):
+                return getattr(sink, name)
+
+        ledger._sink = Counting()   # type: ignore[assignment]
+
+    count("server", caller.ledger)
+    count("client", callee.ledger)
+    try:
+        prepared = caller.prepare(Payload(tensors={"w": torch.ones(3)}))
+        out = caller.call_many(address, [Batched(f"client-{k}", "train", prepared) for k in range(10)],
+                               round=1, timeout=30)
+        assert all(isinstance(o, Payload) and torch.equal(o.tensors["d"], torch.full((3,), 2.0)) for o in out)
+    finally:
+        caller.stop()
+        callee.stop()
+    assert writes == {"server": 3, "client": 20}
+    on_server = read_jsonl(tmp_path / "server.jsonl")
+    on_client = read_jsonl(tmp_path / "client.jsonl")
+    assert len(on_server) == len(on_client) == 20
+    key = lambda r: (r.msg_id, r.framed_bytes, r.payload_bytes)   # noqa: E731
+    assert sorted(map(key, on_server)) == sorted(map(key, on_client))
+    assert {r.role for r in on_server} == {"sender", "receiver"} == {r.role for r in on_client}
 
 
 def test_with_bundles_of_four_the_first_four_replies_arrive_while_the_sixth_trains():

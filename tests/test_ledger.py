@@ -199,6 +199,74 @@ def test_ledger_is_thread_safe(tmp_path):
     assert sum(r.tensor_bytes for r in back) == 4 * sum(range(300))
 
 
+@pytest.mark.parametrize("keep_drained", [False, True])
+def test_drains_while_threads_add_hand_out_every_record_once(keep_drained):
+    """`add` appends without the lock; a `drain` running meanwhile takes a prefix and leaves the
+    records added after it for the next: nothing lost, nothing twice."""
+    led = Ledger(keep_drained=keep_drained)
+    done = threading.Event()
+
+    def work(t: int) -> None:
+        for i in range(5000):
+            led.add(rec(f"t{t}-{i}"))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    drained: list[str] = []
+    while not done.is_set():
+        done.set() if not any(th.is_alive() for th in threads) else None
+        drained.extend(r.msg_id for r in led.drain())
+    drained.extend(r.msg_id for r in led.drain())
+    assert len(drained) == 20_000 and len(set(drained)) == 20_000
+    assert len(led.records()) == (20_000 if keep_drained else 0)
+
+
+def test_deferred_lines_are_written_once_at_the_end_and_records_seen_at_once(tmp_path):
+    """`Ledger.deferred`: inside, this thread's records are held and observed at once but their
+    lines wait; at the end they go in one write, in order, also after an exception; another
+    thread's records are written at once; nested blocks write at the outermost's end."""
+    path = tmp_path / "deferred.jsonl"
+    led = Ledger(path)
+    seen: list[str] = []
+    led.observers.append(lambda r: seen.append(r.msg_id))
+    writes: list[str] = []
+    sink = led._sink
+    assert sink is not None
+
+    class Counting:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return sink.write(text)
+
+        def __getattr__(self, name: str):
+            return getattr(sink, name)
+
+    led._sink = Counting()   # type: ignore[assignment]
+
+    def lines() -> list[str]:
+        return [r.msg_id for r in read_jsonl(path)]
+
+    with led.deferred():
+        led.add(rec("d0"))
+        with led.deferred():
+            led.add(rec("d1"))
+        other = threading.Thread(target=led.add, args=(rec("o0"),))
+        other.start()
+        other.join()
+        led.add(rec("d2"))
+        assert [r.msg_id for r in led.records()] == ["d0", "d1", "o0", "d2"] and seen == ["d0", "d1", "o0", "d2"]
+        assert lines() == ["o0"]                     # only the other thread's, written at once
+    assert lines() == ["o0", "d0", "d1", "d2"] and len(writes) == 2
+    with pytest.raises(RuntimeError):
+        with led.deferred():
+            led.add(rec("e0"))
+            led.add(rec("e1"))
+            raise RuntimeError("a failed bundle")
+    led.add(rec("f0"))                               # after the block: one write a record again
+    assert lines() == ["o0", "d0", "d1", "d2", "e0", "e1", "f0"] and len(writes) == 4
+
+
 # -- run store ------------------------------------------------------------------------------
 def mixed_records() -> list[LedgerRecord]:
     """m1 both sides agree; m2 receiver only; m3 both sides, receiver disagrees; m4 sender only;

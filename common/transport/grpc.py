@@ -436,7 +436,8 @@ class GrpcEndpoint(Endpoint):
                                          request.envelope.dst)
                     go.set()   # pulled: the callee sends the rest of its reply now
                 if isinstance(decoder, BatchDecoder) and decoder.bundled:   # a batch's replies come in bundles
-                    decoder.feed_bundle(frame)
+                    with self.ledger.deferred():   # the bundle's records in one write
+                        decoder.feed_bundle(frame)
                 else:
                     decoder.feed(frame)
             return decoder.finish(), sent[0]

@@ -38,7 +38,6 @@ import math
 import os
 import sys
 import threading
-import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from fedhop.common.util.text import MAX_ERROR_TEXT, one_line
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.filebacked import FileBuffers, FileSink
 from fedhop.common.wire.message import CHUNK, FlatView, Payload, Scalar
+from fedhop.common.wire.msgids import new_msg_id
 
 if sys.byteorder != "little":  # pragma: no cover
     raise RuntimeError("fedhop's wire format is little-endian; this host is big-endian")
@@ -518,7 +518,7 @@ def bundle_bytes(frames: Sequence[bytes]) -> bytes:
 def make_envelope(*, run_id: str, round: int, src: str, dst: str, method: str, step: int = 0,
                   token: str = "", msg_id: str | None = None) -> pb.Envelope:
     return pb.Envelope(run_id=run_id, round=round, step=step, src=src, dst=dst, method=method,
-                       msg_id=msg_id or uuid.uuid4().hex, token=token)
+                       msg_id=msg_id or new_msg_id(), token=token)
 
 
 def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_CHUNK,

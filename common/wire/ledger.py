@@ -18,6 +18,7 @@ import stat
 import threading
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, cast
@@ -174,6 +175,7 @@ class Ledger:
         self._drained = 0  # index into _records of the first record not yet drained
         self._keep_drained = keep_drained
         self._hold = hold
+        self._deferring = threading.local()   # `deferred`: this thread's lines not yet written
         self.observers: list[Callable[[LedgerRecord], None]] = []   # see each record as it is added (common/transport/livebytes.py)
         self.path = Path(path) if path is not None else None
         self._sink = None
@@ -200,16 +202,47 @@ class Ledger:
         return rec
 
     def add(self, record: LedgerRecord) -> None:
-        """Append an existing record (e.g. one shipped up from a child process)."""
+        """Append an existing record (e.g. one shipped up from a child process).
+
+        The record is appended without the lock (a list's `append` is one step under the GIL, and
+        `drain` removes a prefix in place): a process whose threads each receive a batch's replies
+        records from all of them at once, and a contended lock per record costs each thread a
+        wait and a hand-off of the GIL (docs/performance.md, "A reply bundle's records")."""
         line = json_line(record) + "\n" if self._sink is not None else ""
-        with self._lock:
-            if self._hold:
-                self._records.append(record)
-            if self._sink is not None:
-                self._sink.write(line)
-                self._sink.flush()
+        if self._hold:
+            self._records.append(record)
+        if self._sink is not None:
+            held = getattr(self._deferring, "lines", None)
+            if held is not None:
+                held.append(line)
+            else:
+                with self._lock:
+                    if self._sink is not None:
+                        self._sink.write(line)
+                        self._sink.flush()
         for observe in self.observers:
             observe(record)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """The file lines of the records this thread adds inside are written in one write when it
+        ends (the records themselves are held and observed at once, as always).  For the replies
+        of one reply bundle, received or sent together: one system call for all their records
+        instead of one a record.  Nested, the outermost writes."""
+        if getattr(self._deferring, "lines", None) is not None:
+            yield
+            return
+        lines: list[str] = []
+        self._deferring.lines = lines
+        try:
+            yield
+        finally:
+            self._deferring.lines = None
+            if lines:
+                with self._lock:
+                    if self._sink is not None:
+                        self._sink.write("".join(lines))
+                        self._sink.flush()
 
     def extend(self, records: Iterable[LedgerRecord]) -> None:
         for rec in records:
@@ -222,12 +255,13 @@ class Ledger:
 
     def drain(self) -> list[LedgerRecord]:
         """The records not yet drained, marked drained (what to ship to the parent next)."""
-        with self._lock:
-            out = self._records[self._drained:]
+        with self._lock:   # one drain at a time; `add` appends meanwhile, after the prefix taken
+            taken = len(self._records)
+            out = self._records[self._drained:taken]
             if self._keep_drained:
-                self._drained = len(self._records)
+                self._drained = taken
             else:
-                self._records = []
+                del self._records[:taken]   # in place: an `add` holds no stale list
                 self._drained = 0
             return out
 
