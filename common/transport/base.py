@@ -105,15 +105,17 @@ class HandlerError(RuntimeError):
         self.detail = message
 
 
-def _check_route(env: pb.Envelope) -> None:
-    """A received header's ends must be node ids (server, edge-N, client-N): the ledger's link
-    is worked out from them."""
-    if env.src and env.dst:
-        try:
-            message_link(env.src, env.dst, env.method)
-        except ValueError:
-            raise PayloadError("MALFORMED_HEADER", f"src {env.src[:64]!r} and dst {env.dst[:64]!r} must be node ids "
-                                                   f"(server, edge-N, client-N)") from None
+def _checked_link(env: pb.Envelope) -> str:
+    """The ledger link of a received message (`control` where its ends are not both named);
+    ends that are named must be node ids (server, edge-N, client-N), the link is worked out
+    from them."""
+    if not (env.src and env.dst):
+        return "control"
+    try:
+        return message_link(env.src, env.dst, env.method)
+    except ValueError:
+        raise PayloadError("MALFORMED_HEADER", f"src {env.src[:64]!r} and dst {env.dst[:64]!r} must be node ids "
+                                               f"(server, edge-N, client-N)") from None
 
 
 def _link_or_control(env: pb.Envelope) -> str:
@@ -535,7 +537,7 @@ class Endpoint(ABC):
                 if pulled and decoder.complete:
                     break
             decoded = decoder.finish()
-            _check_route(decoded.envelope)
+            link = _checked_link(decoded.envelope)
         except PayloadError as exc:
             env = decoder.envelope
             if env is None:   # not even a header: an unrouted error reply
@@ -554,7 +556,6 @@ class Endpoint(ABC):
             return reply.frames
         decoded.framing = arrived_framing()
         env = decoded.envelope
-        link = message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
         recv_seconds = time.perf_counter() - started
         try:
             reply_payload = handler(Request(env, to_device(decoded.payload, self.device)))
