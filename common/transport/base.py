@@ -121,8 +121,8 @@ def _checked_link(env: pb.Envelope) -> str:
 def _link_or_control(env: pb.Envelope) -> str:
     """The ledger link of a received message, or `control` for one whose ends name no nodes."""
     try:
-        return message_link(env.src, env.dst, env.method) if env.src and env.dst else "control"
-    except ValueError:
+        return _checked_link(env)
+    except PayloadError:
         return "control"
 
 
