@@ -450,3 +450,29 @@ def test_a_header_declaring_more_dimensions_than_a_tensor_holds_is_refused(dims)
         t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
         got = decode_frames(encode(Payload(tensors={"a": t}), env()).frames).payload.tensors["a"]
         assert got.shape == t.shape and torch.equal(got, t)
+
+
+def test_a_handed_over_message_of_one_data_frame_is_cut_in_the_sending_thread(monkeypatch):
+    """`Frames.stream` hands cuts to helper threads only where there is a send to overlap (two data
+    frames or more); a one-frame message is cut in the caller's thread, with the same bytes as
+    an eager encode.  The helper pool is counted: a one-frame stream
+    must not touch it, a three-frame one must."""
+    submitted: list[object] = []
+
+    class CountingPool:
+        def submit(self, fn, *args):
+            submitted.append(fn)
+            return codec._POOL_REAL.submit(fn, *args)
+
+    monkeypatch.setattr(codec, "_POOL_REAL", codec._cut_pool(), raising=False)
+    monkeypatch.setattr(codec, "_cut_pool", lambda: CountingPool())
+    small = torch.randn(1000)
+    eager = list(encode(Payload(tensors={"w": small.clone()}), env(msg_id="s"), chunk_bytes=8192).frames)
+    enc = encode(hand_over(Payload(tensors={"w": small})), env(msg_id="s"), chunk_bytes=8192)
+    assert len(eager) == 3 and list(enc.frames.stream()) == eager   # header, one data frame, trailer
+    assert submitted == []
+    big = torch.randn(5000)                                          # 20,000 bytes: three 8 KiB frames
+    eager = list(encode(Payload(tensors={"w": big.clone()}), env(msg_id="b"), chunk_bytes=8192).frames)
+    enc = encode(hand_over(Payload(tensors={"w": big})), env(msg_id="b"), chunk_bytes=8192)
+    assert list(enc.frames.stream()) == eager
+    assert len(submitted) >= 3   # the digest's helper, then each of the three cuts

@@ -174,3 +174,29 @@ def test_consistent_results_keeps_the_majority_kind_of_each_scalar(seed):
         assert why.startswith(f"BAD_SCALAR: result of client {cid}: scalar '{bad}' is a {kinds[cid][bad]}")
     if seed % 2 == 0:
         assert rejected == {} and list(kept) == sorted(ids)
+
+
+def test_consistent_results_sees_the_same_scalars_in_another_order_as_one_layout(monkeypatch):
+    """A decoded reply's scalars come in the order of its protobuf map, which differed between
+    the client processes of one round (`fedhop bench scale`: a quarter of the replies in another
+    order).  Such a round is the common case: every result kept, in id order, without the
+    per-scalar count (`_kind`, made to fail here) that a round of mixed kinds needs."""
+    from fedhop.common.processors import validation
+    names = ["train_loss", "local_steps", "compute_seconds", "weight"]
+    rng = np.random.default_rng(3)
+    results = {}
+    for cid in rng.choice(10_000, size=40, replace=False).tolist():
+        order = [names[i] for i in rng.permutation(len(names))]
+        results[cid] = Payload(scalars={n: (int(rng.integers(1, 9)) if n == "local_steps" else float(rng.random()))
+                                        for n in order})
+    assert len({tuple(p.scalars) for p in results.values()}) > 1
+
+    def counted(v):
+        raise AssertionError("the per-scalar count ran for a round whose results agree")
+
+    monkeypatch.setattr(validation, "_kind", counted)
+    kept, rejected = validation.consistent_results(results)
+    assert rejected == {} and list(kept) == sorted(results) and all(kept[c] is results[c] for c in kept)
+    results[min(results)].scalars["local_steps"] = 2.5   # a float where the others send an int: both numbers
+    with pytest.raises(AssertionError, match="per-scalar count ran"):
+        validation.consistent_results(results)
