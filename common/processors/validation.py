@@ -185,8 +185,8 @@ def consistent_results(results: Mapping[int, Payload]) -> tuple[dict[int, Payloa
     (ties: the type of the lowest id) and the rest, rejected with BAD_SCALAR: a string where the
     others send a number would break the reduction."""
     order = sorted(results)
-    # a decoded message's scalars come in the order its protobuf map iterates, which differs
-    # from message to message: the names and types are compared as a set
+    # a decoded message's scalars come in the order of its protobuf map, which differed between
+    # processes started on their own (fedhop bench scale): the names and types are compared as a set
     layouts = {frozenset(zip(p.scalars, map(type, p.scalars.values()))) for p in results.values()}
     if len(layouts) <= 1:   # the common case: every result has the same scalars of the same types
         return {cid: results[cid] for cid in order}, {}
