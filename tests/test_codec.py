@@ -458,14 +458,14 @@ def test_a_handed_over_message_of_one_data_frame_is_cut_in_the_sending_thread(mo
     an eager encode.  The helper pool is counted: a one-frame stream
     must not touch it, a three-frame one must."""
     submitted: list[object] = []
+    pool = codec._cut_pool()
 
     class CountingPool:
         def submit(self, fn, *args):
             submitted.append(fn)
-            return codec._POOL_REAL.submit(fn, *args)
+            return pool.submit(fn, *args)
 
-    monkeypatch.setattr(codec, "_POOL_REAL", codec._cut_pool(), raising=False)
-    monkeypatch.setattr(codec, "_cut_pool", lambda: CountingPool())
+    monkeypatch.setattr(codec, "_cut_pool", CountingPool)
     small = torch.randn(1000)
     eager = list(encode(Payload(tensors={"w": small.clone()}), env(msg_id="s"), chunk_bytes=8192).frames)
     enc = encode(hand_over(Payload(tensors={"w": small})), env(msg_id="s"), chunk_bytes=8192)

@@ -356,9 +356,9 @@ class Frames(Sequence):
         """The frames for a send: data frames not cut yet are cut `ahead` frames in advance by
         helper threads, so that the copy overlaps the send of the frames before (grpcio pulls the
         next request message only once the previous one is sent).  A message of one data frame
-        (a reply above 4 MiB handed over under a larger `transport.chunk_bytes`) is cut here: no
-        send of data is left to overlap, and a hand-off to a helper thread and back costs more than the
-        cut (tens of microseconds, milliseconds while other threads hold the GIL)."""
+        (a reply above 4 MiB handed over under a larger `transport.chunk_bytes`) is cut here:
+        no send of data is left to overlap, and a hand-off to a helper thread and back costs
+        more than the cut (tens of microseconds, milliseconds while other threads hold the GIL)."""
         cuts = self._cuts
         if cuts.left == 0 or len(cuts.cut) < 2:
             yield from self
