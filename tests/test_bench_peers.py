@@ -15,7 +15,7 @@ import pytest
 
 from fedhop.common.config import parse_config
 from fedhop.common.tasks import build_task
-from fedhop.deploy.bench.bench_peers import parse_peer_output, workloads
+from fedhop.deploy.bench.bench_peers import against_loop, parse_peer_output, workloads
 
 FAKE_PEER = '''\
 """A stand-in peer: checks the data contract (peerkit.py) and answers one JSON line, its accuracy
@@ -49,7 +49,7 @@ print(json.dumps({"system": "fake", "version": "0", "per_round_s": [0.5] + [0.25
                   "round_end_s": ends, **result}))
 '''
 
-ROW = re.compile(r"^  (fedhop processes|fedhop inprocess|pfl|Flower sim)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*$")
+ROW = re.compile(r"^  (fedhop processes|fedhop inprocess|fedhop loop|pfl|Flower sim)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*$")
 RATIO = re.compile(r"^  ratio (pfl|Flower sim) / (fedhop \w+): (\S+)")
 
 
@@ -97,11 +97,11 @@ def test_quick_workloads_in_both_engines_with_a_fake_peer(tmp_path):
     assert set(tables) == {"W1", "W2"}
     assert "Flower sim         not run (set FEDHOP_FLWR_PYTHON)" in res.stdout
     for name, table in tables.items():
-        assert set(table) == {"fedhop processes", "fedhop inprocess", "pfl"}, table
+        assert set(table) == {"fedhop processes", "fedhop inprocess", "fedhop loop", "pfl"}, table
         for s_round, peak, metric in table.values():
             assert float(s_round) > 0 and float(peak) > 10   # a python process holds more than 10 MB
-        # the engines are bit-identical by design: the same final figure
-        assert table["fedhop processes"][2] == table["fedhop inprocess"][2]
+        # the engines and the round engine's loop are bit-identical by design: the same final figure
+        assert table["fedhop processes"][2] == table["fedhop inprocess"][2] == table["fedhop loop"][2]
         # the fake peer's rounds take 0.25 s from round 2 on: the median of rounds 2..n
         assert table["pfl"][0] == "0.2500"
     for name, table in _rows(res.stdout).items():
@@ -110,7 +110,7 @@ def test_quick_workloads_in_both_engines_with_a_fake_peer(tmp_path):
         s_round, cpu, cores = table["pfl"][:3]
         assert 0.17 < float(cpu) < 0.33, table["pfl"]
         assert float(cores) == pytest.approx(float(cpu) / float(s_round), abs=0.01)
-        for engine in ("fedhop processes", "fedhop inprocess"):   # a few rounds of ~10 ms: under 5 readings
+        for engine in ("fedhop processes", "fedhop inprocess", "fedhop loop"):   # a few rounds of ~10 ms: under 5 readings
             s_round, cpu, cores = table[engine][:3]
             assert cpu == cores == "-" or 0 < float(cores) <= (os.cpu_count() or 1) + 0.5, table[engine]
     assert "(CPU s/round -: rounds 2..n spanned fewer than 5 readings" in res.stdout
@@ -146,12 +146,19 @@ def test_quick_workloads_in_both_engines_with_a_fake_peer(tmp_path):
             ratio = float(tables[current][peer][0]) / float(tables[current][m.group(2)][0])
             assert float(m.group(3)) == pytest.approx(ratio, rel=2e-3)
             seen += 1
-    assert seen == 4   # two engines x pfl x two workloads
+    assert seen == 6   # two engines and the loop x pfl x two workloads
+    # each fedhop system's final model hashed (the engines' model.safetensors, the loop's state): one hash
+    assert res.stdout.count("final model: the same bits in every fedhop system and repeat") == 2
     assert "(issue 49: >= 2: " in res.stdout   # W1/W2 in-process against pfl carry their acceptance line
 
     figures = json.loads((tmp_path / "figures.json").read_text())
     runs = figures["workloads"]["W2"]["seeds"]["0"]["systems"]
     assert runs["fedhop processes"]["runs"] == 2 and runs["pfl"]["runs"] == 2
+    assert len(runs["fedhop loop"]["models"]) == 1 and runs["fedhop loop"]["models"] == runs["fedhop inprocess"]["models"]
+    loop = figures["workloads"]["W2"]["seeds"]["0"]["loop"]
+    assert loop["identical"] is True and set(loop["engine_over_loop"]) == {"fedhop processes", "fedhop inprocess"}
+    for engine, over in loop["engine_over_loop"].items():   # printed s/round over the loop's
+        assert over == pytest.approx(runs[engine]["s_per_round"] / runs["fedhop loop"]["s_per_round"])
 
 
 def test_peer_contract_errors_are_one_clear_line(tmp_path):
@@ -233,3 +240,25 @@ def test_tree_watch_counts_a_childs_cpu_after_it_has_exited(tmp_path):
     used = watch.cpu[-1][2]
     assert 0.6 - 0.12 < used < 0.6 + 0.4, watch.cpu[-3:]   # above: the interpreters' own start-up
     assert [r[2] for r in watch.cpu] == sorted(r[2] for r in watch.cpu)   # readings only grow
+
+
+def test_a_model_that_differs_between_fedhop_systems_is_reported():
+    def fig(s_round: float, models: list[str]) -> dict:
+        return {"s_per_round": s_round, "models": models}
+    same = {"fedhop processes": fig(0.02, ["a"]), "fedhop inprocess": fig(0.03, ["a"]), "fedhop loop": fig(0.01, ["a"]),
+            "pfl": fig(0.05, [])}
+    assert against_loop(same) == {"engine_over_loop": {"fedhop processes": pytest.approx(2.0),
+                                                       "fedhop inprocess": pytest.approx(3.0)}, "identical": True}
+    assert against_loop({**same, "fedhop loop": fig(0.01, ["b"])})["identical"] is False
+    assert against_loop({**same, "fedhop inprocess": fig(0.03, ["a", "c"])})["identical"] is False   # repeats differ
+    assert against_loop({**same, "fedhop loop": fig(0.01, [])})["identical"] is None   # no hash: nothing claimed
+
+
+def test_the_loop_refuses_a_topology_with_its_own_rounds_in_one_line(tmp_path):
+    w1 = workloads(True)["W1"]
+    (tmp_path / "hier.toml").write_text(w1.config(2, 0) + "\n[topology]\nkind = \"hierarchical\"\nedges = 2\n")
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.bench.engine_loop", "hier.toml"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "hierarchical" in lines[0] and "own round protocol" in lines[0], res.stderr

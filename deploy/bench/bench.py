@@ -396,8 +396,8 @@ BENCHMARKS = {"transport": "gRPC (or gloo) throughput against TCP, codec speed, 
               "large": "one FedAvg round of a 100 MB-1 GB model: memory, CPU per GB, against bare grpcio "
                        "(its own flags: fedhop bench large --help)",
               "flower": "framework overhead against Flower (its own flags: fedhop bench flower --help)",
-              "peers": "issue 49's workloads in fedhop's two engines, Flower's simulation and pfl, with the ratios "
-                       "(its own flags: fedhop bench peers --help)"}
+              "peers": "issue 49's workloads in fedhop's two engines, the round engine's loop, Flower's simulation "
+                       "and pfl, with the ratios (its own flags: fedhop bench peers --help)"}
 
 
 def _flags_problem(args: argparse.Namespace) -> str | None:

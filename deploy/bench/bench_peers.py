@@ -1,5 +1,5 @@
-"""`fedhop bench peers`: issue 49's workloads in fedhop's two engines and in other frameworks,
-interleaved, with the ratios.
+"""`fedhop bench peers`: issue 49's workloads in fedhop's two engines, the round engine's loop and
+other frameworks, interleaved, with the ratios.
 
     fedhop bench peers [--workloads W1,W2,W3] [--rounds N] [--repeats 3] [--seeds 0] [--match]
                        [--quick] [--json FILE]
@@ -18,7 +18,11 @@ The workloads (issue 49):
 
 Systems: fedhop with run.engine = "processes" (a server and 2 client processes over gRPC) and
 "inprocess" (the server in the one process, its client processes in one worker process per core,
-run.workers = 0), each run as `fedhop run` in a subprocess; Flower's
+run.workers = 0), each run as `fedhop run` in a subprocess; "fedhop loop", the round engine's
+loop in one fresh process (deploy/bench/engine_loop.py: the same clients trained by the same code
+into the same model bit for bit, with no message encoded, sent or recorded), the floor for an
+engine with fedhop's training code, printed beside the engines as engine s/round / loop s/round
+with a check that every fedhop system ended with the same model; Flower's
 simulation engine when FEDHOP_FLWR_PYTHON names a Flower venv's python, pfl when FEDHOP_PFL_PYTHON
 names a pfl venv's python.  A peer runs deploy/bench/peers/<peer>_peer.py under its own python
 on the same data, exported from fedhop's task (deploy/bench/peers/peerkit.py has the contract and
@@ -58,18 +62,23 @@ from typing import Any, Callable
 
 import numpy as np
 import psutil
+from safetensors import safe_open
 
 from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine
 from fedhop.common.records.runstore import RunStore, round_seconds
 from fedhop.common.tasks import build_task
 from fedhop.common.util.cliparser import ArgumentParser
+from fedhop.deploy.bench.engine_loop import tensors_sha256
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 #: peer -> (environment variable naming its python, script, name printed)
 PEERS = {"flower": ("FEDHOP_FLWR_PYTHON", "flwr_peer.py", "Flower sim"),
          "pfl": ("FEDHOP_PFL_PYTHON", "pfl_peer.py", "pfl")}
 ENGINES = ("processes", "inprocess")
+#: the round engine's loop in one process (deploy/bench/engine_loop.py): fedhop's training code with no
+#: message encoded, sent or recorded, the floor for an engine; its final model must be the engines'
+LOOP = "fedhop loop"
 #: the in-process engine with one worker process per core (run.workers = 0; issue 49: "both cores used")
 ENGINE_FLAGS = {"inprocess": ["--set", "run.workers=0"]}
 
@@ -252,9 +261,25 @@ def run_fedhop(config: Path, engine: str, out: Path, timeout: float) -> dict[str
     store.close()
     metrics = rows[-1]["metrics"]
     ends = [float(r["finished"]) for r in rows if r.get("finished") is not None]
+    with safe_open(str(out / "model.safetensors"), framework="numpy") as model:
+        sha = tensors_sha256({name: model.get_tensor(name) for name in model.keys()})
     return {"per_round_s": round_seconds(rows), "peak_rss_mb": watch.peak / 1e6,
             "cpu_s_per_round": cpu_per_round(watch.cpu, ends, WALL) if len(ends) == len(rows) else None,
-            "accuracy": metrics.get("test_accuracy"), "objective": metrics.get("objective")}
+            "accuracy": metrics.get("test_accuracy"), "objective": metrics.get("objective"), "model_sha256": sha}
+
+
+def run_loop(config: Path, log: Path, timeout: float) -> dict[str, Any]:
+    """The round engine's loop on `config` in a fresh process of this python (deploy/bench/engine_loop.py)."""
+    code, watch, out = run_watched([sys.executable, "-m", "fedhop.deploy.bench.engine_loop", str(config)], None,
+                                   log, timeout)
+    if code != 0:
+        tail = log.read_text(errors="replace")[-1500:]
+        raise RuntimeError(f"{LOOP} failed (exit {code}); the end of {log}:\n{tail}")
+    row = parse_peer_output(out, LOOP)
+    ends = [float(v) for v in row["round_end_s"]]
+    return {"per_round_s": [float(v) for v in row["per_round_s"]], "peak_rss_mb": watch.peak / 1e6,
+            "cpu_s_per_round": cpu_per_round(watch.cpu, ends, MONOTONIC), "accuracy": row.get("accuracy"),
+            "objective": row.get("objective"), "model_sha256": row.get("model_sha256")}
 
 
 def parse_peer_output(stdout: str, name: str) -> dict[str, Any]:
@@ -336,7 +361,7 @@ def export(w: Workload, config_text: str, rounds: int, seed: int, folder: Path, 
 # ----------------------------------------------------------------------------- one workload
 def systems(env: dict[str, str]) -> tuple[list[str], dict[str, str], dict[str, str]]:
     """(the systems to run, peer -> its python, peer -> why it is not run)."""
-    run, pythons, skipped = [f"fedhop {e}" for e in ENGINES], {}, {}
+    run, pythons, skipped = [*(f"fedhop {e}" for e in ENGINES), LOOP], {}, {}
     for peer, (var, _, name) in PEERS.items():
         python = env.get(var, "")
         if not python:
@@ -371,6 +396,8 @@ def measure(w: Workload, rounds: int, seed: int, repeats: int, match: bool, work
             tag = f"{system.replace(' ', '-')}-{rep}"
             if system in PEERS:
                 row = run_peer(system, pythons[system], folder, folder / f"{tag}.log", timeout)
+            elif system == LOOP:
+                row = run_loop(config, folder / f"{tag}.log", timeout)
             else:
                 row = run_fedhop(config, system.split()[1], folder / tag, timeout)
             row["s_per_round"] = steady(row["per_round_s"])
@@ -391,7 +418,8 @@ def summarise(runs: list[dict]) -> dict[str, Any]:
             "cpu_s_per_round": float(f"{statistics.median(cpus):.4f}") if cpus else None,
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
             "accuracy": statistics.median(accs) if accs else None,
-            "objective": statistics.median(objs) if objs else None, "runs": len(runs)}
+            "objective": statistics.median(objs) if objs else None, "runs": len(runs),
+            "models": sorted({r["model_sha256"] for r in runs if r.get("model_sha256")})}
 
 
 #: issue 49's acceptance lines: (workload, fedhop engine, peer, least ratio peer s/round / fedhop s/round)
@@ -405,7 +433,7 @@ def ratios(name: str, table: dict[str, dict]) -> list[dict[str, Any]]:
     """peer s/round / fedhop s/round for each fedhop engine and peer run, with the acceptance
     line that applies (None where the issue sets none)."""
     out = []
-    for engine in (f"fedhop {e}" for e in ENGINES):
+    for engine in (*(f"fedhop {e}" for e in ENGINES), LOOP):
         for peer in PEERS:
             if engine in table and peer in table and table[engine]["s_per_round"] > 0:
                 need = next((x for (wn, e, p, x) in ACCEPTANCE if (wn, e, p) == (name, engine, peer)), None)
@@ -413,6 +441,18 @@ def ratios(name: str, table: dict[str, dict]) -> list[dict[str, Any]]:
                 out.append({"engine": engine, "peer": peer, "ratio": ratio, "needs": need,
                             "meets": None if need is None else ratio >= need})
     return out
+
+
+def against_loop(table: dict[str, dict]) -> dict[str, Any]:
+    """Each fedhop engine's s/round over the loop's (what moving and recording the messages costs),
+    and whether every fedhop system and repeat ended with the same model (`identical`; None
+    where a system gave no model hash)."""
+    loop = table.get(LOOP)
+    over = {e: table[e]["s_per_round"] / loop["s_per_round"] for e in (f"fedhop {n}" for n in ENGINES)
+            if loop is not None and e in table and loop["s_per_round"] > 0}
+    models = [fig.get("models") or [] for s, fig in table.items() if s not in PEERS]
+    identical = None if not all(models) else len({m for ms in models for m in ms}) == 1
+    return {"engine_over_loop": over, "identical": identical}
 
 
 def print_table(w: Workload, rounds: int, seed: int, repeats: int, table: dict[str, dict],
@@ -436,6 +476,14 @@ def print_table(w: Workload, rounds: int, seed: int, repeats: int, table: dict[s
     for r in rows:
         need = "" if r["needs"] is None else f"  (issue 49: >= {r['needs']:g}: {'met' if r['meets'] else 'NOT met'})"
         say(f"  ratio {label(r['peer'])} / {r['engine']}: {r['ratio']:.3f}{need}")
+    loop = against_loop(table)
+    if loop["engine_over_loop"]:
+        say("  fedhop engine / fedhop loop: " + ", ".join(f"{e.split()[1]} {x:.2f}" for e, x in
+                                                        loop["engine_over_loop"].items())
+            + " (the loop trains the same clients and sends and records no message)")
+    if loop["identical"] is not None:
+        say("  final model: " + ("the same bits in every fedhop system and repeat" if loop["identical"] else
+                                 "DIFFERS between fedhop systems or repeats (a defect: the engines are bit-identical)"))
     return rows
 
 
@@ -458,7 +506,7 @@ def bench_peers(args: argparse.Namespace, say: Callable[[str], None] = print) ->
                 runs = measure(w, rounds, seed, args.repeats, args.match, Path(tmp), order, pythons, say)
                 table = {s: summarise(r) for s, r in runs.items()}
                 rows = print_table(w, rounds, seed, args.repeats, table, skipped, say)
-                per_seed[seed] = {"systems": table, "ratios": rows,
+                per_seed[seed] = {"systems": table, "ratios": rows, "loop": against_loop(table),
                                   "versions": {s: r[0].get("version") for s, r in runs.items() if s in PEERS}}
             if len(seeds) > 1 and w.kind != "quadratic":
                 say(f"\n{name} final test accuracy by seed:")
