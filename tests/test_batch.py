@@ -177,11 +177,9 @@ class CorruptingEndpoint(GrpcEndpoint):
     """A callee whose reply to `client-1` has its last data byte flipped after it was hashed, as a
     faulty link would: the caller's XXH3 check refuses that reply (CHECKSUM_MISMATCH)."""
 
-    def serve_frames(self, frames, handler, framing=None, pulled=False, on_header=None, reply_framing=None):
-        served: list[str] = []
-        out = list(super().serve_frames(frames, lambda r: served.append(r.envelope.dst) or handler(r),
-                                        framing, pulled, on_header, reply_framing))
-        if served == ["client-1"]:
+    def _reply(self, taken, outcome, reply_framing):   # every reply of a batch is made here (serve_batch)
+        out = list(super()._reply(taken, outcome, reply_framing))
+        if taken.decoded is not None and taken.decoded.envelope.dst == "client-1":
             out[-1] = out[-1][:-1] + bytes([out[-1][-1] ^ 0xFF])
         return out
 
@@ -529,3 +527,60 @@ def test_a_peer_that_leaves_the_checksum_out_is_refused_both_ways():
         caller.stop()
         strict.stop()
         lax.stop()
+
+
+def _served_batch(group: int, one_by_one: bool = False) -> tuple[list[Payload | str], list[tuple]]:
+    """Eight requests to one client process, the handler of client-3 refusing and of client-5
+    failing, every other returning a tensor that shares memory with the handler's own state (as
+    a client's model): the decoded replies (or the error codes) and the process's records less
+    their times."""
+    from fedhop.common.transport.base import ReplyBundles, batch_framing
+    from fedhop.common.wire.codec import decode_frames, encode, make_envelope
+    state = torch.zeros(4)
+
+    def handler(request):
+        k = int(request.envelope.dst.split("-")[1])
+        if k == 3:
+            raise HandlerError("UNKNOWN_CLIENT", "client 3 is not hosted here")
+        if k == 5:
+            raise ZeroDivisionError("a failed local step")
+        state.fill_(float(k) + float(request.payload.tensors["w"][0]))   # the next call changes it again
+        return Payload(tensors={"w": state}, scalars={"k": k})
+
+    ep = GrpcEndpoint("client-proc0", Ledger(), run_id="r")
+    bundles = ReplyBundles(ep.chunk_bytes, 4)
+    place = lambda lengths: bundles.place(lengths)[1]   # noqa: E731
+    messages = []
+    for i in range(8):
+        env = make_envelope(run_id="r", round=1, src="server", dst=f"client-{i}", method="train")
+        frames = list(encode(Payload(tensors={"w": torch.full((4,), 10.0 * i)}), env).frames)
+        messages.append((frames, batch_framing(i, map(len, frames)), place))
+    served = ([ep.serve_frames(f, handler, framing=fr, reply_framing=rf) for f, fr, rf in messages] if one_by_one
+              else list(ep.serve_batch(messages, handler, group=group)))
+    out: list[Payload | str] = []
+    for frames in served:
+        decoded = decode_frames(frames)
+        out.append(decoded.envelope.error.code if decoded.envelope.HasField("error") else decoded.payload)
+    records = [(r.src, r.dst, r.role, r.method, r.tensor_bytes, r.payload_bytes, r.framed_bytes, r.status, r.error,
+                r.msg_id) for r in ep.ledger.records()]
+    return out, records
+
+
+@pytest.mark.parametrize("group", [1, 3, 16])
+def test_a_batch_served_in_phases_gives_each_requests_own_reply_and_the_same_records(group):
+    """`Endpoint.serve_batch` decodes every request first and runs a group's handlers before
+    their replies are made: each reply is still what its handler returned when it returned (the
+    handlers share one tensor and change it), a refusal and a failure answer only their own
+    request, and the records are those of serving the requests one by one."""
+    out, records = _served_batch(group)
+    expected_out, expected_records = _served_batch(1, one_by_one=True)
+    assert out[3] == "UNKNOWN_CLIENT" and out[5] == "HANDLER_FAILED"
+    for k in (0, 1, 2, 4, 6, 7):
+        assert torch.equal(out[k].tensors["w"], torch.full((4,), float(k) + 10.0 * k)), (group, k)
+        assert out[k].scalars["k"] == k
+    assert [o if isinstance(o, str) else o.tensors["w"].tolist() for o in out] == \
+        [o if isinstance(o, str) else o.tensors["w"].tolist() for o in expected_out]
+    # msg ids are fresh per run of the helper: compared by position, the rest field by field
+    assert [r[:-1] for r in records] == [r[:-1] for r in expected_records]
+    assert [r[2] for r in records] == ["receiver", "sender"] * 8
+    assert [r[7] for r in records if r[1] in ("client-3", "client-5")] == ["rejected", "rejected"]

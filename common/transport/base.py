@@ -14,7 +14,7 @@ import secrets
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence, cast
 
 from fedhop.common.transport.admission import key_id, probe_proof
 from fedhop.common.transport.placement import to_device
@@ -50,6 +50,34 @@ class _Sizes:
 
 
 NOTHING_SENT = _Sizes(0, 0, 0)   # the ledger's sizes of a request that never reached the wire
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """A handler's typed refusal or failure (`Endpoint._handle`): the reply's error code and
+    message, and the record's error text."""
+
+    code: str
+    detail: str
+    error: str
+
+
+def _owned(reply: Payload) -> Payload:
+    """`reply` with tensors of its own (copies): what a handler returned may share memory with
+    what the next handler of a batch changes (`Endpoint.serve_batch`)."""
+    return Payload(tensors={name: t.clone() for name, t in reply.tensors.items()}, scalars=dict(reply.scalars),
+                   control=reply.control)
+
+
+@dataclass(frozen=True)
+class _Taken:
+    """A served request as it was read (`Endpoint._take`): decoded, or refused with what of it
+    arrived (`decoded` None when not even its header did), its link and its decoding's seconds."""
+
+    decoded: Decoded | None
+    link: str
+    seconds: float
+    refused: PayloadError | None = None
 
 
 class RemoteError(RuntimeError):
@@ -515,10 +543,40 @@ class Endpoint(ABC):
             for release in held:
                 release()
 
+    def serve_batch(self, messages: Sequence[tuple[Sequence[bytes], int | None, Callable[[list[int]], int] | None]],
+                    handler: Handler, group: int = 1) -> Iterator[Sequence[bytes]]:
+        """A batch's requests served in order, one reply's frames yielded per request, with the same
+        replies and records as `serve_frames` on each in turn; each request comes with its frames,
+        its share of the call's framing and its reply's `reply_framing` (`serve_frames`).
+
+        The work is done in phases (docs/performance.md, "The same work in phases"): every request
+        is decoded first, then the handlers of `group` requests run back to back (a client's
+        training, on warm caches) before their replies are encoded and recorded, so that the
+        handlers are not each preceded by the codec's and the ledger's work for another message.
+        A reply of a group is copied when its handler returns (`_owned`): it may share memory
+        with what the next handler changes (a client's model).  `group` is the replies a caller
+        receives together anyway (a gRPC reply bundle); 1 encodes each reply right after its
+        handler.  A batch's requests and replies are each within one chunk (transport.chunk_bytes,
+        `Fabric._batches`), so holding a batch's requests and a group's replies costs about that."""
+        taken: list[_Taken | None] = [self._take(frames, framing, False, None, []) for frames, framing, _ in messages]
+        for start in range(0, len(taken), max(1, group)):
+            span = range(start, min(start + max(1, group), len(taken)))
+            handled = [self._handle(taken[i], handler, own=len(span) > 1) for i in span]
+            for i, outcome in zip(span, handled):
+                request, taken[i] = taken[i], None   # answered: its request's memory goes with it
+                assert request is not None
+                yield self._reply(request, outcome, messages[i][2])
+
     def _serve(self, frames, handler: Handler, framing: int | None, pulled: bool,
                on_header: Callable[[pb.Envelope], Callable[[], None] | None] | None,
                held: list[Callable[[], None]],
                reply_framing: Callable[[list[int]], int] | None = None) -> Sequence[bytes]:
+        return self._answer(self._take(frames, framing, pulled, on_header, held), handler, reply_framing)
+
+    def _take(self, frames, framing: int | None, pulled: bool,
+              on_header: Callable[[pb.Envelope], Callable[[], None] | None] | None,
+              held: list[Callable[[], None]]) -> "_Taken":
+        """An incoming request decoded (or refused: its error and what of it arrived)."""
         started = time.perf_counter()
         decoder = FrameDecoder(max_payload_bytes=self.max_payload_bytes, admit=self.request_gate,
                                require_checksum=self.require_checksum)
@@ -540,34 +598,67 @@ class Endpoint(ABC):
             link = _checked_link(decoded.envelope)
         except PayloadError as exc:
             env = decoder.envelope
-            if env is None:   # not even a header: an unrouted error reply
-                return self._error_reply(None, exc.code, exc.detail).frames
-            # the header arrived (the data was corrupt or short): record the rejected message and
-            # answer with a routed typed error, so both ledgers pair the request and its reply
-            link = _link_or_control(env)
+            if env is None:   # not even a header: answered by an unrouted error reply
+                return _Taken(None, "", 0.0, exc)
+            # the header arrived (the data was corrupt or short): the rejected message is recorded
+            # and answered with a routed typed error, so both ledgers pair the request and its reply
             seen = Decoded(envelope=env, payload=Payload(), payload_bytes=decoder.payload_bytes,
                            frames=decoder.frames, tensor_bytes=int(env.data_bytes), framing=arrived_framing())
-            reply = self._error_reply(env, exc.code, exc.detail)
-            self._record(env, seen, "receiver", link, time.perf_counter() - started, status="rejected",
-                         error=str(exc))
-            if reply_framing is not None:
-                reply.framing = reply_framing(reply.frame_lengths())
-            self._record(reply.envelope, reply, "sender", link, 0.0)
-            return reply.frames
+            return _Taken(seen, _link_or_control(env), time.perf_counter() - started, exc)
         decoded.framing = arrived_framing()
-        env = decoded.envelope
-        recv_seconds = time.perf_counter() - started
+        return _Taken(decoded, link, time.perf_counter() - started)
+
+    def _answer(self, taken: _Taken, handler: Handler,
+                reply_framing: Callable[[list[int]], int] | None) -> Sequence[bytes]:
+        """A taken request's reply frames: its handler's reply, or the typed error that refused it;
+        the request and the reply recorded."""
+        return self._reply(taken, self._handle(taken, handler), reply_framing)
+
+    def _handle(self, taken: _Taken | None, handler: Handler, own: bool = False) -> "Payload | Encoded | _Refusal | None":
+        """A taken request's handler run: its reply (with `own`, one that shares no memory with
+        anything: copied, or encoded where it holds sparse tensors), the refusal it raised, or
+        None for a request refused before its handler."""
+        assert taken is not None
+        decoded = taken.decoded
+        if decoded is None or taken.refused is not None:
+            return None
         try:
-            reply_payload = handler(Request(env, to_device(decoded.payload, self.device)))
-            reply = encode(reply_payload, self._reply_envelope(env), self.chunk_bytes, self.checksum)
-            status, error = "ok", ""
+            reply = handler(Request(decoded.envelope, to_device(decoded.payload, self.device)))
+            if own and reply.sparse:
+                return encode(reply, self._reply_envelope(decoded.envelope), self.chunk_bytes, self.checksum)
+            return _owned(reply) if own else reply
         except (PayloadError, HandlerError) as exc:
-            reply = self._error_reply(env, exc.code, exc.detail)
-            status, error = "rejected", str(exc)
+            return _Refusal(exc.code, exc.detail, str(exc))
         except Exception as exc:  # a bug or a failed local computation: typed reply, never a crash
-            reply = self._error_reply(env, "HANDLER_FAILED", f"{type(exc).__name__}: {exc}")
-            status, error = "rejected", str(exc)
-        self._record(env, decoded, "receiver", link, recv_seconds, status=status, error=error)
+            return _Refusal("HANDLER_FAILED", f"{type(exc).__name__}: {exc}", str(exc))
+
+    def _reply(self, taken: _Taken, outcome: "Payload | Encoded | _Refusal | None",
+               reply_framing: Callable[[list[int]], int] | None) -> Sequence[bytes]:
+        """The reply's frames for a handled request (`_handle`'s outcome), the request and the
+        reply recorded."""
+        decoded, link, refused = taken.decoded, taken.link, taken.refused
+        if decoded is None:
+            assert refused is not None
+            return self._error_reply(None, refused.code, refused.detail).frames
+        env = decoded.envelope
+        if refused is not None:
+            reply = self._error_reply(env, refused.code, refused.detail)
+            self._record(env, decoded, "receiver", link, taken.seconds, status="rejected", error=str(refused))
+        else:
+            status, error = "ok", ""
+            try:
+                if isinstance(outcome, _Refusal):
+                    reply, status, error = self._error_reply(env, outcome.code, outcome.detail), "rejected", outcome.error
+                else:
+                    reply = (outcome if isinstance(outcome, Encoded) else
+                             encode(cast(Payload, outcome), self._reply_envelope(env), self.chunk_bytes, self.checksum))
+            except (PayloadError, HandlerError) as exc:
+                reply = self._error_reply(env, exc.code, exc.detail)
+                status, error = "rejected", str(exc)
+            except Exception as exc:  # a reply the codec cannot encode (an unsupported dtype): typed, never a crash
+                reply = self._error_reply(env, "HANDLER_FAILED", f"{type(exc).__name__}: {exc}")
+                status, error = "rejected", str(exc)
+            self._record(env, decoded, "receiver", link, taken.seconds, status=status, error=error)
         if reply_framing is not None:
             reply.framing = reply_framing(reply.frame_lengths())
         self._record(reply.envelope, reply, "sender", link, 0.0)

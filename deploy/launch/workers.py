@@ -36,6 +36,7 @@ worker does not have.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import multiprocessing
@@ -213,14 +214,12 @@ def _serve(conn: Connection, ledgers: list[Ledger]) -> None:
                 continue
             ep, host, counter = hosts[head["node"]]
             if kind == "many":   # a batch's messages, served in order, each reply sent as soon as it is made
-                at = 0
                 bundles: dict[int, ReplyBundles] = {}   # the replies of one call of the batch share bundles
-                for i, (count, framing, call) in enumerate(zip(head["counts"], head["framings"], head["calls"])):
-                    placed = None if call < 0 else bundles.setdefault(
-                        call, ReplyBundles(ep.chunk_bytes, ep.replies_per_bundle))
-                    reply = ep.serve_frames(frames[at:at + count], host.handle, framing=framing,
-                                            reply_framing=None if placed is None else _framing(placed))
-                    at += count
+                ends = itertools.accumulate(head["counts"])
+                batch = [(frames[end - count:end], framing, None if call < 0 else _framing(bundles.setdefault(
+                              call, ReplyBundles(ep.chunk_bytes, ep.replies_per_bundle))))
+                         for end, count, framing, call in zip(ends, head["counts"], head["framings"], head["calls"])]
+                for i, reply in enumerate(ep.serve_batch(batch, host.handle, group=ep.replies_per_bundle)):
                     conn.send_bytes(pack({"ok": True, "i": i, "counts": counter.take()}, list(reply)))
                 continue
             reply = ep.serve_frames(frames, host.handle, framing=head["framing"], pulled=head["pulled"])
