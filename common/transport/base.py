@@ -550,14 +550,15 @@ class Endpoint(ABC):
         its share of the call's framing and its reply's `reply_framing` (`serve_frames`).
 
         The work is done in phases (docs/performance.md, "The same work in phases"): every request
-        is decoded first, then the handlers of `group` requests run back to back (a client's
-        training, on warm caches) before their replies are encoded and recorded, so that the
-        handlers are not each preceded by the codec's and the ledger's work for another message.
-        A reply of a group is copied when its handler returns (`_owned`): it may share memory
-        with what the next handler changes (a client's model).  `group` is the replies a caller
-        receives together anyway (a gRPC reply bundle); 1 encodes each reply right after its
-        handler.  A batch's requests and replies are each within one chunk (transport.chunk_bytes,
-        `Fabric._batches`), so holding a batch's requests and a group's replies costs about that."""
+        is decoded first, so that the handlers (a client's training) are not each preceded by the
+        decoding of another message.  With `group` > 1 the handlers of `group` requests also run
+        back to back before their replies are encoded and recorded, each reply copied when its
+        handler returns (`_owned`: it may share memory with what the next handler changes, a
+        client's model).  The transports serve with `group` 1: a request's records then follow its
+        own handler, as a reader of a child's ledger (and the fault tests, which watch for a
+        child's first record of a round while it still trains the rest) expects; a group's records
+        would come only after all of its handlers.  A batch's requests and replies are each within
+        one chunk (transport.chunk_bytes, `Fabric._batches`), so holding them costs about that."""
         taken: list[_Taken | None] = [self._take(frames, framing, False, None, []) for frames, framing, _ in messages]
         for start in range(0, len(taken), max(1, group)):
             span = range(start, min(start + max(1, group), len(taken)))

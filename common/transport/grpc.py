@@ -34,8 +34,8 @@ process answering 256 small train calls sends 16 gRPC messages instead of one pe
 reply counts its frames' tags and length varints and the 5-byte prefix of each bundle it opens, on
 both ends alike.  The price: a reply waits for the others of its bundle, so at a round's deadline
 a process still training loses up to reply_bundle - 1 replies it had computed (1: each reply goes
-the moment it is computed, in one message).  The callee decodes every request of the call first and
-runs a bundle's handlers back to back before it makes their replies (`Endpoint.serve_batch`).  A
+the moment it is computed, in one message).  The callee decodes every request of the call before it
+handles the first (`Endpoint.serve_batch`).  A
 call of one message is answered as any Call.
 
 Pulled replies: a streaming fold receives one reply at a time (common/processors/streaming.py
@@ -731,10 +731,10 @@ def probe_rpc_handler(node_id: str, record: Callable[[pb.ProbeRequest, pb.ProbeR
 
 
 def reply_bundles(endpoint: Endpoint, messages: list[list[bytes]], handler: Handler) -> Iterator[bytes]:
-    """A batch's messages served in order (`Endpoint.serve_batch`: all decoded, then a bundle's
-    worth handled before their replies are made), their replies sent back to back in FrameBundle
-    messages (module docstring, Batches; `ReplyBundles` says which reply opens a bundle and what
-    framing each counts)."""
+    """A batch's messages served in order (`Endpoint.serve_batch`: all decoded, then each
+    handled and answered), their replies sent back to back in FrameBundle messages (module
+    docstring, Batches; `ReplyBundles` says which reply opens a bundle and what framing each
+    counts)."""
     bundles = ReplyBundles(endpoint.chunk_bytes, endpoint.replies_per_bundle)
     pending: list[bytes] = []
     placed: list[list[bool]] = []   # where the reply being made opens bundles (`ReplyBundles.place`)
@@ -745,8 +745,7 @@ def reply_bundles(endpoint: Endpoint, messages: list[list[bytes]], handler: Hand
         return framing
 
     served = endpoint.serve_batch([(message, batch_framing(i, map(len, message)), framing_of)
-                                   for i, message in enumerate(messages)], handler,
-                                  group=endpoint.replies_per_bundle)   # a bundle's replies go together anyway
+                                   for i, message in enumerate(messages)], handler)
     for made in served:
         reply = list(_streamed(made))
         opens = placed.pop() if placed else bundles.place([len(f) for f in reply])[0]   # an unrouted error reply

@@ -219,7 +219,7 @@ def _serve(conn: Connection, ledgers: list[Ledger]) -> None:
                 batch = [(frames[end - count:end], framing, None if call < 0 else _framing(bundles.setdefault(
                               call, ReplyBundles(ep.chunk_bytes, ep.replies_per_bundle))))
                          for end, count, framing, call in zip(ends, head["counts"], head["framings"], head["calls"])]
-                for i, reply in enumerate(ep.serve_batch(batch, host.handle, group=ep.replies_per_bundle)):
+                for i, reply in enumerate(ep.serve_batch(batch, host.handle)):
                     conn.send_bytes(pack({"ok": True, "i": i, "counts": counter.take()}, list(reply)))
                 continue
             reply = ep.serve_frames(frames, host.handle, framing=head["framing"], pulled=head["pulled"])
