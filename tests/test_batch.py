@@ -529,7 +529,7 @@ def test_a_peer_that_leaves_the_checksum_out_is_refused_both_ways():
         lax.stop()
 
 
-def _served_batch(group: int, one_by_one: bool = False) -> tuple[list[Payload | str], list[tuple]]:
+def _served_batch(one_by_one: bool = False) -> tuple[list[Payload | str], list[tuple]]:
     """Eight requests to one client process, the handler of client-3 refusing and of client-5
     failing, every other returning a tensor that shares memory with the handler's own state (as
     a client's model): the decoded replies (or the error codes) and the process's records less
@@ -556,7 +556,7 @@ def _served_batch(group: int, one_by_one: bool = False) -> tuple[list[Payload | 
         frames = list(encode(Payload(tensors={"w": torch.full((4,), 10.0 * i)}), env).frames)
         messages.append((frames, batch_framing(i, map(len, frames)), place))
     served = ([ep.serve_frames(f, handler, framing=fr, reply_framing=rf) for f, fr, rf in messages] if one_by_one
-              else list(ep.serve_batch(messages, handler, group=group)))
+              else list(ep.serve_batch(messages, handler)))
     out: list[Payload | str] = []
     for frames in served:
         decoded = decode_frames(frames)
@@ -566,17 +566,16 @@ def _served_batch(group: int, one_by_one: bool = False) -> tuple[list[Payload | 
     return out, records
 
 
-@pytest.mark.parametrize("group", [1, 3, 16])
-def test_a_batch_served_in_phases_gives_each_requests_own_reply_and_the_same_records(group):
-    """`Endpoint.serve_batch` decodes every request first and runs a group's handlers before
-    their replies are made: each reply is still what its handler returned when it returned (the
-    handlers share one tensor and change it), a refusal and a failure answer only their own
-    request, and the records are those of serving the requests one by one."""
-    out, records = _served_batch(group)
-    expected_out, expected_records = _served_batch(1, one_by_one=True)
+def test_a_batch_served_in_phases_gives_each_requests_own_reply_and_the_same_records():
+    """`Endpoint.serve_batch` decodes every request first, then handles and answers each: each
+    reply is what its handler returned when it returned (the handlers share one tensor and change
+    it), a refusal and a failure answer only their own request, and the records are those of
+    serving the requests one by one, in the same order."""
+    out, records = _served_batch()
+    expected_out, expected_records = _served_batch(one_by_one=True)
     assert out[3] == "UNKNOWN_CLIENT" and out[5] == "HANDLER_FAILED"
     for k in (0, 1, 2, 4, 6, 7):
-        assert torch.equal(out[k].tensors["w"], torch.full((4,), float(k) + 10.0 * k)), (group, k)
+        assert torch.equal(out[k].tensors["w"], torch.full((4,), float(k) + 10.0 * k)), k
         assert out[k].scalars["k"] == k
     assert [o if isinstance(o, str) else o.tensors["w"].tolist() for o in out] == \
         [o if isinstance(o, str) else o.tensors["w"].tolist() for o in expected_out]

@@ -62,13 +62,6 @@ class _Refusal:
     error: str
 
 
-def _owned(reply: Payload) -> Payload:
-    """`reply` with tensors of its own (copies): what a handler returned may share memory with
-    what the next handler of a batch changes (`Endpoint.serve_batch`)."""
-    return Payload(tensors={name: t.clone() for name, t in reply.tensors.items()}, scalars=dict(reply.scalars),
-                   control=reply.control)
-
-
 @dataclass(frozen=True)
 class _Taken:
     """A served request as it was read (`Endpoint._take`): decoded, or refused with what of it
@@ -544,29 +537,22 @@ class Endpoint(ABC):
                 release()
 
     def serve_batch(self, messages: Sequence[tuple[Sequence[bytes], int | None, Callable[[list[int]], int] | None]],
-                    handler: Handler, group: int = 1) -> Iterator[Sequence[bytes]]:
+                    handler: Handler) -> Iterator[Sequence[bytes]]:
         """A batch's requests served in order, one reply's frames yielded per request, with the same
         replies and records as `serve_frames` on each in turn; each request comes with its frames,
         its share of the call's framing and its reply's `reply_framing` (`serve_frames`).
 
-        The work is done in phases (docs/performance.md, "The same work in phases"): every request
-        is decoded first, so that the handlers (a client's training) are not each preceded by the
-        decoding of another message.  With `group` > 1 the handlers of `group` requests also run
-        back to back before their replies are encoded and recorded, each reply copied when its
-        handler returns (`_owned`: it may share memory with what the next handler changes, a
-        client's model).  The transports serve with `group` 1: a request's records then follow its
-        own handler, as a reader of a child's ledger (and the fault tests, which watch for a
-        child's first record of a round while it still trains the rest) expects; a group's records
-        would come only after all of its handlers.  A batch's requests and replies are each within
-        one chunk (transport.chunk_bytes, `Fabric._batches`), so holding them costs about that."""
+        Every request is decoded first, so that the handlers (a client's training) are not each
+        preceded by the decoding of another message (docs/performance.md, "The same work in
+        phases"); then each is handled, its reply encoded and both recorded, so a request's records
+        follow its own handler, as a reader of the process's ledger expects.  A batch's requests
+        are within one chunk (transport.chunk_bytes, `Fabric._batches`), so holding them decoded
+        costs about that."""
         taken: list[_Taken | None] = [self._take(frames, framing, False, None, []) for frames, framing, _ in messages]
-        for start in range(0, len(taken), max(1, group)):
-            span = range(start, min(start + max(1, group), len(taken)))
-            handled = [self._handle(taken[i], handler, own=len(span) > 1) for i in span]
-            for i, outcome in zip(span, handled):
-                request, taken[i] = taken[i], None   # answered: its request's memory goes with it
-                assert request is not None
-                yield self._reply(request, outcome, messages[i][2])
+        for i, (_, _, reply_framing) in enumerate(messages):
+            request, taken[i] = taken[i], None   # answered: its request's memory goes with it
+            assert request is not None
+            yield self._answer(request, handler, reply_framing)
 
     def _serve(self, frames, handler: Handler, framing: int | None, pulled: bool,
                on_header: Callable[[pb.Envelope], Callable[[], None] | None] | None,
@@ -615,25 +601,20 @@ class Endpoint(ABC):
         the request and the reply recorded."""
         return self._reply(taken, self._handle(taken, handler), reply_framing)
 
-    def _handle(self, taken: _Taken | None, handler: Handler, own: bool = False) -> "Payload | Encoded | _Refusal | None":
-        """A taken request's handler run: its reply (with `own`, one that shares no memory with
-        anything: copied, or encoded where it holds sparse tensors), the refusal it raised, or
-        None for a request refused before its handler."""
-        assert taken is not None
+    def _handle(self, taken: _Taken, handler: Handler) -> "Payload | _Refusal | None":
+        """A taken request's handler run: its reply, the refusal it raised, or None for a request
+        refused before its handler."""
         decoded = taken.decoded
         if decoded is None or taken.refused is not None:
             return None
         try:
-            reply = handler(Request(decoded.envelope, to_device(decoded.payload, self.device)))
-            if own and reply.sparse:
-                return encode(reply, self._reply_envelope(decoded.envelope), self.chunk_bytes, self.checksum)
-            return _owned(reply) if own else reply
+            return handler(Request(decoded.envelope, to_device(decoded.payload, self.device)))
         except (PayloadError, HandlerError) as exc:
             return _Refusal(exc.code, exc.detail, str(exc))
         except Exception as exc:  # a bug or a failed local computation: typed reply, never a crash
             return _Refusal("HANDLER_FAILED", f"{type(exc).__name__}: {exc}", str(exc))
 
-    def _reply(self, taken: _Taken, outcome: "Payload | Encoded | _Refusal | None",
+    def _reply(self, taken: _Taken, outcome: "Payload | _Refusal | None",
                reply_framing: Callable[[list[int]], int] | None) -> Sequence[bytes]:
         """The reply's frames for a handled request (`_handle`'s outcome), the request and the
         reply recorded."""
@@ -651,8 +632,7 @@ class Endpoint(ABC):
                 if isinstance(outcome, _Refusal):
                     reply, status, error = self._error_reply(env, outcome.code, outcome.detail), "rejected", outcome.error
                 else:
-                    reply = (outcome if isinstance(outcome, Encoded) else
-                             encode(cast(Payload, outcome), self._reply_envelope(env), self.chunk_bytes, self.checksum))
+                    reply = encode(cast(Payload, outcome), self._reply_envelope(env), self.chunk_bytes, self.checksum)
             except (PayloadError, HandlerError) as exc:
                 reply = self._error_reply(env, exc.code, exc.detail)
                 status, error = "rejected", str(exc)
