@@ -246,16 +246,17 @@ def ledger_consistency(store) -> dict:
     # logical nodes ('client-7') are recorded by their process: they keep a ledger when some
     # record names them as the recording end
     recorders |= store.recording_ends()
-    hosts: dict[str, set[str]] = {}   # a logical node -> the processes that recorded as it
+    # a logical node -> the processes that recorded as it, looked up together for every lone
+    # receiver record's logical sender (one scan of the messages, however many there are)
+    hosts = store.recorders_of({m["src"] for m in lone if m["role"] == "receiver" and m["src"] not in last_record
+                                and m["src"] in recorders})
 
     def last_time(node: str) -> float:
         """The newest record of the process that records as `node`: its own ledger's, or for a
         logical client ('client-15', not a recorder itself) its hosting process's."""
         if node in last_record:
             return last_record[node]
-        if node not in hosts:
-            hosts[node] = store.recorders_of(node)
-        return max((last_record[p] for p in hosts[node] if p in last_record), default=float("inf"))
+        return max((last_record[p] for p in hosts.get(node, ()) if p in last_record), default=float("inf"))
     explained: list[dict] = []
     unexplained: list[dict] = []
     for m in lone:

@@ -404,28 +404,71 @@ def test_a_frozen_worker_is_found_dead_after_the_heartbeat_timeout_and_the_run_g
 
 
 # ---------------------------------------------------------------- finalize's ledger check
+def _record(msg_id: str, src: str, dst: str, recorder: str, role: str, t: float):
+    """A round-1 `train` ledger record of one end (`role`, kept by `recorder`) of message `msg_id`."""
+    from fedhop.common.wire.ledger import LedgerRecord
+
+    return LedgerRecord(run_id="r", round=1, step=0, src=src, dst=dst, link="client-server",
+                        direction="up" if src.startswith("client") else "down", method="train", tensor_bytes=8,
+                        payload_bytes=8, framed_bytes=20, seconds=0.0, recorder=recorder, role=role,
+                        msg_id=msg_id, status="ok", wall_time=t)
+
+
 def test_ledger_check_explains_a_logical_clients_lone_record_by_its_process(tmp_path):
     """A lone receiver record of a message from a logical client ('client-15', recorded by its
     process 'client-proc1', never a recorder itself) whose process recorded nothing after it
     (it was stopped between sending and recording): explained, where the check raised
     KeyError: 'client-15' and finalize crashed."""
     from fedhop.common.records.runstore import RunStore
-    from fedhop.common.wire.ledger import LedgerRecord
     from fedhop.server.resilience import ledger_consistency
-
-    def rec(msg_id: str, src: str, dst: str, recorder: str, role: str, t: float) -> LedgerRecord:
-        return LedgerRecord(run_id="r", round=1, step=0, src=src, dst=dst, link="client-server",
-                            direction="up" if src.startswith("client") else "down", method="train", tensor_bytes=8,
-                            payload_bytes=8, framed_bytes=20, seconds=0.0, recorder=recorder, role=role,
-                            msg_id=msg_id, status="ok", wall_time=t)
 
     store = RunStore(tmp_path / "run.db")
     store.start_run("r")
-    store.insert_records([rec("a", "server", "client-15", "server", "sender", 1.0),
-                          rec("a", "server", "client-15", "client-proc1", "receiver", 1.1),
-                          rec("b", "client-15", "server", "server", "receiver", 2.0)])   # its sender side lost
+    store.insert_records([_record("a", "server", "client-15", "server", "sender", 1.0),
+                          _record("a", "server", "client-15", "client-proc1", "receiver", 1.1),
+                          _record("b", "client-15", "server", "server", "receiver", 2.0)])   # its sender side lost
     report = ledger_consistency(store)
     assert report["unexplained"] == 0 and report["lost_explained"] == 1, report
+    store.close()
+
+
+def _statements(store, action) -> tuple[object, int]:
+    """`action()`'s result and the SQL statements it ran on `store`'s connection."""
+    seen: list[str] = []
+    store._conn.set_trace_callback(seen.append)
+    try:
+        return action(), len(seen)
+    finally:
+        store._conn.set_trace_callback(None)
+
+
+@pytest.mark.parametrize("lone_clients", [40, 1200])
+def test_ledger_check_looks_up_every_logical_senders_process_in_a_few_scans(tmp_path, lone_clients):
+    """Lone receiver records from many logical clients (a stopped run at scale): each is judged by
+    its own hosting process's last record (explained where that process recorded nothing after
+    it, unexplained where it did), and the hosts are looked up together, so the check's SQL
+    statements do not grow with the clients (one scan per client took minutes at 1,000,000)."""
+    from fedhop.common.records import runstore
+    from fedhop.common.records.runstore import RunStore
+    from fedhop.server.resilience import ledger_consistency
+
+    store = RunStore(tmp_path / "run.db")
+    store.start_run("r")
+    records = []
+    for k in range(lone_clients):   # client-k lives in client-proc(k % 2)
+        records += [_record(f"q{k}", "server", f"client-{k}", "server", "sender", 1.0),
+                    _record(f"q{k}", "server", f"client-{k}", f"client-proc{k % 2}", "receiver", 1.1),
+                    _record(f"a{k}", f"client-{k}", "server", "server", "receiver", 2.0)]   # its sender side lost
+    records.append(_record("late", "client-1", "server", "client-proc1", "sender", 3.0))   # proc1 went on
+    records.append(_record("late", "client-1", "server", "server", "receiver", 3.1))
+    store.insert_records(records)
+    report, statements = _statements(store, lambda: ledger_consistency(store))
+    odd = lone_clients // 2
+    assert report["lost_explained"] == lone_clients - odd, report        # client-proc0 stopped before recording
+    assert report["unexplained"] == odd, report                          # client-proc1 recorded after them
+    assert {u["src"] for u in report["unexplained_first"]} <= {f"client-{k}" for k in range(1, lone_clients, 2)}
+    scans = -(-lone_clients // runstore._IN_CHUNK)
+    assert statements <= 12 + scans, statements
     store.close()
 
 

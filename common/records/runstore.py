@@ -120,6 +120,8 @@ _ONCE = """WITH once AS (
     SELECT * FROM messages AS r WHERE r.role = 'receiver' AND NOT EXISTS (
         SELECT 1 FROM messages AS s WHERE s.msg_id = r.msg_id AND s.role = 'sender'))
 """
+#: nodes named in one `IN (...)` list (SQLite allows 32,766 bound values from 3.32; older builds 999)
+_IN_CHUNK = 400
 _SUMS = "SUM(tensor_bytes), SUM(payload_bytes), SUM(framed_bytes), COUNT(*)"
 _SUMS_LIVE = "COUNT(*), SUM(tensor_bytes), SUM(payload_bytes), SUM(framed_bytes)"   # live_bytes' column order
 _AGREE_FIELDS: tuple[str, ...] = ("tensor_bytes", "payload_bytes", "framed_bytes", "src", "dst", "link")
@@ -518,14 +520,24 @@ class RunStore:
         return self._dicts("SELECT * FROM messages WHERE role = 'receiver' AND status = 'rejected' "
                            "AND substr(error, 1, ?) = ? ORDER BY wall_time, msg_id, role", (len(code), code))
 
-    def recorders_of(self, node: str) -> set[str]:
-        """The processes that recorded as `node` (the sender of its sender records, the receiver
-        of its receiver records): a logical client's hosting process."""
+    def recorders_of(self, nodes: Iterable[str]) -> dict[str, set[str]]:
+        """For each of `nodes`, the processes that recorded as it (the sender of its sender records,
+        the receiver of its receiver records): a logical client's hosting process.  One scan of
+        the messages per `_IN_CHUNK` nodes, not one per node: a stopped run at scale can leave
+        lone records from thousands of logical clients (server/resilience.py)."""
+        out: dict[str, set[str]] = {node: set() for node in nodes}
         if not self._has("messages"):
-            return set()
-        return {r[0] for r in self._query("SELECT DISTINCT recorder FROM messages WHERE role = 'sender' AND src = ? "
-                                          "UNION SELECT DISTINCT recorder FROM messages WHERE role = 'receiver' "
-                                          "AND dst = ?", (node, node))}
+            return out
+        wanted = sorted(out)
+        for i in range(0, len(wanted), _IN_CHUNK):
+            chunk = wanted[i:i + _IN_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            for node, recorder in self._query(
+                    f"SELECT DISTINCT src, recorder FROM messages WHERE role = 'sender' AND src IN ({marks}) UNION "
+                    f"SELECT DISTINCT dst, recorder FROM messages WHERE role = 'receiver' AND dst IN ({marks})",
+                    (*chunk, *chunk)):
+                out[node].add(recorder)
+        return out
 
     def lone_messages(self) -> list[dict[str, Any]]:
         """Ledger records whose other end (sender or receiver) recorded nothing."""
