@@ -53,6 +53,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedhop.server.coordinator import Coordinator, RoundResult
 
 log = logging.getLogger("fedhop.server")
+#: `Checkpointer.states_by_node`'s key for restored client states not yet filed under a child
+RESTORED = ""
 
 
 class Checkpointer:
@@ -63,7 +65,9 @@ class Checkpointer:
         self.coord = coord
         self.every = coord.cfg.run.checkpoint_every if every is None else every
         self.keep = coord.cfg.security.keep_checkpoints if keep is None else keep
-        self.client_states: dict[int, dict[str, torch.Tensor]] = {}   # last pulled (or restored)
+        # each hosting child's clients that have state, as last pulled (or restored): a child's
+        # reply replaces all of its entry, and a dead child's last saved states stay
+        self.states_by_node: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         self.node_states: dict[str, dict[str, torch.Tensor]] = {}     # edges' own, last pulled (or restored)
         self.restored: Checkpoint | None = None
         self.written: list[tuple[int, float]] = []                     # (round, seconds to write)
@@ -79,7 +83,7 @@ class Checkpointer:
     def save(self, round: int) -> None:
         coord = self.coord
         started = time.perf_counter()
-        self.client_states.update(self.pull_client_states(round))
+        self.pull(round)
         torch_rng, numpy_rng = capture_rng()
         coord.store_ledger()
         info = {"algorithm": coord.cfg.algorithm.name, "wall_time": time.time()}
@@ -90,7 +94,7 @@ class Checkpointer:
             info["privacy"] = coord.engine.privacy.checkpoint_state()
         ckpt = Checkpoint(round=round, run_id=coord.run_id, params=coord.state.params, extra=coord.state.extra,
                           frozen=frozen_params(coord.model),   # model.exchange: the whole model is saved
-                          scalars=dict(coord.state.scalars), client_states=self.client_states,
+                          scalars=dict(coord.state.scalars), client_states=self.client_states(),
                           node_states=self.node_states,
                           torch_rng=torch_rng, numpy_rng=numpy_rng, failures_total=coord.failures_total,
                           ledger=coord.store.row_counts(), config_sha256=config_digest(coord.config_toml),
@@ -99,14 +103,23 @@ class Checkpointer:
         seconds = time.perf_counter() - started
         self.written.append((round, seconds))
         coord.store.add_event("checkpoint", node="server", round=round,
-                              detail=f"{path.name}: {len(self.client_states)} client states, {seconds:.3f}s")
+                              detail=f"{path.name}: {len(ckpt.client_states)} client states, {seconds:.3f}s")
+
+    def pull(self, round: int) -> None:
+        """Each answering hosting child's client states replace its entry (`pull_client_states`)."""
+        self.states_by_node.update(self.pull_client_states(round))
+
+    def client_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every client's state that a checkpoint holds, in the children's order."""
+        return {cid: state for node in sorted(self.states_by_node) for cid, state in self.states_by_node[node].items()}
 
     def _children_hosting(self) -> list:
         """The children that host logical clients (client processes, or edges)."""
         return sorted(self.coord.children.values(), key=lambda n: n.node_id)
 
-    def pull_client_states(self, round: int) -> dict[int, dict[str, torch.Tensor]]:
-        out: dict[int, dict[str, torch.Tensor]] = {}
+    def pull_client_states(self, round: int) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
+        """Each answering hosting child's clients that have state (its `state_get` reply)."""
+        out: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         nodes = [node for node in self._children_hosting() if node.clients or node.role == "edge"]
         ask = Payload()
         replies, failures = self.coord.fabric.send_to_all(
@@ -119,8 +132,8 @@ class Checkpointer:
                     own, reply = split_node_state(replies[node.node_id])
                     if own and node.role == "edge":   # the edge's own state (error feedback, broadcast reference)
                         self.node_states[node.node_id] = own
-                    out.update(states_from_payload(reply,
-                                                   allowed=set(node.clients) if node.clients else None))
+                    out[node.node_id] = {cid: state for cid, state in states_from_payload(
+                        reply, allowed=node.clients or None).items() if state}
                 except ValueError as exc:
                     why = str(exc)
             if why is not None:   # a dead child: its last saved state stays
@@ -130,18 +143,25 @@ class Checkpointer:
 
     # -- resume ----------------------------------------------------------------------
     def on_ready(self) -> None:
-        """After registration: give the (fresh) client processes their saved states."""
-        if self.restored is None or not (self.restored.client_states or self.restored.node_states):
+        """After registration: give the (fresh) client processes their saved states, and file
+        each restored state under its hosting child (a state no child hosts stays as restored)."""
+        if self.restored is None:
             return
         round = self.restored.round
-        states = self.restored.client_states
+        unhomed = self.states_by_node.pop(RESTORED, {})
         sends = []
         for node in self._children_hosting():
-            mine = {c: states[c] for c in node.clients if c in states}
+            mine = {c: unhomed.pop(c) for c in node.clients if c in unhomed} if unhomed else {}
+            if mine:
+                self.states_by_node[node.node_id] = mine
             own = self.restored.node_states.get(node.node_id, {}) if node.role == "edge" else {}
             if mine or own:
                 payload = with_node_state(states_to_payload(mine), own)
                 sends.append(Send(node.node_id, node.address, node.node_id, STATE_SET, payload))
+        if unhomed:
+            self.states_by_node[RESTORED] = unhomed
+        if not sends:
+            return
         _, failures = self.coord.fabric.send_to_all(sends, round=round, call_timeout=self.coord.cfg.run.call_timeout)
         for send in sends:   # in node order
             if send.key in failures:
@@ -190,7 +210,9 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     coord.failures_total = ckpt.failures_total
     restore_rng(ckpt)
     checkpointer.restored = ckpt
-    checkpointer.client_states = {c: dict(s) for c, s in ckpt.client_states.items()}
+    # filed under their hosting children once they register (`on_ready`); a checkpoint of an
+    # earlier fedhop lists clients without state too, which need nothing restored
+    checkpointer.states_by_node = {RESTORED: {c: dict(s) for c, s in ckpt.client_states.items() if s}}
     checkpointer.node_states = {n: dict(s) for n, s in ckpt.node_states.items()}
     # the killed attempt's records: merge what its processes wrote, then mark the unfinished rounds
     store = coord.store
@@ -201,10 +223,11 @@ def resume(coord: "Coordinator", checkpointer: Checkpointer) -> Checkpoint:
     store.add_event("resumed", node="server", round=r,
                     detail=json.dumps({"from_round": r, "aborted_messages": int(aborted[0]),
                                        "aborted_framed_bytes": int(aborted[1]), "run_id": ckpt.run_id,
-                                       "client_states": len(ckpt.client_states)}))
+                                       "client_states": len(checkpointer.states_by_node[RESTORED])}))
     for why in skipped:
         store.add_event("checkpoint_skipped", node="server", round=r, detail=why)
-    log.info("resuming run %s after round %d (%d client states)", ckpt.run_id, r, len(ckpt.client_states))
+    log.info("resuming run %s after round %d (%d client states)", ckpt.run_id, r,
+             len(checkpointer.states_by_node[RESTORED]))
     return ckpt
 
 

@@ -155,3 +155,77 @@ def test_resume_refuses_a_checkpoint_whose_model_is_not_the_configs(stopped_run:
                                                         if k.startswith("params/")}))
     done = _resume(stopped_run)
     assert done.returncode == 2 and "the config's model has torch.float32" in done.stderr
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_a_checkpoint_holds_only_the_clients_that_have_state(tmp_path: Path, algorithm: str) -> None:
+    """400 clients in two processes, 12 a round, a checkpoint every round: each checkpoint lists
+    exactly the clients with persistent state (none for FedAvg; for SCAFFOLD every client that
+    trained by then, its c_i), and a process's `state_get` reply names no client without state,
+    so neither grows with the clients a process hosts."""
+    import sqlite3
+
+    (tmp_path / "exp.toml").write_text(
+        f'[run]\nname = "ck"\nrounds = 3\ncheckpoint_every = 1\nengine = "inprocess"\nseed = 3\n'
+        f'[algorithm]\nname = "{algorithm}"\nlr = 0.1\nlocal_steps = 1\nbatch_size = 0\n'
+        '[data]\ndataset = "quadratic"\ndim = 3\n[clients]\ncount = 400\nper_round = 12\nprocesses = 2\n')
+    done = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "run", "--quiet",
+                           "--set", "security.keep_checkpoints=3"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    db = sqlite3.connect(tmp_path / "run" / "run.db")
+    trained = {r: {int(dst.split("-")[1]) for (dst,) in db.execute(
+        "SELECT dst FROM messages WHERE method = 'train' AND role = 'sender' AND round <= ?", (r,))} for r in (1, 2, 3)}
+    replies = db.execute("SELECT payload_bytes, tensor_bytes FROM messages WHERE method = 'state_get.reply' "
+                         "AND role = 'sender'").fetchall()
+    db.close()
+    assert len(trained[1]) == 12 and trained[1] < trained[2] < trained[3]
+    checkpoints = list_checkpoints(tmp_path / "run")
+    assert [p.name for p in checkpoints] == [f"round-00000{r}.safetensors" for r in (1, 2, 3)]
+    for r, path in enumerate(checkpoints, start=1):
+        ckpt = load_checkpoint(path)
+        with safe_open(str(path), framework="pt") as fh:
+            listed = json.loads(fh.metadata()["fedhop"])["clients"]
+        expect = set() if algorithm == "fedavg" else trained[r]
+        assert set(ckpt.client_states) == expect and sorted(listed) == sorted(expect), (r, len(listed))
+        assert all(ckpt.client_states[c] for c in expect)
+    assert len(replies) == 6   # two processes, three checkpoints
+    if algorithm == "fedavg":   # an envelope alone (about 100 bytes); 200 hosted ids would add 300-400
+        assert all(tensor == 0 and payload < 160 for payload, tensor in replies), replies
+
+
+def test_a_childs_reply_replaces_its_clients_states_and_a_dead_childs_stay() -> None:
+    """The server's copy of the client states, child by child: a reply is the whole state of its
+    process's clients (a client left out has none any more), a child that does not answer keeps
+    what it last gave, with a `checkpoint_partial` event (a fabric and coordinator stand in)."""
+    from types import SimpleNamespace
+
+    from fedhop.common.records.checkpoint import states_to_payload
+    from fedhop.server.driver import ChildNode
+    from fedhop.server.resilience import Checkpointer
+
+    answers: dict[str, object] = {}
+    events: list[tuple[str, str]] = []
+
+    def send_to_all(sends, round, call_timeout):
+        replies = {s.key: answers[s.key] for s in sends if not isinstance(answers[s.key], str)}
+        return replies, {s.key: answers[s.key] for s in sends if isinstance(answers[s.key], str)}
+
+    coord = SimpleNamespace(
+        cfg=SimpleNamespace(run=SimpleNamespace(checkpoint_every=1, call_timeout=5.0),
+                            security=SimpleNamespace(keep_checkpoints=2)),
+        round_listeners=[], ready_listeners=[], fabric=SimpleNamespace(send_to_all=send_to_all),
+        children={"p0": ChildNode("p0", "client", "a0", [0, 1, 2]), "p1": ChildNode("p1", "client", "a1", [3, 4])},
+        store=SimpleNamespace(add_event=lambda kind, node, round, detail: events.append((kind, node))))
+    ck = Checkpointer(coord)   # type: ignore[arg-type]
+    one, two = torch.ones(2), torch.full((2,), 2.0)
+    answers.update(p0=states_to_payload({1: {"c": one}}), p1=states_to_payload({3: {"c": two}, 4: {"c": one}}))
+    ck.pull(1)
+    assert {c: float(s["c"].sum()) for c, s in ck.client_states().items()} == {1: 2.0, 3: 4.0, 4: 2.0}
+    answers.update(p0=states_to_payload({2: {"c": two}}), p1="UNAVAILABLE: gone")
+    ck.pull(2)
+    assert {c: float(s["c"].sum()) for c, s in ck.client_states().items()} == {2: 4.0, 3: 4.0, 4: 2.0}
+    assert events == [("checkpoint_partial", "p1")]
+    answers.update(p0=states_to_payload({7: {"c": one}}), p1=states_to_payload({}))   # 7: not p0's client
+    ck.pull(3)
+    assert sorted(ck.client_states()) == [2] and events[-1] == ("checkpoint_partial", "p0")

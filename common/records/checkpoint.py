@@ -7,8 +7,9 @@ writing leaves the previous checkpoint intact.  It holds
 - tensors: the model (`params/NAME`: the parameters the run exchanges; under model.exchange
   other than "all" the frozen rest under `frozen/NAME`, so a checkpoint holds the whole model),
   the algorithm's server state (`extra/NAME`: moments,
-  control variates, dual sums), every logical client's persistent state (`client/ID/KEY`:
-  SCAFFOLD's c_i, FedDyn's gradient memory, ...), each edge's own state (`node/EDGE/KEY`: the
+  control variates, dual sums), the persistent state of every logical client that has some
+  (`client/ID/KEY`: SCAFFOLD's c_i, FedDyn's gradient memory, ...; a client without state is not
+  listed, so a stateless algorithm's checkpoint does not grow with the clients), each edge's own state (`node/EDGE/KEY`: the
   error-feedback residuals and compressor memory of its partials, its broadcast reference), the
   server's torch RNG state (`rng/torch`);
 - metadata (JSON under the key "fedhop"): format, round, run id, the algorithm's scalars, the
@@ -20,7 +21,8 @@ named after (seed, purpose, r) (common/util/rng.py): sampling ("sampling", r), m
 i, "round", r), stragglers; so the sampler's state *is* the round number.
 
 Client state lives in the client processes during a run; at each checkpoint the server pulls it
-(`state_get` calls, counted in the ledger like any message) and on resume pushes it back to the
+(`state_get` calls, counted in the ledger like any message: each reply is the whole state of the
+answering process's clients, those without state left out) and on resume pushes it back to the
 fresh processes (`state_set`), so a resumed run needs no files on the client machines.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, cast
@@ -300,7 +303,8 @@ def check_frozen(ckpt: Checkpoint, frozen: dict[str, torch.Tensor]) -> None:
 # ----------------------------------------------------------------------------- client state on the wire
 def states_to_payload(states: dict[int, dict[str, torch.Tensor]]) -> Payload:
     """Logical clients' persistent states as one payload: tensor 'ID/KEY' per entry; the control
-    data's `clients` lists every client id (also those with empty state)."""
+    data's `clients` lists every client id given (an empty state listed clears that client's on
+    `state_set`; a `state_get` reply lists only the clients that have state)."""
     tensors = {f"{cid}/{key}": t for cid in sorted(states) for key, t in states[cid].items()}
     return Payload(tensors=tensors, control=pb.Control(clients=sorted(states)))
 
@@ -321,17 +325,18 @@ def with_node_state(payload: Payload, own: dict[str, torch.Tensor]) -> Payload:
     return Payload(tensors=tensors, scalars=dict(payload.scalars), control=payload.control)
 
 
-def states_from_payload(payload: Payload, allowed: set[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+def states_from_payload(payload: Payload, allowed: Collection[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """Inverse of `states_to_payload`; tensors are cloned (writable, own storage).  Raises
-    ValueError for a name that is not 'ID/KEY' or an id outside `allowed`."""
+    ValueError for a name that is not 'ID/KEY' or an id outside `allowed` (read only when the
+    payload names some client: a process's hosted ids need no set for an empty reply)."""
     out: dict[int, dict[str, torch.Tensor]] = {int(c): {} for c in control_of(payload).clients}
     for name, t in payload.tensors.items():
         cid, sep, key = name.partition("/")
         if not sep or not cid.isdigit() or not key:
             raise ValueError(f"client state payload: tensor name '{name}' is not 'CLIENT_ID/KEY'")
         out.setdefault(int(cid), {})[key] = t.clone()
-    if allowed is not None:
-        stray = sorted(set(out) - allowed)
+    if allowed is not None and out:
+        stray = sorted(set(out).difference(allowed))
         if stray:
             raise ValueError(f"client state payload names clients {stray[:10]} not hosted here")
     return out
