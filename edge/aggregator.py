@@ -61,6 +61,7 @@ class EdgeAggregator:
         self.config_toml = config_toml
         self.index = edge_index(endpoint.node_id)
         self.cluster = cluster_assignment(cfg)[self.index]
+        self.members = frozenset(self.cluster)   # membership checks in O(1): a cluster may hold 500,000 clients
         self.algorithm = build_algorithm(cfg)
         self.params = topology_params(cfg)
         self.upload_state: dict[str, torch.Tensor] = {}   # error feedback and compressor memory of this edge's partials
@@ -89,12 +90,13 @@ class EdgeAggregator:
         self.endpoint.record_control("register", req.node_id, self.endpoint.node_id, req.ByteSize(), "receiver",
                                      0.0, req.msg_id, self.run_id)
         token = self.endpoint.token
-        foreign = [c.client_id for c in req.clients if c.client_id not in self.cluster]
+        foreign = [c.client_id for c in req.clients if c.client_id not in self.members]
         if token and req.token != token:
             reply = pb.RegisterReply(accepted=False, message="registration refused: wrong token")
         elif foreign:
-            reply = pb.RegisterReply(accepted=False, message=f"clients {foreign} do not belong to "
-                                                             f"{self.endpoint.node_id}'s cluster {self.cluster}")
+            reply = pb.RegisterReply(accepted=False, message=f"clients {_first(foreign)} do not belong to "
+                                                             f"{self.endpoint.node_id}'s cluster "
+                                                             f"{_first(self.cluster)} ({len(self.cluster)} clients)")
         else:
             with self._cond:
                 self.processes[req.node_id] = req.address
@@ -109,7 +111,7 @@ class EdgeAggregator:
 
     def wait_for_clients(self, timeout: float) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: set(self.cluster) <= set(self.client_home), timeout)
+            return self._cond.wait_for(lambda: self.members.issubset(self.client_home.keys()), timeout)
 
     # ------------------------------------------------------------------ calls from the server
     def _routes(self, parent: str) -> MethodRouter:
@@ -204,16 +206,17 @@ class EdgeAggregator:
         partial = dp_edges.release(self.algorithm, partial, len(sampled), self.index, round)   # noise_at = "edges"
         partial.control = failures_control(failures)
         gone = self.unavailable_processes()   # reported to the server, which samples around their clients
-        partial.control.clients.extend(sorted(c for c, (node, _) in self.client_home.items() if node in gone))
+        if gone:   # not a walk over every hosted client each round
+            partial.control.clients.extend(sorted(c for c, (node, _) in self.client_home.items() if node in gone))
         partial.control.processes.extend(sorted(gone))
         # coded where configured (common/processors/pipeline.py); error feedback's residuals kept in memory
         return upload(self.cfg, partial, self.endpoint.node_id, round, 0, Method.EDGE_ROUND,
                       state=self.upload_state)
 
     def check_sampled(self, sampled: list[int]) -> None:
-        stray = [c for c in sampled if c not in self.cluster]
+        stray = [c for c in sampled if c not in self.members]
         if stray:
-            raise HandlerError("UNKNOWN_CLIENT", f"clients {stray} are not in {self.endpoint.node_id}'s cluster")
+            raise HandlerError("UNKNOWN_CLIENT", f"clients {_first(stray)} are not in {self.endpoint.node_id}'s cluster")
 
     def hierfavg(self, round: int, sampled: list[int], message: Payload) -> tuple[Payload | None, dict[int, str]]:
         """HierFAVG's kappa2 edge iterations (Liu et al. 2020, Algorithm 1) from the server's
@@ -335,3 +338,8 @@ class ClusterFanout:
             partial, blamed = finite_step(agg.algorithm, None, replies, round)   # NaN/Inf sums: offender out
         failures.update(blamed)
         return partial, failures
+
+
+def _first(ids: list[int], shown: int = 10) -> str:
+    """At most `shown` of `ids` for a message, with how many more there are."""
+    return str(ids) if len(ids) <= shown else f"{ids[:shown]} and {len(ids) - shown} more"

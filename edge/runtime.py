@@ -107,7 +107,7 @@ class EdgeProcess:
         self.aggregator = aggregator
         self._ready.set()
         if not self.aggregator.wait_for_clients(client_timeout):
-            missing = sorted(set(self.aggregator.cluster) - set(self.aggregator.client_home))
+            missing = sorted(self.aggregator.members.difference(self.aggregator.client_home))
             raise RuntimeError(f"{self.endpoint.node_id}: clients {missing[:10]} never registered")
         self.register_with_parent(self.aggregator.cluster, timeout=60.0)
 
