@@ -172,6 +172,24 @@ def test_chain_config_errors_name_the_key():
         parse_config(walk_config(stationary="[1.0, 2.0]"))
 
 
+@pytest.mark.parametrize("graph,count,said", [("random", 2_001, r"'topology.graph': \"random\" over 2001 clients.*at most 2,000"),
+                                                ("complete", 2_001, r"'topology.graph': \"complete\" over 2001"),
+                                                ("ring", 1_000_000, r"'clients.count': got 1,000,000.*at most 20,000")])
+def test_a_walk_too_large_to_build_is_a_config_error_naming_the_key(graph, count, said):
+    """The walk is built densely (an N x N transition matrix; "random" and "complete" visit every
+    pair of clients): a count past what that holds is refused at once, where a million clients
+    made the config check run for hours; the largest allowed builds."""
+    from fedhop.deploy.bench.bench_system import _scale_text
+    from fedhop.topologies.chain.rule import MAX_PAIRED_CLIENTS
+
+    def chain(n: int, kind: str) -> str:
+        return _scale_text(n, 2, 10, 1, True).replace("[clients]", f'[topology]\nkind = "chain"\ngraph = "{kind}"\n[clients]')
+
+    with pytest.raises(ConfigError, match=said):
+        parse_config(chain(count, graph))
+    assert parse_config(chain(MAX_PAIRED_CLIENTS, "complete")).clients.count == MAX_PAIRED_CLIENTS
+
+
 def test_a_handoff_is_taken_only_at_the_hop_where_the_walk_moves_there():
     """walk_handoff from a peer process: the sender must be a graph neighbour and the receiver
     its draw for that hop (WalkRule.next_client, seeded), once per hop; anything else is refused

@@ -36,10 +36,20 @@ import numpy as np
 
 from fedhop.common.util.rng import numpy_stream
 
+#: the most clients a walk is built for: its transition matrix is dense (N x N float64: 3.2 GB at 20,000)
+MAX_CLIENTS = 20_000
+#: the most clients of graph = "random" or "complete": both visit all N(N-1)/2 client pairs (the
+#: seeded "random" construction takes about 3 s at 2,000 clients in each process that reads the config,
+#: and grows as N squared)
+MAX_PAIRED_CLIENTS = 2_000
+
 
 def client_graph(spec: str | list, num: int, max_degree: int, seed: int) -> list[list[int]]:
     """The walk's client graph as sorted adjacency lists (validated: symmetric, connected)."""
     from fedhop.common.topologies.graphs import check_graph, random_graph
+    if spec in ("random", "complete") and num > MAX_PAIRED_CLIENTS:
+        raise ValueError(f"topology.graph: \"{spec}\" over {num} clients visits all N(N-1)/2 client pairs; at most "
+                         f"{MAX_PAIRED_CLIENTS:,} clients (for more: \"ring\" or adjacency lists [[1, 2], ...])")
     if isinstance(spec, list):
         return check_graph(spec, num, "topology.graph", "client ids")
     if spec == "ring":
@@ -80,6 +90,9 @@ class WalkRule:
         from fedhop.common.topologies.graphs import topology_params
         params = topology_params(cfg)
         n = cfg.clients.count
+        if n > MAX_CLIENTS:
+            raise ValueError(f"clients.count: got {n:,}, but topology.kind = 'chain' builds the walk's N x N transition "
+                             f"matrix (8 N^2 bytes); at most {MAX_CLIENTS:,} clients")
         graph = client_graph(params.graph, n, params.max_degree, cfg.run.seed)
         sizes_a = np.asarray(sizes, dtype=float)
         pi = _weights(params.stationary, sizes_a, "topology.stationary")
