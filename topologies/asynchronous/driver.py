@@ -106,6 +106,7 @@ class AsyncDriver(TopologyDriver):
         self.concurrency = concurrency_of(ctx.run.cfg, self.params)
         self.edges = ctx.run.cfg.topology.edges > 0   # the buffer lives at the edges (module docstring)
         self.targets: list[str] = []              # the nodes a dispatch may call, in draw order (start)
+        self.position: dict[str, int] = {}        # a target's index in `targets`
         self.client_of: dict[str, int] = {}       # star: a client's node id -> its id
         self.cluster: dict[str, list[int]] = {}   # behind edges: an edge's clients
         self.version = 0            # server updates applied (t)
@@ -134,6 +135,7 @@ class AsyncDriver(TopologyDriver):
         else:
             self.client_of = {client_node(cid): cid for cid in sorted(home)}
             self.targets = list(self.client_of)
+        self.position = {node: i for i, node in enumerate(self.targets)}
         self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="async-dispatch")
         self.db = sqlite3.connect(str(self.ctx.run.run_dir / "run.db"), timeout=30.0, isolation_level=None,
                                   check_same_thread=False)
@@ -145,12 +147,13 @@ class AsyncDriver(TopologyDriver):
         """Send the current model to one idle client (or, behind edges, one idle edge), drawn from
         the stream ("async", "dispatch", n)."""
         ctx = self.ctx
-        busy = {f.node for f in self.in_flight.values()}
-        idle = [n for n in self.targets if n not in busy]
-        if not idle:
+        busy = sorted({self.position[f.node] for f in self.in_flight.values()})
+        idle = len(self.targets) - len(busy)
+        if idle <= 0:
             return
         self.seq += 1
-        node = idle[int(numpy_stream(ctx.run.cfg.run.seed, "async", "dispatch", self.seq).integers(len(idle)))]
+        draw = int(numpy_stream(ctx.run.cfg.run.seed, "async", "dispatch", self.seq).integers(idle))
+        node = self.targets[nth_idle(draw, busy)]
         base = ctx.run.algorithm.broadcast(ctx.model.state, round)
         sent = {k: v.detach().clone() for k, v in base.tensors.items()}   # the version it trains on, kept
         plain = Payload(tensors=dict(sent), scalars=dict(base.scalars))
@@ -363,3 +366,16 @@ class AsyncDriver(TopologyDriver):
                                  "server_versions": self.version, "dispatches": self.seq,
                                  "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
                                  "staleness_max": max(stale, default=0), "sim_seconds": self.sim_now}}
+
+
+def nth_idle(n: int, busy: list[int]) -> int:
+    """The index of the `n`-th (from 0) entry of a list that is not at one of the `busy` indices
+    (sorted, distinct): `[i for i in range(size) if i not in busy][n]` without walking the list,
+    which holds every client (1,000,000 of them) while at most `concurrency` are busy."""
+    i = n
+    for b in busy:
+        if b > i:
+            break
+        i += 1
+    return i
+
