@@ -242,3 +242,22 @@ def test_an_unreachable_client_process_fails_the_run_with_its_reason(tmp_path):
     assert "gossip_step failed at client-" in summary["error"] and "gossip needs every client" in summary["error"]
     assert summary["rounds_completed"] == 0
     assert RunStore(tmp_path / "run.db").events("client_failed")
+
+
+@pytest.mark.parametrize("degree,count,said", [
+    (4, 2_002, r"'topology.gossip_degree': a random 4-regular graph over 2002 clients.*at most 2,000"),
+    (0, 1_000_000, r"'clients.count': got 1,000,000, but topology.kind = 'gossip'.*at most 20,000")])
+def test_gossip_too_large_to_build_is_a_config_error_naming_the_key(degree, count, said):
+    """The mixing matrix is dense and a gossip_degree graph draws each stub's partner from all the
+    others: past what those hold, a config error naming the key, where a million clients raised
+    a MemoryError traceback and 20,000 with a degree spent 72 s in the check; the largest builds."""
+    from fedhop.deploy.bench.bench_system import _scale_text
+    from fedhop.topologies.gossip.rule import MAX_REGULAR_CLIENTS
+
+    def gossip(n: int, d: int) -> str:
+        return _scale_text(n, 2, 10, 1, True).replace(
+            "[clients]", f'[topology]\nkind = "gossip"\ngossip_degree = {d}\n[clients]')
+
+    with pytest.raises(ConfigError, match=said):
+        parse_config(gossip(count, degree))
+    assert parse_config(gossip(MAX_REGULAR_CLIENTS, 4)).clients.count == MAX_REGULAR_CLIENTS

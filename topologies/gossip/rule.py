@@ -57,6 +57,13 @@ def graph_from_edges(edges: Any, n: int) -> list[list[int]]:
     return out
 
 
+#: the most clients gossip is built for: its mixing matrix is dense (N x N float64: 3.2 GB at 20,000)
+MAX_CLIENTS = 20_000
+#: the most clients of a `gossip_degree` graph: each stub's partner is drawn from a list of every
+#: remaining stub (about 1 s at 2,000 clients in each process that reads the config, growing as N squared)
+MAX_REGULAR_CLIENTS = 2_000
+
+
 def random_regular_graph(n: int, d: int, seed: int) -> list[list[int]]:
     """A connected simple d-regular graph on n nodes from the stream (seed, GRAPH_STREAM):
     stubs paired uniformly at random (pairing model), restarted while a pairing would give a
@@ -70,6 +77,9 @@ def random_regular_graph(n: int, d: int, seed: int) -> list[list[int]]:
         raise ValueError(f"{key}: no {d}-regular graph on {n} clients (n * d = {n * d} is odd)")
     if d == 1 and n > 2:
         raise ValueError(f"{key}: a 1-regular graph on {n} clients is never connected")
+    if n > MAX_REGULAR_CLIENTS:
+        raise ValueError(f"{key}: a random {d}-regular graph over {n} clients pairs every stub with a draw from all "
+                         f"the others; at most {MAX_REGULAR_CLIENTS:,} clients (for more: the ring, or gossip_edges)")
     rng = numpy_stream(seed, GRAPH_STREAM)
     for _ in range(MAX_RESTARTS):
         adj: list[set[int]] = [set() for _ in range(n)]
@@ -116,6 +126,9 @@ class GossipRule:
         from fedhop.common.topologies.graphs import topology_params
         params = topology_params(cfg)
         n = cfg.clients.count
+        if n > MAX_CLIENTS:
+            raise ValueError(f"clients.count: got {n:,}, but topology.kind = 'gossip' builds its N x N mixing matrix "
+                             f"(8 N^2 bytes) and trains every client every round; at most {MAX_CLIENTS:,} clients")
         edges, degree = params.gossip_edges, params.gossip_degree
         if edges and degree:
             raise ValueError("topology.gossip_edges: give either gossip_edges or gossip_degree, not both")
