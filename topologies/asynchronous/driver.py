@@ -13,7 +13,9 @@ Which update is taken next:
   client's simulated download, compute and upload (common/engine/vclock.py `client_timing`, from
   the [clients] device profiles: slowdown, links, latency; transfer times from the tensors' bytes),
   ties to the earlier dispatch.  The driver waits until every call in flight has replied, so the
-  order is decided by the seed alone, not by which process answered first.
+  order is decided by the seed alone, not by which process answered first.  Each call's end is
+  taken once from a queue and the ended calls wait in a heap, so a choice costs O(log
+  concurrency), not a pass over the calls in flight.
 - `clock = "real"`: the first to reply.
 
 The order is recorded in run.db, table `async_updates` (one row per dispatch: the client, the
@@ -41,6 +43,8 @@ it trained (JSON); `client` is NULL.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
 import json
 import queue
 import sqlite3
@@ -115,7 +119,10 @@ class AsyncDriver(TopologyDriver):
         self.seq = 0                # dispatches made
         self.arrivals = 0           # updates taken (applied, buffered or failed)
         self.in_flight: dict[int, Flight] = {}
-        self.done: queue.Queue[int] = queue.Queue()
+        self.busy: list[int] = []   # the in-flight targets' positions in `targets`, sorted
+        self.done: queue.Queue[int] = queue.Queue()   # dispatch numbers, as their calls end
+        self.unsettled: set[int] = set()   # in flight, and their end not yet taken from `done`
+        self.settled_order: list[tuple[float, int]] = []   # virtual clock: (sim_finish, seq) of settled flights, a heap
         # behind edges the edge buffered: each flush it sends is one server update
         self.buffer = FedBuffBuffer(1 if self.edges else self.params.buffer_size, self.params.server_lr)
         self.buffered: list[Flight] = []
@@ -140,6 +147,7 @@ class AsyncDriver(TopologyDriver):
         self.db = sqlite3.connect(str(self.ctx.run.run_dir / "run.db"), timeout=30.0, isolation_level=None,
                                   check_same_thread=False)
         self.db.execute("PRAGMA busy_timeout = 30000")
+        self.db.execute("PRAGMA synchronous = NORMAL")   # as the run store's connections: no fsync per row (WAL)
         self.db.execute(SCHEMA)
 
     # ------------------------------------------------------------------ dispatch
@@ -147,13 +155,13 @@ class AsyncDriver(TopologyDriver):
         """Send the current model to one idle client (or, behind edges, one idle edge), drawn from
         the stream ("async", "dispatch", n)."""
         ctx = self.ctx
-        busy = sorted({self.position[f.node] for f in self.in_flight.values()})
-        idle = len(self.targets) - len(busy)
+        idle = len(self.targets) - len(self.busy)
         if idle <= 0:
             return
         self.seq += 1
         draw = int(numpy_stream(ctx.run.cfg.run.seed, "async", "dispatch", self.seq).integers(idle))
-        node = self.targets[nth_idle(draw, busy)]
+        position = nth_idle(draw, self.busy)
+        node = self.targets[position]
         base = ctx.run.algorithm.broadcast(ctx.model.state, round)
         sent = {k: v.detach().clone() for k, v in base.tensors.items()}   # the version it trains on, kept
         plain = Payload(tensors=dict(sent), scalars=dict(base.scalars))
@@ -186,6 +194,8 @@ class AsyncDriver(TopologyDriver):
         seq = self.seq
         self.in_flight[seq] = Flight(seq, cid, self.version, round, sent, message.tensor_bytes(), self.sim_now, future,
                                      node=node, clients=cids)
+        bisect.insort(self.busy, position)
+        self.unsettled.add(seq)
         future.add_done_callback(lambda _f: self.done.put(seq))
 
     def edge_clients(self, edge: str) -> list[int]:
@@ -245,26 +255,42 @@ class AsyncDriver(TopologyDriver):
             raise_if_stopped()
             futures = list(pending)
 
-    def next_arrival(self) -> Flight:
-        """The next update to take (module docstring: simulated order or arrival order)."""
-        if self.params.clock == "real":
-            while True:
-                try:
-                    seq = self.done.get(timeout=WAIT_SLICE)
-                except queue.Empty:
-                    raise_if_stopped()
-                    continue
-                if seq in self.in_flight:
-                    f = self.in_flight.pop(seq)
-                    self.settle(f)
-                    self.sim_now = max(self.sim_now, f.sim_finish)
-                    return f
-        self._wait([f.future for f in self.in_flight.values()])
-        for f in self.in_flight.values():
-            self.settle(f)
-        f = self.in_flight.pop(min(self.in_flight.values(), key=lambda g: (g.sim_finish, g.seq)).seq)
+    def _ended(self) -> int:
+        """The dispatch number of the next call to end (its future done), waiting for it."""
+        while True:
+            try:
+                seq = self.done.get(timeout=WAIT_SLICE)
+            except queue.Empty:
+                raise_if_stopped()
+                continue
+            self.unsettled.discard(seq)
+            return seq
+
+    def _land(self, seq: int) -> Flight:
+        """Flight `seq` out of the air: taken next, its target idle again."""
+        f = self.in_flight.pop(seq)
+        del self.busy[bisect.bisect_left(self.busy, self.position[f.node])]
         self.sim_now = max(self.sim_now, f.sim_finish)
         return f
+
+    def next_arrival(self) -> Flight:
+        """The next update to take (module docstring: simulated order or arrival order).  Each
+        call's end is taken once from `done`, so a choice costs O(log concurrency), not a pass
+        over the calls in flight."""
+        raise_if_stopped()
+        if self.params.clock == "real":
+            while True:
+                seq = self._ended()
+                if seq in self.in_flight:
+                    self.settle(self.in_flight[seq])
+                    return self._land(seq)
+        while self.unsettled:   # every call in flight has ended: the order is the seed's alone
+            seq = self._ended()
+            f = self.in_flight[seq]
+            self.settle(f)
+            heapq.heappush(self.settled_order, (f.sim_finish, seq))   # ties to the earlier dispatch
+        _, seq = heapq.heappop(self.settled_order)
+        return self._land(seq)
 
     def take(self, f: Flight, round: int) -> bool:
         """Apply (FedAsync), buffer (FedBuff) or record the failure of `f`; True when the model changed."""
@@ -274,7 +300,7 @@ class AsyncDriver(TopologyDriver):
         if f.reply is None:
             self.round_failures.update((c, f.failure) for c in f.clients)
             self.failures_in_a_row += 1
-            self._row(f, {**row, "status": "failed", "detail": f.failure})
+            self._rows([(f, {**row, "status": "failed", "detail": f.failure})])
             self.ctx.records.store.add_event("edge_failed" if self.edges else "client_failed", node=f.node, round=round,
                                      detail=f"dispatch {f.seq}: {f.failure}")
             if self.failures_in_a_row >= FAILURES_IN_A_ROW * self.concurrency:
@@ -300,27 +326,36 @@ class AsyncDriver(TopologyDriver):
                 return False
             self.buffer.flush(state)
         self.version += 1
-        for g in self.buffered:
-            self._row(g, {**g.taken, "applied_version": self.version, "status": "applied"})
+        self._rows([(g, {**g.taken, "applied_version": self.version, "status": "applied"}) for g in self.buffered])
         return True
 
-    def _row(self, f: Flight, row: dict) -> None:
+    def _rows(self, rows: list[tuple[Flight, dict]]) -> None:
+        """`async_updates` rows, one transaction for all of them (a FedBuff flush writes its buffer's)."""
         assert self.db is not None   # made by start
-        self.db.execute(f"INSERT INTO {TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (self.ctx.run.run_id, row.get("arrival"), f.seq, f.cid, f.version, row.get("applied_version"),
-                         row.get("staleness"), row.get("weight"), f.sim_start, row.get("sim_arrival"),
-                         row.get("round"), row.get("status"), row.get("detail", ""), f.node, json.dumps(f.clients)))
+        run_id = self.ctx.run.run_id
+        values = [(run_id, row.get("arrival"), f.seq, f.cid, f.version, row.get("applied_version"), row.get("staleness"),
+                   row.get("weight"), f.sim_start, row.get("sim_arrival"), row.get("round"), row.get("status"),
+                   row.get("detail", ""), f.node, json.dumps(f.clients)) for f, row in rows]
+        with self.db:   # committed together, or rolled back by an exception (a stop) before the commit
+            self.db.execute("BEGIN")
+            self.db.executemany(f"INSERT INTO {TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
 
     def drain(self, round: int) -> None:
         """After the last update: wait for the calls still in flight (their replies are counted
         in the ledger) and record them "unused"."""
         self._wait([f.future for f in self.in_flight.values()])
+        rows = []
         for seq in sorted(self.in_flight):
             f = self.in_flight[seq]
             self.settle(f)
-            self._row(f, {"staleness": self.version - f.version, "sim_arrival": f.sim_finish, "round": round,
-                          "status": "unused" if f.reply is not None else "failed", "detail": f.failure})
+            rows.append((f, {"staleness": self.version - f.version, "sim_arrival": f.sim_finish, "round": round,
+                             "status": "unused" if f.reply is not None else "failed", "detail": f.failure}))
+        if rows:
+            self._rows(rows)
         self.in_flight.clear()
+        self.busy.clear()
+        self.unsettled.clear()
+        self.settled_order.clear()
         if self.pool is not None:
             self.pool.shutdown(wait=True)
         if self.db is not None:   # every row is written: the last round's record follows
