@@ -511,3 +511,21 @@ def test_the_next_update_is_chosen_from_each_call_ending_once():
         taken.append(f)
         fly(int(rng.integers(0, 3)))
     assert sorted(settled) == sorted(set(range(1, seq + 1)) - driver.unsettled)   # once each
+
+
+def test_an_edge_calls_draw_is_the_pools_without_building_it():
+    """Behind edges a dispatch draws `buffer_size` clients among those of the edge's cluster not
+    reported dead (all of them when every one is): `draw_clients` gives the clients of
+    `rng.choice(len(pool), k, replace=False)` over that pool without building it (250,000 ids
+    a dispatch at 1,000,000 clients behind 4 edges), checked against the pool built."""
+    from fedhop.topologies.asynchronous.driver import draw_clients
+
+    rng = np.random.default_rng(8)
+    for trial in range(400):
+        cluster = sorted(int(c) for c in rng.choice(5_000, int(rng.integers(1, 60)), replace=False))
+        gone = {c for c in cluster if rng.random() < rng.choice([0.0, 0.3, 1.0])} | {int(rng.integers(5_000, 6_000))}
+        k = int(rng.integers(1, 70))
+        pool = [c for c in cluster if c not in gone] or list(cluster)
+        want = sorted(pool[int(i)] for i in np.random.default_rng(trial).choice(len(pool), size=min(k, len(pool)),
+                                                                               replace=False))
+        assert draw_clients(cluster, gone, k, np.random.default_rng(trial)) == want, (cluster, gone, k)

@@ -53,6 +53,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedhop.common.algorithms.base import weighted_mean
@@ -203,11 +204,8 @@ class AsyncDriver(TopologyDriver):
         fewer are left), drawn from ("async", "edge-clients", n) among those the edge has not
         reported on dead processes (sorted: the edge folds its replies in client-id order)."""
         ctx = self.ctx
-        gone = ctx.nodes.unavailable.get(edge, set())
-        pool = [c for c in self.cluster[edge] if c not in gone] or list(self.cluster[edge])
-        k = min(self.params.buffer_size, len(pool))
-        draw = numpy_stream(ctx.run.cfg.run.seed, "async", "edge-clients", self.seq).choice(len(pool), size=k, replace=False)
-        return sorted(pool[int(i)] for i in draw)
+        draw = numpy_stream(ctx.run.cfg.run.seed, "async", "edge-clients", self.seq)
+        return draw_clients(self.cluster[edge], ctx.nodes.unavailable.get(edge, set()), self.params.buffer_size, draw)
 
     def fill(self, round: int) -> None:
         while len(self.in_flight) < min(self.concurrency, len(self.targets)):
@@ -401,6 +399,19 @@ class AsyncDriver(TopologyDriver):
                                  "server_versions": self.version, "dispatches": self.seq,
                                  "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
                                  "staleness_max": max(stale, default=0), "sim_seconds": self.sim_now}}
+
+
+def draw_clients(cluster: list[int], gone: set[int], k: int, rng: np.random.Generator) -> list[int]:
+    """`k` clients of `cluster` (sorted ids) not in `gone` (all of the cluster where every one is
+    gone), drawn as `rng.choice(len(pool), k, replace=False)` over the list `pool` of those
+    clients, sorted; found from the positions of the gone clients (`nth_idle`) rather than by
+    building `pool`, which at 1,000,000 clients behind 4 edges is 250,000 ids a dispatch."""
+    skipped = sorted({i for i in (bisect.bisect_left(cluster, c) for c in gone) if i < len(cluster)
+                      and cluster[i] in gone})
+    if len(skipped) == len(cluster):
+        skipped = []
+    size = len(cluster) - len(skipped)
+    return sorted(cluster[nth_idle(int(i), skipped)] for i in rng.choice(size, size=min(k, size), replace=False))
 
 
 def nth_idle(n: int, busy: list[int]) -> int:
