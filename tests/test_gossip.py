@@ -78,7 +78,7 @@ def test_random_regular_graphs_are_reproducible_and_regular_and_weights_are_mh()
         assert all(i in graph[j] for i, row in enumerate(graph) for j in row)   # undirected
         edges = [[i, j] for i, row in enumerate(graph) for j in row if i < j]
         assert len(edges) == n * d // 2
-        W = mh_weights(graph)
+        W = mh_weights(graph).dense()
         np.testing.assert_allclose(W, numpy_weights(edges, n), atol=1e-15)
         np.testing.assert_allclose(W, W.T, atol=0)
         np.testing.assert_allclose(W.sum(axis=1), 1.0, atol=1e-12)        # doubly stochastic
@@ -244,20 +244,29 @@ def test_an_unreachable_client_process_fails_the_run_with_its_reason(tmp_path):
     assert RunStore(tmp_path / "run.db").events("client_failed")
 
 
-@pytest.mark.parametrize("degree,count,said", [
-    (4, 2_002, r"'topology.gossip_degree': a random 4-regular graph over 2002 clients.*at most 2,000"),
-    (0, 1_000_000, r"'clients.count': got 1,000,000, but topology.kind = 'gossip'.*at most 20,000")])
-def test_gossip_too_large_to_build_is_a_config_error_naming_the_key(degree, count, said):
-    """The mixing matrix is dense and a gossip_degree graph draws each stub's partner from all the
-    others: past what those hold, a config error naming the key, where a million clients raised
-    a MemoryError traceback and 20,000 with a degree spent 72 s in the check; the largest builds."""
+def _gossip_at_scale(n: int, topology: str) -> str:
     from fedhop.deploy.bench.bench_system import _scale_text
+    return _scale_text(n, 2, 10, 1, True).replace("[clients]", f'[topology]\nkind = "gossip"\n{topology}\n[clients]')
+
+
+def test_a_random_regular_graph_past_2000_clients_is_a_config_error_naming_the_key():
+    """A gossip_degree graph draws each stub's partner from all the others: past 2,000 clients a
+    config error naming the key, where 20,000 with a degree spent 72 s in the check; the largest builds."""
     from fedhop.topologies.gossip.rule import MAX_REGULAR_CLIENTS
+    with pytest.raises(ConfigError, match=r"'topology.gossip_degree': a random 4-regular graph over 2002 clients.*at most 2,000"):
+        parse_config(_gossip_at_scale(2_002, "gossip_degree = 4"))
+    assert parse_config(_gossip_at_scale(MAX_REGULAR_CLIENTS, "gossip_degree = 4")).clients.count == MAX_REGULAR_CLIENTS
 
-    def gossip(n: int, d: int) -> str:
-        return _scale_text(n, 2, 10, 1, True).replace(
-            "[clients]", f'[topology]\nkind = "gossip"\ngossip_degree = {d}\n[clients]')
 
-    with pytest.raises(ConfigError, match=said):
-        parse_config(gossip(count, degree))
-    assert parse_config(gossip(MAX_REGULAR_CLIENTS, 4)).clients.count == MAX_REGULAR_CLIENTS
+def test_the_mixing_weights_of_a_ring_of_a_million_clients_build_in_closed_form():
+    """The mixing matrix is kept as its entries on the graph's edges and diagonal
+    (common/topologies/edgeweights.py): a ring of 1,000,000 clients builds (its N x N array
+    would be 8 TB; a million clients raised a MemoryError traceback when it was dense), every
+    degree is 2, so W_ij = 1 / (1 + 2) and W_ii = 1 - (W_ij + W_ij), in float64."""
+    n = 1_000_000
+    rule = GossipRule.from_config(parse_config(_gossip_at_scale(n, "")))
+    third = 1.0 / 3.0
+    for i in (0, 2, 500_000, n - 1):
+        assert rule.graph[i] == sorted({(i - 1) % n, (i + 1) % n})
+        assert rule.W.row(i) == [1.0 - (third + third), third, third]
+    assert rule.edge_count == n

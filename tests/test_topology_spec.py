@@ -216,7 +216,8 @@ def module_level_imports(path: Path) -> set[str]:
 def test_the_specs_sit_below_what_reads_them():
     """No import cycle: the modules of common/topologies/ and the folders' `__init__`s
     (topologies/<kind>/__init__.py) import at module level only common/topologies/
-    and the leaf helpers below them (common/util/: seeded streams, node ids; common/wire/methods.py:
+    and the leaf helpers below them (common/util/: seeded streams, node ids; common/numerics/: the
+    row sums of a graph's weights; common/wire/methods.py:
     the method table a spec declares its own methods into); role code and the
     helpers of their checks are named by reference or imported when called; and the plug-in
     loader (common/util/plugins.py) imports no fedhop module at all, so common/topologies imports
@@ -224,7 +225,8 @@ def test_the_specs_sit_below_what_reads_them():
     folders = sorted((ROOT / "topologies").glob("*/__init__.py"))   # scanned by builtin_specs: the same rule
     assert len(folders) >= 7
     for path in sorted((ROOT / "common" / "topologies").glob("*.py")):
-        assert all(m.startswith(("fedhop.common.topologies", "fedhop.common.util")) or m == "fedhop.common.wire.methods"
+        assert all(m.startswith(("fedhop.common.topologies", "fedhop.common.util", "fedhop.common.numerics"))
+                   or m == "fedhop.common.wire.methods"
                    for m in module_level_imports(path)), path.name
     # a folder is imported while graphs.py (which scans them at import) may be half made: not graphs, not plan
     for path in folders:

@@ -7,6 +7,8 @@ its spec (common/topologies/), and are validated by the config loader
 """
 from __future__ import annotations
 
+import bisect
+from collections import Counter
 from typing import Any, Sequence
 
 from fedhop.common.topologies import builtin_specs, spec_for
@@ -123,6 +125,32 @@ def random_graph(num: int, max_degree: int, seed: int, stream: str = "topology/g
     return [sorted(n) for n in adj]
 
 
+#: the most clients whose graph summary.json lists (`graph_summary`); a larger graph is the
+#: config's to rebuild (its kind and run.seed, or the lists it gives)
+SUMMARY_GRAPH_MAX = 10_000
+
+
+def graph_summary(graph: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """summary.json's description of a client graph: its edge count, and its adjacency lists up
+    to SUMMARY_GRAPH_MAX clients (a ring of 1,000,000 clients would add 18 MB)."""
+    out: dict[str, Any] = {"client_graph_edges": sum(len(row) for row in graph) // 2}
+    if len(graph) <= SUMMARY_GRAPH_MAX:
+        out["client_graph"] = graph
+    return out
+
+
+def visit_counts(walk: Sequence[int]) -> dict[int, int]:
+    """summary.json's `client_visits`: the visits of each visited client, in id order (a client
+    never visited is not listed, so the record does not grow with the clients registered)."""
+    return dict(sorted(Counter(walk).items()))
+
+
+def shown_graph(adj: Sequence[Sequence[int]], most: int = 20) -> str:
+    """Adjacency lists for an error message: the lists themselves, or their count when longer
+    than `most` (an error stays one readable line)."""
+    return str([list(row) for row in adj]) if len(adj) <= most else f"of {len(adj):,} adjacency lists"
+
+
 def check_graph(spec: list, num: int, key: str, what: str) -> list[list[int]]:
     """Adjacency lists validated: one list of other node ids 0..num-1 per node, symmetric,
     connected; returned sorted."""
@@ -138,10 +166,12 @@ def check_graph(spec: list, num: int, key: str, what: str) -> list[list[int]]:
         adj.append(sorted(set(row)))
     for e, row in enumerate(adj):
         for v in row:
-            if e not in adj[v]:
+            back = adj[v]   # sorted: e looked up by bisection, not by a scan of a long row
+            k = bisect.bisect_left(back, e)
+            if k == len(back) or back[k] != e:
                 raise ValueError(f"{key}: not symmetric, {v} is in entry {e} but {e} is not in entry {v}")
     if not connected(adj):
-        raise ValueError(f"{key}: the graph {adj} is not connected")
+        raise ValueError(f"{key}: the graph {shown_graph(adj)} is not connected")
     return adj
 
 

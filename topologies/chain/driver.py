@@ -17,10 +17,9 @@ checkpoint's model to that holder in its first visit.
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 from fedhop.common.processors.pipeline import model_chain
-from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX, topology_params
+from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX, graph_summary, topology_params, visit_counts
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.util.nodeids import client_node
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -64,10 +63,8 @@ class WalkDriver(TopologyDriver):
         self.resuming = True
 
     def summary(self) -> dict:
-        visits = Counter(self.walk)
         return {"client_walk": list(self.walk), "client_walk_length": len(self.walk), "walk_moves": self.moves,
-                "handoff_skips": self.skips, "client_graph": self.rule.graph,
-                "client_visits": [visits.get(c, 0) for c in range(self.ctx.run.cfg.clients.count)]}
+                "handoff_skips": self.skips, **graph_summary(self.rule.graph), "client_visits": visit_counts(self.walk)}
 
     # ------------------------------------------------------------------ rounds
     def _visit_message(self, round: int, hop: int) -> Payload:

@@ -34,10 +34,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from fedhop.common.topologies.edgeweights import GraphWeights
 from fedhop.common.util.rng import numpy_stream
 
-#: the most clients a walk is built for: its transition matrix is dense (N x N float64: 3.2 GB at 20,000)
-MAX_CLIENTS = 20_000
 #: the most clients of graph = "random" or "complete": both visit all N(N-1)/2 client pairs (the
 #: seeded "random" construction takes about 3 s at 2,000 clients in each process that reads the config,
 #: and grows as N squared)
@@ -64,17 +63,16 @@ def client_graph(spec: str | list, num: int, max_degree: int, seed: int) -> list
     return check_graph(adj, num, "topology.graph", "client ids")
 
 
-def metropolis_hastings(graph: Sequence[Sequence[int]], pi: np.ndarray) -> np.ndarray:
+def metropolis_hastings(graph: Sequence[Sequence[int]], pi: np.ndarray) -> GraphWeights:
     """P with P_ij = (1/d_i) min(1, pi_j d_i / (pi_i d_j)) on the graph's edges and the rest
-    of each row on the diagonal: a reversible chain whose stationary law is pi."""
-    n = len(graph)
+    of each row on the diagonal: a reversible chain whose stationary law is pi (its entries on
+    the edges and the diagonal only: common/topologies/edgeweights.py)."""
     deg = np.array([len(row) for row in graph], dtype=float)
-    P = np.zeros((n, n))
-    for i, row in enumerate(graph):
-        for j in row:
-            P[i, j] = min(1.0, pi[j] * deg[i] / (pi[i] * deg[j])) / deg[i]
-        P[i, i] = max(0.0, 1.0 - P[i].sum())
-    return P
+
+    def edge(i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return np.minimum(1.0, pi[j] * deg[i] / (pi[i] * deg[j])) / deg[i]
+
+    return GraphWeights.build(graph, edge, lambda row_sums: np.maximum(0.0, 1.0 - row_sums))
 
 
 @dataclass(frozen=True)
@@ -82,18 +80,14 @@ class WalkRule:
     graph: list[list[int]]
     pi: np.ndarray           # stationary law
     p: np.ndarray            # objective weights p_i
-    P: np.ndarray            # transition matrix
+    P: GraphWeights          # transition matrix
     seed: int
 
     @classmethod
     def from_config(cls, cfg: Any, sizes: Sequence[int]) -> "WalkRule":
         from fedhop.common.topologies.graphs import topology_params
         params = topology_params(cfg)
-        n = cfg.clients.count
-        if n > MAX_CLIENTS:
-            raise ValueError(f"clients.count: got {n:,}, but topology.kind = 'chain' builds the walk's N x N transition "
-                             f"matrix (8 N^2 bytes); at most {MAX_CLIENTS:,} clients")
-        graph = client_graph(params.graph, n, params.max_degree, cfg.run.seed)
+        graph = client_graph(params.graph, cfg.clients.count, params.max_degree, cfg.run.seed)
         sizes_a = np.asarray(sizes, dtype=float)
         pi = _weights(params.stationary, sizes_a, "topology.stationary")
         p = _weights(params.objective, sizes_a, "topology.objective")
@@ -111,7 +105,7 @@ class WalkRule:
         """The client after `client` at hop `hop` of `round` (module docstring, "Draws")."""
         u = numpy_stream(self.seed, "walk", round, hop).random()
         cands = self.candidates(client)
-        cum = np.cumsum([self.P[client, c] for c in cands])
+        cum = np.cumsum(self.P.row(client))   # the probabilities of `cands`, in their order
         idx = int(np.searchsorted(cum, u, side="right"))
         return cands[min(idx, len(cands) - 1)]
 

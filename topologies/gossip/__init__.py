@@ -26,7 +26,7 @@ class GossipParams:
     `gossip_edges`: the graph's undirected edges [[0, 1], [1, 2], ...] between client ids.
     `gossip_degree`: d > 0 instead: a random d-regular graph from the stream
     "topology/gossip_graph" of run.seed (at most 2,000 clients).  Neither: the ring
-    0-1-...-(n-1)-0.  The mixing matrix is dense: at most 20,000 clients in all.
+    0-1-...-(n-1)-0.
     """
 
     gossip_edges: list = field(default_factory=list)

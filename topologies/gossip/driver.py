@@ -20,6 +20,7 @@ import time
 import torch
 
 from fedhop.common.processors.pipeline import model_chain
+from fedhop.common.topologies.graphs import graph_summary
 from fedhop.common.transport.fabric import Send
 from fedhop.common.util.nodeids import client_node
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -43,7 +44,7 @@ class GossipDriver(TopologyDriver):
         self.models: dict[int, dict[str, torch.Tensor]] = {}   # the clients' models of the latest evaluation round
 
     def summary(self) -> dict:
-        return {"client_graph": self.rule.graph, "gossip_edges": self.rule.edge_count}
+        return {**graph_summary(self.rule.graph), "gossip_edges": self.rule.edge_count}
 
     def _fan_out(self, round: int, sends: list[Send], what: str) -> dict:
         cfg = self.ctx.run.cfg

@@ -26,7 +26,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedhop.common.topologies.graphs import connected
+from fedhop.common.topologies.edgeweights import GraphWeights
+from fedhop.common.topologies.graphs import connected, shown_graph
 from fedhop.common.util.rng import numpy_stream
 
 GRAPH_STREAM = "topology/gossip_graph"
@@ -53,12 +54,10 @@ def graph_from_edges(edges: Any, n: int) -> list[list[int]]:
         adj[j].add(i)
     out = [sorted(row) for row in adj]
     if not connected(out):
-        raise ValueError(f"{key}: the graph {out} is not connected")
+        raise ValueError(f"{key}: the graph {shown_graph(out)} is not connected")
     return out
 
 
-#: the most clients gossip is built for: its mixing matrix is dense (N x N float64: 3.2 GB at 20,000)
-MAX_CLIENTS = 20_000
 #: the most clients of a `gossip_degree` graph: each stub's partner is drawn from a list of every
 #: remaining stub (about 1 s at 2,000 clients in each process that reads the config, growing as N squared)
 MAX_REGULAR_CLIENTS = 2_000
@@ -104,31 +103,27 @@ def ring(n: int) -> list[list[int]]:
     return [sorted({(c - 1) % n, (c + 1) % n} - {c}) for c in range(n)]
 
 
-def mh_weights(graph: Sequence[Sequence[int]]) -> np.ndarray:
-    """The Metropolis-Hastings mixing matrix (module docstring)."""
-    n = len(graph)
-    deg = [len(row) for row in graph]
-    W = np.zeros((n, n))
-    for i, row in enumerate(graph):
-        for j in row:
-            W[i, j] = 1.0 / (1.0 + max(deg[i], deg[j]))
-        W[i, i] = 1.0 - W[i].sum()
-    return W
+def mh_weights(graph: Sequence[Sequence[int]]) -> GraphWeights:
+    """The Metropolis-Hastings mixing matrix (module docstring), its entries on the edges and the
+    diagonal only (common/topologies/edgeweights.py)."""
+    deg = np.array([len(row) for row in graph], dtype=np.int64)
+
+    def edge(i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return 1.0 / (1.0 + np.maximum(deg[i], deg[j]))
+
+    return GraphWeights.build(graph, edge, lambda row_sums: 1.0 - row_sums)
 
 
 @dataclass(frozen=True)
 class GossipRule:
     graph: list[list[int]]
-    W: np.ndarray
+    W: GraphWeights
 
     @classmethod
     def from_config(cls, cfg: Any) -> "GossipRule":
         from fedhop.common.topologies.graphs import topology_params
         params = topology_params(cfg)
         n = cfg.clients.count
-        if n > MAX_CLIENTS:
-            raise ValueError(f"clients.count: got {n:,}, but topology.kind = 'gossip' builds its N x N mixing matrix "
-                             f"(8 N^2 bytes) and trains every client every round; at most {MAX_CLIENTS:,} clients")
         edges, degree = params.gossip_edges, params.gossip_degree
         if edges and degree:
             raise ValueError("topology.gossip_edges: give either gossip_edges or gossip_degree, not both")
@@ -148,11 +143,12 @@ class GossipRule:
 
     def mix(self, client: int, own: dict, neighbours: dict[int, dict]) -> dict:
         """x_i <- W_ii x_i^{1/2} + sum_j W_ij x_j^{1/2} (module docstring), tensor by tensor."""
+        own_weight, *weights = self.W.row(client)   # W_ii, then W_ij in the order of graph[client]
         out = {}
         for name, value in own.items():
-            acc = float(self.W[client, client]) * value
-            for j in self.graph[client]:
-                acc = acc + float(self.W[client, j]) * neighbours[j][name]
+            acc = own_weight * value
+            for j, w in zip(self.graph[client], weights):
+                acc = acc + w * neighbours[j][name]
             out[name] = acc.to(value.dtype)
         return out
 

@@ -19,11 +19,10 @@ visits drawn from the stream ("chain", round); a client that fails is passed ove
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 import numpy as np
 
-from fedhop.common.topologies.graphs import topology_params
+from fedhop.common.topologies.graphs import topology_params, visit_counts
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.transport.fabric import reply_chain
 from fedhop.common.util.nodeids import client_node
@@ -45,9 +44,8 @@ class RelayDriver(TopologyDriver):
         self.walk: list[int] = []
 
     def summary(self) -> dict:
-        visits = Counter(self.walk)
         return {"client_walk": list(self.walk), "client_walk_length": len(self.walk),
-                "client_visits": [visits.get(c, 0) for c in range(self.ctx.run.cfg.clients.count)]}
+                "client_visits": visit_counts(self.walk)}
 
     def draw(self, round: int) -> list[int]:
         """This round's visited clients: i.i.d. draws j ~ D_j / D_A from the stream ("chain", round)."""
