@@ -7,10 +7,12 @@ for another process, so no handler thread ever blocks on a peer's handler:
 
 1. `gossip_step` (per logical client): the local steps from x_i; x_i^{1/2} = x_i + Delta_i is kept.
 2. `gossip_send` (once per process): every hosted client's x_i^{1/2} to each of its graph
-   neighbours in a `gossip_share` call (link client-client), one call at a time, so a peer's
-   per-caller call slots are never exceeded; a neighbour hosted in this same process is
-   called over the transport too, so the link carries 2 x 4d x |E| tensor bytes a round
-   whatever the placement.
+   neighbours in a `gossip_share` message (link client-client), 256 hosted clients' shares at a
+   time; with `transport.batch` the shares to one process share its calls' bundles, as a
+   server's requests to one client process do (common/transport/grpc.py, Batches), else each
+   is a call of its own.  One call at a time, so a peer's per-caller call slots are never
+   exceeded; a neighbour hosted in this same process is called over the transport too, so the
+   link carries 2 x 4d x |E| tensor bytes a round whatever the placement.
 3. `gossip_mix` (per logical client): x_i <- W_ii x_i^{1/2} + sum_j W_ij x_j^{1/2}; in an
    evaluation round the reply carries x_i (link client-server) for the server's consensus average.
 
@@ -28,10 +30,10 @@ import torch
 
 from fedhop.common.algorithms.local import get_params
 from fedhop.common.processors.pipeline import model_chain
-from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
+from fedhop.common.transport.base import Batched, CallFailed, HandlerError, RemoteError, Request
 from fedhop.common.transport.control import control_of
 from fedhop.common.util.nodeids import client_id_of, client_node
-from fedhop.common.wire.codec import PayloadError
+from fedhop.common.wire.codec import Encoded, PayloadError
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import Method
 from fedhop.topologies.gossip import GOSSIP_MIX, GOSSIP_SEND, GOSSIP_SHARE, GOSSIP_STEP
@@ -41,6 +43,17 @@ if TYPE_CHECKING:
     from fedhop.client.host import ClientHost
 
 Model = dict[str, torch.Tensor]
+#: hosted clients whose shares are encoded and sent together (`GossipHost.send`): the frames held
+#: at once are this many models, whatever the number of clients a process hosts
+SHARE_WINDOW = 256
+
+
+def _called(call: Callable[[], Payload]) -> Payload | Exception:
+    """A call's reply, or the exception a failed call raises (as `Endpoint.call_many` gives them)."""
+    try:
+        return call()
+    except (CallFailed, RemoteError, PayloadError) as exc:
+        return exc
 
 
 class GossipHost:
@@ -91,28 +104,49 @@ class GossipHost:
     # ------------------------------------------------------------------ gossip_send
     def send(self, round: int, message: Payload) -> Payload:
         peers = {p.client_id: p.address for p in control_of(message).walk_peers}
-        sent = 0
-        for client in self.host.client_ids:
+        for client in self.host.client_ids:   # every share is checked sendable before the first goes
             with self._lock:
                 got = self.half.get(client)
             if got is None or got[0] != round:
                 raise HandlerError("NOT_STEPPED", f"client {client} took no local step in round {round}")
-            share = Payload(tensors=got[1], scalars={"from": client})
             for j in self.rule.graph[client]:
-                address = peers.get(j)
-                if not address:
+                if not peers.get(j):
                     raise HandlerError("NO_ADDRESS", f"round {round}: no address for client {j}, a neighbour of "
                                                      f"client {client}")
-                fabric = self.host.fabric
-                assert fabric is not None   # set once this process registered (client/runtime.py)
-                try:
-                    fabric.call(address, client_node(j), GOSSIP_SHARE, share, round=round,
-                                step=SEND_STEP, timeout=self.host.cfg.run.call_timeout)
-                except (CallFailed, RemoteError, PayloadError) as exc:
-                    raise HandlerError("SHARE_FAILED", f"round {round}: client {client}'s model did not reach "
-                                                       f"client {j}: {exc}") from None
-                sent += 1
+        sent = 0
+        ids = list(self.host.client_ids)
+        for start in range(0, len(ids), SHARE_WINDOW):
+            sent += self._send_window(round, ids[start:start + SHARE_WINDOW], peers)
         return Payload(scalars={"shares": sent})
+
+    def _send_window(self, round: int, clients: list[int], peers: dict[int, str]) -> int:
+        """The shares of `clients` (their post-step models to each neighbour), each model encoded
+        once; with `transport.batch` the shares to one process go in its calls' bundles
+        (`Endpoint.call_many`), one call at a time, else each in a call of its own."""
+        fabric = self.host.fabric
+        assert fabric is not None   # set once this process registered (client/runtime.py)
+        endpoint, timeout = fabric.endpoint, self.host.cfg.run.call_timeout
+        by_address: dict[str, list[tuple[int, int, Encoded]]] = {}
+        for client in clients:
+            with self._lock:
+                half = self.half[client][1]
+            prepared = endpoint.prepare(Payload(tensors=half, scalars={"from": client}))
+            for j in self.rule.graph[client]:
+                by_address.setdefault(peers[j], []).append((client, j, prepared))
+        for address, shares in by_address.items():
+            if self.host.cfg.transport.batch:
+                results = endpoint.call_many(address, [Batched(client_node(j), GOSSIP_SHARE, prepared)
+                                                       for _, j, prepared in shares],
+                                             round=round, step=SEND_STEP, timeout=timeout)
+            else:
+                results = [_called(lambda: endpoint.call(address, client_node(j), GOSSIP_SHARE, round=round,
+                                                         step=SEND_STEP, timeout=timeout, prepared=prepared))
+                           for _, j, prepared in shares]
+            for (client, j, _), result in zip(shares, results):
+                if isinstance(result, Exception):
+                    raise HandlerError("SHARE_FAILED", f"round {round}: client {client}'s model did not reach "
+                                                       f"client {j}: {result}")
+        return sum(len(shares) for shares in by_address.values())
 
     # ------------------------------------------------------------------ gossip_share
     def take_share(self, src: str, dst: str, round: int, payload: Payload) -> Payload:
