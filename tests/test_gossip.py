@@ -263,6 +263,24 @@ def test_a_share_is_taken_only_from_a_neighbour_hosted_by_the_calling_process_on
     assert exc.value.code == "MISSING_SHARE" and "[1, 5]" in str(exc.value)
 
 
+def test_shares_left_from_an_earlier_round_are_dropped_when_the_next_round_steps():
+    """A round that ended before its mix (a failed peer) leaves shares in the inbox; the next
+    round's first gossip_step drops them, and a later step of the same round keeps the round's own."""
+    from fedhop.client.host import ClientHost
+    from fedhop.common.algorithms.base import Payload
+    host = ClientHost(parse_config(gossip_config()), "client-proc0", [0, 1, 2], run_id="")
+    gossip = gossip_of(host)
+    hosts = {"host:1": "client-proc0", "host:3": "client-proc1", "host:5": "client-proc2"}
+    gossip.step("client-2", 1, Payload(scalars=hosts))
+    model = {k: v + 1.0 for k, v in gossip.models[0].items()}
+    gossip.take_share("client-proc1", "client-2", 1, Payload(tensors=model, scalars={"from": 3}))
+    gossip.step("client-2", 2, Payload(scalars=hosts))
+    assert gossip.inbox == {}                              # round 1's share dropped at round 2's step
+    gossip.take_share("client-proc1", "client-2", 2, Payload(tensors=model, scalars={"from": 3}))
+    gossip.step("client-0", 2, Payload(scalars={"host:1": "client-proc0", "host:3": "client-proc1"}))
+    assert list(gossip.inbox) == [(2, 2, 3)]               # the round's own share kept
+
+
 def test_an_unreachable_client_process_fails_the_run_with_its_reason(tmp_path):
     """Every client mixes with its neighbours, so a client process that cannot be reached fails
     the round and the run (the reason names the step and the client), no partial mix."""
@@ -279,13 +297,54 @@ def _gossip_at_scale(n: int, topology: str) -> str:
     return _scale_text(n, 2, 10, 1, True).replace("[clients]", f'[topology]\nkind = "gossip"\n{topology}\n[clients]')
 
 
-def test_a_random_regular_graph_past_2000_clients_is_a_config_error_naming_the_key():
-    """A gossip_degree graph draws each stub's partner from all the others: past 2,000 clients a
-    config error naming the key, where 20,000 with a degree spent 72 s in the check; the largest builds."""
-    from fedhop.topologies.gossip.rule import MAX_REGULAR_CLIENTS
-    with pytest.raises(ConfigError, match=r"'topology.gossip_degree': a random 4-regular graph over 2002 clients.*at most 2,000"):
-        parse_config(_gossip_at_scale(2_002, "gossip_degree = 4"))
-    assert parse_config(_gossip_at_scale(MAX_REGULAR_CLIENTS, "gossip_degree = 4")).clients.count == MAX_REGULAR_CLIENTS
+def _pairing_model_by_lists(n: int, d: int, seed: int) -> tuple[list[list[int]], int]:
+    """The pairing model as its docstring states it, on plain lists (a pass over every unpaired
+    stub per draw): the graph and how many draws were started again."""
+    from fedhop.common.topologies.graphs import connected
+    from fedhop.common.util.rng import numpy_stream
+    rng = numpy_stream(seed, "topology/gossip_graph")
+    for restarts in range(1000):
+        adj: list[set[int]] = [set() for _ in range(n)]
+        stubs = [v for v in range(n) for _ in range(d)]    # stub v*d+k belongs to node v
+        while stubs:
+            a = stubs.pop(int(rng.integers(len(stubs))))
+            fits = [k for k, b in enumerate(stubs) if b != a and b not in adj[a]]
+            if not fits:
+                break
+            b = stubs.pop(fits[int(rng.integers(len(fits)))])
+            adj[a].add(b)
+            adj[b].add(a)
+        graph = [sorted(row) for row in adj]
+        if not stubs and connected(graph):
+            return graph, restarts
+    raise AssertionError("no graph")
+
+
+def test_random_regular_graphs_are_the_pairing_model_drawn_from_the_stream():
+    """random_regular_graph finds the partner by rank among the sorted unpaired stubs; the same
+    draws from the same stream as a pass over every stub, restarts included, so the same graph."""
+    restarts = 0
+    for n in range(3, 26):
+        for d in range(2, min(n, 8)):
+            if n * d % 2 == 0:
+                for seed in range(3):
+                    expected, again = _pairing_model_by_lists(n, d, seed)
+                    assert random_regular_graph(n, d, seed) == expected, (n, d, seed)
+                    restarts += again
+    assert restarts > 50            # the cases start again often (a stub with no partner, a split graph)
+    for n, d, seed in ((2_500, 4, 1), (2_600, 3, 2)):   # past the 2,000 clients a pass over every stub allowed
+        assert random_regular_graph(n, d, seed) == _pairing_model_by_lists(n, d, seed)[0]
+
+
+def test_a_random_regular_graph_of_tens_of_thousands_of_clients_builds_in_the_config_check():
+    """The config check builds the graph (it refuses one it cannot draw): 40,000 clients of
+    degree 3, each with 3 distinct other neighbours, symmetric and connected."""
+    n = 40_000
+    graph = GossipRule.from_config(parse_config(_gossip_at_scale(n, "gossip_degree = 3"))).graph
+    assert len(graph) == n and all(len(set(row)) == 3 and i not in row for i, row in enumerate(graph))
+    assert all(i in graph[j] for i, row in enumerate(graph) for j in row)
+    from fedhop.common.topologies.graphs import connected
+    assert connected(graph)
 
 
 def test_the_mixing_weights_of_a_ring_of_a_million_clients_build_in_closed_form():

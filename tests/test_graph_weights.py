@@ -10,9 +10,9 @@ import pytest
 
 from fedhop.common.numerics.rowsum import sparse_row_sum
 from fedhop.common.topologies.edgeweights import GraphWeights
-from fedhop.common.topologies.graphs import random_graph
+from fedhop.common.topologies.graphs import random_graph, ring_graph
 from fedhop.topologies.chain.rule import metropolis_hastings
-from fedhop.topologies.gossip.rule import mh_weights, random_regular_graph, ring
+from fedhop.topologies.gossip.rule import mh_weights, random_regular_graph
 
 
 def dense_gossip(graph):
@@ -62,7 +62,7 @@ def test_the_weights_are_the_bits_of_the_dense_construction(n):
     """Random graphs of degree up to 12 (rows numpy sums out of order), regular graphs, the ring
     and the complete graph: every entry the same float as the N x N construction gives."""
     rng = np.random.default_rng(n)
-    graphs = [ring(n), random_graph(n, 12, seed=n), random_graph(n, 3, seed=n + 1)]
+    graphs = [ring_graph(n), random_graph(n, 12, seed=n), random_graph(n, 3, seed=n + 1)]
     if n <= 300:
         graphs.append([[j for j in range(n) if j != i] for i in range(n)])
     d = 6 if n % 2 == 0 else 4
@@ -87,3 +87,8 @@ def test_rows_entries_and_the_dense_array_agree():
                                             [-62.0, 30.0, 32.0]]
     assert all(W.entry(i, j) == dense[i, j] for i in range(4) for j in range(4))
     assert len(W) == 4
+
+
+def test_the_ring_is_each_node_joined_to_the_next_and_the_one_before():
+    for n in range(1, 40):
+        assert ring_graph(n) == [sorted({(c - 1) % n, (c + 1) % n} - {c}) for c in range(n)]

@@ -97,6 +97,13 @@ def connected(adj: Sequence[Sequence[int]]) -> bool:
     return len(seen) == len(adj)
 
 
+def ring_graph(num: int) -> list[list[int]]:
+    """The ring 0-1-...-(num-1)-0 as sorted adjacency lists (two clients: one edge; one: none)."""
+    if num <= 2:
+        return [[1 - c] if num == 2 else [] for c in range(num)]
+    return [[1, num - 1]] + [[c - 1, c + 1] for c in range(1, num - 1)] + [[0, num - 2]]
+
+
 def random_graph(num: int, max_degree: int, seed: int, stream: str = "topology/graph") -> list[list[int]]:
     """A seeded connected graph on `num` nodes with every degree <= `max_degree`.
 
@@ -107,7 +114,7 @@ def random_graph(num: int, max_degree: int, seed: int, stream: str = "topology/g
     if num == 1:
         return [[]]
     if max_degree < 2 and num > 2:
-        raise ValueError(f"topology.max_degree: got {max_degree}, a connected graph on {num} edges needs >= 2")
+        raise ValueError(f"topology.max_degree: got {max_degree}, a connected graph on {num} nodes needs >= 2")
     rng = numpy_stream(seed, stream)
     order = [int(v) for v in rng.permutation(num)]
     adj: list[set[int]] = [set() for _ in range(num)]

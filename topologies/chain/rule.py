@@ -44,23 +44,22 @@ MAX_PAIRED_CLIENTS = 2_000
 
 
 def client_graph(spec: str | list, num: int, max_degree: int, seed: int) -> list[list[int]]:
-    """The walk's client graph as sorted adjacency lists (validated: symmetric, connected)."""
-    from fedhop.common.topologies.graphs import check_graph, random_graph
+    """The walk's client graph as sorted adjacency lists: a given one validated (symmetric,
+    connected), or a built-in kind, which is both by construction."""
+    from fedhop.common.topologies.graphs import check_graph, random_graph, ring_graph
     if spec in ("random", "complete") and num > MAX_PAIRED_CLIENTS:
         raise ValueError(f"topology.graph: \"{spec}\" over {num} clients visits all N(N-1)/2 client pairs; at most "
                          f"{MAX_PAIRED_CLIENTS:,} clients (for more: \"ring\" or adjacency lists [[1, 2], ...])")
     if isinstance(spec, list):
         return check_graph(spec, num, "topology.graph", "client ids")
     if spec == "ring":
-        adj = [sorted({(c - 1) % num, (c + 1) % num} - {c}) for c in range(num)]
-    elif spec == "complete":
-        adj = [[d for d in range(num) if d != c] for c in range(num)]
-    elif spec == "random":
-        adj = random_graph(num, max_degree, seed, stream="topology/client_graph")
-    else:
-        raise ValueError(f"topology.graph: got {spec!r}, allowed: \"random\", \"ring\", \"complete\" or adjacency "
-                         f"lists [[1, 2], ...]")
-    return check_graph(adj, num, "topology.graph", "client ids")
+        return ring_graph(num)
+    if spec == "complete":
+        return [[d for d in range(num) if d != c] for c in range(num)]
+    if spec == "random":
+        return random_graph(num, max_degree, seed, stream="topology/client_graph")
+    raise ValueError(f"topology.graph: got {spec!r}, allowed: \"random\", \"ring\", \"complete\" or adjacency "
+                     f"lists [[1, 2], ...]")
 
 
 def metropolis_hastings(graph: Sequence[Sequence[int]], pi: np.ndarray) -> GraphWeights:

@@ -92,7 +92,10 @@ class GossipHost:
                                                f"neighbour of client {client}")
             hosts[j] = node
         with self._lock:
-            self.round = max(self.round, round)
+            if round > self.round:   # a new round: shares left from an earlier one are dropped, once
+                self.round = round
+                for stale in [k for k in self.inbox if k[0] < round]:
+                    del self.inbox[stale]
             self.hosts.update(hosts)
             model = self.models[client]
         update = self.host.train(client, round, Payload(tensors=model), 0)
@@ -188,8 +191,6 @@ class GossipHost:
         mixed = self.rule.mix(client, got[1], neighbours)
         with self._lock:
             self.models[client] = mixed
-            for stale in [k for k in self.inbox if k[0] < round]:
-                del self.inbox[stale]
         reply = Payload()
         if bool(message.scalars.get("return_model")):
             reply.tensors = {k: v.clone() for k, v in mixed.items()}

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+from sortedcontainers import SortedList
 
 from fedhop.common.topologies.edgeweights import GraphWeights
-from fedhop.common.topologies.graphs import connected, shown_graph
+from fedhop.common.topologies.graphs import connected, ring_graph, shown_graph
 from fedhop.common.util.rng import numpy_stream
 
 GRAPH_STREAM = "topology/gossip_graph"
@@ -58,15 +59,12 @@ def graph_from_edges(edges: Any, n: int) -> list[list[int]]:
     return out
 
 
-#: the most clients of a `gossip_degree` graph: each stub's partner is drawn from a list of every
-#: remaining stub (about 1 s at 2,000 clients in each process that reads the config, growing as N squared)
-MAX_REGULAR_CLIENTS = 2_000
-
-
 def random_regular_graph(n: int, d: int, seed: int) -> list[list[int]]:
-    """A connected simple d-regular graph on n nodes from the stream (seed, GRAPH_STREAM):
-    stubs paired uniformly at random (pairing model), restarted while a pairing would give a
-    loop or a double edge, or the graph is disconnected."""
+    """A connected simple d-regular graph on n nodes from the stream (seed, GRAPH_STREAM), by the
+    pairing model: node v owns the stubs v*d .. v*d+d-1, and while stubs are unpaired, a stub is
+    drawn uniformly from the unpaired ones (in stub order), then its partner uniformly from the
+    unpaired stubs of the other nodes that are not yet its node's neighbours.  A draw where no stub
+    fits, or whose graph is disconnected, starts again from all stubs (the stream continues)."""
     key = "topology.gossip_degree"
     if isinstance(d, bool) or not isinstance(d, int) or d < 1:
         raise ValueError(f"{key}: got {d!r}, must be an int >= 1")
@@ -76,31 +74,42 @@ def random_regular_graph(n: int, d: int, seed: int) -> list[list[int]]:
         raise ValueError(f"{key}: no {d}-regular graph on {n} clients (n * d = {n * d} is odd)")
     if d == 1 and n > 2:
         raise ValueError(f"{key}: a 1-regular graph on {n} clients is never connected")
-    if n > MAX_REGULAR_CLIENTS:
-        raise ValueError(f"{key}: a random {d}-regular graph over {n} clients pairs every stub with a draw from all "
-                         f"the others; at most {MAX_REGULAR_CLIENTS:,} clients (for more: the ring, or gossip_edges)")
     rng = numpy_stream(seed, GRAPH_STREAM)
     for _ in range(MAX_RESTARTS):
-        adj: list[set[int]] = [set() for _ in range(n)]
-        stubs = [v for v in range(n) for _ in range(d)]
-        ok = True
-        while stubs and ok:
-            a = stubs.pop(int(rng.integers(len(stubs))))
-            fits = [k for k, b in enumerate(stubs) if b != a and b not in adj[a]]
-            if not fits:
-                ok = False
-                break
-            b = stubs.pop(fits[int(rng.integers(len(fits)))])
-            adj[a].add(b)
-            adj[b].add(a)
-        graph = [sorted(row) for row in adj]
-        if ok and connected(graph):
+        graph = _pair_stubs(n, d, rng)
+        if graph is not None and connected(graph):
             return graph
     raise ValueError(f"{key}: no connected {d}-regular graph on {n} clients after {MAX_RESTARTS} draws")
 
 
-def ring(n: int) -> list[list[int]]:
-    return [sorted({(c - 1) % n, (c + 1) % n} - {c}) for c in range(n)]
+def _pair_stubs(n: int, d: int, rng: np.random.Generator) -> list[list[int]] | None:
+    """One draw of the pairing model (`random_regular_graph`), or None where a stub has no
+    partner left.  The unpaired stubs are kept sorted (a SortedList: the k-th one, and one's
+    rank, in O(log n)), so a draw costs O(d^2 log n) instead of a pass over every stub.  A node's
+    unpaired stubs are adjacent in that order, so the partner's rank among the fitting stubs is
+    turned into its rank among all by stepping over the barred nodes' stubs, lowest node first."""
+    stubs = SortedList(range(n * d))
+    unpaired = [d] * n                       # each node's stubs not yet paired
+    adj: list[set[int]] = [set() for _ in range(n)]
+    while stubs:
+        a = stubs.pop(int(rng.integers(len(stubs)))) // d
+        unpaired[a] -= 1
+        barred = sorted({a, *adj[a]})        # the partner's node must be neither a nor a neighbour
+        fitting = len(stubs) - sum(unpaired[x] for x in barred)
+        if fitting == 0:
+            return None
+        rank = int(rng.integers(fitting))    # among the fitting stubs, in stub order
+        for x in barred:
+            if not unpaired[x]:
+                continue
+            if stubs.bisect_left(x * d) > rank:   # x's stubs all come after the partner
+                break
+            rank += unpaired[x]
+        b = stubs.pop(rank) // d
+        unpaired[b] -= 1
+        adj[a].add(b)
+        adj[b].add(a)
+    return [sorted(row) for row in adj]
 
 
 def mh_weights(graph: Sequence[Sequence[int]]) -> GraphWeights:
@@ -132,7 +141,7 @@ class GossipRule:
         elif degree:
             graph = random_regular_graph(n, degree, cfg.run.seed)
         else:
-            graph = ring(n)
+            graph = ring_graph(n)
         if n < 2:
             raise ValueError(f"topology.kind: gossip needs clients.count >= 2, got {n}")
         return cls(graph, mh_weights(graph))
