@@ -11,7 +11,9 @@ Exit status: 0 when the run completed, 1 when it failed, 2 on a bad config or a 
 (summary.json, run.db) and told its children to shut down.  A stop signal is noted from the
 process's first line: one that arrives during set-up stops the run as soon as its records exist
 (before any round); one after the last round's row is written leaves a "completed" run, exit 0
-(server/coordinator.py `Coordinator.run`); one while the records are written waits for them.
+(server/coordinator.py `Coordinator.run`); one while the records are written waits for them; one
+while the run's task and model are built (a model factory, a data set read) cuts the build and
+records the run as stopped before its first round (server/setup_stop.py).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ if __name__ == "__main__":   # before the slow imports: a signal during them is 
     _defer_stops(deferred=True)
 
 import logging  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -34,11 +37,20 @@ from fedhop.common.transport.livebytes import LinkCounter, ServerLive  # noqa: E
 from fedhop.common.transport.liveness import LivenessMonitor  # noqa: E402
 from fedhop.common.transport.placement import process_device  # noqa: E402
 from fedhop.common.transport.startup import announce, cannot_serve, publish_address, role_parser  # noqa: E402
-from fedhop.common.util.procexit import exit_now, freeze_heap, signals_restored, stop_on_sigterm  # noqa: E402
+from fedhop.common.util.procexit import (  # noqa: E402
+    Stopped,
+    exit_now,
+    freeze_heap,
+    ignore_stops,
+    signals_restored,
+    stop_on_sigterm,
+    stop_reason,
+)
 from fedhop.common.wire.ledger import Ledger  # noqa: E402
 from fedhop.server.child_reports import ChildReports  # noqa: E402
 from fedhop.server.coordinator import Coordinator  # noqa: E402
 from fedhop.server.resilience import Checkpointer, resume  # noqa: E402
+from fedhop.server.setup_stop import record_stopped_in_setup  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +75,7 @@ def _main(argv: list[str] | None) -> int:
                          "--set security.insecure=true (also FEDHOP_INSECURE=1)")
     args = ap.parse_args(argv)
     stop_on_sigterm(deferred=True)   # noted until the run's records exist (Coordinator.run arms them)
+    started = time.monotonic()
     run_dir = Path(args.run_dir)
     announce("server", "server", run_dir.resolve().name)
     if args.insecure:   # recorded in the run's config.toml like the key it stands for
@@ -127,6 +140,17 @@ def _main(argv: list[str] | None) -> int:
     except (ValueError, FileNotFoundError) as exc:   # the task cannot be built: missing data, bad shapes; no such device
         logging.error("%s", exc)
         return 2
+    except (KeyboardInterrupt, Stopped) as exc:   # a stop cut the build of the task and model (server/setup_stop.py)
+        ignore_stops()
+        reason, code = stop_reason(exc)
+        endpoint.stop()
+        if args.resume:
+            logging.warning("%s while the run's task and model were built: the run's records are as they were", reason)
+        else:
+            record_stopped_in_setup(cfg, run_dir, reason, time.monotonic() - started)
+            logging.warning("%s while the run's task and model were built: recorded as stopped before its first "
+                            "round", reason)
+        return code
     holder["coordinator"] = coordinator
     reports = ChildReports(coordinator)   # config refusals and an edge's refusals (server/child_reports.py)
     reports.install()                     # before serving: a child's refusal of the config fails the run at once

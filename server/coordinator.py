@@ -48,6 +48,7 @@ from fedhop.common.util.procexit import (
     stop_reason,
     stops_at_waits,
     stops_deferred,
+    stops_raised,
 )
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.ledger import Ledger
@@ -116,7 +117,8 @@ class Coordinator:
         endpoint.run_id = self.run_id
         # the round's rules without a transport (common/engine/rounds.py): sampling, aggregation and the
         # server step, metrics; the same engine plays whole rounds in process for benchmarks
-        self.engine = RoundEngine(cfg, task=place_task(task if task is not None else build_task(cfg), self.device))
+        with stops_raised():   # nothing is recorded yet: a stop ends the build (a model factory) at once
+            self.engine = RoundEngine(cfg, task=place_task(task if task is not None else build_task(cfg), self.device))
         self.task, self.algorithm, self.model = self.engine.task, self.engine.algorithm, self.engine.model
         self.state: ServerState = self.engine.state
         self.clock: RoundClock = self.engine.clock   # stragglers, device profiles, virtual clock (common/engine/vclock.py)

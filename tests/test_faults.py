@@ -123,9 +123,12 @@ def _kill_server_and_resume(tmp_path, text: str, overrides: list[str], kill_afte
 
 
 def _uninterrupted(tmp_path, text: str, overrides: list[str]):
+    """The same run uninterrupted, played by the in-process engine (a real-process run's model bit
+    for bit: tests/test_examples_engines.py, tests/test_inprocess_engine.py)."""
     cfg_file = tmp_path / "ref.toml"
     cfg_file.write_text(text)
-    assert run_local(str(cfg_file), FAST_LIVENESS + overrides, str(tmp_path / "ref"), quiet=True, show_table=False) == 0
+    assert run_local(str(cfg_file), FAST_LIVENESS + overrides + ["run.engine=inprocess"], str(tmp_path / "ref"),
+                     quiet=True, show_table=False) == 0
     return (tmp_path / "ref" / "model.safetensors").read_bytes()
 
 

@@ -23,12 +23,14 @@ import csv
 import json
 import re
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from fedhop.deploy.launch.launcher import STOP_GRACE
 from fedhop.deploy.tools.report import human_bytes
 from tests.helpers import quadratic_config, read_db
 from tests.installkit import (
@@ -174,7 +176,8 @@ def make_net(input_shape, n_outputs):
 
 def test_item2_false_starts_leave_a_folder_out_reuses(installed, tmp_path):
     """A missing data file: exit 2, one line, no folder.  Ctrl-C while the run is starting (its
-    model factory still building): exit 130 with no traceback; `--resume` then says the run ended
+    model factory still building): exit 130 with no traceback, within seconds (the server's build
+    is cut by the signal); `--resume` then says the run ended
     before its first round (exit 2, one line) and the same `--out` is reused (before issue 45:
     exit 1 with a KeyboardInterrupt traceback, then `--out` said "continue it with --resume" and
     `--resume` "no usable checkpoint")."""
@@ -195,8 +198,15 @@ def test_item2_false_starts_leave_a_folder_out_reuses(installed, tmp_path):
         proc.kill()
         raise AssertionError(explain(proc, run, *proc.communicate())) from None
     interrupt(proc)
+    interrupted = time.monotonic()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, explain(proc, run, out, err)
+    # the server left its model factory at the signal: not after the launcher's grace for recording
+    # a stopped run (STOP_GRACE, 60 s), then a kill
+    assert time.monotonic() - interrupted < STOP_GRACE / 2, explain(proc, run, out, err)
+    stopped = summary(run)
+    assert stopped["status"] == "stopped" and stopped["rounds_completed"] == 0, stopped
+    assert stopped["error"].startswith("stopped by SIGINT (Ctrl-C) while the run's task and model were built"), stopped
     assert rounds_recorded(run / "run.db") == 0 and (run / "config.toml").is_file()
     res = fedhop(installed, "run", "--resume", "runs/x", cwd=home)
     line = one_line(res)

@@ -159,20 +159,64 @@ def test_server_stopped_before_its_last_round_records_a_stopped_run(tmp_path, ph
         kill_all(procs)
 
 
+HELD_FACTORY = """import pathlib, time
+
+
+def make_net(input_shape, n_outputs):
+    pathlib.Path("building").touch()
+    while True:   # a model factory that takes its time (weights being fetched)
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+@pytest.mark.parametrize("who", ["server", "inprocess"])
+def test_a_stop_cuts_the_model_factory_and_records_the_run_stopped(tmp_path, who, sig):
+    """The set-up runs a model factory that never returns, in a server process or in `fedhop run
+    --engine inprocess`: the signal cuts it (not a launcher's grace and then a kill; an
+    in-process run would wait for ever), and the run is recorded stopped before its first round."""
+    (tmp_path / "mymodels.py").write_text(HELD_FACTORY)
+    (tmp_path / "exp.toml").write_text('[run]\nname = "held"\nrounds = 2\n\n[algorithm]\nname = "fedavg"\nlr = 0.1\n\n'
+                                       '[data]\ndataset = "digits"\n\n[model]\nfactory = "mymodels:make_net"\n\n'
+                                       '[clients]\ncount = 4\nper_round = 2\nprocesses = 1\n')
+    if who == "server":
+        proc = role(tmp_path, "server", ["--config", "exp.toml", "--run-dir", "run", "--port-file", "server.address"])
+    else:
+        with open(tmp_path / "run.out", "wb") as out:
+            proc = subprocess.Popen([PY, "-m", "fedhop.deploy.cli.cli", "run", "exp.toml", "--out", "run", "--quiet",
+                                     "--engine", "inprocess"], cwd=tmp_path, env=env(), stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until("the model factory's call", lambda: (tmp_path / "building").exists(), [proc])
+        proc.send_signal(sig)
+        code = proc.wait(30)   # at once: the factory would never return
+        summary = assert_recorded(tmp_path / "run", "stopped", sig, code, rounds=0)
+        assert "while the run's task and model were built" in summary["error"], summary
+        assert summary["num_parameters"] is None and not (tmp_path / "run" / "model.safetensors").exists()
+        assert not (tmp_path / "server.address").exists()   # it never served
+        assert_no_traceback(tmp_path)
+        if who == "inprocess":
+            assert "Traceback" not in (tmp_path / "run.out").read_text()
+    finally:
+        kill_all([proc])
+
+
 @pytest.mark.parametrize("sig", SIGNALS)
 @pytest.mark.parametrize("phase", ["after-last-round", "closing"])
 def test_server_stopped_after_its_last_round_records_a_completed_run(tmp_path, phase, sig):
     """Client process 1 is frozen (SIGSTOP) once round 2 is recorded, before round 3 is: the
     server paces each round to 2 s of wall time (clients.sleep_scale: its rounds' messages take
     milliseconds, and without it round 3 could be over before the freeze).  Round 3, the last,
-    counts the results that came (a call to the frozen process fails after 3 s; the heartbeat
-    timeout is longer than the run, so it is never marked dead), and the server's shut-down call
-    to the frozen process then waits for its timeout.  after-last-round:
+    counts the results that came (the frozen process's batched call, when the freeze caught it,
+    fails at run.round_timeout, 6 s; the heartbeat timeout is longer than the run, so it is never
+    marked dead), and the server's shut-down call to the frozen process then waits for its
+    timeout.  after-last-round:
     the signal arrives once round 3's row is written (the server records the round, or shuts its
     children down); closing: a first signal there and a second once the failed shut-down is
     recorded (the records are being written)."""
     text = config(rounds=3).replace("[transport]", "[security]\nheartbeat_timeout = 600.0\n\n[transport]")
-    text = text.replace("[clients]\n", "[clients]\nsleep_scale = 40.0\n")
+    text = text.replace("[clients]\n", "[clients]\nsleep_scale = 40.0\n").replace("round_timeout = 60.0",
+                                                                                  "round_timeout = 6.0")
     (tmp_path / "exp.toml").write_text(text)
     server = role(tmp_path, "server", ["--config", "exp.toml", "--run-dir", "run", "--port-file", "server.address"])
     procs = [server]

@@ -1,7 +1,7 @@
 """transport.kind = "torch" beyond FedAvg: FedExP and SCAFFOLD on the star, Fed-CHS (sequential
 topology: cluster collectives, point-to-point hand-offs between edges, the final model sent to
-the server), each against the same config over gRPC, with the tensor bytes of every operation
-against the analytic count (topologies/sequential/driver.py, topologies/sequential/edge.py, transports/torch/dist.py).
+the server), each against the same config over gRPC (played in-process, `_reference_engine`),
+with the tensor bytes of every operation against the analytic count (topologies/sequential/driver.py, topologies/sequential/edge.py, transports/torch/dist.py).
 
 Equality, and why:
 - bit for bit where every reduce adds one partial to the identity 0 (one client process per
@@ -38,11 +38,18 @@ CURV = RNG.uniform(0.5, 2.0, size=(8, 6))
 SIZES = [5, 9, 13, 3, 7, 11, 2, 8]
 
 
+def _reference_engine(kind: str) -> list[str]:
+    """The gRPC reference is played by the in-process engine: a gRPC run's model bit for bit and
+    its bytes (tests/test_examples_engines.py, tests/test_inprocess_engine.py), without starting
+    the server, edges and client processes a second time."""
+    return ["run.engine=inprocess"] if kind == "grpc" else []
+
+
 def _run(tmp_path: Path, name: str, text: str, kind: str) -> tuple[torch.Tensor, Path]:
     cfg = tmp_path / f"{name}-{kind}.toml"
     cfg.write_text(text.replace('kind = "grpc"', f'kind = "{kind}"'))
     out = tmp_path / f"{name}-{kind}"
-    assert run_local(str(cfg), [], str(out), quiet=True, show_table=False) == 0
+    assert run_local(str(cfg), _reference_engine(kind), str(out), quiet=True, show_table=False) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["transport"] == kind
     return load_file(str(out / "model.safetensors"))["w"], out

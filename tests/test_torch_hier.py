@@ -28,6 +28,7 @@ from fedhop.deploy.launch.launcher import LocalRun, run_local
 from fedhop.transports.torch.groups import hier_layout
 from tests.faultkit import kill_after_round
 from tests.helpers import quadratic_config
+from tests.test_torch_algorithms import _reference_engine
 
 RNG = np.random.default_rng(11)
 CENTERS = RNG.normal(0, 2, size=(8, 6))
@@ -48,7 +49,7 @@ def _run(tmp_path: Path, kind: str, processes: int, per_round: int):
     """8 clients in 2 clusters of 4; per_round >= 5 samples at least one client of each cluster."""
     cfg = tmp_path / f"{kind}.toml"
     cfg.write_text(_text(kind, processes, per_round))
-    assert run_local(str(cfg), [], str(tmp_path / kind), quiet=True, show_table=False) == 0
+    assert run_local(str(cfg), _reference_engine(kind), str(tmp_path / kind), quiet=True, show_table=False) == 0
     return load_file(str(tmp_path / kind / "model.safetensors"))["w"], tmp_path / kind
 
 

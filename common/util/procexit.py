@@ -186,11 +186,29 @@ def stops_at_waits() -> Iterator[None]:
     before.  An exception raised by a handler lands wherever the main thread is, inside a
     `with lock:` too (a lock a later shut-down then waits on for ever); at a wait nothing is
     held.  A long computation of the main thread (an evaluation) finishes before the stop."""
+    with _stops_handled(deferred=True, at_waits=True):
+        yield
+
+
+@contextlib.contextmanager
+def stops_raised() -> Iterator[None]:
+    """A part that a stop signal may cut anywhere, inside a process whose stops are otherwise
+    deferred: nothing of the run is recorded yet and the part may take any time (the run's task
+    and model being built: a user's model factory, a data set read).  Inside it a signal raises
+    at once, and a stop noted before raises on entry; leaving it restores how stops were handled."""
+    with _stops_handled(deferred=False, at_waits=False):
+        yield
+
+
+@contextlib.contextmanager
+def _stops_handled(deferred: bool, at_waits: bool) -> Iterator[None]:
+    """Inside: stops handled as `deferred` and `at_waits` say (`_StopState`), a stop noted before
+    raised on entry; on leaving, handled as before.  The main thread's only: elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     before = _StopState.deferred, _StopState.at_waits
-    _StopState.deferred, _StopState.at_waits = True, True
+    _StopState.deferred, _StopState.at_waits = deferred, at_waits
     try:
         raise_if_stopped()
         yield
