@@ -37,20 +37,12 @@ from fedhop.common.transport.livebytes import LinkCounter, ServerLive  # noqa: E
 from fedhop.common.transport.liveness import LivenessMonitor  # noqa: E402
 from fedhop.common.transport.placement import process_device  # noqa: E402
 from fedhop.common.transport.startup import announce, cannot_serve, publish_address, role_parser  # noqa: E402
-from fedhop.common.util.procexit import (  # noqa: E402
-    Stopped,
-    exit_now,
-    freeze_heap,
-    ignore_stops,
-    signals_restored,
-    stop_on_sigterm,
-    stop_reason,
-)
+from fedhop.common.util.procexit import Stopped, exit_now, freeze_heap, signals_restored, stop_on_sigterm  # noqa: E402
 from fedhop.common.wire.ledger import Ledger  # noqa: E402
 from fedhop.server.child_reports import ChildReports  # noqa: E402
 from fedhop.server.coordinator import Coordinator  # noqa: E402
 from fedhop.server.resilience import Checkpointer, resume  # noqa: E402
-from fedhop.server.setup_stop import record_stopped_in_setup  # noqa: E402
+from fedhop.server.setup_stop import stopped_in_setup  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,15 +133,9 @@ def _main(argv: list[str] | None) -> int:
         logging.error("%s", exc)
         return 2
     except (KeyboardInterrupt, Stopped) as exc:   # a stop cut the build of the task and model (server/setup_stop.py)
-        ignore_stops()
-        reason, code = stop_reason(exc)
         endpoint.stop()
-        if args.resume:
-            logging.warning("%s while the run's task and model were built: the run's records are as they were", reason)
-        else:
-            record_stopped_in_setup(cfg, run_dir, reason, time.monotonic() - started)
-            logging.warning("%s while the run's task and model were built: recorded as stopped before its first "
-                            "round", reason)
+        code, said = stopped_in_setup(cfg, run_dir, exc, args.resume, time.monotonic() - started)
+        logging.warning("%s", said)
         return code
     holder["coordinator"] = coordinator
     reports = ChildReports(coordinator)   # config refusals and an edge's refusals (server/child_reports.py)

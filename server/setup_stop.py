@@ -16,6 +16,19 @@ from pathlib import Path
 
 from fedhop.common.config import Config, config_to_toml, resolve_clients_per_round
 from fedhop.common.records.runstore import RunStore
+from fedhop.common.util.procexit import ignore_stops, stop_reason
+
+
+def stopped_in_setup(cfg: Config, run_dir: Path, exc: BaseException, resume: bool, wall_seconds: float) -> tuple[int, str]:
+    """A stop (`exc`: KeyboardInterrupt or Stopped) cut the build: later stops ignored, a new run
+    recorded stopped (`record_stopped_in_setup`), a resumed one left as it was.  Returns the exit
+    status a shell reports for the signal and the line saying so."""
+    ignore_stops()
+    reason, code = stop_reason(exc)
+    if resume:
+        return code, f"{reason} while the run's task and model were built; the run's records are as they were"
+    record_stopped_in_setup(cfg, run_dir, reason, wall_seconds)
+    return code, f"{reason} while the run's task and model were built; the run is recorded as stopped"
 
 
 def record_stopped_in_setup(cfg: Config, run_dir: Path, reason: str, wall_seconds: float) -> dict:

@@ -159,13 +159,12 @@ def test_server_stopped_before_its_last_round_records_a_stopped_run(tmp_path, ph
         kill_all(procs)
 
 
-HELD_FACTORY = """import pathlib, time
+HELD_FACTORY = """import pathlib, threading
 
 
 def make_net(input_shape, n_outputs):
     pathlib.Path("building").touch()
-    while True:   # a model factory that takes its time (weights being fetched)
-        time.sleep(0.05)
+    threading.Event().wait()   # a model factory that never returns (weights fetched from nowhere)
 """
 
 

@@ -347,7 +347,7 @@ def final_table(run_dir: Path) -> str:
              f"  algorithm {summary['algorithm']}, topology {summary['topology']}, transport {summary['transport']}"
              + (f", engine {summary['engine']}" if summary.get("engine") else ""),
              f"  rounds {summary['rounds_completed']}/{summary['rounds_planned']}, wall {summary['wall_seconds']:.1f}s, "
-             f"parameters {summary['num_parameters'] if summary['num_parameters'] is not None else '-'}, failures {summary['failures']}, "
+             f"parameters {'-' if summary['num_parameters'] is None else summary['num_parameters']}, failures {summary['failures']}, "
              f"clients dropped {summary.get('clients_dropped', 0)}"]
     final = summary.get("final", {})
     if final:
@@ -773,7 +773,7 @@ def run_inprocess(cfg: Config, run_dir: Path, quiet: bool, show_table: bool, res
     from fedhop.common.records.checkpoint import CheckpointError
     from fedhop.common.util.procexit import stop_on_sigterm
     from fedhop.deploy.launch.inprocess import LOG_NAME, RunLog, build, heap_frozen
-    from fedhop.server.setup_stop import record_stopped_in_setup
+    from fedhop.server.setup_stop import stopped_in_setup
     stop_on_sigterm(deferred=True)   # set-up is never cut: a stop noted now ends the run at its first wait
     started = time.monotonic()       # (but the task's and model's build is: Coordinator, `stops_raised`)
     progress = Progress(cfg.run.rounds, start=start_round) if not quiet else None
@@ -786,13 +786,8 @@ def run_inprocess(cfg: Config, run_dir: Path, quiet: bool, show_table: bool, res
             try:
                 engine = build(cfg, run_dir, devices, resume_run=resume)
             except (KeyboardInterrupt, Stopped) as exc:   # the build of the task and model cut (server/setup_stop.py)
-                ignore_stops()
-                reason, code = stop_reason(exc)
-                if not resume:
-                    record_stopped_in_setup(cfg, run_dir, reason, time.monotonic() - started)
-                print(f"\nfedhop run: {reason} while the run's task and model were built; "
-                      + ("the run's records are as they were" if resume else "the run is recorded as stopped"),
-                      file=sys.stderr, flush=True)
+                code, said = stopped_in_setup(cfg, run_dir, exc, resume, time.monotonic() - started)
+                print(f"\nfedhop run: {said}", file=sys.stderr, flush=True)
                 return code
             except (RuntimeError, ValueError, FileNotFoundError, CheckpointError) as exc:
                 # ValueError, FileNotFoundError: the config's data set, model or files refused, and
