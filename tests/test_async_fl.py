@@ -274,6 +274,36 @@ def test_in_memory_gives_the_grpc_runs_order_and_model(tmp_path_factory, tmp_pat
     assert torch.equal(coord.state.params["w"], load_file(str(grpc_run / "model.safetensors"))["w"])
 
 
+def test_a_replys_reported_steps_do_not_move_its_place_in_the_order(tmp_path_factory, tmp_path, monkeypatch):
+    """A straggler (client 1, slowdown 3) reports `local_steps = 0` as if it had done no work:
+    on the virtual clock it is still timed by its planned steps, so the order, the simulated times
+    and the model are those of the honest gRPC run (timed by the report it would have finished
+    at its dispatch and been taken first, with the least staleness)."""
+    import torch
+
+    from fedhop.common.algorithms.fedavg import FedAvg
+    from fedhop.common.config import parse_config
+    from fedhop.deploy.launch.inmemory import run_inmemory
+    original = FedAvg.client_update
+
+    def understated(self, ctx, message):
+        reply = original(self, ctx, message)
+        if ctx.client_id == 1:
+            assert reply.scalars["local_steps"] == LOCAL_STEPS
+            reply.scalars["local_steps"] = 0
+        return reply
+
+    monkeypatch.setattr(FedAvg, "client_update", understated)
+    grpc_run = run(tmp_path_factory, "fedasync", "hinge")
+    summary, coord = run_inmemory(parse_config(config("fedasync", "hinge")), tmp_path)
+    assert summary["status"] == "completed"
+    order = lambda r: [(u["client"], u["sent_version"], u["applied_version"], u["sim_dispatch"], u["sim_arrival"],
+                        u["status"]) for u in updates(r)]
+    assert 1 in [u["client"] for u in updates(tmp_path) if u["status"] == "applied"]
+    assert order(tmp_path) == order(grpc_run)
+    assert torch.equal(coord.state.params["w"], load_file(str(grpc_run / "model.safetensors"))["w"])
+
+
 def test_a_refused_reply_is_recorded_failed_and_left_out(tmp_path, monkeypatch):
     """Client 1 replies NaN: the reply chain refuses it, the dispatch is recorded "failed" with
     the reason and a client_failed event, a replacement goes out, and the model is still the
@@ -296,6 +326,9 @@ def test_a_refused_reply_is_recorded_failed_and_left_out(tmp_path, monkeypatch):
     ups = updates(tmp_path)
     failed = [u for u in ups if u["status"] == "failed"]
     assert failed and {u["client"] for u in failed} == {1}
+    for u in failed:   # it ends at the earliest its reply could have come: its planned compute (no links)
+        assert u["sim_arrival"] - u["sim_dispatch"] == pytest.approx(LOCAL_STEPS * STEP_SECONDS * SLOWDOWN[1],
+                                                                     rel=1e-12)
     assert all(u["client"] != 1 for u in ups if u["status"] == "applied")
     assert len(RunStore(tmp_path / "run.db").events("client_failed")) == len(failed)
     np.testing.assert_allclose(coord.state.params["w"].numpy(), replay(ups, "fedasync", "hinge"), rtol=0, atol=1e-10)
@@ -460,13 +493,16 @@ def test_a_dispatch_draws_its_idle_client_without_walking_every_client():
     assert nth_idle(999_999, busy) == 1_000_500   # 501 busy at or below it: 0, 2,000, ..., 1,000,000
 
 
-def test_the_next_update_is_chosen_from_each_call_ending_once():
+def test_the_next_update_is_chosen_from_each_call_ending_once_waiting_only_for_calls_that_could_come_first():
     """On the virtual clock the next update is the flight with the smallest (simulated finish,
-    dispatch number) once every call in flight has ended.  `next_arrival` takes each call's end
-    once from the driver's queue and keeps the ended flights in a heap, so a choice does not pass
-    over the calls in flight (1,000 of them made that pass most of the server's time per update).
-    Checked against the rule written out (sorted), with ties, calls ending in any order, and
-    flights dispatched between choices; each flight is settled exactly once."""
+    dispatch number) among all calls in flight.  `next_arrival` takes each call's end once from
+    the driver's queue, keeps the ended flights in a heap and waits for a call still in the air
+    only while that call could finish before the best ended one (its `earliest`, known at
+    dispatch, at or below its finish).  Checked against the rule written out (the minimum over
+    every flight, ended or not), with ties, calls ending in any order and flights dispatched
+    between choices: the choice is the rule's, a wait happens exactly when an unended call's
+    (earliest, seq) comes before the best ended flight, and each flight is settled once."""
+    import heapq
     import queue
     from concurrent.futures import Future
     from types import SimpleNamespace
@@ -477,39 +513,64 @@ def test_the_next_update_is_chosen_from_each_call_ending_once():
     driver = AsyncDriver.__new__(AsyncDriver)
     driver.params = SimpleNamespace(clock="virtual")
     driver.in_flight, driver.busy, driver.done = {}, [], queue.Queue()
-    driver.unsettled, driver.settled_order, driver.sim_now = set(), [], 0.0
+    driver.unsettled, driver.settled_order, driver.unsettled_order, driver.sim_now = set(), [], [], 0.0
     driver.targets = [f"client-{i}" for i in range(400)]
     driver.position = {node: i for i, node in enumerate(driver.targets)}
     settled: list[int] = []
     driver.settle = lambda f: settled.append(f.seq)   # each flight's finish is set below
+    in_air: list[Flight] = []   # dispatched, their calls not ended
+    waits = 0
+
+    def end(f: Flight) -> None:
+        in_air.remove(f)
+        f.future.set_result(None)
+        driver.done.put(f.seq)
+
+    def ended_while_waiting() -> int:   # the driver blocks: some call in the air ends
+        nonlocal waits
+        waits += 1
+        assert driver.done.empty() and in_air
+        end(in_air[int(rng.integers(len(in_air)))])
+        return AsyncDriver._ended(driver)
+
+    driver._ended = ended_while_waiting
     seq = 0
 
     def fly(n: int) -> None:
         nonlocal seq
-        flights = []
         for _ in range(n):
             seq += 1
             position = int(rng.choice([i for i in range(400) if i not in driver.busy]))
+            earliest = driver.sim_now + float(rng.integers(0, 2))
             f = Flight(seq, position, 0, 1, {}, 0, driver.sim_now, Future(), node=driver.targets[position],
-                       sim_finish=driver.sim_now + float(rng.integers(0, 6)))   # few values: ties
+                       sim_finish=earliest + float(rng.integers(0, 6)), earliest=earliest)   # few values: ties
             driver.in_flight[seq] = f
             driver.busy = sorted(driver.busy + [position])
             driver.unsettled.add(seq)
-            flights.append(f)
-        for f in rng.permutation(flights):   # calls end in any order
-            f.future.set_result(None)
-            driver.done.put(f.seq)
+            heapq.heappush(driver.unsettled_order, (f.earliest, seq))
+            in_air.append(f)
+        for f in rng.permutation(list(in_air)):   # some calls end now, in any order
+            if rng.random() < 0.15:
+                end(f)
 
     fly(60)
-    taken = []
+    taken, waited = [], 0
     for _ in range(300):
         expected = min(driver.in_flight.values(), key=lambda g: (g.sim_finish, g.seq))
+        ended = [g for g in driver.in_flight.values() if g not in in_air]
+        best_ended = min(((g.sim_finish, g.seq) for g in ended), default=(np.inf, np.inf))
+        must_wait = any((g.earliest, g.seq) < best_ended for g in in_air)
+        before = waits
         f = driver.next_arrival()
         assert f is expected and f.seq not in driver.in_flight
+        assert (waits > before) == must_wait
+        waited += must_wait
+        assert all((g.earliest, g.seq) > (f.sim_finish, f.seq) for g in in_air)
         assert driver.busy == sorted(driver.position[g.node] for g in driver.in_flight.values())
         assert driver.sim_now == max(g.sim_finish for g in taken + [f])
         taken.append(f)
         fly(int(rng.integers(0, 3)))
+    assert 10 < waited < 290   # both cases were met
     assert sorted(settled) == sorted(set(range(1, seq + 1)) - driver.unsettled)   # once each
 
 

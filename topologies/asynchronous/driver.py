@@ -11,11 +11,16 @@ Which update is taken next:
 
 - `clock = "virtual"`: the one with the smallest simulated finish time, dispatch time plus the
   client's simulated download, compute and upload (common/engine/vclock.py `client_timing`, from
-  the [clients] device profiles: slowdown, links, latency; transfer times from the tensors' bytes),
-  ties to the earlier dispatch.  The driver waits until every call in flight has replied, so the
-  order is decided by the seed alone, not by which process answered first.  Each call's end is
-  taken once from a queue and the ended calls wait in a heap, so a choice costs O(log
-  concurrency), not a pass over the calls in flight.
+  the [clients] device profiles: slowdown, links, latency; the compute of its planned local
+  steps, not of the steps its reply reports; transfer times from the tensors' bytes), ties to the
+  earlier dispatch.  The order is decided by the seed alone, not by which process answered first:
+  an ended call is taken only once no call still in flight can finish before it.  Each flight
+  knows at dispatch the earliest it can finish (`Flight.earliest`: its download, its planned
+  compute and the uplink's latency, everything but the reply's own bytes and measured time), so
+  the driver waits only for the calls whose earliest finish comes before the best ended one,
+  not for every call in flight.  A failed call finishes at its earliest.  Ended calls wait in a
+  heap by (finish, dispatch number) and calls in flight in a heap by (earliest, dispatch
+  number), so a choice costs O(log concurrency).
 - `clock = "real"`: the first to reply.
 
 The order is recorded in run.db, table `async_updates` (one row per dispatch: the client, the
@@ -46,6 +51,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import json
+import math
 import queue
 import sqlite3
 import time
@@ -93,6 +99,7 @@ class Flight:
     reply: Payload | None = None
     failure: str = ""
     sim_finish: float = 0.0
+    earliest: float = 0.0             # the least sim_finish its call can have (known at dispatch)
     settled: bool = False
     taken: dict = field(default_factory=dict)   # the row written when it is taken
     node: str = ""                    # the node called: the client's, or the edge's
@@ -124,6 +131,8 @@ class AsyncDriver(TopologyDriver):
         self.done: queue.Queue[int] = queue.Queue()   # dispatch numbers, as their calls end
         self.unsettled: set[int] = set()   # in flight, and their end not yet taken from `done`
         self.settled_order: list[tuple[float, int]] = []   # virtual clock: (sim_finish, seq) of settled flights, a heap
+        self.unsettled_order: list[tuple[float, int]] = []   # (earliest, seq) of flights in the air, a heap; stale
+        #                                                      entries (settled since) are dropped when they surface
         # behind edges the edge buffered: each flush it sends is one server update
         self.buffer = FedBuffBuffer(1 if self.edges else self.params.buffer_size, self.params.server_lr)
         self.buffered: list[Flight] = []
@@ -193,10 +202,13 @@ class AsyncDriver(TopologyDriver):
                                   timeout=2 * timeout if self.edges else timeout, call_timeout=call_timeout,
                                   timeout_reason=f"timeout: no result within run.round_timeout={timeout}s")
         seq = self.seq
-        self.in_flight[seq] = Flight(seq, cid, self.version, round, sent, message.tensor_bytes(), self.sim_now, future,
-                                     node=node, clients=cids)
+        f = Flight(seq, cid, self.version, round, sent, message.tensor_bytes(), self.sim_now, future, node=node,
+                   clients=cids)
+        f.earliest = f.sim_start + self.sim_seconds(f, up_bytes=0, measured_seconds=0.0)
+        self.in_flight[seq] = f
         bisect.insort(self.busy, position)
         self.unsettled.add(seq)
+        heapq.heappush(self.unsettled_order, (f.earliest, seq))
         future.add_done_callback(lambda _f: self.done.put(seq))
 
     def edge_clients(self, edge: str) -> list[int]:
@@ -224,28 +236,32 @@ class AsyncDriver(TopologyDriver):
             results, failures = {}, {key: f"call not made: {exc}"}
         f.reply = results.get(key)
         f.failure = failures.get(key, "" if f.reply is not None else "no reply")
-        if f.reply is None:
-            f.sim_finish = f.sim_start
+        if f.reply is None:   # known no sooner than its reply could have come
+            f.sim_finish = f.earliest
             return
-        clock = self.ctx.clock
         if self.edges:   # the edge's flush: its clients' weighted mean delta (module docstring)
             f.update = {name: weighted_mean(f.reply, name) for name in f.reply.tensors if name in f.sent}
             control = control_of(f.reply)
             self.ctx.nodes.unavailable[f.node] = set(control.clients)
             f.failure = "; ".join(f"client {c}: {why}" for c, why in sorted(failures_of(f.reply).items()))
             up = sum(t.numel() * t.element_size() for t in f.update.values())
-            f.sim_finish = f.sim_start + max(
-                client_timing(c, clock.profiles[c], clock.params, steps=clock.planned_steps(c, 0),
-                              down_bytes=f.down_bytes, up_bytes=up).finish for c in f.clients)
+            f.sim_finish = f.sim_start + self.sim_seconds(f, up_bytes=up, measured_seconds=0.0)
             return
-        assert f.cid is not None
         f.update = f.reply.tensors
-        steps = f.reply.scalars.get("local_steps")
-        timing = client_timing(f.cid, clock.profiles[f.cid], clock.params,
-                               steps=int(steps) if isinstance(steps, (int, float)) else clock.planned_steps(f.cid, 0),
-                               down_bytes=f.down_bytes, up_bytes=f.reply.tensor_bytes(),
-                               measured_seconds=float(f.reply.scalars.get(COMPUTE_KEY, 0.0)))
-        f.sim_finish = f.sim_start + timing.finish
+        f.sim_finish = f.sim_start + self.sim_seconds(f, up_bytes=f.reply.tensor_bytes(),
+                                                      measured_seconds=float(f.reply.scalars.get(COMPUTE_KEY, 0.0)))
+
+    def sim_seconds(self, f: Flight, *, up_bytes: int, measured_seconds: float) -> float:
+        """The simulated duration of `f`'s call: its client's download of the request, the compute
+        of its planned local steps (`compute_time = "steps"`; a reply's reported steps never move
+        its place in the order) or of `measured_seconds` ("measured"), and the upload of
+        `up_bytes`.  Behind an edge, the slowest of the edge's clients, each with the edge's
+        request and reply bytes.  With `up_bytes = 0` and `measured_seconds = 0` it is the least
+        duration the call can have, whatever it replies (`Flight.earliest`)."""
+        clock = self.ctx.clock
+        return max(client_timing(c, clock.profiles[c], clock.params, steps=clock.planned_steps(c, 0),
+                                 down_bytes=f.down_bytes, up_bytes=up_bytes,
+                                 measured_seconds=measured_seconds).finish for c in f.clients)
 
     def _wait(self, futures: list[Future]) -> None:
         while futures:
@@ -282,13 +298,32 @@ class AsyncDriver(TopologyDriver):
                 if seq in self.in_flight:
                     self.settle(self.in_flight[seq])
                     return self._land(seq)
-        while self.unsettled:   # every call in flight has ended: the order is the seed's alone
-            seq = self._ended()
-            f = self.in_flight[seq]
-            self.settle(f)
-            heapq.heappush(self.settled_order, (f.sim_finish, seq))   # ties to the earlier dispatch
+        while True:
+            while True:   # the calls that have ended, without waiting
+                try:
+                    seq = self.done.get_nowait()
+                except queue.Empty:
+                    break
+                self._settled(seq)
+            if self.settled_order and self.settled_order[0] < self._first_unsettled():
+                break   # no call in flight can finish before it (ties to the earlier dispatch)
+            self._settled(self._ended())
         _, seq = heapq.heappop(self.settled_order)
         return self._land(seq)
+
+    def _settled(self, seq: int) -> None:
+        """Flight `seq`'s call has ended: settled, and into the heap of ended flights."""
+        self.unsettled.discard(seq)
+        f = self.in_flight[seq]
+        self.settle(f)
+        heapq.heappush(self.settled_order, (f.sim_finish, seq))
+
+    def _first_unsettled(self) -> tuple[float, float]:
+        """The least (earliest finish, dispatch number) of the calls in flight; (inf, inf) when none."""
+        order = self.unsettled_order
+        while order and order[0][1] not in self.unsettled:
+            heapq.heappop(order)
+        return order[0] if order else (math.inf, math.inf)
 
     def take(self, f: Flight, round: int) -> bool:
         """Apply (FedAsync), buffer (FedBuff) or record the failure of `f`; True when the model changed."""
@@ -340,7 +375,7 @@ class AsyncDriver(TopologyDriver):
 
     def drain(self, round: int) -> None:
         """After the last update: wait for the calls still in flight (their replies are counted
-        in the ledger) and record them "unused"."""
+        in the ledger) and record them "unused" (or "failed", with its event)."""
         self._wait([f.future for f in self.in_flight.values()])
         rows = []
         for seq in sorted(self.in_flight):
@@ -348,12 +383,16 @@ class AsyncDriver(TopologyDriver):
             self.settle(f)
             rows.append((f, {"staleness": self.version - f.version, "sim_arrival": f.sim_finish, "round": round,
                              "status": "unused" if f.reply is not None else "failed", "detail": f.failure}))
+            if f.reply is None:   # an event for each failed call, as for those taken
+                self.ctx.records.store.add_event("edge_failed" if self.edges else "client_failed", node=f.node,
+                                                 round=round, detail=f"dispatch {f.seq}: {f.failure}")
         if rows:
             self._rows(rows)
         self.in_flight.clear()
         self.busy.clear()
         self.unsettled.clear()
         self.settled_order.clear()
+        self.unsettled_order.clear()
         if self.pool is not None:
             self.pool.shutdown(wait=True)
         if self.db is not None:   # every row is written: the last round's record follows
