@@ -69,6 +69,36 @@ def test_one_call_many_messages_each_answered_and_recorded_exactly(pair):
     assert all(f"{r.msg_id}.reply" in replies for r in sent)               # every reply recorded, paired
 
 
+def test_each_request_of_a_batch_may_carry_its_own_step():
+    """`Batched.step` (an asynchronous dispatch's own minibatch stream): each message of the one
+    call carries its request's step in its envelope (None: the batch's), the callee sees it, each
+    reply answers for that step (a reply for another step would be refused as stale), and the
+    ledgers of both ends record it."""
+    steps: list[tuple[str, int]] = []
+    callee = GrpcEndpoint("client-proc0", Ledger())
+
+    def handler(request):
+        steps.append((request.envelope.dst, int(request.envelope.step)))
+        return Payload(scalars={"step": int(request.envelope.step)})
+
+    address = callee.serve(handler, "127.0.0.1:0")
+    caller = GrpcEndpoint("server", Ledger())
+    try:
+        w = Payload(tensors={"w": torch.ones(8)})
+        own = [11, None, 4, 11]
+        batch = [Batched(f"client-{k}", "train", caller.prepare(w), step=s) for k, s in enumerate(own)]
+        out = caller.call_many(address, batch, round=2, step=7, timeout=10)
+        want = [11, 7, 4, 11]
+        assert steps == [(f"client-{k}", s) for k, s in enumerate(want)]
+        assert [reply.scalars["step"] for reply in out] == want
+        for ledger in (caller.ledger, callee.ledger):
+            assert sorted((r.dst, r.step) for r in ledger.records() if r.method == "train") == \
+                sorted((f"client-{k}", s) for k, s in enumerate(want))
+    finally:
+        caller.stop()
+        callee.stop()
+
+
 def test_a_batch_leaves_no_reference_cycles(pair):
     """A batch's replies (their buffers, tensors and decoders) are freed by reference counting
     once the caller drops them, not at the garbage collector's next pass: role processes collect

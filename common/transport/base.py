@@ -176,12 +176,19 @@ def reply_problem(reply: pb.Envelope, request: pb.Envelope) -> tuple[str, str] |
 
 @dataclass(frozen=True)
 class Batched:
-    """One request of `Endpoint.call_many`: to logical node `dst`, its frames cut once."""
+    """One request of `Endpoint.call_many`: to logical node `dst`, its frames cut once; `step`
+    its envelope's step (None: the batch's), so that requests of different steps (an
+    asynchronous dispatch's own minibatch stream) share a call."""
 
     dst: str
     method: str
     prepared: Encoded
     expect: "ReplyBound | None" = None
+    step: int | None = None
+
+    def step_or(self, batch_step: int) -> int:
+        """The step its envelope carries: its own, else the batch's."""
+        return batch_step if self.step is None else self.step
 
 
 # -- framing: the gRPC framing bytes each message counts (common/transport/grpc.py) ------------
@@ -408,7 +415,8 @@ class Endpoint(ABC):
     def batch_messages(self, requests: Sequence[Batched], *, round: int, step: int) -> tuple[list[Encoded], list[range]]:
         """A batch's messages, each under its own header, and the calls they go in (`batch_calls`),
         each message's framing set to its share of its call's bundle (`batch_framing`)."""
-        msgs = [req.prepared.with_header(make_envelope(run_id=self.run_id, round=round, step=step,
+        msgs = [req.prepared.with_header(make_envelope(run_id=self.run_id, round=round,
+                                                       step=req.step_or(step),
                                                        src=self.node_id, dst=req.dst, method=req.method,
                                                        token=self.token))
                 for req in requests]
@@ -428,7 +436,8 @@ class Endpoint(ABC):
         caller need not wait for the whole batch).  Here one call each; a transport that can carry
         several messages in one call overrides it."""
         return one_by_one(len(requests), lambda i: self.call(
-            address, requests[i].dst, requests[i].method, round=round, step=step, timeout=timeout,
+            address, requests[i].dst, requests[i].method, round=round,
+            step=requests[i].step_or(step), timeout=timeout,
             prepared=requests[i].prepared, expect=requests[i].expect), on_each)
 
     def probe_request(self, request: pb.RegisterRequest) -> tuple[pb.ProbeRequest, str]:

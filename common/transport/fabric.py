@@ -9,9 +9,9 @@ hand: it says what goes where and gets back results and failures.
   fails, answers with an error, sends a reply the pipeline rejects or misses the deadline is a
   failure with its reason, never an exception.
   With `batch` (config `transport.batch`), the requests to the logical clients of one process
-  share calls (`Endpoint.call_many`: each still its own message with its own ledger records;
-  common/transport/grpc.py, Batches), at most one chunk of request bytes per call: per-call
-  costs are paid once per process and round instead of once per client.
+  share calls (`Endpoint.call_many`: each still its own message with its own ledger records
+  and its own step; common/transport/grpc.py, Batches), at most one chunk of request bytes per
+  call: per-call costs are paid once per process and round instead of once per client.
 - `call`: one request, one reply (control calls, a hand-off to a peer); failures raise.
 - `submit`: a call in the background (a control call that must overlap a collective).
 
@@ -172,8 +172,8 @@ class Fabric:
         a file (`_exchange`, `GatedBound`), which a shared call cannot do per reply."""
         chunk = self.endpoint.chunk_bytes
         sizes = {key: prepared.payload_bytes for key, (_, prepared) in encoded.items()}   # each message once
-        by_address: dict[tuple[str, int], list[list[Send]]] = {}
-        filled: dict[tuple[str, int], int] = {}   # request bytes in each address's last group
+        by_address: dict[str, list[list[Send]]] = {}
+        filled: dict[str, int] = {}   # request bytes in each address's last group
         alone: list[list[Send]] = []
         for req in requests:
             size = sizes[id(req.message)]
@@ -181,7 +181,7 @@ class Fabric:
             if size > chunk or (bound is not None and bound.data_bytes > chunk):
                 alone.append([req])
                 continue
-            where = (req.address, req.step)
+            where = req.address   # each request keeps its own step (`Batched.step`)
             groups = by_address.setdefault(where, [[]])
             if groups[-1] and filled[where] + size > chunk:
                 groups.append([])
@@ -196,8 +196,8 @@ class Fabric:
         inbound pipeline, or its failure, as soon as that reply is in (`on_each`): a reply that
         came before the round's deadline counts even when a later one of its batch does not.
         The batch's deadline is the round's: its process runs the requests one after another."""
-        batched = [Batched(req.dst, req.method, encoded[id(req.message)][1], getattr(req.inbound, "bound", None))
-                   for req in group]
+        batched = [Batched(req.dst, req.method, encoded[id(req.message)][1], getattr(req.inbound, "bound", None),
+                           step=req.step) for req in group]
 
         def deliver(i: int, reply: Payload | BaseException) -> None:
             req = group[i]

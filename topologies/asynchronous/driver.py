@@ -82,6 +82,7 @@ SCHEMA = (f"CREATE TABLE IF NOT EXISTS {TABLE} (run_id TEXT, arrival INTEGER, di
           "sim_arrival REAL, round INTEGER, status TEXT, detail TEXT, node TEXT, clients TEXT)")
 WAIT_SLICE = 0.5          # seconds between checks for a stop signal while waiting for replies
 FAILURES_IN_A_ROW = 10    # failed calls in a row (times the concurrency) that fail the run
+BATCH_SHARE = 8           # on the virtual clock dispatches go out in groups of concurrency / BATCH_SHARE
 
 
 @dataclass
@@ -141,6 +142,11 @@ class AsyncDriver(TopologyDriver):
         self.staleness_all: list[int] = []
         self.pool: ThreadPoolExecutor | None = None
         self.db: sqlite3.Connection | None = None
+        # dispatches not yet sent, and how many are held before they go together (send_outbox)
+        self.outbox: list[tuple[Flight, Send[Any], float]] = []
+        batched = (self.params.clock == "virtual" and not self.edges
+                   and bool(getattr(ctx.fabric, "batch", False)))
+        self.batch_sends = max(1, self.concurrency // BATCH_SHARE) if batched else 1
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
@@ -197,19 +203,44 @@ class AsyncDriver(TopologyDriver):
                                             round=round, peer=node),
                         who=f"{who} reply of client {cid}")
             call_timeout = ctx.run.cfg.run.call_timeout
-        assert self.pool is not None   # made by start
-        future = self.pool.submit(ctx.fabric.send_and_receive, [send], round=round,
-                                  timeout=2 * timeout if self.edges else timeout, call_timeout=call_timeout,
-                                  timeout_reason=f"timeout: no result within run.round_timeout={timeout}s")
         seq = self.seq
-        f = Flight(seq, cid, self.version, round, sent, message.tensor_bytes(), self.sim_now, future, node=node,
+        f = Flight(seq, cid, self.version, round, sent, message.tensor_bytes(), self.sim_now, Future(), node=node,
                    clients=cids)
         f.earliest = f.sim_start + self.sim_seconds(f, up_bytes=0, measured_seconds=0.0)
         self.in_flight[seq] = f
         bisect.insort(self.busy, position)
         self.unsettled.add(seq)
         heapq.heappush(self.unsettled_order, (f.earliest, seq))
-        future.add_done_callback(lambda _f: self.done.put(seq))
+        f.future.add_done_callback(lambda _f: self.done.put(seq))
+        if self.outbox and self.outbox[0][0].round != round:
+            self.send_outbox()   # a batch's calls share one round
+        self.outbox.append((f, send, call_timeout))
+        if len(self.outbox) >= self.batch_sends:
+            self.send_outbox()
+
+    def send_outbox(self) -> None:
+        """Send the dispatches held in the outbox, in one `send_and_receive` (batched per client
+        process where `transport.batch` is on, each with its own step); each flight's future gets
+        the outcome.  Dispatches are held only on the virtual clock, where the order does not
+        depend on when a call goes out, and sent before the driver waits for a call."""
+        if not self.outbox:
+            return
+        held, self.outbox = self.outbox, []
+        timeout = self.ctx.run.cfg.run.round_timeout
+        assert self.pool is not None   # made by start
+        group = self.pool.submit(self.ctx.fabric.send_and_receive, [send for _, send, _ in held],
+                                 round=held[0][0].round, timeout=2 * timeout if self.edges else timeout,
+                                 call_timeout=held[0][2],
+                                 timeout_reason=f"timeout: no result within run.round_timeout={timeout}s")
+
+        def relay(done: Future) -> None:
+            error = done.exception()
+            for f, _, _ in held:
+                if error is not None:
+                    f.future.set_exception(error)
+                else:
+                    f.future.set_result(done.result())
+        group.add_done_callback(relay)
 
     def edge_clients(self, edge: str) -> list[int]:
         """The clients an edge call trains: `buffer_size` of the edge's cluster (all of them where
@@ -293,6 +324,7 @@ class AsyncDriver(TopologyDriver):
         over the calls in flight."""
         raise_if_stopped()
         if self.params.clock == "real":
+            self.send_outbox()
             while True:
                 seq = self._ended()
                 if seq in self.in_flight:
@@ -307,6 +339,7 @@ class AsyncDriver(TopologyDriver):
                 self._settled(seq)
             if self.settled_order and self.settled_order[0] < self._first_unsettled():
                 break   # no call in flight can finish before it (ties to the earlier dispatch)
+            self.send_outbox()   # before waiting: a held dispatch may be the call waited for
             self._settled(self._ended())
         _, seq = heapq.heappop(self.settled_order)
         return self._land(seq)
@@ -376,6 +409,7 @@ class AsyncDriver(TopologyDriver):
     def drain(self, round: int) -> None:
         """After the last update: wait for the calls still in flight (their replies are counted
         in the ledger) and record them "unused" (or "failed", with its event)."""
+        self.send_outbox()
         self._wait([f.future for f in self.in_flight.values()])
         rows = []
         for seq in sorted(self.in_flight):
