@@ -628,3 +628,27 @@ def test_dispatches_sent_in_batches_give_the_one_by_one_runs_order_and_model(tmp
     assert batched[2]["messages"] == plain[2]["messages"] and len(plain[2]["messages"]) == len(plain[0])
     assert len({m[1] for m in plain[2]["messages"]}) == len(plain[0])   # each dispatch its own step
     assert batched[2]["payload"] == plain[2]["payload"] and batched[2]["framed"] < plain[2]["framed"]
+
+
+def test_the_dispatches_of_one_model_version_share_one_copy_of_it(tmp_path, monkeypatch):
+    """Each dispatch keeps the model version it sent (the rule reads it at the update); the
+    dispatches of one version and round share one copy and one message (FedBuff: a buffer's
+    worth), so the server holds a copy per version in flight, not per call, and the fabric
+    encodes a group's message once.  The model is still the paper's rule over the recorded order."""
+    from fedhop.common.config import parse_config
+    from fedhop.deploy.launch.inmemory import run_inmemory
+    from fedhop.topologies.asynchronous.driver import AsyncDriver
+    original = AsyncDriver.version_message
+    made: dict[tuple[int, int], set[int]] = {}
+
+    def watched(self, round):
+        sent, plain, spec = original(self, round)
+        made.setdefault((self.version, round), set()).add(id(sent))
+        return sent, plain, spec
+
+    monkeypatch.setattr(AsyncDriver, "version_message", watched)
+    summary, coord = run_inmemory(parse_config(config("fedbuff", "constant")), tmp_path)
+    ups = updates(tmp_path)
+    assert summary["status"] == "completed" and len(ups) > len(made) > 1
+    assert all(len(ids) == 1 for ids in made.values())
+    np.testing.assert_allclose(coord.state.params["w"].numpy(), replay(ups, "fedbuff", "constant"), rtol=0, atol=1e-10)

@@ -142,6 +142,7 @@ class AsyncDriver(TopologyDriver):
         self.staleness_all: list[int] = []
         self.pool: ThreadPoolExecutor | None = None
         self.db: sqlite3.Connection | None = None
+        self.version_sent: tuple[tuple[int, int], dict[str, torch.Tensor], Payload, dict] | None = None
         # dispatches not yet sent, and how many are held before they go together (send_outbox)
         self.outbox: list[tuple[Flight, Send[Any], float]] = []
         batched = (self.params.clock == "virtual" and not self.edges
@@ -178,10 +179,8 @@ class AsyncDriver(TopologyDriver):
         draw = int(numpy_stream(ctx.run.cfg.run.seed, "async", "dispatch", self.seq).integers(idle))
         position = nth_idle(draw, self.busy)
         node = self.targets[position]
-        base = ctx.run.algorithm.broadcast(ctx.model.state, round)
-        sent = {k: v.detach().clone() for k, v in base.tensors.items()}   # the version it trains on, kept
-        plain = Payload(tensors=dict(sent), scalars=dict(base.scalars))
-        spec, rules = ctx.run.algorithm.reply_spec(ctx.model.state), ctx.run.algorithm.reply_scalars()
+        sent, plain, spec = self.version_message(round)
+        rules = ctx.run.algorithm.reply_scalars()
         timeout = ctx.run.cfg.run.round_timeout
         who = f"dispatch {self.seq} (version {self.version})"
         send: Send[Any]   # keyed by the edge's node id, or by the client id
@@ -241,6 +240,21 @@ class AsyncDriver(TopologyDriver):
                 else:
                     f.future.set_result(done.result())
         group.add_done_callback(relay)
+
+    def version_message(self, round: int) -> tuple[dict[str, torch.Tensor], Payload, dict]:
+        """The model version being sent (kept: the rule reads it at the update), the message made
+        of it and the reply spec, made once per (version, round) and shared by the dispatches
+        in between (a FedBuff buffer's worth): one copy of the model, and one encoding per group
+        of dispatches sent together (the fabric encodes each distinct message once)."""
+        key = (self.version, round)
+        if self.version_sent is None or self.version_sent[0] != key:
+            algorithm, state = self.ctx.run.algorithm, self.ctx.model.state
+            base = algorithm.broadcast(state, round)
+            sent = {k: v.detach().clone() for k, v in base.tensors.items()}
+            self.version_sent = (key, sent, Payload(tensors=dict(sent), scalars=dict(base.scalars)),
+                                 algorithm.reply_spec(state))
+        _, sent, plain, spec = self.version_sent
+        return sent, plain, spec
 
     def edge_clients(self, edge: str) -> list[int]:
         """The clients an edge call trains: `buffer_size` of the edge's cluster (all of them where
