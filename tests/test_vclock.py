@@ -205,18 +205,57 @@ def test_the_clock_keeps_the_latest_rounds_plans_and_settlements(tmp_path):
     assert len(by_round) == KEPT_ROUNDS and 2 not in by_round and by_round[1] == "again"
 
 
-def test_a_reply_reporting_more_steps_than_planned_is_timed_by_its_plan(tmp_path):
-    """A client's reply is timed by the local steps it reports, at most those planned for it: a
-    participant reporting 2^62 steps would make the simulated round (and the real sleep of
-    clients.sleep_scale) last for ever (red team).  Fewer steps than planned are timed as
-    reported; none reported, as planned."""
-    cfg = _config(4, 2, "straggler_fraction = 0.5", dim=10, rounds=2, steps=6)
+@pytest.mark.parametrize("reported", [2 ** 62, 0, 1, None])
+def test_a_reply_is_timed_by_its_plan_whatever_steps_it_reports(tmp_path, monkeypatch, reported):
+    """A client's reply is timed by the local steps planned for it (its straggler plan's), never
+    by the `local_steps` it reports (red team): 2^62 would make the simulated round (and the real
+    sleep of clients.sleep_scale) last for ever; 0 or 1 would make a participant finish first,
+    so that it is always kept under over-commitment and never misses the deadline."""
+    from fedhop.common.algorithms.fedavg import FedAvg
+    original = FedAvg.client_update
+
+    def reporting(self, ctx, message):
+        reply = original(self, ctx, message)
+        if reported is None:
+            del reply.scalars["local_steps"]
+        else:
+            reply.scalars["local_steps"] = reported
+        return reply
+
+    monkeypatch.setattr(FedAvg, "client_update", reporting)
+    cfg = _config(4, 2, "straggler_fraction = 0.5\nstep_seconds = 0.01", dim=10, rounds=3, steps=6)
     _, coord = run_inmemory(cfg, tmp_path)
-    clock, last = coord.clock, coord.history[-1].round
-    for cid in coord.history[-1].participants:
-        planned = clock.planned_steps(cid, last)
-        assert 1 <= planned <= 6
-        assert clock.timed_steps(cid, last, 2 ** 62) == planned
-        assert clock.timed_steps(cid, last, float(planned + 1)) == planned
-        assert clock.timed_steps(cid, last, 1) == 1 and clock.timed_steps(cid, last, -5) == 0
-        assert clock.timed_steps(cid, last, None) == planned
+    clock = coord.clock
+    timed = 0
+    for result in coord.history:
+        for cid, timing in clock.settlements[result.round].timings.items():
+            planned = clock.planned_steps(cid, result.round)
+            assert 1 <= planned <= 6 and timing.steps == planned
+            assert timing.compute_seconds == pytest.approx(planned * 0.01 * clock.profiles[cid].slowdown, rel=1e-12)
+            timed += 1
+    assert timed == 3 * 2 and any(len(clock.plans[r.round]) for r in coord.history)
+
+
+def test_a_client_reporting_no_work_is_not_kept_first_under_overcommitment(tmp_path, monkeypatch):
+    """The slowest client (slowdown 6) reports 0 local steps: it is still timed by its plan, so the
+    rounds keep the same clients as an honest run (timed by the report it would finish first and
+    always be kept, never cut as the slowest)."""
+    from fedhop.common.algorithms.fedavg import FedAvg
+    extra = """
+overcommit = 1.5
+slowdown = {dist = "per_client", values = [6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 1.5, 2.5]}
+step_seconds = 0.01
+"""
+    _, honest = run_inmemory(_config(8, 4, extra, rounds=6, dim=4), tmp_path / "honest")
+    original = FedAvg.client_update
+
+    def idle_claim(self, ctx, message):
+        reply = original(self, ctx, message)
+        if ctx.client_id == 0:
+            reply.scalars["local_steps"] = 0
+        return reply
+
+    monkeypatch.setattr(FedAvg, "client_update", idle_claim)
+    _, lying = run_inmemory(_config(8, 4, extra, rounds=6, dim=4), tmp_path / "lying")
+    assert [r.participants for r in lying.history] == [r.participants for r in honest.history]
+    assert any(0 in r.sampled for r in lying.history) and all(0 not in r.participants for r in lying.history)

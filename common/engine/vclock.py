@@ -10,7 +10,10 @@ Per round and per participant i (star topology; the server's own ledger has ever
 
 The bytes are the ones the ledger *measured* for that client's `train` request and reply
 (`clients.bytes_kind`: framed = payload + gRPC framing, payload, or tensor).  Steps are the
-`local_steps` the reply reports (else the planned work).
+client's planned work (its straggler plan's, else its full local work), never the `local_steps`
+its reply reports: a participant that reported fewer steps would finish earlier on the clock and
+so always be kept under over-commitment and never miss the deadline, and one that reported more
+would stretch the round (and the real sleep of `sleep_scale`).
 
 Settling a round: results whose finish exceeds `clients.deadline_seconds` are dropped; with
 over-commitment (ceil(c * S) sampled) only the first S by finish time (ties: lower id) are kept.
@@ -220,18 +223,6 @@ class RoundClock:
         rows = self.task.client_data(cid).rows
         return work * steps_per_epoch(rows, self.cfg.algorithm.batch_size)
 
-    def timed_steps(self, cid: int, round: int, reported: float | None) -> int:
-        """The local steps a client's reply is timed by: the steps it reports, at most those planned
-        for it (a participant's report past its plan would stretch the simulated round, and the
-        real sleep of `sleep_scale`, without end); the plan where it reports none."""
-        if reported is None:
-            return self.planned_steps(cid, round)
-        steps = max(0, int(reported))
-        draw = self.plans.get(round, {}).get(cid)
-        if steps <= (draw.work if draw is not None else self.full_work[cid]):   # within any plan: no look-up
-            return steps
-        return min(steps, self.planned_steps(cid, round))
-
     def settle(self, round: int, message: Payload, results: dict[int, Payload],
                records: Iterable[Any], star: bool = True) -> Settlement:
         """Time every result, cut the late/surplus ones out of `results` (in place)."""
@@ -243,9 +234,7 @@ class RoundClock:
         measured = message_bytes(records, round, self.params.bytes_kind)
         timings = {}
         for cid, reply in results.items():
-            steps = reply.scalars.get("local_steps")
-            steps = self.timed_steps(cid, round, steps if isinstance(steps, (int, float))
-                                     and not isinstance(steps, bool) else None)
+            steps = self.planned_steps(cid, round)   # not the reply's `local_steps` (module docstring)
             if cid in measured:
                 down, up = measured[cid]
             else:  # no per-client ledger record (torch collectives): the tensors' own bytes
