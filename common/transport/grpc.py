@@ -24,8 +24,9 @@ registers again.  Any other failure (the request may have been delivered) is fin
 Batches (`call_many`, used by the fabric with `transport.batch = true`): the requests to several
 logical clients of one process travel in one `Call`, their messages back to back in the bundle
 (each its own header and data frames, envelope and msg_id), and the replies come back in the same
-order on the call's stream.  Every message keeps its ledger records on both ends, with its exact
-tensor and payload bytes; framing is shared so that the messages' framed bytes add up to what the
+order on the call's stream.  Each message's envelope carries its request's own step (an
+asynchronous dispatch's: `Batched.step`).  Every message keeps its ledger records on both ends,
+with its exact tensor and payload bytes; framing is shared so that the messages' framed bytes add up to what the
 call put on the wire: each message counts its own frames' bundle tags and lengths, the first
 message also the bundle's 5-byte gRPC prefix (common/transport/base.py `batch_framing`).  The
 replies come back bundled too: back to back in FrameBundle messages of up to
