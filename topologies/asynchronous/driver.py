@@ -55,7 +55,7 @@ import math
 import queue
 import sqlite3
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +105,7 @@ class Flight:
     taken: dict = field(default_factory=dict)   # the row written when it is taken
     node: str = ""                    # the node called: the client's, or the edge's
     clients: list[int] = field(default_factory=list)   # the clients that trained: [cid], or the edge's draw
+    steps: list[int] = field(default_factory=list)     # each client's planned local steps (its simulated compute)
     update: dict[str, torch.Tensor] = field(default_factory=dict)   # the delta the rule applies
 
 
@@ -205,6 +206,7 @@ class AsyncDriver(TopologyDriver):
         seq = self.seq
         f = Flight(seq, cid, self.version, round, sent, message.tensor_bytes(), self.sim_now, Future(), node=node,
                    clients=cids)
+        f.steps = [ctx.clock.planned_steps(c, 0) for c in cids]
         f.earliest = f.sim_start + self.sim_seconds(f, up_bytes=0, measured_seconds=0.0)
         self.in_flight[seq] = f
         bisect.insort(self.busy, position)
@@ -233,7 +235,7 @@ class AsyncDriver(TopologyDriver):
                                  timeout_reason=f"timeout: no result within run.round_timeout={timeout}s")
 
         def relay(done: Future) -> None:
-            error = done.exception()
+            error = CancelledError() if done.cancelled() else done.exception()
             for f, _, _ in held:
                 if error is not None:
                     f.future.set_exception(error)
@@ -298,15 +300,15 @@ class AsyncDriver(TopologyDriver):
 
     def sim_seconds(self, f: Flight, *, up_bytes: int, measured_seconds: float) -> float:
         """The simulated duration of `f`'s call: its client's download of the request, the compute
-        of its planned local steps (`compute_time = "steps"`; a reply's reported steps never move
-        its place in the order) or of `measured_seconds` ("measured"), and the upload of
-        `up_bytes`.  Behind an edge, the slowest of the edge's clients, each with the edge's
+        of its planned local steps (`Flight.steps`, `compute_time = "steps"`; a reply's reported
+        steps never move its place in the order) or of `measured_seconds` ("measured"), and the
+        upload of `up_bytes`.  Behind an edge, the slowest of the edge's clients, each with the edge's
         request and reply bytes.  With `up_bytes = 0` and `measured_seconds = 0` it is the least
         duration the call can have, whatever it replies (`Flight.earliest`)."""
         clock = self.ctx.clock
-        return max(client_timing(c, clock.profiles[c], clock.params, steps=clock.planned_steps(c, 0),
-                                 down_bytes=f.down_bytes, up_bytes=up_bytes,
-                                 measured_seconds=measured_seconds).finish for c in f.clients)
+        return max(client_timing(c, clock.profiles[c], clock.params, steps=steps, down_bytes=f.down_bytes,
+                                 up_bytes=up_bytes, measured_seconds=measured_seconds).finish
+                   for c, steps in zip(f.clients, f.steps))
 
     def _wait(self, futures: list[Future]) -> None:
         while futures:
