@@ -134,10 +134,10 @@ def _uninterrupted(tmp_path, text: str, overrides: list[str]):
 
 @pytest.mark.parametrize("algorithm, extra", [("fedavg", ""), ("feddyn", "alpha = 0.05")])
 def test_kill_9_server_mid_round_then_resume_equals_uninterrupted_bytes(tmp_path, algorithm, extra):
-    rounds = 6
+    rounds = 4
     text = slow_quadratic(rounds, processes=2, algorithm=algorithm, extra_algorithm=extra, name=f"resume-{algorithm}")
     overrides = ["run.checkpoint_every=2"]
-    summary, _ = _kill_server_and_resume(tmp_path, text, overrides, kill_after=3)   # killed in round 4
+    summary, _ = _kill_server_and_resume(tmp_path, text, overrides, kill_after=3)   # killed in its last round
     check_run_db(tmp_path / "run", rounds)
     faults = summary["faults"]
     assert faults["restarts"] == 1 and faults["resumes"][0]["from_round"] == 2
