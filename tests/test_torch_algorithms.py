@@ -256,7 +256,7 @@ def test_fedchs_over_torch_passes_over_a_killed_edge(tmp_path):
     to it (least visited, then the larger cluster): the neighbour query fails, the rule passes
     edge 3 over, and the run completes over the world's other ranks (a dead rank breaks only the
     operations that need it)."""
-    rounds, dead = 6, 3
+    rounds, dead = 4, 3
     text = fedchs_config(rounds=rounds, K=150, processes=len(ASSIGN), eval_every=0)
     text = text.replace('kind = "grpc"', 'kind = "torch"\ntimeout = 20.0').replace("call_timeout = 30.0",
                                                                                    "call_timeout = 5.0")
