@@ -18,10 +18,12 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.records.runstore import RunStore
+from fedhop.common.util.memo import forget_process_memos
 from fedhop.deploy.cli.cli import main as fedhop
 from fedhop.deploy.launch.inmemory import run_inmemory
+from fedhop.deploy.launch.launcher import LocalRun
 from fedhop.topologies.gossip.client import gossip_of
-from fedhop.topologies.gossip.rule import GossipRule, mh_weights, random_regular_graph
+from fedhop.topologies.gossip.rule import GossipRule, built_rule, mh_weights, random_regular_graph
 from tests.helpers import quadratic_config
 
 RNG = np.random.default_rng(27)
@@ -345,6 +347,48 @@ def test_a_random_regular_graph_of_tens_of_thousands_of_clients_builds_in_the_co
     assert all(i in graph[j] for i, row in enumerate(graph) for j in row)
     from fedhop.common.topologies.graphs import connected
     assert connected(graph)
+
+
+@pytest.fixture(autouse=True)
+def _forget_kept_rules():
+    """A rule this process kept (`built_rule`: a ring of 1,000,000 clients is hundreds of MB) is
+    not carried into the next test."""
+    yield
+    forget_process_memos()
+
+
+def test_a_seeded_graph_is_drawn_once_per_process_and_the_launcher_forgets_it(tmp_path, monkeypatch):
+    """The config check, the driver and each client host ask for the rule of a gossip_degree
+    graph: this process draws the graph once and shares the rule (common/util/memo.py); another
+    seed draws its own; forgotten, the same graph is drawn again; and a launcher whose children
+    have started keeps none (the children forked after its check start with it built)."""
+    import fedhop.topologies.gossip.rule as rule_module
+    real, draws = rule_module._pair_stubs, []
+
+    def counted(n, d, rng):
+        draws.append((n, d))
+        return real(n, d, rng)
+
+    monkeypatch.setattr(rule_module, "_pair_stubs", counted)
+    text = quadratic_config(np.zeros((12, 2)), np.ones((12, 2)), [1] * 12, seed=4, processes=2,
+                            topology='kind = "gossip"\ngossip_degree = 3')
+    cfg = parse_config(text)                              # the config check draws it
+    drawn = len(draws)
+    assert drawn >= 1 and built_rule.cache_info().currsize == 1
+    rule = GossipRule.from_config(cfg)
+    assert GossipRule.from_config(parse_config(text)) is rule and len(draws) == drawn   # no second draw
+    other = GossipRule.from_config(parse_config(text.replace("seed = 4", "seed = 5")))
+    assert other is not rule and len(draws) > drawn       # its own draw
+    forget_process_memos()
+    again = GossipRule.from_config(cfg)
+    assert again is not rule and again.graph == rule.graph and again.W.dense().tolist() == rule.W.dense().tolist()
+    run = LocalRun(cfg, tmp_path / "run")
+    run.run_dir.mkdir(parents=True)
+    try:
+        run.start([])
+        assert built_rule.cache_info().currsize == 0      # the launcher runs no rounds: nothing kept
+    finally:
+        run.stop_all()
 
 
 def test_the_mixing_weights_of_a_ring_of_a_million_clients_build_in_closed_form():

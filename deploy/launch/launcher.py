@@ -27,6 +27,7 @@ from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
 from fedhop.common.topologies.plan import plan_processes
 from fedhop.common.transport.factory import TRANSPORTS, transport
 from fedhop.common.transport.placement import DeviceError, describe, plan_devices, resolve_config
+from fedhop.common.util.memo import forget_process_memos
 from fedhop.common.util.nodeids import id_spec
 from fedhop.common.util.plugins import ALLOW_ENV, PLUGIN_PATH_ENV, allow_list_from, config_plugins
 from fedhop.common.util.procexit import (
@@ -157,6 +158,7 @@ class LocalRun:
                                           "--window-bytes", str(self.cfg.transport.window_bytes),
                                           "--threads", str(self.cfg.run.torch_threads)] + self.security_args()
                            + self.device_args(proc.node_id))
+        forget_process_memos()   # the children have what the config check built (common/util/memo.py)
         self._wait_for_address(server, port_file)
         return server
 
@@ -583,6 +585,8 @@ def run_local(config_path: str, overrides: list[str], out: str | None, quiet: bo
             reason, code = stop_reason(exc)
             print(f"\nfedhop run: {reason}", file=sys.stderr)
             return code
+        finally:   # a Python API caller's process keeps nothing the run built from its config
+            forget_process_memos()
 
 
 def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: bool, show_table: bool,

@@ -25,7 +25,8 @@ class GossipParams:
 
     `gossip_edges`: the graph's undirected edges [[0, 1], [1, 2], ...] between client ids.
     `gossip_degree`: d > 0 instead: a random d-regular graph from the stream
-    "topology/gossip_graph" of run.seed (drawn in each process: about 5 s at 100,000 clients).  Neither: the ring
+    "topology/gossip_graph" of run.seed (drawn once in each process, and the processes `fedhop run`
+    forks start with it drawn: about 7 s with its weights at 100,000 clients).  Neither: the ring
     0-1-...-(n-1)-0.
     """
 

@@ -1,6 +1,7 @@
 """Gossip learning (D-PSGD, Lian et al. 2017, "Can Decentralized Algorithms Outperform
 Centralized Algorithms?"): the client graph and its mixing matrix, which every process computes
-from the config (topologies/gossip/driver.py is the server's control plane, topologies/gossip/client.py the clients').
+from the config, once (`built_rule`); topologies/gossip/driver.py is the server's control plane,
+topologies/gossip/client.py the clients'.
 
 - **Graph.** `topology.gossip_edges`: explicit undirected edges [[0, 1], [1, 2], ...] between
   client ids; or `topology.gossip_degree = d`: a random d-regular graph drawn from the stream
@@ -29,6 +30,7 @@ from sortedcontainers import SortedList
 
 from fedhop.common.topologies.edgeweights import GraphWeights
 from fedhop.common.topologies.graphs import connected, ring_graph, shown_graph
+from fedhop.common.util.memo import process_memo
 from fedhop.common.util.rng import numpy_stream
 
 GRAPH_STREAM = "topology/gossip_graph"
@@ -138,13 +140,10 @@ class GossipRule:
             raise ValueError("topology.gossip_edges: give either gossip_edges or gossip_degree, not both")
         if edges:
             graph = graph_from_edges(edges, n)
-        elif degree:
-            graph = random_regular_graph(n, degree, cfg.run.seed)
-        else:
-            graph = ring_graph(n)
-        if n < 2:
-            raise ValueError(f"topology.kind: gossip needs clients.count >= 2, got {n}")
-        return cls(graph, mh_weights(graph))
+            if n < 2:
+                raise ValueError(f"topology.kind: gossip needs clients.count >= 2, got {n}")
+            return cls(graph, mh_weights(graph))
+        return built_rule(n, degree, cfg.run.seed if degree else 0)
 
     @property
     def edge_count(self) -> int:
@@ -160,6 +159,18 @@ class GossipRule:
                 acc = acc + w * neighbours[j][name]
             out[name] = acc.to(value.dtype)
         return out
+
+
+@process_memo
+def built_rule(n: int, degree: int, seed: int) -> GossipRule:
+    """The rule of the random `degree`-regular graph of `seed` on n clients, or of the ring
+    (`degree` 0): built once per process and kept (common/util/memo.py), since the config check,
+    the driver and each client host ask for it, and at 1,000,000 clients the graph takes a minute
+    and its weights about fifteen seconds more."""
+    graph = random_regular_graph(n, degree, seed) if degree else ring_graph(n)
+    if n < 2:
+        raise ValueError(f"topology.kind: gossip needs clients.count >= 2, got {n}")
+    return GossipRule(graph, mh_weights(graph))
 
 
 def check_config(cfg: Any) -> None:
