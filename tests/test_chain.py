@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from fedhop.common.config import ConfigError, parse_config
 from fedhop.common.records.runstore import RunStore
+from fedhop.common.util.memo import forget_process_memos
 from fedhop.common.util.rng import numpy_stream
 from fedhop.deploy.launch.inmemory import run_inmemory
 from fedhop.deploy.launch.launcher import resume_local, run_local
@@ -187,6 +188,40 @@ def test_a_graph_that_visits_every_pair_is_refused_past_2000_clients(graph, coun
 def _chain_at_scale(n: int, graph: str) -> str:
     from fedhop.deploy.bench.bench_system import _scale_text
     return _scale_text(n, 2, 10, 1, True).replace("[clients]", f'[topology]\nkind = "chain"\ngraph = "{graph}"\n[clients]')
+
+
+@pytest.fixture(autouse=True)
+def _forget_kept_graphs():
+    """A graph this process kept (`built_graph`: a ring of 1,000,000 clients) is not carried into
+    the next test."""
+    yield
+    forget_process_memos()
+
+
+def test_a_built_in_graph_is_built_once_per_process(monkeypatch):
+    """The config check, the driver and each client host ask for the walk's graph: a seeded
+    "random" graph is drawn once in this process and the same lists shared; another seed or
+    max_degree draws its own; forgotten, the same graph is drawn again."""
+    from fedhop.common.topologies import graphs
+    real, draws = graphs.random_graph, []
+
+    def counted(*args, **kwargs):
+        draws.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(graphs, "random_graph", counted)
+    text = walk_config(graph="random").replace("[topology]", "[topology]\nmax_degree = 3")
+    cfg = parse_config(text)                                  # the config check draws it
+    assert len(draws) == 1
+    rule = WalkRule.from_config(cfg, SIZES)
+    assert WalkRule.from_config(parse_config(text), SIZES).graph is rule.graph and len(draws) == 1
+    assert all(len(row) <= 3 for row in rule.graph)
+    WalkRule.from_config(parse_config(text.replace("seed = 8", "seed = 9")), SIZES)
+    WalkRule.from_config(parse_config(text.replace("max_degree = 3", "max_degree = 4")), SIZES)
+    assert len(draws) == 3                                    # each its own
+    forget_process_memos()
+    again = WalkRule.from_config(cfg, SIZES)
+    assert again.graph is not rule.graph and again.graph == rule.graph and len(draws) == 4
 
 
 def test_a_walk_over_a_ring_of_a_million_clients_builds_with_the_closed_form_law():

@@ -35,31 +35,43 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedhop.common.topologies.edgeweights import GraphWeights
+from fedhop.common.util.memo import process_memo
 from fedhop.common.util.rng import numpy_stream
 
 #: the most clients of graph = "random" or "complete": both visit all N(N-1)/2 client pairs (the
-#: seeded "random" construction takes about 3 s at 2,000 clients in each process that reads the config,
-#: and grows as N squared)
+#: seeded "random" construction takes about 3 s at 2,000 clients, once in each process that reads the
+#: config, and grows as N squared)
 MAX_PAIRED_CLIENTS = 2_000
 
 
 def client_graph(spec: str | list, num: int, max_degree: int, seed: int) -> list[list[int]]:
     """The walk's client graph as sorted adjacency lists: a given one validated (symmetric,
     connected), or a built-in kind, which is both by construction."""
-    from fedhop.common.topologies.graphs import check_graph, random_graph, ring_graph
+    from fedhop.common.topologies.graphs import check_graph
     if spec in ("random", "complete") and num > MAX_PAIRED_CLIENTS:
         raise ValueError(f"topology.graph: \"{spec}\" over {num} clients visits all N(N-1)/2 client pairs; at most "
                          f"{MAX_PAIRED_CLIENTS:,} clients (for more: \"ring\" or adjacency lists [[1, 2], ...])")
     if isinstance(spec, list):
         return check_graph(spec, num, "topology.graph", "client ids")
-    if spec == "ring":
-        return ring_graph(num)
-    if spec == "complete":
-        return [[d for d in range(num) if d != c] for c in range(num)]
+    if spec in ("ring", "complete"):
+        return built_graph(spec, num, 0, 0)
     if spec == "random":
-        return random_graph(num, max_degree, seed, stream="topology/client_graph")
+        return built_graph(spec, num, max_degree, seed)
     raise ValueError(f"topology.graph: got {spec!r}, allowed: \"random\", \"ring\", \"complete\" or adjacency "
                      f"lists [[1, 2], ...]")
+
+
+@process_memo
+def built_graph(kind: str, num: int, max_degree: int, seed: int) -> list[list[int]]:
+    """A built-in client graph ("ring", "complete", or "random" of `max_degree` and `seed`), built
+    once per process and kept (common/util/memo.py): the config check, the driver and each client
+    host ask for it, and the seeded "random" one takes about 3 s at 2,000 clients."""
+    from fedhop.common.topologies.graphs import random_graph, ring_graph
+    if kind == "ring":
+        return ring_graph(num)
+    if kind == "complete":
+        return [[d for d in range(num) if d != c] for c in range(num)]
+    return random_graph(num, max_degree, seed, stream="topology/client_graph")
 
 
 def metropolis_hastings(graph: Sequence[Sequence[int]], pi: np.ndarray) -> GraphWeights:
