@@ -165,8 +165,8 @@ class GossipRule:
 def built_rule(n: int, degree: int, seed: int) -> GossipRule:
     """The rule of the random `degree`-regular graph of `seed` on n clients, or of the ring
     (`degree` 0): built once per process and kept (common/util/memo.py), since the config check,
-    the driver and each client host ask for it, and at 1,000,000 clients the graph takes a minute
-    and its weights about fifteen seconds more."""
+    the driver and each client host ask for it, and at 1,000,000 clients the graph alone takes a
+    minute or more."""
     graph = random_regular_graph(n, degree, seed) if degree else ring_graph(n)
     if n < 2:
         raise ValueError(f"topology.kind: gossip needs clients.count >= 2, got {n}")
