@@ -283,6 +283,79 @@ def test_shares_left_from_an_earlier_round_are_dropped_when_the_next_round_steps
     assert list(gossip.inbox) == [(2, 2, 3)]               # the round's own share kept
 
 
+def test_where_neighbours_live_is_told_in_the_first_round_only(tmp_path):
+    """Each client's gossip_step names its neighbours' processes, and each process's gossip_send
+    its clients' neighbours' addresses, in the first round; later rounds send one shared empty
+    message for each (the client processes keep what they were told), and the models are
+    numpy's D-PSGD all the same."""
+    rounds, K, lr = 3, 2, 0.15
+    summary, _ = run_inmemory(parse_config(gossip_config(rounds, K, lr, processes=3)), tmp_path)
+    assert summary["status"] == "completed", summary["error"]
+    sent = [r for r in RunStore(tmp_path / "run.db").messages() if r["src"] == "server" and r["role"] == "sender"]
+
+    def payload_bytes(method: str, round: int) -> list[int]:
+        return [r["payload_bytes"] for r in sent if r["method"] == method and r["round"] == round]
+
+    degree = {c: sum(c in e for e in EDGES) for c in range(N)}
+    first_steps = sorted(payload_bytes("gossip_step", 1))
+    assert len(first_steps) == N and len(set(first_steps)) > 1      # sized by each client's degree
+    assert first_steps[0] > 0 and degree[min(degree, key=degree.get)] < max(degree.values())
+    for r in range(2, rounds + 1):
+        assert payload_bytes("gossip_step", r) == [payload_bytes("gossip_step", r)[0]] * N
+        assert payload_bytes("gossip_step", r)[0] < first_steps[0]
+        later_sends = payload_bytes("gossip_send", r)                 # the same empty message to each process
+        assert len(later_sends) == 3 and len(set(later_sends)) == 1
+        assert all(b > later_sends[0] for b in payload_bytes("gossip_send", 1))
+    models, _ = numpy_dpsgd(rounds, K, lr)
+    final = load_file(str(tmp_path / "model.safetensors"))["w"].double().numpy()
+    np.testing.assert_allclose(final, models[-1].mean(axis=0), atol=2e-5)
+
+
+def test_a_process_registered_again_and_its_clients_neighbours_are_told_again():
+    """The driver tells a client where its neighbours live when its own home or a neighbour's
+    changed since it was last told: every client at first, none while nothing registers again,
+    and after one process registers again its clients and their graph neighbours."""
+    from fedhop.server.driver import ChildNode
+    from fedhop.topologies.gossip.driver import GossipDriver
+    driver = GossipDriver.__new__(GossipDriver)
+    driver.rule = GossipRule.from_config(parse_config(gossip_config(processes=3)))
+    driver.told, driver.near = {}, {}
+    procs = [ChildNode(f"client-proc{k}", "client", f"a{k}", [c for c in range(N) if c % 3 == k]) for k in range(3)]
+    home = {c: procs[c % 3] for c in range(N)}
+    assert driver._untold(home) == set(range(N))
+    driver.told = dict(home)
+    assert driver._untold(home) == set()
+    again = ChildNode("client-proc1", "client", "a1-new", procs[1].clients)
+    moved = {**home, **{c: again for c in again.clients}}           # clients 1 and 4
+    nbrs = {j for i, j in EDGES if i in again.clients} | {i for i, j in EDGES if j in again.clients}
+    assert driver._untold(moved) == set(again.clients) | nbrs
+    assert driver._near(procs[1]) == sorted(nbrs) and driver._near(again) == sorted(nbrs)
+    assert driver.near["client-proc1"][0] is again                  # kept per registration
+
+
+def test_a_step_without_hosts_is_taken_only_for_neighbours_named_before():
+    """A gossip_step may leave out the neighbours' processes the server named in an earlier
+    round; a neighbour never named is refused (BAD_STEP), and shares are checked against what
+    was named."""
+    from fedhop.client.host import ClientHost
+    from fedhop.common.algorithms.base import Payload
+    from fedhop.common.transport.base import HandlerError
+    host = ClientHost(parse_config(gossip_config()), "client-proc0", [0, 1, 2], run_id="")
+    gossip = gossip_of(host)
+    with pytest.raises(HandlerError) as exc:
+        gossip.step("client-2", 1, Payload())
+    assert exc.value.code == "BAD_STEP" and "[1, 3, 5]" in str(exc.value) and 2 not in gossip.half
+    gossip.step("client-2", 1, Payload(scalars={"host:1": "client-proc0", "host:3": "client-proc1",
+                                                "host:5": "client-proc2"}))
+    gossip.step("client-2", 2, Payload())                            # told in round 1
+    model = {k: v + 1.0 for k, v in gossip.models[0].items()}
+    with pytest.raises(HandlerError) as exc:
+        gossip.take_share("client-proc2", "client-2", 2, Payload(tensors=model, scalars={"from": 3}))
+    assert exc.value.code == "WRONG_SENDER"
+    gossip.take_share("client-proc1", "client-2", 2, Payload(tensors=model, scalars={"from": 3}))
+    assert list(gossip.inbox) == [(2, 2, 3)]
+
+
 def test_an_unreachable_client_process_fails_the_run_with_its_reason(tmp_path):
     """Every client mixes with its neighbours, so a client process that cannot be reached fails
     the round and the run (the reason names the step and the client), no partial mix."""

@@ -6,13 +6,16 @@ seeded initial model).  A round is three calls from the server, each answered wi
 for another process, so no handler thread ever blocks on a peer's handler:
 
 1. `gossip_step` (per logical client): the local steps from x_i; x_i^{1/2} = x_i + Delta_i is kept.
+   The message names the process hosting each neighbour when the server has not told it before
+   (topologies/gossip/driver.py); what it was told is kept for the later rounds.
 2. `gossip_send` (once per process): every hosted client's x_i^{1/2} to each of its graph
    neighbours in a `gossip_share` message (link client-client), 256 hosted clients' shares at a
    time; with `transport.batch` the shares to one process share its calls' bundles, as a
    server's requests to one client process do (common/transport/grpc.py, Batches), else each
    is a call of its own.  One call at a time, so a peer's per-caller call slots are never
    exceeded; a neighbour hosted in this same process is called over the transport too, so the
-   link carries 2 x 4d x |E| tensor bytes a round whatever the placement.
+   link carries 2 x 4d x |E| tensor bytes a round whatever the placement.  The neighbours'
+   addresses come with the call when they are new to this process and are kept for later rounds.
 3. `gossip_mix` (per logical client): x_i <- W_ii x_i^{1/2} + sum_j W_ij x_j^{1/2}; in an
    evaluation round the reply carries x_i (link client-server) for the server's consensus average.
 
@@ -71,7 +74,8 @@ class GossipHost:
         self.models: dict[int, Model] = {c: {k: v.clone() for k, v in initial.items()} for c in host.client_ids}
         self.half: dict[int, tuple[int, Model]] = {}            # client -> (round, x_i^{1/2})
         self.inbox: dict[tuple[int, int, int], Model] = {}      # (round, receiver, sender) -> x_sender^{1/2}
-        self.hosts: dict[int, str] = {}   # neighbour client -> the process hosting it, as the server names it
+        self.hosts: dict[int, str] = {}   # neighbour client -> the process hosting it, as the server named it
+        self.peers: dict[int, str] = {}   # neighbour client -> its process's address, as the server named it
         self.round = 0
         self._lock = threading.Lock()
 
@@ -87,11 +91,17 @@ class GossipHost:
         hosts = {}
         for j in self.rule.graph[client]:
             node = message.scalars.get(f"host:{j}")
+            if node is None:
+                continue   # told in an earlier round (checked below)
             if not isinstance(node, str) or not node:
                 raise HandlerError("BAD_STEP", f"round {round}: gossip_step names no process for client {j}, a "
                                                f"neighbour of client {client}")
             hosts[j] = node
         with self._lock:
+            unknown = [j for j in self.rule.graph[client] if j not in hosts and j not in self.hosts]
+            if unknown:
+                raise HandlerError("BAD_STEP", f"round {round}: no process was ever named for clients {unknown}, "
+                                               f"neighbours of client {client}")
             if round > self.round:   # a new round: shares left from an earlier one are dropped, once
                 self.round = round
                 for stale in [k for k in self.inbox if k[0] < round]:
@@ -106,7 +116,10 @@ class GossipHost:
 
     # ------------------------------------------------------------------ gossip_send
     def send(self, round: int, message: Payload) -> Payload:
-        peers = {p.client_id: p.address for p in control_of(message).walk_peers}
+        told = {p.client_id: p.address for p in control_of(message).walk_peers}
+        with self._lock:
+            self.peers.update(told)
+            peers = self.peers   # only added to, by this method: lookups below need no copy
         for client in self.host.client_ids:   # every share is checked sendable before the first goes
             with self._lock:
                 got = self.half.get(client)

@@ -9,6 +9,13 @@ from the server.  In evaluation rounds (`run.eval_every`, and the last) the mix 
 clients' models (link client-server): the server takes their plain mean x_bar as its model,
 evaluates it and records the consensus distance (1/n) sum_i ||x_i - x_bar||^2.
 
+Where each client lives is told once, not every round: a client's `gossip_step` names the process
+hosting each of its neighbours, and a process's `gossip_send` the addresses of its clients'
+neighbours, only when those changed since they were last told (the first round, and a process
+registered again); otherwise the round's step and send messages are one shared empty message
+each, encoded once, and the client processes keep what they were told (topologies/gossip/client.py).
+A round's control plane is then O(n) however dense the graph.
+
 Every client takes part in every round: a client or process that fails fails the run (its
 neighbours cannot mix without it).  The models live in the client processes, so a gossip run
 has no checkpoints (the config loader refuses `run.checkpoint_every`).
@@ -26,7 +33,7 @@ from fedhop.common.util.nodeids import client_node
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import PayloadError
 from fedhop.common.wire.message import Payload
-from fedhop.server.driver import DriverContext, RoundResult, RunFailed, TopologyDriver, driver_kind
+from fedhop.server.driver import ChildNode, DriverContext, RoundResult, RunFailed, TopologyDriver, driver_kind
 from fedhop.topologies.gossip import GOSSIP_MIX, GOSSIP_SEND, GOSSIP_STEP
 from fedhop.topologies.gossip.rule import MIX_STEP, SEND_STEP, GossipRule
 
@@ -42,6 +49,10 @@ class GossipDriver(TopologyDriver):
         params = ctx.model.state.params
         self.model_in = model_chain({k: (v.dtype, tuple(v.shape)) for k, v in params.items()}, GOSSIP_MIX)
         self.models: dict[int, dict[str, torch.Tensor]] = {}   # the clients' models of the latest evaluation round
+        # the registration (ChildNode) each client's home was last told to its neighbours and itself, and
+        # the clients' neighbours hosted by each process (fixed by the graph and the process's clients)
+        self.told: dict[int, ChildNode] = {}
+        self.near: dict[str, tuple[ChildNode, list[int]]] = {}
 
     def summary(self) -> dict:
         return {**graph_summary(self.rule.graph), "gossip_edges": self.rule.edge_count}
@@ -66,15 +77,21 @@ class GossipDriver(TopologyDriver):
         if missing:
             raise RunFailed(f"round {round}: clients {missing} are not registered")
         home = {c: home[c] for c in range(n)}
+        untold = self._untold(home)
+        known = Payload()   # shared by every client and process told nothing new: encoded once
         steps = self._fan_out(round, [Send(c, home[c].address, client_node(c), GOSSIP_STEP,
-                                           self._step_message(c, home)) for c in range(n)], "gossip_step")
+                                           self._step_message(c, home) if c in untold else known)
+                                      for c in range(n)], "gossip_step")
+        untold_nodes = {home[c].node_id for c in untold}
         sends = []
         for node in sorted({h.node_id: h for h in home.values()}.values(), key=lambda h: h.node_id):
-            near = sorted({j for c in node.clients for j in self.rule.graph[c]})
-            peers = [pb.ClientAddress(client_id=j, address=home[j].address) for j in near]
-            sends.append(Send(node.node_id, node.address, node.node_id, GOSSIP_SEND,
-                              Payload(control=pb.Control(walk_peers=peers)), step=SEND_STEP))
+            message = known
+            if node.node_id in untold_nodes:
+                peers = [pb.ClientAddress(client_id=j, address=home[j].address) for j in self._near(node)]
+                message = Payload(control=pb.Control(walk_peers=peers))
+            sends.append(Send(node.node_id, node.address, node.node_id, GOSSIP_SEND, message, step=SEND_STEP))
         self._fan_out(round, sends, "gossip_send")
+        self.told = home
         evaluate = self._evaluation_due(round)   # as the round engine's metrics evaluate
         mix = Payload(scalars={"return_model": evaluate})
         mixed = self._fan_out(round, [Send(c, home[c].address, client_node(c), GOSSIP_MIX, mix, step=MIX_STEP)
@@ -88,6 +105,23 @@ class GossipDriver(TopologyDriver):
         result = RoundResult(round, list(range(n)), list(range(n)), {}, metrics, time.perf_counter() - started)
         ctx.records.record_round(result)
         return result
+
+    def _untold(self, home: dict[int, ChildNode]) -> set[int]:
+        """The clients to tell where their neighbours live this round: each client whose home
+        changed since it was last told (its process knows nothing of it) and each neighbour of
+        one.  Every client in the first round, none while no process registers again."""
+        told = self.told
+        moved = [c for c, node in home.items() if told.get(c) is not node]
+        graph = self.rule.graph
+        return set(moved).union(*(graph[c] for c in moved))
+
+    def _near(self, node: ChildNode) -> list[int]:
+        """The clients that are graph neighbours of the clients `node` hosts, kept per registration."""
+        kept = self.near.get(node.node_id)
+        if kept is None or kept[0] is not node:
+            kept = (node, sorted({j for c in node.clients for j in self.rule.graph[c]}))
+            self.near[node.node_id] = kept
+        return kept[1]
 
     def _step_message(self, client: int, home: dict) -> Payload:
         """gossip_step: no tensors; the process hosting each neighbour (`host:<j>`), the only
