@@ -229,8 +229,8 @@ class Ledger:
         ends (the records themselves are held and observed at once, as always).  For the replies
         of one reply bundle, which a caller receives together: one system call for all their
         records instead of one a record.  A record made inside is lost with the process if it
-        dies before the end; a callee does not defer, so a request's receipt is on disk before
-        the request is served.  Nested, the outermost writes."""
+        dies before the end; a callee does not defer, so a request's receipt (written once its
+        handler returns) is in the file before its reply goes.  Nested, the outermost writes."""
         if getattr(self._deferring, "lines", None) is not None:
             yield
             return
