@@ -367,6 +367,27 @@ def test_an_unreachable_client_process_fails_the_run_with_its_reason(tmp_path):
     assert RunStore(tmp_path / "run.db").events("client_failed")
 
 
+def test_a_round_past_its_deadline_names_the_key_that_sets_it(tmp_path, monkeypatch):
+    """A gossip phase that outlasts `run.round_timeout` fails the run with a reason naming the key
+    a user raises for a large graph (a client's local steps here take 1 s, the deadline 0.2 s)."""
+    import time
+
+    from fedhop.topologies.gossip.client import GossipHost
+    step = GossipHost.step
+
+    def slow_step(self, dst, round, message):
+        time.sleep(1.0)
+        return step(self, dst, round, message)
+
+    monkeypatch.setattr(GossipHost, "step", slow_step)
+    text = gossip_config(rounds=2).replace("round_timeout = 60.0", "round_timeout = 0.2")
+    assert "round_timeout = 0.2" in text
+    summary, _ = run_inmemory(parse_config(text), tmp_path)
+    assert summary["status"] == "failed" and summary["rounds_completed"] == 0
+    assert "gossip_step failed at client-" in summary["error"]
+    assert "no result within run.round_timeout=0.2s" in summary["error"], summary["error"]
+
+
 def _gossip_at_scale(n: int, topology: str) -> str:
     from fedhop.deploy.bench.bench_system import _scale_text
     return _scale_text(n, 2, 10, 1, True).replace("[clients]", f'[topology]\nkind = "gossip"\n{topology}\n[clients]')

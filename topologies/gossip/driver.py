@@ -59,8 +59,10 @@ class GossipDriver(TopologyDriver):
 
     def _fan_out(self, round: int, sends: list[Send], what: str) -> dict:
         cfg = self.ctx.run.cfg
-        results, failures = self.ctx.fabric.send_and_receive(sends, round=round, timeout=cfg.run.round_timeout,
-                                                             call_timeout=cfg.run.round_timeout)
+        timeout = cfg.run.round_timeout
+        results, failures = self.ctx.fabric.send_and_receive(
+            sends, round=round, timeout=timeout, call_timeout=timeout,
+            timeout_reason=f"timeout: no result within run.round_timeout={timeout}s")
         if failures:
             key, why = sorted(failures.items(), key=lambda kv: str(kv[0]))[0]
             node = client_node(key) if isinstance(key, int) else str(key)
