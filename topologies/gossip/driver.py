@@ -49,10 +49,8 @@ class GossipDriver(TopologyDriver):
         params = ctx.model.state.params
         self.model_in = model_chain({k: (v.dtype, tuple(v.shape)) for k, v in params.items()}, GOSSIP_MIX)
         self.models: dict[int, dict[str, torch.Tensor]] = {}   # the clients' models of the latest evaluation round
-        # the registration (ChildNode) each client's home was last told to its neighbours and itself, and
-        # the clients' neighbours hosted by each process (fixed by the graph and the process's clients)
+        # the registration (ChildNode) each client's home was last told to its neighbours and itself
         self.told: dict[int, ChildNode] = {}
-        self.near: dict[str, tuple[ChildNode, list[int]]] = {}
 
     def summary(self) -> dict:
         return {**graph_summary(self.rule.graph), "gossip_edges": self.rule.edge_count}
@@ -89,7 +87,8 @@ class GossipDriver(TopologyDriver):
         for node in sorted({h.node_id: h for h in home.values()}.values(), key=lambda h: h.node_id):
             message = known
             if node.node_id in untold_nodes:
-                peers = [pb.ClientAddress(client_id=j, address=home[j].address) for j in self._near(node)]
+                near = sorted({j for c in node.clients for j in self.rule.graph[c]})
+                peers = [pb.ClientAddress(client_id=j, address=home[j].address) for j in near]
                 message = Payload(control=pb.Control(walk_peers=peers))
             sends.append(Send(node.node_id, node.address, node.node_id, GOSSIP_SEND, message, step=SEND_STEP))
         self._fan_out(round, sends, "gossip_send")
@@ -116,14 +115,6 @@ class GossipDriver(TopologyDriver):
         moved = [c for c, node in home.items() if told.get(c) is not node]
         graph = self.rule.graph
         return set(moved).union(*(graph[c] for c in moved))
-
-    def _near(self, node: ChildNode) -> list[int]:
-        """The clients that are graph neighbours of the clients `node` hosts, kept per registration."""
-        kept = self.near.get(node.node_id)
-        if kept is None or kept[0] is not node:
-            kept = (node, sorted({j for c in node.clients for j in self.rule.graph[c]}))
-            self.near[node.node_id] = kept
-        return kept[1]
 
     def _step_message(self, client: int, home: dict) -> Payload:
         """gossip_step: no tensors; the process hosting each neighbour (`host:<j>`), the only
