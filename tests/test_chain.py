@@ -174,15 +174,16 @@ def test_chain_config_errors_name_the_key():
         parse_config(walk_config(stationary="[1.0, 2.0]"))
 
 
-@pytest.mark.parametrize("graph,count,said", [("random", 2_001, r"'topology.graph': \"random\" over 2001 clients.*at most 2,000"),
-                                                ("complete", 2_001, r"'topology.graph': \"complete\" over 2001")])
-def test_a_graph_that_visits_every_pair_is_refused_past_2000_clients(graph, count, said):
-    """"random" and "complete" visit every pair of clients: past 2,000 a config error naming the
-    key, where a million clients made the config check run for hours; the largest allowed builds."""
-    from fedhop.topologies.chain.rule import MAX_PAIRED_CLIENTS
+@pytest.mark.parametrize("graph,count,said", [("random", 10_001, r"'topology.graph': \"random\" over 10001 clients.*at most 10,000"),
+                                                ("complete", 2_001, r"'topology.graph': \"complete\" over 2001.*at most 2,000")])
+def test_a_graph_that_visits_every_pair_is_refused_past_its_limit(graph, count, said):
+    """"random" and "complete" visit every pair of clients: past 10,000 and 2,000 a config error
+    naming the key, where a million clients made the config check run for hours; the largest
+    complete graph allowed builds."""
+    from fedhop.topologies.chain.rule import MAX_COMPLETE_CLIENTS
     with pytest.raises(ConfigError, match=said):
         parse_config(_chain_at_scale(count, graph))
-    assert parse_config(_chain_at_scale(MAX_PAIRED_CLIENTS, "complete")).clients.count == MAX_PAIRED_CLIENTS
+    assert parse_config(_chain_at_scale(MAX_COMPLETE_CLIENTS, "complete")).clients.count == MAX_COMPLETE_CLIENTS
 
 
 def _chain_at_scale(n: int, graph: str) -> str:

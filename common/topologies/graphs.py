@@ -12,6 +12,7 @@ from collections import Counter
 from typing import Any, Sequence
 
 from fedhop.common.topologies import builtin_specs, spec_for
+from fedhop.common.topologies.randomgraph import random_graph  # noqa: F401  # re-exported: the seeded "random" graph
 from fedhop.common.util.nodeids import edge_index, edge_node  # noqa: F401  # re-exported: the topology's node names
 from fedhop.common.util.rng import numpy_stream
 
@@ -102,34 +103,6 @@ def ring_graph(num: int) -> list[list[int]]:
     if num <= 2:
         return [[1 - c] if num == 2 else [] for c in range(num)]
     return [[1, num - 1]] + [[c - 1, c + 1] for c in range(1, num - 1)] + [[0, num - 2]]
-
-
-def random_graph(num: int, max_degree: int, seed: int, stream: str = "topology/graph") -> list[list[int]]:
-    """A seeded connected graph on `num` nodes with every degree <= `max_degree`.
-
-    A random spanning tree first (nodes in a seeded order, each joined to a uniformly drawn
-    earlier node that still has a free degree), then every other pair in a seeded order is
-    joined with probability 1/2 while both ends have a free degree (stream `stream`).
-    """
-    if num == 1:
-        return [[]]
-    if max_degree < 2 and num > 2:
-        raise ValueError(f"topology.max_degree: got {max_degree}, a connected graph on {num} nodes needs >= 2")
-    rng = numpy_stream(seed, stream)
-    order = [int(v) for v in rng.permutation(num)]
-    adj: list[set[int]] = [set() for _ in range(num)]
-    for i, v in enumerate(order[1:], start=1):
-        free = [u for u in order[:i] if len(adj[u]) < max_degree]
-        u = free[int(rng.integers(len(free)))]
-        adj[u].add(v)
-        adj[v].add(u)
-    pairs = [(a, b) for a in range(num) for b in range(a + 1, num) if b not in adj[a]]
-    for j in rng.permutation(len(pairs)):
-        a, b = pairs[int(j)]
-        if len(adj[a]) < max_degree and len(adj[b]) < max_degree and rng.random() < 0.5:
-            adj[a].add(b)
-            adj[b].add(a)
-    return [sorted(n) for n in adj]
 
 
 #: the most clients whose graph summary.json lists (`graph_summary`); a larger graph is the

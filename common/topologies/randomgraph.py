@@ -1,0 +1,177 @@
+"""The seeded "random" client or edge graph (`random_graph`): connected, every degree at most
+`max_degree`, drawn by a rule stated over all N(N-1)/2 node pairs and built here without a loop
+over them.
+
+The rule (the draws that decide a graph, in this order, from one stream):
+
+1. `order = permutation(N)`.  A spanning tree: for i = 1..N-1, node order[i] is joined to the
+   k-th node, k = integers(F), of the F nodes among order[0..i-1] (in that order) whose degree is
+   below `max_degree`.
+2. The pairs (a, b), a < b, in lexicographic order, the tree's edges left out: P of them.
+   `permutation(P)` orders them; each pair in that order whose two ends both still have a free
+   degree at its turn draws `random()` and is joined when the draw is below 1/2.  A pair whose end
+   is full at its turn draws nothing.
+
+Built literally, step 1 rescans the tree's free nodes for every node (O(N^2)) and step 2 holds
+and visits P ~ N^2/2 pairs in Python: 3 s at 2,000 clients.  Here the k-th free node is found in
+a Fenwick tree over the order's positions, and step 2 visits pairs in numpy blocks, taking to
+Python only the pairs whose ends were both free at the block's start (a superset of those that
+draw, since a full node stays full); once few nodes are still free, only their pairs' turns are
+looked up in the permutation.  The draws, and so the graph, are the literal rule's
+(tests/test_random_graph.py checks it against the rule written as stated).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from fedhop.common.util.rng import numpy_stream
+
+#: the first block of the pairs' permutation visited together; each next block doubles, up to BLOCK_MAX
+BLOCK_MIN, BLOCK_MAX = 4096, 1 << 20
+
+
+class FreeSlots:
+    """A Fenwick tree over positions 0..n-1, each 0 or 1: a slot's change and the position of the
+    k-th set slot, each in O(log n)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.tree = n, [0] * (n + 1)
+        self.top = 1 << max(n.bit_length() - 1, 0)
+
+    def add(self, position: int, delta: int) -> None:
+        i = position + 1
+        while i <= self.n:
+            self.tree[i] += delta
+            i += i & -i
+
+    def kth(self, k: int) -> int:
+        """The position of the set slot with k set slots before it."""
+        at, step = 0, self.top
+        while step:
+            nxt = at + step
+            if nxt <= self.n and self.tree[nxt] <= k:
+                at = nxt
+                k -= self.tree[nxt]
+            step >>= 1
+        return at
+
+
+class PairIndex:
+    """Pairs (a, b), a < b, of n nodes by their index in lexicographic order, with some pairs left
+    out of the numbering (`left_out`: their indices in the full order)."""
+
+    def __init__(self, n: int, left_out: np.ndarray) -> None:
+        self.n = n
+        rows = np.arange(n, dtype=np.int64)
+        self.row_start = rows * n - rows * (rows + 1) // 2   # the full index of (a, a + 1)
+        self.left_out = np.sort(left_out.astype(np.int64))
+        self._shifted = self.left_out - np.arange(len(self.left_out), dtype=np.int64)
+        self.count = n * (n - 1) // 2 - len(self.left_out)
+
+    def full_index(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self.row_start[a] + (b - a - 1)
+
+    def numbered(self, full: np.ndarray) -> np.ndarray:
+        """The numbering of pairs that are not left out, from their full indices."""
+        return full - np.searchsorted(self.left_out, full)
+
+    def pairs(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The pairs numbered k."""
+        full = k + np.searchsorted(self._shifted, k, side="right")
+        m = 2 * self.n - 1   # row a starts at a (2n - 1 - a) / 2: a from the root, then corrected by one where rounding missed
+        a = ((m - np.sqrt(float(m) * m - 8.0 * full)) // 2).astype(np.int64)
+        np.clip(a, 0, self.n - 2, out=a)
+        a -= self.row_start[a] > full
+        a += (a < self.n - 2) & (self.row_start[np.minimum(a + 1, self.n - 1)] <= full)
+        return a, full - self.row_start[a] + a + 1
+
+
+def random_graph(num: int, max_degree: int, seed: int, stream: str = "topology/graph") -> list[list[int]]:
+    """A seeded connected graph on `num` nodes with every degree <= `max_degree`, as sorted
+    adjacency lists (the rule of the module docstring, from stream `stream`)."""
+    if num == 1:
+        return [[]]
+    if max_degree < 2 and num > 2:
+        raise ValueError(f"topology.max_degree: got {max_degree}, a connected graph on {num} nodes needs >= 2")
+    rng = numpy_stream(seed, stream)
+    adj: list[set[int]] = [set() for _ in range(num)]
+    degree = [0] * num
+    _spanning_tree(rng, [int(v) for v in rng.permutation(num)], adj, degree, max_degree)
+    tree = np.array([a * num - a * (a + 1) // 2 + (b - a - 1) for a in range(num) for b in adj[a] if b > a],
+                    dtype=np.int64)
+    index = PairIndex(num, tree)
+    order = rng.permutation(index.count)
+    free = np.array([d < max_degree for d in degree], dtype=bool)
+    _join_pairs(rng, order, index, adj, degree, free, max_degree)
+    return [sorted(n) for n in adj]
+
+
+def _spanning_tree(rng: np.random.Generator, order: list[int], adj: list[set[int]], degree: list[int],
+                   max_degree: int) -> None:
+    """Step 1: each node of `order` after the first joined to a drawn earlier node with a free degree."""
+    position = {v: i for i, v in enumerate(order)}
+    slots, free_count = FreeSlots(len(order)), 0
+    if max_degree > 0:
+        slots.add(0, 1)
+        free_count = 1
+    for i in range(1, len(order)):
+        v, u = order[i], order[slots.kth(int(rng.integers(free_count)))]   # integers(0) raises, as the rule does
+        adj[u].add(v)
+        adj[v].add(u)
+        degree[u] += 1
+        degree[v] = 1
+        if degree[u] == max_degree:
+            slots.add(position[u], -1)
+            free_count -= 1
+        if degree[v] < max_degree:
+            slots.add(i, 1)
+            free_count += 1
+
+
+def _join_pairs(rng: np.random.Generator, order: np.ndarray, index: PairIndex, adj: list[set[int]],
+                degree: list[int], free: np.ndarray, max_degree: int) -> None:
+    """Step 2 over the pairs numbered in `order`: blocks of it while many nodes are free, then the
+    turns of the remaining free nodes' pairs alone."""
+    at, block, free_left = 0, BLOCK_MIN, int(free.sum())
+    while at < len(order) and free_left >= 2:
+        if free_left * (free_left - 1) // 2 * 8 < len(order) - at:
+            rest = order[at:]
+            a, b = _free_pairs(index, adj, free)
+            turn = np.zeros(index.count, dtype=bool)
+            turn[index.numbered(index.full_index(a, b))] = True
+            a, b = index.pairs(rest[turn[rest]])
+            _visit(rng, a, b, adj, degree, free, max_degree)
+            return
+        a, b = index.pairs(order[at:at + block])
+        at += block
+        block = min(2 * block, BLOCK_MAX)
+        hit = free[a] & free[b]
+        free_left -= _visit(rng, a[hit], b[hit], adj, degree, free, max_degree)
+
+
+def _free_pairs(index: PairIndex, adj: list[set[int]], free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs of free nodes not yet joined (each a < b)."""
+    nodes = np.flatnonzero(free)
+    i, j = np.triu_indices(len(nodes), 1)
+    a, b = nodes[i], nodes[j]
+    joined = np.array([index.row_start[x] + (y - x - 1) for x in nodes.tolist() for y in adj[x] if y > x and free[y]],
+                      dtype=np.int64)
+    apart = ~np.isin(index.full_index(a, b), joined)
+    return a[apart], b[apart]
+
+
+def _visit(rng: np.random.Generator, a: np.ndarray, b: np.ndarray, adj: list[set[int]], degree: list[int],
+           free: np.ndarray, max_degree: int) -> int:
+    """The pairs (a, b) in turn, each drawing when both ends are free at its turn; how many nodes
+    became full."""
+    filled = 0
+    for x, y in zip(a.tolist(), b.tolist()):
+        if degree[x] < max_degree and degree[y] < max_degree and rng.random() < 0.5:
+            adj[x].add(y)
+            adj[y].add(x)
+            for node in (x, y):
+                degree[node] += 1
+                if degree[node] == max_degree:
+                    free[node] = False
+                    filled += 1
+    return filled

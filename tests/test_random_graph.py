@@ -1,0 +1,92 @@
+"""The seeded "random" graph (common/topologies/randomgraph.py) against its rule written as stated:
+the same draws, so the same graph, at every size, degree and seed tried, through both ways step
+2 visits the pairs (blocks, then the free nodes' pairs alone)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedhop.common.topologies import randomgraph
+from fedhop.common.topologies.randomgraph import FreeSlots, PairIndex, random_graph
+from fedhop.common.util.rng import numpy_stream
+
+
+def literal_rule(num: int, max_degree: int, seed: int, stream: str = "topology/graph") -> list[list[int]]:
+    """The module docstring's rule, step by step over Python lists of every free node and every pair."""
+    if num == 1:
+        return [[]]
+    if max_degree < 2 and num > 2:
+        raise ValueError("max_degree")
+    rng = numpy_stream(seed, stream)
+    order = [int(v) for v in rng.permutation(num)]
+    adj: list[set[int]] = [set() for _ in range(num)]
+    for i, v in enumerate(order[1:], start=1):
+        free = [u for u in order[:i] if len(adj[u]) < max_degree]
+        u = free[int(rng.integers(len(free)))]
+        adj[u].add(v)
+        adj[v].add(u)
+    pairs = [(a, b) for a in range(num) for b in range(a + 1, num) if b not in adj[a]]
+    for j in rng.permutation(len(pairs)):
+        a, b = pairs[int(j)]
+        if len(adj[a]) < max_degree and len(adj[b]) < max_degree and rng.random() < 0.5:
+            adj[a].add(b)
+            adj[b].add(a)
+    return [sorted(n) for n in adj]
+
+
+def _either(build, *args):
+    try:
+        return build(*args)
+    except ValueError:
+        return "refused"
+
+
+def test_the_graph_is_the_literal_rules_at_every_size_degree_and_seed(monkeypatch):
+    late = []
+    real = randomgraph._free_pairs
+    monkeypatch.setattr(randomgraph, "_free_pairs", lambda *a: late.append(1) or real(*a))
+    sizes = list(range(1, 24)) + [41, 97, 250, 613]
+    for num in sizes:
+        for max_degree in (0, 1, 2, 3, 5, 8, 40):
+            for seed in (0, 7):
+                expected = _either(literal_rule, num, max_degree, seed, "topology/client_graph")
+                assert _either(random_graph, num, max_degree, seed, "topology/client_graph") == expected, \
+                    (num, max_degree, seed)
+    assert late   # the free nodes' pairs alone were looked up in some of them
+    graph = random_graph(613, 5, 3)
+    assert all(len(row) <= 5 for row in graph) and all(v in graph[u] for v, row in enumerate(graph) for u in row)
+    assert random_graph(613, 5, 3) != random_graph(613, 5, 4)
+
+
+def test_the_pair_numbering_round_trips_with_pairs_left_out():
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 10, 517, 1500):
+        full = n * (n - 1) // 2
+        left_out = rng.choice(full, size=min(full - 1, 3 * n // 2), replace=False)
+        index = PairIndex(n, left_out)
+        a, b = np.triu_indices(n, 1)   # every pair, in lexicographic order: full index = position
+        kept = np.setdiff1d(np.arange(full), left_out)
+        assert index.count == len(kept)
+        got_a, got_b = index.pairs(np.arange(index.count))
+        assert np.array_equal(got_a, a[kept]) and np.array_equal(got_b, b[kept])
+        assert np.array_equal(index.numbered(index.full_index(got_a, got_b)), np.arange(index.count))
+    for n in (10_000, 100_003):   # where each row starts and ends, at sizes where the root is rounded
+        index = PairIndex(n, np.zeros(0, dtype=np.int64))
+        rows = np.arange(n - 1)
+        starts = index.row_start[rows]
+        for k, b in ((starts, rows + 1), (starts + (n - 2 - rows), np.full(n - 1, n - 1))):
+            got_a, got_b = index.pairs(k)
+            assert np.array_equal(got_a, rows) and np.array_equal(got_b, b)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 1000])
+def test_free_slots_find_the_kth_set_position(n):
+    rng = np.random.default_rng(n)
+    slots, present = FreeSlots(n), np.zeros(n, dtype=bool)
+    for _ in range(3 * n):
+        p = int(rng.integers(n))
+        slots.add(p, -1 if present[p] else 1)
+        present[p] = not present[p]
+        where = np.flatnonzero(present)
+        for k in range(len(where)):
+            assert slots.kth(k) == where[k]
