@@ -186,6 +186,20 @@ def test_a_graph_that_visits_every_pair_is_refused_past_its_limit(graph, count, 
     assert parse_config(_chain_at_scale(MAX_COMPLETE_CLIENTS, "complete")).clients.count == MAX_COMPLETE_CLIENTS
 
 
+def test_a_random_graph_past_2000_clients_is_drawn_bounded_connected_and_seeded():
+    """The seeded "random" graph (common/topologies/randomgraph.py) past the 2,000 clients it was
+    once held to: the config check draws it, bounded by max_degree, symmetric and connected, and
+    the walk's rule holds the same graph; another seed draws another."""
+    from fedhop.common.topologies.graphs import connected
+    text = _chain_at_scale(3_000, "random").replace('graph = "random"', 'graph = "random"\nmax_degree = 5')
+    cfg = parse_config(text)
+    graph = client_graph("random", 3_000, 5, cfg.run.seed)
+    assert len(graph) == 3_000 and max(map(len, graph)) == 5 and connected(graph)
+    assert all(c in graph[d] for c, row in enumerate(graph) for d in row)
+    assert WalkRule.from_config(cfg, np.ones(3_000)).graph is graph   # drawn once in this process
+    assert client_graph("random", 3_000, 5, cfg.run.seed + 1) != graph
+
+
 def _chain_at_scale(n: int, graph: str) -> str:
     from fedhop.deploy.bench.bench_system import _scale_text
     return _scale_text(n, 2, 10, 1, True).replace("[clients]", f'[topology]\nkind = "chain"\ngraph = "{graph}"\n[clients]')
