@@ -22,6 +22,8 @@ looked up in the permutation.  The draws, and so the graph, are the literal rule
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import numpy as np
 
 from fedhop.common.util.rng import numpy_stream
@@ -58,13 +60,13 @@ class FreeSlots:
 
 class PairIndex:
     """Pairs (a, b), a < b, of n nodes by their index in lexicographic order, with some pairs left
-    out of the numbering (`left_out`: their indices in the full order)."""
+    out of the numbering (`left_out`: their (a, b) arrays)."""
 
-    def __init__(self, n: int, left_out: np.ndarray) -> None:
+    def __init__(self, n: int, left_out: tuple[np.ndarray, np.ndarray]) -> None:
         self.n = n
         rows = np.arange(n, dtype=np.int64)
         self.row_start = rows * n - rows * (rows + 1) // 2   # the full index of (a, a + 1)
-        self.left_out = np.sort(left_out.astype(np.int64))
+        self.left_out = np.sort(self.full_index(*left_out))
         self._shifted = self.left_out - np.arange(len(self.left_out), dtype=np.int64)
         self.count = n * (n - 1) // 2 - len(self.left_out)
 
@@ -97,9 +99,7 @@ def random_graph(num: int, max_degree: int, seed: int, stream: str = "topology/g
     adj: list[set[int]] = [set() for _ in range(num)]
     degree = [0] * num
     _spanning_tree(rng, [int(v) for v in rng.permutation(num)], adj, degree, max_degree)
-    tree = np.array([a * num - a * (a + 1) // 2 + (b - a - 1) for a in range(num) for b in adj[a] if b > a],
-                    dtype=np.int64)
-    index = PairIndex(num, tree)
+    index = PairIndex(num, _edges(adj, range(num)))   # the tree's edges left out of the numbering
     order = rng.permutation(index.count)
     free = np.array([d < max_degree for d in degree], dtype=bool)
     _join_pairs(rng, order, index, adj, degree, free, max_degree)
@@ -154,10 +154,16 @@ def _free_pairs(index: PairIndex, adj: list[set[int]], free: np.ndarray) -> tupl
     nodes = np.flatnonzero(free)
     i, j = np.triu_indices(len(nodes), 1)
     a, b = nodes[i], nodes[j]
-    joined = np.array([index.row_start[x] + (y - x - 1) for x in nodes.tolist() for y in adj[x] if y > x and free[y]],
-                      dtype=np.int64)
-    apart = ~np.isin(index.full_index(a, b), joined)
+    x, y = _edges(adj, nodes.tolist())
+    apart = ~np.isin(index.full_index(a, b), index.full_index(x[free[y]], y[free[y]]))
     return a[apart], b[apart]
+
+
+def _edges(adj: list[set[int]], nodes: Iterable[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The edges (a, b), a < b, at the given nodes a."""
+    pairs = [(a, b) for a in nodes for b in adj[a] if b > a]
+    return (np.array([a for a, _ in pairs], dtype=np.int64).reshape(-1),
+            np.array([b for _, b in pairs], dtype=np.int64).reshape(-1))
 
 
 def _visit(rng: np.random.Generator, a: np.ndarray, b: np.ndarray, adj: list[set[int]], degree: list[int],
