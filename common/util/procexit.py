@@ -265,7 +265,10 @@ def wait_stoppable(fs: Iterable[Future], timeout: float | None) -> tuple[set[Fut
         stop_point()
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         finished = all_done.event.wait(WAIT_SLICE if left is None else min(left, WAIT_SLICE))
-        if finished or left is not None and left <= WAIT_SLICE:
+        if finished:   # every future is done: no look at each (a lock taken per future)
+            stop_point()
+            return futures, set()
+        if left is not None and left <= WAIT_SLICE:
             stop_point()
             done = {f for f in futures if f.done()}
             return done, futures - done
