@@ -21,9 +21,9 @@ rounds after the first `--skip`:
   handler (`_handle`) and in it `local_update` and the algorithm's `client_update` (the
   training); the reply (`_reply`: its encoding and the two ledger records).
 
-Nested stages are included in their parents' figures.  Each timed call adds about 2 us (two
-`thread_time` readings and a lock), which the figures include.  The run must fork its processes
-(`run.torch_threads = 1` and CPU; deploy/launch/forkstart.py): a process started by exec has no
+Nested stages are included in their parents' figures.  Each timed call adds about 2.5 us (two
+`thread_time` readings and a lock; measured on a no-op method), which the figures include.  The
+run must fork its processes (`run.torch_threads = 1` and CPU; deploy/launch/forkstart.py): a process started by exec has no
 timers, and the script says so (exit 1).  Checked on every run: every client process served at
 least one `train` call, the server's replies equal the clients' `train` calls, and no stage
 exceeds its process's CPU.
@@ -101,7 +101,6 @@ def install(skip: int) -> None:
     _timed(base.Endpoint, "_handle", "handle")
     _timed(base.Endpoint, "_reply", "reply")
     _timed(fabric, "_folded", "fold")
-    _timed(client_host.ClientHost, "train", "train")
     _timed(client_host, "local_update", "local_update")
     _timed(FedAvg, "client_update", "client_update")
     _timed(Coordinator, "run_round", "run_round")
