@@ -35,7 +35,6 @@ import collections
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -189,27 +188,21 @@ def summarise(bodies: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    global _OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="a fedhop run config (TOML)")
     ap.add_argument("--skip", type=int, default=2, help="rounds left out at the start (default 2)")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args(argv)
-    from fedhop.deploy.cli.cli import main as fedhop_main
-    with tempfile.TemporaryDirectory() as tmp:
-        _OUT = Path(tmp) / "sums"
-        _OUT.mkdir()
+    from fedhop.deploy.bench.forked import forked_run
+
+    def timers(folder: Path) -> None:
+        global _OUT
+        _OUT = folder
         install(args.skip)
-        code = fedhop_main(["run", args.config, "--out", str(Path(tmp) / "run"), "--quiet", "--engine", "processes"])
-        if code != 0:
-            print(f"stage_cpu: fedhop run exited {code}", file=sys.stderr)
-            return code   # 2 for a config fedhop refused, as `fedhop run` says it
-        bodies = [json.loads(p.read_text()) for p in sorted(_OUT.glob("*.json"))]
-    try:
-        figures = summarise(bodies)
-    except ValueError as exc:
-        print(f"stage_cpu: {exc}", file=sys.stderr)
-        return 1
+
+    code, figures = forked_run(args.config, timers, "stage_cpu", summarise)
+    if code != 0:
+        return code   # 2 for a config fedhop refused, as `fedhop run` says it; 1 for figures that do not hold
     print(f"{args.config}: {figures['replies']} replies after round {args.skip}, "
           f"{figures['client_processes']} client processes; CPU ms")
     print("  server, per reply:")

@@ -21,6 +21,7 @@ from typing import ClassVar, Protocol
 from fedhop.common.processors.compressors.downlink import DownlinkSender, downlink_coding
 from fedhop.common.processors.compressors.ef21 import message_for as ef21_reset_message
 from fedhop.common.processors.compressors.use import upload_coding
+from fedhop.common.processors.pipeline import ReplyChains
 from fedhop.common.processors.streaming import OrderedFold, StreamedResults, reply_budget
 from fedhop.common.transport.control import control_of, failures_of, sampled_clients
 from fedhop.common.transport.fabric import Send, reply_chain
@@ -86,15 +87,20 @@ class ClientFanout(DataPlane):
         receiver = {cid: home[cid].node_id for cid in sampled}
         fold = round_fold(ctx, self.rounds, sampled, spec, per_client=True)
         ef21 = uses_ef21(cfg)
-        requests = [Send(cid, home[cid].address, client_node(cid), Method.TRAIN,
-                         ef21_message(ctx, ef21, model.client_message(for_receiver(receiver[cid]), round, cid),
-                                      client_node(cid)),
-                         inbound=reply_chain(cfg, spec, Method.TRAIN, rules, model.reply_limits([cid]),
-                                             round=round, peer=client_node(cid), memory=model.state.extra,
-                                             folded=fold is not None),
-                         who=f"round {round} reply of client {cid}",
-                         on_reply=lambda c: arrivals.__setitem__(c, time.perf_counter()))
-                    for cid in sampled]
+        chains = ReplyChains(cfg, spec, Method.TRAIN, rules, round=round, memory=model.state.extra,
+                             folded=fold is not None)
+
+        def arrived(cid: int) -> None:
+            arrivals[cid] = time.perf_counter()
+
+        requests = []
+        for cid in sampled:
+            node = client_node(cid)
+            requests.append(Send(cid, home[cid].address, node, Method.TRAIN,
+                                 ef21_message(ctx, ef21, model.client_message(for_receiver(receiver[cid]), round, cid),
+                                              node),
+                                 inbound=chains.chain(node, model.reply_limits([cid])),
+                                 who=f"round {round} reply of client {cid}", on_reply=arrived))
         timeout = cfg.run.round_timeout
         results, failures = ctx.fabric.send_and_receive(
             requests, round=round, timeout=timeout, call_timeout=cfg.run.call_timeout,

@@ -476,3 +476,11 @@ def test_a_handed_over_message_of_one_data_frame_is_cut_in_the_sending_thread(mo
     enc = encode(hand_over(Payload(tensors={"w": big})), env(msg_id="b"), chunk_bytes=8192)
     assert list(enc.frames.stream()) == eager
     assert len(submitted) >= 3   # the digest's helper, then each of the three cuts
+
+
+def test_varint_len_is_the_length_of_the_varint():
+    """`varint_len(n)` (the framed-byte formulas' varint sizes, worked out without making the bytes)
+    equals len(_varint(n)) at every 7-bit boundary up to 2^64 and on a dense range below 2^17."""
+    values = list(range(0, 1 << 17, 7)) + [(1 << k) + d for k in range(65) for d in (-1, 0, 1) if (1 << k) + d >= 0]
+    assert [codec.varint_len(n) for n in values] == [len(codec._varint(n)) for n in values]
+    assert codec.varint_len(0) == 1 and codec.varint_len(127) == 1 and codec.varint_len(128) == 2

@@ -179,6 +179,58 @@ def test_a_refusal_is_a_payload_error_and_out_processors_run_before_compression(
         pipeline.install(Refuse(), direction="both")  # type: ignore[arg-type]
 
 
+def _chain_as_made_before(cfg, spec, method, scalars, limits, round, peer, memory, folded):
+    """The chain `reply_chain` made for one peer before `ReplyChains`: every part built for it, the
+    bound found by asking each processor in turn (no `known_bound`)."""
+    users = pipeline.installed(method, "in")
+    return pipeline.ProcessorChain([pipeline.Decompress(cfg, spec, memory, sparse=folded and not users),
+                                    pipeline.ValidateReply(spec, scalars, limits), *users], method, "in", round, peer)
+
+
+@pytest.mark.parametrize("compression", ["", 'up = "topk"\nratio = 0.25'])
+def test_a_rounds_reply_chains_are_the_chains_made_one_by_one(compression):
+    """`ReplyChains.chain(peer, limits)` (a round's chains, the parts that do not depend on the peer
+    made once) gives each peer the chain made for it alone: the same processors in the same order
+    with the same fields, the same bound (with and without an upload coding, whose bound is larger
+    than the plain reply's), and the same outcome on a reply and on a refused one."""
+    from fedhop.common.config import parse_config
+    from fedhop.common.processors.validation import ReplyLimits
+    from tests.helpers import quadratic_config
+
+    text = quadratic_config(CENTERS, CURV, SIZES, rounds=1)
+    cfg = parse_config(text + (f"\n[compression]\n{compression}\n" if compression else ""))
+    spec = {"w": (torch.float32, (4,)), "b": (torch.float32, (2, 3))}
+    scalars = {"weight": pipeline.REPLY_SCALARS["weight"]} if "weight" in pipeline.REPLY_SCALARS else None
+    rec = Recorder()
+    remove = pipeline.install(rec, methods=["train"])
+    try:
+        chains = pipeline.ReplyChains(cfg, spec, "train", scalars, round=5, memory={}, folded=True)
+        for cid, weight in ((3, 2.0), (8, None), (11, 7.5)):
+            limits = ReplyLimits(weight=weight, results=1, seconds=9.0)
+            made = chains.chain(f"client-{cid}", limits)
+            before = _chain_as_made_before(cfg, spec, "train", scalars, limits, 5, f"client-{cid}", {}, True)
+            assert [type(p) for p in made.processors] == [type(p) for p in before.processors]
+            assert made.processors[1:] == before.processors[1:]   # ValidateReply (by value), the user's
+            assert made.processors[0] == before.processors[0]     # Decompress: equal fields, one object a round
+            assert made.processors[0] is chains.chain("client-0").processors[0]
+            assert (made.method, made.direction, made.round, made.peer) == ("train", "in", 5, f"client-{cid}")
+            assert made.bound == before.bound and made.bound is not None
+            reply = Payload(tensors={"w": torch.arange(4.0), "b": torch.ones(2, 3)}, scalars={"weight": 1.0})
+            if compression:
+                assert made.bound.data_bytes > pipeline.reply_bound(spec).data_bytes   # the coding's margin
+                continue
+            out = made(reply, f"round 5 reply of client {cid}")
+            assert torch.equal(out.tensors["w"], before(reply, "r").tensors["w"])
+            with pytest.raises(PayloadError, match="BAD_SHAPE"):
+                made(Payload(tensors={"w": torch.zeros(3), "b": torch.ones(2, 3)}, scalars={"weight": 1.0}), "r")
+    finally:
+        remove()
+    if not compression:
+        assert rec.seen.count(("train", "in", 5, "client-3")) == 2 and ("train", "in", 5, "client-11") in rec.seen
+    assert pipeline.reply_chain(cfg, spec, "train", round=2, peer="client-1").bound == \
+        _chain_as_made_before(cfg, spec, "train", None, None, 2, "client-1", None, False).bound
+
+
 # ----------------------------------------------------------------------------- over real processes
 def test_user_processor_sees_every_reply_on_star_and_refuses_one(tmp_path, probe, monkeypatch):
     monkeypatch.setenv("CHAINPROBE_REFUSE", "1")
@@ -217,3 +269,28 @@ def test_user_processor_sees_the_reduced_partial_on_the_torch_path(tmp_path, pro
     assert [(x["method"], x["round"]) for x in lines] == [("torch_reduce", r) for r in range(1, ROUNDS + 1)]
     assert all(x["weight"] == sum(SIZES) for x in lines)   # one partial of every client process's clients
     assert all(x["who"] == f"round {x['round']} reduced partial of the client processes" for x in lines)
+
+
+def test_one_clients_reply_limits_are_shared_by_clients_of_one_weight_bound():
+    """`ReplyLimiter.limits([cid])` (asked for every sampled client of a star round) equals the
+    limits worked out for that client alone, and is one object for all clients of the same weight
+    bound: at 1,000,000 clients the server keeps a few, not one a client it ever sampled."""
+    from fedhop.common.processors.validation import ReplyLimiter, ReplyLimits
+
+    sizes = [5, 9, 5, 13, 9, 5, 0]
+
+    class Task:
+        def num_samples(self, cid: int) -> int:
+            return sizes[cid]
+
+    class Algorithm:
+        def max_weight(self, samples: int) -> float | None:
+            return None if samples == 0 else float(samples) * 1.5
+
+    limiter = ReplyLimiter(Algorithm(), Task(), 12.0)
+    got = [limiter.limits([cid]) for cid in range(len(sizes))]
+    assert got == [ReplyLimits(weight=None if n == 0 else n * 1.5, results=1, seconds=12.0) for n in sizes]
+    assert len({id(x) for x in got}) == len(set(sizes)) == 4
+    assert got[0] is got[2] is got[5] and got[1] is got[4] and got[6].weight is None
+    assert limiter.limits([0, 1, 6]) == ReplyLimits(weight=None, results=3, seconds=12.0)
+    assert limiter.limits([0, 3]) == ReplyLimits(weight=27.0, results=2, seconds=12.0)

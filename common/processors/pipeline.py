@@ -108,9 +108,13 @@ class ProcessorChain:
     round: int = 0
     peer: str = ""
     step: int = 0
+    #: the bound, where whoever made the chain worked it out already (`ReplyChains`: once a round)
+    known_bound: ReplyBound | None = None
 
     @property
     def bound(self) -> ReplyBound | None:
+        if self.known_bound is not None:
+            return self.known_bound
         for p in self.processors:
             b = getattr(p, "bound", None)
             if b is not None:
@@ -402,10 +406,30 @@ def reply_chain(cfg: Any, spec: Spec, method: str, scalars: Mapping[str, ScalarR
     copies of its senders' estimates), ValidateReply, the user's.  `folded`: the reply goes
     straight into a streaming fold (common/processors/streaming.py), so a sparsifier's tensors
     may stay their nonzeros (`Payload.sparse`) unless a user's processor reads the reply (it
-    gets dense tensors, as everywhere else)."""
-    users = installed(method, "in")
-    return ProcessorChain([Decompress(cfg, spec, memory, sparse=folded and not users),
-                           ValidateReply(spec, scalars, limits), *users], str(method), "in", round, peer)
+    gets dense tensors, as everywhere else).  A round's chains for many peers: `ReplyChains`."""
+    return ReplyChains(cfg, spec, method, scalars, round=round, memory=memory, folded=folded).chain(peer, limits)
+
+
+class ReplyChains:
+    """The inbound chains of one round's replies to `method`, one a peer (`chain`), each what
+    `reply_chain` makes.  What does not depend on the peer is made once: the Decompress step,
+    the user's processors and the reply bound, which the fabric reads twice a request (when it
+    groups a round's requests and when it sends them).  A round of 1,000 sampled clients then
+    builds 1,000 ValidateReply steps and chains, not 1,000 of every part (docs/performance.md,
+    "A round's fixed work per sampled client")."""
+
+    def __init__(self, cfg: Any, spec: Spec, method: str, scalars: Mapping[str, ScalarRule] | None = None, *,
+                 round: int = 0, memory: MutableMapping[str, torch.Tensor] | None = None,
+                 folded: bool = False) -> None:
+        self.spec, self.scalars, self.method, self.round = spec, scalars, str(method), round
+        self.users = installed(method, "in")
+        self.decompress = Decompress(cfg, spec, memory, sparse=folded and not self.users)
+        self.bound = self.decompress.bound or reply_bound(spec)   # ValidateReply's when there is no coding
+
+    def chain(self, peer: str = "", limits: ReplyLimits | None = None) -> ProcessorChain:
+        """The chain of `peer`'s reply, under the claims it may make (`limits`)."""
+        return ProcessorChain([self.decompress, ValidateReply(self.spec, self.scalars, limits), *self.users],
+                              self.method, "in", self.round, peer, known_bound=self.bound)
 
 
 def reduced_chain(spec: Spec, method: str, *, round: int = 0, peer: str = "") -> ProcessorChain:

@@ -216,7 +216,9 @@ class ReplyLimiter:
     def __init__(self, algorithm, task, seconds: float) -> None:
         self.algorithm, self.task, self.seconds = algorithm, task, seconds
         self._bound: dict[int, float | None] = {}
-        self._one: dict[int, ReplyLimits] = {}   # one client's limits (a star round asks for each sampled client's)
+        # one client's limits by its weight bound (a star round asks for each sampled client's): a
+        # few objects however many clients there are
+        self._one: dict[float | None, ReplyLimits] = {}
 
     def weight_of(self, cid: int) -> float | None:
         if cid not in self._bound:
@@ -229,9 +231,11 @@ class ReplyLimiter:
 
     def limits(self, cids: list[int]) -> ReplyLimits:
         if len(cids) == 1:
-            one = self._one.get(cids[0])
+            weight = self.weight_of(cids[0])
+            one = self._one.get(weight)
             if one is None:
-                one = self._one[cids[0]] = self._limits(cids)
+                one = self._one[weight] = ReplyLimits(weight=None if weight is None else float(weight), results=1,
+                                                      seconds=self.seconds)
             return one
         return self._limits(cids)
 

@@ -105,6 +105,11 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+def varint_len(n: int) -> int:
+    """len(_varint(n)) for n >= 0, without making the bytes: one byte per started 7 bits."""
+    return (n.bit_length() + 6) // 7 or 1
+
+
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
@@ -396,7 +401,7 @@ class Frames(Sequence):
             full, last = divmod(total, chunk)
             sizes = [chunk] * full + ([last] if last else [])
             trailer = [TRAILER_BYTES] if self._cuts.checksum else []
-            self._lengths = [len(self.header), *(1 + len(_varint(n)) + n for n in sizes), *trailer]
+            self._lengths = [len(self.header), *(1 + varint_len(n) + n for n in sizes), *trailer]
         return list(self._lengths)
 
     def with_header(self, header: bytes) -> "Frames":
@@ -471,14 +476,14 @@ class Encoded:
 def bundle_framing(frame_lengths) -> int:
     """The bytes a `FrameBundle` (one unary request of whole frames) adds to its frames on the
     wire: gRPC's 5-byte prefix once, and each frame's field tag and length varint."""
-    return FRAME_OVERHEAD + sum(1 + len(_varint(n)) for n in frame_lengths)
+    return FRAME_OVERHEAD + sum(1 + varint_len(n) for n in frame_lengths)
 
 
 def frame_framing(frame_lengths) -> int:
     """The bytes each frame adds inside a `FrameBundle` (its field tag and length varint): a
     message's share of a bundle that carries several (a batch); the bundle's 5-byte gRPC prefix
     is the first message's."""
-    return sum(1 + len(_varint(n)) for n in frame_lengths)
+    return sum(1 + varint_len(n) for n in frame_lengths)
 
 
 def split_bundle(frames: list[bytes]) -> list[list[bytes]]:
