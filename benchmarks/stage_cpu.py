@@ -194,13 +194,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args(argv)
     from fedhop.deploy.bench.forked import forked_run
+    from fedhop.deploy.cli.cli import main as fedhop_main
 
     def timers(folder: Path) -> None:
         global _OUT
         _OUT = folder
         install(args.skip)
 
-    code, figures = forked_run(args.config, timers, "stage_cpu", summarise)
+    code, figures = forked_run(fedhop_main, args.config, timers, "stage_cpu", summarise)
     if code != 0:
         return code   # 2 for a config fedhop refused, as `fedhop run` says it; 1 for figures that do not hold
     print(f"{args.config}: {figures['replies']} replies after round {args.skip}, "

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def forked_run(config: str, install: Callable[[Path], None], name: str,
+def forked_run(fedhop_main: Callable[[list[str]], int], config: str, install: Callable[[Path], None], name: str,
                summarise: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
-    """(exit code, `summarise` of the JSON bodies the run's processes wrote).  A code other than 0
+    """(exit code, `summarise` of the JSON bodies the run's processes wrote); `fedhop_main` is the
+    command line's `main` (deploy/cli/cli.py, a tier above this one: the script passes it in).  A code other than 0
     is fedhop's (2 for a config it refused, with its one line), or 1 where `summarise` raises
     ValueError (what does not hold); either is said on stderr as `name`'s."""
-    from fedhop.deploy.cli.cli import main as fedhop_main
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "figures"
         folder.mkdir()
