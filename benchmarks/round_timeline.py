@@ -155,23 +155,22 @@ def round_events(server: list[tuple[float, str]], clients: list[list[tuple[float
     def ms(t: float) -> float:
         return 1000.0 * (t - start)
 
-    def times(events: list[tuple[float, str]], name: str, upto: float) -> list[float]:
-        return [ms(t) for t, e in events if e == name and start <= t < upto]
+    def times(events: list[tuple[float, str]], name: str) -> list[float]:
+        return [ms(t) for t, e in events if e == name and start <= t <= end]
 
     out: dict[str, Any] = {}
     for name in ("round>", "requests<", "complete>", "records>", "records<"):
-        found = times(server, name, end + 1e-9)
+        found = times(server, name)
         out[name] = found[0] if found else None
     out["round<"] = ms(end)
-    sent, folded = times(server, "sent", end), times(server, "folded", end + 1e-9)
+    sent, folded = times(server, "sent"), times(server, "folded")
     out["sent first"], out["sent last"] = (min(sent), max(sent)) if sent else (None, None)
     out["folded first"], out["folded last"] = (min(folded), max(folded)) if folded else (None, None)
     out["clients"] = []
     for events in clients:
-        takes, handles, replies = (times(events, e, end) for e in ("take>", "handle>", "reply<"))
-        if handles:   # a process with no sampled client this round serves nothing
-            out["clients"].append({"take first": min(takes), "handle first": min(handles),
-                                   "reply last": max(replies), "handled": len(handles)})
+        takes, handles, replies = (times(events, e) for e in ("take>", "handle>", "reply<"))
+        if handles and replies:   # a process with no sampled client this round serves nothing
+            out["clients"].append({"take first": min(takes), "handle first": min(handles), "reply last": max(replies)})
     return out
 
 
@@ -193,8 +192,8 @@ def check_round(r: dict[str, Any]) -> str | None:
         if c["take first"] < r["sent first"]:
             return f"client process {i} decoded a request at {c['take first']:.3f} ms, before the server's " \
                    f"first call at {r['sent first']:.3f} ms"
-    if r["folded first"] is None or r["folded first"] < min(c["handle first"] for c in r["clients"]):
-        return f"a reply was folded at {r['folded first']} ms, before any client process handled a request"
+    if r["folded first"] < min(c["handle first"] for c in r["clients"]):   # present: "folded last" is
+        return f"a reply was folded at {r['folded first']:.3f} ms, before any client process handled a request"
     last = max(c["reply last"] for c in r["clients"])
     if r["folded last"] < last:
         return f"the last reply was made at {last:.3f} ms, after the server's last fold at {r['folded last']:.3f} ms"

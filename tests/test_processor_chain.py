@@ -200,7 +200,7 @@ def test_a_rounds_reply_chains_are_the_chains_made_one_by_one(compression):
     text = quadratic_config(CENTERS, CURV, SIZES, rounds=1)
     cfg = parse_config(text + (f"\n[compression]\n{compression}\n" if compression else ""))
     spec = {"w": (torch.float32, (4,)), "b": (torch.float32, (2, 3))}
-    scalars = {"weight": pipeline.REPLY_SCALARS["weight"]} if "weight" in pipeline.REPLY_SCALARS else None
+    scalars = {"weight": pipeline.REPLY_SCALARS["weight"]}   # the chains' own scalar rules, passed through
     rec = Recorder()
     remove = pipeline.install(rec, methods=["train"])
     try:

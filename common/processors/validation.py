@@ -234,8 +234,7 @@ class ReplyLimiter:
             weight = self.weight_of(cids[0])
             one = self._one.get(weight)
             if one is None:
-                one = self._one[weight] = ReplyLimits(weight=None if weight is None else float(weight), results=1,
-                                                      seconds=self.seconds)
+                one = self._one[weight] = self._limits(cids)
             return one
         return self._limits(cids)
 
