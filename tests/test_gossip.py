@@ -401,43 +401,93 @@ def _gossip_at_scale(n: int, topology: str) -> str:
     return _scale_text(n, 2, 10, 1, True).replace("[clients]", f'[topology]\nkind = "gossip"\n{topology}\n[clients]')
 
 
-def _pairing_model_by_lists(n: int, d: int, seed: int) -> tuple[list[list[int]], int]:
-    """The pairing model as its docstring states it, on plain lists (a pass over every unpaired
-    stub per draw): the graph and how many draws were started again."""
+def _pairing_in_passes_by_lists(n: int, d: int, seed: int) -> tuple[list[list[int]], int, int]:
+    """random_regular_graph's rule as its docstrings state it, on plain lists and sets: the graph,
+    how many draws were started again, and how many switches were made."""
     from fedhop.common.topologies.graphs import connected
     from fedhop.common.util.rng import numpy_stream
     rng = numpy_stream(seed, "topology/gossip_graph")
+    if d == 2:
+        order = [int(v) for v in rng.permutation(n)]
+        cycle: list[set[int]] = [set() for _ in range(n)]
+        for a, b in zip(order, order[1:] + order[:1]):
+            cycle[a].add(b)
+            cycle[b].add(a)
+        return [sorted(row) for row in cycle], 0, 0
+    switches = 0
     for restarts in range(1000):
-        adj: list[set[int]] = [set() for _ in range(n)]
-        stubs = [v for v in range(n) for _ in range(d)]    # stub v*d+k belongs to node v
+        edges: set[tuple[int, int]] = set()
+        stubs = [v for v in range(n) for _ in range(d)]
         while stubs:
-            a = stubs.pop(int(rng.integers(len(stubs))))
-            fits = [k for k, b in enumerate(stubs) if b != a and b not in adj[a]]
-            if not fits:
+            order = [stubs[k] for k in rng.permutation(len(stubs))]
+            left, joined_any = [], False
+            for a, b in zip(order[0::2], order[1::2]):
+                pair = (min(a, b), max(a, b))
+                if a != b and pair not in edges:     # a pair met earlier in the pass is in `edges` or refused as this one
+                    edges.add(pair)
+                    joined_any = True
+                else:
+                    left += [a, b]
+            stubs = sorted(left)
+            nodes = sorted(set(stubs))
+            if joined_any or any((x, y) not in edges for i, x in enumerate(nodes) for y in nodes[i + 1:]):
+                continue
+            u, v, listed = stubs[0], stubs[1], sorted(edges)
+            for _ in range(10_000):
+                k = int(rng.integers(2 * len(listed)))
+                x, y = listed[k // 2] if k % 2 == 0 else listed[k // 2][::-1]
+                if x not in (u, v) and y not in (u, v) and (min(u, x), max(u, x)) not in edges \
+                        and (min(v, y), max(v, y)) not in edges:
+                    edges -= {listed[k // 2]}
+                    edges |= {(min(u, x), max(u, x)), (min(v, y), max(v, y))}
+                    stubs, switches = stubs[2:], switches + 1
+                    break
+            else:
                 break
-            b = stubs.pop(fits[int(rng.integers(len(fits)))])
-            adj[a].add(b)
-            adj[b].add(a)
+        if stubs:
+            continue
+        adj: list[list[int]] = [[] for _ in range(n)]
+        for a, b in sorted(edges):
+            adj[a].append(b)
+            adj[b].append(a)
         graph = [sorted(row) for row in adj]
-        if not stubs and connected(graph):
-            return graph, restarts
+        if connected(graph):
+            return graph, restarts, switches
     raise AssertionError("no graph")
 
 
-def test_random_regular_graphs_are_the_pairing_model_drawn_from_the_stream():
-    """random_regular_graph finds the partner by rank among the sorted unpaired stubs; the same
-    draws from the same stream as a pass over every stub, restarts included, so the same graph."""
-    restarts = 0
+def test_random_regular_graphs_are_the_pairing_in_passes_drawn_from_the_stream():
+    """random_regular_graph (numpy arrays, a pass at a time) makes the same draws from the same
+    stream as its rule written out on lists, switches and restarts included, so the same graph."""
+    switches = restarts = 0
     for n in range(3, 26):
         for d in range(2, min(n, 8)):
             if n * d % 2 == 0:
                 for seed in range(3):
-                    expected, again = _pairing_model_by_lists(n, d, seed)
+                    expected, again, switched = _pairing_in_passes_by_lists(n, d, seed)
                     assert random_regular_graph(n, d, seed) == expected, (n, d, seed)
                     restarts += again
-    assert restarts > 50            # the cases start again often (a stub with no partner, a split graph)
-    for n, d, seed in ((2_500, 4, 1), (2_600, 3, 2)):   # past the 2,000 clients a pass over every stub allowed
-        assert random_regular_graph(n, d, seed) == _pairing_model_by_lists(n, d, seed)[0]
+                    switches += switched
+    for seed in range(3_000):      # two K4s: 35 of the 19,355 labelled cubic graphs on 8 nodes are disconnected
+        expected, again, _ = _pairing_in_passes_by_lists(8, 3, seed)
+        assert random_regular_graph(8, 3, seed) == expected, seed
+        restarts += again
+    assert switches > 50 and restarts > 3    # both happen: the test sees their draws
+    for n, d, seed in ((2_500, 4, 1), (3_000, 7, 2), (1_001, 2, 3)):
+        assert random_regular_graph(n, d, seed) == _pairing_in_passes_by_lists(n, d, seed)[0]
+
+
+def test_random_regular_graphs_are_close_to_uniform():
+    """The 70 labelled 3-regular graphs on 6 nodes each come out of 7,000 draws about as often
+    (expected 100 each; a draw biased by the pass order or the switch would favour some)."""
+    from collections import Counter
+
+    from fedhop.common.util.rng import numpy_stream
+    from fedhop.topologies.gossip.rule import _pair_stubs
+    rng = numpy_stream(11, "uniformity")
+    counts = Counter(graph.tobytes() for graph in (_pair_stubs(6, 3, rng) for _ in range(7_000)) if graph is not None)
+    assert len(counts) == 70 and sum(counts.values()) == 7_000
+    assert 55 <= min(counts.values()) and max(counts.values()) <= 150, sorted(counts.values())
 
 
 def test_a_random_regular_graph_of_tens_of_thousands_of_clients_builds_in_the_config_check():

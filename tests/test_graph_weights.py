@@ -8,7 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from fedhop.common.numerics.rowsum import sparse_row_sum
+from fedhop.common.numerics import rowsum
+from fedhop.common.numerics.rowsum import sparse_row_sum, sparse_row_sums
 from fedhop.common.topologies.edgeweights import GraphWeights
 from fedhop.common.topologies.graphs import random_graph, ring_graph
 from fedhop.topologies.chain.rule import metropolis_hastings
@@ -55,6 +56,41 @@ def test_a_row_sum_from_its_nonzeros_is_numpys_sum_of_the_whole_row():
         reordered_differs += sum(values[::-1]) != float(row.sum())
     assert reordered_differs > 100   # the order matters: a sum in another order is not this one
     assert sparse_row_sum(10, [], []) == 0.0
+
+
+@pytest.mark.parametrize("n", [5, 100, 129, 1_000, 4_099, 300_007])
+def test_every_rows_sum_at_once_is_numpys_sum_of_each_whole_row(n, monkeypatch):
+    """sparse_row_sums folds the rows of each length together: rows of 0 to 16 entries, spread out
+    (one entry per run numpy sums with its running sums: the folded path) or bunched (two in one
+    run: the row by row path), with magnitudes far apart, each the float np.sum gives its dense row."""
+    rng = np.random.default_rng(n)
+    starts, cols, values = [0], [], []
+    for r in range(300):
+        k = int(rng.integers(0, min(n, 16) + 1))
+        if r % 3 == 0:
+            at = rng.choice(n, size=k, replace=False)
+        elif r % 3 == 1:     # bunched: in a window of 300 columns
+            window = min(n, 300)
+            at = int(rng.integers(0, n - window + 1)) + rng.choice(window, size=min(k, window), replace=False)
+        else:                # spread evenly, a little jitter
+            at = np.unique(np.linspace(0, n - 1, k, dtype=np.int64) + rng.integers(0, max(1, n // (4 * max(k, 1))), k))
+            at = at[at < n]
+        at = np.sort(at)
+        cols.extend(at.tolist())
+        values.extend((rng.random(len(at)) * 10.0 ** rng.integers(-9, 4, len(at))).tolist())
+        starts.append(len(cols))
+    starts_a, cols_a, values_a = np.array(starts), np.array(cols, dtype=np.int64), np.array(values)
+    one_by_one = []
+    monkeypatch.setattr(rowsum, "sparse_row_sum", lambda *a: one_by_one.append(a) or sparse_row_sum(*a))
+    got = sparse_row_sums(n, starts_a, cols_a, values_a)
+    assert 0 < len(one_by_one) and (n <= 128 or len(one_by_one) < 250)   # both paths taken (all one by one up to 128)
+    reordered_differs = 0
+    for r in range(300):
+        row = np.zeros(n)
+        row[cols_a[starts[r]:starts[r + 1]]] = values_a[starts[r]:starts[r + 1]]
+        assert got[r] == float(row.sum()), (n, r)
+        reordered_differs += float(np.sum(values_a[starts[r]:starts[r + 1]][::-1].cumsum()[-1:])) != float(row.sum())
+    assert n < 200 or reordered_differs > 10   # the order of the additions matters in these rows
 
 
 @pytest.mark.parametrize("n", [12, 129, 300, 1500])

@@ -7,7 +7,8 @@ for the chain, their stationary weights), and the diagonal what the row's edges 
 N x N array holds 8 N^2 bytes (3.2 GB at 20,000 clients, in every process that reads the config);
 this holds N + 2E numbers, so a ring of 1,000,000 clients takes 40 MB.  The entries are the bits
 the N x N construction gives: each edge entry is computed by the same float operations, and each
-diagonal entry from the row sum numpy takes over the dense row (common/numerics/rowsum.py).
+diagonal entry from the row sum numpy takes over the dense row (common/numerics/rowsum.py,
+from the row's entries alone).
 """
 from __future__ import annotations
 
@@ -16,14 +17,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from fedhop.common.numerics.rowsum import sparse_row_sum
+from fedhop.common.numerics.rowsum import sparse_row_sums
 
 #: an edge entry from the arrays of the edges' row and column ends (one element per edge)
 EdgeRule = Callable[[np.ndarray, np.ndarray], np.ndarray]
 #: the diagonal from the sums of the rows' edge entries
 DiagonalRule = Callable[[np.ndarray], np.ndarray]
-#: a row of at most this many elements per entry is summed written out (`_row_sums`)
-DENSE_ROW_PER_ENTRY = 2048
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class GraphWeights:
         rows = np.repeat(np.arange(n, dtype=np.int64), degrees)
         cols = np.fromiter((j for row in graph for j in row), dtype=np.int64, count=int(starts[-1]))
         values = np.asarray(edge(rows, cols), dtype=np.float64)
-        return cls(graph, starts, values, diagonal(_row_sums(n, degrees, starts, cols, values)))
+        return cls(graph, starts, values, diagonal(sparse_row_sums(n, starts, cols, values)))
 
     def __len__(self) -> int:
         return len(self.diagonal)
@@ -71,25 +70,3 @@ class GraphWeights:
         out[np.repeat(np.arange(n), degrees), [j for row in self.neighbours for j in row]] = self.edge_values
         out[np.arange(n), np.arange(n)] = self.diagonal
         return out
-
-
-def _row_sums(n: int, degrees: np.ndarray, starts: np.ndarray, cols: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Each row's sum of its edge entries, as `np.sum` of the dense row gives it.  A row of one or
-    two entries sums to the same float in any order; a longer one takes numpy's order: numpy's
-    own sum of the row written out where that costs less than the tree over its entries
-    (`sparse_row_sum`, a few microseconds an entry against about a nanosecond an element)."""
-    sums = np.zeros(n)
-    one_or_two = degrees >= 1
-    sums[one_or_two] = values[starts[:-1][one_or_two]]
-    two = degrees == 2
-    sums[two] = sums[two] + values[starts[:-1][two] + 1]
-    dense_row = np.zeros(n) if n <= DENSE_ROW_PER_ENTRY * int(degrees.max(initial=0)) else None
-    for i in np.flatnonzero(degrees > 2).tolist():
-        s, e = int(starts[i]), int(starts[i + 1])
-        if dense_row is not None and n <= DENSE_ROW_PER_ENTRY * (e - s):
-            dense_row[cols[s:e]] = values[s:e]
-            sums[i] = dense_row.sum()
-            dense_row[cols[s:e]] = 0.0
-        else:
-            sums[i] = sparse_row_sum(n, cols[s:e].tolist(), values[s:e].tolist())
-    return sums

@@ -26,7 +26,7 @@ class GossipParams:
     `gossip_edges`: the graph's undirected edges [[0, 1], [1, 2], ...] between client ids.
     `gossip_degree`: d > 0 instead: a random d-regular graph from the stream
     "topology/gossip_graph" of run.seed (drawn once in each process, and the processes `fedhop run`
-    forks start with it drawn: about 7 s with its weights at 100,000 clients).  Neither: the ring
+    forks start with it drawn: about 4 s with its weights at 1,000,000 clients, d = 4).  Neither: the ring
     0-1-...-(n-1)-0.
     """
 

@@ -4,9 +4,10 @@ from the config, once (`built_rule`); topologies/gossip/driver.py is the server'
 topologies/gossip/client.py the clients'.
 
 - **Graph.** `topology.gossip_edges`: explicit undirected edges [[0, 1], [1, 2], ...] between
-  client ids; or `topology.gossip_degree = d`: a random d-regular graph drawn from the stream
-  ("topology/gossip_graph") of `run.seed` (pairing model with restarts until the graph is
-  simple and connected); neither: the ring 0-1-...-(n-1)-0.  Refused (one line): an id out of
+  client ids; or `topology.gossip_degree = d`: a random connected d-regular graph drawn from
+  the stream ("topology/gossip_graph") of `run.seed` (`random_regular_graph`: the pairing model
+  in passes, drawn again until connected; for d = 2 a uniform cycle); neither: the ring
+  0-1-...-(n-1)-0.  Refused (one line): an id out of
   range, a self-loop, a disconnected graph, n*d odd, d >= n, both keys at once.
 - **Mixing matrix** (Metropolis-Hastings weights, Xiao & Boyd 2004; symmetric and doubly
   stochastic, as D-PSGD's W must be, Lian et al. 2017 Assumption 1):
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-from sortedcontainers import SortedList
 
 from fedhop.common.topologies.edgeweights import GraphWeights
 from fedhop.common.topologies.graphs import connected, ring_graph, shown_graph
@@ -36,6 +36,7 @@ from fedhop.common.util.rng import numpy_stream
 GRAPH_STREAM = "topology/gossip_graph"
 SEND_STEP, MIX_STEP = 1, 2   # envelope steps of gossip_send/gossip_share and gossip_mix (gossip_step: 0)
 MAX_RESTARTS = 1000
+SWITCH_DRAWS = 10_000   # edges drawn for one switch (`_switch`) before a draw starts again
 
 
 def graph_from_edges(edges: Any, n: int) -> list[list[int]]:
@@ -62,11 +63,12 @@ def graph_from_edges(edges: Any, n: int) -> list[list[int]]:
 
 
 def random_regular_graph(n: int, d: int, seed: int) -> list[list[int]]:
-    """A connected simple d-regular graph on n nodes from the stream (seed, GRAPH_STREAM), by the
-    pairing model: node v owns the stubs v*d .. v*d+d-1, and while stubs are unpaired, a stub is
-    drawn uniformly from the unpaired ones (in stub order), then its partner uniformly from the
-    unpaired stubs of the other nodes that are not yet its node's neighbours.  A draw where no stub
-    fits, or whose graph is disconnected, starts again from all stubs (the stream continues)."""
+    """A connected simple d-regular graph on n nodes from the stream (seed, GRAPH_STREAM).
+
+    d = 2: a connected 2-regular graph is one cycle through every node, drawn as the cycle
+    order[0]-order[1]-...-order[n-1]-order[0], order = permutation(n) (uniform over them; a
+    drawn-until-connected pairing would need about sqrt(n) draws).  d >= 3: draws of the pairing
+    model in passes (`_pair_stubs`) until one is connected, the stream continuing."""
     key = "topology.gossip_degree"
     if isinstance(d, bool) or not isinstance(d, int) or d < 1:
         raise ValueError(f"{key}: got {d!r}, must be an int >= 1")
@@ -77,41 +79,106 @@ def random_regular_graph(n: int, d: int, seed: int) -> list[list[int]]:
     if d == 1 and n > 2:
         raise ValueError(f"{key}: a 1-regular graph on {n} clients is never connected")
     rng = numpy_stream(seed, GRAPH_STREAM)
+    if d == 2:
+        return _cycle(rng.permutation(n)).tolist()
     for _ in range(MAX_RESTARTS):
-        graph = _pair_stubs(n, d, rng)
-        if graph is not None and connected(graph):
-            return graph
+        adj = _pair_stubs(n, d, rng)
+        if adj is not None and _connected(adj):
+            return adj.tolist()
     raise ValueError(f"{key}: no connected {d}-regular graph on {n} clients after {MAX_RESTARTS} draws")
 
 
-def _pair_stubs(n: int, d: int, rng: np.random.Generator) -> list[list[int]] | None:
-    """One draw of the pairing model (`random_regular_graph`), or None where a stub has no
-    partner left.  The unpaired stubs are kept sorted (a SortedList: the k-th one, and one's
-    rank, in O(log n)), so a draw costs O(d^2 log n) instead of a pass over every stub.  A node's
-    unpaired stubs are adjacent in that order, so the partner's rank among the fitting stubs is
-    turned into its rank among all by stepping over the barred nodes' stubs, lowest node first."""
-    stubs = SortedList(range(n * d))
-    unpaired = [d] * n                       # each node's stubs not yet paired
-    adj: list[set[int]] = [set() for _ in range(n)]
-    while stubs:
-        a = stubs.pop(int(rng.integers(len(stubs)))) // d
-        unpaired[a] -= 1
-        barred = sorted({a, *adj[a]})        # the partner's node must be neither a nor a neighbour
-        fitting = len(stubs) - sum(unpaired[x] for x in barred)
-        if fitting == 0:
-            return None
-        rank = int(rng.integers(fitting))    # among the fitting stubs, in stub order
-        for x in barred:
-            if not unpaired[x]:
-                continue
-            if stubs.bisect_left(x * d) > rank:   # x's stubs all come after the partner
-                break
-            rank += unpaired[x]
-        b = stubs.pop(rank) // d
-        unpaired[b] -= 1
-        adj[a].add(b)
-        adj[b].add(a)
-    return [sorted(row) for row in adj]
+def _cycle(order: np.ndarray) -> np.ndarray:
+    """The sorted neighbour pairs (n x 2) of the cycle through `order`."""
+    adj = np.empty((len(order), 2), dtype=np.int64)
+    adj[order, 0] = np.roll(order, 1)
+    adj[order, 1] = np.roll(order, -1)
+    adj.sort(axis=1)
+    return adj
+
+
+def _pair_stubs(n: int, d: int, rng: np.random.Generator) -> np.ndarray | None:
+    """One draw of the pairing model in passes (Steger & Wormald's scheme, a pass at a time): the
+    sorted neighbour lists (n x d), or None where the draw ends short of d-regular.
+
+    Every node has d stubs; the unpaired stubs, written as their nodes in ascending order, are
+    ordered by `permutation(len)` and paired up consecutively (first with second, ...).  A pair
+    u, v becomes the edge uv unless u = v, u and v are joined already, or an earlier pair of the
+    same pass is the same pair; the stubs of the other pairs are the next pass's.  After a pass
+    that joins nothing, where no two remaining nodes can be joined (distinct, not yet joined),
+    the first two remaining stubs are joined to an edge's ends instead (`_switch`)."""
+    stubs = np.repeat(np.arange(n, dtype=np.int64), d)
+    joined = np.empty(0, dtype=np.int64)      # the edges so far as u * n + v, u < v, ascending
+    while stubs.size:
+        ordered = stubs[rng.permutation(stubs.size)]
+        pairs = np.stack([np.minimum(ordered[0::2], ordered[1::2]), np.maximum(ordered[0::2], ordered[1::2])], axis=1)
+        keys = pairs[:, 0] * n + pairs[:, 1]
+        first = np.zeros(len(keys), dtype=bool)
+        first[np.unique(keys, return_index=True)[1]] = True   # the first pair of its kind in the pass
+        edge = first & ~_among(keys, joined) & (pairs[:, 0] != pairs[:, 1])
+        new = np.sort(keys[edge])
+        joined = np.insert(joined, np.searchsorted(joined, new), new)
+        stubs = np.sort(pairs[~edge].ravel())
+        if not edge.any() and not _joinable(np.unique(stubs), joined, n, d):
+            switched = _switch(int(stubs[0]), int(stubs[1]), joined, n, rng)
+            if switched is None:
+                return None
+            joined, stubs = switched, stubs[2:]
+    low, high = joined // n, joined % n
+    both_ways = np.sort(np.concatenate([joined, high * n + low]))   # node * n + neighbour, ascending
+    return (both_ways % n).reshape(n, d)
+
+
+def _switch(u: int, v: int, joined: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray | None:
+    """The edges with a drawn edge xy replaced by ux and vy: every node keeps its degree but u and
+    v, which gain one each (u two where u = v).  The edge is drawn with its direction, k =
+    integers(2E): the (k // 2)-th edge in ascending order, low end first for even k, again until
+    neither x nor y is u or v, x is not u's neighbour and y not v's (at most SWITCH_DRAWS draws;
+    None after them)."""
+    for _ in range(SWITCH_DRAWS):
+        k = int(rng.integers(2 * len(joined)))
+        low, high = divmod(int(joined[k // 2]), n)
+        x, y = (low, high) if k % 2 == 0 else (high, low)
+        ux, vy = min(u, x) * n + max(u, x), min(v, y) * n + max(v, y)
+        if x in (u, v) or y in (u, v) or _among(np.array([ux, vy]), joined).any():
+            continue
+        kept = np.delete(joined, k // 2)
+        added = np.array(sorted((ux, vy)), dtype=np.int64)
+        return np.insert(kept, np.searchsorted(kept, added), added)
+    return None
+
+
+def _joinable(nodes: np.ndarray, joined: np.ndarray, n: int, d: int) -> bool:
+    """Whether two of `nodes` (distinct, each with an unpaired stub) are not yet joined.  A node
+    with a free stub has at most d - 1 neighbours, so among d + 1 or more nodes it has a
+    non-neighbour."""
+    if len(nodes) > d:
+        return True
+    u, v = np.triu_indices(len(nodes), 1)
+    return not _among(nodes[u] * n + nodes[v], joined).all()
+
+
+def _among(keys: np.ndarray, ascending: np.ndarray) -> np.ndarray:
+    """Which of `keys` are in the ascending array `ascending`."""
+    at = np.searchsorted(ascending, keys)
+    found = at < len(ascending)
+    found[found] = ascending[at[found]] == keys[found]
+    return found
+
+
+def _connected(adj: np.ndarray) -> bool:
+    """Whether the graph of neighbour lists `adj` (n x d) is connected: a breadth-first walk from
+    node 0, a level at a time."""
+    seen, reached = np.zeros(len(adj), dtype=bool), np.zeros(len(adj), dtype=bool)
+    seen[0] = True
+    level = np.zeros(1, dtype=np.int64)
+    while level.size:
+        reached[adj[level].ravel()] = True
+        reached &= ~seen
+        level = np.flatnonzero(reached)
+        seen[level] = True
+        reached[level] = False
+    return bool(seen.all())
 
 
 def mh_weights(graph: Sequence[Sequence[int]]) -> GraphWeights:
