@@ -90,3 +90,44 @@ def test_free_slots_find_the_kth_set_position(n):
         where = np.flatnonzero(present)
         for k in range(len(where)):
             assert slots.kth(k) == where[k]
+
+
+@pytest.mark.parametrize("listed_free", [256, 2])
+def test_a_graph_past_the_literal_size_has_the_literal_rules_law(monkeypatch, listed_free):
+    """Past LITERAL_MAX_NODES the graph is drawn with the rule's law from other draws: on 5 nodes
+    of degree at most 2 (72 graphs: Hamiltonian paths and cycles) the literal rule and the drawn
+    one (with every turn drawn from the listed pairs, and with pairs drawn from the free nodes
+    down to 2 free) give each graph as often, within the sampling spread, over 8,000 seeds; on
+    7 nodes of degree at most 3 (where step 2 has choices), the same spread of edge counts,
+    degree sequences and edges among three given nodes together."""
+    from collections import Counter
+
+    def law(num: int, max_degree: int, key) -> Counter:
+        return Counter(key(random_graph(num, max_degree, seed)) for seed in range(8_000))
+
+    def shape(g):   # the edge count, the degrees, and the edges among nodes 0-2 (where a pair order would show)
+        return sum(map(len, g)) // 2, tuple(sorted(map(len, g))), sum(b in g[a] for a in range(3) for b in range(a))
+
+    whole = str
+    literal = [law(5, 2, whole), law(7, 3, shape)]
+    monkeypatch.setattr(randomgraph, "LITERAL_MAX_NODES", 0)
+    monkeypatch.setattr(randomgraph, "LISTED_FREE", listed_free)
+    drawn = [law(5, 2, whole), law(7, 3, shape)]
+    assert len(literal[0]) == len(drawn[0]) == 72
+    for a, b in zip(literal, drawn):
+        kinds = set(a) | set(b)
+        statistic = sum((a[k] - b[k]) ** 2 / (a[k] + b[k]) for k in kinds)   # two samples of one law: chi-square
+        df, z = len(kinds) - 1, 4.75                                          # z: a chance of 1e-6 of refusing the same law
+        assert statistic < df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3, (statistic, df)  # Wilson-Hilferty
+    assert random_graph(7, 3, 5) == random_graph(7, 3, 5)   # seeded
+
+
+def test_a_graph_of_300000_nodes_is_bounded_connected_and_seeded_with_few_nodes_short():
+    """300,000 nodes of degree at most 3 (the literal rule would order 4.5 * 10^10 pairs): every
+    degree 1 to 3, symmetric, connected, and all but a handful of nodes full."""
+    from fedhop.common.topologies.graphs import connected
+    graph = random_graph(300_000, 3, 2, "topology/client_graph")
+    degrees = np.array([len(row) for row in graph])
+    assert degrees.min() >= 1 and degrees.max() == 3 and (degrees < 3).sum() < 50
+    assert all(u in graph[v] for u in range(0, 300_000, 97) for v in graph[u])
+    assert connected(graph)

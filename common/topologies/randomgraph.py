@@ -19,6 +19,17 @@ Python only the pairs whose ends were both free at the block's start (a superset
 draw, since a full node stays full); once few nodes are still free, only their pairs' turns are
 looked up in the permutation.  The draws, and so the graph, are the literal rule's
 (tests/test_random_graph.py checks it against the rule written as stated).
+
+Above LITERAL_MAX_NODES nodes step 2 does not order its pairs (2 * 10^6 of them at 2,000 nodes, 5 * 10^11
+at 1,000,000), so the graph is drawn with the same law from other draws (`_drawn_tree`,
+`_join_drawn_pairs`; tests/test_random_graph.py compares the two laws on small graphs), and is not
+the literal rule's graph for its seed.  Step 1 takes its uniform free earlier node from a list.
+In step 2, at each turn of the literal rule, every pair not yet visited whose two ends are free
+is equally likely to be the next such pair visited, and a pair with a full end draws nothing; so
+each turn takes two uniformly drawn free nodes a != b, drawn again where the pair was visited
+already (joined, or its draw was 1/2 or more), and joins them when its draw is below 1/2.  Once
+few free nodes are left, or many drawn pairs in a row were visited already, the free nodes' pairs
+not yet visited are listed and each turn's pair is drawn from the list.
 """
 from __future__ import annotations
 
@@ -30,6 +41,14 @@ from fedhop.common.util.rng import numpy_stream
 
 #: the first block of the pairs' permutation visited together; each next block doubles, up to BLOCK_MAX
 BLOCK_MIN, BLOCK_MAX = 4096, 1 << 20
+#: the most nodes whose step 2 orders all their pairs (the literal rule's draws: 0.1 s at 2,000 nodes, 6 s and
+#: 0.9 GB at 10,000); more draw their pairs as they come
+LITERAL_MAX_NODES = 2_000
+#: free nodes at or below which `_join_drawn_pairs` lists their pairs not yet visited, as it does
+#: after LISTED_AFTER_MISSES drawn pairs in a row that were visited already (few pairs are left to visit)
+LISTED_FREE, LISTED_AFTER_MISSES = 256, 64
+#: the stream's uniform draws taken at once by `_join_drawn_pairs` (the same values drawn one at a time)
+DRAW_BLOCK = 4096
 
 
 class FreeSlots:
@@ -98,6 +117,11 @@ def random_graph(num: int, max_degree: int, seed: int, stream: str = "topology/g
     rng = numpy_stream(seed, stream)
     adj: list[set[int]] = [set() for _ in range(num)]
     degree = [0] * num
+    if num > LITERAL_MAX_NODES:
+        draws = _Draws(rng)
+        _drawn_tree(draws, rng.permutation(num).tolist(), adj, degree, max_degree)
+        _join_drawn_pairs(draws, adj, degree, max_degree)
+        return [sorted(n) for n in adj]
     _spanning_tree(rng, [int(v) for v in rng.permutation(num)], adj, degree, max_degree)
     index = PairIndex(num, _edges(adj, range(num)))   # the tree's edges left out of the numbering
     order = rng.permutation(index.count)
@@ -181,3 +205,103 @@ def _visit(rng: np.random.Generator, a: np.ndarray, b: np.ndarray, adj: list[set
                     free[node] = False
                     filled += 1
     return filled
+
+
+def _drawn_tree(draws: "_Draws", order: list[int], adj: list[set[int]], degree: list[int], max_degree: int) -> None:
+    """Step 1 with the law of `_spanning_tree` and other draws (above LITERAL_MAX_NODES): node
+    order[i] is joined to the k-th, k = floor(u F), of the F earlier nodes with a free degree
+    (`_FreeNodes`)."""
+    free = _FreeNodes([order[0]])
+    for v in order[1:]:
+        u = free.drawn(draws)
+        adj[u].add(v)
+        adj[v].add(u)
+        degree[u] += 1
+        degree[v] = 1
+        if degree[u] == max_degree:
+            free.remove(u)
+        if degree[v] < max_degree:
+            free.add(v)
+
+
+def _join_drawn_pairs(draws: "_Draws", adj: list[set[int]], degree: list[int], max_degree: int) -> None:
+    """Step 2 with its pairs drawn as they come (module docstring, above LITERAL_MAX_NODES).  Every
+    choice is from uniform draws u of `random()` (in blocks of DRAW_BLOCK): the k-th of m things
+    is k = floor(u m); a pair is joined when its own u is below 1/2.  The free nodes start in
+    ascending order (`_FreeNodes`)."""
+    num = len(adj)
+    free = _FreeNodes(v for v in range(num) if degree[v] < max_degree)
+    visited: set[int] = set()                # a < b as a * num + b: pairs that drew 1/2 or more
+
+    def fill(v: int) -> None:
+        degree[v] += 1
+        if degree[v] == max_degree:
+            free.remove(v)
+
+    misses = 0
+    while len(free) > LISTED_FREE and misses < LISTED_AFTER_MISSES:
+        a, b = free.drawn(draws), free.drawn(draws)
+        if a == b or b in adj[a] or min(a, b) * num + max(a, b) in visited:
+            misses += 1
+            continue
+        misses = 0
+        if draws.uniform() < 0.5:
+            adj[a].add(b)
+            adj[b].add(a)
+            fill(a)
+            fill(b)
+        else:
+            visited.add(min(a, b) * num + max(a, b))
+    left = sorted(free.nodes)
+    pairs = [(a, b) for i, a in enumerate(left) for b in left[i + 1:] if b not in adj[a] and a * num + b not in visited]
+    while pairs:
+        a, b = pairs.pop(draws.index(len(pairs)))
+        if draws.uniform() < 0.5:
+            adj[a].add(b)
+            adj[b].add(a)
+            degree[a] += 1
+            degree[b] += 1
+            pairs = [(x, y) for x, y in pairs if degree[x] < max_degree and degree[y] < max_degree]
+
+
+class _FreeNodes:
+    """The nodes with a free degree, in a list: a node added goes last, a node removed has the last
+    one take its place."""
+
+    def __init__(self, nodes: Iterable[int]) -> None:
+        self.nodes = list(nodes)
+        self.place = {v: i for i, v in enumerate(self.nodes)}
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def drawn(self, draws: "_Draws") -> int:
+        return self.nodes[draws.index(len(self.nodes))]
+
+    def add(self, v: int) -> None:
+        self.place[v] = len(self.nodes)
+        self.nodes.append(v)
+
+    def remove(self, v: int) -> None:
+        last, at = self.nodes.pop(), self.place.pop(v)
+        if last != v:
+            self.nodes[at] = last
+            self.place[last] = at
+
+
+class _Draws:
+    """The stream's `random()` values in order, taken DRAW_BLOCK at a time."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng, self.at = rng, 0
+        self.block: list[float] = []
+
+    def uniform(self) -> float:
+        if self.at == len(self.block):
+            self.block, self.at = self.rng.random(DRAW_BLOCK).tolist(), 0
+        self.at += 1
+        return self.block[self.at - 1]
+
+    def index(self, m: int) -> int:
+        """floor(u m) for the next draw u, at most m - 1."""
+        return min(int(self.uniform() * m), m - 1)
