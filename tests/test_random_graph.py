@@ -92,8 +92,7 @@ def test_free_slots_find_the_kth_set_position(n):
             assert slots.kth(k) == where[k]
 
 
-@pytest.mark.parametrize("listed_free", [256, 2])
-def test_a_graph_past_the_literal_size_has_the_literal_rules_law(monkeypatch, listed_free):
+def test_a_graph_past_the_literal_size_has_the_literal_rules_law(monkeypatch):
     """Past LITERAL_MAX_NODES the graph is drawn with the rule's law from other draws: on 5 nodes
     of degree at most 2 (72 graphs: Hamiltonian paths and cycles) the literal rule and the drawn
     one (with every turn drawn from the listed pairs, and with pairs drawn from the free nodes
@@ -108,17 +107,18 @@ def test_a_graph_past_the_literal_size_has_the_literal_rules_law(monkeypatch, li
     def shape(g):   # the edge count, the degrees, and the edges among nodes 0-2 (where a pair order would show)
         return sum(map(len, g)) // 2, tuple(sorted(map(len, g))), sum(b in g[a] for a in range(3) for b in range(a))
 
-    whole = str
-    literal = [law(5, 2, whole), law(7, 3, shape)]
+    literal = [law(5, 2, str), law(7, 3, shape)]
     monkeypatch.setattr(randomgraph, "LITERAL_MAX_NODES", 0)
-    monkeypatch.setattr(randomgraph, "LISTED_FREE", listed_free)
-    drawn = [law(5, 2, whole), law(7, 3, shape)]
-    assert len(literal[0]) == len(drawn[0]) == 72
-    for a, b in zip(literal, drawn):
-        kinds = set(a) | set(b)
-        statistic = sum((a[k] - b[k]) ** 2 / (a[k] + b[k]) for k in kinds)   # two samples of one law: chi-square
-        df, z = len(kinds) - 1, 4.75                                          # z: a chance of 1e-6 of refusing the same law
-        assert statistic < df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3, (statistic, df)  # Wilson-Hilferty
+    for listed_free in (256, 2):
+        monkeypatch.setattr(randomgraph, "LISTED_FREE", listed_free)
+        drawn = [law(5, 2, str), law(7, 3, shape)]
+        assert len(literal[0]) == len(drawn[0]) == 72
+        for a, b in zip(literal, drawn):
+            kinds = set(a) | set(b)
+            statistic = sum((a[k] - b[k]) ** 2 / (a[k] + b[k]) for k in kinds)   # two samples of one law: chi-square
+            df, z = len(kinds) - 1, 4.75                                          # z: a chance of 1e-6 of refusing the same law
+            limit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3   # its 1 - 1e-6 quantile (Wilson-Hilferty)
+            assert statistic < limit, (listed_free, statistic, df)
     assert random_graph(7, 3, 5) == random_graph(7, 3, 5)   # seeded
 
 
