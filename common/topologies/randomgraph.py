@@ -241,7 +241,8 @@ def _join_drawn_pairs(draws: "_Draws", adj: list[set[int]], degree: list[int], m
     misses = 0
     while len(free) > LISTED_FREE and misses < LISTED_AFTER_MISSES:
         a, b = free.drawn(draws), free.drawn(draws)
-        if a == b or b in adj[a] or min(a, b) * num + max(a, b) in visited:
+        key = min(a, b) * num + max(a, b)
+        if a == b or b in adj[a] or key in visited:
             misses += 1
             continue
         misses = 0
@@ -251,7 +252,7 @@ def _join_drawn_pairs(draws: "_Draws", adj: list[set[int]], degree: list[int], m
             fill(a)
             fill(b)
         else:
-            visited.add(min(a, b) * num + max(a, b))
+            visited.add(key)
     left = sorted(free.nodes)
     pairs = [(a, b) for i, a in enumerate(left) for b in left[i + 1:] if b not in adj[a] and a * num + b not in visited]
     while pairs:
