@@ -401,6 +401,41 @@ def _gossip_at_scale(n: int, topology: str) -> str:
     return _scale_text(n, 2, 10, 1, True).replace("[clients]", f'[topology]\nkind = "gossip"\n{topology}\n[clients]')
 
 
+def _one_pairing_by_lists(n: int, d: int, rng) -> tuple[set[tuple[int, int]] | None, int]:
+    """One draw of the pairing model in passes as `_pair_stubs`' docstring states it, on lists and
+    sets: its edges (None where a switch found no edge), and how many switches it made."""
+    edges: set[tuple[int, int]] = set()
+    stubs = [v for v in range(n) for _ in range(d)]
+    switches = 0
+    while stubs:
+        order = [stubs[k] for k in rng.permutation(len(stubs))]
+        left, joined_any = [], False
+        for a, b in zip(order[0::2], order[1::2]):
+            pair = (min(a, b), max(a, b))
+            if a != b and pair not in edges:     # a pair met earlier in the pass is in `edges` or refused as this one
+                edges.add(pair)
+                joined_any = True
+            else:
+                left += [a, b]
+        stubs = sorted(left)
+        nodes = sorted(set(stubs))
+        if joined_any or any((x, y) not in edges for i, x in enumerate(nodes) for y in nodes[i + 1:]):
+            continue
+        u, v, listed = stubs[0], stubs[1], sorted(edges)
+        for _ in range(10_000):
+            k = int(rng.integers(2 * len(listed)))
+            x, y = listed[k // 2] if k % 2 == 0 else listed[k // 2][::-1]
+            if x not in (u, v) and y not in (u, v) and (min(u, x), max(u, x)) not in edges \
+                    and (min(v, y), max(v, y)) not in edges:
+                edges -= {listed[k // 2]}
+                edges |= {(min(u, x), max(u, x)), (min(v, y), max(v, y))}
+                stubs, switches = stubs[2:], switches + 1
+                break
+        else:
+            return None, switches
+    return edges, switches
+
+
 def _pairing_in_passes_by_lists(n: int, d: int, seed: int) -> tuple[list[list[int]], int, int]:
     """random_regular_graph's rule as its docstrings state it, on plain lists and sets: the graph,
     how many draws were started again, and how many switches were made."""
@@ -414,44 +449,21 @@ def _pairing_in_passes_by_lists(n: int, d: int, seed: int) -> tuple[list[list[in
             cycle[a].add(b)
             cycle[b].add(a)
         return [sorted(row) for row in cycle], 0, 0
+    dense = 2 * d > n - 1     # drawn as the complement of an (n - 1 - d)-regular graph
     switches = 0
     for restarts in range(1000):
-        edges: set[tuple[int, int]] = set()
-        stubs = [v for v in range(n) for _ in range(d)]
-        while stubs:
-            order = [stubs[k] for k in rng.permutation(len(stubs))]
-            left, joined_any = [], False
-            for a, b in zip(order[0::2], order[1::2]):
-                pair = (min(a, b), max(a, b))
-                if a != b and pair not in edges:     # a pair met earlier in the pass is in `edges` or refused as this one
-                    edges.add(pair)
-                    joined_any = True
-                else:
-                    left += [a, b]
-            stubs = sorted(left)
-            nodes = sorted(set(stubs))
-            if joined_any or any((x, y) not in edges for i, x in enumerate(nodes) for y in nodes[i + 1:]):
-                continue
-            u, v, listed = stubs[0], stubs[1], sorted(edges)
-            for _ in range(10_000):
-                k = int(rng.integers(2 * len(listed)))
-                x, y = listed[k // 2] if k % 2 == 0 else listed[k // 2][::-1]
-                if x not in (u, v) and y not in (u, v) and (min(u, x), max(u, x)) not in edges \
-                        and (min(v, y), max(v, y)) not in edges:
-                    edges -= {listed[k // 2]}
-                    edges |= {(min(u, x), max(u, x)), (min(v, y), max(v, y))}
-                    stubs, switches = stubs[2:], switches + 1
-                    break
-            else:
-                break
-        if stubs:
+        edges, switched = _one_pairing_by_lists(n, n - 1 - d if dense else d, rng)
+        switches += switched
+        if edges is None:
             continue
+        if dense:
+            edges = {(a, b) for a in range(n) for b in range(a + 1, n)} - edges
         adj: list[list[int]] = [[] for _ in range(n)]
         for a, b in sorted(edges):
             adj[a].append(b)
             adj[b].append(a)
         graph = [sorted(row) for row in adj]
-        if connected(graph):
+        if dense or connected(graph):
             return graph, restarts, switches
     raise AssertionError("no graph")
 
@@ -459,10 +471,11 @@ def _pairing_in_passes_by_lists(n: int, d: int, seed: int) -> tuple[list[list[in
 def test_random_regular_graphs_are_the_pairing_in_passes_drawn_from_the_stream():
     """random_regular_graph (numpy arrays, a pass at a time) makes the same draws from the same
     stream as its rule written out on lists, switches and restarts included, so the same graph."""
-    switches = restarts = 0
+    switches = restarts = dense = 0
     for n in range(3, 26):
-        for d in range(2, min(n, 8)):
+        for d in sorted({*range(2, min(n, 8)), *range(max(2, n - 3), n)}):   # sparse, and dense (complements)
             if n * d % 2 == 0:
+                dense += 2 * d > n - 1
                 for seed in range(3):
                     expected, again, switched = _pairing_in_passes_by_lists(n, d, seed)
                     assert random_regular_graph(n, d, seed) == expected, (n, d, seed)
@@ -472,7 +485,7 @@ def test_random_regular_graphs_are_the_pairing_in_passes_drawn_from_the_stream()
         expected, again, _ = _pairing_in_passes_by_lists(8, 3, seed)
         assert random_regular_graph(8, 3, seed) == expected, seed
         restarts += again
-    assert switches > 50 and restarts > 3    # both happen: the test sees their draws
+    assert switches > 50 and restarts > 3 and dense > 50    # all happen: the test sees their draws
     for n, d, seed in ((2_500, 4, 1), (3_000, 7, 2), (1_001, 2, 3)):
         assert random_regular_graph(n, d, seed) == _pairing_in_passes_by_lists(n, d, seed)[0]
 
@@ -488,6 +501,27 @@ def test_random_regular_graphs_are_close_to_uniform():
     counts = Counter(graph.tobytes() for graph in (_pair_stubs(6, 3, rng) for _ in range(7_000)) if graph is not None)
     assert len(counts) == 70 and sum(counts.values()) == 7_000
     assert 55 <= min(counts.values()) and max(counts.values()) <= 150, sorted(counts.values())
+
+
+def test_dense_regular_graphs_are_complements_close_to_uniform_and_quick():
+    """Where d > (n - 1) / 2 the graph is the complement of an (n - 1 - d)-regular pairing: the 70
+    labelled cubic graphs on 6 nodes (complements of the 2-regular ones) each come out of 7,000
+    seeds about as often, and near-complete graphs of thousands of clients are drawn at once
+    (pairing their own stubs took more than five minutes at d = n - 2 and 1,000 clients)."""
+    from collections import Counter
+    counts = Counter(json.dumps(random_regular_graph(6, 3, seed)) for seed in range(7_000))
+    assert len(counts) == 70
+    assert 55 <= min(counts.values()) and max(counts.values()) <= 150, sorted(counts.values())
+    from fedhop.common.topologies.graphs import connected
+    for n, d in ((1_000, 998), (1_000, 990), (3_000, 2_999), (2_000, 1_000)):
+        adj = np.array(random_regular_graph(n, d, 5))
+        assert adj.shape == (n, d) and (np.diff(adj, axis=1) > 0).all()               # d distinct neighbours each
+        nodes = np.repeat(np.arange(n), d)
+        assert (adj.ravel() != nodes).all()                                              # no self-loop
+        assert np.array_equal(np.sort(nodes * n + adj.ravel()), np.sort(adj.ravel() * n + nodes))   # symmetric
+        assert connected(adj.tolist())
+    missing = [sorted(set(range(1_000)) - {i, *row}) for i, row in enumerate(random_regular_graph(1_000, 998, 5))]
+    assert all(len(m) == 1 and missing[m[0]] == [i] for i, m in enumerate(missing))   # the complement: a perfect matching
 
 
 def test_a_random_regular_graph_of_tens_of_thousands_of_clients_builds_in_the_config_check():

@@ -95,8 +95,8 @@ def test_free_slots_find_the_kth_set_position(n):
 def test_a_graph_past_the_literal_size_has_the_literal_rules_law(monkeypatch):
     """Past LITERAL_MAX_NODES the graph is drawn with the rule's law from other draws: on 5 nodes
     of degree at most 2 (72 graphs: Hamiltonian paths and cycles) the literal rule and the drawn
-    one (with every turn drawn from the listed pairs, and with pairs drawn from the free nodes
-    down to 2 free) give each graph as often, within the sampling spread, over 8,000 seeds; on
+    one (with every pair listed at once and visited in a drawn order, and with pairs drawn from the
+    free nodes down to 2 free) give each graph as often, within the sampling spread, over 8,000 seeds; on
     7 nodes of degree at most 3 (where step 2 has choices), the same spread of edge counts,
     degree sequences and edges among three given nodes together."""
     from collections import Counter
@@ -109,7 +109,8 @@ def test_a_graph_past_the_literal_size_has_the_literal_rules_law(monkeypatch):
 
     literal = [law(5, 2, str), law(7, 3, shape)]
     monkeypatch.setattr(randomgraph, "LITERAL_MAX_NODES", 0)
-    for listed_free in (256, 2):
+    monkeypatch.setattr(randomgraph, "LISTED_PER_SLOT", 0)
+    for listed_free in (256, 2):   # list every pair at once; draw pairs until 2 nodes are free
         monkeypatch.setattr(randomgraph, "LISTED_FREE", listed_free)
         drawn = [law(5, 2, str), law(7, 3, shape)]
         assert len(literal[0]) == len(drawn[0]) == 72
@@ -131,3 +132,23 @@ def test_a_graph_of_300000_nodes_is_bounded_connected_and_seeded_with_few_nodes_
     assert degrees.min() >= 1 and degrees.max() == 3 and (degrees < 3).sum() < 50
     assert all(u in graph[v] for u in range(0, 300_000, 97) for v in graph[u])
     assert connected(graph)
+
+
+def test_a_dense_graph_past_the_literal_size_is_drawn_with_the_rules_edge_count():
+    """Past LITERAL_MAX_NODES with max_degree at N - 1 no node fills, so every pair not in the tree
+    draws once and is joined with chance 1/2: the edge count is (N - 1) + Binomial(P - (N - 1), 1/2),
+    P = N (N - 1) / 2 (within 6 standard deviations), the graph symmetric, bounded and connected.
+    At max_degree N / 2 the degrees stay bounded.  (Drawn pair by pair from a list rebuilt after
+    every join, these took more than two minutes.)"""
+    from fedhop.common.topologies.graphs import connected
+    for num, max_degree in ((2_200, 2_199), (2_500, 1_250)):
+        graph = random_graph(num, max_degree, 3)
+        degrees = np.array([len(row) for row in graph])
+        assert degrees.min() >= 1 and degrees.max() <= max_degree
+        a = np.repeat(np.arange(num), degrees)
+        b = np.concatenate([np.array(row, dtype=np.int64) for row in graph])
+        assert (a != b).all() and np.array_equal(np.sort(a * num + b), np.sort(b * num + a))
+        assert connected(graph)
+        if max_degree == num - 1:
+            drawing = num * (num - 1) // 2 - (num - 1)
+            assert abs(degrees.sum() // 2 - (num - 1) - drawing / 2) < 6 * (drawing / 4) ** 0.5

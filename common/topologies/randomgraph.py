@@ -28,12 +28,16 @@ In step 2, at each turn of the literal rule, every pair not yet visited whose tw
 is equally likely to be the next such pair visited, and a pair with a full end draws nothing; so
 each turn takes two uniformly drawn free nodes a != b, drawn again where the pair was visited
 already (joined, or its draw was 1/2 or more), and joins them when its draw is below 1/2.  Once
-few free nodes are left, or many drawn pairs in a row were visited already, the free nodes' pairs
-not yet visited are listed and each turn's pair is drawn from the list.
+few free nodes are left, or their pairs are no more than four times their free degrees left, or
+many drawn pairs in a row were visited already, the free nodes' pairs not yet visited are listed and visited
+in the order of a drawn permutation of them, a pair with a full end at its turn drawing nothing:
+each is then as likely as any other to be the next pair visited with both ends free, as in the
+rule.  (Drawing each turn's pair from the list and dropping every pair with a full end after each
+join, as this did at first, took minutes above 2,000 nodes at a max_degree near N / 2 or above.)
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -47,6 +51,10 @@ LITERAL_MAX_NODES = 2_000
 #: free nodes at or below which `_join_drawn_pairs` lists their pairs not yet visited, as it does
 #: after LISTED_AFTER_MISSES drawn pairs in a row that were visited already (few pairs are left to visit)
 LISTED_FREE, LISTED_AFTER_MISSES = 256, 64
+#: ... and as it does once the free nodes' pairs are at most LISTED_PER_SLOT times their free degrees left:
+#: a graph that will be dense among its free nodes (max_degree near N / 2 or above) would otherwise draw
+#: most of its pairs one by one
+LISTED_PER_SLOT = 4
 #: the stream's uniform draws taken at once by `_join_drawn_pairs` (the same values drawn one at a time)
 DRAW_BLOCK = 4096
 
@@ -164,13 +172,13 @@ def _join_pairs(rng: np.random.Generator, order: np.ndarray, index: PairIndex, a
             turn = np.zeros(index.count, dtype=bool)
             turn[index.numbered(index.full_index(a, b))] = True
             a, b = index.pairs(rest[turn[rest]])
-            _visit(rng, a, b, adj, degree, free, max_degree)
+            _visit(rng.random, a, b, adj, degree, free, max_degree)
             return
         a, b = index.pairs(order[at:at + block])
         at += block
         block = min(2 * block, BLOCK_MAX)
         hit = free[a] & free[b]
-        free_left -= _visit(rng, a[hit], b[hit], adj, degree, free, max_degree)
+        free_left -= _visit(rng.random, a[hit], b[hit], adj, degree, free, max_degree)
 
 
 def _free_pairs(index: PairIndex, adj: list[set[int]], free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -190,13 +198,13 @@ def _edges(adj: list[set[int]], nodes: Iterable[int]) -> tuple[np.ndarray, np.nd
             np.array([b for _, b in pairs], dtype=np.int64).reshape(-1))
 
 
-def _visit(rng: np.random.Generator, a: np.ndarray, b: np.ndarray, adj: list[set[int]], degree: list[int],
+def _visit(uniform: Callable[[], float], a: np.ndarray, b: np.ndarray, adj: list[set[int]], degree: list[int],
            free: np.ndarray, max_degree: int) -> int:
-    """The pairs (a, b) in turn, each drawing when both ends are free at its turn; how many nodes
-    became full."""
+    """The pairs (a, b) in turn, each drawing `uniform()` when both ends are free at its turn and
+    joined when the draw is below 1/2; how many nodes became full."""
     filled = 0
     for x, y in zip(a.tolist(), b.tolist()):
-        if degree[x] < max_degree and degree[y] < max_degree and rng.random() < 0.5:
+        if degree[x] < max_degree and degree[y] < max_degree and uniform() < 0.5:
             adj[x].add(y)
             adj[y].add(x)
             for node in (x, y):
@@ -228,7 +236,7 @@ def _join_drawn_pairs(draws: "_Draws", adj: list[set[int]], degree: list[int], m
     """Step 2 with its pairs drawn as they come (module docstring, above LITERAL_MAX_NODES).  Every
     choice is from uniform draws u of `random()` (in blocks of DRAW_BLOCK): the k-th of m things
     is k = floor(u m); a pair is joined when its own u is below 1/2.  The free nodes start in
-    ascending order (`_FreeNodes`)."""
+    ascending order (`_FreeNodes`).  The pairs left are then visited as listed (`_visit_listed`)."""
     num = len(adj)
     free = _FreeNodes(v for v in range(num) if degree[v] < max_degree)
     visited: set[int] = set()                # a < b as a * num + b: pairs that drew 1/2 or more
@@ -238,8 +246,10 @@ def _join_drawn_pairs(draws: "_Draws", adj: list[set[int]], degree: list[int], m
         if degree[v] == max_degree:
             free.remove(v)
 
+    slots = sum(max_degree - degree[v] for v in free.nodes)   # the free degrees left
     misses = 0
-    while len(free) > LISTED_FREE and misses < LISTED_AFTER_MISSES:
+    while (len(free) > LISTED_FREE and len(free) * (len(free) - 1) // 2 > LISTED_PER_SLOT * slots
+           and misses < LISTED_AFTER_MISSES):
         a, b = free.drawn(draws), free.drawn(draws)
         key = min(a, b) * num + max(a, b)
         if a == b or b in adj[a] or key in visited:
@@ -251,18 +261,36 @@ def _join_drawn_pairs(draws: "_Draws", adj: list[set[int]], degree: list[int], m
             adj[b].add(a)
             fill(a)
             fill(b)
+            slots -= 2
         else:
             visited.add(key)
-    left = sorted(free.nodes)
-    pairs = [(a, b) for i, a in enumerate(left) for b in left[i + 1:] if b not in adj[a] and a * num + b not in visited]
-    while pairs:
-        a, b = pairs.pop(draws.index(len(pairs)))
-        if draws.uniform() < 0.5:
-            adj[a].add(b)
-            adj[b].add(a)
-            degree[a] += 1
-            degree[b] += 1
-            pairs = [(x, y) for x, y in pairs if degree[x] < max_degree and degree[y] < max_degree]
+    _visit_listed(draws, sorted(free.nodes), visited, adj, degree, max_degree)
+
+
+def _visit_listed(draws: "_Draws", left: list[int], visited: set[int], adj: list[set[int]], degree: list[int],
+                  max_degree: int) -> None:
+    """The pairs a < b of the free nodes `left` neither joined nor `visited` (keys a * N + b), each
+    as likely as any other to be the next one visited: visited in the order of a drawn
+    permutation of them (in blocks, as `_join_pairs` does), a pair drawing only where both its ends
+    are still free at its turn."""
+    num = len(adj)
+    nodes = np.array(left, dtype=np.int64)
+    i, j = np.triu_indices(len(nodes), 1)
+    a, b = nodes[i], nodes[j]
+    x, y = _edges(adj, left)
+    seen = np.concatenate([x * num + y, np.fromiter(visited, dtype=np.int64, count=len(visited))])
+    keep = ~np.isin(a * num + b, seen)
+    a, b = a[keep], b[keep]
+    free = np.zeros(num, dtype=bool)
+    free[nodes] = True
+    order = draws.permutation(len(a))
+    at, block = 0, BLOCK_MIN
+    while at < len(order):
+        turns = order[at:at + block]
+        at += block
+        block = min(2 * block, BLOCK_MAX)
+        hit = free[a[turns]] & free[b[turns]]
+        _visit(draws.uniform, a[turns][hit], b[turns][hit], adj, degree, free, max_degree)
 
 
 class _FreeNodes:
@@ -306,3 +334,7 @@ class _Draws:
     def index(self, m: int) -> int:
         """floor(u m) for the next draw u, at most m - 1."""
         return min(int(self.uniform() * m), m - 1)
+
+    def permutation(self, m: int) -> np.ndarray:
+        """A permutation of range(m) drawn from the stream (after the values already taken in a block)."""
+        return self.rng.permutation(m)

@@ -6,7 +6,8 @@ topologies/gossip/client.py the clients'.
 - **Graph.** `topology.gossip_edges`: explicit undirected edges [[0, 1], [1, 2], ...] between
   client ids; or `topology.gossip_degree = d`: a random connected d-regular graph drawn from
   the stream ("topology/gossip_graph") of `run.seed` (`random_regular_graph`: the pairing model
-  in passes, drawn again until connected; for d = 2 a uniform cycle); neither: the ring
+  in passes, drawn again until connected; for d = 2 a uniform cycle; for d > (n - 1) / 2 the
+  complement of an (n - 1 - d)-regular pairing); neither: the ring
   0-1-...-(n-1)-0.  Refused (one line): an id out of
   range, a self-loop, a disconnected graph, n*d odd, d >= n, both keys at once.
 - **Mixing matrix** (Metropolis-Hastings weights, Xiao & Boyd 2004; symmetric and doubly
@@ -67,8 +68,15 @@ def random_regular_graph(n: int, d: int, seed: int) -> list[list[int]]:
 
     d = 2: a connected 2-regular graph is one cycle through every node, drawn as the cycle
     order[0]-order[1]-...-order[n-1]-order[0], order = permutation(n) (uniform over them; a
-    drawn-until-connected pairing would need about sqrt(n) draws).  d >= 3: draws of the pairing
-    model in passes (`_pair_stubs`) until one is connected, the stream continuing."""
+    drawn-until-connected pairing would need about sqrt(n) draws).  d >= 3 and d > (n - 1) / 2:
+    the complement of an (n - 1 - d)-regular graph drawn by the pairing model in passes
+    (`_pair_stubs`, drawn again only where a draw ends short), since complementing maps the
+    (n - 1 - d)-regular graphs one to one onto the d-regular ones and every graph whose degrees
+    are all at least (n - 1) / 2 is connected (two nodes not joined have more than n - 2
+    neighbours between them, so one in common).  Pairing d stubs a node directly is slow there:
+    almost every pair a pass draws is joined already (d = n - 2 at 1,000 nodes took more than
+    five minutes).  Otherwise: draws of the pairing model in passes until one is connected, the
+    stream continuing."""
     key = "topology.gossip_degree"
     if isinstance(d, bool) or not isinstance(d, int) or d < 1:
         raise ValueError(f"{key}: got {d!r}, must be an int >= 1")
@@ -81,6 +89,12 @@ def random_regular_graph(n: int, d: int, seed: int) -> list[list[int]]:
     rng = numpy_stream(seed, GRAPH_STREAM)
     if d == 2:
         return _cycle(rng.permutation(n)).tolist()
+    if 2 * d > n - 1:
+        for _ in range(MAX_RESTARTS):
+            sparse = _pair_stubs(n, n - 1 - d, rng)
+            if sparse is not None:
+                return _complement(sparse).tolist()
+        raise ValueError(f"{key}: no {d}-regular graph on {n} clients after {MAX_RESTARTS} draws")
     for _ in range(MAX_RESTARTS):
         adj = _pair_stubs(n, d, rng)
         if adj is not None and _connected(adj):
@@ -95,6 +109,15 @@ def _cycle(order: np.ndarray) -> np.ndarray:
     adj[order, 1] = np.roll(order, -1)
     adj.sort(axis=1)
     return adj
+
+
+def _complement(adj: np.ndarray) -> np.ndarray:
+    """The sorted neighbour lists (n x (n - 1 - k)) of the complement of the graph `adj` (n x k)."""
+    n, k = adj.shape
+    joined = np.ones((n, n), dtype=bool)
+    np.fill_diagonal(joined, False)
+    joined[np.repeat(np.arange(n), k), adj.ravel()] = False
+    return np.nonzero(joined)[1].reshape(n, n - 1 - k)
 
 
 def _pair_stubs(n: int, d: int, rng: np.random.Generator) -> np.ndarray | None:
