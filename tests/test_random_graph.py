@@ -138,8 +138,8 @@ def test_a_dense_graph_past_the_literal_size_is_drawn_with_the_rules_edge_count(
     """Past LITERAL_MAX_NODES with max_degree at N - 1 no node fills, so every pair not in the tree
     draws once and is joined with chance 1/2: the edge count is (N - 1) + Binomial(P - (N - 1), 1/2),
     P = N (N - 1) / 2 (within 6 standard deviations), the graph symmetric, bounded and connected.
-    At max_degree N / 2 the degrees stay bounded.  (Drawn pair by pair from a list rebuilt after
-    every join, these took more than two minutes.)"""
+    At max_degree N / 2 the degrees stay bounded.  Both are graphs where the listed pairs number
+    millions (`_visit_listed`)."""
     from fedhop.common.topologies.graphs import connected
     for num, max_degree in ((2_200, 2_199), (2_500, 1_250)):
         graph = random_graph(num, max_degree, 3)

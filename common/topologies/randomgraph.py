@@ -29,11 +29,11 @@ is equally likely to be the next such pair visited, and a pair with a full end d
 each turn takes two uniformly drawn free nodes a != b, drawn again where the pair was visited
 already (joined, or its draw was 1/2 or more), and joins them when its draw is below 1/2.  Once
 few free nodes are left, or their pairs are no more than four times their free degrees left, or
-many drawn pairs in a row were visited already, the free nodes' pairs not yet visited are listed and visited
-in the order of a drawn permutation of them, a pair with a full end at its turn drawing nothing:
-each is then as likely as any other to be the next pair visited with both ends free, as in the
-rule.  (Drawing each turn's pair from the list and dropping every pair with a full end after each
-join, as this did at first, took minutes above 2,000 nodes at a max_degree near N / 2 or above.)
+many drawn pairs in a row were visited already, the free nodes' pairs not yet visited are listed
+and visited in the order of a drawn permutation of them, a pair with a full end at its turn
+drawing nothing: each is then as likely as any other to be the next pair visited with both ends
+free, as in the rule.  (Drawing each turn's pair from the list and rebuilding the list after each
+join would be quadratic in the pairs: millions of them at a max_degree near N / 2 or above.)
 """
 from __future__ import annotations
 

@@ -74,8 +74,8 @@ def random_regular_graph(n: int, d: int, seed: int) -> list[list[int]]:
     (n - 1 - d)-regular graphs one to one onto the d-regular ones and every graph whose degrees
     are all at least (n - 1) / 2 is connected (two nodes not joined have more than n - 2
     neighbours between them, so one in common).  Pairing d stubs a node directly is slow there:
-    almost every pair a pass draws is joined already (d = n - 2 at 1,000 nodes took more than
-    five minutes).  Otherwise: draws of the pairing model in passes until one is connected, the
+    almost every pair a pass draws is joined already, and a last pair's switch rarely fits.
+    Otherwise: draws of the pairing model in passes until one is connected, the
     stream continuing."""
     key = "topology.gossip_degree"
     if isinstance(d, bool) or not isinstance(d, int) or d < 1:
