@@ -13,6 +13,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -295,3 +296,53 @@ def test_a_process_says_at_start_in_one_line_that_it_runs_shared_token_or_plaint
         _, err = server.communicate()
     assert [line for line in err.splitlines() if "SHARED-TOKEN" in line] != [], err[-2000:]
     assert sum(SHARED_TOKEN_NOTE in line for line in err.splitlines()) == 1, err[-2000:]
+
+
+def test_a_busy_plaintext_parent_is_retried_and_never_taken_for_a_tls_one(tmp_path):
+    """A plaintext parent whose port is open but whose calls fail UNAVAILABLE for a while (a loaded
+    machine; a gRPC channel repeats its last error until its reconnect backoff ends) is retried until
+    it answers.  A TLS mismatch is named only where the parent answers a TLS handshake."""
+    from fedhop.common.transport.liveness import Backoff, connection_hint, register_with_backoff
+
+    certs = tmp_path / "pki"
+    write_cluster(certs, ["server", "client-proc0"])
+    plain = GrpcEndpoint("server", Ledger())
+    plain_address = plain.serve(lambda req: None, "127.0.0.1:0",
+                                register_handler=lambda *a: pb.RegisterReply(accepted=True))
+    secure = GrpcEndpoint("server", Ledger(), credentials=NodeCredentials.from_options("server", str(certs), True))
+    tls_address = secure.serve(lambda req: None, "127.0.0.1:0")
+    closed = CallFailed("UNAVAILABLE", "failed to connect to all addresses; last error: UNAVAILABLE: "
+                        "ipv4:127.0.0.1:1: Socket closed")
+    try:
+        assert "cannot reach" in connection_hint(plain_address, closed, tls=False)
+        assert "serves TLS" in connection_hint(tls_address, closed, tls=False)
+        assert "TLS handshake" in connection_hint(tls_address, closed, tls=True)      # mTLS closing on us
+        assert "cannot reach" in connection_hint(plain_address, closed, tls=True)
+
+        class Flaky:
+            """The first five registrations fail as a loaded parent's do; then the real call."""
+            def __init__(self, inner: GrpcEndpoint) -> None:
+                self.inner, self.calls = inner, 0
+
+            def register(self, parent, request, timeout):
+                self.calls += 1
+                if self.calls <= 5:
+                    raise closed
+                return self.inner.register(parent, request, timeout)
+
+        flaky = Flaky(GrpcEndpoint("client-proc0", Ledger()))
+        request = pb.RegisterRequest(node_id="client-proc0", role="client", address="127.0.0.1:1")
+        reply = register_with_backoff(flaky, plain_address, request, deadline_s=20.0,
+                                      backoff=Backoff(base=0.01, cap=0.02))
+        # the parent's own answer came back (it refuses the unproven address: still an answer, not a mismatch)
+        assert reply.node_id == "server" and "ADDRESS_UNPROVEN" in reply.message and flaky.calls == 6
+        flaky.inner.stop(grace=0.1)
+        # against the TLS parent the same failures end registration once they held for 2 s
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="serves TLS"):
+            register_with_backoff(Flaky(GrpcEndpoint("client-proc0", Ledger())), tls_address, request,
+                                  deadline_s=20.0, backoff=Backoff(base=0.01, cap=0.02))
+        assert 2.0 <= time.monotonic() - started < 15.0
+    finally:
+        plain.stop(grace=0.1)
+        secure.stop(grace=0.1)

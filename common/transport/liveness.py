@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections import Counter
@@ -50,6 +51,7 @@ from fedhop.common.wire import fedhop_pb2 as pb
 log = logging.getLogger("fedhop.liveness")
 
 FATAL_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED", "UNIMPLEMENTED")
+MISMATCH_TRIES, MISMATCH_SECONDS = 3, 2.0   # a TLS mismatch ends registration once it held this long
 MAX_GRACE = 60.0   # seconds: the most a pause of the parent itself extends its children's timeout
 EventHook = Callable[[str, str, str], None]   # (kind, node, detail)
 
@@ -72,30 +74,47 @@ class Backoff:
 
 # ----------------------------------------------------------------------------- registration
 def connection_hint(address: str, exc: CallFailed, tls: bool) -> str:
-    """A sentence on the likely cause of a failed call to `address` (plaintext vs TLS, refused)."""
+    """A sentence on the likely cause of a failed call to `address` (plaintext vs TLS, refused).
+
+    A mismatch is named only on evidence: gRPC's TLS stack reporting the handshake, or a TLS
+    handshake of our own with the parent (`_serves_tls`).  An open port alone is none: a plaintext
+    parent under load also fails a call with UNAVAILABLE while its port accepts connections."""
     detail = (exc.detail or "").lower()
     if exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
         return (f"{address} refused this node's credential ({exc.detail}); check the cluster secret "
                 f"(FEDHOP_TOKEN / cluster.secret) or the node certificate")
     if tls and (any(k in detail for k in ("ssl", "handshake", "tls", "certificate"))
-                or exc.code == "UNAVAILABLE" and "socket closed" in detail and _port_open(address)):
+                or exc.code == "UNAVAILABLE" and "socket closed" in detail and _serves_tls(address)):
         # a server that wants a client certificate (mutual TLS) just closes the socket on us
         return (f"the TLS handshake with {address} failed ({exc.detail}): the parent may serve plaintext "
                 f"(then run this process without --certs-dir, with --insecure off loopback), it requires a client "
                 f"certificate from this cluster's CA (mutual TLS), or its certificate is not from this cluster's CA")
-    if not tls and exc.code == "UNAVAILABLE" and _port_open(address):
-        return (f"{address} accepts TCP connections but not plaintext gRPC: it most likely serves TLS. Give this "
+    if not tls and exc.code == "UNAVAILABLE" and _serves_tls(address):
+        return (f"{address} serves TLS and this process speaks plaintext gRPC. Give this "
                 f"process the cluster certificates (--certs-dir DIR from `fedhop certs`), or, on a trusted network, "
                 f"run the parent in plaintext (the server: no security.certs_dir; off loopback every process "
                 f"with --insecure)")
     return f"cannot reach {address} ({exc.code}: {exc.detail})"
 
 
-def _port_open(address: str, timeout: float = 1.0) -> bool:
+def _serves_tls(address: str, timeout: float = 1.0) -> bool:
+    """Whether `address` answers a TLS handshake.  Nothing is verified: the server's certificate
+    is not trusted for anything, only its answering in TLS at all is asked.  A plaintext gRPC
+    server answers a ClientHello with HTTP/2 bytes (WRONG_VERSION_NUMBER) or by closing; a
+    server that wants a client certificate still completes TLS 1.3's handshake or sends an alert,
+    which is TLS too."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
     try:
         port = int(address.rsplit(":", 1)[1])
-        with socket.create_connection((host_of(address), port), timeout=timeout):
+        with socket.create_connection((host_of(address), port), timeout=timeout) as raw, context.wrap_socket(raw):
             return True
+    except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
+        return False
+    except ssl.SSLError as exc:
+        return exc.reason not in ("WRONG_VERSION_NUMBER", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE")
     except (OSError, ValueError, IndexError):
         return False
 
@@ -137,6 +156,7 @@ def register_with_backoff(endpoint, parent: str, request: pb.RegisterRequest, *,
     backoff = backoff or Backoff(name=request.node_id)
     start = time.monotonic()
     attempt = mismatches = 0
+    first_mismatch = start
     while True:
         try:
             return endpoint.register(parent, request, call_timeout)
@@ -144,16 +164,23 @@ def register_with_backoff(endpoint, parent: str, request: pb.RegisterRequest, *,
             hint = connection_hint(parent, exc, tls)
             if exc.code in FATAL_CODES:
                 raise RuntimeError(f"{request.node_id}: registration refused: {hint}") from None
-            # plaintext against TLS (or the reverse) does not heal by waiting: stop after 3 tries
-            mismatches = mismatches + 1 if ("TLS" in hint and "cannot reach" not in hint) else 0
-            if mismatches >= 3:
-                raise RuntimeError(f"{request.node_id}: cannot register with {parent}: {hint}") from None
+            # plaintext against TLS (or the reverse) does not heal by waiting: stop once it held
+            # for MISMATCH_TRIES tries over MISMATCH_SECONDS (a gRPC channel repeats its last error
+            # until its own reconnect backoff, about 1 s, has passed)
+            if "TLS" in hint and "cannot reach" not in hint:
+                mismatches += 1
+                first_mismatch = first_mismatch if mismatches > 1 else time.monotonic()
+                if mismatches >= MISMATCH_TRIES and time.monotonic() - first_mismatch >= MISMATCH_SECONDS:
+                    raise RuntimeError(f"{request.node_id}: cannot register with {parent}: {hint}") from None
+            else:
+                mismatches = 0
             left = deadline_s - (time.monotonic() - start)
             if left <= 0:
                 raise RuntimeError(f"{request.node_id}: could not register with {parent} within {deadline_s:.0f}s: "
                                    f"{hint}") from None
             delay = min(backoff.delay(attempt), left)
-            log.warning("register with %s failed (%s); retry %d in %.2fs", parent, exc.code, attempt + 1, delay)
+            log.warning("register with %s failed (%s: %s); retry %d in %.2fs", parent, exc.code, exc.detail,
+                        attempt + 1, delay)
             time.sleep(delay)
             attempt += 1
 
