@@ -97,3 +97,28 @@ def test_an_address_that_gave_up_fails_at_once_until_a_call_succeeds(callee):
     finally:
         caller.stop()
         proxy.close()
+
+
+def test_a_new_endpoint_does_not_inherit_another_ones_failed_connection():
+    """gRPC shares one connection per address across a process's channels unless told otherwise:
+    an endpoint whose channel failed against a stopped server left a later endpoint (a restarted
+    role, a test's next cluster) the failure's last error until its backoff ended, even with a
+    new server at the address.  Each endpoint's channel now connects on its own."""
+    from fedhop.common.wire import fedhop_pb2 as pb
+
+    request = pb.RegisterRequest(node_id="client-proc0", role="client", address="127.0.0.1:1")
+    first = GrpcEndpoint("server", Ledger())
+    address = first.serve(lambda req: None, "127.0.0.1:0", register_handler=lambda *a: pb.RegisterReply())
+    earlier = GrpcEndpoint("client-proc0", Ledger())
+    later = GrpcEndpoint("client-proc0", Ledger())
+    second = GrpcEndpoint("server", Ledger())
+    try:
+        assert earlier.register(address, request, 5.0).node_id == "server"
+        first.stop(grace=0.1)
+        with pytest.raises(CallFailed):   # the earlier channel's connection is now in its backoff
+            earlier.register(address, request, 1.0)
+        assert second.serve(lambda req: None, address, register_handler=lambda *a: pb.RegisterReply()) == address
+        assert later.register(address, request, 5.0).node_id == "server"   # its own connection: at once
+    finally:
+        for ep in (earlier, later, second):
+            ep.stop(grace=0.1)

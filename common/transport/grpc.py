@@ -272,6 +272,10 @@ class GrpcEndpoint(Endpoint):
                 options = grpc_options(self.max_message_bytes, window_bytes=self.window_bytes)
                 options += [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                             ("grpc.max_reconnect_backoff_ms", 2000)]
+                # a connection of this channel's own: gRPC otherwise shares one per address across the
+                # process's channels, so a new endpoint would inherit an earlier one's failed
+                # connection to the address (its last error, until that backoff ends)
+                options += [("grpc.use_local_subchannel_pool", 1)]
                 options += CALL_OPTIONS
                 tls = self.credentials.channel_credentials() if self.credentials is not None else None
                 if tls is None:
