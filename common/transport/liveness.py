@@ -166,10 +166,11 @@ def register_with_backoff(endpoint, parent: str, request: pb.RegisterRequest, *,
                 raise RuntimeError(f"{request.node_id}: registration refused: {hint}") from None
             # plaintext against TLS (or the reverse) does not heal by waiting: stop once it held
             # for MISMATCH_TRIES tries over MISMATCH_SECONDS (a gRPC channel repeats its last error
-            # until its own reconnect backoff, about 1 s, has passed)
+            # until its reconnect backoff has passed: at most 2 s, GrpcEndpoint.channel)
             if "TLS" in hint and "cannot reach" not in hint:
                 mismatches += 1
-                first_mismatch = first_mismatch if mismatches > 1 else time.monotonic()
+                if mismatches == 1:
+                    first_mismatch = time.monotonic()
                 if mismatches >= MISMATCH_TRIES and time.monotonic() - first_mismatch >= MISMATCH_SECONDS:
                     raise RuntimeError(f"{request.node_id}: cannot register with {parent}: {hint}") from None
             else:
