@@ -547,6 +547,40 @@ def test_stops_deferred_are_noted_and_raised_where_armed_and_a_second_one_never_
         assert stop_noted() is None
 
 
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_stop_while_the_launcher_starts_a_child_is_raised_once_that_child_is_listed(tmp_path, monkeypatch, sig):
+    """`fedhop run` stops the children it lists; a stop arriving between a child's start and its
+    listing is raised after the listing, so that the stop reaches that child too."""
+    from fedhop.common.config import load_config
+    from fedhop.common.util.procexit import Stopped, signals_restored, stop_on_sigterm
+    from fedhop.deploy.launch import launcher
+
+    cfg_path = tmp_path / "run.toml"
+    cfg_path.write_text(config(rounds=1))
+    run = launcher.LocalRun(load_config(str(cfg_path), []), tmp_path / "run")
+    (run.run_dir / "logs").mkdir(parents=True)
+    monkeypatch.setattr(launcher, "fork_allowed", lambda: False)
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen_then_stop(argv, **kwargs):
+        proc = real_popen([PY, "-c", "import time; time.sleep(600)"], **kwargs)
+        started.append(proc)
+        signal.raise_signal(sig)   # its handler runs at this function's next bytecode
+        return proc
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen_then_stop)
+    expected = KeyboardInterrupt if sig == signal.SIGINT else Stopped
+    with signals_restored():
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # as `fedhop run` starts
+        stop_on_sigterm()
+        with pytest.raises(expected):
+            run.spawn("server", ["server"])
+    assert [c.proc.pid for c in run.children] == [started[0].pid]
+    run.stop_all(grace=30)
+    assert started[0].poll() is not None
+
+
 def test_a_wait_on_calls_returns_what_finished_and_raises_a_stop_within_its_slice():
     """`wait_stoppable` in the rounds (`stops_at_waits`): every call finished, or at the deadline
     the ones that did not; a stop noted while it waits is raised at its next slice."""

@@ -3,6 +3,7 @@ against a by-hand computation from the run directories; spec errors; criteria on
 from __future__ import annotations
 
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -13,7 +14,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedhop.deploy.tools.sweep import Criterion, grid_settings, main, score_run
+from fedhop.deploy.tools import sweep as sweep_module
+from fedhop.deploy.tools.sweep import (
+    Criterion,
+    Runner,
+    RunTask,
+    Setting,
+    grid_settings,
+    interrupt_on_sigint,
+    main,
+    score_run,
+)
 from fedhop.deploy.tools.sweep_spec import SweepSpecError, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,6 +81,36 @@ def by_hand(out: Path) -> dict[str, tuple[float, float]]:
         lr = max(means, key=means.get)
         best[alg] = (lr, means[lr])
     return best
+
+
+def test_a_ctrl_c_while_a_run_starts_stops_that_run_too(tmp_path, monkeypatch):
+    """SIGINT right after a run's process started, before the sweep recorded it: the sweep still
+    knows that process, and `stop` ends it (an unrecorded one would outlive the sweep)."""
+    base = tmp_path / "base.toml"
+    base.write_text("")
+    task = RunTask("fedavg", Setting.of({}), 0, tmp_path / "runs" / "fedavg" / "s" / "seed0", [])
+    runner = Runner(base, parallel=1)
+    monkeypatch.setattr(runner, "command", lambda task: [sys.executable, "-c", "import time; time.sleep(600)"])
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen_then_sigint(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        os.kill(os.getpid(), signal.SIGINT)   # its handler runs at this function's next bytecode
+        return proc
+
+    monkeypatch.setattr(sweep_module.subprocess, "Popen", popen_then_sigint)
+    before = signal.getsignal(signal.SIGINT)
+    interrupt_on_sigint(runner)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.run_all([task], on_done=lambda task, code: None)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert [proc.pid for proc, _ in runner.running.values()] == [started[0].pid]
+    runner.stop(grace=30)
+    assert started[0].poll() is not None
 
 
 def test_sweep_interrupted_resumes_and_picks_the_by_hand_best(tmp_path):

@@ -165,6 +165,13 @@ def stop_noted() -> int | None:
     return _STOPS[0] if _STOPS else None
 
 
+def forget_stops() -> None:
+    """Start with no stop noted, handled as a fresh process's: a forked child (the launcher forks
+    while its own stops are deferred, deploy/launch/launcher.py `LocalRun.spawn`)."""
+    _STOPS.clear()
+    _StopState.deferred = _StopState.raised = _StopState.at_waits = False
+
+
 @contextlib.contextmanager
 def stops_deferred() -> Iterator[None]:
     """A part that a stop signal must not cut (closing the run's records): inside it a signal is

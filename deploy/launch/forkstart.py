@@ -37,7 +37,7 @@ import time
 import traceback
 from pathlib import Path
 
-from fedhop.common.util.procexit import Stopped, die_with, exit_code, exit_now, stop_reason
+from fedhop.common.util.procexit import Stopped, die_with, exit_code, exit_now, forget_stops, stop_reason
 from fedhop.common.util.proctitle import prepare as prepare_title
 from fedhop.deploy.launch.malloc import TUNED_MALLOC_ENV
 
@@ -151,6 +151,7 @@ def _run_child(module: str, args: list[str], env: dict[str, str], log: Path, cwd
         signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
+    forget_stops()
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0

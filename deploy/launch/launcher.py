@@ -38,6 +38,7 @@ from fedhop.common.util.procexit import (
     signals_restored,
     stop_on_sigterm,
     stop_reason,
+    stops_deferred,
 )
 from fedhop.common.util.rolelog import RoleRefused, refusal_of
 from fedhop.deploy.launch.forkstart import ForkedProcess, fork_allowed, fork_module
@@ -86,17 +87,22 @@ class LocalRun:
         env[ALLOW_ENV] = ",".join(allow_list_from([*config_plugins(self.cfg)], env.get(ALLOW_ENV, "")))
         env[CRED_ENV] = self.credential(name)   # this child's own per-node credential (common/security/auth.py)
         module = f"fedhop.{argv[0]}"
-        # start-up without re-importing torch (deploy/launch/forkstart.py); CUDA cannot be used in a forked child
-        proc: subprocess.Popen | ForkedProcess
-        if fork_allowed() and not any(d.startswith("cuda") for d in self.devices.values()):
-            proc = fork_module(module, argv[1:], env, log, self.workdir)
-        else:
-            with open(log, "ab") as fh:
-                # the child dies with this launcher (common/util/procexit.py die_with_launcher)
-                proc = subprocess.Popen([sys.executable, "-m", module, *argv[1:]], stdout=fh, stderr=subprocess.STDOUT,
-                                        env={**env, LAUNCHER_ENV: str(os.getpid())}, cwd=self.workdir)
-        child = Child(name, proc, log)
-        self.children.append(child)
+        # A stop between the start and the list would leave a child that stop_all never stops (it
+        # would outlive this launcher until its SIGTERM at our exit): raised once the child is listed.
+        with stops_deferred():
+            # start-up without re-importing torch (deploy/launch/forkstart.py); CUDA cannot be used in a forked child
+            proc: subprocess.Popen | ForkedProcess
+            if fork_allowed() and not any(d.startswith("cuda") for d in self.devices.values()):
+                proc = fork_module(module, argv[1:], env, log, self.workdir)
+            else:
+                with open(log, "ab") as fh:
+                    # the child dies with this launcher (common/util/procexit.py die_with_launcher)
+                    proc = subprocess.Popen([sys.executable, "-m", module, *argv[1:]], stdout=fh,
+                                            stderr=subprocess.STDOUT, env={**env, LAUNCHER_ENV: str(os.getpid())},
+                                            cwd=self.workdir)
+            child = Child(name, proc, log)
+            self.children.append(child)
+        raise_if_stopped()
         return child
 
     def device_args(self, node_id: str) -> list[str]:

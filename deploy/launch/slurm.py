@@ -786,6 +786,7 @@ class SlurmArrayRunner:
         self.opts = opts
         self.job: str | None = None
         self.interrupted = False
+        self.starting = False   # while the array is submitted and its job id kept (see Runner.starting)
 
     def run_all(self, tasks: list, on_done: Callable) -> None:
         from fedhop.deploy.tools.sweep import finished, launcher_log, request_file
@@ -814,7 +815,13 @@ class SlurmArrayRunner:
         script = jobs / f"array-{stamp}.sbatch"
         script.write_text("\n".join(lines))
         try:
-            self.job = submit(script)
+            self.starting = True
+            try:
+                self.job = submit(script)
+            finally:
+                self.starting = False
+            if self.interrupted:   # a Ctrl-C during the submission: `stop` cancels the job just submitted
+                raise KeyboardInterrupt
             if wait_job(self.job, poll=2.0) == 130:
                 raise KeyboardInterrupt   # Ctrl-C: the job is cancelled; the sweep says how to resume
         except SlurmError as exc:

@@ -160,6 +160,10 @@ class Runner:
         # Set by the sweep's SIGINT handler: a KeyboardInterrupt raised where Python swallows it
         # (an at-fork handler while a child is being started) still stops the sweep at the next check.
         self.interrupted = False
+        # True while a child is started and recorded: the handler then only sets `interrupted`, since
+        # an exception between Popen's return and `running` would leave a run that `stop` never stops
+        # (it would live on until its SIGTERM at this process's exit, common/util/procexit.py die_with).
+        self.starting = False
 
     def command(self, task: RunTask) -> list[str]:
         argv = [sys.executable, "-m", "fedhop.deploy.cli.cli", "run", str(self.base_config), "--out",
@@ -205,12 +209,16 @@ class Runner:
         task.run_dir.parent.mkdir(parents=True, exist_ok=True)
         # beside the run folder, which `fedhop run --out` creates itself
         request_file(task.run_dir).write_text(json.dumps(self.request(task), indent=2))
-        log = open(launcher_log(task.run_dir), "wb")
-        # Own session: a terminal's Ctrl-C reaches the sweep only; the sweep stops its children (stop()).
-        proc = subprocess.Popen(self.command(task), stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd(),
-                                start_new_session=True, env={**os.environ, LAUNCHER_ENV: str(os.getpid())})
-        log.close()
-        self.running[proc.pid] = (proc, task)
+        self.starting = True
+        try:
+            with open(launcher_log(task.run_dir), "wb") as log:
+                # Own session: a terminal's Ctrl-C reaches the sweep only; the sweep stops its children (stop()).
+                proc = subprocess.Popen(self.command(task), stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd(),
+                                        start_new_session=True, env={**os.environ, LAUNCHER_ENV: str(os.getpid())})
+            self.running[proc.pid] = (proc, task)
+        finally:
+            self.starting = False
+        self._check_interrupt()
         if not self.quiet:
             print(f"sweep: started {task.run_dir}", file=sys.stderr, flush=True)
 
@@ -559,6 +567,18 @@ def seed_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers, e.g. 0,1,2") from None
 
 
+def interrupt_on_sigint(runner: Runner | SlurmArrayRunner) -> None:
+    """Ctrl-C stops the sweep: KeyboardInterrupt at once, or, while the runner starts a child,
+    once that child is recorded (`Runner.starting`).  An ignored SIGINT (a background job's) stays so."""
+    def on_sigint(signum: int, frame: Any) -> None:
+        runner.interrupted = True
+        if not runner.starting:
+            raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, on_sigint)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="fedhop sweep", description="tuned comparisons: settings x seeds, best per "
                                                                   "algorithm by a criterion")
@@ -640,12 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     if slurm is not None:
         sweep.runner = SlurmArrayRunner(sweep.runner, slurm)
 
-    def on_sigint(signum: int, frame: Any) -> None:
-        sweep.runner.interrupted = True
-        raise KeyboardInterrupt
-
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:   # ignored (a background job): leave it so
-        signal.signal(signal.SIGINT, on_sigint)
+    interrupt_on_sigint(sweep.runner)
     try:
         sweep.run()
     except KeyboardInterrupt:
