@@ -174,14 +174,76 @@ def test_chain_config_errors_name_the_key():
         parse_config(walk_config(stationary="[1.0, 2.0]"))
 
 
-def test_a_complete_graph_past_its_limit_is_refused_and_a_random_one_is_not():
-    """"complete" holds every pair of clients: past 2,000 a config error naming the key, where a
-    million clients made the config check run for hours; the largest complete graph allowed
-    builds.  "random" past the 10,000 clients it was once held to is drawn in the config check."""
-    from fedhop.topologies.chain.rule import MAX_COMPLETE_CLIENTS
-    with pytest.raises(ConfigError, match=r"'topology.graph': \"complete\" over 2001.*at most 2,000"):
-        parse_config(_chain_at_scale(2_001, "complete"))
-    assert parse_config(_chain_at_scale(MAX_COMPLETE_CLIENTS, "complete")).clients.count == MAX_COMPLETE_CLIENTS
+def test_the_complete_graph_made_on_demand_has_the_bits_of_its_lists():
+    """"complete" is made a row at a time (common/topologies/graphs.py `CompleteGraph`,
+    topologies/chain/rule.py `CompleteWeights`): its neighbours, transition rows and draws are
+    those of the same graph given as adjacency lists, bit for bit, at sizes across numpy's
+    summation blocks (8, 128)."""
+    from fedhop.common.topologies.graphs import CompleteGraph
+    from fedhop.topologies.chain.rule import metropolis_hastings
+    for n in (1, 2, 3, 8, 9, 129, 300):
+        pi = np.random.default_rng(n).uniform(0.05, 4.0, n)
+        pi /= pi.sum()
+        lists = [[d for d in range(n) if d != c] for c in range(n)]
+        graph = CompleteGraph(n)
+        assert [list(row) for row in graph] == lists and len(graph) == n
+        assert all(len(graph[c]) == n - 1 and graph[c][-1] == lists[c][-1] for c in range(n) if n > 1)
+        assert all((d in graph[c]) == (d in lists[c]) for c in range(n) for d in (-1, 0, n - 1, n))
+        given, made = metropolis_hastings(lists, pi), metropolis_hastings(graph, pi)
+        assert np.array_equal(made.dense(), given.dense())
+        assert all(np.array_equal(made.row_array(c), given.row_array(c)) for c in range(n))
+        assert made.entry(n - 1, 0) == given.entry(n - 1, 0) and made.entry(0, 0) == given.entry(0, 0)
+
+
+def test_a_walk_over_the_complete_graph_of_2500_clients_in_real_processes(tmp_path):
+    """"complete" past the 2,000 clients its lists once held it to: a run in 2 client processes,
+    its walk and final model against an independent numpy walk whose rows are computed here,
+    each visit naming only the next holder's address (`walk_peers`), and the client-client bytes
+    4d per move."""
+    n, d, rounds, hops, lr, seed = 2_500, 2, 3, 6, 0.3, 4
+    rng = np.random.default_rng(11)
+    centers, curv = rng.normal(0, 2, size=(n, d)), rng.uniform(0.5, 1.5, size=(n, d))
+    sizes = rng.integers(1, 20, size=n)
+    topology = f'kind = "chain"\ngraph = "complete"\nstart = 7\nhops_per_round = {hops}'
+    text = quadratic_config(centers, curv, sizes.tolist(), rounds=rounds, local_steps=1, lr=lr, processes=2,
+                            seed=seed, topology=topology, name="complete")
+    cfg_path = tmp_path / "walk.toml"
+    cfg_path.write_text(text)
+    assert run_local(str(cfg_path), [], out=str(tmp_path / "run"), quiet=True, show_table=False) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed", summary["error"]
+
+    pi, p = sizes / sizes.sum(), np.full(n, 1 / n)   # stationary "data", objective "uniform" (the defaults)
+    w, holder, visited, moves = np.zeros(d), 7, [], 0
+    for r in range(1, rounds + 1):
+        for h in range(hops):
+            i = holder
+            visited.append(i)
+            local = w - lr * curv[i] * (w - centers[i])
+            w = w + (p[i] / pi[i]) * (local - w)
+            if r == rounds and h == hops - 1:
+                break
+            others = [c for c in range(n) if c != i]
+            row = np.minimum(1.0, (pi[others] / (n - 1)) / (pi[i] / (n - 1))) / (n - 1)
+            cum = np.cumsum([1.0 - row.sum(), *row])
+            k = min(int(np.searchsorted(cum, numpy_stream(seed, "walk", r, h).random(), side="right")), n - 1)
+            holder = i if k == 0 else others[k - 1]
+            moves += holder != i
+    assert summary["client_walk"] == visited and summary["walk_moves"] == moves > 0
+    assert summary["client_graph_edges"] == n * (n - 1) // 2 and "client_graph" not in summary
+    model = load_file(str(tmp_path / "run" / "model.safetensors"))["w"].double().numpy()
+    np.testing.assert_allclose(model, w, rtol=0, atol=1e-4)
+    assert summary["bytes"]["by_link"]["client-client"]["tensor_bytes"] == 4 * d * moves
+    store = RunStore(tmp_path / "run" / "run.db")
+    visits = [r for r in store.messages() if r["method"] == "walk_visit" and r["role"] == "sender"]
+    assert len(visits) == rounds * hops
+    # a visit is a few hundred bytes: the next holder's address, not the 2,499 neighbours' (about 60 kB)
+    assert max(r["payload_bytes"] for r in visits) < 400
+    assert store.check_agreement().ok
+
+
+def test_a_random_graph_past_10000_clients_is_drawn_in_the_config_check():
+    """"random" past the 10,000 clients it was once held to is drawn in the config check."""
     cfg = parse_config(_chain_at_scale(50_000, "random"))
     graph = client_graph("random", 50_000, cfg.topology.params.max_degree, cfg.run.seed)
     assert len(graph) == 50_000 and max(map(len, graph)) == cfg.topology.params.max_degree

@@ -250,10 +250,15 @@ def test_coded_broadcasts_over_grpc_equal_the_engine_and_their_bytes(tmp_path):
     sizes: dict[int, int] = {}
     downlink = engine._downlink
     assert downlink is not None
-    for r in range(1, cfg.run.rounds + 1):
-        engine.train_round(r)
-        if downlink.history and downlink.history[-1][0] == r:
-            sizes[r] = downlink.history[-1][2]
+    threads = torch.get_num_threads()   # the run's processes compute with run.torch_threads (server/__main__.py)
+    torch.set_num_threads(cfg.run.torch_threads)
+    try:
+        for r in range(1, cfg.run.rounds + 1):
+            engine.train_round(r)
+            if downlink.history and downlink.history[-1][0] == r:
+                sizes[r] = downlink.history[-1][2]
+    finally:
+        torch.set_num_threads(threads)
     final = load_file(str(out / "model.safetensors"))
     assert set(final) == set(engine.state.params)
     assert all(torch.equal(final[n], engine.state.params[n].cpu()) for n in final)

@@ -55,6 +55,10 @@ class GraphWeights:
         """Row i's entries at [i, then neighbours[i] ascending], as Python floats."""
         return [float(self.diagonal[i]), *self.edge_values[self.starts[i]:self.starts[i + 1]].tolist()]
 
+    def row_array(self, i: int) -> np.ndarray:
+        """`row(i)` as a float64 array."""
+        return np.concatenate(([self.diagonal[i]], self.edge_values[self.starts[i]:self.starts[i + 1]]))
+
     def entry(self, i: int, j: int) -> float:
         if i == j:
             return float(self.diagonal[i])

@@ -8,8 +8,9 @@ its spec (common/topologies/), and are validated by the config loader
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence, overload
 
 from fedhop.common.topologies import builtin_specs, spec_for
 from fedhop.common.topologies.randomgraph import random_graph  # noqa: F401  # re-exported: the seeded "random" graph
@@ -105,17 +106,88 @@ def ring_graph(num: int) -> list[list[int]]:
     return [[1, num - 1]] + [[c - 1, c + 1] for c in range(1, num - 1)] + [[0, num - 2]]
 
 
-#: the most clients whose graph summary.json lists (`graph_summary`); a larger graph is the
-#: config's to rebuild (its kind and run.seed, or the lists it gives)
+class AllBut(Sequence[int]):
+    """The neighbours of `node` in the complete graph of `num` nodes: every other id, ascending,
+    without a list of them (a list per node would hold all N(N-1) ordered pairs)."""
+
+    def __init__(self, node: int, num: int) -> None:
+        self.node, self.num = node, num
+
+    def __len__(self) -> int:
+        return self.num - 1
+
+    @overload
+    def __getitem__(self, k: int) -> int: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> list[int]: ...
+
+    def __getitem__(self, k: int | slice) -> int | list[int]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        return k if k < self.node else k + 1
+
+    def __contains__(self, j: object) -> bool:
+        return isinstance(j, int) and not isinstance(j, bool) and 0 <= j < self.num and j != self.node
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(range(self.node), range(self.node + 1, self.num))
+
+    def __repr__(self) -> str:
+        return f"every node of 0..{self.num - 1} but {self.node}"
+
+
+class CompleteGraph(Sequence[AllBut]):
+    """The complete graph of `num` nodes as adjacency "lists" (`AllBut`) made on demand: O(1) memory."""
+
+    def __init__(self, num: int) -> None:
+        self.num = num
+
+    def __len__(self) -> int:
+        return self.num
+
+    @overload
+    def __getitem__(self, i: int) -> AllBut: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[AllBut]: ...
+
+    def __getitem__(self, i: int | slice) -> AllBut | list[AllBut]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self.num))]
+        if i < 0:
+            i += self.num
+        if not 0 <= i < self.num:
+            raise IndexError(i)
+        return AllBut(i, self.num)
+
+    @property
+    def edge_count(self) -> int:
+        return self.num * (self.num - 1) // 2
+
+    def __repr__(self) -> str:
+        return f"the complete graph of {self.num:,} nodes"
+
+
+#: the most clients whose graph summary.json lists (`graph_summary`), and the most entries those
+#: lists may hold (2|E|: the complete graph of 2,000 clients holds 3,998,000); a larger graph is
+#: the config's to rebuild (its kind and run.seed, or the lists it gives)
 SUMMARY_GRAPH_MAX = 10_000
+SUMMARY_GRAPH_ENTRIES = 4_000_000
 
 
 def graph_summary(graph: Sequence[Sequence[int]]) -> dict[str, Any]:
     """summary.json's description of a client graph: its edge count, and its adjacency lists up
-    to SUMMARY_GRAPH_MAX clients (a ring of 1,000,000 clients would add 18 MB)."""
-    out: dict[str, Any] = {"client_graph_edges": sum(len(row) for row in graph) // 2}
-    if len(graph) <= SUMMARY_GRAPH_MAX:
-        out["client_graph"] = graph
+    to SUMMARY_GRAPH_MAX clients and SUMMARY_GRAPH_ENTRIES entries (a ring of 1,000,000 clients
+    would add 18 MB, the complete graph of 10,000 clients 600 MB)."""
+    edges = graph.edge_count if isinstance(graph, CompleteGraph) else sum(len(row) for row in graph) // 2
+    out: dict[str, Any] = {"client_graph_edges": edges}
+    if len(graph) <= SUMMARY_GRAPH_MAX and 2 * edges <= SUMMARY_GRAPH_ENTRIES:
+        out["client_graph"] = [list(row) for row in graph] if isinstance(graph, CompleteGraph) else graph
     return out
 
 
@@ -123,6 +195,13 @@ def visit_counts(walk: Sequence[int]) -> dict[int, int]:
     """summary.json's `client_visits`: the visits of each visited client, in id order (a client
     never visited is not listed, so the record does not grow with the clients registered)."""
     return dict(sorted(Counter(walk).items()))
+
+
+def shown_row(row: Sequence[int], most: int = 20) -> str:
+    """A node's neighbours for an error message: the ids, or the first `most` and their count."""
+    if len(row) > most:
+        return f"{', '.join(map(str, row[:most]))}, ... ({len(row):,} in all)"
+    return ", ".join(map(str, row))
 
 
 def shown_graph(adj: Sequence[Sequence[int]], most: int = 20) -> str:

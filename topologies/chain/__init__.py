@@ -24,7 +24,7 @@ class ChainParams:
     """WRWGD: one model walks a graph of clients, handed client to client (topologies/chain/rule.py).
 
     `graph`: "random" (seeded, connected, degrees <= `max_degree`), "ring", "complete", or
-    adjacency lists ("complete": at most 2,000 clients, its lists hold every pair).  `stationary`: the
+    adjacency lists ("complete" at any size: its rows are made as a hop needs them).  `stationary`: the
     walk's law pi ("data", "uniform" or per-client weights such as smoothness constants L_i).  `objective`: the weights p of F = sum p_i f_i
     ("uniform", the paper's 1/N, or "data").  `start`: the first client, an id or "random".
     `hops_per_round`: visits per round; each runs `algorithm.local_steps` local steps.

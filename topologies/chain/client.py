@@ -18,7 +18,7 @@ import torch
 
 from fedhop.common.algorithms.local import get_params, set_params
 from fedhop.common.processors.pipeline import model_chain
-from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX
+from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX, shown_row
 from fedhop.common.transport.base import CallFailed, HandlerError, RemoteError, Request
 from fedhop.common.transport.control import control_of
 from fedhop.common.util.nodeids import client_id_of, client_node
@@ -77,7 +77,8 @@ class WalkHost:
             raise HandlerError("UNKNOWN_CLIENT", f"client {receiver} is not hosted by {self.host.node_id}")
         if not isinstance(sender, int) or isinstance(sender, bool) or sender not in self.rule.graph[receiver]:
             raise HandlerError("NOT_NEIGHBOUR", f"client {sender!r} (from {src}) is not a neighbour of client "
-                                                f"{receiver} in the walk's graph (neighbours: {self.rule.graph[receiver]})")
+                                                f"{receiver} in the walk's graph (neighbours: "
+                                                f"{shown_row(self.rule.graph[receiver])})")
         if self.rule.next_client(sender, round, hop) != receiver:
             raise HandlerError("NOT_NEXT", f"the walk does not move from client {sender} to client {receiver} at hop "
                                            f"{hop} of round {round} (from {src})")

@@ -19,7 +19,13 @@ from __future__ import annotations
 import time
 
 from fedhop.common.processors.pipeline import model_chain
-from fedhop.common.topologies.graphs import SEQ_METRIC_PREFIX, graph_summary, topology_params, visit_counts
+from fedhop.common.topologies.graphs import (
+    SEQ_METRIC_PREFIX,
+    graph_summary,
+    shown_row,
+    topology_params,
+    visit_counts,
+)
 from fedhop.common.transport.base import CallFailed, RemoteError
 from fedhop.common.util.nodeids import client_node
 from fedhop.common.wire import fedhop_pb2 as pb
@@ -75,9 +81,10 @@ class WalkDriver(TopologyDriver):
         scalars: dict = {"start": round == 1 and hop == 0 and not self.resuming, "resume": self.resuming,
                          "final": final, "return_model": final or (last_hop and self.checkpoint_due(round)),
                          "evaluate": last_hop and (final or bool(every and round % every == 0))}
-        home = ctx.nodes.client_home
-        peers = [pb.ClientAddress(client_id=peer, address=home[peer].address)
-                 for peer in self.rule.graph[self.holder] if peer in home]
+        # the address of the client the walk moves to at this hop (the rule's seeded draw, which
+        # the holder makes too), so a visit's size does not grow with the holder's degree
+        home, nxt = ctx.nodes.client_home, self.rule.next_client(self.holder, round, hop)
+        peers = [pb.ClientAddress(client_id=nxt, address=home[nxt].address)] if nxt != self.holder and nxt in home else []
         came = getattr(self, "came_from", None)   # the visit names the hand-off it continues (topologies/chain/client.py)
         if came is not None and not self.resuming:
             scalars.update({"from": came[0], "from_round": came[1], "from_hop": came[2], "from_node": came[3]})
@@ -130,9 +137,9 @@ class WalkDriver(TopologyDriver):
     def _next_of(self, reply: Payload, holder: int, round: int, hop: int) -> int:
         """The next holder the reply names (checked against the graph) and its skipped hand-off."""
         nxt = reply.scalars.get("next")
-        if isinstance(nxt, bool) or not isinstance(nxt, int) or nxt not in self.rule.candidates(holder):
-            raise RunFailed(f"round {round}: client {holder} named {nxt!r} as the next holder, not one of "
-                            f"{self.rule.candidates(holder)}")
+        if isinstance(nxt, bool) or not isinstance(nxt, int) or not self.rule.is_candidate(holder, nxt):
+            raise RunFailed(f"round {round}: client {holder} named {nxt!r} as the next holder, not itself nor one "
+                            f"of its neighbours ({shown_row(self.rule.graph[holder])})")
         skipped = reply.scalars.get("skipped", -1)
         if isinstance(skipped, int) and not isinstance(skipped, bool) and skipped >= 0:
             self.skips += 1

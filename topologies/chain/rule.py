@@ -4,7 +4,8 @@
 One model walks a graph of clients; there is no parameter server on the data path.
 
 - **Graph.** `topology.graph`: explicit adjacency lists, "random" (a seeded connected graph,
-  every degree <= `topology.max_degree`; the paper: at most 3), "ring" or "complete".
+  every degree <= `topology.max_degree`; the paper: at most 3), "ring" or "complete" (any
+  number of clients: its rows and transition probabilities are made when a hop needs them).
 - **Stationary law.** `topology.stationary`: the walk's target distribution pi.  The paper sets
   pi_i proportional to L_i, the local smoothness constant, which no neural network exposes;
   "data" (pi_i ∝ D_i, the default), "uniform", or a list of positive per-client weights (L_i
@@ -35,23 +36,21 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedhop.common.topologies.edgeweights import GraphWeights
+from fedhop.common.topologies.graphs import CompleteGraph
 from fedhop.common.util.memo import process_memo
 from fedhop.common.util.rng import numpy_stream
 
-#: the most clients of graph = "complete" (its adjacency lists hold all N(N-1) ordered pairs)
-MAX_COMPLETE_CLIENTS = 2_000
 
-
-def client_graph(spec: str | list, num: int, max_degree: int, seed: int) -> list[list[int]]:
+def client_graph(spec: str | list, num: int, max_degree: int, seed: int) -> Sequence[Sequence[int]]:
     """The walk's client graph as sorted adjacency lists: a given one validated (symmetric,
-    connected), or a built-in kind, which is both by construction."""
+    connected), or a built-in kind, which is both by construction ("complete" made on demand,
+    common/topologies/graphs.py `CompleteGraph`)."""
     from fedhop.common.topologies.graphs import check_graph
-    if spec == "complete" and num > MAX_COMPLETE_CLIENTS:
-        raise ValueError(f"topology.graph: \"complete\" over {num} clients holds all N(N-1) client pairs; at most "
-                         f"{MAX_COMPLETE_CLIENTS:,} clients (for more: \"random\", \"ring\" or adjacency lists [[1, 2], ...])")
     if isinstance(spec, list):
         return check_graph(spec, num, "topology.graph", "client ids")
-    if spec in ("ring", "complete"):
+    if spec == "complete":
+        return CompleteGraph(num)
+    if spec == "ring":
         return built_graph(spec, num, 0, 0)
     if spec == "random":
         return built_graph(spec, num, max_degree, seed)
@@ -61,35 +60,82 @@ def client_graph(spec: str | list, num: int, max_degree: int, seed: int) -> list
 
 @process_memo
 def built_graph(kind: str, num: int, max_degree: int, seed: int) -> list[list[int]]:
-    """A built-in client graph ("ring", "complete", or "random" of `max_degree` and `seed`), built
-    once per process and kept (common/util/memo.py): the config check, the driver and each client
-    host ask for it, and the seeded "random" one takes seconds at 1,000,000 clients."""
+    """A built-in client graph ("ring", or "random" of `max_degree` and `seed`), built once per
+    process and kept (common/util/memo.py): the config check, the driver and each client host
+    ask for it, and the seeded "random" one takes seconds at 1,000,000 clients."""
     from fedhop.common.topologies.graphs import random_graph, ring_graph
     if kind == "ring":
         return ring_graph(num)
-    if kind == "complete":
-        return [[d for d in range(num) if d != c] for c in range(num)]
     return random_graph(num, max_degree, seed, stream="topology/client_graph")
 
 
-def metropolis_hastings(graph: Sequence[Sequence[int]], pi: np.ndarray) -> GraphWeights:
+def _mh_edges(pi: np.ndarray, deg: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """P_ij = (1/d_i) min(1, pi_j d_i / (pi_i d_j)) at the edges (i[k], j[k])."""
+    return np.minimum(1.0, pi[j] * deg[i] / (pi[i] * deg[j])) / deg[i]
+
+
+def metropolis_hastings(graph: Sequence[Sequence[int]], pi: np.ndarray) -> "GraphWeights | CompleteWeights":
     """P with P_ij = (1/d_i) min(1, pi_j d_i / (pi_i d_j)) on the graph's edges and the rest
     of each row on the diagonal: a reversible chain whose stationary law is pi (its entries on
-    the edges and the diagonal only: common/topologies/edgeweights.py)."""
+    the edges and the diagonal only: common/topologies/edgeweights.py; on the complete graph a
+    row at a time, `CompleteWeights`)."""
+    if isinstance(graph, CompleteGraph):
+        return CompleteWeights(np.asarray(pi, dtype=np.float64))
     deg = np.array([len(row) for row in graph], dtype=float)
+    return GraphWeights.build(graph, lambda i, j: _mh_edges(pi, deg, i, j),
+                              lambda row_sums: np.maximum(0.0, 1.0 - row_sums))
 
-    def edge(i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        return np.minimum(1.0, pi[j] * deg[i] / (pi[i] * deg[j])) / deg[i]
 
-    return GraphWeights.build(graph, edge, lambda row_sums: np.maximum(0.0, 1.0 - row_sums))
+@dataclass(frozen=True)
+class CompleteWeights:
+    """The Metropolis-Hastings matrix on the complete graph of len(pi) clients, each row made
+    when asked (O(N) time and memory; nothing N x N is kept).  Its entries are the bits that
+    `GraphWeights.build` gives over the complete graph's lists: the same float operations on
+    each edge, and the diagonal from numpy's sum of the dense row (tests/test_chain.py)."""
+
+    pi: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.pi)
+
+    def _dense(self, i: int) -> tuple[float, np.ndarray]:
+        """(P_ii, row i with its edge entries in place and 0 at column i)."""
+        n = len(self.pi)
+        if n == 1:
+            return 1.0, np.zeros(1)
+        d = float(n - 1)   # every degree
+        dense = np.minimum(1.0, self.pi * d / (self.pi[i] * d)) / d   # `_mh_edges` at every column
+        dense[i] = 0.0
+        return float(np.maximum(0.0, 1.0 - np.sum(dense))), dense
+
+    def row_array(self, i: int) -> np.ndarray:
+        """Row i's entries at [i, then every other client ascending]."""
+        diagonal, dense = self._dense(i)
+        return np.concatenate(([diagonal], dense[:i], dense[i + 1:]))
+
+    def row(self, i: int) -> list[float]:
+        return self.row_array(i).tolist()
+
+    def entry(self, i: int, j: int) -> float:
+        diagonal, dense = self._dense(i)
+        return diagonal if i == j else float(dense[j])
+
+    def dense(self) -> np.ndarray:
+        """The N x N array (8 N^2 bytes: for small graphs, tests and reports)."""
+        rows = []
+        for i in range(len(self)):
+            diagonal, row = self._dense(i)
+            row[i] = diagonal
+            rows.append(row)
+        return np.array(rows)
 
 
 @dataclass(frozen=True)
 class WalkRule:
-    graph: list[list[int]]
+    graph: Sequence[Sequence[int]]
     pi: np.ndarray           # stationary law
     p: np.ndarray            # objective weights p_i
-    P: GraphWeights          # transition matrix
+    P: GraphWeights | CompleteWeights   # transition matrix
     seed: int
 
     @classmethod
@@ -110,13 +156,16 @@ class WalkRule:
         """Where the model can go from `client`: itself (a rejected proposal), then its neighbours."""
         return [client] + list(self.graph[client])
 
+    def is_candidate(self, client: int, other: object) -> bool:
+        """Whether the model can go from `client` to `other` (`candidates`, without listing them)."""
+        return other == client or other in self.graph[client]
+
     def next_client(self, client: int, round: int, hop: int) -> int:
         """The client after `client` at hop `hop` of `round` (module docstring, "Draws")."""
         u = numpy_stream(self.seed, "walk", round, hop).random()
-        cands = self.candidates(client)
-        cum = np.cumsum(self.P.row(client))   # the probabilities of `cands`, in their order
-        idx = int(np.searchsorted(cum, u, side="right"))
-        return cands[min(idx, len(cands) - 1)]
+        cum = np.cumsum(self.P.row_array(client))   # over [client, then its neighbours ascending]
+        idx = min(int(np.searchsorted(cum, u, side="right")), len(cum) - 1)
+        return client if idx == 0 else int(self.graph[client][idx - 1])
 
 
 def start_client(start: int | str, num: int, seed: int) -> int:
