@@ -564,7 +564,7 @@ def test_a_stop_while_the_launcher_starts_a_child_is_raised_once_that_child_is_l
     real_popen = subprocess.Popen
 
     def popen_then_stop(argv, **kwargs):
-        proc = real_popen([PY, "-c", "import time; time.sleep(600)"], **kwargs)
+        proc = real_popen([PY, "-c", "import signal; signal.pause()"], **kwargs)
         started.append(proc)
         signal.raise_signal(sig)   # its handler runs at this function's next bytecode
         return proc

@@ -90,7 +90,7 @@ def test_a_ctrl_c_while_a_run_starts_stops_that_run_too(tmp_path, monkeypatch):
     base.write_text("")
     task = RunTask("fedavg", Setting.of({}), 0, tmp_path / "runs" / "fedavg" / "s" / "seed0", [])
     runner = Runner(base, parallel=1)
-    monkeypatch.setattr(runner, "command", lambda task: [sys.executable, "-c", "import time; time.sleep(600)"])
+    monkeypatch.setattr(runner, "command", lambda task: [sys.executable, "-c", "import signal; signal.pause()"])
     started: list[subprocess.Popen] = []
     real_popen = subprocess.Popen
 

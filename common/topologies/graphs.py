@@ -10,12 +10,13 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
-from typing import Any, Iterator, Sequence, overload
+from typing import Any, Iterator, Sequence
 
 from fedhop.common.topologies import builtin_specs, spec_for
 from fedhop.common.topologies.randomgraph import random_graph  # noqa: F401  # re-exported: the seeded "random" graph
 from fedhop.common.util.nodeids import edge_index, edge_node  # noqa: F401  # re-exported: the topology's node names
 from fedhop.common.util.rng import numpy_stream
+from fedhop.common.util.views import IndexedView
 
 # kind -> its params dataclass (None: no own keys), read from the built-in specs (common/topologies/ and
 # the folders topologies/<kind>/)
@@ -106,7 +107,7 @@ def ring_graph(num: int) -> list[list[int]]:
     return [[1, num - 1]] + [[c - 1, c + 1] for c in range(1, num - 1)] + [[0, num - 2]]
 
 
-class AllBut(Sequence[int]):
+class AllBut(IndexedView[int]):
     """The neighbours of `node` in the complete graph of `num` nodes: every other id, ascending,
     without a list of them (a list per node would hold all N(N-1) ordered pairs)."""
 
@@ -116,19 +117,7 @@ class AllBut(Sequence[int]):
     def __len__(self) -> int:
         return self.num - 1
 
-    @overload
-    def __getitem__(self, k: int) -> int: ...
-
-    @overload
-    def __getitem__(self, k: slice) -> list[int]: ...
-
-    def __getitem__(self, k: int | slice) -> int | list[int]:
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(len(self)))]
-        if k < 0:
-            k += len(self)
-        if not 0 <= k < len(self):
-            raise IndexError(k)
+    def _at(self, k: int) -> int:
         return k if k < self.node else k + 1
 
     def __contains__(self, j: object) -> bool:
@@ -141,7 +130,7 @@ class AllBut(Sequence[int]):
         return f"every node of 0..{self.num - 1} but {self.node}"
 
 
-class CompleteGraph(Sequence[AllBut]):
+class CompleteGraph(IndexedView[AllBut]):
     """The complete graph of `num` nodes as adjacency "lists" (`AllBut`) made on demand: O(1) memory."""
 
     def __init__(self, num: int) -> None:
@@ -150,19 +139,7 @@ class CompleteGraph(Sequence[AllBut]):
     def __len__(self) -> int:
         return self.num
 
-    @overload
-    def __getitem__(self, i: int) -> AllBut: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[AllBut]: ...
-
-    def __getitem__(self, i: int | slice) -> AllBut | list[AllBut]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(self.num))]
-        if i < 0:
-            i += self.num
-        if not 0 <= i < self.num:
-            raise IndexError(i)
+    def _at(self, i: int) -> AllBut:
         return AllBut(i, self.num)
 
     @property

@@ -113,9 +113,6 @@ class CompleteWeights:
         diagonal, dense = self._dense(i)
         return np.concatenate(([diagonal], dense[:i], dense[i + 1:]))
 
-    def row(self, i: int) -> list[float]:
-        return self.row_array(i).tolist()
-
     def entry(self, i: int, j: int) -> float:
         diagonal, dense = self._dense(i)
         return diagonal if i == j else float(dense[j])
@@ -152,12 +149,8 @@ class WalkRule:
         """The importance weight p_i / pi_i of a visit to `client`."""
         return float(self.p[client] / self.pi[client])
 
-    def candidates(self, client: int) -> list[int]:
-        """Where the model can go from `client`: itself (a rejected proposal), then its neighbours."""
-        return [client] + list(self.graph[client])
-
     def is_candidate(self, client: int, other: object) -> bool:
-        """Whether the model can go from `client` to `other` (`candidates`, without listing them)."""
+        """Whether the model can go from `client` to `other`: itself (a rejected proposal) or a neighbour."""
         return other == client or other in self.graph[client]
 
     def next_client(self, client: int, round: int, hop: int) -> int:
