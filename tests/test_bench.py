@@ -48,6 +48,52 @@ def test_bench_compute_and_scale_tiny(tmp_path):
                for r in rows)   # two client processes' memory over 2,000 clients
 
 
+def test_bench_scale_beside_the_inprocess_engine_and_the_loop(tmp_path, capsys, monkeypatch):
+    """`--also inprocess,loop`: the scale config in the in-process engine and in the round engine's
+    loop too, each ending on the processes engine's model bit for bit, with its round times."""
+    monkeypatch.chdir(tmp_path)   # the runs' folders are temporary; nothing is left where the user is
+    out = tmp_path / "s.json"
+    assert main(["scale", "--default-malloc", "--clients", "300", "--processes", "2", "--sampled", "20",
+                 "--rounds", "3", "--also", "inprocess,loop", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert [o["system"] for o in row["others"]] == ["inprocess", "loop"]
+    assert len(row["model_sha256"]) == 64 and row["same_model"] is True
+    assert all(o["model_sha256"] == row["model_sha256"] for o in row["others"])
+    assert all(0 < o["round_seconds_min"] <= o["round_seconds_median"] <= o["round_seconds_max"] and o["peak_rss_mb"] > 0
+               for o in row["others"])
+    printed = capsys.readouterr().out
+    assert "in-process engine (run.workers = 0): round median" in printed
+    assert "the round engine's loop (one process, no message sent or recorded): round median" in printed
+    assert "final model: the same bits in every fedhop system" in printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
+
+
+def test_bench_scale_says_when_a_system_ends_on_another_model(tmp_path, capsys, monkeypatch):
+    """The model check can fail: a system whose model hash differs is named a defect."""
+    from fedhop.deploy.bench import bench_system
+
+    def fake_run(count, processes, per_round, rounds, batch=True):
+        return {"clients": count, "processes": processes, "per_round": per_round, "rounds": rounds, "batch": batch,
+                "registration_seconds": 0.1, "round_seconds_median": 0.2, "round_seconds_min": 0.1,
+                "round_seconds_max": 0.3, "server_rss_mb": 1.0, "server_uss_mb": 1.0, "client_process_rss_mb": 1.0,
+                "client_process_uss_mb": 1.0, "client_process_rss_mb_max": 1.0, "total_rss_mb": 2.0,
+                "total_uss_mb": 2.0, "rss_per_logical_client_kb": 1.0, "uss_per_logical_client_kb": 1.0,
+                "model_sha256": "a" * 64}
+
+    def fake_other(system, count, processes, per_round, rounds, batch, timeout):
+        return {"system": system, "clients": count, "per_round": per_round, "rounds": rounds,
+                "round_seconds_median": 0.1, "round_seconds_min": 0.1, "round_seconds_max": 0.1,
+                "cpu_s_per_round": None, "peak_rss_mb": 1.0, "model_sha256": ("a" if system == "loop" else "b") * 64}
+
+    monkeypatch.setattr(bench_system, "scale_run", fake_run)
+    monkeypatch.setattr(bench_system, "scale_other", fake_other)
+    out = tmp_path / "s.json"
+    assert main(["scale", "--default-malloc", "--clients", "300", "--sampled", "20", "--also", "inprocess,loop",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"][0]["same_model"] is False
+    assert "final model: DIFFERS between fedhop systems" in capsys.readouterr().out
+
+
 def test_bench_transport_torch_tiny(tmp_path):
     out = tmp_path / "k.json"
     assert main(["transport", "--kind", "torch", "--tiny", "--json", str(out)]) == 0
@@ -61,7 +107,7 @@ FLWR_PYTHON = os.environ.get("FEDHOP_FLWR_PYTHON", "")
 
 def test_bench_scale_bad_flags_exit_2(capsys):
     for flags in (["--sampled", "10,x"], ["--sampled", "5000", "--clients", "100"], ["--flwr-python", "/nonexistent"],
-                  ["--rounds", "1"]):
+                  ["--rounds", "1"], ["--also", "inprocess,bogus"], ["--scale-timeout", "0"]):
         with pytest.raises(SystemExit) as exit_:
             main(["scale", "--default-malloc", *flags])
         assert exit_.value.code == 2

@@ -62,14 +62,13 @@ from typing import Any, Callable
 
 import numpy as np
 import psutil
-from safetensors import safe_open
 
 from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine
 from fedhop.common.records.runstore import RunStore, round_seconds
 from fedhop.common.tasks import build_task
 from fedhop.common.util.cliparser import ArgumentParser
-from fedhop.deploy.bench.engine_loop import tensors_sha256
+from fedhop.deploy.bench.engine_loop import model_sha256
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 #: peer -> (environment variable naming its python, script, name printed)
@@ -261,8 +260,7 @@ def run_fedhop(config: Path, engine: str, out: Path, timeout: float) -> dict[str
     store.close()
     metrics = rows[-1]["metrics"]
     ends = [float(r["finished"]) for r in rows if r.get("finished") is not None]
-    with safe_open(str(out / "model.safetensors"), framework="numpy") as model:
-        sha = tensors_sha256({name: model.get_tensor(name) for name in model.keys()})
+    sha = model_sha256(out / "model.safetensors")
     return {"per_round_s": round_seconds(rows), "peak_rss_mb": watch.peak / 1e6,
             "cpu_s_per_round": cpu_per_round(watch.cpu, ends, WALL) if len(ends) == len(rows) else None,
             "accuracy": metrics.get("test_accuracy"), "objective": metrics.get("objective"), "model_sha256": sha}

@@ -2,7 +2,8 @@
 
     fedhop bench compute   # a FedAvg run on the digits CNN vs a single-process loop of the same SGD steps
     fedhop bench scale     # 100,000 cross-device clients in 4 processes: registration, round time, memory
-                           # (--flwr-python PY: Flower's simulation engine on the same task beside each run)
+                           # (--also inprocess,loop: the same config in the in-process engine and the
+                           # round engine's loop; --flwr-python PY: Flower's simulation engine beside each run)
     fedhop bench growth    # bytes and time per round against model size and client count, with fitted slopes
 
 Each prints its figures; `--tiny` runs a seconds-long version (the tests use it).
@@ -31,6 +32,8 @@ from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine
 from fedhop.common.records.runstore import RunStore, round_seconds
 from fedhop.common.tasks import dataset_params
+from fedhop.deploy.bench.bench_peers import run_fedhop, run_loop
+from fedhop.deploy.bench.engine_loop import model_sha256
 from fedhop.deploy.launch.launcher import LocalRun, run_local
 
 
@@ -211,6 +214,8 @@ def scale_run(count: int, processes: int, per_round: int, rounds: int, batch: bo
         store = RunStore(Path(tmp) / "run.db", create=False)
         walls = round_seconds(store.rounds())   # from one round's row to the next's
         registration = _registration_seconds(store)
+        store.close()
+        sha = model_sha256(Path(tmp) / "model.safetensors")
     steady = walls[1:] or walls   # the first round also warms the processes' caches
     client_rss = [v for k, v in peak.items() if k.startswith("client")]
     client_uss = [v for k, v in peak_uss.items() if k.startswith("client")]
@@ -223,7 +228,32 @@ def scale_run(count: int, processes: int, per_round: int, rounds: int, batch: bo
             "client_process_rss_mb_max": max(client_rss),
             "total_rss_mb": sum(peak.values()), "total_uss_mb": sum(peak_uss.values()),
             "rss_per_logical_client_kb": 1000 * sum(client_rss) / count,
-            "uss_per_logical_client_kb": 1000 * sum(client_uss) / count}
+            "uss_per_logical_client_kb": 1000 * sum(client_uss) / count, "model_sha256": sha}
+
+
+def _steady_figures(per_round: list[float]) -> dict[str, float]:
+    steady = per_round[1:] or per_round   # round 1 left out, as `scale_run` leaves it out
+    return {"round_seconds_median": statistics.median(steady), "round_seconds_min": min(steady),
+            "round_seconds_max": max(steady)}
+
+
+def scale_other(system: str, count: int, processes: int, per_round: int, rounds: int, batch: bool,
+                timeout: float) -> dict:
+    """The scale run's config in the in-process engine (`fedhop run --engine inprocess` with
+    run.workers = 0, as `fedhop bench peers` runs it) or in the round engine's loop (one process,
+    no message: deploy/bench/engine_loop.py), each a fresh process watched with its children:
+    round times, CPU s a round (None where too few readings), the process tree's peak RSS, the
+    final model's hash."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "scale.toml"
+        config.write_text(_scale_text(count, processes, per_round, rounds, batch))
+        if system == "inprocess":
+            row = run_fedhop(config, "inprocess", Path(tmp) / "run", timeout)
+        else:
+            row = run_loop(config, Path(tmp) / "loop.log", timeout)
+    return {"system": system, "clients": count, "per_round": per_round, "rounds": rounds,
+            **_steady_figures(row["per_round_s"]), "cpu_s_per_round": row["cpu_s_per_round"],
+            "peak_rss_mb": row["peak_rss_mb"], "model_sha256": row["model_sha256"]}
 
 
 def _flower_compare() -> ModuleType:
@@ -282,6 +312,22 @@ def _flower_line(row: dict, fedhop: dict) -> str:
     return head + (f"start to round 1 {start:.1f} s; " if start else "") + rounds + memory
 
 
+#: the systems `--also` runs beside the processes engine on the scale config (`scale_other`)
+SCALE_ALSO = ("inprocess", "loop")
+
+
+def _other_line(other: dict, processes_row: dict) -> str:
+    """An in-process or loop run's figures beside the processes engine's round."""
+    name = ("  in-process engine (run.workers = 0)" if other["system"] == "inprocess" else
+            "  the round engine's loop (one process, no message sent or recorded)")
+    cpu = other["cpu_s_per_round"]
+    return (f"{name}: round median {other['round_seconds_median']:.3f} s (min {other['round_seconds_min']:.3f}, "
+            f"max {other['round_seconds_max']:.3f}); "
+            + (f"{cpu:.3f} CPU s a round; " if cpu is not None else "")
+            + f"{other['peak_rss_mb']:.0f} MB RSS at its peak (its process tree); processes engine / this "
+            f"{processes_row['round_seconds_median'] / other['round_seconds_median']:.2f}")
+
+
 def bench_scale(args: argparse.Namespace) -> dict:
     """Cross-device scale: `--clients` logical clients in `--processes` client processes,
     one run per `--sampled` count; with `--flwr-python`, a Flower simulation beside each run."""
@@ -305,6 +351,12 @@ def bench_scale(args: argparse.Namespace) -> dict:
             _bad_flag(f"--flwr-python {args.flwr_python}: not a python that imports flwr")
     else:
         print("Flower side skipped: no --flwr-python (the python of a venv with flwr[simulation])")
+    systems = [s for s in str(args.also).split(",") if s]
+    unknown = sorted(set(systems) - set(SCALE_ALSO))
+    if unknown:
+        _bad_flag(f"--also {args.also}: unknown {', '.join(unknown)}; choose from {', '.join(SCALE_ALSO)}")
+    if args.scale_timeout <= 0:
+        _bad_flag("--scale-timeout must be > 0")
     results, flower = [], []
     batch = not args.no_batch
     for per_round in samples:
@@ -319,6 +371,17 @@ def bench_scale(args: argparse.Namespace) -> dict:
               f"processes {row['total_rss_mb']:.0f} MB RSS / {row['total_uss_mb']:.0f} MB USS; per logical client "
               f"{row['rss_per_logical_client_kb']:.2f} kB RSS / {row['uss_per_logical_client_kb']:.2f} kB USS "
               f"(client processes' memory / clients)", flush=True)
+        others = [scale_other(system, count, processes, per_round, rounds, batch, args.scale_timeout)
+                  for system in systems]
+        row["others"] = others
+        for other in others:
+            print(_other_line(other, row), flush=True)
+        if others:
+            same = len({row["model_sha256"], *(o["model_sha256"] for o in others)}) == 1
+            row["same_model"] = same
+            print("  final model: the same bits in every fedhop system" if same else
+                  "  final model: DIFFERS between fedhop systems (a defect: the engines and the loop compute the "
+                  "same rounds)", flush=True)
         if flwr_python:
             fl = flower_scale_row(flwr_python, count, per_round, rounds, args.flwr_timeout, args.flwr_max_gb * 1e3)
             if "median_s" in fl:
@@ -403,6 +466,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                                                          "(comma-separated)")
     ap.add_argument("--no-batch", action="store_true",
                     help="scale: one gRPC call per sampled client (default: transport.batch, one per process)")
+    ap.add_argument("--also", default="",
+                    help="scale: also run the same config in these, comma-separated: inprocess (fedhop run --engine "
+                         "inprocess, run.workers = 0), loop (the round engine's loop in one process, no message: "
+                         "the floor for fedhop's training code); each checked to end on the same model")
+    ap.add_argument("--scale-timeout", type=float, default=3600.0,
+                    help="scale: seconds an --also run may take before it is stopped")
     ap.add_argument("--flwr-python", default=None,
                     help="scale: the python of a venv with flwr[simulation]; runs Flower's simulation engine beside "
                          "each run (default: no Flower side)")

@@ -27,6 +27,7 @@ from typing import Mapping
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from fedhop.common.algorithms.local import whole_params
 from fedhop.common.config import load_config
@@ -42,6 +43,12 @@ def tensors_sha256(tensors: Mapping[str, np.ndarray]) -> str:
         digest.update(f"{name}\0{array.dtype.str}\0{array.shape}\0".encode())
         digest.update(array.tobytes(order="C"))
     return digest.hexdigest()
+
+
+def model_sha256(path: Path) -> str:
+    """`tensors_sha256` of a run's model.safetensors, read as numpy arrays (no code runs)."""
+    with safe_open(str(path), framework="numpy") as model:
+        return tensors_sha256({name: model.get_tensor(name) for name in model.keys()})
 
 
 def play(config: Path) -> dict[str, object]:
