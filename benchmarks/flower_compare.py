@@ -758,6 +758,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"--modes: unknown {sorted(bad)}; allowed: deployment, simulation")
     evals = [float(x) for x in args.evaluate.split(",")]
+    from fedhop.common.util.cliparser import new_file_problem
+    problem = new_file_problem(args.json, "--json", force=True) if args.json else None   # written at the end
+    if problem:
+        ap.error(problem)
 
     print(f"fedhop: FedAvg, {CLIENTS} clients, {args.params} parameters, {args.rounds} rounds ...", flush=True)
     fedhop = run_fedhop(args.rounds, args.params, args.fedhop_processes, not args.no_batch)

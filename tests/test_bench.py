@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,27 @@ def test_bench_scale_says_when_a_system_ends_on_another_model(tmp_path, capsys, 
                  "--json", str(out)]) == 0
     assert json.loads(out.read_text())["rows"][0]["same_model"] is False
     assert "final model: DIFFERS between fedhop systems" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["transport", "--tiny"], ["scale", "--tiny"], ["large", "--sizes", "1"],
+                                     ["peers", "--quick"], ["flower", "--no-flower", "--rounds", "2"]])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_benchmark_runs(tmp_path, monkeypatch, capsys,
+                                                                                  command):
+    """The figures go to --json at the end of a run that may take hours: a path with no folder (a
+    file stands where it names one) is refused first, exit 2 and one line naming --json."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken").write_text("a file, not a folder")
+    started = time.monotonic()
+    try:
+        code = main([*command, *(["--default-malloc"] if command[0] in ("transport", "scale", "large") else []),
+                     "--json", "taken/figures.json"])
+    except SystemExit as exc:   # argparse's error
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"--json taken/figures.json: no folder {tmp_path / 'taken'}" in err[-1], err
+    assert time.monotonic() - started < 10   # refused before anything ran
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 
 
 def test_bench_transport_torch_tiny(tmp_path):

@@ -67,7 +67,7 @@ from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine
 from fedhop.common.records.runstore import RunStore, round_seconds
 from fedhop.common.tasks import build_task
-from fedhop.common.util.cliparser import ArgumentParser
+from fedhop.common.util.cliparser import ArgumentParser, new_file_problem
 from fedhop.deploy.bench.engine_loop import model_sha256
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
@@ -553,6 +553,9 @@ def main(argv: list[str]) -> int:
             raise ValueError
     except ValueError:
         ap.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
+    problem = new_file_problem(args.json, "--json", force=True) if args.json else None   # written at the end
+    if problem:
+        ap.error(problem)
     try:
         figures = bench_peers(args)
     except RuntimeError as exc:   # a system's run failed: its name, exit code and log's end
