@@ -116,6 +116,23 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_benchmark_runs
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 
 
+@pytest.mark.parametrize("command", [["large", "--default-malloc", "--sizes", "1", "--no-transfer"],
+                                     ["flower", "--no-flower", "--rounds", "2"]])
+def test_a_keep_folder_that_cannot_be_made_is_refused_before_the_benchmark_runs(tmp_path, monkeypatch, capsys,
+                                                                                command):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken").write_text("a file, not a folder")
+    for keep, why in (("taken", "--keep taken: a file, not a folder"),
+                      ("taken/runs", f"--keep taken/runs: {tmp_path / 'taken'} is a file, so no folder can be made")):
+        try:
+            code = main([*command, "--keep", keep])
+        except SystemExit as exc:   # argparse's error
+            code = exc.code
+        assert code == 2
+        assert why in capsys.readouterr().err.strip().splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
 def test_bench_transport_torch_tiny(tmp_path):
     out = tmp_path / "k.json"
     assert main(["transport", "--kind", "torch", "--tiny", "--json", str(out)]) == 0
