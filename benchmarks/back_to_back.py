@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-checksum", action="store_true", help="send without the XXH3 checksum (security.checksum = false)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
-    from fedhop.common.util.cliparser import new_file_problem
-    if args.json and (problem := new_file_problem(args.json, "--json", force=True)):
-        ap.error(problem)   # the figures are written at the end: a path they cannot go to is refused first
+    from fedhop.common.util.cliparser import figures_file_problem
+    if problem := figures_file_problem(args.json):
+        ap.error(problem)
     if args.mb <= 0 or args.calls < 1:
         ap.error("--mb must be positive and --calls at least 1")
     row = measure(int(args.mb * 1e6) // 4 * 4, args.calls, checksum=not args.no_checksum)

@@ -140,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=30)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    from fedhop.common.util.cliparser import new_file_problem
-    if args.json and (problem := new_file_problem(args.json, "--json", force=True)):
-        ap.error(problem)   # the figures are written at the end: a path they cannot go to is refused first
+    from fedhop.common.util.cliparser import figures_file_problem
+    if problem := figures_file_problem(args.json):
+        ap.error(problem)
     w = WORKLOADS[args.workload]
     args.clients = w.clients if args.clients is None else args.clients
     args.sampled = w.per_round if args.sampled is None else args.sampled

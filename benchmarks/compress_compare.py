@@ -245,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-digits", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="write every run (final, bytes, curve) here")
     args = ap.parse_args(argv)
-    from fedhop.common.util.cliparser import new_file_problem
-    if args.json and (problem := new_file_problem(args.json, "--json", force=True)):
-        ap.error(problem)   # the figures are written at the end: a path they cannot go to is refused first
+    from fedhop.common.util.cliparser import figures_file_problem
+    if problem := figures_file_problem(args.json):
+        ap.error(problem)
     names = [c.strip() for c in args.compressors.split(",") if c.strip()]
     unknown = [c for c in names if c not in COMPRESSORS]
     if unknown or "dense" not in names:

@@ -62,9 +62,9 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated settings (default: all)")
     ap.add_argument("--json", default="", help="write the rows here")
     args = ap.parse_args()
-    from fedhop.common.util.cliparser import new_file_problem
-    if args.json and (problem := new_file_problem(args.json, "--json", force=True)):
-        ap.error(problem)   # the figures are written at the end: a path they cannot go to is refused first
+    from fedhop.common.util.cliparser import figures_file_problem
+    if problem := figures_file_problem(args.json):
+        ap.error(problem)
     seeds = [int(s) for s in args.seeds.split(",")]
     names = [n for n in SETTINGS if not args.only or n in args.only.split(",")]
     rows = []

@@ -758,8 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"--modes: unknown {sorted(bad)}; allowed: deployment, simulation")
     evals = [float(x) for x in args.evaluate.split(",")]
-    from fedhop.common.util.cliparser import folder_problem, new_file_problem
-    problem = ((new_file_problem(args.json, "--json", force=True) if args.json else None)   # written at the end
+    from fedhop.common.util.cliparser import figures_file_problem, folder_problem
+    problem = (figures_file_problem(args.json)
                or (folder_problem(args.keep, "--keep") if args.keep else None)
                or (f"--keep {args.keep}: there already; name a new folder" if args.keep and Path(args.keep).exists()
                    else None))

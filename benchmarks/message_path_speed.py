@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=5, help="passes; the median is printed")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
-    from fedhop.common.util.cliparser import new_file_problem
-    if args.json and (problem := new_file_problem(args.json, "--json", force=True)):
-        ap.error(problem)   # the figures are written at the end: a path they cannot go to is refused first
+    from fedhop.common.util.cliparser import figures_file_problem
+    if problem := figures_file_problem(args.json):
+        ap.error(problem)
     if args.repeat < 1 or args.passes < 1:
         ap.error("--repeat and --passes must be >= 1")
     torch.set_num_threads(1)   # as every fedhop process (run.torch_threads)

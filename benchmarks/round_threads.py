@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to fedhop run")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
-    from fedhop.common.util.cliparser import new_file_problem
-    if args.json and (problem := new_file_problem(args.json, "--json", force=True)):
-        ap.error(problem)   # the figures are written at the end: a path they cannot go to is refused first
+    from fedhop.common.util.cliparser import figures_file_problem
+    if problem := figures_file_problem(args.json):
+        ap.error(problem)
     if not Path("/proc/self/task").exists():
         ap.error("this benchmark reads /proc (Linux only)")
     if args.seconds <= 0 or args.warmup < 1:

@@ -255,9 +255,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--skip", type=int, default=3, help="rounds left out at the start (default 3)")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args(argv)
-    from fedhop.common.util.cliparser import new_file_problem
-    if args.json and (problem := new_file_problem(args.json, "--json", force=True)):
-        ap.error(problem)   # the figures are written at the end: a path they cannot go to is refused first
+    from fedhop.common.util.cliparser import figures_file_problem
+    if problem := figures_file_problem(args.json):
+        ap.error(problem)
     from fedhop.deploy.bench.forked import forked_run
     from fedhop.deploy.cli.cli import main as fedhop_main
 

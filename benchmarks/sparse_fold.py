@@ -103,9 +103,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--mode", choices=("sparse", "dense"), help=argparse.SUPPRESS)   # one mode, in this process
     ap.add_argument("--uploads", help=argparse.SUPPRESS)                               # ... of these uploads
     args = ap.parse_args(argv)
-    from fedhop.common.util.cliparser import new_file_problem
-    if args.json and (problem := new_file_problem(args.json, "--json", force=True)):
-        ap.error(problem)   # the figures are written at the end: a path they cannot go to is refused first
+    from fedhop.common.util.cliparser import figures_file_problem
+    if problem := figures_file_problem(args.json):
+        ap.error(problem)
     if args.mb <= 0 or args.clients < 1 or not 0 < args.ratio <= 1:
         print("sparse_fold: --mb > 0, --clients >= 1 and --ratio in (0, 1] please", file=sys.stderr)
         return 2

@@ -188,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="frame size (transport.chunk_bytes); 0: a message in one frame (at least 1024 otherwise)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
-    from fedhop.common.util.cliparser import new_file_problem
-    if args.json and (problem := new_file_problem(args.json, "--json", force=True)):
-        ap.error(problem)   # the figures are written at the end: a path they cannot go to is refused first
+    from fedhop.common.util.cliparser import figures_file_problem
+    if problem := figures_file_problem(args.json):
+        ap.error(problem)
     if args.numel < 1 or args.calls < 1 or not all(0 < f <= 1 for f in args.sparsity) \
             or 0 < args.chunk_bytes < 1024 or args.chunk_bytes < 0:
         ap.error("--numel and --calls must be at least 1, each --sparsity in (0, 1], --chunk-bytes 0 or at least 1024")

@@ -124,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args(argv)
-    from fedhop.common.util.cliparser import new_file_problem
-    if args.json and (problem := new_file_problem(args.json, "--json", force=True)):
-        ap.error(problem)   # the figures are written at the end: a path they cannot go to is refused first
+    from fedhop.common.util.cliparser import figures_file_problem
+    if problem := figures_file_problem(args.json):
+        ap.error(problem)
     if args.mb <= 0 or args.clients < 2 or args.repeats < 1:
         ap.error("--mb must be > 0, --clients >= 2 and --repeats >= 1")
     names = list(SYSTEMS)

@@ -131,6 +131,12 @@ def test_a_keep_folder_that_cannot_be_made_is_refused_before_the_benchmark_runs(
         assert code == 2
         assert why in capsys.readouterr().err.strip().splitlines()[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+    if command[0] == "flower":   # Flower's app and FLWR_HOME go into a new folder: one there already is refused
+        (tmp_path / "earlier").mkdir()
+        with pytest.raises(SystemExit) as exit_:
+            main([*command, "--keep", "earlier"])
+        assert exit_.value.code == 2
+        assert "--keep earlier: there already; name a new folder" in capsys.readouterr().err
 
 
 def test_bench_transport_torch_tiny(tmp_path):

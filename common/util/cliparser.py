@@ -61,6 +61,13 @@ def new_file_problem(given: str | os.PathLike, flag: str, suffix: str = "", forc
     return None
 
 
+def figures_file_problem(given: str | os.PathLike | None, flag: str = "--json") -> str | None:
+    """`new_file_problem` for a benchmark's figures file (an earlier one is replaced), or None when
+    no file is named.  A benchmark writes its figures only when it ends, minutes or hours later,
+    so the path is checked with its other flags: one it cannot write would lose them."""
+    return new_file_problem(given, flag, force=True) if given else None
+
+
 def new_folder_problem(given: str | os.PathLike, flag: str) -> str | None:
     """`folder_problem`, and a folder that is there and not empty (an earlier run, whose records a
     new one's would mix with, or files of the user's): for a command that writes a run into a new

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhop.common.util.cliparser import ArgumentParser, new_file_problem
+from fedhop.common.util.cliparser import ArgumentParser, figures_file_problem
 from fedhop.deploy.bench import bench_system
 from fedhop.deploy.launch.malloc import reexec_with_tuned_malloc
 
@@ -415,8 +415,7 @@ def _flags_problem(args: argparse.Namespace) -> str | None:
     for flag, value in (("--clients", args.clients), ("--processes", args.processes)):
         if value < 1:   # checked with --tiny too, which measures its own sizes
             return f"{flag} {value}: at least 1"
-    # the figures are written when the benchmark ends: a path they cannot go to is refused first
-    return new_file_problem(args.json, "--json", force=True) if args.json else None
+    return figures_file_problem(args.json)
 
 
 def main(argv: list[str] | None = None) -> int:

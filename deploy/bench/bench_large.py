@@ -58,7 +58,7 @@ import torch
 
 from fedhop.common.tasks.base import ClientData, Task
 from fedhop.common.topologies.plan import plan_processes
-from fedhop.common.util.cliparser import ArgumentParser, folder_problem, new_file_problem
+from fedhop.common.util.cliparser import ArgumentParser, figures_file_problem, folder_problem
 
 MB = 1_000_000
 GB = 1_000_000_000
@@ -394,8 +394,7 @@ def main(argv: list[str]) -> int:
     if args.repeats < 1:
         print("fedhop bench large: --repeats must be >= 1", file=sys.stderr)
         return 2
-    problem = ((new_file_problem(args.json, "--json", force=True) if args.json else None)   # written at the end
-               or (folder_problem(args.keep, "--keep") if args.keep else None))
+    problem = figures_file_problem(args.json) or (folder_problem(args.keep, "--keep") if args.keep else None)
     if problem:
         print(f"fedhop bench large: {problem}", file=sys.stderr)
         return 2

@@ -67,7 +67,7 @@ from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine
 from fedhop.common.records.runstore import RunStore, round_seconds
 from fedhop.common.tasks import build_task
-from fedhop.common.util.cliparser import ArgumentParser, new_file_problem
+from fedhop.common.util.cliparser import ArgumentParser, figures_file_problem
 from fedhop.deploy.bench.engine_loop import model_sha256
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
@@ -553,8 +553,7 @@ def main(argv: list[str]) -> int:
             raise ValueError
     except ValueError:
         ap.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
-    problem = new_file_problem(args.json, "--json", force=True) if args.json else None   # written at the end
-    if problem:
+    if problem := figures_file_problem(args.json):
         ap.error(problem)
     try:
         figures = bench_peers(args)

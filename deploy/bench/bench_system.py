@@ -216,13 +216,10 @@ def scale_run(count: int, processes: int, per_round: int, rounds: int, batch: bo
         registration = _registration_seconds(store)
         store.close()
         sha = model_sha256(Path(tmp) / "model.safetensors")
-    steady = walls[1:] or walls   # the first round also warms the processes' caches
     client_rss = [v for k, v in peak.items() if k.startswith("client")]
     client_uss = [v for k, v in peak_uss.items() if k.startswith("client")]
     return {"clients": count, "processes": processes, "per_round": per_round, "rounds": rounds, "batch": batch,
-            "registration_seconds": registration,
-            "round_seconds_median": statistics.median(steady), "round_seconds_min": min(steady),
-            "round_seconds_max": max(steady),
+            "registration_seconds": registration, **_steady_figures(walls),
             "server_rss_mb": peak.get("server"), "server_uss_mb": peak_uss.get("server"),
             "client_process_rss_mb": statistics.mean(client_rss), "client_process_uss_mb": statistics.mean(client_uss),
             "client_process_rss_mb_max": max(client_rss),
@@ -232,7 +229,8 @@ def scale_run(count: int, processes: int, per_round: int, rounds: int, batch: bo
 
 
 def _steady_figures(per_round: list[float]) -> dict[str, float]:
-    steady = per_round[1:] or per_round   # round 1 left out, as `scale_run` leaves it out
+    """Median, min and max over the rounds after the first, which also warms the processes' caches."""
+    steady = per_round[1:] or per_round
     return {"round_seconds_median": statistics.median(steady), "round_seconds_min": min(steady),
             "round_seconds_max": max(steady)}
 
