@@ -159,6 +159,14 @@ def test_quick_workloads_in_both_engines_with_a_fake_peer(tmp_path):
     assert loop["identical"] is True and set(loop["engine_over_loop"]) == {"fedhop processes", "fedhop inprocess"}
     for engine, over in loop["engine_over_loop"].items():   # printed s/round over the loop's
         assert over == pytest.approx(runs[engine]["s_per_round"] / runs["fedhop loop"]["s_per_round"])
+    # each ratio within each repeat, from the two systems' runs of that repeat
+    for row in figures["workloads"]["W2"]["seeds"]["0"]["ratios"]:
+        theirs, ours = runs[row["peer"]]["by_repeat"], runs[row["engine"]]["by_repeat"]
+        assert len(theirs) == len(ours) == 2
+        assert row["by_repeat"] == pytest.approx([t / o for t, o in zip(theirs, ours)])
+        shown = f"(by repeat {min(row['by_repeat']):.3f}-{max(row['by_repeat']):.3f})"
+        assert shown in next(line for line in res.stdout.splitlines() if line.startswith(
+            f"  ratio pfl / {row['engine']}: ") and f"{row['ratio']:.3f}" in line)
 
 
 def test_peer_contract_errors_are_one_clear_line(tmp_path):
@@ -252,6 +260,29 @@ def test_a_model_that_differs_between_fedhop_systems_is_reported():
     assert against_loop({**same, "fedhop loop": fig(0.01, ["b"])})["identical"] is False
     assert against_loop({**same, "fedhop inprocess": fig(0.03, ["a", "c"])})["identical"] is False   # repeats differ
     assert against_loop({**same, "fedhop loop": fig(0.01, [])})["identical"] is None   # no hash: nothing claimed
+
+
+def test_a_line_met_by_the_medians_but_not_by_every_repeat_says_so():
+    """The medians decide whether a line is met; where the repeats alone do not all agree, the
+    printed line says how many meet it (the machine's state moved the ratio across the line)."""
+    from fedhop.deploy.bench.bench_peers import ratio_line, ratios
+
+    def fig(*by_repeat: float) -> dict:
+        return {"s_per_round": sorted(by_repeat)[len(by_repeat) // 2], "by_repeat": list(by_repeat)}
+    # pfl 0.1224 and 0.0800 against processes 0.1027 and 0.0827 (2026-12-06): 1.19 and 0.97
+    table = {"fedhop processes": fig(0.1027, 0.0827, 0.0900), "pfl": fig(0.1224, 0.0800, 0.1000)}
+    row = next(r for r in ratios("W2", table) if r["engine"] == "fedhop processes")
+    assert row["ratio"] == pytest.approx(0.1000 / 0.0900) and row["meets"] is True
+    assert row["by_repeat"] == pytest.approx([0.1224 / 0.1027, 0.0800 / 0.0827, 0.1000 / 0.0900])
+    assert row["repeats_agree"] is False
+    line = ratio_line(row)
+    assert line == ("  ratio pfl / fedhop processes: 1.111 (by repeat 0.967-1.192)  (issue 49: >= 1: met; "
+                    "2 of 3 repeats alone meet it: the machine's state decides it)")
+    steady = {"fedhop processes": fig(0.05, 0.06), "pfl": fig(0.08, 0.09)}
+    row = next(r for r in ratios("W2", steady) if r["engine"] == "fedhop processes")
+    assert row["repeats_agree"] is True and ratio_line(row).endswith("(issue 49: >= 1: met)")
+    one = next(r for r in ratios("W2", {"fedhop processes": fig(0.05), "pfl": fig(0.04)}) if r["engine"] == "fedhop processes")
+    assert one["repeats_agree"] is None and ratio_line(one) == "  ratio pfl / fedhop processes: 0.800  (issue 49: >= 1: NOT met)"
 
 
 def test_the_loop_refuses_a_topology_with_its_own_rounds_in_one_line(tmp_path):
