@@ -434,7 +434,7 @@ ACCEPTANCE = [("W1", "fedhop processes", "flower", 10.0), ("W2", "fedhop process
 def ratios(name: str, table: dict[str, dict]) -> list[dict[str, Any]]:
     """peer s/round / fedhop s/round for each fedhop engine and peer run, with the acceptance
     line that applies (None where the issue sets none).  `by_repeat`: the same ratio within each
-    repeat (both systems' runs of that repeat, which ran one after the other), so that a reader
+    repeat (both systems' runs of that repeat, which ran in the same turn of the systems), so that a reader
     sees how far the machine's state moved it; `repeats_agree`: whether every repeat alone meets
     the line as the medians do (None without a line or with one repeat)."""
     out = []
