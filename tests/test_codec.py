@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -309,26 +309,64 @@ def test_a_receiver_that_requires_the_checksum_refuses_a_message_that_leaves_it_
     assert decoded(scalars).payload.scalars == {"loss": 0.5}
 
 
-def test_a_handed_over_message_is_hashed_beside_its_send_and_a_change_fails_its_trailer():
-    """A handed-over message of more than one chunk is hashed by a helper thread (the header and
-    data frames need no digest); its trailer equals an eager encode's, and a tensor changed in
-    place before the trailer is made fails the send (SnapshotChanged), never a wrong digest."""
-    w = torch.randn(10_000)
+def test_a_handed_over_message_is_hashed_as_its_frames_are_cut_and_a_change_fails_the_send():
+    """A handed-over message of more than one chunk is hashed frame by frame as its send cuts
+    the frames: once its data frames are pulled the digest is made, and its trailer equals an
+    eager encode's.  A tensor changed in place fails the send (SnapshotChanged): at the next cut,
+    or, for frames cut per send, at the trailer."""
+    w = torch.randn(10_000)   # 40,000 bytes: ten 4 KiB frames
     eager = list(encode(Payload(tensors={"w": w.clone()}), env(msg_id="m"), chunk_bytes=4096).frames)
     enc = encode(hand_over(Payload(tensors={"w": w})), env(msg_id="m"), chunk_bytes=4096)
-    assert list(enc.frames.stream()) == eager
-    gate = threading.Event()
-    pool = codec._cut_pool()
-    blockers = [pool.submit(gate.wait) for _ in range(pool._max_workers)]   # the helper threads busy
-    enc2 = encode(hand_over(Payload(tensors={"w": w})), env(msg_id="m"), chunk_bytes=4096)
-    frames = iter(enc2.frames)
-    sent = [next(frames) for _ in range(len(eager) - 1)]                       # header and every data frame,
-    assert sent == eager[:-1]                                                  # sent before any byte is hashed
-    w.add_(1.0)                                                                # the caller broke its promise
-    gate.set()
+    cuts = enc.frames._cuts
+    frames = iter(enc.frames)
+    sent = [next(frames) for _ in range(len(eager) - 1)]   # header and every data frame
+    assert sent == eager[:-1] and cuts._digest is not None and cuts._hasher is None   # hashed as cut
+    assert next(frames) == eager[-1] and list(enc.frames) == eager
+
+    per_send = encode(hand_over(Payload(tensors={"w": w}), keep_frames=False), env(msg_id="m"), chunk_bytes=4096)
+    frames = iter(per_send.frames)
+    assert [next(frames) for _ in range(len(eager) - 1)] == eager[:-1]
+    w.add_(1.0)                                            # the caller broke its promise after the data
     with pytest.raises(SnapshotChanged):
-        next(frames)                                                           # the trailer: the hash saw it
-    assert all(f.result() for f in blockers)
+        next(frames)                                       # the trailer
+
+    enc = encode(hand_over(Payload(tensors={"w": w})), env(msg_id="m"), chunk_bytes=4096)
+    frames = iter(enc.frames)
+    next(frames), next(frames)                             # the header, the first data frame
+    w.add_(1.0)
+    with pytest.raises(SnapshotChanged):
+        next(frames)                                       # the next cut
+
+
+def test_a_digest_covers_frames_cut_out_of_order_or_never_cut_once():
+    """Frames pulled out of order (a retry, another send) or not pulled at all are hashed by
+    `digest` from the kept frames or the tensors, so the trailer is always the eager encode's; a
+    second send of the same message hashes nothing again, and one whose bytes differ from those
+    hashed (a write that bypassed the version counter) is refused by its receiver."""
+    w = torch.randn(10_000)
+    eager = list(encode(Payload(tensors={"w": w.clone()}), env(msg_id="o"), chunk_bytes=4096).frames)
+    n = len(eager)
+    for order in ([n - 2, 1, 3], [2, 5], []):              # data frames pulled before the trailer (1-based)
+        for keep in (True, False):
+            enc = encode(hand_over(Payload(tensors={"w": w}), keep_frames=keep), env(msg_id="o"), chunk_bytes=4096)
+            assert [enc.frames[i] for i in order] == [eager[i] for i in order]
+            assert enc.frames[n - 1] == eager[-1]         # the trailer
+            assert list(enc.frames) == eager
+
+    for keep in (True, False):   # sends of one message at once (a broadcast): every one the eager bytes
+        enc = encode(hand_over(Payload(tensors={"w": w}), keep_frames=keep), env(msg_id="o"), chunk_bytes=4096)
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            sends = list(pool.map(lambda _: list(enc.frames), range(16)))
+        assert all(frames == eager for frames in sends)
+
+    enc = encode(hand_over(Payload(tensors={"w": w}), keep_frames=False), env(msg_id="o"), chunk_bytes=4096)
+    first = list(enc.frames)
+    assert first == eager
+    w.numpy()[7] += 1.0                                    # in place, the version counter untouched
+    second = list(enc.frames)                              # cut again per send, not hashed again
+    assert second[1] != eager[1] and second[-1] == eager[-1]
+    with pytest.raises(PayloadError, match="CHECKSUM_MISMATCH"):
+        decode_frames(second)
 
 
 def test_the_fold_over_decoded_replies_gives_the_bits_of_the_fold_tensor_by_tensor():
@@ -450,32 +488,6 @@ def test_a_header_declaring_more_dimensions_than_a_tensor_holds_is_refused(dims)
         t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
         got = decode_frames(encode(Payload(tensors={"a": t}), env()).frames).payload.tensors["a"]
         assert got.shape == t.shape and torch.equal(got, t)
-
-
-def test_a_handed_over_message_of_one_data_frame_is_cut_in_the_sending_thread(monkeypatch):
-    """`Frames.stream` hands cuts to helper threads only where there is a send to overlap (two data
-    frames or more); a one-frame message is cut in the caller's thread, with the same bytes as
-    an eager encode.  The helper pool is counted: a one-frame stream
-    must not touch it, a three-frame one must."""
-    submitted: list[object] = []
-    pool = codec._cut_pool()
-
-    class CountingPool:
-        def submit(self, fn, *args):
-            submitted.append(fn)
-            return pool.submit(fn, *args)
-
-    monkeypatch.setattr(codec, "_cut_pool", CountingPool)
-    small = torch.randn(1000)
-    eager = list(encode(Payload(tensors={"w": small.clone()}), env(msg_id="s"), chunk_bytes=8192).frames)
-    enc = encode(hand_over(Payload(tensors={"w": small})), env(msg_id="s"), chunk_bytes=8192)
-    assert len(eager) == 3 and list(enc.frames.stream()) == eager   # header, one data frame, trailer
-    assert submitted == []
-    big = torch.randn(5000)                                          # 20,000 bytes: three 8 KiB frames
-    eager = list(encode(Payload(tensors={"w": big.clone()}), env(msg_id="b"), chunk_bytes=8192).frames)
-    enc = encode(hand_over(Payload(tensors={"w": big})), env(msg_id="b"), chunk_bytes=8192)
-    assert list(enc.frames.stream()) == eager
-    assert len(submitted) >= 3   # the digest's helper, then each of the three cuts
 
 
 def test_varint_len_is_the_length_of_the_varint():

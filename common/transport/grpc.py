@@ -110,7 +110,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent import futures
-from typing import Any, Callable, Iterable, Iterator, Sequence, overload
+from typing import Any, Callable, Iterator, Sequence, overload
 
 import grpc
 import grpc.experimental
@@ -147,7 +147,6 @@ from fedhop.common.wire.codec import (
     Decoded,
     Encoded,
     FrameDecoder,
-    Frames,
     PayloadError,
     bundle_bytes,
     bundle_framing,
@@ -396,15 +395,15 @@ class GrpcEndpoint(Endpoint):
             stub = self.channel(address).stream_stream(EXCHANGE, request_serializer=None,
                                                        response_deserializer=None)
 
-        def frames():   # frames not cut yet are cut ahead of the send, overlapping it (codec.Frames)
+        def frames():   # a handed-over message's frames are cut (and hashed) here, as gRPC pulls them (codec.Frames)
             self.sends.begin()
             moved = 0
             try:
-                source = iter(request.frames.stream() if isinstance(request.frames, Frames) else request.frames)
+                source = iter(request.frames)
                 header = next(source)
                 moved += len(header)
                 yield header
-                taken.wait()   # the data frames (cut, or cut ahead, from here on) once the callee took the request
+                taken.wait()   # the data frames (cut from here on, as they are pulled) once the callee took the request
                 for frame in source:
                     moved += len(frame)
                     yield frame
@@ -613,12 +612,11 @@ class GrpcEndpoint(Endpoint):
 
             on_header = take if _flagged(context, TAKE_METADATA) else None
             if not _flagged(context, PULL_METADATA):
-                yield from _streamed(endpoint.serve_frames(request_iterator, handler, on_header=on_header))
+                yield from endpoint.serve_frames(request_iterator, handler, on_header=on_header)
                 return
             # pulled (module docstring): the request ends where its data does, its stream stays
             # open for the go message; the reply's header frame goes at once, the rest after go
-            frames = iter(_streamed(endpoint.serve_frames(request_iterator, handler, pulled=True,
-                                                          on_header=on_header)))
+            frames = iter(endpoint.serve_frames(request_iterator, handler, pulled=True, on_header=on_header))
             header = next(frames, None)
             if header is None:
                 return
@@ -635,7 +633,7 @@ class GrpcEndpoint(Endpoint):
                 frames = [b"\xff"]
             messages = split_bundle(frames)
             if len(messages) == 1:
-                yield from _streamed(endpoint.serve_frames(frames, handler, framing=bundle_framing(len(f) for f in frames)))
+                yield from endpoint.serve_frames(frames, handler, framing=bundle_framing(len(f) for f in frames))
                 return
             yield from reply_bundles(endpoint, messages, handler)
 
@@ -752,7 +750,7 @@ def reply_bundles(endpoint: Endpoint, messages: list[list[bytes]], handler: Hand
     served = endpoint.serve_batch([(message, batch_framing(i, map(len, message)), framing_of)
                                    for i, message in enumerate(messages)], handler)
     for made in served:
-        reply = list(_streamed(made))
+        reply = list(made)
         opens = placed.pop() if placed else bundles.place([len(f) for f in reply])[0]   # an unrouted error reply
         for frame, start in zip(reply, opens):
             if start and pending:
@@ -764,13 +762,6 @@ def reply_bundles(endpoint: Endpoint, messages: list[list[bytes]], handler: Hand
             pending = []
     if pending:
         yield bundle_bytes(pending)
-
-
-def _streamed(frames: Sequence[bytes]) -> Iterable[bytes]:
-    """A reply's frames as the response stream pulls them: the frames of a handed-over reply (a
-    client's fresh update, client/host.py) are cut ahead by helper threads, overlapping the send
-    of the ones before (`Frames.stream`)."""
-    return frames.stream() if isinstance(frames, Frames) else frames
 
 
 def _flagged(context: grpc.ServicerContext, flag: tuple[str, str]) -> bool:

@@ -3,18 +3,18 @@
 Processes that move models run with glibc's trim threshold raised (deploy/launch/malloc.py): a freed
 4 MiB frame stays in the heap for the next message instead of costing its page faults again.
 The price is that the heap keeps its high-water mark.  A server sends its model to every
-sampled client at once: each send has a few frames in flight (cut ahead, and gRPC's copy), so
+sampled client at once: each send has two frames in flight (the one cut for it, and gRPC's copy), so
 the heap grows by a few frames per client while the broadcast lasts, and without a trim it would
 hold that memory through the fold, whose accumulator is then the round's peak on top of it
 (docs/performance.md, "Pulled replies").
 
 `SendBurst` counts the large sends in flight and what each left in the heap: the frames it
-had in memory at once besides those its message keeps (`transient_bytes`: the frames cut ahead,
-the one being sent and gRPC's copy of it; frames a message keeps are still referenced when its
+had in memory at once besides those its message keeps (`transient_bytes`: the frame being cut or
+sent and gRPC's copy of it; frames a message keeps are still referenced when its
 send ends, so no trim could free them then).  When the last send of a burst ends and the burst
 left at least `TRIM_AFTER_BYTES`, `malloc_trim(0)` returns the free pages of every arena to the
 system (glibc >= 2.8 also releases free pages inside the heap, not only its top).  A lone send of
-a 4 MiB-chunked message leaves about 16 MiB, which the next message reuses: it does not trim, and
+a 4 MiB-chunked message leaves about 8 MiB, which the next message reuses: it does not trim, and
 its next send does not pay the page faults of those frames again (about 8 ms per 100 MB call
 here, docs/performance.md).  A server's broadcast to two or more clients trims once per round.
 Where the C library has no `malloc_trim` (musl, macOS) nothing is done.
@@ -27,10 +27,10 @@ import threading
 
 #: a burst of sends that left less than this in the heap leaves the heap as it is: more than a
 #: lone send of 4 MiB frames leaves, which the next message reuses
-TRIM_AFTER_BYTES = 32 << 20
-#: the data frames a streamed send has in memory at once besides those its message keeps: two
-#: cut ahead (codec `Frames.stream`), the one being sent, and gRPC's copy of it
-FRAMES_IN_FLIGHT = 4
+TRIM_AFTER_BYTES = 16 << 20
+#: the data frames a streamed send has in memory at once besides those its message keeps: the one
+#: being cut or sent (codec `Frames`: cut as gRPC pulls it) and gRPC's copy of it
+FRAMES_IN_FLIGHT = 2
 
 
 def transient_bytes(data_bytes: int, chunk_bytes: int) -> int:

@@ -4,8 +4,9 @@ Wire format (proto/fedhop.proto): a stream of `Frame` messages.  The first carri
 `Envelope` (tensor specs, scalars, routing); the next carry the tensors' bytes, concatenated
 in spec order and cut into chunks of at most `chunk_bytes`; when the envelope says `checksum`,
 a last 9-byte trailer frame carries the XXH3-64 of those bytes (`trailer_frame`).  The digest
-trails the data so that the sender need not read the whole model before its first frame: the
-hash is made while the frames are sent (`_Cuts.digest`).
+trails the data so that the sender need not read the whole model before its first frame: each
+frame is hashed right after it is cut, while it is in cache, and the trailer carries the digest
+of them all (`_Cuts.digest`).
 
 Copies, the cost that dominates on this machine (shared/research/limits.md):
 - encode: tensor memory -> frame bytes is one copy per byte (`bytes.join` over memoryviews
@@ -39,7 +40,6 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -194,11 +194,12 @@ class _Cuts:
     tensors only): no frame is kept, each send cuts its own as it pulls them, so a message sent
     to many peers never exists whole as frames (a copy per send instead of a model held).
     `checksum`: a trailer frame with the XXH3-64 of the bytes follows the data frames; its digest
-    is made once per message (`digest`), while the frames are cut (`set_digest`) or, for
-    handed-over tensors, by a helper thread that reads them while the send goes (`hash_ahead`)."""
+    is made once per message (`digest`): by `encode` as it cuts a snapshot (`set_digest`) or, for
+    handed-over tensors (`hash_in_order`), frame by frame as the sends cut them, each frame right
+    after its cut by whichever send cuts the next one in order first."""
 
     __slots__ = ("views", "ends", "chunk_bytes", "total", "cut", "left", "guards", "lock", "keep",
-                 "checksum", "_digest")
+                 "checksum", "_digest", "_hasher", "_hashed", "_hash_lock")
 
     def __init__(self, views: list[memoryview], chunk_bytes: int, guards: list | None = None,
                  keep: bool = True, checksum: bool = False) -> None:
@@ -216,27 +217,68 @@ class _Cuts:
         self.lock = threading.Lock()
         self.keep = keep or not guards   # a snapshot (nothing handed over) is always kept
         self.checksum = checksum and total > 0   # a message with no data bytes has no trailer
-        self._digest: "int | Future[int] | None" = None
+        self._digest: int | None = None
+        self._hasher: "xxhash.xxh3_64 | None" = None   # `hash_in_order`: holds frames 0.._hashed-1
+        self._hashed = 0
+        self._hash_lock = threading.Lock()
 
     def set_digest(self, value: int) -> None:
         self._digest = value
 
-    def hash_ahead(self) -> None:
-        """Start hashing the handed-over tensors' bytes in a helper thread: the send of the header
-        and the data frames goes on meanwhile, and only the trailer waits for the digest."""
-        assert self.views is not None   # called by `encode`, before any frame is cut
-        self._digest = _cut_pool().submit(_hash_views, list(self.views), list(self.guards))
+    def hash_in_order(self) -> None:
+        """Make the digest of handed-over tensors from their frames as the sends cut them: the
+        send that cuts the next frame in order hashes it while it is in cache (`_hash_cut`), and
+        `digest` hashes whatever no send did.  The header and the data frames need no digest, so
+        no pass over the model comes before the first frame; only the trailer needs it."""
+        self._hasher = xxhash.xxh3_64()
+
+    def _data_of(self, k: int, frame: bytes) -> memoryview:
+        """Frame k's data bytes (the frame without its tag and length)."""
+        return memoryview(frame)[len(frame) - min(self.chunk_bytes, self.total - k * self.chunk_bytes):]
+
+    def _hash_cut(self, k: int, frame: bytes) -> None:
+        """Add frame k, just cut, to the digest if it is the next one in order and no other send
+        is hashing (another send's cut of the same frame, or `digest`, would do it)."""
+        if self._hashed != k or not self._hash_lock.acquire(blocking=False):
+            return
+        try:
+            hasher = self._hasher
+            if hasher is not None and self._hashed == k:
+                hasher.update(self._data_of(k, frame))
+                self._hashed = k + 1
+                if self._hashed == len(self.cut):
+                    self._digest, self._hasher = hasher.intdigest(), None
+        finally:
+            self._hash_lock.release()
 
     def digest(self) -> int:
-        """The XXH3-64 of the message's data bytes (waits for `hash_ahead`'s thread)."""
-        d = self._digest
-        if d is None:
+        """The XXH3-64 of the message's data bytes.  For handed-over tensors, the frames no send
+        has hashed yet (cut out of order, or not cut) are hashed here, from their kept frames or
+        from the tensors; a tensor changed in place meanwhile (its version counter moved) fails
+        it, as it fails a cut."""
+        if self._digest is None and self._hasher is not None:
+            with self._hash_lock:
+                hasher = self._hasher
+                if hasher is not None:
+                    views = self.views   # read before the frames: None only once every frame is cut and kept
+                    for k in range(self._hashed, len(self.cut)):
+                        frame = self.cut[k]
+                        if frame is not None:
+                            hasher.update(self._data_of(k, frame))
+                        else:
+                            assert views is not None
+                            start = k * self.chunk_bytes
+                            for piece in self._pieces(views, start, min(start + self.chunk_bytes, self.total)):
+                                hasher.update(piece)
+                        self._hashed = k + 1
+                    self._digest, self._hasher = hasher.intdigest(), None
+        _check_guards(self.guards)   # kept until every frame is cut and kept: after that the frames are the snapshot
+        if self._digest is None:
             raise RuntimeError("the message has no checksum")
-        return d if isinstance(d, int) else d.result()
+        return self._digest
 
-    def _pieces(self, start: int, stop: int) -> list[memoryview]:
-        views = self.views
-        assert views is not None   # the caller (`__getitem__`) checked: not every frame is cut
+    def _pieces(self, views: list[memoryview], start: int, stop: int) -> list[memoryview]:
+        """Views of bytes [start, stop) of the concatenated tensors."""
         i = bisect.bisect_right(self.ends, start)
         pieces = []
         while start < stop:
@@ -256,8 +298,10 @@ class _Cuts:
             return self.cut[k]   # type: ignore[return-value]  # views go only once every frame is cut
         _check_guards(self.guards)
         start = k * self.chunk_bytes
-        pieces = self._pieces(start, min(start + self.chunk_bytes, self.total))
+        pieces = self._pieces(views, start, min(start + self.chunk_bytes, self.total))
         frame = b"".join([_data_prefix(sum(len(p) for p in pieces)), *pieces])   # the one copy of these bytes
+        if self._hasher is not None:
+            self._hash_cut(k, frame)
         if not self.keep:
             return frame
         with self.lock:
@@ -275,36 +319,15 @@ def _check_guards(guards: list) -> None:
             raise SnapshotChanged("a handed-over tensor was changed in place while its message was being sent")
 
 
-def _hash_views(views: list[memoryview], guards: list) -> int:
-    """XXH3-64 of the views' bytes, in order; a handed-over tensor changed in place meanwhile
-    (its version counter moved) fails it, as it fails a cut."""
-    _check_guards(guards)
-    digest = xxhash.xxh3_64()
-    for view in views:
-        digest.update(view)
-    _check_guards(guards)
-    return digest.intdigest()
-
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _cut_pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedhop-cut")
-        return _POOL
-
-
 def hand_over(payload: Payload, keep_frames: bool = True) -> Payload:
     """Hand the payload's tensors over to the codec: the caller will not change them in place from
     now on, so `encode` neither snapshots them nor cuts frames before the send, but cuts each frame
-    from the tensors' own memory as gRPC pulls it, overlapped with the send of the previous one.  A
-    tensor changed in place after all (torch's version counter moved) makes the send fail
-    (`SnapshotChanged`) rather than carry bytes other than those encoded; the receiver's XXH3
-    check covers writes that bypass the counter.  `keep_frames=False`: a frame, once sent, is not
+    from the tensors' own memory as gRPC pulls it, in gRPC's sending thread.  A tensor changed in
+    place after all (torch's version counter moved) makes the send fail (`SnapshotChanged`) rather
+    than carry bytes other than those encoded.  The digest is made from the frames as they are cut
+    (`_Cuts.hash_in_order`), so it vouches for the bytes on the wire: a write that bypasses the
+    counter is caught by a receiver only where its send's bytes differ from those hashed (another
+    send of the message).  `keep_frames=False`: a frame, once sent, is not
     kept for the next send of the same message (`_Cuts`): each send cuts its own, and no
     model-sized set of frames is held while the message goes to many peers.  Returns the payload."""
     for t in payload.tensors.values():
@@ -315,9 +338,11 @@ def hand_over(payload: Payload, keep_frames: bool = True) -> Payload:
 
 class Frames(Sequence):
     """A message's frames, a read-only sequence of `bytes`: its header frame, then its data frames
-    (`_Cuts`), cut at encode time or, for handed-over tensors, only when pulled: gRPC pulls the
-    next frame of a stream while the previous one is being sent, so that copy overlaps the send;
-    then, when the message is checksummed, its trailer (the digest, `_Cuts.digest`).  The frames'
+    (`_Cuts`), cut at encode time or, for handed-over tensors, only when pulled, by the thread
+    that pulls them (gRPC's sending thread); then, when the message is checksummed, its trailer
+    (the digest, `_Cuts.digest`).  Cutting frames ahead of the send in helper threads was
+    measured slower on two cores (docs/performance.md, "Frames cut and hashed by the sending
+    thread").  The frames'
     lengths follow from the chunk layout (`lengths`) and are known without cutting or hashing.
     The bytes are exactly those of an eager cut."""
 
@@ -354,29 +379,6 @@ class Frames(Sequence):
         cuts = self._cuts
         for k in range(len(cuts.cut)):
             yield cuts[k]
-        if cuts.checksum:
-            yield trailer_frame(cuts.digest())
-
-    def stream(self, ahead: int = 2) -> Iterator[bytes]:
-        """The frames for a send: data frames not cut yet are cut `ahead` frames in advance by
-        helper threads, so that the copy overlaps the send of the frames before (grpcio pulls the
-        next request message only once the previous one is sent).  A message of one data frame
-        (a reply above 4 MiB handed over under a larger `transport.chunk_bytes`) is cut here:
-        no send of data is left to overlap, and a hand-off to a helper thread and back costs
-        more than the cut (tens of microseconds, milliseconds while other threads hold the GIL)."""
-        cuts = self._cuts
-        if cuts.left == 0 or len(cuts.cut) < 2:
-            yield from self
-            return
-        yield self.header
-        pool = _cut_pool()
-        n = len(cuts.cut)
-        pending = collections.deque(pool.submit(cuts.__getitem__, k) for k in range(min(ahead, n)))
-        for k in range(n):
-            frame = pending.popleft().result()
-            if k + ahead < n:
-                pending.append(pool.submit(cuts.__getitem__, k + ahead))
-            yield frame
         if cuts.checksum:
             yield trailer_frame(cuts.digest())
 
@@ -538,8 +540,9 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
     `Encoded.with_header`).  By default the data frames are cut here, from the tensors' memory:
     the frames are then the snapshot (one copy, as the cut needs anyway), each hashed right after
     it is cut, while in cache.  Tensors handed over (`hand_over`) need no snapshot: their frames
-    are cut only as the send pulls them (`Frames`) and, when they span more than one chunk, their
-    digest is made by a helper thread meanwhile (`_Cuts.hash_ahead`): only the trailer waits for it.
+    are cut only as the send pulls them (`Frames`) and, when they span more than one chunk, each
+    is hashed right after that cut too (`_Cuts.hash_in_order`): only the trailer waits for the
+    digest.
 
     `checksum`: end the message with a trailer frame holding the XXH3-64 of the data bytes, and
     say so in the envelope (the receiver verifies it)."""
@@ -573,7 +576,7 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
             if digest is not None:
                 digest.update(memoryview(frame)[len(frame) - min(chunk_bytes, total - k * chunk_bytes):])
     elif digest is not None and total > chunk_bytes:
-        cuts.hash_ahead()
+        cuts.hash_in_order()
         digest = None
     elif digest is not None:
         for view in views:
