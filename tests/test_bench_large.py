@@ -128,3 +128,36 @@ def test_paired_transfers_take_turns():
     assert [i for _, i in calls[3:]] == [k for k in (1, 2, 3, 4) for _ in range(3)]
     assert {name: len(row["times"]) for name, row in out.items()} == {"a": 4, "b": 4, "c": 4}
     assert out["b"]["times"] == [5.0, 7.0, 12.0, 14.0]   # its calls' positions, as `call` returned them
+
+
+def test_a_receiver_that_cannot_start_fails_paired_with_its_own_error(monkeypatch):
+    """A transfer whose receiver process fails to start leaves `paired` raising that failure, not
+    an error from stopping a process that never ran."""
+    import multiprocessing
+
+    from fedhop.deploy.bench import bench
+    from fedhop.deploy.bench.bench import Transfer, paired
+
+    class NoStart:
+        def __init__(self, ctx) -> None:
+            self.ctx = ctx
+
+        def Queue(self):
+            return self.ctx.Queue()
+
+        def Process(self, *args, **kwargs):
+            process = self.ctx.Process(*args, **kwargs)
+            process.start = lambda: (_ for _ in ()).throw(OSError("no process could be started"))
+            return process
+
+    get_context = multiprocessing.get_context
+    monkeypatch.setattr(bench.mp, "get_context", lambda method: NoStart(get_context(method)))
+
+    class Spawned(Transfer):
+        name = "spawned"
+
+        def start(self) -> None:
+            self._spawn(print)
+
+    with pytest.raises(OSError, match="no process could be started"):
+        paired([Spawned(1 << 20, 1 << 20)], repeats=1)

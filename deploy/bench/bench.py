@@ -117,8 +117,9 @@ class Transfer:
     def _spawn(self, target, *args) -> str:
         ctx = mp.get_context("spawn")
         addr_q, self._stop_q = ctx.Queue(), ctx.Queue()
-        self.receiver = ctx.Process(target=target, args=(addr_q, self._stop_q, *args))
-        self.receiver.start()
+        receiver = ctx.Process(target=target, args=(addr_q, self._stop_q, *args))
+        receiver.start()
+        self.receiver = receiver   # started: `stop` may join it (a failed start leaves None, and its own error)
         return addr_q.get(timeout=60)
 
     def start(self) -> None:
