@@ -327,9 +327,9 @@ def hand_over(payload: Payload, keep_frames: bool = True) -> Payload:
     than carry bytes other than those encoded.  The digest is made from the frames as they are cut
     (`_Cuts.hash_in_order`), so it vouches for the bytes on the wire: a write that bypasses the
     counter is caught by a receiver only where its send's bytes differ from those hashed (another
-    send of the message).  `keep_frames=False`: a frame, once sent, is not
-    kept for the next send of the same message (`_Cuts`): each send cuts its own, and no
-    model-sized set of frames is held while the message goes to many peers.  Returns the payload."""
+    send of the message).  `keep_frames=False`: a frame, once sent, is not kept for the next send
+    of the same message (`_Cuts`): each send cuts its own, and no model-sized set of frames is
+    held while the message goes to many peers.  Returns the payload."""
     for t in payload.tensors.values():
         t._fedhop_handed_over = t._version   # type: ignore[attr-defined]  # a marker `encode` reads with getattr
         t._fedhop_keep_frames = keep_frames   # type: ignore[attr-defined]
@@ -342,9 +342,8 @@ class Frames(Sequence):
     that pulls them (gRPC's sending thread); then, when the message is checksummed, its trailer
     (the digest, `_Cuts.digest`).  Cutting frames ahead of the send in helper threads was
     measured slower on two cores (docs/performance.md, "Frames cut and hashed by the sending
-    thread").  The frames'
-    lengths follow from the chunk layout (`lengths`) and are known without cutting or hashing.
-    The bytes are exactly those of an eager cut."""
+    thread").  The frames' lengths follow from the chunk layout (`lengths`) and are known
+    without cutting or hashing.  The bytes are exactly those of an eager cut."""
 
     __slots__ = ("header", "_cuts", "_count", "_lengths")
 
