@@ -94,9 +94,12 @@ def test_bench_large_spreads_clients_over_fewer_processes(tmp_path, monkeypatch,
     assert row["down"]["tensor_bytes"] == clients * model and row["up"]["tensor_bytes"] == clients * model
     assert estimate_bytes(1000, 8, 2) < estimate_bytes(1000, 8)
     capsys.readouterr()
-    assert main(["--processes", "0"]) == 2
-    err = capsys.readouterr().err
-    assert "--processes" in err and len(err.strip().splitlines()) == 1
+    for flags, named in ((["--processes", "0"], "--processes"), (["--chunk", "0"], "--chunk 0"),
+                         (["--chunk", "-4"], "--chunk -4"), (["--max-memory-gb", "0"], "--max-memory-gb 0.0"),
+                         (["--max-memory-gb", "nan"], "--max-memory-gb nan")):
+        assert main(flags) == 2, flags
+        err = capsys.readouterr().err
+        assert named in err and len(err.strip().splitlines()) == 1, (flags, err)
 
 
 def test_paired_transfers_take_turns():

@@ -401,6 +401,12 @@ def main(argv: list[str]) -> int:
     if args.processes is not None and args.processes < 1:
         print("fedhop bench large: --processes must be >= 1", file=sys.stderr)
         return 2
+    if args.chunk < 1:
+        print(f"fedhop bench large: --chunk {args.chunk}: at least 1 byte", file=sys.stderr)
+        return 2
+    if args.max_memory_gb is not None and not args.max_memory_gb > 0:   # not NaN either
+        print(f"fedhop bench large: --max-memory-gb {args.max_memory_gb}: must be above 0", file=sys.stderr)
+        return 2
     out: dict = {"recv_buffers": os.environ.get("FEDHOP_RECV_BUFFERS", "2"),
                  "file_buffers": os.environ.get("FEDHOP_FILE_BUFFERS", "1"), "sizes_mb": sizes, "clients": counts, "rounds": [], "skipped": [], "failed": [],
                  "transfers": []}
