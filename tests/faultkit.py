@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
 import numpy as np
 
 from fedhop.common.records.runstore import RunStore
-from fedhop.deploy.launch.launcher import read_progress
+from fedhop.deploy.launch.launcher import Child, read_progress
 from fedhop.server.resilience import ledger_consistency
 from tests.helpers import quadratic_config
 
@@ -149,13 +150,31 @@ def check_run_db(run_dir: Path, rounds: int) -> dict:
     return summary
 
 
+def registrations(db: Path, node: str) -> int:
+    """How many times `node` has registered with the server so far (run.db's `registered` events;
+    0 while run.db cannot be read)."""
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
+        try:
+            return int(con.execute("SELECT COUNT(*) FROM events WHERE kind = 'registered' AND node = ?",
+                                   (node,)).fetchone()[0])
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return 0
+
+
 def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, processes: int = 4) -> dict:
     """Run `rounds` rounds with `kills` client processes killed (-9) at seeded random moments and
     each restarted (same node id, same clients) a seeded random moment later.  The kills fall in
     the first half of the run, each once a seeded round has finished (then a seeded fraction of a
     second later), so the rounds left outlast every restart whatever the machine's speed.
-    Returns what was done: kills, restarts, times, and how many restarts came before the server
-    had noticed."""
+    Returns what was done: kills, restarts, times, how many restarts came before the server had
+    noticed, and how many restarted processes the run ended before they could register again
+    (`too_late`: on a loaded machine a process can take seconds to start).  Such a process has
+    no parent to end it and would retry until its registration deadline; `fedhop run` stops
+    them, and so does this function, once the server has exited.  Every other child must leave
+    by itself."""
     from fedhop.common.config import load_config
     from fedhop.common.topologies.plan import plan_processes
     from fedhop.common.util.nodeids import id_spec
@@ -170,7 +189,9 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
     address = (run.run_dir / "server.address").read_text().strip()
     hosted = {p.node_id: p.clients for p in plan_processes(run.cfg).clients}
     rng = numpy_stream(seed, "soak")
-    done = {"kills": 0, "restarts": 0, "restarted_before_detection": 0, "events": []}
+    done = {"kills": 0, "restarts": 0, "restarted_before_detection": 0, "too_late": 0, "events": []}
+    db = run.run_dir / "run.db"
+    restarted: list[tuple[str, Child, int]] = []   # (node, child, its registrations before the restart)
     kill_rounds = sorted(int(r) for r in rng.choice(np.arange(1, rounds // 2 + 1), size=kills, replace=False))
     try:
         current = {c.name: c for c in run.children if c.name.startswith("client-proc")}
@@ -189,13 +210,19 @@ def soak(tmp_path: Path, rounds: int = 30, kills: int = 6, seed: int = 0, proces
                 # the run is ending: a process started now may find no server to register with
                 # and would wait out its registration deadline (fedhop run stops such processes)
                 break
+            before = registrations(db, name)
             current[name] = run.spawn(name, ["client", "--parent", address, "--clients", id_spec(hosted[name]),
                                              "--node-id", name, "--listen", f"{run.cfg.transport.host}:0",
                                              "--ledger-dir", str(run.run_dir / "ledger")] + run.security_args())
+            restarted.append((name, current[name], before))
             done["restarts"] += 1
             done["restarted_before_detection"] += down < 1.5     # security.heartbeat_timeout in FAST_LIVENESS
             done["events"].append((name, round(down, 2)))
         assert server.proc.wait(timeout=300) == 0, tail_log(run)
+        for name, child, before in restarted:   # the run ended before it registered again (docstring)
+            if registrations(db, name) == before and child.proc.poll() is None:
+                child.proc.terminate()
+                done["too_late"] += 1
         wait_dead([c.proc.pid for c in run.children], timeout=30)
     finally:
         run.stop_all()
