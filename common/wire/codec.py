@@ -573,7 +573,7 @@ def encode(payload: Payload, envelope: pb.Envelope, chunk_bytes: int = DEFAULT_C
         for k in range(len(cuts.cut)):
             frame = cuts[k]
             if digest is not None:
-                digest.update(memoryview(frame)[len(frame) - min(chunk_bytes, total - k * chunk_bytes):])
+                digest.update(cuts._data_of(k, frame))
     elif digest is not None and total > chunk_bytes:
         cuts.hash_in_order()
         digest = None
