@@ -227,6 +227,27 @@ def test_worker_processes_train_the_clients_with_the_same_model_and_bytes(user_d
     assert summary["status"] == "completed" and summary["engine"] == "inprocess"
 
 
+def test_by_default_fedhop_run_forks_a_worker_per_core_and_a_run_that_cannot_fork_keeps_its_clients(user_dir):
+    """run.workers = "auto", the default: `fedhop run --engine inprocess` forks one worker per core
+    (at most one per client process: the quadratic has three); where the run's process may not
+    fork (FEDHOP_START=exec, as for a script calling the Python API, or a GPU run) it starts no
+    fresh interpreter and trains every client itself.  Both give the same model bit for bit."""
+    config = _quadratic(user_dir)
+    expected = min(os.cpu_count() or 1, 3) if (os.cpu_count() or 1) > 1 else 0
+    for name, extra_env in (("auto", {}), ("auto-exec", {"FEDHOP_START": "exec"})):
+        res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", config, "--out", name,
+                              "--engine", "inprocess"], cwd=user_dir, capture_output=True, text=True, timeout=300,
+                             env={**_env(), **extra_env})
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "workers = \"auto\"" in (user_dir / name / "config.toml").read_text()
+    forked = (user_dir / "auto" / "logs" / "inprocess.log").read_text()
+    kept = (user_dir / "auto-exec" / "logs" / "inprocess.log").read_text()
+    assert sum(f"trains in fedhop worker {i} (forked" in forked for i in range(3)) == expected, forked[-2000:]
+    assert f"trains in fedhop worker {expected}" not in forked
+    assert "trains in fedhop worker" not in kept, kept[-2000:]
+    assert _same_model(user_dir / "auto", user_dir / "auto-exec")
+
+
 def test_the_in_process_engine_gives_the_garbage_collector_back_as_it_found_it():
     """The rounds run with the set-up frozen and young collections rare, as in a role process
     (common/util/procexit.py `freeze_heap`); the process may be a user's, so both are undone."""

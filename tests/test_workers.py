@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from fedhop.common.config import parse_config
+from fedhop.common.config import ConfigError, parse_config
 from fedhop.deploy.launch.workers import pack, unpack, worker_count
 
 
@@ -27,8 +27,9 @@ def test_a_pipe_message_whose_lengths_do_not_add_up_is_refused(cut):
         unpack(bad)
 
 
-def _cfg(workers: int, topology: str = "star") -> object:
-    text = (f'[run]\nworkers = {workers}\n\n[topology]\nkind = "{topology}"\n' +
+def _cfg(workers: int | str, topology: str = "star") -> object:
+    text = (f'[run]\nworkers = {workers!r}\n'.replace("'", '"') +
+            f'\n[topology]\nkind = "{topology}"\n' +
             ('edges = 2\n' if topology == "hierarchical" else "") +
             '\n[data]\ndataset = "digits"\n\n[clients]\ncount = 20\nper_round = 4\nprocesses = 3\n')
     return parse_config(text)
@@ -44,6 +45,28 @@ def _cfg(workers: int, topology: str = "star") -> object:
 ])
 def test_the_worker_count_follows_run_workers_and_the_client_processes(workers, processes, expected):
     assert worker_count(_cfg(workers), processes) == expected
+    assert worker_count(_cfg(workers), processes, forkable=False) == expected   # a number is kept either way
+
+
+PER_CORE = os.cpu_count() or 1
+
+
+@pytest.mark.parametrize("processes", [1, 3, 64])
+def test_auto_gives_one_worker_per_core_only_where_the_run_forks_them(processes):
+    """run.workers = "auto" (the default): as 0 where `fedhop run` forks its workers, as 1 where
+    each would be a fresh interpreter (the Python API, FEDHOP_START=exec, a GPU run)."""
+    cfg = parse_config('[data]\ndataset = "digits"\n\n[clients]\ncount = 80\nper_round = 4\n'
+                       f'processes = {processes}\n')
+    assert cfg.run.workers == "auto"
+    assert worker_count(cfg, processes, forkable=True) == (min(PER_CORE, processes) if PER_CORE > 1 else 0)
+    assert worker_count(cfg, processes, forkable=False) == 0
+    assert worker_count(_cfg("auto", "gossip"), processes, forkable=True) == 0
+
+
+@pytest.mark.parametrize("value", ['"many"', '"Auto"', '-1', '1.5', 'true'])
+def test_run_workers_refuses_anything_but_a_count_or_auto(value):
+    with pytest.raises(ConfigError, match="run.workers"):
+        parse_config(f'[run]\nworkers = {value}\n')
 
 
 def test_clients_that_call_each_other_stay_in_the_run_process():

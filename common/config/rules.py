@@ -21,7 +21,7 @@ from typing import Any
 
 from fedhop.common.algorithms import config_problem as algorithm_problem
 from fedhop.common.algorithms import edge_step_problem, partial_exchange_algorithms, registry
-from fedhop.common.config.schema import Config, ConfigError, resolve_clients_per_round
+from fedhop.common.config.schema import WORKERS_AUTO, Config, ConfigError, resolve_clients_per_round
 from fedhop.common.config.validate import _is_int, build_dataclass
 from fedhop.common.privacy.rules import config_problem as privacy_problem
 from fedhop.common.processors.compressors import compressor_class
@@ -129,6 +129,9 @@ def _cross_checks(cfg: Config) -> None:
             raise ConfigError(f"config key 'clients.per_round': got {per}, a fraction must be in (0, 1]")
     elif not 1 <= per <= count:
         raise ConfigError(f"config key 'clients.per_round': got {per}, must be between 1 and clients.count = {count}")
+    if isinstance(cfg.run.workers, str) and cfg.run.workers != WORKERS_AUTO:
+        raise ConfigError(f"config key 'run.workers': got {cfg.run.workers!r}, expected a number of worker processes "
+                          f"(0: one per CPU core, 1: none) or \"{WORKERS_AUTO}\"")
     mr = cfg.run.min_results
     if isinstance(mr, float) and not 0 < mr <= 1:
         raise ConfigError(f"config key 'run.min_results': got {mr}, a fraction must be in (0, 1]")

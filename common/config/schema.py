@@ -27,6 +27,10 @@ class ConfigError(ValueError):
     """A config key has a bad value, or does not exist."""
 
 
+#: run.workers' default: the in-process engine's workers chosen by how the run can start them
+WORKERS_AUTO = "auto"
+
+
 def _f(default: Any = None, *, factory: Any = None, help: str = "", **rules: Any) -> Any:
     """A config field: its default, its description and its validation rules (module docstring)."""
     metadata = {**rules, "help": help} if help else rules
@@ -72,15 +76,18 @@ class RunConfig:
     engine: str = _f("processes", choices=("processes", "inprocess"), help=(
         "how `fedhop run` plays the run: processes (the server, edges and client processes as separate OS processes "
         "talking gRPC on loopback) or inprocess (every role in the one `fedhop run` process over in-memory endpoints "
-        "that count each message's bytes as transport.kind would frame them: the same model bit for bit, the same "
-        "run folder; no heartbeats, no sockets, no TLS; docs/run-folder.md). `fedhop run --engine` sets it"))
-    workers: int = _f(1, min=0, help=(
+        "that count each message's bytes as transport.kind would frame them, the clients training in worker "
+        "processes as run.workers says: the same model bit for bit, the same run folder; no heartbeats, no sockets, "
+        "no TLS; docs/run-folder.md). `fedhop run --engine` sets it"))
+    workers: int | str = _f(WORKERS_AUTO, min=0, help=(
         "the in-process engine's client processes train in this many worker OS processes (0: one per CPU core; "
-        "at most one per client process); 1: in the `fedhop run` process itself. `fedhop run` forks them, sharing the "
-        "run's data with them where run.torch_threads = 1 (docs/run-folder.md). The server and edges stay in the "
-        "run's process and every message is still encoded, counted and recorded as with 1: the same run folder and "
-        "the same model bit for bit. Topologies whose clients call each other (chain, gossip) keep them in the run's "
-        "process; ignored by run.engine = processes"))
+        "at most one per client process); 1: in the `fedhop run` process itself; \"auto\" (the default): one per "
+        "core where `fedhop run` forks them (a CPU run), else 1, since a worker that is a fresh interpreter (the Python "
+        "API, FEDHOP_START=exec, a GPU run) takes a second or more to start. A forked worker shares the run's data "
+        "where run.torch_threads = 1 (docs/run-folder.md). The server and edges stay in the run's process and every "
+        "message is still encoded, counted and recorded as with 1: the same run folder and the same model bit for "
+        "bit. Topologies whose clients call each other (chain, gossip) keep them in the run's process; ignored by "
+        "run.engine = processes"))
 
 
 @dataclass

@@ -33,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="override a config key (repeatable)")
     run.add_argument("--engine", choices=("processes", "inprocess"),
                      help="processes: every role its own OS process over gRPC; inprocess: every role in this process "
-                          "over in-memory endpoints counting gRPC's bytes, the same model bit for bit (sets "
-                          "run.engine, the config's key, default processes)")
+                          "over in-memory endpoints counting gRPC's bytes, the clients training in a forked worker "
+                          "per core (run.workers), the same model bit for bit (sets run.engine, the config's key, "
+                          "default processes)")
     run.add_argument("--quiet", action="store_true", help="no progress display")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its newest checkpoint")
     run.add_argument("--dashboard", nargs="?", type=port_number, const=8050, metavar="PORT",

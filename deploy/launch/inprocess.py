@@ -160,9 +160,10 @@ def build(cfg: Config, run_dir: str | Path, devices: dict[str, str] | None = Non
     # computation the task's data, built with one thread and shared with them), else started as
     # fresh interpreters (workers.py `ExecProcess`), which import while the server is set up
     planned = plan_processes(cfg).processes[1:]
-    count = worker_count(cfg, sum(p.kind != "edge" for p in planned))
     on_gpu = any(d.startswith("cuda") for d in (*devices.values(), cfg.clients.device, cfg.run.device))
-    fork = count > 0 and not on_gpu and can_fork()
+    forkable = not on_gpu and can_fork()
+    count = worker_count(cfg, sum(p.kind != "edge" for p in planned), forkable)
+    fork = count > 0 and forkable
     shared = None
     if fork and cfg.run.torch_threads == 1:   # the data built once, before the fork (workers.py `SharedTask`)
         torch.set_num_threads(1)

@@ -55,6 +55,7 @@ import psutil
 
 from fedhop.client.runtime import ClientProcess
 from fedhop.common.config import Config, config_to_toml, parent_config
+from fedhop.common.config.schema import WORKERS_AUTO
 from fedhop.common.tasks.base import Task
 from fedhop.common.topologies import spec_for
 from fedhop.common.transport.base import CallFailed, Handler, ReplyBundles
@@ -76,12 +77,18 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}   # a terminal's Ctrl-C, a schedu
 CLOSE_WAIT = 2.0   # seconds `Worker.close` waits for the pipe before it ends a worker that cannot be told
 
 
-def worker_count(cfg: Config, client_processes: int) -> int:
+def worker_count(cfg: Config, client_processes: int, forkable: bool = True) -> int:
     """How many worker processes the run's client processes go to: run.workers (0: one per
     core), at most one per client process; 0 where the clients stay in the engine's process
     (run.workers = 1, no client process, or a topology whose clients call each other: chain,
-    gossip)."""
-    wanted = cfg.run.workers or (os.cpu_count() or 1)
+    gossip).  run.workers = "auto": one per core where the run forks its workers (`forkable`,
+    `can_fork` on a CPU run), else none: a fresh interpreter takes a second or more to start,
+    which a short run from the Python API or a test would pay before its first round."""
+    workers = cfg.run.workers
+    if workers == WORKERS_AUTO:
+        wanted = (os.cpu_count() or 1) if forkable else 1
+    else:
+        wanted = int(workers) or (os.cpu_count() or 1)
     if wanted <= 1 or client_processes == 0 or spec_for(cfg.topology.kind).peer_link == CLIENT_PEERS:
         return 0
     return min(wanted, client_processes)
