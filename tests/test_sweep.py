@@ -33,18 +33,22 @@ SEEDS = [0, 1]
 RUNS = 2 * len(LRS) * len(SEEDS)     # two algorithms
 
 
-def write_spec(tmp: Path, extra: str = "", parallel: int = 2) -> Path:
+SMALL = ["run.rounds=2", "clients.count=3", "clients.per_round=3", "clients.processes=1", "algorithm.local_epochs=1",
+         "model.hidden=[16]"]
+
+
+def write_spec(tmp: Path, extra: str = "", parallel: int = 2, algorithms: tuple[str, ...] = ("fedavg", "fedexp"),
+               sets: list[str] = SMALL, lrs: list[float] = LRS, seeds: list[int] = SEEDS) -> Path:
     spec = tmp / "sweep.toml"
     spec.write_text(f"""
 [sweep]
 config = "{REPO / 'examples' / 'fedavg_digits.toml'}"
-algorithms = ["fedavg", "fedexp"]
-seeds = {SEEDS}
+algorithms = {json.dumps(list(algorithms))}
+seeds = {seeds}
 parallel = {parallel}
-set = ["run.rounds=2", "clients.count=3", "clients.per_round=3", "clients.processes=1",
-       "algorithm.local_epochs=1", "model.hidden=[16]"]
+set = {json.dumps(sets)}
 [grid]
-"algorithm.lr" = {LRS}
+"algorithm.lr" = {lrs}
 [criterion]
 kind = "final"
 metric = "test_accuracy"
@@ -311,3 +315,32 @@ def test_the_heading_reads_a_setting_that_ran_when_the_fixed_overrides_alone_do_
     sweep = Sweep(spec, tmp_path / "out", quiet=True)
     sweep.results["base"] = [SettingResult("base", "mu=0.1", ["algorithm.mu=0.1"])]
     assert sweep._heading("base") == "fedprox (the base config's algorithm)"
+
+
+def test_runs_of_a_parallel_sweep_share_the_cores_among_their_workers(tmp_path, monkeypatch):
+    """`parallel` in-process runs at once: each child is told its share of the machine's cores
+    (FEDHOP_RUN_CORES), so run.workers = "auto" forks that many workers per run, not one per core
+    each (deploy/launch/workers.py `worker_count`).  A user's own FEDHOP_RUN_CORES is kept."""
+    cores = os.cpu_count() or 1
+    monkeypatch.delenv("FEDHOP_RUN_CORES", raising=False)
+    assert "FEDHOP_RUN_CORES" not in Runner(tmp_path / "base.toml", parallel=1).child_env()
+    assert Runner(tmp_path / "base.toml", parallel=2).child_env()["FEDHOP_RUN_CORES"] == str(max(1, cores // 2))
+    assert Runner(tmp_path / "base.toml", parallel=cores + 1).child_env()["FEDHOP_RUN_CORES"] == "1"
+    monkeypatch.setenv("FEDHOP_RUN_CORES", "7")
+    assert Runner(tmp_path / "base.toml", parallel=2).child_env()["FEDHOP_RUN_CORES"] == "7"
+    monkeypatch.delenv("FEDHOP_RUN_CORES")
+
+    spec = write_spec(tmp_path, algorithms=("fedavg",), seeds=[0], lrs=[0.05, 0.1],
+                      sets=["run.engine=inprocess", "run.rounds=2", "clients.count=4", "clients.per_round=4",
+                            "clients.processes=2", "model.hidden=[16]"])
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "sweep", str(spec), "--out", str(out)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    share = max(1, cores // 2)
+    expected = min(share, 2) if share > 1 else 0   # two client processes a run
+    logs = sorted((out / "runs" / "fedavg").glob("*/seed0/logs/inprocess.log"))
+    assert len(logs) == 2
+    for log in logs:
+        text = log.read_text()
+        assert sum(f"trains in fedhop worker {i} (forked" in text for i in range(2)) == expected, text[-2000:]

@@ -52,9 +52,10 @@ PER_CORE = os.cpu_count() or 1
 
 
 @pytest.mark.parametrize("processes", [1, 3, 64])
-def test_auto_gives_one_worker_per_core_only_where_the_run_forks_them(processes):
+def test_auto_gives_one_worker_per_core_only_where_the_run_forks_them(processes, monkeypatch):
     """run.workers = "auto" (the default): as 0 where `fedhop run` forks its workers, as 1 where
     each would be a fresh interpreter (the Python API, FEDHOP_START=exec, a GPU run)."""
+    monkeypatch.delenv("FEDHOP_RUN_CORES", raising=False)
     cfg = parse_config('[data]\ndataset = "digits"\n\n[clients]\ncount = 80\nper_round = 4\n'
                        f'processes = {processes}\n')
     assert cfg.run.workers == "auto"
@@ -72,3 +73,20 @@ def test_run_workers_refuses_anything_but_a_count_or_auto(value):
 def test_clients_that_call_each_other_stay_in_the_run_process():
     assert worker_count(_cfg(2, "hierarchical"), 3) == 2
     assert worker_count(_cfg(2, "gossip"), 3) == 0
+
+
+@pytest.mark.parametrize("cores, processes", [("1", 3), ("2", 3), ("5", 3), ("2", 1)])
+def test_auto_forks_as_many_workers_as_the_run_may_use_cores(monkeypatch, cores, processes):
+    """FEDHOP_RUN_CORES (what `fedhop sweep` gives each of its parallel runs) bounds "auto";
+    a number of workers set in the config is kept."""
+    monkeypatch.setenv("FEDHOP_RUN_CORES", cores)
+    share = int(cores)
+    assert worker_count(_cfg("auto"), processes) == (min(share, processes) if share > 1 else 0)
+    assert worker_count(_cfg(2), processes) == min(2, processes)
+
+
+@pytest.mark.parametrize("cores", ["0", "-2", "two", "1.5"])
+def test_a_bad_core_count_in_the_environment_is_refused_naming_it(monkeypatch, cores):
+    monkeypatch.setenv("FEDHOP_RUN_CORES", cores)
+    with pytest.raises(ConfigError, match="FEDHOP_RUN_CORES"):
+        worker_count(_cfg("auto"), 3)

@@ -10,6 +10,10 @@ from typing import Any
 
 PROCESSES = "processes"   # every role its own OS process (deploy/launch/launcher.py, and every deploy command)
 INPROCESS = "inprocess"   # every role inside the `fedhop run` process (deploy/launch/inprocess.py)
+#: the cores one in-process run may use where several share the machine (`fedhop sweep` sets it for
+#: its runs: the machine's cores over its `parallel`); run.workers = "auto" forks that many workers
+#: (deploy/launch/workers.py `run_cores`)
+RUN_CORES_ENV = "FEDHOP_RUN_CORES"
 
 
 def process_launch_problem(cfg: Any, command: str) -> str | None:

@@ -55,7 +55,7 @@ import psutil
 
 from fedhop.client.runtime import ClientProcess
 from fedhop.common.config import Config, config_to_toml, parent_config
-from fedhop.common.config.schema import WORKERS_AUTO
+from fedhop.common.config.schema import WORKERS_AUTO, ConfigError
 from fedhop.common.tasks.base import Task
 from fedhop.common.topologies import spec_for
 from fedhop.common.transport.base import CallFailed, Handler, ReplyBundles
@@ -64,6 +64,7 @@ from fedhop.common.transport.liveness import LivenessMonitor, register_with_back
 from fedhop.common.util.proctitle import set_role_title
 from fedhop.common.wire.codec import Encoded
 from fedhop.common.wire.ledger import Ledger
+from fedhop.deploy.launch.engine import RUN_CORES_ENV
 from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
 
 log = logging.getLogger("fedhop.workers")
@@ -77,16 +78,28 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}   # a terminal's Ctrl-C, a schedu
 CLOSE_WAIT = 2.0   # seconds `Worker.close` waits for the pipe before it ends a worker that cannot be told
 
 
+def run_cores() -> int:
+    """The cores this run may use: FEDHOP_RUN_CORES where set, else every core of the machine."""
+    text = os.environ.get(RUN_CORES_ENV, "").strip()
+    if not text:
+        return os.cpu_count() or 1
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"environment variable {RUN_CORES_ENV}: got {text!r}, expected the number of cores a "
+                          "run may use (a whole number >= 1)")
+    return int(text)
+
+
 def worker_count(cfg: Config, client_processes: int, forkable: bool = True) -> int:
     """How many worker processes the run's client processes go to: run.workers (0: one per
     core), at most one per client process; 0 where the clients stay in the engine's process
     (run.workers = 1, no client process, or a topology whose clients call each other: chain,
-    gossip).  run.workers = "auto": one per core where the run forks its workers (`forkable`,
-    `can_fork` on a CPU run), else none: a fresh interpreter takes a second or more to start,
-    which a short run from the Python API or a test would pay before its first round."""
+    gossip).  run.workers = "auto": one per core the run may use (`run_cores`) where it forks
+    its workers (`forkable`, `can_fork` on a CPU run), else none: a fresh interpreter takes a
+    second or more to start, which a short run from the Python API or a test would pay before
+    its first round."""
     workers = cfg.run.workers
     if workers == WORKERS_AUTO:
-        wanted = (os.cpu_count() or 1) if forkable else 1
+        wanted = run_cores() if forkable else 1
     else:
         wanted = int(workers) or (os.cpu_count() or 1)
     if wanted <= 1 or client_processes == 0 or spec_for(cfg.topology.kind).peer_link == CLIENT_PEERS:

@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 from fedhop.common.util.cliparser import ArgumentParser, folder_problem
 from fedhop.common.util.procexit import LAUNCHER_ENV
+from fedhop.deploy.launch.engine import RUN_CORES_ENV
 from fedhop.deploy.launch.slurm import SlurmArrayRunner, add_slurm_args, options_from
 from fedhop.deploy.tools.bracket import Edge, edges, widen
 from fedhop.deploy.tools.report import RunData, build_report, load_run, lower_is_better, meets
@@ -173,6 +174,15 @@ class Runner:
             argv += ["--set", o]
         return argv
 
+    def child_env(self) -> dict[str, str]:
+        """A run's environment: this one's, its launcher named, and the cores it may use
+        (FEDHOP_RUN_CORES: the machine's over `parallel`, unless the user set it), so that an
+        in-process run with run.workers = "auto" forks no more workers than its share."""
+        env = {**os.environ, LAUNCHER_ENV: str(os.getpid())}
+        if self.parallel > 1:
+            env.setdefault(RUN_CORES_ENV, str(max(1, (os.cpu_count() or 1) // self.parallel)))
+        return env
+
     def run_all(self, tasks: list[RunTask], on_done: Callable[[RunTask, int], None]) -> None:
         pending = [t for t in tasks if not (finished(t.run_dir) and self.same_request(t))]
         while pending or self.running:
@@ -214,7 +224,7 @@ class Runner:
             with open(launcher_log(task.run_dir), "wb") as log:
                 # Own session: a terminal's Ctrl-C reaches the sweep only; the sweep stops its children (stop()).
                 proc = subprocess.Popen(self.command(task), stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd(),
-                                        start_new_session=True, env={**os.environ, LAUNCHER_ENV: str(os.getpid())})
+                                        start_new_session=True, env=self.child_env())
             self.running[proc.pid] = (proc, task)
         finally:
             self.starting = False
