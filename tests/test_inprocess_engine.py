@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fedhop.deploy.launch.engine import usable_cores
 from tests.helpers import max_round, quadratic_config, read_db, read_lines, wait_until
 from tests.test_engines import _sent
 
@@ -229,23 +230,29 @@ def test_worker_processes_train_the_clients_with_the_same_model_and_bytes(user_d
 
 def test_by_default_fedhop_run_forks_a_worker_per_core_and_a_run_that_cannot_fork_keeps_its_clients(user_dir):
     """run.workers = "auto", the default: `fedhop run --engine inprocess` forks one worker per core
-    (at most one per client process: the quadratic has three); where the run's process may not
-    fork (FEDHOP_START=exec, as for a script calling the Python API, or a GPU run) it starts no
-    fresh interpreter and trains every client itself.  Both give the same model bit for bit."""
+    it may use (at most one per client process: the quadratic has three); pinned to one core (its
+    CPU affinity, as taskset or a Slurm allocation leaves it) it forks none; where the run's
+    process may not fork (FEDHOP_START=exec, as for a script calling the Python API, or a GPU run)
+    it starts no fresh interpreter and trains every client itself.  All give the same model."""
     config = _quadratic(user_dir)
-    expected = min(os.cpu_count() or 1, 3) if (os.cpu_count() or 1) > 1 else 0
-    for name, extra_env in (("auto", {}), ("auto-exec", {"FEDHOP_START": "exec"})):
+    expected = min(usable_cores(), 3) if usable_cores() > 1 else 0
+    one_core = min(os.sched_getaffinity(0))
+    runs = {"auto": ({}, None), "auto-exec": ({"FEDHOP_START": "exec"}, None),
+            "auto-one-core": ({}, lambda: os.sched_setaffinity(0, {one_core}))}
+    for name, (extra_env, pin) in runs.items():
         res = subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", "run", config, "--out", name,
                               "--engine", "inprocess"], cwd=user_dir, capture_output=True, text=True, timeout=300,
-                             env={k: v for k, v in {**_env(), **extra_env}.items() if k != "FEDHOP_RUN_CORES"})
+                             env={k: v for k, v in {**_env(), **extra_env}.items() if k != "FEDHOP_RUN_CORES"},
+                             preexec_fn=pin)
         assert res.returncode == 0, res.stderr[-2000:]
         assert "workers = \"auto\"" in (user_dir / name / "config.toml").read_text()
     forked = (user_dir / "auto" / "logs" / "inprocess.log").read_text()
-    kept = (user_dir / "auto-exec" / "logs" / "inprocess.log").read_text()
     assert sum(f"trains in fedhop worker {i} (forked" in forked for i in range(3)) == expected, forked[-2000:]
     assert f"trains in fedhop worker {expected}" not in forked
-    assert "trains in fedhop worker" not in kept, kept[-2000:]
-    assert _same_model(user_dir / "auto", user_dir / "auto-exec")
+    for name in ("auto-exec", "auto-one-core"):
+        kept = (user_dir / name / "logs" / "inprocess.log").read_text()
+        assert "trains in fedhop worker" not in kept, kept[-2000:]
+        assert _same_model(user_dir / "auto", user_dir / name)
 
 
 def test_the_in_process_engine_gives_the_garbage_collector_back_as_it_found_it():

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fedhop.deploy.launch.engine import usable_cores
 from fedhop.deploy.tools import sweep as sweep_module
 from fedhop.deploy.tools.sweep import (
     Criterion,
@@ -321,7 +322,7 @@ def test_runs_of_a_parallel_sweep_share_the_cores_among_their_workers(tmp_path, 
     """`parallel` in-process runs at once: each child is told its share of the machine's cores
     (FEDHOP_RUN_CORES), so run.workers = "auto" forks that many workers per run, not one per core
     each (deploy/launch/workers.py `worker_count`).  A user's own FEDHOP_RUN_CORES is kept."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     monkeypatch.delenv("FEDHOP_RUN_CORES", raising=False)
     assert "FEDHOP_RUN_CORES" not in Runner(tmp_path / "base.toml", parallel=1).child_env()
     assert Runner(tmp_path / "base.toml", parallel=2).child_env()["FEDHOP_RUN_CORES"] == str(max(1, cores // 2))

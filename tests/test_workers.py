@@ -3,11 +3,10 @@ how many worker processes a config gets.  The engine's runs with workers are in
 tests/test_inprocess_engine.py."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from fedhop.common.config import ConfigError, parse_config
+from fedhop.deploy.launch.engine import usable_cores
 from fedhop.deploy.launch.workers import pack, unpack, worker_count
 
 
@@ -41,14 +40,14 @@ def _cfg(workers: int | str, topology: str = "star") -> object:
     (8, 3, 3),            # at most one per client process
     (2, 1, 1),
     (2, 0, 0),
-    (0, 3, min(3, os.cpu_count() or 1) if (os.cpu_count() or 1) > 1 else 0),   # one per core
+    (0, 3, min(3, usable_cores()) if usable_cores() > 1 else 0),   # one per core
 ])
 def test_the_worker_count_follows_run_workers_and_the_client_processes(workers, processes, expected):
     assert worker_count(_cfg(workers), processes) == expected
     assert worker_count(_cfg(workers), processes, forkable=False) == expected   # a number is kept either way
 
 
-PER_CORE = os.cpu_count() or 1
+PER_CORE = usable_cores()
 
 
 @pytest.mark.parametrize("processes", [1, 3, 64])

@@ -80,15 +80,15 @@ class RunConfig:
         "processes as run.workers says: the same model bit for bit, the same run folder; no heartbeats, no sockets, "
         "no TLS; docs/run-folder.md). `fedhop run --engine` sets it"))
     workers: int | str = _f(WORKERS_AUTO, min=0, help=(
-        "the in-process engine's client processes train in this many worker OS processes (0: one per CPU core; "
-        "at most one per client process); 1: in the `fedhop run` process itself; \"auto\" (the default): one per "
-        "core the run may use (every core, or FEDHOP_RUN_CORES, which `fedhop sweep` sets to its runs' share) where "
-        "`fedhop run` forks them (a CPU run), else 1, since a worker that is a fresh interpreter (the Python "
-        "API, FEDHOP_START=exec, a GPU run) takes a second or more to start. A forked worker shares the run's data "
-        "where run.torch_threads = 1 (docs/run-folder.md). The server and edges stay in the run's process and every "
-        "message is still encoded, counted and recorded as with 1: the same run folder and the same model bit for "
-        "bit. Topologies whose clients call each other (chain, gossip) keep them in the run's process; ignored by "
-        "run.engine = processes"))
+        "the in-process engine's client processes train in this many worker OS processes (0: one per CPU core it may "
+        "use; at most one per client process); 1: in the `fedhop run` process itself; \"auto\" (the default): one "
+        "per core the run may use (those its CPU affinity allows, or FEDHOP_RUN_CORES, which `fedhop sweep` sets to "
+        "its runs' share) where `fedhop run` forks them (a CPU run), else 1, since a worker that is a fresh "
+        "interpreter (the Python API, FEDHOP_START=exec, a GPU run) takes a second or more to start. A forked worker "
+        "shares the run's data where run.torch_threads = 1 (docs/run-folder.md). The server and edges stay in the "
+        "run's process and every message is still encoded, counted and recorded as with 1: the same run folder and "
+        "the same model bit for bit. Topologies whose clients call each other (chain, gossip) keep them in the run's "
+        "process; ignored by run.engine = processes"))
 
 
 @dataclass

@@ -6,6 +6,7 @@ netsim) do not import the roles and torch to do so.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 PROCESSES = "processes"   # every role its own OS process (deploy/launch/launcher.py, and every deploy command)
@@ -14,6 +15,15 @@ INPROCESS = "inprocess"   # every role inside the `fedhop run` process (deploy/l
 #: its runs: the machine's cores over its `parallel`); run.workers = "auto" forks that many workers
 #: (deploy/launch/workers.py `run_cores`)
 RUN_CORES_ENV = "FEDHOP_RUN_CORES"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the platform has one (what
+    taskset, a container's cpuset or a Slurm allocation leave it), else every core."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):   # no affinity on this platform (macOS)
+        return os.cpu_count() or 1
 
 
 def process_launch_problem(cfg: Any, command: str) -> str | None:

@@ -64,7 +64,7 @@ from fedhop.common.transport.liveness import LivenessMonitor, register_with_back
 from fedhop.common.util.proctitle import set_role_title
 from fedhop.common.wire.codec import Encoded
 from fedhop.common.wire.ledger import Ledger
-from fedhop.deploy.launch.engine import RUN_CORES_ENV
+from fedhop.deploy.launch.engine import RUN_CORES_ENV, usable_cores
 from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
 
 log = logging.getLogger("fedhop.workers")
@@ -79,10 +79,10 @@ CLOSE_WAIT = 2.0   # seconds `Worker.close` waits for the pipe before it ends a 
 
 
 def run_cores() -> int:
-    """The cores this run may use: FEDHOP_RUN_CORES where set, else every core of the machine."""
+    """The cores this run may use: FEDHOP_RUN_CORES where set, else those this process may run on."""
     text = os.environ.get(RUN_CORES_ENV, "").strip()
     if not text:
-        return os.cpu_count() or 1
+        return usable_cores()
     if not text.isdigit() or int(text) < 1:
         raise ConfigError(f"environment variable {RUN_CORES_ENV}: got {text!r}, expected the number of cores a "
                           "run may use (a whole number >= 1)")
@@ -101,7 +101,7 @@ def worker_count(cfg: Config, client_processes: int, forkable: bool = True) -> i
     if workers == WORKERS_AUTO:
         wanted = run_cores() if forkable else 1
     else:
-        wanted = int(workers) or (os.cpu_count() or 1)
+        wanted = int(workers) or usable_cores()
     if wanted <= 1 or client_processes == 0 or spec_for(cfg.topology.kind).peer_link == CLIENT_PEERS:
         return 0
     return min(wanted, client_processes)

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from fedhop.common.util.cliparser import ArgumentParser, folder_problem
 from fedhop.common.util.procexit import LAUNCHER_ENV
-from fedhop.deploy.launch.engine import RUN_CORES_ENV
+from fedhop.deploy.launch.engine import RUN_CORES_ENV, usable_cores
 from fedhop.deploy.launch.slurm import SlurmArrayRunner, add_slurm_args, options_from
 from fedhop.deploy.tools.bracket import Edge, edges, widen
 from fedhop.deploy.tools.report import RunData, build_report, load_run, lower_is_better, meets
@@ -180,7 +180,7 @@ class Runner:
         in-process run with run.workers = "auto" forks no more workers than its share."""
         env = {**os.environ, LAUNCHER_ENV: str(os.getpid())}
         if self.parallel > 1:
-            env.setdefault(RUN_CORES_ENV, str(max(1, (os.cpu_count() or 1) // self.parallel)))
+            env.setdefault(RUN_CORES_ENV, str(max(1, usable_cores() // self.parallel)))
         return env
 
     def run_all(self, tasks: list[RunTask], on_done: Callable[[RunTask, int], None]) -> None:
