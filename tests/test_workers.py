@@ -3,6 +3,8 @@ how many worker processes a config gets.  The engine's runs with workers are in
 tests/test_inprocess_engine.py."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fedhop.common.config import ConfigError, parse_config
@@ -27,7 +29,7 @@ def test_a_pipe_message_whose_lengths_do_not_add_up_is_refused(cut):
 
 
 def _cfg(workers: int | str, topology: str = "star") -> object:
-    text = (f'[run]\nworkers = {workers!r}\n'.replace("'", '"') +
+    text = (f'[run]\nworkers = {json.dumps(workers)}\n' +
             f'\n[topology]\nkind = "{topology}"\n' +
             ('edges = 2\n' if topology == "hierarchical" else "") +
             '\n[data]\ndataset = "digits"\n\n[clients]\ncount = 20\nper_round = 4\nprocesses = 3\n')
