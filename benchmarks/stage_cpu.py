@@ -19,7 +19,9 @@ rounds after the first `--skip`:
   time it waits);
 - client process, per `train` call: the process's CPU; the request's decoding (`_take`), the
   handler (`_handle`) and in it `local_update` and the algorithm's `client_update` (the
-  training); the reply (`_reply`: its encoding and the two ledger records).
+  training); the reply (`_reply`: its encoding and the two ledger records); under
+  [algorithm] vectorized, the batch's clients trained together before its requests are
+  handled (`ClientHost.prepare_batch`, and in it `client_updates`).
 
 Nested stages are included in their parents' figures.  Each timed call adds about 2.5 us (two
 `thread_time` readings and a lock; measured on a no-op method), which the figures include.  The
@@ -102,6 +104,9 @@ def install(skip: int) -> None:
     _timed(fabric, "_folded", "fold")
     _timed(client_host, "local_update", "local_update")
     _timed(FedAvg, "client_update", "client_update")
+    _timed(client_host.ClientHost, "train", "train")
+    _timed(client_host.ClientHost, "prepare_batch", "prepare_batch")   # [algorithm] vectorized
+    _timed(FedAvg, "client_updates", "client_updates")
     _timed(Coordinator, "run_round", "run_round")
 
     def late() -> None:
@@ -153,7 +158,7 @@ def summarise(bodies: list[dict[str, Any]]) -> dict[str, Any]:
                          f"{len(clients)}: the run's processes were not forked (module docstring)")
     server = servers[0]
     replies = server["count"].get("checks", 0)
-    calls = [b["count"].get("client_update", 0) for b in clients]
+    calls = [b["count"].get("train", 0) for b in clients]
     if min(calls) < 1:
         raise ValueError(f"a client process served no train call after the skipped rounds: {calls}")
     if replies != sum(calls):
@@ -174,7 +179,7 @@ def summarise(bodies: list[dict[str, Any]]) -> dict[str, Any]:
     }
     n = sum(calls)
     total = {k: sum(b["acc"].get(k, 0.0) for b in clients) for k in
-             ("take", "handle", "local_update", "client_update", "reply")}
+             ("take", "handle", "local_update", "client_update", "reply", "prepare_batch", "client_updates")}
     client_rows = {
         "process CPU": 1000.0 * sum(b["cpu"] for b in clients) / n,
         "request decoded (_take)": 1000.0 * total["take"] / n,
@@ -183,6 +188,9 @@ def summarise(bodies: list[dict[str, Any]]) -> dict[str, Any]:
         "    client_update (the training)": 1000.0 * total["client_update"] / n,
         "reply encoded and recorded (_reply)": 1000.0 * total["reply"] / n,
     }
+    if total["prepare_batch"]:   # [algorithm] vectorized: a batch's clients trained before any is handled
+        client_rows["batch trained together (prepare_batch)"] = 1000.0 * total["prepare_batch"] / n
+        client_rows["  client_updates (the training, vectorized)"] = 1000.0 * total["client_updates"] / n
     return {"replies": replies, "client_processes": len(clients), "server_ms_per_reply": server_rows,
             "client_ms_per_train_call": client_rows}
 

@@ -61,6 +61,8 @@ def fair_share(endpoint: GrpcEndpoint, proc: ClientProcess) -> None:
     endpoint.request_gate = RequestGate(router, bounds)
     # large train requests beyond the one in training and the next wait with their sender (client/host.py)
     endpoint.request_hold = lambda env, alive: proc.host.request_hold(env, alive) if proc.host is not None else None
+    # [algorithm] vectorized: a batch's train requests trained together before they are answered
+    endpoint.before_batch = lambda requests: proc.host.prepare_batch(requests) if proc.host is not None else None
     # until registered, whoever may become its parent (the server or an edge); then only its parent
     endpoint.call_slots.privileged = lambda node: (role_of(node) in ("server", "edge") if proc.host is None
                                                    else node == proc.host.parent)

@@ -14,7 +14,7 @@ import torch
 
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.config import Config
-from fedhop.common.engine.rounds import local_update
+from fedhop.common.engine.rounds import local_update, local_updates
 from fedhop.common.processors.compressors.downlink import DownlinkReceiver, downlink_coding
 from fedhop.common.processors.compressors.ef21 import RESET_KEY, take_reset
 from fedhop.common.processors.pipeline import upload
@@ -26,7 +26,7 @@ from fedhop.common.topologies import spec_for
 from fedhop.common.transport.base import HandlerError, Request
 from fedhop.common.transport.factory import handler_fns
 from fedhop.common.transport.placement import to_host
-from fedhop.common.transport.router import MethodRouter, Peers
+from fedhop.common.transport.router import MethodRouter, Peers, allowed
 from fedhop.common.util.nodeids import client_id
 from fedhop.common.wire import fedhop_pb2 as pb
 from fedhop.common.wire.codec import DEFAULT_CHUNK, PayloadError, hand_over
@@ -83,6 +83,9 @@ class ClientHost:
         # a client whose algorithm keeps none costs nothing here between its rounds
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self._train_lock = threading.Lock()
+        # [algorithm] vectorized: the replies of a batch's train requests, trained together before
+        # the batch is answered (`prepare_batch`), by (client, round, step); taken by `train`
+        self._trained: dict[tuple[int, int, int], Payload] = {}
         # large train requests whose data is taken at once (`request_hold`): the one training and the next
         self._request_room = threading.BoundedSemaphore(TAKEN_TRAIN_REQUESTS)
         self.shutdown_event = threading.Event()
@@ -178,6 +181,48 @@ class ClientHost:
             return reply
         return hand_over(reply, keep_frames=False)
 
+    def prepare_batch(self, requests: list[Request]) -> None:
+        """Under [algorithm] vectorized, train the clients of a batch's train requests together
+        (common/engine/rounds.py `local_updates`) before the batch is answered one request at a
+        time (the transport's `Endpoint.before_batch`); each `train` then takes its reply.  A
+        request this would refuse (another run, a caller that is not the parent, a client not
+        hosted here, a non-finite message) or one that needs more before training (a coded
+        broadcast, an EF21 reset) is left to its own call, which trains that client alone: with
+        the same result, since a client's result does not depend on the clients beside it."""
+        if not self.cfg.algorithm.vectorized:
+            return
+        items: list[tuple[int, int, Payload, dict[str, torch.Tensor], int]] = []
+        for request in requests:
+            env, message = request.envelope, request.payload
+            if (env.method != Method.TRAIN or (self.run_id and env.run_id != self.run_id)
+                    or not allowed(Method.TRAIN, env.src, self.router.peers) or self.downlink is not None or RESET_KEY in message.scalars):
+                continue
+            try:
+                cid = parse_client_id(env.dst)
+                finite_or_raise(message, "")
+            except (HandlerError, ValueError):
+                continue
+            if cid in self.hosted:
+                items.append((cid, int(env.round), message, {}, int(env.step)))
+        if len(items) < 2 or len({(cid, round, step) for cid, round, _, _, step in items}) < len(items):
+            return
+        with self._train_lock:
+            for cid, _, _, state, _ in items:
+                state.update(self.states.pop(cid, {}))
+            try:
+                replies = local_updates(self.cfg, self.task, self.algorithm, self.model, items)
+            except Exception:  # noqa: BLE001 - each request's own call trains it alone and answers the error
+                return
+            finally:
+                for cid, _, _, state, _ in items:
+                    if state:
+                        self.states[cid] = state
+            oldest = min(round for _, round, _, _, _ in items)
+            for key in [key for key in self._trained if key[1] < oldest]:   # a request refused after its training
+                del self._trained[key]
+            for (cid, round, _, _, step), reply in zip(items, replies):
+                self._trained[(cid, round, step)] = reply
+
     def _shutdown_call(self, request: Request) -> Payload:
         for hook in self.before_shutdown:   # e.g. stop heartbeats, before the parent merges the ledgers
             hook()
@@ -192,6 +237,9 @@ class ClientHost:
         except ValueError as exc:
             raise PayloadError("NON_FINITE", str(exc)) from None
         with self._train_lock:
+            trained = self._trained.pop((cid, round, step), None)
+            if trained is not None:   # trained with the rest of its batch (`prepare_batch`)
+                return trained
             state = self.states.pop(cid, {})
             try:
                 reply = local_update(self.cfg, self.task, self.algorithm, self.model, cid, round, message,

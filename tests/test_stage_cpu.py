@@ -65,10 +65,10 @@ def body(role: str, cpu: float, acc: dict[str, float], count: dict[str, int]) ->
 
 def test_sums_that_do_not_add_up_are_refused():
     server = body("server", 1.0, {"checks": 0.1}, {"checks": 4})
-    clients = [body("client", 1.0, {"client_update": 0.2}, {"client_update": 2}) for _ in range(2)]
+    clients = [body("client", 1.0, {"client_update": 0.2}, {"train": 2, "client_update": 2}) for _ in range(2)]
     assert BENCH["summarise"]([server, *clients])["replies"] == 4
     with pytest.raises(ValueError, match="checked 4 replies but the clients trained 3"):
-        BENCH["summarise"]([server, clients[0], body("client", 1.0, {"client_update": 0.1}, {"client_update": 1})])
+        BENCH["summarise"]([server, clients[0], body("client", 1.0, {"client_update": 0.1}, {"train": 1})])
     with pytest.raises(ValueError, match="not forked"):
         BENCH["summarise"](clients)
     with pytest.raises(ValueError, match="served no train call"):

@@ -91,3 +91,46 @@ def test_a_bad_core_count_in_the_environment_is_refused_naming_it(monkeypatch, c
     monkeypatch.setenv("FEDHOP_RUN_CORES", cores)
     with pytest.raises(ConfigError, match="FEDHOP_RUN_CORES"):
         worker_count(_cfg("auto"), 3)
+
+
+class _FailingWorker:
+    """A worker that reports an error instead of a batch's first reply (its `_serve` failed the
+    batch), as `Worker.receive` raises it; counts the reads."""
+
+    def __init__(self) -> None:
+        import threading
+        self.lock = threading.Lock()
+        self.sent: list[dict] = []
+        self.reads = 0
+
+    def send(self, head: dict, frames: list) -> None:
+        self.sent.append(head)
+
+    def receive(self, timeout: float | None = None):
+        self.reads += 1
+        raise RuntimeError("fedhop worker 0: ValueError: the batch could not be served")
+
+
+def test_a_batch_the_worker_failed_fails_each_call_with_its_error_and_does_not_wait():
+    """A worker's error in the middle of a batch ends the batch: the call that reads it and every
+    later call of the batch fail at once with that error (INTERNAL, as gRPC's), and leaving the
+    batch reads nothing more, where it used to wait for replies that never come."""
+    from fedhop.common.transport.base import CallFailed
+    from fedhop.common.transport.livebytes import LinkCounter
+    from fedhop.common.wire.codec import encode, make_envelope
+    from fedhop.common.wire.ledger import Ledger
+    from fedhop.common.wire.message import Payload
+    from fedhop.deploy.launch.workers import WorkerEndpoint
+    from fedhop.transports.inmemory.endpoint import InMemoryNetwork
+
+    worker = _FailingWorker()
+    ep = WorkerEndpoint(InMemoryNetwork(), "client-proc0", Ledger(), worker, LinkCounter("client-proc0"))  # type: ignore[arg-type]
+    msgs = [encode(Payload(scalars={"x": float(i)}), make_envelope(run_id="r", round=1, src="server",
+                                                                   dst=f"client-{i}", method="train"))
+            for i in range(3)]
+    with ep.pipelined(msgs):
+        for m in msgs:
+            with pytest.raises(CallFailed) as err:
+                ep.serve_frames(list(m.frames), lambda request: Payload())
+            assert err.value.code == "INTERNAL" and "could not be served" in err.value.detail
+    assert worker.sent[0]["kind"] == "many" and worker.reads == 1

@@ -160,6 +160,17 @@ class Algorithm(ABC):
     def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
         """Run the local solver; return the reply (must include scalar `weight`)."""
 
+    @classmethod
+    def trains_together(cls) -> bool:
+        """Whether `client_updates` trains several clients in one vectorized computation
+        ([algorithm] vectorized = true, common/algorithms/vectorized.py); the config loader refuses
+        the key for an algorithm that answers False."""
+        return False
+
+    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
+        """`client_update` of each client, computed together (only where `trains_together`)."""
+        raise NotImplementedError(f"algorithm '{self.name}' does not train clients together")
+
     def aggregate(self, replies: Iterable[tuple[int, Payload]]) -> Payload:
         """Reduce replies (sorted by client or edge id by the caller) into one partial result."""
         return reduce_payloads([p for _, p in replies], self.reply_reduce)

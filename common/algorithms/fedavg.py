@@ -15,7 +15,8 @@ import torch
 
 from fedhop.common.algorithms.base import Algorithm, AlgorithmParams, ClientContext, Payload, ServerState, weighted_mean
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
-from fedhop.common.wire.message import CHUNK, WEIGHT_KEY, _top, tensor_finite
+from fedhop.common.algorithms.vectorized import local_sgd_together, trainable_names
+from fedhop.common.wire.message import CHUNK, COMPUTE_KEY, WEIGHT_KEY, _top, tensor_finite
 
 
 @dataclass
@@ -36,6 +37,27 @@ class FedAvg(Algorithm):
         return Payload(tensors=delta, scalars={"weight": self.client_weight(ctx),
                                                "train_loss": stats.mean_loss,
                                                "local_steps": stats.steps})
+
+    @classmethod
+    def trains_together(cls) -> bool:
+        """FedAvg's local solver, and its subclasses' where they keep it (FedAvgM, FedAdam, ...)."""
+        return cls.client_update is FedAvg.client_update
+
+    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
+        """`client_update` of every client at once (common/algorithms/vectorized.py): each
+        message must carry every trainable parameter."""
+        names = set(trainable_names(ctxs[0].model))
+        for ctx, message in zip(ctxs, messages):
+            if set(message.tensors) != names:
+                raise ValueError(f"[algorithm] vectorized needs every trainable parameter in the message to client "
+                                 f"{ctx.client_id}; it carries {sorted(message.tensors)}")
+        start, final, stats, seconds = local_sgd_together(ctxs, [m.tensors for m in messages], self.cfg.lr,
+                                                          self.cfg.batch_size, self.cfg.weight_decay)
+        delta = {name: final[name] - start[name] for name in final}   # Delta_i = w_i - w_t, row i
+        return [Payload(tensors={name: d[i] for name, d in delta.items()},
+                        scalars={"weight": self.client_weight(ctx), "train_loss": stats[i].mean_loss,
+                                 "local_steps": stats[i].steps, COMPUTE_KEY: seconds[i]})
+                for i, ctx in enumerate(ctxs)]
 
     def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
         for name, w in state.params.items():

@@ -203,6 +203,7 @@ def _cross_checks(cfg: Config) -> None:
     elif topo.assignment not in ("blocks", "shuffled"):
         raise ConfigError(f"config key 'topology.assignment': got {topo.assignment!r}, allowed: blocks, shuffled, "
                           f"or a list of client-id lists")
+    _check_vectorized(cfg)
     _raise(transport_problem(cfg))   # the transport's rules
     _raise(algorithm_problem(cfg))   # the algorithm's rules
     _raise(compression_problem(cfg))   # the compressors' rules (common/processors/compressors/__init__.py)
@@ -215,6 +216,22 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError(f"config key 'privacy.mode': '{cfg.privacy.mode}' with secure_aggregation.enabled = true "
                           f"behind edges (topology.kind = '{topo.kind}'): differential privacy on securely aggregated "
                           f"sums is built for the star; behind edges use one of the two")
+
+
+def _check_vectorized(cfg: Config) -> None:
+    """[algorithm] vectorized: an algorithm whose local solver trains clients together, and no
+    DP-SGD (its per-example clipping is a solver of its own).  The task and the model are checked
+    when they are built (common/algorithms/vectorized.py `check_vectorized`)."""
+    if not cfg.algorithm.vectorized:
+        return
+    name = cfg.algorithm.name
+    if name in registry() and not registry()[name].trains_together():
+        able = sorted(n for n, cls in registry().items() if cls.trains_together())
+        raise ConfigError(f"config key 'algorithm.vectorized': algorithm.name = '{name}' has a local solver of its "
+                          f"own that does not train clients together (it works with {', '.join(able)})")
+    if cfg.privacy.mode == "dpsgd":
+        raise ConfigError("config key 'algorithm.vectorized': privacy.mode = 'dpsgd' clips each example's gradient "
+                          "in a solver of its own; use one of the two")
 
 
 def _edge_kinds() -> str:

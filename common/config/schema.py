@@ -130,6 +130,12 @@ class AlgorithmConfig:
     weighting: str = _f("samples", choices=("samples", "uniform"),
                         help="aggregation weights: a client's number of samples, or uniform (1 per client)")
     weight_decay: float = _f(0.0, min=0.0, help="L2 weight decay in the clients' local SGD")
+    vectorized: bool = _f(False, help="train the clients of one call (a batch, a worker's share, the round "
+                                      "engine's loop) together: one torch.func.vmap step for all of them "
+                                      "(docs/vectorized.md). Same algorithm and minibatches; rounding differs from "
+                                      "one-at-a-time training, never with the engine or the batching. FedAvg and its "
+                                      "server-side variants, a task whose loss is a pure function, a model without "
+                                      "buffers exchanged whole, no DP-SGD")
     compress: str = _f("none", choices=("none", "qsgd"), help="upload compressor (common/processors/compress.py)")
     qsgd_levels: int = _f(15, min=1, max=1 << 20, help="QSGD s (levels per sign)")
     qsgd_bucket: int = _f(0, min=0, help="QSGD bucket size B (a norm per B elements); 0 = whole tensor")

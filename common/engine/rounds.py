@@ -30,6 +30,7 @@ import torch
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import Algorithm, ClientContext, ServerState
 from fedhop.common.algorithms.local import bind_params, get_params, share_params
+from fedhop.common.algorithms.vectorized import why_not_vectorized
 from fedhop.common.config.schema import Config, client_local_steps, resolve_clients_per_round
 from fedhop.common.engine.heterogeneity import apply_straggler_plan, devices_params
 from fedhop.common.engine.vclock import RoundClock
@@ -61,11 +62,10 @@ def client_generator(seed: int, cid: int, round: int, step: int = 0) -> torch.Ge
     return torch_stream(seed, "client", cid, "round", round, "step", step)
 
 
-def local_update(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.Module, cid: int, round: int,
-                 message: Payload, state: dict[str, torch.Tensor], step: int = 0) -> Payload:
-    """One logical client's local solver on `message` (what client/host.py runs for a `train` call):
-    its context, the server's straggler plan applied, `client_update`, and the solver's seconds
-    in the reply (COMPUTE_KEY).  `state` is the client's persistent state, updated in place."""
+def client_context(cfg: Config, task: Task, model: torch.nn.Module, cid: int, round: int, message: Payload,
+                   state: dict[str, torch.Tensor], step: int = 0) -> ClientContext:
+    """Client `cid`'s context for its local solver: its data, its generator, its step budget
+    with the server's straggler plan applied, its persistent `state`."""
     ctx = ClientContext(client_id=cid, task=task, model=model, num_samples=task.num_samples(cid),
                         generator=client_generator(cfg.run.seed, cid, round, step), round=round,
                         local_steps=client_local_steps(cfg, cid), local_epochs=cfg.algorithm.local_epochs,
@@ -75,13 +75,55 @@ def local_update(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.
         ctx.sample_dp = SampleDP(s.clip_norm, s.z, GaussianSource(s.secure, cfg.run.seed, "dpsgd", cid, "round", round,
                                                                    "step", step))
     apply_straggler_plan(ctx, message)  # the server's straggler draw: less local work (common/engine/heterogeneity.py)
+    return ctx
+
+
+def _released(cfg: Config, algorithm: Algorithm, reply: Payload, message: Payload, cid: int, round: int,
+              step: int) -> Payload:
+    """Client and local DP: the client clips (and noises) its own update."""
+    if private.enabled(cfg):
+        return private.clip_reply(private.settings(cfg), reply, message, algorithm.reply_reduce, cfg.run.seed, cid,
+                                  round, step)
+    return reply
+
+
+def local_update(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.Module, cid: int, round: int,
+                 message: Payload, state: dict[str, torch.Tensor], step: int = 0) -> Payload:
+    """One logical client's local solver on `message` (what client/host.py runs for a `train` call):
+    its context, the server's straggler plan applied, `client_update`, and the solver's seconds
+    in the reply (COMPUTE_KEY).  `state` is the client's persistent state, updated in place.
+    Under [algorithm] vectorized, the vectorized solver with this one client (`local_updates`),
+    so that a client's result does not depend on whether others trained beside it."""
+    if cfg.algorithm.vectorized:
+        return local_updates(cfg, task, algorithm, model, [(cid, round, message, state, step)])[0]
+    ctx = client_context(cfg, task, model, cid, round, message, state, step)
     started = time.perf_counter()
     reply = algorithm.client_update(ctx, message)
-    if private.enabled(cfg):   # client and local DP: the client clips (and noises) its own update
-        reply = private.clip_reply(private.settings(cfg), reply, message, algorithm.reply_reduce, cfg.run.seed, cid,
-                                   round, step)
+    reply = _released(cfg, algorithm, reply, message, cid, round, step)
     reply.scalars[COMPUTE_KEY] = time.perf_counter() - started
     return reply
+
+
+TrainItem = tuple[int, int, Payload, dict[str, torch.Tensor], int]   # (client, round, message, state, step)
+
+
+def local_updates(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.Module,
+                  items: Sequence[TrainItem]) -> list[Payload]:
+    """`local_update` of each item; under [algorithm] vectorized, every client's local SGD in one
+    vectorized computation (`Algorithm.client_updates`, common/algorithms/vectorized.py), each
+    reply's COMPUTE_KEY its share of the seconds."""
+    if not cfg.algorithm.vectorized:
+        return [local_update(cfg, task, algorithm, model, *item) for item in items]
+    if not items:
+        return []
+    problem = why_not_vectorized(task, model)
+    if problem is not None:
+        raise ValueError(f"config key 'algorithm.vectorized': {problem}")
+    ctxs = [client_context(cfg, task, model, cid, round, message, state, step)
+            for cid, round, message, state, step in items]
+    replies = algorithm.client_updates(ctxs, [item[2] for item in items])
+    return [_released(cfg, algorithm, reply, message, cid, round, step)
+            for reply, (cid, round, message, _, step) in zip(replies, items)]
 
 
 Restrict = Callable[[Sequence[int], int], Sequence[int]]  # (pool, size) -> the pool to sample from
@@ -262,9 +304,11 @@ class RoundEngine:
         sampled = self.sample(round)
         _, own = self.messages(round, sampled)
         results = {}
-        for cid in sampled:
-            state = self.client_states.pop(cid, {})
-            reply = local_update(self.cfg, self.task, self.algorithm, self._client_model, cid, round, own[cid], state)
+        states = {cid: self.client_states.pop(cid, {}) for cid in sampled}
+        replies = local_updates(self.cfg, self.task, self.algorithm, self._client_model,
+                                [(cid, round, own[cid], states[cid], 0) for cid in sampled])
+        for cid, reply in zip(sampled, replies):
+            state = states[cid]
             reply = upload(self.cfg, reply, client_node(cid), round, 0, state=state)
             if state:   # kept only when it holds something (control variates, residuals)
                 self.client_states[cid] = state

@@ -62,6 +62,17 @@ class Task(ABC):
         Tasks with gradient noise draw it from `generator` (the client's stream).
         """
 
+    def vectorizable(self) -> bool:
+        """Whether `loss` is the mean of `sample_loss`, a pure function of the model's parameters
+        and the batch that torch.func can vmap ([algorithm] vectorized,
+        common/algorithms/vectorized.py): no draw from the generator, no Python branch on a
+        tensor's values, nothing written in place."""
+        return False
+
+    def sample_loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The loss of each row of `batch` (a vectorizable task's `loss` is their mean)."""
+        raise NotImplementedError(f"{type(self).__name__} gives no per-sample loss")
+
     @abstractmethod
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Held-out metrics and task metrics (test_accuracy, test_loss, objective,

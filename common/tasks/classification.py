@@ -107,6 +107,12 @@ class ArrayTask(Task):
         x, y = batch[0], batch[1]
         return self.sample_losses(model(x), y).mean()
 
+    def vectorizable(self) -> bool:
+        return type(self).loss is ArrayTask.loss   # the mean of sample_losses: a pure function
+
+    def sample_loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.sample_losses(model(batch[0]), batch[1])
+
     def train_loss(self, model: torch.nn.Module) -> float:
         """sum_i n_i * mean-loss_i / sum_i n_i, computed in large pooled batches."""
         idx = torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.int64)

@@ -59,6 +59,12 @@ class PlacedTask(Task):
              generator: torch.Generator | None = None) -> torch.Tensor:
         return self.inner.loss(model, batch, generator)
 
+    def vectorizable(self) -> bool:
+        return self.inner.vectorizable()
+
+    def sample_loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.inner.sample_loss(model, batch)
+
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         if self.inner.device_evaluation:
             return self.inner.evaluate(model)

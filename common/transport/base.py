@@ -9,6 +9,7 @@ give the same bits and the same byte counts.
 """
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import secrets
 import time
@@ -71,6 +72,7 @@ class _Taken:
     link: str
     seconds: float
     refused: PayloadError | None = None
+    placed: bool = False   # its payload's tensors already moved to the endpoint's device (`serve_batch`)
 
 
 class RemoteError(RuntimeError):
@@ -344,6 +346,9 @@ class Endpoint(ABC):
         # request's header and a "caller still there" check, it waits and returns the release of what
         # it took (or None); the transport reads the data after it (client/host.py `request_hold`)
         self.request_hold: Callable[[pb.Envelope, Callable[[], bool]], Callable[[], None] | None] | None = None
+        # told of a batch's decoded requests before any is handled (client/host.py `prepare_batch`:
+        # [algorithm] vectorized trains the batch's clients together); None: nothing to prepare
+        self.before_batch: Callable[[list[Request]], None] | None = None
         self.device: torch.device | None = None   # where received tensors are placed (common/transport/placement.py); None: the CPU
         self.on_busy: BusyHook | None = None       # told of each call refused by a transport that limits calls per caller
 
@@ -558,6 +563,14 @@ class Endpoint(ABC):
         are within one chunk (transport.chunk_bytes, `Fabric._batches`), so holding them decoded
         costs about that."""
         taken: list[_Taken | None] = [self._take(frames, framing, False, None, []) for frames, framing, _ in messages]
+        if self.before_batch is not None:
+            requests = []
+            for i, t in enumerate(taken):
+                if t is not None and t.decoded is not None and t.refused is None:
+                    t.decoded.payload = to_device(t.decoded.payload, self.device)
+                    taken[i] = dataclasses.replace(t, placed=True)
+                    requests.append(Request(t.decoded.envelope, t.decoded.payload))
+            self.before_batch(requests)
         for i, (_, _, reply_framing) in enumerate(messages):
             request, taken[i] = taken[i], None   # answered: its request's memory goes with it
             assert request is not None
@@ -617,7 +630,8 @@ class Endpoint(ABC):
         if decoded is None or taken.refused is not None:
             return None
         try:
-            return handler(Request(decoded.envelope, to_device(decoded.payload, self.device)))
+            payload = decoded.payload if taken.placed else to_device(decoded.payload, self.device)
+            return handler(Request(decoded.envelope, payload))
         except (PayloadError, HandlerError) as exc:
             return _Refusal(exc.code, exc.detail, str(exc))
         except Exception as exc:  # a bug or a failed local computation: typed reply, never a crash

@@ -2,7 +2,7 @@
 other frameworks, interleaved, with the ratios.
 
     fedhop bench peers [--workloads W1,W2,W3] [--rounds N] [--repeats 3] [--seeds 0] [--match]
-                       [--quick] [--json FILE]
+                       [--quick] [--vectorized] [--json FILE]
 
 The workloads (issue 49):
 
@@ -46,6 +46,8 @@ meet it: on a busy machine its state, not the systems, decides such a line.
 `--seeds 0,1,2,3,4` repeats everything per seed and prints the accuracy of every seed.
 `--match`: the peers start from fedhop's initial parameters and train fedhop's sampled clients
 (Flower's own draws still: its node ids are not fedhop's clients).
+`--vectorized`: fedhop's systems with `[algorithm] vectorized = true` (the clients of one call
+trained together, docs/vectorized.md); they must still end on one model.
 """
 from __future__ import annotations
 
@@ -100,8 +102,10 @@ class Workload:
     kind: str            # "classification" | "quadratic"
     hidden: tuple[int, ...] = ()
 
-    def config(self, rounds: int, seed: int) -> str:
+    def config(self, rounds: int, seed: int, vectorized: bool = False) -> str:
         algo = (f"local_steps = {self.local_steps}\n" if self.local_steps else f"local_epochs = {self.epochs}\n")
+        if vectorized:   # --vectorized: fedhop's clients of one call trained together (docs/vectorized.md)
+            algo += "vectorized = true\n"
         return (f'[run]\nname = "bench-peers-{self.name.lower()}"\nseed = {seed}\nrounds = {rounds}\n'
                 f'eval_every = {rounds}\n\n'
                 f'[algorithm]\nname = "fedavg"\nlr = {self.lr}\nbatch_size = {self.batch_size}\n{algo}\n'
@@ -380,12 +384,13 @@ def label(system: str) -> str:
 
 
 def measure(w: Workload, rounds: int, seed: int, repeats: int, match: bool, work: Path,
-            order: list[str], pythons: dict[str, str], say: Callable[[str], None]) -> dict[str, list[dict]]:
+            order: list[str], pythons: dict[str, str], say: Callable[[str], None],
+            vectorized: bool = False) -> dict[str, list[dict]]:
     """Every system on `w`, `repeats` times, the order rotated each repeat: system -> its runs."""
     folder = work / f"{w.name}-seed{seed}"
     folder.mkdir()
     config = folder / "run.toml"
-    text = w.config(rounds, seed)
+    text = w.config(rounds, seed, vectorized)
     config.write_text(text)
     if any(s in PEERS for s in order):
         export(w, text, rounds, seed, folder, match)
@@ -520,7 +525,8 @@ def bench_peers(args: argparse.Namespace, say: Callable[[str], None] = print) ->
     load = os.getloadavg()
     say(f"fedhop bench peers, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, load average "
         f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}, {os.cpu_count()} CPUs; systems: "
-        f"{', '.join(label(s) for s in order)}")
+        f"{', '.join(label(s) for s in order)}"
+        + ("; fedhop with [algorithm] vectorized = true" if getattr(args, "vectorized", False) else ""))
     out: dict[str, Any] = {"started": time.time(), "load_average_start": load, "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="fedhop-bench-peers-") as tmp:
         for name in names:
@@ -528,7 +534,8 @@ def bench_peers(args: argparse.Namespace, say: Callable[[str], None] = print) ->
             rounds = args.rounds or w.rounds
             per_seed: dict[int, dict[str, Any]] = {}
             for seed in seeds:
-                runs = measure(w, rounds, seed, args.repeats, args.match, Path(tmp), order, pythons, say)
+                runs = measure(w, rounds, seed, args.repeats, args.match, Path(tmp), order, pythons, say,
+                               getattr(args, "vectorized", False))
                 table = {s: summarise(r) for s, r in runs.items()}
                 rows = print_table(w, rounds, seed, args.repeats, table, skipped, say)
                 per_seed[seed] = {"systems": table, "ratios": rows, "loop": against_loop(table),
@@ -565,6 +572,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--match", action="store_true",
                     help="peers start from fedhop's initial parameters and train fedhop's sampled clients")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, seconds a run (for the tests)")
+    ap.add_argument("--vectorized", action="store_true",
+                    help="fedhop's systems with [algorithm] vectorized = true: the clients of one call trained "
+                         "together (docs/vectorized.md); the peers as always")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.rounds < 0:

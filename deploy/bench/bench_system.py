@@ -155,6 +155,7 @@ name = "fedavg"
 lr = 0.05
 local_steps = 1
 batch_size = 16
+vectorized = {vectorized}
 [data]
 dataset = "crossdevice"
 base = "synthetic"
@@ -187,16 +188,17 @@ def _registration_seconds(store: RunStore) -> float:
     return float(done[0] - run["started"]) if done and run.get("started") else float("nan")
 
 
-def _scale_text(count: int, processes: int, per_round: int, rounds: int, batch: bool) -> str:
+def _scale_text(count: int, processes: int, per_round: int, rounds: int, batch: bool, vectorized: bool = False) -> str:
     return SCALE_CONFIG.format(rounds=rounds, count=count, per_round=per_round, processes=processes,
-                               batch=str(batch).lower())
+                               batch=str(batch).lower(), vectorized=str(vectorized).lower())
 
 
-def scale_run(count: int, processes: int, per_round: int, rounds: int, batch: bool = True) -> dict:
+def scale_run(count: int, processes: int, per_round: int, rounds: int, batch: bool = True,
+              vectorized: bool = False) -> dict:
     """One cross-device run (common/tasks/crossdevice.py, a 610-parameter softmax model; with
     `batch`, transport.batch): the registration time, the round times and every process's peak
     RSS and USS."""
-    text = _scale_text(count, processes, per_round, rounds, batch)
+    text = _scale_text(count, processes, per_round, rounds, batch, vectorized)
     with tempfile.TemporaryDirectory() as tmp:
         run = LocalRun(parse_config(text), Path(tmp))
         server = run.start([])
@@ -236,7 +238,7 @@ def _steady_figures(per_round: list[float]) -> dict[str, float]:
 
 
 def scale_other(system: str, count: int, processes: int, per_round: int, rounds: int, batch: bool,
-                timeout: float) -> dict:
+                timeout: float, vectorized: bool = False) -> dict:
     """The scale run's config in the in-process engine (`fedhop run --engine inprocess` with
     run.workers = 0, as `fedhop bench peers` runs it) or in the round engine's loop (one process,
     no message: deploy/bench/engine_loop.py), each a fresh process watched with its children:
@@ -244,7 +246,7 @@ def scale_other(system: str, count: int, processes: int, per_round: int, rounds:
     final model's hash."""
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "scale.toml"
-        config.write_text(_scale_text(count, processes, per_round, rounds, batch))
+        config.write_text(_scale_text(count, processes, per_round, rounds, batch, vectorized))
         if system == "inprocess":
             row = run_fedhop(config, "inprocess", Path(tmp) / "run", timeout)
         else:
@@ -358,9 +360,11 @@ def bench_scale(args: argparse.Namespace) -> dict:
     results, flower = [], []
     batch = not args.no_batch
     for per_round in samples:
-        row = scale_run(count, processes, per_round, rounds, batch)
+        vectorized = getattr(args, "vectorized", False)
+        row = scale_run(count, processes, per_round, rounds, batch, vectorized)
         results.append(row)
-        print(f"{count} clients in {processes} processes, {per_round} sampled{' (batched calls)' if batch else ''}: "
+        print(f"{count} clients in {processes} processes, {per_round} sampled{' (batched calls)' if batch else ''}"
+              f"{' (vectorized)' if vectorized else ''}: "
               f"registration "
               f"{row['registration_seconds']:.2f} s; round median {row['round_seconds_median']:.3f} s "
               f"(min {row['round_seconds_min']:.3f}, max {row['round_seconds_max']:.3f}, {rounds - 1} rounds after "
@@ -369,8 +373,8 @@ def bench_scale(args: argparse.Namespace) -> dict:
               f"processes {row['total_rss_mb']:.0f} MB RSS / {row['total_uss_mb']:.0f} MB USS; per logical client "
               f"{row['rss_per_logical_client_kb']:.2f} kB RSS / {row['uss_per_logical_client_kb']:.2f} kB USS "
               f"(client processes' memory / clients)", flush=True)
-        others = [scale_other(system, count, processes, per_round, rounds, batch, args.scale_timeout)
-                  for system in systems]
+        others = [scale_other(system, count, processes, per_round, rounds, batch, args.scale_timeout,
+                              vectorized) for system in systems]
         row["others"] = others
         for other in others:
             print(_other_line(other, row), flush=True)
@@ -464,6 +468,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                                                          "(comma-separated)")
     ap.add_argument("--no-batch", action="store_true",
                     help="scale: one gRPC call per sampled client (default: transport.batch, one per process)")
+    ap.add_argument("--vectorized", action="store_true",
+                    help="scale: [algorithm] vectorized = true, the clients of one call trained together "
+                         "(docs/vectorized.md)")
     ap.add_argument("--also", default="",
                     help="scale: also run the same config in these, comma-separated: inprocess (fedhop run --engine "
                          "inprocess, run.workers = 0), loop (the round engine's loop in one process, no message: "

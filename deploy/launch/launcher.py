@@ -625,6 +625,8 @@ def _run_local(config_path: str, overrides: list[str], out: str | None, quiet: b
     try:   # model.freeze / model.exchange name real parameters and leave some to exchange (common/models/exchange.py)
         from fedhop.common.models.exchange import check_model_selection
         check_model_selection(cfg)
+        from fedhop.common.algorithms.vectorized import check_vectorized
+        check_vectorized(cfg)   # [algorithm] vectorized: a task and a model that can train clients together
     except (FileNotFoundError, ValueError) as exc:
         print(f"fedhop run: {exc}", file=sys.stderr)
         return 2

@@ -228,8 +228,10 @@ def _serve(conn: Connection, ledgers: list[Ledger]) -> None:
                     ep.device = device
                 shared = _INHERITED.task if (_INHERITED is not None and device.type == "cpu"
                                              and _INHERITED.config_toml == config_to_toml(cfg)) else None
-                hosts[head["node"]] = (ep, ClientHost(cfg, head["node"], head["clients"], head["run_id"], ep.ledger,
-                                                      parent=head["parent"], device=device, task=shared), counter)
+                host = ClientHost(cfg, head["node"], head["clients"], head["run_id"], ep.ledger,
+                                  parent=head["parent"], device=device, task=shared)
+                ep.before_batch = host.prepare_batch   # [algorithm] vectorized: a batch's clients trained together
+                hosts[head["node"]] = (ep, host, counter)
                 conn.send_bytes(pack({"ok": True, "shared": shared is not None}, []))
                 continue
             ep, host, counter = hosts[head["node"]]
@@ -550,8 +552,9 @@ class WorkerEndpoint(InMemoryEndpoint):
                 yield
             finally:
                 batch, self._batch = self._batch, None
-                with contextlib.suppress(WorkerGone):   # a worker that ended sends nothing more
-                    while batch.received < len(frames):   # replies no call took (its caller gave up first)
+                # a worker that ended, or that failed the batch (its error ends the batch), sends nothing more
+                with contextlib.suppress(WorkerGone, RuntimeError):
+                    while batch.failed is None and batch.received < len(frames):   # replies no call took
                         out, _ = self.worker.receive()
                         batch.received += 1
                         self._count(out)
@@ -577,6 +580,10 @@ class WorkerEndpoint(InMemoryEndpoint):
         except WorkerGone as exc:   # as a call to a dead process over gRPC: the peer is unavailable
             failed = CallFailed("UNAVAILABLE", f"{exc}; {self.node_id} is gone", self.address)
             failed.delivered = exc.delivered
+            raise failed from None
+        except RuntimeError as exc:   # the worker failed serving (a defect there): as gRPC's INTERNAL, its error named
+            failed = CallFailed("INTERNAL", str(exc), self.address)
+            failed.delivered = True
             raise failed from None
         self._count(out)
         return reply
@@ -604,10 +611,20 @@ class _Batch:
     thread: int
     received: int = 0
     early: dict[int, tuple[dict[str, Any], list[bytes]]] = field(default_factory=dict)
+    failed: str | None = None   # the worker's error that ended the batch: no more of its replies come
 
     def take(self, i: int, worker: Worker) -> tuple[dict[str, Any], list[bytes]]:
+        """Reply `i` of the batch, reading the worker's replies until it comes.  Where the worker
+        reports an error instead (its `_serve` failed the batch), that call and every later one
+        of the batch fail with it (RuntimeError), without waiting for replies that never come."""
         while i not in self.early:
-            out, reply = worker.receive()
+            if self.failed is not None:
+                raise RuntimeError(self.failed)
+            try:
+                out, reply = worker.receive()
+            except RuntimeError as exc:
+                self.failed = str(exc)
+                raise
             self.received += 1
             self.early[int(out["i"])] = (out, reply)
         return self.early.pop(i)

@@ -1,0 +1,194 @@
+"""Plain local SGD of many clients at once ([algorithm] vectorized = true, docs/vectorized.md).
+
+A process that trains several sampled clients of one call (a batch, the in-process engine's
+worker, the round engine's loop) stacks their parameters along a new first dimension and makes
+each local step of all of them in one computation: the gradients from `torch.func.vmap` over
+`torch.func.grad_and_value` of the task's own loss, the model called through `functional_call`.
+Each client keeps its own data, its own minibatches (drawn from its own generator, in the
+order `local_sgd` draws them) and its own number of steps; at local step k the clients that
+have a k-th batch are one vmapped call, each client's batch padded with zero rows to the
+config's batch size and its loss the sum of the task's per-sample losses (`Task.sample_loss`)
+over its real rows divided by their count.  (With batch_size = 0, full batches, the clients are
+grouped by their batch's size instead, unpadded.)
+
+The arithmetic is `local_sgd`'s up to rounding: the loss is a masked sum over a padded batch
+where `local_sgd` takes the mean of the real rows, the step is w - lr * g (two rounded
+operations) where `local_sgd` writes w.add_(g, alpha=-lr), which the CPU kernel may fuse, and a
+vmapped matrix product may round differently from one client's.  So a vectorized run agrees
+with a one-at-a-time run to float rounding, not bit for bit; but each client's step is computed
+on the same shapes whichever clients take theirs beside it, and its result does not depend on
+them (tests/test_vectorized.py), so a vectorized run gives the same model in either engine,
+batched or not, with any number of client processes.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Sequence
+
+import torch
+from torch.func import functional_call, grad_and_value, vmap
+
+from fedhop.common.algorithms.base import ClientContext
+from fedhop.common.algorithms.local import LocalStats
+from fedhop.common.models.exchange import exchanged_names
+from fedhop.common.numerics.sampling import local_batches
+
+
+class _TaskLoss(torch.nn.Module):
+    """A client's loss on a padded batch as a module, so that `functional_call` can run it with
+    the client's parameters in place of the model's (their names prefixed by "model."): the
+    task's per-sample losses of the batch's real rows (`mask` 1) summed and divided by their
+    count, the padding's rows multiplied by 0."""
+
+    def __init__(self, task, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self._task = (task,)   # not a submodule
+
+    def forward(self, mask: torch.Tensor, *batch: torch.Tensor) -> torch.Tensor:
+        per = self._task[0].sample_loss(self.model, batch)
+        return (per * mask).sum() / mask.sum()
+
+
+def why_not_vectorized(task, model: torch.nn.Module) -> str | None:
+    """Why this task and model cannot train clients together (None: they can).  The task's loss
+    must be a pure function of the parameters and the batch (`Task.vectorizable`: no draw from
+    the client's generator, no Python branch on values), and the model must exchange every
+    parameter and keep no buffers (a buffer such as batch norm's running mean is updated in
+    place by each client's forward pass)."""
+    if not getattr(task, "vectorizable", lambda: False)():
+        return (f"the task's loss ({type(task).__name__}) is not one torch.func can vmap: it draws from the "
+                f"client's generator (gradient noise) or is a subclass's own")
+    if exchanged_names(model) is not None:
+        return "model.exchange is not \"all\""
+    if any(True for _ in model.buffers()):
+        return "the model keeps buffers (batch norm or similar)"
+    return None
+
+
+def check_vectorized(cfg) -> None:
+    """Under [algorithm] vectorized, build the run's task and model and raise a ValueError naming
+    the key where they cannot train clients together (`fedhop run`, before any process starts):
+    `why_not_vectorized`, then one vectorized local round of client 0, so that a model torch.func
+    cannot vmap fails here in one line and not in every client's call.  The trial also loads what
+    torch.func's first vmapped gradient imports (about 800 modules, 0.75 s and 80 MB) in
+    `fedhop run`'s process, so the processes it forks start with them."""
+    if not cfg.algorithm.vectorized:
+        return
+    from fedhop.common.engine.rounds import client_context
+    from fedhop.common.tasks import build_task
+    from fedhop.common.wire.message import Payload
+    task = build_task(cfg)
+    model = task.build_model()
+    where = f"with data.dataset = '{cfg.data.dataset}'" + (f" and model.kind = '{cfg.model.kind}'"
+                                                            if task.vectorizable() else "")
+    problem = why_not_vectorized(task, model)
+    if problem is not None:
+        raise ValueError(f"config key 'algorithm.vectorized': {where}, {problem}")
+    ctx = client_context(cfg, task, model, 0, 1, Payload(), {})
+    try:
+        local_sgd_together([ctx], [{name: p.detach() for name, p in model.named_parameters()}], cfg.algorithm.lr,
+                           cfg.algorithm.batch_size, cfg.algorithm.weight_decay)
+    except Exception as exc:  # noqa: BLE001 - torch.func's refusal of the model's operators, named
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"config key 'algorithm.vectorized': {where}, torch.func cannot train the model "
+                         f"vectorized ({type(exc).__name__}: {first})") from None
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]], lr: float,
+                       batch_size: int, weight_decay: float = 0.0
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[LocalStats], list[float]]:
+    """Local SGD of each client in `ctxs` from its own start (`starts[i]`, every trainable
+    parameter by name), all at once.
+
+    Returns the start and the final parameters stacked (row i: client i's), each client's LocalStats and
+    each client's share of the seconds spent (the seconds times its steps over all steps).
+    `ctxs` share one model (the process's) and one task."""
+    started = time.perf_counter()
+    model, task = ctxs[0].model, ctxs[0].task
+    names = trainable_names(model)
+    start = {name: torch.stack([s[name].detach() for s in starts]) for name in names}
+    stacked = {name: t.clone() for name, t in start.items()}
+    loss_of = _TaskLoss(task, model)
+
+    def loss(params: dict[str, torch.Tensor], mask: torch.Tensor, *batch: torch.Tensor) -> torch.Tensor:
+        return functional_call(loss_of, {f"model.{name}": t for name, t in params.items()}, (mask, *batch))
+
+    step_all = vmap(grad_and_value(loss))
+    datas = [task.client_data(ctx.client_id) for ctx in ctxs]
+    plans = [list(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator))
+             for ctx, data in zip(ctxs, datas)]
+    dtype = next(iter(start.values())).dtype if start else torch.float32
+    batches = _Batches(datas, plans, dtype)
+    stats = [LocalStats() for _ in ctxs]
+    for k in range(max((len(plan) for plan in plans), default=0)):
+        groups: dict[int, list[int]] = {}   # width of the padded batch -> the clients taking step k
+        for i, plan in enumerate(plans):
+            if k < len(plan):
+                groups.setdefault(batch_size if batch_size > 0 else int(plan[k].numel()), []).append(i)
+        for width, members in groups.items():
+            whole = len(members) == len(ctxs)
+            rows = None if whole else torch.tensor(members)
+            params = stacked if rows is None else {name: t[rows] for name, t in stacked.items()}
+            mask, batch = batches.step(members, k, width)
+            grads, losses = step_all(params, mask, *batch)
+            with torch.no_grad():
+                for name in names:
+                    p, g = params[name], grads[name]
+                    if weight_decay:
+                        g = g + weight_decay * p
+                    new = p - g * lr   # w_{k+1} = w_k - lr * g_k, one client per row
+                    if rows is None:
+                        stacked[name] = new
+                    else:
+                        stacked[name][rows] = new
+            for i, value in zip(members, losses.detach().double().cpu().tolist()):
+                s = stats[i]
+                s.steps += 1
+                s.samples += int(plans[i][k].numel())
+                s.loss_sum += value
+                s.last_loss = value
+    seconds = time.perf_counter() - started
+    total = sum(s.steps for s in stats)
+    shares = [seconds * s.steps / total if total else seconds / len(ctxs) for s in stats]
+    return start, stacked, stats, shares
+
+
+class _Batches:
+    """The cohort's minibatches, gathered and padded a step at a time with a fixed number of
+    tensor operations whatever the number of clients: every client's data concatenated once, and
+    at step k one index of the rows each member takes and the slots they go in."""
+
+    def __init__(self, datas: Sequence, plans: Sequence[list[torch.Tensor]], dtype: torch.dtype) -> None:
+        first = datas[0].tensors
+        self.data = [torch.cat([d.tensors[j] for d in datas]) for j in range(len(first))]
+        self.offsets = list(itertools.accumulate((d.rows for d in datas[:-1]), initial=0))
+        self.plans = plans
+        self.dtype = dtype
+
+    def step(self, members: list[int], k: int, width: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The k-th minibatch of each member, stacked and padded with zero rows to `width` rows,
+        and the mask of its real rows.  Every batch of a run is padded to the same width (the
+        config's batch size), so a client's step is computed on the same shapes whichever
+        clients take their step beside it."""
+        idx = [self.plans[i][k] for i in members]
+        counts = torch.tensor([int(t.numel()) for t in idx])
+        starts = torch.cumsum(counts, 0) - counts
+        src = torch.cat(idx) + torch.repeat_interleave(torch.tensor([self.offsets[i] for i in members]), counts)
+        slot = (torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)
+                + torch.repeat_interleave(torch.arange(len(members)) * width, counts))
+        device = self.data[0].device
+        slot, src = slot.to(device), src.to(device)
+        mask = torch.zeros(len(members) * width, dtype=self.dtype, device=device)
+        mask[slot] = 1
+        batch = []
+        for t in self.data:
+            out = torch.zeros((len(members) * width, *t.shape[1:]), dtype=t.dtype, device=device)
+            out[slot] = t[src]
+            batch.append(out.view(len(members), width, *t.shape[1:]))
+        return mask.view(len(members), width), tuple(batch)

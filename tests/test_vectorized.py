@@ -1,0 +1,202 @@
+"""[algorithm] vectorized = true (common/algorithms/vectorized.py): the clients of one call trained
+together through torch.func.vmap.
+
+What must hold: each client's local SGD is the one-at-a-time solver's (the same minibatches, the
+same number of steps, the same loss) up to float rounding; a client's result does not depend on
+which clients it was stacked with, so the engines, batched or not, give the same model bit for
+bit; what cannot be vectorized is refused with one line naming the key.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedhop.client.host import ClientHost
+from fedhop.common.config import parse_config
+from fedhop.common.engine.rounds import RoundEngine, local_update, local_updates
+from fedhop.common.transport.base import Request
+from fedhop.common.wire import fedhop_pb2 as pb
+from fedhop.common.wire.message import COMPUTE_KEY, Payload
+from tests.test_engines import _sent
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _digits_text(vectorized: bool, **over: str) -> str:
+    """examples/fedavg_digits.toml (a Dirichlet split: clients of many sizes, so several step
+    counts and last-batch sizes in one call), shortened."""
+    text = (ROOT / "examples" / "fedavg_digits.toml").read_text().replace("rounds = 30", "rounds = 4")
+    text = text.replace("batch_size = 16\n", f"batch_size = 16\nvectorized = {'true' if vectorized else 'false'}\n")
+    for key, value in over.items():
+        text = text.replace(key, value)
+    return text
+
+
+def _engine(text: str) -> RoundEngine:
+    return RoundEngine(parse_config(text))
+
+
+def _items(engine: RoundEngine, round: int) -> list:
+    sampled = engine.sample(round)
+    _, own = engine.messages(round, sampled)
+    return [(cid, round, own[cid], {}, 0) for cid in sampled]
+
+
+def test_clients_trained_together_are_the_solver_one_at_a_time_to_rounding():
+    """The same local SGD: every delta within float32 rounding of the one-at-a-time solver's, the
+    same step count and loss; the rounds' models too (the engine's own loop)."""
+    plain, vec = _engine(_digits_text(False)), _engine(_digits_text(True))
+    items = _items(plain, 1)
+    model = plain.task.build_model()
+    one = [local_update(plain.cfg, plain.task, plain.algorithm, model, *item) for item in items]
+    together = local_updates(vec.cfg, vec.task, vec.algorithm, vec.task.build_model(), items)
+    steps = [int(r.scalars["local_steps"]) for r in one]
+    assert len(set(steps)) > 1   # clients of several sizes: the groups at each step differ
+    for a, b in zip(one, together):
+        assert a.scalars["local_steps"] == b.scalars["local_steps"]
+        assert a.scalars["weight"] == b.scalars["weight"]
+        assert a.scalars["train_loss"] == pytest.approx(b.scalars["train_loss"], rel=1e-5)
+        for name in a.tensors:
+            assert torch.allclose(a.tensors[name], b.tensors[name], rtol=1e-4, atol=1e-6), name
+    total = sum(r.scalars[COMPUTE_KEY] for r in together)   # each client's share of the one computation
+    assert all(r.scalars[COMPUTE_KEY] > 0 for r in together) and total < 10
+    plain.run(3)
+    vec.run(3)
+    for name, w in plain.state.params.items():
+        assert torch.allclose(w, vec.state.params[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("text", [
+    _digits_text(True),
+    # a float64 quadratic (W1's task) in step mode with weight decay
+    '[run]\nseed = 3\nrounds = 2\n[algorithm]\nname = "fedavg"\nlr = 0.1\nbatch_size = 4\nlocal_steps = 3\n'
+    'weight_decay = 0.01\nvectorized = true\n[data]\ndataset = "quadratic"\ndim = 30\ndtype = "float64"\n[clients]\ncount = 12\n'
+    'per_round = 12\n',
+    # softmax regression on cross-device synthetic clients (the 1,000,000-client bench's task)
+    '[run]\nseed = 1\nrounds = 2\n[algorithm]\nname = "fedavgm"\nlr = 0.05\nbatch_size = 16\nlocal_steps = 2\n'
+    'vectorized = true\n[data]\ndataset = "crossdevice"\nbase = "synthetic"\n[model]\nkind = "logreg"\n'
+    '[clients]\ncount = 5000\nper_round = 40\n',
+    # issue 49's W3: log-normal client sizes, so clients take from 1 to many steps of batches of 1 to 10 rows
+    '[run]\nseed = 2\nrounds = 2\n[algorithm]\nname = "fedavg"\nlr = 0.05\nbatch_size = 10\nlocal_epochs = 1\n'
+    'vectorized = true\n[data]\ndataset = "crossdevice"\nbase = "digits"\nlabel_alpha = 0.5\nsizes = "lognormal"\n'
+    'size_mean = 3.0\nsize_sigma = 1.0\n[model]\nkind = "mlp"\nhidden = [64, 32]\n[clients]\ncount = 2000\n'
+    'per_round = 60\n',
+])
+def test_a_clients_result_does_not_depend_on_the_clients_beside_it(text):
+    """Bit for bit: the round's clients all at once, in two halves, in reverse order and one by
+    one give every client the same reply."""
+    engine = _engine(text)
+    items = _items(engine, 1)
+    model = engine.task.build_model()
+
+    def replies(groups: list[list]) -> dict[int, Payload]:
+        out = {}
+        for group in groups:
+            for item, reply in zip(group, local_updates(engine.cfg, engine.task, engine.algorithm, model, group)):
+                out[item[0]] = reply
+        return out
+
+    half = len(items) // 2
+    ways = [replies([items]), replies([items[:half], items[half:]]), replies([items[::-1]]),
+            replies([[item] for item in items])]
+    for cid in ways[0]:
+        for other in ways[1:]:
+            for name, t in ways[0][cid].tensors.items():
+                assert torch.equal(t, other[cid].tensors[name]), (cid, name)
+            assert ways[0][cid].scalars["train_loss"] == other[cid].scalars["train_loss"]
+
+
+def _request(host: ClientHost, cid: int, message: Payload, src: str = "server") -> Request:
+    env = pb.Envelope(run_id="r", round=1, step=0, src=src, dst=f"client-{cid}", method="train")
+    return Request(env, message)
+
+
+def test_a_batch_is_trained_once_and_each_call_takes_its_reply():
+    """`ClientHost.prepare_batch`: the parent's train requests of a batch trained together, each
+    `train` call answered with its own reply; a request from another node, for a client hosted
+    elsewhere or with a non-finite tensor is left to its own call (which refuses it)."""
+    engine = _engine(_digits_text(True))
+    sampled = engine.sample(1)
+    _, own = engine.messages(1, sampled)
+    hosted = sampled[:4]
+    host = ClientHost(engine.cfg, "client-proc0", hosted, "r")
+    bad = Payload(tensors={k: torch.full_like(v, float("nan")) for k, v in own[hosted[3]].tensors.items()})
+    requests = [_request(host, hosted[0], own[hosted[0]]), _request(host, hosted[1], own[hosted[1]]),
+                _request(host, hosted[2], own[hosted[2]], src="client-9"), _request(host, hosted[3], bad),
+                _request(host, sampled[5], own[sampled[5]])]
+    host.prepare_batch(requests)
+    assert sorted(host._trained) == sorted((cid, 1, 0) for cid in hosted[:2])
+    prepared = dict(host._trained)
+    for cid in hosted[:2]:
+        reply = host.train(cid, 1, own[cid])
+        assert reply is prepared[(cid, 1, 0)]
+        alone = local_updates(engine.cfg, engine.task, engine.algorithm, engine.task.build_model(),
+                              [(cid, 1, own[cid], {}, 0)])[0]
+        assert all(torch.equal(alone.tensors[n], t) for n, t in reply.tensors.items())
+    assert host._trained == {}
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDHOP_PLUGIN_PATH")}
+
+
+def fedhop(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=_env())
+
+
+def test_both_engines_give_one_model_and_the_plain_runs_bytes(tmp_path):
+    """From a user's folder: a vectorized run in processes (batched calls over gRPC), in-process with
+    forked workers, and in-process with unbatched calls (each client alone) end on the same model bit
+    for bit, with the same messages and bytes as the one-at-a-time run, whose model is the same to
+    rounding."""
+    (tmp_path / "digits.toml").write_text(_digits_text(False))
+    runs = {"plain": ["--engine", "processes"],
+            "processes": ["--engine", "processes", "--set", "algorithm.vectorized=true"],
+            "inprocess": ["--engine", "inprocess", "--set", "algorithm.vectorized=true", "--set", "run.workers=2"],
+            "unbatched": ["--engine", "inprocess", "--set", "algorithm.vectorized=true", "--set", "run.workers=1",
+                          "--set", "transport.batch=false"]}
+    models = {}
+    for name, flags in runs.items():
+        out = fedhop(["run", "digits.toml", "--out", name, "--quiet", *flags], tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        models[name] = load_file(str(tmp_path / name / "model.safetensors"))
+    for name in ("inprocess", "unbatched"):
+        assert all(torch.equal(models["processes"][k], models[name][k]) for k in models["processes"]), name
+    assert _sent(tmp_path / "processes") == _sent(tmp_path / "plain") == _sent(tmp_path / "inprocess")
+    for k, w in models["plain"].items():
+        assert np.allclose(w.numpy(), models["processes"][k].numpy(), rtol=1e-4, atol=1e-5), k
+
+
+@pytest.mark.parametrize("sets,names", [
+    (["algorithm.name=scaffold"], "algorithm.name = 'scaffold'"),
+    (["privacy.mode=dpsgd", "privacy.noise_multiplier=1.0", "privacy.clip_norm=1.0"], "privacy.mode = 'dpsgd'"),
+])
+def test_what_cannot_train_together_is_one_line_exit_2(tmp_path, sets, names):
+    (tmp_path / "digits.toml").write_text(_digits_text(True))
+    out = fedhop(["run", "digits.toml", *[a for s in sets for a in ("--set", s)]], tmp_path)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "algorithm.vectorized" in lines[0] and names in lines[0], out.stderr
+    assert not any(p.is_dir() for p in tmp_path.iterdir())   # no run folder left behind
+
+
+def test_a_loss_that_draws_noise_is_refused_before_any_process(tmp_path):
+    """The quadratic task with gradient noise draws from each client's generator: refused when the
+    task is built, before `fedhop run` starts a process."""
+    (tmp_path / "q.toml").write_text(
+        '[run]\nrounds = 2\n[algorithm]\nname = "fedavg"\nlocal_steps = 1\nvectorized = true\n'
+        '[data]\ndataset = "quadratic"\ndim = 5\nnoise = 0.1\n[clients]\ncount = 4\n')
+    out = fedhop(["run", "q.toml"], tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "algorithm.vectorized" in lines[0] and "quadratic" in lines[0], out.stderr
+    shutil.rmtree(tmp_path / "runs", ignore_errors=True)
