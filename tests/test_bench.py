@@ -73,7 +73,7 @@ def test_bench_scale_says_when_a_system_ends_on_another_model(tmp_path, capsys, 
     """The model check can fail: a system whose model hash differs is named a defect."""
     from fedhop.deploy.bench import bench_system
 
-    def fake_run(count, processes, per_round, rounds, batch=True):
+    def fake_run(count, processes, per_round, rounds, batch=True, vectorized=False):
         return {"clients": count, "processes": processes, "per_round": per_round, "rounds": rounds, "batch": batch,
                 "registration_seconds": 0.1, "round_seconds_median": 0.2, "round_seconds_min": 0.1,
                 "round_seconds_max": 0.3, "server_rss_mb": 1.0, "server_uss_mb": 1.0, "client_process_rss_mb": 1.0,
@@ -81,7 +81,7 @@ def test_bench_scale_says_when_a_system_ends_on_another_model(tmp_path, capsys, 
                 "total_uss_mb": 2.0, "rss_per_logical_client_kb": 1.0, "uss_per_logical_client_kb": 1.0,
                 "model_sha256": "a" * 64}
 
-    def fake_other(system, count, processes, per_round, rounds, batch, timeout):
+    def fake_other(system, count, processes, per_round, rounds, batch, timeout, vectorized=False):
         return {"system": system, "clients": count, "per_round": per_round, "rounds": rounds,
                 "round_seconds_median": 0.1, "round_seconds_min": 0.1, "round_seconds_max": 0.1,
                 "cpu_s_per_round": None, "peak_rss_mb": 1.0, "model_sha256": ("a" if system == "loop" else "b") * 64}

@@ -50,10 +50,14 @@ def _items(engine: RoundEngine, round: int) -> list:
     return [(cid, round, own[cid], {}, 0) for cid in sampled]
 
 
-def test_clients_trained_together_are_the_solver_one_at_a_time_to_rounding():
-    """The same local SGD: every delta within float32 rounding of the one-at-a-time solver's, the
-    same step count and loss; the rounds' models too (the engine's own loop)."""
-    plain, vec = _engine(_digits_text(False)), _engine(_digits_text(True))
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox"])
+def test_clients_trained_together_are_the_solver_one_at_a_time_to_rounding(algorithm):
+    """The same local SGD (FedProx's with its proximal gradient, mu = 0.5): every delta within
+    float32 rounding of the one-at-a-time solver's, the same step count and loss; the rounds'
+    models too (the engine's own loop)."""
+    over = {'name = "fedavg"': f'name = "{algorithm}"\nmu = 0.5'} if algorithm == "fedprox" else {}
+    plain, vec = _engine(_digits_text(False, **over)), _engine(_digits_text(True, **over))
+    assert vec.algorithm.proximal_mu() == (0.5 if algorithm == "fedprox" else 0.0)
     items = _items(plain, 1)
     model = plain.task.build_model()
     one = [local_update(plain.cfg, plain.task, plain.algorithm, model, *item) for item in items]
@@ -76,8 +80,8 @@ def test_clients_trained_together_are_the_solver_one_at_a_time_to_rounding():
 
 @pytest.mark.parametrize("text", [
     _digits_text(True),
-    # a float64 quadratic (W1's task) in step mode with weight decay
-    '[run]\nseed = 3\nrounds = 2\n[algorithm]\nname = "fedavg"\nlr = 0.1\nbatch_size = 4\nlocal_steps = 3\n'
+    # a float64 quadratic (W1's task) in step mode with weight decay, FedProx's proximal gradient
+    '[run]\nseed = 3\nrounds = 2\n[algorithm]\nname = "fedprox"\nlr = 0.1\nbatch_size = 4\nlocal_steps = 3\n'
     'weight_decay = 0.01\nvectorized = true\n[data]\ndataset = "quadratic"\ndim = 30\ndtype = "float64"\n[clients]\ncount = 12\n'
     'per_round = 12\n',
     # softmax regression on cross-device synthetic clients (the 1,000,000-client bench's task)
@@ -155,21 +159,22 @@ def fedhop(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Compl
 
 def test_both_engines_give_one_model_and_the_plain_runs_bytes(tmp_path):
     """From a user's folder: a vectorized run in processes (batched calls over gRPC), in-process with
-    forked workers, and in-process with unbatched calls (each client alone) end on the same model bit
-    for bit, with the same messages and bytes as the one-at-a-time run, whose model is the same to
+    forked workers, in-process in one process (batches shown to the host by `InMemoryEndpoint.pipelined`)
+    and with unbatched calls (each client alone) end on the same model bit for bit, with the same messages and bytes as the one-at-a-time run, whose model is the same to
     rounding."""
     (tmp_path / "digits.toml").write_text(_digits_text(False))
     runs = {"plain": ["--engine", "processes"],
             "processes": ["--engine", "processes", "--set", "algorithm.vectorized=true"],
             "inprocess": ["--engine", "inprocess", "--set", "algorithm.vectorized=true", "--set", "run.workers=2"],
             "unbatched": ["--engine", "inprocess", "--set", "algorithm.vectorized=true", "--set", "run.workers=1",
-                          "--set", "transport.batch=false"]}
+                          "--set", "transport.batch=false"],
+            "one_process": ["--engine", "inprocess", "--set", "algorithm.vectorized=true", "--set", "run.workers=1"]}
     models = {}
     for name, flags in runs.items():
         out = fedhop(["run", "digits.toml", "--out", name, "--quiet", *flags], tmp_path)
         assert out.returncode == 0, out.stderr[-2000:]
         models[name] = load_file(str(tmp_path / name / "model.safetensors"))
-    for name in ("inprocess", "unbatched"):
+    for name in ("inprocess", "unbatched", "one_process"):
         assert all(torch.equal(models["processes"][k], models[name][k]) for k in models["processes"]), name
     assert _sent(tmp_path / "processes") == _sent(tmp_path / "plain") == _sent(tmp_path / "inprocess")
     for k, w in models["plain"].items():
@@ -200,3 +205,25 @@ def test_a_loss_that_draws_noise_is_refused_before_any_process(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "algorithm.vectorized" in lines[0] and "quadratic" in lines[0], out.stderr
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+
+
+def test_an_in_memory_batch_is_shown_to_the_host_before_it_is_served():
+    """The in-process engine without workers: `InMemoryEndpoint.pipelined` hands the batch's decoded
+    requests to `before_batch` (the host's `prepare_batch`) before the first is served, and
+    records nothing (each request's records come when it is served)."""
+    from fedhop.common.wire.codec import encode, make_envelope
+    from fedhop.common.wire.ledger import Ledger
+    from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
+
+    ledger = Ledger()
+    ep = InMemoryEndpoint(InMemoryNetwork(), "client-proc0", ledger)
+    seen: list[list[Request]] = []
+    ep.before_batch = seen.append
+    msgs = [encode(Payload(tensors={"w": torch.full((3,), float(i))}),
+                   make_envelope(run_id="r", round=1, src="server", dst=f"client-{i}", method="train"))
+            for i in range(3)]
+    with ep.pipelined(msgs):
+        pass
+    assert [[r.envelope.dst for r in batch] for batch in seen] == [["client-0", "client-1", "client-2"]]
+    assert all(torch.equal(r.payload.tensors["w"], torch.full((3,), float(i))) for i, r in enumerate(seen[0]))
+    assert ledger.records() == []

@@ -43,6 +43,10 @@ class FedAvg(Algorithm):
         """FedAvg's local solver, and its subclasses' where they keep it (FedAvgM, FedAdam, ...)."""
         return cls.client_update is FedAvg.client_update
 
+    def proximal_mu(self) -> float:
+        """The weight of a proximal term in the local objective (FedProx's mu; none here)."""
+        return 0.0
+
     def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
         """`client_update` of every client at once (common/algorithms/vectorized.py): each
         message must carry every trainable parameter."""
@@ -52,7 +56,8 @@ class FedAvg(Algorithm):
                 raise ValueError(f"[algorithm] vectorized needs every trainable parameter in the message to client "
                                  f"{ctx.client_id}; it carries {sorted(message.tensors)}")
         start, final, stats, seconds = local_sgd_together(ctxs, [m.tensors for m in messages], self.cfg.lr,
-                                                          self.cfg.batch_size, self.cfg.weight_decay)
+                                                          self.cfg.batch_size, self.cfg.weight_decay,
+                                                          self.proximal_mu())
         delta = {name: final[name] - start[name] for name in final}   # Delta_i = w_i - w_t, row i
         return [Payload(tensors={name: d[i] for name, d in delta.items()},
                         scalars={"weight": self.client_weight(ctx), "train_loss": stats[i].mean_loss,

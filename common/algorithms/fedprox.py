@@ -38,6 +38,14 @@ class FedProx(FedAvg):
     Params = FedProxParams
     params: FedProxParams
 
+    @classmethod
+    def trains_together(cls) -> bool:
+        """FedAvg's vectorized solver with the proximal gradient ([algorithm] vectorized)."""
+        return cls.client_update is FedProx.client_update
+
+    def proximal_mu(self) -> float:
+        return self.params.mu
+
     def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
         mu = self.params.mu
         set_params(ctx.model, message.tensors)

@@ -101,10 +101,13 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
 
 
 def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]], lr: float,
-                       batch_size: int, weight_decay: float = 0.0
+                       batch_size: int, weight_decay: float = 0.0, prox_mu: float = 0.0
                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[LocalStats], list[float]]:
     """Local SGD of each client in `ctxs` from its own start (`starts[i]`, every trainable
     parameter by name), all at once.
+
+    `prox_mu` > 0 adds FedProx's proximal gradient mu (w - w_start) to each step's gradient,
+    after the weight decay, as FedProx's hook on `local_sgd` does.
 
     Returns the start and the final parameters stacked (row i: client i's), each client's LocalStats and
     each client's share of the seconds spent (the seconds times its steps over all steps).
@@ -142,6 +145,8 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
                     p, g = params[name], grads[name]
                     if weight_decay:
                         g = g + weight_decay * p
+                    if prox_mu:   # FedProx, Eq. 2: the gradient of mu/2 ||w - w_t||^2
+                        g = g + prox_mu * (p - (start[name] if rows is None else start[name][rows]))
                     new = p - g * lr   # w_{k+1} = w_k - lr * g_k, one client per row
                     if rows is None:
                         stacked[name] = new

@@ -563,18 +563,24 @@ class Endpoint(ABC):
         are within one chunk (transport.chunk_bytes, `Fabric._batches`), so holding them decoded
         costs about that."""
         taken: list[_Taken | None] = [self._take(frames, framing, False, None, []) for frames, framing, _ in messages]
-        if self.before_batch is not None:
-            requests = []
-            for i, t in enumerate(taken):
-                if t is not None and t.decoded is not None and t.refused is None:
-                    t.decoded.payload = to_device(t.decoded.payload, self.device)
-                    taken[i] = dataclasses.replace(t, placed=True)
-                    requests.append(Request(t.decoded.envelope, t.decoded.payload))
-            self.before_batch(requests)
+        self._tell_batch(taken)
         for i, (_, _, reply_framing) in enumerate(messages):
             request, taken[i] = taken[i], None   # answered: its request's memory goes with it
             assert request is not None
             yield self._answer(request, handler, reply_framing)
+
+    def _tell_batch(self, taken: list["_Taken | None"]) -> None:
+        """`before_batch` told of a batch's decoded requests, their tensors moved to the
+        endpoint's device (each marked placed, so its handler does not move them again)."""
+        if self.before_batch is None:
+            return
+        requests = []
+        for i, t in enumerate(taken):
+            if t is not None and t.decoded is not None and t.refused is None:
+                t.decoded.payload = to_device(t.decoded.payload, self.device)
+                taken[i] = dataclasses.replace(t, placed=True)
+                requests.append(Request(t.decoded.envelope, t.decoded.payload))
+        self.before_batch(requests)
 
     def _serve(self, frames, handler: Handler, framing: int | None, pulled: bool,
                on_header: Callable[[pb.Envelope], Callable[[], None] | None] | None,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from fedhop.common.transport.admission import REGISTRATION_KEYS
 from fedhop.common.transport.base import (
@@ -83,6 +83,16 @@ class InMemoryEndpoint(Endpoint):
         """Held while this endpoint serves a call or a batch (`serve_lock`); a no-op without one."""
         return self.serve_lock if self.serve_lock is not None else contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def pipelined(self, messages: Sequence[Encoded]) -> Iterator[None]:
+        """A batch's requests (`call_many`) shown to `before_batch` before the first is served, as
+        `Endpoint.serve_batch` shows a gRPC batch's: under [algorithm] vectorized a client
+        process trains the batch's clients together (client/host.py `prepare_batch`).  Each
+        request is then served on its own as before, decoded again; nothing is recorded here."""
+        if self.before_batch is not None:
+            self._tell_batch([self._take(list(m.frames), m.framing, False, None, []) for m in messages])
+        yield
+
     def _exchange(self, address: str, request: Encoded, timeout: float,
                   decoder: FrameDecoder) -> tuple[Decoded, float]:
         """Serve the request at `address`; both ends count gRPC's framing for it.  A message of a
@@ -130,8 +140,9 @@ class InMemoryEndpoint(Endpoint):
             replies = ReplyBundles(target.chunk_bytes, target.replies_per_bundle) if len(call) > 1 else None
             for i in call:
                 msgs[i].reply_bundles = replies
-        # a callee served elsewhere takes the whole batch at once (deploy/launch/workers.py `WorkerEndpoint`)
-        ahead = target.pipelined(msgs) if hasattr(target, "pipelined") else contextlib.nullcontext()
+        # a callee served elsewhere takes the whole batch at once (deploy/launch/workers.py
+        # `WorkerEndpoint`); one served here shows it to its `before_batch` (`pipelined`)
+        ahead = target.pipelined(msgs)
         with target.serving(), ahead:
             return one_by_one(len(requests), lambda i: self._call_message(
                 address, msgs[i], message_link(self.node_id, requests[i].dst, requests[i].method), timeout,
