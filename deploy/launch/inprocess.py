@@ -239,8 +239,8 @@ def _start_roles(engine: InProcessRun, devices: dict[str, str]) -> None:
         else:
             process = ClientProcess(ep, addresses[planned.parent], list(planned.clients),
                                     device=devices.get(planned.node_id, ""))
-            # [algorithm] vectorized: a batch's train requests trained together (client/host.py)
-            ep.before_batch = lambda requests, p=process: p.host.prepare_batch(requests) if p.host else None
+            if cfg.algorithm.vectorized:   # a batch's train requests trained together (client/host.py)
+                ep.before_batch = lambda requests, p=process: p.host.prepare_batch(requests) if p.host else None
         engine.roles.append(Role(planned, process, ep, ep_counter))
         if isinstance(process, ClientProcess):
             process.register()

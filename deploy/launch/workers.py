@@ -230,7 +230,8 @@ def _serve(conn: Connection, ledgers: list[Ledger]) -> None:
                                              and _INHERITED.config_toml == config_to_toml(cfg)) else None
                 host = ClientHost(cfg, head["node"], head["clients"], head["run_id"], ep.ledger,
                                   parent=head["parent"], device=device, task=shared)
-                ep.before_batch = host.prepare_batch   # [algorithm] vectorized: a batch's clients trained together
+                if cfg.algorithm.vectorized:   # a batch's clients trained together (client/host.py)
+                    ep.before_batch = host.prepare_batch
                 hosts[head["node"]] = (ep, host, counter)
                 conn.send_bytes(pack({"ok": True, "shared": shared is not None}, []))
                 continue

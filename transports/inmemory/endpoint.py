@@ -88,7 +88,8 @@ class InMemoryEndpoint(Endpoint):
         """A batch's requests (`call_many`) shown to `before_batch` before the first is served, as
         `Endpoint.serve_batch` shows a gRPC batch's: under [algorithm] vectorized a client
         process trains the batch's clients together (client/host.py `prepare_batch`).  Each
-        request is then served on its own as before, decoded again; nothing is recorded here."""
+        request is then served on its own as before, decoded again (and moved to the device again,
+        where there is one); nothing is recorded here."""
         if self.before_batch is not None:
             self._tell_batch([self._take(list(m.frames), m.framing, False, None, []) for m in messages])
         yield
