@@ -227,3 +227,20 @@ def test_an_in_memory_batch_is_shown_to_the_host_before_it_is_served():
     assert [[r.envelope.dst for r in batch] for batch in seen] == [["client-0", "client-1", "client-2"]]
     assert all(torch.equal(r.payload.tensors["w"], torch.full((3,), float(i))) for i, r in enumerate(seen[0]))
     assert ledger.records() == []
+
+
+def test_frozen_parameters_are_used_and_left_as_they_are():
+    """model.freeze: the frozen layer travels (model.exchange = "all") and takes part in the forward
+    pass, its delta is exactly 0, and the trained layers match the one-at-a-time solver's."""
+    freeze = {'[model]': '[model]\nfreeze = ["layers.0.*"]'}
+    plain, vec = _engine(_digits_text(False, **freeze)), _engine(_digits_text(True, **freeze))
+    items = _items(plain, 1)
+    one = [local_update(plain.cfg, plain.task, plain.algorithm, plain.task.build_model(), *item) for item in items]
+    together = local_updates(vec.cfg, vec.task, vec.algorithm, vec.task.build_model(), items)
+    for a, b in zip(one, together):
+        assert set(b.tensors) == set(a.tensors) and "layers.0.weight" in b.tensors
+        assert not b.tensors["layers.0.weight"].any() and not b.tensors["layers.0.bias"].any()
+        for name in a.tensors:
+            assert torch.allclose(a.tensors[name], b.tensors[name], rtol=1e-4, atol=1e-6), name
+    vec.run(2)
+    assert torch.isfinite(vec.state.params["out.weight"]).all()

@@ -15,7 +15,8 @@ import torch
 
 from fedhop.common.algorithms.base import Algorithm, AlgorithmParams, ClientContext, Payload, ServerState, weighted_mean
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
-from fedhop.common.algorithms.vectorized import local_sgd_together, trainable_names
+from fedhop.common.algorithms.vectorized import local_sgd_together
+from fedhop.common.models.exchange import named_parameters
 from fedhop.common.wire.message import CHUNK, COMPUTE_KEY, WEIGHT_KEY, _top, tensor_finite
 
 
@@ -49,11 +50,11 @@ class FedAvg(Algorithm):
 
     def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
         """`client_update` of every client at once (common/algorithms/vectorized.py): each
-        message must carry every trainable parameter."""
-        names = set(trainable_names(ctxs[0].model))
+        message must carry every parameter (model.exchange = "all"); a frozen one's delta is 0."""
+        names = {name for name, _ in named_parameters(ctxs[0].model)}
         for ctx, message in zip(ctxs, messages):
             if set(message.tensors) != names:
-                raise ValueError(f"[algorithm] vectorized needs every trainable parameter in the message to client "
+                raise ValueError(f"[algorithm] vectorized needs every parameter in the message to client "
                                  f"{ctx.client_id}; it carries {sorted(message.tensors)}")
         start, final, stats, seconds = local_sgd_together(ctxs, [m.tensors for m in messages], self.cfg.lr,
                                                           self.cfg.batch_size, self.cfg.weight_decay,

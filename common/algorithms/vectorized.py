@@ -31,7 +31,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from fedhop.common.algorithms.base import ClientContext
 from fedhop.common.algorithms.local import LocalStats
-from fedhop.common.models.exchange import exchanged_names
+from fedhop.common.models.exchange import exchanged_names, named_parameters
 from fedhop.common.numerics.sampling import local_batches
 
 
@@ -57,7 +57,7 @@ def why_not_vectorized(task, model: torch.nn.Module) -> str | None:
     the client's generator, no Python branch on values), and the model must exchange every
     parameter and keep no buffers (a buffer such as batch norm's running mean is updated in
     place by each client's forward pass)."""
-    if not getattr(task, "vectorizable", lambda: False)():
+    if not task.vectorizable():
         return (f"the task's loss ({type(task).__name__}) is not one torch.func can vmap: it draws from the "
                 f"client's generator (gradient noise) or is a subclass's own")
     if exchanged_names(model) is not None:
@@ -97,14 +97,15 @@ def check_vectorized(cfg) -> None:
 
 
 def trainable_names(model: torch.nn.Module) -> list[str]:
-    return [name for name, p in model.named_parameters() if p.requires_grad]
+    return [name for name, p in named_parameters(model) if p.requires_grad]
 
 
 def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]], lr: float,
                        batch_size: int, weight_decay: float = 0.0, prox_mu: float = 0.0
                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[LocalStats], list[float]]:
-    """Local SGD of each client in `ctxs` from its own start (`starts[i]`, every trainable
-    parameter by name), all at once.
+    """Local SGD of each client in `ctxs` from its own start (`starts[i]`, every parameter by
+    name: the trainable ones trained, the frozen ones (model.freeze) used as they are), all at
+    once.
 
     `prox_mu` > 0 adds FedProx's proximal gradient mu (w - w_start) to each step's gradient,
     after the weight decay, as FedProx's hook on `local_sgd` does.
@@ -115,12 +116,15 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
     started = time.perf_counter()
     model, task = ctxs[0].model, ctxs[0].task
     names = trainable_names(model)
-    start = {name: torch.stack([s[name].detach() for s in starts]) for name in names}
-    stacked = {name: t.clone() for name, t in start.items()}
+    start = {name: torch.stack([s[name].detach() for s in starts]) for name in starts[0]}
+    stacked = {name: start[name].clone() for name in names}
+    frozen = {name: t for name, t in start.items() if name not in stacked}   # model.freeze: used, not trained
     loss_of = _TaskLoss(task, model)
 
-    def loss(params: dict[str, torch.Tensor], mask: torch.Tensor, *batch: torch.Tensor) -> torch.Tensor:
-        return functional_call(loss_of, {f"model.{name}": t for name, t in params.items()}, (mask, *batch))
+    def loss(params: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], mask: torch.Tensor,
+             *batch: torch.Tensor) -> torch.Tensor:
+        return functional_call(loss_of, {f"model.{name}": t for name, t in {**params, **fixed}.items()},
+                               (mask, *batch))
 
     step_all = vmap(grad_and_value(loss))
     datas = [task.client_data(ctx.client_id) for ctx in ctxs]
@@ -138,8 +142,9 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
             whole = len(members) == len(ctxs)
             rows = None if whole else torch.tensor(members)
             params = stacked if rows is None else {name: t[rows] for name, t in stacked.items()}
+            fixed = frozen if rows is None else {name: t[rows] for name, t in frozen.items()}
             mask, batch = batches.step(members, k, width)
-            grads, losses = step_all(params, mask, *batch)
+            grads, losses = step_all(params, fixed, mask, *batch)
             with torch.no_grad():
                 for name in names:
                     p, g = params[name], grads[name]
@@ -161,7 +166,7 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
     seconds = time.perf_counter() - started
     total = sum(s.steps for s in stats)
     shares = [seconds * s.steps / total if total else seconds / len(ctxs) for s in stats]
-    return start, stacked, stats, shares
+    return start, {**stacked, **frozen}, stats, shares
 
 
 class _Batches:
