@@ -50,11 +50,11 @@ def _items(engine: RoundEngine, round: int) -> list:
     return [(cid, round, own[cid], {}, 0) for cid in sampled]
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedexp"])
 def test_clients_trained_together_are_the_solver_one_at_a_time_to_rounding(algorithm):
-    """The same local SGD (FedProx's with its proximal gradient, mu = 0.5): every delta within
-    float32 rounding of the one-at-a-time solver's, the same step count and loss; the rounds'
-    models too (the engine's own loop)."""
+    """The same local SGD (FedProx's with its proximal gradient, mu = 0.5; FedExP's with each
+    update's squared norm): every reply tensor within float32 rounding of the one-at-a-time
+    solver's, the same step count and loss; the rounds' models too (the engine's own loop)."""
     over = {'name = "fedavg"': f'name = "{algorithm}"\nmu = 0.5'} if algorithm == "fedprox" else {}
     plain, vec = _engine(_digits_text(False, **over)), _engine(_digits_text(True, **over))
     assert vec.algorithm.proximal_mu() == (0.5 if algorithm == "fedprox" else 0.0)
@@ -65,6 +65,7 @@ def test_clients_trained_together_are_the_solver_one_at_a_time_to_rounding(algor
     steps = [int(r.scalars["local_steps"]) for r in one]
     assert len(set(steps)) > 1   # clients of several sizes: the groups at each step differ
     for a, b in zip(one, together):
+        assert list(a.tensors) == list(b.tensors)
         assert a.scalars["local_steps"] == b.scalars["local_steps"]
         assert a.scalars["weight"] == b.scalars["weight"]
         assert a.scalars["train_loss"] == pytest.approx(b.scalars["train_loss"], rel=1e-5)
@@ -80,6 +81,7 @@ def test_clients_trained_together_are_the_solver_one_at_a_time_to_rounding(algor
 
 @pytest.mark.parametrize("text", [
     _digits_text(True),
+    _digits_text(True, **{'name = "fedavg"': 'name = "fedexp"'}),   # each reply's squared norm
     # a float64 quadratic (W1's task) in step mode with weight decay, FedProx's proximal gradient
     '[run]\nseed = 3\nrounds = 2\n[algorithm]\nname = "fedprox"\nlr = 0.1\nbatch_size = 4\nlocal_steps = 3\n'
     'weight_decay = 0.01\nvectorized = true\n[data]\ndataset = "quadratic"\ndim = 30\ndtype = "float64"\n[clients]\ncount = 12\n'
@@ -116,6 +118,58 @@ def test_a_clients_result_does_not_depend_on_the_clients_beside_it(text):
             for name, t in ways[0][cid].tensors.items():
                 assert torch.equal(t, other[cid].tensors[name]), (cid, name)
             assert ways[0][cid].scalars["train_loss"] == other[cid].scalars["train_loss"]
+
+
+@pytest.mark.parametrize("algorithm,extra", [("scaffold", ""), ("feddyn", "alpha = 0.1"), ("fednova", "")])
+def test_solvers_with_client_state_train_together(algorithm, extra):
+    """SCAFFOLD (its correction c - c_i in every step), FedDyn (its regularizer's gradient) and
+    FedNova (each update divided by its own step count): in round 3, after two rounds in which
+    every client trained and kept its state, every reply and every new client state is the
+    one-at-a-time solver's to float rounding; all at once, reversed and one by one give the same
+    bits; and three rounds of the engine's loop end on the same model to rounding."""
+    over = {'name = "fedavg"': f'name = "{algorithm}"\n{extra}', "per_round = 10": "per_round = 50"}
+    plain, vec = _engine(_digits_text(False, **over)), _engine(_digits_text(True, **over))
+    plain.run(2)
+    sampled = plain.sample(3)
+    _, own = plain.messages(3, sampled)
+    states = {cid: plain.client_states.get(cid, {}) for cid in sampled}
+    if algorithm != "fednova":   # the state the vectorized step must use: not zero
+        assert all(any(bool(t.abs().max() > 0) for t in states[cid].values()) for cid in sampled)
+
+    def items(order: list[int]) -> list:
+        return [(cid, 3, own[cid], {k: t.clone() for k, t in states[cid].items()}, 0) for cid in order]
+
+    model = plain.task.build_model()
+    one = {item[0]: (local_update(plain.cfg, plain.task, plain.algorithm, model, *item), item[3])
+           for item in items(sampled)}
+    ways = []
+    for groups in ([sampled], [sampled[::-1]], [[cid] for cid in sampled]):
+        out = {}
+        for group in groups:
+            batch = items(group)
+            for item, reply in zip(batch, local_updates(vec.cfg, vec.task, vec.algorithm, model, batch)):
+                out[item[0]] = (reply, item[3])
+        ways.append(out)
+    steps = {int(reply.scalars["local_steps"]) for reply, _ in one.values()}
+    assert len(steps) > 1   # clients of several sizes: the stacks change from step to step
+    for cid, (a, a_state) in one.items():
+        b, b_state = ways[0][cid]
+        assert list(a.tensors) == list(b.tensors) and set(a.scalars) <= set(b.scalars)
+        assert a.scalars["local_steps"] == b.scalars["local_steps"]
+        assert a.scalars["train_loss"] == pytest.approx(b.scalars["train_loss"], rel=1e-5)
+        for name in a.tensors:
+            assert torch.allclose(a.tensors[name], b.tensors[name], rtol=1e-4, atol=1e-5), (cid, name)
+        assert set(a_state) == set(b_state)
+        for name in a_state:
+            assert torch.allclose(a_state[name], b_state[name], rtol=1e-4, atol=1e-5), (cid, name)
+        for other in ways[1:]:
+            c, c_state = other[cid]
+            assert all(torch.equal(t, c.tensors[name]) for name, t in b.tensors.items()), cid
+            assert all(torch.equal(t, c_state[name]) for name, t in b_state.items()), cid
+    plain.train_round(3)
+    vec.run(3)
+    for name, w in plain.state.params.items():
+        assert torch.allclose(w, vec.state.params[name], rtol=1e-4, atol=1e-5)
 
 
 def _request(host: ClientHost, cid: int, message: Payload, src: str = "server") -> Request:
@@ -157,12 +211,15 @@ def fedhop(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Compl
                           text=True, timeout=timeout, env=_env())
 
 
-def test_both_engines_give_one_model_and_the_plain_runs_bytes(tmp_path):
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_both_engines_give_one_model_and_the_plain_runs_bytes(tmp_path, algorithm):
     """From a user's folder: a vectorized run in processes (batched calls over gRPC), in-process with
     forked workers, in-process in one process (batches shown to the host by `InMemoryEndpoint.pipelined`)
-    and with unbatched calls (each client alone) end on the same model bit for bit, with the same messages and bytes as the one-at-a-time run, whose model is the same to
-    rounding."""
-    (tmp_path / "digits.toml").write_text(_digits_text(False))
+    and with unbatched calls (each client alone) end on the same model bit for bit, with the same
+    messages and bytes as the one-at-a-time run, whose model is the same to rounding.  SCAFFOLD's
+    clients keep their control variates in the process that hosts them from round to round (10 of
+    50 sampled in each of 4 rounds: some clients come back)."""
+    (tmp_path / "digits.toml").write_text(_digits_text(False, **{'name = "fedavg"': f'name = "{algorithm}"'}))
     runs = {"plain": ["--engine", "processes"],
             "processes": ["--engine", "processes", "--set", "algorithm.vectorized=true"],
             "inprocess": ["--engine", "inprocess", "--set", "algorithm.vectorized=true", "--set", "run.workers=2"],
@@ -182,7 +239,7 @@ def test_both_engines_give_one_model_and_the_plain_runs_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("sets,names", [
-    (["algorithm.name=scaffold"], "algorithm.name = 'scaffold'"),
+    (["algorithm.name=fedlga"], "algorithm.name = 'fedlga'"),
     (["privacy.mode=dpsgd", "privacy.noise_multiplier=1.0", "privacy.clip_norm=1.0"], "privacy.mode = 'dpsgd'"),
 ])
 def test_what_cannot_train_together_is_one_line_exit_2(tmp_path, sets, names):

@@ -15,8 +15,7 @@ import torch
 
 from fedhop.common.algorithms.base import Algorithm, AlgorithmParams, ClientContext, Payload, ServerState, weighted_mean
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
-from fedhop.common.algorithms.vectorized import local_sgd_together
-from fedhop.common.models.exchange import named_parameters
+from fedhop.common.algorithms.vectorized import every_parameter, local_sgd_together
 from fedhop.common.wire.message import CHUNK, COMPUTE_KEY, WEIGHT_KEY, _top, tensor_finite
 
 
@@ -51,15 +50,16 @@ class FedAvg(Algorithm):
     def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
         """`client_update` of every client at once (common/algorithms/vectorized.py): each
         message must carry every parameter (model.exchange = "all"); a frozen one's delta is 0."""
-        names = {name for name, _ in named_parameters(ctxs[0].model)}
-        for ctx, message in zip(ctxs, messages):
-            if set(message.tensors) != names:
-                raise ValueError(f"[algorithm] vectorized needs every parameter in the message to client "
-                                 f"{ctx.client_id}; it carries {sorted(message.tensors)}")
+        every_parameter(ctxs, messages)
+        mu = self.proximal_mu()
+
+        def prox(name: str, p: torch.Tensor, g: torch.Tensor, start: torch.Tensor, rows) -> torch.Tensor:
+            return g + mu * (p - start)   # FedProx, Eq. 2: the gradient of mu/2 ||w - w_t||^2
+
         start, final, stats, seconds = local_sgd_together(ctxs, [m.tensors for m in messages], self.cfg.lr,
                                                           self.cfg.batch_size, self.cfg.weight_decay,
-                                                          self.proximal_mu())
-        delta = {name: final[name] - start[name] for name in final}   # Delta_i = w_i - w_t, row i
+                                                          prox if mu > 0 else None)
+        delta = {name: final[name] - start[name] for name in start}   # Delta_i = w_i - w_t, row i
         return [Payload(tensors={name: d[i] for name, d in delta.items()},
                         scalars={"weight": self.client_weight(ctx), "train_loss": stats[i].mean_loss,
                                  "local_steps": stats[i].steps, COMPUTE_KEY: seconds[i]})

@@ -40,6 +40,8 @@ from fedhop.common.algorithms.base import (
     weighted_mean,
 )
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.algorithms.vectorized import every_parameter, local_sgd_together, rows_of
+from fedhop.common.wire.message import COMPUTE_KEY
 
 STATE_PREFIX = "feddyn_grad."     # client state: grad L_i per parameter
 H_PREFIX = "feddyn_h."            # server state: h per parameter
@@ -81,6 +83,35 @@ class FedDyn(Algorithm):
         return Payload(tensors=delta, scalars={WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats.mean_loss,
                                                "local_steps": stats.steps,
                                                "num_clients": int(ctx.task.num_clients)})
+
+    @classmethod
+    def trains_together(cls) -> bool:
+        """The regularised local SGD of line 6 in the vectorized solver ([algorithm] vectorized)."""
+        return cls.client_update is FedDyn.client_update
+
+    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
+        """`client_update` of every client at once (common/algorithms/vectorized.py): each
+        client's grad L_i stacked into the regularizer's gradient at every step (line 6)."""
+        every_parameter(ctxs, messages)
+        alpha = self.params.alpha
+        grad_states = [{name: ctx.state.setdefault(STATE_PREFIX + name, torch.zeros_like(t))
+                        for name, t in m.tensors.items()} for ctx, m in zip(ctxs, messages)]
+        stacked = {name: torch.stack([g[name] for g in grad_states]) for name in messages[0].tensors}
+
+        def hook(name: str, p: torch.Tensor, g: torch.Tensor, start: torch.Tensor, rows) -> torch.Tensor:
+            # grad of R_i: g - grad L_i + alpha (theta - theta^{t-1})
+            return g - rows_of(stacked[name], rows) + alpha * (p - start)
+
+        start, final, stats, seconds = local_sgd_together(ctxs, [m.tensors for m in messages], self.cfg.lr,
+                                                          self.cfg.batch_size, self.cfg.weight_decay, hook)
+        deltas = [{name: final[name][i] - start[name][i] for name in start} for i in range(len(ctxs))]
+        for delta, grad_state in zip(deltas, grad_states):   # every delta made: the states move together
+            for name, d in delta.items():
+                grad_state[name].sub_(d, alpha=alpha)          # grad L_i <- grad L_i - alpha Delta_i
+        return [Payload(tensors=delta, scalars={WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats[i].mean_loss,
+                                                "local_steps": stats[i].steps,
+                                                "num_clients": int(ctx.task.num_clients), COMPUTE_KEY: seconds[i]})
+                for i, (ctx, delta) in enumerate(zip(ctxs, deltas))]
 
     def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
         alpha = self.params.alpha

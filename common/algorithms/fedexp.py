@@ -125,6 +125,17 @@ class FedExP(FedAvg):
         return Payload(tensors=tensors, scalars={WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats.mean_loss,
                                                  "local_steps": stats.steps})
 
+    @classmethod
+    def trains_together(cls) -> bool:
+        """FedAvg's vectorized solver, each client's ||Delta_i||^2 added to its reply."""
+        return cls.client_update is FedExP.client_update
+
+    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
+        replies = super().client_updates(ctxs, messages)
+        for reply in replies:
+            reply.tensors[NORM_KEY] = _sq_norm(dict(reply.tensors))
+        return replies
+
     # ------------------------------------------------------------------ edge side (kappa2 > 1)
     def edge_partial(self, start: Payload, current: Payload, last: Payload) -> Payload:
         partial = super().edge_partial(start, current, last)

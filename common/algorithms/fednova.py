@@ -37,6 +37,8 @@ from fedhop.common.algorithms.base import (
     weighted_mean,
 )
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.algorithms.vectorized import every_parameter, local_sgd_together
+from fedhop.common.wire.message import COMPUTE_KEY
 
 TAU_KEY = "nova_tau"
 
@@ -60,11 +62,26 @@ class FedNova(Algorithm):
         set_params(ctx.model, message.tensors)
         stats = local_sgd(ctx, self.cfg.lr, self.cfg.batch_size, self.cfg.weight_decay)
         local = get_params(ctx.model)
-        tau = stats.steps
-        tensors = {name: (local[name] - message.tensors[name]) / max(tau, 1) for name in message.tensors}  # d_i
-        tensors[TAU_KEY] = torch.tensor(float(tau), dtype=torch.float32)
-        return Payload(tensors=tensors, scalars={WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats.mean_loss,
-                                                 "local_steps": tau})
+        return Payload(tensors=_normalised(message.tensors, local, stats.steps),
+                       scalars={WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats.mean_loss,
+                                "local_steps": stats.steps})
+
+    @classmethod
+    def trains_together(cls) -> bool:
+        """Plain local SGD in the vectorized solver ([algorithm] vectorized); each client's
+        update normalised by its own step count."""
+        return cls.client_update is FedNova.client_update
+
+    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
+        """`client_update` of every client at once (common/algorithms/vectorized.py)."""
+        every_parameter(ctxs, messages)
+        start, final, stats, seconds = local_sgd_together(ctxs, [m.tensors for m in messages], self.cfg.lr,
+                                                          self.cfg.batch_size, self.cfg.weight_decay)
+        return [Payload(tensors=_normalised({n: start[n][i] for n in start}, {n: final[n][i] for n in start},
+                                            stats[i].steps),
+                        scalars={WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats[i].mean_loss,
+                                 "local_steps": stats[i].steps, COMPUTE_KEY: seconds[i]})
+                for i, ctx in enumerate(ctxs)]
 
     def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
         tau_eff = float(aggregate.tensors[TAU_KEY]) / float(aggregate.scalars[WEIGHT_KEY])
@@ -76,6 +93,13 @@ class FedNova(Algorithm):
 
     def edge_step(self, message: Payload, partial: Payload) -> Payload:
         raise ValueError("fednova: hierarchical topology with kappa2 > 1 is not supported; use kappa2 = 1")
+
+
+def _normalised(start: dict[str, torch.Tensor], local: dict[str, torch.Tensor], tau: int) -> dict[str, torch.Tensor]:
+    """A client's reply tensors: d_i = (x_i - x_t) / tau_i (Eq. 6) and tau_i."""
+    tensors = {name: (local[name] - start[name]) / max(tau, 1) for name in start}
+    tensors[TAU_KEY] = torch.tensor(float(tau), dtype=torch.float32)
+    return tensors
 
 
 REGISTER = [FedNova]

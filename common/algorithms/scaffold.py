@@ -44,6 +44,8 @@ from fedhop.common.algorithms.base import (
     weighted_mean,
 )
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.algorithms.vectorized import every_parameter, local_sgd_together, rows_of
+from fedhop.common.wire.message import COMPUTE_KEY
 
 C_PREFIX = "scaffold_c."       # server control variate, in the broadcast and in state.extra
 DC_PREFIX = "scaffold_dc."     # Delta c_i in the reply
@@ -114,19 +116,61 @@ class Scaffold(Algorithm):
 
         stats = local_sgd(ctx, self.cfg.lr, self.cfg.batch_size, self.cfg.weight_decay, grad_hook=hook)
         y = get_params(ctx.model)
-        tensors: dict[str, torch.Tensor] = {}
-        for n in params:
-            dy = y[n] - x[n]
-            if stats.steps > 0 and self.cfg.lr > 0:
-                new_ci = c_i[n] - c[n] - dy / (stats.steps * self.cfg.lr)     # option II (line 12)
-            else:
-                new_ci = c_i[n].clone()
-            tensors[n] = dy
-            tensors[DC_PREFIX + n] = new_ci - c_i[n]
+        tensors, new_cis = self._reply_tensors(x, y, c, c_i, stats.steps)
+        for n, new_ci in new_cis.items():
             c_i[n].copy_(new_ci)
         return Payload(tensors=tensors, scalars={WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats.mean_loss,
                                                  "local_steps": stats.steps,
                                                  TOTAL_KEY: self._total(ctx)})
+
+    def _reply_tensors(self, x: dict[str, torch.Tensor], y: dict[str, torch.Tensor], c: dict[str, torch.Tensor],
+                       c_i: dict[str, torch.Tensor], steps: int
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """A client's reply tensors (Delta y_i and Delta c_i, line 13) and its new control
+        variate c_i+ (option II, line 12), from the round's start x, its local model y and the
+        K = `steps` steps it took."""
+        tensors: dict[str, torch.Tensor] = {}
+        new_cis: dict[str, torch.Tensor] = {}
+        for n in x:
+            dy = y[n] - x[n]
+            if steps > 0 and self.cfg.lr > 0:
+                new_ci = c_i[n] - c[n] - dy / (steps * self.cfg.lr)     # option II (line 12)
+            else:
+                new_ci = c_i[n].clone()
+            tensors[n] = dy
+            tensors[DC_PREFIX + n] = new_ci - c_i[n]
+            new_cis[n] = new_ci
+        return tensors, new_cis
+
+    @classmethod
+    def trains_together(cls) -> bool:
+        """The corrected local SGD of line 10 in the vectorized solver ([algorithm] vectorized)."""
+        return cls.client_update is Scaffold.client_update
+
+    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
+        """`client_update` of every client at once (common/algorithms/vectorized.py): each
+        client's correction c - c_i stacked, added to its gradients at every step (line 10)."""
+        every_parameter(ctxs, messages, skip=C_PREFIX)
+        starts = [{n: t for n, t in m.tensors.items() if not n.startswith(C_PREFIX)} for m in messages]
+        cs = [{n: m.tensors[C_PREFIX + n] for n in start} for m, start in zip(messages, starts)]
+        c_is = [{n: ctx.state.setdefault(CI_PREFIX + n, torch.zeros_like(t)) for n, t in start.items()}
+                for ctx, start in zip(ctxs, starts)]
+        correction = {n: torch.stack([c[n] - c_i[n] for c, c_i in zip(cs, c_is)]) for n in starts[0]}
+
+        def hook(name: str, p: torch.Tensor, g: torch.Tensor, start: torch.Tensor, rows) -> torch.Tensor:
+            return g + rows_of(correction[name], rows)           # g_i(y) - c_i + c   (line 10)
+
+        x, y, stats, seconds = local_sgd_together(ctxs, starts, self.cfg.lr, self.cfg.batch_size,
+                                                  self.cfg.weight_decay, hook)
+        made = [self._reply_tensors({n: x[n][i] for n in x}, {n: y[n][i] for n in x}, c, c_i, stats[i].steps)
+                for i, (c, c_i) in enumerate(zip(cs, c_is))]
+        for (_, new_cis), c_i in zip(made, c_is):   # every reply made: the clients' states move together
+            for n, new_ci in new_cis.items():
+                c_i[n].copy_(new_ci)
+        return [Payload(tensors=tensors, scalars={WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats[i].mean_loss,
+                                                  "local_steps": stats[i].steps, TOTAL_KEY: self._total(ctx),
+                                                  COMPUTE_KEY: seconds[i]})
+                for i, (ctx, (tensors, _)) in enumerate(zip(ctxs, made))]
 
     def _total(self, ctx: ClientContext) -> float:
         key = id(ctx.task)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.func import functional_call, grad_and_value, vmap
@@ -96,19 +96,44 @@ def check_vectorized(cfg) -> None:
                          f"vectorized ({type(exc).__name__}: {first})") from None
 
 
+StackedHook = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""`local_sgd`'s `grad_hook` for a stack of clients: (parameter name, the members' parameters,
+their gradients, their start of the round, the members' rows in the cohort or None for every
+row) -> the gradients to step with, row i the member's own (FedProx's proximal gradient,
+SCAFFOLD's correction, FedDyn's regularizer).  It must compute each row from that row alone,
+with `local_sgd`'s hook's operations in its order: a client's result must not depend on the
+clients beside it."""
+
+
+def rows_of(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The members' rows of a cohort-stacked tensor (every row: `t` itself)."""
+    return t if rows is None else t[rows]
+
+
+def every_parameter(ctxs: Sequence[ClientContext], messages: Sequence, skip: str | None = None) -> None:
+    """Raise a ValueError unless each message carries every parameter of the model (names
+    starting with `skip` left out: an algorithm's own tensors), as the vectorized solver needs."""
+    names = {name for name, _ in named_parameters(ctxs[0].model)}
+    for ctx, message in zip(ctxs, messages):
+        carried = {n for n in message.tensors if skip is None or not n.startswith(skip)}
+        if carried != names:
+            raise ValueError(f"[algorithm] vectorized needs every parameter in the message to client "
+                             f"{ctx.client_id}; it carries {sorted(carried)}")
+
+
 def trainable_names(model: torch.nn.Module) -> list[str]:
     return [name for name, p in named_parameters(model) if p.requires_grad]
 
 
 def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]], lr: float,
-                       batch_size: int, weight_decay: float = 0.0, prox_mu: float = 0.0
+                       batch_size: int, weight_decay: float = 0.0, grad_hook: StackedHook | None = None
                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[LocalStats], list[float]]:
     """Local SGD of each client in `ctxs` from its own start (`starts[i]`, every parameter by
     name: the trainable ones trained, the frozen ones (model.freeze) used as they are), all at
     once.
 
-    `prox_mu` > 0 adds FedProx's proximal gradient mu (w - w_start) to each step's gradient,
-    after the weight decay, as FedProx's hook on `local_sgd` does.
+    `grad_hook` changes each step's gradients after the weight decay, as an algorithm's hook on
+    `local_sgd` does (`StackedHook`).
 
     Returns the start and the final parameters stacked (row i: client i's), each client's LocalStats and
     each client's share of the seconds spent (the seconds times its steps over all steps).
@@ -150,8 +175,8 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
                     p, g = params[name], grads[name]
                     if weight_decay:
                         g = g + weight_decay * p
-                    if prox_mu:   # FedProx, Eq. 2: the gradient of mu/2 ||w - w_t||^2
-                        g = g + prox_mu * (p - (start[name] if rows is None else start[name][rows]))
+                    if grad_hook is not None:
+                        g = grad_hook(name, p, g, rows_of(start[name], rows), rows)
                     new = p - g * lr   # w_{k+1} = w_k - lr * g_k, one client per row
                     if rows is None:
                         stacked[name] = new

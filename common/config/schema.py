@@ -133,8 +133,9 @@ class AlgorithmConfig:
     vectorized: bool = _f(False, help="train the clients of one call (a batch, a worker's share, the round "
                                       "engine's loop) together: one torch.func.vmap step for all of them "
                                       "(docs/vectorized.md). Same algorithm and minibatches; rounding differs from "
-                                      "one-at-a-time training, never with the engine or the batching. FedAvg, FedProx and "
-                                      "FedAvg's server-side variants, a task whose loss is a pure function, a model without "
+                                      "one-at-a-time training, never with the engine or the batching. FedAvg and its "
+                                      "server-side variants, FedProx, FedExP, FedNova, SCAFFOLD, FedDyn; a task whose loss "
+                                      "is a pure function, a model without "
                                       "buffers exchanged whole, no DP-SGD")
     compress: str = _f("none", choices=("none", "qsgd"), help="upload compressor (common/processors/compress.py)")
     qsgd_levels: int = _f(15, min=1, max=1 << 20, help="QSGD s (levels per sign)")
