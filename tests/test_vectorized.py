@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from fedhop.client.host import ClientHost
+from fedhop.common.algorithms.vectorized import saved_bytes_per_row
 from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine, local_update, local_updates
 from fedhop.common.transport.base import Request
@@ -170,6 +171,79 @@ def test_solvers_with_client_state_train_together(algorithm, extra):
     vec.run(3)
     for name, w in plain.state.params.items():
         assert torch.allclose(w, vec.state.params[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_call_is_trained_in_stacks_within_the_memory_budget(monkeypatch):
+    """[algorithm] vectorized_memory_mb: the round's 50 clients in stacks of `stack_size`, each
+    within the budget by its estimate, with the same bits as one stack of all of them."""
+    over = {"per_round = 10": "per_round = 50"}
+    small = _engine(_digits_text(True, **over).replace("vectorized = true", "vectorized = true\nvectorized_memory_mb = 1"))
+    whole = _engine(_digits_text(True, **over).replace("vectorized = true", "vectorized = true\nvectorized_memory_mb = 100000"))
+    items = _items(small, 1)
+    model = small.task.build_model()
+    stacks: list[int] = []
+    together = small.algorithm.client_updates
+
+    def counted(ctxs, messages):
+        stacks.append(len(ctxs))
+        return together(ctxs, messages)
+    monkeypatch.setattr(small.algorithm, "client_updates", counted)
+    bounded = local_updates(small.cfg, small.task, small.algorithm, model, items)
+    size = max(stacks)
+    assert len(stacks) > 2 and sum(stacks) == len(items) and stacks == [size] * (len(stacks) - 1) + [stacks[-1]]
+    params = sum(p.numel() * 4 for p in model.parameters())
+    row = tuple(t[:1] for t in small.task.client_data(items[0][0]).tensors)
+    per_client = 4 * params + 2 * 16 * saved_bytes_per_row(small.task, model, row)
+    assert size * per_client <= 1 << 20 < (size + 1) * per_client
+    one = local_updates(whole.cfg, whole.task, whole.algorithm, model, _items(whole, 1))
+    for a, b in zip(bounded, one):
+        assert all(torch.equal(t, b.tensors[name]) for name, t in a.tensors.items())
+
+
+def test_the_activations_one_example_keeps_grow_with_the_model():
+    """`saved_bytes_per_row`: an MLP's linear layers keep their inputs for the backward pass (the
+    example's 64 features and each hidden layer's output), the parameters left out."""
+    sizes = {}
+    for hidden in ([64], [256, 64]):
+        engine = _engine(_digits_text(True, **{"hidden = [64]": f"hidden = {hidden}"}))
+        model = engine.task.build_model()
+        row = tuple(t[:1] for t in engine.task.client_data(0).tensors)
+        sizes[len(hidden)] = saved_bytes_per_row(engine.task, model, row)
+        assert sizes[len(hidden)] >= 4 * (64 + sum(hidden))
+        assert sizes[len(hidden)] < sum(p.numel() * 4 for p in model.parameters())   # no weight counted
+    assert sizes[2] > sizes[1] + 4 * 256
+
+
+_PEAK = """
+import resource, sys
+from fedhop.common.config import parse_config
+from fedhop.common.engine.rounds import RoundEngine
+engine = RoundEngine(parse_config(open(sys.argv[1]).read()))
+engine.run(1)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def test_a_stack_of_large_clients_stays_within_the_budget(tmp_path):
+    """cifar_cnn (1.76 M parameters), 40 clients in one round of the engine's loop, each in its own
+    process: vectorized with 40 clients in one stack peaks about 1.3 GB above one-at-a-time
+    training; with the default budget of 512 MB, within 512 MB of it (and far below the unbounded)."""
+    from fedhop.common.data import fakedata
+    fakedata.cifar10(tmp_path / "data", per_batch=200, n_test=20)
+    base = ('[run]\nseed = 0\nrounds = 1\neval_every = 0\n[algorithm]\nname = "fedavg"\nlr = 0.05\nbatch_size = 10\n'
+            'local_steps = 1\n{extra}\n[data]\ndataset = "cifar10"\npartition = "iid"\n[model]\nkind = "cifar_cnn"\n'
+            '[clients]\ncount = 40\nper_round = 40\n')
+    peaks = {}
+    for name, extra in [("plain", ""), ("budget", "vectorized = true"),
+                        ("unbounded", "vectorized = true\nvectorized_memory_mb = 100000")]:
+        (tmp_path / f"{name}.toml").write_text(base.format(extra=extra))
+        out = subprocess.run([sys.executable, "-c", _PEAK, f"{name}.toml"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600, env=_env())
+        assert out.returncode == 0, out.stderr[-2000:]
+        peaks[name] = int(out.stdout.split()[-1])
+    assert peaks["unbounded"] > peaks["plain"] + 900, peaks
+    assert peaks["budget"] < peaks["plain"] + 512 + 100, peaks
+    assert peaks["budget"] < peaks["unbounded"] - 600, peaks
 
 
 def _request(host: ClientHost, cid: int, message: Payload, src: str = "server") -> Request:

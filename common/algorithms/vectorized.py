@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -119,6 +120,49 @@ def every_parameter(ctxs: Sequence[ClientContext], messages: Sequence, skip: str
         if carried != names:
             raise ValueError(f"[algorithm] vectorized needs every parameter in the message to client "
                              f"{ctx.client_id}; it carries {sorted(carried)}")
+
+
+#: per model, the bytes one example's loss keeps for its backward pass, by the example's shapes
+_SAVED_PER_ROW: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, int]]" = weakref.WeakKeyDictionary()
+
+
+def saved_bytes_per_row(task, model: torch.nn.Module, row: tuple[torch.Tensor, ...]) -> int:
+    """The bytes autograd keeps for the backward pass of the task's loss on one example `row`
+    (each tensor of the batch with one row), the parameters themselves left out: a forward
+    pass under `saved_tensors_hooks` adding up what it saves.  Made once per model and shape."""
+    key = tuple((tuple(t.shape), t.dtype) for t in row)
+    known = _SAVED_PER_ROW.setdefault(model, {})
+    if key not in known:
+        own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            if t.untyped_storage().data_ptr() not in own:
+                total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            task.sample_loss(model, row)
+        known[key] = total
+    return known[key]
+
+
+def stack_size(ctxs: Sequence[ClientContext], batch_size: int, budget_bytes: int) -> int:
+    """How many of `ctxs` one vectorized stack may train within `budget_bytes`
+    ([algorithm] vectorized_memory_mb): each client in a stack holds its start, its parameters,
+    their gradients and the next step's parameters (4 x the model), and its batch's activations
+    for the backward pass with as much again for their gradients (2 x rows x
+    `saved_bytes_per_row`).  At least 1."""
+    model, task = ctxs[0].model, ctxs[0].task
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    datas = (task.client_data(ctx.client_id) for ctx in ctxs)   # a client's data may be made when asked for
+    first = next((d for d in datas if d.rows > 0), None)
+    if first is None:
+        return max(1, len(ctxs))
+    rows = batch_size if batch_size > 0 else max(task.client_data(ctx.client_id).rows for ctx in ctxs)
+    per_client = 4 * model_bytes + 2 * rows * saved_bytes_per_row(task, model, tuple(t[:1] for t in first.tensors))
+    return max(1, budget_bytes // max(per_client, 1))
 
 
 def trainable_names(model: torch.nn.Module) -> list[str]:

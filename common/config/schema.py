@@ -137,6 +137,11 @@ class AlgorithmConfig:
                                       "server-side variants, FedProx, FedExP, FedNova, SCAFFOLD, FedDyn; a task whose loss "
                                       "is a pure function, a model without "
                                       "buffers exchanged whole, no DP-SGD")
+    vectorized_memory_mb: int = _f(512, min=1, help="under vectorized: the most memory (MB) one stack of clients "
+                                                    "trained together may take, estimated from the model's size and "
+                                                    "the activations one example keeps for the backward pass; a call's "
+                                                    "clients are trained in as many stacks as that needs (the same "
+                                                    "results: a client's does not depend on its stack)")
     compress: str = _f("none", choices=("none", "qsgd"), help="upload compressor (common/processors/compress.py)")
     qsgd_levels: int = _f(15, min=1, max=1 << 20, help="QSGD s (levels per sign)")
     qsgd_bucket: int = _f(0, min=0, help="QSGD bucket size B (a norm per B elements); 0 = whole tensor")

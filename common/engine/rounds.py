@@ -30,7 +30,7 @@ import torch
 from fedhop.common.algorithms import build_algorithm
 from fedhop.common.algorithms.base import Algorithm, ClientContext, ServerState
 from fedhop.common.algorithms.local import bind_params, get_params, share_params
-from fedhop.common.algorithms.vectorized import why_not_vectorized
+from fedhop.common.algorithms.vectorized import stack_size, why_not_vectorized
 from fedhop.common.config.schema import Config, client_local_steps, resolve_clients_per_round
 from fedhop.common.engine.heterogeneity import apply_straggler_plan, devices_params
 from fedhop.common.engine.vclock import RoundClock
@@ -109,9 +109,10 @@ TrainItem = tuple[int, int, Payload, dict[str, torch.Tensor], int]   # (client, 
 
 def local_updates(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn.Module,
                   items: Sequence[TrainItem]) -> list[Payload]:
-    """`local_update` of each item; under [algorithm] vectorized, every client's local SGD in one
-    vectorized computation (`Algorithm.client_updates`, common/algorithms/vectorized.py), each
-    reply's COMPUTE_KEY its share of the seconds."""
+    """`local_update` of each item; under [algorithm] vectorized, the clients' local SGD in
+    vectorized computations (`Algorithm.client_updates`, common/algorithms/vectorized.py), as few
+    as [algorithm] vectorized_memory_mb allows (`stack_size`), each reply's COMPUTE_KEY its share
+    of its stack's seconds."""
     if not cfg.algorithm.vectorized:
         return [local_update(cfg, task, algorithm, model, *item) for item in items]
     if not items:
@@ -121,7 +122,10 @@ def local_updates(cfg: Config, task: Task, algorithm: Algorithm, model: torch.nn
         raise ValueError(f"config key 'algorithm.vectorized': {problem}")
     ctxs = [client_context(cfg, task, model, cid, round, message, state, step)
             for cid, round, message, state, step in items]
-    replies = algorithm.client_updates(ctxs, [item[2] for item in items])
+    messages = [item[2] for item in items]
+    size = stack_size(ctxs, cfg.algorithm.batch_size, cfg.algorithm.vectorized_memory_mb << 20)
+    replies = [reply for s in range(0, len(ctxs), size)   # stacks within algorithm.vectorized_memory_mb
+               for reply in algorithm.client_updates(ctxs[s:s + size], messages[s:s + size])]
     return [_released(cfg, algorithm, reply, message, cid, round, step)
             for reply, (cid, round, message, _, step) in zip(replies, items)]
 
