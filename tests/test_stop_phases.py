@@ -331,6 +331,20 @@ def test_fedhop_run_inprocess_with_workers_stopped_by_its_group(tmp_path, sig):
         stop_group(launcher, tmp_path, sig, "stopped")
 
 
+@pytest.mark.parametrize("sig", SIGNALS)
+@pytest.mark.parametrize("engine", [pytest.param((), id="processes"), pytest.param(WORKERS, id="inprocess")])
+def test_a_vectorized_run_with_client_state_stopped_by_its_group(tmp_path, engine, sig):
+    """SCAFFOLD under [algorithm] vectorized (each process's clients trained together, their
+    control variates kept in the process that hosts them): a terminal's Ctrl-C or a scheduler's
+    SIGTERM to the group once round 2 is recorded stops it as it stops a one-at-a-time run."""
+    args = (*engine, "--set", "algorithm.name=scaffold", "--set", "algorithm.vectorized=true")
+    with group_of(fedhop_run(tmp_path, rounds=100_000, args=args)) as launcher:
+        wait_until("round 2", lambda: max_round(tmp_path / "run" / "run.db") >= 2, [launcher])
+        stop_group(launcher, tmp_path, sig, "stopped")
+    recorded = (tmp_path / "run" / "config.toml").read_text()
+    assert "vectorized = true" in recorded and 'name = "scaffold"' in recorded
+
+
 def test_a_killed_worker_leaves_the_inprocess_run_going_without_its_clients(tmp_path):
     """A worker killed apart from the run (SIGKILL, as the out-of-memory killer sends it): its
     client process's calls fail as a dead process's do (UNAVAILABLE), the server records the node

@@ -173,6 +173,105 @@ def test_solvers_with_client_state_train_together(algorithm, extra):
         assert torch.allclose(w, vec.state.params[name], rtol=1e-4, atol=1e-5)
 
 
+def _stragglers_text(vectorized: bool, source: str) -> str:
+    """examples/stragglers_digits.toml (FedLGA, half of each round's clients straggling), 3 rounds."""
+    text = (ROOT / "examples" / "stragglers_digits.toml").read_text().replace("rounds = 150", "rounds = 3")
+    return text.replace("[algorithm]\n", f'[algorithm]\nvectorized = {"true" if vectorized else "false"}\n'
+                                         f'lga_grad_source = "{source}"\nlga_grad_batch = 5\n')
+
+
+def _fedchs_items(vectorized: bool, local_iters: int) -> tuple[RoundEngine, list]:
+    """examples/fedchs_digits.toml with E = `local_iters` and weight decay: the 10 clients of one
+    cluster at step 2 of a round, each given the edge's message (E > 1: with its step sizes)."""
+    text = (ROOT / "examples" / "fedchs_digits.toml").read_text().replace(
+        "local_iters = 1", f"local_iters = {local_iters}\nweight_decay = 0.01\nvectorized = {str(vectorized).lower()}")
+    engine = _engine(text)
+    message = engine.algorithm.step_message({n: t.clone() for n, t in engine.state.params.items()}, 2,
+                                            engine.algorithm.round_step_sizes(20))
+    return engine, [(cid, 1, message, {}, 2) for cid in range(10)]
+
+
+def _same_ways(engine: RoundEngine, items: list, model: torch.nn.Module) -> list[Payload]:
+    """The items' replies trained all at once; reversed and one by one must give the same bits."""
+    def replies(groups: list[list]) -> dict[int, Payload]:
+        return {item[0]: reply for group in groups
+                for item, reply in zip(group, local_updates(engine.cfg, engine.task, engine.algorithm, model, group))}
+    ways = [replies([items]), replies([items[::-1]]), replies([[item] for item in items])]
+    for other in ways[1:]:
+        for cid, reply in ways[0].items():
+            assert list(reply.tensors) == list(other[cid].tensors)
+            assert all(torch.equal(t, other[cid].tensors[name]) for name, t in reply.tensors.items()), cid
+    return [ways[0][item[0]] for item in items]
+
+
+@pytest.mark.parametrize("case", ["fedlga-delta", "fedlga-client_last_grad", "fedchs-1", "fedchs-3"])
+def test_fedlga_and_fedchs_train_together(case):
+    """FedLGA with stragglers (each client's own E_i from the server's plan; with
+    "client_last_grad" a straggler's gradient at its w_{i,E_i} on a minibatch of its own
+    generator), Fed-CHS with E = 1 (each client's one minibatch gradient) and E = 3 (local SGD
+    with the step sizes of the edge's message): every reply tensor (tau_i and the straggler's
+    gradient included) within float32 rounding of the one-at-a-time solver's, the same steps,
+    weights and losses; all at once, reversed and one by one the same bits."""
+    name, variant = case.split("-")
+    if name == "fedlga":
+        plain, vec = _engine(_stragglers_text(False, variant)), _engine(_stragglers_text(True, variant))
+        items = _items(plain, 1)
+    else:
+        plain, items = _fedchs_items(False, int(variant))
+        vec, _ = _fedchs_items(True, int(variant))
+    model = plain.task.build_model()
+    one = [local_update(plain.cfg, plain.task, plain.algorithm, model, *item) for item in items]
+    together = _same_ways(vec, items, model)
+    if name == "fedlga":
+        taus = [int(r.tensors["tau"]) for r in one]
+        assert 1 in taus and max(taus) > 1   # stragglers and full clients in one stack
+        assert any(n.startswith("lga_grad.") for r in one for n in r.tensors) == (variant == "client_last_grad")
+    for a, b in zip(one, together):
+        assert list(a.tensors) == list(b.tensors)
+        for key in ("local_steps", "weight", "lga_full_weight"):
+            assert a.scalars.get(key) == b.scalars.get(key), key
+        assert a.scalars["train_loss"] == pytest.approx(b.scalars["train_loss"], rel=1e-5)
+        for n in a.tensors:
+            assert torch.allclose(a.tensors[n], b.tensors[n], rtol=1e-4, atol=1e-6), n
+    steps = {int(r.scalars["local_steps"]) for r in one}
+    if name == "fedchs":
+        assert steps == {int(variant)}
+    else:
+        assert len(steps) > 1   # E_i differ: the stack shrinks as the stragglers stop
+
+
+def test_a_model_that_vmaps_only_under_grad_takes_the_gradient_transform(tmp_path, monkeypatch):
+    """The vectorized solver runs the model once on the stacked parameters (vmap) and takes every
+    client's gradients from one backward pass; char_lstm's LSTM has no batching rule outside
+    torch.func's `grad`, so that model takes `vmap(grad_and_value)` at every step instead: its
+    replies within float32 rounding of one at a time, all at once and one by one the same bits.
+    W2's MLP takes the backward pass."""
+    from fedhop.common.algorithms.vectorized import _GRAD_TRANSFORM
+    from fedhop.common.data import fakedata
+    fakedata.shakespeare(tmp_path / "made", roles=6, mean=12, per_file=50)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "made").rename(tmp_path / "data" / "shakespeare")
+    monkeypatch.chdir(tmp_path)
+    text = ('[run]\nseed = 0\nrounds = 1\n[algorithm]\nname = "fedavg"\nlr = 0.8\nlocal_steps = 2\nbatch_size = 4\n'
+            'vectorized = {}\n[data]\ndataset = "shakespeare"\npartition = "natural"\ndata_dir = "data"\n'
+            '[model]\nkind = "char_lstm"\n[clients]\ncount = 6\nper_round = 6\n')
+    plain, vec = _engine(text.format("false")), _engine(text.format("true"))
+    items = _items(plain, 1)
+    model = plain.task.build_model()
+    one = [local_update(plain.cfg, plain.task, plain.algorithm, model, *item) for item in items]
+    with pytest.warns(UserWarning, match="batching rule"):
+        together = _same_ways(vec, items, model)
+    assert _GRAD_TRANSFORM[model] is True
+    for a, b in zip(one, together):
+        assert a.scalars["local_steps"] == b.scalars["local_steps"] == 2
+        for n in a.tensors:
+            assert torch.allclose(a.tensors[n], b.tensors[n], rtol=1e-4, atol=1e-6), n
+    mlp = _engine(_digits_text(True))
+    mlp_model = mlp.task.build_model()
+    local_updates(mlp.cfg, mlp.task, mlp.algorithm, mlp_model, _items(mlp, 1))
+    assert _GRAD_TRANSFORM[mlp_model] is False
+
+
 def test_a_call_is_trained_in_stacks_within_the_memory_budget(monkeypatch):
     """[algorithm] vectorized_memory_mb: the round's 50 clients in stacks of `stack_size`, each
     within the budget by its estimate, with the same bits as one stack of all of them."""
@@ -214,15 +313,19 @@ def test_the_activations_one_example_keeps_grow_with_the_model():
     assert sizes[2] > sizes[1] + 4 * 256
 
 
+# the process's own peak from /proc (VmHWM, kB): `ru_maxrss` starts at the forking parent's
+# resident size (Linux keeps it across exec), so a large pytest process would hide the round's growth
 _PEAK = """
-import resource, sys
+import re, sys
 from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine
+def peak():
+    return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
 engine = RoundEngine(parse_config(open(sys.argv[1]).read()))
 engine.task.client_data(0)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak()
 engine.run(1)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+print((peak() - before) // 1024)
 """
 
 
@@ -289,6 +392,16 @@ def fedhop(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Compl
                           text=True, timeout=timeout, env=_env())
 
 
+def _models(folder: Path, config: str, runs: dict[str, list[str]]) -> dict[str, dict[str, torch.Tensor]]:
+    """`fedhop run CONFIG --out NAME FLAGS` in `folder` for each run; each run's final model."""
+    models = {}
+    for name, flags in runs.items():
+        out = fedhop(["run", config, "--out", name, "--quiet", *flags], folder)
+        assert out.returncode == 0, out.stderr[-2000:]
+        models[name] = load_file(str(folder / name / "model.safetensors"))
+    return models
+
+
 @pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
 def test_both_engines_give_one_model_and_the_plain_runs_bytes(tmp_path, algorithm):
     """From a user's folder: a vectorized run in processes (batched calls over gRPC), in-process with
@@ -304,11 +417,7 @@ def test_both_engines_give_one_model_and_the_plain_runs_bytes(tmp_path, algorith
             "unbatched": ["--engine", "inprocess", "--set", "algorithm.vectorized=true", "--set", "run.workers=1",
                           "--set", "transport.batch=false"],
             "one_process": ["--engine", "inprocess", "--set", "algorithm.vectorized=true", "--set", "run.workers=1"]}
-    models = {}
-    for name, flags in runs.items():
-        out = fedhop(["run", "digits.toml", "--out", name, "--quiet", *flags], tmp_path)
-        assert out.returncode == 0, out.stderr[-2000:]
-        models[name] = load_file(str(tmp_path / name / "model.safetensors"))
+    models = _models(tmp_path, "digits.toml", runs)
     for name in ("inprocess", "unbatched", "one_process"):
         assert all(torch.equal(models["processes"][k], models[name][k]) for k in models["processes"]), name
     assert _sent(tmp_path / "processes") == _sent(tmp_path / "plain") == _sent(tmp_path / "inprocess")
@@ -316,8 +425,25 @@ def test_both_engines_give_one_model_and_the_plain_runs_bytes(tmp_path, algorith
         assert np.allclose(w.numpy(), models["processes"][k].numpy(), rtol=1e-4, atol=1e-5), k
 
 
+def test_fedchs_runs_vectorized_on_its_sequential_topology(tmp_path):
+    """examples/fedchs_digits.toml from a user's folder, 3 rounds: each edge's train calls to the
+    10 clients of its cluster trained together, in processes and in-process (forked workers), the
+    same model bit for bit; in processes the one-at-a-time run's messages and bytes, and its model
+    to rounding."""
+    text = (ROOT / "examples" / "fedchs_digits.toml").read_text().replace("rounds = 60", "rounds = 3")
+    (tmp_path / "chs.toml").write_text(text)
+    runs = {"plain": ["--engine", "processes"],
+            "processes": ["--engine", "processes", "--set", "algorithm.vectorized=true"],
+            "inprocess": ["--engine", "inprocess", "--set", "algorithm.vectorized=true", "--set", "run.workers=2"]}
+    models = _models(tmp_path, "chs.toml", runs)
+    assert all(torch.equal(models["processes"][k], models["inprocess"][k]) for k in models["processes"])
+    assert _sent(tmp_path / "processes") == _sent(tmp_path / "plain")   # in-process, `seq_round` names other addresses
+    for k, w in models["plain"].items():
+        assert np.allclose(w.numpy(), models["processes"][k].numpy(), rtol=1e-4, atol=1e-5), k
+
+
 @pytest.mark.parametrize("sets,names", [
-    (["algorithm.name=fedlga"], "algorithm.name = 'fedlga'"),
+    (["algorithm.name=local_sgda"], "algorithm.name = 'local_sgda'"),
     (["privacy.mode=dpsgd", "privacy.noise_multiplier=1.0", "privacy.clip_norm=1.0"], "privacy.mode = 'dpsgd'"),
 ])
 def test_what_cannot_train_together_is_one_line_exit_2(tmp_path, sets, names):

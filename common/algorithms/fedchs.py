@@ -45,7 +45,9 @@ from fedhop.common.algorithms.base import (
     weighted_mean,
 )
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.algorithms.vectorized import every_parameter, local_sgd_together
 from fedhop.common.numerics.sampling import local_batches
+from fedhop.common.wire.message import COMPUTE_KEY
 
 LR_STEPS = "lr_steps"
 
@@ -157,6 +159,63 @@ class FedCHS(SequentialAlgorithm):
         return Payload(tensors=delta, scalars={"weight": self.client_weight(ctx), "train_loss": stats.mean_loss,
                                                "local_steps": stats.steps})
 
+
+    @classmethod
+    def trains_together(cls) -> bool:
+        """Both replies in the vectorized solver ([algorithm] vectorized)."""
+        return cls.client_update is FedCHS.client_update
+
+    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
+        """`client_update` of every client at once (common/algorithms/vectorized.py).  E = 1: each
+        client's gradient at w_k on its first minibatch, weight decay added, is the first step's
+        gradient of a one-step local SGD, taken as the step makes it; E > 1: E steps of local SGD,
+        each client with the step sizes its message carries."""
+        every_parameter(ctxs, messages, skip=LR_STEPS)
+        starts = [{n: t for n, t in m.tensors.items() if n != LR_STEPS} for m in messages]
+        E = self.params.local_iters
+        if E == 1:
+            for ctx in ctxs:   # `client_update`'s one batch: local_batches(rows, batch_size, 1, 0, generator)
+                ctx.local_steps, ctx.local_epochs = 1, 0
+            taken: dict[str, list[tuple[torch.Tensor | None, torch.Tensor]]] = {}
+
+            def keep(name: str, p: torch.Tensor, g: torch.Tensor, start: torch.Tensor, rows) -> torch.Tensor:
+                taken.setdefault(name, []).append((rows, g))   # g_n = grad f(w_k, xi_n) (+ weight decay), Eq. 5
+                return g
+
+            _, _, stats, seconds = local_sgd_together(ctxs, starts, self.cfg.lr, self.cfg.batch_size,
+                                                      self.cfg.weight_decay, keep)
+            if any(s.steps != 1 for s in stats):
+                empty = [ctx.client_id for ctx, s in zip(ctxs, stats) if s.steps != 1]
+                raise ValueError(f"fedchs: clients {empty} have no minibatch to take a gradient on")
+            grads = {name: _rows_together(parts, len(ctxs)) for name, parts in taken.items()}
+            tensors = [{name: grads[name][i] for name in starts[0]} for i in range(len(ctxs))]
+        else:
+            etas = []
+            for ctx, m in zip(ctxs, messages):
+                lr_steps = m.tensors.get(LR_STEPS)
+                if lr_steps is None or lr_steps.numel() != E:
+                    raise ValueError(f"fedchs: with local_iters = {E} the message must carry '{LR_STEPS}' of {E} "
+                                     f"step sizes")
+                etas.append([float(v) for v in lr_steps.reshape(-1).tolist()])
+                ctx.local_steps = E
+            start, final, stats, seconds = local_sgd_together(ctxs, starts, self.cfg.lr, self.cfg.batch_size,
+                                                              self.cfg.weight_decay, step_sizes=etas)
+            delta = {name: final[name] - start[name] for name in start}   # Delta_n = w_n^(E) - w_k, row n
+            tensors = [{name: d[i] for name, d in delta.items()} for i in range(len(ctxs))]
+        return [Payload(tensors=tensors[i], scalars={"weight": self.client_weight(ctx), "train_loss": stats[i].mean_loss,
+                                                     "local_steps": stats[i].steps, COMPUTE_KEY: seconds[i]})
+                for i, ctx in enumerate(ctxs)]
+
+
+def _rows_together(parts: list[tuple[torch.Tensor | None, torch.Tensor]], count: int) -> torch.Tensor:
+    """One stacked tensor from the groups' gradients of a step: (rows, gradients), rows None for
+    every client."""
+    if len(parts) == 1 and parts[0][0] is None:
+        return parts[0][1]
+    out = torch.empty((count, *parts[0][1].shape[1:]), dtype=parts[0][1].dtype, device=parts[0][1].device)
+    for rows, g in parts:
+        out[slice(None) if rows is None else rows] = g
+    return out
 
 
 class NoClusterReplies(RuntimeError):

@@ -60,7 +60,9 @@ from fedhop.common.algorithms.base import (
     weighted_mean,
 )
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.algorithms.vectorized import every_parameter, local_sgd_together
 from fedhop.common.numerics.sampling import local_batches
+from fedhop.common.wire.message import COMPUTE_KEY
 
 log = logging.getLogger("fedhop.fedlga")
 
@@ -206,6 +208,35 @@ class FedLGA(Algorithm):
         return Payload(tensors=tensors, scalars={WEIGHT_KEY: weight, "train_loss": stats.mean_loss,
                                                  "local_steps": stats.steps,
                                                  FULL_WEIGHT_KEY: weight if tau == 1 else 0.0})
+
+    @classmethod
+    def trains_together(cls) -> bool:
+        """Algorithm 1's plain local SGD in the vectorized solver ([algorithm] vectorized): each
+        client's own E_i, from the straggler plan, is its own number of steps."""
+        return cls.client_update is FedLGA.client_update
+
+    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
+        """`client_update` of every client at once (common/algorithms/vectorized.py).  A straggler
+        that sends its gradient (lga_grad_source = "client_last_grad") computes it alone, after
+        the stack, at its own w_{i,E_i} and from its own generator, as `client_update` does."""
+        every_parameter(ctxs, messages)
+        start, final, stats, seconds = local_sgd_together(ctxs, [m.tensors for m in messages], self.cfg.lr,
+                                                          self.cfg.batch_size, self.cfg.weight_decay)
+        delta = {name: final[name] - start[name] for name in start}   # Delta_i = w_{i,E_i} - w^t, row i
+        replies = []
+        for i, ctx in enumerate(ctxs):
+            tensors = {name: d[i] for name, d in delta.items()}
+            tau = int(ctx.info.get("tau", 1))
+            tensors[TAU_KEY] = torch.tensor(float(tau))
+            if tau > 1 and self.params.lga_grad_source == "client_last_grad":
+                set_params(ctx.model, {name: final[name][i] for name in start})
+                tensors.update({GRAD_PREFIX + n: g for n, g in self._local_gradient(ctx).items()})
+            weight = self.client_weight(ctx)
+            replies.append(Payload(tensors=tensors, scalars={WEIGHT_KEY: weight, "train_loss": stats[i].mean_loss,
+                                                             "local_steps": stats[i].steps,
+                                                             FULL_WEIGHT_KEY: weight if tau == 1 else 0.0,
+                                                             COMPUTE_KEY: seconds[i]}))
+        return replies
 
     def _local_gradient(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
         """grad F_i(w_{i,E_i}) on all local data, or on one minibatch of lga_grad_batch rows."""

@@ -2,8 +2,9 @@
 
 A process that trains several sampled clients of one call (a batch, the in-process engine's
 worker, the round engine's loop) stacks their parameters along a new first dimension and makes
-each local step of all of them in one computation: the gradients from `torch.func.vmap` over
-`torch.func.grad_and_value` of the task's own loss, the model called through `functional_call`.
+each local step of all of them in one computation: every client's loss from `torch.func.vmap`
+of the task's own loss (the model called through `functional_call` with the client's row of the
+stack), and every client's gradients from one backward pass of the sum of those losses.
 Each client keeps its own data, its own minibatches (drawn from its own generator, in the
 order `local_sgd` draws them) and its own number of steps; at local step k the clients that
 have a k-th batch are one vmapped call, each client's batch padded with zero rows to the
@@ -73,8 +74,8 @@ def check_vectorized(cfg) -> None:
     the key where they cannot train clients together (`fedhop run`, before any process starts):
     `why_not_vectorized`, then one vectorized local round of client 0, so that a model torch.func
     cannot vmap fails here in one line and not in every client's call.  The trial also loads what
-    torch.func's first vmapped gradient imports (about 800 modules, 0.75 s and 80 MB) in
-    `fedhop run`'s process, so the processes it forks start with them."""
+    torch.func's first vmapped call imports in `fedhop run`'s process, so the processes it forks
+    start with them."""
     if not cfg.algorithm.vectorized:
         return
     from fedhop.common.engine.rounds import client_context
@@ -165,19 +166,26 @@ def stack_size(ctxs: Sequence[ClientContext], batch_size: int, budget_bytes: int
     return max(1, budget_bytes // max(per_client, 1))
 
 
+#: per model, whether its vmapped forward pass needs torch.func's gradient transform around it
+#: (True: `vmap(grad_and_value(loss))`; False: vmapped losses and one backward pass)
+_GRAD_TRANSFORM: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
 def trainable_names(model: torch.nn.Module) -> list[str]:
     return [name for name, p in named_parameters(model) if p.requires_grad]
 
 
 def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]], lr: float,
-                       batch_size: int, weight_decay: float = 0.0, grad_hook: StackedHook | None = None
+                       batch_size: int, weight_decay: float = 0.0, grad_hook: StackedHook | None = None,
+                       step_sizes: Sequence[Sequence[float]] | None = None,
                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[LocalStats], list[float]]:
     """Local SGD of each client in `ctxs` from its own start (`starts[i]`, every parameter by
     name: the trainable ones trained, the frozen ones (model.freeze) used as they are), all at
     once.
 
     `grad_hook` changes each step's gradients after the weight decay, as an algorithm's hook on
-    `local_sgd` does (`StackedHook`).
+    `local_sgd` does (`StackedHook`).  `step_sizes[i][k]`: client i's step size at its local
+    step k, in place of `lr` (`local_sgd`'s `lr_at`); each row is multiplied by its own.
 
     Returns the start and the final parameters stacked (row i: client i's), each client's LocalStats and
     each client's share of the seconds spent (the seconds times its steps over all steps).
@@ -195,7 +203,40 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
         return functional_call(loss_of, {f"model.{name}": t for name, t in {**params, **fixed}.items()},
                                (mask, *batch))
 
-    step_all = vmap(grad_and_value(loss))
+    losses_of = vmap(loss)   # every member's loss, the model run once on the stacked parameters
+    grads_of = vmap(grad_and_value(loss))
+
+    def step_all(params: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], mask: torch.Tensor,
+                 *batch: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Each member's gradients (row i: d loss_i / d w_i) and losses.  One backward pass of
+        the sum of the losses: row i of the stack enters loss i alone, so its gradient is loss i's,
+        computed by the same kernels as a vmapped `grad` (0.3 ms a step less than
+        `vmap(grad_and_value(loss))` on W2's MLP, the same bits).  A model with an operator that
+        vmap batches only under `grad` (the LSTM of char_lstm) takes `grad_and_value` at every
+        step (`_GRAD_TRANSFORM`), so each model always takes the same path.  A stack of one is
+        computed as a stack of two, the client twice: vmap may run a batch of one through other
+        kernels (char_lstm's gradients then differ in the last bits from the same client's in a
+        larger stack)."""
+        if mask.shape[0] == 1:
+            twice, losses = step_all({name: torch.cat([t, t]) for name, t in params.items()},
+                                     {name: torch.cat([t, t]) for name, t in fixed.items()}, torch.cat([mask, mask]),
+                                     *(torch.cat([t, t]) for t in batch))
+            return {name: g[:1] for name, g in twice.items()}, losses[:1]
+        if not _GRAD_TRANSFORM.get(model, False):
+            leaves = {name: t.detach().requires_grad_(True) for name, t in params.items()}
+            try:
+                with torch.enable_grad():
+                    losses = losses_of(leaves, fixed, mask, *batch)
+                    found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+            except RuntimeError:
+                if model in _GRAD_TRANSFORM:   # the path worked for this model before: a real error
+                    raise
+            else:
+                _GRAD_TRANSFORM[model] = False
+                return ({name: g if g is not None else torch.zeros_like(leaves[name])
+                         for name, g in zip(leaves, found)}, losses.detach())
+            _GRAD_TRANSFORM[model] = True   # the first step failed: this model needs the gradient transform
+        return grads_of(params, fixed, mask, *batch)
     datas = [task.client_data(ctx.client_id) for ctx in ctxs]
     plans = [list(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator))
              for ctx, data in zip(ctxs, datas)]
@@ -221,7 +262,11 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
                         g = g + weight_decay * p
                     if grad_hook is not None:
                         g = grad_hook(name, p, g, rows_of(start[name], rows), rows)
-                    new = p - g * lr   # w_{k+1} = w_k - lr * g_k, one client per row
+                    if step_sizes is None:
+                        new = p - g * lr   # w_{k+1} = w_k - lr * g_k, one client per row
+                    else:   # row i times its own float32 step size: the product is lr * g's, rounded once
+                        etas = torch.tensor([step_sizes[i][k] for i in members], dtype=g.dtype, device=g.device)
+                        new = p - g * etas.view(-1, *([1] * (g.dim() - 1)))
                     if rows is None:
                         stacked[name] = new
                     else:
