@@ -261,7 +261,7 @@ def test_a_model_that_vmaps_only_under_grad_takes_the_gradient_transform(tmp_pat
     one = [local_update(plain.cfg, plain.task, plain.algorithm, model, *item) for item in items]
     with pytest.warns(UserWarning, match="batching rule"):
         together = _same_ways(vec, items, model)
-    assert _GRAD_TRANSFORM[model] is True
+    assert _GRAD_TRANSFORM[model] is True and vec.task.stacked_sample_loss(model) is None   # vmapped
     for a, b in zip(one, together):
         assert a.scalars["local_steps"] == b.scalars["local_steps"] == 2
         for n in a.tensors:
@@ -270,6 +270,41 @@ def test_a_model_that_vmaps_only_under_grad_takes_the_gradient_transform(tmp_pat
     mlp_model = mlp.task.build_model()
     local_updates(mlp.cfg, mlp.task, mlp.algorithm, mlp_model, _items(mlp, 1))
     assert _GRAD_TRANSFORM[mlp_model] is False
+
+
+@pytest.mark.parametrize("text", [
+    _digits_text(True),                                                          # mlp
+    _digits_text(True, **{'kind = "mlp"': 'kind = "logreg"'}),                   # softmax regression
+    '[run]\nseed = 1\nrounds = 1\n[algorithm]\nname = "fedavg"\nlocal_steps = 1\nbatch_size = 4\nvectorized = true\n'
+    '[data]\ndataset = "npz"\npath = "{folder}/reg.npz"\ntask = "regression"\n[model]\nkind = "linear"\n'
+    '[clients]\ncount = 3\n',   # least squares on the user's own data (written below)
+    '[run]\nseed = 1\nrounds = 1\n[algorithm]\nname = "fedavg"\nlocal_steps = 1\nbatch_size = 4\nvectorized = true\n'
+    '[data]\ndataset = "quadratic"\ndim = 9\n[clients]\ncount = 6\n',
+])
+def test_a_stack_of_a_dense_model_or_the_quadratic_is_computed_without_vmap(text, tmp_path):
+    """`Task.stacked_sample_loss`: the per-sample losses of three clients' parameters on their own
+    batches, computed on the stack at once (the dense models' `forward_stacked`), are each
+    client's `sample_loss` with its own parameters loaded into the model."""
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(size=(8, 5)) for _ in range(3)]
+    np.savez(tmp_path / "reg.npz", **{f"x_{i}": x for i, x in enumerate(xs)},
+             **{f"y_{i}": x @ np.arange(5.0) + 1 for i, x in enumerate(xs)})
+    engine = _engine(text.replace("{folder}", str(tmp_path)))
+    model = engine.task.build_model()
+    stacked = engine.task.stacked_sample_loss(model)
+    assert stacked is not None
+    gen = torch.Generator().manual_seed(5)
+    names = [name for name, _ in model.named_parameters()]
+    sets = [{name: p.detach() + 0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype)
+             for name, p in model.named_parameters()} for _ in range(3)]
+    batches = [tuple(t[:4] for t in engine.task.client_data(cid).tensors) for cid in (0, 1, 2)]
+    together = stacked({name: torch.stack([s[name] for s in sets]) for name in names},
+                       tuple(torch.stack([b[j] for b in batches]) for j in range(len(batches[0]))))
+    for i, (params, batch) in enumerate(zip(sets, batches)):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(params[name])
+        assert torch.allclose(together[i], engine.task.sample_loss(model, batch), rtol=1e-6, atol=1e-7), i
 
 
 def test_a_call_is_trained_in_stacks_within_the_memory_budget(monkeypatch):

@@ -203,7 +203,18 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
         return functional_call(loss_of, {f"model.{name}": t for name, t in {**params, **fixed}.items()},
                                (mask, *batch))
 
-    losses_of = vmap(loss)   # every member's loss, the model run once on the stacked parameters
+    stacked_loss = task.stacked_sample_loss(model)   # the dense models and the quadratic: no vmap
+
+    def losses_of(params: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], mask: torch.Tensor,
+                  *batch: torch.Tensor) -> torch.Tensor:
+        """Every member's loss, the model run once on the stacked parameters: directly where the
+        task computes a stack's per-sample losses (`Task.stacked_sample_loss`), else vmapped."""
+        if stacked_loss is None:
+            return vmapped_losses(params, fixed, mask, *batch)
+        per = stacked_loss({**params, **fixed}, batch)
+        return (per * mask).sum(1) / mask.sum(1)   # `_TaskLoss` of each row
+
+    vmapped_losses = vmap(loss)
     grads_of = vmap(grad_and_value(loss))
 
     def step_all(params: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], mask: torch.Tensor,

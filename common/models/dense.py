@@ -3,11 +3,19 @@ linear, logreg, mlp).  Inputs of any shape are flattened."""
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def stacked_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` of m clients at once: h (m, B, in), weight (m, out, in), bias (m, out) or None ->
+    (m, B, out), client i's rows from its own weight and bias."""
+    if bias is None:
+        return torch.bmm(h, weight.transpose(1, 2))
+    return torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
 
 
 class LogReg(nn.Module):
@@ -19,6 +27,11 @@ class LogReg(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x.flatten(1))
+
+    def forward_stacked(self, params: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """`forward` of m parameter sets at once (common/algorithms/vectorized.py): every
+        parameter stacked along a first dimension of m, x (m, B, ...) -> logits (m, B, classes)."""
+        return stacked_linear(x.flatten(2), params["linear.weight"], params["linear.bias"])
 
 
 class MLP(nn.Module):
@@ -38,6 +51,13 @@ class MLP(nn.Module):
             h = F.relu(layer(h))
         return self.out(h)
 
+    def forward_stacked(self, params: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """`forward` of m parameter sets at once (`LogReg.forward_stacked`)."""
+        h = x.flatten(2)
+        for i in range(len(self.layers)):
+            h = F.relu(stacked_linear(h, params[f"layers.{i}.weight"], params[f"layers.{i}.bias"]))
+        return stacked_linear(h, params["out.weight"], params["out.bias"])
+
 
 class Linear(nn.Module):
     """Linear regression y = W x (+ b); with d_out == 1 the output is squeezed to (N,)."""
@@ -49,6 +69,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear(x.flatten(1))
         return out.squeeze(1) if out.shape[1] == 1 else out
+
+    def forward_stacked(self, params: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """`forward` of m parameter sets at once (`LogReg.forward_stacked`): (m, B) or (m, B, out)."""
+        out = stacked_linear(x.flatten(2), params["linear.weight"], params.get("linear.bias"))
+        return out.squeeze(2) if out.shape[2] == 1 else out
 
 
 def build_linear(shape: tuple[int, ...], n_outputs: int, *, bias: bool = True, task: str = "classification",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 
@@ -27,6 +28,10 @@ class ClientData:
     @property
     def rows(self) -> int:
         return int(self.tensors[0].shape[0]) if self.tensors else 0
+
+
+StackedLoss = Callable[[Mapping[str, torch.Tensor], tuple[torch.Tensor, ...]], torch.Tensor]
+"""(the clients' parameters by name, stacked; their batches, stacked) -> per-sample losses (m, B)."""
 
 
 class Task(ABC):
@@ -72,6 +77,14 @@ class Task(ABC):
     def sample_loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The loss of each row of `batch` (a vectorizable task's `loss` is their mean)."""
         raise NotImplementedError(f"{type(self).__name__} gives no per-sample loss")
+
+    def stacked_sample_loss(self, model: torch.nn.Module) -> "StackedLoss | None":
+        """`sample_loss` of m clients at once with `model`'s architecture, computed directly on
+        stacked parameters (common/algorithms/vectorized.py): (params, each stacked along a first
+        dimension of m; the batch, each tensor (m, B, ...)) -> the losses (m, B), row i the same
+        as `sample_loss` of client i's parameters on its own batch.  None: the solver runs
+        `sample_loss` through torch.func.vmap instead."""
+        return None
 
     @abstractmethod
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:

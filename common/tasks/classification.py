@@ -8,14 +8,14 @@ once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fedhop.common.models import build_model
-from fedhop.common.tasks.base import ClientData, Task
+from fedhop.common.tasks.base import ClientData, StackedLoss, Task
 
 EVAL_BATCH = 4096  # rows per forward pass in evaluation (bounds memory on MNIST-sized tests)
 
@@ -112,6 +112,20 @@ class ArrayTask(Task):
 
     def sample_loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return self.sample_losses(model(batch[0]), batch[1])
+
+    def stacked_sample_loss(self, model: torch.nn.Module) -> StackedLoss | None:
+        """`sample_losses` of the stacked outputs of a model that computes them directly
+        (`forward_stacked`: the dense models, common/models/dense.py), the m batches as one."""
+        forward = getattr(model, "forward_stacked", None)
+        if forward is None or type(self).sample_loss is not ArrayTask.sample_loss:
+            return None
+
+        def losses(params: Mapping[str, torch.Tensor], batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            out, y = forward(params, batch[0]), batch[1]
+            m, rows = y.shape[0], y.shape[1]
+            return self.sample_losses(out.reshape(m * rows, *out.shape[2:]),
+                                      y.reshape(m * rows, *y.shape[2:])).view(m, rows)
+        return losses
 
     def train_loss(self, model: torch.nn.Module) -> float:
         """sum_i n_i * mean-loss_i / sum_i n_i, computed in large pooled batches."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fedhop.common.tasks.base import ClientData, Task
+from fedhop.common.tasks.base import ClientData, StackedLoss, Task
 
 #: hosted clients whose data a process keeps on its device (the most recently trained ones)
 DEVICE_CLIENTS = 4096
@@ -64,6 +64,9 @@ class PlacedTask(Task):
 
     def sample_loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return self.inner.sample_loss(model, batch)
+
+    def stacked_sample_loss(self, model: torch.nn.Module) -> StackedLoss | None:
+        return self.inner.stacked_sample_loss(model)
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         if self.inner.device_evaluation:

@@ -11,12 +11,12 @@ C_i (w - A_i) + noise * xi is unbiased with per-coordinate standard deviation `n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence, cast
+from typing import Mapping, Sequence, cast
 
 import numpy as np
 import torch
 
-from fedhop.common.tasks.base import ClientData, Task
+from fedhop.common.tasks.base import ClientData, StackedLoss, Task
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -157,6 +157,16 @@ class QuadraticTask(Task):
     def sample_loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         a, c = batch[0], batch[1]
         return 0.5 * (c * (cast(VectorModel, model).w[None, :] - a).pow(2)).sum(1)
+
+    def stacked_sample_loss(self, model: torch.nn.Module) -> StackedLoss | None:
+        """`sample_loss` of m vectors w at once: a, c (m, B, d), w (m, d) -> (m, B)."""
+        if type(self).sample_loss is not QuadraticTask.sample_loss:
+            return None
+
+        def losses(params: Mapping[str, torch.Tensor], batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            a, c = batch[0], batch[1]
+            return 0.5 * (c * (params["w"][:, None, :] - a).pow(2)).sum(2)
+        return losses
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         w = cast(VectorModel, model).w.detach().double()
