@@ -24,6 +24,7 @@ batched or not, with any number of client processes.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import weakref
 from typing import Callable, Sequence
@@ -252,7 +253,7 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
     plans = [list(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator))
              for ctx, data in zip(ctxs, datas)]
     dtype = next(iter(start.values())).dtype if start else torch.float32
-    batches = _Batches(datas, plans, dtype)
+    batches = _Batches(datas, plans, dtype, batch_size)
     stats = [LocalStats() for _ in ctxs]
     for k in range(max((len(plan) for plan in plans), default=0)):
         groups: dict[int, list[int]] = {}   # width of the padded batch -> the clients taking step k
@@ -264,7 +265,7 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
             rows = None if whole else torch.tensor(members)
             params = stacked if rows is None else {name: t[rows] for name, t in stacked.items()}
             fixed = frozen if rows is None else {name: t[rows] for name, t in frozen.items()}
-            mask, batch = batches.step(members, k, width)
+            mask, batch = batches.step(rows, k, width)
             grads, losses = step_all(params, fixed, mask, *batch)
             with torch.no_grad():
                 for name in names:
@@ -295,35 +296,41 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
 
 
 class _Batches:
-    """The cohort's minibatches, gathered and padded a step at a time with a fixed number of
-    tensor operations whatever the number of clients: every client's data concatenated once, and
-    at step k one index of the rows each member takes and the slots they go in."""
+    """The cohort's minibatches, padded, gathered a step at a time with a fixed number of tensor
+    operations whatever the number of clients: every client's data concatenated once, with one
+    row of zeros after it (the padding's source), and, made once for the whole call, the source
+    row of every slot of every client's every step and the mask of the real ones."""
 
-    def __init__(self, datas: Sequence, plans: Sequence[list[torch.Tensor]], dtype: torch.dtype) -> None:
+    def __init__(self, datas: Sequence, plans: Sequence[list[torch.Tensor]], dtype: torch.dtype,
+                 batch_size: int) -> None:
         first = datas[0].tensors
-        self.data = [torch.cat([d.tensors[j] for d in datas]) for j in range(len(first))]
-        self.offsets = list(itertools.accumulate((d.rows for d in datas[:-1]), initial=0))
-        self.plans = plans
-        self.dtype = dtype
+        device = first[0].device
+        data = [torch.cat([d.tensors[j] for d in datas]) for j in range(len(first))]
+        pad = sum(d.rows for d in datas)   # the zero row's index
+        self.data = [torch.cat([t, torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=t.device)]) for t in data]
+        offsets = list(itertools.accumulate((d.rows for d in datas[:-1]), initial=0))
+        steps = max((len(plan) for plan in plans), default=0)
+        self.width = batch_size if batch_size > 0 else max((int(t.numel()) for plan in plans for t in plan), default=0)
+        shape = (len(plans), steps, self.width)
+        pairs = [(i, k, t) for i, plan in enumerate(plans) for k, t in enumerate(plan)]
+        source = torch.full((math.prod(shape),), pad, dtype=torch.int64)
+        mask = torch.zeros(math.prod(shape), dtype=dtype)
+        if pairs:
+            counts = torch.tensor([int(t.numel()) for _, _, t in pairs])
+            starts = torch.cumsum(counts, 0) - counts
+            first_slot = torch.tensor([(i * steps + k) * self.width for i, k, _ in pairs])
+            slot = (torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)
+                    + torch.repeat_interleave(first_slot, counts))
+            source[slot] = (torch.cat([t for _, _, t in pairs])
+                            + torch.repeat_interleave(torch.tensor([offsets[i] for i, _, _ in pairs]), counts))
+            mask[slot] = 1
+        self.source, self.mask = source.view(shape).to(device), mask.view(shape).to(device)
 
-    def step(self, members: list[int], k: int, width: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The k-th minibatch of each member, stacked and padded with zero rows to `width` rows,
-        and the mask of its real rows.  Every batch of a run is padded to the same width (the
-        config's batch size), so a client's step is computed on the same shapes whichever
-        clients take their step beside it."""
-        idx = [self.plans[i][k] for i in members]
-        counts = torch.tensor([int(t.numel()) for t in idx])
-        starts = torch.cumsum(counts, 0) - counts
-        src = torch.cat(idx) + torch.repeat_interleave(torch.tensor([self.offsets[i] for i in members]), counts)
-        slot = (torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)
-                + torch.repeat_interleave(torch.arange(len(members)) * width, counts))
-        device = self.data[0].device
-        slot, src = slot.to(device), src.to(device)
-        mask = torch.zeros(len(members) * width, dtype=self.dtype, device=device)
-        mask[slot] = 1
-        batch = []
-        for t in self.data:
-            out = torch.zeros((len(members) * width, *t.shape[1:]), dtype=t.dtype, device=device)
-            out[slot] = t[src]
-            batch.append(out.view(len(members), width, *t.shape[1:]))
-        return mask.view(len(members), width), tuple(batch)
+    def step(self, rows: torch.Tensor | None, k: int, width: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The k-th minibatch of each member (`rows`: the members, None for every client),
+        stacked and padded with zero rows to `width` rows, and the mask of its real rows.  Every
+        batch of a run is padded to the same width (the config's batch size), so a client's
+        step is computed on the same shapes whichever clients take their step beside it."""
+        source = self.source[:, k, :width] if rows is None else self.source[rows.to(self.source.device), k, :width]
+        mask = self.mask[:, k, :width] if rows is None else self.mask[rows.to(self.mask.device), k, :width]
+        return mask, tuple(t[source] for t in self.data)
