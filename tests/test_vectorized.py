@@ -307,6 +307,28 @@ def test_a_stack_of_a_dense_model_or_the_quadratic_is_computed_without_vmap(text
         assert torch.allclose(together[i], engine.task.sample_loss(model, batch), rtol=1e-6, atol=1e-7), i
 
 
+def test_another_error_of_a_first_stack_is_raised_and_decides_no_way(monkeypatch):
+    """Only vmap's refusal of an operator sends a model to the gradient transform: an error of
+    another kind in a model's first stack (here the stacked losses running out of memory) is
+    raised, and the model's next stack still takes the backward pass."""
+    from fedhop.common.algorithms.vectorized import _GRAD_TRANSFORM
+    engine = _engine(_digits_text(True))
+    model = engine.task.build_model()
+    good = engine.task.stacked_sample_loss
+
+    def failing(m):
+        def losses(params, batch):
+            raise RuntimeError("DefaultCPUAllocator: not enough memory")
+        return losses
+    monkeypatch.setattr(engine.task, "stacked_sample_loss", failing)
+    with pytest.raises(RuntimeError, match="not enough memory"):
+        local_updates(engine.cfg, engine.task, engine.algorithm, model, _items(engine, 1))
+    assert model not in _GRAD_TRANSFORM
+    monkeypatch.setattr(engine.task, "stacked_sample_loss", good)
+    local_updates(engine.cfg, engine.task, engine.algorithm, model, _items(engine, 1))
+    assert _GRAD_TRANSFORM[model] is False
+
+
 def test_a_call_is_trained_in_stacks_within_the_memory_budget(monkeypatch):
     """[algorithm] vectorized_memory_mb: the round's 50 clients in stacks of `stack_size`, each
     within the budget by its estimate, with the same bits as one stack of all of them."""

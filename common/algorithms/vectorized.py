@@ -167,6 +167,9 @@ def stack_size(ctxs: Sequence[ClientContext], batch_size: int, budget_bytes: int
     return max(1, budget_bytes // max(per_client, 1))
 
 
+#: the words of vmap's refusal of an operator that has no batching rule outside `grad`
+_NO_BATCHING_RULE = "Batching rule not implemented"
+
 #: per model, whether its vmapped forward pass needs torch.func's gradient transform around it
 #: (True: `vmap(grad_and_value(loss))`; False: vmapped losses and one backward pass)
 _GRAD_TRANSFORM: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
@@ -240,14 +243,16 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
                 with torch.enable_grad():
                     losses = losses_of(leaves, fixed, mask, *batch)
                     found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
-            except RuntimeError:
-                if model in _GRAD_TRANSFORM:   # the path worked for this model before: a real error
+            except RuntimeError as exc:
+                # only vmap's refusal of an operator decides the way: any other error (memory, a
+                # shape) is the stack's, and must not send this process's model another way
+                if model in _GRAD_TRANSFORM or _NO_BATCHING_RULE not in str(exc):
                     raise
             else:
                 _GRAD_TRANSFORM[model] = False
                 return ({name: g if g is not None else torch.zeros_like(leaves[name])
                          for name, g in zip(leaves, found)}, losses.detach())
-            _GRAD_TRANSFORM[model] = True   # the first step failed: this model needs the gradient transform
+            _GRAD_TRANSFORM[model] = True   # an operator vmap batches only under `grad`
         return grads_of(params, fixed, mask, *batch)
     datas = [task.client_data(ctx.client_id) for ctx in ctxs]
     plans = [list(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator))
