@@ -2,12 +2,14 @@
 
 A process that trains several sampled clients of one call (a batch, the in-process engine's
 worker, the round engine's loop) stacks their parameters along a new first dimension and makes
-each local step of all of them in one computation: every client's loss from `torch.func.vmap`
-of the task's own loss (the model called through `functional_call` with the client's row of the
-stack), and every client's gradients from one backward pass of the sum of those losses.
+each local step of all of them in one computation: every client's loss from the task's stacked
+per-sample losses (`Task.stacked_sample_loss`: the dense models' `forward_stacked`, the
+quadratic), or else from `torch.func.vmap` of the task's own loss (the model called through
+`functional_call` with the client's row of the stack), and every client's gradients from one
+backward pass of the sum of those losses.
 Each client keeps its own data, its own minibatches (drawn from its own generator, in the
 order `local_sgd` draws them) and its own number of steps; at local step k the clients that
-have a k-th batch are one vmapped call, each client's batch padded with zero rows to the
+have a k-th batch are one such computation, each client's batch padded with zero rows to the
 config's batch size and its loss the sum of the task's per-sample losses (`Task.sample_loss`)
 over its real rows divided by their count.  (With batch_size = 0, full batches, the clients are
 grouped by their batch's size instead, unpadded.)
@@ -15,7 +17,7 @@ grouped by their batch's size instead, unpadded.)
 The arithmetic is `local_sgd`'s up to rounding: the loss is a masked sum over a padded batch
 where `local_sgd` takes the mean of the real rows, the step is w - lr * g (two rounded
 operations) where `local_sgd` writes w.add_(g, alpha=-lr), which the CPU kernel may fuse, and a
-vmapped matrix product may round differently from one client's.  So a vectorized run agrees
+batched matrix product may round differently from one client's.  So a vectorized run agrees
 with a one-at-a-time run to float rounding, not bit for bit; but each client's step is computed
 on the same shapes whichever clients take theirs beside it, and its result does not depend on
 them (tests/test_vectorized.py), so a vectorized run gives the same model in either engine,
