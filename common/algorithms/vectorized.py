@@ -274,6 +274,8 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
             fixed = frozen if rows is None else {name: t[rows] for name, t in frozen.items()}
             mask, batch = batches.step(rows, k, width)
             grads, losses = step_all(params, fixed, mask, *batch)
+            etas = (None if step_sizes is None else   # each member's own step size at step k
+                    torch.tensor([step_sizes[i][k] for i in members], dtype=dtype, device=losses.device))
             with torch.no_grad():
                 for name in names:
                     p, g = params[name], grads[name]
@@ -281,10 +283,9 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
                         g = g + weight_decay * p
                     if grad_hook is not None:
                         g = grad_hook(name, p, g, rows_of(start[name], rows), rows)
-                    if step_sizes is None:
+                    if etas is None:
                         new = p - g * lr   # w_{k+1} = w_k - lr * g_k, one client per row
-                    else:   # row i times its own float32 step size: the product is lr * g's, rounded once
-                        etas = torch.tensor([step_sizes[i][k] for i in members], dtype=g.dtype, device=g.device)
+                    else:   # row i times its own step size in the parameters' dtype: lr * g rounded once
                         new = p - g * etas.view(-1, *([1] * (g.dim() - 1)))
                     if rows is None:
                         stacked[name] = new
