@@ -307,6 +307,21 @@ def test_a_stack_of_a_dense_model_or_the_quadratic_is_computed_without_vmap(text
         assert torch.allclose(together[i], engine.task.sample_loss(model, batch), rtol=1e-6, atol=1e-7), i
 
 
+def test_a_subclass_with_its_own_forward_is_not_run_by_its_parents_stacked_forward():
+    """A model whose class defines `forward` without `forward_stacked` beside it (a plug-in's
+    subclass of the MLP) goes through vmap: its parent's stacked forward would compute another
+    function."""
+    from fedhop.common.models.dense import MLP
+
+    class Doubled(MLP):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    engine = _engine(_digits_text(True))
+    assert engine.task.stacked_sample_loss(MLP(64, [8], 10)) is not None
+    assert engine.task.stacked_sample_loss(Doubled(64, [8], 10)) is None
+
+
 def test_another_error_of_a_first_stack_is_raised_and_decides_no_way(monkeypatch):
     """Only vmap's refusal of an operator sends a model to the gradient transform: an error of
     another kind in a model's first stack (here the stacked losses running out of memory) is

@@ -159,7 +159,6 @@ class FedCHS(SequentialAlgorithm):
         return Payload(tensors=delta, scalars={"weight": self.client_weight(ctx), "train_loss": stats.mean_loss,
                                                "local_steps": stats.steps})
 
-
     @classmethod
     def trains_together(cls) -> bool:
         """Both replies in the vectorized solver ([algorithm] vectorized)."""

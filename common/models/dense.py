@@ -3,7 +3,7 @@ linear, logreg, mlp).  Inputs of any shape are flattened."""
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,16 @@ def stacked_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if bias is None:
         return torch.bmm(h, weight.transpose(1, 2))
     return torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
+
+
+def stacked_forward(model: nn.Module) -> Callable[[Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor] | None:
+    """The model's `forward_stacked`, where the class that defines its `forward` defines it too
+    (a subclass with a `forward` of its own and no `forward_stacked` beside it would otherwise be
+    trained with its parent's); None otherwise."""
+    owner = next((cls for cls in type(model).__mro__ if "forward" in vars(cls)), None)
+    if owner is None or "forward_stacked" not in vars(owner):
+        return None
+    return model.forward_stacked   # type: ignore[return-value]  # checked just above
 
 
 class LogReg(nn.Module):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fedhop.common.models import build_model
+from fedhop.common.models.dense import stacked_forward
 from fedhop.common.tasks.base import ClientData, StackedLoss, Task
 
 EVAL_BATCH = 4096  # rows per forward pass in evaluation (bounds memory on MNIST-sized tests)
@@ -115,8 +116,8 @@ class ArrayTask(Task):
 
     def stacked_sample_loss(self, model: torch.nn.Module) -> StackedLoss | None:
         """`sample_losses` of the stacked outputs of a model that computes them directly
-        (`forward_stacked`: the dense models, common/models/dense.py), the m batches as one."""
-        forward = getattr(model, "forward_stacked", None)
+        (`stacked_forward`: the dense models, common/models/dense.py), the m batches as one."""
+        forward = stacked_forward(model)
         if forward is None or type(self).sample_loss is not ArrayTask.sample_loss:
             return None
 
