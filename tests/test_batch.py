@@ -613,3 +613,28 @@ def test_a_batch_served_in_phases_gives_each_requests_own_reply_and_the_same_rec
     assert [r[:-1] for r in records] == [r[:-1] for r in expected_records]
     assert [r[2] for r in records] == ["receiver", "sender"] * 8
     assert [r[7] for r in records if r[1] in ("client-3", "client-5")] == ["rejected", "rejected"]
+
+
+def test_an_in_memory_batch_writes_its_callers_records_in_one_write_and_loses_none(tmp_path):
+    """The in-process engine's batches (transports/inmemory/endpoint.py `call_many`): the caller's
+    records of a batch's messages are written to its ledger file in one write when the batch
+    ends (`Ledger.deferred`), as a gRPC caller writes a reply bundle's; every message's two
+    records are there, in order, and the callee's own file is written as before."""
+    from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
+
+    net = InMemoryNetwork()
+    callee = InMemoryEndpoint(net, "client-proc0", Ledger(tmp_path / "callee.jsonl"))
+    address = callee.serve(lambda request: Payload(scalars={"k": int(request.envelope.dst.split("-")[1])}))
+    caller = InMemoryEndpoint(net, "server", Ledger(tmp_path / "server.jsonl"))
+    writes: list[str] = []
+    sink = caller.ledger._sink
+    real_write = sink.write
+    sink.write = lambda text: writes.append(text) or real_write(text)   # type: ignore[method-assign]
+    prepared = caller.prepare(Payload(tensors={"w": torch.ones(4)}))
+    out = caller.call_many(address, [Batched(f"client-{k}", "train", prepared) for k in range(5)], round=3, timeout=10)
+    assert [r.scalars["k"] for r in out] == list(range(5))
+    assert len(writes) == 1
+    lines = read_jsonl(tmp_path / "server.jsonl")
+    assert [(r.dst if r.role == "sender" else r.src, r.role) for r in lines] == [
+        (f"client-{k}", role) for k in range(5) for role in ("sender", "receiver")]
+    assert len(read_jsonl(tmp_path / "callee.jsonl")) == 10

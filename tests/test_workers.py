@@ -134,3 +134,146 @@ def test_a_batch_the_worker_failed_fails_each_call_with_its_error_and_does_not_w
                 ep.serve_frames(list(m.frames), lambda request: Payload())
             assert err.value.code == "INTERNAL" and "could not be served" in err.value.detail
     assert worker.sent[0]["kind"] == "many" and worker.reads == 1
+
+
+class _Pipe:
+    """The worker's end of its pipe, keeping what is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+class _BatchServer:
+    """`Endpoint.serve_batch` as far as the worker's reply groups see it: reply i is `sizes[i]`
+    bytes in two frames, placed in its call's bundles (`reply_framing`) as the endpoint does."""
+
+    def __init__(self, sizes: list[int], chunk_bytes: int = 4 << 20, per_bundle: int = 3) -> None:
+        self.sizes, self.chunk_bytes, self.replies_per_bundle = sizes, chunk_bytes, per_bundle
+
+    def serve_batch(self, batch, handler):
+        for i, (_, _, reply_framing) in enumerate(batch):
+            reply = [b"h%d" % i, b"x" * self.sizes[i]]
+            if reply_framing is not None:
+                reply_framing([len(f) for f in reply])
+            yield reply
+
+
+def _served(calls: list[int], sizes: list[int], chunk_bytes: int = 4 << 20) -> list[tuple[dict, list[bytes]]]:
+    from fedhop.common.transport.livebytes import LinkCounter
+    from fedhop.deploy.launch.workers import serve_many
+
+    pipe = _Pipe()
+    counter = LinkCounter("client-proc0")
+    counter.add([["client-server", "up", 1, 10, 11, 12]])   # counts made before the batch's first group
+    head = {"kind": "many", "counts": [1] * len(calls), "framings": [0] * len(calls), "calls": calls, "seq": 7}
+    serve_many(pipe, _BatchServer(sizes, chunk_bytes), counter, head, [b"req"] * len(calls),  # type: ignore[arg-type]
+               lambda request: None)
+    return [unpack(data) for data in pipe.sent]
+
+
+def test_a_batchs_replies_go_back_a_bundle_at_a_time():
+    """A worker sends a batch's replies in groups (deploy/launch/workers.py `serve_many`): one
+    pipe message per reply bundle of its call (3 replies here), one at a call's last reply, one
+    for a reply that travels alone (call -1); every reply once, in order, with its own frames."""
+    from fedhop.deploy.launch.workers import _replies
+
+    calls = [0, 0, 0, 0, 0, -1, 1, 1]
+    groups = _served(calls, [5] * len(calls))
+    assert [out["i"] for out, _ in groups] == [[0, 1, 2], [3, 4], [5], [6, 7]]
+    taken = [(i, frames) for out, frames in groups for i, frames in _replies(out, frames)]
+    assert taken == [(i, [b"h%d" % i, b"xxxxx"]) for i in range(len(calls))]
+    assert groups[0][0]["counts"] == [["client-server", "up", 1, 10, 11, 12]]   # counts travel once
+    assert all(out["counts"] == [] for out, _ in groups[1:])
+
+
+def test_a_group_that_would_pass_one_chunk_goes_before_the_reply_that_would_pass_it():
+    groups = _served([0, 0, 0], [500, 400, 200], chunk_bytes=1000)
+    assert [out["i"] for out, _ in groups] == [[0, 1], [2]]
+
+
+@pytest.mark.parametrize("head", [
+    {"i": [0, 1], "sizes": [2]},            # a place without its frame count
+    {"i": [0], "sizes": [3]},               # more frames than the message holds
+    {"i": [0], "sizes": [1]},               # fewer
+    {"i": 0, "sizes": [2]},                 # not lists
+    {"i": [-1], "sizes": [2]},
+    {"sizes": [2]},
+])
+def test_a_group_of_replies_that_does_not_add_up_is_refused(head):
+    from fedhop.deploy.launch.workers import _replies
+
+    with pytest.raises(RuntimeError, match="does not add up"):
+        _replies({"ok": True, **head}, [b"a", b"b"])
+
+
+class _GroupWorker:
+    """A worker that answers a batch of three with one group of its three replies."""
+
+    def __init__(self, counts: list) -> None:
+        import threading
+        self.lock = threading.Lock()
+        self.counts = counts
+        self.reads = 0
+
+    def send(self, head: dict, frames: list) -> None:
+        self.head = head
+
+    def receive(self, timeout: float | None = None):
+        self.reads += 1
+        return {"ok": True, "i": [2, 0, 1], "sizes": [1, 1, 1], "counts": self.counts}, [b"r2", b"r0", b"r1"]
+
+
+def test_each_call_of_a_batch_takes_its_own_reply_from_a_group_and_its_counts_are_added_once():
+    from fedhop.common.transport.livebytes import LinkCounter
+    from fedhop.common.wire.codec import encode, make_envelope
+    from fedhop.common.wire.ledger import Ledger
+    from fedhop.common.wire.message import Payload
+    from fedhop.deploy.launch.workers import WorkerEndpoint
+    from fedhop.transports.inmemory.endpoint import InMemoryNetwork
+
+    counts = [["client-server", "up", 3, 30, 33, 36]]
+    worker = _GroupWorker(counts)
+    counter = LinkCounter("client-proc0")
+    ep = WorkerEndpoint(InMemoryNetwork(), "client-proc0", Ledger(), worker, counter)  # type: ignore[arg-type]
+    msgs = [encode(Payload(scalars={"x": float(i)}), make_envelope(run_id="r", round=1, src="server",
+                                                                   dst=f"client-{i}", method="train"))
+            for i in range(3)]
+    with ep.pipelined(msgs):
+        got = [ep.serve_frames(list(m.frames), lambda request: Payload()) for m in msgs]
+    assert got == [[b"r0"], [b"r1"], [b"r2"]] and worker.reads == 1
+    assert counter.take() == counts
+
+
+def test_both_ends_of_a_workers_pipe_get_the_buffers_asked_for():
+    """`widen_socket_buffers`: the kernel gives at least what was asked, within its cap
+    (net.core.rmem_max, wmem_max; Linux reports twice the size it was given)."""
+    import multiprocessing
+    import socket
+    from pathlib import Path
+
+    from fedhop.deploy.launch.workers import PIPE_BUFFER_BYTES, widen_socket_buffers
+
+    caps = {}
+    for name, option in (("rmem_max", socket.SO_RCVBUF), ("wmem_max", socket.SO_SNDBUF)):
+        path = Path("/proc/sys/net/core") / name
+        if not path.exists():
+            pytest.skip("no /proc/sys/net/core here")
+        caps[option] = int(path.read_text())
+    a, b = multiprocessing.Pipe()
+    try:
+        widen_socket_buffers(a, b)
+        for end in (a, b):
+            sock = socket.socket(fileno=end.fileno())
+            try:
+                for option, cap in caps.items():
+                    assert sock.getsockopt(socket.SOL_SOCKET, option) >= min(PIPE_BUFFER_BYTES, cap)
+            finally:
+                sock.detach()
+        a.send_bytes(b"still a pipe")
+        assert b.recv_bytes() == b"still a pipe"
+    finally:
+        a.close()
+        b.close()

@@ -227,8 +227,9 @@ class Ledger:
     def deferred(self) -> Iterator[None]:
         """The file lines of the records this thread adds inside are written in one write when it
         ends (the records themselves are held and observed at once, as always).  For the replies
-        of one reply bundle, which a caller receives together: one system call for all their
-        records instead of one a record.  A record made inside is lost with the process if it
+        of one reply bundle, which a caller receives together, or of one in-process batch
+        (transports/inmemory/endpoint.py `call_many`): one system call for all their records
+        instead of one a record.  A record made inside is lost with the process if it
         dies before the end; a callee does not defer, so a request's receipt (written once its
         handler returns) is in the file before its reply goes.  Nested, the outermost writes."""
         if getattr(self._deferring, "lines", None) is not None:

@@ -21,6 +21,10 @@ endpoint decodes what it receives, and JSON (the registration's config text, byt
 Nothing is pickled.  A worker serves its calls one after another, as a client process trains
 one client at a time; the engine's calls to two workers run at once (the server's fabric sends
 one batch per client process, each from its own thread), which is where the second core goes.
+A batch's replies come back a reply bundle at a time (`serve_many`), as a gRPC callee sends
+them, so the engine reads the pipe once a bundle; both ends of the pipe ask the kernel for
+buffers of PIPE_BUFFER_BYTES (`widen_socket_buffers`), so that a batch or a bundle does not
+fill it several times over, each time stopping the writer until the reader drains it.
 
 `fedhop run` forks its workers before it sets up the server (`can_fork`: the rules it forks a
 process run's children by), having built the run's data with one torch thread, which forked
@@ -42,6 +46,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -76,6 +81,7 @@ _U32 = struct.Struct("<I")
 START_TIMEOUT = 300.0   # seconds a worker may take to import, build its task and answer
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}   # a terminal's Ctrl-C, a scheduler's stop: a worker ignores them
 CLOSE_WAIT = 2.0   # seconds `Worker.close` waits for the pipe before it ends a worker that cannot be told
+PIPE_BUFFER_BYTES = 4 << 20   # kernel buffer asked for each end of a worker's pipe (`widen_socket_buffers`)
 
 
 def run_cores() -> int:
@@ -236,14 +242,8 @@ def _serve(conn: Connection, ledgers: list[Ledger]) -> None:
                 conn.send_bytes(pack({"ok": True, "shared": shared is not None}, []))
                 continue
             ep, host, counter = hosts[head["node"]]
-            if kind == "many":   # a batch's messages, served in order, each reply sent as soon as it is made
-                bundles: dict[int, ReplyBundles] = {}   # the replies of one call of the batch share bundles
-                ends = itertools.accumulate(head["counts"])
-                batch = [(frames[end - count:end], framing, None if call < 0 else _framing(bundles.setdefault(
-                              call, ReplyBundles(ep.chunk_bytes, ep.replies_per_bundle))))
-                         for end, count, framing, call in zip(ends, head["counts"], head["framings"], head["calls"])]
-                for i, reply in enumerate(ep.serve_batch(batch, host.handle)):
-                    conn.send_bytes(pack({"ok": True, "i": i, "counts": counter.take()}, list(reply)))
+            if kind == "many":
+                serve_many(conn, ep, counter, head, frames, host.handle)
                 continue
             reply = ep.serve_frames(frames, host.handle, framing=head["framing"], pulled=head["pulled"])
             conn.send_bytes(pack({"ok": True, "counts": counter.take()}, list(reply)))
@@ -254,6 +254,58 @@ def _serve(conn: Connection, ledgers: list[Ledger]) -> None:
                 conn.send_bytes(pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"}, []))
             except OSError:
                 return
+
+
+class _ReplyGroup:
+    """A batch's replies that go back to the run's process in one pipe message: those of one reply
+    bundle (`ReplyBundles`), which a gRPC callee sends in one message too, so that the run's
+    process reads and parses the pipe once a bundle rather than once a reply.  A reply that
+    would take the group over `limit` bytes (one chunk) sends the group before it."""
+
+    def __init__(self, conn: Connection, counter: LinkCounter, limit: int) -> None:
+        self.conn, self.counter, self.limit = conn, counter, limit
+        self.index: list[int] = []   # the replies' places in the batch
+        self.sizes: list[int] = []   # each reply's number of frames
+        self.frames: list[bytes] = []
+        self.bytes = 0
+
+    def add(self, i: int, reply: list[bytes]) -> None:
+        size = sum(len(f) for f in reply)
+        if self.index and self.bytes + size > self.limit:
+            self.send()
+        self.index.append(i)
+        self.sizes.append(len(reply))
+        self.frames.extend(reply)
+        self.bytes += size
+
+    def send(self) -> None:
+        """The group's replies, with the byte counts of the records made since the last group."""
+        if not self.index:
+            return
+        self.conn.send_bytes(pack({"ok": True, "i": self.index, "sizes": self.sizes, "counts": self.counter.take()},
+                                  self.frames))
+        self.index, self.sizes, self.frames, self.bytes = [], [], [], 0
+
+
+def serve_many(conn: Connection, ep: InMemoryEndpoint, counter: LinkCounter, head: dict[str, Any],
+               frames: list[bytes], handler: Handler) -> None:
+    """A batch's messages (a "many" message: each one's frame count, framing share and call)
+    served in order (`Endpoint.serve_batch`), their replies sent back a bundle at a time: a
+    group goes when its call's bundle is full (`ReplyBundles.full`), at its call's last reply, or
+    for a reply that travels alone, as a gRPC callee sends its bundles."""
+    bundles: dict[int, ReplyBundles] = {}   # the replies of one call of the batch share bundles
+    ends = itertools.accumulate(head["counts"])
+    calls = head["calls"]
+    batch = [(frames[end - count:end], framing, None if call < 0 else _framing(bundles.setdefault(
+                  call, ReplyBundles(ep.chunk_bytes, ep.replies_per_bundle))))
+             for end, count, framing, call in zip(ends, head["counts"], head["framings"], calls)]
+    group = _ReplyGroup(conn, counter, ep.chunk_bytes)
+    for i, reply in enumerate(ep.serve_batch(batch, handler)):
+        group.add(i, list(reply))
+        call = calls[i]
+        if call < 0 or bundles[call].full or i + 1 == len(calls) or calls[i + 1] != call:
+            group.send()
+    group.send()
 
 
 def _framing(bundles: ReplyBundles) -> Callable[[list[int]], int]:
@@ -323,6 +375,7 @@ class Worker:
         if fork:
             ctx = multiprocessing.get_context("fork")
             self.conn, child = ctx.Pipe()
+            widen_socket_buffers(self.conn, child)
             # a forked worker holds copies of the run's ends of its own pipe and of earlier
             # workers' pipes, which it must close to see EOF when the run's process is gone
             inherited = [self.conn, *(w.conn for w in others)]
@@ -331,6 +384,7 @@ class Worker:
             self.process.start()
         else:
             self.conn, child = multiprocessing.Pipe()
+            widen_socket_buffers(self.conn, child)
             self.process = ExecProcess(index, child)   # it holds only its own end (pass_fds)
         child.close()
         self.started = "forked" if fork else "spawned"
@@ -405,6 +459,22 @@ class Worker:
                 self.conn.close()
             finally:
                 self.lock.release()
+
+
+def widen_socket_buffers(*ends: Connection, size: int = PIPE_BUFFER_BYTES) -> None:
+    """Ask for `size`-byte kernel buffers on both ends of a worker's pipe (a Unix socket pair).
+    With the default (about 200 KB) a bundle of replies, or a batch of requests, fills the
+    buffer several times over, and each time the writer waits for the reader to drain it: two
+    context switches per buffer.  The kernel caps the size at net.core.wmem_max and rmem_max;
+    less than asked is no error."""
+    for end in ends:
+        sock = socket.socket(fileno=end.fileno())   # a view of the descriptor, detached below: it stays the pipe's
+        try:
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, option, size)
+        finally:
+            sock.detach()
 
 
 def can_fork() -> bool:
@@ -534,8 +604,9 @@ class WorkerEndpoint(InMemoryEndpoint):
     @contextlib.contextmanager
     def pipelined(self, messages: Sequence[Encoded]) -> Iterator[None]:
         """A batch's messages (`InMemoryEndpoint.call_many`) sent to the worker at once, before
-        the caller serves the first: the worker trains them one after another and sends each
-        reply as it is made, so it never waits for this process between two clients.  Inside,
+        the caller serves the first: the worker trains them one after another and sends their
+        replies a bundle at a time (`serve_many`), so it never waits for this process between
+        two clients.  Inside,
         `serve_frames` of one of them (from the same thread, in any order) takes its reply as
         it comes; replies no call took are recorded on the way out."""
         self.worker.lock.acquire()
@@ -556,8 +627,8 @@ class WorkerEndpoint(InMemoryEndpoint):
                 # a worker that ended, or that failed the batch (its error ends the batch), sends nothing more
                 with contextlib.suppress(WorkerGone, RuntimeError):
                     while batch.failed is None and batch.received < len(frames):   # replies no call took
-                        out, _ = self.worker.receive()
-                        batch.received += 1
+                        out, reply = self.worker.receive()
+                        batch.received += len(_replies(out, reply))
                         self._count(out)
         finally:
             self.worker.lock.release()
@@ -595,6 +666,20 @@ class WorkerEndpoint(InMemoryEndpoint):
         self.counter.add(out["counts"])
 
 
+def _replies(out: dict[str, Any], frames: list[bytes]) -> list[tuple[int, list[bytes]]]:
+    """A worker's group of a batch's replies (`_ReplyGroup`): (place in the batch, frames) of each;
+    RuntimeError where the group's head does not add up."""
+    index, sizes = out.get("i"), out.get("sizes")
+    if (not isinstance(index, list) or not isinstance(sizes, list) or len(index) != len(sizes)
+            or not all(isinstance(v, int) and v >= 0 for v in [*index, *sizes]) or sum(sizes) != len(frames)):
+        raise RuntimeError(f"a worker's group of replies that does not add up: {out!r}")
+    replies, at = [], 0
+    for i, n in zip(index, sizes):
+        replies.append((i, frames[at:at + n]))
+        at += n
+    return replies
+
+
 def _calls(messages: Sequence[Encoded]) -> list[int]:
     """Per message, the call of the batch it goes in (messages whose replies share bundles,
     `ReplyBundles`), numbered from 0; -1 for a message whose reply is not bundled."""
@@ -623,11 +708,13 @@ class _Batch:
                 raise RuntimeError(self.failed)
             try:
                 out, reply = worker.receive()
+                replies = _replies(out, reply)
             except RuntimeError as exc:
                 self.failed = str(exc)
                 raise
-            self.received += 1
-            self.early[int(out["i"])] = (out, reply)
+            for k, (j, frames) in enumerate(replies):   # the group's byte counts go with its first reply
+                self.received += 1
+                self.early[j] = ({"counts": out["counts"] if k == 0 else []}, frames)
         return self.early.pop(i)
 
 

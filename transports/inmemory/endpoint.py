@@ -142,9 +142,11 @@ class InMemoryEndpoint(Endpoint):
             for i in call:
                 msgs[i].reply_bundles = replies
         # a callee served elsewhere takes the whole batch at once (deploy/launch/workers.py
-        # `WorkerEndpoint`); one served here shows it to its `before_batch` (`pipelined`)
+        # `WorkerEndpoint`); one served here shows it to its `before_batch` (`pipelined`); the
+        # caller's records of the batch go to its ledger file in one write as it ends, as a gRPC
+        # caller writes a reply bundle's (`Ledger.deferred`)
         ahead = target.pipelined(msgs)
-        with target.serving(), ahead:
+        with target.serving(), ahead, self.ledger.deferred():
             return one_by_one(len(requests), lambda i: self._call_message(
                 address, msgs[i], message_link(self.node_id, requests[i].dst, requests[i].method), timeout,
                 requests[i].expect), on_each)
