@@ -83,6 +83,9 @@ def test_clients_trained_together_are_the_solver_one_at_a_time_to_rounding(algor
 @pytest.mark.parametrize("text", [
     _digits_text(True),
     _digits_text(True, **{'name = "fedavg"': 'name = "fedexp"'}),   # each reply's squared norm
+    # a hidden layer of 1,100 units: its weight gradient (70,400 elements a client, above
+    # ROW_COPY_MIN) is copied row by row into the parameters' layout before each step
+    _digits_text(True, **{"hidden = [64]": "hidden = [1100]"}),
     # a float64 quadratic (W1's task) in step mode with weight decay, FedProx's proximal gradient
     '[run]\nseed = 3\nrounds = 2\n[algorithm]\nname = "fedprox"\nlr = 0.1\nbatch_size = 4\nlocal_steps = 3\n'
     'weight_decay = 0.01\nvectorized = true\n[data]\ndataset = "quadratic"\ndim = 30\ndtype = "float64"\n[clients]\ncount = 12\n'
@@ -577,3 +580,17 @@ def test_frozen_parameters_are_used_and_left_as_they_are():
             assert torch.allclose(a.tensors[name], b.tensors[name], rtol=1e-4, atol=1e-6), name
     vec.run(2)
     assert torch.isfinite(vec.state.params["out.weight"]).all()
+
+
+def test_a_gradient_laid_out_otherwise_is_copied_row_by_row_to_the_same_values():
+    """`_laid_out_as`: a stacked weight gradient transposed in each row (as autograd gives a
+    stacked linear layer's) copied into the parameters' contiguous layout, the same values, so
+    the step `p - g * lr` has the same bits either way."""
+    from fedhop.common.algorithms.vectorized import ROW_COPY_MIN, _laid_out_as
+
+    p = torch.randn(3, 300, 400)
+    g = torch.randn(3, 400, 300).transpose(1, 2)
+    assert g[0].numel() >= ROW_COPY_MIN and not g.is_contiguous()
+    laid = _laid_out_as(g, p)
+    assert laid.is_contiguous() and laid.stride() == p.stride() and torch.equal(laid, g)
+    assert torch.equal(p - laid.mul_(0.05), p - g * 0.05)

@@ -177,6 +177,26 @@ _NO_BATCHING_RULE = "Batching rule not implemented"
 _GRAD_TRANSFORM: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
+#: elements of one client's tensor from which a gradient laid out otherwise than its parameters is
+#: copied row by row before the step (`_laid_out_as`); a smaller one is read in place, which costs
+#: less than a copy per client
+ROW_COPY_MIN = 1 << 16
+
+
+def _laid_out_as(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `g` (the shape of contiguous `p`), made one row (one client's
+    tensor) at a time.  Autograd gives a stacked linear layer's weight gradient transposed in
+    each row (strides (out * in, 1, out)); an elementwise step that reads it beside contiguous
+    parameters walks one of them across rows of memory, and so does a single copy of the whole
+    stack, while a two-dimensional transpose copies in cache-sized blocks: leaf_cnn's 6.4 M-weight
+    layer, 4 clients, 293 ms for `p - g * lr` against 87 ms for these copies and the same
+    arithmetic (docs/vectorized.md).  The values, and so the step's bits, are the same."""
+    out = torch.empty_like(p)
+    for row, source in zip(out, g):
+        row.copy_(source)
+    return out
+
+
 def trainable_names(model: torch.nn.Module) -> list[str]:
     return [name for name, p in named_parameters(model) if p.requires_grad]
 
@@ -283,10 +303,11 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
                         g = g + weight_decay * p
                     if grad_hook is not None:
                         g = grad_hook(name, p, g, rows_of(start[name], rows), rows)
-                    if etas is None:
-                        new = p - g * lr   # w_{k+1} = w_k - lr * g_k, one client per row
-                    else:   # row i times its own step size in the parameters' dtype: lr * g rounded once
-                        new = p - g * etas.view(-1, *([1] * (g.dim() - 1)))
+                    step = lr if etas is None else etas.view(-1, *([1] * (g.dim() - 1)))
+                    if g.is_contiguous() or not p.is_contiguous() or g.dim() < 3 or g[0].numel() < ROW_COPY_MIN:
+                        new = p - g * step   # w_{k+1} = w_k - lr * g_k, one client per row (row i: its own step size)
+                    else:   # the same values, g first laid out as p (`_laid_out_as`)
+                        new = p - _laid_out_as(g, p).mul_(step)
                     if rows is None:
                         stacked[name] = new
                     else:
