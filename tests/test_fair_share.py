@@ -136,19 +136,31 @@ def test_insider_streams_leave_the_parent_its_calls(tmp_path):
     stub = channel.stream_stream(EXCHANGE, request_serializer=None, response_deserializer=None)
     insider = [stub(idle(), timeout=60, metadata=NodeCredentials("server", secret).metadata())
                for _ in range(streams)]
+    ended, ended_calls = threading.Condition(), []
+
+    def on_end(call) -> None:
+        with ended:
+            ended_calls.append(call)
+            ended.notify_all()
+    for call in insider:
+        call.add_done_callback(on_end)
     try:
         with ThreadPoolExecutor(12) as pool:
             replies = list(pool.map(lambda i: parent.call(address, f"client-{i}", "ping", Payload(), round=1,
                                                           timeout=20.0), range(12)))
         assert [r.scalars["ok"] for r in replies] == [1] * 12
         share = served.call_slots.per_peer
+        # The server refuses the insider's streams as its workers reach them, which on a loaded
+        # machine can be after the parent's calls have answered: wait for the refusals, not a time.
+        with ended:
+            ended.wait_for(lambda: len(ended_calls) >= streams - share, timeout=30.0)
+            done = list(ended_calls)
         refused = 0
-        for call in insider:
-            if call.done():
-                try:
-                    list(call)
-                except grpc.RpcError as exc:
-                    refused += exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for call in done:
+            try:
+                list(call)
+            except grpc.RpcError as exc:
+                refused += exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert refused == streams - share and served.call_slots.held("data") == share
     finally:
         release.set()

@@ -48,11 +48,34 @@ def test_a_writer_closing_beside_an_open_reader_leaves_every_row_in_run_db(tmp_p
     store.close()
     assert wal(db).exists()   # the reader's connection keeps it: the writer was not the last to close
     assert immutable_rounds(db) == 3 and wal(db).stat().st_size == 0
-    assert fold_wal(db) is True   # the reader is still open: its WAL stays, empty
+    assert fold_wal(db, wait=0.2) is True   # the reader is still open: its WAL stays, empty
     reader.close()
     assert fold_wal(db) is False
     assert not wal(db).exists() and not db.with_name("run.db-shm").exists()
     assert RunStore(db, create=False).rounds()[-1]["round"] == 3
+
+
+def test_a_fold_outlasts_a_read_that_overlaps_the_runs_end(tmp_path, monkeypatch):
+    """A reader open at the fold's first try (a poll of the run's progress as the run ends) keeps
+    the WAL; the fold tries again while its wait lasts, so the WAL is gone once the read ends."""
+    import fedhop.common.records.walfold as walfold
+
+    db = tmp_path / "run.db"
+    store = RunStore(db)
+    store.start_run("r")
+    store.add_round(1, participants=[0], metrics={"loss": 1.0})
+    reader = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    reader.execute("SELECT COUNT(*) FROM rounds").fetchone()
+    store.close()
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:   # the reader's read ends after the fold's first try
+        pauses.append(seconds)
+        reader.close()
+    monkeypatch.setattr(walfold.time, "sleep", pause)
+    assert fold_wal(db, wait=60.0) is False
+    assert pauses == [walfold.FOLD_RETRY_EVERY]
+    assert not wal(db).exists() and immutable_rounds(db) == 1
 
 
 def test_a_killed_runs_rounds_in_its_wal_keep_its_folder(tmp_path):

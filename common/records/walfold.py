@@ -11,26 +11,35 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import time
 from pathlib import Path
 
 #: seconds a writer's close (and `fold_wal`) waits for a reader of an older snapshot so that its
 #: checkpoint takes the whole WAL
 CLOSE_CHECKPOINT_WAIT = 2.0
 
+#: seconds between `fold_wal`'s tries while another connection keeps the WAL
+FOLD_RETRY_EVERY = 0.05
 
-def fold_wal(db: Path) -> bool:
+
+def fold_wal(db: Path, wait: float = CLOSE_CHECKPOINT_WAIT) -> bool:
     """Fold a WAL left beside the SQLite file `db` into it and remove it with its -shm, as the
     last connection to close does; for a database none of whose writers is still running.
-    Returns whether a WAL is left (another connection is still open: the data are in the
-    database file, the WAL empty; or SQLite could not open the file: the next connection that
-    can reads the WAL)."""
+    A reader open at that moment (a poll of the run's progress that overlaps its end) keeps the
+    WAL: the fold is tried again every FOLD_RETRY_EVERY s for up to `wait` s, as such a read
+    lasts milliseconds.  Returns whether a WAL is left (a connection is still open: the data are
+    in the database file, the WAL empty; or SQLite could not open the file: the next connection
+    that can reads the WAL)."""
     wal = db.with_name(db.name + "-wal")
-    if not wal.exists():
-        return False
-    with contextlib.suppress(sqlite3.Error):
-        con = sqlite3.connect(str(db), timeout=CLOSE_CHECKPOINT_WAIT)
-        try:
-            con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        finally:
-            con.close()
+    deadline = time.monotonic() + wait
+    while wal.exists():
+        with contextlib.suppress(sqlite3.Error):
+            con = sqlite3.connect(str(db), timeout=CLOSE_CHECKPOINT_WAIT)
+            try:
+                con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            finally:
+                con.close()
+        if not wal.exists() or time.monotonic() >= deadline:
+            break
+        time.sleep(FOLD_RETRY_EVERY)
     return wal.exists()
