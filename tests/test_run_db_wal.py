@@ -72,7 +72,7 @@ def test_a_fold_outlasts_a_read_that_overlaps_the_runs_end(tmp_path, monkeypatch
     def pause(seconds: float) -> None:   # the reader's read ends after the fold's first try
         pauses.append(seconds)
         reader.close()
-    monkeypatch.setattr(walfold.time, "sleep", pause)
+    monkeypatch.setattr(walfold, "sleep", pause)   # this module's pause only, no other thread's
     assert fold_wal(db, wait=60.0) is False
     assert pauses == [walfold.FOLD_RETRY_EVERY]
     assert not wal(db).exists() and immutable_rounds(db) == 1

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-import time
 from pathlib import Path
+from time import monotonic, sleep
 
 #: seconds a writer's close (and `fold_wal`) waits for a reader of an older snapshot so that its
 #: checkpoint takes the whole WAL
@@ -31,7 +31,7 @@ def fold_wal(db: Path, wait: float = CLOSE_CHECKPOINT_WAIT) -> bool:
     in the database file, the WAL empty; or SQLite could not open the file: the next connection
     that can reads the WAL)."""
     wal = db.with_name(db.name + "-wal")
-    deadline = time.monotonic() + wait
+    deadline = monotonic() + wait
     while wal.exists():
         with contextlib.suppress(sqlite3.Error):
             con = sqlite3.connect(str(db), timeout=CLOSE_CHECKPOINT_WAIT)
@@ -39,7 +39,7 @@ def fold_wal(db: Path, wait: float = CLOSE_CHECKPOINT_WAIT) -> bool:
                 con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
             finally:
                 con.close()
-        if not wal.exists() or time.monotonic() >= deadline:
+        if not wal.exists() or monotonic() >= deadline:
             break
-        time.sleep(FOLD_RETRY_EVERY)
+        sleep(FOLD_RETRY_EVERY)
     return wal.exists()
