@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from fedhop.common.records.runstore import RunStore
+from fedhop.common.records.walfold import connect_ro
 from fedhop.deploy.launch.launcher import Child, read_progress
 from fedhop.server.resilience import ledger_consistency
 from tests.helpers import quadratic_config
@@ -154,13 +155,13 @@ def registrations(db: Path, node: str) -> int:
     """How many times `node` has registered with the server so far (run.db's `registered` events;
     0 while run.db cannot be read)."""
     try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
+        con = connect_ro(db, timeout=1.0)
         try:
             return int(con.execute("SELECT COUNT(*) FROM events WHERE kind = 'registered' AND node = ?",
                                    (node,)).fetchone()[0])
         finally:
             con.close()
-    except sqlite3.Error:
+    except (FileNotFoundError, sqlite3.Error):
         return 0
 
 

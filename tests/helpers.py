@@ -10,6 +10,8 @@ from typing import IO, Any, Callable, Iterable
 
 import numpy as np
 
+from fedhop.common.records.walfold import connect_ro
+
 
 def quadratic_config(centers, curvatures, sizes, *, rounds=4, local_steps=5, lr=0.1, server_lr=1.0,
                      per_round=None, processes=2, algorithm="fedavg", extra_algorithm="", seed=0,
@@ -72,16 +74,17 @@ def numpy_fedavg_round(w, centers, curvatures, sizes, participants, local_steps,
 def read_db(db: Path, sql: str, args: tuple = (), default=None):
     """The first column of the first row of a read-only query on a run.db that may be written
     meanwhile or not be there yet (`default` then, or on any SQLite error).  Read-only: a test's
-    polling never takes a writer's lock."""
+    polling never takes a writer's lock, and a poll after the run's end adds no WAL file to its
+    folder (`connect_ro`)."""
     if not Path(db).exists():
         return default
     try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
+        con = connect_ro(db, timeout=1.0)
         try:
             row = con.execute(sql, args).fetchone()
         finally:
             con.close()
-    except sqlite3.Error:
+    except (FileNotFoundError, sqlite3.Error):
         return default
     return default if row is None or row[0] is None else row[0]
 
@@ -111,8 +114,7 @@ count = {count}
 
 def db_rows(db, sql: str) -> list[tuple]:
     """The rows of `sql` over a run's run.db, opened read-only."""
-    import sqlite3
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    con = connect_ro(db)
     try:
         return con.execute(sql).fetchall()
     finally:

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 from fedhop.common.records.runstore import RunStore
-from fedhop.common.records.walfold import fold_wal
+from fedhop.common.records.walfold import connect_ro, fold_wal
 from fedhop.deploy.launch.runfolder import false_start, rounds_done
-from tests.helpers import max_round, quadratic_config, wait_until
+from tests.helpers import max_round, quadratic_config, read_db, wait_until
 
 PY = sys.executable
 
@@ -53,6 +53,44 @@ def test_a_writer_closing_beside_an_open_reader_leaves_every_row_in_run_db(tmp_p
     assert fold_wal(db) is False
     assert not wal(db).exists() and not db.with_name("run.db-shm").exists()
     assert RunStore(db, create=False).rounds()[-1]["round"] == 3
+
+
+def files_beside(db: Path) -> list[str]:
+    return sorted(p.name for p in db.parent.iterdir() if p.name.startswith("run.db-"))
+
+
+def test_reading_a_finished_run_adds_no_wal_to_its_folder(tmp_path):
+    """A read-only SQLite connection to a database without a WAL makes an empty -wal and -shm that
+    it cannot remove: a test's poll, a dashboard or the launcher's progress that read run.db after
+    its run closed it would leave them (and the run folder would look left open).  Every reader
+    opens it with `connect_ro`, `immutable` where no WAL is there; with a writer open, through its
+    WAL, so that a live run's rows are read."""
+    from fedhop.deploy.launch.launcher import read_progress, registration_complete
+    from fedhop.deploy.tools.dashboard import _snapshot
+    from fedhop.deploy.tools.runread import read_run_db
+    db = tmp_path / "run.db"
+    store = RunStore(db)
+    store.start_run("r")
+    store.add_round(1, participants=[0, 1], metrics={"loss": 1.0})
+    live = connect_ro(db)   # a writer is open: its WAL is read, not the file alone
+    try:
+        assert live.execute("SELECT COUNT(*) FROM rounds").fetchone()[0] == 1 and immutable_rounds(db) == 0
+        store.add_round(2, participants=[0, 1], metrics={"loss": 0.5})
+        assert live.execute("SELECT COUNT(*) FROM rounds").fetchone()[0] == 2
+    finally:
+        live.close()
+    store.close()
+    assert files_beside(db) == []
+    assert read_db(db, "SELECT MAX(round) FROM rounds") == 2
+    assert [r["round"] for r in read_progress(db, 0, final=True)] == [1, 2]
+    assert registration_complete(db) is False
+    assert [r["round"] for r in _snapshot(tmp_path, {})["rounds"]] == [1, 2]
+    assert [r["round"] for r in read_run_db(tmp_path)[0]] == [1, 2]
+    assert files_beside(db) == []
+    plain = sqlite3.connect(f"file:{db}?mode=ro", uri=True)   # what each of them did before
+    plain.execute("SELECT COUNT(*) FROM rounds").fetchone()
+    plain.close()
+    assert files_beside(db) == ["run.db-shm", "run.db-wal"]
 
 
 def test_a_fold_outlasts_a_read_that_overlaps_the_runs_end(tmp_path, monkeypatch):

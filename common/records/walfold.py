@@ -1,15 +1,20 @@
-"""A WAL left beside run.db, folded in once nothing runs (common/records/runstore.py, module docstring).
+"""run.db's WAL: one left beside run.db, folded in once nothing runs, and read-only reads that add
+none (common/records/runstore.py, module docstring).
 
 SQLite removes a database's WAL (and its -shm) when the last connection closes, and only a
 connection that may write can: a read-only one (the launcher's progress, a dashboard, `fedhop
 report`) that is open when the run's writer closes leaves the WAL beside run.db.  What is in it
 is still the database's (the next connection reads it), but a copy of run.db alone, or a read
-with SQLite's `immutable` flag, would not see it.  This module needs nothing but sqlite3, so the
-run-folder checks that run before torch loads (deploy/launch/runfolder.py) can use it.
+with SQLite's `immutable` flag, would not see it.  And a read-only connection to a database with
+no WAL makes an empty -wal and -shm beside it that it cannot remove: `connect_ro` is how every
+reader of run.db opens it, so that reading a finished run leaves its folder as it was.  This module
+needs nothing but sqlite3, so the run-folder checks that run before torch loads
+(deploy/launch/runfolder.py) can use it.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 from pathlib import Path
 from time import monotonic, sleep
@@ -43,3 +48,17 @@ def fold_wal(db: Path, wait: float = CLOSE_CHECKPOINT_WAIT) -> bool:
             break
         sleep(FOLD_RETRY_EVERY)
     return wal.exists()
+
+
+def connect_ro(db: Path, timeout: float = 10.0) -> sqlite3.Connection:
+    """`db` opened read-only; FileNotFoundError where it does not exist.  Without a -wal file beside it
+    (no writer has it open, and none left rows outside it) it is opened `immutable`, so that the read
+    adds no -shm or -wal file to the run folder; with one, read-only through that WAL (a live run).
+    `timeout`: seconds a read waits for a writer's lock."""
+    db = Path(db).resolve()
+    if not db.is_file():
+        raise FileNotFoundError(f"no run database at {db}")
+    flags = "mode=ro" if os.path.lexists(f"{db}-wal") else "mode=ro&immutable=1"
+    con = sqlite3.connect(f"{db.as_uri()}?{flags}", uri=True, timeout=timeout)
+    con.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+    return con

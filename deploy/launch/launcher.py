@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from fedhop.common.config import Config, config_to_toml, load_config
-from fedhop.common.records.walfold import fold_wal
+from fedhop.common.records.walfold import connect_ro, fold_wal
 from fedhop.common.security.nodecred import CRED_ENV, TokenAuthority
 from fedhop.common.topologies.plan import plan_processes
 from fedhop.common.transport.factory import TRANSPORTS, transport
@@ -226,7 +226,7 @@ def registration_complete(db: Path) -> bool:
     if not db.exists():
         return False
     try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
+        con = connect_ro(db, timeout=1.0)
         try:
             return con.execute("SELECT 1 FROM events WHERE kind = 'registration_complete' LIMIT 1").fetchone() \
                 is not None
@@ -254,7 +254,7 @@ def read_progress(db: Path, after: int, final: bool = False) -> list[dict]:
     if not db.exists():
         return []
     try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
+        con = connect_ro(db, timeout=1.0)
         try:
             live = con.execute("SELECT name FROM sqlite_master WHERE name = 'live_bytes'").fetchone()
             rows = con.execute("SELECT round, participants, sampled, failures, metrics_json, "

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhop.common.records.runstore import RunStore
+from fedhop.common.records.walfold import connect_ro
 from fedhop.common.topologies import builtin_specs
 from fedhop.common.transport.livebytes import EARLIER
 from fedhop.common.util.cliparser import ArgumentParser, port_number
@@ -38,7 +39,8 @@ EVENTS_SHOWN = 30
 
 
 def _connect(db: Path) -> sqlite3.Connection:
-    return sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2.0)
+    """Read-only, adding no WAL file to a finished run's folder (the page stays up after the run)."""
+    return connect_ro(db, timeout=2.0)
 
 
 def _tables(con: sqlite3.Connection) -> set[str]:
@@ -154,7 +156,7 @@ def _snapshot(run_dir: Path, cfg: dict) -> dict[str, Any]:
                     pairs.setdefault(peer, {})[direction] = pairs.get(peer, {}).get(direction, 0) + int(framed)
         finally:
             con.close()
-    except sqlite3.Error as exc:
+    except (FileNotFoundError, sqlite3.Error) as exc:
         state["error"] = f"run.db: {exc}"
         return state
     by_key: dict[tuple[str, str], list[int]] = {}

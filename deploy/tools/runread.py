@@ -1,8 +1,8 @@
 """Reading a run directory without writing to it: the per-round table and the ledger totals that
 the Python API (`fedhop.load`, deploy/api.py) returns and `fedhop report --csv` writes.
 
-run.db is opened read-only (SQLite `mode=ro`): reading a run never changes it, whether it is
-finished, still going or on a read-only disk.  Bytes count each message once, as `RunStore` does
+run.db is opened read-only (`connect_ro`, common/records/walfold.py): reading a run never changes
+it, whether it is finished, still going or on a read-only disk.  Bytes count each message once, as `RunStore` does
 (`_ONCE`: every sender record, plus receiver records whose sender record is missing).  Round r
 means r rounds completed; a round's cumulative bytes are those of every message with round <= r
 (round 0: registration and the first model), so they match `fedhop report`'s bytes to target.
@@ -10,12 +10,12 @@ means r rounds completed; a round's cumulative bytes are those of every message 
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 from pathlib import Path
 from typing import Any
 
 from fedhop.common.records.runstore import _ONCE
+from fedhop.common.records.walfold import connect_ro
 from fedhop.common.wire.ledger import BYTE_FIELDS
 
 #: the per-round columns every row has, in order; each metric of the round comes after them,
@@ -24,19 +24,6 @@ ROUND_COLUMNS: tuple[str, ...] = ("round", "participants", "sampled", "failures"
                                   "wall_seconds", "sim_seconds")
 COUNT_FIELDS: tuple[str, ...] = ("messages", *BYTE_FIELDS)
 CUMULATIVE: tuple[str, ...] = tuple(f"cumulative_{k}" for k in COUNT_FIELDS)
-
-
-def connect_ro(db: Path) -> sqlite3.Connection:
-    """`db` opened read-only; FileNotFoundError where it does not exist.  Without a -wal file beside it
-    (no writer has it open, and none left rows outside it) it is opened `immutable`, so that the read
-    adds no -shm or -wal file to the run folder; with one, read-only through that WAL (a live run)."""
-    db = Path(db).resolve()
-    if not db.is_file():
-        raise FileNotFoundError(f"no run database at {db}")
-    flags = "mode=ro" if os.path.lexists(f"{db}-wal") else "mode=ro&immutable=1"
-    con = sqlite3.connect(f"{db.as_uri()}?{flags}", uri=True, timeout=10.0)
-    con.execute("PRAGMA busy_timeout = 10000")
-    return con
 
 
 MAX_SUMMARY_BYTES = 16 << 20   # a summary is a few kB; a larger file is refused unread
