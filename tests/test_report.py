@@ -401,3 +401,40 @@ def test_a_reachable_target_is_reported(runs, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     for extra in (["--target", "0"], ["--target", "1"], ["--metric", "test_loss", "--target", "0"]):
         assert main([str(tmp / "a"), *extra, "--out", str(tmp_path / f"out{len(extra)}{extra[-1]}")]) == 0
+
+
+def read_only_mount_works() -> bool:
+    """Whether this process may bind-mount a folder read-only in a mount namespace of its own
+    (root, or a kernel that lets an unprivileged user namespace do it)."""
+    import shutil
+    import subprocess
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--mount", "sh", "-c", "mount --bind / /mnt && mount -o remount,ro,bind /mnt"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not read_only_mount_works(), reason="needs `unshare --mount` and a bind mount (root)")
+def test_a_run_folder_on_a_read_only_disk_is_reported_whole(runs):
+    """A finished run's folder where nothing may be written (an archive on a read-only disk, another
+    user's folder): `fedhop report` and `fedhop.load` read its run.db `immutable`, which needs no
+    -shm file, so its rounds and bytes are reported as from a writable folder (a read-write
+    connection to a WAL database there fails: "unable to open database file")."""
+    import subprocess
+    import sys
+    tmp, _, _ = runs
+    (tmp / "ro").mkdir()
+    (tmp / "user").mkdir()
+    script = ("mount --bind a ro && mount -o remount,ro,bind ro && touch ro/probe 2>/dev/null && exit 3; "
+              f"cd user && {sys.executable} -m fedhop.deploy.cli report ../ro --out rep --target-accuracy 0.6 "
+              "--bytes framed && "
+              f"{sys.executable} -c 'import fedhop; r = fedhop.load(\"../ro\"); print(\"load rounds\", len(r.rounds))'")
+    done = subprocess.run(["unshare", "--mount", "sh", "-c", script], cwd=tmp, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "unreadable" not in done.stdout + done.stderr, done.stdout + done.stderr
+    # framed bytes through round 3 of run A: registration 55 + 3 rounds x 2 x 1105 = 6685
+    assert "6.68 kB" in row_line(done.stdout, "fedavg-star", 1), done.stdout
+    assert "load rounds 5" in done.stdout
+    assert sorted(p.name for p in (tmp / "a").iterdir()) == ["run.db", "summary.json"]

@@ -86,6 +86,8 @@ def test_reading_a_finished_run_adds_no_wal_to_its_folder(tmp_path):
     assert registration_complete(db) is False
     assert [r["round"] for r in _snapshot(tmp_path, {})["rounds"]] == [1, 2]
     assert [r["round"] for r in read_run_db(tmp_path)[0]] == [1, 2]
+    with RunStore(db, create=False, read_only=True) as reader:   # the report's, the sweep's
+        assert [r["round"] for r in reader.rounds()] == [1, 2]
     assert files_beside(db) == []
     plain = sqlite3.connect(f"file:{db}?mode=ro", uri=True)   # what each of them did before
     plain.execute("SELECT COUNT(*) FROM rounds").fetchone()

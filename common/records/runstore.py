@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, cast
 
-from fedhop.common.records.walfold import CLOSE_CHECKPOINT_WAIT
+from fedhop.common.records.walfold import CLOSE_CHECKPOINT_WAIT, connect_ro
 from fedhop.common.transport.livebytes import carried_rows
 from fedhop.common.wire.ledger import BYTE_FIELDS, LedgerRecord, iter_jsonl_batches
 
@@ -224,11 +224,17 @@ class AgreementReport:
 class RunStore:
     """SQLite run store over `path` (a `run.db` file, or a run directory holding one).
 
-    `create=False` opens an existing file for reading without creating tables (what the report
-    does); reads of a table the file lacks return nothing.
+    `create=False` opens an existing file without creating tables (a merge of ledger files into
+    it, a read); reads of a table the file lacks return nothing.  `read_only=True` (with
+    `create=False`) opens it read-only (walfold.py `connect_ro`): what the report, the dashboard
+    and a sweep's objective use, so that reading a run changes nothing in its folder and works
+    where the folder cannot be written.
     """
 
-    def __init__(self, path: str | os.PathLike, run_id: str | None = None, create: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, run_id: str | None = None, create: bool = True,
+                 read_only: bool = False) -> None:
+        if create and read_only:
+            raise ValueError("run store: read_only=True opens an existing file (create=False)")
         p = Path(path)
         if p.is_dir():
             p = p / "run.db"
@@ -240,7 +246,8 @@ class RunStore:
         self.final = False   # set by finish_run: later events of this run are dropped
         self.writer = create   # a writer's close checkpoints the WAL (`close`)
         self._lock = threading.RLock()
-        self._conn = sqlite3.connect(str(p), check_same_thread=False, isolation_level=None, timeout=30.0)
+        self._conn = (connect_ro(p, timeout=30.0, check_same_thread=False, isolation_level=None) if read_only else
+                      sqlite3.connect(str(p), check_same_thread=False, isolation_level=None, timeout=30.0))
         with self._lock:
             self._conn.execute("PRAGMA busy_timeout = 30000")
             if create:

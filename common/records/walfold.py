@@ -18,6 +18,7 @@ import os
 import sqlite3
 from pathlib import Path
 from time import monotonic, sleep
+from typing import Any
 
 #: seconds a writer's close (and `fold_wal`) waits for a reader of an older snapshot so that its
 #: checkpoint takes the whole WAL
@@ -50,15 +51,16 @@ def fold_wal(db: Path, wait: float = CLOSE_CHECKPOINT_WAIT) -> bool:
     return wal.exists()
 
 
-def connect_ro(db: Path, timeout: float = 10.0) -> sqlite3.Connection:
+def connect_ro(db: Path, timeout: float = 10.0, **options: Any) -> sqlite3.Connection:
     """`db` opened read-only; FileNotFoundError where it does not exist.  Without a -wal file beside it
     (no writer has it open, and none left rows outside it) it is opened `immutable`, so that the read
-    adds no -shm or -wal file to the run folder; with one, read-only through that WAL (a live run).
-    `timeout`: seconds a read waits for a writer's lock."""
+    adds no -shm or -wal file to the run folder and needs no write access to it (a run folder on a
+    read-only disk, or another user's); with one, read-only through that WAL (a live run).
+    `timeout`: seconds a read waits for a writer's lock; `options`: sqlite3.connect's others."""
     db = Path(db).resolve()
     if not db.is_file():
         raise FileNotFoundError(f"no run database at {db}")
     flags = "mode=ro" if os.path.lexists(f"{db}-wal") else "mode=ro&immutable=1"
-    con = sqlite3.connect(f"{db.as_uri()}?{flags}", uri=True, timeout=timeout)
+    con = sqlite3.connect(f"{db.as_uri()}?{flags}", uri=True, timeout=timeout, **options)
     con.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
     return con

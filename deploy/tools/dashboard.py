@@ -193,7 +193,7 @@ def _privacy(cfg: dict, rounds: list[dict]) -> dict[str, Any] | None:
 def _cumulative_framed(run_dir: Path) -> dict[int, int]:
     """{round: framed bytes of every message up to that round} of a finished run (run.db's messages)."""
     try:
-        store = RunStore(run_dir / "run.db", create=False)
+        store = RunStore(run_dir / "run.db", create=False, read_only=True)
     except (FileNotFoundError, sqlite3.Error):
         return {}
     try:

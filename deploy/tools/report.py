@@ -255,7 +255,7 @@ def load_run(run_dir: Path, notes: list[str]) -> RunData | None:
         db_links = {}
     elif db_path.exists():
         try:
-            with RunStore(db_path, create=False) as store:
+            with RunStore(db_path, create=False, read_only=True) as store:
                 data.run_row = store.run() or {}
                 data.rounds = store.rounds()
                 links = store.bytes_by_link()

@@ -341,7 +341,7 @@ class Criterion:
 
     def link_bytes_upto(self, run_dir: Path, round_: int) -> int:
         from fedhop.common.records.runstore import RunStore
-        with RunStore(run_dir / "run.db", create=False) as store:
+        with RunStore(run_dir / "run.db", create=False, read_only=True) as store:
             per_link = store.bytes_by_link_upto(round_)
         if self.link == "total":
             return sum(v[self.byte_field] for v in per_link.values())
