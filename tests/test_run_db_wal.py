@@ -95,6 +95,22 @@ def test_reading_a_finished_run_adds_no_wal_to_its_folder(tmp_path):
     assert files_beside(db) == ["run.db-shm", "run.db-wal"]
 
 
+def test_checking_someone_elses_database_leaves_nothing_beside_it(tmp_path):
+    """`foreign_schema_problem` refuses a SQLite file that is not a run's before any writer opens
+    it; the file is someone else's, so the check adds no -wal or -shm file beside it either, even
+    where that file is a WAL database."""
+    from fedhop.common.records.runstore import foreign_schema_problem
+    db = tmp_path / "run.db"
+    con = sqlite3.connect(db)
+    con.execute("PRAGMA journal_mode = WAL")
+    con.execute("CREATE TABLE notes (x)")
+    con.commit()
+    con.close()
+    assert foreign_schema_problem(db) == "holds no table of a run (tables: notes)"
+    assert files_beside(db) == []
+    assert foreign_schema_problem(tmp_path / "missing.db").startswith("not a SQLite database (no run database at ")
+
+
 def test_a_fold_outlasts_a_read_that_overlaps_the_runs_end(tmp_path, monkeypatch):
     """A reader open at the fold's first try (a poll of the run's progress as the run ends) keeps
     the WAL; the fold tries again while its wait lasts, so the WAL is gone once the read ends."""

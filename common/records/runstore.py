@@ -86,8 +86,8 @@ def foreign_schema_problem(path: str | os.PathLike) -> str | None:
     its schema up to date, which would change a file that is someone else's), or None.  Read-only:
     the file is not changed, and no -wal or -shm file is left beside it."""
     try:
-        conn = sqlite3.connect(f"file:{Path(path).absolute()}?mode=ro", uri=True, timeout=5.0)
-    except sqlite3.Error as exc:
+        conn = connect_ro(Path(path), timeout=5.0)
+    except (sqlite3.Error, FileNotFoundError) as exc:
         return f"not a SQLite database ({exc})"
     try:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}

@@ -62,5 +62,9 @@ def connect_ro(db: Path, timeout: float = 10.0, **options: Any) -> sqlite3.Conne
         raise FileNotFoundError(f"no run database at {db}")
     flags = "mode=ro" if os.path.lexists(f"{db}-wal") else "mode=ro&immutable=1"
     con = sqlite3.connect(f"{db.as_uri()}?{flags}", uri=True, timeout=timeout, **options)
-    con.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+    try:
+        con.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+    except sqlite3.Error:
+        con.close()
+        raise
     return con
