@@ -7,7 +7,7 @@ report`) that is open when the run's writer closes leaves the WAL beside run.db.
 is still the database's (the next connection reads it), but a copy of run.db alone, or a read
 with SQLite's `immutable` flag, would not see it.  And a read-only connection to a database with
 no WAL makes an empty -wal and -shm beside it that it cannot remove: `connect_ro` is how every
-reader of run.db opens it, so that reading a finished run leaves its folder as it was.  This module
+read-only reader of run.db opens it, so that reading a finished run leaves its folder as it was.  This module
 needs nothing but sqlite3, so the run-folder checks that run before torch loads
 (deploy/launch/runfolder.py) can use it.
 """

@@ -2,10 +2,11 @@
 the Python API (`fedhop.load`, deploy/api.py) returns and `fedhop report --csv` writes.
 
 run.db is opened read-only (`connect_ro`, common/records/walfold.py): reading a run never changes
-it, whether it is finished, still going or on a read-only disk.  Bytes count each message once, as `RunStore` does
-(`_ONCE`: every sender record, plus receiver records whose sender record is missing).  Round r
-means r rounds completed; a round's cumulative bytes are those of every message with round <= r
-(round 0: registration and the first model), so they match `fedhop report`'s bytes to target.
+it, whether it is finished, still going or on a read-only disk.  Bytes count each message once,
+as `RunStore` does (`_ONCE`: every sender record, plus receiver records whose sender record is
+missing).  Round r means r rounds completed; a round's cumulative bytes are those of every
+message with round <= r (round 0: registration and the first model), so they match `fedhop
+report`'s bytes to target.
 """
 from __future__ import annotations
 
