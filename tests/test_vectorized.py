@@ -104,24 +104,7 @@ def test_a_clients_result_does_not_depend_on_the_clients_beside_it(text):
     """Bit for bit: the round's clients all at once, in two halves, in reverse order and one by
     one give every client the same reply."""
     engine = _engine(text)
-    items = _items(engine, 1)
-    model = engine.task.build_model()
-
-    def replies(groups: list[list]) -> dict[int, Payload]:
-        out = {}
-        for group in groups:
-            for item, reply in zip(group, local_updates(engine.cfg, engine.task, engine.algorithm, model, group)):
-                out[item[0]] = reply
-        return out
-
-    half = len(items) // 2
-    ways = [replies([items]), replies([items[:half], items[half:]]), replies([items[::-1]]),
-            replies([[item] for item in items])]
-    for cid in ways[0]:
-        for other in ways[1:]:
-            for name, t in ways[0][cid].tensors.items():
-                assert torch.equal(t, other[cid].tensors[name]), (cid, name)
-            assert ways[0][cid].scalars["train_loss"] == other[cid].scalars["train_loss"]
+    _same_ways(engine, _items(engine, 1), engine.task.build_model())
 
 
 @pytest.mark.parametrize("algorithm,extra", [("scaffold", ""), ("feddyn", "alpha = 0.1"), ("fednova", "")])
@@ -195,15 +178,19 @@ def _fedchs_items(vectorized: bool, local_iters: int) -> tuple[RoundEngine, list
 
 
 def _same_ways(engine: RoundEngine, items: list, model: torch.nn.Module) -> list[Payload]:
-    """The items' replies trained all at once; reversed and one by one must give the same bits."""
+    """The items' replies trained all at once; in two halves, reversed and one by one must give
+    every client the same bits and the same loss."""
     def replies(groups: list[list]) -> dict[int, Payload]:
         return {item[0]: reply for group in groups
                 for item, reply in zip(group, local_updates(engine.cfg, engine.task, engine.algorithm, model, group))}
-    ways = [replies([items]), replies([items[::-1]]), replies([[item] for item in items])]
+    half = len(items) // 2
+    ways = [replies([items]), replies([items[:half], items[half:]]), replies([items[::-1]]),
+            replies([[item] for item in items])]
     for other in ways[1:]:
         for cid, reply in ways[0].items():
             assert list(reply.tensors) == list(other[cid].tensors)
             assert all(torch.equal(t, other[cid].tensors[name]) for name, t in reply.tensors.items()), cid
+            assert reply.scalars["train_loss"] == other[cid].scalars["train_loss"], cid
     return [ways[0][item[0]] for item in items]
 
 

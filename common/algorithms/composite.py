@@ -39,6 +39,13 @@ FedDA / FedDualAvg (Yuan et al. 2021, Algorithm 3, psi = 1/2 ||.||^2, round r = 
             z_c <- z_c - eta_c grad f(w; xi)
     server: z <- z + eta_s sum_k p_k (z_c^k - z);  model w = prox_{eta_s eta_c (r+1) E lam R}(z)
     (z_0 = w_0.  The reference code's r is 1-based; we follow the paper's 0-based r.)
+
+Each algorithm's client loop is a generator, `local_solver` (common/algorithms/vectorized.py
+`Solver`): it yields the point of each local step and is sent the minibatch gradient there.
+`client_update` runs it on the process's model one step at a time (`solve_alone`); under
+[algorithm] vectorized, `client_updates` runs the solvers of a call's clients side by side and
+computes each step's gradients in one stacked computation (`solve_together`).  The solvers'
+updates (the proxes, the dual sums) are the same code either way, run for each client alone.
 """
 from __future__ import annotations
 
@@ -49,9 +56,11 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from fedhop.common.algorithms.base import Algorithm, AlgorithmParams, ClientContext, Payload, ServerState, weighted_mean
-from fedhop.common.algorithms.local import set_params
+from fedhop.common.algorithms.local import LocalStats, set_params
+from fedhop.common.algorithms.vectorized import Solver, solve_alone, solve_together
 from fedhop.common.numerics.prox import group_prox
-from fedhop.common.numerics.sampling import local_batches
+from fedhop.common.numerics.sampling import batch_count, local_batches
+from fedhop.common.wire.message import COMPUTE_KEY
 
 F64 = torch.float64
 WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
@@ -230,11 +239,15 @@ class CompositeAlgorithm(Algorithm):
             self._initial[key] = {n: p.detach().to(F64).clone() for n, p in model.named_parameters()}
         return self._initial[key]
 
-    def batches(self, ctx: ClientContext) -> Iterator[tuple[torch.Tensor, ...]]:
-        """This round's minibatches (without replacement within a pass, as `local_sgd`)."""
+    def check_steps(self, ctx: ClientContext) -> None:
+        """A ValueError where the client was given a number of local steps the algorithm cannot take."""
         if self.needs_fixed_steps and not 1 <= ctx.local_steps <= self.E:
             raise ValueError(f"{self.name}: client {ctx.client_id} was given {ctx.local_steps} local steps; "
                              f"it needs between 1 and algorithm.local_steps = {self.E}")
+
+    def batches(self, ctx: ClientContext) -> Iterator[tuple[torch.Tensor, ...]]:
+        """This round's minibatches (without replacement within a pass, as `local_sgd`)."""
+        self.check_steps(ctx)
         data = ctx.task.client_data(ctx.client_id)
         for idx in local_batches(data.rows, self.cfg.batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator):
             yield tuple(t[idx] for t in data.tensors)
@@ -255,7 +268,42 @@ class CompositeAlgorithm(Algorithm):
         stats.loss_sum += float(loss.detach())
         return grads
 
-    def reply(self, ctx: ClientContext, tensors: Tensors, stats: LocalResult) -> Payload:
+    # ------------------------------------------------------------------ the local solver
+    def local_solver(self, ctx: ClientContext, message: Payload, steps: int) -> Solver:
+        """The client's round of `steps` local steps (module docstring): yields each step's
+        point (float64), is sent the gradient there (`gradient`), returns the reply's tensors."""
+        raise NotImplementedError
+
+    def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
+        """The local solver on the process's model, its minibatches drawn as it goes."""
+        self.check_steps(ctx)
+        stats = LocalResult()
+        batches = self.batches(ctx)
+        steps = batch_count(ctx.task.client_data(ctx.client_id).rows, self.cfg.batch_size, ctx.local_steps,
+                            ctx.local_epochs)
+        out = solve_alone(self.local_solver(ctx, message, steps),
+                          lambda w: self.gradient(ctx, w, next(batches), stats))
+        return self.reply(ctx, out, stats)
+
+    @classmethod
+    def trains_together(cls) -> bool:
+        """Every composite solver: its gradients computed in a stack (`client_updates`)."""
+        return cls.local_solver is not CompositeAlgorithm.local_solver
+
+    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
+        """`client_update` of every client, the solvers side by side and each step's gradients
+        computed together (common/algorithms/vectorized.py `solve_together`)."""
+        for ctx in ctxs:
+            self.check_steps(ctx)
+        wd = float(getattr(self.cfg, "weight_decay", 0.0) or 0.0)
+        outs, stats, seconds = solve_together(
+            ctxs, lambda i, steps: self.local_solver(ctxs[i], messages[i], steps), self.cfg.batch_size, wd)
+        replies = [self.reply(ctx, out, s) for ctx, out, s in zip(ctxs, outs, stats)]
+        for reply, share in zip(replies, seconds):
+            reply.scalars[COMPUTE_KEY] = share
+        return replies
+
+    def reply(self, ctx: ClientContext, tensors: Tensors, stats: LocalResult | LocalStats) -> Payload:
         return Payload(tensors={n: t.to(self.wire) for n, t in tensors.items()},
                        scalars={"weight": self.client_weight(ctx), "train_loss": stats.mean_loss,
                                 "local_steps": stats.steps})
@@ -300,15 +348,14 @@ class FedMiD(CompositeAlgorithm):
     def reply_spec(self, state: ServerState) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         return self.spec(state, "dw")
 
-    def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
+    def local_solver(self, ctx: ClientContext, message: Payload, steps: int) -> Solver:
         start = to64(message.tensors)
         w = dict(start)
         lr = float(self.cfg.lr)
-        stats = LocalResult()
-        for batch in self.batches(ctx):
-            grad = self.gradient(ctx, w, batch, stats)
+        for _ in range(steps):
+            grad = yield w
             w = self.prox_h(axpy(w, -lr, grad), lr)         # w <- prox_{eta_c h}(w - eta_c g)
-        return self.reply(ctx, prefixed("dw", {n: w[n] - start[n] for n in w}), stats)
+        return prefixed("dw", {n: w[n] - start[n] for n in w})
 
     def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
         names = list(state.params)
@@ -338,17 +385,16 @@ class FedDA(CompositeAlgorithm):
     def reply_spec(self, state: ServerState) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         return self.spec(state, "dz")
 
-    def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
+    def local_solver(self, ctx: ClientContext, message: Payload, steps: int) -> Solver:
         names = [n for n, _ in ctx.model.named_parameters()]
         z0 = unprefixed("z", message.tensors, names)
         z = dict(z0)
         r = int(message.scalars["r"])
         eta_s, eta_c = float(self.cfg.server_lr), float(self.cfg.lr)
-        stats = LocalResult()
-        for k, batch in enumerate(self.batches(ctx)):
+        for k in range(steps):
             w = self.prox_h(z, eta_s * eta_c * r * self.E + eta_c * k)   # eta~_{r,k}
-            z = axpy(z, -eta_c, self.gradient(ctx, w, batch, stats))
-        return self.reply(ctx, prefixed("dz", {n: z[n] - z0[n] for n in names}), stats)
+            z = axpy(z, -eta_c, (yield w))
+        return prefixed("dz", {n: z[n] - z0[n] for n in names})
 
     def server_update(self, state: ServerState, aggregate: Payload, round: int) -> None:
         names = list(state.params)

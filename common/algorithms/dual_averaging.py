@@ -69,7 +69,6 @@ from fedhop.common.algorithms.composite import (
     GAMMA_CONVENTIONS,
     WEIGHT_SCHEDULES,
     CompositeAlgorithm,
-    LocalResult,
     Tensors,
     WeightSchedule,
     axpy,
@@ -79,6 +78,7 @@ from fedhop.common.algorithms.composite import (
     unprefixed,
     wire_field,
 )
+from fedhop.common.algorithms.vectorized import Solver
 from fedhop.common.numerics.prox import dual_averaging_prox
 
 STAGE_KEY = "mc_fedda_stage"   # MC-FedDA: the stage whose sums the server state holds
@@ -223,7 +223,7 @@ class FastFedDA(CompositeAlgorithm):
         self.set_model(state, w)
 
     # ------------------------------------------------------------------ client
-    def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
+    def local_solver(self, ctx: ClientContext, message: Payload, steps: int) -> Solver:
         names = [n for n, _ in ctx.model.named_parameters()]
         sched, t0 = self.schedule, int(message.scalars["t"])
         w0 = self.initial_params(ctx)
@@ -232,17 +232,15 @@ class FastFedDA(CompositeAlgorithm):
         w = self.prox(g, wt, sched.total(t0 - 1), w0)                                # w_{t_r}
         wt = axpy(wt, sched.alpha(t0), w)                                            # w~_{t_r}
         g_start, wt_start = dict(g), dict(wt)
-        stats = LocalResult()
-        steps = ctx.local_steps
-        for j, batch in enumerate(self.batches(ctx)):
+        for j in range(steps):
             t = t0 + j
-            g = axpy(g, sched.alpha(t), self.gradient(ctx, w, batch, stats))         # g_t
+            g = axpy(g, sched.alpha(t), (yield w))                                   # g_t
             if j < steps - 1:
                 w = self.prox(g, wt, sched.total(t), w0)                             # w_{t+1}
                 wt = axpy(wt, sched.alpha(t + 1), w)                                 # w~_{t+1}
         out = prefixed("dg", {n: g[n] - g_start[n] for n in names})
         out.update(prefixed("dwt", {n: wt[n] - wt_start[n] for n in names}))
-        return self.reply(ctx, out, stats)
+        return out
 
 
 class CFedDA(FastFedDA):
@@ -309,7 +307,7 @@ class CFedDA(FastFedDA):
     def stage_w0(self, ctx: ClientContext, message: Payload, names: list[str]) -> Tensors:
         return self.initial_params(ctx)
 
-    def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
+    def local_solver(self, ctx: ClientContext, message: Payload, steps: int) -> Solver:
         names = [n for n, _ in ctx.model.named_parameters()]
         m, r = int(message.scalars["stage"]), int(message.scalars["r"])
         sched = self.schedule
@@ -320,13 +318,11 @@ class CFedDA(FastFedDA):
         wt = axpy(wt_prev, sched.alpha(r), w)                                        # w~_r, fixed this round
         g_start = dict(g)
         alpha, A = sched.alpha(r), sched.total(r)
-        stats = LocalResult()
-        steps = ctx.local_steps
-        for j, batch in enumerate(self.batches(ctx)):
-            g = axpy(g, alpha, self.gradient(ctx, w, batch, stats))
+        for j in range(steps):
+            g = axpy(g, alpha, (yield w))
             if j < steps - 1:
                 w = self.cprox(g, wt, A, w0, m)
-        return self.reply(ctx, prefixed("dg", {n: g[n] - g_start[n] for n in names}), stats)
+        return prefixed("dg", {n: g[n] - g_start[n] for n in names})
 
 
 class MCFedDA(CFedDA):

@@ -1,4 +1,5 @@
-"""Plain local SGD of many clients at once ([algorithm] vectorized = true, docs/vectorized.md).
+"""Local SGD of many clients at once ([algorithm] vectorized = true, docs/vectorized.md), and the
+gradients of many clients' own local solvers at once (`solve_together`, the composite solvers).
 
 A process that trains several sampled clients of one call (a batch, the in-process engine's
 worker, the round engine's loop) stacks their parameters along a new first dimension and makes
@@ -22,6 +23,10 @@ with a one-at-a-time run to float rounding, not bit for bit; but each client's s
 on the same shapes whichever clients take theirs beside it, and its result does not depend on
 them (tests/test_vectorized.py), so a vectorized run gives the same model in either engine,
 batched or not, with any number of client processes.
+
+A solver whose steps are its own (a prox after each step, dual sums) is a generator (`Solver`);
+`solve_together` stacks only the points at which its clients' gradients are taken, on the same
+minibatches, and runs each client's updates for it alone.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ import itertools
 import math
 import time
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import torch
 from torch.func import functional_call, grad_and_value, vmap
@@ -100,6 +105,9 @@ def check_vectorized(cfg) -> None:
         raise ValueError(f"config key 'algorithm.vectorized': {where}, torch.func cannot train the model "
                          f"vectorized ({type(exc).__name__}: {first})") from None
 
+
+StackedStep = Callable[..., "tuple[dict[str, torch.Tensor], torch.Tensor]"]
+"""`stacked_gradients`' function: (params, fixed, mask, *batch) -> (each row's gradients by name, each row's loss)."""
 
 StackedHook = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """`local_sgd`'s `grad_hook` for a stack of clients: (parameter name, the members' parameters,
@@ -201,27 +209,12 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
     return [name for name, p in named_parameters(model) if p.requires_grad]
 
 
-def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]], lr: float,
-                       batch_size: int, weight_decay: float = 0.0, grad_hook: StackedHook | None = None,
-                       step_sizes: Sequence[Sequence[float]] | None = None,
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[LocalStats], list[float]]:
-    """Local SGD of each client in `ctxs` from its own start (`starts[i]`, every parameter by
-    name: the trainable ones trained, the frozen ones (model.freeze) used as they are), all at
-    once.
-
-    `grad_hook` changes each step's gradients after the weight decay, as an algorithm's hook on
-    `local_sgd` does (`StackedHook`).  `step_sizes[i][k]`: client i's step size at its local
-    step k, in place of `lr` (`local_sgd`'s `lr_at`); each row is multiplied by its own.
-
-    Returns the start and the final parameters stacked (row i: client i's), each client's LocalStats and
-    each client's share of the seconds spent (the seconds times its steps over all steps).
-    `ctxs` share one model (the process's) and one task."""
-    started = time.perf_counter()
-    model, task = ctxs[0].model, ctxs[0].task
-    names = trainable_names(model)
-    start = {name: torch.stack([s[name].detach() for s in starts]) for name in starts[0]}
-    stacked = {name: start[name].clone() for name in names}
-    frozen = {name: t for name, t in start.items() if name not in stacked}   # model.freeze: used, not trained
+def stacked_gradients(model: torch.nn.Module, task) -> StackedStep:
+    """The function that gives a stack's gradients and losses on `model`'s task loss:
+    (params, fixed, mask, *batch) -> (gradients by name, row i d loss_i / d w_i; each row's
+    loss).  `params`: the trainable parameters, each stacked along a first dimension;
+    `fixed`: the frozen ones (model.freeze), used as they are; `mask` and `batch`: each row's
+    padded minibatch and the mask of its real rows (`_Batches.step`)."""
     loss_of = _TaskLoss(task, model)
 
     def loss(params: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], mask: torch.Tensor,
@@ -276,52 +269,169 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
                          for name, g in zip(leaves, found)}, losses.detach())
             _GRAD_TRANSFORM[model] = True   # an operator vmap batches only under `grad`
         return grads_of(params, fixed, mask, *batch)
+    return step_all
+
+
+def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]], lr: float,
+                       batch_size: int, weight_decay: float = 0.0, grad_hook: StackedHook | None = None,
+                       step_sizes: Sequence[Sequence[float]] | None = None,
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[LocalStats], list[float]]:
+    """Local SGD of each client in `ctxs` from its own start (`starts[i]`, every parameter by
+    name: the trainable ones trained, the frozen ones (model.freeze) used as they are), all at
+    once.
+
+    `grad_hook` changes each step's gradients after the weight decay, as an algorithm's hook on
+    `local_sgd` does (`StackedHook`).  `step_sizes[i][k]`: client i's step size at its local
+    step k, in place of `lr` (`local_sgd`'s `lr_at`); each row is multiplied by its own.
+
+    Returns the start and the final parameters stacked (row i: client i's), each client's LocalStats and
+    each client's share of the seconds spent (the seconds times its steps over all steps).
+    `ctxs` share one model (the process's) and one task."""
+    started = time.perf_counter()
+    model, task = ctxs[0].model, ctxs[0].task
+    names = trainable_names(model)
+    start = {name: torch.stack([s[name].detach() for s in starts]) for name in starts[0]}
+    stacked = {name: start[name].clone() for name in names}
+    frozen = {name: t for name, t in start.items() if name not in stacked}   # model.freeze: used, not trained
+    step_all = stacked_gradients(model, task)
     datas = [task.client_data(ctx.client_id) for ctx in ctxs]
     plans = [list(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator))
              for ctx, data in zip(ctxs, datas)]
     dtype = next(iter(start.values())).dtype if start else torch.float32
     batches = _Batches(datas, plans, dtype, batch_size)
     stats = [LocalStats() for _ in ctxs]
+    for k, width, members, rows in _cohorts(plans, batch_size):
+        params = stacked if rows is None else {name: t[rows] for name, t in stacked.items()}
+        fixed = frozen if rows is None else {name: t[rows] for name, t in frozen.items()}
+        mask, batch = batches.step(rows, k, width)
+        grads, losses = step_all(params, fixed, mask, *batch)
+        etas = (None if step_sizes is None else   # each member's own step size at step k
+                torch.tensor([step_sizes[i][k] for i in members], dtype=dtype, device=losses.device))
+        with torch.no_grad():
+            for name in names:
+                p, g = params[name], grads[name]
+                if weight_decay:
+                    g = g + weight_decay * p
+                if grad_hook is not None:
+                    g = grad_hook(name, p, g, rows_of(start[name], rows), rows)
+                step = lr if etas is None else etas.view(-1, *([1] * (g.dim() - 1)))
+                if g.is_contiguous() or not p.is_contiguous() or g.dim() < 3 or g[0].numel() < ROW_COPY_MIN:
+                    new = p - g * step   # w_{k+1} = w_k - lr * g_k, one client per row (row i: its own step size)
+                else:   # the same values, g first laid out as p (`_laid_out_as`)
+                    new = p - _laid_out_as(g, p).mul_(step)
+                if rows is None:
+                    stacked[name] = new
+                else:
+                    stacked[name][rows] = new
+        _count_step(stats, plans, members, k, losses)
+    return start, {**stacked, **frozen}, stats, _shares(started, stats)
+
+
+def _cohorts(plans: Sequence[list[torch.Tensor]], batch_size: int
+             ) -> Iterator[tuple[int, int, list[int], torch.Tensor | None]]:
+    """The stacked computations of a call, in order: (local step k, width of the padded batch,
+    the members: the clients that take step k with a batch of that width, their rows in the
+    cohort or None for every client)."""
     for k in range(max((len(plan) for plan in plans), default=0)):
         groups: dict[int, list[int]] = {}   # width of the padded batch -> the clients taking step k
         for i, plan in enumerate(plans):
             if k < len(plan):
                 groups.setdefault(batch_size if batch_size > 0 else int(plan[k].numel()), []).append(i)
         for width, members in groups.items():
-            whole = len(members) == len(ctxs)
-            rows = None if whole else torch.tensor(members)
-            params = stacked if rows is None else {name: t[rows] for name, t in stacked.items()}
-            fixed = frozen if rows is None else {name: t[rows] for name, t in frozen.items()}
-            mask, batch = batches.step(rows, k, width)
-            grads, losses = step_all(params, fixed, mask, *batch)
-            etas = (None if step_sizes is None else   # each member's own step size at step k
-                    torch.tensor([step_sizes[i][k] for i in members], dtype=dtype, device=losses.device))
-            with torch.no_grad():
-                for name in names:
-                    p, g = params[name], grads[name]
-                    if weight_decay:
-                        g = g + weight_decay * p
-                    if grad_hook is not None:
-                        g = grad_hook(name, p, g, rows_of(start[name], rows), rows)
-                    step = lr if etas is None else etas.view(-1, *([1] * (g.dim() - 1)))
-                    if g.is_contiguous() or not p.is_contiguous() or g.dim() < 3 or g[0].numel() < ROW_COPY_MIN:
-                        new = p - g * step   # w_{k+1} = w_k - lr * g_k, one client per row (row i: its own step size)
-                    else:   # the same values, g first laid out as p (`_laid_out_as`)
-                        new = p - _laid_out_as(g, p).mul_(step)
-                    if rows is None:
-                        stacked[name] = new
-                    else:
-                        stacked[name][rows] = new
-            for i, value in zip(members, losses.detach().double().cpu().tolist()):
-                s = stats[i]
-                s.steps += 1
-                s.samples += int(plans[i][k].numel())
-                s.loss_sum += value
-                s.last_loss = value
+            yield k, width, members, None if len(members) == len(plans) else torch.tensor(members)
+
+
+def _count_step(stats: list[LocalStats], plans: Sequence[list[torch.Tensor]], members: list[int], k: int,
+                losses: torch.Tensor) -> None:
+    """Step k of each member counted in its LocalStats, with its loss."""
+    for i, value in zip(members, losses.detach().double().cpu().tolist()):
+        s = stats[i]
+        s.steps += 1
+        s.samples += int(plans[i][k].numel())
+        s.loss_sum += value
+        s.last_loss = value
+
+
+def _shares(started: float, stats: list[LocalStats]) -> list[float]:
+    """Each client's share of the seconds since `started`: the seconds times its steps over all steps."""
     seconds = time.perf_counter() - started
     total = sum(s.steps for s in stats)
-    shares = [seconds * s.steps / total if total else seconds / len(ctxs) for s in stats]
-    return start, {**stacked, **frozen}, stats, shares
+    return [seconds * s.steps / total if total else seconds / len(stats) for s in stats]
+
+
+Tensors = dict[str, torch.Tensor]
+Solver = Generator[Tensors, Tensors, Tensors]
+"""A client's local solver written as a generator (common/algorithms/composite.py): it yields
+each local step's point w_k (every parameter by name, in the solver's dtype), is sent the
+minibatch gradient there (plus weight_decay * w_k, in the point's dtype), and returns the
+tensors of its reply once it has been sent as many gradients as it was told it takes steps."""
+
+
+def solve_alone(solve: Solver, gradient_at: Callable[[Tensors], Tensors]) -> Tensors:
+    """Run one client's `solve`, each gradient from `gradient_at(point)` (the one-at-a-time
+    solver: the client's next minibatch on the process's model)."""
+    try:
+        point = next(solve)
+        while True:
+            point = solve.send(gradient_at(point))
+    except StopIteration as done:
+        return done.value
+
+
+def solve_together(ctxs: Sequence[ClientContext], solver: Callable[[int, int], Solver], batch_size: int,
+                   weight_decay: float = 0.0) -> tuple[list[Tensors], list[LocalStats], list[float]]:
+    """The local solvers of the clients in `ctxs` (`solver(i, steps)`: client i's, told its
+    number of local steps), their gradients computed together: at local step k the points of
+    the clients that take it are stacked, cast to the model's dtype (as `set_params` copies a
+    point into the model), and one stacked computation (`stacked_gradients`) gives every
+    member's gradient, cast back to the point's dtype, weight_decay * w added, as the
+    one-at-a-time solver's gradient is.  Each client's minibatches are `local_sgd`'s (its own
+    generator, in the same order) and its update is its own solver's code, run for it alone:
+    only the gradients are computed in a stack, so a client's result does not depend on the
+    clients beside it.
+
+    Returns each client's reply tensors, LocalStats and share of the seconds spent."""
+    started = time.perf_counter()
+    model, task = ctxs[0].model, ctxs[0].task
+    trainable = set(trainable_names(model))
+    dtype = next(model.parameters()).dtype
+    step_all = stacked_gradients(model, task)
+    datas = [task.client_data(ctx.client_id) for ctx in ctxs]
+    plans = [list(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator))
+             for ctx, data in zip(ctxs, datas)]
+    batches = _Batches(datas, plans, dtype, batch_size)
+    stats = [LocalStats() for _ in ctxs]
+    solvers = [solver(i, len(plan)) for i, plan in enumerate(plans)]
+    points: list[Tensors | None] = []
+    results: list[Tensors | None] = [None] * len(ctxs)
+    for i, solve in enumerate(solvers):
+        try:
+            points.append(next(solve))
+        except StopIteration as done:   # no local step
+            points.append(None)
+            results[i] = done.value
+    for k, width, members, rows in _cohorts(plans, batch_size):
+        at = [points[i] for i in members]
+        if any(point is None for point in at):
+            raise RuntimeError("a local solver yielded fewer points than its steps")
+        stacked = {name: torch.stack([p[name] for p in at if p is not None]).to(dtype) for name in at[0] or {}}
+        mask, batch = batches.step(rows, k, width)
+        grads, losses = step_all({n: t for n, t in stacked.items() if n in trainable},
+                                 {n: t for n, t in stacked.items() if n not in trainable}, mask, *batch)
+        for row, (i, point) in enumerate(zip(members, at)):
+            assert point is not None   # checked above
+            gradient = {}
+            for name, w in point.items():
+                g = grads[name][row].to(w.dtype) if name in grads else torch.zeros(w.shape, dtype=w.dtype, device=w.device)
+                gradient[name] = g + weight_decay * w if weight_decay else g
+            try:
+                points[i] = solvers[i].send(gradient)
+            except StopIteration as done:
+                points[i], results[i] = None, done.value
+        _count_step(stats, plans, members, k, losses)
+    if any(r is None for r in results):
+        raise RuntimeError("a local solver yielded more points than its steps")
+    return [r for r in results if r is not None], stats, _shares(started, stats)
 
 
 class _Batches:

@@ -33,6 +33,13 @@ def local_batches(num_samples: int, batch_size: int, steps: int, epochs: int,
                 yield perm[start:start + bs]
 
 
+def batch_count(num_samples: int, batch_size: int, steps: int, epochs: int) -> int:
+    """How many minibatches `local_batches` gives for these arguments, without drawing them."""
+    if num_samples <= 0:
+        return 0
+    return steps if steps > 0 else epochs * steps_per_epoch(num_samples, batch_size)
+
+
 def steps_per_epoch(num_samples: int, batch_size: int) -> int:
     bs = num_samples if batch_size <= 0 else min(batch_size, num_samples)
     return -(-num_samples // bs)

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Mapping, cast
 
 import numpy as np
 import torch
 
-from fedhop.common.tasks.base import ClientData, Task
+from fedhop.common.tasks.base import ClientData, StackedLoss, Task
 from fedhop.common.tasks.quadratic import VectorModel
 from fedhop.common.util.rng import numpy_stream
 
@@ -238,6 +238,25 @@ class LinearMeasurementTask(Task):
         x, y = batch[0], batch[1]
         pred = x.reshape(x.shape[0], -1) @ cast(VectorModel, model).w.reshape(-1)
         return 0.5 * (pred - y).pow(2).mean()
+
+    def vectorizable(self) -> bool:
+        return type(self).loss is LinearMeasurementTask.loss
+
+    def sample_loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y = batch[0], batch[1]
+        return 0.5 * (x.reshape(x.shape[0], -1) @ cast(VectorModel, model).w.reshape(-1) - y).pow(2)
+
+    def stacked_sample_loss(self, model: torch.nn.Module) -> StackedLoss | None:
+        """`sample_loss` of m models w at once: x (m, B, ...), y (m, B), w (m, ...) -> (m, B)."""
+        if type(self).sample_loss is not LinearMeasurementTask.sample_loss:
+            return None
+
+        def losses(params: Mapping[str, torch.Tensor], batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            x, y = batch[0], batch[1]
+            w = params["w"]
+            pred = torch.matmul(x.reshape(*x.shape[:2], -1), w.reshape(w.shape[0], -1, 1)).squeeze(2)
+            return 0.5 * (pred - y).pow(2)
+        return losses
 
     def train_loss(self, model: torch.nn.Module) -> float:
         return 0.5 * self.train_mse(cast(VectorModel, model).w.detach())
