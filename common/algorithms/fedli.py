@@ -59,7 +59,9 @@ from fedhop.common.algorithms.base import (
     weighted_mean,
 )
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
+from fedhop.common.algorithms.vectorized import every_parameter, local_sgd_together
 from fedhop.common.numerics.sampling import local_batches
+from fedhop.common.wire.message import COMPUTE_KEY
 
 STEP_KEY = "step_size"    # FedLi-LS: eta^i_{t,K}, 0-dim float64 tensor, reduced by max
 LOSS_KEY = "loss"         # FedLi-LU: f^i_{t,K}, 0-dim float64 tensor, reduced by weighted sum
@@ -370,6 +372,30 @@ class FedLiLU(_FedLiBase):
         tensors[LOSS_KEY] = _scalar_tensor(self.reported_loss(ctx, stats), next(iter(tensors.values()), None))
         return Payload(tensors=tensors, scalars={WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats.mean_loss,
                                                  "local_steps": stats.steps})
+
+    @classmethod
+    def trains_together(cls) -> bool:
+        """FedLi-LU's clients run plain local SGD (`client_updates`); a subclass with a solver of its own does not."""
+        return cls.client_update is FedLiLU.client_update
+
+    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
+        """`client_update` of every client, their local SGD trained together
+        (common/algorithms/vectorized.py); each reply's loss is reported from the client's own
+        stats, or after training from its own final parameters (`post_train`)."""
+        every_parameter(ctxs, messages)
+        start, final, stats, seconds = local_sgd_together(ctxs, [m.tensors for m in messages], self.cfg.lr,
+                                                          self.cfg.batch_size, self.cfg.weight_decay)
+        delta = {name: final[name] - start[name] for name in start}   # Delta_i = w_i - w_t, row i
+        replies = []
+        for i, (ctx, message) in enumerate(zip(ctxs, messages)):
+            tensors = {name: delta[name][i] for name in message.tensors}
+            if self.params.loss_report == "post_train":
+                set_params(ctx.model, {name: final[name][i] for name in message.tensors})
+            tensors[LOSS_KEY] = _scalar_tensor(self.reported_loss(ctx, stats[i]), next(iter(tensors.values()), None))
+            replies.append(Payload(tensors=tensors, scalars={
+                WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats[i].mean_loss,
+                "local_steps": stats[i].steps, COMPUTE_KEY: seconds[i]}))
+        return replies
 
     def reported_loss(self, ctx: ClientContext, stats) -> float:
         """f^i_{t,K}: the epoch-mean minibatch loss (FedML trainer, default), the last minibatch's

@@ -134,7 +134,7 @@ class AlgorithmConfig:
                                       "engine's loop) together: one torch.func.vmap step for all of them "
                                       "(docs/vectorized.md). Same algorithm and minibatches; rounding differs from "
                                       "one-at-a-time training, never with the engine or the batching. FedAvg and its "
-                                      "server-side variants, FedProx, FedExP, FedNova, SCAFFOLD, FedDyn, FedLGA, Fed-CHS, and the "
+                                      "server-side variants, FedProx, FedExP, FedNova, SCAFFOLD, FedDyn, FedLGA, Fed-CHS, FedLi-LU and the "
                                       "composite solvers (FedMiD, FedDA, Fast-, C- and MC-FedDA); a task "
                                       "whose loss "
                                       "is a pure function, a model without "
