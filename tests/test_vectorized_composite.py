@@ -143,3 +143,15 @@ def test_a_composite_run_gives_one_model_in_both_engines_and_the_plain_runs_byte
     assert _sent(tmp_path / "processes") == _sent(tmp_path / "plain") == _sent(tmp_path / "inprocess")
     for k, w in models["plain"].items():
         assert np.allclose(w.numpy(), models["processes"][k].numpy(), rtol=1e-4, atol=1e-5), k
+
+
+def test_a_subclass_with_a_client_update_of_its_own_does_not_train_together():
+    """A plug-in that subclasses FedMiD with its own `client_update` keeps it: the key is refused
+    for it rather than run FedMiD's solver in its place."""
+    from fedhop.common.algorithms.composite import CompositeAlgorithm, FedMiD
+
+    class Own(FedMiD):
+        def client_update(self, ctx, message):
+            return super().client_update(ctx, message)
+
+    assert FedMiD.trains_together() and not Own.trains_together() and not CompositeAlgorithm.trains_together()

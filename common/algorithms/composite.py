@@ -287,8 +287,10 @@ class CompositeAlgorithm(Algorithm):
 
     @classmethod
     def trains_together(cls) -> bool:
-        """Every composite solver: its gradients computed in a stack (`client_updates`)."""
-        return cls.local_solver is not CompositeAlgorithm.local_solver
+        """A composite solver written as `local_solver`: its gradients computed in a stack
+        (`client_updates`); a subclass with a `client_update` of its own does not."""
+        return (cls.local_solver is not CompositeAlgorithm.local_solver
+                and cls.client_update is CompositeAlgorithm.client_update)
 
     def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
         """`client_update` of every client, the solvers side by side and each step's gradients
