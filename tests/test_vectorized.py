@@ -460,19 +460,35 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDHOP_PLUGIN_PATH")}
 
 
-def fedhop(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def fedhop(args: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+           ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fedhop.deploy.cli.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=_env())
+                          text=True, timeout=timeout, env=_env() if env is None else env)
 
 
-def _models(folder: Path, config: str, runs: dict[str, list[str]]) -> dict[str, dict[str, torch.Tensor]]:
+def _models(folder: Path, config: str, runs: dict[str, list[str]],
+            env: dict[str, str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """`fedhop run CONFIG --out NAME FLAGS` in `folder` for each run; each run's final model."""
     models = {}
     for name, flags in runs.items():
-        out = fedhop(["run", config, "--out", name, "--quiet", *flags], folder)
+        out = fedhop(["run", config, "--out", name, "--quiet", *flags], folder, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         models[name] = load_file(str(folder / name / "model.safetensors"))
     return models
+
+
+def engines_agree(folder: Path, config: str, env: dict[str, str] | None = None) -> None:
+    """`config` run vectorized in processes (batched gRPC calls) and in-process with two forked
+    workers: the same model bit for bit and the same messages and bytes as its one-at-a-time
+    run in processes, whose model is the same to rounding."""
+    runs = {"plain": ["--engine", "processes"],
+            "processes": ["--engine", "processes", "--set", "algorithm.vectorized=true"],
+            "inprocess": ["--engine", "inprocess", "--set", "algorithm.vectorized=true", "--set", "run.workers=2"]}
+    models = _models(folder, config, runs, env)
+    assert all(torch.equal(models["processes"][k], models["inprocess"][k]) for k in models["processes"])
+    assert _sent(folder / "processes") == _sent(folder / "plain") == _sent(folder / "inprocess")
+    for k, w in models["plain"].items():
+        assert np.allclose(w.numpy(), models["processes"][k].numpy(), rtol=1e-4, atol=1e-5), k
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])

@@ -13,17 +13,14 @@ import itertools
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine, local_update, local_updates
 from fedhop.common.numerics.sampling import batch_count, local_batches
 from fedhop.common.wire.message import COMPUTE_KEY
-from tests.test_engines import _sent
-from tests.test_vectorized import _same_ways, fedhop
+from tests.test_vectorized import _same_ways, engines_agree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,18 +128,7 @@ def test_a_composite_run_gives_one_model_in_both_engines_and_the_plain_runs_byte
     messages and bytes as the one-at-a-time run, whose model is the same to rounding."""
     (tmp_path / "fd.toml").write_text(_text("logreg", "fast_fedda", False).replace(
         "[clients]\n", "[clients]\nprocesses = 2\n"))
-    runs = {"plain": ["--engine", "processes"],
-            "processes": ["--engine", "processes", "--set", "algorithm.vectorized=true"],
-            "inprocess": ["--engine", "inprocess", "--set", "algorithm.vectorized=true", "--set", "run.workers=2"]}
-    models = {}
-    for name, flags in runs.items():
-        out = fedhop(["run", "fd.toml", "--out", name, "--quiet", *flags], tmp_path)
-        assert out.returncode == 0, out.stderr[-2000:]
-        models[name] = load_file(str(tmp_path / name / "model.safetensors"))
-    assert all(torch.equal(models["processes"][k], models["inprocess"][k]) for k in models["processes"])
-    assert _sent(tmp_path / "processes") == _sent(tmp_path / "plain") == _sent(tmp_path / "inprocess")
-    for k, w in models["plain"].items():
-        assert np.allclose(w.numpy(), models["processes"][k].numpy(), rtol=1e-4, atol=1e-5), k
+    engines_agree(tmp_path, "fd.toml")
 
 
 def test_a_subclass_with_a_client_update_of_its_own_does_not_train_together():

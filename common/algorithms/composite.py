@@ -40,27 +40,26 @@ FedDA / FedDualAvg (Yuan et al. 2021, Algorithm 3, psi = 1/2 ||.||^2, round r = 
     server: z <- z + eta_s sum_k p_k (z_c^k - z);  model w = prox_{eta_s eta_c (r+1) E lam R}(z)
     (z_0 = w_0.  The reference code's r is 1-based; we follow the paper's 0-based r.)
 
-Each algorithm's client loop is a generator, `local_solver` (common/algorithms/vectorized.py
-`Solver`): it yields the point of each local step and is sent the minibatch gradient there.
-`client_update` runs it on the process's model one step at a time (`solve_alone`); under
-[algorithm] vectorized, `client_updates` runs the solvers of a call's clients side by side and
-computes each step's gradients in one stacked computation (`solve_together`).  The solvers'
-updates (the proxes, the dual sums) are the same code either way, run for each client alone.
+Each algorithm's client loop is a generator, `local_solver` (common/algorithms/solver.py
+`SolverAlgorithm`): it yields the point of each local step (float64) and is sent the minibatch
+gradient there.  One at a time the gradient is taken on the process's model; under [algorithm]
+vectorized the solvers of a call's clients run side by side and each step's gradients come
+from one stacked computation.  The solvers' updates (the proxes, the dual sums) are the same
+code either way, run for each client alone.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
-from fedhop.common.algorithms.base import Algorithm, AlgorithmParams, ClientContext, Payload, ServerState, weighted_mean
-from fedhop.common.algorithms.local import LocalStats, set_params
-from fedhop.common.algorithms.vectorized import Solver, solve_alone, solve_together
+from fedhop.common.algorithms.base import AlgorithmParams, ClientContext, Payload, ServerState, weighted_mean
+from fedhop.common.algorithms.local import LocalStats
+from fedhop.common.algorithms.solver import SolverAlgorithm
+from fedhop.common.algorithms.vectorized import Solver
 from fedhop.common.numerics.prox import group_prox
-from fedhop.common.numerics.sampling import batch_count, local_batches
-from fedhop.common.wire.message import COMPUTE_KEY
 
 F64 = torch.float64
 WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
@@ -183,18 +182,8 @@ def axpy(y: Tensors, a: float, x: Mapping[str, torch.Tensor]) -> Tensors:
     return {n: y[n] + a * x[n] for n in y}
 
 
-@dataclass
-class LocalResult:
-    steps: int = 0
-    loss_sum: float = 0.0
-
-    @property
-    def mean_loss(self) -> float:
-        return self.loss_sum / self.steps if self.steps else float("nan")
-
-
-class CompositeAlgorithm(Algorithm):
-    """Shared machinery of the five composite algorithms."""
+class CompositeAlgorithm(SolverAlgorithm):
+    """Shared machinery of the five composite algorithms (each a `local_solver`, common/algorithms/solver.py)."""
 
     #: the algorithm needs every client to run the same number E of local steps (a shared
     #: step counter t or the FedDA prox scale r E): [algorithm] local_steps must be an int > 0
@@ -240,72 +229,12 @@ class CompositeAlgorithm(Algorithm):
         return self._initial[key]
 
     def check_steps(self, ctx: ClientContext) -> None:
-        """A ValueError where the client was given a number of local steps the algorithm cannot take."""
         if self.needs_fixed_steps and not 1 <= ctx.local_steps <= self.E:
             raise ValueError(f"{self.name}: client {ctx.client_id} was given {ctx.local_steps} local steps; "
                              f"it needs between 1 and algorithm.local_steps = {self.E}")
 
-    def batches(self, ctx: ClientContext) -> Iterator[tuple[torch.Tensor, ...]]:
-        """This round's minibatches (without replacement within a pass, as `local_sgd`)."""
-        self.check_steps(ctx)
-        data = ctx.task.client_data(ctx.client_id)
-        for idx in local_batches(data.rows, self.cfg.batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator):
-            yield tuple(t[idx] for t in data.tensors)
-
-    def gradient(self, ctx: ClientContext, w: Tensors, batch: tuple[torch.Tensor, ...],
-                 stats: LocalResult) -> Tensors:
-        """Minibatch gradient of the task loss at w (float64), plus weight_decay * w."""
-        set_params(ctx.model, w)
-        ctx.model.zero_grad(set_to_none=True)
-        loss = ctx.task.loss(ctx.model, batch, ctx.generator)
-        loss.backward()
-        wd = float(getattr(self.cfg, "weight_decay", 0.0) or 0.0)
-        grads = {}
-        for name, p in ctx.model.named_parameters():
-            g = p.grad.detach().to(F64) if p.grad is not None else torch.zeros(p.shape, dtype=F64, device=p.device)
-            grads[name] = g + wd * w[name] if wd else g
-        stats.steps += 1
-        stats.loss_sum += float(loss.detach())
-        return grads
-
-    # ------------------------------------------------------------------ the local solver
-    def local_solver(self, ctx: ClientContext, message: Payload, steps: int) -> Solver:
-        """The client's round of `steps` local steps (module docstring): yields each step's
-        point (float64), is sent the gradient there (`gradient`), returns the reply's tensors."""
-        raise NotImplementedError
-
-    def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
-        """The local solver on the process's model, its minibatches drawn as it goes."""
-        self.check_steps(ctx)
-        stats = LocalResult()
-        batches = self.batches(ctx)
-        steps = batch_count(ctx.task.client_data(ctx.client_id).rows, self.cfg.batch_size, ctx.local_steps,
-                            ctx.local_epochs)
-        out = solve_alone(self.local_solver(ctx, message, steps),
-                          lambda w: self.gradient(ctx, w, next(batches), stats))
-        return self.reply(ctx, out, stats)
-
-    @classmethod
-    def trains_together(cls) -> bool:
-        """A composite solver written as `local_solver`: its gradients computed in a stack
-        (`client_updates`); a subclass with a `client_update` of its own does not."""
-        return (cls.local_solver is not CompositeAlgorithm.local_solver
-                and cls.client_update is CompositeAlgorithm.client_update)
-
-    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
-        """`client_update` of every client, the solvers side by side and each step's gradients
-        computed together (common/algorithms/vectorized.py `solve_together`)."""
-        for ctx in ctxs:
-            self.check_steps(ctx)
-        wd = float(getattr(self.cfg, "weight_decay", 0.0) or 0.0)
-        outs, stats, seconds = solve_together(
-            ctxs, lambda i, steps: self.local_solver(ctxs[i], messages[i], steps), self.cfg.batch_size, wd)
-        replies = [self.reply(ctx, out, s) for ctx, out, s in zip(ctxs, outs, stats)]
-        for reply, share in zip(replies, seconds):
-            reply.scalars[COMPUTE_KEY] = share
-        return replies
-
-    def reply(self, ctx: ClientContext, tensors: Tensors, stats: LocalResult | LocalStats) -> Payload:
+    def reply(self, ctx: ClientContext, tensors: Tensors, stats: LocalStats) -> Payload:
+        """The reply's tensors in `wire_dtype`."""
         return Payload(tensors={n: t.to(self.wire) for n, t in tensors.items()},
                        scalars={"weight": self.client_weight(ctx), "train_loss": stats.mean_loss,
                                 "local_steps": stats.steps})
