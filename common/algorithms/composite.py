@@ -58,15 +58,13 @@ import torch
 from fedhop.common.algorithms.base import AlgorithmParams, ClientContext, Payload, ServerState, weighted_mean
 from fedhop.common.algorithms.local import LocalStats
 from fedhop.common.algorithms.solver import SolverAlgorithm
-from fedhop.common.algorithms.vectorized import Solver
+from fedhop.common.algorithms.vectorized import Solver, Tensors
 from fedhop.common.numerics.prox import group_prox
 
 F64 = torch.float64
 WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
 WEIGHT_SCHEDULES = ("uniform", "poly2")
 GAMMA_CONVENTIONS = ("code", "paper")
-
-Tensors = dict[str, torch.Tensor]
 
 
 # ---------------------------------------------------------------------------- params

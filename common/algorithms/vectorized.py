@@ -361,7 +361,7 @@ def _shares(started: float, stats: list[LocalStats]) -> list[float]:
 
 Tensors = dict[str, torch.Tensor]
 Solver = Generator[Tensors, Tensors, Tensors]
-"""A client's local solver written as a generator (common/algorithms/composite.py): it yields
+"""A client's local solver written as a generator (common/algorithms/solver.py): it yields
 each local step's point w_k (every parameter by name, in the solver's dtype), is sent the
 minibatch gradient there (plus weight_decay * w_k, in the point's dtype), and returns the
 tensors of its reply once it has been sent as many gradients as it was told it takes steps."""
@@ -411,15 +411,14 @@ def solve_together(ctxs: Sequence[ClientContext], solver: Callable[[int, int], S
             points.append(None)
             results[i] = done.value
     for k, width, members, rows in _cohorts(plans, batch_size):
-        at = [points[i] for i in members]
-        if any(point is None for point in at):
+        at = [point for point in (points[i] for i in members) if point is not None]
+        if len(at) < len(members):
             raise RuntimeError("a local solver yielded fewer points than its steps")
-        stacked = {name: torch.stack([p[name] for p in at if p is not None]).to(dtype) for name in at[0] or {}}
+        stacked = {name: torch.stack([p[name] for p in at]).to(dtype) for name in at[0]}
         mask, batch = batches.step(rows, k, width)
         grads, losses = step_all({n: t for n, t in stacked.items() if n in trainable},
                                  {n: t for n, t in stacked.items() if n not in trainable}, mask, *batch)
         for row, (i, point) in enumerate(zip(members, at)):
-            assert point is not None   # checked above
             gradient = {}
             for name, w in point.items():
                 g = grads[name][row].to(w.dtype) if name in grads else torch.zeros(w.shape, dtype=w.dtype, device=w.device)
