@@ -44,8 +44,9 @@ weights p_i follow algorithm.weighting (samples or uniform) for both Delta and f
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Callable, TypedDict
+from typing import Callable, Sequence, TypedDict
 
 import torch
 
@@ -59,7 +60,16 @@ from fedhop.common.algorithms.base import (
     weighted_mean,
 )
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
-from fedhop.common.algorithms.vectorized import every_parameter, local_sgd_together
+from fedhop.common.algorithms.vectorized import (
+    Batches,
+    cohorts,
+    compute_shares,
+    every_parameter,
+    local_sgd_together,
+    stack_starts,
+    stacked_gradients,
+    stacked_losses,
+)
 from fedhop.common.numerics.sampling import local_batches
 from fedhop.common.wire.message import COMPUTE_KEY
 
@@ -103,6 +113,7 @@ class FedLiLSParams(AlgorithmParams):
 class ArmijoTrial:
     """What the line search saw at one local step (for instrumentation and tests)."""
 
+    client: int                  # the client's id
     step: int                    # local step index k (0-based)
     batch: torch.Tensor          # the minibatch's row indices
     start: dict[str, torch.Tensor]   # w before the step (copies)
@@ -213,8 +224,118 @@ def armijo_sgd(ctx: ClientContext, p: FedLiLSParams, batch_size: int, weight_dec
         stats.last_eta = eta
         stats.backtracks += tries
         if observer is not None:
-            observer(ArmijoTrial(k, idx, start, grad_sq, f0, f1, eta, accepted, tries))
+            observer(ArmijoTrial(ctx.client_id, k, idx, start, grad_sq, f0, f1, eta, accepted, tries))
     return stats
+
+
+def armijo_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]], p: FedLiLSParams,
+                        batch_size: int, weight_decay: float = 0.0,
+                        observer: Callable[[ArmijoTrial], None] | None = None,
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[ArmijoStats], list[float]]:
+    """`armijo_sgd` of each client in `ctxs` from its own start, all at once
+    ([algorithm] vectorized, common/algorithms/vectorized.py): at local step k one stacked
+    computation gives the gradients and losses of the clients taking it, then each trial of the
+    line search evaluates, in one stacked forward pass, the loss of every client still searching
+    at its own trial point.  Each client's step size, trials, fallback and counts are its own,
+    decided by the same arithmetic as `armijo_sgd`'s, so its result does not depend on the
+    clients beside it; its losses agree with `armijo_sgd`'s to float rounding, so a trial at the
+    edge of the Armijo condition could be decided the other way.
+
+    Returns the start and final parameters stacked (row i: client i's), each client's
+    ArmijoStats and its share of the seconds spent.  The task's loss draws nothing from the
+    client's generator (`why_not_vectorized`), so no trial needs the generator rewound."""
+    started = time.perf_counter()
+    model, task = ctxs[0].model, ctxs[0].task
+    names, start, stacked, frozen = stack_starts(model, starts)
+    gradients, losses_at = stacked_gradients(model, task), stacked_losses(model, task)
+    datas = [task.client_data(ctx.client_id) for ctx in ctxs]
+    plans = [list(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator))
+             for ctx, data in zip(ctxs, datas)]
+    fractions = [(data.rows if batch_size <= 0 else min(batch_size, data.rows)) / max(data.rows, 1) for data in datas]
+    dtype = next(iter(start.values())).dtype if start else torch.float32
+    device = next(iter(start.values())).device if start else torch.device("cpu")
+    batches = Batches(datas, plans, dtype, batch_size)
+    stats = [ArmijoStats() for _ in ctxs]
+    etas = [p.eta_max] * len(ctxs)
+
+    def decayed(losses: torch.Tensor, params: dict[str, torch.Tensor]) -> list[float]:
+        """Each row's objective: its loss plus (weight_decay/2)||w||^2, as `armijo_sgd`'s."""
+        if weight_decay:
+            losses = losses + 0.5 * weight_decay * sum((t * t).flatten(1).sum(1) for t in params.values())
+        return losses.double().tolist()
+
+    def moved(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], step: list[float]
+              ) -> dict[str, torch.Tensor]:
+        """w - eta g, row i with its own eta."""
+        column = torch.tensor(step, dtype=dtype, device=device)
+        return {name: params[name] - column.view(-1, *([1] * (params[name].dim() - 1))) * grads[name]
+                for name in params}
+
+    def objectives_after(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+                         fixed: dict[str, torch.Tensor], mask: torch.Tensor, batch: tuple[torch.Tensor, ...],
+                         rows: list[int], step: list[float]) -> list[float]:
+        """The objective at w - eta g of each of the stack's `rows`, on its minibatch, row i with step[i]."""
+        at = torch.tensor(rows)
+        point = moved({name: t[at] for name, t in params.items()}, {name: t[at] for name, t in grads.items()}, step)
+        return decayed(losses_at(point, {name: t[at] for name, t in fixed.items()}, mask[at], *(t[at] for t in batch)),
+                       point)
+
+    for k, width, members, rows in cohorts(plans, batch_size):
+        params = stacked if rows is None else {name: t[rows] for name, t in stacked.items()}
+        fixed = frozen if rows is None else {name: t[rows] for name, t in frozen.items()}
+        mask, batch = batches.step(rows, k, width)
+        grads, task_losses = gradients(params, fixed, mask, *batch)
+        with torch.no_grad():
+            if weight_decay:
+                grads = {name: grads[name] + weight_decay * params[name] for name in names}
+            f0 = decayed(task_losses, params)
+            squares = torch.zeros(len(members), dtype=torch.float64, device=device)
+            for name in names:
+                squares += (grads[name].double() ** 2).flatten(1).sum(1)
+            grad_sq: list[float] = squares.tolist()
+            first = [reset_step(etas[i], k, p, fractions[i]) for i in members]
+            trial, f1, tries = list(first), list(f0), [0] * len(members)
+            accepted = [False] * len(members)
+            searching = [j for j in range(len(members)) if math.sqrt(grad_sq[j]) >= p.min_grad_norm]
+            for attempt in range(p.max_backtracks):
+                if not searching:
+                    break
+                values = objectives_after(params, grads, fixed, mask, batch, searching, [trial[j] for j in searching])
+                still = []
+                for j, value in zip(searching, values):
+                    stats[members[j]].forwards += 1
+                    tries[j], f1[j] = attempt, value
+                    if value <= f0[j] - p.c * trial[j] * grad_sq[j]:      # Armijo, Eq. 10
+                        accepted[j] = True
+                    else:
+                        trial[j] *= p.beta
+                        still.append(j)
+                searching = still
+            if searching:                                                  # SLS fallback
+                for j in searching:
+                    trial[j] = min(FALLBACK_STEP, first[j])
+                    stats[members[j]].fallbacks += 1
+                    stats[members[j]].forwards += 1
+                values = objectives_after(params, grads, fixed, mask, batch, searching, [trial[j] for j in searching])
+                for j, value in zip(searching, values):
+                    f1[j] = value
+            new = moved(params, grads, trial)
+            for name in names:
+                if rows is None:
+                    stacked[name] = new[name]
+                else:
+                    stacked[name][rows] = new[name]
+        for j, (i, loss) in enumerate(zip(members, task_losses.detach().double().tolist())):
+            s = stats[i]
+            s.forwards += 1
+            s.steps += 1
+            s.loss_sum += loss                      # reported train_loss: without the decay term, as FedAvg
+            s.last_eta = etas[i] = trial[j]
+            s.backtracks += tries[j]
+            if observer is not None:
+                observer(ArmijoTrial(ctxs[i].client_id, k, plans[i][k], {name: params[name][j].clone() for name in names},
+                                     grad_sq[j], f0[j], f1[j], trial[j], accepted[j], tries[j]))
+    return start, {**stacked, **frozen}, stats, compute_shares(started, [s.steps for s in stats])
 
 
 #: dtype of the 0-dim scalars that feed the server step (8 bytes each on the ledger)
@@ -270,6 +391,27 @@ class FedLiLS(_FedLiBase):
                                            next(iter(tensors.values()), None))
         return Payload(tensors=tensors, scalars={WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats.mean_loss,
                                                  "local_steps": stats.steps, FORWARDS_KEY: stats.forwards})
+
+    @classmethod
+    def trains_together(cls) -> bool:
+        """FedLi-LS's clients run `armijo_sgd` (`client_updates`); a subclass with a solver of its own does not."""
+        return cls.client_update is FedLiLS.client_update
+
+    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
+        """`client_update` of every client, their line searches run side by side
+        (`armijo_sgd_together`)."""
+        every_parameter(ctxs, messages)
+        start, final, stats, seconds = armijo_sgd_together(ctxs, [m.tensors for m in messages], self.params,
+                                                           self.cfg.batch_size, self.cfg.weight_decay, self.observer)
+        replies = []
+        for i, (ctx, message, s) in enumerate(zip(ctxs, messages, stats)):
+            tensors = {name: final[name][i] - start[name][i] for name in message.tensors}   # Delta_i = w_i - w_t
+            tensors[STEP_KEY] = _scalar_tensor(s.last_eta if s.steps else self.params.eta_max,
+                                               next(iter(tensors.values()), None))
+            replies.append(Payload(tensors=tensors, scalars={
+                WEIGHT_KEY: self.client_weight(ctx), "train_loss": s.mean_loss, "local_steps": s.steps,
+                FORWARDS_KEY: s.forwards, COMPUTE_KEY: seconds[i]}))
+        return replies
 
     def server_step(self, aggregate: Payload) -> float:
         """eta_g of digest 2.3: 1, max_i eta^i_{t,K}, or algorithm.server_lr."""

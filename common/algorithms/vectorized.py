@@ -209,12 +209,13 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
     return [name for name, p in named_parameters(model) if p.requires_grad]
 
 
-def stacked_gradients(model: torch.nn.Module, task) -> StackedStep:
-    """The function that gives a stack's gradients and losses on `model`'s task loss:
-    (params, fixed, mask, *batch) -> (gradients by name, row i d loss_i / d w_i; each row's
-    loss).  `params`: the trainable parameters, each stacked along a first dimension;
-    `fixed`: the frozen ones (model.freeze), used as they are; `mask` and `batch`: each row's
-    padded minibatch and the mask of its real rows (`_Batches.step`)."""
+StackedLosses = Callable[..., torch.Tensor]
+"""`stacked_losses`' function: (params, fixed, mask, *batch) -> each row's loss."""
+
+
+def _stacked_loss_functions(model: torch.nn.Module, task) -> tuple[Callable[..., torch.Tensor], StackedLosses]:
+    """A client's loss as a function of its parameters (`_TaskLoss` through `functional_call`),
+    and every member's loss of a stack (`losses_of` below)."""
     loss_of = _TaskLoss(task, model)
 
     def loss(params: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], mask: torch.Tensor,
@@ -234,6 +235,40 @@ def stacked_gradients(model: torch.nn.Module, task) -> StackedStep:
         return (per * mask).sum(1) / mask.sum(1)   # `_TaskLoss` of each row
 
     vmapped_losses = vmap(loss)
+    return loss, losses_of
+
+
+def stacked_losses(model: torch.nn.Module, task) -> StackedLosses:
+    """The function that gives each row's loss of a stack, without gradients: (params, fixed,
+    mask, *batch) as `stacked_gradients`' function takes them.  A stack of one is computed as
+    a stack of two, the client twice, as `stacked_gradients` does, so a row's loss does not
+    depend on how many rows are beside it (a line search's trials, fewer as clients accept).
+    A model whose gradients take the gradient transform (`_GRAD_TRANSFORM`, decided by the
+    first stacked gradient) has its losses from that transform too: vmap batches one of its
+    operators only under `grad`."""
+    loss, losses_of = _stacked_loss_functions(model, task)
+    values_of = vmap(grad_and_value(loss))
+
+    def losses(params: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], mask: torch.Tensor,
+               *batch: torch.Tensor) -> torch.Tensor:
+        if mask.shape[0] == 1:
+            return losses({name: torch.cat([t, t]) for name, t in params.items()},
+                          {name: torch.cat([t, t]) for name, t in fixed.items()}, torch.cat([mask, mask]),
+                          *(torch.cat([t, t]) for t in batch))[:1]
+        if _GRAD_TRANSFORM.get(model, False):
+            return values_of(params, fixed, mask, *batch)[1].detach()
+        with torch.no_grad():
+            return losses_of(params, fixed, mask, *batch)
+    return losses
+
+
+def stacked_gradients(model: torch.nn.Module, task) -> StackedStep:
+    """The function that gives a stack's gradients and losses on `model`'s task loss:
+    (params, fixed, mask, *batch) -> (gradients by name, row i d loss_i / d w_i; each row's
+    loss).  `params`: the trainable parameters, each stacked along a first dimension;
+    `fixed`: the frozen ones (model.freeze), used as they are; `mask` and `batch`: each row's
+    padded minibatch and the mask of its real rows (`Batches.step`)."""
+    loss, losses_of = _stacked_loss_functions(model, task)
     grads_of = vmap(grad_and_value(loss))
 
     def step_all(params: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], mask: torch.Tensor,
@@ -272,6 +307,18 @@ def stacked_gradients(model: torch.nn.Module, task) -> StackedStep:
     return step_all
 
 
+def stack_starts(model: torch.nn.Module, starts: Sequence[dict[str, torch.Tensor]]
+                 ) -> tuple[list[str], dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The clients' starts stacked, row i client i's: (the trainable parameters' names, every
+    parameter's start, a copy of the trainable ones to train, the frozen ones (model.freeze),
+    used as they are)."""
+    names = trainable_names(model)
+    start = {name: torch.stack([s[name].detach() for s in starts]) for name in starts[0]}
+    stacked = {name: start[name].clone() for name in names}
+    frozen = {name: t for name, t in start.items() if name not in stacked}
+    return names, start, stacked, frozen
+
+
 def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]], lr: float,
                        batch_size: int, weight_decay: float = 0.0, grad_hook: StackedHook | None = None,
                        step_sizes: Sequence[Sequence[float]] | None = None,
@@ -289,18 +336,15 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
     `ctxs` share one model (the process's) and one task."""
     started = time.perf_counter()
     model, task = ctxs[0].model, ctxs[0].task
-    names = trainable_names(model)
-    start = {name: torch.stack([s[name].detach() for s in starts]) for name in starts[0]}
-    stacked = {name: start[name].clone() for name in names}
-    frozen = {name: t for name, t in start.items() if name not in stacked}   # model.freeze: used, not trained
+    names, start, stacked, frozen = stack_starts(model, starts)
     step_all = stacked_gradients(model, task)
     datas = [task.client_data(ctx.client_id) for ctx in ctxs]
     plans = [list(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator))
              for ctx, data in zip(ctxs, datas)]
     dtype = next(iter(start.values())).dtype if start else torch.float32
-    batches = _Batches(datas, plans, dtype, batch_size)
+    batches = Batches(datas, plans, dtype, batch_size)
     stats = [LocalStats() for _ in ctxs]
-    for k, width, members, rows in _cohorts(plans, batch_size):
+    for k, width, members, rows in cohorts(plans, batch_size):
         params = stacked if rows is None else {name: t[rows] for name, t in stacked.items()}
         fixed = frozen if rows is None else {name: t[rows] for name, t in frozen.items()}
         mask, batch = batches.step(rows, k, width)
@@ -324,10 +368,10 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
                 else:
                     stacked[name][rows] = new
         _count_step(stats, plans, members, k, losses)
-    return start, {**stacked, **frozen}, stats, _shares(started, stats)
+    return start, {**stacked, **frozen}, stats, compute_shares(started, [s.steps for s in stats])
 
 
-def _cohorts(plans: Sequence[list[torch.Tensor]], batch_size: int
+def cohorts(plans: Sequence[list[torch.Tensor]], batch_size: int
              ) -> Iterator[tuple[int, int, list[int], torch.Tensor | None]]:
     """The stacked computations of a call, in order: (local step k, width of the padded batch,
     the members: the clients that take step k with a batch of that width, their rows in the
@@ -352,11 +396,11 @@ def _count_step(stats: list[LocalStats], plans: Sequence[list[torch.Tensor]], me
         s.last_loss = value
 
 
-def _shares(started: float, stats: list[LocalStats]) -> list[float]:
+def compute_shares(started: float, steps: Sequence[int]) -> list[float]:
     """Each client's share of the seconds since `started`: the seconds times its steps over all steps."""
     seconds = time.perf_counter() - started
-    total = sum(s.steps for s in stats)
-    return [seconds * s.steps / total if total else seconds / len(stats) for s in stats]
+    total = sum(steps)
+    return [seconds * n / total if total else seconds / len(steps) for n in steps]
 
 
 Tensors = dict[str, torch.Tensor]
@@ -399,7 +443,7 @@ def solve_together(ctxs: Sequence[ClientContext], solver: Callable[[int, int], S
     datas = [task.client_data(ctx.client_id) for ctx in ctxs]
     plans = [list(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator))
              for ctx, data in zip(ctxs, datas)]
-    batches = _Batches(datas, plans, dtype, batch_size)
+    batches = Batches(datas, plans, dtype, batch_size)
     stats = [LocalStats() for _ in ctxs]
     solvers = [solver(i, len(plan)) for i, plan in enumerate(plans)]
     points: list[Tensors | None] = []
@@ -410,7 +454,7 @@ def solve_together(ctxs: Sequence[ClientContext], solver: Callable[[int, int], S
         except StopIteration as done:   # no local step
             points.append(None)
             results[i] = done.value
-    for k, width, members, rows in _cohorts(plans, batch_size):
+    for k, width, members, rows in cohorts(plans, batch_size):
         at = [point for point in (points[i] for i in members) if point is not None]
         if len(at) < len(members):
             raise RuntimeError("a local solver yielded fewer points than its steps")
@@ -430,10 +474,10 @@ def solve_together(ctxs: Sequence[ClientContext], solver: Callable[[int, int], S
         _count_step(stats, plans, members, k, losses)
     if any(r is None for r in results):
         raise RuntimeError("a local solver yielded more points than its steps")
-    return [r for r in results if r is not None], stats, _shares(started, stats)
+    return [r for r in results if r is not None], stats, compute_shares(started, [s.steps for s in stats])
 
 
-class _Batches:
+class Batches:
     """The cohort's minibatches, padded, gathered a step at a time with a fixed number of tensor
     operations whatever the number of clients: every client's data concatenated once, with one
     row of zeros after it (the padding's source), and, made once for the whole call, the source
