@@ -531,17 +531,29 @@ def test_fedchs_runs_vectorized_on_its_sequential_topology(tmp_path):
         assert np.allclose(w.numpy(), models["processes"][k].numpy(), rtol=1e-4, atol=1e-5), k
 
 
+#: a plug-in whose client step is its own `client_update`: nothing tells how to train it together
+_OWN_SOLVER = ("from fedhop.common.algorithms.fedavg import FedAvg\n\n\nclass Own(FedAvg):\n    name = \"own\"\n\n"
+               "    def client_update(self, ctx, message):\n        return super().client_update(ctx, message)\n")
+
+
 @pytest.mark.parametrize("sets,names", [
-    (["algorithm.name=local_sgda"], "algorithm.name = 'local_sgda'"),
+    (["algorithm.name=own:Own"], "algorithm.name = 'own:Own'"),
     (["privacy.mode=dpsgd", "privacy.noise_multiplier=1.0", "privacy.clip_norm=1.0"], "privacy.mode = 'dpsgd'"),
 ])
 def test_what_cannot_train_together_is_one_line_exit_2(tmp_path, sets, names):
+    """Every built-in algorithm trains together; a plug-in with a `client_update` of its own, and
+    DP-SGD's per-example clipping, do not."""
     (tmp_path / "digits.toml").write_text(_digits_text(True))
-    out = fedhop(["run", "digits.toml", *[a for s in sets for a in ("--set", s)]], tmp_path)
+    (tmp_path / "own.py").write_text(_OWN_SOLVER)
+    env = {**_env(), "PYTHONPATH": str(tmp_path)}
+    out = fedhop(["run", "digits.toml", *[a for s in sets for a in ("--set", s)]], tmp_path, env=env)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "algorithm.vectorized" in lines[0] and names in lines[0], out.stderr
-    assert not any(p.is_dir() for p in tmp_path.iterdir())   # no run folder left behind
+    assert not any(p.is_dir() for p in tmp_path.iterdir() if p.name != "__pycache__")   # no run folder left behind
+    out = fedhop(["run", "digits.toml", "--set", "algorithm.vectorized=false", "--set", "run.rounds=1", "--quiet",
+                  *[a for s in sets for a in ("--set", s)]], tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]   # the same config one client at a time runs
 
 
 def test_a_loss_that_draws_noise_is_refused_before_any_process(tmp_path):

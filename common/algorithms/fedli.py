@@ -62,7 +62,7 @@ from fedhop.common.algorithms.base import (
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 from fedhop.common.algorithms.vectorized import (
     Batches,
-    cohorts,
+    cohort_steps,
     compute_shares,
     every_parameter,
     local_sgd_together,
@@ -280,10 +280,7 @@ def armijo_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str
         return decayed(losses_at(point, {name: t[at] for name, t in fixed.items()}, mask[at], *(t[at] for t in batch)),
                        point)
 
-    for k, width, members, rows in cohorts(plans, batch_size):
-        params = stacked if rows is None else {name: t[rows] for name, t in stacked.items()}
-        fixed = frozen if rows is None else {name: t[rows] for name, t in frozen.items()}
-        mask, batch = batches.step(rows, k, width)
+    for k, members, rows, params, fixed, mask, batch in cohort_steps(plans, batch_size, batches, stacked, frozen):
         grads, task_losses = gradients(params, fixed, mask, *batch)
         with torch.no_grad():
             if weight_decay:

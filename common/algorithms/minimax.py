@@ -65,9 +65,12 @@ from fedhop.common.algorithms.base import (
     ServerState,
 )
 from fedhop.common.algorithms.local import get_params, set_params
-from fedhop.common.algorithms.minimax_local import local_sgda
+from fedhop.common.algorithms.minimax_local import SgdaResult, local_sgda, local_sgda_together
+from fedhop.common.algorithms.vectorized import every_parameter
+from fedhop.common.models.exchange import named_parameters
 from fedhop.common.numerics.projections import NO_CONSTRAINT, Constraint
 from fedhop.common.util.rng import numpy_stream
+from fedhop.common.wire.message import COMPUTE_KEY
 
 SNAPSHOT_PREFIX = "snapshot."
 A_NORM_KEY = "pa_norm"
@@ -188,7 +191,6 @@ class MinimaxAlgorithm(Algorithm):
 
     # ================================================================== client side
     def client_update(self, ctx: ClientContext, message: Payload) -> Payload:
-        p: MinimaxParams = self.params
         set_params(ctx.model, message.tensors)
         start = {n: t.detach().clone() for n, t in get_params(ctx.model).items()}
         x_names, y_names = split_names(start)
@@ -203,7 +205,39 @@ class MinimaxAlgorithm(Algorithm):
                          rho=self.client_rho(ctx), weight_decay=float(getattr(self.cfg, "weight_decay", 0.0)),
                          constraint=constraint, snapshot=snapshot)
         local = get_params(ctx.model)
-        delta = {n: local[n] - start[n] for n in start}
+        return self.reply(ctx, {n: local[n] - start[n] for n in start}, res, x_names, y_names, constraint)
+
+    @classmethod
+    def trains_together(cls) -> bool:
+        """The clients run `local_sgda` (`client_updates`); a subclass with a solver of its own does not."""
+        return cls.client_update is MinimaxAlgorithm.client_update
+
+    def client_updates(self, ctxs: list[ClientContext], messages: list[Payload]) -> list[Payload]:
+        """`client_update` of every client, their local SGDA trained together
+        (common/algorithms/minimax_local.py `local_sgda_together`)."""
+        every_parameter(ctxs, messages, skip=SNAPSHOT_PREFIX)
+        names = [n for n, _ in named_parameters(ctxs[0].model)]
+        x_names, y_names = split_names(names)
+        if not y_names:
+            return [self.client_update(ctx, message) for ctx, message in zip(ctxs, messages)]   # its one-line error
+        constraint: Constraint = getattr(ctxs[0].task, "max_constraint", NO_CONSTRAINT)
+        snapshots = [self._client_snapshot(ctx, m, x_names) for ctx, m in zip(ctxs, messages)] if self.plus else None
+        start, final, results, seconds = local_sgda_together(
+            ctxs, [{n: m.tensors[n] for n in names} for m in messages], x_names, y_names, self.lr_x, self.lr_y,
+            int(self.cfg.batch_size), [self.local_budget(ctx) for ctx in ctxs], [self.client_rho(ctx) for ctx in ctxs],
+            weight_decay=float(getattr(self.cfg, "weight_decay", 0.0)), constraint=constraint, snapshots=snapshots)
+        replies = []
+        for i, ctx in enumerate(ctxs):
+            reply = self.reply(ctx, {n: final[n][i] - start[n][i] for n in names}, results[i], x_names, y_names,
+                               constraint)
+            reply.scalars[COMPUTE_KEY] = seconds[i]
+            replies.append(reply)
+        return replies
+
+    def reply(self, ctx: ClientContext, delta: dict[str, torch.Tensor], res: SgdaResult, x_names: list[str],
+              y_names: list[str], constraint: Constraint) -> Payload:
+        """The client's reply from its local change `delta` (module docstring, "client -> server")."""
+        p: MinimaxParams = self.params
         pn = self.client_p(ctx) * ctx.task.num_clients          # p_i n: w~_i = p_i n / |C|
         tensors: dict[str, torch.Tensor] = {}
         if self.normalized:

@@ -14,6 +14,7 @@ y is projected onto the task's constraint set after every step (P_Y; identity wh
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -21,6 +22,14 @@ from typing import Iterator, Sequence
 import torch
 
 from fedhop.common.algorithms.base import ClientContext
+from fedhop.common.algorithms.vectorized import (
+    Batches,
+    cohort_steps,
+    compute_shares,
+    rows_of,
+    stack_starts,
+    stacked_gradients,
+)
 from fedhop.common.numerics.projections import NO_CONSTRAINT, Constraint
 from fedhop.common.numerics.sampling import local_batches
 
@@ -121,3 +130,65 @@ def local_sgda(ctx: ClientContext, x_names: Sequence[str], y_names: Sequence[str
         out.loss_sum += float(loss.detach())
     out.a_norm = a_norm(rho, out.steps)
     return out
+
+
+def local_sgda_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]],
+                        x_names: Sequence[str], y_names: Sequence[str], lr_x: float, lr_y: float, batch_size: int,
+                        budgets: Sequence[tuple[int, int]], rhos: Sequence[float], *, weight_decay: float = 0.0,
+                        constraint: Constraint = NO_CONSTRAINT,
+                        snapshots: Sequence[dict[str, torch.Tensor]] | None = None,
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[SgdaResult], list[float]]:
+    """`local_sgda` of each client in `ctxs` from its own start, all at once ([algorithm]
+    vectorized, common/algorithms/vectorized.py): client i takes `budgets[i]` (steps, epochs)
+    with heavy-ball coefficient `rhos[i]` (0: plain SGD) and, for SGDA+, its own snapshot
+    `snapshots[i]`.  At local step k one stacked computation gives the x- and y-gradients of
+    the clients taking it (SGDA+: a second one at their snapshots gives the y-gradients, on the
+    same minibatches), and each client's step, momentum buffer and projection of y are its own
+    row's, with `local_sgda`'s operations in its order.
+
+    Returns the start and final parameters stacked (row i: client i's), each client's
+    SgdaResult and its share of the seconds spent."""
+    started = time.perf_counter()
+    model, task = ctxs[0].model, ctxs[0].task
+    names, start, stacked, frozen = stack_starts(model, starts)
+    xs, ys = [n for n in x_names if n in stacked], [n for n in y_names if n in stacked]
+    gradients = stacked_gradients(model, task)
+    datas = [task.client_data(ctx.client_id) for ctx in ctxs]
+    plans = [list(local_batches(data.rows, batch_size, steps, epochs, ctx.generator))
+             for ctx, data, (steps, epochs) in zip(ctxs, datas, budgets)]
+    dtype = next(iter(start.values())).dtype
+    batches = Batches(datas, plans, dtype, batch_size)
+    rho = torch.tensor(list(rhos), dtype=dtype, device=next(iter(start.values())).device)
+    buffers = {n: torch.zeros_like(stacked[n]) for n in xs + ys} if any(rhos) else {}
+    x_hat = None if snapshots is None else {n: torch.stack([s[n].to(dtype) for s in snapshots]) for n in xs}
+    results = [SgdaResult() for _ in ctxs]
+    for _, members, rows, params, fixed, mask, batch in cohort_steps(plans, batch_size, batches, stacked, frozen):
+        grads, losses = gradients(params, fixed, mask, *batch)
+        if x_hat is not None:   # SGDA+: the y-gradient at (xhat, y), on the same minibatch
+            at_hat, _ = gradients({**params, **{n: rows_of(x_hat[n], rows) for n in xs}}, fixed, mask, *batch)
+            grads = {**grads, **{n: at_hat[n] for n in ys}}
+        with torch.no_grad():
+            for n, sign, lr in [(n, -1.0, lr_x) for n in xs] + [(n, 1.0, lr_y) for n in ys]:
+                p, g = params[n], grads[n]
+                if weight_decay and sign < 0:   # on x only
+                    g = g + weight_decay * p
+                if buffers:   # d = rho d + g, each row its own rho (0: d = g)
+                    g = rows_of(buffers[n], rows) * rows_of(rho, rows).view(-1, *([1] * (g.dim() - 1))) + g
+                    if rows is None:
+                        buffers[n] = g
+                    else:
+                        buffers[n][rows] = g
+                new = p - g * lr if sign < 0 else p + g * lr   # x descends, y ascends
+                if sign > 0:
+                    for row in new:   # P_Y, each client's y alone
+                        constraint.project_(row)
+                if rows is None:
+                    stacked[n] = new
+                else:
+                    stacked[n][rows] = new
+        for i, loss in zip(members, losses.detach().double().tolist()):
+            results[i].steps += 1
+            results[i].loss_sum += loss
+    for result, r in zip(results, rhos):
+        result.a_norm = a_norm(r, result.steps)
+    return start, {**stacked, **frozen}, results, compute_shares(started, [r.steps for r in results])

@@ -344,10 +344,7 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
     dtype = next(iter(start.values())).dtype if start else torch.float32
     batches = Batches(datas, plans, dtype, batch_size)
     stats = [LocalStats() for _ in ctxs]
-    for k, width, members, rows in cohorts(plans, batch_size):
-        params = stacked if rows is None else {name: t[rows] for name, t in stacked.items()}
-        fixed = frozen if rows is None else {name: t[rows] for name, t in frozen.items()}
-        mask, batch = batches.step(rows, k, width)
+    for k, members, rows, params, fixed, mask, batch in cohort_steps(plans, batch_size, batches, stacked, frozen):
         grads, losses = step_all(params, fixed, mask, *batch)
         etas = (None if step_sizes is None else   # each member's own step size at step k
                 torch.tensor([step_sizes[i][k] for i in members], dtype=dtype, device=losses.device))
@@ -383,6 +380,20 @@ def cohorts(plans: Sequence[list[torch.Tensor]], batch_size: int
                 groups.setdefault(batch_size if batch_size > 0 else int(plan[k].numel()), []).append(i)
         for width, members in groups.items():
             yield k, width, members, None if len(members) == len(plans) else torch.tensor(members)
+
+
+def cohort_steps(plans: Sequence[list[torch.Tensor]], batch_size: int, batches: "Batches",
+                 stacked: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor]
+                 ) -> Iterator[tuple[int, list[int], torch.Tensor | None, dict[str, torch.Tensor],
+                                     dict[str, torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...]]]:
+    """`cohorts` with each computation's inputs: (local step k, the members, their rows or None
+    for every client, their trainable parameters as `stacked` holds them when the step comes,
+    their frozen ones, the mask and their padded minibatches)."""
+    for k, width, members, rows in cohorts(plans, batch_size):
+        params = stacked if rows is None else {name: t[rows] for name, t in stacked.items()}
+        fixed = frozen if rows is None else {name: t[rows] for name, t in frozen.items()}
+        mask, batch = batches.step(rows, k, width)
+        yield k, members, rows, params, fixed, mask, batch
 
 
 def _count_step(stats: list[LocalStats], plans: Sequence[list[torch.Tensor]], members: list[int], k: int,

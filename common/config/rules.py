@@ -19,8 +19,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from fedhop.common.algorithms import algorithm_class, edge_step_problem, partial_exchange_algorithms, registry
 from fedhop.common.algorithms import config_problem as algorithm_problem
-from fedhop.common.algorithms import edge_step_problem, partial_exchange_algorithms, registry
 from fedhop.common.config.schema import WORKERS_AUTO, Config, ConfigError, resolve_clients_per_round
 from fedhop.common.config.validate import _is_int, build_dataclass
 from fedhop.common.privacy.rules import config_problem as privacy_problem
@@ -225,10 +225,15 @@ def _check_vectorized(cfg: Config) -> None:
     if not cfg.algorithm.vectorized:
         return
     name = cfg.algorithm.name
-    if name in registry() and not registry()[name].trains_together():
+    try:
+        algorithm = algorithm_class(name)
+    except (KeyError, ValueError):
+        return   # an unknown name or a plug-in that does not load: reported where algorithm.name is read
+    if not algorithm.trains_together():
         able = sorted(n for n, cls in registry().items() if cls.trains_together())
         raise ConfigError(f"config key 'algorithm.vectorized': algorithm.name = '{name}' has a local solver of its "
-                          f"own that does not train clients together (it works with {', '.join(able)})")
+                          f"own that does not train clients together (it works with {', '.join(able)}, and with a "
+                          f"plug-in written as SolverAlgorithm.local_solver, docs/plugins.md)")
     if cfg.privacy.mode == "dpsgd":
         raise ConfigError("config key 'algorithm.vectorized': privacy.mode = 'dpsgd' clips each example's gradient "
                           "in a solver of its own; use one of the two")

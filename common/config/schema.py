@@ -133,10 +133,9 @@ class AlgorithmConfig:
     vectorized: bool = _f(False, help="train the clients of one call (a batch, a worker's share, the round "
                                       "engine's loop) together: one torch.func.vmap step for all of them "
                                       "(docs/vectorized.md). Same algorithm and minibatches; rounding differs from "
-                                      "one-at-a-time training, never with the engine or the batching. FedAvg and its "
-                                      "server-side variants, FedProx, FedExP, FedNova, SCAFFOLD, FedDyn, FedLGA, "
-                                      "Fed-CHS, FedLi-LU, FedLi-LS and the composite solvers (FedMiD, FedDA, Fast-, "
-                                      "C- and MC-FedDA); a task whose loss is a pure function, a model without "
+                                      "one-at-a-time training, never with the engine or the batching. Every built-in "
+                                      "algorithm, and a plug-in written as SolverAlgorithm.local_solver; a task whose "
+                                      "loss is a mean of per-example losses and a pure function, a model without "
                                       "buffers exchanged whole, no DP-SGD")
     vectorized_memory_mb: int = _f(512, min=1, help="under vectorized: the most memory (MB) one stack of clients "
                                                     "trained together may take, estimated from the model's size and "

@@ -221,6 +221,16 @@ class MinimaxQuadraticTask(Task):
             value = value + self.noise * (torch.dot(xi[0], x) + torch.dot(xi[1], y))
         return value
 
+    def vectorizable(self) -> bool:
+        return self.noise == 0 and type(self).loss is MinimaxQuadraticTask.loss   # noise draws from the generator
+
+    def sample_loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Each row's a/2 ||x - u||^2 + b <x, y> - c/2 ||y - v||^2 (`loss` is their mean)."""
+        a, c, u, v = batch
+        saddle = cast(SaddleModel, model)
+        x, y = saddle.x, saddle.y
+        return 0.5 * (a * (x[None] - u).pow(2)).sum(1) + self.b * torch.dot(x, y) - 0.5 * (c * (y[None] - v).pow(2)).sum(1)
+
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         saddle = cast(SaddleModel, model)
         x, y = (t.detach().double().numpy() for t in (saddle.x, saddle.y))
