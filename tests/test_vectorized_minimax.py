@@ -5,8 +5,8 @@ snapshot and projection of y.
 
 What must hold: every reply is the one-at-a-time `local_sgda`'s to float rounding, with the same
 steps, weights and ||a_i||_1; a client's result does not depend on the clients beside it, so the
-engines give the same model bit for bit; a task whose loss is not a mean of per-example losses
-(fair_digits) is refused with one line.
+engines give the same model bit for bit. fair_digits, whose loss weighs each class's mean loss by
+y, trains together through its own loss of a padded batch (`FairDigitsTask.padded_loss`).
 """
 from __future__ import annotations
 
@@ -30,10 +30,12 @@ def _quadratic(algorithm: str, vec: bool, extra: str = "", dtype: str = "float64
                    extra=f"weight_decay = 0.05\n{extra}vectorized = {str(vec).lower()}\n")
 
 
-def _robust(algorithm: str, vec: bool, extra: str = "") -> str:
-    """Universal-perturbation robust training on digits (y in the unit ball), each client 1-2
-    epochs drawn each round, minibatches of 32 on a Dirichlet split."""
-    text = digits_toml("robust_digits", algorithm, f"{extra}vectorized = {str(vec).lower()}", lr_y=5.0)
+def _digits(dataset: str, algorithm: str, vec: bool, extra: str = "") -> str:
+    """Robust training on digits (y a universal perturbation in the unit ball) or fair
+    classification (y on the simplex), each client 1-2 epochs drawn each round, minibatches of
+    32 on a Dirichlet split."""
+    text = digits_toml(dataset, algorithm, f"{extra}vectorized = {str(vec).lower()}",
+                       lr_y=5.0 if dataset == "robust_digits" else 0.5)
     return text.replace("per_round = 3", "per_round = 6")
 
 
@@ -43,12 +45,14 @@ CASES = [("quadratic", a, "") for a in ALGORITHMS] + [
     ("quadratic-float32", "local_sgda_plus", 'solver = "momentum"\n'),
     ("robust", "fed_norm_sgda_plus", "snapshot_period = 2\n"),
     ("robust", "local_sgda", 'solver = "momentum"\nweight_decay = 0.01\n'),
+    ("fair", "fed_norm_sgda", 'solver = "momentum"\n'),
+    ("fair", "local_sgda_plus", ""),
 ]
 
 
 def _text(case: str, algorithm: str, extra: str, vec: bool) -> str:
-    if case == "robust":
-        return _robust(algorithm, vec, extra)
+    if case in ("robust", "fair"):
+        return _digits(f"{case}_digits", algorithm, vec, extra)
     return _quadratic(algorithm, vec, extra, "float32" if case.endswith("float32") else "float64")
 
 
@@ -88,9 +92,12 @@ def test_minimax_clients_trained_together_are_local_sgda_to_rounding(case, algor
                               atol=1e-12 if tight else 1e-5), name
     if case == "robust":
         assert float(vec.state.params["y"].norm()) <= 1.0 + 1e-5   # projected onto the ball
+    if case == "fair":   # on the simplex, and moved from the uniform start
+        y = vec.state.params["y"]
+        assert float(y.min()) >= 0 and float(y.sum()) == pytest.approx(1.0, abs=1e-5) and float(y.max()) > 0.11
 
 
-@pytest.mark.parametrize("case,algorithm,extra", [CASES[4], CASES[6]])
+@pytest.mark.parametrize("case,algorithm,extra", [CASES[4], CASES[6], CASES[8]])
 def test_a_minimax_clients_result_does_not_depend_on_the_clients_beside_it(case, algorithm, extra):
     engine = RoundEngine(parse_config(_text(case, algorithm, extra, True)))
     engine.run(2)   # SGDA+: clients now hold a snapshot
@@ -100,15 +107,34 @@ def test_a_minimax_clients_result_does_not_depend_on_the_clients_beside_it(case,
 def test_minimax_gives_one_model_in_both_engines_and_the_plain_runs_bytes(tmp_path):
     """From a user's folder: Fed-Norm-SGDA+ on robust digits, vectorized in processes and
     in-process, the same model bit for bit with the one-at-a-time run's messages and bytes."""
-    (tmp_path / "robust.toml").write_text(_robust("fed_norm_sgda_plus", False, "snapshot_period = 2\n").replace(
-        'kind = "inmemory"', 'kind = "grpc"'))
+    (tmp_path / "robust.toml").write_text(_digits("robust_digits", "fed_norm_sgda_plus", False,
+                                                  "snapshot_period = 2\n").replace('kind = "inmemory"', 'kind = "grpc"'))
     engines_agree(tmp_path, "robust.toml")
 
 
-def test_a_minimax_task_whose_loss_is_not_per_example_is_refused_in_one_line(tmp_path):
-    """fair_digits weighs each class's mean loss by y: not a mean of per-example losses."""
-    (tmp_path / "fair.toml").write_text(digits_toml("fair_digits", "fed_norm_sgda", "vectorized = true"))
-    out = fedhop(["run", "fair.toml"], tmp_path)
+def test_fair_digits_padded_loss_is_its_loss_on_the_real_rows():
+    """`padded_loss` against `loss` (index_add per class) on batches with a class missing,
+    padded with zero rows (labels 0, so padding would count towards class 0 if the mask failed)."""
+    engine = RoundEngine(parse_config(_digits("fair_digits", "fed_norm_sgda", True)))
+    task, model = engine.task, engine.task.build_model()
+    with torch.no_grad():
+        model.y.copy_(torch.softmax(torch.randn(model.y.shape, generator=torch.Generator().manual_seed(0)), 0))
+    x, labels = task.client_data(0).tensors[:2]
+    for rows in (3, 8, int(labels.numel())):
+        real = (x[:rows], labels[:rows])
+        padded = (torch.cat([real[0], torch.zeros(5, *x.shape[1:])]),
+                  torch.cat([real[1], torch.zeros(5, dtype=labels.dtype)]))
+        mask = torch.cat([torch.ones(rows), torch.zeros(5)])
+        with torch.no_grad():
+            want = float(task.loss(model, real))
+            assert float(task.padded_loss(model, padded, mask)) == pytest.approx(want, rel=1e-6)
+            assert float(task.padded_loss(model, padded, torch.ones(rows + 5))) != pytest.approx(want, rel=1e-6)
+
+
+def test_a_minimax_task_with_noise_is_refused_in_one_line(tmp_path):
+    """The quadratic's gradient noise draws from the client's generator."""
+    (tmp_path / "q.toml").write_text(mm_toml("local_sgda", noise=0.1, extra="vectorized = true"))
+    out = fedhop(["run", "q.toml"], tmp_path)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "algorithm.vectorized" in lines[0] and "FairDigitsTask" in lines[0], out.stderr
+    assert len(lines) == 1 and "algorithm.vectorized" in lines[0] and "MinimaxQuadraticTask" in lines[0], out.stderr

@@ -48,8 +48,8 @@ from fedhop.common.numerics.sampling import local_batches
 class _TaskLoss(torch.nn.Module):
     """A client's loss on a padded batch as a module, so that `functional_call` can run it with
     the client's parameters in place of the model's (their names prefixed by "model."): the
-    task's per-sample losses of the batch's real rows (`mask` 1) summed and divided by their
-    count, the padding's rows multiplied by 0."""
+    task's loss of the batch's real rows (`mask` 1; `Task.padded_loss`, by default the mean of
+    their per-sample losses, the padding's rows multiplied by 0)."""
 
     def __init__(self, task, model: torch.nn.Module) -> None:
         super().__init__()
@@ -57,8 +57,7 @@ class _TaskLoss(torch.nn.Module):
         self._task = (task,)   # not a submodule
 
     def forward(self, mask: torch.Tensor, *batch: torch.Tensor) -> torch.Tensor:
-        per = self._task[0].sample_loss(self.model, batch)
-        return (per * mask).sum() / mask.sum()
+        return self._task[0].padded_loss(self.model, batch, mask)
 
 
 def why_not_vectorized(task, model: torch.nn.Module) -> str | None:

@@ -68,15 +68,24 @@ class Task(ABC):
         """
 
     def vectorizable(self) -> bool:
-        """Whether `loss` is the mean of `sample_loss`, a pure function of the model's parameters
-        and the batch that torch.func can vmap ([algorithm] vectorized,
+        """Whether `padded_loss` is `loss` on the real rows and a pure function of the model's
+        parameters and the batch that torch.func can vmap ([algorithm] vectorized,
         common/algorithms/vectorized.py): no draw from the generator, no Python branch on a
         tensor's values, nothing written in place."""
         return False
 
     def sample_loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The loss of each row of `batch` (a vectorizable task's `loss` is their mean)."""
+        """The loss of each row of `batch` (a vectorizable task's `loss` is their mean, unless
+        it brings a `padded_loss` of its own)."""
         raise NotImplementedError(f"{type(self).__name__} gives no per-sample loss")
+
+    def padded_loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
+                    mask: torch.Tensor) -> torch.Tensor:
+        """`loss` of the rows of `batch` whose `mask` is 1, the others padding (zero rows that
+        make every client's batch one width, common/algorithms/vectorized.py): the per-sample
+        losses of the real rows summed and divided by their count.  A task that brings its own
+        returns None from `stacked_sample_loss`, whose stacks compute this default."""
+        return (self.sample_loss(model, batch) * mask).sum() / mask.sum()
 
     def stacked_sample_loss(self, model: torch.nn.Module) -> "StackedLoss | None":
         """`sample_loss` of m clients at once with `model`'s architecture, computed directly on

@@ -425,6 +425,24 @@ class FairDigitsTask(ClassificationTask):
         y = cast(ClassWeighted, model).y
         return torch.dot(y, f_c) - 0.5 * self.lam * y.pow(2).sum()
 
+    def vectorizable(self) -> bool:
+        return type(self).loss is FairDigitsTask.loss and type(self).padded_loss is FairDigitsTask.padded_loss
+
+    def padded_loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...], mask: torch.Tensor) -> torch.Tensor:
+        """`loss` of the real rows (`mask` 1): F_c from each class's real rows alone, through a
+        one-hot matrix rather than `index_add`, so that torch.func can vmap it."""
+        inputs, labels = batch[0], batch[1]
+        per = F.cross_entropy(model(inputs), labels, reduction="none") * mask
+        classes = torch.arange(self.n_classes, device=labels.device)
+        member = (labels[:, None] == classes[None, :]).to(per.dtype) * mask[:, None]   # row r of class c, real
+        f_c = (member * per[:, None]).sum(0) / member.sum(0).clamp_min(1.0)
+        y = cast(ClassWeighted, model).y
+        return torch.dot(y, f_c) - 0.5 * self.lam * y.pow(2).sum()
+
+    def stacked_sample_loss(self, model: nn.Module) -> None:
+        """None: the loss is not a mean of per-sample losses, so a stack runs `padded_loss` through vmap."""
+        return None
+
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         x, y = _eval_set(self)
         logits = self._forward(model, x)

@@ -65,6 +65,10 @@ class PlacedTask(Task):
     def sample_loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return self.inner.sample_loss(model, batch)
 
+    def padded_loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
+                    mask: torch.Tensor) -> torch.Tensor:
+        return self.inner.padded_loss(model, batch, mask)
+
     def stacked_sample_loss(self, model: torch.nn.Module) -> StackedLoss | None:
         return self.inner.stacked_sample_loss(model)
 
