@@ -435,6 +435,8 @@ def test_writer_rejects_unwritable_values():
 def test_kappa2_above_one_is_refused_at_load_for_algorithms_without_an_edge_step(name, refused):
     text = (f'[algorithm]\nname = "{name}"\n[topology]\nkind = "hierarchical"\nedges = 2\nkappa2 = 2\n'
             f'[clients]\ncount = 10\n')
+    if name == "local_sgda":   # a minimax algorithm runs on a minimax task
+        text += '[data]\ndataset = "minimax_quadratic"\ndim = 2\n'
     if refused:
         with pytest.raises(ConfigError, match=f"topology.kappa2.*'{name}'"):
             parse_config(text)

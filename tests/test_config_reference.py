@@ -41,13 +41,18 @@ def _choice_schemas() -> list[tuple[str, str | None, type]]:
 
 def _companions(section: str, choice: str | None) -> list[str]:
     """What a choice needs besides itself to load: a sequential algorithm runs on the sequential
-    topology, which runs only such an algorithm; hierarchical and sequential topologies need edges."""
+    topology, which runs only such an algorithm; hierarchical and sequential topologies need edges;
+    a minimax algorithm runs on a minimax task, which runs only such an algorithm."""
     if section == "algorithm" and choice and getattr(algorithm_class(choice), "sequential", False):
         return ["topology.kind=sequential", "topology.edges=2"]
     if section == "topology" and choice == "sequential":
         return ["topology.edges=2", "algorithm.name=fedchs"]
     if section == "topology" and choice == "hierarchical":
         return ["topology.edges=2"]
+    if section == "algorithm" and choice in ("local_sgda", "local_sgda_plus", "fed_norm_sgda", "fed_norm_sgda_plus"):
+        return ["data.dataset=minimax_quadratic"]   # a minimax algorithm runs on a minimax task, and only it there
+    if section == "data" and choice in ("minimax_quadratic", "robust_digits", "fair_digits"):
+        return ["algorithm.name=local_sgda"]
     return []
 
 

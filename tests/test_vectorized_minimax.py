@@ -138,3 +138,22 @@ def test_a_minimax_task_with_noise_is_refused_in_one_line(tmp_path):
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "algorithm.vectorized" in lines[0] and "MinimaxQuadraticTask" in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("dataset,algorithm,key", [
+    ("digits", "fed_norm_sgda", "data.dataset"),             # no maximising part y: every client would fail
+    ("minimax_quadratic", "fedavg", "algorithm.name"),       # y would descend
+    ("fair_digits", "scaffold", "algorithm.name"),
+])
+def test_a_minimax_algorithm_and_a_task_of_another_kind_are_refused_in_one_line(tmp_path, dataset, algorithm, key):
+    """From a user's folder: the built-in pairing is refused when the config loads (exit 2, one
+    line naming the key, no run folder); the matching pairs load (the tests above run them)."""
+    (tmp_path / "x.toml").write_text(f'[algorithm]\nname = "{algorithm}"\n[data]\ndataset = "{dataset}"\n'
+                                     + ("dim = 2\n" if dataset == "minimax_quadratic" else ""))
+    out = fedhop(["run", "x.toml"], tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"config key '{key}'" in lines[0] and "minimax" in lines[0], out.stderr
+    assert not any(tmp_path.glob("runs"))
+    parse_config(f'[algorithm]\nname = "local_sgda"\n[data]\ndataset = "{dataset}"\n'
+                 if key == "algorithm.name" else f'[algorithm]\nname = "{algorithm}"\n[data]\ndataset = "fair_digits"\n')

@@ -76,7 +76,9 @@ def config_problem(cfg: Any) -> str | None:
     - a robust `security.aggregation` replaces the default weighted mean (common/engine/robust.py),
       so not the reduction of an algorithm that overrides `Algorithm.aggregate`;
     - `algorithm.regularizer` and `reg` (a composite term R(w)) only for an algorithm that applies
-      it (`Algorithm.composite_term`); a built-in one that does not would silently ignore it.
+      it (`Algorithm.composite_term`); a built-in one that does not would silently ignore it;
+    - a built-in minimax algorithm (descent on x, ascent on y) only on a built-in minimax task,
+      and a minimax task only with a minimax algorithm or a plug-in (`minimax_problem`).
     """
     try:
         cls = algorithm_class(cfg.algorithm.name)
@@ -101,12 +103,37 @@ def config_problem(cfg: Any) -> str | None:
         allowed = ", ".join(sorted(n for n, c in registry().items() if getattr(c, "composite_term", False)))
         return (f"config key 'algorithm.{key}': got {value}, but algorithm '{cfg.algorithm.name}' has no composite "
                 f"term R(w) and would ignore it (one with: {allowed})")
+    problem = minimax_problem(cfg, cls)
+    if problem is not None:
+        return problem
     rule = cfg.security.aggregation
     if rule != "mean" and cfg.algorithm.name in ALGORITHMS:
         from fedhop.common.algorithms.base import Algorithm  # local: base imports torch
         if cls.aggregate is not Algorithm.aggregate:
             return (f"config key 'security.aggregation': '{rule}' replaces the weighted mean, but algorithm "
                     f"'{cfg.algorithm.name}' reduces its replies its own way; use 'mean'")
+    return None
+
+
+def minimax_problem(cfg: Any, cls: type) -> str | None:
+    """A built-in minimax algorithm trains a model's maximising part y by ascent, which only the
+    minimax tasks have: on another built-in data set its clients would all fail at their first
+    call.  Another built-in algorithm would descend on a minimax task's y.  A plug-in algorithm or
+    data set may bring its own, so only built-in pairs are checked."""
+    from fedhop.common.algorithms.minimax import MinimaxAlgorithm  # local: imports torch
+    from fedhop.common.tasks import builtin_datasets
+    from fedhop.common.tasks.minimax import MINIMAX_DATASETS
+    dataset, name = cfg.data.dataset, cfg.algorithm.name
+    if name not in ALGORITHMS or dataset not in builtin_datasets():
+        return None
+    minimax = issubclass(cls, MinimaxAlgorithm)
+    if minimax and dataset not in MINIMAX_DATASETS:
+        return (f"config key 'data.dataset': got '{dataset}', but algorithm '{name}' ascends on a model's "
+                f"maximising part y, which only a minimax task has (allowed: {', '.join(MINIMAX_DATASETS)})")
+    if not minimax and dataset in MINIMAX_DATASETS:
+        allowed = ", ".join(sorted(n for n, c in registry().items() if issubclass(c, MinimaxAlgorithm)))
+        return (f"config key 'algorithm.name': got '{name}', but data.dataset = '{dataset}' is a minimax "
+                f"problem whose y must ascend (allowed: {allowed})")
     return None
 
 
