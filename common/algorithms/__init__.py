@@ -122,15 +122,16 @@ def minimax_problem(cfg: Any, cls: type) -> str | None:
     data set may bring its own, so only built-in pairs are checked."""
     from fedhop.common.algorithms.minimax import MinimaxAlgorithm  # local: imports torch
     from fedhop.common.tasks import builtin_datasets
-    from fedhop.common.tasks.minimax import MINIMAX_DATASETS
+    from fedhop.common.tasks.minimax import REGISTER  # the tasks whose model has a maximising part y
+    minimax_tasks = tuple(REGISTER)
     dataset, name = cfg.data.dataset, cfg.algorithm.name
     if name not in ALGORITHMS or dataset not in builtin_datasets():
         return None
     minimax = issubclass(cls, MinimaxAlgorithm)
-    if minimax and dataset not in MINIMAX_DATASETS:
+    if minimax and dataset not in minimax_tasks:
         return (f"config key 'data.dataset': got '{dataset}', but algorithm '{name}' ascends on a model's "
-                f"maximising part y, which only a minimax task has (allowed: {', '.join(MINIMAX_DATASETS)})")
-    if not minimax and dataset in MINIMAX_DATASETS:
+                f"maximising part y, which only a minimax task has (allowed: {', '.join(minimax_tasks)})")
+    if not minimax and dataset in minimax_tasks:
         allowed = ", ".join(sorted(n for n, c in registry().items() if issubclass(c, MinimaxAlgorithm)))
         return (f"config key 'algorithm.name': got '{name}', but data.dataset = '{dataset}' is a minimax "
                 f"problem whose y must ascend (allowed: {allowed})")

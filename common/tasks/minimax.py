@@ -484,4 +484,3 @@ def _build_fair_digits(cfg: Any, p: FairDigitsParams) -> Task:
 REGISTER = {"minimax_quadratic": (_build_minimax_quadratic, MinimaxQuadraticParams),   # data.dataset -> (builder, keys)
             "robust_digits": (_build_robust_digits, RobustDigitsParams),
             "fair_digits": (_build_fair_digits, FairDigitsParams)}
-MINIMAX_DATASETS = tuple(REGISTER)   # the tasks whose model has a maximising part y
