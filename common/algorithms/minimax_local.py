@@ -150,7 +150,7 @@ def local_sgda_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str
     SgdaResult and its share of the seconds spent."""
     started = time.perf_counter()
     model, task = ctxs[0].model, ctxs[0].task
-    names, start, stacked, frozen = stack_starts(model, starts)
+    _, start, stacked, frozen = stack_starts(model, starts)
     xs, ys = [n for n in x_names if n in stacked], [n for n in y_names if n in stacked]
     gradients = stacked_gradients(model, task)
     datas = [task.client_data(ctx.client_id) for ctx in ctxs]
@@ -179,7 +179,7 @@ def local_sgda_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str
                     else:
                         buffers[n][rows] = g
                 new = p - g * lr if sign < 0 else p + g * lr   # x descends, y ascends
-                if sign > 0:
+                if sign > 0 and constraint.kind != "none":
                     for row in new:   # P_Y, each client's y alone
                         constraint.project_(row)
                 if rows is None:
