@@ -61,7 +61,7 @@ from fedhop.common.algorithms.base import (
 )
 from fedhop.common.algorithms.local import get_params, local_sgd, set_params
 from fedhop.common.algorithms.vectorized import (
-    Batches,
+    call_batches,
     cohort_steps,
     compute_shares,
     every_parameter,
@@ -248,13 +248,10 @@ def armijo_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str
     model, task = ctxs[0].model, ctxs[0].task
     names, start, stacked, frozen = stack_starts(model, starts)
     gradients, losses_at = stacked_gradients(model, task), stacked_losses(model, task)
-    datas = [task.client_data(ctx.client_id) for ctx in ctxs]
-    plans = [list(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator))
-             for ctx, data in zip(ctxs, datas)]
-    fractions = [(data.rows if batch_size <= 0 else min(batch_size, data.rows)) / max(data.rows, 1) for data in datas]
     dtype = next(iter(start.values())).dtype if start else torch.float32
     device = next(iter(start.values())).device if start else torch.device("cpu")
-    batches = Batches(datas, plans, dtype, batch_size)
+    datas, plans, batches = call_batches(ctxs, batch_size, dtype)
+    fractions = [(data.rows if batch_size <= 0 else min(batch_size, data.rows)) / max(data.rows, 1) for data in datas]
     stats = [ArmijoStats() for _ in ctxs]
     etas = [p.eta_max] * len(ctxs)
 
@@ -383,7 +380,11 @@ class FedLiLS(_FedLiBase):
         set_params(ctx.model, message.tensors)
         stats = armijo_sgd(ctx, self.params, self.cfg.batch_size, self.cfg.weight_decay, self.observer)
         local = get_params(ctx.model)
-        tensors = {name: local[name] - message.tensors[name] for name in message.tensors}
+        return self.reply(ctx, {name: local[name] - message.tensors[name] for name in message.tensors}, stats)
+
+    def reply(self, ctx: ClientContext, delta: dict[str, torch.Tensor], stats: ArmijoStats) -> Payload:
+        """Delta_i and eta^i_{t,K}, the step of the client's last local step (eta_max where it took none)."""
+        tensors = dict(delta)
         tensors[STEP_KEY] = _scalar_tensor(stats.last_eta if stats.steps else self.params.eta_max,
                                            next(iter(tensors.values()), None))
         return Payload(tensors=tensors, scalars={WEIGHT_KEY: self.client_weight(ctx), "train_loss": stats.mean_loss,
@@ -401,13 +402,10 @@ class FedLiLS(_FedLiBase):
         start, final, stats, seconds = armijo_sgd_together(ctxs, [m.tensors for m in messages], self.params,
                                                            self.cfg.batch_size, self.cfg.weight_decay, self.observer)
         replies = []
-        for i, (ctx, message, s) in enumerate(zip(ctxs, messages, stats)):
-            tensors = {name: final[name][i] - start[name][i] for name in message.tensors}   # Delta_i = w_i - w_t
-            tensors[STEP_KEY] = _scalar_tensor(s.last_eta if s.steps else self.params.eta_max,
-                                               next(iter(tensors.values()), None))
-            replies.append(Payload(tensors=tensors, scalars={
-                WEIGHT_KEY: self.client_weight(ctx), "train_loss": s.mean_loss, "local_steps": s.steps,
-                FORWARDS_KEY: s.forwards, COMPUTE_KEY: seconds[i]}))
+        for i, (ctx, message) in enumerate(zip(ctxs, messages)):
+            reply = self.reply(ctx, {name: final[name][i] - start[name][i] for name in message.tensors}, stats[i])
+            reply.scalars[COMPUTE_KEY] = seconds[i]
+            replies.append(reply)
         return replies
 
     def server_step(self, aggregate: Payload) -> float:

@@ -23,7 +23,7 @@ import torch
 
 from fedhop.common.algorithms.base import ClientContext
 from fedhop.common.algorithms.vectorized import (
-    Batches,
+    call_batches,
     cohort_steps,
     compute_shares,
     rows_of,
@@ -153,11 +153,8 @@ def local_sgda_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str
     _, start, stacked, frozen = stack_starts(model, starts)
     xs, ys = [n for n in x_names if n in stacked], [n for n in y_names if n in stacked]
     gradients = stacked_gradients(model, task)
-    datas = [task.client_data(ctx.client_id) for ctx in ctxs]
-    plans = [list(local_batches(data.rows, batch_size, steps, epochs, ctx.generator))
-             for ctx, data, (steps, epochs) in zip(ctxs, datas, budgets)]
     dtype = next(iter(start.values())).dtype
-    batches = Batches(datas, plans, dtype, batch_size)
+    _, plans, batches = call_batches(ctxs, batch_size, dtype, budgets)
     rho = torch.tensor(list(rhos), dtype=dtype, device=next(iter(start.values())).device)
     buffers = {n: torch.zeros_like(stacked[n]) for n in xs + ys} if any(rhos) else {}
     x_hat = None if snapshots is None else {n: torch.stack([s[n].to(dtype) for s in snapshots]) for n in xs}

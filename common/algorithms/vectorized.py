@@ -337,11 +337,8 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
     model, task = ctxs[0].model, ctxs[0].task
     names, start, stacked, frozen = stack_starts(model, starts)
     step_all = stacked_gradients(model, task)
-    datas = [task.client_data(ctx.client_id) for ctx in ctxs]
-    plans = [list(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator))
-             for ctx, data in zip(ctxs, datas)]
     dtype = next(iter(start.values())).dtype if start else torch.float32
-    batches = Batches(datas, plans, dtype, batch_size)
+    _, plans, batches = call_batches(ctxs, batch_size, dtype)
     stats = [LocalStats() for _ in ctxs]
     for k, members, rows, params, fixed, mask, batch in cohort_steps(plans, batch_size, batches, stacked, frozen):
         grads, losses = step_all(params, fixed, mask, *batch)
@@ -450,10 +447,7 @@ def solve_together(ctxs: Sequence[ClientContext], solver: Callable[[int, int], S
     trainable = set(trainable_names(model))
     dtype = next(model.parameters()).dtype
     step_all = stacked_gradients(model, task)
-    datas = [task.client_data(ctx.client_id) for ctx in ctxs]
-    plans = [list(local_batches(data.rows, batch_size, ctx.local_steps, ctx.local_epochs, ctx.generator))
-             for ctx, data in zip(ctxs, datas)]
-    batches = Batches(datas, plans, dtype, batch_size)
+    _, plans, batches = call_batches(ctxs, batch_size, dtype)
     stats = [LocalStats() for _ in ctxs]
     solvers = [solver(i, len(plan)) for i, plan in enumerate(plans)]
     points: list[Tensors | None] = []
@@ -485,6 +479,19 @@ def solve_together(ctxs: Sequence[ClientContext], solver: Callable[[int, int], S
     if any(r is None for r in results):
         raise RuntimeError("a local solver yielded more points than its steps")
     return [r for r in results if r is not None], stats, compute_shares(started, [s.steps for s in stats])
+
+
+def call_batches(ctxs: Sequence[ClientContext], batch_size: int, dtype: torch.dtype,
+                 budgets: Sequence[tuple[int, int]] | None = None) -> tuple[list, list[list[torch.Tensor]], "Batches"]:
+    """A call's clients' data, their minibatch plans (`local_batches`: each client's own
+    generator, in the order the one-at-a-time solver draws them; `budgets[i]` the (steps,
+    epochs) of client i, by default its context's) and the padded minibatches of those plans."""
+    task = ctxs[0].task
+    datas = [task.client_data(ctx.client_id) for ctx in ctxs]
+    budgets = [(ctx.local_steps, ctx.local_epochs) for ctx in ctxs] if budgets is None else budgets
+    plans = [list(local_batches(data.rows, batch_size, steps, epochs, ctx.generator))
+             for ctx, data, (steps, epochs) in zip(ctxs, datas, budgets)]
+    return datas, plans, Batches(datas, plans, dtype, batch_size)
 
 
 class Batches:
