@@ -323,6 +323,47 @@ def test_a_subclass_with_its_own_forward_is_not_run_by_its_parents_stacked_forwa
     assert engine.task.stacked_sample_loss(Doubled(64, [8], 10)) is None
 
 
+def _images_text(folder: Path, kind: str, vectorized: bool) -> str:
+    """FedAvg with `kind` on fakedata's FEMNIST (28x28) or CIFAR-10 (32x32) files in `folder`:
+    10 clients of a round, 2 local steps of batches of 10."""
+    from fedhop.common.data import fakedata
+    if kind == "cifar_cnn":
+        fakedata.cifar10(folder / "cifar10", per_batch=40, n_test=10)
+        data = f'dataset = "cifar10"\npartition = "iid"\ndata_dir = "{folder / "cifar10"}"\n'
+        count = 20
+    else:
+        fakedata.femnist(folder / "femnist", writers=20)
+        data = f'dataset = "femnist"\npartition = "natural"\ndata_dir = "{folder}"\n'
+        count = 20
+    return (f'[run]\nseed = 4\nrounds = 2\neval_every = 0\n[algorithm]\nname = "fedavg"\nlr = 0.05\n'
+            f'batch_size = 10\nlocal_steps = 2\nvectorized = {"true" if vectorized else "false"}\n[data]\n{data}'
+            f'[model]\nkind = "{kind}"\n[clients]\ncount = {count}\nper_round = 10\n')
+
+
+@pytest.mark.parametrize("kind", ["cnn", "cifar_cnn"])
+def test_the_convolutions_of_a_stack_of_larger_images_run_client_by_client(kind, tmp_path):
+    """On the CPU a stack of clients of a convolutional model on 28x28 or 32x32 images is run
+    through the model's `forward_stacked` (each client's convolutions on their own,
+    common/models/conv.py `stacked_conv`), not vmapped: each client's reply the same bits in
+    any grouping and within float32 rounding of the solver one at a time.  LeNet on 8x8 digits
+    stays vmapped (its grouped convolution was measured faster)."""
+    from fedhop.common.models.conv import CNN
+    engine = _engine(_images_text(tmp_path, kind, True))
+    model = engine.task.build_model()
+    assert engine.task.stacked_sample_loss(model) is not None
+    digits = _engine(_digits_text(True))
+    assert digits.task.stacked_sample_loss(CNN(1, 8, 10)) is None
+    items = _items(engine, 1)
+    together = _same_ways(engine, items, model)
+    plain = _engine(_images_text(tmp_path, kind, False))
+    one = [local_update(plain.cfg, plain.task, plain.algorithm, plain.task.build_model(), *item) for item in items]
+    for a, b in zip(one, together):
+        assert a.scalars["local_steps"] == b.scalars["local_steps"]
+        assert a.scalars["train_loss"] == pytest.approx(b.scalars["train_loss"], rel=1e-5)
+        for name in a.tensors:
+            assert torch.allclose(a.tensors[name], b.tensors[name], rtol=1e-4, atol=1e-6), name
+
+
 def test_another_error_of_a_first_stack_is_raised_and_decides_no_way(monkeypatch):
     """Only vmap's refusal of an operator sends a model to the gradient transform: an error of
     another kind in a model's first stack (here the stacked losses running out of memory) is

@@ -8,6 +8,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedhop.common.models.dense import stacked_linear
+
+#: the smallest image (height x width) whose convolutions a stack of clients runs client by
+#: client (`stacked_conv`): vmap's grouped convolution of 8x8 digits was measured faster, of
+#: 28x28 FEMNIST and 32x32 CIFAR images slower than the clients' convolutions one after another
+#: (docs/vectorized.md, "Where it does not pay")
+LOOP_MIN_PIXELS = 16 * 16
+
+
+def _loop_pays(model: nn.Module, image_hw: tuple[int, int]) -> bool:
+    """Whether `model` trains a stack through its `forward_stacked` (common/models/dense.py
+    `stacked_forward`): images of at least LOOP_MIN_PIXELS on the CPU.  Otherwise (small
+    images, or a GPU, where one grouped convolution is one kernel) the task's loss is vmapped."""
+    first = next(model.parameters(), None)
+    return first is not None and first.device.type == "cpu" and image_hw[0] * image_hw[1] >= LOOP_MIN_PIXELS
+
+
+def stacked_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, padding: int) -> torch.Tensor:
+    """`F.conv2d` of m clients: x (m, B, C, H, W), weight (m, out, C, k, k), bias (m, out) ->
+    (m, B, out, H', W'), each client's images through its own filters, one client after
+    another (so a client's result does not depend on the clients beside it)."""
+    return torch.stack([F.conv2d(xi, wi, bi, padding=padding)
+                        for xi, wi, bi in zip(x.unbind(0), weight.unbind(0), bias.unbind(0))])
+
+
+def _relu_pool(h: torch.Tensor) -> torch.Tensor:
+    """ReLU then a 2x2 max-pool of a stack (m, B, C, H, W), every image on its own."""
+    return F.max_pool2d(F.relu(h.flatten(0, 1)), 2).unflatten(0, h.shape[:2])
+
 
 class CNN(nn.Module):
     """LeNet-style: conv5x5 -> ReLU -> maxpool2 -> conv5x5 -> ReLU -> maxpool2 -> FC -> ReLU -> FC.
@@ -22,6 +51,7 @@ class CNN(nn.Module):
         h, w = (image_hw, image_hw) if isinstance(image_hw, int) else image_hw
         if h < 4 or w < 4:
             raise ValueError(f"CNN needs images of at least 4x4, got {h}x{w}")
+        self.image_hw = (h, w)
         self.conv1 = nn.Conv2d(in_channels, channels[0], kernel_size=5, padding=2)
         self.conv2 = nn.Conv2d(channels[0], channels[1], kernel_size=5, padding=2)
         flat = channels[1] * (h // 2 // 2) * (w // 2 // 2)
@@ -32,6 +62,23 @@ class CNN(nn.Module):
         h = F.max_pool2d(F.relu(self.conv1(x)), 2)
         h = F.max_pool2d(F.relu(self.conv2(h)), 2)
         return self.fc2(F.relu(self.fc1(h.flatten(1))))
+
+    def forward_stacked(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """`forward` of m parameter sets at once (common/models/dense.py `LogReg.forward_stacked`),
+        x (m, B, C, H, W) -> logits (m, B, classes)."""
+        return _two_convs_two_dense(params, x)
+
+    def forward_stacked_pays(self) -> bool:
+        return _loop_pays(self, self.image_hw)
+
+
+def _two_convs_two_dense(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """conv1, conv2 (5x5, padding 2, each with ReLU and a 2x2 max-pool), fc1 with ReLU, fc2: the
+    forward of `CNN` and `TwoConvCNN` for a stack of m clients."""
+    h = _relu_pool(stacked_conv(x, params["conv1.weight"], params["conv1.bias"], 2))
+    h = _relu_pool(stacked_conv(h, params["conv2.weight"], params["conv2.bias"], 2))
+    h = F.relu(stacked_linear(h.flatten(2), params["fc1.weight"], params["fc1.bias"]))
+    return stacked_linear(h, params["fc2.weight"], params["fc2.bias"])
 
 
 class TwoConvCNN(nn.Module):
@@ -48,6 +95,7 @@ class TwoConvCNN(nn.Module):
         h, w = image_hw
         if h < 4 or w < 4:
             raise ValueError(f"the two-conv CNN needs images of at least 4x4, got {h}x{w}")
+        self.image_hw = (h, w)
         self.conv1 = nn.Conv2d(in_channels, 32, kernel_size=5, padding=2)
         self.conv2 = nn.Conv2d(32, 64, kernel_size=5, padding=2)
         self.fc1 = nn.Linear(64 * (h // 4) * (w // 4), fc)
@@ -57,6 +105,13 @@ class TwoConvCNN(nn.Module):
         h = F.max_pool2d(F.relu(self.conv1(x)), 2)
         h = F.max_pool2d(F.relu(self.conv2(h)), 2)
         return self.fc2(F.relu(self.fc1(h.flatten(1))))
+
+    def forward_stacked(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """`forward` of m parameter sets at once (`CNN.forward_stacked`)."""
+        return _two_convs_two_dense(params, x)
+
+    def forward_stacked_pays(self) -> bool:
+        return _loop_pays(self, self.image_hw)
 
 
 class CifarCNN(nn.Module):
@@ -71,6 +126,7 @@ class CifarCNN(nn.Module):
         h, w = image_hw
         if h < 4 or w < 4:
             raise ValueError(f"cifar_cnn needs images of at least 4x4, got {h}x{w}")
+        self.image_hw = (h, w)
         self.conv1 = nn.Conv2d(in_channels, 64, kernel_size=5, padding=2)
         self.conv2 = nn.Conv2d(64, 64, kernel_size=5, padding=2)
         self.fc1 = nn.Linear(64 * (h // 4) * (w // 4), 384)
@@ -81,6 +137,17 @@ class CifarCNN(nn.Module):
         h = F.max_pool2d(F.relu(self.conv1(x)), 2)
         h = F.max_pool2d(F.relu(self.conv2(h)), 2)
         return self.out(F.relu(self.fc2(F.relu(self.fc1(h.flatten(1))))))
+
+    def forward_stacked(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """`forward` of m parameter sets at once (`CNN.forward_stacked`)."""
+        h = _relu_pool(stacked_conv(x, params["conv1.weight"], params["conv1.bias"], 2))
+        h = _relu_pool(stacked_conv(h, params["conv2.weight"], params["conv2.bias"], 2))
+        h = F.relu(stacked_linear(h.flatten(2), params["fc1.weight"], params["fc1.bias"]))
+        h = F.relu(stacked_linear(h, params["fc2.weight"], params["fc2.bias"]))
+        return stacked_linear(h, params["out.weight"], params["out.bias"])
+
+    def forward_stacked_pays(self) -> bool:
+        return _loop_pays(self, self.image_hw)
 
 
 class BasicBlock(nn.Module):

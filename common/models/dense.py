@@ -21,9 +21,14 @@ def stacked_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def stacked_forward(model: nn.Module) -> Callable[[Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor] | None:
     """The model's `forward_stacked`, where the class that defines its `forward` defines it too
     (a subclass with a `forward` of its own and no `forward_stacked` beside it would otherwise be
-    trained with its parent's); None otherwise."""
+    trained with its parent's) and, where that class says when its stacked forward pays
+    (`forward_stacked_pays`, common/models/conv.py), it does for this model; None otherwise
+    (the task's loss is then vmapped: common/algorithms/vectorized.py)."""
     owner = next((cls for cls in type(model).__mro__ if "forward" in vars(cls)), None)
     if owner is None or "forward_stacked" not in vars(owner):
+        return None
+    pays = vars(owner).get("forward_stacked_pays")
+    if pays is not None and not pays(model):
         return None
     return model.forward_stacked   # type: ignore[return-value]  # checked just above
 

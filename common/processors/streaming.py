@@ -236,8 +236,10 @@ class OrderedFold:
         if overflow is not None:   # finite values whose sum is not: left out, the others still count
             self.rejected[key] = f"NON_FINITE_AGGREGATE: result of {key}: {overflow}; it was left out"
             return
+        kinds = self._kinds
         for name, v in reply.scalars.items():
-            self._kinds.setdefault(name, _kind(v))
+            if name not in kinds:
+                kinds[name] = _kind(v)
         self.magnitudes[key] = self.acc.last_magnitude   # validation.py `_magnitude`, computed while adding
         self.folded.append(key)
         self.stubs[key] = scalars_only(reply)

@@ -33,7 +33,7 @@ from fedhop.common.wire.codec import (
     frame_framing,
     make_envelope,
 )
-from fedhop.common.wire.ledger import Ledger
+from fedhop.common.wire.ledger import Ledger, LedgerRecord
 from fedhop.common.wire.message import Payload
 from fedhop.common.wire.methods import message_link, role_of
 
@@ -149,9 +149,11 @@ def _link_or_control(env: pb.Envelope) -> str:
         return "control"
 
 
+_ROLE_ORDER = {"server": 0, "edge": 1, "client": 2}   # down the tree: server, edges, clients
+
+
 def direction_of(src: str, dst: str) -> str:
-    order = {"server": 0, "edge": 1, "client": 2}
-    a, b = order.get(role_of(src), 3), order.get(role_of(dst), 3)
+    a, b = _ROLE_ORDER.get(role_of(src), 3), _ROLE_ORDER.get(role_of(dst), 3)
     if a == b:
         return "peer"
     return "down" if a < b else "up"
@@ -163,17 +165,21 @@ def reply_problem(reply: pb.Envelope, request: pb.Envelope) -> tuple[str, str] |
     for a request it could not decode (method "error") carries no routing and is not checked."""
     if reply.HasField("error") and reply.method == "error":
         return None
-    who = f"reply to {request.method} (round {request.round}) from {request.dst}"
     if request.run_id and reply.run_id != request.run_id:
-        return "WRONG_RUN", f"{who} is for run '{reply.run_id}', not '{request.run_id}'"
+        return "WRONG_RUN", f"{_answering(request)} is for run '{reply.run_id}', not '{request.run_id}'"
     if reply.round != request.round or reply.step != request.step:
-        return "STALE_ROUND", f"{who} is for round {reply.round} step {reply.step}, not round {request.round} " \
-                              f"step {request.step}"
+        return "STALE_ROUND", f"{_answering(request)} is for round {reply.round} step {reply.step}, not round " \
+                              f"{request.round} step {request.step}"
     if reply.src != request.dst:
-        return "WRONG_SENDER", f"{who} says it comes from '{reply.src}'"
+        return "WRONG_SENDER", f"{_answering(request)} says it comes from '{reply.src}'"
     if reply.method != request.method + ".reply":
-        return "BAD_METHOD", f"{who} is a '{reply.method}' message"
+        return "BAD_METHOD", f"{_answering(request)} is a '{reply.method}' message"
     return None
+
+
+def _answering(request: pb.Envelope) -> str:
+    """How `reply_problem` names a reply that does not answer `request` (made only for one)."""
+    return f"reply to {request.method} (round {request.round}) from {request.dst}"
 
 
 @dataclass(frozen=True)
@@ -688,11 +694,15 @@ class Endpoint(ABC):
 
     def _record(self, env: pb.Envelope, msg: Encoded | Decoded | _Sizes, role: str, link: str, seconds: float,
                 status: str = "ok", error: str = "", msg_id: str | None = None) -> None:
-        self.ledger.record(run_id=env.run_id, round=env.round, step=env.step, src=env.src, dst=env.dst,
-                           link=link, direction=direction_of(env.src, env.dst) if link != "control" else "control",
-                           method=env.method, tensor_bytes=msg.tensor_bytes, payload_bytes=msg.payload_bytes,
-                           framed_bytes=msg.framed_bytes, seconds=seconds, recorder=self.node_id, role=role,
-                           msg_id=msg_id or env.msg_id, status=status, wall_time=time.time(), error=error)
+        src, dst = env.src, env.dst
+        # made here, not through `Ledger.record`'s check of its keyword names (these are the
+        # record's fields): every message is recorded on both of its ends
+        self.ledger.add(LedgerRecord(
+            run_id=env.run_id, round=env.round, step=env.step, src=src, dst=dst, link=link,
+            direction=direction_of(src, dst) if link != "control" else "control", method=env.method,
+            tensor_bytes=msg.tensor_bytes, payload_bytes=msg.payload_bytes, framed_bytes=msg.framed_bytes,
+            seconds=seconds, recorder=self.node_id, role=role, msg_id=msg_id or env.msg_id, status=status,
+            wall_time=time.time(), error=error))
 
     # -- lifecycle ------------------------------------------------------------------
     @abstractmethod

@@ -345,13 +345,14 @@ class Frames(Sequence):
     thread").  The frames' lengths follow from the chunk layout (`lengths`) and are known
     without cutting or hashing.  The bytes are exactly those of an eager cut."""
 
-    __slots__ = ("header", "_cuts", "_count", "_lengths")
+    __slots__ = ("header", "_cuts", "_count", "_lengths", "_total")
 
     def __init__(self, header: bytes, data: "list[memoryview] | _Cuts", chunk_bytes: int = DEFAULT_CHUNK) -> None:
         self.header = header
         self._cuts = data if isinstance(data, _Cuts) else _Cuts(list(data), chunk_bytes)
         self._count = 1 + len(self._cuts.cut) + self._cuts.checksum
         self._lengths: list[int] | None = None
+        self._total: int | None = None
 
     @property
     def chunk_bytes(self) -> int:
@@ -397,13 +398,22 @@ class Frames(Sequence):
     def lengths(self) -> list[int]:
         """Every frame's length, from the chunk layout (nothing is cut; worked out once, as the
         ledger, the batch's grouping and its framing each ask)."""
+        return list(self._layout())
+
+    def total(self) -> int:
+        """The frames' bytes in all (worked out once: both of a message's ledger records ask)."""
+        if self._total is None:
+            self._total = sum(self._layout())
+        return self._total
+
+    def _layout(self) -> list[int]:
         if self._lengths is None:
             total, chunk = self._cuts.total, self._cuts.chunk_bytes
             full, last = divmod(total, chunk)
             sizes = [chunk] * full + ([last] if last else [])
             trailer = [TRAILER_BYTES] if self._cuts.checksum else []
             self._lengths = [len(self.header), *(1 + varint_len(n) + n for n in sizes), *trailer]
-        return list(self._lengths)
+        return self._lengths
 
     def with_header(self, header: bytes) -> "Frames":
         """The same data frames (the same snapshot) under another header frame."""
@@ -434,7 +444,8 @@ class Encoded:
 
     @property
     def payload_bytes(self) -> int:
-        return sum(self.frame_lengths())
+        frames = self.frames
+        return frames.total() if isinstance(frames, Frames) else sum(len(f) for f in frames)
 
     def with_header(self, envelope: pb.Envelope) -> "Encoded":
         """The same data frames under another header (one model sent to many clients is snapshot
