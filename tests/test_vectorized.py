@@ -325,19 +325,17 @@ def test_a_subclass_with_its_own_forward_is_not_run_by_its_parents_stacked_forwa
 
 def _images_text(folder: Path, kind: str, vectorized: bool) -> str:
     """FedAvg with `kind` on fakedata's FEMNIST (28x28) or CIFAR-10 (32x32) files in `folder`:
-    10 clients of a round, 2 local steps of batches of 10."""
+    20 clients, 10 a round, 2 local steps of batches of 10."""
     from fedhop.common.data import fakedata
     if kind == "cifar_cnn":
         fakedata.cifar10(folder / "cifar10", per_batch=40, n_test=10)
         data = f'dataset = "cifar10"\npartition = "iid"\ndata_dir = "{folder / "cifar10"}"\n'
-        count = 20
     else:
         fakedata.femnist(folder / "femnist", writers=20)
         data = f'dataset = "femnist"\npartition = "natural"\ndata_dir = "{folder}"\n'
-        count = 20
     return (f'[run]\nseed = 4\nrounds = 2\neval_every = 0\n[algorithm]\nname = "fedavg"\nlr = 0.05\n'
             f'batch_size = 10\nlocal_steps = 2\nvectorized = {"true" if vectorized else "false"}\n[data]\n{data}'
-            f'[model]\nkind = "{kind}"\n[clients]\ncount = {count}\nper_round = 10\n')
+            f'[model]\nkind = "{kind}"\n[clients]\ncount = 20\nper_round = 10\n')
 
 
 @pytest.mark.parametrize("kind", ["cnn", "cifar_cnn"])

@@ -2,7 +2,7 @@
 are images (channels, height, width)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -17,12 +17,14 @@ from fedhop.common.models.dense import stacked_linear
 LOOP_MIN_PIXELS = 16 * 16
 
 
-def _loop_pays(model: nn.Module, image_hw: tuple[int, int]) -> bool:
-    """Whether `model` trains a stack through its `forward_stacked` (common/models/dense.py
-    `stacked_forward`): images of at least LOOP_MIN_PIXELS on the CPU.  Otherwise (small
-    images, or a GPU, where one grouped convolution is one kernel) the task's loss is vmapped."""
+def _loop_pays(model: nn.Module) -> bool:
+    """The convolutional models' `forward_stacked_pays`: whether a stack is trained through
+    `forward_stacked` (common/models/dense.py `stacked_forward`), for images (`model.image_hw`)
+    of at least LOOP_MIN_PIXELS on the CPU.  Otherwise (small images, or a GPU, where one
+    grouped convolution is one kernel) the task's loss is vmapped."""
     first = next(model.parameters(), None)
-    return first is not None and first.device.type == "cpu" and image_hw[0] * image_hw[1] >= LOOP_MIN_PIXELS
+    h, w = cast("tuple[int, int]", model.image_hw)
+    return first is not None and first.device.type == "cpu" and h * w >= LOOP_MIN_PIXELS
 
 
 def stacked_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, padding: int) -> torch.Tensor:
@@ -36,6 +38,13 @@ def stacked_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, padd
 def _relu_pool(h: torch.Tensor) -> torch.Tensor:
     """ReLU then a 2x2 max-pool of a stack (m, B, C, H, W), every image on its own."""
     return F.max_pool2d(F.relu(h.flatten(0, 1)), 2).unflatten(0, h.shape[:2])
+
+
+def _stacked_features(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """conv1 and conv2 (5x5, padding 2, each with ReLU and a 2x2 max-pool) of a stack of m
+    clients, flattened: (m, B, features), what the models' first linear layer takes."""
+    h = _relu_pool(stacked_conv(x, params["conv1.weight"], params["conv1.bias"], 2))
+    return _relu_pool(stacked_conv(h, params["conv2.weight"], params["conv2.bias"], 2)).flatten(2)
 
 
 class CNN(nn.Module):
@@ -66,18 +75,14 @@ class CNN(nn.Module):
     def forward_stacked(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """`forward` of m parameter sets at once (common/models/dense.py `LogReg.forward_stacked`),
         x (m, B, C, H, W) -> logits (m, B, classes)."""
-        return _two_convs_two_dense(params, x)
+        return _two_dense(params, _stacked_features(params, x))
 
-    def forward_stacked_pays(self) -> bool:
-        return _loop_pays(self, self.image_hw)
+    forward_stacked_pays = _loop_pays
 
 
-def _two_convs_two_dense(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """conv1, conv2 (5x5, padding 2, each with ReLU and a 2x2 max-pool), fc1 with ReLU, fc2: the
-    forward of `CNN` and `TwoConvCNN` for a stack of m clients."""
-    h = _relu_pool(stacked_conv(x, params["conv1.weight"], params["conv1.bias"], 2))
-    h = _relu_pool(stacked_conv(h, params["conv2.weight"], params["conv2.bias"], 2))
-    h = F.relu(stacked_linear(h.flatten(2), params["fc1.weight"], params["fc1.bias"]))
+def _two_dense(params: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """fc1 with ReLU, then fc2, of a stack: the rest of `CNN` and `TwoConvCNN`."""
+    h = F.relu(stacked_linear(h, params["fc1.weight"], params["fc1.bias"]))
     return stacked_linear(h, params["fc2.weight"], params["fc2.bias"])
 
 
@@ -108,10 +113,9 @@ class TwoConvCNN(nn.Module):
 
     def forward_stacked(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """`forward` of m parameter sets at once (`CNN.forward_stacked`)."""
-        return _two_convs_two_dense(params, x)
+        return _two_dense(params, _stacked_features(params, x))
 
-    def forward_stacked_pays(self) -> bool:
-        return _loop_pays(self, self.image_hw)
+    forward_stacked_pays = _loop_pays
 
 
 class CifarCNN(nn.Module):
@@ -140,14 +144,11 @@ class CifarCNN(nn.Module):
 
     def forward_stacked(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """`forward` of m parameter sets at once (`CNN.forward_stacked`)."""
-        h = _relu_pool(stacked_conv(x, params["conv1.weight"], params["conv1.bias"], 2))
-        h = _relu_pool(stacked_conv(h, params["conv2.weight"], params["conv2.bias"], 2))
-        h = F.relu(stacked_linear(h.flatten(2), params["fc1.weight"], params["fc1.bias"]))
+        h = F.relu(stacked_linear(_stacked_features(params, x), params["fc1.weight"], params["fc1.bias"]))
         h = F.relu(stacked_linear(h, params["fc2.weight"], params["fc2.bias"]))
         return stacked_linear(h, params["out.weight"], params["out.bias"])
 
-    def forward_stacked_pays(self) -> bool:
-        return _loop_pays(self, self.image_hw)
+    forward_stacked_pays = _loop_pays
 
 
 class BasicBlock(nn.Module):
