@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fedhop.deploy.launch.forkstart import ForkedProcess, tune_malloc
+from fedhop.deploy.launch.forkstart import ForkedProcess, _stop_behind, tune_malloc
 from fedhop.deploy.launch.malloc import TUNED_MALLOC_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,3 +112,24 @@ def test_malloc_tuning_is_accepted_by_glibc() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert json.loads(done.stdout) == {key: True for key in TUNED_MALLOC_ENV}
     assert tune_malloc({"MALLOC_TOP_PAD_": "not-a-number"}) == {}
+
+
+def test_a_stop_that_lands_while_a_class_is_made_is_a_stop():
+    """Python reports a KeyboardInterrupt raised while a dataclass's fields are set up (on a
+    forked child's imports) as the RuntimeError it caused: the child still reports a stop, not
+    a crash; an error of its own is not one."""
+    from dataclasses import dataclass, field
+
+
+    class Interrupting:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt
+
+    with pytest.raises(RuntimeError) as caught:
+        @dataclass
+        class Made:
+            value: int = field(default=0)
+            hook: object = Interrupting()
+    assert isinstance(_stop_behind(caught.value), KeyboardInterrupt)
+    assert _stop_behind(RuntimeError("its own")) is None
+    assert _stop_behind(ValueError("wrapped")) is None

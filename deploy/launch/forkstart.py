@@ -119,14 +119,28 @@ def fork_module(module: str, args: list[str], env: dict[str, str], log: Path, cw
         code = _run_child(module, args, env, log, cwd, parent)
     except SystemExit as exc:
         code = exit_code(exc)
-    except (KeyboardInterrupt, Stopped) as exc:   # a stop before the module handles its own: one line, 128 + N
-        reason, code = stop_reason(exc)
-        print(f"fedhop: `python -m {module}` {reason} while starting", file=sys.stderr)
-    except BaseException:   # noqa: BLE001 - a child's crash is reported in its log, as Python would
-        traceback.print_exc()
-        code = 1
+    except BaseException as exc:   # noqa: BLE001 - a child's crash is reported in its log, as Python would
+        stop = _stop_behind(exc)
+        if stop is not None:   # a stop before the module handles its own: one line, 128 + N
+            reason, code = stop_reason(stop)
+            print(f"fedhop: `python -m {module}` {reason} while starting", file=sys.stderr)
+        else:
+            traceback.print_exc()
+            code = 1
     finally:
         exit_now(code)   # ends the child: fork_module returns only in the parent
+
+
+def _stop_behind(exc: BaseException) -> KeyboardInterrupt | Stopped | None:
+    """The stop (Ctrl-C, a stop signal) that `exc` is or was directly caused by: Python reports a
+    KeyboardInterrupt that lands while a class is being made (a dataclass's fields, on import) as
+    the RuntimeError it caused."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (KeyboardInterrupt, Stopped)):
+            return seen
+        seen = seen.__cause__
+    return None
 
 
 def _run_child(module: str, args: list[str], env: dict[str, str], log: Path, cwd: Path, parent: int) -> int:
