@@ -649,7 +649,7 @@ def test_frozen_parameters_are_used_and_left_as_they_are():
 
 def test_a_gradient_laid_out_otherwise_is_copied_row_by_row_to_the_same_values():
     """`_laid_out_as`: a stacked weight gradient transposed in each row (as autograd gives a
-    stacked linear layer's) copied into the parameters' contiguous layout, the same values, so
+    vmapped linear layer's) copied into the parameters' contiguous layout, the same values, so
     the step `p - g * lr` has the same bits either way."""
     from fedhop.common.algorithms.vectorized import ROW_COPY_MIN, _laid_out_as
 
@@ -659,3 +659,36 @@ def test_a_gradient_laid_out_otherwise_is_copied_row_by_row_to_the_same_values()
     laid = _laid_out_as(g, p)
     assert laid.is_contiguous() and laid.stride() == p.stride() and torch.equal(laid, g)
     assert torch.equal(p - laid.mul_(0.05), p - g * 0.05)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_a_stacked_linear_layers_weight_gradient_is_each_clients_own_laid_out_as_the_weight(with_bias):
+    """`stacked_linear` (common/models/dense.py `_StackedLinear`): the forward pass is
+    `baddbmm`'s, bit for bit; each client's gradients are those of its own `F.linear` (float64,
+    to rounding); the weight's comes laid out as the weight, so the step reads it without a copy;
+    and a gradient not asked for is not made."""
+    import torch.nn.functional as F
+
+    from fedhop.common.models.dense import stacked_linear
+
+    gen = torch.Generator().manual_seed(3)
+    m, rows, n_in, n_out = 4, 7, 40, 30
+    h = torch.randn(m, rows, n_in, dtype=torch.float64, generator=gen)
+    w = torch.randn(m, n_out, n_in, dtype=torch.float64, generator=gen)
+    b = torch.randn(m, n_out, dtype=torch.float64, generator=gen) if with_bias else None
+    c = torch.randn(m, rows, n_out, dtype=torch.float64, generator=gen)
+    leaves = [t.clone().requires_grad_(True) for t in (h, w, *([b] if b is not None else []))]
+    out = stacked_linear(leaves[0], leaves[1], leaves[2] if with_bias else None)
+    expected = torch.bmm(h, w.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+    assert torch.equal(out.detach(), expected)
+    grads = torch.autograd.grad((out.sin() * c).sum(), leaves)
+    assert grads[1].shape == w.shape and grads[1].is_contiguous() and grads[1].stride() == w.stride()
+    for i in range(m):   # client i alone, through F.linear
+        own = [t[i].clone().requires_grad_(True) for t in (h, w, *([b] if b is not None else []))]
+        alone = F.linear(own[0], own[1], own[2] if with_bias else None)
+        assert torch.allclose(alone.detach(), out[i].detach(), rtol=1e-13, atol=1e-13)
+        for mine, theirs in zip(torch.autograd.grad((alone.sin() * c[i]).sum(), own), grads):
+            assert torch.allclose(mine, theirs[i], rtol=1e-12, atol=1e-12)
+    only_w = leaves[1].detach().clone().requires_grad_(True)
+    (g_w,) = torch.autograd.grad((stacked_linear(h, only_w, b).sin() * c).sum(), [only_w])
+    assert torch.equal(g_w, grads[1])

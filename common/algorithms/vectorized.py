@@ -192,12 +192,13 @@ ROW_COPY_MIN = 1 << 16
 
 def _laid_out_as(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of `g` (the shape of contiguous `p`), made one row (one client's
-    tensor) at a time.  Autograd gives a stacked linear layer's weight gradient transposed in
-    each row (strides (out * in, 1, out)); an elementwise step that reads it beside contiguous
-    parameters walks one of them across rows of memory, and so does a single copy of the whole
-    stack, while a two-dimensional transpose copies in cache-sized blocks: leaf_cnn's 6.4 M-weight
-    layer, 4 clients, 293 ms for `p - g * lr` against 87 ms for these copies and the same
-    arithmetic (docs/vectorized.md).  The values, and so the step's bits, are the same."""
+    tensor) at a time.  A vmapped linear layer's weight gradient comes transposed in each row
+    (strides (out * in, 1, out); `stacked_linear`'s, common/models/dense.py, comes laid out as
+    the weight); an elementwise step that reads it beside contiguous parameters walks one of
+    them across rows of memory, and so does a single copy of the whole stack, while a
+    two-dimensional transpose copies in cache-sized blocks: leaf_cnn's 6.4 M-weight layer, 4
+    clients, 293 ms for `p - g * lr` against 87 ms for these copies and the same arithmetic
+    (docs/vectorized.md).  The values, and so the step's bits, are the same."""
     out = torch.empty_like(p)
     for row, source in zip(out, g):
         row.copy_(source)
@@ -352,8 +353,11 @@ def local_sgd_together(ctxs: Sequence[ClientContext], starts: Sequence[dict[str,
                 if grad_hook is not None:
                     g = grad_hook(name, p, g, rows_of(start[name], rows), rows)
                 step = lr if etas is None else etas.view(-1, *([1] * (g.dim() - 1)))
-                if g.is_contiguous() or not p.is_contiguous() or g.dim() < 3 or g[0].numel() < ROW_COPY_MIN:
-                    new = p - g * step   # w_{k+1} = w_k - lr * g_k, one client per row (row i: its own step size)
+                if g.is_contiguous() and p.is_contiguous():
+                    new = g * step   # w_{k+1} = w_k - lr * g_k, one client per row (row i: its own step size),
+                    torch.sub(p, new, out=new)   # made in lr * g_k's memory
+                elif not p.is_contiguous() or g.dim() < 3 or g[0].numel() < ROW_COPY_MIN:
+                    new = p - g * step   # the same, g read in place
                 else:   # the same values, g first laid out as p (`_laid_out_as`)
                     new = p - _laid_out_as(g, p).mul_(step)
                 if rows is None:

@@ -10,12 +10,35 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class _StackedLinear(torch.autograd.Function):
+    """`stacked_linear` with a backward pass that gives the weight's gradient laid out as the
+    weight, (m, out, in) contiguous: g^T h for each client, as `F.linear`'s backward computes
+    one client's.  Autograd's own backward of `baddbmm(b, h, W^T)` computes h^T g and hands it
+    back transposed in each row, and an elementwise step that reads it beside the contiguous
+    parameters walks across rows of memory: for leaf_cnn's 6.4 M-weight layer that read, or the
+    copy that avoids it, cost more than the layer's products (docs/vectorized.md)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(h, weight)
+        ctx.has_bias = bias is not None
+        if bias is None:
+            return torch.bmm(h, weight.transpose(1, 2))
+        return torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        h, weight = ctx.saved_tensors
+        wants_h, wants_weight, wants_bias = ctx.needs_input_grad
+        return (torch.bmm(g, weight) if wants_h else None,                     # dL/dh = g W
+                torch.bmm(g.transpose(1, 2), h) if wants_weight else None,     # dL/dW = g^T h
+                g.sum(1) if ctx.has_bias and wants_bias else None)             # dL/db = sum_B g
+
+
 def stacked_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear` of m clients at once: h (m, B, in), weight (m, out, in), bias (m, out) or None ->
-    (m, B, out), client i's rows from its own weight and bias."""
-    if bias is None:
-        return torch.bmm(h, weight.transpose(1, 2))
-    return torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
+    (m, B, out), client i's rows from its own weight and bias (`_StackedLinear`)."""
+    return _StackedLinear.apply(h, weight, bias)
 
 
 def stacked_forward(model: nn.Module) -> Callable[[Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor] | None:
