@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from fedhop.common.config import parse_config
 from fedhop.common.engine.heterogeneity import DeviceProfile, DevicesParams, device_profiles
@@ -259,3 +260,63 @@ step_seconds = 0.01
     _, lying = run_inmemory(_config(8, 4, extra, rounds=6, dim=4), tmp_path / "lying")
     assert [r.participants for r in lying.history] == [r.participants for r in honest.history]
     assert any(0 in r.sampled for r in lying.history) and all(0 not in r.participants for r in lying.history)
+
+
+@pytest.mark.parametrize("dataset", ["femnist", "cifar10", "crossdevice", "digits"])
+def test_the_servers_clock_plans_a_clients_epochs_without_reading_its_data(tmp_path, monkeypatch, dataset):
+    """Epochs of local work (`local_steps = 0`): the server times each reply by the client's
+    planned steps, local_epochs x ceil(rows / batch_size), and counts the rows from the task's
+    index (`Task.num_rows`), never by reading or making the client's data: a LEAF or CIFAR
+    server would otherwise read every sampled client's records and keep them."""
+    import math
+
+    from fedhop.common.engine.vclock import RoundClock
+    from fedhop.common.tasks import build_task
+    from fedhop.common.tasks.classification import ArrayTask
+    from fedhop.common.tasks.placed import PlacedTask
+    from tests.helpers import data_set_config
+    from tests.test_cifar import _stage_cifar10
+    from tests.test_leaf import _stage_femnist
+
+    epochs, batch = 3, 4
+    if dataset == "femnist":
+        _stage_femnist(tmp_path / "data" / "femnist")
+    elif dataset == "cifar10":
+        _stage_cifar10(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    count = {"femnist": 9, "cifar10": 6, "crossdevice": 50, "digits": 20}[dataset]
+    partition = "natural" if dataset == "femnist" else "dirichlet"
+    data = "size_mean = 2.5\nsize_sigma = 1.0\nsize_min = 3\nsize_max = 40\n" if dataset == "crossdevice" else ""
+    cfg = parse_config(data_set_config(dataset, partition, count, seed=3, kind="mlp", extra=data + f"""
+[algorithm]
+name = "fedavg"
+local_epochs = {epochs}
+batch_size = {batch}
+""").replace('partition = "dirichlet"', "" if dataset == "crossdevice" else 'partition = "dirichlet"'))
+    task = build_task(cfg)
+    clock = RoundClock(cfg, task)
+    built: list[int] = []
+    real = task.client_data
+
+    def counted(cid):
+        built.append(cid)
+        return real(cid)
+
+    monkeypatch.setattr(task, "client_data", counted)
+    planned = [clock.planned_steps(cid, 1) for cid in range(count)]
+    on_device = RoundClock(cfg, PlacedTask(task, torch.device("cpu")))   # a task wrapped for a device
+    assert [on_device.planned_steps(cid, 1) for cid in range(count)] == planned
+    assert built == []                                             # no client's data was read or made
+    rows = [int(real(cid).tensors[0].shape[0]) for cid in range(count)]   # now read, to compare
+    assert len(set(rows)) > 1 and min(rows) > 2
+    assert planned == [epochs * math.ceil(n / min(batch, n)) for n in rows]
+
+    if isinstance(task, ArrayTask):   # a subclass that makes its clients' data itself is asked through it
+        class FirstTwoRows(type(task)):  # type: ignore[misc, valid-type]
+            def client_data(self, cid):
+                data = super().client_data(cid)
+                return type(data)(tensors=tuple(t[:2] for t in data.tensors), num_samples=2)
+
+        monkeypatch.delattr(task, "client_data")
+        task.__class__ = FirstTwoRows
+        assert [clock.planned_steps(cid, 1) for cid in range(count)] == [epochs * 1] * count   # 2 rows, batch 4

@@ -263,8 +263,7 @@ class MinimaxAlgorithm(Algorithm):
             return 1.0 / ctx.task.num_clients
         key = id(ctx.task)
         if key not in self._total_samples:
-            self._total_samples[key] = sum(ctx.task.client_data(j).num_samples
-                                           for j in range(ctx.task.num_clients))
+            self._total_samples[key] = sum(ctx.task.num_samples(j) for j in range(ctx.task.num_clients))
         return ctx.num_samples / self._total_samples[key]
 
     def client_rho(self, ctx: ClientContext) -> float:

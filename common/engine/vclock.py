@@ -44,6 +44,7 @@ from fedhop.common.engine.heterogeneity import (
     plan_to_scalar,
 )
 from fedhop.common.numerics.sampling import steps_per_epoch
+from fedhop.common.tasks.base import client_rows
 from fedhop.common.util.procexit import sleep_stoppable
 from fedhop.common.wire.message import COMPUTE_KEY, Payload
 from fedhop.common.wire.methods import Method
@@ -220,8 +221,7 @@ class RoundClock:
         work = draw.work if draw is not None else self.full_work[cid]
         if client_local_steps(self.cfg, cid) > 0:
             return work
-        rows = self.task.client_data(cid).rows
-        return work * steps_per_epoch(rows, self.cfg.algorithm.batch_size)
+        return work * steps_per_epoch(client_rows(self.task, cid), self.cfg.algorithm.batch_size)
 
     def settle(self, round: int, message: Payload, results: dict[int, Payload],
                records: Iterable[Any], star: bool = True) -> Settlement:

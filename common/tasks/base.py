@@ -59,6 +59,15 @@ class Task(ABC):
         (common/tasks/crossdevice.py) answer without building the client's data."""
         return self.client_data(client_id).num_samples
 
+    def num_rows(self, client_id: int) -> int:
+        """The rows of client `client_id`'s training data (`ClientData.rows`), which decide its
+        steps in an epoch.  The server asks it of every client that replies in a round (its
+        virtual clock's planned steps, common/engine/vclock.py), so tasks whose clients' data is
+        read or made on demand answer it without building the data: a server then never reads
+        or holds its clients' data.  A subclass that makes its clients' data otherwise than the
+        class that counts their rows is asked through its data (`client_rows`)."""
+        return self.client_data(client_id).rows
+
     @abstractmethod
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
              generator: torch.Generator | None = None) -> torch.Tensor:
@@ -111,3 +120,15 @@ class Task(ABC):
                 total += float(self.loss(model, data.tensors)) * data.num_samples
                 weight += data.num_samples
         return total / max(weight, 1)
+
+
+def client_rows(task: Task, client_id: int) -> int:
+    """`task.num_rows(client_id)`, where the class that says how many rows a client has is the
+    one that makes its data or a subclass of it; else (a subclass that makes the data its own way
+    and does not count it) the rows of `task.client_data(client_id)`."""
+    mro = type(task).__mro__
+    makes = next(cls for cls in mro if "client_data" in vars(cls))
+    counts = next(cls for cls in mro if "num_rows" in vars(cls))
+    if counts is not makes and issubclass(makes, counts):
+        return task.client_data(client_id).rows
+    return task.num_rows(client_id)

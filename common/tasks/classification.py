@@ -93,6 +93,12 @@ class ArrayTask(Task):
         return build_model(s.kind, s.input_shape, s.n_outputs, s.hidden, s.init, s.seed,
                            bias=s.bias, task=self.kind, factory=s.factory, factory_args=dict(s.factory_args))
 
+    def num_rows(self, client_id: int) -> int:
+        """A client's rows are its partition's indices, counted without copying its data."""
+        if not 0 <= client_id < self.num_clients:
+            raise IndexError(f"{self.name}: client id {client_id} out of range 0..{self.num_clients - 1}")
+        return int(self.parts[client_id].numel())
+
     def client_data(self, client_id: int) -> ClientData:
         if not 0 <= client_id < self.num_clients:
             raise IndexError(f"{self.name}: client id {client_id} out of range 0..{self.num_clients - 1}")

@@ -152,6 +152,9 @@ class CrossDeviceTask(ClassificationTask):
         self._check_id(client_id)
         return int(self.sizes[client_id])
 
+    def num_rows(self, client_id: int) -> int:
+        return self.num_samples(client_id)   # a client is made with exactly its size's rows
+
     def client_data(self, client_id: int) -> ClientData:
         self._check_id(client_id)
         data = self._cache.get(client_id)

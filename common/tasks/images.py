@@ -49,6 +49,9 @@ class CifarTask(ClassificationTask):
     def num_samples(self, client_id: int) -> int:
         return int(self.parts[client_id].numel())
 
+    def num_rows(self, client_id: int) -> int:
+        return self.num_samples(client_id)
+
     def client_data(self, client_id: int) -> ClientData:
         if not 0 <= client_id < self.num_clients:
             raise IndexError(f"{self.name}: client id {client_id} out of range 0..{self.num_clients - 1}")

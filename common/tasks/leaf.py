@@ -139,6 +139,10 @@ class LeafTask(ClassificationTask):
     def num_samples(self, client_id: int) -> int:
         return self.data.users[self._check(client_id)].num_samples
 
+    def num_rows(self, client_id: int) -> int:
+        """The index's count: a user's data is refused when it holds another (common/data/leaf.py)."""
+        return self.num_samples(client_id)
+
     def user(self, client_id: int) -> str:
         return self.data.users[self._check(client_id)].name
 

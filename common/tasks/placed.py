@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fedhop.common.tasks.base import ClientData, StackedLoss, Task
+from fedhop.common.tasks.base import ClientData, StackedLoss, Task, client_rows
 
 #: hosted clients whose data a process keeps on its device (the most recently trained ones)
 DEVICE_CLIENTS = 4096
@@ -39,6 +39,9 @@ class PlacedTask(Task):
 
     def num_samples(self, client_id: int) -> int:
         return self.inner.num_samples(client_id)
+
+    def num_rows(self, client_id: int) -> int:
+        return client_rows(self.inner, client_id)
 
     def build_model(self) -> torch.nn.Module:
         return self.inner.build_model().to(self.device)
