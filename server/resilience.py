@@ -253,7 +253,8 @@ def ledger_consistency(store) -> dict:
     - it is a receiver record (a heartbeat, a result) from a node recorded dead or failed, from a
       process whose ledger ends before it (killed between sending and recording), or from a
       sender without a ledger (a hostile client: its rejection is recorded); or a sender record
-      to a node that keeps no ledger.
+      to a node that keeps no ledger, or a control message (the reply to its last heartbeat)
+      to a process whose ledger ends before it (killed before recording it).
     Anything else is `unexplained`; `mismatched` pairs disagree on bytes, ends or link.
     `ok` = no unexplained lone record and no mismatch (what the fault tests assert)."""
     rep = store.check_agreement()
@@ -311,6 +312,9 @@ def ledger_consistency(store) -> dict:
         if why is None and m["role"] == "receiver" and m["src"] in recorders \
                 and last_time(m["src"]) <= m["wall_time"]:
             why = "sender stopped (killed) before recording it"
+        if why is None and m["role"] == "sender" and m["link"] == "control" and m["dst"] in last_record \
+                and last_record[m["dst"]] < m["wall_time"]:
+            why = "receiver process stopped (killed) before recording it"
         (explained if why else unexplained).append({"msg_id": m["msg_id"], "role": m["role"], "method": m["method"],
                                                     "round": m["round"], "src": m["src"], "dst": m["dst"],
                                                     "why": why or ""})

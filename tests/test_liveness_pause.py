@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from fedhop.common.records.runstore import RunStore
 from fedhop.common.transport.liveness import LivenessMonitor, live_pool
@@ -194,3 +195,30 @@ def test_a_heartbeat_of_a_process_killed_before_recording_it_is_explained_by_its
     store.add_event("node_restarted", node="client-proc3", round=0, detail="registered again at h:3")
     after = ledger_consistency(store)
     assert after["ok"] and after["unexplained"] == 0 and after["lost_explained"] == 2, after
+
+
+@pytest.mark.parametrize("later", [False, True])
+def test_a_heartbeat_of_a_process_killed_for_good_before_recording_it_is_explained_by_its_ledgers_end(tmp_path, later):
+    """The compose test's case: client-proc2 sends a heartbeat and is killed (not restarted,
+    not yet marked dead) before it writes its record of the call or of the server's reply.  Its
+    ledger ends before both of the server's records, so the heartbeat is explained by its
+    sender's end and the reply by its receiver's; a process that records later was alive and
+    missed them, and both stay unexplained."""
+    store = RunStore(tmp_path / "run.db")
+    store.start_run("r1")
+    beat = "heartbeat-client-proc2-100.0-3"
+    store.insert_records([
+        _record("client-proc2", "sender", "heartbeat-client-proc2-90.0-2", "client-proc2", "server", "heartbeat", 9.0),
+        _record("server", "receiver", "heartbeat-client-proc2-90.0-2", "client-proc2", "server", "heartbeat", 9.0),
+        _record("server", "receiver", beat, "client-proc2", "server", "heartbeat", 10.0),
+        _record("server", "sender", beat + ".reply", "server", "client-proc2", "heartbeat.reply", 10.0),
+    ])
+    if later:   # client-proc2 lives on: a later exchange recorded at both ends
+        store.insert_records([
+            _record("client-proc2", "sender", "heartbeat-client-proc2-110.0-4", "client-proc2", "server", "heartbeat", 11.0),
+            _record("server", "receiver", "heartbeat-client-proc2-110.0-4", "client-proc2", "server", "heartbeat", 11.0)])
+    report = ledger_consistency(store)
+    if later:
+        assert not report["ok"] and report["unexplained"] == 2, report
+    else:
+        assert report["ok"] and report["unexplained"] == 0 and report["lost_explained"] == 2, report
