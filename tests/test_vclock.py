@@ -285,14 +285,14 @@ def test_the_servers_clock_plans_a_clients_epochs_without_reading_its_data(tmp_p
         _stage_cifar10(tmp_path / "data")
     monkeypatch.chdir(tmp_path)
     count = {"femnist": 9, "cifar10": 6, "crossdevice": 50, "digits": 20}[dataset]
-    partition = "natural" if dataset == "femnist" else "dirichlet"
+    partition = {"femnist": "natural", "crossdevice": "iid"}.get(dataset, "dirichlet")
     data = "size_mean = 2.5\nsize_sigma = 1.0\nsize_min = 3\nsize_max = 40\n" if dataset == "crossdevice" else ""
     cfg = parse_config(data_set_config(dataset, partition, count, seed=3, kind="mlp", extra=data + f"""
 [algorithm]
 name = "fedavg"
 local_epochs = {epochs}
 batch_size = {batch}
-""").replace('partition = "dirichlet"', "" if dataset == "crossdevice" else 'partition = "dirichlet"'))
+"""))
     task = build_task(cfg)
     clock = RoundClock(cfg, task)
     built: list[int] = []
