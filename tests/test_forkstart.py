@@ -16,7 +16,7 @@ from fedhop.deploy.launch.malloc import TUNED_MALLOC_ENV
 REPO = Path(__file__).resolve().parents[1]
 
 PROBE = '''
-import json, os, sys, time
+import gc, json, os, sys, time
 mode = sys.argv[1]
 print("probe stdout line")
 print("probe stderr line", file=sys.stderr)
@@ -27,12 +27,12 @@ if mode == "crash":
 with open(sys.argv[2], "w") as fh:
     json.dump({"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:], "cwd": os.getcwd(),
                "env_probe": os.environ.get("PROBE_VALUE"), "env_parent_only": os.environ.get("PARENT_ONLY"),
-               "name": __name__}, fh)
+               "name": __name__, "frozen": gc.get_freeze_count()}, fh)
 sys.exit(3)
 '''
 
 LAUNCHER = '''
-import atexit, json, os, signal, subprocess, sys
+import atexit, gc, json, os, signal, subprocess, sys
 from pathlib import Path
 from fedhop.deploy.launch.forkstart import allow_fork, fork_allowed, fork_module
 tmp = Path({tmp!r})
@@ -42,7 +42,7 @@ os.environ["PARENT_ONLY"] = "launcher"
 atexit.register(lambda: (tmp / "parent-atexit-ran").write_text(str(os.getpid())))
 assert fork_allowed()
 env = {{"PROBE_VALUE": "from-env", "PATH": os.environ.get("PATH", "")}}
-out = {{}}
+out = {{"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}}
 done = fork_module("probe", ["write", str(tmp / "probe.json")], env, tmp / "write.log", tmp)
 out["write_rc"] = done.wait(30)
 out["atexit_after_child"] = (tmp / "parent-atexit-ran").exists()
@@ -77,6 +77,9 @@ def test_forked_child_is_its_own_process_and_leaves_the_launchers_state_alone(tm
     assert probe["env_probe"] == "from-env" and probe["env_parent_only"] is None
     # sys.exit(3) is its exit status; the launcher's atexit handler ran only when the launcher exited
     assert out["write_rc"] == 3
+    # what it inherited from the launcher is out of the collector's view from its start (the
+    # launcher froze nothing): a collection of the role's own would otherwise walk all of it
+    assert out["frozen"] == 0 and probe["frozen"] >= 0.9 * out["tracked"] > 0
     assert out["atexit_after_child"] is False
     assert (tmp_path / "parent-atexit-ran").read_text() == str(out["launcher_pid"])
     # stdout and stderr went to the child's log, not to the launcher's stdout

@@ -502,7 +502,11 @@ metric = "test_accuracy"
 def check_jobs(user, slurm, fail, tasks, failing, star, hier, sweep, sweep_cmd) -> None:
     """The checks of the test above, once its submissions are on their way."""
     # the plain run: --wait says it is held (Slurm's pending reason), then follows it once released
-    seen = read_until(star, "PENDING (JobHeldUser)")
+    try:   # the five submissions and their set-up (keys, certificates) share a loaded machine
+        seen = read_until(star, "PENDING (JobHeldUser)", timeout=300)
+    except AssertionError as exc:   # what Slurm shows of the jobs, beside what --wait printed
+        queue = subprocess.run(["squeue", "-h", "-o", "%i %T %r %j"], env=slurm, capture_output=True, text=True)
+        raise AssertionError(f"{exc}\nsqueue: {queue.stdout or queue.stderr}") from None
     job = (user / "runs" / "star" / "slurm" / "job.id").read_text().strip()
     assert seen[-1] == f"fedhop slurm: job {job}: PENDING (JobHeldUser)", seen
     assert "mutual TLS, per-job credentials" in seen[0], seen

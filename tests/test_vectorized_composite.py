@@ -18,7 +18,7 @@ import torch
 
 from fedhop.common.config import parse_config
 from fedhop.common.engine.rounds import RoundEngine, local_update, local_updates
-from fedhop.common.numerics.sampling import batch_count, local_batches
+from fedhop.common.numerics.sampling import batch_count, local_batches, steps_per_epoch
 from fedhop.common.wire.message import COMPUTE_KEY
 from tests.test_vectorized import _same_ways, engines_agree
 
@@ -120,6 +120,8 @@ def test_batch_count_is_the_number_of_batches_local_batches_draws():
     for rows, batch, steps, epochs in itertools.product((0, 1, 5, 16, 17), (0, 1, 4, 16, 40), (0, 1, 3, 9), (1, 2)):
         drawn = list(local_batches(rows, batch, steps, epochs, torch.Generator().manual_seed(0)))
         assert batch_count(rows, batch, steps, epochs) == len(drawn), (rows, batch, steps, epochs)
+        if steps == 0:   # an epoch's batches, as the clock and the privacy accountant count them
+            assert epochs * steps_per_epoch(rows, batch) == len(drawn), (rows, batch, epochs)
 
 
 def test_a_composite_run_gives_one_model_in_both_engines_and_the_plain_runs_bytes(tmp_path):

@@ -41,6 +41,9 @@ def batch_count(num_samples: int, batch_size: int, steps: int, epochs: int) -> i
 
 
 def steps_per_epoch(num_samples: int, batch_size: int) -> int:
+    """Minibatches in one pass over `num_samples` rows (the last may be smaller); none without rows."""
+    if num_samples <= 0:
+        return 0
     bs = num_samples if batch_size <= 0 else min(batch_size, num_samples)
     return -(-num_samples // bs)
 

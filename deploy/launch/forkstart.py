@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import logging
 import os
 import runpy
@@ -145,6 +146,10 @@ def _stop_behind(exc: BaseException) -> KeyboardInterrupt | Stopped | None:
 
 def _run_child(module: str, args: list[str], env: dict[str, str], log: Path, cwd: Path, parent: int) -> int:
     die_with(parent)
+    # the launcher's objects (torch, fedhop, the config) out of the collector's view from the
+    # start, without a collection first: one would walk and write every inherited object's header,
+    # copying their pages from the launcher; the role's own `freeze_heap` then walks only its own
+    gc.freeze()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
