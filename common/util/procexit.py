@@ -85,6 +85,17 @@ def die_with_launcher() -> None:
 YOUNG_COLLECTION_EVERY = 50_000
 
 
+def freeze_inherited() -> None:
+    """In a forked child as it starts (a role forked by the launcher, a worker of the in-process
+    engine): what it inherited from its parent (torch, fedhop, the parent's objects) out of the
+    garbage collector's view, without a collection first.  A collection would walk and write every
+    inherited object's header, copying those pages from the parent (fork's copy-on-write), and
+    without the freeze every later full collection walks them again: 92-193 ms each in a worker of
+    the 1,000,000-client in-process run (docs/performance.md).  The child's own `freeze_heap`
+    then walks only what it made."""
+    gc.freeze()
+
+
 def freeze_heap() -> tuple[int, int, int]:
     """Take every object alive now (the imported modules, torch, the task's data) out of the
     garbage collector's view (`gc.freeze`): a full collection then walks only what the run

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import gc
 import logging
 import os
 import runpy
@@ -38,7 +37,15 @@ import time
 import traceback
 from pathlib import Path
 
-from fedhop.common.util.procexit import Stopped, die_with, exit_code, exit_now, forget_stops, stop_reason
+from fedhop.common.util.procexit import (
+    Stopped,
+    die_with,
+    exit_code,
+    exit_now,
+    forget_stops,
+    freeze_inherited,
+    stop_reason,
+)
 from fedhop.common.util.proctitle import prepare as prepare_title
 from fedhop.deploy.launch.malloc import TUNED_MALLOC_ENV
 
@@ -146,10 +153,7 @@ def _stop_behind(exc: BaseException) -> KeyboardInterrupt | Stopped | None:
 
 def _run_child(module: str, args: list[str], env: dict[str, str], log: Path, cwd: Path, parent: int) -> int:
     die_with(parent)
-    # the launcher's objects (torch, fedhop, the config) out of the collector's view from the
-    # start, without a collection first: one would walk and write every inherited object's header,
-    # copying their pages from the launcher; the role's own `freeze_heap` then walks only its own
-    gc.freeze()
+    freeze_inherited()   # the launcher's objects out of the collector's walks (common/util/procexit.py)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

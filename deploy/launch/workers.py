@@ -32,7 +32,7 @@ workers use instead of building their own (`SharedTask`: in memory once, in copy
 pages).  Where it may not fork (a GPU run, `FEDHOP_START=exec`, the Python API) a worker is a
 fresh interpreter, `python -m fedhop.deploy.launch.workers` with its pipe's file descriptor
 (`ExecProcess`), which builds its own.  A worker keeps what it inherited (`worker_main`) and each
-host it builds out of the garbage collector's walks (`gc.freeze`, common/util/procexit.py
+host it builds out of the garbage collector's walks (common/util/procexit.py `freeze_inherited`,
 `freeze_heap`), as every role process does once set up.
 
 A topology whose clients call each other (its spec's `peer_link` is "client-client": chain,
@@ -42,7 +42,6 @@ worker does not have.
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import json
 import logging
@@ -69,7 +68,7 @@ from fedhop.common.topologies import spec_for
 from fedhop.common.transport.base import CallFailed, Handler, ReplyBundles
 from fedhop.common.transport.livebytes import LinkCounter
 from fedhop.common.transport.liveness import LivenessMonitor, register_with_backoff
-from fedhop.common.util.procexit import freeze_heap
+from fedhop.common.util.procexit import freeze_heap, freeze_inherited
 from fedhop.common.util.proctitle import set_role_title
 from fedhop.common.wire.codec import Encoded
 from fedhop.common.wire.ledger import Ledger
@@ -184,10 +183,7 @@ def worker_main(conn: Connection, index: int = 0, inherited: Sequence[Connection
     for other in inherited:
         other.close()
     set_role_title("worker", str(index))   # `ps`: "fedhop worker 0" (common/util/proctitle.py)
-    # what a forked worker inherited (the run's data, torch, the engine's objects) is out of the
-    # collector's view from the start, without a collection first: a full collection would walk
-    # and write every inherited object's header, copying their pages from the run's process
-    gc.freeze()
+    freeze_inherited()   # the run's process's objects out of the collector's walks (common/util/procexit.py)
     ledgers: list[Ledger] = []
     status = 0
     try:
