@@ -476,6 +476,70 @@ def test_a_header_declaring_a_negative_dimension_or_a_repeated_name_is_refused()
         decode_frames(_tamper(enc.frames, lambda h: h.tensors[0].shape.__setitem__(0, -2)))
 
 
+def _header_frame_of(header: bytes) -> bytes:
+    """A header frame holding `header` as given (not re-serialized by protobuf)."""
+    return bytes([0x0A]) + codec._varint(len(header)) + header
+
+
+def test_a_layout_is_checked_once_by_the_bytes_its_specs_travel_in():
+    """A receiver remembers a layout it has checked by its specs' bytes as the header carries them
+    (`_checked_layout`): a second message of the layout gets the same checked layout; a change to
+    any field of any spec is a new layout, checked and refused as before; the same specs in other
+    bytes decode to the same tensors; a header past LAYOUT_HEADER_MAX is checked each time and
+    not remembered, and no more than LAYOUTS_KEPT layouts are."""
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(6, dtype=torch.float64)}
+    enc = encode(Payload(tensors=tensors, scalars={"weight": 1.5}), env())
+    first, second = FrameDecoder(), FrameDecoder()
+    for dec in (first, second):
+        for f in enc.frames:
+            dec.feed(f)
+    assert second._layout is first._layout
+    got = second.finish().payload
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in got.tensors.items()} == {"a": (torch.float32, (2, 3)),
+                                                                              "b": (torch.float64, (6,))}
+    assert torch.equal(got.tensors["a"], tensors["a"]) and torch.equal(got.tensors["b"], tensors["b"])
+    # every field of every spec is part of what is remembered: each change is checked afresh
+    refused = [(lambda h: setattr(h.tensors[0], "nbytes", 20), "SIZE_MISMATCH.*'a'"),
+               (lambda h: setattr(h.tensors[1], "nbytes", 40), "SIZE_MISMATCH.*'b'"),
+               (lambda h: setattr(h.tensors[1], "dtype", "float128"), "BAD_DTYPE.*'b'"),
+               (lambda h: setattr(h.tensors[1], "name", "a"), "BAD_NAME"),
+               (lambda h: h.tensors[0].shape.__setitem__(1, -3), "BAD_SHAPE.*'a'"),
+               (lambda h: h.tensors[0].shape.__setitem__(1, 4), "SIZE_MISMATCH.*'a'"),
+               (lambda h: h.tensors[0].shape.extend([1] * 40), "BAD_SHAPE.*'a'")]
+    for mutate, match in refused:
+        with pytest.raises(PayloadError, match=match):
+            decode_frames(_tamper(enc.frames, mutate))
+    # a layout of the same names and bytes but another shape and dtype: its own tensors
+    other = {"a": torch.arange(6, dtype=torch.int32).reshape(3, 2), "b": torch.full((3, 2), 7.0, dtype=torch.float64)}
+    got = decode_frames(encode(Payload(tensors=other), env()).frames).payload.tensors
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in got.items()} == {"a": (torch.int32, (3, 2)),
+                                                                      "b": (torch.float64, (3, 2))}
+    assert torch.equal(got["a"], other["a"]) and torch.equal(got["b"], other["b"])
+    # the same specs, each with its fields in the reverse order: other bytes, the same tensors
+    head = pb.Frame.FromString(enc.frames[0]).header
+    specs = list(head.tensors)
+    del head.tensors[:]
+    raw = head.SerializeToString()
+    for spec in specs:
+        fields = [pb.TensorSpec(nbytes=spec.nbytes), pb.TensorSpec(shape=spec.shape),
+                  pb.TensorSpec(dtype=spec.dtype), pb.TensorSpec(name=spec.name)]
+        body = b"".join(f.SerializeToString() for f in fields)
+        assert body != spec.SerializeToString()
+        raw += bytes([0x42]) + codec._varint(len(body)) + body   # Envelope field 8, length-delimited
+    got = decode_frames([_header_frame_of(raw), *enc.frames[1:]]).payload.tensors
+    assert torch.equal(got["a"], tensors["a"]) and torch.equal(got["b"], tensors["b"])
+    # a header past LAYOUT_HEADER_MAX: checked, decoded, not remembered
+    big = encode(Payload(tensors={"w": torch.ones(3)}), env(run_id="r" * codec.LAYOUT_HEADER_MAX))
+    known = len(codec._LAYOUTS)
+    assert torch.equal(decode_frames(big.frames).payload.tensors["w"], torch.ones(3))
+    assert len(codec._LAYOUTS) == known
+    with pytest.raises(PayloadError, match="SIZE_MISMATCH.*'w'"):
+        decode_frames(_tamper(big.frames, lambda h: setattr(h.tensors[0], "nbytes", 16)))
+    for k in range(codec.LAYOUTS_KEPT + 10):   # more layouts than are kept
+        decode_frames(encode(Payload(tensors={f"t{k}": torch.ones(1)}), env()).frames)
+        assert len(codec._LAYOUTS) <= codec.LAYOUTS_KEPT
+
+
 @pytest.mark.parametrize("dims", [33, 100])
 def test_a_header_declaring_more_dimensions_than_a_tensor_holds_is_refused(dims):
     """A tensor spec of many dimensions of size 1 (its byte count right) is BAD_SHAPE before numpy

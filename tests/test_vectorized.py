@@ -630,6 +630,68 @@ def test_an_in_memory_batch_is_shown_to_the_host_before_it_is_served():
     assert ledger.records() == []
 
 
+def _in_memory_batch(before_batch: bool) -> tuple[list, list, int]:
+    """A batch of five requests (one refused by its handler) through `InMemoryEndpoint.call_many`
+    to a callee with or without a `before_batch`: the replies, both ledgers' records (without
+    their seconds and wall time) and how many requests the callee decoded."""
+    from fedhop.common.transport.base import Batched, HandlerError
+    from fedhop.common.wire.ledger import Ledger
+    from fedhop.transports.inmemory.endpoint import InMemoryEndpoint, InMemoryNetwork
+
+    network = InMemoryNetwork()
+    callee = InMemoryEndpoint(network, "client-proc0", Ledger())
+    caller = InMemoryEndpoint(network, "server", Ledger())
+    taken = 0
+    take = callee._take
+
+    def counted(*args, **kwargs):
+        nonlocal taken
+        taken += 1
+        return take(*args, **kwargs)
+
+    callee._take = counted   # type: ignore[method-assign]
+    seen: list[tuple[str, int]] = []
+
+    def handler(request: Request) -> Payload:
+        w = request.payload.tensors["w"]
+        seen.append((request.envelope.dst, w.data_ptr()))
+        if request.envelope.dst == "client-3":
+            raise HandlerError("UNKNOWN_CLIENT", "client 3 is not hosted here")
+        k = int(request.envelope.dst.split("-")[1])
+        return Payload(tensors={"w": w * k}, scalars={"k": k})
+
+    batches: list[list[tuple[str, int]]] = []
+    if before_batch:
+        callee.before_batch = lambda requests: batches.append(
+            [(r.envelope.dst, r.payload.tensors["w"].data_ptr()) for r in requests])
+    address = callee.serve(handler)
+    w = torch.arange(40, dtype=torch.float32)
+    batch = [Batched(f"client-{k}", "train", caller.prepare(Payload(tensors={"w": w[:8 * (k + 1)]}))) for k in range(5)]
+    out = caller.call_many(address, batch, round=3, timeout=10)
+    assert [dst for dst, _ in seen] == [f"client-{k}" for k in range(5)]
+    if before_batch:   # the handler was given the very tensors `before_batch` saw
+        assert batches == [seen]
+    records = [[(r.src, r.dst, r.method, r.role, r.recorder, r.tensor_bytes, r.payload_bytes, r.framed_bytes,
+                 r.status, r.error) for r in ep.ledger.records()] for ep in (caller, callee)]
+    return out, records, taken
+
+
+def test_an_in_memory_batch_shown_to_the_host_is_served_from_that_decoding():
+    """`InMemoryEndpoint.pipelined` decodes a batch's requests for `before_batch`; each is then
+    answered from that decoding, not decoded again: as many decodings as requests, the handler
+    given the very tensors `before_batch` saw, and the same replies and ledger records (both
+    ends, the refused request's included) as a callee without `before_batch`."""
+    plain_out, plain_records, plain_taken = _in_memory_batch(before_batch=False)
+    out, records, taken = _in_memory_batch(before_batch=True)
+    assert plain_taken == 5 and taken == 5
+    assert records == plain_records and len(records[0]) == len(records[1]) == 10
+    for k, (a, b) in enumerate(zip(plain_out, out)):
+        if k == 3:
+            assert type(a) is type(b) and a.code == b.code == "UNKNOWN_CLIENT"
+            continue
+        assert torch.equal(a.tensors["w"], b.tensors["w"]) and a.scalars == b.scalars == {"k": k}
+
+
 def test_frozen_parameters_are_used_and_left_as_they_are():
     """model.freeze: the frozen layer travels (model.exchange = "all") and takes part in the forward
     pass, its delta is exactly 0, and the trained layers match the one-at-a-time solver's."""

@@ -728,6 +728,76 @@ class ReplyBound:
     header_bytes: int
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """A header's tensor specs, checked (`_checked_layout`): each tensor's name, codec dtype,
+    shape, bytes, offset in the data and the numpy dtype a view of the receive buffer makes it
+    from (None: torch's way, `FrameDecoder.finish`); the data bytes they add up to; the one numpy
+    float dtype of every tensor (the message's `FlatView`), None where there is not one."""
+
+    specs: tuple[tuple[str, str, tuple[int, ...], int, int, "np.dtype | None"], ...]
+    total: int
+    flat_dtype: "np.dtype | None"
+
+
+#: the layouts checked so far, by their specs' bytes as they travel (`_checked_layout`)
+_LAYOUTS: dict[tuple[bytes, ...], _Layout] = {}
+#: how many `_LAYOUTS` remembers (a process sees a few: its model's, its replies'); past it, it starts again
+LAYOUTS_KEPT = 256
+#: a header longer than this has its layout checked every time, not remembered
+LAYOUT_HEADER_MAX = 64 << 10
+
+
+def _checked_layout(env: pb.Envelope, header: memoryview) -> _Layout:
+    """The tensor layout `env` declares, its specs checked (PayloadError names the first that is
+    wrong).  Every message of a round carries the same few layouts, and a protobuf field read
+    costs about what the check on it does: the specs' bytes, as the header carries them
+    (`EnvelopeSpecs`), find a layout checked before.  The same bytes parse to the same specs,
+    so a remembered layout is the one these specs make."""
+    key: tuple[bytes, ...] | None = None
+    if len(header) <= LAYOUT_HEADER_MAX:
+        raw = pb.EnvelopeSpecs()
+        raw.ParseFromString(header)   # the header parsed as an Envelope already: this parses too
+        key = tuple(raw.tensors)
+        known = _LAYOUTS.get(key)
+        if known is not None:
+            return known
+    specs: list[tuple[str, str, tuple[int, ...], int, int, np.dtype | None]] = []
+    total = 0
+    flat_dtype: np.dtype | None = None
+    for spec in env.tensors:
+        name, dtype, shape, nbytes = spec.name, spec.dtype, tuple(spec.shape), spec.nbytes
+        itemsize = ITEMSIZE.get(dtype)
+        if itemsize is None:
+            raise PayloadError("BAD_DTYPE", f"tensor '{name}': unknown dtype '{dtype}' "
+                                            f"(allowed: {', '.join(DTYPES)})")
+        if len(shape) > MAX_DIMS:
+            raise PayloadError("BAD_SHAPE", f"tensor '{name}': {len(shape)} dimensions; at most {MAX_DIMS}")
+        if shape and min(shape) < 0:
+            raise PayloadError("BAD_SHAPE", f"tensor '{name}': negative dimension in {list(shape)}")
+        expect = math.prod(shape) * itemsize
+        if expect != nbytes:
+            raise PayloadError("SIZE_MISMATCH",
+                               f"tensor '{name}': shape {list(shape)} of {dtype} is "
+                               f"{expect} bytes but {nbytes} are declared")
+        np_dtype = _NUMPY_DTYPES.get(dtype)
+        view = np_dtype if np_dtype is not None and expect and total % np_dtype.itemsize == 0 else None
+        if not specs:
+            flat_dtype = np_dtype if np_dtype is not None and np_dtype.kind == "f" else None
+        elif np_dtype != flat_dtype:
+            flat_dtype = None
+        specs.append((name, dtype, shape, expect, total, view))
+        total += expect
+    if len({name for name, *_ in specs}) != len(specs):
+        raise PayloadError("BAD_NAME", "duplicate tensor names in one message")
+    layout = _Layout(tuple(specs), total, flat_dtype)
+    if key is not None:
+        if len(_LAYOUTS) >= LAYOUTS_KEPT:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = layout
+    return layout
+
+
 @dataclass
 class FrameDecoder:
     """Consumes the frames of one message in order; `finish()` returns the decoded message."""
@@ -750,7 +820,7 @@ class FrameDecoder:
     _frames: int = 0
     _digest: "xxhash.xxh3_64 | None" = None
     _trailer: int | None = None   # the digest the trailer frame carried
-    _specs: list[tuple[str, str, tuple[int, ...], int]] = field(default_factory=list)   # (name, dtype, shape, nbytes), `_start`
+    _layout: "_Layout | None" = None   # the header's tensor specs, checked (`_start`)
 
     @property
     def filled(self) -> int:
@@ -795,11 +865,12 @@ class FrameDecoder:
             if self.envelope is not None:
                 raise PayloadError("MALFORMED_FRAME", "second header frame in one message")
             env = pb.Envelope()
+            header = mv[start:]
             try:
-                env.ParseFromString(mv[start:])
+                env.ParseFromString(header)
             except Exception as exc:  # protobuf's DecodeError
                 raise PayloadError("MALFORMED_HEADER", f"cannot parse envelope: {exc}") from None
-            self._start(env)
+            self._start(env, header)
         elif tag == _TAG_DATA:
             if self.envelope is None:
                 raise PayloadError("MALFORMED_FRAME", "data frame before the header frame")
@@ -836,7 +907,7 @@ class FrameDecoder:
             raise PayloadError("SIZE_MISMATCH", f"trailer after {self._filled} of {env.data_bytes} declared data bytes")
         self._trailer = int.from_bytes(mv[1:], "little")
 
-    def _start(self, env: pb.Envelope) -> None:
+    def _start(self, env: pb.Envelope, header: memoryview) -> None:
         declared = int(env.data_bytes)
         if self.admit is not None:   # the method and caller first: a refused request's data is never read
             try:
@@ -850,31 +921,11 @@ class FrameDecoder:
         if self.require_checksum and declared > 0 and not env.checksum:
             raise PayloadError("CHECKSUM_MISSING", f"message declares {declared} data bytes without their XXH3-64 "
                                                    "checksum; this run's security.checksum requires one")
-        # each spec's fields read once (a protobuf field read costs about as much as the checks
-        # on it): the checks below and `finish` use these tuples
-        specs = [(spec.name, spec.dtype, tuple(spec.shape), spec.nbytes) for spec in env.tensors]
-        total = 0
-        for name, dtype, shape, nbytes in specs:
-            itemsize = ITEMSIZE.get(dtype)
-            if itemsize is None:
-                raise PayloadError("BAD_DTYPE", f"tensor '{name}': unknown dtype '{dtype}' "
-                                                f"(allowed: {', '.join(DTYPES)})")
-            if len(shape) > MAX_DIMS:
-                raise PayloadError("BAD_SHAPE", f"tensor '{name}': {len(shape)} dimensions; at most {MAX_DIMS}")
-            if shape and min(shape) < 0:
-                raise PayloadError("BAD_SHAPE", f"tensor '{name}': negative dimension in {list(shape)}")
-            expect = math.prod(shape) * itemsize
-            if expect != nbytes:
-                raise PayloadError("SIZE_MISMATCH",
-                                   f"tensor '{name}': shape {list(shape)} of {dtype} is "
-                                   f"{expect} bytes but {nbytes} are declared")
-            total += expect
-        if total != declared:
-            raise PayloadError("SIZE_MISMATCH", f"tensor specs add up to {total} bytes but the message "
+        layout = _checked_layout(env, header)
+        if layout.total != declared:
+            raise PayloadError("SIZE_MISMATCH", f"tensor specs add up to {layout.total} bytes but the message "
                                                 f"declares {declared}")
-        if len({name for name, *_ in specs}) != len(specs):
-            raise PayloadError("BAD_NAME", "duplicate tensor names in one message")
-        self._specs = specs
+        self._layout = layout
         self.envelope = env
         taken = (self.buffers or RECV_BUFFERS).take(declared)
         if isinstance(taken, FileSink):
@@ -909,16 +960,15 @@ class FrameDecoder:
         # a small message's tensors from numpy views of the buffer; a large one's are views of one
         # tensor over the whole buffer, which a file-backed buffer's page release needs (filebacked.py)
         small = int(env.data_bytes) <= SMALL_MESSAGE_BYTES
+        layout = self._layout
+        assert layout is not None   # set with the envelope (`_start`)
         tensors: dict[str, torch.Tensor] = {}
-        offset = 0
-        flat_dtype: np.dtype | None = None   # the one numpy float dtype of every tensor, while there is one
         try:   # the specs passed the header's checks; anything numpy or torch still refuses is the sender's
-            for name, dtype, shape, n in self._specs:
-                np_dtype = _NUMPY_DTYPES.get(dtype)
-                if small and np_dtype is not None and n and offset % np_dtype.itemsize == 0:
+            for name, dtype, shape, n, offset, view_dtype in layout.specs:
+                if small and view_dtype is not None:
                     # a numpy view of the buffer made a tensor: the same memory, a few times cheaper
                     # than torch's slice, view and reshape
-                    t = torch.from_numpy(np.ndarray(shape, np_dtype, buffer, offset))
+                    t = torch.from_numpy(np.ndarray(shape, view_dtype, buffer, offset))
                 elif n == 0:
                     t = torch.empty(shape, dtype=DTYPES[dtype])
                 else:
@@ -927,19 +977,15 @@ class FrameDecoder:
                     if offset % ITEMSIZE[dtype]:
                         raw = raw.clone()  # misaligned for this dtype: one copy
                     t = raw.view(DTYPES[dtype]).reshape(shape)
-                if not tensors:
-                    flat_dtype = np_dtype if np_dtype is not None and np_dtype.kind == "f" else None
-                elif np_dtype != flat_dtype:
-                    flat_dtype = None
                 tensors[name] = t
-                offset += n
         except (ValueError, RuntimeError, TypeError) as exc:
             raise PayloadError("BAD_SHAPE", f"tensor specs that make no tensor: {exc}") from None
         scalars = {k: scalar_from_pb(v) for k, v in env.scalars.items()}
         control = env.control if env.HasField("control") else None
         payload = Payload(tensors=tensors, scalars=scalars, control=control)
-        if small and flat_dtype is not None and 0 < offset <= CHUNK * flat_dtype.itemsize:
-            payload.flat = FlatView(np.ndarray((offset // flat_dtype.itemsize,), flat_dtype, buffer, 0),
+        flat_dtype, total = layout.flat_dtype, layout.total
+        if small and flat_dtype is not None and 0 < total <= CHUNK * flat_dtype.itemsize:
+            payload.flat = FlatView(np.ndarray((total // flat_dtype.itemsize,), flat_dtype, buffer, 0),
                                     tuple(tensors.values()))
         return Decoded(envelope=env, payload=payload, payload_bytes=self._payload_bytes, frames=self._frames,
                        tensor_bytes=int(env.data_bytes))

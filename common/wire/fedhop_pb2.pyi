@@ -77,6 +77,12 @@ class Envelope(_message.Message):
     control: Control
     def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., method: _Optional[str] = ..., msg_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., scalars: _Optional[_Mapping[str, Scalar]] = ..., data_bytes: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., token: _Optional[str] = ..., checksum: _Optional[bool] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
 
+class EnvelopeSpecs(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tensors: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class Control(_message.Message):
     __slots__ = ("clients", "failures", "layout", "specs", "peers", "skipped", "neighbours", "processes", "world", "walk_peers")
     CLIENTS_FIELD_NUMBER: _ClassVar[int]

@@ -33,6 +33,7 @@ from fedhop.common.transport.base import (
     Handler,
     RegisterHandler,
     ReplyBundles,
+    _Taken,
     one_by_one,
     pulls_reply,
     request_framing,
@@ -78,6 +79,7 @@ class InMemoryEndpoint(Endpoint):
         self.network = network
         self.address = ""
         self.serve_lock: threading.RLock | None = None   # calls served one at a time (module docstring)
+        self._ahead: dict[bytes, _Taken] = {}   # a batch's requests decoded ahead (`pipelined`), by header frame
 
     def serving(self) -> contextlib.AbstractContextManager[object]:
         """Held while this endpoint serves a call or a batch (`serve_lock`); a no-op without one."""
@@ -88,11 +90,33 @@ class InMemoryEndpoint(Endpoint):
         """A batch's requests (`call_many`) shown to `before_batch` before the first is served, as
         `Endpoint.serve_batch` shows a gRPC batch's: under [algorithm] vectorized a client
         process trains the batch's clients together (client/host.py `prepare_batch`).  Each
-        request is then served on its own as before, decoded again (and moved to the device again,
-        where there is one); nothing is recorded here."""
-        if self.before_batch is not None:
-            self._tell_batch([self._take(list(m.frames), m.framing, False, None, []) for m in messages])
-        yield
+        request is then served on its own, from the form it was decoded in here (`serve_frames`:
+        not decoded, or moved to the device, again); nothing is recorded here."""
+        if self.before_batch is None:
+            yield
+            return
+        frames = [list(m.frames) for m in messages]
+        taken: list[_Taken | None] = [self._take(fs, m.framing, False, None, []) for fs, m in zip(frames, messages)]
+        self._tell_batch(taken)
+        ahead = {bytes(fs[0]): t for fs, t in zip(frames, taken) if fs and t is not None}
+        self._ahead.update(ahead)
+        try:
+            yield
+        finally:   # a request no call served (its call failed first) is forgotten with the batch
+            for key in ahead:
+                self._ahead.pop(key, None)
+
+    def serve_frames(self, frames, handler: Handler, framing: int | None = None, pulled: bool = False,
+                     on_header: Callable[[pb.Envelope], Callable[[], None] | None] | None = None,
+                     reply_framing: Callable[[list[int]], int] | None = None) -> Sequence[bytes]:
+        """`Endpoint.serve_frames`; a request of a batch decoded ahead (`pipelined`) is answered
+        from that decoding."""
+        if self._ahead and frames and not pulled and on_header is None:
+            taken = self._ahead.pop(bytes(frames[0]), None)
+            if taken is not None:
+                return self._answer(taken, handler, reply_framing)
+        return super().serve_frames(frames, handler, framing=framing, pulled=pulled, on_header=on_header,
+                                    reply_framing=reply_framing)
 
     def _exchange(self, address: str, request: Encoded, timeout: float,
                   decoder: FrameDecoder) -> tuple[Decoded, float]:
