@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -111,6 +112,22 @@ def test_a_decoded_message_checks_all_its_tensors_at_once_and_any_change_voids_i
     mixed = decode_frames(encode(Payload(tensors={"a": torch.ones(3), "i": torch.ones(2, dtype=torch.int64)}),
                                  env()).frames).payload
     assert all_finite(mixed) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_a_flat_views_finiteness_is_each_values_whatever_their_sum(dtype):
+    """FlatView.finite is True exactly when every value is finite: a NaN, an Inf, or both
+    infinities anywhere make it False; finite values whose sum overflows (the dtype's largest,
+    twice) and an empty view are finite.  Checked against numpy's elementwise isfinite."""
+    big = np.finfo(dtype).max
+    cases = [np.arange(9, dtype=dtype) / 7, np.zeros(0, dtype=dtype), np.array([big, big, -1], dtype=dtype),
+             np.array([1, np.nan, 2], dtype=dtype), np.array([np.inf, 1], dtype=dtype),
+             np.array([-np.inf, 0.5, np.inf], dtype=dtype), np.array([big, big, np.nan], dtype=dtype),
+             np.array([0, -np.inf], dtype=dtype)]
+    for values in cases:
+        with np.errstate(over="ignore", invalid="ignore"):
+            got = FlatView(values, ()).finite()
+        assert got is bool(np.isfinite(values).all()), values
 
 
 def _tamper(frames, mutate):
@@ -369,17 +386,52 @@ def test_a_digest_covers_frames_cut_out_of_order_or_never_cut_once():
         decode_frames(second)
 
 
-def test_the_fold_over_decoded_replies_gives_the_bits_of_the_fold_tensor_by_tensor():
+_VIEW_CASES = {
+    "float32": lambda: torch.randn(5, 3), "0-d": lambda: torch.tensor(3.5), "bool": lambda: torch.tensor([True, False, True]),
+    "empty": lambda: torch.zeros(0, 3), "requires grad": lambda: torch.randn(3, requires_grad=True),
+    "transposed": lambda: torch.randn(4, 4).t(), "bfloat16": lambda: torch.randn(3).to(torch.bfloat16),
+    "negative bit": lambda: torch.randn(3, dtype=torch.complex64).conj().imag,
+    "parameter": lambda: torch.nn.Parameter(torch.randn(2, 2)), "slice": lambda: torch.randn(10)[2:5],
+    "int64 column": lambda: torch.arange(12).reshape(4, 3)[:, 1]}
+
+
+@pytest.mark.parametrize("case", list(_VIEW_CASES))
+def test_a_tensors_bytes_view_holds_its_values_in_order_whatever_its_layout(case):
+    """codec.tensor_bytes_view: numpy's view where `numpy()` gives one it can cast, torch's way
+    for every other tensor (strided, empty, requiring grad, bfloat16, a negative bit); the bytes
+    are always those of the tensor's values in row-major order, computed here through torch."""
+    from fedhop.common.wire.codec import tensor_bytes_view
+
+    t = _VIEW_CASES[case]()
+    want = (t.detach().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            if t.numel() else b"")
+    assert bytes(tensor_bytes_view(t)) == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_the_fold_over_decoded_replies_gives_the_bits_of_the_fold_tensor_by_tensor(dtype):
     """ReplyAccumulator folds a decoded reply through its flat view (two calls for all its
-    tensors); the running sums equal, bit for bit, those of the same replies folded tensor by
-    tensor (payloads not decoded), whatever the order of decoded and other replies."""
+    tensors: numpy's for float32 and float64, torch's for float16); the running sums equal, bit
+    for bit, those of the same replies folded tensor by tensor with torch (payloads not decoded),
+    whatever the order of decoded and other replies.  The weights have full mantissas, so a
+    product made in another precision than torch's (w rounded to the dtype, then one rounding)
+    differs in some elements; the sums are checked after every reply."""
     from fedhop.common.wire.message import ReplyAccumulator
 
     gen = torch.Generator().manual_seed(5)
-    replies = [Payload(tensors={"w": torch.randn(7, 3, generator=gen) * 10 ** k, "b": torch.randn(3, generator=gen)},
-                       scalars={"weight": float(k + 1) / 3, "loss": 0.25 * k}) for k in range(6)]
+    replies = [Payload(tensors={"w": (torch.randn(7, 30, generator=gen) * 2.0 ** (k % 7)).to(dtype),
+                                "b": torch.randn(30, generator=gen).to(dtype)},
+                       scalars={"weight": float(torch.rand(1, generator=gen)) * 10 + 1 / 3, "loss": 0.25 * k})
+               for k in range(12)]
     decoded = [decode_frames(encode(r, env()).frames).payload for r in replies]
     assert all(FlatView.of(d) is not None for d in decoded)
+
+    plain_acc, decoded_acc = ReplyAccumulator({}), ReplyAccumulator({})
+    for built, received in zip(replies, decoded):
+        assert plain_acc.add_if_finite(built) is None and decoded_acc.add_if_finite(received) is None
+        for name in ("w", "b"):
+            assert torch.equal(decoded_acc.out.tensors[name].view(-1).view(torch.int8),
+                               plain_acc.out.tensors[name].view(-1).view(torch.int8))
 
     def fold(payloads):
         acc = ReplyAccumulator({})
@@ -394,7 +446,8 @@ def test_the_fold_over_decoded_replies_gives_the_bits_of_the_fold_tensor_by_tens
             assert torch.equal(got.tensors[name], plain.tensors[name])
         assert got.scalars == plain.scalars
     # an overflowing reply is still refused, with the sums left as they were
-    big = decode_frames(encode(Payload(tensors={"w": torch.full((7, 3), 3e38), "b": torch.zeros(3)},
+    big = decode_frames(encode(Payload(tensors={"w": torch.full((7, 30), torch.finfo(dtype).max * 0.9, dtype=dtype),
+                                                "b": torch.zeros(30, dtype=dtype)},
                                        scalars={"weight": 1.0}), env()).frames).payload
     acc = ReplyAccumulator({})
     assert acc.add_if_finite(decoded[0]) is None and acc.add_if_finite(big) is None

@@ -158,18 +158,17 @@ _NUMPY_DTYPES: dict[str, np.dtype] = {name: np.dtype(name) for name in
                                       ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8",
                                        "complex64", "complex128")}
 _NUMPY_DTYPES["bool"] = np.dtype(np.bool_)
-#: the same dtypes as torch's: a CPU tensor of one reaches its bytes through numpy's view, a few
-#: times cheaper per call than torch's reshape and view (`tensor_bytes_view`)
-_NUMPY_SHARED = frozenset(DTYPES[name] for name in _NUMPY_DTYPES)
 
 
 def tensor_bytes_view(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes as a flat memoryview (copies only if it is not contiguous)."""
-    if t.dtype in _NUMPY_SHARED and t.is_cpu and t.is_contiguous():
-        try:
-            return memoryview(t.detach().numpy()).cast("B")  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only for Python >= 3.12
-        except (RuntimeError, TypeError, ValueError):   # a view numpy or memoryview cannot share (conjugate or negative bit): torch's way below
-            pass
+    """The tensor's bytes as a flat memoryview (copies only if it is not contiguous).  A CPU
+    tensor of a dtype numpy has, contiguous, not empty and not requiring grad is numpy's view, in
+    one torch call: `numpy()` refuses every other tensor (RuntimeError or TypeError, as
+    memoryview's cast refuses a strided or empty array), which then goes torch's way below."""
+    try:
+        return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only for Python >= 3.12
+    except (RuntimeError, TypeError, ValueError):
+        pass
     flat = t.detach()
     if flat.device.type != "cpu":
         flat = flat.cpu()

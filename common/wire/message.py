@@ -196,6 +196,10 @@ def _top(t: torch.Tensor) -> float:
     return max(abs(float(t.max())), abs(float(t.min())))
 
 
+#: the dtypes whose weighted sums `ReplyAccumulator._combine_flat` makes with numpy (the same bits as torch's)
+_NUMPY_FOLD = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
 class ReplyAccumulator:
     """The default reduction (`reduce_payloads`) one payload at a time: `add` folds a payload into
     the running sums with exactly the operations `reduce_payloads` applies to it, so adding the
@@ -218,8 +222,9 @@ class ReplyAccumulator:
         self.last_magnitude = 0.0
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         # the running sums as views of one flat tensor, where `_combine_flat` made them: (the
-        # replies' (name, shape) layout, the flat tensor, its views in that order)
-        self._flat: tuple[tuple, torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+        # replies' (name, shape) layout, the flat tensor, its views in that order, the flat
+        # tensor's numpy array: the same memory)
+        self._flat: tuple[tuple, torch.Tensor, tuple[torch.Tensor, ...], np.ndarray] | None = None
         self.sparse_added = 0   # tensors folded by their nonzeros (`Payload.sparse`)
 
     def add(self, p: Payload) -> None:
@@ -406,26 +411,37 @@ class ReplyAccumulator:
         running sums are views of one flat tensor, and weight * reply is added to it in two calls
         (the same elementwise operations on the same values as tensor by tensor: the same bits).
         The caller has checked `_all_wsum`.  False, having changed nothing, where the running sums
-        were not made here or are of another layout: then tensor by tensor."""
+        were not made here or are of another layout: then tensor by tensor.
+
+        For float32 and float64 the two calls are numpy's, on the flat arrays: torch's `t * w`
+        rounds w to the tensor's dtype and multiplies in it (its opmath type is the dtype), which
+        is numpy's product with `dtype.type(w)`, and a sum is one IEEE addition in both.  In a
+        server that runs Python between its replies, a reply's first torch call costs several
+        times its run in a loop (docs/performance.md, "A reply's fold in numpy"); numpy's are
+        cheaper there.  float16 stays with torch, which multiplies it in float32."""
         layout = tuple((name, t.shape) for name, t in p.tensors.items())
-        values = torch.from_numpy(flat.array)
+        values = flat.array
+        scale = values.dtype.type(w) if values.dtype in _NUMPY_FOLD else None
         out = self.out.tensors
         if not out:   # the first term: weight * reply, a new flat tensor whose views are the sums
-            acc = values * w
+            array = np.multiply(values, scale) if scale is not None else (torch.from_numpy(values) * w).numpy()
+            acc = torch.from_numpy(array)
             views, offset = [], 0
             for name, shape in layout:
                 n = math.prod(shape)
                 views.append(acc[offset:offset + n].view(shape))
                 offset += n
             out.update(zip(p.tensors, views))
-            self._flat = (layout, acc, tuple(views))
+            self._flat = (layout, acc, tuple(views), array)
             return True
         mine = self._flat
-        if (mine is None or mine[0] != layout or mine[1].dtype != values.dtype
+        if (mine is None or mine[0] != layout or mine[3].dtype != values.dtype
                 or any(out.get(name) is not v for (name, _), v in zip(layout, mine[2])) or len(out) != len(layout)):
             return False
-        acc = mine[1]
-        torch.add(acc, values * w, out=acc)
+        if scale is not None:
+            np.add(mine[3], np.multiply(values, scale), out=mine[3])
+        else:
+            torch.add(mine[1], torch.from_numpy(values) * w, out=mine[1])
         return True
 
     def _combine_sparse(self, name: str, s: SparseTensor, w: float, is_partial: bool) -> torch.Tensor:
