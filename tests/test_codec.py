@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -415,7 +416,8 @@ def test_the_fold_over_decoded_replies_gives_the_bits_of_the_fold_tensor_by_tens
     for bit, those of the same replies folded tensor by tensor with torch (payloads not decoded),
     whatever the order of decoded and other replies.  The weights have full mantissas, so a
     product made in another precision than torch's (w rounded to the dtype, then one rounding)
-    differs in some elements; the sums are checked after every reply."""
+    differs in some elements; the sums are checked after every reply.  A weight beyond the
+    dtype's range, on a reply of zeros, gives torch's NaN (or zeros in float64) and no warning."""
     from fedhop.common.wire.message import ReplyAccumulator
 
     gen = torch.Generator().manual_seed(5)
@@ -445,6 +447,19 @@ def test_the_fold_over_decoded_replies_gives_the_bits_of_the_fold_tensor_by_tens
         for name in ("w", "b"):
             assert torch.equal(got.tensors[name], plain.tensors[name])
         assert got.scalars == plain.scalars
+    # a weight past the dtype's largest value on a reply of zeros (weight * 0 is no bound on the
+    # sum): the product of the weight rounded to the dtype, as torch makes it, without a warning
+    zeros = Payload(tensors={"w": torch.zeros(7, 30, dtype=dtype), "b": torch.zeros(30, dtype=dtype)},
+                    scalars={"weight": 1e300})
+    heavy = [zeros, decode_frames(encode(zeros, env()).frames).payload]
+    sums = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for reply in heavy:
+            acc = ReplyAccumulator({})
+            assert acc.add_if_finite(reply) is None
+            sums.append(acc.out.tensors["w"])
+    assert torch.equal(sums[0].isnan(), sums[1].isnan()) and bool(sums[1].isnan().all()) is (dtype != torch.float64)
     # an overflowing reply is still refused, with the sums left as they were
     big = decode_frames(encode(Payload(tensors={"w": torch.full((7, 30), torch.finfo(dtype).max * 0.9, dtype=dtype),
                                                 "b": torch.zeros(30, dtype=dtype)},

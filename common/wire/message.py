@@ -196,8 +196,10 @@ def _top(t: torch.Tensor) -> float:
     return max(abs(float(t.max())), abs(float(t.min())))
 
 
-#: the dtypes whose weighted sums `ReplyAccumulator._combine_flat` makes with numpy (the same bits as torch's)
-_NUMPY_FOLD = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+#: the dtypes whose weighted sums `ReplyAccumulator._combine_flat` makes with numpy (the same bits as
+#: torch's), each with the largest weight it takes there: a larger one is infinite in the dtype, a
+#: cast numpy warns about, and goes torch's way
+_NUMPY_FOLD = {np.dtype(np.float32): float(np.finfo(np.float32).max), np.dtype(np.float64): math.inf}
 
 
 class ReplyAccumulator:
@@ -418,10 +420,11 @@ class ReplyAccumulator:
         is numpy's product with `dtype.type(w)`, and a sum is one IEEE addition in both.  In a
         server that runs Python between its replies, a reply's first torch call costs several
         times its run in a loop (docs/performance.md, "A reply's fold in numpy"); numpy's are
-        cheaper there.  float16 stays with torch, which multiplies it in float32."""
+        cheaper there.  float16 stays with torch, which multiplies it in float32, and so does a
+        weight beyond the dtype's range (`_NUMPY_FOLD`)."""
         layout = tuple((name, t.shape) for name, t in p.tensors.items())
         values = flat.array
-        scale = values.dtype.type(w) if values.dtype in _NUMPY_FOLD else None
+        scale = values.dtype.type(w) if abs(w) <= _NUMPY_FOLD.get(values.dtype, -1.0) else None
         out = self.out.tensors
         if not out:   # the first term: weight * reply, a new flat tensor whose views are the sums
             array = np.multiply(values, scale) if scale is not None else (torch.from_numpy(values) * w).numpy()
