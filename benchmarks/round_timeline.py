@@ -1,20 +1,25 @@
-"""Where a round's wall time goes in real processes (issue 49): when each phase of a round begins
-and ends, in the server and in every client process, on one clock.
+"""Where a round's wall time goes (issue 49): when each phase of a round begins and ends, in the
+server and in every client process, on one clock.
 
-    python benchmarks/round_timeline.py CONFIG [--skip 3] [--json FILE]
+    python benchmarks/round_timeline.py CONFIG [--engine processes|inprocess] [--skip 3] [--json FILE]
     python -m fedhop.benchmarks.round_timeline CONFIG ...        (from an installed wheel)
 
-Runs `fedhop run CONFIG --engine processes` as the command does (real processes, forked from this
-process, as benchmarks/stage_cpu.py), each process noting the monotonic clock (CLOCK_MONOTONIC:
-one clock for every process of a machine) at the boundaries of a round's stages:
+Runs `fedhop run CONFIG --engine ENGINE` as the command does (real processes by default, forked
+from this process, as benchmarks/stage_cpu.py), each process noting the monotonic clock
+(CLOCK_MONOTONIC: one clock for every process of a machine) at the boundaries of a round's stages:
 
 - server: the round begins (`run_round`); its requests are built (`Fabric.send_and_receive`
-  entered); each call goes out (`GrpcEndpoint._exchange`); each reply is folded
-  (`_folded`); the round's end work begins (`complete_round`: the settlement, the server step,
-  the metrics); its records are written (`record_round`, begin and end); the round ends;
+  entered); each call goes out (`GrpcEndpoint._exchange`; in the in-process engine, a batch or
+  a call written to a worker's pipe, `Worker.send`); each reply is folded (`_folded`); the
+  round's end work begins (`complete_round`: the settlement, the server step, the metrics); its
+  records are written (`record_round`, begin and end); the round ends;
 - each client process, for its `train` requests: a request is decoded (`Endpoint._take`
-  begins), a handler runs (`_handle` begins: the training), a reply is encoded and recorded
-  (`_reply` ends).
+  begins), a handler runs (`_handle` begins: the training, or with `[algorithm] vectorized` the
+  answer of a batch trained together before it), a reply is encoded and recorded (`_reply`
+  ends).  With `--engine inprocess` each worker counts as one client process (it serves the
+  batches of the client processes it hosts, deploy/launch/workers.py); its workers must be
+  forked (`run.workers` above 1, `run.torch_threads = 1`, CPU), and the server is the run's
+  process.
 
 An event belongs to the round whose span (its start to its end) holds it.
 For the rounds after the first `--skip`, the script prints the median over rounds of each event's
@@ -110,12 +115,42 @@ def _write(role: str) -> None:
         (_OUT / f"{role}-{os.getpid()}.json").write_text(json.dumps({"role": role, "events": _EVENTS}))
 
 
-def install() -> None:
+def _noted_worker_calls() -> None:
+    """The in-process engine: note "sent" as a batch or a call is written to a worker's pipe,
+    and have each forked worker write its notes when it stops serving (deploy/launch/workers.py:
+    a worker leaves by `os._exit`, so nothing runs after its loop)."""
+    from fedhop.deploy.launch import workers
+
+    send = workers.Worker.send
+
+    def timed_send(self: Any, head: dict[str, Any], frames: Any) -> None:
+        if head.get("kind") in ("many", "call"):
+            _note("sent")
+        send(self, head, frames)
+
+    serve = workers._serve
+
+    def serve_then_write(*args: Any, **kwargs: Any) -> None:
+        try:
+            serve(*args, **kwargs)
+        finally:
+            _write("client")
+
+    workers.Worker.send = timed_send   # type: ignore[method-assign]
+    workers._serve = serve_then_write
+
+
+def install(engine: str = "processes") -> None:
     """The notes, in this process before the run forks its processes (grpcio's module in each
-    child after the fork, as benchmarks/stage_cpu.py says why)."""
+    child after the fork, as benchmarks/stage_cpu.py says why).  A forked process starts with no
+    notes of its own (its parent's, if any, stay the parent's)."""
     from fedhop.client.runtime import ClientProcess
     from fedhop.common.transport import base, fabric
     from fedhop.server.coordinator import Coordinator
+
+    os.register_at_fork(after_in_child=_EVENTS.clear)
+    if engine == "inprocess":
+        _noted_worker_calls()
 
     _noted(Coordinator, "run_round", "round>", "round<")
     _noted(Coordinator, "complete_round", "complete>", None)
@@ -200,14 +235,17 @@ def check_round(r: dict[str, Any]) -> str | None:
     return None
 
 
-def summarise(bodies: list[dict[str, Any]], skip: int) -> dict[str, Any]:
+def summarise(bodies: list[dict[str, Any]], skip: int, engine: str = "processes") -> dict[str, Any]:
     """The medians and phases over the rounds after `skip` (module docstring); ValueError names
     what does not hold."""
     servers = [b["events"] for b in bodies if b["role"] == "server"]
     clients = [b["events"] for b in bodies if b["role"] == "client"]
     if len(servers) != 1 or not clients:
+        why = ("the in-process engine forked no worker (run.workers, run.torch_threads = 1 and a CPU run: "
+               "deploy/launch/workers.py)" if engine == "inprocess" else
+               "the run's processes were not forked (benchmarks/stage_cpu.py)")
         raise ValueError(f"expected one server and client processes with notes, found {len(servers)} and "
-                         f"{len(clients)}: the run's processes were not forked (benchmarks/stage_cpu.py)")
+                         f"{len(clients)}: {why}")
     server = servers[0]
     starts = [t for t, e in server if e == "round>"]
     ends = [t for t, e in server if e == "round<"]
@@ -245,13 +283,15 @@ def summarise(bodies: list[dict[str, Any]], skip: int) -> dict[str, Any]:
         "  of it: complete_round before its records": median([r["records>"] - r["complete>"] for r in rounds]),
         "  of it: record_round": median([r["records<"] - r["records>"] for r in rounds]),
     }
-    return {"rounds": len(rounds), "client_processes": len(clients), "round_ms": events["round<"],
+    return {"engine": engine, "rounds": len(rounds), "client_processes": len(clients), "round_ms": events["round<"],
             "events_ms": events, "phases_ms": phases}
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="a fedhop run config (TOML)")
+    ap.add_argument("--engine", choices=("processes", "inprocess"), default="processes",
+                    help="the run's engine (default processes); inprocess: its forked workers are the client processes")
     ap.add_argument("--skip", type=int, default=3, help="rounds left out at the start (default 3)")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args(argv)
@@ -264,13 +304,15 @@ def main(argv: list[str]) -> int:
     def notes(folder: Path) -> None:
         global _OUT
         _OUT = folder
-        install()
+        install(args.engine)
 
-    code, figures = forked_run(fedhop_main, args.config, notes, "round_timeline", lambda bodies: summarise(bodies, args.skip))
+    code, figures = forked_run(fedhop_main, args.config, notes, "round_timeline",
+                               lambda bodies: summarise(bodies, args.skip, args.engine), engine=args.engine)
     if code != 0:
         return code   # 2 for a config fedhop refused, as `fedhop run` says it; 1 for figures that do not hold
-    print(f"{args.config}: {figures['rounds']} rounds after round {args.skip}, {figures['client_processes']} client "
-          f"processes; a round {figures['round_ms']:.2f} ms (medians over rounds)")
+    serving = "workers" if args.engine == "inprocess" else "client processes"
+    print(f"{args.config} ({args.engine}): {figures['rounds']} rounds after round {args.skip}, "
+          f"{figures['client_processes']} {serving}; a round {figures['round_ms']:.2f} ms (medians over rounds)")
     print("  events, ms from the round's start:")
     for name, value in figures["events_ms"].items():
         print(f"    {name:58s} {value:8.2f}")

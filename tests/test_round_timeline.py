@@ -63,6 +63,37 @@ def test_a_runs_rounds_are_timed_on_one_clock_in_causal_order(tmp_path):
     assert "phases, ms:" in done.stdout and not (tmp_path / "runs").exists()   # the run went to a temporary folder
 
 
+def test_an_in_process_runs_rounds_are_timed_with_its_workers_as_the_client_processes(tmp_path):
+    """The same rounds in the in-process engine with two forked workers (`--engine inprocess`):
+    the server's calls are its batches written to the workers' pipes, each worker notes the
+    requests it decodes, handles and answers, and every round after the second passes the same
+    causal checks on one clock."""
+    (tmp_path / "exp.toml").write_text(CONFIG.replace('name = "round-timeline"', 'name = "round-timeline"\nworkers = 2'))
+    done = subprocess.run([sys.executable, str(SCRIPT), "exp.toml", "--engine", "inprocess", "--skip", "2",
+                           "--json", "figures.json"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert figures["engine"] == "inprocess" and figures["rounds"] == 8 - 2 and figures["client_processes"] == 2
+    events, phases = figures["events_ms"], figures["phases_ms"]
+    order = ["requests<", "sent first", "folded first", "folded last", "complete>", "records>", "records<", "round<"]
+    assert all(0 <= events[a] <= events[b] for a, b in zip(order, order[1:])), events
+    assert events["sent first"] <= events["a client process's first decode"] <= events["the last reply made"]
+    assert events["the last reply made"] <= events["folded last"]
+    assert all(v >= 0 for v in phases.values()), phases
+    assert "(inprocess)" in done.stdout and "2 workers" in done.stdout
+
+
+def test_an_in_process_run_without_a_forked_worker_is_refused_with_the_reason(tmp_path):
+    """`run.workers = 1` keeps the clients in the run's process: no worker notes anything, and
+    the script says why in one line and exits 1."""
+    (tmp_path / "exp.toml").write_text(CONFIG.replace('name = "round-timeline"', 'name = "round-timeline"\nworkers = 1'))
+    done = subprocess.run([sys.executable, str(SCRIPT), "exp.toml", "--engine", "inprocess"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "round_timeline: expected one server and client processes with notes, found 1 and 0" in done.stderr
+    assert "forked no worker (run.workers" in done.stderr and "phases, ms:" not in done.stdout
+
+
 def _round(**changes):
     r = {"round>": 0.0, "requests<": 0.5, "sent first": 1.0, "sent last": 1.2, "folded first": 4.0,
          "folded last": 9.0, "complete>": 9.5, "records>": 10.0, "records<": 11.0, "round<": 11.5,
