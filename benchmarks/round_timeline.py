@@ -19,11 +19,11 @@ from this process, as benchmarks/stage_cpu.py), each process noting the monotoni
   ends).  With `--engine inprocess` each worker counts as one client process (it serves the
   batches of the client processes it hosts, deploy/launch/workers.py); its workers must be
   forked (`worker_count` and `can_fork` there: more than one worker, a CPU run with
-  `run.torch_threads = 1`).  The run's process holds the
-  server and any edges, so a call going out is any batch or call written to a worker's pipe and
-  a fold any fold made there: with edges (hierarchical) the figures time the calls to client
-  processes and the edges' folds with the server's, where in real processes they time the
-  server's calls to its edges and its folds of their partials.
+  `run.torch_threads = 1`).  The run's process holds the server and any edges, so a call going
+  out is any batch or call written to a worker's pipe and a fold any fold made there: with
+  edges (hierarchical) the figures time the calls to client processes and the edges' folds with
+  the server's, where in real processes they time the server's calls to its edges and its folds
+  of their partials.
 
 An event belongs to the round whose span (its start to its end) holds it.
 For the rounds after the first `--skip`, the script prints the median over rounds of each event's
